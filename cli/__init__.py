@@ -1,0 +1,1 @@
+"""The `minigpt` command line (click)."""

@@ -1,0 +1,51 @@
+"""The `minigpt` click group: every command, and one place that turns bad input into exit code 2."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from minigpt.errors import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+class Group(click.Group):
+    """A click group whose bad-input errors are one line on stderr and exit code 2.
+
+    click's own usage errors (unknown option, malformed value) and ConfigError
+    raised by our validation both end here, before any worker starts.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Abort:
+            click.echo("minigpt: aborted", err=True)
+            sys.exit(1)
+        except click.ClickException as error:
+            click.echo(f"minigpt: error: {error.format_message()}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except ConfigError as error:
+            click.echo(f"minigpt: error: {error}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        if not standalone_mode:
+            return result
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="minigpt")
+def main() -> None:
+    """minigpt: train a small GPT with in-repo mixed precision and 3D parallelism,
+    and predict how the same job behaves on clusters you do not have."""
+
+
+def _register() -> None:
+    from cli.train import train
+
+    main.add_command(train)
+
+
+_register()

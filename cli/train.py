@@ -1,0 +1,131 @@
+"""`minigpt train`: parse and check the flags, then hand the run to parallel.train."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from cli.output import print_table
+from minigpt.config import PRESETS, build_config
+from minigpt.data import check_text_file
+from parallel.train_config import DEVICES, PRECISIONS, TrainConfig
+
+
+def build_train_config(options: dict) -> TrainConfig:
+    """Flags to a checked TrainConfig; raises ConfigError on any bad value. Torch-free."""
+    model = build_config(
+        options["model"],
+        vocab_size=options["vocab_size"],
+        seq_len=options["seq_len"],
+        n_layers=options["layers"],
+        n_heads=options["heads"],
+        d_model=options["d_model"],
+        d_ff=options["d_ff"],
+        tied_head=False if options["untied"] else None,
+        dropout=options["dropout"],
+    )
+    cfg = TrainConfig(
+        model=model,
+        steps=options["steps"],
+        global_batch=options["batch_size"],
+        micro_batches=options["micro_batches"],
+        lr=options["lr"],
+        min_lr=options["min_lr"] if options["min_lr"] is not None else options["lr"] / 10,
+        warmup_steps=options["warmup"],
+        weight_decay=options["weight_decay"],
+        grad_clip=options["grad_clip"],
+        eval_every=options["eval_every"],
+        eval_batches=options["eval_batches"],
+        seed=options["seed"],
+        data=options["data"],
+        out_dir=options["out"],
+        device=options["device"],
+        precision=options["precision"],
+        log_every=options["log_every"],
+    )
+    if cfg.data is not None:
+        check_text_file(cfg.data, model.seq_len)
+    return cfg
+
+
+def format_step(record: dict) -> str:
+    line = (
+        f"step {record['step']:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+        f"{record['tokens_per_s']:>9,.0f} tok/s  {record['step_time_s'] * 1000:7.1f} ms  "
+        f"MFU {record['mfu']:6.1%}"
+    )
+    if "val_loss" in record:
+        line += f"  val {record['val_loss']:.4f}"
+    return line
+
+
+@click.command()
+@click.option("--model", default="tiny", show_default=True, type=click.Choice(sorted(PRESETS)), help="Model preset.")
+@click.option("--layers", type=int, help="Override the preset's number of blocks.")
+@click.option("--heads", type=int, help="Override the preset's attention heads.")
+@click.option("--d-model", type=int, help="Override the preset's width.")
+@click.option("--d-ff", type=int, help="Override the preset's MLP width.")
+@click.option("--seq-len", type=int, help="Override the preset's sequence length.")
+@click.option("--vocab-size", type=int, help="Override the vocabulary (at least 256 for byte data).")
+@click.option("--untied", is_flag=True, help="Give the LM head its own weights.")
+@click.option("--dropout", type=float, help="Dropout probability (default: the preset's, 0).")
+@click.option("--steps", default=100, show_default=True, type=int, help="Optimizer steps.")
+@click.option("--batch-size", default=16, show_default=True, type=int, help="Global batch in sequences.")
+@click.option("--micro-batches", default=1, show_default=True, type=int, help="Gradient accumulation steps.")
+@click.option("--lr", default=3e-3, show_default=True, type=float, help="Peak learning rate.")
+@click.option("--min-lr", type=float, help="Final learning rate of the cosine decay [default: lr/10].")
+@click.option("--warmup", type=int, help="Warmup steps [default: 10% of steps, at most 100].")
+@click.option("--weight-decay", default=0.1, show_default=True, type=float)
+@click.option("--grad-clip", default=1.0, show_default=True, type=float, help="Max gradient norm (0: off).")
+@click.option("--eval-every", type=int, help="Steps between validations [default: 5 per run; 0: at the end].")
+@click.option("--eval-batches", default=4, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--data", type=str, help="A UTF-8 text file [default: the embedded Shakespeare corpus].")
+@click.option("--out", type=str, help="Run directory [default: runs/<time>-<shape>].")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
+@click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
+@click.option("--log-every", type=int, help="Steps between log lines [default: 20 lines per run].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end, nothing else on stdout.")
+def train(as_json: bool, **options) -> None:
+    """Train a GPT on the embedded corpus (or --data)."""
+    cfg = build_train_config(options)
+
+    from parallel.train import train as run_training  # torch is imported only once input is valid
+
+    log = sys.stderr if as_json else sys.stdout
+    interactive = log.isatty()
+
+    def on_step(record: dict) -> None:
+        step = record["step"]
+        if step % cfg.log_interval == 0 or step == cfg.steps - 1 or "val_loss" in record:
+            click.echo(("\r" if interactive else "") + format_step(record), file=log)
+        elif interactive:
+            done = (step + 1) / cfg.steps
+            bar = "#" * int(30 * done)
+            click.echo(f"\r[{bar:<30}] {step + 1}/{cfg.steps} loss {record['loss']:.4f}", file=log, nl=False)
+
+    m = cfg.model
+    click.echo(
+        f"training {m.n_params():,} parameters ({m.n_layers} layers, width {m.d_model}, "
+        f"{m.n_heads} heads, seq {m.seq_len}) for {cfg.steps} steps of {cfg.tokens_per_step:,} tokens",
+        file=log,
+    )
+    summary = run_training(cfg, on_step=on_step)
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    print_table(
+        ["metric", "value"],
+        [
+            ["device", summary["device"]],
+            ["parameters", f"{summary['n_params']:,}"],
+            ["final loss (mean of last 20 steps)", f"{summary['final_loss']:.4f}"],
+            ["validation loss", f"{summary['val_loss']:.4f}"],
+            ["median step time", f"{summary['step_time_s'] * 1000:.1f} ms"],
+            ["tokens/s", f"{summary['tokens_per_s']:,.0f}"],
+            ["MFU (vs measured fp32 matmul peak)", f"{summary['mfu']:.1%}"],
+            ["run directory", summary["run_dir"]],
+        ],
+    )

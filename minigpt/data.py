@@ -1,0 +1,165 @@
+"""Bytes in, bytes out: the tokenizer, the corpus, and deterministic batches.
+
+The tokenizer is the identity on UTF-8 bytes (vocabulary 256), so any text
+round-trips exactly. A batch is a pure function of (seed, step, micro-batch,
+data-parallel rank): every sample of a step's global batch is drawn from
+(seed, step) alone, and a rank's micro-batch is a fixed slice of that global
+batch, so any parallel layout sees exactly the same global batch as one process.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from minigpt.errors import ConfigError
+
+VOCAB_SIZE = 256
+CORPUS_NAME = "shakespeare.txt.gz"
+CORPUS_SHA256 = "b8cc995313d92e0132bd8fffdb45d7e822ab554fcf3ffb442a2777a7a73e2c88"
+VAL_FRACTION = 0.1
+
+
+def encode(text: str) -> np.ndarray:
+    """Text to token ids (its UTF-8 bytes), as uint8."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+
+def decode(tokens) -> str:
+    """Token ids back to text. Exact for the encoding of any text; a byte
+    sequence cut inside a multi-byte character decodes with U+FFFD."""
+    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def embedded_corpus() -> bytes:
+    """The default corpus shipped with the package (see minigpt/corpus/NOTICE.md)."""
+    raw = resources.files("minigpt").joinpath("corpus", CORPUS_NAME).read_bytes()
+    text = gzip.decompress(raw)
+    digest = hashlib.sha256(text).hexdigest()
+    if digest != CORPUS_SHA256:
+        raise ConfigError(f"the embedded corpus is damaged (sha256 {digest}); reinstall minigpt")
+    return text
+
+
+def read_text_file(path: str | Path) -> bytes:
+    """A UTF-8 text file's bytes, or ConfigError saying why it cannot be used."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data file {str(path)!r} does not exist or is not a file")
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"data file {str(path)!r} is not UTF-8 text (byte {error.start})") from None
+    return data
+
+
+def check_length(n_tokens: int, seq_len: int, source: str) -> None:
+    """Each split must hold at least one full sample: seq_len inputs plus one target."""
+    needed = int(np.ceil((seq_len + 1) / VAL_FRACTION))
+    if n_tokens < needed:
+        raise ConfigError(
+            f"data {source!r} has {n_tokens} bytes; with seq_len={seq_len} it needs at least "
+            f"{needed} so that the validation split (last {VAL_FRACTION:.0%}) holds one sequence: "
+            f"use a longer file or a shorter --seq-len"
+        )
+
+
+def check_text_file(path: str | Path, seq_len: int) -> None:
+    """Everything about a data file that can be known before training: it exists,
+    is UTF-8, and is long enough for seq_len."""
+    check_length(len(read_text_file(path)), seq_len, str(path))
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A token stream split into train (first 90%) and validation (last 10%)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    source: str
+
+    @classmethod
+    def load(cls, path: str | Path | None, seq_len: int) -> "Corpus":
+        data = embedded_corpus() if path is None else read_text_file(path)
+        source = "embedded:" + CORPUS_NAME if path is None else str(path)
+        tokens = np.frombuffer(data, dtype=np.uint8)
+        check_length(len(tokens), seq_len, source)
+        split = len(tokens) - int(len(tokens) * VAL_FRACTION)
+        return cls(train=tokens[:split], val=tokens[split:], source=source)
+
+
+TRAIN_STREAM, VAL_STREAM = 0, 1
+
+
+def sample_offsets(
+    n_tokens: int, seq_len: int, seed: int, step: int, n_samples: int, stream: int = TRAIN_STREAM
+) -> np.ndarray:
+    """Start offsets of the samples of one global batch: a pure function of (seed, stream, step)."""
+    rng = np.random.default_rng([seed, stream, step])
+    return rng.integers(0, n_tokens - seq_len, size=n_samples)
+
+
+def slice_samples(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets), each (len(offsets), seq_len) int64: targets are inputs shifted by one."""
+    window = offsets[:, None] + np.arange(seq_len + 1)[None, :]
+    chunk = tokens[window].astype(np.int64)
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one step's global batch is cut: into micro-batches, then across data-parallel ranks."""
+
+    global_batch: int
+    micro_batches: int = 1
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.global_batch <= 0 or self.micro_batches <= 0 or self.dp_size <= 0:
+            raise ConfigError(
+                f"global batch, micro-batches and data-parallel size must be positive, got "
+                f"{self.global_batch}, {self.micro_batches}, {self.dp_size}"
+            )
+        if self.global_batch % (self.micro_batches * self.dp_size):
+            raise ConfigError(
+                f"global batch {self.global_batch} is not divisible by micro-batches x dp = "
+                f"{self.micro_batches} x {self.dp_size}: choose a multiple of {self.micro_batches * self.dp_size}"
+            )
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per micro-batch on one data-parallel rank."""
+        return self.global_batch // (self.micro_batches * self.dp_size)
+
+    def sample_range(self, micro_batch: int, dp_rank: int) -> range:
+        """Which samples of the global batch (micro-batch major, then rank) one rank gets."""
+        start = (micro_batch * self.dp_size + dp_rank) * self.micro_batch_size
+        return range(start, start + self.micro_batch_size)
+
+
+def get_batch(
+    tokens: np.ndarray,
+    seq_len: int,
+    layout: BatchLayout,
+    seed: int,
+    step: int,
+    micro_batch: int = 0,
+    dp_rank: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One rank's micro-batch of one step: a pure function of (seed, step, micro_batch, dp_rank)."""
+    offsets = sample_offsets(len(tokens), seq_len, seed, step, layout.global_batch)
+    chosen = layout.sample_range(micro_batch, dp_rank)
+    return slice_samples(tokens, offsets[chosen.start : chosen.stop], seq_len)
+
+
+def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int, seed: int):
+    """A fixed set of validation batches (the same at every evaluation)."""
+    for index in range(n_batches):
+        offsets = sample_offsets(len(tokens), seq_len, seed, index, batch_size, stream=VAL_STREAM)
+        yield slice_samples(tokens, offsets, seq_len)

@@ -1,0 +1,8 @@
+"""The one error class for bad input. Torch-free."""
+
+
+class ConfigError(ValueError):
+    """Bad input: the message says what is wrong and how to fix it.
+
+    The CLI prints it on one line, without a traceback, and exits with code 2.
+    """

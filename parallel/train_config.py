@@ -1,0 +1,109 @@
+"""What a training run is asked to do, checked before any worker starts. Torch-free."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from minigpt.config import GPTConfig
+from minigpt.data import VOCAB_SIZE, BatchLayout
+from minigpt.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32",)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    steps: int = 100
+    global_batch: int = 16
+    micro_batches: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int | None = None  # None: 10% of the steps, at most 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int | None = None  # None: five evaluations over the run; 0: only at the end
+    eval_batches: int = 4
+    seed: int = 0
+    data: str | None = None  # None: the embedded corpus
+    out_dir: str | None = None  # None: runs/<time>-<model shape>
+    device: str = "auto"
+    precision: str = "fp32"
+    log_every: int | None = None  # None: about twenty log lines per run
+
+    def __post_init__(self) -> None:
+        positive_ints = {
+            "steps": self.steps,
+            "batch size": self.global_batch,
+            "micro-batches": self.micro_batches,
+            "eval batches": self.eval_batches,
+        }
+        for name, value in positive_ints.items():
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        BatchLayout(self.global_batch, self.micro_batches)  # divisibility
+        if self.model.vocab_size < VOCAB_SIZE:
+            raise ConfigError(
+                f"vocab_size={self.model.vocab_size} is smaller than the byte vocabulary ({VOCAB_SIZE}): "
+                f"use --vocab-size {VOCAB_SIZE} or more"
+            )
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        if self.lr == 0:
+            raise ConfigError("lr must be > 0")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"min_lr {self.min_lr} is larger than lr {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "log_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.log_every == 0:
+            raise ConfigError("log_every must be >= 1")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+    @property
+    def warmup(self) -> int:
+        return min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+
+    @property
+    def eval_interval(self) -> int:
+        """Steps between validations; the last step is always evaluated."""
+        if self.eval_every is None:
+            return max(1, self.steps // 5)
+        return self.eval_every or self.steps
+
+    @property
+    def log_interval(self) -> int:
+        return max(1, self.steps // 20) if self.log_every is None else self.log_every
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warmup to lr, then cosine decay to min_lr at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(1, self.steps - 1 - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def as_dict(self) -> dict:
+        return asdict(self)

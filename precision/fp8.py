@@ -1,0 +1,274 @@
+"""FP8 matmuls for Linear layers with per-tensor delayed scaling, written here.
+
+The compute path of a Linear layer runs in fp8; the weight Parameter keeps its own
+dtype (fp32 master, usually), so the optimizer never sees fp8.
+
+- forward:  y  = x @ W.T           x, W quantised to float8_e4m3fn (more mantissa)
+- backward: dx = g @ W             g quantised to float8_e5m2 (more range), W e4m3
+            dW = g.T @ x           g e5m2, x e4m3 (the fp8 copies saved by forward)
+            db = g.sum(0)          from the unquantised g, in fp32
+
+Every matmul goes through `torch._scaled_mm` with fp32 output; the bias is added in fp32.
+`torch._scaled_mm` has no derivative, hence `Fp8LinearFunction`.
+
+Measured on CPU, torch 2.13: `_scaled_mm` accepts all four pairs of
+{e4m3fn, e5m2} x {e4m3fn, e5m2}, any shape (1x1x1 and odd sizes included) and either
+memory layout of both operands, so no fallback is taken on CPU. On CUDA, cuBLASLt wants
+a row-major, b column-major and every dimension a multiple of 16; `fp8_matmul` arranges
+the layouts always and zero-pads to multiples of 16 on CUDA (zeros add nothing to a
+dot product, so the padding is exact). e5m2 x e5m2, which CUDA refuses, is never asked
+for here. Should a backend still refuse a pair, `fp8_matmul` warns once and computes that
+pair as a dequantised fp32 matmul of the same fp8 values (same numbers, no fp8 speed).
+
+Per-tensor delayed scaling (`Fp8Meta`): the scale used at step t comes from the amax
+history recorded at earlier steps, scale = fp8_max / (max(history) * 2**margin), with
+fp8_max = torch.finfo(dtype).max (448 for e4m3fn, 57344 for e5m2). A tensor whose amax
+grew past the history saturates (clamped to +-fp8_max) for that step; the next step's
+scale sees the new amax.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+INPUT = "input"
+WEIGHT = "weight"
+GRAD_OUTPUT = "grad_output"
+ROLES = (INPUT, WEIGHT, GRAD_OUTPUT)
+ROLE_DTYPES = {INPUT: E4M3, WEIGHT: E4M3, GRAD_OUTPUT: E5M2}
+
+# Dimension multiple that `_scaled_mm` requires, per device type (cuBLASLt: 16).
+# CPU accepts any shape (measured with torch 2.13), so it is absent.
+PAD_MULTIPLE = {"cuda": 16}
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 format, from torch.finfo (448 e4m3fn, 57344 e5m2)."""
+    return float(torch.finfo(dtype).max)
+
+
+class Fp8Meta:
+    """Delayed-scaling state of one Linear layer: amax history and scale per role.
+
+    Roles: "input" (activations, e4m3fn), "weight" (e4m3fn), "grad_output" (e5m2).
+    Each role has a float32 amax history window of `history_len` entries (newest at
+    index 0) and its current scale (the quantisation scale: fp8 = tensor * scale).
+
+    The scale used for a tensor is fp8_max / (amax * 2**margin) where amax is the
+    maximum over the history, i.e. over earlier steps only: the current tensor's amax
+    does not enter its own scale, and values above the history saturate to +-fp8_max.
+    Bootstrap: while the history is all zero (the first step), the current tensor's
+    amax is used instead ("just-in-time" scaling), so the first step does not saturate.
+    An amax of 0 gives scale 1. A non-finite amax (an overflowed gradient, which the
+    loss scaler will skip) is recorded as 0 so that it does not poison the window.
+    """
+
+    def __init__(self, history_len: int = 16, margin: int = 0) -> None:
+        if history_len < 1:
+            raise ValueError(f"history_len must be >= 1, got {history_len}")
+        self.history_len = history_len
+        self.margin = margin
+        self.amax_history: dict[str, Tensor] = {
+            role: torch.zeros(history_len, dtype=torch.float32) for role in ROLES
+        }
+        self.scale: dict[str, Tensor] = {
+            role: torch.ones((), dtype=torch.float32) for role in ROLES
+        }
+
+    def _to(self, device: torch.device) -> None:
+        for role in ROLES:
+            if self.amax_history[role].device != device:
+                self.amax_history[role] = self.amax_history[role].to(device)
+                self.scale[role] = self.scale[role].to(device)
+
+    def delayed_scale(self, role: str, current_amax: Tensor) -> Tensor:
+        """Scale for `role` from the history (current amax only while it is empty)."""
+        history_amax = self.amax_history[role].max()
+        amax = torch.where(history_amax > 0, history_amax, current_amax)
+        scale = fp8_max(ROLE_DTYPES[role]) / (amax * 2.0**self.margin)
+        return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+    def record(self, role: str, amax: Tensor) -> None:
+        """Push `amax` into the role's history window (newest at index 0)."""
+        history = self.amax_history[role]
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+        history.copy_(torch.roll(history, 1))
+        history[0] = amax
+
+    @torch.no_grad()
+    def quantize(self, role: str, tensor: Tensor, update: bool) -> tuple[Tensor, Tensor]:
+        """(fp8 tensor, dequantisation scale 1/scale) with the delayed scale of `role`.
+
+        With `update`, the tensor's amax is pushed into the history after use.
+        """
+        self._to(tensor.device)
+        dtype = ROLE_DTYPES[role]
+        data = tensor.detach().float()
+        amax = data.abs().amax() if data.numel() else torch.zeros((), device=data.device)
+        scale = self.delayed_scale(role, amax)
+        self.scale[role] = scale
+        if update:
+            self.record(role, amax)
+        limit = fp8_max(dtype)
+        quantized = (data * scale).clamp_(-limit, limit).to(dtype)
+        return quantized, scale.reciprocal()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history_len": self.history_len,
+            "margin": self.margin,
+            "amax_history": {r: t.detach().cpu().clone() for r, t in self.amax_history.items()},
+            "scale": {r: t.detach().cpu().clone() for r, t in self.scale.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history_len = int(state["history_len"])
+        self.margin = int(state["margin"])
+        self.amax_history = {r: t.clone().float() for r, t in state["amax_history"].items()}
+        self.scale = {r: t.clone().float() for r, t in state["scale"].items()}
+
+
+_UNSUPPORTED: set[tuple[str, torch.dtype, torch.dtype]] = set()
+
+
+def _pad_fp8(t: Tensor, rows: int, cols: int) -> Tensor:
+    """Zero-pad a 2-D fp8 tensor to (rows, cols); byte 0 is +0.0 in both fp8 formats."""
+    if t.shape == (rows, cols):
+        return t
+    raw = t.contiguous().view(torch.uint8)
+    return F.pad(raw, (0, cols - t.shape[1], 0, rows - t.shape[0])).view(t.dtype)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def fp8_matmul(a: Tensor, b: Tensor, inv_scale_a: Tensor, inv_scale_b: Tensor,
+               pad_multiple: int | None = None) -> Tensor:
+    """fp32 (a / scale_a) @ (b / scale_b) for 2-D fp8 a (M, K), b (K, N) via _scaled_mm.
+
+    inv_scale_* are the dequantisation scales (0-dim float32). a is made row-major,
+    b column-major. Dimensions are zero-padded to `pad_multiple` (default: what the
+    device needs, PAD_MULTIPLE) and the result cropped back to (M, N).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    key = (a.device.type, a.dtype, b.dtype)
+    if key in _UNSUPPORTED:
+        return (a.float() * inv_scale_a) @ (b.float() * inv_scale_b)
+    multiple = PAD_MULTIPLE.get(a.device.type) if pad_multiple is None else pad_multiple
+    if multiple:
+        mp, kp, np_ = (_round_up(d, multiple) for d in (m, k, n))
+        a = _pad_fp8(a, mp, kp)
+        b = _pad_fp8(b.t(), np_, kp).t()
+    a = a.contiguous()
+    b = b.t().contiguous().t()  # column-major
+    try:
+        out = torch._scaled_mm(a, b, scale_a=inv_scale_a, scale_b=inv_scale_b,
+                               out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        _UNSUPPORTED.add(key)
+        warnings.warn(f"torch._scaled_mm refused {key} ({str(err).splitlines()[0]}); "
+                      "computing it as a dequantised fp32 matmul from now on")
+        return fp8_matmul(a[:m, :k], b[:k, :n], inv_scale_a, inv_scale_b)
+    return out[:m, :n]
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """y = x @ W.T + b with fp8 matmuls forward and backward (see module docstring).
+
+    apply(x, weight, bias, meta, update_history). x may have any leading dimensions.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,
+                meta: Fp8Meta, update_history: bool) -> Tensor:
+        out_features, in_features = weight.shape
+        x2d = x.reshape(-1, in_features)
+        x_fp8, inv_scale_x = meta.quantize(INPUT, x2d, update_history)
+        w_fp8, inv_scale_w = meta.quantize(WEIGHT, weight, update_history)
+        y = fp8_matmul(x_fp8, w_fp8.t(), inv_scale_x, inv_scale_w)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(x_fp8, w_fp8, inv_scale_x, inv_scale_w)
+        ctx.meta = meta
+        ctx.update_history = update_history
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor):  # type: ignore[override]
+        x_fp8, w_fp8, inv_scale_x, inv_scale_w = ctx.saved_tensors
+        grad_2d = grad_y.reshape(-1, w_fp8.shape[0])
+        g_fp8, inv_scale_g = ctx.meta.quantize(GRAD_OUTPUT, grad_2d, ctx.update_history)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = fp8_matmul(g_fp8, w_fp8, inv_scale_g, inv_scale_w)
+            grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = fp8_matmul(g_fp8.t(), x_fp8, inv_scale_g, inv_scale_x).to(ctx.w_dtype)
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = grad_2d.float().sum(0).to(ctx.b_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, meta: Fp8Meta,
+               training: bool) -> Tensor:
+    """F.linear(x, weight, bias) through fp8 matmuls with `meta`'s delayed scaling.
+
+    `training` pushes this call's amaxes (input, weight, and grad_output in backward)
+    into the history; in eval the history is read, never written.
+    """
+    return Fp8LinearFunction.apply(x, weight, bias, meta, training)
+
+
+class Fp8Linear(nn.Module):
+    """A Linear layer whose matmuls run in fp8; its Parameters keep their dtype.
+
+    Build it from an nn.Linear with `from_linear`: the weight and bias Parameters are
+    the same objects, so an optimizer that already owns them keeps working. The amax
+    histories travel in the state_dict as extra state.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None,
+                 history_len: int = 16, margin: int = 0) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.meta = Fp8Meta(history_len, margin)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, history_len: int = 16,
+                    margin: int = 0) -> Fp8Linear:
+        return cls(linear.weight, linear.bias, history_len, margin)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.meta, self.training)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return self.meta.state_dict()
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.meta.load_state_dict(state)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, history_len={self.meta.history_len}, "
+                f"margin={self.meta.margin}")

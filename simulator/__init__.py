@@ -1,0 +1,1 @@
+"""The SimPy simulator. Torch-free: never import torch anywhere under this package."""

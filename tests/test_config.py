@@ -1,0 +1,98 @@
+"""The model arithmetic of minigpt/config.py against the torch model itself."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from minigpt.config import PRESETS, GPTConfig, build_config, preset
+from minigpt.errors import ConfigError
+from minigpt.model import GPT
+
+SHAPES = [
+    GPTConfig(vocab_size=256, seq_len=16, n_layers=1, n_heads=1, d_model=8, d_ff=32, tied_head=True),
+    GPTConfig(vocab_size=256, seq_len=16, n_layers=1, n_heads=1, d_model=8, d_ff=32, tied_head=False),
+    GPTConfig(vocab_size=300, seq_len=32, n_layers=3, n_heads=4, d_model=64, d_ff=96, tied_head=True),
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=2, d_model=48, d_ff=200, tied_head=False),
+    PRESETS["tiny"],
+    PRESETS["tiny"].with_(tied_head=False),
+]
+
+
+def numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}")
+def test_parameter_count_equals_numel(cfg):
+    model = GPT(cfg)
+    assert cfg.n_params() == numel(model)
+    assert cfg.block_params() == numel(model.blocks[0])
+    assert cfg.embedding_params() == numel(model.tok_emb) + numel(model.pos_emb)
+
+
+def test_published_sizes():
+    assert PRESETS["gpt2-124m"].n_params() == 124_439_808  # GPT-2 small, tied head
+    assert 174e9 < PRESETS["gpt3-175b"].n_params() < 176e9
+    assert 0.7e6 < PRESETS["tiny"].n_params() < 1.3e6
+
+
+@pytest.mark.parametrize("cfg", SHAPES[2:4], ids=["tied", "untied"])
+def test_train_flops_match_counted_matmuls(cfg):
+    model = GPT(cfg)
+    batch = 2
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    # The math backend spells attention as matmuls, which the counter sees.
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, idx).backward()
+    tokens = batch * cfg.seq_len
+    assert counter.get_total_flops() == cfg.train_flops_per_token() * tokens
+
+
+def test_recompute_adds_one_block_forward():
+    cfg = PRESETS["small"]
+    extra = cfg.train_flops_per_token("full") - cfg.train_flops_per_token("none")
+    assert extra == cfg.n_layers * cfg.block_forward_flops_per_token()
+    with pytest.raises(ConfigError):
+        cfg.train_flops_per_token("sometimes")
+
+
+def saved_bytes(fn, exclude: set[int]) -> int:
+    """Bytes of distinct storages autograd saves while fn runs (parameters excluded)."""
+    storages = {}
+
+    def pack(t):
+        if t.data_ptr() not in exclude:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("cfg", SHAPES[2:], ids=lambda c: f"L{c.n_layers}d{c.d_model}")
+def test_activation_bytes_match_saved_tensors(cfg):
+    model = GPT(cfg)
+    batch = 3
+    x = torch.randn(batch, cfg.seq_len, cfg.d_model, requires_grad=True)
+    params = {p.data_ptr() for p in model.parameters()}
+    measured = saved_bytes(lambda: model.blocks[0](x), params)
+    assert measured == cfg.activation_bytes_per_token_per_layer() * batch * cfg.seq_len
+
+
+def test_activation_bytes_full_recompute_keeps_block_input():
+    cfg = PRESETS["tiny"]
+    assert cfg.activation_bytes_per_token_per_layer(2, "full") == 2 * cfg.d_model
+    assert cfg.activation_bytes_per_token_per_layer(2) < cfg.activation_bytes_per_token_per_layer(4)
+
+
+def test_build_config_overrides_and_checks():
+    cfg = build_config("tiny", d_model=256, n_heads=8)
+    assert (cfg.d_model, cfg.d_ff, cfg.n_heads) == (256, 1024, 8)
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        preset("huge")
+    with pytest.raises(ConfigError, match="does not divide"):
+        build_config("tiny", n_heads=3)
+    with pytest.raises(ConfigError, match="positive"):
+        build_config("tiny", n_layers=0)

@@ -1,0 +1,113 @@
+"""The single-process training loop and `minigpt train` through click's CliRunner."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from minigpt.config import preset
+from parallel.train import train
+from parallel.train_config import TrainConfig
+
+SMALL = preset("tiny").with_(n_layers=2, seq_len=64)
+
+
+def test_loss_falls_and_files_are_written(tmp_path):
+    cfg = TrainConfig(model=SMALL, steps=40, global_batch=8, out_dir=str(tmp_path / "run"), eval_every=20)
+    summary = train(cfg)
+    losses = summary["losses"]
+    assert len(losses) == 40
+    assert losses[0] == pytest.approx(5.55, abs=0.1)  # ln 256 at initialisation
+    assert summary["final_loss"] < 3.4
+    assert summary["val_loss"] < 3.6
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(40))
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["losses"] == losses
+
+
+def test_same_seed_same_losses(tmp_path):
+    cfg = TrainConfig(model=SMALL, steps=3, global_batch=4, eval_every=0)
+    a = train(cfg.__class__(**{**cfg.__dict__, "out_dir": str(tmp_path / "a")}))
+    b = train(cfg.__class__(**{**cfg.__dict__, "out_dir": str(tmp_path / "b")}))
+    assert a["losses"] == b["losses"]
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    base = dict(model=SMALL, steps=3, global_batch=8, eval_every=0)
+    one = train(TrainConfig(**base, out_dir=str(tmp_path / "one")))
+    four = train(TrainConfig(**base, micro_batches=4, out_dir=str(tmp_path / "four")))
+    assert four["losses"] == pytest.approx(one["losses"], rel=1e-5)
+
+
+def test_cli_json(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(
+        main,
+        ["train", "--layers", "1", "--seq-len", "32", "--steps", "5", "--batch-size", "4", "--out", str(out), "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert len(summary["losses"]) == 5
+    assert summary["config"]["model"]["n_layers"] == 1
+    for key in ("val_loss", "step_time_s", "tokens_per_s", "device", "mfu"):
+        assert key in summary
+    assert summary["device"].startswith("cpu")
+
+
+def test_cli_table(tmp_path):
+    args = ["train", "--layers", "1", "--seq-len", "32", "--steps", "3", "--batch-size", "4"]
+    result = CliRunner().invoke(main, args + ["--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "final loss" in result.stdout and "tokens/s" in result.stdout
+
+
+BAD_INPUTS = [
+    (["--model", "huge"], "huge"),
+    (["--heads", "3"], "does not divide"),
+    (["--data", "/nonexistent/file.txt"], "does not exist"),
+    (["--steps", "0"], "steps"),
+    (["--steps", "-5"], "steps"),
+    (["--batch-size", "0"], "batch size"),
+    (["--batch-size", "-1"], "batch size"),
+    (["--seq-len", "0"], "seq_len"),
+    (["--seq-len", "-8"], "seq_len"),
+    (["--vocab-size", "100"], "vocab"),
+    (["--batch-size", "6", "--micro-batches", "4"], "divisible"),
+    (["--lr", "-1"], "lr"),
+    (["--steps", "ten"], "ten"),
+    (["--no-such-flag"], "no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_one_line_exit_2(tmp_path, args, expected):
+    out = tmp_path / "never"
+    result = CliRunner().invoke(main, ["train", "--out", str(out)] + args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Traceback" not in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content", ["", "short"])
+def test_bad_data_files(tmp_path, content):
+    data = tmp_path / "data.txt"
+    data.write_text(content)
+    out = tmp_path / "never"
+    result = CliRunner().invoke(main, ["train", "--data", str(data), "--out", str(out)])
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "needs at least" in result.stderr
+    assert not out.exists()
+
+
+def test_console_script_bad_input_is_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", "train", "--steps", "0"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "minigpt: error: steps must be a positive integer, got 0"
+    assert result.stdout == ""
