@@ -6,9 +6,10 @@ import sys
 
 import click
 
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, TrainingError
 
 EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 1
 
 
 class Group(click.Group):
@@ -30,6 +31,9 @@ class Group(click.Group):
         except ConfigError as error:
             click.echo(f"minigpt: error: {error}", err=True)
             sys.exit(EXIT_BAD_INPUT)
+        except TrainingError as error:
+            click.echo(f"minigpt: run failed: {error}", err=True)
+            sys.exit(EXIT_RUN_FAILED)
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
@@ -43,9 +47,11 @@ def main() -> None:
 
 
 def _register() -> None:
+    from cli.numerics import numerics
     from cli.train import train
 
     main.add_command(train)
+    main.add_command(numerics)
 
 
 _register()

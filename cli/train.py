@@ -10,6 +10,7 @@ import click
 from cli.output import print_table
 from minigpt.config import PRESETS, build_config
 from minigpt.data import check_text_file
+from minigpt.errors import ConfigError
 from parallel.train_config import DEVICES, PRECISIONS, TrainConfig
 
 
@@ -43,11 +44,22 @@ def build_train_config(options: dict) -> TrainConfig:
         out_dir=options["out"],
         device=options["device"],
         precision=options["precision"],
+        loss_scale=parse_loss_scale(options["loss_scale"]),
+        loss_scale_window=options["loss_scale_window"],
         log_every=options["log_every"],
     )
     if cfg.data is not None:
         check_text_file(cfg.data, model.seq_len)
     return cfg
+
+
+def parse_loss_scale(text: str) -> float | None:
+    if text == "dynamic":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--loss-scale must be 'dynamic' or a number, got {text!r}") from None
 
 
 def format_step(record: dict) -> str:
@@ -56,6 +68,10 @@ def format_step(record: dict) -> str:
         f"{record['tokens_per_s']:>9,.0f} tok/s  {record['step_time_s'] * 1000:7.1f} ms  "
         f"MFU {record['mfu']:6.1%}"
     )
+    if record["loss_scale"] != 1.0:
+        line += f"  scale {record['loss_scale']:g}"
+    if record["skipped"]:
+        line += "  (skipped: overflow)"
     if "val_loss" in record:
         line += f"  val {record['val_loss']:.4f}"
     return line
@@ -86,6 +102,8 @@ def format_step(record: dict) -> str:
 @click.option("--out", type=str, help="Run directory [default: runs/<time>-<shape>].")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
 @click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
+@click.option("--loss-scale", default="dynamic", show_default=True, help="fp16 loss scale: 'dynamic' or a static number.")
+@click.option("--loss-scale-window", default=1000, show_default=True, type=int, help="Clean steps before a dynamic scale doubles.")
 @click.option("--log-every", type=int, help="Steps between log lines [default: 20 lines per run].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end, nothing else on stdout.")
 def train(as_json: bool, **options) -> None:

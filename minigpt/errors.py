@@ -6,3 +6,10 @@ class ConfigError(ValueError):
 
     The CLI prints it on one line, without a traceback, and exits with code 2.
     """
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (a non-finite loss, a failed rank).
+
+    The CLI prints it on one line and exits with code 1.
+    """

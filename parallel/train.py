@@ -12,10 +12,14 @@ from typing import Callable
 
 import torch
 
-from minigpt.errors import ConfigError
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
+from minigpt.errors import ConfigError, TrainingError
 from minigpt.model import GPT
 from parallel.train_config import TrainConfig
+from precision.compute import apply_precision, dtype_of, needs_emulation
+from precision.optimizer import FlatParameters, MasterAdamW, bytes_per_param
+from precision.policy import TEXTBOOK_MIXED_ADAM, policy as precision_policy
+from precision.scaler import LossScaler
 
 StepLog = Callable[[dict], None]
 
@@ -39,10 +43,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_peak_flops(device: torch.device, size: int = 1024, repeats: int = 5) -> float:
-    """The device's fp32 matmul rate, measured: MFU on CPU is against this, not a datasheet."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """The device's matmul rate in `dtype`, measured: MFU is against this, not a datasheet."""
+    size = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm-up
     synchronize(device)
     best = math.inf
@@ -52,17 +57,6 @@ def measure_peak_flops(device: torch.device, size: int = 1024, repeats: int = 5)
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; never LayerNorms or biases."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        (decay if param.dim() >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
 
 
 @torch.no_grad()
@@ -106,17 +100,36 @@ class RunFiles:
         self.metrics.close()
 
 
+def make_scaler(cfg: TrainConfig, loss_scaling: bool) -> LossScaler | None:
+    if not loss_scaling:
+        return None
+    if cfg.loss_scale is not None:
+        return LossScaler.static(cfg.loss_scale)
+    return LossScaler(growth_interval=cfg.loss_scale_window)
+
+
 def train(cfg: TrainConfig, on_step: StepLog | None = None) -> dict:
     """Train for cfg.steps and return the summary (also written to the run directory)."""
     device = pick_device(cfg.device)
     corpus = Corpus.load(cfg.data, cfg.model.seq_len)
+    policy = precision_policy(cfg.precision)
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model).to(device)
-    optimizer = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
+    model = apply_precision(GPT(cfg.model), policy, device)  # built on the CPU in fp32, then cast
+    flat = FlatParameters(model)
+    optimizer = MasterAdamW(
+        flat,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
+        masters_are_weights=policy.master is None,
     )
+    scaler = make_scaler(cfg, policy.loss_scaling)
     layout = BatchLayout(cfg.global_batch, cfg.micro_batches)
-    peak_flops = measure_peak_flops(device)
+    # Emulated 16-bit matmuls run as fp32 matmuls, so the CPU's fp32 rate is their peak.
+    peak_dtype = torch.float32 if needs_emulation(policy, device) else dtype_of(policy.compute)
+    peak_flops = measure_peak_flops(device, peak_dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     flops_per_token = cfg.model.train_flops_per_token()
     run = RunFiles(Path(cfg.out_dir) if cfg.out_dir else default_run_dir(cfg))
     run.write_json("config.json", {"train": cfg.as_dict(), "data": corpus.source})
@@ -125,25 +138,27 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None) -> dict:
     try:
         for step in range(cfg.steps):
             lr = cfg.learning_rate(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
             synchronize(device)
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
+            flat.zero_grad()
             loss_sum = 0.0
             for micro in range(cfg.micro_batches):
                 x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro)
                 loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-                (loss / cfg.micro_batches).backward()
+                scaled = loss / cfg.micro_batches
+                (scaler.scale_loss(scaled) if scaler else scaled).backward()
                 loss_sum += loss.item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-            optimizer.step()
+            result = optimizer.step(lr, grad_clip=cfg.grad_clip, scaler=scaler)
             synchronize(device)
             step_time = time.perf_counter() - start
 
             loss_value = loss_sum / cfg.micro_batches
-            if not math.isfinite(loss_value):
-                raise ConfigError(f"the loss became {loss_value} at step {step}: lower --lr")
+            if scaler is None and (result.skipped or not math.isfinite(loss_value)):
+                raise TrainingError(
+                    f"step {step}: the loss is {loss_value} and the gradients are "
+                    f"{'not finite' if result.skipped else 'finite'} under {policy.name}: "
+                    f"lower --lr or use another precision"
+                )
             losses.append(loss_value)
             step_times.append(step_time)
             tokens_per_s = cfg.tokens_per_step / step_time
@@ -151,7 +166,9 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None) -> dict:
                 "step": step,
                 "loss": loss_value,
                 "lr": lr,
-                "grad_norm": float(grad_norm),
+                "grad_norm": result.grad_norm,
+                "loss_scale": result.loss_scale,
+                "skipped": result.skipped,
                 "step_time_s": step_time,
                 "tokens_per_s": tokens_per_s,
                 "mfu": flops_per_token * tokens_per_s / peak_flops,
@@ -167,20 +184,34 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None) -> dict:
 
     step_time_s = statistics.median(step_times)
     tokens_per_s = cfg.tokens_per_step / step_time_s
-    tail = losses[-min(20, len(losses)) :]
+    finite = [loss for loss in losses if math.isfinite(loss)]
+    tail = finite[-min(20, len(finite)) :] or [math.nan]
     summary = {
         "config": cfg.as_dict(),
         "data": corpus.source,
         "device": describe_device(device),
+        "precision": policy.as_dict(),
+        "compute_path": "emulated on CPU (16-bit storage, fp32 accumulation)"
+        if needs_emulation(policy, device)
+        else "native",
         "n_params": cfg.model.n_params(),
         "losses": losses,
         "final_loss": sum(tail) / len(tail),
         "val_loss": val_history[-1]["val_loss"],
         "val_history": val_history,
+        "skipped_steps": scaler.skipped_steps if scaler else 0,
+        "loss_scale": scaler.scale if scaler else None,
+        "bytes_per_param": {
+            "measured": bytes_per_param(flat, optimizer),
+            "policy": policy.bytes_per_param(),
+            "textbook_mixed_adam": TEXTBOOK_MIXED_ADAM,
+        },
         "step_time_s": step_time_s,
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token,
         "peak_flops": peak_flops,
+        "peak_flops_dtype": str(peak_dtype).removeprefix("torch."),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "mfu": flops_per_token * tokens_per_s / peak_flops,
         "run_dir": str(run.path),
     }

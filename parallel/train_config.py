@@ -9,9 +9,10 @@ from pathlib import Path
 from minigpt.config import GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
 from minigpt.errors import ConfigError
+from precision.policy import POLICIES
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32",)
+PRECISIONS = tuple(POLICIES)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class TrainConfig:
     out_dir: str | None = None  # None: runs/<time>-<model shape>
     device: str = "auto"
     precision: str = "fp32"
+    loss_scale: float | None = None  # fp16 only; None: dynamic scaling from 2**16, a number: static
+    loss_scale_window: int = 1000  # clean steps before a dynamic scale doubles
     log_every: int | None = None  # None: about twenty log lines per run
 
     def __post_init__(self) -> None:
@@ -75,6 +78,10 @@ class TrainConfig:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.loss_scale is not None and not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise ConfigError(f"loss scale must be a finite number > 0, got {self.loss_scale}")
+        if not isinstance(self.loss_scale_window, int) or self.loss_scale_window < 1:
+            raise ConfigError(f"loss scale window must be an integer >= 1, got {self.loss_scale_window!r}")
         if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")
 
