@@ -1,0 +1,306 @@
+"""Hardware presets: GPUs, nodes and network adapters, loaded from JSON.
+
+The numbers live in one data file, simulator/hardware.json; this module only reads
+and checks them. A calibrated profile (written by `minigpt calibrate`) is a JSON file
+with the same schema holding one GPU, and loads the same way as a preset:
+
+    load_hardware("h100-sxm")           # a preset: the GPU in its standard node
+    load_hardware("profiles/ours.json") # a file path
+
+Schema (units: FLOP/s, bytes, bytes/s per direction, seconds):
+
+    {"gpus":  {NAME: {"source", "node", "peak_flops": {fp32, tf32, bf16, fp16, fp8},
+                      "hbm_bytes", "hbm_bandwidth", "nvlink_bandwidth", "nvlink_latency"}},
+     "nodes": {NAME: {"source", "gpus_per_node", "nics_per_node", "nvswitch", "nic"}},
+     "nics":  {NAME: {"source", "bandwidth", "latency", "switch_latency", "switch_radix"}}}
+
+A peak FLOP/s entry may be null when the GPU lacks that format (A100: no fp8).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from minigpt.errors import ConfigError
+
+PRESETS_FILE = Path(__file__).with_name("hardware.json")
+FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU: dense peak FLOP/s per format, HBM, and its NVLink port."""
+
+    name: str
+    source: str
+    node: str
+    peak_flops: dict[str, float | None] = field(hash=False)  # null where the GPU lacks the format
+    hbm_bytes: int
+    hbm_bandwidth: float
+    nvlink_bandwidth: float  # bytes/s per direction, per GPU
+    nvlink_latency: float  # seconds per GPU-to-GPU transfer through the NVSwitch
+
+    def flops(self, fmt: str) -> float:
+        """Dense peak FLOP/s in `fmt`; ConfigError when the GPU has no such tensor cores."""
+        if fmt not in self.peak_flops:
+            raise ConfigError(f"unknown number format {fmt!r}: choose one of {', '.join(FLOP_FORMATS)}")
+        value = self.peak_flops[fmt]
+        if value is None:
+            usable = ", ".join(name for name, peak in self.peak_flops.items() if peak is not None)
+            raise ConfigError(f"GPU {self.name} has no {fmt} tensor cores: choose one of {usable}")
+        return value
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One server: how many GPUs and NICs, and whether an NVSwitch joins the GPUs."""
+
+    name: str
+    source: str
+    gpus_per_node: int
+    nics_per_node: int
+    nvswitch: bool
+    nic: str  # the NIC preset the node ships with
+
+
+@dataclass(frozen=True)
+class NICSpec:
+    """A network adapter and the switches of its fabric."""
+
+    name: str
+    source: str
+    bandwidth: float  # bytes/s per direction, per port
+    latency: float  # seconds per GPU-to-GPU message, software included
+    switch_latency: float  # seconds per switch traversal
+    switch_radix: int  # ports per leaf or spine switch
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One machine kind: a GPU, the node that holds it, and the node's NIC."""
+
+    name: str
+    gpu: GPUSpec
+    node: NodeSpec
+    nic: NICSpec
+
+
+# ---------------------------------------------------------------- checking fields
+
+
+def _where(section: str, name: str) -> str:
+    return f"{section}.{name}"
+
+
+def _check_keys(entry: object, expected: set[str], where: str, origin: str) -> dict:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{origin}: {where} must be a JSON object, got {type(entry).__name__}")
+    missing = sorted(expected - entry.keys())
+    if missing:
+        raise ConfigError(f"{origin}: {where} is missing {', '.join(missing)}: add them (see simulator/hardware.json)")
+    unknown = sorted(entry.keys() - expected)
+    if unknown:
+        raise ConfigError(f"{origin}: {where} has unknown field(s) {', '.join(unknown)}: expected {', '.join(sorted(expected))}")
+    return entry
+
+
+def _number(value: object, where: str, origin: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{origin}: {where} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ConfigError(f"{origin}: {where} must be {bound}, got {value!r}")
+    return value
+
+
+def _integer(value: object, where: str, origin: str) -> int:
+    number = _number(value, where, origin)
+    if isinstance(number, float) and not number.is_integer():
+        raise ConfigError(f"{origin}: {where} must be a whole number, got {value!r}")
+    return int(number)
+
+
+def _text(value: object, where: str, origin: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{origin}: {where} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
+    where = _where("gpus", name)
+    fields = {"source", "node", "peak_flops", "hbm_bytes", "hbm_bandwidth", "nvlink_bandwidth", "nvlink_latency"}
+    entry = _check_keys(entry, fields, where, origin)
+    flops = _check_keys(entry["peak_flops"], set(FLOP_FORMATS), f"{where}.peak_flops", origin)
+    peak: dict[str, float | None] = {}
+    for fmt in FLOP_FORMATS:
+        value = flops[fmt]
+        if value is None and fmt != "fp32":
+            peak[fmt] = None
+        else:
+            peak[fmt] = float(_number(value, f"{where}.peak_flops.{fmt}", origin))
+    return GPUSpec(
+        name=name,
+        source=_text(entry["source"], f"{where}.source", origin),
+        node=_text(entry["node"], f"{where}.node", origin),
+        peak_flops=peak,
+        hbm_bytes=_integer(entry["hbm_bytes"], f"{where}.hbm_bytes", origin),
+        hbm_bandwidth=float(_number(entry["hbm_bandwidth"], f"{where}.hbm_bandwidth", origin)),
+        nvlink_bandwidth=float(_number(entry["nvlink_bandwidth"], f"{where}.nvlink_bandwidth", origin)),
+        nvlink_latency=float(_number(entry["nvlink_latency"], f"{where}.nvlink_latency", origin, allow_zero=True)),
+    )
+
+
+def _parse_node(name: str, entry: object, origin: str) -> NodeSpec:
+    where = _where("nodes", name)
+    entry = _check_keys(entry, {"source", "gpus_per_node", "nics_per_node", "nvswitch", "nic"}, where, origin)
+    if not isinstance(entry["nvswitch"], bool):
+        raise ConfigError(f"{origin}: {where}.nvswitch must be true or false, got {entry['nvswitch']!r}")
+    return NodeSpec(
+        name=name,
+        source=_text(entry["source"], f"{where}.source", origin),
+        gpus_per_node=_integer(entry["gpus_per_node"], f"{where}.gpus_per_node", origin),
+        nics_per_node=_integer(entry["nics_per_node"], f"{where}.nics_per_node", origin),
+        nvswitch=entry["nvswitch"],
+        nic=_text(entry["nic"], f"{where}.nic", origin),
+    )
+
+
+def _parse_nic(name: str, entry: object, origin: str) -> NICSpec:
+    where = _where("nics", name)
+    entry = _check_keys(entry, {"source", "bandwidth", "latency", "switch_latency", "switch_radix"}, where, origin)
+    radix = _integer(entry["switch_radix"], f"{where}.switch_radix", origin)
+    if radix < 2:
+        raise ConfigError(f"{origin}: {where}.switch_radix must be at least 2 ports, got {radix}")
+    return NICSpec(
+        name=name,
+        source=_text(entry["source"], f"{where}.source", origin),
+        bandwidth=float(_number(entry["bandwidth"], f"{where}.bandwidth", origin)),
+        latency=float(_number(entry["latency"], f"{where}.latency", origin, allow_zero=True)),
+        switch_latency=float(_number(entry["switch_latency"], f"{where}.switch_latency", origin, allow_zero=True)),
+        switch_radix=radix,
+    )
+
+
+# ---------------------------------------------------------------- catalogs
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Everything one hardware file holds, checked."""
+
+    gpus: dict[str, GPUSpec]
+    nodes: dict[str, NodeSpec]
+    nics: dict[str, NICSpec]
+
+    def hardware(self, gpu_name: str, origin: str = "hardware") -> Hardware:
+        if gpu_name not in self.gpus:
+            raise ConfigError(f"unknown hardware {gpu_name!r}: choose one of {', '.join(self.gpus)} or give a profile file path")
+        gpu = self.gpus[gpu_name]
+        node = self.nodes[gpu.node]
+        return Hardware(name=gpu_name, gpu=gpu, node=node, nic=self.nics[node.nic])
+
+    def nic(self, name: str) -> NICSpec:
+        if name not in self.nics:
+            raise ConfigError(f"unknown network fabric {name!r}: choose one of {', '.join(self.nics)}")
+        return self.nics[name]
+
+
+def parse_catalog(data: object, origin: str) -> Catalog:
+    """Check a decoded hardware file; every problem raises ConfigError naming the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: a hardware file must hold a JSON object with gpus, nodes and nics")
+    unknown = sorted(data.keys() - TOP_LEVEL_KEYS)
+    if unknown:
+        raise ConfigError(f"{origin}: unknown top-level key(s) {', '.join(unknown)}: expected {', '.join(sorted(TOP_LEVEL_KEYS))}")
+    sections = {}
+    for section in ("gpus", "nodes", "nics"):
+        entries = data.get(section)
+        if not isinstance(entries, dict) or not entries:
+            raise ConfigError(f"{origin}: '{section}' must be a non-empty JSON object of named entries")
+        sections[section] = entries
+    nics = {name: _parse_nic(name, entry, origin) for name, entry in sections["nics"].items()}
+    nodes = {name: _parse_node(name, entry, origin) for name, entry in sections["nodes"].items()}
+    gpus = {name: _parse_gpu(name, entry, origin) for name, entry in sections["gpus"].items()}
+    for node in nodes.values():
+        if node.nic not in nics:
+            raise ConfigError(f"{origin}: nodes.{node.name}.nic names {node.nic!r}, which is not in nics ({', '.join(nics)})")
+    for gpu in gpus.values():
+        if gpu.node not in nodes:
+            raise ConfigError(f"{origin}: gpus.{gpu.name}.node names {gpu.node!r}, which is not in nodes ({', '.join(nodes)})")
+    return Catalog(gpus=gpus, nodes=nodes, nics=nics)
+
+
+def read_catalog(path: str | Path) -> Catalog:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"hardware file {str(path)!r} does not exist: give a preset name or an existing JSON file") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read hardware file {str(path)!r}: {error.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"hardware file {str(path)!r} is not valid JSON (line {error.lineno}: {error.msg}): fix the file") from None
+    return parse_catalog(data, str(path))
+
+
+_presets: Catalog | None = None
+
+
+def presets() -> Catalog:
+    """The built-in catalog from simulator/hardware.json (read once)."""
+    global _presets
+    if _presets is None:
+        _presets = read_catalog(PRESETS_FILE)
+    return _presets
+
+
+def preset_names() -> list[str]:
+    return list(presets().gpus)
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """A preset name (a GPU of hardware.json) or the path of a profile file holding one GPU."""
+    text = str(name_or_path)
+    if isinstance(name_or_path, str) and text in presets().gpus:
+        return presets().hardware(text)
+    if not (text.endswith(".json") or Path(text).exists()):
+        raise ConfigError(f"unknown hardware {text!r}: choose one of {', '.join(preset_names())} or give a profile file path (.json)")
+    catalog = read_catalog(text)
+    if len(catalog.gpus) != 1:
+        raise ConfigError(
+            f"profile {text!r} holds {len(catalog.gpus)} GPUs ({', '.join(catalog.gpus)}): a profile describes one GPU, keep one"
+        )
+    return catalog.hardware(next(iter(catalog.gpus)), origin=text)
+
+
+def load_nic(name: str) -> NICSpec:
+    """A NIC preset by name ("hdr", "ndr")."""
+    return presets().nic(name)
+
+
+def hardware_to_dict(hardware: Hardware) -> dict:
+    """The profile-file form of `hardware` (the schema of hardware.json, one GPU)."""
+
+    def entry(spec) -> dict:
+        data = asdict(spec)
+        del data["name"]
+        return data
+
+    return {
+        "about": f"hardware profile {hardware.name}",
+        "gpus": {hardware.gpu.name: entry(hardware.gpu)},
+        "nodes": {hardware.node.name: entry(hardware.node)},
+        "nics": {hardware.nic.name: entry(hardware.nic)},
+    }
+
+
+def save_hardware(hardware: Hardware, path: str | Path) -> Path:
+    """Write `hardware` as a profile file that `load_hardware(path)` reads back equal."""
+    path = Path(path)
+    path.write_text(json.dumps(hardware_to_dict(hardware), indent=2) + "\n")
+    return path

@@ -1,0 +1,148 @@
+"""Hardware presets: loaded from simulator/hardware.json, checked, and round-tripped as profiles."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from minigpt.errors import ConfigError
+from simulator.hardware import (
+    FLOP_FORMATS,
+    PRESETS_FILE,
+    hardware_to_dict,
+    load_hardware,
+    load_nic,
+    preset_names,
+    save_hardware,
+)
+
+GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200")
+
+
+def test_every_gpu_preset_loads_with_positive_values():
+    assert set(GPUS) <= set(preset_names())
+    for name in GPUS:
+        hardware = load_hardware(name)
+        gpu = hardware.gpu
+        assert hardware.name == name and gpu.name == name
+        assert "datasheet" in gpu.source and "datasheet" in hardware.node.source and "datasheet" in hardware.nic.source
+        for value in (gpu.hbm_bytes, gpu.hbm_bandwidth, gpu.nvlink_bandwidth, hardware.nic.bandwidth):
+            assert value > 0
+        assert gpu.nvlink_latency >= 0 and hardware.nic.latency >= 0
+        for fmt in ("fp32", "tf32", "bf16", "fp16"):
+            assert gpu.flops(fmt) > 0
+        assert gpu.flops("fp32") < gpu.flops("tf32") < gpu.flops("bf16") == gpu.flops("fp16")
+        assert hardware.node.gpus_per_node == hardware.node.nics_per_node == 8
+        assert hardware.node.nvswitch
+
+
+def test_datasheet_values():
+    a100, h100, h200 = (load_hardware(name).gpu for name in ("a100-80gb", "h100-sxm", "h200"))
+    assert a100.flops("bf16") == 312e12 and a100.flops("fp32") == 19.5e12
+    assert a100.nvlink_bandwidth == 300e9 and h100.nvlink_bandwidth == 450e9
+    assert h100.flops("fp8") == pytest.approx(2 * h100.flops("bf16"), rel=1e-3)
+    assert h200.peak_flops == h100.peak_flops
+    assert h200.hbm_bytes > h100.hbm_bytes == a100.hbm_bytes > load_hardware("a100-40gb").gpu.hbm_bytes
+    assert h200.hbm_bandwidth == 4.8e12 and h100.hbm_bandwidth == 3.35e12
+    assert load_nic("hdr").bandwidth == 25e9 and load_nic("ndr").bandwidth == 50e9
+    assert load_hardware("a100-40gb").nic.name == "hdr" and load_hardware("h100-sxm").nic.name == "ndr"
+
+
+def test_a100_has_no_fp8():
+    gpu = load_hardware("a100-40gb").gpu
+    assert gpu.peak_flops["fp8"] is None
+    with pytest.raises(ConfigError, match="no fp8"):
+        gpu.flops("fp8")
+    with pytest.raises(ConfigError, match="unknown number format"):
+        gpu.flops("int4")
+
+
+def test_specs_are_frozen_and_hashable():
+    hardware = load_hardware("h100-sxm")
+    assert hash(hardware) == hash(load_hardware("h100-sxm"))
+    with pytest.raises(AttributeError):
+        hardware.gpu.hbm_bytes = 1
+
+
+def test_datasheet_numbers_live_only_in_the_json():
+    code = "".join(path.read_text() for path in Path(PRESETS_FILE).parent.glob("*.py"))
+    for number in ("989.4", "494.7", "1978.9", "1.555e12", "2.039e12", "3.35e12", "4.8e12", "312e12", "19.5e12"):
+        assert number in PRESETS_FILE.read_text()
+        assert number not in code, f"{number} is repeated in simulator code"
+
+
+def test_profile_round_trips(tmp_path):
+    for name in GPUS:
+        hardware = load_hardware(name)
+        path = save_hardware(hardware, tmp_path / f"{name}.json")
+        assert load_hardware(path) == hardware
+        assert load_hardware(str(path)) == hardware
+
+
+def test_calibrated_profile_loads_like_a_preset(tmp_path):
+    data = hardware_to_dict(load_hardware("h100-sxm"))
+    data["gpus"]["h100-sxm"]["peak_flops"]["bf16"] = 700e12
+    data["gpus"]["ours"] = data["gpus"].pop("h100-sxm")
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps(data))
+    hardware = load_hardware(path)
+    assert hardware.name == "ours" and hardware.gpu.flops("bf16") == 700e12
+
+
+def _broken(edit):
+    data = hardware_to_dict(load_hardware("a100-80gb"))
+    edit(data)
+    return data
+
+
+def _gpu(data):
+    return data["gpus"]["a100-80gb"]
+
+
+BROKEN_PROFILES = {
+    "missing field": (lambda d: _gpu(d).pop("hbm_bandwidth"), "missing hbm_bandwidth"),
+    "negative field": (lambda d: _gpu(d).update(nvlink_bandwidth=-1), "must be positive"),
+    "zero bandwidth": (lambda d: d["nics"]["hdr"].update(bandwidth=0), "must be positive"),
+    "negative latency": (lambda d: d["nics"]["hdr"].update(latency=-1e-6), "non-negative"),
+    "text number": (lambda d: _gpu(d).update(hbm_bytes="80GB"), "must be a number"),
+    "boolean number": (lambda d: _gpu(d).update(hbm_bytes=True), "must be a number"),
+    "null fp32": (lambda d: _gpu(d)["peak_flops"].update(fp32=None), "fp32 must be a number"),
+    "missing format": (lambda d: _gpu(d)["peak_flops"].pop("bf16"), "missing bf16"),
+    "unknown field": (lambda d: _gpu(d).update(hbm_byte=1), "unknown field"),
+    "unknown node": (lambda d: _gpu(d).update(node="dgx-z"), "not in nodes"),
+    "unknown nic": (lambda d: d["nodes"]["dgx-a100"].update(nic="xdr"), "not in nics"),
+    "no gpus": (lambda d: d.update(gpus={}), "'gpus' must be a non-empty"),
+    "two gpus": (lambda d: d["gpus"].update(other=dict(_gpu(d))), "holds 2 GPUs"),
+    "nvswitch not bool": (lambda d: d["nodes"]["dgx-a100"].update(nvswitch="yes"), "true or false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_PROFILES))
+def test_bad_profiles_are_rejected(tmp_path, case):
+    edit, message = BROKEN_PROFILES[case]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(_broken(edit)))
+    with pytest.raises(ConfigError, match=message):
+        load_hardware(path)
+
+
+def test_bad_names_and_files_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="unknown hardware 'h300'.*h100-sxm"):
+        load_hardware("h300")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_hardware(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"gpus": {')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_hardware(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_hardware(bad)
+    with pytest.raises(ConfigError, match="unknown network fabric 'xdr'"):
+        load_nic("xdr")
+
+
+def test_preset_file_has_every_format():
+    data = json.loads(PRESETS_FILE.read_text())
+    for entry in data["gpus"].values():
+        assert set(entry["peak_flops"]) == set(FLOP_FORMATS)
