@@ -20,7 +20,8 @@ import torch
 from minigpt.config import preset
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.model import GPT
-from parallel.train import measure_peak_flops, pick_device, synchronize, train
+from parallel.device import measure_peak_flops, pick_device, synchronize
+from parallel.train import train
 from parallel.train_config import TrainConfig
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -47,6 +47,12 @@ def build_train_config(options: dict) -> TrainConfig:
         loss_scale=parse_loss_scale(options["loss_scale"]),
         loss_scale_window=options["loss_scale_window"],
         log_every=options["log_every"],
+        tp=options["tp"],
+        pp=options["pp"],
+        dp=options["dp"],
+        zero=options["zero"],
+        bucket_mb=options["bucket_mb"],
+        threads_per_rank=options["threads_per_rank"],
     )
     if cfg.data is not None:
         check_text_file(cfg.data, model.seq_len)
@@ -77,7 +83,35 @@ def format_step(record: dict) -> str:
     return line
 
 
+class StepPrinter:
+    """Rank 0's per-step output: a log line every `every` steps, a progress bar between
+    them on a terminal. A class, not a closure, so that it can travel to a spawned rank."""
+
+    def __init__(self, every: int, steps: int, to_stderr: bool):
+        self.every, self.steps, self.to_stderr = every, steps, to_stderr
+
+    def __call__(self, record: dict) -> None:
+        log = sys.stderr if self.to_stderr else sys.stdout
+        interactive = log.isatty()
+        step = record["step"]
+        if step % self.every == 0 or step == self.steps - 1 or "val_loss" in record:
+            click.echo(("\r" if interactive else "") + format_step(record), file=log)
+        elif interactive:
+            bar = "#" * int(30 * (step + 1) / self.steps)
+            click.echo(f"\r[{bar:<30}] {step + 1}/{self.steps} loss {record['loss']:.4f}", file=log, nl=False)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
 @click.command()
+@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel size.")
+@click.option("--pp", default=1, show_default=True, type=int, help="Pipeline-parallel size.")
+@click.option("--dp", default=1, show_default=True, type=int, help="Data-parallel size (tp x pp x dp processes).")
+@click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group: 0-3.")
+@click.option("--bucket-mb", default=25.0, show_default=True, type=float, help="Gradient bucket size in MiB.")
+@click.option("--threads-per-rank", type=int, help="CPU threads per rank [default: 1 with several ranks].")
 @click.option("--model", default="tiny", show_default=True, type=click.Choice(sorted(PRESETS)), help="Model preset.")
 @click.option("--layers", type=int, help="Override the preset's number of blocks.")
 @click.option("--heads", type=int, help="Override the preset's attention heads.")
@@ -112,25 +146,13 @@ def train(as_json: bool, **options) -> None:
 
     from parallel.train import train as run_training  # torch is imported only once input is valid
 
-    log = sys.stderr if as_json else sys.stdout
-    interactive = log.isatty()
-
-    def on_step(record: dict) -> None:
-        step = record["step"]
-        if step % cfg.log_interval == 0 or step == cfg.steps - 1 or "val_loss" in record:
-            click.echo(("\r" if interactive else "") + format_step(record), file=log)
-        elif interactive:
-            done = (step + 1) / cfg.steps
-            bar = "#" * int(30 * done)
-            click.echo(f"\r[{bar:<30}] {step + 1}/{cfg.steps} loss {record['loss']:.4f}", file=log, nl=False)
-
     m = cfg.model
     click.echo(
         f"training {m.n_params():,} parameters ({m.n_layers} layers, width {m.d_model}, "
         f"{m.n_heads} heads, seq {m.seq_len}) for {cfg.steps} steps of {cfg.tokens_per_step:,} tokens",
-        file=log,
+        file=sys.stderr if as_json else sys.stdout,
     )
-    summary = run_training(cfg, on_step=on_step)
+    summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json))
     if as_json:
         click.echo(json.dumps(summary))
         return
@@ -143,7 +165,20 @@ def train(as_json: bool, **options) -> None:
             ["validation loss", f"{summary['val_loss']:.4f}"],
             ["median step time", f"{summary['step_time_s'] * 1000:.1f} ms"],
             ["tokens/s", f"{summary['tokens_per_s']:,.0f}"],
-            ["MFU (vs measured fp32 matmul peak)", f"{summary['mfu']:.1%}"],
+            [f"MFU (vs measured {summary['peak_flops_dtype']} matmul peak)", f"{summary['mfu']:.1%}"],
             ["run directory", summary["run_dir"]],
         ],
     )
+    layout = summary["layout"]
+    click.echo(
+        f"\nmemory per rank (tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']}, ZeRO {layout['zero']}, "
+        f"{summary['precision']['name']})"
+    )
+    roles = list(summary["memory_per_rank"][0])
+    print_table(["rank"] + roles, [[rank] + [mib(m[r]) for r in roles] for rank, m in enumerate(summary["memory_per_rank"])])
+    if summary["comm_bytes_per_step"]:
+        click.echo("\ncommunication per step on rank 0 (data-parallel group)")
+        print_table(
+            ["collective", "bytes", "calls"],
+            [[kind, mib(c["bytes"]), c["calls"]] for kind, c in summary["comm_bytes_per_step"].items()],
+        )

@@ -38,6 +38,12 @@ class TrainConfig:
     loss_scale: float | None = None  # fp16 only; None: dynamic scaling from 2**16, a number: static
     loss_scale_window: int = 1000  # clean steps before a dynamic scale doubles
     log_every: int | None = None  # None: about twenty log lines per run
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
+    threads_per_rank: int | None = None  # None: torch's default for one process, 1 per rank otherwise
 
     def __post_init__(self) -> None:
         positive_ints = {
@@ -49,7 +55,21 @@ class TrainConfig:
         for name, value in positive_ints.items():
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        BatchLayout(self.global_batch, self.micro_batches)  # divisibility
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"--{name} must be a positive integer, got {value!r}")
+        if self.tp > 1 or self.pp > 1:
+            raise ConfigError(
+                "tensor and pipeline parallelism are not built yet: use --tp 1 --pp 1 (data parallelism works)"
+            )
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ConfigError(f"--bucket-mb must be a number > 0, got {self.bucket_mb}")
+        if self.threads_per_rank is not None and (not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1):
+            raise ConfigError(f"threads per rank must be an integer >= 1, got {self.threads_per_rank!r}")
+        BatchLayout(self.global_batch, self.micro_batches, self.dp)  # divisibility
         if self.model.vocab_size < VOCAB_SIZE:
             raise ConfigError(
                 f"vocab_size={self.model.vocab_size} is smaller than the byte vocabulary ({VOCAB_SIZE}): "
@@ -84,6 +104,10 @@ class TrainConfig:
             raise ConfigError(f"loss scale window must be an integer >= 1, got {self.loss_scale_window!r}")
         if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
 
     @property
     def tokens_per_step(self) -> int:

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from precision.formats import ulp
-from precision.optimizer import FlatParameters, MasterAdamW
+from precision.flat import FlatParameters
+from precision.optimizer import MasterAdamW
 
 
 def train_gain(master_weights: bool, steps: int, lr: float, width: int, seed: int) -> dict:
@@ -25,13 +26,13 @@ def train_gain(master_weights: bool, steps: int, lr: float, width: int, seed: in
     y = F.layer_norm(x, (width,), target_gain)
     layer = nn.LayerNorm(width).half()
     flat = FlatParameters(layer)
-    optimizer = MasterAdamW(flat, lr=lr, betas=(0.9, 0.999), masters_are_weights=not master_weights)
+    optimizer = MasterAdamW.for_flat(flat, lr=lr, betas=(0.9, 0.999), masters_are_weights=not master_weights)
     losses = []
     for _ in range(steps):
         flat.zero_grad()
         loss = F.mse_loss(layer(x.half()).float(), y)
         loss.backward()
-        optimizer.step()
+        optimizer.step(flat.grad)
         losses.append(loss.item())
     return {
         "first_loss": losses[0],

@@ -12,7 +12,8 @@ from precision.compute import EmulatedLinear, apply_precision
 from precision.experiments import experiment_master_weights
 from precision.formats import FORMATS
 from precision.fp8 import Fp8Linear
-from precision.optimizer import FlatParameters, MasterAdamW, bytes_per_param
+from precision.flat import FlatParameters
+from precision.optimizer import MasterAdamW, state_bytes
 from precision.policy import FORMAT_BYTES, POLICIES, policy
 from precision.scaler import LossScaler
 
@@ -36,7 +37,7 @@ def test_master_adamw_matches_torch_adamw_in_fp32():
     ours, reference = GPT(CFG), GPT(CFG)
     reference.load_state_dict(ours.state_dict())
     flat = FlatParameters(ours)
-    optimizer = MasterAdamW(flat, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, masters_are_weights=True)
+    optimizer = MasterAdamW.for_flat(flat, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, masters_are_weights=True)
     decay = [p for p in reference.parameters() if p.dim() >= 2]
     no_decay = [p for p in reference.parameters() if p.dim() < 2]
     torch_adamw = torch.optim.AdamW(
@@ -47,7 +48,7 @@ def test_master_adamw_matches_torch_adamw_in_fp32():
         x, y = batch(step)
         flat.zero_grad()
         ours(x, y).backward()
-        optimizer.step(grad_clip=0.5)
+        optimizer.step(flat.grad, grad_clip=0.5)
         torch_adamw.zero_grad()
         reference(x, y).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
@@ -106,11 +107,14 @@ def test_measured_bytes_per_parameter_equal_the_policy(name):
     p = policy(name)
     model = apply_precision(GPT(CFG), p, CPU)
     flat = FlatParameters(model)
-    optimizer = MasterAdamW(flat, masters_are_weights=p.master is None)
+    optimizer = MasterAdamW.for_flat(flat, masters_are_weights=p.master is None)
     x, y = batch()
     model(x, y).backward()
-    optimizer.step()
-    measured = bytes_per_param(flat, optimizer)
+    optimizer.step(flat.grad)
+    owned = {"compute": flat.data, "grad": flat.grad}
+    measured = {role: t.numel() * t.element_size() / flat.numel for role, t in owned.items()}
+    measured.update({role: b / flat.numel for role, b in state_bytes(optimizer).items()})
+    measured.setdefault("master", 0.0)
     assert measured == {role: float(b) for role, b in p.bytes_per_param().items()}
     assert sum(measured.values()) == 16  # mixed precision does not shrink the model states
 
@@ -119,7 +123,7 @@ def test_overflow_skips_the_step_bit_for_bit_then_the_scale_grows():
     torch.manual_seed(0)
     model = apply_precision(GPT(CFG), policy("fp16"), CPU)
     flat = FlatParameters(model)
-    optimizer = MasterAdamW(flat, lr=1e-3)
+    optimizer = MasterAdamW.for_flat(flat, lr=1e-3)
     scaler = LossScaler(init_scale=2.0**10, growth_interval=3)
 
     def backward(seed):
@@ -128,7 +132,7 @@ def test_overflow_skips_the_step_bit_for_bit_then_the_scale_grows():
         scaler.scale_loss(model(x, y)).backward()
 
     backward(0)
-    assert not optimizer.step(scaler=scaler).skipped  # one clean step so the states are non-zero
+    assert not optimizer.step(flat.grad, scaler=scaler).skipped  # one clean step so the states are non-zero
     before = {
         "weights": flat.data.clone(),
         "masters": optimizer.masters.clone(),
@@ -137,7 +141,7 @@ def test_overflow_skips_the_step_bit_for_bit_then_the_scale_grows():
     }
     backward(1)
     model.blocks[1].mlp.fc1.weight.grad[3, 5] = float("inf")
-    result = optimizer.step(scaler=scaler)
+    result = optimizer.step(flat.grad, scaler=scaler)
     assert result.skipped and scaler.scale == 2.0**9 and scaler.skipped_steps == 1
     assert torch.equal(flat.data, before["weights"])
     assert torch.equal(optimizer.masters, before["masters"])
@@ -145,7 +149,7 @@ def test_overflow_skips_the_step_bit_for_bit_then_the_scale_grows():
     assert optimizer.steps == 1
     for seed in range(2, 5):
         backward(seed)
-        assert not optimizer.step(scaler=scaler).skipped
+        assert not optimizer.step(flat.grad, scaler=scaler).skipped
     assert scaler.scale == 2.0**10  # grew again after three clean steps
     assert not torch.equal(flat.data, before["weights"])
 
@@ -162,7 +166,7 @@ def test_pure_fp16_weights_stall_where_masters_learn():
 def test_fp16_training_step_survives_through_the_scaler():
     model = apply_precision(GPT(CFG), policy("fp16"), CPU)
     flat = FlatParameters(model)
-    optimizer = MasterAdamW(flat, lr=1e-2)
+    optimizer = MasterAdamW.for_flat(flat, lr=1e-2)
     scaler = LossScaler()
     losses = []
     for step in range(8):
@@ -170,6 +174,6 @@ def test_fp16_training_step_survives_through_the_scaler():
         x, y = batch(0)
         loss = model(x, y)
         scaler.scale_loss(loss).backward()
-        optimizer.step(scaler=scaler)
+        optimizer.step(flat.grad, scaler=scaler)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5

@@ -1,0 +1,235 @@
+"""Starting the ranks of a run: torch's elastic launcher locally, or torchrun's ranks as they are.
+
+One entrypoint serves every way a run starts:
+
+- `python train.py` with a 1 x 1 x 1 layout runs the entrypoint in this process, without a
+  process group, so the single-process run is the same code as every other layout;
+- `python train.py` with more ranks starts them on this machine through
+  `torch.distributed.launcher.api.elastic_launch`, the engine under torchrun, so failure
+  reports, rendezvous and cleanup are torch's and not ours;
+- `torchrun --nproc-per-node N train.py` (one node or many) already started the ranks:
+  `launch` sees torchrun's environment and just calls the entrypoint in this rank.
+
+Inside the entrypoint a rank calls `init_worker()` first and `finish_worker()` in a finally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from minigpt.errors import ConfigError, TrainingError
+
+Arg = TypeVar("Arg")
+Result = TypeVar("Result")
+
+# What torchrun (and elastic_launch) put in every worker's environment.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Seconds between the agent's looks at its workers: a failed rank is noticed this fast.
+MONITOR_INTERVAL_S = 0.1
+
+
+def in_torchrun() -> bool:
+    """True in a process that torchrun or elastic_launch started as one rank of a group."""
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def launch(
+    entrypoint: Callable[[Arg], Result],
+    arg: Arg,
+    world_size: int,
+    threads_per_rank: int = 1,
+) -> Result:
+    """Run entrypoint(arg) on world_size ranks and return what rank 0's call returned.
+
+    entrypoint must be a module-level function and arg picklable: the ranks are fresh
+    interpreters (start method "spawn"), since forking a process that already holds
+    torch's thread pools and, on GPUs, a CUDA context is unsafe.
+    Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
+    and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
+    """
+    check_positive("world size", world_size)
+    check_positive("threads per rank", threads_per_rank)
+    if in_torchrun():
+        started = int(os.environ["WORLD_SIZE"])
+        if started != world_size:
+            raise ConfigError(
+                f"torchrun started {started} processes but the layout tp x pp x dp needs {world_size}: "
+                f"start torchrun with {world_size} processes in all (--nnodes x --nproc-per-node) "
+                f"or change the layout"
+            )
+        return entrypoint(arg)
+    if world_size == 1:
+        return entrypoint(arg)
+    return launch_local(entrypoint, arg, world_size, threads_per_rank)
+
+
+def run_with_threads(entrypoint: Callable[[Arg], Result], arg: Arg, threads: int) -> Result:
+    """The function each locally launched rank runs: pin its thread count, then the entrypoint.
+
+    Ranks share the machine's cores; each one using all of them would oversubscribe the CPU
+    many times over. OMP_NUM_THREADS covers OpenMP as the interpreter starts; this covers
+    torch's own intra-op pool.
+    """
+    torch.set_num_threads(threads)
+    return entrypoint(arg)
+
+
+def launch_local(
+    entrypoint: Callable[[Arg], Result], arg: Arg, world_size: int, threads_per_rank: int
+) -> Result:
+    """Start world_size ranks on this machine as `torchrun --standalone` would, and wait for them."""
+    saved_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # the spawned ranks inherit it
+    try:
+        # Elastic writes each rank's error file under the log directory; ours goes away
+        # afterwards instead of piling up as /tmp/torchelastic_* directories.
+        with tempfile.TemporaryDirectory(prefix="minigpt-launch-") as log_dir:
+            config = LaunchConfig(
+                min_nodes=1,
+                max_nodes=1,
+                nproc_per_node=world_size,
+                run_id=str(uuid.uuid4()),
+                rdzv_backend="c10d",
+                rdzv_endpoint="localhost:0",  # port 0: a free port, as --standalone picks
+                max_restarts=0,
+                monitor_interval=MONITOR_INTERVAL_S,
+                start_method="spawn",
+                logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # stdout and stderr stay inherited
+            )
+            try:
+                results = elastic_launch(config, run_with_threads)(entrypoint, arg, threads_per_rank)
+            except ChildFailedError as error:
+                # One line for the CLI; elastic has logged the failed rank's traceback to stderr.
+                raise TrainingError(describe_failure(error, log_dir, world_size)) from None
+    finally:
+        if saved_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_threads
+    return results[0]
+
+
+@dataclass(frozen=True)
+class RecordedError:
+    """What elastic's record() wrapper wrote for a rank that raised."""
+
+    rank: int
+    written_ns: int
+    message: str  # "Type: message", on one line
+    traceback: str
+
+
+def describe_failure(error: ChildFailedError, log_dir: str, world_size: int) -> str:
+    """'rank 1 of 2 failed: ValueError: ...': which ranks failed and the first one's cause.
+
+    Elastic's ChildFailedError names only the one rank that torch.multiprocessing happened to
+    notice first, often a peer that died of the broken connection a moment after the real
+    failure, and elastic logs that rank's traceback. So every rank's error file is read, the
+    one written first is the root cause, and its traceback is printed when elastic's was another's.
+    """
+    recorded = recorded_errors(log_dir)
+    failed = sorted(set(recorded) | set(error.failures))
+    if recorded:
+        root = min(recorded.values(), key=lambda entry: entry.written_ns)
+        first, cause = root.rank, root.message
+        if first not in error.failures and root.traceback:
+            print(f"The root cause, rank {first}'s traceback:\n{root.traceback}", file=sys.stderr, flush=True)
+    else:  # nobody raised: a rank was killed or exited on its own
+        first = min(error.failures)
+        cause = exit_cause(error.failures[first])
+    if len(failed) == 1:
+        return f"rank {first} of {world_size} failed: {cause}"
+    names = ", ".join(str(rank) for rank in failed)
+    return f"ranks {names} of {world_size} failed; the first, rank {first}: {cause}"
+
+
+def recorded_errors(log_dir: str) -> dict[int, RecordedError]:
+    """The exception of each rank that raised, by rank.
+
+    Elastic's record() wrapper writes <log_dir>/<run>/attempt_<n>/<local rank>/error.json in
+    every rank that raises; on one node the local rank is the global rank.
+    """
+    errors = {}
+    for path in Path(log_dir).glob("*/attempt_*/*/error.json"):
+        try:
+            message = json.loads(path.read_text(encoding="utf-8")).get("message")
+            written = path.stat().st_mtime_ns
+        except (OSError, ValueError):
+            continue  # a rank killed while writing it: its exit code still tells
+        traceback = ""
+        if isinstance(message, dict):
+            traceback = str(message.get("extraInfo", {}).get("py_callstack", ""))
+            message = message.get("message")
+        if isinstance(message, str) and path.parent.name.isdigit():
+            rank = int(path.parent.name)
+            errors[rank] = RecordedError(rank, written, " ".join(message.split()), traceback)
+    return errors
+
+
+def exit_cause(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-failure.exitcode}"
+    return f"exited with code {failure.exitcode} without raising an exception"
+
+
+def init_worker(device_type: str | None = None) -> torch.device:
+    """Join the process group (when there is more than one rank) and return this rank's device.
+
+    NCCL needs one GPU per local rank; with fewer GPUs than local ranks, or none, the ranks
+    talk over gloo on the CPU. device_type "cpu" forces the CPU, "cuda" insists on GPUs,
+    None picks CUDA when there is enough of it.
+    """
+    if device_type not in (None, "cpu", "cuda"):
+        raise ConfigError(f"device type must be cpu or cuda, got {device_type!r}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    use_cuda = device_type != "cpu" and gpus >= local_world_size
+    if device_type == "cuda" and not use_cuda:
+        raise ConfigError(
+            f"CUDA was asked for but this node has {gpus} GPU(s) for {local_world_size} local ranks: "
+            f"use fewer ranks per node or the CPU"
+        )
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return device
+
+
+def finish_worker() -> None:
+    """Leave the process group on a clean exit, so the rank does not warn about a leaked group.
+
+    Called from a finally while an exception is on its way out, it leaves the group alone:
+    destroying it would close the connections at once, and peers blocked in a collective
+    would fail with "connection closed" and might record that before this rank records the
+    real cause. The process exits right after, which closes the connections anyway.
+    """
+    if sys.exc_info()[1] is not None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,130 @@
+"""The 3D mesh of ranks: pipeline x data x tensor parallel, tensor parallel innermost.
+
+Global rank r sits at (pp_rank, dp_rank, tp_rank) with r == (pp_rank * dp + dp_rank) * tp + tp_rank.
+Tensor parallelism talks the most (two all-reduces per layer, every micro-batch), so its group
+is tp adjacent ranks: with launchers numbering a node's ranks consecutively, it stays inside one
+node, on the fastest links, as in Megatron-LM. Data parallelism talks once a step and pipeline
+parallelism only point to point, so they can span nodes.
+
+The groups come from torch's DeviceMesh, the structure DTensor, FSDP2 and torch's own
+tensor parallelism use, so those can be compared with ours on the very same groups.
+A 1 x 1 x 1 layout has no process group at all: a single-process run needs no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from minigpt.errors import ConfigError
+
+# Outermost first: the order of DeviceMesh's dimensions and of the rank formula.
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the pp x dp x tp layout, and its groups along each dimension."""
+
+    pp: int
+    dp: int
+    tp: int
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    device: torch.device
+    device_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def size(self, dim: str) -> int:
+        check_dim(dim)
+        return getattr(self, dim)
+
+    def coordinate(self, dim: str) -> int:
+        check_dim(dim)
+        return getattr(self, f"{dim}_rank")
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        """The process group along dim; None when dim has size 1, so callers skip the collective."""
+        if self.size(dim) == 1 or self.device_mesh is None:
+            return None
+        return self.device_mesh.get_group(dim)
+
+    def ranks_of(self, dim: str) -> list[int]:
+        """Global ranks of this rank's group along dim, in the order of their coordinate on dim."""
+        coordinates = {"pp": self.pp_rank, "dp": self.dp_rank, "tp": self.tp_rank}
+        ranks = []
+        for index in range(self.size(dim)):
+            coordinates[dim] = index
+            ranks.append(global_rank(coordinates["pp"], coordinates["dp"], coordinates["tp"], self.dp, self.tp))
+        return ranks
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        """Global rank of the pipeline stage that sends this one activations; None for the first."""
+        return None if self.is_first_stage else self.ranks_of("pp")[self.pp_rank - 1]
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        """Global rank of the pipeline stage this one sends activations to; None for the last."""
+        return None if self.is_last_stage else self.ranks_of("pp")[self.pp_rank + 1]
+
+
+def check_dim(dim: str) -> None:
+    if dim not in MESH_DIMS:
+        raise ConfigError(f"mesh dimension must be one of {', '.join(MESH_DIMS)}, got {dim!r}")
+
+
+def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def build_mesh(pp: int, dp: int, tp: int, device: torch.device) -> Mesh:
+    """This rank's Mesh for a pp x dp x tp layout; every rank must call it, with the same sizes.
+
+    Call it after init_worker(): the sizes must multiply to the process group's world size.
+    """
+    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} size must be a positive integer, got {value!r}")
+    needed = pp * dp * tp
+    running = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if needed != running:
+        hint = "start it through parallel.launch.launch()" if running == 1 else "change the layout or the launch"
+        raise ConfigError(
+            f"the layout pp {pp} x dp {dp} x tp {tp} needs {needed} ranks but {running} are running: {hint}"
+        )
+    if needed == 1:
+        return Mesh(1, 1, 1, rank=0, pp_rank=0, dp_rank=0, tp_rank=0, device=device)
+    device_mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    coordinate = device_mesh.get_coordinate()
+    if coordinate is None:
+        raise AssertionError("this rank is missing from a mesh that spans the whole world")
+    pp_rank, dp_rank, tp_rank = coordinate
+    return Mesh(
+        pp,
+        dp,
+        tp,
+        rank=dist.get_rank(),
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        device=device,
+        device_mesh=device_mesh,
+    )

@@ -1,0 +1,259 @@
+"""ZeRO data parallelism, stages 0-2, written here on torch.distributed.
+
+All stages lay the parameters out flat (precision/flat.py) in buckets of whole
+parameters, each padded to a multiple of the data-parallel size N, and start a
+bucket's collective from a post-accumulate-grad hook as soon as its last
+gradient is in, so communication overlaps the rest of the backward pass.
+Rank r owns piece r of every bucket; the optimizer updates those pieces of the
+flat weights in place (no second copy of the weights).
+
+  stage 0  (DDP)   every rank keeps all weights, gradients and optimizer states;
+                   gradients are all-reduced bucket by bucket.
+  stage 1          fp32 masters and AdamW moments for the rank's pieces only.
+                   Gradients are accumulated in a full buffer and reduce-scattered
+                   (the ZeRO paper's P_os: a rank needs only its pieces reduced,
+                   so an all-reduce would move half as much again for nothing);
+                   after the update the new weights are all-gathered.
+  stage 2          no full gradient buffer: each parameter's gradient is copied
+                   into its bucket's staging buffer and dropped; a full bucket is
+                   reduce-scattered into the rank's gradient shard and freed, every
+                   micro-batch, with at most MAX_IN_FLIGHT buckets in the air.
+Stage 3 (parameters sharded too) is parallel/zero3.py.
+
+Gradients are divided by N before they are summed, so the sum is the mean over
+the global batch. With a single data-parallel rank every stage is stage 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.comm import Collectives
+from precision.flat import Bucket, FlatParameters, gather_ranges
+
+MAX_IN_FLIGHT = 2  # reduce-scatters allowed to overlap the backward at once (bounds staging memory)
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Replicated:
+    """Stage 0: DDP with bucketed, overlapped gradient all-reduce."""
+
+    stage = 0
+
+    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, grads: bool = True):
+        self.comm = comm
+        self.flat = FlatParameters(model, bucket_numel=bucket_numel, pad_to=comm.size, grads=grads)
+        self.ranges = [(0, self.flat.padded_numel)]
+        self.sync = True
+        self.in_flight: list[tuple] = []  # (handle, bucket, output, staging)
+        self.pending: dict[int, int] = {}
+        self.launched: set[int] = set()
+        self.comm_buffer_peak = 0
+        for index, param in enumerate(self.flat.params):
+            param.register_post_accumulate_grad_hook(lambda p, i=index: self.on_grad(i, p))
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """This rank's pieces of the flat weights, which the optimizer updates in place."""
+        return [self.flat.data[start:end] for start, end in self.ranges]
+
+    @property
+    def decay_ranges(self) -> list[tuple[int, int]]:
+        return self.flat.decay_ranges(self.ranges)
+
+    # ---------------------------------------------------------------- the step
+
+    def begin_step(self) -> None:
+        self.flat.zero_grad()
+
+    def begin_micro_batch(self, last: bool) -> None:
+        """Gradients are accumulated locally and reduced during the last micro-batch's backward."""
+        self.sync = last
+        self.pending = {b.index: len(b.params) for b in self.flat.buckets}
+        self.launched = set()
+
+    def on_grad(self, index: int, param: torch.Tensor) -> None:
+        if not self.sync:
+            return
+        bucket = self.flat.bucket_of[index]
+        self.pending[bucket.index] -= 1
+        if self.pending[bucket.index] == 0:
+            self.launch(bucket)
+
+    def launch(self, bucket: Bucket) -> None:
+        self.launched.add(bucket.index)
+        grads = self.flat.grad[bucket.start : bucket.end]
+        if self.comm.size > 1:
+            grads.div_(self.comm.size)
+        self.in_flight.append((self.comm.all_reduce(grads, async_op=True), bucket, None, None))
+
+    def end_micro_batch(self) -> None:
+        """After each micro-batch's backward: buckets no gradient reached are reduced too."""
+        if self.sync:
+            for bucket in self.flat.buckets:
+                if bucket.index not in self.launched:
+                    self.launch(bucket)
+
+    def wait_in_flight(self, keep: int = 0) -> None:
+        """Finish collectives, oldest first, until at most `keep` are in the air."""
+        while len(self.in_flight) > keep:
+            handle, bucket, output, _ = self.in_flight.pop(0)
+            handle.wait()
+            if output is not None:
+                self.land(bucket, output)
+
+    def land(self, bucket: Bucket, output: torch.Tensor) -> None:
+        """Where a finished reduce-scatter's piece goes (stages 1 and 2)."""
+
+    def finish_grads(self) -> torch.Tensor:
+        """Wait for every collective; the optimizer's gradients, laid out like `weights` end to end."""
+        self.wait_in_flight()
+        return gather_ranges(self.flat.grad, self.ranges) if len(self.ranges) > 1 else self.flat.grad
+
+    def after_update(self) -> None:
+        """Nothing to do: every rank updated every weight."""
+
+    def end_step(self) -> None:
+        pass
+
+    # ---------------------------------------------------------------- the optimizer's reductions
+
+    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        return value  # every rank holds every gradient: they all decide alike
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    # ---------------------------------------------------------------- accounting
+
+    def parameter_storages(self) -> set[int]:
+        """Storages that hold weights (left out when activations are measured)."""
+        return {self.flat.data.untyped_storage().data_ptr()}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and (peak) communication buffers."""
+        return {
+            "parameters": nbytes(self.flat.data),
+            "gradients": 0 if self.flat.grad is None else nbytes(self.flat.grad),
+            "comm_buffers": self.comm_buffer_peak,
+        }
+
+
+class ShardedOptimizer(Replicated):
+    """Stage 1: optimizer states for this rank's pieces; gradients reduce-scattered; weights all-gathered."""
+
+    stage = 1
+
+    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, grads: bool = True):
+        super().__init__(model, comm, bucket_numel, grads=grads)
+        self.ranges = self.flat.shard_ranges(comm.rank, comm.size)
+
+    def launch(self, bucket: Bucket) -> None:
+        self.launched.add(bucket.index)
+        grads = self.flat.grad[bucket.start : bucket.end]
+        self.reduce_scatter(bucket, grads)
+
+    def reduce_scatter(self, bucket: Bucket, grads: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+        if self.comm.size > 1:
+            grads.div_(self.comm.size)
+        output = torch.empty(bucket.numel // self.comm.size, dtype=grads.dtype, device=grads.device)
+        handle = self.comm.reduce_scatter(output, grads, async_op=True)
+        self.in_flight.append((handle, bucket, output, staging))  # staging lives until it is done
+        self.comm_buffer_peak = max(self.comm_buffer_peak, self.buffer_bytes())
+        self.wait_in_flight(keep=MAX_IN_FLIGHT)
+
+    def buffer_bytes(self) -> int:
+        return sum(nbytes(out) + (nbytes(staging) if staging is not None else 0) for _, _, out, staging in self.in_flight)
+
+    def land(self, bucket: Bucket, output: torch.Tensor) -> None:
+        start, end = self.ranges[bucket.index]
+        self.flat.grad[start:end].copy_(output)
+
+    def after_update(self) -> None:
+        handles = []
+        for bucket, (start, end) in zip(self.flat.buckets, self.ranges):
+            piece = self.flat.data[start:end].clone()  # the input may not alias the output
+            handles.append(self.comm.all_gather(self.flat.data[bucket.start : bucket.end], piece, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        return self.comm.max(value)
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return self.comm.sum(value)
+
+
+class ShardedGradients(ShardedOptimizer):
+    """Stage 2: gradients reduce-scattered bucket by bucket into this rank's shard; no full gradient kept."""
+
+    stage = 2
+
+    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int):
+        super().__init__(model, comm, bucket_numel, grads=False)
+        self.shard_grad = torch.zeros(sum(e - s for s, e in self.ranges), dtype=self.flat.dtype, device=self.flat.device)
+        self.piece_offsets = []
+        offset = 0
+        for start, end in self.ranges:
+            self.piece_offsets.append(offset)
+            offset += end - start
+        self.staging: dict[int, torch.Tensor] = {}
+
+    def begin_step(self) -> None:
+        self.shard_grad.zero_()
+
+    def begin_micro_batch(self, last: bool) -> None:
+        super().begin_micro_batch(last)
+        self.sync = True  # every micro-batch is reduced: there is nowhere to keep a full gradient
+
+    def on_grad(self, index: int, param: torch.Tensor) -> None:
+        bucket = self.flat.bucket_of[index]
+        if bucket.index not in self.staging:
+            self.staging[bucket.index] = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+        segment = self.flat.segments[index]
+        self.staging[bucket.index][segment.start - bucket.start : segment.end - bucket.start].copy_(param.grad.reshape(-1))
+        param.grad = None
+        super().on_grad(index, param)
+
+    def launch(self, bucket: Bucket) -> None:
+        self.launched.add(bucket.index)
+        staging = self.staging.pop(bucket.index, None)
+        if staging is None:  # no parameter of this bucket got a gradient
+            staging = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+        self.reduce_scatter(bucket, staging, staging)
+
+    def buffer_bytes(self) -> int:
+        return super().buffer_bytes() + sum(nbytes(t) for t in self.staging.values())
+
+    def land(self, bucket: Bucket, output: torch.Tensor) -> None:
+        offset = self.piece_offsets[bucket.index]
+        self.shard_grad[offset : offset + output.numel()].add_(output)
+
+    def end_micro_batch(self) -> None:
+        super().end_micro_batch()
+        self.wait_in_flight()
+
+    def finish_grads(self) -> torch.Tensor:
+        self.wait_in_flight()
+        return self.shard_grad
+
+    def memory(self) -> dict[str, int]:
+        return {**super().memory(), "gradients": nbytes(self.shard_grad)}
+
+
+STAGES = {0: Replicated, 1: ShardedOptimizer, 2: ShardedGradients}
+
+
+def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_numel: int):
+    """The ZeRO stage `stage` over `comm`'s group (stage 0 when the group has one rank)."""
+    if comm.size == 1:
+        return Replicated(model, comm, bucket_numel)
+    if stage == 3:
+        from parallel.zero3 import ShardedParameters
+
+        return ShardedParameters(model, comm)
+    return STAGES[stage](model, comm, bucket_numel)

@@ -1,0 +1,226 @@
+"""ZeRO stage 3: parameters sharded too, gathered one unit at a time.
+
+The model is cut into units -- the embeddings, each block, the final norm and
+head -- and each unit's parameters are laid out flat (precision/flat.py),
+padded to a multiple of the data-parallel size N. A rank stores only its 1/N
+piece of every unit (`weights`, end to end). A unit's full weights exist only
+while it computes:
+
+  forward   a pre-hook all-gathers the unit (or waits for its prefetch) and
+            starts gathering the next one; a post-hook frees a block again.
+  backward  a backward pre-hook gathers the block once more (and prefetches
+            the block before it); when the last gradient of a unit is in, its
+            gradients are reduce-scattered into this rank's shard of gradients
+            and its full weights freed.
+
+The first and last units stay gathered from their first use until the step
+ends: the embedding matrix is also the tied LM head, used at the very end of
+the forward and the very start of the backward. Freeing is done by resizing a
+unit's storage to zero, so the Parameters (views into it) come back valid when
+it is gathered again; autograd's saved weights are those same views.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.comm import Collectives
+from parallel.zero import MAX_IN_FLIGHT
+from precision.flat import FlatParameters
+
+
+class Unit:
+    def __init__(self, index: int, modules: list[nn.Module], named: list, comm: Collectives, keep: bool):
+        self.index, self.modules, self.keep = index, modules, keep
+        self.flat = FlatParameters(named, pad_to=comm.size, grads=False)
+        self.full_bytes = self.flat.data.untyped_storage().nbytes()
+        self.piece = self.flat.padded_numel // comm.size
+        self.gathered = True
+        self.pending_gather = None
+        self.grads_waiting = 0
+        self.staging: torch.Tensor | None = None
+
+    def storage_ptr(self) -> int:
+        return self.flat.data.untyped_storage().data_ptr()
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def units_of(model: nn.Module) -> list[list[nn.Module]]:
+    """The GPT cut into units, in forward order."""
+    return [[model.tok_emb, model.pos_emb], *[[block] for block in model.blocks], [model.norm_f, model.head]]
+
+
+class ShardedParameters:
+    stage = 3
+
+    def __init__(self, model: nn.Module, comm: Collectives):
+        self.comm = comm
+        self.units: list[Unit] = []
+        seen: set[int] = set()
+        groups = units_of(model)
+        for index, modules in enumerate(groups):
+            named = []
+            for module in modules:
+                for name, param in module.named_parameters():
+                    if id(param) not in seen:  # a tied weight belongs to its first unit
+                        seen.add(id(param))
+                        named.append((name, param))
+            if named:
+                keep = index in (0, len(groups) - 1)
+                self.units.append(Unit(len(self.units), modules, named, comm, keep))
+        offsets, total = [], 0
+        for unit in self.units:
+            offsets.append(total)
+            total += unit.piece
+        self.offsets = offsets
+        unit0 = self.units[0].flat
+        self.weights = torch.empty(total, dtype=unit0.dtype, device=unit0.device)
+        for unit, offset in zip(self.units, offsets):
+            start = comm.rank * unit.piece
+            self.weights[offset : offset + unit.piece].copy_(unit.flat.data[start : start + unit.piece])
+            self.free(unit)
+        self.shard_grad = torch.zeros_like(self.weights)
+        self.decay_ranges = []
+        for unit, offset in zip(self.units, offsets):
+            start = comm.rank * unit.piece
+            ranges = unit.flat.decay_ranges([(start, start + unit.piece)])
+            self.decay_ranges += [(offset + lo, offset + hi) for lo, hi in ranges]
+        self.in_flight: list[tuple] = []
+        self.comm_buffer_peak = 0
+        self.install_hooks()
+
+    # ---------------------------------------------------------------- gather and free
+
+    def shard_of(self, unit: Unit) -> torch.Tensor:
+        offset = self.offsets[unit.index]
+        return self.weights[offset : offset + unit.piece]
+
+    def start_gather(self, unit: Unit) -> None:
+        if unit.gathered or unit.pending_gather is not None:
+            return
+        unit.flat.data.untyped_storage().resize_(unit.full_bytes)
+        unit.pending_gather = self.comm.all_gather(unit.flat.data, self.shard_of(unit), async_op=True)
+        self.note_buffers()
+
+    def ensure_gathered(self, unit: Unit) -> None:
+        self.start_gather(unit)
+        if unit.pending_gather is not None:
+            unit.pending_gather.wait()
+            unit.pending_gather = None
+            unit.gathered = True
+
+    def free(self, unit: Unit) -> None:
+        if unit.pending_gather is not None:
+            unit.pending_gather.wait()
+            unit.pending_gather = None
+        unit.flat.data.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def note_buffers(self) -> None:
+        gathered = sum(u.full_bytes for u in self.units if u.gathered or u.pending_gather is not None)
+        staged = sum(nbytes(u.staging) for u in self.units if u.staging is not None)
+        in_flight = sum(nbytes(out) + nbytes(staging) for _, out, _, staging in self.in_flight)
+        self.comm_buffer_peak = max(self.comm_buffer_peak, gathered + staged + in_flight)
+
+    # ---------------------------------------------------------------- hooks
+
+    def install_hooks(self) -> None:
+        for unit in self.units:
+            unit.modules[0].register_forward_pre_hook(lambda module, args, u=unit: self.before_forward(u))
+            if not unit.keep:
+                unit.modules[-1].register_forward_hook(lambda module, args, out, u=unit: self.free(u))
+                unit.modules[0].register_full_backward_pre_hook(lambda module, grad, u=unit: self.before_backward(u))
+            for index, param in enumerate(unit.flat.params):
+                param.register_post_accumulate_grad_hook(lambda p, u=unit, i=index: self.on_grad(u, i, p))
+
+    def before_forward(self, unit: Unit) -> None:
+        self.ensure_gathered(unit)
+        if unit.index + 1 < len(self.units):
+            self.start_gather(self.units[unit.index + 1])  # prefetch while this unit computes
+
+    def before_backward(self, unit: Unit) -> None:
+        self.ensure_gathered(unit)
+        if unit.index > 0:
+            self.start_gather(self.units[unit.index - 1])
+
+    def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
+        if unit.staging is None:
+            unit.staging = torch.zeros(unit.flat.padded_numel, dtype=unit.flat.dtype, device=unit.flat.device)
+        segment = unit.flat.segments[index]
+        unit.staging[segment.start : segment.end].copy_(param.grad.reshape(-1))
+        param.grad = None
+        unit.grads_waiting -= 1
+        self.note_buffers()
+        if unit.grads_waiting == 0:
+            self.reduce_unit(unit)
+            if not unit.keep:
+                self.free(unit)
+
+    def reduce_unit(self, unit: Unit) -> None:
+        staging = unit.staging if unit.staging is not None else torch.zeros(
+            unit.flat.padded_numel, dtype=unit.flat.dtype, device=unit.flat.device
+        )
+        unit.staging = None
+        if self.comm.size > 1:
+            staging.div_(self.comm.size)
+        out = torch.empty(unit.piece, dtype=staging.dtype, device=staging.device)
+        handle = self.comm.reduce_scatter(out, staging, async_op=True)
+        self.in_flight.append((handle, out, unit.index, staging))
+        self.wait_in_flight(keep=MAX_IN_FLIGHT)
+
+    def wait_in_flight(self, keep: int = 0) -> None:
+        """Finish reduce-scatters, oldest first, until at most `keep` are in flight."""
+        while len(self.in_flight) > keep:
+            handle, out, index, _ = self.in_flight.pop(0)
+            handle.wait()
+            offset = self.offsets[index]
+            self.shard_grad[offset : offset + out.numel()].add_(out)
+
+    # ---------------------------------------------------------------- the step
+
+    def begin_step(self) -> None:
+        self.shard_grad.zero_()
+
+    def begin_micro_batch(self, last: bool) -> None:
+        for unit in self.units:
+            unit.grads_waiting = len(unit.flat.params)
+
+    def end_micro_batch(self) -> None:
+        for unit in self.units:
+            if unit.grads_waiting > 0:  # parameters that got no gradient this micro-batch
+                unit.grads_waiting = 0
+                self.reduce_unit(unit)
+        self.wait_in_flight()
+
+    def finish_grads(self) -> torch.Tensor:
+        return self.shard_grad
+
+    def after_update(self) -> None:
+        """Nothing to gather now: each unit is gathered when it is next used."""
+
+    def end_step(self) -> None:
+        for unit in self.units:
+            if unit.gathered or unit.pending_gather is not None:
+                self.free(unit)
+
+    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        return self.comm.max(value)
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return self.comm.sum(value)
+
+    # ---------------------------------------------------------------- accounting
+
+    def parameter_storages(self) -> set[int]:
+        return {self.weights.untyped_storage().data_ptr()} | {u.storage_ptr() for u in self.units if u.gathered}
+
+    def memory(self) -> dict[str, int]:
+        return {
+            "parameters": nbytes(self.weights),
+            "gradients": nbytes(self.shard_grad),
+            "comm_buffers": self.comm_buffer_peak,
+        }

@@ -1,0 +1,46 @@
+"""Multi-rank tests: run a function on N gloo ranks on the CPU and get every rank's result.
+
+The ranks are started by parallel.launch.launch(), the launcher training uses, so every
+multi-rank test exercises it as well.
+
+Each spawned rank is a fresh interpreter that imports torch: about 1-2 seconds of CPU per
+rank, and a 2-core CI machine pays for eight ranks one pair at a time. A test module should
+therefore put many checks into one function and spawn one group for them, not one per check.
+
+The function must be defined at module level: the ranks import it by name. Functions in test
+modules work because multiprocessing's spawn starts each rank with the parent's sys.path, which
+under pytest's default "prepend" import mode holds tests/ (there is no tests/__init__.py), so
+`test_x.check` and this module import in the ranks as they did in pytest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from parallel.launch import finish_worker, init_worker, launch
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """fn(*args) on world_size gloo ranks, one thread each; the return values, ordered by rank.
+
+    A rank that raises makes this raise TrainingError naming it; world size 1 runs in this
+    process without a process group.
+    """
+    return launch(gather_results, (fn, args), world_size, threads_per_rank=1)
+
+
+def gather_results(job: tuple[Callable[..., Any], tuple[Any, ...]]) -> list[Any] | None:
+    """One rank's part: run the function, then hand every rank's value to rank 0."""
+    fn, args = job
+    init_worker("cpu")
+    try:
+        value = fn(*args)
+        if not dist.is_initialized():
+            return [value]
+        values: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(value, values, dst=0)
+        return values
+    finally:
+        finish_worker()
