@@ -144,7 +144,10 @@ def train(as_json: bool, **options) -> None:
     """Train a GPT on the embedded corpus (or --data)."""
     cfg = build_train_config(options)
 
-    from parallel.train import train as run_training  # torch is imported only once input is valid
+    from parallel.device import check_device  # torch is imported only once the flags are valid
+    from parallel.train import train as run_training
+
+    check_device(cfg.device, cfg.world_size)
 
     m = cfg.model
     click.echo(

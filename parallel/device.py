@@ -43,3 +43,17 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def check_device(requested: str, local_ranks: int) -> None:
+    """Before any worker starts: a CUDA request needs a GPU for every local rank."""
+    if requested != "cuda":
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise ConfigError("--device cuda was asked for but torch sees no CUDA device: use --device cpu or auto")
+    if gpus < local_ranks:
+        raise ConfigError(
+            f"--device cuda needs one GPU per rank: {local_ranks} local ranks but {gpus} GPU(s); "
+            f"use fewer ranks per node or --device cpu"
+        )

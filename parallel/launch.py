@@ -128,6 +128,9 @@ def launch_local(
     return results[0]
 
 
+MAX_CAUSE_CHARS = 300  # the failure stays one readable line
+
+
 @dataclass(frozen=True)
 class RecordedError:
     """What elastic's record() wrapper wrote for a rank that raised."""
@@ -148,18 +151,24 @@ def describe_failure(error: ChildFailedError, log_dir: str, world_size: int) -> 
     """
     recorded = recorded_errors(log_dir)
     failed = sorted(set(recorded) | set(error.failures))
-    if recorded:
+    silent = [rank for rank in error.failures if rank not in recorded]
+    if silent:  # a rank killed or exited without raising: the others' errors are its echo
+        first = min(silent)
+        cause = exit_cause(error.failures[first])
+    elif recorded:
         root = min(recorded.values(), key=lambda entry: entry.written_ns)
         first, cause = root.rank, root.message
         if first not in error.failures and root.traceback:
             print(f"The root cause, rank {first}'s traceback:\n{root.traceback}", file=sys.stderr, flush=True)
-    else:  # nobody raised: a rank was killed or exited on its own
+    else:
         first = min(error.failures)
         cause = exit_cause(error.failures[first])
+    if len(cause) > MAX_CAUSE_CHARS:
+        cause = cause[: MAX_CAUSE_CHARS - 3] + "..."
     if len(failed) == 1:
         return f"rank {first} of {world_size} failed: {cause}"
     names = ", ".join(str(rank) for rank in failed)
-    return f"ranks {names} of {world_size} failed; the first, rank {first}: {cause}"
+    return f"ranks {names} of {world_size} failed; the cause, rank {first}: {cause}"
 
 
 def recorded_errors(log_dir: str) -> dict[int, RecordedError]:

@@ -198,7 +198,7 @@ def test_failed_rank_is_one_line_naming_it():
     message = str(caught.value)
     assert "\n" not in message
     # Rank 0 may die too, of the closed connection; the root cause must still be rank 1's.
-    assert re.fullmatch(r"(rank 1 of 2 failed|ranks 0, 1 of 2 failed; the first, rank 1): "
+    assert re.fullmatch(r"(rank 1 of 2 failed|ranks 0, 1 of 2 failed; the cause, rank 1): "
                         r"ValueError: the data shard is empty", message), message
     assert multiprocessing.active_children() == []  # the waiting rank 0 is gone too
 
@@ -228,7 +228,7 @@ def test_root_cause_is_the_error_recorded_first(tmp_path, monkeypatch, capsys):
     noticed = ProcessFailure(local_rank=0, pid=1234, exitcode=1, error_file=str(attempt / "0" / "error.json"))
     error = ChildFailedError(name="run_with_threads", failures={0: noticed})
     message = describe_failure(error, str(tmp_path), 2)
-    assert message == "ranks 0, 1 of 2 failed; the first, rank 1: ValueError: bad batch"
+    assert message == "ranks 0, 1 of 2 failed; the cause, rank 1: ValueError: bad batch"
     printed = capsys.readouterr().err
     assert "rank 1's traceback" in printed and "ValueError: bad\nbatch" in printed
 

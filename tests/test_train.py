@@ -79,6 +79,13 @@ BAD_INPUTS = [
     (["--lr", "-1"], "lr"),
     (["--steps", "ten"], "ten"),
     (["--no-such-flag"], "no-such-flag"),
+    (["--zero", "4"], "--zero"),
+    (["--zero", "-1"], "--zero"),
+    (["--dp", "0"], "--dp"),
+    (["--tp", "0"], "--tp"),
+    (["--dp", "3", "--batch-size", "16"], "divisible"),
+    (["--device", "cuda"], "CUDA"),
+    (["--bucket-mb", "0"], "bucket"),
 ]
 
 
@@ -102,6 +109,15 @@ def test_bad_data_files(tmp_path, content):
     assert result.exit_code == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "needs at least" in result.stderr
     assert not out.exists()
+
+
+def test_world_size_must_match_torchrun(tmp_path, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(main, ["train", "--dp", "2", "--out", str(tmp_path / "never")])
+    assert result.exit_code == 2 and "torchrun started 4 processes" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "never").exists()
 
 
 def test_console_script_bad_input_is_one_line(tmp_path):
