@@ -7,9 +7,9 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
 if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "== precision: tokens/s, MFU and peak memory per policy, against torch.autocast (CUDA)"
-  "$py" bench/precision.py --model gpt2-124m --steps 30 --batch-size 16
-  "$py" bench/precision.py --model small --steps 40 --batch-size 64
+  "$py" bench/mixed_precision.py --model gpt2-124m --steps 30 --batch-size 16
+  "$py" bench/mixed_precision.py --model small --steps 40 --batch-size 64
 else
   echo "== precision (no CUDA device: small CPU sizes)"
-  "$py" bench/precision.py --model tiny --steps 6 --batch-size 8 --seq-len 64
+  "$py" bench/mixed_precision.py --model tiny --steps 6 --batch-size 8 --seq-len 64
 fi

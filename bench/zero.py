@@ -8,7 +8,9 @@ same ranks and backend (gloo on CPU, NCCL when every rank has a GPU):
   minigpt zero3  against  torch FSDP2 (fully_shard per block and on the root) + AdamW (fp32)
   minigpt zero1, zero2    for context (compared with DDP)
 
-Per run: the median step time over --steps steps after --warmup warm-up steps,
+Every run is repeated --rounds times, the runs taking turns, so a change in the
+machine's load falls on all of them. Per run: the median step time over the
+--steps steps after --warmup warm-up steps of every round,
 tokens/s, each rank's model-state memory (parameters + gradients + optimizer
 states, from the live tensors), the communication buffers where known, and the
 losses (ours and torch's should agree: same model, seed, batches and schedule).
@@ -56,12 +58,19 @@ STATE_ROLES = ("parameters", "gradients", "optimizer")
 class Job:
     cfg: TrainConfig  # the shared settings; `zero` is set per run
     warmup: int
+    rounds: int
     runs: tuple[str, ...]
     out_dir: str
     device: str  # "auto", "cpu" or "cuda"
 
 
 # ---------------------------------------------------------------- ours
+
+
+def dp_counters(comm: dict) -> dict:
+    """The data-parallel group's counters ({kind: {bytes, volume, calls}}), whether the
+    summary keeps them per group ({"dp": ..., "tp": ...}) or, for a dp-only run, flat."""
+    return comm["dp"] if isinstance(comm.get("dp"), dict) and "calls" not in comm["dp"] else comm
 
 
 def run_ours(cfg: TrainConfig, device: torch.device, warmup: int) -> dict | None:
@@ -84,7 +93,7 @@ def run_ours(cfg: TrainConfig, device: torch.device, warmup: int) -> dict | None
         "step_times_s": [r["step_time_s"] for r in records][warmup:],
         "losses": summary["losses"],
         "memory_per_rank": memory,
-        "comm_per_step": summary["comm_bytes_per_step"],
+        "comm_per_step": dp_counters(summary["comm_bytes_per_step"]),
         "comm_buffers_note": "peak of our buckets, staging and gathered units",
     }
 
@@ -121,7 +130,11 @@ def build_torch(kind: str, cfg: TrainConfig, device: torch.device):
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_mb,  # the same bucket size as ours (its first bucket stays 1 MiB)
+        )
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -169,7 +182,7 @@ def run_torch(kind: str, cfg: TrainConfig, device: torch.device, warmup: int) ->
     if kind == "ddp":
         logged = wrapped._get_ddp_logging_data()
         memory["comm_buffers"] = sum(int(s) for s in str(logged.get("bucket_sizes", "0")).split(",") if s)
-        note = f"DDP's reducer buckets as DDP reports them ({logged.get('bucket_sizes')} bytes), not measured"
+        note = "DDP's reducer buckets: the bucket bytes DDP logs at construction (all parameters once), not measured"
     else:
         memory["comm_buffers"] = None
         note = "not measured (FSDP2's all-gather and reduce-scatter buffers)"
@@ -190,26 +203,32 @@ def run_torch(kind: str, cfg: TrainConfig, device: torch.device, warmup: int) ->
 
 
 def bench_worker(job: Job) -> dict | None:
-    """Every run, one after the other, in this one spawned group; rank 0 returns the results."""
+    """Every run, in rounds, in this one spawned group; rank 0 returns the results.
+
+    The runs take turns (round 1: every run, round 2: every run again, ...), so a change
+    in the machine's load during the benchmark falls on all of them alike.
+    """
     device = init_worker(None if job.device == "auto" else job.device)
     try:
-        results = {}
-        for name in job.runs:
-            if name.startswith("zero"):
-                cfg = dataclasses.replace(
-                    job.cfg, zero=int(name[4:]), device=device.type, out_dir=os.path.join(job.out_dir, name)
-                )
-                results[name] = run_ours(cfg, device, job.warmup)
-            else:
-                results[name] = run_torch(name, job.cfg, device, job.warmup)
-            dist.barrier()
+        results: dict[str, dict] = {}
+        for round_index in range(job.rounds):
+            for name in job.runs:
+                if name.startswith("zero"):
+                    out_dir = os.path.join(job.out_dir, f"{name}-{round_index}")
+                    cfg = dataclasses.replace(job.cfg, zero=int(name[4:]), device=device.type, out_dir=out_dir)
+                    result = run_ours(cfg, device, job.warmup)
+                else:
+                    result = run_torch(name, job.cfg, device, job.warmup)
+                dist.barrier()
+                if result is None:
+                    continue
+                if name not in results:
+                    results[name] = result
+                else:  # same losses every round (deterministic); the step times pool
+                    results[name]["step_times_s"] += result["step_times_s"]
         if dist.get_rank() != 0:
             return None
-        return {
-            "device": describe_device(device),
-            "backend": dist.get_backend(),
-            "results": results,
-        }
+        return {"device": describe_device(device), "backend": dist.get_backend(), "results": results}
     finally:
         finish_worker()
 
@@ -245,6 +264,7 @@ def compare(rows: dict[str, dict]) -> None:
         row["step_time_ratio"] = row["step_ms"] / base["step_ms"]
         row["memory_ratio"] = row["model_state_bytes"] / base["model_state_bytes"]
         row["max_loss_gap"] = max(abs(a - b) for a, b in zip(row["losses"], base["losses"]))
+        row["last_loss_gap"] = abs(row["last_loss"] - base["last_loss"])
 
 
 def mib(value: int | None) -> str:
@@ -258,19 +278,24 @@ def fmt(row: dict, key: str, spec: str) -> str:
 def print_table(header: dict, rows: dict[str, dict]) -> None:
     print(" ".join(f"{k}={v}" for k, v in header.items()))
     print(
-        f"{'run':<7} {'step ms':>8} {'tokens/s':>9} {'states MiB':>10} {'params':>7} {'grads':>7} {'optim':>7} "
-        f"{'comm MiB':>8} {'vs':>6} {'time x':>7} {'mem x':>6} {'last loss':>9} {'max dloss':>9}"
+        f"{'run':<7} {'step ms':>8} {'min ms':>7} {'tokens/s':>9} {'states MiB':>10} {'params':>7} {'grads':>7} {'optim':>7} "
+        f"{'comm MiB':>8} {'vs':>6} {'time x':>7} {'mem x':>6} {'last loss':>9} {'dlast':>7} {'max dloss':>9}"
     )
     for row in rows.values():
         memory = row["memory_rank0"]
         ratio = row.get("baseline")
         print(
-            f"{row['run']:<7} {row['step_ms']:8.1f} {row['tokens_per_s']:9,.0f} {mib(row['model_state_bytes']):>10} "
+            f"{row['run']:<7} {row['step_ms']:8.1f} {row['step_ms_min']:7.1f} {row['tokens_per_s']:9,.0f} {mib(row['model_state_bytes']):>10} "
             f"{mib(memory['parameters']):>7} {mib(memory['gradients']):>7} {mib(memory['optimizer']):>7} "
             f"{mib(row['comm_buffer_bytes']):>8} {ratio or '':>6} "
             f"{fmt(row, 'step_time_ratio', '.2f'):>7} {fmt(row, 'memory_ratio', '.2f'):>6} "
-            f"{row['last_loss']:9.4f} {fmt(row, 'max_loss_gap', '.1e'):>9}"
+            f"{row['last_loss']:9.4f} {fmt(row, 'last_loss_gap', '.0e'):>7} {fmt(row, 'max_loss_gap', '.1e'):>9}"
         )
+    print(
+        "step ms: median over every timed step of every round; states: parameters + gradients + optimizer "
+        "states, MiB, the largest rank; params/grads/optim: rank 0; time x, mem x: ours / theirs; "
+        "dlast, max dloss: |loss difference| at the last step and the largest over all steps"
+    )
     print("\nour collectives in one step (calls, MiB of buffer):")
     for row in rows.values():
         if row["comm_per_step"]:
@@ -287,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int, default=2, help="data-parallel ranks (processes)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    parser.add_argument("--rounds", type=int, default=2, help="times every run is repeated, taking turns")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
-    parser.add_argument("--bucket-mb", type=float, default=TrainConfig.bucket_mb, help="our gradient bucket size")
+    parser.add_argument(
+        "--bucket-mb", type=float, default=1.0,
+        help="gradient bucket size of ours and of DDP (1 MiB: several buckets even for the tiny model)",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--runs", default=",".join(RUNS), help=f"a subset of {','.join(RUNS)}")
     parser.add_argument("--json", action="store_true")
@@ -300,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--runs takes names from {','.join(RUNS)}, got {args.runs!r}")
         if args.dp < 2:
             raise ConfigError(f"--dp must be at least 2 (DDP and FSDP2 need a group), got {args.dp}")
-        if args.warmup < 0 or args.steps < 1:
-            raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+        if args.warmup < 0 or args.steps < 1 or args.rounds < 1:
+            raise ConfigError("--steps and --rounds must be >= 1 and --warmup >= 0")
         model = preset(args.model)
         cfg = TrainConfig(
             model=model, steps=args.warmup + args.steps, global_batch=args.batch_size, dp=args.dp,
@@ -313,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = max(1, cores // args.dp)
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-zero-") as out_dir:
-        job = Job(cfg=cfg, warmup=args.warmup, runs=runs, out_dir=out_dir, device=args.device)
+        job = Job(cfg=cfg, warmup=args.warmup, rounds=args.rounds, runs=runs, out_dir=out_dir, device=args.device)
+        load_before = os.getloadavg()[0]
         started = time.perf_counter()
         report = launch(bench_worker, job, args.dp, threads_per_rank=threads)
         wall = time.perf_counter() - started
+        load_after = os.getloadavg()[0]
     rows = {name: summarize(name, result, cfg.tokens_per_step) for name, result in report["results"].items()}
     compare(rows)
     header = {
@@ -329,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         "threads_per_rank": threads,
         "global_batch": args.batch_size,
         "tokens_per_step": cfg.tokens_per_step,
-        "steps": f"{args.warmup}+{args.steps}",
+        "steps": f"{args.rounds}x({args.warmup}+{args.steps})",
         "bucket_mb": args.bucket_mb,
         "wall_s": round(wall, 1),
+        "load_1min": f"{load_before:.1f}->{load_after:.1f}",
     }
     if args.json:
         print(json.dumps({**header, "rows": list(rows.values())}))

@@ -51,6 +51,7 @@ def build_train_config(options: dict) -> TrainConfig:
         pp=options["pp"],
         dp=options["dp"],
         zero=options["zero"],
+        sequence_parallel=options["sequence_parallel"],
         bucket_mb=options["bucket_mb"],
         threads_per_rank=options["threads_per_rank"],
     )
@@ -110,6 +111,7 @@ def mib(n: int) -> str:
 @click.option("--pp", default=1, show_default=True, type=int, help="Pipeline-parallel size.")
 @click.option("--dp", default=1, show_default=True, type=int, help="Data-parallel size (tp x pp x dp processes).")
 @click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group: 0-3.")
+@click.option("--sequence-parallel", is_flag=True, help="Shard LayerNorm and dropout regions along the sequence (tp > 1).")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=float, help="Gradient bucket size in MiB.")
 @click.option("--threads-per-rank", type=int, help="CPU threads per rank [default: 1 with several ranks].")
 @click.option("--model", default="tiny", show_default=True, type=click.Choice(sorted(PRESETS)), help="Model preset.")
@@ -179,9 +181,10 @@ def train(as_json: bool, **options) -> None:
     )
     roles = list(summary["memory_per_rank"][0])
     print_table(["rank"] + roles, [[rank] + [mib(m[r]) for r in roles] for rank, m in enumerate(summary["memory_per_rank"])])
-    if summary["comm_bytes_per_step"]:
-        click.echo("\ncommunication per step on rank 0 (data-parallel group)")
-        print_table(
-            ["collective", "bytes", "calls"],
-            [[kind, mib(c["bytes"]), c["calls"]] for kind, c in summary["comm_bytes_per_step"].items()],
-        )
+    for group, counters in summary["comm_bytes_per_step"].items():
+        if counters:
+            click.echo(f"\ncommunication per step on rank 0 ({group} group)")
+            print_table(
+                ["collective", "bytes", "ZeRO volume", "calls"],
+                [[kind, mib(c["bytes"]), mib(c["volume"]), c["calls"]] for kind, c in counters.items()],
+            )

@@ -4,8 +4,9 @@ No distributed code lives here. Parallelism is applied from outside
 (`parallel/`): tensor parallelism swaps modules (`qkv`, `proj`, `fc1`, `fc2`,
 `tok_emb`, `head`) for sharded ones, and pipeline parallelism runs
 `embed`, slices of `blocks`, and `logits`/`loss` on different ranks. To make that
-possible the attention infers its number of heads from the qkv output, so a
-column-sharded qkv simply carries fewer heads.
+possible the attention reads its shapes from the qkv output, so a column-sharded
+qkv simply carries fewer heads (and, under sequence parallelism, the whole
+sequence gathered from the pieces its input had).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
         qkv = self.qkv(x)
-        heads = qkv.shape[-1] // (3 * self.head_dim)
+        batch, seq, width = qkv.shape  # read from qkv: a sharded qkv may return other shapes than x
+        heads = width // (3 * self.head_dim)
         # (batch, seq, 3, heads, head_dim) -> three tensors of (batch, heads, seq, head_dim)
         q, k, v = qkv.view(batch, seq, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -65,6 +66,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class NextTokenLoss(nn.Module):
+    """Mean next-token cross-entropy over every position (computed in fp32)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -77,6 +85,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tied_head:
             self.head.weight = self.tok_emb.weight
+        self.loss = NextTokenLoss()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -104,11 +113,6 @@ class GPT(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm_f(x))
-
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over every position."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for `idx`, or the mean loss when `targets` are given."""

@@ -28,6 +28,7 @@ from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
 from parallel.run_files import RunFiles, default_run_dir
+from parallel.tensor import parallelize
 from parallel.train_config import TrainConfig
 from parallel.zero import make_data_parallel
 from precision.compute import apply_precision, dtype_of, needs_emulation
@@ -96,6 +97,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     policy = precision_policy(cfg.precision)
     torch.manual_seed(cfg.seed)
     model = apply_precision(GPT(cfg.model), policy, device)  # built on the CPU in fp32, then cast
+    tp_comm = Collectives(mesh.group("tp"), "tp")
+    replicated = parallelize(model, tp_comm, cfg.sequence_parallel)
     dp_comm = Collectives(mesh.group("dp"), "dp")
     bucket_numel = max(1, int(cfg.bucket_mb * 2**20) // dtype_of(policy.compute).itemsize)
     data_parallel = make_data_parallel(cfg.zero, model, dp_comm, bucket_numel)
@@ -106,6 +109,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         weight_decay=cfg.weight_decay,
         decay_ranges=data_parallel.decay_ranges,
         masters_are_weights=policy.master is None,
+        shared_ranges=data_parallel.ranges_of(replicated),
+        shared_copies=mesh.tp,
     )
     scaler = make_scaler(cfg, policy.loss_scaling)
     layout = BatchLayout(cfg.global_batch, cfg.micro_batches, cfg.dp)
@@ -126,6 +131,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         for step in range(cfg.steps):
             lr = cfg.learning_rate(step)
             dp_comm.reset_counters()
+            tp_comm.reset_counters()
             synchronize(device)
             start = time.perf_counter()
             data_parallel.begin_step()
@@ -149,15 +155,15 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
                 lr,
                 grad_clip=cfg.grad_clip,
                 scaler=scaler,
-                reduce_max=data_parallel.reduce_max,
-                reduce_sum=data_parallel.reduce_sum,
+                reduce_max=lambda value: tp_comm.max(data_parallel.reduce_max(value)),
+                reduce_sum=lambda value: tp_comm.sum(data_parallel.reduce_sum(value)),
             )
             if not result.skipped:
                 data_parallel.after_update()
             data_parallel.end_step()
             synchronize(device)
             step_time = time.perf_counter() - start
-            comm_per_step = dp_comm.counters()
+            comm_per_step = {"dp": dp_comm.counters(), "tp": tp_comm.counters()}
 
             loss_value = mean_over(mesh.group("dp"), loss_sum / cfg.micro_batches, mesh.dp)
             if scaler is None and (result.skipped or not math.isfinite(loss_value)):
@@ -205,7 +211,13 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         "data": corpus.source,
         "device": describe_device(device),
         "world_size": cfg.world_size,
-        "layout": {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "zero": data_parallel.stage},
+        "layout": {
+            "tp": cfg.tp,
+            "pp": cfg.pp,
+            "dp": cfg.dp,
+            "zero": data_parallel.stage,
+            "sequence_parallel": cfg.sequence_parallel,
+        },
         "precision": policy.as_dict(),
         "compute_path": "emulated on CPU (16-bit storage, fp32 accumulation)"
         if needs_emulation(policy, device)

@@ -15,6 +15,19 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = tuple(POLICIES)
 
 
+def check_tensor_parallel(n_heads: int, d_ff: int, seq_len: int, tp: int, sequence_parallel: bool) -> None:
+    """Everything about a tensor-parallel layout that the shape decides."""
+    if n_heads % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {n_heads} attention heads: choose a tp that divides them")
+    if d_ff % tp:
+        raise ConfigError(f"--tp {tp} does not divide the MLP width {d_ff}: choose a tp that divides it")
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(
+            f"sequence parallelism needs --tp {tp} to divide the sequence length {seq_len}: change one of them"
+        )
+
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
@@ -42,6 +55,7 @@ class TrainConfig:
     pp: int = 1
     dp: int = 1
     zero: int = 0
+    sequence_parallel: bool = False
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     threads_per_rank: int | None = None  # None: torch's default for one process, 1 per rank otherwise
 
@@ -59,10 +73,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"--{name} must be a positive integer, got {value!r}")
-        if self.tp > 1 or self.pp > 1:
-            raise ConfigError(
-                "tensor and pipeline parallelism are not built yet: use --tp 1 --pp 1 (data parallelism works)"
-            )
+        if self.pp > 1:
+            raise ConfigError("pipeline parallelism is not built yet: use --pp 1 (data and tensor parallelism work)")
+        check_tensor_parallel(self.model.n_heads, self.model.d_ff, self.model.seq_len, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):

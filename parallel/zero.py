@@ -65,6 +65,10 @@ class Replicated:
     def decay_ranges(self) -> list[tuple[int, int]]:
         return self.flat.decay_ranges(self.ranges)
 
+    def ranges_of(self, param_ids: set[int]) -> list[tuple[int, int]]:
+        """Where the parameters `param_ids` lie in `weights` laid end to end."""
+        return self.flat.local_ranges(self.ranges, lambda index: id(self.flat.params[index]) in param_ids)
+
     # ---------------------------------------------------------------- the step
 
     def begin_step(self) -> None:
@@ -112,7 +116,9 @@ class Replicated:
     def finish_grads(self) -> torch.Tensor:
         """Wait for every collective; the optimizer's gradients, laid out like `weights` end to end."""
         self.wait_in_flight()
-        return gather_ranges(self.flat.grad, self.ranges) if len(self.ranges) > 1 else self.flat.grad
+        if self.ranges == [(0, self.flat.padded_numel)]:
+            return self.flat.grad  # this rank owns everything: no copy
+        return gather_ranges(self.flat.grad, self.ranges)
 
     def after_update(self) -> None:
         """Nothing to do: every rank updated every weight."""

@@ -84,14 +84,22 @@ class ShardedParameters:
             self.weights[offset : offset + unit.piece].copy_(unit.flat.data[start : start + unit.piece])
             self.free(unit)
         self.shard_grad = torch.zeros_like(self.weights)
-        self.decay_ranges = []
-        for unit, offset in zip(self.units, offsets):
-            start = comm.rank * unit.piece
-            ranges = unit.flat.decay_ranges([(start, start + unit.piece)])
-            self.decay_ranges += [(offset + lo, offset + hi) for lo, hi in ranges]
+        self.decay_ranges = self.local_ranges(lambda flat, index: flat.segments[index].decay)
         self.in_flight: list[tuple] = []
         self.comm_buffer_peak = 0
         self.install_hooks()
+
+    def local_ranges(self, select) -> list[tuple[int, int]]:
+        """The parts of the parameters `select(flat, index)` picks, in `weights` coordinates."""
+        found = []
+        for unit, offset in zip(self.units, self.offsets):
+            start = self.comm.rank * unit.piece
+            ranges = unit.flat.local_ranges([(start, start + unit.piece)], lambda i, f=unit.flat: select(f, i))
+            found += [(offset + lo, offset + hi) for lo, hi in ranges]
+        return found
+
+    def ranges_of(self, param_ids: set[int]) -> list[tuple[int, int]]:
+        return self.local_ranges(lambda flat, index: id(flat.params[index]) in param_ids)
 
     # ---------------------------------------------------------------- gather and free
 

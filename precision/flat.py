@@ -102,11 +102,15 @@ class FlatParameters:
 
     def decay_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Where weight decay applies, in the coordinates of `ranges` laid end to end."""
+        return self.local_ranges(ranges, lambda index: self.segments[index].decay)
+
+    def local_ranges(self, ranges: list[tuple[int, int]], select) -> list[tuple[int, int]]:
+        """The parts of the parameters `select(index)` picks, in the coordinates of `ranges` laid end to end."""
         local, base = [], 0
         for start, end in ranges:
-            for segment in self.segments:
+            for index, segment in enumerate(self.segments):
                 lo, hi = max(segment.start, start), min(segment.end, end)
-                if segment.decay and lo < hi:
+                if lo < hi and select(index):
                     local.append((base + lo - start, base + hi - start))
             base += end - start
         return local

@@ -22,7 +22,7 @@ BF16_TOLERANCE = 1e-3  # bf16 sums gradients in another order per layout (8e-5 s
 def run_config(cfg: TrainConfig, out_dir: str) -> dict:
     cfg = dataclasses.replace(cfg, out_dir=out_dir)
     summary = train_on_rank(cfg, torch.device("cpu"))
-    return {"losses": summary["losses"], "memory": summary["memory_per_rank"], "comm": summary["comm_bytes_per_step"]} if summary else None
+    return {"losses": summary["losses"], "memory": summary["memory_per_rank"], "comm": summary["comm_bytes_per_step"]["dp"]} if summary else None
 
 
 def every_stage(dp: int, out_dir: str) -> dict:
@@ -87,6 +87,11 @@ def test_each_stage_shards_what_it_promises(stages):
     for memory in (zero0, zero1, zero2):
         assert full <= memory["parameters"] <= full * slack
     assert full / dp <= zero3["parameters"] <= full / dp * slack
+    if "zero3-bf16" in results:  # mixed precision: the paper's 16P/N for stage 3 (2 + 2 + 4 + 4 + 4 bytes)
+        bf16 = rank0("zero3-bf16")
+        states = sum(bf16[k] for k in ("parameters", "gradients", "master_weights", "adam_m", "adam_v"))
+        assert 16 * MODEL.n_params() / dp <= states <= 16 * MODEL.n_params() / dp * slack
+        assert bf16["parameters"] * 2 == bf16["master_weights"]  # bf16 weights, fp32 masters
     for name in results:  # every rank holds the same shard sizes
         shapes = {(m["parameters"], m["gradients"], m["adam_m"], m["master_weights"]) for m in results[name]["memory"]}
         assert len(shapes) == 1, name

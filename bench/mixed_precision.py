@@ -4,7 +4,7 @@ Not a test: it prints a table (and --json). On CPU our 16-bit paths are
 emulated (16-bit storage, fp32 accumulation) while autocast runs native 16-bit
 CPU kernels; on CUDA both are native.
 
-    python bench/precision.py --model tiny --steps 30
+    python bench/mixed_precision.py --model tiny --steps 30
 """
 
 from __future__ import annotations
