@@ -48,10 +48,12 @@ def main() -> None:
 
 def _register() -> None:
     from cli.numerics import numerics
+    from cli.schedule import schedule
     from cli.train import train
 
     main.add_command(train)
     main.add_command(numerics)
+    main.add_command(schedule)
 
 
 _register()

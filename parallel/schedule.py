@@ -69,6 +69,7 @@ from parallel.schedule_check import (
     Timeline,
     bubble_fraction,
     closed_form_bubble,
+    match_pairs,
     peak_in_flight,
     simulate_order,
     validate,
@@ -81,7 +82,7 @@ __all__ = [
     "RecvActivation", "RecvGrad", "ReduceScatterGrads", "Schedule", "ScheduleConfig", "SendActivation",
     "SendGrad", "TimedAction", "Timeline", "batches", "bubble_fraction", "build_schedule", "chunk_layers",
     "chunk_rank", "closed_form_bubble", "compute_order", "compute_slots", "count_kinds", "input_recv",
-    "local_chunk", "output_send", "peak_in_flight", "reduce_kind", "simulate_order", "validate",
+    "local_chunk", "match_pairs", "output_send", "peak_in_flight", "reduce_kind", "simulate_order", "validate",
 ]
 
 
@@ -139,11 +140,13 @@ def compute_order(config: ScheduleConfig, rank: int) -> list[Compute]:
 
 
 def _gpipe(config: ScheduleConfig, rank: int) -> list[list[Compute]]:
+    """All m activations live at once; the backwards free them last-in first-out."""
     m = config.micro_batches
     return [[Forward(i, rank)] for i in range(m)] + [[Backward(i, rank)] for i in reversed(range(m))]
 
 
 def _one_f_one_b(config: ScheduleConfig, rank: int) -> list[list[Compute]]:
+    """GPipe's bubble with at most p - rank activations alive: a backward frees one as soon as it can."""
     m = config.micro_batches
     warmup = min(config.pp - rank - 1, m)
     slots: list[list[Compute]] = [[Forward(i, rank)] for i in range(warmup)]
@@ -153,10 +156,12 @@ def _one_f_one_b(config: ScheduleConfig, rank: int) -> list[list[Compute]]:
 
 
 def _interleaved(config: ScheduleConfig, rank: int) -> list[list[Compute]]:
+    """v chunks a rank shrink the bubble v times, for v times the messages and a deeper warm-up."""
     p, v, m = config.pp, config.virtual_chunks, config.micro_batches
     total = m * v
 
     def step(k: int, backward: bool) -> tuple[int, int]:
+        """(micro-batch, global chunk) of the rank's k-th forward or backward."""
         group, within = divmod(k, p * v)
         local = within // p
         if backward:
@@ -171,6 +176,7 @@ def _interleaved(config: ScheduleConfig, rank: int) -> list[list[Compute]]:
 
 
 def _zb_h1(config: ScheduleConfig, rank: int) -> list[list[Compute]]:
+    """Input gradients run ahead on the critical path; held-back weight gradients fill the cool-down."""
     m = config.micro_batches
     warmup = min(config.pp - rank - 1, m)
     held_back = rank  # rank r keeps p - r - 1 + 1 + r = p activations at most

@@ -237,7 +237,7 @@ class ScheduleConfig:
         for label, value in (("pipeline size (pp)", self.pp), ("micro-batches", self.micro_batches),
                              ("virtual chunks", self.virtual_chunks), ("buckets per chunk", self.buckets)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{label} must be a whole number >= 1, got {value!r}: pass 1 or more")
         if self.kind not in KINDS:
             raise ConfigError(f"unknown schedule {self.kind!r}: choose one of {', '.join(KINDS)}")
         if self.zero_stage not in ZERO_STAGES:
@@ -250,7 +250,8 @@ class ScheduleConfig:
         if self.kind == "interleaved" and self.micro_batches % self.pp:
             raise ConfigError(
                 f"the interleaved schedule needs micro-batches to be a multiple of the pipeline size: "
-                f"{self.micro_batches} is not a multiple of {self.pp}; use e.g. {self.pp * -(-self.micro_batches // self.pp)}"
+                f"{self.micro_batches} is not a multiple of {self.pp}; "
+                f"use e.g. {self.pp * -(-self.micro_batches // self.pp)}"
             )
 
     @property

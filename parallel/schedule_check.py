@@ -34,8 +34,8 @@ from parallel.schedule_actions import (
 )
 from parallel.schedule_run import COMPUTE_TYPES, Costs, TimedAction, Timeline, run_symbolically
 
-__all__ = ["Costs", "TimedAction", "Timeline", "bubble_fraction", "closed_form_bubble", "peak_in_flight",
-           "simulate_order", "validate"]
+__all__ = ["Costs", "TimedAction", "Timeline", "bubble_fraction", "closed_form_bubble", "match_pairs",
+           "peak_in_flight", "simulate_order", "validate"]
 
 
 def validate(schedule: Schedule) -> None:
@@ -46,7 +46,7 @@ def validate(schedule: Schedule) -> None:
 def simulate_order(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
     """Run the schedule symbolically (proving it) and return when each action runs."""
     _check_actions(schedule)
-    return run_symbolically(schedule, _match_pairs(schedule), costs)
+    return run_symbolically(schedule, match_pairs(schedule), costs)
 
 
 def bubble_fraction(schedule: Schedule, costs: Costs = Costs()) -> float:
@@ -117,12 +117,14 @@ def _problem(action, rank, config, chunks, p, stage, gather_phases) -> str | Non
         if not 0 <= peer_chunk < chunks:
             return f"chunk {chunk} has no neighbour chunk {peer_chunk} to talk to"
         if action.peer_chunk != peer_chunk or action.peer != peer_chunk % p:
-            return f"its peer is chunk {peer_chunk} on rank {peer_chunk % p}, not chunk {action.peer_chunk} on rank {action.peer}"
+            return (f"its peer is chunk {peer_chunk} on rank {peer_chunk % p}, "
+                    f"not chunk {action.peer_chunk} on rank {action.peer}")
         if peer_chunk % p == rank:
             return f"chunks {chunk} and {peer_chunk} are both here; they hand over in memory, without a send or receive"
     if isinstance(action, (AllReduceGrads, ReduceScatterGrads)) and type(action) is not reduce_kind(stage):
         return f"ZeRO stage {stage} reduces gradients with {reduce_kind(stage).__name__}"
-    if isinstance(action, (AllReduceGrads, ReduceScatterGrads, GatherParams)) and not 0 <= action.bucket < config.buckets:
+    bucketed = isinstance(action, (AllReduceGrads, ReduceScatterGrads, GatherParams))
+    if bucketed and not 0 <= action.bucket < config.buckets:
         return f"bucket out of range 0..{config.buckets - 1}"
     if isinstance(action, GatherParams) and action.phase not in gather_phases:
         return f"ZeRO stage {stage} gathers weights only in phases {gather_phases}"
@@ -136,8 +138,13 @@ def _transfer(op: PointToPoint) -> tuple[bool, int, int]:
     return type(op) is RecvGrad, op.micro_batch, op.peer_chunk
 
 
-def _match_pairs(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
-    """Pair every send with its receive, in posting order per direction; (rank, index) -> (rank, index)."""
+def match_pairs(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
+    """Pair every send with its receive: (rank, index in its list) -> the partner's (rank, index).
+
+    Between two ranks, per direction, the k-th send meets the k-th receive (posting
+    order), as in NCCL; an interpreter can use this map instead of matching again.
+    Assumes the actions passed the per-action checks (`validate` runs those first).
+    """
     sends: dict[tuple[int, int], list[tuple[int, PointToPoint]]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[tuple[int, PointToPoint]]] = defaultdict(list)
     for rank, actions in enumerate(schedule.actions):

@@ -66,7 +66,8 @@ def input_recv(config: ScheduleConfig, rank: int, action: Compute) -> PointToPoi
     mb, chunk, p = action.micro_batch, action.chunk, config.pp
     if isinstance(action, Forward) and chunk > 0 and chunk_rank(chunk - 1, p) != rank:
         return RecvActivation(mb, chunk, chunk_rank(chunk - 1, p), chunk - 1)
-    if isinstance(action, (Backward, BackwardInput)) and chunk < config.num_chunks - 1 and chunk_rank(chunk + 1, p) != rank:
+    backward = isinstance(action, (Backward, BackwardInput))
+    if backward and chunk < config.num_chunks - 1 and chunk_rank(chunk + 1, p) != rank:
         return RecvGrad(mb, chunk, chunk_rank(chunk + 1, p), chunk + 1)
     return None
 
@@ -99,7 +100,8 @@ def slot_boundaries(config: ScheduleConfig, rank: int, slots: list[list[Compute]
     return boundaries
 
 
-def unit_times(config: ScheduleConfig, orders: list[list[Compute]], costs: Costs = Costs()) -> list[list[tuple[int, int]]]:
+def unit_times(config: ScheduleConfig, orders: list[list[Compute]],
+               costs: Costs = Costs()) -> list[list[tuple[int, int]]]:
     """(start, end) of every compute when communication is free and instant: the ideal timing of the orders."""
     finished: dict[tuple[str, int, int], int] = {}
     times: list[list[tuple[int, int]]] = [[] for _ in orders]
