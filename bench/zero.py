@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -31,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# `python bench/zero.py` puts bench/ first on sys.path, where bench/precision.py would shadow
-# the precision package: look up imports from the repository root instead.
+# `python bench/zero.py` puts bench/ first on sys.path, where a script named like one of our
+# packages (a bench/precision.py once) would shadow it: imports come from the repository root.
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(_BENCH_DIR)] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH_DIR]
 
@@ -95,6 +94,7 @@ def run_ours(cfg: TrainConfig, device: torch.device, warmup: int) -> dict | None
         "memory_per_rank": memory,
         "comm_per_step": dp_counters(summary["comm_bytes_per_step"]),
         "comm_buffers_note": "peak of our buckets, staging and gathered units",
+        "peak_memory_bytes": summary["peak_memory_bytes"],
     }
 
 
@@ -133,7 +133,7 @@ def build_torch(kind: str, cfg: TrainConfig, device: torch.device):
         wrapped = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=cfg.bucket_mb,  # the same bucket size as ours (its first bucket stays 1 MiB)
+            bucket_cap_mb=cfg.bucket_mb,  # the same bucket size as ours, first bucket included
         )
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -160,6 +160,8 @@ def run_torch(kind: str, cfg: TrainConfig, device: torch.device, warmup: int) ->
     wrapped, model, optimizer = build_torch(kind, cfg, device)
     layout = BatchLayout(cfg.global_batch, cfg.micro_batches, cfg.dp)
     rank, size = dist.get_rank(), dist.get_world_size()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # where train_on_rank resets it: model and optimizer built
     step_times, losses = [], []
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
@@ -196,6 +198,7 @@ def run_torch(kind: str, cfg: TrainConfig, device: torch.device, warmup: int) ->
         "memory_per_rank": memory_per_rank,
         "comm_per_step": None,
         "comm_buffers_note": note,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
 
 
@@ -222,6 +225,8 @@ def bench_worker(job: Job) -> dict | None:
                 dist.barrier()
                 if result is None:
                     continue
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
                 if name not in results:
                     results[name] = result
                 else:  # same losses every round (deterministic); the step times pool
@@ -248,6 +253,7 @@ def summarize(name: str, result: dict, tokens_per_step: int) -> dict:
         "comm_buffer_bytes": None if None in buffers else max(buffers),
         "comm_buffers_note": result["comm_buffers_note"],
         "comm_per_step": result["comm_per_step"],
+        "peak_memory_bytes": result["peak_memory_bytes"],  # CUDA only: rank 0's allocator peak
         "first_loss": result["losses"][0],
         "last_loss": result["losses"][-1],
         "losses": result["losses"],
@@ -278,15 +284,17 @@ def fmt(row: dict, key: str, spec: str) -> str:
 def print_table(header: dict, rows: dict[str, dict]) -> None:
     print(" ".join(f"{k}={v}" for k, v in header.items()))
     print(
-        f"{'run':<7} {'step ms':>8} {'min ms':>7} {'tokens/s':>9} {'states MiB':>10} {'params':>7} {'grads':>7} {'optim':>7} "
-        f"{'comm MiB':>8} {'vs':>6} {'time x':>7} {'mem x':>6} {'last loss':>9} {'dlast':>7} {'max dloss':>9}"
+        f"{'run':<7} {'step ms':>8} {'min ms':>7} {'tokens/s':>9} {'states MiB':>10} {'params':>7} {'grads':>7} "
+        f"{'optim':>7} {'comm MiB':>8} {'vs':>6} {'time x':>7} {'mem x':>6} {'last loss':>9} {'dlast':>7} "
+        f"{'max dloss':>9}"
     )
     for row in rows.values():
         memory = row["memory_rank0"]
         ratio = row.get("baseline")
         print(
-            f"{row['run']:<7} {row['step_ms']:8.1f} {row['step_ms_min']:7.1f} {row['tokens_per_s']:9,.0f} {mib(row['model_state_bytes']):>10} "
-            f"{mib(memory['parameters']):>7} {mib(memory['gradients']):>7} {mib(memory['optimizer']):>7} "
+            f"{row['run']:<7} {row['step_ms']:8.1f} {row['step_ms_min']:7.1f} {row['tokens_per_s']:9,.0f} "
+            f"{mib(row['model_state_bytes']):>10} {mib(memory['parameters']):>7} {mib(memory['gradients']):>7} "
+            f"{mib(memory['optimizer']):>7} "
             f"{mib(row['comm_buffer_bytes']):>8} {ratio or '':>6} "
             f"{fmt(row, 'step_time_ratio', '.2f'):>7} {fmt(row, 'memory_ratio', '.2f'):>6} "
             f"{row['last_loss']:9.4f} {fmt(row, 'last_loss_gap', '.0e'):>7} {fmt(row, 'max_loss_gap', '.1e'):>9}"
@@ -304,6 +312,9 @@ def print_table(header: dict, rows: dict[str, dict]) -> None:
     for row in rows.values():
         if not row["run"].startswith("zero"):
             print(f"comm buffers of {row['run']}: {row['comm_buffers_note']}")
+    if any(row["peak_memory_bytes"] for row in rows.values()):
+        peaks = ", ".join(f"{row['run']} {mib(row['peak_memory_bytes'])}" for row in rows.values())
+        print(f"CUDA peak allocated on rank 0, MiB: {peaks}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="times every run is repeated, taking turns")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     parser.add_argument(
-        "--bucket-mb", type=float, default=1.0,
-        help="gradient bucket size of ours and of DDP (1 MiB: several buckets even for the tiny model)",
+        "--bucket-mb", type=float, default=TrainConfig.bucket_mb,
+        help="gradient bucket size, MiB, of ours and of DDP (default: ours, which is DDP's default cap)",
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--runs", default=",".join(RUNS), help=f"a subset of {','.join(RUNS)}")

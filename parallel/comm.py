@@ -46,6 +46,10 @@ class Collectives:
         self.volume[kind] += 2 * size if kind == "all_reduce" else size
         self.calls[kind] += 1
 
+    def count(self, kind: str, tensor: torch.Tensor) -> None:
+        """Count a point-to-point transfer made elsewhere (the pipeline's sends)."""
+        self._count(kind, tensor)
+
     def reset_counters(self) -> None:
         self.bytes.clear()
         self.volume.clear()

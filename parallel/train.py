@@ -21,20 +21,17 @@ import torch.distributed as dist
 
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import TrainingError
-from minigpt.model import GPT
-from parallel.comm import Collectives
+from parallel.build import Rank, build_rank
 from parallel.device import describe_device, measure_peak_flops, synchronize
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
 from parallel.run_files import RunFiles, default_run_dir
-from parallel.tensor import parallelize
+from parallel.trace import Trace, breakdown, write_chrome_trace
 from parallel.train_config import TrainConfig
-from parallel.zero import make_data_parallel
-from precision.compute import apply_precision, dtype_of, needs_emulation
+from precision.compute import dtype_of, needs_emulation
 from precision.optimizer import MasterAdamW, state_bytes
 from precision.policy import TEXTBOOK_MIXED_ADAM, policy as precision_policy
-from precision.scaler import LossScaler
 
 StepLog = Callable[[dict], None]
 
@@ -61,14 +58,6 @@ def run_worker(args: tuple[TrainConfig, StepLog | None]) -> dict | None:
         finish_worker()
 
 
-def make_scaler(cfg: TrainConfig, loss_scaling: bool) -> LossScaler | None:
-    if not loss_scaling:
-        return None
-    if cfg.loss_scale is not None:
-        return LossScaler.static(cfg.loss_scale)
-    return LossScaler(growth_interval=cfg.loss_scale_window)
-
-
 def mean_over(group, value: float, size: int) -> float:
     """The mean of a Python number over a group (not counted as training traffic)."""
     if group is None:
@@ -78,42 +67,36 @@ def mean_over(group, value: float, size: int) -> float:
     return float(tensor[0]) / size
 
 
-@torch.no_grad()
-def evaluate(model: GPT, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
-    """Validation loss on fixed batches; every rank runs it (ZeRO-3 needs all of them)."""
-    model.eval()
+def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
+    """Validation loss on fixed batches; every rank runs it (the pipeline and ZeRO-3 need all of them)."""
+    rank.stage.eval()
     batch = max(1, cfg.global_batch // (cfg.micro_batches * cfg.dp))
     losses = [
-        model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)).item()
+        rank.executor.evaluate(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
         for x, y in validation_batches(corpus.val, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)
     ]
-    model.train()
+    rank.stage.train()
+    rank.data_parallel.end_step()
     return sum(losses) / len(losses)
+
+
+def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, dp_rank: int, device: torch.device):
+    """This data-parallel rank's inputs and targets of every micro-batch of a step."""
+    layout = BatchLayout(cfg.global_batch, cfg.micro_batches, cfg.dp)
+    inputs, targets = [], []
+    for micro in range(cfg.micro_batches):
+        x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro, dp_rank)
+        inputs.append(torch.from_numpy(x).to(device))
+        targets.append(torch.from_numpy(y).to(device))
+    return inputs, targets
 
 
 def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | None = None) -> dict | None:
     mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device)
     corpus = Corpus.load(cfg.data, cfg.model.seq_len)
     policy = precision_policy(cfg.precision)
-    torch.manual_seed(cfg.seed)
-    model = apply_precision(GPT(cfg.model), policy, device)  # built on the CPU in fp32, then cast
-    tp_comm = Collectives(mesh.group("tp"), "tp")
-    replicated = parallelize(model, tp_comm, cfg.sequence_parallel)
-    dp_comm = Collectives(mesh.group("dp"), "dp")
-    bucket_numel = max(1, int(cfg.bucket_mb * 2**20) // dtype_of(policy.compute).itemsize)
-    data_parallel = make_data_parallel(cfg.zero, model, dp_comm, bucket_numel)
-    optimizer = MasterAdamW(
-        data_parallel.weights,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        weight_decay=cfg.weight_decay,
-        decay_ranges=data_parallel.decay_ranges,
-        masters_are_weights=policy.master is None,
-        shared_ranges=data_parallel.ranges_of(replicated),
-        shared_copies=mesh.tp,
-    )
-    scaler = make_scaler(cfg, policy.loss_scaling)
-    layout = BatchLayout(cfg.global_batch, cfg.micro_batches, cfg.dp)
+    rank = build_rank(cfg, mesh, device, policy)
+    data_parallel, optimizer, scaler = rank.data_parallel, rank.optimizer, rank.scaler
     # Emulated 16-bit matmuls run as fp32 matmuls, so the CPU's fp32 rate is their peak.
     peak_dtype = torch.float32 if needs_emulation(policy, device) else dtype_of(policy.compute)
     peak_flops = measure_peak_flops(device, peak_dtype)
@@ -126,46 +109,38 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     if run:
         run.write_json("config.json", {"train": cfg.as_dict(), "data": corpus.source})
 
-    losses, step_times, val_history, comm_per_step = [], [], [], {}
+    def scale(loss: torch.Tensor) -> torch.Tensor:
+        return scaler.scale_loss(loss) if scaler else loss
+
+    losses, step_times, val_history, comm_per_step, trace = [], [], [], {}, Trace(mesh.rank)
     try:
         for step in range(cfg.steps):
             lr = cfg.learning_rate(step)
-            dp_comm.reset_counters()
-            tp_comm.reset_counters()
+            for comm in rank.comms.values():
+                comm.reset_counters()
+            inputs, targets = micro_batches(corpus, cfg, step, mesh.dp_rank, device)
             synchronize(device)
             start = time.perf_counter()
             data_parallel.begin_step()
-            loss_sum = 0.0
-            for micro in range(cfg.micro_batches):
-                data_parallel.begin_micro_batch(last=micro == cfg.micro_batches - 1)
-                x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro, mesh.dp_rank)
-                x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
-                if step == 0 and micro == 0:
-                    with activations.measure_forward():
-                        loss = model(x, y)
-                else:
-                    loss = model(x, y)
-                scaled = loss / cfg.micro_batches
-                (scaler.scale_loss(scaled) if scaler else scaled).backward()
-                data_parallel.end_micro_batch()
-                loss_sum += loss.item()
+            record = rank.executor.run_step(inputs, targets, scale, activations if step == 0 else None)
+            dp_start = time.perf_counter()
             grads = data_parallel.finish_grads()
             result = optimizer.step(
-                grads,
-                lr,
-                grad_clip=cfg.grad_clip,
-                scaler=scaler,
-                reduce_max=lambda value: tp_comm.max(data_parallel.reduce_max(value)),
-                reduce_sum=lambda value: tp_comm.sum(data_parallel.reduce_sum(value)),
+                grads, lr, grad_clip=cfg.grad_clip, scaler=scaler,
+                reduce_max=rank.reduce_max, reduce_sum=rank.reduce_sum,
             )
             if not result.skipped:
                 data_parallel.after_update()
             data_parallel.end_step()
             synchronize(device)
-            step_time = time.perf_counter() - start
-            comm_per_step = {"dp": dp_comm.counters(), "tp": tp_comm.counters()}
+            end = time.perf_counter()
+            record.events.append(("GradReduce+OptimizerStep", "dp", dp_start, end))
+            trace.add_step(step, start, end, record.events)
+            step_time = end - start
+            comm_per_step = {dim: comm.counters() for dim, comm in rank.comms.items()}
 
-            loss_value = mean_over(mesh.group("dp"), loss_sum / cfg.micro_batches, mesh.dp)
+            loss_value = mean_over(mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1)
+            loss_value = mean_over(mesh.group("dp"), loss_value, mesh.dp)
             if scaler is None and (result.skipped or not math.isfinite(loss_value)):
                 raise TrainingError(
                     f"step {step}: the loss is {loss_value} and the gradients are "
@@ -175,7 +150,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             losses.append(loss_value)
             step_times.append(step_time)
             tokens_per_s = cfg.tokens_per_step / step_time
-            record = {
+            record_out = {
                 "step": step,
                 "loss": loss_value,
                 "lr": lr,
@@ -187,21 +162,22 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
                 "mfu": flops_per_token * tokens_per_s / (peak_flops * cfg.world_size),
             }
             if (step + 1) % cfg.eval_interval == 0 or step == cfg.steps - 1:
-                record["val_loss"] = evaluate(model, corpus, cfg, device)
-                val_history.append({"step": step, "val_loss": record["val_loss"]})
-                data_parallel.end_step()
+                record_out["val_loss"] = evaluate(rank, corpus, cfg, device)
+                val_history.append({"step": step, "val_loss": record_out["val_loss"]})
             if run:
-                run.log(record)
+                run.log(record_out)
                 if on_step is not None:
-                    on_step(record)
+                    on_step(record_out)
     finally:
         if run:
             run.close()
 
-    memory = rank_memory(data_parallel, optimizer, activations, cfg, device)
+    memory = rank_memory(data_parallel, optimizer, activations)
     memory_per_rank = gather_from_all(mesh, memory)
+    timelines = gather_from_all(mesh, trace.as_dict())
     if not is_logger:
         return None
+    trace_path = write_chrome_trace(Path(cfg.out_dir) / "trace.json", timelines)
     step_time_s = statistics.median(step_times)
     tokens_per_s = cfg.tokens_per_step / step_time_s
     finite = [loss for loss in losses if math.isfinite(loss)]
@@ -217,6 +193,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             "dp": cfg.dp,
             "zero": data_parallel.stage,
             "sequence_parallel": cfg.sequence_parallel,
+            "schedule": cfg.schedule,
+            "virtual_chunks": cfg.virtual_chunks,
         },
         "precision": policy.as_dict(),
         "compute_path": "emulated on CPU (16-bit storage, fp32 accumulation)"
@@ -236,6 +214,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         },
         "memory_per_rank": memory_per_rank,
         "comm_bytes_per_step": comm_per_step,
+        "time_breakdown": breakdown(timelines),
+        "trace": str(trace_path),
         "step_time_s": step_time_s,
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token,
@@ -249,7 +229,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     return summary
 
 
-def rank_memory(data_parallel, optimizer: MasterAdamW, activations: ActivationMeter, cfg, device) -> dict:
+def rank_memory(data_parallel, optimizer: MasterAdamW, activations: ActivationMeter) -> dict:
     """This rank's bytes by category, measured from the live tensors."""
     held = data_parallel.memory()
     states = state_bytes(optimizer)

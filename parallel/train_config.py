@@ -9,10 +9,12 @@ from pathlib import Path
 from minigpt.config import GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
 from minigpt.errors import ConfigError
+from parallel.schedule import ScheduleConfig, chunk_layers
 from precision.policy import POLICIES
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = tuple(POLICIES)
+TRAINABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def check_tensor_parallel(n_heads: int, d_ff: int, seq_len: int, tp: int, sequence_parallel: bool) -> None:
@@ -56,6 +58,8 @@ class TrainConfig:
     dp: int = 1
     zero: int = 0
     sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_chunks: int = 1
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     threads_per_rank: int | None = None  # None: torch's default for one process, 1 per rank otherwise
 
@@ -73,8 +77,6 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"--{name} must be a positive integer, got {value!r}")
-        if self.pp > 1:
-            raise ConfigError("pipeline parallelism is not built yet: use --pp 1 (data and tensor parallelism work)")
         check_tensor_parallel(self.model.n_heads, self.model.d_ff, self.model.seq_len, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -83,6 +85,13 @@ class TrainConfig:
         if self.threads_per_rank is not None and (not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1):
             raise ConfigError(f"threads per rank must be an integer >= 1, got {self.threads_per_rank!r}")
         BatchLayout(self.global_batch, self.micro_batches, self.dp)  # divisibility
+        if self.schedule not in TRAINABLE_SCHEDULES:
+            raise ConfigError(
+                f"--schedule {self.schedule!r} cannot be trained: choose one of {', '.join(TRAINABLE_SCHEDULES)} "
+                f"(zb-h1 can be drawn with `minigpt schedule`)"
+            )
+        ScheduleConfig(self.pp, self.micro_batches, self.schedule, self.virtual_chunks, self.zero)  # checks
+        chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks)  # every chunk needs a block
         if self.model.vocab_size < VOCAB_SIZE:
             raise ConfigError(
                 f"vocab_size={self.model.vocab_size} is smaller than the byte vocabulary ({VOCAB_SIZE}): "

@@ -46,7 +46,8 @@ class Replicated:
 
     def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, grads: bool = True):
         self.comm = comm
-        self.flat = FlatParameters(model, bucket_numel=bucket_numel, pad_to=comm.size, grads=grads)
+        groups = model.parameter_groups() if hasattr(model, "parameter_groups") else None
+        self.flat = FlatParameters(model, bucket_numel=bucket_numel, pad_to=comm.size, grads=grads, groups=groups)
         self.ranges = [(0, self.flat.padded_numel)]
         self.sync = True
         self.in_flight: list[tuple] = []  # (handle, bucket, output, staging)
@@ -95,6 +96,14 @@ class Replicated:
             grads.div_(self.comm.size)
         self.in_flight.append((self.comm.all_reduce(grads, async_op=True), bucket, None, None))
 
+    def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add a gradient computed outside autograd's hooks (a tied copy's), before the reduction."""
+        segment = self.flat.segments[self.index_of(param)]
+        self.flat.grad[segment.start : segment.end].add_(grad.reshape(-1))
+
+    def index_of(self, param: torch.Tensor) -> int:
+        return next(i for i, p in enumerate(self.flat.params) if p is param)
+
     def end_micro_batch(self) -> None:
         """After each micro-batch's backward: buckets no gradient reached are reduced too."""
         if self.sync:
@@ -115,6 +124,9 @@ class Replicated:
 
     def finish_grads(self) -> torch.Tensor:
         """Wait for every collective; the optimizer's gradients, laid out like `weights` end to end."""
+        for bucket in self.flat.buckets:  # not reduced during the backward (deferred, or no gradient)
+            if bucket.index not in self.launched:
+                self.launch(bucket)
         self.wait_in_flight()
         if self.ranges == [(0, self.flat.padded_numel)]:
             return self.flat.grad  # this rank owns everything: no copy
@@ -242,6 +254,16 @@ class ShardedGradients(ShardedOptimizer):
     def end_micro_batch(self) -> None:
         super().end_micro_batch()
         self.wait_in_flight()
+
+    def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Average over the data-parallel group and add this rank's pieces to its shard."""
+        segment = self.flat.segments[self.index_of(param)]
+        full = grad.reshape(-1).to(self.shard_grad.dtype) / self.comm.size
+        self.comm.all_reduce(full)
+        for (start, end), offset in zip(self.ranges, self.piece_offsets):
+            lo, hi = max(start, segment.start), min(end, segment.end)
+            if lo < hi:
+                self.shard_grad[offset + lo - start : offset + hi - start].add_(full[lo - segment.start : hi - segment.start])
 
     def finish_grads(self) -> torch.Tensor:
         self.wait_in_flight()

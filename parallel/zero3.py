@@ -61,7 +61,7 @@ class ShardedParameters:
         self.comm = comm
         self.units: list[Unit] = []
         seen: set[int] = set()
-        groups = units_of(model)
+        groups = model.units() if hasattr(model, "units") else units_of(model)
         for index, modules in enumerate(groups):
             named = []
             for module in modules:
@@ -100,6 +100,20 @@ class ShardedParameters:
 
     def ranges_of(self, param_ids: set[int]) -> list[tuple[int, int]]:
         return self.local_ranges(lambda flat, index: id(flat.params[index]) in param_ids)
+
+    def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Average a gradient computed outside the hooks (a tied copy's) over the group; add this rank's piece."""
+        for unit, offset in zip(self.units, self.offsets):
+            for segment, owned in zip(unit.flat.segments, unit.flat.params):
+                if owned is not param:
+                    continue
+                full = grad.reshape(-1).to(self.shard_grad.dtype) / self.comm.size
+                self.comm.all_reduce(full)
+                start = self.comm.rank * unit.piece
+                lo, hi = max(start, segment.start), min(start + unit.piece, segment.end)
+                if lo < hi:
+                    self.shard_grad[offset + lo - start : offset + hi - start].add_(full[lo - segment.start : hi - segment.start])
+                return
 
     # ---------------------------------------------------------------- gather and free
 

@@ -51,11 +51,17 @@ class FlatParameters:
         bucket_numel: int | None = None,
         pad_to: int = 1,
         grads: bool = True,
+        groups: list[list[tuple[str, nn.Parameter]]] | None = None,
     ):
-        if isinstance(named, nn.Module):
-            named = list(named.named_parameters())  # a tied weight appears once
-        if not named:
+        """`groups`: parameters in groups that a bucket never spans (a pipeline rank's chunks,
+        whose backwards interleave); default: one group, the module's parameters."""
+        if groups is None:
+            groups = [list(named.named_parameters()) if isinstance(named, nn.Module) else named]
+        groups = [group for group in groups if group]
+        if not groups:
             raise ValueError("no parameters to flatten")
+        named = [item for group in groups for item in group]
+        ends = {sum(len(g) for g in groups[: i + 1]) - 1 for i in range(len(groups))}
         self.params = [param for _, param in named]
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
@@ -66,8 +72,7 @@ class FlatParameters:
             self.segments.append(Segment(name, offset, offset + param.numel(), param.dim() >= 2))
             offset += param.numel()
             members.append(index)
-            last = index == len(named) - 1
-            if last or (bucket_numel is not None and offset - bucket_start >= bucket_numel):
+            if index in ends or (bucket_numel is not None and offset - bucket_start >= bucket_numel):
                 end = -(-offset // pad_to) * pad_to
                 self.buckets.append(Bucket(len(self.buckets), bucket_start, end, tuple(members)))
                 offset = bucket_start = end

@@ -46,8 +46,7 @@ class MasterAdamW:
         weight_decay: float = 0.0,
         decay_ranges: list[tuple[int, int]] | None = None,
         masters_are_weights: bool = False,
-        shared_ranges: list[tuple[int, int]] | None = None,
-        shared_copies: int = 1,
+        shared_ranges: list[tuple[int, int, int]] | None = None,
     ):
         """`weights`: flat 1-D compute weights (one tensor or pieces) that each step writes back into.
         `decay_ranges`: the ranges, in the pieces laid end to end, that take weight
@@ -55,10 +54,10 @@ class MasterAdamW:
         instead of keeping fp32 masters -- plain fp32 training, or, with 16-bit
         weights, "pure" 16-bit training, where an update smaller than half the
         spacing of the format at a weight is rounded away (the failure fp32 masters
-        exist to prevent). `shared_ranges`: weights that `shared_copies` ranks hold
-        identical copies of (tensor parallelism's replicated LayerNorms): their share
-        of the gradient norm is divided by that count, so the all-reduced norm
-        counts them once."""
+        exist to prevent). `shared_ranges`: (start, end, copies) of weights that
+        `copies` ranks hold identical copies of (tensor parallelism's replicated
+        LayerNorms, a pipeline's two copies of a tied embedding): their share of the
+        gradient norm is divided by that count, so the all-reduced norm counts them once."""
         self.pieces = [weights] if isinstance(weights, torch.Tensor) else list(weights)
         self.numel = sum(piece.numel() for piece in self.pieces)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
@@ -78,7 +77,6 @@ class MasterAdamW:
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.steps = 0
         self.shared_ranges = shared_ranges or []
-        self.shared_copies = shared_copies
         decay_ranges = [(0, self.numel)] if decay_ranges is None else decay_ranges
         # Decay ranges cut at piece borders, in each piece's own coordinates.
         self.piece_decay = [
@@ -126,9 +124,8 @@ class MasterAdamW:
     def sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's part of the squared gradient norm, shared weights counted 1/copies."""
         total = grad.pow(2).sum()
-        if self.shared_copies > 1:
-            shared = sum(grad[lo:hi].pow(2).sum() for lo, hi in self.shared_ranges)
-            total = total - shared * (1 - 1 / self.shared_copies)
+        for lo, hi, copies in self.shared_ranges:
+            total = total - grad[lo:hi].pow(2).sum() * (1 - 1 / copies)
         return total
 
     @torch.no_grad()

@@ -1,0 +1,104 @@
+"""Everything one rank trains with, built in layers from the plain model outward:
+
+  GPT (same seed on every rank) -> precision policy -> tensor parallel ->
+  this pipeline rank's chunks -> ZeRO over the data-parallel group ->
+  master-weight AdamW on this rank's shard, and the schedule's executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minigpt.model import GPT
+from parallel.comm import Collectives
+from parallel.mesh import Mesh
+from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
+from parallel.schedule import ScheduleConfig, build_schedule
+from parallel.tensor import parallelize
+from parallel.train_config import TrainConfig
+from parallel.zero import make_data_parallel
+from precision.compute import apply_precision, dtype_of
+from precision.optimizer import MasterAdamW
+from precision.policy import PrecisionPolicy
+from precision.scaler import LossScaler
+
+
+@dataclass
+class Rank:
+    """One rank's share of the job."""
+
+    mesh: Mesh
+    policy: PrecisionPolicy
+    stage: StageModel
+    data_parallel: object
+    optimizer: MasterAdamW
+    scaler: LossScaler | None
+    executor: PipelineExecutor
+    comms: dict[str, Collectives]
+
+    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
+        """Max over every rank: the overflow flag must stop all of them or none."""
+        value = self.data_parallel.reduce_max(value)
+        return self.comms["pp"].max(self.comms["tp"].max(value))
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank of the (copy-weighted) squared gradient norm."""
+        value = self.data_parallel.reduce_sum(value)
+        return self.comms["pp"].sum(self.comms["tp"].sum(value))
+
+
+def make_scaler(cfg: TrainConfig, loss_scaling: bool) -> LossScaler | None:
+    if not loss_scaling:
+        return None
+    if cfg.loss_scale is not None:
+        return LossScaler.static(cfg.loss_scale)
+    return LossScaler(growth_interval=cfg.loss_scale_window)
+
+
+def tied_copy(stage: StageModel) -> nn.Parameter | None:
+    """This rank's copy of a tied embedding matrix split across stages (first or last chunk)."""
+    for chunk in stage.chunks:
+        if chunk.first:
+            return chunk.tok_emb.weight
+        if chunk.last:
+            return getattr(chunk.head, "inner", chunk.head).weight
+    return None
+
+
+def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:
+    comms = {dim: Collectives(mesh.group(dim), dim) for dim in ("dp", "tp", "pp")}
+    torch.manual_seed(cfg.seed)
+    model = apply_precision(GPT(cfg.model), policy, device)  # built on the CPU in fp32, then cast
+    replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)
+    stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)
+    del model  # blocks of other stages go with it
+    bucket_numel = max(1, int(cfg.bucket_mb * 2**20) // dtype_of(policy.compute).itemsize)
+    data_parallel = make_data_parallel(cfg.zero, stage, comms["dp"], bucket_numel)
+
+    tied = None
+    shared = [(lo, hi, mesh.tp) for lo, hi in data_parallel.ranges_of(replicated)] if mesh.tp > 1 else []
+    if cfg.pp > 1 and cfg.model.tied_head:
+        groups = embedding_groups(mesh)  # collective: every rank takes part
+        copy = tied_copy(stage)
+        if copy is not None and mesh.rank in groups:
+            tied = TiedEmbedding(copy, groups[mesh.rank], data_parallel)
+            shared += [(lo, hi, 2) for lo, hi in data_parallel.ranges_of({id(copy)})]
+    optimizer = MasterAdamW(
+        data_parallel.weights,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        weight_decay=cfg.weight_decay,
+        decay_ranges=data_parallel.decay_ranges,
+        masters_are_weights=policy.master is None,
+        shared_ranges=shared,
+    )
+    schedule = build_schedule(ScheduleConfig(cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_chunks, cfg.zero))
+    executor = PipelineExecutor(stage, schedule, mesh.pp_rank, mesh.ranks_of("pp"), data_parallel, device, tied,
+                                comms["pp"])
+    micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
+    seq = cfg.model.seq_len // (mesh.tp if cfg.sequence_parallel else 1)
+    executor.set_activation((micro_batch, seq, cfg.model.d_model), dtype_of(policy.compute))
+    return Rank(mesh, policy, stage, data_parallel, optimizer, make_scaler(cfg, policy.loss_scaling), executor, comms)

@@ -1,0 +1,84 @@
+"""Timelines of the executor: every action of every rank, as a Chrome trace and as a breakdown.
+
+Events carry perf_counter times, which on one machine share one monotonic
+clock across processes, so the ranks' tracks line up. (On CUDA the step is
+synchronised at its ends; actions inside it are host-side times.)
+
+Breakdown of a step on a rank, from its events:
+  compute   forward and backward actions
+  p2p       time inside send/receive batches: on a pipeline this is where a rank
+            waits for its neighbour, so it holds the pipeline bubble and the
+            exposed point-to-point communication together
+  dp        gradient reduction not hidden by the backward, the optimizer step and
+            ZeRO's gathers after it
+  other     the rest of the step (Python between actions)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MAX_STEPS = 50  # traced steps kept, so that long runs leave a file Perfetto opens quickly
+
+
+class Trace:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.steps: list[dict] = []
+
+    def add_step(self, step: int, start: float, end: float, events: list[tuple[str, str, float, float]]) -> None:
+        if len(self.steps) < MAX_STEPS:
+            self.steps.append({"step": step, "start": start, "end": end, "events": events})
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "steps": self.steps}
+
+
+def write_chrome_trace(path: Path, timelines: list[dict]) -> Path:
+    """One track per rank, actions named as in the schedule; opens in Perfetto or chrome://tracing."""
+    origin = min((s["start"] for t in timelines for s in t["steps"]), default=0.0)
+    events = []
+    for timeline in timelines:
+        rank = timeline["rank"]
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        for step in timeline["steps"]:
+            events.append(_event(f"step {step['step']}", "step", step["start"], step["end"], rank, origin, tid_offset=1000))
+            for name, kind, start, end in step["events"]:
+                events.append(_event(name, kind, start, end, rank, origin))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def _event(name, kind, start, end, rank, origin, tid_offset=0) -> dict:
+    return {
+        "name": name,
+        "cat": kind,
+        "ph": "X",
+        "ts": (start - origin) * 1e6,
+        "dur": max(0.0, end - start) * 1e6,
+        "pid": 0,
+        "tid": rank + tid_offset,
+    }
+
+
+def breakdown(timelines: list[dict]) -> dict:
+    """Mean seconds per step of each kind over ranks and steps (the first step, a warm-up, left out)."""
+    totals = {"step": 0.0, "compute": 0.0, "p2p": 0.0, "dp": 0.0}
+    count = 0
+    for timeline in timelines:
+        steps = timeline["steps"][1:] or timeline["steps"]
+        for step in steps:
+            totals["step"] += step["end"] - step["start"]
+            for _, kind, start, end in step["events"]:
+                if kind in totals:
+                    totals[kind] += end - start
+            count += 1
+    if count == 0:
+        return {}
+    mean = {kind: value / count for kind, value in totals.items()}
+    mean["other"] = max(0.0, mean["step"] - mean["compute"] - mean["p2p"] - mean["dp"])
+    mean["bubble_and_p2p_fraction"] = mean["p2p"] / mean["step"] if mean["step"] else 0.0
+    return {f"{kind}_s" if not kind.endswith("fraction") else kind: value for kind, value in mean.items()}

@@ -1,0 +1,157 @@
+"""A layout and what it puts on each rank: the parameters, tensor by tensor, in model order.
+
+Torch-free. Models parallel/tensor.py (tensor parallelism over T ranks: qkv/fc1 rows and
+proj/fc2 columns split, qkv/fc1 biases split, proj/fc2 biases, LayerNorms and the
+position embedding replicated, the vocabulary padded up to a multiple of T and split),
+parallel/schedule.py's `chunk_layers` (pipeline stages: the embeddings on the first,
+final norm + head on the last; a tied head on P > 1 stages keeps its own copy of the
+embedding matrix on the last stage, Megatron-style), precision/flat.py (buckets) and
+parallel/zero3.py (units: the embeddings, each block, final norm + head).
+The tensor shapes are checked against minigpt/config.py's counts, the single home.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+from parallel.schedule import chunk_layers
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the GPUs are arranged: tensor x pipeline x data parallel, ZeRO stage, sequence parallelism."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    virtual_chunks: int = 1  # pipeline chunks per rank (interleaved schedules)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "virtual_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def effective_zero(self) -> int:
+        """The stage that runs: one data-parallel rank is always stage 0."""
+        return self.zero if self.dp > 1 else 0
+
+    def check(self, model: GPTConfig) -> None:
+        """Everything about this layout that the model's shape decides (as parallel/train_config.py)."""
+        if model.n_heads % self.tp or model.d_ff % self.tp:
+            raise ConfigError(
+                f"tp={self.tp} must divide the {model.n_heads} heads and the MLP width {model.d_ff}: choose another tp"
+            )
+        if self.sequence_parallel and model.seq_len % self.tp:
+            raise ConfigError(f"sequence parallelism needs tp={self.tp} to divide seq_len={model.seq_len}")
+        chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
+
+    def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:
+        """For each pipeline rank, its (global chunk index, blocks): rank r holds chunks r, r + pp, ..."""
+        chunks = chunk_layers(model.n_layers, self.pp * self.virtual_chunks)
+        return [[(c, chunks[c]) for c in range(rank, len(chunks), self.pp)] for rank in range(self.pp)]
+
+
+class Tensor(NamedTuple):
+    """One parameter as one rank holds it."""
+
+    name: str
+    numel: int  # elements on this rank
+    replicated: bool  # every rank of the tensor-parallel group holds the same copy
+
+
+def padded_vocab(model: GPTConfig, tp: int) -> int:
+    """The vocabulary padded up to a multiple of tp (parallel/tensor.py)."""
+    return -(-model.vocab_size // tp) * tp
+
+
+def block_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
+    """One block's parameters on one rank, in named_parameters() order."""
+    d, f = model.d_model, model.d_ff
+    proj = [Tensor("attn.proj.weight", d * d // tp, False), Tensor("attn.proj.bias", d, True)]
+    fc2 = [Tensor("mlp.fc2.weight", f * d // tp, False), Tensor("mlp.fc2.bias", d, True)]
+    if tp > 1:  # a RowParallelLinear registers its bias before its inner Linear's weight
+        proj, fc2 = proj[::-1], fc2[::-1]
+    return [
+        Tensor("ln1.weight", d, True), Tensor("ln1.bias", d, True),
+        Tensor("attn.qkv.weight", 3 * d * d // tp, False), Tensor("attn.qkv.bias", 3 * d // tp, False),
+        *proj,
+        Tensor("ln2.weight", d, True), Tensor("ln2.bias", d, True),
+        Tensor("mlp.fc1.weight", d * f // tp, False), Tensor("mlp.fc1.bias", f // tp, False),
+        *fc2,
+    ]
+
+
+def embedding_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
+    return [Tensor("tok_emb.weight", padded_vocab(model, tp) // tp * model.d_model, False),
+            Tensor("pos_emb.weight", model.seq_len * model.d_model, True)]
+
+
+def head_tensors(model: GPTConfig, tp: int, pp: int) -> list[Tensor]:
+    """Final norm and head; a tied head is counted on the last stage only when it is not the first."""
+    norm = [Tensor("norm_f.weight", model.d_model, True), Tensor("norm_f.bias", model.d_model, True)]
+    if model.tied_head and pp == 1:
+        return norm  # shares the embedding's Parameter, counted once
+    return norm + [Tensor("head.weight", padded_vocab(model, tp) // tp * model.d_model, False)]
+
+
+def check_against_config(model: GPTConfig) -> None:
+    """The shapes above, summed for one rank, must equal config.py's counts (the single home)."""
+    counted = (sum(t.numel for t in block_tensors(model, 1)), sum(t.numel for t in embedding_tensors(model, 1)),
+               sum(t.numel for t in head_tensors(model, 1, 1)))
+    expected = (model.block_params(), model.embedding_params(), model.head_params())
+    if counted != expected:
+        raise RuntimeError(f"simulator/layout.py's tensor shapes {counted} disagree with minigpt/config.py {expected}")
+
+
+def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]]]]:
+    """For each pipeline rank, for each of its chunks, the ZeRO-3 units in forward order (lists of tensors).
+
+    A bucket never spans two chunks (parallel/pipeline.py's parameter_groups)."""
+    last = layout.pp * layout.virtual_chunks - 1
+    stages = []
+    for chunks in layout.rank_chunks(model):
+        per_chunk = []
+        for index, layers in chunks:
+            units = [embedding_tensors(model, layout.tp)] if index == 0 else []
+            units += [block_tensors(model, layout.tp) for _ in layers]
+            if index == last:
+                units.append(head_tensors(model, layout.tp, layout.pp))
+            per_chunk.append(units)
+        stages.append(per_chunk)
+    return stages
+
+
+class Bucket(NamedTuple):
+    """A run of whole parameters, padded; `first` and `last` name its border tensors."""
+
+    size: int  # elements, padding included
+    first: str
+    last: str
+
+
+def buckets(tensors: Sequence[Tensor], bucket_numel: int | None, pad_to: int) -> list[Bucket]:
+    """The buckets precision/flat.py's FlatParameters cuts `tensors` into (one when bucket_numel is None)."""
+    cut, offset, start, first = [], 0, 0, 0
+    for index, tensor in enumerate(tensors):
+        offset += tensor.numel
+        if index == len(tensors) - 1 or (bucket_numel is not None and offset - start >= bucket_numel):
+            end = -(-offset // pad_to) * pad_to
+            cut.append(Bucket(end - start, tensors[first].name, tensor.name))
+            offset = start = end
+            first = index + 1
+    return cut

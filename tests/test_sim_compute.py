@@ -1,0 +1,150 @@
+"""simulator/compute.py: the matmul roofline, its efficiency curve and profile hook, chunk times and TP traffic."""
+
+import pytest
+
+from minigpt.config import GPTConfig, preset
+from minigpt.errors import ConfigError
+from precision.policy import policy
+from simulator.compute import (
+    HALF_EFFICIENCY_DIM,
+    EfficiencyProfile,
+    block_matmuls,
+    chunk_times,
+    efficiency,
+    matmul_time,
+    mfu,
+    parse_efficiency_profile,
+    step_flops,
+)
+from simulator.hardware import load_hardware
+from simulator.layout import Layout
+
+A100 = load_hardware("a100-80gb").gpu
+H100 = load_hardware("h100-sxm").gpu
+TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
+GPT2 = preset("gpt2-124m")
+
+
+def test_efficiency_curve():
+    assert efficiency(HALF_EFFICIENCY_DIM, "bf16") == 0.5
+    sizes = [1, 16, 64, 128, 512, 1024, 4096, 8192, 65536]
+    values = [efficiency(x, "bf16") for x in sizes]
+    assert values == sorted(values) and all(0 < v < 1 for v in values)
+    assert efficiency(8192, "bf16") > 0.98
+
+
+def test_tiny_matmul_is_bandwidth_bound_big_one_reaches_peak_times_efficiency():
+    tiny = matmul_time(2 * 16**3, 16, 16, 16, A100, "bf16")
+    assert tiny == pytest.approx(3 * 16 * 16 * 2 / A100.hbm_bandwidth)
+    assert tiny > 2 * 16**3 / (A100.flops("bf16") * efficiency(16, "bf16"))
+    n = 8192
+    flops = 2 * n**3
+    big = matmul_time(flops, n, n, n, A100, "bf16")
+    assert big == pytest.approx(flops / (A100.flops("bf16") * efficiency(n, "bf16")))
+    assert flops / A100.flops("bf16") < big < 1.05 * flops / A100.flops("bf16")
+    assert matmul_time(flops, n, n, n, A100, "fp32") > 10 * big  # no tensor cores for plain fp32
+    assert matmul_time(flops, n, n, n, H100, "bf16") < big / 2
+
+
+def test_profile_replaces_the_curve_and_adds_launch_latency():
+    data = {"launch_latency": 4e-6, "bf16": [[64, 0.2], [1024, 0.6], [8192, 0.8]]}
+    profile = parse_efficiency_profile(data)
+    assert efficiency(64, "bf16", profile) == 0.2 and efficiency(8192, "bf16", profile) == 0.8
+    assert efficiency(16, "bf16", profile) == 0.2 and efficiency(10**6, "bf16", profile) == 0.8  # clamped
+    assert efficiency(256, "bf16", profile) == pytest.approx(0.4)  # halfway in log size between 64 and 1024
+    assert efficiency(256, "fp16", profile) == efficiency(256, "fp16")  # an unmeasured format keeps the curve
+    assert matmul_time(2 * 16**3, 16, 16, 16, A100, "bf16", profile=profile) > 4e-6
+    n = 8192
+    assert matmul_time(2 * n**3, n, n, n, A100, "bf16", profile=profile) == pytest.approx(
+        2 * n**3 / (A100.flops("bf16") * 0.8) + 4e-6
+    )
+    assert EfficiencyProfile().efficiency("bf16", 100) is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        [],
+        {"bf17": [[1, 0.5]]},
+        {"bf16": [[64, 0.2], [32, 0.5]]},
+        {"bf16": [[64, 1.5]]},
+        {"bf16": []},
+        {"launch_latency": -1},
+    ],
+)
+def test_bad_profile_raises_config_error(data):
+    with pytest.raises(ConfigError):
+        parse_efficiency_profile(data)
+
+
+def test_bad_matmul_input():
+    with pytest.raises(ConfigError, match="no fp8"):
+        matmul_time(1, 16, 16, 16, A100, "fp8")
+    with pytest.raises(ConfigError):
+        matmul_time(1, 0, 16, 16, A100, "bf16")
+    with pytest.raises(ConfigError):
+        chunk_times(TINY, 0, 1, Layout(), A100, "bf16")
+    with pytest.raises(ConfigError):
+        chunk_times(TINY, 1, 1, Layout(tp=3), A100, "bf16")
+
+
+def test_block_matmuls_hold_the_config_flops():
+    for tp in (1, 2, 4):
+        flops = sum(mm.flops for mm in block_matmuls(GPT2, 2, tp, policy("bf16")))
+        assert flops * tp == GPT2.block_forward_flops_per_token() * 2 * GPT2.seq_len
+    whole = chunk_times(GPT2, GPT2.n_layers, 2, Layout(), A100, "bf16", first=True, last=True)
+    assert whole.forward_flops == GPT2.forward_flops_per_token() * 2 * GPT2.seq_len
+
+
+def test_backward_is_twice_forward_and_recompute_adds_a_forward():
+    plain = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16", last=True)
+    assert plain.backward_s == pytest.approx(2 * plain.forward_s) and plain.recompute_s == 0
+    recomputed = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16", recompute="full", last=True)
+    blocks_only = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16")
+    assert recomputed.forward_s == plain.forward_s
+    assert recomputed.recompute_s == pytest.approx(blocks_only.forward_s)
+    assert recomputed.backward_s == pytest.approx(2 * plain.forward_s + blocks_only.forward_s)
+    assert 0 < plain.forward_elementwise_s < plain.forward_matmul_s
+
+
+def test_tensor_parallelism_halves_big_matmuls():
+    model = preset("gpt3-175b")
+    one = chunk_times(model, 2, 1, Layout(), A100, "bf16")
+    two = chunk_times(model, 2, 1, Layout(tp=2), A100, "bf16")
+    assert two.forward_matmul_s == pytest.approx(one.forward_matmul_s / 2, rel=0.02)
+    small = chunk_times(TINY, 2, 1, Layout(), A100, "bf16")
+    assert chunk_times(TINY, 2, 1, Layout(tp=2), A100, "bf16").forward_s > small.forward_s / 2  # narrower, less efficient
+
+
+def test_tensor_parallel_collective_bytes():
+    b, layers = 4, 3
+    width = b * GPT2.seq_len * GPT2.d_model * 2  # bf16
+    assert chunk_times(GPT2, layers, b, Layout(), A100, "bf16").tp_comm_bytes_forward == 0
+    plain = chunk_times(GPT2, layers, b, Layout(tp=2), A100, "bf16")
+    assert plain.tp_comm_bytes_forward + plain.tp_comm_bytes_backward == 4 * width * layers
+    assert {c.kind for c in plain.tp_collectives_forward + plain.tp_collectives_backward} == {"all_reduce"}
+    sp = chunk_times(GPT2, layers, b, Layout(tp=2, sequence_parallel=True), A100, "bf16")
+    kinds = {c.kind: c.bytes * c.calls for c in sp.tp_collectives_forward}
+    assert kinds == {"all_gather": 2 * width * layers, "reduce_scatter": 2 * width * layers}
+    replicated_grads = layers * 6 * GPT2.d_model * 2  # LayerNorms, proj and fc2 biases, summed over the group
+    assert sp.tp_comm_bytes_backward == 4 * width * layers + replicated_grads
+    recomputed = chunk_times(GPT2, layers, b, Layout(tp=2), A100, "bf16", recompute="full")
+    assert recomputed.tp_comm_bytes_backward == plain.tp_comm_bytes_backward + plain.tp_comm_bytes_forward
+    ends = chunk_times(GPT2, layers, b, Layout(tp=2), A100, "bf16", first=True, last=True)
+    loss = 3 * b * GPT2.seq_len * 4  # max, sum of exponentials, target logit: fp32 per token
+    assert ends.tp_comm_bytes_forward == plain.tp_comm_bytes_forward + width + loss  # + the embedding's all-reduce
+    assert ends.tp_comm_bytes_backward == plain.tp_comm_bytes_backward + width  # + the head's input gradient
+
+
+def test_step_flops_and_mfu():
+    batch = 8
+    flops = step_flops(GPT2, batch)
+    assert flops == GPT2.train_flops_per_token() * batch * GPT2.seq_len
+    assert step_flops(GPT2, batch, "full") > flops
+    ideal = flops / (4 * A100.flops("bf16"))
+    assert mfu(GPT2, batch, ideal, 4, A100, "bf16") == pytest.approx(1.0)
+    assert mfu(GPT2, batch, 2 * ideal, 4, A100, "bf16") == pytest.approx(0.5)
+    with pytest.raises(ConfigError):
+        mfu(GPT2, batch, 0.0, 4, A100, "bf16")
+    with pytest.raises(ConfigError):
+        step_flops(GPT2, 0)
