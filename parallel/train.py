@@ -70,7 +70,7 @@ def mean_over(group, value: float, size: int) -> float:
 def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
     """Validation loss on fixed batches; every rank runs it (the pipeline and ZeRO-3 need all of them)."""
     rank.stage.eval()
-    batch = max(1, cfg.global_batch // (cfg.micro_batches * cfg.dp))
+    batch = max(1, cfg.global_batch // cfg.micro_batches)  # the same batches whatever the layout
     losses = [
         rank.executor.evaluate(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
         for x, y in validation_batches(corpus.val, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)

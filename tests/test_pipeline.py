@@ -1,0 +1,101 @@
+"""Pipeline parallelism: every schedule against one process, the 3D layout, the trace, the CLI.
+
+One spawned group per world size runs all its layouts.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from minigpt.config import GPTConfig
+from parallel.schedule import ScheduleConfig, build_schedule
+from parallel.train import train_on_rank
+from parallel.train_config import TrainConfig
+
+MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layers=4, n_heads=4, d_model=64, d_ff=128)
+BASE = TrainConfig(model=MODEL, steps=20, global_batch=8, micro_batches=4, eval_every=10, eval_batches=1, device="cpu")
+TOLERANCE = 1e-4
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved": {"virtual_chunks": 2}}
+
+
+def layouts_for(world: int) -> dict[str, TrainConfig]:
+    if world == 8:
+        return {f"tp2-pp2-dp2-zero{z}": dataclasses.replace(BASE, tp=2, pp=2, dp=2, zero=z) for z in (0, 3)}
+    pp = world
+    return {
+        f"pp{pp}-{kind}": dataclasses.replace(BASE, pp=pp, schedule=kind, **({"virtual_chunks": 1} if pp == 4 else extra))
+        for kind, extra in SCHEDULES.items()
+    }
+
+
+def run_layouts(world: int, out_dir: str) -> dict:
+    torch.set_num_threads(1)
+    found = {}
+    for name, cfg in layouts_for(world).items():
+        summary = train_on_rank(dataclasses.replace(cfg, out_dir=f"{out_dir}/{name}"), torch.device("cpu"))
+        found[name] = None if summary is None else {
+            "losses": summary["losses"],
+            "val": summary["val_history"],
+            "trace": summary["trace"],
+            "breakdown": summary["time_breakdown"],
+            "comm": summary["comm_bytes_per_step"],
+        }
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp-reference")
+    summary = train_on_rank(dataclasses.replace(BASE, out_dir=str(out)), torch.device("cpu"))
+    return {"losses": summary["losses"], "val": summary["val_history"]}
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8])
+def results(request, tmp_path_factory):
+    world = request.param
+    return run_ranks(world, run_layouts, world, str(tmp_path_factory.mktemp(f"pp{world}")))[0]
+
+
+def test_every_schedule_and_layout_matches_one_process(results, reference):
+    gaps = {name: max(abs(a - b) / abs(b) for a, b in zip(r["losses"], reference["losses"])) for name, r in results.items()}
+    print("worst relative gaps: " + ", ".join(f"{n} {g:.1e}" for n, g in gaps.items()))
+    for name, gap in gaps.items():
+        assert len(results[name]["losses"]) == 20
+        assert gap < TOLERANCE, (name, gap)
+        for ours, theirs in zip(results[name]["val"], reference["val"]):
+            assert abs(ours["val_loss"] - theirs["val_loss"]) / theirs["val_loss"] < TOLERANCE
+
+
+def test_trace_has_a_track_per_rank_and_the_schedules_actions(results):
+    for name, run in results.items():
+        trace = json.loads(open(run["trace"]).read())["traceEvents"]
+        tracks = {e["tid"] for e in trace if e["ph"] == "X" and e["cat"] != "step"}
+        cfg = layouts_for(len(tracks))[name] if len(tracks) in (2, 4, 8) else None
+        assert cfg is not None and len(tracks) == cfg.world_size, name
+        schedule = build_schedule(ScheduleConfig(cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_chunks, cfg.zero))
+        names = {e["name"] for e in trace if e["ph"] == "X"}
+        for action in schedule.actions[0]:
+            if action.name.startswith(("F", "B")):
+                assert action.name in names, (name, action.name)
+        breakdown = run["breakdown"]
+        assert breakdown["compute_s"] > 0 and 0 <= breakdown["bubble_and_p2p_fraction"] < 1
+        if cfg.pp > 1:
+            assert run["comm"]["pp"]["send"]["calls"] > 0
+
+
+def test_full_3d_from_a_plain_shell(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "cli", "train", "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "3",
+               "--steps", "3", "--layers", "2", "--seq-len", "32", "--batch-size", "8", "--micro-batches", "2",
+               "--out", str(out), "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["world_size"] == 8 and summary["layout"]["zero"] == 3
+    assert len(summary["memory_per_rank"]) == 8 and len(summary["losses"]) == 3
+    assert (out / "trace.json").exists() and (out / "metrics.jsonl").exists()
