@@ -92,6 +92,11 @@ class TrainConfig:
             )
         ScheduleConfig(self.pp, self.micro_batches, self.schedule, self.virtual_chunks, self.zero)  # checks
         chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks)  # every chunk needs a block
+        if self.schedule == "interleaved" and self.model.n_layers % (self.pp * self.virtual_chunks):
+            raise ConfigError(
+                f"interleaving needs the {self.model.n_layers} layers to divide evenly into pp x virtual chunks = "
+                f"{self.pp * self.virtual_chunks} chunks: change --layers, --pp or --virtual-chunks"
+            )
         if self.model.vocab_size < VOCAB_SIZE:
             raise ConfigError(
                 f"vocab_size={self.model.vocab_size} is smaller than the byte vocabulary ({VOCAB_SIZE}): "

@@ -90,6 +90,8 @@ BAD_INPUTS = [
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--batch-size", "6"], "multiple"),
     (["--schedule", "zb-h1"], "cannot be trained"),
     (["--virtual-chunks", "2"], "interleaved"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-chunks", "2", "--layers", "6", "--micro-batches", "2"], "divide evenly"),
+    (["--pp", "2", "--batch-size", "16", "--micro-batches", "3"], "divisible"),
     (["--dp", "3", "--batch-size", "16"], "divisible"),
     (["--device", "cuda"], "CUDA"),
     (["--bucket-mb", "0"], "bucket"),
