@@ -39,13 +39,9 @@ class Rank:
     executor: PipelineExecutor
     comms: dict[str, Collectives]
 
-    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        """Max over every rank: the overflow flag must stop all of them or none."""
-        value = self.data_parallel.reduce_max(value)
-        return self.comms["pp"].max(self.comms["tp"].max(value))
-
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over every rank of the (copy-weighted) squared gradient norm."""
+        """Sum over every rank of the (copy-weighted) squared gradient norm; inf or nan if any
+        rank has a non-finite gradient, so it is also the overflow check."""
         value = self.data_parallel.reduce_sum(value)
         return self.comms["pp"].sum(self.comms["tp"].sum(value))
 

@@ -127,7 +127,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             grads = data_parallel.finish_grads()
             result = optimizer.step(
                 grads, lr, grad_clip=cfg.grad_clip, scaler=scaler,
-                reduce_max=rank.reduce_max, reduce_sum=rank.reduce_sum,
+                reduce_sum=rank.reduce_sum,
             )
             if not result.skipped:
                 data_parallel.after_update()

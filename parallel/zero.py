@@ -140,9 +140,6 @@ class Replicated:
 
     # ---------------------------------------------------------------- the optimizer's reductions
 
-    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        return value  # every rank holds every gradient: they all decide alike
-
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
@@ -198,9 +195,6 @@ class ShardedOptimizer(Replicated):
             handles.append(self.comm.all_gather(self.flat.data[bucket.start : bucket.end], piece, async_op=True))
         for handle in handles:
             handle.wait()
-
-    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        return self.comm.max(value)
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return self.comm.sum(value)

@@ -229,9 +229,6 @@ class ShardedParameters:
             if unit.gathered or unit.pending_gather is not None:
                 self.free(unit)
 
-    def reduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        return self.comm.max(value)
-
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return self.comm.sum(value)
 

@@ -4,8 +4,9 @@
 range of compute weights -- all of them in a single process, one rank's 1/N
 under ZeRO (precision/flat.py lays the parameters out so that range exists) --
 and never assumes it holds every parameter: the two numbers that need every
-rank (is any gradient non-finite? the global gradient norm) go through
-`reduce_max` and `reduce_sum`, which ZeRO turns into all-reduces.
+rank (the global gradient norm, and with it whether any gradient is
+non-finite: inf and nan survive a sum) go through one `reduce_sum`, which
+ZeRO turns into an all-reduce of one number.
 
 One step: cast the gradients to fp32, unscale, check finiteness (skip the step
 on overflow), clip by the global norm, AdamW with decoupled weight decay on the
@@ -96,7 +97,6 @@ class MasterAdamW:
         lr: float | None = None,
         grad_clip: float = 0.0,
         scaler: LossScaler | None = None,
-        reduce_max: Reduce = _identity,
         reduce_sum: Reduce = _identity,
     ) -> "StepResult":
         """One optimizer step from `grads`, laid out as `weights` (in any float format)."""
@@ -106,11 +106,12 @@ class MasterAdamW:
             grad = grad.clone()  # never scribble on the caller's gradients
         if scaler is not None:
             scaler.unscale_([grad])
-        overflow = reduce_max((~torch.isfinite(grad)).any().float())
-        skipped = scaler.update(overflow) if scaler is not None else bool(overflow)
+        sum_of_squares = float(reduce_sum(self.sum_of_squares(grad)))
+        overflow = not math.isfinite(sum_of_squares)  # any inf or nan anywhere makes the sum one
+        skipped = scaler.update(overflow) if scaler is not None else overflow
         if skipped:
             return StepResult(grad_norm=math.nan, skipped=True, loss_scale=self._scale(scaler))
-        grad_norm = math.sqrt(float(reduce_sum(self.sum_of_squares(grad))))
+        grad_norm = math.sqrt(sum_of_squares)
         if grad_clip > 0:
             coefficient = grad_clip / (grad_norm + 1e-6)
             if coefficient < 1:

@@ -3,7 +3,10 @@
 The loss is multiplied by `scale` before backward so that small gradients stay
 above fp16's smallest subnormal; gradients are divided by it again in fp32.
 
-The API is split so that sharded optimizers can share one decision:
+The API is split so that sharded optimizers can share one decision. Our own
+MasterAdamW folds the check into the gradient norm's all-reduce instead (inf and
+nan survive a sum, so one all-reduced number is both the norm and the flag);
+`found_overflow` is the stand-alone form of the same check:
 
     scaled = scaler.scale_loss(loss); scaled.backward()
     flag = scaler.found_overflow(my_shard_of_grads)   # 0-dim float32, 1.0 or 0.0
