@@ -18,6 +18,7 @@ from typing import NamedTuple, Sequence
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from parallel.schedule import chunk_layers
+from parallel.train_config import check_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,8 @@ class Layout:
         return self.zero if self.dp > 1 else 0
 
     def check(self, model: GPTConfig) -> None:
-        """Everything about this layout that the model's shape decides (as parallel/train_config.py)."""
-        if model.n_heads % self.tp or model.d_ff % self.tp:
-            raise ConfigError(
-                f"tp={self.tp} must divide the {model.n_heads} heads and the MLP width {model.d_ff}: choose another tp"
-            )
-        if self.sequence_parallel and model.seq_len % self.tp:
-            raise ConfigError(f"sequence parallelism needs tp={self.tp} to divide seq_len={model.seq_len}")
+        """Everything about this layout that the model's shape decides (the same checks as training)."""
+        check_tensor_parallel(model.n_heads, model.d_ff, model.seq_len, self.tp, self.sequence_parallel)
         chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
 
     def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:
