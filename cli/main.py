@@ -49,11 +49,13 @@ def main() -> None:
 def _register() -> None:
     from cli.numerics import numerics
     from cli.schedule import schedule
+    from cli.simulate import simulate
     from cli.train import train
 
     main.add_command(train)
     main.add_command(numerics)
     main.add_command(schedule)
+    main.add_command(simulate)
 
 
 _register()

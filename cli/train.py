@@ -11,6 +11,7 @@ from cli.output import print_table
 from minigpt.config import PRESETS, build_config
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
+from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
 from parallel.train_config import DEVICES, PRECISIONS, TrainConfig
 
 
@@ -56,9 +57,16 @@ def build_train_config(options: dict) -> TrainConfig:
         virtual_chunks=options["virtual_chunks"],
         bucket_mb=options["bucket_mb"],
         threads_per_rank=options["threads_per_rank"],
+        save_every=options["save_every"],
+        resume=options["resume"],
     )
     if cfg.data is not None:
         check_text_file(cfg.data, model.seq_len)
+    if cfg.resume:
+        latest = latest_checkpoint(cfg.checkpoint_dir)
+        if latest is None:
+            raise ConfigError(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; train with --save-every first")
+        check_checkpoint(latest, cfg)
     return cfg
 
 
@@ -144,6 +152,8 @@ def mib(n: int) -> str:
 @click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
 @click.option("--loss-scale", default="dynamic", show_default=True, help="fp16 loss scale: 'dynamic' or a static number.")
 @click.option("--loss-scale-window", default=1000, show_default=True, type=int, help="Clean steps before a dynamic scale doubles.")
+@click.option("--save-every", default=0, show_default=True, type=int, help="Checkpoint every N steps and at the end (0: none).")
+@click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --out.")
 @click.option("--log-every", type=int, help="Steps between log lines [default: 20 lines per run].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end, nothing else on stdout.")
 def train(as_json: bool, **options) -> None:

@@ -25,10 +25,11 @@ class RunFiles:
     """The run directory: config.json at the start, metrics.jsonl per step, summary.json at the end."""
 
     path: Path
+    resume: bool = False  # append to the metrics of the run being continued
 
     def __post_init__(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(self.path / "metrics.jsonl", "w", encoding="utf-8")
+        self.metrics = open(self.path / "metrics.jsonl", "a" if self.resume else "w", encoding="utf-8")
 
     def write_json(self, name: str, obj: dict) -> None:
         tmp = self.path / (name + ".tmp")

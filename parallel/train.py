@@ -22,6 +22,7 @@ import torch.distributed as dist
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import TrainingError
 from parallel.build import Rank, build_rank
+from parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from parallel.device import describe_device, measure_peak_flops, synchronize
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
@@ -105,7 +106,10 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     flops_per_token = cfg.model.train_flops_per_token()
     activations = ActivationMeter(device, data_parallel.parameter_storages)
     is_logger = mesh.rank == 0
-    run = RunFiles(Path(cfg.out_dir)) if is_logger else None
+    start_step = 0
+    if cfg.resume:
+        start_step = load_checkpoint(latest_checkpoint(cfg.checkpoint_dir), rank, cfg)["step"]
+    run = RunFiles(Path(cfg.out_dir), resume=cfg.resume) if is_logger else None
     if run:
         run.write_json("config.json", {"train": cfg.as_dict(), "data": corpus.source})
 
@@ -114,7 +118,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
 
     losses, step_times, val_history, comm_per_step, trace = [], [], [], {}, Trace(mesh.rank)
     try:
-        for step in range(cfg.steps):
+        for step in range(start_step, cfg.steps):
             lr = cfg.learning_rate(step)
             for comm in rank.comms.values():
                 comm.reset_counters()
@@ -164,6 +168,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             if (step + 1) % cfg.eval_interval == 0 or step == cfg.steps - 1:
                 record_out["val_loss"] = evaluate(rank, corpus, cfg, device)
                 val_history.append({"step": step, "val_loss": record_out["val_loss"]})
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step == cfg.steps - 1):
+                record_out["checkpoint"] = str(save_checkpoint(cfg.checkpoint_dir, rank, cfg, step + 1))
             if run:
                 run.log(record_out)
                 if on_step is not None:
@@ -201,6 +207,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         if needs_emulation(policy, device)
         else "native",
         "n_params": cfg.model.n_params(),
+        "first_step": start_step,
         "losses": losses,
         "final_loss": sum(tail) / len(tail),
         "val_loss": val_history[-1]["val_loss"],

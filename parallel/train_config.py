@@ -62,6 +62,8 @@ class TrainConfig:
     virtual_chunks: int = 1
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     threads_per_rank: int | None = None  # None: torch's default for one process, 1 per rank otherwise
+    save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
+    resume: bool = False  # continue from the latest complete checkpoint in <out_dir>/checkpoints
 
     def __post_init__(self) -> None:
         positive_ints = {
@@ -117,6 +119,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.save_every, int) or self.save_every < 0:
+            raise ConfigError(f"--save-every must be an integer >= 0, got {self.save_every!r}")
+        if self.resume and self.out_dir is None:
+            raise ConfigError("--resume needs --out: the run directory whose checkpoints to continue from")
         if self.log_every == 0:
             raise ConfigError("log_every must be >= 1")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -131,6 +137,10 @@ class TrainConfig:
             raise ConfigError(f"loss scale window must be an integer >= 1, got {self.loss_scale_window!r}")
         if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return None if self.out_dir is None else Path(self.out_dir) / "checkpoints"
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,208 @@
+"""`minigpt simulate`: predict a training step (or a scaling curve) on a cluster we do not have.
+
+Torch-free: it only checks flags and prints what simulator/ predicts. The cluster comes
+from flags (--gpu, --gpus-per-node, --nodes, --fabric, --topology-kind) or a topology
+file (--topology); --hardware loads a calibrated profile in place of the --gpu preset.
+Without --nodes the cluster has exactly the layout's tp x pp x dp GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from minigpt.errors import ConfigError
+
+
+def _model(options: dict):
+    from minigpt.config import build_config
+
+    return build_config(options["model"], vocab_size=options["vocab"], seq_len=options["seq_len"],
+                        n_layers=options["layers"], n_heads=options["heads"], d_model=options["hidden"])
+
+
+DEFAULT_GPU = "a100-80gb"
+
+
+def _hardware(options: dict, topology_gpu: str | None = None):
+    """--hardware, else --gpu, else the GPU a topology file names, else DEFAULT_GPU."""
+    from simulator.hardware import load_hardware
+
+    return load_hardware(options["hardware"] or options["gpu"] or topology_gpu or DEFAULT_GPU)
+
+
+def _cluster(options: dict, world: int):
+    """The cluster and its hardware."""
+    from simulator.topology import build_cluster, load_cluster
+
+    if options["topology"]:
+        if options["nodes"] or options["gpus_per_node"] or options["fabric"]:
+            raise ConfigError("--topology gives the whole cluster: drop --nodes, --gpus-per-node and --fabric")
+        cluster = load_cluster(options["topology"])
+        return cluster, _hardware(options, cluster.graph.graph.get("gpu"))
+    hardware = _hardware(options)
+    per_node = options["gpus_per_node"] or hardware.node.gpus_per_node
+    nodes = options["nodes"]
+    if nodes is None:
+        if world < per_node and not options["gpus_per_node"]:
+            per_node = world  # one partly filled server
+        if world % per_node:
+            raise ConfigError(
+                f"tp x pp x dp = {world} GPUs do not fill whole servers of {per_node}: "
+                f"give --nodes, or a layout whose GPU count is a multiple of {per_node}"
+            )
+        nodes = world // per_node
+    return build_cluster(hardware, per_node, nodes, options["fabric"], options["topology_kind"]), hardware
+
+
+def _job(options: dict, model, zero: int):
+    from simulator.sweep import Job
+
+    return Job(model, options["precision"], options["global_batch"] or 0, options["micro_batch"], zero,
+               options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"])
+
+
+def run_single(options: dict) -> dict:
+    from simulator.engine import simulate_step
+    from simulator.layout import Layout
+
+    model = _model(options)
+    layout = Layout(tp=options["tp"] or 1, pp=options["pp"] or 1, dp=options["dp"] or 1, zero=options["zero"],
+                    sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"])
+    cluster, hardware = _cluster(options, layout.world_size)
+    global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
+    result = simulate_step(model, layout, cluster, options["precision"], global_batch, options["micro_batch"],
+                           options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware)
+    if options["trace"]:
+        result.write_chrome_trace(options["trace"])
+    return {"model": model, "result": result}
+
+
+def run_sweep(options: dict) -> dict:
+    from simulator.sweep import DEFAULT_THRESHOLD, ClusterSpec, compare_zero, scaling_sweep
+
+    if options["topology"]:
+        raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
+    if options["dp"]:
+        raise ConfigError("in a sweep dp follows from the GPU count: drop --dp (fix --tp and --pp, or let the sweep choose)")
+    if not options["gpus"]:
+        raise ConfigError("--sweep needs the GPU counts: e.g. --gpus 8,16,32,64")
+    try:
+        counts = [int(n) for n in options["gpus"].split(",") if n.strip()]
+    except ValueError:
+        raise ConfigError(f"--gpus must be comma-separated whole numbers, got {options['gpus']!r}") from None
+    model, hardware = _model(options), _hardware(options)
+    spec = ClusterSpec.of(hardware, options["gpus_per_node"], options["fabric"], options["topology_kind"])
+    if not options["global_batch"]:
+        raise ConfigError("--sweep needs --global-batch (strong scaling keeps it, weak scaling starts from it)")
+    job = _job(options, model, options["zero"])
+    threshold = DEFAULT_THRESHOLD if options["threshold"] is None else options["threshold"]
+    sweep = scaling_sweep(job, counts, spec, options["scaling"], threshold, options["tp"], options["pp"])
+    at = sweep.stop or sweep.points[-1]  # where communication starts to decide
+    zero = (compare_zero(job, at.result.layout, spec.build(at.gpus), hardware, at.global_batch)
+            if at.result.layout.dp > 1 else {})
+    if options["plot"]:
+        from simulator.report import plot_sweep
+
+        plot_sweep(sweep, options["plot"])
+    return {"model": model, "sweep": sweep, "zero": zero, "zero_at": at}
+
+
+def _print_single(report: dict) -> None:
+    from cli.output import format_table
+    from simulator import report as rep
+
+    model, result = report["model"], report["result"]
+    click.echo(f"{model.n_params() / 1e9:.2f}B-parameter GPT ({model.n_layers} layers, width {model.d_model}, "
+               f"{model.n_heads} heads, sequence {model.seq_len}) on {rep.headline(result)}")
+    click.echo("")
+    click.echo(format_table(["step", "seconds", "share"], rep.step_rows(result)))
+    click.echo(f"(breakdown of the slowest pipeline rank, {result.critical_rank}; it adds up to the step)")
+    click.echo("")
+    click.echo(format_table([f"memory per GPU (stage {result.memory.stage})", "GiB", ""], rep.memory_rows(result)))
+    click.echo("")
+    click.echo(format_table(["training state of the whole model", "decimal GB (1e9 bytes)"], rep.job_rows(result)))
+    click.echo(rep.job_verdict(result, model.n_params()))
+
+
+def _print_sweep(report: dict) -> None:
+    from cli.output import format_table
+    from simulator import report as rep
+    from simulator.sweep import zero_verdict
+
+    sweep = report["sweep"]
+    click.echo(f"{sweep.scaling} scaling of a {report['model'].n_params() / 1e9:.2f}B-parameter GPT "
+               f"(best layout at each GPU count unless --tp/--pp fix it)")
+    click.echo(format_table(rep.SWEEP_HEADERS, rep.sweep_rows(sweep)))
+    click.echo(sweep.verdict())
+    if report["zero"]:
+        best = report["zero_at"]
+        lay = best.result.layout
+        click.echo("")
+        click.echo(f"ZeRO stages at {best.gpus} GPUs (tp {lay.tp} x pp {lay.pp} x dp {lay.dp}):")
+        click.echo(format_table(rep.ZERO_HEADERS, rep.zero_rows(report["zero"])))
+        click.echo(zero_verdict(report["zero"]))
+
+
+def _json(report: dict) -> dict:
+    if "result" in report:
+        return report["result"].as_dict()
+    from simulator.sweep import zero_verdict
+
+    data = {"sweep": report["sweep"].as_dict()}
+    if report["zero"]:
+        data["zero_comparison"] = {"gpus": report["zero_at"].gpus, "verdict": zero_verdict(report["zero"]),
+                                   "stages": {str(s): r.as_dict() for s, r in report["zero"].items()}}
+    return data
+
+
+@click.command()
+@click.option("--model", default="gpt3-175b", show_default=True, help="Preset the dimensions start from.")
+@click.option("--layers", type=int, help="Transformer blocks (overrides the preset).")
+@click.option("--hidden", type=int, help="Model width d_model (the MLP keeps the preset's ratio).")
+@click.option("--heads", type=int, help="Attention heads.")
+@click.option("--vocab", type=int, help="Vocabulary size.")
+@click.option("--seq-len", "seq_len", type=int, help="Sequence length.")
+@click.option("--global-batch", "global_batch", type=int, help="Sequences per step (default: micro-batch x dp x pp).")
+@click.option("--micro-batch", "micro_batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--tp", type=int, help="Tensor-parallel size (default 1; in a sweep: searched).")
+@click.option("--pp", type=int, help="Pipeline stages (default 1; in a sweep: searched).")
+@click.option("--dp", type=int, help="Data-parallel replicas (default 1).")
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage.")
+@click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b, interleaved or zb-h1.")
+@click.option("--virtual-chunks", "virtual_chunks", type=int, default=1, show_default=True)
+@click.option("--recompute", default="none", show_default=True, help="Activation recomputation: none or full.")
+@click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or fp8.")
+@click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
+@click.option("--gpu", help=f"GPU preset of simulator/hardware.json (default: {DEFAULT_GPU}, or a topology file's GPU).")
+@click.option("--hardware", help="A hardware profile (JSON file or preset name) in place of --gpu.")
+@click.option("--gpus-per-node", "gpus_per_node", type=int, help="GPUs per server (default: the GPU's DGX node).")
+@click.option("--nodes", type=int, help="Servers (default: as many as the layout needs).")
+@click.option("--fabric", help="Network adapter preset: hdr or ndr (default: the node's).")
+@click.option("--topology-kind", "topology_kind", type=click.Choice(["fat-tree", "rail"]), default="fat-tree",
+              show_default=True)
+@click.option("--topology", type=click.Path(dir_okay=False), help="A cluster file (node-link JSON or GraphML).")
+@click.option("--trace", type=click.Path(dir_okay=False), help="Write the simulated step as a Chrome trace.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--sweep", is_flag=True, help="Sweep GPU counts (--gpus) and name where adding GPUs stops paying.")
+@click.option("--scaling", type=click.Choice(["strong", "weak"]), default="strong", show_default=True)
+@click.option("--gpus", help="GPU counts of the sweep, e.g. 8,16,32,64.")
+@click.option("--threshold", type=float, help="Marginal efficiency (added GPU / GPU already there) under which "
+              "adding GPUs stops paying (default: simulator.sweep.DEFAULT_THRESHOLD, half of linear scaling).")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Draw the sweep to this PNG.")
+def simulate(**options) -> None:
+    """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
+    simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
+    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "global_batch", "micro_batch", "tp", "pp", "dp",
+                 "gpus_per_node", "nodes"):
+        value = options[name]
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    report = run_sweep(options) if options["sweep"] else run_single(options)
+    if options["as_json"]:
+        click.echo(json.dumps(_json(report)))
+    elif options["sweep"]:
+        _print_sweep(report)
+    else:
+        _print_single(report)

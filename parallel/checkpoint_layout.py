@@ -1,0 +1,195 @@
+"""Where each element a rank's optimizer holds sits in the plain model's global tensors.
+
+A checkpoint stores the parameters of minigpt.model.GPT under their own names and
+full, unpadded shapes ("blocks.3.attn.qkv.weight", (3d, d)), whatever the layout that
+saved them. A rank's optimizer holds `weights` (masters, moments) laid end to end:
+pieces of a flat buffer (ZeRO 0-2) or its piece of each unit (ZeRO 3), cut at any
+element. A piece of one parameter is a contiguous run of its flattened tensor parallel
+shard, which is at most 2 x ndim - 1 rectangular boxes of that shard (`decompose`:
+a partial first row, whole rows, a partial last row, recursively). Each box maps to a
+box of the global tensor by the tensor-parallel cut of parallel/tensor.py:
+
+  rows      fc1 (weight, bias)        rows [r n, (r + 1) n)
+  columns   proj, fc2 weights         columns [r n, (r + 1) n)
+  heads     qkv (weight, bias)        the shard is (3, d/T, ...): its rows of q, of k and
+                                      of v, so a box is cut per q/k/v and lands at row
+                                      k d + r d/T + j
+  vocab     tok_emb, untied head      rows [r P, r P + P) of the vocabulary padded to a
+                                      multiple of T; rows >= V are padding and dropped
+  replicated, whole                   the same coordinates
+
+No gathering is needed to save or load: each rank reads and writes its own boxes.
+Boxes held by several ranks (LayerNorms on every tensor-parallel rank, everything on
+every ZeRO-0 data-parallel rank) are written by one of them (`writes`). A tied head's
+copy on the last pipeline stage is never written: it is read from tok_emb.weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from minigpt.model import GPT
+from parallel.schedule import chunk_layers
+
+Box = tuple[int, tuple[int, ...], tuple[int, ...]]  # (first flat element, offsets, sizes)
+
+
+def decompose(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """Boxes covering elements [start, end) of a row-major tensor of `shape`, in order.
+
+    Each box is itself a contiguous run of elements, starting at its first flat element.
+    """
+    if start >= end:
+        return []
+    if len(shape) == 1:
+        return [(start, (start,), (end - start,))]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (end - 1) // inner
+    head, tail = start - first * inner, end - last * inner  # head in [0, inner), tail in (0, inner]
+
+    def within(row: int, lo: int, hi: int) -> list[Box]:
+        return [(row * inner + s, (row, *o), (1, *z)) for s, o, z in decompose(shape[1:], lo, hi)]
+
+    if first == last and not (head == 0 and tail == inner):
+        return within(first, head, tail)
+    boxes = []
+    if head:
+        boxes += within(first, head, inner)
+        first += 1
+    stop = last + 1 if tail == inner else last
+    if first < stop:
+        boxes.append((first * inner, (first,) + (0,) * (len(shape) - 1), (stop - first, *shape[1:])))
+    if tail < inner:
+        boxes += within(last, 0, tail)
+    return boxes
+
+
+def tensor_parallel_kind(name: str, tp: int) -> str:
+    """How parallel/tensor.py cuts the parameter `name` over `tp` ranks."""
+    if tp == 1:
+        return "whole"
+    if name in ("tok_emb.weight", "head.weight"):
+        return "vocab"
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        return "heads"
+    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
+        return "rows"
+    if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+        return "columns"
+    return "replicated"
+
+
+def shard_shape(kind: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if kind in ("vocab", "heads", "rows"):
+        return (-(-shape[0] // tp), *shape[1:])
+    if kind == "columns":
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def global_boxes(kind: str, local: tuple[int, ...], shape: tuple[int, ...], tp_rank: int, start: int, end: int) -> list[Box]:
+    """Boxes of the global tensor (of `shape`) holding elements [start, end) of this rank's shard (of `local`)."""
+    view = (3, local[0] // 3, *local[1:]) if kind == "heads" else local
+    found = []
+    for first, offsets, sizes in decompose(view, start, end):
+        offsets, sizes = list(offsets), list(sizes)
+        if kind == "vocab":
+            valid = max(0, min(local[0], shape[0] - tp_rank * local[0]))  # rows past the vocabulary: padding
+            sizes[0] = min(offsets[0] + sizes[0], valid) - offsets[0]
+            if sizes[0] <= 0:
+                continue
+            offsets[0] += tp_rank * local[0]
+        elif kind == "rows":
+            offsets[0] += tp_rank * local[0]
+        elif kind == "columns":
+            offsets[1] += tp_rank * local[1]
+        elif kind == "heads":  # (q|k|v, row of this rank's heads, ...) -> row of the (3d, ...) matrix
+            inner, width = math.prod(sizes[1:]), shape[0] // 3
+            for i in range(sizes[0]):
+                row = (offsets[0] + i) * width + tp_rank * view[1] + offsets[1]
+                found.append((first + i * inner, (row, *offsets[2:]), tuple(sizes[1:])))
+            continue
+        found.append((first, tuple(offsets), tuple(sizes)))
+    return found
+
+
+@dataclass
+class Placement:
+    """This rank's boxes of one global tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)  # offsets, sizes, position
+    writes: bool = True  # this rank saves them (one rank of those holding the same boxes)
+    tied_copy: bool = False  # the last stage's copy of a tied embedding: loaded, never saved
+
+
+def global_shapes(model_config) -> dict[str, tuple[int, ...]]:
+    """The plain GPT's parameters (a tied head counted once, as tok_emb.weight) and their shapes."""
+    with torch.device("meta"):
+        model = GPT(model_config)
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def parameter_names(rank, cfg) -> dict[int, str]:
+    """id(parameter) -> its name in the plain GPT, for every parameter of this rank's stage."""
+    layers = chunk_layers(cfg.model.n_layers, cfg.pp * cfg.virtual_chunks)
+    names: dict[int, str] = {}
+    for chunk in rank.stage.chunks:
+        for local_name, param in chunk.named_parameters():
+            parts = [part for part in local_name.split(".") if part != "inner"]  # tensor-parallel wrappers
+            if parts[0] == "blocks":
+                parts[1] = str(layers[chunk.index][int(parts[1])])
+            names.setdefault(id(param), ".".join(parts))
+    return names
+
+
+def flat_spaces(data_parallel) -> list[tuple[object, int, int, int]]:
+    """(FlatParameters, start, end, position in `weights` end to end) of every range this rank's optimizer owns."""
+    if hasattr(data_parallel, "units"):  # ZeRO 3: piece r of every unit
+        rank = data_parallel.comm.rank
+        return [
+            (unit.flat, rank * unit.piece, (rank + 1) * unit.piece, offset)
+            for unit, offset in zip(data_parallel.units, data_parallel.offsets)
+        ]
+    spaces, position = [], 0
+    for start, end in data_parallel.ranges:
+        spaces.append((data_parallel.flat, start, end, position))
+        position += end - start
+    return spaces
+
+
+def rank_placements(rank, cfg) -> list[Placement]:
+    """Every global tensor this rank holds a part of, with its boxes, in a fixed order."""
+    shapes = global_shapes(cfg.model)
+    names = parameter_names(rank, cfg)
+    mesh, data_parallel = rank.mesh, rank.data_parallel
+    replicated_over_dp = data_parallel.stage == 0 and data_parallel.comm.size > 1
+    placements: dict[str, Placement] = {}
+    for flat, start, end, position in flat_spaces(data_parallel):
+        for segment, param in zip(flat.segments, flat.params):
+            lo, hi = max(segment.start, start), min(segment.end, end)
+            if lo >= hi:
+                continue
+            name = names[id(param)]
+            tied_copy = name == "head.weight" and cfg.model.tied_head
+            name = "tok_emb.weight" if tied_copy else name
+            if name not in shapes:
+                raise AssertionError(f"parameter {segment.name} is taken for {name}, which GPT does not have")
+            kind = tensor_parallel_kind(name, mesh.tp)
+            local = tuple(param.shape)
+            if local != shard_shape(kind, shapes[name], mesh.tp):
+                raise AssertionError(f"{name}: shard {local} does not match the {kind} cut of {shapes[name]}")
+            writes = not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)
+            writes = writes and not (replicated_over_dp and mesh.dp_rank != 0)
+            placement = placements.setdefault(name, Placement(name, shapes[name], writes=writes, tied_copy=tied_copy))
+            base = position + segment.start - start  # where the parameter's element 0 would sit
+            for first, offsets, sizes in global_boxes(kind, local, shapes[name], mesh.tp_rank, lo - segment.start, hi - segment.start):
+                placement.boxes.append((offsets, sizes, base + first))
+    for placement in placements.values():
+        if len({offsets for offsets, _, _ in placement.boxes}) != len(placement.boxes):
+            raise AssertionError(f"{placement.name}: two boxes start at the same element")
+    return [placement for placement in placements.values() if placement.boxes]

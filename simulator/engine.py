@@ -1,0 +1,238 @@
+"""Predict one training step of a layout on a cluster: SimPy replays the schedule the executor runs. Torch-free.
+
+`simulate_step(model, layout, cluster, precision, global_batch, micro_batch, ...)` builds
+`build_schedule(ScheduleConfig(pp, m, kind, v, zero))` -- the very lists
+parallel/pipeline.py executes -- and replays ONE data-parallel replica, one process per
+pipeline stage (tp ranks and replicas are identical, so one of each stands for all).
+
+How (details in the modules it uses):
+  1. simulator/engine_links.py times each distinct transfer once with the fluid link model
+     of simulator/collectives.py on the cluster's own routes (p2p between two stages,
+     one tp collective, one dp collective per bucket size), so the replay does not move
+     every byte of every micro-batch through the fluid model;
+  2. simulator/engine_costs.py turns chunk_times, those transfers and our ZeRO code's
+     overlap rules into seconds per action, split into compute / tp / exposed dp;
+  3. simulator/engine_replay.py replays the lists as SimPy processes (rendezvous p2p,
+     dp reductions waited for before the optimizer) and attributes every second.
+The step time is the slowest rank's end; the breakdown is that (critical) rank's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property, lru_cache
+from pathlib import Path
+
+from minigpt.config import GPTConfig, check_recompute
+from minigpt.errors import ConfigError
+from parallel.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_flight
+from parallel.train_config import TrainConfig
+from precision.policy import FORMAT_BYTES, policy as precision_policy
+from simulator.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
+from simulator.engine_costs import rank_costs
+from simulator.engine_links import LinkCosts
+from simulator.engine_replay import CATEGORIES, RankTally, no_garbage_collection, replay
+from simulator.hardware import GPUSpec, Hardware, load_hardware
+from simulator.layout import Layout, padded_vocab
+from simulator.memory import MemoryEstimate, predict_memory
+from simulator.topology import Cluster
+
+BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "pp": "pp_comm",
+                   "dp": "dp_comm", "optimizer": "optimizer"}
+DECIMAL_GB = 1e9  # job totals are reported in decimal GB (1 GB = 1e9 bytes)
+
+
+@dataclass
+class SimResult:
+    """One simulated training step. Seconds, bytes, FLOP/s; `breakdown` adds up to `step_time_s`.
+
+    tflops_per_gpu and mfu count the model's FLOPs (config.py, no recomputation) over the step
+    time and GPUs; mfu divides by the dense peak of the precision's compute format.
+    `job_state_bytes`: the whole model's training state (as if tp = pp = dp = 1);
+    `gpus_for_state`: how many of these GPUs that state needs at the least."""
+
+    n_gpus: int
+    gpu: str
+    layout: Layout
+    precision: str
+    schedule: str
+    micro_batch: int
+    micro_batches: int
+    global_batch: int
+    recompute: str
+    step_time_s: float
+    breakdown: dict[str, float]
+    critical_rank: int
+    per_rank: list[dict[str, float]]
+    tflops_per_gpu: float
+    mfu: float
+    memory: MemoryEstimate
+    job_state_bytes: dict[str, int]
+    gpus_for_state: int
+    seq_len: int
+    tallies: list[RankTally] = field(repr=False, default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @cached_property
+    def timelines(self) -> list[dict]:
+        """Per stage rank, the step as parallel/trace.py's Trace.as_dict() holds the executor's."""
+        return [{"rank": rank, "steps": [{"step": 0, "start": 0.0, "end": self.step_time_s, "events": t.named_events()}]}
+                for rank, t in enumerate(self.tallies)]
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.memory.fits)
+
+    @property
+    def memory_margin_bytes(self) -> int:
+        """HBM left over on the most loaded GPU (negative: short by that much)."""
+        return (self.memory.capacity or 0) - self.memory.total
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.step_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.seq_len
+
+    def memory_per_gpu(self) -> dict[str, int]:
+        m = self.memory
+        return {"parameters": m.parameters, "gradients": m.gradients, "master_weights": m.master_weights,
+                "optimizer_states": m.adam_m + m.adam_v, "activations": m.activations,
+                "comm_buffers": m.comm_buffers, "total": m.total}
+
+    def as_dict(self) -> dict:
+        """Everything but the timelines, JSON-ready."""
+        return {
+            "n_gpus": self.n_gpus, "gpu": self.gpu, "layout": asdict(self.layout), "precision": self.precision,
+            "schedule": self.schedule, "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
+            "global_batch": self.global_batch, "recompute": self.recompute,
+            "step_time_s": self.step_time_s, "breakdown": self.breakdown, "critical_rank": self.critical_rank,
+            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s, "memory_per_gpu": self.memory_per_gpu(),
+            "memory_capacity_bytes": self.memory.capacity, "memory_stage": self.memory.stage, "fits": self.fits,
+            "memory_margin_bytes": self.memory_margin_bytes, "memory_notes": list(self.memory.notes),
+            "job_state_bytes": self.job_state_bytes,
+            "job_state_gb": {k: v / DECIMAL_GB for k, v in self.job_state_bytes.items()},
+            "gpus_for_state": self.gpus_for_state, "per_rank": self.per_rank, "timings_s": self.timings,
+        }
+
+    def trace_events(self) -> list[dict]:
+        """The Chrome trace events parallel/trace.py writes for the executor: one track per stage, schedule names."""
+        origin = min((s["start"] for t in self.timelines for s in t["steps"]), default=0.0)
+        events = []
+        for timeline in self.timelines:
+            rank = timeline["rank"]
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+            for step in timeline["steps"]:
+                events.append(_event(f"step {step['step']}", "step", step["start"], step["end"], rank + 1000, origin))
+                events += [_event(name, kind, start, end, rank, origin) for name, kind, start, end in step["events"]]
+        return events
+
+    def write_chrome_trace(self, path: str | Path) -> Path:
+        from parallel.trace import write_chrome_trace
+
+        return write_chrome_trace(Path(path), self.timelines)
+
+
+def _event(name: str, kind: str, start: float, end: float, tid: int, origin: float) -> dict:
+    return {"name": name, "cat": kind, "ph": "X", "ts": (start - origin) * 1e6, "dur": max(0.0, end - start) * 1e6,
+            "pid": 0, "tid": tid}
+
+
+@lru_cache(maxsize=4)
+def cached_schedule(config: ScheduleConfig) -> Schedule:
+    """build_schedule, remembered: sweeps ask for the same schedules again and again."""
+    return build_schedule(config)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def micro_batches_per_replica(global_batch: int, micro_batch: int, dp: int) -> int:
+    per_step = _positive("micro_batch", micro_batch) * dp
+    if _positive("global_batch", global_batch) % per_step:
+        lower, upper = global_batch // per_step * per_step, -(-global_batch // per_step) * per_step
+        raise ConfigError(
+            f"global batch {global_batch} is not a multiple of micro-batch {micro_batch} x dp {dp} = {per_step}: "
+            f"use {upper}" + (f" or {lower}" if lower else "")
+        )
+    return global_batch // per_step
+
+
+def resolve_gpu(cluster: Cluster, gpu: GPUSpec | Hardware | str | None) -> GPUSpec:
+    if isinstance(gpu, GPUSpec):
+        return gpu
+    if isinstance(gpu, Hardware):
+        return gpu.gpu
+    name = gpu if gpu is not None else cluster.graph.graph.get("gpu")
+    if not name:
+        raise ConfigError(f"{cluster.origin}: the topology does not name its GPU: pass the GPU (--gpu or --hardware)")
+    return load_hardware(name).gpu
+
+
+def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
+                  micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
+                  profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
+                  bucket_mb: float = TrainConfig.bucket_mb) -> SimResult:
+    """One training step of `model` laid out as `layout` on `cluster` (see the module docstring)."""
+    clock = time.perf_counter()
+    pol = precision_policy(precision)
+    check_recompute(recompute)
+    v = _positive("virtual_chunks", virtual_chunks)
+    if layout.virtual_chunks not in (1, v):
+        raise ConfigError(f"the layout has {layout.virtual_chunks} virtual chunks but virtual_chunks={v}: give one of them")
+    layout = replace(layout, virtual_chunks=max(v, layout.virtual_chunks))
+    layout.check(model)
+    spec = resolve_gpu(cluster, gpu)
+    spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
+    links = LinkCosts(cluster, layout)
+    m = micro_batches_per_replica(global_batch, micro_batch, layout.dp)
+    config = ScheduleConfig(layout.pp, m, schedule_kind, layout.virtual_chunks, layout.effective_zero)
+    with no_garbage_collection():
+        schedule = cached_schedule(config)
+    timings = {"schedule_s": time.perf_counter() - clock}
+
+    clock = time.perf_counter()
+    memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule))
+    costs = rank_costs(model, layout, config, links, spec, precision, micro_batch, recompute, profile, memory, bucket_mb)
+    seq = model.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    activation = micro_batch * seq * model.d_model * FORMAT_BYTES[pol.compute]
+    p2p = {}
+    for chunk in range(config.num_chunks - 1):
+        a, b = chunk % layout.pp, (chunk + 1) % layout.pp
+        if a != b:
+            p2p[(a, b)] = links.p2p(a, b, activation)
+            p2p[(b, a)] = links.p2p(b, a, activation)
+    tied = model.tied_head and layout.pp > 1
+    sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]
+    timings["costs_s"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    tallies = replay(schedule, costs, p2p, links.embedding_sync(sync_bytes) if tied else 0.0)
+    timings["replay_s"] = time.perf_counter() - clock
+
+    step = max(t.end for t in tallies)
+    if not step > 0:
+        raise ConfigError("the simulated step takes no time: give the cluster finite bandwidths or the model some work")
+    critical = max(range(len(tallies)), key=lambda r: tallies[r].end)
+    per_rank = [{BREAKDOWN_NAMES[k]: t.seconds[k] for k in CATEGORIES} for t in tallies]
+    n = layout.world_size
+    job = predict_memory(model, Layout(), precision, micro_batch, recompute)
+    state = {"parameters": job.parameters, "gradients": job.gradients, "master_weights": job.master_weights,
+             "optimizer_states": job.adam_m + job.adam_v, "total": job.model_states}
+    return SimResult(
+        n_gpus=n, gpu=spec.name, layout=layout, precision=precision, schedule=schedule_kind, micro_batch=micro_batch,
+        micro_batches=m, global_batch=global_batch, recompute=recompute, step_time_s=step,
+        breakdown=per_rank[critical], critical_rank=critical, per_rank=per_rank,
+        tflops_per_gpu=step_flops(model, global_batch) / step / n / 1e12,
+        mfu=model_flops_utilisation(model, global_batch, step, n, spec, pol.compute),
+        memory=memory, job_state_bytes=state, gpus_for_state=math.ceil(job.model_states / spec.hbm_bytes),
+        seq_len=model.seq_len, tallies=tallies, timings=timings,
+    )

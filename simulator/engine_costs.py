@@ -1,0 +1,206 @@
+"""What every action of a schedule costs on one pipeline rank, computed once before the replay. Torch-free.
+
+Compute comes from simulator/compute.py's `chunk_times` (per unit: the embedding, one
+block, the head), tensor-parallel collectives from its byte counts timed on the tp group's
+links, data-parallel collectives per bucket (ZeRO 0-2, simulator/layout.py's buckets) or
+per unit (ZeRO-3) on the dp group's links. What overlaps what follows our executor
+(parallel/pipeline.py, parallel/zero.py, parallel/zero3.py):
+
+  tp      Megatron's collectives sit between the layer's matmuls: never hidden.
+  ZeRO 0/1  gradients are reduced only in the rank's last gradient action, bucket by bucket
+          as they become ready (stage 1: at most MAX_IN_FLIGHT in the air); the optimizer
+          waits for the rest. With a tied head on several stages the executor reduces
+          nothing during the backward: every bucket is reduced before the optimizer.
+  ZeRO 2  every backward reduce-scatters every bucket of the rank and waits at its end.
+  ZeRO 3  every forward and backward gathers each unit (one unit prefetched; the rank's
+          first and last unit stay gathered after first use), every backward
+          reduce-scatters every unit and waits at its end.
+  ZeRO 1/2 all-gather the updated weights after the optimizer, bucket after bucket.
+
+Zero-bubble halves: BackwardInput gets the input-gradient half of the backward, the
+recomputation and all backward tp collectives; BackwardWeight the weight-gradient half
+and the gradient reductions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minigpt.config import GPTConfig
+from parallel.schedule import ScheduleConfig
+from precision.policy import FORMAT_BYTES, policy as precision_policy
+from simulator.compute import EfficiencyProfile, chunk_times
+from simulator.engine_links import LinkCosts
+from simulator.engine_overlap import Segment, bucket_segments, bucket_spans, overlap, ready_offsets
+from simulator.hardware import GPUSpec
+from simulator.layout import Layout, buckets, padded_vocab, stage_units
+from simulator.memory import MAX_IN_FLIGHT, MemoryEstimate
+
+
+@dataclass(frozen=True)
+class ActionCost:
+    """Seconds an action holds its rank, split by cause; `comm_end`: when its reductions finish (ZeRO 0/1)."""
+
+    total: float
+    compute: float = 0.0
+    tp: float = 0.0
+    dp: float = 0.0
+    comm_end: float | None = None
+
+
+@dataclass
+class RankCosts:
+    """Per (kind, global chunk): kind F (forward), F1 (a chunk's first forward), B, Bi, W, and
+    Blast/Wlast (the rank's last gradient action, which carries ZeRO 0/1's reductions)."""
+
+    actions: dict[tuple[str, int], ActionCost]
+    optimizer: float = 0.0
+    reduce_before_step: float = 0.0  # reductions left for the optimizer to wait on, serially
+    update_gather: dict[int, float] = field(default_factory=dict)  # per chunk, ZeRO-1/2
+
+    @classmethod
+    def uniform(cls, chunks: list[int], forward: float, backward: float, optimizer: float = 0.0) -> "RankCosts":
+        """Every chunk alike and no communication: for checking the schedule's closed forms."""
+        actions = {}
+        for chunk in chunks:
+            for kind, seconds in (("F", forward), ("F1", forward), ("B", backward), ("Blast", backward),
+                                  ("Bi", backward / 2), ("W", backward / 2), ("Wlast", backward / 2)):
+                actions[(kind, chunk)] = ActionCost(seconds, compute=seconds)
+        return cls(actions, optimizer=optimizer)
+
+
+@dataclass(frozen=True)
+class Unit:
+    tensors: list
+    forward: float  # compute seconds
+    backward: float
+    forward_tp: float
+    backward_tp: float
+    numel: int  # padded to the dp size (ZeRO-3's flat unit)
+
+
+def tp_seconds(links: LinkCosts, collectives) -> float:
+    return sum(c.calls * links.tp_collective(c.kind, c.bytes) for c in collectives)
+
+
+def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links: LinkCosts, gpu: GPUSpec,
+               precision: str, micro_batch: int, recompute: str, profile: EfficiencyProfile | None,
+               memory: MemoryEstimate, bucket_mb: float) -> list[RankCosts]:
+    pol = precision_policy(precision)
+    compute_bytes, reduce_bytes = FORMAT_BYTES[pol.compute], FORMAT_BYTES[pol.reduce]
+    zero, dp, last_chunk = schedule.zero_stage, layout.dp, schedule.num_chunks - 1
+    bucket_numel = max(1, int(bucket_mb * 2**20) // compute_bytes)
+    tied_copy = model.tied_head and layout.pp > 1
+    memo: dict = {}
+
+    def times(layers: int, first: bool, last: bool):
+        key = (layers, first, last)
+        if key not in memo:
+            ct = chunk_times(model, layers, micro_batch, layout, gpu, precision, recompute, first, last, profile)
+            memo[key] = (ct.forward_s, ct.backward_s, tp_seconds(links, ct.tp_collectives_forward),
+                         tp_seconds(links, ct.tp_collectives_backward))
+        return memo[key]
+
+    ranks = []
+    for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
+        def dp_time(kind: str, numel: int, element: int, stage: int = rank) -> float:
+            return links.dp_collective(stage, kind, numel * element)
+
+        chunk_units: dict[int, list[Unit]] = {}
+        for (chunk, _), unit_tensors in zip(placed, per_chunk):
+            units = []
+            for position, tensors in enumerate(unit_tensors):
+                embedding = chunk == 0 and position == 0
+                head = chunk == last_chunk and position == len(unit_tensors) - 1
+                f, b, ftp, btp = times(0 if embedding or head else 1, embedding, head)
+                units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, dp)[0].size))
+            chunk_units[chunk] = units
+        all_units = [u for chunk in chunk_units.values() for u in chunk]
+        kept = {id(all_units[0]), id(all_units[-1])}
+        actions: dict[tuple[str, int], ActionCost] = {}
+        spans = {c: bucket_spans([t for u in us for t in u.tensors], bucket_numel, dp) for c, us in chunk_units.items()}
+        reduce_kind = "all_reduce" if zero == 0 else "reduce_scatter"
+
+        def bucket_reduce(numel: int) -> float:
+            return dp_time(reduce_kind, numel, reduce_bytes)
+
+        for chunk, units in chunk_units.items():
+            others = [u for c, us in chunk_units.items() if c != chunk for u in us]
+            f_compute, f_tp = sum(u.forward for u in units), sum(u.forward_tp for u in units)
+            b_compute, b_tp = sum(u.backward for u in units), sum(u.backward_tp for u in units)
+            recompute_s = sum(u.backward - 2 * u.forward for u in units)
+            bi_compute = (b_compute - recompute_s) / 2 + recompute_s
+            w_compute = b_compute - bi_compute
+            if zero == 3:
+                def gather(u: Unit, first_use: bool) -> float:
+                    return dp_time("all_gather", u.numel, compute_bytes) if first_use or id(u) not in kept else 0.0
+
+                def rs(u: Unit) -> float:
+                    return dp_time("reduce_scatter", u.numel, reduce_bytes)
+
+                for kind, first_use in (("F", False), ("F1", True)):
+                    segs = [Segment(u.forward + u.forward_tp, gather(u, first_use)) for u in units]
+                    o = overlap(segs, None, False)
+                    actions[(kind, chunk)] = ActionCost(o.end, f_compute, f_tp, o.exposed)
+                tail = [Segment(0.0, reduce=rs(u)) for u in others]
+                rev = units[::-1]
+                full = overlap([Segment(u.backward + u.backward_tp, gather(u, False), rs(u)) for u in rev] + tail,
+                               MAX_IN_FLIGHT, True)
+                bi = overlap([Segment(u.backward - u.forward + u.backward_tp, gather(u, False)) for u in rev],
+                             None, False)
+                w = overlap([Segment(u.forward, reduce=rs(u)) for u in rev] + tail, MAX_IN_FLIGHT, True)
+                for kind, o, c, t in (("B", full, b_compute, b_tp), ("Bi", bi, bi_compute, b_tp), ("W", w, w_compute, 0.0)):
+                    actions[(kind, chunk)] = ActionCost(o.end, c, t, o.exposed)
+            else:
+                forward = ActionCost(f_compute + f_tp, f_compute, f_tp)
+                actions[("F", chunk)] = actions[("F1", chunk)] = forward
+                actions[("B", chunk)] = ActionCost(b_compute + b_tp, b_compute, b_tp)
+                actions[("Bi", chunk)] = ActionCost(bi_compute + b_tp, bi_compute, b_tp)
+                actions[("W", chunk)] = ActionCost(w_compute, w_compute)
+                if zero == 2 or (dp > 1 and not tied_copy):
+                    limit = None if zero == 0 else MAX_IN_FLIGHT
+                    tail = [Segment(0.0, reduce=bucket_reduce(b.size)) for c, s in spans.items() if c != chunk for *_, b in s]
+                    tensors = [u.tensors for u in units]
+                    for kind, compute, tp, shares in (
+                        ("B", b_compute, b_tp, [u.backward + u.backward_tp for u in units]),
+                        ("W", w_compute, 0.0, [u.forward for u in units]),  # the weight-gradient half
+                    ):
+                        segments = bucket_segments(spans[chunk], ready_offsets(tensors, shares), compute + tp, bucket_reduce)
+                        o = overlap(segments + tail, limit, wait_at_end=zero == 2)
+                        name = kind if zero == 2 else kind + "last"
+                        actions[(name, chunk)] = ActionCost(o.end, compute, tp, o.exposed, None if zero == 2 else o.comm_end)
+        for chunk in chunk_units:
+            for kind in ("B", "W"):
+                actions.setdefault((kind + "last", chunk), actions[(kind, chunk)])
+        stage_memory = memory.per_stage[rank]
+        ranks.append(RankCosts(
+            actions=actions,
+            optimizer=optimizer_seconds(stage_memory, pol, gpu),
+            reduce_before_step=_reduce_before_step(zero, dp, tied_copy, rank, layout, model, spans, bucket_reduce,
+                                                   dp_time, reduce_bytes),
+            update_gather={c: sum(dp_time("all_gather", b.size, compute_bytes) for *_, b in s) for c, s in spans.items()}
+            if zero in (1, 2) and dp > 1 else {},
+        ))
+    return ranks
+
+
+def _reduce_before_step(zero, dp, tied_copy, rank, layout, model, spans, bucket_reduce, dp_time, reduce_bytes) -> float:
+    """Reductions the optimizer waits for that no backward started: every bucket (ZeRO 0/1 with a tied
+    head on several stages), and the tied embedding's gradient all-reduce over dp (ZeRO 2/3, parallel/zero*.add_grad)."""
+    if dp == 1:
+        return 0.0
+    seconds = 0.0
+    if zero in (0, 1) and tied_copy:
+        seconds += sum(bucket_reduce(b.size) for s in spans.values() for *_, b in s)
+    if zero >= 2 and tied_copy and rank in (0, layout.pp - 1):
+        seconds += dp_time("all_reduce", padded_vocab(model, layout.tp) // layout.tp * model.d_model, reduce_bytes)
+    return seconds
+
+
+def optimizer_seconds(stage: MemoryEstimate, pol, gpu: GPUSpec) -> float:
+    """AdamW on this rank's share: gradients read, moments (and masters) read and written, weights written, at HBM speed."""
+    owned = stage.adam_m // FORMAT_BYTES[pol.optimizer_state]
+    per_param = pol.bytes_per_param()
+    weights = 2 * per_param["master"] + per_param["compute"] if pol.master else 2 * per_param["compute"]
+    moved = owned * (per_param["grad"] + 2 * (per_param["adam_m"] + per_param["adam_v"]) + weights)
+    return moved / gpu.hbm_bandwidth

@@ -1,0 +1,117 @@
+"""Compute overlapped with data-parallel communication inside one action, as our ZeRO code does it. Torch-free.
+
+A backward (or a ZeRO-3 forward) is cut into segments: compute, optionally preceded by an
+all-gather of the segment's weights and followed by a reduction of its gradients. The
+communication runs on one stream in the order it is issued (collectives on one NCCL
+communicator run one at a time); compute waits only where our code waits:
+
+  - a segment's compute starts once its weights are gathered; the gather of the next
+    segment is issued when this one starts computing (parallel/zero3.py's one-unit prefetch);
+  - a reduction is issued when the segment's compute ends; with `max_in_flight`, when more
+    are in the air the compute waits for the oldest (parallel/zero.py's MAX_IN_FLIGHT);
+  - `wait_at_end`: the action ends only when every reduction is done (ZeRO-2 and ZeRO-3 wait
+    at the end of each micro-batch's backward); otherwise the communication may run past it
+    (ZeRO 0/1: the last backward's buckets are waited for before the optimizer step).
+
+Gradient buckets become ready during a backward as it walks the parameters in reverse:
+`ready_offsets` spreads each unit's backward time over its tensors by size (an
+approximation: a matmul's weight gradient is not produced at a uniform rate).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+from simulator.layout import Bucket, Tensor, buckets
+
+
+@dataclass(frozen=True)
+class Segment:
+    compute: float
+    gather: float = 0.0
+    reduce: float = 0.0
+
+
+@dataclass(frozen=True)
+class Overlapped:
+    """When an action's compute stream ends (stalls included) and when its communication ends, from its start."""
+
+    end: float
+    comm_end: float
+    compute: float  # the compute of the segments, stalls left out
+
+    @property
+    def exposed(self) -> float:
+        return self.end - self.compute
+
+
+def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end: bool) -> Overlapped:
+    clock = comm = 0.0
+    gathered: list[float | None] = [None] * len(segments)
+    if segments and segments[0].gather > 0:
+        comm = gathered[0] = segments[0].gather
+    in_flight: deque[float] = deque()
+    for index, segment in enumerate(segments):
+        if gathered[index] is not None:
+            clock = max(clock, gathered[index])
+        following = index + 1
+        if following < len(segments) and segments[following].gather > 0:
+            comm = gathered[following] = max(comm, clock) + segments[following].gather
+        clock += segment.compute
+        if segment.reduce > 0:
+            comm = max(comm, clock) + segment.reduce
+            in_flight.append(comm)
+            if max_in_flight is not None and len(in_flight) > max_in_flight:
+                clock = max(clock, in_flight.popleft())
+    if wait_at_end:
+        clock = max(clock, comm)
+    return Overlapped(end=clock, comm_end=max(clock, comm), compute=sum(s.compute for s in segments))
+
+
+def bucket_spans(tensors: Sequence[Tensor], bucket_numel: int, pad_to: int) -> list[tuple[int, int, Bucket]]:
+    """(first tensor index, last tensor index, bucket) of each bucket simulator/layout.py's `buckets` cuts."""
+    cut = buckets(tensors, bucket_numel, pad_to)
+    spans, first, offset, start, k = [], 0, 0, 0, 0
+    for index, tensor in enumerate(tensors):
+        offset += tensor.numel
+        if index == len(tensors) - 1 or offset - start >= bucket_numel:
+            spans.append((first, index, cut[k]))
+            end = -(-offset // pad_to) * pad_to
+            if end - start != cut[k].size:
+                raise RuntimeError("simulator/engine_overlap.py's bucket cut disagrees with simulator/layout.py")
+            offset = start = end
+            first, k = index + 1, k + 1
+    return spans
+
+
+def ready_offsets(unit_tensors: Sequence[Sequence[Tensor]], unit_backward: Sequence[float]) -> list[float]:
+    """For each tensor (model order), the time into the backward at which its gradient is complete."""
+    done: list[float] = [0.0] * sum(len(unit) for unit in unit_tensors)
+    index_of_first = []
+    count = 0
+    for unit in unit_tensors:
+        index_of_first.append(count)
+        count += len(unit)
+    clock = 0.0
+    for unit_index in reversed(range(len(unit_tensors))):
+        unit = unit_tensors[unit_index]
+        total = sum(t.numel for t in unit) or 1
+        for offset in reversed(range(len(unit))):
+            clock += unit_backward[unit_index] * unit[offset].numel / total
+            done[index_of_first[unit_index] + offset] = clock
+    return done
+
+
+def bucket_segments(spans: list[tuple[int, int, Bucket]], ready: list[float], backward: float,
+                    reduce_time) -> list[Segment]:
+    """A backward of `backward` seconds reducing each bucket once its first tensor's gradient (the last in) is done."""
+    segments, clock = [], 0.0
+    for first, _, bucket in sorted(spans, key=lambda span: ready[span[0]]):
+        at = min(ready[first], backward)
+        segments.append(Segment(compute=at - clock, reduce=reduce_time(bucket.size)))
+        clock = at
+    if backward > clock:
+        segments.append(Segment(compute=backward - clock))
+    return segments

@@ -1,0 +1,136 @@
+"""Readable rows for simulation results and the scaling plot. Torch-free; matplotlib only when plotting.
+
+Units: seconds; per-GPU memory in GiB (2^30 bytes, the unit of HBM capacities); the
+training state of the whole job in decimal GB (1 GB = 1e9 bytes), as model sizes are quoted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minigpt.errors import ConfigError
+from simulator.engine import DECIMAL_GB, SimResult
+from simulator.sweep import ScalingSweep
+
+GIB = 2**30
+BREAKDOWN_LABELS = {"compute": "compute", "pipeline_bubble": "pipeline bubble", "tp_comm": "exposed tp comm",
+                    "pp_comm": "exposed pp comm", "dp_comm": "exposed dp comm", "optimizer": "optimizer step"}
+MEMORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights": "master weights",
+                 "optimizer_states": "optimizer states (Adam m, v)", "activations": "activations",
+                 "comm_buffers": "communication buffers", "total": "total"}
+
+
+def seconds(value: float) -> str:
+    if value == 0:
+        return "0"
+    if value >= 1:
+        return f"{value:.3f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def headline(result: SimResult) -> str:
+    lay = result.layout
+    chunks = f" x {lay.virtual_chunks} chunks" if lay.virtual_chunks > 1 else ""
+    return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, ZeRO-{lay.effective_zero}"
+            f"{', sequence parallel' if lay.sequence_parallel else ''}, {result.precision}, {result.schedule}{chunks}, "
+            f"recompute {result.recompute}; global batch {result.global_batch} = {result.micro_batches} micro-batches "
+            f"of {result.micro_batch} per replica")
+
+
+def step_rows(result: SimResult) -> list[list[str]]:
+    step = result.step_time_s
+    rows = [["step time", seconds(step), "100.0%"]]
+    rows += [[f"  {BREAKDOWN_LABELS[k]}", seconds(v), f"{v / step:.1%}"] for k, v in result.breakdown.items()]
+    rows += [["TFLOP/s per GPU", f"{result.tflops_per_gpu:.1f}", "model FLOPs"],
+             ["MFU", f"{result.mfu:.1%}", f"of the {result.precision} peak"],
+             ["throughput", f"{result.samples_per_s:.4g} samples/s", f"{result.tokens_per_s:.4g} tokens/s"]]
+    return rows
+
+
+def memory_rows(result: SimResult) -> list[list[str]]:
+    per_gpu = result.memory_per_gpu()
+    rows = [[MEMORY_LABELS[k], f"{v / GIB:.2f} GiB", ""] for k, v in per_gpu.items()]
+    capacity = result.memory.capacity or 0
+    margin = result.memory_margin_bytes
+    verdict = (f"fits, {margin / GIB:.2f} GiB to spare" if result.fits
+               else f"does not fit: short by {-margin / GIB:.2f} GiB")
+    rows.append([f"capacity ({result.gpu})", f"{capacity / GIB:.2f} GiB", verdict])
+    return rows
+
+
+def job_rows(result: SimResult) -> list[list[str]]:
+    labels = dict(MEMORY_LABELS, total="training state in all")
+    return [[labels[k], f"{v / DECIMAL_GB:,.1f} GB"] for k, v in result.job_state_bytes.items()]
+
+
+def job_verdict(result: SimResult, n_params: int) -> str:
+    capacity = result.memory.capacity or 1
+    per_param = result.job_state_bytes["total"] / n_params
+    return (f"{per_param:.0f} bytes per parameter ({result.precision}, Adam): the training state alone needs at least "
+            f"{result.gpus_for_state} {result.gpu} GPUs ({capacity / GIB:.0f} GiB each), before any activation or buffer")
+
+
+def sweep_rows(sweep: ScalingSweep) -> list[list[str]]:
+    rows = []
+    for p in sweep.points:
+        lay = p.result.layout
+        rows.append([p.gpus, p.global_batch, f"{lay.tp}x{lay.pp}x{lay.dp}", p.result.micro_batches,
+                     seconds(p.result.step_time_s), f"{p.samples_per_s:.4g}", f"{p.efficiency:.0%}",
+                     "-" if p.marginal is None else f"{p.marginal:.0%}", f"{p.result.mfu:.1%}",
+                     f"{p.result.breakdown['pipeline_bubble'] / p.result.step_time_s:.0%}",
+                     f"{(p.result.breakdown['dp_comm'] + p.result.breakdown['tp_comm'] + p.result.breakdown['pp_comm']) / p.result.step_time_s:.0%}",
+                     "yes" if p.result.fits else "NO"])
+    return rows
+
+
+SWEEP_HEADERS = ["GPUs", "batch", "tp x pp x dp", "micro-batches", "step", "samples/s", "efficiency",
+                 "marginal", "MFU", "bubble", "exposed comm", "fits"]
+
+
+def zero_rows(results: dict[int, SimResult]) -> list[list[str]]:
+    return [[f"ZeRO-{s}", seconds(r.step_time_s), seconds(r.breakdown["dp_comm"]), f"{r.memory.total / GIB:.2f} GiB",
+             "yes" if r.fits else "NO"] for s, r in results.items()]
+
+
+ZERO_HEADERS = ["stage", "step", "exposed dp comm", "memory per GPU", "fits"]
+
+
+def plot_sweep(sweep: ScalingSweep, path: str | Path) -> Path:
+    """Throughput against GPUs with linear scaling for reference, and the marginal efficiency against its threshold."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ConfigError(f"the plot is a PNG: give a file name ending in .png, not {path.name!r}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [p.gpus for p in sweep.points]
+    throughput = [p.samples_per_s for p in sweep.points]
+    first = sweep.points[0]
+    linear = [first.samples_per_s * n / first.gpus for n in gpus]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    top.plot(gpus, linear, "--", color="grey", label="linear scaling")
+    top.plot(gpus, throughput, "o-", label=f"simulated ({sweep.scaling} scaling)")
+    stop = sweep.stop
+    if stop is not None:
+        for axis in (top, bottom):
+            axis.axvline(stop.gpus, color="red", alpha=0.4)
+        top.annotate(f"stops paying at {stop.gpus}", (stop.gpus, stop.samples_per_s), color="red",
+                     textcoords="offset points", xytext=(5, -15))
+    top.set_ylabel("samples / s")
+    top.set_xscale("log", base=2)
+    top.legend()
+    marginal = [(p.gpus, p.marginal) for p in sweep.points if p.marginal is not None]
+    bottom.plot([g for g, _ in marginal], [m for _, m in marginal], "o-")
+    bottom.axhline(sweep.threshold, color="red", linestyle=":", label=f"threshold {sweep.threshold:.0%}")
+    bottom.set_ylabel("marginal efficiency\n(added GPU / GPU already there)")
+    bottom.set_xlabel("GPUs")
+    bottom.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

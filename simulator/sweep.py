@@ -1,0 +1,229 @@
+"""Scaling sweeps: how a job's throughput grows with GPUs, and where adding them stops paying. Torch-free.
+
+Strong scaling keeps the global batch; weak scaling grows it with the GPU count (the
+batch per GPU of the first point is kept). At each GPU count the layout is the given one
+(tp and pp fixed, dp = GPUs / (tp x pp)) or the fastest that fits in memory among every
+tp (dividing the heads and MLP width, at most one server) and pp (every chunk at least a
+block) that divide the GPU count and the batch.
+
+Marginal gain: going from N0 to N1 GPUs, each added GPU brings (T1 - T0) / (N1 - N0)
+samples/s; linear scaling would have it bring what a GPU brought at N0, T0 / N0. Their
+ratio is the marginal efficiency; adding GPUs stops paying at the first point where it
+falls below `threshold` (default DEFAULT_THRESHOLD = 0.5: an added GPU is worth less than
+half a GPU already there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+from simulator.compute import EfficiencyProfile
+from simulator.engine import SimResult, simulate_step
+from simulator.hardware import Hardware, load_hardware
+from simulator.layout import Layout
+from simulator.memory import predict_memory
+from simulator.topology import CLUSTER_KINDS, Cluster, build_cluster
+
+DEFAULT_THRESHOLD = 0.5
+SCALINGS = ("strong", "weak")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """How to build a cluster of any size: the GPU (preset name or loaded profile), server size, fabric, kind."""
+
+    hardware: Hardware
+    gpus_per_node: int
+    fabric: str | None = None
+    kind: str = "fat-tree"
+
+    @classmethod
+    def of(cls, gpu: str | Hardware, gpus_per_node: int | None = None, fabric: str | None = None,
+           kind: str = "fat-tree") -> "ClusterSpec":
+        hardware = load_hardware(gpu) if isinstance(gpu, str) else gpu
+        if kind not in CLUSTER_KINDS:
+            raise ConfigError(f"unknown topology kind {kind!r}: choose one of {', '.join(CLUSTER_KINDS)}")
+        per_node = hardware.node.gpus_per_node if gpus_per_node is None else gpus_per_node
+        if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+            raise ConfigError(f"gpus per node must be a positive integer, got {per_node!r}")
+        return cls(hardware, per_node, fabric, kind)
+
+    def build(self, n_gpus: int) -> Cluster:
+        """n_gpus GPUs: whole servers, or one partly filled server below a server's worth."""
+        if n_gpus < self.gpus_per_node:
+            return build_cluster(self.hardware, n_gpus, 1, self.fabric, self.kind)
+        if n_gpus % self.gpus_per_node:
+            raise ConfigError(
+                f"{n_gpus} GPUs do not fill whole servers of {self.gpus_per_node}: use a multiple of {self.gpus_per_node}"
+            )
+        return build_cluster(self.hardware, self.gpus_per_node, n_gpus // self.gpus_per_node, self.fabric, self.kind)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything about the training job except the GPU count and layout."""
+
+    model: GPTConfig
+    precision: str = "bf16"
+    global_batch: int = 8
+    micro_batch: int = 1
+    zero: int = 1
+    schedule: str = "1f1b"
+    virtual_chunks: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    profile: EfficiencyProfile | None = None
+
+    def simulate(self, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
+                 global_batch: int | None = None) -> SimResult:
+        return simulate_step(self.model, layout, cluster, self.precision, global_batch or self.global_batch,
+                             self.micro_batch, self.schedule, self.virtual_chunks, self.recompute, self.profile,
+                             gpu=hardware)
+
+
+def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: int,
+                      tp: int | None = None, pp: int | None = None) -> list[Layout]:
+    """Every tp x pp x dp layout of n_gpus this job can run (tp or pp fixed when given)."""
+    model, out = job.model, []
+    per_server = min(n_gpus, gpus_per_node)  # a tp group must sit inside one server
+    for t in [tp] if tp else [t for t in range(1, per_server + 1) if n_gpus % t == 0 and per_server % t == 0]:
+        if model.n_heads % t or model.d_ff % t or (job.sequence_parallel and model.seq_len % t):
+            continue
+        for p in [pp] if pp else [p for p in range(1, n_gpus // t + 1) if (n_gpus // t) % p == 0]:
+            if (n_gpus // t) % p or p * job.virtual_chunks > model.n_layers:
+                continue
+            dp = n_gpus // (t * p)
+            if global_batch % (job.micro_batch * dp):
+                continue
+            m = global_batch // (job.micro_batch * dp)
+            if job.schedule == "interleaved" and m % p:
+                continue
+            out.append(Layout(tp=t, pp=p, dp=dp, zero=job.zero, sequence_parallel=job.sequence_parallel,
+                              virtual_chunks=job.virtual_chunks))
+    return out
+
+
+def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp: int | None = None,
+                pp: int | None = None, cluster: Cluster | None = None) -> SimResult:
+    """The fastest layout that fits (or, when none fits, the one needing the least memory)."""
+    layouts = candidate_layouts(job, n_gpus, spec.gpus_per_node, global_batch, tp, pp)
+    if not layouts:
+        raise ConfigError(
+            f"no layout of {n_gpus} GPUs runs a global batch of {global_batch} in micro-batches of {job.micro_batch} "
+            f"(tp={tp or 'any'}, pp={pp or 'any'}): change the batch, the GPU counts or the layout"
+        )
+    cluster = cluster or spec.build(n_gpus)
+    gpu = spec.hardware.gpu
+    fitting, smallest = [], None
+    for layout in layouts:
+        states = predict_memory(job.model, layout, job.precision, job.micro_batch, job.recompute, gpu)
+        if states.model_states > gpu.hbm_bytes:  # cannot fit whatever the schedule: skip the replay
+            smallest = min(smallest or (states.total, layout), (states.total, layout), key=lambda x: x[0])
+            continue
+        fitting.append(job.simulate(layout, cluster, spec.hardware, global_batch))
+    fits = [r for r in fitting if r.fits]
+    if fits:
+        return min(fits, key=lambda r: r.step_time_s)
+    if fitting:
+        return min(fitting, key=lambda r: r.memory.total)
+    return job.simulate(smallest[1], cluster, spec.hardware, global_batch)
+
+
+@dataclass
+class ScalingPoint:
+    gpus: int
+    global_batch: int
+    result: SimResult
+    samples_per_s: float
+    speedup: float = 1.0  # throughput over the first point's
+    efficiency: float = 1.0  # speedup / (gpus / first gpus)
+    marginal: float | None = None  # marginal efficiency from the previous point (see the module docstring)
+
+    def as_dict(self) -> dict:
+        r = self.result
+        return {"gpus": self.gpus, "global_batch": self.global_batch, "layout": {"tp": r.layout.tp, "pp": r.layout.pp,
+                "dp": r.layout.dp, "zero": r.layout.zero}, "micro_batches": r.micro_batches,
+                "step_time_s": r.step_time_s, "samples_per_s": self.samples_per_s, "tflops_per_gpu": r.tflops_per_gpu,
+                "mfu": r.mfu, "speedup": self.speedup, "efficiency": self.efficiency, "marginal_efficiency": self.marginal,
+                "fits": r.fits, "breakdown": r.breakdown}
+
+
+@dataclass
+class ScalingSweep:
+    scaling: str
+    threshold: float
+    points: list[ScalingPoint] = field(default_factory=list)
+
+    @property
+    def stop(self) -> ScalingPoint | None:
+        """The first point where an added GPU brought less than `threshold` of a GPU's worth."""
+        return next((p for p in self.points if p.marginal is not None and p.marginal < self.threshold), None)
+
+    def verdict(self) -> str:
+        stop = self.stop
+        if stop is None:
+            last = self.points[-1]
+            return (f"adding GPUs still pays up to {last.gpus} GPUs: each added GPU brought at least "
+                    f"{self.threshold:.0%} of a GPU's worth (efficiency at {last.gpus}: {last.efficiency:.0%})")
+        previous = self.points[self.points.index(stop) - 1]
+        return (f"adding GPUs stops paying at {stop.gpus} GPUs: from {previous.gpus} to {stop.gpus} each added GPU "
+                f"brings {stop.marginal:.0%} of what a GPU brought at {previous.gpus} (threshold {self.threshold:.0%}); "
+                f"throughput {previous.samples_per_s:.3g} -> {stop.samples_per_s:.3g} samples/s")
+
+    def as_dict(self) -> dict:
+        stop = self.stop
+        return {"scaling": self.scaling, "threshold": self.threshold, "stops_paying_at": stop.gpus if stop else None,
+                "verdict": self.verdict(), "points": [p.as_dict() for p in self.points]}
+
+
+def scaling_sweep(job: Job, gpu_counts: list[int], spec: ClusterSpec, scaling: str = "strong",
+                  threshold: float = DEFAULT_THRESHOLD, tp: int | None = None, pp: int | None = None) -> ScalingSweep:
+    if scaling not in SCALINGS:
+        raise ConfigError(f"unknown scaling {scaling!r}: choose strong (fixed global batch) or weak (batch grows with GPUs)")
+    counts = sorted(set(gpu_counts))
+    if len(counts) < 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise ConfigError(f"a sweep needs at least two different positive GPU counts, got {gpu_counts!r}")
+    if not 0 < threshold < 1:
+        raise ConfigError(f"the threshold is a fraction of linear scaling in (0, 1), got {threshold!r}")
+    sweep = ScalingSweep(scaling, threshold)
+    for n in counts:
+        batch = job.global_batch if scaling == "strong" else job.global_batch * n // counts[0]
+        if scaling == "weak" and job.global_batch * n % counts[0]:
+            raise ConfigError(f"weak scaling from {counts[0]} GPUs needs GPU counts that are multiples of it, got {n}")
+        result = best_layout(job, n, spec, batch, tp, pp)
+        point = ScalingPoint(n, batch, result, result.samples_per_s)
+        if sweep.points:
+            first, previous = sweep.points[0], sweep.points[-1]
+            point.speedup = point.samples_per_s / first.samples_per_s
+            point.efficiency = point.speedup / (n / first.gpus)
+            added = (point.samples_per_s - previous.samples_per_s) / (n - previous.gpus)
+            point.marginal = added / (previous.samples_per_s / previous.gpus)
+        sweep.points.append(point)
+    return sweep
+
+
+def compare_zero(job: Job, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
+                 global_batch: int | None = None, stages: tuple[int, ...] = (0, 1, 2, 3)) -> dict[int, SimResult]:
+    """The same job and layout under each ZeRO stage: what sharding costs in time and saves in memory."""
+    return {stage: job.simulate(replace(layout, zero=stage), cluster, hardware, global_batch) for stage in stages}
+
+
+def zero_verdict(results: dict[int, SimResult]) -> str:
+    """Whether ZeRO-3 beats the fastest stage that also fits, said plainly."""
+    fits = {s: r for s, r in results.items() if r.fits}
+    if 3 not in results:
+        return ""
+    three = results[3]
+    others = {s: r for s, r in fits.items() if s != 3}
+    if not others:
+        return "only ZeRO-3 fits in memory here: its extra communication is the price of fitting at all"
+    best = min(others, key=lambda s: others[s].step_time_s)
+    ratio = three.step_time_s / others[best].step_time_s
+    if ratio > 1:
+        return (f"ZeRO-3 is {ratio:.2f}x slower than ZeRO-{best} here, and ZeRO-{best} fits: sharding the weights "
+                f"gathers them every forward and backward (3 passes of the weights over the network, "
+                f"all-reduce needs 2), so it only pays when nothing else fits")
+    return (f"ZeRO-3 takes {ratio:.2f}x the step time of ZeRO-{best} here: its per-unit gathers and reduce-scatters "
+            f"hide under compute (it loses where communication cannot hide: more replicas, less work per GPU)")

@@ -1,0 +1,122 @@
+"""`minigpt simulate`: the table, --json, the sweep with its two lessons, traces, topology files, bad input."""
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cli.main import Group
+from cli.simulate import simulate
+from simulator.topology import build_cluster, save_cluster
+
+
+@click.group(cls=Group)
+def group() -> None:
+    """A throwaway group with the command registered the way cli/main.py will register it."""
+
+
+group.add_command(simulate)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(group, ["simulate", *args])
+
+
+def test_gpt3_in_fp32_reports_the_training_state_in_decimal_gb():
+    result = invoke("--model", "gpt3-175b", "--precision", "fp32")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    # 174.6B parameters (the real count of the preset), 4 + 4 + 8 bytes each: ~700 / 700 / 1400 GB
+    assert "parameters                         698.4 GB" in out
+    assert "gradients                          698.4 GB" in out
+    assert "optimizer states (Adam m, v)       1,396.8 GB" in out
+    assert "16 bytes per parameter" in out and "at least 33 a100-80gb GPUs" in out
+    assert "does not fit: short by" in out and "step time" in out and "MFU" in out
+
+
+def test_json_has_the_promised_keys():
+    result = invoke("--model", "gpt2-124m", "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "1",
+                    "--global-batch", "16", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    for key in ("step_time_s", "tflops_per_gpu", "mfu", "breakdown", "memory_per_gpu", "fits"):
+        assert key in data
+    assert sum(data["breakdown"].values()) == pytest.approx(data["step_time_s"], rel=1e-9)
+    memory = data["memory_per_gpu"]
+    assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    assert data["fits"] is True and data["n_gpus"] == 8 and data["micro_batches"] == 8
+
+
+def test_model_by_dimensions_trace_and_topology_file(tmp_path):
+    topology = save_cluster(build_cluster("h100-sxm", 8, 2, "ndr", "rail"), tmp_path / "cluster.json")
+    trace = tmp_path / "trace.json"
+    result = invoke("--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "512", "--vocab", "1000",
+                    "--tp", "4", "--pp", "2", "--dp", "2", "--schedule", "interleaved", "--virtual-chunks", "2",
+                    "--global-batch", "8", "--topology", str(topology), "--trace", str(trace), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["gpu"] == "h100-sxm" and data["layout"]["virtual_chunks"] == 2  # the file names its GPU
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e.get("cat") == "compute"} == {0, 1}
+
+
+def test_sweep_states_both_lessons_and_draws_the_plot(tmp_path):
+    plot = tmp_path / "scaling.png"
+    sweep = ["--model", "gpt2-124m", "--sweep", "--gpus", "4,8,16,32,64", "--global-batch", "64", "--tp", "1",
+             "--pp", "1", "--fabric", "hdr"]
+    result = invoke(*sweep, "--plot", str(plot))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "adding GPUs stops paying at 16 GPUs" in out  # past one server the gradients cross InfiniBand
+    assert "ZeRO stages at 16 GPUs" in out and "ZeRO-3 is" in out and "slower than ZeRO-" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(invoke(*sweep, "--json").output)
+    assert data["sweep"]["stops_paying_at"] == 16 and data["zero_comparison"]["gpus"] == 16
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "b300"], "unknown hardware 'b300'"),
+    (["--tp", "4", "--nodes", "2", "--gpus-per-node", "8"], "the cluster has 16"),
+    (["--tp", "16", "--model", "gpt2-124m", "--heads", "16", "--hidden", "1024"], "spans servers"),
+    (["--dp", "12"], "do not fill whole servers of 8"),
+    (["--dp", "2", "--global-batch", "3"], "not a multiple"),
+    (["--precision", "fp12"], "unknown precision"),
+    (["--sweep", "--global-batch", "8"], "--sweep needs the GPU counts"),
+    (["--sweep", "--gpus", "8,x", "--global-batch", "8"], "comma-separated"),
+    (["--micro-batch", "0"], "--micro-batch must be a positive integer"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+    result = invoke("--model", "gpt2-124m", *args) if "--model" not in args else invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_malformed_topology_file_is_bad_input(tmp_path):
+    bad = tmp_path / "cluster.json"
+    bad.write_text("{not json")
+    result = invoke("--model", "gpt2-124m", "--topology", str(bad))
+    assert result.exit_code == 2 and "not valid JSON" in result.output
+
+
+def test_a_hardware_profile_loads_like_a_preset(tmp_path):
+    from simulator.hardware import load_hardware, save_hardware
+
+    profile = save_hardware(load_hardware("h200"), tmp_path / "ours.json")
+    result = invoke("--model", "gpt2-124m", "--dp", "8", "--hardware", str(profile), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["gpu"] == "h200" and data["memory_capacity_bytes"] == load_hardware("h200").gpu.hbm_bytes
+
+
+def test_weak_scaling_grows_the_batch_and_compares_zero_at_that_batch():
+    result = invoke("--model", "gpt2-124m", "--sweep", "--scaling", "weak", "--gpus", "8,16", "--global-batch", "32",
+                    "--micro-batch", "4", "--zero", "1", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    points = data["sweep"]["points"]
+    assert [p["global_batch"] for p in points] == [32, 64]
+    compared = data["zero_comparison"]
+    at = next(p for p in points if p["gpus"] == compared["gpus"])
+    assert compared["stages"]["1"]["global_batch"] == at["global_batch"]
+    assert compared["stages"]["1"]["step_time_s"] == pytest.approx(at["step_time_s"])
