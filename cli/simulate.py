@@ -12,6 +12,8 @@ import json
 
 import click
 
+from cli.config_file import config_file_option
+
 from minigpt.errors import ConfigError
 
 
@@ -157,6 +159,7 @@ def _json(report: dict) -> dict:
     return data
 
 
+@config_file_option
 @click.command()
 @click.option("--model", default="gpt3-175b", show_default=True, help="Preset the dimensions start from.")
 @click.option("--layers", type=int, help="Transformer blocks (overrides the preset).")

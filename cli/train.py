@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from cli.config_file import config_file_option
 from cli.output import print_table
 from minigpt.config import PRESETS, build_config
 from minigpt.data import check_text_file
@@ -116,6 +117,7 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+@config_file_option
 @click.command()
 @click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel size.")
 @click.option("--pp", default=1, show_default=True, type=int, help="Pipeline-parallel size.")

@@ -1,17 +1,25 @@
-"""A worker killed mid-run: the others stop within a bounded time and the message names the dead rank."""
+"""A worker killed mid-run: the others stop within a bounded time, the message names the dead
+rank, the last complete checkpoint stays loadable and --resume continues from it."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from minigpt.config import preset
+from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
+from parallel.train_config import TrainConfig
+
+ARGS = ["--dp", "4", "--layers", "1", "--seq-len", "32", "--batch-size", "8", "--log-every", "1000"]
+
 
 def children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
     found = []
-    for task in tasks.iterdir():
+    for task in Path(f"/proc/{pid}/task").iterdir():
         text = (task / "children").read_text() if (task / "children").exists() else ""
         found += [int(child) for child in text.split()]
     return found
@@ -33,22 +41,21 @@ def has_open(pid: int, path: Path) -> bool:
     return False
 
 
-def test_killed_rank_stops_the_run_with_its_name(tmp_path):
+def test_killed_rank_stops_the_run_and_resume_continues(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "cli", "train", "--dp", "2", "--steps", "100000", "--log-every", "1000",
-               "--layers", "1", "--seq-len", "32", "--batch-size", "4", "--out", str(out)]
+    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", "100000", "--save-every", "2", "--out", str(out)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
-        deadline = time.time() + 120
-        while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        deadline = time.time() + 180
+        while latest_checkpoint(out / "checkpoints") is None:
             assert process.poll() is None, process.communicate()
-            assert time.time() < deadline, "training never started"
+            assert time.time() < deadline, "no checkpoint was written"
             time.sleep(0.2)
         workers = [pid for pid in children(process.pid) if is_worker(pid)]
-        assert len(workers) == 2, workers
-        rank1 = [pid for pid in workers if not has_open(pid, (out / "metrics.jsonl").resolve())]
-        assert len(rank1) == 1, workers
-        os.kill(rank1[0], signal.SIGKILL)
+        assert len(workers) == 4, workers
+        others = [pid for pid in workers if not has_open(pid, (out / "metrics.jsonl").resolve())]
+        assert len(others) == 3, workers
+        os.kill(others[-1], signal.SIGKILL)
         killed_at = time.time()
         _, stderr = process.communicate(timeout=60)
         assert time.time() - killed_at < 60
@@ -57,4 +64,25 @@ def test_killed_rank_stops_the_run_with_its_name(tmp_path):
             process.kill()
     assert process.returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("minigpt: run failed:") and "rank 1" in last, stderr[-2000:]
+    # "rank 3 of 4 failed: killed by SIGKILL", or "ranks 0, 3 of 4 failed; the cause, rank 3: killed by SIGKILL"
+    assert last.startswith("minigpt: run failed: "), stderr[-2000:]
+    assert re.search(r"rank [123](?: of 4 failed)?: killed by SIGKILL$", last), last
+
+    latest = latest_checkpoint(out / "checkpoints")
+    cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
+    check_checkpoint(latest, cfg)  # complete, untruncated, same shape
+    done = int(latest.name.split("-")[1])
+    resume = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", str(done + 2), "--out", str(out), "--resume", "--json"]
+    result = subprocess.run(resume, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["first_step"] == done and len(summary["losses"]) == 2
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
+    command = [sys.executable, "-m", "cli", "train", "--layers", "1", "--seq-len", "32", "--batch-size", "4",
+               "--steps", "30", "--lr", "1000", "--grad-clip", "0", "--warmup", "0", "--out", str(tmp_path / "run")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"minigpt: run failed: step \d+: the loss is .* not finite under fp32", last), last

@@ -1,0 +1,114 @@
+"""A table of bad inputs: each gives exit code 2, one line on stderr, no traceback, and writes nothing.
+
+Covers `train`, `simulate` and `schedule` (`compare` and `calibrate` do not exist yet).
+Cases that need files get them from the fixture: a malformed topology, malformed and
+unknown-key TOML configs, a binary data file, and a real checkpoint that is then truncated
+or resumed with another model shape.
+"""
+
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+
+SMALL = ["--layers", "1", "--seq-len", "32", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-inputs")
+    (root / "topology.json").write_text('{"nodes": [{"id": "gpu0"}]}')
+    (root / "topology.graphml").write_text("<graphml><broken")
+    (root / "topology.txt").write_text("gpu0 -- gpu1")
+    (root / "broken.toml").write_text("steps = = 3")
+    (root / "unknown.toml").write_text("stepz = 3")
+    (root / "nested.toml").write_text("[model]\nlayers = 2")
+    (root / "binary.txt").write_bytes(b"\xff\xfe\x00" * 400)
+    (root / "short.txt").write_text("to be")
+    (root / "empty.txt").write_text("")
+    run = root / "run"
+    result = CliRunner().invoke(main, ["train", *SMALL, "--steps", "2", "--save-every", "2", "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    truncated = root / "truncated"
+    shutil.copytree(run, truncated)
+    checkpoint = truncated / "checkpoints" / "step-000002"
+    data = sorted(p for p in checkpoint.iterdir() if p.suffix == ".distcp")[0]
+    data.write_bytes(data.read_bytes()[:10])
+    return root
+
+
+CASES = [
+    # train: the model and the run
+    ("train", ["--model", "gpt5"], "gpt5"),
+    ("train", ["--layers", "-2"], "n_layers"),
+    ("train", ["--heads", "5"], "does not divide"),
+    ("train", ["--d-model", "0"], "d_model"),
+    ("train", ["--vocab-size", "255"], "vocab"),
+    ("train", ["--dropout", "1.5"], "dropout"),
+    ("train", ["--steps", "0"], "steps"),
+    ("train", ["--batch-size", "-4"], "batch size"),
+    ("train", ["--seq-len", "0"], "seq_len"),
+    ("train", ["--lr", "0"], "lr"),
+    ("train", ["--min-lr", "1", "--lr", "0.1"], "min_lr"),
+    ("train", ["--seed", "-1"], "seed"),
+    ("train", ["--precision", "fp4"], "fp4"),
+    ("train", ["--precision", "fp16", "--loss-scale", "-8"], "loss scale"),
+    # train: data
+    ("train", ["--data", "{root}/missing.txt"], "does not exist"),
+    ("train", ["--data", "{root}/binary.txt"], "not UTF-8"),
+    ("train", ["--data", "{root}/short.txt"], "needs at least"),
+    ("train", ["--data", "{root}/empty.txt"], "needs at least"),
+    # train: layouts
+    ("train", ["--dp", "0"], "--dp"),
+    ("train", ["--zero", "5"], "--zero"),
+    ("train", ["--tp", "3"], "does not divide"),
+    ("train", ["--pp", "16"], "cannot fill"),
+    ("train", ["--dp", "3", "--batch-size", "8"], "divisible"),
+    ("train", ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--batch-size", "6"], "multiple"),
+    ("train", ["--schedule", "pipedream"], "cannot be trained"),
+    ("train", ["--device", "cuda"], "CUDA"),
+    ("train", ["--bucket-mb", "-1"], "bucket"),
+    # train: config files and checkpoints
+    ("train", ["--config", "{root}/broken.toml"], "not valid TOML"),
+    ("train", ["--config", "{root}/unknown.toml"], "stepz"),
+    ("train", ["--config", "{root}/nested.toml"], "model"),
+    ("train", ["--config", "{root}/none.toml"], "does not exist"),
+    ("train", ["--resume", "--out", "{root}/nowhere"], "no complete checkpoint"),
+    ("train", ["--resume", "--out", "{root}/truncated"], "truncated"),
+    ("train", ["--resume", "--out", "{root}/run", "--layers", "2"], "layers"),
+    # simulate
+    ("simulate", ["--gpu", "tpu-v9"], "tpu-v9"),
+    ("simulate", ["--tp", "8", "--pp", "2", "--dp", "2", "--nodes", "1"], "GPUs"),
+    ("simulate", ["--tp", "16"], "server"),
+    ("simulate", ["--topology", "{root}/topology.json"], "topology"),
+    ("simulate", ["--topology", "{root}/topology.graphml"], "topology"),
+    ("simulate", ["--topology", "{root}/topology.txt"], "topology"),
+    ("simulate", ["--layers", "-1"], "layers"),
+    ("simulate", ["--micro-batch", "0"], "micro"),
+    ("simulate", ["--config", "{root}/unknown.toml"], "stepz"),
+    # schedule
+    ("schedule", ["--pp", "0"], "pipeline size"),
+    ("schedule", ["--schedule", "zigzag"], "zigzag"),
+    ("schedule", ["--pp", "4", "--micro-batches", "6", "--schedule", "interleaved"], "multiple"),
+]
+
+
+@pytest.mark.parametrize("command,args,expected", CASES, ids=[f"{c} {' '.join(a)}" for c, a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(files, tmp_path, command, args, expected):
+    args = [arg.replace("{root}", str(files)) for arg in args]
+    before = sorted(p.name for p in files.rglob("*"))
+    out = ["--out", str(tmp_path / "never")] if command == "train" and "--out" not in args else []
+    result = CliRunner().invoke(main, [command, *(SMALL if command == "train" else []), *args, *out])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minigpt: error:"), result.stderr
+    assert expected.lower() in lines[0].lower(), lines[0]
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "never").exists()
+    assert sorted(p.name for p in files.rglob("*")) == before  # nothing written next to the inputs
+
+
+def test_the_table_is_long_enough():
+    assert len(CASES) >= 30
