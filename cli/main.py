@@ -47,6 +47,7 @@ def main() -> None:
 
 
 def _register() -> None:
+    from cli.calibrate import calibrate
     from cli.numerics import numerics
     from cli.schedule import schedule
     from cli.simulate import simulate
@@ -56,6 +57,7 @@ def _register() -> None:
     main.add_command(numerics)
     main.add_command(schedule)
     main.add_command(simulate)
+    main.add_command(calibrate)
 
 
 _register()

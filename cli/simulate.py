@@ -116,7 +116,7 @@ def _print_single(report: dict) -> None:
     from simulator import report as rep
 
     model, result = report["model"], report["result"]
-    click.echo(f"{model.n_params() / 1e9:.2f}B-parameter GPT ({model.n_layers} layers, width {model.d_model}, "
+    click.echo(f"{parameter_count(model.n_params())}-parameter GPT ({model.n_layers} layers, width {model.d_model}, "
                f"{model.n_heads} heads, sequence {model.seq_len}) on {rep.headline(result)}")
     click.echo("")
     click.echo(format_table(["step", "seconds", "share"], rep.step_rows(result)))
@@ -134,7 +134,7 @@ def _print_sweep(report: dict) -> None:
     from simulator.sweep import zero_verdict
 
     sweep = report["sweep"]
-    click.echo(f"{sweep.scaling} scaling of a {report['model'].n_params() / 1e9:.2f}B-parameter GPT "
+    click.echo(f"{sweep.scaling} scaling of a {parameter_count(report['model'].n_params())}-parameter GPT "
                f"(best layout at each GPU count unless --tp/--pp fix it)")
     click.echo(format_table(rep.SWEEP_HEADERS, rep.sweep_rows(sweep)))
     click.echo(sweep.verdict())
@@ -157,6 +157,14 @@ def _json(report: dict) -> dict:
         data["zero_comparison"] = {"gpus": report["zero_at"].gpus, "verdict": zero_verdict(report["zero"]),
                                    "stages": {str(s): r.as_dict() for s, r in report["zero"].items()}}
     return data
+
+
+def parameter_count(n: int) -> str:
+    """842,496 -> '0.84M', 174,604,259,328 -> '174.6B'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}" if n < 100 * size else f"{n / size:.1f}{unit}"
+    return f"{n / 1e6:.2f}M"
 
 
 @config_file_option

@@ -192,6 +192,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     layout.check(model)
     spec = resolve_gpu(cluster, gpu)
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
+    if profile is None:
+        profile = spec.matmul_efficiency  # a calibrated profile's measured table, when it has one
     links = LinkCosts(cluster, layout)
     m = micro_batches_per_replica(global_batch, micro_batch, layout.dp)
     config = ScheduleConfig(layout.pp, m, schedule_kind, layout.virtual_chunks, layout.effective_zero)

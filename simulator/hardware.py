@@ -15,6 +15,16 @@ Schema (units: FLOP/s, bytes, bytes/s per direction, seconds):
      "nics":  {NAME: {"source", "bandwidth", "latency", "switch_latency", "switch_radix"}}}
 
 A peak FLOP/s entry may be null when the GPU lacks that format (A100: no fp8).
+
+Optional GPU fields, written by `minigpt calibrate` (absent from the presets):
+
+    "matmul_efficiency": see simulator/compute.py (parse_efficiency_profile)
+    "collectives": {KIND: {"ranks", "alpha", "beta", "points"?}}  KIND one of all_reduce,
+        all_gather, reduce_scatter, p2p: a least-squares fit t = alpha + beta * S over the
+        measured points [[S bytes, seconds], ...] (S: the full buffer, parallel/comm.py's
+        convention) in a group of `ranks` ranks
+    "calibration": a JSON object of notes on the measurement (ranks, cores,
+        ranks_per_core, threads_per_rank, the measured block times, ...)
 """
 
 from __future__ import annotations
@@ -22,12 +32,32 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from minigpt.errors import ConfigError
+
+if TYPE_CHECKING:  # compute.py imports this module; the parser is imported where it is used
+    from simulator.compute import EfficiencyProfile
 
 PRESETS_FILE = Path(__file__).with_name("hardware.json")
 FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration")
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """A measured collective: t = alpha + beta * S seconds for a buffer of S bytes among `ranks` ranks."""
+
+    kind: str
+    ranks: int
+    alpha: float  # seconds
+    beta: float  # seconds per byte
+    points: tuple[tuple[int, float], ...] = ()  # the measured [bytes, seconds]
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +72,10 @@ class GPUSpec:
     hbm_bandwidth: float
     nvlink_bandwidth: float  # bytes/s per direction, per GPU
     nvlink_latency: float  # seconds per GPU-to-GPU transfer through the NVSwitch
+    # Optional, from a calibrated profile (None in the presets):
+    matmul_efficiency: EfficiencyProfile | None = field(default=None, hash=False, compare=False)
+    collectives: dict[str, CollectiveFit] | None = field(default=None, hash=False, compare=False)
+    calibration: dict | None = field(default=None, hash=False, compare=False)
 
     def flops(self, fmt: str) -> float:
         """Dense peak FLOP/s in `fmt`; ConfigError when the GPU has no such tensor cores."""
@@ -132,6 +166,8 @@ def _text(value: object, where: str, origin: str) -> str:
 def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
     where = _where("gpus", name)
     fields = {"source", "node", "peak_flops", "hbm_bytes", "hbm_bandwidth", "nvlink_bandwidth", "nvlink_latency"}
+    if isinstance(entry, dict):
+        fields |= set(OPTIONAL_GPU_FIELDS) & entry.keys()
     entry = _check_keys(entry, fields, where, origin)
     flops = _check_keys(entry["peak_flops"], set(FLOP_FORMATS), f"{where}.peak_flops", origin)
     peak: dict[str, float | None] = {}
@@ -150,7 +186,61 @@ def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
         hbm_bandwidth=float(_number(entry["hbm_bandwidth"], f"{where}.hbm_bandwidth", origin)),
         nvlink_bandwidth=float(_number(entry["nvlink_bandwidth"], f"{where}.nvlink_bandwidth", origin)),
         nvlink_latency=float(_number(entry["nvlink_latency"], f"{where}.nvlink_latency", origin, allow_zero=True)),
+        matmul_efficiency=_parse_efficiency(entry.get("matmul_efficiency"), where, origin),
+        collectives=_parse_collectives(entry.get("collectives"), where, origin),
+        calibration=_parse_calibration(entry.get("calibration"), where, origin),
     )
+
+
+def _parse_efficiency(data: object, where: str, origin: str):
+    if data is None:
+        return None
+    from simulator.compute import parse_efficiency_profile  # compute.py imports this module
+
+    return parse_efficiency_profile(data, f"{origin}: {where}")
+
+
+def _parse_collectives(data: object, where: str, origin: str) -> dict[str, CollectiveFit] | None:
+    if data is None:
+        return None
+    where = f"{where}.collectives"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: {where} must be a JSON object of {', '.join(COLLECTIVE_KINDS)}")
+    fits = {}
+    for kind, fit in data.items():
+        if kind not in COLLECTIVE_KINDS:
+            raise ConfigError(f"{origin}: {where} has unknown collective {kind!r}: use {', '.join(COLLECTIVE_KINDS)}")
+        at = f"{where}.{kind}"
+        fields = {"ranks", "alpha", "beta"} | ({"points"} & fit.keys() if isinstance(fit, dict) else set())
+        fit = _check_keys(fit, fields, at, origin)
+        ranks = _integer(fit["ranks"], f"{at}.ranks", origin)
+        if ranks < 2:
+            raise ConfigError(f"{origin}: {at}.ranks must be at least 2, got {ranks}")
+        points = fit.get("points", [])
+        if not isinstance(points, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                        and v > 0 for v in p)
+            for p in points
+        ):
+            raise ConfigError(f"{origin}: {at}.points must be [[bytes, seconds], ...] of positive numbers")
+        fits[kind] = CollectiveFit(
+            kind=kind,
+            ranks=ranks,
+            alpha=float(_number(fit["alpha"], f"{at}.alpha", origin, allow_zero=True)),
+            beta=float(_number(fit["beta"], f"{at}.beta", origin)),
+            points=tuple((int(b), float(t)) for b, t in points),
+        )
+    return fits
+
+
+def _parse_calibration(data: object, where: str, origin: str) -> dict | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: {where}.calibration must be a JSON object of notes")
+    if "ranks_per_core" in data:
+        _number(data["ranks_per_core"], f"{where}.calibration.ranks_per_core", origin)
+    return data
 
 
 def _parse_node(name: str, entry: object, origin: str) -> NodeSpec:
@@ -291,9 +381,26 @@ def hardware_to_dict(hardware: Hardware) -> dict:
         del data["name"]
         return data
 
+    def gpu_entry(gpu: GPUSpec) -> dict:
+        data = {name: getattr(gpu, name) for name in
+                ("source", "node", "peak_flops", "hbm_bytes", "hbm_bandwidth", "nvlink_bandwidth", "nvlink_latency")}
+        data["peak_flops"] = dict(gpu.peak_flops)
+        if gpu.matmul_efficiency is not None:
+            table = {"launch_latency": gpu.matmul_efficiency.launch_latency}
+            table.update({fmt: [list(p) for p in points] for fmt, points in gpu.matmul_efficiency.points.items()})
+            data["matmul_efficiency"] = table
+        if gpu.collectives is not None:
+            data["collectives"] = {
+                kind: {"ranks": fit.ranks, "alpha": fit.alpha, "beta": fit.beta, "points": [list(p) for p in fit.points]}
+                for kind, fit in gpu.collectives.items()
+            }
+        if gpu.calibration is not None:
+            data["calibration"] = gpu.calibration
+        return data
+
     return {
         "about": f"hardware profile {hardware.name}",
-        "gpus": {hardware.gpu.name: entry(hardware.gpu)},
+        "gpus": {hardware.gpu.name: gpu_entry(hardware.gpu)},
         "nodes": {hardware.node.name: entry(hardware.node)},
         "nics": {hardware.nic.name: entry(hardware.nic)},
     }

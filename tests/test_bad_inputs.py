@@ -1,6 +1,6 @@
 """A table of bad inputs: each gives exit code 2, one line on stderr, no traceback, and writes nothing.
 
-Covers `train`, `simulate` and `schedule` (`compare` and `calibrate` do not exist yet).
+Covers `train`, `simulate`, `calibrate` and `schedule` (`compare` does not exist yet).
 Cases that need files get them from the fixture: a malformed topology, malformed and
 unknown-key TOML configs, a binary data file, and a real checkpoint that is then truncated
 or resumed with another model shape.
@@ -88,6 +88,11 @@ CASES = [
     ("simulate", ["--layers", "-1"], "layers"),
     ("simulate", ["--micro-batch", "0"], "micro"),
     ("simulate", ["--config", "{root}/unknown.toml"], "stepz"),
+    # calibrate
+    ("calibrate", ["--ranks", "0", "--out", "{root}/profile.json"], "--ranks"),
+    ("calibrate", ["--out", "{root}"], "directory"),
+    ("calibrate", ["--out", "{root}/profile.txt"], ".json"),
+    ("calibrate", ["--out", "{root}/missing/profile.json"], "does not exist"),
     # schedule
     ("schedule", ["--pp", "0"], "pipeline size"),
     ("schedule", ["--schedule", "zigzag"], "zigzag"),

@@ -1,0 +1,130 @@
+"""`minigpt calibrate`: measure this machine and write a hardware profile the simulator loads.
+
+    minigpt calibrate --out profile.json [--ranks 2] [--quick]
+    minigpt simulate --hardware profile.json ...
+
+The flags are checked, and the output path probed for writing, before any rank starts;
+the measurements are parallel/calibrate.py's; the profile is written atomically (a
+temporary file in the same directory, then a rename) and read back with load_hardware.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import click
+
+from cli.config_file import config_file_option
+from minigpt.errors import ConfigError
+
+DEFAULT_NAME = "cpu-calibrated"
+
+
+def check_out_path(out: str) -> Path:
+    """The profile's path; ConfigError when it cannot be written there."""
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"--out {out!r} is a directory: give a file path such as {out.rstrip('/')}/profile.json")
+    if path.suffix != ".json":
+        raise ConfigError(f"--out {out!r} must end in .json (simulate --hardware reads profile files by that name)")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"--out {out!r}: the directory {str(parent)!r} does not exist: create it first")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise ConfigError(f"--out {out!r}: cannot write in {str(parent)!r} ({error.strerror}): choose another path") from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"--out {out!r} exists and is not writable: choose another path")
+    return path
+
+
+def write_atomically(data: dict, path: Path) -> None:
+    """Write JSON to a temporary file beside `path`, then rename it over `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(json.dumps(data, indent=2) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def run_calibration(out: str, ranks: int, quick: bool, threads_per_rank: int | None = None, name: str | None = None,
+                    model: str = "tiny", micro_batch: int = 8) -> dict:
+    """Check, measure, write, read back: the profile as written, with the seconds it took."""
+    import time
+
+    path = check_out_path(out)
+    name = name or DEFAULT_NAME
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
+    from parallel.calibrate import build_profile, calibrate, make_plan
+
+    plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch)
+    start = time.perf_counter()
+    measured = calibrate(plan)
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    profile = build_profile(measured, plan, name, available_cores(), date)
+    profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
+    profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
+    write_atomically(profile, path)
+    from simulator.hardware import load_hardware
+
+    load_hardware(str(path))  # what was written must load
+    return profile
+
+
+@config_file_option
+@click.command()
+@click.option("--out", required=True, type=str, help="The profile file to write (.json).")
+@click.option("--ranks", type=int, default=2, show_default=True, help="Local gloo ranks measuring at once.")
+@click.option("--threads-per-rank", "threads_per_rank", type=int,
+              help="Torch threads per rank (default: 1 with several ranks, torch's default with one).")
+@click.option("--model", default="tiny", show_default=True, help="Model preset whose block is timed.")
+@click.option("--micro-batch", "micro_batch", type=int, default=8, show_default=True)
+@click.option("--name", help=f"The profile's hardware name (default: {DEFAULT_NAME}).")
+@click.option("--quick", is_flag=True, help="A few sizes and repeats (about 10-20 s): for tests.")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+def calibrate(out, ranks, threads_per_rank, model, micro_batch, name, quick, as_json) -> None:
+    """Measure this machine (matmuls, memory copy, a block, gloo collectives) into a hardware profile."""
+    profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch)
+    if as_json:
+        click.echo(json.dumps(profile, indent=2))
+        return
+    (gpu_name, gpu), = profile["gpus"].items()
+    note = gpu["calibration"]
+    click.echo(f"wrote {out}: hardware {gpu_name}, {note['ranks']} rank(s) x {note['threads_per_rank']} thread(s) "
+               f"on {note['cores']} core(s) ({note['ranks_per_core']:.2f} ranks per core), {note['seconds']:.1f} s")
+    click.echo(f"  fp32 peak (best measured) {gpu['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, "
+               f"memory copy {gpu['hbm_bandwidth'] / 1e9:.2f} GB/s, "
+               f"matmul launch {gpu['matmul_efficiency']['launch_latency'] * 1e6:.1f} us")
+    click.echo("  efficiency by smallest side: "
+               + ", ".join(f"{n}: {e:.2f}" for n, e in gpu["matmul_efficiency"]["fp32"]))
+    block = note["block"]
+    click.echo(f"  one {block['model']} block (micro-batch {block['micro_batch']}): forward {block['forward_s'] * 1e3:.2f} ms, "
+               f"backward {block['backward_s'] * 1e3:.2f} ms")
+    for kind, fit in gpu.get("collectives", {}).items():
+        click.echo(f"  {kind:<15} alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] * 1e9:.3f} ns/B "
+                   f"({1 / fit['beta'] / 1e9:.2f} GB/s)")
+    click.echo(f"  use it: minigpt simulate --hardware {out} --model tiny --precision fp32")
