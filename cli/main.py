@@ -48,6 +48,7 @@ def main() -> None:
 
 def _register() -> None:
     from cli.calibrate import calibrate
+    from cli.compare import compare
     from cli.numerics import numerics
     from cli.schedule import schedule
     from cli.simulate import simulate
@@ -58,6 +59,7 @@ def _register() -> None:
     main.add_command(schedule)
     main.add_command(simulate)
     main.add_command(calibrate)
+    main.add_command(compare)
 
 
 _register()

@@ -1,19 +1,22 @@
 """A table of bad inputs: each gives exit code 2, one line on stderr, no traceback, and writes nothing.
 
-Covers `train`, `simulate`, `calibrate` and `schedule` (`compare` does not exist yet).
+Covers `train`, `simulate`, `compare`, `calibrate` and `schedule`.
 Cases that need files get them from the fixture: a malformed topology, malformed and
 unknown-key TOML configs, a binary data file, and a real checkpoint that is then truncated
 or resumed with another model shape.
 """
 
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from cli.main import main
+from simulator.hardware import load_hardware, save_hardware
 
 SMALL = ["--layers", "1", "--seq-len", "32", "--batch-size", "4"]
+HARDWARE_PRESETS = Path(__file__).parent.parent / "simulator" / "hardware.json"
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,8 @@ def files(tmp_path_factory):
     (root / "nested.toml").write_text("[model]\nlayers = 2")
     (root / "binary.txt").write_bytes(b"\xff\xfe\x00" * 400)
     (root / "short.txt").write_text("to be")
+    (root / "presets.json").write_text(HARDWARE_PRESETS.read_text())  # four GPUs: not one profile
+    save_hardware(load_hardware("a100-80gb"), root / "profile.json")
     (root / "empty.txt").write_text("")
     run = root / "run"
     result = CliRunner().invoke(main, ["train", *SMALL, "--steps", "2", "--save-every", "2", "--out", str(run)])
@@ -88,6 +93,13 @@ CASES = [
     ("simulate", ["--layers", "-1"], "layers"),
     ("simulate", ["--micro-batch", "0"], "micro"),
     ("simulate", ["--config", "{root}/unknown.toml"], "stepz"),
+    # compare
+    ("compare", ["--hardware", "{root}/none.json"], "does not exist"),
+    ("compare", ["--hardware", "{root}/topology.json"], "topology.json"),
+    ("compare", [], "--hardware"),
+    ("compare", ["--hardware", "{root}/presets.json"], "one GPU"),
+    ("compare", ["--hardware", "{root}/profile.json", "--dp", "128", "--batch-size", "128"], "do not fit"),
+    ("compare", ["--hardware", "{root}/profile.json", "--steps", "0"], "steps"),
     # calibrate
     ("calibrate", ["--ranks", "0", "--out", "{root}/profile.json"], "--ranks"),
     ("calibrate", ["--out", "{root}"], "directory"),

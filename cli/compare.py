@@ -1,0 +1,82 @@
+"""`minigpt compare`: train a layout for K steps and simulate it with a calibrated profile; predicted against measured.
+
+    minigpt calibrate --out profile.json --quick
+    minigpt compare --hardware profile.json --dp 2 --steps 6 [--out DIR] [--json]
+
+The profile, the layout and the job are checked (the world must fit the profile's one
+node; the simulator must accept the job) before any worker starts. --out DIR holds the
+training's trace.json and the simulated step's simulated.json, side by side for
+chrome://tracing or Perfetto. Nothing is adjusted to make the two agree.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from cli.config_file import config_file_option
+from minigpt.config import PRESETS, build_config
+from minigpt.errors import ConfigError
+from parallel.train_config import PRECISIONS, TrainConfig
+
+
+def build_compare_config(options: dict) -> TrainConfig:
+    """The flags as a checked TrainConfig (K steps, one evaluation batch at the end only). Torch-free."""
+    model = build_config(options["model"], seq_len=options["seq_len"], n_layers=options["layers"])
+    return TrainConfig(
+        model=model, steps=options["steps"], global_batch=options["batch_size"],
+        micro_batches=options["micro_batches"], eval_every=0, eval_batches=1, out_dir=options["out"],
+        device="cpu" if options["device"] == "cpu" else "auto", precision=options["precision"],
+        tp=options["tp"], pp=options["pp"], dp=options["dp"], zero=options["zero"], schedule=options["schedule"],
+        virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
+        log_every=max(1, options["steps"]),
+    )
+
+
+@config_file_option
+@click.command()
+@click.option("--hardware", required=True, help="A profile written by `minigpt calibrate --out FILE.json`.")
+@click.option("--tp", default=1, show_default=True, type=int)
+@click.option("--pp", default=1, show_default=True, type=int)
+@click.option("--dp", default=1, show_default=True, type=int)
+@click.option("--zero", default=0, show_default=True, type=int)
+@click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b or interleaved.")
+@click.option("--virtual-chunks", "virtual_chunks", default=1, show_default=True, type=int)
+@click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=int)
+@click.option("--batch-size", "batch_size", default=16, show_default=True, type=int, help="Global batch in sequences.")
+@click.option("--model", default="tiny", show_default=True, type=click.Choice(sorted(PRESETS)))
+@click.option("--layers", type=int, help="Override the preset's number of blocks.")
+@click.option("--seq-len", "seq_len", type=int, help="Override the preset's sequence length.")
+@click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
+@click.option("--threads-per-rank", "threads_per_rank", type=int, help="[default: 1 with several ranks]")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
+@click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")
+@click.option("--out", type=str, help="Directory for the run, trace.json and simulated.json [default: runs/...].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def compare(as_json: bool, hardware: str, **options) -> None:
+    """Train a layout for K steps, simulate it with a calibrated profile, print predicted against measured."""
+    from parallel.compare import check_compare, format_error, format_value, run_compare
+
+    for name in ("layers", "seq_len"):
+        if options[name] is not None and options[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {options[name]}")
+    cfg = build_compare_config({**options})
+    plan = check_compare(cfg, hardware)
+    report = run_compare(plan)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    from cli.output import format_table
+
+    lay = report["layout"]
+    click.echo(f"tp {lay['tp']} x pp {lay['pp']} x dp {lay['dp']} (zero {lay['zero']}, {lay['schedule']}), "
+               f"{cfg.steps} steps, batch {cfg.global_batch} in {cfg.micro_batches} micro-batch(es), "
+               f"{cfg.precision}, profile {report['hardware']}")
+    rows = [[r["name"], format_value(r["predicted"], r["unit"]), format_value(r["measured"], r["unit"]),
+             format_error(r["relative_error"])] for r in report["rows"]]
+    click.echo(format_table(["quantity", "predicted", "measured", "error"], rows))
+    for r in report["rows"]:
+        if r["note"]:
+            click.echo(f"  {r['name']}: {r['note']}")
+    click.echo(f"traces: {report['traces']['measured']} (measured), {report['traces']['simulated']} (simulated)")

@@ -1,0 +1,150 @@
+"""Predicted against measured: run a layout for K steps, simulate the same layout with a calibrated profile.
+
+`check_compare(cfg, hardware_path)` does every check (the profile loads, the layout fits its
+node, the simulator accepts the job) before any worker starts; `run_compare` then trains,
+simulates and pairs the numbers. Nothing here adjusts either side to make them agree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from minigpt.errors import ConfigError
+from parallel.train_config import TrainConfig
+
+MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
+
+
+@dataclass
+class ComparePlan:
+    cfg: TrainConfig
+    hardware: object  # simulator.hardware.Hardware
+    cluster: object  # simulator.topology.Cluster
+    layout: object  # simulator.layout.Layout
+    micro_batch: int
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured; None when either is missing or measured is 0."""
+    if predicted is None or measured is None or measured == 0:
+        return None
+    return (predicted - measured) / measured
+
+
+def check_compare(cfg: TrainConfig, hardware_path: str) -> ComparePlan:
+    """Everything checkable before any rank starts; ConfigError on bad input."""
+    from simulator.hardware import load_hardware
+    from simulator.layout import Layout
+    from simulator.topology import build_cluster
+
+    if not hardware_path:
+        raise ConfigError("--hardware needs a profile file: write one with `minigpt calibrate --out profile.json`")
+    if str(hardware_path).endswith(".json") and not Path(hardware_path).is_file():
+        raise ConfigError(f"--hardware {hardware_path!r} does not exist: write it with "
+                          f"`minigpt calibrate --out {hardware_path}`")
+    hardware = load_hardware(hardware_path)
+    per_node = hardware.node.gpus_per_node
+    if cfg.world_size > per_node:
+        raise ConfigError(f"tp x pp x dp = {cfg.world_size} ranks do not fit the profile's node of {per_node} "
+                          f"devices: compare runs on one node, choose a smaller layout")
+    layout = Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero=cfg.zero, sequence_parallel=cfg.sequence_parallel,
+                    virtual_chunks=cfg.virtual_chunks)
+    # One node of the profile's hardware, filled as far as the layout needs: the simulator
+    # wants exactly tp x pp x dp devices (as `minigpt simulate` does for a partly filled server).
+    cluster = build_cluster(hardware, cfg.world_size, 1)
+    micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
+    plan = ComparePlan(cfg, hardware, cluster, layout, micro_batch)
+    simulate(plan)  # the simulator must accept the job before any training starts
+    return plan
+
+
+def simulate(plan: ComparePlan):
+    from simulator.engine import simulate_step
+
+    cfg = plan.cfg
+    return simulate_step(cfg.model, plan.layout, plan.cluster, cfg.precision, cfg.global_batch, plan.micro_batch,
+                         cfg.schedule, cfg.virtual_chunks, "none", profile=plan.hardware.gpu.matmul_efficiency,
+                         gpu=plan.hardware, bucket_mb=cfg.bucket_mb)
+
+
+def _memory_predicted(result) -> dict[str, int]:
+    """Rank 0 is pipeline stage 0: its per-stage estimate, else the (most loaded) estimate."""
+    stages = result.memory.per_stage
+    m = stages[0] if stages else result.memory
+    return {"parameters": m.parameters, "gradients": m.gradients,
+            "optimizer": m.master_weights + m.adam_m + m.adam_v, "activations": m.activations}
+
+
+def _memory_measured(memory: dict) -> dict[str, int]:
+    return {"parameters": memory["parameters"], "gradients": memory["gradients"],
+            "optimizer": memory["master_weights"] + memory["adam_m"] + memory["adam_v"],
+            "activations": memory["activations"]}
+
+
+def _row(name: str, unit: str, predicted, measured, note: str = "") -> dict:
+    return {"name": name, "unit": unit, "predicted": predicted, "measured": measured,
+            "relative_error": relative_error(predicted, measured), "note": note}
+
+
+def pair(cfg: TrainConfig, summary: dict, result) -> list[dict]:
+    """The rows predicted against measured (seconds per step, bytes on rank 0)."""
+    measured = summary["time_breakdown"]
+    b = result.breakdown
+    rows = [
+        _row("step time", "s", result.step_time_s, summary["step_time_s"], "measured: median over the steps"),
+        _row("compute", "s", b["compute"], measured.get("compute_s")),
+        _row("communication", "s", b["pp_comm"] + b["dp_comm"] + b["tp_comm"],
+             measured.get("p2p_s", 0.0) + measured.get("dp_s", 0.0),
+             "measured p2p + dp (dp includes the optimizer step; p2p includes pipeline waits); "
+             "predicted pp + dp + tp"),
+    ]
+    if cfg.pp > 1:
+        rows.append(_row("bubble", "s", b["pipeline_bubble"], None, "not measured apart: inside measured p2p"))
+    predicted_memory = _memory_predicted(result)
+    measured_memory = _memory_measured(summary["memory_per_rank"][0])
+    for kind in MEMORY_KINDS:
+        rows.append(_row(f"{kind} (rank 0)", "B", predicted_memory[kind], measured_memory[kind]))
+    return rows
+
+
+def run_compare(plan: ComparePlan) -> dict:
+    """Train for cfg.steps, simulate, write simulated.json beside the training's trace.json."""
+    from parallel.train import train
+
+    cfg = plan.cfg
+    summary = train(cfg)
+    result = simulate(plan)
+    run_dir = Path(summary["run_dir"])
+    simulated = result.write_chrome_trace(run_dir / "simulated.json")
+    rows = pair(cfg, summary, result)
+    step = rows[0]
+    return {
+        "layout": summary["layout"],
+        "hardware": plan.hardware.name,
+        "steps": cfg.steps,
+        "global_batch": cfg.global_batch,
+        "micro_batches": cfg.micro_batches,
+        "precision": cfg.precision,
+        "predicted_step_time_s": step["predicted"],
+        "measured_step_time_s": step["measured"],
+        "step_time_relative_error": step["relative_error"],
+        "rows": rows,
+        "predicted_breakdown": result.breakdown,
+        "measured_breakdown": summary["time_breakdown"],
+        "traces": {"measured": str(summary["trace"]), "simulated": str(simulated)},
+        "run_dir": str(run_dir),
+    }
+
+
+def format_value(value, unit: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if unit == "s":
+        return f"{value * 1e3:.2f} ms"
+    return f"{value / 2**20:.3f} MiB" if value >= 2**16 else f"{value} B"
+
+
+def format_error(error) -> str:
+    return "-" if error is None else f"{error:+.1%}"

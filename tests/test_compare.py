@@ -1,0 +1,88 @@
+"""`minigpt compare`: predicted against measured on a quick calibrated profile."""
+
+from __future__ import annotations
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cli.compare import compare
+from cli.main import Group
+
+
+@click.group(cls=Group)
+def group() -> None:
+    """A throwaway group: cli/main.py registers the command for real."""
+
+
+group.add_command(compare)
+
+TINY = ["--layers", "2", "--seq-len", "32", "--batch-size", "4", "--steps", "3", "--threads-per-rank", "1"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(group, ["compare", *args])
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    from cli.calibrate import run_calibration
+
+    path = tmp_path_factory.mktemp("compare") / "profile.json"
+    run_calibration(str(path), 2, quick=True)
+    return str(path)
+
+
+def check_memory(rows):
+    for row in rows:
+        if row["name"].split()[0] in ("parameters", "gradients", "optimizer"):
+            assert row["measured"] > 0 and abs(row["relative_error"]) <= 0.02, row
+
+
+def test_one_rank_prints_a_table(profile, tmp_path):
+    result = invoke("--hardware", profile, *TINY, "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output + result.stderr
+    for words in ("predicted", "measured", "step time", "compute", "communication", "parameters (rank 0)", "%"):
+        assert words in result.output
+    assert (tmp_path / "run" / "trace.json").is_file() and (tmp_path / "run" / "simulated.json").is_file()
+
+
+def test_dp2_json(profile, tmp_path):
+    result = invoke("--hardware", profile, *TINY, "--dp", "2", "--out", str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads(result.stdout)
+    assert report["predicted_step_time_s"] > 0 and report["measured_step_time_s"] > 0
+    assert isinstance(report["step_time_relative_error"], float)
+    assert report["layout"]["dp"] == 2
+    check_memory(report["rows"])
+    json.loads((tmp_path / "run" / "simulated.json").read_text())
+
+
+def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
+    from cli.compare import build_compare_config
+    from parallel.compare import check_compare, run_compare
+
+    options = dict(model="tiny", seq_len=32, layers=2, steps=2, batch_size=4, micro_batches=1, out=str(tmp_path / "r"),
+                   device="auto", precision="fp32", tp=1, pp=1, dp=1, zero=0, schedule="1f1b", virtual_chunks=1,
+                   threads_per_rank=1)
+    report = run_compare(check_compare(build_compare_config(options), profile))
+    check_memory(report["rows"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--hardware", "/nonexistent/p.json"], "does not exist"),
+    (["--dp", "128", "--batch-size", "128"], "do not fit"),
+    (["--dp", "3"], "batch"),
+    (["--tp", "3"], "--tp 3"),
+])
+def test_bad_input_before_any_worker(profile, tmp_path, monkeypatch, args, words):
+    import parallel.train
+
+    monkeypatch.setattr(parallel.train, "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    if args[0] != "--hardware":
+        args = ["--hardware", profile, *args]
+    result = invoke(*args, "--out", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output + result.stderr
+    assert words in result.stderr
