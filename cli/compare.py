@@ -53,8 +53,9 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
 @click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")
 @click.option("--out", type=str, help="Directory for the run, trace.json and simulated.json [default: runs/...].")
+@click.option("--matrix", is_flag=True, help="Run the built-in set of layouts (the layout flags are ignored) and report the error.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def compare(as_json: bool, hardware: str, **options) -> None:
+def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
     """Train a layout for K steps, simulate it with a calibrated profile, print predicted against measured."""
     from parallel.compare import check_compare, format_error, format_value, run_compare
 
@@ -62,6 +63,8 @@ def compare(as_json: bool, hardware: str, **options) -> None:
         if options[name] is not None and options[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {options[name]}")
     cfg = build_compare_config({**options})
+    if matrix:
+        return compare_matrix(cfg, hardware, options["out"], as_json)
     plan = check_compare(cfg, hardware)
     report = run_compare(plan)
     if as_json:
@@ -80,3 +83,23 @@ def compare(as_json: bool, hardware: str, **options) -> None:
         if r["note"]:
             click.echo(f"  {r['name']}: {r['note']}")
     click.echo(f"traces: {report['traces']['measured']} (measured), {report['traces']['simulated']} (simulated)")
+
+
+def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:
+    import time
+
+    from cli.output import format_table
+    from parallel.compare import format_error, format_value
+    from parallel.compare_matrix import run_matrix
+
+    out_dir = out or f"runs/compare-matrix-{time.strftime('%Y%m%d-%H%M%S')}"
+    report = run_matrix(cfg, hardware, out_dir)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    rows = [[r["layout"], format_value(r["predicted_step_time_s"], "s"), format_value(r["measured_step_time_s"], "s"),
+             format_error(r["step_time_error"]), format_error(r["model_state_error"]),
+             format_error(r["activations_error"])] for r in report["rows"]]
+    click.echo(format_table(["layout", "predicted step", "measured step", "error", "model states", "activations"], rows))
+    click.echo(f"step-time MAPE {report['step_time_mape']:.1%} over {len(rows)} layouts; worst model-state error "
+               f"{report['worst_model_state_error']:.2%}; traces under {out_dir}")

@@ -69,12 +69,19 @@ def simulate(plan: ComparePlan):
                          gpu=plan.hardware, bucket_mb=cfg.bucket_mb)
 
 
-def _memory_predicted(result) -> dict[str, int]:
-    """Rank 0 is pipeline stage 0: its per-stage estimate, else the (most loaded) estimate."""
+def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:
+    """Rank 0 is pipeline stage 0. Activations are predicted for one micro-batch's forward,
+    which is what training measures (the schedule may keep several in flight)."""
+    from simulator.memory import predict_memory
+
     stages = result.memory.per_stage
     m = stages[0] if stages else result.memory
+    cfg = plan.cfg
+    one = predict_memory(cfg.model, plan.layout, cfg.precision, plan.micro_batch, "none",
+                         bucket_mb=cfg.bucket_mb, micro_batches_in_flight=1)
+    one_stage = one.per_stage[0] if one.per_stage else one
     return {"parameters": m.parameters, "gradients": m.gradients,
-            "optimizer": m.master_weights + m.adam_m + m.adam_v, "activations": m.activations}
+            "optimizer": m.master_weights + m.adam_m + m.adam_v, "activations": one_stage.activations}
 
 
 def _memory_measured(memory: dict) -> dict[str, int]:
@@ -88,8 +95,9 @@ def _row(name: str, unit: str, predicted, measured, note: str = "") -> dict:
             "relative_error": relative_error(predicted, measured), "note": note}
 
 
-def pair(cfg: TrainConfig, summary: dict, result) -> list[dict]:
+def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     """The rows predicted against measured (seconds per step, bytes on rank 0)."""
+    cfg = plan.cfg
     measured = summary["time_breakdown"]
     b = result.breakdown
     rows = [
@@ -102,7 +110,7 @@ def pair(cfg: TrainConfig, summary: dict, result) -> list[dict]:
     ]
     if cfg.pp > 1:
         rows.append(_row("bubble", "s", b["pipeline_bubble"], None, "not measured apart: inside measured p2p"))
-    predicted_memory = _memory_predicted(result)
+    predicted_memory = _memory_predicted(result, plan)
     measured_memory = _memory_measured(summary["memory_per_rank"][0])
     for kind in MEMORY_KINDS:
         rows.append(_row(f"{kind} (rank 0)", "B", predicted_memory[kind], measured_memory[kind]))
@@ -118,7 +126,7 @@ def run_compare(plan: ComparePlan) -> dict:
     result = simulate(plan)
     run_dir = Path(summary["run_dir"])
     simulated = result.write_chrome_trace(run_dir / "simulated.json")
-    rows = pair(cfg, summary, result)
+    rows = pair(plan, summary, result)
     step = rows[0]
     return {
         "layout": summary["layout"],

@@ -86,3 +86,19 @@ def test_bad_input_before_any_worker(profile, tmp_path, monkeypatch, args, words
     result = invoke(*args, "--out", str(tmp_path / "run"))
     assert result.exit_code == 2, result.output + result.stderr
     assert words in result.stderr
+
+
+def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monkeypatch):
+    """The machinery of --matrix on two of its layouts (the whole matrix takes about a minute)."""
+    import parallel.compare_matrix as matrix
+
+    monkeypatch.setattr(matrix, "MATRIX", {name: matrix.MATRIX[name] for name in ("1 rank", "pp2 1f1b")})
+    result = invoke("--hardware", profile, *TINY, "--matrix", "--json", "--out", str(tmp_path / "m"))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [row["layout"] for row in report["rows"]] == ["1 rank", "pp2 1f1b"]
+    errors = [abs(row["step_time_error"]) for row in report["rows"]]
+    assert report["step_time_mape"] == pytest.approx(sum(errors) / 2)
+    assert report["worst_model_state_error"] < 0.02  # predicted parameter/gradient/optimizer bytes
+    for row in report["rows"]:
+        assert abs(row["activations_error"]) < 0.2

@@ -1,0 +1,59 @@
+"""`minigpt compare --matrix`: a built-in set of layouts, each trained and simulated, and the error.
+
+Every layout is checked (profile, node size, the simulator's acceptance) before the first one
+trains. The step-time error is reported as the mean absolute percentage error (MAPE) over the
+rows; model-state bytes (parameters, gradients, optimizer) as the worst relative error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from parallel.compare import check_compare, run_compare
+from parallel.train_config import TrainConfig
+
+# name -> the layout fields changed from the base configuration (tiny: 4 layers, 4 heads)
+MATRIX: dict[str, dict] = {
+    "1 rank": {},
+    "dp2 zero0": {"dp": 2, "zero": 0},
+    "dp2 zero1": {"dp": 2, "zero": 1},
+    "dp2 zero2": {"dp": 2, "zero": 2},
+    "dp2 zero3": {"dp": 2, "zero": 3},
+    "dp4 zero2": {"dp": 4, "zero": 2},
+    "tp2": {"tp": 2},
+    "tp2 sequence-parallel": {"tp": 2, "sequence_parallel": True},
+    "pp2 gpipe": {"pp": 2, "schedule": "gpipe", "micro_batches": 4},
+    "pp2 1f1b": {"pp": 2, "schedule": "1f1b", "micro_batches": 4},
+    "pp2 interleaved": {"pp": 2, "schedule": "interleaved", "virtual_chunks": 2, "micro_batches": 4},
+    "tp2 x dp2 zero1": {"tp": 2, "dp": 2, "zero": 1},
+    "tp2 x pp2 x dp2 zero3": {"tp": 2, "pp": 2, "dp": 2, "zero": 3, "micro_batches": 2},
+}
+STATE_ROWS = ("parameters (rank 0)", "gradients (rank 0)", "optimizer (rank 0)")
+
+
+def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
+    plans = {}
+    for name, changes in MATRIX.items():
+        cfg = dataclasses.replace(base, out_dir=str(Path(out_dir) / name.replace(" ", "-")), **changes)
+        plans[name] = check_compare(cfg, hardware_path)
+    rows = []
+    for name, plan in plans.items():
+        report = run_compare(plan)
+        by_name = {row["name"]: row for row in report["rows"]}
+        rows.append({
+            "layout": name,
+            "predicted_step_time_s": report["predicted_step_time_s"],
+            "measured_step_time_s": report["measured_step_time_s"],
+            "step_time_error": report["step_time_relative_error"],
+            "model_state_error": max(abs(by_name[r]["relative_error"] or 0.0) for r in STATE_ROWS),
+            "activations_error": by_name["activations (rank 0)"]["relative_error"],
+            "traces": report["traces"],
+        })
+    errors = [abs(row["step_time_error"]) for row in rows]
+    return {
+        "hardware": hardware_path,
+        "rows": rows,
+        "step_time_mape": sum(errors) / len(errors),
+        "worst_model_state_error": max(row["model_state_error"] for row in rows),
+    }
