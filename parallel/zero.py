@@ -39,6 +39,18 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def add_to_shard(comm: Collectives, shard_grad: torch.Tensor, grad: torch.Tensor, segment, pieces) -> None:
+    """Average `grad` (one parameter's, laid at `segment` of a flat space) over the group and add
+    the parts that fall in this rank's `pieces` ((start, end) of the flat space, offset in
+    `shard_grad`) -- for a gradient made outside the hooks, such as a tied copy's."""
+    full = grad.reshape(-1).to(shard_grad.dtype) / comm.size
+    comm.all_reduce(full)
+    for (start, end), offset in pieces:
+        lo, hi = max(start, segment.start), min(end, segment.end)
+        if lo < hi:
+            shard_grad[offset + lo - start : offset + hi - start].add_(full[lo - segment.start : hi - segment.start])
+
+
 class Replicated:
     """Stage 0: DDP with bucketed, overlapped gradient all-reduce."""
 
@@ -104,12 +116,16 @@ class Replicated:
     def index_of(self, param: torch.Tensor) -> int:
         return next(i for i, p in enumerate(self.flat.params) if p is param)
 
+    def launch_remaining(self) -> None:
+        """Reduce the buckets not reduced yet (deferred, or reached by no gradient)."""
+        for bucket in self.flat.buckets:
+            if bucket.index not in self.launched:
+                self.launch(bucket)
+
     def end_micro_batch(self) -> None:
         """After each micro-batch's backward: buckets no gradient reached are reduced too."""
         if self.sync:
-            for bucket in self.flat.buckets:
-                if bucket.index not in self.launched:
-                    self.launch(bucket)
+            self.launch_remaining()
 
     def wait_in_flight(self, keep: int = 0) -> None:
         """Finish collectives, oldest first, until at most `keep` are in the air."""
@@ -124,9 +140,7 @@ class Replicated:
 
     def finish_grads(self) -> torch.Tensor:
         """Wait for every collective; the optimizer's gradients, laid out like `weights` end to end."""
-        for bucket in self.flat.buckets:  # not reduced during the backward (deferred, or no gradient)
-            if bucket.index not in self.launched:
-                self.launch(bucket)
+        self.launch_remaining()
         self.wait_in_flight()
         if self.ranges == [(0, self.flat.padded_numel)]:
             return self.flat.grad  # this rank owns everything: no copy
@@ -252,12 +266,7 @@ class ShardedGradients(ShardedOptimizer):
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Average over the data-parallel group and add this rank's pieces to its shard."""
         segment = self.flat.segments[self.index_of(param)]
-        full = grad.reshape(-1).to(self.shard_grad.dtype) / self.comm.size
-        self.comm.all_reduce(full)
-        for (start, end), offset in zip(self.ranges, self.piece_offsets):
-            lo, hi = max(start, segment.start), min(end, segment.end)
-            if lo < hi:
-                self.shard_grad[offset + lo - start : offset + hi - start].add_(full[lo - segment.start : hi - segment.start])
+        add_to_shard(self.comm, self.shard_grad, grad, segment, zip(self.ranges, self.piece_offsets))
 
     def finish_grads(self) -> torch.Tensor:
         self.wait_in_flight()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from parallel.comm import Collectives
-from parallel.zero import MAX_IN_FLIGHT
+from parallel.zero import MAX_IN_FLIGHT, add_to_shard
 from precision.flat import FlatParameters
 
 
@@ -105,15 +105,10 @@ class ShardedParameters:
         """Average a gradient computed outside the hooks (a tied copy's) over the group; add this rank's piece."""
         for unit, offset in zip(self.units, self.offsets):
             for segment, owned in zip(unit.flat.segments, unit.flat.params):
-                if owned is not param:
-                    continue
-                full = grad.reshape(-1).to(self.shard_grad.dtype) / self.comm.size
-                self.comm.all_reduce(full)
-                start = self.comm.rank * unit.piece
-                lo, hi = max(start, segment.start), min(start + unit.piece, segment.end)
-                if lo < hi:
-                    self.shard_grad[offset + lo - start : offset + hi - start].add_(full[lo - segment.start : hi - segment.start])
-                return
+                if owned is param:
+                    start = self.comm.rank * unit.piece
+                    add_to_shard(self.comm, self.shard_grad, grad, segment, [((start, start + unit.piece), offset)])
+                    return
 
     # ---------------------------------------------------------------- gather and free
 
