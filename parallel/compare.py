@@ -66,7 +66,7 @@ def simulate(plan: ComparePlan):
     cfg = plan.cfg
     return simulate_step(cfg.model, plan.layout, plan.cluster, cfg.precision, cfg.global_batch, plan.micro_batch,
                          cfg.schedule, cfg.virtual_chunks, "none", profile=plan.hardware.gpu.matmul_efficiency,
-                         gpu=plan.hardware, bucket_mb=cfg.bucket_mb)
+                         gpu=plan.hardware, bucket_mb=cfg.bucket_mb, threads_per_rank=cfg.threads_per_rank)
 
 
 def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:

@@ -32,6 +32,7 @@ from parallel.train_config import TrainConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
 from simulator.engine_costs import rank_costs
+from simulator.engine_host import HostLinks, host_compute
 from simulator.engine_links import LinkCosts
 from simulator.engine_replay import CATEGORIES, RankTally, no_garbage_collection, replay
 from simulator.hardware import GPUSpec, Hardware, load_hardware
@@ -180,7 +181,7 @@ def resolve_gpu(cluster: Cluster, gpu: GPUSpec | Hardware | str | None) -> GPUSp
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
-                  bucket_mb: float = TrainConfig.bucket_mb) -> SimResult:
+                  bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None) -> SimResult:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring)."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
@@ -194,7 +195,13 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
     if profile is None:
         profile = spec.matmul_efficiency  # a calibrated profile's measured table, when it has one
-    links = LinkCosts(cluster, layout)
+    host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
+    if host is not None:
+        threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/train.py runs
+        compute = host_compute(host, model, layout, threads)
+        links = HostLinks(cluster, layout, host)
+    else:
+        compute, links = None, LinkCosts(cluster, layout)
     m = micro_batches_per_replica(global_batch, micro_batch, layout.dp)
     config = ScheduleConfig(layout.pp, m, schedule_kind, layout.virtual_chunks, layout.effective_zero)
     with no_garbage_collection():
@@ -203,7 +210,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule))
-    costs = rank_costs(model, layout, config, links, spec, precision, micro_batch, recompute, profile, memory, bucket_mb)
+    costs = rank_costs(model, layout, config, links, spec, precision, micro_batch, recompute, profile, memory, bucket_mb,
+                       compute)
     seq = model.seq_len // (layout.tp if layout.sequence_parallel else 1)
     activation = micro_batch * seq * model.d_model * FORMAT_BYTES[pol.compute]
     p2p = {}

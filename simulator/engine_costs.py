@@ -1,7 +1,8 @@
 """What every action of a schedule costs on one pipeline rank, computed once before the replay. Torch-free.
 
 Compute comes from simulator/compute.py's `chunk_times` (per unit: the embedding, one
-block, the head), tensor-parallel collectives from its byte counts timed on the tp group's
+block, the head), or on a measured CPU host from its measured units and core sharing
+(simulator/engine_host.py), tensor-parallel collectives from its byte counts timed on the tp group's
 links, data-parallel collectives per bucket (ZeRO 0-2, simulator/layout.py's buckets) or
 per unit (ZeRO-3) on the dp group's links. What overlaps what follows our executor
 (parallel/pipeline.py, parallel/zero.py, parallel/zero3.py):
@@ -16,6 +17,8 @@ per unit (ZeRO-3) on the dp group's links. What overlaps what follows our execut
           first and last unit stay gathered after first use), every backward
           reduce-scatters every unit and waits at its end.
   ZeRO 1/2 all-gather the updated weights after the optimizer, bucket after bucket.
+  optimizer  the step itself, after the squared gradient norm is all-reduced (one fp32
+          number over dp when ZeRO shards gradients, then over tp, then over pp).
 
 Zero-bubble halves: BackwardInput gets the input-gradient half of the backward, the
 recomputation and all backward tp collectives; BackwardWeight the weight-gradient half
@@ -30,11 +33,15 @@ from minigpt.config import GPTConfig
 from parallel.schedule import ScheduleConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.compute import EfficiencyProfile, chunk_times
+from simulator.engine_host import HostCompute
 from simulator.engine_links import LinkCosts
 from simulator.engine_overlap import Segment, bucket_segments, bucket_spans, overlap, ready_offsets
 from simulator.hardware import GPUSpec
 from simulator.layout import Layout, buckets, padded_vocab, stage_units
 from simulator.memory import MAX_IN_FLIGHT, MemoryEstimate
+
+
+NORM_BYTES = FORMAT_BYTES["fp32"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class Unit:
     forward_tp: float
     backward_tp: float
     numel: int  # padded to the dp size (ZeRO-3's flat unit)
+    recompute: float = 0.0  # the part of `backward` that recomputes the forward
 
 
 def tp_seconds(links: LinkCosts, collectives) -> float:
@@ -85,7 +93,7 @@ def tp_seconds(links: LinkCosts, collectives) -> float:
 
 def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links: LinkCosts, gpu: GPUSpec,
                precision: str, micro_batch: int, recompute: str, profile: EfficiencyProfile | None,
-               memory: MemoryEstimate, bucket_mb: float) -> list[RankCosts]:
+               memory: MemoryEstimate, bucket_mb: float, host: HostCompute | None = None) -> list[RankCosts]:
     pol = precision_policy(precision)
     compute_bytes, reduce_bytes = FORMAT_BYTES[pol.compute], FORMAT_BYTES[pol.reduce]
     zero, dp, last_chunk = schedule.zero_stage, layout.dp, schedule.num_chunks - 1
@@ -97,10 +105,16 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         key = (layers, first, last)
         if key not in memo:
             ct = chunk_times(model, layers, micro_batch, layout, gpu, precision, recompute, first, last, profile)
-            memo[key] = (ct.forward_s, ct.backward_s, tp_seconds(links, ct.tp_collectives_forward),
-                         tp_seconds(links, ct.tp_collectives_backward))
+            f, b, again = ct.forward_s, ct.backward_s, ct.recompute_s
+            if host is not None:
+                f, b, again = host.chunk(layers, first, last, micro_batch, recompute, (f, b, again))
+            memo[key] = (f, b, tp_seconds(links, ct.tp_collectives_forward),
+                         tp_seconds(links, ct.tp_collectives_backward), again)
         return memo[key]
 
+    # The optimizer's one reduction of the squared gradient norm (precision/optimizer.py, parallel/build.py's
+    # reduce_sum): an fp32 scalar all-reduced over dp (ZeRO >= 1: sharded gradients), then tp, then pp.
+    norm_reduce = links.tp_collective("all_reduce", NORM_BYTES) + links.pp_collective("all_reduce", NORM_BYTES)
     ranks = []
     for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
         def dp_time(kind: str, numel: int, element: int, stage: int = rank) -> float:
@@ -112,8 +126,8 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             for position, tensors in enumerate(unit_tensors):
                 embedding = chunk == 0 and position == 0
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
-                f, b, ftp, btp = times(0 if embedding or head else 1, embedding, head)
-                units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, dp)[0].size))
+                f, b, ftp, btp, again = times(0 if embedding or head else 1, embedding, head)
+                units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, dp)[0].size, again))
             chunk_units[chunk] = units
         all_units = [u for chunk in chunk_units.values() for u in chunk]
         kept = {id(all_units[0]), id(all_units[-1])}
@@ -128,7 +142,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             others = [u for c, us in chunk_units.items() if c != chunk for u in us]
             f_compute, f_tp = sum(u.forward for u in units), sum(u.forward_tp for u in units)
             b_compute, b_tp = sum(u.backward for u in units), sum(u.backward_tp for u in units)
-            recompute_s = sum(u.backward - 2 * u.forward for u in units)
+            recompute_s = sum(u.recompute for u in units)
             bi_compute = (b_compute - recompute_s) / 2 + recompute_s
             w_compute = b_compute - bi_compute
             if zero == 3:
@@ -173,9 +187,14 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             for kind in ("B", "W"):
                 actions.setdefault((kind + "last", chunk), actions[(kind, chunk)])
         stage_memory = memory.per_stage[rank]
+        if zero >= 1:
+            norm_reduce_here = norm_reduce + dp_time("all_reduce", 1, NORM_BYTES)
+        else:
+            norm_reduce_here = norm_reduce
         ranks.append(RankCosts(
             actions=actions,
-            optimizer=optimizer_seconds(stage_memory, pol, gpu),
+            optimizer=optimizer_seconds(stage_memory, pol, gpu) * (host.slowdown if host is not None else 1.0)
+            + norm_reduce_here,
             reduce_before_step=_reduce_before_step(zero, dp, tied_copy, rank, layout, model, spans, bucket_reduce,
                                                    dp_time, reduce_bytes),
             update_gather={c: sum(dp_time("all_gather", b.size, compute_bytes) for *_, b in s) for c, s in spans.items()}

@@ -100,6 +100,8 @@ class LinkCosts:
                 groups = [[self.gpu(where[0], 0, t), self.gpu(where[1], 0, t)] for t in range(layout.tp)]
             elif name == "tp":
                 groups = [[self.gpu(0, 0, t) for t in range(layout.tp)]]
+            elif name == "pp":  # the stages of replica 0, the tp rings at once
+                groups = [[self.gpu(p, 0, t) for p in range(layout.pp)] for t in range(layout.tp)]
             else:  # "dp": the rings over the replicas of stage where[0]
                 groups = [[self.gpu(where[0], d, t) for d in range(layout.dp)] for t in range(layout.tp)]
             pattern = self.pattern(groups)
@@ -156,6 +158,10 @@ class LinkCosts:
     def dp_collective(self, stage: int, kind: str, nbytes: float) -> float:
         """One data-parallel ring collective of `nbytes` per rank on `stage`, the stage's tp rings at once."""
         return self.ring(kind, self.groups("dp", stage), nbytes) if self.layout.dp > 1 else 0.0
+
+    def pp_collective(self, kind: str, nbytes: float) -> float:
+        """One ring collective of `nbytes` over the pipeline stages (replica 0, every tp rank's ring at once)."""
+        return self.ring(kind, self.groups("pp"), nbytes) if self.layout.pp > 1 else 0.0
 
     def embedding_sync(self, nbytes: float) -> float:
         """The tied embedding's gradient all-reduced between the first and last stage (replica 0, all tp ranks)."""

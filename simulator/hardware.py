@@ -25,6 +25,8 @@ Optional GPU fields, written by `minigpt calibrate` (absent from the presets):
         convention) in a group of `ranks` ranks
     "calibration": a JSON object of notes on the measurement (ranks, cores,
         ranks_per_core, threads_per_rank, the measured block times, ...)
+    "measured": a CPU host's measured unit times, core sharing and gloo collectives by
+        group size and load: see simulator/host.py
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from minigpt.errors import ConfigError
 
 if TYPE_CHECKING:  # compute.py imports this module; the parser is imported where it is used
     from simulator.compute import EfficiencyProfile
+    from simulator.host import MeasuredHost
 
 PRESETS_FILE = Path(__file__).with_name("hardware.json")
 FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration")
+OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class GPUSpec:
     matmul_efficiency: EfficiencyProfile | None = field(default=None, hash=False, compare=False)
     collectives: dict[str, CollectiveFit] | None = field(default=None, hash=False, compare=False)
     calibration: dict | None = field(default=None, hash=False, compare=False)
+    measured: MeasuredHost | None = field(default=None, hash=False, compare=False)
 
     def flops(self, fmt: str) -> float:
         """Dense peak FLOP/s in `fmt`; ConfigError when the GPU has no such tensor cores."""
@@ -189,6 +193,7 @@ def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
         matmul_efficiency=_parse_efficiency(entry.get("matmul_efficiency"), where, origin),
         collectives=_parse_collectives(entry.get("collectives"), where, origin),
         calibration=_parse_calibration(entry.get("calibration"), where, origin),
+        measured=_parse_measured(entry.get("measured"), where, origin),
     )
 
 
@@ -198,6 +203,14 @@ def _parse_efficiency(data: object, where: str, origin: str):
     from simulator.compute import parse_efficiency_profile  # compute.py imports this module
 
     return parse_efficiency_profile(data, f"{origin}: {where}")
+
+
+def _parse_measured(data: object, where: str, origin: str):
+    if data is None:
+        return None
+    from simulator.host import parse_measured_host
+
+    return parse_measured_host(data, f"{origin}: {where}")
 
 
 def _parse_collectives(data: object, where: str, origin: str) -> dict[str, CollectiveFit] | None:
@@ -396,6 +409,8 @@ def hardware_to_dict(hardware: Hardware) -> dict:
             }
         if gpu.calibration is not None:
             data["calibration"] = gpu.calibration
+        if gpu.measured is not None:
+            data["measured"] = gpu.measured.raw
         return data
 
     return {

@@ -1,0 +1,87 @@
+"""The engine on a measured CPU host (simulator/host.py): measured compute and collectives. Torch-free.
+
+`HostCompute` gives a chunk's forward and backward seconds from the measured units (the
+roofline's when this model was not measured), times the sharing slowdown of the job's
+ranks and threads on the host's cores. `HostLinks` times p2p and collectives with the
+measured gloo numbers for the group size and the job's number of ranks, falling back to
+the fluid link model (engine_links.LinkCosts) for a kind or group size not measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simulator.engine_links import LinkCosts
+from simulator.host import MeasuredHost, UnitTimes
+from simulator.layout import Layout
+from simulator.topology import Cluster
+
+
+@dataclass(frozen=True)
+class HostCompute:
+    units: UnitTimes | None  # None: the model (or this tp) was not measured; the roofline's times are used
+    slowdown: float  # MeasuredHost.slowdown for the job's ranks and threads
+
+    def chunk(self, layers: int, first: bool, last: bool, micro_batch: int, recompute: str,
+              roofline: tuple[float, float, float]) -> tuple[float, float, float]:
+        """(forward, backward, recompute) seconds of a chunk; backward includes the recompute."""
+        if self.units is None:
+            forward, backward, again = roofline
+        else:
+            def unit(name: str) -> float:
+                return self.units.seconds(name, micro_batch)
+
+            again = layers * unit("block_forward") if recompute == "full" else 0.0
+            forward = layers * unit("block_forward")
+            backward = layers * unit("block_backward") + again
+            if first:
+                forward, backward = forward + unit("embedding_forward"), backward + unit("embedding_backward")
+            if last:
+                forward, backward = forward + unit("head_forward"), backward + unit("head_backward")
+        return forward * self.slowdown, backward * self.slowdown, again * self.slowdown
+
+
+def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int) -> HostCompute:
+    return HostCompute(host.unit_times(model, layout.tp), host.slowdown(layout.world_size, threads_per_rank))
+
+
+class HostLinks(LinkCosts):
+    """LinkCosts whose transfers take the measured times of the host's gloo collectives."""
+
+    def __init__(self, cluster: Cluster, layout: Layout, host: MeasuredHost) -> None:
+        super().__init__(cluster, layout)
+        self.host = host
+
+    def measured(self, kind: str, group: int, nbytes: float) -> float | None:
+        fit = self.host.collective(kind, group, self.layout.world_size)
+        return None if fit is None else fit.seconds(nbytes)
+
+    def p2p(self, src_stage: int, dst_stage: int, nbytes: float) -> float:
+        if nbytes <= 0 or src_stage == dst_stage:
+            return 0.0
+        seconds = self.measured("p2p", 2, nbytes)
+        return super().p2p(src_stage, dst_stage, nbytes) if seconds is None else seconds
+
+    def tp_collective(self, kind: str, nbytes: float) -> float:
+        if self.layout.tp == 1 or nbytes <= 0:
+            return 0.0
+        seconds = self.measured(kind, self.layout.tp, nbytes)
+        return super().tp_collective(kind, nbytes) if seconds is None else seconds
+
+    def dp_collective(self, stage: int, kind: str, nbytes: float) -> float:
+        if self.layout.dp == 1 or nbytes <= 0:
+            return 0.0
+        seconds = self.measured(kind, self.layout.dp, nbytes)
+        return super().dp_collective(stage, kind, nbytes) if seconds is None else seconds
+
+    def pp_collective(self, kind: str, nbytes: float) -> float:
+        if self.layout.pp == 1 or nbytes <= 0:
+            return 0.0
+        seconds = self.measured(kind, self.layout.pp, nbytes)
+        return super().pp_collective(kind, nbytes) if seconds is None else seconds
+
+    def embedding_sync(self, nbytes: float) -> float:
+        if self.layout.pp == 1 or nbytes <= 0:
+            return 0.0
+        seconds = self.measured("all_reduce", 2, nbytes)
+        return super().embedding_sync(nbytes) if seconds is None else seconds

@@ -1,0 +1,186 @@
+"""A calibrated CPU host: what `minigpt calibrate` measured of this machine, as the simulator uses it. Torch-free.
+
+On a CPU the roofline of compute.py and the fluid link model of engine_links.py miss
+most of the cost: a block is many small kernels with Python between them, gloo moves
+bytes with the same cores that compute, and 8 ranks on 2 cores take turns. A profile's
+optional "measured" object (parallel/calibrate_host.py writes it) holds what replaces them:
+
+    "measured": {
+      "cores": C,
+      "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp",
+                 "micro_batches": [b, ...],
+                 "block_forward": [s, ...], "block_backward": [...],
+                 "embedding_forward": [...], "embedding_backward": [...],
+                 "head_forward": [...], "head_backward": [...]}, ...],
+      "sharing": [[ranks, threads_per_rank, slowdown], ...],
+      "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...]
+    }
+
+- units: seconds of one tensor-parallel rank's share of a block, of the embedding and of
+  the final norm + head + loss, for one micro-batch of b sequences, measured by one rank
+  alone on one thread. Between measured b the time is interpolated linearly; beyond the
+  last, extended along the last segment.
+- sharing: compute time of a rank when `ranks` ranks with `threads_per_rank` threads each
+  compute at once, over that of one rank alone on one thread. A pair not measured takes
+  the ideal processor-sharing value (each rank gets min(threads, cores / ranks) cores)
+  times the measured-to-ideal ratio of the nearest measured load (ranks x threads).
+  The factor applies to every compute second of the step (the units, the roofline when
+  the model was not measured, and the optimizer): ranks are taken to compute together.
+- collectives: seconds of one collective on a buffer of S bytes in a group of `group`
+  ranks while `active` ranks run such groups at once (p2p: pairs). Between measured
+  sizes interpolated linearly; outside them the fitted line alpha + beta * S.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+
+UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
+               "head_forward", "head_backward")
+UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise linear through (xs, ys); beyond either end, extended along the end segment."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """Measured seconds of the model's pieces on one tensor-parallel rank, by micro-batch size."""
+
+    key: tuple[int, ...]  # UNIT_KEYS
+    micro_batches: tuple[int, ...]
+    series: dict[str, tuple[float, ...]] = field(hash=False)
+
+    def seconds(self, name: str, micro_batch: int) -> float:
+        ys = self.series[name]
+        if micro_batch < self.micro_batches[0]:  # below the table: in proportion to the first point
+            return ys[0] * micro_batch / self.micro_batches[0]
+        return max(_interpolate(self.micro_batches, ys, micro_batch), 0.0)
+
+
+@dataclass(frozen=True)
+class MeasuredCollective:
+    kind: str
+    group: int
+    active: int
+    alpha: float
+    beta: float
+    points: tuple[tuple[int, float], ...] = ()
+
+    def seconds(self, nbytes: float) -> float:
+        pts = self.points
+        if len(pts) >= 2 and pts[0][0] <= nbytes <= pts[-1][0]:
+            return _interpolate(tuple(p[0] for p in pts), tuple(p[1] for p in pts), nbytes)
+        return self.alpha + self.beta * nbytes
+
+
+@dataclass(frozen=True)
+class MeasuredHost:
+    cores: int
+    units: tuple[UnitTimes, ...] = ()
+    sharing: tuple[tuple[int, int, float], ...] = ()
+    collectives: tuple[MeasuredCollective, ...] = ()
+    raw: dict = field(default_factory=dict, hash=False, compare=False)  # the profile's object, for writing back
+
+    def unit_times(self, model: GPTConfig, tp: int) -> UnitTimes | None:
+        """The measured pieces of this model at this tp, or None when they were not measured."""
+        key = (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp)
+        return next((u for u in self.units if u.key == key), None)
+
+    def ideal_slowdown(self, ranks: int, threads: int) -> float:
+        return 1.0 / min(threads, self.cores / ranks)
+
+    def slowdown(self, ranks: int, threads: int) -> float:
+        """Compute time of each of `ranks` ranks with `threads` threads each, over one rank alone on one thread."""
+        for r, t, value in self.sharing:
+            if (r, t) == (ranks, threads):
+                return value
+        ideal = self.ideal_slowdown(ranks, threads)
+        if not self.sharing:
+            return ideal
+        r, t, value = min(self.sharing, key=lambda row: (abs(math.log(row[0] * row[1] / (ranks * threads))), -row[0]))
+        return ideal * value / self.ideal_slowdown(r, t)
+
+    def collective(self, kind: str, group: int, active: int) -> MeasuredCollective | None:
+        """The measured collective of this kind and group size at the nearest load (`active` ranks), or None."""
+        same = [c for c in self.collectives if c.kind == kind and c.group == group]
+        if not same:
+            return None
+        return min(same, key=lambda c: (abs(math.log(c.active / active)), -c.active))
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _positive(value: object, where: str, integer: bool = False, zero: bool = False) -> float:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < 0 or (
+            value == 0 and not zero):
+        raise ConfigError(f"{where} must be a {'positive integer' if integer else 'number > 0'}, got {value!r}")
+    return value
+
+
+def parse_measured_host(data: object, where: str) -> MeasuredHost:
+    """Check a "measured" object (the schema above); every problem raises ConfigError naming the field."""
+    where = f"{where}.measured"
+    if not isinstance(data, dict) or "cores" not in data:
+        raise ConfigError(f"{where} must be a JSON object with cores, units, sharing and collectives")
+    unknown = sorted(set(data) - {"cores", "units", "sharing", "collectives", "note"})
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}")
+    cores = int(_positive(data["cores"], f"{where}.cores", integer=True))
+    units = []
+    for i, entry in enumerate(data.get("units", [])):
+        at = f"{where}.units[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {*UNIT_KEYS, "micro_batches", *UNIT_SERIES}:
+            raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))}")
+        key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True)) for k in UNIT_KEYS)
+        sizes = entry["micro_batches"]
+        if not isinstance(sizes, list) or not sizes or any(a >= b for a, b in zip(sizes, sizes[1:])):
+            raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
+        sizes = tuple(int(_positive(b, f"{at}.micro_batches", integer=True)) for b in sizes)
+        series = {}
+        for name in UNIT_SERIES:
+            values = entry[name]
+            if not isinstance(values, list) or len(values) != len(sizes):
+                raise ConfigError(f"{at}.{name} must hold one time per micro-batch size ({len(sizes)})")
+            series[name] = tuple(float(_positive(v, f"{at}.{name}")) for v in values)
+        units.append(UnitTimes(key, sizes, series))
+    sharing = []
+    for i, row in enumerate(data.get("sharing", [])):
+        if not isinstance(row, list) or len(row) != 3:
+            raise ConfigError(f"{where}.sharing[{i}] must be [ranks, threads_per_rank, slowdown]")
+        sharing.append((int(_positive(row[0], f"{where}.sharing[{i}] ranks", integer=True)),
+                        int(_positive(row[1], f"{where}.sharing[{i}] threads", integer=True)),
+                        float(_positive(row[2], f"{where}.sharing[{i}] slowdown"))))
+    collectives = []
+    for i, entry in enumerate(data.get("collectives", [])):
+        at = f"{where}.collectives[{i}]"
+        if not isinstance(entry, dict) or not {"kind", "group", "active", "alpha", "beta"} <= set(entry):
+            raise ConfigError(f"{at} must hold kind, group, active, alpha, beta (and points)")
+        if entry["kind"] not in KINDS:
+            raise ConfigError(f"{at}.kind must be one of {', '.join(KINDS)}, got {entry['kind']!r}")
+        points = entry.get("points", [])
+        if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
+            raise ConfigError(f"{at}.points must be [[bytes, seconds], ...]")
+        points = tuple(sorted((int(_positive(s, f"{at}.points", integer=True)), float(_positive(t, f"{at}.points")))
+                              for s, t in points))
+        collectives.append(MeasuredCollective(
+            entry["kind"], int(_positive(entry["group"], f"{at}.group", integer=True)),
+            int(_positive(entry["active"], f"{at}.active", integer=True)),
+            float(_positive(entry["alpha"], f"{at}.alpha", zero=True)), float(_positive(entry["beta"], f"{at}.beta")),
+            points))
+    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), raw=data)

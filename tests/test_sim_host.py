@@ -1,0 +1,115 @@
+"""simulator/host.py and engine_host.py: a measured CPU host's units, sharing and collectives drive the engine."""
+
+from __future__ import annotations
+
+import copy
+import re
+import json
+
+import pytest
+
+from minigpt.config import preset
+from minigpt.errors import ConfigError
+from simulator.engine import simulate_step
+from simulator.hardware import hardware_to_dict, load_hardware, save_hardware
+from simulator.layout import Layout
+from simulator.topology import build_cluster
+
+TINY = preset("tiny")
+SIZES = [1, 2, 4, 8]
+
+
+def unit(tp: int) -> dict:
+    """Made-up but shaped like a measurement: a fixed cost plus a cost per sequence, less with tp."""
+    entry = {"d_model": TINY.d_model, "n_heads": TINY.n_heads, "d_ff": TINY.d_ff, "seq_len": TINY.seq_len,
+             "vocab_size": TINY.vocab_size, "tp": tp, "micro_batches": SIZES}
+    for name, fixed, per in (("block_forward", 1e-3, 1e-3), ("block_backward", 2e-3, 2e-3),
+                             ("embedding_forward", 1e-4, 1e-4), ("embedding_backward", 2e-4, 2e-4),
+                             ("head_forward", 5e-4, 5e-4), ("head_backward", 1e-3, 1e-3)):
+        entry[name] = [fixed + per * b / tp for b in SIZES]
+    return entry
+
+
+MEASURED = {
+    "cores": 2,
+    "units": [unit(1), unit(2)],
+    "sharing": [[1, 1, 1.0], [1, 2, 0.6], [2, 1, 1.1], [4, 1, 2.4]],
+    "collectives": [
+        {"kind": kind, "group": 2, "active": active, "alpha": 1e-4 * active, "beta": 1e-9 * active,
+         "points": [[4096, 1e-4 * active + 4096e-9 * active], [2**23, 1e-4 * active + 2**23 * 1e-9 * active]]}
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") for active in (2, 4)
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def hardware(tmp_path_factory):
+    data = hardware_to_dict(load_hardware("a100-80gb"))
+    name = next(iter(data["gpus"]))
+    data["gpus"][name]["measured"] = copy.deepcopy(MEASURED)
+    path = tmp_path_factory.mktemp("host") / "host.json"
+    path.write_text(json.dumps(data))
+    return load_hardware(str(path))
+
+
+def test_units_interpolate_between_and_extend_beyond_the_measured_sizes(hardware):
+    units = hardware.gpu.measured.unit_times(TINY, 1)
+    assert units.seconds("block_forward", 4) == pytest.approx(1e-3 + 4e-3)
+    assert units.seconds("block_forward", 3) == pytest.approx(1e-3 + 3e-3)  # between 2 and 4
+    assert units.seconds("block_forward", 16) == pytest.approx(1e-3 + 16e-3)  # along the last segment
+    assert hardware.gpu.measured.unit_times(TINY, 4) is None  # tp 4 was not measured
+    assert hardware.gpu.measured.unit_times(preset("small"), 1) is None
+
+
+def test_sharing_is_measured_where_measured_and_scaled_from_the_nearest_load_elsewhere(hardware):
+    host = hardware.gpu.measured
+    assert host.slowdown(4, 1) == 2.4 and host.slowdown(1, 2) == 0.6
+    # 8 ranks on 2 cores: ideal 4; the nearest measured load (4 x 1) ran 2.4 / 2 = 1.2 x its ideal
+    assert host.slowdown(8, 1) == pytest.approx(4 * 1.2)
+
+
+def test_one_rank_step_is_the_measured_units_times_the_thread_speedup(hardware):
+    cluster = build_cluster(hardware, 1, 1)
+    result = simulate_step(TINY, Layout(), cluster, "fp32", 8, 8, gpu=hardware)  # one rank: all cores' threads
+    units = hardware.gpu.measured.unit_times(TINY, 1)
+    per_pass = sum(units.seconds(name, 8) for name in ("embedding_forward", "head_forward", "embedding_backward",
+                                                         "head_backward"))
+    per_pass += TINY.n_layers * (units.seconds("block_forward", 8) + units.seconds("block_backward", 8))
+    assert result.breakdown["compute"] == pytest.approx(0.6 * per_pass)
+    single = simulate_step(TINY, Layout(), cluster, "fp32", 8, 8, gpu=hardware, threads_per_rank=1)
+    assert single.breakdown["compute"] == pytest.approx(per_pass)
+
+
+def test_ranks_sharing_cores_slow_compute_and_use_the_measured_collectives(hardware):
+    from simulator.engine_host import HostLinks
+
+    two = simulate_step(TINY, Layout(dp=2), build_cluster(hardware, 2, 1), "fp32", 16, 8, gpu=hardware)
+    four = simulate_step(TINY, Layout(dp=4), build_cluster(hardware, 4, 1), "fp32", 32, 8, gpu=hardware)
+    assert four.breakdown["compute"] == pytest.approx(two.breakdown["compute"] * 2.4 / 1.1)
+    links = HostLinks(build_cluster(hardware, 4, 1), Layout(tp=2, dp=2), hardware.gpu.measured)
+    assert links.tp_collective("all_reduce", 2**20) == pytest.approx(4e-4 + 4e-9 * 2**20)  # group 2, 4 busy
+    assert links.dp_collective(0, "reduce_scatter", 2**20) == pytest.approx(4e-4 + 4e-9 * 2**20)
+    assert links.tp_collective("all_reduce", 0) == 0.0
+
+
+def test_the_measured_object_round_trips_and_bad_entries_are_config_errors(hardware, tmp_path):
+    again = load_hardware(str(save_hardware(hardware, tmp_path / "again.json")))
+    assert again.gpu.measured == hardware.gpu.measured
+    data = json.loads((tmp_path / "again.json").read_text())
+    entry = next(iter(data["gpus"].values()))
+    for breakage, words in (
+        (lambda m: m.pop("cores"), "measured must be a JSON object"),
+        (lambda m: m["units"][0].pop("head_backward"), "units[0] must hold exactly"),
+        (lambda m: m["units"][0]["block_forward"].pop(), "one time per micro-batch"),
+        (lambda m: m["units"][0].update(micro_batches=[2, 1, 4, 8]), "increasing"),
+        (lambda m: m["sharing"].append([2, 1]), "sharing[4]"),
+        (lambda m: m["collectives"][0].update(kind="broadcast"), "kind must be one of"),
+        (lambda m: m["collectives"][0].update(beta=-1), "beta must be"),
+    ):
+        broken = copy.deepcopy(entry["measured"])
+        breakage(broken)
+        entry_copy = dict(entry, measured=broken)
+        path = tmp_path / "broken.json"
+        path.write_text(json.dumps(dict(data, gpus={next(iter(data["gpus"])): entry_copy})))
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_hardware(str(path))
