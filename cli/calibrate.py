@@ -1,11 +1,14 @@
 """`minigpt calibrate`: measure this machine and write a hardware profile the simulator loads.
 
-    minigpt calibrate --out profile.json [--ranks 2] [--quick]
+    minigpt calibrate --out profile.json [--ranks 8] [--quick]
     minigpt simulate --hardware profile.json ...
 
 The flags are checked, and the output path probed for writing, before any rank starts;
-the measurements are parallel/calibrate.py's; the profile is written atomically (a
-temporary file in the same directory, then a rename) and read back with load_hardware.
+the measurements are parallel/calibrate.py's and parallel/calibrate_host.py's (the GPU
+entry's "measured" field: the model's pieces, core sharing, collectives by group and load);
+the profile is written atomically (a temporary file in the same directory, then a rename)
+and read back with load_hardware. The default 8 ranks are the largest layout `minigpt
+compare --matrix` trains.
 """
 
 from __future__ import annotations
@@ -98,16 +101,17 @@ def run_calibration(out: str, ranks: int, quick: bool, threads_per_rank: int | N
 @config_file_option
 @click.command()
 @click.option("--out", required=True, type=str, help="The profile file to write (.json).")
-@click.option("--ranks", type=int, default=2, show_default=True, help="Local gloo ranks measuring at once.")
+@click.option("--ranks", type=int, default=8, show_default=True,
+              help="Local gloo ranks (sharing and collectives are measured up to this many).")
 @click.option("--threads-per-rank", "threads_per_rank", type=int,
               help="Torch threads per rank (default: 1 with several ranks, torch's default with one).")
-@click.option("--model", default="tiny", show_default=True, help="Model preset whose block is timed.")
+@click.option("--model", default="tiny", show_default=True, help="Model preset whose pieces are timed.")
 @click.option("--micro-batch", "micro_batch", type=int, default=8, show_default=True)
 @click.option("--name", help=f"The profile's hardware name (default: {DEFAULT_NAME}).")
-@click.option("--quick", is_flag=True, help="A few sizes and repeats (about 10-20 s): for tests.")
+@click.option("--quick", is_flag=True, help="A few sizes and repeats (about 20 s with 8 ranks): for tests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
 def calibrate(out, ranks, threads_per_rank, model, micro_batch, name, quick, as_json) -> None:
-    """Measure this machine (matmuls, memory copy, a block, gloo collectives) into a hardware profile."""
+    """Measure this machine (matmuls, memory copy, the model's pieces, core sharing, gloo collectives) into a profile."""
     profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch)
     if as_json:
         click.echo(json.dumps(profile, indent=2))
@@ -127,4 +131,21 @@ def calibrate(out, ranks, threads_per_rank, model, micro_batch, name, quick, as_
     for kind, fit in gpu.get("collectives", {}).items():
         click.echo(f"  {kind:<15} alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] * 1e9:.3f} ns/B "
                    f"({1 / fit['beta'] / 1e9:.2f} GB/s)")
+    echo_measured(gpu.get("measured"))
     click.echo(f"  use it: minigpt simulate --hardware {out} --model tiny --precision fp32")
+
+
+def echo_measured(measured: dict | None) -> None:
+    """A few lines on the "measured" field: block times by tp, sharing, and the collectives' fits."""
+    if not measured:
+        return
+    for unit in measured["units"]:
+        times = ", ".join(f"{b}: {f * 1e3:.2f}/{w * 1e3:.2f}" for b, f, w in
+                          zip(unit["micro_batches"], unit["block_forward"], unit["block_backward"]))
+        click.echo(f"  block tp {unit['tp']} forward/backward ms by micro-batch (1 thread, alone): {times}")
+    click.echo("  sharing (ranks x threads: slowdown): "
+               + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
+    for fit in measured["collectives"]:
+        if fit["group"] == fit["active"] or fit["kind"] == "p2p":
+            click.echo(f"  {fit['kind']:<15} group {fit['group']} of {fit['active']} busy: alpha "
+                       f"{fit['alpha'] * 1e3:.3f} ms, {1 / fit['beta'] / 1e9:.2f} GB/s")

@@ -1,8 +1,11 @@
 """`minigpt calibrate`'s measurements: this machine's matmuls, memory copy, one block, and collectives.
 
-Every rank (started through parallel.launch.launch, gloo on the CPU) measures at the same
-time, so when ranks outnumber cores the numbers include that sharing; the profile records
-how many ranks shared how many cores (calibration.ranks_per_core).
+Rank 0 (of ranks started through parallel.launch.launch, gloo on the CPU) measures the
+matmuls, the copy and the block alone on one thread while the others wait: one device's
+own numbers, which the simulator slows by the measured cost of sharing cores for a job
+with more ranks. Then parallel/calibrate_host.py measures the "measured" field (the model's pieces alone,
+the cost of sharing cores, and collectives by group size and load), which also gives the
+whole-world collectives below.
 
 - matmuls: fp32, square (n x n) @ (n x n) and GPT-shaped (2n x n) @ (n x 4n) (tokens x d @ d x 4d,
   the fc1 shape), the median of `repeats` timed runs each; the efficiency at smallest side n is
@@ -13,9 +16,10 @@ how many ranks shared how many cores (calibration.ranks_per_core).
   roofline counts bytes moved.
 - one block of the model preset (tiny by default) at its shape: forward and backward seconds.
 - collectives (ranks >= 2): all-reduce, all-gather, reduce-scatter (through parallel/comm.py's
-  Collectives) and p2p (ping-pong between rank pairs, half the round trip) by message size S
-  (the full buffer, comm.py's convention); each point is the slowest rank's median. A least-
-  squares line t = alpha + beta * S per collective is fitted in `fit_alpha_beta`.
+  Collectives) among all ranks and p2p (ping-pong inside rank pairs, every pair at once, half
+  the round trip) by message size S (the full buffer, comm.py's convention): calibrate_host's
+  points with every rank busy; each is the slowest rank's median. A least-squares line
+  t = alpha + beta * S per collective is fitted in `fit_alpha_beta`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from minigpt.errors import ConfigError
-from parallel.comm import Collectives
+from parallel.calibrate_host import build_measured, collective_points, measure_host
 from parallel.launch import finish_worker, init_worker, launch
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -37,7 +41,7 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    ranks: int = 2
+    ranks: int = 8
     threads_per_rank: int = 1
     matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
     repeats: int = 5
@@ -47,6 +51,8 @@ class CalibrationPlan:
     comm_repeats: int = 5
     model: str = "tiny"
     micro_batch: int = 8
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)  # the host units' micro-batch sizes
+    sharing_micro_batch: int = 8
 
 
 def make_plan(ranks: int, quick: bool = False, threads_per_rank: int | None = None, model: str = "tiny",
@@ -64,7 +70,7 @@ def make_plan(ranks: int, quick: bool = False, threads_per_rank: int | None = No
     threads = threads_per_rank or (1 if ranks > 1 else torch.get_num_threads())
     if quick:
         return CalibrationPlan(ranks, threads, (64, 256, 512), 3, 0.005, 16 * 2**20,
-                               (4 * 2**10, 128 * 2**10, 2 * 2**20), 3, model, micro_batch)
+                               (4 * 2**10, 256 * 2**10, 8 * 2**20), 3, model, micro_batch, (1, 4, 16))
     return CalibrationPlan(ranks, threads, model=model, micro_batch=micro_batch)
 
 
@@ -141,48 +147,6 @@ def measure_block(plan: CalibrationPlan) -> dict:
             "backward_s": statistics.median(backwards)}
 
 
-def measure_collectives(plan: CalibrationPlan) -> dict[str, list[list[float]]]:
-    """[[S bytes, median seconds], ...] per kind on this rank (the caller takes the slowest rank)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    comm = Collectives(dist.group.WORLD, "calibrate")
-    points: dict[str, list[list[float]]] = {kind: [] for kind in COLLECTIVE_KINDS}
-    partner = rank ^ 1 if (rank ^ 1) < world else None  # pairs (0, 1), (2, 3), ...
-    for size in plan.message_bytes:
-        numel = max(world, size // 4 // world * world)
-        full, shard = torch.ones(numel), torch.ones(numel // world)
-        nbytes = numel * 4
-        ops = {
-            "all_reduce": lambda: comm.all_reduce(full),
-            "all_gather": lambda: comm.all_gather(full, shard),
-            "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
-            "p2p": lambda: _ping_pong(full, rank, partner),
-        }
-        for kind, op in ops.items():
-            op()  # warm-up (connections, buffers)
-            runs = []
-            for _ in range(plan.comm_repeats):
-                dist.barrier()
-                start = time.perf_counter()
-                op()
-                runs.append(time.perf_counter() - start)
-            seconds = statistics.median(runs)
-            if kind == "p2p":
-                seconds /= 2  # a round trip is two transfers
-            points[kind].append([nbytes, seconds])
-    return points
-
-
-def _ping_pong(tensor: torch.Tensor, rank: int, partner: int | None) -> None:
-    if partner is None:
-        return
-    if rank < partner:
-        dist.send(tensor, partner)
-        dist.recv(tensor, partner)
-    else:
-        dist.recv(tensor, partner)
-        dist.send(tensor, partner)
-
-
 def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
     """One rank's part: every measurement; rank 0 returns every rank's, the others None."""
     init_worker("cpu")
@@ -191,16 +155,24 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
             saved = torch.get_num_threads()
             torch.set_num_threads(plan.threads_per_rank)
         try:
-            if dist.is_initialized():
-                dist.barrier()  # every rank measures compute at the same time: the sharing is real
-            result = {
-                "matmuls": measure_matmuls(plan),
-                "copy_bandwidth": measure_copy(plan),
-                "block": measure_block(plan),
-            }
+            # Rank 0 alone measures the matmuls, the copy and the block (the others wait in a barrier,
+            # which takes no CPU): a device's own numbers. What sharing costs is measured apart
+            # (calibrate_host's "sharing"), and the simulator applies it to the job's ranks.
+            start = time.perf_counter()
+            result = {}
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    result = {"matmuls": measure_matmuls(plan), "copy_bandwidth": measure_copy(plan),
+                              "block": measure_block(plan)}
+                finally:
+                    torch.set_num_threads(threads)
             if dist.is_initialized():
                 dist.barrier()
-                result["collectives"] = measure_collectives(plan)
+            compute_s = time.perf_counter() - start
+            result["host"] = measure_host(plan)  # starts with a barrier
+            result["host"]["seconds"] = {"matmuls_copy_block": compute_s, **result["host"]["seconds"]}
         finally:
             if plan.ranks == 1:
                 torch.set_num_threads(saved)
@@ -259,23 +231,23 @@ def _load_average() -> float | None:
 def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores: int, date: str) -> dict:
     """The hardware profile (hardware.json's schema, one GPU) from every rank's measurements."""
     sizes = plan.matmul_sizes
-    mean = statistics.fmean
-    square = {n: mean(r["matmuls"]["rates"]["square"][n] for r in measured) for n in sizes}
-    gpt = {n: mean(r["matmuls"]["rates"]["gpt"][n] for r in measured) for n in sizes}
+    alone = measured[0]  # rank 0 measured the matmuls, the copy and the block alone
+    square = {n: alone["matmuls"]["rates"]["square"][n] for n in sizes}
+    gpt = {n: alone["matmuls"]["rates"]["gpt"][n] for n in sizes}
     combined = {n: (square[n] + gpt[n]) / 2 for n in sizes}
     peak = max(max(square.values()), max(gpt.values()))
     table = [[n, round(min(1.0, max(combined[n] / peak, 1e-6)), 6)] for n in sizes]
-    launch_latency = mean(r["matmuls"]["launch_latency"] for r in measured)
-    copy_bandwidth = mean(r["copy_bandwidth"] for r in measured)
-    block = dict(measured[0]["block"])
-    block["forward_s"] = mean(r["block"]["forward_s"] for r in measured)
-    block["backward_s"] = mean(r["block"]["backward_s"] for r in measured)
+    launch_latency = alone["matmuls"]["launch_latency"]
+    copy_bandwidth = alone["copy_bandwidth"]
+    block = dict(alone["block"])
 
     collectives, links = {}, []
     if plan.ranks > 1:
+        series = collective_points([r["host"] for r in measured])
         for kind in COLLECTIVE_KINDS:
-            points = [[int(s), max(r["collectives"][kind][i][1] for r in measured)]  # the slowest rank
-                      for i, (s, _) in enumerate(measured[0]["collectives"][kind])]
+            # all ranks in one group; p2p: the most pairs busy at once (every rank when the ranks are even)
+            busy = max(key[2] for key in series if key[:2] == ("p2p", 2)) if kind == "p2p" else plan.ranks
+            points = series[(kind, 2 if kind == "p2p" else plan.ranks, busy)]
             alpha, beta = fit_alpha_beta(points)
             collectives[kind] = {"ranks": plan.ranks if kind != "p2p" else 2, "alpha": alpha, "beta": beta,
                                  "points": points}
@@ -295,8 +267,8 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
     source = f"measured by minigpt calibrate on {date}"
     node, nic = f"{name}-node", f"{name}-loopback"
     gpu = {
-        "source": (f"{source}: fp32 on the CPU with {plan.ranks} rank(s) x {plan.threads_per_rank} thread(s) "
-                   f"on {cores} core(s); peak_flops.fp32 is the best measured matmul rate (a CPU has no "
+        "source": (f"{source}: fp32 on the CPU, one rank on one of {cores} core(s) (up to {plan.ranks} ranks "
+                   f"for the collectives and the sharing); peak_flops.fp32 is the best measured matmul rate (a CPU has no "
                    f"datasheet peak here), tf32 = fp32 (no TF32 on a CPU), 16-bit and fp8 not measured"),
         "node": node,
         "peak_flops": {"fp32": peak, "tf32": peak, "bf16": None, "fp16": None, "fp8": None},
@@ -314,15 +286,18 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
             "ranks_per_core": plan.ranks / cores,
             "oversubscribed": plan.ranks * plan.threads_per_rank > cores,
             "load_average_1min": _load_average(),  # other work on the machine skews every number
-            "note": (f"{plan.ranks} rank(s) with {plan.threads_per_rank} thread(s) each measured at the same time "
-                     f"on {cores} core(s): the compute and communication numbers include that sharing"),
+            "note": (f"{plan.ranks} rank(s) on {cores} core(s): rank 0 measured the matmuls, the copy and the block "
+                     f"alone on one thread; the collectives ran on {plan.threads_per_rank} thread(s) per rank with "
+                     f"every rank busy; 'measured' holds the sharing and the collectives by group size and load"),
             "peak_note": "efficiency = measured rate / the best measured rate (the peak of a CPU profile)",
             "links": link_note,
             "matmul_rates": {"square": {str(n): r for n, r in square.items()}, "gpt": {str(n): r for n, r in gpt.items()}},
             "block": block,
             "copy_bytes": plan.copy_bytes,
             "plan": {k: v for k, v in asdict(plan).items() if k not in ("ranks", "threads_per_rank")},
+            "phase_seconds": {k: round(v, 2) for k, v in measured[0]["host"]["seconds"].items()},
         },
+        "measured": build_measured([r["host"] for r in measured], plan, fit_alpha_beta),
     }
     if collectives:
         gpu["collectives"] = collectives

@@ -99,6 +99,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     zero, dp, last_chunk = schedule.zero_stage, layout.dp, schedule.num_chunks - 1
     bucket_numel = max(1, int(bucket_mb * 2**20) // compute_bytes)
     tied_copy = model.tied_head and layout.pp > 1
+    serial = host is not None  # gloo on a CPU host: communication does not overlap compute (engine_overlap.py)
     memo: dict = {}
 
     def times(layers: int, first: bool, last: bool):
@@ -154,15 +155,15 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
 
                 for kind, first_use in (("F", False), ("F1", True)):
                     segs = [Segment(u.forward + u.forward_tp, gather(u, first_use)) for u in units]
-                    o = overlap(segs, None, False)
+                    o = overlap(segs, None, False, serial)
                     actions[(kind, chunk)] = ActionCost(o.end, f_compute, f_tp, o.exposed)
                 tail = [Segment(0.0, reduce=rs(u)) for u in others]
                 rev = units[::-1]
                 full = overlap([Segment(u.backward + u.backward_tp, gather(u, False), rs(u)) for u in rev] + tail,
-                               MAX_IN_FLIGHT, True)
+                               MAX_IN_FLIGHT, True, serial)
                 bi = overlap([Segment(u.backward - u.forward + u.backward_tp, gather(u, False)) for u in rev],
-                             None, False)
-                w = overlap([Segment(u.forward, reduce=rs(u)) for u in rev] + tail, MAX_IN_FLIGHT, True)
+                             None, False, serial)
+                w = overlap([Segment(u.forward, reduce=rs(u)) for u in rev] + tail, MAX_IN_FLIGHT, True, serial)
                 for kind, o, c, t in (("B", full, b_compute, b_tp), ("Bi", bi, bi_compute, b_tp), ("W", w, w_compute, 0.0)):
                     actions[(kind, chunk)] = ActionCost(o.end, c, t, o.exposed)
             else:
@@ -180,7 +181,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                         ("W", w_compute, 0.0, [u.forward for u in units]),  # the weight-gradient half
                     ):
                         segments = bucket_segments(spans[chunk], ready_offsets(tensors, shares), compute + tp, bucket_reduce)
-                        o = overlap(segments + tail, limit, wait_at_end=zero == 2)
+                        o = overlap(segments + tail, limit, wait_at_end=zero == 2, serial=serial)
                         name = kind if zero == 2 else kind + "last"
                         actions[(name, chunk)] = ActionCost(o.end, compute, tp, o.exposed, None if zero == 2 else o.comm_end)
         for chunk in chunk_units:

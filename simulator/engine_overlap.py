@@ -13,6 +13,9 @@ communicator run one at a time); compute waits only where our code waits:
     at the end of each micro-batch's backward); otherwise the communication may run past it
     (ZeRO 0/1: the last backward's buckets are waited for before the optimizer step).
 
+`serial`: on a CPU host gloo moves the bytes with the same cores that compute, so the
+communication is charged in issue order on the compute stream instead (nothing overlaps).
+
 Gradient buckets become ready during a backward as it walks the parameters in reverse:
 `ready_offsets` spreads each unit's backward time over its tensors by size (an
 approximation: a matmul's weight gradient is not produced at a uniform rate).
@@ -47,7 +50,11 @@ class Overlapped:
         return self.end - self.compute
 
 
-def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end: bool) -> Overlapped:
+def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end: bool,
+            serial: bool = False) -> Overlapped:
+    if serial:  # the communication takes the cores that compute (gloo on a CPU host): nothing hides
+        end = sum(s.gather + s.compute + s.reduce for s in segments)
+        return Overlapped(end=end, comm_end=end, compute=sum(s.compute for s in segments))
     clock = comm = 0.0
     gathered: list[float | None] = [None] * len(segments)
     if segments and segments[0].gather > 0:

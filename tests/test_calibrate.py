@@ -1,4 +1,8 @@
-"""`minigpt calibrate`: a quick calibration on 2 gloo ranks writes a profile the simulator loads."""
+"""`minigpt calibrate`: a quick calibration on 4 gloo ranks writes a profile the simulator loads.
+
+Four ranks, so that on a 2-core machine the sharing rows reach twice the cores; one quick
+run (about 10 s) is shared by every test here through the module-scoped fixture.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ def group() -> None:
 group.add_command(calibrate)
 
 
+RANKS = 4
+
+
 def invoke(*args: str):
     return CliRunner().invoke(group, ["calibrate", *args])
 
@@ -28,7 +35,7 @@ def invoke(*args: str):
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("calibrate") / "profile.json"
-    result = invoke("--out", str(path), "--ranks", "2", "--quick")
+    result = invoke("--out", str(path), "--ranks", str(RANKS), "--quick")
     assert result.exit_code == 0, result.output
     assert "wrote" in result.output
     return path
@@ -51,7 +58,7 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
     for fit in gpu.collectives.values():
         assert fit.alpha >= 0 and fit.beta > 0 and len(fit.points) == 3
     note = gpu.calibration
-    assert note["ranks"] == 2 and note["ranks_per_core"] == pytest.approx(2 / note["cores"])
+    assert note["ranks"] == RANKS and note["ranks_per_core"] == pytest.approx(RANKS / note["cores"])
     assert note["block"]["forward_s"] > 0 and note["block"]["backward_s"] > 0
     assert not list(profile_path.parent.glob(".*.tmp"))  # the atomic write left no temporary file
 
@@ -135,3 +142,81 @@ def test_a_bad_collectives_entry_is_a_config_error(profile_path, tmp_path):
     bad.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="collectives.p2p.beta"):
         load_hardware(str(bad))
+
+
+# ---------------------------------------------------------------- the "measured" field
+
+
+UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
+               "head_forward", "head_backward")
+
+
+def measured_of(path) -> dict:
+    (gpu,) = json.loads(path.read_text())["gpus"].values()
+    return gpu["measured"]
+
+
+def check_schema(measured: dict, ranks: int) -> None:
+    assert set(measured) <= {"cores", "units", "sharing", "collectives", "note"}
+    assert isinstance(measured["cores"], int) and measured["cores"] >= 1
+    assert [u["tp"] for u in measured["units"]] == [tp for tp in (1, 2, 4, 8) if tp <= ranks and 4 % tp == 0]
+    for unit in measured["units"]:
+        assert set(unit) == {"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "micro_batches", *UNIT_SERIES}
+        assert (unit["d_model"], unit["n_heads"], unit["d_ff"], unit["seq_len"], unit["vocab_size"]) == (128, 4, 512, 128, 256)
+        sizes = unit["micro_batches"]
+        assert sizes == [1, 4, 16] and all(isinstance(b, int) for b in sizes)
+        for name in UNIT_SERIES:
+            assert len(unit[name]) == len(sizes) and all(isinstance(s, float) and 0 < s < 10 for s in unit[name])
+    for row in measured["sharing"]:
+        assert len(row) == 3 and isinstance(row[0], int) and isinstance(row[1], int) and row[2] > 0
+    for fit in measured["collectives"]:
+        assert set(fit) == {"kind", "group", "active", "alpha", "beta", "points"}
+        assert fit["alpha"] >= 0 and fit["beta"] > 0 and 2 <= fit["group"] <= fit["active"] <= ranks
+        assert [s for s, _ in fit["points"]] == sorted(s for s, _ in fit["points"]) and len(fit["points"]) == 3
+        assert all(isinstance(s, int) and t > 0 for s, t in fit["points"])
+
+
+def test_the_measured_field_has_the_schema(profile_path):
+    measured = measured_of(profile_path)
+    check_schema(measured, RANKS)
+    cores = measured["cores"]
+    expected = [[1, 1], [2, 1], [4, 1]] + ([[1, cores]] if cores > 1 else [])
+    assert [row[:2] for row in measured["sharing"]] == expected and measured["sharing"][0][2] == 1.0
+    kinds = {(f["kind"], f["group"], f["active"]) for f in measured["collectives"]}
+    assert kinds == {(kind, n, busy) for busy, n in [(2, 2), (4, 2), (4, 4)]
+                     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") if kind != "p2p" or n == 2}
+    from simulator.hardware import load_hardware
+
+    assert load_hardware(str(profile_path)).gpu.measured is not None  # the simulator reads what was written
+
+
+def test_the_measured_numbers_are_physical(profile_path):
+    measured = measured_of(profile_path)
+    units = {u["tp"]: u for u in measured["units"]}
+    for unit in units.values():  # micro-batch 16 costs more than micro-batch 1
+        assert unit["block_forward"][-1] > 2 * unit["block_forward"][0]
+        assert unit["block_backward"][-1] > 2 * unit["block_backward"][0]
+    for i, b in enumerate(units[1]["micro_batches"]):
+        if b >= 4:  # half the heads and half the MLP: clearly less work per rank
+            assert units[2]["block_forward"][i] < units[1]["block_forward"][i]
+    cores = measured["cores"]
+    sharing = {(r, t): s for r, t, s in measured["sharing"]}
+    if (1, cores) in sharing:
+        assert sharing[(1, cores)] < 0.95  # more threads help one rank alone
+    for fit in measured["collectives"]:  # the largest message takes longer than the smallest
+        assert fit["points"][-1][1] > fit["points"][0][1], fit
+    if (2 * cores, 1) not in sharing:
+        pytest.skip(f"{cores} cores: the quick run has no row with twice as many ranks")
+    assert sharing[(2 * cores, 1)] > 1.3  # ranks outnumbering cores take turns
+
+
+def test_one_rank_measures_units_and_sharing_without_collectives(tmp_path):
+    path = tmp_path / "one.json"
+    result = invoke("--out", str(path), "--ranks", "1", "--quick")
+    assert result.exit_code == 0, result.output
+    (gpu,) = json.loads(path.read_text())["gpus"].values()
+    measured = gpu["measured"]
+    check_schema(measured, 1)
+    cores = measured["cores"]
+    assert [row[:2] for row in measured["sharing"]] == [[1, 1]] + ([[1, cores]] if cores > 1 else [])
+    assert measured["collectives"] == [] and "collectives" not in gpu

@@ -1,0 +1,305 @@
+"""`minigpt calibrate`'s host measurements: the profile's "measured" field (simulator/host.py reads it).
+
+Why: on a CPU a matmul roofline misses most of what a training step costs (a block is many
+small kernels with Python between them), and with more ranks than cores the ranks take turns
+on the cores, for compute and for gloo's copies alike. So the simulator gets measured costs:
+
+- units: seconds of the model's pieces for one micro-batch of b sequences, as one tensor-
+  parallel rank computes them (fp32): a block whose Linear layers have one rank's shard
+  shapes (qkv d -> 3d/tp, proj d/tp -> d, fc1 d -> d_ff/tp, fc2 d_ff/tp -> d), the embedding
+  (a vocabulary shard + positions), and the final norm + head shard + cross-entropy; forward
+  and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and the model, and every
+  b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up. Rank 0 measures
+  alone on one thread while the others wait in a barrier (which takes no CPU): unshared costs.
+  Parameter gradients accumulate from run to run, as over a step's micro-batches.
+- sharing: how much slower a rank computes when k ranks with one thread each compute at
+  once (k = 1, 2, 4, ... and the rank count), and when rank 0 alone uses every core as
+  threads: one block's forward + backward at plan.sharing_micro_batch, tp 1; slowdown =
+  the mean of the busy ranks' medians over rank 0's median alone on one thread.
+- collectives: gloo all-reduce, all-gather, reduce-scatter (parallel/comm.py's Collectives,
+  S = the full buffer's bytes) and p2p (ping-pong inside pairs, half the round trip) by size
+  S, group size n and the number W of busy ranks: ranks 0..W-1 split into contiguous groups
+  of n that all run at once while the others wait. A single timed call is mostly noise, so
+  each timed run is c back-to-back calls, c chosen so a run lasts about plan.min_run_s (the
+  slowest busy rank's probe call decides, so every busy rank makes the same calls); a call
+  is run / c, the median over plan.comm_repeats runs, and a point is the slowest rank's
+  median. (Timing each call after a piece of compute instead, as training issues them, was
+  tried: it raised the 2-rank costs by about as much as training shows, but with 8 ranks on
+  2 cores it charged every collective the full 4-way sharing, which training, with ranks
+  idle in pipeline bubbles, does not see: the 8-rank prediction went from +0.5% to +75%.) t = alpha + beta * S is fitted per (kind, n, W) by calibrate.fit_alpha_beta.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.comm import Collectives
+
+TENSOR_PARALLEL = (1, 2, 4, 8)
+PIECES = ("block", "embedding", "head")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def host_cores() -> int:
+    try:  # the cores this process may run on
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def tp_sizes(config, ranks: int) -> list[int]:  # tensor-parallel sizes this model and these ranks allow
+    return [tp for tp in TENSOR_PARALLEL if tp <= ranks and config.n_heads % tp == 0 and config.d_ff % tp == 0]
+
+
+def powers_up_to(ranks: int, start: int) -> list[int]:
+    """start, 2 start, 4 start, ... up to ranks, and ranks itself."""
+    values = [k for k in (2**i for i in range(ranks.bit_length())) if start <= k <= ranks]
+    return values + ([ranks] if ranks not in values and ranks >= start else [])
+
+
+def group_pairs(ranks: int) -> list[tuple[int, int]]:
+    """(busy ranks W, group size n): n a power of two dividing W, or W itself."""
+    pairs = []
+    for busy in powers_up_to(ranks, 2):
+        pairs += [(busy, n) for n in powers_up_to(busy, 2) if busy % n == 0]
+    return pairs
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+# ---------------------------------------------------------------- the model's pieces
+
+
+def piece_modules(piece: str, config, tp: int):
+    """One tensor-parallel rank's modules of `piece` ("block", "embedding" or "head"), fp32."""
+    from minigpt.model import Block
+    from simulator.layout import padded_vocab
+
+    d, f, vocab = config.d_model, config.d_ff, padded_vocab(config, tp) // tp
+    if piece == "embedding":
+        return nn.Embedding(vocab, d), nn.Embedding(config.seq_len, d)
+    if piece == "head":
+        return nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+    block = Block(config)  # the attention reads its head count from qkv's output: n_heads / tp here
+    block.attn.qkv, block.attn.proj = nn.Linear(d, 3 * d // tp), nn.Linear(d // tp, d)
+    block.mlp.fc1, block.mlp.fc2 = nn.Linear(d, f // tp), nn.Linear(f // tp, d)
+    return block
+
+
+def piece_step(piece: str, config, tp: int, batch: int, modules=None):
+    """A function timing one forward and one backward of `piece`: () -> (forward s, backward s)."""
+    seq, d, clock = config.seq_len, config.d_model, time.perf_counter
+    modules = modules if modules is not None else piece_modules(piece, config, tp)
+    if piece == "block":
+        x, grad = torch.randn(batch, seq, d, requires_grad=True), torch.randn(batch, seq, d)
+        forward = lambda: modules(x)  # noqa: E731
+    elif piece == "embedding":
+        tok, pos = modules
+        x, idx, grad = None, torch.randint(tok.num_embeddings, (batch, seq)), torch.randn(batch, seq, d)
+        forward = lambda: tok(idx) + pos(torch.arange(seq))  # noqa: E731
+    else:
+        norm, head = modules
+        x, grad = torch.randn(batch, seq, d, requires_grad=True), None
+        targets = torch.randint(head.out_features, (batch, seq))
+        forward = lambda: F.cross_entropy(head(norm(x)).flatten(0, 1), targets.flatten())  # noqa: E731
+
+    def step() -> tuple[float, float]:
+        if x is not None:
+            x.grad = None
+        start = clock()
+        out = forward()
+        middle = clock()
+        out.backward(grad)
+        return middle - start, clock() - middle
+
+    return step
+
+
+def _medians(step, repeats: int, min_total_s: float) -> tuple[float, float]:
+    """Median (forward, backward) seconds after a warm-up: at least `repeats` runs, more
+    (up to 5x) for short pieces so the runs last about min_total_s."""
+    step()
+    first = step()
+    runs = min(max(repeats, math.ceil(min_total_s / max(sum(first), 1e-7))), 5 * repeats)
+    samples = [first] + [step() for _ in range(runs - 1)]
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def measure_units(plan, rank: int, ranks: int) -> dict[int, dict[str, list[float]]] | None:
+    """{tp: {"block_forward": [s per micro-batch size], ...}}: rank 0 alone on one thread
+    while every other rank waits in a barrier (and returns None)."""
+    from minigpt.config import preset
+
+    config, units = preset(plan.model), {}
+    torch.manual_seed(0)
+    _barrier()
+    for tp in tp_sizes(config, ranks) if rank == 0 else ():
+        series = units[tp] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
+        for piece in PIECES:
+            modules = piece_modules(piece, config, tp)  # the same weights for every micro-batch size
+            for batch in plan.micro_batches:
+                step = piece_step(piece, config, tp, batch, modules)
+                times = _medians(step, plan.repeats, plan.min_run_s * plan.repeats)
+                for way, seconds in zip(("forward", "backward"), times):
+                    series[f"{piece}_{way}"].append(seconds)
+    _barrier()
+    return units if rank == 0 else None
+
+
+def measure_sharing(plan, rank: int, ranks: int, cores: int) -> dict:
+    """This rank's median block forward + backward seconds with k ranks busy at once, by k,
+    and rank 0's alone with `cores` threads ("threads")."""
+    from minigpt.config import preset
+
+    torch.manual_seed(rank)
+    step = piece_step("block", preset(plan.model), 1, plan.sharing_micro_batch)
+    timed = lambda: statistics.median(sum(step()) for _ in range(plan.repeats))  # noqa: E731
+    step()  # a rank's first block is slow (lazy initialisation): not while others are timed
+    result: dict = {"busy": {}}
+    for busy in [1] + powers_up_to(ranks, 2):
+        _barrier()
+        if rank < busy:
+            step()  # warm-up
+        _barrier()  # the busy ranks start their timed runs together
+        if rank < busy:
+            result["busy"][busy] = timed()
+    _barrier()
+    if cores > 1:
+        if rank == 0:
+            torch.set_num_threads(cores)  # measure_host sets the threads back
+            step()
+            result["threads"] = timed()
+            torch.set_num_threads(1)
+        _barrier()
+    return result
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def make_groups(ranks: int) -> dict[int, object]:
+    """This rank's group of each size (every rank creates every group, in the same order)."""
+    rank, groups = dist.get_rank(), {}
+    for n in sorted({n for _, n in group_pairs(ranks)}):
+        for first in range(0, ranks - n + 1, n):
+            group = dist.group.WORLD if n == ranks else dist.new_group(list(range(first, first + n)))
+            if first <= rank < first + n:
+                groups[n] = group
+    return groups
+
+
+def _per_call(op, busy_group, plan) -> float:
+    """Median seconds per call of op over plan.comm_repeats runs of c back-to-back calls."""
+    op()  # warm-up
+    _barrier(busy_group)
+    start = time.perf_counter()
+    op()
+    probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=busy_group)  # every busy rank makes the same calls
+    calls = max(1, min(1000, int(plan.min_run_s / max(probe.item(), 1e-7))))
+    runs = []
+    for _ in range(plan.comm_repeats):
+        _barrier(busy_group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        runs.append((time.perf_counter() - start) / calls)
+    return statistics.median(runs)
+
+
+def _ping_pong(tensor: torch.Tensor, rank: int, partner: int) -> None:
+    first, second = (dist.send, dist.recv) if rank < partner else (dist.recv, dist.send)
+    first(tensor, partner)
+    second(tensor, partner)
+
+
+def measure_group_collectives(plan, ranks: int) -> dict[tuple[str, int, int, int], float]:
+    """{(kind, group size n, busy ranks W, S bytes): this rank's median seconds}, where it was busy."""
+    rank, groups, points = dist.get_rank(), make_groups(ranks), {}
+    for busy, n in group_pairs(ranks):
+        _barrier()
+        if rank < busy:
+            comm = Collectives(groups[n], "calibrate")
+            for size in plan.message_bytes:
+                numel = max(n, size // 4 // n * n)
+                full, shard = torch.zeros(numel), torch.zeros(numel // n)
+                ops = {"all_reduce": lambda: comm.all_reduce(full),
+                       "all_gather": lambda: comm.all_gather(full, shard),
+                       "reduce_scatter": lambda: comm.reduce_scatter(shard, full)}
+                if n == 2:
+                    ops["p2p"] = lambda: _ping_pong(full, rank, rank ^ 1)
+                for kind, op in ops.items():
+                    seconds = _per_call(op, groups[busy], plan)
+                    points[(kind, n, busy, numel * 4)] = seconds / 2 if kind == "p2p" else seconds
+        _barrier()
+    return points
+
+
+def measure_host(plan) -> dict:
+    """Every host measurement on this rank (the calling rank's torch threads are restored)."""
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cores, saved, result = host_cores(), torch.get_num_threads(), {}
+    phases = {"units": lambda: measure_units(plan, rank, ranks),
+              "sharing": lambda: measure_sharing(plan, rank, ranks, cores),
+              "collectives": lambda: measure_group_collectives(plan, ranks) if ranks > 1 else {}}
+    torch.set_num_threads(1)
+    try:
+        seconds = {}
+        for name, phase in phases.items():
+            start = time.perf_counter()
+            result[name] = phase()
+            seconds[name] = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(saved)
+    return {"cores": cores, **result, "seconds": seconds}
+
+
+# ---------------------------------------------------------------- into the profile
+
+
+def collective_points(hosts: list[dict]) -> dict[tuple[str, int, int], list[list[float]]]:
+    """{(kind, n, W): [[S, the slowest busy rank's seconds], ...] by increasing S} over every rank's measurements."""
+    slowest: dict[tuple, float] = {}
+    for host in hosts:
+        for key, seconds in host["collectives"].items():
+            slowest[key] = max(seconds, slowest.get(key, 0.0))
+    series: dict[tuple[str, int, int], list[list[float]]] = {}
+    for (kind, n, busy, size), seconds in sorted(slowest.items()):
+        series.setdefault((kind, n, busy), []).append([int(size), seconds])
+    return series
+
+
+def build_measured(hosts: list[dict], plan, fit) -> dict:
+    """The profile's "measured" object from every rank's measure_host() (rank 0 first); fit: fit_alpha_beta."""
+    from minigpt.config import preset
+
+    config, first = preset(plan.model), hosts[0]
+    units = [{"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
+              "vocab_size": config.vocab_size, "tp": tp, "micro_batches": list(plan.micro_batches), **series}
+             for tp, series in sorted(first["units"].items())]
+    base = first["sharing"]["busy"][1]
+    sharing = []
+    for busy in sorted(first["sharing"]["busy"]):
+        times = [h["sharing"]["busy"][busy] for h in hosts if busy in h["sharing"]["busy"]]
+        sharing.append([busy, 1, statistics.fmean(times) / base])
+    if "threads" in first["sharing"]:
+        sharing.append([1, first["cores"], first["sharing"]["threads"] / base])
+    collectives = []
+    for (kind, n, busy), points in sorted(collective_points(hosts).items(),
+                                          key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):
+        alpha, beta = fit(points)
+        collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points})
+    return {"cores": first["cores"], "units": units, "sharing": sharing, "collectives": collectives,
+            "note": f"parallel/calibrate_host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}
