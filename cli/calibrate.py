@@ -142,7 +142,8 @@ def echo_measured(measured: dict | None) -> None:
     for unit in measured["units"]:
         times = ", ".join(f"{b}: {f * 1e3:.2f}/{w * 1e3:.2f}" for b, f, w in
                           zip(unit["micro_batches"], unit["block_forward"], unit["block_backward"]))
-        click.echo(f"  block tp {unit['tp']} forward/backward ms by micro-batch (1 thread, alone): {times}")
+        sp = " sequence-parallel" if unit.get("sequence_parallel") else ""
+        click.echo(f"  block tp {unit['tp']}{sp} forward/backward ms by micro-batch (1 thread, alone): {times}")
     click.echo("  sharing (ranks x threads: slowdown): "
                + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
     for fit in measured["collectives"]:

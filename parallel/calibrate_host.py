@@ -5,11 +5,11 @@ small kernels with Python between them), and with more ranks than cores the rank
 on the cores, for compute and for gloo's copies alike. So the simulator gets measured costs:
 
 - units: seconds of the model's pieces for one micro-batch of b sequences, as one tensor-
-  parallel rank computes them (fp32): a block whose Linear layers have one rank's shard
-  shapes (qkv d -> 3d/tp, proj d/tp -> d, fc1 d -> d_ff/tp, fc2 d_ff/tp -> d), the embedding
-  (a vocabulary shard + positions), and the final norm + head shard + cross-entropy; forward
-  and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and the model, and every
-  b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up. Rank 0 measures
+  parallel rank computes them (fp32): the model's own block, embedding and final norm + head
+  + loss, made tensor-parallel by parallel/tensor.py (with and without sequence parallelism)
+  over a group that communicates nothing (`AloneCollectives`: the collectives are measured
+  apart); forward and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and
+  the model, and every b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up. Rank 0 measures
   alone on one thread while the others wait in a barrier (which takes no CPU): unshared costs.
   Parameter gradients accumulate from run to run, as over a step's micro-batches.
 - sharing: how much slower a rank computes when k ranks with one thread each compute at
@@ -38,10 +38,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-from parallel.comm import Collectives
+from parallel.comm import Collectives, Done
 
 TENSOR_PARALLEL = (1, 2, 4, 8)
 PIECES = ("block", "embedding", "head")
@@ -81,38 +79,69 @@ def _barrier(group=None) -> None:
 # ---------------------------------------------------------------- the model's pieces
 
 
-def piece_modules(piece: str, config, tp: int):
-    """One tensor-parallel rank's modules of `piece` ("block", "embedding" or "head"), fp32."""
-    from minigpt.model import Block
-    from simulator.layout import padded_vocab
+class AloneCollectives(Collectives):
+    """A tensor-parallel group of `size` ranks seen from rank 0, that communicates nothing.
 
-    d, f, vocab = config.d_model, config.d_ff, padded_vocab(config, tp) // tp
-    if piece == "embedding":
-        return nn.Embedding(vocab, d), nn.Embedding(config.seq_len, d)
-    if piece == "head":
-        return nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-    block = Block(config)  # the attention reads its head count from qkv's output: n_heads / tp here
-    block.attn.qkv, block.attn.proj = nn.Linear(d, 3 * d // tp), nn.Linear(d // tp, d)
-    block.mlp.fc1, block.mlp.fc2 = nn.Linear(d, f // tp), nn.Linear(f // tp, d)
-    return block
+    Every call does only its local share of work (all-reduce nothing, all-gather and
+    reduce-scatter one copy), so parallel/tensor.py's real modules run on one rank alone and
+    their compute can be timed apart from their communication, which the profile measures
+    separately (the collectives below)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(None, "alone")
+        self.size, self.rank = size, 0
+
+    def all_reduce(self, tensor, op=None, async_op: bool = False):
+        return Done() if async_op else None
+
+    def all_gather(self, output, shard, async_op: bool = False):
+        output.view(self.size, -1).copy_(shard.reshape(1, -1).expand(self.size, -1))
+        return Done() if async_op else None
+
+    def reduce_scatter(self, shard, full, async_op: bool = False):
+        shard.copy_(full.reshape(self.size, -1)[self.rank].view_as(shard))
+        return Done() if async_op else None
 
 
-def piece_step(piece: str, config, tp: int, batch: int, modules=None):
-    """A function timing one forward and one backward of `piece`: () -> (forward s, backward s)."""
+def variants(config, ranks: int) -> list[tuple[int, bool]]:
+    """(tp, sequence_parallel) pairs measured: every tp that fits, with and without sequence parallelism."""
+    return [(tp, sp) for tp in tp_sizes(config, ranks) for sp in ((False, True) if tp > 1 else (False,))
+            if not sp or config.seq_len % tp == 0]
+
+
+def piece_model(config, tp: int, sequence_parallel: bool = False):
+    """The GPT made tensor-parallel by parallel/tensor.py over a group that communicates nothing."""
+    from minigpt.model import GPT
+    from parallel.tensor import parallelize
+
+    model = GPT(config)
+    parallelize(model, AloneCollectives(tp), sequence_parallel)
+    return model
+
+
+def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_parallel: bool = False):
+    """A function timing one forward and one backward of `piece` ("block", "embedding" or "head")
+    as training runs it on one tensor-parallel rank: () -> (forward s, backward s); a block's
+    time is that of all the model's blocks run in turn, divided by their number."""
     seq, d, clock = config.seq_len, config.d_model, time.perf_counter
-    modules = modules if modules is not None else piece_modules(piece, config, tp)
-    if piece == "block":
-        x, grad = torch.randn(batch, seq, d, requires_grad=True), torch.randn(batch, seq, d)
-        forward = lambda: modules(x)  # noqa: E731
+    model = model if model is not None else piece_model(config, tp, sequence_parallel)
+    rows = seq // tp if sequence_parallel else seq  # the sequence a rank holds between the layers
+    x = None if piece == "embedding" else torch.randn(batch, rows, d, requires_grad=True)
+    grad = None if piece == "head" else torch.randn(batch, rows, d)
+    if piece == "block":  # every block in turn, as a chunk runs them (their weights do not all stay in cache)
+        def forward():
+            out = x
+            for block in model.blocks:
+                out = block(out)
+            return out
     elif piece == "embedding":
-        tok, pos = modules
-        x, idx, grad = None, torch.randint(tok.num_embeddings, (batch, seq)), torch.randn(batch, seq, d)
-        forward = lambda: tok(idx) + pos(torch.arange(seq))  # noqa: E731
+        idx = torch.randint(config.vocab_size, (batch, seq))
+        forward = lambda: model.embed(idx)  # noqa: E731
     else:
-        norm, head = modules
-        x, grad = torch.randn(batch, seq, d, requires_grad=True), None
-        targets = torch.randint(head.out_features, (batch, seq))
-        forward = lambda: F.cross_entropy(head(norm(x)).flatten(0, 1), targets.flatten())  # noqa: E731
+        targets = torch.randint(config.vocab_size, (batch, seq))
+        forward = lambda: model.loss(model.logits(x), targets)  # noqa: E731
+
+    per = len(model.blocks) if piece == "block" else 1
 
     def step() -> tuple[float, float]:
         if x is not None:
@@ -121,7 +150,7 @@ def piece_step(piece: str, config, tp: int, batch: int, modules=None):
         out = forward()
         middle = clock()
         out.backward(grad)
-        return middle - start, clock() - middle
+        return (middle - start) / per, (clock() - middle) / per
 
     return step
 
@@ -144,12 +173,12 @@ def measure_units(plan, rank: int, ranks: int) -> dict[int, dict[str, list[float
     config, units = preset(plan.model), {}
     torch.manual_seed(0)
     _barrier()
-    for tp in tp_sizes(config, ranks) if rank == 0 else ():
-        series = units[tp] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
+    for tp, sp in variants(config, ranks) if rank == 0 else ():
+        series = units[(tp, sp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
+        model = piece_model(config, tp, sp)  # the same weights for every micro-batch size
         for piece in PIECES:
-            modules = piece_modules(piece, config, tp)  # the same weights for every micro-batch size
             for batch in plan.micro_batches:
-                step = piece_step(piece, config, tp, batch, modules)
+                step = piece_step(piece, config, tp, batch, model, sp)
                 times = _medians(step, plan.repeats, plan.min_run_s * plan.repeats)
                 for way, seconds in zip(("forward", "backward"), times):
                     series[f"{piece}_{way}"].append(seconds)
@@ -199,23 +228,33 @@ def make_groups(ranks: int) -> dict[int, object]:
     return groups
 
 
-def _per_call(op, busy_group, plan) -> float:
-    """Median seconds per call of op over plan.comm_repeats runs of c back-to-back calls."""
-    op()  # warm-up
+def _per_call(op, busy_group, plan, work) -> float:
+    """Median seconds of op as training issues it: on the fresh output of a piece of compute.
+
+    A run is c times (buffers = work(); op(buffers)); the same c times work() alone is timed
+    just before; a call costs the difference / c, the median over plan.comm_repeats runs. c is
+    chosen so a run lasts about plan.min_run_s (the slowest busy rank's probe decides, so every
+    busy rank makes the same calls)."""
+    op(work())  # warm-up
     _barrier(busy_group)
     start = time.perf_counter()
-    op()
+    op(work())
     probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=busy_group)  # every busy rank makes the same calls
     calls = max(1, min(1000, int(plan.min_run_s / max(probe.item(), 1e-7))))
-    runs = []
+    both, alone = [], []
     for _ in range(plan.comm_repeats):
         _barrier(busy_group)
         start = time.perf_counter()
         for _ in range(calls):
-            op()
-        runs.append((time.perf_counter() - start) / calls)
-    return statistics.median(runs)
+            work()
+        alone.append((time.perf_counter() - start) / calls)
+        _barrier(busy_group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            op(work())
+        both.append((time.perf_counter() - start) / calls)
+    return max(statistics.median(both) - statistics.median(alone), 1e-7)
 
 
 def _ping_pong(tensor: torch.Tensor, rank: int, partner: int) -> None:
@@ -226,21 +265,29 @@ def _ping_pong(tensor: torch.Tensor, rank: int, partner: int) -> None:
 
 def measure_group_collectives(plan, ranks: int) -> dict[tuple[str, int, int, int], float]:
     """{(kind, group size n, busy ranks W, S bytes): this rank's median seconds}, where it was busy."""
-    rank, groups, points = dist.get_rank(), make_groups(ranks), {}
+    from minigpt.config import preset
+
+    rank, groups, points, config = dist.get_rank(), make_groups(ranks), {}, preset(plan.model)
     for busy, n in group_pairs(ranks):
         _barrier()
         if rank < busy:
             comm = Collectives(groups[n], "calibrate")
+            block, x = piece_model(config, 1).blocks[0], torch.randn(1, config.seq_len, config.d_model)
             for size in plan.message_bytes:
                 numel = max(n, size // 4 // n * n)
-                full, shard = torch.zeros(numel), torch.zeros(numel // n)
-                ops = {"all_reduce": lambda: comm.all_reduce(full),
-                       "all_gather": lambda: comm.all_gather(full, shard),
-                       "reduce_scatter": lambda: comm.reduce_scatter(shard, full)}
+
+                def work(numel=numel):  # one block forward at micro-batch 1, then the buffers, freshly made
+                    with torch.no_grad():
+                        block(x)
+                    return torch.ones(numel), torch.ones(numel // n)
+
+                ops = {"all_reduce": lambda bufs: comm.all_reduce(bufs[0]),
+                       "all_gather": lambda bufs: comm.all_gather(bufs[0], bufs[1]),
+                       "reduce_scatter": lambda bufs: comm.reduce_scatter(bufs[1], bufs[0])}
                 if n == 2:
-                    ops["p2p"] = lambda: _ping_pong(full, rank, rank ^ 1)
+                    ops["p2p"] = lambda bufs: _ping_pong(bufs[0], rank, rank ^ 1)
                 for kind, op in ops.items():
-                    seconds = _per_call(op, groups[busy], plan)
+                    seconds = _per_call(op, groups[busy], plan, work)
                     points[(kind, n, busy, numel * 4)] = seconds / 2 if kind == "p2p" else seconds
         _barrier()
     return points
@@ -287,8 +334,9 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
 
     config, first = preset(plan.model), hosts[0]
     units = [{"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
-              "vocab_size": config.vocab_size, "tp": tp, "micro_batches": list(plan.micro_batches), **series}
-             for tp, series in sorted(first["units"].items())]
+              "vocab_size": config.vocab_size, "tp": tp, "sequence_parallel": sp,
+              "micro_batches": list(plan.micro_batches), **series}
+             for (tp, sp), series in sorted(first["units"].items())]
     base = first["sharing"]["busy"][1]
     sharing = []
     for busy in sorted(first["sharing"]["busy"]):

@@ -75,6 +75,7 @@ class SimResult:
     seq_len: int
     tallies: list[RankTally] = field(repr=False, default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    host: dict | None = None  # on a measured CPU host: threads per rank, ranks busy on average, compute slowdown
 
     @cached_property
     def timelines(self) -> list[dict]:
@@ -119,6 +120,7 @@ class SimResult:
             "job_state_bytes": self.job_state_bytes,
             "job_state_gb": {k: v / DECIMAL_GB for k, v in self.job_state_bytes.items()},
             "gpus_for_state": self.gpus_for_state, "per_rank": self.per_rank, "timings_s": self.timings,
+            "host": self.host,
         }
 
     def trace_events(self) -> list[dict]:
@@ -178,6 +180,23 @@ def resolve_gpu(cluster: Cluster, gpu: GPUSpec | Hardware | str | None) -> GPUSp
     return load_hardware(name).gpu
 
 
+def share_idle_cores(run, tallies, host, compute, links, ranks: int, threads: int, rounds: int = 5):
+    """Ranks idle in pipeline bubbles leave their cores to the others (a mean-field take on sharing).
+
+    The sharing slowdown and the collectives were measured with every rank busy; a pipeline's
+    ranks wait in bubbles, so on average ranks x (1 - bubble / step) of them are busy at once.
+    The step is replayed with the slowdown and the collective times of that many busy ranks
+    until it settles."""
+    for _ in range(rounds):
+        step = max(t.end for t in tallies)
+        busy = max(1.0, ranks * sum(1 - t.seconds["bubble"] / step for t in tallies) / len(tallies))
+        if abs(busy - links.active) <= 0.01 * links.active:
+            break
+        links.active, compute = busy, replace(compute, slowdown=host.slowdown(busy, threads))
+        tallies = run(compute)
+    return tallies, compute
+
+
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
@@ -210,22 +229,27 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule))
-    costs = rank_costs(model, layout, config, links, spec, precision, micro_batch, recompute, profile, memory, bucket_mb,
-                       compute)
     seq = model.seq_len // (layout.tp if layout.sequence_parallel else 1)
     activation = micro_batch * seq * model.d_model * FORMAT_BYTES[pol.compute]
-    p2p = {}
-    for chunk in range(config.num_chunks - 1):
-        a, b = chunk % layout.pp, (chunk + 1) % layout.pp
-        if a != b:
-            p2p[(a, b)] = links.p2p(a, b, activation)
-            p2p[(b, a)] = links.p2p(b, a, activation)
     tied = model.tied_head and layout.pp > 1
     sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]
     timings["costs_s"] = time.perf_counter() - clock
 
+    def run(compute):
+        costs = rank_costs(model, layout, config, links, spec, precision, micro_batch, recompute, profile, memory,
+                           bucket_mb, compute)
+        p2p = {}
+        for chunk in range(config.num_chunks - 1):
+            a, b = chunk % layout.pp, (chunk + 1) % layout.pp
+            if a != b:
+                p2p[(a, b)] = links.p2p(a, b, activation)
+                p2p[(b, a)] = links.p2p(b, a, activation)
+        return replay(schedule, costs, p2p, links.embedding_sync(sync_bytes) if tied else 0.0)
+
     clock = time.perf_counter()
-    tallies = replay(schedule, costs, p2p, links.embedding_sync(sync_bytes) if tied else 0.0)
+    tallies = run(compute)
+    if host is not None and layout.pp > 1:
+        tallies, compute = share_idle_cores(run, tallies, host, compute, links, layout.world_size, threads)
     timings["replay_s"] = time.perf_counter() - clock
 
     step = max(t.end for t in tallies)
@@ -245,4 +269,6 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
         mfu=model_flops_utilisation(model, global_batch, step, n, spec, pol.compute),
         memory=memory, job_state_bytes=state, gpus_for_state=math.ceil(job.model_states / spec.hbm_bytes),
         seq_len=model.seq_len, tallies=tallies, timings=timings,
+        host=None if host is None else {"threads_per_rank": threads, "busy_ranks": links.active,
+                                        "compute_slowdown": compute.slowdown, "units_measured": compute.units is not None},
     )

@@ -42,7 +42,8 @@ class HostCompute:
 
 
 def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int) -> HostCompute:
-    return HostCompute(host.unit_times(model, layout.tp), host.slowdown(layout.world_size, threads_per_rank))
+    return HostCompute(host.unit_times(model, layout.tp, layout.sequence_parallel),
+                       host.slowdown(layout.world_size, threads_per_rank))
 
 
 class HostLinks(LinkCosts):
@@ -51,10 +52,10 @@ class HostLinks(LinkCosts):
     def __init__(self, cluster: Cluster, layout: Layout, host: MeasuredHost) -> None:
         super().__init__(cluster, layout)
         self.host = host
+        self.active: float = layout.world_size  # ranks busy at once (engine.share_idle_cores lowers it)
 
     def measured(self, kind: str, group: int, nbytes: float) -> float | None:
-        fit = self.host.collective(kind, group, self.layout.world_size)
-        return None if fit is None else fit.seconds(nbytes)
+        return self.host.collective_seconds(kind, group, self.active, nbytes)
 
     def p2p(self, src_stage: int, dst_stage: int, nbytes: float) -> float:
         if nbytes <= 0 or src_stage == dst_stage:

@@ -7,7 +7,7 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
 
     "measured": {
       "cores": C,
-      "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp",
+      "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "sequence_parallel"?,
                  "micro_batches": [b, ...],
                  "block_forward": [s, ...], "block_backward": [...],
                  "embedding_forward": [...], "embedding_backward": [...],
@@ -18,14 +18,17 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
 
 - units: seconds of one tensor-parallel rank's share of a block, of the embedding and of
   the final norm + head + loss, for one micro-batch of b sequences, measured by one rank
-  alone on one thread. Between measured b the time is interpolated linearly; beyond the
+  alone on one thread (the real tensor-parallel modules, their communication left out). Between measured b the time is interpolated linearly; beyond the
   last, extended along the last segment.
 - sharing: compute time of a rank when `ranks` ranks with `threads_per_rank` threads each
-  compute at once, over that of one rank alone on one thread. A pair not measured takes
+  compute at once, over that of one rank alone on one thread. Between measured rank
+  counts (same threads) it is interpolated linearly; any other pair takes
   the ideal processor-sharing value (each rank gets min(threads, cores / ranks) cores)
   times the measured-to-ideal ratio of the nearest measured load (ranks x threads).
   The factor applies to every compute second of the step (the units, the roofline when
-  the model was not measured, and the optimizer): ranks are taken to compute together.
+  the model was not measured, and the optimizer). Ranks idle in pipeline bubbles free
+  their cores: engine.share_idle_cores replays the step with the slowdown of the ranks
+  busy on average.
 - collectives: seconds of one collective on a buffer of S bytes in a group of `group`
   ranks while `active` ranks run such groups at once (p2p: pairs). Between measured
   sizes interpolated linearly; outside them the fitted line alpha + beta * S.
@@ -63,6 +66,7 @@ class UnitTimes:
     key: tuple[int, ...]  # UNIT_KEYS
     micro_batches: tuple[int, ...]
     series: dict[str, tuple[float, ...]] = field(hash=False)
+    sequence_parallel: bool = False
 
     def seconds(self, name: str, micro_batch: int) -> float:
         ys = self.series[name]
@@ -95,10 +99,12 @@ class MeasuredHost:
     collectives: tuple[MeasuredCollective, ...] = ()
     raw: dict = field(default_factory=dict, hash=False, compare=False)  # the profile's object, for writing back
 
-    def unit_times(self, model: GPTConfig, tp: int) -> UnitTimes | None:
-        """The measured pieces of this model at this tp, or None when they were not measured."""
+    def unit_times(self, model: GPTConfig, tp: int, sequence_parallel: bool = False) -> UnitTimes | None:
+        """The measured pieces of this model at this tp (with sequence parallelism when measured so,
+        else without), or None when they were not measured."""
         key = (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp)
-        return next((u for u in self.units if u.key == key), None)
+        same = [u for u in self.units if u.key == key]
+        return next((u for u in same if u.sequence_parallel == sequence_parallel), same[0] if same else None)
 
     def ideal_slowdown(self, ranks: int, threads: int) -> float:
         return 1.0 / min(threads, self.cores / ranks)
@@ -108,11 +114,27 @@ class MeasuredHost:
         for r, t, value in self.sharing:
             if (r, t) == (ranks, threads):
                 return value
+        rows = sorted((r, value) for r, t, value in self.sharing if t == threads)
+        if len(rows) >= 2 and rows[0][0] <= ranks <= rows[-1][0]:  # between measured loads: linear in ranks
+            return _interpolate(tuple(r for r, _ in rows), tuple(v for _, v in rows), ranks)
         ideal = self.ideal_slowdown(ranks, threads)
         if not self.sharing:
             return ideal
         r, t, value = min(self.sharing, key=lambda row: (abs(math.log(row[0] * row[1] / (ranks * threads))), -row[0]))
         return ideal * value / self.ideal_slowdown(r, t)
+
+    def collective_seconds(self, kind: str, group: int, active: float, nbytes: float) -> float | None:
+        """Seconds of one collective of `nbytes` in a group of `group` with `active` ranks busy: linear
+        between the two measured loads around `active`, else at the nearest; None when not measured."""
+        same = sorted((c for c in self.collectives if c.kind == kind and c.group == group), key=lambda c: c.active)
+        if not same:
+            return None
+        below = [c for c in same if c.active <= active]
+        above = [c for c in same if c.active >= active]
+        if below and above and below[-1].active != above[0].active:
+            lo, hi = below[-1], above[0]
+            return _interpolate((lo.active, hi.active), (lo.seconds(nbytes), hi.seconds(nbytes)), active)
+        return self.collective(kind, group, active).seconds(nbytes)
 
     def collective(self, kind: str, group: int, active: int) -> MeasuredCollective | None:
         """The measured collective of this kind and group size at the nearest load (`active` ranks), or None."""
@@ -145,9 +167,12 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     units = []
     for i, entry in enumerate(data.get("units", [])):
         at = f"{where}.units[{i}]"
-        if not isinstance(entry, dict) or set(entry) != {*UNIT_KEYS, "micro_batches", *UNIT_SERIES}:
+        if not isinstance(entry, dict) or set(entry) - {"sequence_parallel"} != {*UNIT_KEYS, "micro_batches", *UNIT_SERIES}:
             raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))}")
         key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True)) for k in UNIT_KEYS)
+        sp = entry.get("sequence_parallel", False)
+        if not isinstance(sp, bool):
+            raise ConfigError(f"{at}.sequence_parallel must be true or false, got {sp!r}")
         sizes = entry["micro_batches"]
         if not isinstance(sizes, list) or not sizes or any(a >= b for a, b in zip(sizes, sizes[1:])):
             raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
@@ -158,7 +183,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             if not isinstance(values, list) or len(values) != len(sizes):
                 raise ConfigError(f"{at}.{name} must hold one time per micro-batch size ({len(sizes)})")
             series[name] = tuple(float(_positive(v, f"{at}.{name}")) for v in values)
-        units.append(UnitTimes(key, sizes, series))
+        units.append(UnitTimes(key, sizes, series, sp))
     sharing = []
     for i, row in enumerate(data.get("sharing", [])):
         if not isinstance(row, list) or len(row) != 3:

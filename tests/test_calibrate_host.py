@@ -7,8 +7,8 @@ import torch
 
 from minigpt.config import preset
 from parallel.calibrate import fit_alpha_beta, make_plan
-from parallel.calibrate_host import build_measured, collective_points, group_pairs, piece_modules, piece_step, \
-    powers_up_to, tp_sizes
+from parallel.calibrate_host import AloneCollectives, build_measured, collective_points, group_pairs, piece_model, \
+    piece_step, powers_up_to, tp_sizes, variants
 
 
 def test_the_loads_and_group_sizes():
@@ -21,20 +21,28 @@ def test_the_loads_and_group_sizes():
     assert tp_sizes(preset("small"), 8) == [1, 2]  # 6 heads
 
 
-def test_the_pieces_have_one_tensor_parallel_ranks_shapes():
+def test_the_pieces_are_one_tensor_parallel_ranks_modules_and_communicate_nothing():
     from dataclasses import replace
 
+    assert variants(preset("tiny"), 8) == [(1, False), (2, False), (2, True), (4, False), (4, True)]
     config = replace(preset("tiny"), vocab_size=257)
-    block = piece_modules("block", config, 2)
-    assert block.attn.qkv.out_features == 3 * 128 // 2 and block.attn.proj.in_features == 64
-    assert block.mlp.fc1.out_features == 256 and block.mlp.fc2.in_features == 256
-    assert block(torch.randn(2, config.seq_len, 128)).shape == (2, config.seq_len, 128)
-    tok, pos = piece_modules("embedding", config, 2)
-    norm, head = piece_modules("head", config, 2)
-    assert tok.num_embeddings == 129 == head.out_features and pos.num_embeddings == config.seq_len  # padded to 258
-    for piece in ("block", "embedding", "head"):
-        forward, backward = piece_step(piece, config, 2, 1)()
-        assert forward > 0 and backward > 0
+    model = piece_model(config, 2)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert shapes["tok_emb.weight"] == (129, 128)  # 257 padded to 258, half on this rank
+    assert {s for n, s in shapes.items() if "qkv" in n and n.endswith("weight")} == {(3 * 128 // 2, 128)}
+    assert {s for n, s in shapes.items() if "fc2" in n and n.endswith("weight")} == {(128, 256)}
+    for sp in (False, True):
+        for piece in ("block", "embedding", "head"):
+            forward, backward = piece_step(piece, config, 2, 1, sequence_parallel=sp)()
+            assert forward > 0 and backward > 0
+    with torch.no_grad():  # under sequence parallelism a rank holds half the sequence between the layers
+        assert piece_model(config, 2, True).embed(torch.zeros(1, config.seq_len, dtype=torch.long)).shape[1] == 64
+    group = AloneCollectives(4)
+    full, shard = torch.arange(8.0), torch.tensor([5.0, 6.0])
+    group.all_gather(full, shard)
+    assert full.tolist() == [5.0, 6.0] * 4 and group.calls == {}  # a local copy, nothing counted or sent
+    group.reduce_scatter(shard, torch.arange(8.0))
+    assert shard.tolist() == [0.0, 1.0]
 
 
 def host(rank: int, units=None, busy=None, threads=None, collectives=None) -> dict:
@@ -48,7 +56,7 @@ def test_the_measured_field_is_assembled_from_every_rank():
     plan = make_plan(4, quick=True)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     hosts = [
-        host(0, {1: series, 2: series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads=0.006,
+        host(0, {(1, False): series, (2, False): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads=0.006,
              collectives={("all_reduce", 2, 2, 4096): 1e-3, ("all_reduce", 2, 2, 2**20): 2e-3,
                           ("p2p", 2, 2, 4096): 1e-4, ("all_reduce", 4, 4, 4096): 3e-3}),
         host(1, None, {2: 0.014, 4: 0.024},

@@ -113,3 +113,31 @@ def test_the_measured_object_round_trips_and_bad_entries_are_config_errors(hardw
         path.write_text(json.dumps(dict(data, gpus={next(iter(data["gpus"])): entry_copy})))
         with pytest.raises(ConfigError, match=re.escape(words)):
             load_hardware(str(path))
+
+
+def test_collectives_interpolate_between_measured_loads(hardware):
+    host = hardware.gpu.measured
+    two, four = (host.collective_seconds("all_reduce", 2, busy, 2**20) for busy in (2, 4))
+    assert two < four and host.collective_seconds("all_reduce", 2, 3, 2**20) == pytest.approx((two + four) / 2)
+    assert host.collective_seconds("all_reduce", 2, 8, 2**20) == four  # beyond the measured loads: the nearest
+    assert host.collective_seconds("all_reduce", 4, 4, 2**20) is None  # group 4 was not measured
+
+
+def test_on_a_cpu_host_communication_does_not_overlap_compute():
+    from simulator.engine_overlap import Segment, overlap
+
+    segments = [Segment(1.0, gather=0.5, reduce=0.25), Segment(2.0, reduce=0.25)]
+    assert overlap(segments, None, True).end == pytest.approx(3.75)  # the first reduction hides behind compute
+    assert overlap(segments, None, True, serial=True).end == pytest.approx(4.0)  # all of it in line
+
+
+def test_pipeline_ranks_idle_in_bubbles_leave_their_cores_to_the_others(hardware):
+    """4 ranks (pp 2 x dp 2) on 2 cores: the busy ranks, on average, are fewer than 4 and the slowdown follows."""
+    result = simulate_step(TINY, Layout(pp=2, dp=2), build_cluster(hardware, 4, 1), "fp32", 16, 2, gpu=hardware)
+    host = hardware.gpu.measured
+    busy = result.host["busy_ranks"]
+    assert 2 < busy < 4 and result.host["compute_slowdown"] == pytest.approx(host.slowdown(busy, 1))
+    step, bubble = result.step_time_s, [t.seconds["bubble"] for t in result.tallies]
+    assert busy == pytest.approx(4 * sum(1 - b / step for b in bubble) / 2, rel=0.05)  # settled
+    whole = simulate_step(TINY, Layout(dp=4), build_cluster(hardware, 4, 1), "fp32", 16, 4, gpu=hardware)
+    assert whole.host["busy_ranks"] == 4 and whole.host["compute_slowdown"] == 2.4  # no bubbles: all busy
