@@ -1,14 +1,16 @@
 """`minigpt calibrate`: measure this machine and write a hardware profile the simulator loads.
 
-    minigpt calibrate --out profile.json [--ranks 8] [--quick]
+    minigpt calibrate --out profile.json [--ranks 8] [--device auto|cpu] [--quick]
     minigpt simulate --hardware profile.json ...
 
 The flags are checked, and the output path probed for writing, before any rank starts;
 the measurements are parallel/calibrate.py's and parallel/calibrate_host.py's (the GPU
 entry's "measured" field: the model's pieces, core sharing, collectives by group and load);
 the profile is written atomically (a temporary file in the same directory, then a rename)
-and read back with load_hardware. The default 8 ranks are the largest layout `minigpt
-compare --matrix` trains.
+and read back with load_hardware. --device auto measures one CUDA GPU per rank with NCCL
+when there is a GPU for every rank (the default ranks are then the GPUs), else the CPU with
+gloo; the profile says which was used. On the CPU the default 8 ranks are the largest layout
+`minigpt compare --matrix` trains.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import click
 from cli.config_file import config_file_option
 from minigpt.errors import ConfigError
 
-DEFAULT_NAME = "cpu-calibrated"
+DEFAULT_NAME = "cpu-calibrated"  # on CUDA: CUDA_NAME
+CUDA_NAME = "cuda-calibrated"
 
 
 def check_out_path(out: str) -> Path:
@@ -73,21 +76,33 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def run_calibration(out: str, ranks: int, quick: bool, threads_per_rank: int | None = None, name: str | None = None,
-                    model: str = "tiny", micro_batch: int = 8) -> dict:
-    """Check, measure, write, read back: the profile as written, with the seconds it took."""
+def parse_sizes(text: str | None) -> tuple[int, ...] | None:
+    """"1,2,4,8" -> (1, 2, 4, 8); None stays None; ConfigError on anything else."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--micro-batches must be comma-separated integers such as 1,2,4,8, got {text!r}") from None
+
+
+def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: int | None = None,
+                    name: str | None = None, model: str = "tiny", micro_batch: int = 8, device: str = "auto",
+                    micro_batches: tuple[int, ...] | None = None) -> dict:
+    """Check, measure, write, read back: the profile as written, with the seconds it took.
+    ranks None: one per GPU when --device auto finds CUDA, else 8."""
     import time
 
     path = check_out_path(out)
-    name = name or DEFAULT_NAME
-    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
-    from parallel.calibrate import build_profile, calibrate, make_plan
+    from parallel.calibrate import build_profile, calibrate, make_plan, measured_device
 
-    plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch)
+    plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches)
     start = time.perf_counter()
     measured = calibrate(plan)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    name = name or (CUDA_NAME if measured_device(measured)["type"] == "cuda" else DEFAULT_NAME)
     profile = build_profile(measured, plan, name, available_cores(), date)
     profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
     profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
@@ -101,25 +116,37 @@ def run_calibration(out: str, ranks: int, quick: bool, threads_per_rank: int | N
 @config_file_option
 @click.command()
 @click.option("--out", required=True, type=str, help="The profile file to write (.json).")
-@click.option("--ranks", type=int, default=8, show_default=True,
-              help="Local gloo ranks (sharing and collectives are measured up to this many).")
+@click.option("--ranks", type=int,
+              help="Local ranks, sharing and collectives measured up to this many [default: one per GPU on CUDA, "
+                   "else 8]; more ranks than GPUs measure the CPU.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]),
+              help="auto: CUDA with NCCL when every rank has a GPU, else the CPU with gloo.")
 @click.option("--threads-per-rank", "threads_per_rank", type=int,
               help="Torch threads per rank (default: 1 with several ranks, torch's default with one).")
 @click.option("--model", default="tiny", show_default=True, help="Model preset whose pieces are timed.")
 @click.option("--micro-batch", "micro_batch", type=int, default=8, show_default=True)
-@click.option("--name", help=f"The profile's hardware name (default: {DEFAULT_NAME}).")
+@click.option("--micro-batches", "micro_batches",
+              help="The units' micro-batch sizes [default: 1,2,4,8,16; --quick 1,4,16].")
+@click.option("--name", help=f"The profile's hardware name (default: {DEFAULT_NAME}, on CUDA {CUDA_NAME}).")
 @click.option("--quick", is_flag=True, help="A few sizes and repeats (about 20 s with 8 ranks): for tests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-def calibrate(out, ranks, threads_per_rank, model, micro_batch, name, quick, as_json) -> None:
-    """Measure this machine (matmuls, memory copy, the model's pieces, core sharing, gloo collectives) into a profile."""
-    profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch)
+def calibrate(out, ranks, device, threads_per_rank, model, micro_batch, micro_batches, name, quick, as_json) -> None:
+    """Measure this machine (matmuls, memory copy, the model's pieces, sharing, collectives) into a profile:
+    with gloo on the CPU, or with NCCL on CUDA GPUs."""
+    profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch, device,
+                              parse_sizes(micro_batches))
     if as_json:
         click.echo(json.dumps(profile, indent=2))
         return
     (gpu_name, gpu), = profile["gpus"].items()
     note = gpu["calibration"]
-    click.echo(f"wrote {out}: hardware {gpu_name}, {note['ranks']} rank(s) x {note['threads_per_rank']} thread(s) "
-               f"on {note['cores']} core(s) ({note['ranks_per_core']:.2f} ranks per core), {note['seconds']:.1f} s")
+    if note["device"] == "cuda":
+        click.echo(f"wrote {out}: hardware {gpu_name}, {note['ranks']} rank(s) on {note['cores']} CUDA GPU(s) "
+                   f"{note['device_name']} ({note['backend']}), {note['seconds']:.1f} s")
+    else:
+        click.echo(f"wrote {out}: hardware {gpu_name}, {note['ranks']} rank(s) x {note['threads_per_rank']} thread(s) "
+                   f"on {note['cores']} core(s) ({note['ranks_per_core']:.2f} ranks per core, {note['backend']}), "
+                   f"{note['seconds']:.1f} s")
     click.echo(f"  fp32 peak (best measured) {gpu['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, "
                f"memory copy {gpu['hbm_bandwidth'] / 1e9:.2f} GB/s, "
                f"matmul launch {gpu['matmul_efficiency']['launch_latency'] * 1e6:.1f} us")
@@ -132,7 +159,7 @@ def calibrate(out, ranks, threads_per_rank, model, micro_batch, name, quick, as_
         click.echo(f"  {kind:<15} alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] * 1e9:.3f} ns/B "
                    f"({1 / fit['beta'] / 1e9:.2f} GB/s)")
     echo_measured(gpu.get("measured"))
-    click.echo(f"  use it: minigpt simulate --hardware {out} --model tiny --precision fp32")
+    click.echo(f"  use it: minigpt simulate --hardware {out} --model {block['model']} --precision fp32")
 
 
 def echo_measured(measured: dict | None) -> None:
@@ -143,7 +170,7 @@ def echo_measured(measured: dict | None) -> None:
         times = ", ".join(f"{b}: {f * 1e3:.2f}/{w * 1e3:.2f}" for b, f, w in
                           zip(unit["micro_batches"], unit["block_forward"], unit["block_backward"]))
         sp = " sequence-parallel" if unit.get("sequence_parallel") else ""
-        click.echo(f"  block tp {unit['tp']}{sp} forward/backward ms by micro-batch (1 thread, alone): {times}")
+        click.echo(f"  block tp {unit['tp']}{sp} forward/backward ms by micro-batch (alone): {times}")
     click.echo("  sharing (ranks x threads: slowdown): "
                + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
     for fit in measured["collectives"]:

@@ -83,6 +83,14 @@ def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
         if r["note"]:
             click.echo(f"  {r['name']}: {r['note']}")
     click.echo(f"traces: {report['traces']['measured']} (measured), {report['traces']['simulated']} (simulated)")
+    echo_drift(report["machine_drift"])
+
+
+def echo_drift(drift: dict | None) -> None:
+    if drift is not None:
+        click.echo(f"this machine against its calibration: {drift['reference']} takes {drift['now_s'] * 1e3:.2f} ms "
+                   f"now, {drift['calibrated_s'] * 1e3:.2f} ms then ({drift['change']:+.1%})"
+                   + ("; recalibrate for a fair comparison" if abs(drift["change"]) > 0.1 else ""))
 
 
 def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:
@@ -103,3 +111,5 @@ def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:
     click.echo(format_table(["layout", "predicted step", "measured step", "error", "model states", "activations"], rows))
     click.echo(f"step-time MAPE {report['step_time_mape']:.1%} over {len(rows)} layouts; worst model-state error "
                f"{report['worst_model_state_error']:.2%}; traces under {out_dir}")
+    for drift in report["machine_drift"]:
+        echo_drift(drift)

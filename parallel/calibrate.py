@@ -1,20 +1,18 @@
 """`minigpt calibrate`'s measurements: this machine's matmuls, memory copy, one block, and collectives.
 
-Rank 0 (of ranks started through parallel.launch.launch, gloo on the CPU) measures the
-matmuls, the copy and the block alone on one thread while the others wait: one device's
-own numbers, which the simulator slows by the measured cost of sharing cores for a job
-with more ranks. Then parallel/calibrate_host.py measures the "measured" field (the model's pieces alone,
-the cost of sharing cores, and collectives by group size and load), which also gives the
-whole-world collectives below.
+The ranks (started through parallel.launch.launch) measure on the device parallel.launch.init_worker
+gives them: one CUDA GPU per rank with NCCL when --device is auto and there is a GPU for every
+local rank, else the CPU with gloo; each rank reports the device it used (calibrate_device.describe)
+and the profile records that, not what was asked for. Rank 0 measures the matmuls, the copy and
+the block alone (parallel/calibrate_device.py; on a CPU on one thread) while the others wait:
+one device's own numbers, which the simulator slows by the measured cost of sharing cores for
+a job with more ranks. Then parallel/calibrate_host.py measures the "measured" field (the model's
+pieces alone, the cost of sharing cores, and collectives by group size and load), which also
+gives the whole-world collectives below.
 
-- matmuls: fp32, square (n x n) @ (n x n) and GPT-shaped (2n x n) @ (n x 4n) (tokens x d @ d x 4d,
-  the fc1 shape), the median of `repeats` timed runs each; the efficiency at smallest side n is
-  the mean of both shapes' rates over the peak. A CPU has no datasheet peak here, so the
-  "peak" is the best rate measured (efficiency 1.0 at the best point, by construction).
-- launch latency: the median time of an 8 x 8 matmul.
-- memory bandwidth: a large tensor copy, (read + write bytes) / seconds, as compute.py's
-  roofline counts bytes moved.
-- one block of the model preset (tiny by default) at its shape: forward and backward seconds.
+- matmul efficiency: at smallest side n, the mean of the square and GPT-shaped rates over the
+  peak. There is no datasheet peak here, so the "peak" is the best fp32 rate measured (TF32
+  off on a GPU): efficiency 1.0 at the best point, by construction.
 - collectives (ranks >= 2): all-reduce, all-gather, reduce-scatter (through parallel/comm.py's
   Collectives) among all ranks and p2p (ping-pong inside rank pairs, every pair at once, half
   the round trip) by message size S (the full buffer, comm.py's convention): calibrate_host's
@@ -26,13 +24,13 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, TrainingError
+from parallel.calibrate_device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
 from parallel.calibrate_host import build_measured, collective_points, measure_host
 from parallel.launch import finish_worker, init_worker, launch
 
@@ -43,7 +41,7 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 class CalibrationPlan:
     ranks: int = 8
     threads_per_rank: int = 1
-    matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)  # on a CPU
     repeats: int = 5
     min_run_s: float = 0.02  # each timed run repeats the operation until it lasts about this long
     copy_bytes: int = 256 * 2**20
@@ -53,28 +51,51 @@ class CalibrationPlan:
     micro_batch: int = 8
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)  # the host units' micro-batch sizes
     sharing_micro_batch: int = 8
+    device: str = "auto"  # "auto": CUDA when every local rank has a GPU, else the CPU; "cpu"
+    cuda_matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # on a GPU
 
 
-def make_plan(ranks: int, quick: bool = False, threads_per_rank: int | None = None, model: str = "tiny",
-              micro_batch: int = 8) -> CalibrationPlan:
+DEVICES = ("auto", "cpu")
+CPU_RANKS = 8  # the default on a CPU: the largest layout `minigpt compare --matrix` trains
+
+
+def default_ranks(device: str) -> int:
+    """--ranks left out: one rank per GPU when --device auto finds CUDA, else CPU_RANKS."""
+    gpus = torch.cuda.device_count() if device == "auto" and torch.cuda.is_available() else 0
+    return gpus or CPU_RANKS
+
+
+def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | None = None, model: str = "tiny",
+              micro_batch: int = 8, device: str = "auto",
+              micro_batches: tuple[int, ...] | None = None) -> CalibrationPlan:
     """The measurements of one calibration; ConfigError on bad input (before any rank starts)."""
+    if device not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    ranks = default_ranks(device) if ranks is None else ranks
     for name, value in (("--ranks", ranks), ("--micro-batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int)
                                          or threads_per_rank < 1):
         raise ConfigError(f"--threads-per-rank must be a positive integer, got {threads_per_rank!r}")
+    if micro_batches is not None and (not micro_batches or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in micro_batches)
+            or list(micro_batches) != sorted(set(micro_batches))):
+        raise ConfigError(f"--micro-batches must be increasing positive integers such as 1,2,4,8, "
+                          f"got {','.join(map(str, micro_batches)) if micro_batches else 'none'}")
     from minigpt.config import preset
 
     preset(model)  # ConfigError for an unknown preset
     threads = threads_per_rank or (1 if ranks > 1 else torch.get_num_threads())
     if quick:
         return CalibrationPlan(ranks, threads, (64, 256, 512), 3, 0.005, 16 * 2**20,
-                               (4 * 2**10, 256 * 2**10, 8 * 2**20), 3, model, micro_batch, (1, 4, 16))
-    return CalibrationPlan(ranks, threads, model=model, micro_batch=micro_batch)
+                               (4 * 2**10, 256 * 2**10, 8 * 2**20), 3, model, micro_batch,
+                               tuple(micro_batches or (1, 4, 16)), device=device, cuda_matmul_sizes=(256, 1024, 4096))
+    return CalibrationPlan(ranks, threads, model=model, micro_batch=micro_batch, device=device,
+                           micro_batches=tuple(micro_batches or CalibrationPlan.micro_batches))
 
 
-def calibrate(plan: CalibrationPlan) -> dict:
+def calibrate(plan: CalibrationPlan) -> list[dict]:
     """Run the measurements on plan.ranks local ranks; every rank's raw measurements, by rank."""
     return launch(measure_rank, plan, plan.ranks, threads_per_rank=plan.threads_per_rank)
 
@@ -82,74 +103,9 @@ def calibrate(plan: CalibrationPlan) -> dict:
 # ---------------------------------------------------------------- one rank
 
 
-def _timed(fn, min_run_s: float, repeats: int) -> float:
-    """Median seconds of one fn() call: `repeats` runs of enough calls to last min_run_s each."""
-    fn()  # warm-up
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(min_run_s / once))
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) / calls)
-    return statistics.median(runs)
-
-
-def measure_matmuls(plan: CalibrationPlan) -> dict:
-    """FLOP/s by smallest side, per shape, and the per-call latency."""
-    rates: dict[str, dict[int, float]] = {"square": {}, "gpt": {}}
-    torch.manual_seed(0)
-    for n in plan.matmul_sizes:
-        for shape, (m, k, cols) in (("square", (n, n, n)), ("gpt", (2 * n, n, 4 * n))):
-            a, b = torch.randn(m, k), torch.randn(k, cols)
-            out = torch.empty(m, cols)
-            seconds = _timed(lambda: torch.mm(a, b, out=out), plan.min_run_s, plan.repeats)
-            rates[shape][n] = 2 * m * k * cols / seconds
-    a, b = torch.randn(8, 8), torch.randn(8, 8)
-    latency = _timed(lambda: torch.mm(a, b), plan.min_run_s, plan.repeats)
-    return {"rates": rates, "launch_latency": latency}
-
-
-def measure_copy(plan: CalibrationPlan) -> float:
-    """Bytes per second moved by a large copy (read + write)."""
-    src = torch.randn(plan.copy_bytes // 4)
-    dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), plan.min_run_s, plan.repeats)
-    return 2 * plan.copy_bytes / seconds
-
-
-def measure_block(plan: CalibrationPlan) -> dict:
-    """Forward and backward seconds of one block of plan.model at its shape, fp32."""
-    from minigpt.config import preset
-    from minigpt.model import Block
-
-    config = preset(plan.model)
-    torch.manual_seed(0)
-    block = Block(config)
-    x = torch.randn(plan.micro_batch, config.seq_len, config.d_model, requires_grad=True)
-    forwards, backwards = [], []
-    for i in range(plan.repeats + 1):
-        start = time.perf_counter()
-        out = block(x)
-        middle = time.perf_counter()
-        out.sum().backward()
-        end = time.perf_counter()
-        if i:  # the first is a warm-up
-            forwards.append(middle - start)
-            backwards.append(end - middle)
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-    return {"model": plan.model, "micro_batch": plan.micro_batch, "seq_len": config.seq_len,
-            "d_model": config.d_model, "forward_s": statistics.median(forwards),
-            "backward_s": statistics.median(backwards)}
-
-
 def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
     """One rank's part: every measurement; rank 0 returns every rank's, the others None."""
-    init_worker("cpu")
+    device = init_worker(None if plan.device == "auto" else plan.device)  # CUDA + NCCL or the CPU + gloo
     try:
         if plan.ranks == 1:
             saved = torch.get_num_threads()
@@ -158,20 +114,21 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
             # Rank 0 alone measures the matmuls, the copy and the block (the others wait in a barrier,
             # which takes no CPU): a device's own numbers. What sharing costs is measured apart
             # (calibrate_host's "sharing"), and the simulator applies it to the job's ranks.
-            start = time.perf_counter()
+            start = stamp(device)
             result = {}
             if not dist.is_initialized() or dist.get_rank() == 0:
                 threads = torch.get_num_threads()
                 torch.set_num_threads(1)
                 try:
-                    result = {"matmuls": measure_matmuls(plan), "copy_bandwidth": measure_copy(plan),
-                              "block": measure_block(plan)}
+                    result = {"matmuls": measure_matmuls(plan, device), "copy_bandwidth": measure_copy(plan, device),
+                              "block": measure_block(plan, device)}
                 finally:
                     torch.set_num_threads(threads)
             if dist.is_initialized():
                 dist.barrier()
-            compute_s = time.perf_counter() - start
-            result["host"] = measure_host(plan)  # starts with a barrier
+            compute_s = stamp(device) - start
+            result["device"] = describe(device)  # what this rank measured on
+            result["host"] = measure_host(plan, device)  # starts with a barrier
             result["host"]["seconds"] = {"matmuls_copy_block": compute_s, **result["host"]["seconds"]}
         finally:
             if plan.ranks == 1:
@@ -228,10 +185,22 @@ def _load_average() -> float | None:
         return None
 
 
+def measured_device(measured: list[dict]) -> dict:
+    """The device every rank measured on (calibrate_device.describe); TrainingError if they differ."""
+    kinds = {(r["device"]["type"], r["device"]["backend"]) for r in measured}
+    if len(kinds) != 1:
+        raise TrainingError(f"the ranks measured on different devices: {sorted(kinds)}")
+    return measured[0]["device"]
+
+
 def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores: int, date: str) -> dict:
-    """The hardware profile (hardware.json's schema, one GPU) from every rank's measurements."""
-    sizes = plan.matmul_sizes
+    """The hardware profile (hardware.json's schema, one GPU) from every rank's measurements.
+    cores: this machine's CPU cores; on CUDA the GPUs used (one per rank) take their place."""
+    device = measured_device(measured)
+    on_gpu = device["type"] == "cuda"
+    cores = plan.ranks if on_gpu else cores
     alone = measured[0]  # rank 0 measured the matmuls, the copy and the block alone
+    sizes = sorted(alone["matmuls"]["rates"]["square"])  # the device's sizes (calibrate_device.matmul_sizes)
     square = {n: alone["matmuls"]["rates"]["square"][n] for n in sizes}
     gpt = {n: alone["matmuls"]["rates"]["gpt"][n] for n in sizes}
     combined = {n: (square[n] + gpt[n]) / 2 for n in sizes}
@@ -261,17 +230,35 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
         link_note = "not measured (one rank): a memory copy's bandwidth, no latency"
 
     try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = device["memory_bytes"] or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         memory = 2**34
     source = f"measured by minigpt calibrate on {date}"
     node, nic = f"{name}-node", f"{name}-loopback"
+    backend = device["backend"]
+    if on_gpu:
+        about = (f"fp32 on {plan.ranks} CUDA GPU(s) {device['name']}, one rank per GPU, {backend} between them; "
+                 f"peak_flops.fp32 is the best measured fp32 matmul rate (TF32 off while measuring: "
+                 f"torch.backends.cuda.matmul.allow_tf32 = False), not the datasheet's; "
+                 f"tf32, 16-bit and fp8 not measured")
+        note = (f"{plan.ranks} rank(s), one CUDA GPU each ({device['name']}), {backend}: rank 0 measured the matmuls, "
+                f"the copy and the block alone; the collectives ran with every rank busy; 'measured' holds the units, "
+                f"the sharing (a GPU per rank: about 1) and the collectives by group size and load")
+        peak_note = ("efficiency = measured rate / the best measured fp32 rate, TF32 off "
+                     "(torch.backends.cuda.matmul.allow_tf32 = False while the matmuls ran)")
+    else:
+        about = (f"fp32 on the CPU, one rank on one of {cores} core(s) (up to {plan.ranks} ranks "
+                 f"for the collectives and the sharing), {backend} between them; peak_flops.fp32 is the best measured "
+                 f"matmul rate (a CPU has no datasheet peak here), tf32 = fp32 (no TF32 on a CPU), "
+                 f"16-bit and fp8 not measured")
+        note = (f"{plan.ranks} rank(s) on {cores} core(s): rank 0 measured the matmuls, the copy and the block "
+                f"alone on one thread; the collectives ran on {plan.threads_per_rank} thread(s) per rank with "
+                f"every rank busy; 'measured' holds the sharing and the collectives by group size and load")
+        peak_note = "efficiency = measured rate / the best measured rate (the peak of a CPU profile)"
     gpu = {
-        "source": (f"{source}: fp32 on the CPU, one rank on one of {cores} core(s) (up to {plan.ranks} ranks "
-                   f"for the collectives and the sharing); peak_flops.fp32 is the best measured matmul rate (a CPU has no "
-                   f"datasheet peak here), tf32 = fp32 (no TF32 on a CPU), 16-bit and fp8 not measured"),
+        "source": f"{source}: {about}",
         "node": node,
-        "peak_flops": {"fp32": peak, "tf32": peak, "bf16": None, "fp16": None, "fp8": None},
+        "peak_flops": {"fp32": peak, "tf32": None if on_gpu else peak, "bf16": None, "fp16": None, "fp8": None},
         "hbm_bytes": int(memory),
         "hbm_bandwidth": copy_bandwidth,
         "nvlink_bandwidth": link_bandwidth,
@@ -279,22 +266,24 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
         "matmul_efficiency": {"launch_latency": launch_latency, "fp32": table},
         "calibration": {
             "date": date,
-            "backend": "gloo",
+            "backend": backend,
+            "device": "cuda" if on_gpu else "cpu",
+            "device_name": device["name"],
+            "device_requested": plan.device,
             "ranks": plan.ranks,
             "cores": cores,
             "threads_per_rank": plan.threads_per_rank,
             "ranks_per_core": plan.ranks / cores,
             "oversubscribed": plan.ranks * plan.threads_per_rank > cores,
             "load_average_1min": _load_average(),  # other work on the machine skews every number
-            "note": (f"{plan.ranks} rank(s) on {cores} core(s): rank 0 measured the matmuls, the copy and the block "
-                     f"alone on one thread; the collectives ran on {plan.threads_per_rank} thread(s) per rank with "
-                     f"every rank busy; 'measured' holds the sharing and the collectives by group size and load"),
-            "peak_note": "efficiency = measured rate / the best measured rate (the peak of a CPU profile)",
+            "note": note,
+            "peak_note": peak_note,
             "links": link_note,
             "matmul_rates": {"square": {str(n): r for n, r in square.items()}, "gpt": {str(n): r for n, r in gpt.items()}},
             "block": block,
-            "copy_bytes": plan.copy_bytes,
-            "plan": {k: v for k, v in asdict(plan).items() if k not in ("ranks", "threads_per_rank")},
+            "copy_bytes": copy_bytes(plan, torch.device(device["type"])),
+            "plan": {**{k: v for k, v in asdict(plan).items()
+                        if k not in ("ranks", "threads_per_rank", "cuda_matmul_sizes")}, "matmul_sizes": sizes},
             "phase_seconds": {k: round(v, 2) for k, v in measured[0]["host"]["seconds"].items()},
         },
         "measured": build_measured([r["host"] for r in measured], plan, fit_alpha_beta),

@@ -2,7 +2,9 @@
 
 Why: on a CPU a matmul roofline misses most of what a training step costs (a block is many
 small kernels with Python between them), and with more ranks than cores the ranks take turns
-on the cores, for compute and for gloo's copies alike. So the simulator gets measured costs:
+on the cores, for compute and for gloo's copies alike. So the simulator gets measured costs.
+Everything runs on the ranks' device (parallel/calibrate_device.py: the CPU with gloo, or one
+CUDA GPU per rank with NCCL), and every timer waits for the device's queued work first:
 
 - units: seconds of the model's pieces for one micro-batch of b sequences, as one tensor-
   parallel rank computes them (fp32): the model's own block, embedding and final norm + head
@@ -13,35 +15,30 @@ on the cores, for compute and for gloo's copies alike. So the simulator gets mea
   alone on one thread while the others wait in a barrier (which takes no CPU): unshared costs.
   Parameter gradients accumulate from run to run, as over a step's micro-batches.
 - sharing: how much slower a rank computes when k ranks with one thread each compute at
-  once (k = 1, 2, 4, ... and the rank count), and when rank 0 alone uses every core as
-  threads: one block's forward + backward at plan.sharing_micro_batch, tp 1; slowdown =
-  the mean of the busy ranks' medians over rank 0's median alone on one thread.
-- collectives: gloo all-reduce, all-gather, reduce-scatter (parallel/comm.py's Collectives,
-  S = the full buffer's bytes) and p2p (ping-pong inside pairs, half the round trip) by size
-  S, group size n and the number W of busy ranks: ranks 0..W-1 split into contiguous groups
-  of n that all run at once while the others wait. A single timed call is mostly noise, so
-  each timed run is c back-to-back calls, c chosen so a run lasts about plan.min_run_s (the
-  slowest busy rank's probe call decides, so every busy rank makes the same calls); a call
-  is run / c, the median over plan.comm_repeats runs, and a point is the slowest rank's
-  median. (Timing each call after a piece of compute instead, as training issues them, was
-  tried: it raised the 2-rank costs by about as much as training shows, but with 8 ranks on
-  2 cores it charged every collective the full 4-way sharing, which training, with ranks
-  idle in pipeline bubbles, does not see: the 8-rank prediction went from +0.5% to +75%.) t = alpha + beta * S is fitted per (kind, n, W) by calibrate.fit_alpha_beta.
+  once (k = 1, 2, 4, ... and the rank count), and, on a CPU, when rank 0 alone uses every core
+  as threads: one block's forward + backward at plan.sharing_micro_batch, tp 1; slowdown =
+  the mean of the busy ranks' medians over rank 0's median alone. On CUDA each rank has its
+  own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
+- collectives: all-reduce, all-gather, reduce-scatter (parallel/comm.py's Collectives over
+  gloo or NCCL, S = the full buffer's bytes) and p2p (ping-pong inside pairs, half the round
+  trip) by size S, group size n and the number W of busy ranks: ranks 0..W-1 split into
+  contiguous groups of n that all run at once while the others wait. Each is timed as
+  training issues it, on fresh buffers after a piece of compute (`_per_call`): a run of c
+  calls less the same compute alone; t = alpha + beta * S is fitted per (kind, n, W) by
+  calibrate.fit_alpha_beta.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from parallel.comm import Collectives, Done
+from parallel.calibrate_device import medians, piece_model, piece_step, stamp, variants
+from parallel.comm import Collectives
 
-TENSOR_PARALLEL = (1, 2, 4, 8)
 PIECES = ("block", "embedding", "head")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -51,10 +48,6 @@ def host_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def tp_sizes(config, ranks: int) -> list[int]:  # tensor-parallel sizes this model and these ranks allow
-    return [tp for tp in TENSOR_PARALLEL if tp <= ranks and config.n_heads % tp == 0 and config.d_ff % tp == 0]
 
 
 def powers_up_to(ranks: int, start: int) -> list[int]:
@@ -76,97 +69,8 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-# ---------------------------------------------------------------- the model's pieces
-
-
-class AloneCollectives(Collectives):
-    """A tensor-parallel group of `size` ranks seen from rank 0, that communicates nothing.
-
-    Every call does only its local share of work (all-reduce nothing, all-gather and
-    reduce-scatter one copy), so parallel/tensor.py's real modules run on one rank alone and
-    their compute can be timed apart from their communication, which the profile measures
-    separately (the collectives below)."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(None, "alone")
-        self.size, self.rank = size, 0
-
-    def all_reduce(self, tensor, op=None, async_op: bool = False):
-        return Done() if async_op else None
-
-    def all_gather(self, output, shard, async_op: bool = False):
-        output.view(self.size, -1).copy_(shard.reshape(1, -1).expand(self.size, -1))
-        return Done() if async_op else None
-
-    def reduce_scatter(self, shard, full, async_op: bool = False):
-        shard.copy_(full.reshape(self.size, -1)[self.rank].view_as(shard))
-        return Done() if async_op else None
-
-
-def variants(config, ranks: int) -> list[tuple[int, bool]]:
-    """(tp, sequence_parallel) pairs measured: every tp that fits, with and without sequence parallelism."""
-    return [(tp, sp) for tp in tp_sizes(config, ranks) for sp in ((False, True) if tp > 1 else (False,))
-            if not sp or config.seq_len % tp == 0]
-
-
-def piece_model(config, tp: int, sequence_parallel: bool = False):
-    """The GPT made tensor-parallel by parallel/tensor.py over a group that communicates nothing."""
-    from minigpt.model import GPT
-    from parallel.tensor import parallelize
-
-    model = GPT(config)
-    parallelize(model, AloneCollectives(tp), sequence_parallel)
-    return model
-
-
-def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_parallel: bool = False):
-    """A function timing one forward and one backward of `piece` ("block", "embedding" or "head")
-    as training runs it on one tensor-parallel rank: () -> (forward s, backward s); a block's
-    time is that of all the model's blocks run in turn, divided by their number."""
-    seq, d, clock = config.seq_len, config.d_model, time.perf_counter
-    model = model if model is not None else piece_model(config, tp, sequence_parallel)
-    rows = seq // tp if sequence_parallel else seq  # the sequence a rank holds between the layers
-    x = None if piece == "embedding" else torch.randn(batch, rows, d, requires_grad=True)
-    grad = None if piece == "head" else torch.randn(batch, rows, d)
-    if piece == "block":  # every block in turn, as a chunk runs them (their weights do not all stay in cache)
-        def forward():
-            out = x
-            for block in model.blocks:
-                out = block(out)
-            return out
-    elif piece == "embedding":
-        idx = torch.randint(config.vocab_size, (batch, seq))
-        forward = lambda: model.embed(idx)  # noqa: E731
-    else:
-        targets = torch.randint(config.vocab_size, (batch, seq))
-        forward = lambda: model.loss(model.logits(x), targets)  # noqa: E731
-
-    per = len(model.blocks) if piece == "block" else 1
-
-    def step() -> tuple[float, float]:
-        if x is not None:
-            x.grad = None
-        start = clock()
-        out = forward()
-        middle = clock()
-        out.backward(grad)
-        return (middle - start) / per, (clock() - middle) / per
-
-    return step
-
-
-def _medians(step, repeats: int, min_total_s: float) -> tuple[float, float]:
-    """Median (forward, backward) seconds after a warm-up: at least `repeats` runs, more
-    (up to 5x) for short pieces so the runs last about min_total_s."""
-    step()
-    first = step()
-    runs = min(max(repeats, math.ceil(min_total_s / max(sum(first), 1e-7))), 5 * repeats)
-    samples = [first] + [step() for _ in range(runs - 1)]
-    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
-
-
-def measure_units(plan, rank: int, ranks: int) -> dict[int, dict[str, list[float]]] | None:
-    """{tp: {"block_forward": [s per micro-batch size], ...}}: rank 0 alone on one thread
+def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[int, dict[str, list[float]]] | None:
+    """{tp: {"block_forward": [s per micro-batch size], ...}}: rank 0 alone on one thread (on `device`)
     while every other rank waits in a barrier (and returns None)."""
     from minigpt.config import preset
 
@@ -175,24 +79,24 @@ def measure_units(plan, rank: int, ranks: int) -> dict[int, dict[str, list[float
     _barrier()
     for tp, sp in variants(config, ranks) if rank == 0 else ():
         series = units[(tp, sp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
-        model = piece_model(config, tp, sp)  # the same weights for every micro-batch size
+        model = piece_model(config, tp, sp, device)  # the same weights for every micro-batch size
         for piece in PIECES:
             for batch in plan.micro_batches:
-                step = piece_step(piece, config, tp, batch, model, sp)
-                times = _medians(step, plan.repeats, plan.min_run_s * plan.repeats)
+                step = piece_step(piece, config, tp, batch, model, sp, device)
+                times = medians(step, plan.repeats, plan.min_run_s * plan.repeats)
                 for way, seconds in zip(("forward", "backward"), times):
                     series[f"{piece}_{way}"].append(seconds)
     _barrier()
     return units if rank == 0 else None
 
 
-def measure_sharing(plan, rank: int, ranks: int, cores: int) -> dict:
+def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.device) -> dict:
     """This rank's median block forward + backward seconds with k ranks busy at once, by k,
-    and rank 0's alone with `cores` threads ("threads")."""
+    and on a CPU rank 0's alone with `cores` threads ("threads"; a GPU's rank has its own GPU)."""
     from minigpt.config import preset
 
     torch.manual_seed(rank)
-    step = piece_step("block", preset(plan.model), 1, plan.sharing_micro_batch)
+    step = piece_step("block", preset(plan.model), 1, plan.sharing_micro_batch, device=device)
     timed = lambda: statistics.median(sum(step()) for _ in range(plan.repeats))  # noqa: E731
     step()  # a rank's first block is slow (lazy initialisation): not while others are timed
     result: dict = {"busy": {}}
@@ -204,7 +108,7 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int) -> dict:
         if rank < busy:
             result["busy"][busy] = timed()
     _barrier()
-    if cores > 1:
+    if cores > 1 and device.type == "cpu":
         if rank == 0:
             torch.set_num_threads(cores)  # measure_host sets the threads back
             step()
@@ -228,7 +132,7 @@ def make_groups(ranks: int) -> dict[int, object]:
     return groups
 
 
-def _per_call(op, busy_group, plan, work) -> float:
+def _per_call(op, busy_group, plan, work, device: torch.device) -> float:
     """Median seconds of op as training issues it: on the fresh output of a piece of compute.
 
     A run is c times (buffers = work(); op(buffers)); the same c times work() alone is timed
@@ -237,23 +141,23 @@ def _per_call(op, busy_group, plan, work) -> float:
     busy rank makes the same calls)."""
     op(work())  # warm-up
     _barrier(busy_group)
-    start = time.perf_counter()
+    start = stamp(device)
     op(work())
-    probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    probe = torch.tensor([stamp(device) - start], dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=busy_group)  # every busy rank makes the same calls
     calls = max(1, min(1000, int(plan.min_run_s / max(probe.item(), 1e-7))))
     both, alone = [], []
     for _ in range(plan.comm_repeats):
         _barrier(busy_group)
-        start = time.perf_counter()
+        start = stamp(device)
         for _ in range(calls):
             work()
-        alone.append((time.perf_counter() - start) / calls)
+        alone.append((stamp(device) - start) / calls)
         _barrier(busy_group)
-        start = time.perf_counter()
+        start = stamp(device)
         for _ in range(calls):
             op(work())
-        both.append((time.perf_counter() - start) / calls)
+        both.append((stamp(device) - start) / calls)
     return max(statistics.median(both) - statistics.median(alone), 1e-7)
 
 
@@ -263,7 +167,7 @@ def _ping_pong(tensor: torch.Tensor, rank: int, partner: int) -> None:
     second(tensor, partner)
 
 
-def measure_group_collectives(plan, ranks: int) -> dict[tuple[str, int, int, int], float]:
+def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tuple[str, int, int, int], float]:
     """{(kind, group size n, busy ranks W, S bytes): this rank's median seconds}, where it was busy."""
     from minigpt.config import preset
 
@@ -272,14 +176,15 @@ def measure_group_collectives(plan, ranks: int) -> dict[tuple[str, int, int, int
         _barrier()
         if rank < busy:
             comm = Collectives(groups[n], "calibrate")
-            block, x = piece_model(config, 1).blocks[0], torch.randn(1, config.seq_len, config.d_model)
+            block = piece_model(config, 1).blocks[0].to(device)
+            x = torch.randn(1, config.seq_len, config.d_model, device=device)
             for size in plan.message_bytes:
                 numel = max(n, size // 4 // n * n)
 
                 def work(numel=numel):  # one block forward at micro-batch 1, then the buffers, freshly made
                     with torch.no_grad():
                         block(x)
-                    return torch.ones(numel), torch.ones(numel // n)
+                    return torch.ones(numel, device=device), torch.ones(numel // n, device=device)
 
                 ops = {"all_reduce": lambda bufs: comm.all_reduce(bufs[0]),
                        "all_gather": lambda bufs: comm.all_gather(bufs[0], bufs[1]),
@@ -287,30 +192,32 @@ def measure_group_collectives(plan, ranks: int) -> dict[tuple[str, int, int, int
                 if n == 2:
                     ops["p2p"] = lambda bufs: _ping_pong(bufs[0], rank, rank ^ 1)
                 for kind, op in ops.items():
-                    seconds = _per_call(op, groups[busy], plan, work)
+                    seconds = _per_call(op, groups[busy], plan, work, device)
                     points[(kind, n, busy, numel * 4)] = seconds / 2 if kind == "p2p" else seconds
         _barrier()
     return points
 
 
-def measure_host(plan) -> dict:
-    """Every host measurement on this rank (the calling rank's torch threads are restored)."""
+def measure_host(plan, device: torch.device) -> dict:
+    """Every host measurement on this rank, on `device` (the calling rank's torch threads are restored).
+    "cores": the CPU cores this process may use, or on CUDA the GPUs used (one per rank)."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    cores, saved, result = host_cores(), torch.get_num_threads(), {}
-    phases = {"units": lambda: measure_units(plan, rank, ranks),
-              "sharing": lambda: measure_sharing(plan, rank, ranks, cores),
-              "collectives": lambda: measure_group_collectives(plan, ranks) if ranks > 1 else {}}
+    cores = ranks if device.type == "cuda" else host_cores()
+    saved, result = torch.get_num_threads(), {}
+    phases = {"units": lambda: measure_units(plan, rank, ranks, device),
+              "sharing": lambda: measure_sharing(plan, rank, ranks, cores, device),
+              "collectives": lambda: measure_group_collectives(plan, ranks, device) if ranks > 1 else {}}
     torch.set_num_threads(1)
     try:
         seconds = {}
         for name, phase in phases.items():
-            start = time.perf_counter()
+            start = stamp(device)
             result[name] = phase()
-            seconds[name] = time.perf_counter() - start
+            seconds[name] = stamp(device) - start
     finally:
         torch.set_num_threads(saved)
-    return {"cores": cores, **result, "seconds": seconds}
+    return {"cores": cores, "device": device.type, **result, "seconds": seconds}
 
 
 # ---------------------------------------------------------------- into the profile
@@ -349,5 +256,6 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
                                           key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):
         alpha, beta = fit(points)
         collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points})
-    return {"cores": first["cores"], "units": units, "sharing": sharing, "collectives": collectives,
+    return {"cores": first["cores"], "device": first.get("device", "cpu"), "units": units, "sharing": sharing,
+            "collectives": collectives,
             "note": f"parallel/calibrate_host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}

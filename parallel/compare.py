@@ -117,11 +117,51 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     return rows
 
 
+def machine_drift(hardware) -> dict | None:
+    """How fast this machine runs the profile's reference block now against at calibration.
+
+    `minigpt calibrate` times one block of its model (calibration.block: forward + backward,
+    one thread, alone); the same is timed here, in this process, before training. A VM whose
+    neighbours got busy, or a laptop that throttles, shows up as a change: a comparison is
+    only as good as the calibration is current. Nothing is adjusted with it."""
+    import statistics
+    import time
+
+    import torch
+
+    from minigpt.config import preset
+    from minigpt.model import Block
+
+    block_note = (hardware.gpu.calibration or {}).get("block")
+    if not block_note or hardware.gpu.calibration.get("backend") != "gloo":
+        return None
+    config = preset(block_note["model"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        block = Block(config)
+        x = torch.randn(block_note["micro_batch"], config.seq_len, config.d_model, requires_grad=True)
+        runs = []
+        for i in range(6):
+            start = time.perf_counter()
+            block(x).sum().backward()
+            if i:  # the first is a warm-up
+                runs.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    then = block_note["forward_s"] + block_note["backward_s"]
+    now = statistics.median(runs)
+    return {"reference": f"one {block_note['model']} block, micro-batch {block_note['micro_batch']}, forward + backward",
+            "calibrated_s": then, "now_s": now, "change": (now - then) / then}
+
+
 def run_compare(plan: ComparePlan) -> dict:
     """Train for cfg.steps, simulate, write simulated.json beside the training's trace.json."""
     from parallel.train import train
 
     cfg = plan.cfg
+    drift = machine_drift(plan.hardware)
     summary = train(cfg)
     result = simulate(plan)
     run_dir = Path(summary["run_dir"])
@@ -142,6 +182,8 @@ def run_compare(plan: ComparePlan) -> dict:
         "predicted_breakdown": result.breakdown,
         "measured_breakdown": summary["time_breakdown"],
         "traces": {"measured": str(summary["trace"]), "simulated": str(simulated)},
+        "machine_drift": drift,
+        "simulated_host": result.host,
         "run_dir": str(run_dir),
     }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from parallel.compare import check_compare, run_compare
+from parallel.compare import check_compare, machine_drift, run_compare
 from parallel.train_config import TrainConfig
 
 # name -> the layout fields changed from the base configuration (tiny: 4 layers, 4 heads)
@@ -37,7 +37,8 @@ def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
     for name, changes in MATRIX.items():
         cfg = dataclasses.replace(base, out_dir=str(Path(out_dir) / name.replace(" ", "-")), **changes)
         plans[name] = check_compare(cfg, hardware_path)
-    rows = []
+    rows, hardware = [], next(iter(plans.values())).hardware
+    drift = [machine_drift(hardware)]  # before the first layout and after the last
     for name, plan in plans.items():
         report = run_compare(plan)
         by_name = {row["name"]: row for row in report["rows"]}
@@ -50,10 +51,12 @@ def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
             "activations_error": by_name["activations (rank 0)"]["relative_error"],
             "traces": report["traces"],
         })
+    drift.append(machine_drift(hardware))
     errors = [abs(row["step_time_error"]) for row in rows]
     return {
         "hardware": hardware_path,
         "rows": rows,
         "step_time_mape": sum(errors) / len(errors),
         "worst_model_state_error": max(row["model_state_error"] for row in rows),
+        "machine_drift": [d for d in drift if d is not None],
     }

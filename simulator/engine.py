@@ -248,7 +248,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     tallies = run(compute)
-    if host is not None and layout.pp > 1:
+    if host is not None and host.device == "cpu" and layout.pp > 1:
         tallies, compute = share_idle_cores(run, tallies, host, compute, links, layout.world_size, threads)
     timings["replay_s"] = time.perf_counter() - clock
 

@@ -99,7 +99,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     zero, dp, last_chunk = schedule.zero_stage, layout.dp, schedule.num_chunks - 1
     bucket_numel = max(1, int(bucket_mb * 2**20) // compute_bytes)
     tied_copy = model.tied_head and layout.pp > 1
-    serial = host is not None  # gloo on a CPU host: communication does not overlap compute (engine_overlap.py)
+    serial = host is not None and host.serial  # gloo on a CPU host: communication does not overlap compute
     memo: dict = {}
 
     def times(layers: int, first: bool, last: bool):

@@ -21,6 +21,7 @@ from simulator.topology import Cluster
 class HostCompute:
     units: UnitTimes | None  # None: the model (or this tp) was not measured; the roofline's times are used
     slowdown: float  # MeasuredHost.slowdown for the job's ranks and threads
+    serial: bool = True  # communication takes the compute's cores (a CPU host; not GPUs)
 
     def chunk(self, layers: int, first: bool, last: bool, micro_batch: int, recompute: str,
               roofline: tuple[float, float, float]) -> tuple[float, float, float]:
@@ -43,7 +44,7 @@ class HostCompute:
 
 def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int) -> HostCompute:
     return HostCompute(host.unit_times(model, layout.tp, layout.sequence_parallel),
-                       host.slowdown(layout.world_size, threads_per_rank))
+                       host.slowdown(layout.world_size, threads_per_rank), serial=host.device == "cpu")
 
 
 class HostLinks(LinkCosts):

@@ -6,7 +6,8 @@ bytes with the same cores that compute, and 8 ranks on 2 cores take turns. A pro
 optional "measured" object (parallel/calibrate_host.py writes it) holds what replaces them:
 
     "measured": {
-      "cores": C,
+      "cores": C,                  (on CUDA: the GPUs, one per rank)
+      "device": "cpu" | "cuda",
       "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "sequence_parallel"?,
                  "micro_batches": [b, ...],
                  "block_forward": [s, ...], "block_backward": [...],
@@ -97,6 +98,7 @@ class MeasuredHost:
     units: tuple[UnitTimes, ...] = ()
     sharing: tuple[tuple[int, int, float], ...] = ()
     collectives: tuple[MeasuredCollective, ...] = ()
+    device: str = "cpu"  # "cuda": measured on GPUs (NCCL), whose copies do not take the compute's cores
     raw: dict = field(default_factory=dict, hash=False, compare=False)  # the profile's object, for writing back
 
     def unit_times(self, model: GPTConfig, tp: int, sequence_parallel: bool = False) -> UnitTimes | None:
@@ -160,10 +162,13 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     where = f"{where}.measured"
     if not isinstance(data, dict) or "cores" not in data:
         raise ConfigError(f"{where} must be a JSON object with cores, units, sharing and collectives")
-    unknown = sorted(set(data) - {"cores", "units", "sharing", "collectives", "note"})
+    unknown = sorted(set(data) - {"cores", "device", "units", "sharing", "collectives", "note"})
     if unknown:
         raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}")
     cores = int(_positive(data["cores"], f"{where}.cores", integer=True))
+    device = data.get("device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"{where}.device must be cpu or cuda, got {device!r}")
     units = []
     for i, entry in enumerate(data.get("units", [])):
         at = f"{where}.units[{i}]"
@@ -208,4 +213,4 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             int(_positive(entry["active"], f"{at}.active", integer=True)),
             float(_positive(entry["alpha"], f"{at}.alpha", zero=True)), float(_positive(entry["beta"], f"{at}.beta")),
             points))
-    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), raw=data)
+    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), device, raw=data)

@@ -10,6 +10,7 @@ import json
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli.calibrate import calibrate
@@ -104,6 +105,11 @@ def test_fit_alpha_beta():
     (["--ranks", "-3"], "--ranks must be a positive integer"),
     (["--threads-per-rank", "0"], "--threads-per-rank"),
     (["--model", "nope"], "unknown model preset"),
+    (["--device", "cuda"], "--device"),
+    (["--device", "gpu"], "--device"),
+    (["--micro-batches", "4,2"], "--micro-batches must be increasing"),
+    (["--micro-batches", "1,x"], "--micro-batches must be comma-separated"),
+    (["--micro-batches", "0,1"], "--micro-batches must be increasing positive"),
 ])
 def test_bad_flags_are_bad_input_before_any_rank_starts(tmp_path, monkeypatch, args, words):
     import parallel.calibrate
@@ -114,7 +120,9 @@ def test_bad_flags_are_bad_input_before_any_rank_starts(tmp_path, monkeypatch, a
     monkeypatch.setattr(parallel.calibrate, "launch", no_launch)
     result = invoke("--out", str(tmp_path / "p.json"), *args)
     assert result.exit_code == 2, result.output
-    assert words in result.output and not (tmp_path / "p.json").exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minigpt: error:") and words in lines[0], result.stderr
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_bad_out_paths_are_bad_input(tmp_path, monkeypatch):
@@ -157,7 +165,7 @@ def measured_of(path) -> dict:
 
 
 def check_schema(measured: dict, ranks: int) -> None:
-    assert set(measured) <= {"cores", "units", "sharing", "collectives", "note"}
+    assert set(measured) <= {"cores", "device", "units", "sharing", "collectives", "note"} and measured["device"] == "cpu"
     assert isinstance(measured["cores"], int) and measured["cores"] >= 1
     tps = [tp for tp in (1, 2, 4, 8) if tp <= ranks and 4 % tp == 0]
     assert [(u["tp"], u["sequence_parallel"]) for u in measured["units"]] == [
@@ -223,3 +231,54 @@ def test_one_rank_measures_units_and_sharing_without_collectives(tmp_path):
     cores = measured["cores"]
     assert [row[:2] for row in measured["sharing"]] == [[1, 1]] + ([[1, cores]] if cores > 1 else [])
     assert measured["collectives"] == [] and "collectives" not in gpu
+
+
+# ---------------------------------------------------------------- the device
+
+
+def test_the_profile_records_the_device_actually_used(profile_path):
+    note = json.loads(profile_path.read_text())["gpus"]["cpu-calibrated"]["calibration"]
+    assert note["device_requested"] == "auto"  # this machine has no GPU: auto measured the CPU
+    assert (note["device"], note["device_name"], note["backend"]) == ("cpu", "cpu", "gloo")
+
+
+def test_device_cpu_measures_the_cpu_with_the_micro_batches_asked_for(tmp_path):
+    path = tmp_path / "cpu.json"
+    result = invoke("--out", str(path), "--ranks", "1", "--quick", "--device", "cpu", "--micro-batches", "1,2")
+    assert result.exit_code == 0, result.output
+    assert "gloo" in result.output and "use it: minigpt simulate" in result.output
+    (gpu,) = json.loads(path.read_text())["gpus"].values()
+    note = gpu["calibration"]
+    assert (note["device"], note["backend"], note["device_requested"]) == ("cpu", "gloo", "cpu")
+    assert note["plan"]["micro_batches"] == [1, 2] and gpu["measured"]["units"][0]["micro_batches"] == [1, 2]
+    assert "on the CPU" in gpu["source"]
+
+
+def test_the_default_ranks_follow_the_device(monkeypatch):
+    from parallel.calibrate import make_plan
+
+    assert make_plan(None, device="cpu").ranks == 8 and make_plan(3).ranks == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert make_plan(None).ranks == 2 and make_plan(None, device="cpu").ranks == 8  # one rank per GPU on CUDA
+    assert make_plan(4).ranks == 4  # more ranks than GPUs: init_worker measures the CPU (and the profile says so)
+
+
+def test_a_cuda_calibration_writes_a_cuda_profile(tmp_path, monkeypatch):
+    """The CLI's CUDA path, with the ranks' measurements faked (no GPU here)."""
+    import parallel.calibrate
+    from simulator.hardware import load_hardware
+    from test_calibrate_host import H200, fake_rank  # tests/ is on sys.path under pytest
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    plans = []
+    monkeypatch.setattr(parallel.calibrate, "calibrate",
+                        lambda plan: plans.append(plan) or [fake_rank(0, H200), fake_rank(1, H200, busy={2: 0.01})])
+    path = tmp_path / "gpu.json"
+    result = invoke("--out", str(path), "--quick")
+    assert result.exit_code == 0, result.output
+    assert plans[0].ranks == 2 and plans[0].device == "auto"
+    assert "2 rank(s) on 2 CUDA GPU(s) NVIDIA H200 (nccl)" in result.output
+    hardware = load_hardware(str(path))
+    assert hardware.name == "cuda-calibrated" and hardware.gpu.calibration["backend"] == "nccl"

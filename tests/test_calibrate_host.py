@@ -1,4 +1,5 @@
-"""parallel/calibrate_host.py without starting ranks: the plans, the pieces' shapes, the profile's assembly."""
+"""parallel/calibrate_host.py and calibrate_device.py without starting ranks: the plans, the pieces' shapes,
+the profile's assembly, the device's clock and each measurement on an explicit device."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 
 from minigpt.config import preset
 from parallel.calibrate import fit_alpha_beta, make_plan
-from parallel.calibrate_host import AloneCollectives, build_measured, collective_points, group_pairs, piece_model, \
-    piece_step, powers_up_to, tp_sizes, variants
+from parallel.calibrate_device import AloneCollectives, piece_model, piece_step, tp_sizes, variants
+from parallel.calibrate_host import build_measured, collective_points, group_pairs, powers_up_to
 
 
 def test_the_loads_and_group_sizes():
@@ -74,3 +75,156 @@ def test_the_measured_field_is_assembled_from_every_rank():
         ("all_reduce", 2, 2), ("p2p", 2, 2), ("all_reduce", 4, 4)]
     for fit in measured["collectives"]:
         assert fit["alpha"] >= 0 and fit["beta"] > 0
+
+
+# ---------------------------------------------------------------- the device (CPU here; CUDA's branches faked)
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+H200 = {"type": "cuda", "name": "NVIDIA H200", "backend": "nccl", "memory_bytes": 150 * 10**9}
+
+
+def small_plan(ranks: int = 1, **changes):
+    from dataclasses import replace
+
+    return replace(make_plan(ranks, quick=True), matmul_sizes=(32, 64), micro_batches=(1, 2), repeats=2,
+                   min_run_s=0.001, copy_bytes=2**20, micro_batch=2, **changes)
+
+
+def test_the_clock_waits_for_a_gpu_and_not_for_a_cpu(monkeypatch):
+    from parallel.calibrate_device import stamp
+    from parallel.device import synchronize
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    synchronize(CPU)
+    before = stamp(CPU)
+    assert calls == [] and stamp(CPU) >= before  # a no-op on the CPU
+    stamp(CUDA)
+    synchronize(CUDA)
+    assert calls == [CUDA, CUDA]  # a timer read on a GPU waits for its queued kernels
+
+
+def test_tf32_is_off_only_while_a_gpus_fp32_matmuls_are_timed():
+    from parallel.calibrate_device import strict_fp32
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        with strict_fp32(CUDA):
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+        assert torch.backends.cuda.matmul.allow_tf32 is True  # restored
+        with strict_fp32(CPU):
+            assert torch.backends.cuda.matmul.allow_tf32 is True  # a CPU has no TF32: left alone
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_the_device_decides_sizes_and_its_description(monkeypatch):
+    from parallel.calibrate_device import copy_bytes, describe, matmul_sizes
+
+    plan = make_plan(1)
+    assert matmul_sizes(plan, CPU) == (64, 128, 256, 512, 1024) and max(matmul_sizes(plan, CUDA)) == 8192
+    assert make_plan(1, quick=True).cuda_matmul_sizes == (256, 1024, 4096)
+    assert copy_bytes(small_plan(), CPU) == 2**20 and copy_bytes(small_plan(), CUDA) == 256 * 2**20  # past the L2
+    assert describe(CPU) == {"type": "cpu", "name": "cpu", "backend": "gloo", "memory_bytes": None}
+
+    class Properties:
+        total_memory = H200["memory_bytes"]
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Properties())
+    assert describe(CUDA) == H200
+
+
+def test_every_measurement_runs_on_the_device_it_is_given():
+    from parallel.calibrate_device import measure_block, measure_copy, measure_matmuls, medians
+    from parallel.calibrate_host import measure_host
+
+    plan = small_plan()
+    matmuls = measure_matmuls(plan, CPU)
+    assert sorted(matmuls["rates"]["square"]) == [32, 64] and matmuls["launch_latency"] > 0
+    assert all(rate > 0 for shape in matmuls["rates"].values() for rate in shape.values())
+    assert measure_copy(plan, CPU) > 0
+    block = measure_block(plan, CPU)
+    assert block["forward_s"] > 0 and block["backward_s"] > 0 and block["micro_batch"] == 2
+    step = piece_step("head", preset("tiny"), 1, 2, device=CPU)
+    assert all(s > 0 for s in medians(step, 2, 0.0))
+    host_result = measure_host(plan, CPU)  # one rank, no process group: units and sharing
+    assert host_result["cores"] >= 1 and set(host_result["units"]) == {(1, False)}
+    assert list(host_result["sharing"]["busy"]) == [1] and host_result["collectives"] == {}
+
+
+def test_on_cuda_the_gpus_are_the_cores_and_there_is_no_threads_row(monkeypatch):
+    import parallel.calibrate_host as calibrate_host
+
+    real_sharing, seen = calibrate_host.measure_sharing, {}
+
+    def sharing(plan, rank, ranks, cores, device):
+        seen["cores"] = cores
+        return real_sharing(plan, rank, ranks, 4, device)  # as if with 4 cores: still no threads row on a GPU
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(calibrate_host, "measure_units", lambda plan, rank, ranks, device: {})
+    monkeypatch.setattr(calibrate_host, "piece_step", lambda *args, **kwargs: lambda: (1e-3, 2e-3))  # no tensors
+    monkeypatch.setattr(calibrate_host, "measure_sharing", sharing)
+    result = calibrate_host.measure_host(small_plan(), CUDA)
+    assert result["cores"] == 1 and seen["cores"] == 1  # one rank: one GPU
+    assert result["sharing"] == {"busy": {1: pytest.approx(3e-3)}}  # no "threads"
+    assert "threads" in real_sharing(small_plan(), 0, 1, 4, CPU)
+
+
+def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None) -> dict:
+    """One rank's measurements as measure_rank returns them (fake numbers, real shapes)."""
+    series = {f"{p}_{w}": [1e-4, 2e-4, 5e-4] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
+    collectives = {(kind, 2, 2, size): 1e-5 + size / 1e11 for kind in ("all_reduce", "all_gather", "reduce_scatter",
+                                                                        "p2p") for size in (4096, 2**20, 8 * 2**20)}
+    units = {(1, False): series, (2, False): series} if rank == 0 else None
+    result = {"device": device, "host": host(rank, units, busy or {1: 0.010, 2: 0.0101}, collectives=collectives)}
+    result["host"]["seconds"] = {"matmuls_copy_block": 1.0, "units": 1.0}
+    if rank == 0:
+        result.update(matmuls={"rates": {"square": {n: 4e13 * n / 4096 for n in sizes},
+                                         "gpt": {n: 5e13 * n / 4096 for n in sizes}}, "launch_latency": 5e-6},
+                      copy_bandwidth=4e12, block={"model": "tiny", "micro_batch": 8, "seq_len": 128, "d_model": 128,
+                                                  "forward_s": 1e-4, "backward_s": 2e-4})
+    return result
+
+
+def test_a_cuda_profile_says_cuda_nccl_and_the_gpu(tmp_path):
+    import json
+
+    from parallel.calibrate import build_profile
+    from simulator.hardware import load_hardware
+
+    plan = make_plan(2, quick=True)
+    profile = build_profile([fake_rank(0, H200), fake_rank(1, H200, busy={2: 0.0102})], plan, "cuda-calibrated",
+                            16, "2030-01-01")
+    gpu = profile["gpus"]["cuda-calibrated"]
+    assert "CUDA" in gpu["source"] and "NVIDIA H200" in gpu["source"] and "nccl" in gpu["source"]
+    assert "TF32 off" in gpu["source"] and gpu["peak_flops"]["fp32"] == 5e13 and gpu["peak_flops"]["tf32"] is None
+    assert gpu["hbm_bytes"] == H200["memory_bytes"] and gpu["hbm_bandwidth"] == 4e12
+    assert [n for n, _ in gpu["matmul_efficiency"]["fp32"]] == [256, 1024, 4096]
+    note = gpu["calibration"]
+    assert (note["backend"], note["device"], note["device_name"]) == ("nccl", "cuda", "NVIDIA H200")
+    assert note["cores"] == 2 and note["ranks_per_core"] == 1.0 and not note["oversubscribed"]  # the GPUs, not 16 cores
+    assert note["plan"]["matmul_sizes"] == [256, 1024, 4096] and "allow_tf32 = False" in note["peak_note"]
+    assert [row[:2] for row in gpu["measured"]["sharing"]] == [[1, 1], [2, 1]]  # no [1, cores] threads row
+    path = tmp_path / "cuda.json"
+    path.write_text(json.dumps(profile))
+    hardware = load_hardware(str(path))
+    assert hardware.gpu.calibration["backend"] == "nccl"
+    from simulator.engine import simulate_step  # the simulator takes it as it takes a CPU profile
+    from simulator.layout import Layout
+    from simulator.topology import build_cluster
+
+    result = simulate_step(preset("tiny"), Layout(dp=2), build_cluster(hardware, 2, 1), "fp32", 16, 8,
+                           profile=hardware.gpu.matmul_efficiency, gpu=hardware)
+    assert result.step_time_s > 0 and result.host["compute_slowdown"] == pytest.approx(1.015)  # (1.01 + 1.02) / 2
+
+    cpu = {"type": "cpu", "name": "cpu", "backend": "gloo", "memory_bytes": None}
+    with pytest.raises(Exception, match="different devices"):
+        build_profile([fake_rank(0, H200), fake_rank(1, cpu)], plan, "x", 16, "2030-01-01")
+    cpu_gpu = build_profile([fake_rank(0, cpu, sizes=(64, 256, 512)), fake_rank(1, cpu)], plan, "x", 16,
+                            "2030-01-01")["gpus"]["x"]
+    assert cpu_gpu["calibration"]["backend"] == "gloo" and cpu_gpu["calibration"]["cores"] == 16
+    assert "on the CPU" in cpu_gpu["source"] and cpu_gpu["peak_flops"]["tf32"] == cpu_gpu["peak_flops"]["fp32"]

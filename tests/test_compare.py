@@ -57,6 +57,11 @@ def test_dp2_json(profile, tmp_path):
     assert isinstance(report["step_time_relative_error"], float)
     assert report["layout"]["dp"] == 2
     check_memory(report["rows"])
+    drift = report["machine_drift"]  # the calibration's reference block timed again before training
+    assert drift["calibrated_s"] > 0 and drift["now_s"] > 0
+    assert drift["change"] == pytest.approx(drift["now_s"] / drift["calibrated_s"] - 1)
+    host = report["simulated_host"]  # 2 ranks, one thread each, both busy (no pipeline)
+    assert host["threads_per_rank"] == 1 and host["busy_ranks"] == 2 and host["compute_slowdown"] > 0
     json.loads((tmp_path / "run" / "simulated.json").read_text())
 
 
@@ -100,5 +105,6 @@ def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monke
     errors = [abs(row["step_time_error"]) for row in report["rows"]]
     assert report["step_time_mape"] == pytest.approx(sum(errors) / 2)
     assert report["worst_model_state_error"] < 0.02  # predicted parameter/gradient/optimizer bytes
+    assert len(report["machine_drift"]) == 2  # before the first layout and after the last
     for row in report["rows"]:
         assert abs(row["activations_error"]) < 0.2

@@ -141,3 +141,17 @@ def test_pipeline_ranks_idle_in_bubbles_leave_their_cores_to_the_others(hardware
     assert busy == pytest.approx(4 * sum(1 - b / step for b in bubble) / 2, rel=0.05)  # settled
     whole = simulate_step(TINY, Layout(dp=4), build_cluster(hardware, 4, 1), "fp32", 16, 4, gpu=hardware)
     assert whole.host["busy_ranks"] == 4 and whole.host["compute_slowdown"] == 2.4  # no bubbles: all busy
+
+
+def test_gpus_measured_with_nccl_overlap_communication_with_compute(hardware, tmp_path):
+    """The same numbers marked as measured on CUDA: ZeRO-3's gathers hide behind compute again."""
+    data = hardware_to_dict(hardware)
+    entry = next(iter(data["gpus"].values()))
+    entry["measured"] = dict(entry["measured"], device="cuda")
+    path = tmp_path / "cuda.json"
+    path.write_text(json.dumps(data))
+    gpu = load_hardware(str(path))
+    cpu_step, gpu_step = (simulate_step(TINY, Layout(dp=2, zero=3), build_cluster(h, 2, 1), "fp32", 16, 8, gpu=h)
+                          for h in (hardware, gpu))
+    assert gpu_step.breakdown["compute"] == pytest.approx(cpu_step.breakdown["compute"])
+    assert gpu_step.step_time_s < cpu_step.step_time_s and gpu_step.breakdown["dp_comm"] < cpu_step.breakdown["dp_comm"]

@@ -1,0 +1,239 @@
+"""`minigpt calibrate` on the device in use: its clock, what it is, and what it computes alone.
+
+The ranks measure on the device parallel.launch.init_worker gives them: one CUDA GPU per rank
+with NCCL when there is a GPU for every local rank (and --device is not cpu), else the CPU
+with gloo. Every tensor and module is made on that device, and every timer reads `stamp`,
+which first waits for the device's queued work (`synchronize`: torch.cuda.synchronize on a
+GPU, nothing on a CPU), so each timed interval holds exactly the kernels issued inside it.
+
+Rank 0 measures these alone (parallel/calibrate.py), one device's own numbers:
+- matmuls: fp32, square (n x n) @ (n x n) and GPT-shaped (2n x n) @ (n x 4n) (tokens x d @ d x 4d,
+  the fc1 shape), the median of `repeats` timed runs each, for n in plan.matmul_sizes on a CPU
+  and plan.cuda_matmul_sizes on a GPU (larger, so the best rate nears the GPU's fp32 rate);
+  on a GPU with TF32 off while they run (`strict_fp32`), so fp32 is fp32.
+- launch latency: the median time of an 8 x 8 matmul (back to back: a GPU's launch rate).
+- memory bandwidth: a large tensor copy, (read + write bytes) / seconds, as compute.py's
+  roofline counts bytes moved.
+- one block of the model preset (tiny by default) at its shape: forward and backward seconds.
+
+The model's pieces as one tensor-parallel rank runs them (`piece_model`, `piece_step`) are
+here too: parallel/calibrate_host.py times them for the profile's "measured" units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+
+import torch
+
+from parallel.comm import Collectives, Done
+from parallel.device import synchronize
+
+TENSOR_PARALLEL = (1, 2, 4, 8)
+
+
+def stamp(device: torch.device) -> float:
+    """time.perf_counter() once the device has done its queued work: every timer here reads this."""
+    synchronize(device)  # a no-op on a CPU
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def strict_fp32(device: torch.device):
+    """fp32 matmuls in true fp32 on a GPU (TF32 off) while inside; the setting is restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def describe(device: torch.device) -> dict:
+    """What this rank measured on: {"type", "name", "backend", "memory_bytes" (a GPU's, else None)}."""
+    import torch.distributed as dist
+
+    on_gpu = device.type == "cuda"
+    backend = dist.get_backend() if dist.is_initialized() else ("nccl" if on_gpu else "gloo")
+    if not on_gpu:
+        return {"type": "cpu", "name": "cpu", "backend": str(backend), "memory_bytes": None}
+    return {"type": "cuda", "name": torch.cuda.get_device_name(device), "backend": str(backend),
+            "memory_bytes": int(torch.cuda.get_device_properties(device).total_memory)}
+
+
+def matmul_sizes(plan, device: torch.device) -> tuple[int, ...]:
+    return plan.cuda_matmul_sizes if device.type == "cuda" else plan.matmul_sizes
+
+
+def copy_bytes(plan, device: torch.device) -> int:
+    """The copy's size: on a GPU at least 256 MiB, well past its L2 cache (50-60 MB on an H100 or H200)."""
+    return max(plan.copy_bytes, 256 * 2**20) if device.type == "cuda" else plan.copy_bytes
+
+
+def timed(fn, min_run_s: float, repeats: int, device: torch.device) -> float:
+    """Median seconds of one fn() call: `repeats` runs of enough calls to last min_run_s each."""
+    fn()  # warm-up
+    start = stamp(device)
+    fn()
+    once = max(stamp(device) - start, 1e-7)
+    calls = max(1, int(min_run_s / once))
+    runs = []
+    for _ in range(repeats):
+        start = stamp(device)
+        for _ in range(calls):
+            fn()
+        runs.append((stamp(device) - start) / calls)
+    return statistics.median(runs)
+
+
+def measure_matmuls(plan, device: torch.device) -> dict:
+    """FLOP/s by smallest side, per shape, and the per-call latency (fp32; TF32 off on a GPU)."""
+    rates: dict[str, dict[int, float]] = {"square": {}, "gpt": {}}
+    torch.manual_seed(0)
+    with strict_fp32(device):
+        for n in matmul_sizes(plan, device):
+            for shape, (m, k, cols) in (("square", (n, n, n)), ("gpt", (2 * n, n, 4 * n))):
+                a, b = torch.randn(m, k, device=device), torch.randn(k, cols, device=device)
+                out = torch.empty(m, cols, device=device)
+                seconds = timed(lambda: torch.mm(a, b, out=out), plan.min_run_s, plan.repeats, device)
+                rates[shape][n] = 2 * m * k * cols / seconds
+                del a, b, out
+        a, b = torch.randn(8, 8, device=device), torch.randn(8, 8, device=device)
+        latency = timed(lambda: torch.mm(a, b), plan.min_run_s, plan.repeats, device)
+    return {"rates": rates, "launch_latency": latency}
+
+
+def measure_copy(plan, device: torch.device) -> float:
+    """Bytes per second moved by a large copy (read + write)."""
+    nbytes = copy_bytes(plan, device)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), plan.min_run_s, plan.repeats, device)
+    return 2 * nbytes / seconds
+
+
+def measure_block(plan, device: torch.device) -> dict:
+    """Forward and backward seconds of one block of plan.model at its shape, fp32."""
+    from minigpt.config import preset
+    from minigpt.model import Block
+
+    config = preset(plan.model)
+    torch.manual_seed(0)
+    block = Block(config).to(device)
+    x = torch.randn(plan.micro_batch, config.seq_len, config.d_model, device=device, requires_grad=True)
+    forwards, backwards = [], []
+    for i in range(plan.repeats + 1):
+        start = stamp(device)
+        out = block(x)
+        middle = stamp(device)
+        out.sum().backward()
+        end = stamp(device)
+        if i:  # the first is a warm-up
+            forwards.append(middle - start)
+            backwards.append(end - middle)
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+    return {"model": plan.model, "micro_batch": plan.micro_batch, "seq_len": config.seq_len,
+            "d_model": config.d_model, "forward_s": statistics.median(forwards),
+            "backward_s": statistics.median(backwards)}
+
+
+# ---------------------------------------------------------------- the model's pieces
+
+
+class AloneCollectives(Collectives):
+    """A tensor-parallel group of `size` ranks seen from rank 0, that communicates nothing.
+
+    Every call does only its local share of work (all-reduce nothing, all-gather and
+    reduce-scatter one copy), so parallel/tensor.py's real modules run on one rank alone and
+    their compute can be timed apart from their communication, which the profile measures
+    separately (calibrate_host's collectives)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(None, "alone")
+        self.size, self.rank = size, 0
+
+    def all_reduce(self, tensor, op=None, async_op: bool = False):
+        return Done() if async_op else None
+
+    def all_gather(self, output, shard, async_op: bool = False):
+        output.view(self.size, -1).copy_(shard.reshape(1, -1).expand(self.size, -1))
+        return Done() if async_op else None
+
+    def reduce_scatter(self, shard, full, async_op: bool = False):
+        shard.copy_(full.reshape(self.size, -1)[self.rank].view_as(shard))
+        return Done() if async_op else None
+
+
+def tp_sizes(config, ranks: int) -> list[int]:  # tensor-parallel sizes this model and these ranks allow
+    return [tp for tp in TENSOR_PARALLEL if tp <= ranks and config.n_heads % tp == 0 and config.d_ff % tp == 0]
+
+
+def variants(config, ranks: int) -> list[tuple[int, bool]]:
+    """(tp, sequence_parallel) pairs measured: every tp that fits, with and without sequence parallelism."""
+    return [(tp, sp) for tp in tp_sizes(config, ranks) for sp in ((False, True) if tp > 1 else (False,))
+            if not sp or config.seq_len % tp == 0]
+
+
+def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None):
+    """The GPT made tensor-parallel by parallel/tensor.py over a group that communicates nothing, on `device`."""
+    from minigpt.model import GPT
+    from parallel.tensor import parallelize
+
+    model = GPT(config)
+    parallelize(model, AloneCollectives(tp), sequence_parallel)
+    return model.to(device or torch.device("cpu"))
+
+
+def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_parallel: bool = False,
+               device: torch.device | None = None):
+    """A function timing one forward and one backward of `piece` ("block", "embedding" or "head")
+    as training runs it on one tensor-parallel rank: () -> (forward s, backward s); a block's
+    time is that of all the model's blocks run in turn, divided by their number."""
+    device = device or torch.device("cpu")
+    seq, d = config.seq_len, config.d_model
+    model = model if model is not None else piece_model(config, tp, sequence_parallel, device)
+    rows = seq // tp if sequence_parallel else seq  # the sequence a rank holds between the layers
+    x = None if piece == "embedding" else torch.randn(batch, rows, d, device=device, requires_grad=True)
+    grad = None if piece == "head" else torch.randn(batch, rows, d, device=device)
+    if piece == "block":  # every block in turn, as a chunk runs them (their weights do not all stay in cache)
+        def forward():
+            out = x
+            for block in model.blocks:
+                out = block(out)
+            return out
+    elif piece == "embedding":
+        idx = torch.randint(config.vocab_size, (batch, seq), device=device)
+        forward = lambda: model.embed(idx)  # noqa: E731
+    else:
+        targets = torch.randint(config.vocab_size, (batch, seq), device=device)
+        forward = lambda: model.loss(model.logits(x), targets)  # noqa: E731
+
+    per = len(model.blocks) if piece == "block" else 1
+
+    def step() -> tuple[float, float]:
+        if x is not None:
+            x.grad = None
+        start = stamp(device)
+        out = forward()
+        middle = stamp(device)
+        out.backward(grad)
+        return (middle - start) / per, (stamp(device) - middle) / per
+
+    return step
+
+
+def medians(step, repeats: int, min_total_s: float) -> tuple[float, float]:
+    """Median (forward, backward) seconds after a warm-up: at least `repeats` runs, more
+    (up to 5x) for short pieces so the runs last about min_total_s."""
+    step()
+    first = step()
+    runs = min(max(repeats, math.ceil(min_total_s / max(sum(first), 1e-7))), 5 * repeats)
+    samples = [first] + [step() for _ in range(runs - 1)]
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
