@@ -21,7 +21,12 @@ from simulator.topology import Cluster
 class HostCompute:
     units: UnitTimes | None  # None: the model (or this tp) was not measured; the roofline's times are used
     slowdown: float  # MeasuredHost.slowdown for the job's ranks and threads
-    serial: bool = True  # communication takes the compute's cores (a CPU host; not GPUs)
+    # Communication charged in line with compute: on a CPU host whose ranks each have their own
+    # cores, gloo's copies and wake-ups take the rank's core from its compute. When ranks outnumber
+    # the cores they take turns anyway, and a rank's asynchronous collectives progress while it
+    # waits for its turn (checked on the 8-rank row of the compare matrix, docs/results.md); GPUs
+    # move bytes with engines of their own.
+    serial: bool = True
 
     def chunk(self, layers: int, first: bool, last: bool, micro_batch: int, recompute: str,
               roofline: tuple[float, float, float]) -> tuple[float, float, float]:
@@ -44,7 +49,8 @@ class HostCompute:
 
 def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int) -> HostCompute:
     return HostCompute(host.unit_times(model, layout.tp, layout.sequence_parallel),
-                       host.slowdown(layout.world_size, threads_per_rank), serial=host.device == "cpu")
+                       host.slowdown(layout.world_size, threads_per_rank),
+                       serial=host.device == "cpu" and layout.world_size * threads_per_rank <= host.cores)
 
 
 class HostLinks(LinkCosts):

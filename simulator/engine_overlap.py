@@ -13,8 +13,9 @@ communicator run one at a time); compute waits only where our code waits:
     at the end of each micro-batch's backward); otherwise the communication may run past it
     (ZeRO 0/1: the last backward's buckets are waited for before the optimizer step).
 
-`serial`: on a CPU host gloo moves the bytes with the same cores that compute, so the
-communication is charged in issue order on the compute stream instead (nothing overlaps).
+`serial`: on a CPU host whose ranks each have their own cores, gloo moves the bytes with the
+core that computes, so the communication is charged in issue order on the compute stream
+instead (nothing overlaps; simulator/engine_host.py decides when).
 
 Gradient buckets become ready during a backward as it walks the parameters in reverse:
 `ready_offsets` spreads each unit's backward time over its tensors by size (an

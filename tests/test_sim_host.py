@@ -155,3 +155,12 @@ def test_gpus_measured_with_nccl_overlap_communication_with_compute(hardware, tm
                           for h in (hardware, gpu))
     assert gpu_step.breakdown["compute"] == pytest.approx(cpu_step.breakdown["compute"])
     assert gpu_step.step_time_s < cpu_step.step_time_s and gpu_step.breakdown["dp_comm"] < cpu_step.breakdown["dp_comm"]
+
+
+def test_communication_is_charged_in_line_only_where_each_rank_has_its_own_cores(hardware):
+    from simulator.engine_host import host_compute
+
+    host = hardware.gpu.measured  # 2 cores
+    assert host_compute(host, TINY, Layout(dp=2), 1).serial  # one core each: gloo's copies take it from compute
+    assert not host_compute(host, TINY, Layout(dp=4), 1).serial  # 4 ranks take turns: comm progresses meanwhile
+    assert not host_compute(host, TINY, Layout(dp=2), 2).serial
