@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,7 @@ class Collectives:
         self.bytes: dict[str, int] = defaultdict(int)
         self.volume: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.seconds = 0.0  # wall time inside blocking collectives since the last reset (async ones: not counted)
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -54,12 +57,22 @@ class Collectives:
         self.bytes.clear()
         self.volume.clear()
         self.calls.clear()
+        self.seconds = 0.0
+
+    def _timed(self, collective, *args, **kwargs):
+        """Run a collective; a blocking one adds its wall time (waiting for the group included) to `seconds`."""
+        if kwargs["async_op"]:
+            return collective(*args, **kwargs)
+        start = time.perf_counter()
+        collective(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        return None
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.group is None:
             return Done() if async_op else None
         self._count("all_reduce", tensor)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return self._timed(dist.all_reduce, tensor, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """output (size x shard) <- every rank's shard, in rank order."""
@@ -67,7 +80,7 @@ class Collectives:
             output.copy_(shard)
             return Done() if async_op else None
         self._count("all_gather", output)
-        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
+        return self._timed(_all_gather_flat, output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """shard <- this rank's piece of the sum over ranks of `full`."""
@@ -75,7 +88,7 @@ class Collectives:
             shard.copy_(full)
             return Done() if async_op else None
         self._count("reduce_scatter", full)
-        return _reduce_scatter_flat(shard, full, group=self.group, async_op=async_op)
+        return self._timed(_reduce_scatter_flat, shard, full, group=self.group, async_op=async_op)
 
     def max(self, value: torch.Tensor) -> torch.Tensor:
         """The maximum of a small tensor over the group (for overflow flags)."""

@@ -100,16 +100,23 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     cfg = plan.cfg
     measured = summary["time_breakdown"]
     b = result.breakdown
+    tp_measured = measured.get("tp_s", 0.0)
+    compute_measured = measured.get("compute_s")
     rows = [
         _row("step time", "s", result.step_time_s, summary["step_time_s"], "measured: median over the steps"),
-        _row("compute", "s", b["compute"], measured.get("compute_s")),
-        _row("communication", "s", b["pp_comm"] + b["dp_comm"] + b["tp_comm"],
-             measured.get("p2p_s", 0.0) + measured.get("dp_s", 0.0),
-             "measured p2p + dp (dp includes the optimizer step; p2p includes pipeline waits); "
-             "predicted pp + dp + tp"),
+        _row("compute", "s", b["compute"], None if compute_measured is None else compute_measured - tp_measured,
+             "measured: the compute actions less their time inside tp collectives"),
     ]
+    if cfg.tp > 1:
+        rows.append(_row("tp communication", "s", b["tp_comm"], tp_measured,
+                         "measured: wall time inside blocking tp collectives (waiting for the group included)"))
     if cfg.pp > 1:
-        rows.append(_row("bubble", "s", b["pipeline_bubble"], None, "not measured apart: inside measured p2p"))
+        rows.append(_row("pipeline p2p + bubble", "s", b["pp_comm"] + b["pipeline_bubble"], measured.get("p2p_s"),
+                         "measured: time in the pipeline's sends and receives, waits included"))
+        rows.append(_row("bubble", "s", b["pipeline_bubble"], None, "not measured apart: inside the p2p time"))
+    rows.append(_row("dp communication + optimizer", "s", b["dp_comm"] + b["optimizer"], measured.get("dp_s", 0.0),
+                     "measured: after the last backward (the reductions left, the optimizer); predicted: all "
+                     "exposed dp traffic (ZeRO-2/3's, during the backward, is inside measured compute)"))
     predicted_memory = _memory_predicted(result, plan)
     measured_memory = _memory_measured(summary["memory_per_rank"][0])
     for kind in MEMORY_KINDS:

@@ -27,9 +27,12 @@ class Trace:
         self.rank = rank
         self.steps: list[dict] = []
 
-    def add_step(self, step: int, start: float, end: float, events: list[tuple[str, str, float, float]]) -> None:
+    def add_step(self, step: int, start: float, end: float, events: list[tuple[str, str, float, float]],
+                 tp_seconds: float = 0.0) -> None:
+        """`tp_seconds`: the wall time spent inside blocking tensor-parallel collectives during the
+        compute actions (on CUDA only their launch: NCCL returns before the transfer ends)."""
         if len(self.steps) < MAX_STEPS:
-            self.steps.append({"step": step, "start": start, "end": end, "events": events})
+            self.steps.append({"step": step, "start": start, "end": end, "events": events, "tp": tp_seconds})
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "steps": self.steps}
@@ -65,13 +68,15 @@ def _event(name, kind, start, end, rank, origin, tid_offset=0) -> dict:
 
 
 def breakdown(timelines: list[dict]) -> dict:
-    """Mean seconds per step of each kind over ranks and steps (the first step, a warm-up, left out)."""
-    totals = {"step": 0.0, "compute": 0.0, "p2p": 0.0, "dp": 0.0}
+    """Mean seconds per step of each kind over ranks and steps (the first step, a warm-up, left out);
+    tp_s is the part of compute_s spent inside blocking tensor-parallel collectives."""
+    totals = {"step": 0.0, "compute": 0.0, "p2p": 0.0, "dp": 0.0, "tp": 0.0}
     count = 0
     for timeline in timelines:
         steps = timeline["steps"][1:] or timeline["steps"]
         for step in steps:
             totals["step"] += step["end"] - step["start"]
+            totals["tp"] += step.get("tp", 0.0)  # inside compute: not in "other" below
             for _, kind, start, end in step["events"]:
                 if kind in totals:
                     totals[kind] += end - start

@@ -128,6 +128,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             data_parallel.begin_step()
             record = rank.executor.run_step(inputs, targets, scale, activations if step == 0 else None)
             dp_start = time.perf_counter()
+            tp_seconds = rank.comms["tp"].seconds  # inside the compute actions (Megatron's collectives block)
             grads = data_parallel.finish_grads()
             result = optimizer.step(
                 grads, lr, grad_clip=cfg.grad_clip, scaler=scaler,
@@ -139,7 +140,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             synchronize(device)
             end = time.perf_counter()
             record.events.append(("GradReduce+OptimizerStep", "dp", dp_start, end))
-            trace.add_step(step, start, end, record.events)
+            trace.add_step(step, start, end, record.events, tp_seconds)
             step_time = end - start
             comm_per_step = {dim: comm.counters() for dim, comm in rank.comms.items()}
 

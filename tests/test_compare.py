@@ -65,6 +65,17 @@ def test_dp2_json(profile, tmp_path):
     json.loads((tmp_path / "run" / "simulated.json").read_text())
 
 
+def test_tp2_pairs_the_tensor_parallel_communication(profile, tmp_path):
+    result = invoke("--hardware", profile, *TINY, "--tp", "2", "--out", str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)["rows"]}
+    tp, compute = rows["tp communication"], rows["compute"]
+    assert tp["predicted"] > 0 and tp["measured"] > 0  # timed inside the blocking collectives during training
+    breakdown = json.loads(result.stdout)["measured_breakdown"]
+    assert compute["measured"] == pytest.approx(breakdown["compute_s"] - breakdown["tp_s"])
+    assert "pipeline p2p + bubble" not in rows and "dp communication + optimizer" in rows
+
+
 def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
     from cli.compare import build_compare_config
     from parallel.compare import check_compare, run_compare
