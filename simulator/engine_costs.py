@@ -188,14 +188,10 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             for kind in ("B", "W"):
                 actions.setdefault((kind + "last", chunk), actions[(kind, chunk)])
         stage_memory = memory.per_stage[rank]
-        if zero >= 1:
-            norm_reduce_here = norm_reduce + dp_time("all_reduce", 1, NORM_BYTES)
-        else:
-            norm_reduce_here = norm_reduce
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(stage_memory, pol, gpu) * (host.slowdown if host is not None else 1.0)
-            + norm_reduce_here,
+            + norm_reduce + (dp_time("all_reduce", 1, NORM_BYTES) if zero >= 1 else 0.0),
             reduce_before_step=_reduce_before_step(zero, dp, tied_copy, rank, layout, model, spans, bucket_reduce,
                                                    dp_time, reduce_bytes),
             update_gather={c: sum(dp_time("all_gather", b.size, compute_bytes) for *_, b in s) for c, s in spans.items()}

@@ -70,26 +70,10 @@ class HostLinks(LinkCosts):
         seconds = self.measured("p2p", 2, nbytes)
         return super().p2p(src_stage, dst_stage, nbytes) if seconds is None else seconds
 
-    def tp_collective(self, kind: str, nbytes: float) -> float:
-        if self.layout.tp == 1 or nbytes <= 0:
+    def ring(self, kind: str, groups, nbytes: float) -> float:
+        """Every group collective (tp, dp, pp, the embedding sync) of a group of n: the measured one for n."""
+        n = len(groups[0][0])
+        if n == 1 or nbytes <= 0:
             return 0.0
-        seconds = self.measured(kind, self.layout.tp, nbytes)
-        return super().tp_collective(kind, nbytes) if seconds is None else seconds
-
-    def dp_collective(self, stage: int, kind: str, nbytes: float) -> float:
-        if self.layout.dp == 1 or nbytes <= 0:
-            return 0.0
-        seconds = self.measured(kind, self.layout.dp, nbytes)
-        return super().dp_collective(stage, kind, nbytes) if seconds is None else seconds
-
-    def pp_collective(self, kind: str, nbytes: float) -> float:
-        if self.layout.pp == 1 or nbytes <= 0:
-            return 0.0
-        seconds = self.measured(kind, self.layout.pp, nbytes)
-        return super().pp_collective(kind, nbytes) if seconds is None else seconds
-
-    def embedding_sync(self, nbytes: float) -> float:
-        if self.layout.pp == 1 or nbytes <= 0:
-            return 0.0
-        seconds = self.measured("all_reduce", 2, nbytes)
-        return super().embedding_sync(nbytes) if seconds is None else seconds
+        seconds = self.measured(kind, n, nbytes)
+        return super().ring(kind, groups, nbytes) if seconds is None else seconds
