@@ -69,13 +69,6 @@ def write_atomically(data: dict, path: Path) -> None:
         raise
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def parse_sizes(text: str | None) -> tuple[int, ...] | None:
     """"1,2,4,8" -> (1, 2, 4, 8); None stays None; ConfigError on anything else."""
     if text is None:
@@ -97,13 +90,14 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
     from parallel.calibrate import build_profile, calibrate, make_plan, measured_device
+    from parallel.calibrate_host import host_cores
 
     plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches)
     start = time.perf_counter()
     measured = calibrate(plan)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     name = name or (CUDA_NAME if measured_device(measured)["type"] == "cuda" else DEFAULT_NAME)
-    profile = build_profile(measured, plan, name, available_cores(), date)
+    profile = build_profile(measured, plan, name, host_cores(), date)
     profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
     profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
     write_atomically(profile, path)

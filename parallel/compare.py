@@ -131,34 +131,23 @@ def machine_drift(hardware) -> dict | None:
     one thread, alone); the same is timed here, in this process, before training. A VM whose
     neighbours got busy, or a laptop that throttles, shows up as a change: a comparison is
     only as good as the calibration is current. Nothing is adjusted with it."""
-    import statistics
-    import time
-
     import torch
 
-    from minigpt.config import preset
-    from minigpt.model import Block
+    from parallel.calibrate import CalibrationPlan
+    from parallel.calibrate_device import measure_block
 
     block_note = (hardware.gpu.calibration or {}).get("block")
     if not block_note or hardware.gpu.calibration.get("backend") != "gloo":
         return None
-    config = preset(block_note["model"])
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as calibrate's rank 0 measured it
     try:
-        torch.manual_seed(0)
-        block = Block(config)
-        x = torch.randn(block_note["micro_batch"], config.seq_len, config.d_model, requires_grad=True)
-        runs = []
-        for i in range(6):
-            start = time.perf_counter()
-            block(x).sum().backward()
-            if i:  # the first is a warm-up
-                runs.append(time.perf_counter() - start)
+        block = measure_block(CalibrationPlan(model=block_note["model"], micro_batch=block_note["micro_batch"]),
+                              torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
     then = block_note["forward_s"] + block_note["backward_s"]
-    now = statistics.median(runs)
+    now = block["forward_s"] + block["backward_s"]
     return {"reference": f"one {block_note['model']} block, micro-batch {block_note['micro_batch']}, forward + backward",
             "calibrated_s": then, "now_s": now, "change": (now - then) / then}
 
