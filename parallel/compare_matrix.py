@@ -37,10 +37,11 @@ def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
     for name, changes in MATRIX.items():
         cfg = dataclasses.replace(base, out_dir=str(Path(out_dir) / name.replace(" ", "-")), **changes)
         plans[name] = check_compare(cfg, hardware_path)
-    rows, hardware = [], next(iter(plans.values())).hardware
-    drift = [machine_drift(hardware)]  # before the first layout and after the last
+    rows, drift = [], []
     for name, plan in plans.items():
-        report = run_compare(plan)
+        report = run_compare(plan)  # times the calibration's reference block before it trains
+        if not drift:
+            drift.append(report["machine_drift"])  # before the first layout
         by_name = {row["name"]: row for row in report["rows"]}
         rows.append({
             "layout": name,
@@ -51,7 +52,7 @@ def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
             "activations_error": by_name["activations (rank 0)"]["relative_error"],
             "traces": report["traces"],
         })
-    drift.append(machine_drift(hardware))
+    drift.append(machine_drift(plan.hardware))  # and after the last
     errors = [abs(row["step_time_error"]) for row in rows]
     return {
         "hardware": hardware_path,
