@@ -58,7 +58,7 @@ def run_autocast(cfg: TrainConfig, name: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step)
         with torch.autocast(device.type, dtype=dtype):
-            loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+            loss = model(x.to(device), y.to(device))
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

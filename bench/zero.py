@@ -170,7 +170,7 @@ def run_torch(kind: str, cfg: TrainConfig, device: torch.device, warmup: int) ->
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, 0, rank)
-        loss = wrapped(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        loss = wrapped(x.to(device), y.to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()

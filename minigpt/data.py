@@ -5,19 +5,27 @@ round-trips exactly. A batch is a pure function of (seed, step, micro-batch,
 data-parallel rank): every sample of a step's global batch is drawn from
 (seed, step) alone, and a rank's micro-batch is a fixed slice of that global
 batch, so any parallel layout sees exactly the same global batch as one process.
+
+Token streams and batches are CPU torch tensors (uint8 tokens, int64 batches); the
+random offsets come from a torch.Generator seeded by a hash of (seed, stream, step).
+torch is imported inside the functions that make tensors, so that the torch-free job
+description (parallel/train_config.py) can take VOCAB_SIZE and BatchLayout from here.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from minigpt.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 VOCAB_SIZE = 256
 CORPUS_NAME = "shakespeare.txt.gz"
@@ -25,15 +33,25 @@ CORPUS_SHA256 = "b8cc995313d92e0132bd8fffdb45d7e822ab554fcf3ffb442a2777a7a73e2c8
 VAL_FRACTION = 0.1
 
 
-def encode(text: str) -> np.ndarray:
-    """Text to token ids (its UTF-8 bytes), as uint8."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+def tokens_of(data: bytes):
+    """Bytes to token ids: a CPU uint8 tensor of its own (writable) memory."""
+    import torch
+
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def encode(text: str):
+    """Text to token ids (its UTF-8 bytes), as a uint8 tensor."""
+    return tokens_of(text.encode("utf-8"))
 
 
 def decode(tokens) -> str:
     """Token ids back to text. Exact for the encoding of any text; a byte
     sequence cut inside a multi-byte character decodes with U+FFFD."""
-    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+    values = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    return bytes(values).decode("utf-8", errors="replace")
 
 
 def embedded_corpus() -> bytes:
@@ -61,7 +79,7 @@ def read_text_file(path: str | Path) -> bytes:
 
 def check_length(n_tokens: int, seq_len: int, source: str) -> None:
     """Each split must hold at least one full sample: seq_len inputs plus one target."""
-    needed = int(np.ceil((seq_len + 1) / VAL_FRACTION))
+    needed = math.ceil((seq_len + 1) / VAL_FRACTION)
     if n_tokens < needed:
         raise ConfigError(
             f"data {source!r} has {n_tokens} bytes; with seq_len={seq_len} it needs at least "
@@ -80,15 +98,15 @@ def check_text_file(path: str | Path, seq_len: int) -> None:
 class Corpus:
     """A token stream split into train (first 90%) and validation (last 10%)."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: torch.Tensor  # uint8
+    val: torch.Tensor
     source: str
 
     @classmethod
     def load(cls, path: str | Path | None, seq_len: int) -> "Corpus":
         data = embedded_corpus() if path is None else read_text_file(path)
         source = "embedded:" + CORPUS_NAME if path is None else str(path)
-        tokens = np.frombuffer(data, dtype=np.uint8)
+        tokens = tokens_of(data)
         check_length(len(tokens), seq_len, source)
         split = len(tokens) - int(len(tokens) * VAL_FRACTION)
         return cls(train=tokens[:split], val=tokens[split:], source=source)
@@ -97,18 +115,26 @@ class Corpus:
 TRAIN_STREAM, VAL_STREAM = 0, 1
 
 
-def sample_offsets(
-    n_tokens: int, seq_len: int, seed: int, step: int, n_samples: int, stream: int = TRAIN_STREAM
-) -> np.ndarray:
-    """Start offsets of the samples of one global batch: a pure function of (seed, stream, step)."""
-    rng = np.random.default_rng([seed, stream, step])
-    return rng.integers(0, n_tokens - seq_len, size=n_samples)
+def generator_seed(seed: int, stream: int, step: int) -> int:
+    """A 63-bit seed that depends on all three numbers (sha256 of them: no two triples collide in practice)."""
+    digest = hashlib.sha256(f"{seed}:{stream}:{step}".encode("ascii")).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def slice_samples(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def sample_offsets(n_tokens: int, seq_len: int, seed: int, step: int, n_samples: int, stream: int = TRAIN_STREAM):
+    """Start offsets (int64 tensor) of the samples of one global batch: a pure function of (seed, stream, step)."""
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed, stream, step))
+    return torch.randint(0, n_tokens - seq_len, (n_samples,), generator=generator, device="cpu")
+
+
+def slice_samples(tokens, offsets, seq_len: int):
     """(inputs, targets), each (len(offsets), seq_len) int64: targets are inputs shifted by one."""
-    window = offsets[:, None] + np.arange(seq_len + 1)[None, :]
-    chunk = tokens[window].astype(np.int64)
+    import torch
+
+    window = offsets[:, None] + torch.arange(seq_len + 1, device="cpu")[None, :]
+    chunk = tokens[window].long()
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -144,21 +170,21 @@ class BatchLayout:
 
 
 def get_batch(
-    tokens: np.ndarray,
+    tokens,
     seq_len: int,
     layout: BatchLayout,
     seed: int,
     step: int,
     micro_batch: int = 0,
     dp_rank: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple:
     """One rank's micro-batch of one step: a pure function of (seed, step, micro_batch, dp_rank)."""
     offsets = sample_offsets(len(tokens), seq_len, seed, step, layout.global_batch)
     chosen = layout.sample_range(micro_batch, dp_rank)
     return slice_samples(tokens, offsets[chosen.start : chosen.stop], seq_len)
 
 
-def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int, seed: int):
+def validation_batches(tokens, seq_len: int, batch_size: int, n_batches: int, seed: int):
     """A fixed set of validation batches (the same at every evaluation)."""
     for index in range(n_batches):
         offsets = sample_offsets(len(tokens), seq_len, seed, index, batch_size, stream=VAL_STREAM)
