@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from precision import fp8
 from precision.fp8 import Fp8Linear
 from precision.policy import PrecisionPolicy
 
@@ -73,6 +74,35 @@ class EmulatedLinear(nn.Module):
 
 def needs_emulation(policy: PrecisionPolicy, device: torch.device) -> bool:
     return device.type == "cpu" and policy.compute != "fp32"
+
+
+EMULATED = "emulated on CPU (16-bit storage, fp32 accumulation)"
+NATIVE = "native"
+NATIVE_FP8 = "native fp8 (torch._scaled_mm)"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compute_path(policy: PrecisionPolicy, device: torch.device) -> str:
+    """How `policy`'s matmuls run on `device`, for the training summary.
+
+    Without fp8: EMULATED or NATIVE. Under fp8: NATIVE_FP8, or, once `_scaled_mm` has
+    refused a pair on this device type (precision.fp8.fallbacks(), so call this after
+    the steps ran), "fp8 with fallback to dequantised fp32 matmuls for <pairs>: <reason>";
+    where the other Linears (the LM head) are emulated, "; other matmuls <EMULATED>" follows.
+    """
+    emulated = needs_emulation(policy, device)
+    if not policy.fp8_linears:
+        return EMULATED if emulated else NATIVE
+    refused = [(a, b, why) for (kind, a, b), why in fp8.fallbacks().items() if kind == device.type]
+    if refused:
+        path = "fp8 with fallback to dequantised fp32 matmuls for " + "; ".join(
+            f"{_dtype_name(a)} x {_dtype_name(b)} on {device.type}: {why}" for a, b, why in refused)
+    else:
+        path = NATIVE_FP8
+    return f"{path}; other matmuls {EMULATED}" if emulated else path
 
 
 def apply_precision(model: nn.Module, policy: PrecisionPolicy, device: torch.device) -> nn.Module:

@@ -1,24 +1,56 @@
 """FP8 matmuls for Linear layers with per-tensor delayed scaling, written here.
 
 The compute path of a Linear layer runs in fp8; the weight Parameter keeps its own
-dtype (fp32 master, usually), so the optimizer never sees fp8.
+dtype (bf16 under the fp8 policy, whose compute copy is bf16; fp32 for a plain fp32
+Linear), so the optimizer never sees fp8.
 
-- forward:  y  = x @ W.T           x, W quantised to float8_e4m3fn (more mantissa)
+- forward:  y  = x @ W.T + b       x, W quantised to float8_e4m3fn (more mantissa)
 - backward: dx = g @ W             g quantised to float8_e5m2 (more range), W e4m3
             dW = g.T @ x           g e5m2, x e4m3 (the fp8 copies saved by forward)
             db = g.sum(0)          from the unquantised g, in fp32
 
-Every matmul goes through `torch._scaled_mm` with fp32 output; the bias is added in fp32.
+Every matmul goes through `torch._scaled_mm`, which accumulates in fp32 and writes its
+output directly in the dtype the layer computes in: y and dx in x's dtype, dW in W's
+dtype (bf16 under the fp8 policy; fp32 for fp32 tensors), never fp32-then-cast. The bias
+goes into `_scaled_mm` (the cuBLASLt epilogue) when the output is bf16 or fp16, cast to
+the output dtype, because CUDA wants exactly that: it refuses a bias with fp32 output
+("Bias is not supported when out_dtype is set to Float32") and wants the bias in the
+output dtype. With fp32 output the bias is added afterwards, in fp32. The same rule
+holds on every device, so the CPU tests see the arguments CUDA will get.
 `torch._scaled_mm` has no derivative, hence `Fp8LinearFunction`.
 
-Measured on CPU, torch 2.13: `_scaled_mm` accepts all four pairs of
-{e4m3fn, e5m2} x {e4m3fn, e5m2}, any shape (1x1x1 and odd sizes included) and either
-memory layout of both operands, so no fallback is taken on CPU. On CUDA, cuBLASLt wants
-a row-major, b column-major and every dimension a multiple of 16; `fp8_matmul` arranges
-the layouts always and zero-pads to multiples of 16 on CUDA (zeros add nothing to a
-dot product, so the padding is exact). e5m2 x e5m2, which CUDA refuses, is never asked
-for here. Should a backend still refuse a pair, `fp8_matmul` warns once and computes that
-pair as a dequantised fp32 matmul of the same fp8 values (same numbers, no fp8 speed).
+Fast accumulation: the forward GEMM (e4m3 x e4m3) runs with `use_fast_accum=True`, the
+two backward GEMMs (dgrad, wgrad: e5m2 x e4m3) without it, as NVIDIA Transformer Engine
+does (its recipes' fp8_gemm_fprop uses fast accumulation, dgrad and wgrad use the split
+accumulator). On Hopper, fast accumulation keeps the fp8 tensor core's partial sums in a
+reduced-precision accumulator and promotes them to fp32 less often; that is cheap and
+harmless for the forward, whose K (in_features) is short and whose output feeds the next
+layer's own quantisation. Gradients are less forgiving: wgrad sums over every token of
+the batch (K = batch x seq, thousands), e5m2 carries only 2 mantissa bits, and a biased
+or truncated accumulation there goes straight into the weight update, so dgrad and wgrad
+promote to fp32 at every step of K.
+
+Measured on CPU, torch 2.13: `_scaled_mm` accepts all four pairs of {e4m3fn, e5m2} x
+{e4m3fn, e5m2}, any shape (1x1x1 and odd sizes included) and either memory layout of
+both operands, so no fallback is taken on CPU. out_dtype fp32, bf16, fp16 and e4m3fn are
+accepted (the default, no out_dtype, is the operands' fp8 dtype); the bf16/fp16 output
+equals the fp32 output rounded once (bit for bit, K = 4096), and the fp32 output equals
+the dequantised fp32 matmul bit for bit. A bias of fp32, bf16 or fp16 is accepted with
+every output dtype (CPU is looser than CUDA) and is added before the single rounding.
+`use_fast_accum` is accepted and has no effect on CPU (bit-identical results, K = 4096).
+Scales must be float32 with one element (0-dim or shape (1,)); a float64 or bf16 scale,
+a 2-element scale, or non-fp8 operands raise ValueError("Invalid scaling configuration.")
+-- a ValueError, not a RuntimeError; mismatched shapes raise RuntimeError.
+
+On CUDA, cuBLASLt wants a row-major, b column-major and every dimension a multiple of 16;
+`fp8_matmul` arranges the layouts always and zero-pads to multiples of 16 on CUDA (zeros
+add nothing to a dot product, so the padding is exact; the bias is zero-padded too).
+Scales are 0-dim float32 tensors on the operands' device. e5m2 x e5m2, which CUDA
+refuses, is never asked for here. Should a backend still refuse a pair (RuntimeError,
+NotImplementedError or ValueError), `fp8_matmul` warns once, records the pair and the
+reason in a registry (`fallbacks()`, which precision.compute.compute_path reports), and
+computes that pair from then on as a dequantised fp32 matmul of the same fp8 values
+(same numbers up to the output rounding, no fp8 speed). Out-of-memory is re-raised.
 
 Per-tensor delayed scaling (`Fp8Meta`): the scale used at step t comes from the amax
 history recorded at earlier steps, scale = fp8_max / (max(history) * 2**margin), with
@@ -136,7 +168,39 @@ class Fp8Meta:
         self.scale = {r: t.clone().float() for r, t in state["scale"].items()}
 
 
-_UNSUPPORTED: set[tuple[str, torch.dtype, torch.dtype]] = set()
+# Output dtypes `_scaled_mm` writes that a layer computes in (CPU and CUDA); any other
+# activation dtype gets fp32 output, then a cast.
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Output dtypes with which the bias goes into `_scaled_mm` (CUDA: not with fp32 output).
+BIAS_OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+FallbackKey = tuple[str, torch.dtype, torch.dtype]  # (device type, a dtype, b dtype)
+_FALLBACKS: dict[FallbackKey, str] = {}
+
+
+def fallbacks() -> dict[FallbackKey, str]:
+    """The (device type, a dtype, b dtype) pairs `_scaled_mm` refused in this process,
+    each with the reason; these pairs are computed as dequantised fp32 matmuls."""
+    return dict(_FALLBACKS)
+
+
+def reset_fallbacks() -> None:
+    """Forget every recorded fallback (tests), so `_scaled_mm` is tried again."""
+    _FALLBACKS.clear()
+
+
+def _record_fallback(key: FallbackKey, out_dtype: torch.dtype, err: Exception) -> None:
+    lines = str(err).splitlines()
+    reason = f"{type(err).__name__}: {lines[0] if lines else ''} (out_dtype {out_dtype})"
+    _FALLBACKS[key] = reason
+    warnings.warn(f"torch._scaled_mm refused {key} ({reason}); "
+                  "computing it as a dequantised fp32 matmul from now on", stacklevel=3)
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Output dtype of a GEMM whose result ends up in `dtype`: itself if `_scaled_mm`
+    writes it (fp32, bf16, fp16), else fp32 (cast afterwards)."""
+    return dtype if dtype in OUT_DTYPES else torch.float32
 
 
 def _pad_fp8(t: Tensor, rows: int, cols: int) -> Tensor:
@@ -151,35 +215,59 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def fp8_matmul(a: Tensor, b: Tensor, inv_scale_a: Tensor, inv_scale_b: Tensor,
-               pad_multiple: int | None = None) -> Tensor:
-    """fp32 (a / scale_a) @ (b / scale_b) for 2-D fp8 a (M, K), b (K, N) via _scaled_mm.
-
-    inv_scale_* are the dequantisation scales (0-dim float32). a is made row-major,
-    b column-major. Dimensions are zero-padded to `pad_multiple` (default: what the
-    device needs, PAD_MULTIPLE) and the result cropped back to (M, N).
-    """
-    m, k = a.shape
-    n = b.shape[1]
-    key = (a.device.type, a.dtype, b.dtype)
-    if key in _UNSUPPORTED:
-        return (a.float() * inv_scale_a) @ (b.float() * inv_scale_b)
+def _scaled_mm_padded(a: Tensor, b: Tensor, inv_scale_a: Tensor, inv_scale_b: Tensor,
+                      out_dtype: torch.dtype, bias: Tensor | None, use_fast_accum: bool,
+                      pad_multiple: int | None) -> Tensor:
+    """One `torch._scaled_mm` call with the layouts, padding and bias CUDA wants."""
+    m, n = a.shape[0], b.shape[1]
     multiple = PAD_MULTIPLE.get(a.device.type) if pad_multiple is None else pad_multiple
     if multiple:
-        mp, kp, np_ = (_round_up(d, multiple) for d in (m, k, n))
+        mp, kp, np_ = (_round_up(d, multiple) for d in (m, a.shape[1], n))
         a = _pad_fp8(a, mp, kp)
         b = _pad_fp8(b.t(), np_, kp).t()
-    a = a.contiguous()
+    a = a.contiguous()  # row-major
     b = b.t().contiguous().t()  # column-major
-    try:
-        out = torch._scaled_mm(a, b, scale_a=inv_scale_a, scale_b=inv_scale_b,
-                               out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError) as err:
-        _UNSUPPORTED.add(key)
-        warnings.warn(f"torch._scaled_mm refused {key} ({str(err).splitlines()[0]}); "
-                      "computing it as a dequantised fp32 matmul from now on")
-        return fp8_matmul(a[:m, :k], b[:k, :n], inv_scale_a, inv_scale_b)
-    return out[:m, :n]
+    fused = bias is not None and out_dtype in BIAS_OUT_DTYPES
+    mm_bias = F.pad(bias.to(out_dtype), (0, b.shape[1] - n)) if fused else None
+    out = torch._scaled_mm(a, b, scale_a=inv_scale_a, scale_b=inv_scale_b, bias=mm_bias,
+                           out_dtype=out_dtype, use_fast_accum=use_fast_accum)[:m, :n]
+    if bias is not None and not fused:
+        out = out + bias.to(out_dtype)  # fp32 output: the bias is added in fp32
+    return out
+
+
+def dequantised_matmul(a: Tensor, b: Tensor, inv_scale_a: Tensor, inv_scale_b: Tensor,
+                       out_dtype: torch.dtype = torch.float32,
+                       bias: Tensor | None = None) -> Tensor:
+    """The fallback: fp32 matmul of the dequantised fp8 values, + bias in fp32, one cast."""
+    out = (a.float() * inv_scale_a) @ (b.float() * inv_scale_b)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def fp8_matmul(a: Tensor, b: Tensor, inv_scale_a: Tensor, inv_scale_b: Tensor,
+               pad_multiple: int | None = None, *, out_dtype: torch.dtype = torch.float32,
+               bias: Tensor | None = None, use_fast_accum: bool = False) -> Tensor:
+    """(a / scale_a) @ (b / scale_b) + bias in `out_dtype`, for 2-D fp8 a (M, K), b (K, N).
+
+    inv_scale_* are the dequantisation scales (0-dim float32 on a's device). a is made
+    row-major, b column-major. Dimensions are zero-padded to `pad_multiple` (default:
+    what the device needs, PAD_MULTIPLE) and the result cropped back to (M, N). The bias
+    (N,) goes into `_scaled_mm` in `out_dtype` when that is bf16/fp16, else it is added
+    in fp32. A pair `_scaled_mm` refuses is recorded (`fallbacks()`), warned about once,
+    and computed by `dequantised_matmul` from then on.
+    """
+    key = (a.device.type, a.dtype, b.dtype)
+    if key not in _FALLBACKS:
+        try:
+            return _scaled_mm_padded(a, b, inv_scale_a, inv_scale_b, out_dtype, bias,
+                                     use_fast_accum, pad_multiple)
+        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError since 2.5; the same class
+            raise
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            _record_fallback(key, out_dtype, err)
+    return dequantised_matmul(a, b, inv_scale_a, inv_scale_b, out_dtype, bias)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -195,9 +283,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, in_features)
         x_fp8, inv_scale_x = meta.quantize(INPUT, x2d, update_history)
         w_fp8, inv_scale_w = meta.quantize(WEIGHT, weight, update_history)
-        y = fp8_matmul(x_fp8, w_fp8.t(), inv_scale_x, inv_scale_w)
-        if bias is not None:
-            y = y + bias.float()
+        # Forward: e4m3 x e4m3 with fast accumulation (see module docstring).
+        y = fp8_matmul(x_fp8, w_fp8.t(), inv_scale_x, inv_scale_w, out_dtype=gemm_dtype(x.dtype),
+                       bias=bias, use_fast_accum=True)
         ctx.save_for_backward(x_fp8, w_fp8, inv_scale_x, inv_scale_w)
         ctx.meta = meta
         ctx.update_history = update_history
@@ -211,11 +299,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         grad_2d = grad_y.reshape(-1, w_fp8.shape[0])
         g_fp8, inv_scale_g = ctx.meta.quantize(GRAD_OUTPUT, grad_2d, ctx.update_history)
         grad_x = grad_w = grad_b = None
+        # dgrad and wgrad: e5m2 x e4m3, fp32 (split) accumulation, no fast accumulation.
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_matmul(g_fp8, w_fp8, inv_scale_g, inv_scale_w)
+            grad_x = fp8_matmul(g_fp8, w_fp8, inv_scale_g, inv_scale_w,
+                                out_dtype=gemm_dtype(ctx.x_dtype), use_fast_accum=False)
             grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = fp8_matmul(g_fp8.t(), x_fp8, inv_scale_g, inv_scale_x).to(ctx.w_dtype)
+            grad_w = fp8_matmul(g_fp8.t(), x_fp8, inv_scale_g, inv_scale_x,
+                                out_dtype=gemm_dtype(ctx.w_dtype), use_fast_accum=False)
+            grad_w = grad_w.to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = grad_2d.float().sum(0).to(ctx.b_dtype)
         return grad_x, grad_w, grad_b, None, None
