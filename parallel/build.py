@@ -65,7 +65,7 @@ def tied_copy(stage: StageModel) -> nn.Parameter | None:
 
 
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:
-    comms = {dim: Collectives(mesh.group(dim), dim) for dim in ("dp", "tp", "pp")}
+    comms = {dim: Collectives(mesh.group(dim), dim, device) for dim in ("dp", "tp", "pp")}
     torch.manual_seed(cfg.seed)
     model = apply_precision(GPT(cfg.model), policy, device)  # built on the CPU in fp32, then cast
     replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)

@@ -93,7 +93,8 @@ def _layout(cfg) -> dict:
 
 
 def _tensor_to_json(tensor: torch.Tensor) -> str:
-    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode("ascii")
+    raw = tensor.detach().cpu().reshape(-1).view(torch.uint8).clone()  # a storage of exactly its bytes
+    return base64.b64encode(bytes(raw.untyped_storage())).decode("ascii")
 
 
 def _rank_state(rank) -> dict:
@@ -127,8 +128,10 @@ def _restore_rank_state(rank, state: dict) -> None:
         modules[name].meta.load_state_dict({
             "history_len": meta["history_len"],
             "margin": meta["margin"],
-            "amax_history": {role: torch.tensor(v, dtype=torch.float32) for role, v in meta["amax_history"].items()},
-            "scale": {role: torch.tensor(v, dtype=torch.float32) for role, v in meta["scale"].items()},
+            "amax_history": {role: torch.tensor(v, dtype=torch.float32, device=rank.mesh.device)
+                             for role, v in meta["amax_history"].items()},
+            "scale": {role: torch.tensor(v, dtype=torch.float32, device=rank.mesh.device)
+                      for role, v in meta["scale"].items()},
         })
 
 

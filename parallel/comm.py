@@ -8,21 +8,50 @@ Two counts per kind of collective:
           (a reduce-scatter and an all-gather), S for the others. A ring moves
           (N-1)/N of it through each rank's link. A group of one rank (None) makes every call a local no-op,
 so a 1-rank layout runs the same code without a process group.
+
+Every tensor handed in must live on the rank's device: NCCL takes CUDA tensors only
+(tests/test_cuda_paths.py checks every collective of a training step on CPU).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from parallel.clock import cuda_timing_event
 
-# torch 2.13 renamed the flat collectives; older releases know only the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_flat(*args, **kwargs):
+    """torch 2.13 renamed the flat collectives; older releases know only the old names.
+    Looked up at each call, so that a wrapper installed on torch.distributed sees every call."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class BlockedTime:
+    """Time inside blocking collectives up to some point of a step, waiting for the group included.
+
+    On the CPU: host wall time around each call (`host_seconds`). On CUDA the host returns from
+    a blocking NCCL call as soon as the current stream is made to wait for it, so each call is
+    bracketed by two CUDA events on the current stream (`spans`): from when the stream reaches
+    the call to when it may go on, which holds the transfer and the wait for the slowest peer.
+    `seconds()` resolves them, and may be called only once the device has synchronised.
+    """
+
+    host_seconds: float = 0.0
+    spans: tuple[tuple[Any, Any], ...] = ()
+
+    def seconds(self) -> float:
+        return self.host_seconds + sum(start.elapsed_time(end) for start, end in self.spans) / 1000.0
 
 
 class Done:
@@ -33,15 +62,18 @@ class Done:
 
 
 class Collectives:
-    def __init__(self, group: dist.ProcessGroup | None, name: str):
+    def __init__(self, group: dist.ProcessGroup | None, name: str, device: torch.device | None = None):
+        """`device`: the rank's; on CUDA blocking collectives are timed with CUDA events."""
         self.group = group
         self.name = name
+        self.timed_on_device = device is not None and device.type == "cuda"
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.bytes: dict[str, int] = defaultdict(int)
         self.volume: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
-        self.seconds = 0.0  # wall time inside blocking collectives since the last reset (async ones: not counted)
+        self._host_seconds = 0.0  # inside blocking collectives since the last reset (async ones: not counted)
+        self._spans: list[tuple[Any, Any]] = []  # on CUDA: (start, end) events around each blocking call
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -57,15 +89,33 @@ class Collectives:
         self.bytes.clear()
         self.volume.clear()
         self.calls.clear()
-        self.seconds = 0.0
+        self._host_seconds = 0.0
+        self._spans = []
+
+    def blocked(self) -> BlockedTime:
+        """Time inside blocking collectives since the last reset, as of now (resolve it after synchronising)."""
+        return BlockedTime(self._host_seconds, tuple(self._spans))
+
+    @property
+    def seconds(self) -> float:
+        """blocked().seconds(): on CUDA only once the device has synchronised."""
+        return self.blocked().seconds()
 
     def _timed(self, collective, *args, **kwargs):
-        """Run a collective; a blocking one adds its wall time (waiting for the group included) to `seconds`."""
+        """Run a collective; a blocking one adds its time (waiting for the group included) to `blocked()`."""
         if kwargs["async_op"]:
             return collective(*args, **kwargs)
-        start = time.perf_counter()
+        if self.timed_on_device:
+            start = cuda_timing_event()
+            start.record()
+            collective(*args, **kwargs)
+            end = cuda_timing_event()
+            end.record()
+            self._spans.append((start, end))
+            return None
+        start_s = time.perf_counter()
         collective(*args, **kwargs)
-        self.seconds += time.perf_counter() - start
+        self._host_seconds += time.perf_counter() - start_s
         return None
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):

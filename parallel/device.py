@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import statistics
 import time
 
 import torch
@@ -29,20 +29,54 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# Square matmul sizes timed for the peak. On a GPU the small one may not fill the chip, so the
+# best over sizes counts; on the CPU one modest size keeps the measurement at every start cheap.
+CUDA_PEAK_SIZES = (4096, 8192)
+CPU_PEAK_SIZES = (1024,)
+
+
 def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
-    """The device's matmul rate in `dtype`, measured: MFU is against this, not a datasheet."""
-    size = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # warm-up
-    synchronize(device)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    """The device's matmul rate in `dtype`, in FLOP/s, measured: MFU is against this, not a datasheet.
+
+    Each size is run once to warm up (kernel choice, clocks), then timed `repeats` times; the peak
+    is the best rate over sizes.
+      CUDA  a repeat is timed with CUDA events around a few back-to-back matmuls: the GPU's own
+            time (host timing would add launch and synchronisation latency to a kernel of a
+            fraction of a millisecond); a size's time is the median of its repeats.
+      CPU   a repeat is perf_counter around one matmul, which is the CPU's own time; other
+            processes on shared cores can only lengthen it, so a size's time is the fastest repeat.
+    """
+    on_gpu = device.type == "cuda"
+    timer = _cuda_matmul_seconds if on_gpu else _host_matmul_seconds
+    best = 0.0
+    for size in CUDA_PEAK_SIZES if on_gpu else CPU_PEAK_SIZES:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        out = torch.empty(size, size, device=device, dtype=dtype)
+        timer(a, b, out)  # warm-up
+        times = [timer(a, b, out) for _ in range(repeats)]
+        seconds = statistics.median(times) if on_gpu else min(times)
+        best = max(best, 2 * size**3 / seconds)
+    return best
+
+
+def _host_matmul_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+    start = time.perf_counter()
+    torch.matmul(a, b, out=out)
+    return time.perf_counter() - start
+
+
+CUDA_MATMULS_PER_REPEAT = 4  # back to back between two events: the GPU never waits for the host
+
+
+def _cuda_matmul_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(CUDA_MATMULS_PER_REPEAT):
+        torch.matmul(a, b, out=out)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0 / CUDA_MATMULS_PER_REPEAT
 
 
 def check_device(requested: str, local_ranks: int) -> None:

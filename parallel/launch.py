@@ -224,9 +224,16 @@ def init_worker(device_type: str | None = None) -> torch.device:
         )
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        # The current device: what NCCL's object collectives (all_gather_object, gather_object)
+        # and torch.distributed.checkpoint put their byte tensors on.
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        if use_cuda:
+            # Bound to this rank's GPU: NCCL sets up its communicator at once, and barrier()
+            # and new groups use this GPU rather than guessing one.
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
     return device
 
 

@@ -12,7 +12,10 @@ sends/receives are posted together with batch_isend_irecv and waited for, as
 the schedule's validator assumes; data-parallel actions are where ZeRO's own
 hooks do their work (bucket reductions during the backward, ZeRO-3 gathers in
 module hooks), so the executor only marks them in the trace. Every action is
-timed for the Chrome trace.
+stamped by the step clock (parallel/clock.py) for the Chrome trace: on CUDA with
+device events, so the trace holds when the GPU did the work, not when the host
+enqueued it. Every tensor handed to a collective or a send/receive lives on the
+rank's device (NCCL takes CUDA tensors only).
 
 With a tied head and more than one stage, the first stage's embedding and the
 last stage's head are two copies of one matrix: their gradients are summed over
@@ -21,13 +24,13 @@ the pair of ranks (the embedding group) before the optimizer sees them.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.clock import Event, StepClock
 from parallel.schedule import (
     Backward,
     Forward,
@@ -116,7 +119,8 @@ class StepRecord:
     """What one step of the executor measured on this rank."""
 
     loss_sum: float = 0.0
-    events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (name, kind, start, end)
+    # (name, kind, start, end) as the clock's stamps: StepClock.resolve turns them into seconds
+    events: list[Event] = field(default_factory=list)
 
 
 class PipelineExecutor:
@@ -133,15 +137,20 @@ class PipelineExecutor:
         # gradient still has to be added after it: then all are reduced at the end.
         self.last_backward = backwards[-1] if backwards and tied is None else None
 
-    def run_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], scale, activation_meter=None) -> StepRecord:
-        """One training step's actions. `scale(loss)` turns a micro-batch loss into what backward starts from."""
+    def run_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], scale, activation_meter=None,
+                 clock: StepClock | None = None) -> StepRecord:
+        """One training step's actions. `scale(loss)` turns a micro-batch loss into what backward starts from.
+
+        `clock`: the step's clock, started by the caller, who resolves the record's stamps after
+        finishing it; without one the actions get host perf_counter times (CPU-accurate only)."""
+        clock = clock or StepClock(torch.device("cpu"))
         record = StepRecord()
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         measured = activation_meter is None
         for group in self.groups:
-            start = time.perf_counter()
+            start = clock.stamp()
             action = group[0]
             if isinstance(action, Forward):
                 if not measured:
@@ -162,11 +171,11 @@ class PipelineExecutor:
             else:
                 kind = "dp"  # performed by ZeRO's hooks and the training loop; marked here
             name = "+".join(a.name for a in group)
-            record.events.append((name, kind, start, time.perf_counter()))
+            record.events.append((name, kind, start, clock.stamp()))
         if self.tied is not None:
-            start = time.perf_counter()
+            start = clock.stamp()
             self.tied.sync()
-            record.events.append(("EmbeddingSync", "p2p", start, time.perf_counter()))
+            record.events.append(("EmbeddingSync", "p2p", start, clock.stamp()))
         return record
 
     def forward(self, action: Forward, inputs, targets, scale, record: StepRecord) -> None:
@@ -227,7 +236,7 @@ class PipelineExecutor:
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """The loss of one batch through every chunk in order (forward only); every rank returns it."""
-        x, loss = inputs, torch.zeros((), dtype=torch.float64)
+        x, loss = inputs, torch.zeros((), dtype=torch.float64, device=self.device)
         for index in range(self.num_chunks):
             holder = index % len(self.pp_ranks)
             if holder != self.pp_rank:

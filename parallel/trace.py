@@ -1,8 +1,21 @@
 """Timelines of the executor: every action of every rank, as a Chrome trace and as a breakdown.
 
-Events carry perf_counter times, which on one machine share one monotonic
-clock across processes, so the ranks' tracks line up. (On CUDA the step is
-synchronised at its ends; actions inside it are host-side times.)
+Every time is in seconds on time.perf_counter()'s axis, which the processes of one
+machine share, so the ranks' tracks line up. What a time means depends on the device
+(parallel/clock.py stamps them):
+
+  CPU   when the action's Python call started and returned: the CPU did the work then.
+  CUDA  when the GPU reached the action's boundary: a CUDA event recorded on the current
+        stream there, resolved after the step's final synchronise against an anchor
+        recorded at the step's start. So an action's duration is the GPU's time for
+        its kernels (and for waiting on NCCL work the current stream depends on), not
+        the host's time to enqueue them; the step's start and end are host times taken
+        with the device idle (synchronised), so a step holds all of its GPU work.
+
+The tensor-parallel time `tp` (part of compute) is the time inside blocking
+collectives: host wall time on the CPU; on CUDA, CUDA events around each call on the
+current stream (parallel/comm.py BlockedTime), since the host returns from an NCCL
+call before the transfer is done.
 
 Breakdown of a step on a rank, from its events:
   compute   forward and backward actions
@@ -29,8 +42,8 @@ class Trace:
 
     def add_step(self, step: int, start: float, end: float, events: list[tuple[str, str, float, float]],
                  tp_seconds: float = 0.0) -> None:
-        """`tp_seconds`: the wall time spent inside blocking tensor-parallel collectives during the
-        compute actions (on CUDA only their launch: NCCL returns before the transfer ends)."""
+        """`tp_seconds`: the time spent inside blocking tensor-parallel collectives during the
+        compute actions (on CUDA from events on the stream: see the module's docstring)."""
         if len(self.steps) < MAX_STEPS:
             self.steps.append({"step": step, "start": start, "end": end, "events": events, "tp": tp_seconds})
 

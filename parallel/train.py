@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -23,15 +23,16 @@ from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import TrainingError
 from parallel.build import Rank, build_rank
 from parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from parallel.device import describe_device, measure_peak_flops, synchronize
+from parallel.clock import StepClock, TimedEvent
+from parallel.device import describe_device, measure_peak_flops
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
 from parallel.run_files import RunFiles, default_run_dir
 from parallel.trace import Trace, breakdown, write_chrome_trace
 from parallel.train_config import TrainConfig
-from precision.compute import dtype_of, needs_emulation
-from precision.optimizer import MasterAdamW, state_bytes
+from precision.compute import compute_path, dtype_of, needs_emulation
+from precision.optimizer import MasterAdamW, StepResult, state_bytes
 from precision.policy import TEXTBOOK_MIXED_ADAM, policy as precision_policy
 
 StepLog = Callable[[dict], None]
@@ -59,11 +60,12 @@ def run_worker(args: tuple[TrainConfig, StepLog | None]) -> dict | None:
         finish_worker()
 
 
-def mean_over(group, value: float, size: int) -> float:
-    """The mean of a Python number over a group (not counted as training traffic)."""
+def mean_over(group, value: float, size: int, device: torch.device) -> float:
+    """The mean of a Python number over a group (not counted as training traffic), reduced in a
+    tensor on `device`, the rank's: NCCL reduces only CUDA tensors."""
     if group is None:
         return value
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, group=group)
     return float(tensor[0]) / size
 
@@ -73,7 +75,7 @@ def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device)
     rank.stage.eval()
     batch = max(1, cfg.global_batch // cfg.micro_batches)  # the same batches whatever the layout
     losses = [
-        rank.executor.evaluate(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        rank.executor.evaluate(x.to(device), y.to(device))
         for x, y in validation_batches(corpus.val, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)
     ]
     rank.stage.train()
@@ -87,9 +89,72 @@ def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, dp_rank: int, dev
     inputs, targets = [], []
     for micro in range(cfg.micro_batches):
         x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro, dp_rank)
-        inputs.append(torch.from_numpy(x).to(device))
-        targets.append(torch.from_numpy(y).to(device))
+        inputs.append(x.to(device))
+        targets.append(y.to(device))
     return inputs, targets
+
+
+@dataclass
+class StepOutcome:
+    """What one training step did on this rank. Times: perf_counter seconds, device-side on CUDA
+    (parallel/clock.py); `end` is after the device finished all of the step's work."""
+
+    loss: float  # the micro-batches' mean loss, averaged over the data-parallel ranks
+    result: StepResult
+    start: float
+    end: float
+    events: list[TimedEvent]
+    tp_seconds: float  # inside blocking tensor-parallel collectives (parallel/comm.py BlockedTime)
+    comm: dict[str, dict]
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def train_step(rank: Rank, cfg: TrainConfig, step: int, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+               activations: ActivationMeter | None = None) -> StepOutcome:
+    """One optimizer step on this rank: the schedule's actions, the gradient reduction and the update,
+    each stamped by the step clock; every rank of the layout calls it."""
+    data_parallel, mesh, scaler = rank.data_parallel, rank.mesh, rank.scaler
+    for comm in rank.comms.values():
+        comm.reset_counters()
+    clock = StepClock(mesh.device)
+    start = clock.start()
+    data_parallel.begin_step()
+    scale = scaler.scale_loss if scaler else _unscaled
+    record = rank.executor.run_step(inputs, targets, scale, activations, clock)
+    dp_start = clock.stamp()
+    tp_blocked = rank.comms["tp"].blocked()  # inside the compute actions (Megatron's collectives block)
+    grads = data_parallel.finish_grads()
+    result = rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=scaler,
+                                 reduce_sum=rank.reduce_sum)
+    if not result.skipped:
+        data_parallel.after_update()
+    data_parallel.end_step()
+    dp_end = clock.stamp()
+    end = clock.finish()
+    tp_seconds = tp_blocked.seconds()  # CUDA events resolve only now
+    events = clock.resolve([*record.events, ("GradReduce+OptimizerStep", "dp", dp_start, dp_end)])
+    comm_counts = {dim: comm.counters() for dim, comm in rank.comms.items()}
+    loss = mean_over(mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1, mesh.device)
+    loss = mean_over(mesh.group("dp"), loss, mesh.dp, mesh.device)
+    return StepOutcome(loss, result, start, end, events, tp_seconds, comm_counts)
+
+
+def _unscaled(loss: torch.Tensor) -> torch.Tensor:
+    return loss
+
+
+@dataclass
+class History:
+    """What rank 0's summary needs from the steps run so far."""
+
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    val_history: list[dict] = field(default_factory=list)
+    comm_per_step: dict = field(default_factory=dict)
 
 
 def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | None = None) -> dict | None:
@@ -97,78 +162,33 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     corpus = Corpus.load(cfg.data, cfg.model.seq_len)
     policy = precision_policy(cfg.precision)
     rank = build_rank(cfg, mesh, device, policy)
-    data_parallel, optimizer, scaler = rank.data_parallel, rank.optimizer, rank.scaler
     # Emulated 16-bit matmuls run as fp32 matmuls, so the CPU's fp32 rate is their peak.
     peak_dtype = torch.float32 if needs_emulation(policy, device) else dtype_of(policy.compute)
     peak_flops = measure_peak_flops(device, peak_dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    flops_per_token = cfg.model.train_flops_per_token()
-    activations = ActivationMeter(device, data_parallel.parameter_storages)
-    is_logger = mesh.rank == 0
+    activations = ActivationMeter(device, rank.data_parallel.parameter_storages)
     start_step = 0
     if cfg.resume:
         start_step = load_checkpoint(latest_checkpoint(cfg.checkpoint_dir), rank, cfg)["step"]
-    run = RunFiles(Path(cfg.out_dir), resume=cfg.resume) if is_logger else None
+    run = RunFiles(Path(cfg.out_dir), resume=cfg.resume) if mesh.rank == 0 else None
     if run:
         run.write_json("config.json", {"train": cfg.as_dict(), "data": corpus.source})
 
-    def scale(loss: torch.Tensor) -> torch.Tensor:
-        return scaler.scale_loss(loss) if scaler else loss
-
-    losses, step_times, val_history, comm_per_step, trace = [], [], [], {}, Trace(mesh.rank)
+    history, trace = History(start_step), Trace(mesh.rank)
     try:
         for step in range(start_step, cfg.steps):
-            lr = cfg.learning_rate(step)
-            for comm in rank.comms.values():
-                comm.reset_counters()
             inputs, targets = micro_batches(corpus, cfg, step, mesh.dp_rank, device)
-            synchronize(device)
-            start = time.perf_counter()
-            data_parallel.begin_step()
-            record = rank.executor.run_step(inputs, targets, scale, activations if step == 0 else None)
-            dp_start = time.perf_counter()
-            tp_seconds = rank.comms["tp"].seconds  # inside the compute actions (Megatron's collectives block)
-            grads = data_parallel.finish_grads()
-            result = optimizer.step(
-                grads, lr, grad_clip=cfg.grad_clip, scaler=scaler,
-                reduce_sum=rank.reduce_sum,
-            )
-            if not result.skipped:
-                data_parallel.after_update()
-            data_parallel.end_step()
-            synchronize(device)
-            end = time.perf_counter()
-            record.events.append(("GradReduce+OptimizerStep", "dp", dp_start, end))
-            trace.add_step(step, start, end, record.events, tp_seconds)
-            step_time = end - start
-            comm_per_step = {dim: comm.counters() for dim, comm in rank.comms.items()}
-
-            loss_value = mean_over(mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1)
-            loss_value = mean_over(mesh.group("dp"), loss_value, mesh.dp)
-            if scaler is None and (result.skipped or not math.isfinite(loss_value)):
-                raise TrainingError(
-                    f"step {step}: the loss is {loss_value} and the gradients are "
-                    f"{'not finite' if result.skipped else 'finite'} under {policy.name}: "
-                    f"lower --lr or use another precision"
-                )
-            losses.append(loss_value)
-            step_times.append(step_time)
-            tokens_per_s = cfg.tokens_per_step / step_time
-            record_out = {
-                "step": step,
-                "loss": loss_value,
-                "lr": lr,
-                "grad_norm": result.grad_norm,
-                "loss_scale": result.loss_scale,
-                "skipped": result.skipped,
-                "step_time_s": step_time,
-                "tokens_per_s": tokens_per_s,
-                "mfu": flops_per_token * tokens_per_s / (peak_flops * cfg.world_size),
-            }
+            outcome = train_step(rank, cfg, step, inputs, targets, activations if step == 0 else None)
+            trace.add_step(step, outcome.start, outcome.end, outcome.events, outcome.tp_seconds)
+            check_finite(cfg, policy.name, rank.scaler, step, outcome)
+            history.losses.append(outcome.loss)
+            history.step_times.append(outcome.seconds)
+            history.comm_per_step = outcome.comm
+            record_out = step_log(cfg, step, outcome, peak_flops)
             if (step + 1) % cfg.eval_interval == 0 or step == cfg.steps - 1:
                 record_out["val_loss"] = evaluate(rank, corpus, cfg, device)
-                val_history.append({"step": step, "val_loss": record_out["val_loss"]})
+                history.val_history.append({"step": step, "val_loss": record_out["val_loss"]})
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step == cfg.steps - 1):
                 record_out["checkpoint"] = str(save_checkpoint(cfg.checkpoint_dir, rank, cfg, step + 1))
             if run:
@@ -179,17 +199,64 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         if run:
             run.close()
 
-    memory = rank_memory(data_parallel, optimizer, activations)
+    memory = rank_memory(rank.data_parallel, rank.optimizer, activations)
     memory_per_rank = gather_from_all(mesh, memory)
     timelines = gather_from_all(mesh, trace.as_dict())
-    if not is_logger:
+    if run is None:
         return None
     trace_path = write_chrome_trace(Path(cfg.out_dir) / "trace.json", timelines)
-    step_time_s = statistics.median(step_times)
+    summary = summarize(cfg, rank, corpus, history, peak_flops, peak_dtype)
+    summary.update({
+        "memory_per_rank": memory_per_rank,
+        "bytes_per_param": {
+            "measured": bytes_per_param(memory, cfg.model.n_params()),
+            "policy": policy.bytes_per_param(),
+            "textbook_mixed_adam": TEXTBOOK_MIXED_ADAM,
+        },
+        "time_breakdown": breakdown(timelines),
+        "trace": str(trace_path),
+        "run_dir": str(run.path),
+    })
+    run.write_json("summary.json", summary)
+    return summary
+
+
+def check_finite(cfg: TrainConfig, policy_name: str, scaler, step: int, outcome: StepOutcome) -> None:
+    """Without a loss scaler to skip bad steps, a non-finite loss or gradient ends the run."""
+    if scaler is None and (outcome.result.skipped or not math.isfinite(outcome.loss)):
+        raise TrainingError(
+            f"step {step}: the loss is {outcome.loss} and the gradients are "
+            f"{'not finite' if outcome.result.skipped else 'finite'} under {policy_name}: "
+            f"lower --lr or use another precision"
+        )
+
+
+def step_log(cfg: TrainConfig, step: int, outcome: StepOutcome, peak_flops: float) -> dict:
+    """One line of metrics.jsonl."""
+    tokens_per_s = cfg.tokens_per_step / outcome.seconds
+    return {
+        "step": step,
+        "loss": outcome.loss,
+        "lr": cfg.learning_rate(step),
+        "grad_norm": outcome.result.grad_norm,
+        "loss_scale": outcome.result.loss_scale,
+        "skipped": outcome.result.skipped,
+        "step_time_s": outcome.seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": cfg.model.train_flops_per_token() * tokens_per_s / (peak_flops * cfg.world_size),
+    }
+
+
+def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, peak_flops: float,
+              peak_dtype: torch.dtype) -> dict:
+    """Rank 0's summary of the run, less what needs every rank (memory, timelines)."""
+    device, policy, scaler = rank.mesh.device, rank.policy, rank.scaler
+    step_time_s = statistics.median(history.step_times)
     tokens_per_s = cfg.tokens_per_step / step_time_s
-    finite = [loss for loss in losses if math.isfinite(loss)]
+    flops_per_token = cfg.model.train_flops_per_token()
+    finite = [loss for loss in history.losses if math.isfinite(loss)]
     tail = finite[-min(20, len(finite)) :] or [math.nan]
-    summary = {
+    return {
         "config": cfg.as_dict(),
         "data": corpus.source,
         "device": describe_device(device),
@@ -198,32 +265,22 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             "tp": cfg.tp,
             "pp": cfg.pp,
             "dp": cfg.dp,
-            "zero": data_parallel.stage,
+            "zero": rank.data_parallel.stage,
             "sequence_parallel": cfg.sequence_parallel,
             "schedule": cfg.schedule,
             "virtual_chunks": cfg.virtual_chunks,
         },
         "precision": policy.as_dict(),
-        "compute_path": "emulated on CPU (16-bit storage, fp32 accumulation)"
-        if needs_emulation(policy, device)
-        else "native",
+        "compute_path": compute_path(policy, device),
         "n_params": cfg.model.n_params(),
-        "first_step": start_step,
-        "losses": losses,
+        "first_step": history.first_step,
+        "losses": history.losses,
         "final_loss": sum(tail) / len(tail),
-        "val_loss": val_history[-1]["val_loss"],
-        "val_history": val_history,
+        "val_loss": history.val_history[-1]["val_loss"],
+        "val_history": history.val_history,
         "skipped_steps": scaler.skipped_steps if scaler else 0,
         "loss_scale": scaler.scale if scaler else None,
-        "bytes_per_param": {
-            "measured": bytes_per_param(memory, cfg.model.n_params()),
-            "policy": policy.bytes_per_param(),
-            "textbook_mixed_adam": TEXTBOOK_MIXED_ADAM,
-        },
-        "memory_per_rank": memory_per_rank,
-        "comm_bytes_per_step": comm_per_step,
-        "time_breakdown": breakdown(timelines),
-        "trace": str(trace_path),
+        "comm_bytes_per_step": history.comm_per_step,
         "step_time_s": step_time_s,
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token,
@@ -231,10 +288,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         "peak_flops_dtype": str(peak_dtype).removeprefix("torch."),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "mfu": flops_per_token * tokens_per_s / (peak_flops * cfg.world_size),
-        "run_dir": str(run.path),
     }
-    run.write_json("summary.json", summary)
-    return summary
 
 
 def rank_memory(data_parallel, optimizer: MasterAdamW, activations: ActivationMeter) -> dict:

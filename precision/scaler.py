@@ -9,7 +9,7 @@ nan survive a sum, so one all-reduced number is both the norm and the flag);
 `found_overflow` is the stand-alone form of the same check:
 
     scaled = scaler.scale_loss(loss); scaled.backward()
-    flag = scaler.found_overflow(my_shard_of_grads)   # 0-dim float32, 1.0 or 0.0
+    flag = scaler.found_overflow(my_shard_of_grads, device)  # 0-dim float32, 1.0 or 0.0
     dist.all_reduce(flag, op=ReduceOp.MAX)            # every rank sees any overflow
     if not scaler.update(bool(flag)):
         scaler.unscale_(my_fp32_grads); optimizer.step()
@@ -105,17 +105,28 @@ class LossScaler:
         """The loss multiplied by the current scale; call backward on this."""
         return loss * self.scale
 
-    def found_overflow(self, grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    def found_overflow(
+        self, grads: Iterable[torch.Tensor | None], device: torch.device | str | None = None
+    ) -> torch.Tensor:
         """0-dim float32 tensor: 1.0 if any gradient holds inf or nan, else 0.0.
 
-        It stays a tensor (on the first gradient's device) so that callers can
-        all-reduce it with MAX across ranks before calling `update`. None
-        entries (parameters without a gradient) are ignored.
+        It stays a tensor so that callers can all-reduce it with MAX across ranks
+        before calling `update`; it lives on `device` (default: the first
+        gradient's), which must be the rank's own for NCCL, which reduces only
+        CUDA tensors. A rank without gradients (an empty shard) still takes part
+        in that all-reduce, so it must say where its flag lives. None entries
+        (parameters without a gradient) are ignored.
         """
         flags = [(~torch.isfinite(g)).any() for g in grads if g is not None]
+        if device is None:
+            if not flags:
+                raise ConfigError(
+                    "found_overflow got no gradients and no device: pass device= (the rank's own) "
+                    "so that the flag can be all-reduced with the other ranks'"
+                )
+            device = flags[0].device
         if not flags:
-            return torch.zeros((), dtype=torch.float32)
-        device = flags[0].device
+            return torch.zeros((), dtype=torch.float32, device=device)
         return torch.stack([flag.to(device) for flag in flags]).any().to(torch.float32)
 
     def unscale_(self, grads: Iterable[torch.Tensor | None]) -> None:

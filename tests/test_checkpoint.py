@@ -94,8 +94,8 @@ def train(rank, cfg: TrainConfig, corpus: Corpus, steps: range) -> list[float]:
         if not result.skipped:
             rank.data_parallel.after_update()
         rank.data_parallel.end_step()
-        loss = mean_over(rank.mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1)
-        losses.append(mean_over(rank.mesh.group("dp"), loss, rank.mesh.dp))
+        loss = mean_over(rank.mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1, rank.mesh.device)
+        losses.append(mean_over(rank.mesh.group("dp"), loss, rank.mesh.dp, rank.mesh.device))
     return losses
 
 

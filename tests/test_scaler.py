@@ -149,8 +149,20 @@ def test_found_overflow_detects_inf_and_nan_anywhere():
             assert scaler.found_overflow(grads).item() == 1.0, (bad, index)
     big_but_finite = [torch.full((2,), 6e4, dtype=torch.float16)]
     assert scaler.found_overflow(big_but_finite).item() == 0.0
-    assert scaler.found_overflow([]).item() == 0.0
     assert scaler.found_overflow([None, torch.ones(2)]).item() == 0.0
+
+
+def test_found_overflow_flag_lives_on_the_ranks_device():
+    """The flag is all-reduced with NCCL on a GPU, so it must be on the rank's device even when this
+    rank has no gradients; a tensor made without a device would land on the default device."""
+    scaler = LossScaler()
+    with torch.device("meta"):  # the default device: where a flag made without a device would go
+        assert scaler.found_overflow([], device="cpu").device == torch.device("cpu")
+        assert scaler.found_overflow([torch.ones(2, device="cpu")]).device == torch.device("cpu")
+        assert scaler.found_overflow([None, torch.ones(2, device="cpu")], device="cpu").item() == 0.0
+    assert scaler.found_overflow([], device="cpu").item() == 0.0
+    with pytest.raises(ConfigError, match="device="):
+        scaler.found_overflow([None])
 
 
 @pytest.mark.parametrize(
