@@ -1,6 +1,6 @@
 """`minigpt calibrate`: measure this machine and write a hardware profile the simulator loads.
 
-    minigpt calibrate --out profile.json [--ranks 8] [--device auto|cpu] [--quick]
+    minigpt calibrate --out profile.json [--ranks 8] [--device auto|cpu|cuda] [--formats fp32,bf16] [--quick]
     minigpt simulate --hardware profile.json ...
 
 The flags are checked, and the output path probed for writing, before any rank starts;
@@ -9,8 +9,17 @@ entry's "measured" field: the model's pieces, core sharing, collectives by group
 the profile is written atomically (a temporary file in the same directory, then a rename)
 and read back with load_hardware. --device auto measures one CUDA GPU per rank with NCCL
 when there is a GPU for every rank (the default ranks are then the GPUs), else the CPU with
-gloo; the profile says which was used. On the CPU the default 8 ranks are the largest layout
+gloo; the profile says which was used; --device cuda insists on a GPU per rank (one error line
+when there is none, before any rank starts). On the CPU the default 8 ranks are the largest layout
 `minigpt compare --matrix` trains.
+
+Formats: on CUDA every format's matmuls are measured (fp32 with TF32 off, tf32, bf16, fp16, fp8),
+giving per-format peak_flops (the best measured rate, not the datasheet's) and efficiency tables;
+on a CPU fp32 alone (16-bit training on a CPU emulates its matmuls with fp32 ones), unless
+--formats asks for more (e.g. fp32,bf16,fp8: the per-format path at CPU sizes, for dry runs).
+With one rank nothing measures the links: on a GPU whose name matches a preset of
+simulator/hardware.json (e.g. "NVIDIA H200" -> h200) the profile takes that preset's link, node
+and NIC figures, else half the copy bandwidth with no latency; the profile and the output say which.
 """
 
 from __future__ import annotations
@@ -79,9 +88,16 @@ def parse_sizes(text: str | None) -> tuple[int, ...] | None:
         raise ConfigError(f"--micro-batches must be comma-separated integers such as 1,2,4,8, got {text!r}") from None
 
 
+def parse_formats(text: str | None) -> tuple[str, ...] | None:
+    """"fp32,bf16" -> ("fp32", "bf16"); None stays None (make_plan checks the names)."""
+    if text is None:
+        return None
+    return tuple(part.strip() for part in text.split(","))
+
+
 def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: int | None = None,
                     name: str | None = None, model: str = "tiny", micro_batch: int = 8, device: str = "auto",
-                    micro_batches: tuple[int, ...] | None = None) -> dict:
+                    micro_batches: tuple[int, ...] | None = None, formats: tuple[str, ...] | None = None) -> dict:
     """Check, measure, write, read back: the profile as written, with the seconds it took.
     ranks None: one per GPU when --device auto finds CUDA, else 8."""
     import time
@@ -91,13 +107,16 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
         raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
     from parallel.calibrate import build_profile, calibrate, make_plan, measured_device
     from parallel.calibrate_host import host_cores
+    from simulator.hardware import preset_links
 
-    plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches)
+    plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches, formats)
     start = time.perf_counter()
     measured = calibrate(plan)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    name = name or (CUDA_NAME if measured_device(measured)["type"] == "cuda" else DEFAULT_NAME)
-    profile = build_profile(measured, plan, name, host_cores(), date)
+    used = measured_device(measured)
+    name = name or (CUDA_NAME if used["type"] == "cuda" else DEFAULT_NAME)
+    links_from = preset_links(used["name"]) if used["type"] == "cuda" else None
+    profile = build_profile(measured, plan, name, host_cores(), date, links_from)
     profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
     profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
     write_atomically(profile, path)
@@ -113,8 +132,11 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
 @click.option("--ranks", type=int,
               help="Local ranks, sharing and collectives measured up to this many [default: one per GPU on CUDA, "
                    "else 8]; more ranks than GPUs measure the CPU.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]),
-              help="auto: CUDA with NCCL when every rank has a GPU, else the CPU with gloo.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="auto: CUDA with NCCL when every rank has a GPU, else the CPU with gloo; cuda: GPUs or an error.")
+@click.option("--formats",
+              help="Matmul formats to measure, among fp32,tf32,bf16,fp16,fp8 (fp32 always) [default: all on CUDA, "
+                   "fp32 on a CPU].")
 @click.option("--threads-per-rank", "threads_per_rank", type=int,
               help="Torch threads per rank (default: 1 with several ranks, torch's default with one).")
 @click.option("--model", default="tiny", show_default=True, help="Model preset whose pieces are timed.")
@@ -124,11 +146,12 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
 @click.option("--name", help=f"The profile's hardware name (default: {DEFAULT_NAME}, on CUDA {CUDA_NAME}).")
 @click.option("--quick", is_flag=True, help="A few sizes and repeats (about 20 s with 8 ranks): for tests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-def calibrate(out, ranks, device, threads_per_rank, model, micro_batch, micro_batches, name, quick, as_json) -> None:
-    """Measure this machine (matmuls, memory copy, the model's pieces, sharing, collectives) into a profile:
-    with gloo on the CPU, or with NCCL on CUDA GPUs."""
+def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch, micro_batches, name, quick,
+              as_json) -> None:
+    """Measure this machine (matmuls per format, memory copy, the model's pieces, sharing, collectives) into a
+    profile: with gloo on the CPU, or with NCCL on CUDA GPUs."""
     profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch, device,
-                              parse_sizes(micro_batches))
+                              parse_sizes(micro_batches), parse_formats(formats))
     if as_json:
         click.echo(json.dumps(profile, indent=2))
         return
@@ -141,11 +164,10 @@ def calibrate(out, ranks, device, threads_per_rank, model, micro_batch, micro_ba
         click.echo(f"wrote {out}: hardware {gpu_name}, {note['ranks']} rank(s) x {note['threads_per_rank']} thread(s) "
                    f"on {note['cores']} core(s) ({note['ranks_per_core']:.2f} ranks per core, {note['backend']}), "
                    f"{note['seconds']:.1f} s")
-    click.echo(f"  fp32 peak (best measured) {gpu['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, "
-               f"memory copy {gpu['hbm_bandwidth'] / 1e9:.2f} GB/s, "
+    click.echo(f"  memory copy {gpu['hbm_bandwidth'] / 1e9:.2f} GB/s, "
                f"matmul launch {gpu['matmul_efficiency']['launch_latency'] * 1e6:.1f} us")
-    click.echo("  efficiency by smallest side: "
-               + ", ".join(f"{n}: {e:.2f}" for n, e in gpu["matmul_efficiency"]["fp32"]))
+    echo_formats(gpu, note)
+    click.echo(f"  links: {note['links']}")
     block = note["block"]
     click.echo(f"  one {block['model']} block (micro-batch {block['micro_batch']}): forward {block['forward_s'] * 1e3:.2f} ms, "
                f"backward {block['backward_s'] * 1e3:.2f} ms")
@@ -154,6 +176,22 @@ def calibrate(out, ranks, device, threads_per_rank, model, micro_batch, micro_ba
                    f"({1 / fit['beta'] / 1e9:.2f} GB/s)")
     echo_measured(gpu.get("measured"))
     click.echo(f"  use it: minigpt simulate --hardware {out} --model {block['model']} --precision fp32")
+
+
+def echo_formats(gpu: dict, note: dict) -> None:
+    """One line per format: its measured peak (or why there is none) and its efficiency by smallest side."""
+    for fmt, about in note.get("formats", {}).items():
+        peak = gpu["peak_flops"].get(fmt)
+        if about.get("status") != "measured":
+            click.echo(f"  {fmt:<5} {about.get('status')}" + (f": {peak / 1e9:.1f} GFLOP/s" if peak else ""))
+            continue
+        table = ", ".join(f"{n}: {e:.2f}" for n, e in gpu["matmul_efficiency"][fmt])
+        spread = about.get("spread")
+        extra = f", runs spread {spread:.0%}" if spread is not None else ""
+        if "of_datasheet" in about:
+            extra += f", {about['of_datasheet']:.0%} of preset {note.get('datasheet_preset')}'s datasheet"
+        click.echo(f"  {fmt:<5} peak (best measured) {peak / 1e12:.3g} TFLOP/s{extra}; efficiency by smallest side: "
+                   f"{table}")
 
 
 def echo_measured(measured: dict | None) -> None:

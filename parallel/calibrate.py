@@ -1,23 +1,31 @@
-"""`minigpt calibrate`'s measurements: this machine's matmuls, memory copy, one block, and collectives.
+"""`minigpt calibrate`'s measurements: this machine's matmuls per format, memory copy, one block, and collectives.
 
 The ranks (started through parallel.launch.launch) measure on the device parallel.launch.init_worker
-gives them: one CUDA GPU per rank with NCCL when --device is auto and there is a GPU for every
-local rank, else the CPU with gloo; each rank reports the device it used (calibrate_device.describe)
-and the profile records that, not what was asked for. Rank 0 measures the matmuls, the copy and
-the block alone (parallel/calibrate_device.py; on a CPU on one thread) while the others wait:
-one device's own numbers, which the simulator slows by the measured cost of sharing cores for
-a job with more ranks. Then parallel/calibrate_host.py measures the "measured" field (the model's
-pieces alone, the cost of sharing cores, and collectives by group size and load), which also
-gives the whole-world collectives below.
+gives them: one CUDA GPU per rank with NCCL when --device is auto (or cuda) and there is a GPU for
+every local rank, else the CPU with gloo; --device cuda without a GPU for every rank is bad input
+before any rank starts. Each rank reports the device it used (calibrate_device.describe) and the
+profile records that, not what was asked for. Rank 0 measures the matmuls, the copy and the block
+alone (parallel/calibrate_device.py, timed by parallel/calibrate_kernels.py; on a CPU on one thread)
+while the others wait: one device's own numbers, which the simulator slows by the measured cost of
+sharing cores for a job with more ranks. Then parallel/calibrate_host.py measures the "measured"
+field (the model's pieces alone, in fp32, the cost of sharing cores, and collectives by group size
+and load), which also gives the whole-world collectives below.
 
-- matmul efficiency: at smallest side n, the mean of the square and GPT-shaped rates over the
-  peak. There is no datasheet peak here, so the "peak" is the best fp32 rate measured (TF32
-  off on a GPU): efficiency 1.0 at the best point, by construction.
+- matmuls, per number format: every format of the profile (FORMATS) on a GPU; fp32 alone on a CPU
+  unless plan.formats asks for more (a CPU has no TF32, and 16-bit training on a CPU emulates its
+  matmuls with fp32 ones: precision/compute.py). peak_flops[format] is the best rate measured in
+  that format: a measurement, not a datasheet figure; on a CPU tf32 = fp32.
+- matmul efficiency per format: at smallest side n, the mean of the square and GPT-shaped rates
+  over that format's peak (1.0 at the best point, by construction).
 - collectives (ranks >= 2): all-reduce, all-gather, reduce-scatter (through parallel/comm.py's
   Collectives) among all ranks and p2p (ping-pong inside rank pairs, every pair at once, half
   the round trip) by message size S (the full buffer, comm.py's convention): calibrate_host's
   points with every rank busy; each is the slowest rank's median. A least-squares line
   t = alpha + beta * S per collective is fitted in `fit_alpha_beta`.
+- links with one rank (no collectives): the caller may pass a preset's link figures
+  (`links_from`: cli/calibrate.py takes them from simulator/hardware.json's preset whose GPU
+  matches the device's name); else half the copy bandwidth with no latency, a placeholder the
+  profile and calibrate's output say is one.
 """
 
 from __future__ import annotations
@@ -53,21 +61,49 @@ class CalibrationPlan:
     sharing_micro_batch: int = 8
     device: str = "auto"  # "auto": CUDA when every local rank has a GPU, else the CPU; "cpu"
     cuda_matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # on a GPU
+    formats: tuple[str, ...] | None = None  # None: FORMATS on a GPU, fp32 alone on a CPU (default_formats)
 
 
-DEVICES = ("auto", "cpu")
+DEVICES = ("auto", "cpu", "cuda")
 CPU_RANKS = 8  # the default on a CPU: the largest layout `minigpt compare --matrix` trains
+FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")  # the profile's formats (simulator/hardware.py FLOP_FORMATS)
 
 
 def default_ranks(device: str) -> int:
-    """--ranks left out: one rank per GPU when --device auto finds CUDA, else CPU_RANKS."""
-    gpus = torch.cuda.device_count() if device == "auto" and torch.cuda.is_available() else 0
+    """--ranks left out: one rank per GPU when --device auto or cuda finds CUDA, else CPU_RANKS."""
+    gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
     return gpus or CPU_RANKS
 
 
+def on_cuda(device: str, ranks: int) -> bool:
+    """Whether the ranks will measure GPUs (parallel.launch.init_worker's rule: a GPU for every local rank)."""
+    return device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+
+
+def default_formats(device: torch.device) -> tuple[str, ...]:
+    """Every format on a GPU; fp32 alone on a CPU (where 16-bit training runs fp32 matmuls)."""
+    return FORMATS if device.type == "cuda" else ("fp32",)
+
+
+def check_formats(formats: tuple[str, ...] | None, cuda: bool) -> tuple[str, ...] | None:
+    """The formats asked for, in FORMATS' order; ConfigError on anything a profile cannot hold."""
+    if formats is None:
+        return None
+    text = ",".join(formats)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats or len(set(formats)) != len(formats):
+        raise ConfigError(f"--formats must be distinct formats among {','.join(FORMATS)}, got {text!r}")
+    if "fp32" not in formats:
+        raise ConfigError(f"--formats must include fp32 (every profile has an fp32 peak), got {text!r}: add fp32")
+    if "tf32" in formats and not cuda:
+        raise ConfigError("--formats tf32 needs CUDA GPUs: a CPU has no TF32 (its profile sets tf32 = fp32): "
+                          "leave tf32 out")
+    return tuple(f for f in FORMATS if f in formats)
+
+
 def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | None = None, model: str = "tiny",
-              micro_batch: int = 8, device: str = "auto",
-              micro_batches: tuple[int, ...] | None = None) -> CalibrationPlan:
+              micro_batch: int = 8, device: str = "auto", micro_batches: tuple[int, ...] | None = None,
+              formats: tuple[str, ...] | None = None) -> CalibrationPlan:
     """The measurements of one calibration; ConfigError on bad input (before any rank starts)."""
     if device not in DEVICES:
         raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
@@ -83,6 +119,11 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
             or list(micro_batches) != sorted(set(micro_batches))):
         raise ConfigError(f"--micro-batches must be increasing positive integers such as 1,2,4,8, "
                           f"got {','.join(map(str, micro_batches)) if micro_batches else 'none'}")
+    if device == "cuda":
+        from parallel.device import check_device
+
+        check_device("cuda", ranks)  # a GPU for every rank, or one ConfigError line
+    formats = check_formats(formats, on_cuda(device, ranks))
     from minigpt.config import preset
 
     preset(model)  # ConfigError for an unknown preset
@@ -90,9 +131,10 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
     if quick:
         return CalibrationPlan(ranks, threads, (64, 256, 512), 3, 0.005, 16 * 2**20,
                                (4 * 2**10, 256 * 2**10, 8 * 2**20), 3, model, micro_batch,
-                               tuple(micro_batches or (1, 4, 16)), device=device, cuda_matmul_sizes=(256, 1024, 4096))
+                               tuple(micro_batches or (1, 4, 16)), device=device, cuda_matmul_sizes=(256, 1024, 4096),
+                               formats=formats)
     return CalibrationPlan(ranks, threads, model=model, micro_batch=micro_batch, device=device,
-                           micro_batches=tuple(micro_batches or CalibrationPlan.micro_batches))
+                           micro_batches=tuple(micro_batches or CalibrationPlan.micro_batches), formats=formats)
 
 
 def calibrate(plan: CalibrationPlan) -> list[dict]:
@@ -120,7 +162,9 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
                 threads = torch.get_num_threads()
                 torch.set_num_threads(1)
                 try:
-                    result = {"matmuls": measure_matmuls(plan, device), "copy_bandwidth": measure_copy(plan, device),
+                    formats = plan.formats or default_formats(device)
+                    result = {"matmuls": measure_matmuls(plan, device, formats),
+                              "copy_bandwidth": measure_copy(plan, device),
                               "block": measure_block(plan, device)}
                 finally:
                     torch.set_num_threads(threads)
@@ -193,109 +237,175 @@ def measured_device(measured: list[dict]) -> dict:
     return measured[0]["device"]
 
 
-def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores: int, date: str) -> dict:
+def format_tables(matmuls: dict) -> tuple[dict, dict, dict]:
+    """(peak_flops, matmul_efficiency tables, a note per format) from rank 0's measure_matmuls.
+
+    A format's peak is the best rate measured in it (square or GPT-shaped); its efficiency at
+    smallest side n is the mean of the two shapes' rates over that peak."""
+    peaks, tables, notes = {}, {}, {}
+    for fmt in FORMATS:
+        if fmt not in matmuls["rates"]:
+            reason = matmuls.get("refused", {}).get(fmt)
+            notes[fmt] = {"status": f"refused by the device: {reason}" if reason else "not measured"}
+            continue
+        square, gpt = matmuls["rates"][fmt]["square"], matmuls["rates"][fmt]["gpt"]
+        sizes = sorted(square)
+        peak = max(max(square.values()), max(gpt.values()))
+        peaks[fmt] = peak
+        tables[fmt] = [[n, round(min(1.0, max((square[n] + gpt[n]) / 2 / peak, 1e-6)), 6)] for n in sizes]
+        notes[fmt] = {"status": "measured", "peak_flops": peak, "spread": matmuls.get("spread", {}).get(fmt),
+                      "rates": {"square": {str(n): square[n] for n in sizes}, "gpt": {str(n): gpt[n] for n in sizes}}}
+    return peaks, tables, notes
+
+
+def measured_collectives(measured: list[dict], plan: CalibrationPlan) -> dict:
+    """{kind: {"ranks", "alpha", "beta", "points"}} among all ranks (p2p: in pairs); {} with one rank."""
+    collectives: dict = {}
+    if plan.ranks == 1:
+        return collectives
+    series = collective_points([r["host"] for r in measured])
+    for kind in COLLECTIVE_KINDS:
+        # all ranks in one group; p2p: the most pairs busy at once (every rank when the ranks are even)
+        busy = max(key[2] for key in series if key[:2] == ("p2p", 2)) if kind == "p2p" else plan.ranks
+        points = series[(kind, 2 if kind == "p2p" else plan.ranks, busy)]
+        alpha, beta = fit_alpha_beta(points)
+        collectives[kind] = {"ranks": plan.ranks if kind != "p2p" else 2, "alpha": alpha, "beta": beta,
+                             "points": points}
+    return collectives
+
+
+def profile_links(collectives: dict, copy_bandwidth: float, links_from: dict | None) -> dict:
+    """The GPU's link figures and where they come from: the fitted collectives, else a preset's
+    datasheet figures (links_from), else half the copy bandwidth with no latency (a placeholder)."""
+    if collectives:
+        links = [link_from_fit(kind, fit["ranks"], fit["alpha"], fit["beta"]) for kind, fit in collectives.items()]
+        return {"bandwidth": statistics.median(bw for _, bw in links),
+                "latency": statistics.median(latency for latency, _ in links), "preset": None,
+                "note": "measured: median over the fitted collectives of the per-step latency and link bandwidth "
+                        "of a ring"}
+    if links_from is not None:
+        return {"bandwidth": links_from["nvlink_bandwidth"], "latency": links_from["nvlink_latency"],
+                "preset": links_from,
+                "note": (f"not measured (one rank), from preset {links_from['preset']}'s datasheet figures "
+                         f"(simulator/hardware.json): {links_from['nvlink_bandwidth'] / 1e9:.0f} GB/s per "
+                         f"direction (datasheet), {links_from['nvlink_latency'] * 1e6:.1f} us per step "
+                         f"(hardware.json's stated assumption); node {links_from['node_name']} and NIC "
+                         f"{links_from['nic_name']} from the same presets")}
+    return {"bandwidth": copy_bandwidth / 2, "latency": 0.0, "preset": None,
+            "note": (f"not measured (one rank) and no preset matches the device: set to half the measured copy "
+                     f"bandwidth ({copy_bandwidth / 2e9:.1f} GB/s) with no latency, a placeholder and not a link: "
+                     f"collectives simulated with this profile rest on it; calibrate with --ranks 2 or more to "
+                     f"measure them")}
+
+
+def node_and_nic(name: str, source: str, ranks: int, links: dict) -> dict:
+    """The profile's "nodes" and "nics": a preset's (links from a preset) or this machine's loopback."""
+    preset = links["preset"]
+    if preset is not None:
+        node, nic = f"{name}-node", f"{name}-{preset['nic_name']}"
+        return {"nodes": {node: {**preset["node"], "nic": nic,
+                                 "source": f"preset {preset['node_name']} (simulator/hardware.json): "
+                                           f"{preset['node']['source']}"}},
+                "nics": {nic: {**preset["nic"], "source": f"preset {preset['nic_name']} (simulator/hardware.json): "
+                                                          f"{preset['nic']['source']}"}}}
+    node, nic = f"{name}-node", f"{name}-loopback"
+    return {"nodes": {node: {"source": f"{source}: this machine; every local rank is one device of this node",
+                             "gpus_per_node": max(64, ranks), "nics_per_node": 1, "nvswitch": True, "nic": nic}},
+            "nics": {nic: {"source": f"{source}: there is no network; set as the links above ({links['note']})",
+                           "bandwidth": links["bandwidth"], "latency": links["latency"], "switch_latency": 0.0,
+                           "switch_radix": 64}}}
+
+
+def describe_measurement(device: dict, plan: CalibrationPlan, cores: int, formats: list[str]) -> tuple[str, str, str]:
+    """(what was measured, for the source; the calibration note; the peak note); formats: those measured."""
+    missing = [f for f in FORMATS if f not in formats and not (f == "tf32" and device["type"] != "cuda")]
+    unmeasured = f"; not measured: {', '.join(missing)} (calibration.formats says why)" if missing else ""
+    backend = device["backend"]
+    if device["type"] == "cuda":
+        about = (f"{', '.join(formats)} matmuls on {plan.ranks} CUDA GPU(s) {device['name']}, one rank per GPU, "
+                 f"{backend} between them; peak_flops per format is the best matmul rate measured in that format "
+                 f"(fp32 with TF32 off, tf32 with it on, fp8 = torch._scaled_mm e4m3 without fast accumulation), not "
+                 f"the datasheet's{unmeasured}")
+        note = (f"{plan.ranks} rank(s), one CUDA GPU each ({device['name']}), {backend}: rank 0 measured the matmuls, "
+                f"the copy and the block alone; the collectives ran with every rank busy; 'measured' holds the units "
+                f"(fp32), the sharing (a GPU per rank: about 1) and the collectives by group size and load")
+        peak_note = ("peak_flops[format] = the best measured rate in that format, not a datasheet figure; efficiency = "
+                     "measured rate / that peak; fp32 with TF32 off (torch.backends.cuda.matmul.allow_tf32 = False "
+                     "while the matmuls ran), tf32 with it on")
+        return about, note, peak_note
+    others = [f for f in formats if f != "fp32"]
+    about = (f"{', '.join(formats)} matmuls on the CPU, one rank on one of {cores} core(s) (up to {plan.ranks} ranks "
+             f"for the collectives and the sharing), {backend} between them; peak_flops per format is the best "
+             f"measured matmul rate (a CPU has no datasheet peak here), tf32 = fp32 (no TF32 on a CPU); "
+             + (f"{', '.join(others)} measured with torch's native CPU kernels, of which 16-bit training on a CPU uses "
+                f"none (precision/compute.py emulates 16-bit matmuls with fp32 ones)" if others
+                else "16-bit training on a CPU emulates its matmuls with fp32 ones (precision/compute.py)")
+             + unmeasured)
+    note = (f"{plan.ranks} rank(s) on {cores} core(s): rank 0 measured the matmuls, the copy and the block "
+            f"alone on one thread; the collectives ran on {plan.threads_per_rank} thread(s) per rank with "
+            f"every rank busy; 'measured' holds the units (fp32), the sharing and the collectives by group size "
+            f"and load")
+    peak_note = ("peak_flops[format] = the best measured rate in that format (the peak of a CPU profile); "
+                 "efficiency = measured rate / that peak")
+    return about, note, peak_note
+
+
+def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores: int, date: str,
+                  links_from: dict | None = None) -> dict:
     """The hardware profile (hardware.json's schema, one GPU) from every rank's measurements.
-    cores: this machine's CPU cores; on CUDA the GPUs used (one per rank) take their place."""
+    cores: this machine's CPU cores; on CUDA the GPUs used (one per rank) take their place.
+    links_from: a preset's link figures (simulator.hardware.preset_links), used when no collective was measured."""
     device = measured_device(measured)
     on_gpu = device["type"] == "cuda"
     cores = plan.ranks if on_gpu else cores
     alone = measured[0]  # rank 0 measured the matmuls, the copy and the block alone
-    sizes = sorted(alone["matmuls"]["rates"]["square"])  # the device's sizes (calibrate_device.matmul_sizes)
-    square = {n: alone["matmuls"]["rates"]["square"][n] for n in sizes}
-    gpt = {n: alone["matmuls"]["rates"]["gpt"][n] for n in sizes}
-    combined = {n: (square[n] + gpt[n]) / 2 for n in sizes}
-    peak = max(max(square.values()), max(gpt.values()))
-    table = [[n, round(min(1.0, max(combined[n] / peak, 1e-6)), 6)] for n in sizes]
-    launch_latency = alone["matmuls"]["launch_latency"]
-    copy_bandwidth = alone["copy_bandwidth"]
-    block = dict(alone["block"])
-
-    collectives, links = {}, []
-    if plan.ranks > 1:
-        series = collective_points([r["host"] for r in measured])
-        for kind in COLLECTIVE_KINDS:
-            # all ranks in one group; p2p: the most pairs busy at once (every rank when the ranks are even)
-            busy = max(key[2] for key in series if key[:2] == ("p2p", 2)) if kind == "p2p" else plan.ranks
-            points = series[(kind, 2 if kind == "p2p" else plan.ranks, busy)]
-            alpha, beta = fit_alpha_beta(points)
-            collectives[kind] = {"ranks": plan.ranks if kind != "p2p" else 2, "alpha": alpha, "beta": beta,
-                                 "points": points}
-            links.append(link_from_fit(kind, collectives[kind]["ranks"], alpha, beta))
-    if links:
-        link_latency = statistics.median(latency for latency, _ in links)
-        link_bandwidth = statistics.median(bandwidth for _, bandwidth in links)
-        link_note = "median over the fitted collectives of the per-step latency and link bandwidth of a ring"
-    else:
-        link_latency, link_bandwidth = 0.0, copy_bandwidth / 2
-        link_note = "not measured (one rank): a memory copy's bandwidth, no latency"
-
+    peaks, tables, format_notes = format_tables(alone["matmuls"])
+    if not on_gpu:
+        peaks["tf32"] = peaks["fp32"]  # no TF32 on a CPU: its fp32 matmul is the tf32 format too
+        format_notes["tf32"] = {"status": "tf32 = fp32 on a CPU (no TF32)", "peak_flops": peaks["fp32"]}
+    if links_from is not None:
+        for fmt, note in format_notes.items():
+            datasheet = links_from.get("peak_flops", {}).get(fmt)
+            if datasheet and note.get("peak_flops"):
+                note["of_datasheet"] = round(note["peak_flops"] / datasheet, 4)  # against preset links_from["preset"]
+    collectives = measured_collectives(measured, plan)
+    links = profile_links(collectives, alone["copy_bandwidth"], links_from)
     try:
         memory = device["memory_bytes"] or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         memory = 2**34
     source = f"measured by minigpt calibrate on {date}"
-    node, nic = f"{name}-node", f"{name}-loopback"
-    backend = device["backend"]
-    if on_gpu:
-        about = (f"fp32 on {plan.ranks} CUDA GPU(s) {device['name']}, one rank per GPU, {backend} between them; "
-                 f"peak_flops.fp32 is the best measured fp32 matmul rate (TF32 off while measuring: "
-                 f"torch.backends.cuda.matmul.allow_tf32 = False), not the datasheet's; "
-                 f"tf32, 16-bit and fp8 not measured")
-        note = (f"{plan.ranks} rank(s), one CUDA GPU each ({device['name']}), {backend}: rank 0 measured the matmuls, "
-                f"the copy and the block alone; the collectives ran with every rank busy; 'measured' holds the units, "
-                f"the sharing (a GPU per rank: about 1) and the collectives by group size and load")
-        peak_note = ("efficiency = measured rate / the best measured fp32 rate, TF32 off "
-                     "(torch.backends.cuda.matmul.allow_tf32 = False while the matmuls ran)")
-    else:
-        about = (f"fp32 on the CPU, one rank on one of {cores} core(s) (up to {plan.ranks} ranks "
-                 f"for the collectives and the sharing), {backend} between them; peak_flops.fp32 is the best measured "
-                 f"matmul rate (a CPU has no datasheet peak here), tf32 = fp32 (no TF32 on a CPU), "
-                 f"16-bit and fp8 not measured")
-        note = (f"{plan.ranks} rank(s) on {cores} core(s): rank 0 measured the matmuls, the copy and the block "
-                f"alone on one thread; the collectives ran on {plan.threads_per_rank} thread(s) per rank with "
-                f"every rank busy; 'measured' holds the sharing and the collectives by group size and load")
-        peak_note = "efficiency = measured rate / the best measured rate (the peak of a CPU profile)"
+    about, note, peak_note = describe_measurement(device, plan, cores, list(alone["matmuls"]["rates"]))
+    network = node_and_nic(name, source, plan.ranks, links)
+    sizes = sorted(alone["matmuls"]["rates"]["fp32"]["square"])
     gpu = {
         "source": f"{source}: {about}",
-        "node": node,
-        "peak_flops": {"fp32": peak, "tf32": None if on_gpu else peak, "bf16": None, "fp16": None, "fp8": None},
+        "node": next(iter(network["nodes"])),
+        "peak_flops": {fmt: peaks.get(fmt) for fmt in FORMATS},
         "hbm_bytes": int(memory),
-        "hbm_bandwidth": copy_bandwidth,
-        "nvlink_bandwidth": link_bandwidth,
-        "nvlink_latency": link_latency,
-        "matmul_efficiency": {"launch_latency": launch_latency, "fp32": table},
+        "hbm_bandwidth": alone["copy_bandwidth"],
+        "nvlink_bandwidth": links["bandwidth"],
+        "nvlink_latency": links["latency"],
+        "matmul_efficiency": {"launch_latency": alone["matmuls"]["launch_latency"], **tables},
         "calibration": {
-            "date": date,
-            "backend": backend,
-            "device": "cuda" if on_gpu else "cpu",
-            "device_name": device["name"],
-            "device_requested": plan.device,
-            "ranks": plan.ranks,
-            "cores": cores,
-            "threads_per_rank": plan.threads_per_rank,
-            "ranks_per_core": plan.ranks / cores,
+            "date": date, "backend": device["backend"], "device": "cuda" if on_gpu else "cpu",
+            "device_name": device["name"], "device_requested": plan.device, "ranks": plan.ranks, "cores": cores,
+            "threads_per_rank": plan.threads_per_rank, "ranks_per_core": plan.ranks / cores,
             "oversubscribed": plan.ranks * plan.threads_per_rank > cores,
             "load_average_1min": _load_average(),  # other work on the machine skews every number
-            "note": note,
-            "peak_note": peak_note,
-            "links": link_note,
-            "matmul_rates": {"square": {str(n): r for n, r in square.items()}, "gpt": {str(n): r for n, r in gpt.items()}},
-            "block": block,
+            "note": note, "peak_note": peak_note, "links": links["note"],
+            "links_preset": None if links["preset"] is None else links["preset"]["preset"],
+            "datasheet_preset": None if links_from is None else links_from["preset"],  # of_datasheet's reference
+            "formats": format_notes,
+            "block": dict(alone["block"]),
             "copy_bytes": copy_bytes(plan, torch.device(device["type"])),
             "plan": {**{k: v for k, v in asdict(plan).items()
-                        if k not in ("ranks", "threads_per_rank", "cuda_matmul_sizes")}, "matmul_sizes": sizes},
+                        if k not in ("ranks", "threads_per_rank", "cuda_matmul_sizes", "formats")},
+                     "matmul_sizes": sizes, "formats": list(alone["matmuls"]["rates"])},
             "phase_seconds": {k: round(v, 2) for k, v in measured[0]["host"]["seconds"].items()},
         },
         "measured": build_measured([r["host"] for r in measured], plan, fit_alpha_beta),
     }
     if collectives:
         gpu["collectives"] = collectives
-    return {
-        "about": f"hardware profile {name}: {source}",
-        "gpus": {name: gpu},
-        "nodes": {node: {"source": f"{source}: this machine; every local rank is one device of this node",
-                         "gpus_per_node": max(64, plan.ranks), "nics_per_node": 1, "nvswitch": True, "nic": nic}},
-        "nics": {nic: {"source": f"{source}: there is no network; set as the measured local links",
-                       "bandwidth": link_bandwidth, "latency": link_latency, "switch_latency": 0.0,
-                       "switch_radix": 64}},
-    }
+    return {"about": f"hardware profile {name}: {source}", "gpus": {name: gpu}, **network}

@@ -6,13 +6,19 @@ with gloo. Every tensor and module is made on that device, and every timer reads
 which first waits for the device's queued work (`synchronize`: torch.cuda.synchronize on a
 GPU, nothing on a CPU), so each timed interval holds exactly the kernels issued inside it.
 
-Rank 0 measures these alone (parallel/calibrate.py), one device's own numbers:
-- matmuls: fp32, square (n x n) @ (n x n) and GPT-shaped (2n x n) @ (n x 4n) (tokens x d @ d x 4d,
-  the fc1 shape), the median of `repeats` timed runs each, for n in plan.matmul_sizes on a CPU
-  and plan.cuda_matmul_sizes on a GPU (larger, so the best rate nears the GPU's fp32 rate);
-  on a GPU with TF32 off while they run (`strict_fp32`), so fp32 is fp32.
-- launch latency: the median time of an 8 x 8 matmul (back to back: a GPU's launch rate).
-- memory bandwidth: a large tensor copy, (read + write bytes) / seconds, as compute.py's
+Rank 0 measures these alone (parallel/calibrate.py), one device's own numbers, timed by
+parallel/calibrate_kernels.py (the one home of kernel timing: CUDA events on a GPU, perf_counter on a CPU):
+- matmuls, per number format (`formats`: every one of fp32, tf32, bf16, fp16, fp8 on a GPU; fp32 alone
+  on a CPU unless asked): square (n x n) @ (n x n) and GPT-shaped (2n x n) @ (n x 4n) (tokens x d @
+  d x 4d, the fc1 shape), the median of `repeats` timed runs each, for n in plan.matmul_sizes on a
+  CPU and plan.cuda_matmul_sizes on a GPU (larger, so the best rate nears the GPU's rate); fp32 with
+  TF32 off, tf32 with it on; fp8 is torch._scaled_mm of e4m3 operands without fast accumulation, as
+  precision/fp8.py calls it. A format the device refuses (fp8 before Hopper) is recorded as refused.
+  On a CPU 16-bit training does not use these kernels: precision/compute.py emulates 16-bit matmuls
+  with fp32 ones, so a CPU's bf16/fp16 rates here are torch's native CPU kernels (the dry run's
+  per-format code path), not what a CPU training run computes with (its fp8 does call _scaled_mm).
+- launch latency: the median time of an 8 x 8 fp32 matmul (back to back: a GPU's launch rate).
+- memory bandwidth: a large fp32 tensor copy, (read + write bytes) / seconds, as compute.py's
   roofline counts bytes moved.
 - one block of the model preset (tiny by default) at its shape: forward and backward seconds.
 
@@ -22,13 +28,13 @@ here too: parallel/calibrate_host.py times them for the profile's "measured" uni
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
 
 import torch
 
+from parallel.calibrate_kernels import matmul_mode, time_elementwise, time_gemm
 from parallel.comm import Collectives, Done
 from parallel.device import synchronize
 
@@ -41,18 +47,9 @@ def stamp(device: torch.device) -> float:
     return time.perf_counter()
 
 
-@contextlib.contextmanager
 def strict_fp32(device: torch.device):
     """fp32 matmuls in true fp32 on a GPU (TF32 off) while inside; the setting is restored after."""
-    if device.type != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+    return matmul_mode("fp32", device)
 
 
 def describe(device: torch.device) -> dict:
@@ -76,46 +73,38 @@ def copy_bytes(plan, device: torch.device) -> int:
     return max(plan.copy_bytes, 256 * 2**20) if device.type == "cuda" else plan.copy_bytes
 
 
-def timed(fn, min_run_s: float, repeats: int, device: torch.device) -> float:
-    """Median seconds of one fn() call: `repeats` runs of enough calls to last min_run_s each."""
-    fn()  # warm-up
-    start = stamp(device)
-    fn()
-    once = max(stamp(device) - start, 1e-7)
-    calls = max(1, int(min_run_s / once))
-    runs = []
-    for _ in range(repeats):
-        start = stamp(device)
-        for _ in range(calls):
-            fn()
-        runs.append((stamp(device) - start) / calls)
-    return statistics.median(runs)
-
-
-def measure_matmuls(plan, device: torch.device) -> dict:
-    """FLOP/s by smallest side, per shape, and the per-call latency (fp32; TF32 off on a GPU)."""
-    rates: dict[str, dict[int, float]] = {"square": {}, "gpt": {}}
+def measure_matmuls(plan, device: torch.device, formats: tuple[str, ...] = ("fp32",)) -> dict:
+    """{"rates": {format: {"square": {n: FLOP/s}, "gpt": {n: FLOP/s}}}, "spread": {format: the largest
+    spread of its runs}, "refused": {format: why}, "launch_latency": s} on `device`."""
+    rates: dict[str, dict[str, dict[int, float]]] = {}
+    spread: dict[str, float] = {}
+    refused: dict[str, str] = {}
     torch.manual_seed(0)
-    with strict_fp32(device):
-        for n in matmul_sizes(plan, device):
-            for shape, (m, k, cols) in (("square", (n, n, n)), ("gpt", (2 * n, n, 4 * n))):
-                a, b = torch.randn(m, k, device=device), torch.randn(k, cols, device=device)
-                out = torch.empty(m, cols, device=device)
-                seconds = timed(lambda: torch.mm(a, b, out=out), plan.min_run_s, plan.repeats, device)
-                rates[shape][n] = 2 * m * k * cols / seconds
-                del a, b, out
-        a, b = torch.randn(8, 8, device=device), torch.randn(8, 8, device=device)
-        latency = timed(lambda: torch.mm(a, b), plan.min_run_s, plan.repeats, device)
-    return {"rates": rates, "launch_latency": latency}
+    for fmt in formats:
+        try:
+            rates[fmt], spread[fmt] = format_rates(plan, device, fmt)
+        except (RuntimeError, ValueError) as error:  # e.g. fp8 on a GPU before Hopper
+            refused[fmt] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    latency = time_gemm("fp32", 8, 8, 8, device, plan.min_run_s, plan.repeats)["seconds"]
+    return {"rates": rates, "spread": spread, "refused": refused, "launch_latency": latency}
+
+
+def format_rates(plan, device: torch.device, fmt: str) -> tuple[dict[str, dict[int, float]], float]:
+    """One format's FLOP/s by smallest side per shape, and the largest spread of its measurements."""
+    rates: dict[str, dict[int, float]] = {"square": {}, "gpt": {}}
+    worst = 0.0
+    for n in matmul_sizes(plan, device):
+        for shape, (m, k, cols) in (("square", (n, n, n)), ("gpt", (2 * n, n, 4 * n))):
+            result = time_gemm(fmt, m, cols, k, device, plan.min_run_s, plan.repeats)
+            rates[shape][n] = result["flops_per_s"]
+            worst = max(worst, result["spread"])
+    return rates, worst
 
 
 def measure_copy(plan, device: torch.device) -> float:
-    """Bytes per second moved by a large copy (read + write)."""
-    nbytes = copy_bytes(plan, device)
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), plan.min_run_s, plan.repeats, device)
-    return 2 * nbytes / seconds
+    """Bytes per second moved by a large fp32 copy (read + write)."""
+    return time_elementwise("copy", "fp32", copy_bytes(plan, device), device, plan.min_run_s,
+                            plan.repeats)["bytes_per_s"]
 
 
 def measure_block(plan, device: torch.device) -> dict:

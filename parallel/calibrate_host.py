@@ -7,7 +7,9 @@ Everything runs on the ranks' device (parallel/calibrate_device.py: the CPU with
 CUDA GPU per rank with NCCL), and every timer waits for the device's queued work first:
 
 - units: seconds of the model's pieces for one micro-batch of b sequences, as one tensor-
-  parallel rank computes them (fp32): the model's own block, embedding and final norm + head
+  parallel rank computes them in fp32 (TF32 off, torch's default, as an fp32 training run computes;
+  each unit says so: "dtype": "fp32", and simulator/host.py's unit_times finds them for fp32 only):
+  the model's own block, embedding and final norm + head
   + loss, made tensor-parallel by parallel/tensor.py (with and without sequence parallelism)
   over a group that communicates nothing (`AloneCollectives`: the collectives are measured
   apart); forward and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and
@@ -36,10 +38,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from parallel.calibrate_device import medians, piece_model, piece_step, stamp, variants
+from parallel.calibrate_device import medians, piece_model, piece_step, stamp, strict_fp32, variants
 from parallel.comm import Collectives
 
 PIECES = ("block", "embedding", "head")
+UNITS_DTYPE = "fp32"  # the format the units are measured in: the model as built, TF32 off
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -205,7 +208,11 @@ def measure_host(plan, device: torch.device) -> dict:
     rank = dist.get_rank() if dist.is_initialized() else 0
     cores = ranks if device.type == "cuda" else host_cores()
     saved, result = torch.get_num_threads(), {}
-    phases = {"units": lambda: measure_units(plan, rank, ranks, device),
+    def units():
+        with strict_fp32(device):
+            return measure_units(plan, rank, ranks, device)
+
+    phases = {"units": units,
               "sharing": lambda: measure_sharing(plan, rank, ranks, cores, device),
               "collectives": lambda: measure_group_collectives(plan, ranks, device) if ranks > 1 else {}}
     torch.set_num_threads(1)
@@ -241,7 +248,7 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
 
     config, first = preset(plan.model), hosts[0]
     units = [{"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
-              "vocab_size": config.vocab_size, "tp": tp, "sequence_parallel": sp,
+              "vocab_size": config.vocab_size, "tp": tp, "sequence_parallel": sp, "dtype": UNITS_DTYPE,
               "micro_batches": list(plan.micro_batches), **series}
              for (tp, sp), series in sorted(first["units"].items())]
     base = first["sharing"]["busy"][1]

@@ -18,14 +18,18 @@ kernels lose more (clocks, wave quantisation): uncalibrated times are optimistic
 a calibrated profile replaces the curve.
 
 Calibration hook: `EfficiencyProfile`, a table of measured efficiency by smallest
-dimension per number format, plus a per-kernel launch latency. Proposed optional field of
-a GPU entry in a hardware profile (hardware.py does not read it yet):
+dimension per number format, plus a per-kernel launch latency: the optional
+"matmul_efficiency" field of a GPU entry in a hardware profile (hardware.py reads it;
+`minigpt calibrate` writes one table per measured format, each relative to that format's
+measured peak_flops):
 
     "matmul_efficiency": {"launch_latency": 4e-6,
+                          "fp32": [[64, 0.05], ...],
                           "bf16": [[64, 0.20], [256, 0.55], [1024, 0.78], [8192, 0.85]]}
 
 `parse_efficiency_profile` checks exactly that object. Between points the efficiency is
-interpolated linearly in log(size); outside them the nearest point holds.
+interpolated linearly in log(size); outside them the nearest point holds. A format without
+a table takes the uncalibrated curve against its peak.
 
 Chunks (`chunk_times`): a pipeline chunk of `layers` blocks (plus the embedding on the
 first, head and loss on the last) for one micro-batch on one tensor-parallel rank:

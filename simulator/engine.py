@@ -217,7 +217,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
     if host is not None:
         threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/train.py runs
-        compute = host_compute(host, model, layout, threads)
+        compute = host_compute(host, model, layout, threads, pol.compute)
         links = HostLinks(cluster, layout, host)
     else:
         compute, links = None, LinkCosts(cluster, layout)

@@ -47,8 +47,17 @@ class HostCompute:
         return forward * self.slowdown, backward * self.slowdown, again * self.slowdown
 
 
-def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int) -> HostCompute:
-    return HostCompute(host.unit_times(model, layout.tp, layout.sequence_parallel),
+def unit_format(host: MeasuredHost, compute_format: str) -> str:
+    """The format a host's units must have been measured in to price a run computing in `compute_format`:
+    on a CPU host 16-bit and fp8 compute is emulated with fp32 matmuls (precision/compute.py), so fp32
+    units hold; on GPUs the compute format itself (no unit of another format: the roofline prices it)."""
+    return "fp32" if host.device == "cpu" else compute_format
+
+
+def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int,
+                 compute_format: str = "fp32") -> HostCompute:
+    units = host.unit_times(model, layout.tp, layout.sequence_parallel, unit_format(host, compute_format))
+    return HostCompute(units,
                        host.slowdown(layout.world_size, threads_per_rank),
                        serial=host.device == "cpu" and layout.world_size * threads_per_rank <= host.cores)
 

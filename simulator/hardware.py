@@ -27,11 +27,17 @@ Optional GPU fields, written by `minigpt calibrate` (absent from the presets):
         ranks_per_core, threads_per_rank, the measured block times, ...)
     "measured": a CPU host's measured unit times, core sharing and gloo collectives by
         group size and load: see simulator/host.py
+
+In a calibrated profile every non-null peak_flops entry is a measurement (the best matmul rate
+measured in that format, parallel/calibrate.py), not a datasheet figure, and matmul_efficiency
+holds one table per measured format. With one rank nothing measures the links: `preset_links`
+gives calibrate the datasheet link figures of the preset whose GPU the device's name matches.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -379,6 +385,38 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
             f"profile {text!r} holds {len(catalog.gpus)} GPUs ({', '.join(catalog.gpus)}): a profile describes one GPU, keep one"
         )
     return catalog.hardware(next(iter(catalog.gpus)), origin=text)
+
+
+# The presets' GPUs by the name torch.cuda.get_device_name() gives them. Only the SXM parts the presets
+# describe: PCIe and NVL boards (other clocks, power and links) and GH200 (another memory) match nothing.
+DEVICE_NAME_PATTERNS = (
+    (r"\bh200\b", "h200"),  # "NVIDIA H200"
+    (r"\bh100\b", "h100-sxm"),  # "NVIDIA H100 80GB HBM3" (SXM5)
+    (r"\ba100-sxm4-80gb\b", "a100-80gb"),  # "NVIDIA A100-SXM4-80GB"
+    (r"\ba100-sxm4-40gb\b", "a100-40gb"),  # "NVIDIA A100-SXM4-40GB"
+)
+
+
+def preset_for_device(device_name: str) -> str | None:
+    """The preset whose GPU a CUDA device name (torch.cuda.get_device_name) is, or None."""
+    name = device_name.lower()
+    if re.search(r"pcie|\bnvl\b", name):
+        return None
+    return next((preset for pattern, preset in DEVICE_NAME_PATTERNS if re.search(pattern, name)), None)
+
+
+def preset_links(device_name: str) -> dict | None:
+    """The link figures (NVLink, node, NIC) and datasheet peaks of the preset matching `device_name`,
+    as plain JSON-ready data for `minigpt calibrate` with one rank; None when no preset matches."""
+    name = preset_for_device(device_name)
+    if name is None:
+        return None
+    hardware = presets().hardware(name)
+    node, nic = asdict(hardware.node), asdict(hardware.nic)
+    del node["name"], nic["name"]
+    return {"preset": name, "gpu_source": hardware.gpu.source, "peak_flops": dict(hardware.gpu.peak_flops),
+            "nvlink_bandwidth": hardware.gpu.nvlink_bandwidth, "nvlink_latency": hardware.gpu.nvlink_latency,
+            "node_name": hardware.node.name, "node": node, "nic_name": hardware.nic.name, "nic": nic}
 
 
 def load_nic(name: str) -> NICSpec:

@@ -8,7 +8,7 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
     "measured": {
       "cores": C,                  (on CUDA: the GPUs, one per rank)
       "device": "cpu" | "cuda",
-      "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "sequence_parallel"?,
+      "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "sequence_parallel"?, "dtype"?,
                  "micro_batches": [b, ...],
                  "block_forward": [s, ...], "block_backward": [...],
                  "embedding_forward": [...], "embedding_backward": [...],
@@ -20,7 +20,17 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
 - units: seconds of one tensor-parallel rank's share of a block, of the embedding and of
   the final norm + head + loss, for one micro-batch of b sequences, measured by one rank
   alone on one thread (the real tensor-parallel modules, their communication left out). Between measured b the time is interpolated linearly; beyond the
-  last, extended along the last segment.
+  last, extended along the last segment. "dtype" is the number format they were measured in
+  (calibrate measures fp32; a unit without one was written before units carried it, and was
+  fp32). Units are for simulations computing in that format only: `unit_times` with another
+  dtype finds none, and the engine then prices the chunk with compute.py's roofline in the
+  simulation's own format (the profile's measured per-format peak and efficiency table). Not a
+  refusal: on a GPU profile that roofline rests on measured per-format GEMM rates, so a bf16
+  simulation (or `minigpt compare` of a bf16 run) with an fp32-calibrated profile stays possible,
+  and its result says the units were not used (host "units_measured": false). The sharing
+  slowdown and the collectives hold for any format (they time cores and bytes). This takes the
+  caller passing its format: engine_host.host_compute does not yet (dtype None: any format's
+  units, the behaviour before units carried one); it should pass the policy's compute format.
 - sharing: compute time of a rank when `ranks` ranks with `threads_per_rank` threads each
   compute at once, over that of one rank alone on one thread. Between measured rank
   counts (same threads) it is interpolated linearly; any other pair takes
@@ -42,10 +52,13 @@ from dataclasses import dataclass, field
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
+from simulator.hardware import FLOP_FORMATS  # hardware.py imports this module only inside a function
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
 UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
+UNIT_OPTIONAL = ("sequence_parallel", "dtype")
+LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -68,6 +81,7 @@ class UnitTimes:
     micro_batches: tuple[int, ...]
     series: dict[str, tuple[float, ...]] = field(hash=False)
     sequence_parallel: bool = False
+    dtype: str = LEGACY_UNIT_DTYPE  # the number format they were measured in
 
     def seconds(self, name: str, micro_batch: int) -> float:
         ys = self.series[name]
@@ -101,11 +115,13 @@ class MeasuredHost:
     device: str = "cpu"  # "cuda": measured on GPUs (NCCL), whose copies do not take the compute's cores
     raw: dict = field(default_factory=dict, hash=False, compare=False)  # the profile's object, for writing back
 
-    def unit_times(self, model: GPTConfig, tp: int, sequence_parallel: bool = False) -> UnitTimes | None:
+    def unit_times(self, model: GPTConfig, tp: int, sequence_parallel: bool = False,
+                   dtype: str | None = None) -> UnitTimes | None:
         """The measured pieces of this model at this tp (with sequence parallelism when measured so,
-        else without), or None when they were not measured."""
+        else without) in the compute format `dtype`, or None when they were not measured so: never
+        another format's times (None: any format, for callers that do not know theirs)."""
         key = (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp)
-        same = [u for u in self.units if u.key == key]
+        same = [u for u in self.units if u.key == key and (dtype is None or u.dtype == dtype)]
         return next((u for u in same if u.sequence_parallel == sequence_parallel), same[0] if same else None)
 
     def ideal_slowdown(self, ranks: int, threads: int) -> float:
@@ -172,12 +188,17 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     units = []
     for i, entry in enumerate(data.get("units", [])):
         at = f"{where}.units[{i}]"
-        if not isinstance(entry, dict) or set(entry) - {"sequence_parallel"} != {*UNIT_KEYS, "micro_batches", *UNIT_SERIES}:
-            raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))}")
+        required = {*UNIT_KEYS, "micro_batches", *UNIT_SERIES}
+        if not isinstance(entry, dict) or set(entry) - set(UNIT_OPTIONAL) != required:
+            raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))} "
+                              f"(and optionally {', '.join(UNIT_OPTIONAL)})")
         key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True)) for k in UNIT_KEYS)
         sp = entry.get("sequence_parallel", False)
         if not isinstance(sp, bool):
             raise ConfigError(f"{at}.sequence_parallel must be true or false, got {sp!r}")
+        dtype = entry.get("dtype", LEGACY_UNIT_DTYPE)
+        if dtype not in FLOP_FORMATS:
+            raise ConfigError(f"{at}.dtype must be one of {', '.join(FLOP_FORMATS)}, got {dtype!r}")
         sizes = entry["micro_batches"]
         if not isinstance(sizes, list) or not sizes or any(a >= b for a, b in zip(sizes, sizes[1:])):
             raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
@@ -188,7 +209,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             if not isinstance(values, list) or len(values) != len(sizes):
                 raise ConfigError(f"{at}.{name} must hold one time per micro-batch size ({len(sizes)})")
             series[name] = tuple(float(_positive(v, f"{at}.{name}")) for v in values)
-        units.append(UnitTimes(key, sizes, series, sp))
+        units.append(UnitTimes(key, sizes, series, sp, dtype))
     sharing = []
     for i, row in enumerate(data.get("sharing", [])):
         if not isinstance(row, list) or len(row) != 3:

@@ -142,9 +142,13 @@ def test_every_measurement_runs_on_the_device_it_is_given():
     from parallel.calibrate_host import measure_host
 
     plan = small_plan()
-    matmuls = measure_matmuls(plan, CPU)
-    assert sorted(matmuls["rates"]["square"]) == [32, 64] and matmuls["launch_latency"] > 0
-    assert all(rate > 0 for shape in matmuls["rates"].values() for rate in shape.values())
+    matmuls = measure_matmuls(plan, CPU, ("fp32", "bf16", "fp8"))
+    assert list(matmuls["rates"]) == ["fp32", "bf16", "fp8"] and matmuls["refused"] == {}
+    assert sorted(matmuls["rates"]["fp32"]["square"]) == [32, 64] and matmuls["launch_latency"] > 0
+    assert all(rate > 0 for shapes in matmuls["rates"].values() for shape in shapes.values() for rate in shape.values())
+    assert all(spread >= 0 for spread in matmuls["spread"].values())
+    refused = measure_matmuls(plan, CPU, ("fp32", "tf32"))  # a CPU has no TF32: recorded, not measured
+    assert list(refused["rates"]) == ["fp32"] and "CUDA" in refused["refused"]["tf32"]
     assert measure_copy(plan, CPU) > 0
     block = measure_block(plan, CPU)
     assert block["forward_s"] > 0 and block["backward_s"] > 0 and block["micro_batch"] == 2
@@ -174,8 +178,9 @@ def test_on_cuda_the_gpus_are_the_cores_and_there_is_no_threads_row(monkeypatch)
     assert "threads" in real_sharing(small_plan(), 0, 1, 4, CPU)
 
 
-def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None) -> dict:
-    """One rank's measurements as measure_rank returns them (fake numbers, real shapes)."""
+def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None, formats=("fp32",), refused=None) -> dict:
+    """One rank's measurements as measure_rank returns them (fake numbers, real shapes): fp32 at
+    4e13 (square) and 5e13 (GPT-shaped) FLOP/s at the largest size, other formats a multiple of it."""
     series = {f"{p}_{w}": [1e-4, 2e-4, 5e-4] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     collectives = {(kind, 2, 2, size): 1e-5 + size / 1e11 for kind in ("all_reduce", "all_gather", "reduce_scatter",
                                                                         "p2p") for size in (4096, 2**20, 8 * 2**20)}
@@ -183,8 +188,11 @@ def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None) -> di
     result = {"device": device, "host": host(rank, units, busy or {1: 0.010, 2: 0.0101}, collectives=collectives)}
     result["host"]["seconds"] = {"matmuls_copy_block": 1.0, "units": 1.0}
     if rank == 0:
-        result.update(matmuls={"rates": {"square": {n: 4e13 * n / 4096 for n in sizes},
-                                         "gpt": {n: 5e13 * n / 4096 for n in sizes}}, "launch_latency": 5e-6},
+        scale = {"fp32": 1, "tf32": 8, "bf16": 16, "fp16": 16, "fp8": 32}
+        rates = {fmt: {"square": {n: 4e13 * scale[fmt] * n / 4096 for n in sizes},
+                       "gpt": {n: 5e13 * scale[fmt] * n / 4096 for n in sizes}} for fmt in formats}
+        result.update(matmuls={"rates": rates, "spread": {fmt: 0.01 for fmt in formats}, "refused": refused or {},
+                               "launch_latency": 5e-6},
                       copy_bandwidth=4e12, block={"model": "tiny", "micro_batch": 8, "seq_len": 128, "d_model": 128,
                                                   "forward_s": 1e-4, "backward_s": 2e-4})
     return result

@@ -146,3 +146,19 @@ def test_preset_file_has_every_format():
     data = json.loads(PRESETS_FILE.read_text())
     for entry in data["gpus"].values():
         assert set(entry["peak_flops"]) == set(FLOP_FORMATS)
+
+
+def test_a_cuda_device_name_finds_the_preset_of_its_gpu_only():
+    from simulator.hardware import preset_for_device, preset_links
+
+    names = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA A100-SXM4-80GB": "a100-80gb",
+             "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA H200 NVL": None, "NVIDIA H100 PCIe": None,
+             "NVIDIA GH200 480GB": None, "NVIDIA A100 80GB PCIe": None, "NVIDIA GeForce RTX 4090": None}
+    for device, expected in names.items():
+        assert preset_for_device(device) == expected, device
+    links = preset_links("NVIDIA H200")
+    h200 = load_hardware("h200")
+    assert links["preset"] == "h200" and links["nvlink_bandwidth"] == h200.gpu.nvlink_bandwidth
+    assert links["node_name"] == h200.node.name and links["nic"]["bandwidth"] == h200.nic.bandwidth
+    assert "name" not in links["node"] and links["peak_flops"] == h200.gpu.peak_flops
+    assert preset_links("NVIDIA GeForce RTX 4090") is None

@@ -164,3 +164,37 @@ def test_communication_is_charged_in_line_only_where_each_rank_has_its_own_cores
     assert host_compute(host, TINY, Layout(dp=2), 1).serial  # one core each: gloo's copies take it from compute
     assert not host_compute(host, TINY, Layout(dp=4), 1).serial  # 4 ranks take turns: comm progresses meanwhile
     assert not host_compute(host, TINY, Layout(dp=2), 2).serial
+
+
+def test_units_are_found_only_in_the_format_they_were_measured_in(hardware, tmp_path):
+    host = hardware.gpu.measured
+    assert host.unit_times(TINY, 1, dtype="fp32") is host.unit_times(TINY, 1)  # no "dtype": written as fp32
+    assert host.unit_times(TINY, 1, dtype="bf16") is None  # never fp32 times for a bf16 simulation
+    data = copy.deepcopy(hardware_to_dict(hardware))  # the profile's own objects are shared with `hardware`
+    gpu = next(iter(data["gpus"].values()))
+    gpu["measured"]["units"] = [dict(unit(1), dtype="bf16"), dict(unit(2), dtype="fp32")]
+    path = tmp_path / "typed.json"
+    path.write_text(json.dumps(data))
+    typed = load_hardware(str(path)).gpu.measured
+    assert typed.unit_times(TINY, 1, dtype="bf16").dtype == "bf16" and typed.unit_times(TINY, 1, dtype="fp32") is None
+    assert typed.unit_times(TINY, 2, dtype="fp32").dtype == "fp32"
+    gpu["measured"]["units"][0]["dtype"] = "int8"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=re.escape("units[0].dtype must be one of fp32, tf32, bf16, fp16, fp8")):
+        load_hardware(str(path))
+
+
+def test_a_simulation_uses_units_of_the_format_it_computes_in(hardware, tmp_path):
+    """fp32 units price a bf16 step on a CPU host (16-bit is emulated there by fp32 matmuls), never on GPUs."""
+    def step(h, precision):
+        return simulate_step(TINY, Layout(dp=2), build_cluster(h, 2, 1), precision, 16, 8, gpu=h)
+
+    assert step(hardware, "bf16").host["units_measured"] and step(hardware, "fp32").host["units_measured"]
+    data = copy.deepcopy(hardware_to_dict(hardware))
+    entry = next(iter(data["gpus"].values()))
+    entry["measured"] = dict(entry["measured"], device="cuda")
+    path = tmp_path / "cuda-fp32-units.json"
+    path.write_text(json.dumps(data))
+    gpu = load_hardware(str(path))
+    assert step(gpu, "fp32").host["units_measured"]
+    assert not step(gpu, "bf16").host["units_measured"]  # the roofline in bf16 instead of fp32 times

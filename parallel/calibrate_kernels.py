@@ -1,0 +1,252 @@
+"""Kernel timing, the one home of it: GEMMs per number format, element-wise bandwidth, launches, attention.
+
+Torch only (no other project import), so that bench/gpu_kernels.py runs it on a bare machine with the
+repository on PYTHONPATH; `minigpt calibrate` (parallel/calibrate_device.py) times its matmuls and its
+copy here too.
+
+Timing (`time_call`): one warm-up call, one call timed alone to choose how many calls make a timed run
+last about `min_run_s`, then `repeats` timed runs of that many calls back to back. A measurement is the
+median seconds per call, and it reports its noise: `spread` = (slowest run - fastest run) / median.
+On CUDA a run is timed by two torch.cuda.Events around the calls (the GPU's own clock, no host
+synchronisation inside the run); on a CPU by time.perf_counter.
+
+GEMM formats (`FORMATS`): (m x k) @ (k x n) on random normal operands, 2*m*n*k FLOPs
+- fp32: float32 with TF32 off (torch.backends.cuda.matmul.allow_tf32 = False), true fp32;
+- tf32: float32 with TF32 on; CUDA only (a CPU has no TF32);
+- bf16, fp16: torch.mm in that dtype (on a CPU: torch's own CPU kernels; measured on this project's
+  2-core AMD EPYC with AVX512-BF16, torch 2.13: bf16 native and fast, fp16 slow);
+- fp8, fp8_fast: torch._scaled_mm of float8_e4m3fn operands, a row-major and b column-major (what
+  cuBLASLt wants), every dimension a multiple of 16, per-tensor scales of 1.0, bf16 output, with
+  use_fast_accum False (fp8, as precision/fp8.py calls it) and True (fp8_fast). torch 2.13's CPU build
+  runs _scaled_mm too, so a CPU dry run takes the same path.
+
+Element-wise (`time_elementwise`): copy, add, GELU, LayerNorm (rows of ROW), softmax (rows of ROW) in
+bf16 and fp32; bytes moved = bytes read + bytes written (copy, GELU, LayerNorm, softmax: 2 x the tensor;
+add: 3 x; LayerNorm's weight and bias, ROW elements each, are left out). Size: give tensors well past
+the last-level cache (on an H100/H200 the L2 is 50-60 MB: bench/gpu_kernels.py uses 256 MiB).
+
+Attention (`time_attention`): scaled_dot_product_attention against an unfused attention (matmul, scale,
+causal mask, softmax, matmul) at the same shapes, causal, forward or forward + backward. FLOPs counted
+as FlashAttention-2's benchmark counts them (Dao 2023, benchmarks/benchmark_flash_attention.py in
+Dao-AILab/flash-attention): forward 4 * batch * heads * seq^2 * head_dim, halved when causal;
+backward 2.5 x the forward. The unfused kernel does the full square's work but is charged the same
+useful FLOPs, so the two rates compare time for the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8_fast")
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_MULTIPLE = 16  # cuBLASLt's _scaled_mm: every dimension a multiple of 16 (checked on every device)
+ELEMENTWISE = ("copy", "add", "gelu", "layernorm", "softmax")
+ELEMENTWISE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ROW = 4096  # LayerNorm's and softmax's row length: a d_model of Llama 3 8B, a 4K attention row
+MAX_CALLS = 20000  # a timed run never holds more calls (a tiny kernel at ~2 us: 40 ms)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per call over `repeats` runs of `calls` calls, and the runs' spread."""
+
+    seconds: float
+    spread: float  # (slowest run - fastest run) / median
+    calls: int
+    repeats: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds for `calls` back-to-back calls of fn (CUDA events on a GPU, perf_counter on a CPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - begin
+
+
+def time_call(fn: Callable[[], object], device: torch.device, min_run_s: float = 0.02, repeats: int = 5) -> Timing:
+    """Time fn: a warm-up, a probe, then `repeats` runs of enough calls to last about min_run_s each."""
+    if repeats < 1 or not min_run_s >= 0:
+        raise ValueError(f"time_call needs repeats >= 1 and min_run_s >= 0, got {repeats} and {min_run_s}")
+    fn()  # warm-up: lazy initialisation, cuBLAS handles, the caching allocator
+    synchronize(device)
+    once = max(_run(fn, 1, device), 1e-7)
+    calls = max(1, min(MAX_CALLS, math.ceil(min_run_s / once)))
+    runs = [_run(fn, calls, device) / calls for _ in range(repeats)]
+    median = statistics.median(runs)
+    return Timing(median, (max(runs) - min(runs)) / median if median > 0 else 0.0, calls, repeats)
+
+
+# ---------------------------------------------------------------- GEMMs
+
+
+def supported_formats(device: torch.device) -> tuple[str, ...]:
+    """The formats this device can be asked for (fp8 may still be refused by an older GPU: time_gemm raises)."""
+    return FORMATS if device.type == "cuda" else tuple(f for f in FORMATS if f != "tf32")
+
+
+@contextlib.contextmanager
+def matmul_mode(fmt: str, device: torch.device):
+    """TF32 on for tf32 and off for every other format while inside (CUDA); the setting is restored after."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown GEMM format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if fmt == "tf32" and device.type != "cuda":
+        raise ValueError("tf32 needs a CUDA GPU: a CPU has no TF32 (its fp32 matmul is the fp32 format)")
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = fmt == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def gemm_call(fmt: str, m: int, n: int, k: int, device: torch.device) -> Callable[[], torch.Tensor]:
+    """A call computing one (m x k) @ (k x n) in `fmt` on freshly made random operands."""
+    if fmt in ("fp8", "fp8_fast"):
+        if any(d % FP8_MULTIPLE for d in (m, n, k)):
+            raise ValueError(f"fp8 GEMM dimensions must be multiples of {FP8_MULTIPLE}, got {m} x {n} x {k}")
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)  # row-major
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()  # (k, n), column-major
+        one = torch.ones((), device=device)
+        fast = fmt == "fp8_fast"
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+    dtype = TORCH_DTYPES[fmt]
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def time_gemm(fmt: str, m: int, n: int, k: int, device: torch.device, min_run_s: float = 0.02,
+              repeats: int = 5) -> dict:
+    """{format, m, n, k, flops, seconds, flops_per_s, spread, calls} of one GEMM shape in `fmt`.
+    ValueError for a format or shape this device cannot take; RuntimeError when torch refuses it."""
+    with matmul_mode(fmt, device):
+        call = gemm_call(fmt, m, n, k, device)
+        timing = time_call(call, device, min_run_s, repeats)
+    del call
+    flops = 2 * m * n * k
+    return {"format": fmt, "m": m, "n": n, "k": k, "flops": flops, "seconds": timing.seconds,
+            "flops_per_s": flops / timing.seconds, "spread": timing.spread, "calls": timing.calls}
+
+
+def launch_overhead(device: torch.device, min_run_s: float = 0.02, repeats: int = 5) -> dict:
+    """Seconds per launch of a tiny kernel (an in-place add on one element) issued back to back."""
+    x = torch.zeros(1, device=device)
+    timing = time_call(lambda: x.add_(1.0), device, min_run_s, repeats)
+    return {"kernel": "x.add_(1.0) on a 1-element fp32 tensor, back to back", "per_launch_s": timing.seconds,
+            "spread": timing.spread, "calls": timing.calls}
+
+
+# ---------------------------------------------------------------- element-wise
+
+
+def elementwise_call(op: str, dtype: torch.dtype, numel: int, device: torch.device) -> tuple[Callable, int, int]:
+    """(a call of `op` on tensors of about `numel` elements (whole rows of ROW), the bytes it moves
+    (read + written), the bytes of one tensor)."""
+    rows = max(1, numel // ROW)
+    x = torch.randn(rows, ROW, device=device, dtype=dtype)
+    size = x.numel() * x.element_size()
+    if op == "copy":
+        out = torch.empty_like(x)
+        return (lambda: out.copy_(x)), 2 * size, size
+    if op == "add":
+        y, out = torch.randn_like(x), torch.empty_like(x)
+        return (lambda: torch.add(x, y, out=out)), 3 * size, size
+    if op == "gelu":
+        return (lambda: F.gelu(x)), 2 * size, size
+    if op == "layernorm":
+        weight, bias = torch.ones(ROW, device=device, dtype=dtype), torch.zeros(ROW, device=device, dtype=dtype)
+        return (lambda: F.layer_norm(x, (ROW,), weight, bias)), 2 * size, size
+    if op == "softmax":
+        return (lambda: torch.softmax(x, dim=-1)), 2 * size, size
+    raise ValueError(f"unknown element-wise op {op!r}: use one of {', '.join(ELEMENTWISE)}")
+
+
+def time_elementwise(op: str, fmt: str, tensor_bytes: int, device: torch.device, min_run_s: float = 0.02,
+                     repeats: int = 5) -> dict:
+    """{op, format, tensor_bytes, bytes_moved, seconds, bytes_per_s, spread} of one element-wise kernel."""
+    dtype = ELEMENTWISE_DTYPES[fmt]
+    numel = max(ROW, tensor_bytes // torch.empty((), dtype=dtype).element_size())
+    call, moved, size = elementwise_call(op, dtype, numel, device)
+    timing = time_call(call, device, min_run_s, repeats)
+    del call
+    return {"op": op, "format": fmt, "tensor_bytes": size, "bytes_moved": moved,
+            "seconds": timing.seconds, "bytes_per_s": moved / timing.seconds, "spread": timing.spread}
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True,
+                    backward: bool = False) -> float:
+    """Useful FLOPs as FlashAttention-2's benchmark counts them (see the module docstring)."""
+    forward = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    return forward * (3.5 if backward else 1.0)
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v as three kernels and an s x s matrix in memory."""
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def attention_call(fused: bool, backward: bool, batch: int, heads: int, seq: int, head_dim: int,
+                   device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Callable:
+    """A call of causal attention (SDPA when fused, else unfused_attention), forward or forward + backward."""
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=backward)
+               for _ in range(3))
+    mask = None if fused else torch.ones(seq, seq, device=device, dtype=torch.bool).triu(1)
+
+    def forward() -> torch.Tensor:
+        if fused:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return unfused_attention(q, k, v, mask)
+
+    if not backward:
+        def call():
+            with torch.no_grad():
+                return forward()
+        return call
+    grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
+    return lambda: torch.autograd.grad(forward(), (q, k, v), grad)
+
+
+def time_attention(fused: bool, backward: bool, batch: int, heads: int, seq: int, head_dim: int,
+                   device: torch.device, min_run_s: float = 0.02, repeats: int = 5) -> dict:
+    """{kernel, pass, batch, heads, seq, head_dim, flops, seconds, flops_per_s, spread}, bf16, causal."""
+    call = attention_call(fused, backward, batch, heads, seq, head_dim, device)
+    timing = time_call(call, device, min_run_s, repeats)
+    del call
+    flops = attention_flops(batch, heads, seq, head_dim, True, backward)
+    return {"kernel": "sdpa" if fused else "unfused", "pass": "forward+backward" if backward else "forward",
+            "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "flops": flops,
+            "seconds": timing.seconds, "flops_per_s": flops / timing.seconds, "spread": timing.spread}

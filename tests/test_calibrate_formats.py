@@ -1,0 +1,192 @@
+"""`minigpt calibrate`'s CUDA-only paths checked on the CPU: per-format peaks and tables, --device cuda,
+--formats, and the link figures of a one-rank profile. The ranks' measurements are faked (no GPU here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from minigpt.config import preset
+from minigpt.errors import ConfigError
+from parallel.calibrate import FORMATS, build_profile, default_formats, make_plan
+from simulator.engine import simulate_step
+from simulator.hardware import FLOP_FORMATS, load_hardware, preset_for_device, preset_links
+from simulator.layout import Layout
+from simulator.topology import build_cluster
+from test_calibrate_host import H200, fake_rank  # tests/ is on sys.path under pytest
+
+RTX = {**H200, "name": "NVIDIA GeForce RTX 4090"}
+SIZES = (256, 1024, 4096)
+
+
+def write(profile: dict, tmp_path, name: str = "profile.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(profile))
+    return load_hardware(str(path))
+
+
+def h200_profile(**changes) -> dict:
+    plan = make_plan(1, quick=True)
+    rank = fake_rank(0, H200, formats=changes.pop("formats", FORMATS), refused=changes.pop("refused", None))
+    return build_profile([rank], plan, "cuda-calibrated", 16, "2030-01-01", **changes)
+
+
+def test_the_formats_are_the_simulators():
+    assert FORMATS == FLOP_FORMATS
+    assert default_formats(torch.device("cuda", 0)) == FORMATS and default_formats(torch.device("cpu")) == ("fp32",)
+
+
+def test_every_measured_format_gets_its_own_peak_and_table(tmp_path):
+    profile = h200_profile(links_from=preset_links("NVIDIA H200"))
+    (gpu,) = profile["gpus"].values()
+    scale = {"fp32": 1, "tf32": 8, "bf16": 16, "fp16": 16, "fp8": 32}  # fake_rank's rates
+    for fmt in FORMATS:  # the best rate measured in the format: the GPT-shaped matmul at 4096
+        assert gpu["peak_flops"][fmt] == pytest.approx(5e13 * scale[fmt])
+        assert [n for n, _ in gpu["matmul_efficiency"][fmt]] == list(SIZES)
+        assert gpu["matmul_efficiency"][fmt][-1][1] == pytest.approx((4e13 + 5e13) / 2 / 5e13)
+        assert gpu["calibration"]["formats"][fmt]["status"] == "measured"
+    assert gpu["calibration"]["formats"]["bf16"]["of_datasheet"] == pytest.approx(8e14 / 989.4e12, rel=1e-3)
+    assert "not the datasheet's" in gpu["source"] and "allow_tf32 = False" in gpu["calibration"]["peak_note"]
+    hardware = write(profile, tmp_path)
+    assert set(hardware.gpu.matmul_efficiency.points) == set(FORMATS)
+    assert hardware.gpu.flops("bf16") == pytest.approx(8e14)
+
+
+def test_a_bf16_simulation_runs_on_the_measured_bf16_numbers(tmp_path):
+    from simulator.compute import Matmul
+
+    hardware = write(h200_profile(links_from=preset_links("NVIDIA H200")), tmp_path)
+    table = hardware.gpu.matmul_efficiency
+    mm = Matmul("fc1", 4096, 4096, 4096, "bf16")
+    expected = mm.flops / (8e14 * table.efficiency("bf16", 4096)) + table.launch_latency
+    assert mm.time(hardware.gpu, table) == pytest.approx(expected)  # the bf16 peak and table, not fp32's
+    for precision in ("bf16", "fp8", "fp32"):
+        result = simulate_step(preset("tiny"), Layout(), build_cluster(hardware, 1, 1), precision, 8, 8,
+                               profile=table, gpu=hardware)
+        assert result.step_time_s > 0
+
+
+def test_a_refused_format_has_no_peak_and_the_simulator_says_so(tmp_path):
+    profile = h200_profile(formats=("fp32", "tf32", "bf16", "fp16"), refused={"fp8": "no fp8 on this GPU"})
+    (gpu,) = profile["gpus"].values()
+    assert gpu["peak_flops"]["fp8"] is None and "fp8" not in gpu["matmul_efficiency"]
+    assert gpu["calibration"]["formats"]["fp8"]["status"] == "refused by the device: no fp8 on this GPU"
+    assert gpu["source"].endswith("not measured: fp8 (calibration.formats says why)")
+    hardware = write(profile, tmp_path)
+    with pytest.raises(ConfigError, match="no fp8"):
+        simulate_step(preset("tiny"), Layout(), build_cluster(hardware, 1, 1), "fp8", 8, 8, gpu=hardware)
+
+
+def test_one_gpu_takes_its_links_from_the_matching_preset(tmp_path):
+    assert preset_for_device("NVIDIA H200") == "h200" and preset_for_device("NVIDIA GeForce RTX 4090") is None
+    hardware = write(h200_profile(links_from=preset_links("NVIDIA H200")), tmp_path)
+    h200 = load_hardware("h200")
+    assert (hardware.gpu.nvlink_bandwidth, hardware.gpu.nvlink_latency) == (h200.gpu.nvlink_bandwidth,
+                                                                           h200.gpu.nvlink_latency)
+    assert (hardware.node.gpus_per_node, hardware.node.nics_per_node) == (8, 8)
+    assert hardware.nic.bandwidth == h200.nic.bandwidth and "preset ndr" in hardware.nic.source
+    note = hardware.gpu.calibration
+    assert note["links"].startswith("not measured (one rank), from preset h200's datasheet figures")
+    assert note["links_preset"] == "h200"
+
+
+def test_without_a_matching_preset_the_copy_bandwidth_placeholder_says_so(tmp_path):
+    profile = build_profile([fake_rank(0, RTX)], make_plan(1, quick=True), "x", 16, "2030-01-01", None)
+    (gpu,) = profile["gpus"].values()
+    assert gpu["nvlink_bandwidth"] == 4e12 / 2 and gpu["nvlink_latency"] == 0.0
+    assert "placeholder" in gpu["calibration"]["links"] and gpu["calibration"]["links_preset"] is None
+    assert "placeholder" in next(iter(profile["nics"].values()))["source"]
+    write(profile, tmp_path)
+
+
+def test_measured_collectives_win_over_a_preset():
+    plan = make_plan(2, quick=True)
+    profile = build_profile([fake_rank(0, H200), fake_rank(1, H200)], plan, "x", 16, "2030-01-01",
+                            preset_links("NVIDIA H200"))
+    (gpu,) = profile["gpus"].values()
+    assert gpu["calibration"]["links"].startswith("measured") and gpu["nvlink_bandwidth"] != 450e9
+    assert gpu["calibration"]["datasheet_preset"] == "h200"
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def invoke(*args: str):
+    from test_calibrate import invoke as calibrate_invoke
+
+    return calibrate_invoke(*args)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--device", "cuda"], "--device cuda was asked for but torch sees no CUDA device"),
+    (["--formats", "fp32,tf32", "--device", "cpu"], "--formats tf32 needs CUDA"),
+    (["--formats", "bf16"], "--formats must include fp32"),
+    (["--formats", "fp32,int8"], "--formats must be distinct formats among"),
+    (["--formats", "fp32,fp32"], "--formats must be distinct formats among"),
+])
+def test_cuda_and_format_requests_are_one_line_before_any_rank(tmp_path, monkeypatch, args, words):
+    import parallel.calibrate
+
+    monkeypatch.setattr(parallel.calibrate, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    result = invoke("--out", str(tmp_path / "p.json"), "--ranks", "1", *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minigpt: error:") and words in lines[0], result.stderr
+
+
+def test_device_cuda_without_cuda_exits_2_from_the_real_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "cli", "calibrate", "--device", "cuda", "--out",
+                             str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120,
+                            env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().count("\n") == 0 and "no CUDA device" in result.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_one_gpu_cuda_calibration_prints_every_format_and_where_the_links_come_from(tmp_path, monkeypatch):
+    import parallel.calibrate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    plans = []
+    monkeypatch.setattr(parallel.calibrate, "calibrate",
+                        lambda plan: plans.append(plan) or [fake_rank(0, H200, formats=FORMATS)])
+    path = tmp_path / "gpu.json"
+    result = invoke("--out", str(path), "--device", "cuda", "--quick")
+    assert result.exit_code == 0, result.output
+    assert plans[0].ranks == 1 and plans[0].device == "cuda" and plans[0].formats is None  # all, on the GPU
+    assert "links: not measured (one rank), from preset h200's datasheet figures" in result.output
+    for fmt in FORMATS:
+        assert f"  {fmt:<5} peak (best measured)" in result.output
+    assert "of preset h200's datasheet" in result.output
+    hardware = load_hardware(str(path))
+    assert hardware.gpu.peak_flops["bf16"] > hardware.gpu.peak_flops["fp32"]
+
+
+def test_the_cpu_dry_run_measures_the_formats_asked_for_and_simulates_bf16(tmp_path):
+    """The per-format path for real, at CPU sizes: what bench/gpu.sh's dry run calibrates with."""
+    from cli.main import main
+
+    path = tmp_path / "cpu.json"
+    result = invoke("--out", str(path), "--ranks", "1", "--quick", "--device", "cpu", "--formats", "fp32,bf16,fp8",
+                    "--micro-batches", "1,2")
+    assert result.exit_code == 0, result.output
+    assert "not measured (one rank) and no preset matches the device" in result.output  # the placeholder, said
+    (gpu,) = json.loads(path.read_text())["gpus"].values()
+    assert gpu["peak_flops"]["bf16"] > 0 and gpu["peak_flops"]["fp8"] > 0 and gpu["peak_flops"]["fp16"] is None
+    assert gpu["peak_flops"]["tf32"] == gpu["peak_flops"]["fp32"]
+    assert {"fp32", "bf16", "fp8"} <= set(gpu["matmul_efficiency"]) and "fp16" not in gpu["matmul_efficiency"]
+    assert "precision/compute.py emulates 16-bit matmuls with fp32 ones" in gpu["source"]
+    assert "fp32, bf16, fp8 matmuls on the CPU" in gpu["source"] and "bf16, fp8 measured with torch's native" in \
+        gpu["source"] and gpu["source"].endswith("not measured: fp16 (calibration.formats says why)")
+    assert all(unit["dtype"] == "fp32" for unit in gpu["measured"]["units"])
+    cli = CliRunner().invoke(main, ["simulate", "--hardware", str(path), "--model", "tiny", "--precision", "bf16",
+                                    "--json"])
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.output)["step_time_s"] > 0
