@@ -46,13 +46,13 @@ for arg in "$@"; do
 done
 
 py=${PYTHON:-$(command -v python3 || command -v python || true)}
-if [ -z "$py" ] || ! "$py" -c "import torch" 2>/dev/null; then
+if [ -z "$py" ] || ! "$py" -W ignore -c "import torch" 2>/dev/null; then
   echo "gpu.sh: no Python with torch (set PYTHON=/path/to/python that imports torch)" >&2
   exit 2
 fi
-cuda=$("$py" -c "import torch; print(int(torch.cuda.is_available()))")
+cuda=$("$py" -W ignore -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 if [ "$cuda" != 1 ] && [ "$require_gpu" = 1 ]; then
-  echo "gpu.sh: --require-gpu: torch $("$py" -c 'import torch; print(torch.__version__)') sees no CUDA device; nothing measured" >&2
+  echo "gpu.sh: --require-gpu: torch $("$py" -W ignore -c 'import torch; print(torch.__version__)' 2>/dev/null) sees no CUDA device; nothing measured" >&2
   exit 3
 fi
 
@@ -126,7 +126,7 @@ if [ "$cuda" = 1 ]; then
 else
   echo "gpu.sh: no CUDA device: the CPU dry run (the same steps at tiny sizes)"
   run_step kernels 60 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --dry-run
-  run_step calibrate 90 - "$py" -m cli calibrate --device cpu --ranks 2 --quick --model tiny \
+  run_step calibrate 90 - "$py" -m cli calibrate --device cpu --ranks 1 --quick --model tiny \
     --micro-batches 1,4 --formats fp32,bf16,fp8 --out "$out/gpu-profile.json"
   run_step compare 60 "$out/compare.json" "$py" -m cli compare --hardware "$out/gpu-profile.json" \
     --model tiny --batch-size 8 --steps 3 --device cpu --out "$scratch/compare" --json

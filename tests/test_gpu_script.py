@@ -1,17 +1,21 @@
 """bench/gpu.sh, the one script a lent GPU runs, checked here in its CPU dry run so that it cannot rot.
 
-The dry run is run as a bare machine would run it: from the repository root on PYTHONPATH (no
-install needed), with simpy and click hidden from the interpreter (a sitecustomize that lets
-them load only from a wheel on sys.path, as bench/vendor's are), so the vendored wheels must carry
-those steps.
+The dry run is run as a bare machine would run it: by the interpreter of a new virtualenv that holds
+torch and what torch itself requires, nothing else (no minigpt install, no simpy, click or numpy: the
+packages are linked in from this interpreter's site-packages), so the script must find the repository
+itself and take simpy and click from the wheels in bench/vendor. A one-GPU run starts no process group,
+so nothing needs torch.distributed's numpy-based object collectives.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -19,44 +23,59 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.sh"
 STEPS = ("kernels", "calibrate", "compare", "precision", "train")
-HIDDEN = ("simpy", "click")
-
-# Loaded at interpreter start through PYTHONPATH: simpy and click are found only inside a wheel.
-SITECUSTOMIZE = f'''
-import importlib.machinery, sys
-
-class OnlyFromWheels:
-    hidden = {HIDDEN!r}
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] not in self.hidden or "." in name:
-            return None
-        wheels = [entry for entry in sys.path if entry.endswith(".whl")]
-        spec = importlib.machinery.PathFinder.find_spec(name, wheels)
-        if spec is None:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=name)
-        return spec
-
-sys.meta_path.insert(0, OnlyFromWheels())
-'''
+VENDORED = ("simpy", "click")
+ABSENT = VENDORED + ("numpy", "minigpt")
 
 
-def bare_environment(tmp_path: Path) -> dict:
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
-    env.update(PYTHON=sys.executable, PYTHONPATH=str(hide), OUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
+def requirements(name: str) -> set[str]:
+    """The distributions `name` needs whatever extras are asked for, found installed here, itself included."""
+    needed, todo = set(), [name]
+    while todo:
+        try:
+            dist = importlib.metadata.distribution(todo.pop())
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a requirement for another platform
+        if dist.metadata["Name"].lower() in needed:
+            continue
+        needed.add(dist.metadata["Name"].lower())
+        todo += [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in dist.requires or [] if "extra ==" not in r]
+    return needed
+
+
+def torch_only_venv(where: Path) -> Path:
+    """A new virtualenv whose site-packages links in torch and its requirements only; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    source = Path(sysconfig.get_paths()["purelib"])
+    (target,) = where.glob("lib/python*/site-packages")
+    for name in requirements("torch"):
+        dist = importlib.metadata.distribution(name)
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith((".", "/"))}
+        for top in tops - {"bin", "__pycache__"}:
+            if (source / top).exists() and not (target / top).exists():
+                (target / top).symlink_to(source / top)
+    return where / "bin" / "python"
+
+
+def bare_environment(tmp_path: Path, python: Path | str = sys.executable) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT", "VIRTUAL_ENV")}
+    env.update(PYTHON=str(python), OUT=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
     return env
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("gpu")
-    env = bare_environment(tmp_path)
-    probe = subprocess.run([sys.executable, "-c", "import simpy"], env=env, capture_output=True, text=True)
-    assert probe.returncode != 0 and "hidden by the test" in probe.stderr  # the bare machine is really bare
-    result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+def bare_python(tmp_path_factory) -> Path:
+    return torch_only_venv(tmp_path_factory.mktemp("venv") / "venv")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory, bare_python):
+    tmp_path, python = tmp_path_factory.mktemp("gpu"), bare_python
+    for module in ABSENT:  # the bare machine is really bare
+        probe = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True, cwd=tmp_path)
+        assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr
+    assert subprocess.run([str(python), "-W", "ignore", "-c", "import torch"], cwd=tmp_path).returncode == 0
+    result = subprocess.run(["bash", str(SCRIPT)], env=bare_environment(tmp_path, python), capture_output=True,
+                            text=True, timeout=600, cwd=tmp_path)
     return result, tmp_path / "out"
 
 
@@ -64,7 +83,7 @@ def test_the_dry_run_runs_every_step_and_exits_0(dry_run):
     result, out = dry_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "FAILED" not in result.stdout
-    for module in HIDDEN:
+    for module in VENDORED:
         assert f"gpu.sh: {module} is not installed here: using {module}-" in result.stdout
     summary = (out / "summary.md").read_text()
     for step in STEPS:
@@ -88,8 +107,8 @@ def test_the_dry_run_writes_at_most_8_files_with_real_results(dry_run):
     assert "cuda: none" in (out / "env.txt").read_text()
 
 
-def test_require_gpu_without_cuda_says_so_in_one_line(tmp_path):
-    env = bare_environment(tmp_path)
+def test_require_gpu_without_cuda_says_so_in_one_line(tmp_path, bare_python):
+    env = bare_environment(tmp_path, bare_python)  # torch warns there that numpy is missing: not on stderr
     result = subprocess.run(["bash", str(SCRIPT), "--require-gpu"], env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 3
