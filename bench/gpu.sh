@@ -76,7 +76,7 @@ for wheel in "$root"/bench/vendor/*.whl; do
   fi
 done
 
-{ echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; echo "host: $(hostname)"; echo "git: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+{ echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; echo "host: $(hostname 2>/dev/null || cat /proc/sys/kernel/hostname)"; echo "git: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
   "$py" - <<'PY'
 import platform, torch
 print(f"python: {platform.python_version()}  torch: {torch.__version__}  CUDA (torch built with): {torch.version.cuda}")

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minigpt.errors import ConfigError
+from simulator.achieved import Achieved, fraction, parse_achieved
 
 if TYPE_CHECKING:  # compute.py imports this module; the parser is imported where it is used
     from simulator.compute import EfficiencyProfile
@@ -52,7 +53,7 @@ PRESETS_FILE = Path(__file__).with_name("hardware.json")
 FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured")
+OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured", "achieved")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,13 @@ class GPUSpec:
     collectives: dict[str, CollectiveFit] | None = field(default=None, hash=False, compare=False)
     calibration: dict | None = field(default=None, hash=False, compare=False)
     measured: MeasuredHost | None = field(default=None, hash=False, compare=False)
+    # What real kernels and NCCL reach against the datasheet (simulator/achieved.py); None: nothing discounted.
+    achieved: Achieved | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def reached(self) -> Achieved:
+        """The achieved fractions, or the datasheet itself (fractions 1, no overhead) when none are given."""
+        return self.achieved or Achieved()
 
     def flops(self, fmt: str) -> float:
         """Dense peak FLOP/s in `fmt`; ConfigError when the GPU has no such tensor cores."""
@@ -120,6 +128,7 @@ class NICSpec:
     latency: float  # seconds per GPU-to-GPU message, software included
     switch_latency: float  # seconds per switch traversal
     switch_radix: int  # ports per leaf or spine switch
+    busbw_fraction: float = 1.0  # NCCL bus bandwidth across nodes / line rate (simulator/achieved.py)
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,7 @@ def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
         collectives=_parse_collectives(entry.get("collectives"), where, origin),
         calibration=_parse_calibration(entry.get("calibration"), where, origin),
         measured=_parse_measured(entry.get("measured"), where, origin),
+        achieved=parse_achieved(entry.get("achieved"), f"{origin}: {where}"),
     )
 
 
@@ -279,7 +289,9 @@ def _parse_node(name: str, entry: object, origin: str) -> NodeSpec:
 
 def _parse_nic(name: str, entry: object, origin: str) -> NICSpec:
     where = _where("nics", name)
-    entry = _check_keys(entry, {"source", "bandwidth", "latency", "switch_latency", "switch_radix"}, where, origin)
+    fields = {"source", "bandwidth", "latency", "switch_latency", "switch_radix"}
+    entry = _check_keys(entry, fields | ({"busbw_fraction"} & entry.keys() if isinstance(entry, dict) else set()),
+                        where, origin)
     radix = _integer(entry["switch_radix"], f"{where}.switch_radix", origin)
     if radix < 2:
         raise ConfigError(f"{origin}: {where}.switch_radix must be at least 2 ports, got {radix}")
@@ -290,6 +302,7 @@ def _parse_nic(name: str, entry: object, origin: str) -> NICSpec:
         latency=float(_number(entry["latency"], f"{where}.latency", origin, allow_zero=True)),
         switch_latency=float(_number(entry["switch_latency"], f"{where}.switch_latency", origin, allow_zero=True)),
         switch_radix=radix,
+        busbw_fraction=fraction(entry.get("busbw_fraction", 1.0), f"{origin}: {where}.busbw_fraction"),
     )
 
 
@@ -449,6 +462,8 @@ def hardware_to_dict(hardware: Hardware) -> dict:
             data["calibration"] = gpu.calibration
         if gpu.measured is not None:
             data["measured"] = gpu.measured.raw
+        if gpu.achieved is not None:
+            data["achieved"] = gpu.achieved.as_dict()
         return data
 
     return {

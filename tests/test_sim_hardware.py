@@ -162,3 +162,25 @@ def test_a_cuda_device_name_finds_the_preset_of_its_gpu_only():
     assert links["node_name"] == h200.node.name and links["nic"]["bandwidth"] == h200.nic.bandwidth
     assert "name" not in links["node"] and links["peak_flops"] == h200.gpu.peak_flops
     assert preset_links("NVIDIA GeForce RTX 4090") is None
+
+
+def test_achieved_fractions_parse_round_trip_and_refuse_nonsense(tmp_path):
+    import json as _json
+
+    from simulator.hardware import hardware_to_dict, load_hardware
+
+    data = hardware_to_dict(load_hardware("a100-80gb"))
+    gpu = next(iter(data["gpus"].values()))
+    assert load_hardware("a100-80gb").gpu.reached.hbm_fraction <= 1.0
+    gpu["achieved"] = {"hbm_fraction": 0.9, "kernel_overhead": 4e-6, "nvlink_fraction": 0.8, "source": "a test"}
+    next(iter(data["nics"].values()))["busbw_fraction"] = 0.95
+    path = tmp_path / "achieved.json"
+    path.write_text(_json.dumps(data))
+    loaded = load_hardware(str(path))
+    assert loaded.gpu.reached.nvlink_fraction == 0.8 and loaded.nic.busbw_fraction == 0.95
+    assert hardware_to_dict(loaded)["gpus"][loaded.gpu.name]["achieved"]["kernel_overhead"] == 4e-6
+    for bad in ({"hbm_fraction": 1.5, "source": "x"}, {"hbm_fraction": 0.9}, {"kernel_overhead": -1, "source": "x"}):
+        gpu["achieved"] = bad
+        path.write_text(_json.dumps(data))
+        with pytest.raises(ConfigError, match="achieved"):
+            load_hardware(str(path))

@@ -1,0 +1,62 @@
+"""What real kernels and collectives reach on a GPU, as fractions of its datasheet figures. Torch-free.
+
+A GPU entry of a hardware file may hold an "achieved" object beside its datasheet numbers:
+
+    "achieved": {"hbm_fraction": 0.9,          element-wise kernels' bandwidth / the datasheet HBM bandwidth
+                 "kernel_overhead": 4e-6,     seconds each kernel costs beyond its roofline time (launch, tail)
+                 "nvlink_fraction": 0.8,      NCCL bus bandwidth of large collectives in a node / NVLink per direction
+                 "source": "..."}             where each number comes from (a published microbenchmark)
+
+and a NIC entry a "busbw_fraction" (NCCL bus bandwidth across nodes / the port's line rate). Absent,
+nothing is discounted (fractions 1, no overhead): the datasheet itself, as a calibrated profile
+whose numbers are already measured wants it. Every number must name a published microbenchmark or
+our own measurement, never a fit to an end-to-end training result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from minigpt.errors import ConfigError
+
+DATASHEET = "none: the datasheet figures as they are"
+
+
+@dataclass(frozen=True)
+class Achieved:
+    hbm_fraction: float = 1.0
+    kernel_overhead: float = 0.0
+    nvlink_fraction: float = 1.0
+    source: str = DATASHEET
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fraction(value: object, where: str) -> float:
+    """A number in (0, 1]; ConfigError naming `where` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{where} must be a fraction in (0, 1], got {value!r}")
+    return float(value)
+
+
+def parse_achieved(data: object, where: str) -> Achieved | None:
+    """The "achieved" object of a GPU entry, checked; None when absent."""
+    if data is None:
+        return None
+    keys = {"hbm_fraction", "kernel_overhead", "nvlink_fraction", "source"}
+    if not isinstance(data, dict) or set(data) - keys or "source" not in data:
+        raise ConfigError(f"{where}.achieved must be an object of {', '.join(sorted(keys))} (source required)")
+    overhead = data.get("kernel_overhead", 0.0)
+    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < math.inf:
+        raise ConfigError(f"{where}.achieved.kernel_overhead must be seconds >= 0, got {overhead!r}")
+    source = data["source"]
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError(f"{where}.achieved.source must name where the numbers come from")
+    return Achieved(
+        hbm_fraction=fraction(data.get("hbm_fraction", 1.0), f"{where}.achieved.hbm_fraction"),
+        kernel_overhead=float(overhead),
+        nvlink_fraction=fraction(data.get("nvlink_fraction", 1.0), f"{where}.achieved.nvlink_fraction"),
+        source=source,
+    )
