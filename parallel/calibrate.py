@@ -69,6 +69,9 @@ CPU_RANKS = 8  # the default on a CPU: the largest layout `minigpt compare --mat
 FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")  # the profile's formats (simulator/hardware.py FLOP_FORMATS)
 
 
+EMULATED_ON_CPU = ("bf16", "fp16")  # precision/compute.py: 16-bit matmuls on a CPU are fp32 matmuls of rounded inputs
+
+
 def default_ranks(device: str) -> int:
     """--ranks left out: one rank per GPU when --device auto or cuda finds CUDA, else CPU_RANKS."""
     gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
@@ -363,6 +366,11 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
     if not on_gpu:
         peaks["tf32"] = peaks["fp32"]  # no TF32 on a CPU: its fp32 matmul is the tf32 format too
         format_notes["tf32"] = {"status": "tf32 = fp32 on a CPU (no TF32)", "peak_flops": peaks["fp32"]}
+        for fmt in EMULATED_ON_CPU:  # what a 16-bit run on this CPU computes with, unless measured natively
+            if peaks.get(fmt) is None:
+                peaks[fmt], tables[fmt] = peaks["fp32"], tables["fp32"]
+                format_notes[fmt] = {"status": f"emulated: {fmt} training on a CPU runs fp32 matmuls "
+                                               f"(precision/compute.py), so fp32's rates", "peak_flops": peaks["fp32"]}
     if links_from is not None:
         for fmt, note in format_notes.items():
             datasheet = links_from.get("peak_flops", {}).get(fmt)
