@@ -16,9 +16,12 @@ Schema (units: FLOP/s, bytes, bytes/s per direction, seconds):
 
 A peak FLOP/s entry may be null when the GPU lacks that format (A100: no fp8).
 
-Optional GPU fields, written by `minigpt calibrate` (absent from the presets):
+Optional GPU fields, written by `minigpt calibrate`; the presets carry matmul_efficiency and
+achieved only, taken from published microbenchmarks against their datasheet figures (values,
+sources and derivations in docs/efficiency.md):
 
     "matmul_efficiency": see simulator/compute.py (parse_efficiency_profile)
+    "achieved": see simulator/achieved.py (a NIC entry may likewise hold "busbw_fraction")
     "collectives": {KIND: {"ranks", "alpha", "beta", "points"?}}  KIND one of all_reduce,
         all_gather, reduce_scatter, p2p: a least-squares fit t = alpha + beta * S over the
         measured points [[S bytes, seconds], ...] (S: the full buffer, parallel/comm.py's
@@ -451,6 +454,8 @@ def hardware_to_dict(hardware: Hardware) -> dict:
         data["peak_flops"] = dict(gpu.peak_flops)
         if gpu.matmul_efficiency is not None:
             table = {"launch_latency": gpu.matmul_efficiency.launch_latency}
+            if getattr(gpu.matmul_efficiency, "source", ""):  # where the tables come from (compute.py)
+                table["source"] = gpu.matmul_efficiency.source
             table.update({fmt: [list(p) for p in points] for fmt, points in gpu.matmul_efficiency.points.items()})
             data["matmul_efficiency"] = table
         if gpu.collectives is not None:

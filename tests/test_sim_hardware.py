@@ -184,3 +184,105 @@ def test_achieved_fractions_parse_round_trip_and_refuse_nonsense(tmp_path):
         path.write_text(_json.dumps(data))
         with pytest.raises(ConfigError, match="achieved"):
             load_hardware(str(path))
+
+
+# ---------------------------------------------------------------- published efficiencies (docs/efficiency.md)
+
+EFFICIENCY_DOC = Path(__file__).resolve().parents[1] / "docs" / "efficiency.md"
+PUBLISHED_RUNS = Path(__file__).resolve().parents[1] / "bench" / "published_runs.json"
+REQUIRED_TABLES = {"a100-40gb": {"bf16", "fp16", "tf32"}, "a100-80gb": {"bf16", "fp16", "tf32"},
+                   "h100-sxm": {"bf16", "fp16", "tf32", "fp8"}, "h200": {"bf16", "fp16", "tf32", "fp8"}}
+
+
+def _raw_gpus():
+    return json.loads(PRESETS_FILE.read_text())["gpus"]
+
+
+def test_every_preset_gpu_has_published_matmul_tables_in_range_and_increasing():
+    raw = _raw_gpus()
+    for name in GPUS:
+        tables = raw[name]["matmul_efficiency"]
+        assert REQUIRED_TABLES[name] <= set(tables) - {"launch_latency", "source"}, name
+        assert 0 < tables["launch_latency"] < 1e-4, name
+        for fmt in set(tables) - {"launch_latency", "source"}:
+            sizes = [size for size, _ in tables[fmt]]
+            assert len(sizes) >= 4 and sizes == sorted(set(sizes)), (name, fmt)
+            assert all(isinstance(size, int) and size > 0 for size in sizes), (name, fmt)
+            assert all(0 < eff <= 1 for _, eff in tables[fmt]), (name, fmt)
+            assert raw[name]["peak_flops"][fmt] is not None, f"{name} has a {fmt} table but no {fmt} peak"
+        profile = load_hardware(name).gpu.matmul_efficiency
+        assert profile is not None and profile.launch_latency == tables["launch_latency"]
+        assert set(profile.points) == set(tables) - {"launch_latency", "source"}
+
+
+def test_matmul_tables_say_where_they_come_from():
+    raw = _raw_gpus()
+    for name in GPUS:
+        source = raw[name]["matmul_efficiency"]["source"]
+        assert source.startswith("published") and "docs/efficiency.md" in source, name
+        assert load_hardware(name).gpu.matmul_efficiency.source == source
+
+
+def test_every_preset_gpu_has_achieved_fractions_with_a_source():
+    from simulator.achieved import DATASHEET
+
+    raw = _raw_gpus()
+    for name in GPUS:
+        entry = raw[name]["achieved"]
+        assert set(entry) == {"hbm_fraction", "kernel_overhead", "nvlink_fraction", "source"}, name
+        reached = load_hardware(name).gpu.reached
+        assert reached.source != DATASHEET and "docs/efficiency.md" in reached.source
+        assert 0 < reached.hbm_fraction <= 1 and 0 < reached.nvlink_fraction <= 1
+        assert 0 < reached.kernel_overhead < 1e-4
+
+
+def test_every_nic_has_a_published_bus_bandwidth_fraction():
+    raw = json.loads(PRESETS_FILE.read_text())["nics"]
+    for name in ("hdr", "ndr"):
+        assert "busbw_fraction" in raw[name], name
+        nic = load_nic(name)
+        assert 0 < nic.busbw_fraction <= 1
+        assert "busbw_fraction" in nic.source and "docs/efficiency.md" in nic.source
+
+
+def test_h200_reuses_h100_compute_tables_and_fractions_differ_where_measured():
+    h100, h200 = (load_hardware(name).gpu for name in ("h100-sxm", "h200"))
+    for fmt in ("bf16", "fp16", "tf32"):  # same GH100 compute (datasheets): H100's published tables
+        assert h200.matmul_efficiency.points[fmt] == h100.matmul_efficiency.points[fmt]
+    assert h200.matmul_efficiency.points["fp8"] != h100.matmul_efficiency.points["fp8"]  # measured on each
+    a100 = load_hardware("a100-80gb").gpu
+    assert a100.matmul_efficiency.points["bf16"] == a100.matmul_efficiency.points["fp16"]
+    assert "fp8" not in a100.matmul_efficiency.points
+
+
+def test_published_efficiencies_survive_a_profile_round_trip(tmp_path):
+    for name in GPUS:
+        hardware = load_hardware(name)
+        loaded = load_hardware(save_hardware(hardware, tmp_path / f"{name}.json"))
+        assert loaded.gpu.matmul_efficiency == hardware.gpu.matmul_efficiency
+        assert loaded.gpu.reached == hardware.gpu.reached
+        assert loaded.nic.busbw_fraction == hardware.nic.busbw_fraction
+
+
+def test_efficiency_doc_names_every_preset_and_measure():
+    text = EFFICIENCY_DOC.read_text()
+    for word in ("matmul_efficiency", "launch_latency", "hbm_fraction", "kernel_overhead", "nvlink_fraction",
+                 "busbw_fraction", "What is not covered", *GPUS):
+        assert word in text, word
+
+
+def test_published_runs_are_validation_data_and_consistent():
+    data = json.loads(PUBLISHED_RUNS.read_text())
+    assert "never" in data["note"].lower() and "constant" in data["note"]
+    assert "2104.04473" in data["about"] and data["common"]["sequence_length"] == 2048
+    assert data["common"]["vocabulary"] == 51200
+    runs = data["runs"]
+    assert len(runs) == 10 and runs[-1]["gpus"] == 3072 and runs[-1]["achieved_tflops_per_gpu"] == 163
+    for run in runs:
+        tp, pp, dp = run["tensor_parallel"], run["pipeline_parallel"], run["data_parallel"]
+        assert tp * pp * dp == run["gpus"], run["name"]
+        assert run["hidden_size"] % run["attention_heads"] == 0 and run["layers"] % pp == 0
+        assert run["micro_batch_size"] * dp * run["micro_batches_per_pipeline"] == run["global_batch_size"]
+        assert run["layers"] % (pp * run["virtual_chunks"]) == 0
+        assert run["aggregate_pflops"] == pytest.approx(run["achieved_tflops_per_gpu"] * run["gpus"] / 1000, rel=0.01)
+        assert run["percent_of_peak"] == pytest.approx(100 * run["achieved_tflops_per_gpu"] / 312, abs=0.6)
