@@ -9,6 +9,14 @@ Network model (fluid, alpha-beta):
   equal share fixes the rate of its flows, their rates are taken off the other edges,
   and so on. A lone flow runs at its route's bottleneck bandwidth.
 
+Achieved bandwidth: NCCL never reaches the datasheet. `LinkFractions` scales every NVLink
+edge (to or from an NVSwitch) by the GPU's `reached.nvlink_fraction` and every other edge
+(NIC, switches) by the NIC's `busbw_fraction` (simulator/achieved.py): both are bus
+bandwidths as nccl-tests defines them (a ring all-reduce of S bytes over n ranks moves
+2(n-1)/n S per rank at the bus bandwidth), and a ring here moves exactly that over its
+slowest link, so the large-message limit of a ring is the fraction times the link.
+Fractions 1 (the default) leave the datasheet as it is.
+
 Collectives (a group is a list of GPU ids or ranks; S = the full buffer in bytes, the
 gathered size for all-gather and reduce-scatter):
 - ring all-reduce: 2(n-1) steps, in each every rank sends S/n to the next rank in
@@ -33,9 +41,26 @@ from typing import Callable
 import simpy
 
 from minigpt.errors import ConfigError
-from simulator.topology import Cluster, Edge
+from simulator.cluster import Cluster, Edge
 
 FINISH_TOLERANCE = 1e-9  # flows due within this relative time of the earliest finish end together
+
+
+@dataclass(frozen=True)
+class LinkFractions:
+    """What collectives reach of the datasheet: on NVLink edges and on network edges (NICs, switches)."""
+
+    nvlink: float = 1.0
+    network: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("nvlink", "network"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ConfigError(f"the {name} bandwidth fraction must be in (0, 1], got {value!r}")
+
+    def of(self, kind: str) -> float:
+        return self.nvlink if kind == "nvlink" else self.network
 
 
 @dataclass(eq=False)
@@ -52,9 +77,12 @@ class Flow:
 class Network:
     """A SimPy environment over a Cluster; `transfer` moves bytes with fair sharing."""
 
-    def __init__(self, cluster: Cluster, env: simpy.Environment | None = None) -> None:
+    def __init__(self, cluster: Cluster, env: simpy.Environment | None = None,
+                 fractions: LinkFractions | None = None) -> None:
         self.cluster = cluster
         self.env = env if env is not None else simpy.Environment()
+        self.fractions = fractions or LinkFractions()
+        self._capacity: dict[Edge, float] = {}
         self.flows: list[Flow] = []
         self._updated_at = self.env.now
         self._rates_pending = False
@@ -86,6 +114,12 @@ class Network:
             start()
         return done
 
+    def capacity(self, edge: Edge) -> float:
+        """The edge's bandwidth times the fraction collectives reach on its kind of link."""
+        if edge not in self._capacity:
+            self._capacity[edge] = self.cluster.bandwidth(edge) * self.fractions.of(self.cluster.link_kind(edge))
+        return self._capacity[edge]
+
     def _start(self, flow: Flow) -> None:
         self._advance()
         self.flows.append(flow)
@@ -111,7 +145,7 @@ class Network:
     def _update_rates(self, _event: simpy.Event) -> None:
         self._rates_pending = False
         self._advance()
-        set_max_min_rates(self.flows, self.cluster.bandwidth)
+        set_max_min_rates(self.flows, self.capacity)
         now = self.env.now
         for flow in self.flows:
             flow.finish_at = now + flow.remaining / flow.rate
@@ -299,11 +333,12 @@ COLLECTIVES: dict[str, Callable[..., simpy.Process]] = {
 }
 
 
-def simulate_collective(cluster: Cluster, kind: str, group: list, nbytes: float, **options) -> float:
-    """Seconds one collective takes alone on an idle cluster."""
+def simulate_collective(cluster: Cluster, kind: str, group: list, nbytes: float,
+                        fractions: LinkFractions | None = None, **options) -> float:
+    """Seconds one collective takes alone on an idle cluster (at the datasheet unless `fractions` say otherwise)."""
     if kind not in COLLECTIVES:
         raise ConfigError(f"unknown collective {kind!r}: choose one of {', '.join(COLLECTIVES)}")
-    net = Network(cluster)
+    net = Network(cluster, fractions=fractions)
     process = COLLECTIVES[kind](net, group, nbytes, **options)
     net.env.run(until=process)
     return net.env.now

@@ -2,78 +2,191 @@
 
 The engine replays tens of thousands of sends and collectives per step; moving every
 byte of every one through the fluid model would take minutes at 3,000 GPUs. So each
-*distinct* transfer is timed once, with simulator/collectives.py's fluid model (max-min
-link sharing, alpha-beta per message) on the very links of the cluster, and the replay
-uses those durations as SimPy timeouts.
+*distinct* transfer is timed once and the replay uses those durations as SimPy timeouts.
 
 Placement: global rank (pp_rank * dp + dp_rank) * tp + tp_rank sits on the cluster's
 rank-th GPU (parallel/mesh.py's order: tp innermost, then dp, then pp).
 
-Symmetry (what is timed together):
-  tp collective   one tensor-parallel group alone (stage 0, replica 0): every tp group
-                  lives inside one server on its own GPU<->NVSwitch links.
-  p2p             stage a -> stage b in replica 0, all tp ranks sending at once (each tp
-                  rank sends its full copy, as parallel/pipeline.py does); the other
-                  replicas are left out (their flows only meet these on the spines).
-  dp collective   a ring over the replicas of one stage, the tp rings of that stage at
-                  once (they may share NICs and uplinks).
-  embedding sync  the first and last stage's GPUs of replica 0 (tied head), all tp ranks.
+What runs at once (a "transfer"):
+  tp collective   one tensor-parallel group (stage 0, replica 0): every tp group lives inside
+                  one server on its own GPU<->NVSwitch links.
+  p2p             stage a -> stage b, every tp rank (each sends its full copy, as
+                  parallel/pipeline.py does) of every replica at once: replicas run in step, and
+                  their flows meet on shared uplinks (two opposite shifts, an oversubscribed leaf).
+  dp collective   a ring over the replicas of one stage, the tp rings of that stage at once.
+  pp collective   rings over the stages (the optimizer's norm), every replica's at once.
+  embedding sync  the first and last stage's GPUs (tied head), every replica's at once.
+A ring collective (collectives.ring_*) is 2(n-1) (all-reduce) or n-1 synchronous steps in
+which every member sends S/n to the next; on an idle cluster the steps are alike, so one
+step is timed and multiplied. Link bandwidths are scaled by what NCCL reaches on them
+(collectives.LinkFractions: the GPU's nvlink_fraction, the NIC's busbw_fraction).
 
-Distinct: two transfers cost the same when their GPUs have the same position inside
-their servers (`local`), the same links out of the GPU, and the same pattern of shared
-servers. Which servers they are is not part of the key: the fabric between servers is
-assumed alike for every server pair (true of the built fat-tree and rail clusters, which
-are non-blocking; a crossing between leaves adds two switch latencies, ~0.3 us, that the
-key ignores). This keeps the number of routes computed small on large clusters.
-
-Ring collectives are timed one step, and one distinct hop, at a time: see `LinkCosts.ring`.
+Three ways to time a transfer, one answer where they overlap:
+  fast   (a built cluster, simulator/cluster_built.py): every flow of the transfer routed by
+         arithmetic (simulator/fabric.py, numbered edges); each flow runs at its bottleneck
+         share, min over its edges of the edge's bandwidth over the flows on it (the first round
+         of max-min filling; a flow's fluid rate is never below it, and the flows at the smallest
+         share keep it to the end), plus its latency; the transfer lasts as long as its slowest
+         flow. Equal to the fluid model when the slowest flows run at their share (no shared
+         link, or flows alike on it: the rings and shifts of a step on the built fabrics).
+         Memoised per transfer as its few distinct (latency, share) pairs, so a new byte count
+         costs nothing. No graph: 100,000 GPUs cost a few hundred thousand routed flows.
+  exact  (`exact=True`, any cluster, for checking): the fluid model of simulator/collectives.py on
+         every flow of the transfer at once. tests/test_sim_fast_path.py holds fast = exact.
+  graph  (a cluster read from a file): the fluid model on the graph's routes, each distinct hop
+         once and replica 0 for p2p, pp and the embedding (every replica when the file says the
+         fabric is oversubscribed): two hops cost the same when their GPUs have the same position
+         in their servers (`local`), the same links out, and the same pattern of shared servers;
+         the fabric between servers is taken as alike for every server pair and distinct hops as
+         not sharing links (a crossing between leaves adds ~0.3 us that the key ignores).
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
+from collections import Counter
+from contextlib import contextmanager
+from itertools import chain
+from typing import Iterator
 
 from minigpt.errors import ConfigError
-from simulator.collectives import Network
+from simulator.cluster_built import BuiltCluster
+from simulator.collectives import LinkFractions, Network
+from simulator.hardware import GPUSpec
 from simulator.layout import Layout
 from simulator.topology import Cluster
 
 _CACHES: "weakref.WeakKeyDictionary[Cluster, dict]" = weakref.WeakKeyDictionary()
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1}
+
+Profile = tuple[tuple[float, float], ...]  # distinct (latency s, rate bytes/s) of a transfer's flows
 
 
 def check_placement(cluster: Cluster, layout: Layout) -> None:
     """The layout must use every GPU of the cluster, and each tp group must sit inside one server."""
-    gpus = len(cluster.gpus)
+    gpus = cluster.n_gpus
     if layout.world_size != gpus:
         raise ConfigError(
             f"tp {layout.tp} x pp {layout.pp} x dp {layout.dp} = {layout.world_size} GPUs, but the cluster has {gpus}: "
             "change the layout or the cluster (--nodes, --gpus-per-node) so that they match"
         )
+    if isinstance(cluster, BuiltCluster):  # servers of G consecutive ranks: a group's ends tell
+        per_node = cluster.fabric.gpus_per_node
+        first = next((f for f in range(0, gpus, layout.tp) if f // per_node != (f + layout.tp - 1) // per_node), None)
+        if first is not None:
+            _spans_servers(layout, first, sorted({r // per_node for r in range(first, first + layout.tp)}), per_node)
+        return
     for first in range(0, gpus, layout.tp):
         servers = {cluster.node_of(rank) for rank in range(first, first + layout.tp)}
         if len(servers) > 1:
-            per_node = sum(1 for gpu in cluster.gpus if cluster.node_of(gpu) == cluster.node_of(first))
-            raise ConfigError(
-                f"tp={layout.tp} spans servers (ranks {first}..{first + layout.tp - 1} are on servers {sorted(servers)}; "
-                f"a server holds {per_node} GPUs): tensor parallelism must stay inside one server, use tp <= {per_node}"
-            )
+            per_node = sum(1 for rank in range(gpus) if cluster.node_of(rank) == cluster.node_of(first))
+            _spans_servers(layout, first, sorted(servers), per_node)
+
+
+def _spans_servers(layout: Layout, first: int, servers: list[int], per_node: int) -> None:
+    raise ConfigError(
+        f"tp={layout.tp} spans servers (ranks {first}..{first + layout.tp - 1} are on servers {servers}; "
+        f"a server holds {per_node} GPUs): tensor parallelism must stay inside one server, use tp <= {per_node}"
+    )
+
+
+@contextmanager
+def no_garbage_collection() -> Iterator[None]:
+    """Pause the cyclic garbage collector: a big replay or fast costing allocates ~10^5 lists and tuples
+    that it would scan again and again (a third of the time at 3,000 GPUs); nothing here makes cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def flow_profile(cluster: BuiltCluster, flows: list[tuple[int, int]], fractions: LinkFractions) -> Profile:
+    """The (latency, bottleneck share) of every flow started together, the dominated pairs left out."""
+    nvlink, nic, cable, top = cluster.capacities
+    net = fractions.network
+    capacity = (nvlink * fractions.nvlink, nic * net, cable * net, top * net)
+    with no_garbage_collection():
+        routes = cluster.fabric.routes(flows)
+        flows_on = Counter(chain.from_iterable(edges for _, edges in routes)).__getitem__
+        alone: dict[tuple, float] = {}  # a route that shares no edge: its rate depends on its link classes only
+        shares = set()
+        for units, edges in routes:
+            if not edges:
+                continue
+            if max(map(flows_on, edges)) == 1:
+                if units not in alone:
+                    alone[units] = min(capacity[e & 3] for e in edges)
+                shares.add((units, alone[units]))
+            else:
+                shares.add((units, min(capacity[e & 3] / flows_on(e) for e in edges)))
+    pairs = {(cluster.latency_of(units), rate) for units, rate in shares}
+    # keep a pair unless another is at least as slow to start and at most as fast
+    return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] <= p[1] for q in pairs)))
+
+
+def profile_seconds(profile: Profile, nbytes: float) -> float:
+    return max((latency + nbytes / rate for latency, rate in profile), default=0.0)
 
 
 class LinkCosts:
-    """Seconds per distinct transfer of one layout on one cluster (cached per cluster across calls)."""
+    """Seconds per distinct transfer of one layout on one cluster (cached per cluster across calls).
 
-    def __init__(self, cluster: Cluster, layout: Layout) -> None:
+    gpu: the GPUSpec whose `reached.nvlink_fraction` discounts NVLink, with the cluster's `busbw_fraction`
+    discounting the network (None: the datasheet, nothing discounted). exact: see the module docstring."""
+
+    def __init__(self, cluster: Cluster, layout: Layout, gpu: GPUSpec | None = None, exact: bool = False) -> None:
         check_placement(cluster, layout)
-        self.cluster, self.layout = cluster, layout
-        self.cache: dict = _CACHES.setdefault(cluster, {})
-        self.signatures: dict[str, tuple] = self.cache.setdefault("signatures", {})
+        self.cluster, self.layout, self.exact = cluster, layout, exact
+        self.fractions = LinkFractions() if gpu is None else LinkFractions(gpu.reached.nvlink_fraction, cluster.busbw_fraction)
+        self.mode = "exact" if exact else "fast" if isinstance(cluster, BuiltCluster) else "graph"
+        per_cluster = _CACHES.setdefault(cluster, {})
+        self.cache: dict = per_cluster.setdefault((self.fractions, self.mode), {})
+        self.signatures: dict[str, tuple] = per_cluster.setdefault("signatures", {})
         self.memo: dict[tuple, tuple] = {}
+        ratio = cluster.attributes.get("oversubscription", 1.0)
+        oversubscribed = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio > 1
+        # replicas timed together in p2p, pp and the embedding sync: all but on the graph path of a non-blocking fabric
+        self.replicas = layout.dp if self.mode != "graph" or oversubscribed else 1
+
+    def rank(self, stage: int, replica: int, tp_rank: int) -> int:
+        layout = self.layout
+        return (stage * layout.dp + replica) * layout.tp + tp_rank
 
     def gpu(self, stage: int, replica: int, tp_rank: int) -> str:
-        layout = self.layout
-        return self.cluster.gpus[(stage * layout.dp + replica) * layout.tp + tp_rank]
+        return self.cluster.gpu_id(self.rank(stage, replica, tp_rank))
 
-    # ------------------------------------------------------------ keys
+    # ------------------------------------------------------------ who takes part
+
+    def rank_groups(self, name: str, *where: int) -> list[list[int]]:
+        """The rank groups of one kind of transfer (pairs sender, receiver for p2p)."""
+        layout, rank, replicas = self.layout, self.rank, range(self.replicas)
+        if name == "p2p":
+            return [[rank(where[0], d, t), rank(where[1], d, t)] for d in replicas for t in range(layout.tp)]
+        if name == "tp":
+            return [[rank(0, 0, t) for t in range(layout.tp)]]
+        if name == "pp":
+            return [[rank(p, d, t) for p in range(layout.pp)] for d in replicas for t in range(layout.tp)]
+        return [[rank(where[0], d, t) for d in range(layout.dp)] for t in range(layout.tp)]  # "dp"
+
+    def groups(self, name: str, *where: int) -> tuple[list[list], tuple]:
+        """(the groups of one kind of transfer, the key of their timing): GPU ids on the graph path, else ranks."""
+        key = (name, *where)
+        if key not in self.memo:
+            groups = self.rank_groups(name, *where)
+            if self.mode == "graph":
+                named = [[self.cluster.gpu_id(r) for r in group] for group in groups]
+                pattern = self.pattern(named)
+                self.memo[key] = (self.cache.setdefault(("representative", pattern), named), pattern)
+            else:
+                layout = self.layout
+                self.memo[key] = (groups, (layout.tp, layout.pp, layout.dp, self.replicas, *key))
+        return self.memo[key]
+
+    # ------------------------------------------------------------ the graph path's keys
 
     def signature(self, gpu: str) -> tuple:
         """A GPU's place in its server and the links out of it."""
@@ -91,55 +204,50 @@ class LinkCosts:
             for group in groups
         )
 
-    def groups(self, name: str, *where: int) -> tuple[list[list[str]], tuple]:
-        """The GPU groups of one kind of transfer and their pattern (memoised per layout)."""
-        key = (name, *where)
-        if key not in self.memo:
-            layout = self.layout
-            if name == "p2p":
-                groups = [[self.gpu(where[0], 0, t), self.gpu(where[1], 0, t)] for t in range(layout.tp)]
-            elif name == "tp":
-                groups = [[self.gpu(0, 0, t) for t in range(layout.tp)]]
-            elif name == "pp":  # the stages of replica 0, the tp rings at once
-                groups = [[self.gpu(p, 0, t) for p in range(layout.pp)] for t in range(layout.tp)]
-            else:  # "dp": the rings over the replicas of stage where[0]
-                groups = [[self.gpu(where[0], d, t) for d in range(layout.dp)] for t in range(layout.tp)]
-            pattern = self.pattern(groups)
-            self.memo[key] = (self.cache.setdefault(("representative", pattern), groups), pattern)
-        return self.memo[key]
+    # ------------------------------------------------------------ timing
 
-    def run(self, key: tuple, flows: list[tuple[str, str]], nbytes: float) -> float:
+    def run(self, key: tuple, flows: list, nbytes: float) -> float:
         """Seconds until every flow (src, dst) of nbytes, started together on an idle cluster, has arrived (cached)."""
         if key not in self.cache:
-            net = Network(self.cluster)
+            net = Network(self.cluster, fractions=self.fractions)
             done = [net.transfer(src, dst, nbytes) for src, dst in flows]
             net.env.run(until=net.env.all_of(done))
             self.cache[key] = net.env.now
         return self.cache[key]
 
-    def ring(self, kind: str, groups: tuple[list[list[str]], tuple], nbytes: float) -> float:
-        """A ring collective of the full buffer `nbytes` on every group at once.
+    def profile(self, key: tuple, flows: list[tuple[int, int]]) -> Profile:
+        if key not in self.cache:
+            self.cache[key] = flow_profile(self.cluster, flows, self.fractions)
+        return self.cache[key]
 
-        collectives.ring_* run 2(n-1) (all-reduce) or n-1 synchronous steps in which every member
-        sends nbytes/n to the next; on an idle cluster the steps are alike, so one step is timed
-        and multiplied. A step is as slow as its slowest hop; hops alike (same pattern) cost the
-        same, so each distinct hop is timed once with the fluid model, the hop of every
-        concurrent ring at once (they leave the same servers). Distinct hops are taken not to
-        share links (in a ring each GPU sends on its own links to the next server; the fabric
-        between servers is taken as non-blocking, as in the built clusters)."""
-        representative, pattern = groups
+    def flows(self, key: tuple, flows: list[tuple], nbytes: float) -> float:
+        """Flows started together: their profile (fast) or the fluid model (graph, exact)."""
+        if self.mode == "fast":
+            return profile_seconds(self.profile(("flows", key), flows), nbytes)
+        return self.run(("flows", key, float(nbytes)), flows, nbytes)
+
+    def ring(self, kind: str, groups: tuple[list[list], tuple], nbytes: float) -> float:
+        """A ring collective of the full buffer `nbytes` on every group at once: steps x one step.
+
+        The graph path times each distinct hop once, the hop of every concurrent ring at once, and
+        takes distinct hops not to share links (each GPU sends on its own links to the next server;
+        the fabric between servers taken as non-blocking); fast and exact time all hops together."""
+        representative, key = groups
         n = len(representative[0])
         if n == 1 or nbytes <= 0:
             return 0.0
-        steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}[kind]
-        hops_key = ("hops", pattern)
+        chunk = float(nbytes) / n
+        steps = RING_STEPS[kind](n)
+        if self.mode != "graph":
+            hops = [(group[i], group[(i + 1) % n]) for group in representative for i in range(n)]
+            return steps * self.flows(("ring", key), hops, chunk)
+        hops_key = ("hops", key)
         if hops_key not in self.cache:
             hops: dict[tuple, list[tuple[str, str]]] = {}
             for i in range(n):
                 pairs = [[group[i], group[(i + 1) % n]] for group in representative]
                 hops.setdefault(self.pattern(pairs), [(a, b) for a, b in pairs])
             self.cache[hops_key] = hops
-        chunk = float(nbytes) / n
         return steps * max(self.run(("hop", hop, chunk), flows, chunk) for hop, flows in self.cache[hops_key].items())
 
     # ------------------------------------------------------------ transfers
@@ -148,8 +256,8 @@ class LinkCosts:
         """One activation (or its gradient) from stage src to stage dst, every tp rank at once."""
         if nbytes <= 0 or src_stage == dst_stage:
             return 0.0
-        representative, pattern = self.groups("p2p", src_stage, dst_stage)
-        return self.run(("p2p", pattern, float(nbytes)), [(a, b) for a, b in representative], nbytes)
+        pairs, key = self.groups("p2p", src_stage, dst_stage)
+        return self.flows(("p2p", key), [(a, b) for a, b in pairs], nbytes)
 
     def tp_collective(self, kind: str, nbytes: float) -> float:
         """One tensor-parallel collective of the full buffer `nbytes` (ring), on one tp group alone."""
@@ -160,10 +268,10 @@ class LinkCosts:
         return self.ring(kind, self.groups("dp", stage), nbytes) if self.layout.dp > 1 else 0.0
 
     def pp_collective(self, kind: str, nbytes: float) -> float:
-        """One ring collective of `nbytes` over the pipeline stages (replica 0, every tp rank's ring at once)."""
+        """One ring collective of `nbytes` over the pipeline stages (every tp rank's ring at once)."""
         return self.ring(kind, self.groups("pp"), nbytes) if self.layout.pp > 1 else 0.0
 
     def embedding_sync(self, nbytes: float) -> float:
-        """The tied embedding's gradient all-reduced between the first and last stage (replica 0, all tp ranks)."""
+        """The tied embedding's gradient all-reduced between the first and last stage (all tp ranks)."""
         last = self.layout.pp - 1
         return self.ring("all_reduce", self.groups("p2p", 0, last), nbytes) if last > 0 else 0.0

@@ -26,10 +26,7 @@ Attribution, per rank, of every second until the step ends (they add up to the s
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import simpy
 
@@ -51,6 +48,7 @@ from parallel.schedule import (
     batches,
 )
 from simulator.engine_costs import RankCosts
+from simulator.engine_links import no_garbage_collection
 
 CATEGORIES = ("compute", "tp", "dp", "pp", "bubble", "optimizer")
 _LETTER = {Forward: "F", Backward: "B", BackwardInput: "Bi", BackwardWeight: "W"}
@@ -95,50 +93,40 @@ class _Waiter:
             self.event.succeed()
 
 
-@contextmanager
-def no_garbage_collection() -> Iterator[None]:
-    """Pause the cyclic garbage collector: a big replay allocates ~10^5 tuples that it would scan
-    again and again (a third of the replay's time at 3,000 GPUs); nothing here makes cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 # per p2p type: (is a send, carries a gradient)
 _P2P = {SendActivation: (True, False), SendGrad: (True, True), RecvActivation: (False, False), RecvGrad: (False, True)}
 
 
-def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],
-           embedding_sync: float = 0.0) -> list[RankTally]:
-    """Run every rank's list; `p2p_seconds[(sender, receiver)]` per transfer; `embedding_sync` > 0
-    makes the first and last rank meet before the optimizer (a tied head on several stages)."""
-    env = simpy.Environment()
-    pp = schedule.config.pp
-    meet: dict[tuple, tuple[float, _Waiter]] = {}
-    tallies = [RankTally() for _ in range(pp)]
-    sync_ranks = {0, pp - 1} if embedding_sync > 0 and pp > 1 else set()
-    meet_pop = meet.pop
+class _Replay:
+    """One replay: the SimPy environment, the transfers posted and not yet met, every rank's tally."""
 
-    def post(keys: list, posted: float) -> _Waiter:
+    def __init__(self, schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],
+                 embedding_sync: float, p2p_overlapped: bool) -> None:
+        self.env = simpy.Environment()
+        self.schedule, self.costs, self.p2p_seconds = schedule, costs, p2p_seconds
+        self.embedding_sync, self.overlapped = embedding_sync, p2p_overlapped
+        pp = schedule.config.pp
+        self.meet: dict[tuple, tuple[float, _Waiter | None]] = {}
+        self.tallies = [RankTally() for _ in range(pp)]
+        self.sync_ranks = {0, pp - 1} if embedding_sync > 0 and pp > 1 else set()
+
+    def post(self, keys: list, posted: float) -> _Waiter:
         """Post transfers (key, seconds) at `posted`; those whose partner is already posted end now."""
         waiter = _Waiter()
         for key, seconds in keys:
-            peer = meet.pop(key, None)
+            peer = self.meet.pop(key, None)
             if peer is None:
-                meet[key] = (posted, waiter)
+                self.meet[key] = (posted, waiter)
                 waiter.count += 1
             else:
                 end = (posted if posted > peer[0] else peer[0]) + seconds
                 waiter.ends.append((end, seconds))
                 peer[1].arrive(end, seconds)
         if waiter.count:
-            waiter.event = env.event()
+            waiter.event = self.env.event()
         return waiter
 
+    @staticmethod
     def settle(ends: list, posted: float, totals: list) -> float:
         """A batch's end; the transfer that ended it was moving data (pp), the rest was waiting (bubble)."""
         end = max(e for e, _ in ends)
@@ -147,10 +135,69 @@ def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[i
         totals[1] += end - posted - moving
         return end
 
-    def run(rank: int):
-        tally, cost = tallies[rank], costs[rank]
+    def exchange(self, rank: int, group: tuple, clock: float):
+        """A batch of sends and receives posted at `clock` (a generator: it may wait for peers); returns
+        (end, seconds of it spent moving data). post() and settle(), inlined: this is the hot path."""
+        meet, p2p_seconds, overlapped = self.meet, self.p2p_seconds, self.overlapped
+        waiter, end, moving = None, clock, 0.0
+        for op in group:
+            send, gradient = _P2P[type(op)]
+            if send:
+                key, seconds = (rank, op.peer, gradient, op.micro_batch, op.chunk), p2p_seconds[(rank, op.peer)]
+            else:
+                key, seconds = (op.peer, rank, gradient, op.micro_batch, op.peer_chunk), p2p_seconds[(op.peer, rank)]
+            peer = meet.pop(key, None)
+            if peer is None:
+                if overlapped and send:  # the data leaves now; nobody waits on this side
+                    meet[key] = (clock, None)
+                    continue
+                if waiter is None:
+                    waiter = _Waiter()
+                meet[key] = (clock, waiter)
+                waiter.count += 1
+            else:
+                if not overlapped:
+                    finish = (clock if clock > peer[0] else peer[0]) + seconds
+                    peer[1].arrive(finish, seconds)
+                elif send:  # the receive was posted first: it ends when the data arrives
+                    peer[1].arrive(max(peer[0], clock + seconds), seconds)
+                    continue
+                else:  # the send left at peer[0]
+                    finish = max(clock, peer[0] + seconds)
+                if finish > end or (finish == end and seconds > moving):
+                    end, moving = finish, seconds
+        if waiter is not None:
+            waiter.event = self.env.event()
+            yield waiter.event
+            for finish, seconds in waiter.ends:
+                if finish > end or (finish == end and seconds > moving):
+                    end, moving = finish, seconds
+        return end, min(moving, end - clock)  # an overlapped receive waits only for what is still moving
+
+    def optimizer_step(self, rank: int, action: OptimizerStep, clock: float, comm_end: float | None,
+                       reductions: str, pp_bubble: list):
+        """The tied embedding's sync, the wait for reductions in flight, the optimizer (a generator);
+        returns (the clock after it, seconds waited on reductions)."""
+        cost, events = self.costs[rank], self.tallies[rank].events
+        if rank in self.sync_ranks:
+            waiter = self.post([(("tied",), self.embedding_sync)], clock)
+            if waiter.count:
+                yield waiter.event
+            end = self.settle(waiter.ends, clock, pp_bubble)
+            events.append(("EmbeddingSync", clock, end))
+            clock = end
+        ready = max(clock, comm_end if comm_end is not None else clock) + cost.reduce_before_step
+        waited = ready - clock
+        if ready > clock:
+            events.append((reductions or "GradReduce", clock, ready))
+        events.append((action, ready, ready + cost.optimizer))
+        return ready + cost.optimizer, waited
+
+    def run(self, rank: int):
+        """Rank `rank`'s list, in batches (a SimPy process)."""
+        env, tally, cost = self.env, self.tallies[rank], self.costs[rank]
         events, actions = tally.events, cost.actions
-        actions_list = schedule.actions[rank]
+        actions_list = self.schedule.actions[rank]
         last_grad = next((a for a in reversed(actions_list) if type(a) in (Backward, BackwardWeight)), None)
         reductions = "+".join(a.name for a in actions_list if type(a) in (AllReduceGrads, ReduceScatterGrads))
         first_forward: set[int] = set()
@@ -176,51 +223,17 @@ def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[i
                 tp += c.tp
                 dp += c.dp
                 clock += c.total
-            elif kind in _P2P:  # post() and settle(), inlined: this is the hot path
-                waiter, end, moving = None, clock, 0.0
-                for op in group:
-                    send, gradient = _P2P[type(op)]
-                    if send:
-                        key, seconds = (rank, op.peer, gradient, op.micro_batch, op.chunk), p2p_seconds[(rank, op.peer)]
-                    else:
-                        key, seconds = (op.peer, rank, gradient, op.micro_batch, op.peer_chunk), p2p_seconds[(op.peer, rank)]
-                    peer = meet_pop(key, None)
-                    if peer is None:
-                        if waiter is None:
-                            waiter = _Waiter()
-                        meet[key] = (clock, waiter)
-                        waiter.count += 1
-                    else:
-                        finish = (clock if clock > peer[0] else peer[0]) + seconds
-                        peer[1].arrive(finish, seconds)
-                        if finish > end or (finish == end and seconds > moving):
-                            end, moving = finish, seconds
-                if waiter is not None:
-                    waiter.event = env.event()
-                    yield waiter.event
-                    for finish, seconds in waiter.ends:
-                        if finish > end or (finish == end and seconds > moving):
-                            end, moving = finish, seconds
+            elif kind in _P2P:
+                end, moving = yield from self.exchange(rank, group, clock)
                 pp_bubble[0] += moving
                 pp_bubble[1] += end - clock - moving
                 events.append((group, clock, end))
                 clock = end
                 yield env.timeout(clock - env.now)
             elif kind is OptimizerStep:
-                if rank in sync_ranks:
-                    waiter = post([(("tied",), embedding_sync)], clock)
-                    if waiter.count:
-                        yield waiter.event
-                    end = settle(waiter.ends, clock, pp_bubble)
-                    events.append(("EmbeddingSync", clock, end))
-                    clock = end
-                ready = max(clock, comm_end if comm_end is not None else clock) + cost.reduce_before_step
-                if ready > clock:
-                    events.append((reductions or "GradReduce", clock, ready))
-                    dp += ready - clock
-                events.append((action, ready, ready + cost.optimizer))
+                clock, waited = yield from self.optimizer_step(rank, action, clock, comm_end, reductions, pp_bubble)
+                dp += waited
                 optimizer += cost.optimizer
-                clock = ready + cost.optimizer
             elif kind is GatherParams and action.phase == "update":
                 gather = cost.update_gather.get(action.chunk, 0.0) if action.bucket == 0 else 0.0
                 events.append((action, clock, clock + gather))
@@ -232,12 +245,20 @@ def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[i
         tally.end = env.now
         tally.seconds.update(compute=compute, tp=tp, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1], optimizer=optimizer)
 
-    processes = [env.process(run(rank)) for rank in range(pp)]
+
+def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],
+           embedding_sync: float = 0.0, p2p_overlapped: bool = False) -> list[RankTally]:
+    """Run every rank's list; `p2p_seconds[(sender, receiver)]` per transfer; `embedding_sync` > 0
+    makes the first and last rank meet before the optimizer (a tied head on several stages).
+    `p2p_overlapped` (simulator/overlap.py): sends do not wait, a receive waits for its data only."""
+    run = _Replay(schedule, costs, p2p_seconds, embedding_sync, p2p_overlapped)
+    processes = [run.env.process(run.run(rank)) for rank in range(schedule.config.pp)]
     with no_garbage_collection():
-        env.run()
+        run.env.run()
     stuck = [rank for rank, process in enumerate(processes) if process.is_alive]
     if stuck:
         raise ConfigError(f"the schedule deadlocks: rank {stuck[0]} never finishes (run parallel.schedule.validate on it)")
+    tallies = run.tallies
     step = max(t.end for t in tallies)
     for tally in tallies:
         tally.seconds["bubble"] += step - tally.end

@@ -16,6 +16,7 @@ half a GPU already there).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
@@ -32,33 +33,41 @@ SCALINGS = ("strong", "weak")
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """How to build a cluster of any size: the GPU (preset name or loaded profile), server size, fabric, kind."""
+    """How to build a cluster of any size: the GPU (preset name or loaded profile), server size, NIC preset
+    (`fabric`), fabric kind (fat-tree, rail, rail-only), NICs per server and leaf oversubscription
+    (simulator/topology.py's build_cluster)."""
 
     hardware: Hardware
     gpus_per_node: int
     fabric: str | None = None
     kind: str = "fat-tree"
+    nics_per_node: int | None = None
+    oversubscription: float = 1.0
 
     @classmethod
     def of(cls, gpu: str | Hardware, gpus_per_node: int | None = None, fabric: str | None = None,
-           kind: str = "fat-tree") -> "ClusterSpec":
+           kind: str = "fat-tree", nics_per_node: int | None = None, oversubscription: float = 1.0) -> "ClusterSpec":
         hardware = load_hardware(gpu) if isinstance(gpu, str) else gpu
         if kind not in CLUSTER_KINDS:
             raise ConfigError(f"unknown topology kind {kind!r}: choose one of {', '.join(CLUSTER_KINDS)}")
         per_node = hardware.node.gpus_per_node if gpus_per_node is None else gpus_per_node
         if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
             raise ConfigError(f"gpus per node must be a positive integer, got {per_node!r}")
-        return cls(hardware, per_node, fabric, kind)
+        spec = cls(hardware, per_node, fabric, kind, nics_per_node, oversubscription)
+        spec.build(per_node)  # checks the NICs and the oversubscription now, not at the first point
+        return spec
 
     def build(self, n_gpus: int) -> Cluster:
         """n_gpus GPUs: whole servers, or one partly filled server below a server's worth."""
-        if n_gpus < self.gpus_per_node:
-            return build_cluster(self.hardware, n_gpus, 1, self.fabric, self.kind)
-        if n_gpus % self.gpus_per_node:
+        per_node, nodes = (n_gpus, 1) if n_gpus < self.gpus_per_node else (self.gpus_per_node, n_gpus // self.gpus_per_node)
+        if n_gpus >= self.gpus_per_node and n_gpus % self.gpus_per_node:
             raise ConfigError(
                 f"{n_gpus} GPUs do not fill whole servers of {self.gpus_per_node}: use a multiple of {self.gpus_per_node}"
             )
-        return build_cluster(self.hardware, self.gpus_per_node, n_gpus // self.gpus_per_node, self.fabric, self.kind)
+        nics = self.nics_per_node
+        if nics is not None and per_node < self.gpus_per_node:  # a partly filled server keeps its GPUs per NIC
+            nics = max(1, -(-per_node * nics // self.gpus_per_node))
+        return build_cluster(self.hardware, per_node, nodes, self.fabric, self.kind, nics, self.oversubscription)
 
 
 @dataclass(frozen=True)
@@ -179,7 +188,9 @@ class ScalingSweep:
 
 
 def scaling_sweep(job: Job, gpu_counts: list[int], spec: ClusterSpec, scaling: str = "strong",
-                  threshold: float = DEFAULT_THRESHOLD, tp: int | None = None, pp: int | None = None) -> ScalingSweep:
+                  threshold: float = DEFAULT_THRESHOLD, tp: int | None = None, pp: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> ScalingSweep:
+    """Throughput at each GPU count (see the module docstring); `progress(done, total)` after each point."""
     if scaling not in SCALINGS:
         raise ConfigError(f"unknown scaling {scaling!r}: choose strong (fixed global batch) or weak (batch grows with GPUs)")
     counts = sorted(set(gpu_counts))
@@ -201,6 +212,8 @@ def scaling_sweep(job: Job, gpu_counts: list[int], spec: ClusterSpec, scaling: s
             added = (point.samples_per_s - previous.samples_per_s) / (n - previous.gpus)
             point.marginal = added / (previous.samples_per_s / previous.gpus)
         sweep.points.append(point)
+        if progress is not None:
+            progress(len(sweep.points), len(counts))
     return sweep
 
 

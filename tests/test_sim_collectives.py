@@ -14,6 +14,7 @@ import pytest
 from minigpt.errors import ConfigError
 from simulator.collectives import (
     Flow,
+    LinkFractions,
     Network,
     hierarchical_all_reduce,
     ring_all_reduce,
@@ -163,6 +164,35 @@ def test_hierarchical_all_reduce_beats_the_flat_ring(kind):
 def test_hierarchical_all_reduce_on_one_node_is_the_ring():
     cluster = build_cluster("h100-sxm", 8, 2)
     assert run(cluster, "hierarchical-all-reduce", 8) == pytest.approx(run(cluster, "all-reduce", 8), rel=1e-9)
+
+
+# ------------------------------------------------------------------ achieved bandwidth
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_nvlink_fraction_scales_the_bus_bandwidth_of_a_ring(n):
+    fractions = LinkFractions(nvlink=0.75)
+    time = simulate_collective(star(n), "all-reduce", list(range(n)), S, fractions=fractions)
+    assert time == pytest.approx(2 * (n - 1) * ALPHA + 2 * (n - 1) / n * S / (0.75 * B), rel=1e-9)
+    # nccl-tests' bus bandwidth of this run, latency aside, is the fraction of the link
+    assert 2 * (n - 1) / n * S / (time - 2 * (n - 1) * ALPHA) == pytest.approx(0.75 * B, rel=1e-9)
+
+
+def test_network_fraction_applies_across_nodes_only():
+    cluster = build_cluster("h100-sxm", 8, 2)
+    fractions = LinkFractions(nvlink=0.5, network=0.8)
+    across = simulate_collective(cluster, "p2p", [0, 8], S, fractions=fractions)
+    inside = simulate_collective(cluster, "p2p", [0, 1], S, fractions=fractions)
+    assert across == pytest.approx(cluster.route_latency(0, 8) + S / (0.8 * cluster.route_bandwidth(0, 8)), rel=1e-9)
+    assert inside == pytest.approx(cluster.route_latency(0, 1) + S / (0.5 * cluster.route_bandwidth(0, 1)), rel=1e-9)
+    assert simulate_collective(cluster, "p2p", [0, 8], S) == pytest.approx(
+        cluster.route_latency(0, 8) + S / cluster.route_bandwidth(0, 8), rel=1e-9)  # none given: the datasheet
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, -0.2, True])
+def test_fractions_must_be_fractions(bad):
+    with pytest.raises(ConfigError, match="bandwidth fraction must be in"):
+        LinkFractions(network=bad)
 
 
 # ------------------------------------------------------------------ bad input

@@ -29,20 +29,22 @@ def test_fat_tree_on_one_leaf_has_no_spine():
 
 
 def test_fat_tree_with_spines():
-    # HDR switches have 40 ports: 20 down per leaf, so 3 x 8 NICs fill two leaves (20 + 4)
+    # HDR switches have 40 ports: 20 down per leaf, so 3 x 8 NICs fill two leaves (20 + 4); the busiest
+    # leaf needs 20 cables up, and one 40-port spine takes both leaves' 20 (merged into one edge each)
     cluster = build_cluster("a100-80gb", 8, 3, fabric="hdr", kind="fat-tree")
     devices, edges = counts(cluster)
-    assert devices == {"gpu": 24, "nvswitch": 3, "nic": 24, "leaf": 2, "spine": 20}
-    assert edges == 2 * (3 * 24) + 2 * (2 * 20)
+    assert devices == {"gpu": 24, "nvswitch": 3, "nic": 24, "leaf": 2, "spine": 1}
+    assert edges == 2 * (3 * 24) + 2 * 2
     nic_leaf = {nic: next(n for n in cluster.graph.successors(nic) if n.startswith("leaf")) for nic in cluster.graph if "nic" in nic}
     assert sum(leaf == "leaf0" for leaf in nic_leaf.values()) == 20
+    assert cluster.graph.edges["leaf0", "spine0"]["bandwidth"] == 20 * load_nic("hdr").bandwidth
 
 
 def test_rail_optimised():
     cluster = build_cluster("h100-sxm", 8, 2, kind="rail")
     devices, edges = counts(cluster)
-    assert devices == {"gpu": 16, "nvswitch": 2, "nic": 16, "leaf": 8, "spine": 2}
-    assert edges == 2 * (3 * 16) + 2 * (8 * 2)
+    assert devices == {"gpu": 16, "nvswitch": 2, "nic": 16, "leaf": 8, "spine": 1}
+    assert edges == 2 * (3 * 16) + 2 * 8
     for node in range(2):
         for local in range(8):
             (leaf,) = [n for n in cluster.graph.successors(f"node{node}/nic{local}") if n.startswith("leaf")]
@@ -120,18 +122,30 @@ def test_same_rail_stays_on_its_leaf_and_other_rails_cross_a_spine():
     assert "spine" in types_on(cluster, cluster.route(7, 8))
 
 
-def test_flows_into_one_leaf_come_down_different_spines():
-    cluster = build_cluster("h100-sxm", 8, 2, kind="rail")
-    into_rail0 = [cluster.route(7, 8), cluster.route(15, 0)]  # rail 7 -> rail 0, both
-    assert not set(into_rail0[0]) & set(into_rail0[1])
+def cables(cluster, edge):
+    return cluster.graph.edges[edge]["bandwidth"] / cluster.nic.bandwidth
+
+
+def test_shifted_flows_between_leaves_never_share_a_cable():
+    # rail 0's leaves: nodes 0-31 on leaf0, 32-63 on leaf8; 32 flows leaf8 -> leaf0 (node i+32 -> node i)
+    cluster = build_cluster("h100-sxm", 8, 64, kind="rail")
+    assert cluster.fabric.tiers == 2 and cluster.fabric.switch_counts == (16, 8)
+    load: dict = {}
+    for node in range(32):
+        for edge in cluster.route(8 * (node + 32), 8 * node):
+            load[edge] = load.get(edge, 0) + 1
+    switch_edges = [e for e in load if "spine" in e[0] + e[1]]
+    assert {e[1] for e in switch_edges if e[0] == "leaf8"} == {f"spine{i}" for i in range(8)}  # every spine used
+    assert all(load[e] == cables(cluster, e) == 4 for e in switch_edges)  # each merged edge full, none over
 
 
 def test_fat_tree_spreads_flows_over_spines():
-    # 32 NDR NICs per leaf: nodes 0-3 on leaf0, 4-7 on leaf1
-    cluster = build_cluster("h100-sxm", 8, 8, kind="fat-tree")
-    uplinks = [cluster.route(local, 32 + local)[2] for local in range(8)]
+    # 64 nodes x 8 NDR NICs = 16 leaves of 32: 512 cables up need 8 spines, each leaf sends 4 cables to each
+    cluster = build_cluster("h100-sxm", 8, 64, kind="fat-tree")
+    uplinks = [cluster.route(local, 32 + local)[2] for local in range(32)]
     assert all(u == "leaf0" for u, _ in uplinks)
-    assert len(set(uplinks)) == 8
+    assert {v for _, v in uplinks} == {f"spine{i}" for i in range(8)}
+    assert all(cables(cluster, ("leaf0", f"spine{i}")) == 4 for i in range(8))
 
 
 # ------------------------------------------------------------------ files
