@@ -3,28 +3,38 @@
 Torch-free: it only checks flags and prints what simulator/ predicts. The cluster comes
 from flags (--gpu, --gpus-per-node, --nodes, --fabric, --topology-kind) or a topology
 file (--topology); --hardware loads a calibrated profile in place of the --gpu preset.
-Without --nodes the cluster has exactly the layout's tp x pp x dp GPUs.
+Without --nodes the cluster has exactly the layout's tp x pp x dp GPUs. How a block is
+computed (--attention, --recompute, --sp-saved-input: simulator/ops.py) and what overlaps
+what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
+simulator/overlap.py) are flags too; the output says what its numbers rest on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 
 import click
 
 from cli.config_file import config_file_option
 
+from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError
+from simulator.op_types import SP_SAVED_INPUTS
+from simulator.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
 
 
 def _model(options: dict):
     from minigpt.config import build_config
 
     return build_config(options["model"], vocab_size=options["vocab"], seq_len=options["seq_len"],
-                        n_layers=options["layers"], n_heads=options["heads"], d_model=options["hidden"])
+                        n_layers=options["layers"], n_heads=options["heads"], d_model=options["hidden"],
+                        dropout=options["dropout"])
 
 
 DEFAULT_GPU = "a100-80gb"
+TOPOLOGY_KINDS = ["fat-tree", "rail", "rail-only"]  # simulator.topology.CLUSTER_KINDS (a test checks they agree)
 
 
 def _hardware(options: dict, topology_gpu: str | None = None):
@@ -39,8 +49,10 @@ def _cluster(options: dict, world: int):
     from simulator.topology import build_cluster, load_cluster
 
     if options["topology"]:
-        if options["nodes"] or options["gpus_per_node"] or options["fabric"]:
-            raise ConfigError("--topology gives the whole cluster: drop --nodes, --gpus-per-node and --fabric")
+        if (options["nodes"] or options["gpus_per_node"] or options["fabric"] or options["nics_per_node"]
+                or options["oversubscription"] != 1.0):
+            raise ConfigError("--topology gives the whole cluster: drop --nodes, --gpus-per-node, --fabric, "
+                              "--nics-per-node and --oversubscription")
         cluster = load_cluster(options["topology"])
         return cluster, _hardware(options, cluster.graph.graph.get("gpu"))
     hardware = _hardware(options)
@@ -55,7 +67,8 @@ def _cluster(options: dict, world: int):
                 f"give --nodes, or a layout whose GPU count is a multiple of {per_node}"
             )
         nodes = world // per_node
-    return build_cluster(hardware, per_node, nodes, options["fabric"], options["topology_kind"]), hardware
+    return build_cluster(hardware, per_node, nodes, options["fabric"], options["topology_kind"],
+                         options["nics_per_node"], options["oversubscription"]), hardware
 
 
 def _job(options: dict, model, zero: int):
@@ -63,6 +76,13 @@ def _job(options: dict, model, zero: int):
 
     return Job(model, options["precision"], options["global_batch"] or 0, options["micro_batch"], zero,
                options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"])
+
+
+def _overlap(options: dict):
+    from simulator.overlap import resolve_overlap
+
+    return resolve_overlap(options["overlap"], tp=options["tp_overlap"], dp=options["dp_overlap"],
+                           zero3_prefetch=options["zero3_prefetch"], p2p=options["p2p_overlap"])
 
 
 def run_single(options: dict) -> dict:
@@ -75,10 +95,12 @@ def run_single(options: dict) -> dict:
     cluster, hardware = _cluster(options, layout.world_size)
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
     result = simulate_step(model, layout, cluster, options["precision"], global_batch, options["micro_batch"],
-                           options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware)
+                           options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware,
+                           attention=options["attention"], overlap=_overlap(options),
+                           sp_saved_input=options["sp_saved_input"])
     if options["trace"]:
         result.write_chrome_trace(options["trace"])
-    return {"model": model, "result": result}
+    return {"model": model, "result": result, "cluster": cluster.describe()}
 
 
 def run_sweep(options: dict) -> dict:
@@ -88,6 +110,9 @@ def run_sweep(options: dict) -> dict:
         raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
     if options["dp"]:
         raise ConfigError("in a sweep dp follows from the GPU count: drop --dp (fix --tp and --pp, or let the sweep choose)")
+    if options["attention"] != "flash" or options["sp_saved_input"] != "gathered" or _overlap(options).name != "executor":
+        raise ConfigError("--sweep simulates our executor (flash attention, its overlap): drop --attention, "
+                          "--sp-saved-input and the overlap flags, or simulate one layout without --sweep")
     if not options["gpus"]:
         raise ConfigError("--sweep needs the GPU counts: e.g. --gpus 8,16,32,64")
     try:
@@ -95,12 +120,15 @@ def run_sweep(options: dict) -> dict:
     except ValueError:
         raise ConfigError(f"--gpus must be comma-separated whole numbers, got {options['gpus']!r}") from None
     model, hardware = _model(options), _hardware(options)
-    spec = ClusterSpec.of(hardware, options["gpus_per_node"], options["fabric"], options["topology_kind"])
+    spec = ClusterSpec.of(hardware, options["gpus_per_node"], options["fabric"], options["topology_kind"],
+                          options["nics_per_node"], options["oversubscription"])
     if not options["global_batch"]:
         raise ConfigError("--sweep needs --global-batch (strong scaling keeps it, weak scaling starts from it)")
     job = _job(options, model, options["zero"])
     threshold = DEFAULT_THRESHOLD if options["threshold"] is None else options["threshold"]
-    sweep = scaling_sweep(job, counts, spec, options["scaling"], threshold, options["tp"], options["pp"])
+    with _progress(len(counts)) as tick:
+        sweep = scaling_sweep(job, counts, spec, options["scaling"], threshold, options["tp"], options["pp"],
+                              progress=tick)
     at = sweep.stop or sweep.points[-1]  # where communication starts to decide
     zero = (compare_zero(job, at.result.layout, spec.build(at.gpus), hardware, at.global_batch)
             if at.result.layout.dp > 1 else {})
@@ -111,6 +139,16 @@ def run_sweep(options: dict) -> dict:
     return {"model": model, "sweep": sweep, "zero": zero, "zero_at": at}
 
 
+@contextlib.contextmanager
+def _progress(total: int):
+    """A progress bar on stderr while a sweep runs, when stderr is a terminal; a no-op otherwise."""
+    if not sys.stderr.isatty():
+        yield lambda done, total: None
+        return
+    with click.progressbar(length=total, label="simulating", file=sys.stderr) as bar:
+        yield lambda done, total: bar.update(1)
+
+
 def _print_single(report: dict) -> None:
     from cli.output import format_table
     from simulator import report as rep
@@ -118,6 +156,7 @@ def _print_single(report: dict) -> None:
     model, result = report["model"], report["result"]
     click.echo(f"{parameter_count(model.n_params())}-parameter GPT ({model.n_layers} layers, width {model.d_model}, "
                f"{model.n_heads} heads, sequence {model.seq_len}) on {rep.headline(result)}")
+    click.echo(f"cluster: {report['cluster']}")
     click.echo("")
     click.echo(format_table(["step", "seconds", "share"], rep.step_rows(result)))
     click.echo(f"(breakdown of the slowest pipeline rank, {result.critical_rank}; it adds up to the step)")
@@ -126,6 +165,8 @@ def _print_single(report: dict) -> None:
     click.echo("")
     click.echo(format_table(["training state of the whole model", "decimal GB (1e9 bytes)"], rep.job_rows(result)))
     click.echo(rep.job_verdict(result, model.n_params()))
+    click.echo("")
+    click.echo(format_table(["what these numbers rest on", ""], rep.provenance_rows(result)))
 
 
 def _print_sweep(report: dict) -> None:
@@ -149,7 +190,7 @@ def _print_sweep(report: dict) -> None:
 
 def _json(report: dict) -> dict:
     if "result" in report:
-        return report["result"].as_dict()
+        return {**report["result"].as_dict(), "cluster": report["cluster"]}
     from simulator.sweep import zero_verdict
 
     data = {"sweep": report["sweep"].as_dict()}
@@ -175,6 +216,8 @@ def parameter_count(n: int) -> str:
 @click.option("--heads", type=int, help="Attention heads.")
 @click.option("--vocab", type=int, help="Vocabulary size.")
 @click.option("--seq-len", "seq_len", type=int, help="Sequence length.")
+@click.option("--dropout", type=float,
+              help="Dropout probability (default: the preset's, 0): its masks and kernels are costed when > 0.")
 @click.option("--global-batch", "global_batch", type=int, help="Sequences per step (default: micro-batch x dp x pp).")
 @click.option("--micro-batch", "micro_batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--tp", type=int, help="Tensor-parallel size (default 1; in a sweep: searched).")
@@ -183,7 +226,26 @@ def parameter_count(n: int) -> str:
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage.")
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b, interleaved or zb-h1.")
 @click.option("--virtual-chunks", "virtual_chunks", type=int, default=1, show_default=True)
-@click.option("--recompute", default="none", show_default=True, help="Activation recomputation: none or full.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default="none", show_default=True,
+              help="Activation recomputation: none, selective (the attention core, Korthikanti et al. 2022) or full.")
+@click.option("--attention", type=click.Choice(ATTENTION_KINDS), default="flash", show_default=True,
+              help="flash (fused, no s x s tensor in memory; its backward recomputes the scores) or unfused "
+                   "(scores, softmax and dropout materialised).")
+@click.option("--sp-saved-input", "sp_saved_input", type=click.Choice(SP_SAVED_INPUTS), default="gathered",
+              show_default=True, help="With --sequence-parallel, what the column-parallel Linears keep: the gathered "
+                                      "input (our executor) or its shard, gathered again in the backward (Megatron).")
+@click.option("--overlap", type=click.Choice(list(OVERLAP_PRESETS)), default="executor", show_default=True,
+              help="What hides what: executor (our code), megatron-2021 or overlapped (a modern stack); the four "
+                   "flags below change one setting of it.")
+@click.option("--tp-overlap/--no-tp-overlap", "tp_overlap", default=None,
+              help="Hide tensor-parallel collectives behind the Linears' GEMMs (default: the preset's).")
+@click.option("--dp-overlap", "dp_overlap", type=click.Choice(DP_MODES), default=None,
+              help="Data-parallel gradient reduction: executor (our ZeRO code), backward (bucket by bucket during "
+                   "the backward) or after (after the last backward, not overlapped); default: the preset's.")
+@click.option("--zero3-prefetch", "zero3_prefetch", type=click.IntRange(min=0), default=None,
+              help="ZeRO-3 units gathered ahead (default: the preset's, 1).")
+@click.option("--p2p-overlap/--no-p2p-overlap", "p2p_overlap", default=None,
+              help="Asynchronous pipeline sends, receives posted early (default: the preset's).")
 @click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or fp8.")
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @click.option("--gpu", help=f"GPU preset of simulator/hardware.json (default: {DEFAULT_GPU}, or a topology file's GPU).")
@@ -191,8 +253,12 @@ def parameter_count(n: int) -> str:
 @click.option("--gpus-per-node", "gpus_per_node", type=int, help="GPUs per server (default: the GPU's DGX node).")
 @click.option("--nodes", type=int, help="Servers (default: as many as the layout needs).")
 @click.option("--fabric", help="Network adapter preset: hdr or ndr (default: the node's).")
-@click.option("--topology-kind", "topology_kind", type=click.Choice(["fat-tree", "rail"]), default="fat-tree",
-              show_default=True)
+@click.option("--topology-kind", "topology_kind", type=click.Choice(TOPOLOGY_KINDS), default="fat-tree",
+              show_default=True, help="fat-tree; rail: rail-optimised (NIC i of every node on rail i's leaves); "
+              "rail-only: one tree per rail, no spine between rails (traffic crosses rails over NVLink).")
+@click.option("--nics-per-node", "nics_per_node", type=int, help="NICs per server (default: the node's).")
+@click.option("--oversubscription", type=float, default=1.0, show_default=True,
+              help="Leaf oversubscription, e.g. 2 for 2:1 (1: non-blocking).")
 @click.option("--topology", type=click.Path(dir_okay=False), help="A cluster file (node-link JSON or GraphML).")
 @click.option("--trace", type=click.Path(dir_okay=False), help="Write the simulated step as a Chrome trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -206,10 +272,12 @@ def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
     for name in ("layers", "hidden", "heads", "vocab", "seq_len", "global_batch", "micro_batch", "tp", "pp", "dp",
-                 "gpus_per_node", "nodes"):
+                 "gpus_per_node", "nodes", "nics_per_node"):
         value = options[name]
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if not 1.0 <= options["oversubscription"] < float("inf"):
+        raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
     report = run_sweep(options) if options["sweep"] else run_single(options)
     if options["as_json"]:
         click.echo(json.dumps(_json(report)))

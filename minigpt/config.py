@@ -10,6 +10,10 @@ Conventions:
 - Attention scores are counted for the full s x s square (no causal discount),
   which is what a dense kernel computes.
 - Backward costs twice the forward (gradients of inputs and of weights).
+- Recomputation adds what it runs again: "full" one block forward per layer,
+  "selective" (Korthikanti et al. 2022) the attention core's two s x s matmuls.
+- A FlashAttention-2 backward also recomputes the scores q @ k^T: `attention="flash"`
+  counts that matmul; the default counts the model's FLOPs (MFU's convention).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from dataclasses import asdict, dataclass, replace
 
 from minigpt.errors import ConfigError
 
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_KINDS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
@@ -92,12 +97,15 @@ class GPTConfig:
 
     # ------------------------------------------------------------------ FLOPs
 
+    def attention_core_flops_per_token(self) -> int:
+        """q @ k^T and p @ v over the full s x s square, per token (one block)."""
+        return 2 * 2 * self.seq_len * self.d_model
+
     def block_forward_flops_per_token(self) -> int:
         """Matmul FLOPs of one block's forward pass, per token."""
-        d, f, s = self.d_model, self.d_ff, self.seq_len
+        d, f = self.d_model, self.d_ff
         linears = 2 * (d * 3 * d + d * d + d * f + f * d)
-        attention = 2 * 2 * s * d  # q @ k^T and p @ v over the full s x s square
-        return linears + attention
+        return linears + self.attention_core_flops_per_token()
 
     def head_forward_flops_per_token(self) -> int:
         """The LM head's matmul (tied or not, it is one d x V product)."""
@@ -106,16 +114,25 @@ class GPTConfig:
     def forward_flops_per_token(self) -> int:
         return self.n_layers * self.block_forward_flops_per_token() + self.head_forward_flops_per_token()
 
-    def train_flops_per_token(self, recompute: str = "none") -> int:
-        """Forward + backward matmul FLOPs per token.
+    def train_flops_per_token(self, recompute: str = "none", attention: str | None = None) -> int:
+        """Forward + backward matmul FLOPs per token, recomputation included.
 
-        recompute="full" runs every block's forward a second time during the
-        backward (only block inputs are kept), adding one block forward per layer.
+        recompute="full" runs every block's forward a second time during the backward
+        (only block inputs are kept), adding one block forward per layer; "selective"
+        runs the attention core again (q @ k^T, p @ v). attention="flash" adds the
+        scores q @ k^T that a FlashAttention-2 backward recomputes (half the core's
+        forward); None or "unfused" count the backward as twice the forward.
         """
         check_recompute(recompute)
+        if attention is not None:
+            check_attention(attention)
         flops = 3 * self.forward_flops_per_token()
         if recompute == "full":
             flops += self.n_layers * self.block_forward_flops_per_token()
+        elif recompute == "selective":
+            flops += self.n_layers * self.attention_core_flops_per_token()
+        if attention == "flash":
+            flops += self.n_layers * self.attention_core_flops_per_token() // 2
         return flops
 
     # ------------------------------------------------------------------ activations
@@ -134,25 +151,33 @@ class GPTConfig:
           and the attention log-sum-exp (one per head),
           plus a 1-byte mask per element of each of the two residual dropouts
           when dropout > 0.
-        With recompute="full" only the block's input (d elements) is kept.
+        With recompute="full" only the block's input (d elements) is kept; with
+        "selective" the attention core keeps nothing of its own (the log-sum-exp goes;
+        q, k, v and its output stay, saved by the matmuls around it).
         """
         check_recompute(recompute)
         d, f = self.d_model, self.d_ff
         if recompute == "full":
             return dtype_bytes * d
         tensors = dtype_bytes * (8 * d + 2 * f)
-        statistics = 4 * (4 + self.n_heads)
+        statistics = 4 * (4 + (0 if recompute == "selective" else self.n_heads))
         dropout_masks = 2 * d if self.dropout > 0 else 0
         return tensors + statistics + dropout_masks
 
     def head_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Final LayerNorm input and output (2d), and the fp32 log-probabilities (V) kept by the loss."""
+        """Final LayerNorm input and output (2d) and its fp32 mean and 1/std (2), and the fp32
+        log-probabilities (V) kept by the loss."""
         return dtype_bytes * 2 * self.d_model + 4 * (2 + self.vocab_size)
 
 
 def check_recompute(recompute: str) -> None:
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+
+
+def check_attention(attention: str) -> None:
+    if attention not in ATTENTION_KINDS:
+        raise ConfigError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
 
 
 PRESETS: dict[str, GPTConfig] = {

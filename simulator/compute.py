@@ -1,45 +1,37 @@
-"""How long compute takes on one GPU: a roofline per matmul, and the chunks of a pipeline built from them.
+"""How long compute takes on one GPU: a roofline per kernel of the op list, and pipeline chunks built from them.
 
-Torch-free. A matmul (m x k) @ (k x n), `batch` times, takes
+Torch-free. The ops come from simulator/ops.py (every GEMM and memory-bound kernel of a block,
+the embeddings, the head and the loss, forward and backward, per tensor-parallel rank). Each
+one costs its roofline plus a fixed cost per kernel:
 
-    max(flops / (peak[dtype] * efficiency), bytes moved / HBM bandwidth) + launch latency
+    GEMM             max(flops / (peak[dtype] * efficiency), bytes / HBM) + overhead
+    FlashAttention   max(sum of its GEMMs' flops / (peak * efficiency), bytes / HBM) + overhead
+    memory-bound     bytes / HBM + overhead
 
-with bytes moved = batch * (m*k + k*n + m*n) * element bytes (each operand read once,
-the result written once: the best a tiled kernel can do).
+with HBM = hbm_bandwidth * gpu.reached.hbm_fraction and overhead = the profile's measured
+launch_latency when it has one, else gpu.reached.kernel_overhead (simulator/achieved.py: 1 and
+0 when the GPU says nothing).
 
-Efficiency curve (uncalibrated): efficiency(x) = x / (x + HALF_EFFICIENCY_DIM), x the
-smallest of m, n, k. Stated assumption, not fitted to any published result: a GEMM
-kernel cuts its output into tiles and streams the reduction through them; every tile
-pays a fixed cost (filling the operand pipeline, writing the tile back) worth about as
-much tensor-core time as one tile edge of work, and a tile edge is 128 elements, the
-common tile size of tensor-core kernels. So a matmul whose smallest side is 128 runs at
-half the peak, 1024 at 89%, 8192 at 98%; the ceiling is the datasheet peak itself. Real
-kernels lose more (clocks, wave quantisation): uncalibrated times are optimistic, and
-a calibrated profile replaces the curve.
+Efficiency: the GPU's table for the format (EfficiencyProfile, the "matmul_efficiency" field
+of a hardware entry: cited data in a preset, our measurement in a calibrated profile), by the
+matmul's smallest side, interpolated linearly in log(size), the nearest point outside the
+table. A format without a table falls back to the uncalibrated curve x / (x + HALF_EFFICIENCY_DIM),
+x the smallest side: a stated assumption (every 128-wide output tile pays about one tile edge
+of fixed cost), not fitted to anything, optimistic; `efficiency_sources` says which one each
+format got: every prediction says it (simulator/provenance.py).
 
-Calibration hook: `EfficiencyProfile`, a table of measured efficiency by smallest
-dimension per number format, plus a per-kernel launch latency: the optional
-"matmul_efficiency" field of a GPU entry in a hardware profile (hardware.py reads it;
-`minigpt calibrate` writes one table per measured format, each relative to that format's
-measured peak_flops):
-
-    "matmul_efficiency": {"launch_latency": 4e-6,
+    "matmul_efficiency": {"launch_latency": 4e-6, "source": "...",
                           "fp32": [[64, 0.05], ...],
                           "bf16": [[64, 0.20], [256, 0.55], [1024, 0.78], [8192, 0.85]]}
 
-`parse_efficiency_profile` checks exactly that object. Between points the efficiency is
-interpolated linearly in log(size); outside them the nearest point holds. A format without
-a table takes the uncalibrated curve against its peak.
+`parse_efficiency_profile` checks exactly that object (`source` optional).
 
-Chunks (`chunk_times`): a pipeline chunk of `layers` blocks (plus the embedding on the
-first, head and loss on the last) for one micro-batch on one tensor-parallel rank:
-the block's matmuls (qkv, attention scores and values, proj, fc1, fc2) with their
-shapes divided by tp, the head's over the padded vocabulary / tp, and the element-wise
-work (LayerNorm, GELU, softmax, residuals, which config.py's FLOPs leave out) estimated
-as moving twice the bytes the layer keeps for its backward through HBM. Backward = 2x
-forward; recompute="full" adds one forward of the blocks to the backward. The
-tensor-parallel collectives are returned as byte counts (parallel/comm.py's convention:
-the full buffer S) for the engine to time on the links.
+Chunks (`chunk_times`): `layers` blocks (plus the embeddings on the first chunk, the final
+norm, head and loss on the last) for one micro-batch on one tensor-parallel rank: the sum of
+their ops' times, forward, and backward (which starts with the recomputed ops). The
+tensor-parallel collectives are returned as byte counts (parallel/comm.py's convention: the
+full buffer S) for the engine to time on the links, with the GEMM time of the Linears around
+them (what could hide them, simulator/overlap.py).
 """
 
 from __future__ import annotations
@@ -47,18 +39,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minigpt.config import GPTConfig, check_recompute
+from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.hardware import FLOP_FORMATS, GPUSpec
-from simulator.layout import Layout, block_tensors, padded_vocab
-from simulator.memory import head_activation_parts, layer_activation_bytes, parts_bytes
+from simulator.layout import Layout, block_tensors
+from simulator.op_types import RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient
+from simulator.ops import block_ops, embedding_ops, head_ops
 
 HALF_EFFICIENCY_DIM = 128  # smallest matmul side at which the uncalibrated curve reaches half the peak
+FALLBACK_CURVE = f"fallback curve x/(x+{HALF_EFFICIENCY_DIM}) (no table: uncalibrated, optimistic)"
 ELEMENT_BYTES = {"fp32": FORMAT_BYTES["fp32"], "tf32": FORMAT_BYTES["fp32"], "bf16": FORMAT_BYTES["bf16"],
                  "fp16": FORMAT_BYTES["fp16"], "fp8": FORMAT_BYTES["fp8_e4m3"]}
 LOSS_ALL_REDUCES = 3  # the vocabulary-parallel loss all-reduces max, sum of exponentials, target logit
 LOSS_VALUE_BYTES = FORMAT_BYTES["fp32"]  # one fp32 number per token each
+
+
+def hbm_speed(gpu: GPUSpec) -> float:
+    """Bytes/s a streaming kernel reaches: the datasheet bandwidth times the achieved fraction."""
+    return gpu.hbm_bandwidth * gpu.reached.hbm_fraction
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,7 @@ class EfficiencyProfile:
 
     points: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
     launch_latency: float = 0.0  # seconds per kernel
+    source: str = ""  # where the tables come from (a publication, or our measurement); optional
 
     def efficiency(self, dtype: str, smallest: int) -> float | None:
         """The measured efficiency at `smallest`, or None when this format was not measured."""
@@ -87,9 +87,13 @@ def parse_efficiency_profile(data: object, origin: str = "profile") -> Efficienc
     where = f"{origin}: matmul_efficiency"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a JSON object of number formats and a launch_latency")
-    unknown = sorted(set(data) - set(FLOP_FORMATS) - {"launch_latency"})
+    unknown = sorted(set(data) - set(FLOP_FORMATS) - {"launch_latency", "source"})
     if unknown:
-        raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}: use {', '.join(FLOP_FORMATS)}, launch_latency")
+        raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}: "
+                          f"use {', '.join(FLOP_FORMATS)}, launch_latency, source")
+    source = data.get("source", "")
+    if not isinstance(source, str):
+        raise ConfigError(f"{where}.source must be text naming where the tables come from, got {source!r}")
     latency = data.get("launch_latency", 0.0)
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
         raise ConfigError(f"{where}.launch_latency must be seconds >= 0, got {latency!r}")
@@ -108,7 +112,7 @@ def parse_efficiency_profile(data: object, origin: str = "profile") -> Efficienc
                 f"{where}.{fmt} must be [[size, efficiency], ...] with sizes > 0 increasing and 0 < efficiency <= 1"
             )
         points[fmt] = tuple((int(x), float(e)) for x, e in table)
-    return EfficiencyProfile(points=points, launch_latency=float(latency))
+    return EfficiencyProfile(points=points, launch_latency=float(latency), source=source)
 
 
 def efficiency(smallest: int, dtype: str, profile: EfficiencyProfile | None = None) -> float:
@@ -126,12 +130,14 @@ def matmul_time(flops: float, m: int, n: int, k: int, gpu: GPUSpec, dtype: str, 
     if not 0 <= flops < math.inf:
         raise ConfigError(f"matmul flops must be a finite number >= 0, got {flops!r}")
     compute = flops / (gpu.flops(dtype) * efficiency(min(m, n, k), dtype, profile))
-    memory = batch * (m * k + k * n + m * n) * ELEMENT_BYTES[dtype] / gpu.hbm_bandwidth
+    memory = batch * (m * k + k * n + m * n) * ELEMENT_BYTES[dtype] / hbm_speed(gpu)
     return max(compute, memory) + (profile.launch_latency if profile is not None else 0.0)
 
 
 @dataclass(frozen=True)
 class Matmul:
+    """One named matmul (m x k) @ (k x n), `batch` times: the roofline without the op list around it."""
+
     name: str
     m: int
     n: int
@@ -147,24 +153,57 @@ class Matmul:
         return matmul_time(self.flops, self.m, self.n, self.k, gpu, self.dtype, self.batch, profile)
 
 
-def block_matmuls(model: GPTConfig, micro_batch_size: int, tp: int, policy: PrecisionPolicy) -> list[Matmul]:
-    """One block's forward matmuls on one tensor-parallel rank (the sequence gathered under sequence parallelism)."""
-    d, f, s, hd = model.d_model, model.d_ff, model.seq_len, model.head_dim
-    tokens, heads = micro_batch_size * s, micro_batch_size * model.n_heads // tp
-    linear = "fp8" if policy.fp8_linears else policy.compute
-    return [
-        Matmul("qkv", tokens, 3 * d // tp, d, linear),
-        Matmul("attention_scores", s, s, hd, policy.compute, heads),
-        Matmul("attention_values", s, hd, s, policy.compute, heads),
-        Matmul("proj", tokens, d, d // tp, linear),
-        Matmul("fc1", tokens, f // tp, d, linear),
-        Matmul("fc2", tokens, d, f // tp, linear),
-    ]
+def kernel_overhead(gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> float:
+    """Seconds every kernel costs beyond its roofline: a profile's measured launch latency, else the GPU's achieved overhead."""
+    if profile is not None and profile.launch_latency > 0:
+        return profile.launch_latency
+    return gpu.reached.kernel_overhead
 
 
-def head_matmul(model: GPTConfig, micro_batch_size: int, tp: int, policy: PrecisionPolicy) -> Matmul:
-    """The LM head over this rank's share of the padded vocabulary (it stays 16-bit under fp8)."""
-    return Matmul("head", micro_batch_size * model.seq_len, padded_vocab(model, tp) // tp, model.d_model, policy.compute)
+def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
+    return g.flops / (gpu.flops(g.dtype) * efficiency(min(g.m, g.n, g.k), g.dtype, profile))
+
+
+def op_time(op: Op, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> float:
+    """Seconds of one op of simulator/ops.py on `gpu` (see the module docstring)."""
+    memory = op.bytes / hbm_speed(gpu)
+    if isinstance(op, Gemm):
+        compute = _gemm_compute(op, gpu, profile)
+    elif isinstance(op, FusedAttention):
+        compute = sum(_gemm_compute(g, gpu, profile) for g in op.gemms)
+    else:
+        compute = 0.0
+    return max(compute, memory) + kernel_overhead(gpu, profile)
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of a list of ops, split into GEMMs (the Linears' apart) and memory-bound kernels."""
+
+    total: float = 0.0
+    gemm: float = 0.0
+    linear: float = 0.0  # the Linears' GEMMs: what can hide tensor-parallel collectives
+    memory: float = 0.0
+
+    def __add__(self, other: "PassTimes") -> "PassTimes":
+        return PassTimes(self.total + other.total, self.gemm + other.gemm, self.linear + other.linear,
+                         self.memory + other.memory)
+
+    def __mul__(self, times: int) -> "PassTimes":
+        return PassTimes(self.total * times, self.gemm * times, self.linear * times, self.memory * times)
+
+
+def pass_times(ops, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> PassTimes:
+    total = gemm = linear = memory = 0.0
+    for op in ops:
+        seconds = op_time(op, gpu, profile)
+        total += seconds
+        if isinstance(op, (Gemm, FusedAttention)):
+            gemm += seconds
+            linear += seconds if isinstance(op, Gemm) and op.linear else 0.0
+        else:
+            memory += seconds
+    return PassTimes(total, gemm, linear, memory)
 
 
 @dataclass(frozen=True)
@@ -177,12 +216,14 @@ class TPCollective:
 
 
 def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
-                   first: bool, last: bool) -> tuple[list[TPCollective], list[TPCollective]]:
+                   first: bool, last: bool, sharded: bool = False) -> tuple[list[TPCollective], list[TPCollective]]:
     """Forward and backward collectives of one chunk for one micro-batch, as parallel/tensor_layers.py issues them.
 
     Per block: without sequence parallelism 2 all-reduces of b*s*h forward (after proj, fc2)
     and 2 backward (before qkv, fc1); with it 2 all-gathers + 2 reduce-scatters each way, plus
     a backward all-reduce of every replicated parameter's gradient (LayerNorms, proj/fc2 biases).
+    `sharded` (ops.py's sp_saved_input "sharded", Megatron's way): the backward all-gathers the
+    saved input shard of every column-parallel Linear (qkv, fc1, the head) once more.
     """
     if layout.tp == 1:
         return [], []
@@ -199,6 +240,8 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         grad_bytes = FORMAT_BYTES[policy.grad]
         replicated = [t for t in block_tensors(model, layout.tp) if t.replicated]
         backward += [TPCollective("all_reduce", t.numel * grad_bytes, layers) for t in replicated]
+        if sharded:
+            backward.append(TPCollective("all_gather", width, 2 * layers + (1 if last else 0)))
     else:
         forward.append(TPCollective("all_reduce", width, 2 * layers))
         backward.append(TPCollective("all_reduce", width, 2 * layers))
@@ -222,61 +265,74 @@ class ChunkTimes:
 
     forward_s: float
     backward_s: float  # includes recompute_s
-    forward_matmul_s: float
-    forward_elementwise_s: float
+    forward_matmul_s: float  # GEMMs and FlashAttention
+    forward_elementwise_s: float  # memory-bound kernels
     recompute_s: float
     forward_flops: int  # matmul FLOPs on this rank
     tp_comm_bytes_forward: int
     tp_comm_bytes_backward: int
     tp_collectives_forward: tuple[TPCollective, ...] = ()
     tp_collectives_backward: tuple[TPCollective, ...] = ()
+    backward_weight_s: float = 0.0  # the weight-gradient part of backward_s (GEMMs, accumulation, bias sums)
+    forward_linear_s: float = 0.0  # the Linears' GEMMs of the forward: what could hide its tp collectives
+    backward_linear_s: float = 0.0  # the same in the backward (recompute included)
+    backward_flops: int = 0  # recompute included
+
+
+def chunk_ops(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
+              implementation: Implementation, first: bool = False, last: bool = False) -> list[tuple[OpList, int]]:
+    """The op lists of a chunk, each with how many times it runs: embeddings, `layers` blocks, head and loss."""
+    units = []
+    if first:
+        units.append((embedding_ops(model, micro_batch_size, layout, policy, implementation), 1))
+    if layers:
+        units.append((block_ops(model, micro_batch_size, layout, policy, implementation), layers))
+    if last:
+        units.append((head_ops(model, micro_batch_size, layout, policy, implementation), 1))
+    return units
 
 
 def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, gpu: GPUSpec, precision: str,
                 recompute: str = "none", first: bool = False, last: bool = False,
-                profile: EfficiencyProfile | None = None) -> ChunkTimes:
+                profile: EfficiencyProfile | None = None, attention: str = "flash",
+                sp_saved_input: str = "gathered") -> ChunkTimes:
     """Forward and backward of `layers` blocks (+ embedding when `first`, head and loss when `last`)."""
     layout.check(model)
-    check_recompute(recompute)
+    implementation = Implementation(attention, recompute, sp_saved_input)
     policy = precision_policy(precision)
     if not isinstance(layers, int) or layers < 0 or (layers == 0 and not (first or last)):
         raise ConfigError(f"a chunk needs layers >= 0 and something to run, got layers={layers!r}")
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
-    bandwidth = gpu.hbm_bandwidth
-    blocks = block_matmuls(model, micro_batch_size, layout.tp, policy)
-    block_matmul_s = sum(mm.time(gpu, profile) for mm in blocks)
-    block_elementwise_s = 2 * layer_activation_bytes(model, layout, policy, micro_batch_size) / bandwidth
-    block_s = block_matmul_s + block_elementwise_s
-    matmul_s, elementwise_s = layers * block_matmul_s, layers * block_elementwise_s
-    flops = layers * sum(mm.flops for mm in blocks)
-    tokens = micro_batch_size * model.seq_len
-    if first:  # an embedding lookup: rows read and written once
-        elementwise_s += 2 * tokens * model.d_model * FORMAT_BYTES[policy.compute] / bandwidth
-    if last:
-        head = head_matmul(model, micro_batch_size, layout.tp, policy)
-        matmul_s += head.time(gpu, profile)
-        flops += head.flops
-        head_parts = head_activation_parts(model, FORMAT_BYTES[policy.compute], layout.tp)
-        elementwise_s += 2 * parts_bytes(head_parts, tokens, layout) / bandwidth
-    forward_s = matmul_s + elementwise_s
-    recompute_s = layers * block_s if recompute == "full" else 0.0
-    forward, backward = tp_collectives(model, layers, micro_batch_size, layout, policy, first, last)
+    forward = again = backward = weight = PassTimes()
+    forward_flops = backward_flops = 0
+    for ops, count in chunk_ops(model, layers, micro_batch_size, layout, policy, implementation, first, last):
+        rerun = [op for op in ops.backward if op.phase == RECOMPUTE]
+        grads = [op for op in ops.backward if op.phase != RECOMPUTE]
+        forward += pass_times(ops.forward, gpu, profile) * count
+        again += pass_times(rerun, gpu, profile) * count
+        backward += pass_times(grads, gpu, profile) * count
+        weight += pass_times([op for op in grads if is_weight_gradient(op)], gpu, profile) * count
+        forward_flops += count * sum(op.flops for op in ops.forward)
+        backward_flops += count * sum(op.flops for op in ops.backward)
+    sharded = layout.sequence_parallel and implementation.sp_saved_input == "sharded"
+    fwd, bwd = tp_collectives(model, layers, micro_batch_size, layout, policy, first, last, sharded)
     if recompute == "full":  # the recomputed forward issues the blocks' forward collectives again
-        backward += tp_collectives(model, layers, micro_batch_size, layout, policy, False, False)[0]
+        bwd += tp_collectives(model, layers, micro_batch_size, layout, policy, False, False)[0]
     return ChunkTimes(
-        forward_s=forward_s, backward_s=2 * forward_s + recompute_s, forward_matmul_s=matmul_s,
-        forward_elementwise_s=elementwise_s, recompute_s=recompute_s, forward_flops=flops,
-        tp_comm_bytes_forward=total_bytes(forward), tp_comm_bytes_backward=total_bytes(backward),
-        tp_collectives_forward=tuple(forward), tp_collectives_backward=tuple(backward),
+        forward_s=forward.total, backward_s=backward.total + again.total, forward_matmul_s=forward.gemm,
+        forward_elementwise_s=forward.memory, recompute_s=again.total, forward_flops=forward_flops,
+        tp_comm_bytes_forward=total_bytes(fwd), tp_comm_bytes_backward=total_bytes(bwd),
+        tp_collectives_forward=tuple(fwd), tp_collectives_backward=tuple(bwd), backward_weight_s=weight.total,
+        forward_linear_s=forward.linear, backward_linear_s=backward.linear + again.linear, backward_flops=backward_flops,
     )
 
 
-def step_flops(model: GPTConfig, global_batch: int, recompute: str = "none") -> int:
+def step_flops(model: GPTConfig, global_batch: int, recompute: str = "none", attention: str | None = None) -> int:
     """Matmul FLOPs of one training step over `global_batch` sequences (config.train_flops_per_token)."""
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch must be a positive integer, got {global_batch!r}")
-    return model.train_flops_per_token(recompute) * global_batch * model.seq_len
+    return model.train_flops_per_token(recompute, attention) * global_batch * model.seq_len
 
 
 def mfu(model: GPTConfig, global_batch: int, step_time_s: float, n_gpus: int, gpu: GPUSpec, dtype: str) -> float:

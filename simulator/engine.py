@@ -10,11 +10,14 @@ How (details in the modules it uses):
      of simulator/collectives.py on the cluster's own routes (p2p between two stages,
      one tp collective, one dp collective per bucket size), so the replay does not move
      every byte of every micro-batch through the fluid model;
-  2. simulator/engine_costs.py turns chunk_times, those transfers and our ZeRO code's
-     overlap rules into seconds per action, split into compute / tp / exposed dp;
-  3. simulator/engine_replay.py replays the lists as SimPy processes (rendezvous p2p,
-     dp reductions waited for before the optimizer) and attributes every second.
-The step time is the slowest rank's end; the breakdown is that (critical) rank's.
+  2. simulator/engine_costs.py turns chunk_times (simulator/ops.py's op list, priced by
+     simulator/compute.py), those transfers and the overlap settings (simulator/overlap.py;
+     by default our executor's rules) into seconds per action, split into compute / tp / exposed dp;
+  3. simulator/engine_replay.py replays the lists as SimPy processes (rendezvous p2p or,
+     overlapped, asynchronous sends; dp reductions waited for before the optimizer) and
+     attributes every second.
+The step time is the slowest rank's end; the breakdown is that (critical) rank's. Every
+result carries its provenance (simulator/provenance.py): what its numbers rest on.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from minigpt.config import GPTConfig, check_recompute
+from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from parallel.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_flight
 from parallel.train_config import TrainConfig
@@ -38,6 +41,9 @@ from simulator.engine_replay import CATEGORIES, RankTally, no_garbage_collection
 from simulator.hardware import GPUSpec, Hardware, load_hardware
 from simulator.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
+from simulator.op_types import Implementation
+from simulator.overlap import Overlap, resolve_overlap
+from simulator.provenance import provenance
 from simulator.topology import Cluster
 
 BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "pp": "pp_comm",
@@ -76,6 +82,9 @@ class SimResult:
     tallies: list[RankTally] = field(repr=False, default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     host: dict | None = None  # on a measured CPU host: threads per rank, ranks busy on average, compute slowdown
+    attention: str = "flash"
+    overlap: Overlap = field(default_factory=Overlap)
+    provenance: dict = field(default_factory=dict)  # what the numbers rest on (simulator/provenance.py)
 
     @cached_property
     def timelines(self) -> list[dict]:
@@ -120,7 +129,8 @@ class SimResult:
             "job_state_bytes": self.job_state_bytes,
             "job_state_gb": {k: v / DECIMAL_GB for k, v in self.job_state_bytes.items()},
             "gpus_for_state": self.gpus_for_state, "per_rank": self.per_rank, "timings_s": self.timings,
-            "host": self.host,
+            "host": self.host, "attention": self.attention, "overlap": self.overlap.as_dict(),
+            "provenance": self.provenance,
         }
 
     def trace_events(self) -> list[dict]:
@@ -174,7 +184,7 @@ def resolve_gpu(cluster: Cluster, gpu: GPUSpec | Hardware | str | None) -> GPUSp
         return gpu
     if isinstance(gpu, Hardware):
         return gpu.gpu
-    name = gpu if gpu is not None else cluster.graph.graph.get("gpu")
+    name = gpu if gpu is not None else cluster.attributes.get("gpu")
     if not name:
         raise ConfigError(f"{cluster.origin}: the topology does not name its GPU: pass the GPU (--gpu or --hardware)")
     return load_hardware(name).gpu
@@ -197,14 +207,30 @@ def share_idle_cores(run, tallies, host, compute, links, ranks: int, threads: in
     return tallies, compute
 
 
+def _compute_side(spec: GPUSpec, model: GPTConfig, layout: Layout, cluster: Cluster, compute_format: str,
+                  threads_per_rank: int | None):
+    """(host compute, links, threads): a calibrated CPU host's measured compute and collectives, else none and the fabric."""
+    host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
+    if host is None:
+        return None, LinkCosts(cluster, layout, spec), None
+    threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/train.py runs
+    return host_compute(host, model, layout, threads, compute_format), HostLinks(cluster, layout, host), threads
+
+
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
-                  bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None) -> SimResult:
-    """One training step of `model` laid out as `layout` on `cluster` (see the module docstring)."""
+                  bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None,
+                  attention: str = "flash", overlap: Overlap | str | None = None,
+                  sp_saved_input: str = "gathered") -> SimResult:
+    """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
+
+    `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/ops.py);
+    `overlap`: an Overlap or a preset name (simulator/overlap.py; default: our executor's)."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
-    check_recompute(recompute)
+    implementation = Implementation(attention, recompute, sp_saved_input)
+    settings = resolve_overlap(overlap)
     v = _positive("virtual_chunks", virtual_chunks)
     if layout.virtual_chunks not in (1, v):
         raise ConfigError(f"the layout has {layout.virtual_chunks} virtual chunks but virtual_chunks={v}: give one of them")
@@ -213,14 +239,9 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     spec = resolve_gpu(cluster, gpu)
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
     if profile is None:
-        profile = spec.matmul_efficiency  # a calibrated profile's measured table, when it has one
-    host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
-    if host is not None:
-        threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/train.py runs
-        compute = host_compute(host, model, layout, threads, pol.compute)
-        links = HostLinks(cluster, layout, host)
-    else:
-        compute, links = None, LinkCosts(cluster, layout)
+        profile = spec.matmul_efficiency  # the GPU's efficiency tables (cited or measured), when it has them
+    compute, links, threads = _compute_side(spec, model, layout, cluster, pol.compute, threads_per_rank)
+    host = spec.measured
     m = micro_batches_per_replica(global_batch, micro_batch, layout.dp)
     config = ScheduleConfig(layout.pp, m, schedule_kind, layout.virtual_chunks, layout.effective_zero)
     with no_garbage_collection():
@@ -228,7 +249,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     timings = {"schedule_s": time.perf_counter() - clock}
 
     clock = time.perf_counter()
-    memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule))
+    memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule),
+                            attention, sp_saved_input, settings.zero3_prefetch)
     seq = model.seq_len // (layout.tp if layout.sequence_parallel else 1)
     activation = micro_batch * seq * model.d_model * FORMAT_BYTES[pol.compute]
     tied = model.tied_head and layout.pp > 1
@@ -237,38 +259,46 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     def run(compute):
         costs = rank_costs(model, layout, config, links, spec, precision, micro_batch, recompute, profile, memory,
-                           bucket_mb, compute)
+                           bucket_mb, compute, implementation, settings)
         p2p = {}
         for chunk in range(config.num_chunks - 1):
             a, b = chunk % layout.pp, (chunk + 1) % layout.pp
             if a != b:
                 p2p[(a, b)] = links.p2p(a, b, activation)
                 p2p[(b, a)] = links.p2p(b, a, activation)
-        return replay(schedule, costs, p2p, links.embedding_sync(sync_bytes) if tied else 0.0)
+        return replay(schedule, costs, p2p, links.embedding_sync(sync_bytes) if tied else 0.0, settings.p2p)
 
     clock = time.perf_counter()
     tallies = run(compute)
     if host is not None and host.device == "cpu" and layout.pp > 1:
         tallies, compute = share_idle_cores(run, tallies, host, compute, links, layout.world_size, threads)
     timings["replay_s"] = time.perf_counter() - clock
+    return _result(model, layout, spec, precision, schedule_kind, micro_batch, m, global_batch, implementation,
+                   settings, memory, tallies, timings, profile, compute, links, threads)
 
+
+def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, global_batch, implementation, settings,
+            memory, tallies, timings, profile, compute, links, threads) -> SimResult:
     step = max(t.end for t in tallies)
     if not step > 0:
         raise ConfigError("the simulated step takes no time: give the cluster finite bandwidths or the model some work")
     critical = max(range(len(tallies)), key=lambda r: tallies[r].end)
     per_rank = [{BREAKDOWN_NAMES[k]: t.seconds[k] for k in CATEGORIES} for t in tallies]
-    n = layout.world_size
-    job = predict_memory(model, Layout(), precision, micro_batch, recompute)
+    n, pol = layout.world_size, precision_policy(precision)
+    job = predict_memory(model, Layout(), precision, micro_batch, implementation.recompute)
     state = {"parameters": job.parameters, "gradients": job.gradients, "master_weights": job.master_weights,
              "optimizer_states": job.adam_m + job.adam_v, "total": job.model_states}
     return SimResult(
         n_gpus=n, gpu=spec.name, layout=layout, precision=precision, schedule=schedule_kind, micro_batch=micro_batch,
-        micro_batches=m, global_batch=global_batch, recompute=recompute, step_time_s=step,
+        micro_batches=m, global_batch=global_batch, recompute=implementation.recompute, step_time_s=step,
         breakdown=per_rank[critical], critical_rank=critical, per_rank=per_rank,
         tflops_per_gpu=step_flops(model, global_batch) / step / n / 1e12,
         mfu=model_flops_utilisation(model, global_batch, step, n, spec, pol.compute),
         memory=memory, job_state_bytes=state, gpus_for_state=math.ceil(job.model_states / spec.hbm_bytes),
         seq_len=model.seq_len, tallies=tallies, timings=timings,
-        host=None if host is None else {"threads_per_rank": threads, "busy_ranks": links.active,
-                                        "compute_slowdown": compute.slowdown, "units_measured": compute.units is not None},
+        host=None if compute is None else {"threads_per_rank": threads, "busy_ranks": links.active,
+                                           "compute_slowdown": compute.slowdown,
+                                           "units_measured": compute.units is not None},
+        attention=implementation.attention, overlap=settings,
+        provenance=provenance(spec, profile, pol, implementation, settings, compute),
     )

@@ -5,8 +5,9 @@ all-gather of the segment's weights and followed by a reduction of its gradients
 communication runs on one stream in the order it is issued (collectives on one NCCL
 communicator run one at a time); compute waits only where our code waits:
 
-  - a segment's compute starts once its weights are gathered; the gather of the next
-    segment is issued when this one starts computing (parallel/zero3.py's one-unit prefetch);
+  - a segment's compute starts once its weights are gathered; the gather of the segment
+    `prefetch` places ahead is issued when this one starts computing (parallel/zero3.py
+    prefetches one unit; with 0 a segment's gather is issued when the compute before it ends);
   - a reduction is issued when the segment's compute ends; with `max_in_flight`, when more
     are in the air the compute waits for the oldest (parallel/zero.py's MAX_IN_FLIGHT);
   - `wait_at_end`: the action ends only when every reduction is done (ZeRO-2 and ZeRO-3 wait
@@ -52,21 +53,24 @@ class Overlapped:
 
 
 def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end: bool,
-            serial: bool = False) -> Overlapped:
+            serial: bool = False, prefetch: int = 1) -> Overlapped:
     if serial:  # the communication takes the cores that compute (gloo on a CPU host): nothing hides
         end = sum(s.gather + s.compute + s.reduce for s in segments)
         return Overlapped(end=end, comm_end=end, compute=sum(s.compute for s in segments))
     clock = comm = 0.0
     gathered: list[float | None] = [None] * len(segments)
-    if segments and segments[0].gather > 0:
-        comm = gathered[0] = segments[0].gather
+    for index in range(min(prefetch, len(segments))):  # gathered before any compute
+        if segments[index].gather > 0:
+            comm = gathered[index] = comm + segments[index].gather
     in_flight: deque[float] = deque()
     for index, segment in enumerate(segments):
+        if gathered[index] is None and segment.gather > 0:  # not prefetched: gathered now, waited for
+            comm = gathered[index] = max(comm, clock) + segment.gather
         if gathered[index] is not None:
             clock = max(clock, gathered[index])
-        following = index + 1
-        if following < len(segments) and segments[following].gather > 0:
-            comm = gathered[following] = max(comm, clock) + segments[following].gather
+        ahead = index + prefetch
+        if prefetch > 0 and ahead < len(segments) and segments[ahead].gather > 0:
+            comm = gathered[ahead] = max(comm, clock) + segments[ahead].gather
         clock += segment.compute
         if segment.reduce > 0:
             comm = max(comm, clock) + segment.reduce

@@ -12,7 +12,10 @@ checked against it:
   is stage 0 (make_data_parallel).
 - Stages: 0 all weights, grads, masters, m, v; 1 masters/m/v for 1/N; 2 grads 1/N too;
   3 weights 1/N too. Masters exist only when the policy has them (fp32: none).
-- Activations: see `layer_activation_parts`; comm buffers: `data_parallel_buffers`, `zero3_buffers`.
+- Activations: the tensors simulator/ops.py's op list saves (by attention kind, recompute
+  kind and what sequence parallelism saves), checked against config.py's counts for our
+  executor's flash attention; while a block's backward recomputes, what it recomputes is
+  alive too. Comm buffers: `data_parallel_buffers`, `zero3_buffers`.
   A run's measured activations are one micro-batch's forward (parallel/memory.py):
   compare them with micro_batches_in_flight=1.
 """
@@ -20,105 +23,61 @@ checked against it:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
-from minigpt.config import GPTConfig, check_recompute
+from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.hardware import GPUSpec
-from simulator.layout import Bucket, Layout, block_tensors, buckets, check_against_config, padded_vocab, stage_units
+from simulator.layout import Bucket, Layout, buckets, check_against_config, stage_units
+from simulator.op_types import Implementation
+from simulator.ops import block_ops, embedding_ops, head_ops
 
 MAX_IN_FLIGHT = 2  # parallel/zero.py's bound on overlapped reduce-scatters (it imports torch; a test checks)
-FP32 = FORMAT_BYTES["fp32"]
-REPLICATED, SPLIT_TP, SPLIT_SP = "replicated", "tp", "sp"  # how tensor parallelism divides an activation
 
 
 # ---------------------------------------------------------------- activations per rank
 
 
-@dataclass(frozen=True)
-class ActivationPart:
-    name: str
-    bytes_per_token: int  # on one rank without tensor parallelism
-    split: str  # REPLICATED, SPLIT_TP (always divided by tp) or SPLIT_SP (divided only with sequence parallelism)
+def _implementation(recompute: str, attention: str, sp_saved_input: str) -> Implementation:
+    return Implementation(attention, recompute, sp_saved_input)
 
 
-def layer_activation_parts(
-    model: GPTConfig, dtype_bytes: int, recompute: str = "none", fp8: bool = False
-) -> list[ActivationPart]:
-    """config.activation_bytes_per_token_per_layer, term by term, with how tensor parallelism divides each.
-
-    q, k, v, the attention output, the GELU input and output and the attention
-    log-sum-exp live between a column- and a row-parallel Linear: divided by tp.
-    LayerNorm inputs, their statistics and the residual dropout masks: replicated,
-    divided by tp with sequence parallelism. The LayerNorm outputs are saved by the
-    column-parallel qkv/fc1 as their input, which our code all-gathers before the
-    matmul: full size even with sequence parallelism (Megatron keeps the shard and
-    gathers again in the backward; we do not). fp8 Linears save their inputs as
-    e4m3 (1 byte) and the attention output once more in fp8 beside its 16-bit copy.
-    """
-    check_recompute(recompute)
-    d, f, b = model.d_model, model.d_ff, dtype_bytes
-    if recompute == "full":
-        return [ActivationPart("block_input", d * b, SPLIT_SP)]
-    linear_input = FORMAT_BYTES["fp8_e4m3"] if fp8 else b
-    parts = [
-        ActivationPart("layernorm_inputs", 2 * d * b, SPLIT_SP),
-        ActivationPart("qkv_fc1_inputs", 2 * d * linear_input, REPLICATED),
-        ActivationPart("q_k_v", 3 * d * b, SPLIT_TP),
-        ActivationPart("attention_output", d * b, SPLIT_TP),
-        ActivationPart("gelu_input", f * b, SPLIT_TP),
-        ActivationPart("gelu_output", f * linear_input, SPLIT_TP),
-        ActivationPart("layernorm_statistics", 4 * FP32, SPLIT_SP),
-        ActivationPart("attention_logsumexp", model.n_heads * FP32, SPLIT_TP),
-    ]
-    if fp8:
-        parts.append(ActivationPart("attention_output_fp8", d * FORMAT_BYTES["fp8_e4m3"], SPLIT_TP))
-    if model.dropout > 0:
-        parts.append(ActivationPart("dropout_masks", 2 * d, SPLIT_SP))
-    return parts
-
-
-def head_activation_parts(model: GPTConfig, dtype_bytes: int, tp: int) -> list[ActivationPart]:
-    """config.head_activation_bytes_per_token, term by term; the log-probabilities cover the padded vocabulary."""
-    d = model.d_model
-    return [
-        ActivationPart("final_layernorm_input", d * dtype_bytes, SPLIT_SP),
-        ActivationPart("head_input", d * dtype_bytes, REPLICATED),  # gathered under sequence parallelism
-        ActivationPart("log_probabilities", padded_vocab(model, tp) * FP32, SPLIT_TP),
-        ActivationPart("loss_statistics", 2 * FP32, REPLICATED),
-    ]
-
-
-def check_activations_against_config(model: GPTConfig, dtype_bytes: int) -> None:
-    for recompute in ("none", "full"):
-        counted = sum(p.bytes_per_token for p in layer_activation_parts(model, dtype_bytes, recompute))
-        if counted != model.activation_bytes_per_token_per_layer(dtype_bytes, recompute):
-            raise RuntimeError("simulator/memory.py's activation breakdown disagrees with minigpt/config.py")
-    head = sum(p.bytes_per_token for p in head_activation_parts(model, dtype_bytes, 1))
-    if head != model.head_activation_bytes_per_token(dtype_bytes):
-        raise RuntimeError("simulator/memory.py's head activation breakdown disagrees with minigpt/config.py")
-
-
-def parts_bytes(parts: list[ActivationPart], tokens: int, layout: Layout) -> int:
-    """Bytes of `parts` for `tokens` tokens on one rank of `layout`."""
-    total = 0
-    for part in parts:
-        divided = part.split == SPLIT_TP or (part.split == SPLIT_SP and layout.sequence_parallel)
-        total += part.bytes_per_token * tokens // (layout.tp if divided else 1)
-    return total
+def check_activations_against_config(model: GPTConfig, policy: PrecisionPolicy) -> None:
+    """simulator/ops.py's saved tensors (flash attention, as our executor runs) must equal config.py's counts."""
+    plain = replace(policy, fp8_linears=False)
+    dtype_bytes = FORMAT_BYTES[plain.compute]
+    for recompute in RECOMPUTE_MODES:
+        counted = block_ops(model, 1, Layout(), plain, _implementation(recompute, "flash", "gathered")).saved_bytes
+        if counted != model.activation_bytes_per_token_per_layer(dtype_bytes, recompute) * model.seq_len:
+            raise RuntimeError("simulator/ops.py's saved tensors disagree with minigpt/config.py's activation bytes")
+    head = head_ops(model, 1, Layout(), plain).saved_bytes
+    if head != model.head_activation_bytes_per_token(dtype_bytes) * model.seq_len:
+        raise RuntimeError("simulator/ops.py's head tensors disagree with minigpt/config.py's head activation bytes")
 
 
 def layer_activation_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
-                           recompute: str = "none") -> int:
-    """Bytes one block keeps for its backward, for one micro-batch, on one rank."""
-    tokens = micro_batch_size * model.seq_len
-    parts = layer_activation_parts(model, FORMAT_BYTES[policy.compute], recompute, policy.fp8_linears)
-    total = parts_bytes(parts, tokens, layout)
-    if policy.fp8_linears and recompute == "none":  # the e4m3 weight copies each fp8 Linear saves
-        matrices = [t for t in block_tensors(model, layout.tp) if t.name.endswith("weight") and not t.name.startswith("ln")]
-        total += sum(t.numel for t in matrices) * FORMAT_BYTES["fp8_e4m3"]
+                           recompute: str = "none", attention: str = "flash", sp_saved_input: str = "gathered") -> int:
+    """Bytes one block keeps for its backward, for one micro-batch, on one rank (simulator/ops.py's Saved)."""
+    implementation = _implementation(recompute, attention, sp_saved_input)
+    return block_ops(model, micro_batch_size, layout, policy, implementation).saved_bytes
+
+
+def recomputed_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
+                     recompute: str = "none", attention: str = "flash", sp_saved_input: str = "gathered") -> int:
+    """Bytes one block's recompute brings back to life while that block's backward runs (0 without recompute)."""
+    implementation = _implementation(recompute, attention, sp_saved_input)
+    return block_ops(model, micro_batch_size, layout, policy, implementation).recomputed_bytes
+
+
+def end_activation_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
+                         first: bool, last: bool, sp_saved_input: str = "gathered") -> int:
+    """What the embeddings (a dropout mask) and the final norm, head and loss keep, for the stages that hold them."""
+    implementation = _implementation("none", "flash", sp_saved_input)
+    total = embedding_ops(model, micro_batch_size, layout, policy, implementation).saved_bytes if first else 0
+    if last:
+        total += head_ops(model, micro_batch_size, layout, policy, implementation).saved_bytes
     return total
 
 
@@ -197,22 +156,86 @@ def data_parallel_buffers(stage: int, cut: list[Bucket], dp: int) -> int:
     return peak
 
 
-def zero3_buffers(units: list[int], dp: int) -> int:
+def zero3_buffers(units: list[int], dp: int, prefetch: int = 1) -> int:
     """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/zero3.py does.
 
     While unit i's gradients come in: the first and last units (kept gathered all step),
-    unit i and the unit before it (prefetched) when they are not kept, unit i's staging
-    (full size), and the last MAX_IN_FLIGHT reduce-scatters (staging + 1/N output).
+    unit i and the `prefetch` units before it (gathered ahead; our code prefetches one) when
+    they are not kept, unit i's staging (full size), and the last MAX_IN_FLIGHT
+    reduce-scatters (staging + 1/N output).
     """
     kept = {0, len(units) - 1}
     peak, in_flight = 0, []
     for i in reversed(range(len(units))):
         gathered = sum(units[j] for j in kept)
         if i not in kept:
-            gathered += units[i] + (units[i - 1] if i - 1 not in kept else 0)
+            gathered += units[i] + sum(units[j] for j in range(max(0, i - prefetch), i) if j not in kept)
         peak = max(peak, gathered + units[i] + sum(in_flight))
         in_flight = (in_flight + [units[i] + units[i] // dp])[-MAX_IN_FLIGHT:]
     return peak
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """What one micro-batch's activations are, per block and at the ends (see layer_activation_bytes)."""
+
+    per_layer: int  # kept by one block
+    recomputing: int  # alive in addition while one block's backward recomputes
+    implementation: Implementation
+
+    @classmethod
+    def of(cls, model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
+           implementation: Implementation) -> "ActivationModel":
+        ops = block_ops(model, micro_batch_size, layout, policy, implementation)
+        return cls(ops.saved_bytes, ops.recomputed_bytes, implementation)
+
+
+def _check_in_flight(micro_batches_in_flight, pp: int) -> list[int]:
+    in_flight = micro_batches_in_flight
+    in_flight = [in_flight] * pp if isinstance(in_flight, int) else list(in_flight)
+    if len(in_flight) != pp or any(not isinstance(n, int) or n < 1 for n in in_flight):
+        raise ConfigError(
+            f"micro_batches_in_flight must be a positive integer or {pp} of them (one per pipeline stage), "
+            f"got {micro_batches_in_flight!r}"
+        )
+    return in_flight
+
+
+def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
+           activations: int, prefetch: int) -> StageMemory:
+    """Model states and buffers of one pipeline stage (its activations given)."""
+    per_param = pol.bytes_per_param()
+    zero, dp = layout.effective_zero, layout.dp
+    units = [unit for chunk in chunks for unit in chunk]
+    tensors = [t for unit in units for t in unit]
+    unit_sizes = [buckets(unit, None, dp)[0].size for unit in units]
+    cut = [b for chunk in chunks for b in buckets([t for unit in chunk for t in unit], bucket_numel, dp)]
+    padded = sum(b.size for b in cut)
+    held = sum(unit_sizes) // dp if zero == 3 else padded
+    owned = held if zero in (0, 3) else padded // dp
+    grads = owned if zero >= 2 else held
+    buffers = zero3_buffers(unit_sizes, dp, prefetch) if zero == 3 else data_parallel_buffers(zero, cut, dp)
+    return StageMemory(
+        parameters=held * per_param["compute"], gradients=grads * per_param["grad"],
+        master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
+        activations=activations, comm_buffers=buffers * per_param["compute"],
+        stage=index, layers=sum(len(r) for _, r in placed), numel=sum(t.numel for t in tensors),
+    )
+
+
+def _notes(layout: Layout, model: GPTConfig, recompute: str) -> tuple[str, ...]:
+    notes = []
+    if model.tied_head and layout.pp > 1:
+        notes.append(
+            "tied head on several pipeline stages: the last stage holds its own copy of the embedding matrix (Megatron-style)"
+        )
+    if layout.dp == 1 and layout.zero > 0:
+        notes.append("one data-parallel rank: ZeRO runs as stage 0")
+    if recompute == "full":
+        notes.append("recompute: activations include one block's full activations while it is recomputed")
+    elif recompute == "selective":
+        notes.append("selective recompute: activations include one block's attention core while it is recomputed")
+    return tuple(notes)
 
 
 def predict_memory(
@@ -224,72 +247,43 @@ def predict_memory(
     gpu: GPUSpec | None = None,
     bucket_mb: float = 25.0,
     micro_batches_in_flight: int | Sequence[int] = 1,
+    attention: str = "flash",
+    sp_saved_input: str = "gathered",
+    prefetch: int = 1,
 ) -> MemoryEstimate:
     """Bytes per GPU by category, for the most loaded pipeline stage (every stage in `per_stage`).
 
     `micro_batches_in_flight`: forwards whose activations are alive at a stage's peak, one
     number for every stage or one per stage; the schedule decides (1 without a pipeline; 1F1B:
     pp - rank). With virtual chunks it counts chunk forwards, each charged the rank's largest
-    chunk (and the head's activations on the last rank): an upper bound."""
+    chunk (and the head's activations on the last rank): an upper bound. `attention`,
+    `recompute`, `sp_saved_input`: simulator/ops.py's Implementation; `prefetch`: ZeRO-3 units
+    gathered ahead (simulator/overlap.py)."""
     layout.check(model)
     pol = precision_policy(precision)
-    check_recompute(recompute)
+    implementation = Implementation(attention, recompute, sp_saved_input)
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
         raise ConfigError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
-    in_flight = micro_batches_in_flight
-    in_flight = [in_flight] * layout.pp if isinstance(in_flight, int) else list(in_flight)
-    if len(in_flight) != layout.pp or any(not isinstance(n, int) or n < 1 for n in in_flight):
-        raise ConfigError(
-            f"micro_batches_in_flight must be a positive integer or {layout.pp} of them (one per pipeline stage), "
-            f"got {micro_batches_in_flight!r}"
-        )
-    per_param = pol.bytes_per_param()
-    compute_bytes = per_param["compute"]
+    in_flight = _check_in_flight(micro_batches_in_flight, layout.pp)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
     check_against_config(model)
-    check_activations_against_config(model, compute_bytes)
-    bucket_numel = max(1, int(bucket_mb * 2**20) // compute_bytes)
-    zero, dp = layout.effective_zero, layout.dp
-    tokens = micro_batch_size * model.seq_len
-    tied_copy = model.tied_head and layout.pp > 1
+    check_activations_against_config(model, pol)
+    bucket_numel = max(1, int(bucket_mb * 2**20) // pol.bytes_per_param()["compute"])
+    block = ActivationModel.of(model, layout, pol, micro_batch_size, implementation)
+    last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
-        units = [unit for chunk in chunks for unit in chunk]
-        tensors = [t for unit in units for t in unit]
-        unit_sizes = [buckets(unit, None, dp)[0].size for unit in units]
-        cut = [b for chunk in chunks for b in buckets([t for unit in chunk for t in unit], bucket_numel, dp)]
-        padded = sum(b.size for b in cut)
-        held = sum(unit_sizes) // dp if zero == 3 else padded
-        owned = held if zero in (0, 3) else padded // dp
-        grads = owned if zero >= 2 else held
-        last = any(c == layout.pp * layout.virtual_chunks - 1 for c, _ in placed)
+        first, last = any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed)
         layers = max(len(r) for _, r in placed)  # with virtual chunks: a micro-batch in flight holds one chunk
-        per_layer = layer_activation_bytes(model, layout, pol, micro_batch_size, recompute)
-        activations = in_flight[index] * layers * per_layer
-        if recompute == "full":  # the block being recomputed holds its full activations during its backward
-            activations += layer_activation_bytes(model, layout, pol, micro_batch_size, "none")
-        if last:
-            head = parts_bytes(head_activation_parts(model, compute_bytes, layout.tp), tokens, layout)
-            activations += in_flight[index] * head
-        buffers = zero3_buffers(unit_sizes, dp) if zero == 3 else data_parallel_buffers(zero, cut, dp)
-        stages.append(StageMemory(
-            parameters=held * compute_bytes, gradients=grads * per_param["grad"],
-            master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
-            activations=activations, comm_buffers=buffers * compute_bytes,
-            stage=index, layers=sum(len(r) for _, r in placed), numel=sum(t.numel for t in tensors),
-        ))
+        ends = end_activation_bytes(model, layout, pol, micro_batch_size, first, last, sp_saved_input)
+        activations = in_flight[index] * (layers * block.per_layer + ends) + block.recomputing
+        stages.append(_stage(model, layout, pol, index, chunks, placed, bucket_numel, activations, prefetch))
     peak = max(stages, key=lambda s: s.total)
-    notes = []
-    if tied_copy:
-        notes.append(
-            "tied head on several pipeline stages: the last stage holds its own copy of the embedding matrix (Megatron-style)"
-        )
-    if layout.dp == 1 and layout.zero > 0:
-        notes.append("one data-parallel rank: ZeRO runs as stage 0")
-    if recompute == "full":
-        notes.append("recompute: activations include one block's full activations while it is recomputed")
     return MemoryEstimate(
         **{name: getattr(peak, name) for name in MemoryBytes.__dataclass_fields__},
-        stage=peak.stage, per_stage=tuple(stages), capacity=None if gpu is None else gpu.hbm_bytes, notes=tuple(notes),
+        stage=peak.stage, per_stage=tuple(stages), capacity=None if gpu is None else gpu.hbm_bytes,
+        notes=_notes(layout, model, recompute),
     )

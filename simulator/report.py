@@ -10,6 +10,7 @@ from pathlib import Path
 
 from minigpt.errors import ConfigError
 from simulator.engine import DECIMAL_GB, SimResult
+from simulator.provenance import summary_rows
 from simulator.sweep import ScalingSweep
 
 GIB = 2**30
@@ -35,7 +36,7 @@ def headline(result: SimResult) -> str:
     chunks = f" x {lay.virtual_chunks} chunks" if lay.virtual_chunks > 1 else ""
     return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, ZeRO-{lay.effective_zero}"
             f"{', sequence parallel' if lay.sequence_parallel else ''}, {result.precision}, {result.schedule}{chunks}, "
-            f"recompute {result.recompute}; global batch {result.global_batch} = {result.micro_batches} micro-batches "
+            f"{result.attention} attention, recompute {result.recompute}, overlap {result.overlap.name}; global batch {result.global_batch} = {result.micro_batches} micro-batches "
             f"of {result.micro_batch} per replica")
 
 
@@ -58,6 +59,11 @@ def memory_rows(result: SimResult) -> list[list[str]]:
                else f"does not fit: short by {-margin / GIB:.2f} GiB")
     rows.append([f"capacity ({result.gpu})", f"{capacity / GIB:.2f} GiB", verdict])
     return rows
+
+
+def provenance_rows(result: SimResult) -> list[list[str]]:
+    """What the prediction rests on: efficiency tables, achieved fractions, implementation, overlap."""
+    return summary_rows(result.provenance)
 
 
 def job_rows(result: SimResult) -> list[list[str]]:

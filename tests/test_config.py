@@ -96,3 +96,16 @@ def test_build_config_overrides_and_checks():
         build_config("tiny", n_heads=3)
     with pytest.raises(ConfigError, match="positive"):
         build_config("tiny", n_layers=0)
+
+
+def test_selective_recompute_and_flash_attention_flops():
+    cfg = PRESETS["small"]
+    none, s, d = cfg.train_flops_per_token(), cfg.seq_len, cfg.d_model
+    assert cfg.train_flops_per_token("selective") - none == cfg.n_layers * 2 * 2 * s * d  # q @ k^T and p @ v again
+    assert cfg.train_flops_per_token("none", "flash") - none == cfg.n_layers * 2 * s * d  # FlashAttention-2's scores
+    assert cfg.train_flops_per_token("full", "unfused") == cfg.train_flops_per_token("full")
+    with pytest.raises(ConfigError, match="attention"):
+        cfg.train_flops_per_token("none", "fused")
+    # selective recompute drops what the attention core alone keeps: its fp32 log-sum-exp (one per head)
+    assert cfg.activation_bytes_per_token_per_layer(2) - cfg.activation_bytes_per_token_per_layer(2, "selective") == \
+        4 * cfg.n_heads

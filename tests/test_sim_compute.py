@@ -1,26 +1,36 @@
 """simulator/compute.py: the matmul roofline, its efficiency curve and profile hook, chunk times and TP traffic."""
 
+from dataclasses import replace
+
 import pytest
 
 from minigpt.config import GPTConfig, preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
+from simulator.achieved import Achieved
 from simulator.compute import (
+    FALLBACK_CURVE,
     HALF_EFFICIENCY_DIM,
     EfficiencyProfile,
-    block_matmuls,
     chunk_times,
     efficiency,
+    kernel_overhead,
     matmul_time,
     mfu,
+    op_time,
     parse_efficiency_profile,
     step_flops,
 )
+from simulator.op_types import Gemm, MemoryOp
+from simulator.ops import Implementation, block_ops
+from simulator.provenance import efficiency_sources
 from simulator.hardware import load_hardware
 from simulator.layout import Layout
 
-A100 = load_hardware("a100-80gb").gpu
-H100 = load_hardware("h100-sxm").gpu
+PRESET_A100 = load_hardware("a100-80gb").gpu
+# The datasheet alone (no efficiency table, nothing achieved): the fallback curve, full HBM bandwidth, no overhead.
+A100 = replace(PRESET_A100, matmul_efficiency=None, achieved=None)
+H100 = replace(load_hardware("h100-sxm").gpu, matmul_efficiency=None, achieved=None)
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
 GPT2 = preset("gpt2-124m")
 
@@ -88,23 +98,49 @@ def test_bad_matmul_input():
         chunk_times(TINY, 1, 1, Layout(tp=3), A100, "bf16")
 
 
-def test_block_matmuls_hold_the_config_flops():
+def test_block_gemms_hold_the_config_flops():
     for tp in (1, 2, 4):
-        flops = sum(mm.flops for mm in block_matmuls(GPT2, 2, tp, policy("bf16")))
+        ops = block_ops(GPT2, 2, Layout(tp=tp), policy("bf16"), Implementation("unfused"))
+        flops = sum(op.flops for op in ops.forward)
         assert flops * tp == GPT2.block_forward_flops_per_token() * 2 * GPT2.seq_len
     whole = chunk_times(GPT2, GPT2.n_layers, 2, Layout(), A100, "bf16", first=True, last=True)
     assert whole.forward_flops == GPT2.forward_flops_per_token() * 2 * GPT2.seq_len
+    assert whole.backward_flops == (GPT2.train_flops_per_token(attention="flash") - GPT2.forward_flops_per_token()) * 2 * GPT2.seq_len
 
 
-def test_backward_is_twice_forward_and_recompute_adds_a_forward():
+def test_backward_op_by_op_and_recompute_adds_the_forward_it_reruns():
     plain = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16", last=True)
-    assert plain.backward_s == pytest.approx(2 * plain.forward_s) and plain.recompute_s == 0
+    assert plain.forward_s < plain.backward_s < 3 * plain.forward_s and plain.recompute_s == 0
+    assert 0 < plain.backward_weight_s < plain.backward_s / 2  # the weight gradients: half the GEMMs, no attention
     recomputed = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16", recompute="full", last=True)
     blocks_only = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16")
     assert recomputed.forward_s == plain.forward_s
     assert recomputed.recompute_s == pytest.approx(blocks_only.forward_s)
-    assert recomputed.backward_s == pytest.approx(2 * plain.forward_s + blocks_only.forward_s)
+    assert recomputed.backward_s == pytest.approx(plain.backward_s + blocks_only.forward_s)
     assert 0 < plain.forward_elementwise_s < plain.forward_matmul_s
+    selective = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16", recompute="selective", attention="unfused")
+    unfused = chunk_times(GPT2, 4, 4, Layout(), A100, "bf16", attention="unfused")
+    core = [op for op in block_ops(GPT2, 4, Layout(), policy("bf16"), Implementation("unfused", "selective")).backward
+            if op.phase == "recompute"]
+    assert [op.name for op in core] == ["attention.scores", "attention.softmax", "attention.values", "attention.merge_heads"]
+    assert selective.recompute_s == pytest.approx(4 * sum(op_time(op, A100) for op in core))  # the attention core only
+    assert selective.backward_s == pytest.approx(unfused.backward_s + selective.recompute_s)
+
+
+def test_op_times_are_rooflines_plus_the_kernel_overhead():
+    achieved = Achieved(hbm_fraction=0.8, kernel_overhead=5e-6, source="a test")
+    gpu = replace(A100, achieved=achieved)
+    op = MemoryOp("gelu", 10**8, 10**8)
+    assert op_time(op, A100) == pytest.approx(2e8 / A100.hbm_bandwidth)  # no achieved data: the datasheet, no overhead
+    assert op_time(op, gpu) == pytest.approx(2e8 / (0.8 * A100.hbm_bandwidth) + 5e-6)
+    big = Gemm("fc1", 8192, 8192, 8192, "bf16", bytes=3 * 8192**2 * 2)
+    assert op_time(big, gpu) == pytest.approx(big.flops / (A100.flops("bf16") * efficiency(8192, "bf16")) + 5e-6)
+    table = parse_efficiency_profile({"bf16": [[64, 0.2], [8192, 0.7]], "launch_latency": 3e-6, "source": "a paper"})
+    assert op_time(big, gpu, table) == pytest.approx(big.flops / (A100.flops("bf16") * 0.7) + 3e-6)
+    assert kernel_overhead(gpu, table) == 3e-6 and kernel_overhead(gpu) == 5e-6
+    sources = efficiency_sources(A100, ["bf16", "fp16"], table)
+    assert sources == {"bf16": {"kind": "cited table", "source": "a paper"},
+                       "fp16": {"kind": "fallback curve", "source": FALLBACK_CURVE}}
 
 
 def test_tensor_parallelism_halves_big_matmuls():
@@ -130,6 +166,8 @@ def test_tensor_parallel_collective_bytes():
     assert sp.tp_comm_bytes_backward == 4 * width * layers + replicated_grads
     recomputed = chunk_times(GPT2, layers, b, Layout(tp=2), A100, "bf16", recompute="full")
     assert recomputed.tp_comm_bytes_backward == plain.tp_comm_bytes_backward + plain.tp_comm_bytes_forward
+    sharded = chunk_times(GPT2, layers, b, Layout(tp=2, sequence_parallel=True), A100, "bf16", sp_saved_input="sharded")
+    assert sharded.tp_comm_bytes_backward == sp.tp_comm_bytes_backward + 2 * width * layers  # qkv's, fc1's inputs again
     ends = chunk_times(GPT2, layers, b, Layout(tp=2), A100, "bf16", first=True, last=True)
     loss = 3 * b * GPT2.seq_len * 4  # max, sum of exponentials, target logit: fp32 per token
     assert ends.tp_comm_bytes_forward == plain.tp_comm_bytes_forward + width + loss  # + the embedding's all-reduce

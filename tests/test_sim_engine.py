@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import networkx as nx
 import pytest
@@ -20,6 +21,7 @@ from simulator.engine_overlap import Segment, overlap
 from simulator.engine_replay import replay
 from simulator.hardware import load_hardware
 from simulator.layout import Layout
+from simulator.overlap import resolve_overlap
 from simulator.sweep import ClusterSpec, Job, compare_zero, scaling_sweep, zero_verdict
 from simulator.topology import Cluster, build_cluster
 from precision.policy import policy
@@ -66,7 +68,7 @@ def test_uniform_stages_free_communication_give_the_textbook_bubble(kind, p, m, 
 
 def test_bubble_of_a_real_model_on_a_free_cluster_is_near_the_closed_form():
     cluster = free_cluster(8)
-    model = SMALL.with_(n_layers=32, d_model=1024, d_ff=4096)  # the blocks dwarf the embedding and the head
+    model = SMALL.with_(n_layers=32, d_model=1024, d_ff=4096, seq_len=1024)  # blocks dwarf the embedding, the head
     base = simulate_step(model, Layout(pp=8), cluster, "bf16", 16, 1, "1f1b")
     inter = simulate_step(model, Layout(pp=8), cluster, "bf16", 16, 1, "interleaved", 2)
     for result, v in ((base, 1), (inter, 2)):
@@ -80,7 +82,8 @@ def test_bubble_of_a_real_model_on_a_free_cluster_is_near_the_closed_form():
 def test_single_gpu_step_is_micro_batches_times_forward_plus_backward_plus_optimizer():
     cluster = build_cluster("a100-80gb", 1, 1)
     result = simulate_step(SMALL, Layout(), cluster, "bf16", 6, 2)
-    chunk = chunk_times(SMALL, SMALL.n_layers, 2, Layout(), A100.gpu, "bf16", first=True, last=True)
+    chunk = chunk_times(SMALL, SMALL.n_layers, 2, Layout(), A100.gpu, "bf16", first=True, last=True,
+                        profile=A100.gpu.matmul_efficiency)
     optimizer = optimizer_seconds(result.memory.per_stage[0], policy("bf16"), A100.gpu)
     assert result.micro_batches == 3
     assert result.step_time_s == pytest.approx(3 * (chunk.forward_s + chunk.backward_s) + optimizer, rel=1e-12)
@@ -167,7 +170,7 @@ def test_lesson_more_gpus_can_stop_helping():
 
 def test_lesson_zero3_loses_to_ddp_and_zero1_for_a_model_that_fits():
     spec = ClusterSpec.of("a100-80gb", fabric="hdr")
-    job = Job(GPT2, "bf16", global_batch=256, micro_batch=4)
+    job = Job(GPT2, "bf16", global_batch=256, micro_batch=2)  # 4 micro-batches: ZeRO-3 gathers the weights in each
     results = compare_zero(job, Layout(dp=32), spec.build(32), spec.hardware)
     assert all(r.fits for r in results.values())
     assert results[3].step_time_s > 1.1 * max(results[0].step_time_s, results[1].step_time_s)
@@ -227,3 +230,77 @@ def test_bad_input_is_a_config_error(change, message):
     args.update(change)
     with pytest.raises(ConfigError, match=message):
         simulate_step(**args)
+
+
+# ------------------------------------------------------------------ overlap settings (simulator/overlap.py)
+
+
+def test_overlap_presets_and_settings():
+    from simulator.overlap import Overlap, overlap_preset, resolve_overlap
+
+    assert resolve_overlap() == Overlap() == overlap_preset("executor")
+    assert resolve_overlap("overlapped") == Overlap("overlapped", tp=True, dp="backward", zero3_prefetch=1, p2p=True)
+    assert overlap_preset("megatron-2021").dp == "after" and not overlap_preset("megatron-2021").tp
+    custom = resolve_overlap("overlapped", p2p=False)
+    assert custom.name == "overlapped+custom" and not custom.p2p and custom.tp
+    assert resolve_overlap("overlapped", p2p=True).name == "overlapped"  # no change, no new name
+    for bad in (lambda: overlap_preset("magic"), lambda: Overlap(dp="sometimes"), lambda: Overlap(zero3_prefetch=-1),
+                lambda: resolve_overlap(nvlink=True)):
+        with pytest.raises(ConfigError):
+            bad()
+
+
+def test_zero3_prefetch_depth():
+    segments = [Segment(1.0, gather=0.5)] * 3
+    assert overlap(segments, None, False, prefetch=1).end == 3.5  # our code: one unit ahead, the first gather exposed
+    assert overlap(segments, None, False, prefetch=0).end == 4.5  # every gather waited for
+
+
+def test_the_default_is_the_executor_and_every_result_says_what_it_rests_on():
+    cluster = build_cluster("a100-80gb", 8, 2, "hdr")
+    layout = Layout(tp=2, pp=2, dp=4, zero=1)
+    default = simulate_step(SMALL, layout, cluster, "bf16", 32, 1)
+    explicit = simulate_step(SMALL, layout, cluster, "bf16", 32, 1, overlap="executor", attention="flash")
+    assert default.step_time_s == explicit.step_time_s and default.overlap.name == "executor"
+    data = default.as_dict()["provenance"]
+    assert data["overlap"]["name"] == "executor" and data["implementation"]["attention"] == "flash"
+    assert data["matmul_efficiency"]["bf16"]["kind"] in ("cited table", "fallback curve")
+    assert set(data["achieved"]) >= {"hbm_fraction", "kernel_overhead", "nvlink_fraction", "source"}
+    bare = replace(A100.gpu, matmul_efficiency=None, achieved=None)
+    fallback = simulate_step(SMALL, layout, cluster, "bf16", 32, 1, gpu=bare).provenance
+    assert fallback["matmul_efficiency"]["bf16"]["kind"] == "fallback curve" and fallback["kernel_overhead_s"] == 0
+
+
+def test_overlap_presets_hide_what_they_say():
+    cluster = build_cluster("a100-80gb", 8, 2, "hdr")
+    model = SMALL.with_(tied_head=False)
+    layout = Layout(tp=2, pp=2, dp=4, zero=1)
+    runs = {name: simulate_step(model, layout, cluster, "bf16", 32, 1, overlap=name, bucket_mb=1)
+            for name in ("executor", "megatron-2021", "overlapped")}
+    executor, megatron, modern = (runs[n].breakdown for n in ("executor", "megatron-2021", "overlapped"))
+    assert modern["tp_comm"] < executor["tp_comm"] == megatron["tp_comm"] > 0  # hidden behind the Linears' GEMMs
+    assert megatron["dp_comm"] > executor["dp_comm"]  # after the last backward: nothing hidden
+    assert modern["pp_comm"] < executor["pp_comm"]  # asynchronous sends
+    assert runs["overlapped"].step_time_s < runs["executor"].step_time_s <= runs["megatron-2021"].step_time_s
+    for result in runs.values():
+        assert sum(result.breakdown.values()) == pytest.approx(result.step_time_s, rel=1e-9)
+    tied = SMALL  # our executor waits for the optimizer to reduce with a tied head on several stages; "backward" not
+    serial, overlapped = (simulate_step(tied, Layout(pp=2, dp=8), cluster, "bf16", 32, 1, overlap=o, bucket_mb=1)
+                          for o in ("executor", resolve_overlap("executor", dp="backward")))
+    assert overlapped.breakdown["dp_comm"] < serial.breakdown["dp_comm"]
+    zero3 = [simulate_step(model, Layout(tp=2, pp=2, dp=4, zero=3), cluster, "bf16", 32, 1,
+                           overlap=resolve_overlap(zero3_prefetch=depth)) for depth in (0, 1)]
+    assert zero3[0].breakdown["dp_comm"] > zero3[1].breakdown["dp_comm"]
+
+
+def test_asynchronous_p2p_on_uniform_stages():
+    """Sends that do not wait: the bubble shrinks by the transfers the rendezvous made both sides wait for."""
+    config = ScheduleConfig(4, 8, "1f1b", 1)
+    costs = [RankCosts.uniform(config.chunks_of(rank), 1.0, 2.0) for rank in range(4)]
+    p2p = {(a, b): 0.25 for a in range(4) for b in range(4)}
+    blocking, overlapped = (replay(build_schedule(config), costs, p2p, p2p_overlapped=o) for o in (False, True))
+    assert max(t.end for t in overlapped) < max(t.end for t in blocking)
+    for tallies in (blocking, overlapped):
+        step = max(t.end for t in tallies)
+        for tally in tallies:
+            assert sum(tally.seconds.values()) == pytest.approx(step, rel=1e-12) and tally.seconds["bubble"] >= -1e-12

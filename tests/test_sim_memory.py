@@ -113,12 +113,12 @@ def test_buckets_are_padded_to_the_data_parallel_size():
 def test_activations_without_tensor_parallelism_equal_config():
     batch, tokens = 3, 3 * TINY.seq_len
     for precision, dtype_bytes in (("fp32", 4), ("bf16", 2)):
-        for recompute in ("none", "full"):
+        for recompute in ("none", "selective", "full"):
             estimate = predict_memory(TINY, Layout(), precision, batch, recompute=recompute)
-            expected = TINY.activation_bytes_per_token_per_layer(dtype_bytes, recompute) * tokens * TINY.n_layers
-            expected += TINY.head_activation_bytes_per_token(dtype_bytes) * tokens
-            if recompute == "full":  # one block is recomputed at a time, its activations alive
-                expected += TINY.activation_bytes_per_token_per_layer(dtype_bytes) * tokens
+            kept = TINY.activation_bytes_per_token_per_layer(dtype_bytes, recompute)
+            expected = kept * tokens * TINY.n_layers + TINY.head_activation_bytes_per_token(dtype_bytes) * tokens
+            # one block is recomputed at a time: what it rebuilds is alive beside what it kept
+            expected += (TINY.activation_bytes_per_token_per_layer(dtype_bytes) - kept) * tokens
             assert estimate.activations == expected
     twice = predict_memory(TINY, Layout(), "bf16", batch, micro_batches_in_flight=2)
     assert twice.activations == 2 * predict_memory(TINY, Layout(), "bf16", batch).activations
@@ -141,9 +141,10 @@ def test_activations_under_tensor_and_sequence_parallelism():
     for sequence_parallel in (False, True):
         layout = Layout(tp=2, sequence_parallel=sequence_parallel)
         estimate = predict_memory(padded, layout, "bf16", 1)
-        head = estimate.activations - padded.n_layers * layer_activation_bytes(padded, layout, bf16, 1)
-        final_norm_input = d * b // (2 if sequence_parallel else 1)
-        assert head == tokens // 2 * (final_norm_input + d * b + 4 * 260 // 2 + 8)
+        ends = estimate.activations - padded.n_layers * layer_activation_bytes(padded, layout, bf16, 1)
+        sequence = (d * b + 2 * 4) // (2 if sequence_parallel else 1)  # final LayerNorm input and statistics
+        embedding_mask = d  # the embeddings' dropout mask (before the sequence is split), 1 byte per element
+        assert ends == tokens // 2 * (sequence + d * b + 4 * 260 // 2 + embedding_mask)
     # fp8 Linears save their inputs in e4m3 (1 byte, not 2), the attention output once more in e4m3, and their
     # weights in e4m3 once per micro-batch: more bytes for a tiny model, fewer once the tokens dominate.
     d, f, tokens = TINY.d_model, TINY.d_ff, 8 * TINY.seq_len

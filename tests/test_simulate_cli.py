@@ -120,3 +120,70 @@ def test_weak_scaling_grows_the_batch_and_compares_zero_at_that_batch():
     at = next(p for p in points if p["gpus"] == compared["gpus"])
     assert compared["stages"]["1"]["global_batch"] == at["global_batch"]
     assert compared["stages"]["1"]["step_time_s"] == pytest.approx(at["step_time_s"])
+
+
+def test_help_lists_the_cost_model_and_overlap_flags():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for flag in ("--attention [flash|unfused]", "--recompute [none|selective|full]", "--overlap",
+                 "executor|megatron-2021|overlapped", "--tp-overlap / --no-tp-overlap", "--dp-overlap",
+                 "--zero3-prefetch", "--p2p-overlap / --no-p2p-overlap", "--sp-saved-input"):
+        assert flag in result.output, flag
+
+
+def test_every_prediction_says_what_it_rests_on():
+    args = ["--model", "gpt2-124m", "--tp", "2", "--pp", "2", "--dp", "2", "--global-batch", "16"]
+    table = invoke(*args)
+    assert table.exit_code == 0, table.output
+    for words in ("what these numbers rest on", "bf16 GEMM efficiency", "achieved fractions", "overlap", "executor"):
+        assert words in table.output
+    data = json.loads(invoke(*args, "--attention", "unfused", "--recompute", "selective", "--overlap", "megatron-2021",
+                             "--p2p-overlap", "--json").output)
+    provenance = data["provenance"]
+    assert provenance["implementation"] == {"attention": "unfused", "recompute": "selective", "sp_saved_input": "gathered"}
+    assert provenance["overlap"] == {"name": "megatron-2021+custom", "tp": False, "dp": "after", "zero3_prefetch": 1,
+                                     "p2p": True}
+    assert provenance["matmul_efficiency"]["bf16"]["kind"] in ("cited table", "measured table", "fallback curve")
+    assert "source" in provenance["achieved"] and data["attention"] == "unfused" and data["recompute"] == "selective"
+    plain = json.loads(invoke(*args, "--json").output)
+    assert data["memory_per_gpu"]["activations"] > plain["memory_per_gpu"]["activations"]  # s x s scores kept
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--attention", "fused"], "Invalid value for '--attention'"),
+    (["--recompute", "half"], "Invalid value for '--recompute'"),
+    (["--overlap", "magic"], "Invalid value for '--overlap'"),
+    (["--dp-overlap", "sometimes"], "Invalid value for '--dp-overlap'"),
+    (["--zero3-prefetch", "-1"], "Invalid value for '--zero3-prefetch'"),
+    (["--sp-saved-input", "both"], "Invalid value for '--sp-saved-input'"),
+    (["--sweep", "--gpus", "8,16", "--global-batch", "64", "--attention", "unfused"], "--sweep simulates our executor"),
+])
+def test_bad_cost_model_values_are_one_line_and_exit_code_2(args, message):
+    result = invoke("--model", "gpt2-124m", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_fabric_flags_reach_the_cluster_and_bad_ones_are_one_line():
+    from click.testing import CliRunner
+
+    from cli.main import main
+    from cli.simulate import TOPOLOGY_KINDS
+    from simulator.topology import CLUSTER_KINDS
+
+    assert tuple(TOPOLOGY_KINDS) == tuple(CLUSTER_KINDS)
+    base = ["simulate", "--model", "gpt2-124m", "--tp", "4", "--dp", "64", "--global-batch", "256", "--micro-batch", "4"]
+    runner = CliRunner()
+    plain = runner.invoke(main, base + ["--json"])
+    over = runner.invoke(main, base + ["--oversubscription", "4", "--json"])
+    rail_only = runner.invoke(main, base + ["--topology-kind", "rail-only", "--nics-per-node", "4", "--json"])
+    for result in (plain, over, rail_only):
+        assert result.exit_code == 0, result.output
+    assert "oversubscribed 4:1" in json.loads(over.stdout)["cluster"]
+    assert "rail-only" in json.loads(rail_only.stdout)["cluster"] and "4 NICs per node" in json.loads(rail_only.stdout)["cluster"]
+    assert json.loads(over.stdout)["step_time_s"] >= json.loads(plain.stdout)["step_time_s"]  # fewer uplinks never help
+    for bad, words in ((["--oversubscription", "0.5"], "--oversubscription must be"),
+                       (["--nics-per-node", "0"], "--nics-per-node must be")):
+        result = runner.invoke(main, base + bad)
+        assert result.exit_code == 2 and words in result.output and len(result.output.strip().splitlines()) == 1

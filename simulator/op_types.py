@@ -1,0 +1,242 @@
+"""The op-level cost model's vocabulary: ops, saved tensors, and the recorder that builds a unit. Torch-free.
+
+simulator/ops.py explains the model and builds the units with these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Union
+
+from minigpt.config import GPTConfig, check_attention, check_recompute
+from minigpt.errors import ConfigError
+from precision.policy import FORMAT_BYTES, PrecisionPolicy
+
+if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
+    from simulator.layout import Layout
+
+FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+SP_SAVED_INPUTS = ("gathered", "sharded")
+FP32 = FORMAT_BYTES["fp32"]
+MASK = 1  # a dropout mask: one byte (torch.bool) per element
+OUTSIDE, BLOCK, CORE = "outside", "block", "attention_core"  # where a tensor is made (recompute regions)
+RECOMPUTED_REGIONS = {"none": (), "selective": (CORE,), "full": (CORE, BLOCK)}
+GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """How the block is computed: attention kernel, what is recomputed, what sequence parallelism saves."""
+
+    attention: str = "flash"
+    recompute: str = "none"
+    sp_saved_input: str = "gathered"
+
+    def __post_init__(self) -> None:
+        check_attention(self.attention)
+        check_recompute(self.recompute)
+        if self.sp_saved_input not in SP_SAVED_INPUTS:
+            raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    m: int
+    n: int
+    k: int
+    dtype: str  # the tensor-core format it runs in
+    batch: int = 1
+    bytes: int = 0  # HBM: both operands read once, the result written once
+    phase: str = FORWARD
+    linear: bool = True  # a Linear layer's matmul (these can hide tensor-parallel collectives)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.batch
+
+
+@dataclass(frozen=True)
+class MemoryOp:
+    name: str
+    read: int  # bytes
+    written: int
+    phase: str = FORWARD
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+    @property
+    def flops(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    name: str
+    gemms: tuple[Gemm, ...]
+    read: int
+    written: int
+    phase: str = FORWARD
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+    @property
+    def flops(self) -> int:
+        return sum(g.flops for g in self.gemms)
+
+
+Op = Union[Gemm, MemoryOp, FusedAttention]
+
+
+@dataclass(frozen=True)
+class Saved:
+    name: str
+    bytes: int
+    small: bool = False  # O(rows) statistics: what Korthikanti et al. leave out
+
+
+@dataclass(frozen=True)
+class OpList:
+    """One unit (a block, the embeddings, or the head and loss) for one micro-batch on one rank."""
+
+    forward: tuple[Op, ...]
+    backward: tuple[Op, ...]  # the recomputed forward ops first (phase "recompute"), then the gradients
+    saved: tuple[Saved, ...]  # kept from the forward for the backward
+    recomputed: tuple[Saved, ...] = ()  # rebuilt by the backward's recompute, alive while it runs
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(t.bytes for t in self.saved)
+
+    @property
+    def recomputed_bytes(self) -> int:
+        return sum(t.bytes for t in self.recomputed)
+
+    @property
+    def flops(self) -> int:
+        return sum(op.flops for op in self.forward + self.backward)
+
+
+def op_rows(ops: OpList) -> list[list]:
+    """One row per op: phase, name, GEMM shape (or "-"), HBM bytes, FLOPs: for printing the list."""
+    rows = []
+    for op in ops.forward + ops.backward:
+        if isinstance(op, Gemm):
+            shape = f"{op.m} x {op.n} x {op.k}" + (f" x{op.batch}" if op.batch > 1 else "") + f" {op.dtype}"
+        elif isinstance(op, FusedAttention):
+            shape = " + ".join(f"{g.m}x{g.n}x{g.k}" for g in op.gemms) + f" x{op.gemms[0].batch}"
+        else:
+            shape = "-"
+        rows.append([op.phase, op.name, shape, op.bytes, op.flops])
+    return rows
+
+
+# ---------------------------------------------------------------- recording a unit
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """One micro-batch on one tensor-parallel rank."""
+
+    b: int
+    s: int
+    d: int
+    f: int
+    heads: int  # on this rank
+    head_dim: int
+    t: int
+    rows: int  # b*s: the rows the Linears multiply
+    residual_rows: int  # rows of the residual stream: b*s/t under sequence parallelism
+    e: int  # bytes of the compute format
+    grad: int  # bytes of a weight gradient
+    compute: str
+    linear: str  # the Linears' GEMM format (fp8 under the fp8 policy)
+    fp8: bool
+    dropout: bool
+    sp: bool
+    sharded: bool  # sequence parallelism saves the Linears' input shards (Megatron)
+
+
+def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy, impl: Implementation) -> UnitShape:
+    t, rows = layout.tp, micro_batch * model.seq_len
+    sp = layout.sequence_parallel and t > 1
+    return UnitShape(b=micro_batch, s=model.seq_len, d=model.d_model, f=model.d_ff, heads=model.n_heads // t,
+                     head_dim=model.head_dim, t=t, rows=rows, residual_rows=rows // t if sp else rows,
+                     e=FORMAT_BYTES[policy.compute], grad=FORMAT_BYTES[policy.grad], compute=policy.compute,
+                     linear="fp8" if policy.fp8_linears else policy.compute, fp8=policy.fp8_linears,
+                     dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded")
+
+
+class Recorder:
+    """Tensors by name (bytes on this rank, where they are made) and the ops that read, write and save them."""
+
+    def __init__(self, shape: UnitShape) -> None:
+        self.shape = shape
+        self.size: dict[str, int] = {}
+        self.small: set[str] = set()
+        self.made_in: dict[str, str] = {}
+        self.forward: list[tuple[Op, str, tuple[str, ...]]] = []
+        self.backward: list[Op] = []
+        self.region = BLOCK
+
+    def tensor(self, name: str, nbytes: int, region: str | None = None, small: bool = False) -> str:
+        self.size[name] = nbytes
+        self.made_in[name] = region or self.region
+        if small:
+            self.small.add(name)
+        return name
+
+    def bytes_of(self, *names: str) -> int:
+        return sum(self.size[n] for n in names)
+
+    def mem(self, name: str, reads: tuple[str, ...], writes: tuple[str, ...], saves: tuple[str, ...] = ()) -> None:
+        self.forward.append((MemoryOp(name, self.bytes_of(*reads), self.bytes_of(*writes)), self.region, saves))
+
+    def gemm(self, name: str, m: int, n: int, k: int, dtype: str, saves: tuple[str, ...] = (), batch: int = 1,
+             linear: bool = True) -> None:
+        self.forward.append((gemm(name, m, n, k, dtype, self.shape.e, batch, FORWARD, linear), self.region, saves))
+
+    def op(self, op: Op, saves: tuple[str, ...] = ()) -> None:
+        """Any op built by hand (FlashAttention, a lookup whose bytes are no tensor of ours)."""
+        self.forward.append((op, self.region, saves))
+
+    def back_mem(self, name: str, read: int, written: int) -> None:
+        self.backward.append(MemoryOp(name, read, written, BACKWARD))
+
+    def back_gemm(self, name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, linear: bool = True) -> None:
+        self.backward.append(gemm(name, m, n, k, dtype, self.shape.e, batch, BACKWARD, linear))
+
+    def finish(self, recompute: str) -> OpList:
+        """The unit, with recompute's rule (simulator/ops.py): a saved tensor is dropped when the op that makes it
+        and every op that saves it are recomputed; the recomputed ops open the backward."""
+        again = RECOMPUTED_REGIONS[recompute]
+        savers: dict[str, list[str]] = {}
+        for _, region, saves in self.forward:
+            for name in saves:
+                savers.setdefault(name, []).append(region)
+        kept, dropped = [], []
+        for name, regions in savers.items():
+            gone = self.made_in[name] in again and all(r in again for r in regions)
+            (dropped if gone else kept).append(Saved(name, self.size[name], name in self.small))
+        rerun = tuple(replace(op, phase=RECOMPUTE) for op, region, _ in self.forward if region in again)
+        return OpList(forward=tuple(op for op, _, _ in self.forward), backward=rerun + tuple(self.backward),
+                      saved=tuple(kept), recomputed=tuple(dropped))
+
+
+def gemm(name: str, m: int, n: int, k: int, dtype: str, out_bytes: int, batch: int = 1, phase: str = FORWARD,
+         linear: bool = True) -> Gemm:
+    """A Gemm whose bytes are its operands in `dtype` and its result in `out_bytes` per element."""
+    nbytes = batch * ((m * k + k * n) * GEMM_INPUT_BYTES[dtype] + m * n * out_bytes)
+    return Gemm(name, m, n, k, dtype, batch, nbytes, phase, linear)
+
+
+WEIGHT_GRADIENT_OPS = (".weight_grad", ".grad_accumulate", ".bias_grad", ".position_grad", ".lookup_grad")
+
+
+def is_weight_gradient(op: Op) -> bool:
+    """Whether a backward op belongs to the weight gradients (zero-bubble schedules run them apart)."""
+    return op.phase == BACKWARD and op.name.endswith(WEIGHT_GRADIENT_OPS)

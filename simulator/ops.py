@@ -1,0 +1,352 @@
+"""The op-level cost model: every kernel of one micro-batch through a block, per tensor-parallel rank. Torch-free.
+
+`block_ops(model, micro_batch, layout, policy, implementation)` lists one transformer block's
+forward and backward as plain dataclasses (print them: `for op in ops.forward: print(op)`):
+
+  Gemm            a matmul (m x k) @ (k x n), `batch` times, in the format its tensor cores run
+                  (the block's Linears in fp8 under the fp8 policy; attention and the head in the
+                  compute format), with the HBM bytes of its operands and result;
+  MemoryOp        a memory-bound kernel (LayerNorm, bias add, GELU, softmax, dropout, residual
+                  add, casts, the loss) with the bytes it reads and writes;
+  FusedAttention  FlashAttention: the attention matmuls in one kernel, with no s x s tensor in HBM.
+
+and `Saved`, the tensors the forward leaves for the backward. `embedding_ops` and `head_ops`
+do the same for the embeddings and for the final LayerNorm, the head and the loss.
+simulator/compute.py prices the ops, simulator/memory.py sums what they save.
+
+Per rank, for b sequences of s tokens (B = b*s rows), width h = d, MLP width f, a heads, tp t:
+row counts of the element-wise work on the residual stream are B/t under sequence
+parallelism, B otherwise; everything between a column- and a row-parallel Linear is split
+over t (a/t heads, 3d/t, f/t columns). Each op reads its inputs from HBM once and writes its
+outputs once. Kernels fused: FlashAttention; the scale, causal mask and softmax of unfused
+attention (one kernel, as Megatron's FusedScaleMaskSoftmax); nothing else: bias adds, dropout
+and residual adds are kernels of their own (our executor and Megatron fuse some bias adds into
+the GEMM or the dropout: these times are an upper bound). Tensor-parallel collectives are not
+ops: compute.tp_collectives counts them. Backward, op by op in reverse: each Linear an
+input-gradient GEMM (m=B, n=in, k=out) and a weight-gradient GEMM (m=out, n=in, k=B: the same
+FLOPs), then its weight gradient accumulated into the gradient buffer (read old and new, write);
+each attention matmul two GEMMs; each memory-bound op its own backward with its own bytes;
+each residual join the sum of the two gradients that meet there. The attention matmuls cover
+the full s x s square (no causal discount), as config.py counts them.
+
+Attention (`Implementation.attention`):
+  "flash"    FusedAttention forward (reads q, k, v; writes the output and an fp32 log-sum-exp
+             per row and head), saving q, k, v, the output and the log-sum-exp. Its backward
+             is FlashAttention-2's: a pre-pass D = rowsum(dO * O), then one kernel that
+             recomputes the scores q @ k^T and runs the four gradient matmuls: 5 GEMMs where
+             the forward had 2. Attention dropout, if any, is regenerated from the RNG state
+             inside the kernel: no mask in HBM.
+  "unfused"  scores = q @ k^T, softmax, dropout, dropout output @ v, heads merged back into
+             rows: the scores, softmax output, mask and dropout output are s x s per head
+             in HBM, and the softmax output, the mask and the dropout output are saved.
+
+Recompute (`Implementation.recompute`): "none"; "full": only the block input is saved, and
+the backward first runs the block's forward again; "selective" (Korthikanti et al. 2022): the
+attention core (scores, softmax, dropout, attention x values, and the merge of the heads) runs
+again in the backward and saves nothing: what it keeps is what the ops around it keep (q, k,
+v and its output). The rule, by construction: a saved tensor is dropped when the op that makes
+it is recomputed and every op that saves it is recomputed too; `recomputed` lists those, alive
+again while the block's backward runs.
+
+Sequence parallelism (`Implementation.sp_saved_input`): the column-parallel Linears (qkv, fc1,
+the head) multiply the all-gathered sequence. "gathered" (our executor, parallel/tensor_layers.py)
+saves that gathered input; "sharded" (Megatron; Korthikanti et al.'s sequence parallelism) saves the
+LayerNorm's own B/t rows and all-gathers them again in the backward (compute.tp_collectives
+counts that gather).
+
+Korthikanti et al. 2022, section 4.1 ("Reducing Activation Recomputation in Large Transformer
+Models"): 16-bit activations, dropout masks of 1 byte per element, LayerNorm statistics and
+other buffers of O(s*b) elements left out (the paper counts only the main contributors). Our
+saved tensors, for unfused attention and dropout > 0, in bytes with h = d and f = 4h:
+
+  paper term                          here (Saved name, bytes)                   split
+  LayerNorm inputs 2 x 2sbh           x, ln2.input          2 x 2sbh             sequence (t with sp)
+  QKV input 2sbh                      qkv.input             2sbh                 replicated*
+  QK^T: Q, K 4sbh + attention V 2sbh  q_k_v                 6sbh                 t
+  softmax output 2as^2b               attention.probs       2as^2b               t
+  softmax dropout mask as^2b          attention.mask        as^2b                t
+  dropout output 2as^2b               attention.dropped     2as^2b               t
+  output projection input 2sbh        attention.output      2sbh                 t
+  attention dropout mask sbh          attention.residual_mask   sbh              sequence
+  MLP input 2sbh                      fc1.input             2sbh                 replicated*
+  GELU input 8sbh                     fc1.output (2fsb)     8sbh                 t
+  fc2 input 8sbh                      gelu.output (2fsb)    8sbh                 t
+  MLP dropout mask sbh                mlp.residual_mask     sbh                  sequence
+  -> sbh(34 + 5as/h) with t = 1; sbh(10 + 24/t + 5as/(ht)) with t; 34sbh/t (+ 5as^2b/t without
+     selective recompute) with sequence parallelism and "sharded" inputs (* sequence-split then).
+  Left out by the paper, kept here as Saved(small=True): the LayerNorms' fp32 mean and 1/std
+  (8 bytes per row each), and flash's fp32 log-sum-exp (4 bytes per row and head).
+With fp8 Linears the Linears save e4m3 copies of their inputs and weights instead
+(qkv.input_fp8, qkv.weight_fp8, ...), and flash still keeps the 16-bit output beside proj's copy.
+"""
+
+from __future__ import annotations
+
+from minigpt.config import GPTConfig
+from precision.policy import PrecisionPolicy
+from simulator.layout import Layout, padded_vocab
+from simulator.op_types import (
+    BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, FusedAttention, Gemm,
+    Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, gemm, op_rows,
+)
+
+__all__ = ["SP_SAVED_INPUTS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved", "OpList", "Op",
+           "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
+
+
+# ---------------------------------------------------------------- Linear layers
+
+
+def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int) -> str:
+    """A Linear of `k` -> `n` columns on this rank over all rows: returns its output (before any bias).
+
+    `inp` is the 16-bit input it multiplies; `shard` the sequence shard that "sharded" saves instead."""
+    sh = rec.shape
+    weight = rec.tensor(f"{name}.weight", n * k * sh.e, OUTSIDE)
+    saved_input = shard if shard is not None and sh.sharded else None
+    if sh.fp8:
+        rec.tensor(f"{name}.input_fp8", sh.rows * k * 1)
+        rec.mem(f"{name}.cast_input", (inp,), (f"{name}.input_fp8",))
+        rec.tensor(f"{name}.weight_fp8", n * k * 1)
+        rec.mem(f"{name}.cast_weight", (weight,), (f"{name}.weight_fp8",))
+        saves = (saved_input or f"{name}.input_fp8", f"{name}.weight_fp8")
+    else:
+        saves = (saved_input or inp,)
+    out = rec.tensor(f"{name}.matmul", sh.rows * n * sh.e)
+    rec.gemm(name, sh.rows, n, k, sh.linear, saves)
+    return out
+
+
+def _linear_backward(rec: Recorder, name: str, n: int, k: int) -> None:
+    """Input and weight gradients of the Linear above (its output gradient in HBM), and the accumulation."""
+    sh = rec.shape
+    if sh.fp8:
+        rec.back_mem(f"{name}.cast_grad", sh.rows * n * sh.e, sh.rows * n * 1)
+    rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear)
+    if sh.sharded and sh.fp8:  # the input shard, gathered again, is cast again for the weight gradient
+        rec.back_mem(f"{name}.cast_input", sh.rows * k * sh.e, sh.rows * k * 1)
+    rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, sh.linear)
+    rec.back_mem(f"{name}.grad_accumulate", 2 * n * k * sh.grad, n * k * sh.grad)
+
+
+def _bias_add(rec: Recorder, name: str, inp: str, out: str, rows: int, n: int) -> None:
+    bias = rec.tensor(f"{name}.bias", n * rec.shape.e, OUTSIDE)
+    rec.tensor(out, rows * n * rec.shape.e)
+    rec.mem(f"{name}.bias_add", (inp, bias), (out,))
+
+
+def _bias_backward(rec: Recorder, name: str, rows: int, n: int) -> None:
+    rec.back_mem(f"{name}.bias_grad", rows * n * rec.shape.e, n * rec.shape.grad)
+
+
+def _layernorm(rec: Recorder, name: str, inp: str, out: str) -> None:
+    sh = rec.shape
+    rows = sh.residual_rows
+    rec.tensor(out, rows * sh.d * sh.e)
+    stats = rec.tensor(f"{name}.statistics", rows * 2 * FP32, small=True)
+    rec.mem(name, (inp,), (out, stats), saves=(inp, stats))
+
+
+def _layernorm_backward(rec: Recorder, name: str) -> None:
+    sh = rec.shape
+    rows = sh.residual_rows
+    rec.back_mem(f"{name}.backward", 2 * rows * sh.d * sh.e + rows * 2 * FP32, rows * sh.d * sh.e)
+
+
+def _residual_dropout(rec: Recorder, name: str, inp: str) -> str:
+    """Dropout on the residual branch (when dropout > 0): returns what is added to the stream."""
+    sh = rec.shape
+    if not sh.dropout:
+        return inp
+    rows = sh.residual_rows
+    out, mask = rec.tensor(f"{name}.residual_dropped", rows * sh.d * sh.e), rec.tensor(f"{name}.residual_mask", rows * sh.d * MASK)
+    rec.mem(f"{name}.residual_dropout", (inp,), (out, mask), saves=(mask,))
+    return out
+
+
+def _dropout_backward(rec: Recorder, name: str, rows: int, width: int) -> None:
+    """`name`: the dropout op's name."""
+    e = rec.shape.e
+    rec.back_mem(f"{name}_backward", rows * width * (e + MASK), rows * width * e)
+
+
+def _residual_backward(rec: Recorder, name: str) -> None:
+    """The two gradients that meet at a residual join (the stream's and the branch's) are summed."""
+    sh = rec.shape
+    n = sh.residual_rows * sh.d * sh.e
+    rec.back_mem(f"{name}.residual_grad_sum", 2 * n, n)
+
+
+# ---------------------------------------------------------------- the block
+
+
+def _flash_forward(rec: Recorder) -> None:
+    sh = rec.shape
+    a, s, hd = sh.heads, sh.s, sh.head_dim
+    lse = rec.tensor("attention.logsumexp", sh.rows * a * FP32, small=True)
+    out = rec.tensor("attention.output", sh.rows * a * hd * sh.e)
+    gemms = (gemm("attention.scores", s, s, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
+             gemm("attention.values", s, hd, s, sh.compute, sh.e, sh.b * a, FORWARD, False))
+    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of("q_k_v"), rec.bytes_of(out, lse)),
+           saves=("q_k_v", out, lse))
+
+
+def _flash_backward(rec: Recorder) -> None:
+    """FlashAttention-2: D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs."""
+    sh = rec.shape
+    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
+    width = sh.rows * a * hd * e  # one of q, k, v, O, dO
+    rec.back_mem("attention.flash_backward_preprocess", 2 * width, sh.rows * a * FP32)
+    shapes = (("attention.scores_recomputed", s, s, hd), ("attention.grad_v", s, hd, s),
+              ("attention.grad_probs", s, s, hd), ("attention.grad_q", s, hd, s), ("attention.grad_k", s, hd, s))
+    gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
+    read = 4 * width + 2 * sh.rows * a * FP32  # q, k, v, dO; the log-sum-exp and D
+    rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, 3 * width, BACKWARD))
+
+
+def _unfused_forward(rec: Recorder) -> None:
+    sh = rec.shape
+    a, s, hd, batch = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads
+    square = batch * s * s  # elements of the s x s scores of this rank's heads
+    rec.tensor("attention.scores", square * sh.e)
+    rec.gemm("attention.scores", s, s, hd, sh.compute, ("q_k_v",), batch, linear=False)
+    probs = rec.tensor("attention.probs", square * sh.e)
+    rec.mem("attention.softmax", ("attention.scores",), (probs,), saves=(probs,))  # scale, causal mask, softmax
+    if sh.dropout:
+        dropped, mask = rec.tensor("attention.dropped", square * sh.e), rec.tensor("attention.mask", square * MASK)
+        rec.mem("attention.dropout", (probs,), (dropped, mask), saves=(mask,))
+        probs = dropped
+    heads = rec.tensor("attention.heads", sh.rows * a * hd * sh.e)
+    rec.gemm("attention.values", s, hd, s, sh.compute, (probs, "q_k_v"), batch, linear=False)
+    rec.tensor("attention.output", sh.rows * a * hd * sh.e)
+    rec.mem("attention.merge_heads", (heads,), ("attention.output",))  # (b*a, s, hd) -> (b*s, a*hd)
+
+
+def _unfused_backward(rec: Recorder) -> None:
+    sh = rec.shape
+    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
+    square, width = batch * s * s, sh.rows * a * hd * e
+    rec.back_mem("attention.merge_heads_backward", width, width)
+    rec.back_gemm("attention.grad_probs", s, s, hd, sh.compute, batch, linear=False)  # dP = dO v^T
+    rec.back_gemm("attention.grad_v", s, hd, s, sh.compute, batch, linear=False)  # dv = P^T dO
+    if sh.dropout:
+        rec.back_mem("attention.dropout_backward", square * (e + MASK), square * e)
+    rec.back_mem("attention.softmax_backward", 2 * square * e, square * e)
+    rec.back_gemm("attention.grad_q", s, hd, s, sh.compute, batch, linear=False)  # dq = dS k
+    rec.back_gemm("attention.grad_k", s, hd, s, sh.compute, batch, linear=False)  # dk = dS^T q
+
+
+def _attention_forward(rec: Recorder, attention: str) -> None:
+    sh = rec.shape
+    dt = sh.heads * sh.head_dim
+    x = rec.tensor("x", sh.residual_rows * sh.d * sh.e, OUTSIDE)
+    _layernorm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input")
+    if sh.sp:
+        rec.tensor("qkv.input", sh.rows * sh.d * sh.e)  # all-gathered along the sequence
+    out = _linear_forward(rec, "qkv", "qkv.input", "ln1.output", 3 * dt, sh.d)
+    _bias_add(rec, "qkv", out, "q_k_v", sh.rows, 3 * dt)
+    rec.region = CORE
+    (_flash_forward if attention == "flash" else _unfused_forward)(rec)
+    rec.region = BLOCK
+    _linear_forward(rec, "proj", "attention.output", None, sh.d, dt)
+    rec.tensor("proj.sum", sh.residual_rows * sh.d * sh.e)  # all-reduced, or reduce-scattered to the sequence shard
+    _bias_add(rec, "proj", "proj.sum", "attention.residual", sh.residual_rows, sh.d)
+    branch = _residual_dropout(rec, "attention", "attention.residual")
+    rec.tensor("ln2.input", sh.residual_rows * sh.d * sh.e)
+    rec.mem("attention.residual_add", (x, branch), ("ln2.input",))
+
+
+def _mlp_forward(rec: Recorder) -> None:
+    sh = rec.shape
+    ft = sh.f // sh.t
+    _layernorm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input")
+    if sh.sp:
+        rec.tensor("fc1.input", sh.rows * sh.d * sh.e)
+    out = _linear_forward(rec, "fc1", "fc1.input", "ln2.output", ft, sh.d)
+    _bias_add(rec, "fc1", out, "fc1.output", sh.rows, ft)
+    rec.tensor("gelu.output", sh.rows * ft * sh.e)
+    rec.mem("gelu", ("fc1.output",), ("gelu.output",), saves=("fc1.output",))
+    _linear_forward(rec, "fc2", "gelu.output", None, sh.d, ft)
+    rec.tensor("fc2.sum", sh.residual_rows * sh.d * sh.e)
+    _bias_add(rec, "fc2", "fc2.sum", "mlp.residual", sh.residual_rows, sh.d)
+    branch = _residual_dropout(rec, "mlp", "mlp.residual")
+    rec.tensor("y", sh.residual_rows * sh.d * sh.e)
+    rec.mem("mlp.residual_add", ("ln2.input", branch), ("y",))
+
+
+def _block_backward(rec: Recorder, attention: str) -> None:
+    sh = rec.shape
+    R, dt, ft = sh.residual_rows, sh.heads * sh.head_dim, sh.f // sh.t
+    if sh.dropout:
+        _dropout_backward(rec, "mlp.residual_dropout", R, sh.d)
+    _bias_backward(rec, "fc2", R, sh.d)
+    _linear_backward(rec, "fc2", sh.d, ft)
+    rec.back_mem("gelu_backward", 2 * sh.rows * ft * sh.e, sh.rows * ft * sh.e)
+    _bias_backward(rec, "fc1", sh.rows, ft)
+    _linear_backward(rec, "fc1", ft, sh.d)
+    _layernorm_backward(rec, "ln2")
+    _residual_backward(rec, "mlp")
+    if sh.dropout:
+        _dropout_backward(rec, "attention.residual_dropout", R, sh.d)
+    _bias_backward(rec, "proj", R, sh.d)
+    _linear_backward(rec, "proj", sh.d, dt)
+    (_flash_backward if attention == "flash" else _unfused_backward)(rec)
+    _bias_backward(rec, "qkv", sh.rows, 3 * dt)
+    _linear_backward(rec, "qkv", 3 * dt, sh.d)
+    _layernorm_backward(rec, "ln1")
+    _residual_backward(rec, "attention")
+
+
+def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
+              implementation: Implementation = Implementation()) -> OpList:
+    """One transformer block, forward and backward, for one micro-batch on one tensor-parallel rank."""
+    rec = Recorder(unit_shape(model, micro_batch, layout, policy, implementation))
+    _attention_forward(rec, implementation.attention)
+    _mlp_forward(rec)
+    _block_backward(rec, implementation.attention)
+    return rec.finish(implementation.recompute)
+
+
+# ---------------------------------------------------------------- the ends
+
+
+def embedding_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
+                  implementation: Implementation = Implementation()) -> OpList:
+    """Token lookup (this rank's share of the vocabulary), position add, dropout; their backward."""
+    sh = unit_shape(model, micro_batch, layout, policy, implementation)
+    rec = Recorder(sh)
+    rows = sh.rows * sh.d * sh.e
+    rec.op(MemoryOp("embedding.lookup", rows, rows))  # the rows of the table read, written out
+    rec.tensor("embedding.output", rows)
+    rec.op(MemoryOp("embedding.position_add", rows + sh.s * sh.d * sh.e, rows))
+    if sh.dropout:
+        mask = rec.tensor("embedding.mask", sh.rows * sh.d * MASK)
+        rec.mem("embedding.dropout", ("embedding.output",), ("embedding.output", mask), saves=(mask,))
+        _dropout_backward(rec, "embedding.dropout", sh.rows, sh.d)
+    rec.back_mem("embedding.position_grad", rows, sh.s * sh.d * sh.grad)
+    rec.back_mem("embedding.lookup_grad", rows, sh.rows * sh.d * sh.grad)  # into the rows the tokens touched
+    return rec.finish("none")
+
+
+def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
+             implementation: Implementation = Implementation()) -> OpList:
+    """Final LayerNorm, the head over this rank's share of the padded vocabulary (16-bit under fp8), the loss."""
+    sh = unit_shape(model, micro_batch, layout, policy, implementation)
+    rec = Recorder(sh)
+    vocab = padded_vocab(model, sh.t) // sh.t
+    final = rec.tensor("final_norm.input", sh.residual_rows * sh.d * sh.e, OUTSIDE)
+    _layernorm(rec, "final_norm", final, "final_norm.output" if sh.sp else "head.input")
+    if sh.sp:
+        rec.tensor("head.input", sh.rows * sh.d * sh.e)
+    rec.tensor("head.logits", sh.rows * vocab * sh.e)
+    rec.gemm("head", sh.rows, vocab, sh.d, sh.compute, ("final_norm.output" if sh.sharded else "head.input",))
+    logits32 = rec.tensor("loss.logits_fp32", sh.rows * vocab * FP32)
+    rec.mem("loss.to_fp32", ("head.logits",), (logits32,))
+    log_probs = rec.tensor("loss.log_probabilities", sh.rows * vocab * FP32)
+    rec.mem("loss.softmax", (logits32,), (log_probs,), saves=(log_probs,))  # max, exponentials, their sum: one pass
+    rec.back_mem("loss.backward", sh.rows * vocab * FP32, sh.rows * vocab * sh.e)  # softmax - one-hot, scaled
+    rec.back_gemm("head.input_grad", sh.rows, sh.d, vocab, sh.compute)
+    rec.back_gemm("head.weight_grad", vocab, sh.d, sh.rows, sh.compute)
+    rec.back_mem("head.grad_accumulate", 2 * vocab * sh.d * sh.grad, vocab * sh.d * sh.grad)
+    _layernorm_backward(rec, "final_norm")
+    return rec.finish("none")

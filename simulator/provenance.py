@@ -1,0 +1,73 @@
+"""What a prediction's numbers rest on, said with every result. Torch-free.
+
+`provenance(...)` names, for one simulated step:
+  compute            the op-level roofline (simulator/ops.py priced by simulator/compute.py), or a
+                     calibrated host's measured units (simulator/engine_host.py);
+  matmul_efficiency  per number format the GEMMs run in: "cited table" (a preset's published
+                     microbenchmarks), "measured table" (a `minigpt calibrate` profile) or
+                     "fallback curve" (no table: the uncalibrated x/(x+128) curve), with its source;
+  kernel_overhead_s  what every kernel costs beyond its roofline;
+  achieved           the HBM and NVLink fractions and the per-kernel overhead, with their source
+                     (simulator/achieved.py; the datasheet itself when the GPU gives none);
+  implementation     attention kernel, recompute kind, what sequence parallelism saves;
+  overlap            the overlap preset and its settings (simulator/overlap.py).
+"""
+
+from __future__ import annotations
+
+from simulator.compute import FALLBACK_CURVE, EfficiencyProfile, kernel_overhead
+from simulator.hardware import GPUSpec
+
+ROOFLINE = "op-level roofline (simulator/ops.py, simulator/compute.py)"
+MEASURED_UNITS = "measured units of a calibrated host (simulator/host.py)"
+
+
+def efficiency_sources(gpu: GPUSpec, formats, profile: EfficiencyProfile | None = None) -> dict[str, dict]:
+    """For each format: {"kind": cited table | measured table | fallback curve, "source": ...}."""
+    sources = {}
+    for fmt in dict.fromkeys(formats):
+        if profile is not None and profile.points.get(fmt):
+            measured = gpu.calibration is not None or gpu.measured is not None
+            sources[fmt] = {"kind": "measured table" if measured else "cited table",
+                            "source": profile.source or gpu.source}
+        else:
+            sources[fmt] = {"kind": "fallback curve", "source": FALLBACK_CURVE}
+    return sources
+
+
+def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implementation, overlap,
+               host_compute=None) -> dict:
+    formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
+    measured = host_compute is not None and host_compute.units is not None
+    return {
+        "compute": MEASURED_UNITS if measured else ROOFLINE,
+        "matmul_efficiency": efficiency_sources(gpu, formats, profile),
+        "kernel_overhead_s": kernel_overhead(gpu, profile),
+        "achieved": gpu.reached.as_dict(),
+        "implementation": {"attention": implementation.attention, "recompute": implementation.recompute,
+                           "sp_saved_input": implementation.sp_saved_input},
+        "overlap": overlap.as_dict(),
+    }
+
+
+def summary_rows(data: dict) -> list[list[str]]:
+    """The provenance as short table rows (what, rests on)."""
+    rows = [["compute", data["compute"]]]
+    for fmt, source in data["matmul_efficiency"].items():
+        text = source["kind"] if source["kind"] == "fallback curve" else f"{source['kind']} ({_short(source['source'])})"
+        rows.append([f"{fmt} GEMM efficiency", text])
+    achieved = data["achieved"]
+    rows.append(["achieved fractions", f"HBM {achieved['hbm_fraction']:.0%}, NVLink {achieved['nvlink_fraction']:.0%}, "
+                 f"{data['kernel_overhead_s'] * 1e6:.1f} us per kernel ({_short(achieved['source'])})"])
+    impl = data["implementation"]
+    rows.append(["implementation", f"{impl['attention']} attention, recompute {impl['recompute']}, "
+                 f"sequence-parallel inputs saved {impl['sp_saved_input']}"])
+    o = data["overlap"]
+    rows.append(["overlap", f"{o['name']}: tp {'hidden behind the Linears' if o['tp'] else 'exposed'}, dp {o['dp']}, "
+                 f"ZeRO-3 prefetch {o['zero3_prefetch']}, p2p {'overlapped' if o['p2p'] else 'exposed'}"])
+    return rows
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = text.split(":")[0] if len(text) > limit else text
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,207 @@
+"""simulator/ops.py: the op list holds config.py's FLOPs exactly, and Korthikanti et al. 2022's activation bytes."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+from precision.policy import policy
+from simulator.layout import Layout
+from simulator.memory import layer_activation_bytes, predict_memory
+from simulator.op_types import FusedAttention, Gemm, MemoryOp
+from simulator.ops import Implementation, block_ops, embedding_ops, head_ops, op_rows
+
+BF16 = policy("bf16")
+# Korthikanti et al.'s shape conventions: MLP width 4h, dropout on (attention and both residual branches).
+MODEL = GPTConfig(vocab_size=512, seq_len=128, n_layers=3, n_heads=8, d_model=256, d_ff=1024, dropout=0.1)
+
+
+def korthikanti(model: GPTConfig, b: int, t: int, sequence_parallel: bool = False, selective: bool = False) -> float:
+    """Section 4 of "Reducing Activation Recomputation in Large Transformer Models": bytes per layer."""
+    s, h, a = model.seq_len, model.d_model, model.n_heads
+    attention = 0 if selective else 5 * a * s / (h * t)
+    if sequence_parallel:
+        return s * b * h * (34 / t + attention)
+    return s * b * h * (10 + 24 / t + attention)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("attention", ["flash", "unfused"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_flops_of_the_op_list_equal_config(recompute, attention, tp):
+    b = 2
+    layout = Layout(tp=tp)
+    impl = Implementation(attention, recompute)
+    per_rank = (MODEL.n_layers * block_ops(MODEL, b, layout, BF16, impl).flops
+                + embedding_ops(MODEL, b, layout, BF16, impl).flops + head_ops(MODEL, b, layout, BF16, impl).flops)
+    assert per_rank * tp == MODEL.train_flops_per_token(recompute, attention) * b * MODEL.seq_len
+    if attention == "unfused":  # without flash's recomputed scores: the model FLOPs (plus the recompute asked for)
+        assert MODEL.train_flops_per_token(recompute, attention) == MODEL.train_flops_per_token(recompute)
+    forward = MODEL.n_layers * sum(op.flops for op in block_ops(MODEL, b, layout, BF16, impl).forward)
+    forward += sum(op.flops for op in head_ops(MODEL, b, layout, BF16, impl).forward)
+    assert forward * tp == MODEL.forward_flops_per_token() * b * MODEL.seq_len
+
+
+def test_every_linear_has_an_input_and_a_weight_gradient_of_the_same_flops():
+    ops = block_ops(MODEL, 2, Layout(tp=2), BF16, Implementation("unfused"))
+    gemms = {op.name: op for op in ops.forward + ops.backward if isinstance(op, Gemm)}
+    for name in ("qkv", "proj", "fc1", "fc2"):
+        forward = gemms[name]
+        dgrad, wgrad = gemms[f"{name}.input_grad"], gemms[f"{name}.weight_grad"]
+        assert forward.flops == dgrad.flops == wgrad.flops
+        assert (dgrad.m, dgrad.n, dgrad.k) == (forward.m, forward.k, forward.n)  # dX = dY W
+        assert (wgrad.m, wgrad.n, wgrad.k) == (forward.n, forward.k, forward.m)  # dW = dY^T X
+        assert forward.linear and forward.dtype == "bf16"
+    assert not gemms["attention.scores"].linear
+    assert gemms["attention.scores"].batch == 2 * MODEL.n_heads // 2  # b x a/t matmuls of s x s x head_dim
+    assert sum(gemms[n].flops for n in ("attention.grad_q", "attention.grad_k", "attention.grad_v",
+                                        "attention.grad_probs")) == 2 * (gemms["attention.scores"].flops
+                                                                         + gemms["attention.values"].flops)
+
+
+def test_flash_backward_recomputes_the_scores_and_keeps_no_square():
+    ops = block_ops(MODEL, 2, Layout(), BF16, Implementation("flash"))
+    (forward,) = [op for op in ops.forward if isinstance(op, FusedAttention)]
+    (backward,) = [op for op in ops.backward if isinstance(op, FusedAttention)]
+    assert len(forward.gemms) == 2 and len(backward.gemms) == 5 and 2 * backward.flops == 5 * forward.flops
+    assert "attention.scores_recomputed" in {g.name for g in backward.gemms}
+    rows, width = 2 * MODEL.seq_len, MODEL.d_model  # reads q, k, v, writes the output and log-sum-exp: no s x s
+    assert forward.read == 3 * rows * width * 2 and forward.written == rows * width * 2 + rows * MODEL.n_heads * 4
+    assert {t.name for t in ops.saved if t.small} == {"ln1.statistics", "ln2.statistics", "attention.logsumexp"}
+
+
+def test_memory_bound_ops_move_the_bytes_they_read_and_write():
+    b, tp = 2, 2
+    for sequence_parallel in (False, True):
+        ops = block_ops(MODEL, b, Layout(tp=tp, sequence_parallel=sequence_parallel), BF16, Implementation("unfused"))
+        by_name = {op.name: op for op in ops.forward + ops.backward if isinstance(op, MemoryOp)}
+        rows, f, e = b * MODEL.seq_len, MODEL.d_ff // tp, 2
+        residual = rows // tp if sequence_parallel else rows  # element-wise work on s/t rows under sequence parallelism
+        square = b * MODEL.n_heads // tp * MODEL.seq_len**2
+        assert (by_name["gelu"].read, by_name["gelu"].written) == (rows * f * e, rows * f * e)
+        assert (by_name["gelu_backward"].read, by_name["gelu_backward"].written) == (2 * rows * f * e, rows * f * e)
+        assert (by_name["attention.softmax"].read, by_name["attention.softmax"].written) == (square * e, square * e)
+        assert by_name["attention.dropout"].written == square * (e + 1)  # the output and a 1-byte mask
+        assert by_name["ln1"].read == residual * MODEL.d_model * e
+        assert by_name["ln1"].written == residual * MODEL.d_model * e + residual * 2 * 4  # output, mean and 1/std
+        assert by_name["attention.residual_add"].read == 2 * residual * MODEL.d_model * e
+        assert by_name["mlp.residual_dropout_backward"].read == residual * MODEL.d_model * (e + 1)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_unfused_activations_equal_korthikanti(tp):
+    """sbh(34 + 5as/h) without tensor parallelism, sbh(10 + 24/t + 5as/(ht)) with it: 16-bit, dropout, no recompute."""
+    b = 2
+    ops = block_ops(MODEL, b, Layout(tp=tp), BF16, Implementation("unfused"))
+    counted = sum(t.bytes for t in ops.saved if not t.small)
+    assert counted == korthikanti(MODEL, b, tp)
+    if tp == 1:
+        s, h, a = MODEL.seq_len, MODEL.d_model, MODEL.n_heads
+        assert counted == s * b * h * (34 + 5 * a * s / h)
+    small = sum(t.bytes for t in ops.saved if t.small)  # the LayerNorms' fp32 mean and 1/std, which the paper leaves out
+    assert small == 2 * b * MODEL.seq_len * 2 * 4
+    assert layer_activation_bytes(MODEL, Layout(tp=tp), BF16, b, attention="unfused") == counted + small
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_sequence_parallel_and_selective_recompute_equal_korthikanti(tp):
+    b = 2
+    layout = Layout(tp=tp, sequence_parallel=True)
+
+    def counted(recompute: str, saved_input: str) -> int:
+        ops = block_ops(MODEL, b, layout, BF16, Implementation("unfused", recompute, saved_input))
+        return sum(t.bytes for t in ops.saved if not t.small)
+
+    assert counted("none", "sharded") == korthikanti(MODEL, b, tp, sequence_parallel=True)
+    assert counted("selective", "sharded") == MODEL.seq_len * b * MODEL.d_model * 34 / tp
+    # our executor keeps the all-gathered input of qkv and fc1 (2 x 2sbh, not divided by t)
+    s, h = MODEL.seq_len, MODEL.d_model
+    assert counted("selective", "gathered") == s * b * h * (4 + 30 / tp)
+    assert counted("full", "sharded") == s * b * h * 2 / tp  # the block input only
+    selective = block_ops(MODEL, b, layout, BF16, Implementation("unfused", "selective", "sharded"))
+    assert {t.name for t in selective.recomputed} == {"attention.probs", "attention.mask", "attention.dropped"}
+    assert sum(t.bytes for t in selective.recomputed) == s * s * b * MODEL.n_heads * 5 / tp
+
+
+def test_selective_recompute_reruns_the_attention_core_only():
+    for attention, core in (("unfused", ["attention.scores", "attention.softmax", "attention.dropout",
+                                         "attention.values", "attention.merge_heads"]),
+                            ("flash", ["attention.flash"])):
+        ops = block_ops(MODEL, 1, Layout(), BF16, Implementation(attention, "selective"))
+        assert [op.name for op in ops.backward if op.phase == "recompute"] == core
+    flash = block_ops(MODEL, 1, Layout(), BF16, Implementation("flash", "selective"))
+    assert [t.name for t in flash.recomputed] == ["attention.logsumexp"]  # flash keeps no square to drop
+    full = block_ops(MODEL, 1, Layout(), BF16, Implementation("flash", "full"))
+    assert [t.name for t in full.saved] == ["x"] and len([op for op in full.backward if op.phase == "recompute"]) == \
+        len(full.forward)
+
+
+def test_fp8_linears_and_16_bit_attention_and_head():
+    fp8 = policy("fp8")
+    ops = block_ops(MODEL, 2, Layout(), fp8, Implementation("unfused"))
+    dtypes = {op.name: op.dtype for op in ops.forward + ops.backward if isinstance(op, Gemm)}
+    assert {dtypes[n] for n in ("qkv", "proj", "fc1", "fc2", "qkv.input_grad", "fc2.weight_grad")} == {"fp8"}
+    assert dtypes["attention.scores"] == dtypes["attention.values"] == "bf16"
+    head = head_ops(MODEL, 2, Layout(), fp8)
+    assert {op.dtype for op in head.forward + head.backward if isinstance(op, Gemm)} == {"bf16"}
+    assert {"qkv.input_fp8", "qkv.weight_fp8", "fc2.input_fp8"} <= {t.name for t in ops.saved}
+
+
+def test_memory_prediction_follows_the_attention_kind():
+    flash = predict_memory(MODEL, Layout(tp=2), "bf16", 2)
+    unfused = predict_memory(MODEL, Layout(tp=2), "bf16", 2, attention="unfused")
+    square = MODEL.n_layers * 2 * MODEL.n_heads // 2 * MODEL.seq_len**2 * 5  # 5 bytes per score element, per layer
+    lse = MODEL.n_layers * 2 * MODEL.seq_len * MODEL.n_heads // 2 * 4
+    assert unfused.activations - flash.activations == square - lse
+    with pytest.raises(ConfigError, match="attention"):
+        predict_memory(MODEL, Layout(), "bf16", 1, attention="fused")
+    with pytest.raises(ConfigError, match="sp_saved_input"):
+        Implementation(sp_saved_input="both")
+
+
+def test_the_op_list_prints_with_one_name_per_op():
+    rows = op_rows(block_ops(MODEL, 1, Layout(), BF16))
+    assert rows[0][:2] == ["forward", "ln1"] and any(r[1] == "qkv" and "bf16" in r[2] for r in rows)
+    assert all(isinstance(r[3], int) and r[3] > 0 for r in rows)
+    layout = Layout(tp=2, sequence_parallel=True)
+    for precision in ("bf16", "fp8"):
+        for attention in ("flash", "unfused"):
+            ops = block_ops(MODEL, 1, layout, policy(precision), Implementation(attention, "full", "sharded"))
+            for phase in ("forward", "recompute", "backward"):
+                names = [op.name for op in ops.forward + ops.backward if op.phase == phase]
+                assert len(names) == len(set(names)), names
+
+
+def test_simulator_modules_have_no_import_cycle_and_no_torch():
+    """Module-level imports between simulator/ modules form no cycle (lazy imports inside functions aside)."""
+    root = Path(__file__).resolve().parents[1] / "simulator"
+    graph = {}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps = set()
+        for node in tree.body:  # module level only
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("simulator."):
+                deps.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[1] for a in node.names if a.name.startswith("simulator."))
+        graph[path.stem] = deps
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for dep in graph.get(module, ()):
+            assert state.get(dep) != 1, f"import cycle: {' -> '.join(trail + [dep])}"
+            if dep not in state:
+                visit(dep, trail + [dep])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+    code = "import sys, simulator.ops, simulator.overlap, simulator.provenance; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
