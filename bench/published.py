@@ -1,0 +1,108 @@
+"""The simulator against published training runs (validation only: nothing is tuned to these rows).
+
+    python bench/published.py                    # Narayanan et al. 2021, Table 1, all ten rows
+    python bench/published.py --json             # one JSON object
+    python bench/published.py --legacy           # flags an older minigpt knows (for a before/after)
+
+Each row of bench/published_runs.json is simulated through the command line a user would type,
+`minigpt simulate ... --json`, on the a100-80gb preset (DGX A100 nodes, HDR InfiniBand) with the
+run's own layout, batch, micro-batch, schedule and full recomputation, in fp16 as the runs were.
+The published step time comes from the paper's own accounting: its FLOPs per iteration (Eq. 3,
+96 B s l h^2 (1 + s/6h + V/16lh), recomputation included) over the published TFLOP/s per GPU times
+the GPUs. The naive rule beside it: the same FLOPs over (GPUs x peak x 0.5).
+
+How the 2021 stack is described (settings, not fitted numbers; each from the paper or its scripts):
+attention unfused (Megatron 2021 materialises the scores; its softmax is one fused kernel), the
+"megatron-2021" overlap preset (tensor-parallel communication exposed, the data-parallel all-reduce
+after the last backward, point-to-point exposed), and dropout 0.1 (the scripts' default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "bench" / "published_runs.json"
+A100_PEAK = 312e12  # the paper's denominator (A100 fp16/bf16 dense), as bench/published_runs.json says
+
+
+def paper_flops(run: dict, seq: int, vocab: int) -> float:
+    """Eq. 3 of Narayanan et al. 2021: FLOPs of one iteration, recomputation included."""
+    b, l, h = run["global_batch_size"], run["layers"], run["hidden_size"]
+    return 96 * b * seq * l * h * h * (1 + seq / (6 * h) + vocab / (16 * l * h))
+
+
+def command(run: dict, seq: int, vocab: int, legacy: bool) -> list[str]:
+    interleaved = run["virtual_chunks"] > 1
+    args = [sys.executable, "-m", "cli", "simulate", "--layers", str(run["layers"]), "--hidden", str(run["hidden_size"]),
+            "--heads", str(run["attention_heads"]), "--vocab", str(vocab), "--seq-len", str(seq),
+            "--global-batch", str(run["global_batch_size"]), "--micro-batch", str(run["micro_batch_size"]),
+            "--tp", str(run["tensor_parallel"]), "--pp", str(run["pipeline_parallel"]),
+            "--dp", str(run["data_parallel"]), "--gpu", "a100-80gb", "--recompute", "full", "--precision", "fp16",
+            "--schedule", "interleaved" if interleaved else "1f1b", "--virtual-chunks", str(run["virtual_chunks"]),
+            "--json"]
+    if not legacy:
+        args += ["--attention", "unfused", "--overlap", "megatron-2021", "--dropout", "0.1"]
+    return args
+
+
+def simulate(run: dict, seq: int, vocab: int, legacy: bool) -> dict:
+    result = subprocess.run(command(run, seq, vocab, legacy), capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0:
+        raise SystemExit(f"{run['name']}: minigpt simulate failed: {result.stderr.strip()}")
+    return json.loads(result.stdout)
+
+
+def rows(legacy: bool) -> tuple[list[dict], dict]:
+    data = json.loads(RUNS.read_text())
+    seq, vocab = data["common"]["sequence_length"], data["common"]["vocabulary"]
+    out = []
+    for run in data["runs"]:
+        flops = paper_flops(run, seq, vocab)
+        published = flops / (run["achieved_tflops_per_gpu"] * 1e12 * run["gpus"])
+        sim = simulate(run, seq, vocab, legacy)
+        naive = flops / (run["gpus"] * A100_PEAK * 0.5)
+        out.append({"name": run["name"], "gpus": run["gpus"], "published_step_s": published,
+                    "predicted_step_s": sim["step_time_s"], "error": sim["step_time_s"] / published - 1,
+                    "naive_step_s": naive, "naive_error": naive / published - 1,
+                    "predicted_tflops_per_gpu": flops / (sim["step_time_s"] * run["gpus"]) / 1e12,
+                    "published_tflops_per_gpu": run["achieved_tflops_per_gpu"],
+                    "breakdown": sim.get("breakdown"), "provenance": sim.get("provenance")})
+    return out, data["source"]
+
+
+def summary(table: list[dict], key: str) -> dict:
+    errors = [row[key] for row in table]
+    return {"mape": statistics.mean(abs(e) for e in errors), "signed_mean": statistics.mean(errors),
+            "worst": max(errors, key=abs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--legacy", action="store_true", help="only the flags an older minigpt simulate knows")
+    args = parser.parse_args()
+    table, source = rows(args.legacy)
+    result = {"rows": table, "simulator": summary(table, "error"), "naive": summary(table, "naive_error"),
+              "source": source["paper"]}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print("| run | GPUs | published step s | predicted s | error | TFLOP/s pub / pred | naive s | naive error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['name']} | {r['gpus']} | {r['published_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
+              f"{r['error']:+.1%} | {r['published_tflops_per_gpu']} / {r['predicted_tflops_per_gpu']:.0f} | "
+              f"{r['naive_step_s']:.2f} | {r['naive_error']:+.1%} |")
+    for name in ("simulator", "naive"):
+        s = result[name]
+        print(f"{name}: MAPE {s['mape']:.1%}, signed mean {s['signed_mean']:+.1%}, worst {s['worst']:+.1%}")
+
+
+if __name__ == "__main__":
+    main()
