@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
-from simulator.hardware import FLOP_FORMATS, GPUSpec
+from simulator.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
+from simulator.hardware import GPUSpec
 from simulator.layout import Layout, block_tensors
 from simulator.op_types import RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient
 from simulator.ops import block_ops, embedding_ops, head_ops
@@ -58,61 +59,6 @@ LOSS_VALUE_BYTES = FORMAT_BYTES["fp32"]  # one fp32 number per token each
 def hbm_speed(gpu: GPUSpec) -> float:
     """Bytes/s a streaming kernel reaches: the datasheet bandwidth times the achieved fraction."""
     return gpu.hbm_bandwidth * gpu.reached.hbm_fraction
-
-
-@dataclass(frozen=True)
-class EfficiencyProfile:
-    """Measured matmul efficiency by smallest dimension, per number format (the calibration hook)."""
-
-    points: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
-    launch_latency: float = 0.0  # seconds per kernel
-    source: str = ""  # where the tables come from (a publication, or our measurement); optional
-
-    def efficiency(self, dtype: str, smallest: int) -> float | None:
-        """The measured efficiency at `smallest`, or None when this format was not measured."""
-        table = self.points.get(dtype)
-        if not table:
-            return None
-        if smallest <= table[0][0]:
-            return table[0][1]
-        for (x0, e0), (x1, e1) in zip(table, table[1:]):
-            if smallest <= x1:
-                t = (math.log(smallest) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return e0 + t * (e1 - e0)
-        return table[-1][1]
-
-
-def parse_efficiency_profile(data: object, origin: str = "profile") -> EfficiencyProfile:
-    """Check a "matmul_efficiency" object; every problem raises ConfigError naming the field."""
-    where = f"{origin}: matmul_efficiency"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a JSON object of number formats and a launch_latency")
-    unknown = sorted(set(data) - set(FLOP_FORMATS) - {"launch_latency", "source"})
-    if unknown:
-        raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}: "
-                          f"use {', '.join(FLOP_FORMATS)}, launch_latency, source")
-    source = data.get("source", "")
-    if not isinstance(source, str):
-        raise ConfigError(f"{where}.source must be text naming where the tables come from, got {source!r}")
-    latency = data.get("launch_latency", 0.0)
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
-        raise ConfigError(f"{where}.launch_latency must be seconds >= 0, got {latency!r}")
-    points = {}
-    for fmt in FLOP_FORMATS:
-        if fmt not in data:
-            continue
-        table = data[fmt]
-        ok = isinstance(table, list) and table and all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool) and p[0] > 0
-            and isinstance(p[1], (int, float)) and not isinstance(p[1], bool) and 0 < p[1] <= 1
-            for p in table
-        )
-        if not ok or any(a[0] >= b[0] for a, b in zip(table, table[1:])):
-            raise ConfigError(
-                f"{where}.{fmt} must be [[size, efficiency], ...] with sizes > 0 increasing and 0 < efficiency <= 1"
-            )
-        points[fmt] = tuple((int(x), float(e)) for x, e in table)
-    return EfficiencyProfile(points=points, launch_latency=float(latency), source=source)
 
 
 def efficiency(smallest: int, dtype: str, profile: EfficiencyProfile | None = None) -> float:

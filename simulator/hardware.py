@@ -43,17 +43,13 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from minigpt.errors import ConfigError
 from simulator.achieved import Achieved, fraction, parse_achieved
-
-if TYPE_CHECKING:  # compute.py imports this module; the parser is imported where it is used
-    from simulator.compute import EfficiencyProfile
-    from simulator.host import MeasuredHost
+from simulator.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
+from simulator.host import MeasuredHost, parse_measured_host
 
 PRESETS_FILE = Path(__file__).with_name("hardware.json")
-FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured", "achieved")
@@ -219,16 +215,12 @@ def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
 def _parse_efficiency(data: object, where: str, origin: str):
     if data is None:
         return None
-    from simulator.compute import parse_efficiency_profile  # compute.py imports this module
-
     return parse_efficiency_profile(data, f"{origin}: {where}")
 
 
 def _parse_measured(data: object, where: str, origin: str):
     if data is None:
         return None
-    from simulator.host import parse_measured_host
-
     return parse_measured_host(data, f"{origin}: {where}")
 
 

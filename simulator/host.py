@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from simulator.hardware import FLOP_FORMATS  # hardware.py imports this module only inside a function
+from simulator.efficiency import FLOP_FORMATS
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
