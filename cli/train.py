@@ -123,7 +123,7 @@ def mib(n: int) -> str:
 @click.option("--pp", default=1, show_default=True, type=int, help="Pipeline-parallel size.")
 @click.option("--dp", default=1, show_default=True, type=int, help="Data-parallel size (tp x pp x dp processes).")
 @click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group: 0-3.")
-@click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b or interleaved.")
+@click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (zero bubble: input and weight gradients split).")
 @click.option("--virtual-chunks", default=1, show_default=True, type=int, help="Model chunks per pipeline rank (interleaved).")
 @click.option("--sequence-parallel", is_flag=True, help="Shard LayerNorm and dropout regions along the sequence (tp > 1).")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=float, help="Gradient bucket size in MiB.")

@@ -19,7 +19,8 @@ from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embed
 from parallel.schedule import ScheduleConfig, build_schedule
 from parallel.tensor import parallelize
 from parallel.train_config import TrainConfig
-from parallel.zero import make_data_parallel
+from parallel.zero import STAGES, Replicated
+from parallel.zero3 import ShardedParameters
 from precision.compute import apply_precision, dtype_of
 from precision.optimizer import MasterAdamW
 from precision.policy import PrecisionPolicy
@@ -62,6 +63,15 @@ def tied_copy(stage: StageModel) -> nn.Parameter | None:
         if chunk.last:
             return getattr(chunk.head, "inner", chunk.head).weight
     return None
+
+
+def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_numel: int):
+    """The ZeRO stage `stage` over `comm`'s group (stage 0 when the group has one rank)."""
+    if comm.size == 1:
+        return Replicated(model, comm, bucket_numel)
+    if stage == 3:
+        return ShardedParameters(model, comm)
+    return STAGES[stage](model, comm, bucket_numel)
 
 
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:

@@ -6,16 +6,25 @@ rank r holds chunks r, r + p, ... (the schedule's rule). Every rank builds the
 whole model from the same seed first, so each chunk starts with exactly the
 weights one process would have, then drops the blocks it does not hold.
 
-`PipelineExecutor.run_step` interprets one rank's action list: compute actions
-run forward or backward of a micro-batch on a chunk; runs of consecutive
-sends/receives are posted together with batch_isend_irecv and waited for, as
-the schedule's validator assumes; data-parallel actions are where ZeRO's own
-hooks do their work (bucket reductions during the backward, ZeRO-3 gathers in
-module hooks), so the executor only marks them in the trace. Every action is
-stamped by the step clock (parallel/clock.py) for the Chrome trace: on CUDA with
-device events, so the trace holds when the GPU did the work, not when the host
-enqueued it. Every tensor handed to a collective or a send/receive lives on the
-rank's device (NCCL takes CUDA tensors only).
+`PipelineExecutor.run_step` interprets one rank's action list through one
+dispatch table (action type -> method; an action not in it is refused, by name,
+when the executor is built): compute actions run forward or backward of a
+micro-batch on a chunk; runs of consecutive sends/receives are posted together
+with batch_isend_irecv and waited for, as the schedule's validator assumes;
+data-parallel actions are where ZeRO's own hooks do their work (bucket
+reductions during the backward, ZeRO-3 gathers in module hooks), so their
+entries only mark them in the trace. Every action is stamped by the step clock
+(parallel/clock.py) for the Chrome trace: on CUDA with device events, so the
+trace holds when the GPU did the work, not when the host enqueued it. Every
+tensor handed to a collective or a send/receive lives on the rank's device
+(NCCL takes CUDA tensors only).
+
+Zero-bubble schedules split a backward in two (`WeightGradients`):
+BackwardInput computes the activation gradients only -- the chunk's input
+gradient, which SendGrad hands to the previous stage -- and BackwardWeight the
+parameter gradients later, where ZeRO's and tensor parallelism's parameter
+hooks fire as in a whole backward. The first chunk has no input gradient to
+send: there BackwardInput does nothing and BackwardWeight the whole backward.
 
 With a tied head and more than one stage, the first stage's embedding and the
 last stage's head are two copies of one matrix: their gradients are summed over
@@ -25,17 +34,25 @@ the pair of ranks (the embedding group) before the optimizer sees them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from minigpt.errors import ConfigError
 from parallel.clock import Event, StepClock
 from parallel.schedule import (
+    AllReduceGrads,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
+    GatherParams,
+    OptimizerStep,
     RecvActivation,
     RecvGrad,
+    ReduceScatterGrads,
     Schedule,
     SendActivation,
     SendGrad,
@@ -123,19 +140,138 @@ class StepRecord:
     events: list[Event] = field(default_factory=list)
 
 
+@dataclass
+class StepData:
+    """What the actions of one step read: the micro-batches, the loss scaling, the record they add to."""
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    scale: Callable[[torch.Tensor], torch.Tensor]
+    record: StepRecord
+    activation_meter: object = None  # measures the first forward, then None
+
+
+class WeightGradients:
+    """A chunk's backward split in two: activation gradients now, parameter gradients later.
+
+    While a micro-batch runs forward through a chunk, forward hooks keep the output of
+    every module that holds parameters of its own (Linear, LayerNorm, Embedding, the
+    bias of a row-parallel Linear). `input_gradient` (BackwardInput) runs
+    torch.autograd.grad from the chunk's output to its input and those outputs, keeping
+    the graph: autograd computes only what those need, so every weight-gradient GEMM is
+    skipped, while the tensor-parallel collectives on the activation path run. What it
+    returns is the input gradient; the gradients of the kept outputs wait.
+    `weight_gradients` (BackwardWeight) then starts, module by module in backward order,
+    torch.autograd.backward from each kept output with its kept gradient to the module's
+    own parameters only. Such a backward passes only the module's own operations (its
+    input does not depend on its own parameters: every parameter belongs to one module,
+    each module runs once a forward), and it accumulates into .grad as a whole backward
+    does, so ZeRO's post-accumulate hooks, the tied embedding's hook and sequence
+    parallelism's parameter all-reduces fire here, in the same order on every rank.
+    """
+
+    def __init__(self, chunks: list[Chunk]):
+        self.params: dict[int, list[nn.Parameter]] = {}
+        owner: dict[int, str] = {}
+        for chunk in chunks:
+            for name, module in chunk.named_modules():
+                params = list(module.parameters(recurse=False))
+                for param in params:
+                    if id(param) in owner:
+                        raise ValueError(f"chunk {chunk.index}: parameter of {name} is also one of "
+                                         f"{owner[id(param)]}: a zero-bubble schedule needs unshared weights")
+                    owner[id(param)] = name
+                if params:
+                    self.params[id(module)] = params
+                    module.register_forward_hook(self.keep)
+        self.capturing: list | None = None
+        self.kept: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]] = {}
+        self.waiting: dict[tuple[int, int], list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]] = {}
+
+    def keep(self, module: nn.Module, args, output) -> None:
+        if self.capturing is not None and torch.is_grad_enabled():
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(f"{type(module).__name__} returns {type(output).__name__}: the zero-bubble "
+                                "split needs modules with parameters to return one tensor")
+            self.capturing.append((module, output))
+
+    def forward(self, chunk: Chunk, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+        """chunk(x), keeping the outputs of its modules with parameters for `key`'s backward."""
+        self.capturing = []
+        try:
+            out = chunk(x)
+            self.kept[key] = self.capturing
+        finally:
+            self.capturing = None
+        return out
+
+    def input_gradient(self, key, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        kept = self.kept.pop(key)
+        modules = [module for module, _ in kept]
+        if len(set(map(id, modules))) < len(modules):
+            raise RuntimeError("a module with parameters ran twice in one forward: the zero-bubble split "
+                               "would count its gradient twice")
+        outputs = [output for _, output in kept]
+        grads = torch.autograd.grad([out], [x, *outputs], None if grad is None else [grad],
+                                    retain_graph=True, allow_unused=True)
+        self.waiting[key] = [(self.params[id(module)], output, g)
+                             for module, output, g in zip(modules, outputs, grads[1:]) if g is not None]
+        return grads[0]
+
+    def weight_gradients(self, key, before: Callable[[list[nn.Parameter]], None]) -> None:
+        """The parameter gradients of `key`, module by module, last first; `before(params)` ahead of each."""
+        for params, output, grad in reversed(self.waiting.pop(key)):
+            before(params)
+            torch.autograd.backward([output], [grad], inputs=params)
+
+    def reset(self) -> None:
+        self.kept.clear()
+        self.waiting.clear()
+
+
 class PipelineExecutor:
     def __init__(self, stage: StageModel, schedule: Schedule, pp_rank: int, pp_ranks: list[int],
                  data_parallel, device: torch.device, tied: "TiedEmbedding | None", comm):
         self.stage, self.pp_rank, self.pp_ranks, self.comm = stage, pp_rank, pp_ranks, comm
         self.actions = schedule.actions[pp_rank]
+        self.table = self.dispatch_table()
+        for action in self.actions:
+            self.handler(action)  # refuse an unknown action before any rank starts the step
         self.groups = batches(self.actions)
         self.micro_batches = schedule.config.micro_batches
         self.num_chunks = schedule.config.num_chunks
         self.data_parallel, self.device, self.tied = data_parallel, device, tied
-        backwards = [a for a in self.actions if isinstance(a, Backward)]
+        producers = [a for a in self.actions if type(a) in (Backward, BackwardWeight)]
         # Buckets are reduced during the last backward, overlapped, unless a tied copy's
         # gradient still has to be added after it: then all are reduced at the end.
-        self.last_backward = backwards[-1] if backwards and tied is None else None
+        self.last_backward = producers[-1] if producers and tied is None else None
+        split = any(type(a) is BackwardWeight for a in self.actions)
+        self.split = WeightGradients([c for c in stage.chunks if not c.first]) if split else None
+
+    def dispatch_table(self) -> dict[type, Callable[[tuple, StepData], str]]:
+        """Action type -> the method that runs a batch starting with one; it returns the trace kind."""
+        return {
+            Forward: self.run_forward,
+            Backward: self.run_backward,
+            BackwardInput: self.run_backward_input,
+            BackwardWeight: self.run_backward_weight,
+            SendActivation: self.exchange,
+            RecvActivation: self.exchange,
+            SendGrad: self.exchange,
+            RecvGrad: self.exchange,
+            # Done by ZeRO's hooks (parallel/zero.py, zero3.py) and the training loop; marked here.
+            AllReduceGrads: self.mark,
+            ReduceScatterGrads: self.mark,
+            GatherParams: self.mark,
+            OptimizerStep: self.mark,
+        }
+
+    def handler(self, action) -> Callable[[tuple, StepData], str]:
+        handler = self.table.get(type(action))
+        if handler is None:
+            raise ConfigError(f"rank {self.pp_rank}: the pipeline executor cannot run {action} "
+                              f"({type(action).__name__}): it has no entry in PipelineExecutor.dispatch_table")
+        return handler
 
     def run_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], scale, activation_meter=None,
                  clock: StepClock | None = None) -> StepRecord:
@@ -144,72 +280,97 @@ class PipelineExecutor:
         `clock`: the step's clock, started by the caller, who resolves the record's stamps after
         finishing it; without one the actions get host perf_counter times (CPU-accurate only)."""
         clock = clock or StepClock(torch.device("cpu"))
-        record = StepRecord()
+        step = StepData(inputs, targets, scale, StepRecord(), activation_meter)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
-        measured = activation_meter is None
+        if self.split is not None:
+            self.split.reset()
         for group in self.groups:
             start = clock.stamp()
-            action = group[0]
-            if isinstance(action, Forward):
-                if not measured:
-                    with activation_meter.measure_forward():
-                        self.forward(action, inputs, targets, scale, record)
-                    measured = True
-                else:
-                    self.forward(action, inputs, targets, scale, record)
-                kind = "compute"
-            elif isinstance(action, Backward):
-                self.data_parallel.begin_micro_batch(last=action == self.last_backward)
-                self.backward(action)
-                self.data_parallel.end_micro_batch()
-                kind = "compute"
-            elif isinstance(action, (SendActivation, RecvActivation, SendGrad, RecvGrad)):
-                self.exchange(group)
-                kind = "p2p"
-            else:
-                kind = "dp"  # performed by ZeRO's hooks and the training loop; marked here
-            name = "+".join(a.name for a in group)
-            record.events.append((name, kind, start, clock.stamp()))
+            kind = self.handler(group[0])(group, step)
+            step.record.events.append(("+".join(a.name for a in group), kind, start, clock.stamp()))
         if self.tied is not None:
             start = clock.stamp()
             self.tied.sync()
-            record.events.append(("EmbeddingSync", "p2p", start, clock.stamp()))
-        return record
+            step.record.events.append(("EmbeddingSync", "p2p", start, clock.stamp()))
+        return step.record
 
-    def forward(self, action: Forward, inputs, targets, scale, record: StepRecord) -> None:
+    def mark(self, group, step: StepData) -> str:
+        return "dp"
+
+    def run_forward(self, group, step: StepData) -> str:
+        if step.activation_meter is not None:
+            with step.activation_meter.measure_forward():
+                self.forward(group[0], step)
+            step.activation_meter = None
+        else:
+            self.forward(group[0], step)
+        return "compute"
+
+    def run_backward(self, group, step: StepData) -> str:
+        action = group[0]
+        self.data_parallel.begin_micro_batch(last=action == self.last_backward)
+        self.backward(action)
+        self.data_parallel.end_micro_batch()
+        return "compute"
+
+    def run_backward_input(self, group, step: StepData) -> str:
+        """The input gradient only; on the first chunk (no input gradient) nothing: its W does it all."""
+        action = group[0]
+        key = (action.micro_batch, action.chunk)
+        chunk = self.stage.by_index[action.chunk]
+        if not chunk.first:
+            grad = self.output_grad(action, chunk)
+            x = self.inputs[key]
+            x.grad = self.split.input_gradient(key, self.outputs.pop(key), grad, x)
+        return "compute"
+
+    def run_backward_weight(self, group, step: StepData) -> str:
+        action = group[0]
+        self.data_parallel.begin_micro_batch(last=action == self.last_backward)
+        if self.stage.by_index[action.chunk].first:
+            self.backward(action)
+        else:
+            self.split.weight_gradients((action.micro_batch, action.chunk), self.data_parallel.before_weight_grads)
+        self.data_parallel.end_micro_batch()
+        return "compute"
+
+    def forward(self, action: Forward, step: StepData) -> None:
         chunk = self.stage.by_index[action.chunk]
         key = (action.micro_batch, action.chunk)
         if chunk.first:
-            x = inputs[action.micro_batch]
+            x = step.inputs[action.micro_batch]
         elif key in self.inputs:
             x = self.inputs[key]
         else:  # the previous chunk is on this rank (pp = 1): hand over in memory
             x = self.outputs.pop((action.micro_batch, action.chunk - 1)).detach().requires_grad_()
             self.inputs[key] = x
-        out = chunk(x)
+        out = self.split.forward(chunk, x, key) if self.split is not None and not chunk.first else chunk(x)
         if chunk.last:
-            loss = chunk.loss(out, targets[action.micro_batch])
-            record.loss_sum += loss.item()
-            self.outputs[key] = scale(loss / self.micro_batches)
+            loss = chunk.loss(out, step.targets[action.micro_batch])
+            step.record.loss_sum += loss.item()
+            self.outputs[key] = step.scale(loss / self.micro_batches)
         else:
             self.outputs[key] = out
 
-    def backward(self, action: Backward) -> None:
-        key = (action.micro_batch, action.chunk)
-        out = self.outputs.pop(key)
-        chunk = self.stage.by_index[action.chunk]
+    def output_grad(self, action, chunk: Chunk) -> torch.Tensor | None:
+        """The gradient a backward of `action` starts from: None on the last chunk (a loss)."""
         if chunk.last:
-            out.backward()
-        else:
-            grad = self.grads_in.pop(key, None)
-            if grad is None:  # the next chunk is on this rank
-                grad = self.inputs[(action.micro_batch, action.chunk + 1)].grad
-                del self.inputs[(action.micro_batch, action.chunk + 1)]
-            out.backward(grad)
+            return None
+        key = (action.micro_batch, action.chunk)
+        grad = self.grads_in.pop(key, None)
+        if grad is None:  # the next chunk is on this rank
+            grad = self.inputs.pop((action.micro_batch, action.chunk + 1)).grad
+        return grad
 
-    def exchange(self, group) -> None:
+    def backward(self, action) -> None:
+        """The whole backward of a micro-batch on a chunk: input and parameter gradients."""
+        chunk = self.stage.by_index[action.chunk]
+        grad = self.output_grad(action, chunk)
+        self.outputs.pop((action.micro_batch, action.chunk)).backward(grad)
+
+    def exchange(self, group, step: StepData | None = None) -> str:
         operations, received = [], []
         for action in group:
             peer = self.pp_ranks[action.peer]
@@ -232,6 +393,7 @@ class PipelineExecutor:
                 self.inputs[key] = buffer.requires_grad_()
             else:
                 self.grads_in[key] = buffer
+        return "p2p"
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:

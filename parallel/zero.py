@@ -18,7 +18,7 @@ flat weights in place (no second copy of the weights).
                    into its bucket's staging buffer and dropped; a full bucket is
                    reduce-scattered into the rank's gradient shard and freed, every
                    micro-batch, with at most MAX_IN_FLIGHT buckets in the air.
-Stage 3 (parameters sharded too) is parallel/zero3.py.
+Stage 3 (parameters sharded too) is parallel/zero3.py; parallel/build.py picks the stage.
 
 Gradients are divided by N before they are summed, so the sum is the mean over
 the global batch. With a single data-parallel rank every stage is stage 0.
@@ -107,6 +107,9 @@ class Replicated:
         if self.comm.size > 1:
             grads.div_(self.comm.size)
         self.in_flight.append((self.comm.all_reduce(grads, async_op=True), bucket, None, None))
+
+    def before_weight_grads(self, params: list[torch.Tensor]) -> None:
+        """Called before a zero-bubble weight gradient of `params`: every weight is here already."""
 
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Add a gradient computed outside autograd's hooks (a tied copy's), before the reduction."""
@@ -277,14 +280,3 @@ class ShardedGradients(ShardedOptimizer):
 
 
 STAGES = {0: Replicated, 1: ShardedOptimizer, 2: ShardedGradients}
-
-
-def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_numel: int):
-    """The ZeRO stage `stage` over `comm`'s group (stage 0 when the group has one rank)."""
-    if comm.size == 1:
-        return Replicated(model, comm, bucket_numel)
-    if stage == 3:
-        from parallel.zero3 import ShardedParameters
-
-        return ShardedParameters(model, comm)
-    return STAGES[stage](model, comm, bucket_numel)

@@ -11,7 +11,9 @@ while it computes:
   backward  a backward pre-hook gathers the block once more (and prefetches
             the block before it); when the last gradient of a unit is in, its
             gradients are reduce-scattered into this rank's shard of gradients
-            and its full weights freed.
+            and its full weights freed. Under a zero-bubble schedule the weight
+            gradients come later than the input gradients (parallel/pipeline.py
+            WeightGradients), and `before_weight_grads` gathers the unit for them.
 
 The first and last units stay gathered from their first use until the step
 ends: the embedding matrix is also the tied LM head, used at the very end of
@@ -85,6 +87,7 @@ class ShardedParameters:
             self.free(unit)
         self.shard_grad = torch.zeros_like(self.weights)
         self.decay_ranges = self.local_ranges(lambda flat, index: flat.segments[index].decay)
+        self.unit_of = {id(param): unit for unit in self.units for param in unit.flat.params}
         self.in_flight: list[tuple] = []
         self.comm_buffer_peak = 0
         self.install_hooks()
@@ -163,6 +166,13 @@ class ShardedParameters:
         self.ensure_gathered(unit)
         if unit.index > 0:
             self.start_gather(self.units[unit.index - 1])
+
+    def before_weight_grads(self, params: list[torch.Tensor]) -> None:
+        """A zero-bubble weight gradient runs after a later forward may have freed its unit again:
+        gather it (a custom autograd Function may read the weight while computing the weight
+        gradient); the unit is freed as usual once its last gradient is in."""
+        for param in params:
+            self.ensure_gathered(self.unit_of[id(param)])
 
     def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         if unit.staging is None:

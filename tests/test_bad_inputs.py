@@ -72,7 +72,7 @@ CASES = [
     ("train", ["--pp", "16"], "cannot fill"),
     ("train", ["--dp", "3", "--batch-size", "8"], "divisible"),
     ("train", ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--batch-size", "6"], "multiple"),
-    ("train", ["--schedule", "pipedream"], "cannot be trained"),
+    ("train", ["--schedule", "pipedream"], "unknown schedule"),
     ("train", ["--device", "cuda"], "CUDA"),
     ("train", ["--bucket-mb", "-1"], "bucket"),
     # train: config files and checkpoints
