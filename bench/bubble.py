@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 from minigpt.config import GPTConfig
-from parallel.schedule_check import closed_form_bubble
+from job.schedule_check import closed_form_bubble
 from parallel.train import train
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 
 def measured_bubble(trace_path: Path) -> float:

@@ -22,7 +22,7 @@ from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.model import GPT
 from parallel.device import measure_peak_flops, pick_device, synchronize
 from parallel.train import train
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -17,7 +17,7 @@ import tempfile
 
 from minigpt.config import preset
 from parallel.train import train
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 MODEL_STATES = ("parameters", "gradients", "master_weights", "adam_m", "adam_v")
 

@@ -18,7 +18,7 @@ import click
 from cli.config_file import config_file_option
 from minigpt.config import PRESETS, build_config
 from minigpt.errors import ConfigError
-from parallel.train_config import PRECISIONS, TrainConfig
+from job.train_config import PRECISIONS, TrainConfig
 
 
 def build_compare_config(options: dict) -> TrainConfig:
@@ -57,7 +57,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
     """Train a layout for K steps, simulate it with a calibrated profile, print predicted against measured."""
-    from parallel.compare import check_compare, format_error, format_value, run_compare
+    from cli.tools.compare import check_compare, format_error, format_value, run_compare
 
     for name in ("layers", "seq_len"):
         if options[name] is not None and options[name] < 1:
@@ -97,8 +97,8 @@ def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:
     import time
 
     from cli.output import format_table
-    from parallel.compare import format_error, format_value
-    from parallel.compare_matrix import run_matrix
+    from cli.tools.compare import format_error, format_value
+    from cli.tools.compare_matrix import run_matrix
 
     out_dir = out or f"runs/compare-matrix-{time.strftime('%Y%m%d-%H%M%S')}"
     report = run_matrix(cfg, hardware, out_dir)

@@ -1,6 +1,6 @@
 """`minigpt schedule`: what every pipeline rank does in one step, drawn, counted and proven.
 
-Torch-free: it only builds, validates and times the schedule (parallel/schedule.py),
+Torch-free: it only builds, validates and times the schedule (job/schedule.py),
 the same lists the torch executor runs and the simulator replays.
 """
 
@@ -15,7 +15,7 @@ from cli.output import format_table
 
 
 def _rank_rows(schedule, timeline, peaks) -> list[dict]:
-    from parallel.schedule import Compute, DataParallel, PointToPoint, batches, count_kinds
+    from job.schedule import Compute, DataParallel, PointToPoint, batches, count_kinds
 
     rows = []
     for rank, actions in enumerate(schedule.actions):
@@ -49,14 +49,14 @@ def schedule(pp: int, micro_batches: int, kind: str, virtual_chunks: int, zero_s
              as_json: bool) -> None:
     """Draw one training step of a pipeline schedule (ticks: forward 1, backward 2), prove it
     complete and deadlock-free, and print its bubble against the textbook formula."""
-    from parallel.schedule import (
+    from job.schedule import (
         ScheduleConfig,
         build_schedule,
         closed_form_bubble,
         peak_in_flight,
         simulate_order,
     )
-    from parallel.schedule_render import render_timeline
+    from job.schedule_render import render_timeline
 
     config = ScheduleConfig(pp, micro_batches, kind, virtual_chunks, zero_stage, buckets)
     built = build_schedule(config)

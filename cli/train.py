@@ -13,7 +13,7 @@ from minigpt.config import PRESETS, build_config
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
 from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
-from parallel.train_config import DEVICES, PRECISIONS, TrainConfig
+from job.train_config import DEVICES, PRECISIONS, TrainConfig
 
 
 def build_train_config(options: dict) -> TrainConfig:

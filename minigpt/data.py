@@ -9,7 +9,7 @@ batch, so any parallel layout sees exactly the same global batch as one process.
 Token streams and batches are CPU torch tensors (uint8 tokens, int64 batches); the
 random offsets come from a torch.Generator seeded by a hash of (seed, stream, step).
 torch is imported inside the functions that make tensors, so that the torch-free job
-description (parallel/train_config.py) can take VOCAB_SIZE and BatchLayout from here.
+description (job/train_config.py) can take VOCAB_SIZE and BatchLayout from here.
 """
 
 from __future__ import annotations

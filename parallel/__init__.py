@@ -1,4 +1,4 @@
 """Parallel training on torch.distributed: mesh, launch, tensor, pipeline, ZeRO, the training loop.
 
-Kept light: `import parallel.schedule` must not import torch.
+Kept light: `import job.schedule` must not import torch.
 """

@@ -16,9 +16,9 @@ from minigpt.model import GPT
 from parallel.comm import Collectives
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
-from parallel.schedule import ScheduleConfig, build_schedule
+from job.schedule import ScheduleConfig, build_schedule
 from parallel.tensor import parallelize
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 from parallel.zero import STAGES, Replicated
 from parallel.zero3 import ShardedParameters
 from precision.compute import apply_precision, dtype_of

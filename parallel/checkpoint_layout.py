@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minigpt.model import GPT
-from parallel.schedule import chunk_layers
+from job.schedule import chunk_layers
 
 Box = tuple[int, tuple[int, ...], tuple[int, ...]]  # (first flat element, offsets, sizes)
 

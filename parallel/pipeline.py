@@ -1,4 +1,4 @@
-"""Pipeline parallelism: the model cut into chunks, and the executor of parallel/schedule.py.
+"""Pipeline parallelism: the model cut into chunks, and the executor of job/schedule.py.
 
 The blocks are cut into pp x v contiguous chunks (`chunk_layers`); chunk 0 also
 holds the embeddings, the last chunk the final norm, head and loss. Pipeline
@@ -42,7 +42,7 @@ from torch import nn
 
 from minigpt.errors import ConfigError
 from parallel.clock import Event, StepClock
-from parallel.schedule import (
+from job.schedule import (
     AllReduceGrads,
     Backward,
     BackwardInput,

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:

@@ -23,7 +23,7 @@ from parallel.tensor_layers import (
     VocabParallelLoss,
     shard_rows,
 )
-from parallel.train_config import check_tensor_parallel
+from job.train_config import check_tensor_parallel
 
 
 def _replace_weight(inner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

@@ -29,8 +29,8 @@ from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
 from parallel.run_files import RunFiles, default_run_dir
-from parallel.trace import Trace, breakdown, write_chrome_trace
-from parallel.train_config import TrainConfig
+from job.trace import Trace, breakdown, write_chrome_trace
+from job.train_config import TrainConfig
 from precision.compute import compute_path, dtype_of, needs_emulation
 from precision.optimizer import MasterAdamW, StepResult, state_bytes
 from precision.policy import TEXTBOOK_MIXED_ADAM, policy as precision_policy

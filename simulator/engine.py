@@ -30,8 +30,8 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from parallel.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_flight
-from parallel.train_config import TrainConfig
+from job.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_flight
+from job.train_config import TrainConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
 from simulator.engine_costs import rank_costs
@@ -88,7 +88,7 @@ class SimResult:
 
     @cached_property
     def timelines(self) -> list[dict]:
-        """Per stage rank, the step as parallel/trace.py's Trace.as_dict() holds the executor's."""
+        """Per stage rank, the step as job/trace.py's Trace.as_dict() holds the executor's."""
         return [{"rank": rank, "steps": [{"step": 0, "start": 0.0, "end": self.step_time_s, "events": t.named_events()}]}
                 for rank, t in enumerate(self.tallies)]
 
@@ -134,7 +134,7 @@ class SimResult:
         }
 
     def trace_events(self) -> list[dict]:
-        """The Chrome trace events parallel/trace.py writes for the executor: one track per stage, schedule names."""
+        """The Chrome trace events job/trace.py writes for the executor: one track per stage, schedule names."""
         origin = min((s["start"] for t in self.timelines for s in t["steps"]), default=0.0)
         events = []
         for timeline in self.timelines:
@@ -146,7 +146,7 @@ class SimResult:
         return events
 
     def write_chrome_trace(self, path: str | Path) -> Path:
-        from parallel.trace import write_chrome_trace
+        from job.trace import write_chrome_trace
 
         return write_chrome_trace(Path(path), self.timelines)
 

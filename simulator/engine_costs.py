@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from minigpt.config import GPTConfig
-from parallel.schedule import ScheduleConfig
+from job.schedule import ScheduleConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.compute import EfficiencyProfile, chunk_times
 from simulator.engine_host import HostCompute

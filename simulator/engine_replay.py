@@ -1,7 +1,7 @@
 """The SimPy replay of a schedule: one process per pipeline stage, the executor's semantics. Torch-free.
 
-Each process walks its rank's action list (parallel/schedule.py) in order, split by
-`batches`, with the rules of parallel/schedule_run.py's docstring:
+Each process walks its rank's action list (job/schedule.py) in order, split by
+`batches`, with the rules of job/schedule_run.py's docstring:
   - compute and data-parallel actions never wait for a pipeline peer: the rank adds their
     seconds to its own clock, which runs ahead of SimPy's, and records each one's start and end;
   - a batch of sends and receives is posted at the rank's clock; each transfer starts when
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import simpy
 
 from minigpt.errors import ConfigError
-from parallel.schedule import (
+from job.schedule import (
     AllReduceGrads,
     Backward,
     BackwardInput,
@@ -257,7 +257,7 @@ def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[i
         run.env.run()
     stuck = [rank for rank, process in enumerate(processes) if process.is_alive]
     if stuck:
-        raise ConfigError(f"the schedule deadlocks: rank {stuck[0]} never finishes (run parallel.schedule.validate on it)")
+        raise ConfigError(f"the schedule deadlocks: rank {stuck[0]} never finishes (run job.schedule.validate on it)")
     tallies = run.tallies
     step = max(t.end for t in tallies)
     for tally in tallies:

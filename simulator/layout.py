@@ -3,7 +3,7 @@
 Torch-free. Models parallel/tensor.py (tensor parallelism over T ranks: qkv/fc1 rows and
 proj/fc2 columns split, qkv/fc1 biases split, proj/fc2 biases, LayerNorms and the
 position embedding replicated, the vocabulary padded up to a multiple of T and split),
-parallel/schedule.py's `chunk_layers` (pipeline stages: the embeddings on the first,
+job/schedule.py's `chunk_layers` (pipeline stages: the embeddings on the first,
 final norm + head on the last; a tied head on P > 1 stages keeps its own copy of the
 embedding matrix on the last stage, Megatron-style), precision/flat.py (buckets) and
 parallel/zero3.py (units: the embeddings, each block, final norm + head).
@@ -17,8 +17,8 @@ from typing import NamedTuple, Sequence
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from parallel.schedule import chunk_layers
-from parallel.train_config import check_tensor_parallel
+from job.schedule import chunk_layers
+from job.train_config import check_tensor_parallel
 
 
 @dataclass(frozen=True)

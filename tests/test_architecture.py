@@ -12,7 +12,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("minigpt", "parallel", "precision", "simulator", "cli")
+PACKAGES = ("minigpt", "job", "parallel", "precision", "simulator", "cli")
 MAX_FUNCTION_LINES = 80
 
 
@@ -62,3 +62,21 @@ def test_no_function_over_80_lines_in_parallel_or_simulator():
                     if lines > MAX_FUNCTION_LINES:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def folder_graph() -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for a, b in import_graph().edges():
+        if a.split(".")[0] != b.split(".")[0]:
+            graph.add_edge(a.split(".")[0], b.split(".")[0])
+    return graph
+
+
+def test_imports_point_down_only_between_folders():
+    folders = folder_graph()
+    assert not list(nx.simple_cycles(folders)), list(nx.simple_cycles(folders))
+    # the two interpreters never import each other; they share the job description below them
+    assert not folders.has_edge("parallel", "simulator") and not folders.has_edge("simulator", "parallel")
+    assert folders.has_edge("parallel", "job") and folders.has_edge("simulator", "job")
+    for low in ("minigpt", "precision", "job"):  # nothing below imports an interpreter or the commands
+        assert not set(folders.successors(low)) & {"parallel", "simulator", "cli"} if low in folders else True

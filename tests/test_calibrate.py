@@ -216,7 +216,8 @@ def test_the_measured_numbers_are_physical(profile_path):
     if (1, cores) in sharing:
         assert sharing[(1, cores)] < 0.95  # more threads help one rank alone
     for fit in measured["collectives"]:  # the largest message takes longer than the smallest
-        assert fit["points"][-1][1] > fit["points"][0][1], fit
+        if fit["active"] <= cores:  # with more busy ranks than cores the OS scheduler's turns dominate
+            assert fit["points"][-1][1] > fit["points"][0][1], fit
     if (2 * cores, 1) not in sharing:
         pytest.skip(f"{cores} cores: the quick run has no row with twice as many ranks")
     assert sharing[(2 * cores, 1)] > 1.3  # ranks outnumbering cores take turns

@@ -34,7 +34,7 @@ from parallel.checkpoint import (
 from parallel.checkpoint_layout import decompose
 from parallel.mesh import build_mesh
 from parallel.train import mean_over, micro_batches
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 from precision.compute import dtype_of
 from precision.policy import policy as precision_policy
 

@@ -78,7 +78,7 @@ def test_tp2_pairs_the_tensor_parallel_communication(profile, tmp_path):
 
 def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
     from cli.compare import build_compare_config
-    from parallel.compare import check_compare, run_compare
+    from cli.tools.compare import check_compare, run_compare
 
     options = dict(model="tiny", seq_len=32, layers=2, steps=2, batch_size=4, micro_batches=1, out=str(tmp_path / "r"),
                    device="auto", precision="fp32", tp=1, pp=1, dp=1, zero=0, schedule="1f1b", virtual_chunks=1,
@@ -106,7 +106,7 @@ def test_bad_input_before_any_worker(profile, tmp_path, monkeypatch, args, words
 
 def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monkeypatch):
     """The machinery of --matrix on two of its layouts (the whole matrix takes about a minute)."""
-    import parallel.compare_matrix as matrix
+    import cli.tools.compare_matrix as matrix
 
     monkeypatch.setattr(matrix, "MATRIX", {name: matrix.MATRIX[name] for name in ("1 rank", "pp2 1f1b")})
     result = invoke("--hardware", profile, *TINY, "--matrix", "--json", "--out", str(tmp_path / "m"))

@@ -31,7 +31,7 @@ from parallel.comm import BlockedTime, Collectives
 from parallel.device import measure_peak_flops
 from parallel.mesh import build_mesh
 from parallel.train import train_step
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
 
 # Everything of torch.distributed that takes tensors and our code could call (P2POp: below).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from minigpt.config import preset
 from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 ARGS = ["--dp", "4", "--layers", "1", "--seq-len", "32", "--batch-size", "8", "--log-every", "1000"]
 

@@ -5,7 +5,7 @@ import sys
 
 
 def test_simulator_and_config_do_not_import_torch():
-    code = "import sys, simulator, minigpt.config, parallel.train_config; print('torch' in sys.modules)"
+    code = "import sys, simulator, minigpt.config, job.train_config; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

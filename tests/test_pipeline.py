@@ -15,9 +15,9 @@ import torch
 
 from distributed import run_ranks
 from minigpt.config import GPTConfig
-from parallel.schedule import ScheduleConfig, build_schedule
+from job.schedule import ScheduleConfig, build_schedule
 from parallel.train import train_on_rank
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layers=8, n_heads=4, d_model=32, d_ff=64)
 BASE = TrainConfig(model=MODEL, steps=20, global_batch=8, micro_batches=4, eval_every=10, eval_batches=1, device="cpu")

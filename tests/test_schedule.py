@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from cli.main import Group
 from cli.schedule import schedule as schedule_command
 from minigpt.errors import ConfigError
-from parallel.schedule import (
+from job.schedule import (
     AllReduceGrads,
     Backward,
     BackwardInput,
@@ -35,7 +35,7 @@ from parallel.schedule import (
     simulate_order,
     validate,
 )
-from parallel.schedule_render import render
+from job.schedule_render import render
 
 
 def valid_configs():
@@ -261,6 +261,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(args):
 
 
 def test_schedule_modules_do_not_import_torch():
-    code = "import sys, parallel.schedule, parallel.schedule_render, cli.schedule; print('torch' in sys.modules)"
+    code = "import sys, job.schedule, job.schedule_render, cli.schedule; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -11,7 +11,7 @@ import pytest
 
 from minigpt.config import GPTConfig, build_config, preset
 from minigpt.errors import ConfigError
-from parallel.schedule import ScheduleConfig, build_schedule, closed_form_bubble
+from job.schedule import ScheduleConfig, build_schedule, closed_form_bubble
 from simulator.collectives import simulate_collective
 from simulator.compute import chunk_times
 from simulator.engine import simulate_step
@@ -204,7 +204,7 @@ def test_trace_has_one_track_per_stage_and_the_schedule_names(tmp_path):
         names = {part for e in events if e["tid"] == rank and e["ph"] == "X" for part in e["name"].split("+")}
         assert {a.name for a in actions} <= names
     path = result.write_chrome_trace(tmp_path / "sim.json")
-    assert json.loads(path.read_text())["traceEvents"] == json.loads(json.dumps(events))  # parallel/trace.py's format
+    assert json.loads(path.read_text())["traceEvents"] == json.loads(json.dumps(events))  # job/trace.py's format
 
 
 def test_a_layout_that_does_not_fit_is_a_result():

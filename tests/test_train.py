@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from cli.main import main
 from minigpt.config import preset
 from parallel.train import train
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 SMALL = preset("tiny").with_(n_layers=2, seq_len=64)
 

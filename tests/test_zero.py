@@ -11,7 +11,7 @@ import torch
 from distributed import run_ranks
 from minigpt.config import GPTConfig
 from parallel.train import train_on_rank
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=2, d_model=64, d_ff=128)
 BASE = TrainConfig(model=MODEL, steps=20, global_batch=8, eval_every=0, eval_batches=1, bucket_mb=0.02, device="cpu")

@@ -16,11 +16,11 @@ from distributed import run_ranks
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
-from parallel import schedule_actions
+from job import schedule_actions
 from parallel.pipeline import PipelineExecutor, WeightGradients, split_model
-from parallel.schedule import Action, Forward, Schedule, ScheduleConfig, build_schedule
+from job.schedule import Action, Forward, Schedule, ScheduleConfig, build_schedule
 from parallel.train import train, train_on_rank
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layers=4, n_heads=4, d_model=32, d_ff=64)
 SHORT = TrainConfig(model=MODEL, steps=3, global_batch=8, micro_batches=4, eval_every=0, eval_batches=1, device="cpu")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from parallel.compare import check_compare, machine_drift, run_compare
-from parallel.train_config import TrainConfig
+from cli.tools.compare import check_compare, machine_drift, run_compare
+from job.train_config import TrainConfig
 
 # name -> the layout fields changed from the base configuration (tiny: 4 layers, 4 heads)
 MATRIX: dict[str, dict] = {

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minigpt.errors import ConfigError
-from parallel.train_config import TrainConfig
+from job.train_config import TrainConfig
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
 

@@ -1,6 +1,6 @@
 """Where the sends, receives and data-parallel actions go in a rank's list. Torch-free.
 
-The schedule kinds (parallel/schedule.py) only order the compute actions; this
+The schedule kinds (job/schedule.py) only order the compute actions; this
 module turns those orders into complete action lists, mechanically, so every
 kind gets the same guarantees. A rank's list is
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from parallel.schedule_actions import (
+from job.schedule_actions import (
     Action,
     Backward,
     BackwardInput,
@@ -56,7 +56,7 @@ from parallel.schedule_actions import (
     chunk_rank,
     reduce_kind,
 )
-from parallel.schedule_check import Costs
+from job.schedule_check import Costs
 
 Boundaries = list[list[PointToPoint]]  # per rank: len(order) + 1 boundaries
 

@@ -1,13 +1,13 @@
 """What every pipeline rank does in one training step, as plain data. Torch-free.
 
 `build_schedule(ScheduleConfig(...))` returns a `Schedule`: for each pipeline rank
-the ordered list of actions (parallel/schedule_actions.py) that both the torch
+the ordered list of actions (job/schedule_actions.py) that both the torch
 executor and the SimPy simulator run, so a schedule is written once. `validate`
-(parallel/schedule_check.py) runs it symbolically and proves it complete,
+(job/schedule_check.py) runs it symbolically and proves it complete,
 matched and deadlock-free; `simulate_order` times it with unit compute costs.
 
 A schedule kind is only an order of compute actions per rank (grouped in slots,
-see parallel/schedule_comm.py); the sends, receives and data-parallel actions
+see job/schedule_comm.py); the sends, receives and data-parallel actions
 are then placed mechanically, the same way for every kind.
 
 Chunks and layers: the model's blocks are cut into p*v contiguous chunks
@@ -37,7 +37,7 @@ from collections import deque
 from typing import Iterable
 
 from minigpt.errors import ConfigError
-from parallel.schedule_actions import (
+from job.schedule_actions import (
     GATHER_PHASES,
     KINDS,
     Action,
@@ -63,7 +63,7 @@ from parallel.schedule_actions import (
     local_chunk,
     reduce_kind,
 )
-from parallel.schedule_check import (
+from job.schedule_check import (
     Costs,
     TimedAction,
     Timeline,
@@ -74,7 +74,7 @@ from parallel.schedule_check import (
     simulate_order,
     validate,
 )
-from parallel.schedule_comm import assemble, input_recv, output_send, slot_boundaries, timed_boundaries
+from job.schedule_comm import assemble, input_recv, output_send, slot_boundaries, timed_boundaries
 
 __all__ = [
     "GATHER_PHASES", "KINDS", "Action", "AllReduceGrads", "Backward", "BackwardInput", "BackwardWeight",

@@ -10,8 +10,8 @@ time in this model and do not show.
 
 from __future__ import annotations
 
-from parallel.schedule_actions import Compute, Schedule
-from parallel.schedule_check import Costs, Timeline, simulate_order
+from job.schedule_actions import Compute, Schedule
+from job.schedule_check import Costs, Timeline, simulate_order
 
 
 def cell_label(action: Compute, with_chunk: bool) -> str:

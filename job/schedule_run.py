@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from minigpt.errors import ConfigError
-from parallel.schedule_actions import (
+from job.schedule_actions import (
     RECVS,
     SENDS,
     Action,

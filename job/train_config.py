@@ -9,7 +9,7 @@ from pathlib import Path
 from minigpt.config import GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
 from minigpt.errors import ConfigError
-from parallel.schedule import ScheduleConfig, chunk_layers
+from job.schedule import ScheduleConfig, chunk_layers
 from precision.policy import POLICIES
 
 DEVICES = ("auto", "cpu", "cuda")

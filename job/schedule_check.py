@@ -3,7 +3,7 @@
 `validate` checks every action on its own (in range, on the rank that holds
 its chunk, talking to the right peer, listed once), pairs every send with its
 receive (in posting order per direction), then runs the schedule symbolically
-(parallel/schedule_run.py, whose docstring states the executor semantics) to
+(job/schedule_run.py, whose docstring states the executor semantics) to
 prove it complete and deadlock-free. Every failure is a ConfigError naming the
 first offending action and its rank.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from minigpt.errors import ConfigError
-from parallel.schedule_actions import (
+from job.schedule_actions import (
     RECVS,
     SENDS,
     Action,
@@ -32,7 +32,7 @@ from parallel.schedule_actions import (
     SendGrad,
     reduce_kind,
 )
-from parallel.schedule_run import COMPUTE_TYPES, Costs, TimedAction, Timeline, run_symbolically
+from job.schedule_run import COMPUTE_TYPES, Costs, TimedAction, Timeline, run_symbolically
 
 __all__ = ["Costs", "TimedAction", "Timeline", "bubble_fraction", "closed_form_bubble", "match_pairs",
            "peak_in_flight", "simulate_order", "validate"]

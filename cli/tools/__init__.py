@@ -1,0 +1,2 @@
+"""Tools that need both interpreters (the executor in parallel/ and the simulator in simulator/), so
+they sit above both: compare trains a layout and simulates it, side by side."""
