@@ -51,7 +51,7 @@ def build_train_config(options: dict) -> TrainConfig:
         log_every=options["log_every"],
         tp=options["tp"],
         pp=options["pp"],
-        dp=options["dp"],
+        dp=data_parallel_size(options),
         zero=options["zero"],
         sequence_parallel=options["sequence_parallel"],
         schedule=options["schedule"],
@@ -69,6 +69,38 @@ def build_train_config(options: dict) -> TrainConfig:
             raise ConfigError(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; train with --save-every first")
         check_checkpoint(latest, cfg)
     return cfg
+
+
+CPU_ZERO_DP = 2  # on a CPU without --dp, ZeRO > 0 gets the smallest group it can shard over
+
+
+def data_parallel_size(options: dict) -> int:
+    """--dp as given, else what fills the job: under torchrun the world over tp x pp, with a GPU per
+    rank the GPUs over tp x pp, on a CPU 1 (CPU_ZERO_DP with a ZeRO stage, which needs a group to
+    shard over). A ZeRO stage over one rank would do nothing: refused, never silently run as ZeRO-0."""
+    dp, zero, model_parallel = options["dp"], options["zero"], options["tp"] * options["pp"]
+    if model_parallel < 1:  # a bad --tp or --pp: TrainConfig says which
+        return 1 if dp is None else dp
+    if dp is None:
+        dp = default_data_parallel(model_parallel, zero, options["device"])
+    if dp == 1 and zero in (1, 2, 3):
+        raise ConfigError(f"--zero {zero} shards over the data-parallel group, but dp is 1: nothing would be "
+                          f"sharded; give --dp 2 or more, or --zero 0")
+    return dp
+
+
+def default_data_parallel(model_parallel: int, zero: int, device: str) -> int:
+    import os
+
+    if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:  # under torchrun: the world it started
+        return max(1, int(os.environ["WORLD_SIZE"]) // model_parallel)
+    if device != "cpu":
+        from parallel.device import cuda_device_count  # torch: only when the flags are otherwise plain
+
+        gpus = cuda_device_count()
+        if gpus >= model_parallel:
+            return gpus // model_parallel
+    return CPU_ZERO_DP if zero in (1, 2, 3) else 1
 
 
 def parse_loss_scale(text: str) -> float | None:
@@ -121,7 +153,8 @@ def mib(n: int) -> str:
 @click.command()
 @click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel size.")
 @click.option("--pp", default=1, show_default=True, type=int, help="Pipeline-parallel size.")
-@click.option("--dp", default=1, show_default=True, type=int, help="Data-parallel size (tp x pp x dp processes).")
+@click.option("--dp", type=int, help="Data-parallel size (tp x pp x dp processes) [default: the GPUs over tp x pp "
+              "on CUDA, torchrun's world over tp x pp, on a CPU 1, or 2 with --zero 1-3].")
 @click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group: 0-3.")
 @click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (zero bubble: input and weight gradients split).")
 @click.option("--virtual-chunks", default=1, show_default=True, type=int, help="Model chunks per pipeline rank (interleaved).")
@@ -168,11 +201,16 @@ def train(as_json: bool, **options) -> None:
     check_device(cfg.device, cfg.world_size)
 
     m = cfg.model
+    out = sys.stderr if as_json else sys.stdout
     click.echo(
         f"training {m.n_params():,} parameters ({m.n_layers} layers, width {m.d_model}, "
         f"{m.n_heads} heads, seq {m.seq_len}) for {cfg.steps} steps of {cfg.tokens_per_step:,} tokens",
-        file=sys.stderr if as_json else sys.stdout,
+        file=out,
     )
+    click.echo(f"layout: tp {cfg.tp} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
+               f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
+               f"{'' if cfg.zero == 0 else ' over the dp group of ' + str(cfg.dp)}"
+               f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}", file=out)
     summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json))
     if as_json:
         click.echo(json.dumps(summary))

@@ -79,11 +79,16 @@ def _cuda_matmul_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) ->
     return start.elapsed_time(end) / 1000.0 / CUDA_MATMULS_PER_REPEAT
 
 
+def cuda_device_count() -> int:
+    """The GPUs torch can use here (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_device(requested: str, local_ranks: int) -> None:
     """Before any worker starts: a CUDA request needs a GPU for every local rank."""
     if requested != "cuda":
         return
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = cuda_device_count()
     if gpus == 0:
         raise ConfigError("--device cuda was asked for but torch sees no CUDA device: use --device cpu or auto")
     if gpus < local_ranks:

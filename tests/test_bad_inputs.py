@@ -68,6 +68,7 @@ CASES = [
     # train: layouts
     ("train", ["--dp", "0"], "--dp"),
     ("train", ["--zero", "5"], "--zero"),
+    ("train", ["--zero", "3", "--dp", "1"], "nothing would be sharded"),
     ("train", ["--tp", "3"], "does not divide"),
     ("train", ["--pp", "16"], "cannot fill"),
     ("train", ["--dp", "3", "--batch-size", "8"], "divisible"),

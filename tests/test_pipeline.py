@@ -105,8 +105,10 @@ def test_trace_has_a_track_per_rank_and_the_schedules_actions(results):
 
 
 def test_full_3d_from_a_plain_shell(tmp_path):
+    """The headline command without --dp: ZeRO-3 needs a group to shard over, so dp is 2 on a CPU, and the
+    first lines, config.json and summary.json say the same layout."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "cli", "train", "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "3",
+    command = [sys.executable, "-m", "cli", "train", "--tp", "2", "--pp", "2", "--zero", "3",
                "--schedule", "zb-h1", "--steps", "3", "--layers", "2", "--seq-len", "32", "--batch-size", "8",
                "--micro-batches", "2",
                "--out", str(out), "--json"]
@@ -116,3 +118,9 @@ def test_full_3d_from_a_plain_shell(tmp_path):
     assert summary["world_size"] == 8 and summary["layout"]["zero"] == 3 and summary["layout"]["schedule"] == "zb-h1"
     assert len(summary["memory_per_rank"]) == 8 and len(summary["losses"]) == 3
     assert (out / "trace.json").exists() and (out / "metrics.jsonl").exists()
+    assert "layout: tp 2 x pp 2 x dp 2 = 8 processes, ZeRO-3 over the dp group of 2" in result.stderr
+    config = json.loads((out / "config.json").read_text())["train"]
+    on_disk = json.loads((out / "summary.json").read_text())["layout"]
+    assert (config["tp"], config["pp"], config["dp"], config["zero"]) == (2, 2, 2, 3)
+    assert (on_disk["tp"], on_disk["pp"], on_disk["dp"], on_disk["zero"]) == (2, 2, 2, 3) == (
+        summary["layout"]["tp"], summary["layout"]["pp"], summary["layout"]["dp"], summary["layout"]["zero"])
