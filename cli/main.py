@@ -50,6 +50,7 @@ def _register() -> None:
     from cli.calibrate import calibrate
     from cli.compare import compare
     from cli.numerics import numerics
+    from cli.sample import sample
     from cli.schedule import schedule
     from cli.simulate import simulate
     from cli.train import train
@@ -60,6 +61,7 @@ def _register() -> None:
     main.add_command(simulate)
     main.add_command(calibrate)
     main.add_command(compare)
+    main.add_command(sample)
 
 
 _register()

@@ -228,6 +228,8 @@ def train(as_json: bool, **options) -> None:
             ["run directory", summary["run_dir"]],
         ],
     )
+    if summary.get("peak_note"):
+        click.echo(f"MFU's peak: {summary['peak_note']}")
     layout = summary["layout"]
     click.echo(
         f"\nmemory per rank (tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']}, ZeRO {layout['zero']}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,12 +31,13 @@ def synchronize(device: torch.device) -> None:
 
 
 # Square matmul sizes timed for the peak. On a GPU the small one may not fill the chip, so the
-# best over sizes counts; on the CPU one modest size keeps the measurement at every start cheap.
+# best over sizes counts; on the CPU two modest sizes (about 0.3 s in all on one core) keep the
+# measurement at every start cheap while a size that happens to suit the cache less does not decide.
 CUDA_PEAK_SIZES = (4096, 8192)
-CPU_PEAK_SIZES = (1024,)
+CPU_PEAK_SIZES = (512, 1024)
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 7) -> float:
     """The device's matmul rate in `dtype`, in FLOP/s, measured: MFU is against this, not a datasheet.
 
     Each size is run once to warm up (kernel choice, clocks), then timed `repeats` times; the peak
@@ -77,6 +79,52 @@ def _cuda_matmul_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) ->
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1000.0 / CUDA_MATMULS_PER_REPEAT
+
+
+@dataclass
+class PeakFlops:
+    """The peak MFU divides by: the best of every measurement of it, and of every rate achieved.
+
+    A matmul timed while other processes share the cores can come out low (MFU of 362% was seen
+    on a busy machine). The device cannot run the model faster than its peak, so a step whose
+    model FLOP rate (per rank) beats the measured peak proves the measurement low: the peak is
+    raised to that rate, MFU cannot pass 1 by construction, and `note` says that it happened.
+    On the CPU the peak is measured again at the end of the run (`remeasure`), the larger kept.
+    """
+
+    measured: float  # FLOP/s, timed at start-up
+    dtype: torch.dtype = torch.float32
+    remeasured: float = 0.0  # FLOP/s, timed at the end (CPU runs)
+    best_achieved: float = 0.0  # FLOP/s of the model, per rank, in the fastest step so far
+
+    @property
+    def value(self) -> float:
+        return max(self.measured, self.remeasured, self.best_achieved)
+
+    def observe(self, achieved: float) -> float:
+        """Take a step's model FLOP rate per rank into account; that step's MFU (<= 1)."""
+        self.best_achieved = max(self.best_achieved, achieved)
+        return achieved / self.value
+
+    def remeasure(self, device: torch.device) -> None:
+        self.remeasured = measure_peak_flops(device, self.dtype)
+
+    @property
+    def note(self) -> str | None:
+        timed = max(self.measured, self.remeasured)
+        if self.best_achieved <= timed:
+            return None
+        return (f"a step ran the model at {self.best_achieved:.3g} FLOP/s per rank, above the timed matmul peak "
+                f"{timed:.3g}: that timing was low (a busy machine), so the peak reported is the best achieved rate")
+
+    def as_dict(self) -> dict:
+        return {
+            "peak_flops": self.value,
+            "peak_flops_dtype": str(self.dtype).removeprefix("torch."),
+            "peak_flops_measured": {"start": self.measured, "end": self.remeasured or None},
+            "best_achieved_flops": self.best_achieved,
+            "peak_note": self.note,
+        }
 
 
 def cuda_device_count() -> int:

@@ -1,4 +1,4 @@
-"""The run directory: config.json at the start, metrics.jsonl per step, summary.json at the end.
+"""The run directory: config.json at the start, metrics.jsonl per step, summary.json and loss.png at the end.
 
 Only rank 0 writes it. JSON files are written to a temporary name and renamed,
 so a reader never sees half a file.
@@ -22,7 +22,7 @@ def default_run_dir(cfg: TrainConfig) -> Path:
 
 @dataclass
 class RunFiles:
-    """The run directory: config.json at the start, metrics.jsonl per step, summary.json at the end."""
+    """The run directory: config.json at the start, metrics.jsonl per step, summary.json and loss.png at the end."""
 
     path: Path
     resume: bool = False  # append to the metrics of the run being continued
@@ -42,3 +42,50 @@ class RunFiles:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def loss_curves(metrics_path: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """Train and validation loss by step from metrics.jsonl; a step logged again (a resumed run) keeps its last value."""
+    train: dict[int, float] = {}
+    val: dict[int, float] = {}
+    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        train[record["step"]] = record["loss"]
+        if "val_loss" in record:
+            val[record["step"]] = record["val_loss"]
+    return train, val
+
+
+def write_loss_plot(run_dir: Path, name: str = "loss.png") -> Path | None:
+    """Draw the train and validation loss against the step (matplotlib, Agg) into `run_dir/name`; None
+    where matplotlib is not installed (a bare machine running the repository, as bench/gpu.sh does:
+    an installed minigpt always has it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    train, val = loss_curves(run_dir / "metrics.jsonl")
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    try:
+        axes.plot(sorted(train), [train[s] for s in sorted(train)], label="train", linewidth=1)
+        if val:
+            axes.plot(sorted(val), [val[s] for s in sorted(val)], "o-", label="validation", markersize=4)
+        axes.set_xlabel("step")
+        axes.set_ylabel("loss (nats per token)")
+        axes.set_title(run_dir.name)
+        axes.grid(alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        tmp = run_dir / (name + ".tmp.png")
+        figure.savefig(tmp, format="png")
+        tmp.replace(run_dir / name)  # atomic, as the JSON files
+    finally:
+        plt.close(figure)
+    return run_dir / name

@@ -24,11 +24,11 @@ from minigpt.errors import TrainingError
 from parallel.build import Rank, build_rank
 from parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from parallel.clock import StepClock, TimedEvent
-from parallel.device import describe_device, measure_peak_flops
+from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
-from parallel.run_files import RunFiles, default_run_dir
+from parallel.run_files import RunFiles, default_run_dir, write_loss_plot
 from job.trace import Trace, breakdown, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.compute import compute_path, dtype_of, needs_emulation
@@ -164,7 +164,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     rank = build_rank(cfg, mesh, device, policy)
     # Emulated 16-bit matmuls run as fp32 matmuls, so the CPU's fp32 rate is their peak.
     peak_dtype = torch.float32 if needs_emulation(policy, device) else dtype_of(policy.compute)
-    peak_flops = measure_peak_flops(device, peak_dtype)
+    peak = PeakFlops(measure_peak_flops(device, peak_dtype), peak_dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     activations = ActivationMeter(device, rank.data_parallel.parameter_storages)
@@ -185,7 +185,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             history.losses.append(outcome.loss)
             history.step_times.append(outcome.seconds)
             history.comm_per_step = outcome.comm
-            record_out = step_log(cfg, step, outcome, peak_flops)
+            record_out = step_log(cfg, step, outcome, peak)
             if (step + 1) % cfg.eval_interval == 0 or step == cfg.steps - 1:
                 record_out["val_loss"] = evaluate(rank, corpus, cfg, device)
                 history.val_history.append({"step": step, "val_loss": record_out["val_loss"]})
@@ -204,8 +204,10 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     timelines = gather_from_all(mesh, trace.as_dict())
     if run is None:
         return None
+    if device.type == "cpu":
+        peak.remeasure(device)  # a busy start-up timed low: the larger of the two counts
     trace_path = write_chrome_trace(Path(cfg.out_dir) / "trace.json", timelines)
-    summary = summarize(cfg, rank, corpus, history, peak_flops, peak_dtype)
+    summary = summarize(cfg, rank, corpus, history, peak)
     summary.update({
         "memory_per_rank": memory_per_rank,
         "bytes_per_param": {
@@ -215,6 +217,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         },
         "time_breakdown": breakdown(timelines),
         "trace": str(trace_path),
+        "loss_plot": _path_or_none(write_loss_plot(run.path)),
         "run_dir": str(run.path),
     })
     run.write_json("summary.json", summary)
@@ -231,9 +234,10 @@ def check_finite(cfg: TrainConfig, policy_name: str, scaler, step: int, outcome:
         )
 
 
-def step_log(cfg: TrainConfig, step: int, outcome: StepOutcome, peak_flops: float) -> dict:
-    """One line of metrics.jsonl."""
+def step_log(cfg: TrainConfig, step: int, outcome: StepOutcome, peak: PeakFlops) -> dict:
+    """One line of metrics.jsonl. MFU is against the peak known after this step (<= 1: PeakFlops)."""
     tokens_per_s = cfg.tokens_per_step / outcome.seconds
+    mfu = peak.observe(cfg.model.train_flops_per_token() * tokens_per_s / cfg.world_size)
     return {
         "step": step,
         "loss": outcome.loss,
@@ -243,12 +247,12 @@ def step_log(cfg: TrainConfig, step: int, outcome: StepOutcome, peak_flops: floa
         "skipped": outcome.result.skipped,
         "step_time_s": outcome.seconds,
         "tokens_per_s": tokens_per_s,
-        "mfu": cfg.model.train_flops_per_token() * tokens_per_s / (peak_flops * cfg.world_size),
+        "mfu": mfu,
+        "peak_flops": peak.value,
     }
 
 
-def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, peak_flops: float,
-              peak_dtype: torch.dtype) -> dict:
+def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, peak: PeakFlops) -> dict:
     """Rank 0's summary of the run, less what needs every rank (memory, timelines)."""
     device, policy, scaler = rank.mesh.device, rank.policy, rank.scaler
     step_time_s = statistics.median(history.step_times)
@@ -284,11 +288,14 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
         "step_time_s": step_time_s,
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token,
-        "peak_flops": peak_flops,
-        "peak_flops_dtype": str(peak_dtype).removeprefix("torch."),
+        **peak.as_dict(),  # peak_flops (what MFU divides by), how it was measured, peak_note
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "mfu": flops_per_token * tokens_per_s / (peak_flops * cfg.world_size),
+        "mfu": flops_per_token * tokens_per_s / (peak.value * cfg.world_size),  # the median step: <= the best
     }
+
+
+def _path_or_none(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def rank_memory(data_parallel, optimizer: MasterAdamW, activations: ActivationMeter) -> dict:

@@ -26,6 +26,9 @@ def test_loss_falls_and_files_are_written(tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(40))
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["losses"] == losses
+    plot = tmp_path / "run" / "loss.png"
+    assert summary["loss_plot"] == str(plot)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000  # curves, not a blank
 
 
 def test_same_seed_same_losses(tmp_path):
@@ -136,3 +139,42 @@ def test_console_script_bad_input_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "minigpt: error: steps must be a positive integer, got 0"
     assert result.stdout == ""
+
+
+def mfus(run_dir, summary):
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [step["mfu"] for step in steps] + [summary["mfu"]]
+
+
+def test_mfu_cannot_pass_one_when_the_peak_is_timed_low(tmp_path, monkeypatch):
+    """A start-up timing 1000x too low (what a busy machine does to it) must not give MFU > 100%."""
+    import parallel.device
+    import parallel.train
+
+    monkeypatch.setattr(parallel.train, "measure_peak_flops", lambda device, dtype: 1e3)
+    monkeypatch.setattr(parallel.device, "measure_peak_flops", lambda device, dtype: 2e3)  # the end's
+    cfg = TrainConfig(model=SMALL.with_(seq_len=32), steps=4, global_batch=4, eval_every=0, out_dir=str(tmp_path / "r"))
+    summary = train(cfg)
+    assert max(mfus(tmp_path / "r", summary)) <= 1.0
+    assert summary["peak_flops_measured"] == {"start": 1e3, "end": 2e3}
+    assert summary["peak_flops"] == summary["best_achieved_flops"] > 1e6
+    assert "timing was low" in summary["peak_note"]
+
+
+def test_mfu_at_most_one_under_cpu_contention(tmp_path):
+    """Busy loops on both cores while a short run measures its peak and steps: every MFU <= 1."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        cfg = TrainConfig(model=SMALL.with_(seq_len=32), steps=8, global_batch=4, eval_every=0,
+                          out_dir=str(tmp_path / "r"))
+        summary = train(cfg)
+    finally:
+        for process in busy:
+            process.kill()
+        for process in busy:
+            process.wait()
+    values = mfus(tmp_path / "r", summary)
+    assert len(values) == 9 and all(0 < mfu <= 1.0 for mfu in values), values
+    measured = summary["peak_flops_measured"]
+    assert summary["peak_flops"] == max(measured["start"], measured["end"], summary["best_achieved_flops"])
+    assert (summary["peak_note"] is None) == (summary["best_achieved_flops"] <= max(measured["start"], measured["end"]))
