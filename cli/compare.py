@@ -17,7 +17,7 @@ import click
 
 from cli.config_file import config_file_option
 from minigpt.config import PRESETS, build_config
-from minigpt.errors import ConfigError
+from minigpt.errors import check_positive_int
 from job.train_config import PRECISIONS, TrainConfig
 
 
@@ -60,8 +60,8 @@ def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
     from cli.tools.compare import check_compare, format_error, format_value, run_compare
 
     for name in ("layers", "seq_len"):
-        if options[name] is not None and options[name] < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {options[name]}")
+        if options[name] is not None:
+            check_positive_int(f"--{name.replace('_', '-')}", options[name])
     cfg = build_compare_config({**options})
     if matrix:
         return compare_matrix(cfg, hardware, options["out"], as_json)

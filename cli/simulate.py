@@ -20,7 +20,7 @@ import click
 from cli.config_file import config_file_option
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, check_positive_int
 from simulator.op_types import SP_SAVED_INPUTS
 from simulator.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
 
@@ -273,9 +273,8 @@ def simulate(**options) -> None:
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
     for name in ("layers", "hidden", "heads", "vocab", "seq_len", "global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):
-        value = options[name]
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        if options[name] is not None:
+            check_positive_int(f"--{name.replace('_', '-')}", options[name])
     if not 1.0 <= options["oversubscription"] < float("inf"):
         raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
     report = run_sweep(options) if options["sweep"] else run_single(options)

@@ -51,24 +51,30 @@ class Trace:
         return {"rank": self.rank, "steps": self.steps}
 
 
-def write_chrome_trace(path: Path, timelines: list[dict]) -> Path:
-    """One track per rank, actions named as in the schedule; opens in Perfetto or chrome://tracing."""
+def chrome_trace_events(timelines: list[dict]) -> list[dict]:
+    """The Chrome trace events of `timelines` (the executor's or the simulator's, in one format): one
+    track per rank with its actions named as in the schedule, and one per rank for its steps."""
     origin = min((s["start"] for t in timelines for s in t["steps"]), default=0.0)
     events = []
     for timeline in timelines:
         rank = timeline["rank"]
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
         for step in timeline["steps"]:
-            events.append(_event(f"step {step['step']}", "step", step["start"], step["end"], rank, origin, tid_offset=1000))
-            for name, kind, start, end in step["events"]:
-                events.append(_event(name, kind, start, end, rank, origin))
+            events.append(_event(f"step {step['step']}", "step", step["start"], step["end"], rank + 1000, origin))
+            events += [_event(name, kind, start, end, rank, origin) for name, kind, start, end in step["events"]]
+    return events
+
+
+def write_chrome_trace(path: Path, timelines: list[dict]) -> Path:
+    """The one writer of Chrome traces (executor and simulator); opens in Perfetto or chrome://tracing."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), encoding="utf-8")
+    tmp.write_text(json.dumps({"traceEvents": chrome_trace_events(timelines), "displayTimeUnit": "ms"}),
+                   encoding="utf-8")
     tmp.replace(path)
     return path
 
 
-def _event(name, kind, start, end, rank, origin, tid_offset=0) -> dict:
+def _event(name: str, kind: str, start: float, end: float, tid: int, origin: float) -> dict:
     return {
         "name": name,
         "cat": kind,
@@ -76,7 +82,7 @@ def _event(name, kind, start, end, rank, origin, tid_offset=0) -> dict:
         "ts": (start - origin) * 1e6,
         "dur": max(0.0, end - start) * 1e6,
         "pid": 0,
-        "tid": rank + tid_offset,
+        "tid": tid,
     }
 
 

@@ -8,11 +8,20 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, check_positive_int
 from job.schedule import ScheduleConfig, chunk_layers
 from precision.policy import POLICIES
 
 DEVICES = ("auto", "cpu", "cuda")
+MIB = 2**20
+
+
+def bucket_numel(bucket_mb: float, element_bytes: int) -> int:
+    """Elements of a gradient bucket of `bucket_mb` MiB (DDP's bucket_cap_mb) holding `element_bytes`-byte
+    elements, at least one: the one conversion the executor's ZeRO and the simulator share."""
+    return max(1, int(bucket_mb * MIB) // element_bytes)
+
+
 PRECISIONS = tuple(POLICIES)
 
 
@@ -72,19 +81,16 @@ class TrainConfig:
             "eval batches": self.eval_batches,
         }
         for name, value in positive_ints.items():
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, value)
         for name in ("tp", "pp", "dp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"--{name} must be a positive integer, got {value!r}")
+            check_positive_int(f"--{name}", getattr(self, name))
         check_tensor_parallel(self.model.n_heads, self.model.d_ff, self.model.seq_len, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ConfigError(f"--bucket-mb must be a number > 0, got {self.bucket_mb}")
-        if self.threads_per_rank is not None and (not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1):
-            raise ConfigError(f"threads per rank must be an integer >= 1, got {self.threads_per_rank!r}")
+        if self.threads_per_rank is not None:
+            check_positive_int("threads per rank", self.threads_per_rank)
         BatchLayout(self.global_batch, self.micro_batches, self.dp)  # divisibility
         ScheduleConfig(self.pp, self.micro_batches, self.schedule, self.virtual_chunks, self.zero)  # checks
         if self.schedule == "zb-h1" and self.precision == "fp8":
@@ -123,8 +129,8 @@ class TrainConfig:
             raise ConfigError(f"--save-every must be an integer >= 0, got {self.save_every!r}")
         if self.resume and self.out_dir is None:
             raise ConfigError("--resume needs --out: the run directory whose checkpoints to continue from")
-        if self.log_every == 0:
-            raise ConfigError("log_every must be >= 1")
+        if self.log_every is not None:
+            check_positive_int("log_every", self.log_every)
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.device not in DEVICES:
@@ -133,8 +139,7 @@ class TrainConfig:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.loss_scale is not None and not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise ConfigError(f"loss scale must be a finite number > 0, got {self.loss_scale}")
-        if not isinstance(self.loss_scale_window, int) or self.loss_scale_window < 1:
-            raise ConfigError(f"loss scale window must be an integer >= 1, got {self.loss_scale_window!r}")
+        check_positive_int("loss scale window", self.loss_scale_window)
         if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")
 

@@ -13,3 +13,11 @@ class TrainingError(RuntimeError):
 
     The CLI prints it on one line and exits with code 1.
     """
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """`value` when it is an integer >= 1 (a bool is not); otherwise the one ConfigError every
+    positive-integer setting raises: "<name> must be a positive integer, got <value>"."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value

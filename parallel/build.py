@@ -18,7 +18,7 @@ from parallel.mesh import Mesh
 from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
 from job.schedule import ScheduleConfig, build_schedule
 from parallel.tensor import parallelize
-from job.train_config import TrainConfig
+from job.train_config import TrainConfig, bucket_numel as bucket_numel_of
 from parallel.zero import STAGES, Replicated
 from parallel.zero3 import ShardedParameters
 from precision.compute import apply_precision, dtype_of
@@ -81,7 +81,7 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)
     stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)
     del model  # blocks of other stages go with it
-    bucket_numel = max(1, int(cfg.bucket_mb * 2**20) // dtype_of(policy.compute).itemsize)
+    bucket_numel = bucket_numel_of(cfg.bucket_mb, dtype_of(policy.compute).itemsize)
     data_parallel = make_data_parallel(cfg.zero, stage, comms["dp"], bucket_numel)
 
     tied = None

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from minigpt.errors import ConfigError, TrainingError
+from minigpt.errors import ConfigError, TrainingError, check_positive_int
 from parallel.calibrate_device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
 from parallel.calibrate_host import build_measured, collective_points, measure_host
 from parallel.launch import finish_worker, init_worker, launch
@@ -112,11 +112,9 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
         raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     ranks = default_ranks(device) if ranks is None else ranks
     for name, value in (("--ranks", ranks), ("--micro-batch", micro_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    if threads_per_rank is not None and (isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int)
-                                         or threads_per_rank < 1):
-        raise ConfigError(f"--threads-per-rank must be a positive integer, got {threads_per_rank!r}")
+        check_positive_int(name, value)
+    if threads_per_rank is not None:
+        check_positive_int("--threads-per-rank", threads_per_rank)
     if micro_batches is not None and (not micro_batches or any(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in micro_batches)
             or list(micro_batches) != sorted(set(micro_batches))):

@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from minigpt.errors import ConfigError, TrainingError
+from minigpt.errors import ConfigError, TrainingError, check_positive_int
 
 Arg = TypeVar("Arg")
 Result = TypeVar("Result")
@@ -45,11 +45,6 @@ MONITOR_INTERVAL_S = 0.1
 def in_torchrun() -> bool:
     """True in a process that torchrun or elastic_launch started as one rank of a group."""
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
-
-
-def check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 def launch(
@@ -66,8 +61,8 @@ def launch(
     Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
     and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
     """
-    check_positive("world size", world_size)
-    check_positive("threads per rank", threads_per_rank)
+    check_positive_int("world size", world_size)
+    check_positive_int("threads per rank", threads_per_rank)
     if in_torchrun():
         started = int(os.environ["WORLD_SIZE"])
         if started != world_size:

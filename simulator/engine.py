@@ -29,8 +29,9 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 from minigpt.config import GPTConfig
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, check_positive_int
 from job.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_flight
+from job.trace import chrome_trace_events, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
@@ -135,25 +136,10 @@ class SimResult:
 
     def trace_events(self) -> list[dict]:
         """The Chrome trace events job/trace.py writes for the executor: one track per stage, schedule names."""
-        origin = min((s["start"] for t in self.timelines for s in t["steps"]), default=0.0)
-        events = []
-        for timeline in self.timelines:
-            rank = timeline["rank"]
-            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
-            for step in timeline["steps"]:
-                events.append(_event(f"step {step['step']}", "step", step["start"], step["end"], rank + 1000, origin))
-                events += [_event(name, kind, start, end, rank, origin) for name, kind, start, end in step["events"]]
-        return events
+        return chrome_trace_events(self.timelines)
 
     def write_chrome_trace(self, path: str | Path) -> Path:
-        from job.trace import write_chrome_trace
-
         return write_chrome_trace(Path(path), self.timelines)
-
-
-def _event(name: str, kind: str, start: float, end: float, tid: int, origin: float) -> dict:
-    return {"name": name, "cat": kind, "ph": "X", "ts": (start - origin) * 1e6, "dur": max(0.0, end - start) * 1e6,
-            "pid": 0, "tid": tid}
 
 
 @lru_cache(maxsize=4)
@@ -162,15 +148,9 @@ def cached_schedule(config: ScheduleConfig) -> Schedule:
     return build_schedule(config)
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def micro_batches_per_replica(global_batch: int, micro_batch: int, dp: int) -> int:
-    per_step = _positive("micro_batch", micro_batch) * dp
-    if _positive("global_batch", global_batch) % per_step:
+    per_step = check_positive_int("micro_batch", micro_batch) * dp
+    if check_positive_int("global_batch", global_batch) % per_step:
         lower, upper = global_batch // per_step * per_step, -(-global_batch // per_step) * per_step
         raise ConfigError(
             f"global batch {global_batch} is not a multiple of micro-batch {micro_batch} x dp {dp} = {per_step}: "
@@ -231,7 +211,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     pol = precision_policy(precision)
     implementation = Implementation(attention, recompute, sp_saved_input)
     settings = resolve_overlap(overlap)
-    v = _positive("virtual_chunks", virtual_chunks)
+    v = check_positive_int("virtual_chunks", virtual_chunks)
     if layout.virtual_chunks not in (1, v):
         raise ConfigError(f"the layout has {layout.virtual_chunks} virtual chunks but virtual_chunks={v}: give one of them")
     layout = replace(layout, virtual_chunks=max(v, layout.virtual_chunks))

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from minigpt.config import GPTConfig
 from job.schedule import ScheduleConfig
+from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.compute import EfficiencyProfile, chunk_times
 from simulator.engine_host import HostCompute
@@ -219,7 +220,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     pol = precision_policy(precision)
     implementation = implementation or Implementation(recompute=recompute)
     compute_bytes = FORMAT_BYTES[pol.compute]
-    job = _Job(model, layout, links, schedule.zero_stage, layout.dp, max(1, int(bucket_mb * 2**20) // compute_bytes),
+    job = _Job(model, layout, links, schedule.zero_stage, layout.dp, bucket_numel(bucket_mb, compute_bytes),
                compute_bytes, FORMAT_BYTES[pol.reduce], model.tied_head and layout.pp > 1,
                host is not None and host.serial, overlap_settings or Overlap())
     times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host)

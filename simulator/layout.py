@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from minigpt.config import GPTConfig
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, check_positive_int
 from job.schedule import chunk_layers
 from job.train_config import check_tensor_parallel
 
@@ -34,9 +34,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "virtual_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):

@@ -6,7 +6,7 @@ checked against it:
 
 - Parameters per rank and pipeline stages: simulator/layout.py.
 - Flat layout: parameters in model order, cut into buckets that close once they reach
-  bucket_numel = int(bucket_mb * 2**20) // compute bytes, each padded to a multiple of
+  bucket_numel (job/train_config.py: bucket_mb MiB over the compute bytes), each padded to a multiple of
   the data-parallel size N; ZeRO-3 pads one flat per unit (embeddings, each block,
   final norm + head). A bucket never spans two pipeline chunks. With N == 1 every stage
   is stage 0 (make_data_parallel).
@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
+from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.hardware import GPUSpec
@@ -271,7 +272,7 @@ def predict_memory(
         raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
     check_against_config(model)
     check_activations_against_config(model, pol)
-    bucket_numel = max(1, int(bucket_mb * 2**20) // pol.bytes_per_param()["compute"])
+    bucket_elements = bucket_numel(bucket_mb, pol.bytes_per_param()["compute"])
     block = ActivationModel.of(model, layout, pol, micro_batch_size, implementation)
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
@@ -280,7 +281,7 @@ def predict_memory(
         layers = max(len(r) for _, r in placed)  # with virtual chunks: a micro-batch in flight holds one chunk
         ends = end_activation_bytes(model, layout, pol, micro_batch_size, first, last, sp_saved_input)
         activations = in_flight[index] * (layers * block.per_layer + ends) + block.recomputing
-        stages.append(_stage(model, layout, pol, index, chunks, placed, bucket_numel, activations, prefetch))
+        stages.append(_stage(model, layout, pol, index, chunks, placed, bucket_elements, activations, prefetch))
     peak = max(stages, key=lambda s: s.total)
     return MemoryEstimate(
         **{name: getattr(peak, name) for name in MemoryBytes.__dataclass_fields__},

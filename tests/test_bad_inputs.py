@@ -130,3 +130,26 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, command, args, expect
 
 def test_the_table_is_long_enough():
     assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "4", None])
+def test_every_positive_integer_setting_is_checked_by_one_function(value):
+    from job.train_config import TrainConfig
+    from minigpt.errors import ConfigError, check_positive_int
+    from simulator.layout import Layout
+
+    with pytest.raises(ConfigError, match=rf"^--ranks must be a positive integer, got {value!r}$"):
+        check_positive_int("--ranks", value)
+    with pytest.raises(ConfigError, match="^steps must be a positive integer"):  # True was accepted as 1
+        TrainConfig(steps=value)
+    with pytest.raises(ConfigError, match="^pp must be a positive integer"):
+        Layout(pp=value)
+    assert check_positive_int("--ranks", 3) == 3
+
+
+def test_one_bucket_size_conversion_for_executor_and_simulator():
+    from job.train_config import bucket_numel
+
+    assert bucket_numel(25.0, 4) == 25 * 2**20 // 4
+    assert bucket_numel(1.0, 2) == 2**19
+    assert bucket_numel(1e-9, 4) == 1  # never an empty bucket
