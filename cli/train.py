@@ -92,10 +92,12 @@ def data_parallel_size(options: dict) -> int:
 def default_data_parallel(model_parallel: int, zero: int, device: str) -> int:
     import os
 
-    if "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:  # under torchrun: the world it started
+    from parallel.launch import in_torchrun  # torch: only when --dp is left out
+
+    if in_torchrun():  # the world torchrun started
         return max(1, int(os.environ["WORLD_SIZE"]) // model_parallel)
     if device != "cpu":
-        from parallel.device import cuda_device_count  # torch: only when the flags are otherwise plain
+        from parallel.device import cuda_device_count
 
         gpus = cuda_device_count()
         if gpus >= model_parallel:

@@ -41,6 +41,8 @@ from minigpt.errors import ConfigError, TrainingError, check_positive_int
 from parallel.calibrate_device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
 from parallel.calibrate_host import build_measured, collective_points, measure_host
 from parallel.launch import finish_worker, init_worker, launch
+from precision.compute import EMULATED_FORMATS
+from precision.policy import FLOP_FORMATS
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -66,10 +68,7 @@ class CalibrationPlan:
 
 DEVICES = ("auto", "cpu", "cuda")
 CPU_RANKS = 8  # the default on a CPU: the largest layout `minigpt compare --matrix` trains
-FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")  # the profile's formats (simulator/hardware.py FLOP_FORMATS)
-
-
-EMULATED_ON_CPU = ("bf16", "fp16")  # precision/compute.py: 16-bit matmuls on a CPU are fp32 matmuls of rounded inputs
+FORMATS = FLOP_FORMATS  # the profile's formats: those a hardware file gives peaks and tables in
 
 
 def default_ranks(device: str) -> int:
@@ -364,7 +363,7 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
     if not on_gpu:
         peaks["tf32"] = peaks["fp32"]  # no TF32 on a CPU: its fp32 matmul is the tf32 format too
         format_notes["tf32"] = {"status": "tf32 = fp32 on a CPU (no TF32)", "peak_flops": peaks["fp32"]}
-        for fmt in EMULATED_ON_CPU:  # what a 16-bit run on this CPU computes with, unless measured natively
+        for fmt in EMULATED_FORMATS:  # what a 16-bit run on this CPU computes with, unless measured natively
             if peaks.get(fmt) is None:
                 peaks[fmt], tables[fmt] = peaks["fp32"], tables["fp32"]
                 format_notes[fmt] = {"status": f"emulated: {fmt} training on a CPU runs fp32 matmuls "

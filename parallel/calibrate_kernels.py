@@ -1,14 +1,14 @@
 """Kernel timing, the one home of it: GEMMs per number format, element-wise bandwidth, launches, attention.
 
-Torch only (no other project import), so that bench/gpu_kernels.py runs it on a bare machine with the
-repository on PYTHONPATH; `minigpt calibrate` (parallel/calibrate_device.py) times its matmuls and its
-copy here too.
+Torch and parallel/device.py's timer only (nothing that needs simpy or click), so that
+bench/gpu_kernels.py runs it on a bare machine with the repository on PYTHONPATH; `minigpt calibrate`
+(parallel/calibrate_device.py) times its matmuls and its copy here too.
 
 Timing (`time_call`): one warm-up call, one call timed alone to choose how many calls make a timed run
 last about `min_run_s`, then `repeats` timed runs of that many calls back to back. A measurement is the
 median seconds per call, and it reports its noise: `spread` = (slowest run - fastest run) / median.
-On CUDA a run is timed by two torch.cuda.Events around the calls (the GPU's own clock, no host
-synchronisation inside the run); on a CPU by time.perf_counter.
+A run is timed by parallel/device.py's `device_seconds`: two torch.cuda.Events around the calls on
+CUDA (the GPU's own clock, no host synchronisation inside the run), time.perf_counter on a CPU.
 
 GEMM formats (`FORMATS`): (m x k) @ (k x n) on random normal operands, 2*m*n*k FLOPs
 - fp32: float32 with TF32 off (torch.backends.cuda.matmul.allow_tf32 = False), true fp32;
@@ -38,12 +38,13 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from parallel.device import device_seconds, synchronize
 
 FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp8_fast")
 TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,36 +68,15 @@ class Timing:
         return asdict(self)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _run(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """Seconds for `calls` back-to-back calls of fn (CUDA events on a GPU, perf_counter on a CPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return time.perf_counter() - begin
-
-
 def time_call(fn: Callable[[], object], device: torch.device, min_run_s: float = 0.02, repeats: int = 5) -> Timing:
     """Time fn: a warm-up, a probe, then `repeats` runs of enough calls to last about min_run_s each."""
     if repeats < 1 or not min_run_s >= 0:
         raise ValueError(f"time_call needs repeats >= 1 and min_run_s >= 0, got {repeats} and {min_run_s}")
     fn()  # warm-up: lazy initialisation, cuBLAS handles, the caching allocator
     synchronize(device)
-    once = max(_run(fn, 1, device), 1e-7)
+    once = max(device_seconds(fn, 1, device), 1e-7)
     calls = max(1, min(MAX_CALLS, math.ceil(min_run_s / once)))
-    runs = [_run(fn, calls, device) / calls for _ in range(repeats)]
+    runs = [device_seconds(fn, calls, device) / calls for _ in range(repeats)]
     median = statistics.median(runs)
     return Timing(median, (max(runs) - min(runs)) / median if median > 0 else 0.0, calls, repeats)
 

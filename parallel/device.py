@@ -49,36 +49,39 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
             processes on shared cores can only lengthen it, so a size's time is the fastest repeat.
     """
     on_gpu = device.type == "cuda"
-    timer = _cuda_matmul_seconds if on_gpu else _host_matmul_seconds
+    calls = CUDA_MATMULS_PER_REPEAT if on_gpu else 1
     best = 0.0
     for size in CUDA_PEAK_SIZES if on_gpu else CPU_PEAK_SIZES:
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
         out = torch.empty(size, size, device=device, dtype=dtype)
-        timer(a, b, out)  # warm-up
-        times = [timer(a, b, out) for _ in range(repeats)]
+        matmul = lambda: torch.matmul(a, b, out=out)  # noqa: E731
+        device_seconds(matmul, 1, device)  # warm-up
+        times = [device_seconds(matmul, calls, device) / calls for _ in range(repeats)]
         seconds = statistics.median(times) if on_gpu else min(times)
         best = max(best, 2 * size**3 / seconds)
     return best
 
 
-def _host_matmul_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
-    start = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    return time.perf_counter() - start
-
-
 CUDA_MATMULS_PER_REPEAT = 4  # back to back between two events: the GPU never waits for the host
 
 
-def _cuda_matmul_seconds(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(CUDA_MATMULS_PER_REPEAT):
-        torch.matmul(a, b, out=out)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000.0 / CUDA_MATMULS_PER_REPEAT
+def device_seconds(fn, calls: int, device: torch.device) -> float:
+    """Seconds for `calls` back-to-back calls of fn on `device`: between two CUDA events on a GPU (the
+    GPU's own time, no host synchronisation inside), with perf_counter on a CPU (where a call's
+    return is its work done). Every kernel timer of the project reads this."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - begin
 
 
 @dataclass

@@ -72,8 +72,11 @@ class EmulatedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, emulated 16-bit"
 
 
+EMULATED_FORMATS = ("bf16", "fp16")  # on a CPU their matmuls run as fp32 matmuls of rounded inputs
+
+
 def needs_emulation(policy: PrecisionPolicy, device: torch.device) -> bool:
-    return device.type == "cpu" and policy.compute != "fp32"
+    return device.type == "cpu" and policy.compute in EMULATED_FORMATS
 
 
 EMULATED = "emulated on CPU (16-bit storage, fp32 accumulation)"

@@ -20,6 +20,8 @@ from minigpt.errors import ConfigError
 
 # Bytes per element of each format (precision/formats.py derives the same from torch; a test checks).
 FORMAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# The matmul formats a GPU's peak and efficiency tables are given in (datasheets, calibrated profiles).
+FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 ROLES = ("compute", "grad", "master", "adam_m", "adam_v")
 

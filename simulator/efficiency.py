@@ -16,8 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from minigpt.errors import ConfigError
-
-FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+from precision.policy import FLOP_FORMATS
 
 
 @dataclass(frozen=True)
