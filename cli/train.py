@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -12,12 +14,20 @@ from cli.output import print_table
 from minigpt.config import PRESETS, build_config
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
-from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
+from parallel.resume import ResumePoint, resume_point
+from parallel.run_dir import RunClaim
+from parallel.run_files import default_run_dir
 from job.train_config import DEVICES, PRECISIONS, TrainConfig
+
+NEWEST = "<newest>"  # bare --resume: the newest checkpoint of --out that verifies
 
 
 def build_train_config(options: dict) -> TrainConfig:
-    """Flags to a checked TrainConfig; raises ConfigError on any bad value. Torch-free."""
+    """Flags to a checked TrainConfig; raises ConfigError on any bad value. Torch-free.
+    The run directory is resolved (a default one named) but neither checked nor touched here."""
+    chosen = resume_choice(options["resume"])
+    if chosen is not None and options["out"] is None and Path(chosen).parent.name == "checkpoints":
+        options = {**options, "out": str(Path(chosen).parent.parent)}  # --resume RUN/checkpoints/step-N
     model = build_config(
         options["model"],
         vocab_size=options["vocab_size"],
@@ -59,16 +69,48 @@ def build_train_config(options: dict) -> TrainConfig:
         bucket_mb=options["bucket_mb"],
         threads_per_rank=options["threads_per_rank"],
         save_every=options["save_every"],
-        resume=options["resume"],
+        resume=options["resume"] not in (None, False),
     )
     if cfg.data is not None:
         check_text_file(cfg.data, model.seq_len)
-    if cfg.resume:
-        latest = latest_checkpoint(cfg.checkpoint_dir)
-        if latest is None:
-            raise ConfigError(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; train with --save-every first")
-        check_checkpoint(latest, cfg)
+    if cfg.out_dir is None:
+        cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
     return cfg
+
+
+def resume_choice(value: object) -> str | None:
+    """--resume's value (or the TOML key's) as the checkpoint chosen: None for the newest, or a PATH."""
+    if value in (None, False, True, NEWEST):
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"--resume takes no value (the newest checkpoint that verifies) or a checkpoint "
+                          f"directory, got {value!r}")
+    return value
+
+
+def claim_run_dir(cfg: TrainConfig, options: dict) -> RunClaim | None:
+    """The launching process's claim on --out (checked, not yet taken); None in a torchrun rank other
+    than 0, which leaves the directory to rank 0."""
+    import os
+
+    from parallel.launch import check_torchrun_world, in_torchrun  # torch: only once the flags are valid
+
+    check_torchrun_world(cfg.world_size)  # before the directory is touched
+    if in_torchrun() and os.environ["RANK"] != "0":
+        return None
+    return RunClaim(cfg.out_dir, resume=cfg.resume, overwrite=options["overwrite"])
+
+
+def choose_resume(cfg: TrainConfig, options: dict, out) -> ResumePoint | None:
+    """The checkpoint a resumed run continues, verified; its skip and resume lines printed."""
+    if not cfg.resume:
+        return None
+    point = resume_point(cfg, resume_choice(options["resume"]))
+    if point.skipped_line():
+        click.echo(point.skipped_line(), err=True)
+    if not point.nothing_to_do(cfg.steps):
+        click.echo(point.resuming_line(cfg.steps), file=out)
+    return point
 
 
 CPU_ZERO_DP = 2  # on a CPU without --dp, ZeRO > 0 gets the smallest group it can shard over
@@ -190,7 +232,9 @@ def mib(n: int) -> str:
 @click.option("--loss-scale", default="dynamic", show_default=True, help="fp16 loss scale: 'dynamic' or a static number.")
 @click.option("--loss-scale-window", default=1000, show_default=True, type=int, help="Clean steps before a dynamic scale doubles.")
 @click.option("--save-every", default=0, show_default=True, type=int, help="Checkpoint every N steps and at the end (0: none).")
-@click.option("--resume", is_flag=True, help="Continue from the latest complete checkpoint in --out.")
+@click.option("--resume", is_flag=False, flag_value=NEWEST, default=None, type=click.UNPROCESSED, metavar="[PATH]",
+              help="Continue the run in --out from its newest checkpoint that verifies, or from checkpoint PATH.")
+@click.option("--overwrite", is_flag=True, help="Clear --out first (only a minigpt run directory; never with --resume).")
 @click.option("--log-every", type=int, help="Steps between log lines [default: 20 lines per run].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end, nothing else on stdout.")
 def train(as_json: bool, **options) -> None:
@@ -198,12 +242,30 @@ def train(as_json: bool, **options) -> None:
     cfg = build_train_config(options)
 
     from parallel.device import check_device  # torch is imported only once the flags are valid
-    from parallel.train import train as run_training
 
     check_device(cfg.device, cfg.world_size)
+    out = sys.stderr if as_json else sys.stdout
+    claim = claim_run_dir(cfg, options)
+    try:
+        point = choose_resume(cfg, options, out)
+        if point is not None and point.nothing_to_do(cfg.steps):
+            click.echo(point.nothing_to_do(cfg.steps), file=out)
+            if as_json:
+                click.echo(json.dumps({"nothing_to_do": point.nothing_to_do(cfg.steps), "first_step": point.step,
+                                       "steps": cfg.steps, "checkpoint": str(point.path), "run_dir": cfg.out_dir}))
+            return
+        if claim is not None:
+            claim.take()
+        run_and_report(cfg, options, point, as_json, out)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, as_json: bool, out) -> None:
+    from parallel.train import train as run_training
 
     m = cfg.model
-    out = sys.stderr if as_json else sys.stdout
     click.echo(
         f"training {m.n_params():,} parameters ({m.n_layers} layers, width {m.d_model}, "
         f"{m.n_heads} heads, seq {m.seq_len}) for {cfg.steps} steps of {cfg.tokens_per_step:,} tokens",
@@ -213,7 +275,7 @@ def train(as_json: bool, **options) -> None:
                f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
                f"{'' if cfg.zero == 0 else ' over the dp group of ' + str(cfg.dp)}"
                f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}", file=out)
-    summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json))
+    summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json), resume_from=point)
     if as_json:
         click.echo(json.dumps(summary))
         return

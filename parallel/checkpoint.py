@@ -198,16 +198,18 @@ def _one_line(path: Path, error: BaseException) -> ConfigError:
     return ConfigError(f"checkpoint {path} is corrupt: reading its tensors failed ({text}): use another checkpoint")
 
 
-def load_checkpoint(path: str | os.PathLike, rank, cfg) -> dict:
+def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> dict:
     """Fill this rank's weights, masters and moments from the checkpoint at `path`; every rank calls it.
 
     Returns the saved non-tensor state: step (the next step to run), optimizer_steps,
     scaler, precision, model, layout, config, extra, and rank_state_restored (RNG and
     fp8 histories, restored only when the layout is the same). ConfigError for a missing,
     incomplete, truncated or corrupt checkpoint, or one of another model shape.
+    `verify`: hash every file against its checksum first (False where the launching process
+    already did, before any worker started: parallel/train.py).
     """
     path = Path(path)
-    state = read_state(path, cfg)
+    state = read_state(path, cfg, verify=verify)
     metadata = read_metadata(path)
     shapes = global_shapes(cfg.model)
     separate = all(KEYS["master"] + name in metadata.state_dict_metadata for name in shapes)

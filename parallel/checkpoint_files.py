@@ -4,17 +4,23 @@
         .metadata, __<rank>_0.distcp   torch.distributed.checkpoint's files (the tensors)
         rank-00000.json ...        each rank's own state: RNG, fp8 scaling histories
         state.json                 step, loss scaler, optimizer step count, config, layout,
-                                   the caller's extra dict, every file's size
-        COMPLETE                   written last, by rank 0, after every rank finished
+                                   the caller's extra dict, every other file's size and sha256
+        COMPLETE                   written last, by rank 0, after every rank finished:
+                                   the step and the sha256 of state.json
 
 A save writes into `step-000010.tmp/` and renames it only once COMPLETE exists, so a
 crash mid-save leaves a `.tmp` directory (or nothing), never a checkpoint that looks
-complete. `latest_checkpoint` ignores `.tmp` directories and any without the marker.
-`check_checkpoint` is what the CLI calls before any worker starts: it reads JSON only.
+complete. The checksums are part of what marks it complete: the marker vouches for
+state.json, state.json for every other file, so one flipped byte anywhere is found
+(`read_state`, CorruptCheckpoint) before a tensor is loaded. `latest_checkpoint` ignores
+`.tmp` directories and any without the marker; `newest_valid_checkpoint` also skips
+those that do not verify. `check_checkpoint` is what the CLI calls before any worker
+starts: it reads the files and hashes them, without torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,11 +30,22 @@ from pathlib import Path
 from minigpt.errors import ConfigError
 
 FORMAT = "minigpt-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: sha256 of every file in state.json, and of state.json in the marker
 MARKER = "COMPLETE"
 STATE_FILE = "state.json"
 SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff", "tied_head")
 STEP_DIR = re.compile(r"step-(\d+)")
+HINT = "resume an older one (--resume PATH), or start without --resume"
+HASH_BLOCK = 1 << 20  # bytes read at a time while hashing a shard
+
+
+class CorruptCheckpoint(ConfigError):
+    """A checkpoint that is incomplete, truncated or whose bytes changed after the save: one that
+    `--resume` skips for an older one (another model shape or format version is not skipped: refused)."""
+
+    def __init__(self, path: Path, reason: str, hint: str = HINT):
+        super().__init__(f"checkpoint {path} is {reason}: {hint}")
+        self.path, self.reason = path, reason
 
 
 def step_dir_name(step: int) -> str:
@@ -62,19 +79,28 @@ def sync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
-def file_sizes(path: Path) -> dict[str, int]:
-    """Every file of a checkpoint directory but the two rank 0 writes last."""
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_records(path: Path) -> dict[str, dict]:
+    """Every file of a checkpoint directory but the two rank 0 writes last: its size and sha256."""
     return {
-        entry.name: entry.stat().st_size
+        entry.name: {"bytes": entry.stat().st_size, "sha256": sha256_of(entry)}
         for entry in sorted(path.iterdir())
         if entry.is_file() and entry.name not in (STATE_FILE, MARKER)
     }
 
 
 def publish(tmp: Path, final: Path, state: dict) -> None:
-    """Rank 0, after every rank wrote its files: state.json, the marker, then the rename."""
-    write_json(tmp / STATE_FILE, {**state, "files": file_sizes(tmp)})
-    write_json(tmp / MARKER, {"step": state["step"]})
+    """Rank 0, after every rank wrote its files: state.json (with every file's checksum), the marker
+    (with state.json's), then the rename."""
+    write_json(tmp / STATE_FILE, {**state, "files": file_records(tmp)})
+    write_json(tmp / MARKER, {"step": state["step"], "state_sha256": sha256_of(tmp / STATE_FILE)})
     sync_directory(tmp)
     old = None
     if final.exists():  # the same step saved again: move the old one out of sight first
@@ -88,54 +114,96 @@ def publish(tmp: Path, final: Path, state: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The complete checkpoint of the most steps under `directory`; None when there is none."""
+def step_directories(directory: str | os.PathLike) -> list[Path]:
+    """Every `step-NNNNNN` directory under `directory` (complete or not; `.tmp` ones left out), newest first."""
     root = Path(directory)
     if not root.is_dir():
-        return None
+        return []
     found = []
     for entry in root.iterdir():
         match = STEP_DIR.fullmatch(entry.name)
-        if match and entry.is_dir() and (entry / MARKER).is_file():
+        if match and entry.is_dir() and not entry.is_symlink():
             found.append((int(match.group(1)), entry))
-    return max(found)[1] if found else None
+    return [entry for _, entry in sorted(found, reverse=True)]
 
 
-def read_state(path: str | os.PathLike, cfg) -> dict:
-    """state.json of a complete, untruncated checkpoint of `cfg`'s model shape, or ConfigError."""
-    path = Path(path)
-    hint = "pass a directory that latest_checkpoint() returns, or start without --resume"
-    if not path.exists():
-        raise ConfigError(f"checkpoint {path} does not exist: {hint}")
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint {path} is not a directory: {hint}")
-    if path.name.endswith(".tmp") or not (path / MARKER).is_file():
-        raise ConfigError(f"checkpoint {path} is incomplete (its save was interrupted, no {MARKER} marker): {hint}")
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The complete checkpoint of the most steps under `directory`; None when there is none."""
+    return next((entry for entry in step_directories(directory) if (entry / MARKER).is_file()), None)
+
+
+def newest_valid_checkpoint(directory: str | os.PathLike, cfg) -> tuple[Path | None, dict | None, list[CorruptCheckpoint]]:
+    """The newest checkpoint under `directory` that verifies (read_state: complete, every checksum right),
+    its state.json, and what was skipped on the way, newest first; (None, None, skipped) when none does.
+    A checkpoint of another model shape or format version is not skipped: its ConfigError goes up, as no
+    older checkpoint of the same run would be different."""
+    skipped = []
+    for entry in step_directories(directory):
+        try:
+            return entry, read_state(entry, cfg), skipped
+        except CorruptCheckpoint as error:
+            skipped.append(error)
+    return None, None, skipped
+
+
+def _read_json(path: Path, name: str) -> tuple[object, bytes]:
     try:
-        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        raw = (path / name).read_bytes()
+        return json.loads(raw.decode("utf-8")), raw
     except (OSError, ValueError) as error:
-        raise ConfigError(f"checkpoint {path} is corrupt: cannot read {STATE_FILE} ({error}): {hint}") from None
+        raise CorruptCheckpoint(path, f"corrupt: cannot read {name} ({' '.join(str(error).split())})") from None
+
+
+def read_state(path: str | os.PathLike, cfg, verify: bool = True) -> dict:
+    """state.json of a complete, untruncated checkpoint of `cfg`'s model shape, or ConfigError
+    (CorruptCheckpoint for one that is incomplete, truncated or changed). `verify`: hash every file
+    against its sha256 too (state.json's own checksum, in the marker, is always checked)."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"checkpoint {path} does not exist: {HINT}")
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {path} is not a directory: {HINT}")
+    if not (path / MARKER).is_file() and not STEP_DIR.fullmatch(path.name.split(".")[0]):
+        raise ConfigError(f"{path} is not a checkpoint (a step-NNNNNN directory with a {MARKER} marker): {HINT}")
+    if path.name.endswith(".tmp") or not (path / MARKER).is_file():
+        raise CorruptCheckpoint(path, f"incomplete (its save was interrupted, no {MARKER} marker)")
+    marker, _ = _read_json(path, MARKER)
+    state, raw = _read_json(path, STATE_FILE)
+    sealed = isinstance(marker, dict) and "state_sha256" in marker
+    if sealed and marker["state_sha256"] != hashlib.sha256(raw).hexdigest():
+        raise CorruptCheckpoint(path, f"corrupt: {STATE_FILE} does not match the sha256 in {MARKER}")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint {path} is corrupt: {STATE_FILE} is not a {FORMAT} state file: {hint}")
+        raise CorruptCheckpoint(path, f"corrupt: {STATE_FILE} is not a {FORMAT} state file")
     if state.get("version") != VERSION:
-        raise ConfigError(
-            f"checkpoint {path} has format version {state.get('version')!r}, this minigpt reads {VERSION}: {hint}"
-        )
+        raise ConfigError(f"checkpoint {path} has format version {state.get('version')!r}, this minigpt reads "
+                          f"{VERSION}: resume it with the minigpt that saved it, or start without --resume")
+    if not sealed:
+        raise CorruptCheckpoint(path, f"corrupt: {MARKER} holds no sha256 of {STATE_FILE}")
     for key, kind in (("step", int), ("optimizer_steps", int), ("model", dict), ("files", dict), ("layout", dict)):
         if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
-            raise ConfigError(f"checkpoint {path} is corrupt: {STATE_FILE} has no valid {key!r}: {hint}")
+            raise CorruptCheckpoint(path, f"corrupt: {STATE_FILE} has no valid {key!r}")
+    if marker.get("step") != state["step"]:
+        raise CorruptCheckpoint(path, f"corrupt: {MARKER} says step {marker.get('step')!r}, {STATE_FILE} {state['step']}")
     check_model_shape(path, state["model"], cfg.model.as_dict())
-    for name, size in state["files"].items():
-        if "/" in name or "\\" in name or name.startswith(".."):
-            raise ConfigError(f"checkpoint {path} is corrupt: file name {name!r} in {STATE_FILE}: {hint}")
-        file = path / name
-        if not file.is_file():
-            raise ConfigError(f"checkpoint {path} is truncated: {name} is missing: {hint}")
-        if file.stat().st_size != size:
-            raise ConfigError(
-                f"checkpoint {path} is truncated: {name} has {file.stat().st_size} bytes, {size} were written: {hint}"
-            )
+    check_files(path, state["files"], verify)
     return state
+
+
+def check_files(path: Path, files: dict, verify: bool) -> None:
+    """Every file state.json lists is there, of the size written and, with `verify`, of the sha256 written."""
+    for name, record in files.items():
+        if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith(".."):
+            raise CorruptCheckpoint(path, f"corrupt: file name {name!r} in {STATE_FILE}")
+        if not isinstance(record, dict) or not isinstance(record.get("bytes"), int) or not isinstance(record.get("sha256"), str):
+            raise CorruptCheckpoint(path, f"corrupt: {STATE_FILE} has no size and sha256 for {name}")
+        file = path / name
+        if not file.is_file() or file.is_symlink():
+            raise CorruptCheckpoint(path, f"truncated: {name} is missing")
+        if file.stat().st_size != record["bytes"]:
+            raise CorruptCheckpoint(path, f"truncated: {name} has {file.stat().st_size} bytes, {record['bytes']} were written")
+    for name, record in files.items() if verify else ():
+        if sha256_of(path / name) != record["sha256"]:
+            raise CorruptCheckpoint(path, f"corrupt: {name} does not match its sha256 (its bytes changed after the save)")
 
 
 def check_model_shape(path: Path, saved: dict, wanted: dict) -> None:
@@ -151,6 +219,7 @@ def check_model_shape(path: Path, saved: dict, wanted: dict) -> None:
         )
 
 
-def check_checkpoint(path: str | os.PathLike, cfg) -> None:
-    """Refuse (ConfigError) a missing, incomplete, truncated or other-shape checkpoint; reads JSON only."""
-    read_state(path, cfg)
+def check_checkpoint(path: str | os.PathLike, cfg) -> dict:
+    """Refuse (ConfigError) a missing, incomplete, truncated, changed or other-shape checkpoint; reads and
+    hashes its files, without torch. Returns its state.json."""
+    return read_state(path, cfg)

@@ -61,20 +61,24 @@ def launch(
     Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
     and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
     """
-    check_positive_int("world size", world_size)
+    check_torchrun_world(world_size)
     check_positive_int("threads per rank", threads_per_rank)
     if in_torchrun():
-        started = int(os.environ["WORLD_SIZE"])
-        if started != world_size:
-            raise ConfigError(
-                f"torchrun started {started} processes but the layout tp x pp x dp needs {world_size}: "
-                f"start torchrun with {world_size} processes in all (--nnodes x --nproc-per-node) "
-                f"or change the layout"
-            )
         return entrypoint(arg)
     if world_size == 1:
         return entrypoint(arg)
     return launch_local(entrypoint, arg, world_size, threads_per_rank)
+
+
+def check_torchrun_world(world_size: int) -> None:
+    """Under torchrun, the processes it started must be the layout's: ConfigError otherwise."""
+    check_positive_int("world size", world_size)
+    if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ConfigError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes but the layout tp x pp x dp needs {world_size}: "
+            f"start torchrun with {world_size} processes in all (--nnodes x --nproc-per-node) "
+            f"or change the layout"
+        )
 
 
 def run_with_threads(entrypoint: Callable[[Arg], Result], arg: Arg, threads: int) -> Result:

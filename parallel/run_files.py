@@ -1,12 +1,15 @@
 """The run directory: config.json at the start, metrics.jsonl per step, summary.json and loss.png at the end.
 
 Only rank 0 writes it. JSON files are written to a temporary name and renamed,
-so a reader never sees half a file.
+so a reader never sees half a file. No file is opened through a symlink (O_NOFOLLOW; a
+temporary name is unlinked first, never followed): the launching process refused links out of
+the run directory before the run (parallel/run_dir.py), and this holds even for one made since.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +32,12 @@ class RunFiles:
 
     def __post_init__(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(self.path / "metrics.jsonl", "a" if self.resume else "w", encoding="utf-8")
+        self.metrics = open_no_follow(self.path / "metrics.jsonl", "a" if self.resume else "w")
 
     def write_json(self, name: str, obj: dict) -> None:
         tmp = self.path / (name + ".tmp")
-        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        with open_no_follow(tmp, "w") as handle:
+            handle.write(json.dumps(obj, indent=2) + "\n")
         tmp.replace(self.path / name)  # atomic: a reader never sees half a file
 
     def log(self, record: dict) -> None:
@@ -42,6 +46,16 @@ class RunFiles:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def open_no_follow(path: Path, mode: str):
+    """`path` opened to write ("w", "a", "wb"), never through a symlink: a ".tmp" name is unlinked and
+    made afresh, any other raises OSError (ELOOP) where it is a symlink."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
+    if ".tmp" in path.name:
+        path.unlink(missing_ok=True)
+        flags |= os.O_EXCL
+    return os.fdopen(os.open(path, flags, 0o644), mode, **({} if "b" in mode else {"encoding": "utf-8"}))
 
 
 def loss_curves(metrics_path: Path) -> tuple[dict[int, float], dict[int, float]]:
@@ -84,7 +98,8 @@ def write_loss_plot(run_dir: Path, name: str = "loss.png") -> Path | None:
         axes.legend()
         figure.tight_layout()
         tmp = run_dir / (name + ".tmp.png")
-        figure.savefig(tmp, format="png")
+        with open_no_follow(tmp, "wb") as handle:
+            figure.savefig(handle, format="png")
         tmp.replace(run_dir / name)  # atomic, as the JSON files
     finally:
         plt.close(figure)
