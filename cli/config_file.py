@@ -1,12 +1,17 @@
 """`--config FILE.toml`: a command's flags as a TOML file; flags on the command line override it.
 
 Keys are the flags' names, with dashes or underscores (`batch-size = 32` or
-`batch_size = 32`). An unknown key, a malformed file or a missing one is bad input:
-one line, exit code 2, before any work starts.
+`batch_size = 32`). Each value has its flag's type: an integer flag takes a TOML integer, a
+number flag an integer or a finite float, an on/off flag true or false, any other flag a string
+(or a number, read as its text). An unknown key, a value of the wrong type (a date, a float or a
+boolean where an integer belongs, inf or nan), a malformed file or a missing one is bad input:
+one line, exit code 2, before any work starts, whatever the file's bytes (tests/test_fuzz_parsers.py).
 """
 
 from __future__ import annotations
 
+import datetime
+import math
 import sys
 from pathlib import Path
 
@@ -20,24 +25,88 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
-def read_config_file(path: str, command: click.Command) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--config {path!r} does not exist or is not a file")
+MAX_CONFIG_BYTES = 2**20  # a file of flags; TOML's reader recurses, so nothing larger is read
+
+
+def _read_toml(path: str) -> dict:
+    """The TOML document at `path`, or ConfigError naming the file, whatever its bytes."""
     try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--config {path!r} does not exist or is not a file")
+        if file.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"--config {path!r} has more than {MAX_CONFIG_BYTES:,} bytes: it holds flags, keep it short")
+        text = file.read_bytes().decode("utf-8")
+    except ConfigError:
+        raise
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--config {path!r} is not valid TOML: not UTF-8 (byte {error.start})") from None
+    except (OSError, ValueError) as error:  # unreadable, or a name the file system refuses
+        raise ConfigError(f"cannot read --config {path!r}: {getattr(error, 'strerror', None) or error}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"--config {path!r} is not valid TOML: {' '.join(str(error).split())}") from None
-    names = {param.name for param in command.params if param.name not in ("config", "help")}
+    except RecursionError:
+        raise ConfigError(f"--config {path!r} is nested too deeply: its keys are flags, with plain values") from None
+    except ValueError as error:  # an integer of thousands of digits
+        raise ConfigError(f"--config {path!r} is not valid TOML: {' '.join(str(error).split())[:200]}") from None
+
+
+def value_kind(param: click.Parameter) -> str:
+    """What a TOML value for this flag must be: "flag", "integer", "number", "text" (a string or a
+    number, as on the command line) or "name" (a choice or a path: a string)."""
+    if isinstance(param.type, click.types.BoolParamType):
+        return "flag"
+    if isinstance(param.type, click.types.IntParamType):
+        return "integer"
+    if isinstance(param.type, click.types.FloatParamType):
+        return "number"
+    return "text" if isinstance(param.type, click.types.StringParamType) else "name"
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def check_value(path: str, key: str, value: object, param: click.Parameter) -> object:
+    """`value` when it has the type the flag takes (module docstring); ConfigError naming the key otherwise."""
+    kind = value_kind(param)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if (isinstance(value, float) or kind == "number") and number and not _finite(value):
+        problem = f"{value} is not a finite number"  # inf, nan, or an integer too large for a float
+    elif isinstance(value, (datetime.date, datetime.time)):
+        problem = f"a date or time ({value.isoformat()}) is not a value of any flag"
+    elif kind == "flag" and not isinstance(value, bool):
+        problem = f"it is an on/off flag: give true or false, not {value!r}"
+    elif kind == "integer" and (not number or isinstance(value, float)):
+        problem = f"it takes an integer, not {value!r}"
+    elif kind == "number" and not number:
+        problem = f"it takes a number, not {value!r}"
+    elif kind == "text" and not (isinstance(value, str) or number):
+        problem = f"it takes a string, not {value!r}"
+    elif kind == "name" and not isinstance(value, str):
+        problem = f"it takes a string, not {value!r}"
+    else:
+        return value
+    raise ConfigError(f"--config {path!r}: key {key!r}: {problem}")
+
+
+def read_config_file(path: str, command: click.Command) -> dict:
+    data = _read_toml(path)
+    params = {param.name: param for param in command.params if param.name not in ("config", "help")}
     values = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name == "json":
             name = "as_json"
-        if name not in names or isinstance(value, (dict, list)):
-            valid = ", ".join(sorted(("json" if n == "as_json" else n).replace("_", "-") for n in names))
+        if name not in params or isinstance(value, (dict, list)):
+            valid = ", ".join(sorted(("json" if n == "as_json" else n).replace("_", "-") for n in params))
             raise ConfigError(f"--config {path!r}: unknown or non-scalar key {key!r}; the keys are the flags: {valid}")
-        values[name] = value
+        values[name] = check_value(path, key, value, params[name])
     return values
 
 

@@ -10,6 +10,14 @@ from minigpt.errors import ConfigError, TrainingError
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1
+LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines() splits on
+
+
+def one_line(message: object) -> str:
+    """`message` as one printable line: line breaks (a file name or a value quoted from a file may
+    hold them) shown as escapes, and what UTF-8 cannot encode (a lone surrogate) escaped."""
+    text = "".join(ch.encode("unicode_escape").decode("ascii") if ch in LINE_BREAKS else ch for ch in str(message))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Group(click.Group):
@@ -26,13 +34,13 @@ class Group(click.Group):
             click.echo("minigpt: aborted", err=True)
             sys.exit(1)
         except click.ClickException as error:
-            click.echo(f"minigpt: error: {error.format_message()}", err=True)
+            click.echo(f"minigpt: error: {one_line(error.format_message())}", err=True)
             sys.exit(EXIT_BAD_INPUT)
         except ConfigError as error:
-            click.echo(f"minigpt: error: {error}", err=True)
+            click.echo(f"minigpt: error: {one_line(error)}", err=True)
             sys.exit(EXIT_BAD_INPUT)
         except TrainingError as error:
-            click.echo(f"minigpt: run failed: {error}", err=True)
+            click.echo(f"minigpt: run failed: {one_line(error)}", err=True)
             sys.exit(EXIT_RUN_FAILED)
         if not standalone_mode:
             return result

@@ -65,11 +65,17 @@ def embedded_corpus() -> bytes:
 
 
 def read_text_file(path: str | Path) -> bytes:
-    """A UTF-8 text file's bytes, or ConfigError saying why it cannot be used."""
+    """A UTF-8 text file's bytes, or ConfigError saying why it cannot be used (any bytes: the tokenizer
+    takes every UTF-8 text, so a file is refused only for not being one, or for being unreadable)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"data file {str(path)!r} does not exist or is not a file")
-    data = path.read_bytes()
+    try:
+        if not path.is_file():
+            raise ConfigError(f"data file {str(path)!r} does not exist or is not a file")
+        data = path.read_bytes()
+    except (OSError, ValueError) as error:  # unreadable, or a name the file system refuses (too long, a NUL)
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"cannot read data file {str(path)!r}: {getattr(error, 'strerror', None) or error}") from None
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as error:

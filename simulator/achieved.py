@@ -19,10 +19,10 @@ for busbw_fraction; docs/efficiency.md gives each value, its source, derivation 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from minigpt.errors import ConfigError
+from simulator.json_file import FRACTION, SECONDS, in_range
 
 DATASHEET = "none: the datasheet figures as they are"
 
@@ -39,9 +39,9 @@ class Achieved:
 
 
 def fraction(value: object, where: str) -> float:
-    """A number in (0, 1]; ConfigError naming `where` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"{where} must be a fraction in (0, 1], got {value!r}")
+    """A number in (0, 1] (at least simulator/json_file.py's FRACTION[0]); ConfigError naming `where` otherwise."""
+    if not in_range(value, FRACTION):
+        raise ConfigError(f"{where} must be a fraction in (0, 1] (at least {FRACTION[0]:g}), got {value!r}")
     return float(value)
 
 
@@ -53,8 +53,9 @@ def parse_achieved(data: object, where: str) -> Achieved | None:
     if not isinstance(data, dict) or set(data) - keys or "source" not in data:
         raise ConfigError(f"{where}.achieved must be an object of {', '.join(sorted(keys))} (source required)")
     overhead = data.get("kernel_overhead", 0.0)
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < math.inf:
-        raise ConfigError(f"{where}.achieved.kernel_overhead must be seconds >= 0, got {overhead!r}")
+    if not in_range(overhead, SECONDS):
+        raise ConfigError(f"{where}.achieved.kernel_overhead must be seconds >= 0 (at most {SECONDS[1]:g}), "
+                          f"got {overhead!r}")
     source = data["source"]
     if not isinstance(source, str) or not source.strip():
         raise ConfigError(f"{where}.achieved.source must name where the numbers come from")

@@ -5,7 +5,9 @@ A cluster is a directed graph: every cable is two edges, one per direction, each
 GPUs and NICs also carry `node` (server index) and `local` (index inside the server).
 Graph attributes a built cluster writes (all optional in a file): `gpu` (the GPU preset),
 `fabric` (the NIC preset), `kind`, `busbw_fraction` (what NCCL reaches across nodes as a
-fraction of the line rate, simulator/achieved.py; 1 when absent) and `description`.
+fraction of the line rate, simulator/achieved.py; 1 when absent) and `description`. Numbers are
+finite and within simulator/json_file.py's ranges (bandwidth 1 to 1e30 bytes/s, latency 0 to
+3600 s), and a graph holds at most simulator/limits.py's MAX_FILE_GPUS GPUs.
 
 Routing (`Cluster.route`): fewest hops, and a GPU is never a transit node, so GPUs of
 one server always talk through the NVSwitch (2 hops) and never through NICs; across
@@ -23,6 +25,8 @@ from __future__ import annotations
 import networkx as nx
 
 from minigpt.errors import ConfigError
+from simulator.json_file import FRACTION, RATE, SECONDS, in_range
+from simulator.limits import check_file_gpus
 
 NODE_TYPES = ("gpu", "nvswitch", "nic", "leaf", "spine")
 
@@ -67,16 +71,23 @@ class Cluster:
             raise ConfigError(f"{origin}: the topology has no GPU: add nodes with type 'gpu'")
         if len(set(places)) != len(places):
             raise ConfigError(f"{origin}: two GPUs share the same (node, local) attributes: give every GPU its own place")
+        check_file_gpus(len(places), origin)
         for u, v, data in self.graph.edges(data=True):
             for key in ("bandwidth", "latency"):
                 value = data.get(key)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                     raise ConfigError(f"{origin}: edge {u!r} -> {v!r} has no numeric '{key}': give every edge bandwidth (bytes/s) and latency (s)")
-            if data["bandwidth"] <= 0 or data["latency"] < 0:
-                raise ConfigError(f"{origin}: edge {u!r} -> {v!r} needs bandwidth > 0 and latency >= 0, got {data['bandwidth']!r}, {data['latency']!r}")
-        fraction = self.graph.graph.get("busbw_fraction", 1.0)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ConfigError(f"{origin}: graph attribute busbw_fraction must be a fraction in (0, 1], got {fraction!r}")
+            if not in_range(data["bandwidth"], RATE) or not in_range(data["latency"], SECONDS):
+                raise ConfigError(f"{origin}: edge {u!r} -> {v!r} needs bandwidth > 0 and latency >= 0 (bandwidth "
+                                  f"{RATE[0]:g} to {RATE[1]:g} bytes/s, latency at most {SECONDS[1]:g} s), "
+                                  f"got {data['bandwidth']!r}, {data['latency']!r}")
+        attributes = self.graph.graph
+        fraction = attributes.get("busbw_fraction", 1.0)
+        if not in_range(fraction, FRACTION):
+            raise ConfigError(f"{origin}: graph attribute busbw_fraction must be a fraction in (0, 1] (at least "
+                              f"{FRACTION[0]:g}), got {fraction!r}")
+        if not isinstance(attributes.get("gpu", ""), str):
+            raise ConfigError(f"{origin}: graph attribute gpu must name a GPU preset or profile, got {attributes['gpu']!r}")
 
     def _check_connected(self) -> None:
         """Every GPU reaches and is reached by the first one (GPUs may forward, as in a rail-only fabric)."""

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from minigpt.errors import ConfigError
+from simulator.json_file import FRACTION, SECONDS, in_range
 from precision.policy import FLOP_FORMATS
 
 
@@ -54,8 +55,8 @@ def parse_efficiency_profile(data: object, origin: str = "profile") -> Efficienc
     if not isinstance(source, str):
         raise ConfigError(f"{where}.source must be text naming where the tables come from, got {source!r}")
     latency = data.get("launch_latency", 0.0)
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
-        raise ConfigError(f"{where}.launch_latency must be seconds >= 0, got {latency!r}")
+    if not in_range(latency, SECONDS):
+        raise ConfigError(f"{where}.launch_latency must be seconds >= 0 (at most {SECONDS[1]:g}), got {latency!r}")
     points = {}
     for fmt in FLOP_FORMATS:
         if fmt not in data:
@@ -63,12 +64,13 @@ def parse_efficiency_profile(data: object, origin: str = "profile") -> Efficienc
         table = data[fmt]
         ok = isinstance(table, list) and table and all(
             isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool) and p[0] > 0
-            and isinstance(p[1], (int, float)) and not isinstance(p[1], bool) and 0 < p[1] <= 1
+            and in_range(p[1], FRACTION)
             for p in table
         )
         if not ok or any(a[0] >= b[0] for a, b in zip(table, table[1:])):
             raise ConfigError(
-                f"{where}.{fmt} must be [[size, efficiency], ...] with sizes > 0 increasing and 0 < efficiency <= 1"
+                f"{where}.{fmt} must be [[size, efficiency], ...] with sizes > 0 increasing and 0 < efficiency <= 1 "
+                f"(at least {FRACTION[0]:g})"
             )
         points[fmt] = tuple((int(x), float(e)) for x, e in table)
     return EfficiencyProfile(points=points, launch_latency=float(latency), source=source)

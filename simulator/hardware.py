@@ -14,7 +14,11 @@ Schema (units: FLOP/s, bytes, bytes/s per direction, seconds):
      "nodes": {NAME: {"source", "gpus_per_node", "nics_per_node", "nvswitch", "nic"}},
      "nics":  {NAME: {"source", "bandwidth", "latency", "switch_latency", "switch_radix"}}}
 
-A peak FLOP/s entry may be null when the GPU lacks that format (A100: no fp8).
+A peak FLOP/s entry may be null when the GPU lacks that format (A100: no fp8). Every number must be
+finite and within the ranges of simulator/json_file.py (rates 1 to 1e30 per second, latencies 0 to
+3600 s, bytes 1 to 1e30, counts 1 to 2**20, fractions 1e-6 to 1), far beyond real hardware and narrow
+enough that no simulated step overflows; whatever a file's bytes, loading it gives a Hardware or one
+ConfigError naming the file and the field (tests/test_fuzz_parsers.py).
 
 Optional GPU fields, written by `minigpt calibrate`; the presets carry matmul_efficiency and
 achieved only, taken from published microbenchmarks against their datasheet figures (values,
@@ -48,11 +52,13 @@ from minigpt.errors import ConfigError
 from simulator.achieved import Achieved, fraction, parse_achieved
 from simulator.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
 from simulator.host import MeasuredHost, parse_measured_host
+from simulator.json_file import BYTES, COUNT, RATE, SECONDS, finite_number, in_range, read_json_file
 
 PRESETS_FILE = Path(__file__).with_name("hardware.json")
 TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured", "achieved")
+SECONDS_PER_BYTE = (1e-30, 1.0)  # a collective's beta: 1 / bytes per second
 
 
 @dataclass(frozen=True)
@@ -159,17 +165,23 @@ def _check_keys(entry: object, expected: set[str], where: str, origin: str) -> d
     return entry
 
 
-def _number(value: object, where: str, origin: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+def _number(value: object, where: str, origin: str, bounds: tuple[float, float] = RATE, *,
+            allow_zero: bool = False) -> float:
+    """A finite number within `bounds` (simulator/json_file.py: no value there makes a step overflow)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{origin}: {where} must be a number, got {value!r}")
+    if finite_number(value) is None:
+        raise ConfigError(f"{origin}: {where} must be finite, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         bound = "non-negative" if allow_zero else "positive"
         raise ConfigError(f"{origin}: {where} must be {bound}, got {value!r}")
+    if not in_range(value, (0.0 if allow_zero else bounds[0], bounds[1])):
+        raise ConfigError(f"{origin}: {where} must be between {bounds[0]:g} and {bounds[1]:g}, got {value!r}")
     return value
 
 
-def _integer(value: object, where: str, origin: str) -> int:
-    number = _number(value, where, origin)
+def _integer(value: object, where: str, origin: str, bounds: tuple[float, float] = COUNT) -> int:
+    number = _number(value, where, origin, bounds)
     if isinstance(number, float) and not number.is_integer():
         raise ConfigError(f"{origin}: {where} must be a whole number, got {value!r}")
     return int(number)
@@ -194,16 +206,17 @@ def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
         if value is None and fmt != "fp32":
             peak[fmt] = None
         else:
-            peak[fmt] = float(_number(value, f"{where}.peak_flops.{fmt}", origin))
+            peak[fmt] = float(_number(value, f"{where}.peak_flops.{fmt}", origin, RATE))
     return GPUSpec(
         name=name,
         source=_text(entry["source"], f"{where}.source", origin),
         node=_text(entry["node"], f"{where}.node", origin),
         peak_flops=peak,
-        hbm_bytes=_integer(entry["hbm_bytes"], f"{where}.hbm_bytes", origin),
-        hbm_bandwidth=float(_number(entry["hbm_bandwidth"], f"{where}.hbm_bandwidth", origin)),
-        nvlink_bandwidth=float(_number(entry["nvlink_bandwidth"], f"{where}.nvlink_bandwidth", origin)),
-        nvlink_latency=float(_number(entry["nvlink_latency"], f"{where}.nvlink_latency", origin, allow_zero=True)),
+        hbm_bytes=_integer(entry["hbm_bytes"], f"{where}.hbm_bytes", origin, BYTES),
+        hbm_bandwidth=float(_number(entry["hbm_bandwidth"], f"{where}.hbm_bandwidth", origin, RATE)),
+        nvlink_bandwidth=float(_number(entry["nvlink_bandwidth"], f"{where}.nvlink_bandwidth", origin, RATE)),
+        nvlink_latency=float(_number(entry["nvlink_latency"], f"{where}.nvlink_latency", origin, SECONDS,
+                                     allow_zero=True)),
         matmul_efficiency=_parse_efficiency(entry.get("matmul_efficiency"), where, origin),
         collectives=_parse_collectives(entry.get("collectives"), where, origin),
         calibration=_parse_calibration(entry.get("calibration"), where, origin),
@@ -242,16 +255,16 @@ def _parse_collectives(data: object, where: str, origin: str) -> dict[str, Colle
             raise ConfigError(f"{origin}: {at}.ranks must be at least 2, got {ranks}")
         points = fit.get("points", [])
         if not isinstance(points, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                        and v > 0 for v in p)
+            isinstance(p, list) and len(p) == 2 and in_range(p[0], BYTES) and in_range(p[1], SECONDS) and p[1] > 0
             for p in points
         ):
-            raise ConfigError(f"{origin}: {at}.points must be [[bytes, seconds], ...] of positive numbers")
+            raise ConfigError(f"{origin}: {at}.points must be [[bytes, seconds], ...] of positive numbers "
+                              f"(bytes up to {BYTES[1]:g}, seconds up to {SECONDS[1]:g})")
         fits[kind] = CollectiveFit(
             kind=kind,
             ranks=ranks,
-            alpha=float(_number(fit["alpha"], f"{at}.alpha", origin, allow_zero=True)),
-            beta=float(_number(fit["beta"], f"{at}.beta", origin)),
+            alpha=float(_number(fit["alpha"], f"{at}.alpha", origin, SECONDS, allow_zero=True)),
+            beta=float(_number(fit["beta"], f"{at}.beta", origin, SECONDS_PER_BYTE)),
             points=tuple((int(b), float(t)) for b, t in points),
         )
     return fits
@@ -263,7 +276,7 @@ def _parse_calibration(data: object, where: str, origin: str) -> dict | None:
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: {where}.calibration must be a JSON object of notes")
     if "ranks_per_core" in data:
-        _number(data["ranks_per_core"], f"{where}.calibration.ranks_per_core", origin)
+        _number(data["ranks_per_core"], f"{where}.calibration.ranks_per_core", origin, (1 / COUNT[1], COUNT[1]))
     return data
 
 
@@ -293,9 +306,10 @@ def _parse_nic(name: str, entry: object, origin: str) -> NICSpec:
     return NICSpec(
         name=name,
         source=_text(entry["source"], f"{where}.source", origin),
-        bandwidth=float(_number(entry["bandwidth"], f"{where}.bandwidth", origin)),
-        latency=float(_number(entry["latency"], f"{where}.latency", origin, allow_zero=True)),
-        switch_latency=float(_number(entry["switch_latency"], f"{where}.switch_latency", origin, allow_zero=True)),
+        bandwidth=float(_number(entry["bandwidth"], f"{where}.bandwidth", origin, RATE)),
+        latency=float(_number(entry["latency"], f"{where}.latency", origin, SECONDS, allow_zero=True)),
+        switch_latency=float(_number(entry["switch_latency"], f"{where}.switch_latency", origin, SECONDS,
+                                     allow_zero=True)),
         switch_radix=radix,
         busbw_fraction=fraction(entry.get("busbw_fraction", 1.0), f"{origin}: {where}.busbw_fraction"),
     )
@@ -351,18 +365,8 @@ def parse_catalog(data: object, origin: str) -> Catalog:
 
 
 def read_catalog(path: str | Path) -> Catalog:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"hardware file {str(path)!r} does not exist: give a preset name or an existing JSON file") from None
-    except OSError as error:
-        raise ConfigError(f"cannot read hardware file {str(path)!r}: {error.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"hardware file {str(path)!r} is not valid JSON (line {error.lineno}: {error.msg}): fix the file") from None
-    return parse_catalog(data, str(path))
+    """A hardware file, read and checked: whatever its bytes, a Catalog or ConfigError (simulator/json_file.py)."""
+    return parse_catalog(read_json_file(path, "hardware file"), str(path))
 
 
 _presets: Catalog | None = None
@@ -382,10 +386,12 @@ def preset_names() -> list[str]:
 
 def load_hardware(name_or_path: str | Path) -> Hardware:
     """A preset name (a GPU of hardware.json) or the path of a profile file holding one GPU."""
+    if not isinstance(name_or_path, (str, Path)):
+        raise ConfigError(f"hardware must be a preset name or a profile path, got {name_or_path!r}")
     text = str(name_or_path)
     if isinstance(name_or_path, str) and text in presets().gpus:
         return presets().hardware(text)
-    if not (text.endswith(".json") or Path(text).exists()):
+    if not (text.endswith(".json") or _exists(text)):
         raise ConfigError(f"unknown hardware {text!r}: choose one of {', '.join(preset_names())} or give a profile file path (.json)")
     catalog = read_catalog(text)
     if len(catalog.gpus) != 1:
@@ -393,6 +399,13 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
             f"profile {text!r} holds {len(catalog.gpus)} GPUs ({', '.join(catalog.gpus)}): a profile describes one GPU, keep one"
         )
     return catalog.hardware(next(iter(catalog.gpus)), origin=text)
+
+
+def _exists(text: str) -> bool:
+    try:
+        return Path(text).exists()
+    except (OSError, ValueError):  # a name too long for the file system, or holding a NUL byte
+        return False
 
 
 # The presets' GPUs by the name torch.cuda.get_device_name() gives them. Only the SXM parts the presets

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from simulator.efficiency import FLOP_FORMATS
+from simulator.json_file import BYTES, COUNT, SECONDS, finite_number
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
@@ -165,11 +166,15 @@ class MeasuredHost:
 # ---------------------------------------------------------------- parsing
 
 
-def _positive(value: object, where: str, integer: bool = False, zero: bool = False) -> float:
+def _positive(value: object, where: str, integer: bool = False, zero: bool = False, high: float | None = None) -> float:
+    """A number > 0 (>= 0 with `zero`), at most `high` (default: a count for an integer, seconds otherwise;
+    simulator/json_file.py's ranges, within which no simulated step overflows)."""
     kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < 0 or (
-            value == 0 and not zero):
-        raise ConfigError(f"{where} must be a {'positive integer' if integer else 'number > 0'}, got {value!r}")
+    high = high if high is not None else COUNT[1] if integer else SECONDS[1]
+    if not isinstance(value, kinds) or finite_number(value) is None or value < 0 or (value == 0 and not zero) or (
+            value > high):
+        kind = "positive integer" if integer else "number >= 0" if zero else "number > 0"
+        raise ConfigError(f"{where} must be a {kind} of at most {high:g}, got {value!r}")
     return value
 
 
@@ -185,6 +190,9 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     device = data.get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"{where}.device must be cpu or cuda, got {device!r}")
+    for name in ("units", "sharing", "collectives"):
+        if not isinstance(data.get(name, []), list):
+            raise ConfigError(f"{where}.{name} must be a JSON list, got {data[name]!r}")
     units = []
     for i, entry in enumerate(data.get("units", [])):
         at = f"{where}.units[{i}]"
@@ -192,7 +200,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         if not isinstance(entry, dict) or set(entry) - set(UNIT_OPTIONAL) != required:
             raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))} "
                               f"(and optionally {', '.join(UNIT_OPTIONAL)})")
-        key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True)) for k in UNIT_KEYS)
+        key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True, high=BYTES[1])) for k in UNIT_KEYS)
         sp = entry.get("sequence_parallel", False)
         if not isinstance(sp, bool):
             raise ConfigError(f"{at}.sequence_parallel must be true or false, got {sp!r}")
@@ -200,9 +208,11 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         if dtype not in FLOP_FORMATS:
             raise ConfigError(f"{at}.dtype must be one of {', '.join(FLOP_FORMATS)}, got {dtype!r}")
         sizes = entry["micro_batches"]
-        if not isinstance(sizes, list) or not sizes or any(a >= b for a, b in zip(sizes, sizes[1:])):
+        if not isinstance(sizes, list) or not sizes:
             raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
         sizes = tuple(int(_positive(b, f"{at}.micro_batches", integer=True)) for b in sizes)
+        if any(a >= b for a, b in zip(sizes, sizes[1:])):
+            raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
         series = {}
         for name in UNIT_SERIES:
             values = entry[name]
@@ -216,7 +226,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             raise ConfigError(f"{where}.sharing[{i}] must be [ranks, threads_per_rank, slowdown]")
         sharing.append((int(_positive(row[0], f"{where}.sharing[{i}] ranks", integer=True)),
                         int(_positive(row[1], f"{where}.sharing[{i}] threads", integer=True)),
-                        float(_positive(row[2], f"{where}.sharing[{i}] slowdown"))))
+                        float(_positive(row[2], f"{where}.sharing[{i}] slowdown", high=1e6))))
     collectives = []
     for i, entry in enumerate(data.get("collectives", [])):
         at = f"{where}.collectives[{i}]"
@@ -227,11 +237,14 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         points = entry.get("points", [])
         if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
             raise ConfigError(f"{at}.points must be [[bytes, seconds], ...]")
-        points = tuple(sorted((int(_positive(s, f"{at}.points", integer=True)), float(_positive(t, f"{at}.points")))
-                              for s, t in points))
+        points = tuple(sorted((int(_positive(s, f"{at}.points", integer=True, high=BYTES[1])),
+                               float(_positive(t, f"{at}.points"))) for s, t in points))
+        if any(a[0] == b[0] for a, b in zip(points, points[1:])):
+            raise ConfigError(f"{at}.points must measure each size once")
         collectives.append(MeasuredCollective(
             entry["kind"], int(_positive(entry["group"], f"{at}.group", integer=True)),
             int(_positive(entry["active"], f"{at}.active", integer=True)),
-            float(_positive(entry["alpha"], f"{at}.alpha", zero=True)), float(_positive(entry["beta"], f"{at}.beta")),
+            float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
+            float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
             points))
     return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), device, raw=data)

@@ -9,16 +9,21 @@
   non-blocking, with as many tiers as the radix needs). simulator/fabric.py says how the
   switches are counted and cabled, simulator/cluster_built.py how servers hang on them.
   The result is a BuiltCluster: it routes by arithmetic and draws its graph only when asked
-  (saving it, or `cluster.graph`), so 100,000 GPUs cost little.
+  (saving it, or `cluster.graph`), so 100,000 GPUs cost little; simulator/limits.py's MAX_GPUS
+  (131,072) is the most it builds.
 - `load_cluster(path)` / `save_cluster(cluster, path)`: node-link JSON or GraphML in the form
-  simulator/cluster.py checks; a loaded file is a Cluster that routes on its graph.
+  simulator/cluster.py checks; a loaded file is a Cluster that routes on its graph. Any bytes
+  give a Cluster or a ConfigError naming the file (tests/test_fuzz_parsers.py), and a file
+  holds at most simulator/limits.py's MAX_FILE_GPUS (16,384) GPUs.
 
 `cluster.describe()` states the fabric (tiers, switches per tier, oversubscription).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import warnings
 from pathlib import Path
 
 import networkx as nx
@@ -28,6 +33,8 @@ from simulator.cluster import NODE_TYPES, Cluster, Edge
 from simulator.cluster_built import BuiltCluster
 from simulator.fabric import FABRIC_KINDS, Fabric
 from simulator.hardware import GPUSpec, Hardware, NICSpec, load_hardware, load_nic
+from simulator.json_file import read_bytes, read_json_file
+from simulator.limits import check_gpus
 
 __all__ = ["NODE_TYPES", "CLUSTER_KINDS", "Edge", "Cluster", "BuiltCluster", "build_cluster", "save_cluster",
            "load_cluster", "default_nics_per_node"]
@@ -66,6 +73,7 @@ def build_cluster(
     """
     _positive("gpus_per_node", gpus_per_node)
     _positive("nodes", nodes)
+    check_gpus(gpus_per_node * nodes, f"a cluster of {nodes:,} servers of {gpus_per_node:,} GPUs")
     if kind not in CLUSTER_KINDS:
         raise ConfigError(f"unknown cluster kind {kind!r}: choose one of {', '.join(CLUSTER_KINDS)}")
     if isinstance(gpu, str):
@@ -99,30 +107,70 @@ def save_cluster(cluster: Cluster | nx.Graph, path: str | Path) -> Path:
 
 
 def load_cluster(path: str | Path) -> Cluster:
-    """Read a topology written by save_cluster (or by hand in the same form) and check it."""
+    """Read a topology written by save_cluster (or by hand in the same form) and check it.
+
+    Whatever the file's bytes, the result is a Cluster or a ConfigError naming the file: JSON goes
+    through simulator/json_file.py (size, UTF-8, depth) and node_link_graph below (JSON types), GraphML
+    through networkx's reader, and both through the checks of Cluster (simulator/cluster.py)."""
     path = Path(path)
     if path.suffix not in (".json", ".graphml"):
         raise ConfigError(f"cannot read a topology from {path.name!r}: use a .json (node-link) or .graphml file")
-    if not path.is_file():
-        raise ConfigError(f"topology file {str(path)!r} does not exist: give the path of a .json or .graphml file")
     if path.suffix == ".graphml":
+        data = read_bytes(path, "topology file")
         try:
-            graph = nx.read_graphml(path)
+            with warnings.catch_warnings():  # networkx warns of undeclared keys (read as strings): Cluster checks them
+                warnings.simplefilter("ignore")
+                graph = nx.read_graphml(io.BytesIO(data))
         except Exception as error:  # the XML parser and networkx raise several kinds
-            raise ConfigError(f"topology file {str(path)!r} is not valid GraphML ({error}): fix or re-save it") from None
+            message = " ".join(str(error).split())[:200]
+            raise ConfigError(f"topology file {str(path)!r} is not valid GraphML ({message}): fix or re-save it") from None
         return Cluster(graph, origin=str(path))
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"topology file {str(path)!r} is not valid JSON (line {error.lineno}: {error.msg}): fix the file") from None
-    if not isinstance(data, dict) or "nodes" not in data or not ({"edges", "links"} & data.keys()):
-        raise ConfigError(f"topology file {str(path)!r} is not node-link JSON: it needs 'nodes' and 'edges' lists")
-    edges_key = "edges" if "edges" in data else "links"
-    try:
-        try:
-            graph = nx.node_link_graph(data, edges=edges_key)
-        except TypeError:  # networkx < 3.4
-            graph = nx.node_link_graph(data, link=edges_key)
-    except (KeyError, TypeError, ValueError, nx.NetworkXError) as error:
-        raise ConfigError(f"topology file {str(path)!r} is malformed node-link JSON ({error!r}): fix or re-save it") from None
-    return Cluster(graph, origin=str(path))
+    data = read_json_file(path, "topology file")
+    return Cluster(node_link_graph(data, str(path)), origin=str(path))
+
+
+def node_link_graph(data: object, origin: str) -> nx.Graph:
+    """The graph of a decoded node-link document (networkx's form: "nodes" with an "id" each, "edges" or
+    "links" with "source" and "target", optional "graph", "directed", "multigraph"), every part checked
+    for its JSON type first; the attributes are Cluster's to check. A file that leaves "multigraph" out
+    is a simple graph (networkx would take it for a multigraph, which Cluster refuses)."""
+    edges_key = "edges" if isinstance(data, dict) and "edges" in data else "links"
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get(edges_key), list):
+        raise ConfigError(f"topology file {origin!r} is not node-link JSON: it needs 'nodes' and 'edges' lists")
+    where = f"topology file {origin!r}"
+    for key in ("directed", "multigraph"):
+        if not isinstance(data.get(key, False), bool):
+            raise ConfigError(f"{where}: '{key}' must be true or false, got {data[key]!r}")
+    if data.get("multigraph", False):
+        raise ConfigError(f"{where}: parallel edges are not supported: merge them into one edge per direction "
+                          "and set \"multigraph\": false")
+    attributes = data.get("graph", {})
+    if not isinstance(attributes, dict):
+        raise ConfigError(f"{where}: 'graph' must be a JSON object of attributes, got {attributes!r}")
+    graph = nx.DiGraph() if data.get("directed", False) else nx.Graph()
+    graph.graph.update(attributes)
+    for index, node in enumerate(data["nodes"]):
+        name = _endpoint(node, "id", f"{where}: nodes[{index}]")
+        if str(name) in graph:
+            raise ConfigError(f"{where}: node id {str(name)!r} appears twice: give every node its own id")
+        graph.add_node(str(name))
+        graph.nodes[str(name)].update((k, v) for k, v in node.items() if k != "id")
+    for index, edge in enumerate(data[edges_key]):
+        at = f"{where}: {edges_key}[{index}]"
+        ends = [str(_endpoint(edge, key, at)) for key in ("source", "target")]
+        missing = [end for end in ends if end not in graph]
+        if missing:
+            raise ConfigError(f"{at} names node {missing[0]!r}, which is not in 'nodes'")
+        graph.add_edge(*ends)  # given twice, the later attributes win (as networkx reads it)
+        graph.edges[tuple(ends)].update((k, v) for k, v in edge.items() if k not in ("source", "target"))
+    return graph
+
+
+def _endpoint(entry: object, key: str, where: str) -> str | int:
+    """entry[key] when entry is a JSON object and that is a string or an integer (a node id)."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {entry!r}")
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"{where} needs a string or integer {key!r}, got {value!r}")
+    return value

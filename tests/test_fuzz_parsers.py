@@ -1,0 +1,398 @@
+"""Property-based fuzzing of every input parser: whatever the bytes, a valid object or ConfigError, never
+another exception; and through the CLI, exit 0 or exit 2 with exactly one line on stderr, no traceback.
+
+Parsers: topology files (node-link JSON and GraphML, simulator/topology.py's load_cluster), hardware
+profiles (simulator/hardware.py's load_hardware, `simulate --hardware`), TOML flag files
+(cli/config_file.py, `--config`) and data files (minigpt/data.py, `train --data`). Each gets (a) arbitrary
+bytes and damaged copies of a valid file, and (b) structured-but-wrong documents: the valid document
+with random JSON/TOML values put into its real fields (wrong types, NaN, inf, huge numbers, deep nesting,
+fields removed or added). Hypothesis runs derandomized (the same examples every run, for CI) without
+deadlines, in a bounded number of examples: the whole file takes well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import os
+
+import click
+import networkx as nx
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+from cli.config_file import read_config_file, value_kind
+from cli.main import main
+from minigpt.data import Corpus
+from minigpt.errors import ConfigError
+from simulator.cluster import Cluster
+from simulator.hardware import Hardware, hardware_to_dict, load_hardware
+from simulator.topology import build_cluster, load_cluster
+
+SCALE = float(os.environ.get("MINIGPT_FUZZ_SCALE", "1"))  # e.g. 20 for a long local hunt; CI runs 1
+PARSER_EXAMPLES = int(1000 * SCALE)  # per parser-level test
+CLI_EXAMPLES = int(200 * SCALE)  # per CLI-level test (each runs a command)
+settings.register_profile("fuzz-parsers", derandomize=True, deadline=None, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.function_scoped_fixture])
+PARSERS = settings(settings.get_profile("fuzz-parsers"), max_examples=PARSER_EXAMPLES)
+CLI = settings(settings.get_profile("fuzz-parsers"), max_examples=CLI_EXAMPLES)
+
+DEEP = "__deep__"  # a string value replaced, in the serialized text, by lists nested `depth` deep
+
+
+# ---------------------------------------------------------------- valid documents to break
+
+
+def topology_document() -> dict:
+    return nx.node_link_data(build_cluster("h100-sxm", 2, 2).graph, edges="edges")
+
+
+def profile_document() -> dict:
+    """A profile with every optional part, so that mutations reach every sub-parser."""
+    data = hardware_to_dict(load_hardware("a100-80gb"))
+    gpu = next(iter(data["gpus"].values()))
+    gpu["collectives"] = {"all_reduce": {"ranks": 2, "alpha": 1e-5, "beta": 1e-10, "points": [[1024, 2e-5]]}}
+    gpu["calibration"] = {"ranks": 2, "cores": 2, "ranks_per_core": 1.0}
+    sizes = [1, 2]
+    unit = {"d_model": 64, "n_heads": 4, "d_ff": 256, "seq_len": 64, "vocab_size": 256, "tp": 1, "micro_batches": sizes,
+            "dtype": "fp32", **{name: [1e-3, 2e-3] for name in ("block_forward", "block_backward", "embedding_forward",
+                                                                "embedding_backward", "head_forward", "head_backward")}}
+    gpu["measured"] = {"cores": 2, "device": "cpu", "units": [unit], "sharing": [[1, 1, 1.0], [2, 1, 2.0]],
+                       "collectives": [{"kind": "all_reduce", "group": 2, "active": 2, "alpha": 1e-4, "beta": 1e-9,
+                                        "points": [[4096, 1e-4], [8192, 2e-4]]}]}
+    return data
+
+
+TOPOLOGY = topology_document()
+PROFILE = profile_document()
+
+
+def paths(value, prefix=()) -> list[tuple]:
+    """Every place in a JSON document: the keys and indices leading to each value."""
+    found = [prefix]
+    if isinstance(value, dict):
+        for key, child in value.items():
+            found += paths(child, prefix + (key,))
+    elif isinstance(value, list):
+        for index, child in enumerate(value[:3]):  # the first few entries of a list stand for all
+            found += paths(child, prefix + (index,))
+    return found
+
+
+TOPOLOGY_PATHS, PROFILE_PATHS = paths(TOPOLOGY)[1:], paths(PROFILE)[1:]
+
+
+# ---------------------------------------------------------------- strategies
+
+NASTY_NUMBERS = [0, -1, 1, 2, 0.5, -0.0, 1e-300, 5e-324, 1e300, 1.7e308, 2**31, 2**63, 2**64, 10**30, 10**400,
+                 -(10**400), math.nan, math.inf, -math.inf]
+numbers = st.one_of(st.integers(), st.floats(), st.sampled_from(NASTY_NUMBERS))
+scalars = st.one_of(st.none(), st.booleans(), numbers, st.text(max_size=12), st.sampled_from(["", "gpu", "a\nb", DEEP]))
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+
+
+def dumps(document, depth: int) -> str:
+    text = json.dumps(document)  # NaN and Infinity as Python writes them; 10**400 as its digits
+    return text.replace(json.dumps(DEEP), "[" * depth + "]" * depth)
+
+
+@st.composite
+def broken_documents(draw, document: dict, places: list[tuple]) -> str:
+    """`document` with one to three fields replaced, removed or joined by unknown ones, serialized."""
+    document = copy.deepcopy(document)
+    for _ in range(draw(st.integers(1, 3))):
+        place = draw(st.sampled_from(places))
+        parent = document
+        try:
+            for key in place[:-1]:
+                parent = parent[key]
+            action = draw(st.sampled_from(["replace", "replace", "replace", "remove", "add"]))
+            if action == "replace":
+                parent[place[-1]] = draw(json_values)
+            elif action == "remove":
+                del parent[place[-1]]
+            elif isinstance(parent, dict):
+                parent[draw(st.text(max_size=6))] = draw(json_values)
+        except (KeyError, IndexError, TypeError):  # an earlier mutation changed the way there
+            continue
+    return dumps(document, draw(st.sampled_from([1, 30, 70, 2000, 100_000])))
+
+
+@st.composite
+def damaged(draw, valid: bytes) -> bytes:
+    """A valid file cut short, or with a few bytes overwritten by arbitrary ones."""
+    data = bytearray(valid)
+    if draw(st.booleans()):
+        return bytes(data[: draw(st.integers(0, len(data)))])
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(data) - 1))
+        data[at: at + 1] = draw(st.binary(min_size=0, max_size=4))
+    return bytes(data)
+
+
+def any_bytes(valid: bytes):
+    return st.one_of(st.binary(max_size=512), damaged(valid))
+
+
+def write(directory, name: str, content: bytes | str):
+    path = directory / name
+    path.write_bytes(content.encode("utf-8", "surrogatepass") if isinstance(content, str) else content)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def total(parse, path, kind):
+    """parse(path) is a `kind` or raises ConfigError with a message; any other exception fails the test."""
+    try:
+        result = parse(path)
+    except ConfigError as error:
+        assert str(error).strip(), "a ConfigError must say what is wrong"
+        event("refused")  # --hypothesis-show-statistics tells how the examples ended
+        return None
+    assert isinstance(result, kind), type(result)
+    event("accepted")
+    return result
+
+
+def strict_json(text: str):
+    """JSON without NaN or Infinity (which json.dumps writes for a non-finite float, and no reader takes)."""
+    def refuse(name):
+        raise AssertionError(f"the output holds {name}: a number in the input made a result non-finite")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def one_line_or_success(args: list[str]) -> None:
+    """Through the CLI: exit 0 (with --json, finite JSON), or exit 2 with exactly one line on stderr;
+    never a traceback."""
+    result = CliRunner().invoke(main, args)
+    event(f"exit {result.exit_code}")
+    assert result.exit_code in (0, 2), (result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    if result.exit_code == 2:
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("minigpt: error:"), result.stderr
+    elif "--json" in args:
+        strict_json(result.stdout)
+
+
+# ---------------------------------------------------------------- topology files
+
+TOPOLOGY_JSON = json.dumps(TOPOLOGY).encode()
+
+
+@PARSERS
+@given(content=any_bytes(TOPOLOGY_JSON))
+def test_topology_json_any_bytes(scratch, content):
+    total(load_cluster, write(scratch, "t.json", content), Cluster)
+
+
+@PARSERS
+@given(content=broken_documents(TOPOLOGY, TOPOLOGY_PATHS))
+def test_topology_json_wrong_fields(scratch, content):
+    total(load_cluster, write(scratch, "t.json", content), Cluster)
+
+
+def graphml_text(graph: nx.Graph) -> bytes:
+    return "\n".join(nx.generate_graphml(graph)).encode()
+
+
+TOPOLOGY_GRAPHML = graphml_text(build_cluster("h100-sxm", 2, 2).graph)
+graphml_values = st.one_of(st.integers(-(2**63), 2**63 - 1), st.floats(), st.booleans(), st.text(max_size=8))
+
+
+@st.composite
+def graphml_documents(draw) -> bytes:
+    """The valid cluster with random typed values (GraphML's int, long, double, boolean, string) in its
+    node and edge attributes, or a valid file with part of its text replaced."""
+    graph = build_cluster("h100-sxm", 2, 2).graph.copy()
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.booleans()):
+            node = draw(st.sampled_from(sorted(graph.nodes)))
+            graph.nodes[node][draw(st.sampled_from(["type", "node", "local", "x"]))] = draw(graphml_values)
+        else:
+            edge = draw(st.sampled_from(sorted(graph.edges)))
+            graph.edges[edge][draw(st.sampled_from(["bandwidth", "latency"]))] = draw(graphml_values)
+    try:
+        return graphml_text(graph)
+    except (ValueError, nx.NetworkXError):  # networkx cannot write a value of this type: a damaged file instead
+        return draw(damaged(TOPOLOGY_GRAPHML))
+
+
+@PARSERS
+@given(content=st.one_of(any_bytes(TOPOLOGY_GRAPHML), graphml_documents()))
+def test_topology_graphml_any_bytes_and_values(scratch, content):
+    total(load_cluster, write(scratch, "t.graphml", content), Cluster)
+
+
+@CLI
+@given(content=st.one_of(broken_documents(TOPOLOGY, TOPOLOGY_PATHS), any_bytes(TOPOLOGY_JSON)))
+def test_simulate_topology_is_exit_0_or_one_line(scratch, content):
+    path = write(scratch, "cli.json", content)
+    one_line_or_success(["simulate", "--topology", str(path), "--model", "tiny", "--dp", "4", "--json"])
+
+
+@CLI
+@given(content=st.one_of(graphml_documents(), any_bytes(TOPOLOGY_GRAPHML)))
+def test_simulate_graphml_is_exit_0_or_one_line(scratch, content):
+    path = write(scratch, "cli.graphml", content)
+    one_line_or_success(["simulate", "--topology", str(path), "--model", "tiny", "--dp", "4", "--json"])
+
+
+# ---------------------------------------------------------------- hardware profiles
+
+PROFILE_JSON = json.dumps(PROFILE).encode()
+
+
+@PARSERS
+@given(content=any_bytes(PROFILE_JSON))
+def test_profile_any_bytes(scratch, content):
+    total(lambda p: load_hardware(str(p)), write(scratch, "p.json", content), Hardware)
+
+
+@PARSERS
+@given(content=broken_documents(PROFILE, PROFILE_PATHS))
+def test_profile_wrong_fields(scratch, content):
+    total(lambda p: load_hardware(str(p)), write(scratch, "p.json", content), Hardware)
+
+
+@CLI
+@given(content=st.one_of(broken_documents(PROFILE, PROFILE_PATHS), any_bytes(PROFILE_JSON)))
+def test_simulate_hardware_is_exit_0_or_one_line(scratch, content):
+    path = write(scratch, "cli-profile.json", content)
+    one_line_or_success(["simulate", "--hardware", str(path), "--model", "tiny", "--dp", "2", "--json"])
+
+
+# ---------------------------------------------------------------- TOML flag files
+
+SIMULATE_KEYS = ["layers", "hidden", "dp", "micro-batch", "global-batch", "zero", "precision", "sequence-parallel",
+                 "dropout", "oversubscription", "topology", "schedule", "zero3-prefetch", "tp-overlap", "json",
+                 "topology-kind"]
+TRAIN_KEYS = ["steps", "batch-size", "lr", "seed", "data", "precision", "resume", "untied", "loss-scale", "out"]
+toml_scalars = st.one_of(
+    st.integers(-(2**63), 2**63 - 1), st.integers(0, 4), st.floats(), st.booleans(), st.text(max_size=10),
+    st.sampled_from(["bf16", "fp16", "gpipe", "1f1b", "dynamic", "1024"]),
+    st.dates(), st.times(), st.datetimes(timezones=st.sampled_from([None, datetime.timezone.utc])),
+    st.sampled_from([math.nan, math.inf, -math.inf, 2.5, 0, -1, 2**40]),
+)
+toml_values = st.recursive(toml_scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.from_regex(r"[a-z]{1,4}", fullmatch=True), inner, max_size=2),
+                           max_leaves=5)
+
+
+def command(name: str):
+    return main.commands[name]
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return "nan" if value != value else ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, (int, datetime.date, datetime.time)):
+        return value.isoformat() if not isinstance(value, int) else str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string (a lone surrogate's escape is refused, as TOML wants)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+
+
+RIGHT_TYPED = {  # a value of the type the flag takes (cli/config_file.py's kinds), often out of its range
+    "flag": st.booleans(),
+    "integer": st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-1, 8)),
+    "number": st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(-1, 8)),
+    "text": st.one_of(st.text(max_size=8), st.sampled_from(["bf16", "fp16", "gpipe", "1f1b", "dynamic", "1024"])),
+}
+
+
+@st.composite
+def toml_documents(draw, name: str, keys: list[str]) -> str:
+    """Real flag names of command `name` (and a few unknown ones) with values of the flag's type or of any
+    TOML type, or deep nesting."""
+    entries = {}
+    for key in draw(st.lists(st.sampled_from(keys + ["stepz", "model.x"]), min_size=1, max_size=3, unique=True)):
+        param = next((p for p in command(name).params if p.name == key.replace("-", "_")), None)
+        right = RIGHT_TYPED["text" if param is None else value_kind(param).replace("name", "text")]
+        entries[key] = draw(st.one_of(right, toml_values))
+    text = "\n".join(f'"{key}" = {toml_value(value)}' for key, value in entries.items())
+    if draw(st.integers(0, 5)) == 0:
+        depth = draw(st.sampled_from([10, 2000]))
+        text += "\nlayers = " + "[" * depth + "]" * depth
+    return text
+
+
+def read_and_convert(path, name: str) -> dict:
+    """read_config_file, then what click does with each value it returns (a flag's default): convert it with the
+    flag's type. click's own refusal (a value out of an IntRange, an unknown choice) is one line and exit 2 at
+    the command line; any other exception (a date given to int(), int(inf)) is the bug this test looks for."""
+    values = read_config_file(str(path), command(name))
+    context = click.Context(command(name))
+    for key, value in values.items():
+        param = next(p for p in command(name).params if p.name == key)
+        try:
+            param.type_cast_value(context, value)
+        except click.BadParameter:
+            pass
+    return values
+
+
+@PARSERS
+@given(content=st.one_of(st.binary(max_size=256), toml_documents("simulate", SIMULATE_KEYS)))
+def test_toml_for_simulate(scratch, content):
+    total(lambda p: read_and_convert(p, "simulate"), write(scratch, "c.toml", content), dict)
+
+
+@PARSERS
+@given(content=st.one_of(st.binary(max_size=256), toml_documents("train", TRAIN_KEYS)))
+def test_toml_for_train(scratch, content):
+    total(lambda p: read_and_convert(p, "train"), write(scratch, "c.toml", content), dict)
+
+
+@CLI
+@given(content=st.one_of(st.binary(max_size=128), toml_documents("simulate", SIMULATE_KEYS)))
+def test_simulate_config_is_one_line(scratch, content):
+    """A file that reads is then refused for --micro-batch 0 (given on the line, it wins): nothing simulates,
+    but click has converted every value of the file first."""
+    path = write(scratch, "cli.toml", content)
+    one_line_or_success(["simulate", "--config", str(path), "--micro-batch", "0"])
+
+
+@CLI
+@given(content=st.one_of(st.binary(max_size=128), toml_documents("train", TRAIN_KEYS)))
+def test_train_config_is_one_line(scratch, content):
+    path = write(scratch, "cli.toml", content)
+    one_line_or_success(["train", "--config", str(path), "--steps", "0", "--out", str(scratch / "never")])
+    assert not (scratch / "never").exists()
+
+
+# ---------------------------------------------------------------- data files
+
+
+@PARSERS
+@given(content=st.one_of(st.binary(max_size=2048), st.text(min_size=10, max_size=200).map(str.encode)))
+def test_data_file_any_bytes(scratch, content):
+    """Corpus.load is what training reads the file with: any UTF-8 text long enough for seq_len 1
+    (20 bytes) is a corpus, anything else one ConfigError."""
+    path = write(scratch, "d.txt", content)
+    corpus = total(lambda p: Corpus.load(p, 1), path, Corpus)
+    assert corpus is None or len(corpus.train) + len(corpus.val) == len(content)
+
+
+@CLI
+@given(content=st.binary(max_size=2048))
+def test_train_data_is_one_line(scratch, content):
+    """With --seq-len 4096 no file this short is long enough: every one is refused, in one line."""
+    path = write(scratch, "cli.txt", content)
+    one_line_or_success(["train", "--data", str(path), "--seq-len", "4096", "--layers", "1",
+                         "--out", str(scratch / "never")])
+    assert not (scratch / "never").exists()
