@@ -52,7 +52,7 @@ def progress_bar(done: int, total: int) -> None:
 
 def run_step(gpus: int, pp: int, batch: int) -> dict:
     from simulator.engine import simulate_step
-    from simulator.layout import Layout
+    from job.layout import Layout
     from simulator.topology import build_cluster
 
     model = one_trillion()

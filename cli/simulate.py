@@ -6,7 +6,9 @@ file (--topology); --hardware loads a calibrated profile in place of the --gpu p
 Without --nodes the cluster has exactly the layout's tp x pp x dp GPUs. How a block is
 computed (--attention, --recompute, --sp-saved-input: simulator/ops.py) and what overlaps
 what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
-simulator/overlap.py) are flags too; the output says what its numbers rest on.
+simulator/overlap.py) are flags too; the output says what its numbers rest on. A job beyond
+simulator/limits.py's stated size (GPUs, layers, schedule slots, sweep points) is refused in
+one line before anything is built.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from cli.config_file import config_file_option
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_positive_int
+from simulator.limits import MAX_ZERO3_GATHERS, check_job, check_layers, check_sweep, zero3_gathers
 from simulator.op_types import SP_SAVED_INPUTS
 from simulator.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
 
@@ -87,13 +90,15 @@ def _overlap(options: dict):
 
 def run_single(options: dict) -> dict:
     from simulator.engine import simulate_step
-    from simulator.layout import Layout
+    from job.layout import Layout
 
     model = _model(options)
     layout = Layout(tp=options["tp"] or 1, pp=options["pp"] or 1, dp=options["dp"] or 1, zero=options["zero"],
                     sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"])
-    cluster, hardware = _cluster(options, layout.world_size)
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
+    check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, options["micro_batch"],
+              layout.world_size, layout.zero)  # before any cluster or schedule is built
+    cluster, hardware = _cluster(options, layout.world_size)
     result = simulate_step(model, layout, cluster, options["precision"], global_batch, options["micro_batch"],
                            options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware,
                            attention=options["attention"], overlap=_overlap(options),
@@ -119,7 +124,10 @@ def run_sweep(options: dict) -> dict:
         counts = [int(n) for n in options["gpus"].split(",") if n.strip()]
     except ValueError:
         raise ConfigError(f"--gpus must be comma-separated whole numbers, got {options['gpus']!r}") from None
-    model, hardware = _model(options), _hardware(options)
+    check_sweep(counts)
+    model = _model(options)
+    check_layers(model.n_layers)
+    hardware = _hardware(options)
     spec = ClusterSpec.of(hardware, options["gpus_per_node"], options["fabric"], options["topology_kind"],
                           options["nics_per_node"], options["oversubscription"])
     if not options["global_batch"]:
@@ -130,8 +138,10 @@ def run_sweep(options: dict) -> dict:
         sweep = scaling_sweep(job, counts, spec, options["scaling"], threshold, options["tp"], options["pp"],
                               progress=tick)
     at = sweep.stop or sweep.points[-1]  # where communication starts to decide
-    zero = (compare_zero(job, at.result.layout, spec.build(at.gpus), hardware, at.global_batch)
-            if at.result.layout.dp > 1 else {})
+    lay = at.result.layout  # ZeRO-3 only where its gathers stay within simulator/limits.py's MAX_ZERO3_GATHERS
+    stages = tuple(z for z in range(4) if zero3_gathers(z, lay.dp, at.result.micro_batches, model.n_layers)
+                   <= MAX_ZERO3_GATHERS)
+    zero = compare_zero(job, lay, spec.build(at.gpus), hardware, at.global_batch, stages) if lay.dp > 1 else {}
     if options["plot"]:
         from simulator.report import plot_sweep
 

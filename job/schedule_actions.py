@@ -23,7 +23,7 @@ from minigpt.errors import ConfigError
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
 ZERO_STAGES = (0, 1, 2, 3)
-GATHER_PHASES = ("forward", "backward", "update")
+GATHER_PHASES = ("forward", "backward", "weight", "update")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +163,13 @@ class DataParallel(Action):
 
 @dataclass(frozen=True, slots=True)
 class AllReduceGrads(DataParallel):
-    """ZeRO-0 (DDP): all-reduce one gradient bucket of a chunk, after its last backward."""
+    """ZeRO-0 (DDP): all-reduce one gradient bucket of a chunk, once a step after its last weight gradient.
+
+    `numel`: the bucket's elements, padding included (job/data_parallel.py's plan; 0 when symbolic)."""
 
     chunk: int
     bucket: int = 0
+    numel: int = 0
 
     @property
     def name(self) -> str:
@@ -175,36 +178,80 @@ class AllReduceGrads(DataParallel):
 
 @dataclass(frozen=True, slots=True)
 class ReduceScatterGrads(DataParallel):
-    """ZeRO-1/2/3: reduce-scatter one gradient bucket of a chunk into this replica's shard."""
+    """ZeRO-1/2/3: reduce-scatter one gradient bucket (ZeRO-3: unit) of a chunk into this replica's shard.
+
+    micro_batch -1: once a step, after the chunk's last weight gradient (ZeRO-1); otherwise
+    after that micro-batch's weight gradient (ZeRO-2 and 3 keep no full gradient to accumulate in)."""
 
     chunk: int
     bucket: int = 0
+    numel: int = 0
+    micro_batch: int = -1
 
     @property
     def name(self) -> str:
-        return f"ReduceScatter.c{self.chunk}b{self.bucket}"
+        step = "" if self.micro_batch < 0 else f".mb{self.micro_batch}"
+        return f"ReduceScatter.c{self.chunk}b{self.bucket}{step}"
 
 
 @dataclass(frozen=True, slots=True)
 class GatherParams(DataParallel):
-    """All-gather one bucket of a chunk's weights from the replicas' shards.
+    """All-gather one bucket (ZeRO-3: unit) of a chunk's weights from the replicas' shards.
 
-    phase "forward"/"backward": ZeRO-3, before the chunk's first forward / first backward;
-    phase "update": ZeRO-1/2, after the optimizer step, to refresh the full weights.
+    phase "forward"/"backward"/"weight" (a zero-bubble weight gradient): ZeRO-3, right before the compute of `micro_batch` that needs the
+    unit while it is not gathered (the executor issues it when the unit before it starts: prefetch);
+    phase "update": ZeRO-1/2, after the optimizer step, to refresh the full weights (micro_batch -1).
     """
 
     chunk: int
     bucket: int = 0
     phase: str = "forward"
+    numel: int = 0
+    micro_batch: int = -1
 
     @property
     def name(self) -> str:
-        return f"AllGather.c{self.chunk}b{self.bucket}.{self.phase}"
+        step = "" if self.micro_batch < 0 else f".mb{self.micro_batch}"
+        return f"AllGather.c{self.chunk}b{self.bucket}.{self.phase}{step}"
+
+
+@dataclass(frozen=True, slots=True)
+class SyncEmbedding(Action):
+    """A tied head on several stages: sum the embedding's and the head copy's gradients over the
+    pair of ranks holding chunk 0 and the last chunk. The last thing either does before its
+    reductions of that matrix: it waits for the other rank, so it comes after every compute."""
+
+    chunk: int
+
+    @property
+    def name(self) -> str:
+        return f"SyncEmbedding.c{self.chunk}"
+
+    def __str__(self) -> str:
+        return f"SyncEmbedding(chunk {self.chunk})"
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceTiedGrad(DataParallel):
+    """ZeRO-2/3: all-reduce the tied copy's summed gradient over the replicas (`numel` elements,
+    unpadded); each keeps the pieces of its shard. ZeRO-0/1 add it to a bucket reduced after it."""
+
+    chunk: int
+    numel: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"AllReduceTied.c{self.chunk}"
 
 
 @dataclass(frozen=True, slots=True)
 class OptimizerStep(DataParallel):
-    """The optimizer update of every chunk on this rank, after all its gradient reductions."""
+    """The optimizer update of every chunk on this rank, after all its gradient reductions.
+
+    `norm_over_dp`: ZeRO 1-3 shard the gradients, so the squared gradient norm (one fp32
+    number) is all-reduced over the replicas first."""
+
+    norm_over_dp: bool = False
 
     @property
     def name(self) -> str:
@@ -214,9 +261,52 @@ class OptimizerStep(DataParallel):
         return "OptimizerStep()"
 
 
+REDUCTIONS = (AllReduceGrads, ReduceScatterGrads, ReduceTiedGrad)
+
+
 def reduce_kind(zero_stage: int) -> type[DataParallel]:
     """ZeRO-0 all-reduces gradients; stages 1-3 only need their shard, so they reduce-scatter."""
     return AllReduceGrads if zero_stage == 0 else ReduceScatterGrads
+
+
+# --- the data-parallel layout a schedule is built from --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkParams:
+    """How one chunk's parameters are cut for data parallelism on its rank.
+
+    `sizes`: elements of each gradient bucket (ZeRO 0-2) or gather unit (ZeRO-3), padding included;
+    `kept`: ZeRO-3 units that stay gathered from their first use to the end of the step;
+    `tied`: the bucket (unit) holding this chunk's copy of a tied embedding split across stages."""
+
+    sizes: tuple[int, ...]
+    kept: tuple[bool, ...] = ()
+    tied: int | None = None
+    tied_numel: int = 0  # the tied copy's own elements (ZeRO-2/3 all-reduce it unpadded)
+
+    def is_kept(self, unit: int) -> bool:
+        return bool(self.kept) and self.kept[unit]
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelPlan:
+    """The real bucket and unit layout of a run (job/data_parallel.py builds it; the executor checks
+    its own flat buffers against it), or, `symbolic`, equal unnamed buckets for drawing schedules."""
+
+    dp: int
+    element_bytes: int  # of the weights and gradients ZeRO moves (the compute format)
+    chunks: tuple[tuple[int, ChunkParams], ...]  # (global chunk, its layout), every chunk of the model
+
+    def of(self, chunk: int) -> ChunkParams:
+        for index, params in self.chunks:
+            if index == chunk:
+                return params
+        raise KeyError(f"chunk {chunk} is not in the data-parallel plan")
+
+    @classmethod
+    def symbolic(cls, num_chunks: int, buckets: int) -> "DataParallelPlan":
+        return cls(1, 0, tuple((chunk, ChunkParams((0,) * buckets)) for chunk in range(num_chunks)))
 
 
 # --- configuration and the schedule ------------------------------------------------------------
@@ -231,7 +321,8 @@ class ScheduleConfig:
     kind: str = "1f1b"
     virtual_chunks: int = 1
     zero_stage: int = 0
-    buckets: int = 1  # gradient buckets per chunk: one reduction (and gather) each
+    buckets: int = 1  # without a plan: gradient buckets (ZeRO-3: units) per chunk, of unknown size
+    plan: DataParallelPlan | None = None  # the run's real buckets and units (job/data_parallel.py)
 
     def __post_init__(self) -> None:
         for label, value in (("pipeline size (pp)", self.pp), ("micro-batches", self.micro_batches),
@@ -254,9 +345,18 @@ class ScheduleConfig:
                 f"use e.g. {self.pp * -(-self.micro_batches // self.pp)}"
             )
 
+        if self.plan is not None and sorted(c for c, _ in self.plan.chunks) != list(range(self.num_chunks)):
+            raise ConfigError(f"the data-parallel plan describes chunks {[c for c, _ in self.plan.chunks]}, "
+                              f"not the {self.num_chunks} chunks of this schedule")
+
     @property
     def num_chunks(self) -> int:
         return self.pp * self.virtual_chunks
+
+    @property
+    def data_parallel(self) -> DataParallelPlan:
+        """The plan, or `buckets` buckets of unknown size in every chunk."""
+        return self.plan or DataParallelPlan.symbolic(self.num_chunks, self.buckets)
 
     def chunks_of(self, rank: int) -> list[int]:
         """The global chunks rank `rank` holds, in local order."""
@@ -285,6 +385,29 @@ class Schedule:
 
     def names(self) -> dict[int, list[str]]:
         return {rank: [action.name for action in actions] for rank, actions in enumerate(self.actions)}
+
+
+def armed_around(groups: Sequence[tuple[Action, ...]]) -> tuple[dict[int, tuple[Action, ...]], set[int]]:
+    """What both interpreters run a compute with: for each compute's index in `groups` (`batches`),
+    the data-parallel actions armed while it runs -- the gathers listed right before it (ZeRO-3:
+    issued as its units are needed, one ahead) and the reductions right after it (issued as their
+    buckets' gradients come in) -- and the indices that end a run of reductions after a compute
+    (ZeRO-2/3 wait for them there)."""
+    armed: dict[int, tuple[Action, ...]] = {}
+    closes: set[int] = set()
+    for index, group in enumerate(groups):
+        if not isinstance(group[0], Compute):
+            continue
+        before, after = index - 1, index + 1
+        while before >= 0 and type(groups[before][0]) is GatherParams and groups[before][0].phase != "update":
+            before -= 1
+        while after < len(groups) and type(groups[after][0]) in (AllReduceGrads, ReduceScatterGrads):
+            after += 1
+        if after > index + 1 or before < index - 1:
+            armed[index] = tuple(g[0] for g in groups[before + 1 : index]) + tuple(g[0] for g in groups[index + 1 : after])
+        if after > index + 1:
+            closes.add(after - 1)
+    return armed, closes
 
 
 def batches(actions: Sequence[Action]) -> list[tuple[Action, ...]]:

@@ -86,7 +86,7 @@ def _check_actions(schedule: Schedule) -> None:
     if len(schedule.actions) != config.pp:
         raise ConfigError(f"the schedule lists {len(schedule.actions)} ranks but pp is {config.pp}")
     chunks, stage, p = config.num_chunks, config.zero_stage, config.pp
-    gather_phases = ("forward", "backward") if stage == 3 else ("update",) if stage else ()
+    gather_phases = ("forward", "backward", "weight") if stage == 3 else ("update",) if stage else ()
     for rank, actions in enumerate(schedule.actions):
         if len(set(actions)) < len(actions):
             seen: set[Action] = set()
@@ -124,8 +124,11 @@ def _problem(action, rank, config, chunks, p, stage, gather_phases) -> str | Non
     if isinstance(action, (AllReduceGrads, ReduceScatterGrads)) and type(action) is not reduce_kind(stage):
         return f"ZeRO stage {stage} reduces gradients with {reduce_kind(stage).__name__}"
     bucketed = isinstance(action, (AllReduceGrads, ReduceScatterGrads, GatherParams))
-    if bucketed and not 0 <= action.bucket < config.buckets:
-        return f"bucket out of range 0..{config.buckets - 1}"
+    count = len(config.data_parallel.of(chunk).sizes)
+    if bucketed and not 0 <= action.bucket < count:
+        return f"bucket out of range 0..{count - 1}"
+    if bucketed and not -1 <= getattr(action, "micro_batch", -1) < config.micro_batches:
+        return f"micro-batch out of range -1..{config.micro_batches - 1}"
     if isinstance(action, GatherParams) and action.phase not in gather_phases:
         return f"ZeRO stage {stage} gathers weights only in phases {gather_phases}"
     return None

@@ -27,11 +27,20 @@ Two ways to choose the boundary of each transfer:
     ready, so blocking batches cost the schedule nothing; the receive may come
     a few computes before its consumer (the tensor waits in a buffer).
 
-Data-parallel actions never sit inside a batch: ZeRO-3 gathers a chunk's
-weights right before its first forward and right before its first backward;
-a chunk's gradient reductions come right before the next compute (after its
-batch) once the chunk's last weight gradient is computed, or at the end; then
-OptimizerStep; then, for ZeRO-1/2, the gathers of the updated weights.
+Data-parallel actions never sit inside a batch; they follow the plan's real
+buckets and units (ScheduleConfig.plan, job/data_parallel.py):
+  - ZeRO-3 gathers a unit right before a compute that needs it while it is not
+    gathered (forward, backward, weight gradient; every micro-batch, as units are
+    freed after each use unless kept), in the order the compute uses them;
+  - reductions come right after the compute that makes their gradients, last
+    bucket first (a backward fills it first): ZeRO 0/1 once a step, after the
+    chunk's last weight gradient; ZeRO 2/3 after every micro-batch's;
+  - a tied embedding split over stages: after every compute and batch,
+    SyncEmbedding, then the tied matrix's own reduction (ZeRO 0/1: its bucket;
+    ZeRO 2/3: ReduceTiedGrad);
+  - then OptimizerStep; then, for ZeRO-1/2, the gathers of the updated weights.
+Both interpreters arm the gathers right before a compute and the reductions
+right after it while it runs (`armed_around`): that is where they overlap it.
 """
 
 from __future__ import annotations
@@ -50,9 +59,12 @@ from job.schedule_actions import (
     PointToPoint,
     RecvActivation,
     RecvGrad,
+    ReduceScatterGrads,
+    ReduceTiedGrad,
     ScheduleConfig,
     SendActivation,
     SendGrad,
+    SyncEmbedding,
     chunk_rank,
     reduce_kind,
 )
@@ -164,25 +176,77 @@ def _in_batch_order(ops: list[PointToPoint]) -> list[PointToPoint]:
 
 def assemble(config: ScheduleConfig, rank: int, order: list[Compute], boundaries: Boundaries) -> tuple[Action, ...]:
     """The complete list of one rank: batches, computes and data-parallel actions."""
-    buckets = range(config.buckets)
-    last_weight_grad = {action.chunk: action for action in order if isinstance(action, (Backward, BackwardWeight))}
-    gathered: set[tuple[int, str]] = set()
-    pending: list[Action] = []  # reductions waiting for a place outside a batch
+    placer = _DataParallelPlacer(config, rank, order)
     out: list[Action] = []
     for index, action in enumerate(order):
         out += _in_batch_order(boundaries[index])
-        out += pending
-        pending = []
-        phase = "forward" if isinstance(action, Forward) else "backward"
-        if config.zero_stage == 3 and not isinstance(action, BackwardWeight) and (action.chunk, phase) not in gathered:
-            gathered.add((action.chunk, phase))
-            out += [GatherParams(action.chunk, bucket, phase) for bucket in buckets]
+        out += placer.before(action)
         out.append(action)
-        if last_weight_grad[action.chunk] is action:
-            pending += [reduce_kind(config.zero_stage)(action.chunk, bucket) for bucket in buckets]
+        out += placer.after(action)
     out += _in_batch_order(boundaries[len(order)])
-    out += pending
-    out.append(OptimizerStep())
-    if config.zero_stage in (1, 2):
-        out += [GatherParams(chunk, bucket, "update") for chunk in config.chunks_of(rank) for bucket in buckets]
-    return tuple(out)
+    return tuple(out + placer.tail())
+
+
+class _DataParallelPlacer:
+    """Where a rank's data-parallel actions go, from the plan's buckets and units (module docstring).
+
+    ZeRO-3 units are gathered where a compute needs one that is not gathered: a forward needs every
+    unit of its chunk, a backward (or weight gradient) too, an input gradient the units it runs
+    through (none on chunk 0, whose weight gradient does the whole backward); a unit is freed after
+    each forward and after each of its reductions, unless it is kept (the rank's first and last)."""
+
+    def __init__(self, config: ScheduleConfig, rank: int, order: list[Compute]):
+        self.config, self.rank, self.zero = config, rank, config.zero_stage
+        self.plan = config.data_parallel
+        producers = [a for a in order if isinstance(a, (Backward, BackwardWeight))]
+        self.last_weight_grad = {a.chunk: a for a in producers}
+        self.resident: set[tuple[int, int]] = set()
+        self.tied_chunk = next((c for c in config.chunks_of(rank) if self.plan.of(c).tied is not None), None)
+
+    def sizes(self, chunk: int) -> tuple[int, ...]:
+        return self.plan.of(chunk).sizes
+
+    def before(self, action: Compute) -> list[Action]:
+        if self.zero != 3 or (isinstance(action, BackwardInput) and action.chunk == 0):
+            return []
+        phase = "forward" if isinstance(action, Forward) else "weight" if isinstance(action, BackwardWeight) \
+            else "backward"
+        units = range(len(self.sizes(action.chunk)))
+        out: list[Action] = []
+        for unit in (units if phase == "forward" else reversed(units)):
+            if (action.chunk, unit) not in self.resident:
+                self.resident.add((action.chunk, unit))
+                out.append(GatherParams(action.chunk, unit, phase, self.sizes(action.chunk)[unit], action.micro_batch))
+        return out
+
+    def after(self, action: Compute) -> list[Action]:
+        chunk, params = action.chunk, self.plan.of(action.chunk)
+        makes_grads = isinstance(action, (Backward, BackwardWeight))
+        if self.zero == 3 and (isinstance(action, Forward) or makes_grads):
+            self.resident -= {(chunk, u) for u in range(len(params.sizes)) if not params.is_kept(u)}
+        if not makes_grads:
+            return []
+        order = range(len(params.sizes) - 1, -1, -1)  # a backward fills the last bucket first
+        if self.zero >= 2:
+            return [ReduceScatterGrads(chunk, b, params.sizes[b], action.micro_batch) for b in order]
+        if self.last_weight_grad[chunk] is not action:
+            return []
+        return [self.reduction(chunk, b) for b in order if not (chunk == self.tied_chunk and b == params.tied)]
+
+    def reduction(self, chunk: int, bucket: int) -> Action:
+        return reduce_kind(self.zero)(chunk, bucket, self.sizes(chunk)[bucket])
+
+    def tail(self) -> list[Action]:
+        out: list[Action] = []
+        if self.tied_chunk is not None:
+            params = self.plan.of(self.tied_chunk)
+            out.append(SyncEmbedding(self.tied_chunk))
+            if self.zero >= 2:
+                out.append(ReduceTiedGrad(self.tied_chunk, params.tied_numel))
+            else:
+                out.append(self.reduction(self.tied_chunk, params.tied))
+        out.append(OptimizerStep(norm_over_dp=self.zero >= 1))
+        if self.zero in (1, 2):
+            out += [GatherParams(chunk, b, "update", size)
+                    for chunk in self.config.chunks_of(self.rank) for b, size in enumerate(self.sizes(chunk))]
+        return out

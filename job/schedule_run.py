@@ -13,7 +13,9 @@ The executor semantics modelled here (the torch executor must match them):
     computed on this rank) when the rank reaches it, or the schedule is wrong;
   - data-parallel actions (reductions, all-gathers, optimizer step) talk only to
     the replicas of this same pipeline rank, which run the same list, so they
-    never wait for a pipeline peer; they take no time in this model.
+    never wait for a pipeline peer; they take no time in this model. The one
+    pipeline collective outside a batch, SyncEmbedding (first and last rank),
+    comes after every compute and batch of both ranks, so it cannot deadlock.
 
 Ticks (unit model, `Costs`): forward 1, backward 2, and for zero-bubble
 schedules input gradient 1 and weight gradient 1; communication 0. A batch
@@ -40,11 +42,12 @@ from job.schedule_actions import (
     RecvActivation,
     RecvGrad,
     ReduceScatterGrads,
+    ReduceTiedGrad,
     Schedule,
     SendActivation,
     SendGrad,
+    SyncEmbedding,
     batches,
-    reduce_kind,
 )
 
 
@@ -107,8 +110,9 @@ class SymbolicRun:
 
     What a rank holds is a set of facts: ("F", mb, c) forward done, ("B", mb, c)
     input gradient done, ("Bi", mb, c) by BackwardInput, ("W", mb, c) weight
-    gradient done, ("act"/"grad", mb, c) received, ("R", c, b) reduced,
-    ("G", c, b, phase) gathered, ("step",).
+    gradient done, ("act"/"grad", mb, c) received, ("R", c, b, mb) reduced (mb -1:
+    once a step), ("G", c, b, phase) gathered, ("S", c) / ("T", c) the tied embedding
+    synchronised / reduced, ("step",).
     """
 
     def __init__(self, schedule: Schedule, partners: dict, costs: Costs):
@@ -211,23 +215,15 @@ class SymbolicRun:
 
     def needs_of(self, rank: int, action: Action) -> list[tuple]:
         config, kind = self.config, type(action)
-        if kind is Forward and config.zero_stage != 3:  # the common case first
+        if kind is Forward:  # the common case first
             chunk = action.chunk
             if chunk == 0:
                 return []
             return [("F", action.micro_batch, chunk - 1) if (chunk - 1) % config.pp == rank
                     else ("act", action.micro_batch, chunk)]
-        if kind in (Forward, Backward, BackwardInput):
+        if kind in (Backward, BackwardInput):
             mb, chunk = action.micro_batch, action.chunk
-            facts: list[tuple] = []
-            if config.zero_stage == 3:
-                phase = "forward" if kind is Forward else "backward"
-                facts = [("G", chunk, b, phase) for b in range(config.buckets)]
-            if kind is Forward:
-                if chunk > 0:
-                    facts.append(("F", mb, chunk - 1) if (chunk - 1) % config.pp == rank else ("act", mb, chunk))
-                return facts
-            facts.append(("F", mb, chunk))
+            facts = [("F", mb, chunk)]
             if chunk < config.num_chunks - 1:
                 facts.append(("B", mb, chunk + 1) if (chunk + 1) % config.pp == rank else ("grad", mb, chunk))
             return facts
@@ -238,12 +234,30 @@ class SymbolicRun:
         if kind is SendGrad:
             return [("B", action.micro_batch, action.chunk)]
         if kind in (AllReduceGrads, ReduceScatterGrads):
-            return [("W", mb, action.chunk) for mb in range(config.micro_batches)]
+            mb = getattr(action, "micro_batch", -1)
+            return [("W", m, action.chunk) for m in (range(config.micro_batches) if mb < 0 else [mb])]
+        if kind is SyncEmbedding:
+            return [("W", m, action.chunk) for m in range(config.micro_batches)]
+        if kind is ReduceTiedGrad:
+            return [("S", action.chunk)]
         if kind is OptimizerStep:
-            return [("R", chunk, b) for chunk in config.chunks_of(rank) for b in range(config.buckets)]
+            return self.reductions(rank)
         if kind is GatherParams and action.phase == "update":
             return [("step",)]
         return []
+
+    def reductions(self, rank: int) -> list[tuple]:
+        """The facts of every reduction the optimizer of `rank` waits for."""
+        config, plan = self.config, self.config.data_parallel
+        per_step = config.zero_stage in (0, 1)
+        facts: list[tuple] = []
+        for chunk in config.chunks_of(rank):
+            params = plan.of(chunk)
+            for b in range(len(params.sizes)):
+                facts += [("R", chunk, b, -1)] if per_step else [("R", chunk, b, m) for m in range(config.micro_batches)]
+            if params.tied is not None and config.zero_stage >= 2:
+                facts.append(("T", chunk))
+        return facts
 
     @staticmethod
     def produces_of(action: Action) -> list[tuple]:
@@ -253,9 +267,13 @@ class SymbolicRun:
         if kind in (RecvActivation, RecvGrad):
             return [("act" if kind is RecvActivation else "grad", action.micro_batch, action.chunk)]
         if kind in (AllReduceGrads, ReduceScatterGrads):
-            return [("R", action.chunk, action.bucket)]
+            return [("R", action.chunk, action.bucket, getattr(action, "micro_batch", -1))]
         if kind is GatherParams:
             return [("G", action.chunk, action.bucket, action.phase)]
+        if kind is SyncEmbedding:
+            return [("S", action.chunk)]
+        if kind is ReduceTiedGrad:
+            return [("T", action.chunk)]
         return [("step",)] if kind is OptimizerStep else []
 
     def describe(self, fact: tuple) -> str:
@@ -273,27 +291,35 @@ class SymbolicRun:
         if what == "grad":
             return str(RecvGrad(rest[0], rest[1], (rest[1] + 1) % p, rest[1] + 1))
         if what == "R":
-            return str(reduce_kind(self.config.zero_stage)(*rest))
+            chunk, bucket, mb = rest
+            step = "once a step" if mb < 0 else f"micro-batch {mb}"
+            return f"the gradient reduction of chunk {chunk}, bucket {bucket} ({step})"
         if what == "G":
-            return str(GatherParams(*rest))
+            return f"a gather of chunk {rest[0]}, bucket {rest[1]} ({rest[2]})"
+        if what == "S":
+            return str(SyncEmbedding(rest[0]))
+        if what == "T":
+            return f"the tied gradient's all-reduce of chunk {rest[0]}"
         return "OptimizerStep()"
 
     def check_complete(self) -> None:
         """Every micro-batch through every chunk, forward and backward; every reduction, gather and the step."""
         config = self.config
-        phases = ("forward", "backward") if config.zero_stage == 3 else ("update",) if config.zero_stage else ()
+        stage = config.zero_stage
         for rank in range(config.pp):
             done = self.done[rank]
             wanted: list[tuple] = []
             for chunk in config.chunks_of(rank):
                 for mb in range(config.micro_batches):
                     wanted += [("F", mb, chunk), ("B", mb, chunk), ("W", mb, chunk)]
-                for b in range(config.buckets):
-                    wanted += [("R", chunk, b)] + [("G", chunk, b, phase) for phase in phases]
-            for fact in wanted + [("step",)]:
+                units = range(len(config.data_parallel.of(chunk).sizes))
+                if stage == 3:  # every unit gathered for its first forward and, unless kept, a backward
+                    wanted += [("G", chunk, b, "forward") for b in units]
+                elif stage:
+                    wanted += [("G", chunk, b, "update") for b in units]
+            for fact in wanted + self.reductions(rank) + [("step",)]:
                 if fact not in done:
                     raise ConfigError(f"rank {rank} never runs {self.describe(fact)}: the step is incomplete")
-
 
 
 def run_symbolically(schedule: Schedule, partners: dict[tuple[int, int], tuple[int, int]], costs: Costs) -> Timeline:

@@ -16,7 +16,9 @@ from minigpt.model import GPT
 from parallel.comm import Collectives
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
-from job.schedule import ScheduleConfig, build_schedule
+from job.data_parallel import check_against_plan, schedule_config
+from job.layout import Layout
+from job.schedule import build_schedule
 from parallel.tensor import parallelize
 from job.train_config import TrainConfig, bucket_numel as bucket_numel_of
 from parallel.zero import STAGES, Replicated
@@ -101,7 +103,13 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         masters_are_weights=policy.master is None,
         shared_ranges=shared,
     )
-    schedule = build_schedule(ScheduleConfig(cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_chunks, cfg.zero))
+    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks)
+    config = schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
+    kept = data_parallel.kept() if hasattr(data_parallel, "kept") else None
+    element_bytes = data_parallel.weights[0].element_size() if isinstance(data_parallel.weights, list) \
+        else data_parallel.weights.element_size()
+    check_against_plan(config.plan, data_parallel.layout(), element_bytes, kept)
+    schedule = build_schedule(config)
     executor = PipelineExecutor(stage, schedule, mesh.pp_rank, mesh.ranks_of("pp"), data_parallel, device, tied,
                                 comms["pp"])
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)

@@ -72,6 +72,7 @@ class Collectives:
         self.bytes: dict[str, int] = defaultdict(int)
         self.volume: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.log: list[tuple[str, int]] = []  # (kind, bytes) of every call since the last reset, in order
         self._host_seconds = 0.0  # inside blocking collectives since the last reset (async ones: not counted)
         self._spans: list[tuple[Any, Any]] = []  # on CUDA: (start, end) events around each blocking call
 
@@ -80,6 +81,7 @@ class Collectives:
         self.bytes[kind] += size
         self.volume[kind] += 2 * size if kind == "all_reduce" else size
         self.calls[kind] += 1
+        self.log.append((kind, size))
 
     def count(self, kind: str, tensor: torch.Tensor) -> None:
         """Count a point-to-point transfer made elsewhere (the pipeline's sends)."""
@@ -89,6 +91,7 @@ class Collectives:
         self.bytes.clear()
         self.volume.clear()
         self.calls.clear()
+        self.log = []
         self._host_seconds = 0.0
         self._spans = []
 

@@ -11,15 +11,18 @@ dispatch table (action type -> method; an action not in it is refused, by name,
 when the executor is built): compute actions run forward or backward of a
 micro-batch on a chunk; runs of consecutive sends/receives are posted together
 with batch_isend_irecv and waited for, as the schedule's validator assumes;
-data-parallel actions are where ZeRO's own hooks do their work (bucket
-reductions during the backward, ZeRO-3 gathers in module hooks), so their
-entries only mark them in the trace. Every action is stamped by the step clock
+data-parallel actions go to ZeRO's `issue` (parallel/zero.py, zero3.py). The
+gathers listed right before a compute and the reductions right after it are
+armed while it runs: ZeRO's hooks issue them the moment a unit is needed or a
+bucket's gradients are in (the overlap with the backward), and nothing else --
+a hook that needs a collective the schedule does not list raises. SyncEmbedding
+sums a tied embedding's two copies; OptimizerStep runs the optimizer. Every action is stamped by the step clock
 (parallel/clock.py) for the Chrome trace: on CUDA with device events, so the
 trace holds when the GPU did the work, not when the host enqueued it. Every
 tensor handed to a collective or a send/receive lives on the rank's device
 (NCCL takes CUDA tensors only).
 
-Zero-bubble schedules split a backward in two (`WeightGradients`):
+Zero-bubble schedules split a backward in two (parallel/weight_gradients.py):
 BackwardInput computes the activation gradients only -- the chunk's input
 gradient, which SendGrad hands to the previous stage -- and BackwardWeight the
 parameter gradients later, where ZeRO's and tensor parallelism's parameter
@@ -42,6 +45,7 @@ from torch import nn
 
 from minigpt.errors import ConfigError
 from parallel.clock import Event, StepClock
+from parallel.weight_gradients import WeightGradients
 from job.schedule import (
     AllReduceGrads,
     Backward,
@@ -53,9 +57,12 @@ from job.schedule import (
     RecvActivation,
     RecvGrad,
     ReduceScatterGrads,
+    ReduceTiedGrad,
     Schedule,
     SendActivation,
     SendGrad,
+    SyncEmbedding,
+    armed_around,
     batches,
     chunk_layers,
 )
@@ -98,8 +105,13 @@ class StageModel(nn.Module):
         self.chunks = nn.ModuleList(chunks)
         self.by_index = {chunk.index: chunk for chunk in chunks}
 
-    def units(self) -> list[list[nn.Module]]:
-        return [unit for chunk in self.chunks for unit in chunk.units()]
+    def units(self) -> list[tuple[int, list[nn.Module]]]:
+        """ZeRO-3's units with the global chunk of each, in forward order."""
+        return [(chunk.index, unit) for chunk in self.chunks for unit in chunk.units()]
+
+    def chunk_ids(self) -> list[int]:
+        """The global chunk of each parameter group, in `parameter_groups` order."""
+        return [chunk.index for chunk in self.chunks]
 
     def parameter_groups(self) -> list[list[tuple[str, nn.Parameter]]]:
         """Parameters by chunk: a gradient bucket never spans two chunks (their backwards interleave)."""
@@ -136,6 +148,8 @@ class StepRecord:
     """What one step of the executor measured on this rank."""
 
     loss_sum: float = 0.0
+    result: object = None  # the optimizer's StepResult (OptimizerStep)
+    skipped: bool = False
     # (name, kind, start, end) as the clock's stamps: StepClock.resolve turns them into seconds
     events: list[Event] = field(default_factory=list)
 
@@ -149,84 +163,8 @@ class StepData:
     scale: Callable[[torch.Tensor], torch.Tensor]
     record: StepRecord
     activation_meter: object = None  # measures the first forward, then None
-
-
-class WeightGradients:
-    """A chunk's backward split in two: activation gradients now, parameter gradients later.
-
-    While a micro-batch runs forward through a chunk, forward hooks keep the output of
-    every module that holds parameters of its own (Linear, LayerNorm, Embedding, the
-    bias of a row-parallel Linear). `input_gradient` (BackwardInput) runs
-    torch.autograd.grad from the chunk's output to its input and those outputs, keeping
-    the graph: autograd computes only what those need, so every weight-gradient GEMM is
-    skipped, while the tensor-parallel collectives on the activation path run. What it
-    returns is the input gradient; the gradients of the kept outputs wait.
-    `weight_gradients` (BackwardWeight) then starts, module by module in backward order,
-    torch.autograd.backward from each kept output with its kept gradient to the module's
-    own parameters only. Such a backward passes only the module's own operations (its
-    input does not depend on its own parameters: every parameter belongs to one module,
-    each module runs once a forward), and it accumulates into .grad as a whole backward
-    does, so ZeRO's post-accumulate hooks, the tied embedding's hook and sequence
-    parallelism's parameter all-reduces fire here, in the same order on every rank.
-    """
-
-    def __init__(self, chunks: list[Chunk]):
-        self.params: dict[int, list[nn.Parameter]] = {}
-        owner: dict[int, str] = {}
-        for chunk in chunks:
-            for name, module in chunk.named_modules():
-                params = list(module.parameters(recurse=False))
-                for param in params:
-                    if id(param) in owner:
-                        raise ValueError(f"chunk {chunk.index}: parameter of {name} is also one of "
-                                         f"{owner[id(param)]}: a zero-bubble schedule needs unshared weights")
-                    owner[id(param)] = name
-                if params:
-                    self.params[id(module)] = params
-                    module.register_forward_hook(self.keep)
-        self.capturing: list | None = None
-        self.kept: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]] = {}
-        self.waiting: dict[tuple[int, int], list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]] = {}
-
-    def keep(self, module: nn.Module, args, output) -> None:
-        if self.capturing is not None and torch.is_grad_enabled():
-            if not isinstance(output, torch.Tensor):
-                raise TypeError(f"{type(module).__name__} returns {type(output).__name__}: the zero-bubble "
-                                "split needs modules with parameters to return one tensor")
-            self.capturing.append((module, output))
-
-    def forward(self, chunk: Chunk, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-        """chunk(x), keeping the outputs of its modules with parameters for `key`'s backward."""
-        self.capturing = []
-        try:
-            out = chunk(x)
-            self.kept[key] = self.capturing
-        finally:
-            self.capturing = None
-        return out
-
-    def input_gradient(self, key, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        kept = self.kept.pop(key)
-        modules = [module for module, _ in kept]
-        if len(set(map(id, modules))) < len(modules):
-            raise RuntimeError("a module with parameters ran twice in one forward: the zero-bubble split "
-                               "would count its gradient twice")
-        outputs = [output for _, output in kept]
-        grads = torch.autograd.grad([out], [x, *outputs], None if grad is None else [grad],
-                                    retain_graph=True, allow_unused=True)
-        self.waiting[key] = [(self.params[id(module)], output, g)
-                             for module, output, g in zip(modules, outputs, grads[1:]) if g is not None]
-        return grads[0]
-
-    def weight_gradients(self, key, before: Callable[[list[nn.Parameter]], None]) -> None:
-        """The parameter gradients of `key`, module by module, last first; `before(params)` ahead of each."""
-        for params, output, grad in reversed(self.waiting.pop(key)):
-            before(params)
-            torch.autograd.backward([output], [grad], inputs=params)
-
-    def reset(self) -> None:
-        self.kept.clear()
-        self.waiting.clear()
+    optimize: Callable[[], object] | None = None  # the optimizer step, run at OptimizerStep
+    index: int = 0  # the group of actions running
 
 
 class PipelineExecutor:
@@ -238,13 +176,10 @@ class PipelineExecutor:
         for action in self.actions:
             self.handler(action)  # refuse an unknown action before any rank starts the step
         self.groups = batches(self.actions)
+        self.armed, self.closes = armed_around(self.groups)
         self.micro_batches = schedule.config.micro_batches
         self.num_chunks = schedule.config.num_chunks
         self.data_parallel, self.device, self.tied = data_parallel, device, tied
-        producers = [a for a in self.actions if type(a) in (Backward, BackwardWeight)]
-        # Buckets are reduced during the last backward, overlapped, unless a tied copy's
-        # gradient still has to be added after it: then all are reduced at the end.
-        self.last_backward = producers[-1] if producers and tied is None else None
         split = any(type(a) is BackwardWeight for a in self.actions)
         self.split = WeightGradients([c for c in stage.chunks if not c.first]) if split else None
 
@@ -259,11 +194,12 @@ class PipelineExecutor:
             RecvActivation: self.exchange,
             SendGrad: self.exchange,
             RecvGrad: self.exchange,
-            # Done by ZeRO's hooks (parallel/zero.py, zero3.py) and the training loop; marked here.
-            AllReduceGrads: self.mark,
-            ReduceScatterGrads: self.mark,
-            GatherParams: self.mark,
-            OptimizerStep: self.mark,
+            AllReduceGrads: self.run_data_parallel,
+            ReduceScatterGrads: self.run_data_parallel,
+            GatherParams: self.run_data_parallel,
+            SyncEmbedding: self.sync_embedding,
+            ReduceTiedGrad: self.reduce_tied,
+            OptimizerStep: self.optimizer_step,
         }
 
     def handler(self, action) -> Callable[[tuple, StepData], str]:
@@ -274,67 +210,88 @@ class PipelineExecutor:
         return handler
 
     def run_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], scale, activation_meter=None,
-                 clock: StepClock | None = None) -> StepRecord:
-        """One training step's actions. `scale(loss)` turns a micro-batch loss into what backward starts from.
+                 clock: StepClock | None = None, optimize: Callable[[], object] | None = None) -> StepRecord:
+        """One training step's actions. `scale(loss)` turns a micro-batch loss into what backward starts from;
+        `optimize()` is the optimizer step (OptimizerStep's work), returning its StepResult.
 
         `clock`: the step's clock, started by the caller, who resolves the record's stamps after
         finishing it; without one the actions get host perf_counter times (CPU-accurate only)."""
         clock = clock or StepClock(torch.device("cpu"))
-        step = StepData(inputs, targets, scale, StepRecord(), activation_meter)
+        step = StepData(inputs, targets, scale, StepRecord(), activation_meter, optimize)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         if self.split is not None:
             self.split.reset()
-        for group in self.groups:
+        for index, group in enumerate(self.groups):
             start = clock.stamp()
+            step.index = index
             kind = self.handler(group[0])(group, step)
             step.record.events.append(("+".join(a.name for a in group), kind, start, clock.stamp()))
-        if self.tied is not None:
-            start = clock.stamp()
-            self.tied.sync()
-            step.record.events.append(("EmbeddingSync", "p2p", start, clock.stamp()))
         return step.record
 
-    def mark(self, group, step: StepData) -> str:
+    def computing(self, step: StepData, run: Callable[[], None]) -> str:
+        """Run a compute with the data-parallel actions listed around it armed (parallel/zero.py)."""
+        action = self.groups[step.index][0]
+        self.data_parallel.begin_compute(action.chunk, self.armed.get(step.index, ()))
+        run()
+        self.data_parallel.end_compute()
+        return "compute"
+
+    def run_data_parallel(self, group, step: StepData) -> str:
+        action = group[0]
+        if isinstance(action, GatherParams) and action.phase == "update" and step.record.skipped:
+            return "dp"  # the optimizer skipped the step: the weights did not change
+        self.data_parallel.issue(action)
+        if step.index in self.closes:
+            self.data_parallel.end_reductions()
         return "dp"
+
+    def sync_embedding(self, group, step: StepData) -> str:
+        self.tied.sync(add=self.data_parallel.stage < 2)
+        return "p2p"
+
+    def reduce_tied(self, group, step: StepData) -> str:
+        self.tied.add_to_data_parallel()
+        return "dp"
+
+    def optimizer_step(self, group, step: StepData) -> str:
+        if step.optimize is not None:
+            step.record.result = step.optimize()
+            step.record.skipped = bool(getattr(step.record.result, "skipped", False))
+        return "dp"  # waiting for the last reductions, then the update (as the simulator counts it)
 
     def run_forward(self, group, step: StepData) -> str:
         if step.activation_meter is not None:
             with step.activation_meter.measure_forward():
-                self.forward(group[0], step)
+                self.computing(step, lambda: self.forward(group[0], step))
             step.activation_meter = None
-        else:
-            self.forward(group[0], step)
-        return "compute"
+            return "compute"
+        return self.computing(step, lambda: self.forward(group[0], step))
 
     def run_backward(self, group, step: StepData) -> str:
-        action = group[0]
-        self.data_parallel.begin_micro_batch(last=action == self.last_backward)
-        self.backward(action)
-        self.data_parallel.end_micro_batch()
-        return "compute"
+        return self.computing(step, lambda: self.backward(group[0]))
 
     def run_backward_input(self, group, step: StepData) -> str:
         """The input gradient only; on the first chunk (no input gradient) nothing: its W does it all."""
         action = group[0]
-        key = (action.micro_batch, action.chunk)
         chunk = self.stage.by_index[action.chunk]
-        if not chunk.first:
-            grad = self.output_grad(action, chunk)
-            x = self.inputs[key]
-            x.grad = self.split.input_gradient(key, self.outputs.pop(key), grad, x)
-        return "compute"
+        if chunk.first:
+            return "compute"
+        return self.computing(step, lambda: self.input_gradient(action, chunk))
+
+    def input_gradient(self, action, chunk: Chunk) -> None:
+        key = (action.micro_batch, action.chunk)
+        grad = self.output_grad(action, chunk)
+        x = self.inputs[key]
+        x.grad = self.split.input_gradient(key, self.outputs.pop(key), grad, x)
 
     def run_backward_weight(self, group, step: StepData) -> str:
         action = group[0]
-        self.data_parallel.begin_micro_batch(last=action == self.last_backward)
         if self.stage.by_index[action.chunk].first:
-            self.backward(action)
-        else:
-            self.split.weight_gradients((action.micro_batch, action.chunk), self.data_parallel.before_weight_grads)
-        self.data_parallel.end_micro_batch()
-        return "compute"
+            return self.computing(step, lambda: self.backward(action))
+        key = (action.micro_batch, action.chunk)
+        return self.computing(step, lambda: self.split.weight_gradients(key, self.data_parallel.before_weight_grads))
 
     def forward(self, action: Forward, step: StepData) -> None:
         chunk = self.stage.by_index[action.chunk]
@@ -432,8 +389,10 @@ class TiedEmbedding:
     """Sums the gradients of the embedding (first stage) and the head's copy (last stage).
 
     During the step a tensor hook moves each contribution into a side buffer and
-    hands ZeRO zeros; after the last backward the buffers are all-reduced over the
-    pair of ranks and added to the gradient ZeRO will reduce.
+    hands ZeRO zeros; at SyncEmbedding, after the rank's last compute, the buffers are
+    all-reduced over the pair of ranks and added to the gradient ZeRO reduces: for
+    ZeRO-0/1 into the full gradient before the bucket's reduction that follows, for
+    ZeRO-2/3 by an all-reduce over the replicas (ReduceTiedGrad).
     """
 
     def __init__(self, param: nn.Parameter, group, data_parallel):
@@ -445,8 +404,12 @@ class TiedEmbedding:
         self.grad.add_(grad)
         return torch.zeros_like(grad)
 
-    def sync(self) -> None:
+    def sync(self, add: bool) -> None:
         dist.all_reduce(self.grad, group=self.group)
+        if add:
+            self.add_to_data_parallel()
+
+    def add_to_data_parallel(self) -> None:
         self.data_parallel.add_grad(self.param, self.grad)
         self.grad.zero_()
 

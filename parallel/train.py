@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
-from minigpt.errors import TrainingError
+from minigpt.errors import ConfigError, TrainingError
 from parallel.build import Rank, build_rank
-from parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from parallel.checkpoint import load_checkpoint, save_checkpoint
 from parallel.clock import StepClock, TimedEvent
 from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
+from parallel.resume import ResumePoint, resume_point
 from parallel.run_files import RunFiles, default_run_dir, write_loss_plot
 from job.trace import Trace, breakdown, write_chrome_trace
 from job.train_config import TrainConfig
@@ -36,26 +37,40 @@ from precision.optimizer import MasterAdamW, StepResult, state_bytes
 from precision.policy import TEXTBOOK_MIXED_ADAM, policy as precision_policy
 
 StepLog = Callable[[dict], None]
+# fp16 steps skipped one after another (gradients overflowing) before the run stops: a dynamic
+# loss scale halves on each, so 20 take it from 2^16 to 2^-4, past any scale that could help,
+# and a static scale that overflows 20 times running overflows on every batch.
+MAX_SKIPPED_IN_A_ROW = 20
 
 
-def train(cfg: TrainConfig, on_step: StepLog | None = None) -> dict:
+def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumePoint | None = None) -> dict:
     """Train for cfg.steps on every rank of the layout; rank 0's summary.
 
     `on_step` is called on rank 0 after every step; with more than one process
-    it must be picklable (a module-level function or class instance).
+    it must be picklable (a module-level function or class instance). With cfg.resume,
+    `resume_from` is the checkpoint to continue, verified here before any worker starts
+    (default: the newest of the run that verifies); at or past cfg.steps nothing is run and
+    the summary is {"nothing_to_do": <the line saying so>, "first_step", "steps", "checkpoint"}.
     """
     if cfg.out_dir is None:
         cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
-    return launch(run_worker, (cfg, on_step), cfg.world_size, threads_per_rank=cfg.threads_per_rank or 1)
+    checkpoint = None
+    if cfg.resume:
+        point = resume_from or resume_point(cfg)
+        if point.nothing_to_do(cfg.steps):
+            return {"nothing_to_do": point.nothing_to_do(cfg.steps), "first_step": point.step, "steps": cfg.steps,
+                    "checkpoint": str(point.path), "run_dir": cfg.out_dir, "losses": []}
+        checkpoint = str(point.path)
+    return launch(run_worker, (cfg, on_step, checkpoint), cfg.world_size, threads_per_rank=cfg.threads_per_rank or 1)
 
 
-def run_worker(args: tuple[TrainConfig, StepLog | None]) -> dict | None:
-    cfg, on_step = args
+def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | None:
+    cfg, on_step, checkpoint = args
     device = init_worker(None if cfg.device == "auto" else cfg.device)
     if cfg.threads_per_rank:
         torch.set_num_threads(cfg.threads_per_rank)
     try:
-        return train_on_rank(cfg, device, on_step)
+        return train_on_rank(cfg, device, on_step, checkpoint)
     finally:
         finish_worker()
 
@@ -123,19 +138,22 @@ def train_step(rank: Rank, cfg: TrainConfig, step: int, inputs: list[torch.Tenso
     start = clock.start()
     data_parallel.begin_step()
     scale = scaler.scale_loss if scaler else _unscaled
-    record = rank.executor.run_step(inputs, targets, scale, activations, clock)
+    tp_blocked = []
+
+    def optimize():
+        tp_blocked.append(rank.comms["tp"].blocked())  # inside the compute actions (Megatron's collectives block)
+        grads = data_parallel.finish_grads()
+        return rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=scaler,
+                                   reduce_sum=rank.reduce_sum)
+
+    record = rank.executor.run_step(inputs, targets, scale, activations, clock, optimize)
     dp_start = clock.stamp()
-    tp_blocked = rank.comms["tp"].blocked()  # inside the compute actions (Megatron's collectives block)
-    grads = data_parallel.finish_grads()
-    result = rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=scaler,
-                                 reduce_sum=rank.reduce_sum)
-    if not result.skipped:
-        data_parallel.after_update()
-    data_parallel.end_step()
+    data_parallel.end_step()  # the update gathers land
     dp_end = clock.stamp()
     end = clock.finish()
-    tp_seconds = tp_blocked.seconds()  # CUDA events resolve only now
-    events = clock.resolve([*record.events, ("GradReduce+OptimizerStep", "dp", dp_start, dp_end)])
+    result = record.result
+    tp_seconds = tp_blocked[0].seconds()  # CUDA events resolve only now
+    events = clock.resolve([*record.events, ("UpdateGathers", "dp", dp_start, dp_end)])
     comm_counts = {dim: comm.counters() for dim, comm in rank.comms.items()}
     loss = mean_over(mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1, mesh.device)
     loss = mean_over(mesh.group("dp"), loss, mesh.dp, mesh.device)
@@ -155,9 +173,13 @@ class History:
     step_times: list[float] = field(default_factory=list)
     val_history: list[dict] = field(default_factory=list)
     comm_per_step: dict = field(default_factory=dict)
+    skipped_in_a_row: int = 0  # steps the loss scaler skipped, up to the latest
 
 
-def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | None = None) -> dict | None:
+def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | None = None,
+                  checkpoint: str | None = None) -> dict | None:
+    """One rank's run. With cfg.resume, `checkpoint` is the one the launching process verified
+    (None: the newest that verifies, verified again here)."""
     mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device)
     corpus = Corpus.load(cfg.data, cfg.model.seq_len)
     policy = precision_policy(cfg.precision)
@@ -170,7 +192,10 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     activations = ActivationMeter(device, rank.data_parallel.parameter_storages)
     start_step = 0
     if cfg.resume:
-        start_step = load_checkpoint(latest_checkpoint(cfg.checkpoint_dir), rank, cfg)["step"]
+        path = checkpoint or resume_point(cfg).path
+        start_step = load_checkpoint(path, rank, cfg, verify=checkpoint is None)["step"]
+        if start_step >= cfg.steps:
+            raise ConfigError(ResumePoint(Path(path), start_step).nothing_to_do(cfg.steps))
     run = RunFiles(Path(cfg.out_dir), resume=cfg.resume) if mesh.rank == 0 else None
     if run:
         run.write_json("config.json", {"train": cfg.as_dict(), "data": corpus.source})
@@ -181,7 +206,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             inputs, targets = micro_batches(corpus, cfg, step, mesh.dp_rank, device)
             outcome = train_step(rank, cfg, step, inputs, targets, activations if step == 0 else None)
             trace.add_step(step, outcome.start, outcome.end, outcome.events, outcome.tp_seconds)
-            check_finite(cfg, policy.name, rank.scaler, step, outcome)
+            history.skipped_in_a_row = history.skipped_in_a_row + 1 if outcome.result.skipped else 0
+            check_finite(policy.name, rank.scaler, step, outcome, history)
             history.losses.append(outcome.loss)
             history.step_times.append(outcome.seconds)
             history.comm_per_step = outcome.comm
@@ -224,12 +250,25 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     return summary
 
 
-def check_finite(cfg: TrainConfig, policy_name: str, scaler, step: int, outcome: StepOutcome) -> None:
-    """Without a loss scaler to skip bad steps, a non-finite loss or gradient ends the run."""
+def check_finite(policy_name: str, scaler, step: int, outcome: StepOutcome, history: History) -> None:
+    """Without a loss scaler to skip bad steps, a non-finite loss or gradient ends the run. With one
+    (fp16), so do a non-finite loss on the run's first step (the forward pass overflows: no loss
+    scale can help) and MAX_SKIPPED_IN_A_ROW steps skipped one after another."""
     if scaler is None and (outcome.result.skipped or not math.isfinite(outcome.loss)):
         raise TrainingError(
             f"step {step}: the loss is {outcome.loss} and the gradients are "
             f"{'not finite' if outcome.result.skipped else 'finite'} under {policy_name}: "
+            f"lower --lr or use another precision"
+        )
+    if scaler is not None and step == history.first_step and not math.isfinite(outcome.loss):
+        raise TrainingError(
+            f"step {step}: the loss is {outcome.loss} on the run's first step under {policy_name}: the forward "
+            f"pass is not finite, which no loss scale can help: lower --lr or use another precision"
+        )
+    if scaler is not None and history.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        raise TrainingError(
+            f"step {step}: {history.skipped_in_a_row} steps in a row skipped under {policy_name} (the loss is "
+            f"{outcome.loss}, the gradients overflow at loss scale {outcome.result.loss_scale:g}): "
             f"lower --lr or use another precision"
         )
 

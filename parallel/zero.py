@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from job.schedule_actions import REDUCTIONS, GatherParams
 from parallel.comm import Collectives
 from precision.flat import Bucket, FlatParameters, gather_ranges
 
@@ -52,7 +53,13 @@ def add_to_shard(comm: Collectives, shard_grad: torch.Tensor, grad: torch.Tensor
 
 
 class Replicated:
-    """Stage 0: DDP with bucketed, overlapped gradient all-reduce."""
+    """Stage 0: DDP with bucketed, overlapped gradient all-reduce.
+
+    Every collective is a schedule action (job/schedule_actions.py) the executor hands to `issue`.
+    The reductions listed right after a compute are armed for it (`begin_compute`); a bucket's
+    hook, once its last gradient of that compute is in, issues the armed reduction at once, so
+    it overlaps the rest of the backward; the action's own turn in the list then finds it done
+    (or issues it: a bucket no gradient reached). A reduction not armed waits for its turn."""
 
     stage = 0
 
@@ -61,10 +68,17 @@ class Replicated:
         groups = model.parameter_groups() if hasattr(model, "parameter_groups") else None
         self.flat = FlatParameters(model, bucket_numel=bucket_numel, pad_to=comm.size, grads=grads, groups=groups)
         self.ranges = [(0, self.flat.padded_numel)]
-        self.sync = True
+        chunk_ids = model.chunk_ids() if hasattr(model, "chunk_ids") else [0]
+        self.key_of: dict[int, tuple[int, int]] = {}  # bucket index -> (global chunk, bucket within it)
+        for bucket in self.flat.buckets:
+            chunk = chunk_ids[bucket.group]
+            self.key_of[bucket.index] = (chunk, sum(1 for k in self.key_of.values() if k[0] == chunk))
+        self.bucket_at = {key: self.flat.buckets[index] for index, key in self.key_of.items()}
         self.in_flight: list[tuple] = []  # (handle, bucket, output, staging)
-        self.pending: dict[int, int] = {}
-        self.launched: set[int] = set()
+        self.pending: dict[int, int] = {}  # bucket index -> gradients still to come in this compute
+        self.armed: dict[tuple[int, int], object] = {}  # (chunk, bucket) -> its reduction after this compute
+        self.issued: set = set()
+        self.updates: list = []  # handles of the update gathers (stages 1, 2)
         self.comm_buffer_peak = 0
         for index, param in enumerate(self.flat.params):
             param.register_post_accumulate_grad_hook(lambda p, i=index: self.on_grad(i, p))
@@ -82,31 +96,64 @@ class Replicated:
         """Where the parameters `param_ids` lie in `weights` laid end to end."""
         return self.flat.local_ranges(self.ranges, lambda index: id(self.flat.params[index]) in param_ids)
 
-    # ---------------------------------------------------------------- the step
+    def layout(self) -> dict[int, tuple[int, ...]]:
+        """Each chunk's bucket sizes (padding included), to check against the schedule's plan."""
+        sizes: dict[int, list[int]] = {}
+        for bucket in self.flat.buckets:
+            sizes.setdefault(self.key_of[bucket.index][0], []).append(bucket.numel)
+        return {chunk: tuple(s) for chunk, s in sizes.items()}
+
+    # ---------------------------------------------------------------- the step, action by action
 
     def begin_step(self) -> None:
         self.flat.zero_grad()
+        self.issued = set()
 
-    def begin_micro_batch(self, last: bool) -> None:
-        """Gradients are accumulated locally and reduced during the last micro-batch's backward."""
-        self.sync = last
-        self.pending = {b.index: len(b.params) for b in self.flat.buckets}
-        self.launched = set()
+    def begin_compute(self, chunk: int, armed: list) -> None:
+        """A compute of `chunk` starts; `armed`: the data-parallel actions listed around it."""
+        self.pending = {b.index: len(b.params) for key, b in self.bucket_at.items() if key[0] == chunk}
+        self.armed = {(a.chunk, a.bucket): a for a in armed if isinstance(a, REDUCTIONS) and hasattr(a, "bucket")}
+
+    def end_compute(self) -> None:
+        self.armed = {}
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
-        if not self.sync:
-            return
         bucket = self.flat.bucket_of[index]
+        if bucket.index not in self.pending:
+            return
         self.pending[bucket.index] -= 1
         if self.pending[bucket.index] == 0:
-            self.launch(bucket)
+            self.bucket_ready(bucket)
+
+    def bucket_ready(self, bucket: Bucket) -> None:
+        """Every gradient of `bucket` is in for this compute: start its reduction if it is armed."""
+        action = self.armed.get(self.key_of[bucket.index])
+        if action is not None:
+            self.issue(action)
+
+    def issue(self, action) -> None:
+        """Run one data-parallel action of the schedule (a reduction issued early is not issued again)."""
+        if action in self.issued:
+            return
+        self.issued.add(action)
+        if isinstance(action, REDUCTIONS) and hasattr(action, "bucket"):
+            self.launch(self.bucket_at[(action.chunk, action.bucket)])
+        elif isinstance(action, GatherParams) and action.phase == "update":
+            self.gather_update(self.bucket_at[(action.chunk, action.bucket)])
+        else:
+            raise ValueError(f"ZeRO stage {self.stage} cannot run {action}")
 
     def launch(self, bucket: Bucket) -> None:
-        self.launched.add(bucket.index)
         grads = self.flat.grad[bucket.start : bucket.end]
         if self.comm.size > 1:
             grads.div_(self.comm.size)
         self.in_flight.append((self.comm.all_reduce(grads, async_op=True), bucket, None, None))
+
+    def gather_update(self, bucket: Bucket) -> None:
+        raise ValueError("ZeRO-0 holds every weight: there is nothing to gather")
+
+    def end_reductions(self) -> None:
+        """After a micro-batch's reductions (ZeRO-2 frees its staging buffers here)."""
 
     def before_weight_grads(self, params: list[torch.Tensor]) -> None:
         """Called before a zero-bubble weight gradient of `params`: every weight is here already."""
@@ -118,17 +165,6 @@ class Replicated:
 
     def index_of(self, param: torch.Tensor) -> int:
         return next(i for i, p in enumerate(self.flat.params) if p is param)
-
-    def launch_remaining(self) -> None:
-        """Reduce the buckets not reduced yet (deferred, or reached by no gradient)."""
-        for bucket in self.flat.buckets:
-            if bucket.index not in self.launched:
-                self.launch(bucket)
-
-    def end_micro_batch(self) -> None:
-        """After each micro-batch's backward: buckets no gradient reached are reduced too."""
-        if self.sync:
-            self.launch_remaining()
 
     def wait_in_flight(self, keep: int = 0) -> None:
         """Finish collectives, oldest first, until at most `keep` are in the air."""
@@ -142,18 +178,19 @@ class Replicated:
         """Where a finished reduce-scatter's piece goes (stages 1 and 2)."""
 
     def finish_grads(self) -> torch.Tensor:
-        """Wait for every collective; the optimizer's gradients, laid out like `weights` end to end."""
-        self.launch_remaining()
+        """Wait for every reduction; the optimizer's gradients, laid out like `weights` end to end."""
         self.wait_in_flight()
         if self.ranges == [(0, self.flat.padded_numel)]:
             return self.flat.grad  # this rank owns everything: no copy
         return gather_ranges(self.flat.grad, self.ranges)
 
     def after_update(self) -> None:
-        """Nothing to do: every rank updated every weight."""
+        """Outside a scheduled step (a loaded checkpoint): refresh every weight. Stage 0 holds them all."""
 
     def end_step(self) -> None:
-        pass
+        for handle in self.updates:
+            handle.wait()
+        self.updates = []
 
     # ---------------------------------------------------------------- the optimizer's reductions
 
@@ -185,9 +222,7 @@ class ShardedOptimizer(Replicated):
         self.ranges = self.flat.shard_ranges(comm.rank, comm.size)
 
     def launch(self, bucket: Bucket) -> None:
-        self.launched.add(bucket.index)
-        grads = self.flat.grad[bucket.start : bucket.end]
-        self.reduce_scatter(bucket, grads)
+        self.reduce_scatter(bucket, self.flat.grad[bucket.start : bucket.end])
 
     def reduce_scatter(self, bucket: Bucket, grads: torch.Tensor, staging: torch.Tensor | None = None) -> None:
         if self.comm.size > 1:
@@ -205,13 +240,16 @@ class ShardedOptimizer(Replicated):
         start, end = self.ranges[bucket.index]
         self.flat.grad[start:end].copy_(output)
 
+    def gather_update(self, bucket: Bucket) -> None:
+        """All-gather the updated pieces of `bucket` (waited for at the end of the step)."""
+        start, end = self.ranges[bucket.index]
+        piece = self.flat.data[start:end].clone()  # the input may not alias the output
+        self.updates.append(self.comm.all_gather(self.flat.data[bucket.start : bucket.end], piece, async_op=True))
+
     def after_update(self) -> None:
-        handles = []
-        for bucket, (start, end) in zip(self.flat.buckets, self.ranges):
-            piece = self.flat.data[start:end].clone()  # the input may not alias the output
-            handles.append(self.comm.all_gather(self.flat.data[bucket.start : bucket.end], piece, async_op=True))
-        for handle in handles:
-            handle.wait()
+        for bucket in self.flat.buckets:
+            self.gather_update(bucket)
+        self.end_step()
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         return self.comm.sum(value)
@@ -233,14 +271,14 @@ class ShardedGradients(ShardedOptimizer):
         self.staging: dict[int, torch.Tensor] = {}
 
     def begin_step(self) -> None:
+        super().begin_step()
         self.shard_grad.zero_()
-
-    def begin_micro_batch(self, last: bool) -> None:
-        super().begin_micro_batch(last)
-        self.sync = True  # every micro-batch is reduced: there is nowhere to keep a full gradient
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         bucket = self.flat.bucket_of[index]
+        if bucket.index not in self.pending:
+            raise RuntimeError(f"ZeRO-2: a gradient of bucket {self.key_of[bucket.index]} outside a backward of its "
+                               "chunk: there is no buffer to keep it in")
         if bucket.index not in self.staging:
             self.staging[bucket.index] = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
         segment = self.flat.segments[index]
@@ -248,8 +286,13 @@ class ShardedGradients(ShardedOptimizer):
         param.grad = None
         super().on_grad(index, param)
 
+    def bucket_ready(self, bucket: Bucket) -> None:
+        if self.key_of[bucket.index] not in self.armed:
+            raise RuntimeError(f"ZeRO-2: bucket {self.key_of[bucket.index]} is ready but the schedule reduces no "
+                               "such bucket after this compute")
+        super().bucket_ready(bucket)
+
     def launch(self, bucket: Bucket) -> None:
-        self.launched.add(bucket.index)
         staging = self.staging.pop(bucket.index, None)
         if staging is None:  # no parameter of this bucket got a gradient
             staging = torch.zeros(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
@@ -262,8 +305,7 @@ class ShardedGradients(ShardedOptimizer):
         offset = self.piece_offsets[bucket.index]
         self.shard_grad[offset : offset + output.numel()].add_(output)
 
-    def end_micro_batch(self) -> None:
-        super().end_micro_batch()
+    def end_reductions(self) -> None:
         self.wait_in_flight()
 
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:

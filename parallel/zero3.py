@@ -27,14 +27,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from job.schedule_actions import GatherParams, ReduceScatterGrads
 from parallel.comm import Collectives
 from parallel.zero import MAX_IN_FLIGHT, add_to_shard
 from precision.flat import FlatParameters
 
 
 class Unit:
-    def __init__(self, index: int, modules: list[nn.Module], named: list, comm: Collectives, keep: bool):
+    def __init__(self, index: int, modules: list[nn.Module], named: list, comm: Collectives, keep: bool,
+                 key: tuple[int, int]):
         self.index, self.modules, self.keep = index, modules, keep
+        self.key = key  # (global chunk, unit within it): how the schedule names it
         self.flat = FlatParameters(named, pad_to=comm.size, grads=False)
         self.full_bytes = self.flat.data.untyped_storage().nbytes()
         self.piece = self.flat.padded_numel // comm.size
@@ -51,9 +54,12 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def units_of(model: nn.Module) -> list[list[nn.Module]]:
-    """The GPT cut into units, in forward order."""
-    return [[model.tok_emb, model.pos_emb], *[[block] for block in model.blocks], [model.norm_f, model.head]]
+def units_of(model: nn.Module) -> list[tuple[int, list[nn.Module]]]:
+    """The GPT cut into units, in forward order, with the chunk each belongs to (one process: chunk 0)."""
+    if hasattr(model, "units"):
+        return model.units()
+    return [(0, modules) for modules in
+            [[model.tok_emb, model.pos_emb], *[[block] for block in model.blocks], [model.norm_f, model.head]]]
 
 
 class ShardedParameters:
@@ -63,8 +69,8 @@ class ShardedParameters:
         self.comm = comm
         self.units: list[Unit] = []
         seen: set[int] = set()
-        groups = model.units() if hasattr(model, "units") else units_of(model)
-        for index, modules in enumerate(groups):
+        groups = units_of(model)
+        for index, (chunk, modules) in enumerate(groups):
             named = []
             for module in modules:
                 for name, param in module.named_parameters():
@@ -73,7 +79,8 @@ class ShardedParameters:
                         named.append((name, param))
             if named:
                 keep = index in (0, len(groups) - 1)
-                self.units.append(Unit(len(self.units), modules, named, comm, keep))
+                within = sum(1 for unit in self.units if unit.key[0] == chunk)
+                self.units.append(Unit(len(self.units), modules, named, comm, keep, (chunk, within)))
         offsets, total = [], 0
         for unit in self.units:
             offsets.append(total)
@@ -88,6 +95,10 @@ class ShardedParameters:
         self.shard_grad = torch.zeros_like(self.weights)
         self.decay_ranges = self.local_ranges(lambda flat, index: flat.segments[index].decay)
         self.unit_of = {id(param): unit for unit in self.units for param in unit.flat.params}
+        self.unit_at = {unit.key: unit for unit in self.units}
+        self.armed: dict[tuple, object] = {}  # ("gather" | "reduce", chunk, unit) -> the action
+        self.issued: set = set()
+        self.scheduled = False  # inside a scheduled step: only armed actions may gather or reduce
         self.in_flight: list[tuple] = []
         self.comm_buffer_peak = 0
         self.install_hooks()
@@ -119,9 +130,20 @@ class ShardedParameters:
         offset = self.offsets[unit.index]
         return self.weights[offset : offset + unit.piece]
 
-    def start_gather(self, unit: Unit) -> None:
+    def start_gather(self, unit: Unit, needed: bool = True) -> None:
+        """Start gathering `unit` unless it is here or on its way. In a scheduled step only the
+        gather the schedule armed for this compute may run: one `needed` and not armed is an error,
+        a prefetch (not `needed`) that is not armed is left for the unit's own turn."""
         if unit.gathered or unit.pending_gather is not None:
             return
+        if self.scheduled:
+            action = self.armed.get(("gather", *unit.key))
+            if action is None:
+                if not needed:
+                    return
+                raise RuntimeError(f"ZeRO-3: unit {unit.key} is needed but the schedule gathers no such unit "
+                                   "before this compute")
+            self.issued.add(action)
         unit.flat.data.untyped_storage().resize_(unit.full_bytes)
         unit.pending_gather = self.comm.all_gather(unit.flat.data, self.shard_of(unit), async_op=True)
         self.note_buffers()
@@ -157,15 +179,24 @@ class ShardedParameters:
             for index, param in enumerate(unit.flat.params):
                 param.register_post_accumulate_grad_hook(lambda p, u=unit, i=index: self.on_grad(u, i, p))
 
+    def neighbour(self, unit: Unit, step: int) -> Unit | None:
+        """The unit `step` places on in the same chunk (prefetch stays inside the running compute)."""
+        index = unit.index + step
+        if 0 <= index < len(self.units) and self.units[index].key[0] == unit.key[0]:
+            return self.units[index]
+        return None
+
     def before_forward(self, unit: Unit) -> None:
         self.ensure_gathered(unit)
-        if unit.index + 1 < len(self.units):
-            self.start_gather(self.units[unit.index + 1])  # prefetch while this unit computes
+        following = self.neighbour(unit, 1)
+        if following is not None:
+            self.start_gather(following, needed=False)  # prefetch while this unit computes
 
     def before_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit)
-        if unit.index > 0:
-            self.start_gather(self.units[unit.index - 1])
+        preceding = self.neighbour(unit, -1)
+        if preceding is not None:
+            self.start_gather(preceding, needed=False)
 
     def before_weight_grads(self, params: list[torch.Tensor]) -> None:
         """A zero-bubble weight gradient runs after a later forward may have freed its unit again:
@@ -188,6 +219,16 @@ class ShardedParameters:
                 self.free(unit)
 
     def reduce_unit(self, unit: Unit) -> None:
+        """Every gradient of `unit` is in: its reduction armed for this compute runs now."""
+        action = self.armed.get(("reduce", *unit.key)) if self.scheduled else None
+        if self.scheduled and action is None:
+            raise RuntimeError(f"ZeRO-3: unit {unit.key} has its gradients but the schedule reduces no such unit "
+                               "after this compute")
+        if action is not None:
+            self.issued.add(action)
+        self.reduce_scatter(unit)
+
+    def reduce_scatter(self, unit: Unit) -> None:
         staging = unit.staging if unit.staging is not None else torch.zeros(
             unit.flat.padded_numel, dtype=unit.flat.dtype, device=unit.flat.device
         )
@@ -207,20 +248,60 @@ class ShardedParameters:
             offset = self.offsets[index]
             self.shard_grad[offset : offset + out.numel()].add_(out)
 
-    # ---------------------------------------------------------------- the step
+    # ---------------------------------------------------------------- the step, action by action
+
+    def layout(self) -> dict[int, tuple[int, ...]]:
+        """Each chunk's unit sizes (padding included), to check against the schedule's plan."""
+        sizes: dict[int, list[int]] = {}
+        for unit in self.units:
+            sizes.setdefault(unit.key[0], []).append(unit.flat.padded_numel)
+        return {chunk: tuple(s) for chunk, s in sizes.items()}
+
+    def kept(self) -> dict[int, tuple[bool, ...]]:
+        flags: dict[int, list[bool]] = {}
+        for unit in self.units:
+            flags.setdefault(unit.key[0], []).append(unit.keep)
+        return {chunk: tuple(f) for chunk, f in flags.items()}
 
     def begin_step(self) -> None:
         self.shard_grad.zero_()
+        self.issued = set()
+        self.scheduled = True
 
-    def begin_micro_batch(self, last: bool) -> None:
+    def begin_compute(self, chunk: int, armed: list) -> None:
+        """A compute of `chunk` starts; `armed`: the gathers listed right before it, the reductions right after."""
+        self.armed = {}
+        for action in armed:
+            if isinstance(action, GatherParams):
+                self.armed[("gather", action.chunk, action.bucket)] = action
+            elif isinstance(action, ReduceScatterGrads):
+                self.armed[("reduce", action.chunk, action.bucket)] = action
         for unit in self.units:
-            unit.grads_waiting = len(unit.flat.params)
+            if unit.key[0] == chunk:
+                unit.grads_waiting = len(unit.flat.params)
 
-    def end_micro_batch(self) -> None:
-        for unit in self.units:
-            if unit.grads_waiting > 0:  # parameters that got no gradient this micro-batch
-                unit.grads_waiting = 0
-                self.reduce_unit(unit)
+    def end_compute(self) -> None:
+        unused = [a for a in self.armed.values() if isinstance(a, GatherParams) and a not in self.issued]
+        self.armed = {}
+        if unused:
+            raise RuntimeError(f"ZeRO-3: the schedule gathers {', '.join(map(str, unused))} for a compute that "
+                               "did not use it")
+
+    def issue(self, action) -> None:
+        """A gather's turn comes before its compute, which issues it when the unit is needed; a
+        reduction's after it: one no gradient reached (all its grads were None) is reduced now."""
+        if action in self.issued or isinstance(action, GatherParams):
+            return
+        if not isinstance(action, ReduceScatterGrads):
+            raise ValueError(f"ZeRO-3 cannot run {action}")
+        self.issued.add(action)
+        unit = self.unit_at[(action.chunk, action.bucket)]
+        unit.grads_waiting = 0
+        self.reduce_scatter(unit)
+        if not unit.keep:
+            self.free(unit)
+
+    def end_reductions(self) -> None:
         self.wait_in_flight()
 
     def finish_grads(self) -> torch.Tensor:
@@ -230,6 +311,7 @@ class ShardedParameters:
         """Nothing to gather now: each unit is gathered when it is next used."""
 
     def end_step(self) -> None:
+        self.scheduled = False  # evaluation and checkpoints gather as their hooks need
         for unit in self.units:
             if unit.gathered or unit.pending_gather is not None:
                 self.free(unit)

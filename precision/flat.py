@@ -36,6 +36,7 @@ class Bucket:
     start: int
     end: int
     params: tuple[int, ...]
+    group: int = 0  # which of the parameter groups it cuts (a pipeline rank's chunks, in order)
 
     @property
     def numel(self) -> int:
@@ -61,7 +62,7 @@ class FlatParameters:
         if not groups:
             raise ValueError("no parameters to flatten")
         named = [item for group in groups for item in group]
-        ends = {sum(len(g) for g in groups[: i + 1]) - 1 for i in range(len(groups))}
+        ends = [sum(len(g) for g in groups[: i + 1]) - 1 for i in range(len(groups))]
         self.params = [param for _, param in named]
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
@@ -74,7 +75,8 @@ class FlatParameters:
             members.append(index)
             if index in ends or (bucket_numel is not None and offset - bucket_start >= bucket_numel):
                 end = -(-offset // pad_to) * pad_to
-                self.buckets.append(Bucket(len(self.buckets), bucket_start, end, tuple(members)))
+                group = sum(1 for last in ends if last < index)
+                self.buckets.append(Bucket(len(self.buckets), bucket_start, end, tuple(members), group))
                 offset = bucket_start = end
                 members = []
         self.numel = sum(p.numel() for p in self.params)

@@ -44,7 +44,7 @@ from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
 from simulator.hardware import GPUSpec
-from simulator.layout import Layout, block_tensors
+from job.layout import Layout, block_tensors
 from simulator.op_types import RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient
 from simulator.ops import block_ops, embedding_ops, head_ops
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
+from job.data_parallel import schedule_config
 from job.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_flight
 from job.trace import chrome_trace_events, write_chrome_trace
 from job.train_config import TrainConfig
@@ -40,7 +41,7 @@ from simulator.engine_host import HostLinks, host_compute
 from simulator.engine_links import LinkCosts
 from simulator.engine_replay import CATEGORIES, RankTally, no_garbage_collection, replay
 from simulator.hardware import GPUSpec, Hardware, load_hardware
-from simulator.layout import Layout, padded_vocab
+from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
 from simulator.op_types import Implementation
 from simulator.overlap import Overlap, resolve_overlap
@@ -148,6 +149,13 @@ def cached_schedule(config: ScheduleConfig) -> Schedule:
     return build_schedule(config)
 
 
+def step_schedule(model: GPTConfig, layout: Layout, micro_batches: int, kind: str, bucket_mb: float,
+                  precision: str) -> Schedule:
+    """The schedule this simulator replays for a job: the one the executor runs (job/data_parallel.py's
+    `schedule_config`, with the run's real buckets and units)."""
+    return cached_schedule(schedule_config(model, layout, micro_batches, kind, bucket_mb, precision))
+
+
 def micro_batches_per_replica(global_batch: int, micro_batch: int, dp: int) -> int:
     per_step = check_positive_int("micro_batch", micro_batch) * dp
     if check_positive_int("global_batch", global_batch) % per_step:
@@ -223,9 +231,9 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     compute, links, threads = _compute_side(spec, model, layout, cluster, pol.compute, threads_per_rank)
     host = spec.measured
     m = micro_batches_per_replica(global_batch, micro_batch, layout.dp)
-    config = ScheduleConfig(layout.pp, m, schedule_kind, layout.virtual_chunks, layout.effective_zero)
     with no_garbage_collection():
-        schedule = cached_schedule(config)
+        schedule = step_schedule(model, layout, m, schedule_kind, bucket_mb, precision)
+    config = schedule.config
     timings = {"schedule_s": time.perf_counter() - clock}
 
     clock = time.perf_counter()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from simulator.engine_links import LinkCosts
 from simulator.host import MeasuredHost, UnitTimes
-from simulator.layout import Layout
+from job.layout import Layout
 from simulator.topology import Cluster
 
 

@@ -54,7 +54,7 @@ from minigpt.errors import ConfigError
 from simulator.cluster_built import BuiltCluster
 from simulator.collectives import LinkFractions, Network
 from simulator.hardware import GPUSpec
-from simulator.layout import Layout
+from job.layout import Layout
 from simulator.topology import Cluster
 
 _CACHES: "weakref.WeakKeyDictionary[Cluster, dict]" = weakref.WeakKeyDictionary()

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from simulator.layout import Bucket, Tensor, buckets
+from job.layout import Bucket, Tensor, buckets
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,12 @@ class Overlapped:
 
 
 def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end: bool,
-            serial: bool = False, prefetch: int = 1) -> Overlapped:
+            serial: bool = False, prefetch: int = 1, comm_free: float = 0.0) -> Overlapped:
+    """`comm_free`: the stream is busy that long from the start (collectives issued before)."""
     if serial:  # the communication takes the cores that compute (gloo on a CPU host): nothing hides
         end = sum(s.gather + s.compute + s.reduce for s in segments)
         return Overlapped(end=end, comm_end=end, compute=sum(s.compute for s in segments))
-    clock = comm = 0.0
+    clock, comm = 0.0, max(0.0, comm_free)
     gathered: list[float | None] = [None] * len(segments)
     for index in range(min(prefetch, len(segments))):  # gathered before any compute
         if segments[index].gather > 0:
@@ -83,7 +84,7 @@ def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end:
 
 
 def bucket_spans(tensors: Sequence[Tensor], bucket_numel: int, pad_to: int) -> list[tuple[int, int, Bucket]]:
-    """(first tensor index, last tensor index, bucket) of each bucket simulator/layout.py's `buckets` cuts."""
+    """(first tensor index, last tensor index, bucket) of each bucket job/layout.py's `buckets` cuts."""
     cut = buckets(tensors, bucket_numel, pad_to)
     spans, first, offset, start, k = [], 0, 0, 0, 0
     for index, tensor in enumerate(tensors):
@@ -92,7 +93,7 @@ def bucket_spans(tensors: Sequence[Tensor], bucket_numel: int, pad_to: int) -> l
             spans.append((first, index, cut[k]))
             end = -(-offset // pad_to) * pad_to
             if end - start != cut[k].size:
-                raise RuntimeError("simulator/engine_overlap.py's bucket cut disagrees with simulator/layout.py")
+                raise RuntimeError("simulator/engine_overlap.py's bucket cut disagrees with job/layout.py")
             offset = start = end
             first, k = index + 1, k + 1
     return spans

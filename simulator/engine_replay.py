@@ -9,9 +9,10 @@ Each process walks its rank's action list (job/schedule.py) in order, split by
     ends with its last transfer. A rank whose partner has not posted yet waits on a SimPy
     event; then one SimPy timeout brings SimPy's clock to the batch's end, so the work
     before the batch and the batch itself cost one timeout (the speed the 1T case needs);
-  - at OptimizerStep: the tied embedding's gradient sync (first and last stage meet), the
-    wait for the gradient reductions still in flight, the optimizer; ZeRO-1/2's
-    update gathers follow as their own actions.
+  - data-parallel actions are priced from their place in the list (simulator/engine_dp.py):
+    those armed around a compute inside its cost, the others at their turn on the rank's one
+    data-parallel stream; SyncEmbedding makes the first and last stage meet; OptimizerStep
+    waits for every reduction still in flight, then runs the optimizer.
 
 Attribution, per rank, of every second until the step ends (they add up to the step):
   compute   the matmuls and element-wise work of compute actions
@@ -32,7 +33,6 @@ import simpy
 
 from minigpt.errors import ConfigError
 from job.schedule import (
-    AllReduceGrads,
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -41,17 +41,19 @@ from job.schedule import (
     OptimizerStep,
     RecvActivation,
     RecvGrad,
-    ReduceScatterGrads,
+    ReduceTiedGrad,
     Schedule,
     SendActivation,
     SendGrad,
+    SyncEmbedding,
+    armed_around,
     batches,
 )
 from simulator.engine_costs import RankCosts
 from simulator.engine_links import no_garbage_collection
 
 CATEGORIES = ("compute", "tp", "dp", "pp", "bubble", "optimizer")
-_LETTER = {Forward: "F", Backward: "B", BackwardInput: "Bi", BackwardWeight: "W"}
+_COMPUTE = frozenset((Forward, Backward, BackwardInput, BackwardWeight))
 
 
 @dataclass
@@ -74,7 +76,7 @@ class RankTally:
             elif isinstance(what, str):
                 named.append((what, "p2p" if what == "EmbeddingSync" else "dp", start, end))
             else:
-                named.append((what.name, "compute" if type(what) in _LETTER else "dp", start, end))
+                named.append((what.name, "compute" if type(what) in _COMPUTE else "dp", start, end))
         return named
 
 
@@ -108,7 +110,6 @@ class _Replay:
         pp = schedule.config.pp
         self.meet: dict[tuple, tuple[float, _Waiter | None]] = {}
         self.tallies = [RankTally() for _ in range(pp)]
-        self.sync_ranks = {0, pp - 1} if embedding_sync > 0 and pp > 1 else set()
 
     def post(self, keys: list, posted: float) -> _Waiter:
         """Post transfers (key, seconds) at `posted`; those whose partner is already posted end now."""
@@ -174,55 +175,44 @@ class _Replay:
                     end, moving = finish, seconds
         return end, min(moving, end - clock)  # an overlapped receive waits only for what is still moving
 
-    def optimizer_step(self, rank: int, action: OptimizerStep, clock: float, comm_end: float | None,
-                       reductions: str, pp_bubble: list):
-        """The tied embedding's sync, the wait for reductions in flight, the optimizer (a generator);
-        returns (the clock after it, seconds waited on reductions)."""
-        cost, events = self.costs[rank], self.tallies[rank].events
-        if rank in self.sync_ranks:
-            waiter = self.post([(("tied",), self.embedding_sync)], clock)
-            if waiter.count:
-                yield waiter.event
-            end = self.settle(waiter.ends, clock, pp_bubble)
-            events.append(("EmbeddingSync", clock, end))
-            clock = end
-        ready = max(clock, comm_end if comm_end is not None else clock) + cost.reduce_before_step
-        waited = ready - clock
-        if ready > clock:
-            events.append((reductions or "GradReduce", clock, ready))
-        events.append((action, ready, ready + cost.optimizer))
-        return ready + cost.optimizer, waited
+    def sync_embedding(self, rank: int, clock: float, pp_bubble: list):
+        """The tied embedding's two copies summed: the first and last stage meet (a generator)."""
+        waiter = self.post([(("tied",), self.embedding_sync)], clock)
+        if waiter.count:
+            yield waiter.event
+        return self.settle(waiter.ends, clock, pp_bubble)
 
     def run(self, rank: int):
         """Rank `rank`'s list, in batches (a SimPy process)."""
         env, tally, cost = self.env, self.tallies[rank], self.costs[rank]
-        events, actions = tally.events, cost.actions
-        actions_list = self.schedule.actions[rank]
-        last_grad = next((a for a in reversed(actions_list) if type(a) in (Backward, BackwardWeight)), None)
-        reductions = "+".join(a.name for a in actions_list if type(a) in (AllReduceGrads, ReduceScatterGrads))
-        first_forward: set[int] = set()
+        events, plain, pricer = tally.events, cost.actions, cost.pricer
+        groups = batches(self.schedule.actions[rank])
+        armed_by, _ = armed_around(groups)
+        issued = {action for armed in armed_by.values() for action in armed}  # run inside their compute
         compute = tp = dp = optimizer = 0.0
         pp_bubble = [0.0, 0.0]
-        comm_end = None  # when the reductions started by the last gradient action finish
+        dp_busy = 0.0  # when the rank's data-parallel stream has finished what was issued on it
+        computed = 0.0  # when the rank's last compute ended
+        # Overlap.dp "backward": a reduction no compute armed (the tied matrix's bucket) runs during the backward too
+        early = pricer is not None and pricer.settings.dp == "backward"
         clock = 0.0  # the rank's own time: work that needs no peer runs ahead of env.now
-        for group in batches(actions_list):
+        for index, group in enumerate(groups):
             action = group[0]
             kind = type(action)
-            letter = _LETTER.get(kind)
-            if letter is not None:
-                if kind is Forward and action.chunk not in first_forward:
-                    first_forward.add(action.chunk)
-                    letter = "F1"
-                elif action is last_grad:
-                    letter += "last"
-                c = actions[(letter, action.chunk)]
+            if kind in _COMPUTE:
+                armed = armed_by.get(index) if pricer is not None else None
+                if armed:
+                    c = pricer.compute(action, armed, dp_busy - clock)
+                    if c.comm_end is not None:
+                        dp_busy = max(dp_busy, clock + c.comm_end)
+                else:
+                    c = plain[(kind, action.chunk)]
                 events.append((action, clock, clock + c.total))
-                if c.comm_end is not None:
-                    comm_end = clock + c.comm_end
                 compute += c.compute
                 tp += c.tp
                 dp += c.dp
                 clock += c.total
+                computed = clock
             elif kind in _P2P:
                 end, moving = yield from self.exchange(rank, group, clock)
                 pp_bubble[0] += moving
@@ -230,17 +220,32 @@ class _Replay:
                 events.append((group, clock, end))
                 clock = end
                 yield env.timeout(clock - env.now)
+            elif kind is SyncEmbedding:
+                end = yield from self.sync_embedding(rank, clock, pp_bubble)
+                events.append(("EmbeddingSync", clock, end))
+                clock = end
             elif kind is OptimizerStep:
-                clock, waited = yield from self.optimizer_step(rank, action, clock, comm_end, reductions, pp_bubble)
-                dp += waited
+                ready = max(clock, dp_busy) + (pricer.alone(action) if pricer is not None else 0.0)
+                if ready > clock:
+                    events.append(("GradReduce", clock, ready))
+                events.append((action, ready, ready + cost.optimizer))
+                dp += ready - clock
                 optimizer += cost.optimizer
-            elif kind is GatherParams and action.phase == "update":
-                gather = cost.update_gather.get(action.chunk, 0.0) if action.bucket == 0 else 0.0
-                events.append((action, clock, clock + gather))
-                dp += gather
-                clock += gather
-            else:  # reductions and ZeRO-3 gathers: their work is inside the compute actions (marks, as in the executor)
+                clock = ready + cost.optimizer
+            elif action in issued or pricer is None:  # issued by the compute it is armed for
                 events.append((action, clock, clock))
+            elif kind is ReduceTiedGrad:  # blocking, behind what the stream still carries
+                end = max(clock, dp_busy) + pricer.alone(action)
+                events.append((action, clock, end))
+                dp += end - clock
+                clock = dp_busy = end
+            else:  # issued at its turn and left running: a reduction no compute armed, the update gathers
+                start = max(computed if early and kind is not GatherParams else clock, dp_busy)
+                dp_busy = start + pricer.alone(action)
+                events.append((action, start, dp_busy))
+        if dp_busy > clock:  # the step ends when the update gathers have landed
+            dp += dp_busy - clock
+            clock = dp_busy
         yield env.timeout(clock - env.now)
         tally.end = env.now
         tally.seconds.update(compute=compute, tp=tp, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1], optimizer=optimizer)

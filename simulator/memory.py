@@ -4,7 +4,7 @@ Torch-free. It models parallel/tensor.py, parallel/zero.py, parallel/zero3.py an
 precision/flat.py, not the ZeRO paper, so a run's `memory_per_rank` can be
 checked against it:
 
-- Parameters per rank and pipeline stages: simulator/layout.py.
+- Parameters per rank and pipeline stages: job/layout.py.
 - Flat layout: parameters in model order, cut into buckets that close once they reach
   bucket_numel (job/train_config.py: bucket_mb MiB over the compute bytes), each padded to a multiple of
   the data-parallel size N; ZeRO-3 pads one flat per unit (embeddings, each block,
@@ -31,7 +31,7 @@ from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.hardware import GPUSpec
-from simulator.layout import Bucket, Layout, buckets, check_against_config, stage_units
+from job.layout import Bucket, Layout, buckets, check_against_config, stage_units
 from simulator.op_types import Implementation
 from simulator.ops import block_ops, embedding_ops, head_ops
 

@@ -13,7 +13,7 @@ from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy
 
 if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
-    from simulator.layout import Layout
+    from job.layout import Layout
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 SP_SAVED_INPUTS = ("gathered", "sharded")

@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from minigpt.config import GPTConfig
 from precision.policy import PrecisionPolicy
-from simulator.layout import Layout, padded_vocab
+from job.layout import Layout, padded_vocab
 from simulator.op_types import (
     BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, FusedAttention, Gemm,
     Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, gemm, op_rows,

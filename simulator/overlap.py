@@ -10,13 +10,14 @@
                   reduce-scatter with the GEMMs next to them): exposed = max(0, collectives -
                   Linear GEMMs), per block and pass. The attention core and the element-wise
                   kernels hide nothing; the GEMMs are assumed not slowed by the communication.
-  dp              "executor": our ZeRO code (parallel/zero.py, zero3.py): ZeRO 0/1 reduce each
-                  bucket as soon as its gradients are ready, in the rank's last backward (up to
-                  MAX_IN_FLIGHT in the air under ZeRO-1), except with a tied head on several
-                  pipeline stages, where every bucket waits for the optimizer; ZeRO 2/3 reduce
-                  in every backward and wait at its end.
-                  "backward": the same, bucket by bucket during the backward, tied head or not
-                  (the tied embedding's gradient synced apart, as Megatron does).
+  dp              "executor": our ZeRO code (parallel/zero.py, zero3.py), as the schedule lists
+                  it: ZeRO 0/1 reduce each bucket as soon as its gradients are ready, in each
+                  chunk's last backward (up to MAX_IN_FLIGHT in the air under ZeRO-1), except
+                  the bucket of a tied embedding split over stages, reduced after the two
+                  copies are summed at the end; ZeRO 2/3 reduce in every backward and wait at
+                  its end.
+                  "backward": the same, and the tied matrix's bucket too is reduced during the
+                  backward (its gradient synced apart, as Megatron does).
                   "after": nothing overlapped: ZeRO 0/1 reduce every bucket after the last
                   backward, before the optimizer; ZeRO 2/3 start each backward's reductions when
                   its compute ends.

@@ -4,7 +4,9 @@ Strong scaling keeps the global batch; weak scaling grows it with the GPU count 
 batch per GPU of the first point is kept). At each GPU count the layout is the given one
 (tp and pp fixed, dp = GPUs / (tp x pp)) or the fastest that fits in memory among every
 tp (dividing the heads and MLP width, at most one server) and pp (every chunk at least a
-block) that divide the GPU count and the batch.
+block) that divide the GPU count and the batch, and whose schedule stays within
+simulator/limits.py's MAX_SCHEDULE_SLOTS and MAX_ZERO3_GATHERS (the sweep's GPU counts and points
+are limited there too).
 
 Marginal gain: going from N0 to N1 GPUs, each added GPU brings (T1 - T0) / (N1 - N0)
 samples/s; linear scaling would have it bring what a GPU brought at N0, T0 / N0. Their
@@ -23,7 +25,9 @@ from minigpt.errors import ConfigError
 from simulator.compute import EfficiencyProfile
 from simulator.engine import SimResult, simulate_step
 from simulator.hardware import Hardware, load_hardware
-from simulator.layout import Layout
+from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
+                              zero3_gathers)
+from job.layout import Layout
 from simulator.memory import predict_memory
 from simulator.topology import CLUSTER_KINDS, Cluster, build_cluster
 
@@ -107,7 +111,8 @@ def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: i
             if global_batch % (job.micro_batch * dp):
                 continue
             m = global_batch // (job.micro_batch * dp)
-            if job.schedule == "interleaved" and m % p:
+            if (job.schedule == "interleaved" and m % p) or schedule_slots(p, job.virtual_chunks, m) > MAX_SCHEDULE_SLOTS \
+                    or zero3_gathers(job.zero, dp, m, model.n_layers) > MAX_ZERO3_GATHERS:
                 continue
             out.append(Layout(tp=t, pp=p, dp=dp, zero=job.zero, sequence_parallel=job.sequence_parallel,
                               virtual_chunks=job.virtual_chunks))
@@ -121,7 +126,9 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     if not layouts:
         raise ConfigError(
             f"no layout of {n_gpus} GPUs runs a global batch of {global_batch} in micro-batches of {job.micro_batch} "
-            f"(tp={tp or 'any'}, pp={pp or 'any'}): change the batch, the GPU counts or the layout"
+            f"(tp={tp or 'any'}, pp={pp or 'any'}) within {MAX_SCHEDULE_SLOTS:,} schedule slots (pp x virtual "
+            f"chunks x micro-batches) and {MAX_ZERO3_GATHERS:,} ZeRO-3 gathers (simulator/limits.py): change the "
+            f"batch, the GPU counts or the layout"
         )
     cluster = cluster or spec.build(n_gpus)
     gpu = spec.hardware.gpu
@@ -196,6 +203,8 @@ def scaling_sweep(job: Job, gpu_counts: list[int], spec: ClusterSpec, scaling: s
     counts = sorted(set(gpu_counts))
     if len(counts) < 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
         raise ConfigError(f"a sweep needs at least two different positive GPU counts, got {gpu_counts!r}")
+    check_sweep(counts)
+    check_layers(job.model.n_layers)
     if not 0 < threshold < 1:
         raise ConfigError(f"the threshold is a fraction of linear scaling in (0, 1), got {threshold!r}")
     sweep = ScalingSweep(scaling, threshold)

@@ -2,10 +2,12 @@
 
 Covers `train`, `simulate`, `compare`, `calibrate` and `schedule`.
 Cases that need files get them from the fixture: a malformed topology, malformed and
-unknown-key TOML configs, a binary data file, and a real checkpoint that is then truncated
-or resumed with another model shape.
+unknown-key TOML configs, a binary data file, and a real checkpoint that is then truncated,
+has a byte flipped, or is resumed with another model shape; run directories that are
+another run's, hold other files, link out of themselves, or are locked by a live run.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
+from parallel.run_dir import RunClaim
 from simulator.hardware import load_hardware, save_hardware
 
 SMALL = ["--layers", "1", "--seq-len", "32", "--batch-size", "4"]
@@ -41,7 +44,23 @@ def files(tmp_path_factory):
     checkpoint = truncated / "checkpoints" / "step-000002"
     data = sorted(p for p in checkpoint.iterdir() if p.suffix == ".distcp")[0]
     data.write_bytes(data.read_bytes()[:10])
-    return root
+    flipped = root / "flipped"
+    shutil.copytree(run, flipped)
+    data = next((flipped / "checkpoints" / "step-000002").glob("*.distcp"))
+    changed = bytearray(data.read_bytes())
+    changed[len(changed) // 2] ^= 0x01  # one bit, the size kept
+    data.write_bytes(bytes(changed))
+    linked = root / "linked"
+    shutil.copytree(run, linked)
+    (linked / "metrics.jsonl").unlink()
+    (linked / "metrics.jsonl").symlink_to(root / "short.txt")  # out of the run directory
+    (root / "foreign").mkdir()
+    (root / "foreign" / "notes.txt").write_text("not a run's")
+    (root / "foreign" / "config.json").write_text("{}")
+    claim = RunClaim(root / "locked", resume=False, overwrite=False)
+    claim.take()  # held as a live run holds it, until the module's cases are done
+    yield root
+    claim.release()
 
 
 CASES = [
@@ -84,6 +103,22 @@ CASES = [
     ("train", ["--resume", "--out", "{root}/nowhere"], "no complete checkpoint"),
     ("train", ["--resume", "--out", "{root}/truncated"], "truncated"),
     ("train", ["--resume", "--out", "{root}/run", "--layers", "2"], "layers"),
+    # train: the run directory (parallel/run_dir.py) and checked checkpoints
+    ("train", ["--out", "{root}/run"], "is not empty"),
+    ("train", ["--out", "{root}/run", "--resume", "--overwrite"], "give one of them"),
+    ("train", ["--out", "{root}/foreign", "--overwrite"], "notes.txt"),
+    ("train", ["--out", "{root}/locked"], "in use by another minigpt run"),
+    ("train", ["--out", "{root}/locked", "--overwrite"], "in use by another minigpt run"),
+    ("train", ["--out", "{root}/locked", "--resume"], "in use by another minigpt run"),
+    ("train", ["--resume", "--out", "{root}/flipped"], "verifies"),
+    ("train", ["--resume", "{root}/flipped/checkpoints/step-000002"], "sha256"),
+    ("train", ["--resume", "{root}/flipped/checkpoints/step-000002", "--dp", "2"], "sha256"),
+    ("train", ["--resume", "{root}/flipped/checkpoints/step-000002", "--zero", "1"], "sha256"),
+    ("train", ["--resume", "{root}/run/checkpoints/step-000009", "--out", "{root}/run"], "does not exist"),
+    ("train", ["--resume", "{root}/run/checkpoints", "--out", "{root}/run"], "is not a checkpoint"),
+    ("train", ["--resume", "--out", "{root}/linked"], "symlink"),
+    ("train", ["--out", "/proc/minigpt-run"], "not writable"),
+    ("train", ["--out", "{root}/short.txt/run"], "not a directory"),
     # simulate
     ("simulate", ["--gpu", "tpu-v9"], "tpu-v9"),
     ("simulate", ["--tp", "8", "--pp", "2", "--dp", "2", "--nodes", "1"], "GPUs"),
@@ -128,6 +163,19 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, command, args, expect
     assert sorted(p.name for p in files.rglob("*")) == before  # nothing written next to the inputs
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_an_out_in_a_read_only_directory_is_refused(tmp_path):
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        result = CliRunner().invoke(main, ["train", *SMALL, "--out", str(locked / "run")])
+    finally:
+        locked.chmod(0o755)
+    assert result.exit_code == 2 and "is not writable" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert list(locked.iterdir()) == []
+
+
 def test_the_table_is_long_enough():
     assert len(CASES) >= 30
 
@@ -136,7 +184,7 @@ def test_the_table_is_long_enough():
 def test_every_positive_integer_setting_is_checked_by_one_function(value):
     from job.train_config import TrainConfig
     from minigpt.errors import ConfigError, check_positive_int
-    from simulator.layout import Layout
+    from job.layout import Layout
 
     with pytest.raises(ConfigError, match=rf"^--ranks must be a positive integer, got {value!r}$"):
         check_positive_int("--ranks", value)

@@ -69,7 +69,7 @@ def test_the_profile_drives_the_simulator(profile_path):
     from minigpt.config import preset
     from simulator.engine import simulate_step
     from simulator.hardware import load_hardware, save_hardware
-    from simulator.layout import Layout
+    from job.layout import Layout
     from simulator.topology import build_cluster
 
     hardware = load_hardware(str(profile_path))

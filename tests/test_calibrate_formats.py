@@ -14,7 +14,7 @@ from minigpt.errors import ConfigError
 from parallel.calibrate import FORMATS, build_profile, default_formats, make_plan
 from simulator.engine import simulate_step
 from simulator.hardware import FLOP_FORMATS, load_hardware, preset_for_device, preset_links
-from simulator.layout import Layout
+from job.layout import Layout
 from simulator.topology import build_cluster
 from test_calibrate_host import H200, fake_rank  # tests/ is on sys.path under pytest
 

@@ -222,7 +222,7 @@ def test_a_cuda_profile_says_cuda_nccl_and_the_gpu(tmp_path):
     hardware = load_hardware(str(path))
     assert hardware.gpu.calibration["backend"] == "nccl"
     from simulator.engine import simulate_step  # the simulator takes it as it takes a CPU profile
-    from simulator.layout import Layout
+    from job.layout import Layout
     from simulator.topology import build_cluster
 
     result = simulate_step(preset("tiny"), Layout(dp=2), build_cluster(hardware, 2, 1), "fp32", 16, 8,

@@ -31,9 +31,10 @@ from parallel.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from parallel.checkpoint_files import sha256_of
 from parallel.checkpoint_layout import decompose
 from parallel.mesh import build_mesh
-from parallel.train import mean_over, micro_batches
+from parallel.train import micro_batches, train_step
 from job.train_config import TrainConfig
 from precision.compute import dtype_of
 from precision.policy import policy as precision_policy
@@ -86,16 +87,7 @@ def train(rank, cfg: TrainConfig, corpus: Corpus, steps: range) -> list[float]:
     losses = []
     for step in steps:
         inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, torch.device("cpu"))
-        rank.data_parallel.begin_step()
-        record = rank.executor.run_step(inputs, targets, rank.scaler.scale_loss if rank.scaler else lambda loss: loss)
-        grads = rank.data_parallel.finish_grads()
-        result = rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=rank.scaler,
-                                     reduce_sum=rank.reduce_sum)
-        if not result.skipped:
-            rank.data_parallel.after_update()
-        rank.data_parallel.end_step()
-        loss = mean_over(rank.mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1, rank.mesh.device)
-        losses.append(mean_over(rank.mesh.group("dp"), loss, rank.mesh.dp, rank.mesh.device))
+        losses.append(train_step(rank, cfg, step, inputs, targets).loss)
     return losses
 
 
@@ -287,10 +279,13 @@ def copy_of(path, tmp_path, name="step-000001"):
 
 
 def reseal(path) -> None:
-    """Record the files' current sizes in state.json, as if they had been saved so."""
+    """Record the files' current sizes and checksums in state.json, and its checksum in the marker, as if
+    they had been saved so: what gets past the checksums must still be refused by the reader."""
     state = json.loads((path / "state.json").read_text())
-    state["files"] = {name: (path / name).stat().st_size for name in state["files"]}
+    state["files"] = {name: {"bytes": (path / name).stat().st_size, "sha256": sha256_of(path / name)}
+                      for name in state["files"]}
     (path / "state.json").write_text(json.dumps(state))
+    (path / "COMPLETE").write_text(json.dumps({"step": state["step"], "state_sha256": sha256_of(path / "state.json")}))
 
 
 def test_latest_ignores_tmp_and_unmarked_directories(one_process, tmp_path):
@@ -312,7 +307,7 @@ def test_latest_ignores_tmp_and_unmarked_directories(one_process, tmp_path):
 def test_saving_again_replaces_and_leaves_no_tmp(one_process):
     cfg, rank, path = one_process
     again = save_checkpoint(path.parent, rank, cfg, 1)
-    assert again == path and check_checkpoint(path, cfg) is None
+    assert again == path and check_checkpoint(path, cfg)["step"] == 1
     assert sorted(p.name for p in path.parent.iterdir()) == ["step-000001"]
 
 

@@ -86,23 +86,32 @@ def test_data_parallel_actions_follow_the_zero_stage(zero_stage, kind, pp, m, v)
     reduce = AllReduceGrads if zero_stage == 0 else ReduceScatterGrads
     for rank, actions in enumerate(built.actions):
         chunks = built.config.chunks_of(rank)
-        assert {a for a in actions if isinstance(a, (AllReduceGrads, ReduceScatterGrads))} == \
-            {reduce(c, b) for c in chunks for b in range(2)}
-        step = actions.index(OptimizerStep())
+        reductions = [(i, a) for i, a in enumerate(actions) if isinstance(a, (AllReduceGrads, ReduceScatterGrads))]
+        if zero_stage <= 1:  # once a step, right after the chunk's last weight gradient
+            assert {a for _, a in reductions} == {reduce(c, b) for c in chunks for b in range(2)}
+        else:  # every micro-batch's weight gradient, right after it
+            assert {a for _, a in reductions} == {reduce(c, b, 0, mb) for c in chunks for b in range(2)
+                                                   for mb in range(m)}
+        for i, action in reductions:
+            producer = next(a for a in reversed(actions[:i]) if isinstance(a, (Backward, BackwardWeight)))
+            assert producer.chunk == action.chunk
+            assert zero_stage <= 1 or producer.micro_batch == action.micro_batch
+        step = actions.index(OptimizerStep(norm_over_dp=zero_stage >= 1))
         gathers = [(i, a) for i, a in enumerate(actions) if isinstance(a, GatherParams)]
         if zero_stage == 0:
             assert not gathers
         elif zero_stage in (1, 2):
             assert {a for _, a in gathers} == {GatherParams(c, b, "update") for c in chunks for b in range(2)}
             assert all(i > step for i, _ in gathers)
-        else:
-            for chunk in chunks:
-                first_forward = next(i for i, a in enumerate(actions) if isinstance(a, Forward) and a.chunk == chunk)
-                first_backward = next(i for i, a in enumerate(actions)
-                                      if isinstance(a, (Backward, BackwardInput)) and a.chunk == chunk)
-                for bucket in range(2):
-                    assert actions.index(GatherParams(chunk, bucket, "forward")) < first_forward
-                    assert actions.index(GatherParams(chunk, bucket, "backward")) < first_backward
+        else:  # symbolic units are never kept: every forward and every backward gathers them again
+            for i, action in enumerate(actions):  # (zb-h1: units an input gradient gathered stay)
+                if kind == "zb-h1" and not (isinstance(action, Forward) and action.micro_batch == 0):
+                    continue
+                if isinstance(action, (Forward, Backward, BackwardWeight)) or \
+                        (isinstance(action, BackwardInput) and action.chunk):
+                    phase = {Forward: "forward", BackwardWeight: "weight"}.get(type(action), "backward")
+                    assert {GatherParams(action.chunk, b, phase, 0, action.micro_batch) for b in range(2)} <= \
+                        set(actions[:i])
 
 
 def test_compute_orders():
@@ -247,7 +256,7 @@ def test_cli_table_and_json():
     report = json.loads(result.stdout)
     assert report["config"]["virtual_chunks"] == 2 and report["config"]["zero_stage"] == 3
     assert report["bubble_fraction"] == pytest.approx(3 / 19)
-    assert sorted(report["actions"]) == ["0", "1", "2", "3"] and report["actions"]["0"][0] == "AllGather.c0b0.forward"
+    assert sorted(report["actions"]) == ["0", "1", "2", "3"] and report["actions"]["0"][0] == "AllGather.c0b0.forward.mb0"
     assert report["peak_activations"] == [11, 9, 7, 5]
 
 

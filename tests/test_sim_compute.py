@@ -25,7 +25,7 @@ from simulator.op_types import Gemm, MemoryOp
 from simulator.ops import Implementation, block_ops
 from simulator.provenance import efficiency_sources
 from simulator.hardware import load_hardware
-from simulator.layout import Layout
+from job.layout import Layout
 
 PRESET_A100 = load_hardware("a100-80gb").gpu
 # The datasheet alone (no efficiency table, nothing achieved): the fallback curve, full HBM bandwidth, no overhead.

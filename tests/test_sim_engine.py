@@ -20,7 +20,7 @@ from simulator.engine_links import LinkCosts
 from simulator.engine_overlap import Segment, overlap
 from simulator.engine_replay import replay
 from simulator.hardware import load_hardware
-from simulator.layout import Layout
+from job.layout import Layout
 from simulator.overlap import resolve_overlap
 from simulator.sweep import ClusterSpec, Job, compare_zero, scaling_sweep, zero_verdict
 from simulator.topology import Cluster, build_cluster
@@ -140,6 +140,21 @@ def test_ddp_reduction_overlaps_the_last_backward_unless_a_tied_head_spans_stage
     assert overlapped.breakdown["dp_comm"] < serial.breakdown["dp_comm"]
     names = {e[0] for t in serial.timelines for e in t["steps"][0]["events"]}
     assert "EmbeddingSync" in names  # the executor's tied-embedding all-reduce between first and last stage
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_data_parallel_actions_are_priced_once(zero):
+    """An action armed around a compute costs its time inside that compute: its own event takes none."""
+    cluster = build_cluster("a100-80gb", 8, 8, "hdr")
+    result = simulate_step(SMALL, Layout(dp=64, zero=zero), cluster, "bf16", 256, 1, bucket_mb=1)
+    events = result.tallies[0].events
+    armed = [(a, b) for what, a, b in events if type(what).__name__ in ("GatherParams", "ReduceScatterGrads",
+                                                                         "AllReduceGrads")
+             and getattr(what, "phase", "") != "update"]
+    assert armed and all(b == a for a, b in armed)
+    computes = sum(b - a for what, a, b in events if type(what).__name__ in ("Forward", "Backward"))
+    assert sum(result.breakdown.values()) == pytest.approx(result.step_time_s, rel=1e-9)
+    assert computes <= result.step_time_s
 
 
 @pytest.mark.parametrize("zero,kind", [(0, "1f1b"), (1, "interleaved"), (2, "1f1b"), (3, "gpipe"), (1, "zb-h1")])
@@ -284,10 +299,10 @@ def test_overlap_presets_hide_what_they_say():
     assert runs["overlapped"].step_time_s < runs["executor"].step_time_s <= runs["megatron-2021"].step_time_s
     for result in runs.values():
         assert sum(result.breakdown.values()) == pytest.approx(result.step_time_s, rel=1e-9)
-    tied = SMALL  # our executor waits for the optimizer to reduce with a tied head on several stages; "backward" not
+    tied = SMALL  # our executor reduces a tied matrix's bucket after the two copies are summed; "backward" before
     serial, overlapped = (simulate_step(tied, Layout(pp=2, dp=8), cluster, "bf16", 32, 1, overlap=o, bucket_mb=1)
                           for o in ("executor", resolve_overlap("executor", dp="backward")))
-    assert overlapped.breakdown["dp_comm"] < serial.breakdown["dp_comm"]
+    assert overlapped.per_rank[1]["dp_comm"] < serial.per_rank[1]["dp_comm"]  # the head's bucket: ready early
     zero3 = [simulate_step(model, Layout(tp=2, pp=2, dp=4, zero=3), cluster, "bf16", 32, 1,
                            overlap=resolve_overlap(zero3_prefetch=depth)) for depth in (0, 1)]
     assert zero3[0].breakdown["dp_comm"] > zero3[1].breakdown["dp_comm"]

@@ -11,7 +11,7 @@ from simulator.achieved import Achieved
 from simulator.engine import simulate_step
 from simulator.engine_links import LinkCosts
 from simulator.hardware import load_hardware, load_nic
-from simulator.layout import Layout
+from job.layout import Layout
 from simulator.sweep import ClusterSpec, Job, scaling_sweep
 from simulator.topology import Cluster, build_cluster
 

@@ -12,7 +12,7 @@ from minigpt.config import preset
 from minigpt.errors import ConfigError
 from simulator.engine import simulate_step
 from simulator.hardware import hardware_to_dict, load_hardware, save_hardware
-from simulator.layout import Layout
+from job.layout import Layout
 from simulator.topology import build_cluster
 
 TINY = preset("tiny")

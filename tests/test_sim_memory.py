@@ -10,7 +10,7 @@ from minigpt.config import GPTConfig, preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.hardware import load_hardware
-from simulator.layout import Layout, stage_units
+from job.layout import Layout, stage_units
 from simulator.memory import MAX_IN_FLIGHT, layer_activation_bytes, predict_memory
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
@@ -18,7 +18,7 @@ ROLES = {"parameters": "compute", "gradients": "grad", "master_weights": "master
 
 
 def test_simulator_modules_do_not_import_torch():
-    code = "import sys, simulator.layout, simulator.memory, simulator.compute; print('torch' in sys.modules)"
+    code = "import sys, job.layout, simulator.memory, simulator.compute; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -67,7 +67,7 @@ def test_parameters_and_buckets_match_torch():
                     if dp > 1:
                         zero3 = predict_memory(model, Layout(tp=tp, dp=dp, zero=3), "fp32", 1)
                         seen, units = set(), []
-                        for modules in units_of(gpt):
+                        for _, modules in units_of(gpt):
                             named = [(n, p) for m in modules for n, p in m.named_parameters() if id(p) not in seen]
                             seen.update(id(p) for _, p in named)
                             units.append(FlatParameters(named, pad_to=dp, grads=False).padded_numel // dp)

@@ -10,7 +10,7 @@ import pytest
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import policy
-from simulator.layout import Layout
+from job.layout import Layout
 from simulator.memory import layer_activation_bytes, predict_memory
 from simulator.op_types import FusedAttention, Gemm, MemoryOp
 from simulator.ops import Implementation, block_ops, embedding_ops, head_ops, op_rows

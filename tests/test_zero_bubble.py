@@ -17,7 +17,8 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
 from job import schedule_actions
-from parallel.pipeline import PipelineExecutor, WeightGradients, split_model
+from parallel.pipeline import PipelineExecutor, split_model
+from parallel.weight_gradients import WeightGradients
 from job.schedule import Action, Forward, Schedule, ScheduleConfig, build_schedule
 from parallel.train import train, train_on_rank
 from job.train_config import TrainConfig
@@ -53,7 +54,8 @@ def test_dispatch_table_has_an_explicit_entry_for_every_action_type():
     table = executor_for([Forward(0, 0)]).dispatch_table()
     assert set(table) == set(leaves(Action))
     assert {table[kind].__name__ for kind in table} == {
-        "run_forward", "run_backward", "run_backward_input", "run_backward_weight", "exchange", "mark"}
+        "run_forward", "run_backward", "run_backward_input", "run_backward_weight", "exchange", "run_data_parallel",
+        "sync_embedding", "reduce_tied", "optimizer_step"}
 
 
 def test_an_unknown_action_is_refused_by_name():

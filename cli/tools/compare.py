@@ -22,7 +22,7 @@ class ComparePlan:
     cfg: TrainConfig
     hardware: object  # simulator.hardware.Hardware
     cluster: object  # simulator.topology.Cluster
-    layout: object  # simulator.layout.Layout
+    layout: object  # job.layout.Layout
     micro_batch: int
 
 
@@ -36,7 +36,7 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
 def check_compare(cfg: TrainConfig, hardware_path: str) -> ComparePlan:
     """Everything checkable before any rank starts; ConfigError on bad input."""
     from simulator.hardware import load_hardware
-    from simulator.layout import Layout
+    from job.layout import Layout
     from simulator.topology import build_cluster
 
     if not hardware_path:

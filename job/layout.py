@@ -109,7 +109,7 @@ def check_against_config(model: GPTConfig) -> None:
                sum(t.numel for t in head_tensors(model, 1, 1)))
     expected = (model.block_params(), model.embedding_params(), model.head_params())
     if counted != expected:
-        raise RuntimeError(f"simulator/layout.py's tensor shapes {counted} disagree with minigpt/config.py {expected}")
+        raise RuntimeError(f"job/layout.py's tensor shapes {counted} disagree with minigpt/config.py {expected}")
 
 
 def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]]]]:
@@ -138,14 +138,22 @@ class Bucket(NamedTuple):
     last: str
 
 
-def buckets(tensors: Sequence[Tensor], bucket_numel: int | None, pad_to: int) -> list[Bucket]:
-    """The buckets precision/flat.py's FlatParameters cuts `tensors` into (one when bucket_numel is None)."""
+def bucket_members(tensors: Sequence[Tensor], bucket_numel: int | None, pad_to: int) -> list[tuple[range, int]]:
+    """(indices of its tensors, size padded) of each bucket precision/flat.py's FlatParameters cuts
+    `tensors` into: whole tensors, cut once a bucket holds `bucket_numel` elements (one bucket when
+    None), each padded to a multiple of `pad_to`."""
     cut, offset, start, first = [], 0, 0, 0
     for index, tensor in enumerate(tensors):
         offset += tensor.numel
         if index == len(tensors) - 1 or (bucket_numel is not None and offset - start >= bucket_numel):
             end = -(-offset // pad_to) * pad_to
-            cut.append(Bucket(end - start, tensors[first].name, tensor.name))
+            cut.append((range(first, index + 1), end - start))
             offset = start = end
             first = index + 1
     return cut
+
+
+def buckets(tensors: Sequence[Tensor], bucket_numel: int | None, pad_to: int) -> list[Bucket]:
+    """The buckets precision/flat.py's FlatParameters cuts `tensors` into (one when bucket_numel is None)."""
+    return [Bucket(size, tensors[members[0]].name, tensors[members[-1]].name)
+            for members, size in bucket_members(tensors, bucket_numel, pad_to)]

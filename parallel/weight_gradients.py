@@ -1,0 +1,86 @@
+"""Zero-bubble schedules' split backward: activation gradients now, parameter gradients later."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class WeightGradients:
+    """A chunk's backward split in two: activation gradients now, parameter gradients later.
+
+    While a micro-batch runs forward through a chunk, forward hooks keep the output of
+    every module that holds parameters of its own (Linear, LayerNorm, Embedding, the
+    bias of a row-parallel Linear). `input_gradient` (BackwardInput) runs
+    torch.autograd.grad from the chunk's output to its input and those outputs, keeping
+    the graph: autograd computes only what those need, so every weight-gradient GEMM is
+    skipped, while the tensor-parallel collectives on the activation path run. What it
+    returns is the input gradient; the gradients of the kept outputs wait.
+    `weight_gradients` (BackwardWeight) then starts, module by module in backward order,
+    torch.autograd.backward from each kept output with its kept gradient to the module's
+    own parameters only. Such a backward passes only the module's own operations (its
+    input does not depend on its own parameters: every parameter belongs to one module,
+    each module runs once a forward), and it accumulates into .grad as a whole backward
+    does, so ZeRO's post-accumulate hooks, the tied embedding's hook and sequence
+    parallelism's parameter all-reduces fire here, in the same order on every rank.
+    """
+
+    def __init__(self, chunks: list[nn.Module]):
+        self.params: dict[int, list[nn.Parameter]] = {}
+        owner: dict[int, str] = {}
+        for chunk in chunks:
+            for name, module in chunk.named_modules():
+                params = list(module.parameters(recurse=False))
+                for param in params:
+                    if id(param) in owner:
+                        raise ValueError(f"chunk {chunk.index}: parameter of {name} is also one of "
+                                         f"{owner[id(param)]}: a zero-bubble schedule needs unshared weights")
+                    owner[id(param)] = name
+                if params:
+                    self.params[id(module)] = params
+                    module.register_forward_hook(self.keep)
+        self.capturing: list | None = None
+        self.kept: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]] = {}
+        self.waiting: dict[tuple[int, int], list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]] = {}
+
+    def keep(self, module: nn.Module, args, output) -> None:
+        if self.capturing is not None and torch.is_grad_enabled():
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(f"{type(module).__name__} returns {type(output).__name__}: the zero-bubble "
+                                "split needs modules with parameters to return one tensor")
+            self.capturing.append((module, output))
+
+    def forward(self, chunk: nn.Module, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
+        """chunk(x), keeping the outputs of its modules with parameters for `key`'s backward."""
+        self.capturing = []
+        try:
+            out = chunk(x)
+            self.kept[key] = self.capturing
+        finally:
+            self.capturing = None
+        return out
+
+    def input_gradient(self, key, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        kept = self.kept.pop(key)
+        modules = [module for module, _ in kept]
+        if len(set(map(id, modules))) < len(modules):
+            raise RuntimeError("a module with parameters ran twice in one forward: the zero-bubble split "
+                               "would count its gradient twice")
+        outputs = [output for _, output in kept]
+        grads = torch.autograd.grad([out], [x, *outputs], None if grad is None else [grad],
+                                    retain_graph=True, allow_unused=True)
+        self.waiting[key] = [(self.params[id(module)], output, g)
+                             for module, output, g in zip(modules, outputs, grads[1:]) if g is not None]
+        return grads[0]
+
+    def weight_gradients(self, key, before: Callable[[list[nn.Parameter]], None]) -> None:
+        """The parameter gradients of `key`, module by module, last first; `before(params)` ahead of each."""
+        for params, output, grad in reversed(self.waiting.pop(key)):
+            before(params)
+            torch.autograd.backward([output], [grad], inputs=params)
+
+    def reset(self) -> None:
+        self.kept.clear()
+        self.waiting.clear()

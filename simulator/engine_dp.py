@@ -1,0 +1,138 @@
+"""The data-parallel actions of a schedule, priced from their place in the list. Torch-free.
+
+No model of ZeRO lives here: the schedule (job/schedule_comm.py, built from the run's real
+buckets and units by job/data_parallel.py) says which collective runs where, and
+job/schedule_actions.py's `armed_around` says, as it does for the executor, which of them a
+compute issues while it runs: the gathers listed right before it and the reductions right
+after it. This module prices what that implies, with simulator/engine_overlap.py's stream
+model (one data-parallel stream, in issue order):
+
+  - a compute with armed actions is cut into segments: ZeRO-3 per unit (its gather, issued
+    Overlap.zero3_prefetch units ahead, and its reduction when its gradients are in), ZeRO 0-2
+    per bucket (a reduction when the bucket's last gradient is in, ready_offsets); the
+    compute waits as our code waits (MAX_IN_FLIGHT reduce-scatters in the air; ZeRO-2/3
+    wait for a micro-batch's reductions at its end, ZeRO 0/1 let them run past);
+  - Overlap.dp "after": the armed reductions start only when the compute is done;
+  - a data-parallel action on its own (a reduction no compute armed, the tied copy's
+    all-reduce, the update gathers) is priced at its turn by `alone`.
+Prices of a compute depend only on its type, chunk and the armed actions' buckets, phases
+and kinds, so they are computed once per distinct combination.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from job.data_parallel import collectives
+from job.schedule import (
+    Action,
+    AllReduceGrads,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    DataParallelPlan,
+    Forward,
+    GatherParams,
+    ReduceScatterGrads,
+)
+from simulator.engine_overlap import Segment, bucket_spans, overlap, ready_offsets
+from simulator.memory import MAX_IN_FLIGHT
+from simulator.overlap import Overlap
+
+
+@dataclass(frozen=True)
+class ActionCost:
+    """Seconds an action holds its rank, split by cause; `comm_end`: when the reductions it issued
+    finish, from its start, when it does not wait for them (ZeRO 0/1)."""
+
+    total: float
+    compute: float = 0.0
+    tp: float = 0.0
+    dp: float = 0.0
+    comm_end: float | None = None
+
+
+class DataParallelPricer:
+    """One pipeline rank's data-parallel prices: `compute(action, armed)` and `alone(action)`."""
+
+    def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
+                 dp_time: Callable[[str, float], float], settings: Overlap, serial: bool, plain: dict):
+        self.units, self.plan, self.zero = chunk_units, plan, zero
+        self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
+        self.spans = {chunk: bucket_spans([t for u in units for t in u.tensors], bucket_numel, plan.dp)
+                      for chunk, units in chunk_units.items()} if zero < 3 else {}
+        self.memo: dict = {}
+        self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
+
+    def seconds(self, action: Action) -> float:
+        """The data-parallel collectives of `action` on this rank's dp group, one after another."""
+        calls = tuple(collectives(action, self.plan))
+        if calls not in self.timed:
+            self.timed[calls] = sum(self.dp_time(kind, nbytes) for kind, nbytes in calls)
+        return self.timed[calls]
+
+    def alone(self, action: Action) -> float:
+        return self.seconds(action)
+
+    def compute(self, action, armed: tuple, comm_free: float = 0.0):
+        """The cost of compute `action` with `armed` issued while it runs; the dp stream is busy
+        `comm_free` seconds more from its start (reductions of an earlier compute still moving)."""
+        key = (type(action), action.chunk, tuple((type(a), a.bucket, getattr(a, "phase", "")) for a in armed))
+        if comm_free <= 0 and key in self.memo:
+            return self.memo[key]
+        plain = self.plain[(type(action), action.chunk)]
+        segments, limit, wait = self.segments(action, armed)
+        o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free)
+        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end)
+        if comm_free <= 0:
+            self.memo[key] = cost
+        return cost
+
+    def segments(self, action, armed: tuple) -> tuple[list[Segment], int | None, bool]:
+        """(segments, reductions allowed in flight, whether the compute waits for them at its end)."""
+        if self.zero == 3:
+            return self.unit_segments(action, armed), MAX_IN_FLIGHT, True
+        plain = self.plain[(type(action), action.chunk)]
+        reduced = {a.bucket: a for a in armed if type(a) in (AllReduceGrads, ReduceScatterGrads)}
+        limit = None if self.zero == 0 else MAX_IN_FLIGHT
+        if self.settings.dp == "after":
+            tail = [Segment(0.0, reduce=self.seconds(reduced[b])) for b in sorted(reduced, reverse=True)]
+            return [Segment(plain.total)] + tail, limit, self.zero == 2
+        units = self.units[action.chunk]
+        full = type(action) is Backward or action.chunk == 0  # chunk 0's weight gradient is its whole backward
+        shares = [u.backward + u.backward_tp for u in units] if full else [u.weight for u in units]
+        ready = ready_offsets([u.tensors for u in units], shares)
+        spans = self.spans[action.chunk]
+        segments, clock = [], 0.0
+        for at, bucket in sorted((ready[spans[b][0]], b) for b in reduced):
+            at = min(at, plain.total)
+            segments.append(Segment(compute=at - clock, reduce=self.seconds(reduced[bucket])))
+            clock = at
+        if plain.total > clock:
+            segments.append(Segment(compute=plain.total - clock))
+        return segments, limit, self.zero == 2
+
+    def unit_segments(self, action, armed: tuple) -> list[Segment]:
+        """ZeRO-3: the chunk's units in the order the compute uses them, each with its armed gather and reduction."""
+        units = self.units[action.chunk]
+        gathers = {a.bucket: self.seconds(a) for a in armed if type(a) is GatherParams}
+        reduces = {a.bucket: self.seconds(a) for a in armed if type(a) is ReduceScatterGrads}
+        kind = type(action)
+        order = range(len(units)) if kind is Forward else range(len(units) - 1, -1, -1)
+        segments = []
+        for index in order:
+            u = units[index]
+            if kind is Forward:
+                compute = u.forward + u.forward_tp
+            elif kind is Backward or (kind is BackwardWeight and action.chunk == 0):
+                compute = u.backward + u.backward_tp
+            elif kind is BackwardInput:
+                compute = u.backward - u.weight + u.backward_tp
+            else:
+                compute = u.weight
+            reduce = 0.0 if self.settings.dp == "after" else reduces.get(index, 0.0)
+            segments.append(Segment(compute, gathers.get(index, 0.0), reduce))
+        if self.settings.dp == "after":
+            segments += [Segment(0.0, reduce=reduces[i]) for i in order if i in reduces]
+        return segments

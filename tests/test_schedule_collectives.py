@@ -1,0 +1,111 @@
+"""The schedule is the description of a step, data parallelism included: on every rank and every
+step, the data-parallel collectives parallel/comm.py counts during real training are, call for
+call and byte for byte, those of the schedule the simulator replays (simulator/engine.py's
+`step_schedule`, priced action by action by job/data_parallel.py's `collectives`).
+
+A bucket's reduction starts from the hook the moment its gradients are in, so reductions of one
+compute may be issued in another order than listed; every step's calls are compared as sorted
+lists, and the per-kind call counts and byte totals must agree exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from job.data_parallel import collectives
+from job.layout import Layout
+from job.train_config import TrainConfig
+from minigpt.config import GPTConfig
+from minigpt.data import Corpus
+from parallel.build import build_rank
+from parallel.mesh import build_mesh
+from parallel.train import micro_batches, train_step
+from precision.policy import policy as precision_policy
+from simulator.engine import step_schedule
+
+MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layers=4, n_heads=2, d_model=32, d_ff=64)
+BASE = TrainConfig(model=MODEL, steps=2, global_batch=8, eval_every=0, eval_batches=1, device="cpu", out_dir="")
+STEPS = 2
+
+LAYOUTS = {
+    2: {
+        "dp2 zero0 m2 small buckets": dict(dp=2, zero=0, micro_batches=2, bucket_mb=0.01),
+        "dp2 zero1 m2": dict(dp=2, zero=1, micro_batches=2, bucket_mb=0.02),
+        "dp2 zero2 m4": dict(dp=2, zero=2, micro_batches=4, bucket_mb=0.005),
+        "dp2 zero3 m2": dict(dp=2, zero=3, micro_batches=2),
+        "dp2 zero2 bf16": dict(dp=2, zero=2, micro_batches=2, precision="bf16", bucket_mb=0.01),
+    },
+    4: {
+        "tp2 dp2 zero1": dict(tp=2, dp=2, zero=1, micro_batches=2, bucket_mb=0.01),
+        "pp2 dp2 zero2 1f1b": dict(pp=2, dp=2, zero=2, micro_batches=4, bucket_mb=0.01),
+        "pp2 dp2 zero3 interleaved": dict(pp=2, dp=2, zero=3, micro_batches=4, schedule="interleaved",
+                                          virtual_chunks=2),
+        "pp2 dp2 zero0 zb-h1": dict(pp=2, dp=2, zero=0, micro_batches=4, schedule="zb-h1", bucket_mb=0.01),
+        "pp2 dp2 zero1 interleaved": dict(pp=2, dp=2, zero=1, micro_batches=4, schedule="interleaved",
+                                          virtual_chunks=2, bucket_mb=0.01),
+        "pp2 dp2 zero3 zb-h1": dict(pp=2, dp=2, zero=3, micro_batches=2, schedule="zb-h1"),
+    },
+    8: {
+        "tp2 pp2 dp2 zero3": dict(tp=2, pp=2, dp=2, zero=3, micro_batches=4),
+        "tp2 pp2 dp2 zero2 untied": dict(tp=2, pp=2, dp=2, zero=2, micro_batches=2, bucket_mb=0.01,
+                                         model=dataclasses.replace(MODEL, tied_head=False)),
+    },
+}
+
+
+def planned(cfg: TrainConfig, pp_rank: int) -> list[tuple[str, int]]:
+    """What the simulator's schedule says this rank's data-parallel group moves in a step."""
+    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks)
+    schedule = step_schedule(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
+    plan = schedule.config.plan
+    return [call for action in schedule.actions[pp_rank] for call in collectives(action, plan)]
+
+
+def counted_and_planned(world: int) -> dict:
+    """On each rank: train every layout of this world size a few steps; per step, the counted calls."""
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    corpus = Corpus.load(None, MODEL.seq_len)
+    found = {}
+    for name, changes in LAYOUTS[world].items():
+        cfg = dataclasses.replace(BASE, **changes)
+        rank = build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device), device, precision_policy(cfg.precision))
+        steps = []
+        for step in range(STEPS):
+            inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, device)
+            train_step(rank, cfg, step, inputs, targets)
+            steps.append(list(rank.comms["dp"].log))
+        found[name] = {"counted": steps, "planned": planned(cfg, rank.mesh.pp_rank)}
+    return found
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def ranks(request):
+    return run_ranks(request.param, counted_and_planned, request.param)
+
+
+def test_counted_collectives_are_the_replayed_schedule(ranks):
+    for rank, found in enumerate(ranks):
+        for name, result in found.items():
+            planned_calls = sorted(result["planned"])
+            assert planned_calls, f"{name}: the schedule moves nothing over dp"
+            for step, counted in enumerate(result["counted"]):
+                assert sorted(counted) == planned_calls, (
+                    f"{name}, rank {rank}, step {step}: counted {len(counted)} calls "
+                    f"({sum(b for _, b in counted)} B), planned {len(planned_calls)} "
+                    f"({sum(b for _, b in planned_calls)} B)")
+
+
+def test_layouts_cover_what_the_acceptance_asks():
+    layouts = [changes for world in LAYOUTS.values() for changes in world.values()]
+    assert len(layouts) >= 8
+    assert {c.get("zero") for c in layouts} == {0, 1, 2, 3}
+    assert len({c.get("bucket_mb") for c in layouts}) >= 3
+    assert all(c.get("micro_batches", 1) > 1 for c in layouts)
+    assert any(c.get("tp", 1) > 1 and c.get("pp", 1) == 1 for c in layouts)
+    assert any(c.get("pp", 1) > 1 and c.get("tp", 1) == 1 for c in layouts)
+    assert any(c.get("tp", 1) > 1 and c.get("pp", 1) > 1 and c.get("dp", 1) > 1 for c in layouts)
