@@ -12,7 +12,8 @@ flat weights in place (no second copy of the weights).
   stage 1          fp32 masters and AdamW moments for the rank's pieces only.
                    Gradients are accumulated in a full buffer and reduce-scattered
                    (the ZeRO paper's P_os: a rank needs only its pieces reduced,
-                   so an all-reduce would move half as much again for nothing);
+                   so an all-reduce would move half as much again for nothing),
+                   as many in the air as there are buckets (their outputs are 1/N);
                    after the update the new weights are all-gathered.
   stage 2          no full gradient buffer: each parameter's gradient is copied
                    into its bucket's staging buffer and dropped; a full bucket is
@@ -33,7 +34,7 @@ from job.schedule_actions import REDUCTIONS, GatherParams
 from parallel.comm import Collectives
 from precision.flat import Bucket, FlatParameters, gather_ranges
 
-MAX_IN_FLIGHT = 2  # reduce-scatters allowed to overlap the backward at once (bounds staging memory)
+MAX_IN_FLIGHT = 2  # stage 2's reduce-scatters allowed to overlap the backward at once (bounds staging memory)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -231,7 +232,8 @@ class ShardedOptimizer(Replicated):
         handle = self.comm.reduce_scatter(output, grads, async_op=True)
         self.in_flight.append((handle, bucket, output, staging))  # staging lives until it is done
         self.comm_buffer_peak = max(self.comm_buffer_peak, self.buffer_bytes())
-        self.wait_in_flight(keep=MAX_IN_FLIGHT)
+        if self.stage == 2:  # its staging buffers are whole buckets: bound them; stage 1's pieces are 1/N
+            self.wait_in_flight(keep=MAX_IN_FLIGHT)
 
     def buffer_bytes(self) -> int:
         return sum(nbytes(out) + (nbytes(staging) if staging is not None else 0) for _, _, out, staging in self.in_flight)

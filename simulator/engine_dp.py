@@ -10,8 +10,8 @@ model (one data-parallel stream, in issue order):
   - a compute with armed actions is cut into segments: ZeRO-3 per unit (its gather, issued
     Overlap.zero3_prefetch units ahead, and its reduction when its gradients are in), ZeRO 0-2
     per bucket (a reduction when the bucket's last gradient is in, ready_offsets); the
-    compute waits as our code waits (MAX_IN_FLIGHT reduce-scatters in the air; ZeRO-2/3
-    wait for a micro-batch's reductions at its end, ZeRO 0/1 let them run past);
+    compute waits as our code waits (ZeRO-2/3: MAX_IN_FLIGHT reduce-scatters in the air, and
+    all of a micro-batch's at its end; ZeRO 0/1 let them run past);
   - Overlap.dp "after": the armed reductions start only when the compute is done;
   - a data-parallel action on its own (a reduction no compute armed, the tied copy's
     all-reduce, the update gathers) is priced at its turn by `alone`.
@@ -95,7 +95,7 @@ class DataParallelPricer:
             return self.unit_segments(action, armed), MAX_IN_FLIGHT, True
         plain = self.plain[(type(action), action.chunk)]
         reduced = {a.bucket: a for a in armed if type(a) in (AllReduceGrads, ReduceScatterGrads)}
-        limit = None if self.zero == 0 else MAX_IN_FLIGHT
+        limit = None if self.zero <= 1 else MAX_IN_FLIGHT  # ZeRO-1 bounds nothing (parallel/zero.py)
         if self.settings.dp == "after":
             tail = [Segment(0.0, reduce=self.seconds(reduced[b])) for b in sorted(reduced, reverse=True)]
             return [Segment(plain.total)] + tail, limit, self.zero == 2

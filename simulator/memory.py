@@ -35,7 +35,7 @@ from job.layout import Bucket, Layout, buckets, check_against_config, stage_unit
 from simulator.op_types import Implementation
 from simulator.ops import block_ops, embedding_ops, head_ops
 
-MAX_IN_FLIGHT = 2  # parallel/zero.py's bound on overlapped reduce-scatters (it imports torch; a test checks)
+MAX_IN_FLIGHT = 2  # parallel/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
 
 
 # ---------------------------------------------------------------- activations per rank
@@ -138,15 +138,18 @@ def module_of(name: str) -> str:
 def data_parallel_buffers(stage: int, cut: list[Bucket], dp: int) -> int:
     """Peak elements of ZeRO 1/2 buffers, walking the buckets in backward order as parallel/zero.py does.
 
-    Buckets complete last to first. zero.py measures right after launching one, with up to
-    MAX_IN_FLIGHT + 1 reduce-scatters in the air (each an output of 1/N of its bucket, and
-    under stage 2 the bucket's staging too), and, under stage 2, the staging of the bucket
+    Buckets complete last to first. Stage 1 bounds nothing: each reduce-scatter's output (1/N of
+    its bucket) stays until the optimizer waits for them all. Stage 2 measures right after
+    launching one, with up to MAX_IN_FLIGHT + 1 reduce-scatters in the air (each an output of
+    1/N of its bucket and the bucket's staging), and the staging of the bucket
     before it when that bucket is already open: counted when the border between them falls
     inside one module (a weight and its bias reach their gradients together, in either order).
     Stage 0 all-reduces in place: none.
     """
     if stage == 0:
         return 0
+    if stage == 1:  # no bound: every bucket's piece stays in flight until the optimizer waits
+        return sum(bucket.size // dp for bucket in cut)
     peak, in_flight = 0, []
     for k in reversed(range(len(cut))):
         size = cut[k].size

@@ -12,7 +12,7 @@
                   kernels hide nothing; the GEMMs are assumed not slowed by the communication.
   dp              "executor": our ZeRO code (parallel/zero.py, zero3.py), as the schedule lists
                   it: ZeRO 0/1 reduce each bucket as soon as its gradients are ready, in each
-                  chunk's last backward (up to MAX_IN_FLIGHT in the air under ZeRO-1), except
+                  chunk's last backward, except
                   the bucket of a tied embedding split over stages, reduced after the two
                   copies are summed at the end; ZeRO 2/3 reduce in every backward and wait at
                   its end.
