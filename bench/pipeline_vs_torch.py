@@ -3,7 +3,7 @@
 Both run in the same two gloo processes (one thread each), one after the other, alternating:
 a few warm-up steps of each, then rounds of `--steps` timed steps of ours followed by as many of
 torch's. Ours is `minigpt train --model small --pp 2 --schedule 1f1b --micro-batches 4`'s step
-(parallel/train.py `train_step`: the schedule's actions, the tied-embedding sync, gradient clipping
+(`Rank.train_step`, parallel/step.py: the schedule's actions, the tied-embedding sync, gradient clipping
 and the optimizer). Theirs is PipelineStage + Schedule1F1B on the same two chunks that
 parallel/pipeline.py `split_model` cuts (same seed, so the same weights), then the same extra work
 done by hand: the tied embedding's gradient summed over the two ranks, the global gradient norm,
@@ -40,7 +40,7 @@ from parallel.build import build_rank, tied_copy
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.mesh import build_mesh
 from parallel.pipeline import split_model
-from parallel.train import micro_batches, train_step
+from parallel.train import micro_batches
 from precision.policy import policy as precision_policy
 
 
@@ -116,7 +116,7 @@ def worker(args: tuple[TrainConfig, int, int, int]) -> dict | None:
             step_of[side] += 1
             inputs, targets = micro_batches(corpus, cfg, step, mesh.dp_rank, device)
             if side == "ours":
-                outcome = train_step(ours, cfg, step, inputs, targets)
+                outcome = ours.train_step(cfg, step, inputs, targets)
                 seconds, loss = outcome.seconds, outcome.loss
                 if step >= warmup:
                     for kind, value in ours_breakdown(outcome.events, seconds).items():

@@ -14,6 +14,8 @@ from torch import nn
 
 from minigpt.model import GPT
 from parallel.comm import Collectives
+from parallel.data_parallel import DataParallel
+from parallel.step import StepOutcome, train_step
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
 from job.data_parallel import check_against_plan, schedule_config
@@ -31,16 +33,21 @@ from precision.scaler import LossScaler
 
 @dataclass
 class Rank:
-    """One rank's share of the job."""
+    """One rank's share of the job; `train_step` runs one step of it, begin to end."""
 
     mesh: Mesh
     policy: PrecisionPolicy
     stage: StageModel
-    data_parallel: object
+    data_parallel: DataParallel
     optimizer: MasterAdamW
     scaler: LossScaler | None
     executor: PipelineExecutor
     comms: dict[str, Collectives]
+
+    def train_step(self, cfg: TrainConfig, step: int, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+                   activations=None) -> StepOutcome:
+        """One optimizer step of this rank (parallel/step.py); every rank of the layout calls it."""
+        return train_step(self, cfg, step, inputs, targets, activations)
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over every rank of the (copy-weighted) squared gradient norm; inf or nan if any
@@ -67,7 +74,7 @@ def tied_copy(stage: StageModel) -> nn.Parameter | None:
     return None
 
 
-def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_numel: int):
+def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_numel: int) -> DataParallel:
     """The ZeRO stage `stage` over `comm`'s group (stage 0 when the group has one rank)."""
     if comm.size == 1:
         return Replicated(model, comm, bucket_numel)

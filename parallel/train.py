@@ -22,8 +22,8 @@ import torch.distributed as dist
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import ConfigError, TrainingError
 from parallel.build import Rank, build_rank
+from parallel.step import StepOutcome, mean_over
 from parallel.checkpoint import load_checkpoint, save_checkpoint
-from parallel.clock import StepClock, TimedEvent
 from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.memory import ActivationMeter
@@ -33,7 +33,7 @@ from parallel.run_files import RunFiles, default_run_dir, write_loss_plot
 from job.trace import Trace, breakdown, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.compute import compute_path, dtype_of, needs_emulation
-from precision.optimizer import MasterAdamW, StepResult, state_bytes
+from precision.optimizer import MasterAdamW, state_bytes
 from precision.policy import TEXTBOOK_MIXED_ADAM, policy as precision_policy
 
 StepLog = Callable[[dict], None]
@@ -75,16 +75,6 @@ def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | N
         finish_worker()
 
 
-def mean_over(group, value: float, size: int, device: torch.device) -> float:
-    """The mean of a Python number over a group (not counted as training traffic), reduced in a
-    tensor on `device`, the rank's: NCCL reduces only CUDA tensors."""
-    if group is None:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, group=group)
-    return float(tensor[0]) / size
-
-
 def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
     """Validation loss on fixed batches; every rank runs it (the pipeline and ZeRO-3 need all of them)."""
     rank.stage.eval()
@@ -107,61 +97,6 @@ def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, dp_rank: int, dev
         inputs.append(x.to(device))
         targets.append(y.to(device))
     return inputs, targets
-
-
-@dataclass
-class StepOutcome:
-    """What one training step did on this rank. Times: perf_counter seconds, device-side on CUDA
-    (parallel/clock.py); `end` is after the device finished all of the step's work."""
-
-    loss: float  # the micro-batches' mean loss, averaged over the data-parallel ranks
-    result: StepResult
-    start: float
-    end: float
-    events: list[TimedEvent]
-    tp_seconds: float  # inside blocking tensor-parallel collectives (parallel/comm.py BlockedTime)
-    comm: dict[str, dict]
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-
-def train_step(rank: Rank, cfg: TrainConfig, step: int, inputs: list[torch.Tensor], targets: list[torch.Tensor],
-               activations: ActivationMeter | None = None) -> StepOutcome:
-    """One optimizer step on this rank: the schedule's actions, the gradient reduction and the update,
-    each stamped by the step clock; every rank of the layout calls it."""
-    data_parallel, mesh, scaler = rank.data_parallel, rank.mesh, rank.scaler
-    for comm in rank.comms.values():
-        comm.reset_counters()
-    clock = StepClock(mesh.device)
-    start = clock.start()
-    data_parallel.begin_step()
-    scale = scaler.scale_loss if scaler else _unscaled
-    tp_blocked = []
-
-    def optimize():
-        tp_blocked.append(rank.comms["tp"].blocked())  # inside the compute actions (Megatron's collectives block)
-        grads = data_parallel.finish_grads()
-        return rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=scaler,
-                                   reduce_sum=rank.reduce_sum)
-
-    record = rank.executor.run_step(inputs, targets, scale, activations, clock, optimize)
-    dp_start = clock.stamp()
-    data_parallel.end_step()  # the update gathers land
-    dp_end = clock.stamp()
-    end = clock.finish()
-    result = record.result
-    tp_seconds = tp_blocked[0].seconds()  # CUDA events resolve only now
-    events = clock.resolve([*record.events, ("UpdateGathers", "dp", dp_start, dp_end)])
-    comm_counts = {dim: comm.counters() for dim, comm in rank.comms.items()}
-    loss = mean_over(mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1, mesh.device)
-    loss = mean_over(mesh.group("dp"), loss, mesh.dp, mesh.device)
-    return StepOutcome(loss, result, start, end, events, tp_seconds, comm_counts)
-
-
-def _unscaled(loss: torch.Tensor) -> torch.Tensor:
-    return loss
 
 
 @dataclass
@@ -204,7 +139,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     try:
         for step in range(start_step, cfg.steps):
             inputs, targets = micro_batches(corpus, cfg, step, mesh.dp_rank, device)
-            outcome = train_step(rank, cfg, step, inputs, targets, activations if step == 0 else None)
+            outcome = rank.train_step(cfg, step, inputs, targets, activations if step == 0 else None)
             trace.add_step(step, outcome.start, outcome.end, outcome.events, outcome.tp_seconds)
             history.skipped_in_a_row = history.skipped_in_a_row + 1 if outcome.result.skipped else 0
             check_finite(policy.name, rank.scaler, step, outcome, history)

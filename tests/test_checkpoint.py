@@ -34,7 +34,7 @@ from parallel.checkpoint import (
 from parallel.checkpoint_files import sha256_of
 from parallel.checkpoint_layout import decompose
 from parallel.mesh import build_mesh
-from parallel.train import micro_batches, train_step
+from parallel.train import micro_batches
 from job.train_config import TrainConfig
 from precision.compute import dtype_of
 from precision.policy import policy as precision_policy
@@ -87,7 +87,7 @@ def train(rank, cfg: TrainConfig, corpus: Corpus, steps: range) -> list[float]:
     losses = []
     for step in steps:
         inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, torch.device("cpu"))
-        losses.append(train_step(rank, cfg, step, inputs, targets).loss)
+        losses.append(rank.train_step(cfg, step, inputs, targets).loss)
     return losses
 
 

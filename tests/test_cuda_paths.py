@@ -30,7 +30,6 @@ from parallel.clock import StepClock
 from parallel.comm import BlockedTime, Collectives
 from parallel.device import measure_peak_flops
 from parallel.mesh import build_mesh
-from parallel.train import train_step
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
 
@@ -141,7 +140,7 @@ def steps_under_meta(cfg: TrainConfig, spy: CollectiveSpy) -> dict:
     for step in range(cfg.steps):
         inputs, targets = batches(cfg, step, rank.mesh.dp_rank, device)
         with torch.device("meta"):  # a tensor made without a device lands here, not on the CPU
-            outcome = train_step(rank, cfg, step, inputs, targets)
+            outcome = rank.train_step(cfg, step, inputs, targets)
             rank.stage.eval()
             evaluations.append(rank.executor.evaluate(eval_inputs[0], eval_targets[0]))
             rank.stage.train()

@@ -175,7 +175,8 @@ def test_fp16_that_skips_every_step_stops_naming_the_step(tmp_path):
 
 
 def test_fp16_with_a_non_finite_loss_on_the_first_step_stops():
-    from parallel.train import MAX_SKIPPED_IN_A_ROW, History, StepOutcome, check_finite
+    from parallel.step import StepOutcome
+    from parallel.train import MAX_SKIPPED_IN_A_ROW, History, check_finite
     from precision.optimizer import StepResult
 
     def outcome(loss):

@@ -23,7 +23,7 @@ from minigpt.config import GPTConfig
 from minigpt.data import Corpus
 from parallel.build import build_rank
 from parallel.mesh import build_mesh
-from parallel.train import micro_batches, train_step
+from parallel.train import micro_batches
 from precision.policy import policy as precision_policy
 from simulator.engine import step_schedule
 
@@ -77,7 +77,7 @@ def counted_and_planned(world: int) -> dict:
         steps = []
         for step in range(STEPS):
             inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, device)
-            train_step(rank, cfg, step, inputs, targets)
+            rank.train_step(cfg, step, inputs, targets)
             steps.append(list(rank.comms["dp"].log))
         found[name] = {"counted": steps, "planned": planned(cfg, rank.mesh.pp_rank)}
     return found
