@@ -101,12 +101,11 @@ class MasterAdamW:
     ) -> "StepResult":
         """One optimizer step from `grads`, laid out as `weights` (in any float format)."""
         lr = self.lr if lr is None else lr
-        grad = grads.float()
-        if grad.data_ptr() == grads.data_ptr():
-            grad = grad.clone()  # never scribble on the caller's gradients
-        if scaler is not None:
-            scaler.unscale_([grad])
-        sum_of_squares = float(reduce_sum(self.sum_of_squares(grad)))
+        grad = grads.float()  # a copy only for 16-bit gradients; never written to
+        # Unscaling and clipping are one factor on the gradient, folded into the moments' update
+        # below instead of a pass over (and a copy of) the gradients.
+        factor = 1.0 / scaler.scale if scaler is not None else 1.0
+        sum_of_squares = float(reduce_sum(self.sum_of_squares(grad))) * factor * factor
         overflow = not math.isfinite(sum_of_squares)  # any inf or nan anywhere makes the sum one
         skipped = scaler.update(overflow) if scaler is not None else overflow
         if skipped:
@@ -115,8 +114,8 @@ class MasterAdamW:
         if grad_clip > 0:
             coefficient = grad_clip / (grad_norm + 1e-6)
             if coefficient < 1:
-                grad.mul_(coefficient)
-        self._adamw(grad, lr)
+                factor *= coefficient
+        self._adamw(grad, lr, factor)
         if not self.masters_are_weights:
             for piece, master in zip(self.pieces, self.master_pieces):
                 piece.copy_(master)
@@ -124,20 +123,21 @@ class MasterAdamW:
 
     def sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's part of the squared gradient norm, shared weights counted 1/copies."""
-        total = grad.pow(2).sum()
+        total = torch.dot(grad, grad)
         for lo, hi, copies in self.shared_ranges:
-            total = total - grad[lo:hi].pow(2).sum() * (1 - 1 / copies)
+            total = total - torch.dot(grad[lo:hi], grad[lo:hi]) * (1 - 1 / copies)
         return total
 
     @torch.no_grad()
-    def _adamw(self, grad: torch.Tensor, lr: float) -> None:
+    def _adamw(self, grad: torch.Tensor, lr: float, factor: float = 1.0) -> None:
+        """AdamW with the gradient `factor` * grad (unscaled and clipped), one temporary buffer."""
         self.steps += 1
         beta1, beta2 = self.betas
-        self.exp_avg.lerp_(grad, 1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        self.exp_avg.mul_(beta1).add_(grad, alpha=(1 - beta1) * factor)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=(1 - beta2) * factor * factor)
         bias_correction1 = 1 - beta1**self.steps
         bias_correction2 = 1 - beta2**self.steps
-        denominator = (self.exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(self.eps)
+        denominator = self.exp_avg_sq.sqrt().div_(math.sqrt(bias_correction2)).add_(self.eps)
         for master, (lo, hi), decay in zip(self.master_pieces, self.bounds, self.piece_decay):
             if self.weight_decay:
                 for start, end in decay:
