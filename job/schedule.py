@@ -41,7 +41,6 @@ from job.schedule_actions import (
     GATHER_PHASES,
     KINDS,
     Action,
-    REDUCTIONS,
     AllReduceGrads,
     Backward,
     BackwardInput,
@@ -83,7 +82,7 @@ from job.schedule_check import (
 from job.schedule_comm import assemble, input_recv, output_send, slot_boundaries, timed_boundaries
 
 __all__ = [
-    "GATHER_PHASES", "KINDS", "REDUCTIONS", "Action", "AllReduceGrads", "Backward", "BackwardInput",
+    "GATHER_PHASES", "KINDS", "Action", "AllReduceGrads", "Backward", "BackwardInput",
     "BackwardWeight", "ChunkParams", "Compute", "Costs", "DataParallel", "DataParallelPlan", "Forward",
     "GatherParams", "OptimizerStep", "PointToPoint", "RecvActivation", "RecvGrad", "ReduceScatterGrads",
     "ReduceTiedGrad", "Schedule", "ScheduleConfig", "SendActivation", "SendGrad", "SyncEmbedding",

@@ -261,9 +261,6 @@ class OptimizerStep(DataParallel):
         return "OptimizerStep()"
 
 
-REDUCTIONS = (AllReduceGrads, ReduceScatterGrads, ReduceTiedGrad)
-
-
 def reduce_kind(zero_stage: int) -> type[DataParallel]:
     """ZeRO-0 all-reduces gradients; stages 1-3 only need their shard, so they reduce-scatter."""
     return AllReduceGrads if zero_stage == 0 else ReduceScatterGrads

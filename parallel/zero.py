@@ -30,10 +30,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from job.schedule_actions import REDUCTIONS, GatherParams
+from job.schedule_actions import AllReduceGrads, GatherParams, ReduceScatterGrads
 from parallel.comm import Collectives
 from precision.flat import Bucket, FlatParameters, gather_ranges
 
+BUCKET_REDUCTIONS = (AllReduceGrads, ReduceScatterGrads)
 MAX_IN_FLIGHT = 2  # stage 2's reduce-scatters allowed to overlap the backward at once (bounds staging memory)
 
 
@@ -113,7 +114,7 @@ class Replicated:
     def begin_compute(self, chunk: int, armed: list) -> None:
         """A compute of `chunk` starts; `armed`: the data-parallel actions listed around it."""
         self.pending = {b.index: len(b.params) for key, b in self.bucket_at.items() if key[0] == chunk}
-        self.armed = {(a.chunk, a.bucket): a for a in armed if isinstance(a, REDUCTIONS) and hasattr(a, "bucket")}
+        self.armed = {(a.chunk, a.bucket): a for a in armed if isinstance(a, BUCKET_REDUCTIONS)}
 
     def end_compute(self) -> None:
         self.armed = {}
@@ -137,7 +138,7 @@ class Replicated:
         if action in self.issued:
             return
         self.issued.add(action)
-        if isinstance(action, REDUCTIONS) and hasattr(action, "bucket"):
+        if isinstance(action, BUCKET_REDUCTIONS):
             self.launch(self.bucket_at[(action.chunk, action.bucket)])
         elif isinstance(action, GatherParams) and action.phase == "update":
             self.gather_update(self.bucket_at[(action.chunk, action.bucket)])

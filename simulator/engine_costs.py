@@ -91,8 +91,6 @@ class _Job:
     dp: int
     bucket_numel: int
     compute_bytes: int
-    reduce_bytes: int
-    tied_copy: bool  # a tied head on several stages
     serial: bool  # gloo on a CPU host: communication does not overlap compute
     overlap: Overlap
 
@@ -144,8 +142,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     implementation = implementation or Implementation(recompute=recompute)
     compute_bytes = FORMAT_BYTES[pol.compute]
     job = _Job(model, layout, links, schedule.zero_stage, layout.dp, bucket_numel(bucket_mb, compute_bytes),
-               compute_bytes, FORMAT_BYTES[pol.reduce], model.tied_head and layout.pp > 1,
-               host is not None and host.serial, overlap_settings or Overlap())
+               compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
     times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host)
     last_chunk = schedule.num_chunks - 1
     # The optimizer's one reduction of the squared gradient norm (precision/optimizer.py, parallel/build.py's

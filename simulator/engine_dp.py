@@ -14,7 +14,7 @@ model (one data-parallel stream, in issue order):
     all of a micro-batch's at its end; ZeRO 0/1 let them run past);
   - Overlap.dp "after": the armed reductions start only when the compute is done;
   - a data-parallel action on its own (a reduction no compute armed, the tied copy's
-    all-reduce, the update gathers) is priced at its turn by `alone`.
+    all-reduce, the update gathers) is priced at its turn by `seconds`.
 Prices of a compute depend only on its type, chunk and the armed actions' buckets, phases
 and kinds, so they are computed once per distinct combination.
 """
@@ -54,7 +54,7 @@ class ActionCost:
 
 
 class DataParallelPricer:
-    """One pipeline rank's data-parallel prices: `compute(action, armed)` and `alone(action)`."""
+    """One pipeline rank's data-parallel prices: `compute(action, armed)` and `seconds(action)`."""
 
     def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
                  dp_time: Callable[[str, float], float], settings: Overlap, serial: bool, plain: dict):
@@ -71,9 +71,6 @@ class DataParallelPricer:
         if calls not in self.timed:
             self.timed[calls] = sum(self.dp_time(kind, nbytes) for kind, nbytes in calls)
         return self.timed[calls]
-
-    def alone(self, action: Action) -> float:
-        return self.seconds(action)
 
     def compute(self, action, armed: tuple, comm_free: float = 0.0):
         """The cost of compute `action` with `armed` issued while it runs; the dp stream is busy

@@ -115,16 +115,3 @@ def ready_offsets(unit_tensors: Sequence[Sequence[Tensor]], unit_backward: Seque
             clock += unit_backward[unit_index] * unit[offset].numel / total
             done[index_of_first[unit_index] + offset] = clock
     return done
-
-
-def bucket_segments(spans: list[tuple[int, int, Bucket]], ready: list[float], backward: float,
-                    reduce_time) -> list[Segment]:
-    """A backward of `backward` seconds reducing each bucket once its first tensor's gradient (the last in) is done."""
-    segments, clock = [], 0.0
-    for first, _, bucket in sorted(spans, key=lambda span: ready[span[0]]):
-        at = min(ready[first], backward)
-        segments.append(Segment(compute=at - clock, reduce=reduce_time(bucket.size)))
-        clock = at
-    if backward > clock:
-        segments.append(Segment(compute=backward - clock))
-    return segments

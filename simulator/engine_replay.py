@@ -225,7 +225,7 @@ class _Replay:
                 events.append(("EmbeddingSync", clock, end))
                 clock = end
             elif kind is OptimizerStep:
-                ready = max(clock, dp_busy) + (pricer.alone(action) if pricer is not None else 0.0)
+                ready = max(clock, dp_busy) + (pricer.seconds(action) if pricer is not None else 0.0)
                 if ready > clock:
                     events.append(("GradReduce", clock, ready))
                 events.append((action, ready, ready + cost.optimizer))
@@ -235,13 +235,13 @@ class _Replay:
             elif action in issued or pricer is None:  # issued by the compute it is armed for
                 events.append((action, clock, clock))
             elif kind is ReduceTiedGrad:  # blocking, behind what the stream still carries
-                end = max(clock, dp_busy) + pricer.alone(action)
+                end = max(clock, dp_busy) + pricer.seconds(action)
                 events.append((action, clock, end))
                 dp += end - clock
                 clock = dp_busy = end
             else:  # issued at its turn and left running: a reduction no compute armed, the update gathers
                 start = max(computed if early and kind is not GatherParams else clock, dp_busy)
-                dp_busy = start + pricer.alone(action)
+                dp_busy = start + pricer.seconds(action)
                 events.append((action, start, dp_busy))
         if dp_busy > clock:  # the step ends when the update gathers have landed
             dp += dp_busy - clock
