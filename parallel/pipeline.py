@@ -149,7 +149,6 @@ class StepRecord:
 
     loss_sum: float = 0.0
     result: object = None  # the optimizer's StepResult (OptimizerStep)
-    skipped: bool = False
     # (name, kind, start, end) as the clock's stamps: StepClock.resolve turns them into seconds
     events: list[Event] = field(default_factory=list)
 
@@ -240,7 +239,8 @@ class PipelineExecutor:
 
     def run_data_parallel(self, group, step: StepData) -> str:
         action = group[0]
-        if isinstance(action, GatherParams) and action.phase == "update" and step.record.skipped:
+        skipped = getattr(step.record.result, "skipped", False)
+        if isinstance(action, GatherParams) and action.phase == "update" and skipped:
             return "dp"  # the optimizer skipped the step: the weights did not change
         self.data_parallel.issue(action)
         if step.index in self.closes:
@@ -258,7 +258,6 @@ class PipelineExecutor:
     def optimizer_step(self, group, step: StepData) -> str:
         if step.optimize is not None:
             step.record.result = step.optimize()
-            step.record.skipped = bool(getattr(step.record.result, "skipped", False))
         return "dp"  # waiting for the last reductions, then the update (as the simulator counts it)
 
     def run_forward(self, group, step: StepData) -> str:

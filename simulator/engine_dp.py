@@ -36,7 +36,8 @@ from job.schedule import (
     GatherParams,
     ReduceScatterGrads,
 )
-from simulator.engine_overlap import Segment, bucket_spans, overlap, ready_offsets
+from job.layout import bucket_members
+from simulator.engine_overlap import Segment, overlap, ready_offsets
 from simulator.memory import MAX_IN_FLIGHT
 from simulator.overlap import Overlap
 
@@ -60,8 +61,10 @@ class DataParallelPricer:
                  dp_time: Callable[[str, float], float], settings: Overlap, serial: bool, plain: dict):
         self.units, self.plan, self.zero = chunk_units, plan, zero
         self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
-        self.spans = {chunk: bucket_spans([t for u in units for t in u.tensors], bucket_numel, plan.dp)
-                      for chunk, units in chunk_units.items()} if zero < 3 else {}
+        # each bucket's first tensor (its last gradient in), cut as the plan's buckets (job/layout.py)
+        self.firsts = {chunk: [members.start for members, _ in
+                               bucket_members([t for u in units for t in u.tensors], bucket_numel, plan.dp)]
+                       for chunk, units in chunk_units.items()} if zero < 3 else {}
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
 
@@ -100,9 +103,9 @@ class DataParallelPricer:
         full = type(action) is Backward or action.chunk == 0  # chunk 0's weight gradient is its whole backward
         shares = [u.backward + u.backward_tp for u in units] if full else [u.weight for u in units]
         ready = ready_offsets([u.tensors for u in units], shares)
-        spans = self.spans[action.chunk]
+        firsts = self.firsts[action.chunk]
         segments, clock = [], 0.0
-        for at, bucket in sorted((ready[spans[b][0]], b) for b in reduced):
+        for at, bucket in sorted((ready[firsts[b]], b) for b in reduced):
             at = min(at, plain.total)
             segments.append(Segment(compute=at - clock, reduce=self.seconds(reduced[bucket])))
             clock = at

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from job.layout import Bucket, Tensor, buckets
+from job.layout import Tensor
 
 
 @dataclass(frozen=True)
@@ -81,22 +81,6 @@ def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end:
     if wait_at_end:
         clock = max(clock, comm)
     return Overlapped(end=clock, comm_end=max(clock, comm), compute=sum(s.compute for s in segments))
-
-
-def bucket_spans(tensors: Sequence[Tensor], bucket_numel: int, pad_to: int) -> list[tuple[int, int, Bucket]]:
-    """(first tensor index, last tensor index, bucket) of each bucket job/layout.py's `buckets` cuts."""
-    cut = buckets(tensors, bucket_numel, pad_to)
-    spans, first, offset, start, k = [], 0, 0, 0, 0
-    for index, tensor in enumerate(tensors):
-        offset += tensor.numel
-        if index == len(tensors) - 1 or offset - start >= bucket_numel:
-            spans.append((first, index, cut[k]))
-            end = -(-offset // pad_to) * pad_to
-            if end - start != cut[k].size:
-                raise RuntimeError("simulator/engine_overlap.py's bucket cut disagrees with job/layout.py")
-            offset = start = end
-            first, k = index + 1, k + 1
-    return spans
 
 
 def ready_offsets(unit_tensors: Sequence[Sequence[Tensor]], unit_backward: Sequence[float]) -> list[float]:
