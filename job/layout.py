@@ -51,7 +51,7 @@ class Layout:
 
     def check(self, model: GPTConfig) -> None:
         """Everything about this layout that the model's shape decides (the same checks as training)."""
-        check_tensor_parallel(model.n_heads, model.d_ff, model.seq_len, self.tp, self.sequence_parallel)
+        check_tensor_parallel(model, self.tp, self.sequence_parallel)
         chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
 
     def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:
@@ -73,31 +73,47 @@ def padded_vocab(model: GPTConfig, tp: int) -> int:
     return -(-model.vocab_size // tp) * tp
 
 
+def _norm(name: str, model: GPTConfig) -> list[Tensor]:
+    """A LayerNorm's gain and bias, or an RMSNorm's gain: replicated on every tensor-parallel rank."""
+    gain = [Tensor(f"{name}.weight", model.d_model, True)]
+    return gain + [Tensor(f"{name}.bias", model.d_model, True)] if model.norm == "layernorm" else gain
+
+
+def _linear(name: str, rows: int, columns: int, model: GPTConfig, tp: int, column_parallel: bool) -> list[Tensor]:
+    """A Linear's weight split over tp (by rows: column-parallel; by columns: row-parallel) and its bias
+    (split with the rows, or replicated and added after the sum)."""
+    weight = Tensor(f"{name}.weight", rows * columns // tp, False)
+    if not model.bias:
+        return [weight]
+    if column_parallel:
+        return [weight, Tensor(f"{name}.bias", rows // tp, False)]
+    bias = Tensor(f"{name}.bias", rows, True)
+    return [bias, weight] if tp > 1 else [weight, bias]  # a RowParallelLinear registers its bias first
+
+
 def block_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
     """One block's parameters on one rank, in named_parameters() order."""
     d, f = model.d_model, model.d_ff
-    proj = [Tensor("attn.proj.weight", d * d // tp, False), Tensor("attn.proj.bias", d, True)]
-    fc2 = [Tensor("mlp.fc2.weight", f * d // tp, False), Tensor("mlp.fc2.bias", d, True)]
-    if tp > 1:  # a RowParallelLinear registers its bias before its inner Linear's weight
-        proj, fc2 = proj[::-1], fc2[::-1]
     return [
-        Tensor("ln1.weight", d, True), Tensor("ln1.bias", d, True),
-        Tensor("attn.qkv.weight", 3 * d * d // tp, False), Tensor("attn.qkv.bias", 3 * d // tp, False),
-        *proj,
-        Tensor("ln2.weight", d, True), Tensor("ln2.bias", d, True),
-        Tensor("mlp.fc1.weight", d * f // tp, False), Tensor("mlp.fc1.bias", f // tp, False),
-        *fc2,
+        *_norm("ln1", model),
+        *_linear("attn.qkv", model.qkv_width, d, model, tp, True),
+        *_linear("attn.proj", d, d, model, tp, False),
+        *_norm("ln2", model),
+        *_linear("mlp.fc1", model.mlp_in_width, d, model, tp, True),
+        *_linear("mlp.fc2", d, f, model, tp, False),
     ]
 
 
 def embedding_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
-    return [Tensor("tok_emb.weight", padded_vocab(model, tp) // tp * model.d_model, False),
-            Tensor("pos_emb.weight", model.seq_len * model.d_model, True)]
+    tokens = [Tensor("tok_emb.weight", padded_vocab(model, tp) // tp * model.d_model, False)]
+    if model.positions == "learned":
+        tokens.append(Tensor("pos_emb.weight", model.seq_len * model.d_model, True))
+    return tokens
 
 
 def head_tensors(model: GPTConfig, tp: int, pp: int) -> list[Tensor]:
     """Final norm and head; a tied head is counted on the last stage only when it is not the first."""
-    norm = [Tensor("norm_f.weight", model.d_model, True), Tensor("norm_f.bias", model.d_model, True)]
+    norm = _norm("norm_f", model)
     if model.tied_head and pp == 1:
         return norm  # shares the embedding's Parameter, counted once
     return norm + [Tensor("head.weight", padded_vocab(model, tp) // tp * model.d_model, False)]

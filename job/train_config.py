@@ -25,15 +25,19 @@ def bucket_numel(bucket_mb: float, element_bytes: int) -> int:
 PRECISIONS = tuple(POLICIES)
 
 
-def check_tensor_parallel(n_heads: int, d_ff: int, seq_len: int, tp: int, sequence_parallel: bool) -> None:
+def check_tensor_parallel(model: GPTConfig, tp: int, sequence_parallel: bool) -> None:
     """Everything about a tensor-parallel layout that the shape decides."""
-    if n_heads % tp:
-        raise ConfigError(f"--tp {tp} does not divide the {n_heads} attention heads: choose a tp that divides them")
-    if d_ff % tp:
-        raise ConfigError(f"--tp {tp} does not divide the MLP width {d_ff}: choose a tp that divides it")
-    if sequence_parallel and seq_len % tp:
+    if model.n_heads % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {model.n_heads} attention heads: choose a tp that divides them")
+    if model.kv_heads % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {model.kv_heads} key/value heads: tensor parallelism splits "
+                          f"whole key/value heads across ranks (replicating them is not supported); choose a tp that "
+                          f"divides them")
+    if model.d_ff % tp:
+        raise ConfigError(f"--tp {tp} does not divide the MLP width {model.d_ff}: choose a tp that divides it")
+    if sequence_parallel and model.seq_len % tp:
         raise ConfigError(
-            f"sequence parallelism needs --tp {tp} to divide the sequence length {seq_len}: change one of them"
+            f"sequence parallelism needs --tp {tp} to divide the sequence length {model.seq_len}: change one of them"
         )
 
 
@@ -84,7 +88,7 @@ class TrainConfig:
             check_positive_int(name, value)
         for name in ("tp", "pp", "dp"):
             check_positive_int(f"--{name}", getattr(self, name))
-        check_tensor_parallel(self.model.n_heads, self.model.d_ff, self.model.seq_len, self.tp, self.sequence_parallel)
+        check_tensor_parallel(self.model, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):

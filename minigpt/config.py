@@ -24,11 +24,20 @@ from minigpt.errors import ConfigError
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 ATTENTION_KINDS = ("flash", "unfused")
+MLP_KINDS = ("gelu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+POSITION_KINDS = ("learned", "rope")
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """The shape of a GPT: everything needed to build it or to count it."""
+    """The shape of a GPT: everything needed to build it or to count it.
+
+    The defaults are a GPT-2-style block (LayerNorm, GELU MLP, learned positions, multi-head
+    attention, biases, tied head). A Llama-style block sets `norm="rmsnorm"`, `mlp="swiglu"`
+    (d_ff is then the width of each of its two input projections), `positions="rope"`,
+    `n_kv_heads` below `n_heads` (grouped-query attention), `bias=False`, `tied_head=False`.
+    """
 
     vocab_size: int = 256
     seq_len: int = 128
@@ -38,6 +47,12 @@ class GPTConfig:
     d_ff: int = 512
     tied_head: bool = True
     dropout: float = 0.0
+    n_kv_heads: int | None = None  # None: as many as n_heads (multi-head attention)
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    positions: str = "learned"
+    rope_theta: float = 10000.0
+    bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff"):
@@ -51,10 +66,52 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._check_llama_options()
+
+    def _check_llama_options(self) -> None:
+        kv = self.n_kv_heads
+        if kv is not None:
+            if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0:
+                raise ConfigError(f"n_kv_heads must be a positive integer, got {kv!r}")
+            if self.n_heads % kv:
+                raise ConfigError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}: grouped-query attention "
+                                  f"shares each key/value head among an equal number of query heads")
+        for name, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("positions", POSITION_KINDS)):
+            if getattr(self, name) not in kinds:
+                raise ConfigError(f"{name} must be one of {', '.join(kinds)}, got {getattr(self, name)!r}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary position embeddings need an even head width, got d_model/n_heads = "
+                              f"{self.d_model}/{self.n_heads} = {self.head_dim}: change d_model or n_heads")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
+                or not 1.0 < self.rope_theta < float("inf"):
+            raise ConfigError(f"rope_theta must be a number above 1, got {self.rope_theta!r}")
+        for name in ("tied_head", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when it is not set."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def qkv_width(self) -> int:
+        """Output features of the fused q, k, v projection: all query heads, then the key and value heads."""
+        return (self.n_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def mlp_in_width(self) -> int:
+        """Output features of the MLP's first Linear: d_ff, or 2 d_ff for SwiGLU (gate and up, fused)."""
+        return 2 * self.d_ff if self.mlp == "swiglu" else self.d_ff
+
+    @property
+    def norm_params(self) -> int:
+        """A LayerNorm has a gain and a bias per feature, an RMSNorm only the gain."""
+        return (2 if self.norm == "layernorm" else 1) * self.d_model
 
     def with_(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again)."""
@@ -67,20 +124,21 @@ class GPTConfig:
 
     def block_params(self) -> int:
         """Parameters of one transformer block (weights and biases)."""
-        d, f = self.d_model, self.d_ff
-        layer_norms = 2 * (2 * d)
-        attention = (d * 3 * d + 3 * d) + (d * d + d)  # qkv + output projection
-        mlp = (d * f + f) + (f * d + d)
-        return layer_norms + attention + mlp
+        d, f, bias = self.d_model, self.d_ff, int(self.bias)
+        norms = 2 * self.norm_params
+        attention = (d * self.qkv_width + bias * self.qkv_width) + (d * d + bias * d)  # qkv + output projection
+        mlp = (d * self.mlp_in_width + bias * self.mlp_in_width) + (f * d + bias * d)
+        return norms + attention + mlp
 
     def embedding_params(self) -> int:
-        """Token and position embeddings."""
-        return (self.vocab_size + self.seq_len) * self.d_model
+        """Token embeddings, and position embeddings when they are learned (RoPE has none)."""
+        positions = self.seq_len if self.positions == "learned" else 0
+        return (self.vocab_size + positions) * self.d_model
 
     def head_params(self) -> int:
-        """Final LayerNorm plus the LM head's own weight (zero extra when tied)."""
+        """Final norm plus the LM head's own weight (zero extra when tied)."""
         head = 0 if self.tied_head else self.vocab_size * self.d_model
-        return 2 * self.d_model + head
+        return self.norm_params + head
 
     def n_params(self) -> int:
         """Total trainable parameters, each counted once (a tied head is not counted twice)."""
@@ -98,13 +156,14 @@ class GPTConfig:
     # ------------------------------------------------------------------ FLOPs
 
     def attention_core_flops_per_token(self) -> int:
-        """q @ k^T and p @ v over the full s x s square, per token (one block)."""
+        """q @ k^T and p @ v over the full s x s square, per token (one block). Grouped-query
+        attention shares key/value heads but every query head still scores the whole sequence."""
         return 2 * 2 * self.seq_len * self.d_model
 
     def block_forward_flops_per_token(self) -> int:
         """Matmul FLOPs of one block's forward pass, per token."""
         d, f = self.d_model, self.d_ff
-        linears = 2 * (d * 3 * d + d * d + d * f + f * d)
+        linears = 2 * (d * self.qkv_width + d * d + d * self.mlp_in_width + f * d)
         return linears + self.attention_core_flops_per_token()
 
     def head_forward_flops_per_token(self) -> int:
@@ -142,32 +201,37 @@ class GPTConfig:
 
         Counted from what the block saves (see minigpt/model.py), with fused
         attention (no s x s matrix is kept):
-          LayerNorm inputs 2d, LayerNorm outputs feeding qkv and fc1 2d,
-          q, k, v 3d (views of one qkv tensor), attention output d (also the
+          norm inputs 2d, norm outputs feeding qkv and fc1 2d,
+          the fused qkv output (H + 2K) x head_dim (q, k and v are views of it; with RoPE the
+          rotated copy replaces it, the same size), attention output d (also the
           output projection's input: the fused kernel already writes it in
           (batch, seq, heads, head_dim) order, so no copy is made),
-          GELU input f and output f                       -> (8d + 2f) elements,
-          plus fp32 statistics: mean and 1/std of two LayerNorms (4 values)
-          and the attention log-sum-exp (one per head),
+          GELU input f and output f, or for SwiGLU the fused gate/up output 2f, silu(gate) f
+          and the product f,
+          plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
+          each of the two norms, and the attention log-sum-exp (one per query head),
           plus a 1-byte mask per element of each of the two residual dropouts
           when dropout > 0.
         With recompute="full" only the block's input (d elements) is kept; with
-        "selective" the attention core keeps nothing of its own (the log-sum-exp goes;
-        q, k, v and its output stay, saved by the matmuls around it).
+        "selective" the attention core (RoPE and the attention itself) keeps nothing of its
+        own: the log-sum-exp goes, the qkv output and the core's output stay, saved around it.
         """
         check_recompute(recompute)
         d, f = self.d_model, self.d_ff
         if recompute == "full":
             return dtype_bytes * d
-        tensors = dtype_bytes * (8 * d + 2 * f)
-        statistics = 4 * (4 + (0 if recompute == "selective" else self.n_heads))
+        mlp = 4 * f if self.mlp == "swiglu" else 2 * f
+        tensors = dtype_bytes * (4 * d + self.qkv_width + d + mlp)
+        norm_statistics = 2 * (2 if self.norm == "layernorm" else 1)
+        statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))
         dropout_masks = 2 * d if self.dropout > 0 else 0
         return tensors + statistics + dropout_masks
 
     def head_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Final LayerNorm input and output (2d) and its fp32 mean and 1/std (2), and the fp32
-        log-probabilities (V) kept by the loss."""
-        return dtype_bytes * 2 * self.d_model + 4 * (2 + self.vocab_size)
+        """Final norm input and output (2d) and its fp32 statistics (mean and 1/std, or 1/rms), and the
+        fp32 log-probabilities (V) kept by the loss."""
+        statistics = 2 if self.norm == "layernorm" else 1
+        return dtype_bytes * 2 * self.d_model + 4 * (statistics + self.vocab_size)
 
 
 def check_recompute(recompute: str) -> None:
@@ -180,9 +244,22 @@ def check_attention(attention: str) -> None:
         raise ConfigError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
 
 
+def llama(vocab_size: int, seq_len: int, n_layers: int, n_heads: int, n_kv_heads: int, d_model: int, d_ff: int,
+          rope_theta: float) -> GPTConfig:
+    """A Llama-style shape: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied head."""
+    return GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                     d_model=d_model, d_ff=d_ff, tied_head=False, mlp="swiglu", norm="rmsnorm", positions="rope",
+                     rope_theta=rope_theta, bias=False)
+
+
+LLAMA3_VOCAB = 128_256  # Llama 3's tokenizer (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.2)
+
 PRESETS: dict[str, GPTConfig] = {
     # About 0.8M parameters: trains on 2 CPU cores at a few steps per second.
     "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layers=4, n_heads=4, d_model=128, d_ff=512),
+    # The tiny shape made Llama-style: 2 key/value heads for 4 query heads, SwiGLU at 8/3 of the width
+    # rounded up to a multiple of 32 (Llama's rule), the same number of parameters within 10%.
+    "tiny-llama": llama(256, 128, 4, 4, 2, 128, 352, 10000.0),
     # About 10.7M parameters: the classic character-level Shakespeare model.
     "small": GPTConfig(vocab_size=256, seq_len=256, n_layers=6, n_heads=6, d_model=384, d_ff=1536),
     # GPT-2 small: 124,439,808 parameters with its 50,257-token vocabulary.
@@ -191,6 +268,12 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-175b": GPTConfig(
         vocab_size=50257, seq_len=2048, n_layers=96, n_heads=96, d_model=12288, d_ff=4 * 12288
     ),
+    # Llama 3 (Dubey et al. 2024, table 3): layers, width, FFN width, heads, key/value heads, RoPE base
+    # 500,000, pre-training sequence length 8,192. 8,030,261,248 / 70,553,706,496 / 405,853,388,800
+    # parameters, as the published checkpoints count them.
+    "llama3-8b": llama(LLAMA3_VOCAB, 8192, 32, 32, 8, 4096, 14336, 500000.0),
+    "llama3-70b": llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 8192, 28672, 500000.0),
+    "llama3-405b": llama(LLAMA3_VOCAB, 8192, 126, 128, 8, 16384, 53248, 500000.0),
 }
 
 
@@ -201,37 +284,20 @@ def preset(name: str) -> GPTConfig:
         raise ConfigError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}") from None
 
 
-def build_config(
-    name: str = "tiny",
-    *,
-    vocab_size: int | None = None,
-    seq_len: int | None = None,
-    n_layers: int | None = None,
-    n_heads: int | None = None,
-    d_model: int | None = None,
-    d_ff: int | None = None,
-    tied_head: bool | None = None,
-    dropout: float | None = None,
-) -> GPTConfig:
-    """A preset with any explicit dimensions overriding it.
+MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "tied_head",
+                "dropout", "mlp", "norm", "positions", "rope_theta", "bias")
+
+
+def build_config(name: str = "tiny", **overrides) -> GPTConfig:
+    """A preset with any explicit fields (MODEL_FIELDS) overriding it; None leaves the preset's value.
 
     Changing d_model without d_ff keeps the preset's ratio of MLP width to model width.
     """
+    unknown = set(overrides) - set(MODEL_FIELDS)
+    if unknown:
+        raise TypeError(f"build_config() got unknown fields {sorted(unknown)}")
     base = preset(name)
-    changes = {
-        key: value
-        for key, value in dict(
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            d_model=d_model,
-            d_ff=d_ff,
-            tied_head=tied_head,
-            dropout=dropout,
-        ).items()
-        if value is not None
-    }
+    changes = {key: value for key, value in overrides.items() if value is not None}
     if "d_model" in changes and "d_ff" not in changes:
         if isinstance(changes["d_model"], int):
             changes["d_ff"] = changes["d_model"] * base.d_ff // base.d_model

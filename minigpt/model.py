@@ -1,4 +1,7 @@
-"""A plain GPT: embeddings, pre-LayerNorm blocks, final norm, LM head, loss.
+"""A plain GPT: embeddings, pre-norm blocks, final norm, LM head, loss.
+
+GPT-2-style by default; the config's options make it Llama-style (RMSNorm, SwiGLU, rotary
+positions, grouped-query attention, no biases, untied head) with the same module names.
 
 No distributed code lives here. Parallelism is applied from outside
 (`parallel/`): tensor parallelism swaps modules (`qkv`, `proj`, `fc1`, `fc2`,
@@ -20,45 +23,159 @@ from torch import nn
 from minigpt.config import GPTConfig
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The format statistics and rotations are computed in: fp32, or wider when the input is."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * g (Zhang & Sennrich 2019): statistics in fp32, output in the input's format."""
+
+    def __init__(self, width: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Saves the input and one fp32 1/rms per row, as LayerNorm's kernel saves its input and statistics
+    (torch's own RMSNorm on CPU is composite and keeps fp32 copies of the whole input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        x32 = x.to(_wide(x.dtype))
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, inv_rms)
+        return (x32 * inv_rms * weight.to(x32.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, inv_rms = ctx.saved_tensors
+        x32, grad32 = x.to(inv_rms.dtype), grad.to(inv_rms.dtype)
+        normed = x32 * inv_rms
+        grad_weight = (grad32 * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        grad_normed = grad32 * weight.to(x32.dtype)
+        grad_x = inv_rms * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    return RMSNorm(config.d_model) if config.norm == "rmsnorm" else nn.LayerNorm(config.d_model)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, (seq, head_dim), in fp32; frequency i of the
+    first half pairs with i of the second half (the rotate-half convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """x (batch, seq, heads, head_dim) rotated by +angle (sign 1) or -angle (sign -1), in fp32."""
+    wide = x.to(_wide(x.dtype))
+    first, second = wide.chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
+    cos, sin = cos[:, None, :].to(wide.dtype), sin[:, None, :].to(wide.dtype)
+    return (wide * cos + sign * rotated_half * sin).to(x.dtype)
+
+
+class RotaryQK(torch.autograd.Function):
+    """Rotary position embeddings (Su et al. 2021) applied to the q and k heads of a fused qkv output.
+
+    Returns a new fused tensor (v copied) so that the attention's saved q, k and v are views of one
+    tensor of the qkv output's size, and saves nothing itself: its backward rotates back."""
+
+    @staticmethod
+    def forward(ctx, qkv, rotated_heads: int, head_dim: int, theta: float):
+        batch, seq, width = qkv.shape
+        cos, sin = rope_tables(seq, head_dim, theta, qkv.device)
+        ctx.tables, ctx.rotated, ctx.head_dim = (cos, sin), rotated_heads * head_dim, head_dim
+        out = qkv.clone()
+        qk = qkv[..., : ctx.rotated].view(batch, seq, rotated_heads, head_dim)
+        out[..., : ctx.rotated] = _rotate(qk, cos, sin, 1.0).view(batch, seq, -1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (cos, sin), batch, seq = ctx.tables, grad.shape[0], grad.shape[1]
+        out = grad.clone()
+        qk = grad[..., : ctx.rotated].reshape(batch, seq, -1, ctx.head_dim)
+        out[..., : ctx.rotated] = _rotate(qk, cos, sin, -1.0).view(batch, seq, -1)
+        return out, None, None, None
+
+
+class AttentionCore(nn.Module):
+    """From the fused qkv output to the heads' outputs: split, RoPE, causal attention.
+
+    Reads its head counts from the input's width: a column-sharded qkv carries fewer heads of each
+    kind, in the same ratio of query heads to key/value heads (`group`). The one module that
+    selective recomputation runs again (parallel/recompute.py)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
+        self.rope_theta = config.rope_theta if config.positions == "rope" else None
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = qkv.shape
+        kv_heads = width // (self.head_dim * (self.group + 2))
+        heads = kv_heads * self.group
+        if self.rope_theta is not None:
+            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta)
+        q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
+        # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim), views of the fused tensor
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)
+        return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = nn.Linear(config.d_model, config.qkv_width, bias=config.bias)
+        self.core = AttentionCore(config)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)
-        batch, seq, width = qkv.shape  # read from qkv: a sharded qkv may return other shapes than x
-        heads = width // (3 * self.head_dim)
-        # (batch, seq, 3, heads, head_dim) -> three tensors of (batch, heads, seq, head_dim)
-        q, k, v = qkv.view(batch, seq, 3, heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out = out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
-        return self.dropout(self.proj(out))
+        return self.dropout(self.proj(self.core(self.qkv(x))))
 
 
 class MLP(nn.Module):
+    """GELU(x W1) W2, or SwiGLU (Shazeer 2020): (silu(x Wg) * x Wu) W2 with Wg and Wu fused in fc1."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, config.d_ff)
-        self.act = nn.GELU(approximate="tanh")
-        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.swiglu = config.mlp == "swiglu"
+        self.fc1 = nn.Linear(config.d_model, config.mlp_in_width, bias=config.bias)
+        self.act = nn.SiLU() if self.swiglu else nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc2(self.act(self.fc1(x))))
+        hidden = self.fc1(x)
+        if self.swiglu:  # a column-sharded fc1 holds this rank's gate rows, then its up rows
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        else:
+            hidden = self.act(hidden)
+        return self.dropout(self.fc2(hidden))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.d_model)
+        self.ln1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln2 = nn.LayerNorm(config.d_model)
+        self.ln2 = make_norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,10 +195,10 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.positions == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm_f = nn.LayerNorm(config.d_model)
+        self.norm_f = make_norm(config)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tied_head:
             self.head.weight = self.tok_emb.weight
@@ -105,11 +222,15 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
         # A tied head shares the embedding matrix; both draw from N(0, 0.02).
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:  # rotary positions enter in the attention instead
+            x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        return self.drop(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm_f(x))

@@ -81,9 +81,11 @@ class Chunk(nn.Module):
             self.norm_f, self.head, self.loss = model.norm_f, model.head, model.loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
+        if self.first:  # GPT.embed, on this stage's modules
+            ids, x = x, self.tok_emb(x)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
+            x = self.drop(x)
         for block in self.blocks:
             x = block(x)
         if self.last:
@@ -92,7 +94,7 @@ class Chunk(nn.Module):
 
     def units(self) -> list[list[nn.Module]]:
         """ZeRO-3's gather units: the embeddings, each block, the norm and head."""
-        units = [[self.tok_emb, self.pos_emb]] if self.first else []
+        units = [[m for m in (self.tok_emb, self.pos_emb) if m is not None]] if self.first else []
         units += [[block] for block in self.blocks]
         return units + ([[self.norm_f, self.head]] if self.last else [])
 

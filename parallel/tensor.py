@@ -1,6 +1,7 @@
 """`parallelize`: the plain GPT of minigpt/model.py made tensor-parallel from outside.
 
-Modules are replaced, never edited: qkv and fc1 become column-parallel, proj and
+Modules are replaced, never edited: qkv and fc1 become column-parallel (each rank
+keeping whole query and key/value heads, and a SwiGLU's gate rows with their up rows), proj and
 fc2 row-parallel, the token embedding and the LM head vocabulary-parallel (the
 head keeps sharing the embedding's shard when tied), and the loss a
 vocabulary-parallel cross-entropy that never gathers the logits. Every shard is
@@ -32,12 +33,13 @@ def _replace_weight(inner: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     return inner
 
 
-def _shard_heads(tensor: torch.Tensor, heads: int, rank: int, size: int) -> torch.Tensor:
-    """Rows of a qkv weight (3*d, ...) or bias (3*d,) for this rank's heads of q, k and v."""
-    per_head = tensor.shape[0] // (3 * heads)
-    grouped = tensor.reshape(3, heads, per_head, *tensor.shape[1:])
-    local = heads // size
-    return grouped[:, rank * local : (rank + 1) * local].reshape(-1, *tensor.shape[1:]).clone()
+def _shard_sections(tensor: torch.Tensor | None, sections: list[int], rank: int, size: int) -> torch.Tensor | None:
+    """This rank's rows of each section of a fused weight or bias, the sections kept in order: for qkv
+    its query heads, then its key heads, then its value heads; for a SwiGLU fc1 its gate rows, then its
+    up rows. Section sizes are whole heads (or MLP rows) times `size`, so every rank gets whole heads."""
+    if tensor is None:
+        return None
+    return torch.cat([shard_rows(part, rank, size) for part in tensor.split(sections)])
 
 
 def _shard_columns(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -59,7 +61,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     """
     size, rank = comm.size, comm.rank
     config = model.config
-    check_tensor_parallel(config.n_heads, config.d_ff, config.seq_len, size, sequence_parallel)
+    check_tensor_parallel(config, size, sequence_parallel)
     if size == 1:
         return set()
     detached = {name: p.detach() for name, p in model.named_parameters()}
@@ -78,29 +80,30 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     if sequence_parallel:
         model.drop = SequenceSplit(model.drop, comm)
 
-    heads = config.n_heads
+    head_dim = config.head_dim
+    fused = {"qkv": [config.n_heads * head_dim, config.kv_heads * head_dim, config.kv_heads * head_dim],
+             "fc1": [config.d_ff] * (config.mlp_in_width // config.d_ff)}
     for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        qkv = attn.qkv
-        _replace_weight(qkv, _shard_heads(qkv.weight.detach(), heads, rank, size), _shard_heads(qkv.bias.detach(), heads, rank, size))
-        attn.qkv = ColumnParallelLinear(qkv, comm, sequence_parallel)
-        fc1 = mlp.fc1
-        _replace_weight(fc1, shard_rows(fc1.weight.detach(), rank, size), shard_rows(fc1.bias.detach(), rank, size))
-        mlp.fc1 = ColumnParallelLinear(fc1, comm, sequence_parallel)
-        for parent, name in ((attn, "proj"), (mlp, "fc2")):
+        for parent, name in ((block.attn, "qkv"), (block.mlp, "fc1")):
             inner = getattr(parent, name)
-            bias = nn.Parameter(inner.bias.detach().clone())
+            weight = _shard_sections(inner.weight.detach(), fused[name], rank, size)
+            bias = _shard_sections(None if inner.bias is None else inner.bias.detach(), fused[name], rank, size)
+            setattr(parent, name, ColumnParallelLinear(_replace_weight(inner, weight, bias), comm, sequence_parallel))
+        for parent, name in ((block.attn, "proj"), (block.mlp, "fc2")):
+            inner = getattr(parent, name)
+            bias = None if inner.bias is None else nn.Parameter(inner.bias.detach().clone())
             _replace_weight(inner, _shard_columns(inner.weight.detach(), rank, size), None)
             setattr(parent, name, RowParallelLinear(inner, bias, comm, sequence_parallel))
 
-    replicated = [model.pos_emb.weight, model.norm_f.weight, model.norm_f.bias]
+    sequence_pieces = list(model.norm_f.parameters())  # replicated and fed 1/T of the sequence under SP
     for block in model.blocks:
-        replicated += [block.ln1.weight, block.ln1.bias, block.ln2.weight, block.ln2.bias]
-        replicated += [block.attn.proj.bias, block.mlp.fc2.bias]
+        sequence_pieces += [*block.ln1.parameters(), *block.ln2.parameters()]
+        sequence_pieces += [b for b in (block.attn.proj.bias, block.mlp.fc2.bias) if b is not None]
     if sequence_parallel:
-        for param in replicated[1:]:  # all but the position embedding see 1/T of the sequence
+        for param in sequence_pieces:
             param.register_hook(lambda grad: _sum_over_group(grad, comm))
-    return {id(param) for param in replicated}
+    whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
+    return {id(param) for param in whole_sequence + sequence_pieces}
 
 
 def _sum_over_group(grad: torch.Tensor, comm: Collectives) -> torch.Tensor:

@@ -59,7 +59,8 @@ def units_of(model: nn.Module) -> list[tuple[int, list[nn.Module]]]:
     if hasattr(model, "units"):
         return model.units()
     return [(0, modules) for modules in
-            [[model.tok_emb, model.pos_emb], *[[block] for block in model.blocks], [model.norm_f, model.head]]]
+            [[m for m in (model.tok_emb, model.pos_emb) if m is not None], *[[block] for block in model.blocks],
+             [model.norm_f, model.head]]]
 
 
 class ShardedParameters:

@@ -16,28 +16,44 @@ SHAPES = [
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=2, d_model=48, d_ff=200, tied_head=False),
     PRESETS["tiny"],
     PRESETS["tiny"].with_(tied_head=False),
+    PRESETS["tiny-llama"],
+    # Llama-style pieces one at a time, and grouped-query attention with one key/value head
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=1, d_model=48, d_ff=40, mlp="swiglu"),
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=2, d_model=48, d_ff=64, norm="rmsnorm", bias=False),
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=6, n_kv_heads=3, d_model=48, d_ff=64, positions="rope"),
 ]
+LLAMA_SHAPES = SHAPES[6:]
 
 
 def numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
 
 
-@pytest.mark.parametrize("cfg", SHAPES, ids=lambda c: f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}")
+def shape_id(c: GPTConfig) -> str:
+    return f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}h{c.n_heads}k{c.kv_heads}{c.mlp}{c.norm}{c.positions}"
+
+
+@pytest.mark.parametrize("cfg", SHAPES, ids=shape_id)
 def test_parameter_count_equals_numel(cfg):
     model = GPT(cfg)
     assert cfg.n_params() == numel(model)
     assert cfg.block_params() == numel(model.blocks[0])
-    assert cfg.embedding_params() == numel(model.tok_emb) + numel(model.pos_emb)
+    positions = 0 if model.pos_emb is None else numel(model.pos_emb)
+    assert cfg.embedding_params() == numel(model.tok_emb) + positions
 
 
 def test_published_sizes():
     assert PRESETS["gpt2-124m"].n_params() == 124_439_808  # GPT-2 small, tied head
     assert 174e9 < PRESETS["gpt3-175b"].n_params() < 176e9
     assert 0.7e6 < PRESETS["tiny"].n_params() < 1.3e6
+    # Llama 3 as its published checkpoints count it (Dubey et al. 2024)
+    assert PRESETS["llama3-8b"].n_params() == 8_030_261_248
+    assert PRESETS["llama3-70b"].n_params() == 70_553_706_496
+    assert PRESETS["llama3-405b"].n_params() == 405_853_388_800
+    assert abs(PRESETS["tiny-llama"].n_params() / PRESETS["tiny"].n_params() - 1) < 0.1
 
 
-@pytest.mark.parametrize("cfg", SHAPES[2:4], ids=["tied", "untied"])
+@pytest.mark.parametrize("cfg", SHAPES[2:4] + LLAMA_SHAPES, ids=shape_id)
 def test_train_flops_match_counted_matmuls(cfg):
     model = GPT(cfg)
     batch = 2
@@ -71,7 +87,7 @@ def saved_bytes(fn, exclude: set[int]) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("cfg", SHAPES[2:], ids=lambda c: f"L{c.n_layers}d{c.d_model}")
+@pytest.mark.parametrize("cfg", SHAPES[2:], ids=shape_id)
 def test_activation_bytes_match_saved_tensors(cfg):
     model = GPT(cfg)
     batch = 3
@@ -109,3 +125,53 @@ def test_selective_recompute_and_flash_attention_flops():
     # selective recompute drops what the attention core alone keeps: its fp32 log-sum-exp (one per head)
     assert cfg.activation_bytes_per_token_per_layer(2) - cfg.activation_bytes_per_token_per_layer(2, "selective") == \
         4 * cfg.n_heads
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(n_heads=4, n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=4"),
+    (dict(n_heads=4, n_kv_heads=0), "n_kv_heads must be a positive integer"),
+    (dict(n_heads=8, d_model=24, positions="rope"), "even head width"),
+    (dict(mlp="relu"), "mlp must be one of gelu, swiglu"),
+    (dict(norm="batchnorm"), "norm must be one of"),
+    (dict(positions="alibi"), "positions must be one of"),
+    (dict(positions="rope", rope_theta=0.5), "rope_theta"),
+    (dict(bias="no"), "bias must be true or false"),
+])
+def test_llama_options_are_checked(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        GPTConfig(**fields)
+
+
+def test_rope_model_has_no_position_embedding_and_rotates_relative_positions():
+    """RoPE's scores depend on relative positions only: shifting every position leaves q . k alone."""
+    from minigpt.model import rope_tables, _rotate
+
+    cos, sin = rope_tables(12, 8, 10000.0, torch.device("cpu"))
+    q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    at = lambda t, pos: _rotate(t, cos[pos:pos + 1], sin[pos:pos + 1], 1.0)  # noqa: E731
+    assert torch.allclose((at(q, 7) * at(k, 3)).sum(), (at(q, 5) * at(k, 1)).sum())
+    assert not torch.allclose((at(q, 7) * at(k, 3)).sum(), (at(q, 7) * at(k, 4)).sum())
+    assert GPT(PRESETS["tiny-llama"]).pos_emb is None
+
+
+def test_rms_norm_matches_torch_and_its_gradients_check():
+    from minigpt.model import RMSNorm, RMSNormFunction
+
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: RMSNormFunction.apply(a, b, 1e-5), (x, weight))
+    ours, theirs = RMSNorm(16), torch.nn.RMSNorm(16, eps=1e-5)
+    x32 = torch.randn(4, 16)
+    assert torch.allclose(ours(x32), theirs(x32), atol=1e-6)
+
+
+def test_grouped_query_attention_equals_repeated_key_value_heads():
+    """GQA is multi-head attention whose key/value heads are each shared by `group` query heads."""
+    cfg = GPTConfig(vocab_size=97, seq_len=8, n_layers=1, n_heads=4, n_kv_heads=2, d_model=32, d_ff=64)
+    attn = GPT(cfg).blocks[0].attn
+    qkv = attn.qkv(torch.randn(2, 8, 32))
+    q, k, v = qkv.split([32, 16, 16], dim=-1)
+    repeat = lambda t: t.view(2, 8, 2, 1, 8).expand(2, 8, 2, 2, 8).reshape(2, 8, 32)  # noqa: E731
+    mha = GPTConfig(vocab_size=97, seq_len=8, n_layers=1, n_heads=4, d_model=32, d_ff=64)
+    full = GPT(mha).blocks[0].attn.core(torch.cat([q, repeat(k), repeat(v)], dim=-1))
+    assert torch.allclose(attn.core(qkv), full, atol=1e-6)
