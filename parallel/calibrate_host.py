@@ -72,6 +72,12 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+def unit_variants(config, ranks: int) -> list[tuple[int, bool]]:
+    """The (tp, sequence_parallel) pairs whose units are measured: calibrate_device.variants whose tp also divides
+    the key/value heads (parallel/tensor.py keeps whole kv heads on a rank)."""
+    return [(tp, sp) for tp, sp in variants(config, ranks) if config.kv_heads % tp == 0]
+
+
 def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[int, dict[str, list[float]]] | None:
     """{tp: {"block_forward": [s per micro-batch size], ...}}: rank 0 alone on one thread (on `device`)
     while every other rank waits in a barrier (and returns None)."""
@@ -80,7 +86,7 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[int
     config, units = preset(plan.model), {}
     torch.manual_seed(0)
     _barrier()
-    for tp, sp in variants(config, ranks) if rank == 0 else ():
+    for tp, sp in unit_variants(config, ranks) if rank == 0 else ():
         series = units[(tp, sp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
         model = piece_model(config, tp, sp, device)  # the same weights for every micro-batch size
         for piece in PIECES:
@@ -242,13 +248,20 @@ def collective_points(hosts: list[dict]) -> dict[tuple[str, int, int], list[list
     return series
 
 
+def unit_shape(config) -> dict:
+    """The shape a unit was measured on, as simulator/host.py keys it: the sizes and every option that changes
+    what a block computes (key/value heads, MLP, norm, positions, biases; a test checks the two agree)."""
+    return {"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
+            "vocab_size": config.vocab_size, "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm,
+            "positions": config.positions, "bias": config.bias}
+
+
 def build_measured(hosts: list[dict], plan, fit) -> dict:
     """The profile's "measured" object from every rank's measure_host() (rank 0 first); fit: fit_alpha_beta."""
     from minigpt.config import preset
 
     config, first = preset(plan.model), hosts[0]
-    units = [{"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
-              "vocab_size": config.vocab_size, "tp": tp, "sequence_parallel": sp, "dtype": UNITS_DTYPE,
+    units = [{**unit_shape(config), "tp": tp, "sequence_parallel": sp, "dtype": UNITS_DTYPE,
               "micro_batches": list(plan.micro_batches), **series}
              for (tp, sp), series in sorted(first["units"].items())]
     base = first["sharing"]["busy"][1]

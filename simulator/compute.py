@@ -44,7 +44,7 @@ from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
 from simulator.hardware import GPUSpec
-from job.layout import Layout, block_tensors
+from job.layout import Layout, block_tensors, head_tensors
 from simulator.op_types import RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient
 from simulator.ops import block_ops, embedding_ops, head_ops
 
@@ -167,7 +167,8 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
 
     Per block: without sequence parallelism 2 all-reduces of b*s*h forward (after proj, fc2)
     and 2 backward (before qkv, fc1); with it 2 all-gathers + 2 reduce-scatters each way, plus
-    a backward all-reduce of every replicated parameter's gradient (LayerNorms, proj/fc2 biases).
+    a backward all-reduce of every replicated parameter's gradient (parallel/tensor.py: the norms'
+    gains, a LayerNorm's biases, proj/fc2 biases when the shape has them; the final norm's on the last chunk).
     `sharded` (ops.py's sp_saved_input "sharded", Megatron's way): the backward all-gathers the
     saved input shard of every column-parallel Linear (qkv, fc1, the head) once more.
     """
@@ -196,8 +197,9 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
             forward.append(TPCollective("all_gather", width, 1))
         backward.append(TPCollective("reduce_scatter" if sp else "all_reduce", width, 1))
         forward.append(TPCollective("all_reduce", micro_batch_size * model.seq_len * LOSS_VALUE_BYTES, LOSS_ALL_REDUCES))
-        if sp:
-            backward += [TPCollective("all_reduce", model.d_model * FORMAT_BYTES[policy.grad], 2)]  # final LayerNorm
+        if sp:  # the final norm's gain (and a LayerNorm's bias): the head's replicated tensors
+            replicated = [t for t in head_tensors(model, layout.tp, layout.pp) if t.replicated]
+            backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], 1) for t in replicated]
     return forward, backward
 
 

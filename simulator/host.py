@@ -9,6 +9,7 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
       "cores": C,                  (on CUDA: the GPUs, one per rank)
       "device": "cpu" | "cuda",
       "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "sequence_parallel"?, "dtype"?,
+                 "kv_heads"?, "mlp"?, "norm"?, "positions"?, "bias"?,
                  "micro_batches": [b, ...],
                  "block_forward": [s, ...], "block_backward": [...],
                  "embedding_forward": [...], "embedding_backward": [...],
@@ -17,20 +18,26 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
       "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...]
     }
 
-- units: seconds of one tensor-parallel rank's share of a block, of the embedding and of
-  the final norm + head + loss, for one micro-batch of b sequences, measured by one rank
-  alone on one thread (the real tensor-parallel modules, their communication left out). Between measured b the time is interpolated linearly; beyond the
-  last, extended along the last segment. "dtype" is the number format they were measured in
+- units: seconds of one tensor-parallel rank's share of a block, of the embedding and of the
+  final norm + head + loss, for one micro-batch of b sequences, measured by one rank alone on
+  one thread (the real tensor-parallel modules, their communication left out). Between measured
+  b the time is interpolated linearly; beyond the last, extended along the last segment. A unit
+  is the shape it was measured on: its sizes and the shape's options (minigpt/config.py:
+  key/value heads, MLP kind, norm kind, positions, biases), so a Llama-style unit never prices a
+  GPT of the same sizes or the reverse. A unit written before the options were keys lacks them
+  and was a GPT-2-style block: as many key/value heads as heads, GELU, LayerNorm, learned
+  positions, biases (UNIT_SHAPE_DEFAULTS). "dtype" is the number format they were measured in
   (calibrate measures fp32; a unit without one was written before units carried it, and was
   fp32). Units are for simulations computing in that format only: `unit_times` with another
   dtype finds none, and the engine then prices the chunk with compute.py's roofline in the
   simulation's own format (the profile's measured per-format peak and efficiency table). Not a
   refusal: on a GPU profile that roofline rests on measured per-format GEMM rates, so a bf16
-  simulation (or `minigpt compare` of a bf16 run) with an fp32-calibrated profile stays possible,
-  and its result says the units were not used (host "units_measured": false). The sharing
-  slowdown and the collectives hold for any format (they time cores and bytes). This takes the
-  caller passing its format: engine_host.host_compute does not yet (dtype None: any format's
-  units, the behaviour before units carried one); it should pass the policy's compute format.
+  simulation (or `minigpt compare` of a bf16 run) with an fp32-calibrated profile stays
+  possible, and its result says the units were not used (host "units_measured": false). The
+  sharing slowdown and the collectives hold for any format (they time cores and bytes).
+  engine_host.host_compute passes the format (unit_format: fp32 on a CPU host, where 16-bit
+  compute is emulated with fp32 matmuls; the compute format on GPUs); dtype None finds any
+  format's units.
 - sharing: compute time of a rank when `ranks` ranks with `threads_per_rank` threads each
   compute at once, over that of one rank alone on one thread. Between measured rank
   counts (same threads) it is interpolated linearly; any other pair takes
@@ -50,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minigpt.config import GPTConfig
+from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, GPTConfig
 from minigpt.errors import ConfigError
 from simulator.efficiency import FLOP_FORMATS
 from simulator.json_file import BYTES, COUNT, SECONDS, finite_number
@@ -58,7 +65,11 @@ from simulator.json_file import BYTES, COUNT, SECONDS, finite_number
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
 UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
-UNIT_OPTIONAL = ("sequence_parallel", "dtype")
+# The shape's options, keys of a unit too; a unit without them predates them and measured a GPT-2-style block
+# (kv_heads None: as many as n_heads). Their values: minigpt/config.py's kinds.
+UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True}
+SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
+UNIT_OPTIONAL = ("sequence_parallel", "dtype", *UNIT_SHAPE_DEFAULTS)
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -74,11 +85,17 @@ def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> floa
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def unit_key(model: GPTConfig, tp: int) -> tuple:
+    """What a unit is measured on: UNIT_KEYS' sizes, then the shape's options (UNIT_SHAPE_DEFAULTS' order)."""
+    return (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp,
+            model.kv_heads, model.mlp, model.norm, model.positions, model.bias)
+
+
 @dataclass(frozen=True)
 class UnitTimes:
     """Measured seconds of the model's pieces on one tensor-parallel rank, by micro-batch size."""
 
-    key: tuple[int, ...]  # UNIT_KEYS
+    key: tuple  # unit_key: the sizes (UNIT_KEYS), then the shape's options
     micro_batches: tuple[int, ...]
     series: dict[str, tuple[float, ...]] = field(hash=False)
     sequence_parallel: bool = False
@@ -121,7 +138,7 @@ class MeasuredHost:
         """The measured pieces of this model at this tp (with sequence parallelism when measured so,
         else without) in the compute format `dtype`, or None when they were not measured so: never
         another format's times (None: any format, for callers that do not know theirs)."""
-        key = (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp)
+        key = unit_key(model, tp)
         same = [u for u in self.units if u.key == key and (dtype is None or u.dtype == dtype)]
         return next((u for u in same if u.sequence_parallel == sequence_parallel), same[0] if same else None)
 
@@ -178,6 +195,20 @@ def _positive(value: object, where: str, integer: bool = False, zero: bool = Fal
     return value
 
 
+def _shape_options(entry: dict, at: str, n_heads: int) -> tuple:
+    """A unit's shape options (UNIT_SHAPE_DEFAULTS' order), the defaults where it has none."""
+    options = {**UNIT_SHAPE_DEFAULTS, **{k: entry[k] for k in UNIT_SHAPE_DEFAULTS if k in entry}}
+    kv = n_heads if options["kv_heads"] is None else options["kv_heads"]
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or n_heads % kv:
+        raise ConfigError(f"{at}.kv_heads must be a positive integer dividing n_heads={n_heads}, got {kv!r}")
+    for name, kinds in SHAPE_KINDS.items():
+        if options[name] not in kinds:
+            raise ConfigError(f"{at}.{name} must be one of {', '.join(kinds)}, got {options[name]!r}")
+    if not isinstance(options["bias"], bool):
+        raise ConfigError(f"{at}.bias must be true or false, got {options['bias']!r}")
+    return kv, options["mlp"], options["norm"], options["positions"], options["bias"]
+
+
 def parse_measured_host(data: object, where: str) -> MeasuredHost:
     """Check a "measured" object (the schema above); every problem raises ConfigError naming the field."""
     where = f"{where}.measured"
@@ -201,6 +232,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))} "
                               f"(and optionally {', '.join(UNIT_OPTIONAL)})")
         key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True, high=BYTES[1])) for k in UNIT_KEYS)
+        key += _shape_options(entry, at, key[1])
         sp = entry.get("sequence_parallel", False)
         if not isinstance(sp, bool):
             raise ConfigError(f"{at}.sequence_parallel must be true or false, got {sp!r}")

@@ -146,7 +146,8 @@ class UnitShape:
     s: int
     d: int
     f: int
-    heads: int  # on this rank
+    heads: int  # query heads on this rank
+    kv_heads: int  # key/value heads on this rank (as many as `heads` without grouped-query attention)
     head_dim: int
     t: int
     rows: int  # b*s: the rows the Linears multiply
@@ -159,16 +160,33 @@ class UnitShape:
     dropout: bool
     sp: bool
     sharded: bool  # sequence parallelism saves the Linears' input shards (Megatron)
+    bias: bool = True  # the Linears have biases (GPT-2) or not (Llama)
+    norm_statistics: int = 2  # fp32 numbers a norm keeps per row: a LayerNorm's mean and 1/std, an RMSNorm's 1/rms
+    swiglu: bool = False  # the MLP is SwiGLU (fc1 holds the gate and up projections), else GELU
+    rope: bool = False  # rotary positions rotate q and k inside the attention core (no position embedding)
+
+    @property
+    def qkv_width(self) -> int:
+        """Columns of the fused q, k, v output on this rank: the query heads', then the key and value heads'."""
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def fc1_width(self) -> int:
+        """Columns of fc1's output on this rank: f/t, or 2f/t for SwiGLU (gate and up)."""
+        return (2 if self.swiglu else 1) * self.f // self.t
 
 
 def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy, impl: Implementation) -> UnitShape:
     t, rows = layout.tp, micro_batch * model.seq_len
     sp = layout.sequence_parallel and t > 1
     return UnitShape(b=micro_batch, s=model.seq_len, d=model.d_model, f=model.d_ff, heads=model.n_heads // t,
-                     head_dim=model.head_dim, t=t, rows=rows, residual_rows=rows // t if sp else rows,
-                     e=FORMAT_BYTES[policy.compute], grad=FORMAT_BYTES[policy.grad], compute=policy.compute,
+                     kv_heads=model.kv_heads // t, head_dim=model.head_dim, t=t, rows=rows,
+                     residual_rows=rows // t if sp else rows, e=FORMAT_BYTES[policy.compute],
+                     grad=FORMAT_BYTES[policy.grad], compute=policy.compute,
                      linear="fp8" if policy.fp8_linears else policy.compute, fp8=policy.fp8_linears,
-                     dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded")
+                     dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded",
+                     bias=model.bias, norm_statistics=2 if model.norm == "layernorm" else 1,
+                     swiglu=model.mlp == "swiglu", rope=model.positions == "rope")
 
 
 class Recorder:
@@ -182,6 +200,13 @@ class Recorder:
         self.forward: list[tuple[Op, str, tuple[str, ...]]] = []
         self.backward: list[Op] = []
         self.region = BLOCK
+        self.region_inputs: dict[str, list[str]] = {}
+
+    def enter(self, region: str, inputs: tuple[str, ...] = ()) -> None:
+        """Record the ops that follow in `region`; `inputs`: what it reads from before it, which a recompute of
+        the region keeps (parallel/recompute.py saves the attention core's input, the fused qkv output)."""
+        self.region = region
+        self.region_inputs.setdefault(region, []).extend(inputs)
 
     def tensor(self, name: str, nbytes: int, region: str | None = None, small: bool = False) -> str:
         self.size[name] = nbytes
@@ -212,7 +237,8 @@ class Recorder:
 
     def finish(self, recompute: str) -> OpList:
         """The unit, with recompute's rule (simulator/ops.py): a saved tensor is dropped when the op that makes it
-        and every op that saves it are recomputed; the recomputed ops open the backward."""
+        and every op that saves it are recomputed, and a recomputed region's inputs are kept; the recomputed ops
+        open the backward."""
         again = RECOMPUTED_REGIONS[recompute]
         savers: dict[str, list[str]] = {}
         for _, region, saves in self.forward:
@@ -222,6 +248,10 @@ class Recorder:
         for name, regions in savers.items():
             gone = self.made_in[name] in again and all(r in again for r in regions)
             (dropped if gone else kept).append(Saved(name, self.size[name], name in self.small))
+        for region in again:  # a recomputed region keeps its input, unless that is recomputed too or kept anyway
+            for name in self.region_inputs.get(region, ()):
+                if self.made_in[name] not in again and name not in savers:
+                    kept.append(Saved(name, self.size[name], name in self.small))
         rerun = tuple(replace(op, phase=RECOMPUTE) for op, region, _ in self.forward if region in again)
         return OpList(forward=tuple(op for op, _, _ in self.forward), backward=rerun + tuple(self.backward),
                       saved=tuple(kept), recomputed=tuple(dropped))

@@ -6,18 +6,21 @@ forward and backward as plain dataclasses (print them: `for op in ops.forward: p
   Gemm            a matmul (m x k) @ (k x n), `batch` times, in the format its tensor cores run
                   (the block's Linears in fp8 under the fp8 policy; attention and the head in the
                   compute format), with the HBM bytes of its operands and result;
-  MemoryOp        a memory-bound kernel (LayerNorm, bias add, GELU, softmax, dropout, residual
-                  add, casts, the loss) with the bytes it reads and writes;
+  MemoryOp        a memory-bound kernel (LayerNorm or RMSNorm, bias add, GELU or SwiGLU, rotary
+                  positions, softmax, dropout, residual add, casts, the loss) with the bytes it
+                  reads and writes;
   FusedAttention  FlashAttention: the attention matmuls in one kernel, with no s x s tensor in HBM.
 
 and `Saved`, the tensors the forward leaves for the backward. `embedding_ops` and `head_ops`
-do the same for the embeddings and for the final LayerNorm, the head and the loss.
-simulator/compute.py prices the ops, simulator/memory.py sums what they save.
+do the same for the embeddings and for the final norm, the head and the loss.
+simulator/compute.py prices the ops, simulator/memory.py sums what they save. The attention
+core (rotary positions, flash or unfused attention) is simulator/ops_attention.py's.
 
-Per rank, for b sequences of s tokens (B = b*s rows), width h = d, MLP width f, a heads, tp t:
-row counts of the element-wise work on the residual stream are B/t under sequence
-parallelism, B otherwise; everything between a column- and a row-parallel Linear is split
-over t (a/t heads, 3d/t, f/t columns). Each op reads its inputs from HBM once and writes its
+Per rank, for b sequences of s tokens (B = b*s rows), width h = d, MLP width f, a query heads,
+K key/value heads, tp t: row counts of the element-wise work on the residual stream are B/t
+under sequence parallelism, B otherwise; everything between a column- and a row-parallel
+Linear is split over t (a/t and K/t heads, (a + 2K) head_dim/t qkv columns, f/t or 2f/t fc1
+columns). Each op reads its inputs from HBM once and writes its
 outputs once. Kernels fused: FlashAttention; the scale, causal mask and softmax of unfused
 attention (one kernel, as Megatron's FusedScaleMaskSoftmax); nothing else: bias adds, dropout
 and residual adds are kernels of their own (our executor and Megatron fuse some bias adds into
@@ -42,11 +45,12 @@ Attention (`Implementation.attention`):
 
 Recompute (`Implementation.recompute`): "none"; "full": only the block input is saved, and
 the backward first runs the block's forward again; "selective" (Korthikanti et al. 2022): the
-attention core (scores, softmax, dropout, attention x values, and the merge of the heads) runs
-again in the backward and saves nothing: what it keeps is what the ops around it keep (q, k,
-v and its output). The rule, by construction: a saved tensor is dropped when the op that makes
-it is recomputed and every op that saves it is recomputed too; `recomputed` lists those, alive
-again while the block's backward runs.
+attention core (rotary positions, scores, softmax, dropout, attention x values, and the merge
+of the heads) runs again in the backward and saves nothing: what it keeps is its input (the
+fused q, k, v) and what the ops around it keep (its output). The rule, by construction: a
+saved tensor is dropped when the op that makes it is recomputed and every op that saves it is
+recomputed too, and a recomputed region keeps its input (Recorder.enter); `recomputed` lists
+those dropped, alive again while the block's backward runs.
 
 Sequence parallelism (`Implementation.sp_saved_input`): the column-parallel Linears (qkv, fc1,
 the head) multiply the all-gathered sequence. "gathered" (our executor, parallel/tensor_layers.py)
@@ -78,6 +82,22 @@ saved tensors, for unfused attention and dropout > 0, in bytes with h = d and f 
   (8 bytes per row each), and flash's fp32 log-sum-exp (4 bytes per row and head).
 With fp8 Linears the Linears save e4m3 copies of their inputs and weights instead
 (qkv.input_fp8, qkv.weight_fp8, ...), and flash still keeps the 16-bit output beside proj's copy.
+
+The shape's options (minigpt/config.py), each as minigpt/model.py computes it:
+  bias=False        no bias adds and no bias gradients: a Linear writes its output directly.
+  norm="rmsnorm"    one fp32 statistic per row (1/rms) instead of LayerNorm's two; the same bytes
+                    otherwise (its kernel reads the input, writes the output and the statistic).
+  mlp="swiglu"      fc1 is 2f/t wide (gate and up, fused); one kernel reads it and writes silu(gate)
+                    and the product silu(gate) * up (fc2's input), both f/t wide; saved: fc1's output,
+                    silu(gate) and the product (the fp8 fc2 its e4m3 copy instead). Its backward reads the
+                    product's gradient, fc1's output and silu(gate) and writes fc1's output gradient.
+  positions="rope"  no position embedding (no add, no gradient); the rotation is part of the
+                    attention core (ops_attention.py), saves nothing, and a selective recompute
+                    keeps the core's input, the unrotated qkv output, as parallel/recompute.py does.
+  n_kv_heads        grouped-query attention: qkv is (a + 2K) head_dim wide; the attention FLOPs are
+                    those of a query heads (ops_attention.py).
+These saved bytes equal config.activation_bytes_per_token_per_layer for every shape and
+recompute mode (simulator/memory.py checks it before every prediction).
 """
 
 from __future__ import annotations
@@ -86,9 +106,10 @@ from minigpt.config import GPTConfig
 from precision.policy import PrecisionPolicy
 from job.layout import Layout, padded_vocab
 from simulator.op_types import (
-    BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, FusedAttention, Gemm,
-    Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, gemm, op_rows,
+    BACKWARD, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, FusedAttention, Gemm,
+    Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
 )
+from simulator.ops_attention import core_backward, core_forward
 
 __all__ = ["SP_SAVED_INPUTS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved", "OpList", "Op",
            "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
@@ -97,8 +118,8 @@ __all__ = ["SP_SAVED_INPUTS", "Implementation", "Gemm", "MemoryOp", "FusedAttent
 # ---------------------------------------------------------------- Linear layers
 
 
-def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int) -> str:
-    """A Linear of `k` -> `n` columns on this rank over all rows: returns its output (before any bias).
+def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int, out: str) -> str:
+    """A Linear of `k` -> `n` columns on this rank over all rows, writing `out` (before any bias).
 
     `inp` is the 16-bit input it multiplies; `shard` the sequence shard that "sharded" saves instead."""
     sh = rec.shape
@@ -112,7 +133,7 @@ def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: in
         saves = (saved_input or f"{name}.input_fp8", f"{name}.weight_fp8")
     else:
         saves = (saved_input or inp,)
-    out = rec.tensor(f"{name}.matmul", sh.rows * n * sh.e)
+    rec.tensor(out, sh.rows * n * sh.e)
     rec.gemm(name, sh.rows, n, k, sh.linear, saves)
     return out
 
@@ -135,22 +156,55 @@ def _bias_add(rec: Recorder, name: str, inp: str, out: str, rows: int, n: int) -
     rec.mem(f"{name}.bias_add", (inp, bias), (out,))
 
 
+def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int, out: str) -> str:
+    """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one."""
+    sh = rec.shape
+    if not sh.bias:
+        return _linear_forward(rec, name, inp, shard, n, sh.d, out)
+    _bias_add(rec, name, _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul"), out, sh.rows, n)
+    return out
+
+
+def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
+    """A row-parallel Linear (proj, fc2) from `k` columns on this rank to d, summed over the group (all-reduced, or
+    reduce-scattered to the sequence shard), and its bias, added after the sum, when the shape has one."""
+    sh = rec.shape
+    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul")
+    total = rec.tensor(f"{name}.sum" if sh.bias else out, sh.residual_rows * sh.d * sh.e)
+    if sh.bias:
+        _bias_add(rec, name, total, out, sh.residual_rows, sh.d)
+    return out
+
+
+def _column_backward(rec: Recorder, name: str, n: int) -> None:
+    if rec.shape.bias:
+        _bias_backward(rec, name, rec.shape.rows, n)
+    _linear_backward(rec, name, n, rec.shape.d)
+
+
+def _row_backward(rec: Recorder, name: str, k: int) -> None:
+    if rec.shape.bias:
+        _bias_backward(rec, name, rec.shape.residual_rows, rec.shape.d)
+    _linear_backward(rec, name, rec.shape.d, k)
+
+
 def _bias_backward(rec: Recorder, name: str, rows: int, n: int) -> None:
     rec.back_mem(f"{name}.bias_grad", rows * n * rec.shape.e, n * rec.shape.grad)
 
 
-def _layernorm(rec: Recorder, name: str, inp: str, out: str) -> None:
+def _norm(rec: Recorder, name: str, inp: str, out: str) -> None:
+    """A LayerNorm or RMSNorm over the residual rows: saves its input and its fp32 statistics."""
     sh = rec.shape
     rows = sh.residual_rows
     rec.tensor(out, rows * sh.d * sh.e)
-    stats = rec.tensor(f"{name}.statistics", rows * 2 * FP32, small=True)
+    stats = rec.tensor(f"{name}.statistics", rows * sh.norm_statistics * FP32, small=True)
     rec.mem(name, (inp,), (out, stats), saves=(inp, stats))
 
 
-def _layernorm_backward(rec: Recorder, name: str) -> None:
+def _norm_backward(rec: Recorder, name: str) -> None:
     sh = rec.shape
     rows = sh.residual_rows
-    rec.back_mem(f"{name}.backward", 2 * rows * sh.d * sh.e + rows * 2 * FP32, rows * sh.d * sh.e)
+    rec.back_mem(f"{name}.backward", 2 * rows * sh.d * sh.e + rows * sh.norm_statistics * FP32, rows * sh.d * sh.e)
 
 
 def _residual_dropout(rec: Recorder, name: str, inp: str) -> str:
@@ -180,120 +234,70 @@ def _residual_backward(rec: Recorder, name: str) -> None:
 # ---------------------------------------------------------------- the block
 
 
-def _flash_forward(rec: Recorder) -> None:
-    sh = rec.shape
-    a, s, hd = sh.heads, sh.s, sh.head_dim
-    lse = rec.tensor("attention.logsumexp", sh.rows * a * FP32, small=True)
-    out = rec.tensor("attention.output", sh.rows * a * hd * sh.e)
-    gemms = (gemm("attention.scores", s, s, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
-             gemm("attention.values", s, hd, s, sh.compute, sh.e, sh.b * a, FORWARD, False))
-    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of("q_k_v"), rec.bytes_of(out, lse)),
-           saves=("q_k_v", out, lse))
-
-
-def _flash_backward(rec: Recorder) -> None:
-    """FlashAttention-2: D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs."""
-    sh = rec.shape
-    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
-    width = sh.rows * a * hd * e  # one of q, k, v, O, dO
-    rec.back_mem("attention.flash_backward_preprocess", 2 * width, sh.rows * a * FP32)
-    shapes = (("attention.scores_recomputed", s, s, hd), ("attention.grad_v", s, hd, s),
-              ("attention.grad_probs", s, s, hd), ("attention.grad_q", s, hd, s), ("attention.grad_k", s, hd, s))
-    gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
-    read = 4 * width + 2 * sh.rows * a * FP32  # q, k, v, dO; the log-sum-exp and D
-    rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, 3 * width, BACKWARD))
-
-
-def _unfused_forward(rec: Recorder) -> None:
-    sh = rec.shape
-    a, s, hd, batch = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads
-    square = batch * s * s  # elements of the s x s scores of this rank's heads
-    rec.tensor("attention.scores", square * sh.e)
-    rec.gemm("attention.scores", s, s, hd, sh.compute, ("q_k_v",), batch, linear=False)
-    probs = rec.tensor("attention.probs", square * sh.e)
-    rec.mem("attention.softmax", ("attention.scores",), (probs,), saves=(probs,))  # scale, causal mask, softmax
-    if sh.dropout:
-        dropped, mask = rec.tensor("attention.dropped", square * sh.e), rec.tensor("attention.mask", square * MASK)
-        rec.mem("attention.dropout", (probs,), (dropped, mask), saves=(mask,))
-        probs = dropped
-    heads = rec.tensor("attention.heads", sh.rows * a * hd * sh.e)
-    rec.gemm("attention.values", s, hd, s, sh.compute, (probs, "q_k_v"), batch, linear=False)
-    rec.tensor("attention.output", sh.rows * a * hd * sh.e)
-    rec.mem("attention.merge_heads", (heads,), ("attention.output",))  # (b*a, s, hd) -> (b*s, a*hd)
-
-
-def _unfused_backward(rec: Recorder) -> None:
-    sh = rec.shape
-    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
-    square, width = batch * s * s, sh.rows * a * hd * e
-    rec.back_mem("attention.merge_heads_backward", width, width)
-    rec.back_gemm("attention.grad_probs", s, s, hd, sh.compute, batch, linear=False)  # dP = dO v^T
-    rec.back_gemm("attention.grad_v", s, hd, s, sh.compute, batch, linear=False)  # dv = P^T dO
-    if sh.dropout:
-        rec.back_mem("attention.dropout_backward", square * (e + MASK), square * e)
-    rec.back_mem("attention.softmax_backward", 2 * square * e, square * e)
-    rec.back_gemm("attention.grad_q", s, hd, s, sh.compute, batch, linear=False)  # dq = dS k
-    rec.back_gemm("attention.grad_k", s, hd, s, sh.compute, batch, linear=False)  # dk = dS^T q
-
-
 def _attention_forward(rec: Recorder, attention: str) -> None:
     sh = rec.shape
-    dt = sh.heads * sh.head_dim
     x = rec.tensor("x", sh.residual_rows * sh.d * sh.e, OUTSIDE)
-    _layernorm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input")
+    _norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input")
     if sh.sp:
         rec.tensor("qkv.input", sh.rows * sh.d * sh.e)  # all-gathered along the sequence
-    out = _linear_forward(rec, "qkv", "qkv.input", "ln1.output", 3 * dt, sh.d)
-    _bias_add(rec, "qkv", out, "q_k_v", sh.rows, 3 * dt)
-    rec.region = CORE
-    (_flash_forward if attention == "flash" else _unfused_forward)(rec)
-    rec.region = BLOCK
-    _linear_forward(rec, "proj", "attention.output", None, sh.d, dt)
-    rec.tensor("proj.sum", sh.residual_rows * sh.d * sh.e)  # all-reduced, or reduce-scattered to the sequence shard
-    _bias_add(rec, "proj", "proj.sum", "attention.residual", sh.residual_rows, sh.d)
-    branch = _residual_dropout(rec, "attention", "attention.residual")
+    qkv = _column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
+    heads = core_forward(rec, attention, qkv)
+    branch = _residual_dropout(rec, "attention", _row_linear(rec, "proj", heads, sh.heads * sh.head_dim,
+                                                             "attention.residual"))
     rec.tensor("ln2.input", sh.residual_rows * sh.d * sh.e)
     rec.mem("attention.residual_add", (x, branch), ("ln2.input",))
 
 
-def _mlp_forward(rec: Recorder) -> None:
+def _activation(rec: Recorder, hidden: str) -> str:
+    """GELU of fc1's output, or SwiGLU of its gate and up halves: returns fc2's input."""
     sh = rec.shape
     ft = sh.f // sh.t
-    _layernorm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input")
+    if not sh.swiglu:
+        rec.tensor("gelu.output", sh.rows * ft * sh.e)
+        rec.mem("gelu", (hidden,), ("gelu.output",), saves=(hidden,))
+        return "gelu.output"
+    silu = rec.tensor("swiglu.silu", sh.rows * ft * sh.e)
+    out = rec.tensor("swiglu.output", sh.rows * ft * sh.e)
+    rec.mem("swiglu", (hidden,), (silu, out), saves=(hidden, silu))  # silu(gate) and silu(gate) * up
+    return out
+
+
+def _activation_backward(rec: Recorder) -> None:
+    sh = rec.shape
+    width = sh.rows * sh.f // sh.t * sh.e  # one f/t-wide tensor
+    if sh.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
+        rec.back_mem("swiglu_backward", 4 * width, 2 * width)
+    else:
+        rec.back_mem("gelu_backward", 2 * width, width)
+
+
+def _mlp_forward(rec: Recorder) -> None:
+    sh = rec.shape
+    _norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input")
     if sh.sp:
         rec.tensor("fc1.input", sh.rows * sh.d * sh.e)
-    out = _linear_forward(rec, "fc1", "fc1.input", "ln2.output", ft, sh.d)
-    _bias_add(rec, "fc1", out, "fc1.output", sh.rows, ft)
-    rec.tensor("gelu.output", sh.rows * ft * sh.e)
-    rec.mem("gelu", ("fc1.output",), ("gelu.output",), saves=("fc1.output",))
-    _linear_forward(rec, "fc2", "gelu.output", None, sh.d, ft)
-    rec.tensor("fc2.sum", sh.residual_rows * sh.d * sh.e)
-    _bias_add(rec, "fc2", "fc2.sum", "mlp.residual", sh.residual_rows, sh.d)
-    branch = _residual_dropout(rec, "mlp", "mlp.residual")
+    hidden = _column_linear(rec, "fc1", "fc1.input", "ln2.output", sh.fc1_width, "fc1.output")
+    branch = _residual_dropout(rec, "mlp", _row_linear(rec, "fc2", _activation(rec, hidden), sh.f // sh.t,
+                                                       "mlp.residual"))
     rec.tensor("y", sh.residual_rows * sh.d * sh.e)
     rec.mem("mlp.residual_add", ("ln2.input", branch), ("y",))
 
 
 def _block_backward(rec: Recorder, attention: str) -> None:
     sh = rec.shape
-    R, dt, ft = sh.residual_rows, sh.heads * sh.head_dim, sh.f // sh.t
     if sh.dropout:
-        _dropout_backward(rec, "mlp.residual_dropout", R, sh.d)
-    _bias_backward(rec, "fc2", R, sh.d)
-    _linear_backward(rec, "fc2", sh.d, ft)
-    rec.back_mem("gelu_backward", 2 * sh.rows * ft * sh.e, sh.rows * ft * sh.e)
-    _bias_backward(rec, "fc1", sh.rows, ft)
-    _linear_backward(rec, "fc1", ft, sh.d)
-    _layernorm_backward(rec, "ln2")
+        _dropout_backward(rec, "mlp.residual_dropout", sh.residual_rows, sh.d)
+    _row_backward(rec, "fc2", sh.f // sh.t)
+    _activation_backward(rec)
+    _column_backward(rec, "fc1", sh.fc1_width)
+    _norm_backward(rec, "ln2")
     _residual_backward(rec, "mlp")
     if sh.dropout:
-        _dropout_backward(rec, "attention.residual_dropout", R, sh.d)
-    _bias_backward(rec, "proj", R, sh.d)
-    _linear_backward(rec, "proj", sh.d, dt)
-    (_flash_backward if attention == "flash" else _unfused_backward)(rec)
-    _bias_backward(rec, "qkv", sh.rows, 3 * dt)
-    _linear_backward(rec, "qkv", 3 * dt, sh.d)
-    _layernorm_backward(rec, "ln1")
+        _dropout_backward(rec, "attention.residual_dropout", sh.residual_rows, sh.d)
+    _row_backward(rec, "proj", sh.heads * sh.head_dim)
+    core_backward(rec, attention)
+    _column_backward(rec, "qkv", sh.qkv_width)
+    _norm_backward(rec, "ln1")
     _residual_backward(rec, "attention")
 
 
@@ -312,30 +316,33 @@ def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precis
 
 def embedding_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
                   implementation: Implementation = Implementation()) -> OpList:
-    """Token lookup (this rank's share of the vocabulary), position add, dropout; their backward."""
+    """Token lookup (this rank's share of the vocabulary), the learned positions' add, dropout; their backward.
+    Rotary positions enter in the attention instead: no add, no position gradient."""
     sh = unit_shape(model, micro_batch, layout, policy, implementation)
     rec = Recorder(sh)
     rows = sh.rows * sh.d * sh.e
     rec.op(MemoryOp("embedding.lookup", rows, rows))  # the rows of the table read, written out
     rec.tensor("embedding.output", rows)
-    rec.op(MemoryOp("embedding.position_add", rows + sh.s * sh.d * sh.e, rows))
+    if not sh.rope:
+        rec.op(MemoryOp("embedding.position_add", rows + sh.s * sh.d * sh.e, rows))
     if sh.dropout:
         mask = rec.tensor("embedding.mask", sh.rows * sh.d * MASK)
         rec.mem("embedding.dropout", ("embedding.output",), ("embedding.output", mask), saves=(mask,))
         _dropout_backward(rec, "embedding.dropout", sh.rows, sh.d)
-    rec.back_mem("embedding.position_grad", rows, sh.s * sh.d * sh.grad)
+    if not sh.rope:
+        rec.back_mem("embedding.position_grad", rows, sh.s * sh.d * sh.grad)
     rec.back_mem("embedding.lookup_grad", rows, sh.rows * sh.d * sh.grad)  # into the rows the tokens touched
     return rec.finish("none")
 
 
 def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
              implementation: Implementation = Implementation()) -> OpList:
-    """Final LayerNorm, the head over this rank's share of the padded vocabulary (16-bit under fp8), the loss."""
+    """Final norm, the head over this rank's share of the padded vocabulary (16-bit under fp8), the loss."""
     sh = unit_shape(model, micro_batch, layout, policy, implementation)
     rec = Recorder(sh)
     vocab = padded_vocab(model, sh.t) // sh.t
     final = rec.tensor("final_norm.input", sh.residual_rows * sh.d * sh.e, OUTSIDE)
-    _layernorm(rec, "final_norm", final, "final_norm.output" if sh.sp else "head.input")
+    _norm(rec, "final_norm", final, "final_norm.output" if sh.sp else "head.input")
     if sh.sp:
         rec.tensor("head.input", sh.rows * sh.d * sh.e)
     rec.tensor("head.logits", sh.rows * vocab * sh.e)
@@ -348,5 +355,5 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     rec.back_gemm("head.input_grad", sh.rows, sh.d, vocab, sh.compute)
     rec.back_gemm("head.weight_grad", vocab, sh.d, sh.rows, sh.compute)
     rec.back_mem("head.grad_accumulate", 2 * vocab * sh.d * sh.grad, vocab * sh.d * sh.grad)
-    _layernorm_backward(rec, "final_norm")
+    _norm_backward(rec, "final_norm")
     return rec.finish("none")

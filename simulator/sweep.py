@@ -102,7 +102,7 @@ def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: i
     model, out = job.model, []
     per_server = min(n_gpus, gpus_per_node)  # a tp group must sit inside one server
     for t in [tp] if tp else [t for t in range(1, per_server + 1) if n_gpus % t == 0 and per_server % t == 0]:
-        if model.n_heads % t or model.d_ff % t or (job.sequence_parallel and model.seq_len % t):
+        if model.n_heads % t or model.kv_heads % t or model.d_ff % t or (job.sequence_parallel and model.seq_len % t):
             continue
         for p in [pp] if pp else [p for p in range(1, n_gpus // t + 1) if (n_gpus // t) % p == 0]:
             if (n_gpus // t) % p or p * job.virtual_chunks > model.n_layers:

@@ -9,7 +9,7 @@ import torch
 from minigpt.config import preset
 from parallel.calibrate import fit_alpha_beta, make_plan
 from parallel.calibrate_device import AloneCollectives, piece_model, piece_step, tp_sizes, variants
-from parallel.calibrate_host import build_measured, collective_points, group_pairs, powers_up_to
+from parallel.calibrate_host import build_measured, collective_points, group_pairs, powers_up_to, unit_variants
 
 
 def test_the_loads_and_group_sizes():
@@ -75,6 +75,26 @@ def test_the_measured_field_is_assembled_from_every_rank():
         ("all_reduce", 2, 2), ("p2p", 2, 2), ("all_reduce", 4, 4)]
     for fit in measured["collectives"]:
         assert fit["alpha"] >= 0 and fit["beta"] > 0
+
+
+def test_units_carry_the_shape_the_simulator_keys_them_by():
+    """build_measured writes every option simulator/host.py keys a unit by: a tiny-llama profile prices tiny-llama
+    and never the tiny GPT of the same width, and the reverse; tp must divide the kv heads to be measured."""
+    from simulator.host import parse_measured_host
+
+    assert unit_variants(preset("tiny-llama"), 8) == [(1, False), (2, False), (2, True)]  # 2 kv heads: no tp 4
+    assert unit_variants(preset("tiny"), 8) == variants(preset("tiny"), 8)
+    series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
+    for name, other in (("tiny-llama", "tiny"), ("tiny", "tiny-llama")):
+        plan = make_plan(2, quick=True, model=name)
+        measured = build_measured([host(0, {(1, False): series, (2, True): series}, {1: 0.01})], plan, fit_alpha_beta)
+        config = preset(name)
+        assert {k: measured["units"][0][k] for k in ("kv_heads", "mlp", "norm", "positions", "bias")} == {
+            "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm, "positions": config.positions,
+            "bias": config.bias}
+        parsed = parse_measured_host(measured, "profile")
+        assert parsed.unit_times(config, 1) is not None and parsed.unit_times(config, 2, True).sequence_parallel
+        assert parsed.unit_times(preset(other), 1) is None
 
 
 # ---------------------------------------------------------------- the device (CPU here; CUDA's branches faked)

@@ -6,7 +6,7 @@ import pytest
 
 from minigpt.config import GPTConfig, preset
 from minigpt.errors import ConfigError
-from precision.policy import policy
+from precision.policy import FORMAT_BYTES, policy
 from simulator.achieved import Achieved
 from simulator.compute import (
     FALLBACK_CURVE,
@@ -172,6 +172,29 @@ def test_tensor_parallel_collective_bytes():
     loss = 3 * b * GPT2.seq_len * 4  # max, sum of exponentials, target logit: fp32 per token
     assert ends.tp_comm_bytes_forward == plain.tp_comm_bytes_forward + width + loss  # + the embedding's all-reduce
     assert ends.tp_comm_bytes_backward == plain.tp_comm_bytes_backward + width  # + the head's input gradient
+
+
+def test_sequence_parallel_sums_the_gradients_of_the_replicated_norms_and_biases():
+    """parallel/tensor.py all-reduces every replicated parameter fed a piece of the sequence: a Llama shape has
+    only its RMSNorm gains (two a block, the final norm's), a GPT its LayerNorms' gains and biases, proj's and fc2's."""
+    b, layers = 2, 3
+    grad = FORMAT_BYTES[policy("bf16").grad]
+    for model, per_block, final in ((preset("tiny-llama"), 2, 1), (TINY, 6, 2)):
+        width = b * model.seq_len * model.d_model * 2
+        layout = Layout(tp=2, sequence_parallel=True)
+        blocks = chunk_times(model, layers, b, layout, A100, "bf16")
+        assert blocks.tp_comm_bytes_backward == 4 * width * layers + layers * per_block * model.d_model * grad
+        last = chunk_times(model, layers, b, layout, A100, "bf16", last=True)
+        assert last.tp_comm_bytes_backward == blocks.tp_comm_bytes_backward + width + final * model.d_model * grad
+
+
+def test_a_llama_chunk_holds_the_config_flops():
+    model = preset("llama3-8b")
+    whole = chunk_times(model, model.n_layers, 1, Layout(tp=8, sequence_parallel=True), A100, "bf16", first=True,
+                        last=True)
+    assert whole.forward_flops * 8 == model.forward_flops_per_token() * model.seq_len
+    assert whole.backward_flops * 8 == (model.train_flops_per_token(attention="flash")
+                                        - model.forward_flops_per_token()) * model.seq_len
 
 
 def test_step_flops_and_mfu():

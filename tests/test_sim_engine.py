@@ -208,6 +208,43 @@ def test_one_trillion_parameters_on_3072_gpus_simulates_in_seconds():
     assert 0.2 < result.mfu < 1 and result.fits
 
 
+def test_llama3_70b_on_256_h100s_by_hand():
+    """tp 8 x pp 4 x dp 8 (`minigpt simulate --model llama3-70b --tp 8 --pp 4 --dp 8 --gpu h100-sxm`): model states
+    and activations by hand from the shape; with sequence parallelism and 32 micro-batches a replica, an MFU inside
+    the 30-50% that published runs of this class reach (Llama 3 405B: 38-43%, Dubey et al. 2024, table 4): a
+    validation, not an input."""
+    model, hardware = preset("llama3-70b"), load_hardware("h100-sxm")
+    cluster = build_cluster(hardware, 8, 32)
+    d, f, t, s = model.d_model, model.d_ff, 8, model.seq_len
+    block = 2 * d + (d * model.qkv_width + d * d + 2 * d * f + f * d) // t  # RMSNorm gains, no biases
+    first = 20 * block + model.vocab_size * d // t  # 20 blocks and the token embedding (no position embedding)
+    # bf16 per token and block: x and ln2's input (2d), the inputs of qkv and fc1 (2d), the rotated qkv, the attention
+    # output and SwiGLU's 4f split by t; fp32: one 1/rms per row for each norm, a log-sum-exp per query head
+    split = model.qkv_width // t + d // t + 4 * f // t
+
+    def per_token(sp: bool) -> int:
+        return 2 * (2 * d // (t if sp else 1) + 2 * d + split) + 4 * 2 // (t if sp else 1) + 4 * model.n_heads // t
+
+    for sp, global_batch, fits in ((False, 32, False), (True, 256, True)):
+        result = simulate_step(model, Layout(tp=8, pp=4, dp=8, sequence_parallel=sp), cluster, "bf16", global_batch, 1,
+                               gpu=hardware)
+        stage = result.memory.per_stage[0]
+        assert stage.numel == first and stage.model_states == pytest.approx(16 * first, rel=1e-6)  # 2+2+4+4+4 bytes
+        assert stage.activations == 4 * 20 * per_token(sp) * s  # 1F1B: the first stage holds 4 forwards
+        assert result.fits is fits and result.memory.stage == 0
+    assert 0.30 < result.mfu < 0.50 and result.micro_batches == 32
+
+
+def test_a_sweep_tries_only_tensor_parallel_sizes_that_divide_the_kv_heads():
+    from simulator.sweep import candidate_layouts
+
+    llama = preset("tiny-llama")  # 4 heads, 2 key/value heads
+    tps = {layout.tp for layout in candidate_layouts(Job(llama, global_batch=8), 8, 8, 8)}
+    assert tps == {1, 2}
+    every_head = Job(llama.with_(n_kv_heads=4), global_batch=8)
+    assert {layout.tp for layout in candidate_layouts(every_head, 8, 8, 8)} == {1, 2, 4}
+
+
 def test_trace_has_one_track_per_stage_and_the_schedule_names(tmp_path):
     cluster = build_cluster("a100-80gb", 8, 2, "hdr")
     result = simulate_step(SMALL, Layout(tp=2, pp=4, dp=2, zero=1), cluster, "bf16", 16, 1, "interleaved", 2)

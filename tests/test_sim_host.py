@@ -198,3 +198,38 @@ def test_a_simulation_uses_units_of_the_format_it_computes_in(hardware, tmp_path
     gpu = load_hardware(str(path))
     assert step(gpu, "fp32").host["units_measured"]
     assert not step(gpu, "bf16").host["units_measured"]  # the roofline in bf16 instead of fp32 times
+
+
+def test_a_unit_is_the_shape_it_was_measured_on(hardware, tmp_path):
+    """The shape's options are keys: a tiny-llama unit never prices the tiny GPT or the reverse; a unit without
+    them (written before they were keys, as MEASURED's) was a GPT-2-style block."""
+    llama = preset("tiny-llama")
+    host = hardware.gpu.measured
+    assert host.unit_times(TINY, 1) is not None and host.unit_times(llama, 1) is None
+    assert host.unit_times(TINY.with_(n_kv_heads=2), 1) is None and host.unit_times(TINY.with_(bias=False), 1) is None
+    data = copy.deepcopy(hardware_to_dict(hardware))
+    gpu = next(iter(data["gpus"].values()))
+    options = {"kv_heads": 2, "mlp": "swiglu", "norm": "rmsnorm", "positions": "rope", "bias": False}
+    shaped = dict(unit(1), d_ff=llama.d_ff, **options)
+    explicit_gpt = dict(unit(2), kv_heads=4, mlp="gelu", norm="layernorm", positions="learned", bias=True)
+    gpu["measured"]["units"] = [shaped, explicit_gpt]
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(data))
+    measured = load_hardware(str(path)).gpu.measured
+    assert measured.unit_times(llama, 1).series == measured.units[0].series
+    assert measured.unit_times(TINY, 1) is None and measured.unit_times(llama.with_(d_ff=TINY.d_ff), 1) is None
+    assert measured.unit_times(TINY, 2) is measured.units[1]  # the defaults, written out, are the same GPT
+    for change in options:  # one option off: another shape
+        other = dict(shaped, **{change: {"kv_heads": 4, "mlp": "gelu", "norm": "layernorm", "positions": "learned",
+                                         "bias": True}[change]})
+        gpu["measured"]["units"] = [other]
+        path.write_text(json.dumps(data))
+        assert load_hardware(str(path)).gpu.measured.unit_times(llama, 1) is None, change
+    for breakage, words in ((dict(kv_heads=3), "kv_heads must be a positive integer dividing n_heads=4"),
+                            (dict(kv_heads=True), "kv_heads must be"), (dict(mlp="relu"), "mlp must be one of"),
+                            (dict(norm="batchnorm"), "norm must be one of"),
+                            (dict(positions="alibi"), "positions must"), (dict(bias="no"), "bias must be true or false")):
+        gpu["measured"]["units"] = [dict(shaped, **breakage)]
+        path.write_text(json.dumps(data))
+        with pytest.raises(ConfigError, match=re.escape(f"units[0].{words}")):
+            load_hardware(str(path))

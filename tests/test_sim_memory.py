@@ -14,6 +14,7 @@ from job.layout import Layout, stage_units
 from simulator.memory import MAX_IN_FLIGHT, layer_activation_bytes, predict_memory
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
+TINY_LLAMA = preset("tiny-llama").with_(seq_len=32, n_layers=2)  # 4 heads, 2 kv heads, SwiGLU 352, no biases, untied
 ROLES = {"parameters": "compute", "gradients": "grad", "master_weights": "master", "adam_m": "adam_m", "adam_v": "adam_v"}
 
 
@@ -42,6 +43,25 @@ def test_parameters_per_rank_by_hand(model, tp):
         assert by_hand(model, 1) == model.n_params()
 
 
+def by_hand_llama(model: GPTConfig, tp: int) -> int:
+    """The same for a Llama shape: RMSNorm gains, no biases, qkv (a + 2K) head_dim wide, fc1 2f wide, no position
+    embedding, an untied head with its own padded vocabulary."""
+    d, f, hd = model.d_model, model.d_ff, model.head_dim
+    vocab = -(-model.vocab_size // tp) * tp
+    block = 2 * d + d * (model.n_heads + 2 * model.kv_heads) * hd // tp + d * d // tp + d * 2 * f // tp + f * d // tp
+    return vocab // tp * d + model.n_layers * block + d + vocab // tp * d
+
+
+@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_LLAMA.with_(vocab_size=259)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_parameters_per_rank_by_hand(model, tp):
+    estimate = predict_memory(model, Layout(tp=tp), "fp32", 1)
+    held = by_hand_llama(model, tp)
+    assert estimate.parameters == 4 * held and estimate.per_stage[0].numel == held
+    if tp == 1:
+        assert by_hand_llama(model, 1) == model.n_params()
+
+
 def test_parameters_and_buckets_match_torch():
     """The real modules, made tensor-parallel (parallelize reads only size and rank while it builds) and flattened."""
     from minigpt.model import GPT
@@ -52,8 +72,8 @@ def test_parameters_and_buckets_match_torch():
 
     assert MAX_IN_FLIGHT == ZERO_MAX_IN_FLIGHT
     bucket_mb = 0.01
-    for model in (TINY, TINY.with_(vocab_size=259, tied_head=False)):
-        for tp in (1, 2, 4):
+    for model in (TINY, TINY.with_(vocab_size=259, tied_head=False), TINY_LLAMA):
+        for tp in (1, 2, 4) if model.kv_heads % 4 == 0 else (1, 2):
             for sequence_parallel in (False, True):
                 gpt = GPT(model)
                 parallelize(gpt, SimpleNamespace(size=tp, rank=0), sequence_parallel)
@@ -110,18 +130,23 @@ def test_buckets_are_padded_to_the_data_parallel_size():
     assert one_bucket.parameters == -(-TINY.n_params() // 7) * 7 * 4
 
 
-def test_activations_without_tensor_parallelism_equal_config():
-    batch, tokens = 3, 3 * TINY.seq_len
+@pytest.mark.parametrize("model", [TINY, TINY_LLAMA, preset("tiny-llama"), preset("llama3-8b")],
+                         ids=["tiny", "tiny-llama-32", "tiny-llama", "llama3-8b"])
+def test_activations_without_tensor_parallelism_equal_config(model):
+    batch, tokens = 3, 3 * model.seq_len
     for precision, dtype_bytes in (("fp32", 4), ("bf16", 2)):
         for recompute in ("none", "selective", "full"):
-            estimate = predict_memory(TINY, Layout(), precision, batch, recompute=recompute)
-            kept = TINY.activation_bytes_per_token_per_layer(dtype_bytes, recompute)
-            expected = kept * tokens * TINY.n_layers + TINY.head_activation_bytes_per_token(dtype_bytes) * tokens
+            estimate = predict_memory(model, Layout(), precision, batch, recompute=recompute)
+            kept = model.activation_bytes_per_token_per_layer(dtype_bytes, recompute)
+            expected = kept * tokens * model.n_layers + model.head_activation_bytes_per_token(dtype_bytes) * tokens
             # one block is recomputed at a time: what it rebuilds is alive beside what it kept
-            expected += (TINY.activation_bytes_per_token_per_layer(dtype_bytes) - kept) * tokens
+            rebuilt = model.activation_bytes_per_token_per_layer(dtype_bytes) - kept
+            if recompute == "selective" and model.positions == "rope":  # the rotated copy, beside the kept input
+                rebuilt += model.qkv_width * dtype_bytes
+            expected += rebuilt * tokens
             assert estimate.activations == expected
-    twice = predict_memory(TINY, Layout(), "bf16", batch, micro_batches_in_flight=2)
-    assert twice.activations == 2 * predict_memory(TINY, Layout(), "bf16", batch).activations
+    twice = predict_memory(model, Layout(), "bf16", batch, micro_batches_in_flight=2)
+    assert twice.activations == 2 * predict_memory(model, Layout(), "bf16", batch).activations
 
 
 def test_activations_under_tensor_and_sequence_parallelism():
@@ -153,6 +178,21 @@ def test_activations_under_tensor_and_sequence_parallelism():
     assert fp8 == plain - tokens * (2 * d + f) + tokens * d + matrices
     assert fp8 < plain
     assert layer_activation_bytes(TINY, Layout(), policy("fp8"), 1) > layer_activation_bytes(TINY, Layout(), bf16, 1)
+
+
+def test_llama_activations_under_tensor_and_sequence_parallelism():
+    model, b, tp = TINY_LLAMA, 2, 2
+    d, f, tokens = model.d_model, model.d_ff, 2 * model.seq_len
+    bf16 = policy("bf16")
+    split = (model.qkv_width + d + 4 * f) * b + 4 * model.n_heads  # qkv (rotated), attention output, SwiGLU, lse
+    replicated = 2 * d * b  # the norm outputs that qkv and fc1 save (gathered under sequence parallelism)
+    sequence = 2 * d * b + 2 * 4  # the norm inputs and one fp32 1/rms each
+    assert layer_activation_bytes(model, Layout(tp=tp), bf16, 1) == tokens // 2 * (split // tp + replicated + sequence)
+    sp = layer_activation_bytes(model, Layout(tp=tp, sequence_parallel=True), bf16, 1)
+    assert sp == tokens // 2 * (split // tp + replicated + sequence // tp)
+    estimate = predict_memory(model, Layout(tp=tp, sequence_parallel=True), "bf16", 1)
+    ends = estimate.activations - model.n_layers * sp
+    assert ends == tokens // 2 * ((d * b + 4) // tp + d * b + 4 * model.vocab_size // tp)  # no embedding mask
 
 
 def test_pipeline_stages():

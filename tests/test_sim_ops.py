@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.config import GPTConfig
+from minigpt.config import RECOMPUTE_MODES, GPTConfig, preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from job.layout import Layout
@@ -18,6 +18,19 @@ from simulator.ops import Implementation, block_ops, embedding_ops, head_ops, op
 BF16 = policy("bf16")
 # Korthikanti et al.'s shape conventions: MLP width 4h, dropout on (attention and both residual branches).
 MODEL = GPTConfig(vocab_size=512, seq_len=128, n_layers=3, n_heads=8, d_model=256, d_ff=1024, dropout=0.1)
+TINY_LLAMA, LLAMA3_8B = preset("tiny-llama"), preset("llama3-8b")
+# Each Llama option alone on the GPT shape, then the Llama presets with all of them.
+SHAPES = {
+    "gpt": MODEL,
+    "no-bias": MODEL.with_(bias=False),
+    "rmsnorm": MODEL.with_(norm="rmsnorm"),
+    "swiglu": MODEL.with_(mlp="swiglu", d_ff=704),
+    "rope": MODEL.with_(positions="rope"),
+    "gqa": MODEL.with_(n_kv_heads=2),
+    "tiny-llama": TINY_LLAMA,
+    "llama3-8b": LLAMA3_8B,
+}
+SHAPES_TP = [(name, tp) for name, model in SHAPES.items() for tp in (1, 2, 4) if model.kv_heads % tp == 0]
 
 
 def korthikanti(model: GPTConfig, b: int, t: int, sequence_parallel: bool = False, selective: bool = False) -> float:
@@ -31,19 +44,89 @@ def korthikanti(model: GPTConfig, b: int, t: int, sequence_parallel: bool = Fals
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("attention", ["flash", "unfused"])
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_flops_of_the_op_list_equal_config(recompute, attention, tp):
-    b = 2
+@pytest.mark.parametrize("shape,tp", SHAPES_TP)
+def test_flops_of_the_op_list_equal_config(recompute, attention, shape, tp):
+    model, b = SHAPES[shape], 2
     layout = Layout(tp=tp)
     impl = Implementation(attention, recompute)
-    per_rank = (MODEL.n_layers * block_ops(MODEL, b, layout, BF16, impl).flops
-                + embedding_ops(MODEL, b, layout, BF16, impl).flops + head_ops(MODEL, b, layout, BF16, impl).flops)
-    assert per_rank * tp == MODEL.train_flops_per_token(recompute, attention) * b * MODEL.seq_len
+    block = block_ops(model, b, layout, BF16, impl)
+    per_rank = (model.n_layers * block.flops
+                + embedding_ops(model, b, layout, BF16, impl).flops + head_ops(model, b, layout, BF16, impl).flops)
+    assert per_rank * tp == model.train_flops_per_token(recompute, attention) * b * model.seq_len
     if attention == "unfused":  # without flash's recomputed scores: the model FLOPs (plus the recompute asked for)
-        assert MODEL.train_flops_per_token(recompute, attention) == MODEL.train_flops_per_token(recompute)
-    forward = MODEL.n_layers * sum(op.flops for op in block_ops(MODEL, b, layout, BF16, impl).forward)
-    forward += sum(op.flops for op in head_ops(MODEL, b, layout, BF16, impl).forward)
-    assert forward * tp == MODEL.forward_flops_per_token() * b * MODEL.seq_len
+        assert model.train_flops_per_token(recompute, attention) == model.train_flops_per_token(recompute)
+    assert sum(op.flops for op in block.forward) * tp == model.block_forward_flops_per_token() * b * model.seq_len
+    forward = model.n_layers * sum(op.flops for op in block.forward)
+    forward += sum(op.flops for op in head_ops(model, b, layout, BF16, impl).forward)
+    assert forward * tp == model.forward_flops_per_token() * b * model.seq_len
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_saved_tensors_equal_config_for_every_shape(shape, recompute):
+    """What the op list saves is what config.py counts from minigpt/model.py (flash attention, one rank)."""
+    model, b = SHAPES[shape], 3
+    for precision, dtype_bytes in (("fp32", 4), ("bf16", 2)):
+        ops = block_ops(model, b, Layout(), policy(precision), Implementation("flash", recompute))
+        assert ops.saved_bytes == model.activation_bytes_per_token_per_layer(dtype_bytes, recompute) * b * model.seq_len
+        head = head_ops(model, b, Layout(), policy(precision))
+        assert head.saved_bytes == model.head_activation_bytes_per_token(dtype_bytes) * b * model.seq_len
+
+
+def test_a_llama_block_follows_its_shape():
+    """llama3-8b at tp 4: GQA's narrower qkv, SwiGLU's 2f-wide fc1, RoPE, RMSNorm's one statistic, no biases."""
+    model, b, tp, e = LLAMA3_8B, 1, 4, 2
+    rows, d, hd, f = b * model.seq_len, model.d_model, model.head_dim, model.d_ff // tp
+    heads, kv = model.n_heads // tp, model.kv_heads // tp  # 8 query heads, 2 key/value heads on a rank
+    qkv = rows * (heads + 2 * kv) * hd * e
+    ops = block_ops(model, b, Layout(tp=tp), BF16, Implementation())
+    every = ops.forward + ops.backward
+    names = [op.name for op in every]
+    assert not [n for n in names if "bias" in n or "gelu" in n or "position" in n]
+    gemms = {op.name: op for op in every if isinstance(op, Gemm)}
+    assert (gemms["qkv"].m, gemms["qkv"].n, gemms["qkv"].k) == (rows, model.qkv_width // tp, d)
+    assert gemms["fc1"].n == 2 * f and gemms["fc2"].k == f and gemms["proj"].k == heads * hd
+    flash = {op.name: op for op in every if isinstance(op, FusedAttention)}
+    forward, backward = flash["attention.flash"], flash["attention.flash_backward"]
+    assert forward.gemms[0].batch == b * heads  # every query head scores the sequence
+    assert (forward.read, forward.written) == (qkv, rows * heads * hd * e + rows * heads * 4)
+    assert (backward.read, backward.written) == (qkv + rows * heads * hd * e + 2 * rows * heads * 4, qkv)
+    memory = {op.name: op for op in every if isinstance(op, MemoryOp)}
+    tables = 2 * model.seq_len * hd * 4  # fp32 cos and sin
+    assert (memory["rope"].read, memory["rope"].written) == (qkv + tables, qkv)
+    assert (memory["rope_backward"].read, memory["rope_backward"].written) == (qkv + tables, qkv)
+    assert names.index("rope_backward") == names.index("attention.flash_backward") + 1
+    assert (memory["swiglu"].read, memory["swiglu"].written) == (rows * 2 * f * e, rows * 2 * f * e)
+    assert (memory["swiglu_backward"].read, memory["swiglu_backward"].written) == (4 * rows * f * e, 2 * rows * f * e)
+    assert memory["ln1"].written == rows * d * e + rows * 4  # the output and one fp32 1/rms per row
+    saved = {t.name: t.bytes for t in ops.saved}
+    assert saved["rope.output"] == qkv and "q_k_v" not in saved  # the attention keeps the rotated copy only
+    assert saved["fc1.output"] == rows * 2 * f * e and saved["swiglu.silu"] == saved["swiglu.output"] == rows * f * e
+    assert saved["ln1.statistics"] == saved["ln2.statistics"] == rows * 4
+    mha = block_ops(model.with_(n_kv_heads=None), b, Layout(tp=tp), BF16, Implementation())
+    mha_flash = next(op for op in mha.forward if isinstance(op, FusedAttention))
+    assert mha_flash.flops == forward.flops and mha_flash.read == rows * 3 * heads * hd * e > forward.read
+
+
+def test_selective_recompute_with_rotary_positions_keeps_the_unrotated_qkv():
+    """parallel/recompute.py saves the core's input; the rotation and the attention run again and keep nothing."""
+    ops = block_ops(TINY_LLAMA, 1, Layout(), BF16, Implementation("flash", "selective"))
+    assert [op.name for op in ops.backward if op.phase == "recompute"] == ["rope", "attention.flash"]
+    assert sorted(t.name for t in ops.recomputed) == ["attention.logsumexp", "rope.output"]
+    saved = {t.name: t.bytes for t in ops.saved}
+    assert saved["q_k_v"] == TINY_LLAMA.seq_len * TINY_LLAMA.qkv_width * 2 and "rope.output" not in saved
+    none = block_ops(TINY_LLAMA, 1, Layout(), BF16, Implementation("flash", "none"))
+    assert "q_k_v" not in {t.name for t in none.saved}
+    full = block_ops(TINY_LLAMA, 1, Layout(), BF16, Implementation("flash", "full"))
+    assert [t.name for t in full.saved] == ["x"]
+
+
+def test_rotary_positions_leave_the_embeddings_no_position_ops():
+    for model, learned in ((MODEL, True), (MODEL.with_(positions="rope"), False), (TINY_LLAMA, False)):
+        ops = embedding_ops(model, 2, Layout(), BF16)
+        names = {op.name for op in ops.forward + ops.backward}
+        assert ({"embedding.position_add", "embedding.position_grad"} <= names) == learned
+        assert bool(names & {"embedding.position_add", "embedding.position_grad"}) == learned
 
 
 def test_every_linear_has_an_input_and_a_weight_gradient_of_the_same_flops():
@@ -168,9 +251,10 @@ def test_the_op_list_prints_with_one_name_per_op():
     assert rows[0][:2] == ["forward", "ln1"] and any(r[1] == "qkv" and "bf16" in r[2] for r in rows)
     assert all(isinstance(r[3], int) and r[3] > 0 for r in rows)
     layout = Layout(tp=2, sequence_parallel=True)
-    for precision in ("bf16", "fp8"):
-        for attention in ("flash", "unfused"):
-            ops = block_ops(MODEL, 1, layout, policy(precision), Implementation(attention, "full", "sharded"))
+    for model, precision, attention in ((m, p, a) for m in (MODEL, TINY_LLAMA) for p in ("bf16", "fp8")
+                                        for a in ("flash", "unfused")):
+        for recompute in RECOMPUTE_MODES:
+            ops = block_ops(model, 1, layout, policy(precision), Implementation(attention, recompute, "sharded"))
             for phase in ("forward", "recompute", "backward"):
                 names = [op.name for op in ops.forward + ops.backward if op.phase == phase]
                 assert len(names) == len(set(names)), names

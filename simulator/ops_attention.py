@@ -1,0 +1,114 @@
+"""The attention core's ops: rotary positions, then flash or unfused attention, forward and backward. Torch-free.
+
+simulator/ops.py explains the op list and calls `core_forward` / `core_backward` between the qkv and
+proj Linears. The core is minigpt/model.py's AttentionCore, the region selective recompute runs again.
+
+Per rank: a/t query heads and K/t key/value heads of head_dim each (grouped-query attention when K < a;
+tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv tensor is
+(a + 2K)/t x head_dim wide.
+
+- Rotary positions (Su et al. 2021), as RotaryQK does: one memory-bound kernel reads the qkv tensor
+  and the fp32 cos and sin tables (s x head_dim each) and writes a new qkv-sized tensor (q and k
+  rotated, v copied); it saves nothing. Its backward rotates the gradient back the same way (one
+  kernel, the same bytes). The attention then saves q, k, v as views of the rotated tensor.
+- Flash (FlashAttention-2, Dao 2023): every query head scores the whole sequence against its
+  group's key head, so the GEMMs are those of multi-head attention (batch b x a/t); the kernel reads
+  q, k and v once each (a K/t-head k and v serve a/K query heads each, from on-chip memory) and
+  writes the output and an fp32 log-sum-exp per query head and row. Backward: a pre-pass
+  D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs,
+  reading q, k, v, dO, the log-sum-exp and D and writing dq, dk and dv in their own shapes (what
+  FlashAttention-3 and cuDNN write; FlashAttention-2's own GQA path writes dk and dv expanded to
+  a/t heads and sums them in a separate kernel: a few more bytes, not counted here).
+- Unfused: scores = q @ k^T, softmax, dropout, probabilities @ v, heads merged back into rows,
+  batch b x a/t matmuls each reading its group's key or value head.
+"""
+
+from __future__ import annotations
+
+from simulator.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, FusedAttention, MemoryOp, Recorder, gemm
+
+
+def rope_table_bytes(rec: Recorder) -> int:
+    """The fp32 cos and sin tables a rotation reads: s x head_dim each (minigpt/model.py's rope_tables)."""
+    return 2 * rec.shape.s * rec.shape.head_dim * FP32
+
+
+def _rope_forward(rec: Recorder, qkv: str) -> str:
+    rotated = rec.tensor("rope.output", rec.size[qkv])
+    rec.op(MemoryOp("rope", rec.size[qkv] + rope_table_bytes(rec), rec.size[rotated]))
+    return rotated
+
+
+def _flash_forward(rec: Recorder, qkv: str) -> None:
+    sh = rec.shape
+    a, s, hd = sh.heads, sh.s, sh.head_dim
+    lse = rec.tensor("attention.logsumexp", sh.rows * a * FP32, small=True)
+    out = rec.tensor("attention.output", sh.rows * a * hd * sh.e)
+    gemms = (gemm("attention.scores", s, s, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
+             gemm("attention.values", s, hd, s, sh.compute, sh.e, sh.b * a, FORWARD, False))
+    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv), rec.bytes_of(out, lse)),
+           saves=(qkv, out, lse))
+
+
+def _flash_backward(rec: Recorder) -> None:
+    """FlashAttention-2: D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs."""
+    sh = rec.shape
+    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
+    width = sh.rows * a * hd * e  # one of q, O, dO
+    qkv = sh.rows * sh.qkv_width * e  # q, k and v (or dq, dk and dv)
+    rec.back_mem("attention.flash_backward_preprocess", 2 * width, sh.rows * a * FP32)
+    shapes = (("attention.scores_recomputed", s, s, hd), ("attention.grad_v", s, hd, s),
+              ("attention.grad_probs", s, s, hd), ("attention.grad_q", s, hd, s), ("attention.grad_k", s, hd, s))
+    gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
+    read = qkv + width + 2 * sh.rows * a * FP32  # q, k, v, dO; the log-sum-exp and D
+    rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD))
+
+
+def _unfused_forward(rec: Recorder, qkv: str) -> None:
+    sh = rec.shape
+    a, s, hd, batch = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads
+    square = batch * s * s  # elements of the s x s scores of this rank's heads
+    rec.tensor("attention.scores", square * sh.e)
+    rec.gemm("attention.scores", s, s, hd, sh.compute, (qkv,), batch, linear=False)
+    probs = rec.tensor("attention.probs", square * sh.e)
+    rec.mem("attention.softmax", ("attention.scores",), (probs,), saves=(probs,))  # scale, causal mask, softmax
+    if sh.dropout:
+        dropped, mask = rec.tensor("attention.dropped", square * sh.e), rec.tensor("attention.mask", square * MASK)
+        rec.mem("attention.dropout", (probs,), (dropped, mask), saves=(mask,))
+        probs = dropped
+    heads = rec.tensor("attention.heads", sh.rows * a * hd * sh.e)
+    rec.gemm("attention.values", s, hd, s, sh.compute, (probs, qkv), batch, linear=False)
+    rec.tensor("attention.output", sh.rows * a * hd * sh.e)
+    rec.mem("attention.merge_heads", (heads,), ("attention.output",))  # (b*a, s, hd) -> (b*s, a*hd)
+
+
+def _unfused_backward(rec: Recorder) -> None:
+    sh = rec.shape
+    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
+    square, width = batch * s * s, sh.rows * a * hd * e
+    rec.back_mem("attention.merge_heads_backward", width, width)
+    rec.back_gemm("attention.grad_probs", s, s, hd, sh.compute, batch, linear=False)  # dP = dO v^T
+    rec.back_gemm("attention.grad_v", s, hd, s, sh.compute, batch, linear=False)  # dv = P^T dO
+    if sh.dropout:
+        rec.back_mem("attention.dropout_backward", square * (e + MASK), square * e)
+    rec.back_mem("attention.softmax_backward", 2 * square * e, square * e)
+    rec.back_gemm("attention.grad_q", s, hd, s, sh.compute, batch, linear=False)  # dq = dS k
+    rec.back_gemm("attention.grad_k", s, hd, s, sh.compute, batch, linear=False)  # dk = dS^T q
+
+
+def core_forward(rec: Recorder, attention: str, qkv: str) -> str:
+    """From the fused qkv tensor `qkv` to the heads' output, in the recompute region CORE: returns the output."""
+    rec.enter(CORE, inputs=(qkv,))
+    if rec.shape.rope:
+        qkv = _rope_forward(rec, qkv)
+    (_flash_forward if attention == "flash" else _unfused_forward)(rec, qkv)
+    rec.enter(BLOCK)
+    return "attention.output"
+
+
+def core_backward(rec: Recorder, attention: str) -> None:
+    """The core's gradients, last op first: the attention's, then the rotation's."""
+    (_flash_backward if attention == "flash" else _unfused_backward)(rec)
+    if rec.shape.rope:
+        qkv = rec.shape.rows * rec.shape.qkv_width * rec.shape.e
+        rec.back_mem("rope_backward", qkv + rope_table_bytes(rec), qkv)
