@@ -16,21 +16,20 @@ import json
 import click
 
 from cli.config_file import config_file_option
-from minigpt.config import PRESETS, build_config
-from minigpt.errors import check_positive_int
+from cli.model_options import model_from_options, model_options
 from job.train_config import PRECISIONS, TrainConfig
 
 
 def build_compare_config(options: dict) -> TrainConfig:
     """The flags as a checked TrainConfig (K steps, one evaluation batch at the end only). Torch-free."""
-    model = build_config(options["model"], seq_len=options["seq_len"], n_layers=options["layers"])
+    model = model_from_options(options)
     return TrainConfig(
         model=model, steps=options["steps"], global_batch=options["batch_size"],
         micro_batches=options["micro_batches"], eval_every=0, eval_batches=1, out_dir=options["out"],
         device="cpu" if options["device"] == "cpu" else "auto", precision=options["precision"],
         tp=options["tp"], pp=options["pp"], dp=options["dp"], zero=options["zero"], schedule=options["schedule"],
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
-        log_every=max(1, options["steps"]),
+        log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
     )
 
 
@@ -45,9 +44,8 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--virtual-chunks", "virtual_chunks", default=1, show_default=True, type=int)
 @click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=int)
 @click.option("--batch-size", "batch_size", default=16, show_default=True, type=int, help="Global batch in sequences.")
-@click.option("--model", default="tiny", show_default=True, type=click.Choice(sorted(PRESETS)))
-@click.option("--layers", type=int, help="Override the preset's number of blocks.")
-@click.option("--seq-len", "seq_len", type=int, help="Override the preset's sequence length.")
+@model_options("tiny")
+@click.option("--recompute", default="none", show_default=True, help="none or selective (the attention core).")
 @click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
 @click.option("--threads-per-rank", "threads_per_rank", type=int, help="[default: 1 with several ranks]")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
@@ -59,9 +57,6 @@ def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
     """Train a layout for K steps, simulate it with a calibrated profile, print predicted against measured."""
     from cli.tools.compare import check_compare, format_error, format_value, run_compare
 
-    for name in ("layers", "seq_len"):
-        if options[name] is not None:
-            check_positive_int(f"--{name.replace('_', '-')}", options[name])
     cfg = build_compare_config({**options})
     if matrix:
         return compare_matrix(cfg, hardware, options["out"], as_json)

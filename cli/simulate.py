@@ -20,6 +20,7 @@ import sys
 import click
 
 from cli.config_file import config_file_option
+from cli.model_options import model_from_options, model_options
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_positive_int
@@ -29,11 +30,7 @@ from simulator.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
 
 
 def _model(options: dict):
-    from minigpt.config import build_config
-
-    return build_config(options["model"], vocab_size=options["vocab"], seq_len=options["seq_len"],
-                        n_layers=options["layers"], n_heads=options["heads"], d_model=options["hidden"],
-                        dropout=options["dropout"])
+    return model_from_options(options)
 
 
 DEFAULT_GPU = "a100-80gb"
@@ -164,8 +161,7 @@ def _print_single(report: dict) -> None:
     from simulator import report as rep
 
     model, result = report["model"], report["result"]
-    click.echo(f"{parameter_count(model.n_params())}-parameter GPT ({model.n_layers} layers, width {model.d_model}, "
-               f"{model.n_heads} heads, sequence {model.seq_len}) on {rep.headline(result)}")
+    click.echo(f"{parameter_count(model.n_params())}-parameter GPT ({model.describe()}) on {rep.headline(result)}")
     click.echo(f"cluster: {report['cluster']}")
     click.echo("")
     click.echo(format_table(["step", "seconds", "share"], rep.step_rows(result)))
@@ -220,14 +216,7 @@ def parameter_count(n: int) -> str:
 
 @config_file_option
 @click.command()
-@click.option("--model", default="gpt3-175b", show_default=True, help="Preset the dimensions start from.")
-@click.option("--layers", type=int, help="Transformer blocks (overrides the preset).")
-@click.option("--hidden", type=int, help="Model width d_model (the MLP keeps the preset's ratio).")
-@click.option("--heads", type=int, help="Attention heads.")
-@click.option("--vocab", type=int, help="Vocabulary size.")
-@click.option("--seq-len", "seq_len", type=int, help="Sequence length.")
-@click.option("--dropout", type=float,
-              help="Dropout probability (default: the preset's, 0): its masks and kernels are costed when > 0.")
+@model_options("gpt3-175b")
 @click.option("--global-batch", "global_batch", type=int, help="Sequences per step (default: micro-batch x dp x pp).")
 @click.option("--micro-batch", "micro_batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
 @click.option("--tp", type=int, help="Tensor-parallel size (default 1; in a sweep: searched).")
@@ -281,7 +270,8 @@ def parameter_count(n: int) -> str:
 def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
-    for name in ("layers", "hidden", "heads", "vocab", "seq_len", "global_batch", "micro_batch", "tp", "pp", "dp",
+    model_from_options(options)  # the model's flags first, each on one line
+    for name in ("global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):
         if options[name] is not None:
             check_positive_int(f"--{name.replace('_', '-')}", options[name])

@@ -11,7 +11,7 @@ import click
 
 from cli.config_file import config_file_option
 from cli.output import print_table
-from minigpt.config import PRESETS, build_config
+from cli.model_options import model_from_options, model_options
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
 from parallel.resume import ResumePoint, resume_point
@@ -28,17 +28,7 @@ def build_train_config(options: dict) -> TrainConfig:
     chosen = resume_choice(options["resume"])
     if chosen is not None and options["out"] is None and Path(chosen).parent.name == "checkpoints":
         options = {**options, "out": str(Path(chosen).parent.parent)}  # --resume RUN/checkpoints/step-N
-    model = build_config(
-        options["model"],
-        vocab_size=options["vocab_size"],
-        seq_len=options["seq_len"],
-        n_layers=options["layers"],
-        n_heads=options["heads"],
-        d_model=options["d_model"],
-        d_ff=options["d_ff"],
-        tied_head=False if options["untied"] else None,
-        dropout=options["dropout"],
-    )
+    model = model_from_options(options)
     cfg = TrainConfig(
         model=model,
         steps=options["steps"],
@@ -70,6 +60,7 @@ def build_train_config(options: dict) -> TrainConfig:
         threads_per_rank=options["threads_per_rank"],
         save_every=options["save_every"],
         resume=options["resume"] not in (None, False),
+        recompute=options["recompute"],
     )
     if cfg.data is not None:
         check_text_file(cfg.data, model.seq_len)
@@ -205,15 +196,9 @@ def mib(n: int) -> str:
 @click.option("--sequence-parallel", is_flag=True, help="Shard LayerNorm and dropout regions along the sequence (tp > 1).")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=float, help="Gradient bucket size in MiB.")
 @click.option("--threads-per-rank", type=int, help="CPU threads per rank [default: 1 with several ranks].")
-@click.option("--model", default="tiny", show_default=True, type=click.Choice(sorted(PRESETS)), help="Model preset.")
-@click.option("--layers", type=int, help="Override the preset's number of blocks.")
-@click.option("--heads", type=int, help="Override the preset's attention heads.")
-@click.option("--d-model", type=int, help="Override the preset's width.")
-@click.option("--d-ff", type=int, help="Override the preset's MLP width.")
-@click.option("--seq-len", type=int, help="Override the preset's sequence length.")
-@click.option("--vocab-size", type=int, help="Override the vocabulary (at least 256 for byte data).")
-@click.option("--untied", is_flag=True, help="Give the LM head its own weights.")
-@click.option("--dropout", type=float, help="Dropout probability (default: the preset's, 0).")
+@model_options("tiny")
+@click.option("--recompute", default="none", show_default=True, help="Activation recomputation: none or "
+              "selective (the attention core runs again in the backward, Korthikanti et al. 2022).")
 @click.option("--steps", default=100, show_default=True, type=int, help="Optimizer steps.")
 @click.option("--batch-size", default=16, show_default=True, type=int, help="Global batch in sequences.")
 @click.option("--micro-batches", default=1, show_default=True, type=int, help="Gradient accumulation steps.")
@@ -267,8 +252,8 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
 
     m = cfg.model
     click.echo(
-        f"training {m.n_params():,} parameters ({m.n_layers} layers, width {m.d_model}, "
-        f"{m.n_heads} heads, seq {m.seq_len}) for {cfg.steps} steps of {cfg.tokens_per_step:,} tokens",
+        f"training {m.n_params():,} parameters ({m.describe()}) for {cfg.steps} steps of {cfg.tokens_per_step:,} "
+        f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation"),
         file=out,
     )
     click.echo(f"layout: tp {cfg.tp} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"

@@ -23,6 +23,15 @@ def bucket_numel(bucket_mb: float, element_bytes: int) -> int:
 
 
 PRECISIONS = tuple(POLICIES)
+TRAIN_RECOMPUTE = ("none", "selective")
+
+
+def check_train_recompute(recompute: str) -> None:
+    if recompute == "full":
+        raise ConfigError("--recompute full is simulated only (minigpt simulate --recompute full); training "
+                          "recomputes none or selective (the attention core)")
+    if recompute not in TRAIN_RECOMPUTE:
+        raise ConfigError(f"--recompute must be none or selective, got {recompute!r}")
 
 
 def check_tensor_parallel(model: GPTConfig, tp: int, sequence_parallel: bool) -> None:
@@ -76,6 +85,7 @@ class TrainConfig:
     threads_per_rank: int | None = None  # None: torch's default for one process, 1 per rank otherwise
     save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
     resume: bool = False  # continue from the latest complete checkpoint in <out_dir>/checkpoints
+    recompute: str = "none"  # "selective": the attention core runs again in the backward (parallel/recompute.py)
 
     def __post_init__(self) -> None:
         positive_ints = {
@@ -104,6 +114,7 @@ class TrainConfig:
                 "twice; use --schedule 1f1b with fp8, or zb-h1 with bf16"
             )
         chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks)  # every chunk needs a block
+        check_train_recompute(self.recompute)
         if self.schedule == "interleaved" and self.model.n_layers % (self.pp * self.virtual_chunks):
             raise ConfigError(
                 f"interleaving needs the {self.model.n_layers} layers to divide evenly into pp x virtual chunks = "

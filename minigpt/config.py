@@ -113,6 +113,16 @@ class GPTConfig:
         """A LayerNorm has a gain and a bias per feature, an RMSNorm only the gain."""
         return (2 if self.norm == "layernorm" else 1) * self.d_model
 
+    def describe(self) -> str:
+        """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
+        heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
+        parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads,
+                 f"{'SwiGLU' if self.mlp == 'swiglu' else 'GELU'} {self.d_ff}",
+                 "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
+                 "RoPE" if self.positions == "rope" else "learned positions",
+                 "tied head" if self.tied_head else "untied head"]
+        return ", ".join(parts + ([] if self.bias else ["no bias"]) + [f"seq {self.seq_len}"])
+
     def with_(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -17,6 +17,7 @@ from parallel.comm import Collectives
 from parallel.data_parallel import DataParallel
 from parallel.step import StepOutcome, train_step
 from parallel.mesh import Mesh
+from parallel.recompute import apply_recompute
 from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
 from job.data_parallel import check_against_plan, schedule_config
 from job.layout import Layout
@@ -86,7 +87,7 @@ def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_n
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:
     comms = {dim: Collectives(mesh.group(dim), dim, device) for dim in ("dp", "tp", "pp")}
     torch.manual_seed(cfg.seed)
-    model = apply_precision(GPT(cfg.model), policy, device)  # built on the CPU in fp32, then cast
+    model = apply_precision(apply_recompute(GPT(cfg.model), cfg.recompute), policy, device)  # built in fp32, then cast
     replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)
     stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)
     del model  # blocks of other stages go with it

@@ -65,23 +65,26 @@ def simulate(plan: ComparePlan):
 
     cfg = plan.cfg
     return simulate_step(cfg.model, plan.layout, plan.cluster, cfg.precision, cfg.global_batch, plan.micro_batch,
-                         cfg.schedule, cfg.virtual_chunks, "none", profile=plan.hardware.gpu.matmul_efficiency,
+                         cfg.schedule, cfg.virtual_chunks, cfg.recompute, profile=plan.hardware.gpu.matmul_efficiency,
                          gpu=plan.hardware, bucket_mb=cfg.bucket_mb, threads_per_rank=cfg.threads_per_rank)
 
 
 def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:
     """Rank 0 is pipeline stage 0. Activations are predicted for one micro-batch's forward,
     which is what training measures (the schedule may keep several in flight)."""
-    from simulator.memory import predict_memory
+    from precision.policy import policy as policy_of
+    from simulator.memory import predict_memory, recomputed_bytes
 
     stages = result.memory.per_stage
     m = stages[0] if stages else result.memory
     cfg = plan.cfg
-    one = predict_memory(cfg.model, plan.layout, cfg.precision, plan.micro_batch, "none",
+    one = predict_memory(cfg.model, plan.layout, cfg.precision, plan.micro_batch, cfg.recompute,
                          bucket_mb=cfg.bucket_mb, micro_batches_in_flight=1)
     one_stage = one.per_stage[0] if one.per_stage else one
+    # training measures what the forward keeps; a recomputing block's tensors live only in its backward
+    transient = recomputed_bytes(cfg.model, plan.layout, policy_of(cfg.precision), plan.micro_batch, cfg.recompute)
     return {"parameters": m.parameters, "gradients": m.gradients,
-            "optimizer": m.master_weights + m.adam_m + m.adam_v, "activations": one_stage.activations}
+            "optimizer": m.master_weights + m.adam_m + m.adam_v, "activations": one_stage.activations - transient}
 
 
 def _memory_measured(memory: dict) -> dict[str, int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cli.tools.compare import check_compare, machine_drift, run_compare
 from job.train_config import TrainConfig
+from minigpt.config import PRESETS, GPTConfig
 
 # name -> the layout fields changed from the base configuration (tiny: 4 layers, 4 heads)
 MATRIX: dict[str, dict] = {
@@ -28,13 +29,28 @@ MATRIX: dict[str, dict] = {
     "pp2 interleaved": {"pp": 2, "schedule": "interleaved", "virtual_chunks": 2, "micro_batches": 4},
     "tp2 x dp2 zero1": {"tp": 2, "dp": 2, "zero": 1},
     "tp2 x pp2 x dp2 zero3": {"tp": 2, "pp": 2, "dp": 2, "zero": 3, "micro_batches": 2},
+    # the base shape made Llama-style (llama_of): GQA, SwiGLU, RMSNorm, RoPE, untied, no biases
+    "llama 1 rank": {"model": "llama"},
+    "llama tp2 x dp2 zero1": {"model": "llama", "tp": 2, "dp": 2, "zero": 1},
 }
 STATE_ROWS = ("parameters (rank 0)", "gradients (rank 0)", "optimizer (rank 0)")
+
+
+def llama_of(model: GPTConfig) -> GPTConfig:
+    """`model`'s depth, width, heads, sequence and vocabulary, Llama-style: half as many key/value heads
+    (at least one), SwiGLU at 8/3 of the width rounded up to a multiple of 32 (Llama's rule, tiny-llama's
+    MLP), RMSNorm, RoPE, an untied head and no biases."""
+    llama = PRESETS["tiny-llama"]
+    d_ff = -(-8 * model.d_model // 3 // 32) * 32
+    return llama.with_(vocab_size=model.vocab_size, seq_len=model.seq_len, n_layers=model.n_layers,
+                       n_heads=model.n_heads, n_kv_heads=max(1, model.n_heads // 2), d_model=model.d_model, d_ff=d_ff)
 
 
 def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
     plans = {}
     for name, changes in MATRIX.items():
+        if changes.get("model") == "llama":
+            changes = {**changes, "model": llama_of(base.model)}
         cfg = dataclasses.replace(base, out_dir=str(Path(out_dir) / name.replace(" ", "-")), **changes)
         plans[name] = check_compare(cfg, hardware_path)
     rows, drift = [], []
