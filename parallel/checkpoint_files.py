@@ -25,15 +25,20 @@ import json
 import os
 import re
 import shutil
+from dataclasses import MISSING, fields
 from pathlib import Path
 
+from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 
 FORMAT = "minigpt-checkpoint"
 VERSION = 2  # 2: sha256 of every file in state.json, and of state.json in the marker
 MARKER = "COMPLETE"
 STATE_FILE = "state.json"
-SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff", "tied_head")
+# What the saved model must share with this run's: its tensors' shapes, and the RoPE base, which changes
+# what the same weights compute (dropout may change on resume)
+SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff", "tied_head",
+                "n_kv_heads", "mlp", "norm", "positions", "bias", "rope_theta")
 STEP_DIR = re.compile(r"step-(\d+)")
 HINT = "resume an older one (--resume PATH), or start without --resume"
 HASH_BLOCK = 1 << 20  # bytes read at a time while hashing a shard
@@ -206,7 +211,18 @@ def check_files(path: Path, files: dict, verify: bool) -> None:
             raise CorruptCheckpoint(path, f"corrupt: {name} does not match its sha256 (its bytes changed after the save)")
 
 
+def model_fields(model: dict) -> dict:
+    """A saved model dict with GPTConfig's defaults for the fields it lacks (a checkpoint saved before
+    they existed holds a GPT-2-style model) and n_kv_heads spelled out (None: as many as the heads)."""
+    defaults = {field.name: field.default for field in fields(GPTConfig) if field.default is not MISSING}
+    full = {**defaults, **model}
+    if full.get("n_kv_heads") is None:
+        full["n_kv_heads"] = full.get("n_heads")
+    return full
+
+
 def check_model_shape(path: Path, saved: dict, wanted: dict) -> None:
+    saved, wanted = model_fields(saved), model_fields(wanted)
     differences = [
         f"{field} {saved.get(field)!r} there, {wanted[field]!r} here"
         for field in SHAPE_FIELDS

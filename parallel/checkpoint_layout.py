@@ -1,7 +1,7 @@
 """Where each element a rank's optimizer holds sits in the plain model's global tensors.
 
 A checkpoint stores the parameters of minigpt.model.GPT under their own names and
-full, unpadded shapes ("blocks.3.attn.qkv.weight", (3d, d)), whatever the layout that
+full, unpadded shapes ("blocks.3.attn.qkv.weight", ((H + 2K) hd, d)), whatever the layout that
 saved them. A rank's optimizer holds `weights` (masters, moments) laid end to end:
 pieces of a flat buffer (ZeRO 0-2) or its piece of each unit (ZeRO 3), cut at any
 element. A piece of one parameter is a contiguous run of its flattened tensor parallel
@@ -9,11 +9,12 @@ shard, which is at most 2 x ndim - 1 rectangular boxes of that shard (`decompose
 a partial first row, whole rows, a partial last row, recursively). Each box maps to a
 box of the global tensor by the tensor-parallel cut of parallel/tensor.py:
 
-  rows      fc1 (weight, bias)        rows [r n, (r + 1) n)
+  sections  qkv, fc1 (weight, bias)   rows in sections laid end to end (qkv: query heads |
+                                      key heads | value heads, H hd, K hd, K hd; a SwiGLU
+                                      fc1: gate | up, d_ff each; a GELU fc1: one section);
+                                      a shard holds rows [r n/T, (r + 1) n/T) of each
+                                      section n, in order (`fused_sections`)
   columns   proj, fc2 weights         columns [r n, (r + 1) n)
-  heads     qkv (weight, bias)        the shard is (3, d/T, ...): its rows of q, of k and
-                                      of v, so a box is cut per q/k/v and lands at row
-                                      k d + r d/T + j
   vocab     tok_emb, untied head      rows [r P, r P + P) of the vocabulary padded to a
                                       multiple of T; rows >= V are padding and dropped
   replicated, whole                   the same coordinates
@@ -73,28 +74,56 @@ def tensor_parallel_kind(name: str, tp: int) -> str:
         return "whole"
     if name in ("tok_emb.weight", "head.weight"):
         return "vocab"
-    if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-        return "heads"
-    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
-        return "rows"
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")):
+        return "sections"
     if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
         return "columns"
     return "replicated"
 
 
+def fused_sections(name: str, model_config) -> list[int]:
+    """The row counts of the sections of a fused weight or bias, as parallel/tensor.py cuts them: qkv's
+    query, key and value heads (unequal under grouped-query attention); a SwiGLU fc1's gate and up rows;
+    [] for the rest (a GELU fc1 is one section: its rows)."""
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        hd = model_config.head_dim
+        return [model_config.n_heads * hd, model_config.kv_heads * hd, model_config.kv_heads * hd]
+    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")) and model_config.mlp == "swiglu":
+        return [model_config.d_ff, model_config.d_ff]
+    return []
+
+
 def shard_shape(kind: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    if kind in ("vocab", "heads", "rows"):
+    if kind in ("vocab", "sections"):
         return (-(-shape[0] // tp), *shape[1:])
     if kind == "columns":
         return (shape[0], shape[1] // tp)
     return shape
 
 
-def global_boxes(kind: str, local: tuple[int, ...], shape: tuple[int, ...], tp_rank: int, start: int, end: int) -> list[Box]:
-    """Boxes of the global tensor (of `shape`) holding elements [start, end) of this rank's shard (of `local`)."""
-    view = (3, local[0] // 3, *local[1:]) if kind == "heads" else local
+def _section_rows(first: int, offsets: list[int], sizes: list[int], inner: int, sections: list[int],
+                  tp: int, tp_rank: int) -> list[Box]:
+    """A box of local rows [o, o + n) of a sections shard, cut where a section ends, each piece moved to
+    its global rows: local row `o` of section i lands at global (section i's start) + r n_i/T + (o - its
+    local start)."""
+    found, local_start, global_start = [], 0, 0
+    for section in sections:
+        local_rows = section // tp
+        lo, hi = max(offsets[0], local_start), min(offsets[0] + sizes[0], local_start + local_rows)
+        if lo < hi:
+            row = global_start + tp_rank * local_rows + lo - local_start
+            found.append((first + (lo - offsets[0]) * inner, (row, *offsets[1:]), (hi - lo, *sizes[1:])))
+        local_start, global_start = local_start + local_rows, global_start + section
+    return found
+
+
+def global_boxes(kind: str, local: tuple[int, ...], shape: tuple[int, ...], tp_rank: int, start: int, end: int,
+                 sections: list[int] | None = None) -> list[Box]:
+    """Boxes of the global tensor (of `shape`) holding elements [start, end) of this rank's shard (of `local`).
+
+    `sections`: the fused sections' row counts of a "sections" kind (none given: one section)."""
     found = []
-    for first, offsets, sizes in decompose(view, start, end):
+    for first, offsets, sizes in decompose(local, start, end):
         offsets, sizes = list(offsets), list(sizes)
         if kind == "vocab":
             valid = max(0, min(local[0], shape[0] - tp_rank * local[0]))  # rows past the vocabulary: padding
@@ -102,15 +131,11 @@ def global_boxes(kind: str, local: tuple[int, ...], shape: tuple[int, ...], tp_r
             if sizes[0] <= 0:
                 continue
             offsets[0] += tp_rank * local[0]
-        elif kind == "rows":
-            offsets[0] += tp_rank * local[0]
         elif kind == "columns":
             offsets[1] += tp_rank * local[1]
-        elif kind == "heads":  # (q|k|v, row of this rank's heads, ...) -> row of the (3d, ...) matrix
-            inner, width = math.prod(sizes[1:]), shape[0] // 3
-            for i in range(sizes[0]):
-                row = (offsets[0] + i) * width + tp_rank * view[1] + offsets[1]
-                found.append((first + i * inner, (row, *offsets[2:]), tuple(sizes[1:])))
+        elif kind == "sections":
+            tp = shape[0] // local[0]  # exact: tp divides every section (job/train_config.py checks)
+            found += _section_rows(first, offsets, sizes, math.prod(local[1:]), sections or [shape[0]], tp, tp_rank)
             continue
         found.append((first, tuple(offsets), tuple(sizes)))
     return found
@@ -187,7 +212,9 @@ def rank_placements(rank, cfg) -> list[Placement]:
             writes = writes and not (replicated_over_dp and mesh.dp_rank != 0)
             placement = placements.setdefault(name, Placement(name, shapes[name], writes=writes, tied_copy=tied_copy))
             base = position + segment.start - start  # where the parameter's element 0 would sit
-            for first, offsets, sizes in global_boxes(kind, local, shapes[name], mesh.tp_rank, lo - segment.start, hi - segment.start):
+            sections = fused_sections(name, cfg.model)
+            for first, offsets, sizes in global_boxes(kind, local, shapes[name], mesh.tp_rank,
+                                                      lo - segment.start, hi - segment.start, sections):
                 placement.boxes.append((offsets, sizes, base + first))
     for placement in placements.values():
         if len({offsets for offsets, _, _ in placement.boxes}) != len(placement.boxes):
