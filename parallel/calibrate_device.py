@@ -37,6 +37,8 @@ import torch
 from parallel.calibrate_kernels import matmul_mode, time_elementwise, time_gemm
 from parallel.comm import Collectives, Done
 from parallel.device import synchronize
+from job.train_config import check_tensor_parallel
+from minigpt.errors import ConfigError
 
 TENSOR_PARALLEL = (1, 2, 4, 8)
 
@@ -161,7 +163,16 @@ class AloneCollectives(Collectives):
 
 
 def tp_sizes(config, ranks: int) -> list[int]:  # tensor-parallel sizes this model and these ranks allow
-    return [tp for tp in TENSOR_PARALLEL if tp <= ranks and config.n_heads % tp == 0 and config.d_ff % tp == 0]
+    return [tp for tp in TENSOR_PARALLEL if tp <= ranks and allows_tp(config, tp)]
+
+
+def allows_tp(config, tp: int) -> bool:
+    """parallel/tensor.py can split this model over tp ranks (job/train_config.check_tensor_parallel)."""
+    try:
+        check_tensor_parallel(config, tp, False)
+    except ConfigError:
+        return False
+    return True
 
 
 def variants(config, ranks: int) -> list[tuple[int, bool]]:

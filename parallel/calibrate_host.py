@@ -72,12 +72,6 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def unit_variants(config, ranks: int) -> list[tuple[int, bool]]:
-    """The (tp, sequence_parallel) pairs whose units are measured: calibrate_device.variants whose tp also divides
-    the key/value heads (parallel/tensor.py keeps whole kv heads on a rank)."""
-    return [(tp, sp) for tp, sp in variants(config, ranks) if config.kv_heads % tp == 0]
-
-
 def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[int, dict[str, list[float]]] | None:
     """{tp: {"block_forward": [s per micro-batch size], ...}}: rank 0 alone on one thread (on `device`)
     while every other rank waits in a barrier (and returns None)."""
@@ -86,7 +80,7 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[int
     config, units = preset(plan.model), {}
     torch.manual_seed(0)
     _barrier()
-    for tp, sp in unit_variants(config, ranks) if rank == 0 else ():
+    for tp, sp in variants(config, ranks) if rank == 0 else ():
         series = units[(tp, sp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
         model = piece_model(config, tp, sp, device)  # the same weights for every micro-batch size
         for piece in PIECES:

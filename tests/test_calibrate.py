@@ -171,8 +171,8 @@ def check_schema(measured: dict, ranks: int) -> None:
     assert [(u["tp"], u["sequence_parallel"]) for u in measured["units"]] == [
         (tp, sp) for tp in tps for sp in ((False, True) if tp > 1 else (False,))]
     for unit in measured["units"]:
-        assert set(unit) == {"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "sequence_parallel",
-                             "dtype", "micro_batches", *UNIT_SERIES}
+        assert set(unit) == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions", "bias", "seq_len",
+                             "vocab_size", "tp", "sequence_parallel", "dtype", "micro_batches", *UNIT_SERIES}
         assert unit["dtype"] == "fp32"  # the units say the format they were measured in
         assert (unit["d_model"], unit["n_heads"], unit["d_ff"], unit["seq_len"], unit["vocab_size"]) == (128, 4, 512, 128, 256)
         sizes = unit["micro_batches"]
