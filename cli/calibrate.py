@@ -139,7 +139,9 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
                    "fp32 on a CPU].")
 @click.option("--threads-per-rank", "threads_per_rank", type=int,
               help="Torch threads per rank (default: 1 with several ranks, torch's default with one).")
-@click.option("--model", default="tiny", show_default=True, help="Model preset whose pieces are timed.")
+@click.option("--model", default="tiny", show_default=True,
+              help="Model preset whose pieces are timed; a list (tiny,tiny-llama) times the units of each, the "
+                   "reference block, sharing and collectives on the first.")
 @click.option("--micro-batch", "micro_batch", type=int, default=8, show_default=True)
 @click.option("--micro-batches", "micro_batches",
               help="The units' micro-batch sizes [default: 1,2,4,8,16; --quick 1,4,16].")

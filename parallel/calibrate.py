@@ -57,13 +57,14 @@ class CalibrationPlan:
     copy_bytes: int = 256 * 2**20
     message_bytes: tuple[int, ...] = (4 * 2**10, 32 * 2**10, 256 * 2**10, 2 * 2**20, 8 * 2**20)
     comm_repeats: int = 5
-    model: str = "tiny"
+    model: str = "tiny"  # the reference block, sharing and collectives are timed on its shape
     micro_batch: int = 8
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)  # the host units' micro-batch sizes
     sharing_micro_batch: int = 8
     device: str = "auto"  # "auto": CUDA when every local rank has a GPU, else the CPU; "cpu"
     cuda_matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # on a GPU
     formats: tuple[str, ...] | None = None  # None: FORMATS on a GPU, fp32 alone on a CPU (default_formats)
+    unit_models: tuple[str, ...] = ("tiny",)  # presets whose units are measured (model first)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -126,14 +127,19 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
     formats = check_formats(formats, on_cuda(device, ranks))
     from minigpt.config import preset
 
-    preset(model)  # ConfigError for an unknown preset
+    models = tuple(name.strip() for name in model.split(","))
+    for name in models:
+        preset(name)  # ConfigError for an unknown preset
+    if len(set(models)) != len(models):
+        raise ConfigError(f"--model names a preset twice: {model!r}")
+    model = models[0]
     threads = threads_per_rank or (1 if ranks > 1 else torch.get_num_threads())
     if quick:
         return CalibrationPlan(ranks, threads, (64, 256, 512), 3, 0.005, 16 * 2**20,
                                (4 * 2**10, 256 * 2**10, 8 * 2**20), 3, model, micro_batch,
                                tuple(micro_batches or (1, 4, 16)), device=device, cuda_matmul_sizes=(256, 1024, 4096),
-                               formats=formats)
-    return CalibrationPlan(ranks, threads, model=model, micro_batch=micro_batch, device=device,
+                               formats=formats, unit_models=models)
+    return CalibrationPlan(ranks, threads, model=model, unit_models=models, micro_batch=micro_batch, device=device,
                            micro_batches=tuple(micro_batches or CalibrationPlan.micro_batches), formats=formats)
 
 

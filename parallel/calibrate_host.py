@@ -72,16 +72,19 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[int, dict[str, list[float]]] | None:
-    """{tp: {"block_forward": [s per micro-batch size], ...}}: rank 0 alone on one thread (on `device`)
-    while every other rank waits in a barrier (and returns None)."""
+def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[tuple, dict[str, list[float]]] | None:
+    """{(model preset, tp, sequence parallel): {"block_forward": [s per micro-batch size], ...}} for every preset of
+    plan.unit_models: rank 0 alone on one thread (on `device`) while every other rank waits in a barrier (and
+    returns None)."""
     from minigpt.config import preset
 
-    config, units = preset(plan.model), {}
+    units = {}
     torch.manual_seed(0)
     _barrier()
-    for tp, sp in variants(config, ranks) if rank == 0 else ():
-        series = units[(tp, sp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
+    shapes = [(name, tp, sp) for name in plan.unit_models for tp, sp in variants(preset(name), ranks)]
+    for name, tp, sp in shapes if rank == 0 else ():
+        config = preset(name)
+        series = units[(name, tp, sp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
         model = piece_model(config, tp, sp, device)  # the same weights for every micro-batch size
         for piece in PIECES:
             for batch in plan.micro_batches:
@@ -254,10 +257,12 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
     """The profile's "measured" object from every rank's measure_host() (rank 0 first); fit: fit_alpha_beta."""
     from minigpt.config import preset
 
-    config, first = preset(plan.model), hosts[0]
-    units = [{**unit_shape(config), "tp": tp, "sequence_parallel": sp, "dtype": UNITS_DTYPE,
+    first = hosts[0]
+    order = {name: index for index, name in enumerate(plan.unit_models)}
+    units = [{**unit_shape(preset(name)), "tp": tp, "sequence_parallel": sp, "dtype": UNITS_DTYPE,
               "micro_batches": list(plan.micro_batches), **series}
-             for (tp, sp), series in sorted(first["units"].items())]
+             for (name, tp, sp), series in sorted(first["units"].items(), key=lambda item: (order[item[0][0]],
+                                                                                              *item[0][1:]))]
     base = first["sharing"]["busy"][1]
     sharing = []
     for busy in sorted(first["sharing"]["busy"]):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minigpt.config import preset
+from minigpt.errors import ConfigError
 from parallel.calibrate import fit_alpha_beta, make_plan
 from parallel.calibrate_device import AloneCollectives, piece_model, piece_step, tp_sizes, variants
 from parallel.calibrate_host import build_measured, collective_points, group_pairs, powers_up_to
@@ -57,7 +58,7 @@ def test_the_measured_field_is_assembled_from_every_rank():
     plan = make_plan(4, quick=True)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     hosts = [
-        host(0, {(1, False): series, (2, False): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads=0.006,
+        host(0, {("tiny", 1, False): series, ("tiny", 2, False): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads=0.006,
              collectives={("all_reduce", 2, 2, 4096): 1e-3, ("all_reduce", 2, 2, 2**20): 2e-3,
                           ("p2p", 2, 2, 4096): 1e-4, ("all_reduce", 4, 4, 4096): 3e-3}),
         host(1, None, {2: 0.014, 4: 0.024},
@@ -87,7 +88,8 @@ def test_units_carry_the_shape_the_simulator_keys_them_by():
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     for name, other in (("tiny-llama", "tiny"), ("tiny", "tiny-llama")):
         plan = make_plan(2, quick=True, model=name)
-        measured = build_measured([host(0, {(1, False): series, (2, True): series}, {1: 0.01})], plan, fit_alpha_beta)
+        units = {(name, 1, False): series, (name, 2, True): series}
+        measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
         config = preset(name)
         assert {k: measured["units"][0][k] for k in ("kv_heads", "mlp", "norm", "positions", "bias")} == {
             "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm, "positions": config.positions,
@@ -175,7 +177,7 @@ def test_every_measurement_runs_on_the_device_it_is_given():
     step = piece_step("head", preset("tiny"), 1, 2, device=CPU)
     assert all(s > 0 for s in medians(step, 2, 0.0))
     host_result = measure_host(plan, CPU)  # one rank, no process group: units and sharing
-    assert host_result["cores"] >= 1 and set(host_result["units"]) == {(1, False)}
+    assert host_result["cores"] >= 1 and set(host_result["units"]) == {("tiny", 1, False)}
     assert list(host_result["sharing"]["busy"]) == [1] and host_result["collectives"] == {}
 
 
@@ -204,7 +206,7 @@ def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None, forma
     series = {f"{p}_{w}": [1e-4, 2e-4, 5e-4] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     collectives = {(kind, 2, 2, size): 1e-5 + size / 1e11 for kind in ("all_reduce", "all_gather", "reduce_scatter",
                                                                         "p2p") for size in (4096, 2**20, 8 * 2**20)}
-    units = {(1, False): series, (2, False): series} if rank == 0 else None
+    units = {("tiny", 1, False): series, ("tiny", 2, False): series} if rank == 0 else None
     result = {"device": device, "host": host(rank, units, busy or {1: 0.010, 2: 0.0101}, collectives=collectives)}
     result["host"]["seconds"] = {"matmuls_copy_block": 1.0, "units": 1.0}
     if rank == 0:
@@ -256,3 +258,15 @@ def test_a_cuda_profile_says_cuda_nccl_and_the_gpu(tmp_path):
                             "2030-01-01")["gpus"]["x"]
     assert cpu_gpu["calibration"]["backend"] == "gloo" and cpu_gpu["calibration"]["cores"] == 16
     assert "on the CPU" in cpu_gpu["source"] and cpu_gpu["peak_flops"]["tf32"] == cpu_gpu["peak_flops"]["fp32"]
+
+
+def test_several_models_are_timed_in_one_calibration():
+    plan = make_plan(2, quick=True, model="tiny,tiny-llama")
+    assert (plan.model, plan.unit_models) == ("tiny", ("tiny", "tiny-llama"))
+    series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
+    units = {("tiny-llama", 1, False): series, ("tiny", 2, False): series, ("tiny", 1, False): series}
+    measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
+    assert [(u["mlp"], u["tp"]) for u in measured["units"]] == [("gelu", 1), ("gelu", 2), ("swiglu", 1)]
+    for bad, words in (("tiny,tiny", "twice"), ("tiny,llama9", "llama9")):
+        with pytest.raises(ConfigError, match=words):
+            make_plan(2, quick=True, model=bad)
