@@ -14,6 +14,7 @@ sequence gathered from the pieces its input had).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -66,9 +67,11 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return RMSNorm(config.d_model) if config.norm == "rmsnorm" else nn.LayerNorm(config.d_model)
 
 
+@functools.lru_cache(maxsize=16)
 def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, (seq, head_dim), in fp32; frequency i of the
-    first half pairs with i of the second half (the rotate-half convention)."""
+    first half pairs with i of the second half (the rotate-half convention). Made once per shape
+    and device and shared by every layer (never written to)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
