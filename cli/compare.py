@@ -16,6 +16,7 @@ import json
 import click
 
 from cli.config_file import config_file_option
+from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
 from job.train_config import PRECISIONS, TrainConfig
 
@@ -24,8 +25,10 @@ def build_compare_config(options: dict) -> TrainConfig:
     """The flags as a checked TrainConfig (K steps, one evaluation batch at the end only). Torch-free."""
     model = model_from_options(options)
     return TrainConfig(
-        model=model, steps=options["steps"], global_batch=options["batch_size"],
-        micro_batches=options["micro_batches"], eval_every=0, eval_batches=1, out_dir=options["out"],
+        model=model, steps=options["steps"], global_batch=options["global_batch"],
+        micro_batches=micro_batch_count(options["global_batch"], options["dp"], options.get("micro_batches"),
+                                        options.get("micro_batch_size")),
+        sequence_parallel=options.get("sequence_parallel", False), eval_every=0, eval_batches=1, out_dir=options["out"],
         device="cpu" if options["device"] == "cpu" else "auto", precision=options["precision"],
         tp=options["tp"], pp=options["pp"], dp=options["dp"], zero=options["zero"], schedule=options["schedule"],
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
@@ -42,8 +45,8 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--zero", default=0, show_default=True, type=int)
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b or interleaved.")
 @click.option("--virtual-chunks", "virtual_chunks", default=1, show_default=True, type=int)
-@click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=int)
-@click.option("--batch-size", "batch_size", default=16, show_default=True, type=int, help="Global batch in sequences.")
+@click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism (tp > 1).")
+@batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
 @model_options("tiny")
 @click.option("--recompute", default="none", show_default=True, help="none or selective (the attention core).")
 @click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))

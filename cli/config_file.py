@@ -1,7 +1,9 @@
 """`--config FILE.toml`: a command's flags as a TOML file; flags on the command line override it.
 
 Keys are the flags' names, with dashes or underscores (`batch-size = 32` or
-`batch_size = 32`). Each value has its flag's type: an integer flag takes a TOML integer, a
+`batch_size = 32`). One file serves every command: top-level keys go to each command that takes
+them (a command skips the others' flags and names them once on stderr), and a table named after a
+command (`[simulate]`, `[train]`) gives that command its own values over them. Each value has its flag's type: an integer flag takes a TOML integer, a
 number flag an integer or a finite float, an on/off flag true or false, any other flag a string
 (or a number, read as its text). An unknown key, a value of the wrong type (a date, a float or a
 boolean where an integer belongs, inf or nan), a malformed file or a missing one is bad input:
@@ -95,18 +97,44 @@ def check_value(path: str, key: str, value: object, param: click.Parameter) -> o
     raise ConfigError(f"--config {path!r}: key {key!r}: {problem}")
 
 
-def read_config_file(path: str, command: click.Command) -> dict:
+def flag_names(command: click.Command) -> dict[str, click.Parameter]:
+    """Every name a TOML key may give for one of `command`'s flags: each of its spellings (--batch-size and
+    --global-batch), without dashes' difference from underscores (`--json` is `json`). An on/off pair is
+    named by its first spelling (`untied = false`, never `tied = true`)."""
+    names = {}
+    for param in command.params:
+        if param.name in ("config", "help") or not isinstance(param, click.Option):
+            continue
+        for opt in param.opts:
+            names[opt.lstrip("-").replace("-", "_")] = param
+    return names
+
+
+def read_config_file(path: str, command: click.Command, others: list[click.Command] = ()) -> dict:
+    """The flags a TOML file gives `command`: its top-level keys, then its own table ([train], [simulate], ...)
+    over them. A top-level key only other commands take is skipped and named once on stderr (one file serves
+    every command); a key no command takes, or a bad value, is ConfigError."""
     data = _read_toml(path)
-    params = {param.name: param for param in command.params if param.name not in ("config", "help")}
-    values = {}
-    for key, value in data.items():
+    tables = {other.name for other in others} | {command.name}
+    own = data.get(command.name, {})
+    if not isinstance(own, dict):
+        raise ConfigError(f"--config {path!r}: [{command.name}] must be a table of flags, not {own!r}")
+    params = flag_names(command)
+    elsewhere = {name for other in others for name in flag_names(other)}
+    values, skipped = {}, []
+    for key, value in [(k, v) for k, v in data.items() if k not in tables] + list(own.items()):
         name = key.replace("-", "_")
-        if name == "json":
-            name = "as_json"
+        if name not in params and name in elsewhere and key not in own and not isinstance(value, (dict, list)):
+            skipped.append(key)
+            continue
         if name not in params or isinstance(value, (dict, list)):
-            valid = ", ".join(sorted(("json" if n == "as_json" else n).replace("_", "-") for n in params))
+            valid = ", ".join(sorted({param.opts[0].lstrip("-") for param in params.values()}))
             raise ConfigError(f"--config {path!r}: unknown or non-scalar key {key!r}; the keys are the flags: {valid}")
-        values[name] = check_value(path, key, value, params[name])
+        param = params[name]
+        values[param.name] = check_value(path, key, value, param)
+    if skipped:
+        click.echo(f"--config {path}: {command.name} does not take {', '.join(skipped)} (other commands' flags): "
+                   f"skipped", err=True)
     return values
 
 
@@ -115,7 +143,9 @@ def config_file_option(command: click.Command) -> click.Command:
 
     def load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
         if value is not None:
-            ctx.default_map = {**(ctx.default_map or {}), **read_config_file(value, ctx.command)}
+            root = ctx.find_root().command
+            others = [c for c in getattr(root, "commands", {}).values() if c is not ctx.command]
+            ctx.default_map = {**(ctx.default_map or {}), **read_config_file(value, ctx.command, others)}
 
     option = click.Option(
         ["--config"], type=str, is_eager=True, expose_value=False, callback=load,

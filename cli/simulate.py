@@ -20,6 +20,7 @@ import sys
 import click
 
 from cli.config_file import config_file_option
+from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
@@ -214,11 +215,27 @@ def parameter_count(n: int) -> str:
     return f"{n / 1e6:.2f}M"
 
 
+def micro_batch_size(options: dict) -> int:
+    """--micro-batch-size, or the global batch over (--micro-batches x dp) of a single run; 1 by default."""
+    size, count = options.pop("micro_batch_size"), options.pop("micro_batches")
+    if count is None:
+        return 1 if size is None else size
+    if options["sweep"] or options["global_batch"] is None:
+        raise ConfigError("--micro-batches needs a fixed dp and --global-batch; in a sweep (or without a global "
+                          "batch) give --micro-batch-size")
+    dp = options["dp"] or 1
+    for name, value in (("--micro-batches", count), ("--global-batch", options["global_batch"]), ("--dp", dp)):
+        check_positive_int(name, value)
+    if size is None and options["global_batch"] % (dp * count):
+        raise ConfigError(f"--micro-batches {count} x dp {dp} does not divide the global batch "
+                          f"{options['global_batch']}: change one of them")
+    return options["global_batch"] // (dp * micro_batch_count(options["global_batch"], dp, count, size))
+
+
 @config_file_option
 @click.command()
 @model_options("gpt3-175b")
-@click.option("--global-batch", "global_batch", type=int, help="Sequences per step (default: micro-batch x dp x pp).")
-@click.option("--micro-batch", "micro_batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@batch_options(None, "Global batch: sequences per step (default: micro-batch size x dp x pp).")
 @click.option("--tp", type=int, help="Tensor-parallel size (default 1; in a sweep: searched).")
 @click.option("--pp", type=int, help="Pipeline stages (default 1; in a sweep: searched).")
 @click.option("--dp", type=int, help="Data-parallel replicas (default 1).")
@@ -271,6 +288,7 @@ def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
     model_from_options(options)  # the model's flags first, each on one line
+    options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):
         if options[name] is not None:

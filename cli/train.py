@@ -11,6 +11,7 @@ import click
 
 from cli.config_file import config_file_option
 from cli.output import print_table
+from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
@@ -29,11 +30,13 @@ def build_train_config(options: dict) -> TrainConfig:
     if chosen is not None and options["out"] is None and Path(chosen).parent.name == "checkpoints":
         options = {**options, "out": str(Path(chosen).parent.parent)}  # --resume RUN/checkpoints/step-N
     model = model_from_options(options)
+    dp = data_parallel_size(options)
     cfg = TrainConfig(
         model=model,
         steps=options["steps"],
-        global_batch=options["batch_size"],
-        micro_batches=options["micro_batches"],
+        global_batch=options["global_batch"],
+        micro_batches=micro_batch_count(options["global_batch"], dp, options["micro_batches"],
+                                        options["micro_batch_size"]),
         lr=options["lr"],
         min_lr=options["min_lr"] if options["min_lr"] is not None else options["lr"] / 10,
         warmup_steps=options["warmup"],
@@ -51,7 +54,7 @@ def build_train_config(options: dict) -> TrainConfig:
         log_every=options["log_every"],
         tp=options["tp"],
         pp=options["pp"],
-        dp=data_parallel_size(options),
+        dp=dp,
         zero=options["zero"],
         sequence_parallel=options["sequence_parallel"],
         schedule=options["schedule"],
@@ -200,11 +203,10 @@ def mib(n: int) -> str:
 @click.option("--recompute", default="none", show_default=True, help="Activation recomputation: none or "
               "selective (the attention core runs again in the backward, Korthikanti et al. 2022).")
 @click.option("--steps", default=100, show_default=True, type=int, help="Optimizer steps.")
-@click.option("--batch-size", default=16, show_default=True, type=int, help="Global batch in sequences.")
-@click.option("--micro-batches", default=1, show_default=True, type=int, help="Gradient accumulation steps.")
-@click.option("--lr", default=3e-3, show_default=True, type=float, help="Peak learning rate.")
+@batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
+@click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate.")
 @click.option("--min-lr", type=float, help="Final learning rate of the cosine decay [default: lr/10].")
-@click.option("--warmup", type=int, help="Warmup steps [default: 10% of steps, at most 100].")
+@click.option("--warmup", type=int, help="Warmup steps [default: 10% of steps, at least 10 (at most the run), at most 100].")
 @click.option("--weight-decay", default=0.1, show_default=True, type=float)
 @click.option("--grad-clip", default=1.0, show_default=True, type=float, help="Max gradient norm (0: off).")
 @click.option("--eval-every", type=int, help="Steps between validations [default: 5 per run; 0: at the end].")

@@ -80,7 +80,7 @@ def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
     from cli.compare import build_compare_config
     from cli.tools.compare import check_compare, run_compare
 
-    options = dict(model="tiny", seq_len=32, layers=2, steps=2, batch_size=4, micro_batches=1, out=str(tmp_path / "r"),
+    options = dict(model="tiny", seq_len=32, layers=2, steps=2, global_batch=4, micro_batches=1, out=str(tmp_path / "r"),
                    device="auto", precision="fp32", tp=1, pp=1, dp=1, zero=0, schedule="1f1b", virtual_chunks=1,
                    threads_per_rank=1)
     report = run_compare(check_compare(build_compare_config(options), profile))

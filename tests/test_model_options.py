@@ -1,4 +1,5 @@
-"""One vocabulary of model flags: train, simulate and compare take the same names and build the same model."""
+"""One vocabulary of flags: train, simulate and compare take the same model, layout and batch flag names
+(and build the same model from them), and one TOML file serves them all."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ MODEL_FLAGS = {"--model", "--layers", "--heads", "--kv-heads", "--d-model", "--d
                "--dropout"}
 
 
+LAYOUT_AND_BATCH_FLAGS = {"--tp", "--pp", "--dp", "--zero", "--schedule", "--virtual-chunks", "--sequence-parallel",
+                          "--global-batch", "--batch-size", "--micro-batches", "--micro-batch-size", "--micro-batch",
+                          "--precision", "--recompute", "--config", "--json"}
+
+
 def flags(command) -> set[str]:
     return {name for param in command.params for name in (*param.opts, *param.secondary_opts)}
 
@@ -25,6 +31,8 @@ def flags(command) -> set[str]:
 def test_train_simulate_and_compare_take_the_same_model_flags():
     for command in (train, simulate, compare):
         assert MODEL_FLAGS <= flags(command), (command.name, MODEL_FLAGS - flags(command))
+        missing = LAYOUT_AND_BATCH_FLAGS - flags(command)
+        assert not missing, (command.name, missing)
 
 
 def test_the_flags_spell_out_a_preset():
@@ -41,3 +49,28 @@ def test_the_flags_spell_out_a_preset():
     spelled, preset = (json.loads(run.stdout) for run in runs)
     assert spelled["step_time_s"] == preset["step_time_s"] > 0
     assert spelled["memory_per_gpu"] == preset["memory_per_gpu"]
+
+
+def test_one_toml_file_serves_every_command(tmp_path):
+    """Top-level keys go to each command that takes them (the others' are skipped and named once); a table
+    named after a command gives it its own values; a key no command takes is refused in one line."""
+    from minigpt.config import preset
+
+    path = tmp_path / "job.toml"
+    path.write_text('model = "tiny-llama"\ntp = 2\nglobal-batch = 8\nsteps = 3\nlr = 0.001\n'
+                    '[simulate]\ngpu = "h100-sxm"\nmicro-batch-size = 2\n')
+    result = CliRunner().invoke(main, ["simulate", "--config", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["layout"]["tp"], report["global_batch"], report["micro_batch"]) == (2, 8, 2)
+    assert report["gpu"] == "h100-sxm"
+    assert result.stderr.count("\n") == 1 and "steps, lr" in result.stderr and "skipped" in result.stderr
+    from cli.train import build_train_config, train as train_command
+
+    parent = main.make_context("minigpt", ["train"], resilient_parsing=True)  # the group, as the console script
+    ctx = train_command.make_context("train", ["--config", str(path), "--out", str(tmp_path / "run")], parent=parent)
+    cfg = build_train_config(ctx.params)
+    assert (cfg.model, cfg.tp, cfg.global_batch, cfg.steps, cfg.lr) == (preset("tiny-llama"), 2, 8, 3, 0.001)
+    path.write_text("tp = 2\nlearning-rate = 0.1\n")
+    refused = CliRunner().invoke(main, ["simulate", "--config", str(path)])
+    assert refused.exit_code == 2 and "unknown or non-scalar key 'learning-rate'" in refused.stderr
