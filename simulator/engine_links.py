@@ -87,7 +87,8 @@ def check_placement(cluster: Cluster, layout: Layout) -> None:
 def _spans_servers(layout: Layout, first: int, servers: list[int], per_node: int) -> None:
     raise ConfigError(
         f"tp={layout.tp} spans servers (ranks {first}..{first + layout.tp - 1} are on servers {servers}; "
-        f"a server holds {per_node} GPUs): tensor parallelism must stay inside one server, use tp <= {per_node}"
+        f"a server holds {per_node} GPUs): tensor parallelism must stay inside one server, use a tp that divides "
+        f"{per_node}"
     )
 
 

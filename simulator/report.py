@@ -44,7 +44,8 @@ def step_rows(result: SimResult) -> list[list[str]]:
     step = result.step_time_s
     rows = [["step time", seconds(step), "100.0%"]]
     rows += [[f"  {BREAKDOWN_LABELS[k]}", seconds(v), f"{v / step:.1%}"] for k, v in result.breakdown.items()]
-    rows += [["TFLOP/s per GPU", f"{result.tflops_per_gpu:.1f}", "model FLOPs"],
+    per_gpu = (f"{result.tflops_per_gpu:.1f}" if result.tflops_per_gpu >= 1 else f"{result.tflops_per_gpu * 1e3:.1f}")
+    rows += [["TFLOP/s per GPU" if result.tflops_per_gpu >= 1 else "GFLOP/s per GPU", per_gpu, "model FLOPs"],
              ["MFU", f"{result.mfu:.1%}", f"of the {result.precision} peak"],
              ["throughput", f"{result.samples_per_s:.4g} samples/s", f"{result.tokens_per_s:.4g} tokens/s"]]
     return rows
@@ -83,7 +84,7 @@ def sweep_rows(sweep: ScalingSweep) -> list[list[str]]:
     for p in sweep.points:
         lay = p.result.layout
         rows.append([p.gpus, p.global_batch, f"{lay.tp}x{lay.pp}x{lay.dp}", p.result.micro_batches,
-                     seconds(p.result.step_time_s), f"{p.samples_per_s:.4g}", f"{p.efficiency:.0%}",
+                     seconds(p.result.step_time_s), f"{p.samples_per_s:.4g}", "-" if p.efficiency is None else f"{p.efficiency:.0%}",
                      "-" if p.marginal is None else f"{p.marginal:.0%}", f"{p.result.mfu:.1%}",
                      f"{p.result.breakdown['pipeline_bubble'] / p.result.step_time_s:.0%}",
                      f"{(p.result.breakdown['dp_comm'] + p.result.breakdown['tp_comm'] + p.result.breakdown['pp_comm']) / p.result.step_time_s:.0%}",
@@ -115,7 +116,7 @@ def plot_sweep(sweep: ScalingSweep, path: str | Path) -> Path:
 
     gpus = [p.gpus for p in sweep.points]
     throughput = [p.samples_per_s for p in sweep.points]
-    first = sweep.points[0]
+    first = next((p for p in sweep.points if p.result.fits), sweep.points[0])  # the baseline
     linear = [first.samples_per_s * n / first.gpus for n in gpus]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
     top.plot(gpus, linear, "--", color="grey", label="linear scaling")

@@ -12,7 +12,9 @@ Marginal gain: going from N0 to N1 GPUs, each added GPU brings (T1 - T0) / (N1 -
 samples/s; linear scaling would have it bring what a GPU brought at N0, T0 / N0. Their
 ratio is the marginal efficiency; adding GPUs stops paying at the first point where it
 falls below `threshold` (default DEFAULT_THRESHOLD = 0.5: an added GPU is worth less than
-half a GPU already there).
+half a GPU already there) and stays below at every later point. Only points whose layout
+fits in memory count: the baseline of speedup and efficiency is the first that fits, and a
+point that does not fit has neither (nor a marginal efficiency).
 """
 
 from __future__ import annotations
@@ -153,9 +155,9 @@ class ScalingPoint:
     global_batch: int
     result: SimResult
     samples_per_s: float
-    speedup: float = 1.0  # throughput over the first point's
-    efficiency: float = 1.0  # speedup / (gpus / first gpus)
-    marginal: float | None = None  # marginal efficiency from the previous point (see the module docstring)
+    speedup: float | None = None  # throughput over the baseline's (the first point that fits); None: no baseline yet
+    efficiency: float | None = None  # speedup / (gpus / baseline gpus)
+    marginal: float | None = None  # marginal efficiency from the previous point that fits (module docstring)
 
     def as_dict(self) -> dict:
         r = self.result
@@ -174,19 +176,34 @@ class ScalingSweep:
 
     @property
     def stop(self) -> ScalingPoint | None:
-        """The first point where an added GPU brought less than `threshold` of a GPU's worth."""
-        return next((p for p in self.points if p.marginal is not None and p.marginal < self.threshold), None)
+        """The point after which adding GPUs no longer pays: the first whose marginal efficiency is below
+        `threshold` and after which no point that fits is above it again (a dip that recovers is not a stop)."""
+        stop = None
+        for point in self.points:
+            if point.marginal is None:
+                continue
+            if point.marginal < self.threshold:
+                stop = stop or point
+            else:
+                stop = None
+        return stop
 
     def verdict(self) -> str:
+        fitting = [p for p in self.points if p.result.fits]
+        if not fitting:
+            return "no point of the sweep fits in memory: there is no baseline to scale from"
+        unfit = [p.gpus for p in self.points if not p.result.fits]
+        note = f" ({', '.join(map(str, unfit))} GPUs: no layout fits, left out)" if unfit else ""
         stop = self.stop
         if stop is None:
-            last = self.points[-1]
+            last = fitting[-1]
             return (f"adding GPUs still pays up to {last.gpus} GPUs: each added GPU brought at least "
-                    f"{self.threshold:.0%} of a GPU's worth (efficiency at {last.gpus}: {last.efficiency:.0%})")
-        previous = self.points[self.points.index(stop) - 1]
+                    f"{self.threshold:.0%} of a GPU's worth (efficiency at {last.gpus}: {last.efficiency:.0%}){note}")
+        previous = [p for p in fitting if p.gpus < stop.gpus][-1]
         return (f"adding GPUs stops paying at {stop.gpus} GPUs: from {previous.gpus} to {stop.gpus} each added GPU "
-                f"brings {stop.marginal:.0%} of what a GPU brought at {previous.gpus} (threshold {self.threshold:.0%}); "
-                f"throughput {previous.samples_per_s:.3g} -> {stop.samples_per_s:.3g} samples/s")
+                f"brings {stop.marginal:.0%} of what a GPU brought at {previous.gpus} (threshold {self.threshold:.0%}), "
+                f"and no later point pays again; throughput {previous.samples_per_s:.3g} -> {stop.samples_per_s:.3g} "
+                f"samples/s{note}")
 
     def as_dict(self) -> dict:
         stop = self.stop
@@ -214,8 +231,11 @@ def scaling_sweep(job: Job, gpu_counts: list[int], spec: ClusterSpec, scaling: s
             raise ConfigError(f"weak scaling from {counts[0]} GPUs needs GPU counts that are multiples of it, got {n}")
         result = best_layout(job, n, spec, batch, tp, pp)
         point = ScalingPoint(n, batch, result, result.samples_per_s)
-        if sweep.points:
-            first, previous = sweep.points[0], sweep.points[-1]
+        fitting = [p for p in sweep.points if p.result.fits]
+        if result.fits and not fitting:  # the baseline: the first point whose layout fits in memory
+            point.speedup, point.efficiency = 1.0, 1.0
+        elif result.fits:
+            first, previous = fitting[0], fitting[-1]
             point.speedup = point.samples_per_s / first.samples_per_s
             point.efficiency = point.speedup / (n / first.gpus)
             added = (point.samples_per_s - previous.samples_per_s) / (n - previous.gpus)

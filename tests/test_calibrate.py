@@ -82,6 +82,9 @@ def test_the_profile_drives_the_simulator(profile_path):
                                     "--precision", "fp32", "--dp", "2", "--json"])
     assert cli.exit_code == 0, cli.output
     assert json.loads(cli.output)["gpu"] == "cpu-calibrated"
+    table = CliRunner().invoke(main, ["simulate", "--hardware", str(profile_path), "--model", "tiny",
+                                      "--precision", "fp32", "--dp", "2"])
+    assert "GFLOP/s per GPU" in table.output and "TFLOP/s per GPU" not in table.output  # units that suit a CPU
 
     again = save_hardware(hardware, profile_path.parent / "again.json")  # the optional fields round-trip
     reloaded = load_hardware(str(again)).gpu

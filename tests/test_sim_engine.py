@@ -356,3 +356,33 @@ def test_asynchronous_p2p_on_uniform_stages():
         step = max(t.end for t in tallies)
         for tally in tallies:
             assert sum(tally.seconds.values()) == pytest.approx(step, rel=1e-12) and tally.seconds["bubble"] >= -1e-12
+
+
+def test_the_sweep_verdict_is_monotone_and_its_baseline_fits():
+    """A dip below the threshold that recovers is not where scaling stops; only points that fit count."""
+    from types import SimpleNamespace
+
+    from simulator.sweep import ScalingPoint, ScalingSweep
+
+    def point(gpus, marginal, fits=True):
+        p = ScalingPoint(gpus, 64, SimpleNamespace(fits=fits), 100.0, marginal=marginal)
+        p.efficiency = None if not fits else 1.0
+        return p
+
+    dip = ScalingSweep("strong", 0.5, [point(8, None), point(16, 0.4), point(32, 0.53), point(64, 0.57)])
+    assert dip.stop is None and "still pays up to 64" in dip.verdict()  # the old rule said "stops at 16"
+    stops = ScalingSweep("strong", 0.5, [point(8, None), point(16, 0.4), point(32, 0.6), point(64, 0.3),
+                                         point(128, 0.2)])
+    assert stops.stop.gpus == 64 and "no later point pays again" in stops.verdict()
+    unfit = ScalingSweep("strong", 0.5, [point(8, None, fits=False), point(16, None), point(32, 0.9)])
+    assert "8 GPUs: no layout fits, left out" in unfit.verdict()
+
+
+def test_a_sweep_whose_first_point_does_not_fit_starts_from_the_first_that_does():
+    from simulator.sweep import ClusterSpec, Job, scaling_sweep
+
+    job = Job(preset("gpt3-175b"), precision="bf16", global_batch=64, micro_batch=1, zero=1)
+    sweep = scaling_sweep(job, [8, 64], ClusterSpec.of("a100-80gb"), tp=8)
+    small, large = sweep.points
+    assert not small.result.fits and small.efficiency is None and small.marginal is None
+    assert large.result.fits and large.efficiency == 1.0 and large.marginal is None
