@@ -15,7 +15,7 @@ from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
-from parallel.resume import ResumePoint, resume_point
+from parallel.resume import ResumePoint, continue_settings, resume_point
 from parallel.run_dir import RunClaim
 from parallel.run_files import default_run_dir
 from job.train_config import DEVICES, PRECISIONS, TrainConfig
@@ -61,7 +61,7 @@ def build_train_config(options: dict) -> TrainConfig:
         virtual_chunks=options["virtual_chunks"],
         bucket_mb=options["bucket_mb"],
         threads_per_rank=options["threads_per_rank"],
-        save_every=options["save_every"],
+        save_every=options["save_every"] or 0,
         resume=options["resume"] not in (None, False),
         recompute=options["recompute"],
     )
@@ -218,7 +218,8 @@ def mib(n: int) -> str:
 @click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
 @click.option("--loss-scale", default="dynamic", show_default=True, help="fp16 loss scale: 'dynamic' or a static number.")
 @click.option("--loss-scale-window", default=1000, show_default=True, type=int, help="Clean steps before a dynamic scale doubles.")
-@click.option("--save-every", default=0, show_default=True, type=int, help="Checkpoint every N steps and at the end (0: none).")
+@click.option("--save-every", type=int, help="Checkpoint every N steps and at the end (0: none) [default: 0, or "
+              "with --resume the run's own].")
 @click.option("--resume", is_flag=False, flag_value=NEWEST, default=None, type=click.UNPROCESSED, metavar="[PATH]",
               help="Continue the run in --out from its newest checkpoint that verifies, or from checkpoint PATH.")
 @click.option("--overwrite", is_flag=True, help="Clear --out first (only a minigpt run directory; never with --resume).")
@@ -235,6 +236,10 @@ def train(as_json: bool, **options) -> None:
     claim = claim_run_dir(cfg, options)
     try:
         point = choose_resume(cfg, options, out)
+        if point is not None:
+            cfg, lines = continue_settings(cfg, point, options["save_every"] is not None)
+            for line in lines:
+                click.echo(line, file=out)
         if point is not None and point.nothing_to_do(cfg.steps):
             click.echo(point.nothing_to_do(cfg.steps), file=out)
             if as_json:

@@ -9,7 +9,7 @@ checkpoint already verified, and a corrupt one is refused in one line before any
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from minigpt.errors import ConfigError
@@ -21,6 +21,7 @@ class ResumePoint:
     path: Path
     step: int  # steps done: the next step to run
     skipped: tuple[CorruptCheckpoint, ...] = ()
+    settings: dict = field(default_factory=dict)  # the saving run's TrainConfig, as state.json holds it
 
     def skipped_line(self) -> str | None:
         """One line naming the newer checkpoints passed over and why; None when none was."""
@@ -44,12 +45,32 @@ def resume_point(cfg, chosen: str | os.PathLike | None = None) -> ResumePoint:
     verifies. ConfigError (one line) when there is none, or the chosen one does not verify."""
     if chosen is not None:
         state = check_checkpoint(chosen, cfg)
-        return ResumePoint(Path(chosen), state["step"])
+        return ResumePoint(Path(chosen), state["step"], settings=state.get("config") or {})
     path, state, skipped = newest_valid_checkpoint(cfg.checkpoint_dir, cfg)
     if path is not None:
-        return ResumePoint(path, state["step"], tuple(skipped))
+        return ResumePoint(path, state["step"], tuple(skipped), state.get("config") or {})
     if skipped:
         reasons = "; ".join(f"{error.path.name} is {error.reason}" for error in skipped)
         raise ConfigError(f"--resume: no checkpoint in {cfg.checkpoint_dir} verifies ({reasons}): "
                           f"start afresh with --overwrite")
     raise ConfigError(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; train with --save-every first")
+
+
+def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
+    """`cfg` with the saved run's --save-every unless the flag was given, and the lines that say what the
+    resumed run does differently from the saved one (its learning-rate schedule when --steps changed)."""
+    from dataclasses import replace
+
+    lines = []
+    saved_every = point.settings.get("save_every")
+    if not save_every_given and isinstance(saved_every, int) and saved_every != cfg.save_every:
+        cfg = replace(cfg, save_every=saved_every)
+        lines.append(f"resume: checkpoints every {saved_every} steps, as the run did (--save-every changes it)")
+    saved_steps = point.settings.get("steps")
+    if isinstance(saved_steps, int) and saved_steps != cfg.steps:
+        before = replace(cfg, steps=saved_steps, warmup_steps=point.settings.get("warmup_steps"))
+        last = before.learning_rate(min(point.step, saved_steps) - 1) if point.step > 0 else before.learning_rate(0)
+        lines.append(f"resume: --steps {cfg.steps} where the run was started with {saved_steps}: the learning rate "
+                     f"follows a {cfg.steps}-step schedule from here ({cfg.learning_rate(point.step):.2e} at step "
+                     f"{point.step}; the run's last step used {last:.2e})")
+    return cfg, lines

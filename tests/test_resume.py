@@ -40,3 +40,19 @@ def test_resume_without_checkpoints_is_one_line(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 2 and "no complete checkpoint" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_resumed_run_keeps_its_save_every_and_says_what_a_new_step_count_does(tmp_path):
+    from job.train_config import TrainConfig
+    from parallel.resume import ResumePoint, continue_settings
+
+    saved = TrainConfig(steps=20, save_every=10, out_dir=str(tmp_path)).as_dict()
+    point = ResumePoint(tmp_path / "checkpoints" / "step-000020", 20, settings=saved)
+    cfg = TrainConfig(steps=30, out_dir=str(tmp_path), resume=True)
+    resumed, lines = continue_settings(cfg, point, save_every_given=False)
+    assert resumed.save_every == 10 and "every 10 steps, as the run did" in lines[0]
+    assert "--steps 30 where the run was started with 20" in lines[1]
+    assert f"{cfg.learning_rate(20):.2e} at step 20" in lines[1] and "last step used 2.00e-04" in lines[1]
+    kept, quiet = continue_settings(TrainConfig(steps=20, save_every=5, out_dir=str(tmp_path), resume=True), point,
+                                    save_every_given=True)
+    assert kept.save_every == 5 and quiet == []  # the flag given wins; the same steps need no word
