@@ -25,7 +25,10 @@ def sample(out, checkpoint, prompt, tokens, temperature, top_k, seed, as_json) -
 
     options = SampleOptions(prompt=prompt, tokens=tokens, temperature=temperature, top_k=top_k, seed=seed)
     options.check()
-    path = find_checkpoint(out, checkpoint)
+    skipped = []
+    path = find_checkpoint(out, checkpoint, skipped)
+    if skipped:
+        click.echo("sample: skipped " + "; ".join(f"{e.path.name} ({e.reason})" for e in skipped), err=True)
     result = sample_text(path, options)
     if as_json:
         click.echo(json.dumps(result))

@@ -28,7 +28,7 @@ from minigpt.data import decode, encode
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
 from parallel.checkpoint_dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
-from parallel.checkpoint_files import MARKER, STATE_FILE, latest_checkpoint, read_state
+from parallel.checkpoint_files import MARKER, STATE_FILE, CorruptCheckpoint, read_state, step_directories
 from parallel.checkpoint_layout import global_shapes
 
 MODEL_PREFIX, MASTER_PREFIX = "model.", "optimizer.master."
@@ -55,8 +55,10 @@ class SampleOptions:
             raise ConfigError("--prompt is empty: give at least one character (the default is a newline)")
 
 
-def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None) -> Path:
-    """The checkpoint to load: `checkpoint` itself, or the newest complete one of run directory `out`."""
+def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
+                    skipped: list | None = None) -> Path:
+    """The checkpoint to load: `checkpoint` itself, or the newest of run directory `out` that verifies
+    (complete, every file's sha256 right); the newer ones passed over are appended to `skipped`."""
     if (out is None) == (checkpoint is None):
         raise ConfigError("give exactly one of --out RUN_DIR (a run trained with --save-every) or --checkpoint PATH")
     if checkpoint is not None:
@@ -66,13 +68,18 @@ def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.P
         raise ConfigError(
             f"run directory {str(run)!r} does not exist or is not a directory: pass the --out of a `minigpt train` run"
         )
-    found = latest_checkpoint(run / "checkpoints")
-    if found is None:
-        raise ConfigError(
-            f"run directory {str(run)!r} has no complete checkpoint under checkpoints/: "
-            f"train it with --save-every N, or pass --checkpoint PATH"
-        )
-    return found
+    passed = [] if skipped is None else skipped
+    for entry in step_directories(run / "checkpoints"):
+        try:
+            checkpoint_model_config(entry)  # complete, of a readable shape, every checksum right
+            return entry
+        except CorruptCheckpoint as error:
+            passed.append(error)
+    why = "; ".join(f"{error.path.name} is {error.reason}" for error in passed)
+    raise ConfigError(
+        f"run directory {str(run)!r} has no checkpoint that verifies under checkpoints/"
+        + (f" ({why})" if why else "") + ": train it with --save-every N, or pass --checkpoint PATH"
+    )
 
 
 class _ShapeOf:

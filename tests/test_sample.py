@@ -99,8 +99,8 @@ def bad_inputs(runs, tmp_path):
     (unfinished / "checkpoints" / "step-000002.tmp").mkdir(parents=True)
     return [
         (["--out", str(tmp_path / "missing")], "does not exist"),
-        (["--out", str(tmp_path / "empty")], "no complete checkpoint"),
-        (["--out", str(unfinished)], "no complete checkpoint"),
+        (["--out", str(tmp_path / "empty")], "no checkpoint that verifies"),
+        (["--out", str(unfinished)], "no checkpoint that verifies"),
         (["--checkpoint", str(unfinished / "checkpoints" / "step-000002.tmp")], "incomplete"),
         (["--checkpoint", str(tmp_path / "nothing")], "does not exist"),
         ([], "exactly one of"),
@@ -120,3 +120,20 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         assert result.exit_code == 2, (args, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], (args, result.stderr)
+
+
+def test_a_changed_newest_checkpoint_is_skipped_for_the_newest_that_verifies(runs, tmp_path):
+    """Bytes flipped in the newest checkpoint after its save: sample says so on one line and reads the older one."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["one"][0], run)
+    newest = sorted((run / "checkpoints").iterdir())[-1]
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["sample", "--out", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["step"] == 2
+    assert result.stderr.count("\n") == 1 and f"skipped {newest.name}" in result.stderr and "sha256" in result.stderr
