@@ -41,6 +41,7 @@ from simulator.engine_host import HostLinks, host_compute
 from simulator.engine_links import LinkCosts
 from simulator.engine_replay import CATEGORIES, RankTally, no_garbage_collection, replay
 from simulator.hardware import GPUSpec, Hardware, load_hardware
+from simulator.limits import check_job
 from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
 from simulator.op_types import Implementation
@@ -224,6 +225,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
         raise ConfigError(f"the layout has {layout.virtual_chunks} virtual chunks but virtual_chunks={v}: give one of them")
     layout = replace(layout, virtual_chunks=max(v, layout.virtual_chunks))
     layout.check(model)
+    check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, micro_batch,
+              layout.world_size, layout.effective_zero)  # the stated limits, for callers of the API too
     spec = resolve_gpu(cluster, gpu)
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
     if profile is None:

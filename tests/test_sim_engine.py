@@ -386,3 +386,13 @@ def test_a_sweep_whose_first_point_does_not_fit_starts_from_the_first_that_does(
     small, large = sweep.points
     assert not small.result.fits and small.efficiency is None and small.marginal is None
     assert large.result.fits and large.efficiency == 1.0 and large.marginal is None
+
+
+def test_the_api_keeps_the_stated_limits_too():
+    """simulate_step itself refuses a job past simulator/limits.py, not only the command line."""
+    from minigpt.errors import ConfigError
+
+    hardware = load_hardware("a100-80gb")
+    cluster = build_cluster(hardware, 8, 8, None, "fat-tree")
+    with pytest.raises(ConfigError, match="schedule slots"):
+        simulate_step(preset("gpt2-124m"), Layout(dp=8, zero=3), cluster, "bf16", 8 * 200_000, 1)
