@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import dataclasses
+
 import click
 
 from cli.config_file import config_file_option
@@ -24,7 +26,7 @@ from job.train_config import PRECISIONS, TrainConfig
 def build_compare_config(options: dict) -> TrainConfig:
     """The flags as a checked TrainConfig (K steps, one evaluation batch at the end only). Torch-free."""
     model = model_from_options(options)
-    return TrainConfig(
+    cfg = TrainConfig(
         model=model, steps=options["steps"], global_batch=options["global_batch"],
         micro_batches=micro_batch_count(options["global_batch"], options["dp"], options.get("micro_batches"),
                                         options.get("micro_batch_size")),
@@ -34,6 +36,11 @@ def build_compare_config(options: dict) -> TrainConfig:
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
     )
+    if cfg.out_dir is None:  # a directory of its own, named now so that it can be claimed before any work
+        from parallel.run_files import default_run_dir
+
+        cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
+    return cfg
 
 
 @config_file_option

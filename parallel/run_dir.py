@@ -31,6 +31,7 @@ LOCK_FILE = "run.lock"
 # parallel/checkpoint*.py), with the temporary names they are written under before a rename.
 RUN_ENTRIES = frozenset({
     "config.json", "metrics.jsonl", "summary.json", "trace.json", "loss.png", "checkpoints", LOCK_FILE,
+    "simulated.json",  # minigpt compare's simulated trace, beside the run's own
     "config.json.tmp", "summary.json.tmp", "trace.tmp", "loss.png.tmp.png",
 })
 

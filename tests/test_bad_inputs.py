@@ -158,6 +158,8 @@ CASES = [
     ("compare", ["--hardware", "{root}/presets.json"], "one GPU"),
     ("compare", ["--hardware", "{root}/profile.json", "--dp", "128", "--batch-size", "128"], "do not fit"),
     ("compare", ["--hardware", "{root}/profile.json", "--steps", "0"], "steps"),
+    ("compare", ["--hardware", "{root}/profile.json", "--out", "{root}/run"], "is not empty"),
+    ("compare", ["--hardware", "{root}/profile.json", "--out", "{root}/locked"], "in use by another minigpt run"),
     # calibrate
     ("calibrate", ["--ranks", "0", "--out", "{root}/profile.json"], "--ranks"),
     ("calibrate", ["--out", "{root}"], "directory"),

@@ -24,6 +24,7 @@ class ComparePlan:
     cluster: object  # simulator.topology.Cluster
     layout: object  # job.layout.Layout
     micro_batch: int
+    claim: object = None  # parallel.run_dir.RunClaim on cfg.out_dir, checked; run_compare takes and releases it
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -57,6 +58,9 @@ def check_compare(cfg: TrainConfig, hardware_path: str) -> ComparePlan:
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
     plan = ComparePlan(cfg, hardware, cluster, layout, micro_batch)
     simulate(plan)  # the simulator must accept the job before any training starts
+    from parallel.run_dir import RunClaim
+
+    plan.claim = RunClaim(cfg.out_dir, resume=False, overwrite=False)  # a fresh --out of its own, or refused
     return plan
 
 
@@ -161,7 +165,13 @@ def run_compare(plan: ComparePlan) -> dict:
 
     cfg = plan.cfg
     drift = machine_drift(plan.hardware)
-    summary = train(cfg)
+    if plan.claim is not None:
+        plan.claim.take()
+    try:
+        summary = train(cfg)
+    finally:
+        if plan.claim is not None:
+            plan.claim.release()
     result = simulate(plan)
     run_dir = Path(summary["run_dir"])
     simulated = result.write_chrome_trace(run_dir / "simulated.json")
