@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
 
-from minigpt.errors import ConfigError, TrainingError
+from minigpt.errors import ConfigError, Interrupted, TrainingError
 
 EXIT_BAD_INPUT = 2
+STOPPED = "the run ended early; its checkpoints so far are kept (--resume continues)"
 EXIT_RUN_FAILED = 1
 LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines() splits on
 
@@ -20,6 +22,10 @@ def one_line(message: object) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _raise_interrupted(signal_number: int, frame) -> None:
+    raise Interrupted(signal_number)
+
+
 class Group(click.Group):
     """A click group whose bad-input errors are one line on stderr and exit code 2.
 
@@ -28,11 +34,15 @@ class Group(click.Group):
     """
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # a scheduler's stop: one line, as Ctrl-C
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.Abort:
-            click.echo("minigpt: aborted", err=True)
-            sys.exit(1)
+        except (click.exceptions.Abort, KeyboardInterrupt):  # Ctrl-C in this process (click turns it into Abort)
+            click.echo(f"minigpt: {Interrupted(signal.SIGINT)}: {STOPPED}", err=True)
+            sys.exit(128 + signal.SIGINT)
+        except Interrupted as error:
+            click.echo(f"minigpt: {error}: {STOPPED}", err=True)
+            sys.exit(128 + error.signal_number)
         except click.ClickException as error:
             click.echo(f"minigpt: error: {one_line(error.format_message())}", err=True)
             sys.exit(EXIT_BAD_INPUT)
@@ -42,6 +52,8 @@ class Group(click.Group):
         except TrainingError as error:
             click.echo(f"minigpt: run failed: {one_line(error)}", err=True)
             sys.exit(EXIT_RUN_FAILED)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
@@ -58,6 +70,7 @@ def _register() -> None:
     from cli.calibrate import calibrate
     from cli.compare import compare
     from cli.numerics import numerics
+    from cli.plan import plan
     from cli.sample import sample
     from cli.schedule import schedule
     from cli.simulate import simulate
@@ -67,6 +80,7 @@ def _register() -> None:
     main.add_command(numerics)
     main.add_command(schedule)
     main.add_command(simulate)
+    main.add_command(plan)
     main.add_command(calibrate)
     main.add_command(compare)
     main.add_command(sample)

@@ -15,6 +15,19 @@ class TrainingError(RuntimeError):
     """
 
 
+class Interrupted(Exception):
+    """The run was stopped by a signal (SIGINT: Ctrl-C, SIGTERM: a scheduler or `kill`).
+
+    The CLI prints one line and exits with 128 + the signal's number, as a shell reports it.
+    """
+
+    def __init__(self, signal_number: int):
+        import signal
+
+        self.signal_number = signal_number
+        super().__init__(f"stopped by {signal.Signals(signal_number).name}")
+
+
 def check_positive_int(name: str, value: object) -> int:
     """`value` when it is an integer >= 1 (a bool is not); otherwise the one ConfigError every
     positive-integer setting raises: "<name> must be a positive integer, got <value>"."""

@@ -16,6 +16,7 @@ Inside the entrypoint a rank calls `init_worker()` first and `finish_worker()` i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -27,11 +28,11 @@ from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from minigpt.errors import ConfigError, TrainingError, check_positive_int
+from minigpt.errors import ConfigError, Interrupted, TrainingError, check_positive_int
 
 Arg = TypeVar("Arg")
 Result = TypeVar("Result")
@@ -89,7 +90,24 @@ def run_with_threads(entrypoint: Callable[[Arg], Result], arg: Arg, threads: int
     torch's own intra-op pool.
     """
     torch.set_num_threads(threads)
+    # Ctrl-C reaches every process of the terminal's group: the launching process says so on one line,
+    # and a rank leaves at once and quietly instead of printing a KeyboardInterrupt traceback each.
+    signal.signal(signal.SIGINT, _leave_quietly)
+    signal.signal(signal.SIGTERM, _leave_quietly)  # how elastic ends the ranks of a stopped run
     return entrypoint(arg)
+
+
+def _leave_quietly(signal_number: int, frame) -> None:
+    sys.stderr.flush()
+    os._exit(128 + signal_number)
+
+
+def quiet_elastic_logs() -> None:
+    """Elastic's warnings as it shuts ranks down (a stopped or failed run) are not for our user: the CLI
+    says what happened in one line. Its loggers set their own levels, so each one is set."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def launch_local(
@@ -98,6 +116,7 @@ def launch_local(
     """Start world_size ranks on this machine as `torchrun --standalone` would, and wait for them."""
     saved_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # the spawned ranks inherit it
+    quiet_elastic_logs()
     try:
         # Elastic writes each rank's error file under the log directory; ours goes away
         # afterwards instead of piling up as /tmp/torchelastic_* directories.
@@ -117,8 +136,13 @@ def launch_local(
             try:
                 results = elastic_launch(config, run_with_threads)(entrypoint, arg, threads_per_rank)
             except ChildFailedError as error:
+                stopped = {failure.exitcode for failure in error.failures.values()} & {128 + signal.SIGINT, -signal.SIGINT}
+                if stopped and len({f.exitcode for f in error.failures.values()}) == 1:
+                    raise Interrupted(signal.SIGINT) from None  # Ctrl-C: the ranks left before this process noticed
                 # One line for the CLI; elastic has logged the failed rank's traceback to stderr.
                 raise TrainingError(describe_failure(error, log_dir, world_size)) from None
+            except SignalException as error:  # SIGINT or SIGTERM to this process: elastic ended the ranks
+                raise Interrupted(int(error.sigval)) from None
     finally:
         if saved_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)

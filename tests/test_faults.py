@@ -86,3 +86,47 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert re.match(r"minigpt: run failed: step \d+: the loss is .* not finite under fp32", last), last
+
+
+def stop_with(tmp_path, sig: int, whole_group: bool) -> tuple[subprocess.CompletedProcess, list[int], Path]:
+    """A 4-rank run stopped by `sig` once it has a checkpoint: to its process group (Ctrl-C in a terminal
+    reaches every process) or to the launching process alone (a scheduler's SIGTERM)."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", "100000", "--save-every", "2", "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while latest_checkpoint(out / "checkpoints") is None:
+            assert process.poll() is None, process.communicate()
+            assert time.time() < deadline, "no checkpoint was written"
+            time.sleep(0.2)
+        workers = [pid for pid in children(process.pid) if is_worker(pid)]
+        (os.killpg if whole_group else os.kill)(process.pid, sig)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), workers, out
+
+
+def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the group) and a scheduler's SIGTERM (to the launcher): exit 128 + the signal within
+    seconds, one line naming it and no traceback, no rank left running, the run's lock released and its
+    last checkpoint complete."""
+    import fcntl
+
+    for sig, whole_group in ((signal.SIGINT, True), (signal.SIGTERM, False)):
+        (tmp_path / sig.name).mkdir()
+        result, workers, out = stop_with(tmp_path / sig.name, sig, whole_group)
+        assert result.returncode == 128 + sig, result.stderr[-2000:]
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1] == f"minigpt: stopped by {sig.name}: the run ended early; its checkpoints so far are " \
+                            f"kept (--resume continues)", result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and len(workers) == 4
+        time.sleep(0.5)
+        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the run"
+        with open(out / "run.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the stopped run still held it
+        cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
+        check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
