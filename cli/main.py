@@ -52,6 +52,10 @@ class Group(click.Group):
         except TrainingError as error:
             click.echo(f"minigpt: run failed: {one_line(error)}", err=True)
             sys.exit(EXIT_RUN_FAILED)
+        except OSError as error:  # the machine refused a write after the checks: a full disk, a read-only mount
+            where = f" {error.filename}" if error.filename else ""
+            click.echo(f"minigpt: run failed: cannot write{where}: {one_line(error.strerror or error)}", err=True)
+            sys.exit(EXIT_RUN_FAILED)
         finally:
             signal.signal(signal.SIGTERM, previous)
         if not standalone_mode:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, TrainingError
 from parallel.checkpoint_dcp import Boxes, SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
 from parallel.checkpoint_files import (
     FORMAT,
@@ -138,6 +138,15 @@ def _restore_rank_state(rank, state: dict) -> None:
 # ---------------------------------------------------------------------------- save
 
 
+def _cause(error: BaseException) -> str:
+    """One line on why a save failed: DCP gathers each rank's exception into a CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        error = first[0] if isinstance(first, tuple) else first
+    return " ".join(f"{type(error).__name__}: {error}".split())[:200]
+
+
 def save_checkpoint(directory: str | os.PathLike, rank, cfg, step: int, extra: dict | None = None) -> Path:
     """Save this rank's share of the training state as `<directory>/step-NNNNNN`; every rank calls it.
 
@@ -161,11 +170,17 @@ def save_checkpoint(directory: str | os.PathLike, rank, cfg, step: int, extra: d
         if placement.writes
         for role in roles
     }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP's note on single-process use
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-                 no_dist=not _distributed())
-    write_json(tmp / rank_file_name(rank.mesh.rank), _rank_state(rank))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's note on single-process use
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+                     no_dist=not _distributed())
+        write_json(tmp / rank_file_name(rank.mesh.rank), _rank_state(rank))
+    except (OSError, CheckpointException) as error:  # a full disk, a file system gone read-only
+        if rank.mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise TrainingError(f"step {step}: cannot write checkpoint {final} ({_cause(error)}); nothing of it is "
+                            f"left, the checkpoints before it are kept") from None
     _barrier()
     if rank.mesh.rank == 0:
         publish(tmp, final, {

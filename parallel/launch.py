@@ -103,11 +103,12 @@ def _leave_quietly(signal_number: int, frame) -> None:
 
 
 def quiet_elastic_logs() -> None:
-    """Elastic's warnings as it shuts ranks down (a stopped or failed run) are not for our user: the CLI
-    says what happened in one line. Its loggers set their own levels, so each one is set."""
+    """Elastic's logs as it shuts ranks down (a stopped or failed run) are not for our user: the CLI says what
+    happened in one line, and describe_failure prints the root cause's traceback when it was not one of our
+    own errors. Its loggers set their own levels, so each one is set."""
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def launch_local(
@@ -152,6 +153,7 @@ def launch_local(
 
 
 MAX_CAUSE_CHARS = 300  # the failure stays one readable line
+OUR_ERRORS = ("TrainingError:", "ConfigError:", "CorruptCheckpoint:")  # a rank's anticipated failures
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,9 @@ def describe_failure(error: ChildFailedError, log_dir: str, world_size: int) -> 
 
     Elastic's ChildFailedError names only the one rank that torch.multiprocessing happened to
     notice first, often a peer that died of the broken connection a moment after the real
-    failure, and elastic logs that rank's traceback. So every rank's error file is read, the
-    one written first is the root cause, and its traceback is printed when elastic's was another's.
+    failure. So every rank's error file is read, the one written first is the root cause, and its
+    traceback is printed unless it is one of our own errors, whose message says it all (elastic's own
+    log of whichever traceback it saw is silenced: quiet_elastic_logs).
     """
     recorded = recorded_errors(log_dir)
     failed = sorted(set(recorded) | set(error.failures))
@@ -181,7 +184,7 @@ def describe_failure(error: ChildFailedError, log_dir: str, world_size: int) -> 
     elif recorded:
         root = min(recorded.values(), key=lambda entry: entry.written_ns)
         first, cause = root.rank, root.message
-        if first not in error.failures and root.traceback:
+        if root.traceback and not root.message.startswith(OUR_ERRORS):  # ours say all in their message
             print(f"The root cause, rank {first}'s traceback:\n{root.traceback}", file=sys.stderr, flush=True)
     else:
         first = min(error.failures)

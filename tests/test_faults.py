@@ -130,3 +130,29 @@ def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the stopped run still held it
         cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
         check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(tmp_path):
+    """ENOSPC on a 14 MiB file system that holds two checkpoints of this run, not three: one line, exit 1,
+    nothing half-written left, and the newest complete checkpoint verifies. Needs a tmpfs mount (root)."""
+    import pytest
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        out = disk / "run"
+        command = [sys.executable, "-m", "cli", "train", "--dp", "2", "--layers", "2", "--steps", "40",
+                   "--save-every", "10", "--out", str(out)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert result.returncode == 1, result.stderr[-2000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("minigpt: run failed: "), result.stderr[-2000:]
+        assert "cannot write checkpoint" in lines[0] and "nothing of it is left" in lines[0]
+        names = sorted(p.name for p in (out / "checkpoints").iterdir())
+        assert names and not [n for n in names if n.endswith(".tmp")], names
+        cfg = TrainConfig(model=preset("tiny").with_(n_layers=2), dp=2, out_dir=str(out))
+        check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
