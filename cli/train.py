@@ -95,6 +95,21 @@ def claim_run_dir(cfg: TrainConfig, options: dict) -> RunClaim | None:
     return RunClaim(cfg.out_dir, resume=cfg.resume, overwrite=options["overwrite"])
 
 
+def check_memory(cfg: TrainConfig) -> None:
+    """Refuse, in one line, a run the simulator's memory model says this machine cannot hold (cli/tools/
+    memory_check.py): the RAM available now on a CPU, the smallest GPU's free memory on CUDA."""
+    from cli.tools.memory_check import check_cpu_memory, check_gpu_memory
+    from parallel.device import cuda_device_count, smallest_free_gpu_bytes
+    from parallel.launch import in_torchrun
+
+    if in_torchrun():  # torchrun's nodes hold the ranks: each has its own memory, not this one's
+        return
+    if cfg.device == "cpu" or cuda_device_count() < cfg.world_size:
+        check_cpu_memory(cfg)
+    else:
+        check_gpu_memory(cfg, smallest_free_gpu_bytes(cfg.world_size))
+
+
 def choose_resume(cfg: TrainConfig, options: dict, out) -> ResumePoint | None:
     """The checkpoint a resumed run continues, verified; its skip and resume lines printed."""
     if not cfg.resume:
@@ -232,6 +247,7 @@ def train(as_json: bool, **options) -> None:
     from parallel.device import check_device  # torch is imported only once the flags are valid
 
     check_device(cfg.device, cfg.world_size)
+    check_memory(cfg)
     out = sys.stderr if as_json else sys.stdout
     claim = claim_run_dir(cfg, options)
     try:

@@ -135,6 +135,11 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def smallest_free_gpu_bytes(local_ranks: int) -> int:
+    """The least free memory among the first `local_ranks` GPUs (torch.cuda.mem_get_info)."""
+    return min(torch.cuda.mem_get_info(index)[0] for index in range(local_ranks))
+
+
 def check_device(requested: str, local_ranks: int) -> None:
     """Before any worker starts: a CUDA request needs a GPU for every local rank."""
     if requested != "cuda":

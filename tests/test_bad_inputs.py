@@ -137,6 +137,8 @@ CASES = [
     ("train", ["--mlp", "relu"], "relu"),
     ("train", ["--positions", "rope", "--rope-theta", "0.5"], "rope_theta"),
     ("train", ["--recompute", "full"], "simulated only"),
+    ("train", ["--model", "llama3-405b", "--batch-size", "1"], "GiB of RAM"),
+    ("train", ["--model", "gpt3-175b", "--tp", "2", "--layers", "4", "--batch-size", "2"], "GiB of RAM"),
     ("train", ["--micro-batch-size", "3"], "--micro-batch-size 3 does not divide the global batch 4"),
     ("train", ["--micro-batches", "4", "--micro-batch-size", "2"], "give one of the two"),
     ("simulate", ["--micro-batches", "4"], "needs a fixed dp and --global-batch"),

@@ -74,3 +74,18 @@ def test_one_toml_file_serves_every_command(tmp_path):
     path.write_text("tp = 2\nlearning-rate = 0.1\n")
     refused = CliRunner().invoke(main, ["simulate", "--config", str(path)])
     assert refused.exit_code == 2 and "unknown or non-scalar key 'learning-rate'" in refused.stderr
+
+
+def test_a_run_that_cannot_fit_in_ram_is_refused_before_it_starts():
+    """The simulator's memory model, summed over the ranks, against the RAM available (cli/tools/memory_check.py)."""
+    import pytest
+
+    from cli.tools.memory_check import BUILD_BYTES_PER_PARAM, PROCESS_BYTES, check_cpu_memory, predicted_rank_bytes
+    from job.train_config import TrainConfig
+    from minigpt.errors import ConfigError
+
+    cfg = TrainConfig(dp=2, zero=1, global_batch=8)
+    needed = check_cpu_memory(cfg, available=2**40)
+    assert needed == 2 * sum(predicted_rank_bytes(cfg)) + 2 * (PROCESS_BYTES + BUILD_BYTES_PER_PARAM * 842_496)
+    with pytest.raises(ConfigError, match="GiB of RAM"):
+        check_cpu_memory(cfg, available=needed - 1)
