@@ -1,0 +1,134 @@
+"""`minigpt plan`: the fastest training layouts of a model on N GPUs that fit in memory.
+
+Torch-free: it checks flags and prints what simulator/plan.py finds. The model flags are
+`simulate`'s (cli/model_options.py), the cluster flags too (--gpu, --hardware, --gpus-per-node,
+--fabric, --topology-kind, --nics-per-node, --oversubscription: one cluster of --gpus GPUs in whole
+servers). The global batch defaults to one sequence per GPU, so every dp divides it;
+--micro-batch-size or --micro-batches fixes the micro-batching, otherwise it is searched.
+
+A model that fits nowhere is bad input too: one line naming the smallest memory need found and the
+GPU's capacity, exit code 2 (the flags ask for the impossible; more GPUs, a larger GPU or a smaller
+model is the fix), before anything is simulated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import click
+
+from cli.batch_options import batch_options
+from cli.config_file import config_file_option
+from cli.model_options import model_from_options, model_options
+from cli.simulate import DEFAULT_GPU, TOPOLOGY_KINDS, _hardware, parameter_count
+from minigpt.errors import ConfigError, check_positive_int
+
+GIB = 2**30
+
+
+@contextlib.contextmanager
+def _progress():
+    """One line of progress on stderr while the search runs, when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    yield lambda stage, done, total: click.echo(f"\rplan: {stage} {done:,}/{total:,}   ", nl=False, err=True)
+    click.echo("\r" + " " * 40 + "\r", nl=False, err=True)
+
+
+def _rows(result) -> list[list]:
+    from simulator.report import seconds
+
+    rows = []
+    for rank, (candidate, simulated, _) in enumerate(result.best, 1):
+        schedule = candidate.schedule + (f" x{candidate.virtual_chunks}" if candidate.virtual_chunks > 1 else "")
+        rows.append([rank, f"tp {candidate.tp} x pp {candidate.pp} x dp {candidate.dp}",
+                     "yes" if candidate.sequence_parallel else "no", candidate.zero,
+                     f"{candidate.micro_batches} of {candidate.micro_batch}", schedule, candidate.recompute,
+                     seconds(simulated.step_time_s), f"{simulated.mfu:.1%}", f"{simulated.memory.total / GIB:.1f}"])
+    return rows
+
+
+def _why_rows(result) -> list[list]:
+    from simulator.plan import REFUSALS
+
+    rows = [["candidates in all", f"{result.candidates:,}"]]
+    rows += [[f"refused: {REFUSALS[key]}", f"{count:,}"] for key, count in sorted(result.refused.items())]
+    smallest = result.smallest_too_big
+    if smallest:
+        rows.append([f"did not fit in memory (the smallest need among them: {smallest[1] / GIB:.1f} GiB per GPU, "
+                     f"of {result.capacity / GIB:.1f})", f"{len(result.too_big):,}"])
+    rows.append(["fit, simulated, slower", f"{len(result.simulated) - len(result.best):,}"])
+    rows.append(["fit, slower by a lower bound (not simulated)", f"{result.pruned:,}"])
+    rows.append(["fit, the fastest (above)", f"{len(result.best):,}"])
+    return rows
+
+
+def _print(result) -> None:
+    from cli.output import format_table
+
+    model = result.model
+    click.echo(f"{parameter_count(model.n_params())}-parameter GPT ({model.describe()}) on {result.n_gpus} x "
+               f"{result.gpu}, {result.precision}, global batch {result.global_batch}: the {len(result.best)} "
+               f"fastest layouts that fit")
+    click.echo(format_table(["#", "layout", "SP", "ZeRO", "micro-batches", "schedule", "recompute", "step", "MFU",
+                             f"GiB per GPU (of {result.capacity / GIB:.1f})"], _rows(result)))
+    click.echo("")
+    click.echo(format_table(["why the others lost", "layouts"], _why_rows(result)))
+    seconds = sum(result.seconds.values())
+    click.echo(f"step times: simulate_step (flash attention, our executor's overlap) for {len(result.simulated):,} of "
+               f"the {result.fitting:,} layouts that fit, in increasing order of a lower bound on their step "
+               f"(simulator/plan_bound.py) until it passed the slowest of the {result.top} best; memory checked for all; "
+               f"{seconds:.1f} s")
+
+
+def _spec(options: dict):
+    from simulator.sweep import ClusterSpec
+
+    return ClusterSpec.of(_hardware(options), options["gpus_per_node"], options["fabric"], options["topology_kind"],
+                          options["nics_per_node"], options["oversubscription"])
+
+
+@config_file_option
+@click.command()
+@model_options("gpt3-175b")
+@batch_options(None, "Global batch: sequences per step [default: one per GPU].")
+@click.option("--gpus", type=int, required=True, help="GPUs in the cluster (whole servers).")
+@click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or fp8.")
+@click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
+@click.option("--gpu", help=f"GPU preset of simulator/hardware.json (default: {DEFAULT_GPU}).")
+@click.option("--hardware", help="A hardware profile (JSON file or preset name) in place of --gpu.")
+@click.option("--gpus-per-node", "gpus_per_node", type=int, help="GPUs per server (default: the GPU's DGX node).")
+@click.option("--fabric", help="Network adapter preset: hdr or ndr (default: the node's).")
+@click.option("--topology-kind", "topology_kind", type=click.Choice(TOPOLOGY_KINDS), default="fat-tree",
+              show_default=True, help="fat-tree, rail or rail-only (as `minigpt simulate`).")
+@click.option("--nics-per-node", "nics_per_node", type=int, help="NICs per server (default: the node's).")
+@click.option("--oversubscription", type=float, default=1.0, show_default=True,
+              help="Leaf oversubscription, e.g. 2 for 2:1 (1: non-blocking).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan(**options) -> None:
+    """Search tp, sequence parallelism, pp, dp, ZeRO stage, micro-batch size, schedule and recompute
+    for the fastest layouts that fit in memory, as the simulator predicts them, and say why the
+    others lost."""
+    from precision.policy import policy as precision_policy
+    from simulator.plan import plan as search
+
+    model = model_from_options(options)
+    for name in ("gpus", "top", "global_batch", "micro_batch_size", "micro_batches", "gpus_per_node",
+                 "nics_per_node"):
+        if options[name] is not None:
+            check_positive_int(f"--{name.replace('_', '-')}", options[name])
+    if not 1.0 <= options["oversubscription"] < float("inf"):
+        raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
+    precision_policy(options["precision"])
+    spec = _spec(options)
+    with _progress() as tick:
+        result = search(model, options["gpus"], spec, options["global_batch"] or options["gpus"],
+                        options["precision"], options["top"], options["micro_batch_size"], options["micro_batches"],
+                        progress=tick)
+    if options["as_json"]:
+        click.echo(json.dumps({"model_parameters": model.n_params(), **result.as_dict()}))
+    else:
+        _print(result)

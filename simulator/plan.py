@@ -1,0 +1,314 @@
+"""The fastest training layouts of a model on N GPUs that fit in memory (`minigpt plan`). Torch-free.
+
+Every candidate:
+  tp      dividing the GPUs of a server (and the GPU count), allowed by the model's shape
+          (job/train_config.py's check_tensor_parallel: heads, key/value heads, MLP width and,
+          with sequence parallelism, the sequence length);
+  SP      sequence parallelism off, and on when tp > 1;
+  pp      dividing GPUs / tp, at most the layers (job/schedule.py's chunk_layers: a block a chunk);
+  dp      GPUs / (tp x pp);
+  ZeRO    0, 1, 2 and 3 with several replicas; 0 with one (every stage runs as 0 there);
+  micro-batch  MICRO_BATCH_SIZES that divide the batch per replica (or the one --micro-batch-size /
+          --micro-batches asks for);
+  schedule  1f1b; interleaved with INTERLEAVED_CHUNKS virtual chunks where the micro-batches are a
+          multiple of pp and every chunk gets a block (pp 1: 1f1b only);
+  recompute none, selective, full;
+with flash attention and our executor's overlap, as `minigpt simulate` defaults to. A candidate
+beyond simulator/limits.py's schedule slots or ZeRO-3 gathers is refused, as the interleaved
+schedule is where it cannot run: both are counted.
+
+How the search stays exact with respect to the simulator and fast:
+  1. memory: simulator/memory.py's predict_memory, called exactly as simulate_step calls it (the
+     schedule's micro-batches in flight on each rank): a layout rejected here does not fit when
+     simulated either, and costs no replay;
+  2. a lower bound on the step of each layout that fits, without a replay (simulator/plan_bound.py:
+     the busiest rank's priced compute plus the pipeline's fill and drain, or its data-parallel
+     collectives one after another on its stream, whichever is longer; the second term, which
+     builds the schedule, only for a layout that reaches the front of the line);
+  3. simulate_step in increasing bound order, stopping once the next bound exceeds the k-th
+     best step simulated: every layout not simulated is slower than the k returned (branch and
+     bound). The best returned is the simulator's fastest layout that fits (on a tie, one of them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from minigpt.config import RECOMPUTE_MODES, GPTConfig
+from minigpt.errors import ConfigError, check_positive_int
+from job.layout import Layout
+from job.train_config import check_tensor_parallel
+from simulator.engine import SimResult, simulate_step
+from simulator.hardware import GPUSpec
+from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
+                              zero3_gathers)
+from simulator.memory import MemoryEstimate, predict_memory
+from simulator.plan_bound import BUCKET_MB, StepBound, schedule_shape
+from simulator.sweep import ClusterSpec
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+INTERLEAVED_CHUNKS = 2
+GIB = 2**30
+REFUSALS = {
+    "interleaved_micro_batches": "interleaved: micro-batches per replica not a multiple of pp",
+    "interleaved_layers": f"interleaved: fewer layers than pp x {INTERLEAVED_CHUNKS} chunks",
+    "schedule_slots": f"over simulator/limits.py's {MAX_SCHEDULE_SLOTS:,} schedule slots",
+    "zero3_gathers": f"over simulator/limits.py's {MAX_ZERO3_GATHERS:,} ZeRO-3 gathers",
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the job: a layout, its micro-batching, schedule and recompute."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    sequence_parallel: bool
+    micro_batch: int
+    micro_batches: int  # per replica
+    schedule: str
+    virtual_chunks: int
+    recompute: str
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp, self.dp, self.zero, self.sequence_parallel, self.virtual_chunks)
+
+    def describe(self) -> str:
+        chunks = f" x{self.virtual_chunks}" if self.virtual_chunks > 1 else ""
+        return (f"tp {self.tp} x pp {self.pp} x dp {self.dp}{', SP' if self.sequence_parallel else ''}, "
+                f"ZeRO-{self.zero}, {self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''} of "
+                f"{self.micro_batch}, "
+                f"{self.schedule}{chunks}, recompute {self.recompute}")
+
+    def as_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": self.zero,
+                "sequence_parallel": self.sequence_parallel, "micro_batch": self.micro_batch,
+                "micro_batches": self.micro_batches, "schedule": self.schedule,
+                "virtual_chunks": self.virtual_chunks, "recompute": self.recompute}
+
+
+def tensor_parallel_options(model: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[tuple[int, bool]]:
+    """(tp, sequence parallel) pairs: tp inside one server, allowed by the model's shape."""
+    per_server = min(n_gpus, gpus_per_node)
+    options = []
+    for tp in range(1, per_server + 1):
+        if per_server % tp or n_gpus % tp:
+            continue
+        for sequence_parallel in (False, True) if tp > 1 else (False,):
+            try:
+                check_tensor_parallel(model, tp, sequence_parallel)
+            except ConfigError:
+                continue
+            options.append((tp, sequence_parallel))
+    return options
+
+
+def micro_batch_sizes(per_replica: int, size: int | None, count: int | None) -> list[int]:
+    """The micro-batch sizes searched for a replica's batch (one when the flags fix it)."""
+    if size is not None and count is not None:
+        return [size] if size * count == per_replica else []
+    if size is not None:
+        return [size] if per_replica % size == 0 else []
+    if count is not None:
+        return [per_replica // count] if per_replica % count == 0 else []
+    return [s for s in MICRO_BATCH_SIZES if per_replica % s == 0]
+
+
+def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter) -> list[tuple[str, int]]:
+    """(kind, virtual chunks) searched; a refused interleaved schedule counts once per recompute mode."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    if m % pp:
+        refused["interleaved_micro_batches"] += len(RECOMPUTE_MODES)
+        return [("1f1b", 1)]
+    if pp * INTERLEAVED_CHUNKS > model.n_layers:
+        refused["interleaved_layers"] += len(RECOMPUTE_MODES)
+        return [("1f1b", 1)]
+    return [("1f1b", 1), ("interleaved", INTERLEAVED_CHUNKS)]
+
+
+def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, global_batch: int,
+                         micro_batch: int | None = None, micro_batches: int | None = None
+                         ) -> tuple[list[Candidate], Counter]:
+    """Every candidate of the module docstring, and the refusals counted by REFUSALS key."""
+    out, refused = [], Counter()
+    for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
+        for pp in (p for p in range(1, min(n_gpus // tp, model.n_layers) + 1) if (n_gpus // tp) % p == 0):
+            dp = n_gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
+                m = global_batch // (dp * size)
+                for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                    for schedule, v in _schedules(model, pp, m, refused):
+                        if schedule_slots(pp, v, m) > MAX_SCHEDULE_SLOTS:
+                            refused["schedule_slots"] += len(RECOMPUTE_MODES)
+                            continue
+                        if zero3_gathers(zero, dp, m, model.n_layers) > MAX_ZERO3_GATHERS:
+                            refused["zero3_gathers"] += len(RECOMPUTE_MODES)
+                            continue
+                        out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute)
+                                for recompute in RECOMPUTE_MODES]
+    return out, refused
+
+
+def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu: GPUSpec) -> MemoryEstimate:
+    """predict_memory exactly as simulate_step calls it for this candidate (its schedule's in-flight micro-batches)."""
+    c = candidate
+    in_flight = list(schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks).in_flight)
+    return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, in_flight)
+
+
+def simulate_candidate(model: GPTConfig, candidate: Candidate, cluster, spec: ClusterSpec, precision: str,
+                       global_batch: int) -> SimResult:
+    c = candidate
+    return simulate_step(model, c.layout, cluster, precision, global_batch, c.micro_batch, c.schedule,
+                         c.virtual_chunks, c.recompute, gpu=spec.hardware)
+
+
+@dataclass
+class Plan:
+    """The answer: the best layouts, and why every other candidate lost."""
+
+    model: GPTConfig
+    n_gpus: int
+    gpu: str
+    capacity: int
+    global_batch: int
+    precision: str
+    top: int
+    best: list[tuple[Candidate, SimResult, float]] = field(default_factory=list)  # (candidate, result, bound)
+    candidates: int = 0  # in all, refusals included
+    refused: dict[str, int] = field(default_factory=dict)
+    too_big: list[tuple[Candidate, int]] = field(default_factory=list)  # (candidate, bytes per GPU it needs)
+    simulated: list[tuple[Candidate, float, float]] = field(default_factory=list)  # (candidate, step s, bound s)
+    pruned: int = 0  # fit, not simulated: their bound exceeds the slowest of the top best steps
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fitting(self) -> int:
+        return len(self.simulated) + self.pruned
+
+    @property
+    def smallest_too_big(self) -> tuple[Candidate, int] | None:
+        return min(self.too_big, key=lambda x: x[1]) if self.too_big else None
+
+    def as_dict(self) -> dict:
+        smallest = self.smallest_too_big
+        return {
+            "n_gpus": self.n_gpus, "gpu": self.gpu, "memory_capacity_bytes": self.capacity,
+            "global_batch": self.global_batch, "precision": self.precision, "model": self.model.describe(),
+            "best": [{**c.as_dict(), "step_time_s": r.step_time_s, "mfu": r.mfu, "tflops_per_gpu": r.tflops_per_gpu,
+                      "samples_per_s": r.samples_per_s, "memory_per_gpu_bytes": r.memory.total,
+                      "memory_margin_bytes": r.memory_margin_bytes, "lower_bound_s": bound, "breakdown": r.breakdown}
+                     for c, r, bound in self.best],
+            "search": {
+                "candidates": self.candidates, "refused": {REFUSALS[k]: n for k, n in self.refused.items()},
+                "did_not_fit": len(self.too_big),
+                "smallest_need_among_those_bytes": smallest[1] if smallest else None,
+                "smallest_need_among_those": smallest[0].as_dict() if smallest else None,
+                "fit": self.fitting, "simulated": len(self.simulated), "pruned_by_bound": self.pruned,
+                "slower": self.fitting - len(self.best), "seconds": self.seconds,
+                "method": "memory: predict_memory as simulate_step calls it, for every candidate; step: "
+                          "simulate_step for the candidates that fit, in increasing order of a lower bound "
+                          "(simulator/plan_bound.py), stopping once the bound exceeds the slowest of the top best steps",
+            },
+        }
+
+
+def _fits_nowhere(plan: Plan) -> ConfigError:
+    candidate, need = plan.smallest_too_big
+    return ConfigError(
+        f"no layout of {plan.n_gpus} x {plan.gpu} fits this model in memory: the smallest need is "
+        f"{need / GIB:.1f} GiB per GPU ({candidate.describe()}), the GPU holds {plan.capacity / GIB:.1f} GiB; "
+        f"give more GPUs, a GPU with more memory, a smaller model or a smaller global batch"
+    )
+
+
+def _check(model: GPTConfig, n_gpus: int, global_batch: int, top: int) -> None:
+    check_positive_int("--gpus", n_gpus)
+    check_gpus(n_gpus, "the plan (--gpus)")
+    check_positive_int("--global-batch", global_batch)
+    check_positive_int("--top", top)
+    check_layers(model.n_layers)
+
+
+def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, precision: str = "bf16",
+         top: int = 5, micro_batch: int | None = None, micro_batches: int | None = None,
+         progress: Callable[[str, int, int], None] | None = None) -> Plan:
+    """The `top` fastest candidates that fit (see the module docstring); `progress(stage, done, total)`."""
+    _check(model, n_gpus, global_batch, top)
+    if spec.hardware.gpu.measured is not None:
+        raise ConfigError("plan searches GPU clusters: a calibrated CPU host profile's compute depends on how many "
+                          "ranks share its cores; simulate its layouts one by one with `minigpt simulate`")
+    cluster = spec.build(n_gpus)  # whole servers, or one error line
+    clock = time.perf_counter()
+    candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
+                                               micro_batches)
+    gpu = spec.hardware.gpu
+    result = Plan(model, n_gpus, spec.hardware.name, gpu.hbm_bytes, global_batch, precision, top,
+                  candidates=len(candidates) + sum(refused.values()), refused=dict(refused))
+    if not candidates:
+        raise ConfigError(f"no layout of {n_gpus} GPUs runs a global batch of {global_batch}"
+                          f"{' with the micro-batching asked for' if micro_batch or micro_batches else ''} "
+                          f"within simulator/limits.py: give a global batch that is a multiple of the GPU count")
+    fitting = []
+    for index, candidate in enumerate(candidates):
+        memory = candidate_memory(model, candidate, precision, gpu)
+        if memory.fits:
+            fitting.append((candidate, memory))
+        else:
+            result.too_big.append((candidate, memory.total))
+        if progress is not None and index % 64 == 63:
+            progress("memory", index + 1, len(candidates))
+    result.seconds["memory_s"] = time.perf_counter() - clock
+    if not fitting:
+        raise _fits_nowhere(result)
+    _branch_and_bound(result, fitting, cluster, spec, progress)
+    return result
+
+
+def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, progress) -> None:
+    """simulate_step in increasing bound order until the next bound exceeds the slowest step kept.
+
+    Every candidate first gets the bound's compute term (cheap); the data-parallel term (it
+    builds the schedule) only when the candidate reaches the front, which then goes back in line."""
+    clock = time.perf_counter()
+    model, precision = result.model, result.precision
+    bound = StepBound(model, cluster, spec.hardware, precision)
+    line = [(bound.compute_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory), 0, i)
+            for i, (c, memory) in enumerate(fitting)]
+    heapq.heapify(line)
+    result.seconds["bound_s"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    kept: list[tuple[float, int, Candidate, SimResult, float]] = []  # the top fastest: a max-heap on (-step, -turn)
+    while line and not (len(kept) == result.top and line[0][0] > -kept[0][0]):
+        low, refined, index = heapq.heappop(line)
+        candidate, memory = fitting[index]
+        c = candidate
+        if not refined:  # 1 sorts after 0: a refined bound equal to an unrefined one waits behind it
+            dp = bound.data_parallel_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory)
+            heapq.heappush(line, (max(low, dp), 1, index))
+            continue
+        simulated = simulate_candidate(model, candidate, cluster, spec, precision, result.global_batch)
+        if not simulated.fits:  # predict_memory disagrees with itself: a bug, not an answer
+            raise RuntimeError(f"{candidate.describe()}: the memory check said it fits, simulate_step says not")
+        result.simulated.append((candidate, simulated.step_time_s, low))
+        item = (-simulated.step_time_s, -len(result.simulated), candidate, simulated, low)
+        if len(kept) < result.top:
+            heapq.heappush(kept, item)
+        elif item[:2] > kept[0][:2]:
+            heapq.heapreplace(kept, item)
+        if progress is not None:
+            progress("simulate", len(result.simulated), len(fitting))
+    result.pruned = len(fitting) - len(result.simulated)
+    best = sorted(kept, key=lambda x: (-x[0], -x[1]))  # fastest first; on a tie, the one simulated first
+    result.best = [(candidate, simulated, low) for _, _, candidate, simulated, low in best]
+    result.seconds["simulate_s"] = time.perf_counter() - clock

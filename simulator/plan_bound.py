@@ -1,0 +1,163 @@
+"""A lower bound on a layout's simulated step time that needs no replay, for `minigpt plan`. Torch-free.
+
+simulator/engine.py's replay runs each pipeline rank's actions one after another on the rank's own
+clock: a compute action holds it for its price with nothing armed around it (compute plus exposed
+tp, simulator/engine_costs.py's `rank_costs`) or more (simulator/engine_overlap.py's `overlap`
+never ends before its segments' compute, which adds up to that price); a send leaves, and so its
+receive ends, no earlier than the compute that made the data; the optimizer step runs last. So,
+for every rank r, the step lasts at least
+
+    compute_r = head_r + work_r + max(optimizer_r, tail_r + optimizer_0)
+
+  work_r   its compute actions' prices, summed (m micro-batches x every chunk it holds, forward
+           and backward);
+  head_r   its first action is a forward of chunk c: that micro-batch went through chunks
+           0 .. c-1 first, one after another (their forward prices);
+  tail_r   its last action is a backward of chunk c: chunks c-1 .. 0 still run that micro-batch's
+           backward after it, then rank 0 steps its optimizer (0 when c = 0);
+  optimizer_r  AdamW over rank r's share at HBM speed (engine_costs.optimizer_seconds; the
+           norm's tiny all-reduces left out, so the bound only gets lower).
+
+and, since a rank's data-parallel collectives run one at a time on its one stream (in the replay
+and in simulator/engine_overlap.py, which starts each after the one before) and the rank ends only
+when the last has landed,
+
+    data_parallel_r = the rank's data-parallel actions' prices (engine_dp.py's `seconds`), summed.
+
+Every transfer between stages and the tied embedding's sync is left at zero, so max over ranks of
+max(compute_r, data_parallel_r) is a lower bound on what simulate_step returns for the same job
+(tests/test_plan.py checks it on every schedule, ZeRO stage and recompute mode searched). For
+1F1B the compute term is the textbook (m + p - 1) x (forward + backward) of a stage; the
+data-parallel term is what tells a ZeRO-3 job bound by its gathers from one that hides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from minigpt.config import GPTConfig
+from job.data_parallel import schedule_config
+from job.layout import Layout
+from job.schedule import Backward, Forward, ScheduleConfig, compute_order
+from job.train_config import TrainConfig
+from precision.policy import policy as precision_policy
+from simulator.engine import step_schedule
+from simulator.engine_costs import RankCosts, optimizer_seconds, rank_costs
+from simulator.engine_links import LinkCosts
+from simulator.hardware import Hardware
+from simulator.memory import MemoryEstimate
+from simulator.op_types import Implementation
+from simulator.overlap import resolve_overlap
+from simulator.topology import Cluster
+
+BUCKET_MB = TrainConfig.bucket_mb  # what simulate_step uses unless told otherwise
+
+
+class ComputeLinks(LinkCosts):
+    """The layout's links without the pipeline-wide collectives: the bound leaves the gradient norm's
+    all-reduce over the stages out (it only makes the bound lower), and on a large cluster pricing it
+    costs more than the rest of the bound."""
+
+    def pp_collective(self, kind: str, nbytes: float) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class ScheduleShape:
+    """What the memory check and the bound need of a schedule's compute order, per rank."""
+
+    in_flight: tuple[int, ...]  # job/schedule.py's peak_in_flight: forwards alive at the peak
+    first: tuple[tuple[type, int], ...]  # (action type, chunk) of the rank's first compute
+    last: tuple[tuple[type, int], ...]  # and of its last
+
+
+@lru_cache(maxsize=512)
+def schedule_shape(pp: int, micro_batches: int, kind: str, virtual_chunks: int) -> ScheduleShape:
+    """From the compute order alone (job/schedule.py's `compute_order`): the schedule's
+    communication and data-parallel actions change neither, so a candidate's ZeRO stage and
+    buckets do not matter and one order serves every candidate of the same pipeline."""
+    config = ScheduleConfig(pp, micro_batches, kind, virtual_chunks)
+    in_flight, first, last = [], [], []
+    for rank in range(pp):
+        order = compute_order(config, rank)
+        live = peak = 0
+        for action in order:
+            if isinstance(action, Forward):
+                live += 1
+                peak = max(peak, live)
+            else:  # Backward (BackwardWeight only in zb-h1, which plan does not search)
+                live -= 1
+        in_flight.append(peak)
+        first.append((type(order[0]), order[0].chunk))
+        last.append((type(order[-1]), order[-1].chunk))
+    return ScheduleShape(tuple(in_flight), tuple(first), tuple(last))
+
+
+class StepBound:
+    """Lower bounds for one model on one cluster; the prices of a pipeline are computed once and
+    shared by every candidate that differs from it only in ZeRO stage or schedule kind."""
+
+    def __init__(self, model: GPTConfig, cluster: Cluster, hardware: Hardware, precision: str) -> None:
+        self.model, self.cluster, self.hardware, self.precision = model, cluster, hardware, precision
+        self.policy = precision_policy(precision)
+        self.settings = resolve_overlap(None)  # simulate_step's default: our executor
+        self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
+
+    def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+              memory: MemoryEstimate) -> list[RankCosts]:
+        """rank_costs as simulate_step calls it (its optimizer without the norm's reduction over pp)."""
+        gpu = self.hardware.gpu
+        config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
+        return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
+                          micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
+                          Implementation("flash", recompute, "gathered"), self.settings)
+
+    def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                     memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
+        """(forward, backward) seconds per global chunk, as rank_costs prices them with nothing armed."""
+        key = (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch, recompute)
+        if key not in self.prices:
+            forward, backward = {}, {}
+            for rank in self.costs(layout, micro_batches, kind, micro_batch, recompute, memory):
+                for (action, chunk), cost in rank.actions.items():
+                    if action is Forward:
+                        forward[chunk] = cost.total
+                    elif action is Backward:
+                        backward[chunk] = cost.total
+            self.prices[key] = forward, backward
+        return self.prices[key]
+
+    def compute_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                        memory: MemoryEstimate) -> float:
+        """max over ranks of compute_r (the module docstring); `memory`: the job's predict_memory."""
+        forward, backward = self.chunk_prices(layout, micro_batches, kind, micro_batch, recompute, memory)
+        shape = schedule_shape(layout.pp, micro_batches, kind, layout.virtual_chunks)
+        optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu) for stage in memory.per_stage]
+        best = 0.0
+        for rank in range(layout.pp):
+            chunks = range(rank, layout.pp * layout.virtual_chunks, layout.pp)
+            work = micro_batches * sum(forward[c] + backward[c] for c in chunks)
+            first_kind, first_chunk = shape.first[rank]
+            head = sum(forward[c] for c in range(first_chunk)) if first_kind is Forward else 0.0
+            last_kind, last_chunk = shape.last[rank]
+            end = optimizer[rank]
+            if last_kind is Backward and last_chunk > 0:
+                end = max(end, sum(backward[c] for c in range(last_chunk)) + optimizer[0])
+            best = max(best, head + work + end)
+        return best
+
+    def data_parallel_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                              memory: MemoryEstimate) -> float:
+        """max over ranks of data_parallel_r: the schedule simulate_step replays, priced as it prices it."""
+        if layout.dp == 1:
+            return 0.0
+        schedule = step_schedule(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
+        costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
+        return max(sum(map(cost.pricer.seconds, actions)) for cost, actions in zip(costs, schedule.actions))
+
+    def seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                memory: MemoryEstimate) -> float:
+        """The bound of the module docstring for this job."""
+        job = (layout, micro_batches, kind, micro_batch, recompute, memory)
+        return max(self.compute_seconds(*job), self.data_parallel_seconds(*job))

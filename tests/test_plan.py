@@ -1,0 +1,179 @@
+"""`minigpt plan`: the search answers GPT-3 on 1,024 GPUs within a minute, its memory refusals and its
+lower bound hold against simulate_step, and on a small case it finds what brute force finds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cli.main import Group
+from cli.plan import plan as plan_command
+from minigpt.config import build_config
+from job.schedule import peak_in_flight
+from simulator.engine import step_schedule
+from simulator.plan import candidate_memory, enumerate_candidates, plan, simulate_candidate
+from simulator.plan_bound import BUCKET_MB, StepBound, schedule_shape
+from simulator.sweep import ClusterSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCEPTANCE_S = 60.0
+
+
+@click.group(cls=Group)
+def group() -> None:
+    """A throwaway group with the command registered the way cli/main.py registers it."""
+
+
+group.add_command(plan_command)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(group, ["plan", *args])
+
+
+def test_gpt3_on_1024_gpus_answers_within_a_minute_with_a_layout_that_fits():
+    command = [sys.executable, "-m", "cli", "plan", "--model", "gpt3-175b", "--gpus", "1024", "--gpu", "a100-80gb",
+               "--json"]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=2 * ACCEPTANCE_S)
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr
+    assert elapsed < ACCEPTANCE_S, f"plan took {elapsed:.1f} s"
+    data = json.loads(done.stdout)
+    best = data["best"][0]
+    assert len(data["best"]) == 5 and best["memory_per_gpu_bytes"] <= data["memory_capacity_bytes"]
+    assert [b["step_time_s"] for b in data["best"]] == sorted(b["step_time_s"] for b in data["best"])
+    search = data["search"]
+    assert search["candidates"] == sum(search["refused"].values()) + search["did_not_fit"] + search["fit"]
+    assert search["fit"] == search["simulated"] + search["pruned_by_bound"] > search["simulated"]
+    assert search["did_not_fit"] > 0 and search["smallest_need_among_those_bytes"] > data["memory_capacity_bytes"]
+    # the best, simulated again on its own, fits and takes the step plan reported
+    model, spec = build_config("gpt3-175b"), ClusterSpec.of("a100-80gb")
+    candidates, _ = enumerate_candidates(model, 1024, spec.gpus_per_node, 1024)
+    chosen = next(c for c in candidates if c.as_dict() == {k: best[k] for k in c.as_dict()})
+    result = simulate_candidate(model, chosen, spec.build(1024), spec, "bf16", 1024)
+    assert result.fits and result.step_time_s == pytest.approx(best["step_time_s"], rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """A 15B GPT on 16 x a100-40gb: a few hundred layouts fit, more than a hundred do not."""
+    model, spec = build_config("gpt3-175b", n_layers=8), ClusterSpec.of("a100-40gb")
+    return model, spec, plan(model, 16, spec, 32)
+
+
+def test_every_layout_rejected_for_memory_does_not_fit_when_simulated(tight):
+    model, spec, found = tight
+    assert len(found.too_big) > 100 and found.fitting > 100
+    cluster = spec.build(16)
+    for candidate, need in found.too_big:
+        result = simulate_candidate(model, candidate, cluster, spec, "bf16", 32)
+        assert not result.fits and result.memory.total == need, candidate.describe()
+
+
+def test_in_flight_micro_batches_are_those_of_the_schedule_simulate_step_builds():
+    model = build_config("gpt2-124m")
+    spec = ClusterSpec.of("a100-80gb")
+    candidates, _ = enumerate_candidates(model, 64, spec.gpus_per_node, 256)
+    shapes = {(c.pp, c.micro_batches, c.schedule, c.virtual_chunks): c for c in candidates if c.pp > 1}
+    assert {kind for _, _, kind, _ in shapes} == {"1f1b", "interleaved"} and len(shapes) > 20
+    for (pp, m, kind, v), c in shapes.items():
+        schedule = step_schedule(model, c.layout, m, kind, BUCKET_MB, "bf16")
+        assert list(schedule_shape(pp, m, kind, v).in_flight) == peak_in_flight(schedule), (pp, m, kind, v)
+        memory = candidate_memory(model, c, "bf16", spec.hardware.gpu)
+        assert memory.total == simulate_candidate(model, c, spec.build(64), spec, "bf16", 256).memory.total
+
+
+@pytest.fixture(scope="module")
+def brute_force():
+    """gpt2-124m on 16 GPUs: every candidate simulated (all fit on an 80 GB GPU)."""
+    model, spec = build_config("gpt2-124m"), ClusterSpec.of("a100-80gb")
+    cluster = spec.build(16)
+    candidates, _ = enumerate_candidates(model, 16, spec.gpus_per_node, 16)
+    bound = StepBound(model, cluster, spec.hardware, "bf16")
+    rows = []
+    for c in candidates:
+        result = simulate_candidate(model, c, cluster, spec, "bf16", 16)
+        assert result.fits
+        low = bound.seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, result.memory)
+        rows.append((c, result.step_time_s, low))
+    return model, spec, rows
+
+
+def test_plan_finds_the_brute_force_minimum_and_its_top_five(brute_force):
+    model, spec, rows = brute_force
+    found = plan(model, 16, spec, 16, top=5)
+    assert found.fitting == len(rows) and found.pruned > len(rows) // 2  # the bound saves most replays
+    times = sorted(step for _, step, _ in rows)
+    assert [r.step_time_s for _, r, _ in found.best] == times[:5]
+    assert found.best[0][1].step_time_s == min(times)
+    for candidate, step, _ in found.simulated:  # no slower than any other simulated
+        assert found.best[0][1].step_time_s <= step
+
+
+def test_the_lower_bound_never_exceeds_the_simulated_step(brute_force, tight):
+    _, _, rows = brute_force
+    kinds = {(c.schedule, c.zero, c.recompute, c.pp > 1) for c, _, _ in rows}
+    assert len(kinds) >= 30  # every schedule, ZeRO stage and recompute mode, with and without a pipeline
+    assert all(0 < low <= step for _, step, low in rows), max(low / step for _, step, low in rows)
+    assert max(low / step for _, step, low in rows) > 0.8  # and it is not vacuous
+    _, _, found = tight
+    assert all(0 < low <= step for _, step, low in found.simulated)
+    # GPT-3 on 1,024 GPUs, every 61st candidate: both terms of the bound decide somewhere, neither passes the step
+    model, spec = build_config("gpt3-175b"), ClusterSpec.of("a100-80gb")
+    cluster = spec.build(1024)
+    bound = StepBound(model, cluster, spec.hardware, "bf16")
+    candidates, _ = enumerate_candidates(model, 1024, spec.gpus_per_node, 1024)
+    deciding = set()
+    for c in candidates[::61]:
+        job = (c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute,
+               candidate_memory(model, c, "bf16", spec.hardware.gpu))
+        compute, data_parallel = bound.compute_seconds(*job), bound.data_parallel_seconds(*job)
+        step = simulate_candidate(model, c, cluster, spec, "bf16", 1024).step_time_s
+        assert 0 < max(compute, data_parallel) <= step, c.describe()
+        deciding.add("compute" if compute >= data_parallel else "data parallel")
+    assert deciding == {"compute", "data parallel"}
+
+
+def test_json_and_table_say_why_the_others_lost():
+    result = invoke("--model", "gpt2-124m", "--gpus", "8", "--top", "3", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["best"]) == 3 and data["global_batch"] == 8  # one sequence per GPU by default
+    assert data["search"]["slower"] == data["search"]["fit"] - 3
+    assert {b["micro_batch"] for b in data["best"]} != {2}
+    fixed = json.loads(invoke("--model", "gpt2-124m", "--gpus", "8", "--micro-batch-size", "2", "--json").output)
+    assert {b["micro_batch"] for b in fixed["best"]} == {2}
+    table = invoke("--model", "gpt2-124m", "--gpus", "8")
+    assert table.exit_code == 0, table.output
+    for words in ("why the others lost", "candidates in all", "fit, slower by a lower bound", "MFU", "GiB per GPU"):
+        assert words in table.output
+
+
+def test_plan_stays_torch_free():
+    code = "import sys, cli.plan, simulator.plan, simulator.plan_bound; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "gpt2-124m", "--gpus", "12"], "whole servers of 8"),
+    (["--model", "gpt-9", "--gpus", "8"], "gpt-9"),
+    (["--model", "gpt2-124m", "--gpus", "8", "--top", "0"], "--top"),
+    (["--model", "gpt2-124m", "--gpus", "0"], "--gpus"),
+    (["--model", "gpt3-175b", "--gpus", "8", "--gpu", "a100-40gb"], "smallest need is"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, words):
+    result = CliRunner().invoke(group, ["plan", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minigpt: error:") and words in lines[0], result.output
+    if words == "smallest need is":
+        assert "GiB per GPU" in lines[0] and "holds 40.0 GiB" in lines[0]
