@@ -92,6 +92,8 @@ def check_value(path: str, key: str, value: object, param: click.Parameter) -> o
         problem = f"it takes a string, not {value!r}"
     elif kind == "name" and not isinstance(value, str):
         problem = f"it takes a string, not {value!r}"
+    elif isinstance(value, str) and "\0" in value:  # no flag, and no path, can hold one
+        problem = "a NUL character is not part of any flag's value"
     else:
         return value
     raise ConfigError(f"--config {path!r}: key {key!r}: {problem}")

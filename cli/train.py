@@ -252,7 +252,7 @@ def train(as_json: bool, **options) -> None:
     claim = claim_run_dir(cfg, options)
     try:
         point = choose_resume(cfg, options, out)
-        if point is not None:
+        if point is not None and not point.nothing_to_do(cfg.steps):
             cfg, lines = continue_settings(cfg, point, options["save_every"] is not None)
             for line in lines:
                 click.echo(line, file=out)
