@@ -22,7 +22,8 @@ import click
 from cli.batch_options import batch_options
 from cli.config_file import config_file_option
 from cli.model_options import model_from_options, model_options
-from cli.simulate import DEFAULT_GPU, TOPOLOGY_KINDS, _hardware, parameter_count
+from cli.cluster_options import cluster_options
+from cli.simulate import _hardware, parameter_count
 from minigpt.errors import ConfigError, check_positive_int
 
 GIB = 2**30
@@ -98,15 +99,7 @@ def _spec(options: dict):
 @click.option("--gpus", type=int, required=True, help="GPUs in the cluster (whole servers).")
 @click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or fp8.")
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
-@click.option("--gpu", help=f"GPU preset of simulator/hardware.json (default: {DEFAULT_GPU}).")
-@click.option("--hardware", help="A hardware profile (JSON file or preset name) in place of --gpu.")
-@click.option("--gpus-per-node", "gpus_per_node", type=int, help="GPUs per server (default: the GPU's DGX node).")
-@click.option("--fabric", help="Network adapter preset: hdr or ndr (default: the node's).")
-@click.option("--topology-kind", "topology_kind", type=click.Choice(TOPOLOGY_KINDS), default="fat-tree",
-              show_default=True, help="fat-tree, rail or rail-only (as `minigpt simulate`).")
-@click.option("--nics-per-node", "nics_per_node", type=int, help="NICs per server (default: the node's).")
-@click.option("--oversubscription", type=float, default=1.0, show_default=True,
-              help="Leaf oversubscription, e.g. 2 for 2:1 (1: non-blocking).")
+@cluster_options()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(**options) -> None:
     """Search tp, sequence parallelism, pp, dp, ZeRO stage, micro-batch size, schedule and recompute

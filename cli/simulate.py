@@ -19,6 +19,7 @@ import sys
 
 import click
 
+from cli.cluster_options import DEFAULT_GPU, cluster_options
 from cli.config_file import config_file_option
 from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
@@ -34,8 +35,6 @@ def _model(options: dict):
     return model_from_options(options)
 
 
-DEFAULT_GPU = "a100-80gb"
-TOPOLOGY_KINDS = ["fat-tree", "rail", "rail-only"]  # simulator.topology.CLUSTER_KINDS (a test checks they agree)
 
 
 def _hardware(options: dict, topology_gpu: str | None = None):
@@ -264,17 +263,8 @@ def micro_batch_size(options: dict) -> int:
               help="Asynchronous pipeline sends, receives posted early (default: the preset's).")
 @click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or fp8.")
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
-@click.option("--gpu", help=f"GPU preset of simulator/hardware.json (default: {DEFAULT_GPU}, or a topology file's GPU).")
-@click.option("--hardware", help="A hardware profile (JSON file or preset name) in place of --gpu.")
-@click.option("--gpus-per-node", "gpus_per_node", type=int, help="GPUs per server (default: the GPU's DGX node).")
+@cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")
 @click.option("--nodes", type=int, help="Servers (default: as many as the layout needs).")
-@click.option("--fabric", help="Network adapter preset: hdr or ndr (default: the node's).")
-@click.option("--topology-kind", "topology_kind", type=click.Choice(TOPOLOGY_KINDS), default="fat-tree",
-              show_default=True, help="fat-tree; rail: rail-optimised (NIC i of every node on rail i's leaves); "
-              "rail-only: one tree per rail, no spine between rails (traffic crosses rails over NVLink).")
-@click.option("--nics-per-node", "nics_per_node", type=int, help="NICs per server (default: the node's).")
-@click.option("--oversubscription", type=float, default=1.0, show_default=True,
-              help="Leaf oversubscription, e.g. 2 for 2:1 (1: non-blocking).")
 @click.option("--topology", type=click.Path(dir_okay=False), help="A cluster file (node-link JSON or GraphML).")
 @click.option("--trace", type=click.Path(dir_okay=False), help="Write the simulated step as a Chrome trace.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

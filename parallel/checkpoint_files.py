@@ -137,15 +137,17 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return next((entry for entry in step_directories(directory) if (entry / MARKER).is_file()), None)
 
 
-def newest_valid_checkpoint(directory: str | os.PathLike, cfg) -> tuple[Path | None, dict | None, list[CorruptCheckpoint]]:
+def newest_valid_checkpoint(directory: str | os.PathLike, cfg, read=None
+                            ) -> tuple[Path | None, dict | None, list[CorruptCheckpoint]]:
     """The newest checkpoint under `directory` that verifies (read_state: complete, every checksum right),
     its state.json, and what was skipped on the way, newest first; (None, None, skipped) when none does.
     A checkpoint of another model shape or format version is not skipped: its ConfigError goes up, as no
-    older checkpoint of the same run would be different."""
+    older checkpoint of the same run would be different. `read(path)` in place of read_state(path, cfg)
+    checks each one another way (minigpt sample: against the shape the checkpoint itself holds)."""
     skipped = []
     for entry in step_directories(directory):
         try:
-            return entry, read_state(entry, cfg), skipped
+            return entry, read_state(entry, cfg) if read is None else read(entry), skipped
         except CorruptCheckpoint as error:
             skipped.append(error)
     return None, None, skipped

@@ -137,8 +137,7 @@ def launch_local(
             try:
                 results = elastic_launch(config, run_with_threads)(entrypoint, arg, threads_per_rank)
             except ChildFailedError as error:
-                stopped = {failure.exitcode for failure in error.failures.values()} & {128 + signal.SIGINT, -signal.SIGINT}
-                if stopped and len({f.exitcode for f in error.failures.values()}) == 1:
+                if {failure.exitcode for failure in error.failures.values()} <= {128 + signal.SIGINT, -signal.SIGINT}:
                     raise Interrupted(signal.SIGINT) from None  # Ctrl-C: the ranks left before this process noticed
                 # One line for the CLI; elastic has logged the failed rank's traceback to stderr.
                 raise TrainingError(describe_failure(error, log_dir, world_size)) from None

@@ -28,7 +28,7 @@ from minigpt.data import decode, encode
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
 from parallel.checkpoint_dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
-from parallel.checkpoint_files import MARKER, STATE_FILE, CorruptCheckpoint, read_state, step_directories
+from parallel.checkpoint_files import MARKER, STATE_FILE, newest_valid_checkpoint, read_state
 from parallel.checkpoint_layout import global_shapes
 
 MODEL_PREFIX, MASTER_PREFIX = "model.", "optimizer.master."
@@ -68,13 +68,12 @@ def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.P
         raise ConfigError(
             f"run directory {str(run)!r} does not exist or is not a directory: pass the --out of a `minigpt train` run"
         )
-    passed = [] if skipped is None else skipped
-    for entry in step_directories(run / "checkpoints"):
-        try:
-            checkpoint_model_config(entry)  # complete, of a readable shape, every checksum right
-            return entry
-        except CorruptCheckpoint as error:
-            passed.append(error)
+    found, _, passed = newest_valid_checkpoint(run / "checkpoints", None,
+                                               read=lambda entry: checkpoint_model_config(entry)[1])
+    if skipped is not None:
+        skipped.extend(passed)
+    if found is not None:
+        return found
     why = "; ".join(f"{error.path.name} is {error.reason}" for error in passed)
     raise ConfigError(
         f"run directory {str(run)!r} has no checkpoint that verifies under checkpoints/"

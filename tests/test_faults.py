@@ -41,16 +41,27 @@ def has_open(pid: int, path: Path) -> bool:
     return False
 
 
-def test_killed_rank_stops_the_run_and_resume_continues(tmp_path):
-    out = tmp_path / "run"
+def start_until_checkpoint(tmp_path, out: Path, new_session: bool = False) -> subprocess.Popen:
+    """A 4-rank run into `out` that checkpoints every 2 steps, returned once its first checkpoint is complete."""
     command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", "100000", "--save-every", "2", "--out", str(out)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               start_new_session=new_session)
+    deadline = time.time() + 180
     try:
-        deadline = time.time() + 180
         while latest_checkpoint(out / "checkpoints") is None:
             assert process.poll() is None, process.communicate()
             assert time.time() < deadline, "no checkpoint was written"
             time.sleep(0.2)
+    except BaseException:
+        process.kill()
+        raise
+    return process
+
+
+def test_killed_rank_stops_the_run_and_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    process = start_until_checkpoint(tmp_path, out)
+    try:
         workers = [pid for pid in children(process.pid) if is_worker(pid)]
         assert len(workers) == 4, workers
         others = [pid for pid in workers if not has_open(pid, (out / "metrics.jsonl").resolve())]
@@ -92,22 +103,15 @@ def stop_with(tmp_path, sig: int, whole_group: bool) -> tuple[subprocess.Complet
     """A 4-rank run stopped by `sig` once it has a checkpoint: to its process group (Ctrl-C in a terminal
     reaches every process) or to the launching process alone (a scheduler's SIGTERM)."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", "100000", "--save-every", "2", "--out", str(out)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                               start_new_session=True)
+    process = start_until_checkpoint(tmp_path, out, new_session=True)
     try:
-        deadline = time.time() + 180
-        while latest_checkpoint(out / "checkpoints") is None:
-            assert process.poll() is None, process.communicate()
-            assert time.time() < deadline, "no checkpoint was written"
-            time.sleep(0.2)
         workers = [pid for pid in children(process.pid) if is_worker(pid)]
         (os.killpg if whole_group else os.kill)(process.pid, sig)
         stdout, stderr = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), workers, out
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), workers, out
 
 
 def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path):

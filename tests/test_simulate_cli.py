@@ -169,7 +169,7 @@ def test_fabric_flags_reach_the_cluster_and_bad_ones_are_one_line():
     from click.testing import CliRunner
 
     from cli.main import main
-    from cli.simulate import TOPOLOGY_KINDS
+    from cli.cluster_options import TOPOLOGY_KINDS
     from simulator.topology import CLUSTER_KINDS
 
     assert tuple(TOPOLOGY_KINDS) == tuple(CLUSTER_KINDS)

@@ -1,0 +1,36 @@
+"""The cluster flags `simulate` and `plan` share: which GPU (a preset or a measured profile) and how its
+servers and network are built (simulator/topology.py's build_cluster)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+DEFAULT_GPU = "a100-80gb"
+TOPOLOGY_KINDS = ["fat-tree", "rail", "rail-only"]  # simulator.topology.CLUSTER_KINDS (a test checks they agree)
+
+
+def cluster_options(gpu_default: str = DEFAULT_GPU) -> Callable:
+    """--gpu (its default described by `gpu_default`), --hardware, --gpus-per-node, --fabric, --topology-kind,
+    --nics-per-node and --oversubscription."""
+    options = [
+        click.option("--gpu", help=f"GPU preset of simulator/hardware.json (default: {gpu_default})."),
+        click.option("--hardware", help="A hardware profile (JSON file or preset name) in place of --gpu."),
+        click.option("--gpus-per-node", "gpus_per_node", type=int, help="GPUs per server (default: the GPU's DGX node)."),
+        click.option("--fabric", help="Network adapter preset: hdr or ndr (default: the node's)."),
+        click.option("--topology-kind", "topology_kind", type=click.Choice(TOPOLOGY_KINDS), default="fat-tree",
+                     show_default=True, help="fat-tree; rail: rail-optimised (NIC i of every node on rail i's "
+                     "leaves); rail-only: one tree per rail, no spine between rails (traffic crosses rails over "
+                     "NVLink)."),
+        click.option("--nics-per-node", "nics_per_node", type=int, help="NICs per server (default: the node's)."),
+        click.option("--oversubscription", type=float, default=1.0, show_default=True,
+                     help="Leaf oversubscription, e.g. 2 for 2:1 (1: non-blocking)."),
+    ]
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
