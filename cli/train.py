@@ -13,12 +13,14 @@ from cli.config_file import config_file_option
 from cli.output import print_table
 from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
+from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
 from parallel.resume import ResumePoint, continue_settings, resume_point
 from parallel.run_dir import RunClaim
 from parallel.run_files import default_run_dir
-from job.train_config import DEVICES, PRECISIONS, TrainConfig
+from parallel.watchdog import DEFAULT_TIMEOUT_S, check_timeout
+from job.train_config import DEVICES, TrainConfig
 
 NEWEST = "<newest>"  # bare --resume: the newest checkpoint of --out that verifies
 
@@ -48,7 +50,7 @@ def build_train_config(options: dict) -> TrainConfig:
         data=options["data"],
         out_dir=options["out"],
         device=options["device"],
-        precision=options["precision"],
+        precision=CPU_PRECISION if options["precision"] == AUTO else options["precision"],  # auto: resolved below
         loss_scale=parse_loss_scale(options["loss_scale"]),
         loss_scale_window=options["loss_scale_window"],
         log_every=options["log_every"],
@@ -64,7 +66,11 @@ def build_train_config(options: dict) -> TrainConfig:
         save_every=options["save_every"] or 0,
         resume=options["resume"] not in (None, False),
         recompute=options["recompute"],
+        watchdog_s=options["watchdog"],
     )
+    check_timeout(options["watchdog"])
+    if options["precision"] == AUTO:  # the device's format, looked up (torch) once everything else is valid
+        cfg = dataclasses.replace(cfg, precision=training_precision(AUTO, cfg.device, cfg.world_size))
     if cfg.data is not None:
         check_text_file(cfg.data, model.seq_len)
     if cfg.out_dir is None:
@@ -230,7 +236,7 @@ def mib(n: int) -> str:
 @click.option("--data", type=str, help="A UTF-8 text file [default: the embedded Shakespeare corpus].")
 @click.option("--out", type=str, help="Run directory [default: runs/<time>-<shape>].")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
-@click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
+@precision_option
 @click.option("--loss-scale", default="dynamic", show_default=True, help="fp16 loss scale: 'dynamic' or a static number.")
 @click.option("--loss-scale-window", default=1000, show_default=True, type=int, help="Clean steps before a dynamic scale doubles.")
 @click.option("--save-every", type=int, help="Checkpoint every N steps and at the end (0: none) [default: 0, or "
@@ -239,6 +245,8 @@ def mib(n: int) -> str:
               help="Continue the run in --out from its newest checkpoint that verifies, or from checkpoint PATH.")
 @click.option("--overwrite", is_flag=True, help="Clear --out first (only a minigpt run directory; never with --resume).")
 @click.option("--log-every", type=int, help="Steps between log lines [default: 20 lines per run].")
+@click.option("--watchdog", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds a rank may stop "
+              "responding (stopped, frozen) before the run ends naming it; 0: off.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end, nothing else on stdout.")
 def train(as_json: bool, **options) -> None:
     """Train a GPT on the embedded corpus (or --data)."""
@@ -282,7 +290,8 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
     click.echo(f"layout: tp {cfg.tp} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
                f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
                f"{'' if cfg.zero == 0 else ' over the dp group of ' + str(cfg.dp)}"
-               f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}", file=out)
+               f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}, {cfg.precision}"
+               f"{' (auto: bf16 on a GPU, fp32 on a CPU)' if options['precision'] == AUTO else ''}", file=out)
     summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json), resume_from=point)
     if as_json:
         click.echo(json.dumps(summary))
@@ -292,7 +301,7 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
         [
             ["device", summary["device"]],
             ["parameters", f"{summary['n_params']:,}"],
-            ["final loss (mean of last 20 steps)", f"{summary['final_loss']:.4f}"],
+            [f"final loss (mean of the last {summary['final_loss_steps']} steps)", f"{summary['final_loss']:.4f}"],
             ["validation loss", f"{summary['val_loss']:.4f}"],
             ["median step time", f"{summary['step_time_s'] * 1000:.1f} ms"],
             ["tokens/s", f"{summary['tokens_per_s']:,.0f}"],

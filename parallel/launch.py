@@ -15,6 +15,7 @@ Inside the entrypoint a rank calls `init_worker()` first and `finish_worker()` i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from minigpt.errors import ConfigError, Interrupted, TrainingError, check_positive_int
+from parallel.watchdog import DEFAULT_TIMEOUT_S, HEARTBEAT_DIR_VARIABLE, Watchdog, check_timeout, start_heartbeat
 
 Arg = TypeVar("Arg")
 Result = TypeVar("Result")
@@ -53,6 +55,7 @@ def launch(
     arg: Arg,
     world_size: int,
     threads_per_rank: int = 1,
+    watchdog_s: float = DEFAULT_TIMEOUT_S,
 ) -> Result:
     """Run entrypoint(arg) on world_size ranks and return what rank 0's call returned.
 
@@ -61,14 +64,17 @@ def launch(
     torch's thread pools and, on GPUs, a CUDA context is unsafe.
     Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
     and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
+    Locally launched ranks are watched (parallel/watchdog.py): one silent for watchdog_s seconds ends the
+    run with a TrainingError naming it; 0 turns the watchdog off.
     """
     check_torchrun_world(world_size)
     check_positive_int("threads per rank", threads_per_rank)
+    check_timeout(watchdog_s)
     if in_torchrun():
         return entrypoint(arg)
     if world_size == 1:
         return entrypoint(arg)
-    return launch_local(entrypoint, arg, world_size, threads_per_rank)
+    return launch_local(entrypoint, arg, world_size, threads_per_rank, watchdog_s)
 
 
 def check_torchrun_world(world_size: int) -> None:
@@ -90,6 +96,7 @@ def run_with_threads(entrypoint: Callable[[Arg], Result], arg: Arg, threads: int
     torch's own intra-op pool.
     """
     torch.set_num_threads(threads)
+    start_heartbeat(int(os.environ["RANK"]))
     # Ctrl-C reaches every process of the terminal's group: the launching process says so on one line,
     # and a rank leaves at once and quietly instead of printing a KeyboardInterrupt traceback each.
     signal.signal(signal.SIGINT, _leave_quietly)
@@ -112,16 +119,23 @@ def quiet_elastic_logs() -> None:
 
 
 def launch_local(
-    entrypoint: Callable[[Arg], Result], arg: Arg, world_size: int, threads_per_rank: int
+    entrypoint: Callable[[Arg], Result], arg: Arg, world_size: int, threads_per_rank: int,
+    watchdog_s: float = DEFAULT_TIMEOUT_S,
 ) -> Result:
     """Start world_size ranks on this machine as `torchrun --standalone` would, and wait for them."""
-    saved_threads = os.environ.get("OMP_NUM_THREADS")
+    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", HEARTBEAT_DIR_VARIABLE)}
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # the spawned ranks inherit it
     quiet_elastic_logs()
     try:
-        # Elastic writes each rank's error file under the log directory; ours goes away
-        # afterwards instead of piling up as /tmp/torchelastic_* directories.
+        # Elastic writes each rank's error file under the log directory, the ranks their heartbeats beside;
+        # ours goes away afterwards instead of piling up as /tmp/torchelastic_* directories.
         with tempfile.TemporaryDirectory(prefix="minigpt-launch-") as log_dir:
+            heartbeats = Path(log_dir) / "heartbeats"
+            heartbeats.mkdir()
+            if watchdog_s:
+                os.environ[HEARTBEAT_DIR_VARIABLE] = str(heartbeats)
+            else:
+                os.environ.pop(HEARTBEAT_DIR_VARIABLE, None)
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
@@ -134,9 +148,13 @@ def launch_local(
                 start_method="spawn",
                 logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # stdout and stderr stay inherited
             )
+            watchdog = Watchdog(str(heartbeats), world_size, watchdog_s)
             try:
-                results = elastic_launch(config, run_with_threads)(entrypoint, arg, threads_per_rank)
+                with watchdog if watchdog_s else contextlib.nullcontext():
+                    results = elastic_launch(config, run_with_threads)(entrypoint, arg, threads_per_rank)
             except ChildFailedError as error:
+                if watchdog.verdict is not None:  # the rank it killed, not "killed by SIGKILL"
+                    raise TrainingError(watchdog.verdict.line(world_size, watchdog_s)) from None
                 if {failure.exitcode for failure in error.failures.values()} <= {128 + signal.SIGINT, -signal.SIGINT}:
                     raise Interrupted(signal.SIGINT) from None  # Ctrl-C: the ranks left before this process noticed
                 # One line for the CLI; elastic has logged the failed rank's traceback to stderr.
@@ -144,10 +162,11 @@ def launch_local(
             except SignalException as error:  # SIGINT or SIGTERM to this process: elastic ended the ranks
                 raise Interrupted(int(error.sigval)) from None
     finally:
-        if saved_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved_threads
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return results[0]
 
 

@@ -26,6 +26,7 @@ from parallel.step import StepOutcome, mean_over
 from parallel.checkpoint import load_checkpoint, save_checkpoint
 from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch import finish_worker, init_worker, launch
+from parallel.watchdog import DEFAULT_TIMEOUT_S
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
 from parallel.resume import ResumePoint, resume_point
@@ -61,7 +62,8 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumeP
             return {"nothing_to_do": point.nothing_to_do(cfg.steps), "first_step": point.step, "steps": cfg.steps,
                     "checkpoint": str(point.path), "run_dir": cfg.out_dir, "losses": []}
         checkpoint = str(point.path)
-    return launch(run_worker, (cfg, on_step, checkpoint), cfg.world_size, threads_per_rank=cfg.threads_per_rank or 1)
+    return launch(run_worker, (cfg, on_step, checkpoint), cfg.world_size, threads_per_rank=cfg.threads_per_rank or 1,
+                  watchdog_s=DEFAULT_TIMEOUT_S if cfg.watchdog_s is None else cfg.watchdog_s)
 
 
 def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | None:
@@ -233,7 +235,8 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
     tokens_per_s = cfg.tokens_per_step / step_time_s
     flops_per_token = cfg.model.train_flops_per_token()
     finite = [loss for loss in history.losses if math.isfinite(loss)]
-    tail = finite[-min(20, len(finite)) :] or [math.nan]
+    # the last quarter of the run, at most 20 steps: an 8-step run's final loss is not its starting loss
+    tail = finite[-min(20, max(1, len(finite) // 4)) :] or [math.nan]
     return {
         "config": cfg.as_dict(),
         "data": corpus.source,
@@ -254,6 +257,7 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
         "first_step": history.first_step,
         "losses": history.losses,
         "final_loss": sum(tail) / len(tail),
+        "final_loss_steps": len(tail),
         "val_loss": history.val_history[-1]["val_loss"],
         "val_history": history.val_history,
         "skipped_steps": scaler.skipped_steps if scaler else 0,

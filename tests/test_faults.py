@@ -160,3 +160,60 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(t
         check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def rank_of(pid: int) -> int:
+    """The rank a worker process is, from the heartbeat files its launcher watches (parallel/watchdog.py)."""
+    import tempfile
+
+    for beat in Path(tempfile.gettempdir()).glob("minigpt-launch-*/heartbeats/*"):
+        try:
+            if int(beat.read_text()) == pid:
+                return int(beat.name)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError(f"no heartbeat file names process {pid}")
+
+
+def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path):
+    """SIGSTOP to one rank of four: within the watchdog's 5 s (plus a poll and the ranks' exit) the run ends
+    with exit 1 and one line naming that rank, no process left (the stopped one included), and the newest
+    checkpoint resumes to exactly the losses of a run never interrupted."""
+    out = tmp_path / "run"
+    steps = ["--steps", "40", "--json"]  # the resumed and the fresh run follow the same learning-rate schedule
+    command = [sys.executable, "-m", "cli", "train", *ARGS, *steps, "--save-every", "2", "--watchdog", "5",
+               "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.time() + 180
+    try:
+        while latest_checkpoint(out / "checkpoints") is None:
+            assert process.poll() is None and time.time() < deadline, process.communicate()
+            time.sleep(0.2)
+        workers = [pid for pid in children(process.pid) if is_worker(pid)]
+        assert len(workers) == 4, workers
+        stopped = workers[-1]
+        rank = rank_of(stopped)
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.time()
+        _, stderr = process.communicate(timeout=60)
+        took = time.time() - stopped_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1, stderr[-2000:]
+    assert took < 30, took
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith(f"minigpt: run failed: rank {rank} of 4 stopped responding: no heartbeat for "), \
+        stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    time.sleep(0.5)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the run"
+
+    done = int(latest_checkpoint(out / "checkpoints").name.split("-")[1])
+    assert done < 40
+    resumed = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(out), "--resume"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    fresh = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(tmp_path / "fresh")],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert resumed.returncode == 0 and fresh.returncode == 0, resumed.stderr[-2000:] + fresh.stderr[-2000:]
+    assert json.loads(resumed.stdout)["losses"] == json.loads(fresh.stdout)["losses"][done:]
