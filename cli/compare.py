@@ -20,7 +20,8 @@ import click
 from cli.config_file import config_file_option
 from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
-from job.train_config import PRECISIONS, TrainConfig
+from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
+from job.train_config import TrainConfig
 
 
 def build_compare_config(options: dict) -> TrainConfig:
@@ -31,11 +32,14 @@ def build_compare_config(options: dict) -> TrainConfig:
         micro_batches=micro_batch_count(options["global_batch"], options["dp"], options.get("micro_batches"),
                                         options.get("micro_batch_size")),
         sequence_parallel=options.get("sequence_parallel", False), eval_every=0, eval_batches=1, out_dir=options["out"],
-        device="cpu" if options["device"] == "cpu" else "auto", precision=options["precision"],
+        device="cpu" if options["device"] == "cpu" else "auto",
+        precision=CPU_PRECISION if options["precision"] == AUTO else options["precision"],  # auto: resolved below
         tp=options["tp"], pp=options["pp"], dp=options["dp"], zero=options["zero"], schedule=options["schedule"],
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
     )
+    if options["precision"] == AUTO:  # the format the training side will compute in, for both sides
+        cfg = dataclasses.replace(cfg, precision=training_precision(AUTO, cfg.device, cfg.world_size))
     if cfg.out_dir is None:  # a directory of its own, named now so that it can be claimed before any work
         from parallel.run_files import default_run_dir
 
@@ -56,7 +60,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
 @model_options("tiny")
 @click.option("--recompute", default="none", show_default=True, help="none or selective (the attention core).")
-@click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS))
+@precision_option
 @click.option("--threads-per-rank", "threads_per_rank", type=int, help="[default: 1 with several ranks]")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
 @click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")

@@ -23,6 +23,7 @@ from cli.batch_options import batch_options
 from cli.config_file import config_file_option
 from cli.model_options import model_from_options, model_options
 from cli.cluster_options import cluster_options
+from cli.precision_option import precision_option, simulated_precision
 from cli.simulate import _hardware, parameter_count
 from minigpt.errors import ConfigError, check_positive_int
 
@@ -97,7 +98,7 @@ def _spec(options: dict):
 @model_options("gpt3-175b")
 @batch_options(None, "Global batch: sequences per step [default: one per GPU].")
 @click.option("--gpus", type=int, required=True, help="GPUs in the cluster (whole servers).")
-@click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or fp8.")
+@precision_option
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
 @cluster_options()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -115,6 +116,7 @@ def plan(**options) -> None:
             check_positive_int(f"--{name.replace('_', '-')}", options[name])
     if not 1.0 <= options["oversubscription"] < float("inf"):
         raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
+    options["precision"] = simulated_precision(options["precision"], _hardware(options) if options["hardware"] else None)
     precision_policy(options["precision"])
     spec = _spec(options)
     with _progress() as tick:

@@ -23,6 +23,7 @@ from cli.cluster_options import DEFAULT_GPU, cluster_options
 from cli.config_file import config_file_option
 from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
+from cli.precision_option import precision_option, simulated_precision
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_positive_int
@@ -261,7 +262,7 @@ def micro_batch_size(options: dict) -> int:
               help="ZeRO-3 units gathered ahead (default: the preset's, 1).")
 @click.option("--p2p-overlap/--no-p2p-overlap", "p2p_overlap", default=None,
               help="Asynchronous pipeline sends, receives posted early (default: the preset's).")
-@click.option("--precision", default="bf16", show_default=True, help="fp32, bf16, fp16 or fp8.")
+@precision_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")
 @click.option("--nodes", type=int, help="Servers (default: as many as the layout needs).")
@@ -285,6 +286,7 @@ def simulate(**options) -> None:
             check_positive_int(f"--{name.replace('_', '-')}", options[name])
     if not 1.0 <= options["oversubscription"] < float("inf"):
         raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
+    options["precision"] = simulated_precision(options["precision"], _hardware(options) if options["hardware"] else None)
     report = run_sweep(options) if options["sweep"] else run_single(options)
     if options["as_json"]:
         click.echo(json.dumps(_json(report)))

@@ -89,3 +89,28 @@ def test_a_run_that_cannot_fit_in_ram_is_refused_before_it_starts():
     assert needed == 2 * sum(predicted_rank_bytes(cfg)) + 2 * (PROCESS_BYTES + BUILD_BYTES_PER_PARAM * 842_496)
     with pytest.raises(ConfigError, match="GiB of RAM"):
         check_cpu_memory(cfg, available=needed - 1)
+
+
+def test_every_command_spells_precision_alike_and_auto_follows_the_device():
+    """--precision: the same choices and default (auto) in train, compare, simulate and plan; auto is bf16 on a
+    GPU preset and fp32 for a run on this CPU, and the run says so."""
+    from cli.plan import plan
+    from cli.precision_option import simulated_precision, training_precision
+
+    for command in (train, compare, simulate, plan):
+        option = next(param for param in command.params if param.name == "precision")
+        assert option.default == "auto" and list(option.type.choices) == ["auto", "fp32", "bf16", "fp16", "fp8"]
+    assert simulated_precision("auto") == "bf16" and simulated_precision("fp16") == "fp16"
+    assert training_precision("auto", "cpu", 4) == "fp32" and training_precision("fp8", "cpu", 1) == "fp8"
+    result = CliRunner().invoke(main, ["simulate", "--model", "tiny", "--gpu", "a100-80gb", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["precision"] == "bf16", result.output
+
+
+def test_auto_precision_simulates_a_calibrated_cpu_host_in_fp32(tmp_path):
+    """A CPU host profile trains in fp32 (compare runs it so): simulate's auto picks fp32 for it, as train does."""
+    from fuzzing import cpu_profile_document
+
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps(cpu_profile_document()))
+    result = CliRunner().invoke(main, ["simulate", "--model", "tiny", "--hardware", str(profile), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["precision"] == "fp32", result.output

@@ -81,7 +81,7 @@ def test_sweep_states_both_lessons_and_draws_the_plot(tmp_path):
     (["--tp", "16", "--model", "gpt2-124m", "--heads", "16", "--hidden", "1024"], "spans servers"),
     (["--dp", "12"], "do not fill whole servers of 8"),
     (["--dp", "2", "--global-batch", "3"], "not a multiple"),
-    (["--precision", "fp12"], "unknown precision"),
+    (["--precision", "fp12"], "'fp12' is not one of"),
     (["--sweep", "--global-batch", "8"], "--sweep needs the GPU counts"),
     (["--sweep", "--gpus", "8,x", "--global-batch", "8"], "comma-separated"),
     (["--micro-batch", "0"], "--micro-batch must be a positive integer"),
