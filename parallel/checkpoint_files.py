@@ -157,7 +157,7 @@ def _read_json(path: Path, name: str) -> tuple[object, bytes]:
     try:
         raw = (path / name).read_bytes()
         return json.loads(raw.decode("utf-8")), raw
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested too deep
         raise CorruptCheckpoint(path, f"corrupt: cannot read {name} ({' '.join(str(error).split())})") from None
 
 

@@ -105,7 +105,7 @@ def read_state_unchecked(path: Path) -> dict:
         read_state(path, None)  # raises the right one-line error (missing, not a directory, incomplete)
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested too deep
         raise ConfigError(f"checkpoint {path} is corrupt: cannot read {STATE_FILE} ({error})") from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise ConfigError(f"checkpoint {path} is corrupt: {STATE_FILE} has no model shape")
