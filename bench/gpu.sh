@@ -115,7 +115,7 @@ run_step() {  # run_step NAME LIMIT_S RESULT_FILE COMMAND...: stdout to RESULT_F
 
 if [ "$cuda" = 1 ]; then
   run_step kernels 170 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --budget-s 150
-  run_step calibrate 100 - "$py" -m cli calibrate --device cuda --ranks 1 --model gpt2-124m \
+  run_step calibrate 100 - "$py" -m cli calibrate --device cuda --ranks 1 --allow-busy --model gpt2-124m \
     --micro-batches 1,2,4,8 --out "$out/gpu-profile.json"
   run_step compare 75 "$out/compare.json" "$py" -m cli compare --hardware "$out/gpu-profile.json" \
     --model gpt2-124m --batch-size 8 --steps 6 --out "$scratch/compare" --json
@@ -126,7 +126,7 @@ if [ "$cuda" = 1 ]; then
 else
   echo "gpu.sh: no CUDA device: the CPU dry run (the same steps at tiny sizes)"
   run_step kernels 60 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --dry-run
-  run_step calibrate 90 - "$py" -m cli calibrate --device cpu --ranks 1 --quick --model tiny \
+  run_step calibrate 90 - "$py" -m cli calibrate --device cpu --ranks 1 --quick --allow-busy --model tiny \
     --micro-batches 1,4 --formats fp32,bf16,fp8 --out "$out/gpu-profile.json"
   run_step compare 60 "$out/compare.json" "$py" -m cli compare --hardware "$out/gpu-profile.json" \
     --model tiny --batch-size 8 --steps 3 --device cpu --out "$scratch/compare" --json

@@ -20,6 +20,12 @@ on a CPU fp32 alone (16-bit training on a CPU emulates its matmuls with fp32 one
 With one rank nothing measures the links: on a GPU whose name matches a preset of
 simulator/hardware.json (e.g. "NVIDIA H200" -> h200) the profile takes that preset's link, node
 and NIC figures, else half the copy bandwidth with no latency; the profile and the output say which.
+
+A busy machine (parallel/calibrate_noise.py): the CPU share a measuring thread gets is taken before
+the ranks start, while rank 0 measures alone and after the ranks end; under half a core at any of
+them is refused in one line (exit 2, nothing written) unless --allow-busy. The profile's
+measured["reliability"] records the shares and the spread of repeated runs and says whether the
+profile is reliable; an unreliable one is written with a warning on stderr.
 """
 
 from __future__ import annotations
@@ -97,9 +103,12 @@ def parse_formats(text: str | None) -> tuple[str, ...] | None:
 
 def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: int | None = None,
                     name: str | None = None, model: str = "tiny", micro_batch: int = 8, device: str = "auto",
-                    micro_batches: tuple[int, ...] | None = None, formats: tuple[str, ...] | None = None) -> dict:
+                    micro_batches: tuple[int, ...] | None = None, formats: tuple[str, ...] | None = None,
+                    allow_busy: bool = False) -> dict:
     """Check, measure, write, read back: the profile as written, with the seconds it took.
-    ranks None: one per GPU when --device auto finds CUDA, else 8."""
+    ranks None: one per GPU when --device auto finds CUDA, else 8. A machine too busy to measure
+    (parallel/calibrate_noise.py: before the ranks start, while rank 0 measures alone, after) is a
+    ConfigError before anything is written, unless allow_busy (the profile is then marked unreliable)."""
     import time
 
     path = check_out_path(out)
@@ -107,16 +116,21 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
         raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
     from parallel.calibrate import build_profile, calibrate, make_plan, measured_device
     from parallel.calibrate_host import host_cores
+    from parallel.calibrate_noise import check_quiet, cpu_share
     from simulator.hardware import preset_links
 
     plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches, formats)
     start = time.perf_counter()
+    before = check_quiet(cpu_share(), "before", allow_busy)
     measured = calibrate(plan)
+    after = check_quiet(cpu_share(), "after", allow_busy)
+    check_quiet(measured[0].get("noise", {}).get("cpu_share_alone"), "alone", allow_busy)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     used = measured_device(measured)
     name = name or (CUDA_NAME if used["type"] == "cuda" else DEFAULT_NAME)
     links_from = preset_links(used["name"]) if used["type"] == "cuda" else None
-    profile = build_profile(measured, plan, name, host_cores(), date, links_from)
+    shares = {"before": before, "after": after, "allowed_busy": allow_busy}
+    profile = build_profile(measured, plan, name, host_cores(), date, links_from, shares)
     profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
     profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
     write_atomically(profile, path)
@@ -146,18 +160,28 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
 @click.option("--micro-batches", "micro_batches",
               help="The units' micro-batch sizes [default: 1,2,4,8,16; --quick 1,4,16].")
 @click.option("--name", help=f"The profile's hardware name (default: {DEFAULT_NAME}, on CUDA {CUDA_NAME}).")
-@click.option("--quick", is_flag=True, help="A few sizes and repeats (about 20 s with 8 ranks): for tests.")
+@click.option("--quick", is_flag=True,
+              help="A few sizes and repeats, for tests: about a minute with 8 ranks on 2 cores (64-66 s measured on a "
+                   "shared machine), about 6 s with one rank.")
+@click.option("--allow-busy", "allow_busy", is_flag=True,
+              help="On a machine too busy to measure (a thread gets under half a core), write the profile marked "
+                   "unreliable instead of refusing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
 def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch, micro_batches, name, quick,
-              as_json) -> None:
+              allow_busy, as_json) -> None:
     """Measure this machine (matmuls per format, memory copy, the model's pieces, sharing, collectives) into a
     profile: with gloo on the CPU, or with NCCL on CUDA GPUs."""
+    from parallel.calibrate_noise import details, summary
+
     profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch, device,
-                              parse_sizes(micro_batches), parse_formats(formats))
+                              parse_sizes(micro_batches), parse_formats(formats), allow_busy)
+    (gpu_name, gpu), = profile["gpus"].items()
+    reliability = gpu["measured"].get("reliability")
+    if not reliability["reliable"]:
+        click.echo(f"minigpt: warning: {out}: {summary(reliability)}", err=True)
     if as_json:
         click.echo(json.dumps(profile, indent=2))
         return
-    (gpu_name, gpu), = profile["gpus"].items()
     note = gpu["calibration"]
     if note["device"] == "cuda":
         click.echo(f"wrote {out}: hardware {gpu_name}, {note['ranks']} rank(s) on {note['cores']} CUDA GPU(s) "
@@ -177,6 +201,8 @@ def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch,
         click.echo(f"  {kind:<15} alpha {fit['alpha'] * 1e6:8.1f} us   beta {fit['beta'] * 1e9:.3f} ns/B "
                    f"({1 / fit['beta'] / 1e9:.2f} GB/s)")
     echo_measured(gpu.get("measured"))
+    click.echo(f"  noise: {details(reliability)}")
+    click.echo(f"  {summary(reliability)}")
     click.echo(f"  use it: minigpt simulate --hardware {out} --model {block['model']} --precision fp32")
 
 

@@ -122,3 +122,5 @@ def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:
                f"{report['worst_model_state_error']:.2%}; traces under {out_dir}")
     for drift in report["machine_drift"]:
         echo_drift(drift)
+    if report.get("prediction_confidence"):
+        click.echo(report["prediction_confidence"]["line"])

@@ -21,17 +21,19 @@ and load), which also gives the whole-world collectives below.
   Collectives) among all ranks and p2p (ping-pong inside rank pairs, every pair at once, half
   the round trip) by message size S (the full buffer, comm.py's convention): calibrate_host's
   points with every rank busy; each is the slowest rank's median. A least-squares line
-  t = alpha + beta * S per collective is fitted in `fit_alpha_beta`.
+  t = alpha + beta * S per collective is fitted in parallel/calibrate_links.py's `fit_alpha_beta`.
 - links with one rank (no collectives): the caller may pass a preset's link figures
   (`links_from`: cli/calibrate.py takes them from simulator/hardware.json's preset whose GPU
   matches the device's name); else half the copy bandwidth with no latency, a placeholder the
   profile and calibrate's output say is one.
+- reliability: rank 0's CPU share and the spread of its repeated runs while it measures alone
+  (parallel/calibrate_noise.py's Noise), with the caller's probes before and after the ranks
+  (`shares`), judged into measured["reliability"].
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 from dataclasses import asdict, dataclass
 
 import torch
@@ -40,6 +42,8 @@ import torch.distributed as dist
 from minigpt.errors import ConfigError, TrainingError, check_positive_int
 from parallel.calibrate_device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
 from parallel.calibrate_host import build_measured, collective_points, measure_host
+from parallel.calibrate_links import fit_alpha_beta, node_and_nic, profile_links
+from parallel.calibrate_noise import Noise, reliability
 from parallel.launch import finish_worker, init_worker, launch
 from precision.compute import EMULATED_FORMATS
 from precision.policy import FLOP_FORMATS
@@ -163,23 +167,25 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
             # which takes no CPU): a device's own numbers. What sharing costs is measured apart
             # (calibrate_host's "sharing"), and the simulator applies it to the job's ranks.
             start = stamp(device)
-            result = {}
+            result, noise = {}, Noise()  # noise: rank 0's CPU share and spreads while it measures alone
             if not dist.is_initialized() or dist.get_rank() == 0:
                 threads = torch.get_num_threads()
                 torch.set_num_threads(1)
                 try:
                     formats = plan.formats or default_formats(device)
-                    result = {"matmuls": measure_matmuls(plan, device, formats),
-                              "copy_bandwidth": measure_copy(plan, device),
-                              "block": measure_block(plan, device)}
+                    with noise.timed():
+                        result = {"matmuls": measure_matmuls(plan, device, formats),
+                                  "copy_bandwidth": measure_copy(plan, device),
+                                  "block": measure_block(plan, device)}
                 finally:
                     torch.set_num_threads(threads)
             if dist.is_initialized():
                 dist.barrier()
             compute_s = stamp(device) - start
             result["device"] = describe(device)  # what this rank measured on
-            result["host"] = measure_host(plan, device)  # starts with a barrier
+            result["host"] = measure_host(plan, device, noise)  # starts with a barrier
             result["host"]["seconds"] = {"matmuls_copy_block": compute_s, **result["host"]["seconds"]}
+            result["noise"] = noise.as_dict(on_cpu=device.type == "cpu")
         finally:
             if plan.ranks == 1:
                 torch.set_num_threads(saved)
@@ -193,39 +199,6 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
 
 
 # ---------------------------------------------------------------- from measurements to a profile
-
-
-def fit_alpha_beta(points: list[list[float]] | list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares t = alpha + beta * S over [(S, t), ...], with alpha >= 0 and beta > 0.
-
-    A negative intercept (noise at small sizes) refits the line through the origin; a slope
-    that is not positive (too few or too noisy points) falls back to the largest point's t / S.
-    """
-    if not points:
-        raise ValueError("no points to fit")
-    xs, ys = [float(p[0]) for p in points], [float(p[1]) for p in points]
-    n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    alpha = mean_y - beta * mean_x
-    if alpha < 0:
-        alpha, beta = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    if beta <= 0:
-        big = max(range(n), key=lambda i: xs[i])
-        alpha, beta = max(0.0, min(ys)), max(ys[big] / xs[big], 1e-15)
-    return alpha, beta
-
-
-def link_from_fit(kind: str, ranks: int, alpha: float, beta: float) -> tuple[float, float]:
-    """(per-step latency s, link bandwidth B/s) that make the simulator's ring reproduce the fit.
-
-    simulator/collectives.py: ring all-reduce = 2(n-1) steps of S/n, all-gather and
-    reduce-scatter (n-1) steps of S/n, p2p one transfer of S.
-    """
-    steps = {"all_reduce": 2 * (ranks - 1), "all_gather": ranks - 1, "reduce_scatter": ranks - 1, "p2p": 1}[kind]
-    share = 1.0 if kind == "p2p" else 1.0 / ranks
-    return alpha / steps, steps * share / beta
 
 
 def _load_average() -> float | None:
@@ -280,48 +253,6 @@ def measured_collectives(measured: list[dict], plan: CalibrationPlan) -> dict:
     return collectives
 
 
-def profile_links(collectives: dict, copy_bandwidth: float, links_from: dict | None) -> dict:
-    """The GPU's link figures and where they come from: the fitted collectives, else a preset's
-    datasheet figures (links_from), else half the copy bandwidth with no latency (a placeholder)."""
-    if collectives:
-        links = [link_from_fit(kind, fit["ranks"], fit["alpha"], fit["beta"]) for kind, fit in collectives.items()]
-        return {"bandwidth": statistics.median(bw for _, bw in links),
-                "latency": statistics.median(latency for latency, _ in links), "preset": None,
-                "note": "measured: median over the fitted collectives of the per-step latency and link bandwidth "
-                        "of a ring"}
-    if links_from is not None:
-        return {"bandwidth": links_from["nvlink_bandwidth"], "latency": links_from["nvlink_latency"],
-                "preset": links_from,
-                "note": (f"not measured (one rank), from preset {links_from['preset']}'s datasheet figures "
-                         f"(simulator/hardware.json): {links_from['nvlink_bandwidth'] / 1e9:.0f} GB/s per "
-                         f"direction (datasheet), {links_from['nvlink_latency'] * 1e6:.1f} us per step "
-                         f"(hardware.json's stated assumption); node {links_from['node_name']} and NIC "
-                         f"{links_from['nic_name']} from the same presets")}
-    return {"bandwidth": copy_bandwidth / 2, "latency": 0.0, "preset": None,
-            "note": (f"not measured (one rank) and no preset matches the device: set to half the measured copy "
-                     f"bandwidth ({copy_bandwidth / 2e9:.1f} GB/s) with no latency, a placeholder and not a link: "
-                     f"collectives simulated with this profile rest on it; calibrate with --ranks 2 or more to "
-                     f"measure them")}
-
-
-def node_and_nic(name: str, source: str, ranks: int, links: dict) -> dict:
-    """The profile's "nodes" and "nics": a preset's (links from a preset) or this machine's loopback."""
-    preset = links["preset"]
-    if preset is not None:
-        node, nic = f"{name}-node", f"{name}-{preset['nic_name']}"
-        return {"nodes": {node: {**preset["node"], "nic": nic,
-                                 "source": f"preset {preset['node_name']} (simulator/hardware.json): "
-                                           f"{preset['node']['source']}"}},
-                "nics": {nic: {**preset["nic"], "source": f"preset {preset['nic_name']} (simulator/hardware.json): "
-                                                          f"{preset['nic']['source']}"}}}
-    node, nic = f"{name}-node", f"{name}-loopback"
-    return {"nodes": {node: {"source": f"{source}: this machine; every local rank is one device of this node",
-                             "gpus_per_node": max(64, ranks), "nics_per_node": 1, "nvswitch": True, "nic": nic}},
-            "nics": {nic: {"source": f"{source}: there is no network; set as the links above ({links['note']})",
-                           "bandwidth": links["bandwidth"], "latency": links["latency"], "switch_latency": 0.0,
-                           "switch_radix": 64}}}
-
-
 def describe_measurement(device: dict, plan: CalibrationPlan, cores: int, formats: list[str]) -> tuple[str, str, str]:
     """(what was measured, for the source; the calibration note; the peak note); formats: those measured."""
     missing = [f for f in FORMATS if f not in formats and not (f == "tf32" and device["type"] != "cuda")]
@@ -356,24 +287,32 @@ def describe_measurement(device: dict, plan: CalibrationPlan, cores: int, format
     return about, note, peak_note
 
 
+def cpu_formats(peaks: dict, tables: dict, notes: dict) -> None:
+    """On a CPU, in place: tf32 = fp32 (no TF32), and each 16-bit format not measured natively takes fp32's
+    numbers, as a 16-bit training run on a CPU computes with fp32 matmuls (precision/compute.py)."""
+    peaks["tf32"] = peaks["fp32"]  # no TF32 on a CPU: its fp32 matmul is the tf32 format too
+    notes["tf32"] = {"status": "tf32 = fp32 on a CPU (no TF32)", "peak_flops": peaks["fp32"]}
+    for fmt in EMULATED_FORMATS:  # what a 16-bit run on this CPU computes with, unless measured natively
+        if peaks.get(fmt) is None:
+            peaks[fmt], tables[fmt] = peaks["fp32"], tables["fp32"]
+            notes[fmt] = {"status": f"emulated: {fmt} training on a CPU runs fp32 matmuls (precision/compute.py), "
+                                    f"so fp32's rates", "peak_flops": peaks["fp32"]}
+
+
 def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores: int, date: str,
-                  links_from: dict | None = None) -> dict:
+                  links_from: dict | None = None, shares: dict | None = None) -> dict:
     """The hardware profile (hardware.json's schema, one GPU) from every rank's measurements.
     cores: this machine's CPU cores; on CUDA the GPUs used (one per rank) take their place.
-    links_from: a preset's link figures (simulator.hardware.preset_links), used when no collective was measured."""
+    links_from: a preset's link figures (simulator.hardware.preset_links), used when no collective was measured.
+    shares: {"before", "after": the CPU share calibrate_noise.cpu_share found, "allowed_busy": bool}; with it the
+    measured object gets its "reliability" (calibrate_noise.reliability)."""
     device = measured_device(measured)
     on_gpu = device["type"] == "cuda"
     cores = plan.ranks if on_gpu else cores
     alone = measured[0]  # rank 0 measured the matmuls, the copy and the block alone
     peaks, tables, format_notes = format_tables(alone["matmuls"])
     if not on_gpu:
-        peaks["tf32"] = peaks["fp32"]  # no TF32 on a CPU: its fp32 matmul is the tf32 format too
-        format_notes["tf32"] = {"status": "tf32 = fp32 on a CPU (no TF32)", "peak_flops": peaks["fp32"]}
-        for fmt in EMULATED_FORMATS:  # what a 16-bit run on this CPU computes with, unless measured natively
-            if peaks.get(fmt) is None:
-                peaks[fmt], tables[fmt] = peaks["fp32"], tables["fp32"]
-                format_notes[fmt] = {"status": f"emulated: {fmt} training on a CPU runs fp32 matmuls "
-                                               f"(precision/compute.py), so fp32's rates", "peak_flops": peaks["fp32"]}
+        cpu_formats(peaks, tables, format_notes)
     if links_from is not None:
         for fmt, note in format_notes.items():
             datasheet = links_from.get("peak_flops", {}).get(fmt)
@@ -417,6 +356,10 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
         },
         "measured": build_measured([r["host"] for r in measured], plan, fit_alpha_beta),
     }
+    if shares is not None:
+        gpu["measured"]["reliability"] = reliability(shares["before"], shares["after"], alone.get("noise"),
+                                                     alone["block"].get("spread"), alone["matmuls"].get("spread"),
+                                                     shares.get("allowed_busy", False))
     if collectives:
         gpu["collectives"] = collectives
     return {"about": f"hardware profile {name}: {source}", "gpus": {name: gpu}, **network}

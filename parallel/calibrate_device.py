@@ -35,6 +35,7 @@ import time
 import torch
 
 from parallel.calibrate_kernels import matmul_mode, time_elementwise, time_gemm
+from parallel.calibrate_noise import spread
 from parallel.comm import Collectives, Done
 from parallel.device import synchronize
 from job.train_config import check_tensor_parallel
@@ -79,16 +80,16 @@ def measure_matmuls(plan, device: torch.device, formats: tuple[str, ...] = ("fp3
     """{"rates": {format: {"square": {n: FLOP/s}, "gpt": {n: FLOP/s}}}, "spread": {format: the largest
     spread of its runs}, "refused": {format: why}, "launch_latency": s} on `device`."""
     rates: dict[str, dict[str, dict[int, float]]] = {}
-    spread: dict[str, float] = {}
+    spreads: dict[str, float] = {}
     refused: dict[str, str] = {}
     torch.manual_seed(0)
     for fmt in formats:
         try:
-            rates[fmt], spread[fmt] = format_rates(plan, device, fmt)
+            rates[fmt], spreads[fmt] = format_rates(plan, device, fmt)
         except (RuntimeError, ValueError) as error:  # e.g. fp8 on a GPU before Hopper
             refused[fmt] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     latency = time_gemm("fp32", 8, 8, 8, device, plan.min_run_s, plan.repeats)["seconds"]
-    return {"rates": rates, "spread": spread, "refused": refused, "launch_latency": latency}
+    return {"rates": rates, "spread": spreads, "refused": refused, "launch_latency": latency}
 
 
 def format_rates(plan, device: torch.device, fmt: str) -> tuple[dict[str, dict[int, float]], float]:
@@ -110,7 +111,8 @@ def measure_copy(plan, device: torch.device) -> float:
 
 
 def measure_block(plan, device: torch.device) -> dict:
-    """Forward and backward seconds of one block of plan.model at its shape, fp32."""
+    """Forward and backward seconds of one block of plan.model at its shape, fp32 (medians of plan.repeats runs
+    after a warm-up), and the spread of the runs' forward + backward."""
     from minigpt.config import preset
     from minigpt.model import Block
 
@@ -132,7 +134,8 @@ def measure_block(plan, device: torch.device) -> dict:
         x.grad = None
     return {"model": plan.model, "micro_batch": plan.micro_batch, "seq_len": config.seq_len,
             "d_model": config.d_model, "forward_s": statistics.median(forwards),
-            "backward_s": statistics.median(backwards)}
+            "backward_s": statistics.median(backwards),
+            "spread": spread([f + b for f, b in zip(forwards, backwards)])}  # calibrate_noise's convention
 
 
 # ---------------------------------------------------------------- the model's pieces
@@ -229,11 +232,10 @@ def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_par
     return step
 
 
-def medians(step, repeats: int, min_total_s: float) -> tuple[float, float]:
-    """Median (forward, backward) seconds after a warm-up: at least `repeats` runs, more
+def timed_runs(step, repeats: int, min_total_s: float) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of each run after a warm-up: at least `repeats` runs, more
     (up to 5x) for short pieces so the runs last about min_total_s."""
     step()
     first = step()
     runs = min(max(repeats, math.ceil(min_total_s / max(sum(first), 1e-7))), 5 * repeats)
-    samples = [first] + [step() for _ in range(runs - 1)]
-    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+    return [first] + [step() for _ in range(runs - 1)]

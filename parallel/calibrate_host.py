@@ -13,7 +13,8 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
   + loss, made tensor-parallel by parallel/tensor.py (with and without sequence parallelism)
   over a group that communicates nothing (`AloneCollectives`: the collectives are measured
   apart); forward and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and
-  the model, and every b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up. Rank 0 measures
+  the model, and every b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up (the runs'
+  spread and rank 0's CPU share go to parallel/calibrate_noise.py's record). Rank 0 measures
   alone on one thread while the others wait in a barrier (which takes no CPU): unshared costs.
   Parameter gradients accumulate from run to run, as over a step's micro-batches.
 - sharing: how much slower a rank computes when k ranks with one thread each compute at
@@ -38,7 +39,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from parallel.calibrate_device import medians, piece_model, piece_step, stamp, strict_fp32, variants
+from parallel.calibrate_device import piece_model, piece_step, stamp, strict_fp32, timed_runs, variants
+from parallel.calibrate_noise import Noise
 from parallel.comm import Collectives
 
 PIECES = ("block", "embedding", "head")
@@ -72,13 +74,15 @@ def _barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[tuple, dict[str, list[float]]] | None:
+def measure_units(plan, rank: int, ranks: int, device: torch.device,
+                  noise: Noise | None = None) -> dict[tuple, dict[str, list[float]]] | None:
     """{(model preset, tp, sequence parallel): {"block_forward": [s per micro-batch size], ...}} for every preset of
     plan.unit_models: rank 0 alone on one thread (on `device`) while every other rank waits in a barrier (and
-    returns None)."""
+    returns None). `noise` (rank 0's): the CPU share of the timed loop and each series' spread of runs."""
     from minigpt.config import preset
 
     units = {}
+    noise = noise if noise is not None else Noise()
     torch.manual_seed(0)
     _barrier()
     shapes = [(name, tp, sp) for name in plan.unit_models for tp, sp in variants(preset(name), ranks)]
@@ -89,9 +93,11 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device) -> dict[tup
         for piece in PIECES:
             for batch in plan.micro_batches:
                 step = piece_step(piece, config, tp, batch, model, sp, device)
-                times = medians(step, plan.repeats, plan.min_run_s * plan.repeats)
-                for way, seconds in zip(("forward", "backward"), times):
-                    series[f"{piece}_{way}"].append(seconds)
+                with noise.timed():
+                    runs = timed_runs(step, plan.repeats, plan.min_run_s * plan.repeats)
+                noise.add("units", [f + b for f, b in runs])
+                for i, way in enumerate(("forward", "backward")):
+                    series[f"{piece}_{way}"].append(statistics.median(run[i] for run in runs))
     _barrier()
     return units if rank == 0 else None
 
@@ -204,16 +210,18 @@ def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tu
     return points
 
 
-def measure_host(plan, device: torch.device) -> dict:
+def measure_host(plan, device: torch.device, noise: Noise | None = None) -> dict:
     """Every host measurement on this rank, on `device` (the calling rank's torch threads are restored).
-    "cores": the CPU cores this process may use, or on CUDA the GPUs used (one per rank)."""
+    "cores": the CPU cores this process may use, or on CUDA the GPUs used (one per rank). `noise`: rank 0's
+    record of its measurements alone (calibrate_noise.Noise), which the units add to."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     cores = ranks if device.type == "cuda" else host_cores()
     saved, result = torch.get_num_threads(), {}
+
     def units():
         with strict_fp32(device):
-            return measure_units(plan, rank, ranks, device)
+            return measure_units(plan, rank, ranks, device, noise)
 
     phases = {"units": units,
               "sharing": lambda: measure_sharing(plan, rank, ranks, cores, device),

@@ -15,7 +15,9 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
                  "embedding_forward": [...], "embedding_backward": [...],
                  "head_forward": [...], "head_backward": [...]}, ...],
       "sharing": [[ranks, threads_per_rank, slowdown], ...],
-      "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...]
+      "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...],
+      "reliability"?: {"cpu_share_before", "cpu_share_alone", "cpu_share_after", "spread_block", "spread_units",
+                       "spread_matmuls", "confidence", "reliable", "why", "allowed_busy"?, "note"?}
     }
 
 - units: seconds of one tensor-parallel rank's share of a block, of the embedding and of the
@@ -50,6 +52,10 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
 - collectives: seconds of one collective on a buffer of S bytes in a group of `group`
   ranks while `active` ranks run such groups at once (p2p: pairs). Between measured
   sizes interpolated linearly; outside them the fitted line alpha + beta * S.
+- reliability: how quiet the machine was while calibrate measured (parallel/calibrate_noise.py: the
+  CPU share a measuring thread got, the spread of repeated runs, whether the profile is reliable and why,
+  the confidence of the calibration's own times); absent from profiles written before calibrate kept it.
+  The simulator does not use it to price anything; `minigpt compare` reports it.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ from dataclasses import dataclass, field
 from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, GPTConfig
 from minigpt.errors import ConfigError
 from simulator.efficiency import FLOP_FORMATS
-from simulator.json_file import BYTES, COUNT, SECONDS, finite_number
+from simulator.json_file import BYTES, COUNT, RELATIVE, SECONDS, SHARE, finite_number, in_range
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
@@ -72,6 +78,13 @@ SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS
 UNIT_OPTIONAL = ("sequence_parallel", "dtype", *UNIT_SHAPE_DEFAULTS)
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+# measured["reliability"] (parallel/calibrate_noise.py writes it): CPU shares of a core (0-1), spreads of repeated
+# runs ((slowest - fastest) / median, >= 0) and the confidence (a relative bound, >= 0); each may be null
+RELIABILITY_NUMBERS = {"cpu_share_before": SHARE, "cpu_share_alone": SHARE, "cpu_share_after": SHARE,
+                       "spread_block": RELATIVE, "spread_units": RELATIVE, "spread_matmuls": RELATIVE,
+                       "confidence": RELATIVE}
+RELIABILITY_FLAGS = ("reliable", "allowed_busy")
+RELIABILITY_TEXT = ("why", "note")
 
 
 def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
@@ -132,6 +145,7 @@ class MeasuredHost:
     collectives: tuple[MeasuredCollective, ...] = ()
     device: str = "cpu"  # "cuda": measured on GPUs (NCCL), whose copies do not take the compute's cores
     raw: dict = field(default_factory=dict, hash=False, compare=False)  # the profile's object, for writing back
+    reliability: dict | None = field(default=None, hash=False, compare=False)  # None: written before calibrate kept it
 
     def unit_times(self, model: GPTConfig, tp: int, sequence_parallel: bool = False,
                    dtype: str | None = None) -> UnitTimes | None:
@@ -214,7 +228,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     where = f"{where}.measured"
     if not isinstance(data, dict) or "cores" not in data:
         raise ConfigError(f"{where} must be a JSON object with cores, units, sharing and collectives")
-    unknown = sorted(set(data) - {"cores", "device", "units", "sharing", "collectives", "note"})
+    unknown = sorted(set(data) - {"cores", "device", "units", "sharing", "collectives", "note", "reliability"})
     if unknown:
         raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}")
     cores = int(_positive(data["cores"], f"{where}.cores", integer=True))
@@ -279,4 +293,30 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
             float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
             points))
-    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), device, raw=data)
+    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), device, raw=data,
+                        reliability=parse_reliability(data.get("reliability"), f"{where}.reliability"))
+
+
+def parse_reliability(data: object, where: str) -> dict | None:
+    """The "reliability" object (RELIABILITY_NUMBERS, RELIABILITY_FLAGS, RELIABILITY_TEXT), or None when absent."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a JSON object of the calibration's measured noise")
+    unknown = sorted(set(data) - {*RELIABILITY_NUMBERS, *RELIABILITY_FLAGS, *RELIABILITY_TEXT})
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}")
+    for name, bounds in RELIABILITY_NUMBERS.items():
+        value = data.get(name)
+        if value is not None and not in_range(value, bounds):
+            raise ConfigError(f"{where}.{name} must be null or a number from {bounds[0]:g} to {bounds[1]:g}, "
+                              f"got {value!r}")
+    for name in RELIABILITY_FLAGS:
+        if not isinstance(data.get(name, False), bool):
+            raise ConfigError(f"{where}.{name} must be true or false, got {data[name]!r}")
+    for name in RELIABILITY_TEXT:
+        if not isinstance(data.get(name, ""), str):
+            raise ConfigError(f"{where}.{name} must be text, got {data[name]!r}")
+    if "reliable" not in data:
+        raise ConfigError(f"{where} must say whether the profile is reliable (\"reliable\": true or false)")
+    return data

@@ -30,6 +30,8 @@ SECONDS = (0.0, 3600.0)  # latencies, overheads, measured times
 FRACTION = (1e-6, 1.0)  # efficiencies and achieved fractions
 BYTES = (1.0, 1e30)  # memory, message sizes
 COUNT = (1, 2**20)  # GPUs or NICs per server, switch ports, cores, ranks
+SHARE = (0.0, 1.0)  # the share of one core a thread got (a calibration's measured noise)
+RELATIVE = (0.0, 1e6)  # relative spreads and bounds: (slowest - fastest) / median of repeated runs
 
 
 def read_bytes(path: str | Path, what: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:

@@ -146,5 +146,9 @@ def cpu_profile_document() -> dict:
                                                                 "embedding_backward", "head_forward", "head_backward")}}
     gpu["measured"] = {"cores": 2, "device": "cpu", "units": [unit], "sharing": [[1, 1, 1.0], [2, 1, 2.0]],
                        "collectives": [{"kind": "all_reduce", "group": 2, "active": 2, "alpha": 1e-4, "beta": 1e-9,
-                                        "points": [[4096, 1e-4], [8192, 2e-4]]}]}
+                                        "points": [[4096, 1e-4], [8192, 2e-4]]}],
+                       "reliability": {"cpu_share_before": 0.98, "cpu_share_alone": 0.97, "cpu_share_after": None,
+                                       "spread_block": 0.05, "spread_units": 0.1, "spread_matmuls": 0.3,
+                                       "confidence": 0.07, "reliable": True, "allowed_busy": False, "why": "quiet",
+                                       "note": "test"}}
     return data

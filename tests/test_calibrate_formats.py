@@ -158,7 +158,7 @@ def test_a_one_gpu_cuda_calibration_prints_every_format_and_where_the_links_come
     monkeypatch.setattr(parallel.calibrate, "calibrate",
                         lambda plan: plans.append(plan) or [fake_rank(0, H200, formats=FORMATS)])
     path = tmp_path / "gpu.json"
-    result = invoke("--out", str(path), "--device", "cuda", "--quick")
+    result = invoke("--out", str(path), "--device", "cuda", "--quick", "--allow-busy")
     assert result.exit_code == 0, result.output
     assert plans[0].ranks == 1 and plans[0].device == "cuda" and plans[0].formats is None  # all, on the GPU
     assert "links: not measured (one rank), from preset h200's datasheet figures" in result.output
@@ -174,7 +174,7 @@ def test_the_cpu_dry_run_measures_the_formats_asked_for_and_simulates_bf16(tmp_p
     from cli.main import main
 
     path = tmp_path / "cpu.json"
-    result = invoke("--out", str(path), "--ranks", "1", "--quick", "--device", "cpu", "--formats", "fp32,bf16,fp8",
+    result = invoke("--out", str(path), "--ranks", "1", "--quick", "--allow-busy", "--device", "cpu", "--formats", "fp32,bf16,fp8",
                     "--micro-batches", "1,2")
     assert result.exit_code == 0, result.output
     assert "not measured (one rank) and no preset matches the device" in result.output  # the placeholder, said

@@ -31,7 +31,7 @@ def profile(tmp_path_factory):
     from cli.calibrate import run_calibration
 
     path = tmp_path_factory.mktemp("compare") / "profile.json"
-    run_calibration(str(path), 2, quick=True)
+    run_calibration(str(path), 2, quick=True, allow_busy=True)  # a profile whatever else the machine runs
     return str(path)
 
 
@@ -44,7 +44,8 @@ def check_memory(rows):
 def test_one_rank_prints_a_table(profile, tmp_path):
     result = invoke("--hardware", profile, *TINY, "--out", str(tmp_path / "run"))
     assert result.exit_code == 0, result.output + result.stderr
-    for words in ("predicted", "measured", "step time", "compute", "communication", "parameters (rank 0)", "%"):
+    for words in ("predicted", "measured", "step time", "compute", "communication", "parameters (rank 0)", "%",
+                  "prediction confidence ±"):  # the calibration's noise, beside the step time (reliable or not)
         assert words in result.output
     assert (tmp_path / "run" / "trace.json").is_file() and (tmp_path / "run" / "simulated.json").is_file()
 
@@ -60,6 +61,9 @@ def test_dp2_json(profile, tmp_path):
     drift = report["machine_drift"]  # the calibration's reference block timed again before training
     assert drift["calibrated_s"] > 0 and drift["now_s"] > 0
     assert drift["change"] == pytest.approx(drift["now_s"] / drift["calibrated_s"] - 1)
+    confidence = report["prediction_confidence"]  # the profile records its noise; this machine's share now
+    assert confidence["known"] and isinstance(confidence["reliable"], bool) and confidence["confidence"] >= 0
+    assert 0 < confidence["cpu_share_now"] <= 1 and confidence["line"] in report["rows"][0]["note"]
     host = report["simulated_host"]  # 2 ranks, one thread each, both busy (no pipeline)
     assert host["threads_per_rank"] == 1 and host["busy_ranks"] == 2 and host["compute_slowdown"] > 0
     json.loads((tmp_path / "run" / "simulated.json").read_text())
@@ -118,5 +122,6 @@ def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monke
     assert report["step_time_mape"] == pytest.approx(sum(errors) / 3)
     assert report["worst_model_state_error"] < 0.02  # predicted parameter/gradient/optimizer bytes
     assert len(report["machine_drift"]) == 2  # before the first layout and after the last
+    assert report["prediction_confidence"]["known"]
     for row in report["rows"]:
         assert abs(row["activations_error"]) < 0.2

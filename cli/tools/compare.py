@@ -34,8 +34,9 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
     return (predicted - measured) / measured
 
 
-def check_compare(cfg: TrainConfig, hardware_path: str) -> ComparePlan:
-    """Everything checkable before any rank starts; ConfigError on bad input."""
+def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> ComparePlan:
+    """Everything checkable before any rank starts; ConfigError on bad input. warn: say on stderr, before
+    anything trains, when the profile is marked unreliable (calibrated on a busy machine)."""
     from simulator.hardware import load_hardware
     from job.layout import Layout
     from simulator.topology import build_cluster
@@ -46,6 +47,13 @@ def check_compare(cfg: TrainConfig, hardware_path: str) -> ComparePlan:
         raise ConfigError(f"--hardware {hardware_path!r} does not exist: write it with "
                           f"`minigpt calibrate --out {hardware_path}`")
     hardware = load_hardware(hardware_path)
+    reliability = profile_reliability(hardware)
+    if warn and reliability is not None and not reliability.get("reliable"):
+        import click
+
+        from parallel.calibrate_noise import summary
+
+        click.echo(f"minigpt: warning: --hardware {hardware_path}: {summary(reliability, 'prediction')}", err=True)
     per_node = hardware.node.gpus_per_node
     if cfg.world_size > per_node:
         raise ConfigError(f"tp x pp x dp = {cfg.world_size} ranks do not fit the profile's node of {per_node} "
@@ -159,12 +167,35 @@ def machine_drift(hardware) -> dict | None:
             "calibrated_s": then, "now_s": now, "change": (now - then) / then}
 
 
+def profile_reliability(hardware) -> dict | None:
+    """The profile's measured["reliability"] (parallel/calibrate_noise.py), or None: a preset, or a profile
+    calibrated before calibrate recorded its noise."""
+    measured = hardware.gpu.measured
+    return None if measured is None else measured.reliability
+
+
+def prediction_confidence(hardware) -> dict:
+    """How far the calibration's own noise lets a prediction be trusted: the profile's reliability, its confidence
+    (a relative bound, calibrate_noise's), and the CPU share a thread gets now (the measured side's conditions)."""
+    from parallel.calibrate_noise import RELIABLE_SHARE, cpu_share, summary
+
+    data = profile_reliability(hardware)
+    now = cpu_share()
+    line = summary(data, "prediction")
+    if now < RELIABLE_SHARE:
+        line += f"; this machine is busy now (a thread gets {now:.0%} of a core): the measured side is stretched too"
+    return {"known": data is not None, "reliable": None if data is None else data.get("reliable"),
+            "confidence": None if data is None else data.get("confidence"),
+            "why": None if data is None else data.get("why"), "cpu_share_now": round(now, 4), "line": line}
+
+
 def run_compare(plan: ComparePlan) -> dict:
     """Train for cfg.steps, simulate, write simulated.json beside the training's trace.json."""
     from parallel.train import train
 
     cfg = plan.cfg
     drift = machine_drift(plan.hardware)
+    confidence = prediction_confidence(plan.hardware)  # before training, as the drift
     if plan.claim is not None:
         plan.claim.take()
     try:
@@ -177,6 +208,7 @@ def run_compare(plan: ComparePlan) -> dict:
     simulated = result.write_chrome_trace(run_dir / "simulated.json")
     rows = pair(plan, summary, result)
     step = rows[0]
+    step["note"] += f"; {confidence['line']}"
     return {
         "layout": summary["layout"],
         "hardware": plan.hardware.name,
@@ -192,6 +224,7 @@ def run_compare(plan: ComparePlan) -> dict:
         "measured_breakdown": summary["time_breakdown"],
         "traces": {"measured": str(summary["trace"]), "simulated": str(simulated)},
         "machine_drift": drift,
+        "prediction_confidence": confidence,
         "simulated_host": result.host,
         "run_dir": str(run_dir),
     }

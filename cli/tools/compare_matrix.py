@@ -52,12 +52,13 @@ def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
         if changes.get("model") == "llama":
             changes = {**changes, "model": llama_of(base.model)}
         cfg = dataclasses.replace(base, out_dir=str(Path(out_dir) / name.replace(" ", "-")), **changes)
-        plans[name] = check_compare(cfg, hardware_path)
-    rows, drift = [], []
+        plans[name] = check_compare(cfg, hardware_path, warn=not plans)  # an unreliable profile said once
+    rows, drift, confidence = [], [], None
     for name, plan in plans.items():
         report = run_compare(plan)  # times the calibration's reference block before it trains
         if not drift:
             drift.append(report["machine_drift"])  # before the first layout
+            confidence = report["prediction_confidence"]
         by_name = {row["name"]: row for row in report["rows"]}
         rows.append({
             "layout": name,
@@ -76,4 +77,5 @@ def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
         "step_time_mape": sum(errors) / len(errors),
         "worst_model_state_error": max(row["model_state_error"] for row in rows),
         "machine_drift": [d for d in drift if d is not None],
+        "prediction_confidence": confidence,  # the profile's, and the CPU share before the first layout
     }
