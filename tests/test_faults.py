@@ -14,7 +14,10 @@ from minigpt.config import preset
 from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
 from job.train_config import TrainConfig
 
-ARGS = ["--dp", "4", "--layers", "1", "--seq-len", "32", "--batch-size", "8", "--log-every", "1000"]
+# A constant learning rate (no warmup, no decay): a run's steps do not depend on its --steps, so a run stopped
+# anywhere and resumed can be held against a fresh run of as many steps, loss for loss.
+ARGS = ["--dp", "4", "--layers", "1", "--seq-len", "32", "--batch-size", "8", "--log-every", "1000",
+        "--warmup", "0", "--lr", "2e-3", "--min-lr", "2e-3"]
 
 
 def children(pid: int) -> list[int]:
@@ -41,9 +44,10 @@ def has_open(pid: int, path: Path) -> bool:
     return False
 
 
-def start_until_checkpoint(tmp_path, out: Path, new_session: bool = False) -> subprocess.Popen:
+def start_until_checkpoint(tmp_path, out: Path, new_session: bool = False, extra: tuple = ()) -> subprocess.Popen:
     """A 4-rank run into `out` that checkpoints every 2 steps, returned once its first checkpoint is complete."""
-    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", "100000", "--save-every", "2", "--out", str(out)]
+    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", "100000", "--save-every", "2", *extra,
+               "--out", str(out)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                                start_new_session=new_session)
     deadline = time.time() + 180
@@ -82,12 +86,21 @@ def test_killed_rank_stops_the_run_and_resume_continues(tmp_path):
     latest = latest_checkpoint(out / "checkpoints")
     cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
     check_checkpoint(latest, cfg)  # complete, untruncated, same shape
-    done = int(latest.name.split("-")[1])
-    resume = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", str(done + 2), "--out", str(out), "--resume", "--json"]
-    result = subprocess.run(resume, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout)
+    assert_resumes_exactly(tmp_path, out)
+
+
+def assert_resumes_exactly(tmp_path: Path, out: Path) -> None:
+    """--resume continues the newest checkpoint for two steps, with exactly the losses of a fresh run's same steps."""
+    done = int(latest_checkpoint(out / "checkpoints").name.split("-")[1])
+    steps = ["--steps", str(done + 2), "--json"]
+    resumed = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(out), "--resume"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    fresh = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(tmp_path / "fresh")],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert resumed.returncode == 0 and fresh.returncode == 0, resumed.stderr[-2000:] + fresh.stderr[-2000:]
+    summary = json.loads(resumed.stdout)
     assert summary["first_step"] == done and len(summary["losses"]) == 2
+    assert summary["losses"] == json.loads(fresh.stdout)["losses"][done:]
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
@@ -134,6 +147,7 @@ def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the stopped run still held it
         cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
         check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
+        assert_resumes_exactly(tmp_path / sig.name, out)
 
 
 def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(tmp_path):
@@ -158,8 +172,17 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(t
         assert names and not [n for n in names if n.endswith(".tmp")], names
         cfg = TrainConfig(model=preset("tiny").with_(n_layers=2), dp=2, out_dir=str(out))
         check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
+        import shutil
+
+        shutil.copytree(out, tmp_path / "copied", ignore=shutil.ignore_patterns("run.lock"))  # room to go on
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+    done = int(latest_checkpoint(tmp_path / "copied" / "checkpoints").name.split("-")[1])
+    runs = [subprocess.run(command[:-2] + ["--out", str(tmp_path / name), *more, "--json"], capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path) for name, more in (("copied", ["--resume"]), ("fresh", []))]
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    resumed, fresh = (json.loads(run.stdout)["losses"] for run in runs)
+    assert resumed == fresh[done:] and len(resumed) == 40 - done
 
 
 def rank_of(pid: int) -> int:
@@ -180,15 +203,8 @@ def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path):
     with exit 1 and one line naming that rank, no process left (the stopped one included), and the newest
     checkpoint resumes to exactly the losses of a run never interrupted."""
     out = tmp_path / "run"
-    steps = ["--steps", "40", "--json"]  # the resumed and the fresh run follow the same learning-rate schedule
-    command = [sys.executable, "-m", "cli", "train", *ARGS, *steps, "--save-every", "2", "--watchdog", "5",
-               "--out", str(out)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    deadline = time.time() + 180
+    process = start_until_checkpoint(tmp_path, out, extra=["--watchdog", "5"])
     try:
-        while latest_checkpoint(out / "checkpoints") is None:
-            assert process.poll() is None and time.time() < deadline, process.communicate()
-            time.sleep(0.2)
         workers = [pid for pid in children(process.pid) if is_worker(pid)]
         assert len(workers) == 4, workers
         stopped = workers[-1]
@@ -209,11 +225,4 @@ def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path):
     time.sleep(0.5)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the run"
 
-    done = int(latest_checkpoint(out / "checkpoints").name.split("-")[1])
-    assert done < 40
-    resumed = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(out), "--resume"],
-                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    fresh = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(tmp_path / "fresh")],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert resumed.returncode == 0 and fresh.returncode == 0, resumed.stderr[-2000:] + fresh.stderr[-2000:]
-    assert json.loads(resumed.stdout)["losses"] == json.loads(fresh.stdout)["losses"][done:]
+    assert_resumes_exactly(tmp_path, out)
