@@ -72,6 +72,7 @@ def main() -> None:
 
 def _register() -> None:
     from cli.calibrate import calibrate
+    from cli.claims import claims
     from cli.compare import compare
     from cli.numerics import numerics
     from cli.plan import plan
@@ -88,6 +89,7 @@ def _register() -> None:
     main.add_command(calibrate)
     main.add_command(compare)
     main.add_command(sample)
+    main.add_command(claims)
 
 
 _register()

@@ -195,6 +195,9 @@ CASES = [
     ("calibrate", ["--out", "{root}"], "directory"),
     ("calibrate", ["--out", "{root}/profile.txt"], ".json"),
     ("calibrate", ["--out", "{root}/missing/profile.json"], "does not exist"),
+    # claims
+    ("claims", ["--only", "nope"], "unknown claim 'nope'"),
+    ("claims", ["--only", "swamping", "--markdown", "{root}/claims.md"], "drop --only"),
     # schedule
     ("schedule", ["--pp", "0"], "pipeline size"),
     ("schedule", ["--schedule", "zigzag"], "zigzag"),
