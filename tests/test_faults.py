@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from minigpt.config import preset
 from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
 from job.train_config import TrainConfig
@@ -62,7 +64,7 @@ def start_until_checkpoint(tmp_path, out: Path, new_session: bool = False, extra
     return process
 
 
-def test_killed_rank_stops_the_run_and_resume_continues(tmp_path):
+def test_killed_rank_stops_the_run_and_resume_continues(tmp_path, uninterrupted):
     out = tmp_path / "run"
     process = start_until_checkpoint(tmp_path, out)
     try:
@@ -86,21 +88,32 @@ def test_killed_rank_stops_the_run_and_resume_continues(tmp_path):
     latest = latest_checkpoint(out / "checkpoints")
     cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
     check_checkpoint(latest, cfg)  # complete, untruncated, same shape
-    assert_resumes_exactly(tmp_path, out)
+    assert_resumes_exactly(tmp_path, out, uninterrupted)
 
 
-def assert_resumes_exactly(tmp_path: Path, out: Path) -> None:
-    """--resume continues the newest checkpoint for two steps, with exactly the losses of a fresh run's same steps."""
+REFERENCE_STEPS = 40  # an uninterrupted run this long is the reference every stopped run resumes towards
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    """The losses of a fresh run of REFERENCE_STEPS steps, never stopped."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", str(REFERENCE_STEPS), "--out", str(out), "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=out.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)["losses"]
+
+
+def assert_resumes_exactly(tmp_path: Path, out: Path, uninterrupted: list[float]) -> None:
+    """--resume continues the newest checkpoint to REFERENCE_STEPS with exactly the uninterrupted run's losses."""
     done = int(latest_checkpoint(out / "checkpoints").name.split("-")[1])
-    steps = ["--steps", str(done + 2), "--json"]
-    resumed = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(out), "--resume"],
-                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    fresh = subprocess.run([sys.executable, "-m", "cli", "train", *ARGS, *steps, "--out", str(tmp_path / "fresh")],
-                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert resumed.returncode == 0 and fresh.returncode == 0, resumed.stderr[-2000:] + fresh.stderr[-2000:]
+    assert done < REFERENCE_STEPS, done
+    resume = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", str(REFERENCE_STEPS), "--out", str(out),
+              "--resume", "--json"]
+    resumed = subprocess.run(resume, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads(resumed.stdout)
-    assert summary["first_step"] == done and len(summary["losses"]) == 2
-    assert summary["losses"] == json.loads(fresh.stdout)["losses"][done:]
+    assert summary["first_step"] == done and summary["losses"] == uninterrupted[done:]
 
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
@@ -127,7 +140,7 @@ def stop_with(tmp_path, sig: int, whole_group: bool) -> tuple[subprocess.Complet
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), workers, out
 
 
-def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path):
+def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path, uninterrupted):
     """Ctrl-C (SIGINT to the group) and a scheduler's SIGTERM (to the launcher): exit 128 + the signal within
     seconds, one line naming it and no traceback, no rank left running, the run's lock released and its
     last checkpoint complete."""
@@ -147,7 +160,7 @@ def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the stopped run still held it
         cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
         check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
-        assert_resumes_exactly(tmp_path / sig.name, out)
+        assert_resumes_exactly(tmp_path / sig.name, out, uninterrupted)
 
 
 def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(tmp_path):
@@ -198,7 +211,7 @@ def rank_of(pid: int) -> int:
     raise AssertionError(f"no heartbeat file names process {pid}")
 
 
-def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path):
+def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path, uninterrupted):
     """SIGSTOP to one rank of four: within the watchdog's 5 s (plus a poll and the ranks' exit) the run ends
     with exit 1 and one line naming that rank, no process left (the stopped one included), and the newest
     checkpoint resumes to exactly the losses of a run never interrupted."""
@@ -225,4 +238,4 @@ def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path):
     time.sleep(0.5)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the run"
 
-    assert_resumes_exactly(tmp_path, out)
+    assert_resumes_exactly(tmp_path, out, uninterrupted)
