@@ -22,8 +22,7 @@ import torch.distributed as dist
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import ConfigError, TrainingError
 from parallel.build import Rank, build_rank
-from parallel.step import StepOutcome, mean_over
-from parallel.checkpoint import load_checkpoint, save_checkpoint
+from parallel.step import StepOutcome
 from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch import finish_worker, init_worker, launch
 from parallel.watchdog import DEFAULT_TIMEOUT_S
@@ -128,6 +127,9 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         torch.cuda.reset_peak_memory_stats(device)
     activations = ActivationMeter(device, rank.data_parallel.parameter_storages)
     start_step = 0
+    if cfg.save_every or cfg.resume:
+        # torch.distributed.checkpoint takes about a second to import in every rank: only runs that use it pay
+        from parallel.checkpoint import load_checkpoint, save_checkpoint
     if cfg.resume:
         path = checkpoint or resume_point(cfg).path
         start_step = load_checkpoint(path, rank, cfg, verify=checkpoint is None)["step"]
