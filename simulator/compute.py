@@ -37,7 +37,7 @@ them (what could hide them, simulator/overlap.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError

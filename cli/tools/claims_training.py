@@ -53,7 +53,7 @@ def check_bytes_per_role() -> Finding:
     numbers = {"bf16_measured": bf16, "fp32_measured": fp32, "fp8_element_bytes": fp8_element,
                "fp8_policy_bytes": fp8_policy, "article": ARTICLE_BYTES,
                "totals": {"bf16": sum(bf16.values()), "fp32": sum(fp32.values()), "fp8": sum(fp8_policy.values())}}
-    ours = (f"bf16 run: " + " + ".join(f"{bf16[r]:g}" for r in ROLES) + f" = {sum(bf16.values()):g} B/param "
+    ours = ("bf16 run: " + " + ".join(f"{bf16[r]:g}" for r in ROLES) + f" = {sum(bf16.values()):g} B/param "
             f"(compute, grad, master, m, v); fp32 run: {sum(fp32.values()):g}; an fp8 element {fp8_element} B")
     roles_right = all(bf16[r] == ARTICLE_BYTES[r] for r in ROLES) and fp8_element == ARTICLE_BYTES["fp8"]
     why = (f"every role's bytes are right; FP8's {fp8_element} byte is per operand of the fp8 matmuls only: the fp8 "
