@@ -34,10 +34,10 @@ def training_precision(requested: str, device: str, world_size: int) -> str:
         return CPU_PRECISION
     import os
 
-    from parallel.device import cuda_device_count
+    from parallel.device import runs_on_cuda
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return GPU_PRECISION if cuda_device_count() >= local_ranks else CPU_PRECISION
+    return GPU_PRECISION if runs_on_cuda(device, local_ranks) else CPU_PRECISION
 
 
 def simulated_precision(requested: str, hardware=None) -> str:

@@ -105,15 +105,15 @@ def check_memory(cfg: TrainConfig) -> None:
     """Refuse, in one line, a run the simulator's memory model says this machine cannot hold (cli/tools/
     memory_check.py): the RAM available now on a CPU, the smallest GPU's free memory on CUDA."""
     from cli.tools.memory_check import check_cpu_memory, check_gpu_memory
-    from parallel.device import cuda_device_count, smallest_free_gpu_bytes
+    from parallel.device import runs_on_cuda, smallest_free_gpu_bytes
     from parallel.launch import in_torchrun
 
     if in_torchrun():  # torchrun's nodes hold the ranks: each has its own memory, not this one's
         return
-    if cfg.device == "cpu" or cuda_device_count() < cfg.world_size:
-        check_cpu_memory(cfg)
-    else:
+    if runs_on_cuda(cfg.device, cfg.world_size):
         check_gpu_memory(cfg, smallest_free_gpu_bytes(cfg.world_size))
+    else:
+        check_cpu_memory(cfg)
 
 
 def choose_resume(cfg: TrainConfig, options: dict, out) -> ResumePoint | None:

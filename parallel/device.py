@@ -135,6 +135,12 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def runs_on_cuda(device: str, local_ranks: int) -> bool:
+    """Whether ranks asked for `device` (auto, cpu or cuda) run on GPUs: one per local rank, as
+    parallel/launch.py's init_worker picks them (fewer GPUs than ranks: the CPU)."""
+    return device != "cpu" and cuda_device_count() >= local_ranks
+
+
 def smallest_free_gpu_bytes(local_ranks: int) -> int:
     """The least free memory among the first `local_ranks` GPUs (torch.cuda.mem_get_info)."""
     return min(torch.cuda.mem_get_info(index)[0] for index in range(local_ranks))
