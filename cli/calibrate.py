@@ -40,7 +40,9 @@ from pathlib import Path
 import click
 
 from cli.config_file import config_file_option
+from cli.output_file import check_output_file
 from minigpt.errors import ConfigError
+from parallel.torchrun_env import check_torchrun_variables
 
 DEFAULT_NAME = "cpu-calibrated"  # on CUDA: CUDA_NAME
 CUDA_NAME = "cuda-calibrated"
@@ -48,22 +50,9 @@ CUDA_NAME = "cuda-calibrated"
 
 def check_out_path(out: str) -> Path:
     """The profile's path; ConfigError when it cannot be written there."""
-    path = Path(out)
-    if path.is_dir():
-        raise ConfigError(f"--out {out!r} is a directory: give a file path such as {out.rstrip('/')}/profile.json")
+    path = check_output_file("--out", out, "profile.json")
     if path.suffix != ".json":
         raise ConfigError(f"--out {out!r} must end in .json (simulate --hardware reads profile files by that name)")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"--out {out!r}: the directory {str(parent)!r} does not exist: create it first")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as error:
-        raise ConfigError(f"--out {out!r}: cannot write in {str(parent)!r} ({error.strerror}): choose another path") from None
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ConfigError(f"--out {out!r} exists and is not writable: choose another path")
     return path
 
 
@@ -112,6 +101,7 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
     import time
 
     path = check_out_path(out)
+    check_torchrun_variables()
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
     from parallel.calibrate import build_profile, calibrate, make_plan, measured_device

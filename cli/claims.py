@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from cli.output_file import check_output_file
 from minigpt.errors import ConfigError
 
 
@@ -41,8 +42,10 @@ def claims(only: tuple[str, ...], as_json: bool, markdown_path: str | None) -> N
     from cli.tools.claims_registry import run_claims, select
     from cli.tools.claims_report import markdown, report_dict, text_table
 
-    if markdown_path and only:
+    if markdown_path is not None and only:
         raise ConfigError("--markdown writes the whole table: drop --only")
+    if markdown_path is not None:
+        check_output_file("--markdown", markdown_path, "claims.md")
     chosen = select(only)
     start = time.perf_counter()
     with _progress(len(chosen)) as tick:

@@ -7,8 +7,12 @@ from typing import Callable
 
 import click
 
+from minigpt.errors import check_path_given
+
 DEFAULT_GPU = "a100-80gb"
 TOPOLOGY_KINDS = ["fat-tree", "rail", "rail-only"]  # simulator.topology.CLUSTER_KINDS (a test checks they agree)
+NAMED = {"gpu": "a GPU preset's name", "hardware": "a profile file or a GPU preset's name",
+         "fabric": "a network adapter preset's name"}
 
 
 def cluster_options(gpu_default: str = DEFAULT_GPU) -> Callable:
@@ -34,3 +38,10 @@ def cluster_options(gpu_default: str = DEFAULT_GPU) -> Callable:
         return command
 
     return decorate
+
+
+def check_cluster_names(options: dict) -> None:
+    """An empty --gpu, --hardware or --fabric is refused: it would quietly stand for the default."""
+    for name, what in NAMED.items():
+        if options[name] is not None:
+            check_path_given(f"--{name}", options[name], what)

@@ -22,10 +22,12 @@ from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
 from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
 from job.train_config import TrainConfig
+from parallel.torchrun_env import check_torchrun_variables
 
 
 def build_compare_config(options: dict) -> TrainConfig:
     """The flags as a checked TrainConfig (K steps, one evaluation batch at the end only). Torch-free."""
+    check_torchrun_variables()
     model = model_from_options(options)
     cfg = TrainConfig(
         model=model, steps=options["steps"], global_batch=options["global_batch"],

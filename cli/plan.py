@@ -22,7 +22,7 @@ import click
 from cli.batch_options import batch_options
 from cli.config_file import config_file_option
 from cli.model_options import model_from_options, model_options
-from cli.cluster_options import cluster_options
+from cli.cluster_options import check_cluster_names, cluster_options
 from cli.precision_option import precision_option, simulated_precision
 from cli.simulate import _hardware, parameter_count
 from minigpt.errors import ConfigError, check_positive_int
@@ -110,6 +110,7 @@ def plan(**options) -> None:
     from simulator.plan import plan as search
 
     model = model_from_options(options)
+    check_cluster_names(options)
     for name in ("gpus", "top", "global_batch", "micro_batch_size", "micro_batches", "gpus_per_node",
                  "nics_per_node"):
         if options[name] is not None:

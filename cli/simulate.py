@@ -19,14 +19,15 @@ import sys
 
 import click
 
-from cli.cluster_options import DEFAULT_GPU, cluster_options
+from cli.cluster_options import DEFAULT_GPU, check_cluster_names, cluster_options
 from cli.config_file import config_file_option
 from cli.batch_options import batch_options, micro_batch_count
 from cli.model_options import model_from_options, model_options
+from cli.output_file import check_output_file
 from cli.precision_option import precision_option, simulated_precision
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
-from minigpt.errors import ConfigError, check_positive_int
+from minigpt.errors import ConfigError, check_path_given, check_positive_int
 from simulator.limits import MAX_ZERO3_GATHERS, check_job, check_layers, check_sweep, zero3_gathers
 from simulator.op_types import SP_SAVED_INPUTS
 from simulator.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
@@ -207,6 +208,22 @@ def _json(report: dict) -> dict:
     return data
 
 
+def check_paths(options: dict) -> None:
+    """The files simulate reads name something, and the one it writes can be written there, before any work;
+    --trace (one step) and --plot (a sweep) only where they are written."""
+    check_cluster_names(options)
+    if options["topology"] is not None:
+        check_path_given("--topology", options["topology"], "a cluster file's path")
+    if options["trace"] is not None and options["sweep"]:
+        raise ConfigError("--trace writes the simulated step of one layout, and a sweep simulates many: drop --trace "
+                          "(--plot draws the sweep)")
+    if options["plot"] is not None and not options["sweep"]:
+        raise ConfigError("--plot draws a sweep's scaling curve: add --sweep, or drop --plot (--trace writes one step)")
+    for name, example in (("trace", "trace.json"), ("plot", "scaling.png")):
+        if options[name] is not None:
+            check_output_file(f"--{name}", options[name], example)
+
+
 def parameter_count(n: int) -> str:
     """842,496 -> '0.84M', 174,604,259,328 -> '174.6B'."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
@@ -279,6 +296,7 @@ def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
     model_from_options(options)  # the model's flags first, each on one line
+    check_paths(options)
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
-from minigpt.errors import ConfigError, check_positive_int
+from minigpt.errors import ConfigError, check_path_given, check_positive_int, check_seed, check_threads_per_rank
 from job.schedule import ScheduleConfig, chunk_layers
 from precision.policy import POLICIES
 
@@ -109,7 +109,7 @@ class TrainConfig:
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ConfigError(f"--bucket-mb must be a number > 0, got {self.bucket_mb}")
         if self.threads_per_rank is not None:
-            check_positive_int("threads per rank", self.threads_per_rank)
+            check_threads_per_rank("threads per rank", self.threads_per_rank)
         BatchLayout(self.global_batch, self.micro_batches, self.dp)  # divisibility
         ScheduleConfig(self.pp, self.micro_batches, self.schedule, self.virtual_chunks, self.zero)  # checks
         if self.schedule == "zb-h1" and self.precision == "fp8":
@@ -151,8 +151,7 @@ class TrainConfig:
             raise ConfigError("--resume needs --out: the run directory whose checkpoints to continue from")
         if self.log_every is not None:
             check_positive_int("log_every", self.log_every)
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        check_seed("--seed", self.seed)
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.precision not in PRECISIONS:
@@ -160,6 +159,11 @@ class TrainConfig:
         if self.loss_scale is not None and not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise ConfigError(f"loss scale must be a finite number > 0, got {self.loss_scale}")
         check_positive_int("loss scale window", self.loss_scale_window)
+        self.check_paths()
+
+    def check_paths(self) -> None:
+        check_path_given("--out", self.out_dir, "a directory path")
+        check_path_given("--data", self.data, "a text file's path")
         if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")
 

@@ -34,3 +34,40 @@ def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+# torch.manual_seed and torch.Generator.manual_seed take 64 bits: 0 to 2**64 - 1, and negatives down to -2**63 as the
+# same bits (-1 seeds as 2**64 - 1), so a negative seed would only be another name for a large one.
+# minigpt/data.py hashes the seed's decimal text, which takes any integer: torch sets the bound.
+MAX_SEED = 2**64 - 1
+
+
+def check_seed(name: str, value: object) -> int:
+    """`value` when it is an integer torch's generators take as themselves: 0 to MAX_SEED."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{name} must be an integer from 0 to 2**64 - 1 ({MAX_SEED}: torch's generators take "
+                          f"64 bits), got {value!r}")
+    return value
+
+
+# A fixed bound, not a multiple of this machine's cores: a config file means the same on every machine (torchrun's
+# nodes are not the machine that checked the flags), and 1024 is above the hardware threads of any one host made
+# today (2 sockets x 192 cores x 2 SMT = 768). Far above it, torch's and OpenMP's thread pools fail for memory
+# (a MemoryError or a crash) before the first step.
+MAX_THREADS_PER_RANK = 1024
+
+
+def check_threads_per_rank(name: str, value: object) -> int:
+    """`value` when it is an integer from 1 to MAX_THREADS_PER_RANK."""
+    check_positive_int(name, value)
+    if value > MAX_THREADS_PER_RANK:
+        raise ConfigError(f"{name} must be at most {MAX_THREADS_PER_RANK} (more threads than any one machine runs at "
+                          f"once), got {value}")
+    return value
+
+
+def check_path_given(name: str, value: object, what: str = "a path") -> object:
+    """`value` unless it is an empty or blank string, which would name the working directory unasked."""
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{name} is {'blank' if value else 'empty'} ({value!r}): give {what}")
+    return value

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from minigpt.errors import ConfigError, TrainingError, check_positive_int
+from minigpt.errors import ConfigError, TrainingError, check_positive_int, check_threads_per_rank
 from parallel.calibrate_device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
 from parallel.calibrate_host import build_measured, collective_points, measure_host
 from parallel.calibrate_links import fit_alpha_beta, node_and_nic, profile_links
@@ -118,7 +118,7 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
     for name, value in (("--ranks", ranks), ("--micro-batch", micro_batch)):
         check_positive_int(name, value)
     if threads_per_rank is not None:
-        check_positive_int("--threads-per-rank", threads_per_rank)
+        check_threads_per_rank("--threads-per-rank", threads_per_rank)
     if micro_batches is not None and (not micro_batches or any(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in micro_batches)
             or list(micro_batches) != sorted(set(micro_batches))):

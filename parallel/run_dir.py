@@ -4,8 +4,8 @@
 starts (cli/train.py); nothing here imports torch and nothing is written until `take()`:
 
 - the directory must be creatable and writable (its nearest existing ancestor, where it does not
-  exist yet), checked by the system's permissions and by making and removing a probe directory,
-  which is what tells a read-only or pseudo filesystem apart for root;
+  exist yet), checked by making and removing a probe directory there: the system's answer, for root
+  as for anyone (os.access passes root wherever the permission bits would, /proc included);
 - a directory that holds anything (`run.lock` aside) is another run: refused unless `--resume`
   continues it or `--overwrite` clears it; `--overwrite` clears only what looks like a minigpt
   run directory (RUN_ENTRIES), never a directory with other files;
@@ -54,11 +54,10 @@ def check_writable(path: Path, flag: str = "--out") -> None:
             break
         existing = existing.parent
     where = "" if existing == path else f" (its nearest existing parent {existing})"
-    if not existing.is_dir():
-        raise ConfigError(f"{flag} {str(path)!r}: {existing} is not a directory: pick another {flag}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {str(path)!r} is not writable{where}: pick another {flag}")
-    try:  # root passes os.access everywhere; a probe tells read-only and pseudo filesystems apart
+    # What the system does, not what os.access says (it passes root on /proc): making a directory there fails,
+    # for root as for anyone, under a file (ENOTDIR), on a read-only or pseudo filesystem (EROFS, ENOENT), and
+    # for anyone but root without the permissions (EACCES).
+    try:
         os.rmdir(tempfile.mkdtemp(prefix=".minigpt-probe-", dir=existing))
     except OSError as error:
         raise ConfigError(f"{flag} {str(path)!r} is not writable{where}: {error.strerror}: pick another {flag}") from None

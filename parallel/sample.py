@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from minigpt.config import GPTConfig
 from minigpt.data import decode, encode
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, check_path_given, check_seed
 from minigpt.model import GPT
 from parallel.checkpoint_dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
 from parallel.checkpoint_files import MARKER, STATE_FILE, newest_valid_checkpoint, read_state
@@ -53,6 +53,7 @@ class SampleOptions:
             raise ConfigError(f"--top-k must be at least 1, got {self.top_k!r}")
         if not self.prompt:
             raise ConfigError("--prompt is empty: give at least one character (the default is a newline)")
+        check_seed("--seed", self.seed)
 
 
 def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
@@ -61,6 +62,8 @@ def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.P
     (complete, every file's sha256 right); the newer ones passed over are appended to `skipped`."""
     if (out is None) == (checkpoint is None):
         raise ConfigError("give exactly one of --out RUN_DIR (a run trained with --save-every) or --checkpoint PATH")
+    check_path_given("--out", out, "a run directory's path")
+    check_path_given("--checkpoint", checkpoint, "a checkpoint directory's path")
     if checkpoint is not None:
         return Path(checkpoint)
     run = Path(out)

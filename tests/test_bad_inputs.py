@@ -1,13 +1,13 @@
 """A table of bad inputs: each gives exit code 2, one line on stderr, no traceback, and writes nothing.
 
-Covers `train`, `simulate`, `compare`, `calibrate` and `schedule`.
+Covers `train`, `simulate`, `compare`, `calibrate`, `sample`, `plan`, `claims` and `schedule`, and torchrun's
+variables set only in part, or to values no rank could use (a rank whose peers never come: tests/test_torchrun_env.py).
 Cases that need files get them from the fixture: a malformed topology, malformed and
 unknown-key TOML configs, a binary data file, and a real checkpoint that is then truncated,
 has a byte flipped, or is resumed with another model shape; run directories that are
 another run's, hold other files, link out of themselves, or are locked by a live run.
 """
 
-import os
 import shutil
 from pathlib import Path
 
@@ -77,6 +77,8 @@ CASES = [
     ("train", ["--lr", "0"], "lr"),
     ("train", ["--min-lr", "1", "--lr", "0.1"], "min_lr"),
     ("train", ["--seed", "-1"], "seed"),
+    ("train", ["--seed", "99999999999999999999999"], "--seed must be an integer from 0 to 2**64 - 1"),
+    ("train", ["--seed", str(2**64)], "--seed must be an integer from 0 to 2**64 - 1"),
     ("train", ["--precision", "fp4"], "fp4"),
     ("train", ["--precision", "fp16", "--loss-scale", "-8"], "loss scale"),
     # train: data
@@ -100,6 +102,7 @@ CASES = [
     ("train", ["--pp", "-1"], "--pp"),
     ("train", ["--virtual-chunks", "0"], "virtual"),
     ("train", ["--threads-per-rank", "0"], "threads per rank"),
+    ("train", ["--threads-per-rank", "1000000"], "threads per rank must be at most 1024"),
     ("train", ["--eval-batches", "0"], "eval batches"),
     ("train", ["--weight-decay", "-0.1"], "weight_decay"),
     ("train", ["--grad-clip", "nan"], "grad_clip"),
@@ -135,6 +138,9 @@ CASES = [
     ("train", ["--resume", "--out", "{root}/linked"], "symlink"),
     ("train", ["--out", "/proc/minigpt-run"], "not writable"),
     ("train", ["--out", "{root}/short.txt/run"], "not a directory"),
+    ("train", ["--out", ""], "--out is empty"),
+    ("train", ["--out", "  "], "--out is blank"),
+    ("train", ["--data", ""], "--data is empty"),
     # simulate
     ("simulate", ["--gpu", "tpu-v9"], "tpu-v9"),
     ("simulate", ["--tp", "8", "--pp", "2", "--dp", "2", "--nodes", "1"], "GPUs"),
@@ -190,14 +196,31 @@ CASES = [
     ("compare", ["--hardware", "{root}/profile.json", "--model", "tiny-llama", "--positions", "nowhere"], "nowhere"),
     ("compare", ["--hardware", "{root}/profile.json", "--out", "{root}/run"], "is not empty"),
     ("compare", ["--hardware", "{root}/profile.json", "--out", "{root}/locked"], "in use by another minigpt run"),
+    ("compare", ["--hardware", "{root}/profile.json", "--out", ""], "--out is empty"),
+    ("compare", ["--hardware", "{root}/profile.json", "--matrix", "--out", " "], "--out is blank"),
+    ("compare", ["--hardware", "{root}/profile.json", "--threads-per-rank", "1000000"], "at most 1024"),
     # calibrate
     ("calibrate", ["--ranks", "0", "--out", "{root}/profile.json"], "--ranks"),
     ("calibrate", ["--out", "{root}"], "directory"),
     ("calibrate", ["--out", "{root}/profile.txt"], ".json"),
     ("calibrate", ["--out", "{root}/missing/profile.json"], "does not exist"),
+    ("calibrate", ["--out", ""], "--out is empty"),
+    ("calibrate", ["--out", "{root}/short.txt/profile.json"], "is not a directory"),
+    ("calibrate", ["--out", "{root}/profile-new.json", "--threads-per-rank", "1000000"], "at most 1024"),
+    # sample: the run it reads, and the seed
+    ("sample", ["--out", ""], "--out is empty"),
+    ("sample", ["--checkpoint", " "], "--checkpoint is blank"),
+    ("sample", ["--out", "{root}/run", "--seed", "99999999999999999999999"], "2**64 - 1"),
+    ("sample", ["--out", "{root}/run", "--seed", "-1"], "--seed must be an integer from 0"),
+    # plan: an empty name is not the default
+    ("plan", ["--gpus", "8", "--hardware", ""], "--hardware is empty"),
+    ("plan", ["--gpus", "8", "--gpu", " "], "--gpu is blank"),
     # claims
     ("claims", ["--only", "nope"], "unknown claim 'nope'"),
     ("claims", ["--only", "swamping", "--markdown", "{root}/claims.md"], "drop --only"),
+    ("claims", ["--markdown", ""], "--markdown is empty"),
+    ("claims", ["--markdown", "{root}/missing/claims.md"], "does not exist"),
+    ("claims", ["--markdown", "{root}"], "is a directory"),
     # schedule
     ("schedule", ["--pp", "0"], "pipeline size"),
     ("schedule", ["--schedule", "zigzag"], "zigzag"),
@@ -220,17 +243,60 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, command, args, expect
     assert sorted(p.name for p in files.rglob("*")) == before  # nothing written next to the inputs
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
-def test_an_out_in_a_read_only_directory_is_refused(tmp_path):
-    locked = tmp_path / "read-only"
-    locked.mkdir()
-    locked.chmod(0o555)
-    try:
-        result = CliRunner().invoke(main, ["train", *SMALL, "--out", str(locked / "run")])
-    finally:
-        locked.chmod(0o755)
-    assert result.exit_code == 2 and "is not writable" in result.stderr and len(result.stderr.splitlines()) == 1
-    assert list(locked.iterdir()) == []
+def test_an_out_the_system_will_not_make_is_refused(tmp_path):
+    """check_writable asks the system (it makes and removes a probe directory), so that the refusal holds for root,
+    whom os.access and permission bits never stop: under a regular file no one can make a directory (ENOTDIR)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    result = CliRunner().invoke(main, ["train", *SMALL, "--out", str(blocker / "run" / "deeper")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not writable (its nearest existing parent" in lines[0], result.stderr
+    assert "Not a directory" in lines[0] and "Traceback" not in result.output
+    assert blocker.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+TORCHRUN_ENVIRONMENT = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29555"}
+PART_OF_IT = [("RANK", "WORLD_SIZE"), ("MASTER_ADDR",), ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")]
+COMMANDS = {"train": ["train", *SMALL, "--steps", "2"], "compare": ["compare", "--hardware", "PROFILE"],
+            "calibrate": ["calibrate", "--quick"]}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("given", PART_OF_IT, ids=["+".join(names) for names in PART_OF_IT])
+def test_torchrun_variables_set_in_part_are_refused(files, tmp_path, monkeypatch, command, given):
+    for name in TORCHRUN_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    for name in given:
+        monkeypatch.setenv(name, TORCHRUN_ENVIRONMENT[name])
+    out = tmp_path / ("profile.json" if command == "calibrate" else "run")
+    args = [arg.replace("PROFILE", str(files / "profile.json")) for arg in COMMANDS[command]]
+    result = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minigpt: error: torchrun's variables are set only in part"), lines
+    missing = [name for name in TORCHRUN_ENVIRONMENT if name not in given]
+    assert f"({', '.join(given)} set, {', '.join(missing)} not)" in lines[0]
+    assert "unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT to run on this machine" in lines[0]
+    assert "Traceback" not in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("RANK", "2", "RANK='2' must be an integer from 0 to 1"),
+    ("WORLD_SIZE", "two", "WORLD_SIZE='two' must be an integer >= 1"),
+    ("MASTER_PORT", "70000", "MASTER_PORT='70000' must be an integer from 1 to 65535"),
+    ("MASTER_ADDR", " ", "MASTER_ADDR is empty"),
+    ("MINIGPT_RENDEZVOUS_TIMEOUT", "soon", "MINIGPT_RENDEZVOUS_TIMEOUT must be a number of seconds > 0"),
+])
+def test_torchrun_variables_that_no_rank_could_use_are_refused(tmp_path, monkeypatch, name, value, expected):
+    for variable, setting in {**TORCHRUN_ENVIRONMENT, name: value}.items():
+        monkeypatch.setenv(variable, setting)
+    result = CliRunner().invoke(main, ["train", *SMALL, "--steps", "2", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_table_is_long_enough():

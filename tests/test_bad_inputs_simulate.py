@@ -238,7 +238,23 @@ TOML_ROWS = [
     ("simulate", ["--config", "{root}/pipe.toml"], "not a file"),
     ("train", ["--data", "{root}/" + "x" * 5000 + ".txt"], "data file"),
 ]
-CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS
+SWEEP = ["--sweep", "--gpus", "8,16", "--global-batch", "64"]
+OUTPUT_ROWS = [  # what simulate writes, and the names it reads, checked before anything is simulated
+    ("simulate", ["--trace", ""], "--trace is empty"),
+    ("simulate", ["--trace", "{root}/missing/trace.json"], "the directory"),
+    ("simulate", ["--trace", "{root}/date.toml/trace.json"], "is not a directory"),
+    ("simulate", ["--trace", "{root}/a-directory.json"], "is a directory"),
+    ("simulate", ["--trace", "/proc/minigpt-trace.json"], "cannot write in '/proc'"),
+    ("simulate", [*SWEEP, "--trace", "{root}/trace.json"], "drop --trace"),
+    ("simulate", ["--plot", "{root}/scaling.png"], "add --sweep"),
+    ("simulate", [*SWEEP, "--plot", "{root}/missing/scaling.png"], "does not exist"),
+    ("simulate", [*SWEEP, "--plot", " "], "--plot is blank"),
+    ("simulate", ["--topology", ""], "--topology is empty"),
+    ("simulate", ["--hardware", ""], "--hardware is empty"),
+    ("simulate", ["--gpu", ""], "--gpu is empty"),
+    ("simulate", ["--fabric", " "], "--fabric is blank"),
+]
+CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS + OUTPUT_ROWS
 
 
 @pytest.mark.parametrize("command,args,expected", CASES,

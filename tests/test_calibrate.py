@@ -138,7 +138,7 @@ def test_bad_out_paths_are_bad_input(tmp_path, monkeypatch):
     (tmp_path / "file.txt").write_text("x")
     for out, words in [(str(tmp_path), "is a directory"),
                        (str(tmp_path / "missing" / "p.json"), "does not exist"),
-                       (str(tmp_path / "file.txt" / "p.json"), "does not exist"),
+                       (str(tmp_path / "file.txt" / "p.json"), "is not a directory"),
                        ("/proc/minigpt-profile.json", "cannot write"),
                        (str(tmp_path / "p.txt"), "must end in .json")]:
         result = invoke("--out", out, "--quick")
