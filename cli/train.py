@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,9 +17,12 @@ from cli.model_options import model_from_options, model_options
 from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
+from parallel.loss_plot import LossPlotter
+from parallel.rank_start import in_torchrun, start_rank_server
 from parallel.resume import ResumePoint, continue_settings, resume_point
 from parallel.run_dir import RunClaim
 from parallel.run_files import default_run_dir
+from parallel.torchrun_env import check_torchrun_variables
 from parallel.watchdog import DEFAULT_TIMEOUT_S, check_timeout
 from job.train_config import DEVICES, TrainConfig
 
@@ -28,6 +32,7 @@ NEWEST = "<newest>"  # bare --resume: the newest checkpoint of --out that verifi
 def build_train_config(options: dict) -> TrainConfig:
     """Flags to a checked TrainConfig; raises ConfigError on any bad value. Torch-free.
     The run directory is resolved (a default one named) but neither checked nor touched here."""
+    check_torchrun_variables()  # before data_parallel_size reads WORLD_SIZE
     chosen = resume_choice(options["resume"])
     if chosen is not None and options["out"] is None and Path(chosen).parent.name == "checkpoints":
         options = {**options, "out": str(Path(chosen).parent.parent)}  # --resume RUN/checkpoints/step-N
@@ -91,9 +96,7 @@ def resume_choice(value: object) -> str | None:
 def claim_run_dir(cfg: TrainConfig, options: dict) -> RunClaim | None:
     """The launching process's claim on --out (checked, not yet taken); None in a torchrun rank other
     than 0, which leaves the directory to rank 0."""
-    import os
-
-    from parallel.launch import check_torchrun_world, in_torchrun  # torch: only once the flags are valid
+    from parallel.launch import check_torchrun_world  # torch: only once the flags are valid
 
     check_torchrun_world(cfg.world_size)  # before the directory is touched
     if in_torchrun() and os.environ["RANK"] != "0":
@@ -106,7 +109,6 @@ def check_memory(cfg: TrainConfig) -> None:
     memory_check.py): the RAM available now on a CPU, the smallest GPU's free memory on CUDA."""
     from cli.tools.memory_check import check_cpu_memory, check_gpu_memory
     from parallel.device import runs_on_cuda, smallest_free_gpu_bytes
-    from parallel.launch import in_torchrun
 
     if in_torchrun():  # torchrun's nodes hold the ranks: each has its own memory, not this one's
         return
@@ -147,10 +149,6 @@ def data_parallel_size(options: dict) -> int:
 
 
 def default_data_parallel(model_parallel: int, zero: int, device: str) -> int:
-    import os
-
-    from parallel.launch import in_torchrun  # torch: only when --dp is left out
-
     if in_torchrun():  # the world torchrun started
         return max(1, int(os.environ["WORLD_SIZE"]) // model_parallel)
     if device != "cpu":
@@ -251,7 +249,16 @@ def mib(n: int) -> str:
 def train(as_json: bool, **options) -> None:
     """Train a GPT on the embedded corpus (or --data)."""
     cfg = build_train_config(options)
+    start_rank_server_early(cfg)
+    plotter = start_plotter()
+    try:
+        check_and_run(cfg, options, as_json, plotter)
+    finally:
+        if plotter is not None:
+            plotter.close()
 
+
+def check_and_run(cfg: TrainConfig, options: dict, as_json: bool, plotter: LossPlotter | None) -> None:
     from parallel.device import check_device  # torch is imported only once the flags are valid
 
     check_device(cfg.device, cfg.world_size)
@@ -270,15 +277,41 @@ def train(as_json: bool, **options) -> None:
                 click.echo(json.dumps({"nothing_to_do": point.nothing_to_do(cfg.steps), "first_step": point.step,
                                        "steps": cfg.steps, "checkpoint": str(point.path), "run_dir": cfg.out_dir}))
             return
+        join_torchrun_group(cfg)
         if claim is not None:
             claim.take()
-        run_and_report(cfg, options, point, as_json, out)
+        run_and_report(cfg, options, point, as_json, out, plotter)
     finally:
         if claim is not None:
             claim.release()
 
 
-def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, as_json: bool, out) -> None:
+def join_torchrun_group(cfg: TrainConfig) -> None:
+    """Under torchrun, meet the other ranks (a rendezvous bounded by parallel/torchrun_env.py) before rank 0 makes,
+    locks or clears --out: a rank whose peers never come leaves nothing behind. The rank joins once."""
+    if in_torchrun():
+        from parallel.launch import init_worker
+
+        init_worker(None if cfg.device == "auto" else cfg.device)
+
+
+def start_plotter() -> LossPlotter | None:
+    """The process that draws loss.png, started now: it imports matplotlib on one core while this process
+    imports torch on the other. None in a torchrun rank other than 0, which reports nothing."""
+    if in_torchrun() and os.environ["RANK"] != "0":
+        return None
+    return LossPlotter.start()
+
+
+def start_rank_server_early(cfg: TrainConfig) -> None:
+    """A run of several local ranks starts the server they are forked from now (parallel/rank_start.py):
+    it imports torch on one core while this process imports it on the other."""
+    if cfg.world_size > 1 and not in_torchrun():
+        start_rank_server("parallel.train", "cli.main")  # cli.main: the console script a rank runs again
+
+
+def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, as_json: bool, out,
+                   plotter: LossPlotter | None) -> None:
     from parallel.train import train as run_training
 
     m = cfg.model
@@ -292,7 +325,10 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
                f"{'' if cfg.zero == 0 else ' over the dp group of ' + str(cfg.dp)}"
                f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}, {cfg.precision}"
                f"{' (auto: bf16 on a GPU, fp32 on a CPU)' if options['precision'] == AUTO else ''}", file=out)
-    summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json), resume_from=point)
+    summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json), resume_from=point,
+                           plotter=plotter)
+    if summary is None:  # a torchrun rank other than 0: rank 0 reports
+        return
     if as_json:
         click.echo(json.dumps(summary))
         return

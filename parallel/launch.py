@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,21 +34,24 @@ from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Sign
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from minigpt.errors import ConfigError, Interrupted, TrainingError, check_positive_int
-from parallel.watchdog import DEFAULT_TIMEOUT_S, HEARTBEAT_DIR_VARIABLE, Watchdog, check_timeout, start_heartbeat
+from minigpt.errors import ConfigError, Interrupted, TrainingError, check_positive_int, check_threads_per_rank
+from parallel.rank_start import (
+    START_METHOD, TORCHRUN_VARIABLES, adopt_environment, in_torchrun, launching_environment, start_rank_server,
+)
+from parallel.torchrun_env import check_torchrun_variables, join_process_group
+from parallel.watchdog import (
+    DEFAULT_TIMEOUT_S, HEARTBEAT_DIR_VARIABLE, LAUNCHER_VARIABLE, Watchdog, check_timeout, start_heartbeat,
+)
 
 Arg = TypeVar("Arg")
 Result = TypeVar("Result")
 
-# What torchrun (and elastic_launch) put in every worker's environment.
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds between the agent's looks at its workers: a failed rank is noticed this fast.
 MONITOR_INTERVAL_S = 0.1
-
-
-def in_torchrun() -> bool:
-    """True in a process that torchrun or elastic_launch started as one rank of a group."""
-    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+# Seconds a rank that raised waits before it exits. Elastic names the first rank whose end it notices, and the
+# peers of a rank that died fail a moment after it (their connections to it break): ending at once, they are
+# often noticed in the same look, and the lowest rank is named. Lingering a few looks names the one that failed.
+FAILURE_LINGER_S = 5 * MONITOR_INTERVAL_S
 
 
 def launch(
@@ -59,16 +63,16 @@ def launch(
 ) -> Result:
     """Run entrypoint(arg) on world_size ranks and return what rank 0's call returned.
 
-    entrypoint must be a module-level function and arg picklable: the ranks are fresh
-    interpreters (start method "spawn"), since forking a process that already holds
-    torch's thread pools and, on GPUs, a CUDA context is unsafe.
+    entrypoint must be a module-level function and arg picklable: the ranks are forked from a
+    server that has imported torch and nothing more (parallel/rank_start.py), since forking this
+    process, which may hold torch's thread pools and, on GPUs, a CUDA context, is unsafe.
     Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
     and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
     Locally launched ranks are watched (parallel/watchdog.py): one silent for watchdog_s seconds ends the
     run with a TrainingError naming it; 0 turns the watchdog off.
     """
     check_torchrun_world(world_size)
-    check_positive_int("threads per rank", threads_per_rank)
+    check_threads_per_rank("threads per rank", threads_per_rank)
     check_timeout(watchdog_s)
     if in_torchrun():
         return entrypoint(arg)
@@ -79,6 +83,7 @@ def launch(
 
 def check_torchrun_world(world_size: int) -> None:
     """Under torchrun, the processes it started must be the layout's: ConfigError otherwise."""
+    check_torchrun_variables()
     check_positive_int("world size", world_size)
     if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
         raise ConfigError(
@@ -88,20 +93,26 @@ def check_torchrun_world(world_size: int) -> None:
         )
 
 
-def run_with_threads(entrypoint: Callable[[Arg], Result], arg: Arg, threads: int) -> Result:
-    """The function each locally launched rank runs: pin its thread count, then the entrypoint.
+def run_with_threads(entrypoint: Callable[[Arg], Result], arg: Arg, threads: int, environment: dict[str, str]) -> Result:
+    """The function each locally launched rank runs: take the launching process's environment, pin the
+    thread count, then the entrypoint.
 
     Ranks share the machine's cores; each one using all of them would oversubscribe the CPU
     many times over. OMP_NUM_THREADS covers OpenMP as the interpreter starts; this covers
     torch's own intra-op pool.
     """
+    adopt_environment(environment)
     torch.set_num_threads(threads)
     start_heartbeat(int(os.environ["RANK"]))
     # Ctrl-C reaches every process of the terminal's group: the launching process says so on one line,
     # and a rank leaves at once and quietly instead of printing a KeyboardInterrupt traceback each.
     signal.signal(signal.SIGINT, _leave_quietly)
     signal.signal(signal.SIGTERM, _leave_quietly)  # how elastic ends the ranks of a stopped run
-    return entrypoint(arg)
+    try:
+        return entrypoint(arg)
+    except BaseException:
+        time.sleep(FAILURE_LINGER_S)
+        raise
 
 
 def _leave_quietly(signal_number: int, frame) -> None:
@@ -123,8 +134,9 @@ def launch_local(
     watchdog_s: float = DEFAULT_TIMEOUT_S,
 ) -> Result:
     """Start world_size ranks on this machine as `torchrun --standalone` would, and wait for them."""
-    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", HEARTBEAT_DIR_VARIABLE)}
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # the spawned ranks inherit it
+    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", HEARTBEAT_DIR_VARIABLE, LAUNCHER_VARIABLE)}
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # the ranks take it with the rest of the environment
+    start_rank_server(entrypoint.__module__)
     quiet_elastic_logs()
     try:
         # Elastic writes each rank's error file under the log directory, the ranks their heartbeats beside;
@@ -134,8 +146,10 @@ def launch_local(
             heartbeats.mkdir()
             if watchdog_s:
                 os.environ[HEARTBEAT_DIR_VARIABLE] = str(heartbeats)
+                os.environ[LAUNCHER_VARIABLE] = str(os.getpid())
             else:
                 os.environ.pop(HEARTBEAT_DIR_VARIABLE, None)
+                os.environ.pop(LAUNCHER_VARIABLE, None)
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
@@ -145,13 +159,14 @@ def launch_local(
                 rdzv_endpoint="localhost:0",  # port 0: a free port, as --standalone picks
                 max_restarts=0,
                 monitor_interval=MONITOR_INTERVAL_S,
-                start_method="spawn",
+                start_method=START_METHOD,
                 logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # stdout and stderr stay inherited
             )
             watchdog = Watchdog(str(heartbeats), world_size, watchdog_s)
             try:
                 with watchdog if watchdog_s else contextlib.nullcontext():
-                    results = elastic_launch(config, run_with_threads)(entrypoint, arg, threads_per_rank)
+                    results = elastic_launch(config, run_with_threads)(entrypoint, arg, threads_per_rank,
+                                                                      launching_environment())
             except ChildFailedError as error:
                 if watchdog.verdict is not None:  # the rank it killed, not "killed by SIGKILL"
                     raise TrainingError(watchdog.verdict.line(world_size, watchdog_s)) from None
@@ -275,9 +290,9 @@ def init_worker(device_type: str | None = None) -> torch.device:
         if use_cuda:
             # Bound to this rank's GPU: NCCL sets up its communicator at once, and barrier()
             # and new groups use this GPU rather than guessing one.
-            dist.init_process_group(backend="nccl", device_id=device)
+            join_process_group("nccl", device)
         else:
-            dist.init_process_group(backend="gloo")
+            join_process_group("gloo")
     return device
 
 

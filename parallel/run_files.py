@@ -1,7 +1,8 @@
 """The run directory: config.json at the start, metrics.jsonl per step, summary.json and loss.png at the end.
 
-Only rank 0 writes it. JSON files are written to a temporary name and renamed,
-so a reader never sees half a file. No file is opened through a symlink (O_NOFOLLOW; a
+Rank 0 writes it, and the process that launched the run its summary and loss.png
+(parallel/loss_plot.py). JSON files are written to a temporary name and renamed, so a reader
+never sees half a file. No file is opened through a symlink (O_NOFOLLOW; a
 temporary name is unlinked first, never followed): the launching process refused links out of
 the run directory before the run (parallel/run_dir.py), and this holds even for one made since.
 """
@@ -35,10 +36,7 @@ class RunFiles:
         self.metrics = open_no_follow(self.path / "metrics.jsonl", "a" if self.resume else "w")
 
     def write_json(self, name: str, obj: dict) -> None:
-        tmp = self.path / (name + ".tmp")
-        with open_no_follow(tmp, "w") as handle:
-            handle.write(json.dumps(obj, indent=2) + "\n")
-        tmp.replace(self.path / name)  # atomic: a reader never sees half a file
+        write_json_file(self.path / name, obj)
 
     def log(self, record: dict) -> None:
         self.metrics.write(json.dumps(record) + "\n")
@@ -46,6 +44,14 @@ class RunFiles:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def write_json_file(path: Path, obj: dict) -> None:
+    """`path` written through a temporary name and renamed: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open_no_follow(tmp, "w") as handle:
+        handle.write(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def open_no_follow(path: Path, mode: str):
@@ -56,51 +62,3 @@ def open_no_follow(path: Path, mode: str):
         path.unlink(missing_ok=True)
         flags |= os.O_EXCL
     return os.fdopen(os.open(path, flags, 0o644), mode, **({} if "b" in mode else {"encoding": "utf-8"}))
-
-
-def loss_curves(metrics_path: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """Train and validation loss by step from metrics.jsonl; a step logged again (a resumed run) keeps its last value."""
-    train: dict[int, float] = {}
-    val: dict[int, float] = {}
-    for line in metrics_path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        train[record["step"]] = record["loss"]
-        if "val_loss" in record:
-            val[record["step"]] = record["val_loss"]
-    return train, val
-
-
-def write_loss_plot(run_dir: Path, name: str = "loss.png") -> Path | None:
-    """Draw the train and validation loss against the step (matplotlib, Agg) into `run_dir/name`; None
-    where matplotlib is not installed (a bare machine running the repository, as bench/gpu.sh does:
-    an installed minigpt always has it)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-
-    train, val = loss_curves(run_dir / "metrics.jsonl")
-    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
-    try:
-        axes.plot(sorted(train), [train[s] for s in sorted(train)], label="train", linewidth=1)
-        if val:
-            axes.plot(sorted(val), [val[s] for s in sorted(val)], "o-", label="validation", markersize=4)
-        axes.set_xlabel("step")
-        axes.set_ylabel("loss (nats per token)")
-        axes.set_title(run_dir.name)
-        axes.grid(alpha=0.3)
-        axes.legend()
-        figure.tight_layout()
-        tmp = run_dir / (name + ".tmp.png")
-        with open_no_follow(tmp, "wb") as handle:
-            figure.savefig(handle, format="png")
-        tmp.replace(run_dir / name)  # atomic, as the JSON files
-    finally:
-        plt.close(figure)
-    return run_dir / name

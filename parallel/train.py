@@ -29,7 +29,8 @@ from parallel.watchdog import DEFAULT_TIMEOUT_S
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
 from parallel.resume import ResumePoint, resume_point
-from parallel.run_files import RunFiles, default_run_dir, write_loss_plot
+from parallel.loss_plot import LossPlotter, write_loss_plot
+from parallel.run_files import RunFiles, default_run_dir, write_json_file
 from job.trace import Trace, breakdown, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.compute import compute_path, dtype_of, needs_emulation
@@ -43,7 +44,8 @@ StepLog = Callable[[dict], None]
 MAX_SKIPPED_IN_A_ROW = 20
 
 
-def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumePoint | None = None) -> dict:
+def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumePoint | None = None,
+          plotter: LossPlotter | None = None) -> dict | None:
     """Train for cfg.steps on every rank of the layout; rank 0's summary.
 
     `on_step` is called on rank 0 after every step; with more than one process
@@ -51,6 +53,8 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumeP
     `resume_from` is the checkpoint to continue, verified here before any worker starts
     (default: the newest of the run that verifies); at or past cfg.steps nothing is run and
     the summary is {"nothing_to_do": <the line saying so>, "first_step", "steps", "checkpoint"}.
+    This process writes summary.json and draws loss.png (with `plotter`, started earlier, where given);
+    under torchrun a rank other than 0 gets None.
     """
     if cfg.out_dir is None:
         cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
@@ -58,11 +62,24 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumeP
     if cfg.resume:
         point = resume_from or resume_point(cfg)
         if point.nothing_to_do(cfg.steps):
+            if plotter is not None:
+                plotter.close()
             return {"nothing_to_do": point.nothing_to_do(cfg.steps), "first_step": point.step, "steps": cfg.steps,
                     "checkpoint": str(point.path), "run_dir": cfg.out_dir, "losses": []}
         checkpoint = str(point.path)
-    return launch(run_worker, (cfg, on_step, checkpoint), cfg.world_size, threads_per_rank=cfg.threads_per_rank or 1,
-                  watchdog_s=DEFAULT_TIMEOUT_S if cfg.watchdog_s is None else cfg.watchdog_s)
+    try:
+        summary = launch(run_worker, (cfg, on_step, checkpoint), cfg.world_size,
+                         threads_per_rank=cfg.threads_per_rank or 1,
+                         watchdog_s=DEFAULT_TIMEOUT_S if cfg.watchdog_s is None else cfg.watchdog_s)
+    except BaseException:
+        if plotter is not None:
+            plotter.close()
+        raise
+    if summary is not None:
+        run_dir = Path(summary["run_dir"])
+        summary["loss_plot"] = _path_or_none(plotter.draw(run_dir) if plotter else write_loss_plot(run_dir))
+        write_json_file(run_dir / "summary.json", summary)
+    return summary
 
 
 def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | None:
@@ -106,6 +123,7 @@ class History:
 
     first_step: int
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # before clipping, over the whole model
     step_times: list[float] = field(default_factory=list)
     val_history: list[dict] = field(default_factory=list)
     comm_per_step: dict = field(default_factory=dict)
@@ -121,8 +139,9 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     policy = precision_policy(cfg.precision)
     rank = build_rank(cfg, mesh, device, policy)
     # Emulated 16-bit matmuls run as fp32 matmuls, so the CPU's fp32 rate is their peak.
+    # Timed once, by rank 0, whose log is the only one to report MFU.
     peak_dtype = torch.float32 if needs_emulation(policy, device) else dtype_of(policy.compute)
-    peak = PeakFlops(measure_peak_flops(device, peak_dtype), peak_dtype)
+    peak = PeakFlops(measure_peak_flops(device, peak_dtype) if mesh.rank == 0 else 0.0, peak_dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     activations = ActivationMeter(device, rank.data_parallel.parameter_storages)
@@ -148,6 +167,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             history.skipped_in_a_row = history.skipped_in_a_row + 1 if outcome.result.skipped else 0
             check_finite(policy.name, rank.scaler, step, outcome, history)
             history.losses.append(outcome.loss)
+            history.grad_norms.append(outcome.result.grad_norm)
             history.step_times.append(outcome.seconds)
             history.comm_per_step = outcome.comm
             record_out = step_log(cfg, step, outcome, peak)
@@ -169,8 +189,6 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     timelines = gather_from_all(mesh, trace.as_dict())
     if run is None:
         return None
-    if device.type == "cpu":
-        peak.remeasure(device)  # a busy start-up timed low: the larger of the two counts
     trace_path = write_chrome_trace(Path(cfg.out_dir) / "trace.json", timelines)
     summary = summarize(cfg, rank, corpus, history, peak)
     summary.update({
@@ -182,10 +200,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         },
         "time_breakdown": breakdown(timelines),
         "trace": str(trace_path),
-        "loss_plot": _path_or_none(write_loss_plot(run.path)),
         "run_dir": str(run.path),
     })
-    run.write_json("summary.json", summary)
     return summary
 
 
@@ -258,6 +274,7 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
         "n_params": cfg.model.n_params(),
         "first_step": history.first_step,
         "losses": history.losses,
+        "grad_norms": history.grad_norms,
         "final_loss": sum(tail) / len(tail),
         "final_loss_steps": len(tail),
         "val_loss": history.val_history[-1]["val_loss"],

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minigpt.errors import ConfigError
+from parallel.rank_start import server_pid
 
-HEARTBEAT_DIR_VARIABLE = "MINIGPT_HEARTBEAT_DIR"  # set by the launcher, read by each spawned rank
+HEARTBEAT_DIR_VARIABLE = "MINIGPT_HEARTBEAT_DIR"  # set by the launcher, read by each rank it starts
+LAUNCHER_VARIABLE = "MINIGPT_LAUNCHER_PID"  # the launching process: a rank that outlives it leaves
 HEARTBEAT_S = 1.0
 POLL_S = 0.5
-# Seconds a rank may take to start beating: spawning imports torch, about 1-2 s a rank, 8 ranks on 2 cores
-# about 7 s (measured here); a machine busy with other work can take several times that.
+# Seconds a rank may take to start beating: the server it is forked from imports torch first (1-3 s
+# here); a machine busy with other work can take several times that.
 STARTUP_GRACE_S = 60.0
 # The default timeout: a beat is one write of a few bytes from a thread that holds the GIL for
 # microseconds, so even 8 ranks on 2 busy cores beat within a second or two; a minute of silence is a
@@ -48,15 +50,20 @@ def check_timeout(seconds: float) -> None:
 
 
 def start_heartbeat(rank: int) -> None:
-    """In a spawned rank: beat into the launcher's directory, if it gave one, until the process ends."""
+    """In a launched rank: beat into the launcher's directory, if it gave one, until the process ends. A rank
+    whose launching process has ended (killed: it had no chance to end its ranks) ends too, at its next beat,
+    instead of training on for no one."""
     directory = os.environ.get(HEARTBEAT_DIR_VARIABLE)
     if not directory:
         return
     path = Path(directory) / str(rank)
     path.write_text(str(os.getpid()), encoding="utf-8")
+    launcher = int(os.environ.get(LAUNCHER_VARIABLE, "0"))
 
     def beat() -> None:
         while True:
+            if launcher and not running(launcher):
+                os._exit(128 + signal.SIGHUP)  # as a terminal's hang-up would end it
             try:
                 os.utime(path)
             except OSError:  # the launcher is gone and took the directory with it
@@ -123,11 +130,12 @@ class Watchdog:
 
     def _kill(self, rank: int) -> None:
         """SIGKILL the silent rank; one that never wrote its pid cannot be told from the others, so every rank
-        this process started goes (its peers would be ended by elastic a moment later anyway)."""
+        this process started goes (its peers would be ended by elastic a moment later anyway): the children of
+        the server they were forked from (parallel/rank_start.py)."""
         try:
             pids = [int((self.directory / str(rank)).read_text(encoding="utf-8"))]
         except (OSError, ValueError):
-            pids = child_processes(os.getpid())
+            pids = child_processes(server_pid() or os.getpid())
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -136,7 +144,7 @@ class Watchdog:
 
 
 def child_processes(pid: int) -> list[int]:
-    """The processes `pid` started, as /proc lists them (elastic's ranks are this process's children)."""
+    """The processes `pid` started, as /proc lists them."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:

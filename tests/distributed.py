@@ -1,16 +1,14 @@
 """Multi-rank tests: run a function on N gloo ranks on the CPU and get every rank's result.
 
 The ranks are started by parallel.launch.launch(), the launcher training uses, so every
-multi-rank test exercises it as well.
-
-Each spawned rank is a fresh interpreter that imports torch: about 1-2 seconds of CPU per
-rank, and a 2-core CI machine pays for eight ranks one pair at a time. A test module should
-therefore put many checks into one function and spawn one group for them, not one per check.
+multi-rank test exercises it as well. They are forked from the one server of the test session
+(parallel/rank_start.py), which imported torch once: a group of 8 ranks starts in under a second,
+so each test may launch its own group and keep its ranks' state its own.
 
 The function must be defined at module level: the ranks import it by name. Functions in test
-modules work because multiprocessing's spawn starts each rank with the parent's sys.path, which
-under pytest's default "prepend" import mode holds tests/ (there is no tests/__init__.py), so
-`test_x.check` and this module import in the ranks as they did in pytest.
+modules work because a rank starts with the parent's sys.path, which under pytest's default
+"prepend" import mode holds tests/ (there is no tests/__init__.py), so `test_x.check` and this
+module import in the ranks as they did in pytest.
 """
 
 from __future__ import annotations

@@ -148,15 +148,13 @@ def mfus(run_dir, summary):
 
 def test_mfu_cannot_pass_one_when_the_peak_is_timed_low(tmp_path, monkeypatch):
     """A start-up timing 1000x too low (what a busy machine does to it) must not give MFU > 100%."""
-    import parallel.device
     import parallel.train
 
     monkeypatch.setattr(parallel.train, "measure_peak_flops", lambda device, dtype: 1e3)
-    monkeypatch.setattr(parallel.device, "measure_peak_flops", lambda device, dtype: 2e3)  # the end's
     cfg = TrainConfig(model=SMALL.with_(seq_len=32), steps=4, global_batch=4, eval_every=0, out_dir=str(tmp_path / "r"))
     summary = train(cfg)
     assert max(mfus(tmp_path / "r", summary)) <= 1.0
-    assert summary["peak_flops_measured"] == {"start": 1e3, "end": 2e3}
+    assert summary["peak_flops_measured"] == 1e3
     assert summary["peak_flops"] == summary["best_achieved_flops"] > 1e6
     assert "timing was low" in summary["peak_note"]
 
@@ -176,8 +174,8 @@ def test_mfu_at_most_one_under_cpu_contention(tmp_path):
     values = mfus(tmp_path / "r", summary)
     assert len(values) == 9 and all(0 < mfu <= 1.0 for mfu in values), values
     measured = summary["peak_flops_measured"]
-    assert summary["peak_flops"] == max(measured["start"], measured["end"], summary["best_achieved_flops"])
-    assert (summary["peak_note"] is None) == (summary["best_achieved_flops"] <= max(measured["start"], measured["end"]))
+    assert summary["peak_flops"] == max(measured, summary["best_achieved_flops"])
+    assert (summary["peak_note"] is None) == (summary["best_achieved_flops"] <= measured)
 
 
 def test_the_default_hyperparameters_do_not_spike_a_short_run(tmp_path):
