@@ -146,7 +146,9 @@ def config_file_option(command: click.Command) -> click.Command:
     def load(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
         if value is not None:
             root = ctx.find_root().command
-            others = [c for c in getattr(root, "commands", {}).values() if c is not ctx.command]
+            every = [root.get_command(ctx, name) for name in root.list_commands(ctx)] \
+                if isinstance(root, click.Group) else []
+            others = [c for c in every if c is not None and c.name != ctx.command.name]
             ctx.default_map = {**(ctx.default_map or {}), **read_config_file(value, ctx.command, others)}
 
     option = click.Option(

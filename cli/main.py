@@ -26,12 +26,38 @@ def _raise_interrupted(signal_number: int, frame) -> None:
     raise Interrupted(signal_number)
 
 
+# Each command's module, imported when the command is used (or listed): `minigpt train` does not pay for
+# importing simulate's, plan's and compare's modules.
+COMMANDS = {
+    "train": "cli.train",
+    "numerics": "cli.numerics",
+    "schedule": "cli.schedule",
+    "simulate": "cli.simulate",
+    "plan": "cli.plan",
+    "calibrate": "cli.calibrate",
+    "compare": "cli.compare",
+    "sample": "cli.sample",
+    "claims": "cli.claims",
+}
+
+
 class Group(click.Group):
-    """A click group whose bad-input errors are one line on stderr and exit code 2.
+    """A click group whose bad-input errors are one line on stderr and exit code 2, and whose commands are
+    imported when first used (COMMANDS).
 
     click's own usage errors (unknown option, malformed value) and ConfigError
     raised by our validation both end here, before any worker starts.
     """
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx, name: str):
+        if name not in self.commands and name in COMMANDS:
+            import importlib
+
+            self.add_command(getattr(importlib.import_module(COMMANDS[name]), name))
+        return super().get_command(ctx, name)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # a scheduler's stop: one line, as Ctrl-C
@@ -69,27 +95,3 @@ def main() -> None:
     """minigpt: train a small GPT with in-repo mixed precision and 3D parallelism,
     and predict how the same job behaves on clusters you do not have."""
 
-
-def _register() -> None:
-    from cli.calibrate import calibrate
-    from cli.claims import claims
-    from cli.compare import compare
-    from cli.numerics import numerics
-    from cli.plan import plan
-    from cli.sample import sample
-    from cli.schedule import schedule
-    from cli.simulate import simulate
-    from cli.train import train
-
-    main.add_command(train)
-    main.add_command(numerics)
-    main.add_command(schedule)
-    main.add_command(simulate)
-    main.add_command(plan)
-    main.add_command(calibrate)
-    main.add_command(compare)
-    main.add_command(sample)
-    main.add_command(claims)
-
-
-_register()

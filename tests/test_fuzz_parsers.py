@@ -153,7 +153,7 @@ toml_values = st.recursive(toml_scalars, lambda inner: st.lists(inner, max_size=
 
 
 def command(name: str):
-    return main.commands[name]
+    return main.get_command(None, name)
 
 
 def toml_value(value) -> str:
