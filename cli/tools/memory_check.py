@@ -25,11 +25,14 @@ PROCESS_BYTES = 220 * 2**20  # a rank before its tensors: RSS after importing to
 
 def predicted_rank_bytes(cfg: TrainConfig) -> list[int]:
     """Bytes of every pipeline stage's rank at its peak (model states, buffers, activations)."""
-    from simulator.engine import step_schedule
+    from job.data_parallel import schedule_config
+    from job.schedule import build_schedule
     from simulator.memory import predict_memory
 
     layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks)
-    schedule = step_schedule(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
+    # the schedule the simulator replays (simulator.engine.step_schedule), without importing the engine
+    schedule = build_schedule(schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb,
+                                              cfg.precision))
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
     estimate = predict_memory(cfg.model, layout, cfg.precision, micro_batch, cfg.recompute, bucket_mb=cfg.bucket_mb,
                               micro_batches_in_flight=peak_in_flight(schedule))
