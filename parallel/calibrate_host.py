@@ -102,9 +102,10 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
     return units if rank == 0 else None
 
 
-def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.device) -> dict:
+def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.device, noise: Noise | None = None) -> dict:
     """This rank's median block forward + backward seconds with k ranks busy at once, by k,
-    and on a CPU rank 0's alone with `cores` threads ("threads"; a GPU's rank has its own GPU)."""
+    and on a CPU rank 0's alone with `cores` threads ("threads"; a GPU's rank has its own GPU), recording in
+    `noise` (rank 0's) the share of the cores it got meanwhile."""
     from minigpt.config import preset
 
     torch.manual_seed(rank)
@@ -124,7 +125,8 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.devic
         if rank == 0:
             torch.set_num_threads(cores)  # measure_host sets the threads back
             step()
-            result["threads"] = timed()
+            with (noise or Noise()).timed_on_cores(cores):
+                result["threads"] = timed()
             torch.set_num_threads(1)
         _barrier()
     return result
@@ -224,7 +226,7 @@ def measure_host(plan, device: torch.device, noise: Noise | None = None) -> dict
             return measure_units(plan, rank, ranks, device, noise)
 
     phases = {"units": units,
-              "sharing": lambda: measure_sharing(plan, rank, ranks, cores, device),
+              "sharing": lambda: measure_sharing(plan, rank, ranks, cores, device, noise),
               "collectives": lambda: measure_group_collectives(plan, ranks, device) if ranks > 1 else {}}
     torch.set_num_threads(1)
     try:

@@ -10,7 +10,9 @@ measured["reliability"] (`reliability`; simulator/host.py checks its fields, `mi
   processes on 2 cores: 0.4). Taken three ways: `cpu_share`, a PROBE_S spin of the calling process before the
   ranks start and again after they end; and rank 0's own share over the measurements it makes alone (the
   matmuls, the copy, the reference block and the units: `Noise.timed`), which also sees load that came and
-  went in between. Not on CUDA, where a host thread waiting for its GPU may spin or sleep (None there).
+  went in between. And the cores rank 0 got while it timed its block on every core's thread (the sharing
+  table's threads row: its process's CPU seconds over the wall seconds times the cores; `Noise.threads_share`),
+  which is the only one to see another process on another core. Not on CUDA, where a host thread waiting for its GPU may spin or sleep (None there).
 - spread: of the repeated runs of one measurement, (slowest - fastest) / median, parallel/calibrate_kernels.py's
   convention: the reference block's runs, and each unit series' runs, weighted by the series' median time
   (`Noise.weighted_spread`: a step's compute is a sum of such times, and the short pieces, noisy on any machine,
@@ -44,7 +46,8 @@ TOLERANCE = 0.10  # compare's drift line asks for a recalibration past a 10% cha
 RELIABLE_SHARE = 1 / (1 + TOLERANCE)  # 91% of a core: a time stretched by at most TOLERANCE
 RELIABLE_SPREAD = 2 * TOLERANCE  # a range of 20% of the median: half of it, the median's uncertainty, is TOLERANCE
 REFUSE_SHARE = 0.5  # below half a core every time is at least doubled: refused unless --allow-busy
-WHEN = {"before": "before the ranks started", "alone": "while rank 0 measured alone", "after": "after the ranks ended"}
+WHEN = {"before": "before the ranks started", "alone": "while rank 0 measured alone", "after": "after the ranks ended",
+        "threads": "per core while rank 0 timed a thread on each"}
 PROBE_S = 0.3  # a probe's spin: about a hundred scheduler time slices, enough to average them
 
 
@@ -72,6 +75,17 @@ class Noise:
     cpu_s: float = 0.0
     wall_s: float = 0.0
     runs: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    threads_share: float | None = None  # of every core, while the threads row was timed (None: not timed)
+
+    @contextlib.contextmanager
+    def timed_on_cores(self, cores: int):
+        """Record the share of `cores` cores this process gets inside the block (its every thread's CPU time)."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            elapsed = max(time.perf_counter() - wall, 1e-9)
+            self.threads_share = min(1.0, (time.process_time() - cpu) / (elapsed * cores))
 
     @contextlib.contextmanager
     def timed(self):
@@ -95,9 +109,11 @@ class Noise:
         return sum(value * seconds for value, seconds in pairs) / total if total > 0 else None
 
     def as_dict(self, on_cpu: bool) -> dict:
-        """{"cpu_share_alone": share or None (CUDA, or nothing timed), "spread_units": weighted_spread("units")}."""
+        """{"cpu_share_alone": share or None (CUDA, or nothing timed), "cpu_share_threads": threads_share,
+        "spread_units": weighted_spread("units")}."""
         share = min(1.0, self.cpu_s / self.wall_s) if on_cpu and self.wall_s > 0 else None
-        return {"cpu_share_alone": share, "spread_units": self.weighted_spread("units")}
+        return {"cpu_share_alone": share, "cpu_share_threads": self.threads_share if on_cpu else None,
+                "spread_units": self.weighted_spread("units")}
 
 
 def check_quiet(share: float | None, when: str, allow_busy: bool) -> float | None:
@@ -115,7 +131,8 @@ def reliability(before: float | None, after: float | None, noise: dict | None, b
                 matmul_spreads: dict | None, allowed_busy: bool) -> dict:
     """The profile's measured["reliability"] (the module docstring says what each field is and the thresholds)."""
     noise = noise or {}
-    shares = {"before": before, "alone": noise.get("cpu_share_alone"), "after": after}
+    shares = {"before": before, "alone": noise.get("cpu_share_alone"), "after": after,
+              "threads": noise.get("cpu_share_threads")}
     spreads = {"block": block_spread, "units": noise.get("spread_units")}
     known_shares = [s for s in shares.values() if s is not None]
     known_spreads = [s for s in spreads.values() if s is not None]

@@ -16,7 +16,8 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
                  "head_forward": [...], "head_backward": [...]}, ...],
       "sharing": [[ranks, threads_per_rank, slowdown], ...],
       "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...],
-      "reliability"?: {"cpu_share_before", "cpu_share_alone", "cpu_share_after", "spread_block", "spread_units",
+      "reliability"?: {"cpu_share_before", "cpu_share_alone", "cpu_share_after", "cpu_share_threads"?,
+                       "spread_block", "spread_units",
                        "spread_matmuls", "confidence", "reliable", "why", "allowed_busy"?, "note"?}
     }
 
@@ -81,7 +82,7 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 # measured["reliability"] (parallel/calibrate_noise.py writes it): CPU shares of a core (0-1), spreads of repeated
 # runs ((slowest - fastest) / median, >= 0) and the confidence (a relative bound, >= 0); each may be null
 RELIABILITY_NUMBERS = {"cpu_share_before": SHARE, "cpu_share_alone": SHARE, "cpu_share_after": SHARE,
-                       "spread_block": RELATIVE, "spread_units": RELATIVE, "spread_matmuls": RELATIVE,
+                       "cpu_share_threads": SHARE, "spread_block": RELATIVE, "spread_units": RELATIVE, "spread_matmuls": RELATIVE,
                        "confidence": RELATIVE}
 RELIABILITY_FLAGS = ("reliable", "allowed_busy")
 RELIABILITY_TEXT = ("why", "note")

@@ -203,7 +203,9 @@ def check_reliability(reliability: dict) -> None:
         assert 0 < reliability[f"cpu_share_{when}"] <= 1
     for kind in ("block", "units", "matmuls"):
         assert reliability[f"spread_{kind}"] >= 0
-    lowest = min(reliability[f"cpu_share_{when}"] for when in ("before", "alone", "after"))
+    assert reliability["cpu_share_threads"] is None or 0 < reliability["cpu_share_threads"] <= 1  # one core: None
+    lowest = min(reliability[f"cpu_share_{when}"] for when in ("before", "alone", "after", "threads")
+                 if reliability[f"cpu_share_{when}"] is not None)
     assert reliability["confidence"] >= 1 / lowest - 1  # at least the stretch of the load it saw
 
 
@@ -232,9 +234,12 @@ def test_the_measured_numbers_are_physical(profile_path):
             assert units[2]["block_forward"][i] < units[1]["block_forward"][i]
     cores = measured["cores"]
     sharing = {(r, t): s for r, t, s in measured["sharing"]}
-    quiet = measured["reliability"]["reliable"]  # on a busy machine another core may not be free to help
-    if (1, cores) in sharing and quiet:
-        assert sharing[(1, cores)] < 0.95, measured["reliability"]  # more threads help one rank alone
+    # More threads help one rank alone, when the other cores are free to run them: a process on another core
+    # made it 1.9x slower here once. Whether they were is recorded (the share of every core rank 0 got while it
+    # timed this row): either the threads helped, or the profile says the machine was busy as they were timed.
+    reliability = measured["reliability"]
+    if (1, cores) in sharing:
+        assert sharing[(1, cores)] < 0.95 or not reliability["reliable"], reliability
     for fit in measured["collectives"]:  # the largest message takes longer than the smallest
         if fit["active"] <= cores:  # with more busy ranks than cores the OS scheduler's turns dominate
             assert fit["points"][-1][1] > fit["points"][0][1], fit
