@@ -28,7 +28,7 @@ from precision.policy import policy as precision_policy
 from simulator.engine import step_schedule
 
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layers=4, n_heads=2, d_model=32, d_ff=64)
-BASE = TrainConfig(model=MODEL, steps=2, global_batch=8, eval_every=0, eval_batches=1, device="cpu", out_dir="")
+BASE = TrainConfig(model=MODEL, steps=2, global_batch=8, eval_every=0, eval_batches=1, device="cpu")
 STEPS = 2
 
 LAYOUTS = {
