@@ -67,8 +67,14 @@ def describe(device: torch.device) -> dict:
             "memory_bytes": int(torch.cuda.get_device_properties(device).total_memory)}
 
 
-def matmul_sizes(plan, device: torch.device) -> tuple[int, ...]:
-    return plan.cuda_matmul_sizes if device.type == "cuda" else plan.matmul_sizes
+def matmul_sizes(plan, device: torch.device, fmt: str = "fp32") -> tuple[int, ...]:
+    """The sizes a format's GEMMs are timed at. On a CPU only fp32 is what training runs (precision/compute.py
+    emulates 16-bit matmuls with fp32 ones), and torch's CPU kernels of the other formats are far slower than
+    fp32 (bf16 about 100x; fp8's _scaled_mm took 163 s for one 1024 x 512 x 2048 GEMM here): they are timed at
+    the plan's smallest size alone, which takes their path (a dry run of what a GPU measures) in seconds."""
+    if device.type == "cuda":
+        return plan.cuda_matmul_sizes
+    return plan.matmul_sizes if fmt == "fp32" else plan.matmul_sizes[:1]
 
 
 def copy_bytes(plan, device: torch.device) -> int:
@@ -96,7 +102,7 @@ def format_rates(plan, device: torch.device, fmt: str) -> tuple[dict[str, dict[i
     """One format's FLOP/s by smallest side per shape, and the largest spread of its measurements."""
     rates: dict[str, dict[int, float]] = {"square": {}, "gpt": {}}
     worst = 0.0
-    for n in matmul_sizes(plan, device):
+    for n in matmul_sizes(plan, device, fmt):
         for shape, (m, k, cols) in (("square", (n, n, n)), ("gpt", (2 * n, n, 4 * n))):
             result = time_gemm(fmt, m, cols, k, device, plan.min_run_s, plan.repeats)
             rates[shape][n] = result["flops_per_s"]
