@@ -191,7 +191,11 @@ def test_the_steps_under_the_spy_really_trained(ranks):
         for r in results:  # every rank agrees on the step's loss and the validation loss
             assert r["losses"] == pytest.approx(results[0]["losses"], rel=1e-6), name
             assert r["evaluations"] == pytest.approx(results[0]["evaluations"], rel=1e-6), name
-        assert all(math.isfinite(x) for r in results for x in r["losses"] + r["evaluations"]), name
+        # An untrained model on uniformly random bytes predicts about uniformly: every loss is ln 256 = 5.545, and
+        # the validation of the same batch moves between the two steps, as the first update changed the weights (by
+        # 6e-4 to 1e-2 here; weight decay alone, with the Adam step dropped, moves it by 1e-5 at most).
+        assert all(abs(x - math.log(256)) < 0.1 for r in results for x in r["losses"] + r["evaluations"]), name
+        assert abs(results[0]["evaluations"][1] - results[0]["evaluations"][0]) > 1e-4, name
         assert all(r["state_finite"] and r["events"] > 0 for r in results), name
     assert not ranks[0]["dp4-zero2-fp16-static-scale"]["skipped"]  # its update and all-gathers ran
 

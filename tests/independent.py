@@ -1,0 +1,191 @@
+"""Numbers derived without the code they check: for tests that must not re-run the implementation's formula.
+
+Nothing here imports the simulator, the claims or the optimizer under test. What it uses:
+
+- the datasheets themselves, simulator/hardware.json read as plain JSON (`DATASHEETS`): peak FLOP/s,
+  HBM bandwidth, the cited GEMM efficiency tables, the measured per-kernel overhead;
+- the model's shape (minigpt/config.py's presets: the numbers, not its arithmetic), and the real model
+  (minigpt/model.py) built on the meta device where a count should come from the model itself;
+- torch.optim.AdamW, PyTorch's own optimizer, as the reference for precision/optimizer.py.
+
+`block_kernels` lists, by hand, the kernels one transformer block runs for one micro-batch on one
+tensor-parallel rank (forward and backward, FlashAttention-2, each kernel reading its inputs from HBM
+once and writing its outputs once), and `price` prices them on a GPU's datasheet with a roofline:
+a GEMM at the cited efficiency for its smallest side, a memory-bound kernel at the achieved HBM
+bandwidth, plus the launch cost of every kernel. The arithmetic is written out here, so a test can
+compare the simulator's op model (simulator/ops.py, simulator/compute.py) with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASHEETS: dict = json.loads((ROOT / "simulator" / "hardware.json").read_text(encoding="utf-8"))["gpus"]
+NICS: dict = json.loads((ROOT / "simulator" / "hardware.json").read_text(encoding="utf-8"))["nics"]
+
+
+def table_efficiency(table: list[list[float]], side: int) -> float:
+    """A cited efficiency table read at a GEMM's smallest side: linear in log(side) between its points, the
+    nearest point outside them (the reading docs/efficiency.md states)."""
+    points = sorted(table)
+    if side <= points[0][0]:
+        return points[0][1]
+    if side >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= side <= x1:
+            return y0 + (y1 - y0) * math.log(side / x0) / math.log(x1 / x0)
+    raise AssertionError("unreachable")
+
+
+def block_kernels(config, micro_batch: int, element_bytes: int, linear: str, attention: str,
+                  tp: int = 1) -> list[tuple]:
+    """The kernels of one block, forward and backward, on one tensor-parallel rank (tp splits the heads and the
+    MLP; the residual stream, norms and residual adds stay whole), as ("gemm", flops, smallest side, format)
+    and ("memory", bytes read + written). `linear` is the format of the four Linears' GEMMs ("fp8": e4m3/e5m2
+    copies of their inputs, weights and output gradients are cast first), `attention` FlashAttention's."""
+    s, d, f, t = config.seq_len, config.d_model, config.d_ff, tp
+    rows = micro_batch * s
+    e = element_bytes
+    head_dim = d // config.n_heads
+    kv_heads = config.n_kv_heads or config.n_heads
+    qkv = (config.n_heads + 2 * kv_heads) * head_dim // t  # q for every head, k and v for the key/value heads
+    swiglu = config.mlp == "swiglu"
+    fc1 = (2 * f if swiglu else f) // t  # SwiGLU's gate and up projections, fused
+    kernels: list[tuple] = []
+    for n_in, n_out in ((d, qkv), (d // t, d), (d, fc1), (f // t, d)):  # qkv, proj, fc1, fc2
+        if linear == "fp8":  # read the 16-bit tensor, write its 1-byte copy
+            kernels += [("memory", rows * n_in * (e + 1)), ("memory", n_in * n_out * (e + 1)),
+                        ("memory", rows * n_out * (e + 1))]
+        for _ in range(3):  # the forward, the input gradient and the weight gradient: 2 * rows * in * out each
+            kernels.append(("gemm", 2 * rows * n_in * n_out, min(rows, n_in, n_out), linear))
+        kernels.append(("memory", 3 * n_in * n_out * e))  # the weight gradient added to its buffer: read 2, write 1
+        if config.bias:
+            kernels.append(("memory", 2 * rows * n_out * e))  # bias add
+            kernels.append(("memory", rows * n_out * e))  # bias gradient: a sum over the rows
+    # FlashAttention over the full s x s square of this rank's query heads (a * head_dim = d): q k^T and p v
+    # forward (4 b s^2 d); backward the scores again and four gradient matmuls (10 b s^2 d).
+    kernels.append(("gemm", 4 * micro_batch * s * s * d // t, head_dim, attention))
+    kernels.append(("gemm", 10 * micro_batch * s * s * d // t, head_dim, attention))
+    kernels.append(("memory", 2 * rows * d // t * e))  # its backward's pre-pass, rowsum(dO * O)
+    for _ in range(2):  # the attention half and the MLP half
+        kernels.append(("memory", 2 * rows * d * e))  # norm: read x, write y
+        kernels.append(("memory", 3 * rows * d * e))  # norm backward: read x and dy, write dx
+        kernels.append(("memory", 3 * rows * d * e))  # residual add: read 2, write 1
+        kernels.append(("memory", 3 * rows * d * e))  # the two gradients meeting at the residual, summed
+    width = rows * f // t * e
+    if swiglu:
+        kernels += [("memory", 4 * width), ("memory", 6 * width)]  # read gate, up; write silu(gate), product; bwd
+    else:
+        kernels += [("memory", 2 * width), ("memory", 3 * width)]  # GELU; its backward reads x and dy
+    if config.positions == "rope":
+        kernels += [("memory", 2 * rows * qkv * e)] * 2  # rotate q and k (v copied), and back in the backward
+    return kernels
+
+
+def price(kernels: list[tuple], gpu: str) -> tuple[float, float]:
+    """(seconds in GEMMs, FlashAttention included; seconds in memory-bound kernels) on `gpu`'s datasheet."""
+    sheet = DATASHEETS[gpu]
+    hbm = sheet["hbm_bandwidth"] * sheet["achieved"]["hbm_fraction"]
+    launch = sheet["matmul_efficiency"]["launch_latency"]
+    gemm = memory = 0.0
+    for kernel in kernels:
+        if kernel[0] == "gemm":
+            _, flops, side, dtype = kernel
+            rate = sheet["peak_flops"][dtype] * table_efficiency(sheet["matmul_efficiency"][dtype], side)
+            gemm += flops / rate + launch
+        else:
+            memory += kernel[1] / hbm + launch
+    return gemm, memory
+
+
+def gemm_flops(kernels: list[tuple]) -> int:
+    return sum(k[1] for k in kernels if k[0] == "gemm")
+
+
+@lru_cache(maxsize=None)
+def model_params(name: str) -> int:
+    """Parameters of the real model (minigpt/model.py's GPT), built on the meta device: no memory, no arithmetic
+    of config.py's."""
+    import torch
+
+    from minigpt.config import preset
+    from minigpt.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(preset(name))
+    return sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+
+
+@lru_cache(maxsize=None)
+def block_matmul_flops(name: str, micro_batch: int = 1) -> int:
+    """Forward and backward matmul FLOPs of one real Block (minigpt/model.py), counted by
+    torch.utils.flop_counter.FlopCounterMode on the meta device."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from minigpt.config import preset
+    from minigpt.model import Block
+
+    config = preset(name)
+    with torch.device("meta"):
+        block = Block(config)
+        x = torch.empty(micro_batch, config.seq_len, config.d_model, requires_grad=True)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        block(x).sum().backward()
+    return counter.get_total_flops()
+
+
+def ring_seconds(kind: str, size: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """A ring collective of a `size`-byte buffer over `ranks` ranks (the textbook bus-bandwidth cost): an
+    all-reduce sends 2 (n-1)/n of it through every link in 2 (n-1) steps, an all-gather or reduce-scatter
+    half that."""
+    steps = (2 if kind == "all_reduce" else 1) * (ranks - 1)
+    return steps * size / ranks / bandwidth + steps * latency
+
+
+@lru_cache(maxsize=None)
+def master_weights_reference(master_weights: bool, steps: int = 300, lr: float = 1e-4, width: int = 64,
+                             seed: int = 0) -> dict:
+    """precision/experiments.py's experiment, redone with torch.optim.AdamW: a LayerNorm gain (from 1.0) and bias
+    trained toward a gain about 2% away, fp16 compute. With `master_weights` the optimizer updates fp32 copies
+    that are cast to fp16 for each forward; without, the weights live in fp16 (every update is rounded to fp16)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 300 steps on a 256 x 64 batch: one thread is the fastest, and steady
+    try:
+        return _train_gain(master_weights, steps, lr, width, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_gain(master_weights: bool, steps: int, lr: float, width: int, seed: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(seed)
+    target_gain = 1 + 0.02 * torch.randn(width, generator=generator)
+    x = torch.randn(256, width, generator=generator)
+    y = F.layer_norm(x, (width,), target_gain)
+    gain = torch.ones(width, requires_grad=True)
+    bias = torch.zeros(width, requires_grad=True)
+    optimizer = torch.optim.AdamW([gain, bias], lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.mse_loss(F.layer_norm(x.half(), (width,), gain.half(), bias.half()).float(), y)
+        loss.backward()
+        optimizer.step()
+        if not master_weights:  # the fp16 weight is all there is: the update survives only as fp16 rounds it
+            with torch.no_grad():
+                gain.copy_(gain.half().float())
+                bias.copy_(bias.half().float())
+        losses.append(loss.item())
+    return {"first_loss": losses[0], "final_loss": losses[-1], "loss_ratio": losses[-1] / losses[0],
+            "gain_moved": (gain.detach().half().float() - 1).abs().max().item()}
