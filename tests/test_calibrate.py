@@ -1,7 +1,7 @@
 """`minigpt calibrate`: a quick calibration on 4 gloo ranks writes a profile the simulator loads.
 
 Four ranks, so that on a 2-core machine the sharing rows reach twice the cores; one quick
-run (30-45 s on the shared 2-core machine) is shared by every test here through the module-scoped fixture.
+run is shared by every test here and tests/test_compare.py (tests/conftest.py's quick_profile).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from cli.calibrate import calibrate
 from cli.main import Group
+from conftest import PROFILE_RANKS as RANKS
 from minigpt.errors import ConfigError
 
 
@@ -26,7 +27,6 @@ def group() -> None:
 group.add_command(calibrate)
 
 
-RANKS = 4
 # The tests here want a profile whatever else the machine runs: a busy one writes it marked unreliable instead of
 # refusing (tests/test_calibrate_noise.py checks the refusal and the mark).
 BUSY_OK = ("--allow-busy",)
@@ -36,13 +36,9 @@ def invoke(*args: str):
     return CliRunner().invoke(group, ["calibrate", *args])
 
 
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calibrate") / "profile.json"
-    result = invoke("--out", str(path), "--ranks", str(RANKS), "--quick", *BUSY_OK)
-    assert result.exit_code == 0, result.output
-    assert "wrote" in result.output
-    return path
+@pytest.fixture
+def profile_path(quick_profile):
+    return quick_profile
 
 
 def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):

@@ -1,0 +1,26 @@
+"""What several test modules share, made once a session: a quick calibrated profile of this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+PROFILE_RANKS = 4  # on a 2-core machine the sharing rows reach twice the cores
+
+
+@pytest.fixture(scope="session")
+def quick_profile(tmp_path_factory) -> Path:
+    """`minigpt calibrate --quick` on PROFILE_RANKS gloo ranks, from the command line as a user runs it: one
+    calibration (about half a minute here) for every test that needs a measured CPU profile. --allow-busy: a
+    profile whatever else the machine runs, marked unreliable when it was busy (tests/test_calibrate_noise.py
+    checks the refusal and the mark)."""
+    from cli.main import main
+
+    path = tmp_path_factory.mktemp("calibrate") / "profile.json"
+    result = CliRunner().invoke(main, ["calibrate", "--out", str(path), "--ranks", str(PROFILE_RANKS), "--quick",
+                                       "--allow-busy"])
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output
+    return path
