@@ -27,6 +27,8 @@ from parallel.checkpoint_files import check_model_shape
 from parallel.checkpoint_layout import fused_sections, global_boxes, shard_shape, tensor_parallel_kind
 from parallel.tensor import _shard_sections
 from job.train_config import TrainConfig
+from parallel.train import micro_batches
+from parity import worst_gap
 from precision.compute import EMULATED, compute_path
 from test_checkpoint import mismatches, new_rank, train, unlike_the_plain_model
 
@@ -34,6 +36,10 @@ MODEL = preset("tiny-llama").with_(seq_len=32)  # 4 layers, 4 heads (2 kv), SwiG
 BASE = TrainConfig(model=MODEL, steps=20, global_batch=8, micro_batches=2, eval_every=0, eval_batches=1,
                    bucket_mb=0.02, device="cpu")
 TOLERANCE = 1e-5  # relative loss gap with one process, at every one of the 20 steps
+# The same for the gradient norms, before clipping. The run spikes at step 15 (norm 88), and the norms after it
+# amplify any change in the order of a sum: one process with 1 micro-batch instead of 2 is 1e-5 off them at
+# steps 17 and 19 (2e-5 seen for tp2-sp), where every earlier step agrees to 1e-7.
+GRAD_NORM_TOLERANCE = 1e-4
 PARITY = {
     2: {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2),
         "dp2-zero3": dict(dp=2, zero=3)},
@@ -45,12 +51,23 @@ LOADING = dataclasses.replace(SAVING, tp=1, dp=1, zero=0, pp=2)
 SAVED_AT = 3  # steps trained before the save, then one more by the saving run and by the loading one
 
 
-def parity_runs(world: int) -> dict[str, list[float]]:
+def train_history(rank, cfg: TrainConfig, corpus: Corpus) -> dict[str, list[float]]:
+    """cfg.steps of the training loop's steps: the losses and the gradient norms before clipping."""
+    found = {"losses": [], "grad_norms": []}
+    for step in range(cfg.steps):
+        inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, torch.device("cpu"))
+        outcome = rank.train_step(cfg, step, inputs, targets)
+        found["losses"].append(outcome.loss)
+        found["grad_norms"].append(outcome.result.grad_norm)
+    return found
+
+
+def parity_runs(world: int) -> dict[str, dict[str, list[float]]]:
     corpus = Corpus.load(None, MODEL.seq_len)
     runs = {}
     for name, changes in PARITY[world].items():
         cfg = dataclasses.replace(BASE, **changes)
-        runs[name] = train(new_rank(cfg), cfg, corpus, range(cfg.steps))
+        runs[name] = train_history(new_rank(cfg), cfg, corpus)
     return runs
 
 
@@ -110,18 +127,20 @@ def reference():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train(new_rank(BASE), BASE, Corpus.load(None, MODEL.seq_len), range(BASE.steps))
+        return train_history(new_rank(BASE), BASE, Corpus.load(None, MODEL.seq_len))
     finally:
         torch.set_num_threads(threads)
 
 
 def test_every_layout_matches_one_process(spawned, reference):
-    gaps = {name: [abs(a - b) / abs(b) for a, b in zip(losses, reference)] for name, losses in spawned["parity"].items()}
-    print("worst relative gaps: " + ", ".join(f"{name} {max(g):.1e}" for name, g in gaps.items()))
+    gaps = {name: worst_gap(run, reference) for name, run in spawned["parity"].items()}
+    print("worst relative gaps: " + "; ".join(f"{name} {gap}" for name, gap in gaps.items()))
     assert set(gaps) == {name for layouts in PARITY.values() for name in layouts}
     for name, gap in gaps.items():
-        assert len(gap) == BASE.steps and max(gap) <= TOLERANCE, (name, gap)
-    assert reference[-1] < reference[0] - 0.5  # it learns: the gaps compare runs that move
+        assert len(spawned["parity"][name]["losses"]) == BASE.steps, name
+        assert gap.loss <= TOLERANCE and gap.grad_norm <= GRAD_NORM_TOLERANCE, (name, str(gap))
+    losses = reference["losses"]
+    assert losses[-1] < losses[0] - 0.5  # it learns: the gaps compare runs that move
 
 
 def test_a_tp2_dp2_checkpoint_resumes_at_pp2(spawned):

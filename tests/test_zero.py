@@ -1,9 +1,13 @@
-"""ZeRO 0-3 over data parallel: the same losses as one process, and the memory and traffic each stage promises.
+"""ZeRO 0-3 over data parallel: the same losses and gradient norms as one process, and the memory and traffic
+each stage promises.
 
-One spawned group per world size runs every stage (each spawn costs seconds).
+One spawned group per world size runs every stage (each spawn costs seconds). dp 3 divides no parameter
+count evenly: every bucket is padded to a multiple of 3, and the padding must change nothing.
 """
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,27 +17,42 @@ from minigpt.config import GPTConfig
 from parallel.train import train_on_rank
 from job.layout import Layout
 from job.train_config import TrainConfig
+from parity import history, worst_gap
 from simulator.memory import predict_memory
 
 MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=2, d_model=64, d_ff=128)
 BASE = TrainConfig(model=MODEL, steps=20, global_batch=8, eval_every=0, eval_batches=1, bucket_mb=0.02, device="cpu")
+DP3 = dataclasses.replace(BASE, global_batch=12)  # a global batch that 3 ranks (and 2 micro-batches) divide
+# Dynamic loss scaling that moves within 20 steps: it grows every 4 clean steps and overflows at steps 8 and 17.
+FP16 = dataclasses.replace(BASE, precision="fp16", loss_scale_window=4)
 FP32_TOLERANCE = 1e-4  # relative, per step, over 20 steps
 BF16_TOLERANCE = 1e-3  # bf16 sums gradients in another order per layout (8e-5 seen): rounding, not a bug
+FP16_TOLERANCE = 1e-3  # fp16 gradients summed in another order (6e-5 seen, on a gradient norm)
+
+
+def base_of(dp: int) -> TrainConfig:
+    return DP3 if dp == 3 else BASE
 
 
 def run_config(cfg: TrainConfig, out_dir: str) -> dict:
     cfg = dataclasses.replace(cfg, out_dir=out_dir)
     summary = train_on_rank(cfg, torch.device("cpu"))
-    return {"losses": summary["losses"], "memory": summary["memory_per_rank"], "comm": summary["comm_bytes_per_step"]["dp"]} if summary else None
+    if not summary:
+        return None
+    scales = [json.loads(line)["loss_scale"] for line in Path(out_dir, "metrics.jsonl").read_text().splitlines()]
+    return {**history(summary), "loss_scales": scales, "memory": summary["memory_per_rank"],
+            "comm": summary["comm_bytes_per_step"]["dp"]}
 
 
 def every_stage(dp: int, out_dir: str) -> dict:
-    """On each rank: train every ZeRO stage (and two variants) with this dp; rank 0 reports."""
-    configs = {f"zero{stage}": dataclasses.replace(BASE, dp=dp, zero=stage) for stage in range(4)}
-    configs["zero2-accumulate"] = dataclasses.replace(BASE, dp=dp, zero=2, micro_batches=2)
-    configs["zero3-accumulate"] = dataclasses.replace(BASE, dp=dp, zero=3, micro_batches=2)
+    """On each rank: train every ZeRO stage (and variants) with this dp; rank 0 reports."""
+    base = base_of(dp)
+    configs = {f"zero{stage}": dataclasses.replace(base, dp=dp, zero=stage) for stage in range(4)}
+    configs["zero2-accumulate"] = dataclasses.replace(base, dp=dp, zero=2, micro_batches=2)
+    configs["zero3-accumulate"] = dataclasses.replace(base, dp=dp, zero=3, micro_batches=2)
     if dp == 2:
-        configs["zero3-bf16"] = dataclasses.replace(BASE, dp=dp, zero=3, precision="bf16")
+        configs["zero3-bf16"] = dataclasses.replace(base, dp=dp, zero=3, precision="bf16")
+        configs["zero2-fp16"] = dataclasses.replace(FP16, dp=dp, zero=2)
     torch.set_num_threads(1)
     return {name: run_config(cfg, f"{out_dir}/{name}") for name, cfg in configs.items()}
 
@@ -41,17 +60,15 @@ def every_stage(dp: int, out_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    return {
-        "fp32": run_config(BASE, str(out / "fp32"))["losses"],
-        "bf16": run_config(dataclasses.replace(BASE, precision="bf16"), str(out / "bf16"))["losses"],
-    }
+    configs = {"fp32": BASE, "bf16": dataclasses.replace(BASE, precision="bf16"), "fp16": FP16, "fp32-dp3": DP3}
+    return {name: run_config(cfg, str(out / name)) for name, cfg in configs.items()}
 
 
-def worst_gap(losses, reference):
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+def reference_of(name: str, dp: int) -> str:
+    return next((p for p in ("bf16", "fp16") if name.endswith(p)), "fp32-dp3" if dp == 3 else "fp32")
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[2, 3, 4])
 def stages(request, tmp_path_factory):
     results = run_ranks(request.param, every_stage, request.param, str(tmp_path_factory.mktemp("zero")))
     return request.param, results[0]
@@ -59,14 +76,15 @@ def stages(request, tmp_path_factory):
 
 def test_every_stage_matches_one_process(stages, reference):
     dp, results = stages
-    gaps = {}
-    for name, result in results.items():
-        ref = reference["bf16" if name.endswith("bf16") else "fp32"]
-        assert len(result["losses"]) == 20
-        gaps[name] = worst_gap(result["losses"], ref)
-    print(f"dp={dp} worst relative gaps: " + ", ".join(f"{n} {g:.1e}" for n, g in gaps.items()))
+    gaps = {name: worst_gap(result, reference[reference_of(name, dp)]) for name, result in results.items()}
+    print(f"dp={dp} worst relative gaps: " + "; ".join(f"{n} {g}" for n, g in gaps.items()))
+    tolerances = {"fp32": FP32_TOLERANCE, "fp32-dp3": FP32_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": FP16_TOLERANCE}
     for name, gap in gaps.items():
-        assert gap < (BF16_TOLERANCE if name.endswith("bf16") else FP32_TOLERANCE), (name, gap)
+        assert gap.worst < tolerances[reference_of(name, dp)], (name, str(gap))
+    if "zero2-fp16" in results:  # the same steps skipped (NaN norms, checked above) and the same scale, step by step
+        assert results["zero2-fp16"]["loss_scales"] == reference["fp16"]["loss_scales"]
+        assert sum(norm != norm for norm in reference["fp16"]["grad_norms"]) >= 2  # the scaler did skip steps
+        assert len(set(reference["fp16"]["loss_scales"])) >= 3  # and grew
 
 
 def test_each_stage_shards_what_it_promises(stages):
@@ -87,10 +105,11 @@ def test_each_stage_shards_what_it_promises(stages):
         assert full / dp <= memory["gradients"] <= full / dp * slack  # sharded from stage 2
     assert zero2["comm_buffers"] < full  # never a full gradient's worth of buckets at once
     for stage, memory in ((1, zero1), (3, zero3)):  # the simulator's model of our buffers (ZeRO-2: below)
-        predicted = predict_memory(MODEL, Layout(dp=dp, zero=stage), "fp32", BASE.global_batch // dp,
+        predicted = predict_memory(MODEL, Layout(dp=dp, zero=stage), "fp32", base_of(dp).global_batch // dp,
                                    bucket_mb=BASE.bucket_mb)
         assert memory["comm_buffers"] == predicted.comm_buffers, (stage, memory["comm_buffers"], predicted.comm_buffers)
-    predicted = predict_memory(MODEL, Layout(dp=dp, zero=2), "fp32", BASE.global_batch // dp, bucket_mb=BASE.bucket_mb)
+    predicted = predict_memory(MODEL, Layout(dp=dp, zero=2), "fp32", base_of(dp).global_batch // dp,
+                               bucket_mb=BASE.bucket_mb)
     # ZeRO-2's staging depends on which gradients of a bucket come in first: exact at dp 2, 3.5% over at dp 4
     assert zero2["comm_buffers"] <= predicted.comm_buffers <= zero2["comm_buffers"] * 1.05
     for memory in (zero0, zero1, zero2):
