@@ -82,6 +82,7 @@ def needs_emulation(policy: PrecisionPolicy, device: torch.device) -> bool:
 EMULATED = "emulated on CPU (16-bit storage, fp32 accumulation)"
 NATIVE = "native"
 NATIVE_FP8 = "native fp8 (torch._scaled_mm)"
+EMULATED_FP8 = "fp8 emulated on CPU (the fp8 values, dequantised, in fp32 matmuls)"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -99,6 +100,8 @@ def compute_path(policy: PrecisionPolicy, device: torch.device) -> str:
     emulated = needs_emulation(policy, device)
     if not policy.fp8_linears:
         return EMULATED if emulated else NATIVE
+    if device.type in fp8.EMULATED_DEVICES:
+        return f"{EMULATED_FP8}; other matmuls {EMULATED}" if emulated else EMULATED_FP8
     refused = [(a, b, why) for (kind, a, b), why in fp8.fallbacks().items() if kind == device.type]
     if refused:
         path = "fp8 with fallback to dequantised fp32 matmuls for " + "; ".join(

@@ -30,6 +30,9 @@ the batch (K = batch x seq, thousands), e5m2 carries only 2 mantissa bits, and a
 or truncated accumulation there goes straight into the weight update, so dgrad and wgrad
 promote to fp32 at every step of K.
 
+On the CPU the GEMMs are emulated (`EMULATED_DEVICES`): the same fp8 values, dequantised, in an
+fp32 matmul, since torch's CPU `_scaled_mm` runs at about 10 MFLOP/s on some CPUs (an Intel Xeon
+here); tests/test_fp8_scaled_mm.py turns the emulation off to check the `_scaled_mm` arguments.
 Measured on CPU, torch 2.13: `_scaled_mm` accepts all four pairs of {e4m3fn, e5m2} x
 {e4m3fn, e5m2}, any shape (1x1x1 and odd sizes included) and either memory layout of
 both operands, so no fallback is taken on CPU. out_dtype fp32, bf16, fp16 and e4m3fn are
@@ -80,6 +83,11 @@ ROLE_DTYPES = {INPUT: E4M3, WEIGHT: E4M3, GRAD_OUTPUT: E5M2}
 # Dimension multiple that `_scaled_mm` requires, per device type (cuBLASLt: 16).
 # CPU accepts any shape (measured with torch 2.13), so it is absent.
 PAD_MULTIPLE = {"cuda": 16}
+# Device types whose fp8 GEMMs are emulated, as 16-bit matmuls are there (precision/compute.py): the same fp8
+# values, dequantised, in an fp32 matmul (fp32 accumulation, as _scaled_mm's), with the bias rounded as the fused
+# path rounds it. torch's CPU _scaled_mm runs at about 10 MFLOP/s on some CPUs (33 s for one step of the tiny model
+# on an Intel Xeon here, against 35 ms in fp32), and where it is fast its fp32 output is this matmul bit for bit.
+EMULATED_DEVICES = {"cpu"}
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -256,8 +264,12 @@ def fp8_matmul(a: Tensor, b: Tensor, inv_scale_a: Tensor, inv_scale_b: Tensor,
     what the device needs, PAD_MULTIPLE) and the result cropped back to (M, N). The bias
     (N,) goes into `_scaled_mm` in `out_dtype` when that is bf16/fp16, else it is added
     in fp32. A pair `_scaled_mm` refuses is recorded (`fallbacks()`), warned about once,
-    and computed by `dequantised_matmul` from then on.
+    and computed by `dequantised_matmul` from then on. On EMULATED_DEVICES (the CPU) it is
+    `dequantised_matmul` always.
     """
+    if a.device.type in EMULATED_DEVICES:
+        fused = bias is not None and out_dtype in BIAS_OUT_DTYPES
+        return dequantised_matmul(a, b, inv_scale_a, inv_scale_b, out_dtype, bias.to(out_dtype) if fused else bias)
     key = (a.device.type, a.dtype, b.dtype)
     if key not in _FALLBACKS:
         try:

@@ -37,7 +37,9 @@ PADDED = [((16, 32), (32, 48)), ((16, 48), (48, 32)), ((48, 16), (16, 32))]
 
 
 @pytest.fixture(autouse=True)
-def clean_registry():
+def clean_registry(monkeypatch):
+    """No recorded fallback, and the CPU's GEMMs through _scaled_mm (not emulated): what this module checks."""
+    monkeypatch.setattr(fp8, "EMULATED_DEVICES", set())
     fp8.reset_fallbacks()
     yield
     fp8.reset_fallbacks()
