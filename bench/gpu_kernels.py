@@ -12,7 +12,8 @@ Measured, in this order (--budget-s stops it between measurements, and the JSON 
 2. element-wise achieved bandwidth: copy, add, GELU, LayerNorm, softmax in bf16 and fp32 on 256 MiB
    tensors (CPU dry run: 4 MiB), well past an H100/H200's 50-60 MB L2;
 3. square GEMMs n x n x n in fp32 (TF32 off), tf32, bf16, fp16, fp8 and fp8_fast (torch._scaled_mm
-   without and with fast accumulation), n = 256..16384 in powers of 2 (CPU dry run: 64..256);
+   without and with fast accumulation), n = 256..16384 in powers of 2 (CPU dry run: 64..256, fp8 only up
+   to 64^3 multiply-adds: DRY_RUN_FP8_MACS);
 4. the real GEMMs (m = tokens, k = input, n = output) of gpt2-124m (minigpt/config.py's preset:
    qkv, proj, fc1, fc2, head at 8 x 1024 = 8192 tokens, the micro-batch bench/gpu.sh trains it with)
    and of Llama 3 8B / 70B / 405B (LLAMA3 below: one 8192-token sequence), each also on one rank of
@@ -38,7 +39,8 @@ half of dense bf16), unfused charged its full square's FLOPs at the bf16 rate pl
 assumptions too. The sum is about 54 s: the real GEMMs ~32 s (240 of them, mostly each one's 5 x 20 ms timed runs), the square
 GEMMs ~6 s (fp32 at 16384, 0.15 s a call, ~1 s of it), attention ~4 s, element-wise ~1 s, start-up
 10 s; under the 2.5 minutes asked with room for rates half as good, and --budget-s caps it whatever
-the GPU turns out to be. The CPU dry run takes about 4 s here (2-core AMD EPYC, torch 2.13).
+the GPU turns out to be. The CPU dry run takes about 4 s here (2-core AMD EPYC, torch 2.13; on a 2-core
+Intel Xeon 131 s before fp8 was limited to DRY_RUN_FP8_MACS).
 """
 
 from __future__ import annotations
@@ -124,6 +126,16 @@ def model_gemms(plan: Plan) -> list[dict]:
 # ---------------------------------------------------------------- the jobs
 
 
+# torch's CPU _scaled_mm runs fp8 at about 10 MFLOP/s on some CPUs (0.4 s for a 128 x 64 x 256 GEMM on an Intel
+# Xeon here, where the dry run then took 131 s): the CPU dry run times fp8 GEMMs of at most 64^3 multiply-adds,
+# which takes its code path in a fraction of a second each.
+DRY_RUN_FP8_MACS = 64**3
+
+
+def timed_in_dry_run(plan: Plan, fmt: str, m: int, n: int, k: int) -> bool:
+    return not (plan.dry_run and fmt.startswith("fp8") and m * n * k > DRY_RUN_FP8_MACS)
+
+
 def jobs(plan: Plan, device: torch.device) -> list[tuple[str, dict, callable]]:
     """(section, what, run) in the order they run: run() -> a result dict."""
     run_s, reps = plan.min_run_s, plan.repeats
@@ -134,11 +146,11 @@ def jobs(plan: Plan, device: torch.device) -> list[tuple[str, dict, callable]]:
             todo.append(("elementwise", {"op": op, "format": fmt, "tensor_bytes": plan.elementwise_bytes},
                          lambda op=op, fmt=fmt: time_elementwise(op, fmt, plan.elementwise_bytes, device, run_s, reps)))
     for n in plan.square_sizes:
-        for fmt in formats:
+        for fmt in (f for f in formats if timed_in_dry_run(plan, f, n, n, n)):
             todo.append(("square", {"format": fmt, "m": n, "n": n, "k": n},
                          lambda fmt=fmt, n=n: time_gemm(fmt, n, n, n, device, run_s, reps)))
     for shape in model_gemms(plan):
-        for fmt in plan.shape_formats:
+        for fmt in (f for f in plan.shape_formats if timed_in_dry_run(plan, f, shape["m"], shape["n"], shape["k"])):
             todo.append(("shapes", {**shape, "format": fmt},
                          lambda s=shape, fmt=fmt: time_gemm(fmt, s["m"], s["n"], s["k"], device, run_s, reps)))
     for head_dim, heads in plan.attention_heads:

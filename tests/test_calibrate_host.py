@@ -187,9 +187,9 @@ def test_on_cuda_the_gpus_are_the_cores_and_there_is_no_threads_row(monkeypatch)
 
     real_sharing, seen = calibrate_host.measure_sharing, {}
 
-    def sharing(plan, rank, ranks, cores, device):
+    def sharing(plan, rank, ranks, cores, device, noise=None):
         seen["cores"] = cores
-        return real_sharing(plan, rank, ranks, 4, device)  # as if with 4 cores: still no threads row on a GPU
+        return real_sharing(plan, rank, ranks, 4, device, noise)  # as if with 4 cores: still no threads row on a GPU
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(calibrate_host, "measure_units", lambda plan, rank, ranks, device, noise=None: {})
