@@ -94,16 +94,23 @@ def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | N
 
 
 def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
-    """Validation loss on fixed batches; every rank runs it (the pipeline and ZeRO-3 need all of them)."""
+    """Validation loss on fixed batches, the same whatever the layout. Each data-parallel replica takes its
+    share of every batch (the batch is the replicas' micro-batches, so it divides evenly) and the replicas
+    average their means; the ranks of a replica (tensor, pipeline) run it together, as ZeRO-3 needs."""
     rank.stage.eval()
-    batch = max(1, cfg.global_batch // cfg.micro_batches)  # the same batches whatever the layout
+    batch = max(1, cfg.global_batch // cfg.micro_batches)
+    share, first = batch // cfg.dp, rank.mesh.dp_rank * (batch // cfg.dp)
     losses = [
-        rank.executor.evaluate(x.to(device), y.to(device))
+        rank.executor.evaluate(x[first:first + share].to(device), y[first:first + share].to(device))
         for x, y in validation_batches(corpus.val, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)
     ]
+    loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
+    if rank.mesh.group("dp") is not None:
+        dist.all_reduce(loss, group=rank.mesh.group("dp"))
+        loss /= cfg.dp
     rank.stage.train()
     rank.data_parallel.end_step()
-    return sum(losses) / len(losses)
+    return float(loss)
 
 
 def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, dp_rank: int, device: torch.device):
