@@ -21,8 +21,10 @@ group.add_command(compare)
 
 TINY = ["--layers", "2", "--seq-len", "32", "--batch-size", "4", "--steps", "3", "--threads-per-rank", "1"]
 # How far the predicted step may be from the measured one, on a profile calibrated on a quiet machine that still
-# runs at its calibrated speed: the matrix on this machine is within 2-7% for one rank and dp 2 (docs/results.md),
-# and a 3-step run's median of two steps moves by 5-15% within minutes here (the same doc): 25%.
+# runs at its calibrated speed, for the matrix's shape (the tiny preset, batch 16): the matrix is within 2-7% for
+# one rank and dp 2 (docs/results.md; -3.8% and -8.8% on this session's Intel machine), and a short run's median
+# step moves by 5-15% within minutes here (the same doc): 25%. Not for TINY's 6 ms steps (2 layers, batch 4),
+# which the simulator misses by about 60%: the per-step overheads it does not price are most of such a step.
 STEP_TIME_BOUND = 0.25
 DRIFT_TOLERANCE = 0.1  # cli/compare.py asks for a recalibration past it
 
@@ -70,9 +72,21 @@ def test_dp2_json(profile, tmp_path):
     json.loads((tmp_path / "run" / "simulated.json").read_text())
     error = report["step_time_relative_error"]
     assert error == pytest.approx(report["predicted_step_time_s"] / report["measured_step_time_s"] - 1)
-    if confidence["reliable"] and abs(drift["change"]) <= DRIFT_TOLERANCE:  # a quiet profile, the machine as then
+
+
+def test_the_predicted_step_is_within_its_bound_on_a_quiet_profile(profile, tmp_path):
+    """dp 2 with the matrix's shape (the tiny preset, batch 16): on a profile calibrated on a quiet machine that
+    still runs at its calibrated speed, the predicted step is within STEP_TIME_BOUND of the measured one;
+    otherwise the report says why it may not be."""
+    result = invoke("--hardware", profile, "--steps", "4", "--threads-per-rank", "1", "--dp", "2",
+                    "--out", str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads(result.stdout)
+    error, confidence, drift = (report["step_time_relative_error"], report["prediction_confidence"],
+                                report["machine_drift"])
+    if confidence["reliable"] and abs(drift["change"]) <= DRIFT_TOLERANCE:
         assert abs(error) <= STEP_TIME_BOUND, report["rows"]
-    else:  # the report must say why the prediction may be off
+    else:
         assert "UNRELIABLE" in confidence["line"] or abs(drift["change"]) > DRIFT_TOLERANCE, confidence
 
 
