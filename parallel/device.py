@@ -92,7 +92,7 @@ class PeakFlops:
     on a busy machine). The device cannot run the model faster than its peak, so a step whose
     model FLOP rate (per rank) beats the measured peak proves the measurement low: the peak is
     raised to that rate, MFU cannot pass 1 by construction, and `note` says that it happened.
-    It is timed once, at the start (a second timing at the end cost a short run a tenth of its time).
+    It is timed at the start, and on a CPU again at the end only when a step proved that timing low.
     """
 
     measured: float  # FLOP/s, timed at start-up
