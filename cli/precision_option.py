@@ -11,6 +11,7 @@ from __future__ import annotations
 import click
 
 from job.train_config import PRECISIONS
+from parallel.gpu_files import may_have_gpus
 
 AUTO = "auto"
 GPU_PRECISION = "bf16"
@@ -27,10 +28,11 @@ def precision_option(function):
 def training_precision(requested: str, device: str, world_size: int) -> str:
     """What a run of `world_size` ranks on `device` (auto, cpu or cuda) computes in: `requested`, or for auto
     bf16 when it will run on GPUs (one per rank on this node, as parallel/launch.py's init_worker picks them)
-    and fp32 on the CPU. Imports torch only for auto with a device that may be a GPU."""
+    and fp32 on the CPU. Imports torch only for auto with a device that may be a GPU, where a GPU driver is
+    installed (parallel/gpu_files.py)."""
     if requested != AUTO:
         return requested
-    if device == "cpu":
+    if device == "cpu" or not may_have_gpus():
         return CPU_PRECISION
     import os
 

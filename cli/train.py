@@ -17,6 +17,7 @@ from cli.model_options import model_from_options, model_options
 from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
+from parallel.gpu_files import may_have_gpus
 from parallel.loss_plot import LossPlotter
 from parallel.rank_start import in_torchrun, start_rank_server
 from parallel.resume import ResumePoint, continue_settings, resume_point
@@ -151,7 +152,7 @@ def data_parallel_size(options: dict) -> int:
 def default_data_parallel(model_parallel: int, zero: int, device: str) -> int:
     if in_torchrun():  # the world torchrun started
         return max(1, int(os.environ["WORLD_SIZE"]) // model_parallel)
-    if device != "cpu":
+    if device != "cpu" and may_have_gpus():
         from parallel.device import cuda_device_count
 
         gpus = cuda_device_count()
