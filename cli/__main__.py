@@ -1,3 +1,3 @@
-from cli.main import main
+from cli.main import run
 
-main(prog_name="minigpt")
+run(prog_name="minigpt")
