@@ -45,6 +45,7 @@ from torch import nn
 
 from minigpt.errors import ConfigError
 from parallel.clock import Event, StepClock
+from parallel.backward import backward_from
 from parallel.weight_gradients import WeightGradients
 from job.schedule import (
     AllReduceGrads,
@@ -326,7 +327,7 @@ class PipelineExecutor:
         """The whole backward of a micro-batch on a chunk: input and parameter gradients."""
         chunk = self.stage.by_index[action.chunk]
         grad = self.output_grad(action, chunk)
-        self.outputs.pop((action.micro_batch, action.chunk)).backward(grad)
+        backward_from(self.outputs.pop((action.micro_batch, action.chunk)), grad)
 
     def exchange(self, group, step: StepData | None = None) -> str:
         operations, received = [], []

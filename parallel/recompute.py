@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from job.train_config import check_train_recompute
+from parallel.backward import gradients_from
 
 
 class RecomputedCall(torch.autograd.Function):
@@ -31,7 +32,7 @@ class RecomputedCall(torch.autograd.Function):
         again = x.detach().requires_grad_()
         with torch.enable_grad():
             out = ctx.core(again)
-        (grad_x,) = torch.autograd.grad(out, again, grad)
+        (grad_x,) = gradients_from(out, [again], grad)
         return grad_x, None
 
 

@@ -7,6 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from parallel.backward import backward_from, gradients_from
+
 
 class WeightGradients:
     """A chunk's backward split in two: activation gradients now, parameter gradients later.
@@ -69,8 +71,7 @@ class WeightGradients:
             raise RuntimeError("a module with parameters ran twice in one forward: the zero-bubble split "
                                "would count its gradient twice")
         outputs = [output for _, output in kept]
-        grads = torch.autograd.grad([out], [x, *outputs], None if grad is None else [grad],
-                                    retain_graph=True, allow_unused=True)
+        grads = gradients_from(out, [x, *outputs], grad, retain_graph=True, allow_unused=True)
         self.waiting[key] = [(self.params[id(module)], output, g)
                              for module, output, g in zip(modules, outputs, grads[1:]) if g is not None]
         return grads[0]
@@ -79,7 +80,7 @@ class WeightGradients:
         """The parameter gradients of `key`, module by module, last first; `before(params)` ahead of each."""
         for params, output, grad in reversed(self.waiting.pop(key)):
             before(params)
-            torch.autograd.backward([output], [grad], inputs=params)
+            backward_from(output, grad, inputs=params)
 
     def reset(self) -> None:
         self.kept.clear()
