@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,29 @@ def test_launch_returns_rank_0_value():
     assert result["threads"] == 1 and result["omp"] == "1"
     assert result["pid"] != os.getpid()
     assert multiprocessing.active_children() == []
+
+
+def test_a_rendezvous_port_taken_before_the_store_binds_it_is_tried_again(monkeypatch):
+    """The launch probes a free port for elastic's static rendezvous (parallel/launch.py); another process may
+    take it before the agent's store listens on it: the launch then moves to another port."""
+    import parallel.launch
+
+    with socket.socket() as taken:
+        taken.bind((parallel.launch.LOCAL_HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        offered, free_port = [], parallel.launch.local_rendezvous
+
+        def first_the_taken_port() -> dict:
+            rendezvous = free_port() if offered else {"rdzv_backend": "static", "rdzv_configs": {"rank": 0},
+                                                      "rdzv_endpoint": f"{parallel.launch.LOCAL_HOST}:{port}"}
+            offered.append(rendezvous["rdzv_endpoint"])
+            return rendezvous
+
+        monkeypatch.setattr(parallel.launch, "local_rendezvous", first_the_taken_port)
+        result = launch(rank_report, "moved", 2, threads_per_rank=1)
+    assert result["tag"] == "moved" and result["world"] == 2
+    assert len(offered) == 2 and offered[0].endswith(f":{port}") and offered[1] != offered[0], offered
 
 
 def test_failed_rank_is_one_line_naming_it():
