@@ -35,13 +35,16 @@ def synchronize(device: torch.device) -> None:
 # measurement at every start cheap while a size that happens to suit the cache less does not decide.
 CUDA_PEAK_SIZES = (4096, 8192)
 CPU_PEAK_SIZES = (512, 1024)
+CUDA_PEAK_REPEATS = 7  # a size's time is their median
+CPU_PEAK_REPEATS = 3  # a size's time is the fastest; seven repeats of 1024^3 here were within 4% of each other
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 7) -> float:
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int | None = None) -> float:
     """The device's matmul rate in `dtype`, in FLOP/s, measured: MFU is against this, not a datasheet.
 
-    Each size is run once to warm up (kernel choice, clocks), then timed `repeats` times; the peak
-    is the best rate over sizes.
+    Each size is run once to warm up (kernel choice, clocks), then timed `repeats` times (default: 7 on a
+    GPU, 3 on a CPU, where the fastest repeat is the answer and a run's rank 0 times it while the others
+    wait); the peak is the best rate over sizes.
       CUDA  a repeat is timed with CUDA events around a few back-to-back matmuls: the GPU's own
             time (host timing would add launch and synchronisation latency to a kernel of a
             fraction of a millisecond); a size's time is the median of its repeats.
@@ -50,6 +53,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     """
     on_gpu = device.type == "cuda"
     calls = CUDA_MATMULS_PER_REPEAT if on_gpu else 1
+    repeats = repeats or (CUDA_PEAK_REPEATS if on_gpu else CPU_PEAK_REPEATS)
     best = 0.0
     for size in CUDA_PEAK_SIZES if on_gpu else CPU_PEAK_SIZES:
         a = torch.randn(size, size, device=device, dtype=dtype)
