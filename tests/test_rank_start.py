@@ -46,3 +46,63 @@ def test_the_servers_preload_touches_no_cuda():
     modules = [name for name in PRELOAD if name != "__main__"] + ["parallel.train", "cli.main", "parallel.calibrate"]
     result = subprocess.run([sys.executable, "-c", CUDA_TRAPS, *modules], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def modules_after_two_steps(out_dir: str) -> dict:
+    """A rank's run of a pipeline with a zero-bubble split and recomputation: every backward that starts from
+    a gradient (parallel/backward.py); which of the costly modules it imported on the way."""
+    import dataclasses
+
+    import torch
+
+    from job.train_config import TrainConfig
+    from minigpt.config import GPTConfig
+    from parallel.train import train_on_rank
+
+    model = GPTConfig(vocab_size=256, seq_len=16, n_layers=4, n_heads=2, d_model=16, d_ff=32)
+    cfg = TrainConfig(model=model, steps=2, global_batch=4, micro_batches=2, eval_batches=1, device="cpu", pp=2,
+                      schedule="zb-h1", recompute="selective", out_dir=out_dir)
+    train_on_rank(dataclasses.replace(cfg), torch.device("cpu"))
+    return {name: name in sys.modules for name in ("sympy", "torch.fx.experimental.symbolic_shapes")}
+
+
+def test_a_pipeline_rank_does_not_import_sympy(tmp_path):
+    """torch's autograd imports sympy (0.6 s a rank) for a backward given an explicit gradient; the pipeline,
+    the zero-bubble split and recomputation start theirs from a scalar instead (parallel/backward.py)."""
+    assert "torch.fx.experimental.symbolic_shapes" not in PRELOAD
+    seen = run_ranks(2, modules_after_two_steps, str(tmp_path / "run"))
+    assert seen == [{"sympy": False, "torch.fx.experimental.symbolic_shapes": False}] * 2, seen
+
+
+FLAGS_WITHOUT_TORCH = """
+import sys
+import parallel.gpu_files
+parallel.gpu_files.GPU_DEVICE_FILES = ("/nonexistent/nvidiactl",)
+from cli.train import build_train_config, train
+options = train.make_context("train", sys.argv[1:]).params
+options.pop("as_json")
+cfg = build_train_config(options)
+print(cfg.world_size, cfg.precision, "torch" in sys.modules)
+"""
+
+
+def test_flags_are_checked_without_torch_on_a_machine_without_a_gpu_driver():
+    """Where no GPU driver's device file exists, the precision auto picks and the ranks that fill the job are
+    known without torch, so `minigpt train` starts the ranks' server before it imports torch itself."""
+    for flags, expected in ((["--model", "tiny"], "1 fp32 False"), (["--zero", "1"], "2 fp32 False")):
+        result = subprocess.run([sys.executable, "-c", FLAGS_WITHOUT_TORCH, *flags], capture_output=True, text=True,
+                                timeout=120)
+        assert result.stdout.strip() == expected, result.stderr[-2000:]
+
+
+def test_a_gpu_driver_makes_the_flags_ask_torch(monkeypatch):
+    import parallel.gpu_files
+    from cli.precision_option import training_precision
+    from parallel.device import cuda_device_count
+
+    monkeypatch.setattr(parallel.gpu_files, "GPU_DEVICE_FILES", ("/nonexistent/nvidiactl",))
+    assert not parallel.gpu_files.may_have_gpus()
+    assert training_precision("auto", "auto", 1) == "fp32"
+    monkeypatch.setattr(parallel.gpu_files, "GPU_DEVICE_FILES", ("/",))  # a driver's file, as far as it can tell
+    assert parallel.gpu_files.may_have_gpus()
+    assert training_precision("auto", "auto", 1) == ("bf16" if cuda_device_count() >= 1 else "fp32")
