@@ -9,7 +9,11 @@ them one after another in turn (1, 4, 8, then the next round), so a machine that
 during the benchmark stretches every case alike; each multi-rank run is also divided by the 1-rank run of
 its own round, and the table gives the median of those ratios with their range. Wall time is the command's,
 from process start to exit (time.perf_counter around subprocess.run): what a user waits for.
-Point PYTHONPATH at another checkout (and run its interpreter) to time that one.
+A first round that is not counted warms the machine's file cache and writes the project's bytecode, as a
+user's first run does (the runs are timed with Python writing bytecode, its default, even where the
+environment sets PYTHONDONTWRITEBYTECODE: otherwise every run compiles the project's modules again). Each
+round also times `python -c "import torch"`, the floor under any run that imports torch, on the same machine
+at the same moment. Point PYTHONPATH at another checkout (and run its interpreter) to time that one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ RUNS = {  # name: extra flags of `minigpt train --model tiny --steps 2`
     "8 ranks (tp 2 x pp 2 x dp 2, ZeRO-3)": ["--tp", "2", "--pp", "2", "--dp", "2", "--zero", "3"],
 }
 CALIBRATE = "calibrate --quick (8 ranks)"
+IMPORT_TORCH = "python -c 'import torch' (the floor)"
 
 
 def minigpt_command() -> list[str]:
@@ -39,8 +44,10 @@ def minigpt_command() -> list[str]:
 
 
 def timed(command: list[str], cwd: str) -> float:
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=environment)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         sys.exit(f"bench/startup.py: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
@@ -48,7 +55,7 @@ def timed(command: list[str], cwd: str) -> float:
 
 
 def one_round(work: str, round_index: int, calibrate: bool) -> dict[str, float]:
-    seconds = {}
+    seconds = {IMPORT_TORCH: timed([sys.executable, "-c", "import torch"], work)}
     for index, (name, flags) in enumerate(RUNS.items()):
         out = os.path.join(work, f"run-{round_index}-{index}")
         seconds[name] = timed([*minigpt_command(), "train", "--model", "tiny", "--steps", "2", *flags, "--out", out],
@@ -69,7 +76,7 @@ def table(rounds: list[dict[str, float]]) -> list[list[str]]:
     for name in rounds[0]:
         times = [r[name] for r in rounds]
         ratios = [r[name] / r[base] for r in rounds]
-        rows.append([name, spread(times), "1" if name == base else spread(ratios)])
+        rows.append([name, spread(times), "1" if name == base else "" if name == IMPORT_TORCH else spread(ratios)])
     return rows
 
 
@@ -81,6 +88,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="minigpt-startup-")
     rounds = []
     try:
+        one_round(work, -1, calibrate=False)  # not counted: bytecode written, files cached
         for index in range(args.rounds):
             rounds.append(one_round(work, index, not args.no_calibrate))
             print(f"round {index + 1}/{args.rounds}: " + ", ".join(f"{v:.2f} s" for v in rounds[-1].values()),
