@@ -306,9 +306,11 @@ def start_plotter() -> LossPlotter | None:
 
 def start_rank_server_early(cfg: TrainConfig) -> None:
     """A run of several local ranks starts the server they are forked from now (parallel/rank_start.py):
-    it imports torch on one core while this process imports it on the other."""
+    it imports torch on one core while this process imports it on the other. A run that saves or resumes
+    checkpoints has it import torch.distributed.checkpoint too, once, instead of every rank (a second each)."""
     if cfg.world_size > 1 and not in_torchrun():
-        start_rank_server("parallel.train", "cli.main")  # cli.main: the console script a rank runs again
+        checkpoints = ("parallel.checkpoint",) if cfg.save_every or cfg.resume else ()
+        start_rank_server("parallel.train", "cli.main", *checkpoints)  # cli.main: the console script a rank runs
 
 
 def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, as_json: bool, out,

@@ -1,4 +1,5 @@
-"""What several test modules share, made once a session: a quick calibrated profile of this machine."""
+"""What several test modules share, made once a session: the ranks' server and a quick calibrated profile of this
+machine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ import pytest
 from click.testing import CliRunner
 
 PROFILE_RANKS = 4  # on a 2-core machine the sharing rows reach twice the cores
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_server() -> None:
+    """The server every test's ranks are forked from (parallel/rank_start.py), started with the first test and
+    with what the tests' ranks import: the training loop and torch.distributed.checkpoint (a second a rank)."""
+    from parallel.rank_start import start_rank_server
+
+    start_rank_server("parallel.train", "parallel.checkpoint")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from distributed import run_ranks
 from parallel.rank_start import PRELOAD, server_pid
@@ -43,7 +44,8 @@ for name in sys.argv[1:]:
 def test_the_servers_preload_touches_no_cuda():
     """Every module the server imports (PRELOAD and the entrypoints' modules) imports without asking CUDA
     anything: a fork after cuInit would give every rank a broken CUDA."""
-    modules = [name for name in PRELOAD if name != "__main__"] + ["parallel.train", "cli.main", "parallel.calibrate"]
+    modules = [name for name in PRELOAD if name != "__main__"] + ["parallel.train", "cli.main", "parallel.calibrate",
+                                                                  "parallel.checkpoint"]
     result = subprocess.run([sys.executable, "-c", CUDA_TRAPS, *modules], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -66,12 +68,27 @@ def modules_after_two_steps(out_dir: str) -> dict:
     return {name: name in sys.modules for name in ("sympy", "torch.fx.experimental.symbolic_shapes")}
 
 
+RANKS_OF_A_FRESH_SERVER = """
+import sys
+from distributed import run_ranks
+from test_rank_start import modules_after_two_steps
+if __name__ == "__main__":
+    print(run_ranks(2, modules_after_two_steps, sys.argv[1]))
+"""
+
+
 def test_a_pipeline_rank_does_not_import_sympy(tmp_path):
     """torch's autograd imports sympy (0.6 s a rank) for a backward given an explicit gradient; the pipeline,
-    the zero-bubble split and recomputation start theirs from a scalar instead (parallel/backward.py)."""
-    assert "torch.fx.experimental.symbolic_shapes" not in PRELOAD
-    seen = run_ranks(2, modules_after_two_steps, str(tmp_path / "run"))
-    assert seen == [{"sympy": False, "torch.fx.experimental.symbolic_shapes": False}] * 2, seen
+    the zero-bubble split and recomputation start theirs from a scalar instead (parallel/backward.py). Run from
+    a process of its own: this session's server preloads torch.distributed.checkpoint, which imports sympy."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_OF_A_FRESH_SERVER)
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                            timeout=300, env=environment, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = {"sympy": False, "torch.fx.experimental.symbolic_shapes": False}
+    assert result.stdout.strip().splitlines()[-1] == repr([expected, expected]), result.stdout[-2000:]
 
 
 FLAGS_WITHOUT_TORCH = """
