@@ -131,14 +131,16 @@ def check_against_config(model: GPTConfig) -> None:
 def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]]]]:
     """For each pipeline rank, for each of its chunks, the ZeRO-3 units in forward order (lists of tensors).
 
-    A bucket never spans two chunks (parallel/pipeline.py's parameter_groups)."""
+    A bucket never spans two chunks (parallel/pipeline.py's parameter_groups). Every block's unit is the
+    same list (read it, never change it): a planner asks this of thousands of layouts of a 96-layer model."""
     last = layout.pp * layout.virtual_chunks - 1
+    block = block_tensors(model, layout.tp)
     stages = []
     for chunks in layout.rank_chunks(model):
         per_chunk = []
         for index, layers in chunks:
             units = [embedding_tensors(model, layout.tp)] if index == 0 else []
-            units += [block_tensors(model, layout.tp) for _ in layers]
+            units += [block for _ in layers]
             if index == last:
                 units.append(head_tensors(model, layout.tp, layout.pp))
             per_chunk.append(units)

@@ -212,7 +212,11 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     zero, dp = layout.effective_zero, layout.dp
     units = [unit for chunk in chunks for unit in chunk]
     tensors = [t for unit in units for t in unit]
-    unit_sizes = [buckets(unit, None, dp)[0].size for unit in units]
+    size_of: dict[int, int] = {}  # by id: every block's unit is one list (job/layout.py's stage_units)
+    for unit in units:
+        if id(unit) not in size_of:
+            size_of[id(unit)] = buckets(unit, None, dp)[0].size
+    unit_sizes = [size_of[id(unit)] for unit in units]
     cut = [b for chunk in chunks for b in buckets([t for unit in chunk for t in unit], bucket_numel, dp)]
     padded = sum(b.size for b in cut)
     held = sum(unit_sizes) // dp if zero == 3 else padded
