@@ -148,23 +148,33 @@ def test_sigint_and_sigterm_stop_a_4_rank_run_in_one_line(tmp_path, uninterrupte
     """Ctrl-C (SIGINT to the group) and a scheduler's SIGTERM (to the launcher): exit 128 + the signal within
     seconds, one line naming it and no traceback, no rank left running, the run's lock released and its
     last checkpoint complete."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The two runs at once: each mostly waits (for its first checkpoint, for its ranks to leave).
+    with ThreadPoolExecutor(2) as pool:
+        stopped = [pool.submit(stop_and_resume, tmp_path / sig.name, sig, whole_group, uninterrupted)
+                   for sig, whole_group in ((signal.SIGINT, True), (signal.SIGTERM, False))]
+        for run in stopped:
+            run.result()  # raises what failed in that run
+
+
+def stop_and_resume(tmp_path: Path, sig: int, whole_group: bool, uninterrupted: list[float]) -> None:
     import fcntl
 
-    for sig, whole_group in ((signal.SIGINT, True), (signal.SIGTERM, False)):
-        (tmp_path / sig.name).mkdir()
-        result, workers, out = stop_with(tmp_path / sig.name, sig, whole_group)
-        assert result.returncode == 128 + sig, result.stderr[-2000:]
-        lines = result.stderr.strip().splitlines()
-        assert lines[-1] == f"minigpt: stopped by {sig.name}: the run ended early; its checkpoints so far are " \
-                            f"kept (--resume continues)", result.stderr[-2000:]
-        assert "Traceback" not in result.stderr and len(workers) == 4
-        time.sleep(0.5)
-        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the run"
-        with open(out / "run.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the stopped run still held it
-        cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
-        check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
-        assert_resumes_exactly(tmp_path / sig.name, out, uninterrupted)
+    tmp_path.mkdir()
+    result, workers, out = stop_with(tmp_path, sig, whole_group)
+    assert result.returncode == 128 + sig, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"minigpt: stopped by {sig.name}: the run ended early; its checkpoints so far are " \
+                        f"kept (--resume continues)", result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and len(workers) == 4
+    time.sleep(0.5)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the run"
+    with open(out / "run.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the stopped run still held it
+    cfg = TrainConfig(model=preset("tiny").with_(n_layers=1, seq_len=32), global_batch=8, dp=4, out_dir=str(out))
+    check_checkpoint(latest_checkpoint(out / "checkpoints"), cfg)
+    assert_resumes_exactly(tmp_path, out, uninterrupted)
 
 
 def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(tmp_path):
@@ -195,10 +205,12 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(t
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
     done = int(latest_checkpoint(tmp_path / "copied" / "checkpoints").name.split("-")[1])
-    runs = [subprocess.run(command[:-2] + ["--out", str(tmp_path / name), *more, "--json"], capture_output=True,
-                           text=True, timeout=300, cwd=tmp_path) for name, more in (("copied", ["--resume"]), ("fresh", []))]
-    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
-    resumed, fresh = (json.loads(run.stdout)["losses"] for run in runs)
+    started = [subprocess.Popen(command[:-2] + ["--out", str(tmp_path / name), *more, "--json"], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+               for name, more in (("copied", ["--resume"]), ("fresh", []))]  # the two at once
+    outputs = [run.communicate(timeout=300) for run in started]
+    assert [run.returncode for run in started] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    resumed, fresh = (json.loads(stdout)["losses"] for stdout, _ in outputs)
     assert resumed == fresh[done:] and len(resumed) == 8 - done
 
 
