@@ -97,7 +97,6 @@ def main() -> None:
     and predict how the same job behaves on clusters you do not have."""
 
 
-
 def run(**options) -> None:
     """The console script `minigpt` (and `python -m cli`): the command, then the interpreter's exit.
 

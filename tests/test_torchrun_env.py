@@ -33,10 +33,15 @@ def torchrun_environment(rank: str, world_size: str = "2") -> dict[str, str]:
             "MASTER_PORT": str(free_port()), TIMEOUT_VARIABLE: "2"}
 
 
-def test_the_variables_are_the_launchers():
-    from parallel import launch
+def every_variable_set() -> dict[str, bool]:
+    return {name: name in os.environ for name in TORCHRUN_VARIABLES}
 
-    assert TORCHRUN_VARIABLES == launch.TORCHRUN_VARIABLES
+
+def test_the_variables_are_those_elastic_sets_in_every_rank():
+    """What is checked and refused here is what torch's elastic agent (torchrun's) puts in each rank."""
+    from distributed import run_ranks
+
+    assert run_ranks(2, every_variable_set) == [dict.fromkeys(TORCHRUN_VARIABLES, True)] * 2
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])  # rank 0 hosts the store and waits; rank 1 cannot reach it
