@@ -8,12 +8,12 @@ import os
 import tempfile
 from pathlib import Path
 
-from minigpt.errors import ConfigError, check_path_given
+from minigpt.errors import ConfigError, check_output_path
 
 
 def check_output_file(flag: str, value: str, example: str) -> Path:
     """`value` as a Path that can be written; ConfigError saying why not. `example`: a file name to suggest."""
-    check_path_given(flag, value, "a file path")
+    check_output_path(flag, value, "a file path")
     path = Path(value)
     if path.is_dir():
         raise ConfigError(f"{flag} {value!r} is a directory: give a file path such as {value.rstrip('/')}/{example}")

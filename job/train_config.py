@@ -8,7 +8,9 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
-from minigpt.errors import ConfigError, check_path_given, check_positive_int, check_seed, check_threads_per_rank
+from minigpt.errors import (
+    ConfigError, check_output_path, check_path_given, check_positive_int, check_seed, check_threads_per_rank,
+)
 from job.schedule import ScheduleConfig, chunk_layers
 from precision.policy import POLICIES
 
@@ -162,7 +164,7 @@ class TrainConfig:
         self.check_paths()
 
     def check_paths(self) -> None:
-        check_path_given("--out", self.out_dir, "a directory path")
+        check_output_path("--out", self.out_dir, "a directory path")
         check_path_given("--data", self.data, "a text file's path")
         if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")

@@ -1,5 +1,7 @@
 """The one error class for bad input. Torch-free."""
 
+import os
+
 
 class ConfigError(ValueError):
     """Bad input: the message says what is wrong and how to fix it.
@@ -66,8 +68,26 @@ def check_threads_per_rank(name: str, value: object) -> int:
     return value
 
 
+NAME_MAX = 255  # bytes in one file name on Linux's file systems (ext4, xfs, btrfs, tmpfs)
+PATH_MAX = 4096  # bytes in a whole path, its terminating NUL included
+
+
 def check_path_given(name: str, value: object, what: str = "a path") -> object:
     """`value` unless it is an empty or blank string, which would name the working directory unasked."""
     if isinstance(value, str) and not value.strip():
         raise ConfigError(f"{name} is {'blank' if value else 'empty'} ({value!r}): give {what}")
+    return value
+
+
+def check_output_path(name: str, value: object, what: str = "a path") -> object:
+    """check_path_given, and for a path to be written, one the system will take: a longer name fails with
+    ENAMETOOLONG only when the command writes, after its work (inputs say so as they are read)."""
+    check_path_given(name, value, what)
+    if isinstance(value, str):
+        size = len(os.fsencode(value))
+        longest = max(len(os.fsencode(part)) for part in value.split("/"))
+        if longest > NAME_MAX or size >= PATH_MAX:
+            where = f"a name of {longest} bytes (at most {NAME_MAX})" if longest > NAME_MAX else \
+                f"{size} bytes (at most {PATH_MAX - 1})"
+            raise ConfigError(f"{name} {value[:60]!r}... is too long for a file system, {where}: give {what}")
     return value

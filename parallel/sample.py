@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from minigpt.config import GPTConfig
 from minigpt.data import decode, encode
-from minigpt.errors import ConfigError, check_path_given, check_seed
+from minigpt.errors import ConfigError, check_output_path, check_path_given, check_seed
 from minigpt.model import GPT
 from parallel.checkpoint_dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
 from parallel.checkpoint_files import MARKER, STATE_FILE, newest_valid_checkpoint, read_state
@@ -62,7 +62,7 @@ def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.P
     (complete, every file's sha256 right); the newer ones passed over are appended to `skipped`."""
     if (out is None) == (checkpoint is None):
         raise ConfigError("give exactly one of --out RUN_DIR (a run trained with --save-every) or --checkpoint PATH")
-    check_path_given("--out", out, "a run directory's path")
+    check_output_path("--out", out, "a run directory's path")
     check_path_given("--checkpoint", checkpoint, "a checkpoint directory's path")
     if checkpoint is not None:
         return Path(checkpoint)

@@ -139,6 +139,10 @@ CASES = [
     ("train", ["--out", "/proc/minigpt-run"], "not writable"),
     ("train", ["--out", "{root}/short.txt/run"], "not a directory"),
     ("train", ["--out", ""], "--out is empty"),
+    ("train", ["--out", "{root}/" + "a" * 300 + "/run"], "is too long for a file system, a name of 300 bytes"),
+    ("train", ["--out", "{root}/" + "a/" * 2100], "is too long for a file system, 4"),
+    ("calibrate", ["--out", "c" * 300 + ".json"], "is too long for a file system, a name of 305 bytes"),
+    ("sample", ["--out", "s" * 256], "is too long for a file system, a name of 256 bytes"),
     ("train", ["--out", "  "], "--out is blank"),
     ("train", ["--data", ""], "--data is empty"),
     # simulate
