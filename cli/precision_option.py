@@ -11,7 +11,7 @@ from __future__ import annotations
 import click
 
 from job.train_config import PRECISIONS
-from parallel.gpu_files import may_have_gpus
+from parallel.gpu_files import runs_on_cuda
 
 AUTO = "auto"
 GPU_PRECISION = "bf16"
@@ -32,11 +32,9 @@ def training_precision(requested: str, device: str, world_size: int) -> str:
     installed (parallel/gpu_files.py)."""
     if requested != AUTO:
         return requested
-    if device == "cpu" or not may_have_gpus():
+    if device == "cpu":
         return CPU_PRECISION
     import os
-
-    from parallel.device import runs_on_cuda
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return GPU_PRECISION if runs_on_cuda(device, local_ranks) else CPU_PRECISION

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from minigpt.errors import ConfigError
+from parallel.gpu_files import cuda_device_count
 
 
 def pick_device(requested: str) -> torch.device:
@@ -39,12 +40,12 @@ CUDA_PEAK_REPEATS = 7  # a size's time is their median
 CPU_PEAK_REPEATS = 3  # a size's time is the fastest; seven repeats of 1024^3 here were within 4% of each other
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, repeats: int | None = None) -> float:
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
     """The device's matmul rate in `dtype`, in FLOP/s, measured: MFU is against this, not a datasheet.
 
-    Each size is run once to warm up (kernel choice, clocks), then timed `repeats` times (default: 7 on a
-    GPU, 3 on a CPU, where the fastest repeat is the answer and a run's rank 0 times it while the others
-    wait); the peak is the best rate over sizes.
+    Each size is run once to warm up (kernel choice, clocks), then timed CUDA_PEAK_REPEATS or
+    CPU_PEAK_REPEATS times (on a CPU the fastest repeat is the answer, and a run's rank 0 times it while
+    the others wait); the peak is the best rate over sizes.
       CUDA  a repeat is timed with CUDA events around a few back-to-back matmuls: the GPU's own
             time (host timing would add launch and synchronisation latency to a kernel of a
             fraction of a millisecond); a size's time is the median of its repeats.
@@ -53,7 +54,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     """
     on_gpu = device.type == "cuda"
     calls = CUDA_MATMULS_PER_REPEAT if on_gpu else 1
-    repeats = repeats or (CUDA_PEAK_REPEATS if on_gpu else CPU_PEAK_REPEATS)
+    repeats = CUDA_PEAK_REPEATS if on_gpu else CPU_PEAK_REPEATS
     best = 0.0
     for size in CUDA_PEAK_SIZES if on_gpu else CPU_PEAK_SIZES:
         a = torch.randn(size, size, device=device, dtype=dtype)
@@ -128,17 +129,6 @@ class PeakFlops:
             "best_achieved_flops": self.best_achieved,
             "peak_note": self.note,
         }
-
-
-def cuda_device_count() -> int:
-    """The GPUs torch can use here (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def runs_on_cuda(device: str, local_ranks: int) -> bool:
-    """Whether ranks asked for `device` (auto, cpu or cuda) run on GPUs: one per local rank, as
-    parallel/launch.py's init_worker picks them (fewer GPUs than ranks: the CPU)."""
-    return device != "cpu" and cuda_device_count() >= local_ranks
 
 
 def smallest_free_gpu_bytes(local_ranks: int) -> int:

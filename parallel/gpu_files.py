@@ -1,4 +1,4 @@
-"""Whether torch could find a GPU on this machine, answered without importing torch (a second or two of CPU).
+"""How many GPUs torch can use here, answered without importing torch (a second or two of CPU) where it can be.
 
 A process reaches a GPU through its driver's device files: NVIDIA's /dev/nvidiactl (beside /dev/nvidia0,
 /dev/nvidia1, ...), AMD ROCm's /dev/kfd, and under WSL 2 /dev/dxg. Where none of them exists, torch's
@@ -6,6 +6,7 @@ A process reaches a GPU through its driver's device files: NVIDIA's /dev/nvidiac
 whether a run will be on GPUs (the precision `auto` picks, how many ranks fill the job) knows it without
 torch, and can start the server the ranks are forked from (parallel/rank_start.py) before it pays for
 torch's import itself. Where one exists, torch is asked: a driver may be installed with no usable device.
+Every question of the kind goes through `cuda_device_count` here, so the rule lives in one place.
 """
 
 from __future__ import annotations
@@ -18,3 +19,18 @@ GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 def may_have_gpus() -> bool:
     """False when no GPU driver's device file exists here (torch would see no GPU); True otherwise."""
     return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+
+
+def cuda_device_count() -> int:
+    """The GPUs torch can use here: 0, without importing torch, where no GPU driver's device file exists."""
+    if not may_have_gpus():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def runs_on_cuda(device: str, local_ranks: int) -> bool:
+    """Whether ranks asked for `device` (auto, cpu or cuda) run on GPUs: one per local rank, as
+    parallel/launch.py's init_worker picks them (fewer GPUs than ranks: the CPU)."""
+    return device != "cpu" and cuda_device_count() >= local_ranks
