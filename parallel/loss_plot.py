@@ -12,7 +12,6 @@ Run as `python -m parallel.loss_plot`, this module is the plotter's side.
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import os
@@ -24,10 +23,10 @@ from pathlib import Path
 DRAWN = "drawn "
 NO_MATPLOTLIB = "no matplotlib"
 DRAW_TIMEOUT_S = 60.0  # matplotlib's first start on a new machine builds its font cache: seconds, not minutes
-# Fixed margins that hold the axis labels of a 7 x 4 inch figure (tight_layout measures every text: a third of a draw)
 # The plotter yields the cores to the run's own start (the ranks' server importing torch): it imports on what
 # they leave idle, and is done long before the end of all but the shortest runs.
 PLOTTER_NICENESS = 10
+# Fixed margins that hold the axis labels of a 7 x 4 inch figure (tight_layout measures every text: a third of a draw)
 MARGINS = {"left": 0.1, "right": 0.98, "bottom": 0.13, "top": 0.92}
 
 
@@ -101,6 +100,15 @@ def write_loss_plot(run_dir: Path, name: str = "loss.png") -> Path | None:
     if plt is None:
         return None
     train, val = loss_curves(run_dir / "metrics.jsonl")
+    tmp = run_dir / (name + ".tmp.png")
+    with open_no_follow(tmp, "wb") as handle:
+        draw(plt, train, val, run_dir.name, handle)
+    tmp.replace(run_dir / name)  # atomic, as the JSON files
+    return run_dir / name
+
+
+def draw(plt, train: dict[int, float], val: dict[int, float], title: str, into) -> None:
+    """The loss curves as a PNG into the file object `into`."""
     figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
     try:
         axes.plot(sorted(train), [train[s] for s in sorted(train)], label="train", linewidth=1)
@@ -108,17 +116,13 @@ def write_loss_plot(run_dir: Path, name: str = "loss.png") -> Path | None:
             axes.plot(sorted(val), [val[s] for s in sorted(val)], "o-", label="validation", markersize=4)
         axes.set_xlabel("step")
         axes.set_ylabel("loss (nats per token)")
-        axes.set_title(run_dir.name)
+        axes.set_title(title)
         axes.grid(alpha=0.3)
         axes.legend()
         figure.subplots_adjust(**MARGINS)
-        tmp = run_dir / (name + ".tmp.png")
-        with open_no_follow(tmp, "wb") as handle:
-            figure.savefig(handle, format="png")
-        tmp.replace(run_dir / name)  # atomic, as the JSON files
+        figure.savefig(into, format="png")
     finally:
         plt.close(figure)
-    return run_dir / name
 
 
 def serve() -> None:
@@ -131,20 +135,10 @@ def serve() -> None:
         request = sys.stdin.readline()
         print(NO_MATPLOTLIB if request.strip() else "", flush=True)
         return
-    warm_up(plt)
+    draw(plt, {0: 5.5, 1: 5.0}, {1: 4.9}, "warm-up", io.BytesIO())
     request = sys.stdin.readline().strip()
     if request:
         print(f"{DRAWN}{write_loss_plot(Path(request))}", flush=True)
-
-
-def warm_up(plt) -> None:
-    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
-    axes.plot([0, 1], [1, 0], label="warm-up")
-    axes.set_title("warm-up")
-    axes.legend()
-    figure.subplots_adjust(**MARGINS)
-    figure.savefig(io.BytesIO(), format="png")
-    plt.close(figure)
 
 
 if __name__ == "__main__":
