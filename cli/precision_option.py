@@ -11,7 +11,7 @@ from __future__ import annotations
 import click
 
 from job.train_config import PRECISIONS
-from parallel.gpu_files import runs_on_cuda
+from parallel.gpu_files import cuda_devices
 
 AUTO = "auto"
 GPU_PRECISION = "bf16"
@@ -37,7 +37,7 @@ def training_precision(requested: str, device: str, world_size: int) -> str:
     import os
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return GPU_PRECISION if runs_on_cuda(device, local_ranks) else CPU_PRECISION
+    return GPU_PRECISION if cuda_devices() >= local_ranks else CPU_PRECISION
 
 
 def simulated_precision(requested: str, hardware=None) -> str:

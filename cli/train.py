@@ -17,7 +17,7 @@ from cli.model_options import model_from_options, model_options
 from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
-from parallel.gpu_files import cuda_device_count, runs_on_cuda
+from parallel.gpu_files import cuda_devices
 from parallel.loss_plot import LossPlotter
 from parallel.rank_start import in_torchrun, start_rank_server
 from parallel.resume import ResumePoint, continue_settings, resume_point
@@ -109,7 +109,7 @@ def check_memory(cfg: TrainConfig) -> None:
     """Refuse, in one line, a run the simulator's memory model says this machine cannot hold (cli/tools/
     memory_check.py): the RAM available now on a CPU, the smallest GPU's free memory on CUDA."""
     from cli.tools.memory_check import check_cpu_memory, check_gpu_memory
-    from parallel.device import smallest_free_gpu_bytes
+    from parallel.device import runs_on_cuda, smallest_free_gpu_bytes
 
     if in_torchrun():  # torchrun's nodes hold the ranks: each has its own memory, not this one's
         return
@@ -153,7 +153,7 @@ def default_data_parallel(model_parallel: int, zero: int, device: str) -> int:
     if in_torchrun():  # the world torchrun started
         return max(1, int(os.environ["WORLD_SIZE"]) // model_parallel)
     if device != "cpu":
-        gpus = cuda_device_count()
+        gpus = cuda_devices()
         if gpus >= model_parallel:
             return gpus // model_parallel
     return CPU_ZERO_DP if zero in (1, 2, 3) else 1

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from minigpt.errors import ConfigError
-from parallel.gpu_files import cuda_device_count
 
 
 def pick_device(requested: str) -> torch.device:
@@ -129,6 +128,17 @@ class PeakFlops:
             "best_achieved_flops": self.best_achieved,
             "peak_note": self.note,
         }
+
+
+def cuda_device_count() -> int:
+    """The GPUs torch can use here (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def runs_on_cuda(device: str, local_ranks: int) -> bool:
+    """Whether ranks asked for `device` (auto, cpu or cuda) run on GPUs: one per local rank, as
+    parallel/launch.py's init_worker picks them (fewer GPUs than ranks: the CPU)."""
+    return device != "cpu" and cuda_device_count() >= local_ranks
 
 
 def smallest_free_gpu_bytes(local_ranks: int) -> int:

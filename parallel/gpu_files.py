@@ -6,7 +6,7 @@ A process reaches a GPU through its driver's device files: NVIDIA's /dev/nvidiac
 whether a run will be on GPUs (the precision `auto` picks, how many ranks fill the job) knows it without
 torch, and can start the server the ranks are forked from (parallel/rank_start.py) before it pays for
 torch's import itself. Where one exists, torch is asked: a driver may be installed with no usable device.
-Every question of the kind goes through `cuda_device_count` here, so the rule lives in one place.
+Every such question asked before torch is needed goes through `cuda_devices` here, so the rule lives in one place.
 """
 
 from __future__ import annotations
@@ -21,16 +21,12 @@ def may_have_gpus() -> bool:
     return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
-def cuda_device_count() -> int:
-    """The GPUs torch can use here: 0, without importing torch, where no GPU driver's device file exists."""
+
+def cuda_devices() -> int:
+    """torch's count of the GPUs it can use (parallel/device.py's cuda_device_count), asked only where a GPU
+    driver's device file exists: 0 otherwise, without importing torch."""
     if not may_have_gpus():
         return 0
-    import torch
+    from parallel.device import cuda_device_count
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def runs_on_cuda(device: str, local_ranks: int) -> bool:
-    """Whether ranks asked for `device` (auto, cpu or cuda) run on GPUs: one per local rank, as
-    parallel/launch.py's init_worker picks them (fewer GPUs than ranks: the CPU)."""
-    return device != "cpu" and cuda_device_count() >= local_ranks
+    return cuda_device_count()
