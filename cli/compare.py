@@ -98,10 +98,16 @@ def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
 
 
 def echo_drift(drift: dict | None) -> None:
+    from cli.tools.compare import drift_too_large
+
     if drift is not None:
+        cores = drift.get("cores")
         click.echo(f"this machine against its calibration: {drift['reference']} takes {drift['now_s'] * 1e3:.2f} ms "
                    f"now, {drift['calibrated_s'] * 1e3:.2f} ms then ({drift['change']:+.1%})"
-                   + ("; recalibrate for a fair comparison" if abs(drift["change"]) > 0.1 else ""))
+                   + ("" if cores is None else
+                      f"; on {cores['threads']} threads {cores['now_ratio']:.2f}x of one thread's time now, "
+                      f"{cores['calibrated_ratio']:.2f}x then ({cores['change']:+.1%})")
+                   + ("; recalibrate for a fair comparison" if drift_too_large(drift) else ""))
 
 
 def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:

@@ -23,7 +23,9 @@ parallel/calibrate_kernels.py (the one home of kernel timing: CUDA events on a G
 - one block of the model preset (tiny by default) at its shape: forward and backward seconds.
 
 The model's pieces as one tensor-parallel rank runs them (`piece_model`, `piece_step`) are
-here too: parallel/calibrate_host.py times them for the profile's "measured" units.
+here too: parallel/calibrate_host.py times them for the profile's "measured" units, and
+`threads_ratio` times one of them on every core's thread against one thread (the sharing
+table's threads row, and `minigpt compare`'s check that it still holds).
 """
 
 from __future__ import annotations
@@ -245,3 +247,23 @@ def timed_runs(step, repeats: int, min_total_s: float) -> list[tuple[float, floa
     first = step()
     runs = min(max(repeats, math.ceil(min_total_s / max(sum(first), 1e-7))), 5 * repeats)
     return [first] + [step() for _ in range(runs - 1)]
+
+
+def threads_ratio(step, cores: int, pairs: int, on_cores=None) -> float:
+    """A CPU step's seconds on `cores` threads over its seconds on one: the median over `pairs` pairs of runs,
+    one thread then every core's, taken in turn so that the machine's own drift (15% from minute to minute on
+    this project's VM) moves both sides of each pair alike. step: () -> (forward s, backward s) (piece_step's);
+    on_cores: a context manager entered around every many-thread run (calibrate_noise.Noise.timed_on_cores).
+    Leaves torch at one thread."""
+    import contextlib
+
+    ratios = []
+    for _ in range(pairs):
+        torch.set_num_threads(1)
+        one = sum(step())
+        torch.set_num_threads(cores)
+        with on_cores() if on_cores is not None else contextlib.nullcontext():
+            many = sum(step())
+        ratios.append(many / one)
+    torch.set_num_threads(1)
+    return statistics.median(ratios)

@@ -20,7 +20,8 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
 - sharing: how much slower a rank computes when k ranks with one thread each compute at
   once (k = 1, 2, 4, ... and the rank count), and, on a CPU, when rank 0 alone uses every core
   as threads: one block's forward + backward at plan.sharing_micro_batch, tp 1; slowdown =
-  the mean of the busy ranks' medians over rank 0's median alone. On CUDA each rank has its
+  the mean of the busy ranks' medians over rank 0's median alone, and for the threads the median
+  ratio of runs on every core's thread and on one taken in turn (calibrate_device.threads_ratio). On CUDA each rank has its
   own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
 - collectives: all-reduce, all-gather, reduce-scatter (parallel/comm.py's Collectives over
   gloo or NCCL, S = the full buffer's bytes) and p2p (ping-pong inside pairs, half the round
@@ -39,7 +40,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from parallel.calibrate_device import piece_model, piece_step, stamp, strict_fp32, timed_runs, variants
+from parallel.calibrate_device import piece_model, piece_step, stamp, strict_fp32, threads_ratio, timed_runs, variants
 from parallel.calibrate_noise import Noise
 from parallel.comm import Collectives
 
@@ -104,7 +105,8 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
 
 def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.device, noise: Noise | None = None) -> dict:
     """This rank's median block forward + backward seconds with k ranks busy at once, by k,
-    and on a CPU rank 0's alone with `cores` threads ("threads"; a GPU's rank has its own GPU), recording in
+    and on a CPU rank 0's ratio alone of `cores` threads to one ("threads_ratio"; a GPU's rank has its own GPU),
+    recording in
     `noise` (rank 0's) the share of the cores it got meanwhile."""
     from minigpt.config import preset
 
@@ -123,11 +125,11 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.devic
     _barrier()
     if cores > 1 and device.type == "cpu":
         if rank == 0:
-            torch.set_num_threads(cores)  # measure_host sets the threads back
-            step()
-            with (noise or Noise()).timed_on_cores(cores):
-                result["threads"] = timed()
-            torch.set_num_threads(1)
+            torch.set_num_threads(cores)
+            step()  # warm-up: the threads' first run
+            noise = noise or Noise()
+            result["threads_ratio"] = threads_ratio(step, cores, 2 * plan.repeats - 1,
+                                                    lambda: noise.timed_on_cores(cores))
         _barrier()
     return result
 
@@ -278,8 +280,8 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
     for busy in sorted(first["sharing"]["busy"]):
         times = [h["sharing"]["busy"][busy] for h in hosts if busy in h["sharing"]["busy"]]
         sharing.append([busy, 1, statistics.fmean(times) / base])
-    if "threads" in first["sharing"]:
-        sharing.append([1, first["cores"], first["sharing"]["threads"] / base])
+    if "threads_ratio" in first["sharing"]:
+        sharing.append([1, first["cores"], first["sharing"]["threads_ratio"]])
     collectives = []
     for (kind, n, busy), points in sorted(collective_points(hosts).items(),
                                           key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):

@@ -13,6 +13,12 @@ measured["reliability"] (`reliability`; simulator/host.py checks its fields, `mi
   went in between. And the cores rank 0 got while it timed its block on every core's thread (the sharing
   table's threads row: its process's CPU seconds over the wall seconds times the cores; `Noise.threads_share`),
   which is the only one to see another process on another core. Not on CUDA, where a host thread waiting for its GPU may spin or sleep (None there).
+- the threads row's time itself (`threads_ratio`: the block on every core's thread over one thread's time, the
+  sharing table's [1, cores] row): a share sees the cores a process was given, not what they computed. A VM whose
+  host runs other work on the same physical cores (or whose cores are hyperthreads of one) gives its threads
+  every core's time and no speed-up: CI here once measured 1.06 with 99.6% of both cores, and that profile
+  predicted a dp 2 step 63% too slow (its two ranks had slowed each other as the threads had). On this
+  project's 2-core VM, quiet, the ratio is 0.54-0.70 (six runs of the tiny block at micro-batch 8).
 - spread: of the repeated runs of one measurement, (slowest - fastest) / median, parallel/calibrate_kernels.py's
   convention: the reference block's runs, and each unit series' runs, weighted by the series' median time
   (`Noise.weighted_spread`: a step's compute is a sum of such times, and the short pieces, noisy on any machine,
@@ -23,8 +29,10 @@ measured["reliability"] (`reliability`; simulator/host.py checks its fields, `mi
 
 The thresholds rest on one tolerance, TOLERANCE = 10%: the change in the reference block at which `minigpt
 compare`'s drift line asks for a recalibration (cli/compare.py). A profile is reliable when every share is at
-least 1 / (1 + TOLERANCE) = 91% (a time is stretched by at most that 10%) and the block's and the units'
-spreads are at most 2 x TOLERANCE = 20% (half the runs' range, the uncertainty of their median, is then 10%).
+least 1 / (1 + TOLERANCE) = 91% (a time is stretched by at most that 10%), the block's and the units'
+spreads are at most 2 x TOLERANCE = 20% (half the runs' range, the uncertainty of their median, is then 10%),
+and every core's threads run the block in at most FREE_CORES_RATIO = 91% of one thread's time (at least 10%
+faster: the other cores computed).
 Below REFUSE_SHARE = 50% of a core every time is stretched two-fold or more, an error larger than the quantity
 itself: calibrate refuses (ConfigError: one line, exit 2, nothing written) unless --allow-busy, which writes
 the profile marked unreliable. Between the two it writes the profile marked unreliable and warns.
@@ -45,6 +53,7 @@ from minigpt.errors import ConfigError
 TOLERANCE = 0.10  # compare's drift line asks for a recalibration past a 10% change of the reference block
 RELIABLE_SHARE = 1 / (1 + TOLERANCE)  # 91% of a core: a time stretched by at most TOLERANCE
 RELIABLE_SPREAD = 2 * TOLERANCE  # a range of 20% of the median: half of it, the median's uncertainty, is TOLERANCE
+FREE_CORES_RATIO = RELIABLE_SHARE  # every core's threads at most 91% of one thread's time: the cores computed
 REFUSE_SHARE = 0.5  # below half a core every time is at least doubled: refused unless --allow-busy
 WHEN = {"before": "before the ranks started", "alone": "while rank 0 measured alone", "after": "after the ranks ended",
         "threads": "per core while rank 0 timed a thread on each"}
@@ -77,15 +86,20 @@ class Noise:
     runs: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     threads_share: float | None = None  # of every core, while the threads row was timed (None: not timed)
 
+    cores_cpu_s: float = 0.0  # the process's CPU and wall seconds inside timed_on_cores, summed over its entries
+    cores_wall_s: float = 0.0
+
     @contextlib.contextmanager
     def timed_on_cores(self, cores: int):
-        """Record the share of `cores` cores this process gets inside the block (its every thread's CPU time)."""
+        """Record the share of `cores` cores this process gets inside the block (its every thread's CPU time),
+        over every block entered so far."""
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            elapsed = max(time.perf_counter() - wall, 1e-9)
-            self.threads_share = min(1.0, (time.process_time() - cpu) / (elapsed * cores))
+            self.cores_cpu_s += time.process_time() - cpu
+            self.cores_wall_s += max(time.perf_counter() - wall, 1e-9) * cores
+            self.threads_share = min(1.0, self.cores_cpu_s / self.cores_wall_s)
 
     @contextlib.contextmanager
     def timed(self):
@@ -128,8 +142,9 @@ def check_quiet(share: float | None, when: str, allow_busy: bool) -> float | Non
 
 
 def reliability(before: float | None, after: float | None, noise: dict | None, block_spread: float | None,
-                matmul_spreads: dict | None, allowed_busy: bool) -> dict:
-    """The profile's measured["reliability"] (the module docstring says what each field is and the thresholds)."""
+                matmul_spreads: dict | None, allowed_busy: bool, threads_ratio: float | None = None) -> dict:
+    """The profile's measured["reliability"] (the module docstring says what each field is and the thresholds).
+    threads_ratio: the sharing table's [1, cores] row (None: one core, or CUDA)."""
     noise = noise or {}
     shares = {"before": before, "alone": noise.get("cpu_share_alone"), "after": after,
               "threads": noise.get("cpu_share_threads")}
@@ -145,18 +160,22 @@ def reliability(before: float | None, after: float | None, noise: dict | None, b
     if widest is not None and widest > RELIABLE_SPREAD:
         runs = ", ".join(f"{k} {s:.0%}" for k, s in spreads.items() if s is not None and s > RELIABLE_SPREAD)
         why.append(f"repeated runs disagree ({runs} spread; at most {RELIABLE_SPREAD:.0%} needed)")
+    if threads_ratio is not None and threads_ratio > FREE_CORES_RATIO:
+        why.append(f"the other cores did not compute: every core's thread ran the block in {threads_ratio:.0%} of one "
+                   f"thread's time (at most {FREE_CORES_RATIO:.0%} needed; a busy host, or cores that share one)")
     if not known_shares:
         why.append("the CPU share was not measured")
     confidence = None if lowest is None else (1 / max(lowest, 1e-3) - 1) + (widest or 0.0) / 2
     matmuls = [s for s in (matmul_spreads or {}).values() if s is not None]
     return {**{f"cpu_share_{k}": _rounded(v) for k, v in shares.items()},
             **{f"spread_{k}": _rounded(v) for k, v in spreads.items()},
-            "spread_matmuls": _rounded(max(matmuls) if matmuls else None),
+            "spread_matmuls": _rounded(max(matmuls) if matmuls else None), "threads_ratio": _rounded(threads_ratio),
             "confidence": _rounded(confidence), "reliable": not why,
             "why": "; ".join(why) if why else "a quiet machine: every share and spread within the thresholds",
             "allowed_busy": allowed_busy,
             "note": f"parallel/calibrate_noise.py: reliable when every CPU share >= {RELIABLE_SHARE:.0%} and the "
-                    f"block's and units' spreads <= {RELIABLE_SPREAD:.0%}; refused below {REFUSE_SHARE:.0%} of a core "
+                    f"block's and units' spreads <= {RELIABLE_SPREAD:.0%} and every core's threads <= {FREE_CORES_RATIO:.0%} "
+                    f"of one thread's time; refused below {REFUSE_SHARE:.0%} of a core "
                     f"unless --allow-busy; confidence = (1 / lowest share - 1) + widest spread / 2, the "
                     f"calibration's own noise (not the simulator's model error)"}
 
@@ -171,7 +190,9 @@ def details(data: dict) -> str:
                        if data.get(f"cpu_share_{k}") is not None)
     spreads = ", ".join(f"{k} {data[f'spread_{k}']:.0%}" for k in ("block", "units", "matmuls")
                         if data.get(f"spread_{k}") is not None)
-    return f"CPU share of a core {shares or 'not measured'}; spread of repeated runs: {spreads or 'not measured'}"
+    threads = ("" if data.get("threads_ratio") is None else
+               f"; every core's threads {data['threads_ratio']:.2f}x of one thread's time")
+    return f"CPU share of a core {shares or 'not measured'}; spread of repeated runs: {spreads or 'not measured'}{threads}"
 
 
 def summary(data: dict | None, what: str = "calibration") -> str:

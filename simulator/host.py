@@ -18,7 +18,8 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
       "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...],
       "reliability"?: {"cpu_share_before", "cpu_share_alone", "cpu_share_after", "cpu_share_threads"?,
                        "spread_block", "spread_units",
-                       "spread_matmuls", "confidence", "reliable", "why", "allowed_busy"?, "note"?}
+                       "spread_matmuls", "threads_ratio"?, "confidence", "reliable", "why", "allowed_busy"?,
+                       "note"?}
     }
 
 - units: seconds of one tensor-parallel rank's share of a block, of the embedding and of the
@@ -54,7 +55,8 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
   ranks while `active` ranks run such groups at once (p2p: pairs). Between measured
   sizes interpolated linearly; outside them the fitted line alpha + beta * S.
 - reliability: how quiet the machine was while calibrate measured (parallel/calibrate_noise.py: the
-  CPU share a measuring thread got, the spread of repeated runs, whether the profile is reliable and why,
+  CPU share a measuring thread got, the spread of repeated runs, the threads row's ratio (did the other cores
+  compute), whether the profile is reliable and why,
   the confidence of the calibration's own times); absent from profiles written before calibrate kept it.
   The simulator does not use it to price anything; `minigpt compare` reports it.
 """
@@ -83,7 +85,7 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 # runs ((slowest - fastest) / median, >= 0) and the confidence (a relative bound, >= 0); each may be null
 RELIABILITY_NUMBERS = {"cpu_share_before": SHARE, "cpu_share_alone": SHARE, "cpu_share_after": SHARE,
                        "cpu_share_threads": SHARE, "spread_block": RELATIVE, "spread_units": RELATIVE, "spread_matmuls": RELATIVE,
-                       "confidence": RELATIVE}
+                       "threads_ratio": RELATIVE, "confidence": RELATIVE}
 RELIABILITY_FLAGS = ("reliable", "allowed_busy")
 RELIABILITY_TEXT = ("why", "note")
 

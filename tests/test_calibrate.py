@@ -17,6 +17,7 @@ from cli.calibrate import calibrate
 from cli.main import Group
 from conftest import PROFILE_RANKS as RANKS
 from minigpt.errors import ConfigError
+from parallel.calibrate_noise import FREE_CORES_RATIO
 
 
 @click.group(cls=Group)
@@ -231,11 +232,13 @@ def test_the_measured_numbers_are_physical(profile_path):
     cores = measured["cores"]
     sharing = {(r, t): s for r, t, s in measured["sharing"]}
     # More threads help one rank alone, when the other cores are free to run them: a process on another core
-    # made it 1.9x slower here once. Whether they were is recorded (the share of every core rank 0 got while it
-    # timed this row): either the threads helped, or the profile says the machine was busy as they were timed.
+    # made it 1.9x slower here once, and in CI work outside the VM left two threads no faster than one (1.06)
+    # while they had 99.6% of both cores. Either the threads helped, or the profile says they did not.
     reliability = measured["reliability"]
     if (1, cores) in sharing:
-        assert sharing[(1, cores)] < 0.95 or not reliability["reliable"], reliability
+        assert reliability["threads_ratio"] == pytest.approx(sharing[(1, cores)], abs=1e-4)
+        assert sharing[(1, cores)] <= FREE_CORES_RATIO or (
+            not reliability["reliable"] and "the other cores did not compute" in reliability["why"]), reliability
     for fit in measured["collectives"]:  # the largest message takes longer than the smallest
         if fit["active"] <= cores:  # with more busy ranks than cores the OS scheduler's turns dominate
             assert fit["points"][-1][1] > fit["points"][0][1], fit

@@ -47,10 +47,10 @@ def test_the_pieces_are_one_tensor_parallel_ranks_modules_and_communicate_nothin
     assert shard.tolist() == [0.0, 1.0]
 
 
-def host(rank: int, units=None, busy=None, threads=None, collectives=None) -> dict:
+def host(rank: int, units=None, busy=None, threads_ratio=None, collectives=None) -> dict:
     sharing = {"busy": busy or {}}
-    if threads is not None:
-        sharing["threads"] = threads
+    if threads_ratio is not None:
+        sharing["threads_ratio"] = threads_ratio
     return {"cores": 2, "units": units, "sharing": sharing, "collectives": collectives or {}, "seconds": {}}
 
 
@@ -58,7 +58,7 @@ def test_the_measured_field_is_assembled_from_every_rank():
     plan = make_plan(4, quick=True)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     hosts = [
-        host(0, {("tiny", 1, False): series, ("tiny", 2, False): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads=0.006,
+        host(0, {("tiny", 1, False): series, ("tiny", 2, False): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads_ratio=0.6,
              collectives={("all_reduce", 2, 2, 4096): 1e-3, ("all_reduce", 2, 2, 2**20): 2e-3,
                           ("p2p", 2, 2, 4096): 1e-4, ("all_reduce", 4, 4, 4096): 3e-3}),
         host(1, None, {2: 0.014, 4: 0.024},
@@ -197,8 +197,8 @@ def test_on_cuda_the_gpus_are_the_cores_and_there_is_no_threads_row(monkeypatch)
     monkeypatch.setattr(calibrate_host, "measure_sharing", sharing)
     result = calibrate_host.measure_host(small_plan(), CUDA)
     assert result["cores"] == 1 and seen["cores"] == 1  # one rank: one GPU
-    assert result["sharing"] == {"busy": {1: pytest.approx(3e-3)}}  # no "threads"
-    assert "threads" in real_sharing(small_plan(), 0, 1, 4, CPU)
+    assert result["sharing"] == {"busy": {1: pytest.approx(3e-3)}}  # no "threads_ratio"
+    assert "threads_ratio" in real_sharing(small_plan(), 0, 1, 4, CPU)
 
 
 def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None, formats=("fp32",), refused=None) -> dict:

@@ -140,6 +140,14 @@ def test_the_reliability_rules():
     assert busy["confidence"] == pytest.approx(1 / 0.6 - 1 + 0.06 / 2, abs=1e-4)
     noisy = reliability(0.97, 0.95, {"cpu_share_alone": 0.96, "spread_units": 0.3}, 0.03, None, False)
     assert not noisy["reliable"] and "units 30%" in noisy["why"] and "busy" not in noisy["why"]
+    # CI's profile: every share full, the spreads small, and two threads no faster than one (the cores beside
+    # this one were busy outside the VM's view); a quiet 2-core VM here measures 0.54-0.70
+    stalled = reliability(0.99, 0.99, {"cpu_share_alone": 0.99, "cpu_share_threads": 0.9965, "spread_units": 0.05},
+                          0.03, None, False, threads_ratio=1.0588)
+    assert not stalled["reliable"] and "the other cores did not compute" in stalled["why"]
+    assert stalled["threads_ratio"] == 1.0588 and "106% of one thread's time" in stalled["why"]
+    helped = reliability(0.99, 0.99, {"cpu_share_alone": 0.99, "spread_units": 0.05}, 0.03, None, False, 0.62)
+    assert helped["reliable"] and helped["threads_ratio"] == 0.62
     blind = reliability(None, None, None, None, None, False)
     assert not blind["reliable"] and blind["confidence"] is None and "not measured" in blind["why"]
     assert check_quiet(0.4, "before", allow_busy=True) == 0.4 and check_quiet(None, "alone", False) is None

@@ -145,26 +145,68 @@ def machine_drift(hardware) -> dict | None:
     `minigpt calibrate` times one block of its model (calibration.block: forward + backward,
     one thread, alone); the same is timed here, in this process, before training. A VM whose
     neighbours got busy, or a laptop that throttles, shows up as a change: a comparison is
-    only as good as the calibration is current. Nothing is adjusted with it."""
+    only as good as the calibration is current. And, when the profile has the sharing table's
+    threads row, the same block on every core's thread: its time over one thread's, against the
+    row's (`cores`): a host whose other work came or went on the cores beside this one moves it
+    while one thread's time stays (CI here: 1.06 at calibration, a dp 2 step then predicted 63% too
+    slow). Nothing is adjusted with it."""
     import torch
 
     from parallel.calibrate import CalibrationPlan
     from parallel.calibrate_device import measure_block
 
-    block_note = (hardware.gpu.calibration or {}).get("block")
-    if not block_note or hardware.gpu.calibration.get("backend") != "gloo":
+    calibration = hardware.gpu.calibration or {}
+    block_note = calibration.get("block")
+    if not block_note or calibration.get("backend") != "gloo":
         return None
+    measured = hardware.gpu.measured
+    cores, ratio_then = next(((t, slowdown) for r, t, slowdown in (measured.sharing if measured else ())
+                              if r == 1 and t > 1), (None, None))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as calibrate's rank 0 measured it
     try:
+        torch.set_num_threads(1)  # as calibrate's rank 0 measured it
         block = measure_block(CalibrationPlan(model=block_note["model"], micro_batch=block_note["micro_batch"]),
                               torch.device("cpu"))
+        ratio_now = None if cores is None else threads_ratio_now(calibration, cores)
     finally:
         torch.set_num_threads(threads)
     then = block_note["forward_s"] + block_note["backward_s"]
     now = block["forward_s"] + block["backward_s"]
-    return {"reference": f"one {block_note['model']} block, micro-batch {block_note['micro_batch']}, forward + backward",
-            "calibrated_s": then, "now_s": now, "change": (now - then) / then}
+    drift = {"reference": f"one {block_note['model']} block, micro-batch {block_note['micro_batch']}, forward + backward",
+             "calibrated_s": then, "now_s": now, "change": (now - then) / then, "cores": None}
+    if cores is not None:
+        drift["cores"] = {"threads": cores, "calibrated_ratio": ratio_then, "now_ratio": ratio_now,
+                          "change": ratio_now / ratio_then - 1}
+    return drift
+
+
+def threads_ratio_now(calibration: dict, cores: int) -> float:
+    """The sharing table's threads row timed now as calibrate_host.measure_sharing timed it (its model's block at
+    its sharing micro-batch, tp 1, pairs of runs in turn)."""
+    import torch
+
+    from minigpt.config import preset
+    from parallel.calibrate import CalibrationPlan
+    from parallel.calibrate_device import piece_step, threads_ratio
+
+    plan, block_note = calibration.get("plan", {}), calibration["block"]
+    step = piece_step("block", preset(block_note["model"]), 1, plan.get("sharing_micro_batch", block_note["micro_batch"]))
+    torch.set_num_threads(cores)
+    step()  # warm-up
+    return threads_ratio(step, cores, 2 * plan.get("repeats", CalibrationPlan.repeats) - 1)
+
+
+def drift_too_large(drift: dict | None) -> bool:
+    """Whether the machine moved past what a fair comparison allows since its calibration: one thread's block by
+    more than calibrate_noise.TOLERANCE, or the threads row's ratio by more than RELIABLE_SPREAD (as timed, runs
+    taken in turn, its median moved by 0.61-0.70 over eight tries on this project's quiet 2-core VM: 15% at most;
+    with the host's other work on the cores beside this one it moved from about 0.6 to 1.06)."""
+    from parallel.calibrate_noise import RELIABLE_SPREAD, TOLERANCE
+
+    if drift is None:
+        return False
+    cores = drift.get("cores")
+    return abs(drift["change"]) > TOLERANCE or (cores is not None and abs(cores["change"]) > RELIABLE_SPREAD)
 
 
 def profile_reliability(hardware) -> dict | None:
