@@ -21,7 +21,7 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from job.schedule_check import closed_form_bubble
-from parallel.train import train
+from parallel.run.train import train
 from job.train_config import TrainConfig
 
 

@@ -3,7 +3,7 @@
     python bench/gpu_kernels.py --out kernels.json [--budget-s 150] [--dry-run]
 
 Runs on a bare machine: torch, the repository root on PYTHONPATH, no install; it imports only
-minigpt.config (gpt2-124m's shape) and parallel.calibrate_kernels (every timer; its docstring says
+minigpt.config (gpt2-124m's shape) and parallel.calibrate.kernels (every timer; its docstring says
 how each kernel is timed and how FLOPs and bytes are counted). Without CUDA, or with --dry-run, the
 same code runs at tiny sizes on the CPU (a few seconds: CI runs it).
 
@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minigpt.config import preset
-from parallel.calibrate_kernels import (ELEMENTWISE, FORMATS, attention_flops, launch_overhead, supported_formats,
+from parallel.calibrate.kernels import (ELEMENTWISE, FORMATS, attention_flops, launch_overhead, supported_formats,
                                         time_attention, time_elementwise, time_gemm)
 
 # Meta, "The Llama 3 Herd of Models" (2024), Table 3: model dimension, FFN dimension, attention heads

@@ -21,7 +21,7 @@ from minigpt.config import preset
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.model import GPT
 from parallel.device import measure_peak_flops, pick_device, synchronize
-from parallel.train import train
+from parallel.run.train import train
 from job.train_config import TrainConfig
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

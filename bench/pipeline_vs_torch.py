@@ -3,9 +3,9 @@
 Both run in the same two gloo processes (one thread each), one after the other, alternating:
 a few warm-up steps of each, then rounds of `--steps` timed steps of ours followed by as many of
 torch's. Ours is `minigpt train --model small --pp 2 --schedule 1f1b --micro-batches 4`'s step
-(`Rank.train_step`, parallel/step.py: the schedule's actions, the tied-embedding sync, gradient clipping
+(`Rank.train_step`, parallel/run/step.py: the schedule's actions, the tied-embedding sync, gradient clipping
 and the optimizer). Theirs is PipelineStage + Schedule1F1B on the same two chunks that
-parallel/pipeline.py `split_model` cuts (same seed, so the same weights), then the same extra work
+parallel/pipeline/executor.py `split_model` cuts (same seed, so the same weights), then the same extra work
 done by hand: the tied embedding's gradient summed over the two ranks, the global gradient norm,
 clipping and AdamW. Both read the same batches from minigpt/data.py; the first step's losses must
 agree (same model, same batch, before any update).
@@ -36,11 +36,11 @@ from job.train_config import TrainConfig
 from minigpt.config import PRESETS
 from minigpt.data import Corpus
 from minigpt.model import GPT
-from parallel.build import build_rank, tied_copy
-from parallel.launch import finish_worker, init_worker, launch
+from parallel.run.build import build_rank, tied_copy
+from parallel.launch.elastic import finish_worker, init_worker, launch
 from parallel.mesh import build_mesh
-from parallel.pipeline import split_model
-from parallel.train import micro_batches
+from parallel.pipeline.executor import split_model
+from parallel.run.train import micro_batches
 from precision.policy import policy as precision_policy
 
 
@@ -149,7 +149,7 @@ def table(result: dict) -> str:
     lines = [
         "| executor | median step ms | steps timed |",
         "|---|---|---|",
-        f"| ours (parallel/pipeline.py, 1F1B) | {ours * 1000:.1f} | {len(result['ours'])} |",
+        f"| ours (parallel/pipeline/executor.py, 1F1B) | {ours * 1000:.1f} | {len(result['ours'])} |",
         f"| torch.distributed.pipelining Schedule1F1B | {theirs * 1000:.1f} | {len(result['theirs'])} |",
         "",
         f"ours / theirs: **{ours / theirs:.3f}** (medians); per round {statistics.median(ratios):.3f} median, "

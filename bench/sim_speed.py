@@ -51,9 +51,9 @@ def progress_bar(done: int, total: int) -> None:
 
 
 def run_step(gpus: int, pp: int, batch: int) -> dict:
-    from simulator.engine import simulate_step
+    from simulator.engine.simulate import simulate_step
     from job.layout import Layout
-    from simulator.topology import build_cluster
+    from simulator.network.topology import build_cluster
 
     model = one_trillion()
     start = time.perf_counter()
@@ -65,7 +65,7 @@ def run_step(gpus: int, pp: int, batch: int) -> dict:
 
 
 def run_sweep() -> dict:
-    from simulator.sweep import ClusterSpec, Job, scaling_sweep
+    from simulator.search.sweep import ClusterSpec, Job, scaling_sweep
 
     job = Job(one_trillion(), "bf16", global_batch=3072, micro_batch=1, zero=1, recompute="full")
     spec = ClusterSpec.of("a100-80gb", fabric="hdr")
@@ -78,8 +78,8 @@ def measure(case: str) -> dict:
     """Run one case in this process: its result, wall and CPU seconds, peak resident memory."""
     clock = time.perf_counter()
     import simulator
-    import simulator.engine
-    import simulator.sweep  # noqa: F401  (imports timed apart: a CLI pays them once, a sweep once for all points)
+    import simulator.engine.simulate
+    import simulator.search.sweep  # noqa: F401  (imports timed apart: a CLI pays them once, a sweep once for all points)
 
     imports = time.perf_counter() - clock
     wall, cpu = time.perf_counter(), time.process_time()

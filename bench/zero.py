@@ -43,8 +43,8 @@ from minigpt.data import BatchLayout, Corpus, get_batch  # noqa: E402
 from minigpt.errors import ConfigError  # noqa: E402
 from minigpt.model import GPT  # noqa: E402
 from parallel.device import describe_device, synchronize  # noqa: E402
-from parallel.launch import finish_worker, init_worker, launch  # noqa: E402
-from parallel.train import train_on_rank  # noqa: E402
+from parallel.launch.elastic import finish_worker, init_worker, launch  # noqa: E402
+from parallel.run.train import train_on_rank  # noqa: E402
 from job.train_config import TrainConfig  # noqa: E402
 
 # The order the runs go in: each of ours right before the torch run it is compared with.

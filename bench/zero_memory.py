@@ -16,7 +16,7 @@ import json
 import tempfile
 
 from minigpt.config import preset
-from parallel.train import train
+from parallel.run.train import train
 from job.train_config import TrainConfig
 
 MODEL_STATES = ("parameters", "gradients", "master_weights", "adam_m", "adam_v")

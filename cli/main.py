@@ -30,15 +30,15 @@ def _raise_interrupted(signal_number: int, frame) -> None:
 # Each command's module, imported when the command is used (or listed): `minigpt train` does not pay for
 # importing simulate's, plan's and compare's modules.
 COMMANDS = {
-    "train": "cli.train",
-    "numerics": "cli.numerics",
-    "schedule": "cli.schedule",
-    "simulate": "cli.simulate",
-    "plan": "cli.plan",
-    "calibrate": "cli.calibrate",
-    "compare": "cli.compare",
-    "sample": "cli.sample",
-    "claims": "cli.claims",
+    "train": "cli.commands.train",
+    "numerics": "cli.commands.numerics",
+    "schedule": "cli.commands.schedule",
+    "simulate": "cli.commands.simulate",
+    "plan": "cli.commands.plan",
+    "calibrate": "cli.commands.calibrate",
+    "compare": "cli.commands.compare",
+    "sample": "cli.commands.sample",
+    "claims": "cli.commands.claims",
 }
 
 

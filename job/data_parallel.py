@@ -2,10 +2,10 @@
 
 `plan_for` cuts every chunk's parameters (job/layout.py: the tensors each rank holds, in
 the model's order) the way the executor lays them out: ZeRO 0-2 in gradient buckets of
-whole parameters (precision/flat.py), ZeRO-3 in gather units (parallel/zero3.py: the
+whole parameters (precision/flat.py), ZeRO-3 in gather units (parallel/data/zero3.py: the
 embeddings, each block, the final norm and head), each padded to a multiple of the
 data-parallel size. The executor checks its own flat buffers against this plan before
-the first step (parallel/build.py), so the schedule cannot describe other buckets than
+the first step (parallel/run/build.py), so the schedule cannot describe other buckets than
 the ones that run. `collectives` says what each data-parallel action moves: what
 parallel/comm.py counts when the executor runs it, and what the simulator prices.
 """

@@ -1,12 +1,12 @@
 """A layout and what it puts on each rank: the parameters, tensor by tensor, in model order.
 
-Torch-free. Models parallel/tensor.py (tensor parallelism over T ranks: qkv/fc1 rows and
+Torch-free. Models parallel/tensor/parallelize.py (tensor parallelism over T ranks: qkv/fc1 rows and
 proj/fc2 columns split, qkv/fc1 biases split, proj/fc2 biases, LayerNorms and the
 position embedding replicated, the vocabulary padded up to a multiple of T and split),
 job/schedule.py's `chunk_layers` (pipeline stages: the embeddings on the first,
 final norm + head on the last; a tied head on P > 1 stages keeps its own copy of the
 embedding matrix on the last stage, Megatron-style), precision/flat.py (buckets) and
-parallel/zero3.py (units: the embeddings, each block, final norm + head).
+parallel/data/zero3.py (units: the embeddings, each block, final norm + head).
 The tensor shapes are checked against minigpt/config.py's counts, the single home.
 """
 
@@ -69,7 +69,7 @@ class Tensor(NamedTuple):
 
 
 def padded_vocab(model: GPTConfig, tp: int) -> int:
-    """The vocabulary padded up to a multiple of tp (parallel/tensor.py)."""
+    """The vocabulary padded up to a multiple of tp (parallel/tensor/parallelize.py)."""
     return -(-model.vocab_size // tp) * tp
 
 
@@ -131,7 +131,7 @@ def check_against_config(model: GPTConfig) -> None:
 def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]]]]:
     """For each pipeline rank, for each of its chunks, the ZeRO-3 units in forward order (lists of tensors).
 
-    A bucket never spans two chunks (parallel/pipeline.py's parameter_groups). Every block's unit is the
+    A bucket never spans two chunks (parallel/pipeline/executor.py's parameter_groups). Every block's unit is the
     same list (read it, never change it): a planner asks this of thousands of layouts of a 96-layer model."""
     last = layout.pp * layout.virtual_chunks - 1
     block = block_tensors(model, layout.tp)

@@ -1,7 +1,7 @@
 """The vocabulary of a pipeline schedule: what one rank does, as plain, hashable data. Torch-free.
 
 A schedule is, for every pipeline rank, an ordered list of these actions. Two
-interpreters run the very same lists -- the torch executor (parallel/pipeline.py)
+interpreters run the very same lists -- the torch executor (parallel/pipeline/executor.py)
 and the SimPy simulator -- so every fact they need is in the action itself:
 which micro-batch, which chunk (always the *global* chunk index), which peer.
 

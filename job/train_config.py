@@ -90,7 +90,7 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
     resume: bool = False  # continue from the latest complete checkpoint in <out_dir>/checkpoints
     recompute: str = "none"  # "selective": the attention core runs again in the backward (parallel/recompute.py)
-    # seconds a rank may be silent before the run ends naming it; None: parallel/watchdog.py's default, 0: off
+    # seconds a rank may be silent before the run ends naming it; None: parallel/launch/watchdog.py's default, 0: off
     # (checked there, by the launcher, before any rank starts)
     watchdog_s: float | None = None
 

@@ -137,7 +137,7 @@ def cuda_device_count() -> int:
 
 def runs_on_cuda(device: str, local_ranks: int) -> bool:
     """Whether ranks asked for `device` (auto, cpu or cuda) run on GPUs: one per local rank, as
-    parallel/launch.py's init_worker picks them (fewer GPUs than ranks: the CPU)."""
+    parallel/launch/elastic.py's init_worker picks them (fewer GPUs than ranks: the CPU)."""
     return device != "cpu" and cuda_device_count() >= local_ranks
 
 

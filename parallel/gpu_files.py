@@ -4,7 +4,7 @@ A process reaches a GPU through its driver's device files: NVIDIA's /dev/nvidiac
 /dev/nvidia1, ...), AMD ROCm's /dev/kfd, and under WSL 2 /dev/dxg. Where none of them exists, torch's
 `torch.cuda.device_count()` is 0 whatever torch was built for, so a command that only needs to know
 whether a run will be on GPUs (the precision `auto` picks, how many ranks fill the job) knows it without
-torch, and can start the server the ranks are forked from (parallel/rank_start.py) before it pays for
+torch, and can start the server the ranks are forked from (parallel/launch/rank_start.py) before it pays for
 torch's import itself. Where one exists, torch is asked: a driver may be installed with no usable device.
 Every such question asked before torch is needed goes through `cuda_devices` here, so the rule lives in one place.
 """

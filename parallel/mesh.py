@@ -106,7 +106,7 @@ def build_mesh(pp: int, dp: int, tp: int, device: torch.device) -> Mesh:
     needed = pp * dp * tp
     running = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if needed != running:
-        hint = "start it through parallel.launch.launch()" if running == 1 else "change the layout or the launch"
+        hint = "start it through parallel.launch.elastic.launch()" if running == 1 else "change the layout or the launch"
         raise ConfigError(
             f"the layout pp {pp} x dp {dp} x tp {tp} needs {needed} ranks but {running} are running: {hint}"
         )

@@ -1,6 +1,6 @@
 """Reading a JSON input file whatever its bytes: a decoded document, or ConfigError naming the file. Torch-free.
 
-The hardware profiles (simulator/hardware.py) and the node-link topologies (simulator/topology.py)
+The hardware profiles (simulator/costs/hardware.py) and the node-link topologies (simulator/network/topology.py)
 come through here, so that every byte string ends in one of two ways: a JSON document of dicts,
 lists, strings, bools, None, ints and floats nested at most MAX_DEPTH deep, or a ConfigError that
 names the file and says what is wrong with it (missing, unreadable, not UTF-8, not JSON, an integer

@@ -2,13 +2,13 @@
 
 The simulator's work, and its memory, grow with a few numbers:
 - the GPUs: every distinct transfer of a step (a p2p between two stages, a dp ring per bucket
-  size, the pp rings) routes one flow per GPU taking part (simulator/engine_links.py);
+  size, the pp rings) routes one flow per GPU taking part (simulator/engine/links.py);
 - the schedule's slots, pp x virtual chunks x micro-batches per replica: job/schedule.py builds
-  and simulator/engine_replay.py replays a few actions for each;
+  and simulator/engine/replay.py replays a few actions for each;
 - under ZeRO-3, the unit gathers, micro-batches per replica x (layers + 2): one priced action each;
 - the layers otherwise (ops and units per block), far cheaper than the rest.
-Beyond the limits below `minigpt simulate` (cli/simulate.py, and simulator/topology.py's
-build_cluster, simulator/sweep.py) refuses in one line, exit 2, before it builds a cluster or a
+Beyond the limits below `minigpt simulate` (cli/commands/simulate.py, and simulator/network/topology.py's
+build_cluster, simulator/search/sweep.py) refuses in one line, exit 2, before it builds a cluster or a
 schedule. They sit well above every published training run: the largest ran on about 100,000
 GPUs, the deepest model has 126 layers, the longest pipeline schedule (Megatron's 1T model,
 pp 64 x 512 micro-batches) has 32,768 slots, a ZeRO-3/FSDP run with pipelining (Llama 3 405B,
@@ -20,7 +20,7 @@ Measured on two CPU cores shared with other work (`/usr/bin/time`, gpt3-175b unl
 3.4 s interleaved (pp 32 x 4 chunks), 7.3 s / 270 MB zb-h1, and 11 s / 320 MB on 131,072 GPUs;
 ZeRO-3 at the gather limit: 1.4 s / 190 MB for tp 8 x dp 16,384 (131,072 GPUs, 1,000 micro-batches),
 2.7 s / 190 MB for tp 8 x pp 128 x dp 128 (1,024 layers; each gather is priced once per size,
-simulator/engine_dp.py);
+simulator/engine/data_parallel.py);
 a topology file of 16,384 GPUs (27 MB of node-link JSON, 36 MB of GraphML): 12-15 s, 300-790 MB;
 a sweep of gpt2-124m over 65,536 and 131,072 GPUs (every candidate layout at each): 51 s, 250 MB.
 Before these limits `simulate --dp 1000000` (gpt3-175b) ran for minutes and `--layers 1000000`

@@ -1,6 +1,6 @@
 """Predicted bytes per GPU, by category, for a layout: what OUR implementation holds.
 
-Torch-free. It models parallel/tensor.py, parallel/zero.py, parallel/zero3.py and
+Torch-free. It models parallel/tensor/parallelize.py, parallel/data/zero.py, parallel/data/zero3.py and
 precision/flat.py, not the ZeRO paper, so a run's `memory_per_rank` can be
 checked against it:
 
@@ -12,7 +12,7 @@ checked against it:
   is stage 0 (make_data_parallel).
 - Stages: 0 all weights, grads, masters, m, v; 1 masters/m/v for 1/N; 2 grads 1/N too;
   3 weights 1/N too. Masters exist only when the policy has them (fp32: none).
-- Activations: the tensors simulator/ops.py's op list saves (by attention kind, recompute
+- Activations: the tensors simulator/costs/ops.py's op list saves (by attention kind, recompute
   kind and what sequence parallelism saves), checked against config.py's counts for our
   executor's flash attention; while a block's backward recomputes, what it recomputes is
   alive too. Comm buffers: `data_parallel_buffers`, `zero3_buffers`.
@@ -30,12 +30,12 @@ from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
-from simulator.hardware import GPUSpec
+from simulator.costs.hardware import GPUSpec
 from job.layout import Bucket, Layout, buckets, check_against_config, stage_units
-from simulator.op_types import Implementation
-from simulator.ops import block_ops, embedding_ops, head_ops
+from simulator.costs.op_types import Implementation
+from simulator.costs.ops import block_ops, embedding_ops, head_ops
 
-MAX_IN_FLIGHT = 2  # parallel/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
+MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
 
 
 # ---------------------------------------------------------------- activations per rank
@@ -46,21 +46,21 @@ def _implementation(recompute: str, attention: str, sp_saved_input: str) -> Impl
 
 
 def check_activations_against_config(model: GPTConfig, policy: PrecisionPolicy) -> None:
-    """simulator/ops.py's saved tensors (flash attention, as our executor runs) must equal config.py's counts."""
+    """simulator/costs/ops.py's saved tensors (flash attention, as our executor runs) must equal config.py's counts."""
     plain = replace(policy, fp8_linears=False)
     dtype_bytes = FORMAT_BYTES[plain.compute]
     for recompute in RECOMPUTE_MODES:
         counted = block_ops(model, 1, Layout(), plain, _implementation(recompute, "flash", "gathered")).saved_bytes
         if counted != model.activation_bytes_per_token_per_layer(dtype_bytes, recompute) * model.seq_len:
-            raise RuntimeError("simulator/ops.py's saved tensors disagree with minigpt/config.py's activation bytes")
+            raise RuntimeError("simulator/costs/ops.py's saved tensors disagree with minigpt/config.py's activation bytes")
     head = head_ops(model, 1, Layout(), plain).saved_bytes
     if head != model.head_activation_bytes_per_token(dtype_bytes) * model.seq_len:
-        raise RuntimeError("simulator/ops.py's head tensors disagree with minigpt/config.py's head activation bytes")
+        raise RuntimeError("simulator/costs/ops.py's head tensors disagree with minigpt/config.py's head activation bytes")
 
 
 def layer_activation_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
                            recompute: str = "none", attention: str = "flash", sp_saved_input: str = "gathered") -> int:
-    """Bytes one block keeps for its backward, for one micro-batch, on one rank (simulator/ops.py's Saved)."""
+    """Bytes one block keeps for its backward, for one micro-batch, on one rank (simulator/costs/ops.py's Saved)."""
     implementation = _implementation(recompute, attention, sp_saved_input)
     return block_ops(model, micro_batch_size, layout, policy, implementation).saved_bytes
 
@@ -136,7 +136,7 @@ def module_of(name: str) -> str:
 
 
 def data_parallel_buffers(stage: int, cut: list[Bucket], dp: int) -> int:
-    """Peak elements of ZeRO 1/2 buffers, walking the buckets in backward order as parallel/zero.py does.
+    """Peak elements of ZeRO 1/2 buffers, walking the buckets in backward order as parallel/data/zero.py does.
 
     Buckets complete last to first. Stage 1 bounds nothing: each reduce-scatter's output (1/N of
     its bucket) stays until the optimizer waits for them all. Stage 2 measures right after
@@ -161,7 +161,7 @@ def data_parallel_buffers(stage: int, cut: list[Bucket], dp: int) -> int:
 
 
 def zero3_buffers(units: list[int], dp: int, prefetch: int = 1) -> int:
-    """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/zero3.py does.
+    """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/data/zero3.py does.
 
     While unit i's gradients come in: the first and last units (kept gathered all step),
     unit i and the `prefetch` units before it (gathered ahead; our code prefetches one) when
@@ -265,8 +265,8 @@ def predict_memory(
     number for every stage or one per stage; the schedule decides (1 without a pipeline; 1F1B:
     pp - rank). With virtual chunks it counts chunk forwards, each charged the rank's largest
     chunk (and the head's activations on the last rank): an upper bound. `attention`,
-    `recompute`, `sp_saved_input`: simulator/ops.py's Implementation; `prefetch`: ZeRO-3 units
-    gathered ahead (simulator/overlap.py)."""
+    `recompute`, `sp_saved_input`: simulator/costs/ops.py's Implementation; `prefetch`: ZeRO-3 units
+    gathered ahead (simulator/engine/overlap.py)."""
     layout.check(model)
     pol = precision_policy(precision)
     implementation = Implementation(attention, recompute, sp_saved_input)

@@ -1,25 +1,25 @@
 """What a prediction's numbers rest on, said with every result. Torch-free.
 
 `provenance(...)` names, for one simulated step:
-  compute            the op-level roofline (simulator/ops.py priced by simulator/compute.py), or a
-                     calibrated host's measured units (simulator/engine_host.py);
+  compute            the op-level roofline (simulator/costs/ops.py priced by simulator/costs/compute.py), or a
+                     calibrated host's measured units (simulator/engine/host.py);
   matmul_efficiency  per number format the GEMMs run in: "cited table" (a preset's published
                      microbenchmarks), "measured table" (a `minigpt calibrate` profile) or
                      "fallback curve" (no table: the uncalibrated x/(x+128) curve), with its source;
   kernel_overhead_s  what every kernel costs beyond its roofline;
   achieved           the HBM and NVLink fractions and the per-kernel overhead, with their source
-                     (simulator/achieved.py; the datasheet itself when the GPU gives none);
+                     (simulator/costs/achieved.py; the datasheet itself when the GPU gives none);
   implementation     attention kernel, recompute kind, what sequence parallelism saves;
-  overlap            the overlap preset and its settings (simulator/overlap.py).
+  overlap            the overlap preset and its settings (simulator/engine/overlap.py).
 """
 
 from __future__ import annotations
 
-from simulator.compute import FALLBACK_CURVE, EfficiencyProfile, kernel_overhead
-from simulator.hardware import GPUSpec
+from simulator.costs.compute import FALLBACK_CURVE, EfficiencyProfile, kernel_overhead
+from simulator.costs.hardware import GPUSpec
 
-ROOFLINE = "op-level roofline (simulator/ops.py, simulator/compute.py)"
-MEASURED_UNITS = "measured units of a calibrated host (simulator/host.py)"
+ROOFLINE = "op-level roofline (simulator/costs/ops.py, simulator/costs/compute.py)"
+MEASURED_UNITS = "measured units of a calibrated host (simulator/costs/host.py)"
 
 
 def efficiency_sources(gpu: GPUSpec, formats, profile: EfficiencyProfile | None = None) -> dict[str, dict]:

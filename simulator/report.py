@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from minigpt.errors import ConfigError
-from simulator.engine import DECIMAL_GB, SimResult
+from simulator.engine.simulate import DECIMAL_GB, SimResult
 from simulator.provenance import summary_rows
-from simulator.sweep import ScalingSweep
+from simulator.search.sweep import ScalingSweep
 
 GIB = 2**30
 BREAKDOWN_LABELS = {"compute": "compute", "pipeline_bubble": "pipeline bubble", "tp_comm": "exposed tp comm",

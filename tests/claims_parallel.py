@@ -8,7 +8,7 @@ import math
 import pytest
 
 from claims_cli import invoke
-from cli.tools.claims import CAVEAT, HOLDS, UNCHECKABLE, WRONG
+from cli.claims.claim import CAVEAT, HOLDS, UNCHECKABLE, WRONG
 from independent import DATASHEETS, NICS, block_kernels, model_params, price, ring_seconds, table_efficiency
 from minigpt.config import preset
 

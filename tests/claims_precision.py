@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from claims_cli import simulated
-from cli.tools.claims import CAVEAT, HOLDS, WRONG
+from cli.claims.claim import CAVEAT, HOLDS, WRONG
 from independent import (DATASHEETS, block_kernels, block_matmul_flops, gemm_flops, master_weights_reference,
                          model_params, price, table_efficiency)
 from minigpt.config import preset

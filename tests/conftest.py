@@ -13,11 +13,11 @@ PROFILE_RANKS = 4  # on a 2-core machine the sharing rows reach twice the cores
 
 @pytest.fixture(scope="session", autouse=True)
 def rank_server() -> None:
-    """The server every test's ranks are forked from (parallel/rank_start.py), started with the first test and
+    """The server every test's ranks are forked from (parallel/launch/rank_start.py), started with the first test and
     with what the tests' ranks import: the training loop and torch.distributed.checkpoint (a second a rank)."""
-    from parallel.rank_start import start_rank_server
+    from parallel.launch.rank_start import start_rank_server
 
-    start_rank_server("parallel.train", "parallel.checkpoint")
+    start_rank_server("parallel.run.train", "parallel.checkpoint.sharded")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Multi-rank tests: run a function on N gloo ranks on the CPU and get every rank's result.
 
-The ranks are started by parallel.launch.launch(), the launcher training uses, so every
+The ranks are started by parallel.launch.elastic.launch(), the launcher training uses, so every
 multi-rank test exercises it as well. They are forked from the one server of the test session
-(parallel/rank_start.py), which imported torch once: a group of 8 ranks starts in under a second,
+(parallel/launch/rank_start.py), which imported torch once: a group of 8 ranks starts in under a second,
 so each test may launch its own group and keep its ranks' state its own.
 
 The function must be defined at module level: the ranks import it by name. Functions in test
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from parallel.launch import finish_worker, init_worker, launch
+from parallel.launch.elastic import finish_worker, init_worker, launch
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:

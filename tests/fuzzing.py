@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, settings, strategies as st
 
 from cli.main import main
 from minigpt.errors import ConfigError
-from simulator.hardware import hardware_to_dict, load_hardware
+from simulator.costs.hardware import hardware_to_dict, load_hardware
 
 SCALE = float(os.environ.get("MINIGPT_FUZZ_SCALE", "1"))  # e.g. 20 for a long local hunt; CI runs 1
 PARSER_EXAMPLES = int(1000 * SCALE)  # per parser-level test

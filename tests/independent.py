@@ -2,7 +2,7 @@
 
 Nothing here imports the simulator, the claims or the optimizer under test. What it uses:
 
-- the datasheets themselves, simulator/hardware.json read as plain JSON (`DATASHEETS`): peak FLOP/s,
+- the datasheets themselves, simulator/costs/hardware.json read as plain JSON (`DATASHEETS`): peak FLOP/s,
   HBM bandwidth, the cited GEMM efficiency tables, the measured per-kernel overhead;
 - the model's shape (minigpt/config.py's presets: the numbers, not its arithmetic), and the real model
   (minigpt/model.py) built on the meta device where a count should come from the model itself;
@@ -13,7 +13,7 @@ tensor-parallel rank (forward and backward, FlashAttention-2, each kernel readin
 once and writing its outputs once), and `price` prices them on a GPU's datasheet with a roofline:
 a GEMM at the cited efficiency for its smallest side, a memory-bound kernel at the achieved HBM
 bandwidth, plus the launch cost of every kernel. The arithmetic is written out here, so a test can
-compare the simulator's op model (simulator/ops.py, simulator/compute.py) with it.
+compare the simulator's op model (simulator/costs/ops.py, simulator/costs/compute.py) with it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATASHEETS: dict = json.loads((ROOT / "simulator" / "hardware.json").read_text(encoding="utf-8"))["gpus"]
-NICS: dict = json.loads((ROOT / "simulator" / "hardware.json").read_text(encoding="utf-8"))["nics"]
+DATASHEETS: dict = json.loads((ROOT / "simulator" / "costs" / "hardware.json").read_text(encoding="utf-8"))["gpus"]
+NICS: dict = json.loads((ROOT / "simulator" / "costs" / "hardware.json").read_text(encoding="utf-8"))["nics"]
 
 
 def table_efficiency(table: list[list[float]], side: int) -> float:

@@ -37,7 +37,7 @@ def relative_gap(ours: float, reference: float) -> float:
 
 def worst_gap(run: dict, reference: dict) -> Gap:
     """The worst relative gap, over every step, of run's "losses" and of its "grad_norms" against the
-    reference's (summaries of parallel/train.py, or dicts with those two lists). Both runs must
+    reference's (summaries of parallel/run/train.py, or dicts with those two lists). Both runs must
     have trained the same steps."""
     gaps = {}
     for key in ("losses", "grad_norms"):

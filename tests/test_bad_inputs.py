@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from parallel.run_dir import RunClaim
-from simulator.hardware import load_hardware, save_hardware
+from parallel.run.directory import RunClaim
+from simulator.costs.hardware import load_hardware, save_hardware
 
 SMALL = ["--layers", "1", "--seq-len", "32", "--batch-size", "4"]
-HARDWARE_PRESETS = Path(__file__).parent.parent / "simulator" / "hardware.json"
+HARDWARE_PRESETS = Path(__file__).parent.parent / "simulator" / "costs" / "hardware.json"
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ CASES = [
     ("train", ["--resume", "--out", "{root}/nowhere"], "no complete checkpoint"),
     ("train", ["--resume", "--out", "{root}/truncated"], "truncated"),
     ("train", ["--resume", "--out", "{root}/run", "--layers", "2"], "layers"),
-    # train: the run directory (parallel/run_dir.py) and checked checkpoints
+    # train: the run directory (parallel/run/directory.py) and checked checkpoints
     ("train", ["--out", "{root}/run"], "is not empty"),
     ("train", ["--out", "{root}/run", "--resume", "--overwrite"], "give one of them"),
     ("train", ["--out", "{root}/foreign", "--overwrite"], "notes.txt"),

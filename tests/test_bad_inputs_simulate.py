@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from simulator.hardware import hardware_to_dict, load_hardware
+from simulator.costs.hardware import hardware_to_dict, load_hardware
 from simulator.limits import MAX_FILE_BYTES, MAX_FILE_GPUS, MAX_GPUS, MAX_LAYERS, MAX_SCHEDULE_SLOTS, check_job
-from simulator.topology import build_cluster
+from simulator.network.topology import build_cluster
 
 SMALL_TRAIN = ["--layers", "1", "--seq-len", "32", "--batch-size", "4"]
 INSTANT_S = 10.0  # a refusal takes well under a second; the bound leaves room for a busy machine

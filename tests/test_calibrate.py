@@ -13,11 +13,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.calibrate import calibrate
+from cli.commands.calibrate import calibrate
 from cli.main import Group
 from conftest import PROFILE_RANKS as RANKS
 from minigpt.errors import ConfigError
-from parallel.calibrate_noise import FREE_CORES_RATIO
+from parallel.calibrate.noise import FREE_CORES_RATIO
 
 
 @click.group(cls=Group)
@@ -43,7 +43,7 @@ def profile_path(quick_profile):
 
 
 def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
     hardware = load_hardware(str(profile_path))
     gpu = hardware.gpu
@@ -67,10 +67,10 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
 def test_the_profile_drives_the_simulator(profile_path):
     from cli.main import main
     from minigpt.config import preset
-    from simulator.engine import simulate_step
-    from simulator.hardware import load_hardware, save_hardware
+    from simulator.engine.simulate import simulate_step
+    from simulator.costs.hardware import load_hardware, save_hardware
     from job.layout import Layout
-    from simulator.topology import build_cluster
+    from simulator.network.topology import build_cluster
 
     hardware = load_hardware(str(profile_path))
     cluster = build_cluster(hardware, 2, 1, None, "fat-tree")
@@ -93,7 +93,7 @@ def test_the_profile_drives_the_simulator(profile_path):
 
 
 def test_fit_alpha_beta():
-    from parallel.calibrate import fit_alpha_beta
+    from parallel.calibrate.measure import fit_alpha_beta
 
     alpha, beta = fit_alpha_beta([(1000, 1e-4 + 1e-9 * 1000), (10**6, 1e-4 + 1e-3), (10**7, 1e-4 + 1e-2)])
     assert alpha == pytest.approx(1e-4) and beta == pytest.approx(1e-9)
@@ -115,12 +115,12 @@ def test_fit_alpha_beta():
     (["--micro-batches", "0,1"], "--micro-batches must be increasing positive"),
 ])
 def test_bad_flags_are_bad_input_before_any_rank_starts(tmp_path, monkeypatch, args, words):
-    import parallel.calibrate
+    import parallel.calibrate.measure
 
     def no_launch(*_args, **_kwargs):
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr(parallel.calibrate, "launch", no_launch)
+    monkeypatch.setattr(parallel.calibrate.measure, "launch", no_launch)
     result = invoke("--out", str(tmp_path / "p.json"), *args)
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
@@ -129,9 +129,9 @@ def test_bad_flags_are_bad_input_before_any_rank_starts(tmp_path, monkeypatch, a
 
 
 def test_bad_out_paths_are_bad_input(tmp_path, monkeypatch):
-    import parallel.calibrate
+    import parallel.calibrate.measure
 
-    monkeypatch.setattr(parallel.calibrate, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(parallel.calibrate.measure, "launch", lambda *a, **k: pytest.fail("a rank was started"))
     (tmp_path / "file.txt").write_text("x")
     for out, words in [(str(tmp_path), "is a directory"),
                        (str(tmp_path / "missing" / "p.json"), "does not exist"),
@@ -144,7 +144,7 @@ def test_bad_out_paths_are_bad_input(tmp_path, monkeypatch):
 
 
 def test_a_bad_collectives_entry_is_a_config_error(profile_path, tmp_path):
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
     data = json.loads(profile_path.read_text())
     gpu = next(iter(data["gpus"].values()))
@@ -194,7 +194,7 @@ def check_schema(measured: dict, ranks: int) -> None:
 
 
 def check_reliability(reliability: dict) -> None:
-    """What calibrate recorded of its own noise (parallel/calibrate_noise.py); reliable or not, as the machine was."""
+    """What calibrate recorded of its own noise (parallel/calibrate/noise.py); reliable or not, as the machine was."""
     assert isinstance(reliability["reliable"], bool) and reliability["why"] and reliability["allowed_busy"] is True
     for when in ("before", "alone", "after"):  # measured on the CPU, every one
         assert 0 < reliability[f"cpu_share_{when}"] <= 1
@@ -215,7 +215,7 @@ def test_the_measured_field_has_the_schema(profile_path):
     kinds = {(f["kind"], f["group"], f["active"]) for f in measured["collectives"]}
     assert kinds == {(kind, n, busy) for busy, n in [(2, 2), (4, 2), (4, 4)]
                      for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") if kind != "p2p" or n == 2}
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
     assert load_hardware(str(profile_path)).gpu.measured is not None  # the simulator reads what was written
 
@@ -281,7 +281,7 @@ def test_device_cpu_measures_the_cpu_with_the_micro_batches_asked_for(tmp_path):
 
 
 def test_the_default_ranks_follow_the_device(monkeypatch):
-    from parallel.calibrate import make_plan
+    from parallel.calibrate.measure import make_plan
 
     assert make_plan(None, device="cpu").ranks == 8 and make_plan(3).ranks == 3
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -292,14 +292,14 @@ def test_the_default_ranks_follow_the_device(monkeypatch):
 
 def test_a_cuda_calibration_writes_a_cuda_profile(tmp_path, monkeypatch):
     """The CLI's CUDA path, with the ranks' measurements faked (no GPU here)."""
-    import parallel.calibrate
-    from simulator.hardware import load_hardware
+    import parallel.calibrate.measure
+    from simulator.costs.hardware import load_hardware
     from test_calibrate_host import H200, fake_rank  # tests/ is on sys.path under pytest
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     plans = []
-    monkeypatch.setattr(parallel.calibrate, "calibrate",
+    monkeypatch.setattr(parallel.calibrate.measure, "calibrate",
                         lambda plan: plans.append(plan) or [fake_rank(0, H200), fake_rank(1, H200, busy={2: 0.01})])
     path = tmp_path / "gpu.json"
     result = invoke("--out", str(path), "--quick", *BUSY_OK)

@@ -11,11 +11,11 @@ from click.testing import CliRunner
 
 from minigpt.config import preset
 from minigpt.errors import ConfigError
-from parallel.calibrate import FORMATS, build_profile, default_formats, make_plan
-from simulator.engine import simulate_step
-from simulator.hardware import FLOP_FORMATS, load_hardware, preset_for_device, preset_links
+from parallel.calibrate.measure import FORMATS, build_profile, default_formats, make_plan
+from simulator.engine.simulate import simulate_step
+from simulator.costs.hardware import FLOP_FORMATS, load_hardware, preset_for_device, preset_links
 from job.layout import Layout
-from simulator.topology import build_cluster
+from simulator.network.topology import build_cluster
 from test_calibrate_host import H200, fake_rank  # tests/ is on sys.path under pytest
 
 RTX = {**H200, "name": "NVIDIA GeForce RTX 4090"}
@@ -56,7 +56,7 @@ def test_every_measured_format_gets_its_own_peak_and_table(tmp_path):
 
 
 def test_a_bf16_simulation_runs_on_the_measured_bf16_numbers(tmp_path):
-    from simulator.compute import Matmul
+    from simulator.costs.compute import Matmul
 
     hardware = write(h200_profile(links_from=preset_links("NVIDIA H200")), tmp_path)
     table = hardware.gpu.matmul_efficiency
@@ -128,9 +128,9 @@ def invoke(*args: str):
     (["--formats", "fp32,fp32"], "--formats must be distinct formats among"),
 ])
 def test_cuda_and_format_requests_are_one_line_before_any_rank(tmp_path, monkeypatch, args, words):
-    import parallel.calibrate
+    import parallel.calibrate.measure
 
-    monkeypatch.setattr(parallel.calibrate, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(parallel.calibrate.measure, "launch", lambda *a, **k: pytest.fail("a rank was started"))
     result = invoke("--out", str(tmp_path / "p.json"), "--ranks", "1", *args)
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
@@ -150,12 +150,12 @@ def test_device_cuda_without_cuda_exits_2_from_the_real_command_line(tmp_path):
 
 
 def test_a_one_gpu_cuda_calibration_prints_every_format_and_where_the_links_come_from(tmp_path, monkeypatch):
-    import parallel.calibrate
+    import parallel.calibrate.measure
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     plans = []
-    monkeypatch.setattr(parallel.calibrate, "calibrate",
+    monkeypatch.setattr(parallel.calibrate.measure, "calibrate",
                         lambda plan: plans.append(plan) or [fake_rank(0, H200, formats=FORMATS)])
     path = tmp_path / "gpu.json"
     result = invoke("--out", str(path), "--device", "cuda", "--quick", "--allow-busy")

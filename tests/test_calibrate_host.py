@@ -1,4 +1,4 @@
-"""parallel/calibrate_host.py and calibrate_device.py without starting ranks: the plans, the pieces' shapes,
+"""parallel/calibrate/host.py and device.py without starting ranks: the plans, the pieces' shapes,
 the profile's assembly, the device's clock and each measurement on an explicit device."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 
 from minigpt.config import preset
 from minigpt.errors import ConfigError
-from parallel.calibrate import fit_alpha_beta, make_plan
-from parallel.calibrate_device import AloneCollectives, piece_model, piece_step, tp_sizes, variants
-from parallel.calibrate_host import build_measured, collective_points, group_pairs, powers_up_to
+from parallel.calibrate.measure import fit_alpha_beta, make_plan
+from parallel.calibrate.device import AloneCollectives, piece_model, piece_step, tp_sizes, variants
+from parallel.calibrate.host import build_measured, collective_points, group_pairs, powers_up_to
 
 
 def test_the_loads_and_group_sizes():
@@ -79,9 +79,9 @@ def test_the_measured_field_is_assembled_from_every_rank():
 
 
 def test_units_carry_the_shape_the_simulator_keys_them_by():
-    """build_measured writes every option simulator/host.py keys a unit by: a tiny-llama profile prices tiny-llama
+    """build_measured writes every option simulator/costs/host.py keys a unit by: a tiny-llama profile prices tiny-llama
     and never the tiny GPT of the same width, and the reverse; tp must divide the kv heads to be measured."""
-    from simulator.host import parse_measured_host
+    from simulator.costs.host import parse_measured_host
 
     assert variants(preset("tiny-llama"), 8) == [(1, False), (2, False), (2, True)]  # 2 kv heads: no tp 4
     assert (4, False) in variants(preset("tiny"), 8)
@@ -114,7 +114,7 @@ def small_plan(ranks: int = 1, **changes):
 
 
 def test_the_clock_waits_for_a_gpu_and_not_for_a_cpu(monkeypatch):
-    from parallel.calibrate_device import stamp
+    from parallel.calibrate.device import stamp
     from parallel.device import synchronize
 
     calls = []
@@ -128,7 +128,7 @@ def test_the_clock_waits_for_a_gpu_and_not_for_a_cpu(monkeypatch):
 
 
 def test_tf32_is_off_only_while_a_gpus_fp32_matmuls_are_timed():
-    from parallel.calibrate_device import strict_fp32
+    from parallel.calibrate.device import strict_fp32
 
     saved = torch.backends.cuda.matmul.allow_tf32
     try:
@@ -143,7 +143,7 @@ def test_tf32_is_off_only_while_a_gpus_fp32_matmuls_are_timed():
 
 
 def test_the_device_decides_sizes_and_its_description(monkeypatch):
-    from parallel.calibrate_device import copy_bytes, describe, matmul_sizes
+    from parallel.calibrate.device import copy_bytes, describe, matmul_sizes
 
     plan = make_plan(1)
     assert matmul_sizes(plan, CPU) == (64, 128, 256, 512, 1024) and max(matmul_sizes(plan, CUDA)) == 8192
@@ -160,8 +160,8 @@ def test_the_device_decides_sizes_and_its_description(monkeypatch):
 
 
 def test_every_measurement_runs_on_the_device_it_is_given():
-    from parallel.calibrate_device import measure_block, measure_copy, measure_matmuls, timed_runs
-    from parallel.calibrate_host import measure_host
+    from parallel.calibrate.device import measure_block, measure_copy, measure_matmuls, timed_runs
+    from parallel.calibrate.host import measure_host
 
     plan = small_plan()
     matmuls = measure_matmuls(plan, CPU, ("fp32", "bf16", "fp8"))
@@ -183,7 +183,7 @@ def test_every_measurement_runs_on_the_device_it_is_given():
 
 
 def test_on_cuda_the_gpus_are_the_cores_and_there_is_no_threads_row(monkeypatch):
-    import parallel.calibrate_host as calibrate_host
+    import parallel.calibrate.host as calibrate_host
 
     real_sharing, seen = calibrate_host.measure_sharing, {}
 
@@ -224,8 +224,8 @@ def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None, forma
 def test_a_cuda_profile_says_cuda_nccl_and_the_gpu(tmp_path):
     import json
 
-    from parallel.calibrate import build_profile
-    from simulator.hardware import load_hardware
+    from parallel.calibrate.measure import build_profile
+    from simulator.costs.hardware import load_hardware
 
     plan = make_plan(2, quick=True)
     profile = build_profile([fake_rank(0, H200), fake_rank(1, H200, busy={2: 0.0102})], plan, "cuda-calibrated",
@@ -244,9 +244,9 @@ def test_a_cuda_profile_says_cuda_nccl_and_the_gpu(tmp_path):
     path.write_text(json.dumps(profile))
     hardware = load_hardware(str(path))
     assert hardware.gpu.calibration["backend"] == "nccl"
-    from simulator.engine import simulate_step  # the simulator takes it as it takes a CPU profile
+    from simulator.engine.simulate import simulate_step  # the simulator takes it as it takes a CPU profile
     from job.layout import Layout
-    from simulator.topology import build_cluster
+    from simulator.network.topology import build_cluster
 
     result = simulate_step(preset("tiny"), Layout(dp=2), build_cluster(hardware, 2, 1), "fp32", 16, 8,
                            profile=hardware.gpu.matmul_efficiency, gpu=hardware)

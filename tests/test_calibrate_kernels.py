@@ -1,4 +1,4 @@
-"""parallel/calibrate_kernels.py on the CPU: the timer, each GEMM format, element-wise bytes, launches, attention.
+"""parallel/calibrate/kernels.py on the CPU: the timer, each GEMM format, element-wise bytes, launches, attention.
 
 The CUDA branches differ only in the clock (CUDA events) and the TF32 switch; the switch is checked
 here on a CUDA device object (setting the flag needs no GPU), the rest runs the same code on the CPU.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.calibrate_kernels import (ELEMENTWISE, FORMATS, attention_flops, gemm_call, launch_overhead,
+from parallel.calibrate.kernels import (ELEMENTWISE, FORMATS, attention_flops, gemm_call, launch_overhead,
                                         matmul_mode, supported_formats, time_attention, time_call, time_elementwise,
                                         time_gemm, unfused_attention)
 

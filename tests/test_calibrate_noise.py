@@ -1,4 +1,4 @@
-"""A calibration that knows its own noise (parallel/calibrate_noise.py): refused on a busy machine, marked when allowed.
+"""A calibration that knows its own noise (parallel/calibrate/noise.py): refused on a busy machine, marked when allowed.
 
 The busy machine is real: twice as many processes spinning `while True`-style as this machine has cores, each
 bounded (it stops by itself after SPIN_S even if this test dies) and killed in a finally. A thread then gets at
@@ -17,8 +17,8 @@ import time
 import pytest
 
 from minigpt.errors import ConfigError
-from parallel.calibrate_host import host_cores
-from parallel.calibrate_noise import REFUSE_SHARE, Noise, check_quiet, cpu_share, reliability
+from parallel.calibrate.host import host_cores
+from parallel.calibrate.noise import REFUSE_SHARE, Noise, check_quiet, cpu_share, reliability
 from test_calibrate import invoke  # tests/ is on sys.path under pytest
 
 SPIN_S = 120  # a spinner's own limit: no test here lasts that long
@@ -60,9 +60,9 @@ def test_the_probe_sees_the_stand_in_load_and_is_sane_without_it():
 
 
 def test_calibrate_on_the_busy_machine_refuses_in_one_line_before_any_rank(tmp_path, monkeypatch):
-    import parallel.calibrate
+    import parallel.calibrate.measure
 
-    monkeypatch.setattr(parallel.calibrate, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    monkeypatch.setattr(parallel.calibrate.measure, "launch", lambda *a, **k: pytest.fail("a rank was started"))
     out = tmp_path / "p.json"
     with busy_machine():
         result = invoke("--out", str(out), "--ranks", "1", "--quick")
@@ -75,12 +75,12 @@ def test_calibrate_on_the_busy_machine_refuses_in_one_line_before_any_rank(tmp_p
 
 def test_load_that_arrives_while_the_ranks_measure_is_refused_too(tmp_path, monkeypatch):
     """The ranks' measurements faked (no rank starts); the probes after them and rank 0's own share are real."""
-    import parallel.calibrate
+    import parallel.calibrate.measure
     from test_calibrate_host import fake_rank
 
     cpu = {"type": "cpu", "name": "cpu", "backend": "gloo", "memory_bytes": None}
     load = contextlib.ExitStack()
-    monkeypatch.setattr(parallel.calibrate, "calibrate",
+    monkeypatch.setattr(parallel.calibrate.measure, "calibrate",
                         lambda plan: load.enter_context(busy_machine()) and [fake_rank(0, cpu, sizes=(64, 256, 512))])
     out = tmp_path / "p.json"
     with load:
@@ -90,7 +90,7 @@ def test_load_that_arrives_while_the_ranks_measure_is_refused_too(tmp_path, monk
     assert result.exit_code == 2 and "of a core after the ranks ended" in result.stderr, result.output
     assert not out.exists()
     quiet_ranks = [{**fake_rank(0, cpu, sizes=(64, 256, 512)), "noise": {"cpu_share_alone": 0.3, "spread_units": 0.1}}]
-    monkeypatch.setattr(parallel.calibrate, "calibrate", lambda plan: quiet_ranks)
+    monkeypatch.setattr(parallel.calibrate.measure, "calibrate", lambda plan: quiet_ranks)
     result = invoke("--out", str(out), "--ranks", "1", "--quick")
     if "before the ranks started" in result.stderr or "after the ranks ended" in result.stderr:
         pytest.skip("this machine is busy enough without the stand-in load to be refused at a probe")
@@ -103,13 +103,13 @@ def test_allow_busy_writes_a_profile_marked_unreliable_that_compare_reports(tmp_
     before them saw it, and that alone marks the profile."""
     from click.testing import CliRunner
 
-    import parallel.calibrate
+    import parallel.calibrate.measure
     from cli.main import main
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
-    out, load, real = tmp_path / "busy.json", contextlib.ExitStack(), parallel.calibrate.calibrate
+    out, load, real = tmp_path / "busy.json", contextlib.ExitStack(), parallel.calibrate.measure.calibrate
     load.enter_context(busy_machine())
-    monkeypatch.setattr(parallel.calibrate, "calibrate", lambda plan: load.close() or real(plan))
+    monkeypatch.setattr(parallel.calibrate.measure, "calibrate", lambda plan: load.close() or real(plan))
     with load:
         result = invoke("--out", str(out), "--ranks", "1", "--quick", "--micro-batches", "1", "--allow-busy")
     assert result.exit_code == 0, result.output
@@ -165,7 +165,7 @@ def test_the_weighted_spread_follows_the_long_pieces():
 
 
 def profile_without_reliability() -> dict:
-    from parallel.calibrate import build_profile, make_plan
+    from parallel.calibrate.measure import build_profile, make_plan
     from test_calibrate_host import fake_rank
 
     cpu = {"type": "cpu", "name": "cpu", "backend": "gloo", "memory_bytes": None}
@@ -181,7 +181,7 @@ def profile_without_reliability() -> dict:
     ("loud", 1, "unknown key(s) loud"),
 ])
 def test_the_reliability_object_is_checked_field_by_field(tmp_path, field, value, words):
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
     data = profile_without_reliability()
     good = reliability(0.9, 0.9, None, 0.1, None, False)
@@ -195,7 +195,7 @@ def test_the_reliability_object_is_checked_field_by_field(tmp_path, field, value
 
 def test_an_old_profile_loads_and_compare_calls_its_confidence_unknown(tmp_path):
     from cli.tools.compare import prediction_confidence
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
     path = tmp_path / "old.json"
     path.write_text(json.dumps(profile_without_reliability()))

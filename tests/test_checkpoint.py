@@ -23,18 +23,18 @@ from minigpt.config import GPTConfig
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
-from parallel.build import build_rank
-from parallel.checkpoint import (
+from parallel.run.build import build_rank
+from parallel.checkpoint.sharded import (
     check_checkpoint,
     gather_global_state,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from parallel.checkpoint_files import sha256_of
-from parallel.checkpoint_layout import decompose
+from parallel.checkpoint.files import sha256_of
+from parallel.checkpoint.layout import decompose
 from parallel.mesh import build_mesh
-from parallel.train import micro_batches
+from parallel.run.train import micro_batches
 from job.train_config import TrainConfig
 from precision.compute import dtype_of
 from precision.policy import policy as precision_policy
@@ -83,7 +83,7 @@ def new_rank(cfg: TrainConfig):
 
 
 def train(rank, cfg: TrainConfig, corpus: Corpus, steps: range) -> list[float]:
-    """The training loop's steps (parallel/train.py), losses averaged over the layout."""
+    """The training loop's steps (parallel/run/train.py), losses averaged over the layout."""
     losses = []
     for step in steps:
         inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, torch.device("cpu"))

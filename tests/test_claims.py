@@ -3,7 +3,7 @@ torch, the commands the rows name, and docs/claims.md against a fresh run.
 
 A check must be able to fail: it never re-runs a row's own rule on the row's own numbers. The numbers that
 decide a verdict are derived here another way -- by hand from the model's shape and the datasheets
-(simulator/hardware.json read as plain JSON, priced by tests/independent.py's roofline), from the real
+(simulator/costs/hardware.json read as plain JSON, priced by tests/independent.py's roofline), from the real
 model (parameters counted, FLOPs counted by torch's FlopCounterMode), from torch's own dtypes and
 torch.optim.AdamW -- and the verdict is then worked out from those numbers with the article's own figure.
 Where a number cannot be derived independently (a simulated pipeline bubble, a one-server ZeRO-3 slowdown
@@ -29,8 +29,8 @@ import claims_parallel
 import claims_precision
 from claims_cli import invoke
 from cli.main import main
-from cli.tools.claims_registry import all_claims
-from cli.tools.claims_report import markdown_row
+from cli.claims.registry import all_claims
+from cli.claims.report import markdown_row
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAIMS = all_claims()
@@ -107,7 +107,7 @@ def test_a_zero_row_counts_what_training_moves(tmp_path, fast_report):
 def test_docs_claims_md_is_the_commands_output(fast_report):
     """Rows that are neither timed nor computed by torch are the same on any machine: they must stand in the
     committed docs/claims.md as a fresh run writes them; every other row must at least be there, same verdict."""
-    from cli.tools.claims import ClaimResult, Finding
+    from cli.claims.claim import ClaimResult, Finding
 
     doc = (ROOT / "docs" / "claims.md").read_text(encoding="utf-8")
     claims = {c.name: c for c in CLAIMS}
@@ -125,7 +125,7 @@ def test_docs_claims_md_is_the_commands_output(fast_report):
 
 
 def test_torch_free_rows_run_without_torch():
-    code = ("import sys; from cli.tools.claims_registry import run_claims, select; "
+    code = ("import sys; from cli.claims.registry import run_claims, select; "
             "run_claims([c for c in select() if not c.needs_torch]); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

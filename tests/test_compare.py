@@ -8,7 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cli.compare import compare
+from cli.commands.compare import compare
 from cli.main import Group
 
 
@@ -28,7 +28,7 @@ TINY = ["--layers", "2", "--seq-len", "32", "--batch-size", "4", "--steps", "3",
 # +27.9% of the measured step. Not for TINY's 6 ms steps (2 layers, batch 4),
 # which the simulator misses by about 60%: the per-step overheads it does not price are most of such a step.
 STEP_TIME_BOUND = 0.25
-DRIFT_TOLERANCE = 0.1  # cli/compare.py asks for a recalibration past it (one thread's block)
+DRIFT_TOLERANCE = 0.1  # cli/commands/compare.py asks for a recalibration past it (one thread's block)
 CORES_DRIFT_TOLERANCE = 0.2  # and past this for the threads row's ratio (cli/tools/compare.py's drift_too_large)
 
 
@@ -114,7 +114,7 @@ def test_tp2_pairs_the_tensor_parallel_communication(profile, tmp_path):
 
 
 def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
-    from cli.compare import build_compare_config
+    from cli.commands.compare import build_compare_config
     from cli.tools.compare import check_compare, run_compare
 
     options = dict(model="tiny", seq_len=32, layers=2, steps=2, global_batch=4, micro_batches=1, out=str(tmp_path / "r"),
@@ -131,9 +131,9 @@ def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
     (["--tp", "3"], "--tp 3"),
 ])
 def test_bad_input_before_any_worker(profile, tmp_path, monkeypatch, args, words):
-    import parallel.train
+    import parallel.run.train
 
-    monkeypatch.setattr(parallel.train, "launch", lambda *a, **k: pytest.fail("a worker was started"))
+    monkeypatch.setattr(parallel.run.train, "launch", lambda *a, **k: pytest.fail("a worker was started"))
     if args[0] != "--hardware":
         args = ["--hardware", profile, *args]
     result = invoke(*args, "--out", str(tmp_path / "run"))
@@ -161,7 +161,7 @@ def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monke
 
 
 def test_the_drift_line_asks_for_a_recalibration_when_either_time_moved(capsys):
-    from cli.compare import echo_drift
+    from cli.commands.compare import echo_drift
 
     steady = {"reference": "one tiny block", "calibrated_s": 0.020, "now_s": 0.021, "change": 0.05,
               "cores": {"threads": 2, "calibrated_ratio": 0.62, "now_ratio": 0.66, "change": 0.66 / 0.62 - 1}}

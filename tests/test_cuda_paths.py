@@ -24,8 +24,8 @@ import torch.distributed as dist
 import parallel.comm
 from distributed import run_ranks
 from minigpt.config import GPTConfig
-from parallel.build import build_rank
-from parallel.checkpoint import gather_global_state
+from parallel.run.build import build_rank
+from parallel.checkpoint.sharded import gather_global_state
 from parallel.clock import StepClock
 from parallel.comm import BlockedTime, Collectives
 from parallel.device import measure_peak_flops

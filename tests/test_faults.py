@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.config import preset
-from parallel.checkpoint_files import check_checkpoint, latest_checkpoint
+from parallel.checkpoint.files import check_checkpoint, latest_checkpoint
 from job.train_config import TrainConfig
 
 # A constant learning rate (no warmup, no decay): a run's steps do not depend on its --steps, so a run stopped
@@ -32,7 +32,7 @@ def children(pid: int) -> list[int]:
 
 def ranks_of(pid: int) -> list[int]:
     """The ranks a `minigpt train` process launched: the children of the server they were forked from
-    (parallel/rank_start.py), itself a child of the launching process."""
+    (parallel/launch/rank_start.py), itself a child of the launching process."""
     servers = [child for child in children(pid) if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()]
     return [rank for server in servers for rank in children(server)]
 
@@ -215,7 +215,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoints_before(t
 
 
 def rank_of(pid: int) -> int:
-    """The rank a worker process is, from the heartbeat files its launcher watches (parallel/watchdog.py)."""
+    """The rank a worker process is, from the heartbeat files its launcher watches (parallel/launch/watchdog.py)."""
     import tempfile
 
     for beat in Path(tempfile.gettempdir()).glob("minigpt-launch-*/heartbeats/*"):

@@ -23,13 +23,13 @@ from fuzzing import PARSER_EXAMPLES, SCALE, any_bytes, broken_documents, paths
 from minigpt.config import GPTConfig
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
-from parallel.build import build_rank
-from parallel.checkpoint import load_checkpoint, save_checkpoint
-from parallel.checkpoint_files import MARKER, STATE_FILE, rank_file_name
+from parallel.run.build import build_rank
+from parallel.checkpoint.sharded import load_checkpoint, save_checkpoint
+from parallel.checkpoint.files import MARKER, STATE_FILE, rank_file_name
 from parallel.mesh import build_mesh
-from parallel.resume import continue_settings, resume_point
-from parallel.sample import find_checkpoint, load_model
-from parallel.train import micro_batches
+from parallel.run.resume import continue_settings, resume_point
+from parallel.run.sample import find_checkpoint, load_model
+from parallel.run.train import micro_batches
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
 

@@ -1,9 +1,9 @@
 """Property-based fuzzing of every input parser but the checkpoint's (tests/test_fuzz_checkpoint.py): whatever
 the bytes, a valid object or ConfigError, never another exception; and through the CLI, exit 0 or exit 2 with exactly one line on stderr, no traceback.
 
-Parsers: topology files (node-link JSON and GraphML, simulator/topology.py's load_cluster), hardware
-profiles (simulator/hardware.py's load_hardware, `simulate --hardware`), TOML flag files
-(cli/config_file.py, `--config`) and data files (minigpt/data.py, `train --data`). Each gets (a) arbitrary
+Parsers: topology files (node-link JSON and GraphML, simulator/network/topology.py's load_cluster), hardware
+profiles (simulator/costs/hardware.py's load_hardware, `simulate --hardware`), TOML flag files
+(cli/options/config_file.py, `--config`) and data files (minigpt/data.py, `train --data`). Each gets (a) arbitrary
 bytes and damaged copies of a valid file, and (b) structured-but-wrong documents: the valid document
 with random JSON/TOML values put into its real fields (wrong types, NaN, inf, huge numbers, deep nesting,
 fields removed or added). Hypothesis runs derandomized (the same examples every run, for CI) without
@@ -21,14 +21,14 @@ import networkx as nx
 import pytest
 from hypothesis import given, strategies as st
 
-from cli.config_file import read_config_file, value_kind
+from cli.options.config_file import read_config_file, value_kind
 from cli.main import main
 from fuzzing import (CLI, PARSERS, any_bytes, broken_documents, cpu_profile_document, damaged, one_line_or_success, paths,
                      total, write)
 from minigpt.data import Corpus
-from simulator.cluster import Cluster
-from simulator.hardware import Hardware, load_hardware
-from simulator.topology import build_cluster, load_cluster
+from simulator.network.cluster import Cluster
+from simulator.costs.hardware import Hardware, load_hardware
+from simulator.network.topology import build_cluster, load_cluster
 
 
 # ---------------------------------------------------------------- valid documents to break
@@ -170,7 +170,7 @@ def toml_value(value) -> str:
     return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
 
 
-RIGHT_TYPED = {  # a value of the type the flag takes (cli/config_file.py's kinds), often out of its range
+RIGHT_TYPED = {  # a value of the type the flag takes (cli/options/config_file.py's kinds), often out of its range
     "flag": st.booleans(),
     "integer": st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-1, 8)),
     "number": st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(-1, 8)),

@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors.error_handler import Error
 
 from distributed import run_ranks
 from minigpt.errors import ConfigError, TrainingError
-from parallel.launch import (
+from parallel.launch.elastic import (
     TORCHRUN_VARIABLES,
     describe_failure,
     finish_worker,
@@ -194,23 +194,23 @@ def test_launch_returns_rank_0_value():
 
 
 def test_a_rendezvous_port_taken_before_the_store_binds_it_is_tried_again(monkeypatch):
-    """The launch probes a free port for elastic's static rendezvous (parallel/launch.py); another process may
+    """The launch probes a free port for elastic's static rendezvous (parallel/launch/elastic.py); another process may
     take it before the agent's store listens on it: the launch then moves to another port."""
-    import parallel.launch
+    import parallel.launch.elastic
 
     with socket.socket() as taken:
-        taken.bind((parallel.launch.LOCAL_HOST, 0))
+        taken.bind((parallel.launch.elastic.LOCAL_HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        offered, free_port = [], parallel.launch.local_rendezvous
+        offered, free_port = [], parallel.launch.elastic.local_rendezvous
 
         def first_the_taken_port() -> dict:
             rendezvous = free_port() if offered else {"rdzv_backend": "static", "rdzv_configs": {"rank": 0},
-                                                      "rdzv_endpoint": f"{parallel.launch.LOCAL_HOST}:{port}"}
+                                                      "rdzv_endpoint": f"{parallel.launch.elastic.LOCAL_HOST}:{port}"}
             offered.append(rendezvous["rdzv_endpoint"])
             return rendezvous
 
-        monkeypatch.setattr(parallel.launch, "local_rendezvous", first_the_taken_port)
+        monkeypatch.setattr(parallel.launch.elastic, "local_rendezvous", first_the_taken_port)
         result = launch(rank_report, "moved", 2, threads_per_rank=1)
     assert result["tag"] == "moved" and result["world"] == 2
     assert len(offered) == 2 and offered[0].endswith(f":{port}") and offered[1] != offered[0], offered
@@ -288,7 +288,7 @@ def test_same_entrypoint_runs_under_torchrun(tmp_path):
         "import json, sys\n"
         f"sys.path.insert(0, {str(TESTS_DIR)!r})\n"
         "from test_launch_mesh import rank_report\n"
-        "from parallel.launch import launch\n"
+        "from parallel.launch.elastic import launch\n"
         "if __name__ == '__main__':\n"
         "    result = launch(rank_report, 'torchrun', 2)\n"
         "    if result['rank'] == 0:\n"

@@ -22,12 +22,12 @@ from distributed import run_ranks
 from minigpt.config import GPTConfig, preset
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
-from parallel.checkpoint import gather_global_state, load_checkpoint, save_checkpoint
-from parallel.checkpoint_files import check_model_shape
-from parallel.checkpoint_layout import fused_sections, global_boxes, shard_shape, tensor_parallel_kind
-from parallel.tensor import _shard_sections
+from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
+from parallel.checkpoint.files import check_model_shape
+from parallel.checkpoint.layout import fused_sections, global_boxes, shard_shape, tensor_parallel_kind
+from parallel.tensor.parallelize import _shard_sections
 from job.train_config import TrainConfig
-from parallel.train import micro_batches
+from parallel.run.train import micro_batches
 from parity import worst_gap
 from precision.compute import EMULATED, compute_path
 from test_checkpoint import mismatches, new_rank, train, unlike_the_plain_model

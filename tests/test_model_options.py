@@ -7,11 +7,11 @@ import json
 
 from click.testing import CliRunner
 
-from cli.compare import compare
+from cli.commands.compare import compare
 from cli.main import main
-from cli.model_options import model_from_options
-from cli.simulate import simulate
-from cli.train import train
+from cli.options.model import model_from_options
+from cli.commands.simulate import simulate
+from cli.commands.train import train
 from minigpt.config import PRESETS
 
 MODEL_FLAGS = {"--model", "--layers", "--heads", "--kv-heads", "--d-model", "--d-ff", "--seq-len", "--vocab-size",
@@ -65,7 +65,7 @@ def test_one_toml_file_serves_every_command(tmp_path):
     assert (report["layout"]["tp"], report["global_batch"], report["micro_batch"]) == (2, 8, 2)
     assert report["gpu"] == "h100-sxm"
     assert result.stderr.count("\n") == 1 and "steps, lr" in result.stderr and "skipped" in result.stderr
-    from cli.train import build_train_config, train as train_command
+    from cli.commands.train import build_train_config, train as train_command
 
     parent = main.make_context("minigpt", ["train"], resilient_parsing=True)  # the group, as the console script
     ctx = train_command.make_context("train", ["--config", str(path), "--out", str(tmp_path / "run")], parent=parent)
@@ -94,8 +94,8 @@ def test_a_run_that_cannot_fit_in_ram_is_refused_before_it_starts():
 def test_every_command_spells_precision_alike_and_auto_follows_the_device():
     """--precision: the same choices and default (auto) in train, compare, simulate and plan; auto is bf16 on a
     GPU preset and fp32 for a run on this CPU, and the run says so."""
-    from cli.plan import plan
-    from cli.precision_option import simulated_precision, training_precision
+    from cli.commands.plan import plan
+    from cli.options.precision import simulated_precision, training_precision
 
     for command in (train, compare, simulate, plan):
         option = next(param for param in command.params if param.name == "precision")

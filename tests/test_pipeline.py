@@ -17,7 +17,7 @@ import torch
 from distributed import run_ranks
 from minigpt.config import GPTConfig
 from job.schedule import ScheduleConfig, build_schedule
-from parallel.train import train_on_rank
+from parallel.run.train import train_on_rank
 from job.train_config import TrainConfig
 from parity import history, worst_gap
 

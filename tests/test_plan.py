@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from cli.main import main
 from minigpt.config import build_config
 from job.schedule import peak_in_flight
-from simulator.engine import step_schedule
-from simulator.plan import candidate_memory, enumerate_candidates, plan, simulate_candidate
-from simulator.plan_bound import BUCKET_MB, StepBound, schedule_shape
-from simulator.sweep import ClusterSpec
+from simulator.engine.simulate import step_schedule
+from simulator.search.plan import candidate_memory, enumerate_candidates, plan, simulate_candidate
+from simulator.search.bound import BUCKET_MB, StepBound, schedule_shape
+from simulator.search.sweep import ClusterSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCEPTANCE_S = 60.0
@@ -148,7 +148,7 @@ def test_json_and_table_say_why_the_others_lost():
 
 
 def test_plan_stays_torch_free():
-    code = "import sys, cli.plan, simulator.plan, simulator.plan_bound; print('torch' in sys.modules)"
+    code = "import sys, cli.commands.plan, simulator.search.plan, simulator.search.bound; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 

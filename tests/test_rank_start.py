@@ -1,4 +1,4 @@
-"""Ranks forked from a server that imported torch (parallel/rank_start.py): forked from it, with the launching
+"""Ranks forked from a server that imported torch (parallel/launch/rank_start.py): forked from it, with the launching
 process's environment as it is at the launch, and a preload that never touches CUDA (forking after CUDA is
 initialised is unsafe, which is why the server imports and does nothing more)."""
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from distributed import run_ranks
-from parallel.rank_start import PRELOAD, server_pid
+from parallel.launch.rank_start import PRELOAD, server_pid
 
 
 def what_a_rank_sees(names: list[str]) -> dict:
@@ -44,8 +44,8 @@ for name in sys.argv[1:]:
 def test_the_servers_preload_touches_no_cuda():
     """Every module the server imports (PRELOAD and the entrypoints' modules) imports without asking CUDA
     anything: a fork after cuInit would give every rank a broken CUDA."""
-    modules = [name for name in PRELOAD if name != "__main__"] + ["parallel.train", "cli.main", "parallel.calibrate",
-                                                                  "parallel.checkpoint"]
+    modules = [name for name in PRELOAD if name != "__main__"] + ["parallel.run.train", "cli.main", "parallel.calibrate.measure",
+                                                                  "parallel.checkpoint.sharded"]
     result = subprocess.run([sys.executable, "-c", CUDA_TRAPS, *modules], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -57,7 +57,7 @@ def modules_after_two_steps(out_dir: str) -> dict:
 
     from job.train_config import TrainConfig
     from minigpt.config import GPTConfig
-    from parallel.train import train_on_rank
+    from parallel.run.train import train_on_rank
 
     model = GPTConfig(vocab_size=256, seq_len=16, n_layers=4, n_heads=2, d_model=16, d_ff=32)
     cfg = TrainConfig(model=model, steps=2, global_batch=4, micro_batches=2, eval_batches=1, device="cpu", pp=2,
@@ -93,7 +93,7 @@ FLAGS_WITHOUT_TORCH = """
 import sys
 import parallel.gpu_files
 parallel.gpu_files.GPU_DEVICE_FILES = ("/nonexistent/nvidiactl",)
-from cli.train import build_train_config, train
+from cli.commands.train import build_train_config, train
 options = train.make_context("train", sys.argv[1:]).params
 options.pop("as_json")
 cfg = build_train_config(options)
@@ -112,7 +112,7 @@ def test_flags_are_checked_without_torch_on_a_machine_without_a_gpu_driver():
 
 def test_a_gpu_driver_makes_the_flags_ask_torch(monkeypatch):
     import parallel.gpu_files
-    from cli.precision_option import training_precision
+    from cli.options.precision import training_precision
     from parallel.device import cuda_device_count
 
     monkeypatch.setattr(parallel.gpu_files, "GPU_DEVICE_FILES", ("/nonexistent/nvidiactl",))

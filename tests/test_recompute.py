@@ -1,5 +1,5 @@
 """Selective recomputation in training: the same losses bit for bit, and the activation memory the
-simulator predicts (simulator/memory.py, from simulator/ops.py's saved tensors)."""
+simulator predicts (simulator/memory.py, from simulator/costs/ops.py's saved tensors)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from job.train_config import TrainConfig
 from minigpt.config import PRESETS
 from minigpt.model import GPT
 from parallel.recompute import Recomputed, apply_recompute
-from parallel.train import train
+from parallel.run.train import train
 from precision.policy import policy
 from simulator.memory import predict_memory, recomputed_bytes
 

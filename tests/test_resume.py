@@ -44,7 +44,7 @@ def test_resume_without_checkpoints_is_one_line(tmp_path):
 
 def test_a_resumed_run_keeps_its_save_every_and_says_what_a_new_step_count_does(tmp_path):
     from job.train_config import TrainConfig
-    from parallel.resume import ResumePoint, continue_settings
+    from parallel.run.resume import ResumePoint, continue_settings
 
     saved = TrainConfig(steps=20, save_every=10, out_dir=str(tmp_path)).as_dict()
     point = ResumePoint(tmp_path / "checkpoints" / "step-000020", 20, settings=saved)

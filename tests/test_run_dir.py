@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from minigpt.errors import TrainingError
-from parallel.run_dir import LOCK_FILE, RunClaim
+from parallel.run.directory import LOCK_FILE, RunClaim
 
 SMALL = ["--layers", "1", "--seq-len", "32", "--batch-size", "4", "--log-every", "100"]
 STEPS = ["--steps", "6", "--save-every", "2"]
@@ -175,8 +175,8 @@ def test_fp16_that_skips_every_step_stops_naming_the_step(tmp_path):
 
 
 def test_fp16_with_a_non_finite_loss_on_the_first_step_stops():
-    from parallel.step import StepOutcome
-    from parallel.train import MAX_SKIPPED_IN_A_ROW, History, check_finite
+    from parallel.run.step import StepOutcome
+    from parallel.run.train import MAX_SKIPPED_IN_A_ROW, History, check_finite
     from precision.optimizer import StepResult
 
     def outcome(loss):

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from minigpt.data import Corpus, validation_batches
-from parallel.sample import SampleOptions, generate, load_model
+from parallel.run.sample import SampleOptions, generate, load_model
 
 TRAIN = ["train", "--layers", "2", "--seq-len", "32", "--batch-size", "8", "--steps", "4", "--save-every", "2",
          "--eval-every", "0", "--json"]

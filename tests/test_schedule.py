@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import Group
-from cli.schedule import schedule as schedule_command
+from cli.commands.schedule import schedule as schedule_command
 from minigpt.errors import ConfigError
 from job.schedule import (
     AllReduceGrads,
@@ -279,6 +279,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(args):
 
 
 def test_schedule_modules_do_not_import_torch():
-    code = "import sys, job.schedule, job.schedule_render, cli.schedule; print('torch' in sys.modules)"
+    code = "import sys, job.schedule, job.schedule_render, cli.commands.schedule; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

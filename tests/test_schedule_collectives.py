@@ -1,6 +1,6 @@
 """The schedule is the description of a step, data parallelism included: on every rank and every
 step, the data-parallel collectives parallel/comm.py counts during real training are, call for
-call and byte for byte, those of the schedule the simulator replays (simulator/engine.py's
+call and byte for byte, those of the schedule the simulator replays (simulator/engine/simulate.py's
 `step_schedule`, priced action by action by job/data_parallel.py's `collectives`).
 
 A bucket's reduction starts from the hook the moment its gradients are in, so reductions of one
@@ -21,11 +21,11 @@ from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.config import GPTConfig
 from minigpt.data import Corpus
-from parallel.build import build_rank
+from parallel.run.build import build_rank
 from parallel.mesh import build_mesh
-from parallel.train import micro_batches
+from parallel.run.train import micro_batches
 from precision.policy import policy as precision_policy
-from simulator.engine import step_schedule
+from simulator.engine.simulate import step_schedule
 
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layers=4, n_heads=2, d_model=32, d_ff=64)
 BASE = TrainConfig(model=MODEL, steps=2, global_batch=8, eval_every=0, eval_batches=1, device="cpu")

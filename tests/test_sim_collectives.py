@@ -12,7 +12,7 @@ import networkx as nx
 import pytest
 
 from minigpt.errors import ConfigError
-from simulator.collectives import (
+from simulator.network.collectives import (
     Flow,
     LinkFractions,
     Network,
@@ -21,7 +21,7 @@ from simulator.collectives import (
     set_max_min_rates,
     simulate_collective,
 )
-from simulator.topology import Cluster, build_cluster
+from simulator.network.topology import Cluster, build_cluster
 
 B = 100e9  # bytes/s per edge
 A = 1e-6  # seconds per edge

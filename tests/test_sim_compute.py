@@ -1,4 +1,4 @@
-"""simulator/compute.py: the matmul roofline, its efficiency curve and profile hook, chunk times and TP traffic."""
+"""simulator/costs/compute.py: the matmul roofline, its efficiency curve and profile hook, chunk times and TP traffic."""
 
 from dataclasses import replace
 
@@ -7,8 +7,8 @@ import pytest
 from minigpt.config import GPTConfig, preset
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, policy
-from simulator.achieved import Achieved
-from simulator.compute import (
+from simulator.costs.achieved import Achieved
+from simulator.costs.compute import (
     FALLBACK_CURVE,
     HALF_EFFICIENCY_DIM,
     EfficiencyProfile,
@@ -21,10 +21,10 @@ from simulator.compute import (
     parse_efficiency_profile,
     step_flops,
 )
-from simulator.op_types import Gemm, MemoryOp
-from simulator.ops import Implementation, block_ops
+from simulator.costs.op_types import Gemm, MemoryOp
+from simulator.costs.ops import Implementation, block_ops
 from simulator.provenance import efficiency_sources
-from simulator.hardware import load_hardware
+from simulator.costs.hardware import load_hardware
 from job.layout import Layout
 
 PRESET_A100 = load_hardware("a100-80gb").gpu
@@ -177,7 +177,7 @@ def test_tensor_parallel_collective_bytes():
 
 
 def test_sequence_parallel_sums_the_gradients_of_the_replicated_norms_and_biases():
-    """parallel/tensor.py all-reduces every replicated parameter fed a piece of the sequence: a Llama shape has
+    """parallel/tensor/parallelize.py all-reduces every replicated parameter fed a piece of the sequence: a Llama shape has
     only its RMSNorm gains (two a block, the final norm's), a GPT its LayerNorms' gains and biases, proj's and fc2's."""
     b, layers = 2, 3
     grad = FORMAT_BYTES[policy("bf16").grad]

@@ -1,4 +1,4 @@
-"""simulator/engine.py and sweep.py: closed forms, the executor's semantics, the two lessons, speed, trace."""
+"""simulator/engine/simulate.py and sweep.py: closed forms, the executor's semantics, the two lessons, speed, trace."""
 
 import json
 import subprocess
@@ -12,18 +12,18 @@ import pytest
 from minigpt.config import GPTConfig, build_config, preset
 from minigpt.errors import ConfigError
 from job.schedule import ScheduleConfig, build_schedule
-from simulator.collectives import simulate_collective
-from simulator.compute import chunk_times
-from simulator.engine import simulate_step
-from simulator.engine_costs import RankCosts, optimizer_seconds
-from simulator.engine_links import LinkCosts
-from simulator.engine_overlap import Segment, overlap
-from simulator.engine_replay import replay
-from simulator.hardware import load_hardware
+from simulator.network.collectives import simulate_collective
+from simulator.costs.compute import chunk_times
+from simulator.engine.simulate import simulate_step
+from simulator.engine.costs import RankCosts, optimizer_seconds
+from simulator.engine.links import LinkCosts
+from simulator.engine.dp_overlap import Segment, overlap
+from simulator.engine.replay import replay
+from simulator.costs.hardware import load_hardware
 from job.layout import Layout
-from simulator.overlap import resolve_overlap
-from simulator.sweep import ClusterSpec, Job, compare_zero, scaling_sweep, zero_verdict
-from simulator.topology import Cluster, build_cluster
+from simulator.engine.overlap import resolve_overlap
+from simulator.search.sweep import ClusterSpec, Job, compare_zero, scaling_sweep, zero_verdict
+from simulator.network.topology import Cluster, build_cluster
 from precision.policy import policy
 
 A100 = load_hardware("a100-80gb")
@@ -43,7 +43,7 @@ def free_cluster(n: int) -> Cluster:
 
 
 def test_simulator_stays_torch_free():
-    code = ("import sys, simulator.engine, simulator.sweep, simulator.report, cli.simulate; "
+    code = ("import sys, simulator.engine.simulate, simulator.search.sweep, simulator.report, cli.commands.simulate; "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
@@ -245,7 +245,7 @@ def test_llama3_70b_on_256_h100s_by_hand():
 
 
 def test_a_sweep_tries_only_tensor_parallel_sizes_that_divide_the_kv_heads():
-    from simulator.sweep import candidate_layouts
+    from simulator.search.sweep import candidate_layouts
 
     llama = preset("tiny-llama")  # 4 heads, 2 key/value heads
     tps = {layout.tp for layout in candidate_layouts(Job(llama, global_batch=8), 8, 8, 8)}
@@ -293,11 +293,11 @@ def test_bad_input_is_a_config_error(change, message):
         simulate_step(**args)
 
 
-# ------------------------------------------------------------------ overlap settings (simulator/overlap.py)
+# ------------------------------------------------------------------ overlap settings (simulator/engine/overlap.py)
 
 
 def test_overlap_presets_and_settings():
-    from simulator.overlap import Overlap, overlap_preset, resolve_overlap
+    from simulator.engine.overlap import Overlap, overlap_preset, resolve_overlap
 
     assert resolve_overlap() == Overlap() == overlap_preset("executor")
     assert resolve_overlap("overlapped") == Overlap("overlapped", tp=True, dp="backward", zero3_prefetch=1, p2p=True)
@@ -371,7 +371,7 @@ def test_the_sweep_verdict_is_monotone_and_its_baseline_fits():
     """A dip below the threshold that recovers is not where scaling stops; only points that fit count."""
     from types import SimpleNamespace
 
-    from simulator.sweep import ScalingPoint, ScalingSweep
+    from simulator.search.sweep import ScalingPoint, ScalingSweep
 
     def point(gpus, marginal, fits=True):
         p = ScalingPoint(gpus, 64, SimpleNamespace(fits=fits), 100.0, marginal=marginal)
@@ -388,7 +388,7 @@ def test_the_sweep_verdict_is_monotone_and_its_baseline_fits():
 
 
 def test_a_sweep_whose_first_point_does_not_fit_starts_from_the_first_that_does():
-    from simulator.sweep import ClusterSpec, Job, scaling_sweep
+    from simulator.search.sweep import ClusterSpec, Job, scaling_sweep
 
     job = Job(preset("gpt3-175b"), precision="bf16", global_batch=64, micro_batch=1, zero=1)
     sweep = scaling_sweep(job, [8, 64], ClusterSpec.of("a100-80gb"), tp=8)

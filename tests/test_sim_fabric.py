@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from minigpt.errors import ConfigError
-from simulator.collectives import Network
-from simulator.fabric import Fabric
-from simulator.hardware import load_hardware, load_nic
-from simulator.topology import Cluster, build_cluster, load_cluster, save_cluster
+from simulator.network.collectives import Network
+from simulator.network.fabric import Fabric
+from simulator.costs.hardware import load_hardware, load_nic
+from simulator.network.topology import Cluster, build_cluster, load_cluster, save_cluster
 
 NDR, HDR = load_nic("ndr"), load_nic("hdr")
 RADIX8 = replace(NDR, switch_radix=8)  # small switches: three and four tiers on a few dozen GPUs

@@ -1,19 +1,19 @@
-"""simulator/engine_links.py: the fast path (routes by arithmetic, bottleneck shares) against the full
+"""simulator/engine/links.py: the fast path (routes by arithmetic, bottleneck shares) against the full
 fluid model on every flow, achieved link bandwidth, and the sweep's fabric options and progress."""
 
 from dataclasses import replace
 
 import pytest
 
-import simulator.engine
+import simulator.engine.simulate
 from minigpt.config import GPTConfig
-from simulator.achieved import Achieved
-from simulator.engine import simulate_step
-from simulator.engine_links import LinkCosts
-from simulator.hardware import load_hardware, load_nic
+from simulator.costs.achieved import Achieved
+from simulator.engine.simulate import simulate_step
+from simulator.engine.links import LinkCosts
+from simulator.costs.hardware import load_hardware, load_nic
 from job.layout import Layout
-from simulator.sweep import ClusterSpec, Job, scaling_sweep
-from simulator.topology import Cluster, build_cluster
+from simulator.search.sweep import ClusterSpec, Job, scaling_sweep
+from simulator.network.topology import Cluster, build_cluster
 
 SMALL = GPTConfig(vocab_size=64, seq_len=256, n_layers=16, n_heads=16, d_model=512, d_ff=2048)
 NDR, HDR = load_nic("ndr"), load_nic("hdr")
@@ -84,7 +84,7 @@ def test_step_time_on_the_fast_path_equals_the_full_path(monkeypatch, args, layo
         def __init__(self, cluster, layout, gpu=None):
             super().__init__(cluster, layout, gpu, exact=True)
 
-    monkeypatch.setattr(simulator.engine, "LinkCosts", Exact)
+    monkeypatch.setattr(simulator.engine.simulate, "LinkCosts", Exact)
     assert step() == pytest.approx(fast, rel=1e-9)
 
 

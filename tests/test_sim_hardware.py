@@ -1,4 +1,4 @@
-"""Hardware presets: loaded from simulator/hardware.json, checked, and round-tripped as profiles."""
+"""Hardware presets: loaded from simulator/costs/hardware.json, checked, and round-tripped as profiles."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.errors import ConfigError
-from simulator.hardware import (
+from simulator.costs.hardware import (
     FLOP_FORMATS,
     PRESETS_FILE,
     hardware_to_dict,
@@ -149,7 +149,7 @@ def test_preset_file_has_every_format():
 
 
 def test_a_cuda_device_name_finds_the_preset_of_its_gpu_only():
-    from simulator.hardware import preset_for_device, preset_links
+    from simulator.costs.hardware import preset_for_device, preset_links
 
     names = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA A100-SXM4-80GB": "a100-80gb",
              "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA H200 NVL": None, "NVIDIA H100 PCIe": None,
@@ -167,7 +167,7 @@ def test_a_cuda_device_name_finds_the_preset_of_its_gpu_only():
 def test_achieved_fractions_parse_round_trip_and_refuse_nonsense(tmp_path):
     import json as _json
 
-    from simulator.hardware import hardware_to_dict, load_hardware
+    from simulator.costs.hardware import hardware_to_dict, load_hardware
 
     data = hardware_to_dict(load_hardware("a100-80gb"))
     gpu = next(iter(data["gpus"].values()))
@@ -224,7 +224,7 @@ def test_matmul_tables_say_where_they_come_from():
 
 
 def test_every_preset_gpu_has_achieved_fractions_with_a_source():
-    from simulator.achieved import DATASHEET
+    from simulator.costs.achieved import DATASHEET
 
     raw = _raw_gpus()
     for name in GPUS:

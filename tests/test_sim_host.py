@@ -1,4 +1,4 @@
-"""simulator/host.py and engine_host.py: a measured CPU host's units, sharing and collectives drive the engine."""
+"""simulator/costs/host.py and engine/host.py: a measured CPU host's units, sharing and collectives drive the engine."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from minigpt.config import preset
 from minigpt.errors import ConfigError
-from simulator.engine import simulate_step
-from simulator.hardware import hardware_to_dict, load_hardware, save_hardware
+from simulator.engine.simulate import simulate_step
+from simulator.costs.hardware import hardware_to_dict, load_hardware, save_hardware
 from job.layout import Layout
-from simulator.topology import build_cluster
+from simulator.network.topology import build_cluster
 
 TINY = preset("tiny")
 SIZES = [1, 2, 4, 8]
@@ -81,7 +81,7 @@ def test_one_rank_step_is_the_measured_units_times_the_thread_speedup(hardware):
 
 
 def test_ranks_sharing_cores_slow_compute_and_use_the_measured_collectives(hardware):
-    from simulator.engine_host import HostLinks
+    from simulator.engine.host import HostLinks
 
     two = simulate_step(TINY, Layout(dp=2), build_cluster(hardware, 2, 1), "fp32", 16, 8, gpu=hardware)
     four = simulate_step(TINY, Layout(dp=4), build_cluster(hardware, 4, 1), "fp32", 32, 8, gpu=hardware)
@@ -124,7 +124,7 @@ def test_collectives_interpolate_between_measured_loads(hardware):
 
 
 def test_on_a_cpu_host_communication_does_not_overlap_compute():
-    from simulator.engine_overlap import Segment, overlap
+    from simulator.engine.dp_overlap import Segment, overlap
 
     segments = [Segment(1.0, gather=0.5, reduce=0.25), Segment(2.0, reduce=0.25)]
     assert overlap(segments, None, True).end == pytest.approx(3.75)  # the first reduction hides behind compute
@@ -158,7 +158,7 @@ def test_gpus_measured_with_nccl_overlap_communication_with_compute(hardware, tm
 
 
 def test_communication_is_charged_in_line_only_where_each_rank_has_its_own_cores(hardware):
-    from simulator.engine_host import host_compute
+    from simulator.engine.host import host_compute
 
     host = hardware.gpu.measured  # 2 cores
     assert host_compute(host, TINY, Layout(dp=2), 1).serial  # one core each: gloo's copies take it from compute

@@ -9,7 +9,7 @@ import pytest
 from minigpt.config import GPTConfig, preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
-from simulator.hardware import load_hardware
+from simulator.costs.hardware import load_hardware
 from job.layout import Layout, stage_units
 from simulator.memory import MAX_IN_FLIGHT, layer_activation_bytes, predict_memory
 
@@ -19,13 +19,13 @@ ROLES = {"parameters": "compute", "gradients": "grad", "master_weights": "master
 
 
 def test_simulator_modules_do_not_import_torch():
-    code = "import sys, job.layout, simulator.memory, simulator.compute; print('torch' in sys.modules)"
+    code = "import sys, job.layout, simulator.memory, simulator.costs.compute; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 
 def by_hand(model: GPTConfig, tp: int) -> int:
-    """Parameters one tensor-parallel rank holds (one pipeline stage), from the rules of parallel/tensor.py."""
+    """Parameters one tensor-parallel rank holds (one pipeline stage), from the rules of parallel/tensor/parallelize.py."""
     d, f, s = model.d_model, model.d_ff, model.seq_len
     vocab = -(-model.vocab_size // tp) * tp
     block = 4 * d + (3 * d * d + 3 * d) // tp + d * d // tp + d + (d * f + f) // tp + f * d // tp + d
@@ -65,9 +65,9 @@ def test_llama_parameters_per_rank_by_hand(model, tp):
 def test_parameters_and_buckets_match_torch():
     """The real modules, made tensor-parallel (parallelize reads only size and rank while it builds) and flattened."""
     from minigpt.model import GPT
-    from parallel.tensor import parallelize
-    from parallel.zero import MAX_IN_FLIGHT as ZERO_MAX_IN_FLIGHT
-    from parallel.zero3 import units_of
+    from parallel.tensor.parallelize import parallelize
+    from parallel.data.zero import MAX_IN_FLIGHT as ZERO_MAX_IN_FLIGHT
+    from parallel.data.zero3 import units_of
     from precision.flat import FlatParameters
 
     assert MAX_IN_FLIGHT == ZERO_MAX_IN_FLIGHT

@@ -1,4 +1,4 @@
-"""simulator/ops.py: the op list holds config.py's FLOPs exactly, and Korthikanti et al. 2022's activation bytes."""
+"""simulator/costs/ops.py: the op list holds config.py's FLOPs exactly, and Korthikanti et al. 2022's activation bytes."""
 
 import ast
 import subprocess
@@ -12,8 +12,8 @@ from minigpt.errors import ConfigError
 from precision.policy import policy
 from job.layout import Layout
 from simulator.memory import layer_activation_bytes, predict_memory
-from simulator.op_types import FusedAttention, Gemm, MemoryOp
-from simulator.ops import Implementation, block_ops, embedding_ops, head_ops, op_rows
+from simulator.costs.op_types import FusedAttention, Gemm, MemoryOp
+from simulator.costs.ops import Implementation, block_ops, embedding_ops, head_ops, op_rows
 
 BF16 = policy("bf16")
 # Korthikanti et al.'s shape conventions: MLP width 4h, dropout on (attention and both residual branches).
@@ -286,6 +286,6 @@ def test_simulator_modules_have_no_import_cycle_and_no_torch():
     for module in graph:
         if module not in state:
             visit(module, [module])
-    code = "import sys, simulator.ops, simulator.overlap, simulator.provenance; print('torch' in sys.modules)"
+    code = "import sys, simulator.costs.ops, simulator.engine.overlap, simulator.provenance; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -6,8 +6,8 @@ import networkx as nx
 import pytest
 
 from minigpt.errors import ConfigError
-from simulator.hardware import load_hardware, load_nic
-from simulator.topology import Cluster, build_cluster, load_cluster, save_cluster
+from simulator.costs.hardware import load_hardware, load_nic
+from simulator.network.topology import Cluster, build_cluster, load_cluster, save_cluster
 
 
 def types_on(cluster, route):

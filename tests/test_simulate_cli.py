@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import Group
-from cli.simulate import simulate
-from simulator.topology import build_cluster, save_cluster
+from cli.commands.simulate import simulate
+from simulator.network.topology import build_cluster, save_cluster
 
 
 @click.group(cls=Group)
@@ -100,7 +100,7 @@ def test_a_malformed_topology_file_is_bad_input(tmp_path):
 
 
 def test_a_hardware_profile_loads_like_a_preset(tmp_path):
-    from simulator.hardware import load_hardware, save_hardware
+    from simulator.costs.hardware import load_hardware, save_hardware
 
     profile = save_hardware(load_hardware("h200"), tmp_path / "ours.json")
     result = invoke("--model", "gpt2-124m", "--dp", "8", "--hardware", str(profile), "--json")
@@ -169,8 +169,8 @@ def test_fabric_flags_reach_the_cluster_and_bad_ones_are_one_line():
     from click.testing import CliRunner
 
     from cli.main import main
-    from cli.cluster_options import TOPOLOGY_KINDS
-    from simulator.topology import CLUSTER_KINDS
+    from cli.options.cluster import TOPOLOGY_KINDS
+    from simulator.network.topology import CLUSTER_KINDS
 
     assert tuple(TOPOLOGY_KINDS) == tuple(CLUSTER_KINDS)
     base = ["simulate", "--model", "gpt2-124m", "--tp", "4", "--dp", "64", "--global-batch", "256", "--micro-batch", "4"]

@@ -14,7 +14,7 @@ from distributed import run_ranks
 from minigpt.config import GPTConfig
 from parallel.comm import Collectives
 from parallel.mesh import build_mesh
-from parallel.tensor_layers import (
+from parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelCrossEntropy,
@@ -23,7 +23,7 @@ from parallel.tensor_layers import (
     _split_seq,
     shard_rows,
 )
-from parallel.train import train_on_rank
+from parallel.run.train import train_on_rank
 from job.train_config import TrainConfig
 from parity import history, worst_gap
 

@@ -31,7 +31,7 @@ from distributed import run_ranks
 from minigpt.config import GPTConfig
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.model import GPT
-from parallel.train import train_on_rank
+from parallel.run.train import train_on_rank
 from job.train_config import TrainConfig
 from parity import history, worst_gap
 from precision.flat import FlatParameters

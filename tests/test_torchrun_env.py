@@ -1,4 +1,4 @@
-"""torchrun's variables without a torchrun (parallel/torchrun_env.py): a rank whose peers never come says what
+"""torchrun's variables without a torchrun (parallel/launch/torchrun_env.py): a rank whose peers never come says what
 it waits for, gives up after MINIGPT_RENDEZVOUS_TIMEOUT seconds in one line, and the bound is the rendezvous's
 alone: the process group it joins keeps torch's default timeout. (Variables set only in part, or to values no
 rank could use, are refused before any work: tests/test_bad_inputs.py.)"""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.errors import ConfigError
-from parallel.torchrun_env import AGENT_VARIABLE, TIMEOUT_VARIABLE, TORCHRUN_VARIABLES, join_process_group
+from parallel.launch.torchrun_env import AGENT_VARIABLE, TIMEOUT_VARIABLE, TORCHRUN_VARIABLES, join_process_group
 
 REPO = Path(__file__).parent.parent
 SMALL = ["--layers", "1", "--seq-len", "32", "--batch-size", "4"]

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from minigpt.config import preset
-from parallel.train import train
+from parallel.run.train import train
 from job.train_config import TrainConfig
 
 SMALL = preset("tiny").with_(n_layers=2, seq_len=64)
@@ -148,9 +148,9 @@ def mfus(run_dir, summary):
 
 def test_mfu_cannot_pass_one_when_the_peak_is_timed_low(tmp_path, monkeypatch):
     """A start-up timing 1000x too low (what a busy machine does to it) must not give MFU > 100%."""
-    import parallel.train
+    import parallel.run.train
 
-    monkeypatch.setattr(parallel.train, "measure_peak_flops", lambda device, dtype: 1e3)
+    monkeypatch.setattr(parallel.run.train, "measure_peak_flops", lambda device, dtype: 1e3)
     cfg = TrainConfig(model=SMALL.with_(seq_len=32), steps=4, global_batch=4, eval_every=0, out_dir=str(tmp_path / "r"))
     summary = train(cfg)
     assert max(mfus(tmp_path / "r", summary)) <= 1.0

@@ -14,7 +14,7 @@ import torch
 
 from distributed import run_ranks
 from minigpt.config import GPTConfig
-from parallel.train import train_on_rank
+from parallel.run.train import train_on_rank
 from job.layout import Layout
 from job.train_config import TrainConfig
 from parity import history, worst_gap

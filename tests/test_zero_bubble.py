@@ -17,10 +17,10 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
 from job import schedule_actions
-from parallel.pipeline import PipelineExecutor, split_model
-from parallel.weight_gradients import WeightGradients
+from parallel.pipeline.executor import PipelineExecutor, split_model
+from parallel.pipeline.weight_gradients import WeightGradients
 from job.schedule import Action, Forward, Schedule, ScheduleConfig, build_schedule
-from parallel.train import train, train_on_rank
+from parallel.run.train import train, train_on_rank
 from job.train_config import TrainConfig
 from parity import worst_gap
 

@@ -8,8 +8,8 @@ formats and the loss scaler, the training loop for live bytes, the simulator for
 the schedule for communication and bubbles -- and decides the verdict from that number alone, with
 the reason. Nothing of ours is typed in.
 
-The claims live by topic in cli/tools/claims_*.py; cli/tools/claims_registry.py lists and runs them.
-`minigpt claims` (cli/claims.py) prints them; docs/claims.md is its `--markdown` output.
+The claims live by topic in cli/tools/claims_*.py; cli/claims/registry.py lists and runs them.
+`minigpt claims` (cli/commands/claims.py) prints them; docs/claims.md is its `--markdown` output.
 """
 
 from __future__ import annotations

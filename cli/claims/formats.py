@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from cli.tools.claims import HOLDS, WRONG, Claim, Finding, percent, ratio_text
+from cli.claims.claim import HOLDS, WRONG, Claim, Finding, percent, ratio_text
 
 # The article's format table (1.2): largest value, exponent and mantissa bits, size against fp32.
 ARTICLE_RANGE = {"fp32": 3.4e38, "fp16": 6.5e4, "bf16": 3.4e38, "fp8_e4m3": 4.3e1, "fp8_e5m2": 4.3e1}

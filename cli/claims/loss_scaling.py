@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cli.tools.claims import CAVEAT, HOLDS, WRONG, Claim, Finding, percent
+from cli.claims.claim import CAVEAT, HOLDS, WRONG, Claim, Finding, percent
 
 WIDTH, ROWS = 256, 64
 MEDIAN_GRADIENT = 1e-8  # experiment (a)'s gradient, precision/formats.py's experiment_underflow default

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from cli.tools.claims import CAVEAT, HOLDS, WRONG, Claim, Finding, percent
-from cli.tools.claims_sim import GIB, SimCase, memory_shares
+from cli.claims.claim import CAVEAT, HOLDS, WRONG, Claim, Finding, percent
+from cli.claims.sim import GIB, SimCase, memory_shares
 from precision.policy import policy
 
 GPT3 = dict(tp=8, pp=16, dp=8, zero=1, global_batch=1536)  # a published GPT-3 layout (README's example)

@@ -1,11 +1,11 @@
 """Parallelism claims: scaling, the pipeline bubble, where TP and PP belong, and the strategy table, from the
 schedule (job/schedule.py, replayed symbolically or by the simulator) and the simulator's link model
-(simulator/engine_links.py on clusters built as `minigpt simulate` builds them). Torch-free."""
+(simulator/engine/links.py on clusters built as `minigpt simulate` builds them). Torch-free."""
 
 from __future__ import annotations
 
-from cli.tools.claims import CAVEAT, HOLDS, WRONG, Claim, Finding, percent, ratio_text
-from cli.tools.claims_sim import GIB, SimCase
+from cli.claims.claim import CAVEAT, HOLDS, WRONG, Claim, Finding, percent, ratio_text
+from cli.claims.sim import GIB, SimCase
 from job.data_parallel import collectives, schedule_config
 from job.layout import Layout
 from job.schedule import (Costs, ScheduleConfig, SendActivation, SendGrad, build_schedule, closed_form_bubble,
@@ -13,9 +13,9 @@ from job.schedule import (Costs, ScheduleConfig, SendActivation, SendGrad, build
 from job.train_config import TrainConfig
 from minigpt.config import preset
 from precision.policy import FORMAT_BYTES
-from simulator.compute import chunk_times
-from simulator.engine_links import LinkCosts
-from simulator.sweep import DEFAULT_THRESHOLD, ClusterSpec, Job, scaling_sweep
+from simulator.costs.compute import chunk_times
+from simulator.engine.links import LinkCosts
+from simulator.search.sweep import DEFAULT_THRESHOLD, ClusterSpec, Job, scaling_sweep
 
 SWEEP_MODEL, SWEEP_BATCH, SWEEP_COUNTS, SWEEP_GPU = "gpt2-124m", 64, (1, 2, 4, 8, 16, 32, 64), "a100-80gb"
 BUBBLE_PP, BUBBLE_M = 4, 8
@@ -57,7 +57,7 @@ def check_more_gpus() -> Finding:
         + ", ".join(percent(p["efficiency"]) for p in points) + ". The exposed gradient all-reduce takes "
         + ", ".join(percent(p["dp_comm_share"]) for p in points)
         + f" of the step. {verdict[0].upper()}{verdict[1:]}. More GPUs still add throughput after that point, but each "
-        f"one less than half of what a GPU already there brings (simulator/sweep.py's threshold, "
+        f"one less than half of what a GPU already there brings (simulator/search/sweep.py's threshold, "
         f"{percent(sweep.threshold)})."
     )
     return Finding(ours, HOLDS, why, numbers, discussion)

@@ -1,13 +1,12 @@
-"""Every claim of cli/tools/claims_*.py in the table's order, picked by name and run (timed)."""
+"""Every claim of cli/claims/'s topic modules in the table's order, picked by name and run (timed)."""
 
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-from cli.tools import (claims_formats, claims_loss_scaling, claims_memory, claims_parallel, claims_speed,
-                       claims_training, claims_zero)
-from cli.tools.claims import Claim, ClaimResult, one_thread
+from cli.claims import formats, loss_scaling, memory, parallel, speed, training, zero
+from cli.claims.claim import Claim, ClaimResult, one_thread
 from minigpt.errors import ConfigError
 
 # Not numbers, so not claims to run: what the article misnames, said once under the table.
@@ -19,8 +18,8 @@ TEXT_ERRATA = (
 
 def all_claims() -> list[Claim]:
     """Every claim, grouped by topic in the article's order."""
-    return [*claims_formats.CLAIMS, *claims_loss_scaling.CLAIMS, *claims_training.CLAIMS, *claims_speed.CLAIMS,
-            *claims_memory.CLAIMS, *claims_zero.CLAIMS, *claims_parallel.CLAIMS]
+    return [*formats.CLAIMS, *loss_scaling.CLAIMS, *training.CLAIMS, *speed.CLAIMS, *memory.CLAIMS, *zero.CLAIMS,
+            *parallel.CLAIMS]
 
 
 def select(names: tuple[str, ...] | list[str] = ()) -> list[Claim]:

@@ -12,8 +12,8 @@ import platform
 import sys
 
 from cli.output import format_wrapped_table
-from cli.tools.claims import VERDICTS, ClaimResult
-from cli.tools.claims_registry import TEXT_ERRATA
+from cli.claims.claim import VERDICTS, ClaimResult
+from cli.claims.registry import TEXT_ERRATA
 
 ARTICLE = "seed/000_5343eac3f80ee7f5.txt"
 ARTICLE_TITLE = "大模型底层学习（四）- 混合精度训练与分布式训练"

@@ -1,7 +1,7 @@
 """One simulated training step, as `minigpt simulate` runs it, and the command line that prints it. Torch-free.
 
 A `SimCase` is a job on a cluster built as `minigpt simulate` builds it without --nodes (the layout's
-GPUs in whole servers, or one partly filled server): its `result` is simulator/sweep.py's Job.simulate
+GPUs in whole servers, or one partly filled server): its `result` is simulator/search/sweep.py's Job.simulate
 (simulate_step with the command's defaults: flash attention, our executor's overlap, 25 MiB buckets),
 and its `command` is the `minigpt simulate` line that prints the same numbers.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from cli.cluster_options import DEFAULT_GPU
+from cli.options.cluster import DEFAULT_GPU
 from job.layout import Layout
 from minigpt.config import GPTConfig, preset
-from simulator.engine import SimResult
-from simulator.sweep import ClusterSpec, Job
+from simulator.engine.simulate import SimResult
+from simulator.search.sweep import ClusterSpec, Job
 
 GIB = 2**30
 

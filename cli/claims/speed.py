@@ -1,22 +1,22 @@
 """The article's speed claims for A100/H100, simulated per GPU preset with the op-level model
-(simulator/ops.py priced by simulator/compute.py on simulator/hardware.json's cited tables). Torch-free but
+(simulator/costs/ops.py priced by simulator/costs/compute.py on simulator/costs/hardware.json's cited tables). Torch-free but
 for the CPU half of cast-cost."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from cli.tools.claims import CAVEAT, HOLDS, WRONG, Claim, Finding, percent
-from cli.tools.claims_sim import SimCase
+from cli.claims.claim import CAVEAT, HOLDS, WRONG, Claim, Finding, percent
+from cli.claims.sim import SimCase
 from job.layout import Layout
 from minigpt.config import preset
 from precision.policy import FORMAT_BYTES, policy
-from simulator.compute import efficiency, hbm_speed, pass_times
-from simulator.hardware import load_hardware, preset_names
-from simulator.op_types import FusedAttention, Gemm, Implementation
-from simulator.ops import block_ops
+from simulator.costs.compute import efficiency, hbm_speed, pass_times
+from simulator.costs.hardware import load_hardware, preset_names
+from simulator.costs.op_types import FusedAttention, Gemm, Implementation
+from simulator.costs.ops import block_ops
 
-GPUS = tuple(preset_names())  # every GPU preset of simulator/hardware.json
+GPUS = tuple(preset_names())  # every GPU preset of simulator/costs/hardware.json
 A100, H100 = "a100-80gb", "h100-sxm"
 ARTICLE_SPEEDUP = (2.0, 3.0)
 SPEED_MODEL, SPEED_MICRO_BATCH = "gpt2-124m", 8
@@ -39,7 +39,7 @@ def _in_format(op, dtype: str):
 
 
 def block_seconds(model: str, micro_batch: int, gpu_name: str, precision: str, matmul: str | None = None):
-    """simulator/compute.py's PassTimes of one block's forward and backward (matmuls in `matmul` if given)."""
+    """simulator/costs/compute.py's PassTimes of one block's forward and backward (matmuls in `matmul` if given)."""
     gpu = load_hardware(gpu_name).gpu
     ops = block_ops(preset(model), micro_batch, Layout(), policy(precision), Implementation())
     every = [_in_format(op, matmul) if matmul else op for op in ops.forward + ops.backward]
@@ -117,7 +117,7 @@ def check_fp16_bf16_same() -> Finding:
     why = ("the datasheets give both formats one dense peak and the cited GEMM tables are the same rows, so the "
            "simulator can only agree; the difference between them is numerical, not speed")
     discussion = (
-        "simulator/hardware.json holds the datasheets' dense peaks: " + "; ".join(
+        "simulator/costs/hardware.json holds the datasheets' dense peaks: " + "; ".join(
             f"{g} {n['bf16_tflops']:g} TFLOP/s in both" for g, n in numbers.items()) + f". Simulated, {SPEED_MODEL}'s "
         "step takes the same time in fp16 and bf16 on every GPU preset. What separates them is range (fp16-overflow, "
         "fp16-underflow) and the loss scaler fp16 needs, not throughput."

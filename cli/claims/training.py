@@ -1,4 +1,4 @@
-"""Claims checked on real training runs: the tiny model trained for a few steps by parallel/train.py, in
+"""Claims checked on real training runs: the tiny model trained for a few steps by parallel/run/train.py, in
 fp32 and bf16, on this machine's CPU, one thread; bytes from the live tensors, activations from the
 saved-tensor hooks (parallel/memory.py), step times from the run's own clock.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from cli.tools.claims import CAVEAT, HOLDS, WRONG, Claim, Finding, one_thread, percent, ratio_text
+from cli.claims.claim import CAVEAT, HOLDS, WRONG, Claim, Finding, one_thread, percent, ratio_text
 
 STEPS, GLOBAL_BATCH = 4, 8
 ROLES = ("compute", "grad", "master", "adam_m", "adam_v")
@@ -32,7 +32,7 @@ def tiny_run(precision: str) -> dict:
 
     from job.train_config import TrainConfig
     from minigpt.config import preset
-    from parallel.train import train
+    from parallel.run.train import train
 
     one_thread()
     with tempfile.TemporaryDirectory(prefix="minigpt-claims-") as out:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from cli.tools.claims import CAVEAT, HOLDS, UNCHECKABLE, WRONG, Claim, Finding, ratio_text
-from cli.tools.claims_sim import GIB, SimCase
+from cli.claims.claim import CAVEAT, HOLDS, UNCHECKABLE, WRONG, Claim, Finding, ratio_text
+from cli.claims.sim import GIB, SimCase
 from job.data_parallel import NORM_BYTES, collectives, schedule_config
 from job.layout import Layout
 from job.schedule import build_schedule
@@ -185,7 +185,7 @@ def check_fsdp_offload() -> Finding:
     why = ("neither side models it: the executor keeps every shard in device memory and the simulator has no "
            "host-device link or host memory to price an offload on")
     discussion = (
-        "The article lists CPU offload among FSDP's engineering. minigpt's ZeRO-3 (parallel/zero3.py) keeps its "
+        "The article lists CPU offload among FSDP's engineering. minigpt's ZeRO-3 (parallel/data/zero3.py) keeps its "
         "shards, masters and moments on the rank's device, and the simulator's cost model has no PCIe link or host "
         "memory, so neither the memory an offload frees nor the transfers it adds can be computed here. The other "
         "two features it names are here: sharding by unit (job/data_parallel.py) and gathers overlapped with compute "

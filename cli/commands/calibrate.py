@@ -4,7 +4,7 @@
     minigpt simulate --hardware profile.json ...
 
 The flags are checked, and the output path probed for writing, before any rank starts;
-the measurements are parallel/calibrate.py's and parallel/calibrate_host.py's (the GPU
+the measurements are parallel/calibrate/measure.py's and parallel/calibrate/host.py's (the GPU
 entry's "measured" field: the model's pieces, core sharing, collectives by group and load);
 the profile is written atomically (a temporary file in the same directory, then a rename)
 and read back with load_hardware. --device auto measures one CUDA GPU per rank with NCCL
@@ -18,10 +18,10 @@ giving per-format peak_flops (the best measured rate, not the datasheet's) and e
 on a CPU fp32 alone (16-bit training on a CPU emulates its matmuls with fp32 ones), unless
 --formats asks for more (e.g. fp32,bf16,fp8: the per-format path at CPU sizes, for dry runs).
 With one rank nothing measures the links: on a GPU whose name matches a preset of
-simulator/hardware.json (e.g. "NVIDIA H200" -> h200) the profile takes that preset's link, node
+simulator/costs/hardware.json (e.g. "NVIDIA H200" -> h200) the profile takes that preset's link, node
 and NIC figures, else half the copy bandwidth with no latency; the profile and the output say which.
 
-A busy machine (parallel/calibrate_noise.py): the CPU share a measuring thread gets is taken before
+A busy machine (parallel/calibrate/noise.py): the CPU share a measuring thread gets is taken before
 the ranks start, while rank 0 measures alone and after the ranks end; under half a core at any of
 them is refused in one line (exit 2, nothing written) unless --allow-busy. The profile's
 measured["reliability"] records the shares and the spread of repeated runs and says whether the
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import click
 
-from cli.config_file import config_file_option
+from cli.options.config_file import config_file_option
 from cli.output_file import check_output_file
 from minigpt.errors import ConfigError
-from parallel.torchrun_env import check_torchrun_variables
+from parallel.launch.torchrun_env import check_torchrun_variables
 
 DEFAULT_NAME = "cpu-calibrated"  # on CUDA: CUDA_NAME
 CUDA_NAME = "cuda-calibrated"
@@ -96,7 +96,7 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
                     allow_busy: bool = False) -> dict:
     """Check, measure, write, read back: the profile as written, with the seconds it took.
     ranks None: one per GPU when --device auto finds CUDA, else 8. A machine too busy to measure
-    (parallel/calibrate_noise.py: before the ranks start, while rank 0 measures alone, after) is a
+    (parallel/calibrate/noise.py: before the ranks start, while rank 0 measures alone, after) is a
     ConfigError before anything is written, unless allow_busy (the profile is then marked unreliable)."""
     import time
 
@@ -104,10 +104,10 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
     check_torchrun_variables()
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
-    from parallel.calibrate import build_profile, calibrate, make_plan, measured_device
-    from parallel.calibrate_host import host_cores
-    from parallel.calibrate_noise import check_quiet, cpu_share
-    from simulator.hardware import preset_links
+    from parallel.calibrate.measure import build_profile, calibrate, make_plan, measured_device
+    from parallel.calibrate.host import host_cores
+    from parallel.calibrate.noise import check_quiet, cpu_share
+    from simulator.costs.hardware import preset_links
 
     plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches, formats)
     start = time.perf_counter()
@@ -124,7 +124,7 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
     profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
     profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
     write_atomically(profile, path)
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
     load_hardware(str(path))  # what was written must load
     return profile
@@ -161,7 +161,7 @@ def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch,
               allow_busy, as_json) -> None:
     """Measure this machine (matmuls per format, memory copy, the model's pieces, sharing, collectives) into a
     profile: with gloo on the CPU, or with NCCL on CUDA GPUs."""
-    from parallel.calibrate_noise import details, summary
+    from parallel.calibrate.noise import details, summary
 
     profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch, device,
                               parse_sizes(micro_batches), parse_formats(formats), allow_busy)

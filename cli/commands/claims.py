@@ -39,8 +39,8 @@ def claims(only: tuple[str, ...], as_json: bool, markdown_path: str | None) -> N
     """Run every checkable claim of the seed article (mixed precision, ZeRO, tensor and pipeline parallelism)
     in seconds on a CPU, simulated where it needs GPUs or a cluster, and print each one's number against ours
     with a verdict: holds, holds with a caveat, or wrong, and why."""
-    from cli.tools.claims_registry import run_claims, select
-    from cli.tools.claims_report import markdown, report_dict, text_table
+    from cli.claims.registry import run_claims, select
+    from cli.claims.report import markdown, report_dict, text_table
 
     if markdown_path is not None and only:
         raise ConfigError("--markdown writes the whole table: drop --only")

@@ -17,12 +17,12 @@ import dataclasses
 
 import click
 
-from cli.config_file import config_file_option
-from cli.batch_options import batch_options, micro_batch_count
-from cli.model_options import model_from_options, model_options
-from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
+from cli.options.config_file import config_file_option
+from cli.options.batch import batch_options, micro_batch_count
+from cli.options.model import model_from_options, model_options
+from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
 from job.train_config import TrainConfig
-from parallel.torchrun_env import check_torchrun_variables
+from parallel.launch.torchrun_env import check_torchrun_variables
 
 
 def build_compare_config(options: dict) -> TrainConfig:
@@ -43,7 +43,7 @@ def build_compare_config(options: dict) -> TrainConfig:
     if options["precision"] == AUTO:  # the format the training side will compute in, for both sides
         cfg = dataclasses.replace(cfg, precision=training_precision(AUTO, cfg.device, cfg.world_size))
     if cfg.out_dir is None:  # a directory of its own, named now so that it can be claimed before any work
-        from parallel.run_files import default_run_dir
+        from parallel.run.files import default_run_dir
 
         cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
     return cfg

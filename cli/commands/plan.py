@@ -1,7 +1,7 @@
 """`minigpt plan`: the fastest training layouts of a model on N GPUs that fit in memory.
 
-Torch-free: it checks flags and prints what simulator/plan.py finds. The model flags are
-`simulate`'s (cli/model_options.py), the cluster flags too (--gpu, --hardware, --gpus-per-node,
+Torch-free: it checks flags and prints what simulator/search/plan.py finds. The model flags are
+`simulate`'s (cli/options/model.py), the cluster flags too (--gpu, --hardware, --gpus-per-node,
 --fabric, --topology-kind, --nics-per-node, --oversubscription: one cluster of --gpus GPUs in whole
 servers). The global batch defaults to one sequence per GPU, so every dp divides it;
 --micro-batch-size or --micro-batches fixes the micro-batching, otherwise it is searched.
@@ -19,12 +19,12 @@ import sys
 
 import click
 
-from cli.batch_options import batch_options
-from cli.config_file import config_file_option
-from cli.model_options import model_from_options, model_options
-from cli.cluster_options import check_cluster_names, cluster_options
-from cli.precision_option import precision_option, simulated_precision
-from cli.simulate import _hardware, parameter_count
+from cli.options.batch import batch_options
+from cli.options.config_file import config_file_option
+from cli.options.model import model_from_options, model_options
+from cli.options.cluster import check_cluster_names, cluster_options
+from cli.options.precision import precision_option, simulated_precision
+from cli.commands.simulate import _hardware, parameter_count
 from minigpt.errors import ConfigError, check_positive_int
 
 GIB = 2**30
@@ -54,7 +54,7 @@ def _rows(result) -> list[list]:
 
 
 def _why_rows(result) -> list[list]:
-    from simulator.plan import REFUSALS
+    from simulator.search.plan import REFUSALS
 
     rows = [["candidates in all", f"{result.candidates:,}"]]
     rows += [[f"refused: {REFUSALS[key]}", f"{count:,}"] for key, count in sorted(result.refused.items())]
@@ -82,12 +82,12 @@ def _print(result) -> None:
     seconds = sum(result.seconds.values())
     click.echo(f"step times: simulate_step (flash attention, our executor's overlap) for {len(result.simulated):,} of "
                f"the {result.fitting:,} layouts that fit, in increasing order of a lower bound on their step "
-               f"(simulator/plan_bound.py) until it passed the slowest of the {result.top} best; memory checked for all; "
+               f"(simulator/search/bound.py) until it passed the slowest of the {result.top} best; memory checked for all; "
                f"{seconds:.1f} s")
 
 
 def _spec(options: dict):
-    from simulator.sweep import ClusterSpec
+    from simulator.search.sweep import ClusterSpec
 
     return ClusterSpec.of(_hardware(options), options["gpus_per_node"], options["fabric"], options["topology_kind"],
                           options["nics_per_node"], options["oversubscription"])
@@ -107,7 +107,7 @@ def plan(**options) -> None:
     for the fastest layouts that fit in memory, as the simulator predicts them, and say why the
     others lost."""
     from precision.policy import policy as precision_policy
-    from simulator.plan import plan as search
+    from simulator.search.plan import plan as search
 
     model = model_from_options(options)
     check_cluster_names(options)

@@ -21,7 +21,7 @@ from cli.output import print_table
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def sample(out, checkpoint, prompt, tokens, temperature, top_k, seed, as_json) -> None:
     """Generate text from a checkpoint of a run trained in any layout (tp, pp, dp, ZeRO)."""
-    from parallel.sample import SampleOptions, find_checkpoint, sample_text  # torch only after the flags check
+    from parallel.run.sample import SampleOptions, find_checkpoint, sample_text  # torch only after the flags check
 
     options = SampleOptions(prompt=prompt, tokens=tokens, temperature=temperature, top_k=top_k, seed=seed)
     options.check()

@@ -4,9 +4,9 @@ Torch-free: it only checks flags and prints what simulator/ predicts. The cluste
 from flags (--gpu, --gpus-per-node, --nodes, --fabric, --topology-kind) or a topology
 file (--topology); --hardware loads a calibrated profile in place of the --gpu preset.
 Without --nodes the cluster has exactly the layout's tp x pp x dp GPUs. How a block is
-computed (--attention, --recompute, --sp-saved-input: simulator/ops.py) and what overlaps
+computed (--attention, --recompute, --sp-saved-input: simulator/costs/ops.py) and what overlaps
 what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
-simulator/overlap.py) are flags too; the output says what its numbers rest on. A job beyond
+simulator/engine/overlap.py) are flags too; the output says what its numbers rest on. A job beyond
 simulator/limits.py's stated size (GPUs, layers, schedule slots, sweep points) is refused in
 one line before anything is built.
 """
@@ -19,18 +19,18 @@ import sys
 
 import click
 
-from cli.cluster_options import DEFAULT_GPU, check_cluster_names, cluster_options
-from cli.config_file import config_file_option
-from cli.batch_options import batch_options, micro_batch_count
-from cli.model_options import model_from_options, model_options
+from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_options
+from cli.options.config_file import config_file_option
+from cli.options.batch import batch_options, micro_batch_count
+from cli.options.model import model_from_options, model_options
 from cli.output_file import check_output_file
-from cli.precision_option import precision_option, simulated_precision
+from cli.options.precision import precision_option, simulated_precision
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_path_given, check_positive_int
 from simulator.limits import MAX_ZERO3_GATHERS, check_job, check_layers, check_sweep, zero3_gathers
-from simulator.op_types import SP_SAVED_INPUTS
-from simulator.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
+from simulator.costs.op_types import SP_SAVED_INPUTS
+from simulator.engine.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
 
 
 def _model(options: dict):
@@ -41,14 +41,14 @@ def _model(options: dict):
 
 def _hardware(options: dict, topology_gpu: str | None = None):
     """--hardware, else --gpu, else the GPU a topology file names, else DEFAULT_GPU."""
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
 
     return load_hardware(options["hardware"] or options["gpu"] or topology_gpu or DEFAULT_GPU)
 
 
 def _cluster(options: dict, world: int):
     """The cluster and its hardware."""
-    from simulator.topology import build_cluster, load_cluster
+    from simulator.network.topology import build_cluster, load_cluster
 
     if options["topology"]:
         if (options["nodes"] or options["gpus_per_node"] or options["fabric"] or options["nics_per_node"]
@@ -74,21 +74,21 @@ def _cluster(options: dict, world: int):
 
 
 def _job(options: dict, model, zero: int):
-    from simulator.sweep import Job
+    from simulator.search.sweep import Job
 
     return Job(model, options["precision"], options["global_batch"] or 0, options["micro_batch"], zero,
                options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"])
 
 
 def _overlap(options: dict):
-    from simulator.overlap import resolve_overlap
+    from simulator.engine.overlap import resolve_overlap
 
     return resolve_overlap(options["overlap"], tp=options["tp_overlap"], dp=options["dp_overlap"],
                            zero3_prefetch=options["zero3_prefetch"], p2p=options["p2p_overlap"])
 
 
 def run_single(options: dict) -> dict:
-    from simulator.engine import simulate_step
+    from simulator.engine.simulate import simulate_step
     from job.layout import Layout
 
     model = _model(options)
@@ -108,7 +108,7 @@ def run_single(options: dict) -> dict:
 
 
 def run_sweep(options: dict) -> dict:
-    from simulator.sweep import DEFAULT_THRESHOLD, ClusterSpec, compare_zero, scaling_sweep
+    from simulator.search.sweep import DEFAULT_THRESHOLD, ClusterSpec, compare_zero, scaling_sweep
 
     if options["topology"]:
         raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
@@ -180,7 +180,7 @@ def _print_single(report: dict) -> None:
 def _print_sweep(report: dict) -> None:
     from cli.output import format_table
     from simulator import report as rep
-    from simulator.sweep import zero_verdict
+    from simulator.search.sweep import zero_verdict
 
     sweep = report["sweep"]
     click.echo(f"{sweep.scaling} scaling of a {parameter_count(report['model'].n_params())}-parameter GPT "
@@ -199,7 +199,7 @@ def _print_sweep(report: dict) -> None:
 def _json(report: dict) -> dict:
     if "result" in report:
         return {**report["result"].as_dict(), "cluster": report["cluster"]}
-    from simulator.sweep import zero_verdict
+    from simulator.search.sweep import zero_verdict
 
     data = {"sweep": report["sweep"].as_dict()}
     if report["zero"]:
@@ -290,7 +290,7 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--scaling", type=click.Choice(["strong", "weak"]), default="strong", show_default=True)
 @click.option("--gpus", help="GPU counts of the sweep, e.g. 8,16,32,64.")
 @click.option("--threshold", type=float, help="Marginal efficiency (added GPU / GPU already there) under which "
-              "adding GPUs stops paying (default: simulator.sweep.DEFAULT_THRESHOLD, half of linear scaling).")
+              "adding GPUs stops paying (default: simulator.search.sweep.DEFAULT_THRESHOLD, half of linear scaling).")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the sweep to this PNG.")
 def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a

@@ -1,4 +1,4 @@
-"""`minigpt train`: parse and check the flags, then hand the run to parallel.train."""
+"""`minigpt train`: parse and check the flags, then hand the run to parallel.run.train."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from pathlib import Path
 
 import click
 
-from cli.config_file import config_file_option
+from cli.options.config_file import config_file_option
 from cli.output import print_table
-from cli.batch_options import batch_options, micro_batch_count
-from cli.model_options import model_from_options, model_options
-from cli.precision_option import AUTO, CPU_PRECISION, precision_option, training_precision
+from cli.options.batch import batch_options, micro_batch_count
+from cli.options.model import model_from_options, model_options
+from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
 from parallel.gpu_files import cuda_devices
-from parallel.loss_plot import LossPlotter
-from parallel.rank_start import in_torchrun, start_rank_server
-from parallel.resume import ResumePoint, continue_settings, resume_point
-from parallel.run_dir import RunClaim
-from parallel.run_files import default_run_dir
-from parallel.torchrun_env import check_torchrun_variables
-from parallel.watchdog import DEFAULT_TIMEOUT_S, check_timeout
+from parallel.run.loss_plot import LossPlotter
+from parallel.launch.rank_start import in_torchrun, start_rank_server
+from parallel.run.resume import ResumePoint, continue_settings, resume_point
+from parallel.run.directory import RunClaim
+from parallel.run.files import default_run_dir
+from parallel.launch.torchrun_env import check_torchrun_variables
+from parallel.launch.watchdog import DEFAULT_TIMEOUT_S, check_timeout
 from job.train_config import DEVICES, TrainConfig
 
 NEWEST = "<newest>"  # bare --resume: the newest checkpoint of --out that verifies
@@ -97,7 +97,7 @@ def resume_choice(value: object) -> str | None:
 def claim_run_dir(cfg: TrainConfig, options: dict) -> RunClaim | None:
     """The launching process's claim on --out (checked, not yet taken); None in a torchrun rank other
     than 0, which leaves the directory to rank 0."""
-    from parallel.launch import check_torchrun_world  # torch: only once the flags are valid
+    from parallel.launch.elastic import check_torchrun_world  # torch: only once the flags are valid
 
     check_torchrun_world(cfg.world_size)  # before the directory is touched
     if in_torchrun() and os.environ["RANK"] != "0":
@@ -286,10 +286,10 @@ def check_and_run(cfg: TrainConfig, options: dict, as_json: bool, plotter: LossP
 
 
 def join_torchrun_group(cfg: TrainConfig) -> None:
-    """Under torchrun, meet the other ranks (a rendezvous bounded by parallel/torchrun_env.py) before rank 0 makes,
+    """Under torchrun, meet the other ranks (a rendezvous bounded by parallel/launch/torchrun_env.py) before rank 0 makes,
     locks or clears --out: a rank whose peers never come leaves nothing behind. The rank joins once."""
     if in_torchrun():
-        from parallel.launch import init_worker
+        from parallel.launch.elastic import init_worker
 
         init_worker(None if cfg.device == "auto" else cfg.device)
 
@@ -303,17 +303,17 @@ def start_plotter() -> LossPlotter | None:
 
 
 def start_rank_server_early(cfg: TrainConfig) -> None:
-    """A run of several local ranks starts the server they are forked from now (parallel/rank_start.py):
+    """A run of several local ranks starts the server they are forked from now (parallel/launch/rank_start.py):
     it imports torch on one core while this process imports it on the other. A run that saves or resumes
     checkpoints has it import torch.distributed.checkpoint too, once, instead of every rank (a second each)."""
     if cfg.world_size > 1 and not in_torchrun():
-        checkpoints = ("parallel.checkpoint",) if cfg.save_every or cfg.resume else ()
-        start_rank_server("parallel.train", "cli.main", *checkpoints)  # cli.main: the console script a rank runs
+        checkpoints = ("parallel.checkpoint.sharded",) if cfg.save_every or cfg.resume else ()
+        start_rank_server("parallel.run.train", "cli.main", *checkpoints)  # cli.main: the console script a rank runs
 
 
 def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, as_json: bool, out,
                    plotter: LossPlotter | None) -> None:
-    from parallel.train import train as run_training
+    from parallel.run.train import train as run_training
 
     m = cfg.model
     click.echo(

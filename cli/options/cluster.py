@@ -1,5 +1,5 @@
 """The cluster flags `simulate` and `plan` share: which GPU (a preset or a measured profile) and how its
-servers and network are built (simulator/topology.py's build_cluster)."""
+servers and network are built (simulator/network/topology.py's build_cluster)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import click
 from minigpt.errors import check_path_given
 
 DEFAULT_GPU = "a100-80gb"
-TOPOLOGY_KINDS = ["fat-tree", "rail", "rail-only"]  # simulator.topology.CLUSTER_KINDS (a test checks they agree)
+TOPOLOGY_KINDS = ["fat-tree", "rail", "rail-only"]  # simulator.network.topology.CLUSTER_KINDS (a test checks they agree)
 NAMED = {"gpu": "a GPU preset's name", "hardware": "a profile file or a GPU preset's name",
          "fabric": "a network adapter preset's name"}
 
@@ -19,7 +19,7 @@ def cluster_options(gpu_default: str = DEFAULT_GPU) -> Callable:
     """--gpu (its default described by `gpu_default`), --hardware, --gpus-per-node, --fabric, --topology-kind,
     --nics-per-node and --oversubscription."""
     options = [
-        click.option("--gpu", help=f"GPU preset of simulator/hardware.json (default: {gpu_default})."),
+        click.option("--gpu", help=f"GPU preset of simulator/costs/hardware.json (default: {gpu_default})."),
         click.option("--hardware", help="A hardware profile (JSON file or preset name) in place of --gpu."),
         click.option("--gpus-per-node", "gpus_per_node", type=int, help="GPUs per server (default: the GPU's DGX node)."),
         click.option("--fabric", help="Network adapter preset: hdr or ndr (default: the node's)."),

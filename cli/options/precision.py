@@ -27,7 +27,7 @@ def precision_option(function):
 
 def training_precision(requested: str, device: str, world_size: int) -> str:
     """What a run of `world_size` ranks on `device` (auto, cpu or cuda) computes in: `requested`, or for auto
-    bf16 when it will run on GPUs (one per rank on this node, as parallel/launch.py's init_worker picks them)
+    bf16 when it will run on GPUs (one per rank on this node, as parallel/launch/elastic.py's init_worker picks them)
     and fp32 on the CPU. Imports torch only for auto with a device that may be a GPU, where a GPU driver is
     installed (parallel/gpu_files.py)."""
     if requested != AUTO:
@@ -42,7 +42,7 @@ def training_precision(requested: str, device: str, world_size: int) -> str:
 
 def simulated_precision(requested: str, hardware=None) -> str:
     """What a simulated job computes in: `requested`, or for auto fp32 on a calibrated CPU host profile and
-    bf16 on every GPU (a preset, None here, or a CUDA profile); `hardware`: simulator.hardware's Hardware. Torch-free."""
+    bf16 on every GPU (a preset, None here, or a CUDA profile); `hardware`: simulator.costs.hardware's Hardware. Torch-free."""
     if requested != AUTO:
         return requested
     measured = None if hardware is None else hardware.gpu.measured

@@ -20,11 +20,11 @@ MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
 @dataclass
 class ComparePlan:
     cfg: TrainConfig
-    hardware: object  # simulator.hardware.Hardware
-    cluster: object  # simulator.topology.Cluster
+    hardware: object  # simulator.costs.hardware.Hardware
+    cluster: object  # simulator.network.topology.Cluster
     layout: object  # job.layout.Layout
     micro_batch: int
-    claim: object = None  # parallel.run_dir.RunClaim on cfg.out_dir, checked; run_compare takes and releases it
+    claim: object = None  # parallel.run.directory.RunClaim on cfg.out_dir, checked; run_compare takes and releases it
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -37,9 +37,9 @@ def relative_error(predicted: float | None, measured: float | None) -> float | N
 def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> ComparePlan:
     """Everything checkable before any rank starts; ConfigError on bad input. warn: say on stderr, before
     anything trains, when the profile is marked unreliable (calibrated on a busy machine)."""
-    from simulator.hardware import load_hardware
+    from simulator.costs.hardware import load_hardware
     from job.layout import Layout
-    from simulator.topology import build_cluster
+    from simulator.network.topology import build_cluster
 
     if not hardware_path:
         raise ConfigError("--hardware needs a profile file: write one with `minigpt calibrate --out profile.json`")
@@ -51,7 +51,7 @@ def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> Co
     if warn and reliability is not None and not reliability.get("reliable"):
         import click
 
-        from parallel.calibrate_noise import summary
+        from parallel.calibrate.noise import summary
 
         click.echo(f"minigpt: warning: --hardware {hardware_path}: {summary(reliability, 'prediction')}", err=True)
     per_node = hardware.node.gpus_per_node
@@ -66,14 +66,14 @@ def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> Co
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
     plan = ComparePlan(cfg, hardware, cluster, layout, micro_batch)
     simulate(plan)  # the simulator must accept the job before any training starts
-    from parallel.run_dir import RunClaim
+    from parallel.run.directory import RunClaim
 
     plan.claim = RunClaim(cfg.out_dir, resume=False, overwrite=False)  # a fresh --out of its own, or refused
     return plan
 
 
 def simulate(plan: ComparePlan):
-    from simulator.engine import simulate_step
+    from simulator.engine.simulate import simulate_step
 
     cfg = plan.cfg
     return simulate_step(cfg.model, plan.layout, plan.cluster, cfg.precision, cfg.global_batch, plan.micro_batch,
@@ -152,8 +152,8 @@ def machine_drift(hardware) -> dict | None:
     slow). Nothing is adjusted with it."""
     import torch
 
-    from parallel.calibrate import CalibrationPlan
-    from parallel.calibrate_device import measure_block
+    from parallel.calibrate.measure import CalibrationPlan
+    from parallel.calibrate.device import measure_block
 
     calibration = hardware.gpu.calibration or {}
     block_note = calibration.get("block")
@@ -181,13 +181,13 @@ def machine_drift(hardware) -> dict | None:
 
 
 def threads_ratio_now(calibration: dict, cores: int) -> float:
-    """The sharing table's threads row timed now as calibrate_host.measure_sharing timed it (its model's block at
+    """The sharing table's threads row timed now as parallel/calibrate/host.py's measure_sharing timed it (its model's block at
     its sharing micro-batch, tp 1, pairs of runs in turn)."""
     import torch
 
     from minigpt.config import preset
-    from parallel.calibrate import CalibrationPlan
-    from parallel.calibrate_device import piece_step, threads_ratio
+    from parallel.calibrate.measure import CalibrationPlan
+    from parallel.calibrate.device import piece_step, threads_ratio
 
     plan, block_note = calibration.get("plan", {}), calibration["block"]
     step = piece_step("block", preset(block_note["model"]), 1, plan.get("sharing_micro_batch", block_note["micro_batch"]))
@@ -198,10 +198,10 @@ def threads_ratio_now(calibration: dict, cores: int) -> float:
 
 def drift_too_large(drift: dict | None) -> bool:
     """Whether the machine moved past what a fair comparison allows since its calibration: one thread's block by
-    more than calibrate_noise.TOLERANCE, or the threads row's ratio by more than RELIABLE_SPREAD (as timed, runs
+    more than parallel/calibrate/noise.py's TOLERANCE, or the threads row's ratio by more than RELIABLE_SPREAD (as timed, runs
     taken in turn, its median moved by 0.61-0.70 over eight tries on this project's quiet 2-core VM: 15% at most;
     with the host's other work on the cores beside this one it moved from about 0.6 to 1.06)."""
-    from parallel.calibrate_noise import RELIABLE_SPREAD, TOLERANCE
+    from parallel.calibrate.noise import RELIABLE_SPREAD, TOLERANCE
 
     if drift is None:
         return False
@@ -210,7 +210,7 @@ def drift_too_large(drift: dict | None) -> bool:
 
 
 def profile_reliability(hardware) -> dict | None:
-    """The profile's measured["reliability"] (parallel/calibrate_noise.py), or None: a preset, or a profile
+    """The profile's measured["reliability"] (parallel/calibrate/noise.py), or None: a preset, or a profile
     calibrated before calibrate recorded its noise."""
     measured = hardware.gpu.measured
     return None if measured is None else measured.reliability
@@ -218,8 +218,8 @@ def profile_reliability(hardware) -> dict | None:
 
 def prediction_confidence(hardware) -> dict:
     """How far the calibration's own noise lets a prediction be trusted: the profile's reliability, its confidence
-    (a relative bound, calibrate_noise's), and the CPU share a thread gets now (the measured side's conditions)."""
-    from parallel.calibrate_noise import RELIABLE_SHARE, cpu_share, summary
+    (a relative bound, parallel/calibrate/noise.py's), and the CPU share a thread gets now (the measured side's conditions)."""
+    from parallel.calibrate.noise import RELIABLE_SHARE, cpu_share, summary
 
     data = profile_reliability(hardware)
     now = cpu_share()
@@ -233,7 +233,7 @@ def prediction_confidence(hardware) -> dict:
 
 def run_compare(plan: ComparePlan) -> dict:
     """Train for cfg.steps, simulate, write simulated.json beside the training's trace.json."""
-    from parallel.train import train
+    from parallel.run.train import train
 
     cfg = plan.cfg
     drift = machine_drift(plan.hardware)

@@ -6,7 +6,7 @@ buffers and activations the simulator predicts for each (simulator/memory.py, th
 before it holds anything (torch and the interpreter, PROCESS_BYTES). A run that would not fit in
 the memory available now is refused in one line instead of being killed by the kernel's OOM
 killer halfway. Each rank also builds the whole fp32 model before it keeps its share
-(parallel/build.py), which is counted: on this 24 GiB machine a 1.27B-parameter run fitted the
+(parallel/run/build.py), which is counted: on this 24 GiB machine a 1.27B-parameter run fitted the
 steady-state estimate and was killed while it built. On CUDA each rank has its GPU: the most loaded rank's prediction against the
 smallest GPU's free memory.
 """
@@ -19,7 +19,7 @@ from job.train_config import TrainConfig
 from minigpt.errors import ConfigError
 
 GIB = 2**30
-BUILD_BYTES_PER_PARAM = 4  # parallel/build.py builds the whole fp32 GPT on every rank, then cuts its share out
+BUILD_BYTES_PER_PARAM = 4  # parallel/run/build.py builds the whole fp32 GPT on every rank, then cuts its share out
 PROCESS_BYTES = 220 * 2**20  # a rank before its tensors: RSS after importing torch and torch.distributed, 218 MiB (torch 2.13 CPU, measured here)
 
 
@@ -30,7 +30,7 @@ def predicted_rank_bytes(cfg: TrainConfig) -> list[int]:
     from simulator.memory import predict_memory
 
     layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks)
-    # the schedule the simulator replays (simulator.engine.step_schedule), without importing the engine
+    # the schedule the simulator replays (simulator.engine.simulate.step_schedule), without importing the engine
     schedule = build_schedule(schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb,
                                               cfg.precision))
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)

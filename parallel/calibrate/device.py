@@ -1,13 +1,13 @@
 """`minigpt calibrate` on the device in use: its clock, what it is, and what it computes alone.
 
-The ranks measure on the device parallel.launch.init_worker gives them: one CUDA GPU per rank
+The ranks measure on the device parallel.launch.elastic.init_worker gives them: one CUDA GPU per rank
 with NCCL when there is a GPU for every local rank (and --device is not cpu), else the CPU
 with gloo. Every tensor and module is made on that device, and every timer reads `stamp`,
 which first waits for the device's queued work (`synchronize`: torch.cuda.synchronize on a
 GPU, nothing on a CPU), so each timed interval holds exactly the kernels issued inside it.
 
-Rank 0 measures these alone (parallel/calibrate.py), one device's own numbers, timed by
-parallel/calibrate_kernels.py (the one home of kernel timing: CUDA events on a GPU, perf_counter on a CPU):
+Rank 0 measures these alone (parallel/calibrate/measure.py), one device's own numbers, timed by
+parallel/calibrate/kernels.py (the one home of kernel timing: CUDA events on a GPU, perf_counter on a CPU):
 - matmuls, per number format (`formats`: every one of fp32, tf32, bf16, fp16, fp8 on a GPU; fp32 alone
   on a CPU unless asked): square (n x n) @ (n x n) and GPT-shaped (2n x n) @ (n x 4n) (tokens x d @
   d x 4d, the fc1 shape), the median of `repeats` timed runs each, for n in plan.matmul_sizes on a
@@ -23,7 +23,7 @@ parallel/calibrate_kernels.py (the one home of kernel timing: CUDA events on a G
 - one block of the model preset (tiny by default) at its shape: forward and backward seconds.
 
 The model's pieces as one tensor-parallel rank runs them (`piece_model`, `piece_step`) are
-here too: parallel/calibrate_host.py times them for the profile's "measured" units, and
+here too: parallel/calibrate/host.py times them for the profile's "measured" units, and
 `threads_ratio` times one of them on every core's thread against one thread (the sharing
 table's threads row, and `minigpt compare`'s check that it still holds).
 """
@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from parallel.calibrate_kernels import matmul_mode, time_elementwise, time_gemm
-from parallel.calibrate_noise import spread
+from parallel.calibrate.kernels import matmul_mode, time_elementwise, time_gemm
+from parallel.calibrate.noise import spread
 from parallel.comm import Collectives, Done
 from parallel.device import synchronize
 from job.train_config import check_tensor_parallel
@@ -143,7 +143,7 @@ def measure_block(plan, device: torch.device) -> dict:
     return {"model": plan.model, "micro_batch": plan.micro_batch, "seq_len": config.seq_len,
             "d_model": config.d_model, "forward_s": statistics.median(forwards),
             "backward_s": statistics.median(backwards),
-            "spread": spread([f + b for f, b in zip(forwards, backwards)])}  # calibrate_noise's convention
+            "spread": spread([f + b for f, b in zip(forwards, backwards)])}  # noise.py's convention
 
 
 # ---------------------------------------------------------------- the model's pieces
@@ -153,9 +153,9 @@ class AloneCollectives(Collectives):
     """A tensor-parallel group of `size` ranks seen from rank 0, that communicates nothing.
 
     Every call does only its local share of work (all-reduce nothing, all-gather and
-    reduce-scatter one copy), so parallel/tensor.py's real modules run on one rank alone and
+    reduce-scatter one copy), so parallel/tensor/parallelize.py's real modules run on one rank alone and
     their compute can be timed apart from their communication, which the profile measures
-    separately (calibrate_host's collectives)."""
+    separately (host.py's collectives)."""
 
     def __init__(self, size: int) -> None:
         super().__init__(None, "alone")
@@ -178,7 +178,7 @@ def tp_sizes(config, ranks: int) -> list[int]:  # tensor-parallel sizes this mod
 
 
 def allows_tp(config, tp: int) -> bool:
-    """parallel/tensor.py can split this model over tp ranks (job/train_config.check_tensor_parallel)."""
+    """parallel/tensor/parallelize.py can split this model over tp ranks (job/train_config.check_tensor_parallel)."""
     try:
         check_tensor_parallel(config, tp, False)
     except ConfigError:
@@ -193,9 +193,9 @@ def variants(config, ranks: int) -> list[tuple[int, bool]]:
 
 
 def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None):
-    """The GPT made tensor-parallel by parallel/tensor.py over a group that communicates nothing, on `device`."""
+    """The GPT made tensor-parallel by parallel/tensor/parallelize.py over a group that communicates nothing, on `device`."""
     from minigpt.model import GPT
-    from parallel.tensor import parallelize
+    from parallel.tensor.parallelize import parallelize
 
     model = GPT(config)
     parallelize(model, AloneCollectives(tp), sequence_parallel)
@@ -253,7 +253,7 @@ def threads_ratio(step, cores: int, pairs: int, on_cores=None) -> float:
     """A CPU step's seconds on `cores` threads over its seconds on one: the median over `pairs` pairs of runs,
     one thread then every core's, taken in turn so that the machine's own drift (15% from minute to minute on
     this project's VM) moves both sides of each pair alike. step: () -> (forward s, backward s) (piece_step's);
-    on_cores: a context manager entered around every many-thread run (calibrate_noise.Noise.timed_on_cores).
+    on_cores: a context manager entered around every many-thread run (noise.Noise.timed_on_cores).
     Leaves torch at one thread."""
     import contextlib
 

@@ -1,27 +1,27 @@
-"""`minigpt calibrate`'s host measurements: the profile's "measured" field (simulator/host.py reads it).
+"""`minigpt calibrate`'s host measurements: the profile's "measured" field (simulator/costs/host.py reads it).
 
 Why: on a CPU a matmul roofline misses most of what a training step costs (a block is many
 small kernels with Python between them), and with more ranks than cores the ranks take turns
 on the cores, for compute and for gloo's copies alike. So the simulator gets measured costs.
-Everything runs on the ranks' device (parallel/calibrate_device.py: the CPU with gloo, or one
+Everything runs on the ranks' device (parallel/calibrate/device.py: the CPU with gloo, or one
 CUDA GPU per rank with NCCL), and every timer waits for the device's queued work first:
 
 - units: seconds of the model's pieces for one micro-batch of b sequences, as one tensor-
   parallel rank computes them in fp32 (TF32 off, torch's default, as an fp32 training run computes;
-  each unit says so: "dtype": "fp32", and simulator/host.py's unit_times finds them for fp32 only):
+  each unit says so: "dtype": "fp32", and simulator/costs/host.py's unit_times finds them for fp32 only):
   the model's own block, embedding and final norm + head
-  + loss, made tensor-parallel by parallel/tensor.py (with and without sequence parallelism)
+  + loss, made tensor-parallel by parallel/tensor/parallelize.py (with and without sequence parallelism)
   over a group that communicates nothing (`AloneCollectives`: the collectives are measured
   apart); forward and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and
   the model, and every b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up (the runs'
-  spread and rank 0's CPU share go to parallel/calibrate_noise.py's record). Rank 0 measures
+  spread and rank 0's CPU share go to parallel/calibrate/noise.py's record). Rank 0 measures
   alone on one thread while the others wait in a barrier (which takes no CPU): unshared costs.
   Parameter gradients accumulate from run to run, as over a step's micro-batches.
 - sharing: how much slower a rank computes when k ranks with one thread each compute at
   once (k = 1, 2, 4, ... and the rank count), and, on a CPU, when rank 0 alone uses every core
   as threads: one block's forward + backward at plan.sharing_micro_batch, tp 1; slowdown =
   the mean of the busy ranks' medians over rank 0's median alone, and for the threads the median
-  ratio of runs on every core's thread and on one taken in turn (calibrate_device.threads_ratio). On CUDA each rank has its
+  ratio of runs on every core's thread and on one taken in turn (device.threads_ratio). On CUDA each rank has its
   own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
 - collectives: all-reduce, all-gather, reduce-scatter (parallel/comm.py's Collectives over
   gloo or NCCL, S = the full buffer's bytes) and p2p (ping-pong inside pairs, half the round
@@ -40,8 +40,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from parallel.calibrate_device import piece_model, piece_step, stamp, strict_fp32, threads_ratio, timed_runs, variants
-from parallel.calibrate_noise import Noise
+from parallel.calibrate.device import piece_model, piece_step, stamp, strict_fp32, threads_ratio, timed_runs, variants
+from parallel.calibrate.noise import Noise
 from parallel.comm import Collectives
 
 PIECES = ("block", "embedding", "head")
@@ -217,7 +217,7 @@ def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tu
 def measure_host(plan, device: torch.device, noise: Noise | None = None) -> dict:
     """Every host measurement on this rank, on `device` (the calling rank's torch threads are restored).
     "cores": the CPU cores this process may use, or on CUDA the GPUs used (one per rank). `noise`: rank 0's
-    record of its measurements alone (calibrate_noise.Noise), which the units add to."""
+    record of its measurements alone (noise.Noise), which the units add to."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     cores = ranks if device.type == "cuda" else host_cores()
@@ -258,7 +258,7 @@ def collective_points(hosts: list[dict]) -> dict[tuple[str, int, int], list[list
 
 
 def unit_shape(config) -> dict:
-    """The shape a unit was measured on, as simulator/host.py keys it: the sizes and every option that changes
+    """The shape a unit was measured on, as simulator/costs/host.py keys it: the sizes and every option that changes
     what a block computes (key/value heads, MLP, norm, positions, biases; a test checks the two agree)."""
     return {"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
             "vocab_size": config.vocab_size, "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm,
@@ -289,4 +289,4 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
         collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points})
     return {"cores": first["cores"], "device": first.get("device", "cpu"), "units": units, "sharing": sharing,
             "collectives": collectives,
-            "note": f"parallel/calibrate_host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}
+            "note": f"parallel/calibrate/host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}

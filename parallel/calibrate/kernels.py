@@ -2,7 +2,7 @@
 
 Torch and parallel/device.py's timer only (nothing that needs simpy or click), so that
 bench/gpu_kernels.py runs it on a bare machine with the repository on PYTHONPATH; `minigpt calibrate`
-(parallel/calibrate_device.py) times its matmuls and its copy here too.
+(parallel/calibrate/device.py) times its matmuls and its copy here too.
 
 Timing (`time_call`): one warm-up call, one call timed alone to choose how many calls make a timed run
 last about `min_run_s`, then `repeats` timed runs of that many calls back to back. A measurement is the

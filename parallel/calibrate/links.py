@@ -2,9 +2,9 @@
 figures from those fits, a preset's datasheet figures (one rank on a GPU a preset names), or a placeholder.
 
 - `fit_alpha_beta`: t = alpha + beta * S over the (S bytes, seconds) points of one collective.
-- `link_from_fit`: the per-step latency and link bandwidth that make simulator/collectives.py's ring reproduce
+- `link_from_fit`: the per-step latency and link bandwidth that make simulator/network/collectives.py's ring reproduce
   a fit (ring all-reduce: 2(n-1) steps of S/n; all-gather and reduce-scatter: n-1; p2p: one transfer of S).
-- `profile_links`, `node_and_nic`: what parallel/calibrate.py's build_profile writes of them.
+- `profile_links`, `node_and_nic`: what parallel/calibrate/measure.py's build_profile writes of them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def fit_alpha_beta(points: list[list[float]] | list[tuple[float, float]]) -> tup
 def link_from_fit(kind: str, ranks: int, alpha: float, beta: float) -> tuple[float, float]:
     """(per-step latency s, link bandwidth B/s) that make the simulator's ring reproduce the fit.
 
-    simulator/collectives.py: ring all-reduce = 2(n-1) steps of S/n, all-gather and
+    simulator/network/collectives.py: ring all-reduce = 2(n-1) steps of S/n, all-gather and
     reduce-scatter (n-1) steps of S/n, p2p one transfer of S.
     """
     steps = {"all_reduce": 2 * (ranks - 1), "all_gather": ranks - 1, "reduce_scatter": ranks - 1, "p2p": 1}[kind]
@@ -58,7 +58,7 @@ def profile_links(collectives: dict, copy_bandwidth: float, links_from: dict | N
         return {"bandwidth": links_from["nvlink_bandwidth"], "latency": links_from["nvlink_latency"],
                 "preset": links_from,
                 "note": (f"not measured (one rank), from preset {links_from['preset']}'s datasheet figures "
-                         f"(simulator/hardware.json): {links_from['nvlink_bandwidth'] / 1e9:.0f} GB/s per "
+                         f"(simulator/costs/hardware.json): {links_from['nvlink_bandwidth'] / 1e9:.0f} GB/s per "
                          f"direction (datasheet), {links_from['nvlink_latency'] * 1e6:.1f} us per step "
                          f"(hardware.json's stated assumption); node {links_from['node_name']} and NIC "
                          f"{links_from['nic_name']} from the same presets")}
@@ -75,9 +75,9 @@ def node_and_nic(name: str, source: str, ranks: int, links: dict) -> dict:
     if preset is not None:
         node, nic = f"{name}-node", f"{name}-{preset['nic_name']}"
         return {"nodes": {node: {**preset["node"], "nic": nic,
-                                 "source": f"preset {preset['node_name']} (simulator/hardware.json): "
+                                 "source": f"preset {preset['node_name']} (simulator/costs/hardware.json): "
                                            f"{preset['node']['source']}"}},
-                "nics": {nic: {**preset["nic"], "source": f"preset {preset['nic_name']} (simulator/hardware.json): "
+                "nics": {nic: {**preset["nic"], "source": f"preset {preset['nic_name']} (simulator/costs/hardware.json): "
                                                           f"{preset['nic']['source']}"}}}
     node, nic = f"{name}-node", f"{name}-loopback"
     return {"nodes": {node: {"source": f"{source}: this machine; every local rank is one device of this node",

@@ -1,13 +1,13 @@
 """`minigpt calibrate`'s measurements: this machine's matmuls per format, memory copy, one block, and collectives.
 
-The ranks (started through parallel.launch.launch) measure on the device parallel.launch.init_worker
+The ranks (started through parallel.launch.elastic.launch) measure on the device parallel.launch.elastic.init_worker
 gives them: one CUDA GPU per rank with NCCL when --device is auto (or cuda) and there is a GPU for
 every local rank, else the CPU with gloo; --device cuda without a GPU for every rank is bad input
-before any rank starts. Each rank reports the device it used (calibrate_device.describe) and the
+before any rank starts. Each rank reports the device it used (device.describe) and the
 profile records that, not what was asked for. Rank 0 measures the matmuls, the copy and the block
-alone (parallel/calibrate_device.py, timed by parallel/calibrate_kernels.py; on a CPU on one thread)
+alone (parallel/calibrate/device.py, timed by parallel/calibrate/kernels.py; on a CPU on one thread)
 while the others wait: one device's own numbers, which the simulator slows by the measured cost of
-sharing cores for a job with more ranks. Then parallel/calibrate_host.py measures the "measured"
+sharing cores for a job with more ranks. Then parallel/calibrate/host.py measures the "measured"
 field (the model's pieces alone, in fp32, the cost of sharing cores, and collectives by group size
 and load), which also gives the whole-world collectives below.
 
@@ -19,15 +19,15 @@ and load), which also gives the whole-world collectives below.
   over that format's peak (1.0 at the best point, by construction).
 - collectives (ranks >= 2): all-reduce, all-gather, reduce-scatter (through parallel/comm.py's
   Collectives) among all ranks and p2p (ping-pong inside rank pairs, every pair at once, half
-  the round trip) by message size S (the full buffer, comm.py's convention): calibrate_host's
+  the round trip) by message size S (the full buffer, comm.py's convention): host.py's
   points with every rank busy; each is the slowest rank's median. A least-squares line
-  t = alpha + beta * S per collective is fitted in parallel/calibrate_links.py's `fit_alpha_beta`.
+  t = alpha + beta * S per collective is fitted in parallel/calibrate/links.py's `fit_alpha_beta`.
 - links with one rank (no collectives): the caller may pass a preset's link figures
-  (`links_from`: cli/calibrate.py takes them from simulator/hardware.json's preset whose GPU
+  (`links_from`: cli/commands/calibrate.py takes them from simulator/costs/hardware.json's preset whose GPU
   matches the device's name); else half the copy bandwidth with no latency, a placeholder the
   profile and calibrate's output say is one.
 - reliability: rank 0's CPU share and the spread of its repeated runs while it measures alone
-  (parallel/calibrate_noise.py's Noise), with the caller's probes before and after the ranks
+  (parallel/calibrate/noise.py's Noise), with the caller's probes before and after the ranks
   (`shares`), judged into measured["reliability"].
 """
 
@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from minigpt.errors import ConfigError, TrainingError, check_positive_int, check_threads_per_rank
-from parallel.calibrate_device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
-from parallel.calibrate_host import build_measured, collective_points, measure_host
-from parallel.calibrate_links import fit_alpha_beta, node_and_nic, profile_links
-from parallel.calibrate_noise import Noise, reliability
-from parallel.launch import finish_worker, init_worker, launch
+from parallel.calibrate.device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
+from parallel.calibrate.host import build_measured, collective_points, measure_host
+from parallel.calibrate.links import fit_alpha_beta, node_and_nic, profile_links
+from parallel.calibrate.noise import Noise, reliability
+from parallel.launch.elastic import finish_worker, init_worker, launch
 from precision.compute import EMULATED_FORMATS
 from precision.policy import FLOP_FORMATS
 
@@ -83,7 +83,7 @@ def default_ranks(device: str) -> int:
 
 
 def on_cuda(device: str, ranks: int) -> bool:
-    """Whether the ranks will measure GPUs (parallel.launch.init_worker's rule: a GPU for every local rank)."""
+    """Whether the ranks will measure GPUs (parallel.launch.elastic.init_worker's rule: a GPU for every local rank)."""
     return device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= ranks
 
 
@@ -165,7 +165,7 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
         try:
             # Rank 0 alone measures the matmuls, the copy and the block (the others wait in a barrier,
             # which takes no CPU): a device's own numbers. What sharing costs is measured apart
-            # (calibrate_host's "sharing"), and the simulator applies it to the job's ranks.
+            # (host.py's "sharing"), and the simulator applies it to the job's ranks.
             start = stamp(device)
             result, noise = {}, Noise()  # noise: rank 0's CPU share and spreads while it measures alone
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -209,7 +209,7 @@ def _load_average() -> float | None:
 
 
 def measured_device(measured: list[dict]) -> dict:
-    """The device every rank measured on (calibrate_device.describe); TrainingError if they differ."""
+    """The device every rank measured on (device.describe); TrainingError if they differ."""
     kinds = {(r["device"]["type"], r["device"]["backend"]) for r in measured}
     if len(kinds) != 1:
         raise TrainingError(f"the ranks measured on different devices: {sorted(kinds)}")
@@ -303,9 +303,9 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
                   links_from: dict | None = None, shares: dict | None = None) -> dict:
     """The hardware profile (hardware.json's schema, one GPU) from every rank's measurements.
     cores: this machine's CPU cores; on CUDA the GPUs used (one per rank) take their place.
-    links_from: a preset's link figures (simulator.hardware.preset_links), used when no collective was measured.
-    shares: {"before", "after": the CPU share calibrate_noise.cpu_share found, "allowed_busy": bool}; with it the
-    measured object gets its "reliability" (calibrate_noise.reliability)."""
+    links_from: a preset's link figures (simulator.costs.hardware.preset_links), used when no collective was measured.
+    shares: {"before", "after": the CPU share noise.cpu_share found, "allowed_busy": bool}; with it the
+    measured object gets its "reliability" (noise.reliability)."""
     device = measured_device(measured)
     on_gpu = device["type"] == "cuda"
     cores = plan.ranks if on_gpu else cores

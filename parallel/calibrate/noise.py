@@ -3,7 +3,7 @@
 Why: every time in a profile was measured on this machine's cores, and other work on them stretches each one
 (a one-rank step predicted 20x too slow after a calibration on a busy machine: issue 16) without anything in
 the numbers saying so. So calibrate measures its own conditions and writes them into the profile's
-measured["reliability"] (`reliability`; simulator/host.py checks its fields, `minigpt compare` prints them):
+measured["reliability"] (`reliability`; simulator/costs/host.py checks its fields, `minigpt compare` prints them):
 
 - CPU share: one thread's CPU seconds (time.thread_time) over the wall seconds (time.perf_counter) while it
   computes: about 1 on a quiet machine; with k other runnable threads on c cores about c / (k + 1) (4 spinning
@@ -19,7 +19,7 @@ measured["reliability"] (`reliability`; simulator/host.py checks its fields, `mi
   every core's time and no speed-up: CI here once measured 1.06 with 99.6% of both cores, and that profile
   predicted a dp 2 step 63% too slow (its two ranks had slowed each other as the threads had). On this
   project's 2-core VM, quiet, the ratio is 0.54-0.70 (six runs of the tiny block at micro-batch 8).
-- spread: of the repeated runs of one measurement, (slowest - fastest) / median, parallel/calibrate_kernels.py's
+- spread: of the repeated runs of one measurement, (slowest - fastest) / median, parallel/calibrate/kernels.py's
   convention: the reference block's runs, and each unit series' runs, weighted by the series' median time
   (`Noise.weighted_spread`: a step's compute is a sum of such times, and the short pieces, noisy on any machine,
   weigh little in it). The matmuls' spread (the worst over sizes, per format) is recorded and not judged: a
@@ -28,7 +28,7 @@ measured["reliability"] (`reliability`; simulator/host.py checks its fields, `mi
   on the other core, the memory bus and the caches slows a thread without taking its core).
 
 The thresholds rest on one tolerance, TOLERANCE = 10%: the change in the reference block at which `minigpt
-compare`'s drift line asks for a recalibration (cli/compare.py). A profile is reliable when every share is at
+compare`'s drift line asks for a recalibration (cli/commands/compare.py). A profile is reliable when every share is at
 least 1 / (1 + TOLERANCE) = 91% (a time is stretched by at most that 10%), the block's and the units'
 spreads are at most 2 x TOLERANCE = 20% (half the runs' range, the uncertainty of their median, is then 10%),
 and every core's threads run the block in at most FREE_CORES_RATIO = 91% of one thread's time (at least 10%
@@ -173,7 +173,7 @@ def reliability(before: float | None, after: float | None, noise: dict | None, b
             "confidence": _rounded(confidence), "reliable": not why,
             "why": "; ".join(why) if why else "a quiet machine: every share and spread within the thresholds",
             "allowed_busy": allowed_busy,
-            "note": f"parallel/calibrate_noise.py: reliable when every CPU share >= {RELIABLE_SHARE:.0%} and the "
+            "note": f"parallel/calibrate/noise.py: reliable when every CPU share >= {RELIABLE_SHARE:.0%} and the "
                     f"block's and units' spreads <= {RELIABLE_SPREAD:.0%} and every core's threads <= {FREE_CORES_RATIO:.0%} "
                     f"of one thread's time; refused below {REFUSE_SHARE:.0%} of a core "
                     f"unless --allow-busy; confidence = (1 / lowest share - 1) + widest spread / 2, the "

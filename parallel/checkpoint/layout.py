@@ -7,7 +7,7 @@ pieces of a flat buffer (ZeRO 0-2) or its piece of each unit (ZeRO 3), cut at an
 element. A piece of one parameter is a contiguous run of its flattened tensor parallel
 shard, which is at most 2 x ndim - 1 rectangular boxes of that shard (`decompose`:
 a partial first row, whole rows, a partial last row, recursively). Each box maps to a
-box of the global tensor by the tensor-parallel cut of parallel/tensor.py:
+box of the global tensor by the tensor-parallel cut of parallel/tensor/parallelize.py:
 
   sections  qkv, fc1 (weight, bias)   rows in sections laid end to end (qkv: query heads |
                                       key heads | value heads, H hd, K hd, K hd; a SwiGLU
@@ -70,7 +70,7 @@ def decompose(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
 
 
 def tensor_parallel_kind(name: str, tp: int) -> str:
-    """How parallel/tensor.py cuts the parameter `name` over `tp` ranks."""
+    """How parallel/tensor/parallelize.py cuts the parameter `name` over `tp` ranks."""
     if tp == 1:
         return "whole"
     if name in ("tok_emb.weight", "head.weight"):
@@ -83,7 +83,7 @@ def tensor_parallel_kind(name: str, tp: int) -> str:
 
 
 def fused_sections(name: str, model_config) -> list[int]:
-    """The row counts of the sections of a fused weight or bias, as parallel/tensor.py cuts them: qkv's
+    """The row counts of the sections of a fused weight or bias, as parallel/tensor/parallelize.py cuts them: qkv's
     query, key and value heads (unequal under grouped-query attention); a SwiGLU fc1's gate and up rows;
     [] for the rest (a GELU fc1 is one section: its rows)."""
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):

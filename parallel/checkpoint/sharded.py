@@ -1,7 +1,7 @@
 """Sharded checkpoints that load into any layout, written with torch.distributed.checkpoint.
 
 What is saved is the plain GPT's global tensors, whatever the layout that saved them
-(parallel/checkpoint_layout.py says where each element a rank holds lies in them):
+(parallel/checkpoint/layout.py says where each element a rank holds lies in them):
 
   model.<name>                   the weights in the compute format (fp32, bf16, fp16)
   optimizer.master.<name>        fp32 masters (only when the policy keeps them apart from the weights)
@@ -12,7 +12,7 @@ with <name> as in GPT.state_dict() ("blocks.3.attn.qkv.weight") and the full unp
 shape, so a checkpoint of tp2 x pp2 x dp2 ZeRO 3 loads into dp4 ZeRO 1 or one process,
 and DCP's own tools (format_utils.dcp_to_torch_save) turn it into a plain state dict.
 Every rank writes its own boxes, no gathering; DCP reshards on load. Step, loss
-scaler, optimizer step count, config and layout go to JSON (parallel/checkpoint_files.py),
+scaler, optimizer step count, config and layout go to JSON (parallel/checkpoint/files.py),
 with each rank's RNG and fp8 scaling histories, restored when the layout is the same.
 The data position is the step: batches are pure functions of (seed, step).
 
@@ -35,8 +35,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from minigpt.errors import ConfigError, TrainingError
-from parallel.checkpoint_dcp import Boxes, SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
-from parallel.checkpoint_files import (
+from parallel.checkpoint.dcp import Boxes, SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
+from parallel.checkpoint.files import (
     FORMAT,
     VERSION,
     check_checkpoint,
@@ -47,7 +47,7 @@ from parallel.checkpoint_files import (
     step_dir_name,
     write_json,
 )
-from parallel.checkpoint_layout import Placement, global_shapes, rank_placements
+from parallel.checkpoint.layout import Placement, global_shapes, rank_placements
 from precision.fp8 import Fp8Linear
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint", "gather_global_state"]
@@ -221,7 +221,7 @@ def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> 
     fp8 histories, restored only when the layout is the same). ConfigError for a missing,
     incomplete, truncated or corrupt checkpoint, or one of another model shape.
     `verify`: hash every file against its checksum first (False where the launching process
-    already did, before any worker started: parallel/train.py).
+    already did, before any worker started: parallel/run/train.py).
     """
     path = Path(path)
     state = read_state(path, cfg, verify=verify)

@@ -1,10 +1,10 @@
 """What the executor and the training step ask of a data-parallel wrapper (ZeRO stages 0-3).
 
-parallel/zero.py's Replicated, ShardedOptimizer, ShardedGradients and parallel/zero3.py's
-ShardedParameters all provide it; parallel/build.py picks one per run. A step is:
+parallel/data/zero.py's Replicated, ShardedOptimizer, ShardedGradients and parallel/data/zero3.py's
+ShardedParameters all provide it; parallel/run/build.py picks one per run. A step is:
 
     begin_step()
-    for each action of the schedule (parallel/pipeline.py):
+    for each action of the schedule (parallel/pipeline/executor.py):
         a compute:            begin_compute(chunk, armed) ... end_compute()
                               (the hooks issue the armed gathers and reductions while it runs)
         a data-parallel one:  issue(action); after a compute's last reduction: end_reductions()

@@ -19,7 +19,7 @@ flat weights in place (no second copy of the weights).
                    into its bucket's staging buffer and dropped; a full bucket is
                    reduce-scattered into the rank's gradient shard and freed, every
                    micro-batch, with at most MAX_IN_FLIGHT buckets in the air.
-Stage 3 (parameters sharded too) is parallel/zero3.py; parallel/build.py picks the stage.
+Stage 3 (parameters sharded too) is parallel/data/zero3.py; parallel/run/build.py picks the stage.
 
 Gradients are divided by N before they are summed, so the sum is the mean over
 the global batch. With a single data-parallel rank every stage is stage 0.

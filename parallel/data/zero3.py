@@ -12,7 +12,7 @@ while it computes:
             the block before it); when the last gradient of a unit is in, its
             gradients are reduce-scattered into this rank's shard of gradients
             and its full weights freed. Under a zero-bubble schedule the weight
-            gradients come later than the input gradients (parallel/pipeline.py
+            gradients come later than the input gradients (parallel/pipeline/executor.py
             WeightGradients), and `before_weight_grads` gathers the unit for them.
 
 The first and last units stay gathered from their first use until the step
@@ -29,7 +29,7 @@ from torch import nn
 
 from job.schedule_actions import GatherParams, ReduceScatterGrads
 from parallel.comm import Collectives
-from parallel.zero import MAX_IN_FLIGHT, add_to_shard
+from parallel.data.zero import MAX_IN_FLIGHT, add_to_shard
 from precision.flat import FlatParameters
 
 

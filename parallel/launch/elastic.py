@@ -36,11 +36,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from minigpt.errors import ConfigError, Interrupted, TrainingError, check_positive_int, check_threads_per_rank
-from parallel.rank_start import (
+from parallel.launch.rank_start import (
     START_METHOD, TORCHRUN_VARIABLES, adopt_environment, in_torchrun, launching_environment, start_rank_server,
 )
-from parallel.torchrun_env import check_torchrun_variables, join_process_group
-from parallel.watchdog import (
+from parallel.launch.torchrun_env import check_torchrun_variables, join_process_group
+from parallel.launch.watchdog import (
     DEFAULT_TIMEOUT_S, HEARTBEAT_DIR_VARIABLE, LAUNCHER_VARIABLE, Watchdog, check_timeout, start_heartbeat,
 )
 
@@ -65,11 +65,11 @@ def launch(
     """Run entrypoint(arg) on world_size ranks and return what rank 0's call returned.
 
     entrypoint must be a module-level function and arg picklable: the ranks are forked from a
-    server that has imported torch and nothing more (parallel/rank_start.py), since forking this
+    server that has imported torch and nothing more (parallel/launch/rank_start.py), since forking this
     process, which may hold torch's thread pools and, on GPUs, a CUDA context, is unsafe.
     Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
     and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
-    Locally launched ranks are watched (parallel/watchdog.py): one silent for watchdog_s seconds ends the
+    Locally launched ranks are watched (parallel/launch/watchdog.py): one silent for watchdog_s seconds ends the
     run with a TrainingError naming it; 0 turns the watchdog off.
     """
     check_torchrun_world(world_size)

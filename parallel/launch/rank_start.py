@@ -33,7 +33,7 @@ PRELOAD = (
     "torch",
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing.api",
-    "parallel.launch",
+    "parallel.launch.elastic",
 )
 # What torchrun and elastic put in every worker's environment.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -1,7 +1,7 @@
 """torchrun's variables: all of them or none, and a rendezvous that says what it waits for and gives up in time.
 
 A process that finds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment is one
-rank of a group (parallel/rank_start.py's in_torchrun). Left over in a shell without a torchrun, they made
+rank of a group (parallel/launch/rank_start.py's in_torchrun). Left over in a shell without a torchrun, they made
 a run wait for ranks that never came, silently, for torch's default of 30 minutes. So:
 
 - only some of them set is refused before any work (`check_torchrun_variables`, which also refuses values
@@ -23,7 +23,7 @@ import os
 import sys
 
 from minigpt.errors import ConfigError
-from parallel.rank_start import TORCHRUN_VARIABLES
+from parallel.launch.rank_start import TORCHRUN_VARIABLES
 TIMEOUT_VARIABLE = "MINIGPT_RENDEZVOUS_TIMEOUT"
 # Ranks started by hand on several machines arrive seconds apart; a minute is long enough for that and short
 # enough that a forgotten `export RANK=...` is noticed while the user still waits for the run to start.

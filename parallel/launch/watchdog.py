@@ -1,6 +1,6 @@
 """A rank that stops responding ends the run within a stated time, and the message names it.
 
-Every rank that `parallel/launch.py` starts on this machine runs a daemon thread that touches
+Every rank that `parallel/launch/elastic.py` starts on this machine runs a daemon thread that touches
 its own heartbeat file, `<dir>/<rank>`, every HEARTBEAT_S seconds. The thread needs nothing
 from the training loop, so a rank that computes, checkpoints or waits in a collective for a
 peer keeps beating; only a process that is stopped (SIGSTOP, a debugger, a frozen machine) or
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minigpt.errors import ConfigError
-from parallel.rank_start import server_pid
+from parallel.launch.rank_start import server_pid
 
 HEARTBEAT_DIR_VARIABLE = "MINIGPT_HEARTBEAT_DIR"  # set by the launcher, read by each rank it starts
 LAUNCHER_VARIABLE = "MINIGPT_LAUNCHER_PID"  # the launching process: a rank that outlives it leaves
@@ -131,7 +131,7 @@ class Watchdog:
     def _kill(self, rank: int) -> None:
         """SIGKILL the silent rank; one that never wrote its pid cannot be told from the others, so every rank
         this process started goes (its peers would be ended by elastic a moment later anyway): the children of
-        the server they were forked from (parallel/rank_start.py)."""
+        the server they were forked from (parallel/launch/rank_start.py)."""
         try:
             pids = [int((self.directory / str(rank)).read_text(encoding="utf-8"))]
         except (OSError, ValueError):

@@ -11,7 +11,7 @@ dispatch table (action type -> method; an action not in it is refused, by name,
 when the executor is built): compute actions run forward or backward of a
 micro-batch on a chunk; runs of consecutive sends/receives are posted together
 with batch_isend_irecv and waited for, as the schedule's validator assumes;
-data-parallel actions go to ZeRO's `issue` (parallel/zero.py, zero3.py). The
+data-parallel actions go to ZeRO's `issue` (parallel/data/zero.py, zero3.py). The
 gathers listed right before a compute and the reductions right after it are
 armed while it runs: ZeRO's hooks issue them the moment a unit is needed or a
 bucket's gradients are in (the overlap with the backward), and nothing else --
@@ -22,7 +22,7 @@ trace holds when the GPU did the work, not when the host enqueued it. Every
 tensor handed to a collective or a send/receive lives on the rank's device
 (NCCL takes CUDA tensors only).
 
-Zero-bubble schedules split a backward in two (parallel/weight_gradients.py):
+Zero-bubble schedules split a backward in two (parallel/pipeline/weight_gradients.py):
 BackwardInput computes the activation gradients only -- the chunk's input
 gradient, which SendGrad hands to the previous stage -- and BackwardWeight the
 parameter gradients later, where ZeRO's and tensor parallelism's parameter
@@ -46,7 +46,7 @@ from torch import nn
 from minigpt.errors import ConfigError
 from parallel.clock import Event, StepClock
 from parallel.backward import backward_from
-from parallel.weight_gradients import WeightGradients
+from parallel.pipeline.weight_gradients import WeightGradients
 from job.schedule import (
     AllReduceGrads,
     Backward,
@@ -233,7 +233,7 @@ class PipelineExecutor:
         return step.record
 
     def computing(self, step: StepData, run: Callable[[], None]) -> str:
-        """Run a compute with the data-parallel actions listed around it armed (parallel/zero.py)."""
+        """Run a compute with the data-parallel actions listed around it armed (parallel/data/zero.py)."""
         action = self.groups[step.index][0]
         self.data_parallel.begin_compute(action.chunk, self.armed.get(step.index, ()))
         run()

@@ -14,18 +14,18 @@ from torch import nn
 
 from minigpt.model import GPT
 from parallel.comm import Collectives
-from parallel.data_parallel import DataParallel
-from parallel.step import StepOutcome, train_step
+from parallel.data.protocol import DataParallel
+from parallel.run.step import StepOutcome, train_step
 from parallel.mesh import Mesh
 from parallel.recompute import apply_recompute
-from parallel.pipeline import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
+from parallel.pipeline.executor import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
 from job.data_parallel import check_against_plan, schedule_config
 from job.layout import Layout
 from job.schedule import build_schedule
-from parallel.tensor import parallelize
+from parallel.tensor.parallelize import parallelize
 from job.train_config import TrainConfig, bucket_numel as bucket_numel_of
-from parallel.zero import STAGES, Replicated
-from parallel.zero3 import ShardedParameters
+from parallel.data.zero import STAGES, Replicated
+from parallel.data.zero3 import ShardedParameters
 from precision.compute import apply_precision, dtype_of
 from precision.optimizer import MasterAdamW
 from precision.policy import PrecisionPolicy
@@ -47,7 +47,7 @@ class Rank:
 
     def train_step(self, cfg: TrainConfig, step: int, inputs: list[torch.Tensor], targets: list[torch.Tensor],
                    activations=None) -> StepOutcome:
-        """One optimizer step of this rank (parallel/step.py); every rank of the layout calls it."""
+        """One optimizer step of this rank (parallel/run/step.py); every rank of the layout calls it."""
         return train_step(self, cfg, step, inputs, targets, activations)
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:

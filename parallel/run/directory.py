@@ -1,7 +1,7 @@
 """A run owns its directory: checked before any work, locked for the whole run, cleared only on request.
 
 `claim_run_dir(out, resume, overwrite)` is what the launching process does before any worker
-starts (cli/train.py); nothing here imports torch and nothing is written until `take()`:
+starts (cli/commands/train.py); nothing here imports torch and nothing is written until `take()`:
 
 - the directory must be creatable and writable (its nearest existing ancestor, where it does not
   exist yet), checked by making and removing a probe directory there: the system's answer, for root
@@ -27,7 +27,7 @@ from pathlib import Path
 from minigpt.errors import ConfigError
 
 LOCK_FILE = "run.lock"
-# What a run writes into its directory (parallel/run_files.py, parallel/train.py, job/trace.py,
+# What a run writes into its directory (parallel/run/files.py, parallel/run/train.py, job/trace.py,
 # parallel/checkpoint*.py), with the temporary names they are written under before a rename.
 RUN_ENTRIES = frozenset({
     "config.json", "metrics.jsonl", "summary.json", "trace.json", "loss.png", "checkpoints", LOCK_FILE,

@@ -1,10 +1,10 @@
 """The run directory: config.json at the start, metrics.jsonl per step, summary.json and loss.png at the end.
 
 Rank 0 writes it, and the process that launched the run its summary and loss.png
-(parallel/loss_plot.py). JSON files are written to a temporary name and renamed, so a reader
+(parallel/run/loss_plot.py). JSON files are written to a temporary name and renamed, so a reader
 never sees half a file. No file is opened through a symlink (O_NOFOLLOW; a
 temporary name is unlinked first, never followed): the launching process refused links out of
-the run directory before the run (parallel/run_dir.py), and this holds even for one made since.
+the run directory before the run (parallel/run/directory.py), and this holds even for one made since.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ standard input). Closing its input without a request ends it. Without a plotter 
 in the calling process, as it is wherever the plotter could not draw it (which then raises what
 went wrong, as a direct call would).
 
-Run as `python -m parallel.loss_plot`, this module is the plotter's side.
+Run as `python -m parallel.run.loss_plot`, this module is the plotter's side.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class LossPlotter:
     @classmethod
     def start(cls) -> "LossPlotter":
         # Its own session: a Ctrl-C in the terminal is the run's to handle; the plotter ends with its input.
-        process = subprocess.Popen([sys.executable, "-m", "parallel.loss_plot"], stdin=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, "-m", "parallel.run.loss_plot"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                    start_new_session=True)
         return cls(process)
@@ -94,7 +94,7 @@ def import_pyplot():
 
 def write_loss_plot(run_dir: Path, name: str = "loss.png") -> Path | None:
     """Draw the train and validation loss against the step into `run_dir/name`; None without matplotlib."""
-    from parallel.run_files import open_no_follow
+    from parallel.run.files import open_no_follow
 
     plt = import_pyplot()
     if plt is None:

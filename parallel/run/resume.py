@@ -1,7 +1,7 @@
 """Which checkpoint a resumed run continues from, checked in the launching process. Torch-free.
 
 `--resume` takes the newest checkpoint of the run that verifies (complete, every file of the
-size and sha256 written: parallel/checkpoint_files.py) and says which newer ones it skipped and
+size and sha256 written: parallel/checkpoint/files.py) and says which newer ones it skipped and
 why; `--resume PATH` takes that checkpoint or refuses it. Either way the workers load a
 checkpoint already verified, and a corrupt one is refused in one line before any of them starts.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minigpt.errors import ConfigError
-from parallel.checkpoint_files import CorruptCheckpoint, check_checkpoint, newest_valid_checkpoint
+from parallel.checkpoint.files import CorruptCheckpoint, check_checkpoint, newest_valid_checkpoint
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Text from a checkpoint: load any layout's checkpoint into one plain GPT and sample from it.
 
 A checkpoint holds the plain GPT's global tensors whatever the layout that saved it
-(parallel/checkpoint.py), so loading it into one process is DCP's resharding with one
+(parallel/checkpoint/sharded.py), so loading it into one process is DCP's resharding with one
 reader: every tensor is one box covering the whole of it. The weights loaded are the
 fp32 masters when the policy kept them apart from the compute weights (bf16, fp16, fp8
 runs: the values training updates), the weights themselves otherwise (fp32 runs).
@@ -27,9 +27,9 @@ from minigpt.config import GPTConfig
 from minigpt.data import decode, encode
 from minigpt.errors import ConfigError, check_output_path, check_path_given, check_seed
 from minigpt.model import GPT
-from parallel.checkpoint_dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
-from parallel.checkpoint_files import MARKER, STATE_FILE, newest_valid_checkpoint, read_state
-from parallel.checkpoint_layout import global_shapes
+from parallel.checkpoint.dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
+from parallel.checkpoint.files import MARKER, STATE_FILE, newest_valid_checkpoint, read_state
+from parallel.checkpoint.layout import global_shapes
 
 MODEL_PREFIX, MASTER_PREFIX = "model.", "optimizer.master."
 

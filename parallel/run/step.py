@@ -1,7 +1,7 @@
 """One training step of one rank, begin to end: the schedule's actions (ZeRO's collectives among
 them), the optimizer at OptimizerStep, the update gathers landing, the step clock's stamps. Every
-rank of the layout runs it, through `Rank.train_step` (parallel/build.py); the loop around it is
-parallel/train.py.
+rank of the layout runs it, through `Rank.train_step` (parallel/run/build.py); the loop around it is
+parallel/run/train.py.
 """
 
 from __future__ import annotations

@@ -21,16 +21,16 @@ import torch.distributed as dist
 
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import ConfigError, TrainingError
-from parallel.build import Rank, build_rank
-from parallel.step import StepOutcome
+from parallel.run.build import Rank, build_rank
+from parallel.run.step import StepOutcome
 from parallel.device import PeakFlops, describe_device, measure_peak_flops
-from parallel.launch import finish_worker, init_worker, launch
-from parallel.watchdog import DEFAULT_TIMEOUT_S
+from parallel.launch.elastic import finish_worker, init_worker, launch
+from parallel.launch.watchdog import DEFAULT_TIMEOUT_S
 from parallel.memory import ActivationMeter
 from parallel.mesh import Mesh, build_mesh
-from parallel.resume import ResumePoint, resume_point
-from parallel.loss_plot import LossPlotter, write_loss_plot
-from parallel.run_files import RunFiles, default_run_dir, write_json_file
+from parallel.run.resume import ResumePoint, resume_point
+from parallel.run.loss_plot import LossPlotter, write_loss_plot
+from parallel.run.files import RunFiles, default_run_dir, write_json_file
 from job.trace import Trace, breakdown, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.compute import compute_path, dtype_of, needs_emulation
@@ -155,7 +155,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     start_step = 0
     if cfg.save_every or cfg.resume:
         # torch.distributed.checkpoint takes about a second to import in every rank: only runs that use it pay
-        from parallel.checkpoint import load_checkpoint, save_checkpoint
+        from parallel.checkpoint.sharded import load_checkpoint, save_checkpoint
     if cfg.resume:
         path = checkpoint or resume_point(cfg).path
         start_step = load_checkpoint(path, rank, cfg, verify=checkpoint is None)["step"]

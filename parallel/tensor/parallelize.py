@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from parallel.comm import Collectives
-from parallel.tensor_layers import (
+from parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceSplit,

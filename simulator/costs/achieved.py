@@ -10,7 +10,7 @@ A GPU entry of a hardware file may hold an "achieved" object beside its datashee
 and a NIC entry a "busbw_fraction" (NCCL bus bandwidth across nodes / the port's line rate). Absent,
 nothing is discounted (fractions 1, no overhead): the datasheet itself, as a calibrated profile
 whose numbers are already measured wants it. Every number must name a published microbenchmark or
-our own measurement, never a fit to an end-to-end training result. The presets (simulator/hardware.json)
+our own measurement, never a fit to an end-to-end training result. The presets (simulator/costs/hardware.json)
 carry published values: BabelStream Copy/Triad for hbm_fraction, a null-kernel launch benchmark for
 kernel_overhead, NCCL's ring bus bandwidth on 8 GPUs for nvlink_fraction (NVLink SHARP can beat the
 wire for large all-reduces, which a fraction <= 1 does not express), nccl-tests across nodes per NIC

@@ -1,6 +1,6 @@
 """How long compute takes on one GPU: a roofline per kernel of the op list, and pipeline chunks built from them.
 
-Torch-free. The ops come from simulator/ops.py (every GEMM and memory-bound kernel of a block,
+Torch-free. The ops come from simulator/costs/ops.py (every GEMM and memory-bound kernel of a block,
 the embeddings, the head and the loss, forward and backward, per tensor-parallel rank). Each
 one costs its roofline plus a fixed cost per kernel:
 
@@ -9,7 +9,7 @@ one costs its roofline plus a fixed cost per kernel:
     memory-bound     bytes / HBM + overhead
 
 with HBM = hbm_bandwidth * gpu.reached.hbm_fraction and overhead = the profile's measured
-launch_latency when it has one, else gpu.reached.kernel_overhead (simulator/achieved.py: 1 and
+launch_latency when it has one, else gpu.reached.kernel_overhead (simulator/costs/achieved.py: 1 and
 0 when the GPU says nothing).
 
 Efficiency: the GPU's table for the format (EfficiencyProfile, the "matmul_efficiency" field
@@ -31,7 +31,7 @@ norm, head and loss on the last) for one micro-batch on one tensor-parallel rank
 their ops' times, forward, and backward (which starts with the recomputed ops). The
 tensor-parallel collectives are returned as byte counts (parallel/comm.py's convention: the
 full buffer S) for the engine to time on the links, with the GEMM time of the Linears around
-them (what could hide them, simulator/overlap.py).
+them (what could hide them, simulator/engine/overlap.py).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
-from simulator.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
-from simulator.hardware import GPUSpec
+from simulator.costs.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
+from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, block_tensors, head_tensors
-from simulator.op_types import RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient
-from simulator.ops import block_ops, embedding_ops, head_ops
+from simulator.costs.op_types import RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient
+from simulator.costs.ops import block_ops, embedding_ops, head_ops
 
 HALF_EFFICIENCY_DIM = 128  # smallest matmul side at which the uncalibrated curve reaches half the peak
 FALLBACK_CURVE = f"fallback curve x/(x+{HALF_EFFICIENCY_DIM}) (no table: uncalibrated, optimistic)"
@@ -111,7 +111,7 @@ def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> f
 
 
 def op_time(op: Op, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> float:
-    """Seconds of one op of simulator/ops.py on `gpu` (see the module docstring)."""
+    """Seconds of one op of simulator/costs/ops.py on `gpu` (see the module docstring)."""
     memory = op.bytes / hbm_speed(gpu)
     if isinstance(op, Gemm):
         compute = _gemm_compute(op, gpu, profile)
@@ -163,11 +163,11 @@ class TPCollective:
 
 def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
                    first: bool, last: bool, sharded: bool = False) -> tuple[list[TPCollective], list[TPCollective]]:
-    """Forward and backward collectives of one chunk for one micro-batch, as parallel/tensor_layers.py issues them.
+    """Forward and backward collectives of one chunk for one micro-batch, as parallel/tensor/layers.py issues them.
 
     Per block: without sequence parallelism 2 all-reduces of b*s*h forward (after proj, fc2)
     and 2 backward (before qkv, fc1); with it 2 all-gathers + 2 reduce-scatters each way, plus
-    a backward all-reduce of every replicated parameter's gradient (parallel/tensor.py: the norms'
+    a backward all-reduce of every replicated parameter's gradient (parallel/tensor/parallelize.py: the norms'
     gains, a LayerNorm's biases, proj/fc2 biases when the shape has them; the final norm's on the last chunk).
     `sharded` (ops.py's sp_saved_input "sharded", Megatron's way): the backward all-gathers the
     saved input shard of every column-parallel Linear (qkv, fc1, the head) once more.

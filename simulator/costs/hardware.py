@@ -1,6 +1,6 @@
 """Hardware presets: GPUs, nodes and network adapters, loaded from JSON.
 
-The numbers live in one data file, simulator/hardware.json; this module only reads
+The numbers live in one data file, simulator/costs/hardware.json; this module only reads
 and checks them. A calibrated profile (written by `minigpt calibrate`) is a JSON file
 with the same schema holding one GPU, and loads the same way as a preset:
 
@@ -24,8 +24,8 @@ Optional GPU fields, written by `minigpt calibrate`; the presets carry matmul_ef
 achieved only, taken from published microbenchmarks against their datasheet figures (values,
 sources and derivations in docs/efficiency.md):
 
-    "matmul_efficiency": see simulator/compute.py (parse_efficiency_profile)
-    "achieved": see simulator/achieved.py (a NIC entry may likewise hold "busbw_fraction")
+    "matmul_efficiency": see simulator/costs/compute.py (parse_efficiency_profile)
+    "achieved": see simulator/costs/achieved.py (a NIC entry may likewise hold "busbw_fraction")
     "collectives": {KIND: {"ranks", "alpha", "beta", "points"?}}  KIND one of all_reduce,
         all_gather, reduce_scatter, p2p: a least-squares fit t = alpha + beta * S over the
         measured points [[S bytes, seconds], ...] (S: the full buffer, parallel/comm.py's
@@ -33,10 +33,10 @@ sources and derivations in docs/efficiency.md):
     "calibration": a JSON object of notes on the measurement (ranks, cores,
         ranks_per_core, threads_per_rank, the measured block times, ...)
     "measured": a CPU host's measured unit times, core sharing and gloo collectives by
-        group size and load: see simulator/host.py
+        group size and load: see simulator/costs/host.py
 
 In a calibrated profile every non-null peak_flops entry is a measurement (the best matmul rate
-measured in that format, parallel/calibrate.py), not a datasheet figure, and matmul_efficiency
+measured in that format, parallel/calibrate/measure.py), not a datasheet figure, and matmul_efficiency
 holds one table per measured format. With one rank nothing measures the links: `preset_links`
 gives calibrate the datasheet link figures of the preset whose GPU the device's name matches.
 """
@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minigpt.errors import ConfigError
-from simulator.achieved import Achieved, fraction, parse_achieved
-from simulator.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
-from simulator.host import MeasuredHost, parse_measured_host
+from simulator.costs.achieved import Achieved, fraction, parse_achieved
+from simulator.costs.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
+from simulator.costs.host import MeasuredHost, parse_measured_host
 from simulator.json_file import BYTES, COUNT, RATE, SECONDS, finite_number, in_range, read_json_file
 
 PRESETS_FILE = Path(__file__).with_name("hardware.json")
@@ -92,7 +92,7 @@ class GPUSpec:
     collectives: dict[str, CollectiveFit] | None = field(default=None, hash=False, compare=False)
     calibration: dict | None = field(default=None, hash=False, compare=False)
     measured: MeasuredHost | None = field(default=None, hash=False, compare=False)
-    # What real kernels and NCCL reach against the datasheet (simulator/achieved.py); None: nothing discounted.
+    # What real kernels and NCCL reach against the datasheet (simulator/costs/achieved.py); None: nothing discounted.
     achieved: Achieved | None = field(default=None, hash=False, compare=False)
 
     @property
@@ -133,7 +133,7 @@ class NICSpec:
     latency: float  # seconds per GPU-to-GPU message, software included
     switch_latency: float  # seconds per switch traversal
     switch_radix: int  # ports per leaf or spine switch
-    busbw_fraction: float = 1.0  # NCCL bus bandwidth across nodes / line rate (simulator/achieved.py)
+    busbw_fraction: float = 1.0  # NCCL bus bandwidth across nodes / line rate (simulator/costs/achieved.py)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _check_keys(entry: object, expected: set[str], where: str, origin: str) -> d
         raise ConfigError(f"{origin}: {where} must be a JSON object, got {type(entry).__name__}")
     missing = sorted(expected - entry.keys())
     if missing:
-        raise ConfigError(f"{origin}: {where} is missing {', '.join(missing)}: add them (see simulator/hardware.json)")
+        raise ConfigError(f"{origin}: {where} is missing {', '.join(missing)}: add them (see simulator/costs/hardware.json)")
     unknown = sorted(entry.keys() - expected)
     if unknown:
         raise ConfigError(f"{origin}: {where} has unknown field(s) {', '.join(unknown)}: expected {', '.join(sorted(expected))}")
@@ -373,7 +373,7 @@ _presets: Catalog | None = None
 
 
 def presets() -> Catalog:
-    """The built-in catalog from simulator/hardware.json (read once)."""
+    """The built-in catalog from simulator/costs/hardware.json (read once)."""
     global _presets
     if _presets is None:
         _presets = read_catalog(PRESETS_FILE)

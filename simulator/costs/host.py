@@ -1,9 +1,9 @@
 """A calibrated CPU host: what `minigpt calibrate` measured of this machine, as the simulator uses it. Torch-free.
 
-On a CPU the roofline of compute.py and the fluid link model of engine_links.py miss
+On a CPU the roofline of compute.py and the fluid link model of engine/links.py miss
 most of the cost: a block is many small kernels with Python between them, gloo moves
 bytes with the same cores that compute, and 8 ranks on 2 cores take turns. A profile's
-optional "measured" object (parallel/calibrate_host.py writes it) holds what replaces them:
+optional "measured" object (parallel/calibrate/host.py writes it) holds what replaces them:
 
     "measured": {
       "cores": C,                  (on CUDA: the GPUs, one per rank)
@@ -39,7 +39,7 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
   simulation (or `minigpt compare` of a bf16 run) with an fp32-calibrated profile stays
   possible, and its result says the units were not used (host "units_measured": false). The
   sharing slowdown and the collectives hold for any format (they time cores and bytes).
-  engine_host.host_compute passes the format (unit_format: fp32 on a CPU host, where 16-bit
+  engine/host.py's host_compute passes the format (unit_format: fp32 on a CPU host, where 16-bit
   compute is emulated with fp32 matmuls; the compute format on GPUs); dtype None finds any
   format's units.
 - sharing: compute time of a rank when `ranks` ranks with `threads_per_rank` threads each
@@ -54,7 +54,7 @@ optional "measured" object (parallel/calibrate_host.py writes it) holds what rep
 - collectives: seconds of one collective on a buffer of S bytes in a group of `group`
   ranks while `active` ranks run such groups at once (p2p: pairs). Between measured
   sizes interpolated linearly; outside them the fitted line alpha + beta * S.
-- reliability: how quiet the machine was while calibrate measured (parallel/calibrate_noise.py: the
+- reliability: how quiet the machine was while calibrate measured (parallel/calibrate/noise.py: the
   CPU share a measuring thread got, the spread of repeated runs, the threads row's ratio (did the other cores
   compute), whether the profile is reliable and why,
   the confidence of the calibration's own times); absent from profiles written before calibrate kept it.
@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, GPTConfig
 from minigpt.errors import ConfigError
-from simulator.efficiency import FLOP_FORMATS
+from simulator.costs.efficiency import FLOP_FORMATS
 from simulator.json_file import BYTES, COUNT, RELATIVE, SECONDS, SHARE, finite_number, in_range
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
@@ -81,7 +81,7 @@ SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS
 UNIT_OPTIONAL = ("sequence_parallel", "dtype", *UNIT_SHAPE_DEFAULTS)
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-# measured["reliability"] (parallel/calibrate_noise.py writes it): CPU shares of a core (0-1), spreads of repeated
+# measured["reliability"] (parallel/calibrate/noise.py writes it): CPU shares of a core (0-1), spreads of repeated
 # runs ((slowest - fastest) / median, >= 0) and the confidence (a relative bound, >= 0); each may be null
 RELIABILITY_NUMBERS = {"cpu_share_before": SHARE, "cpu_share_alone": SHARE, "cpu_share_after": SHARE,
                        "cpu_share_threads": SHARE, "spread_block": RELATIVE, "spread_units": RELATIVE, "spread_matmuls": RELATIVE,

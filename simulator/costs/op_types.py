@@ -1,6 +1,6 @@
 """The op-level cost model's vocabulary: ops, saved tensors, and the recorder that builds a unit. Torch-free.
 
-simulator/ops.py explains the model and builds the units with these.
+simulator/costs/ops.py explains the model and builds the units with these.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class Recorder:
         self.backward.append(gemm(name, m, n, k, dtype, self.shape.e, batch, BACKWARD, linear))
 
     def finish(self, recompute: str) -> OpList:
-        """The unit, with recompute's rule (simulator/ops.py): a saved tensor is dropped when the op that makes it
+        """The unit, with recompute's rule (simulator/costs/ops.py): a saved tensor is dropped when the op that makes it
         and every op that saves it are recomputed, and a recomputed region's inputs are kept; the recomputed ops
         open the backward."""
         again = RECOMPUTED_REGIONS[recompute]

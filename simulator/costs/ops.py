@@ -13,8 +13,8 @@ forward and backward as plain dataclasses (print them: `for op in ops.forward: p
 
 and `Saved`, the tensors the forward leaves for the backward. `embedding_ops` and `head_ops`
 do the same for the embeddings and for the final norm, the head and the loss.
-simulator/compute.py prices the ops, simulator/memory.py sums what they save. The attention
-core (rotary positions, flash or unfused attention) is simulator/ops_attention.py's.
+simulator/costs/compute.py prices the ops, simulator/memory.py sums what they save. The attention
+core (rotary positions, flash or unfused attention) is simulator/costs/ops_attention.py's.
 
 Per rank, for b sequences of s tokens (B = b*s rows), width h = d, MLP width f, a query heads,
 K key/value heads, tp t: row counts of the element-wise work on the residual stream are B/t
@@ -53,7 +53,7 @@ recomputed too, and a recomputed region keeps its input (Recorder.enter); `recom
 those dropped, alive again while the block's backward runs.
 
 Sequence parallelism (`Implementation.sp_saved_input`): the column-parallel Linears (qkv, fc1,
-the head) multiply the all-gathered sequence. "gathered" (our executor, parallel/tensor_layers.py)
+the head) multiply the all-gathered sequence. "gathered" (our executor, parallel/tensor/layers.py)
 saves that gathered input; "sharded" (Megatron; Korthikanti et al.'s sequence parallelism) saves the
 LayerNorm's own B/t rows and all-gathers them again in the backward (compute.tp_collectives
 counts that gather).
@@ -105,11 +105,11 @@ from __future__ import annotations
 from minigpt.config import GPTConfig
 from precision.policy import PrecisionPolicy
 from job.layout import Layout, padded_vocab
-from simulator.op_types import (
+from simulator.costs.op_types import (
     BACKWARD, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, FusedAttention, Gemm,
     Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
 )
-from simulator.ops_attention import core_backward, core_forward
+from simulator.costs.ops_attention import core_backward, core_forward
 
 __all__ = ["SP_SAVED_INPUTS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved", "OpList", "Op",
            "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]

@@ -1,6 +1,6 @@
 """The attention core's ops: rotary positions, then flash or unfused attention, forward and backward. Torch-free.
 
-simulator/ops.py explains the op list and calls `core_forward` / `core_backward` between the qkv and
+simulator/costs/ops.py explains the op list and calls `core_forward` / `core_backward` between the qkv and
 proj Linears. The core is minigpt/model.py's AttentionCore, the region selective recompute runs again.
 
 Per rank: a/t query heads and K/t key/value heads of head_dim each (grouped-query attention when K < a;
@@ -25,7 +25,7 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
 
 from __future__ import annotations
 
-from simulator.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, FusedAttention, MemoryOp, Recorder, gemm
+from simulator.costs.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, FusedAttention, MemoryOp, Recorder, gemm
 
 
 def rope_table_bytes(rec: Recorder) -> int:

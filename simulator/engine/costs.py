@@ -1,16 +1,16 @@
 """What every action of a schedule costs on one pipeline rank, computed once before the replay. Torch-free.
 
-Compute comes from simulator/compute.py's `chunk_times` (per unit: the embedding, one block,
-the head: the sum of simulator/ops.py's ops), or on a measured CPU host from its measured units
-and core sharing (simulator/engine_host.py), tensor-parallel collectives from its byte counts
-timed on the tp group's links. What overlaps what is simulator/overlap.py's `Overlap`; its
-default, "executor", is our code (parallel/pipeline.py, parallel/zero.py, parallel/zero3.py):
+Compute comes from simulator/costs/compute.py's `chunk_times` (per unit: the embedding, one block,
+the head: the sum of simulator/costs/ops.py's ops), or on a measured CPU host from its measured units
+and core sharing (simulator/engine/host.py), tensor-parallel collectives from its byte counts
+timed on the tp group's links. What overlaps what is simulator/engine/overlap.py's `Overlap`; its
+default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/zero.py, parallel/data/zero3.py):
 
   tp      Megatron's collectives sit between the layer's matmuls: never hidden (Overlap.tp:
           hidden behind the same pass's Linear GEMMs as far as they last).
   dp      no model of ZeRO here: the data-parallel collectives are the schedule's own actions
           (job/data_parallel.py: per bucket or unit, per micro-batch where the stage issues
-          them), priced from their place in the list by simulator/engine_dp.py.
+          them), priced from their place in the list by simulator/engine/data_parallel.py.
   optimizer  the step itself and the squared gradient norm's all-reduce over tp and pp (over
           dp it is OptimizerStep's own collective).
 
@@ -28,16 +28,16 @@ from minigpt.config import GPTConfig
 from job.schedule import ScheduleConfig
 from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
-from simulator.compute import EfficiencyProfile, chunk_times
-from simulator.engine_host import HostCompute
-from simulator.engine_links import LinkCosts
-from simulator.engine_dp import ActionCost, DataParallelPricer
-from simulator.hardware import GPUSpec
+from simulator.costs.compute import EfficiencyProfile, chunk_times
+from simulator.engine.host import HostCompute
+from simulator.engine.links import LinkCosts
+from simulator.engine.data_parallel import ActionCost, DataParallelPricer
+from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, buckets, stage_units
 from job.schedule import Backward, BackwardInput, BackwardWeight, Forward
 from simulator.memory import MemoryEstimate
-from simulator.op_types import Implementation
-from simulator.overlap import Overlap
+from simulator.costs.op_types import Implementation
+from simulator.engine.overlap import Overlap
 
 
 NORM_BYTES = FORMAT_BYTES["fp32"]
@@ -46,7 +46,7 @@ NORM_BYTES = FORMAT_BYTES["fp32"]
 @dataclass
 class RankCosts:
     """A rank's prices: `actions[(type, chunk)]` a compute with nothing armed around it;
-    `pricer` (simulator/engine_dp.py) a compute with the data-parallel actions armed around it and
+    `pricer` (simulator/engine/data_parallel.py) a compute with the data-parallel actions armed around it and
     a data-parallel action on its own; `optimizer` the step, norm reductions included."""
 
     actions: dict[tuple[type, int], ActionCost]
@@ -69,7 +69,7 @@ class Unit:
     tensors: list
     forward: float  # compute seconds
     backward: float  # recompute included
-    forward_tp: float  # tensor-parallel seconds left exposed (simulator/overlap.py's tp setting)
+    forward_tp: float  # tensor-parallel seconds left exposed (simulator/engine/overlap.py's tp setting)
     backward_tp: float
     numel: int  # padded to the dp size (ZeRO-3's flat unit)
     recompute: float = 0.0  # the part of `backward` that recomputes the forward
@@ -145,7 +145,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
     times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host)
     last_chunk = schedule.num_chunks - 1
-    # The optimizer's one reduction of the squared gradient norm (precision/optimizer.py, parallel/build.py's
+    # The optimizer's one reduction of the squared gradient norm (precision/optimizer.py, parallel/run/build.py's
     # reduce_sum): an fp32 scalar all-reduced over tp, then pp; over dp it is the OptimizerStep's own action
     # (job/data_parallel.py), priced by the pricer.
     norm_reduce = links.tp_collective("all_reduce", NORM_BYTES) + links.pp_collective("all_reduce", NORM_BYTES)

@@ -4,7 +4,7 @@ No model of ZeRO lives here: the schedule (job/schedule_comm.py, built from the 
 buckets and units by job/data_parallel.py) says which collective runs where, and
 job/schedule_actions.py's `armed_around` says, as it does for the executor, which of them a
 compute issues while it runs: the gathers listed right before it and the reductions right
-after it. This module prices what that implies, with simulator/engine_overlap.py's stream
+after it. This module prices what that implies, with simulator/engine/dp_overlap.py's stream
 model (one data-parallel stream, in issue order):
 
   - a compute with armed actions is cut into segments: ZeRO-3 per unit (its gather, issued
@@ -37,9 +37,9 @@ from job.schedule import (
     ReduceScatterGrads,
 )
 from job.layout import bucket_members
-from simulator.engine_overlap import Segment, overlap, ready_offsets
+from simulator.engine.dp_overlap import Segment, overlap, ready_offsets
 from simulator.memory import MAX_IN_FLIGHT
-from simulator.overlap import Overlap
+from simulator.engine.overlap import Overlap
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class DataParallelPricer:
             return self.unit_segments(action, armed), MAX_IN_FLIGHT, True
         plain = self.plain[(type(action), action.chunk)]
         reduced = {a.bucket: a for a in armed if type(a) in (AllReduceGrads, ReduceScatterGrads)}
-        limit = None if self.zero <= 1 else MAX_IN_FLIGHT  # ZeRO-1 bounds nothing (parallel/zero.py)
+        limit = None if self.zero <= 1 else MAX_IN_FLIGHT  # ZeRO-1 bounds nothing (parallel/data/zero.py)
         if self.settings.dp == "after":
             tail = [Segment(0.0, reduce=self.seconds(reduced[b])) for b in sorted(reduced, reverse=True)]
             return [Segment(plain.total)] + tail, limit, self.zero == 2

@@ -6,17 +6,17 @@ communication runs on one stream in the order it is issued (collectives on one N
 communicator run one at a time); compute waits only where our code waits:
 
   - a segment's compute starts once its weights are gathered; the gather of the segment
-    `prefetch` places ahead is issued when this one starts computing (parallel/zero3.py
+    `prefetch` places ahead is issued when this one starts computing (parallel/data/zero3.py
     prefetches one unit; with 0 a segment's gather is issued when the compute before it ends);
   - a reduction is issued when the segment's compute ends; with `max_in_flight`, when more
-    are in the air the compute waits for the oldest (parallel/zero.py's MAX_IN_FLIGHT);
+    are in the air the compute waits for the oldest (parallel/data/zero.py's MAX_IN_FLIGHT);
   - `wait_at_end`: the action ends only when every reduction is done (ZeRO-2 and ZeRO-3 wait
     at the end of each micro-batch's backward); otherwise the communication may run past it
     (ZeRO 0/1: the last backward's buckets are waited for before the optimizer step).
 
 `serial`: on a CPU host whose ranks each have their own cores, gloo moves the bytes with the
 core that computes, so the communication is charged in issue order on the compute stream
-instead (nothing overlaps; simulator/engine_host.py decides when).
+instead (nothing overlaps; simulator/engine/host.py decides when).
 
 Gradient buckets become ready during a backward as it walks the parameters in reverse:
 `ready_offsets` spreads each unit's backward time over its tensors by size (an

@@ -1,20 +1,20 @@
-"""The engine on a measured CPU host (simulator/host.py): measured compute and collectives. Torch-free.
+"""The engine on a measured CPU host (simulator/costs/host.py): measured compute and collectives. Torch-free.
 
 `HostCompute` gives a chunk's forward and backward seconds from the measured units (the
 roofline's when this model was not measured), times the sharing slowdown of the job's
 ranks and threads on the host's cores. `HostLinks` times p2p and collectives with the
 measured gloo numbers for the group size and the job's number of ranks, falling back to
-the fluid link model (engine_links.LinkCosts) for a kind or group size not measured.
+the fluid link model (engine/links.py's LinkCosts) for a kind or group size not measured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simulator.engine_links import LinkCosts
-from simulator.host import MeasuredHost, UnitTimes
+from simulator.engine.links import LinkCosts
+from simulator.costs.host import MeasuredHost, UnitTimes
 from job.layout import Layout
-from simulator.topology import Cluster
+from simulator.network.topology import Cluster
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ What runs at once (a "transfer"):
   tp collective   one tensor-parallel group (stage 0, replica 0): every tp group lives inside
                   one server on its own GPU<->NVSwitch links.
   p2p             stage a -> stage b, every tp rank (each sends its full copy, as
-                  parallel/pipeline.py does) of every replica at once: replicas run in step, and
+                  parallel/pipeline/executor.py does) of every replica at once: replicas run in step, and
                   their flows meet on shared uplinks (two opposite shifts, an oversubscribed leaf).
   dp collective   a ring over the replicas of one stage, the tp rings of that stage at once.
   pp collective   rings over the stages (the optimizer's norm), every replica's at once.
@@ -22,8 +22,8 @@ step is timed and multiplied. Link bandwidths are scaled by what NCCL reaches on
 (collectives.LinkFractions: the GPU's nvlink_fraction, the NIC's busbw_fraction).
 
 Three ways to time a transfer, one answer where they overlap:
-  fast   (a built cluster, simulator/cluster_built.py): every flow of the transfer routed by
-         arithmetic (simulator/fabric.py, numbered edges); each flow runs at its bottleneck
+  fast   (a built cluster, simulator/network/cluster_built.py): every flow of the transfer routed by
+         arithmetic (simulator/network/fabric.py, numbered edges); each flow runs at its bottleneck
          share, min over its edges of the edge's bandwidth over the flows on it (the first round
          of max-min filling; a flow's fluid rate is never below it, and the flows at the smallest
          share keep it to the end), plus its latency; the transfer lasts as long as its slowest
@@ -31,7 +31,7 @@ Three ways to time a transfer, one answer where they overlap:
          link, or flows alike on it: the rings and shifts of a step on the built fabrics).
          Memoised per transfer as its few distinct (latency, share) pairs, so a new byte count
          costs nothing. No graph: 100,000 GPUs cost a few hundred thousand routed flows.
-  exact  (`exact=True`, any cluster, for checking): the fluid model of simulator/collectives.py on
+  exact  (`exact=True`, any cluster, for checking): the fluid model of simulator/network/collectives.py on
          every flow of the transfer at once. tests/test_sim_fast_path.py holds fast = exact.
   graph  (a cluster read from a file): the fluid model on the graph's routes, each distinct hop
          once and replica 0 for p2p, pp and the embedding (every replica when the file says the
@@ -51,11 +51,11 @@ from itertools import chain
 from typing import Iterator
 
 from minigpt.errors import ConfigError
-from simulator.cluster_built import BuiltCluster
-from simulator.collectives import LinkFractions, Network
-from simulator.hardware import GPUSpec
+from simulator.network.cluster_built import BuiltCluster
+from simulator.network.collectives import LinkFractions, Network
+from simulator.costs.hardware import GPUSpec
 from job.layout import Layout
-from simulator.topology import Cluster
+from simulator.network.topology import Cluster
 
 _CACHES: "weakref.WeakKeyDictionary[Cluster, dict]" = weakref.WeakKeyDictionary()
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1}

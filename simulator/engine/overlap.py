@@ -1,7 +1,7 @@
 """What hides what in a simulated step: explicit overlap settings, with named presets. Torch-free.
 
 `Overlap` holds every choice the engine makes about overlapping communication with compute
-(simulator/engine_costs.py applies them, simulator/engine_replay.py the pipeline's):
+(simulator/engine/costs.py applies them, simulator/engine/replay.py the pipeline's):
 
   tp              False: the tensor-parallel collectives sit between the layer's matmuls and
                   are exposed (our executor; Megatron 2021). True: each pass hides its
@@ -10,7 +10,7 @@
                   reduce-scatter with the GEMMs next to them): exposed = max(0, collectives -
                   Linear GEMMs), per block and pass. The attention core and the element-wise
                   kernels hide nothing; the GEMMs are assumed not slowed by the communication.
-  dp              "executor": our ZeRO code (parallel/zero.py, zero3.py), as the schedule lists
+  dp              "executor": our ZeRO code (parallel/data/zero.py, zero3.py), as the schedule lists
                   it: ZeRO 0/1 reduce each bucket as soon as its gradients are ready, in each
                   chunk's last backward, except
                   the bucket of a tied embedding split over stages, reduced after the two

@@ -9,7 +9,7 @@ Each process walks its rank's action list (job/schedule.py) in order, split by
     ends with its last transfer. A rank whose partner has not posted yet waits on a SimPy
     event; then one SimPy timeout brings SimPy's clock to the batch's end, so the work
     before the batch and the batch itself cost one timeout (the speed the 1T case needs);
-  - data-parallel actions are priced from their place in the list (simulator/engine_dp.py):
+  - data-parallel actions are priced from their place in the list (simulator/engine/data_parallel.py):
     those armed around a compute inside its cost, the others at their turn on the rank's one
     data-parallel stream; SyncEmbedding makes the first and last stage meet; OptimizerStep
     waits for every reduction still in flight, then runs the optimizer.
@@ -49,8 +49,8 @@ from job.schedule import (
     armed_around,
     batches,
 )
-from simulator.engine_costs import RankCosts
-from simulator.engine_links import no_garbage_collection
+from simulator.engine.costs import RankCosts
+from simulator.engine.links import no_garbage_collection
 
 CATEGORIES = ("compute", "tp", "dp", "pp", "bubble", "optimizer")
 _COMPUTE = frozenset((Forward, Backward, BackwardInput, BackwardWeight))
@@ -255,7 +255,7 @@ def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[i
            embedding_sync: float = 0.0, p2p_overlapped: bool = False) -> list[RankTally]:
     """Run every rank's list; `p2p_seconds[(sender, receiver)]` per transfer; `embedding_sync` > 0
     makes the first and last rank meet before the optimizer (a tied head on several stages).
-    `p2p_overlapped` (simulator/overlap.py): sends do not wait, a receive waits for its data only."""
+    `p2p_overlapped` (simulator/engine/overlap.py): sends do not wait, a receive waits for its data only."""
     run = _Replay(schedule, costs, p2p_seconds, embedding_sync, p2p_overlapped)
     processes = [run.env.process(run.run(rank)) for rank in range(schedule.config.pp)]
     with no_garbage_collection():

@@ -2,18 +2,18 @@
 
 `simulate_step(model, layout, cluster, precision, global_batch, micro_batch, ...)` builds
 `build_schedule(ScheduleConfig(pp, m, kind, v, zero))` -- the very lists
-parallel/pipeline.py executes -- and replays ONE data-parallel replica, one process per
+parallel/pipeline/executor.py executes -- and replays ONE data-parallel replica, one process per
 pipeline stage (tp ranks and replicas are identical, so one of each stands for all).
 
 How (details in the modules it uses):
-  1. simulator/engine_links.py times each distinct transfer once with the fluid link model
-     of simulator/collectives.py on the cluster's own routes (p2p between two stages,
+  1. simulator/engine/links.py times each distinct transfer once with the fluid link model
+     of simulator/network/collectives.py on the cluster's own routes (p2p between two stages,
      one tp collective, one dp collective per bucket size), so the replay does not move
      every byte of every micro-batch through the fluid model;
-  2. simulator/engine_costs.py turns chunk_times (simulator/ops.py's op list, priced by
-     simulator/compute.py), those transfers and the overlap settings (simulator/overlap.py;
+  2. simulator/engine/costs.py turns chunk_times (simulator/costs/ops.py's op list, priced by
+     simulator/costs/compute.py), those transfers and the overlap settings (simulator/engine/overlap.py;
      by default our executor's rules) into seconds per action, split into compute / tp / exposed dp;
-  3. simulator/engine_replay.py replays the lists as SimPy processes (rendezvous p2p or,
+  3. simulator/engine/replay.py replays the lists as SimPy processes (rendezvous p2p or,
      overlapped, asynchronous sends; dp reductions waited for before the optimizer) and
      attributes every second.
 The step time is the slowest rank's end; the breakdown is that (critical) rank's. Every
@@ -35,19 +35,19 @@ from job.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_fligh
 from job.trace import chrome_trace_events, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
-from simulator.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
-from simulator.engine_costs import rank_costs
-from simulator.engine_host import HostLinks, host_compute
-from simulator.engine_links import LinkCosts
-from simulator.engine_replay import CATEGORIES, RankTally, no_garbage_collection, replay
-from simulator.hardware import GPUSpec, Hardware, load_hardware
+from simulator.costs.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
+from simulator.engine.costs import rank_costs
+from simulator.engine.host import HostLinks, host_compute
+from simulator.engine.links import LinkCosts
+from simulator.engine.replay import CATEGORIES, RankTally, no_garbage_collection, replay
+from simulator.costs.hardware import GPUSpec, Hardware, load_hardware
 from simulator.limits import check_job
 from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
-from simulator.op_types import Implementation
-from simulator.overlap import Overlap, resolve_overlap
+from simulator.costs.op_types import Implementation
+from simulator.engine.overlap import Overlap, resolve_overlap
 from simulator.provenance import provenance
-from simulator.topology import Cluster
+from simulator.network.topology import Cluster
 
 BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "pp": "pp_comm",
                    "dp": "dp_comm", "optimizer": "optimizer"}
@@ -202,7 +202,7 @@ def _compute_side(spec: GPUSpec, model: GPTConfig, layout: Layout, cluster: Clus
     host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
     if host is None:
         return None, LinkCosts(cluster, layout, spec), None
-    threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/train.py runs
+    threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/run/train.py runs
     return host_compute(host, model, layout, threads, compute_format), HostLinks(cluster, layout, host), threads
 
 
@@ -214,8 +214,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                   sp_saved_input: str = "gathered") -> SimResult:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
 
-    `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/ops.py);
-    `overlap`: an Overlap or a preset name (simulator/overlap.py; default: our executor's)."""
+    `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py);
+    `overlap`: an Overlap or a preset name (simulator/engine/overlap.py; default: our executor's)."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
     implementation = Implementation(attention, recompute, sp_saved_input)

@@ -1,8 +1,8 @@
 """A cluster built from presets: routes and link figures by arithmetic, the graph drawn only when asked. Torch-free.
 
-Same interface as simulator/cluster.py's Cluster (ranks, routes, bandwidth and latency of
+Same interface as simulator/network/cluster.py's Cluster (ranks, routes, bandwidth and latency of
 the edges on them, `graph`), plus `path(a, b)`: the route between two ranks as tuple nodes
-(simulator/fabric.py) with each edge's bandwidth, for the engine's fast costing.
+(simulator/network/fabric.py) with each edge's bandwidth, for the engine's fast costing.
 
 Inside a server every GPU has an NVLink edge to the server's NVSwitch (one logical,
 non-blocking switch standing for the NVSwitch chips) at the GPU's NVLink bandwidth; GPU
@@ -26,9 +26,9 @@ from functools import cached_property
 import networkx as nx
 
 from minigpt.errors import ConfigError
-from simulator.cluster import Cluster, Edge
-from simulator.fabric import Fabric, Node
-from simulator.hardware import GPUSpec, NICSpec
+from simulator.network.cluster import Cluster, Edge
+from simulator.network.fabric import Fabric, Node
+from simulator.costs.hardware import GPUSpec, NICSpec
 
 SWITCH_NAMES = {1: "leaf", 2: "spine", 3: "core"}
 

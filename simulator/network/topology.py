@@ -6,13 +6,13 @@
   fabric of the NIC preset `fabric` ("hdr", "ndr"; default the node's) shaped as `kind`:
   "fat-tree", "rail" (rail-optimised) or "rail-only" (no spine: rails joined only through
   NVLink), with leaves oversubscribed `oversubscription`:1 when asked (default 1,
-  non-blocking, with as many tiers as the radix needs). simulator/fabric.py says how the
-  switches are counted and cabled, simulator/cluster_built.py how servers hang on them.
+  non-blocking, with as many tiers as the radix needs). simulator/network/fabric.py says how the
+  switches are counted and cabled, simulator/network/cluster_built.py how servers hang on them.
   The result is a BuiltCluster: it routes by arithmetic and draws its graph only when asked
   (saving it, or `cluster.graph`), so 100,000 GPUs cost little; simulator/limits.py's MAX_GPUS
   (131,072) is the most it builds.
 - `load_cluster(path)` / `save_cluster(cluster, path)`: node-link JSON or GraphML in the form
-  simulator/cluster.py checks; a loaded file is a Cluster that routes on its graph. Any bytes
+  simulator/network/cluster.py checks; a loaded file is a Cluster that routes on its graph. Any bytes
   give a Cluster or a ConfigError naming the file (tests/test_fuzz_parsers.py), and a file
   holds at most simulator/limits.py's MAX_FILE_GPUS (16,384) GPUs.
 
@@ -29,10 +29,10 @@ from pathlib import Path
 import networkx as nx
 
 from minigpt.errors import ConfigError
-from simulator.cluster import NODE_TYPES, Cluster, Edge
-from simulator.cluster_built import BuiltCluster
-from simulator.fabric import FABRIC_KINDS, Fabric
-from simulator.hardware import GPUSpec, Hardware, NICSpec, load_hardware, load_nic
+from simulator.network.cluster import NODE_TYPES, Cluster, Edge
+from simulator.network.cluster_built import BuiltCluster
+from simulator.network.fabric import FABRIC_KINDS, Fabric
+from simulator.costs.hardware import GPUSpec, Hardware, NICSpec, load_hardware, load_nic
 from simulator.json_file import read_bytes, read_json_file
 from simulator.limits import check_gpus
 
@@ -111,7 +111,7 @@ def load_cluster(path: str | Path) -> Cluster:
 
     Whatever the file's bytes, the result is a Cluster or a ConfigError naming the file: JSON goes
     through simulator/json_file.py (size, UTF-8, depth) and node_link_graph below (JSON types), GraphML
-    through networkx's reader, and both through the checks of Cluster (simulator/cluster.py)."""
+    through networkx's reader, and both through the checks of Cluster (simulator/network/cluster.py)."""
     path = Path(path)
     if path.suffix not in (".json", ".graphml"):
         raise ConfigError(f"cannot read a topology from {path.name!r}: use a .json (node-link) or .graphml file")

@@ -1,8 +1,8 @@
 """A lower bound on a layout's simulated step time that needs no replay, for `minigpt plan`. Torch-free.
 
-simulator/engine.py's replay runs each pipeline rank's actions one after another on the rank's own
+simulator/engine/simulate.py's replay runs each pipeline rank's actions one after another on the rank's own
 clock: a compute action holds it for its price with nothing armed around it (compute plus exposed
-tp, simulator/engine_costs.py's `rank_costs`) or more (simulator/engine_overlap.py's `overlap`
+tp, simulator/engine/costs.py's `rank_costs`) or more (simulator/engine/dp_overlap.py's `overlap`
 never ends before its segments' compute, which adds up to that price); a send leaves, and so its
 receive ends, no earlier than the compute that made the data; the optimizer step runs last. So,
 for every rank r, the step lasts at least
@@ -15,14 +15,14 @@ for every rank r, the step lasts at least
            0 .. c-1 first, one after another (their forward prices);
   tail_r   its last action is a backward of chunk c: chunks c-1 .. 0 still run that micro-batch's
            backward after it, then rank 0 steps its optimizer (0 when c = 0);
-  optimizer_r  AdamW over rank r's share at HBM speed (engine_costs.optimizer_seconds; the
+  optimizer_r  AdamW over rank r's share at HBM speed (engine/costs.py's optimizer_seconds; the
            norm's tiny all-reduces left out, so the bound only gets lower).
 
 and, since a rank's data-parallel collectives run one at a time on its one stream (in the replay
-and in simulator/engine_overlap.py, which starts each after the one before) and the rank ends only
+and in simulator/engine/dp_overlap.py, which starts each after the one before) and the rank ends only
 when the last has landed,
 
-    data_parallel_r = the rank's data-parallel actions' prices (engine_dp.py's `seconds`), summed.
+    data_parallel_r = the rank's data-parallel actions' prices (engine/data_parallel.py's `seconds`), summed.
 
 Every transfer between stages and the tied embedding's sync is left at zero, so max over ranks of
 max(compute_r, data_parallel_r) is a lower bound on what simulate_step returns for the same job
@@ -42,14 +42,14 @@ from job.layout import Layout
 from job.schedule import Backward, Forward, ScheduleConfig, compute_order
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
-from simulator.engine import step_schedule
-from simulator.engine_costs import RankCosts, optimizer_seconds, rank_costs
-from simulator.engine_links import LinkCosts
-from simulator.hardware import Hardware
+from simulator.engine.simulate import step_schedule
+from simulator.engine.costs import RankCosts, optimizer_seconds, rank_costs
+from simulator.engine.links import LinkCosts
+from simulator.costs.hardware import Hardware
 from simulator.memory import MemoryEstimate
-from simulator.op_types import Implementation
-from simulator.overlap import resolve_overlap
-from simulator.topology import Cluster
+from simulator.costs.op_types import Implementation
+from simulator.engine.overlap import resolve_overlap
+from simulator.network.topology import Cluster
 
 BUCKET_MB = TrainConfig.bucket_mb  # what simulate_step uses unless told otherwise
 

@@ -21,7 +21,7 @@ How the search stays exact with respect to the simulator and fast:
   1. memory: simulator/memory.py's predict_memory, called exactly as simulate_step calls it (the
      schedule's micro-batches in flight on each rank): a layout rejected here does not fit when
      simulated either, and costs no replay;
-  2. a lower bound on the step of each layout that fits, without a replay (simulator/plan_bound.py:
+  2. a lower bound on the step of each layout that fits, without a replay (simulator/search/bound.py:
      the busiest rank's priced compute plus the pipeline's fill and drain, or its data-parallel
      collectives one after another on its stream, whichever is longer; the second term, which
      builds the schedule, only for a layout that reaches the front of the line);
@@ -42,13 +42,13 @@ from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
 from job.train_config import check_tensor_parallel
-from simulator.engine import SimResult, simulate_step
-from simulator.hardware import GPUSpec
+from simulator.engine.simulate import SimResult, simulate_step
+from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
                               zero3_gathers)
 from simulator.memory import MemoryEstimate, predict_memory
-from simulator.plan_bound import BUCKET_MB, StepBound, schedule_shape
-from simulator.sweep import ClusterSpec
+from simulator.search.bound import BUCKET_MB, StepBound, schedule_shape
+from simulator.search.sweep import ClusterSpec
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 INTERLEAVED_CHUNKS = 2
@@ -218,7 +218,7 @@ class Plan:
                 "slower": self.fitting - len(self.best), "seconds": self.seconds,
                 "method": "memory: predict_memory as simulate_step calls it, for every candidate; step: "
                           "simulate_step for the candidates that fit, in increasing order of a lower bound "
-                          "(simulator/plan_bound.py), stopping once the bound exceeds the slowest of the top best steps",
+                          "(simulator/search/bound.py), stopping once the bound exceeds the slowest of the top best steps",
             },
         }
 

@@ -24,14 +24,14 @@ from typing import Callable
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from simulator.compute import EfficiencyProfile
-from simulator.engine import SimResult, simulate_step
-from simulator.hardware import Hardware, load_hardware
+from simulator.costs.compute import EfficiencyProfile
+from simulator.engine.simulate import SimResult, simulate_step
+from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
                               zero3_gathers)
 from job.layout import Layout
 from simulator.memory import predict_memory
-from simulator.topology import CLUSTER_KINDS, Cluster, build_cluster
+from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster
 
 DEFAULT_THRESHOLD = 0.5
 SCALINGS = ("strong", "weak")
@@ -41,7 +41,7 @@ SCALINGS = ("strong", "weak")
 class ClusterSpec:
     """How to build a cluster of any size: the GPU (preset name or loaded profile), server size, NIC preset
     (`fabric`), fabric kind (fat-tree, rail, rail-only), NICs per server and leaf oversubscription
-    (simulator/topology.py's build_cluster)."""
+    (simulator/network/topology.py's build_cluster)."""
 
     hardware: Hardware
     gpus_per_node: int
