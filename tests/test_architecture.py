@@ -1,12 +1,16 @@
-"""The layout of the code, read from the source: no import cycle between modules, no function over 80 lines.
+"""The layout of the code, read from the source: no import cycle between modules or between a package's rooms,
+imports that point down, small folders and modules, no function over 80 lines, and docs/architecture.md naming
+every subpackage.
 
 Imports are read with the ast module from every file of the project's packages, including the ones
-made inside functions (a cycle hidden in a function is still a cycle of concepts).
+made inside functions (a cycle hidden in a function is still a cycle of concepts). A package's rooms are its
+subpackages (parallel/data/, simulator/engine/, ...) and the modules at its top (parallel/comm.py, ...).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -14,6 +18,9 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minigpt", "job", "parallel", "precision", "simulator", "cli")
 MAX_FUNCTION_LINES = 80
+MAX_MODULES_PER_FOLDER = 12  # .py files at a folder's top, __init__.py included
+MAX_MODULE_LINES = 500
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
 
 def modules() -> dict[str, Path]:
@@ -43,8 +50,8 @@ def import_graph() -> nx.DiGraph:
 
 def test_the_graph_sees_imports():
     graph = import_graph()
-    assert graph.has_edge("cli.main", "cli.train") or any(graph.successors("cli.main"))
-    assert graph.has_edge("simulator.compute", "simulator.efficiency")  # a real edge, so a cycle would show
+    assert graph.has_edge("cli.main", "cli.commands.train") or any(graph.successors("cli.main"))
+    assert graph.has_edge("simulator.costs.compute", "simulator.costs.efficiency")  # a real edge, so a cycle would show
 
 
 def test_no_import_cycle_between_modules():
@@ -80,3 +87,104 @@ def test_imports_point_down_only_between_folders():
     assert folders.has_edge("parallel", "job") and folders.has_edge("simulator", "job")
     for low in ("minigpt", "precision", "job"):  # nothing below imports an interpreter or the commands
         assert not set(folders.successors(low)) & {"parallel", "simulator", "cli"} if low in folders else True
+
+
+# ---------------------------------------------------------------- rooms: subpackages and top-level modules
+
+
+def subpackages() -> list[str]:
+    """Every package below a top-level one, dotted (parallel.data, cli.commands, ...)."""
+    return sorted(name for name, path in modules().items() if path.name == "__init__.py" and "." in name)
+
+
+def room(module: str, packages: set[str]) -> str:
+    """The room a module lives in: its subpackage right below the top-level package, or itself at that top."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and ".".join(parts[:2]) in packages else module
+
+
+def room_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """Room to room imports inside each top-level package (parallel.run -> parallel.data, ...)."""
+    packages = set(subpackages())
+    rooms = nx.DiGraph()
+    for a, b in graph.edges():
+        ra, rb = room(a, packages), room(b, packages)
+        if ra != rb and ra.split(".")[0] == rb.split(".")[0]:
+            rooms.add_edge(ra, rb)
+    return rooms
+
+
+def room_cycles(graph: nx.DiGraph) -> list[list[str]]:
+    return sorted(nx.simple_cycles(room_graph(graph)), key=len)
+
+
+def test_no_import_cycle_between_rooms():
+    graph = import_graph()
+    assert not room_cycles(graph), room_cycles(graph)[:5]
+    rooms = room_graph(graph)
+    assert rooms.has_edge("parallel.run", "parallel.data") and rooms.has_edge("simulator.engine", "simulator.costs")
+
+
+def test_a_planted_cycle_between_rooms_is_found():
+    """The check can fail: an import from a shared piece (the clock) up to run/sample.py closes a loop of rooms
+    (run/step.py imports the clock) that no cycle of modules shows (sample.py reaches only checkpoint/)."""
+    planted = import_graph().copy()
+    planted.add_edge("parallel.clock", "parallel.run.sample")
+    assert not list(nx.simple_cycles(planted))
+    assert any({"parallel.clock", "parallel.run"} <= set(cycle) for cycle in room_cycles(planted))
+
+
+def imported_rooms(source: str) -> set[str]:
+    rooms = room_graph(import_graph())
+    return set(rooms.successors(source)) if source in rooms else set()
+
+
+def test_the_parallelisms_never_import_the_run_machinery():
+    machinery = {"parallel.run", "parallel.launch", "parallel.calibrate"}
+    for parallelism in ("parallel.data", "parallel.tensor", "parallel.pipeline", "parallel.checkpoint"):
+        assert not imported_rooms(parallelism) & machinery, (parallelism, imported_rooms(parallelism))
+    assert not imported_rooms("parallel.launch") & {"parallel.run", "parallel.calibrate"}  # it starts ranks only
+    packages = set(subpackages())  # the shared pieces at parallel's top import no subpackage
+    for module in modules():
+        if module.startswith("parallel.") and room(module, packages) == module and module not in packages:
+            assert not imported_rooms(module) & packages, (module, imported_rooms(module))
+
+
+def test_the_cost_model_never_imports_the_engine():
+    assert not imported_rooms("simulator.costs") & {"simulator.engine", "simulator.network", "simulator.search"}
+    assert not imported_rooms("simulator.network") & {"simulator.engine", "simulator.search"}
+    assert "simulator.search" not in imported_rooms("simulator.engine")
+
+
+def test_the_commands_sit_on_top_of_the_command_line():
+    for below in ("cli.options", "cli.tools", "cli.claims", "cli.output", "cli.output_file"):
+        assert "cli.commands" not in imported_rooms(below), below
+    assert not imported_rooms("cli.options") - {"cli.options"}  # flags import nothing else of cli/
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def test_small_folders_and_modules():
+    crowded, long = [], []
+    for package in PACKAGES:
+        for folder in [ROOT / package, *(p for p in (ROOT / package).rglob("*") if p.is_dir())]:
+            count = len(list(folder.glob("*.py")))
+            if count > MAX_MODULES_PER_FOLDER:
+                crowded.append(f"{folder.relative_to(ROOT)}: {count} modules")
+        for path in (ROOT / package).rglob("*.py"):
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > MAX_MODULE_LINES:
+                long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not crowded and not long, (crowded, long)
+
+
+# ---------------------------------------------------------------- the map
+
+
+def test_the_architecture_doc_names_every_subpackage_and_only_real_ones():
+    text = ARCHITECTURE_DOC.read_text(encoding="utf-8")
+    named = set(re.findall(rf"\b((?:{'|'.join(PACKAGES)})(?:/\w+)+)/(?![\w.])", text))
+    real = {name.replace(".", "/") for name in subpackages()}
+    assert real - named == set(), f"subpackages docs/architecture.md does not name: {sorted(real - named)}"
+    assert named - real == set(), f"docs/architecture.md names folders that are not subpackages: {sorted(named - real)}"
