@@ -11,8 +11,9 @@ Nothing here imports the simulator, the claims or the optimizer under test. What
 `block_kernels` lists, by hand, the kernels one transformer block runs for one micro-batch on one
 tensor-parallel rank (forward and backward, FlashAttention-2, each kernel reading its inputs from HBM
 once and writing its outputs once), and `price` prices them on a GPU's datasheet with a roofline:
-a GEMM at the cited efficiency for its smallest side, a memory-bound kernel at the achieved HBM
-bandwidth, plus the launch cost of every kernel. The arithmetic is written out here, so a test can
+a GEMM at the cited efficiency for its smallest side, a causal FlashAttention pass at its published
+rate by sequence and head size (or its kept half of the square at the GEMM table's efficiency), a
+memory-bound kernel at the achieved HBM bandwidth, plus the launch cost of every kernel. The arithmetic is written out here, so a test can
 compare the simulator's op model (simulator/costs/ops.py, simulator/costs/compute.py) with it.
 """
 
@@ -67,10 +68,11 @@ def block_kernels(config, micro_batch: int, element_bytes: int, linear: str, att
         if config.bias:
             kernels.append(("memory", 2 * rows * n_out * e))  # bias add
             kernels.append(("memory", rows * n_out * e))  # bias gradient: a sum over the rows
-    # FlashAttention over the full s x s square of this rank's query heads (a * head_dim = d): q k^T and p v
-    # forward (4 b s^2 d); backward the scores again and four gradient matmuls (10 b s^2 d).
-    kernels.append(("gemm", 4 * micro_batch * s * s * d // t, head_dim, attention))
-    kernels.append(("gemm", 10 * micro_batch * s * s * d // t, head_dim, attention))
+    # FlashAttention over the s x s square of this rank's query heads (a * head_dim = d): q k^T and p v forward
+    # (4 b s^2 d over the whole square); backward the scores again and four gradient matmuls (10 b s^2 d). The
+    # causal kernel computes only the products the mask keeps (`price`).
+    kernels.append(("attention", 4 * micro_batch * s * s * d // t, head_dim, attention, s))
+    kernels.append(("attention", 10 * micro_batch * s * s * d // t, head_dim, attention, s))
     kernels.append(("memory", 2 * rows * d // t * e))  # its backward's pre-pass, rowsum(dO * O)
     for _ in range(2):  # the attention half and the MLP half
         kernels.append(("memory", 2 * rows * d * e))  # norm: read x, write y
@@ -87,8 +89,26 @@ def block_kernels(config, micro_batch: int, element_bytes: int, linear: str, att
     return kernels
 
 
+def causal_attention_efficiency(table: dict, head_dim: int, seq: int) -> float:
+    """A published causal attention table ({"64": [[s, fraction], ...], ...}) read as docs/efficiency.md says:
+    linear in log2(s) between its sequences and linear in the head size between its head sizes, the nearest
+    point outside either."""
+    rows = sorted((int(size), table_efficiency(points, seq)) for size, points in table.items())  # log s, as log2
+    if head_dim <= rows[0][0]:
+        return rows[0][1]
+    if head_dim >= rows[-1][0]:
+        return rows[-1][1]
+    for (h0, f0), (h1, f1) in zip(rows, rows[1:]):
+        if h0 <= head_dim <= h1:
+            return f0 + (f1 - f0) * (head_dim - h0) / (h1 - h0)
+    raise AssertionError("unreachable")
+
+
 def price(kernels: list[tuple], gpu: str) -> tuple[float, float]:
-    """(seconds in GEMMs, FlashAttention included; seconds in memory-bound kernels) on `gpu`'s datasheet."""
+    """(seconds in GEMMs, FlashAttention included; seconds in memory-bound kernels) on `gpu`'s datasheet.
+    A causal FlashAttention pass on a GPU with a published table: half its square's FLOPs (the kernel
+    benchmark's count) at the table's share of the format's peak; otherwise the s (s + 1) / 2 of the s^2
+    products the mask keeps at the GEMM table's efficiency for the head size."""
     sheet = DATASHEETS[gpu]
     hbm = sheet["hbm_bandwidth"] * sheet["achieved"]["hbm_fraction"]
     launch = sheet["matmul_efficiency"]["launch_latency"]
@@ -98,13 +118,23 @@ def price(kernels: list[tuple], gpu: str) -> tuple[float, float]:
             _, flops, side, dtype = kernel
             rate = sheet["peak_flops"][dtype] * table_efficiency(sheet["matmul_efficiency"][dtype], side)
             gemm += flops / rate + launch
+        elif kernel[0] == "attention":
+            _, square, head_dim, dtype, seq = kernel
+            table = sheet.get("attention_efficiency", {}).get("causal")
+            if table is not None:  # measured in 16-bit; any format at the same share of its own peak
+                gemm += square / 2 / (sheet["peak_flops"][dtype] * causal_attention_efficiency(table, head_dim, seq))
+            else:
+                rate = sheet["peak_flops"][dtype] * table_efficiency(sheet["matmul_efficiency"][dtype], head_dim)
+                gemm += square * (seq + 1) / (2 * seq) / rate
+            gemm += launch
         else:
             memory += kernel[1] / hbm + launch
     return gemm, memory
 
 
 def gemm_flops(kernels: list[tuple]) -> int:
-    return sum(k[1] for k in kernels if k[0] == "gemm")
+    """Matmul FLOPs as torch's FlopCounterMode counts them: attention over its whole square."""
+    return sum(k[1] for k in kernels if k[0] in ("gemm", "attention"))
 
 
 @lru_cache(maxsize=None)

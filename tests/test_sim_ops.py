@@ -12,7 +12,7 @@ from minigpt.errors import ConfigError
 from precision.policy import policy
 from job.layout import Layout
 from simulator.memory import layer_activation_bytes, predict_memory
-from simulator.costs.op_types import FusedAttention, Gemm, MemoryOp
+from simulator.costs.op_types import FusedAttention, Gemm, MemoryOp, model_flops
 from simulator.costs.ops import Implementation, block_ops, embedding_ops, head_ops, op_rows
 
 BF16 = policy("bf16")
@@ -50,14 +50,17 @@ def test_flops_of_the_op_list_equal_config(recompute, attention, shape, tp):
     layout = Layout(tp=tp)
     impl = Implementation(attention, recompute)
     block = block_ops(model, b, layout, BF16, impl)
-    per_rank = (model.n_layers * block.flops
-                + embedding_ops(model, b, layout, BF16, impl).flops + head_ops(model, b, layout, BF16, impl).flops)
+    per_rank = (model.n_layers * block.model_flops + embedding_ops(model, b, layout, BF16, impl).model_flops
+                + head_ops(model, b, layout, BF16, impl).model_flops)
     assert per_rank * tp == model.train_flops_per_token(recompute, attention) * b * model.seq_len
     if attention == "unfused":  # without flash's recomputed scores: the model FLOPs (plus the recompute asked for)
         assert model.train_flops_per_token(recompute, attention) == model.train_flops_per_token(recompute)
-    assert sum(op.flops for op in block.forward) * tp == model.block_forward_flops_per_token() * b * model.seq_len
-    forward = model.n_layers * sum(op.flops for op in block.forward)
-    forward += sum(op.flops for op in head_ops(model, b, layout, BF16, impl).forward)
+        assert block.flops == block.model_flops  # unfused attention computes the whole square, masked half too
+    else:  # the causal kernel computes s (s + 1) / 2 of the square's s^2 products (tests/test_sim_attention.py)
+        assert block.flops < block.model_flops
+    assert sum(model_flops(op) for op in block.forward) * tp == model.block_forward_flops_per_token() * b * model.seq_len
+    forward = model.n_layers * sum(model_flops(op) for op in block.forward)
+    forward += sum(model_flops(op) for op in head_ops(model, b, layout, BF16, impl).forward)
     assert forward * tp == model.forward_flops_per_token() * b * model.seq_len
 
 

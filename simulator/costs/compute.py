@@ -45,7 +45,9 @@ from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_
 from simulator.costs.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, block_tensors, head_tensors
-from simulator.costs.op_types import RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient
+from simulator.costs.attention_rates import seconds as attention_seconds
+from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
+                                      model_flops)
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
 
 HALF_EFFICIENCY_DIM = 128  # smallest matmul side at which the uncalibrated curve reaches half the peak
@@ -110,13 +112,25 @@ def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> f
     return g.flops / (gpu.flops(g.dtype) * efficiency(min(g.m, g.n, g.k), g.dtype, profile))
 
 
+def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
+    """A fused attention kernel: causal, on a GPU with a published table, at the kernel's measured share of the
+    peak for its head size and sequence (attention_rates.py); else the products the mask keeps at the GEMMs'
+    efficiency."""
+    scores = op.gemms[0]  # s x s x head_dim: the scores, or the backward's recomputed scores
+    table = gpu.attention_efficiency
+    if op.causal_seq and table is not None:
+        return attention_seconds(table, op.benchmark_flops, scores.k, op.causal_seq, gpu.flops(scores.dtype))
+    square = sum(_gemm_compute(g, gpu, profile) for g in op.gemms)
+    return square * op.flops / op.square_flops
+
+
 def op_time(op: Op, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> float:
     """Seconds of one op of simulator/costs/ops.py on `gpu` (see the module docstring)."""
     memory = op.bytes / hbm_speed(gpu)
     if isinstance(op, Gemm):
         compute = _gemm_compute(op, gpu, profile)
     elif isinstance(op, FusedAttention):
-        compute = sum(_gemm_compute(g, gpu, profile) for g in op.gemms)
+        compute = _attention_compute(op, gpu, profile)
     else:
         compute = 0.0
     return max(compute, memory) + kernel_overhead(gpu, profile)
@@ -216,7 +230,7 @@ class ChunkTimes:
     forward_matmul_s: float  # GEMMs and FlashAttention
     forward_elementwise_s: float  # memory-bound kernels
     recompute_s: float
-    forward_flops: int  # matmul FLOPs on this rank
+    forward_flops: int  # matmul FLOPs on this rank, as config.py counts them (attention's whole square)
     tp_comm_bytes_forward: int
     tp_comm_bytes_backward: int
     tp_collectives_forward: tuple[TPCollective, ...] = ()
@@ -261,8 +275,8 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         again += pass_times(rerun, gpu, profile) * count
         backward += pass_times(grads, gpu, profile) * count
         weight += pass_times([op for op in grads if is_weight_gradient(op)], gpu, profile) * count
-        forward_flops += count * sum(op.flops for op in ops.forward)
-        backward_flops += count * sum(op.flops for op in ops.backward)
+        forward_flops += count * sum(model_flops(op) for op in ops.forward)
+        backward_flops += count * sum(model_flops(op) for op in ops.backward)
     sharded = layout.sequence_parallel and implementation.sp_saved_input == "sharded"
     fwd, bwd = tp_collectives(model, layers, micro_batch_size, layout, policy, first, last, sharded)
     if recompute == "full":  # the recomputed forward issues the blocks' forward collectives again

@@ -20,12 +20,13 @@ finite and within the ranges of simulator/json_file.py (rates 1 to 1e30 per seco
 enough that no simulated step overflows; whatever a file's bytes, loading it gives a Hardware or one
 ConfigError naming the file and the field (tests/test_fuzz_parsers.py).
 
-Optional GPU fields, written by `minigpt calibrate`; the presets carry matmul_efficiency and
-achieved only, taken from published microbenchmarks against their datasheet figures (values,
-sources and derivations in docs/efficiency.md):
+Optional GPU fields, written by `minigpt calibrate`; the presets carry matmul_efficiency, achieved
+and attention_efficiency only, taken from published microbenchmarks against their datasheet figures
+(values, sources and derivations in docs/efficiency.md):
 
     "matmul_efficiency": see simulator/costs/compute.py (parse_efficiency_profile)
     "achieved": see simulator/costs/achieved.py (a NIC entry may likewise hold "busbw_fraction")
+    "attention_efficiency": see simulator/costs/attention_rates.py (a causal attention kernel's rates)
     "collectives": {KIND: {"ranks", "alpha", "beta", "points"?}}  KIND one of all_reduce,
         all_gather, reduce_scatter, p2p: a least-squares fit t = alpha + beta * S over the
         measured points [[S bytes, seconds], ...] (S: the full buffer, parallel/comm.py's
@@ -50,6 +51,7 @@ from pathlib import Path
 
 from minigpt.errors import ConfigError
 from simulator.costs.achieved import Achieved, fraction, parse_achieved
+from simulator.costs.attention_rates import AttentionEfficiency, parse_attention_efficiency
 from simulator.costs.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
 from simulator.costs.host import MeasuredHost, parse_measured_host
 from simulator.json_file import BYTES, COUNT, RATE, SECONDS, finite_number, in_range, read_json_file
@@ -57,7 +59,7 @@ from simulator.json_file import BYTES, COUNT, RATE, SECONDS, finite_number, in_r
 PRESETS_FILE = Path(__file__).with_name("hardware.json")
 TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured", "achieved")
+OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured", "achieved", "attention_efficiency")
 SECONDS_PER_BYTE = (1e-30, 1.0)  # a collective's beta: 1 / bytes per second
 
 
@@ -94,6 +96,8 @@ class GPUSpec:
     measured: MeasuredHost | None = field(default=None, hash=False, compare=False)
     # What real kernels and NCCL reach against the datasheet (simulator/costs/achieved.py); None: nothing discounted.
     achieved: Achieved | None = field(default=None, hash=False, compare=False)
+    # A fused causal attention kernel's published rates (simulator/costs/attention_rates.py); None: GEMM pricing.
+    attention_efficiency: AttentionEfficiency | None = field(default=None, hash=False, compare=False)
 
     @property
     def reached(self) -> Achieved:
@@ -222,6 +226,7 @@ def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
         calibration=_parse_calibration(entry.get("calibration"), where, origin),
         measured=_parse_measured(entry.get("measured"), where, origin),
         achieved=parse_achieved(entry.get("achieved"), f"{origin}: {where}"),
+        attention_efficiency=parse_attention_efficiency(entry.get("attention_efficiency"), f"{origin}: {where}"),
     )
 
 
@@ -474,6 +479,8 @@ def hardware_to_dict(hardware: Hardware) -> dict:
             data["measured"] = gpu.measured.raw
         if gpu.achieved is not None:
             data["achieved"] = gpu.achieved.as_dict()
+        if gpu.attention_efficiency is not None:
+            data["attention_efficiency"] = gpu.attention_efficiency.as_dict()
         return data
 
     return {

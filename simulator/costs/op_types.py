@@ -74,22 +74,43 @@ class MemoryOp:
 
 @dataclass(frozen=True)
 class FusedAttention:
+    """The attention matmuls in one kernel. Its GEMMs span the s x s square of scores; under a causal mask
+    (causal_seq = s) query i meets keys 0..i only, and the kernel skips the tiles above the diagonal."""
+
     name: str
     gemms: tuple[Gemm, ...]
     read: int
     written: int
     phase: str = FORWARD
+    causal_seq: int = 0  # s of a causal mask; 0: the whole square
 
     @property
     def bytes(self) -> int:
         return self.read + self.written
 
     @property
-    def flops(self) -> int:
+    def square_flops(self) -> int:
         return sum(g.flops for g in self.gemms)
+
+    @property
+    def flops(self) -> int:
+        """The products the mask keeps, exactly: s (s + 1) / 2 of the square's s^2 under a causal mask."""
+        s = self.causal_seq
+        return self.square_flops * (s + 1) // (2 * s) if s else self.square_flops
+
+    @property
+    def benchmark_flops(self) -> int:
+        """FLOPs as attention kernels' benchmarks count them: half the square under a causal mask
+        (simulator/costs/attention_rates.py)."""
+        return self.square_flops // 2 if self.causal_seq else self.square_flops
 
 
 Op = Union[Gemm, MemoryOp, FusedAttention]
+
+
+def model_flops(op: Op) -> int:
+    """An op's FLOPs as config.py counts them: a fused attention's whole square, every other op's own."""
+    return op.square_flops if isinstance(op, FusedAttention) else op.flops
 
 
 @dataclass(frozen=True)
@@ -118,7 +139,13 @@ class OpList:
 
     @property
     def flops(self) -> int:
+        """The products the kernels compute (a causal attention kernel's half of the square)."""
         return sum(op.flops for op in self.forward + self.backward)
+
+    @property
+    def model_flops(self) -> int:
+        """FLOPs as minigpt/config.py counts them for MFU: attention over the whole s x s square."""
+        return sum(model_flops(op) for op in self.forward + self.backward)
 
 
 def op_rows(ops: OpList) -> list[list]:

@@ -11,8 +11,11 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
   and the fp32 cos and sin tables (s x head_dim each) and writes a new qkv-sized tensor (q and k
   rotated, v copied); it saves nothing. Its backward rotates the gradient back the same way (one
   kernel, the same bytes). The attention then saves q, k, v as views of the rotated tensor.
-- Flash (FlashAttention-2, Dao 2023): every query head scores the whole sequence against its
-  group's key head, so the GEMMs are those of multi-head attention (batch b x a/t); the kernel reads
+- Flash (FlashAttention-2, Dao 2023): every query head scores the sequence against its group's key
+  head, so the GEMMs are those of multi-head attention (batch b x a/t), over the causal half of the
+  square: the op computes the s (s + 1) / 2 products the mask keeps (FusedAttention.flops), priced at
+  the kernel's published causal throughput where the GPU has a table
+  (simulator/costs/attention_rates.py); the kernel reads
   q, k and v once each (a K/t-head k and v serve a/K query heads each, from on-chip memory) and
   writes the output and an fp32 log-sum-exp per query head and row. Backward: a pre-pass
   D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs,
@@ -46,7 +49,7 @@ def _flash_forward(rec: Recorder, qkv: str) -> None:
     out = rec.tensor("attention.output", sh.rows * a * hd * sh.e)
     gemms = (gemm("attention.scores", s, s, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
              gemm("attention.values", s, hd, s, sh.compute, sh.e, sh.b * a, FORWARD, False))
-    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv), rec.bytes_of(out, lse)),
+    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv), rec.bytes_of(out, lse), causal_seq=s),
            saves=(qkv, out, lse))
 
 
@@ -61,7 +64,7 @@ def _flash_backward(rec: Recorder) -> None:
               ("attention.grad_probs", s, s, hd), ("attention.grad_q", s, hd, s), ("attention.grad_k", s, hd, s))
     gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
     read = qkv + width + 2 * sh.rows * a * FP32  # q, k, v, dO; the log-sum-exp and D
-    rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD))
+    rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=s))
 
 
 def _unfused_forward(rec: Recorder, qkv: str) -> None:

@@ -1,0 +1,103 @@
+"""What a fused causal attention kernel reaches, by sequence length and head size: published tables. Torch-free.
+
+A causal kernel computes the key blocks at or below each query block's diagonal and skips the rest: about
+half the s x s square, plus the diagonal tiles, which it computes whole and masks (FlashAttention-2, Dao 2023,
+section 3.1.1). How fast it runs that work depends on the sequence and the head size far more than a GEMM of
+the same shapes: short sequences leave SMs idle and the diagonal tiles cost more than their share. So a GPU
+entry of a hardware file may carry the kernel's measured throughput:
+
+    "attention_efficiency": {"kernel": "FlashAttention-2",
+                             "source": "...",                   where the table comes from
+                             "causal": {"64": [[512, 0.282], ...], "128": [[512, 0.317], ...]}}
+
+Each point is [sequence length, forward + backward throughput / the GPU's dense 16-bit peak], for a head size,
+with the FLOPs counted as the kernel's own benchmark counts them (flash-attention's
+benchmarks/benchmark_flash_attention.py: forward 4 b s^2 a d, halved with the causal mask; backward 2.5x the
+forward, its recomputed scores included; fwd + bwd 3.5x). `seconds` prices a FusedAttention op
+(simulator/costs/op_types.py) with it: the op's FLOPs in that convention over the interpolated share of the
+peak of the op's format. The tables were measured in 16-bit formats; another format (TF32, fp32) is taken at
+the same share of its own peak, as the cited GEMM tables reach about the same share in TF32 and BF16 (H100:
+0.41 and 0.41 at 256, 0.57 and 0.63 at 512: docs/efficiency.md). A GPU without a table prices the unmasked
+share of the square at the GEMMs' efficiency (simulator/costs/compute.py). docs/efficiency.md gives every
+table's values and source.
+
+Between the measured sequence lengths the fraction is interpolated linearly in log2(s), and between head
+sizes linearly in the head size; outside either range it is held at the nearest measured value (the
+published throughput flattens from 8K to 16K tokens: 182 and 189 TFLOP/s on A100 at head size 128).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minigpt.errors import ConfigError
+from simulator.json_file import FRACTION, in_range
+
+
+
+@dataclass(frozen=True)
+class AttentionEfficiency:
+    kernel: str
+    source: str
+    causal: tuple[tuple[int, tuple[tuple[int, float], ...]], ...]  # (head size, ((sequence, fraction), ...))
+
+    def fraction(self, head_dim: int, seq: int) -> float:
+        """The forward + backward throughput over the 16-bit peak at this head size and sequence length."""
+        sizes = [size for size, _ in self.causal]
+        by_size = [_along_sequence(points, seq) for _, points in self.causal]
+        if head_dim <= sizes[0]:
+            return by_size[0]
+        if head_dim >= sizes[-1]:
+            return by_size[-1]
+        i = next(i for i, size in enumerate(sizes) if size >= head_dim)
+        share = (head_dim - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return by_size[i - 1] + share * (by_size[i] - by_size[i - 1])
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.kernel, "source": self.source,
+                "causal": {str(size): [list(p) for p in points] for size, points in self.causal}}
+
+
+def _along_sequence(points: tuple[tuple[int, float], ...], seq: int) -> float:
+    if seq <= points[0][0]:
+        return points[0][1]
+    if seq >= points[-1][0]:
+        return points[-1][1]
+    i = next(i for i, (s, _) in enumerate(points) if s >= seq)
+    (s0, f0), (s1, f1) = points[i - 1], points[i]
+    share = (math.log2(seq) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+    return f0 + share * (f1 - f0)
+
+
+def parse_attention_efficiency(data: object, where: str) -> AttentionEfficiency | None:
+    """The "attention_efficiency" object of a GPU entry, checked; None when absent."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) != {"kernel", "source", "causal"}:
+        raise ConfigError(f"{where}.attention_efficiency must be an object of kernel, source and causal")
+    for key in ("kernel", "source"):
+        if not isinstance(data[key], str) or not data[key].strip():
+            raise ConfigError(f"{where}.attention_efficiency.{key} must be non-empty text")
+    table = data["causal"]
+    if not isinstance(table, dict) or not table:
+        raise ConfigError(f"{where}.attention_efficiency.causal must map head sizes to [[sequence, fraction], ...]")
+    causal = []
+    for size, points in table.items():
+        at = f"{where}.attention_efficiency.causal[{size!r}]"
+        if not size.isdigit() or int(size) < 1:
+            raise ConfigError(f"{at}: a head size must be a positive integer")
+        if (not isinstance(points, list) or not points
+                or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and p[0] > 0
+                           and in_range(p[1], FRACTION) for p in points)):
+            raise ConfigError(f"{at} must be [[sequence, fraction in (0, 1]], ...]")
+        if [p[0] for p in points] != sorted({p[0] for p in points}):
+            raise ConfigError(f"{at}: sequence lengths must increase")
+        causal.append((int(size), tuple((p[0], float(p[1])) for p in points)))
+    return AttentionEfficiency(data["kernel"], data["source"], tuple(sorted(causal)))
+
+
+def seconds(table: AttentionEfficiency, benchmark_flops: float, head_dim: int, seq: int, peak: float) -> float:
+    """Seconds of a causal attention pass of `benchmark_flops` (the kernel benchmark's count, forward or
+    backward) at the table's share, for this head size and sequence, of `peak` (the GPU's in the op's format)."""
+    return benchmark_flops / (peak * table.fraction(head_dim, seq))
