@@ -141,7 +141,8 @@ def imported_rooms(source: str) -> set[str]:
 
 def test_the_parallelisms_never_import_the_run_machinery():
     machinery = {"parallel.run", "parallel.launch", "parallel.calibrate"}
-    for parallelism in ("parallel.data", "parallel.tensor", "parallel.pipeline", "parallel.checkpoint"):
+    for parallelism in ("parallel.data", "parallel.tensor", "parallel.pipeline", "parallel.context",
+                        "parallel.checkpoint"):
         assert not imported_rooms(parallelism) & machinery, (parallelism, imported_rooms(parallelism))
     assert not imported_rooms("parallel.launch") & {"parallel.run", "parallel.calibrate"}  # it starts ranks only
     packages = set(subpackages())  # the shared pieces at parallel's top import no subpackage

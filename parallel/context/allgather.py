@@ -1,0 +1,86 @@
+"""All-gather context parallelism: every rank gathers the whole sequence's keys and values once per layer.
+
+Llama 3's choice with grouped-query attention (Dubey et al. 2024, section 3.3.2): with few key/value heads,
+the keys and values are small beside the queries, so gathering them whole costs less than a ring of steps
+and lets each rank run one attention over its query chunks against every key at or before them. The
+gather's backward is a reduce-scatter: every rank's gradients for a chunk of keys and values are summed on
+the rank that holds it. Positions along the whole sequence give the causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.context.blocks import NONE, backward_block, backward_start, empty_result, forward_block, meeting, merge
+from parallel.context.chunks import chunk_ids
+
+
+class GatherSequence(torch.autograd.Function):
+    """Every rank's (b, h, 2 c, d) part stacked by rank: (cp, b, h, 2 c, d). Backward: the sum over ranks of
+    each part's gradient, scattered back to its rank."""
+
+    @staticmethod
+    def forward(ctx, part, group):
+        cp = dist.get_world_size(group)
+        gathered = torch.empty((cp * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+        dist.all_gather_into_tensor(gathered, part.contiguous(), group=group)  # along the first dimension
+        ctx.group = group
+        return gathered.view(cp, *part.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        part = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(part, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
+        return part, None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                        scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's two chunks of q against the whole sequence, gathered from `group`
+    (parallel/context/chunks.py's split). Shapes (b, h, 2 c, d); autograd carries the backward."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rank = 0 if group is None else dist.get_rank(group)
+    keys = k.unsqueeze(0) if group is None else GatherSequence.apply(k, group)
+    values = v.unsqueeze(0) if group is None else GatherSequence.apply(v, group)
+    return GatheredAttention.apply(q, keys, values, rank, scale)
+
+
+class GatheredAttention(torch.autograd.Function):
+    """This rank's query chunks against every rank's key/value chunks (stacked by rank), block by block."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, rank: int, scale: float):
+        cp, c = keys.shape[0], q.shape[2] // 2
+        out, lse = empty_result(q)
+        for qs, source, ks, how in _meetings(rank, cp, c):
+            block_out, block_lse = forward_block(q[:, :, qs], keys[source][:, :, ks], values[source][:, :, ks],
+                                                 how, scale)
+            merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+        ctx.save_for_backward(q, keys, values, out, lse)
+        ctx.rank, ctx.scale = rank, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, keys, values, out, lse = ctx.saved_tensors
+        cp, c = keys.shape[0], q.shape[2] // 2
+        delta, dq = backward_start(q, out, dout)
+        dkeys = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+        dvalues = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+        for qs, source, ks, how in _meetings(ctx.rank, cp, c):
+            backward_block(q[:, :, qs], keys[source][:, :, ks], values[source][:, :, ks], dout[:, :, qs],
+                           lse[:, :, qs], delta[:, :, qs], how, ctx.scale, dq[:, :, qs], dkeys[source][:, :, ks],
+                           dvalues[source][:, :, ks])
+        return dq.to(q.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype), None, None
+
+
+def _meetings(rank: int, cp: int, c: int):
+    """(query slice, source rank, key slice, how) of every meeting of this rank's query chunks with a key chunk."""
+    for qi, q_chunk in enumerate(chunk_ids(rank, cp)):
+        for source in range(cp):
+            for ki, k_chunk in enumerate(chunk_ids(source, cp)):
+                how = meeting(q_chunk, k_chunk)
+                if how != NONE:
+                    yield slice(qi * c, (qi + 1) * c), source, slice(ki * c, (ki + 1) * c), how
+

@@ -1,0 +1,72 @@
+"""Exact causal attention one block of keys at a time: the pieces ring attention is made of.
+
+A query chunk meets a key chunk in one of three ways (chunk ids along the whole sequence): an earlier key
+chunk is seen whole, the same chunk under the causal triangle, a later one not at all. Each block's partial
+result is its softmax-weighted values and the log-sum-exp of its scores; partial results merge exactly
+(`merge`): out = sum_b exp(lse_b - lse) out_b with lse = log sum_b exp(lse_b), the online softmax of
+FlashAttention. The backward recomputes a block's probabilities from the merged log-sum-exp
+(p = exp(s - lse)) and D = rowsum(dO * O), as FlashAttention-2's backward does, so each block's gradients
+need only that block. Scores and accumulators are fp32; grouped-query attention repeats a key/value head
+for its query heads inside the block and sums the gradients back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FULL, DIAGONAL, NONE = "full", "diagonal", "none"
+
+
+def meeting(query_chunk: int, key_chunk: int) -> str:
+    """How a query chunk sees a key chunk under the causal mask."""
+    return FULL if key_chunk < query_chunk else DIAGONAL if key_chunk == query_chunk else NONE
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, how: str, scale: float) -> torch.Tensor:
+    """q (b, h, c, d) against k (b, h_kv, c, d): fp32 scores, the upper triangle masked on the diagonal."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if how == DIAGONAL:
+        upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(upper, float("-inf"))
+    return s
+
+
+def forward_block(q, k, v, how: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 (b, h, c, d), lse fp32 (b, h, c)) of q attending to one key/value block."""
+    s = _scores(q, k, how, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+
+
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) before any block: zeros and -inf, fp32, for q's rows."""
+    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+            torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+
+
+def backward_start(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta = rowsum(dout * out), dq zeros fp32): what every block's backward shares."""
+    return (dout.float() * out).sum(-1), torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold a block's partial result into (out, lse), in place."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def backward_block(q, k, v, dout, lse, delta, how: str, scale: float, dq, dk, dv) -> None:
+    """Add one block's gradients to dq (of q's chunk) and dk, dv (of the key block), all fp32, in place.
+    lse: the merged log-sum-exp of q's rows; delta: rowsum(dout * out)."""
+    groups = q.shape[1] // k.shape[1]
+    p = torch.exp(_scores(q, k, how, scale) - lse.unsqueeze(-1))
+    dout = dout.float()
+    v_rep = v.repeat_interleave(groups, dim=1).float()
+    ds = p * (torch.matmul(dout, v_rep.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq.add_(torch.matmul(ds, k.repeat_interleave(groups, dim=1).float()) * scale)
+    b, h_kv, c, d = k.shape
+    dk.add_((torch.matmul(ds.transpose(-1, -2), q.float()) * scale).view(b, h_kv, groups, c, d).sum(2))
+    dv.add_(torch.matmul(p.transpose(-1, -2), dout).view(b, h_kv, groups, c, d).sum(2))

@@ -1,0 +1,112 @@
+"""Ring attention: exact causal attention over a context-parallel group, keys and values passed around a ring.
+
+Each of the cp ranks holds two chunks of the sequence (parallel/context/chunks.py: i and 2 cp - 1 - i) of
+q, k and v, shaped (batch, heads, 2 c, head_dim) (k and v may have fewer heads: grouped-query attention).
+Forward: at step t a rank holds the key/value chunks of rank (rank - t) mod cp; before computing with them
+it starts sending them to the next rank and receiving the next ones from the previous rank (asynchronous
+p2p, batch_isend_irecv), so the transfer runs while the block at hand is computed; after cp steps every
+query chunk has met every key chunk at or before it, the partial results merged with their log-sum-exp
+(parallel/context/blocks.py). Backward: the same ring again, the key/value chunks travelling with their
+gradients dK and dV, which every rank adds to as the chunks pass; after the last step one more hop brings
+each rank its own chunks' complete dK and dV. The keys and values for the next step are sent ahead while
+a block's gradients are computed; the gradients themselves go once the block is done.
+
+A ring of one rank (no group) is plain blockwise causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.context.blocks import NONE, backward_block, backward_start, empty_result, forward_block, meeting, merge
+from parallel.context.chunks import chunk_ids
+
+
+class Ring:
+    """A context-parallel group seen as a ring: this rank, its size, and a step to the next rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        if self.size > 1:
+            self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+            self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.sent_bytes = 0  # what this rank sent, for the schedule's byte count
+
+    def start_pass(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Send `tensors` to the next rank and receive their like from the previous one, asynchronously:
+        (the buffers being received, the requests to wait on)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received]
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return received, dist.batch_isend_irecv(ops)
+
+    def pass_along(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        received, requests = self.start_pass(tensors)
+        for request in requests:
+            request.wait()
+        return received
+
+
+def _pairs(rank: int, source: int, cp: int, c: int):
+    """(query slice, key slice, how) of every pair of this rank's chunks and `source`'s that meet."""
+    for qi, q_chunk in enumerate(chunk_ids(rank, cp)):
+        for ki, k_chunk in enumerate(chunk_ids(source, cp)):
+            how = meeting(q_chunk, k_chunk)
+            if how != NONE:
+                yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), how
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, scale: float):
+        cp, c = ring.size, q.shape[2] // 2
+        out, lse = empty_result(q)
+        kv = [k, v]
+        for step in range(cp):
+            incoming = ring.start_pass(kv) if step < cp - 1 else None
+            source = (ring.rank - step) % cp
+            for qs, ks, how in _pairs(ring.rank, source, cp, c):
+                block_out, block_lse = forward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how, scale)
+                merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            if incoming is not None:
+                for request in incoming[1]:
+                    request.wait()
+                kv = incoming[0]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        cp, c = ring.size, q.shape[2] // 2
+        delta, dq = backward_start(q, out, dout)
+        kv = [k, v]
+        grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                 torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        for step in range(cp):
+            incoming = ring.start_pass(kv) if step < cp - 1 else None  # the next keys and values, ahead
+            source = (ring.rank - step) % cp
+            for qs, ks, how in _pairs(ring.rank, source, cp, c):
+                backward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs], lse[:, :, qs],
+                               delta[:, :, qs], how, scale, dq[:, :, qs], grads[0][:, :, ks], grads[1][:, :, ks])
+            if cp > 1:
+                grads = ring.pass_along(grads)  # the gradients follow their chunks; the last hop brings them home
+            if incoming is not None:
+                for request in incoming[1]:
+                    request.wait()
+                kv = incoming[0]
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                   scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's two chunks of q against the whole sequence's keys and values, which
+    the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return RingAttention.apply(q, k, v, Ring(group), scale)

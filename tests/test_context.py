@@ -1,0 +1,122 @@
+"""Context parallelism's attention (parallel/context/): the load-balanced split, and ring and all-gather
+attention over 2 and 4 gloo ranks against torch's own causal attention on the whole sequence, outputs and
+gradients, with grouped-query heads; the ring's bytes counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import run_ranks
+from parallel.context.allgather import allgather_attention
+from parallel.context.chunks import check_split, chunk_ids, local_part, positions, whole_sequence
+from parallel.context.ring import ring_attention
+
+B, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
+KINDS = {"ring": ring_attention, "allgather": allgather_attention}
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def inputs() -> tuple[torch.Tensor, ...]:
+    """q, k, v of the whole sequence (grouped-query: fewer key/value heads) and an output gradient."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, HEADS, SEQ, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(B, KV_HEADS, SEQ, HEAD_DIM, generator=gen) for _ in range(2))
+    return q, k, v, torch.randn(B, HEADS, SEQ, HEAD_DIM, generator=gen)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    """torch's causal attention on one process: the output and the gradients of q, k and v."""
+    q, k, v, grad = inputs()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    groups = HEADS // KV_HEADS
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                         is_causal=True)
+    out.backward(grad)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def local_run(kind: str, group, rank: int, cp: int) -> dict:
+    """One rank's attention over its two chunks, forward and backward."""
+    q, k, v, grad = (local_part(t, rank, cp, 2) for t in inputs())
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = KINDS[kind](q, k, v, group)
+    out.backward(grad)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def ranks_run() -> dict:
+    """On 4 ranks: cp 4 over all of them, and cp 2 over (0, 1) and (2, 3) at once, each kind; and what the
+    ring sent."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    results = {}
+    for kind in KINDS:
+        results[(kind, 4)] = local_run(kind, dist.group.WORLD, rank, 4)
+        results[(kind, 2)] = local_run(kind, pairs[rank // 2], rank % 2, 2)
+    sent = {}
+    for cp, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
+        sent[cp] = count_ring_bytes(group, rank % cp, cp)
+    return {"results": results, "sent": sent}
+
+
+def count_ring_bytes(group, rank: int, cp: int) -> tuple[int, int]:
+    """(bytes the ring sent in the forward, in forward and backward) from this rank."""
+    from parallel.context.ring import Ring, RingAttention
+
+    q, k, v, grad = (local_part(t, rank, cp, 2).clone().requires_grad_() for t in inputs())
+    ring = Ring(group)
+    out = RingAttention.apply(q, k, v, ring, HEAD_DIM ** -0.5)
+    forward = ring.sent_bytes
+    out.backward(grad.detach())
+    return forward, ring.sent_bytes
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_ranks(4, ranks_run)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_equals_torchs_on_the_whole_sequence(four_ranks, kind, cp):
+    expected = reference()
+    for first in range(0, 4, cp):  # every cp group of the run holds the whole sequence
+        parts = [four_ranks[rank]["results"][(kind, cp)] for rank in range(first, first + cp)]
+        for name, value in expected.items():
+            torch.testing.assert_close(whole_sequence([p[name] for p in parts], 2), value, **TOLERANCE)
+
+
+def test_the_ring_sends_its_keys_and_values_and_their_gradients(four_ranks):
+    for cp in (2, 4):
+        kv = 2 * B * KV_HEADS * (SEQ // cp) * HEAD_DIM * 4  # k and v of one rank's two chunks, fp32
+        for result in four_ranks:
+            forward, total = result["sent"][cp]
+            assert forward == (cp - 1) * kv  # every step but the last passes k and v on
+            assert total == 2 * (cp - 1) * kv + cp * kv  # again in the backward, and dk, dv (fp32) every step
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_rank_is_plain_causal_attention(kind):
+    q, k, v, grad = inputs()
+    expected = reference()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = KINDS[kind](q, k, v, None)
+    out.backward(grad)
+    for name, value in {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}.items():
+        torch.testing.assert_close(value.detach(), expected[name], **TOLERANCE)
+
+
+def test_the_load_balanced_split():
+    assert [chunk_ids(rank, 4) for rank in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    x = torch.arange(16)
+    assert local_part(x, 1, 4, 0).tolist() == [2, 3, 12, 13]
+    assert positions(1, 4, 16).tolist() == [2, 3, 12, 13]  # each chunk's true offsets
+    assert torch.equal(whole_sequence([local_part(x, r, 4, 0) for r in range(4)], 0), x)
+    # every rank does the same causal work: the number of (query, key) pairs at or below the diagonal
+    work = [sum(int(p) + 1 for p in positions(rank, 4, 16)) for rank in range(4)]
+    assert len(set(work)) == 1
+    with pytest.raises(ValueError, match="2 x cp = 8 equal chunks"):
+        check_split(12, 4)
