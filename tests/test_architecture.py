@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import lru_cache
 from pathlib import Path
 
 import networkx as nx
@@ -32,7 +33,9 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@lru_cache(maxsize=1)
 def import_graph() -> nx.DiGraph:
+    """Module to module imports (read once a session: callers copy before changing it)."""
     found = modules()
     graph = nx.DiGraph()
     for name, path in found.items():
@@ -134,9 +137,10 @@ def test_a_planted_cycle_between_rooms_is_found():
     assert any({"parallel.clock", "parallel.run"} <= set(cycle) for cycle in room_cycles(planted))
 
 
-def imported_rooms(source: str) -> set[str]:
+@lru_cache(maxsize=None)
+def imported_rooms(source: str) -> frozenset[str]:
     rooms = room_graph(import_graph())
-    return set(rooms.successors(source)) if source in rooms else set()
+    return frozenset(rooms.successors(source)) if source in rooms else frozenset()
 
 
 def test_the_parallelisms_never_import_the_run_machinery():
