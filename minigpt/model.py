@@ -91,12 +91,16 @@ class RotaryQK(torch.autograd.Function):
     """Rotary position embeddings (Su et al. 2021) applied to the q and k heads of a fused qkv output.
 
     Returns a new fused tensor (v copied) so that the attention's saved q, k and v are views of one
-    tensor of the qkv output's size, and saves nothing itself: its backward rotates back."""
+    tensor of the qkv output's size, and saves nothing itself: its backward rotates back. `positions`:
+    each token's position along the sequence (None: 0, 1, ..., seq - 1)."""
 
     @staticmethod
-    def forward(ctx, qkv, rotated_heads: int, head_dim: int, theta: float):
+    def forward(ctx, qkv, rotated_heads: int, head_dim: int, theta: float, positions: torch.Tensor | None = None):
         batch, seq, width = qkv.shape
-        cos, sin = rope_tables(seq, head_dim, theta, qkv.device)
+        if positions is None:
+            cos, sin = rope_tables(seq, head_dim, theta, qkv.device)
+        else:
+            cos, sin = (table[positions] for table in rope_tables(int(positions.max()) + 1, head_dim, theta, qkv.device))
         ctx.tables, ctx.rotated, ctx.head_dim = (cos, sin), rotated_heads * head_dim, head_dim
         out = qkv.clone()
         qk = qkv[..., : ctx.rotated].view(batch, seq, rotated_heads, head_dim)
@@ -109,7 +113,7 @@ class RotaryQK(torch.autograd.Function):
         out = grad.clone()
         qk = grad[..., : ctx.rotated].reshape(batch, seq, -1, ctx.head_dim)
         out[..., : ctx.rotated] = _rotate(qk, cos, sin, -1.0).view(batch, seq, -1)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 class AttentionCore(nn.Module):

@@ -1,6 +1,7 @@
-"""Context parallelism's attention (parallel/context/): the load-balanced split, and ring and all-gather
-attention over 2 and 4 gloo ranks against torch's own causal attention on the whole sequence, outputs and
-gradients, with grouped-query heads; the ring's bytes counted."""
+"""Context parallelism (parallel/context/): the load-balanced split; ring and all-gather attention over 2 and 4
+gloo ranks against torch's own causal attention on the whole sequence, outputs and gradients, with grouped-query
+heads; the ring's bytes counted; and the plain model made context-parallel from outside (learned positions, and
+RoPE with grouped-query attention), its loss and gradients against one process on the same batch."""
 
 from __future__ import annotations
 
@@ -10,13 +11,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_ranks
+from minigpt.config import GPTConfig
+from minigpt.model import GPT
 from parallel.context.allgather import allgather_attention
+from parallel.context.apply import apply_context_parallel, average_over
 from parallel.context.chunks import check_split, chunk_ids, local_part, positions, whole_sequence
 from parallel.context.ring import ring_attention
 
 B, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
 KINDS = {"ring": ring_attention, "allgather": allgather_attention}
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+# Two small models: GPT-2's shape (learned positions, GELU, LayerNorm), and Llama's (RoPE, grouped-query
+# attention, SwiGLU, RMSNorm, no biases, untied head); 32 tokens split into 2 x cp chunks for cp 2 and 4.
+MODELS = {
+    "gpt": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, d_model=32, d_ff=64),
+    "llama": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48,
+                       positions="rope", mlp="swiglu", norm="rmsnorm", bias=False, tied_head=False),
+}
 
 
 def inputs() -> tuple[torch.Tensor, ...]:
@@ -56,10 +67,38 @@ def ranks_run() -> dict:
     for kind in KINDS:
         results[(kind, 4)] = local_run(kind, dist.group.WORLD, rank, 4)
         results[(kind, 2)] = local_run(kind, pairs[rank // 2], rank % 2, 2)
-    sent = {}
+    sent, models = {}, {}
     for cp, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
         sent[cp] = count_ring_bytes(group, rank % cp, cp)
-    return {"results": results, "sent": sent}
+        for name in MODELS:
+            for kind in KINDS:
+                models[(name, kind, cp)] = model_step(name, kind, group, rank % cp, cp)
+    return {"results": results, "sent": sent, "models": models}
+
+
+def batch(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(config.vocab_size, (3, config.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def model_step(name: str, kind: str | None, group, rank: int, cp: int) -> dict:
+    """One forward and backward of the model on a batch: the loss and every parameter's gradient, averaged over
+    the context-parallel group (kind None: one process, the whole sequence)."""
+    config = MODELS[name]
+    torch.manual_seed(0)
+    model = GPT(config)
+    inputs, targets = batch(config)
+    if kind is not None:
+        apply_context_parallel(model, group, kind)
+        inputs, targets = local_part(inputs, rank, cp, 1), local_part(targets, rank, cp, 1)
+    loss = model(inputs, targets)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    loss = loss.detach()
+    if kind is not None:
+        average_over(group, [loss, *grads.values()])
+    return {"loss": loss, "grads": grads}
 
 
 def count_ring_bytes(group, rank: int, cp: int) -> tuple[int, int]:
@@ -120,3 +159,17 @@ def test_the_load_balanced_split():
     assert len(set(work)) == 1
     with pytest.raises(ValueError, match="2 x cp = 8 equal chunks"):
         check_split(12, 4)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_model_made_context_parallel_equals_one_process(four_ranks, name, kind, cp):
+    """Loss and every gradient, averaged over the group, against one process on the same batch."""
+    expected = model_step(name, None, None, 0, 1)
+    for result in four_ranks:
+        got = result["models"][(name, kind, cp)]
+        torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-6, atol=1e-6)
+        assert got["grads"].keys() == expected["grads"].keys()  # the parameters keep their names
+        for param, grad in expected["grads"].items():
+            torch.testing.assert_close(got["grads"][param], grad, **TOLERANCE, msg=param)

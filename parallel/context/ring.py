@@ -38,7 +38,7 @@ class Ring:
     def start_pass(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Send `tensors` to the next rank and receive their like from the previous one, asynchronously:
         (the buffers being received, the requests to wait on)."""
-        received = [torch.empty_like(t) for t in tensors]
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received]
         self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,72 @@
+"""The plain model made context-parallel from outside: each rank computes two chunks of every sequence.
+
+`apply_context_parallel` swaps every block's attention core (minigpt/model.py's AttentionCore, the module
+selective recomputation also wraps) for `ContextAttentionCore`, which rotates q and k at the tokens' true
+positions and attends across the group by ring or all-gather (parallel/context/ring.py, allgather.py), and
+re-indexes a learned position embedding to the same positions (a forward pre-hook: the parameters and their
+names stay the model's). Everything else in a block works token by token and needs nothing. Each rank's loss
+is the mean over its tokens, the same count on every rank, so the sequence's loss is their mean and its
+gradient the mean of the ranks' gradients (`average_over`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minigpt.model import GPT, RotaryQK
+from parallel.context.allgather import allgather_attention
+from parallel.context.chunks import check_split, positions
+from parallel.context.ring import ring_attention
+
+KINDS = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+class ContextAttentionCore(nn.Module):
+    """AttentionCore for a rank that holds two chunks of each sequence (parallel/context/chunks.py)."""
+
+    def __init__(self, core: nn.Module, group: dist.ProcessGroup | None, kind: str, token_positions: torch.Tensor):
+        super().__init__()
+        self.head_dim, self.group_size, self.rope_theta = core.head_dim, core.group, core.rope_theta
+        self.cp_group, self.attend = group, KINDS[kind]
+        self.register_buffer("token_positions", token_positions, persistent=False)
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = qkv.shape
+        kv_heads = width // (self.head_dim * (self.group_size + 2))
+        heads = kv_heads * self.group_size
+        if self.rope_theta is not None:
+            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.token_positions)
+        q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        out = self.attend(q, k, v, self.cp_group)
+        return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
+
+
+def apply_context_parallel(model: GPT, group: dist.ProcessGroup | None, kind: str) -> torch.Tensor:
+    """Make `model` compute this rank's two chunks of each sequence over `group`; the tokens' positions
+    (feed the model `chunks.local_part` of its inputs and targets). ValueError on a kind or length that
+    cannot be split."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown context-parallel attention {kind!r}: choose one of {', '.join(KINDS)}")
+    cp = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    check_split(model.config.seq_len, cp)
+    device = next(model.parameters()).device
+    token_positions = positions(rank, cp, model.config.seq_len, device)
+    for block in model.blocks:
+        block.attn.core = ContextAttentionCore(block.attn.core, group, kind, token_positions)
+    if model.pos_emb is not None:  # the model asks for 0 .. 2c - 1; these tokens sit at token_positions
+        model.pos_emb.register_forward_pre_hook(lambda module, args: (token_positions[args[0]],))
+    return token_positions
+
+
+def average_over(group: dist.ProcessGroup | None, tensors: list[torch.Tensor]) -> None:
+    """Each tensor replaced, in place, by its mean over the group's ranks."""
+    if group is None:
+        return
+    size = dist.get_world_size(group)
+    for tensor in tensors:
+        dist.all_reduce(tensor, group=group)
+        tensor.div_(size)
