@@ -160,8 +160,8 @@ def machine_drift(hardware) -> dict | None:
     if not block_note or calibration.get("backend") != "gloo":
         return None
     measured = hardware.gpu.measured
-    cores, ratio_then = next(((t, slowdown) for r, t, slowdown in (measured.sharing if measured else ())
-                              if r == 1 and t > 1), (None, None))
+    rows = {(r, t): slowdown for r, t, slowdown in (measured.sharing if measured else ())}
+    cores = measured.cores if measured is not None and (1, measured.cores) in rows and measured.cores > 1 else None
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # as calibrate's rank 0 measured it
@@ -175,24 +175,21 @@ def machine_drift(hardware) -> dict | None:
     drift = {"reference": f"one {block_note['model']} block, micro-batch {block_note['micro_batch']}, forward + backward",
              "calibrated_s": then, "now_s": now, "change": (now - then) / then, "cores": None}
     if cores is not None:
+        ratio_then = rows[(1, cores)]
         drift["cores"] = {"threads": cores, "calibrated_ratio": ratio_then, "now_ratio": ratio_now,
                           "change": ratio_now / ratio_then - 1}
     return drift
 
 
 def threads_ratio_now(calibration: dict, cores: int) -> float:
-    """The sharing table's threads row timed now as parallel/calibrate/host.py's measure_sharing timed it (its model's block at
-    its sharing micro-batch, tp 1, pairs of runs in turn)."""
-    import torch
-
+    """The sharing table's threads row timed now as parallel/calibrate/host.py's measure_sharing timed it (its
+    model's block at its sharing micro-batch, tp 1, pairs of runs in turn)."""
     from minigpt.config import preset
     from parallel.calibrate.measure import CalibrationPlan
     from parallel.calibrate.device import piece_step, threads_ratio
 
     plan, block_note = calibration.get("plan", {}), calibration["block"]
     step = piece_step("block", preset(block_note["model"]), 1, plan.get("sharing_micro_batch", block_note["micro_batch"]))
-    torch.set_num_threads(cores)
-    step()  # warm-up
     return threads_ratio(step, cores, 2 * plan.get("repeats", CalibrationPlan.repeats) - 1)
 
 

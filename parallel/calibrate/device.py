@@ -30,6 +30,7 @@ table's threads row, and `minigpt compare`'s check that it still holds).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -253,10 +254,10 @@ def threads_ratio(step, cores: int, pairs: int, on_cores=None) -> float:
     """A CPU step's seconds on `cores` threads over its seconds on one: the median over `pairs` pairs of runs,
     one thread then every core's, taken in turn so that the machine's own drift (15% from minute to minute on
     this project's VM) moves both sides of each pair alike. step: () -> (forward s, backward s) (piece_step's);
-    on_cores: a context manager entered around every many-thread run (noise.Noise.timed_on_cores).
-    Leaves torch at one thread."""
-    import contextlib
-
+    on_cores: a context manager entered around every many-thread run (noise.Noise.timed_on_cores). The
+    threads' first run, a warm-up, is not counted. Leaves torch at one thread."""
+    torch.set_num_threads(cores)
+    step()
     ratios = []
     for _ in range(pairs):
         torch.set_num_threads(1)

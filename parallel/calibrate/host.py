@@ -125,8 +125,6 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.devic
     _barrier()
     if cores > 1 and device.type == "cpu":
         if rank == 0:
-            torch.set_num_threads(cores)
-            step()  # warm-up: the threads' first run
             noise = noise or Noise()
             result["threads_ratio"] = threads_ratio(step, cores, 2 * plan.repeats - 1,
                                                     lambda: noise.timed_on_cores(cores))

@@ -357,10 +357,10 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
         "measured": build_measured([r["host"] for r in measured], plan, fit_alpha_beta),
     }
     if shares is not None:
-        threads = [slowdown for r, t, slowdown in gpu["measured"]["sharing"] if r == 1 and t > 1]
         gpu["measured"]["reliability"] = reliability(shares["before"], shares["after"], alone.get("noise"),
                                                      alone["block"].get("spread"), alone["matmuls"].get("spread"),
-                                                     shares.get("allowed_busy", False), threads[0] if threads else None)
+                                                     shares.get("allowed_busy", False),
+                                                     alone["host"]["sharing"].get("threads_ratio"))
     if collectives:
         gpu["collectives"] = collectives
     return {"about": f"hardware profile {name}: {source}", "gpus": {name: gpu}, **network}

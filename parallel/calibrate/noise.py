@@ -84,10 +84,13 @@ class Noise:
     cpu_s: float = 0.0
     wall_s: float = 0.0
     runs: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    threads_share: float | None = None  # of every core, while the threads row was timed (None: not timed)
-
     cores_cpu_s: float = 0.0  # the process's CPU and wall seconds inside timed_on_cores, summed over its entries
-    cores_wall_s: float = 0.0
+    cores_wall_s: float = 0.0  # (the wall seconds times the cores)
+
+    @property
+    def threads_share(self) -> float | None:
+        """The share of every core the process got while the threads row was timed (None: not timed)."""
+        return min(1.0, self.cores_cpu_s / self.cores_wall_s) if self.cores_wall_s > 0 else None
 
     @contextlib.contextmanager
     def timed_on_cores(self, cores: int):
@@ -99,7 +102,6 @@ class Noise:
         finally:
             self.cores_cpu_s += time.process_time() - cpu
             self.cores_wall_s += max(time.perf_counter() - wall, 1e-9) * cores
-            self.threads_share = min(1.0, self.cores_cpu_s / self.cores_wall_s)
 
     @contextlib.contextmanager
     def timed(self):

@@ -21,17 +21,17 @@ the same share of its own peak, as the cited GEMM tables reach about the same sh
 share of the square at the GEMMs' efficiency (simulator/costs/compute.py). docs/efficiency.md gives every
 table's values and source.
 
-Between the measured sequence lengths the fraction is interpolated linearly in log2(s), and between head
-sizes linearly in the head size; outside either range it is held at the nearest measured value (the
+Between the measured sequence lengths the fraction is read as the GEMM tables are (efficiency.along_log:
+linear in log(s)), and between head sizes linearly in the head size; outside either range it is held at the nearest measured value (the
 published throughput flattens from 8K to 16K tokens: 182 and 189 TFLOP/s on A100 at head size 128).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from minigpt.errors import ConfigError
+from simulator.costs.efficiency import along_log
 from simulator.json_file import FRACTION, in_range
 
 
@@ -45,7 +45,7 @@ class AttentionEfficiency:
     def fraction(self, head_dim: int, seq: int) -> float:
         """The forward + backward throughput over the 16-bit peak at this head size and sequence length."""
         sizes = [size for size, _ in self.causal]
-        by_size = [_along_sequence(points, seq) for _, points in self.causal]
+        by_size = [along_log(points, seq) for _, points in self.causal]
         if head_dim <= sizes[0]:
             return by_size[0]
         if head_dim >= sizes[-1]:
@@ -57,17 +57,6 @@ class AttentionEfficiency:
     def as_dict(self) -> dict:
         return {"kernel": self.kernel, "source": self.source,
                 "causal": {str(size): [list(p) for p in points] for size, points in self.causal}}
-
-
-def _along_sequence(points: tuple[tuple[int, float], ...], seq: int) -> float:
-    if seq <= points[0][0]:
-        return points[0][1]
-    if seq >= points[-1][0]:
-        return points[-1][1]
-    i = next(i for i, (s, _) in enumerate(points) if s >= seq)
-    (s0, f0), (s1, f1) = points[i - 1], points[i]
-    share = (math.log2(seq) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
-    return f0 + share * (f1 - f0)
 
 
 def parse_attention_efficiency(data: object, where: str) -> AttentionEfficiency | None:

@@ -31,15 +31,19 @@ class EfficiencyProfile:
     def efficiency(self, dtype: str, smallest: int) -> float | None:
         """The measured efficiency at `smallest`, or None when this format was not measured."""
         table = self.points.get(dtype)
-        if not table:
-            return None
-        if smallest <= table[0][0]:
-            return table[0][1]
-        for (x0, e0), (x1, e1) in zip(table, table[1:]):
-            if smallest <= x1:
-                t = (math.log(smallest) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return e0 + t * (e1 - e0)
-        return table[-1][1]
+        return along_log(table, smallest) if table else None
+
+
+def along_log(table: tuple[tuple[int, float], ...], x: float) -> float:
+    """A table of (size, value) points, increasing in size, read at x: linear in log(size) between its points,
+    the nearest point outside them."""
+    if x <= table[0][0]:
+        return table[0][1]
+    for (x0, e0), (x1, e1) in zip(table, table[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return e0 + t * (e1 - e0)
+    return table[-1][1]
 
 
 def parse_efficiency_profile(data: object, origin: str = "profile") -> EfficiencyProfile:
