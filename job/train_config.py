@@ -52,6 +52,31 @@ def check_tensor_parallel(model: GPTConfig, tp: int, sequence_parallel: bool) ->
         )
 
 
+CP_KINDS = ("ring", "allgather")
+
+
+def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: int = 1,
+                           sequence_parallel: bool = False) -> None:
+    """Everything about a context-parallel layout that the shape decides: the sequence is cut into 2 x cp
+    equal chunks (parallel/context/chunks.py), each rank holding two, and sequence parallelism cuts a
+    rank's part further over tp."""
+    check_positive_int("--cp", cp)
+    if kind not in CP_KINDS:
+        raise ConfigError(f"--cp-kind must be one of {', '.join(CP_KINDS)}, got {kind!r}")
+    if cp == 1:
+        return
+    if 2 * cp > model.seq_len:
+        raise ConfigError(f"--cp {cp} needs 2 x cp = {2 * cp} chunks of at least one token, but the sequence has "
+                          f"{model.seq_len}: choose a cp of at most {model.seq_len // 2}")
+    if model.seq_len % (2 * cp):
+        raise ConfigError(f"--cp {cp} cuts the sequence into 2 x cp = {2 * cp} equal chunks (the load-balanced "
+                          f"causal split), which {model.seq_len} tokens are not: choose a sequence length divisible "
+                          f"by {2 * cp}")
+    if sequence_parallel and (model.seq_len // cp) % tp:
+        raise ConfigError(f"sequence parallelism cuts each context-parallel rank's {model.seq_len // cp} tokens over "
+                          f"--tp {tp}, which does not divide them: change --seq-len, --cp or --tp")
+
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -81,6 +106,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallelism: each rank holds 2 of 2 x cp chunks of every sequence
+    cp_kind: str = "ring"  # how the keys and values travel: "ring" (p2p, overlapped) or "allgather"
     zero: int = 0
     sequence_parallel: bool = False
     schedule: str = "1f1b"
@@ -103,9 +130,10 @@ class TrainConfig:
         }
         for name, value in positive_ints.items():
             check_positive_int(name, value)
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             check_positive_int(f"--{name}", getattr(self, name))
         check_tensor_parallel(self.model, self.tp, self.sequence_parallel)
+        check_context_parallel(self.model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
@@ -175,7 +203,12 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks weight gradients are averaged over (and ZeRO shards over): dp x cp."""
+        return self.dp * self.cp
 
     @property
     def tokens_per_step(self) -> int:

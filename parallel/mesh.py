@@ -1,10 +1,14 @@
-"""The 3D mesh of ranks: pipeline x data x tensor parallel, tensor parallel innermost.
+"""The mesh of ranks: pipeline x data x context x tensor parallel, tensor parallel innermost.
 
-Global rank r sits at (pp_rank, dp_rank, tp_rank) with r == (pp_rank * dp + dp_rank) * tp + tp_rank.
+Global rank r sits at (pp_rank, dp_rank, cp_rank, tp_rank) with
+r == ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
 Tensor parallelism talks the most (two all-reduces per layer, every micro-batch), so its group
 is tp adjacent ranks: with launchers numbering a node's ranks consecutively, it stays inside one
-node, on the fastest links, as in Megatron-LM. Data parallelism talks once a step and pipeline
-parallelism only point to point, so they can span nodes.
+node, on the fastest links, as in Megatron-LM. Context parallelism comes next (keys and values
+every layer, overlapped with attention): tp x cp adjacent ranks, on a node's links while they fit
+in it. Data parallelism talks once a step and pipeline parallelism only point to point, so they
+can span nodes. Weight gradients are averaged over dp x cp (`data_group`): a context-parallel
+rank is, for the weights, one more replica that saw other tokens.
 
 The groups come from torch's DeviceMesh, the structure DTensor, FSDP2 and torch's own
 tensor parallelism use, so those can be compared with ours on the very same groups.
@@ -13,7 +17,7 @@ A 1 x 1 x 1 layout has no process group at all: a single-process run needs no to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -22,12 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from minigpt.errors import ConfigError
 
 # Outermost first: the order of DeviceMesh's dimensions and of the rank formula.
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in the pp x dp x tp layout, and its groups along each dimension."""
+    """This rank's place in the pp x dp x cp x tp layout, and its groups along each dimension."""
 
     pp: int
     dp: int
@@ -38,10 +42,33 @@ class Mesh:
     tp_rank: int
     device: torch.device
     device_mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    cp: int = 1
+    cp_rank: int = 0
+    data_group_: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that hold the same weights and average their gradients: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among them (dp major, as the group lists them)."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The group over dp x cp (None for one rank): gradients are averaged and ZeRO shards over it."""
+        if self.data_ranks == 1:
+            return None
+        if self.cp == 1:
+            return self.group("dp")
+        if self.dp == 1:
+            return self.group("cp")
+        return self.data_group_
 
     def size(self, dim: str) -> int:
         check_dim(dim)
@@ -59,12 +86,16 @@ class Mesh:
 
     def ranks_of(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along dim, in the order of their coordinate on dim."""
-        coordinates = {"pp": self.pp_rank, "dp": self.dp_rank, "tp": self.tp_rank}
+        coordinates = {name: self.coordinate(name) for name in MESH_DIMS}
         ranks = []
         for index in range(self.size(dim)):
             coordinates[dim] = index
-            ranks.append(global_rank(coordinates["pp"], coordinates["dp"], coordinates["tp"], self.dp, self.tp))
+            ranks.append(self.global_rank(**coordinates))
         return ranks
+
+    def global_rank(self, pp: int, dp: int, cp: int, tp: int) -> int:
+        """The global rank at these coordinates."""
+        return global_rank(pp, dp, tp, self.dp, self.tp, cp, self.cp)
 
     @property
     def is_first_stage(self) -> bool:
@@ -90,41 +121,49 @@ def check_dim(dim: str) -> None:
         raise ConfigError(f"mesh dimension must be one of {', '.join(MESH_DIMS)}, got {dim!r}")
 
 
-def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, cp_rank: int = 0, cp: int = 1) -> int:
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def build_mesh(pp: int, dp: int, tp: int, device: torch.device) -> Mesh:
-    """This rank's Mesh for a pp x dp x tp layout; every rank must call it, with the same sizes.
+def build_mesh(pp: int, dp: int, tp: int, device: torch.device, cp: int = 1) -> Mesh:
+    """This rank's Mesh for a pp x dp x cp x tp layout; every rank must call it, with the same sizes.
 
     Call it after init_worker(): the sizes must multiply to the process group's world size.
     """
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} size must be a positive integer, got {value!r}")
-    needed = pp * dp * tp
+    needed = pp * dp * cp * tp
     running = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if needed != running:
         hint = "start it through parallel.launch.elastic.launch()" if running == 1 else "change the layout or the launch"
+        cp_part = f" x cp {cp}" if cp > 1 else ""
         raise ConfigError(
-            f"the layout pp {pp} x dp {dp} x tp {tp} needs {needed} ranks but {running} are running: {hint}"
+            f"the layout pp {pp} x dp {dp}{cp_part} x tp {tp} needs {needed} ranks but {running} are running: {hint}"
         )
     if needed == 1:
         return Mesh(1, 1, 1, rank=0, pp_rank=0, dp_rank=0, tp_rank=0, device=device)
-    device_mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    device_mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=MESH_DIMS)
     coordinate = device_mesh.get_coordinate()
     if coordinate is None:
         raise AssertionError("this rank is missing from a mesh that spans the whole world")
-    pp_rank, dp_rank, tp_rank = coordinate
-    return Mesh(
-        pp,
-        dp,
-        tp,
-        rank=dist.get_rank(),
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        tp_rank=tp_rank,
-        device=device,
-        device_mesh=device_mesh,
-    )
+    pp_rank, dp_rank, cp_rank, tp_rank = coordinate
+    mesh = Mesh(pp, dp, tp, rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank, device=device,
+                device_mesh=device_mesh, cp=cp, cp_rank=cp_rank)
+    if dp > 1 and cp > 1:
+        return replace(mesh, data_group_=_data_group(mesh))
+    return mesh
+
+
+def _data_group(mesh: Mesh) -> dist.ProcessGroup:
+    """This rank's dp x cp group; every rank builds every one (new_group is collective), in one order."""
+    mine = None
+    for pp_rank in range(mesh.pp):
+        for tp_rank in range(mesh.tp):
+            ranks = [mesh.global_rank(pp_rank, dp_rank, cp_rank, tp_rank)
+                     for dp_rank in range(mesh.dp) for cp_rank in range(mesh.cp)]
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                mine = group
+    return mine

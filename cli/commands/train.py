@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from cli.options.config_file import config_file_option
+from cli.options.context import context_options
 from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
@@ -63,6 +64,8 @@ def build_train_config(options: dict) -> TrainConfig:
         tp=options["tp"],
         pp=options["pp"],
         dp=dp,
+        cp=options["cp"],
+        cp_kind=options["cp_kind"],
         zero=options["zero"],
         sequence_parallel=options["sequence_parallel"],
         schedule=options["schedule"],
@@ -138,14 +141,15 @@ def data_parallel_size(options: dict) -> int:
     """--dp as given, else what fills the job: under torchrun the world over tp x pp, with a GPU per
     rank the GPUs over tp x pp, on a CPU 1 (CPU_ZERO_DP with a ZeRO stage, which needs a group to
     shard over). A ZeRO stage over one rank would do nothing: refused, never silently run as ZeRO-0."""
-    dp, zero, model_parallel = options["dp"], options["zero"], options["tp"] * options["pp"]
-    if model_parallel < 1:  # a bad --tp or --pp: TrainConfig says which
+    dp, zero, cp = options["dp"], options["zero"], options["cp"]
+    model_parallel = options["tp"] * options["pp"] * cp
+    if model_parallel < 1:  # a bad --tp, --pp or --cp: TrainConfig says which
         return 1 if dp is None else dp
     if dp is None:
-        dp = default_data_parallel(model_parallel, zero, options["device"])
-    if dp == 1 and zero in (1, 2, 3):
-        raise ConfigError(f"--zero {zero} shards over the data-parallel group, but dp is 1: nothing would be "
-                          f"sharded; give --dp 2 or more, or --zero 0")
+        dp = default_data_parallel(model_parallel, 0 if cp > 1 else zero, options["device"])
+    if dp * cp == 1 and zero in (1, 2, 3):
+        raise ConfigError(f"--zero {zero} shards over the data-parallel group (dp x cp), but it has one rank: "
+                          f"nothing would be sharded; give --dp 2 or more, or --zero 0")
     return dp
 
 
@@ -209,9 +213,10 @@ def mib(n: int) -> str:
 @click.command()
 @click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel size.")
 @click.option("--pp", default=1, show_default=True, type=int, help="Pipeline-parallel size.")
-@click.option("--dp", type=int, help="Data-parallel size (tp x pp x dp processes) [default: the GPUs over tp x pp "
-              "on CUDA, torchrun's world over tp x pp, on a CPU 1, or 2 with --zero 1-3].")
-@click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group: 0-3.")
+@click.option("--dp", type=int, help="Data-parallel size (tp x cp x pp x dp processes) [default: the GPUs over "
+              "tp x cp x pp on CUDA, torchrun's world over them, on a CPU 1, or 2 with --zero 1-3 and no --cp].")
+@context_options
+@click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group (dp x cp): 0-3.")
 @click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (zero bubble: input and weight gradients split).")
 @click.option("--virtual-chunks", default=1, show_default=True, type=int, help="Model chunks per pipeline rank (interleaved).")
 @click.option("--sequence-parallel", is_flag=True, help="Shard LayerNorm and dropout regions along the sequence (tp > 1).")
@@ -321,9 +326,11 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
         f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation"),
         file=out,
     )
-    click.echo(f"layout: tp {cfg.tp} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
+    context = f" x cp {cfg.cp} ({cfg.cp_kind})" if cfg.cp > 1 else ""
+    group = f"dp x cp group of {cfg.data_ranks}" if cfg.cp > 1 else f"dp group of {cfg.dp}"
+    click.echo(f"layout: tp {cfg.tp}{context} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
                f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
-               f"{'' if cfg.zero == 0 else ' over the dp group of ' + str(cfg.dp)}"
+               f"{'' if cfg.zero == 0 else ' over the ' + group}"
                f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}, {cfg.precision}"
                f"{' (auto: bf16 on a GPU, fp32 on a CPU)' if options['precision'] == AUTO else ''}", file=out)
     summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json), resume_from=point,

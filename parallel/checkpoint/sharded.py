@@ -85,8 +85,8 @@ def _boxes(optimizer, placement: Placement, role: str) -> Boxes:
 
 
 def _layout(cfg) -> dict:
-    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "zero": cfg.zero, "virtual_chunks": cfg.virtual_chunks,
-            "world_size": cfg.world_size}
+    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "cp_kind": cfg.cp_kind, "zero": cfg.zero,
+            "virtual_chunks": cfg.virtual_chunks, "world_size": cfg.world_size}
 
 
 # ---------------------------------------------------------------------------- each rank's own state

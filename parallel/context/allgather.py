@@ -21,28 +21,34 @@ class GatherSequence(torch.autograd.Function):
     each part's gradient, scattered back to its rank."""
 
     @staticmethod
-    def forward(ctx, part, group):
+    def forward(ctx, part, group, counter):
         cp = dist.get_world_size(group)
         gathered = torch.empty((cp * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
         dist.all_gather_into_tensor(gathered, part.contiguous(), group=group)  # along the first dimension
-        ctx.group = group
+        if counter is not None:
+            counter.count("all_gather", gathered)
+        ctx.group, ctx.counter = group, counter
         return gathered.view(cp, *part.shape)
 
     @staticmethod
     def backward(ctx, grad):
         part = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(part, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
-        return part, None
+        full = grad.reshape(-1, *grad.shape[2:]).contiguous()
+        dist.reduce_scatter_tensor(part, full, group=ctx.group)
+        if ctx.counter is not None:
+            ctx.counter.count("reduce_scatter", full)
+        return part, None, None
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, counter=None) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence, gathered from `group`
-    (parallel/context/chunks.py's split). Shapes (b, h, 2 c, d); autograd carries the backward."""
+    (parallel/context/chunks.py's split). Shapes (b, h, 2 c, d); autograd carries the backward.
+    `counter` (a parallel.comm.Collectives) counts the gathers and their backward's reduce-scatters."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     rank = 0 if group is None else dist.get_rank(group)
-    keys = k.unsqueeze(0) if group is None else GatherSequence.apply(k, group)
-    values = v.unsqueeze(0) if group is None else GatherSequence.apply(v, group)
+    keys = k.unsqueeze(0) if group is None else GatherSequence.apply(k, group, counter)
+    values = v.unsqueeze(0) if group is None else GatherSequence.apply(v, group, counter)
     return GatheredAttention.apply(q, keys, values, rank, scale)
 
 

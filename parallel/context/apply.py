@@ -26,10 +26,11 @@ KINDS = {"ring": ring_attention, "allgather": allgather_attention}
 class ContextAttentionCore(nn.Module):
     """AttentionCore for a rank that holds two chunks of each sequence (parallel/context/chunks.py)."""
 
-    def __init__(self, core: nn.Module, group: dist.ProcessGroup | None, kind: str, token_positions: torch.Tensor):
+    def __init__(self, core: nn.Module, group: dist.ProcessGroup | None, kind: str, token_positions: torch.Tensor,
+                 counter=None):
         super().__init__()
         self.head_dim, self.group_size, self.rope_theta = core.head_dim, core.group, core.rope_theta
-        self.cp_group, self.attend = group, KINDS[kind]
+        self.cp_group, self.attend, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -40,14 +41,14 @@ class ContextAttentionCore(nn.Module):
             qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.token_positions)
         q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = self.attend(q, k, v, self.cp_group)
+        out = self.attend(q, k, v, self.cp_group, counter=self.counter)
         return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
 
 
-def apply_context_parallel(model: GPT, group: dist.ProcessGroup | None, kind: str) -> torch.Tensor:
+def apply_context_parallel(model: GPT, group: dist.ProcessGroup | None, kind: str, counter=None) -> torch.Tensor:
     """Make `model` compute this rank's two chunks of each sequence over `group`; the tokens' positions
     (feed the model `chunks.local_part` of its inputs and targets). ValueError on a kind or length that
-    cannot be split."""
+    cannot be split. `counter` (a parallel.comm.Collectives over the group) counts what the layers exchange."""
     if kind not in KINDS:
         raise ValueError(f"unknown context-parallel attention {kind!r}: choose one of {', '.join(KINDS)}")
     cp = 1 if group is None else dist.get_world_size(group)
@@ -56,9 +57,10 @@ def apply_context_parallel(model: GPT, group: dist.ProcessGroup | None, kind: st
     device = next(model.parameters()).device
     token_positions = positions(rank, cp, model.config.seq_len, device)
     for block in model.blocks:
-        block.attn.core = ContextAttentionCore(block.attn.core, group, kind, token_positions)
+        block.attn.core = ContextAttentionCore(block.attn.core, group, kind, token_positions, counter)
     if model.pos_emb is not None:  # the model asks for 0 .. 2c - 1; these tokens sit at token_positions
-        model.pos_emb.register_forward_pre_hook(lambda module, args: (token_positions[args[0]],))
+        model.pos_emb.register_buffer("token_positions", token_positions, persistent=False)  # moves with the model
+        model.pos_emb.register_forward_pre_hook(lambda module, args: (module.token_positions[args[0]],))
     return token_positions
 
 

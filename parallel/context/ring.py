@@ -26,8 +26,8 @@ from parallel.context.chunks import chunk_ids
 class Ring:
     """A context-parallel group seen as a ring: this rank, its size, and a step to the next rank."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, counter=None):
+        self.group, self.counter = group, counter  # counter: a parallel.comm.Collectives that counts the sends
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         if self.size > 1:
@@ -42,6 +42,9 @@ class Ring:
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received]
         self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        if self.counter is not None:
+            for tensor in tensors:
+                self.counter.count("send", tensor)
         return received, dist.batch_isend_irecv(ops)
 
     def pass_along(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,8 +108,9 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, counter=None) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence's keys and values, which
-    the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d)."""
+    the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d).
+    `counter` (a parallel.comm.Collectives) counts every tensor sent as a "send"."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, Ring(group), scale)
+    return RingAttention.apply(q, k, v, Ring(group, counter), scale)

@@ -88,7 +88,7 @@ def check_torchrun_world(world_size: int) -> None:
     check_positive_int("world size", world_size)
     if in_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
         raise ConfigError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes but the layout tp x pp x dp needs {world_size}: "
+            f"torchrun started {os.environ['WORLD_SIZE']} processes but the layout tp x cp x pp x dp needs {world_size}: "
             f"start torchrun with {world_size} processes in all (--nnodes x --nproc-per-node) "
             f"or change the layout"
         )

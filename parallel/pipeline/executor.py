@@ -417,13 +417,14 @@ class TiedEmbedding:
 
 
 def embedding_groups(mesh) -> dict[int, object]:
-    """One process group per (dp, tp) pair of first and last pipeline ranks; every rank builds all of them."""
+    """One process group per (dp, cp, tp) triple of first and last pipeline ranks; every rank builds all of them."""
     groups = {}
     for dp_rank in range(mesh.dp):
-        for tp_rank in range(mesh.tp):
-            first = (0 * mesh.dp + dp_rank) * mesh.tp + tp_rank
-            last = ((mesh.pp - 1) * mesh.dp + dp_rank) * mesh.tp + tp_rank
-            group = dist.new_group([first, last])
-            if mesh.rank in (first, last):
-                groups[mesh.rank] = group
+        for cp_rank in range(mesh.cp):
+            for tp_rank in range(mesh.tp):
+                first = mesh.global_rank(0, dp_rank, cp_rank, tp_rank)
+                last = mesh.global_rank(mesh.pp - 1, dp_rank, cp_rank, tp_rank)
+                group = dist.new_group([first, last])
+                if mesh.rank in (first, last):
+                    groups[mesh.rank] = group
     return groups

@@ -1,7 +1,7 @@
 """Everything one rank trains with, built in layers from the plain model outward:
 
-  GPT (same seed on every rank) -> precision policy -> tensor parallel ->
-  this pipeline rank's chunks -> ZeRO over the data-parallel group ->
+  GPT (same seed on every rank) -> context parallel (its attention cores) -> recomputation ->
+  precision policy -> tensor parallel -> this pipeline rank's chunks -> ZeRO over dp x cp ->
   master-weight AdamW on this rank's shard, and the schedule's executor.
 """
 
@@ -14,6 +14,7 @@ from torch import nn
 
 from minigpt.model import GPT
 from parallel.comm import Collectives
+from parallel.context.apply import apply_context_parallel
 from parallel.data.protocol import DataParallel
 from parallel.run.step import StepOutcome, train_step
 from parallel.mesh import Mesh
@@ -85,9 +86,13 @@ def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_n
 
 
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:
-    comms = {dim: Collectives(mesh.group(dim), dim, device) for dim in ("dp", "tp", "pp")}
+    comms = {dim: Collectives(mesh.group(dim), dim, device) for dim in ("tp", "pp", "cp")}
+    comms["dp"] = Collectives(mesh.data_group(), "dp", device)  # gradients are averaged over dp x cp
     torch.manual_seed(cfg.seed)
-    model = apply_precision(apply_recompute(GPT(cfg.model), cfg.recompute), policy, device)  # built in fp32, then cast
+    model = GPT(cfg.model)
+    if cfg.cp > 1:  # before recomputation wraps the attention core it replaces
+        apply_context_parallel(model, mesh.group("cp"), cfg.cp_kind, comms["cp"])
+    model = apply_precision(apply_recompute(model, cfg.recompute), policy, device)  # built in fp32, then cast
     replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)
     stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)
     del model  # blocks of other stages go with it
@@ -121,6 +126,6 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     executor = PipelineExecutor(stage, schedule, mesh.pp_rank, mesh.ranks_of("pp"), data_parallel, device, tied,
                                 comms["pp"])
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
-    seq = cfg.model.seq_len // (mesh.tp if cfg.sequence_parallel else 1)
+    seq = cfg.model.seq_len // cfg.cp // (mesh.tp if cfg.sequence_parallel else 1)
     executor.set_activation((micro_batch, seq, cfg.model.d_model), dtype_of(policy.compute))
     return Rank(mesh, policy, stage, data_parallel, optimizer, make_scaler(cfg, policy.loss_scaling), executor, comms)

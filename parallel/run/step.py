@@ -74,7 +74,7 @@ def train_step(rank: "Rank", cfg: TrainConfig, step: int, inputs: list[torch.Ten
     events = clock.resolve([*record.events, ("UpdateGathers", "dp", dp_start, dp_end)])
     comm_counts = {dim: comm.counters() for dim, comm in rank.comms.items()}
     loss = mean_over(mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1, mesh.device)
-    loss = mean_over(mesh.group("dp"), loss, mesh.dp, mesh.device)
+    loss = mean_over(mesh.data_group(), loss, mesh.data_ranks, mesh.device)  # the mean over every token
     return StepOutcome(loss, result, start, end, events, tp_seconds, comm_counts)
 
 

@@ -1,6 +1,6 @@
 """The training loop: one loop for every layout.
 
-`train` starts tp x pp x dp workers through torch's launcher (or runs in this
+`train` starts tp x cp x pp x dp workers through torch's launcher (or runs in this
 process for a 1 x 1 x 1 layout, or joins the job when torchrun started us);
 every worker runs `train_on_rank`: build the mesh, the model in its precision,
 its data-parallel wrapper (ZeRO stage) and the master-weight optimizer, then
@@ -27,6 +27,7 @@ from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch.elastic import finish_worker, init_worker, launch
 from parallel.launch.watchdog import DEFAULT_TIMEOUT_S
 from parallel.memory import ActivationMeter
+from parallel.context.chunks import local_part
 from parallel.mesh import Mesh, build_mesh
 from parallel.run.resume import ResumePoint, resume_point
 from parallel.run.loss_plot import LossPlotter, write_loss_plot
@@ -100,25 +101,35 @@ def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device)
     rank.stage.eval()
     batch = max(1, cfg.global_batch // cfg.micro_batches)
     share, first = batch // cfg.dp, rank.mesh.dp_rank * (batch // cfg.dp)
+    mesh = rank.mesh
     losses = [
-        rank.executor.evaluate(x[first:first + share].to(device), y[first:first + share].to(device))
+        rank.executor.evaluate(*(context_part(t[first:first + share], mesh).to(device) for t in (x, y)))
         for x, y in validation_batches(corpus.val, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)
     ]
     loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
-    if rank.mesh.group("dp") is not None:
-        dist.all_reduce(loss, group=rank.mesh.group("dp"))
-        loss /= cfg.dp
+    if mesh.data_group() is not None:  # each context-parallel rank's mean is over as many tokens
+        dist.all_reduce(loss, group=mesh.data_group())
+        loss /= mesh.data_ranks
     rank.stage.train()
     rank.data_parallel.end_step()
     return float(loss)
 
 
-def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, dp_rank: int, device: torch.device):
-    """This data-parallel rank's inputs and targets of every micro-batch of a step."""
+def context_part(tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This context-parallel rank's two chunks of each sequence (all of it without context parallelism)."""
+    return tokens if mesh.cp == 1 else local_part(tokens, mesh.cp_rank, mesh.cp, dim=1)
+
+
+def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, mesh: Mesh | int, device: torch.device):
+    """This rank's inputs and targets of every micro-batch of a step: its data-parallel replica's sequences,
+    and of them its context-parallel chunks. `mesh` may be a bare data-parallel rank (no context parallelism)."""
     layout = BatchLayout(cfg.global_batch, cfg.micro_batches, cfg.dp)
+    dp_rank = mesh if isinstance(mesh, int) else mesh.dp_rank
     inputs, targets = [], []
     for micro in range(cfg.micro_batches):
         x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro, dp_rank)
+        if not isinstance(mesh, int):
+            x, y = context_part(x, mesh), context_part(y, mesh)
         inputs.append(x.to(device))
         targets.append(y.to(device))
     return inputs, targets
@@ -141,7 +152,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
                   checkpoint: str | None = None) -> dict | None:
     """One rank's run. With cfg.resume, `checkpoint` is the one the launching process verified
     (None: the newest that verifies, verified again here)."""
-    mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device)
+    mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp)
     corpus = Corpus.load(cfg.data, cfg.model.seq_len)
     policy = precision_policy(cfg.precision)
     rank = build_rank(cfg, mesh, device, policy)
@@ -168,7 +179,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     history, trace = History(start_step), Trace(mesh.rank)
     try:
         for step in range(start_step, cfg.steps):
-            inputs, targets = micro_batches(corpus, cfg, step, mesh.dp_rank, device)
+            inputs, targets = micro_batches(corpus, cfg, step, mesh, device)
             outcome = rank.train_step(cfg, step, inputs, targets, activations if step == 0 else None)
             trace.add_step(step, outcome.start, outcome.end, outcome.events, outcome.tp_seconds)
             history.skipped_in_a_row = history.skipped_in_a_row + 1 if outcome.result.skipped else 0
@@ -275,6 +286,8 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
             "tp": cfg.tp,
             "pp": cfg.pp,
             "dp": cfg.dp,
+            "cp": cfg.cp,
+            "cp_kind": cfg.cp_kind,
             "zero": rank.data_parallel.stage,
             "sequence_parallel": cfg.sequence_parallel,
             "schedule": cfg.schedule,
