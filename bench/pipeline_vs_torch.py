@@ -104,7 +104,7 @@ def worker(args: tuple[TrainConfig, int, int, int]) -> dict | None:
     device = init_worker("cpu")
     torch.set_num_threads(1)
     try:
-        mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device)
+        mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp)
         corpus = Corpus.load(cfg.data, cfg.model.seq_len)
         ours = build_rank(cfg, mesh, device, precision_policy(cfg.precision))
         theirs = TorchPipeline(cfg, mesh.pp_rank, device)
@@ -114,7 +114,7 @@ def worker(args: tuple[TrainConfig, int, int, int]) -> dict | None:
         def one(side: str) -> float:
             step = step_of[side]
             step_of[side] += 1
-            inputs, targets = micro_batches(corpus, cfg, step, mesh.dp_rank, device)
+            inputs, targets = micro_batches(corpus, cfg, step, mesh, device)
             if side == "ours":
                 outcome = ours.train_step(cfg, step, inputs, targets)
                 seconds, loss = outcome.seconds, outcome.loss

@@ -112,6 +112,14 @@ CASES = [
     ("train", ["--precision", "fp16", "--loss-scale", "lots"], "loss"),
     ("train", ["--loss-scale-window", "0"], "loss scale window"),
     ("train", ["--tp", "2", "--sequence-parallel", "--seq-len", "33"], "sequence parallelism"),
+    # train: context parallelism (SMALL's sequence is 32 tokens)
+    ("train", ["--cp", "3"], "equal chunks"),
+    ("train", ["--cp", "32"], "chunks of at least one token"),
+    ("train", ["--cp", "0"], "--cp"),
+    ("train", ["--cp", "2", "--cp-kind", "mesh"], "--cp-kind must be one of ring, allgather"),
+    ("train", ["--cp", "4", "--tp", "16", "--sequence-parallel"], "does not divide"),
+    ("train", ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"], "sequence parallelism cuts each "
+     "context-parallel rank's 18 tokens"),
     ("train", ["--d-ff", "0"], "--d-ff must be a positive integer"),
     ("train", ["--rope-theta", "inf", "--positions", "rope"], "rope_theta"),
     # train: config files and checkpoints

@@ -79,14 +79,14 @@ def config_of(saved: dict, changes: dict) -> TrainConfig:
 
 def new_rank(cfg: TrainConfig):
     device = torch.device("cpu")
-    return build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device), device, precision_policy(cfg.precision))
+    return build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp), device, precision_policy(cfg.precision))
 
 
 def train(rank, cfg: TrainConfig, corpus: Corpus, steps: range) -> list[float]:
     """The training loop's steps (parallel/run/train.py), losses averaged over the layout."""
     losses = []
     for step in steps:
-        inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, torch.device("cpu"))
+        inputs, targets = micro_batches(corpus, cfg, step, rank.mesh, torch.device("cpu"))
         losses.append(rank.train_step(cfg, step, inputs, targets).loss)
     return losses
 

@@ -134,7 +134,7 @@ def batches(cfg: TrainConfig, step: int, dp_rank: int, device: torch.device):
 
 def steps_under_meta(cfg: TrainConfig, spy: CollectiveSpy) -> dict:
     device = spy.device
-    rank = build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device), device, precision_policy(cfg.precision))
+    rank = build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp), device, precision_policy(cfg.precision))
     losses, evaluations = [], []
     eval_inputs, eval_targets = batches(cfg, cfg.steps, 0, device)  # the same on every rank
     for step in range(cfg.steps):

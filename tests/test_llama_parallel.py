@@ -55,7 +55,7 @@ def train_history(rank, cfg: TrainConfig, corpus: Corpus) -> dict[str, list[floa
     """cfg.steps of the training loop's steps: the losses and the gradient norms before clipping."""
     found = {"losses": [], "grad_norms": []}
     for step in range(cfg.steps):
-        inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, torch.device("cpu"))
+        inputs, targets = micro_batches(corpus, cfg, step, rank.mesh, torch.device("cpu"))
         outcome = rank.train_step(cfg, step, inputs, targets)
         found["losses"].append(outcome.loss)
         found["grad_norms"].append(outcome.result.grad_norm)

@@ -73,10 +73,10 @@ def counted_and_planned(world: int) -> dict:
     found = {}
     for name, changes in LAYOUTS[world].items():
         cfg = dataclasses.replace(BASE, **changes)
-        rank = build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device), device, precision_policy(cfg.precision))
+        rank = build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp), device, precision_policy(cfg.precision))
         steps = []
         for step in range(STEPS):
-            inputs, targets = micro_batches(corpus, cfg, step, rank.mesh.dp_rank, device)
+            inputs, targets = micro_batches(corpus, cfg, step, rank.mesh, device)
             rank.train_step(cfg, step, inputs, targets)
             steps.append(list(rank.comms["dp"].log))
         found[name] = {"counted": steps, "planned": planned(cfg, rank.mesh.pp_rank)}

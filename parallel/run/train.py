@@ -120,16 +120,14 @@ def context_part(tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return tokens if mesh.cp == 1 else local_part(tokens, mesh.cp_rank, mesh.cp, dim=1)
 
 
-def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, mesh: Mesh | int, device: torch.device):
+def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, mesh: Mesh, device: torch.device):
     """This rank's inputs and targets of every micro-batch of a step: its data-parallel replica's sequences,
-    and of them its context-parallel chunks. `mesh` may be a bare data-parallel rank (no context parallelism)."""
+    and of them its context-parallel chunks."""
     layout = BatchLayout(cfg.global_batch, cfg.micro_batches, cfg.dp)
-    dp_rank = mesh if isinstance(mesh, int) else mesh.dp_rank
     inputs, targets = [], []
     for micro in range(cfg.micro_batches):
-        x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro, dp_rank)
-        if not isinstance(mesh, int):
-            x, y = context_part(x, mesh), context_part(y, mesh)
+        x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro, mesh.dp_rank)
+        x, y = context_part(x, mesh), context_part(y, mesh)
         inputs.append(x.to(device))
         targets.append(y.to(device))
     return inputs, targets
