@@ -69,7 +69,7 @@ def plan_for(model: GPTConfig, layout: Layout, bucket_numel: int | None, element
 
     `bucket_numel`: elements a gradient bucket collects before it is cut (job/train_config.bucket_numel);
     `element_bytes`: of the weights and gradients ZeRO holds (the compute format)."""
-    zero, pad_to = layout.effective_zero, layout.dp
+    zero, pad_to = layout.effective_zero, layout.data_ranks  # the group is the stage's dp x cp ranks
     chunks = []
     for per_chunk, placed in zip(stage_units(model, layout), layout.rank_chunks(model)):
         count = sum(len(units) for units in per_chunk)
@@ -81,7 +81,7 @@ def plan_for(model: GPTConfig, layout: Layout, bucket_numel: int | None, element
             tensors = [t for unit in units for t in unit]
             chunks.append((chunk, _chunk_params(tensors, units, kept, zero, pad_to, bucket_numel,
                                                 _tied_tensor(model, layout, chunk))))
-    return DataParallelPlan(layout.dp, element_bytes, tuple(sorted(chunks)))
+    return DataParallelPlan(layout.data_ranks, element_bytes, tuple(sorted(chunks)))
 
 
 def collectives(action: Action, plan: DataParallelPlan) -> list[tuple[str, int]]:

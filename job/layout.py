@@ -18,12 +18,17 @@ from typing import NamedTuple, Sequence
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.schedule import chunk_layers
-from job.train_config import check_tensor_parallel
+from job.train_config import CP_KINDS, check_context_parallel, check_tensor_parallel
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How the GPUs are arranged: tensor x pipeline x data parallel, ZeRO stage, sequence parallelism."""
+    """How the GPUs are arranged: tensor x context x pipeline x data parallel, ZeRO stage, sequence parallelism.
+
+    Mesh order, outermost first: pp, dp, cp, tp (parallel/mesh.py's, cp between data and tensor parallelism).
+    Context parallelism (job/train_config.py's check_context_parallel) cuts every sequence into 2 x cp chunks,
+    two per rank; weight gradients are averaged, and ZeRO shards, over the dp x cp ranks of a stage
+    (`data_ranks`). The two cp fields come last so that positional constructions stay valid."""
 
     tp: int = 1
     pp: int = 1
@@ -31,27 +36,37 @@ class Layout:
     zero: int = 0
     sequence_parallel: bool = False
     virtual_chunks: int = 1  # pipeline chunks per rank (interleaved schedules)
+    cp: int = 1  # context-parallel ranks per sequence
+    cp_kind: str = "ring"  # how keys and values travel between them: "ring" or "allgather"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "virtual_chunks"):
+        for name in ("tp", "pp", "dp", "virtual_chunks", "cp"):
             check_positive_int(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if self.cp_kind not in CP_KINDS:
+            raise ConfigError(f"cp_kind must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks a stage's weight gradients are averaged over, and ZeRO shards over: dp x cp."""
+        return self.dp * self.cp
 
     @property
     def effective_zero(self) -> int:
-        """The stage that runs: one data-parallel rank is always stage 0."""
-        return self.zero if self.dp > 1 else 0
+        """The stage that runs: one data-parallel rank (dp x cp = 1) is always stage 0."""
+        return self.zero if self.data_ranks > 1 else 0
 
     def check(self, model: GPTConfig) -> None:
         """Everything about this layout that the model's shape decides (the same checks as training)."""
         check_tensor_parallel(model, self.tp, self.sequence_parallel)
+        check_context_parallel(model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
         chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
 
     def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:

@@ -18,15 +18,25 @@ checked against it:
   alive too. Comm buffers: `data_parallel_buffers`, `zero3_buffers`.
   A run's measured activations are one micro-batch's forward (parallel/memory.py):
   compare them with micro_batches_in_flight=1.
+- Context parallelism (Layout.cp): a rank's activations are those of its s/cp tokens (the op list's
+  shapes), the data-parallel size N above is dp x cp (Layout.data_ranks), and while one block's
+  attention backward runs the exchange holds its buffers too (`exchange_buffer_bytes`, beside what a
+  recompute brings back): the ring's received keys and values and the fp32 dk/dv accumulators and their
+  received copies, or the all-gather's whole-sequence gradients; the all-gather's gathered keys and values
+  are saved tensors of every block (simulator/costs/ops_attention.py).
+- A planner asks this of tens of thousands of layouts: the model's checks, each layout's model states
+  and each block's activations are computed once per distinct input (lru_cache; all inputs are frozen).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from typing import Sequence
 
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
+from job.context import GRAD_BYTES, kv_elements
 from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
@@ -179,6 +189,25 @@ def zero3_buffers(units: list[int], dp: int, prefetch: int = 1) -> int:
     return peak
 
 
+def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int) -> int:
+    """What a context-parallel exchange holds at its peak, one block's attention backward, beyond the saved
+    tensors (kv: one rank's keys, or values, of a layer: job/context.py's kv_elements):
+
+      ring (parallel/context/ring.py)  the received keys and values: the copy being computed with and the
+            next one arriving (one copy when cp = 2), 2 kv each in the compute format; the dk and dv fp32
+            accumulators and the copy pass_along receives, 2 kv each in fp32 (the forward holds only the
+            received keys and values: less);
+      allgather (allgather.py)  the gradients of the gathered keys and values, fp32, and their copies in
+            the compute format handed to the reduce-scatter: 2 cp kv each (the gathered keys and values
+            themselves are saved tensors, simulator/costs/ops_attention.py)."""
+    if layout.cp == 1:
+        return 0
+    kv, e = kv_elements(model, layout.tp, layout.cp, micro_batch_size), FORMAT_BYTES[policy.compute]
+    if layout.cp_kind == "ring":
+        return min(layout.cp - 1, 2) * 2 * kv * e + 2 * 2 * kv * GRAD_BYTES
+    return 2 * layout.cp * kv * (GRAD_BYTES + e)
+
+
 @dataclass(frozen=True)
 class ActivationModel:
     """What one micro-batch's activations are, per block and at the ends (see layer_activation_bytes)."""
@@ -186,12 +215,40 @@ class ActivationModel:
     per_layer: int  # kept by one block
     recomputing: int  # alive in addition while one block's backward recomputes
     implementation: Implementation
+    exchanging: int = 0  # alive in addition while one block's attention backward exchanges (context parallelism)
 
     @classmethod
     def of(cls, model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
            implementation: Implementation) -> "ActivationModel":
         ops = block_ops(model, micro_batch_size, layout, policy, implementation)
-        return cls(ops.saved_bytes, ops.recomputed_bytes, implementation)
+        exchanging = exchange_buffer_bytes(model, layout, policy, micro_batch_size)
+        return cls(ops.saved_bytes, ops.recomputed_bytes, implementation, exchanging)
+
+
+@lru_cache(maxsize=1024)
+def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp_kind: str, pol: PrecisionPolicy,
+                 micro_batch_size: int, implementation: Implementation) -> tuple[ActivationModel, int, int]:
+    """(a block's activations, the first stage's ends, the last stage's ends): what the layout's shape decides."""
+    layout = Layout(tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_kind=cp_kind)
+    block = ActivationModel.of(model, layout, pol, micro_batch_size, implementation)
+    saved = implementation.sp_saved_input
+    return (block, end_activation_bytes(model, layout, pol, micro_batch_size, True, False, saved),
+            end_activation_bytes(model, layout, pol, micro_batch_size, False, True, saved))
+
+
+@lru_cache(maxsize=256)
+def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, data_ranks: int, zero: int,
+                  pol: PrecisionPolicy, bucket_elements: int, prefetch: int) -> tuple[StageMemory, ...]:
+    """Every stage's model states and buffers (no activations): they depend on dp and cp only through dp x cp."""
+    layout = Layout(tp, pp, data_ranks, zero, virtual_chunks=virtual_chunks)
+    return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch)
+                 for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
+
+
+@lru_cache(maxsize=64)
+def _check_model(model: GPTConfig, pol: PrecisionPolicy) -> None:
+    check_against_config(model)
+    check_activations_against_config(model, pol)
 
 
 def _check_in_flight(micro_batches_in_flight, pp: int) -> list[int]:
@@ -209,7 +266,7 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
            activations: int, prefetch: int) -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given)."""
     per_param = pol.bytes_per_param()
-    zero, dp = layout.effective_zero, layout.dp
+    zero, dp = layout.effective_zero, layout.data_ranks
     units = [unit for chunk in chunks for unit in chunk]
     tensors = [t for unit in units for t in unit]
     size_of: dict[int, int] = {}  # by id: every block's unit is one list (job/layout.py's stage_units)
@@ -231,14 +288,18 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     )
 
 
-def _notes(layout: Layout, model: GPTConfig, recompute: str) -> tuple[str, ...]:
+def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0) -> tuple[str, ...]:
     notes = []
     if model.tied_head and layout.pp > 1:
         notes.append(
             "tied head on several pipeline stages: the last stage holds its own copy of the embedding matrix (Megatron-style)"
         )
-    if layout.dp == 1 and layout.zero > 0:
+    if layout.data_ranks == 1 and layout.zero > 0:
         notes.append("one data-parallel rank: ZeRO runs as stage 0")
+    if layout.cp > 1:
+        notes.append(f"context parallelism {layout.cp} ({layout.cp_kind}): each rank holds the activations of "
+                     f"{model.seq_len // layout.cp:,} of the sequence's {model.seq_len:,} tokens, and "
+                     f"{exchanging / 2**30:.2f} GiB more for the key/value exchange during one block's backward")
     if recompute == "full":
         notes.append("recompute: activations include one block's full activations while it is recomputed")
     elif recompute == "selective":
@@ -277,21 +338,23 @@ def predict_memory(
     in_flight = _check_in_flight(micro_batches_in_flight, layout.pp)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
-    check_against_config(model)
-    check_activations_against_config(model, pol)
+    _check_model(model, pol)
     bucket_elements = bucket_numel(bucket_mb, pol.bytes_per_param()["compute"])
-    block = ActivationModel.of(model, layout, pol, micro_batch_size, implementation)
+    block, embedding_ends, head_ends = _activations(model, layout.tp, layout.sequence_parallel, layout.cp,
+                                                    layout.cp_kind, pol, micro_batch_size, implementation)
+    states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.data_ranks,
+                           layout.effective_zero, pol, bucket_elements, prefetch)
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
-    for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
+    for index, placed in enumerate(layout.rank_chunks(model)):
         first, last = any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed)
         layers = max(len(r) for _, r in placed)  # with virtual chunks: a micro-batch in flight holds one chunk
-        ends = end_activation_bytes(model, layout, pol, micro_batch_size, first, last, sp_saved_input)
-        activations = in_flight[index] * (layers * block.per_layer + ends) + block.recomputing
-        stages.append(_stage(model, layout, pol, index, chunks, placed, bucket_elements, activations, prefetch))
+        ends = (embedding_ends if first else 0) + (head_ends if last else 0)
+        activations = in_flight[index] * (layers * block.per_layer + ends) + block.recomputing + block.exchanging
+        stages.append(replace(states[index], activations=activations))
     peak = max(stages, key=lambda s: s.total)
     return MemoryEstimate(
         **{name: getattr(peak, name) for name in MemoryBytes.__dataclass_fields__},
         stage=peak.stage, per_stage=tuple(stages), capacity=None if gpu is None else gpu.hbm_bytes,
-        notes=_notes(layout, model, recompute),
+        notes=_notes(layout, model, recompute, block.exchanging),
     )

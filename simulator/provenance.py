@@ -10,7 +10,9 @@
   achieved           the HBM and NVLink fractions and the per-kernel overhead, with their source
                      (simulator/costs/achieved.py; the datasheet itself when the GPU gives none);
   implementation     attention kernel, recompute kind, what sequence parallelism saves;
-  overlap            the overlap preset and its settings (simulator/engine/overlap.py).
+  overlap            the overlap preset and its settings (simulator/engine/overlap.py);
+  context            with context parallelism: its size and kind, the block length the attention
+                     kernel's table is read at, and how the exchange overlaps (simulator/engine/context.py).
 """
 
 from __future__ import annotations
@@ -35,10 +37,21 @@ def efficiency_sources(gpu: GPUSpec, formats, profile: EfficiencyProfile | None 
     return sources
 
 
+def context(gpu: GPUSpec, layout, seq_len: int) -> dict:
+    """What a context-parallel prediction rests on beyond the rest."""
+    block = seq_len // (2 * layout.cp)
+    table = (f"{gpu.attention_efficiency.kernel} table read at the {block:,}-token chunk each block spans"
+             if gpu.attention_efficiency is not None else "no attention table: the GEMM efficiency")
+    exchange = ("forward passes hidden behind each block, the backward's dk/dv passes blocking (parallel/context/ring.py)"
+                if layout.cp_kind == "ring" else "all-gathers and reduce-scatters over the cp group, not overlapped")
+    return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "exchange": exchange}
+
+
 def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implementation, overlap,
-               host_compute=None) -> dict:
+               host_compute=None, layout=None, seq_len: int = 0) -> dict:
     formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
     measured = host_compute is not None and host_compute.units is not None
+    extra = {"context": context(gpu, layout, seq_len)} if layout is not None and layout.cp > 1 else {}
     return {
         "compute": MEASURED_UNITS if measured else ROOFLINE,
         "matmul_efficiency": efficiency_sources(gpu, formats, profile),
@@ -47,6 +60,7 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
         "implementation": {"attention": implementation.attention, "recompute": implementation.recompute,
                            "sp_saved_input": implementation.sp_saved_input},
         "overlap": overlap.as_dict(),
+        **extra,
     }
 
 
@@ -65,6 +79,9 @@ def summary_rows(data: dict) -> list[list[str]]:
     o = data["overlap"]
     rows.append(["overlap", f"{o['name']}: tp {'hidden behind the Linears' if o['tp'] else 'exposed'}, dp {o['dp']}, "
                  f"ZeRO-3 prefetch {o['zero3_prefetch']}, p2p {'overlapped' if o['p2p'] else 'exposed'}"])
+    if "context" in data:
+        c = data["context"]
+        rows.append(["context parallelism", f"cp {c['cp']} {c['kind']}: {c['attention']}; {c['exchange']}"])
     return rows
 
 

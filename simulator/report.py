@@ -15,7 +15,7 @@ from simulator.search.sweep import ScalingSweep
 
 GIB = 2**30
 BREAKDOWN_LABELS = {"compute": "compute", "pipeline_bubble": "pipeline bubble", "tp_comm": "exposed tp comm",
-                    "pp_comm": "exposed pp comm", "dp_comm": "exposed dp comm", "optimizer": "optimizer step"}
+                    "cp_comm": "context-parallel exchange (exposed)", "pp_comm": "exposed pp comm", "dp_comm": "exposed dp comm", "optimizer": "optimizer step"}
 MEMORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights": "master weights",
                  "optimizer_states": "optimizer states (Adam m, v)", "activations": "activations",
                  "comm_buffers": "communication buffers", "total": "total"}
@@ -34,7 +34,8 @@ def seconds(value: float) -> str:
 def headline(result: SimResult) -> str:
     lay = result.layout
     chunks = f" x {lay.virtual_chunks} chunks" if lay.virtual_chunks > 1 else ""
-    return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, ZeRO-{lay.effective_zero}"
+    cp = f" x cp {lay.cp} ({lay.cp_kind})" if lay.cp > 1 else ""
+    return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}, ZeRO-{lay.effective_zero}"
             f"{', sequence parallel' if lay.sequence_parallel else ''}, {result.precision}, {result.schedule}{chunks}, "
             f"{result.attention} attention, recompute {result.recompute}, overlap {result.overlap.name}; global batch {result.global_batch} = {result.micro_batches} micro-batches "
             f"of {result.micro_batch} per replica")
@@ -43,7 +44,8 @@ def headline(result: SimResult) -> str:
 def step_rows(result: SimResult) -> list[list[str]]:
     step = result.step_time_s
     rows = [["step time", seconds(step), "100.0%"]]
-    rows += [[f"  {BREAKDOWN_LABELS[k]}", seconds(v), f"{v / step:.1%}"] for k, v in result.breakdown.items()]
+    rows += [[f"  {BREAKDOWN_LABELS[k]}", seconds(v), f"{v / step:.1%}"] for k, v in result.breakdown.items()
+             if k != "cp_comm" or result.layout.cp > 1]  # no context parallelism, no row
     per_gpu = (f"{result.tflops_per_gpu:.1f}" if result.tflops_per_gpu >= 1 else f"{result.tflops_per_gpu * 1e3:.1f}")
     rows += [["TFLOP/s per GPU" if result.tflops_per_gpu >= 1 else "GFLOP/s per GPU", per_gpu, "model FLOPs"],
              ["MFU", f"{result.mfu:.1%}", f"of the {result.precision} peak"],
@@ -60,6 +62,19 @@ def memory_rows(result: SimResult) -> list[list[str]]:
                else f"does not fit: short by {-margin / GIB:.2f} GiB")
     rows.append([f"capacity ({result.gpu})", f"{capacity / GIB:.2f} GiB", verdict])
     return rows
+
+
+def memory_why(result: SimResult) -> str | None:
+    """Why a layout does not fit, in one line: its largest part and the flags that lower it."""
+    if result.fits:
+        return None
+    parts = result.memory_per_gpu()
+    states = sum(parts[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
+    if parts["activations"] >= states:
+        return (f"why: the activations ({parts['activations'] / GIB:.2f} GiB) are the largest part: the forwards a "
+                f"stage keeps for its backward; --recompute, --sequence-parallel, a larger --cp or --pp lower them")
+    return (f"why: the model states ({states / GIB:.2f} GiB) are the largest part: --zero shards them over dp x cp, "
+            f"--tp and --pp split them")
 
 
 def provenance_rows(result: SimResult) -> list[list[str]]:
@@ -83,11 +98,12 @@ def sweep_rows(sweep: ScalingSweep) -> list[list[str]]:
     rows = []
     for p in sweep.points:
         lay = p.result.layout
-        rows.append([p.gpus, p.global_batch, f"{lay.tp}x{lay.pp}x{lay.dp}", p.result.micro_batches,
+        cp = f"x{lay.cp}cp" if lay.cp > 1 else ""
+        rows.append([p.gpus, p.global_batch, f"{lay.tp}{cp}x{lay.pp}x{lay.dp}", p.result.micro_batches,
                      seconds(p.result.step_time_s), f"{p.samples_per_s:.4g}", "-" if p.efficiency is None else f"{p.efficiency:.0%}",
                      "-" if p.marginal is None else f"{p.marginal:.0%}", f"{p.result.mfu:.1%}",
                      f"{p.result.breakdown['pipeline_bubble'] / p.result.step_time_s:.0%}",
-                     f"{(p.result.breakdown['dp_comm'] + p.result.breakdown['tp_comm'] + p.result.breakdown['pp_comm']) / p.result.step_time_s:.0%}",
+                     f"{sum(p.result.breakdown[k] for k in ('dp_comm', 'tp_comm', 'cp_comm', 'pp_comm')) / p.result.step_time_s:.0%}",
                      "yes" if p.result.fits else "NO"])
     return rows
 

@@ -42,13 +42,15 @@ CPU = torch.device("cpu")
 # ---- functions the ranks run (module level: the spawned ranks import them by name) ----
 
 
-def mesh_facts(pp: int, dp: int, tp: int) -> dict:
+def mesh_facts(pp: int, dp: int, tp: int, cp: int = 1) -> dict:
     """Build the mesh, use every group once, and report what this rank saw."""
-    mesh = build_mesh(pp, dp, tp, CPU)
+    mesh = build_mesh(pp, dp, tp, CPU, cp)
+    data = mesh.data_group()
     facts = {
         "rank": mesh.rank,
         "dist_rank": dist.get_rank(),
-        "coords": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank),
+        "coords": (mesh.pp_rank, mesh.dp_rank, mesh.cp_rank, mesh.tp_rank),
+        "data_ranks": dist.get_process_group_ranks(data) if data is not None else None,
         "world": mesh.world_size,
         "first": mesh.is_first_stage,
         "last": mesh.is_last_stage,
@@ -73,7 +75,7 @@ def mesh_facts(pp: int, dp: int, tp: int) -> dict:
         dist.recv(received, src=mesh.prev_stage_rank)
         facts["received_from_prev"] = int(received)
     try:
-        build_mesh(pp, dp, tp * 2, CPU)
+        build_mesh(pp, dp, tp * 2, CPU, cp)
     except ConfigError as error:
         facts["wrong_layout"] = str(error)
     return facts
@@ -122,14 +124,15 @@ def current_pid(_: object) -> int:
 # ---- tests ----
 
 
-def check_rank_formula(facts: list[dict], pp: int, dp: int, tp: int) -> None:
-    assert [f["rank"] for f in facts] == list(range(pp * dp * tp))
-    assert len({f["coords"] for f in facts}) == pp * dp * tp
+def check_rank_formula(facts: list[dict], pp: int, dp: int, tp: int, cp: int = 1) -> None:
+    world = pp * dp * cp * tp
+    assert [f["rank"] for f in facts] == list(range(world))
+    assert len({f["coords"] for f in facts}) == world
     for f in facts:
-        pp_rank, dp_rank, tp_rank = f["coords"]
-        assert f["rank"] == f["dist_rank"] == (pp_rank * dp + dp_rank) * tp + tp_rank
-        assert f["world"] == pp * dp * tp
-        for dim, size in zip(MESH_DIMS, (pp, dp, tp)):
+        pp_rank, dp_rank, cp_rank, tp_rank = f["coords"]
+        assert f["rank"] == f["dist_rank"] == ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+        assert f["world"] == world
+        for dim, size in zip(MESH_DIMS, (pp, dp, cp, tp)):
             ranks = f[dim]["ranks"]
             assert len(ranks) == size and f["rank"] in ranks
             assert f[dim]["sum"] == sum(ranks), (dim, f)
@@ -137,9 +140,10 @@ def check_rank_formula(facts: list[dict], pp: int, dp: int, tp: int) -> None:
                 assert sorted(f[dim]["group_ranks"]) == ranks
             else:
                 assert f[dim]["group_ranks"] is None  # no group, no collective
+        cp_part = f" x cp {cp}" if cp > 1 else ""
         assert f["wrong_layout"] == (
-            f"the layout pp {pp} x dp {dp} x tp {tp * 2} needs {pp * dp * tp * 2} ranks "
-            f"but {pp * dp * tp} are running: change the layout or the launch"
+            f"the layout pp {pp} x dp {dp}{cp_part} x tp {tp * 2} needs {world * 2} ranks "
+            f"but {world} are running: change the layout or the launch"
         )
 
 
@@ -160,6 +164,18 @@ def test_mesh_on_8_ranks():
         assert f.get("received_from_prev") == f["prev"]
 
 
+def test_mesh_with_context_parallelism_on_8_ranks():
+    """dp 2 x cp 2 x tp 2: cp sits between dp and tp, and gradients are averaged over the dp x cp group."""
+    facts = run_ranks(8, mesh_facts, 1, 2, 2, 2)
+    check_rank_formula(facts, 1, 2, 2, 2)
+    for f in facts:
+        rank = f["rank"]
+        assert f["tp"]["ranks"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert f["cp"]["ranks"] == [rank % 2 + rank // 4 * 4, rank % 2 + rank // 4 * 4 + 2]
+        assert f["dp"]["ranks"] == [rank % 4, rank % 4 + 4]
+        assert f["data_ranks"] == [rank % 2 + offset for offset in (0, 2, 4, 6)]  # every (dp, cp) at this tp rank
+
+
 def test_mesh_on_4_ranks_is_pure_data_parallel():
     facts = run_ranks(4, mesh_facts, 1, 4, 1)
     check_rank_formula(facts, 1, 4, 1)
@@ -176,7 +192,7 @@ def test_trivial_mesh_has_no_process_group():
         assert mesh.group(dim) is None and mesh.ranks_of(dim) == [0]
     assert mesh.is_first_stage and mesh.is_last_stage
     assert mesh.prev_stage_rank is None and mesh.next_stage_rank is None
-    with pytest.raises(ConfigError, match="mesh dimension must be one of pp, dp, tp"):
+    with pytest.raises(ConfigError, match="mesh dimension must be one of pp, dp, cp, tp"):
         mesh.group("ep")
     with pytest.raises(ConfigError, match="needs 2 ranks but 1 are running: start it through"):
         build_mesh(1, 2, 1, CPU)
@@ -277,7 +293,7 @@ def test_launch_under_torchrun_checks_its_world_size(monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert in_torchrun()
-    with pytest.raises(ConfigError, match="torchrun started 4 processes but the layout tp x pp x dp needs 8"):
+    with pytest.raises(ConfigError, match="torchrun started 4 processes but the layout tp x cp x pp x dp needs 8"):
         launch(add_one, 1, 8)
     assert launch(add_one, 1, 4) == 2  # the ranks exist already: call the entrypoint here
 

@@ -4,7 +4,9 @@ Torch-free: it checks flags and prints what simulator/search/plan.py finds. The 
 `simulate`'s (cli/options/model.py), the cluster flags too (--gpu, --hardware, --gpus-per-node,
 --fabric, --topology-kind, --nics-per-node, --oversubscription: one cluster of --gpus GPUs in whole
 servers). The global batch defaults to one sequence per GPU, so every dp divides it;
---micro-batch-size or --micro-batches fixes the micro-batching, otherwise it is searched.
+--micro-batch-size or --micro-batches fixes the micro-batching, otherwise it is searched. Context parallelism (ring) is
+searched too (simulator/search/plan.py's MIN_CP_CHUNK says how far); when no layout fits without it,
+one line says which cp the job needs at the least.
 
 A model that fits nowhere is bad input too: one line naming the smallest memory need found and the
 GPU's capacity, exit code 2 (the flags ask for the impossible; more GPUs, a larger GPU or a smaller
@@ -46,7 +48,7 @@ def _rows(result) -> list[list]:
     rows = []
     for rank, (candidate, simulated, _) in enumerate(result.best, 1):
         schedule = candidate.schedule + (f" x{candidate.virtual_chunks}" if candidate.virtual_chunks > 1 else "")
-        rows.append([rank, f"tp {candidate.tp} x pp {candidate.pp} x dp {candidate.dp}",
+        rows.append([rank, candidate.mesh(),
                      "yes" if candidate.sequence_parallel else "no", candidate.zero,
                      f"{candidate.micro_batches} of {candidate.micro_batch}", schedule, candidate.recompute,
                      seconds(simulated.step_time_s), f"{simulated.mfu:.1%}", f"{simulated.memory.total / GIB:.1f}"])
@@ -75,6 +77,8 @@ def _print(result) -> None:
     click.echo(f"{parameter_count(model.n_params())}-parameter GPT ({model.describe()}) on {result.n_gpus} x "
                f"{result.gpu}, {result.precision}, global batch {result.global_batch}: the {len(result.best)} "
                f"fastest layouts that fit")
+    if result.context_note:
+        click.echo(result.context_note)
     click.echo(format_table(["#", "layout", "SP", "ZeRO", "micro-batches", "schedule", "recompute", "step", "MFU",
                              f"GiB per GPU (of {result.capacity / GIB:.1f})"], _rows(result)))
     click.echo("")
@@ -103,7 +107,7 @@ def _spec(options: dict):
 @cluster_options()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(**options) -> None:
-    """Search tp, sequence parallelism, pp, dp, ZeRO stage, micro-batch size, schedule and recompute
+    """Search tp, sequence parallelism, context parallelism (ring), pp, dp, ZeRO stage, micro-batch size, schedule and recompute
     for the fastest layouts that fit in memory, as the simulator predicts them, and say why the
     others lost."""
     from precision.policy import policy as precision_policy

@@ -3,7 +3,10 @@
 Torch-free: it only checks flags and prints what simulator/ predicts. The cluster comes
 from flags (--gpu, --gpus-per-node, --nodes, --fabric, --topology-kind) or a topology
 file (--topology); --hardware loads a calibrated profile in place of the --gpu preset.
-Without --nodes the cluster has exactly the layout's tp x pp x dp GPUs. How a block is
+Without --nodes the cluster has exactly the layout's tp x cp x pp x dp GPUs. --cp and --cp-kind
+(cli/options/context.py) add context parallelism: each rank computes seq/cp tokens and exchanges keys
+and values (simulator/engine/context.py), shown as its own row of the step's breakdown; it needs flash
+attention, and a sweep keeps it at the given cp. How a block is
 computed (--attention, --recompute, --sp-saved-input: simulator/costs/ops.py) and what overlaps
 what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
 simulator/engine/overlap.py) are flags too; the output says what its numbers rest on. A job beyond
@@ -21,6 +24,7 @@ import click
 
 from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_options
 from cli.options.config_file import config_file_option
+from cli.options.context import context_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.output_file import check_output_file
@@ -29,7 +33,7 @@ from cli.options.precision import precision_option, simulated_precision
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_path_given, check_positive_int
 from simulator.limits import MAX_ZERO3_GATHERS, check_job, check_layers, check_sweep, zero3_gathers
-from simulator.costs.op_types import SP_SAVED_INPUTS
+from simulator.costs.op_types import SP_SAVED_INPUTS, check_cp_attention
 from simulator.engine.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
 
 
@@ -65,7 +69,7 @@ def _cluster(options: dict, world: int):
             per_node = world  # one partly filled server
         if world % per_node:
             raise ConfigError(
-                f"tp x pp x dp = {world} GPUs do not fill whole servers of {per_node}: "
+                f"{_mesh(options)} = {world} GPUs do not fill whole servers of {per_node}: "
                 f"give --nodes, or a layout whose GPU count is a multiple of {per_node}"
             )
         nodes = world // per_node
@@ -73,11 +77,16 @@ def _cluster(options: dict, world: int):
                          options["nics_per_node"], options["oversubscription"]), hardware
 
 
+def _mesh(options: dict) -> str:
+    return "tp x cp x pp x dp" if options["cp"] > 1 else "tp x pp x dp"
+
+
 def _job(options: dict, model, zero: int):
     from simulator.search.sweep import Job
 
     return Job(model, options["precision"], options["global_batch"] or 0, options["micro_batch"], zero,
-               options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"])
+               options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"],
+               cp=options["cp"], cp_kind=options["cp_kind"])
 
 
 def _overlap(options: dict):
@@ -93,10 +102,12 @@ def run_single(options: dict) -> dict:
 
     model = _model(options)
     layout = Layout(tp=options["tp"] or 1, pp=options["pp"] or 1, dp=options["dp"] or 1, zero=options["zero"],
-                    sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"])
+                    sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"],
+                    cp=options["cp"], cp_kind=options["cp_kind"])
+    layout.check(model)  # the shape's checks (context parallelism's split too), before any cluster is built
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, options["micro_batch"],
-              layout.world_size, layout.zero)  # before any cluster or schedule is built
+              layout.world_size, layout.zero, layout.cp)  # before any cluster or schedule is built
     cluster, hardware = _cluster(options, layout.world_size)
     result = simulate_step(model, layout, cluster, options["precision"], global_batch, options["micro_batch"],
                            options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware,
@@ -170,6 +181,9 @@ def _print_single(report: dict) -> None:
     click.echo(f"(breakdown of the slowest pipeline rank, {result.critical_rank}; it adds up to the step)")
     click.echo("")
     click.echo(format_table([f"memory per GPU (stage {result.memory.stage})", "GiB", ""], rep.memory_rows(result)))
+    for line in [rep.memory_why(result)] + [f"note: {note}" for note in result.memory.notes]:
+        if line:
+            click.echo(line)
     click.echo("")
     click.echo(format_table(["training state of the whole model", "decimal GB (1e9 bytes)"], rep.job_rows(result)))
     click.echo(rep.job_verdict(result, model.n_params()))
@@ -191,7 +205,8 @@ def _print_sweep(report: dict) -> None:
         best = report["zero_at"]
         lay = best.result.layout
         click.echo("")
-        click.echo(f"ZeRO stages at {best.gpus} GPUs (tp {lay.tp} x pp {lay.pp} x dp {lay.dp}):")
+        cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
+        click.echo(f"ZeRO stages at {best.gpus} GPUs (tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}):")
         click.echo(format_table(rep.ZERO_HEADERS, rep.zero_rows(report["zero"])))
         click.echo(zero_verdict(report["zero"]))
 
@@ -222,6 +237,14 @@ def check_paths(options: dict) -> None:
     for name, example in (("trace", "trace.json"), ("plot", "scaling.png")):
         if options[name] is not None:
             check_output_file(f"--{name}", options[name], example)
+
+
+def check_context(options: dict, model) -> None:
+    """--cp and --cp-kind, one line each: the split (job/train_config.py) and the attention it needs."""
+    from job.train_config import check_context_parallel
+
+    check_context_parallel(model, options["cp"], options["cp_kind"])
+    check_cp_attention(options["cp"], options["attention"])
 
 
 def parameter_count(n: int) -> str:
@@ -279,6 +302,7 @@ def micro_batch_size(options: dict) -> int:
               help="ZeRO-3 units gathered ahead (default: the preset's, 1).")
 @click.option("--p2p-overlap/--no-p2p-overlap", "p2p_overlap", default=None,
               help="Asynchronous pipeline sends, receives posted early (default: the preset's).")
+@context_options
 @precision_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")
@@ -295,7 +319,8 @@ def micro_batch_size(options: dict) -> int:
 def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
-    model_from_options(options)  # the model's flags first, each on one line
+    model = model_from_options(options)  # the model's flags first, each on one line
+    check_context(options, model)
     check_paths(options)
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",

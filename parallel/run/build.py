@@ -116,7 +116,7 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         masters_are_weights=policy.master is None,
         shared_ranges=shared,
     )
-    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks)
+    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks, cfg.cp, cfg.cp_kind)
     config = schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
     kept = data_parallel.kept() if hasattr(data_parallel, "kept") else None
     element_bytes = data_parallel.weights[0].element_size() if isinstance(data_parallel.weights, list) \

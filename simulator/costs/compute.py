@@ -118,8 +118,8 @@ def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProf
     efficiency."""
     scores = op.gemms[0]  # s x s x head_dim: the scores, or the backward's recomputed scores
     table = gpu.attention_efficiency
-    if op.causal_seq and table is not None:
-        return attention_seconds(table, op.benchmark_flops, scores.k, op.causal_seq, gpu.flops(scores.dtype))
+    if op.causal_seq and table is not None:  # at the length the kernel works on: a ring's chunk under cp (ops_attention.py)
+        return attention_seconds(table, op.benchmark_flops, scores.k, op.efficiency_seq, gpu.flops(scores.dtype))
     square = sum(_gemm_compute(g, gpu, profile) for g in op.gemms)
     return square * op.flops / op.square_flops
 
@@ -144,26 +144,29 @@ class PassTimes:
     gemm: float = 0.0
     linear: float = 0.0  # the Linears' GEMMs: what can hide tensor-parallel collectives
     memory: float = 0.0
+    attention: float = 0.0  # the fused attention kernels: what a context-parallel ring's passes hide behind
 
     def __add__(self, other: "PassTimes") -> "PassTimes":
         return PassTimes(self.total + other.total, self.gemm + other.gemm, self.linear + other.linear,
-                         self.memory + other.memory)
+                         self.memory + other.memory, self.attention + other.attention)
 
     def __mul__(self, times: int) -> "PassTimes":
-        return PassTimes(self.total * times, self.gemm * times, self.linear * times, self.memory * times)
+        return PassTimes(self.total * times, self.gemm * times, self.linear * times, self.memory * times,
+                         self.attention * times)
 
 
 def pass_times(ops, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> PassTimes:
-    total = gemm = linear = memory = 0.0
+    total = gemm = linear = memory = attention = 0.0
     for op in ops:
         seconds = op_time(op, gpu, profile)
         total += seconds
         if isinstance(op, (Gemm, FusedAttention)):
             gemm += seconds
             linear += seconds if isinstance(op, Gemm) and op.linear else 0.0
+            attention += seconds if isinstance(op, FusedAttention) else 0.0
         else:
             memory += seconds
-    return PassTimes(total, gemm, linear, memory)
+    return PassTimes(total, gemm, linear, memory, attention)
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
                    first: bool, last: bool, sharded: bool = False) -> tuple[list[TPCollective], list[TPCollective]]:
     """Forward and backward collectives of one chunk for one micro-batch, as parallel/tensor/layers.py issues them.
 
+    Under context parallelism each rank's are those of its s/cp tokens.
     Per block: without sequence parallelism 2 all-reduces of b*s*h forward (after proj, fc2)
     and 2 backward (before qkv, fc1); with it 2 all-gathers + 2 reduce-scatters each way, plus
     a backward all-reduce of every replicated parameter's gradient (parallel/tensor/parallelize.py: the norms'
@@ -188,7 +192,8 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
     """
     if layout.tp == 1:
         return [], []
-    width = micro_batch_size * model.seq_len * model.d_model * FORMAT_BYTES[policy.compute]
+    tokens = micro_batch_size * model.seq_len // layout.cp  # this rank's tokens
+    width = tokens * model.d_model * FORMAT_BYTES[policy.compute]
     sp = layout.sequence_parallel
     forward, backward = [], []
     if first:  # the vocabulary-parallel embedding sums its pieces; SequenceSplit gathers back in the backward
@@ -210,7 +215,7 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         if sp:
             forward.append(TPCollective("all_gather", width, 1))
         backward.append(TPCollective("reduce_scatter" if sp else "all_reduce", width, 1))
-        forward.append(TPCollective("all_reduce", micro_batch_size * model.seq_len * LOSS_VALUE_BYTES, LOSS_ALL_REDUCES))
+        forward.append(TPCollective("all_reduce", tokens * LOSS_VALUE_BYTES, LOSS_ALL_REDUCES))
         if sp:  # the final norm's gain (and a LayerNorm's bias): the head's replicated tensors
             replicated = [t for t in head_tensors(model, layout.tp, layout.pp) if t.replicated]
             backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], 1) for t in replicated]
@@ -239,6 +244,9 @@ class ChunkTimes:
     forward_linear_s: float = 0.0  # the Linears' GEMMs of the forward: what could hide its tp collectives
     backward_linear_s: float = 0.0  # the same in the backward (recompute included)
     backward_flops: int = 0  # recompute included
+    attention_forward_s: float = 0.0  # the fused attention kernels of the forward (what a cp ring's passes hide behind)
+    attention_backward_s: float = 0.0  # of the backward, the recomputed forward's left out
+    attention_recompute_s: float = 0.0  # of the recomputed forward
 
 
 def chunk_ops(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
@@ -287,6 +295,8 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         tp_comm_bytes_forward=total_bytes(fwd), tp_comm_bytes_backward=total_bytes(bwd),
         tp_collectives_forward=tuple(fwd), tp_collectives_backward=tuple(bwd), backward_weight_s=weight.total,
         forward_linear_s=forward.linear, backward_linear_s=backward.linear + again.linear, backward_flops=backward_flops,
+        attention_forward_s=forward.attention, attention_backward_s=backward.attention,
+        attention_recompute_s=again.attention,
     )
 
 

@@ -82,11 +82,17 @@ class FusedAttention:
     read: int
     written: int
     phase: str = FORWARD
-    causal_seq: int = 0  # s of a causal mask; 0: the whole square
+    causal_seq: int = 0  # s of a causal mask (the whole sequence's, under context parallelism too); 0: the whole square
+    kernel_seq: int = 0  # the sequence length the kernel works on when it is not causal_seq (a ring's chunk)
 
     @property
     def bytes(self) -> int:
         return self.read + self.written
+
+    @property
+    def efficiency_seq(self) -> int:
+        """The length a published causal-kernel table is read at (simulator/costs/attention_rates.py)."""
+        return self.kernel_seq or self.causal_seq
 
     @property
     def square_flops(self) -> int:
@@ -94,7 +100,9 @@ class FusedAttention:
 
     @property
     def flops(self) -> int:
-        """The products the mask keeps, exactly: s (s + 1) / 2 of the square's s^2 under a causal mask."""
+        """The products the mask keeps, exactly: s (s + 1) / 2 of the square's s^2 under a causal mask (a
+        context-parallel rank's GEMMs span s/cp queries x s keys, and it keeps exactly 1/cp of them:
+        the load-balanced split, parallel/context/chunks.py)."""
         s = self.causal_seq
         return self.square_flops * (s + 1) // (2 * s) if s else self.square_flops
 
@@ -191,6 +199,8 @@ class UnitShape:
     norm_statistics: int = 2  # fp32 numbers a norm keeps per row: a LayerNorm's mean and 1/std, an RMSNorm's 1/rms
     swiglu: bool = False  # the MLP is SwiGLU (fc1 holds the gate and up projections), else GELU
     rope: bool = False  # rotary positions rotate q and k inside the attention core (no position embedding)
+    cp: int = 1  # context parallelism: `s` is this rank's s/cp tokens of a sequence of s x cp
+    cp_kind: str = "ring"  # how the keys and values of the other cp ranks arrive (job/context.py)
 
     @property
     def qkv_width(self) -> int:
@@ -198,22 +208,37 @@ class UnitShape:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
     @property
+    def keys(self) -> int:
+        """The keys every query may attend to: the whole sequence (s x cp)."""
+        return self.s * self.cp
+
+    @property
     def fc1_width(self) -> int:
         """Columns of fc1's output on this rank: f/t, or 2f/t for SwiGLU (gate and up)."""
         return (2 if self.swiglu else 1) * self.f // self.t
 
 
+def check_cp_attention(cp: int, attention: str) -> None:
+    """Context parallelism needs a fused attention: the ring merges its blocks by their log-sum-exp."""
+    if cp > 1 and attention != "flash":
+        raise ConfigError(f"--cp {cp} needs --attention flash: the ring merges blocks by their log-sum-exp, which "
+                          f"only a fused (flash) attention keeps")
+
+
 def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy, impl: Implementation) -> UnitShape:
-    t, rows = layout.tp, micro_batch * model.seq_len
+    """One micro-batch on one rank: under context parallelism the rank's s/cp tokens of each sequence."""
+    check_cp_attention(layout.cp, impl.attention)
+    t, s = layout.tp, model.seq_len // layout.cp
+    rows = micro_batch * s
     sp = layout.sequence_parallel and t > 1
-    return UnitShape(b=micro_batch, s=model.seq_len, d=model.d_model, f=model.d_ff, heads=model.n_heads // t,
+    return UnitShape(b=micro_batch, s=s, d=model.d_model, f=model.d_ff, heads=model.n_heads // t,
                      kv_heads=model.kv_heads // t, head_dim=model.head_dim, t=t, rows=rows,
                      residual_rows=rows // t if sp else rows, e=FORMAT_BYTES[policy.compute],
                      grad=FORMAT_BYTES[policy.grad], compute=policy.compute,
                      linear="fp8" if policy.fp8_linears else policy.compute, fp8=policy.fp8_linears,
                      dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded",
                      bias=model.bias, norm_statistics=2 if model.norm == "layernorm" else 1,
-                     swiglu=model.mlp == "swiglu", rope=model.positions == "rope")
+                     swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind)
 
 
 class Recorder:

@@ -22,6 +22,17 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
   reading q, k, v, dO, the log-sum-exp and D and writing dq, dk and dv in their own shapes (what
   FlashAttention-3 and cuDNN write; FlashAttention-2's own GQA path writes dk and dv expanded to
   a/t heads and sums them in a separate kernel: a few more bytes, not counted here).
+- Context parallelism (cp > 1, flash only: simulator/costs/op_types.py's check_cp_attention): the rank
+  holds s/cp tokens of a sequence of s (two chunks of s/(2 cp), parallel/context/chunks.py) and its queries
+  meet the whole sequence's keys, so its GEMMs span s/cp x s and the mask keeps exactly 1/cp of the whole
+  causal attention's products (the load-balanced split gives every rank the same work). Both of our
+  kinds (parallel/context/ring.py, allgather.py) compute it as blocks of one query chunk against one key
+  chunk, s/(2 cp) tokens each, so the kernel table is read at that length (FusedAttention.kernel_seq:
+  a causal table at the block length; the off-diagonal blocks are unmasked, which a causal table prices
+  a little low). The kernel also reads the other ranks' keys and values, (cp - 1) x this rank's. The
+  all-gather kind keeps the gathered keys and values of the whole sequence for the backward
+  (GatheredAttention saves them): a tensor of the core, dropped and gathered again under recompute.
+  What travels, and its time, is simulator/engine/context.py's.
 - Unfused: scores = q @ k^T, softmax, dropout, probabilities @ v, heads merged back into rows,
   batch b x a/t matmuls each reading its group's key or value head.
 """
@@ -42,29 +53,43 @@ def _rope_forward(rec: Recorder, qkv: str) -> str:
     return rotated
 
 
+def other_kv_bytes(sh) -> int:
+    """The keys and values of the other context-parallel ranks a rank's attention reads: (cp - 1) x its own."""
+    return (sh.cp - 1) * 2 * sh.b * sh.kv_heads * sh.s * sh.head_dim * sh.e
+
+
+def _kernel_seq(sh) -> int:
+    """The block length the kernel works on under context parallelism: one chunk, s/(2 cp) of the sequence."""
+    return sh.s // 2 if sh.cp > 1 else 0
+
+
 def _flash_forward(rec: Recorder, qkv: str) -> None:
     sh = rec.shape
-    a, s, hd = sh.heads, sh.s, sh.head_dim
+    a, s, keys, hd = sh.heads, sh.s, sh.keys, sh.head_dim
     lse = rec.tensor("attention.logsumexp", sh.rows * a * FP32, small=True)
     out = rec.tensor("attention.output", sh.rows * a * hd * sh.e)
-    gemms = (gemm("attention.scores", s, s, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
-             gemm("attention.values", s, hd, s, sh.compute, sh.e, sh.b * a, FORWARD, False))
-    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv), rec.bytes_of(out, lse), causal_seq=s),
-           saves=(qkv, out, lse))
+    saves = (qkv, out, lse)
+    if sh.cp > 1 and sh.cp_kind == "allgather":  # the whole sequence's keys and values, kept for the backward
+        saves += (rec.tensor("attention.gathered_kv", 2 * sh.b * sh.kv_heads * keys * hd * sh.e),)
+    gemms = (gemm("attention.scores", s, keys, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
+             gemm("attention.values", s, hd, keys, sh.compute, sh.e, sh.b * a, FORWARD, False))
+    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv) + other_kv_bytes(sh), rec.bytes_of(out, lse),
+                          causal_seq=keys, kernel_seq=_kernel_seq(sh)), saves=saves)
 
 
 def _flash_backward(rec: Recorder) -> None:
     """FlashAttention-2: D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs."""
     sh = rec.shape
-    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
+    a, s, keys, hd, batch, e = sh.heads, sh.s, sh.keys, sh.head_dim, sh.b * sh.heads, sh.e
     width = sh.rows * a * hd * e  # one of q, O, dO
     qkv = sh.rows * sh.qkv_width * e  # q, k and v (or dq, dk and dv)
     rec.back_mem("attention.flash_backward_preprocess", 2 * width, sh.rows * a * FP32)
-    shapes = (("attention.scores_recomputed", s, s, hd), ("attention.grad_v", s, hd, s),
-              ("attention.grad_probs", s, s, hd), ("attention.grad_q", s, hd, s), ("attention.grad_k", s, hd, s))
+    shapes = (("attention.scores_recomputed", s, keys, hd), ("attention.grad_v", keys, hd, s),
+              ("attention.grad_probs", s, keys, hd), ("attention.grad_q", s, hd, keys), ("attention.grad_k", keys, hd, s))
     gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
-    read = qkv + width + 2 * sh.rows * a * FP32  # q, k, v, dO; the log-sum-exp and D
-    rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=s))
+    read = qkv + width + 2 * sh.rows * a * FP32 + other_kv_bytes(sh)  # q, k, v, dO; the log-sum-exp and D
+    rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=keys,
+                                       kernel_seq=_kernel_seq(sh)))
 
 
 def _unfused_forward(rec: Recorder, qkv: str) -> None:

@@ -8,6 +8,9 @@ default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/z
 
   tp      Megatron's collectives sit between the layer's matmuls: never hidden (Overlap.tp:
           hidden behind the same pass's Linear GEMMs as far as they last).
+  cp      context parallelism's key/value exchange inside each block (job/context.py's calls), priced by
+          simulator/engine/context.py: the ring's passes behind the attention blocks as the trainer
+          overlaps them, the rest exposed.
   dp      no model of ZeRO here: the data-parallel collectives are the schedule's own actions
           (job/data_parallel.py: per bucket or unit, per micro-batch where the stage issues
           them), priced from their place in the list by simulator/engine/data_parallel.py.
@@ -17,7 +20,8 @@ default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/z
 Zero-bubble halves: BackwardInput gets everything but the weight gradients (the input-gradient
 GEMMs, the element-wise backward, the recomputation and all backward tp collectives);
 BackwardWeight the weight-gradient GEMMs, their accumulation and bias sums (the op list says
-which; half of a measured unit's backward); the reductions armed after it overlap it.
+which; half of a measured unit's backward); the reductions armed after it overlap it. The
+context-parallel exchange belongs to the attention's input gradients: BackwardInput's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from job.schedule import ScheduleConfig
 from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, chunk_times
+from simulator.engine.context import layer_exchange
 from simulator.engine.host import HostCompute
 from simulator.engine.links import LinkCosts
 from simulator.engine.data_parallel import ActionCost, DataParallelPricer
@@ -74,6 +79,8 @@ class Unit:
     numel: int  # padded to the dp size (ZeRO-3's flat unit)
     recompute: float = 0.0  # the part of `backward` that recomputes the forward
     weight: float = 0.0  # the weight-gradient part of `backward` (zero-bubble schedules' W)
+    forward_cp: float = 0.0  # context-parallel exchange seconds left exposed (simulator/engine/context.py)
+    backward_cp: float = 0.0
 
 
 def tp_seconds(links: LinkCosts, collectives) -> float:
@@ -97,11 +104,13 @@ class _Job:
 
 def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, implementation: Implementation,
                 profile: EfficiencyProfile | None, host: HostCompute | None):
-    """times(layers, first, last) -> (forward, backward, exposed tp forward, exposed tp backward, recompute, weight)."""
+    """times(layers, first, last, stage) -> (forward, backward, exposed tp forward, exposed tp backward, recompute,
+    weight, exposed cp forward, exposed cp backward)."""
     memo: dict = {}
+    exchanges: dict = {}  # per stage too: the cp group's links are the stage's
     hide = job.overlap.tp and not job.serial
 
-    def times(layers: int, first: bool, last: bool):
+    def times(layers: int, first: bool, last: bool, stage: int = 0):
         key = (layers, first, last)
         if key not in memo:
             ct = chunk_times(job.model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
@@ -113,24 +122,39 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             ftp, btp = tp_seconds(job.links, ct.tp_collectives_forward), tp_seconds(job.links, ct.tp_collectives_backward)
             if hide:  # hidden behind the Linears' GEMMs of the same pass, as far as they last
                 ftp, btp = max(0.0, ftp - ct.forward_linear_s), max(0.0, btp - ct.backward_linear_s)
-            memo[key] = (f, b, ftp, btp, again, weight)
-        return memo[key]
+            memo[key] = (f, b, ftp, btp, again, weight), ct
+        priced, ct = memo[key]
+        if job.layout.cp == 1 or not layers:
+            return (*priced, 0.0, 0.0)
+        if (key, stage) not in exchanges:
+            exchanges[(key, stage)] = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage)
+        return (*priced, *exchanges[(key, stage)])
 
     return times
 
 
+def _exchange(job: _Job, ct, layers: int, micro_batch: int, recompute: str, stage: int) -> tuple[float, float]:
+    """Exposed seconds of the context-parallel exchange of `layers` blocks (forward, backward)."""
+    per_layer = (ct.attention_forward_s / layers, ct.attention_backward_s / layers, ct.attention_recompute_s / layers)
+    forward, backward = layer_exchange(job.model, job.layout, micro_batch, job.compute_bytes, recompute, job.links,
+                                       stage, per_layer)
+    return layers * forward.seconds, layers * backward.seconds
+
+
 def _plain_actions(chunk: int, units: list[Unit], actions: dict) -> None:
-    """A chunk's computes with nothing armed around them: compute and exposed tp only."""
+    """A chunk's computes with nothing armed around them: compute, exposed tp and cp only."""
     f_compute, f_tp = sum(u.forward for u in units), sum(u.forward_tp for u in units)
     b_compute, b_tp = sum(u.backward for u in units), sum(u.backward_tp for u in units)
+    f_cp, b_cp = sum(u.forward_cp for u in units), sum(u.backward_cp for u in units)
     w_compute = sum(u.weight for u in units)
-    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp, f_compute, f_tp)
-    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp, b_compute, b_tp)
+    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp, f_compute, f_tp, cp=f_cp)
+    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp + b_cp, b_compute, b_tp, cp=b_cp)
     if chunk == 0:  # no input gradient to send: BackwardInput does nothing, BackwardWeight the whole backward
         actions[(BackwardInput, chunk)] = ActionCost(0.0)
         actions[(BackwardWeight, chunk)] = actions[(Backward, chunk)]
     else:
-        actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp, b_compute - w_compute, b_tp)
+        actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp + b_cp, b_compute - w_compute, b_tp,
+                                                     cp=b_cp)
         actions[(BackwardWeight, chunk)] = ActionCost(w_compute, w_compute)
 
 
@@ -141,7 +165,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     pol = precision_policy(precision)
     implementation = implementation or Implementation(recompute=recompute)
     compute_bytes = FORMAT_BYTES[pol.compute]
-    job = _Job(model, layout, links, schedule.zero_stage, layout.dp, bucket_numel(bucket_mb, compute_bytes),
+    job = _Job(model, layout, links, schedule.zero_stage, layout.data_ranks, bucket_numel(bucket_mb, compute_bytes),
                compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
     times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host)
     last_chunk = schedule.num_chunks - 1
@@ -157,8 +181,9 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             for position, tensors in enumerate(unit_tensors):
                 embedding = chunk == 0 and position == 0
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
-                f, b, ftp, btp, again, weight = times(0 if embedding or head else 1, embedding, head)
-                units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight))
+                f, b, ftp, btp, again, weight, fcp, bcp = times(0 if embedding or head else 1, embedding, head, rank)
+                units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
+                                  fcp, bcp))
             chunk_units[chunk] = units
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():

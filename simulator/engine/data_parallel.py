@@ -52,6 +52,7 @@ class ActionCost:
     tp: float = 0.0
     dp: float = 0.0
     comm_end: float | None = None
+    cp: float = 0.0  # context parallelism's exposed key/value exchange (simulator/engine/context.py)
 
 
 class DataParallelPricer:
@@ -84,7 +85,7 @@ class DataParallelPricer:
         plain = self.plain[(type(action), action.chunk)]
         segments, limit, wait = self.segments(action, armed)
         o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free)
-        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end)
+        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp)
         if comm_free <= 0:
             self.memo[key] = cost
         return cost
@@ -101,7 +102,7 @@ class DataParallelPricer:
             return [Segment(plain.total)] + tail, limit, self.zero == 2
         units = self.units[action.chunk]
         full = type(action) is Backward or action.chunk == 0  # chunk 0's weight gradient is its whole backward
-        shares = [u.backward + u.backward_tp for u in units] if full else [u.weight for u in units]
+        shares = [u.backward + u.backward_tp + u.backward_cp for u in units] if full else [u.weight for u in units]
         ready = ready_offsets([u.tensors for u in units], shares)
         firsts = self.firsts[action.chunk]
         segments, clock = [], 0.0
@@ -124,11 +125,11 @@ class DataParallelPricer:
         for index in order:
             u = units[index]
             if kind is Forward:
-                compute = u.forward + u.forward_tp
+                compute = u.forward + u.forward_tp + u.forward_cp
             elif kind is Backward or (kind is BackwardWeight and action.chunk == 0):
-                compute = u.backward + u.backward_tp
+                compute = u.backward + u.backward_tp + u.backward_cp
             elif kind is BackwardInput:
-                compute = u.backward - u.weight + u.backward_tp
+                compute = u.backward - u.weight + u.backward_tp + u.backward_cp
             else:
                 compute = u.weight
             reduce = 0.0 if self.settings.dp == "after" else reduces.get(index, 0.0)

@@ -4,8 +4,8 @@ The engine replays tens of thousands of sends and collectives per step; moving e
 byte of every one through the fluid model would take minutes at 3,000 GPUs. So each
 *distinct* transfer is timed once and the replay uses those durations as SimPy timeouts.
 
-Placement: global rank (pp_rank * dp + dp_rank) * tp + tp_rank sits on the cluster's
-rank-th GPU (parallel/mesh.py's order: tp innermost, then dp, then pp).
+Placement: global rank ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank sits on the cluster's
+rank-th GPU (parallel/mesh.py's order: tp innermost, then cp, dp, pp).
 
 What runs at once (a "transfer"):
   tp collective   one tensor-parallel group (stage 0, replica 0): every tp group lives inside
@@ -13,7 +13,14 @@ What runs at once (a "transfer"):
   p2p             stage a -> stage b, every tp rank (each sends its full copy, as
                   parallel/pipeline/executor.py does) of every replica at once: replicas run in step, and
                   their flows meet on shared uplinks (two opposite shifts, an oversubscribed leaf).
-  dp collective   a ring over the replicas of one stage, the tp rings of that stage at once.
+  dp collective   a ring over the dp x cp ranks of one stage (replica-major: a replica's cp ranks
+                  one after another), the tp rings of that stage at once: while tp x cp fits in a
+                  server, a replica's cp ranks share its NVLink and the ring crosses the network
+                  between replicas; beyond, every hop crosses it.
+  cp pass         one step of a context-parallel ring: every cp rank of one stage sends to the next
+                  (cp_rank + 1 mod cp), every tp rank of every replica at once; on the server's
+                  NVLink while tp x cp fits in a server, across the network beyond (the step lasts
+                  as long as its slowest hop). cp collective: a ring collective over the cp group.
   pp collective   rings over the stages (the optimizer's norm), every replica's at once.
   embedding sync  the first and last stage's GPUs (tied head), every replica's at once.
 A ring collective (collectives.ring_*) is 2(n-1) (all-reduce) or n-1 synchronous steps in
@@ -68,7 +75,8 @@ def check_placement(cluster: Cluster, layout: Layout) -> None:
     gpus = cluster.n_gpus
     if layout.world_size != gpus:
         raise ConfigError(
-            f"tp {layout.tp} x pp {layout.pp} x dp {layout.dp} = {layout.world_size} GPUs, but the cluster has {gpus}: "
+            f"tp {layout.tp}{f' x cp {layout.cp}' if layout.cp > 1 else ''} x pp {layout.pp} x dp {layout.dp} = "
+            f"{layout.world_size} GPUs, but the cluster has {gpus}: "
             "change the layout or the cluster (--nodes, --gpus-per-node) so that they match"
         )
     if isinstance(cluster, BuiltCluster):  # servers of G consecutive ranks: a group's ends tell
@@ -153,25 +161,28 @@ class LinkCosts:
         # replicas timed together in p2p, pp and the embedding sync: all but on the graph path of a non-blocking fabric
         self.replicas = layout.dp if self.mode != "graph" or oversubscribed else 1
 
-    def rank(self, stage: int, replica: int, tp_rank: int) -> int:
+    def rank(self, stage: int, replica: int, tp_rank: int, cp_rank: int = 0) -> int:
         layout = self.layout
-        return (stage * layout.dp + replica) * layout.tp + tp_rank
+        return ((stage * layout.dp + replica) * layout.cp + cp_rank) * layout.tp + tp_rank
 
-    def gpu(self, stage: int, replica: int, tp_rank: int) -> str:
-        return self.cluster.gpu_id(self.rank(stage, replica, tp_rank))
+    def gpu(self, stage: int, replica: int, tp_rank: int, cp_rank: int = 0) -> str:
+        return self.cluster.gpu_id(self.rank(stage, replica, tp_rank, cp_rank))
 
     # ------------------------------------------------------------ who takes part
 
     def rank_groups(self, name: str, *where: int) -> list[list[int]]:
         """The rank groups of one kind of transfer (pairs sender, receiver for p2p)."""
         layout, rank, replicas = self.layout, self.rank, range(self.replicas)
+        tps, cps = range(layout.tp), range(layout.cp)
         if name == "p2p":
-            return [[rank(where[0], d, t), rank(where[1], d, t)] for d in replicas for t in range(layout.tp)]
+            return [[rank(where[0], d, t, c), rank(where[1], d, t, c)] for d in replicas for c in cps for t in tps]
         if name == "tp":
-            return [[rank(0, 0, t) for t in range(layout.tp)]]
+            return [[rank(0, 0, t) for t in tps]]
         if name == "pp":
-            return [[rank(p, d, t) for p in range(layout.pp)] for d in replicas for t in range(layout.tp)]
-        return [[rank(where[0], d, t) for d in range(layout.dp)] for t in range(layout.tp)]  # "dp"
+            return [[rank(p, d, t, c) for p in range(layout.pp)] for d in replicas for c in cps for t in tps]
+        if name == "cp":
+            return [[rank(where[0], d, t, c) for c in cps] for d in replicas for t in tps]
+        return [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps] for t in tps]  # "dp": dp x cp
 
     def groups(self, name: str, *where: int) -> tuple[list[list], tuple]:
         """(the groups of one kind of transfer, the key of their timing): GPU ids on the graph path, else ranks."""
@@ -184,7 +195,7 @@ class LinkCosts:
                 self.memo[key] = (self.cache.setdefault(("representative", pattern), named), pattern)
             else:
                 layout = self.layout
-                self.memo[key] = (groups, (layout.tp, layout.pp, layout.dp, self.replicas, *key))
+                self.memo[key] = (groups, (layout.tp, layout.pp, layout.dp, layout.cp, self.replicas, *key))
         return self.memo[key]
 
     # ------------------------------------------------------------ the graph path's keys
@@ -233,15 +244,18 @@ class LinkCosts:
         The graph path times each distinct hop once, the hop of every concurrent ring at once, and
         takes distinct hops not to share links (each GPU sends on its own links to the next server;
         the fabric between servers taken as non-blocking); fast and exact time all hops together."""
-        representative, key = groups
-        n = len(representative[0])
+        n = len(groups[0][0])
         if n == 1 or nbytes <= 0:
             return 0.0
-        chunk = float(nbytes) / n
-        steps = RING_STEPS[kind](n)
+        return RING_STEPS[kind](n) * self.ring_step(groups, float(nbytes) / n)
+
+    def ring_step(self, groups: tuple[list[list], tuple], chunk: float) -> float:
+        """One step of a ring on every group at once: each member sends `chunk` bytes to the next."""
+        representative, key = groups
+        n = len(representative[0])
         if self.mode != "graph":
             hops = [(group[i], group[(i + 1) % n]) for group in representative for i in range(n)]
-            return steps * self.flows(("ring", key), hops, chunk)
+            return self.flows(("ring", key), hops, chunk)
         hops_key = ("hops", key)
         if hops_key not in self.cache:
             hops: dict[tuple, list[tuple[str, str]]] = {}
@@ -249,7 +263,7 @@ class LinkCosts:
                 pairs = [[group[i], group[(i + 1) % n]] for group in representative]
                 hops.setdefault(self.pattern(pairs), [(a, b) for a, b in pairs])
             self.cache[hops_key] = hops
-        return steps * max(self.run(("hop", hop, chunk), flows, chunk) for hop, flows in self.cache[hops_key].items())
+        return max(self.run(("hop", hop, chunk), flows, chunk) for hop, flows in self.cache[hops_key].items())
 
     # ------------------------------------------------------------ transfers
 
@@ -265,8 +279,20 @@ class LinkCosts:
         return self.ring(kind, self.groups("tp"), nbytes) if self.layout.tp > 1 else 0.0
 
     def dp_collective(self, stage: int, kind: str, nbytes: float) -> float:
-        """One data-parallel ring collective of `nbytes` per rank on `stage`, the stage's tp rings at once."""
-        return self.ring(kind, self.groups("dp", stage), nbytes) if self.layout.dp > 1 else 0.0
+        """One data-parallel ring collective of `nbytes` per rank on `stage` over its dp x cp ranks, the stage's
+        tp rings at once."""
+        return self.ring(kind, self.groups("dp", stage), nbytes) if self.layout.data_ranks > 1 else 0.0
+
+    def cp_pass(self, stage: int, nbytes: float) -> float:
+        """One step of the context-parallel ring on `stage`: every cp rank sends `nbytes` to the next, every tp
+        rank of every replica at once (parallel/context/ring.py's start_pass and pass_along)."""
+        if self.layout.cp == 1 or nbytes <= 0:
+            return 0.0
+        return self.ring_step(self.groups("cp", stage), float(nbytes))
+
+    def cp_collective(self, stage: int, kind: str, nbytes: float) -> float:
+        """One ring collective of the full buffer `nbytes` over the cp group on `stage` (every tp rank's at once)."""
+        return self.ring(kind, self.groups("cp", stage), nbytes) if self.layout.cp > 1 else 0.0
 
     def pp_collective(self, kind: str, nbytes: float) -> float:
         """One ring collective of `nbytes` over the pipeline stages (every tp rank's ring at once)."""

@@ -17,6 +17,8 @@ Each process walks its rank's action list (job/schedule.py) in order, split by
 Attribution, per rank, of every second until the step ends (they add up to the step):
   compute   the matmuls and element-wise work of compute actions
   tp        tensor-parallel collectives inside compute actions (never hidden)
+  cp        context parallelism's key/value exchange inside compute actions, what the attention
+            does not hide (simulator/engine/context.py)
   dp        data-parallel communication the rank waits for (inside a backward or a ZeRO-3
             forward, before the optimizer, the update gathers)
   pp        in a p2p batch, the duration of the transfer that ended it (it was moving data)
@@ -52,7 +54,7 @@ from job.schedule import (
 from simulator.engine.costs import RankCosts
 from simulator.engine.links import no_garbage_collection
 
-CATEGORIES = ("compute", "tp", "dp", "pp", "bubble", "optimizer")
+CATEGORIES = ("compute", "tp", "cp", "dp", "pp", "bubble", "optimizer")
 _COMPUTE = frozenset((Forward, Backward, BackwardInput, BackwardWeight))
 
 
@@ -189,7 +191,7 @@ class _Replay:
         groups = batches(self.schedule.actions[rank])
         armed_by, _ = armed_around(groups)
         issued = {action for armed in armed_by.values() for action in armed}  # run inside their compute
-        compute = tp = dp = optimizer = 0.0
+        compute = tp = cp = dp = optimizer = 0.0
         pp_bubble = [0.0, 0.0]
         dp_busy = 0.0  # when the rank's data-parallel stream has finished what was issued on it
         computed = 0.0  # when the rank's last compute ended
@@ -210,6 +212,7 @@ class _Replay:
                 events.append((action, clock, clock + c.total))
                 compute += c.compute
                 tp += c.tp
+                cp += c.cp
                 dp += c.dp
                 clock += c.total
                 computed = clock
@@ -248,7 +251,8 @@ class _Replay:
             clock = dp_busy
         yield env.timeout(clock - env.now)
         tally.end = env.now
-        tally.seconds.update(compute=compute, tp=tp, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1], optimizer=optimizer)
+        tally.seconds.update(compute=compute, tp=tp, cp=cp, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1],
+                             optimizer=optimizer)
 
 
 def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],

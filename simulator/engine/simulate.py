@@ -3,7 +3,8 @@
 `simulate_step(model, layout, cluster, precision, global_batch, micro_batch, ...)` builds
 `build_schedule(ScheduleConfig(pp, m, kind, v, zero))` -- the very lists
 parallel/pipeline/executor.py executes -- and replays ONE data-parallel replica, one process per
-pipeline stage (tp ranks and replicas are identical, so one of each stands for all).
+pipeline stage (tp ranks, cp ranks and replicas are identical, so one of each stands for all: the
+load-balanced split gives every cp rank the same work and the same exchange).
 
 How (details in the modules it uses):
   1. simulator/engine/links.py times each distinct transfer once with the fluid link model
@@ -11,8 +12,9 @@ How (details in the modules it uses):
      one tp collective, one dp collective per bucket size), so the replay does not move
      every byte of every micro-batch through the fluid model;
   2. simulator/engine/costs.py turns chunk_times (simulator/costs/ops.py's op list, priced by
-     simulator/costs/compute.py), those transfers and the overlap settings (simulator/engine/overlap.py;
-     by default our executor's rules) into seconds per action, split into compute / tp / exposed dp;
+     simulator/costs/compute.py, each rank's s/cp tokens under context parallelism), the cp exchange
+     (simulator/engine/context.py), those transfers and the overlap settings (simulator/engine/overlap.py;
+     by default our executor's rules) into seconds per action, split into compute / tp / cp / exposed dp;
   3. simulator/engine/replay.py replays the lists as SimPy processes (rendezvous p2p or,
      overlapped, asynchronous sends; dp reductions waited for before the optimizer) and
      attributes every second.
@@ -44,12 +46,12 @@ from simulator.costs.hardware import GPUSpec, Hardware, load_hardware
 from simulator.limits import check_job
 from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
-from simulator.costs.op_types import Implementation
+from simulator.costs.op_types import Implementation, check_cp_attention
 from simulator.engine.overlap import Overlap, resolve_overlap
 from simulator.provenance import provenance
 from simulator.network.topology import Cluster
 
-BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "pp": "pp_comm",
+BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "cp": "cp_comm", "pp": "pp_comm",
                    "dp": "dp_comm", "optimizer": "optimizer"}
 DECIMAL_GB = 1e9  # job totals are reported in decimal GB (1 GB = 1e9 bytes)
 
@@ -126,7 +128,7 @@ class SimResult:
             "global_batch": self.global_batch, "recompute": self.recompute,
             "step_time_s": self.step_time_s, "breakdown": self.breakdown, "critical_rank": self.critical_rank,
             "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "samples_per_s": self.samples_per_s,
-            "tokens_per_s": self.tokens_per_s, "memory_per_gpu": self.memory_per_gpu(),
+            "tokens_per_s": self.tokens_per_s, "seq_len": self.seq_len, "memory_per_gpu": self.memory_per_gpu(),
             "memory_capacity_bytes": self.memory.capacity, "memory_stage": self.memory.stage, "fits": self.fits,
             "memory_margin_bytes": self.memory_margin_bytes, "memory_notes": list(self.memory.notes),
             "job_state_bytes": self.job_state_bytes,
@@ -153,7 +155,7 @@ def cached_schedule(config: ScheduleConfig) -> Schedule:
 def step_schedule(model: GPTConfig, layout: Layout, micro_batches: int, kind: str, bucket_mb: float,
                   precision: str) -> Schedule:
     """The schedule this simulator replays for a job: the one the executor runs (job/data_parallel.py's
-    `schedule_config`, with the run's real buckets and units)."""
+    `schedule_config`, with the run's real buckets and units over the dp x cp data-parallel group)."""
     return cached_schedule(schedule_config(model, layout, micro_batches, kind, bucket_mb, precision))
 
 
@@ -202,6 +204,9 @@ def _compute_side(spec: GPUSpec, model: GPTConfig, layout: Layout, cluster: Clus
     host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
     if host is None:
         return None, LinkCosts(cluster, layout, spec), None
+    if layout.cp > 1:
+        raise ConfigError("a calibrated host profile measured whole sequences: simulate context parallelism (--cp) "
+                          "on a GPU preset (--gpu)")
     threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/run/train.py runs
     return host_compute(host, model, layout, threads, compute_format), HostLinks(cluster, layout, host), threads
 
@@ -225,8 +230,9 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
         raise ConfigError(f"the layout has {layout.virtual_chunks} virtual chunks but virtual_chunks={v}: give one of them")
     layout = replace(layout, virtual_chunks=max(v, layout.virtual_chunks))
     layout.check(model)
+    check_cp_attention(layout.cp, attention)
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, micro_batch,
-              layout.world_size, layout.effective_zero)  # the stated limits, for callers of the API too
+              layout.world_size, layout.effective_zero, layout.cp)  # the stated limits, for callers of the API too
     spec = resolve_gpu(cluster, gpu)
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
     if profile is None:
@@ -242,7 +248,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     clock = time.perf_counter()
     memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule),
                             attention, sp_saved_input, settings.zero3_prefetch)
-    seq = model.seq_len // (layout.tp if layout.sequence_parallel else 1)
+    seq = model.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)  # a rank's activation rows
     activation = micro_batch * seq * model.d_model * FORMAT_BYTES[pol.compute]
     tied = model.tied_head and layout.pp > 1
     sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]
@@ -291,5 +297,5 @@ def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, globa
                                            "compute_slowdown": compute.slowdown,
                                            "units_measured": compute.units is not None},
         attention=implementation.attention, overlap=settings,
-        provenance=provenance(spec, profile, pol, implementation, settings, compute),
+        provenance=provenance(spec, profile, pol, implementation, settings, compute, layout, model.seq_len),
     )

@@ -116,7 +116,8 @@ class StepBound:
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
         """(forward, backward) seconds per global chunk, as rank_costs prices them with nothing armed."""
-        key = (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch, recompute)
+        key = (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch, recompute,
+               layout.cp, layout.cp_kind)
         if key not in self.prices:
             forward, backward = {}, {}
             for rank in self.costs(layout, micro_batches, kind, micro_batch, recompute, memory):
@@ -150,7 +151,7 @@ class StepBound:
     def data_parallel_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                               memory: MemoryEstimate) -> float:
         """max over ranks of data_parallel_r: the schedule simulate_step replays, priced as it prices it."""
-        if layout.dp == 1:
+        if layout.data_ranks == 1:
             return 0.0
         schedule = step_schedule(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)

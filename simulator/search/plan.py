@@ -5,9 +5,12 @@ Every candidate:
           (job/train_config.py's check_tensor_parallel: heads, key/value heads, MLP width and,
           with sequence parallelism, the sequence length);
   SP      sequence parallelism off, and on when tp > 1;
-  pp      dividing GPUs / tp, at most the layers (job/schedule.py's chunk_layers: a block a chunk);
-  dp      GPUs / (tp x pp);
-  ZeRO    0, 1, 2 and 3 with several replicas; 0 with one (every stage runs as 0 there);
+  cp      context parallelism (ring), powers of two dividing GPUs / tp whose 2 x cp chunks split the
+          sequence (job/train_config.py's check_context_parallel) into chunks of at least MIN_CP_CHUNK
+          tokens (module constant: why);
+  pp      dividing GPUs / (tp x cp), at most the layers (job/schedule.py's chunk_layers: a block a chunk);
+  dp      GPUs / (tp x cp x pp);
+  ZeRO    0, 1, 2 and 3 with several data-parallel ranks (dp x cp); 0 with one (every stage runs as 0 there);
   micro-batch  MICRO_BATCH_SIZES that divide the batch per replica (or the one --micro-batch-size /
           --micro-batches asks for);
   schedule  1f1b; interleaved with INTERLEAVED_CHUNKS virtual chunks where the micro-batches are a
@@ -41,7 +44,7 @@ from typing import Callable
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
-from job.train_config import check_tensor_parallel
+from job.train_config import check_context_parallel, check_tensor_parallel
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
@@ -51,6 +54,10 @@ from simulator.search.bound import BUCKET_MB, StepBound, schedule_shape
 from simulator.search.sweep import ClusterSpec
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# The shortest chunk (seq / 2cp tokens) plan tries: the shortest sequence the published attention-kernel
+# tables measured (FlashAttention-2's benchmark starts at 512: docs/efficiency.md). A ring computes blocks of
+# one chunk; below that length the kernel's rate would be extrapolated, not cited. `simulate --cp` takes any cp.
+MIN_CP_CHUNK = 512
 INTERLEAVED_CHUNKS = 2
 GIB = 2**30
 REFUSALS = {
@@ -75,20 +82,24 @@ class Candidate:
     schedule: str
     virtual_chunks: int
     recompute: str
+    cp: int = 1  # context parallelism, ring
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp, self.zero, self.sequence_parallel, self.virtual_chunks)
+        return Layout(self.tp, self.pp, self.dp, self.zero, self.sequence_parallel, self.virtual_chunks, self.cp)
+
+    def mesh(self) -> str:
+        return f"tp {self.tp} x cp {self.cp} x pp {self.pp} x dp {self.dp}"
 
     def describe(self) -> str:
         chunks = f" x{self.virtual_chunks}" if self.virtual_chunks > 1 else ""
-        return (f"tp {self.tp} x pp {self.pp} x dp {self.dp}{', SP' if self.sequence_parallel else ''}, "
+        return (f"{self.mesh()}{', SP' if self.sequence_parallel else ''}, "
                 f"ZeRO-{self.zero}, {self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''} of "
                 f"{self.micro_batch}, "
                 f"{self.schedule}{chunks}, recompute {self.recompute}")
 
     def as_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": self.zero,
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "zero": self.zero,
                 "sequence_parallel": self.sequence_parallel, "micro_batch": self.micro_batch,
                 "micro_batches": self.micro_batches, "schedule": self.schedule,
                 "virtual_chunks": self.virtual_chunks, "recompute": self.recompute}
@@ -107,6 +118,19 @@ def tensor_parallel_options(model: GPTConfig, n_gpus: int, gpus_per_node: int) -
             except ConfigError:
                 continue
             options.append((tp, sequence_parallel))
+    return options
+
+
+def context_parallel_options(model: GPTConfig, n_gpus: int, tp: int, sequence_parallel: bool) -> list[int]:
+    """cp sizes searched with this tp: powers of two dividing GPUs / tp, allowed by the shape, chunks >= MIN_CP_CHUNK."""
+    options, cp = [], 1
+    while (n_gpus // tp) % cp == 0 and (cp == 1 or model.seq_len // (2 * cp) >= MIN_CP_CHUNK):
+        try:
+            check_context_parallel(model, cp, "ring", tp, sequence_parallel)
+            options.append(cp)
+        except ConfigError:
+            pass
+        cp *= 2
     return options
 
 
@@ -140,23 +164,32 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
     """Every candidate of the module docstring, and the refusals counted by REFUSALS key."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
-        for pp in (p for p in range(1, min(n_gpus // tp, model.n_layers) + 1) if (n_gpus // tp) % p == 0):
-            dp = n_gpus // (tp * pp)
-            if global_batch % dp:
-                continue
-            for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
-                m = global_batch // (dp * size)
-                for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                    for schedule, v in _schedules(model, pp, m, refused):
-                        if schedule_slots(pp, v, m) > MAX_SCHEDULE_SLOTS:
-                            refused["schedule_slots"] += len(RECOMPUTE_MODES)
-                            continue
-                        if zero3_gathers(zero, dp, m, model.n_layers) > MAX_ZERO3_GATHERS:
-                            refused["zero3_gathers"] += len(RECOMPUTE_MODES)
-                            continue
-                        out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute)
-                                for recompute in RECOMPUTE_MODES]
+        for cp in context_parallel_options(model, n_gpus, tp, sp):
+            per_cp = n_gpus // (tp * cp)
+            for pp in (p for p in range(1, min(per_cp, model.n_layers) + 1) if per_cp % p == 0):
+                dp = per_cp // pp
+                if global_batch % dp:
+                    continue
+                for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
+                    out += _pipelines(model, tp, sp, cp, pp, dp, size, global_batch // (dp * size), refused)
     return out, refused
+
+
+def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,
+               refused: Counter) -> list[Candidate]:
+    """The candidates of one mesh and micro-batching: every ZeRO stage, schedule and recompute mode."""
+    out = []
+    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+        for schedule, v in _schedules(model, pp, m, refused):
+            if schedule_slots(pp, v, m) > MAX_SCHEDULE_SLOTS:
+                refused["schedule_slots"] += len(RECOMPUTE_MODES)
+                continue
+            if zero3_gathers(zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
+                refused["zero3_gathers"] += len(RECOMPUTE_MODES)
+                continue
+            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp)
+                    for recompute in RECOMPUTE_MODES]
+    return out
 
 
 def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu: GPUSpec) -> MemoryEstimate:
@@ -191,6 +224,15 @@ class Plan:
     simulated: list[tuple[Candidate, float, float]] = field(default_factory=list)  # (candidate, step s, bound s)
     pruned: int = 0  # fit, not simulated: their bound exceeds the slowest of the top best steps
     seconds: dict[str, float] = field(default_factory=dict)
+    smallest_cp: int = 1  # the smallest context-parallel size among the layouts that fit
+
+    @property
+    def context_note(self) -> str | None:
+        """One line when only context parallelism makes the job fit."""
+        if self.smallest_cp == 1:
+            return None
+        return (f"a {self.model.seq_len}-token sequence does not fit without context parallelism: "
+                f"cp >= {self.smallest_cp} needed")
 
     @property
     def fitting(self) -> int:
@@ -205,6 +247,7 @@ class Plan:
         return {
             "n_gpus": self.n_gpus, "gpu": self.gpu, "memory_capacity_bytes": self.capacity,
             "global_batch": self.global_batch, "precision": self.precision, "model": self.model.describe(),
+            "smallest_cp_that_fits": self.smallest_cp, "context_parallelism_note": self.context_note,
             "best": [{**c.as_dict(), "step_time_s": r.step_time_s, "mfu": r.mfu, "tflops_per_gpu": r.tflops_per_gpu,
                       "samples_per_s": r.samples_per_s, "memory_per_gpu_bytes": r.memory.total,
                       "memory_margin_bytes": r.memory_margin_bytes, "lower_bound_s": bound, "breakdown": r.breakdown}
@@ -271,6 +314,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     result.seconds["memory_s"] = time.perf_counter() - clock
     if not fitting:
         raise _fits_nowhere(result)
+    result.smallest_cp = min(c.cp for c, _ in fitting)
     _branch_and_bound(result, fitting, cluster, spec, progress)
     return result
 

@@ -4,7 +4,8 @@ Strong scaling keeps the global batch; weak scaling grows it with the GPU count 
 batch per GPU of the first point is kept). At each GPU count the layout is the given one
 (tp and pp fixed, dp = GPUs / (tp x pp)) or the fastest that fits in memory among every
 tp (dividing the heads and MLP width, at most one server) and pp (every chunk at least a
-block) that divide the GPU count and the batch, and whose schedule stays within
+block) that divide the GPU count and the batch (context parallelism stays at the job's cp: dp =
+GPUs / (tp x cp x pp)), and whose schedule stays within
 simulator/limits.py's MAX_SCHEDULE_SLOTS and MAX_ZERO3_GATHERS (the sweep's GPU counts and points
 are limited there too).
 
@@ -90,6 +91,8 @@ class Job:
     recompute: str = "none"
     sequence_parallel: bool = False
     profile: EfficiencyProfile | None = None
+    cp: int = 1  # kept at every point of a sweep
+    cp_kind: str = "ring"
 
     def simulate(self, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
                  global_batch: int | None = None) -> SimResult:
@@ -100,24 +103,26 @@ class Job:
 
 def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: int,
                       tp: int | None = None, pp: int | None = None) -> list[Layout]:
-    """Every tp x pp x dp layout of n_gpus this job can run (tp or pp fixed when given)."""
-    model, out = job.model, []
+    """Every tp x cp x pp x dp layout of n_gpus this job can run (tp or pp fixed when given; cp the job's)."""
+    model, out, cp = job.model, [], job.cp
     per_server = min(n_gpus, gpus_per_node)  # a tp group must sit inside one server
     for t in [tp] if tp else [t for t in range(1, per_server + 1) if n_gpus % t == 0 and per_server % t == 0]:
-        if model.n_heads % t or model.kv_heads % t or model.d_ff % t or (job.sequence_parallel and model.seq_len % t):
+        if model.n_heads % t or model.kv_heads % t or model.d_ff % t or n_gpus % (t * cp) \
+                or (job.sequence_parallel and (model.seq_len // cp) % t):
             continue
-        for p in [pp] if pp else [p for p in range(1, n_gpus // t + 1) if (n_gpus // t) % p == 0]:
-            if (n_gpus // t) % p or p * job.virtual_chunks > model.n_layers:
+        rest = n_gpus // (t * cp)
+        for p in [pp] if pp else [p for p in range(1, rest + 1) if rest % p == 0]:
+            if rest % p or p * job.virtual_chunks > model.n_layers:
                 continue
-            dp = n_gpus // (t * p)
+            dp = rest // p
             if global_batch % (job.micro_batch * dp):
                 continue
             m = global_batch // (job.micro_batch * dp)
             if (job.schedule == "interleaved" and m % p) or schedule_slots(p, job.virtual_chunks, m) > MAX_SCHEDULE_SLOTS \
-                    or zero3_gathers(job.zero, dp, m, model.n_layers) > MAX_ZERO3_GATHERS:
+                    or zero3_gathers(job.zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
                 continue
             out.append(Layout(tp=t, pp=p, dp=dp, zero=job.zero, sequence_parallel=job.sequence_parallel,
-                              virtual_chunks=job.virtual_chunks))
+                              virtual_chunks=job.virtual_chunks, cp=cp, cp_kind=job.cp_kind))
     return out
 
 
@@ -161,8 +166,8 @@ class ScalingPoint:
 
     def as_dict(self) -> dict:
         r = self.result
-        return {"gpus": self.gpus, "global_batch": self.global_batch, "layout": {"tp": r.layout.tp, "pp": r.layout.pp,
-                "dp": r.layout.dp, "zero": r.layout.zero}, "micro_batches": r.micro_batches,
+        return {"gpus": self.gpus, "global_batch": self.global_batch, "layout": {"tp": r.layout.tp, "cp": r.layout.cp,
+                "pp": r.layout.pp, "dp": r.layout.dp, "zero": r.layout.zero}, "micro_batches": r.micro_batches,
                 "step_time_s": r.step_time_s, "samples_per_s": self.samples_per_s, "tflops_per_gpu": r.tflops_per_gpu,
                 "mfu": r.mfu, "speedup": self.speedup, "efficiency": self.efficiency, "marginal_efficiency": self.marginal,
                 "fits": r.fits, "breakdown": r.breakdown}

@@ -1,0 +1,65 @@
+"""What context parallelism's key/value exchange adds to a block's forward and backward. Torch-free.
+
+The exchanges are job/context.py's, the very calls parallel/context/ring.py and allgather.py make (a test
+counts the trainer's bytes against the same functions); this module only prices them, per attention layer
+and micro-batch on one rank, on the cp group's links (simulator/engine/links.py's cp_pass and cp_collective),
+as the trainer runs them:
+
+  ring forward    cp steps, each computing one block of the rank's chunks against one rank's keys and
+                  values (the attention kernel's time / cp: every step holds the same work); each of the
+                  cp - 1 passes starts with its step and is waited for at the step's end, so a step lasts
+                  max(block, pass): exposed = (cp - 1) x max(0, pass - block);
+  ring backward   the same for the keys and values sent ahead (behind the block's backward), then the dk/dv
+                  pass after every block: pass_along is blocking, so each of the cp gradient passes is
+                  exposed whole (a key/value pass still moving when it starts shares the link with it: the
+                  step then lasts the key/value pass plus the gradient pass, the same sum);
+  recompute       selective or full recomputation runs the core again in the backward, its forward ring
+                  with it, behind the recomputed attention (job/context.py lists it first);
+  all-gather      the all-gathers (forward) and reduce-scatters (backward) of the cp group, each a ring
+                  collective of the whole sequence's keys or values, not overlapped (autograd waits).
+
+Returns per layer: (forward exposed seconds, backward exposed seconds), and what was priced, for checking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from job.context import Exchange, backward_exchanges, forward_exchanges
+from job.layout import Layout
+from minigpt.config import GPTConfig
+
+
+@dataclass
+class Priced:
+    """Exposed seconds of a list of exchanges, and the exchanges priced (kind, calls, bytes per call)."""
+
+    seconds: float = 0.0
+    priced: list[Exchange] = field(default_factory=list)
+
+
+def _price(exchanges: list[Exchange], hidden_by: list[float], links, stage: int, cp: int) -> Priced:
+    """Each exchange with the compute its ring passes hide behind (0: a blocking pass); collectives never hide."""
+    out = Priced()
+    for exchange, compute in zip(exchanges, hidden_by, strict=True):
+        if exchange.kind == "p2p":
+            step = compute / cp  # the block computed while one pass moves
+            out.seconds += exchange.calls * max(0.0, links.cp_pass(stage, exchange.bytes) - step)
+        else:  # all_gather: each rank gives `bytes`; reduce_scatter: each keeps `bytes`: a buffer of cp x bytes
+            out.seconds += exchange.calls * links.cp_collective(stage, exchange.kind, exchange.bytes * cp)
+        out.priced.append(exchange)
+    return out
+
+
+def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
+                   links, stage: int, attention: tuple[float, float, float]) -> tuple[Priced, Priced]:
+    """(forward, backward) exposed exchange of one attention layer; `attention`: its attention kernel's
+    seconds in the forward, the backward and the recomputed forward (simulator/costs/compute.py's ChunkTimes)."""
+    cp, kind = layout.cp, layout.cp_kind
+    forward_s, backward_s, recompute_s = attention
+    forward = forward_exchanges(model, layout.tp, cp, kind, micro_batch, element_bytes)
+    backward = backward_exchanges(model, layout.tp, cp, kind, micro_batch, element_bytes, recompute)
+    again = [recompute_s] * len(forward) if recompute != "none" else []
+    # ring: the keys and values sent ahead hide behind the block's backward; the gradients' passes block
+    hides = again + ([backward_s, 0.0] if kind == "ring" else [0.0] * (len(backward) - len(again)))
+    return _price(forward, [forward_s] * len(forward), links, stage, cp), _price(backward, hides, links, stage, cp)
