@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from cli.commands.calibrate import calibrate
 from cli.main import Group
 from conftest import PROFILE_RANKS as RANKS
+from minigpt.config import preset
 from minigpt.errors import ConfigError
 from parallel.calibrate.noise import FREE_CORES_RATIO
 
@@ -58,6 +59,13 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
     assert set(gpu.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     for fit in gpu.collectives.values():
         assert fit.alpha >= 0 and fit.beta > 0 and len(fit.points) == 3
+    measured = gpu.measured
+    cps = sorted({unit.cp for unit in measured.units})
+    assert cps == [1] + [cp for cp in (2, 4, 8) if cp <= RANKS], cps  # context-parallel units at every size that fits
+    whole, halves = (measured.unit_times(preset("tiny"), 1, False, "fp32", cp) for cp in (1, 2))
+    assert halves is not None and halves.cp == 2 and whole.cp == 1
+    # a cp-2 rank computes half of every GEMM and its share of the attention: less than the whole sequence's block
+    assert halves.seconds("block_forward", 16) < whole.seconds("block_forward", 16)
     note = gpu.calibration
     assert note["ranks"] == RANKS and note["ranks_per_core"] == pytest.approx(RANKS / note["cores"])
     assert note["block"]["forward_s"] > 0 and note["block"]["backward_s"] > 0
@@ -173,11 +181,13 @@ def check_schema(measured: dict, ranks: int) -> None:
     check_reliability(measured["reliability"])
     assert isinstance(measured["cores"], int) and measured["cores"] >= 1
     tps = [tp for tp in (1, 2, 4, 8) if tp <= ranks and 4 % tp == 0]
-    assert [(u["tp"], u["sequence_parallel"]) for u in measured["units"]] == [
-        (tp, sp) for tp in tps for sp in ((False, True) if tp > 1 else (False,))]
+    cps = [cp for cp in (2, 4, 8) if cp <= ranks]  # context-parallel units at tp 1 (128 tokens split for each)
+    assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in measured["units"]] == sorted(
+        [(tp, sp, 1) for tp in tps for sp in ((False, True) if tp > 1 else (False,))] + [(1, False, cp) for cp in cps])
     for unit in measured["units"]:
-        assert set(unit) == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions", "bias", "seq_len",
-                             "vocab_size", "tp", "sequence_parallel", "dtype", "micro_batches", *UNIT_SERIES}
+        assert set(unit) - {"cp"} == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions", "bias",
+                                      "seq_len", "vocab_size", "tp", "sequence_parallel", "dtype", "micro_batches",
+                                      *UNIT_SERIES}
         assert unit["dtype"] == "fp32"  # the units say the format they were measured in
         assert (unit["d_model"], unit["n_heads"], unit["d_ff"], unit["seq_len"], unit["vocab_size"]) == (128, 4, 512, 128, 256)
         sizes = unit["micro_batches"]
@@ -222,7 +232,7 @@ def test_the_measured_field_has_the_schema(profile_path):
 
 def test_the_measured_numbers_are_physical(profile_path):
     measured = measured_of(profile_path)
-    units = {u["tp"]: u for u in measured["units"] if not u["sequence_parallel"]}
+    units = {u["tp"]: u for u in measured["units"] if not u["sequence_parallel"] and u.get("cp", 1) == 1}
     for unit in units.values():  # micro-batch 16 costs more than micro-batch 1
         assert unit["block_forward"][-1] > 2 * unit["block_forward"][0]
         assert unit["block_backward"][-1] > 2 * unit["block_backward"][0]

@@ -26,7 +26,9 @@ def test_the_loads_and_group_sizes():
 def test_the_pieces_are_one_tensor_parallel_ranks_modules_and_communicate_nothing():
     from dataclasses import replace
 
-    assert variants(preset("tiny"), 8) == [(1, False), (2, False), (2, True), (4, False), (4, True)]
+    assert variants(preset("tiny"), 8) == [(1, False, 1), (2, False, 1), (2, True, 1), (4, False, 1), (4, True, 1),
+                                           (1, False, 2), (1, False, 4), (1, False, 8)]  # 128 tokens: 16 chunks at cp 8
+    assert variants(preset("tiny").with_(seq_len=24), 8)[-2:] == [(1, False, 2), (1, False, 4)]  # 24 % 16: no cp 8
     config = replace(preset("tiny"), vocab_size=257)
     model = piece_model(config, 2)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -58,7 +60,7 @@ def test_the_measured_field_is_assembled_from_every_rank():
     plan = make_plan(4, quick=True)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     hosts = [
-        host(0, {("tiny", 1, False): series, ("tiny", 2, False): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads_ratio=0.6,
+        host(0, {("tiny", 1, False, 1): series, ("tiny", 2, False, 1): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads_ratio=0.6,
              collectives={("all_reduce", 2, 2, 4096): 1e-3, ("all_reduce", 2, 2, 2**20): 2e-3,
                           ("p2p", 2, 2, 4096): 1e-4, ("all_reduce", 4, 4, 4096): 3e-3}),
         host(1, None, {2: 0.014, 4: 0.024},
@@ -83,12 +85,12 @@ def test_units_carry_the_shape_the_simulator_keys_them_by():
     and never the tiny GPT of the same width, and the reverse; tp must divide the kv heads to be measured."""
     from simulator.costs.host import parse_measured_host
 
-    assert variants(preset("tiny-llama"), 8) == [(1, False), (2, False), (2, True)]  # 2 kv heads: no tp 4
-    assert (4, False) in variants(preset("tiny"), 8)
+    assert variants(preset("tiny-llama"), 8)[:3] == [(1, False, 1), (2, False, 1), (2, True, 1)]  # 2 kv heads: no tp 4
+    assert (4, False, 1) in variants(preset("tiny"), 8)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     for name, other in (("tiny-llama", "tiny"), ("tiny", "tiny-llama")):
         plan = make_plan(2, quick=True, model=name)
-        units = {(name, 1, False): series, (name, 2, True): series}
+        units = {(name, 1, False, 1): series, (name, 2, True, 1): series}
         measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
         config = preset(name)
         assert {k: measured["units"][0][k] for k in ("kv_heads", "mlp", "norm", "positions", "bias")} == {
@@ -178,7 +180,7 @@ def test_every_measurement_runs_on_the_device_it_is_given():
     runs = timed_runs(step, 2, 0.0)
     assert len(runs) == 2 and all(f > 0 and b > 0 for f, b in runs)
     host_result = measure_host(plan, CPU)  # one rank, no process group: units and sharing
-    assert host_result["cores"] >= 1 and set(host_result["units"]) == {("tiny", 1, False)}
+    assert host_result["cores"] >= 1 and set(host_result["units"]) == {("tiny", 1, False, 1)}
     assert list(host_result["sharing"]["busy"]) == [1] and host_result["collectives"] == {}
 
 
@@ -207,7 +209,7 @@ def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None, forma
     series = {f"{p}_{w}": [1e-4, 2e-4, 5e-4] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     collectives = {(kind, 2, 2, size): 1e-5 + size / 1e11 for kind in ("all_reduce", "all_gather", "reduce_scatter",
                                                                         "p2p") for size in (4096, 2**20, 8 * 2**20)}
-    units = {("tiny", 1, False): series, ("tiny", 2, False): series} if rank == 0 else None
+    units = {("tiny", 1, False, 1): series, ("tiny", 2, False, 1): series} if rank == 0 else None
     result = {"device": device, "host": host(rank, units, busy or {1: 0.010, 2: 0.0101}, collectives=collectives)}
     result["host"]["seconds"] = {"matmuls_copy_block": 1.0, "units": 1.0}
     if rank == 0:
@@ -265,7 +267,7 @@ def test_several_models_are_timed_in_one_calibration():
     plan = make_plan(2, quick=True, model="tiny,tiny-llama")
     assert (plan.model, plan.unit_models) == ("tiny", ("tiny", "tiny-llama"))
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
-    units = {("tiny-llama", 1, False): series, ("tiny", 2, False): series, ("tiny", 1, False): series}
+    units = {("tiny-llama", 1, False, 1): series, ("tiny", 2, False, 1): series, ("tiny", 1, False, 1): series}
     measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
     assert [(u["mlp"], u["tp"]) for u in measured["units"]] == [("gelu", 1), ("gelu", 2), ("swiglu", 1)]
     for bad, words in (("tiny,tiny", "twice"), ("tiny,llama9", "llama9")):

@@ -113,6 +113,21 @@ def test_tp2_pairs_the_tensor_parallel_communication(profile, tmp_path):
     assert "pipeline p2p + bubble" not in rows and "dp communication + optimizer" in rows
 
 
+def test_cp2_prices_the_exchange_inside_the_compute(profile, tmp_path):
+    """Context parallelism on the calibrated host: its own units (one rank's two chunks, the ring's blocks timed
+    alone) and the measured p2p for the ring's passes, which training runs inside its compute actions."""
+    result = invoke("--hardware", profile, *TINY, "--cp", "2", "--out", str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads(result.stdout)
+    rows = {row["name"]: row for row in report["rows"]}
+    assert report["layout"]["cp"] == 2 and report["layout"]["cp_kind"] == "ring"
+    exchange = rows["context-parallel exchange"]
+    assert exchange["predicted"] > 0 and exchange["measured"] is None  # not apart from the compute it runs in
+    assert rows["compute"]["predicted"] > exchange["predicted"] and rows["compute"]["measured"] > 0
+    assert report["measured_step_time_s"] > 0 and report["predicted_step_time_s"] > 0
+    check_memory(report["rows"])
+
+
 def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
     from cli.commands.compare import build_compare_config
     from cli.tools.compare import check_compare, run_compare

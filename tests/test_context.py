@@ -173,3 +173,24 @@ def test_the_model_made_context_parallel_equals_one_process(four_ranks, name, ki
         assert got["grads"].keys() == expected["grads"].keys()  # the parameters keep their names
         for param, grad in expected["grads"].items():
             torch.testing.assert_close(got["grads"][param], grad, **TOLERANCE, msg=param)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_rehearsal_computes_what_rank_0_computes(kind, cp):
+    """parallel/calibrate times one rank's compute alone: rank 0 of a Rehearsal group, every other rank's keys and
+    values a copy of its own. That is the attention of rank 0's queries over a sequence whose every rank's chunks
+    hold rank 0's keys and values: torch's causal attention on that whole sequence, read at rank 0's chunks."""
+    from parallel.context.ring import Rehearsal
+
+    q, k, v, grad = (local_part(t, 0, cp, 2) for t in inputs())
+    out = KINDS[kind](q, k, v, Rehearsal(cp))
+    whole_k, whole_v = (whole_sequence([t] * cp, 2) for t in (k, v))
+    whole_q = whole_sequence([q] * cp, 2)  # rank 0's queries at its own positions (the rest are not read)
+    groups = HEADS // KV_HEADS
+    expected = F.scaled_dot_product_attention(whole_q, whole_k.repeat_interleave(groups, 1),
+                                              whole_v.repeat_interleave(groups, 1), is_causal=True)
+    torch.testing.assert_close(out, local_part(expected, 0, cp, 2), **TOLERANCE)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    KINDS[kind](q, k, v, Rehearsal(cp)).backward(grad)  # the backward runs, alone, and reaches every input
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -220,7 +220,8 @@ def echo_measured(measured: dict | None) -> None:
         times = ", ".join(f"{b}: {f * 1e3:.2f}/{w * 1e3:.2f}" for b, f, w in
                           zip(unit["micro_batches"], unit["block_forward"], unit["block_backward"]))
         sp = " sequence-parallel" if unit.get("sequence_parallel") else ""
-        click.echo(f"  block tp {unit['tp']}{sp} forward/backward ms by micro-batch (alone): {times}")
+        cp = f" cp {unit['cp']}" if unit.get("cp", 1) > 1 else ""
+        click.echo(f"  block tp {unit['tp']}{sp}{cp} forward/backward ms by micro-batch (alone): {times}")
     click.echo("  sharing (ranks x threads: slowdown): "
                + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
     for fit in measured["collectives"]:

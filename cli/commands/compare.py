@@ -18,6 +18,7 @@ import dataclasses
 import click
 
 from cli.options.config_file import config_file_option
+from cli.options.context import context_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
@@ -36,7 +37,8 @@ def build_compare_config(options: dict) -> TrainConfig:
         sequence_parallel=options.get("sequence_parallel", False), eval_every=0, eval_batches=1, out_dir=options["out"],
         device="cpu" if options["device"] == "cpu" else "auto",
         precision=CPU_PRECISION if options["precision"] == AUTO else options["precision"],  # auto: resolved below
-        tp=options["tp"], pp=options["pp"], dp=options["dp"], zero=options["zero"], schedule=options["schedule"],
+        tp=options["tp"], pp=options["pp"], dp=options["dp"], cp=options.get("cp", 1), cp_kind=options.get("cp_kind", "ring"),
+        zero=options["zero"], schedule=options["schedule"],
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
     )
@@ -55,6 +57,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--tp", default=1, show_default=True, type=int)
 @click.option("--pp", default=1, show_default=True, type=int)
 @click.option("--dp", default=1, show_default=True, type=int)
+@context_options
 @click.option("--zero", default=0, show_default=True, type=int)
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b or interleaved.")
 @click.option("--virtual-chunks", "virtual_chunks", default=1, show_default=True, type=int)
@@ -84,7 +87,8 @@ def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
     from cli.output import format_table
 
     lay = report["layout"]
-    click.echo(f"tp {lay['tp']} x pp {lay['pp']} x dp {lay['dp']} (zero {lay['zero']}, {lay['schedule']}), "
+    context = f" x cp {lay['cp']} ({lay['cp_kind']})" if lay.get("cp", 1) > 1 else ""
+    click.echo(f"tp {lay['tp']}{context} x pp {lay['pp']} x dp {lay['dp']} (zero {lay['zero']}, {lay['schedule']}), "
                f"{cfg.steps} steps, batch {cfg.global_batch} in {cfg.micro_batches} micro-batch(es), "
                f"{cfg.precision}, profile {report['hardware']}")
     rows = [[r["name"], format_value(r["predicted"], r["unit"]), format_value(r["measured"], r["unit"]),

@@ -56,10 +56,10 @@ def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> Co
         click.echo(f"minigpt: warning: --hardware {hardware_path}: {summary(reliability, 'prediction')}", err=True)
     per_node = hardware.node.gpus_per_node
     if cfg.world_size > per_node:
-        raise ConfigError(f"tp x pp x dp = {cfg.world_size} ranks do not fit the profile's node of {per_node} "
+        raise ConfigError(f"tp x cp x pp x dp = {cfg.world_size} ranks do not fit the profile's node of {per_node} "
                           f"devices: compare runs on one node, choose a smaller layout")
     layout = Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero=cfg.zero, sequence_parallel=cfg.sequence_parallel,
-                    virtual_chunks=cfg.virtual_chunks)
+                    virtual_chunks=cfg.virtual_chunks, cp=cfg.cp, cp_kind=cfg.cp_kind)
     # One node of the profile's hardware, filled as far as the layout needs: the simulator
     # wants exactly tp x pp x dp devices (as `minigpt simulate` does for a partly filled server).
     cluster = build_cluster(hardware, cfg.world_size, 1)
@@ -117,11 +117,16 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     b = result.breakdown
     tp_measured = measured.get("tp_s", 0.0)
     compute_measured = measured.get("compute_s")
+    exchange = b.get("cp_comm", 0.0) if cfg.cp > 1 else 0.0  # the ring runs inside the compute actions
     rows = [
         _row("step time", "s", result.step_time_s, summary["step_time_s"], "measured: median over the steps"),
-        _row("compute", "s", b["compute"], None if compute_measured is None else compute_measured - tp_measured,
-             "measured: the compute actions less their time inside tp collectives"),
+        _row("compute", "s", b["compute"] + exchange, None if compute_measured is None else compute_measured - tp_measured,
+             "measured: the compute actions less their time inside tp collectives"
+             + ("; both with the context-parallel exchange, which runs inside them" if cfg.cp > 1 else "")),
     ]
+    if cfg.cp > 1:
+        rows.append(_row("context-parallel exchange", "s", exchange, None,
+                         "not measured apart: inside the compute actions (predicted: its exposed part)"))
     if cfg.tp > 1:
         rows.append(_row("tp communication", "s", b["tp_comm"], tp_measured,
                          "measured: wall time inside blocking tp collectives (waiting for the group included)"))

@@ -32,6 +32,10 @@ MATRIX: dict[str, dict] = {
     # the base shape made Llama-style (llama_of): GQA, SwiGLU, RMSNorm, RoPE, untied, no biases
     "llama 1 rank": {"model": "llama"},
     "llama tp2 x dp2 zero1": {"model": "llama", "tp": 2, "dp": 2, "zero": 1},
+    # context parallelism: each rank two chunks of every sequence, keys and values around a ring or gathered
+    "cp2 ring": {"cp": 2},
+    "cp2 allgather": {"cp": 2, "cp_kind": "allgather"},
+    "llama cp2 x dp2 zero1": {"model": "llama", "cp": 2, "dp": 2, "zero": 1},
 }
 STATE_ROWS = ("parameters (rank 0)", "gradients (rank 0)", "optimizer (rank 0)")
 

@@ -45,6 +45,7 @@ from job.train_config import check_tensor_parallel
 from minigpt.errors import ConfigError
 
 TENSOR_PARALLEL = (1, 2, 4, 8)
+CONTEXT_PARALLEL = (2, 4, 8)  # context-parallel sizes whose units are measured (each at tp 1)
 
 
 def stamp(device: torch.device) -> float:
@@ -187,30 +188,39 @@ def allows_tp(config, tp: int) -> bool:
     return True
 
 
-def variants(config, ranks: int) -> list[tuple[int, bool]]:
-    """(tp, sequence_parallel) pairs measured: every tp that fits, with and without sequence parallelism."""
-    return [(tp, sp) for tp in tp_sizes(config, ranks) for sp in ((False, True) if tp > 1 else (False,))
-            if not sp or config.seq_len % tp == 0]
+def variants(config, ranks: int) -> list[tuple[int, bool, int]]:
+    """(tp, sequence_parallel, cp) measured: every tp that fits, with and without sequence parallelism, and
+    every context-parallel size (a power of two up to the ranks) that splits the sequence, at tp 1."""
+    tensor = [(tp, sp, 1) for tp in tp_sizes(config, ranks) for sp in ((False, True) if tp > 1 else (False,))
+              if not sp or config.seq_len % tp == 0]
+    return tensor + [(1, False, cp) for cp in CONTEXT_PARALLEL if cp <= ranks and config.seq_len % (2 * cp) == 0]
 
 
-def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None):
-    """The GPT made tensor-parallel by parallel/tensor/parallelize.py over a group that communicates nothing, on `device`."""
+def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None, cp: int = 1):
+    """The GPT made tensor-parallel by parallel/tensor/parallelize.py over a group that communicates nothing, and
+    with cp > 1 context-parallel as rank 0 of a ring that sends nothing (parallel/context/ring.py's Rehearsal:
+    the blocks, merges and receive buffers a rank computes; the passes are measured apart), on `device`."""
     from minigpt.model import GPT
+    from parallel.context.apply import apply_context_parallel
+    from parallel.context.ring import Rehearsal
     from parallel.tensor.parallelize import parallelize
 
     model = GPT(config)
+    if cp > 1:
+        apply_context_parallel(model, Rehearsal(cp), "ring")
     parallelize(model, AloneCollectives(tp), sequence_parallel)
     return model.to(device or torch.device("cpu"))
 
 
 def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_parallel: bool = False,
-               device: torch.device | None = None):
+               device: torch.device | None = None, cp: int = 1):
     """A function timing one forward and one backward of `piece` ("block", "embedding" or "head")
-    as training runs it on one tensor-parallel rank: () -> (forward s, backward s); a block's
-    time is that of all the model's blocks run in turn, divided by their number."""
+    as training runs it on one tensor-parallel (and context-parallel) rank: () -> (forward s, backward s); a
+    block's time is that of all the model's blocks run in turn, divided by their number."""
     device = device or torch.device("cpu")
-    seq, d = config.seq_len, config.d_model
-    model = model if model is not None else piece_model(config, tp, sequence_parallel, device)
+    d = config.d_model
+    seq = config.seq_len // cp  # a context-parallel rank's two chunks
+    model = model if model is not None else piece_model(config, tp, sequence_parallel, device, cp)
     rows = seq // tp if sequence_parallel else seq  # the sequence a rank holds between the layers
     x = None if piece == "embedding" else torch.randn(batch, rows, d, device=device, requires_grad=True)
     grad = None if piece == "head" else torch.randn(batch, rows, d, device=device)

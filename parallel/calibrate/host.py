@@ -77,7 +77,7 @@ def _barrier(group=None) -> None:
 
 def measure_units(plan, rank: int, ranks: int, device: torch.device,
                   noise: Noise | None = None) -> dict[tuple, dict[str, list[float]]] | None:
-    """{(model preset, tp, sequence parallel): {"block_forward": [s per micro-batch size], ...}} for every preset of
+    """{(model preset, tp, sequence parallel, cp): {"block_forward": [s per micro-batch size], ...}} for every preset of
     plan.unit_models: rank 0 alone on one thread (on `device`) while every other rank waits in a barrier (and
     returns None). `noise` (rank 0's): the CPU share of the timed loop and each series' spread of runs."""
     from minigpt.config import preset
@@ -86,14 +86,14 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
     noise = noise if noise is not None else Noise()
     torch.manual_seed(0)
     _barrier()
-    shapes = [(name, tp, sp) for name in plan.unit_models for tp, sp in variants(preset(name), ranks)]
-    for name, tp, sp in shapes if rank == 0 else ():
+    shapes = [(name, *variant) for name in plan.unit_models for variant in variants(preset(name), ranks)]
+    for name, tp, sp, cp in shapes if rank == 0 else ():
         config = preset(name)
-        series = units[(name, tp, sp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
-        model = piece_model(config, tp, sp, device)  # the same weights for every micro-batch size
+        series = units[(name, tp, sp, cp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
+        model = piece_model(config, tp, sp, device, cp)  # the same weights for every micro-batch size
         for piece in PIECES:
             for batch in plan.micro_batches:
-                step = piece_step(piece, config, tp, batch, model, sp, device)
+                step = piece_step(piece, config, tp, batch, model, sp, device, cp)
                 with noise.timed():
                     runs = timed_runs(step, plan.repeats, plan.min_run_s * plan.repeats)
                 noise.add("units", [f + b for f, b in runs])
@@ -269,9 +269,9 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
 
     first = hosts[0]
     order = {name: index for index, name in enumerate(plan.unit_models)}
-    units = [{**unit_shape(preset(name)), "tp": tp, "sequence_parallel": sp, "dtype": UNITS_DTYPE,
-              "micro_batches": list(plan.micro_batches), **series}
-             for (name, tp, sp), series in sorted(first["units"].items(), key=lambda item: (order[item[0][0]],
+    units = [{**unit_shape(preset(name)), "tp": tp, "sequence_parallel": sp, **({"cp": cp} if cp > 1 else {}),
+              "dtype": UNITS_DTYPE, "micro_batches": list(plan.micro_batches), **series}
+             for (name, tp, sp, cp), series in sorted(first["units"].items(), key=lambda item: (order[item[0][0]],
                                                                                               *item[0][1:]))]
     base = first["sharing"]["busy"][1]
     sharing = []

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from parallel.context.blocks import NONE, backward_block, backward_start, empty_result, forward_block, meeting, merge
 from parallel.context.chunks import chunk_ids
+from parallel.context.ring import Rehearsal
 
 
 class GatherSequence(torch.autograd.Function):
@@ -46,6 +47,9 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     (parallel/context/chunks.py's split). Shapes (b, h, 2 c, d); autograd carries the backward.
     `counter` (a parallel.comm.Collectives) counts the gathers and their backward's reduce-scatters."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if isinstance(group, Rehearsal):  # rank 0 alone: every rank's keys and values a copy of its own
+        keys, values = (t.unsqueeze(0).repeat(group.size, *[1] * t.dim()) for t in (k, v))
+        return GatheredAttention.apply(q, keys, values, 0, scale)
     rank = 0 if group is None else dist.get_rank(group)
     keys = k.unsqueeze(0) if group is None else GatherSequence.apply(k, group, counter)
     values = v.unsqueeze(0) if group is None else GatherSequence.apply(v, group, counter)

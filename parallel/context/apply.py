@@ -18,7 +18,7 @@ from torch import nn
 from minigpt.model import GPT, RotaryQK
 from parallel.context.allgather import allgather_attention
 from parallel.context.chunks import check_split, positions
-from parallel.context.ring import ring_attention
+from parallel.context.ring import Rehearsal, ring_attention
 
 KINDS = {"ring": ring_attention, "allgather": allgather_attention}
 
@@ -45,14 +45,18 @@ class ContextAttentionCore(nn.Module):
         return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
 
 
-def apply_context_parallel(model: GPT, group: dist.ProcessGroup | None, kind: str, counter=None) -> torch.Tensor:
+def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | None, kind: str,
+                           counter=None) -> torch.Tensor:
     """Make `model` compute this rank's two chunks of each sequence over `group`; the tokens' positions
     (feed the model `chunks.local_part` of its inputs and targets). ValueError on a kind or length that
     cannot be split. `counter` (a parallel.comm.Collectives over the group) counts what the layers exchange."""
     if kind not in KINDS:
         raise ValueError(f"unknown context-parallel attention {kind!r}: choose one of {', '.join(KINDS)}")
-    cp = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
+    if isinstance(group, Rehearsal):  # its rank 0, alone (parallel/calibrate times it)
+        cp, rank = group.size, 0
+    else:
+        cp = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
     check_split(model.config.seq_len, cp)
     device = next(model.parameters()).device
     token_positions = positions(rank, cp, model.config.seq_len, device)

@@ -54,6 +54,26 @@ class Ring:
         return received
 
 
+class Rehearsal:
+    """A context-parallel group of `size` ranks seen from its rank 0, that sends nothing: what one rank computes
+    under context parallelism, timed alone by parallel/calibrate (as its AloneCollectives does for tensor
+    parallelism). Handed in place of a process group; the exchange is measured apart (p2p, collectives)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+class RehearsedRing(Ring):
+    """Rank 0 of a Rehearsal's ring: every pass hands back copies of what it would send (the buffers a real
+    pass receives into), and there is nothing to wait for."""
+
+    def __init__(self, rehearsal: Rehearsal):
+        self.group, self.counter, self.size, self.rank, self.sent_bytes = None, None, rehearsal.size, 0, 0
+
+    def start_pass(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        return [t.clone(memory_format=torch.contiguous_format) for t in tensors], []
+
+
 def _pairs(rank: int, source: int, cp: int, c: int):
     """(query slice, key slice, how) of every pair of this rank's chunks and `source`'s that meet."""
     for qi, q_chunk in enumerate(chunk_ids(rank, cp)):
@@ -113,4 +133,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d).
     `counter` (a parallel.comm.Collectives) counts every tensor sent as a "send"."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, Ring(group, counter), scale)
+    ring = RehearsedRing(group) if isinstance(group, Rehearsal) else Ring(group, counter)
+    return RingAttention.apply(q, k, v, ring, scale)

@@ -78,7 +78,7 @@ UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
 # (kv_heads None: as many as n_heads). Their values: minigpt/config.py's kinds.
 UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True}
 SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
-UNIT_OPTIONAL = ("sequence_parallel", "dtype", *UNIT_SHAPE_DEFAULTS)
+UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS)
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 # measured["reliability"] (parallel/calibrate/noise.py writes it): CPU shares of a core (0-1), spreads of repeated
@@ -116,6 +116,7 @@ class UnitTimes:
     series: dict[str, tuple[float, ...]] = field(hash=False)
     sequence_parallel: bool = False
     dtype: str = LEGACY_UNIT_DTYPE  # the number format they were measured in
+    cp: int = 1  # context-parallel size: a rank's two chunks of 2 cp, its ring's blocks computed alone
 
     def seconds(self, name: str, micro_batch: int) -> float:
         ys = self.series[name]
@@ -151,12 +152,13 @@ class MeasuredHost:
     reliability: dict | None = field(default=None, hash=False, compare=False)  # None: written before calibrate kept it
 
     def unit_times(self, model: GPTConfig, tp: int, sequence_parallel: bool = False,
-                   dtype: str | None = None) -> UnitTimes | None:
-        """The measured pieces of this model at this tp (with sequence parallelism when measured so,
+                   dtype: str | None = None, cp: int = 1) -> UnitTimes | None:
+        """The measured pieces of this model at this tp and cp (with sequence parallelism when measured so,
         else without) in the compute format `dtype`, or None when they were not measured so: never
-        another format's times (None: any format, for callers that do not know theirs)."""
+        another format's or context-parallel size's times (dtype None: any format, for callers that do not
+        know theirs)."""
         key = unit_key(model, tp)
-        same = [u for u in self.units if u.key == key and (dtype is None or u.dtype == dtype)]
+        same = [u for u in self.units if u.key == key and u.cp == cp and (dtype is None or u.dtype == dtype)]
         return next((u for u in same if u.sequence_parallel == sequence_parallel), same[0] if same else None)
 
     def ideal_slowdown(self, ranks: int, threads: int) -> float:
@@ -253,6 +255,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         sp = entry.get("sequence_parallel", False)
         if not isinstance(sp, bool):
             raise ConfigError(f"{at}.sequence_parallel must be true or false, got {sp!r}")
+        cp = int(_positive(entry.get("cp", 1), f"{at}.cp", integer=True, high=2**20))
         dtype = entry.get("dtype", LEGACY_UNIT_DTYPE)
         if dtype not in FLOP_FORMATS:
             raise ConfigError(f"{at}.dtype must be one of {', '.join(FLOP_FORMATS)}, got {dtype!r}")
@@ -268,7 +271,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             if not isinstance(values, list) or len(values) != len(sizes):
                 raise ConfigError(f"{at}.{name} must hold one time per micro-batch size ({len(sizes)})")
             series[name] = tuple(float(_positive(v, f"{at}.{name}")) for v in values)
-        units.append(UnitTimes(key, sizes, series, sp, dtype))
+        units.append(UnitTimes(key, sizes, series, sp, dtype, cp))
     sharing = []
     for i, row in enumerate(data.get("sharing", [])):
         if not isinstance(row, list) or len(row) != 3:

@@ -136,6 +136,8 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
 def _exchange(job: _Job, ct, layers: int, micro_batch: int, recompute: str, stage: int) -> tuple[float, float]:
     """Exposed seconds of the context-parallel exchange of `layers` blocks (forward, backward)."""
     per_layer = (ct.attention_forward_s / layers, ct.attention_backward_s / layers, ct.attention_recompute_s / layers)
+    if job.serial:  # gloo on a CPU host: a pass does not overlap the block (as for every other collective)
+        per_layer = (0.0, 0.0, 0.0)
     forward, backward = layer_exchange(job.model, job.layout, micro_batch, job.compute_bytes, recompute, job.links,
                                        stage, per_layer)
     return layers * forward.seconds, layers * backward.seconds

@@ -56,7 +56,7 @@ def unit_format(host: MeasuredHost, compute_format: str) -> str:
 
 def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int,
                  compute_format: str = "fp32") -> HostCompute:
-    units = host.unit_times(model, layout.tp, layout.sequence_parallel, unit_format(host, compute_format))
+    units = host.unit_times(model, layout.tp, layout.sequence_parallel, unit_format(host, compute_format), layout.cp)
     return HostCompute(units,
                        host.slowdown(layout.world_size, threads_per_rank),
                        serial=host.device == "cpu" and layout.world_size * threads_per_rank <= host.cores)
@@ -78,6 +78,13 @@ class HostLinks(LinkCosts):
             return 0.0
         seconds = self.measured("p2p", 2, nbytes)
         return super().p2p(src_stage, dst_stage, nbytes) if seconds is None else seconds
+
+    def cp_pass(self, stage: int, nbytes: float) -> float:
+        """A context-parallel ring pass: every rank sends to its neighbour at once, as the measured p2p does."""
+        if self.layout.cp == 1 or nbytes <= 0:
+            return 0.0
+        seconds = self.measured("p2p", 2, nbytes)
+        return super().cp_pass(stage, nbytes) if seconds is None else seconds
 
     def ring(self, kind: str, groups, nbytes: float) -> float:
         """Every group collective (tp, dp, pp, the embedding sync) of a group of n: the measured one for n."""

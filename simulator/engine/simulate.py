@@ -204,9 +204,6 @@ def _compute_side(spec: GPUSpec, model: GPTConfig, layout: Layout, cluster: Clus
     host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
     if host is None:
         return None, LinkCosts(cluster, layout, spec), None
-    if layout.cp > 1:
-        raise ConfigError("a calibrated host profile measured whole sequences: simulate context parallelism (--cp) "
-                          "on a GPU preset (--gpu)")
     threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/run/train.py runs
     return host_compute(host, model, layout, threads, compute_format), HostLinks(cluster, layout, host), threads
 
