@@ -278,3 +278,12 @@ def test_plan_searches_cp_and_says_when_only_cp_fits():
     assert result.exit_code == 0, result.output
     assert "a 1048576-token sequence does not fit without context parallelism: cp >=" in result.output
     assert " x cp " in result.output
+
+
+def test_plan_with_cp_fixed_searches_the_rest():
+    model = preset("llama3-8b").with_(seq_len=1048576)
+    found = plan(model, 64, ClusterSpec.of("h100-sxm"), 8, cp=16)
+    assert {candidate.cp for candidate, _, _ in found.best} == {16}
+    assert found.context_note is None  # a fixed cp says nothing of the smallest that fits
+    bad = invoke("plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--cp", "3")
+    assert bad.exit_code == 2 and "equal chunks" in bad.output and len(bad.output.strip().splitlines()) == 1

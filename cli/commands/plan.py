@@ -102,6 +102,8 @@ def _spec(options: dict):
 @model_options("gpt3-175b")
 @batch_options(None, "Global batch: sequences per step [default: one per GPU].")
 @click.option("--gpus", type=int, required=True, help="GPUs in the cluster (whole servers).")
+@click.option("--cp", type=int, help="Fix context parallelism (ring) at this size [default: searched: powers of two "
+              "whose chunks hold at least 512 tokens].")
 @precision_option
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
 @cluster_options()
@@ -116,7 +118,7 @@ def plan(**options) -> None:
     model = model_from_options(options)
     check_cluster_names(options)
     for name in ("gpus", "top", "global_batch", "micro_batch_size", "micro_batches", "gpus_per_node",
-                 "nics_per_node"):
+                 "nics_per_node", "cp"):
         if options[name] is not None:
             check_positive_int(f"--{name.replace('_', '-')}", options[name])
     if not 1.0 <= options["oversubscription"] < float("inf"):
@@ -127,7 +129,7 @@ def plan(**options) -> None:
     with _progress() as tick:
         result = search(model, options["gpus"], spec, options["global_batch"] or options["gpus"],
                         options["precision"], options["top"], options["micro_batch_size"], options["micro_batches"],
-                        progress=tick)
+                        progress=tick, cp=options["cp"])
     if options["as_json"]:
         click.echo(json.dumps({"model_parameters": model.n_params(), **result.as_dict()}))
     else:

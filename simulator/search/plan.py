@@ -159,20 +159,33 @@ def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter) -> list[tupl
 
 
 def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, global_batch: int,
-                         micro_batch: int | None = None, micro_batches: int | None = None
+                         micro_batch: int | None = None, micro_batches: int | None = None, cp: int | None = None
                          ) -> tuple[list[Candidate], Counter]:
-    """Every candidate of the module docstring, and the refusals counted by REFUSALS key."""
+    """Every candidate of the module docstring, and the refusals counted by REFUSALS key; `cp` fixes context
+    parallelism (None: searched)."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
-        for cp in context_parallel_options(model, n_gpus, tp, sp):
-            per_cp = n_gpus // (tp * cp)
+        sizes = context_parallel_options(model, n_gpus, tp, sp) if cp is None else _fixed_cp(model, n_gpus, tp, sp, cp)
+        for cp_size in sizes:
+            per_cp = n_gpus // (tp * cp_size)
             for pp in (p for p in range(1, min(per_cp, model.n_layers) + 1) if per_cp % p == 0):
                 dp = per_cp // pp
                 if global_batch % dp:
                     continue
                 for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
-                    out += _pipelines(model, tp, sp, cp, pp, dp, size, global_batch // (dp * size), refused)
+                    out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused)
     return out, refused
+
+
+def _fixed_cp(model: GPTConfig, n_gpus: int, tp: int, sequence_parallel: bool, cp: int) -> list[int]:
+    """[cp] when it divides GPUs / tp and the shape takes it with this tp, else nothing."""
+    if (n_gpus // tp) % cp:
+        return []
+    try:
+        check_context_parallel(model, cp, "ring", tp, sequence_parallel)
+    except ConfigError:
+        return []
+    return [cp]
 
 
 def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,
@@ -285,16 +298,19 @@ def _check(model: GPTConfig, n_gpus: int, global_batch: int, top: int) -> None:
 
 def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, precision: str = "bf16",
          top: int = 5, micro_batch: int | None = None, micro_batches: int | None = None,
-         progress: Callable[[str, int, int], None] | None = None) -> Plan:
-    """The `top` fastest candidates that fit (see the module docstring); `progress(stage, done, total)`."""
+         progress: Callable[[str, int, int], None] | None = None, cp: int | None = None) -> Plan:
+    """The `top` fastest candidates that fit (see the module docstring); `progress(stage, done, total)`;
+    `cp` fixes context parallelism (None: searched)."""
     _check(model, n_gpus, global_batch, top)
+    if cp is not None:
+        check_context_parallel(model, cp)  # one line for a cp the sequence cannot take at all
     if spec.hardware.gpu.measured is not None:
         raise ConfigError("plan searches GPU clusters: a calibrated CPU host profile's compute depends on how many "
                           "ranks share its cores; simulate its layouts one by one with `minigpt simulate`")
     cluster = spec.build(n_gpus)  # whole servers, or one error line
     clock = time.perf_counter()
     candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
-                                               micro_batches)
+                                               micro_batches, cp)
     gpu = spec.hardware.gpu
     result = Plan(model, n_gpus, spec.hardware.name, gpu.hbm_bytes, global_batch, precision, top,
                   candidates=len(candidates) + sum(refused.values()), refused=dict(refused))
@@ -314,7 +330,8 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     result.seconds["memory_s"] = time.perf_counter() - clock
     if not fitting:
         raise _fits_nowhere(result)
-    result.smallest_cp = min(c.cp for c, _ in fitting)
+    if cp is None:  # what only a search of cp can say
+        result.smallest_cp = min(c.cp for c, _ in fitting)
     _branch_and_bound(result, fitting, cluster, spec, progress)
     return result
 
