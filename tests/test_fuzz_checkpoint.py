@@ -46,7 +46,7 @@ def saved(tmp_path_factory):
     torch.manual_seed(0)
     device = torch.device("cpu")
     rank = build_rank(CFG, build_mesh(1, 1, 1, device), device, precision_policy(CFG.precision))
-    inputs, targets = micro_batches(Corpus.load(None, MODEL.seq_len), CFG, 0, 0, device)
+    inputs, targets = micro_batches(Corpus.load(None, MODEL.seq_len), CFG, 0, rank.mesh, device)
     rank.train_step(CFG, 0, inputs, targets)
     path = save_checkpoint(tmp_path_factory.mktemp("saved") / "checkpoints", rank, CFG, 1)
     files = {entry.name: entry.read_bytes() for entry in path.iterdir()}
