@@ -213,6 +213,8 @@ CASES = [
     ("compare", ["--hardware", "{root}/profile.json", "--threads-per-rank", "1000000"], "at most 1024"),
     # calibrate
     ("calibrate", ["--ranks", "0", "--out", "{root}/profile.json"], "--ranks"),
+    ("calibrate", ["--ranks", "4", "--cp", "8", "--out", "{root}/profile-new.json"], "from 2 to --ranks (4)"),
+    ("calibrate", ["--cp", "2,x", "--out", "{root}/profile-new.json"], "--cp must be comma-separated integers"),
     ("calibrate", ["--out", "{root}"], "directory"),
     ("calibrate", ["--out", "{root}/profile.txt"], ".json"),
     ("calibrate", ["--out", "{root}/missing/profile.json"], "does not exist"),

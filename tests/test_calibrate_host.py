@@ -29,6 +29,11 @@ def test_the_pieces_are_one_tensor_parallel_ranks_modules_and_communicate_nothin
     assert variants(preset("tiny"), 8) == [(1, False, 1), (2, False, 1), (2, True, 1), (4, False, 1), (4, True, 1),
                                            (1, False, 2), (1, False, 4), (1, False, 8)]  # 128 tokens: 16 chunks at cp 8
     assert variants(preset("tiny").with_(seq_len=24), 8)[-2:] == [(1, False, 2), (1, False, 4)]  # 24 % 16: no cp 8
+    assert variants(preset("tiny"), 8, ())[-1] == (4, True, 1)  # calibrate --cp 1: no context-parallel unit
+    from parallel.calibrate.measure import make_plan
+
+    assert make_plan(4, cp=(1,)).context_parallel == () and make_plan(4, cp=(4, 2)).context_parallel == (2, 4)
+    assert make_plan(8).context_parallel == (2, 4, 8)
     config = replace(preset("tiny"), vocab_size=257)
     model = piece_model(config, 2)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}

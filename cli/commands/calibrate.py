@@ -73,14 +73,14 @@ def write_atomically(data: dict, path: Path) -> None:
         raise
 
 
-def parse_sizes(text: str | None) -> tuple[int, ...] | None:
+def parse_sizes(text: str | None, flag: str = "--micro-batches") -> tuple[int, ...] | None:
     """"1,2,4,8" -> (1, 2, 4, 8); None stays None; ConfigError on anything else."""
     if text is None:
         return None
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ConfigError(f"--micro-batches must be comma-separated integers such as 1,2,4,8, got {text!r}") from None
+        raise ConfigError(f"{flag} must be comma-separated integers such as 1,2,4,8, got {text!r}") from None
 
 
 def parse_formats(text: str | None) -> tuple[str, ...] | None:
@@ -93,7 +93,7 @@ def parse_formats(text: str | None) -> tuple[str, ...] | None:
 def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: int | None = None,
                     name: str | None = None, model: str = "tiny", micro_batch: int = 8, device: str = "auto",
                     micro_batches: tuple[int, ...] | None = None, formats: tuple[str, ...] | None = None,
-                    allow_busy: bool = False) -> dict:
+                    allow_busy: bool = False, cp: tuple[int, ...] | None = None) -> dict:
     """Check, measure, write, read back: the profile as written, with the seconds it took.
     ranks None: one per GPU when --device auto finds CUDA, else 8. A machine too busy to measure
     (parallel/calibrate/noise.py: before the ranks start, while rank 0 measures alone, after) is a
@@ -109,7 +109,7 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
     from parallel.calibrate.noise import check_quiet, cpu_share
     from simulator.costs.hardware import preset_links
 
-    plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches, formats)
+    plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches, formats, cp)
     start = time.perf_counter()
     before = check_quiet(cpu_share(), "before", allow_busy)
     measured = calibrate(plan)
@@ -149,6 +149,8 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
 @click.option("--micro-batch", "micro_batch", type=int, default=8, show_default=True)
 @click.option("--micro-batches", "micro_batches",
               help="The units' micro-batch sizes [default: 1,2,4,8,16; --quick 1,4,16].")
+@click.option("--cp", "cp", help="Context-parallel sizes whose units (one rank's two chunks, its ring's blocks timed "
+              "alone) are measured, e.g. 2,4; 1: none [default: 2,4,8 up to --ranks].")
 @click.option("--name", help=f"The profile's hardware name (default: {DEFAULT_NAME}, on CUDA {CUDA_NAME}).")
 @click.option("--quick", is_flag=True,
               help="A few sizes and repeats, for tests: about a minute with 8 ranks on 2 cores (64-66 s measured on a "
@@ -157,14 +159,14 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
               help="On a machine too busy to measure (a thread gets under half a core), write the profile marked "
                    "unreliable instead of refusing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch, micro_batches, name, quick,
+def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch, micro_batches, cp, name, quick,
               allow_busy, as_json) -> None:
     """Measure this machine (matmuls per format, memory copy, the model's pieces, sharing, collectives) into a
     profile: with gloo on the CPU, or with NCCL on CUDA GPUs."""
     from parallel.calibrate.noise import details, summary
 
     profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch, device,
-                              parse_sizes(micro_batches), parse_formats(formats), allow_busy)
+                              parse_sizes(micro_batches), parse_formats(formats), allow_busy, parse_sizes(cp, "--cp"))
     (gpu_name, gpu), = profile["gpus"].items()
     reliability = gpu["measured"].get("reliability")
     if not reliability["reliable"]:

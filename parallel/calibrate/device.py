@@ -188,12 +188,13 @@ def allows_tp(config, tp: int) -> bool:
     return True
 
 
-def variants(config, ranks: int) -> list[tuple[int, bool, int]]:
+def variants(config, ranks: int, context_parallel: tuple[int, ...] = CONTEXT_PARALLEL) -> list[tuple[int, bool, int]]:
     """(tp, sequence_parallel, cp) measured: every tp that fits, with and without sequence parallelism, and
-    every context-parallel size (a power of two up to the ranks) that splits the sequence, at tp 1."""
+    each context-parallel size asked for (up to the ranks) that splits the sequence, at tp 1."""
     tensor = [(tp, sp, 1) for tp in tp_sizes(config, ranks) for sp in ((False, True) if tp > 1 else (False,))
               if not sp or config.seq_len % tp == 0]
-    return tensor + [(1, False, cp) for cp in CONTEXT_PARALLEL if cp <= ranks and config.seq_len % (2 * cp) == 0]
+    return tensor + [(1, False, cp) for cp in context_parallel
+                     if 1 < cp <= ranks and config.seq_len % (2 * cp) == 0]
 
 
 def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None, cp: int = 1):

@@ -86,7 +86,8 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
     noise = noise if noise is not None else Noise()
     torch.manual_seed(0)
     _barrier()
-    shapes = [(name, *variant) for name in plan.unit_models for variant in variants(preset(name), ranks)]
+    shapes = [(name, *variant) for name in plan.unit_models
+              for variant in variants(preset(name), ranks, plan.context_parallel)]
     for name, tp, sp, cp in shapes if rank == 0 else ():
         config = preset(name)
         series = units[(name, tp, sp, cp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}

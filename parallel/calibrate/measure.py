@@ -40,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 from minigpt.errors import ConfigError, TrainingError, check_positive_int, check_threads_per_rank
-from parallel.calibrate.device import copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp
+from parallel.calibrate.device import (
+    CONTEXT_PARALLEL, copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp,
+)
 from parallel.calibrate.host import build_measured, collective_points, measure_host
 from parallel.calibrate.links import fit_alpha_beta, node_and_nic, profile_links
 from parallel.calibrate.noise import Noise, reliability
@@ -69,6 +71,7 @@ class CalibrationPlan:
     cuda_matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # on a GPU
     formats: tuple[str, ...] | None = None  # None: FORMATS on a GPU, fp32 alone on a CPU (default_formats)
     unit_models: tuple[str, ...] = ("tiny",)  # presets whose units are measured (model first)
+    context_parallel: tuple[int, ...] = CONTEXT_PARALLEL  # cp sizes whose units are measured (those up to ranks)
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -110,7 +113,7 @@ def check_formats(formats: tuple[str, ...] | None, cuda: bool) -> tuple[str, ...
 
 def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | None = None, model: str = "tiny",
               micro_batch: int = 8, device: str = "auto", micro_batches: tuple[int, ...] | None = None,
-              formats: tuple[str, ...] | None = None) -> CalibrationPlan:
+              formats: tuple[str, ...] | None = None, cp: tuple[int, ...] | None = None) -> CalibrationPlan:
     """The measurements of one calibration; ConfigError on bad input (before any rank starts)."""
     if device not in DEVICES:
         raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
@@ -138,13 +141,27 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
         raise ConfigError(f"--model names a preset twice: {model!r}")
     model = models[0]
     threads = threads_per_rank or (1 if ranks > 1 else torch.get_num_threads())
+    context_parallel = check_context_sizes(cp, ranks)
     if quick:
         return CalibrationPlan(ranks, threads, (64, 256, 512), 3, 0.005, 16 * 2**20,
                                (4 * 2**10, 256 * 2**10, 8 * 2**20), 3, model, micro_batch,
                                tuple(micro_batches or (1, 4, 16)), device=device, cuda_matmul_sizes=(256, 1024, 4096),
-                               formats=formats, unit_models=models)
+                               formats=formats, unit_models=models, context_parallel=context_parallel)
     return CalibrationPlan(ranks, threads, model=model, unit_models=models, micro_batch=micro_batch, device=device,
-                           micro_batches=tuple(micro_batches or CalibrationPlan.micro_batches), formats=formats)
+                           micro_batches=tuple(micro_batches or CalibrationPlan.micro_batches), formats=formats,
+                           context_parallel=context_parallel)
+
+
+def check_context_sizes(cp: tuple[int, ...] | None, ranks: int) -> tuple[int, ...]:
+    """--cp's sizes (None: CONTEXT_PARALLEL), each > 1 and at most the ranks; (1,): none."""
+    if cp is None:
+        return CONTEXT_PARALLEL
+    if cp == (1,):
+        return ()
+    if not cp or any(isinstance(c, bool) or not isinstance(c, int) or not 1 < c <= ranks for c in cp):
+        raise ConfigError(f"--cp must list context-parallel sizes from 2 to --ranks ({ranks}) such as 2,4, or 1 for "
+                          f"none, got {','.join(map(str, cp)) if cp else 'none'}")
+    return tuple(sorted(set(cp)))
 
 
 def calibrate(plan: CalibrationPlan) -> list[dict]:
