@@ -195,8 +195,9 @@ def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPol
 
       ring (parallel/context/ring.py)  the received keys and values: the copy being computed with and the
             next one arriving (one copy when cp = 2), 2 kv each in the compute format; the dk and dv fp32
-            accumulators and the copy pass_along receives, 2 kv each in fp32 (the forward holds only the
-            received keys and values: less);
+            accumulators of the block at hand, the previous block's still being sent on and the copy
+            arriving from the rank before, 2 kv each in fp32 (the forward holds only the received keys and
+            values: less);
       allgather (allgather.py)  the gradients of the gathered keys and values, fp32, and their copies in
             the compute format handed to the reduce-scatter: 2 cp kv each (the gathered keys and values
             themselves are saved tensors, simulator/costs/ops_attention.py)."""
@@ -204,7 +205,7 @@ def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPol
         return 0
     kv, e = kv_elements(model, layout.tp, layout.cp, micro_batch_size), FORMAT_BYTES[policy.compute]
     if layout.cp_kind == "ring":
-        return min(layout.cp - 1, 2) * 2 * kv * e + 2 * 2 * kv * GRAD_BYTES
+        return min(layout.cp - 1, 2) * 2 * kv * e + 3 * 2 * kv * GRAD_BYTES
     return 2 * layout.cp * kv * (GRAD_BYTES + e)
 
 

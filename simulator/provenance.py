@@ -42,8 +42,9 @@ def context(gpu: GPUSpec, layout, seq_len: int) -> dict:
     block = seq_len // (2 * layout.cp)
     table = (f"{gpu.attention_efficiency.kernel} table read at the {block:,}-token chunk each block spans"
              if gpu.attention_efficiency is not None else "no attention table: the GEMM efficiency")
-    exchange = ("forward passes hidden behind each block, the backward's dk/dv passes blocking (parallel/context/ring.py)"
-                if layout.cp_kind == "ring" else "all-gathers and reduce-scatters over the cp group, not overlapped")
+    exchange = ("passes hidden behind each block, the backward's dk/dv sent on behind the next block, the last "
+                "hop home exposed (parallel/context/ring.py)" if layout.cp_kind == "ring"
+                else "all-gathers and reduce-scatters over the cp group, not overlapped")
     return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "exchange": exchange}
 
 

@@ -9,7 +9,9 @@ query chunk has met every key chunk at or before it, the partial results merged 
 (parallel/context/blocks.py). Backward: the same ring again, the key/value chunks travelling with their
 gradients dK and dV, which every rank adds to as the chunks pass; after the last step one more hop brings
 each rank its own chunks' complete dK and dV. The keys and values for the next step are sent ahead while
-a block's gradients are computed; the gradients themselves go once the block is done.
+a block's gradients are computed; a block's dK and dV are computed into a buffer of their own while the
+sum of the ranks before arrives, added once the block is done and sent on behind the next block, so only
+the last hop home waits on its own (as Megatron-core's and Transformer Engine's rings overlap them).
 
 A ring of one rank (no group) is plain blockwise causal attention.
 """
@@ -46,12 +48,6 @@ class Ring:
             for tensor in tensors:
                 self.counter.count("send", tensor)
         return received, dist.batch_isend_irecv(ops)
-
-    def pass_along(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        received, requests = self.start_pass(tensors)
-        for request in requests:
-            request.wait()
-        return received
 
 
 class Rehearsal:
@@ -109,21 +105,29 @@ class RingAttention(torch.autograd.Function):
         ring, scale = ctx.ring, ctx.scale
         cp, c = ring.size, q.shape[2] // 2
         delta, dq = backward_start(q, out, dout)
-        kv = [k, v]
-        grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                 torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        kv, travelling = [k, v], None  # travelling: the dk/dv pass in flight (what arrives, its requests)
         for step in range(cp):
             incoming = ring.start_pass(kv) if step < cp - 1 else None  # the next keys and values, ahead
             source = (ring.rank - step) % cp
+            grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]  # this block's
             for qs, ks, how in _pairs(ring.rank, source, cp, c):
                 backward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs], lse[:, :, qs],
                                delta[:, :, qs], how, scale, dq[:, :, qs], grads[0][:, :, ks], grads[1][:, :, ks])
-            if cp > 1:
-                grads = ring.pass_along(grads)  # the gradients follow their chunks; the last hop brings them home
+            if travelling is not None:  # the source's dk/dv from the ranks before, sent during this block
+                for request in travelling[1]:
+                    request.wait()
+                for mine, arrived in zip(grads, travelling[0]):
+                    mine.add_(arrived)
+            if cp > 1:  # on to the next rank, behind the next block; the last hop brings each rank its own
+                travelling = ring.start_pass(grads)
             if incoming is not None:
                 for request in incoming[1]:
                     request.wait()
                 kv = incoming[0]
+        if travelling is not None:
+            for request in travelling[1]:
+                request.wait()
+            grads = travelling[0]
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
 
 

@@ -9,10 +9,10 @@ as the trainer runs them:
                   values (the attention kernel's time / cp: every step holds the same work); each of the
                   cp - 1 passes starts with its step and is waited for at the step's end, so a step lasts
                   max(block, pass): exposed = (cp - 1) x max(0, pass - block);
-  ring backward   the same for the keys and values sent ahead (behind the block's backward), then the dk/dv
-                  pass after every block: pass_along is blocking, so each of the cp gradient passes is
-                  exposed whole (a key/value pass still moving when it starts shares the link with it: the
-                  step then lasts the key/value pass plus the gradient pass, the same sum);
+  ring backward   the keys and values sent ahead, and each block's dk/dv sent on once it is done, both behind
+                  the next block: step 0 hides the first key/value pass, steps 1 .. cp-2 a key/value pass and
+                  a gradient pass sharing the link (one pass of both sizes), step cp-1 the last but one
+                  gradient pass; the last hop home is waited for, exposed whole;
   recompute       selective or full recomputation runs the core again in the backward, its forward ring
                   with it, behind the recomputed attention (job/context.py lists it first);
   all-gather      the all-gathers (forward) and reduce-scatters (backward) of the cp group, each a ring
@@ -51,6 +51,16 @@ def _price(exchanges: list[Exchange], hidden_by: list[float], links, stage: int,
     return out
 
 
+def _ring_backward(keys: Exchange, grads: Exchange, block_s: float, links, stage: int, cp: int) -> Priced:
+    """The ring backward's passes as parallel/context/ring.py runs them (the module docstring); `block_s`: one
+    step's block of the attention backward."""
+    kv, dkv = links.cp_pass(stage, keys.bytes), links.cp_pass(stage, grads.bytes)
+    both = links.cp_pass(stage, keys.bytes + grads.bytes)
+    hidden = lambda seconds: max(0.0, seconds - block_s)  # noqa: E731
+    seconds = hidden(kv) + (cp - 2) * hidden(both) + hidden(dkv) + dkv
+    return Priced(seconds, [keys, grads])
+
+
 def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
                    links, stage: int, attention: tuple[float, float, float]) -> tuple[Priced, Priced]:
     """(forward, backward) exposed exchange of one attention layer; `attention`: its attention kernel's
@@ -60,6 +70,9 @@ def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_b
     forward = forward_exchanges(model, layout.tp, cp, kind, micro_batch, element_bytes)
     backward = backward_exchanges(model, layout.tp, cp, kind, micro_batch, element_bytes, recompute)
     again = [recompute_s] * len(forward) if recompute != "none" else []
-    # ring: the keys and values sent ahead hide behind the block's backward; the gradients' passes block
-    hides = again + ([backward_s, 0.0] if kind == "ring" else [0.0] * (len(backward) - len(again)))
-    return _price(forward, [forward_s] * len(forward), links, stage, cp), _price(backward, hides, links, stage, cp)
+    priced_forward = _price(forward, [forward_s] * len(forward), links, stage, cp)
+    if kind != "ring":  # all-gather: the recomputed forward's gathers and the reduce-scatters, none hidden
+        return priced_forward, _price(backward, [0.0] * len(backward), links, stage, cp)
+    recomputed = _price(backward[:len(again)], again, links, stage, cp)
+    ring = _ring_backward(*backward[len(again):], backward_s / cp, links, stage, cp)
+    return priced_forward, Priced(recomputed.seconds + ring.seconds, recomputed.priced + ring.priced)

@@ -285,7 +285,7 @@ class LinkCosts:
 
     def cp_pass(self, stage: int, nbytes: float) -> float:
         """One step of the context-parallel ring on `stage`: every cp rank sends `nbytes` to the next, every tp
-        rank of every replica at once (parallel/context/ring.py's start_pass and pass_along)."""
+        rank of every replica at once (parallel/context/ring.py's start_pass)."""
         if self.layout.cp == 1 or nbytes <= 0:
             return 0.0
         return self.ring_step(self.groups("cp", stage), float(nbytes))
