@@ -67,9 +67,10 @@ class GatheredAttention(torch.autograd.Function):
             block_out, block_lse = forward_block(q[:, :, qs], keys[source][:, :, ks], values[source][:, :, ks],
                                                  how, scale)
             merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+        out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
         ctx.save_for_backward(q, keys, values, out, lse)
         ctx.rank, ctx.scale = rank, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):

@@ -41,8 +41,11 @@ def forward_block(q, k, v, how: str, scale: float) -> tuple[torch.Tensor, torch.
 
 
 def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) before any block: zeros and -inf, fp32, for q's rows."""
-    return (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+    """(out, lse) before any block: zeros and -inf, fp32, for q's rows. `out` (batch, heads, seq, head_dim) is laid
+    out in memory as (batch, seq, heads, head_dim), as torch's attention returns it: the caller's transpose back
+    to tokens is then free, and the projection after it keeps no copy of its own."""
+    b, h, s, d = q.shape
+    return (torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2),
             torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
 
 

@@ -95,9 +95,10 @@ class RingAttention(torch.autograd.Function):
                 for request in incoming[1]:
                     request.wait()
                 kv = incoming[0]
+        out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
