@@ -85,7 +85,7 @@ def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:
     """Rank 0 is pipeline stage 0. Activations are predicted for one micro-batch's forward,
     which is what training measures (the schedule may keep several in flight)."""
     from precision.policy import policy as policy_of
-    from simulator.memory import predict_memory, recomputed_bytes
+    from simulator.memory import exchange_buffer_bytes, predict_memory, recomputed_bytes
 
     stages = result.memory.per_stage
     m = stages[0] if stages else result.memory
@@ -93,8 +93,11 @@ def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:
     one = predict_memory(cfg.model, plan.layout, cfg.precision, plan.micro_batch, cfg.recompute,
                          bucket_mb=cfg.bucket_mb, micro_batches_in_flight=1)
     one_stage = one.per_stage[0] if one.per_stage else one
-    # training measures what the forward keeps; a recomputing block's tensors live only in its backward
-    transient = recomputed_bytes(cfg.model, plan.layout, policy_of(cfg.precision), plan.micro_batch, cfg.recompute)
+    # training measures what the forward keeps; a recomputing block's tensors live only in its backward, and so do
+    # the context-parallel exchange's buffers the prediction holds at their peak (one block's backward)
+    policy = policy_of(cfg.precision)
+    transient = recomputed_bytes(cfg.model, plan.layout, policy, plan.micro_batch, cfg.recompute)
+    transient += exchange_buffer_bytes(cfg.model, plan.layout, policy, plan.micro_batch)
     return {"parameters": m.parameters, "gradients": m.gradients,
             "optimizer": m.master_weights + m.adam_m + m.adam_v, "activations": one_stage.activations - transient}
 
