@@ -3,7 +3,7 @@ checkpoint written at cp 2 loaded at cp 1 and at tp 2.
 
 A mesh spans its whole world, so the layouts run in three worlds: 2 ranks (cp 2, both kinds; the byte
 counts; the checkpoint and its load at tp 2), 4 ranks (cp 4, both kinds; cp 2 x tp 2 with sequence
-parallelism; cp 2 x pp 2; cp 2 x dp 2 under ZeRO-3), 8 ranks (tp 2 x cp 2 x pp 2), each for the GPT-2-shaped
+parallelism; cp 2 x pp 2, 1F1B and zero-bubble; cp 2 x dp 2 under ZeRO-3), 8 ranks (tp 2 x cp 2 x pp 2), each for the GPT-2-shaped
 and the Llama-shaped tiny model. The one-process references and the load at cp 1 run in this process.
 """
 
@@ -32,6 +32,7 @@ LAYOUTS = {
     2: {"cp2-ring": dict(cp=2), "cp2-allgather": dict(cp=2, cp_kind="allgather")},
     4: {"cp4-ring": dict(cp=4), "cp4-allgather": dict(cp=4, cp_kind="allgather"),
         "cp2-tp2-sp": dict(cp=2, tp=2, sequence_parallel=True), "cp2-pp2": dict(cp=2, pp=2, micro_batches=2),
+        "cp2-pp2-zb-h1": dict(cp=2, pp=2, micro_batches=2, schedule="zb-h1"),  # the backward split in two halves
         "cp2-dp2-zero3": dict(cp=2, dp=2, zero=3)},
     8: {"tp2-cp2-pp2": dict(tp=2, cp=2, pp=2, micro_batches=2)},
 }
@@ -115,7 +116,7 @@ def test_every_context_parallel_layout_matches_one_process(spawned, references):
 
 
 @pytest.mark.parametrize("name", ["cp2-ring", "cp2-allgather", "cp4-ring", "cp4-allgather", "cp2-tp2-sp",
-                                  "cp2-pp2", "tp2-cp2-pp2"])
+                                  "cp2-pp2", "cp2-pp2-zb-h1", "tp2-cp2-pp2"])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_the_exchange_counted_in_training_is_the_schedules(spawned, model, name):
     """Rank 0's cp traffic of one step, call for call and byte for byte, against job/context.py's
