@@ -3,8 +3,9 @@ checkpoint written at cp 2 loaded at cp 1 and at tp 2.
 
 A mesh spans its whole world, so the layouts run in three worlds: 2 ranks (cp 2, both kinds; the byte
 counts; the checkpoint and its load at tp 2), 4 ranks (cp 4, both kinds; cp 2 x tp 2 with sequence
-parallelism; cp 2 x pp 2, 1F1B and zero-bubble; cp 2 x dp 2 under ZeRO-3), 8 ranks (tp 2 x cp 2 x pp 2), each for the GPT-2-shaped
-and the Llama-shaped tiny model. The one-process references and the load at cp 1 run in this process.
+parallelism; cp 2 x pp 2, 1F1B and zero-bubble; cp 2 x dp 2 under ZeRO-3), 8 ranks (tp 2 x cp 2 x pp 2),
+each for the GPT-2-shaped and the Llama-shaped tiny model. The one-process references and the load at
+cp 1 run in this process.
 """
 
 from __future__ import annotations
