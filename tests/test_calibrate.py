@@ -63,9 +63,10 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
     cps = sorted({unit.cp for unit in measured.units})
     assert cps == [1] + [cp for cp in (2, 4, 8) if cp <= RANKS], cps  # context-parallel units at every size that fits
     whole, halves = (measured.unit_times(preset("tiny"), 1, False, "fp32", cp) for cp in (1, 2))
-    assert halves is not None and halves.cp == 2 and whole.cp == 1
-    # a cp-2 rank computes half of every GEMM and its share of the attention: less than the whole sequence's block
-    assert halves.seconds("block_forward", 16) < whole.seconds("block_forward", 16)
+    assert halves is not None and halves.cp == 2 and whole.cp == 1 and halves.series != whole.series
+    # (not compared in time: a cp-2 rank's block took 0.79x of the whole one's on a quiet calibration here and 1.2x
+    # on a noisy one, docs/results.md; the blocks of 32-token chunks and their merges cost what half the GEMMs save)
+    assert all(t > 0 for series in halves.series.values() for t in series)
     note = gpu.calibration
     assert note["ranks"] == RANKS and note["ranks_per_core"] == pytest.approx(RANKS / note["cores"])
     assert note["block"]["forward_s"] > 0 and note["block"]["backward_s"] > 0
