@@ -3,6 +3,7 @@
     python bench/published.py                    # Narayanan et al. 2021, Table 1, all ten rows
     python bench/published.py --json             # one JSON object
     python bench/published.py --legacy           # flags an older minigpt knows (for a before/after)
+    python bench/published.py --table dgxc       # NVIDIA's DGX-Cloud GPT-3 175B on 128-2,048 H100s, bf16 and fp8
 
 Each row of bench/published_runs.json is simulated through the command line a user would type,
 `minigpt simulate ... --json`, on the a100-80gb preset (DGX A100 nodes, HDR InfiniBand) with the
@@ -15,6 +16,13 @@ How the 2021 stack is described (settings, not fitted numbers; each from the pap
 attention unfused (Megatron 2021 materialises the scores; its softmax is one fused kernel), the
 "megatron-2021" overlap preset (tensor-parallel communication exposed, the data-parallel all-reduce
 after the last backward, point-to-point exposed), and dropout 0.1 (the scripts' default).
+
+`--table dgxc`: NVIDIA/dgxc-benchmarking's GPT-3 175B rows (bench/published_runs.json's
+"dgxc_gpt3_175b_h100", with their source), each simulated with its own layout (tp 4 x pp 8 with 12
+virtual chunks, sequence parallel, the distributed optimizer as ZeRO-1, micro-batch 1, no recomputation)
+and precision on the h100-sxm preset, against the published step time; the naive rule beside it is the
+MFU convention's FLOPs (6 P + 12 l h s per token) over (GPUs x dense peak x 0.5). The stack's own overlap
+has no preset yet, so the rows run with the simulator's default (our executor's).
 """
 
 from __future__ import annotations
@@ -76,6 +84,39 @@ def rows(legacy: bool) -> tuple[list[dict], dict]:
     return out, data["source"]
 
 
+H100_PEAK = {"bf16": 989e12, "fp8": 1979e12}  # the dense peaks the rows' MFU divides by (their "conv")
+
+
+def dgxc_command(run: dict) -> list[str]:
+    return [sys.executable, "-m", "cli", "simulate", "--layers", str(run["l"]), "--hidden", str(run["h"]),
+            "--heads", str(run["a"]), "--kv-heads", str(run["kv"]), "--d-ff", str(run["ffn"]),
+            "--vocab", str(run["V"]), "--seq-len", str(run["s"]), "--mlp", run["mlp"],
+            "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]), "--tp", str(run["tp"]),
+            "--pp", str(run["pp"]), "--dp", str(run["dp"]), "--cp", str(run["cp"]), "--zero", str(run["zero"]),
+            *(["--sequence-parallel"] if run["sp"] else []), "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
+            "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
+            "--gpu", run["gpu"], "--json"]
+
+
+def dgxc_rows() -> tuple[list[dict], str]:
+    table = json.loads(RUNS.read_text())["dgxc_gpt3_175b_h100"]
+    out = []
+    for run in table["rows"]:
+        result = subprocess.run(dgxc_command(run), capture_output=True, text=True, cwd=ROOT)
+        if result.returncode != 0:
+            raise SystemExit(f"{run['id']}: minigpt simulate failed: {result.stderr.strip()}")
+        sim, published = json.loads(result.stdout), run["pub_s"]
+        n_params = 12 * run["l"] * run["h"] ** 2 + run["V"] * run["h"]  # the convention's matmul parameters
+        flops = run["gb"] * run["s"] * (6 * n_params + 12 * run["l"] * run["h"] * run["s"])
+        naive = flops / (run["n_gpus"] * H100_PEAK[run["precision"]] * 0.5)
+        out.append({"name": run["id"], "gpus": run["n_gpus"], "precision": run["precision"],
+                    "published_step_s": published, "predicted_step_s": sim["step_time_s"],
+                    "error": sim["step_time_s"] / published - 1, "naive_step_s": naive,
+                    "naive_error": naive / published - 1, "published_mfu": run["pub_mfu"], "predicted_mfu": sim["mfu"],
+                    "breakdown": sim.get("breakdown")})
+    return out, table["source"]
+
+
 def summary(table: list[dict], key: str) -> dict:
     errors = [row[key] for row in table]
     return {"mape": statistics.mean(abs(e) for e in errors), "signed_mean": statistics.mean(errors),
@@ -86,7 +127,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--legacy", action="store_true", help="only the flags an older minigpt simulate knows")
+    parser.add_argument("--table", choices=("narayanan", "dgxc"), default="narayanan")
     args = parser.parse_args()
+    if args.table == "dgxc":
+        return print_dgxc(args.json)
     table, source = rows(args.legacy)
     result = {"rows": table, "simulator": summary(table, "error"), "naive": summary(table, "naive_error"),
               "source": source["paper"]}
@@ -99,6 +143,28 @@ def main() -> None:
         print(f"| {r['name']} | {r['gpus']} | {r['published_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
               f"{r['error']:+.1%} | {r['published_tflops_per_gpu']} / {r['predicted_tflops_per_gpu']:.0f} | "
               f"{r['naive_step_s']:.2f} | {r['naive_error']:+.1%} |")
+    for name in ("simulator", "naive"):
+        s = result[name]
+        print(f"{name}: MAPE {s['mape']:.1%}, signed mean {s['signed_mean']:+.1%}, worst {s['worst']:+.1%}")
+
+
+def print_dgxc(as_json: bool) -> None:
+    table, source = dgxc_rows()
+    result = {"rows": table, "simulator": summary(table, "error"), "naive": summary(table, "naive_error"),
+              "source": source}
+    if as_json:
+        print(json.dumps(result))
+        return
+    print("| run | GPUs | published step s | predicted s | error | MFU pub / pred | naive s | naive error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['name']} | {r['gpus']} | {r['published_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
+              f"{r['error']:+.1%} | {r['published_mfu']:.1%} / {r['predicted_mfu']:.1%} | {r['naive_step_s']:.2f} | "
+              f"{r['naive_error']:+.1%} |")
+    for precision in ("bf16", "fp8"):
+        rows_of = [r for r in table if r["precision"] == precision]
+        s = summary(rows_of, "error")
+        print(f"{precision}: simulator MAPE {s['mape']:.1%}, signed mean {s['signed_mean']:+.1%}, worst {s['worst']:+.1%}")
     for name in ("simulator", "naive"):
         s = result[name]
         print(f"{name}: MAPE {s['mape']:.1%}, signed mean {s['signed_mean']:+.1%}, worst {s['worst']:+.1%}")
