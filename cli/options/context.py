@@ -18,8 +18,9 @@ import click
 
 from job.train_config import CP_KINDS
 
-CP_HELP = ("Context-parallel size: each rank holds 2 of 2 x cp chunks of every sequence (mesh order "
-           "pp, dp, cp, tp; tp innermost) [default: 1].")
+CP_HELP = ("Context-parallel size: each rank holds 2 of 2 x cp chunks of every sequence. Mesh order pp, dp, "
+           "cp, tp (tp innermost): a cp group lies within tp x cp adjacent ranks, inside one server while tp x cp "
+           "fits in it; dp and pp span servers.")
 CP_KIND_HELP = "How keys and values travel between context-parallel ranks: ring (p2p, overlapped) or allgather."
 
 
