@@ -132,41 +132,31 @@ def main() -> None:
     if args.table == "dgxc":
         return print_dgxc(args.json)
     table, source = rows(args.legacy)
-    result = {"rows": table, "simulator": summary(table, "error"), "naive": summary(table, "naive_error"),
-              "source": source["paper"]}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print("| run | GPUs | published step s | predicted s | error | TFLOP/s pub / pred | naive s | naive error |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in table:
-        print(f"| {r['name']} | {r['gpus']} | {r['published_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
-              f"{r['error']:+.1%} | {r['published_tflops_per_gpu']} / {r['predicted_tflops_per_gpu']:.0f} | "
-              f"{r['naive_step_s']:.2f} | {r['naive_error']:+.1%} |")
-    for name in ("simulator", "naive"):
-        s = result[name]
-        print(f"{name}: MAPE {s['mape']:.1%}, signed mean {s['signed_mean']:+.1%}, worst {s['worst']:+.1%}")
+    report(table, source["paper"], args.json, "TFLOP/s pub / pred",
+           lambda r: f"{r['published_tflops_per_gpu']} / {r['predicted_tflops_per_gpu']:.0f}")
 
 
 def print_dgxc(as_json: bool) -> None:
     table, source = dgxc_rows()
+    report(table, source, as_json, "MFU pub / pred", lambda r: f"{r['published_mfu']:.1%} / {r['predicted_mfu']:.1%}",
+           by_precision=True)
+
+
+def report(table: list[dict], source: str, as_json: bool, column: str, cell, by_precision: bool = False) -> None:
+    """The rows as a markdown table (with `column` filled by `cell(row)`) and the summaries, or one JSON object."""
     result = {"rows": table, "simulator": summary(table, "error"), "naive": summary(table, "naive_error"),
               "source": source}
     if as_json:
         print(json.dumps(result))
         return
-    print("| run | GPUs | published step s | predicted s | error | MFU pub / pred | naive s | naive error |")
+    print(f"| run | GPUs | published step s | predicted s | error | {column} | naive s | naive error |")
     print("|---|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['name']} | {r['gpus']} | {r['published_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
-              f"{r['error']:+.1%} | {r['published_mfu']:.1%} / {r['predicted_mfu']:.1%} | {r['naive_step_s']:.2f} | "
-              f"{r['naive_error']:+.1%} |")
-    for precision in ("bf16", "fp8"):
-        rows_of = [r for r in table if r["precision"] == precision]
-        s = summary(rows_of, "error")
-        print(f"{precision}: simulator MAPE {s['mape']:.1%}, signed mean {s['signed_mean']:+.1%}, worst {s['worst']:+.1%}")
-    for name in ("simulator", "naive"):
-        s = result[name]
+              f"{r['error']:+.1%} | {cell(r)} | {r['naive_step_s']:.2f} | {r['naive_error']:+.1%} |")
+    lines = [(p, summary([r for r in table if r["precision"] == p], "error")) for p in ("bf16", "fp8")] \
+        if by_precision else []
+    for name, s in lines + [(name, result[name]) for name in ("simulator", "naive")]:
         print(f"{name}: MAPE {s['mape']:.1%}, signed mean {s['signed_mean']:+.1%}, worst {s['worst']:+.1%}")
 
 
