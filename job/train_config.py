@@ -78,6 +78,18 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
 
 
 
+def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
+                 cp_kind: str = "ring") -> bool:
+    """Whether the model's shape takes this tensor- and context-parallel split: the two checks above, asked
+    rather than raised (the searches of simulate, plan and calibrate skip what training would refuse)."""
+    try:
+        check_tensor_parallel(model, tp, sequence_parallel)
+        check_context_parallel(model, cp, cp_kind, tp, sequence_parallel)
+    except ConfigError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)

@@ -41,8 +41,7 @@ from parallel.calibrate.kernels import matmul_mode, time_elementwise, time_gemm
 from parallel.calibrate.noise import spread
 from parallel.comm import Collectives, Done
 from parallel.device import synchronize
-from job.train_config import check_tensor_parallel
-from minigpt.errors import ConfigError
+from job.train_config import shape_allows
 
 TENSOR_PARALLEL = (1, 2, 4, 8)
 CONTEXT_PARALLEL = (2, 4, 8)  # context-parallel sizes whose units are measured (each at tp 1)
@@ -176,25 +175,15 @@ class AloneCollectives(Collectives):
 
 
 def tp_sizes(config, ranks: int) -> list[int]:  # tensor-parallel sizes this model and these ranks allow
-    return [tp for tp in TENSOR_PARALLEL if tp <= ranks and allows_tp(config, tp)]
-
-
-def allows_tp(config, tp: int) -> bool:
-    """parallel/tensor/parallelize.py can split this model over tp ranks (job/train_config.check_tensor_parallel)."""
-    try:
-        check_tensor_parallel(config, tp, False)
-    except ConfigError:
-        return False
-    return True
+    return [tp for tp in TENSOR_PARALLEL if tp <= ranks and shape_allows(config, tp)]
 
 
 def variants(config, ranks: int, context_parallel: tuple[int, ...] = CONTEXT_PARALLEL) -> list[tuple[int, bool, int]]:
     """(tp, sequence_parallel, cp) measured: every tp that fits, with and without sequence parallelism, and
     each context-parallel size asked for (up to the ranks) that splits the sequence, at tp 1."""
     tensor = [(tp, sp, 1) for tp in tp_sizes(config, ranks) for sp in ((False, True) if tp > 1 else (False,))
-              if not sp or config.seq_len % tp == 0]
-    return tensor + [(1, False, cp) for cp in context_parallel
-                     if 1 < cp <= ranks and config.seq_len % (2 * cp) == 0]
+              if shape_allows(config, tp, sp)]
+    return tensor + [(1, False, cp) for cp in context_parallel if 1 < cp <= ranks and shape_allows(config, cp=cp)]
 
 
 def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None, cp: int = 1):

@@ -44,7 +44,7 @@ from typing import Callable
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
-from job.train_config import check_context_parallel, check_tensor_parallel
+from job.train_config import check_context_parallel, shape_allows
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
@@ -108,30 +108,18 @@ class Candidate:
 def tensor_parallel_options(model: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[tuple[int, bool]]:
     """(tp, sequence parallel) pairs: tp inside one server, allowed by the model's shape."""
     per_server = min(n_gpus, gpus_per_node)
-    options = []
-    for tp in range(1, per_server + 1):
-        if per_server % tp or n_gpus % tp:
-            continue
-        for sequence_parallel in (False, True) if tp > 1 else (False,):
-            try:
-                check_tensor_parallel(model, tp, sequence_parallel)
-            except ConfigError:
-                continue
-            options.append((tp, sequence_parallel))
-    return options
+    return [(tp, sp) for tp in range(1, per_server + 1) if per_server % tp == 0 and n_gpus % tp == 0
+            for sp in ((False, True) if tp > 1 else (False,)) if shape_allows(model, tp, sp)]
 
 
-def context_parallel_options(model: GPTConfig, n_gpus: int, tp: int, sequence_parallel: bool) -> list[int]:
-    """cp sizes searched with this tp: powers of two dividing GPUs / tp, allowed by the shape, chunks >= MIN_CP_CHUNK."""
-    options, cp = [], 1
-    while (n_gpus // tp) % cp == 0 and (cp == 1 or model.seq_len // (2 * cp) >= MIN_CP_CHUNK):
-        try:
-            check_context_parallel(model, cp, "ring", tp, sequence_parallel)
-            options.append(cp)
-        except ConfigError:
-            pass
-        cp *= 2
-    return options
+def context_parallel_options(model: GPTConfig, n_gpus: int, tp: int, sequence_parallel: bool,
+                             fixed: int | None = None) -> list[int]:
+    """cp sizes with this tp: `fixed` alone when given, else 1 and the powers of two whose chunks hold at least
+    MIN_CP_CHUNK tokens; each dividing GPUs / tp and allowed by the shape."""
+    sizes = [fixed] if fixed is not None else [1]
+    while fixed is None and model.seq_len // (4 * sizes[-1]) >= MIN_CP_CHUNK:
+        sizes.append(2 * sizes[-1])
+    return [cp for cp in sizes if (n_gpus // tp) % cp == 0 and shape_allows(model, tp, sequence_parallel, cp)]
 
 
 def micro_batch_sizes(per_replica: int, size: int | None, count: int | None) -> list[int]:
@@ -165,8 +153,7 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
     parallelism (None: searched)."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
-        sizes = context_parallel_options(model, n_gpus, tp, sp) if cp is None else _fixed_cp(model, n_gpus, tp, sp, cp)
-        for cp_size in sizes:
+        for cp_size in context_parallel_options(model, n_gpus, tp, sp, cp):
             per_cp = n_gpus // (tp * cp_size)
             for pp in (p for p in range(1, min(per_cp, model.n_layers) + 1) if per_cp % p == 0):
                 dp = per_cp // pp
@@ -175,17 +162,6 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                 for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
                     out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused)
     return out, refused
-
-
-def _fixed_cp(model: GPTConfig, n_gpus: int, tp: int, sequence_parallel: bool, cp: int) -> list[int]:
-    """[cp] when it divides GPUs / tp and the shape takes it with this tp, else nothing."""
-    if (n_gpus // tp) % cp:
-        return []
-    try:
-        check_context_parallel(model, cp, "ring", tp, sequence_parallel)
-    except ConfigError:
-        return []
-    return [cp]
 
 
 def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,

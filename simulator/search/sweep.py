@@ -31,6 +31,7 @@ from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
                               zero3_gathers)
 from job.layout import Layout
+from job.train_config import shape_allows
 from simulator.memory import predict_memory
 from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster
 
@@ -107,8 +108,7 @@ def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: i
     model, out, cp = job.model, [], job.cp
     per_server = min(n_gpus, gpus_per_node)  # a tp group must sit inside one server
     for t in [tp] if tp else [t for t in range(1, per_server + 1) if n_gpus % t == 0 and per_server % t == 0]:
-        if model.n_heads % t or model.kv_heads % t or model.d_ff % t or n_gpus % (t * cp) \
-                or (job.sequence_parallel and (model.seq_len // cp) % t):
+        if n_gpus % (t * cp) or not shape_allows(model, t, job.sequence_parallel, cp, job.cp_kind):
             continue
         rest = n_gpus // (t * cp)
         for p in [pp] if pp else [p for p in range(1, rest + 1) if rest % p == 0]:
