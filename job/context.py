@@ -66,7 +66,3 @@ def backward_exchanges(model: GPTConfig, tp: int, cp: int, kind: str, micro_batc
                         Exchange("p2p", cp, 2 * elements * GRAD_BYTES)]
     return again + [Exchange("reduce_scatter", 2, elements * element_bytes)]
 
-
-def sent_bytes(exchanges: list[Exchange]) -> int:
-    """What one rank sends for these exchanges (p2p passes only: what the ring counts)."""
-    return sum(e.total for e in exchanges if e.kind == "p2p")

@@ -55,11 +55,6 @@ class Mesh:
         """Ranks that hold the same weights and average their gradients: dp x cp."""
         return self.dp * self.cp
 
-    @property
-    def data_rank(self) -> int:
-        """This rank's place among them (dp major, as the group lists them)."""
-        return self.dp_rank * self.cp + self.cp_rank
-
     def data_group(self) -> dist.ProcessGroup | None:
         """The group over dp x cp (None for one rank): gradients are averaged and ZeRO shards over it."""
         if self.data_ranks == 1:

@@ -105,12 +105,14 @@ def count_ring_bytes(group, rank: int, cp: int) -> tuple[int, int]:
     """(bytes the ring sent in the forward, in forward and backward) from this rank."""
     from parallel.context.ring import Ring, RingAttention
 
+    from parallel.comm import Collectives
+
     q, k, v, grad = (local_part(t, rank, cp, 2).clone().requires_grad_() for t in inputs())
-    ring = Ring(group)
-    out = RingAttention.apply(q, k, v, ring, HEAD_DIM ** -0.5)
-    forward = ring.sent_bytes
+    counter = Collectives(group, "cp")  # the counter training's ring counts its sends in
+    out = RingAttention.apply(q, k, v, Ring(group, counter), HEAD_DIM ** -0.5)
+    forward = counter.bytes["send"]
     out.backward(grad.detach())
-    return forward, ring.sent_bytes
+    return forward, counter.bytes["send"]
 
 
 @pytest.fixture(scope="module")

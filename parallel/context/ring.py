@@ -35,7 +35,6 @@ class Ring:
         if self.size > 1:
             self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
             self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self.sent_bytes = 0  # what this rank sent, for the schedule's byte count
 
     def start_pass(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Send `tensors` to the next rank and receive their like from the previous one, asynchronously:
@@ -43,7 +42,6 @@ class Ring:
         received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received]
-        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
         if self.counter is not None:
             for tensor in tensors:
                 self.counter.count("send", tensor)
@@ -64,7 +62,7 @@ class RehearsedRing(Ring):
     pass receives into), and there is nothing to wait for."""
 
     def __init__(self, rehearsal: Rehearsal):
-        self.group, self.counter, self.size, self.rank, self.sent_bytes = None, None, rehearsal.size, 0, 0
+        self.group, self.counter, self.size, self.rank = None, None, rehearsal.size, 0
 
     def start_pass(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         return [t.clone(memory_format=torch.contiguous_format) for t in tensors], []
