@@ -29,18 +29,22 @@ DATASHEETS: dict = json.loads((ROOT / "simulator" / "costs" / "hardware.json").r
 NICS: dict = json.loads((ROOT / "simulator" / "costs" / "hardware.json").read_text(encoding="utf-8"))["nics"]
 
 
+def _piecewise(points: list, x: float, fraction) -> float:
+    """Sorted (x, y) points read at x: y along fraction(x, x0, x1) between two points, the nearest point outside."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * fraction(x, x0, x1)
+    raise AssertionError("unreachable")
+
+
 def table_efficiency(table: list[list[float]], side: int) -> float:
     """A cited efficiency table read at a GEMM's smallest side: linear in log(side) between its points, the
     nearest point outside them (the reading docs/efficiency.md states)."""
-    points = sorted(table)
-    if side <= points[0][0]:
-        return points[0][1]
-    if side >= points[-1][0]:
-        return points[-1][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= side <= x1:
-            return y0 + (y1 - y0) * math.log(side / x0) / math.log(x1 / x0)
-    raise AssertionError("unreachable")
+    return _piecewise(sorted(table), side, lambda x, x0, x1: math.log(x / x0) / math.log(x1 / x0))
 
 
 def block_kernels(config, micro_batch: int, element_bytes: int, linear: str, attention: str,
@@ -94,14 +98,7 @@ def causal_attention_efficiency(table: dict, head_dim: int, seq: int) -> float:
     linear in log2(s) between its sequences and linear in the head size between its head sizes, the nearest
     point outside either."""
     rows = sorted((int(size), table_efficiency(points, seq)) for size, points in table.items())  # log s, as log2
-    if head_dim <= rows[0][0]:
-        return rows[0][1]
-    if head_dim >= rows[-1][0]:
-        return rows[-1][1]
-    for (h0, f0), (h1, f1) in zip(rows, rows[1:]):
-        if h0 <= head_dim <= h1:
-            return f0 + (f1 - f0) * (head_dim - h0) / (h1 - h0)
-    raise AssertionError("unreachable")
+    return _piecewise(rows, head_dim, lambda x, x0, x1: (x - x0) / (x1 - x0))
 
 
 def price(kernels: list[tuple], gpu: str) -> tuple[float, float]:
