@@ -58,6 +58,11 @@ class Layout:
         """The ranks a stage's weight gradients are averaged over, and ZeRO shards over: dp x cp."""
         return self.dp * self.cp
 
+    def activation_rows(self, model: GPTConfig) -> int:
+        """The tokens of a sequence one rank holds between the layers (what a pipeline stage sends on): its
+        s / cp under context parallelism, cut by tp again under sequence parallelism."""
+        return model.seq_len // self.cp // (self.tp if self.sequence_parallel else 1)
+
     @property
     def effective_zero(self) -> int:
         """The stage that runs: one data-parallel rank (dp x cp = 1) is always stage 0."""

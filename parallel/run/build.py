@@ -126,6 +126,6 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     executor = PipelineExecutor(stage, schedule, mesh.pp_rank, mesh.ranks_of("pp"), data_parallel, device, tied,
                                 comms["pp"])
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
-    seq = cfg.model.seq_len // cfg.cp // (mesh.tp if cfg.sequence_parallel else 1)
-    executor.set_activation((micro_batch, seq, cfg.model.d_model), dtype_of(policy.compute))
+    rows = layout.activation_rows(cfg.model)  # what a stage sends on: this rank's tokens of each sequence
+    executor.set_activation((micro_batch, rows, cfg.model.d_model), dtype_of(policy.compute))
     return Rank(mesh, policy, stage, data_parallel, optimizer, make_scaler(cfg, policy.loss_scaling), executor, comms)

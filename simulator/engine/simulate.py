@@ -245,8 +245,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     clock = time.perf_counter()
     memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule),
                             attention, sp_saved_input, settings.zero3_prefetch)
-    seq = model.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)  # a rank's activation rows
-    activation = micro_batch * seq * model.d_model * FORMAT_BYTES[pol.compute]
+    activation = micro_batch * layout.activation_rows(model) * model.d_model * FORMAT_BYTES[pol.compute]
     tied = model.tied_head and layout.pp > 1
     sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]
     timings["costs_s"] = time.perf_counter() - clock
