@@ -4,13 +4,22 @@
 the model's order) the way the executor lays them out: ZeRO 0-2 in gradient buckets of
 whole parameters (precision/flat.py), ZeRO-3 in gather units (parallel/data/zero3.py: the
 embeddings, each block, the final norm and head), each padded to a multiple of the
-data-parallel size. The executor checks its own flat buffers against this plan before
+ranks ZeRO shards over (Layout.shard_ranks: dp x cp, or a shard group of N under hybrid
+sharding). The executor checks its own flat buffers against this plan before
 the first step (parallel/run/build.py), so the schedule cannot describe other buckets than
-the ones that run. `collectives` says what each data-parallel action moves: what
-parallel/comm.py counts when the executor runs it, and what the simulator prices.
+the ones that run. `collectives` says what each data-parallel action moves, and over which
+group: what parallel/comm.py counts when the executor runs it, and what the simulator prices.
+
+Hybrid sharding (HSDP, Layout.shard_group N): gathers and reduce-scatters span a shard group;
+each reduce-scatter's piece (1/N of the bucket or unit) is then all-reduced over the replica
+group (the ranks at the same place in every shard group); the tied copy's all-reduce runs over
+the shard group, then the replica group; the squared gradient norm over the shard group only
+(every replica group holds the same shards once reduced).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from minigpt.config import GPTConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
@@ -69,7 +78,7 @@ def plan_for(model: GPTConfig, layout: Layout, bucket_numel: int | None, element
 
     `bucket_numel`: elements a gradient bucket collects before it is cut (job/train_config.bucket_numel);
     `element_bytes`: of the weights and gradients ZeRO holds (the compute format)."""
-    zero, pad_to = layout.effective_zero, layout.data_ranks  # the group is the stage's dp x cp ranks
+    zero, pad_to = layout.effective_zero, layout.shard_ranks  # the stage's dp x cp ranks, or a shard group of them
     chunks = []
     for per_chunk, placed in zip(stage_units(model, layout), layout.rank_chunks(model)):
         count = sum(len(units) for units in per_chunk)
@@ -81,26 +90,38 @@ def plan_for(model: GPTConfig, layout: Layout, bucket_numel: int | None, element
             tensors = [t for unit in units for t in unit]
             chunks.append((chunk, _chunk_params(tensors, units, kept, zero, pad_to, bucket_numel,
                                                 _tied_tensor(model, layout, chunk))))
-    return DataParallelPlan(layout.data_ranks, element_bytes, tuple(sorted(chunks)))
+    return DataParallelPlan(layout.shard_ranks, element_bytes, tuple(sorted(chunks)), layout.shard_replicas,
+                            layout.reshard_after_forward or zero != 3)
 
 
-def collectives(action: Action, plan: DataParallelPlan) -> list[tuple[str, int]]:
-    """(kind, bytes) of every data-parallel collective `action` issues, in parallel/comm.py's
-    convention (the whole buffer for all-reduce, the gathered size for all-gather and
-    reduce-scatter); none over one replica."""
-    if plan.dp == 1:
+class Call(NamedTuple):
+    """One collective: its kind, its bytes in parallel/comm.py's convention, and its group: "shard" (the plan's
+    dp ranks: every data rank, or a shard group under hybrid sharding) or "replicas" (the replica group)."""
+
+    kind: str
+    nbytes: int
+    group: str = "shard"
+
+
+def collectives(action: Action, plan: DataParallelPlan) -> list[Call]:
+    """Every data-parallel collective `action` issues, in order, in parallel/comm.py's convention (the
+    whole buffer for all-reduce, the gathered size for all-gather and reduce-scatter); none over one replica."""
+    if plan.dp * plan.replicas == 1:
         return []
     size = plan.element_bytes
+    across = plan.replicas > 1
     if isinstance(action, AllReduceGrads):
-        return [("all_reduce", action.numel * size)]
-    if isinstance(action, ReduceScatterGrads):
-        return [("reduce_scatter", action.numel * size)]
+        return [Call("all_reduce", action.numel * size)]
+    if isinstance(action, ReduceScatterGrads):  # hybrid: the piece, all-reduced over the replicas
+        piece = [Call("all_reduce", action.numel // plan.dp * size, "replicas")] if across else []
+        return [Call("reduce_scatter", action.numel * size)] + piece
     if isinstance(action, GatherParams):
-        return [("all_gather", action.numel * size)]
+        return [Call("all_gather", action.numel * size)]
     if isinstance(action, ReduceTiedGrad):
-        return [("all_reduce", action.numel * size)]
+        tied = Call("all_reduce", action.numel * size)
+        return [tied, tied._replace(group="replicas")] if across else [tied]
     if isinstance(action, OptimizerStep) and action.norm_over_dp:
-        return [("all_reduce", NORM_BYTES)]
+        return [Call("all_reduce", NORM_BYTES)]
     return []
 
 
@@ -113,12 +134,25 @@ def schedule_config(model: GPTConfig, layout: Layout, micro_batches: int, kind: 
     return ScheduleConfig(layout.pp, micro_batches, kind, layout.virtual_chunks, layout.effective_zero, plan=plan)
 
 
+def zero3_hold(config: ScheduleConfig) -> int:
+    """How many reductions of a ZeRO-3 unit in a step end its stay gathered (job/schedule_comm.py's
+    frees_after): 1 (after each; resharding or not) or, without resharding after the forward under
+    pipelining, the step's micro-batches (after the chunk's last backward, as torchtitan runs it)."""
+    keeps_across = not config.data_parallel.reshard_after_forward and config.pp > 1
+    return config.micro_batches if keeps_across else 1
+
+
 def check_against_plan(plan: DataParallelPlan, sizes: dict[int, tuple[int, ...]], element_bytes: int,
-                       kept: dict[int, tuple[bool, ...]] | None = None) -> None:
-    """Raise unless a rank's real buckets (units) and element size are the plan's."""
+                       kept: dict[int, tuple[bool, ...]] | None = None,
+                       sharding: tuple[int, int, bool] | None = None) -> None:
+    """Raise unless a rank's real buckets (units), element size and, given, sharding (its group's ranks,
+    its replicas, whether ZeRO-3 reshards after the forward) are the plan's."""
     problems = []
     if plan.dp > 1 and element_bytes != plan.element_bytes:
         problems.append(f"elements of {element_bytes} bytes, not {plan.element_bytes}")
+    planned = (plan.dp, plan.replicas, plan.reshard_after_forward)
+    if sharding is not None and sharding != planned:
+        problems.append(f"sharded as (ranks, replicas, reshard after forward) {sharding}, planned {planned}")
     for chunk, real in sorted(sizes.items()):
         expected = plan.of(chunk)
         if real != expected.sizes:

@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.schedule import chunk_layers
-from job.train_config import CP_KINDS, check_context_parallel, check_tensor_parallel
+from job.train_config import CP_KINDS, check_context_parallel, check_sharding, check_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,10 @@ class Layout:
     Mesh order, outermost first: pp, dp, cp, tp (parallel/mesh.py's, cp between data and tensor parallelism).
     Context parallelism (job/train_config.py's check_context_parallel) cuts every sequence into 2 x cp chunks,
     two per rank; weight gradients are averaged, and ZeRO shards, over the dp x cp ranks of a stage
-    (`data_ranks`). The two cp fields come last so that positional constructions stay valid."""
+    (`data_ranks`). FSDP's settings: `shard_group` N (hybrid sharding: ZeRO over groups of N consecutive data ranks,
+    `shard_replicas` copies of each shard; 0: over all of them) and `reshard_after_forward` (ZeRO-3 only; False
+    keeps a unit gathered from its forward to its backward). New fields come last so that positional constructions
+    stay valid."""
 
     tp: int = 1
     pp: int = 1
@@ -38,6 +41,14 @@ class Layout:
     virtual_chunks: int = 1  # pipeline chunks per rank (interleaved schedules)
     cp: int = 1  # context-parallel ranks per sequence
     cp_kind: str = "ring"  # how keys and values travel between them: "ring" or "allgather"
+    reshard_after_forward: bool = True
+    shard_group: int = 0  # 0: ZeRO shards over every data rank
+
+    @classmethod
+    def of(cls, cfg) -> "Layout":
+        """The layout of a TrainConfig (job/train_config.py), every field of it."""
+        return cls(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks, cfg.cp, cfg.cp_kind,
+                   cfg.reshard_after_forward, cfg.shard_group)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "virtual_chunks", "cp"):
@@ -48,6 +59,7 @@ class Layout:
             raise ConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if self.cp_kind not in CP_KINDS:
             raise ConfigError(f"cp_kind must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}")
+        check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)
 
     @property
     def world_size(self) -> int:
@@ -67,6 +79,18 @@ class Layout:
     def effective_zero(self) -> int:
         """The stage that runs: one data-parallel rank (dp x cp = 1) is always stage 0."""
         return self.zero if self.data_ranks > 1 else 0
+
+    @property
+    def shard_ranks(self) -> int:
+        """N, the ranks ZeRO shards over, pads every flat buffer to a multiple of, and reduce-scatters and gathers
+        over: a shard group's, else every data rank's (and every data rank's when nothing is sharded)."""
+        return (self.shard_group or self.data_ranks) if self.effective_zero else self.data_ranks
+
+    @property
+    def shard_replicas(self) -> int:
+        """Copies of each shard (hybrid sharding): the size of a replica group, the ranks at the same place in every
+        shard group, over which the reduce-scattered gradients are all-reduced."""
+        return self.data_ranks // self.shard_ranks
 
     def check(self, model: GPTConfig) -> None:
         """Everything about this layout that the model's shape decides (the same checks as training)."""

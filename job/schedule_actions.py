@@ -289,11 +289,17 @@ class ChunkParams:
 @dataclass(frozen=True, slots=True)
 class DataParallelPlan:
     """The real bucket and unit layout of a run (job/data_parallel.py builds it; the executor checks
-    its own flat buffers against it), or, `symbolic`, equal unnamed buckets for drawing schedules."""
+    its own flat buffers against it), or, `symbolic`, equal unnamed buckets for drawing schedules.
+
+    `dp`: the ranks a reduction and a gather span (Layout.shard_ranks: a shard group under hybrid sharding,
+    else every data rank); `replicas`: copies of each shard (hybrid sharding: a reduce-scatter's piece is then
+    all-reduced over them); `reshard_after_forward`: ZeRO-3 frees a unit after each forward (job/schedule_comm.py)."""
 
     dp: int
     element_bytes: int  # of the weights and gradients ZeRO moves (the compute format)
     chunks: tuple[tuple[int, ChunkParams], ...]  # (global chunk, its layout), every chunk of the model
+    replicas: int = 1
+    reshard_after_forward: bool = True
 
     def of(self, chunk: int) -> ChunkParams:
         for index, params in self.chunks:

@@ -31,7 +31,16 @@ Data-parallel actions never sit inside a batch; they follow the plan's real
 buckets and units (ScheduleConfig.plan, job/data_parallel.py):
   - ZeRO-3 gathers a unit right before a compute that needs it while it is not
     gathered (forward, backward, weight gradient; every micro-batch, as units are
-    freed after each use unless kept), in the order the compute uses them;
+    freed after each use unless kept), in the order the compute uses them. Without
+    resharding after the forward (FSDP2's reshard_after_forward=False) nothing is freed
+    after a forward: a unit stays gathered for its backward of that micro-batch and is
+    freed after each backward (weight gradient) of its chunk, so it is gathered again
+    by the next compute that needs it -- the next forward under 1F1B (one gather per
+    unit and micro-batch, none before a backward), the next backward where forwards
+    run back to back (GPipe); under pipelining (pp > 1) it is freed only after the
+    chunk's last backward of the step, as torchtitan runs it: one gather per unit and
+    step, at its first forward. The rank's first and last units stay kept all step,
+    and gradients are reduce-scattered every micro-batch either way;
   - reductions come right after the compute that makes their gradients, last
     bucket first (a backward fills it first): ZeRO 0/1 once a step, after the
     chunk's last weight gradient; ZeRO 2/3 after every micro-batch's;
@@ -193,7 +202,8 @@ class _DataParallelPlacer:
     ZeRO-3 units are gathered where a compute needs one that is not gathered: a forward needs every
     unit of its chunk, a backward (or weight gradient) too, an input gradient the units it runs
     through (none on chunk 0, whose weight gradient does the whole backward); a unit is freed after
-    each forward and after each of its reductions, unless it is kept (the rank's first and last)."""
+    each forward and after each of its reductions, unless it is kept (the rank's first and last), or, without
+    resharding after the forward, as `frees_after` says."""
 
     def __init__(self, config: ScheduleConfig, rank: int, order: list[Compute]):
         self.config, self.rank, self.zero = config, rank, config.zero_stage
@@ -222,7 +232,7 @@ class _DataParallelPlacer:
     def after(self, action: Compute) -> list[Action]:
         chunk, params = action.chunk, self.plan.of(action.chunk)
         makes_grads = isinstance(action, (Backward, BackwardWeight))
-        if self.zero == 3 and (isinstance(action, Forward) or makes_grads):
+        if self.zero == 3 and self.frees_after(action):
             self.resident -= {(chunk, u) for u in range(len(params.sizes)) if not params.is_kept(u)}
         if not makes_grads:
             return []
@@ -232,6 +242,16 @@ class _DataParallelPlacer:
         if self.last_weight_grad[chunk] is not action:
             return []
         return [self.reduction(chunk, b) for b in order if not (chunk == self.tied_chunk and b == params.tied)]
+
+    def frees_after(self, action: Compute) -> bool:
+        """Whether ZeRO-3 frees the chunk's units that are not kept after `action`: after every forward and
+        backward (weight gradient); without resharding after the forward, after each backward, and under
+        pipelining only after the chunk's last backward of the step (parallel/data/zero3.py does the same)."""
+        if isinstance(action, Forward):
+            return self.plan.reshard_after_forward
+        if not isinstance(action, (Backward, BackwardWeight)):
+            return False
+        return self.plan.reshard_after_forward or self.config.pp == 1 or self.last_weight_grad[action.chunk] is action
 
     def reduction(self, chunk: int, bucket: int) -> Action:
         return reduce_kind(self.zero)(chunk, bucket, self.sizes(chunk)[bucket])

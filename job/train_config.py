@@ -77,6 +77,31 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
                           f"--tp {tp}, which does not divide them: change --seq-len, --cp or --tp")
 
 
+def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_after_forward: bool = True) -> None:
+    """FSDP's two settings, as training and the simulator take them (job/layout.py's Layout checks the same).
+
+    `shard_group` N (hybrid sharding, HSDP): ZeRO shards over groups of N consecutive data ranks, replicated
+    across the groups; 0: over every data rank (dp x cp). `reshard_after_forward` False: ZeRO-3 keeps a unit
+    gathered from its forward to its backward (job/schedule_comm.py says how long)."""
+    if not isinstance(reshard_after_forward, bool):
+        raise ConfigError(f"reshard_after_forward must be true or false, got {reshard_after_forward!r}")
+    if not reshard_after_forward and zero != 3:
+        raise ConfigError(f"--no-reshard-after-forward keeps ZeRO-3's gathered weights from a unit's forward to its "
+                          f"backward: it needs --zero 3, not --zero {zero}")
+    if isinstance(shard_group, int) and not isinstance(shard_group, bool) and shard_group == 0:
+        return  # every data rank: plain ZeRO
+    check_positive_int("--shard-group", shard_group)
+    if zero == 0:
+        raise ConfigError(f"--shard-group {shard_group} shards ZeRO's states over groups of ranks: it needs --zero 1, "
+                          f"2 or 3 (ZeRO-0 shards nothing)")
+    if data_ranks % shard_group:
+        divisors = [n for n in range(2, data_ranks + 1) if data_ranks % n == 0]
+        raise ConfigError(f"--shard-group {shard_group} does not divide the data-parallel group of dp x cp = "
+                          f"{data_ranks} ranks: choose one of {', '.join(map(str, divisors)) or 'none (one rank)'}")
+    if shard_group == 1:
+        raise ConfigError("--shard-group 1 shards over one rank: nothing would be sharded; give a group of 2 or more "
+                          "ranks, or --zero 0")
+
 
 def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
                  cp_kind: str = "ring") -> bool:
@@ -121,6 +146,8 @@ class TrainConfig:
     cp: int = 1  # context parallelism: each rank holds 2 of 2 x cp chunks of every sequence
     cp_kind: str = "ring"  # how the keys and values travel: "ring" (p2p, overlapped) or "allgather"
     zero: int = 0
+    shard_group: int = 0  # hybrid sharding: ZeRO over groups of this many data ranks (0: all dp x cp of them)
+    reshard_after_forward: bool = True  # False: ZeRO-3 keeps a unit gathered from its forward to its backward
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_chunks: int = 1
@@ -148,6 +175,7 @@ class TrainConfig:
         check_context_parallel(self.model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ConfigError(f"--bucket-mb must be a number > 0, got {self.bucket_mb}")
         if self.threads_per_rank is not None:

@@ -8,7 +8,10 @@ node, on the fastest links, as in Megatron-LM. Context parallelism comes next (k
 every layer, overlapped with attention): tp x cp adjacent ranks, on a node's links while they fit
 in it. Data parallelism talks once a step and pipeline parallelism only point to point, so they
 can span nodes. Weight gradients are averaged over dp x cp (`data_group`): a context-parallel
-rank is, for the weights, one more replica that saw other tokens.
+rank is, for the weights, one more replica that saw other tokens. Hybrid sharding (`shard`, HSDP) cuts
+those dp x cp data ranks, in order, into shard groups of N consecutive ones (`shard_group`: ZeRO shards,
+reduce-scatters and gathers inside one) and replica groups, the ranks at the same place in every shard
+group (`replica_group`: the reduce-scattered gradients are all-reduced across them).
 
 The groups come from torch's DeviceMesh, the structure DTensor, FSDP2 and torch's own
 tensor parallelism use, so those can be compared with ours on the very same groups.
@@ -45,6 +48,9 @@ class Mesh:
     cp: int = 1
     cp_rank: int = 0
     data_group_: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    shard: int = 0  # hybrid sharding: data ranks per shard group (0: all of them)
+    shard_group_: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    replica_group_: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -64,6 +70,21 @@ class Mesh:
         if self.dp == 1:
             return self.group("cp")
         return self.data_group_
+
+    @property
+    def shard_ranks(self) -> int:
+        """Data ranks per shard group: `shard`, or all of them."""
+        return self.shard or self.data_ranks
+
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """This rank's shard group (the whole data group without hybrid sharding; None for one rank)."""
+        if self.shard_ranks == self.data_ranks:
+            return self.data_group()
+        return self.shard_group_
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks at this rank's place in every shard group (None without hybrid sharding)."""
+        return None if self.shard_ranks == self.data_ranks else self.replica_group_
 
     def size(self, dim: str) -> int:
         check_dim(dim)
@@ -120,8 +141,9 @@ def global_rank(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, cp_r
     return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def build_mesh(pp: int, dp: int, tp: int, device: torch.device, cp: int = 1) -> Mesh:
+def build_mesh(pp: int, dp: int, tp: int, device: torch.device, cp: int = 1, shard: int = 0) -> Mesh:
     """This rank's Mesh for a pp x dp x cp x tp layout; every rank must call it, with the same sizes.
+    `shard`: data ranks per shard group under hybrid sharding (0: none; it must divide dp x cp).
 
     Call it after init_worker(): the sizes must multiply to the process group's world size.
     """
@@ -147,7 +169,12 @@ def build_mesh(pp: int, dp: int, tp: int, device: torch.device, cp: int = 1) -> 
     mesh = Mesh(pp, dp, tp, rank=dist.get_rank(), pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank, device=device,
                 device_mesh=device_mesh, cp=cp, cp_rank=cp_rank)
     if dp > 1 and cp > 1:
-        return replace(mesh, data_group_=_data_group(mesh))
+        mesh = replace(mesh, data_group_=_data_group(mesh))
+    if 0 < shard < mesh.data_ranks:
+        if mesh.data_ranks % shard:
+            raise ConfigError(f"a shard group of {shard} ranks does not divide dp x cp = {mesh.data_ranks}")
+        mesh = replace(mesh, shard=shard, shard_group_=_sub_group(mesh, shard, True),
+                       replica_group_=_sub_group(mesh, shard, False))
     return mesh
 
 
@@ -161,4 +188,21 @@ def _data_group(mesh: Mesh) -> dist.ProcessGroup:
             group = dist.new_group(ranks)
             if mesh.rank in ranks:
                 mine = group
+    return mine
+
+
+def _sub_group(mesh: Mesh, shard: int, shards: bool) -> dist.ProcessGroup:
+    """This rank's shard group (`shards`: `shard` consecutive data ranks) or replica group (the data ranks
+    `shard` apart); every rank builds every one of them, in one order (new_group is collective)."""
+    mine = None
+    for pp_rank in range(mesh.pp):
+        for tp_rank in range(mesh.tp):
+            data = [mesh.global_rank(pp_rank, dp_rank, cp_rank, tp_rank)
+                    for dp_rank in range(mesh.dp) for cp_rank in range(mesh.cp)]
+            groups = [data[g : g + shard] for g in range(0, len(data), shard)] if shards else \
+                [data[j::shard] for j in range(shard)]
+            for ranks in groups:
+                group = dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    mine = group
     return mine

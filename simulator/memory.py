@@ -9,13 +9,16 @@ checked against it:
   bucket_numel (job/train_config.py: bucket_mb MiB over the compute bytes), each padded to a multiple of
   the data-parallel size N; ZeRO-3 pads one flat per unit (embeddings, each block,
   final norm + head). A bucket never spans two pipeline chunks. With N == 1 every stage
-  is stage 0 (make_data_parallel).
+  is stage 0 (make_data_parallel). Under hybrid sharding N is a shard group's ranks
+  (Layout.shard_ranks): a rank's states are those of 1/N, whatever the number of replica groups.
 - Stages: 0 all weights, grads, masters, m, v; 1 masters/m/v for 1/N; 2 grads 1/N too;
   3 weights 1/N too. Masters exist only when the policy has them (fp32: none).
 - Activations: the tensors simulator/costs/ops.py's op list saves (by attention kind, recompute
   kind and what sequence parallelism saves), checked against config.py's counts for our
   executor's flash attention; while a block's backward recomputes, what it recomputes is
-  alive too. Comm buffers: `data_parallel_buffers`, `zero3_buffers`.
+  alive too. A block's workspace (fp8 weight copies cast once a step, Implementation.fp8_weight_cache)
+  is held once per layer on the rank, not per micro-batch in flight.
+  Comm buffers: `data_parallel_buffers`, `zero3_buffers`.
   A run's measured activations are one micro-batch's forward (parallel/memory.py):
   compare them with micro_batches_in_flight=1.
 - Context parallelism (Layout.cp): a rank's activations are those of its s/cp tokens (the op list's
@@ -170,19 +173,36 @@ def data_parallel_buffers(stage: int, cut: list[Bucket], dp: int) -> int:
     return peak
 
 
-def zero3_buffers(units: list[int], dp: int, prefetch: int = 1) -> int:
+ZERO3_HOLDS = ("forward", "backward", "step")
+
+
+def zero3_hold(layout: Layout, micro_batches: int | None = None) -> str:
+    """How long ZeRO-3 keeps a unit gathered (job/schedule_comm.py's frees_after): "forward" (freed after each
+    forward and backward), "backward" (not resharded after the forward: freed after each backward), "step"
+    (not resharded, under pipelining with several micro-batches (None: several): gathered all step)."""
+    if layout.reshard_after_forward:
+        return "forward"
+    return "step" if layout.pp > 1 and (micro_batches is None or micro_batches > 1) else "backward"
+
+
+def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "forward") -> int:
     """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/data/zero3.py does.
 
     While unit i's gradients come in: the first and last units (kept gathered all step),
     unit i and the `prefetch` units before it (gathered ahead; our code prefetches one) when
     they are not kept, unit i's staging (full size), and the last MAX_IN_FLIGHT
-    reduce-scatters (staging + 1/N output).
+    reduce-scatters (staging + 1/N output). Not resharded after the forward (`hold`, zero3_hold):
+    every unit up to i, those after it freed after their reduction ("backward"), or every unit ("step").
     """
     kept = {0, len(units) - 1}
     peak, in_flight = 0, []
     for i in reversed(range(len(units))):
         gathered = sum(units[j] for j in kept)
-        if i not in kept:
+        if hold == "step":
+            gathered = sum(units)
+        elif hold == "backward":
+            gathered += sum(units[j] for j in range(i + 1) if j not in kept)
+        elif i not in kept:
             gathered += units[i] + sum(units[j] for j in range(max(0, i - prefetch), i) if j not in kept)
         peak = max(peak, gathered + units[i] + sum(in_flight))
         in_flight = (in_flight + [units[i] + units[i] // dp])[-MAX_IN_FLIGHT:]
@@ -217,13 +237,16 @@ class ActivationModel:
     recomputing: int  # alive in addition while one block's backward recomputes
     implementation: Implementation
     exchanging: int = 0  # alive in addition while one block's attention backward exchanges (context parallelism)
+    workspace: int = 0  # held once per block for the whole step, whatever the micro-batches (cached fp8 weights)
+    fp8_weights: int = 0  # of per_layer: the e4m3 weight copies a micro-batch keeps (fp8 weights cast per forward)
 
     @classmethod
     def of(cls, model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
            implementation: Implementation) -> "ActivationModel":
         ops = block_ops(model, micro_batch_size, layout, policy, implementation)
         exchanging = exchange_buffer_bytes(model, layout, policy, micro_batch_size)
-        return cls(ops.saved_bytes, ops.recomputed_bytes, implementation, exchanging)
+        copies = sum(t.bytes for t in ops.saved if t.name.endswith(".weight_fp8"))
+        return cls(ops.saved_bytes, ops.recomputed_bytes, implementation, exchanging, ops.workspace_bytes, copies)
 
 
 @lru_cache(maxsize=1024)
@@ -238,11 +261,12 @@ def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp
 
 
 @lru_cache(maxsize=256)
-def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, data_ranks: int, zero: int,
-                  pol: PrecisionPolicy, bucket_elements: int, prefetch: int) -> tuple[StageMemory, ...]:
-    """Every stage's model states and buffers (no activations): they depend on dp and cp only through dp x cp."""
-    layout = Layout(tp, pp, data_ranks, zero, virtual_chunks=virtual_chunks)
-    return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch)
+def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
+                  pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str) -> tuple[StageMemory, ...]:
+    """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
+    ZeRO shards over (dp x cp, or a shard group of them)."""
+    layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks)
+    return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
 
 
@@ -264,7 +288,7 @@ def _check_in_flight(micro_batches_in_flight, pp: int) -> list[int]:
 
 
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
-           activations: int, prefetch: int) -> StageMemory:
+           activations: int, prefetch: int, hold: str = "forward") -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given)."""
     per_param = pol.bytes_per_param()
     zero, dp = layout.effective_zero, layout.data_ranks
@@ -280,7 +304,7 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     held = sum(unit_sizes) // dp if zero == 3 else padded
     owned = held if zero in (0, 3) else padded // dp
     grads = owned if zero >= 2 else held
-    buffers = zero3_buffers(unit_sizes, dp, prefetch) if zero == 3 else data_parallel_buffers(zero, cut, dp)
+    buffers = zero3_buffers(unit_sizes, dp, prefetch, hold) if zero == 3 else data_parallel_buffers(zero, cut, dp)
     return StageMemory(
         parameters=held * per_param["compute"], gradients=grads * per_param["grad"],
         master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
@@ -297,6 +321,12 @@ def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0
         )
     if layout.data_ranks == 1 and layout.zero > 0:
         notes.append("one data-parallel rank: ZeRO runs as stage 0")
+    if layout.shard_replicas > 1:
+        notes.append(f"hybrid sharding: ZeRO shards over groups of {layout.shard_ranks} ranks, "
+                     f"{layout.shard_replicas} copies of each shard")
+    if layout.effective_zero == 3 and not layout.reshard_after_forward:
+        notes.append("ZeRO-3 without resharding after the forward: comm buffers hold the units kept gathered "
+                     "until their backward" + (" (all step, under pipelining)" if layout.pp > 1 else ""))
     if layout.cp > 1:
         notes.append(f"context parallelism {layout.cp} ({layout.cp_kind}): each rank holds the activations of "
                      f"{model.seq_len // layout.cp:,} of the sequence's {model.seq_len:,} tokens, and "
@@ -320,6 +350,8 @@ def predict_memory(
     attention: str = "flash",
     sp_saved_input: str = "gathered",
     prefetch: int = 1,
+    micro_batches: int | None = None,
+    implementation: Implementation | None = None,
 ) -> MemoryEstimate:
     """Bytes per GPU by category, for the most loaded pipeline stage (every stage in `per_stage`).
 
@@ -328,10 +360,14 @@ def predict_memory(
     pp - rank). With virtual chunks it counts chunk forwards, each charged the rank's largest
     chunk (and the head's activations on the last rank): an upper bound. `attention`,
     `recompute`, `sp_saved_input`: simulator/costs/ops.py's Implementation; `prefetch`: ZeRO-3 units
-    gathered ahead (simulator/engine/overlap.py)."""
+    gathered ahead (simulator/engine/overlap.py); `micro_batches` per step (None: several), which decide how
+    long ZeRO-3 without resharding after the forward keeps its units under pipelining (zero3_hold); `implementation`
+    (simulator/costs/op_types.py), when given, in place of attention, recompute and sp_saved_input. A block's
+    workspace (fp8 weights cast once a step, fp8_weight_cache) is held once per layer on the rank."""
     layout.check(model)
     pol = precision_policy(precision)
-    implementation = Implementation(attention, recompute, sp_saved_input)
+    implementation = implementation or Implementation(attention, recompute, sp_saved_input)
+    recompute = implementation.recompute
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
@@ -343,19 +379,33 @@ def predict_memory(
     bucket_elements = bucket_numel(bucket_mb, pol.bytes_per_param()["compute"])
     block, embedding_ends, head_ends = _activations(model, layout.tp, layout.sequence_parallel, layout.cp,
                                                     layout.cp_kind, pol, micro_batch_size, implementation)
-    states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.data_ranks,
-                           layout.effective_zero, pol, bucket_elements, prefetch)
+    states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
+                           layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches))
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):
         first, last = any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed)
         layers = max(len(r) for _, r in placed)  # with virtual chunks: a micro-batch in flight holds one chunk
         ends = (embedding_ends if first else 0) + (head_ends if last else 0)
-        activations = in_flight[index] * (layers * block.per_layer + ends) + block.recomputing + block.exchanging
+        activations = in_flight[index] * (layers * block.per_layer + ends) + block.recomputing + block.exchanging \
+            + sum(len(r) for _, r in placed) * block.workspace
         stages.append(replace(states[index], activations=activations))
     peak = max(stages, key=lambda s: s.total)
     return MemoryEstimate(
         **{name: getattr(peak, name) for name in MemoryBytes.__dataclass_fields__},
         stage=peak.stage, per_stage=tuple(stages), capacity=None if gpu is None else gpu.hbm_bytes,
-        notes=_notes(layout, model, recompute, block.exchanging),
+        notes=_notes(layout, model, recompute, block.exchanging) + _fp8_note(block, layout, model),
     )
+
+
+def _fp8_note(block: "ActivationModel", layout: Layout, model: GPTConfig) -> tuple[str, ...]:
+    """Where fp8 Linears' weight copies sit in the activations (simulator/costs/ops.py's fp8 Linears)."""
+    layers = model.n_layers // (layout.pp * layout.virtual_chunks)
+    if block.workspace:
+        return (f"fp8 weights cast once a step: activations include {block.workspace / 2**20:,.0f} MiB of e4m3 weight "
+                f"copies per layer, held once ({layers * layout.virtual_chunks} layers on a rank)",)
+    if block.fp8_weights:
+        return (f"fp8 weights cast in every forward: each micro-batch in flight keeps its own e4m3 copy of its "
+                f"layers' weights ({block.fp8_weights / 2**20:,.0f} MiB per layer), as precision/fp8.py does; "
+                f"Transformer Engine under Megatron-core casts once a step (Implementation.fp8_weight_cache)",)
+    return ()

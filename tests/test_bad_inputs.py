@@ -117,6 +117,13 @@ CASES = [
     ("train", ["--cp", "32"], "chunks of at least one token"),
     ("train", ["--cp", "0"], "--cp"),
     ("train", ["--cp", "2", "--cp-kind", "mesh"], "--cp-kind must be one of ring, allgather"),
+    # train: FSDP's settings (cli/options/fsdp.py)
+    ("train", ["--dp", "4", "--zero", "3", "--shard-group", "3"], "--shard-group 3 does not divide the data-parallel"),
+    ("train", ["--no-reshard-after-forward"], "--no-reshard-after-forward keeps ZeRO-3's gathered weights"),
+    ("train", ["--dp", "2", "--zero", "2", "--no-reshard-after-forward"], "needs --zero 3, not --zero 2"),
+    ("train", ["--dp", "2", "--shard-group", "2"], "needs --zero 1, 2 or 3"),
+    ("train", ["--dp", "4", "--zero", "3", "--shard-group", "1"], "shards over one rank"),
+    ("train", ["--dp", "4", "--zero", "3", "--shard-group", "-2"], "--shard-group must be a positive integer"),
     ("train", ["--cp", "4", "--tp", "16", "--sequence-parallel"], "does not divide"),
     ("train", ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"], "sequence parallelism cuts each "
      "context-parallel rank's 18 tokens"),
@@ -187,6 +194,9 @@ CASES = [
     ("simulate", ["--micro-batches", "4"], "needs a fixed dp and --global-batch"),
     ("simulate", ["--global-batch", "64", "--micro-batches", "3", "--dp", "4"], "does not divide the global batch 64"),
     ("compare", ["--hardware", "{root}/profile.json", "--micro-batch-size", "5"], "does not divide"),
+    ("compare", ["--hardware", "{root}/profile.json", "--dp", "4", "--zero", "3", "--shard-group", "3"],
+     "--shard-group 3 does not divide"),
+    ("compare", ["--hardware", "{root}/profile.json", "--dp", "2", "--no-reshard-after-forward"], "needs --zero 3"),
     ("train", ["--recompute", "sometimes"], "--recompute must be none or selective"),
     ("simulate", ["--model", "llama3-70b", "--kv-heads", "5"], "n_kv_heads=5 does not divide n_heads=64"),
     ("simulate", ["--model", "llama3-70b", "--tp", "16", "--gpus-per-node", "16"], "does not divide the 8 key/value"),

@@ -79,7 +79,8 @@ def config_of(saved: dict, changes: dict) -> TrainConfig:
 
 def new_rank(cfg: TrainConfig):
     device = torch.device("cpu")
-    return build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp), device, precision_policy(cfg.precision))
+    return build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp, cfg.shard_group), device,
+                      precision_policy(cfg.precision))
 
 
 def train(rank, cfg: TrainConfig, corpus: Corpus, steps: range) -> list[float]:

@@ -48,21 +48,39 @@ LAYOUTS = {
         "pp2 dp2 zero1 interleaved": dict(pp=2, dp=2, zero=1, micro_batches=4, schedule="interleaved",
                                           virtual_chunks=2, bucket_mb=0.01),
         "pp2 dp2 zero3 zb-h1": dict(pp=2, dp=2, zero=3, micro_batches=2, schedule="zb-h1"),
+        # FSDP as today's stacks run it: no resharding after the forward, hybrid sharding (HSDP)
+        "dp4 zero3 no-reshard m2": dict(dp=4, zero=3, micro_batches=2, reshard_after_forward=False),
+        "pp2 dp2 zero3 no-reshard 1f1b": dict(pp=2, dp=2, zero=3, micro_batches=4, reshard_after_forward=False),
+        "pp2 dp2 zero3 no-reshard zb-h1": dict(pp=2, dp=2, zero=3, micro_batches=2, schedule="zb-h1",
+                                               reshard_after_forward=False),
+        "dp4 zero3 shard2 m2": dict(dp=4, zero=3, micro_batches=2, shard_group=2),
+        "dp4 zero2 shard2": dict(dp=4, zero=2, micro_batches=2, bucket_mb=0.01, shard_group=2),
+        "dp4 zero1 shard2": dict(dp=4, zero=1, micro_batches=2, bucket_mb=0.01, shard_group=2),
     },
     8: {
         "tp2 pp2 dp2 zero3": dict(tp=2, pp=2, dp=2, zero=3, micro_batches=4),
         "tp2 pp2 dp2 zero2 untied": dict(tp=2, pp=2, dp=2, zero=2, micro_batches=2, bucket_mb=0.01,
                                          model=dataclasses.replace(MODEL, tied_head=False)),
+        "pp2 dp4 zero3 shard2": dict(pp=2, dp=4, zero=3, micro_batches=2, shard_group=2),
+        "pp2 dp4 zero3 shard2 no-reshard": dict(pp=2, dp=4, zero=3, micro_batches=2, shard_group=2,
+                                                reshard_after_forward=False),
     },
 }
 
 
-def planned(cfg: TrainConfig, pp_rank: int) -> list[tuple[str, int]]:
-    """What the simulator's schedule says this rank's data-parallel group moves in a step."""
-    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks)
-    schedule = step_schedule(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
+def planned(cfg: TrainConfig, pp_rank: int) -> list[tuple[str, int, str]]:
+    """What the simulator's schedule says this rank's data-parallel groups move in a step: (kind, bytes, group),
+    group "shard" (every data rank, or a shard group under hybrid sharding) or "replicas"."""
+    schedule = step_schedule(cfg.model, Layout.of(cfg), cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
     plan = schedule.config.plan
-    return [call for action in schedule.actions[pp_rank] for call in collectives(action, plan)]
+    return [tuple(call) for action in schedule.actions[pp_rank] for call in collectives(action, plan)]
+
+
+def counted_calls(rank) -> list[tuple[str, int, str]]:
+    """What this step's data-parallel counters saw, tagged with their group as `planned` tags it."""
+    replicas = rank.comms["dp_replicas"].log if "dp_replicas" in rank.comms else []
+    return [(kind, size, "shard") for kind, size in rank.comms["dp"].log] + \
+        [(kind, size, "replicas") for kind, size in replicas]
 
 
 def counted_and_planned(world: int) -> dict:
@@ -73,12 +91,13 @@ def counted_and_planned(world: int) -> dict:
     found = {}
     for name, changes in LAYOUTS[world].items():
         cfg = dataclasses.replace(BASE, **changes)
-        rank = build_rank(cfg, build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp), device, precision_policy(cfg.precision))
+        mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp, cfg.shard_group)
+        rank = build_rank(cfg, mesh, device, precision_policy(cfg.precision))
         steps = []
         for step in range(STEPS):
             inputs, targets = micro_batches(corpus, cfg, step, rank.mesh, device)
             rank.train_step(cfg, step, inputs, targets)
-            steps.append(list(rank.comms["dp"].log))
+            steps.append(counted_calls(rank))
         found[name] = {"counted": steps, "planned": planned(cfg, rank.mesh.pp_rank)}
     return found
 

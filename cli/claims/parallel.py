@@ -161,7 +161,7 @@ def strategy_volume(name: str, layout: dict) -> float:
         activation = case.micro_batch * model.seq_len * model.d_model * FORMAT_BYTES[case.precision]
         return activation * sum(isinstance(a, (SendActivation, SendGrad)) for a in actions)
     return sum(2 * size if kind == "all_reduce" else size
-               for action in actions for kind, size in collectives(action, config.plan))
+               for action in actions for kind, size, _ in collectives(action, config.plan))
 
 
 def _ranks(values: dict[str, float]) -> dict[str, int]:

@@ -55,7 +55,7 @@ def step_volume(stage: int, micro_batches: int) -> dict[str, int]:
                              TrainConfig.bucket_mb, PRECISION)
     volume: dict[str, int] = {}
     for action in build_schedule(config).actions[0]:
-        for kind, size in collectives(action, config.plan):
+        for kind, size, _ in collectives(action, config.plan):
             volume[kind] = volume.get(kind, 0) + (2 * size if kind == "all_reduce" else size)
     return volume
 

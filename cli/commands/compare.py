@@ -19,6 +19,7 @@ import click
 
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
+from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
@@ -38,7 +39,8 @@ def build_compare_config(options: dict) -> TrainConfig:
         device="cpu" if options["device"] == "cpu" else "auto",
         precision=CPU_PRECISION if options["precision"] == AUTO else options["precision"],  # auto: resolved below
         tp=options["tp"], pp=options["pp"], dp=options["dp"], cp=options.get("cp", 1), cp_kind=options.get("cp_kind", "ring"),
-        zero=options["zero"], schedule=options["schedule"],
+        zero=options["zero"], schedule=options["schedule"], shard_group=options.get("shard_group", 0),
+        reshard_after_forward=options.get("reshard_after_forward", True),
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
     )
@@ -59,6 +61,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--dp", default=1, show_default=True, type=int)
 @context_options
 @click.option("--zero", default=0, show_default=True, type=int)
+@fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b or interleaved.")
 @click.option("--virtual-chunks", "virtual_chunks", default=1, show_default=True, type=int)
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism (tp > 1).")

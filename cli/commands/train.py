@@ -12,6 +12,7 @@ import click
 
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
+from cli.options.fsdp import fsdp_options
 from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
@@ -67,6 +68,8 @@ def build_train_config(options: dict) -> TrainConfig:
         cp=options["cp"],
         cp_kind=options["cp_kind"],
         zero=options["zero"],
+        shard_group=options["shard_group"],
+        reshard_after_forward=options["reshard_after_forward"],
         sequence_parallel=options["sequence_parallel"],
         schedule=options["schedule"],
         virtual_chunks=options["virtual_chunks"],
@@ -217,6 +220,7 @@ def mib(n: int) -> str:
               "tp x cp x pp on CUDA, torchrun's world over them, on a CPU 1, or 2 with --zero 1-3 and no --cp].")
 @context_options
 @click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group (dp x cp): 0-3.")
+@fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (zero bubble: input and weight gradients split).")
 @click.option("--virtual-chunks", default=1, show_default=True, type=int, help="Model chunks per pipeline rank (interleaved).")
 @click.option("--sequence-parallel", is_flag=True, help="Shard LayerNorm and dropout regions along the sequence (tp > 1).")
@@ -328,6 +332,10 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
     )
     context = f" x cp {cfg.cp} ({cfg.cp_kind})" if cfg.cp > 1 else ""
     group = f"dp x cp group of {cfg.data_ranks}" if cfg.cp > 1 else f"dp group of {cfg.dp}"
+    if cfg.shard_group:
+        group = f"shard groups of {cfg.shard_group} ({cfg.data_ranks // cfg.shard_group} replicas, hybrid)"
+    if not cfg.reshard_after_forward:
+        group += ", no resharding after the forward"
     click.echo(f"layout: tp {cfg.tp}{context} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
                f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
                f"{'' if cfg.zero == 0 else ' over the ' + group}"

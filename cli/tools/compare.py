@@ -58,8 +58,7 @@ def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> Co
     if cfg.world_size > per_node:
         raise ConfigError(f"tp x cp x pp x dp = {cfg.world_size} ranks do not fit the profile's node of {per_node} "
                           f"devices: compare runs on one node, choose a smaller layout")
-    layout = Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero=cfg.zero, sequence_parallel=cfg.sequence_parallel,
-                    virtual_chunks=cfg.virtual_chunks, cp=cfg.cp, cp_kind=cfg.cp_kind)
+    layout = Layout.of(cfg)
     # One node of the profile's hardware, filled as far as the layout needs: the simulator
     # wants exactly tp x pp x dp devices (as `minigpt simulate` does for a partly filled server).
     cluster = build_cluster(hardware, cfg.world_size, 1)

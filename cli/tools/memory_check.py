@@ -29,13 +29,13 @@ def predicted_rank_bytes(cfg: TrainConfig) -> list[int]:
     from job.schedule import build_schedule
     from simulator.memory import predict_memory
 
-    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks)
+    layout = Layout.of(cfg)
     # the schedule the simulator replays (simulator.engine.simulate.step_schedule), without importing the engine
     schedule = build_schedule(schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb,
                                               cfg.precision))
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
     estimate = predict_memory(cfg.model, layout, cfg.precision, micro_batch, cfg.recompute, bucket_mb=cfg.bucket_mb,
-                              micro_batches_in_flight=peak_in_flight(schedule))
+                              micro_batches_in_flight=peak_in_flight(schedule), micro_batches=cfg.micro_batches)
     return [stage.total for stage in estimate.per_stage] if estimate.per_stage else [estimate.total]
 
 
@@ -54,7 +54,7 @@ def available_ram() -> int | None:
 def check_cpu_memory(cfg: TrainConfig, available: int | None = None) -> int:
     """The bytes the run needs in RAM; ConfigError when more than `available` (default: MemAvailable now)."""
     per_stage = predicted_rank_bytes(cfg)
-    ranks_per_stage = cfg.tp * cfg.dp
+    ranks_per_stage = cfg.tp * cfg.cp * cfg.dp
     built = BUILD_BYTES_PER_PARAM * cfg.model.n_params()  # every rank builds the whole model before cutting it
     needed = sum(per_stage) * ranks_per_stage + cfg.world_size * (PROCESS_BYTES + built)
     available = available_ram() if available is None else available

@@ -224,6 +224,7 @@ def rank_placements(rank, cfg) -> list[Placement]:
                 raise AssertionError(f"{name}: shard {local} does not match the {kind} cut of {shapes[name]}")
             writes = not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)
             writes = writes and not (replicated_over_dp and data_parallel.comm.rank != 0)  # over dp x cp
+            writes = writes and data_parallel.replicas.rank == 0  # hybrid sharding: the first shard group's copy
             placement = placements.setdefault(name, Placement(name, shapes[name], writes=writes, tied_copy=tied_copy))
             base = position + segment.start - start  # where the parameter's element 0 would sit
             sections = fused_sections(name, cfg.model)

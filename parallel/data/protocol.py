@@ -30,6 +30,9 @@ class DataParallel(Protocol):
     def layout(self) -> dict[int, tuple[int, ...]]:
         """Each chunk's bucket (ZeRO-3: unit) sizes, checked against the schedule's plan."""
 
+    def sharding(self) -> tuple[int, int, bool]:
+        """(ranks a reduction spans, copies of each shard, whether ZeRO-3 reshards after the forward): the plan's."""
+
     def begin_step(self) -> None: ...
 
     def begin_compute(self, chunk: int, armed: tuple) -> None: ...

@@ -23,6 +23,11 @@ Stage 3 (parameters sharded too) is parallel/data/zero3.py; parallel/run/build.p
 
 Gradients are divided by N before they are summed, so the sum is the mean over
 the global batch. With a single data-parallel rank every stage is stage 0.
+
+Hybrid sharding (HSDP, `replicas`): stages 1-3 shard over the N ranks of `comm`, a shard group, and
+`replicas` is the replica group (the ranks at the same place in every shard group); every
+reduce-scatter's piece is then all-reduced over it, as it lands, and gradients are divided by
+N x replicas. Without hybrid sharding `replicas` has one rank and does nothing.
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def add_to_shard(comm: Collectives, shard_grad: torch.Tensor, grad: torch.Tensor, segment, pieces) -> None:
-    """Average `grad` (one parameter's, laid at `segment` of a flat space) over the group and add
-    the parts that fall in this rank's `pieces` ((start, end) of the flat space, offset in
-    `shard_grad`) -- for a gradient made outside the hooks, such as a tied copy's."""
-    full = grad.reshape(-1).to(shard_grad.dtype) / comm.size
+def add_to_shard(comm: Collectives, shard_grad: torch.Tensor, grad: torch.Tensor, segment, pieces,
+                 replicas: Collectives) -> None:
+    """Average `grad` (one parameter's, laid at `segment` of a flat space) over the group and the
+    replicas (hybrid sharding: one all-reduce over each) and add the parts that fall in this rank's
+    `pieces` ((start, end) of the flat space, offset in `shard_grad`) -- for a gradient made outside
+    the hooks, such as a tied copy's."""
+    full = grad.reshape(-1).to(shard_grad.dtype) / (comm.size * replicas.size)
     comm.all_reduce(full)
+    replicas.all_reduce(full)
     for (start, end), offset in pieces:
         lo, hi = max(start, segment.start), min(end, segment.end)
         if lo < hi:
@@ -65,8 +73,10 @@ class Replicated:
 
     stage = 0
 
-    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, grads: bool = True):
+    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, grads: bool = True,
+                 replicas: Collectives | None = None):
         self.comm = comm
+        self.replicas = replicas or Collectives(None, "dp_replicas")  # hybrid sharding (stages 1-2): module docstring
         groups = model.parameter_groups() if hasattr(model, "parameter_groups") else None
         self.flat = FlatParameters(model, bucket_numel=bucket_numel, pad_to=comm.size, grads=grads, groups=groups)
         self.ranges = [(0, self.flat.padded_numel)]
@@ -97,6 +107,10 @@ class Replicated:
     def ranges_of(self, param_ids: set[int]) -> list[tuple[int, int]]:
         """Where the parameters `param_ids` lie in `weights` laid end to end."""
         return self.flat.local_ranges(self.ranges, lambda index: id(self.flat.params[index]) in param_ids)
+
+    def sharding(self) -> tuple[int, int, bool]:
+        """(ranks a reduction spans, copies of each shard, whether ZeRO-3 reshards after the forward): the plan's."""
+        return self.comm.size, self.replicas.size, True
 
     def layout(self) -> dict[int, tuple[int, ...]]:
         """Each chunk's bucket sizes (padding included), to check against the schedule's plan."""
@@ -174,6 +188,7 @@ class Replicated:
             handle, bucket, output, _ = self.in_flight.pop(0)
             handle.wait()
             if output is not None:
+                self.replicas.all_reduce(output)  # hybrid sharding: the piece summed over the replicas
                 self.land(bucket, output)
 
     def land(self, bucket: Bucket, output: torch.Tensor) -> None:
@@ -219,16 +234,17 @@ class ShardedOptimizer(Replicated):
 
     stage = 1
 
-    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, grads: bool = True):
-        super().__init__(model, comm, bucket_numel, grads=grads)
+    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, grads: bool = True,
+                 replicas: Collectives | None = None):
+        super().__init__(model, comm, bucket_numel, grads=grads, replicas=replicas)
         self.ranges = self.flat.shard_ranges(comm.rank, comm.size)
 
     def launch(self, bucket: Bucket) -> None:
         self.reduce_scatter(bucket, self.flat.grad[bucket.start : bucket.end])
 
     def reduce_scatter(self, bucket: Bucket, grads: torch.Tensor, staging: torch.Tensor | None = None) -> None:
-        if self.comm.size > 1:
-            grads.div_(self.comm.size)
+        if self.comm.size * self.replicas.size > 1:
+            grads.div_(self.comm.size * self.replicas.size)
         output = torch.empty(bucket.numel // self.comm.size, dtype=grads.dtype, device=grads.device)
         handle = self.comm.reduce_scatter(output, grads, async_op=True)
         self.in_flight.append((handle, bucket, output, staging))  # staging lives until it is done
@@ -263,8 +279,8 @@ class ShardedGradients(ShardedOptimizer):
 
     stage = 2
 
-    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int):
-        super().__init__(model, comm, bucket_numel, grads=False)
+    def __init__(self, model: nn.Module, comm: Collectives, bucket_numel: int, replicas: Collectives | None = None):
+        super().__init__(model, comm, bucket_numel, grads=False, replicas=replicas)
         self.shard_grad = torch.zeros(sum(e - s for s, e in self.ranges), dtype=self.flat.dtype, device=self.flat.device)
         self.piece_offsets = []
         offset = 0
@@ -314,7 +330,7 @@ class ShardedGradients(ShardedOptimizer):
     def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Average over the data-parallel group and add this rank's pieces to its shard."""
         segment = self.flat.segments[self.index_of(param)]
-        add_to_shard(self.comm, self.shard_grad, grad, segment, zip(self.ranges, self.piece_offsets))
+        add_to_shard(self.comm, self.shard_grad, grad, segment, zip(self.ranges, self.piece_offsets), self.replicas)
 
     def finish_grads(self) -> torch.Tensor:
         self.wait_in_flight()

@@ -20,6 +20,20 @@ ends: the embedding matrix is also the tied LM head, used at the very end of
 the forward and the very start of the backward. Freeing is done by resizing a
 unit's storage to zero, so the Parameters (views into it) come back valid when
 it is gathered again; autograd's saved weights are those same views.
+
+Without resharding after the forward (`reshard_after_forward` False, FSDP2's
+reshard_after_forward=False) the post-forward hook frees nothing in a step: a
+unit gathered for its forward is still there for its backward, which gathers
+nothing, and it is freed after its reduction once `hold` reductions of it are
+done in the step: 1 (after each backward; one gather per unit and micro-batch)
+or, under pipelining, the step's micro-batches (torchtitan's way: gathered once,
+freed after the chunk's last backward). Outside a scheduled step (evaluation)
+the forward frees as usual. Gradients are reduce-scattered per micro-batch either
+way. job/schedule_comm.py lists exactly these gathers.
+
+Hybrid sharding (HSDP): `comm` is a shard group of N ranks, which the units are
+padded to and cut over; `replicas` the replica group, over which each unit's
+reduce-scattered piece is all-reduced (parallel/data/zero.py).
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ class Unit:
         self.gathered = True
         self.pending_gather = None
         self.grads_waiting = 0
+        self.reductions = 0  # in this step
         self.staging: torch.Tensor | None = None
 
     def storage_ptr(self) -> int:
@@ -66,8 +81,11 @@ def units_of(model: nn.Module) -> list[tuple[int, list[nn.Module]]]:
 class ShardedParameters:
     stage = 3
 
-    def __init__(self, model: nn.Module, comm: Collectives):
+    def __init__(self, model: nn.Module, comm: Collectives, replicas: Collectives | None = None,
+                 reshard_after_forward: bool = True, hold: int = 1):
         self.comm = comm
+        self.replicas = replicas or Collectives(None, "dp_replicas")
+        self.reshard_after_forward, self.hold = reshard_after_forward, hold  # module docstring
         self.units: list[Unit] = []
         seen: set[int] = set()
         groups = units_of(model)
@@ -122,7 +140,8 @@ class ShardedParameters:
             for segment, owned in zip(unit.flat.segments, unit.flat.params):
                 if owned is param:
                     start = self.comm.rank * unit.piece
-                    add_to_shard(self.comm, self.shard_grad, grad, segment, [((start, start + unit.piece), offset)])
+                    add_to_shard(self.comm, self.shard_grad, grad, segment, [((start, start + unit.piece), offset)],
+                                 self.replicas)
                     return
 
     # ---------------------------------------------------------------- gather and free
@@ -175,7 +194,7 @@ class ShardedParameters:
         for unit in self.units:
             unit.modules[0].register_forward_pre_hook(lambda module, args, u=unit: self.before_forward(u))
             if not unit.keep:
-                unit.modules[-1].register_forward_hook(lambda module, args, out, u=unit: self.free(u))
+                unit.modules[-1].register_forward_hook(lambda module, args, out, u=unit: self.after_forward(u))
                 unit.modules[0].register_full_backward_pre_hook(lambda module, grad, u=unit: self.before_backward(u))
             for index, param in enumerate(unit.flat.params):
                 param.register_post_accumulate_grad_hook(lambda p, u=unit, i=index: self.on_grad(u, i, p))
@@ -192,6 +211,16 @@ class ShardedParameters:
         following = self.neighbour(unit, 1)
         if following is not None:
             self.start_gather(following, needed=False)  # prefetch while this unit computes
+
+    def after_forward(self, unit: Unit) -> None:
+        if self.reshard_after_forward or not self.scheduled:
+            self.free(unit)
+
+    def after_reduction(self, unit: Unit) -> None:
+        """Free `unit` after a reduction of it, unless it is kept or, not resharding, held for more of them."""
+        unit.reductions += 1
+        if not unit.keep and (self.reshard_after_forward or unit.reductions % self.hold == 0):
+            self.free(unit)
 
     def before_backward(self, unit: Unit) -> None:
         self.ensure_gathered(unit)
@@ -216,8 +245,7 @@ class ShardedParameters:
         self.note_buffers()
         if unit.grads_waiting == 0:
             self.reduce_unit(unit)
-            if not unit.keep:
-                self.free(unit)
+            self.after_reduction(unit)
 
     def reduce_unit(self, unit: Unit) -> None:
         """Every gradient of `unit` is in: its reduction armed for this compute runs now."""
@@ -234,8 +262,8 @@ class ShardedParameters:
             unit.flat.padded_numel, dtype=unit.flat.dtype, device=unit.flat.device
         )
         unit.staging = None
-        if self.comm.size > 1:
-            staging.div_(self.comm.size)
+        if self.comm.size * self.replicas.size > 1:
+            staging.div_(self.comm.size * self.replicas.size)
         out = torch.empty(unit.piece, dtype=staging.dtype, device=staging.device)
         handle = self.comm.reduce_scatter(out, staging, async_op=True)
         self.in_flight.append((handle, out, unit.index, staging))
@@ -246,6 +274,7 @@ class ShardedParameters:
         while len(self.in_flight) > keep:
             handle, out, index, _ = self.in_flight.pop(0)
             handle.wait()
+            self.replicas.all_reduce(out)  # hybrid sharding: the piece summed over the replicas
             offset = self.offsets[index]
             self.shard_grad[offset : offset + out.numel()].add_(out)
 
@@ -264,10 +293,15 @@ class ShardedParameters:
             flags.setdefault(unit.key[0], []).append(unit.keep)
         return {chunk: tuple(f) for chunk, f in flags.items()}
 
+    def sharding(self) -> tuple[int, int, bool]:
+        return self.comm.size, self.replicas.size, self.reshard_after_forward
+
     def begin_step(self) -> None:
         self.shard_grad.zero_()
         self.issued = set()
         self.scheduled = True
+        for unit in self.units:
+            unit.reductions = 0
 
     def begin_compute(self, chunk: int, armed: list) -> None:
         """A compute of `chunk` starts; `armed`: the gathers listed right before it, the reductions right after."""
@@ -299,8 +333,7 @@ class ShardedParameters:
         unit = self.unit_at[(action.chunk, action.bucket)]
         unit.grads_waiting = 0
         self.reduce_scatter(unit)
-        if not unit.keep:
-            self.free(unit)
+        self.after_reduction(unit)
 
     def end_reductions(self) -> None:
         self.wait_in_flight()

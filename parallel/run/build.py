@@ -1,8 +1,9 @@
 """Everything one rank trains with, built in layers from the plain model outward:
 
   GPT (same seed on every rank) -> context parallel (its attention cores) -> recomputation ->
-  precision policy -> tensor parallel -> this pipeline rank's chunks -> ZeRO over dp x cp ->
-  master-weight AdamW on this rank's shard, and the schedule's executor.
+  precision policy -> tensor parallel -> this pipeline rank's chunks -> ZeRO over dp x cp (or, hybrid
+  sharding, over a shard group, replicated across the groups) -> master-weight AdamW on this rank's shard,
+  and the schedule's executor.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from parallel.run.step import StepOutcome, train_step
 from parallel.mesh import Mesh
 from parallel.recompute import apply_recompute
 from parallel.pipeline.executor import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
-from job.data_parallel import check_against_plan, schedule_config
+from job.data_parallel import check_against_plan, schedule_config, zero3_hold
 from job.layout import Layout
-from job.schedule import build_schedule
+from job.schedule import ScheduleConfig, build_schedule
 from parallel.tensor.parallelize import parallelize
 from job.train_config import TrainConfig, bucket_numel as bucket_numel_of
 from parallel.data.zero import STAGES, Replicated
@@ -76,18 +77,25 @@ def tied_copy(stage: StageModel) -> nn.Parameter | None:
     return None
 
 
-def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_numel: int) -> DataParallel:
-    """The ZeRO stage `stage` over `comm`'s group (stage 0 when the group has one rank)."""
+def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_numel: int,
+                       replicas: Collectives | None = None, config: ScheduleConfig | None = None) -> DataParallel:
+    """The ZeRO stage `stage` over `comm`'s group (stage 0 when the group has one rank); hybrid sharding:
+    `comm` a shard group and `replicas` the replica group. `config`: the schedule's, which says how long
+    ZeRO-3 keeps a unit gathered without resharding after the forward (job/data_parallel.py's zero3_hold)."""
     if comm.size == 1:
         return Replicated(model, comm, bucket_numel)
     if stage == 3:
-        return ShardedParameters(model, comm)
-    return STAGES[stage](model, comm, bucket_numel)
+        reshard = config is None or config.data_parallel.reshard_after_forward
+        return ShardedParameters(model, comm, replicas, reshard, 1 if config is None else zero3_hold(config))
+    return STAGES[stage](model, comm, bucket_numel, replicas=replicas)
 
 
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:
     comms = {dim: Collectives(mesh.group(dim), dim, device) for dim in ("tp", "pp", "cp")}
-    comms["dp"] = Collectives(mesh.data_group(), "dp", device)  # gradients are averaged over dp x cp
+    comms["dp"] = Collectives(mesh.shard_group(), "dp", device)  # gradients are averaged over dp x cp: ZeRO's group
+    replicas = Collectives(mesh.replica_group(), "dp_replicas", device)  # hybrid sharding's other half
+    if replicas.size > 1:
+        comms["dp_replicas"] = replicas
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     if cfg.cp > 1:  # before recomputation wraps the attention core it replaces
@@ -97,7 +105,9 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)
     del model  # blocks of other stages go with it
     bucket_numel = bucket_numel_of(cfg.bucket_mb, dtype_of(policy.compute).itemsize)
-    data_parallel = make_data_parallel(cfg.zero, stage, comms["dp"], bucket_numel)
+    layout = Layout.of(cfg)
+    config = schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
+    data_parallel = make_data_parallel(cfg.zero, stage, comms["dp"], bucket_numel, replicas, config)
 
     tied = None
     shared = [(lo, hi, mesh.tp) for lo, hi in data_parallel.ranges_of(replicated)] if mesh.tp > 1 else []
@@ -116,12 +126,10 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         masters_are_weights=policy.master is None,
         shared_ranges=shared,
     )
-    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks, cfg.cp, cfg.cp_kind)
-    config = schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
     kept = data_parallel.kept() if hasattr(data_parallel, "kept") else None
     element_bytes = data_parallel.weights[0].element_size() if isinstance(data_parallel.weights, list) \
         else data_parallel.weights.element_size()
-    check_against_plan(config.plan, data_parallel.layout(), element_bytes, kept)
+    check_against_plan(config.plan, data_parallel.layout(), element_bytes, kept, data_parallel.sharding())
     schedule = build_schedule(config)
     executor = PipelineExecutor(stage, schedule, mesh.pp_rank, mesh.ranks_of("pp"), data_parallel, device, tied,
                                 comms["pp"])

@@ -150,7 +150,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
                   checkpoint: str | None = None) -> dict | None:
     """One rank's run. With cfg.resume, `checkpoint` is the one the launching process verified
     (None: the newest that verifies, verified again here)."""
-    mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp)
+    mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp, cfg.shard_group)
     corpus = Corpus.load(cfg.data, cfg.model.seq_len)
     policy = precision_policy(cfg.precision)
     rank = build_rank(cfg, mesh, device, policy)
@@ -287,6 +287,8 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
             "cp": cfg.cp,
             "cp_kind": cfg.cp_kind,
             "zero": rank.data_parallel.stage,
+            "shard_group": rank.mesh.shard_ranks,  # ZeRO's group: every data rank, or a hybrid shard group
+            "reshard_after_forward": cfg.reshard_after_forward,
             "sequence_parallel": cfg.sequence_parallel,
             "schedule": cfg.schedule,
             "virtual_chunks": cfg.virtual_chunks,

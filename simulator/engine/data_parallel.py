@@ -59,7 +59,7 @@ class DataParallelPricer:
     """One pipeline rank's data-parallel prices: `compute(action, armed)` and `seconds(action)`."""
 
     def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
-                 dp_time: Callable[[str, float], float], settings: Overlap, serial: bool, plain: dict):
+                 dp_time: Callable[[str, float, str], float], settings: Overlap, serial: bool, plain: dict):
         self.units, self.plan, self.zero = chunk_units, plan, zero
         self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
         # each bucket's first tensor (its last gradient in), cut as the plan's buckets (job/layout.py)
@@ -70,10 +70,11 @@ class DataParallelPricer:
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
 
     def seconds(self, action: Action) -> float:
-        """The data-parallel collectives of `action` on this rank's dp group, one after another."""
+        """The data-parallel collectives of `action` on this rank's dp group (hybrid sharding: a shard group,
+        then the replica group), one after another: `dp_time(kind, bytes, group)` each."""
         calls = tuple(collectives(action, self.plan))
         if calls not in self.timed:
-            self.timed[calls] = sum(self.dp_time(kind, nbytes) for kind, nbytes in calls)
+            self.timed[calls] = sum(self.dp_time(kind, nbytes, group) for kind, nbytes, group in calls)
         return self.timed[calls]
 
     def compute(self, action, armed: tuple, comm_free: float = 0.0):
@@ -84,7 +85,8 @@ class DataParallelPricer:
             return self.memo[key]
         plain = self.plain[(type(action), action.chunk)]
         segments, limit, wait = self.segments(action, armed)
-        o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free)
+        o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free,
+                    self.settings.dp_slowdown)
         cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp)
         if comm_free <= 0:
             self.memo[key] = cost

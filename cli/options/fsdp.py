@@ -1,0 +1,39 @@
+"""FSDP's two settings as today's stacks run them, one vocabulary for `train`, `simulate` and `compare`.
+
+--no-reshard-after-forward (with --zero 3): a unit's gathered weights stay from its forward to its backward of
+the same micro-batch (torch FSDP2's reshard_after_forward=False), so the backward gathers nothing; under
+pipelining a unit is gathered once and kept until the chunk's last backward of the step, as torchtitan does.
+Gradients are still reduce-scattered every micro-batch. Fewer gathers, more memory.
+--shard-group N (hybrid sharding, HSDP): ZeRO shards over groups of N consecutive data ranks (dp x cp, in
+mesh order: on one server while N x tp fits in it), whole replicas across the groups; gradients are
+reduce-scattered inside a group, then all-reduced across the groups; weights are gathered inside a group.
+job/train_config.py's check_sharding checks both, in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+from minigpt.errors import check_positive_int
+
+RESHARD_HELP = ("ZeRO-3: free a unit's gathered weights after its forward and gather them again for its backward "
+                "(the default), or keep them until the backward (under pipelining: until the chunk's last "
+                "backward of the step, as torchtitan); --no-reshard-after-forward needs --zero 3.")
+SHARD_GROUP_HELP = ("Hybrid sharding (HSDP): ZeRO shards over groups of N consecutive data ranks, replicated across "
+                    "the groups (gradients reduce-scattered in a group, then all-reduced across); N divides dp x cp "
+                    "[default: all of them].")
+
+
+def shard_group_value(ctx, param, value: int | None) -> int:
+    """--shard-group N as TrainConfig and Layout take it: 0 when not given (every data rank)."""
+    return 0 if value is None else check_positive_int("--shard-group", value)
+
+
+def fsdp_options(command: Callable) -> Callable:
+    """--shard-group and --reshard-after-forward/--no-reshard-after-forward."""
+    command = click.option("--shard-group", "shard_group", type=int, default=None, metavar="N",
+                           callback=shard_group_value, help=SHARD_GROUP_HELP)(command)
+    return click.option("--reshard-after-forward/--no-reshard-after-forward", "reshard_after_forward", default=True,
+                        show_default=True, help=RESHARD_HELP)(command)

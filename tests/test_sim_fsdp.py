@@ -1,0 +1,136 @@
+"""FSDP's two settings in the one schedule both interpreters run, and in the simulator: ZeRO-3 without
+resharding after the forward (fewer gathers, more memory) and hybrid sharding (HSDP: gathers and
+reduce-scatters inside a shard group, the pieces all-reduced across the replica groups). Torch-free; the
+trained side is tests/test_fsdp.py and tests/test_schedule_collectives.py."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from job.data_parallel import collectives, schedule_config
+from job.layout import Layout
+from job.schedule import GatherParams, ReduceScatterGrads, build_schedule, validate
+from minigpt.config import GPTConfig, preset
+from minigpt.errors import ConfigError
+from simulator.engine.links import LinkCosts
+from simulator.engine.simulate import simulate_step
+from simulator.memory import predict_memory
+from simulator.network.topology import build_cluster
+
+MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layers=6, n_heads=2, d_model=32, d_ff=64)
+
+
+def actions(layout: Layout, micro_batches: int, kind: str = "1f1b"):
+    config = schedule_config(MODEL, layout, micro_batches, kind, 25.0, "fp32")
+    schedule = build_schedule(config)
+    validate(schedule)
+    return config, schedule
+
+
+def gathers(schedule, rank: int = 0) -> Counter:
+    return Counter(a.phase for a in schedule.actions[rank] if isinstance(a, GatherParams))
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1"])
+def test_without_resharding_a_unit_is_gathered_once_per_micro_batch(kind):
+    """dp 4, 8 units (embeddings, 6 blocks, head), the first and last kept: resharding gathers the 6 blocks for
+    every forward and backward; without it, once per micro-batch: for its forward (1F1B), or, where forwards
+    run back to back (GPipe: freed after each backward), for the first forward and the backwards after the first."""
+    _, plain = actions(Layout(dp=4, zero=3), 3, kind)
+    _, kept = actions(Layout(dp=4, zero=3, reshard_after_forward=False), 3, kind)
+    assert sum(gathers(plain).values()) == 2 + 3 * 2 * 6
+    expected = {"forward": 2 + 6, "backward": 2 * 6} if kind == "gpipe" else {"forward": 2 + 3 * 6}
+    assert gathers(kept) == Counter(expected)
+    reductions = [sum(isinstance(a, ReduceScatterGrads) for a in s.actions[0]) for s in (plain, kept)]
+    assert reductions[0] == reductions[1] == 3 * 8  # every unit, every micro-batch either way
+
+
+@pytest.mark.parametrize("kind, virtual", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_under_pipelining_a_unit_is_gathered_once_per_step(kind, virtual):
+    """torchtitan's way: each unit of a rank gathered once, kept to the chunk's last backward."""
+    layout = Layout(pp=2, dp=2, zero=3, virtual_chunks=virtual, reshard_after_forward=False)
+    config, schedule = actions(layout, 4, kind)
+    for rank in range(2):
+        units = sum(len(config.plan.of(chunk).sizes) for chunk in config.chunks_of(rank))
+        assert gathers(schedule, rank) == Counter({"forward": units}), rank
+
+
+def test_hybrid_sharding_reduces_in_a_group_then_across():
+    layout = Layout(dp=8, zero=3, shard_group=2)
+    config, schedule = actions(layout, 2)
+    assert (config.plan.dp, config.plan.replicas) == (2, 4)
+    assert all(size % 2 == 0 for _, params in config.plan.chunks for size in params.sizes)  # padded to N, not 8
+    calls = [c for a in schedule.actions[0] if isinstance(a, ReduceScatterGrads) for c in collectives(a, config.plan)]
+    scatters = [c for c in calls if c.kind == "reduce_scatter"]
+    assert [c.group for c in calls] == ["shard", "replicas"] * len(scatters)
+    assert all(piece.nbytes * 2 == whole.nbytes for whole, piece in zip(calls[::2], calls[1::2]))
+    assert all(c.group == "shard" for a in schedule.actions[0] if isinstance(a, GatherParams)
+               for c in collectives(a, config.plan))
+
+
+def test_hybrid_memory_shards_over_the_group():
+    model = preset("gpt2-124m")
+    whole = predict_memory(model, Layout(dp=64, zero=3), "bf16", 1)
+    hybrid = predict_memory(model, Layout(dp=64, zero=3, shard_group=8), "bf16", 1)
+    by_eight = predict_memory(model, Layout(dp=8, zero=3), "bf16", 1)
+    assert hybrid.model_states == by_eight.model_states == pytest.approx(8 * whole.model_states, rel=0.01)
+    assert any("hybrid sharding" in note for note in hybrid.notes)
+
+
+def test_the_shard_group_is_timed_on_its_own_ranks():
+    """64 GPUs in servers of 8: a shard group of 8 is one server (NVLink), the whole group spans 8 servers; the
+    replica group's ring crosses the network. Without hybrid sharding "shard" is the dp x cp ring."""
+    cluster = build_cluster("h100-sxm", 8, 8)
+    plain, hybrid = LinkCosts(cluster, Layout(dp=64, zero=3)), LinkCosts(cluster, Layout(dp=64, zero=3, shard_group=8))
+    size = 64 * 2**20
+    assert plain.sharded_collective(0, "all_gather", size) == plain.dp_collective(0, "all_gather", size)
+    assert plain.sharded_collective(0, "all_reduce", size, "replicas") == 0.0
+    inside = hybrid.sharded_collective(0, "all_gather", size)
+    assert 0 < inside < plain.dp_collective(0, "all_gather", size) / 2
+    assert hybrid.sharded_collective(0, "all_reduce", size / 8, "replicas") > 0
+
+
+def run_simulate(*flags: str) -> dict:
+    result = CliRunner().invoke(main, ["simulate", "--json", *flags])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_no_resharding_on_8_gpus_gathers_less_and_holds_more():
+    flags = ["--model", "gpt2-124m", "--dp", "8", "--zero", "3", "--micro-batches", "4", "--global-batch", "64"]
+    plain, kept = run_simulate(*flags), run_simulate(*flags, "--no-reshard-after-forward")
+    assert kept["breakdown"]["dp_comm"] < plain["breakdown"]["dp_comm"]
+    assert kept["memory_per_gpu"]["comm_buffers"] > plain["memory_per_gpu"]["comm_buffers"]
+    assert kept["breakdown"]["compute"] == plain["breakdown"]["compute"]
+
+
+def test_hybrid_sharding_on_64_gpus_gathers_inside_a_server():
+    flags = ["--model", "llama3-8b", "--dp", "64", "--zero", "3", "--global-batch", "128"]
+    plain, hybrid = run_simulate(*flags), run_simulate(*flags, "--shard-group", "8")
+    assert hybrid["breakdown"]["dp_comm"] < plain["breakdown"]["dp_comm"] / 2
+    assert hybrid["memory_per_gpu"]["parameters"] == pytest.approx(8 * plain["memory_per_gpu"]["parameters"], rel=0.01)
+    assert hybrid["layout"]["shard_group"] == 8
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(dp=4, zero=3, shard_group=3), "does not divide"),
+    (dict(dp=4, zero=0, shard_group=2), "needs --zero 1, 2 or 3"),
+    (dict(dp=4, zero=2, reshard_after_forward=False), "needs --zero 3"),
+    (dict(dp=4, zero=3, shard_group=-2), "--shard-group must be a positive integer"),
+    (dict(dp=4, zero=3, shard_group=1), "one rank"),
+])
+def test_bad_settings_are_refused_by_the_layout(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        Layout(**changes)
+
+
+@pytest.mark.parametrize("command", ["train", "simulate", "compare"])
+def test_help_lists_both_options(command):
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "--shard-group" in result.output and "--no-reshard-after-forward" in result.output
