@@ -11,9 +11,11 @@ import torch
 from claims_cli import simulated
 from cli.claims.claim import CAVEAT, HOLDS, WRONG
 from independent import (DATASHEETS, block_kernels, block_matmul_flops, gemm_flops, master_weights_reference,
-                         model_params, price, table_efficiency)
+                         model_efficiency, model_params, price)
 from minigpt.config import preset
 from precision.policy import policy
+
+CLAIM_GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200")  # the speed rows' GPUs: the article's A100/H100, the H200
 
 
 def check_formats(row):
@@ -171,7 +173,7 @@ def in_article_range(ratio: float) -> bool:
 
 def check_speedup(row):
     n = row["numbers"]
-    assert set(n["steps"]) == set(DATASHEETS) == {"a100-40gb", "a100-80gb", "h100-sxm", "h200"}
+    assert set(n["steps"]) == set(CLAIM_GPUS) and set(CLAIM_GPUS) <= set(DATASHEETS)
     gpt2 = preset("gpt2-124m")
     d, s, v, layers, tokens = gpt2.d_model, gpt2.seq_len, gpt2.vocab_size, gpt2.n_layers, 8 * gpt2.seq_len
     # One step's matmul FLOPs by hand: per token and block 2 x 12 d^2 (qkv 3d^2, proj d^2, fc1 and fc2 4d^2 each)
@@ -192,25 +194,27 @@ def check_speedup(row):
     by_hand = {}
     for model, micro_batch in (("gpt2-124m", 8), ("llama3-8b", 1)):
         config = preset(model)
-        for gpu in DATASHEETS:
+        for gpu in CLAIM_GPUS:
             tf32 = sum(price(block_kernels(config, micro_batch, 4, "tf32", "tf32"), gpu))
             bf16 = sum(price(block_kernels(config, micro_batch, 2, "bf16", "bf16"), gpu))
             by_hand[f"{model} {gpu}"] = tf32 / bf16
             assert n["tf32_block_speedup"][model][gpu] == pytest.approx(tf32 / bf16, rel=0.01)
     inside = [label for label, ratio in by_hand.items() if in_article_range(ratio)]
-    assert inside == n["inside_article_range"] == ["gpt2-124m h100-sxm", "gpt2-124m h200", "llama3-8b h100-sxm",
-                                                   "llama3-8b h200"]
+    assert inside == n["inside_article_range"] == ["gpt2-124m h100-sxm", "gpt2-124m h200", "llama3-8b a100-40gb",
+                                                   "llama3-8b a100-80gb", "llama3-8b h100-sxm", "llama3-8b h200"]
     # Not against strict fp32 (over 3x everywhere, above), but against TF32 on H100/H200: a caveat.
     assert row["verdict"] == CAVEAT
 
 
 def check_fp16_bf16_same(row):
-    assert set(row["numbers"]) == set(DATASHEETS)
+    assert set(row["numbers"]) == set(CLAIM_GPUS)
     for gpu, n in row["numbers"].items():
         sheet = DATASHEETS[gpu]
         assert n["bf16_tflops"] * 1e12 == sheet["peak_flops"]["bf16"] == sheet["peak_flops"]["fp16"]
         # the same cited GEMM rows for both, and 2 bytes an element in both: every kernel costs the same
         assert sheet["matmul_efficiency"]["bf16"] == sheet["matmul_efficiency"]["fp16"]
+        model = sheet["matmul_efficiency"].get("gemm_model", {})  # and the same GEMM model fit, where one prices them
+        assert model.get("bf16") == model.get("fp16")
         assert n["step_ratio"] == pytest.approx(1, abs=1e-9)
     assert row["verdict"] == HOLDS
 
@@ -230,9 +234,9 @@ def check_matmul_share(row):
         gemm, memory = price(kernels, "h100-sxm")
         by_hand[model] = gemm / (gemm + memory)
         assert share == pytest.approx(by_hand[model], abs=0.01)
-    # The article's 95%, to its precision (94.5%), everywhere: no, gpt2-124m's memory-bound kernels take about half
-    # its time. Within 5 points for some model (llama3-8b's long sequence): a caveat.
-    assert by_hand["gpt2-124m"] < 0.6 and by_hand["llama3-8b"] >= 0.9
+    # The article's 95%, to its precision (94.5%), everywhere: no, gpt2-124m's memory-bound kernels take about a
+    # third of its time. Within 5 points for some model (llama3-8b's long sequence): a caveat.
+    assert by_hand["gpt2-124m"] < 0.7 and by_hand["llama3-8b"] >= 0.9
     low, high = min(by_hand.values()), max(by_hand.values())
     assert row["verdict"] == (HOLDS if low >= 0.945 else CAVEAT if high >= 0.90 else WRONG) == CAVEAT
 
@@ -258,21 +262,23 @@ FP8_BLOCKS = {"gpt2-124m mb 8": ("gpt2-124m", 8, 1), "llama3-8b tp8": ("llama3-8
 
 
 def check_fp8_speed(row):
-    """From the datasheets: the A100 has no fp8 peak; on the H100 fp8's peak is twice bf16's, but the cited fp8 GEMM
-    rates are below bf16's for small GEMMs, and fp8 adds casts. One block of each case priced by hand both ways
-    bounds the simulated step."""
+    """From the datasheets: the A100 has no fp8 peak; on the H100 fp8's peak is twice bf16's and the fitted GEMM
+    models make fp8 GEMMs 1.3-1.7x faster than bf16's, but our executor's fp8 adds casts (precision/fp8.py's
+    quantisation through an fp32 copy, the weights in every micro-batch). One block of each case priced by hand
+    both ways bounds the simulated step."""
     n = row["numbers"]
     h100 = DATASHEETS["h100-sxm"]
     assert n["a100_fp8_peak"] is None and DATASHEETS["a100-80gb"]["peak_flops"]["fp8"] is None
     assert n["h100_fp8_over_bf16_peak"] == pytest.approx(1978.9 / 989.4)  # dense TFLOP/s, H100 SXM datasheet
-    # The achieved GEMM rates (peak x the cited efficiency at the GEMM's smallest side), written out: at GPT-3's
-    # side 2048 fp8 reaches 1978.9 x 0.511 = 1011 TFLOP/s against bf16's 989.4 x 0.757 = 749 (1.35x); at GPT-2's
-    # width 768 fp8 1978.9 x 0.230 = 455 against bf16's 989.4 x 0.693 = 686: fp8 GEMMs are slower there.
-    def rate(fmt, side):
-        return h100["peak_flops"][fmt] * table_efficiency(h100["matmul_efficiency"][fmt], side)
+    # The achieved GEMM rates (peak x the GEMM model's efficiency, tests/independent.py's model_efficiency): GPT-3's
+    # fc1 on tp8 (2048 x 6144 x 12288) about 1310 TFLOP/s in fp8 against 784 in bf16 (1.67x); GPT-2's fc1 at
+    # micro-batch 8 (8192 x 3072 x 768) about 860 against 660 (1.3x): fp8 GEMMs are faster at both scales.
+    def rate(fmt, m, n, k):
+        peak = h100["peak_flops"][fmt]
+        return peak * model_efficiency(h100["matmul_efficiency"]["gemm_model"], m, n, k, peak, fmt)
 
-    assert rate("fp8", 2048) / rate("bf16", 2048) == pytest.approx(1978.9 * 0.511 / (989.4 * 0.757))
-    assert rate("fp8", 768) / rate("bf16", 768) == pytest.approx(455 / 686, rel=0.01)
+    assert 1.6 < rate("fp8", 2048, 6144, 12288) / rate("bf16", 2048, 6144, 12288) < 1.75
+    assert 1.2 < rate("fp8", 8192, 3072, 768) / rate("bf16", 8192, 3072, 768) < 1.4
     ratios = n["bf16_over_fp8_step"]
     assert list(ratios) == list(FP8_BLOCKS)  # smallest to largest
     block = {}
@@ -285,11 +291,12 @@ def check_fp8_speed(row):
         # a B16 + X against a B8 + X, which lies between B16/B8 and 1.
         low, high = sorted((block[label], 1.0))
         assert low - 0.005 <= ratios[label] <= high + 0.005, (label, block[label], ratios[label])
-    assert block["gpt2-124m mb 8"] < 0.9 and ratios["gpt2-124m mb 8"] < 1  # fp8 slower for the small model
-    assert block["gpt3-175b tp8 pp16 dp8 ZeRO-1"] > 1.05 and ratios["gpt3-175b tp8 pp16 dp8 ZeRO-1"] > 1  # faster
-    # Faster only at the largest scale, not everywhere: "mainly in very large training" holds, with a caveat.
-    assert n["faster_in_fp8"] == [label for label, r in ratios.items() if r > 1]
-    assert row["verdict"] == CAVEAT
+    # Our executor's casts (about 39 bytes moved per element quantised, the weights in every micro-batch) outweigh
+    # the faster GEMMs at every scale: its fp8 step is slower everywhere, so the article's "faster, mainly at very
+    # large scale" does not hold for it.
+    assert all(ratio < 0.8 for ratio in block.values()) and all(ratio < 1 for ratio in ratios.values())
+    assert n["faster_in_fp8"] == [label for label, r in ratios.items() if r > 1] == []
+    assert row["verdict"] == WRONG
 
 
 GPT3_LAYOUT = "gpt3-175b tp8 pp16 dp8 ZeRO-1"

@@ -3,7 +3,7 @@
 Nothing here imports the simulator, the claims or the optimizer under test. What it uses:
 
 - the datasheets themselves, simulator/costs/hardware.json read as plain JSON (`DATASHEETS`): peak FLOP/s,
-  HBM bandwidth, the cited GEMM efficiency tables, the measured per-kernel overhead;
+  HBM bandwidth, the cited GEMM efficiency tables and fitted GEMM models, the measured per-kernel overhead;
 - the model's shape (minigpt/config.py's presets: the numbers, not its arithmetic), and the real model
   (minigpt/model.py) built on the meta device where a count should come from the model itself;
 - torch.optim.AdamW, PyTorch's own optimizer, as the reference for precision/optimizer.py.
@@ -11,7 +11,9 @@ Nothing here imports the simulator, the claims or the optimizer under test. What
 `block_kernels` lists, by hand, the kernels one transformer block runs for one micro-batch on one
 tensor-parallel rank (forward and backward, FlashAttention-2, each kernel reading its inputs from HBM
 once and writing its outputs once), and `price` prices them on a GPU's datasheet with a roofline:
-a GEMM at the cited efficiency for its smallest side, a causal FlashAttention pass at its published
+a GEMM by the GPU's fitted GEMM model for its format (`model_efficiency`: output tiles in waves over the
+SMs, docs/efficiency.md "GEMM model") or else at the cited efficiency for its smallest side, a causal
+FlashAttention pass at its published
 rate by sequence and head size (or its kept half of the square at the GEMM table's efficiency), a
 memory-bound kernel at the achieved HBM bandwidth, plus the launch cost of every kernel. The arithmetic is written out here, so a test can
 compare the simulator's op model (simulator/costs/ops.py, simulator/costs/compute.py) with it.
@@ -47,12 +49,31 @@ def table_efficiency(table: list[list[float]], side: int) -> float:
     return _piecewise(sorted(table), side, lambda x, x0, x1: math.log(x / x0) / math.log(x1 / x0))
 
 
+def model_efficiency(model: dict, m: int, n: int, k: int, peak: float, fmt: str) -> float:
+    """docs/efficiency.md's GEMM model, written out: output tiles of 128 x 128, 128 x 256 or 256 x 128, k split
+    into 1 to 16 slices, in waves of as many tiles as the GPU has SMs; each tile of depth k' costs k' + k0; the
+    fastest tile and split; the kernel's fixed seconds on top."""
+    fit, sms = model[fmt], model["sms"]
+    best = min(math.ceil(math.ceil(m / tm) * math.ceil(n / tn) * split / sms) * sms * tm * tn * 2
+               * (math.ceil(k / split) + fit["k0"])
+               for tm, tn in ((128, 128), (128, 256), (256, 128)) for split in range(1, min(16, k) + 1))
+    return 2 * m * n * k / (peak * (best / (fit["large"] * peak) + fit["fixed"]))
+
+
+# precision/fp8.py's per-tensor quantisation as torch runs it, bytes moved per element by each kernel: an fp32 copy
+# of the 16-bit tensor (read e, write 4), |x| (4 + 4), its max (4), times the scale (4 + 4), clamped (4 + 4), cast
+# to one byte (4 + 1).
+def torch_quantize(elements: int, e: int) -> list[tuple]:
+    return [("memory", elements * moved) for moved in (e + 4, 8, 4, 8, 8, 5)]
+
+
 def block_kernels(config, micro_batch: int, element_bytes: int, linear: str, attention: str,
                   tp: int = 1) -> list[tuple]:
     """The kernels of one block, forward and backward, on one tensor-parallel rank (tp splits the heads and the
-    MLP; the residual stream, norms and residual adds stay whole), as ("gemm", flops, smallest side, format)
-    and ("memory", bytes read + written). `linear` is the format of the four Linears' GEMMs ("fp8": e4m3/e5m2
-    copies of their inputs, weights and output gradients are cast first), `attention` FlashAttention's."""
+    MLP; the residual stream, norms and residual adds stay whole), as ("gemm", flops, (m, n, k), format)
+    and ("memory", bytes read + written). `linear` is the format of the four Linears' GEMMs ("fp8": our
+    executor's e4m3/e5m2 copies of their inputs, weights and output gradients are made first, `torch_quantize`,
+    and its fp8 GEMMs' backward transposes the weight, the gradient and the input), `attention` FlashAttention's."""
     s, d, f, t = config.seq_len, config.d_model, config.d_ff, tp
     rows = micro_batch * s
     e = element_bytes
@@ -63,11 +84,14 @@ def block_kernels(config, micro_batch: int, element_bytes: int, linear: str, att
     fc1 = (2 * f if swiglu else f) // t  # SwiGLU's gate and up projections, fused
     kernels: list[tuple] = []
     for n_in, n_out in ((d, qkv), (d // t, d), (d, fc1), (f // t, d)):  # qkv, proj, fc1, fc2
-        if linear == "fp8":  # read the 16-bit tensor, write its 1-byte copy
-            kernels += [("memory", rows * n_in * (e + 1)), ("memory", n_in * n_out * (e + 1)),
-                        ("memory", rows * n_out * (e + 1))]
-        for _ in range(3):  # the forward, the input gradient and the weight gradient: 2 * rows * in * out each
-            kernels.append(("gemm", 2 * rows * n_in * n_out, min(rows, n_in, n_out), linear))
+        if linear == "fp8":  # input, weight, output gradient quantised; three one-byte transposes (read 1, write 1)
+            for elements in (rows * n_in, n_in * n_out, rows * n_out):
+                kernels += torch_quantize(elements, e)
+            kernels += [("memory", 2 * n_in * n_out), ("memory", 2 * rows * n_out), ("memory", 2 * rows * n_in)]
+        # the forward (rows x out, over in), the input gradient (rows x in, over out), the weight gradient (out x in,
+        # over the rows): 2 * rows * in * out FLOPs each
+        for shape in ((rows, n_out, n_in), (rows, n_in, n_out), (n_out, n_in, rows)):
+            kernels.append(("gemm", 2 * rows * n_in * n_out, shape, linear))
         kernels.append(("memory", 3 * n_in * n_out * e))  # the weight gradient added to its buffer: read 2, write 1
         if config.bias:
             kernels.append(("memory", 2 * rows * n_out * e))  # bias add
@@ -112,8 +136,12 @@ def price(kernels: list[tuple], gpu: str) -> tuple[float, float]:
     gemm = memory = 0.0
     for kernel in kernels:
         if kernel[0] == "gemm":
-            _, flops, side, dtype = kernel
-            rate = sheet["peak_flops"][dtype] * table_efficiency(sheet["matmul_efficiency"][dtype], side)
+            _, flops, (m, n, k), dtype = kernel
+            peak, model = sheet["peak_flops"][dtype], sheet["matmul_efficiency"].get("gemm_model", {})
+            if dtype in model:
+                rate = peak * model_efficiency(model, m, n, k, peak, dtype)
+            else:
+                rate = peak * table_efficiency(sheet["matmul_efficiency"][dtype], min(m, n, k))
             gemm += flops / rate + launch
         elif kernel[0] == "attention":
             _, square, head_dim, dtype, seq = kernel

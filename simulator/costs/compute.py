@@ -12,10 +12,13 @@ with HBM = hbm_bandwidth * gpu.reached.hbm_fraction and overhead = the profile's
 launch_latency when it has one, else gpu.reached.kernel_overhead (simulator/costs/achieved.py: 1 and
 0 when the GPU says nothing).
 
-Efficiency: the GPU's table for the format (EfficiencyProfile, the "matmul_efficiency" field
+Efficiency (`gemm_efficiency`): where the profile has a GEMM model for the format (a preset's
+"gemm_model", simulator/costs/gemm_model.py), the model by (m, n, k): output tiles in waves over the
+GPU's SMs, a fixed cost per tile along k and per kernel, fitted to published sweeps. Otherwise the
+GPU's table for the format (EfficiencyProfile, the "matmul_efficiency" field
 of a hardware entry: cited data in a preset, our measurement in a calibrated profile), by the
 matmul's smallest side, interpolated linearly in log(size), the nearest point outside the
-table. A format without a table falls back to the uncalibrated curve x / (x + HALF_EFFICIENCY_DIM),
+table. A format with neither falls back to the uncalibrated curve x / (x + HALF_EFFICIENCY_DIM),
 x the smallest side: a stated assumption (every 128-wide output tile pays about one tile edge
 of fixed cost), not fitted to anything, optimistic; `efficiency_sources` says which one each
 format got: every prediction says it (simulator/provenance.py).
@@ -31,7 +34,9 @@ norm, head and loss on the last) for one micro-batch on one tensor-parallel rank
 their ops' times, forward, and backward (which starts with the recomputed ops). The
 tensor-parallel collectives are returned as byte counts (parallel/comm.py's convention: the
 full buffer S) for the engine to time on the links, with the GEMM time of the Linears around
-them (what could hide them, simulator/engine/overlap.py).
+them (what could hide them, simulator/engine/overlap.py). Ops run once a step rather than per
+micro-batch (fp8 weight casts kept across micro-batches, Implementation.fp8_weight_cache) are
+`per_step_s`, which the engine charges once a step with the optimizer.
 """
 
 from __future__ import annotations
@@ -64,9 +69,18 @@ def hbm_speed(gpu: GPUSpec) -> float:
 
 
 def efficiency(smallest: int, dtype: str, profile: EfficiencyProfile | None = None) -> float:
-    """Fraction of the peak a matmul whose smallest side is `smallest` reaches."""
+    """Fraction of the peak a matmul whose smallest side is `smallest` reaches, by the profile's table."""
     measured = profile.efficiency(dtype, smallest) if profile is not None else None
     return measured if measured is not None else smallest / (smallest + HALF_EFFICIENCY_DIM)
+
+
+def gemm_efficiency(m: int, n: int, k: int, dtype: str, gpu: GPUSpec, profile: EfficiencyProfile | None = None,
+                    batch: int = 1) -> float:
+    """Fraction of `gpu`'s peak in `dtype` that `batch` GEMMs (m x k) @ (k x n) reach: the profile's GEMM model for the
+    format when it has one, else its table by the smallest side (`efficiency`)."""
+    model = profile.gemm if profile is not None else None
+    shaped = model.efficiency(m, n, k, dtype, gpu.flops(dtype), batch) if model is not None else None
+    return shaped if shaped is not None else efficiency(min(m, n, k), dtype, profile)
 
 
 def matmul_time(flops: float, m: int, n: int, k: int, gpu: GPUSpec, dtype: str, batch: int = 1,
@@ -77,7 +91,7 @@ def matmul_time(flops: float, m: int, n: int, k: int, gpu: GPUSpec, dtype: str, 
             raise ConfigError(f"matmul {name} must be a positive integer, got {value!r}")
     if not 0 <= flops < math.inf:
         raise ConfigError(f"matmul flops must be a finite number >= 0, got {flops!r}")
-    compute = flops / (gpu.flops(dtype) * efficiency(min(m, n, k), dtype, profile))
+    compute = flops / (gpu.flops(dtype) * gemm_efficiency(m, n, k, dtype, gpu, profile, batch))
     memory = batch * (m * k + k * n + m * n) * ELEMENT_BYTES[dtype] / hbm_speed(gpu)
     return max(compute, memory) + (profile.launch_latency if profile is not None else 0.0)
 
@@ -109,7 +123,7 @@ def kernel_overhead(gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> f
 
 
 def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
-    return g.flops / (gpu.flops(g.dtype) * efficiency(min(g.m, g.n, g.k), g.dtype, profile))
+    return g.flops / (gpu.flops(g.dtype) * gemm_efficiency(g.m, g.n, g.k, g.dtype, gpu, profile, g.batch))
 
 
 def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
@@ -247,6 +261,7 @@ class ChunkTimes:
     attention_forward_s: float = 0.0  # the fused attention kernels of the forward (what a cp ring's passes hide behind)
     attention_backward_s: float = 0.0  # of the backward, the recomputed forward's left out
     attention_recompute_s: float = 0.0  # of the recomputed forward
+    per_step_s: float = 0.0  # once per step, not per micro-batch: fp8 weight casts kept across micro-batches
 
 
 def chunk_ops(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
@@ -265,18 +280,23 @@ def chunk_ops(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layo
 def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, gpu: GPUSpec, precision: str,
                 recompute: str = "none", first: bool = False, last: bool = False,
                 profile: EfficiencyProfile | None = None, attention: str = "flash",
-                sp_saved_input: str = "gathered") -> ChunkTimes:
-    """Forward and backward of `layers` blocks (+ embedding when `first`, head and loss when `last`)."""
+                sp_saved_input: str = "gathered", implementation: Implementation | None = None) -> ChunkTimes:
+    """Forward and backward of `layers` blocks (+ embedding when `first`, head and loss when `last`).
+
+    `implementation` (simulator/costs/op_types.py), when given, is how the blocks are computed, its attention,
+    recompute and sp_saved_input in place of the three arguments; without it they make one with the rest default."""
     layout.check(model)
-    implementation = Implementation(attention, recompute, sp_saved_input)
+    implementation = implementation or Implementation(attention, recompute, sp_saved_input)
+    recompute = implementation.recompute
     policy = precision_policy(precision)
     if not isinstance(layers, int) or layers < 0 or (layers == 0 and not (first or last)):
         raise ConfigError(f"a chunk needs layers >= 0 and something to run, got layers={layers!r}")
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
-    forward = again = backward = weight = PassTimes()
+    forward = again = backward = weight = step = PassTimes()
     forward_flops = backward_flops = 0
     for ops, count in chunk_ops(model, layers, micro_batch_size, layout, policy, implementation, first, last):
+        step += pass_times(ops.per_step, gpu, profile) * count
         rerun = [op for op in ops.backward if op.phase == RECOMPUTE]
         grads = [op for op in ops.backward if op.phase != RECOMPUTE]
         forward += pass_times(ops.forward, gpu, profile) * count
@@ -296,7 +316,7 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         tp_collectives_forward=tuple(fwd), tp_collectives_backward=tuple(bwd), backward_weight_s=weight.total,
         forward_linear_s=forward.linear, backward_linear_s=backward.linear + again.linear, backward_flops=backward_flops,
         attention_forward_s=forward.attention, attention_backward_s=backward.attention,
-        attention_recompute_s=again.attention,
+        attention_recompute_s=again.attention, per_step_s=step.total,
     )
 
 

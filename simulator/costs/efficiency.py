@@ -8,6 +8,10 @@ compute.py (which prices matmuls with it). A GPU entry of a hardware file may ho
 
 efficiency = achieved FLOP/s / the format's dense peak, by the smallest side of the matmul. Between
 points the efficiency is interpolated linearly in log(size); outside them the nearest point holds.
+
+A preset's object may also hold "gemm_model" (simulator/costs/gemm_model.py: the GPU's SM count and, per
+format, a GEMM model by (m, n, k) with wave quantisation, fitted to published sweeps); compute.py prices a
+format that has one with it, every other format (and every calibrated profile) with its table.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from minigpt.errors import ConfigError
 from simulator.json_file import FRACTION, SECONDS, in_range
 from precision.policy import FLOP_FORMATS
+from simulator.costs.gemm_model import GemmModel, parse_gemm_model
 
 
 @dataclass(frozen=True)
@@ -27,11 +32,22 @@ class EfficiencyProfile:
     points: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
     launch_latency: float = 0.0  # seconds per kernel
     source: str = ""  # where the tables come from (a publication, or our measurement); optional
+    gemm: GemmModel | None = None  # the shape model (gemm_model.py), for the formats it has fits of
 
     def efficiency(self, dtype: str, smallest: int) -> float | None:
         """The measured efficiency at `smallest`, or None when this format was not measured."""
         table = self.points.get(dtype)
         return along_log(table, smallest) if table else None
+
+    def as_dict(self) -> dict:
+        """The "matmul_efficiency" object this profile was parsed from (parse_efficiency_profile's schema)."""
+        data: dict = {"launch_latency": self.launch_latency}
+        if self.source:
+            data["source"] = self.source
+        data.update({fmt: [list(p) for p in points] for fmt, points in self.points.items()})
+        if self.gemm is not None:
+            data["gemm_model"] = self.gemm.as_dict()
+        return data
 
 
 def along_log(table: tuple[tuple[int, float], ...], x: float) -> float:
@@ -51,10 +67,10 @@ def parse_efficiency_profile(data: object, origin: str = "profile") -> Efficienc
     where = f"{origin}: matmul_efficiency"
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a JSON object of number formats and a launch_latency")
-    unknown = sorted(set(data) - set(FLOP_FORMATS) - {"launch_latency", "source"})
+    unknown = sorted(set(data) - set(FLOP_FORMATS) - {"launch_latency", "source", "gemm_model"})
     if unknown:
         raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}: "
-                          f"use {', '.join(FLOP_FORMATS)}, launch_latency, source")
+                          f"use {', '.join(FLOP_FORMATS)}, launch_latency, source, gemm_model")
     source = data.get("source", "")
     if not isinstance(source, str):
         raise ConfigError(f"{where}.source must be text naming where the tables come from, got {source!r}")
@@ -77,4 +93,5 @@ def parse_efficiency_profile(data: object, origin: str = "profile") -> Efficienc
                 f"(at least {FRACTION[0]:g})"
             )
         points[fmt] = tuple((int(x), float(e)) for x, e in table)
-    return EfficiencyProfile(points=points, launch_latency=float(latency), source=source)
+    gemm = parse_gemm_model(data["gemm_model"], f"{where}.gemm_model") if "gemm_model" in data else None
+    return EfficiencyProfile(points=points, launch_latency=float(latency), source=source, gemm=gemm)

@@ -462,12 +462,8 @@ def hardware_to_dict(hardware: Hardware) -> dict:
         data = {name: getattr(gpu, name) for name in
                 ("source", "node", "peak_flops", "hbm_bytes", "hbm_bandwidth", "nvlink_bandwidth", "nvlink_latency")}
         data["peak_flops"] = dict(gpu.peak_flops)
-        if gpu.matmul_efficiency is not None:
-            table = {"launch_latency": gpu.matmul_efficiency.launch_latency}
-            if getattr(gpu.matmul_efficiency, "source", ""):  # where the tables come from (compute.py)
-                table["source"] = gpu.matmul_efficiency.source
-            table.update({fmt: [list(p) for p in points] for fmt, points in gpu.matmul_efficiency.points.items()})
-            data["matmul_efficiency"] = table
+        if gpu.matmul_efficiency is not None:  # tables, source, the GEMM model (simulator/costs/efficiency.py)
+            data["matmul_efficiency"] = gpu.matmul_efficiency.as_dict()
         if gpu.collectives is not None:
             data["collectives"] = {
                 kind: {"ranks": fit.ranks, "alpha": fit.alpha, "beta": fit.beta, "points": [list(p) for p in fit.points]}

@@ -15,28 +15,59 @@ from precision.policy import FORMAT_BYTES, PrecisionPolicy
 if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
     from job.layout import Layout
 
-FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+FORWARD, RECOMPUTE, BACKWARD, STEP = "forward", "recompute", "backward", "step"
 SP_SAVED_INPUTS = ("gathered", "sharded")
 FP32 = FORMAT_BYTES["fp32"]
 MASK = 1  # a dropout mask: one byte (torch.bool) per element
 OUTSIDE, BLOCK, CORE = "outside", "block", "attention_core"  # where a tensor is made (recompute regions)
 RECOMPUTED_REGIONS = {"none": (), "selective": (CORE,), "full": (CORE, BLOCK)}
 GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
+FP8_SCALINGS = ("tensor", "block")
+MX_BLOCK = 32  # MXFP8: one 8-bit (E8M0) scale per 32 elements along the reduction (OCP Microscaling Formats v1.0)
 
 
 @dataclass(frozen=True)
 class Implementation:
-    """How the block is computed: attention kernel, what is recomputed, what sequence parallelism saves."""
+    """How the block is computed: attention kernel, what is recomputed, what sequence parallelism saves, and how
+    fp8 Linears and weight gradients run (simulator/costs/ops.py explains each; every default is our executor's).
+
+    fp8_weight_cache  the fp8 copies of the weights are cast once per step and kept across micro-batches
+                      (Transformer Engine's is_first_microbatch, which Megatron-core passes); False: cast in
+                      every micro-batch's forward and saved by it for its backward (precision/fp8.py).
+    fp8_fused_casts   Transformer Engine's kernels: amax inside the cast, cast + transpose in one pass, the
+                      LayerNorm writing the e4m3 input of the Linear after it (LayerNormLinear); False: our
+                      executor's torch ops (precision/fp8.py's Fp8Meta.quantize, through an fp32 copy).
+    fp8_scaling       "tensor" (per-tensor delayed scaling, an amax history) or "block" (MXFP8: one scale per
+                      32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
+    wgrad_fusion      the weight-gradient GEMM accumulates into the fp32 main gradient itself (Megatron-core's
+                      gradient_accumulation_fusion): no separate accumulation kernel."""
 
     attention: str = "flash"
     recompute: str = "none"
     sp_saved_input: str = "gathered"
+    fp8_weight_cache: bool = False
+    fp8_fused_casts: bool = False
+    fp8_scaling: str = "tensor"
+    wgrad_fusion: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
         check_recompute(self.recompute)
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
+        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ConfigError(f"fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}")
+        if self.fp8_scaling == "block" and not self.fp8_fused_casts:
+            raise ConfigError("fp8_scaling 'block' (MXFP8) needs fp8_fused_casts: only fused quantisers (Transformer "
+                              "Engine's) make per-block scales; our executor scales per tensor")
+
+    def as_dict(self) -> dict:
+        return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,
+                "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
+                "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion}
 
 
 @dataclass(frozen=True)
@@ -136,6 +167,12 @@ class OpList:
     backward: tuple[Op, ...]  # the recomputed forward ops first (phase "recompute"), then the gradients
     saved: tuple[Saved, ...]  # kept from the forward for the backward
     recomputed: tuple[Saved, ...] = ()  # rebuilt by the backward's recompute, alive while it runs
+    per_step: tuple[Op, ...] = ()  # run once per step, not per micro-batch (fp8 weight casts kept across them)
+    workspace: tuple[Saved, ...] = ()  # held once per unit across the step's micro-batches (the cached fp8 weights)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(t.bytes for t in self.workspace)
 
     @property
     def saved_bytes(self) -> int:
@@ -159,7 +196,7 @@ class OpList:
 def op_rows(ops: OpList) -> list[list]:
     """One row per op: phase, name, GEMM shape (or "-"), HBM bytes, FLOPs: for printing the list."""
     rows = []
-    for op in ops.forward + ops.backward:
+    for op in ops.forward + ops.backward + ops.per_step:
         if isinstance(op, Gemm):
             shape = f"{op.m} x {op.n} x {op.k}" + (f" x{op.batch}" if op.batch > 1 else "") + f" {op.dtype}"
         elif isinstance(op, FusedAttention):
@@ -201,6 +238,28 @@ class UnitShape:
     rope: bool = False  # rotary positions rotate q and k inside the attention core (no position embedding)
     cp: int = 1  # context parallelism: `s` is this rank's s/cp tokens of a sequence of s x cp
     cp_kind: str = "ring"  # how the keys and values of the other cp ranks arrive (job/context.py)
+    fp8_cache: bool = False  # Implementation.fp8_weight_cache (with fp8 Linears only)
+    fp8_fused: bool = False  # Implementation.fp8_fused_casts
+    fp8_block: bool = False  # Implementation.fp8_scaling == "block"
+    wgrad_fusion: bool = False
+
+    def fp8_bytes(self, elements: int) -> int:
+        """Bytes of one fp8 copy of `elements` values with its scales: one byte each, and under block scaling one
+        more byte per MX_BLOCK of them."""
+        return elements + (elements // MX_BLOCK if self.fp8_block else 0)
+
+    @property
+    def fused_norm(self) -> bool:
+        """The LayerNorm before an fp8 Linear writes its quantised input itself (Transformer Engine's
+        LayerNormLinear): per-tensor scaling the e4m3 row-wise copy, MXFP8 both directions."""
+        return self.fp8 and self.fp8_fused
+
+    def normed_bytes(self, elements: int) -> int:
+        """Bytes of what a LayerNorm hands the Linear after it, `elements` values: its fp8 copies when it writes them
+        (fused_norm), else the compute format."""
+        if not self.fused_norm:
+            return elements * self.e
+        return 2 * self.fp8_bytes(elements) if self.fp8_block else elements
 
     @property
     def qkv_width(self) -> int:
@@ -238,7 +297,9 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      linear="fp8" if policy.fp8_linears else policy.compute, fp8=policy.fp8_linears,
                      dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded",
                      bias=model.bias, norm_statistics=2 if model.norm == "layernorm" else 1,
-                     swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind)
+                     swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
+                     fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
+                     fp8_block=impl.fp8_scaling == "block", wgrad_fusion=impl.wgrad_fusion)
 
 
 class Recorder:
@@ -253,6 +314,8 @@ class Recorder:
         self.backward: list[Op] = []
         self.region = BLOCK
         self.region_inputs: dict[str, list[str]] = {}
+        self.per_step: list[Op] = []
+        self.workspace: list[Saved] = []
 
     def enter(self, region: str, inputs: tuple[str, ...] = ()) -> None:
         """Record the ops that follow in `region`; `inputs`: what it reads from before it, which a recompute of
@@ -284,8 +347,17 @@ class Recorder:
     def back_mem(self, name: str, read: int, written: int) -> None:
         self.backward.append(MemoryOp(name, read, written, BACKWARD))
 
-    def back_gemm(self, name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, linear: bool = True) -> None:
-        self.backward.append(gemm(name, m, n, k, dtype, self.shape.e, batch, BACKWARD, linear))
+    def step_mem(self, name: str, read: int, written: int, keeps: tuple[str, ...] = ()) -> None:
+        """A kernel run once per step (not per micro-batch); `keeps`: what it writes and the step's micro-batches
+        all use, held once (the unit's workspace)."""
+        self.per_step.append(MemoryOp(name, read, written, STEP))
+        self.workspace.extend(Saved(n, self.size[n]) for n in keeps)
+
+    def back_gemm(self, name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, linear: bool = True,
+                  out_bytes: int | None = None) -> None:
+        """`out_bytes` per result element (default the compute format's): 2 x 4 when it accumulates into fp32."""
+        out = self.shape.e if out_bytes is None else out_bytes
+        self.backward.append(gemm(name, m, n, k, dtype, out, batch, BACKWARD, linear))
 
     def finish(self, recompute: str) -> OpList:
         """The unit, with recompute's rule (simulator/costs/ops.py): a saved tensor is dropped when the op that makes it
@@ -306,7 +378,8 @@ class Recorder:
                     kept.append(Saved(name, self.size[name], name in self.small))
         rerun = tuple(replace(op, phase=RECOMPUTE) for op, region, _ in self.forward if region in again)
         return OpList(forward=tuple(op for op, _, _ in self.forward), backward=rerun + tuple(self.backward),
-                      saved=tuple(kept), recomputed=tuple(dropped))
+                      saved=tuple(kept), recomputed=tuple(dropped), per_step=tuple(self.per_step),
+                      workspace=tuple(self.workspace))
 
 
 def gemm(name: str, m: int, n: int, k: int, dtype: str, out_bytes: int, batch: int = 1, phase: str = FORWARD,

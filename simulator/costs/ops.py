@@ -83,6 +83,24 @@ saved tensors, for unfused attention and dropout > 0, in bytes with h = d and f 
 With fp8 Linears the Linears save e4m3 copies of their inputs and weights instead
 (qkv.input_fp8, qkv.weight_fp8, ...), and flash still keeps the 16-bit output beside proj's copy.
 
+fp8 Linears (the fp8 policy; docs/efficiency.md "fp8 Linears as they run"): Transformer Engine's
+DelayedScaling recipe with Format.HYBRID, which precision/fp8.py follows: the four Linears' forward GEMM
+e4m3 x e4m3, both backward GEMMs e5m2 (output gradient) x e4m3, per-tensor scales from an amax history;
+attention, the head and every element-wise kernel stay 16-bit. The casts, by Implementation:
+  fp8_fused_casts false (our executor): each quantisation is precision/fp8.py's Fp8Meta.quantize as torch
+        runs it, TORCH_QUANTIZE's six kernels through an fp32 copy (input, weight, output gradient), and
+        the backward's _scaled_mm transposes the weight, the gradient and the input (1 + 1 bytes each);
+  fp8_fused_casts true (Transformer Engine): one kernel per cast writing the row-wise and the transposed
+        copy (Hopper's fp8 GEMMs take only K-major operands) with the amax in the same pass; the LayerNorm
+        before qkv and fc1 writes their e4m3 input itself (LayerNormLinear), one transpose kernel makes the
+        weight gradient's copy; the weight and its transpose are what the backward keeps;
+  fp8_weight_cache: the weight casts run once a step (OpList.per_step) and their copies are the unit's
+        workspace, held once, not saved by every micro-batch (false: our executor's per-forward casts);
+  fp8_scaling "block": MXFP8, one scale byte per 32 elements of every fp8 copy, both directions cast from
+        the 16-bit tensor in one kernel (by the LayerNorm itself before qkv and fc1); needs fused casts.
+wgrad_fusion: a weight-gradient GEMM reads and writes the fp32 main gradient (2 x 4 bytes per weight), no
+grad_accumulate kernel after it (Megatron-core's gradient_accumulation_fusion).
+
 The shape's options (minigpt/config.py), each as minigpt/model.py computes it:
   bias=False        no bias adds and no bias gradients: a Linear writes its output directly.
   norm="rmsnorm"    one fp32 statistic per row (1/rms) instead of LayerNorm's two; the same bytes
@@ -115,22 +133,74 @@ __all__ = ["SP_SAVED_INPUTS", "Implementation", "Gemm", "MemoryOp", "FusedAttent
            "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
 
 
+# ---------------------------------------------------------------- fp8 casts (the module docstring's "fp8 Linears")
+
+# precision/fp8.py's Fp8Meta.quantize as torch runs it, one kernel each: an fp32 copy, |x|, its max, x * scale,
+# the clamp to the format's range, the cast; (kernel, bytes read, bytes written) per element, None: the source's.
+TORCH_QUANTIZE = (("to_fp32", None, FP32), ("abs", FP32, FP32), ("amax", FP32, 0), ("scale", FP32, FP32),
+                  ("clamp", FP32, FP32), ("cast", FP32, 1))
+
+
+def _cast_kernels(sh, prefix: str, elements: int, copies: int = 1) -> list[tuple[str, int, int]]:
+    """(name, bytes read, bytes written) of the kernels that make `copies` fp8 copies of `elements` 16-bit values:
+    Transformer Engine's one fused kernel (the amax taken in the same pass; the copies row-wise and transposed,
+    each with its scales under block scaling), or our executor's torch ops (one copy: TORCH_QUANTIZE)."""
+    if sh.fp8_fused:
+        return [(prefix, elements * sh.e, copies * sh.fp8_bytes(elements))]
+    return [(f"{prefix}.{kernel}", elements * (sh.e if read is None else read), elements * written)
+            for kernel, read, written in TORCH_QUANTIZE]
+
+
+def _fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded: bool) -> str:
+    """The e4m3 copy of a Linear's input its backward keeps (returned), and the kernels that make it."""
+    sh = rec.shape
+    elements = sh.rows * k
+    saved = rec.tensor(f"{name}.input_fp8", sh.fp8_bytes(elements))
+    if normed and sh.fused_norm:  # LayerNormLinear: the norm wrote the quantised input; per tensor the weight
+        if not sharded and not sh.fp8_block:  # gradient's transposed copy is made for the backward (the gathered
+            rec.mem(f"{name}.transpose_input", (inp,), (saved,))  # shard's in the backward); MXFP8 wrote both
+        return saved
+    if sh.fp8_fused:  # cast + transpose: the row-wise copy for this GEMM, the transposed one kept
+        rowwise = rec.tensor(f"{name}.input_rowwise", sh.fp8_bytes(elements))
+        rec.mem(f"{name}.cast_input", (inp,), (rowwise, saved))
+        return saved
+    for kernel, read, written in _cast_kernels(sh, f"{name}.cast_input", elements):
+        rec.op(MemoryOp(kernel, read, written))
+    return saved
+
+
+def _fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
+    """The weight's e4m3 copy: cast in this forward and kept by this micro-batch (returned), or once per step and
+    kept for all of them (fp8_weight_cache: the unit's workspace). Transformer Engine keeps it and its transpose."""
+    sh = rec.shape
+    copies = 2 if sh.fp8_fused else 1
+    kept = rec.tensor(f"{name}.weight_fp8", copies * sh.fp8_bytes(n * k), OUTSIDE if sh.fp8_cache else None)
+    kernels = _cast_kernels(sh, f"{name}.cast_weight", n * k, copies)
+    if sh.fp8_cache:
+        for kernel, read, written in kernels:
+            rec.step_mem(kernel, read, written)
+        rec.workspace.append(Saved(kept, rec.size[kept]))
+        return ()
+    for kernel, read, written in kernels:
+        rec.op(MemoryOp(kernel, read, written))
+    return (kept,)
+
+
 # ---------------------------------------------------------------- Linear layers
 
 
-def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int, out: str) -> str:
+def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int, out: str,
+                    normed: bool = False) -> str:
     """A Linear of `k` -> `n` columns on this rank over all rows, writing `out` (before any bias).
 
-    `inp` is the 16-bit input it multiplies; `shard` the sequence shard that "sharded" saves instead."""
+    `inp` is the input it multiplies (16-bit, or e4m3 when a fused norm wrote it: `normed`, it follows one); `shard`
+    the sequence shard that "sharded" saves instead."""
     sh = rec.shape
-    weight = rec.tensor(f"{name}.weight", n * k * sh.e, OUTSIDE)
+    rec.tensor(f"{name}.weight", n * k * sh.e, OUTSIDE)
     saved_input = shard if shard is not None and sh.sharded else None
     if sh.fp8:
-        rec.tensor(f"{name}.input_fp8", sh.rows * k * 1)
-        rec.mem(f"{name}.cast_input", (inp,), (f"{name}.input_fp8",))
-        rec.tensor(f"{name}.weight_fp8", n * k * 1)
-        rec.mem(f"{name}.cast_weight", (weight,), (f"{name}.weight_fp8",))
-        saves = (saved_input or f"{name}.input_fp8", f"{name}.weight_fp8")
+        saved = _fp8_input(rec, name, inp, k, normed, saved_input is not None)
+        saves = (saved_input or saved, *_fp8_weight(rec, name, n, k))
     else:
         saves = (saved_input or inp,)
     rec.tensor(out, sh.rows * n * sh.e)
@@ -138,15 +208,40 @@ def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: in
     return out
 
 
-def _linear_backward(rec: Recorder, name: str, n: int, k: int) -> None:
-    """Input and weight gradients of the Linear above (its output gradient in HBM), and the accumulation."""
+def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = False) -> None:
+    """Input and weight gradients of the Linear above (its output gradient in HBM), and the accumulation.
+
+    Under fp8 the output gradient is cast to e5m2 first; our executor's _scaled_mm then makes the transposed
+    copies its layouts need (the weight for the input gradient, the gradient and the input for the weight
+    gradient), Transformer Engine's casts wrote them already. `wgrad_fusion`: the weight-gradient GEMM reads and
+    writes the fp32 main gradient itself, no accumulation kernel."""
     sh = rec.shape
     if sh.fp8:
-        rec.back_mem(f"{name}.cast_grad", sh.rows * n * sh.e, sh.rows * n * 1)
+        for kernel, read, written in _cast_kernels(sh, f"{name}.cast_grad", sh.rows * n, 2):
+            rec.back_mem(kernel, read, written)
     rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear)
-    if sh.sharded and sh.fp8:  # the input shard, gathered again, is cast again for the weight gradient
-        rec.back_mem(f"{name}.cast_input", sh.rows * k * sh.e, sh.rows * k * 1)
-    rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, sh.linear)
+    if sh.fp8 and not sh.fp8_fused:
+        rec.back_mem(f"{name}.transpose_weight", n * k, n * k)
+    if sh.sharded and sh.fp8:  # the input shard, gathered again, is made e4m3 (transposed) again for the weight gradient
+        if normed and sh.fused_norm:
+            if not sh.fp8_block:
+                rec.back_mem(f"{name}.transpose_input", sh.rows * k, sh.rows * k)
+        else:
+            for kernel, read, written in _cast_kernels(sh, f"{name}.cast_input", sh.rows * k):
+                rec.back_mem(kernel, read, written)
+    if sh.fp8 and not sh.fp8_fused:
+        rec.back_mem(f"{name}.transpose_grad", sh.rows * n, sh.rows * n)
+        rec.back_mem(f"{name}.transpose_input", sh.rows * k, sh.rows * k)
+    _weight_gradient(rec, name, n, k, sh.linear)
+
+
+def _weight_gradient(rec: Recorder, name: str, n: int, k: int, dtype: str) -> None:
+    """The weight-gradient GEMM and its accumulation into the gradient buffer (fused into it under wgrad_fusion)."""
+    sh = rec.shape
+    if sh.wgrad_fusion:
+        rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype, out_bytes=2 * FP32)
+        return
+    rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype)
     rec.back_mem(f"{name}.grad_accumulate", 2 * n * k * sh.grad, n * k * sh.grad)
 
 
@@ -160,8 +255,8 @@ def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int
     """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one."""
     sh = rec.shape
     if not sh.bias:
-        return _linear_forward(rec, name, inp, shard, n, sh.d, out)
-    _bias_add(rec, name, _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul"), out, sh.rows, n)
+        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed=True)
+    _bias_add(rec, name, _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed=True), out, sh.rows, n)
     return out
 
 
@@ -179,7 +274,7 @@ def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
 def _column_backward(rec: Recorder, name: str, n: int) -> None:
     if rec.shape.bias:
         _bias_backward(rec, name, rec.shape.rows, n)
-    _linear_backward(rec, name, n, rec.shape.d)
+    _linear_backward(rec, name, n, rec.shape.d, normed=True)
 
 
 def _row_backward(rec: Recorder, name: str, k: int) -> None:
@@ -192,11 +287,12 @@ def _bias_backward(rec: Recorder, name: str, rows: int, n: int) -> None:
     rec.back_mem(f"{name}.bias_grad", rows * n * rec.shape.e, n * rec.shape.grad)
 
 
-def _norm(rec: Recorder, name: str, inp: str, out: str) -> None:
-    """A LayerNorm or RMSNorm over the residual rows: saves its input and its fp32 statistics."""
+def _norm(rec: Recorder, name: str, inp: str, out: str, out_bytes: int | None = None) -> None:
+    """A LayerNorm or RMSNorm over the residual rows: saves its input and its fp32 statistics. `out_bytes`: what it
+    writes (default its output in the compute format; the next fp8 Linear's quantised input where it makes it)."""
     sh = rec.shape
     rows = sh.residual_rows
-    rec.tensor(out, rows * sh.d * sh.e)
+    rec.tensor(out, rows * sh.d * sh.e if out_bytes is None else out_bytes)
     stats = rec.tensor(f"{name}.statistics", rows * sh.norm_statistics * FP32, small=True)
     rec.mem(name, (inp,), (out, stats), saves=(inp, stats))
 
@@ -237,9 +333,9 @@ def _residual_backward(rec: Recorder, name: str) -> None:
 def _attention_forward(rec: Recorder, attention: str) -> None:
     sh = rec.shape
     x = rec.tensor("x", sh.residual_rows * sh.d * sh.e, OUTSIDE)
-    _norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input")
+    _norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
     if sh.sp:
-        rec.tensor("qkv.input", sh.rows * sh.d * sh.e)  # all-gathered along the sequence
+        rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d))  # all-gathered along the sequence
     qkv = _column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
     heads = core_forward(rec, attention, qkv)
     branch = _residual_dropout(rec, "attention", _row_linear(rec, "proj", heads, sh.heads * sh.head_dim,
@@ -273,9 +369,9 @@ def _activation_backward(rec: Recorder) -> None:
 
 def _mlp_forward(rec: Recorder) -> None:
     sh = rec.shape
-    _norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input")
+    _norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input", sh.normed_bytes(sh.residual_rows * sh.d))
     if sh.sp:
-        rec.tensor("fc1.input", sh.rows * sh.d * sh.e)
+        rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
     hidden = _column_linear(rec, "fc1", "fc1.input", "ln2.output", sh.fc1_width, "fc1.output")
     branch = _residual_dropout(rec, "mlp", _row_linear(rec, "fc2", _activation(rec, hidden), sh.f // sh.t,
                                                        "mlp.residual"))
@@ -353,7 +449,6 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     rec.mem("loss.softmax", (logits32,), (log_probs,), saves=(log_probs,))  # max, exponentials, their sum: one pass
     rec.back_mem("loss.backward", sh.rows * vocab * FP32, sh.rows * vocab * sh.e)  # softmax - one-hot, scaled
     rec.back_gemm("head.input_grad", sh.rows, sh.d, vocab, sh.compute)
-    rec.back_gemm("head.weight_grad", vocab, sh.d, sh.rows, sh.compute)
-    rec.back_mem("head.grad_accumulate", 2 * vocab * sh.d * sh.grad, vocab * sh.d * sh.grad)
+    _weight_gradient(rec, "head", vocab, sh.d, sh.compute)
     _norm_backward(rec, "final_norm")
     return rec.finish("none")

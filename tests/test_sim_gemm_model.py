@@ -1,0 +1,178 @@
+"""simulator/costs/gemm_model.py: the GEMM model by (m, n, k) reproduces the published sweeps it rests on (and the
+points held out of its fit) within the tolerances docs/efficiency.md states, quantises waves over the SMs, tells a
+short m from a short k as the sweeps do, and a calibrated profile without a model keeps its smallest-side table."""
+
+import math
+
+import pytest
+
+from minigpt.errors import ConfigError
+from simulator.costs.compute import efficiency, gemm_efficiency, matmul_time
+from simulator.costs.efficiency import parse_efficiency_profile
+from simulator.costs.gemm_model import TILES, GemmFit, GemmModel, parse_gemm_model, tile_work, wave_utilisation
+from simulator.costs.hardware import load_hardware
+from simulator.provenance import efficiency_sources
+
+H100, H200, A100 = (load_hardware(name).gpu for name in ("h100-sxm", "h200", "a100-80gb"))
+
+# OpenXLA's measured H100 GEMM table (xla/service/gpu/model/default_matmul_perf_table.txtpb, key sm_90, column
+# bf16xbf16->bf16, b = 1; ROCm/xla mirror at commit dc66032216): TFLOP/s of every (m, n, k) with each side
+# 512-4096 (docs/efficiency.md, "GEMM model").
+OPENXLA_BF16 = {
+    (512, 512, 512): 43.6, (512, 512, 1024): 73.4, (512, 512, 2048): 116.3, (512, 512, 4096): 187.5,
+    (512, 1024, 512): 85.4, (512, 1024, 1024): 146.5, (512, 1024, 2048): 231.0, (512, 1024, 4096): 300.9,
+    (512, 2048, 512): 147.5, (512, 2048, 1024): 241.8, (512, 2048, 2048): 342.8, (512, 2048, 4096): 460.4,
+    (512, 4096, 512): 243.6, (512, 4096, 1024): 381.3, (512, 4096, 2048): 530.0, (512, 4096, 4096): 661.6,
+    (1024, 512, 512): 84.3, (1024, 512, 1024): 144.0, (1024, 512, 2048): 235.5, (1024, 512, 4096): 312.1,
+    (1024, 1024, 512): 149.1, (1024, 1024, 1024): 252.8, (1024, 1024, 2048): 359.8, (1024, 1024, 4096): 472.6,
+    (1024, 2048, 512): 244.0, (1024, 2048, 1024): 384.0, (1024, 2048, 2048): 529.5, (1024, 2048, 4096): 665.7,
+    (1024, 4096, 512): 347.7, (1024, 4096, 1024): 494.4, (1024, 4096, 2048): 639.1, (1024, 4096, 4096): 751.9,
+    (2048, 512, 512): 150.1, (2048, 512, 1024): 257.6, (2048, 512, 2048): 354.1, (2048, 512, 4096): 458.1,
+    (2048, 1024, 512): 244.9, (2048, 1024, 1024): 386.8, (2048, 1024, 2048): 535.3, (2048, 1024, 4096): 663.6,
+    (2048, 2048, 512): 348.6, (2048, 2048, 1024): 498.0, (2048, 2048, 2048): 641.0, (2048, 2048, 4096): 752.2,
+    (2048, 4096, 512): 449.3, (2048, 4096, 1024): 596.5, (2048, 4096, 2048): 725.5, (2048, 4096, 4096): 752.3,
+    (4096, 512, 512): 240.1, (4096, 512, 1024): 377.5, (4096, 512, 2048): 531.0, (4096, 512, 4096): 662.0,
+    (4096, 1024, 512): 354.6, (4096, 1024, 1024): 497.6, (4096, 1024, 2048): 643.7, (4096, 1024, 4096): 751.7,
+    (4096, 2048, 512): 449.6, (4096, 2048, 1024): 604.6, (4096, 2048, 2048): 727.5, (4096, 2048, 4096): 759.4,
+    (4096, 4096, 512): 551.8, (4096, 4096, 1024): 685.2, (4096, 4096, 2048): 735.6, (4096, 4096, 4096): 780.2,
+}
+# Held out of the fit: the cubes and the shapes with two sides 4096 (the old smallest-side table's points).
+HELD_OUT = ({(c, c, c) for c in (512, 1024, 2048, 4096)} | {(s, 4096, 4096) for s in (512, 1024, 2048)}
+            | {(4096, s, 4096) for s in (512, 1024, 2048)} | {(4096, 4096, s) for s in (512, 1024, 2048)})
+# Azure AI-benchmarking-guide (commit 8fd0c6e1), "GEMM CuBLASLt": TFLOP/s of (m, n, k).
+AZURE_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384),
+                (32768, 32768, 32768), (1024, 2145, 1024), (6144, 12288, 12288), (802816, 192, 768))
+AZURE_FP8 = {"h100-sxm": (274.1, 1011.3, 1216.9, 1290.1, 1377.3, 1382.2, 410.7, 1351.4, 663.8),
+             "h200": (290.8, 1013.4, 1249.1, 1300.6, 1366.3, 1349.5, 407.9, 1318.0, 717.5)}
+AZURE_A100_FP16 = dict(zip(AZURE_SHAPES[:5] + AZURE_SHAPES[6:], (119.4, 221.8, 228.0, 253.7, 256.5, 132.8, 250.8, 157.8)))
+
+
+def rate(gpu, m, n, k, fmt):
+    """TFLOP/s the model gives the GEMM on the preset."""
+    return gpu.flops(fmt) * gemm_efficiency(m, n, k, fmt, gpu, gpu.matmul_efficiency) / 1e12
+
+
+def errors(gpu, fmt, published):
+    return {shape: rate(gpu, *shape, fmt) / tflops - 1 for shape, tflops in published.items()}
+
+
+def test_h100_bf16_reproduces_the_openxla_points_held_out_of_its_fit_within_10_percent():
+    held = {shape: error for shape, error in errors(H100, "bf16", OPENXLA_BF16).items() if shape in HELD_OUT}
+    assert len(held) == 13
+    assert max(map(abs, held.values())) < 0.10, held
+
+
+def test_h100_bf16_reproduces_the_openxla_points_it_was_fitted_to():
+    fitted = [error for shape, error in errors(H100, "bf16", OPENXLA_BF16).items() if shape not in HELD_OUT]
+    assert len(fitted) == 51
+    assert max(map(abs, fitted)) < 0.30  # the worst, small GEMMs with the output in one tile row and a long k
+    assert math.sqrt(sum(e * e for e in fitted) / len(fitted)) < 0.085
+    large = [error for shape, error in errors(H100, "bf16", OPENXLA_BF16).items() if min(shape) >= 1024]
+    assert len(large) == 27 and max(map(abs, large)) < 0.09  # every side 1024-4096: the training-sized ones
+
+
+def test_h100_bf16_large_gemm_rests_on_bekmans_mamf():
+    """Without its fixed cost the model gives MAMF's 794.5 TFLOP/s at MAMF's best shape (how `large` was set)."""
+    fit = H100.matmul_efficiency.gemm.fit("bf16")
+    seconds = tile_work(2048, 2048, 13312, 1, 132, fit.k0) / (fit.large * H100.flops("bf16"))
+    assert 2 * 2048 * 2048 * 13312 / seconds / 1e12 == pytest.approx(794.5, rel=0.002)
+    assert rate(H100, 2048, 2048, 13312, "bf16") < 794.5  # the kernel's fixed cost on top
+
+
+@pytest.mark.parametrize("name, tolerance", [("h100-sxm", 0.12), ("h200", 0.11)])
+def test_fp8_reproduces_the_azure_squares_it_was_fitted_to(name, tolerance):
+    gpu = load_hardware(name).gpu
+    found = errors(gpu, "fp8", dict(zip(AZURE_SHAPES, AZURE_FP8[name])))
+    assert max(map(abs, found.values())) < tolerance, found
+
+
+def test_a100_bf16_reproduces_the_azure_fp16_points_it_was_fitted_to():
+    found = errors(A100, "bf16", AZURE_A100_FP16)
+    assert max(map(abs, found.values())) < 0.10, found
+    assert errors(A100, "fp16", AZURE_A100_FP16) == found  # one tensor-core rate for both (datasheet)
+
+
+def test_wave_quantisation():
+    assert wave_utilisation(132, 132) == 1 and wave_utilisation(133, 132) == pytest.approx(133 / 264)
+    assert wave_utilisation(264, 132) == 1 and wave_utilisation(1, 108) == pytest.approx(1 / 108)
+    # 133 output tiles of 128 x 128 on 132 SMs run two waves: about twice the time per useful tile of 132 (a short
+    # k: splitting it cannot fill the second wave)
+    fit = H100.matmul_efficiency.gemm.fit("bf16")
+    one, two = (tile_work(m, n, 128, 1, 132, fit.k0) for m, n in ((12 * 128, 11 * 128), (7 * 128, 19 * 128)))
+    assert (two / 133) / (one / 132) == pytest.approx(2, rel=0.02)
+
+
+def test_the_a100_wave_dip_at_2048_that_nvidias_figure_shows():
+    """NVIDIA's CUDA 11 blog figure (TF32 series): on 108 SMs the 2048 cube runs below both 1792 and 2304 (256 tiles
+    of 128 x 128 fill 2.4 waves, 196 and 324 fill 1.8 and exactly 3). The model's tiles and waves (its share of
+    the SMs' time, the kernel's fixed cost aside) put it there too, less deep (2% below 1792 against the figure's
+    20%: splitting k refills the waves at the price of k0 per slice; docs/efficiency.md)."""
+    k0 = A100.matmul_efficiency.gemm.fit("bf16").k0
+    share = {c: 2 * c**3 / tile_work(c, c, c, 1, 108, k0) for c in (1792, 2048, 2304)}
+    assert share[2048] < share[1792] and share[2048] < 0.9 * share[2304]
+
+
+def test_a_short_k_costs_more_than_a_short_m_as_the_sweep_says():
+    for side in (512, 1024):
+        short_m, short_k = OPENXLA_BF16[(side, 4096, 4096)], OPENXLA_BF16[(4096, 4096, side)]
+        assert short_k < short_m  # the sweep: a tile's fixed cost along k
+        assert rate(H100, 4096, 4096, side, "bf16") < rate(H100, side, 4096, 4096, "bf16")
+
+
+def test_efficiency_grows_with_k_and_stays_below_large():
+    for gpu, fmt in ((H100, "bf16"), (H100, "fp8"), (A100, "bf16")):
+        fit = gpu.matmul_efficiency.gemm.fit(fmt)
+        values = [gemm_efficiency(4096, 4096, k, fmt, gpu, gpu.matmul_efficiency) for k in (256, 1024, 4096, 16384, 65536)]
+        assert values == sorted(values) and 0 < values[0] and values[-1] < fit.large
+
+
+def test_training_shapes_are_priced_by_their_three_sides_not_their_smallest():
+    """GPT-3 on tp4: fp8 at 2048 x 12288 x 12288 is not priced as the 2048 cube (0.511 of peak) any more."""
+    cube = gemm_efficiency(2048, 2048, 2048, "fp8", H100, H100.matmul_efficiency)
+    wide = gemm_efficiency(2048, 12288, 12288, "fp8", H100, H100.matmul_efficiency)
+    assert wide > 1.2 * cube
+    assert wide > gemm_efficiency(2048, 12288, 12288, "bf16", H100, H100.matmul_efficiency) * 0.75
+
+
+def test_matmul_time_and_batches_use_the_model():
+    m, n, k = 4096, 4096, 4096
+    expected = 2 * m * n * k / (H100.flops("bf16") * gemm_efficiency(m, n, k, "bf16", H100, H100.matmul_efficiency))
+    assert matmul_time(2 * m * n * k, m, n, k, H100, "bf16", profile=H100.matmul_efficiency) == pytest.approx(
+        expected + H100.matmul_efficiency.launch_latency)
+    # a batch of GEMMs fills the SMs as one GEMM of batch x the tiles
+    small = gemm_efficiency(256, 256, 4096, "bf16", H100, H100.matmul_efficiency)
+    assert gemm_efficiency(256, 256, 4096, "bf16", H100, H100.matmul_efficiency, batch=32) > 2 * small
+
+
+def test_formats_without_a_fit_and_calibrated_profiles_keep_their_tables():
+    profile = H100.matmul_efficiency
+    assert profile.gemm.fit("tf32") is None  # tf32 keeps OpenXLA's smallest-side table
+    assert gemm_efficiency(512, 4096, 4096, "tf32", H100, profile) == efficiency(512, "tf32", profile)
+    measured = parse_efficiency_profile({"bf16": [[64, 0.2], [8192, 0.8]], "launch_latency": 3e-6})
+    assert measured.gemm is None
+    assert gemm_efficiency(300, 5000, 7000, "bf16", H100, measured) == efficiency(300, "bf16", measured)
+    sources = efficiency_sources(H100, ["bf16", "tf32", "fp8"], profile)
+    assert sources["bf16"]["kind"] == sources["fp8"]["kind"] == "GEMM model" and "SMs" in sources["bf16"]["source"]
+    assert sources["tf32"]["kind"] == "cited table"
+
+
+def test_the_presets_carry_the_sms_of_their_datasheets():
+    assert {load_hardware(name).gpu.matmul_efficiency.gemm.sms for name in ("a100-40gb", "a100-80gb")} == {108}
+    assert {load_hardware(name).gpu.matmul_efficiency.gemm.sms for name in ("h100-sxm", "h200")} == {132}
+    assert H200.matmul_efficiency.gemm.fit("bf16") == H100.matmul_efficiency.gemm.fit("bf16")  # the same GH100
+    assert H200.matmul_efficiency.gemm.fit("fp8") != H100.matmul_efficiency.gemm.fit("fp8")  # measured on each
+    assert TILES == ((128, 128), (128, 256), (256, 128))
+
+
+def test_a_model_round_trips_and_bad_ones_name_the_field():
+    model = GemmModel(132, (("bf16", GemmFit(0.8, 64.0, 5e-6)),), "a sweep")
+    assert parse_gemm_model(model.as_dict(), "x") == model
+    for bad, field in (({"sms": 0, "bf16": {"large": 0.8, "k0": 1, "fixed": 0}}, "sms"),
+                       ({"sms": 132, "bf16": {"large": 1.5, "k0": 1, "fixed": 0}}, "bf16"),
+                       ({"sms": 132, "bf16": {"large": 0.8, "k0": -1, "fixed": 0}}, "bf16"),
+                       ({"sms": 132, "bf16": {"large": 0.8, "k0": 1}}, "bf16"),
+                       ({"sms": 132, "int4": {"large": 0.8, "k0": 1, "fixed": 0}}, "int4")):
+        with pytest.raises(ConfigError, match=field):
+            parse_gemm_model(bad, "gemm_model")
+    with pytest.raises(ConfigError, match="gemm_model"):
+        parse_efficiency_profile({"gemm_model": {"sms": "many"}})
