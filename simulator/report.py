@@ -35,7 +35,9 @@ def headline(result: SimResult) -> str:
     lay = result.layout
     chunks = f" x {lay.virtual_chunks} chunks" if lay.virtual_chunks > 1 else ""
     cp = f" x cp {lay.cp} ({lay.cp_kind})" if lay.cp > 1 else ""
-    return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}, ZeRO-{lay.effective_zero}"
+    zero = f"ZeRO-{lay.effective_zero}" + (f" in shard groups of {lay.shard_ranks}" if lay.shard_replicas > 1 else "") \
+        + (" without resharding after the forward" if lay.effective_zero == 3 and not lay.reshard_after_forward else "")
+    return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}, {zero}"
             f"{', sequence parallel' if lay.sequence_parallel else ''}, {result.precision}, {result.schedule}{chunks}, "
             f"{result.attention} attention, recompute {result.recompute}, overlap {result.overlap.name}; global batch {result.global_batch} = {result.micro_batches} micro-batches "
             f"of {result.micro_batch} per replica")
@@ -51,6 +53,29 @@ def step_rows(result: SimResult) -> list[list[str]]:
              ["MFU", f"{result.mfu:.1%}", f"of the {result.precision} peak"],
              ["throughput", f"{result.samples_per_s:.4g} samples/s", f"{result.tokens_per_s:.4g} tokens/s"]]
     return rows
+
+
+COLLECTIVE_HEADERS = ["collective", "group", "ranks (servers)", "message", "algorithm", "time", "ring alone"]
+
+
+def message_size(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.4g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def collective_rows(result: SimResult) -> list[list[str]]:
+    """Each distinct collective call of the step: the algorithm and protocol NCCL would run it with."""
+    return [[c["kind"].replace("_", "-"), c["group"], f"{c['ranks']} ({c['servers']})", message_size(c["bytes"]),
+             f"{c['algorithm']}/{c['protocol']}" + (" *" if c.get("note") else ""), seconds(c["seconds"]),
+             seconds(c["ring_seconds"])] for c in result.collectives]
+
+
+def collective_note(result: SimResult) -> str:
+    forced = next((c["note"] for c in result.collectives if c.get("note")), None)
+    return ("(one row per distinct call; the algorithm NCCL's tuner would pick by predicted time, "
+            "simulator/network/nccl.py" + (f"; * {forced}" if forced else "") + ")")
 
 
 def memory_rows(result: SimResult) -> list[list[str]]:

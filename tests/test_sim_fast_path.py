@@ -116,6 +116,7 @@ def test_links_run_at_the_achieved_fraction_of_the_datasheet():
     across = nic.latency + nic.switch_latency + s / (0.9 * nic.bandwidth)
     assert links.p2p(0, 1, s) == pytest.approx(across, rel=1e-12)
     dp = LinkCosts(cluster, Layout(dp=16), gpu)
+    dp.select("ring")  # the ring's links (on two servers NCCL would pick the tree: tests/test_sim_nccl.py)
     # busbw as nccl-tests defines it: 2(n-1)/n S / t tends to 0.9 x the line rate for large S
     big = 16e9
     busbw = 2 * 15 / 16 * big / dp.dp_collective(0, "all_reduce", big)

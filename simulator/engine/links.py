@@ -27,6 +27,11 @@ A ring collective (collectives.ring_*) is 2(n-1) (all-reduce) or n-1 synchronous
 which every member sends S/n to the next; on an idle cluster the steps are alike, so one
 step is timed and multiplied. Link bandwidths are scaled by what NCCL reaches on them
 (collectives.LinkFractions: the GPU's nvlink_fraction, the NIC's busbw_fraction).
+Every collective call goes through `LinkCosts.collective`: simulator/network/nccl.py takes this ring's
+time and latency, the group's shape (ranks, servers) and the published figures of the GPU's node and NIC,
+and picks the algorithm and protocol NCCL would (ring, tree, NVLS, NVLS+tree, in-network reduction), or
+the one `select` forces (--nccl-algo); each distinct call is decided once and listed by `collective_calls`.
+Without a GPU (the datasheet) and on a measured CPU host every collective stays the ring.
 
 Three ways to time a transfer, one answer where they overlap:
   fast   (a built cluster, simulator/network/cluster_built.py): every flow of the transfer routed by
@@ -60,6 +65,7 @@ from typing import Iterator
 from minigpt.errors import ConfigError
 from simulator.network.cluster_built import BuiltCluster
 from simulator.network.collectives import LinkFractions, Network
+from simulator.network.nccl import Call, NcclModel, check_algorithm
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout
 from simulator.network.topology import Cluster
@@ -113,6 +119,14 @@ def no_garbage_collection() -> Iterator[None]:
             gc.enable()
 
 
+def sharding_groups(name: str, data: list[list[int]], n: int) -> list[list[int]]:
+    """Each list of a stage's data ranks (one per tp rank) cut into shard groups of n consecutive ranks
+    ("dp_shard") or replica groups, the ranks n apart ("dp_replicas"), as parallel/mesh.py builds them."""
+    if name == "dp_shard":
+        return [ranks[g : g + n] for ranks in data for g in range(0, len(ranks), n)]
+    return [ranks[j::n] for ranks in data for j in range(n)]
+
+
 def flow_profile(cluster: BuiltCluster, flows: list[tuple[int, int]], fractions: LinkFractions) -> Profile:
     """The (latency, bottleneck share) of every flow started together, the dominated pairs left out."""
     nvlink, nic, cable, top = cluster.capacities
@@ -160,6 +174,24 @@ class LinkCosts:
         oversubscribed = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio > 1
         # replicas timed together in p2p, pp and the embedding sync: all but on the graph path of a non-blocking fabric
         self.replicas = layout.dp if self.mode != "graph" or oversubscribed else 1
+        self.gpu = gpu
+        self.nccl: NcclModel | None = None  # how NCCL runs each collective (None without a GPU: the ring alone)
+        self.calls: dict[tuple, dict] = {}  # each distinct collective call: its algorithm, protocol and seconds
+        self.shapes: dict[tuple, tuple] = {}  # per group timing key: (servers, most ranks on one, ring hop latency)
+        self.select("auto")
+
+    def select(self, algorithm: str) -> None:
+        """Let NCCL choose each collective's algorithm ("auto") or force one, as NCCL_ALGO does. The published
+        figures belong to the presets' hardware: a built cluster has them, a cluster file when it names its
+        fabric (a NIC preset, as a saved built cluster does; its bool `in_network_reduction` overrides the
+        NIC's); a file naming no fabric keeps its own links' ring for every collective."""
+        algorithm = check_algorithm(algorithm)
+        attributes = self.cluster.attributes
+        nic = self.cluster.nic.name if isinstance(self.cluster, BuiltCluster) else attributes.get("fabric")
+        if self.gpu is not None and isinstance(nic, str):
+            sharp = attributes.get("in_network_reduction")
+            self.nccl = NcclModel.for_hardware(self.gpu.node, nic, algorithm, sharp if isinstance(sharp, bool) else None)
+            self.calls = {}
 
     def rank(self, stage: int, replica: int, tp_rank: int, cp_rank: int = 0) -> int:
         layout = self.layout
@@ -182,7 +214,8 @@ class LinkCosts:
             return [[rank(p, d, t, c) for p in range(layout.pp)] for d in replicas for c in cps for t in tps]
         if name == "cp":
             return [[rank(where[0], d, t, c) for c in cps] for d in replicas for t in tps]
-        return [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps] for t in tps]  # "dp": dp x cp
+        data = [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps] for t in tps]  # "dp": dp x cp
+        return data if name == "dp" else sharding_groups(name, data, where[1])
 
     def groups(self, name: str, *where: int) -> tuple[list[list], tuple]:
         """(the groups of one kind of transfer, the key of their timing): GPU ids on the graph path, else ranks."""
@@ -238,6 +271,36 @@ class LinkCosts:
             return profile_seconds(self.profile(("flows", key), flows), nbytes)
         return self.run(("flows", key, float(nbytes)), flows, nbytes)
 
+    def collective(self, name: str, kind: str, groups: tuple[list[list], tuple], nbytes: float) -> float:
+        """A collective of the full buffer `nbytes` on every group at once, run as NCCL would
+        (simulator/network/nccl.py: the algorithm and protocol it picks, on this topology's ring); each
+        distinct call decided once and kept in `calls` (`name`: the group, tp, dp, cp, pp or embedding)."""
+        n = len(groups[0][0])
+        if n == 1 or nbytes <= 0 or self.nccl is None:
+            return self.ring(kind, groups, nbytes)
+        key = (name, kind, groups[1], float(nbytes))
+        if key not in self.calls:
+            if groups[1] not in self.shapes:  # servers, most ranks on one, the slowest hop of a ring step
+                servers = Counter(self.cluster.node_of(member) for member in groups[0][0])
+                self.shapes[groups[1]] = (len(servers), max(servers.values()), self.ring_step(groups, 0.0))
+            spread, most, hop = self.shapes[groups[1]]
+            ring = self.ring(kind, groups, nbytes)
+            call = Call(kind, n, spread, most, float(nbytes), ring, RING_STEPS[kind](n) * hop, self.gpu.nvlink_latency)
+            choice = self.nccl.choose(call)
+            self.calls[key] = {"group": name, "kind": kind, "ranks": n, "servers": call.servers, "bytes": float(nbytes),
+                               "algorithm": choice.algorithm, "protocol": choice.protocol, "seconds": choice.seconds,
+                               "ring_seconds": ring, **({"note": choice.note} if choice.note else {})}
+        return self.calls[key]["seconds"]
+
+    def collective_calls(self) -> list[dict]:
+        """Every distinct collective call decided so far, by group, kind and size (one row per size of a group
+        whatever its stage), JSON-ready."""
+        order = {name: i for i, name in enumerate(("tp", "cp", "dp", "dp_shard", "dp_replicas", "pp", "embedding"))}
+        rows: dict[tuple, dict] = {}
+        for call in self.calls.values():
+            rows.setdefault((call["group"], call["kind"], call["bytes"]), call)
+        return sorted(rows.values(), key=lambda c: (order.get(c["group"], len(order)), c["group"], c["kind"], c["bytes"]))
+
     def ring(self, kind: str, groups: tuple[list[list], tuple], nbytes: float) -> float:
         """A ring collective of the full buffer `nbytes` on every group at once: steps x one step.
 
@@ -275,13 +338,23 @@ class LinkCosts:
         return self.flows(("p2p", key), [(a, b) for a, b in pairs], nbytes)
 
     def tp_collective(self, kind: str, nbytes: float) -> float:
-        """One tensor-parallel collective of the full buffer `nbytes` (ring), on one tp group alone."""
-        return self.ring(kind, self.groups("tp"), nbytes) if self.layout.tp > 1 else 0.0
+        """One tensor-parallel collective of the full buffer `nbytes`, on one tp group alone."""
+        return self.collective("tp", kind, self.groups("tp"), nbytes) if self.layout.tp > 1 else 0.0
 
     def dp_collective(self, stage: int, kind: str, nbytes: float) -> float:
-        """One data-parallel ring collective of `nbytes` per rank on `stage` over its dp x cp ranks, the stage's
+        """One data-parallel collective of `nbytes` per rank on `stage` over its dp x cp ranks, the stage's
         tp rings at once."""
-        return self.ring(kind, self.groups("dp", stage), nbytes) if self.layout.data_ranks > 1 else 0.0
+        return self.collective("dp", kind, self.groups("dp", stage), nbytes) if self.layout.data_ranks > 1 else 0.0
+
+    def sharded_collective(self, stage: int, kind: str, nbytes: float, group: str = "shard") -> float:
+        """Hybrid sharding (Layout.shard_group N): one ring collective of `nbytes` over part of `stage`'s dp x cp
+        ranks, every such group of the stage and every tp rank's at once: group "shard", each N consecutive
+        data ranks (the whole dp x cp without hybrid sharding: dp_collective); "replicas", the ranks at the same
+        place in every shard group (N apart)."""
+        n = self.layout.shard_ranks
+        if n == self.layout.data_ranks:
+            return self.dp_collective(stage, kind, nbytes) if group == "shard" else 0.0
+        return self.collective(f"dp_{group}", kind, self.groups(f"dp_{group}", stage, n), nbytes)
 
     def cp_pass(self, stage: int, nbytes: float) -> float:
         """One step of the context-parallel ring on `stage`: every cp rank sends `nbytes` to the next, every tp
@@ -291,14 +364,14 @@ class LinkCosts:
         return self.ring_step(self.groups("cp", stage), float(nbytes))
 
     def cp_collective(self, stage: int, kind: str, nbytes: float) -> float:
-        """One ring collective of the full buffer `nbytes` over the cp group on `stage` (every tp rank's at once)."""
-        return self.ring(kind, self.groups("cp", stage), nbytes) if self.layout.cp > 1 else 0.0
+        """One collective of the full buffer `nbytes` over the cp group on `stage` (every tp rank's at once)."""
+        return self.collective("cp", kind, self.groups("cp", stage), nbytes) if self.layout.cp > 1 else 0.0
 
     def pp_collective(self, kind: str, nbytes: float) -> float:
-        """One ring collective of `nbytes` over the pipeline stages (every tp rank's ring at once)."""
-        return self.ring(kind, self.groups("pp"), nbytes) if self.layout.pp > 1 else 0.0
+        """One collective of `nbytes` over the pipeline stages (every tp rank's at once)."""
+        return self.collective("pp", kind, self.groups("pp"), nbytes) if self.layout.pp > 1 else 0.0
 
     def embedding_sync(self, nbytes: float) -> float:
         """The tied embedding's gradient all-reduced between the first and last stage (all tp ranks)."""
         last = self.layout.pp - 1
-        return self.ring("all_reduce", self.groups("p2p", 0, last), nbytes) if last > 0 else 0.0
+        return self.collective("embedding", "all_reduce", self.groups("p2p", 0, last), nbytes) if last > 0 else 0.0
