@@ -3,9 +3,11 @@
 `provenance(...)` names, for one simulated step:
   compute            the op-level roofline (simulator/costs/ops.py priced by simulator/costs/compute.py), or a
                      calibrated host's measured units (simulator/engine/host.py);
-  matmul_efficiency  per number format the GEMMs run in: "cited table" (a preset's published
-                     microbenchmarks), "measured table" (a `minigpt calibrate` profile) or
-                     "fallback curve" (no table: the uncalibrated x/(x+128) curve), with its source;
+  matmul_efficiency  per number format the GEMMs run in: "GEMM model" (a preset's model by (m, n, k) with
+                     wave quantisation, fitted to published sweeps: simulator/costs/gemm_model.py),
+                     "cited table" (a preset's published microbenchmarks), "measured table" (a `minigpt
+                     calibrate` profile) or "fallback curve" (no table: the uncalibrated x/(x+128) curve),
+                     with its source;
   kernel_overhead_s  what every kernel costs beyond its roofline;
   achieved           the HBM and NVLink fractions and the per-kernel overhead, with their source
                      (simulator/costs/achieved.py; the datasheet itself when the GPU gives none);
@@ -25,10 +27,12 @@ MEASURED_UNITS = "measured units of a calibrated host (simulator/costs/host.py)"
 
 
 def efficiency_sources(gpu: GPUSpec, formats, profile: EfficiencyProfile | None = None) -> dict[str, dict]:
-    """For each format: {"kind": cited table | measured table | fallback curve, "source": ...}."""
+    """For each format: {"kind": GEMM model | cited table | measured table | fallback curve, "source": ...}."""
     sources = {}
     for fmt in dict.fromkeys(formats):
-        if profile is not None and profile.points.get(fmt):
+        if profile is not None and profile.gemm is not None and profile.gemm.fit(fmt) is not None:
+            sources[fmt] = {"kind": "GEMM model", "source": profile.gemm.source or profile.source or gpu.source}
+        elif profile is not None and profile.points.get(fmt):
             measured = gpu.calibration is not None or gpu.measured is not None
             sources[fmt] = {"kind": "measured table" if measured else "cited table",
                             "source": profile.source or gpu.source}
@@ -58,11 +62,20 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
         "matmul_efficiency": efficiency_sources(gpu, formats, profile),
         "kernel_overhead_s": kernel_overhead(gpu, profile),
         "achieved": gpu.reached.as_dict(),
-        "implementation": {"attention": implementation.attention, "recompute": implementation.recompute,
-                           "sp_saved_input": implementation.sp_saved_input},
+        "implementation": implementation.as_dict(),
         "overlap": overlap.as_dict(),
         **extra,
     }
+
+
+def _fp8_text(impl: dict) -> str:
+    """The fp8 and weight-gradient settings where they differ from our executor's (none: nothing)."""
+    parts = [text for key, text in (("fp8_weight_cache", "fp8 weights cast once a step"),
+                                    ("fp8_fused_casts", "fused fp8 casts"), ("wgrad_fusion", "wgrad fused into main_grad"))
+             if impl.get(key)]
+    if impl.get("fp8_scaling", "tensor") != "tensor":
+        parts.append(f"fp8 {impl['fp8_scaling']} scaling")
+    return "".join(f", {p}" for p in parts)
 
 
 def summary_rows(data: dict) -> list[list[str]]:
@@ -76,10 +89,13 @@ def summary_rows(data: dict) -> list[list[str]]:
                  f"{data['kernel_overhead_s'] * 1e6:.1f} us per kernel ({_short(achieved['source'])})"])
     impl = data["implementation"]
     rows.append(["implementation", f"{impl['attention']} attention, recompute {impl['recompute']}, "
-                 f"sequence-parallel inputs saved {impl['sp_saved_input']}"])
+                 f"sequence-parallel inputs saved {impl['sp_saved_input']}" + _fp8_text(impl)])
     o = data["overlap"]
     rows.append(["overlap", f"{o['name']}: tp {'hidden behind the Linears' if o['tp'] else 'exposed'}, dp {o['dp']}, "
-                 f"ZeRO-3 prefetch {o['zero3_prefetch']}, p2p {'overlapped' if o['p2p'] else 'exposed'}"])
+                 f"ZeRO-3 prefetch {o['zero3_prefetch']}, p2p {'overlapped' if o['p2p'] else 'exposed'}, "
+                 f"update gathers hidden by {'the next forward' if o['param_gather'] == 'forward' else 'nothing'}; "
+                 f"overlapped compute slowed by tp {o['tp_slowdown']:.1%}, dp {o['dp_slowdown']:.1%}, "
+                 f"p2p {o['p2p_slowdown']:.1%} (the SMs the collectives hold)"])
     if "context" in data:
         c = data["context"]
         rows.append(["context parallelism", f"cp {c['cp']} {c['kind']}: {c['attention']}; {c['exchange']}"])

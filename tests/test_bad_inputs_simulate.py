@@ -254,7 +254,14 @@ OUTPUT_ROWS = [  # what simulate writes, and the names it reads, checked before 
     ("simulate", ["--gpu", ""], "--gpu is empty"),
     ("simulate", ["--fabric", " "], "--fabric is blank"),
 ]
-CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS + OUTPUT_ROWS
+FSDP_ROWS = [  # cli/options/fsdp.py's flags, checked by job/train_config.py's check_sharding
+    ("simulate", ["--dp", "4", "--zero", "3", "--shard-group", "3"], "--shard-group 3 does not divide"),
+    ("simulate", ["--dp", "4", "--zero", "2", "--no-reshard-after-forward"], "needs --zero 3"),
+    ("simulate", ["--dp", "4", "--shard-group", "2"], "needs --zero 1, 2 or 3"),
+    ("simulate", ["--dp", "4", "--zero", "3", "--shard-group", "0"], "--shard-group must be a positive integer"),
+    ("simulate", [*SWEEP, "--zero", "3", "--no-reshard-after-forward"], "--no-reshard-after-forward"),
+]
+CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS + OUTPUT_ROWS + FSDP_ROWS
 
 
 @pytest.mark.parametrize("command,args,expected", CASES,

@@ -42,3 +42,4 @@ def test_a_dgx_cloud_row_simulates_as_the_bench_runs_it():
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["n_gpus"] == 128 and data["layout"]["tp"] == 4 and data["step_time_s"] > 0
+    assert data["provenance"]["overlap"]["name"] == "megatron-core"  # the stack's own overlap, a stated preset

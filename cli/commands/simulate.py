@@ -9,7 +9,8 @@ and values (simulator/engine/context.py), shown as its own row of the step's bre
 attention, and a sweep keeps it at the given cp. How a block is
 computed (--attention, --recompute, --sp-saved-input: simulator/costs/ops.py) and what overlaps
 what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
-simulator/engine/overlap.py) are flags too; the output says what its numbers rest on. A job beyond
+simulator/engine/overlap.py) are flags too; the output says what its numbers rest on, and which algorithm
+each collective runs as NCCL would pick it (--nccl-algo forces one: cli/options/collectives.py). A job beyond
 simulator/limits.py's stated size (GPUs, layers, schedule slots, sweep points) is refused in
 one line before anything is built.
 """
@@ -23,8 +24,10 @@ import sys
 import click
 
 from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_options
+from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
+from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.output_file import check_output_file
@@ -34,7 +37,7 @@ from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_path_given, check_positive_int
 from simulator.limits import MAX_ZERO3_GATHERS, check_job, check_layers, check_sweep, zero3_gathers
 from simulator.costs.op_types import SP_SAVED_INPUTS, check_cp_attention
-from simulator.engine.overlap import DP_MODES, PRESETS as OVERLAP_PRESETS
+from simulator.engine.overlap import DP_MODES, DP_SLOWDOWN, P2P_SLOWDOWN, PRESETS as OVERLAP_PRESETS, TP_SLOWDOWN
 
 
 def _model(options: dict):
@@ -103,7 +106,8 @@ def run_single(options: dict) -> dict:
     model = _model(options)
     layout = Layout(tp=options["tp"] or 1, pp=options["pp"] or 1, dp=options["dp"] or 1, zero=options["zero"],
                     sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"],
-                    cp=options["cp"], cp_kind=options["cp_kind"])
+                    cp=options["cp"], cp_kind=options["cp_kind"], shard_group=options["shard_group"],
+                    reshard_after_forward=options["reshard_after_forward"])
     layout.check(model)  # the shape's checks (context parallelism's split too), before any cluster is built
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, options["micro_batch"],
@@ -112,7 +116,7 @@ def run_single(options: dict) -> dict:
     result = simulate_step(model, layout, cluster, options["precision"], global_batch, options["micro_batch"],
                            options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware,
                            attention=options["attention"], overlap=_overlap(options),
-                           sp_saved_input=options["sp_saved_input"])
+                           sp_saved_input=options["sp_saved_input"], nccl_algo=options["nccl_algo"])
     if options["trace"]:
         result.write_chrome_trace(options["trace"])
     return {"model": model, "result": result, "cluster": cluster.describe()}
@@ -125,6 +129,12 @@ def run_sweep(options: dict) -> dict:
         raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
     if options["dp"]:
         raise ConfigError("in a sweep dp follows from the GPU count: drop --dp (fix --tp and --pp, or let the sweep choose)")
+    if options["nccl_algo"] != "auto":
+        raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
+                          "layout without --sweep")
+    if options["shard_group"] or not options["reshard_after_forward"]:
+        raise ConfigError("--sweep simulates plain ZeRO over each layout's data ranks: drop --shard-group and "
+                          "--no-reshard-after-forward, or simulate one layout without --sweep")
     if options["attention"] != "flash" or options["sp_saved_input"] != "gathered" or _overlap(options).name != "executor":
         raise ConfigError("--sweep simulates our executor (flash attention, its overlap): drop --attention, "
                           "--sp-saved-input and the overlap flags, or simulate one layout without --sweep")
@@ -179,6 +189,10 @@ def _print_single(report: dict) -> None:
     click.echo("")
     click.echo(format_table(["step", "seconds", "share"], rep.step_rows(result)))
     click.echo(f"(breakdown of the slowest pipeline rank, {result.critical_rank}; it adds up to the step)")
+    if result.collectives:
+        click.echo("")
+        click.echo(format_table(rep.COLLECTIVE_HEADERS, rep.collective_rows(result)))
+        click.echo(rep.collective_note(result))
     click.echo("")
     click.echo(format_table([f"memory per GPU (stage {result.memory.stage})", "GiB", ""], rep.memory_rows(result)))
     for line in [rep.memory_why(result)] + [f"note: {note}" for note in result.memory.notes]:
@@ -280,6 +294,7 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--pp", type=int, help="Pipeline stages (default 1; in a sweep: searched).")
 @click.option("--dp", type=int, help="Data-parallel replicas (default 1).")
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True, help="ZeRO stage.")
+@fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b, interleaved or zb-h1.")
 @click.option("--virtual-chunks", "virtual_chunks", type=int, default=1, show_default=True)
 @click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default="none", show_default=True,
@@ -291,8 +306,14 @@ def micro_batch_size(options: dict) -> int:
               show_default=True, help="With --sequence-parallel, what the column-parallel Linears keep: the gathered "
                                       "input (our executor) or its shard, gathered again in the backward (Megatron).")
 @click.option("--overlap", type=click.Choice(list(OVERLAP_PRESETS)), default="executor", show_default=True,
-              help="What hides what: executor (our code), megatron-2021 or overlapped (a modern stack); the four "
-                   "flags below change one setting of it.")
+              help="What hides what, and what hiding costs: executor (our code: tp and p2p exposed, dp as our "
+                   "ZeRO code, update gathers end the step), megatron-2021 (tp and p2p exposed, dp after the last "
+                   "backward), overlapped (a generic modern stack: tp, dp, p2p hidden), megatron-core (TE tp "
+                   "overlap, dp reduce-scatter in the backward, param all-gather in the next forward, p2p "
+                   "overlapped) or torchtitan-fsdp2 (FSDP2 prefetch 1, reduce-scatter in the backward, no tp "
+                   "overlap, async p2p). An overlapped collective slows the compute it hides behind by the share "
+                   f"of SMs it holds (tp {TP_SLOWDOWN:.1%}, dp {DP_SLOWDOWN:.1%}, p2p {P2P_SLOWDOWN:.1%}: "
+                   "simulator/engine/overlap.py). The four flags below change one setting of it.")
 @click.option("--tp-overlap/--no-tp-overlap", "tp_overlap", default=None,
               help="Hide tensor-parallel collectives behind the Linears' GEMMs (default: the preset's).")
 @click.option("--dp-overlap", "dp_overlap", type=click.Choice(DP_MODES), default=None,
@@ -306,6 +327,7 @@ def micro_batch_size(options: dict) -> int:
 @precision_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")
+@nccl_algo_option
 @click.option("--nodes", type=int, help="Servers (default: as many as the layout needs).")
 @click.option("--topology", type=click.Path(dir_okay=False), help="A cluster file (node-link JSON or GraphML).")
 @click.option("--trace", type=click.Path(dir_okay=False), help="Write the simulated step as a Chrome trace.")
@@ -322,6 +344,7 @@ def simulate(**options) -> None:
     model = model_from_options(options)  # the model's flags first, each on one line
     check_context(options, model)
     check_paths(options)
+    check_nccl_algo(options)
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):

@@ -7,7 +7,8 @@ timed on the tp group's links. What overlaps what is simulator/engine/overlap.py
 default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/zero.py, parallel/data/zero3.py):
 
   tp      Megatron's collectives sit between the layer's matmuls: never hidden (Overlap.tp:
-          hidden behind the same pass's Linear GEMMs as far as they last).
+          hidden behind the same pass's Linear GEMMs as far as they last, the GEMMs slowed by
+          Overlap.tp_slowdown meanwhile: overlap.py's `exposed`, charged to tp).
   cp      context parallelism's key/value exchange inside each block (job/context.py's calls), priced by
           simulator/engine/context.py: the ring's passes behind the attention blocks as the trainer
           overlaps them, the rest exposed.
@@ -15,7 +16,8 @@ default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/z
           (job/data_parallel.py: per bucket or unit, per micro-batch where the stage issues
           them), priced from their place in the list by simulator/engine/data_parallel.py.
   optimizer  the step itself and the squared gradient norm's all-reduce over tp and pp (over
-          dp it is OptimizerStep's own collective).
+          dp it is OptimizerStep's own collective), and the once-a-step compute of the rank's units
+          (fp8 weight casts kept across micro-batches: chunk_times' per_step_s).
 
 Zero-bubble halves: BackwardInput gets everything but the weight gradients (the input-gradient
 GEMMs, the element-wise backward, the recomputation and all backward tp collectives);
@@ -42,7 +44,7 @@ from job.layout import Layout, buckets, stage_units
 from job.schedule import Backward, BackwardInput, BackwardWeight, Forward
 from simulator.memory import MemoryEstimate
 from simulator.costs.op_types import Implementation
-from simulator.engine.overlap import Overlap
+from simulator.engine.overlap import Overlap, exposed
 
 
 NORM_BYTES = FORMAT_BYTES["fp32"]
@@ -114,14 +116,15 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
         key = (layers, first, last)
         if key not in memo:
             ct = chunk_times(job.model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
-                             first, last, profile, implementation.attention, implementation.sp_saved_input)
+                             first, last, profile, implementation=implementation)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
             if host is not None:
                 f, b, again = host.chunk(layers, first, last, micro_batch, implementation.recompute, (f, b, again))
                 weight = (b - again) / 2  # measured units do not split the backward: half of it
             ftp, btp = tp_seconds(job.links, ct.tp_collectives_forward), tp_seconds(job.links, ct.tp_collectives_backward)
-            if hide:  # hidden behind the Linears' GEMMs of the same pass, as far as they last
-                ftp, btp = max(0.0, ftp - ct.forward_linear_s), max(0.0, btp - ct.backward_linear_s)
+            if hide:  # hidden behind the Linears' GEMMs of the same pass, as far as they last, slowing them
+                ftp = exposed(ftp, ct.forward_linear_s, job.overlap.tp_slowdown)
+                btp = exposed(btp, ct.backward_linear_s, job.overlap.tp_slowdown)
             memo[key] = (f, b, ftp, btp, again, weight), ct
         priced, ct = memo[key]
         if job.layout.cp == 1 or not layers:
@@ -130,6 +133,8 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             exchanges[(key, stage)] = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage)
         return (*priced, *exchanges[(key, stage)])
 
+    # once a step, not per micro-batch (fp8 weight casts kept across micro-batches): read after times() priced the unit
+    times.per_step = lambda layers, first, last: memo[(layers, first, last)][1].per_step_s
     return times
 
 
@@ -167,7 +172,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     pol = precision_policy(precision)
     implementation = implementation or Implementation(recompute=recompute)
     compute_bytes = FORMAT_BYTES[pol.compute]
-    job = _Job(model, layout, links, schedule.zero_stage, layout.data_ranks, bucket_numel(bucket_mb, compute_bytes),
+    job = _Job(model, layout, links, schedule.zero_stage, layout.shard_ranks, bucket_numel(bucket_mb, compute_bytes),
                compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
     times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host)
     last_chunk = schedule.num_chunks - 1
@@ -178,12 +183,14 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     ranks = []
     for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
         chunk_units: dict[int, list[Unit]] = {}
+        per_step = 0.0  # the rank's once-a-step compute, charged with its optimizer step
         for (chunk, _), unit_tensors in zip(placed, per_chunk):
             units = []
             for position, tensors in enumerate(unit_tensors):
                 embedding = chunk == 0 and position == 0
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
                 f, b, ftp, btp, again, weight, fcp, bcp = times(0 if embedding or head else 1, embedding, head, rank)
+                per_step += times.per_step(0 if embedding or head else 1, embedding, head)
                 units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
                                   fcp, bcp))
             chunk_units[chunk] = units
@@ -193,12 +200,13 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         pricer = None
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
-                                        lambda kind, nbytes, stage=rank: links.dp_collective(stage, kind, nbytes),
+                                        lambda kind, nbytes, group, stage=rank: links.sharded_collective(
+                                            stage, kind, nbytes, group),
                                         job.overlap, job.serial, actions)
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu) * (host.slowdown if host is not None else 1.0)
-            + norm_reduce,
+            + norm_reduce + per_step,
             pricer=pricer,
         ))
     return ranks

@@ -14,6 +14,11 @@ communicator run one at a time); compute waits only where our code waits:
     at the end of each micro-batch's backward); otherwise the communication may run past it
     (ZeRO 0/1: the last backward's buckets are waited for before the optimizer step).
 
+While the stream is busy a segment's compute runs `slowdown` slower (the SMs NCCL's channels hold:
+simulator/engine/overlap.py); every collective issued before a segment starts has been issued at or
+before that moment, so from it the stream is busy without a gap until its last one ends. The
+stalls and the slowdown are the action's exposed data-parallel time.
+
 `serial`: on a CPU host whose ranks each have their own cores, gloo moves the bytes with the
 core that computes, so the communication is charged in issue order on the compute stream
 instead (nothing overlaps; simulator/engine/host.py decides when).
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from job.layout import Tensor
+from simulator.engine.overlap import slowed
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,9 @@ class Overlapped:
 
 
 def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end: bool,
-            serial: bool = False, prefetch: int = 1, comm_free: float = 0.0) -> Overlapped:
-    """`comm_free`: the stream is busy that long from the start (collectives issued before)."""
+            serial: bool = False, prefetch: int = 1, comm_free: float = 0.0, slowdown: float = 0.0) -> Overlapped:
+    """`comm_free`: the stream is busy that long from the start (collectives issued before); `slowdown`:
+    the fraction of its rate a segment's compute loses while the stream is busy (Overlap.dp_slowdown)."""
     if serial:  # the communication takes the cores that compute (gloo on a CPU host): nothing hides
         end = sum(s.gather + s.compute + s.reduce for s in segments)
         return Overlapped(end=end, comm_end=end, compute=sum(s.compute for s in segments))
@@ -72,7 +79,7 @@ def overlap(segments: Sequence[Segment], max_in_flight: int | None, wait_at_end:
         ahead = index + prefetch
         if prefetch > 0 and ahead < len(segments) and segments[ahead].gather > 0:
             comm = gathered[ahead] = max(comm, clock) + segments[ahead].gather
-        clock += segment.compute
+        clock = slowed(clock, segment.compute, comm, slowdown)  # the stream is busy from clock to comm
         if segment.reduce > 0:
             comm = max(comm, clock) + segment.reduce
             in_flight.append(comm)

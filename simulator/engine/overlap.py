@@ -1,15 +1,16 @@
-"""What hides what in a simulated step: explicit overlap settings, with named presets. Torch-free.
+"""What hides what in a simulated step, and what hiding costs: explicit overlap settings, with named presets. Torch-free.
 
 `Overlap` holds every choice the engine makes about overlapping communication with compute
-(simulator/engine/costs.py applies them, simulator/engine/replay.py the pipeline's):
+(simulator/engine/costs.py applies tp, simulator/engine/dp_overlap.py and data_parallel.py dp,
+simulator/engine/replay.py p2p and the parameter gathers):
 
   tp              False: the tensor-parallel collectives sit between the layer's matmuls and
                   are exposed (our executor; Megatron 2021). True: each pass hides its
                   collectives behind the Linears' GEMMs of the same pass as far as their time
                   allows (Megatron-core / Transformer Engine pipelining the all-gather and
-                  reduce-scatter with the GEMMs next to them): exposed = max(0, collectives -
-                  Linear GEMMs), per block and pass. The attention core and the element-wise
-                  kernels hide nothing; the GEMMs are assumed not slowed by the communication.
+                  reduce-scatter with the GEMMs next to them), the GEMMs slowed by tp_slowdown
+                  while a collective runs (below). The attention core and the element-wise
+                  kernels hide nothing.
   dp              "executor": our ZeRO code (parallel/data/zero.py, zero3.py), as the schedule lists
                   it: ZeRO 0/1 reduce each bucket as soon as its gradients are ready, in each
                   chunk's last backward, except
@@ -27,13 +28,56 @@
                   transfer (our executor's batched isend/irecv and wait; Megatron 2021). True:
                   sends are asynchronous and receives posted early: the sender goes on at once,
                   the receiver waits only for data that has not arrived yet.
+  param_gather    "step": ZeRO 1/2's all-gathers of the updated weights end the step (our code:
+                  the step waits for them). "forward": they run on into the next step and each is
+                  waited for only by the forward that uses its weights (Megatron-core's
+                  overlap_param_gather): exposed only beyond the rank's first forward of the step
+                  (and the wait before it), priced once per step as the steady state repeats.
 
-Presets (`overlap_preset`):
-  "executor"       the default: what parallel/ does (`minigpt compare` measures it).
-  "megatron-2021"  Narayanan et al. 2021 (Megatron-LM on Selene): tp exposed, the data-parallel
-                   reduction after the last backward (not overlapped), p2p exposed.
-  "overlapped"     a modern stack: tp hidden behind the Linears, dp reduced during the backward,
-                   ZeRO-3 prefetch 1, p2p overlapped.
+The cost of hiding (`tp_slowdown`, `dp_slowdown`, `p2p_slowdown`): a collective runs on the same
+GPU as the compute it hides behind. NCCL runs one CTA per channel and a CTA holds its SM
+exclusively (NCCL maintainers, NVIDIA/nccl #689), Transformer Engine's userbuffers kernels take
+`num_sm` SMs (their GEMMs launched on the rest with set_sm_margin); so while a collective runs the
+compute it overlaps runs at (1 - f) of its rate, f = the SMs the communication holds / the GPU's
+SMs. A collective of c seconds overlapping compute of g seconds (at full rate) then ends the pair
+at max(c, g + f x o), o = min(c, g / (1 - f)) the time they overlap: exposed = max(c - g, f x o).
+With f = 0 this is today's max(0, c - g). The values are fractions of an H100 SXM's 132 SMs
+(NVIDIA H100 datasheet / Hopper architecture whitepaper), the GPU the stacks below were tuned on;
+their derivation and sources are in docs/efficiency.md ("Overlap costs"):
+
+  TP_SLOWDOWN   0.033  Transformer Engine userbuffers, NeMo's GPT-3 175B H100 tp4 config (NVIDIA/NeMo
+                       nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py, the same as
+                       NVIDIA's MLPerf v4.0 GPT-3 conf/tp_overlap/h100tp4mbs2.yaml): the ten overlapped
+                       GEMMs' num_sm (forward 1, 24, 1, 1; backward 4, 4, 2, 4, 1, 1: 4.3 SMs on
+                       average, their collectives moving equal bytes) / 132.
+  DP_SLOWDOWN   0.121  NCCL on a DGX with 8 NICs uses 16 SMs (NCCL maintainer, NVIDIA/nccl #689) / 132.
+  P2P_SLOWDOWN  0.015  NCCL send/recv: 2 channels per network peer (NCCL_NCHANNELS_PER_NET_PEER,
+                       NVIDIA/nccl #1424) / 132.
+
+The memory bandwidth a collective takes (2-3x its link rate through HBM: NVIDIA/nccl #1428) is not
+charged separately: the GEMMs that hide collectives are compute-bound. A published measurement of
+the whole effect (Lee et al. 2025, arXiv 2507.03114: compute overlapped with collectives slowed by
+18.9% on average, 40% at most, on A100, H100, MI250, MI210) is above these SM shares: treat the
+values as the lower end.
+
+Presets (`overlap_preset`; each also names the stack's implementation choices, `stack_implementation`):
+  "executor"          the default: what parallel/ does (`minigpt compare` measures it): tp exposed,
+                      dp "executor", ZeRO-3 prefetch 1, p2p exposed, param_gather "step".
+  "megatron-2021"     Narayanan et al. 2021 (Megatron-LM on Selene): tp exposed, the data-parallel
+                      reduction after the last backward (not overlapped), p2p exposed, "step".
+  "overlapped"        a modern stack, generic: tp hidden behind the Linears, dp reduced during the
+                      backward, ZeRO-3 prefetch 1, p2p overlapped, "step".
+  "megatron-core"     Megatron-core / NeMo 2024 (the DGX-Cloud benchmarks' stack): tp comm overlap
+                      through TE userbuffers (tp True), the distributed optimizer's gradient
+                      reduce-scatter overlapped with the backward (dp "backward") and its parameter
+                      all-gather with the next forward (param_gather "forward"), p2p overlapped;
+                      gradient-accumulation fusion and fp8 weights cast once per step (implementation).
+  "torchtitan-fsdp2"  torchtitan with FSDP2 (Liang et al. 2024, arXiv 2410.06511): each unit's
+                      all-gather prefetched one unit ahead (zero3_prefetch 1), reduce-scatters
+                      overlapped with the backward (dp "backward"), no tp overlap (tp False; async TP
+                      is --tp-overlap), torch.distributed.pipelining's asynchronous sends (p2p True),
+                      "step".
+All presets share the three slowdowns above (they matter only where something overlaps).
 """
 
 from __future__ import annotations
@@ -43,6 +87,12 @@ from dataclasses import asdict, dataclass, replace
 from minigpt.errors import ConfigError
 
 DP_MODES = ("executor", "backward", "after")
+PARAM_GATHER_MODES = ("step", "forward")
+TP_SLOWDOWN = 0.033  # 4.3 of 132 SMs: TE userbuffers' num_sm (module docstring)
+DP_SLOWDOWN = 0.121  # 16 of 132 SMs: NCCL on an 8-NIC DGX
+P2P_SLOWDOWN = 0.015  # 2 of 132 SMs: NCCL's channels per network peer
+SLOWDOWNS = ("tp_slowdown", "dp_slowdown", "p2p_slowdown")
+SETTINGS = ("tp", "dp", "zero3_prefetch", "p2p", "param_gather", *SLOWDOWNS)
 
 
 @dataclass(frozen=True)
@@ -52,6 +102,10 @@ class Overlap:
     dp: str = "executor"
     zero3_prefetch: int = 1
     p2p: bool = False
+    param_gather: str = "step"
+    tp_slowdown: float = TP_SLOWDOWN  # fraction of the compute rate lost while a collective overlaps it
+    dp_slowdown: float = DP_SLOWDOWN
+    p2p_slowdown: float = P2P_SLOWDOWN
 
     def __post_init__(self) -> None:
         for flag in ("tp", "p2p"):
@@ -59,18 +113,64 @@ class Overlap:
                 raise ConfigError(f"overlap {flag} must be true or false, got {getattr(self, flag)!r}")
         if self.dp not in DP_MODES:
             raise ConfigError(f"overlap dp must be one of {', '.join(DP_MODES)}, got {self.dp!r}")
+        if self.param_gather not in PARAM_GATHER_MODES:
+            raise ConfigError(f"overlap param_gather must be one of {', '.join(PARAM_GATHER_MODES)}, "
+                              f"got {self.param_gather!r}")
         prefetch = self.zero3_prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
+        for key in SLOWDOWNS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigError(f"overlap {key} must be a fraction in [0, 1), got {value!r}")
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def exposed(comm: float, compute: float, slowdown: float) -> float:
+    """Seconds a collective of `comm` s adds to the `compute` s (at full rate) it overlaps, the compute
+    running `slowdown` slower while both run: max(comm - compute, slowdown x overlapped time)."""
+    if comm <= 0:
+        return 0.0
+    if slowdown <= 0 or compute <= 0:
+        return max(0.0, comm - compute)
+    return max(comm - compute, slowdown * min(comm, compute / (1 - slowdown)))
+
+
+def slowed(start: float, work: float, busy_until: float, slowdown: float) -> float:
+    """When `work` s of compute (at full rate) starting at `start` ends, a collective running until
+    `busy_until` slowing it by `slowdown` meanwhile."""
+    busy = busy_until - start
+    if slowdown <= 0 or busy <= 0 or work <= 0:
+        return start + work
+    return start + work + slowdown * min(busy, work / (1 - slowdown))
 
 
 PRESETS = {
     "executor": Overlap(),
     "megatron-2021": Overlap("megatron-2021", tp=False, dp="after", zero3_prefetch=1, p2p=False),
     "overlapped": Overlap("overlapped", tp=True, dp="backward", zero3_prefetch=1, p2p=True),
+    "megatron-core": Overlap("megatron-core", tp=True, dp="backward", zero3_prefetch=1, p2p=True,
+                             param_gather="forward"),
+    "torchtitan-fsdp2": Overlap("torchtitan-fsdp2", tp=False, dp="backward", zero3_prefetch=1, p2p=True),
+}
+
+# How each stack computes, beyond what overlaps: the fields of simulator/costs/op_types.py's Implementation that a
+# preset sets (the attention kernel, recomputation and what sequence parallelism saves stay the user's flags).
+# wgrad_fusion: the weight gradient accumulated in fp32 inside its GEMM (Megatron's gradient_accumulation_fusion);
+# fp8_weight_cache: fp8 weights cast once per step and reused by every micro-batch (Transformer Engine's
+# is_first_microbatch, which Megatron-core passes); fp8_fused_casts: amax, cast and transpose in fused kernels
+# (Transformer Engine's; torchao's float8 under torch.compile) rather than our executor's torch ops. Every stack
+# here scales fp8 per tensor (TE's DelayedScaling, precision/fp8.py, torchao's tensorwise recipe).
+_OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor"}
+STACK_IMPLEMENTATION = {
+    "executor": _OURS,
+    "megatron-2021": _OURS,  # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
+    "overlapped": _OURS,
+    "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor"},
+    "torchtitan-fsdp2": {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": True,
+                         "fp8_scaling": "tensor"},
 }
 
 
@@ -81,13 +181,23 @@ def overlap_preset(name: str) -> Overlap:
         raise ConfigError(f"unknown overlap preset {name!r}: choose one of {', '.join(PRESETS)}") from None
 
 
+def stack_implementation(overlap: Overlap | str) -> dict:
+    """The implementation choices of the stack an overlap (or preset name) comes from ("<preset>+custom": its preset's)."""
+    name = overlap.name if isinstance(overlap, Overlap) else overlap
+    base = name.split("+", 1)[0]
+    if base not in STACK_IMPLEMENTATION:
+        raise ConfigError(f"unknown overlap preset {base!r}: choose one of {', '.join(PRESETS)}")
+    return dict(STACK_IMPLEMENTATION[base])
+
+
 def resolve_overlap(overlap: Overlap | str | None = None, **changes) -> Overlap:
     """A preset (by name, default "executor") with any settings changed; changed settings rename it "<preset>+custom"."""
     base = overlap if isinstance(overlap, Overlap) else overlap_preset(overlap or "executor")
     changes = {key: value for key, value in changes.items() if value is not None}
-    unknown = sorted(set(changes) - {"tp", "dp", "zero3_prefetch", "p2p"})
+    unknown = sorted(set(changes) - set(SETTINGS))
     if unknown:
-        raise ConfigError(f"unknown overlap setting(s) {', '.join(unknown)}: use tp, dp, zero3_prefetch, p2p")
+        raise ConfigError(f"unknown overlap setting(s) {', '.join(unknown)}: use {', '.join(SETTINGS)}")
     if not changes or all(getattr(base, key) == value for key, value in changes.items()):
         return base
-    return replace(base, name=f"{base.name}+custom", **changes)
+    name = base.name if base.name.endswith("+custom") else f"{base.name}+custom"
+    return replace(base, name=name, **changes)

@@ -20,8 +20,12 @@ Attribution, per rank, of every second until the step ends (they add up to the s
   cp        context parallelism's key/value exchange inside compute actions, what the attention
             does not hide (simulator/engine/context.py)
   dp        data-parallel communication the rank waits for (inside a backward or a ZeRO-3
-            forward, before the optimizer, the update gathers)
-  pp        in a p2p batch, the duration of the transfer that ended it (it was moving data)
+            forward, before the optimizer, the update gathers: with Overlap.param_gather
+            "forward" only what outlasts the wait before and the rank's first forward), and
+            what the collectives it hides cost the compute they overlap (Overlap.dp_slowdown)
+  pp        in a p2p batch, the duration of the transfer that ended it (it was moving data);
+            and what the rank's asynchronous sends cost the compute they overlap
+            (Overlap.p2p_slowdown, the sender's side only)
   bubble    in a p2p batch, the rest (waiting for the peer to post), plus the time after
             the rank's last action until the slowest rank ends the step
   optimizer the optimizer step
@@ -53,6 +57,7 @@ from job.schedule import (
 )
 from simulator.engine.costs import RankCosts
 from simulator.engine.links import no_garbage_collection
+from simulator.engine.overlap import Overlap, slowed
 
 CATEGORIES = ("compute", "tp", "cp", "dp", "pp", "bubble", "optimizer")
 _COMPUTE = frozenset((Forward, Backward, BackwardInput, BackwardWeight))
@@ -105,11 +110,13 @@ class _Replay:
     """One replay: the SimPy environment, the transfers posted and not yet met, every rank's tally."""
 
     def __init__(self, schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],
-                 embedding_sync: float, p2p_overlapped: bool) -> None:
+                 embedding_sync: float, p2p_overlapped: bool, settings: Overlap | None = None) -> None:
         self.env = simpy.Environment()
         self.schedule, self.costs, self.p2p_seconds = schedule, costs, p2p_seconds
         self.embedding_sync, self.overlapped = embedding_sync, p2p_overlapped
+        self.settings = settings
         pp = schedule.config.pp
+        self.sending = [0.0] * pp  # when each rank's asynchronous sends stop moving data (p2p overlapped)
         self.meet: dict[tuple, tuple[float, _Waiter | None]] = {}
         self.tallies = [RankTally() for _ in range(pp)]
 
@@ -153,6 +160,8 @@ class _Replay:
             if peer is None:
                 if overlapped and send:  # the data leaves now; nobody waits on this side
                     meet[key] = (clock, None)
+                    if clock + seconds > self.sending[rank]:
+                        self.sending[rank] = clock + seconds
                     continue
                 if waiter is None:
                     waiter = _Waiter()
@@ -164,6 +173,8 @@ class _Replay:
                     peer[1].arrive(finish, seconds)
                 elif send:  # the receive was posted first: it ends when the data arrives
                     peer[1].arrive(max(peer[0], clock + seconds), seconds)
+                    if clock + seconds > self.sending[rank]:
+                        self.sending[rank] = clock + seconds
                     continue
                 else:  # the send left at peer[0]
                     finish = max(clock, peer[0] + seconds)
@@ -184,6 +195,40 @@ class _Replay:
             yield waiter.event
         return self.settle(waiter.ends, clock, pp_bubble)
 
+    def overlap_costs(self, pricer) -> tuple[bool, float, float, bool]:
+        """(early, dp slowdown, p2p slowdown, update gathers hidden in the next forward) for one rank.
+
+        early: Overlap.dp "backward", a reduction no compute armed (the tied matrix's bucket) runs during the
+        backward too. The slowdowns are what overlapping costs the compute (simulator/engine/overlap.py): slowed
+        while the dp stream or an asynchronous send is busy; none on a CPU host whose gloo collectives run in
+        turn (pricer.serial)."""
+        settings = self.settings
+        early = pricer is not None and pricer.settings.dp == "backward"
+        dp_slowdown = pricer.settings.dp_slowdown if pricer is not None and not pricer.serial else 0.0
+        p2p_slowdown = settings.p2p_slowdown if settings is not None and self.overlapped else 0.0
+        return early, dp_slowdown, p2p_slowdown, settings is not None and settings.param_gather == "forward"
+
+    @staticmethod
+    def slowdowns(clock: float, total: float, dp_busy: float, sending: float, dp_slowdown: float,
+                  p2p_slowdown: float) -> tuple[float, float]:
+        """What a compute of `total` seconds starting at `clock` is lengthened by: (while the dp stream, busy until
+        `dp_busy`, still moves collectives issued before; then while this rank's sends, until `sending`, move)."""
+        dp_extra = pp_extra = 0.0
+        if dp_slowdown and dp_busy > clock:
+            dp_extra = slowed(clock, total, dp_busy, dp_slowdown) - clock - total
+        if p2p_slowdown and sending > clock:
+            pp_extra = slowed(clock, total + dp_extra, sending, p2p_slowdown) - clock - total - dp_extra
+        return dp_extra, pp_extra
+
+    @staticmethod
+    def overhang(overhang: float, first_forward: tuple[float, float] | None, dp_slowdown: float) -> float:
+        """What the update gathers still moving at the end of the step add to it; with Overlap.param_gather
+        "forward" (first_forward given) the next step's wait and first forward, as in this one, hide them."""
+        if first_forward is None:
+            return overhang
+        start, end = first_forward
+        return max(0.0, overhang - end) + dp_slowdown * min(max(0.0, overhang - start), end - start)
+
     def run(self, rank: int):
         """Rank `rank`'s list, in batches (a SimPy process)."""
         env, tally, cost = self.env, self.tallies[rank], self.costs[rank]
@@ -195,8 +240,9 @@ class _Replay:
         pp_bubble = [0.0, 0.0]
         dp_busy = 0.0  # when the rank's data-parallel stream has finished what was issued on it
         computed = 0.0  # when the rank's last compute ended
-        # Overlap.dp "backward": a reduction no compute armed (the tied matrix's bucket) runs during the backward too
-        early = pricer is not None and pricer.settings.dp == "backward"
+        early, dp_slowdown, p2p_slowdown, gathers_into_forward = self.overlap_costs(pricer)
+        first_forward = None  # (start, end) of the rank's first forward: the next step's hides the update gathers
+        sending = self.sending
         clock = 0.0  # the rank's own time: work that needs no peer runs ahead of env.now
         for index, group in enumerate(groups):
             action = group[0]
@@ -209,12 +255,21 @@ class _Replay:
                         dp_busy = max(dp_busy, clock + c.comm_end)
                 else:
                     c = plain[(kind, action.chunk)]
-                events.append((action, clock, clock + c.total))
+                total = c.total
+                if (dp_slowdown and dp_busy > clock and not armed) or (p2p_slowdown and sending[rank] > clock):
+                    dp_extra, pp_extra = self.slowdowns(clock, total, dp_busy if not armed else 0.0, sending[rank],
+                                                        dp_slowdown, p2p_slowdown)
+                    dp += dp_extra
+                    pp_bubble[0] += pp_extra
+                    total += dp_extra + pp_extra
+                if first_forward is None and kind is Forward:
+                    first_forward = (clock, clock + total)
+                events.append((action, clock, clock + total))
                 compute += c.compute
                 tp += c.tp
                 cp += c.cp
                 dp += c.dp
-                clock += c.total
+                clock += total
                 computed = clock
             elif kind in _P2P:
                 end, moving = yield from self.exchange(rank, group, clock)
@@ -247,8 +302,9 @@ class _Replay:
                 dp_busy = start + pricer.seconds(action)
                 events.append((action, start, dp_busy))
         if dp_busy > clock:  # the step ends when the update gathers have landed
-            dp += dp_busy - clock
-            clock = dp_busy
+            overhang = self.overhang(dp_busy - clock, first_forward if gathers_into_forward else None, dp_slowdown)
+            dp += overhang
+            clock += overhang
         yield env.timeout(clock - env.now)
         tally.end = env.now
         tally.seconds.update(compute=compute, tp=tp, cp=cp, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1],
@@ -256,11 +312,13 @@ class _Replay:
 
 
 def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],
-           embedding_sync: float = 0.0, p2p_overlapped: bool = False) -> list[RankTally]:
+           embedding_sync: float = 0.0, p2p_overlapped: bool = False, settings: Overlap | None = None) -> list[RankTally]:
     """Run every rank's list; `p2p_seconds[(sender, receiver)]` per transfer; `embedding_sync` > 0
     makes the first and last rank meet before the optimizer (a tied head on several stages).
-    `p2p_overlapped` (simulator/engine/overlap.py): sends do not wait, a receive waits for its data only."""
-    run = _Replay(schedule, costs, p2p_seconds, embedding_sync, p2p_overlapped)
+    `p2p_overlapped` (simulator/engine/overlap.py): sends do not wait, a receive waits for its data only.
+    `settings` (the job's Overlap): its p2p_slowdown (a compute while the rank's own sends move) and
+    param_gather; without it neither applies (the dp slowdown is the pricer's settings')."""
+    run = _Replay(schedule, costs, p2p_seconds, embedding_sync, p2p_overlapped, settings)
     processes = [run.env.process(run.run(rank)) for rank in range(schedule.config.pp)]
     with no_garbage_collection():
         run.env.run()

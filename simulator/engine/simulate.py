@@ -47,7 +47,7 @@ from simulator.limits import check_job
 from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
 from simulator.costs.op_types import Implementation, check_cp_attention
-from simulator.engine.overlap import Overlap, resolve_overlap
+from simulator.engine.overlap import Overlap, resolve_overlap, stack_implementation
 from simulator.provenance import provenance
 from simulator.network.topology import Cluster
 
@@ -90,6 +90,7 @@ class SimResult:
     attention: str = "flash"
     overlap: Overlap = field(default_factory=Overlap)
     provenance: dict = field(default_factory=dict)  # what the numbers rest on (simulator/provenance.py)
+    collectives: list[dict] = field(default_factory=list)  # each distinct collective call: NCCL's algorithm (links.py)
 
     @cached_property
     def timelines(self) -> list[dict]:
@@ -135,7 +136,7 @@ class SimResult:
             "job_state_gb": {k: v / DECIMAL_GB for k, v in self.job_state_bytes.items()},
             "gpus_for_state": self.gpus_for_state, "per_rank": self.per_rank, "timings_s": self.timings,
             "host": self.host, "attention": self.attention, "overlap": self.overlap.as_dict(),
-            "provenance": self.provenance,
+            "provenance": self.provenance, "collectives": self.collectives,
         }
 
     def trace_events(self) -> list[dict]:
@@ -155,7 +156,8 @@ def cached_schedule(config: ScheduleConfig) -> Schedule:
 def step_schedule(model: GPTConfig, layout: Layout, micro_batches: int, kind: str, bucket_mb: float,
                   precision: str) -> Schedule:
     """The schedule this simulator replays for a job: the one the executor runs (job/data_parallel.py's
-    `schedule_config`, with the run's real buckets and units over the dp x cp data-parallel group)."""
+    `schedule_config`, with the run's real buckets and units over the dp x cp data-parallel group, or its
+    shard groups under hybrid sharding, and ZeRO-3's gathers as `layout.reshard_after_forward` places them)."""
     return cached_schedule(schedule_config(model, layout, micro_batches, kind, bucket_mb, precision))
 
 
@@ -213,15 +215,21 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
                   bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None,
                   attention: str = "flash", overlap: Overlap | str | None = None,
-                  sp_saved_input: str = "gathered") -> SimResult:
+                  sp_saved_input: str = "gathered", nccl_algo: str = "auto",
+                  implementation: Implementation | None = None) -> SimResult:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
 
-    `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py);
-    `overlap`: an Overlap or a preset name (simulator/engine/overlap.py; default: our executor's)."""
+    `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py), or all of it as
+    `implementation` (simulator/costs/op_types.py's Implementation: fp8 and weight-gradient settings too);
+    `overlap`: an Overlap or a preset name (simulator/engine/overlap.py; default: our executor's);
+    `nccl_algo`: "auto" (each collective as NCCL would pick it) or an algorithm forced (simulator/network/nccl.py)."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
-    implementation = Implementation(attention, recompute, sp_saved_input)
     settings = resolve_overlap(overlap)
+    # the stack the overlap preset names computes its own way too (fp8 casts, weight gradients): overlap.py
+    implementation = implementation or Implementation(attention, recompute, sp_saved_input,
+                                                      **stack_implementation(settings))
+    attention, recompute = implementation.attention, implementation.recompute
     v = check_positive_int("virtual_chunks", virtual_chunks)
     if layout.virtual_chunks not in (1, v):
         raise ConfigError(f"the layout has {layout.virtual_chunks} virtual chunks but virtual_chunks={v}: give one of them")
@@ -235,6 +243,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     if profile is None:
         profile = spec.matmul_efficiency  # the GPU's efficiency tables (cited or measured), when it has them
     compute, links, threads = _compute_side(spec, model, layout, cluster, pol.compute, threads_per_rank)
+    links.select(nccl_algo)  # NCCL's choice per collective, or the algorithm forced (simulator/network/nccl.py)
     host = spec.measured
     m = micro_batches_per_replica(global_batch, micro_batch, layout.dp)
     with no_garbage_collection():
@@ -244,7 +253,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule),
-                            attention, sp_saved_input, settings.zero3_prefetch)
+                            attention, sp_saved_input, settings.zero3_prefetch, m, implementation=implementation)
     activation = micro_batch * layout.activation_rows(model) * model.d_model * FORMAT_BYTES[pol.compute]
     tied = model.tied_head and layout.pp > 1
     sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]
@@ -259,7 +268,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
             if a != b:
                 p2p[(a, b)] = links.p2p(a, b, activation)
                 p2p[(b, a)] = links.p2p(b, a, activation)
-        return replay(schedule, costs, p2p, links.embedding_sync(sync_bytes) if tied else 0.0, settings.p2p)
+        return replay(schedule, costs, p2p, links.embedding_sync(sync_bytes) if tied else 0.0, settings.p2p,
+                      settings)
 
     clock = time.perf_counter()
     tallies = run(compute)
@@ -294,4 +304,5 @@ def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, globa
                                            "units_measured": compute.units is not None},
         attention=implementation.attention, overlap=settings,
         provenance=provenance(spec, profile, pol, implementation, settings, compute, layout, model.seq_len),
+        collectives=links.collective_calls(),
     )

@@ -48,7 +48,7 @@ from simulator.engine.links import LinkCosts
 from simulator.costs.hardware import Hardware
 from simulator.memory import MemoryEstimate
 from simulator.costs.op_types import Implementation
-from simulator.engine.overlap import resolve_overlap
+from simulator.engine.overlap import resolve_overlap, stack_implementation
 from simulator.network.topology import Cluster
 
 BUCKET_MB = TrainConfig.bucket_mb  # what simulate_step uses unless told otherwise
@@ -111,7 +111,8 @@ class StepBound:
         config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
                           micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
-                          Implementation("flash", recompute, "gathered"), self.settings)
+                          Implementation("flash", recompute, "gathered", **stack_implementation(self.settings)),
+                          self.settings)
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
