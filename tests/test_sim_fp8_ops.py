@@ -49,10 +49,10 @@ def test_the_defaults_are_our_executor_which_saves_a_fresh_e4m3_weight_in_every_
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for _ in range(2):  # two micro-batches
-            layer(torch.randn(rows, d, dtype=torch.bfloat16, requires_grad=True))
+        # two micro-batches, both outputs (and so both graphs' saved tensors) alive, as before their backwards
+        outputs = [layer(torch.randn(rows, d, dtype=torch.bfloat16, requires_grad=True)) for _ in range(2)]
     (x1, w1), (x2, w2) = saved[:2], saved[2:]
-    assert w1[0] != w2[0]  # a new weight copy in each forward, each kept for its backward
+    assert len(outputs) == 2 and w1[0] != w2[0]  # a new weight copy in each forward, each kept for its backward
     sizes = {t.name: t.bytes for t in block_ops(MODEL, 2, Layout(), FP8).saved}
     assert (x1[1], w1[1]) == (sizes["qkv.input_fp8"], sizes["qkv.weight_fp8"])
 
