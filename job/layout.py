@@ -18,7 +18,8 @@ from typing import NamedTuple, Sequence
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.schedule import chunk_layers
-from job.train_config import CP_KINDS, check_context_parallel, check_sharding, check_tensor_parallel
+from job.train_config import (CP_KINDS, check_context_parallel, check_expert_parallel, check_sharding,
+                              check_tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,20 @@ class Layout:
     cp_kind: str = "ring"  # how keys and values travel between them: "ring" or "allgather"
     reshard_after_forward: bool = True
     shard_group: int = 0  # 0: ZeRO shards over every data rank
+    ep: int = 1  # expert parallelism: a MoE's experts split over ep ranks of the data-parallel group (job/experts.py)
 
     @classmethod
     def of(cls, cfg) -> "Layout":
         """The layout of a TrainConfig (job/train_config.py), every field of it."""
         return cls(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks, cfg.cp, cfg.cp_kind,
-                   cfg.reshard_after_forward, cfg.shard_group)
+                   cfg.reshard_after_forward, cfg.shard_group, cfg.ep)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "virtual_chunks", "cp"):
+        for name in ("tp", "pp", "dp", "virtual_chunks", "cp", "ep"):
             check_positive_int(name, getattr(self, name))
+        if self.dp % self.ep:
+            raise ConfigError(f"ep {self.ep} does not divide dp {self.dp}: the expert group lies inside the "
+                              f"data-parallel group")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):
@@ -96,6 +101,7 @@ class Layout:
         """Everything about this layout that the model's shape decides (the same checks as training)."""
         check_tensor_parallel(model, self.tp, self.sequence_parallel)
         check_context_parallel(model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
+        check_expert_parallel(model, self.ep, self.dp, self.cp, self.sequence_parallel)
         chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
 
     def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:
@@ -135,16 +141,38 @@ def _linear(name: str, rows: int, columns: int, model: GPTConfig, tp: int, colum
     return [bias, weight] if tp > 1 else [weight, bias]  # a RowParallelLinear registers its bias first
 
 
-def block_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
-    """One block's parameters on one rank, in named_parameters() order."""
+def _moe_tensors(model: GPTConfig) -> list[Tensor]:
+    """A MoE MLP's parameters (minigpt/moe.py), replicated on every tensor-parallel rank (no expert tensor
+    parallelism): router, the stacked experts' weights and biases, the shared experts."""
+    d, experts, bias = model.d_model, model.n_experts, model.bias
+    tensors = [Tensor("mlp.router.weight", d * experts, True),
+               Tensor("mlp.experts.w1", experts * d * model.expert_in_width, True),
+               Tensor("mlp.experts.w2", experts * model.expert_width * d, True)]
+    if bias:
+        tensors += [Tensor("mlp.experts.b1", experts * model.expert_in_width, True),
+                    Tensor("mlp.experts.b2", experts * d, True)]
+    shared = model.n_shared_experts
+    if shared:
+        tensors.append(Tensor("mlp.shared.fc1.weight", shared * model.expert_in_width * d, True))
+        tensors += [Tensor("mlp.shared.fc1.bias", shared * model.expert_in_width, True)] if bias else []
+        tensors.append(Tensor("mlp.shared.fc2.weight", d * shared * model.expert_width, True))
+        tensors += [Tensor("mlp.shared.fc2.bias", d, True)] if bias else []
+    return tensors
+
+
+def block_tensors(model: GPTConfig, tp: int, moe: bool | None = None) -> list[Tensor]:
+    """One block's parameters on one rank, in named_parameters() order: a MoE block when `moe` (None: the kind most
+    of the model's blocks are, as GPTConfig.block_params)."""
     d, f = model.d_model, model.d_ff
+    moe = model.is_moe if moe is None else moe
+    mlp = _moe_tensors(model) if moe else [*_linear("mlp.fc1", model.mlp_in_width, d, model, tp, True),
+                                           *_linear("mlp.fc2", d, f, model, tp, False)]
     return [
         *_norm("ln1", model),
         *_linear("attn.qkv", model.qkv_width, d, model, tp, True),
         *_linear("attn.proj", d, d, model, tp, False),
         *_norm("ln2", model),
-        *_linear("mlp.fc1", model.mlp_in_width, d, model, tp, True),
-        *_linear("mlp.fc2", d, f, model, tp, False),
+        *mlp,
     ]
 
 
@@ -165,9 +193,10 @@ def head_tensors(model: GPTConfig, tp: int, pp: int) -> list[Tensor]:
 
 def check_against_config(model: GPTConfig) -> None:
     """The shapes above, summed for one rank, must equal config.py's counts (the single home)."""
-    counted = (sum(t.numel for t in block_tensors(model, 1)), sum(t.numel for t in embedding_tensors(model, 1)),
-               sum(t.numel for t in head_tensors(model, 1, 1)))
-    expected = (model.block_params(), model.embedding_params(), model.head_params())
+    counted = (sum(t.numel for t in block_tensors(model, 1, False)), sum(t.numel for t in block_tensors(model, 1, True)),
+               sum(t.numel for t in embedding_tensors(model, 1)), sum(t.numel for t in head_tensors(model, 1, 1)))
+    expected = (model.block_params(False), model.block_params(True) if model.is_moe else counted[1],
+                model.embedding_params(), model.head_params())
     if counted != expected:
         raise RuntimeError(f"job/layout.py's tensor shapes {counted} disagree with minigpt/config.py {expected}")
 
@@ -178,13 +207,13 @@ def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]
     A bucket never spans two chunks (parallel/pipeline/executor.py's parameter_groups). Every block's unit is the
     same list (read it, never change it): a planner asks this of thousands of layouts of a 96-layer model."""
     last = layout.pp * layout.virtual_chunks - 1
-    block = block_tensors(model, layout.tp)
+    kinds = {moe: block_tensors(model, layout.tp, moe) for moe in (False, True)}
     stages = []
     for chunks in layout.rank_chunks(model):
         per_chunk = []
         for index, layers in chunks:
             units = [embedding_tensors(model, layout.tp)] if index == 0 else []
-            units += [block for _ in layers]
+            units += [kinds[model.is_moe_layer(layer)] for layer in layers]
             if index == last:
                 units.append(head_tensors(model, layout.tp, layout.pp))
             per_chunk.append(units)

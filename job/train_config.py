@@ -77,6 +77,26 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
                           f"--tp {tp}, which does not divide them: change --seq-len, --cp or --tp")
 
 
+def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, sequence_parallel: bool = False) -> None:
+    """Everything about expert parallelism and a mixture of experts that the shape and layout decide: the experts
+    split evenly over ep ranks, which lie inside the data-parallel group (job/experts.py); MoE routing groups are
+    whole sequences, which context and sequence parallelism would cut (not supported yet)."""
+    check_positive_int("--ep", ep)
+    if ep > 1 and not model.is_moe:
+        raise ConfigError(f"--ep {ep} splits a mixture of experts over ranks, but this model is dense: give it "
+                          f"experts (--experts N, or --model tiny-moe) or leave --ep at 1")
+    if model.is_moe and model.n_experts % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {model.n_experts} experts: each rank holds E / ep of them; "
+                          f"choose an ep that divides {model.n_experts}")
+    if dp % ep:
+        raise ConfigError(f"--ep {ep} does not divide --dp {dp}: the expert group lies inside the data-parallel group "
+                          f"(ep of its ranks split the experts); choose an ep that divides dp")
+    if model.is_moe and (cp > 1 or sequence_parallel):
+        what = f"--cp {cp}" if cp > 1 else "--sequence-parallel"
+        raise ConfigError(f"a mixture of experts routes and balances each whole sequence, which {what} cuts across "
+                          f"ranks: not supported yet; use tensor, pipeline, data or expert parallelism")
+
+
 def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_after_forward: bool = True) -> None:
     """FSDP's two settings, as training and the simulator take them (job/layout.py's Layout checks the same).
 
@@ -110,6 +130,7 @@ def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False,
     try:
         check_tensor_parallel(model, tp, sequence_parallel)
         check_context_parallel(model, cp, cp_kind, tp, sequence_parallel)
+        check_expert_parallel(model, 1, 1, cp, sequence_parallel)
     except ConfigError:
         return False
     return True
@@ -145,6 +166,7 @@ class TrainConfig:
     dp: int = 1
     cp: int = 1  # context parallelism: each rank holds 2 of 2 x cp chunks of every sequence
     cp_kind: str = "ring"  # how the keys and values travel: "ring" (p2p, overlapped) or "allgather"
+    ep: int = 1  # expert parallelism: the experts split over ep ranks of the data-parallel group
     zero: int = 0
     shard_group: int = 0  # hybrid sharding: ZeRO over groups of this many data ranks (0: all dp x cp of them)
     reshard_after_forward: bool = True  # False: ZeRO-3 keeps a unit gathered from its forward to its backward
@@ -173,6 +195,7 @@ class TrainConfig:
             check_positive_int(f"--{name}", getattr(self, name))
         check_tensor_parallel(self.model, self.tp, self.sequence_parallel)
         check_context_parallel(self.model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
+        check_expert_parallel(self.model, self.ep, self.dp, self.cp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)

@@ -27,6 +27,7 @@ ATTENTION_KINDS = ("flash", "unfused")
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope")
+ROUTER_KINDS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,16 @@ class GPTConfig:
     positions: str = "learned"
     rope_theta: float = 10000.0
     bias: bool = True
+    # Mixture of experts (minigpt/moe.py); n_experts 0 is a dense model and the fields below are ignored.
+    n_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is routed to
+    d_expert: int | None = None  # each expert's MLP width (None: d_ff); SwiGLU experts have two of these inputs
+    n_shared_experts: int = 0  # experts every token goes through, of width d_expert each (DeepSeek)
+    dense_layers: int = 0  # the first blocks keep the dense MLP of width d_ff (DeepSeek-V3: 3)
+    router: str = "softmax"  # softmax then top-k; "sigmoid": sigmoid scores, top-k, renormalised (DeepSeek-V3)
+    capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf x tokens x k / E) per sequence
+    aux_loss_coef: float = 0.0  # load balancing (Switch / GShard), per sequence: E x sum_e f_e P_e
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff"):
@@ -67,6 +78,36 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_llama_options()
+        if self.n_experts != 0:
+            self._check_moe_options()
+
+    def _check_moe_options(self) -> None:
+        for name in ("n_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"top_k={self.top_k} is above the {self.n_experts} experts: each token picks "
+                              f"distinct experts, so choose top_k <= n_experts")
+        if self.d_expert is not None and (not isinstance(self.d_expert, int) or isinstance(self.d_expert, bool)
+                                          or self.d_expert <= 0):
+            raise ConfigError(f"d_expert must be a positive integer (or unset for d_ff), got {self.d_expert!r}")
+        for name in ("n_shared_experts", "dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a whole number >= 0, got {value!r}")
+        if self.dense_layers >= self.n_layers:
+            raise ConfigError(f"dense_layers={self.dense_layers} leaves no MoE layer of {self.n_layers}: "
+                              f"choose dense_layers < n_layers (or n_experts 0 for a dense model)")
+        if self.router not in ROUTER_KINDS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
+            raise ConfigError(f"capacity_factor must be a number above 0 (or unset for dropless routing), got {cf!r}")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def _check_llama_options(self) -> None:
         kv = self.n_kv_heads
@@ -113,6 +154,33 @@ class GPTConfig:
         """A LayerNorm has a gain and a bias per feature, an RMSNorm only the gain."""
         return (2 if self.norm == "layernorm" else 1) * self.d_model
 
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width: d_expert, or d_ff when it is not set."""
+        return self.d_ff if self.d_expert is None else self.d_expert
+
+    @property
+    def expert_in_width(self) -> int:
+        """Output features of an expert's first Linear: its width, or twice it for SwiGLU (gate and up)."""
+        return 2 * self.expert_width if self.mlp == "swiglu" else self.expert_width
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has a mixture-of-experts MLP: every block of a MoE model after the
+        `dense_layers` first."""
+        return self.is_moe and layer >= self.dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.dense_layers if self.is_moe else 0
+
+    def _layer_kinds(self) -> tuple[tuple[bool, int], ...]:
+        """(is MoE, how many blocks) for the model's dense and MoE blocks."""
+        return (False, self.n_layers - self.n_moe_layers), (True, self.n_moe_layers)
+
     def describe(self) -> str:
         """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
@@ -132,13 +200,46 @@ class GPTConfig:
 
     # ------------------------------------------------------------------ parameters
 
-    def block_params(self) -> int:
-        """Parameters of one transformer block (weights and biases)."""
+    def attention_params(self) -> int:
+        """The fused qkv projection and the output projection, weights and biases."""
+        d, bias = self.d_model, int(self.bias)
+        return (d * self.qkv_width + bias * self.qkv_width) + (d * d + bias * d)
+
+    def dense_mlp_params(self) -> int:
         d, f, bias = self.d_model, self.d_ff, int(self.bias)
-        norms = 2 * self.norm_params
-        attention = (d * self.qkv_width + bias * self.qkv_width) + (d * d + bias * d)  # qkv + output projection
-        mlp = (d * self.mlp_in_width + bias * self.mlp_in_width) + (f * d + bias * d)
-        return norms + attention + mlp
+        return (d * self.mlp_in_width + bias * self.mlp_in_width) + (f * d + bias * d)
+
+    def expert_params(self) -> int:
+        """One expert: an MLP of width expert_width (its biases when the model has them)."""
+        d, e, bias = self.d_model, self.expert_width, int(self.bias)
+        return (d * self.expert_in_width + bias * self.expert_in_width) + (e * d + bias * d)
+
+    def router_params(self) -> int:
+        """The router's d x E projection (no bias)."""
+        return self.d_model * self.n_experts
+
+    def shared_expert_params(self) -> int:
+        """The shared experts, one MLP of width n_shared_experts x expert_width (DeepSeek's), so one output bias."""
+        d, shared, bias = self.d_model, self.n_shared_experts, int(self.bias)
+        if shared == 0:
+            return 0
+        return shared * (d * self.expert_in_width + bias * self.expert_in_width + self.expert_width * d) + bias * d
+
+    def moe_mlp_params(self, active: bool = False) -> int:
+        """A MoE MLP: router, routed experts (only the top_k a token uses when `active`) and shared experts."""
+        routed = self.top_k if active else self.n_experts
+        return self.router_params() + routed * self.expert_params() + self.shared_expert_params()
+
+    def block_params(self, moe: bool | None = None, active: bool = False) -> int:
+        """Parameters of one transformer block (weights and biases): a MoE block when `moe` (None: the kind most
+        of the model's blocks are, MoE for a MoE model); `active`: only those one token uses."""
+        moe = self.is_moe if moe is None else moe
+        mlp = self.moe_mlp_params(active) if moe else self.dense_mlp_params()
+        return 2 * self.norm_params + self.attention_params() + mlp
+
+    def blocks_params(self, active: bool = False) -> int:
+        """Parameters of all the blocks (dense and MoE)."""
+        return sum(count * self.block_params(moe, active) for moe, count in self._layer_kinds())
 
     def embedding_params(self) -> int:
         """Token embeddings, and position embeddings when they are learned (RoPE has none)."""
@@ -152,16 +253,24 @@ class GPTConfig:
 
     def n_params(self) -> int:
         """Total trainable parameters, each counted once (a tied head is not counted twice)."""
-        return self.embedding_params() + self.n_layers * self.block_params() + self.head_params()
+        return self.embedding_params() + self.blocks_params() + self.head_params()
+
+    def active_params(self) -> int:
+        """Parameters one token goes through: every one of a dense model; of a MoE model's experts only its
+        top_k routed ones and the shared ones (the embedding and head counted whole, as published counts do)."""
+        return self.embedding_params() + self.blocks_params(active=True) + self.head_params()
 
     def param_breakdown(self) -> dict:
-        return {
+        breakdown = {
             "embedding": self.embedding_params(),
             "per_block": self.block_params(),
-            "blocks": self.n_layers * self.block_params(),
+            "blocks": self.blocks_params(),
             "head": self.head_params(),
             "total": self.n_params(),
         }
+        if self.is_moe:
+            breakdown.update(per_expert=self.expert_params(), active=self.active_params())
+        return breakdown
 
     # ------------------------------------------------------------------ FLOPs
 
@@ -170,18 +279,30 @@ class GPTConfig:
         attention shares key/value heads but every query head still scores the whole sequence."""
         return 2 * 2 * self.seq_len * self.d_model
 
-    def block_forward_flops_per_token(self) -> int:
-        """Matmul FLOPs of one block's forward pass, per token."""
-        d, f = self.d_model, self.d_ff
-        linears = 2 * (d * self.qkv_width + d * d + d * self.mlp_in_width + f * d)
+    def mlp_forward_flops_per_token(self, moe: bool | None = None) -> int:
+        """Matmul FLOPs of one MLP's forward per token: the dense MLP, or a MoE's router and the experts a token
+        goes through (top_k routed and the shared ones; tokens a capacity drops are still counted, as MFU does)."""
+        d = self.d_model
+        if not (self.is_moe if moe is None else moe):
+            return 2 * (d * self.mlp_in_width + self.d_ff * d)
+        expert = 2 * (d * self.expert_in_width + self.expert_width * d)
+        return 2 * d * self.n_experts + (self.top_k + self.n_shared_experts) * expert
+
+    def block_forward_flops_per_token(self, moe: bool | None = None) -> int:
+        """Matmul FLOPs of one block's forward pass, per token (`moe` as in block_params)."""
+        d = self.d_model
+        linears = 2 * (d * self.qkv_width + d * d) + self.mlp_forward_flops_per_token(moe)
         return linears + self.attention_core_flops_per_token()
+
+    def blocks_forward_flops_per_token(self) -> int:
+        return sum(count * self.block_forward_flops_per_token(moe) for moe, count in self._layer_kinds())
 
     def head_forward_flops_per_token(self) -> int:
         """The LM head's matmul (tied or not, it is one d x V product)."""
         return 2 * self.d_model * self.vocab_size
 
     def forward_flops_per_token(self) -> int:
-        return self.n_layers * self.block_forward_flops_per_token() + self.head_forward_flops_per_token()
+        return self.blocks_forward_flops_per_token() + self.head_forward_flops_per_token()
 
     def train_flops_per_token(self, recompute: str = "none", attention: str | None = None) -> int:
         """Forward + backward matmul FLOPs per token, recomputation included.
@@ -197,7 +318,7 @@ class GPTConfig:
             check_attention(attention)
         flops = 3 * self.forward_flops_per_token()
         if recompute == "full":
-            flops += self.n_layers * self.block_forward_flops_per_token()
+            flops += self.blocks_forward_flops_per_token()
         elif recompute == "selective":
             flops += self.n_layers * self.attention_core_flops_per_token()
         if attention == "flash":
@@ -206,7 +327,8 @@ class GPTConfig:
 
     # ------------------------------------------------------------------ activations
 
-    def activation_bytes_per_token_per_layer(self, dtype_bytes: int = 4, recompute: str = "none") -> int:
+    def activation_bytes_per_token_per_layer(self, dtype_bytes: int = 4, recompute: str = "none",
+                                             moe: bool | None = None) -> int:
         """Bytes one block keeps for its backward pass, per token.
 
         Counted from what the block saves (see minigpt/model.py), with fused
@@ -225,17 +347,48 @@ class GPTConfig:
         With recompute="full" only the block's input (d elements) is kept; with
         "selective" the attention core (RoPE and the attention itself) keeps nothing of its
         own: the log-sum-exp goes, the qkv output and the core's output stay, saved around it.
+        A MoE block (`moe` as in block_params) keeps its MLP's (moe_activation_bytes_per_token) in place of
+        the dense MLP's, and moe_activation_bytes_per_sequence more per sequence.
         """
         check_recompute(recompute)
         d, f = self.d_model, self.d_ff
         if recompute == "full":
             return dtype_bytes * d
-        mlp = 4 * f if self.mlp == "swiglu" else 2 * f
-        tensors = dtype_bytes * (4 * d + self.qkv_width + d + mlp)
+        if self.is_moe if moe is None else moe:
+            mlp_bytes = self.moe_activation_bytes_per_token(dtype_bytes)
+        else:
+            mlp_bytes = dtype_bytes * (4 * f if self.mlp == "swiglu" else 2 * f)
+        tensors = dtype_bytes * (4 * d + self.qkv_width + d) + mlp_bytes
         norm_statistics = 2 * (2 if self.norm == "layernorm" else 1)
         statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))
         dropout_masks = 2 * d if self.dropout > 0 else 0
         return tensors + statistics + dropout_masks
+
+    def moe_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """What a MoE MLP (minigpt/moe.py) keeps per token, dropless (every one of the top_k choices routed).
+
+        Per routed copy (top_k per token): its input row d and output row d, the expert's hidden tensors as a
+        dense MLP's (GELU 2 x width, SwiGLU 4 x width), its gate (in the compute format) and three int64 indices
+        (its expert, its token, its place in the sorted order). Per token, in fp32: the router scores (E), and
+        when the gates are renormalised the chosen scores (top_k) and their sum; a sigmoid router's balance
+        loss its sum of scores; the z-loss the logits (E) and their log-sum-exp. The shared experts keep what
+        a dense MLP of their width keeps. The norm output feeding the router is the block's (its 4d)."""
+        b, e, k, experts = dtype_bytes, self.expert_width, self.top_k, self.n_experts
+        hidden = 4 * e if self.mlp == "swiglu" else 2 * e
+        routed = k * (b * (2 * self.d_model + hidden + 1) + 3 * 8)
+        scores = 4 * experts
+        if k > 1 or self.router == "sigmoid":
+            scores += 4 * (k + 1)
+        if self.aux_loss_coef and self.router == "sigmoid":
+            scores += 4
+        if self.z_loss_coef:
+            scores += 4 * (experts + 1)
+        shared = self.n_shared_experts * b * hidden
+        return routed + scores + shared
+
+    def moe_activation_bytes_per_sequence(self) -> int:
+        """Per sequence and MoE layer: the balance loss's fp32 share of choices per expert (E)."""
+        return 4 * self.n_experts if self.is_moe and self.aux_loss_coef else 0
 
     def head_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """Final norm input and output (2d) and its fp32 statistics (mean and 1/std, or 1/rms), and the
@@ -284,6 +437,28 @@ PRESETS: dict[str, GPTConfig] = {
     "llama3-8b": llama(LLAMA3_VOCAB, 8192, 32, 32, 8, 4096, 14336, 500000.0),
     "llama3-70b": llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 8192, 28672, 500000.0),
     "llama3-405b": llama(LLAMA3_VOCAB, 8192, 126, 128, 8, 16384, 53248, 500000.0),
+    # The tiny shape with a mixture of experts: 8 GELU experts of width 256, each token routed to 2, so a token
+    # goes through as many MLP parameters as tiny's (width 512); dropless, Switch's load-balancing loss (0.01)
+    # and ST-MoE's router z-loss (0.001).
+    "tiny-moe": GPTConfig(vocab_size=256, seq_len=128, n_layers=4, n_heads=4, d_model=128, d_ff=512, n_experts=8,
+                          top_k=2, d_expert=256, aux_loss_coef=0.01, z_loss_coef=0.001),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", table 1; the released config.json): Mistral 7B's
+    # attention, 8 SwiGLU experts of width 14,336, top-2, RoPE base 1e6, vocabulary 32,000: 46,702,792,704
+    # parameters, 12,879,925,248 active. Training length 4,096 here (the 32K context is what it supports:
+    # pass --seq-len 32768); load-balancing coefficient 0.001, transformers' MixtralConfig default (Mistral
+    # published none).
+    "mixtral-8x7b": llama(32000, 4096, 32, 32, 8, 4096, 14336, 1e6).with_(
+        n_experts=8, top_k=2, aux_loss_coef=0.001),
+    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2): 61 layers of width 7,168, the first 3
+    # dense (SwiGLU 18,432), then 256 routed experts of width 2,048 and 1 shared, 8 routed per token, sigmoid
+    # scores normalised over the top 8, vocabulary 129,280, 4K pre-training sequences. Its multi-head latent
+    # attention is approximated here by 128-head attention of the same width (205.5M parameters a layer
+    # against MLA's 187.1M): the total comes to 672.1B against the published 671B, the active to 38.7B against
+    # 37B. Not modelled: its bias-based (auxiliary-loss-free) balancing, the routed scaling factor 2.5, node-
+    # limited routing and multi-token prediction. The sequence-wise balance loss's alpha is 0.0001.
+    "deepseek-v3": llama(129280, 4096, 61, 128, 128, 7168, 18432, 10000.0).with_(
+        n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
+        aux_loss_coef=0.0001),
 }
 
 
@@ -295,7 +470,8 @@ def preset(name: str) -> GPTConfig:
 
 
 MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "tied_head",
-                "dropout", "mlp", "norm", "positions", "rope_theta", "bias")
+                "dropout", "mlp", "norm", "positions", "rope_theta", "bias", "n_experts", "top_k", "d_expert",
+                "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef")
 
 
 def build_config(name: str = "tiny", **overrides) -> GPTConfig:

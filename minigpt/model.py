@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.config import GPTConfig
+from minigpt.moe import MoE
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -176,14 +177,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)); the MLP a mixture of experts
+    (minigpt/moe.py) when `moe`."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, moe: bool = False):
         super().__init__()
         self.ln1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if moe else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -204,7 +206,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.positions == "learned" else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_layer(i)) for i in range(config.n_layers))
         self.norm_f = make_norm(config)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tied_head:
@@ -219,8 +221,14 @@ class GPT(nn.Module):
         std = 0.02
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         for name, module in self.named_modules():
+            if isinstance(module, MoE):  # each expert as a dense MLP: its input N(0, 0.02), its output residual
+                nn.init.normal_(module.experts.w1, 0.0, std)
+                nn.init.normal_(module.experts.w2, 0.0, residual_std)
+                for bias in (module.experts.b1, module.experts.b2):
+                    if bias is not None:
+                        nn.init.zeros_(bias)
             if isinstance(module, nn.Linear):
-                is_residual = name.endswith("attn.proj") or name.endswith("mlp.fc2")
+                is_residual = name.endswith("attn.proj") or name.endswith("mlp.fc2") or name.endswith("shared.fc2")
                 nn.init.normal_(module.weight, 0.0, residual_std if is_residual else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)

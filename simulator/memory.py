@@ -39,7 +39,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
-from job.context import GRAD_BYTES, kv_elements
+from job.exchange.context import GRAD_BYTES, kv_elements
 from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
@@ -211,7 +211,7 @@ def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "for
 
 def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int) -> int:
     """What a context-parallel exchange holds at its peak, one block's attention backward, beyond the saved
-    tensors (kv: one rank's keys, or values, of a layer: job/context.py's kv_elements):
+    tensors (kv: one rank's keys, or values, of a layer: job/exchange/context.py's kv_elements):
 
       ring (parallel/context/ring.py)  the received keys and values: the copy being computed with and the
             next one arriving (one copy when cp = 2), 2 kv each in the compute format; the dk and dv fp32

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from job.context import backward_exchanges, forward_exchanges
+from job.exchange.context import backward_exchanges, forward_exchanges
 from job.train_config import TrainConfig
 from minigpt.config import preset
 from minigpt.data import Corpus
@@ -120,7 +120,7 @@ def test_every_context_parallel_layout_matches_one_process(spawned, references):
                                   "cp2-pp2", "cp2-pp2-zb-h1", "tp2-cp2-pp2"])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_the_exchange_counted_in_training_is_the_schedules(spawned, model, name):
-    """Rank 0's cp traffic of one step, call for call and byte for byte, against job/context.py's
+    """Rank 0's cp traffic of one step, call for call and byte for byte, against job/exchange/context.py's
     per-layer exchanges times its layers and micro-batches."""
     changes = next(layouts[name] for layouts in LAYOUTS.values() if name in layouts)
     cfg = dataclasses.replace(base(model), **changes)
@@ -132,7 +132,7 @@ def test_the_exchange_counted_in_training_is_the_schedules(spawned, model, name)
     expected = {}
     for exchange in per_layer:
         # the counter takes each p2p pass's k and v (or dk and dv) as two sends, and a gather or reduce-scatter
-        # at its whole (gathered) size; job/context.py gives a pass both tensors and a collective one rank's part
+        # at its whole (gathered) size; job/exchange/context.py gives a pass both tensors and a collective one rank's part
         kind, calls = ("send", 2 * exchange.calls) if exchange.kind == "p2p" else (exchange.kind, exchange.calls)
         size = exchange.total if exchange.kind == "p2p" else exchange.total * cfg.cp
         counted = expected.setdefault(kind, {"bytes": 0, "calls": 0})

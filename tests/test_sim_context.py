@@ -1,5 +1,5 @@
 """The simulator's context parallelism (cp): per-rank compute and memory of seq/cp tokens, the key/value
-exchange priced exactly as job/context.py lists it, the dp x cp data-parallel group, the CLI's refusals,
+exchange priced exactly as job/exchange/context.py lists it, the dp x cp data-parallel group, the CLI's refusals,
 and the Llama 3 405B command at 131,072 tokens. Torch-free, no training ranks."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from job.context import GRAD_BYTES, backward_exchanges, forward_exchanges, kv_elements
+from job.exchange.context import GRAD_BYTES, backward_exchanges, forward_exchanges, kv_elements
 from job.layout import Layout
 from minigpt.config import preset
 from minigpt.errors import ConfigError

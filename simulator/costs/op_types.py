@@ -237,7 +237,7 @@ class UnitShape:
     swiglu: bool = False  # the MLP is SwiGLU (fc1 holds the gate and up projections), else GELU
     rope: bool = False  # rotary positions rotate q and k inside the attention core (no position embedding)
     cp: int = 1  # context parallelism: `s` is this rank's s/cp tokens of a sequence of s x cp
-    cp_kind: str = "ring"  # how the keys and values of the other cp ranks arrive (job/context.py)
+    cp_kind: str = "ring"  # how the keys and values of the other cp ranks arrive (job/exchange/context.py)
     fp8_cache: bool = False  # Implementation.fp8_weight_cache (with fp8 Linears only)
     fp8_fused: bool = False  # Implementation.fp8_fused_casts
     fp8_block: bool = False  # Implementation.fp8_scaling == "block"

@@ -1,6 +1,6 @@
 """What context parallelism's key/value exchange adds to a block's forward and backward. Torch-free.
 
-The exchanges are job/context.py's, the very calls parallel/context/ring.py and allgather.py make (a test
+The exchanges are job/exchange/context.py's, the very calls parallel/context/ring.py and allgather.py make (a test
 counts the trainer's bytes against the same functions); this module only prices them, per attention layer
 and micro-batch on one rank, on the cp group's links (simulator/engine/links.py's cp_pass and cp_collective),
 as the trainer runs them:
@@ -14,7 +14,7 @@ as the trainer runs them:
                   a gradient pass sharing the link (one pass of both sizes), step cp-1 the last but one
                   gradient pass; the last hop home is waited for, exposed whole;
   recompute       selective or full recomputation runs the core again in the backward, its forward ring
-                  with it, behind the recomputed attention (job/context.py lists it first);
+                  with it, behind the recomputed attention (job/exchange/context.py lists it first);
   all-gather      the all-gathers (forward) and reduce-scatters (backward) of the cp group, each a ring
                   collective of the whole sequence's keys or values, not overlapped (autograd waits).
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from job.context import Exchange, backward_exchanges, forward_exchanges
+from job.exchange.context import Exchange, backward_exchanges, forward_exchanges
 from job.layout import Layout
 from minigpt.config import GPTConfig
 

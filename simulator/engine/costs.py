@@ -9,7 +9,7 @@ default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/z
   tp      Megatron's collectives sit between the layer's matmuls: never hidden (Overlap.tp:
           hidden behind the same pass's Linear GEMMs as far as they last, the GEMMs slowed by
           Overlap.tp_slowdown meanwhile: overlap.py's `exposed`, charged to tp).
-  cp      context parallelism's key/value exchange inside each block (job/context.py's calls), priced by
+  cp      context parallelism's key/value exchange inside each block (job/exchange/context.py's calls), priced by
           simulator/engine/context.py: the ring's passes behind the attention blocks as the trainer
           overlaps them, the rest exposed.
   dp      no model of ZeRO here: the data-parallel collectives are the schedule's own actions

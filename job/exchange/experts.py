@@ -1,0 +1,65 @@
+"""What expert parallelism exchanges inside each compute action of the schedule. Torch-free.
+
+With ep > 1 the experts of every MoE layer are split over ep ranks (E / ep each, in order), and every Forward
+and Backward action of job/schedule.py also moves tokens between them, once per MoE layer of its chunk: the
+all-to-alls below, issued by parallel/expert/ when the trainer runs the action and priced by the simulator when
+it replays it. A test counts what real training sends and finds it equal to these, call for call and byte for
+byte, with the routed rows it measured.
+
+The expert group is ep consecutive data-parallel ranks (dp x cp ranks hold the same dense weights; ep of them
+split the experts; the dp x cp / ep ranks at the same place of every expert group hold the same experts and
+average their gradients), as Megatron-core and torchtitan place it.
+
+Per MoE layer and micro-batch, on one rank, with `sent` the routed token copies this rank sends (every kept
+top_k choice of its tokens: tokens x top_k when dropless), `received` those its experts get from the group
+(as many when the experts are balanced), d the width and b the compute format's bytes:
+- forward: the counts (an all-to-all of E int64: how many rows for each expert), the dispatch (sent x d x b,
+  split unevenly by destination) and the combine (its experts' outputs going home: received x d x b);
+- backward: the combine's gradient (sent x d x b, with the dispatch's splits) and the dispatch's gradient
+  (received x d x b, with the combine's);
+- full recomputation runs the forward's three again in the backward.
+Bytes per call are what this rank hands to all_to_all_single: its whole input, its own part included (that
+part never leaves the GPU; the simulator prices the (ep - 1) / ep that does).
+"""
+
+from __future__ import annotations
+
+import math
+
+from job.exchange.context import Exchange
+from minigpt.config import GPTConfig
+
+COUNT_BYTES = 8  # int64 token counts
+
+
+def routed_rows(model: GPTConfig, tokens: int, sequences: int) -> int:
+    """Token copies `tokens` (of `sequences` whole sequences) route when the experts are balanced: tokens x top_k,
+    or with a capacity factor at most the capacity of every expert in every sequence."""
+    rows = tokens * model.top_k
+    if model.capacity_factor is None:
+        return rows
+    per_expert = math.ceil(model.capacity_factor * model.seq_len * model.top_k / model.n_experts)
+    return min(rows, sequences * model.n_experts * per_expert)
+
+
+def forward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int,
+                      received: int | None = None) -> list[Exchange]:
+    """One MoE layer's forward exchange on one rank that sends `sent` routed rows and receives `received` (None:
+    as many) for its experts (empty without ep), in the order they are issued."""
+    if ep == 1 or not model.is_moe:
+        return []
+    row = model.d_model * element_bytes
+    received = sent if received is None else received
+    return [Exchange("all_to_all", 1, model.n_experts * COUNT_BYTES), Exchange("all_to_all", 1, sent * row),
+            Exchange("all_to_all", 1, received * row)]
+
+
+def backward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int, received: int | None = None,
+                       recompute: str = "none") -> list[Exchange]:
+    """One MoE layer's backward exchange on one rank, a fully recomputed forward's first."""
+    if ep == 1 or not model.is_moe:
+        return []
+    again = forward_exchanges(model, ep, sent, element_bytes, received) if recompute == "full" else []
+    row = model.d_model * element_bytes
+    received = sent if received is None else received
+    return again + [Exchange("all_to_all", 1, sent * row), Exchange("all_to_all", 1, received * row)]

@@ -1,0 +1,204 @@
+"""A mixture-of-experts MLP: router, routed experts, shared experts, and the router's losses.
+
+No distributed code lives here. Expert parallelism (parallel/expert/) replaces `Experts`, the one module that
+computes the routed tokens, with one that sends each token to the rank holding its expert and back; the routing
+around it stays the same, so every layout routes, drops and weights the very same tokens.
+
+Routing, per token (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021; DeepSeek-V3 2024):
+  scores   softmax over the E router logits (fp32), or their sigmoid ("sigmoid", DeepSeek-V3);
+  choice   the top_k scores, ties to the lower expert index (a stable sort: the same on every layout);
+  gates    the chosen scores, renormalised to sum to 1 when top_k > 1 or the router is a sigmoid (Mixtral,
+           Qwen3, DeepSeek-V3); a top-1 softmax keeps its probability (Switch);
+  capacity with a capacity factor cf, each expert takes at most ceil(cf x s x top_k / E) tokens of each sequence
+           (GShard's groups are the sequences, which every layout keeps whole): all first choices in token
+           order, then the second choices, and so on; a choice past the capacity is dropped (that slot adds
+           nothing; the token keeps its residual). Without a capacity factor nothing is dropped (dropless).
+Losses, added to the training loss through the gradient (`AuxLoss`), not to the reported loss:
+  balance  aux_loss_coef x E x sum_e f_e P_e per sequence, averaged over the sequences: f_e the share of the
+           sequence's top_k choices that picked e (before any drop), P_e the mean over its tokens of e's score
+           (a sigmoid's normalised over the experts first): Switch's loss, per sequence as DeepSeek-V3's;
+  z-loss   z_loss_coef x the mean over tokens of logsumexp(logits)^2 (ST-MoE, Zoph et al. 2022).
+The losses' weight in a training step (1 on one process; 1 / micro-batches times the loss scale under a
+trainer) is `aux_loss_weight`, which the trainer sets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minigpt.config import GPTConfig
+
+_AUX_WEIGHT = [1.0]
+
+
+def aux_loss_weight(weight: float | None = None) -> float:
+    """The factor the router's losses enter the gradient with (set it with `weight`); returns the current one."""
+    if weight is not None:
+        _AUX_WEIGHT[0] = float(weight)
+    return _AUX_WEIGHT[0]
+
+
+class AuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; its backward also sends gradient `aux_loss_weight()` into `loss`, so the router's
+    losses train it from whichever pipeline stage computes them (Megatron-core's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype = loss.shape, loss.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.shape, aux_loss_weight(), dtype=ctx.dtype, device=grad.device)
+
+
+class Combine(torch.autograd.Function):
+    """Sums routed rows back into their tokens: out[tokens[i]] += rows[i]. Saves only the token indices (torch's
+    index_add keeps its source rows too)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, tokens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        return rows.new_zeros(n_tokens, rows.shape[1]).index_add_(0, tokens, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        return grad.index_select(0, tokens), None, None
+
+
+class Experts(nn.Module):
+    """E MLPs stored stacked, (E, d, in) and (E, width, d), so that expert parallelism can hand each rank a slice.
+
+    `forward(x, counts)`: x holds the routed token copies grouped by expert, counts[e] rows for expert e in
+    order; returns each row through its expert. `first` is the global index of the first expert held here."""
+
+    def __init__(self, config: GPTConfig, n_experts: int | None = None, first: int = 0):
+        super().__init__()
+        n = config.n_experts if n_experts is None else n_experts
+        d, width, width_in = config.d_model, config.expert_width, config.expert_in_width
+        self.first, self.swiglu = first, config.mlp == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(n, d, width_in))
+        self.w2 = nn.Parameter(torch.empty(n, width, d))
+        self.b1 = nn.Parameter(torch.zeros(n, width_in)) if config.bias else None
+        self.b2 = nn.Parameter(torch.zeros(n, d)) if config.bias else None
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Rows `x` through local expert `index`."""
+        hidden = x @ self.w1[index] if self.b1 is None else torch.addmm(self.b1[index], x, self.w1[index])
+        if self.swiglu:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate="tanh")
+        return hidden @ self.w2[index] if self.b2 is None else torch.addmm(self.b2[index], hidden, self.w2[index])
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        pieces = [self.expert(e, rows) for e, rows in enumerate(x.split(counts)) if counts[e]]
+        return torch.cat(pieces) if pieces else x.new_zeros(0, self.w2.shape[-1])
+
+
+class SharedExperts(nn.Module):
+    """The experts every token goes through, as one MLP of width n_shared x expert_width (DeepSeek's)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        width = config.n_shared_experts * config.expert_width
+        width_in = config.n_shared_experts * config.expert_in_width
+        self.swiglu = config.mlp == "swiglu"
+        self.fc1 = nn.Linear(config.d_model, width_in, bias=config.bias)
+        self.fc2 = nn.Linear(width, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.fc1(x)
+        if self.swiglu:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(hidden, approximate="tanh")
+        return self.fc2(hidden)
+
+
+def capacity(config: GPTConfig, seq: int) -> int | None:
+    """Routed slots each expert takes per sequence of `seq` tokens (None: dropless)."""
+    if config.capacity_factor is None:
+        return None
+    return math.ceil(config.capacity_factor * seq * config.top_k / config.n_experts)
+
+
+def choose(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The top_k experts of each token, ties to the lower index (a stable sort of the scores)."""
+    return torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[..., :top_k].contiguous()
+
+
+def kept_choices(expert_ids: torch.Tensor, n_experts: int, limit: int | None) -> torch.Tensor:
+    """(batch, seq, k) bools: which choices fit in their expert's capacity in their sequence, first choices of
+    every token first, then second choices, each in token order."""
+    if limit is None:
+        return torch.ones_like(expert_ids, dtype=torch.bool)
+    batch, seq, k = expert_ids.shape
+    ranked = expert_ids.transpose(1, 2).reshape(batch, k * seq)  # choice-major, then token order
+    one_hot = F.one_hot(ranked, n_experts)
+    position = (one_hot.cumsum(dim=1) * one_hot).sum(-1) - 1  # place of each choice in its expert's queue
+    return (position < limit).view(batch, k, seq).transpose(1, 2)
+
+
+class MoE(nn.Module):
+    """The MLP of a MoE block: routed experts (and shared ones) in place of the dense MLP."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
+        self.experts = Experts(config)
+        self.shared = SharedExperts(config) if config.n_shared_experts else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.float64), persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert ids, gates, kept) each (batch, seq, k), and the router's losses (one number)."""
+        cfg = self.config
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if cfg.router == "softmax" else logits.sigmoid()
+        expert_ids = choose(scores, cfg.top_k)
+        gates = scores.gather(-1, expert_ids)
+        if cfg.top_k > 1 or cfg.router == "sigmoid":
+            gates = gates / gates.sum(-1, keepdim=True)
+        kept = kept_choices(expert_ids, cfg.n_experts, capacity(cfg, x.shape[1]))
+        return expert_ids, gates, kept, self.router_losses(logits, scores, expert_ids)
+
+    def router_losses(self, logits: torch.Tensor, scores: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        cfg, batch = self.config, logits.shape[0]
+        loss = logits.new_zeros(())
+        if cfg.aux_loss_coef:
+            picks = F.one_hot(expert_ids.reshape(batch, -1), cfg.n_experts).sum(1).to(scores.dtype)
+            share = picks / expert_ids[0].numel()  # f_e of each sequence
+            probs = scores if cfg.router == "softmax" else scores / scores.sum(-1, keepdim=True)
+            balance = cfg.n_experts * (share * probs.mean(1)).sum(-1)
+            loss = loss + cfg.aux_loss_coef * balance.mean()
+        if cfg.z_loss_coef:
+            loss = loss + cfg.z_loss_coef * logits.logsumexp(-1).square().mean()
+        return loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d = x.shape
+        expert_ids, gates, kept, losses = self.route(x)
+        k, n_experts = self.config.top_k, self.config.n_experts
+        slots = kept.reshape(-1).nonzero().squeeze(1)  # kept (token, choice) slots, token-major
+        chosen = expert_ids.reshape(-1)[slots]
+        order = slots[torch.sort(chosen, stable=True).indices]  # grouped by expert, token order inside
+        counts = torch.bincount(chosen, minlength=n_experts)
+        self.load += counts.to(self.load.dtype)
+        tokens = order // k
+        routed = self.experts(x.reshape(-1, d)[tokens], counts.tolist())
+        weighted = routed * gates.reshape(-1)[order].to(routed.dtype).unsqueeze(1)
+        out = Combine.apply(weighted, tokens, batch * seq).view(batch, seq, d)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if losses.requires_grad:
+            out = AuxLoss.apply(out, losses)
+        return self.dropout(out)
