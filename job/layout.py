@@ -141,6 +141,14 @@ def _linear(name: str, rows: int, columns: int, model: GPTConfig, tp: int, colum
     return [bias, weight] if tp > 1 else [weight, bias]  # a RowParallelLinear registers its bias first
 
 
+EXPERT_TENSORS = "mlp.experts."  # the routed experts' tensors: split over ep ranks under expert parallelism
+
+
+def expert_tensors(model: GPTConfig, ep: int) -> list[Tensor]:
+    """A MoE block's routed-expert tensors as one rank of an expert group of `ep` holds them (E / ep experts)."""
+    return [t._replace(numel=t.numel // ep) for t in _moe_tensors(model) if t.name.startswith(EXPERT_TENSORS)]
+
+
 def _moe_tensors(model: GPTConfig) -> list[Tensor]:
     """A MoE MLP's parameters (minigpt/moe.py), replicated on every tensor-parallel rank (no expert tensor
     parallelism): router, the stacked experts' weights and biases, the shared experts."""
@@ -205,9 +213,13 @@ def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]
     """For each pipeline rank, for each of its chunks, the ZeRO-3 units in forward order (lists of tensors).
 
     A bucket never spans two chunks (parallel/pipeline/executor.py's parameter_groups). Every block's unit is the
-    same list (read it, never change it): a planner asks this of thousands of layouts of a 96-layer model."""
+    same list (read it, never change it): a planner asks this of thousands of layouts of a 96-layer model.
+    Under expert parallelism a MoE block's experts are left out: they are reduced over their own group
+    (job/exchange/experts.py's expert_gradient_reduction)."""
     last = layout.pp * layout.virtual_chunks - 1
     kinds = {moe: block_tensors(model, layout.tp, moe) for moe in (False, True)}
+    if layout.ep > 1:
+        kinds[True] = [t for t in kinds[True] if not t.name.startswith(EXPERT_TENSORS)]
     stages = []
     for chunks in layout.rank_chunks(model):
         per_chunk = []

@@ -184,8 +184,13 @@ class GPTConfig:
     def describe(self) -> str:
         """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
-        parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads,
-                 f"{'SwiGLU' if self.mlp == 'swiglu' else 'GELU'} {self.d_ff}",
+        kind = "SwiGLU" if self.mlp == "swiglu" else "GELU"
+        mlp = f"{kind} {self.d_ff}"
+        if self.is_moe:
+            shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""
+            dense = f", the first {self.dense_layers} dense ({kind} {self.d_ff})" if self.dense_layers else ""
+            mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{dense}"
+        parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
                  "RoPE" if self.positions == "rope" else "learned positions",
                  "tied head" if self.tied_head else "untied head"]

@@ -178,14 +178,14 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)); the MLP a mixture of experts
-    (minigpt/moe.py) when `moe`."""
+    (minigpt/moe.py) when block `layer` of the model is one (GPTConfig.is_moe_layer)."""
 
-    def __init__(self, config: GPTConfig, moe: bool = False):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln2 = make_norm(config)
-        self.mlp = MoE(config) if moe else MLP(config)
+        self.mlp = MoE(config, layer) if config.is_moe_layer(layer) else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -206,7 +206,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model) if config.positions == "learned" else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, config.is_moe_layer(i)) for i in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.norm_f = make_norm(config)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tied_head:

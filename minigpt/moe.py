@@ -74,14 +74,14 @@ class Combine(torch.autograd.Function):
 class Experts(nn.Module):
     """E MLPs stored stacked, (E, d, in) and (E, width, d), so that expert parallelism can hand each rank a slice.
 
-    `forward(x, counts)`: x holds the routed token copies grouped by expert, counts[e] rows for expert e in
-    order; returns each row through its expert. `first` is the global index of the first expert held here."""
+    `forward(x, counts)`: x holds the routed token copies grouped by expert, counts[e] (an int64 tensor of E) rows
+    for expert e in order; returns each row through its expert."""
 
-    def __init__(self, config: GPTConfig, n_experts: int | None = None, first: int = 0):
+    def __init__(self, config: GPTConfig, n_experts: int | None = None):
         super().__init__()
         n = config.n_experts if n_experts is None else n_experts
         d, width, width_in = config.d_model, config.expert_width, config.expert_in_width
-        self.first, self.swiglu = first, config.mlp == "swiglu"
+        self.swiglu = config.mlp == "swiglu"
         self.w1 = nn.Parameter(torch.empty(n, d, width_in))
         self.w2 = nn.Parameter(torch.empty(n, width, d))
         self.b1 = nn.Parameter(torch.zeros(n, width_in)) if config.bias else None
@@ -97,9 +97,12 @@ class Experts(nn.Module):
             hidden = F.gelu(hidden, approximate="tanh")
         return hidden @ self.w2[index] if self.b2 is None else torch.addmm(self.b2[index], hidden, self.w2[index])
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        pieces = [self.expert(e, rows) for e, rows in enumerate(x.split(counts)) if counts[e]]
-        return torch.cat(pieces) if pieces else x.new_zeros(0, self.w2.shape[-1])
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        sizes = counts.tolist()
+        pieces = [self.expert(e, rows) for e, rows in enumerate(x.split(sizes)) if sizes[e]]
+        # no rows (an expert-parallel rank no token chose): still an output of x, so that the backward reaches
+        # the exchange that brought them, which every rank of the group must run
+        return torch.cat(pieces) if pieces else x * 0.0
 
 
 class SharedExperts(nn.Module):
@@ -150,9 +153,9 @@ def kept_choices(expert_ids: torch.Tensor, n_experts: int, limit: int | None) ->
 class MoE(nn.Module):
     """The MLP of a MoE block: routed experts (and shared ones) in place of the dense MLP."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
-        self.config = config
+        self.config, self.layer = config, layer  # `layer`: the block's index in the model (for its load's report)
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = Experts(config)
         self.shared = SharedExperts(config) if config.n_shared_experts else None
@@ -192,9 +195,10 @@ class MoE(nn.Module):
         chosen = expert_ids.reshape(-1)[slots]
         order = slots[torch.sort(chosen, stable=True).indices]  # grouped by expert, token order inside
         counts = torch.bincount(chosen, minlength=n_experts)
-        self.load += counts.to(self.load.dtype)
+        if self.training and torch.is_grad_enabled():  # the load of training steps, not of evaluations
+            self.load += counts.to(self.load.dtype)
         tokens = order // k
-        routed = self.experts(x.reshape(-1, d)[tokens], counts.tolist())
+        routed = self.experts(x.reshape(-1, d)[tokens], counts)
         weighted = routed * gates.reshape(-1)[order].to(routed.dtype).unsqueeze(1)
         out = Combine.apply(weighted, tokens, batch * seq).view(batch, seq, d)
         if self.shared is not None:

@@ -143,6 +143,17 @@ class Collectives:
         self._count("reduce_scatter", full)
         return self._timed(_reduce_scatter_flat, shard, full, group=self.group, async_op=async_op)
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]):
+        """output <- from each rank its rows for this one (output_splits[r] rows from rank r), tensor's rows
+        input_splits[r] going to rank r; counted as the whole input handed in (its own rows included)."""
+        if self.group is None:
+            output.copy_(tensor)
+            return None
+        self._count("all_to_all", tensor)
+        return self._timed(dist.all_to_all_single, output, tensor, output_splits, input_splits, group=self.group,
+                           async_op=False)
+
     def max(self, value: torch.Tensor) -> torch.Tensor:
         """The maximum of a small tensor over the group (for overflow flags)."""
         self.all_reduce(value, op=dist.ReduceOp.MAX)

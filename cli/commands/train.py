@@ -67,6 +67,7 @@ def build_train_config(options: dict) -> TrainConfig:
         dp=dp,
         cp=options["cp"],
         cp_kind=options["cp_kind"],
+        ep=options["ep"],
         zero=options["zero"],
         shard_group=options["shard_group"],
         reshard_after_forward=options["reshard_after_forward"],
@@ -150,6 +151,8 @@ def data_parallel_size(options: dict) -> int:
         return 1 if dp is None else dp
     if dp is None:
         dp = default_data_parallel(model_parallel, 0 if cp > 1 else zero, options["device"])
+        if options["ep"] > 1 and dp % options["ep"] and not in_torchrun():  # the experts' group needs ep data ranks
+            dp = options["ep"]
     if dp * cp == 1 and zero in (1, 2, 3):
         raise ConfigError(f"--zero {zero} shards over the data-parallel group (dp x cp), but it has one rank: "
                           f"nothing would be sharded; give --dp 2 or more, or --zero 0")
@@ -219,6 +222,9 @@ def mib(n: int) -> str:
 @click.option("--dp", type=int, help="Data-parallel size (tp x cp x pp x dp processes) [default: the GPUs over "
               "tp x cp x pp on CUDA, torchrun's world over them, on a CPU 1, or 2 with --zero 1-3 and no --cp].")
 @context_options
+@click.option("--ep", default=1, show_default=True, type=int,
+              help="Expert-parallel size: a mixture of experts' experts split over ep ranks of the data-parallel "
+                   "group (it must divide dp and the experts) [default dp on a CPU: ep].")
 @click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group (dp x cp): 0-3.")
 @fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (zero bubble: input and weight gradients split).")
@@ -326,12 +332,15 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
 
     m = cfg.model
     click.echo(
-        f"training {m.n_params():,} parameters ({m.describe()}) for {cfg.steps} steps of {cfg.tokens_per_step:,} "
+        f"training {m.n_params():,} parameters" + (f", {m.active_params():,} active" if m.is_moe else "") +
+        f" ({m.describe()}) for {cfg.steps} steps of {cfg.tokens_per_step:,} "
         f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation"),
         file=out,
     )
     context = f" x cp {cfg.cp} ({cfg.cp_kind})" if cfg.cp > 1 else ""
     group = f"dp x cp group of {cfg.data_ranks}" if cfg.cp > 1 else f"dp group of {cfg.dp}"
+    if cfg.ep > 1:
+        group += f", the experts over ep {cfg.ep}"
     if cfg.shard_group:
         group = f"shard groups of {cfg.shard_group} ({cfg.data_ranks // cfg.shard_group} replicas, hybrid)"
     if not cfg.reshard_after_forward:
@@ -363,6 +372,11 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
     )
     if summary.get("peak_note"):
         click.echo(f"MFU's peak: {summary['peak_note']}")
+    if summary.get("expert_load"):
+        busiest = ", ".join(f"{v['max_over_mean']:.2f}" for v in summary["expert_load"]["layers"].values())
+        picture = f" (drawn in {summary['expert_load_plot']})" if summary.get("expert_load_plot") else ""
+        click.echo(f"expert load: the busiest expert's share of the routed choices over the mean, by MoE layer: "
+                   f"{busiest} (1.00 balanced){picture}")
     layout = summary["layout"]
     click.echo(
         f"\nmemory per rank (tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']}, ZeRO {layout['zero']}, "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from job.exchange.context import Exchange
+from job.layout import expert_tensors
 from minigpt.config import GPTConfig
 
 COUNT_BYTES = 8  # int64 token counts
@@ -63,3 +64,14 @@ def backward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int,
     row = model.d_model * element_bytes
     received = sent if received is None else received
     return again + [Exchange("all_to_all", 1, sent * row), Exchange("all_to_all", 1, received * row)]
+
+
+def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: int, grad_bytes: int) -> Exchange | None:
+    """How the routed experts' gradients of a rank holding `moe_layers` MoE blocks are averaged under expert
+    parallelism: one all-reduce a step over the dp / ep ranks holding the same experts, of all of them at once,
+    issued at the optimizer step (None without ep, or with one such rank). Their optimizer states are not
+    sharded (ZeRO applies to the dense parameters)."""
+    if ep == 1 or not model.is_moe or dp == ep or moe_layers == 0:
+        return None
+    numel = moe_layers * sum(t.numel for t in expert_tensors(model, ep))
+    return Exchange("all_reduce", 1, numel * grad_bytes)

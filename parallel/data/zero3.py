@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from job.schedule_actions import GatherParams, ReduceScatterGrads
+from parallel.expert import is_expert_shard
 from parallel.comm import Collectives
 from parallel.data.zero import MAX_IN_FLIGHT, add_to_shard
 from precision.flat import FlatParameters
@@ -93,7 +94,7 @@ class ShardedParameters:
             named = []
             for module in modules:
                 for name, param in module.named_parameters():
-                    if id(param) not in seen:  # a tied weight belongs to its first unit
+                    if id(param) not in seen and not is_expert_shard(param):  # a tied weight: its first unit's
                         seen.add(id(param))
                         named.append((name, param))
             if named:

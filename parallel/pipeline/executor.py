@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minigpt.moe import aux_loss_weight
+from parallel.expert import is_expert_shard
 from minigpt.errors import ConfigError
 from parallel.clock import Event, StepClock
 from parallel.backward import backward_from
@@ -123,7 +125,7 @@ class StageModel(nn.Module):
         for number, chunk in enumerate(self.chunks):
             group = []
             for name, param in chunk.named_parameters():
-                if id(param) not in seen:
+                if id(param) not in seen and not is_expert_shard(param):  # experts: parallel/expert/gradients.py
                     seen.add(id(param))
                     group.append((f"chunks.{number}.{name}", param))
             groups.append(group)
@@ -220,6 +222,8 @@ class PipelineExecutor:
         finishing it; without one the actions get host perf_counter times (CPU-accurate only)."""
         clock = clock or StepClock(torch.device("cpu"))
         step = StepData(inputs, targets, scale, StepRecord(), activation_meter, optimize)
+        # a MoE's router losses enter the gradient as each micro-batch's loss does (minigpt/moe.py)
+        aux_loss_weight(float(scale(torch.ones((), dtype=torch.float64))) / self.micro_batches)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}

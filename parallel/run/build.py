@@ -1,9 +1,9 @@
 """Everything one rank trains with, built in layers from the plain model outward:
 
   GPT (same seed on every rank) -> context parallel (its attention cores) -> recomputation ->
-  precision policy -> tensor parallel -> this pipeline rank's chunks -> ZeRO over dp x cp (or, hybrid
-  sharding, over a shard group, replicated across the groups) -> master-weight AdamW on this rank's shard,
-  and the schedule's executor.
+  precision policy -> tensor parallel -> expert parallel -> this pipeline rank's chunks -> ZeRO over dp x cp
+  (or, hybrid sharding, over a shard group, replicated across the groups; the experts beside it, over their
+  own group) -> master-weight AdamW on this rank's shard, and the schedule's executor.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from job.schedule import ScheduleConfig, build_schedule
 from parallel.tensor.parallelize import parallelize
 from job.train_config import TrainConfig, bucket_numel as bucket_numel_of
 from parallel.data.zero import STAGES, Replicated
+from parallel.expert.apply import apply_expert_parallel, expert_groups
+from parallel.expert.gradients import WithExperts, expert_shards
 from parallel.data.zero3 import ShardedParameters
 from precision.compute import apply_precision, dtype_of
 from precision.optimizer import MasterAdamW
@@ -102,12 +104,18 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         apply_context_parallel(model, mesh.group("cp"), cfg.cp_kind, comms["cp"])
     model = apply_precision(apply_recompute(model, cfg.recompute), policy, device)  # built in fp32, then cast
     replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)
+    if cfg.ep > 1:  # the experts split over the expert group, after tensor parallelism left them whole
+        comms["ep"], comms["ep_replicas"] = expert_groups(mesh, cfg.ep, device)
+        apply_expert_parallel(model, comms["ep"])
+        replicated |= {id(param) for _, param in expert_shards(model)} if mesh.tp > 1 else set()  # the new slices
     stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)
     del model  # blocks of other stages go with it
     bucket_numel = bucket_numel_of(cfg.bucket_mb, dtype_of(policy.compute).itemsize)
     layout = Layout.of(cfg)
     config = schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
     data_parallel = make_data_parallel(cfg.zero, stage, comms["dp"], bucket_numel, replicas, config)
+    if cfg.ep > 1:
+        data_parallel = WithExperts(data_parallel, stage, comms["ep"], comms["ep_replicas"], mesh.data_ranks, mesh.tp)
 
     tied = None
     shared = [(lo, hi, mesh.tp) for lo, hi in data_parallel.ranges_of(replicated)] if mesh.tp > 1 else []

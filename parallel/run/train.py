@@ -30,6 +30,7 @@ from parallel.memory import ActivationMeter
 from parallel.context.chunks import local_part
 from parallel.mesh import Mesh, build_mesh
 from parallel.run.resume import ResumePoint, resume_point
+from parallel.run.expert_load import load_summary, rank_load, run_load, write_load_plot
 from parallel.run.loss_plot import LossPlotter, write_loss_plot
 from parallel.run.files import RunFiles, default_run_dir, write_json_file
 from job.trace import Trace, breakdown, write_chrome_trace
@@ -79,6 +80,8 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumeP
     if summary is not None:
         run_dir = Path(summary["run_dir"])
         summary["loss_plot"] = _path_or_none(plotter.draw(run_dir) if plotter else write_loss_plot(run_dir))
+        if "expert_load" in summary:
+            summary["expert_load_plot"] = _path_or_none(write_load_plot(run_dir, summary["expert_load"]))
         write_json_file(run_dir / "summary.json", summary)
     return summary
 
@@ -207,6 +210,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     memory = rank_memory(rank.data_parallel, rank.optimizer, activations)
     memory_per_rank = gather_from_all(mesh, memory)
     timelines = gather_from_all(mesh, trace.as_dict())
+    loads = gather_from_all(mesh, {"tp_rank": mesh.tp_rank, "load": rank_load(rank.stage)}) if cfg.model.is_moe else []
     if run is None:
         return None
     trace_path = write_chrome_trace(Path(cfg.out_dir) / "trace.json", timelines)
@@ -222,6 +226,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         "trace": str(trace_path),
         "run_dir": str(run.path),
     })
+    if loads:
+        summary["expert_load"] = load_summary(run_load(loads))
     return summary
 
 

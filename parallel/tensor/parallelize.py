@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minigpt.moe import MoE
 from parallel.comm import Collectives
 from parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -83,13 +84,16 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     head_dim = config.head_dim
     fused = {"qkv": [config.n_heads * head_dim, config.kv_heads * head_dim, config.kv_heads * head_dim],
              "fc1": [config.d_ff] * (config.mlp_in_width // config.d_ff)}
-    for block in model.blocks:
-        for parent, name in ((block.attn, "qkv"), (block.mlp, "fc1")):
+    experts = []  # a mixture of experts stays whole on every rank (no expert tensor parallelism): each computes it
+    for block in model.blocks:  # for the same tokens, so its gradients agree without a sum
+        dense = not isinstance(block.mlp, MoE)
+        experts += [] if dense else list(block.mlp.parameters())
+        for parent, name in ((block.attn, "qkv"), (block.mlp, "fc1"))[: 2 if dense else 1]:
             inner = getattr(parent, name)
             weight = _shard_sections(inner.weight.detach(), fused[name], rank, size)
             bias = _shard_sections(None if inner.bias is None else inner.bias.detach(), fused[name], rank, size)
             setattr(parent, name, ColumnParallelLinear(_replace_weight(inner, weight, bias), comm, sequence_parallel))
-        for parent, name in ((block.attn, "proj"), (block.mlp, "fc2")):
+        for parent, name in ((block.attn, "proj"), (block.mlp, "fc2"))[: 2 if dense else 1]:
             inner = getattr(parent, name)
             bias = None if inner.bias is None else nn.Parameter(inner.bias.detach().clone())
             _replace_weight(inner, _shard_columns(inner.weight.detach(), rank, size), None)
@@ -98,12 +102,13 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     sequence_pieces = list(model.norm_f.parameters())  # replicated and fed 1/T of the sequence under SP
     for block in model.blocks:
         sequence_pieces += [*block.ln1.parameters(), *block.ln2.parameters()]
-        sequence_pieces += [b for b in (block.attn.proj.bias, block.mlp.fc2.bias) if b is not None]
+        mlp_bias = getattr(getattr(block.mlp, "fc2", None), "bias", None)  # a MoE has none of its own
+        sequence_pieces += [b for b in (block.attn.proj.bias, mlp_bias) if b is not None]
     if sequence_parallel:
         for param in sequence_pieces:
             param.register_hook(lambda grad: _sum_over_group(grad, comm))
     whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
-    return {id(param) for param in whole_sequence + sequence_pieces}
+    return {id(param) for param in whole_sequence + sequence_pieces + experts}
 
 
 def _sum_over_group(grad: torch.Tensor, comm: Collectives) -> torch.Tensor:

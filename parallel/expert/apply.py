@@ -1,0 +1,44 @@
+"""Expert parallelism applied to a model from outside, and the two groups it runs over.
+
+The expert group is ep consecutive data-parallel ranks at one (pp, cp, tp) place of the mesh (parallel/mesh.py):
+they split every MoE layer's experts, rank i of the group holding experts i x E / ep onwards. The ranks at the
+same place of every expert group (dp / ep of them) hold the same experts and average their gradients
+(parallel/expert/gradients.py). job/exchange/experts.py describes both for the simulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minigpt.moe import MoE
+from parallel.comm import Collectives
+from parallel.expert.dispatch import ExpertParallel
+from parallel.mesh import Mesh
+
+
+def expert_groups(mesh: Mesh, ep: int, device: torch.device) -> tuple[Collectives, Collectives]:
+    """(this rank's expert group, the ranks holding its experts); every rank builds every group (new_group is
+    collective), in one order."""
+    mine: dict[str, dist.ProcessGroup] = {}
+    for pp in range(mesh.pp):
+        for cp in range(mesh.cp):
+            for tp in range(mesh.tp):
+                cuts = {"ep": [range(start, start + ep) for start in range(0, mesh.dp, ep)],
+                        "replicas": [range(first, mesh.dp, ep) for first in range(ep)] if mesh.dp > ep else []}
+                for kind, groups in cuts.items():
+                    for dp_ranks in groups:
+                        ranks = [mesh.global_rank(pp, dp, cp, tp) for dp in dp_ranks]
+                        group = dist.new_group(ranks)
+                        if mesh.rank in ranks:
+                            mine[kind] = group
+    return Collectives(mine["ep"], "ep", device), Collectives(mine.get("replicas"), "ep_replicas", device)
+
+
+def apply_expert_parallel(model: nn.Module, comm: Collectives) -> None:
+    """Every MoE layer's experts split over `comm`'s group, in place (after tensor parallelism, which leaves the
+    experts whole)."""
+    for block in model.blocks:
+        if isinstance(block.mlp, MoE):
+            block.mlp.experts = ExpertParallel(block.mlp.experts, comm)

@@ -1,0 +1,92 @@
+"""The routed experts' gradients under expert parallelism, beside ZeRO's data parallelism over the dense weights.
+
+A rank's experts (parallel/expert/dispatch.py marks them) are left out of ZeRO's flat buffers and buckets
+(parallel/pipeline/executor.py's parameter_groups, parallel/data/zero3.py's units); `WithExperts` wraps the ZeRO
+stage that runs and adds them:
+  - flat in a buffer of their own; after the backward (at the optimizer step) their gradients, already summed over
+    every token the expert group routed to them, are divided by the dp x cp data ranks (the mean over the global
+    batch, as ZeRO's) and all-reduced over the ranks that hold the same experts (the expert-data group: one
+    all-reduce a step, job/exchange/experts.py's expert_gradient_reduction);
+  - handed to the optimizer after ZeRO's pieces (`weights`, `finish_grads`), unsharded: ZeRO shards the dense
+    weights only;
+  - in the gradient norm once each: `reduce_sum` takes the experts' share out of what ZeRO sums over the data
+    group and sums it over the expert group instead (each expert lives on one of its ranks); tensor-parallel
+    copies are divided out by the optimizer's shared ranges, as for every replicated weight.
+Everything else of the data-parallel protocol (parallel/data/protocol.py) is ZeRO's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.comm import Collectives
+from parallel.expert import is_expert_shard
+from precision.flat import FlatParameters
+from precision.optimizer import squares
+
+
+def expert_shards(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, param) for name, param in model.named_parameters() if is_expert_shard(param)]
+
+
+class WithExperts:
+    def __init__(self, inner, model: nn.Module, experts_comm: Collectives, replicas: Collectives, data_ranks: int,
+                 tp: int):
+        """`inner`: the ZeRO stage over the dense weights; `experts_comm`: the expert group; `replicas`: the
+        ranks holding the same experts; `data_ranks`: dp x cp; `tp`: copies of every expert over tensor
+        parallelism (none is split)."""
+        self.inner, self.experts_comm, self.replicas = inner, experts_comm, replicas
+        self.data_ranks, self.tp = data_ranks, tp
+        self.flat = FlatParameters(expert_shards(model))
+        self.stage = inner.stage
+        self.expert_share = torch.zeros((), dtype=torch.float64)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # the rest of the protocol is ZeRO's
+
+    @property
+    def dense_numel(self) -> int:
+        weights = self.inner.weights
+        return sum(w.numel() for w in weights) if isinstance(weights, list) else weights.numel()
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        weights = self.inner.weights
+        return (list(weights) if isinstance(weights, list) else [weights]) + [self.flat.data]
+
+    @property
+    def decay_ranges(self) -> list[tuple[int, int]]:
+        base = self.dense_numel
+        ours = self.flat.decay_ranges([(0, self.flat.padded_numel)])
+        return list(self.inner.decay_ranges) + [(base + lo, base + hi) for lo, hi in ours]
+
+    def ranges_of(self, param_ids: set[int]) -> list[tuple[int, int]]:
+        base = self.dense_numel
+        ours = self.flat.local_ranges([(0, self.flat.padded_numel)], lambda i: id(self.flat.params[i]) in param_ids)
+        return self.inner.ranges_of(param_ids) + [(base + lo, base + hi) for lo, hi in ours]
+
+    def begin_step(self) -> None:
+        self.inner.begin_step()
+        self.flat.zero_grad()
+
+    def finish_grads(self) -> torch.Tensor:
+        dense = self.inner.finish_grads()
+        grad = self.flat.grad
+        grad.div_(self.data_ranks)
+        self.replicas.all_reduce(grad)
+        self.expert_share = squares(grad.float()) / self.tp  # as the optimizer's shared ranges count it
+        return torch.cat([dense.reshape(-1), grad.to(dense.dtype)])
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        share = self.expert_share.to(value.dtype)
+        return self.inner.reduce_sum(value - share) + self.experts_comm.sum(share.clone())
+
+    def parameter_storages(self) -> set[int]:
+        return self.inner.parameter_storages() | {self.flat.data.untyped_storage().data_ptr()}
+
+    def memory(self) -> dict[str, int]:
+        memory = dict(self.inner.memory())
+        memory["parameters"] += self.flat.data.numel() * self.flat.data.element_size()
+        memory["gradients"] += self.flat.grad.numel() * self.flat.grad.element_size()
+        return memory
