@@ -18,10 +18,14 @@ from distributed import run_ranks
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges
 from job.train_config import TrainConfig
 from minigpt.config import preset
+from minigpt.data import Corpus
 from minigpt.errors import ConfigError
 from parallel.expert.dispatch import ExpertParallel
+from parallel.mesh import build_mesh
+from parallel.run.build import build_rank
+from parallel.run.train import micro_batches
 from parity import worst_gap
-from test_fsdp import history
+from precision.policy import policy as precision_policy
 
 MODELS = {
     "top2": preset("tiny-moe").with_(seq_len=32, n_layers=2),
@@ -48,29 +52,26 @@ def config(model: str, **layout) -> TrainConfig:
                        lr=1e-3, min_lr=1e-4, **layout)
 
 
-def counted_history(cfg: TrainConfig) -> dict:
-    """history() of tests/test_fsdp.py, with each expert layer's routed rows (sent, received) recorded in order and
-    the expert groups' calls of the last step."""
-    routed: list[tuple[int, int]] = []
-    forward = ExpertParallel.forward
-
-    def recording(self, x, counts):
-        received = []
-        local = self.local.forward
-        self.local.forward = lambda rows, sizes: received.append(rows.shape[0]) or local(rows, sizes)
-        try:
-            out = forward(self, x, counts)
-        finally:
-            del self.local.forward
-        routed.append((int(counts.sum()), received[0]))
-        return out
-
-    ExpertParallel.forward = recording
-    try:
-        found = history(cfg)
-    finally:
-        ExpertParallel.forward = forward
-    found["routed_last_step"] = routed[-routed_per_step(cfg):] if cfg.ep > 1 else []
+def trained(cfg: TrainConfig) -> dict:
+    """cfg.steps steps on this rank: losses, gradient norms, the rows each expert layer routed in the last step
+    (sent, received) in order, and the expert groups' calls (parallel/comm.py's log) of that step."""
+    device, routed = torch.device("cpu"), []
+    mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp, cfg.shard_group)
+    rank, corpus = build_rank(cfg, mesh, device, precision_policy(cfg.precision)), Corpus.load(None, cfg.model.seq_len)
+    for module in rank.stage.modules():
+        if isinstance(module, ExpertParallel):  # record what each call sends and what its experts receive
+            module.local.register_forward_hook(lambda m, args, out: routed[-1].append(args[0].shape[0]))
+            module.register_forward_pre_hook(lambda m, args: routed.append([int(args[1].sum())]))
+    found = {"losses": [], "grad_norms": []}
+    for step in range(cfg.steps):
+        routed.clear()
+        inputs, targets = micro_batches(corpus, cfg, step, mesh, device)
+        outcome = rank.train_step(cfg, step, inputs, targets)
+        found["losses"].append(outcome.loss)
+        found["grad_norms"].append(outcome.result.grad_norm)
+    found["routed_last_step"] = [tuple(pair) for pair in routed]
+    found["ep_log"] = list(rank.comms["ep"].log) if "ep" in rank.comms else []
+    found["ep_replicas_log"] = list(rank.comms["ep_replicas"].log) if "ep_replicas" in rank.comms else []
     return found
 
 
@@ -80,31 +81,7 @@ def routed_per_step(cfg: TrainConfig) -> int:
 
 def spawned_world(world: int) -> dict:
     torch.set_num_threads(1)
-    found = {}
-    for name, (model, layout) in LAYOUTS[world].items():
-        cfg = config(model, **layout)
-        calls = {}
-        import parallel.run.build as build  # the ranks' comms, to read the expert groups' logs after the run
-
-        original = build.build_rank
-
-        def keep(*args, **kwargs):
-            rank = original(*args, **kwargs)
-            calls["comms"] = rank.comms
-            return rank
-
-        build.build_rank = keep
-        import test_fsdp
-        test_fsdp.build_rank = keep
-        try:
-            found[name] = counted_history(cfg)
-        finally:
-            build.build_rank = original
-            test_fsdp.build_rank = original
-        comms = calls["comms"]
-        found[name]["ep_log"] = list(comms["ep"].log) if "ep" in comms else []
-        found[name]["ep_replicas_log"] = list(comms["ep_replicas"].log) if "ep_replicas" in comms else []
-    return found
+    return {name: trained(config(model, **layout)) for name, (model, layout) in LAYOUTS[world].items()}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +99,7 @@ def references():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {model: history(config(model)) for model in MODELS}
+        return {model: trained(config(model)) for model in MODELS}
     finally:
         torch.set_num_threads(threads)
 
@@ -157,11 +134,11 @@ def test_all_to_alls_are_the_descriptions(spawned, world, name):
                              for e in backward_exchanges(cfg.model, cfg.ep, sent, 4, received)]
         expected = sorted((e.kind, e.bytes) for e in expected_forward + expected_backward)
         log = run["ep_log"]
-        # the step's last calls: the sums of the gradient norm's expert share (one all-reduce of 8 bytes)
-        step_calls = [call for call in log if call[0] == "all_to_all"][-len(expected):]
+        # the last step's all-to-alls (the log, reset every step, also holds the sum of the norm's expert share)
+        step_calls = [call for call in log if call[0] == "all_to_all"]
         assert sorted(step_calls) == expected
         forward_order = [(e.kind, e.bytes) for e in expected_forward]
-        assert [c for c in log if c[0] == "all_to_all"][-len(expected):][:3] == forward_order[:3]
+        assert step_calls[:3] == forward_order[:3]  # the first layer's counts, dispatch, combine, in that order
         reduction = expert_gradient_reduction(cfg.model, cfg.ep, cfg.dp, cfg.model.n_moe_layers // cfg.pp, 4)
         replicas = run["ep_replicas_log"]
         assert replicas[-1:] == ([] if reduction is None else [(reduction.kind, reduction.bytes)])
