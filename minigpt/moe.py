@@ -87,19 +87,24 @@ class Experts(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(n, width_in)) if config.bias else None
         self.b2 = nn.Parameter(torch.zeros(n, d)) if config.bias else None
 
-    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Rows `x` through local expert `index`."""
-        hidden = x @ self.w1[index] if self.b1 is None else torch.addmm(self.b1[index], x, self.w1[index])
+    def expert(self, weights: tuple, x: torch.Tensor) -> torch.Tensor:
+        """Rows `x` through one expert, `weights` its (w1, w2, b1, b2) (biases None without them)."""
+        w1, w2, b1, b2 = weights
+        hidden = x @ w1 if b1 is None else torch.addmm(b1, x, w1)
         if self.swiglu:
             gate, up = hidden.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         else:
             hidden = F.gelu(hidden, approximate="tanh")
-        return hidden @ self.w2[index] if self.b2 is None else torch.addmm(self.b2[index], hidden, self.w2[index])
+        return hidden @ w2 if b2 is None else torch.addmm(b2, hidden, w2)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         sizes = counts.tolist()
-        pieces = [self.expert(e, rows) for e, rows in enumerate(x.split(sizes)) if sizes[e]]
+        # the stacks unbound once: their backward stacks the experts' gradients in one write (indexing each
+        # expert out of a stack would write a zero gradient the stack's size for every expert)
+        stacks = [t.unbind(0) if t is not None else [None] * len(sizes) for t in (self.w1, self.w2, self.b1, self.b2)]
+        weights = list(zip(*stacks))
+        pieces = [self.expert(weights[e], rows) for e, rows in enumerate(x.split(sizes)) if sizes[e]]
         # no rows (an expert-parallel rank no token chose): still an output of x, so that the backward reaches
         # the exchange that brought them, which every rank of the group must run
         return torch.cat(pieces) if pieces else x * 0.0

@@ -27,6 +27,9 @@ checked against it:
   recompute brings back): the ring's received keys and values and the fp32 dk/dv accumulators and their
   received copies, or the all-gather's whole-sequence gradients; the all-gather's gathered keys and values
   are saved tensors of every block (simulator/costs/ops_attention.py).
+- Mixture of experts: each block's activations by its kind (GPTConfig.is_moe_layer); under expert parallelism
+  a rank holds E/ep experts, unsharded beside ZeRO (`experts_states`), and one MoE layer's all-to-all buffers
+  (`dispatch_buffer_bytes`).
 - A planner asks this of tens of thousands of layouts: the model's checks, each layout's model states
   and each block's activations are computed once per distinct input (lru_cache; all inputs are frozen).
 """
@@ -47,6 +50,7 @@ from simulator.costs.hardware import GPUSpec
 from job.layout import Bucket, Layout, buckets, check_against_config, stage_units
 from simulator.costs.op_types import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
+from simulator.costs.ops_moe import expert_rows
 
 MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
 
@@ -59,13 +63,21 @@ def _implementation(recompute: str, attention: str, sp_saved_input: str) -> Impl
 
 
 def check_activations_against_config(model: GPTConfig, policy: PrecisionPolicy) -> None:
-    """simulator/costs/ops.py's saved tensors (flash attention, as our executor runs) must equal config.py's counts."""
+    """simulator/costs/ops.py's saved tensors (flash attention, as our executor runs) must equal config.py's counts,
+    for a dense block and a mixture of experts' (config.py counts the experts dropless, one sequence's per sequence
+    more: minigpt/moe.py keeps nothing of its own under full recomputation)."""
     plain = replace(policy, fp8_linears=False)
     dtype_bytes = FORMAT_BYTES[plain.compute]
-    for recompute in RECOMPUTE_MODES:
-        counted = block_ops(model, 1, Layout(), plain, _implementation(recompute, "flash", "gathered")).saved_bytes
-        if counted != model.activation_bytes_per_token_per_layer(dtype_bytes, recompute) * model.seq_len:
-            raise RuntimeError("simulator/costs/ops.py's saved tensors disagree with minigpt/config.py's activation bytes")
+    dropless = replace(model, capacity_factor=None) if model.is_moe else model
+    for moe in (False, True) if model.is_moe else (False,):
+        for recompute in RECOMPUTE_MODES:
+            implementation = _implementation(recompute, "flash", "gathered")
+            counted = block_ops(dropless, 1, Layout(), plain, implementation, moe).saved_bytes
+            expected = model.activation_bytes_per_token_per_layer(dtype_bytes, recompute, moe) * model.seq_len
+            expected += model.moe_activation_bytes_per_sequence() if moe and recompute != "full" else 0
+            if counted != expected:
+                raise RuntimeError(f"simulator/costs/ops.py's saved tensors disagree with minigpt/config.py's "
+                                   f"activation bytes ({'MoE' if moe else 'dense'} block, recompute {recompute})")
     head = head_ops(model, 1, Layout(), plain).saved_bytes
     if head != model.head_activation_bytes_per_token(dtype_bytes) * model.seq_len:
         raise RuntimeError("simulator/costs/ops.py's head tensors disagree with minigpt/config.py's head activation bytes")
@@ -229,6 +241,16 @@ def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPol
     return 2 * layout.cp * kv * (GRAD_BYTES + e)
 
 
+def dispatch_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int) -> int:
+    """What expert parallelism's all-to-alls hold beyond the saved tensors, one MoE layer at a time: a send and a
+    receive buffer of the routed rows (R x d each, balanced: a rank receives as many as it sends), as the
+    combine's and the dispatch's gradients cross in the backward (job/exchange/experts.py)."""
+    if layout.ep == 1 or not model.is_moe:
+        return 0
+    rows, _ = expert_rows(model, micro_batch_size * model.seq_len, micro_batch_size, layout.ep)
+    return 2 * rows * model.d_model * FORMAT_BYTES[policy.compute]
+
+
 @dataclass(frozen=True)
 class ActivationModel:
     """What one micro-batch's activations are, per block and at the ends (see layer_activation_bytes)."""
@@ -242,31 +264,39 @@ class ActivationModel:
 
     @classmethod
     def of(cls, model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
-           implementation: Implementation) -> "ActivationModel":
-        ops = block_ops(model, micro_batch_size, layout, policy, implementation)
+           implementation: Implementation, moe: bool | None = None) -> "ActivationModel":
+        """A block of the model's main kind, or a MoE (`moe` True) or dense one; `exchanging` counts context
+        parallelism's key/value buffers, and a MoE block's dispatch buffers under expert parallelism."""
+        ops = block_ops(model, micro_batch_size, layout, policy, implementation, moe)
         exchanging = exchange_buffer_bytes(model, layout, policy, micro_batch_size)
+        if model.is_moe if moe is None else moe:
+            exchanging += dispatch_buffer_bytes(model, layout, policy, micro_batch_size)
         copies = sum(t.bytes for t in ops.saved if t.name.endswith(".weight_fp8"))
         return cls(ops.saved_bytes, ops.recomputed_bytes, implementation, exchanging, ops.workspace_bytes, copies)
 
 
 @lru_cache(maxsize=1024)
 def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp_kind: str, pol: PrecisionPolicy,
-                 micro_batch_size: int, implementation: Implementation) -> tuple[ActivationModel, int, int]:
-    """(a block's activations, the first stage's ends, the last stage's ends): what the layout's shape decides."""
-    layout = Layout(tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_kind=cp_kind)
-    block = ActivationModel.of(model, layout, pol, micro_batch_size, implementation)
+                 micro_batch_size: int, implementation: Implementation,
+                 ep: int = 1) -> tuple[dict[bool, ActivationModel], int, int]:
+    """(each kind of block's activations, by whether it is a MoE's, the first stage's ends, the last stage's ends):
+    what the layout's shape decides."""
+    layout = Layout(tp=tp, dp=ep, sequence_parallel=sequence_parallel, cp=cp, cp_kind=cp_kind, ep=ep)
+    kinds = {moe for moe in (False, True) if any(model.is_moe_layer(i) == moe for i in range(model.n_layers))}
+    blocks = {moe: ActivationModel.of(model, layout, pol, micro_batch_size, implementation, moe) for moe in kinds}
     saved = implementation.sp_saved_input
-    return (block, end_activation_bytes(model, layout, pol, micro_batch_size, True, False, saved),
+    return (blocks, end_activation_bytes(model, layout, pol, micro_batch_size, True, False, saved),
             end_activation_bytes(model, layout, pol, micro_batch_size, False, True, saved))
 
 
 @lru_cache(maxsize=256)
 def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
-                  pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str) -> tuple[StageMemory, ...]:
+                  pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
+                  ep: int = 1) -> tuple[StageMemory, ...]:
     """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
-    ZeRO shards over (dp x cp, or a shard group of them)."""
+    ZeRO shards over (dp x cp, or a shard group of them), and on ep (experts_states)."""
     layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks)
-    return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold)
+    return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
 
 
@@ -288,16 +318,34 @@ def _check_in_flight(micro_batches_in_flight, pp: int) -> list[int]:
 
 
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
-           activations: int, prefetch: int, hold: str = "forward") -> StageMemory:
-    """Model states and buffers of one pipeline stage (its activations given)."""
+           activations: int, prefetch: int, hold: str = "forward", ep: int = 1) -> StageMemory:
+    """Model states and buffers of one pipeline stage (its activations given); under expert parallelism the
+    experts' part apart (experts_states)."""
     per_param = pol.bytes_per_param()
     zero, dp = layout.effective_zero, layout.data_ranks
+    if ep > 1:
+        dense = [[[t for t in unit if not is_expert(t)] for unit in chunk] for chunk in chunks]
+        experts = [[[t._replace(numel=t.numel // ep) for t in unit] for unit in chunk] for chunk in chunks]
+        parts = [_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts)]
+        held, owned, grads, buffers, numel = (sum(values) for values in zip(*parts))
+    else:
+        held, owned, grads, buffers, numel = _states(chunks, zero, dp, bucket_numel, prefetch, hold)
+    return StageMemory(
+        parameters=held * per_param["compute"], gradients=grads * per_param["grad"],
+        master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
+        activations=activations, comm_buffers=buffers * per_param["compute"],
+        stage=index, layers=sum(len(r) for _, r in placed), numel=numel,
+    )
+
+
+def _states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, hold: str) -> tuple[int, ...]:
+    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of a stage's
+    chunks of units (lists of tensors) under ZeRO `zero` over `dp` ranks."""
     units = [unit for chunk in chunks for unit in chunk]
-    tensors = [t for unit in units for t in unit]
     size_of: dict[int, int] = {}  # by id: every block's unit is one list (job/layout.py's stage_units)
     for unit in units:
         if id(unit) not in size_of:
-            size_of[id(unit)] = buckets(unit, None, dp)[0].size
+            size_of[id(unit)] = buckets(unit, None, dp)[0].size if unit else 0
     unit_sizes = [size_of[id(unit)] for unit in units]
     cut = [b for chunk in chunks for b in buckets([t for unit in chunk for t in unit], bucket_numel, dp)]
     padded = sum(b.size for b in cut)
@@ -305,12 +353,21 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     owned = held if zero in (0, 3) else padded // dp
     grads = owned if zero >= 2 else held
     buffers = zero3_buffers(unit_sizes, dp, prefetch, hold) if zero == 3 else data_parallel_buffers(zero, cut, dp)
-    return StageMemory(
-        parameters=held * per_param["compute"], gradients=grads * per_param["grad"],
-        master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
-        activations=activations, comm_buffers=buffers * per_param["compute"],
-        stage=index, layers=sum(len(r) for _, r in placed), numel=sum(t.numel for t in tensors),
-    )
+    return held, owned, grads, buffers, sum(t.numel for unit in units for t in unit)
+
+
+def is_expert(tensor) -> bool:
+    """A routed expert's parameter (job/layout.py's mlp.experts.*): split over the ep ranks."""
+    return tensor.name.startswith("mlp.experts.")
+
+
+def experts_states(chunks) -> tuple[int, ...]:
+    """The routed experts' part of a stage under expert parallelism, as parallel/expert/gradients.py holds it: E/ep
+    experts on each rank (job/layout.py's expert_tensors), in a flat buffer of their own beside ZeRO's (weights
+    and gradients in the compute format), their masters and Adam states unsharded (ZeRO shards the dense weights
+    only), their gradients all-reduced in place."""
+    experts = [[[t for t in unit if is_expert(t)] for unit in chunk] for chunk in chunks]
+    return _states([[unit for unit in chunk if unit] for chunk in experts], 0, 1, None, 0, "forward")
 
 
 def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0) -> tuple[str, ...]:
@@ -331,6 +388,10 @@ def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0
         notes.append(f"context parallelism {layout.cp} ({layout.cp_kind}): each rank holds the activations of "
                      f"{model.seq_len // layout.cp:,} of the sequence's {model.seq_len:,} tokens, and "
                      f"{exchanging / 2**30:.2f} GiB more for the key/value exchange during one block's backward")
+    if layout.ep > 1:
+        notes.append(f"expert parallelism {layout.ep}: a rank holds {model.n_experts // layout.ep} of every MoE layer's "
+                     f"{model.n_experts} experts, their states unsharded (ZeRO shards the dense weights: "
+                     f"parallel/expert/gradients.py); activations include the dispatch buffers of one layer")
     if recompute == "full":
         notes.append("recompute: activations include one block's full activations while it is recomputed")
     elif recompute == "selective":
@@ -377,25 +438,44 @@ def predict_memory(
         raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
     _check_model(model, pol)
     bucket_elements = bucket_numel(bucket_mb, pol.bytes_per_param()["compute"])
-    block, embedding_ends, head_ends = _activations(model, layout.tp, layout.sequence_parallel, layout.cp,
-                                                    layout.cp_kind, pol, micro_batch_size, implementation)
+    blocks, embedding_ends, head_ends = _activations(model, layout.tp, layout.sequence_parallel, layout.cp,
+                                                     layout.cp_kind, pol, micro_batch_size, implementation, layout.ep)
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
-                           layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches))
+                           layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
+                           layout.ep)
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):
         first, last = any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed)
-        layers = max(len(r) for _, r in placed)  # with virtual chunks: a micro-batch in flight holds one chunk
         ends = (embedding_ends if first else 0) + (head_ends if last else 0)
-        activations = in_flight[index] * (layers * block.per_layer + ends) + block.recomputing + block.exchanging \
-            + sum(len(r) for _, r in placed) * block.workspace
+        activations = in_flight[index] * (_chunk_bytes(model, blocks, placed) + ends) + _block_extras(model, blocks,
+                                                                                                     placed)
         stages.append(replace(states[index], activations=activations))
     peak = max(stages, key=lambda s: s.total)
+    block = blocks[model.is_moe]
     return MemoryEstimate(
         **{name: getattr(peak, name) for name in MemoryBytes.__dataclass_fields__},
         stage=peak.stage, per_stage=tuple(stages), capacity=None if gpu is None else gpu.hbm_bytes,
         notes=_notes(layout, model, recompute, block.exchanging) + _fp8_note(block, layout, model),
     )
+
+
+def _chunk_bytes(model: GPTConfig, blocks: dict[bool, ActivationModel], placed) -> int:
+    """What one micro-batch in flight keeps on a rank: its largest chunk's blocks (with virtual chunks a micro-batch
+    in flight holds one chunk), each of its kind."""
+    if len(blocks) == 1:
+        (block,) = blocks.values()
+        return max(len(r) for _, r in placed) * block.per_layer
+    return max(sum(blocks[model.is_moe_layer(i)].per_layer for i in r) for _, r in placed)
+
+
+def _block_extras(model: GPTConfig, blocks: dict[bool, ActivationModel], placed) -> int:
+    """Alive once on the rank: one block's recomputed tensors and exchange buffers (the largest kind it holds), and
+    every block's workspace (cached fp8 weights)."""
+    layers = [i for _, r in placed for i in r]
+    kinds = [blocks[kind] for kind in {model.is_moe_layer(i) for i in layers}] if len(blocks) > 1 else list(blocks.values())
+    return max(b.recomputing for b in kinds) + max(b.exchanging for b in kinds) \
+        + sum(blocks[model.is_moe_layer(i)].workspace for i in layers)
 
 
 def _fp8_note(block: "ActivationModel", layout: Layout, model: GPTConfig) -> tuple[str, ...]:

@@ -14,7 +14,9 @@
   implementation     attention kernel, recompute kind, what sequence parallelism saves;
   overlap            the overlap preset and its settings (simulator/engine/overlap.py);
   context            with context parallelism: its size and kind, the block length the attention
-                     kernel's table is read at, and how the exchange overlaps (simulator/engine/context.py).
+                     kernel's table is read at, and how the exchange overlaps (simulator/engine/context.py);
+  experts            with a mixture of experts: what its experts' GEMMs, routing and all-to-alls rest on
+                     (docs/efficiency.md, "Mixture of experts").
 """
 
 from __future__ import annotations
@@ -52,11 +54,20 @@ def context(gpu: GPUSpec, layout, seq_len: int) -> dict:
     return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "exchange": exchange}
 
 
+def experts(layout) -> dict:
+    """What a mixture of experts' prediction rests on beyond the rest (assumptions stated in docs/efficiency.md)."""
+    ep = layout.ep if layout is not None else 1
+    return {"ep": ep, "experts": "grouped GEMM (batch E/ep) at the GEMM model's efficiency: an assumption",
+            "routing": "balanced: every expert gets routed rows / E",
+            "all_to_all": "exposed, on the expert group's links (NVLink, NICs beyond)" if ep > 1 else "none (ep 1)"}
+
+
 def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implementation, overlap,
-               host_compute=None, layout=None, seq_len: int = 0) -> dict:
+               host_compute=None, layout=None, seq_len: int = 0, moe: bool = False) -> dict:
     formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
     measured = host_compute is not None and host_compute.units is not None
     extra = {"context": context(gpu, layout, seq_len)} if layout is not None and layout.cp > 1 else {}
+    extra.update({"experts": experts(layout)} if moe else {})
     return {
         "compute": MEASURED_UNITS if measured else ROOFLINE,
         "matmul_efficiency": efficiency_sources(gpu, formats, profile),
@@ -99,6 +110,10 @@ def summary_rows(data: dict) -> list[list[str]]:
     if "context" in data:
         c = data["context"]
         rows.append(["context parallelism", f"cp {c['cp']} {c['kind']}: {c['attention']}; {c['exchange']}"])
+    if "experts" in data:
+        e = data["experts"]
+        rows.append(["mixture of experts", f"ep {e['ep']}: {e['experts']}; routing {e['routing']}; all-to-alls "
+                     f"{e['all_to_all']}"])
     return rows
 
 

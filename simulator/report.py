@@ -15,7 +15,8 @@ from simulator.search.sweep import ScalingSweep
 
 GIB = 2**30
 BREAKDOWN_LABELS = {"compute": "compute", "pipeline_bubble": "pipeline bubble", "tp_comm": "exposed tp comm",
-                    "cp_comm": "context-parallel exchange (exposed)", "pp_comm": "exposed pp comm", "dp_comm": "exposed dp comm", "optimizer": "optimizer step"}
+                    "cp_comm": "context-parallel exchange (exposed)", "ep_comm": "expert all-to-all (exposed)",
+                    "pp_comm": "exposed pp comm", "dp_comm": "exposed dp comm", "optimizer": "optimizer step"}
 MEMORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights": "master weights",
                  "optimizer_states": "optimizer states (Adam m, v)", "activations": "activations",
                  "comm_buffers": "communication buffers", "total": "total"}
@@ -46,11 +47,13 @@ def headline(result: SimResult) -> str:
 def step_rows(result: SimResult) -> list[list[str]]:
     step = result.step_time_s
     rows = [["step time", seconds(step), "100.0%"]]
+    shown = {"cp_comm": result.layout.cp > 1, "ep_comm": result.layout.ep > 1}  # no such parallelism, no row
     rows += [[f"  {BREAKDOWN_LABELS[k]}", seconds(v), f"{v / step:.1%}"] for k, v in result.breakdown.items()
-             if k != "cp_comm" or result.layout.cp > 1]  # no context parallelism, no row
+             if shown.get(k, True)]
     per_gpu = (f"{result.tflops_per_gpu:.1f}" if result.tflops_per_gpu >= 1 else f"{result.tflops_per_gpu * 1e3:.1f}")
-    rows += [["TFLOP/s per GPU" if result.tflops_per_gpu >= 1 else "GFLOP/s per GPU", per_gpu, "model FLOPs"],
-             ["MFU", f"{result.mfu:.1%}", f"of the {result.precision} peak"],
+    active = " (active parameters)" if result.moe else ""
+    rows += [["TFLOP/s per GPU" if result.tflops_per_gpu >= 1 else "GFLOP/s per GPU", per_gpu, f"model FLOPs{active}"],
+             [f"MFU{', active' if active else ''}", f"{result.mfu:.1%}", f"of the {result.precision} peak"],
              ["throughput", f"{result.samples_per_s:.4g} samples/s", f"{result.tokens_per_s:.4g} tokens/s"]]
     return rows
 
@@ -128,7 +131,7 @@ def sweep_rows(sweep: ScalingSweep) -> list[list[str]]:
                      seconds(p.result.step_time_s), f"{p.samples_per_s:.4g}", "-" if p.efficiency is None else f"{p.efficiency:.0%}",
                      "-" if p.marginal is None else f"{p.marginal:.0%}", f"{p.result.mfu:.1%}",
                      f"{p.result.breakdown['pipeline_bubble'] / p.result.step_time_s:.0%}",
-                     f"{sum(p.result.breakdown[k] for k in ('dp_comm', 'tp_comm', 'cp_comm', 'pp_comm')) / p.result.step_time_s:.0%}",
+                     f"{sum(p.result.breakdown[k] for k in ('dp_comm', 'tp_comm', 'cp_comm', 'ep_comm', 'pp_comm')) / p.result.step_time_s:.0%}",
                      "yes" if p.result.fits else "NO"])
     return rows
 

@@ -116,6 +116,9 @@ def plan(**options) -> None:
     from simulator.search.plan import plan as search
 
     model = model_from_options(options)
+    if model.is_moe:
+        raise ConfigError("minigpt plan searches dense layouts, not expert parallelism: for a mixture of experts "
+                          "simulate each layout with minigpt simulate --ep (docs/efficiency.md, 'Mixture of experts')")
     check_cluster_names(options)
     for name in ("gpus", "top", "global_batch", "micro_batch_size", "micro_batches", "gpus_per_node",
                  "nics_per_node", "cp"):

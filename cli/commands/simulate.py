@@ -6,7 +6,9 @@ file (--topology); --hardware loads a calibrated profile in place of the --gpu p
 Without --nodes the cluster has exactly the layout's tp x cp x pp x dp GPUs. --cp and --cp-kind
 (cli/options/context.py) add context parallelism: each rank computes seq/cp tokens and exchanges keys
 and values (simulator/engine/context.py), shown as its own row of the step's breakdown; it needs flash
-attention, and a sweep keeps it at the given cp. How a block is
+attention, and a sweep keeps it at the given cp. --ep splits a mixture of experts' experts over ep ranks of
+the data-parallel group (ep consecutive dp ranks: on NVLink while tp x ep fits in a server), whose all-to-alls
+(simulator/engine/experts.py) are the breakdown's "expert all-to-all" row; one layout only, no sweep. How a block is
 computed (--attention, --recompute, --sp-saved-input: simulator/costs/ops.py) and what overlaps
 what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
 simulator/engine/overlap.py) are flags too; the output says what its numbers rest on, and which algorithm
@@ -107,7 +109,7 @@ def run_single(options: dict) -> dict:
     layout = Layout(tp=options["tp"] or 1, pp=options["pp"] or 1, dp=options["dp"] or 1, zero=options["zero"],
                     sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"],
                     cp=options["cp"], cp_kind=options["cp_kind"], shard_group=options["shard_group"],
-                    reshard_after_forward=options["reshard_after_forward"])
+                    reshard_after_forward=options["reshard_after_forward"], ep=options["ep"])
     layout.check(model)  # the shape's checks (context parallelism's split too), before any cluster is built
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, options["micro_batch"],
@@ -129,6 +131,9 @@ def run_sweep(options: dict) -> dict:
         raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
     if options["dp"]:
         raise ConfigError("in a sweep dp follows from the GPU count: drop --dp (fix --tp and --pp, or let the sweep choose)")
+    if options["ep"] > 1:
+        raise ConfigError(f"--sweep searches layouts without expert parallelism: drop --ep {options['ep']}, or simulate "
+                          f"one layout (--tp, --pp, --dp, --ep) without --sweep")
     if options["nccl_algo"] != "auto":
         raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
                           "layout without --sweep")
@@ -184,7 +189,9 @@ def _print_single(report: dict) -> None:
     from simulator import report as rep
 
     model, result = report["model"], report["result"]
-    click.echo(f"{parameter_count(model.n_params())}-parameter GPT ({model.describe()}) on {rep.headline(result)}")
+    active = f" ({parameter_count(model.active_params())} active)" if model.is_moe else ""
+    click.echo(f"{parameter_count(model.n_params())}-parameter GPT{active} ({model.describe()}) on "
+               f"{rep.headline(result)}")
     click.echo(f"cluster: {report['cluster']}")
     click.echo("")
     click.echo(format_table(["step", "seconds", "share"], rep.step_rows(result)))
@@ -254,11 +261,15 @@ def check_paths(options: dict) -> None:
 
 
 def check_context(options: dict, model) -> None:
-    """--cp and --cp-kind, one line each: the split (job/train_config.py) and the attention it needs."""
-    from job.train_config import check_context_parallel
+    """--cp and --cp-kind, one line each: the split (job/train_config.py) and the attention it needs; --ep and the
+    experts (job/train_config.py's check_expert_parallel: a MoE model, E and dp divisible by ep, no cp or sequence
+    parallelism with experts)."""
+    from job.train_config import check_context_parallel, check_expert_parallel
 
     check_context_parallel(model, options["cp"], options["cp_kind"])
     check_cp_attention(options["cp"], options["attention"])
+    dp = options["dp"] or (1 if not options["sweep"] else options["ep"])
+    check_expert_parallel(model, options["ep"], dp, options["cp"], options["sequence_parallel"])
 
 
 def parameter_count(n: int) -> str:
@@ -324,6 +335,9 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--p2p-overlap/--no-p2p-overlap", "p2p_overlap", default=None,
               help="Asynchronous pipeline sends, receives posted early (default: the preset's).")
 @context_options
+@click.option("--ep", default=1, show_default=True, type=int,
+              help="Expert-parallel size: a mixture of experts' experts split over ep consecutive ranks of the "
+                   "data-parallel group (it must divide dp and the experts): on NVLink while tp x ep fits in a server.")
 @precision_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")

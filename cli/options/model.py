@@ -1,4 +1,9 @@
-"""The model flags, one vocabulary for `train`, `simulate` and `compare`: a preset and any field over it."""
+"""The model flags, one vocabulary for `train`, `simulate` and `compare`: a preset and any field over it.
+
+A mixture of experts (minigpt/moe.py) is a preset (tiny-moe, mixtral-8x7b, deepseek-v3) or --experts N over any
+preset; --top-k, --expert-width, --shared-experts, --dense-layers, --router, --capacity-factor, --aux-loss-coef and
+--z-loss-coef change its fields (GPTConfig's n_experts, top_k, d_expert, n_shared_experts, dense_layers, router,
+capacity_factor, aux_loss_coef, z_loss_coef) and are refused, in one line, on a dense model."""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ from typing import Callable
 
 import click
 
-from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, PRESETS, GPTConfig, build_config
-from minigpt.errors import check_positive_int
+from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, PRESETS, ROUTER_KINDS, GPTConfig, build_config
+from minigpt.errors import ConfigError, check_positive_int
 
 POSITIVE = ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size")
 
@@ -35,6 +40,7 @@ def model_options(default: str) -> Callable:
         click.option("--rope-theta", "rope_theta", type=float, help="RoPE base (Llama 3: 500000)."),
         click.option("--bias/--no-bias", "bias", default=None, help="Biases in the Linears [default: the preset's]."),
         click.option("--dropout", type=float, help="Dropout probability [default: the preset's, 0]."),
+        *expert_options(),
     ]
 
     def decorate(command: Callable) -> Callable:
@@ -43,6 +49,43 @@ def model_options(default: str) -> Callable:
         return command
 
     return decorate
+
+
+# flag -> GPTConfig field of the mixture-of-experts options (--experts itself is n_experts)
+EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts": "n_shared_experts",
+                 "dense_layers": "dense_layers", "router": "router", "capacity_factor": "capacity_factor",
+                 "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef"}
+
+
+def expert_options() -> list:
+    return [
+        click.option("--experts", type=int, help="Routed experts per MoE layer (0: a dense model) [default: the "
+                                                  "preset's]."),
+        click.option("--top-k", "top_k", type=int, help="Experts each token is routed to."),
+        click.option("--expert-width", "expert_width", type=int, help="Each expert's MLP width [default: --d-ff]."),
+        click.option("--shared-experts", "shared_experts", type=int, help="Experts every token goes through."),
+        click.option("--dense-layers", "dense_layers", type=int, help="First blocks that keep the dense MLP."),
+        click.option("--router", type=click.Choice(ROUTER_KINDS), help="Router scores: softmax, or sigmoid "
+                                                                       "renormalised over the top k (DeepSeek-V3)."),
+        click.option("--capacity-factor", "capacity_factor", type=float,
+                     help="Each expert takes at most ceil(cf x tokens x k / E) of a sequence [default: dropless]."),
+        click.option("--aux-loss-coef", "aux_loss_coef", type=float, help="Load-balancing loss coefficient."),
+        click.option("--z-loss-coef", "z_loss_coef", type=float, help="Router z-loss coefficient."),
+    ]
+
+
+def _expert_fields(options: dict) -> dict:
+    """The mixture-of-experts fields the flags set; ConfigError when one is given for a dense model."""
+    fields = {field: options.get(flag) for flag, field in EXPERT_FIELDS.items()}
+    experts = options.get("experts")
+    if experts is not None and (not isinstance(experts, int) or isinstance(experts, bool) or experts < 0):
+        raise ConfigError(f"--experts must be a whole number >= 0 (0: a dense model), got {experts!r}")
+    dense = experts == 0 or (experts is None and not PRESETS.get(options["model"], GPTConfig()).is_moe)
+    given = [flag for flag, field in EXPERT_FIELDS.items() if fields[field] is not None]
+    if dense and given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} sets a mixture of experts' field, but this model is dense: "
+                          f"give --experts N (or a MoE preset: tiny-moe, mixtral-8x7b, deepseek-v3)")
+    return {"n_experts": experts, **fields}
 
 
 def model_from_options(options: dict) -> GPTConfig:
@@ -57,4 +100,5 @@ def model_from_options(options: dict) -> GPTConfig:
         d_model=options.get("d_model"), d_ff=options.get("d_ff"), tied_head=None if untied is None else not untied,
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
+        **_expert_fields(options),
     )

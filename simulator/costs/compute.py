@@ -193,12 +193,15 @@ class TPCollective:
 
 
 def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
-                   first: bool, last: bool, sharded: bool = False) -> tuple[list[TPCollective], list[TPCollective]]:
+                   first: bool, last: bool, sharded: bool = False,
+                   moe_layers: int = 0) -> tuple[list[TPCollective], list[TPCollective]]:
     """Forward and backward collectives of one chunk for one micro-batch, as parallel/tensor/layers.py issues them.
 
     Under context parallelism each rank's are those of its s/cp tokens.
     Per block: without sequence parallelism 2 all-reduces of b*s*h forward (after proj, fc2)
-    and 2 backward (before qkv, fc1); with it 2 all-gathers + 2 reduce-scatters each way, plus
+    and 2 backward (before qkv, fc1), one each way in a MoE block (`moe_layers` of the `layers`: its experts
+    are whole on every rank, parallel/tensor/parallelize.py; MoE refuses sequence parallelism); with it 2
+    all-gathers + 2 reduce-scatters each way, plus
     a backward all-reduce of every replicated parameter's gradient (parallel/tensor/parallelize.py: the norms'
     gains, a LayerNorm's biases, proj/fc2 biases when the shape has them; the final norm's on the last chunk).
     `sharded` (ops.py's sp_saved_input "sharded", Megatron's way): the backward all-gathers the
@@ -223,8 +226,8 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         if sharded:
             backward.append(TPCollective("all_gather", width, 2 * layers + (1 if last else 0)))
     else:
-        forward.append(TPCollective("all_reduce", width, 2 * layers))
-        backward.append(TPCollective("all_reduce", width, 2 * layers))
+        forward.append(TPCollective("all_reduce", width, 2 * layers - moe_layers))
+        backward.append(TPCollective("all_reduce", width, 2 * layers - moe_layers))
     if last:  # the head is column-parallel; the loss all-reduces three fp32 numbers per token
         if sp:
             forward.append(TPCollective("all_gather", width, 1))
@@ -264,14 +267,29 @@ class ChunkTimes:
     per_step_s: float = 0.0  # once per step, not per micro-batch: fp8 weight casts kept across micro-batches
 
 
+def moe_count(model: GPTConfig, layers: int, moe_layers: int | None) -> int:
+    """How many of a chunk's `layers` blocks are a mixture of experts' (None: all of a MoE model's, as
+    GPTConfig.block_params counts a block of the model's main kind)."""
+    if not model.is_moe:
+        return 0
+    moe = layers if moe_layers is None else moe_layers
+    if not isinstance(moe, int) or isinstance(moe, bool) or not 0 <= moe <= layers:
+        raise ConfigError(f"moe_layers must be a whole number of the chunk's {layers} blocks, got {moe_layers!r}")
+    return moe
+
+
 def chunk_ops(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
-              implementation: Implementation, first: bool = False, last: bool = False) -> list[tuple[OpList, int]]:
-    """The op lists of a chunk, each with how many times it runs: embeddings, `layers` blocks, head and loss."""
+              implementation: Implementation, first: bool = False, last: bool = False,
+              moe_layers: int | None = None) -> list[tuple[OpList, int]]:
+    """The op lists of a chunk, each with how many times it runs: embeddings, `layers` blocks (`moe_layers` of them
+    a mixture of experts', moe_count), head and loss."""
     units = []
+    moe = moe_count(model, layers, moe_layers)
     if first:
         units.append((embedding_ops(model, micro_batch_size, layout, policy, implementation), 1))
-    if layers:
-        units.append((block_ops(model, micro_batch_size, layout, policy, implementation), layers))
+    for kind, count in ((False, layers - moe), (True, moe)):
+        if count:
+            units.append((block_ops(model, micro_batch_size, layout, policy, implementation, kind), count))
     if last:
         units.append((head_ops(model, micro_batch_size, layout, policy, implementation), 1))
     return units
@@ -280,8 +298,10 @@ def chunk_ops(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layo
 def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layout, gpu: GPUSpec, precision: str,
                 recompute: str = "none", first: bool = False, last: bool = False,
                 profile: EfficiencyProfile | None = None, attention: str = "flash",
-                sp_saved_input: str = "gathered", implementation: Implementation | None = None) -> ChunkTimes:
-    """Forward and backward of `layers` blocks (+ embedding when `first`, head and loss when `last`).
+                sp_saved_input: str = "gathered", implementation: Implementation | None = None,
+                moe_layers: int | None = None) -> ChunkTimes:
+    """Forward and backward of `layers` blocks (+ embedding when `first`, head and loss when `last`), `moe_layers` of
+    them a mixture of experts' (None: all of a MoE model's; moe_count).
 
     `implementation` (simulator/costs/op_types.py), when given, is how the blocks are computed, its attention,
     recompute and sp_saved_input in place of the three arguments; without it they make one with the rest default."""
@@ -295,7 +315,8 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     forward = again = backward = weight = step = PassTimes()
     forward_flops = backward_flops = 0
-    for ops, count in chunk_ops(model, layers, micro_batch_size, layout, policy, implementation, first, last):
+    moe = moe_count(model, layers, moe_layers)
+    for ops, count in chunk_ops(model, layers, micro_batch_size, layout, policy, implementation, first, last, moe):
         step += pass_times(ops.per_step, gpu, profile) * count
         rerun = [op for op in ops.backward if op.phase == RECOMPUTE]
         grads = [op for op in ops.backward if op.phase != RECOMPUTE]
@@ -306,9 +327,9 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         forward_flops += count * sum(model_flops(op) for op in ops.forward)
         backward_flops += count * sum(model_flops(op) for op in ops.backward)
     sharded = layout.sequence_parallel and implementation.sp_saved_input == "sharded"
-    fwd, bwd = tp_collectives(model, layers, micro_batch_size, layout, policy, first, last, sharded)
+    fwd, bwd = tp_collectives(model, layers, micro_batch_size, layout, policy, first, last, sharded, moe)
     if recompute == "full":  # the recomputed forward issues the blocks' forward collectives again
-        bwd += tp_collectives(model, layers, micro_batch_size, layout, policy, False, False)[0]
+        bwd += tp_collectives(model, layers, micro_batch_size, layout, policy, False, False, moe_layers=moe)[0]
     return ChunkTimes(
         forward_s=forward.total, backward_s=backward.total + again.total, forward_matmul_s=forward.gemm,
         forward_elementwise_s=forward.memory, recompute_s=again.total, forward_flops=forward_flops,

@@ -14,7 +14,8 @@ forward and backward as plain dataclasses (print them: `for op in ops.forward: p
 and `Saved`, the tensors the forward leaves for the backward. `embedding_ops` and `head_ops`
 do the same for the embeddings and for the final norm, the head and the loss.
 simulator/costs/compute.py prices the ops, simulator/memory.py sums what they save. The attention
-core (rotary positions, flash or unfused attention) is simulator/costs/ops_attention.py's.
+core (rotary positions, flash or unfused attention) is simulator/costs/ops_attention.py's; a mixture of
+experts' router, routed experts and combine (block_ops(moe=True)) simulator/costs/ops_moe.py's.
 
 Per rank, for b sequences of s tokens (B = b*s rows), width h = d, MLP width f, a query heads,
 K key/value heads, tp t: row counts of the element-wise work on the residual stream are B/t
@@ -128,6 +129,7 @@ from simulator.costs.op_types import (
     Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
 )
 from simulator.costs.ops_attention import core_backward, core_forward
+from simulator.costs.ops_moe import routed_backward, routed_forward
 
 __all__ = ["SP_SAVED_INPUTS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved", "OpList", "Op",
            "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
@@ -251,12 +253,13 @@ def _bias_add(rec: Recorder, name: str, inp: str, out: str, rows: int, n: int) -
     rec.mem(f"{name}.bias_add", (inp, bias), (out,))
 
 
-def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int, out: str) -> str:
-    """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one."""
+def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int, out: str, normed: bool = True) -> str:
+    """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one;
+    `normed`: a norm wrote its input (a MoE's shared experts read the router's: not normed for them)."""
     sh = rec.shape
     if not sh.bias:
-        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed=True)
-    _bias_add(rec, name, _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed=True), out, sh.rows, n)
+        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed)
+    _bias_add(rec, name, _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed), out, sh.rows, n)
     return out
 
 
@@ -271,10 +274,10 @@ def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
     return out
 
 
-def _column_backward(rec: Recorder, name: str, n: int) -> None:
+def _column_backward(rec: Recorder, name: str, n: int, normed: bool = True) -> None:
     if rec.shape.bias:
         _bias_backward(rec, name, rec.shape.rows, n)
-    _linear_backward(rec, name, n, rec.shape.d, normed=True)
+    _linear_backward(rec, name, n, rec.shape.d, normed)
 
 
 def _row_backward(rec: Recorder, name: str, k: int) -> None:
@@ -344,48 +347,76 @@ def _attention_forward(rec: Recorder, attention: str) -> None:
     rec.mem("attention.residual_add", (x, branch), ("ln2.input",))
 
 
-def _activation(rec: Recorder, hidden: str) -> str:
-    """GELU of fc1's output, or SwiGLU of its gate and up halves: returns fc2's input."""
+def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
+    """GELU of fc1's output, or SwiGLU of its gate and up halves, `width` columns on this rank: returns fc2's input."""
     sh = rec.shape
-    ft = sh.f // sh.t
     if not sh.swiglu:
-        rec.tensor("gelu.output", sh.rows * ft * sh.e)
-        rec.mem("gelu", (hidden,), ("gelu.output",), saves=(hidden,))
-        return "gelu.output"
-    silu = rec.tensor("swiglu.silu", sh.rows * ft * sh.e)
-    out = rec.tensor("swiglu.output", sh.rows * ft * sh.e)
-    rec.mem("swiglu", (hidden,), (silu, out), saves=(hidden, silu))  # silu(gate) and silu(gate) * up
+        rec.tensor(f"{prefix}gelu.output", sh.rows * width * sh.e)
+        rec.mem(f"{prefix}gelu", (hidden,), (f"{prefix}gelu.output",), saves=(hidden,))
+        return f"{prefix}gelu.output"
+    silu = rec.tensor(f"{prefix}swiglu.silu", sh.rows * width * sh.e)
+    out = rec.tensor(f"{prefix}swiglu.output", sh.rows * width * sh.e)
+    rec.mem(f"{prefix}swiglu", (hidden,), (silu, out), saves=(hidden, silu))  # silu(gate) and silu(gate) * up
     return out
 
 
-def _activation_backward(rec: Recorder) -> None:
-    sh = rec.shape
-    width = sh.rows * sh.f // sh.t * sh.e  # one f/t-wide tensor
-    if sh.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
-        rec.back_mem("swiglu_backward", 4 * width, 2 * width)
+def _activation_backward(rec: Recorder, name: str, elements: int) -> None:
+    """The backward of `name` (gelu or swiglu) over `elements` values of one `width`-wide tensor."""
+    width = elements * rec.shape.e
+    if rec.shape.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
+        rec.back_mem(f"{name}swiglu_backward", 4 * width, 2 * width)
     else:
-        rec.back_mem("gelu_backward", 2 * width, width)
+        rec.back_mem(f"{name}gelu_backward", 2 * width, width)
 
 
-def _mlp_forward(rec: Recorder) -> None:
+def _mlp(rec: Recorder, prefix: str, inp: str, shard: str | None, width: int, out: str, normed: bool = True) -> str:
+    """fc1, its activation and fc2, `width` wide on this rank (the dense MLP's f/t, a MoE's shared experts' whole
+    n_shared x expert width): returns fc2's output, `out`."""
     sh = rec.shape
-    _norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input", sh.normed_bytes(sh.residual_rows * sh.d))
-    if sh.sp:
-        rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
-    hidden = _column_linear(rec, "fc1", "fc1.input", "ln2.output", sh.fc1_width, "fc1.output")
-    branch = _residual_dropout(rec, "mlp", _row_linear(rec, "fc2", _activation(rec, hidden), sh.f // sh.t,
-                                                       "mlp.residual"))
+    hidden = _column_linear(rec, f"{prefix}fc1", inp, shard, (2 if sh.swiglu else 1) * width, f"{prefix}fc1.output",
+                            normed)
+    return _row_linear(rec, f"{prefix}fc2", _activation(rec, hidden, prefix, width), width, out)
+
+
+def _mlp_backward(rec: Recorder, prefix: str, width: int, normed: bool = True) -> None:
+    _row_backward(rec, f"{prefix}fc2", width)
+    _activation_backward(rec, prefix, rec.shape.rows * width)
+    _column_backward(rec, f"{prefix}fc1", (2 if rec.shape.swiglu else 1) * width, normed)
+
+
+def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
+    """ln2, the dense MLP or a mixture of experts (simulator/costs/ops_moe.py: router, routed experts, and the
+    shared experts as a dense MLP), dropout, the residual add."""
+    sh = rec.shape
+    if moe:  # no sequence parallelism with experts (job/train_config.py's check_expert_parallel)
+        _norm(rec, "ln2", "ln2.input", "moe.input")
+        branch = routed_forward(rec, model, ep, "moe.input")
+        if model.n_shared_experts:
+            shared = _mlp(rec, "shared.", "moe.input", None, model.n_shared_experts * model.expert_width,
+                          "shared.output", normed=False)
+            rec.tensor("moe.output", sh.rows * sh.d * sh.e)
+            rec.mem("moe.shared_add", (branch, shared), ("moe.output",))
+            branch = "moe.output"
+    else:
+        _norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input", sh.normed_bytes(sh.residual_rows * sh.d))
+        if sh.sp:
+            rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
+        branch = _mlp(rec, "", "fc1.input", "ln2.output", sh.f // sh.t, "mlp.residual")
+    branch = _residual_dropout(rec, "mlp", branch)
     rec.tensor("y", sh.residual_rows * sh.d * sh.e)
     rec.mem("mlp.residual_add", ("ln2.input", branch), ("y",))
 
 
-def _block_backward(rec: Recorder, attention: str) -> None:
+def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, ep: int) -> None:
     sh = rec.shape
     if sh.dropout:
         _dropout_backward(rec, "mlp.residual_dropout", sh.residual_rows, sh.d)
-    _row_backward(rec, "fc2", sh.f // sh.t)
-    _activation_backward(rec)
-    _column_backward(rec, "fc1", sh.fc1_width)
+    if moe:
+        if model.n_shared_experts:
+            _mlp_backward(rec, "shared.", model.n_shared_experts * model.expert_width, normed=False)
+        routed_backward(rec, model, ep, 3 if model.n_shared_experts else 2)
+    else:
+        _mlp_backward(rec, "", sh.f // sh.t)
     _norm_backward(rec, "ln2")
     _residual_backward(rec, "mlp")
     if sh.dropout:
@@ -398,12 +429,14 @@ def _block_backward(rec: Recorder, attention: str) -> None:
 
 
 def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
-              implementation: Implementation = Implementation()) -> OpList:
-    """One transformer block, forward and backward, for one micro-batch on one tensor-parallel rank."""
+              implementation: Implementation = Implementation(), moe: bool | None = None) -> OpList:
+    """One transformer block, forward and backward, for one micro-batch on one tensor-parallel rank: a mixture of
+    experts' block when `moe` (None: the kind most of the model's blocks are, as GPTConfig.block_params)."""
+    moe = model.is_moe if moe is None else moe and model.is_moe
     rec = Recorder(unit_shape(model, micro_batch, layout, policy, implementation))
     _attention_forward(rec, implementation.attention)
-    _mlp_forward(rec)
-    _block_backward(rec, implementation.attention)
+    _mlp_forward(rec, model, moe, layout.ep)
+    _block_backward(rec, implementation.attention, model, moe, layout.ep)
     return rec.finish(implementation.recompute)
 
 

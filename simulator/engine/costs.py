@@ -12,6 +12,8 @@ default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/z
   cp      context parallelism's key/value exchange inside each block (job/exchange/context.py's calls), priced by
           simulator/engine/context.py: the ring's passes behind the attention blocks as the trainer
           overlaps them, the rest exposed.
+  ep      expert parallelism's all-to-alls inside each MoE block (job/exchange/experts.py's calls), priced by
+          simulator/engine/experts.py, exposed; the experts' own data-parallel collectives are the pricer's.
   dp      no model of ZeRO here: the data-parallel collectives are the schedule's own actions
           (job/data_parallel.py: per bucket or unit, per micro-batch where the stage issues
           them), priced from their place in the list by simulator/engine/data_parallel.py.
@@ -23,7 +25,7 @@ Zero-bubble halves: BackwardInput gets everything but the weight gradients (the 
 GEMMs, the element-wise backward, the recomputation and all backward tp collectives);
 BackwardWeight the weight-gradient GEMMs, their accumulation and bias sums (the op list says
 which; half of a measured unit's backward); the reductions armed after it overlap it. The
-context-parallel exchange belongs to the attention's input gradients: BackwardInput's.
+context-parallel exchange and the experts' all-to-alls belong to the input gradients: BackwardInput's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, chunk_times
 from simulator.engine.context import layer_exchange
+from simulator.engine.experts import layer_exchange as expert_exchange
+from job.exchange.experts import expert_gradient_reduction
 from simulator.engine.host import HostCompute
 from simulator.engine.links import LinkCosts
 from simulator.engine.data_parallel import ActionCost, DataParallelPricer
@@ -83,6 +87,17 @@ class Unit:
     weight: float = 0.0  # the weight-gradient part of `backward` (zero-bubble schedules' W)
     forward_cp: float = 0.0  # context-parallel exchange seconds left exposed (simulator/engine/context.py)
     backward_cp: float = 0.0
+    forward_ep: float = 0.0  # expert parallelism's all-to-alls (simulator/engine/experts.py)
+    backward_ep: float = 0.0
+
+    @property
+    def forward_total(self) -> float:
+        """The forward as its action holds the rank: compute and what is exposed inside it."""
+        return self.forward + self.forward_tp + self.forward_cp + self.forward_ep
+
+    @property
+    def backward_total(self) -> float:
+        return self.backward + self.backward_tp + self.backward_cp + self.backward_ep
 
 
 def tp_seconds(links: LinkCosts, collectives) -> float:
@@ -106,17 +121,18 @@ class _Job:
 
 def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, implementation: Implementation,
                 profile: EfficiencyProfile | None, host: HostCompute | None):
-    """times(layers, first, last, stage) -> (forward, backward, exposed tp forward, exposed tp backward, recompute,
-    weight, exposed cp forward, exposed cp backward)."""
+    """times(layers, first, last, stage, moe) -> (forward, backward, exposed tp forward, exposed tp backward,
+    recompute, weight, exposed cp forward, exposed cp backward, exposed ep forward, exposed ep backward); `moe`:
+    the blocks are a mixture of experts'."""
     memo: dict = {}
     exchanges: dict = {}  # per stage too: the cp group's links are the stage's
     hide = job.overlap.tp and not job.serial
 
-    def times(layers: int, first: bool, last: bool, stage: int = 0):
-        key = (layers, first, last)
+    def times(layers: int, first: bool, last: bool, stage: int = 0, moe: bool = False):
+        key = (layers, first, last, moe)
         if key not in memo:
             ct = chunk_times(job.model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
-                             first, last, profile, implementation=implementation)
+                             first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
             if host is not None:
                 f, b, again = host.chunk(layers, first, last, micro_batch, implementation.recompute, (f, b, again))
@@ -127,14 +143,19 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
                 btp = exposed(btp, ct.backward_linear_s, job.overlap.tp_slowdown)
             memo[key] = (f, b, ftp, btp, again, weight), ct
         priced, ct = memo[key]
-        if job.layout.cp == 1 or not layers:
-            return (*priced, 0.0, 0.0)
+        if (job.layout.cp == 1 and not (moe and job.layout.ep > 1)) or not layers:
+            return (*priced, 0.0, 0.0, 0.0, 0.0)
         if (key, stage) not in exchanges:
-            exchanges[(key, stage)] = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage)
+            context = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage) \
+                if job.layout.cp > 1 else (0.0, 0.0)
+            forward, backward = expert_exchange(job.model, job.layout, micro_batch, job.compute_bytes,
+                                                implementation.recompute, job.links, stage) if moe else ((), ())
+            experts = (layers * forward.seconds, layers * backward.seconds) if moe else (0.0, 0.0)
+            exchanges[(key, stage)] = (*context, *experts)
         return (*priced, *exchanges[(key, stage)])
 
     # once a step, not per micro-batch (fp8 weight casts kept across micro-batches): read after times() priced the unit
-    times.per_step = lambda layers, first, last: memo[(layers, first, last)][1].per_step_s
+    times.per_step = lambda layers, first, last, moe=False: memo[(layers, first, last, moe)][1].per_step_s
     return times
 
 
@@ -149,19 +170,20 @@ def _exchange(job: _Job, ct, layers: int, micro_batch: int, recompute: str, stag
 
 
 def _plain_actions(chunk: int, units: list[Unit], actions: dict) -> None:
-    """A chunk's computes with nothing armed around them: compute, exposed tp and cp only."""
+    """A chunk's computes with nothing armed around them: compute, exposed tp, cp and ep only."""
     f_compute, f_tp = sum(u.forward for u in units), sum(u.forward_tp for u in units)
     b_compute, b_tp = sum(u.backward for u in units), sum(u.backward_tp for u in units)
     f_cp, b_cp = sum(u.forward_cp for u in units), sum(u.backward_cp for u in units)
+    f_ep, b_ep = sum(u.forward_ep for u in units), sum(u.backward_ep for u in units)
     w_compute = sum(u.weight for u in units)
-    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp, f_compute, f_tp, cp=f_cp)
-    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp + b_cp, b_compute, b_tp, cp=b_cp)
+    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp + f_ep, f_compute, f_tp, cp=f_cp, ep=f_ep)
+    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp + b_cp + b_ep, b_compute, b_tp, cp=b_cp, ep=b_ep)
     if chunk == 0:  # no input gradient to send: BackwardInput does nothing, BackwardWeight the whole backward
         actions[(BackwardInput, chunk)] = ActionCost(0.0)
         actions[(BackwardWeight, chunk)] = actions[(Backward, chunk)]
     else:
-        actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp + b_cp, b_compute - w_compute, b_tp,
-                                                     cp=b_cp)
+        actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp + b_cp + b_ep, b_compute - w_compute,
+                                                     b_tp, cp=b_cp, ep=b_ep)
         actions[(BackwardWeight, chunk)] = ActionCost(w_compute, w_compute)
 
 
@@ -180,19 +202,23 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     # reduce_sum): an fp32 scalar all-reduced over tp, then pp; over dp it is the OptimizerStep's own action
     # (job/data_parallel.py), priced by the pricer.
     norm_reduce = links.tp_collective("all_reduce", NORM_BYTES) + links.pp_collective("all_reduce", NORM_BYTES)
+    if layout.ep > 1 and model.is_moe:  # the experts' share of the norm, summed over the expert group
+        norm_reduce += links.ep_collective(0, "all_reduce", NORM_BYTES)
     ranks = []
     for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
         chunk_units: dict[int, list[Unit]] = {}
         per_step = 0.0  # the rank's once-a-step compute, charged with its optimizer step
-        for (chunk, _), unit_tensors in zip(placed, per_chunk):
+        for (chunk, layers), unit_tensors in zip(placed, per_chunk):
             units = []
             for position, tensors in enumerate(unit_tensors):
                 embedding = chunk == 0 and position == 0
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
-                f, b, ftp, btp, again, weight, fcp, bcp = times(0 if embedding or head else 1, embedding, head, rank)
-                per_step += times.per_step(0 if embedding or head else 1, embedding, head)
+                block = 0 if embedding or head else 1
+                moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
+                f, b, ftp, btp, again, weight, fcp, bcp, fep, bep = times(block, embedding, head, rank, moe)
+                per_step += times.per_step(block, embedding, head, moe)
                 units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
-                                  fcp, bcp))
+                                  fcp, bcp, fep, bep))
             chunk_units[chunk] = units
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():
@@ -202,7 +228,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
                                             stage, kind, nbytes, group),
-                                        job.overlap, job.serial, actions)
+                                        job.overlap, job.serial, actions, _expert_reduction(job, placed, rank, pol))
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu) * (host.slowdown if host is not None else 1.0)
@@ -210,6 +236,15 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             pricer=pricer,
         ))
     return ranks
+
+
+def _expert_reduction(job: _Job, placed, stage: int, pol) -> float:
+    """Seconds of the routed experts' gradient all-reduce of a rank under expert parallelism, once a step at its
+    optimizer step over the ranks holding the same experts (job/exchange/experts.py's expert_gradient_reduction)."""
+    layout = job.layout
+    moe_layers = sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
+    call = expert_gradient_reduction(job.model, layout.ep, layout.data_ranks, moe_layers, FORMAT_BYTES[pol.compute])
+    return 0.0 if call is None else call.calls * job.links.expert_collective(stage, call.kind, call.bytes)
 
 
 def optimizer_seconds(stage: MemoryEstimate, pol, gpu: GPUSpec) -> float:

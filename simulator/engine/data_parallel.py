@@ -34,6 +34,7 @@ from job.schedule import (
     DataParallelPlan,
     Forward,
     GatherParams,
+    OptimizerStep,
     ReduceScatterGrads,
 )
 from job.layout import bucket_members
@@ -53,29 +54,33 @@ class ActionCost:
     dp: float = 0.0
     comm_end: float | None = None
     cp: float = 0.0  # context parallelism's exposed key/value exchange (simulator/engine/context.py)
+    ep: float = 0.0  # expert parallelism's exposed all-to-alls (simulator/engine/experts.py)
 
 
 class DataParallelPricer:
     """One pipeline rank's data-parallel prices: `compute(action, armed)` and `seconds(action)`."""
 
     def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
-                 dp_time: Callable[[str, float, str], float], settings: Overlap, serial: bool, plain: dict):
+                 dp_time: Callable[[str, float, str], float], settings: Overlap, serial: bool, plain: dict,
+                 experts_s: float = 0.0):
         self.units, self.plan, self.zero = chunk_units, plan, zero
         self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
         # each bucket's first tensor (its last gradient in), cut as the plan's buckets (job/layout.py)
         self.firsts = {chunk: [members.start for members, _ in
                                bucket_members([t for u in units for t in u.tensors], bucket_numel, plan.dp)]
                        for chunk, units in chunk_units.items()} if zero < 3 else {}
+        self.experts_s = experts_s  # expert parallelism's gradient reduction, issued with the optimizer step
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
 
     def seconds(self, action: Action) -> float:
         """The data-parallel collectives of `action` on this rank's dp group (hybrid sharding: a shard group,
-        then the replica group), one after another: `dp_time(kind, bytes, group)` each."""
+        then the replica group), one after another: `dp_time(kind, bytes, group)` each; the optimizer step's
+        with the routed experts' own reduction (`experts_s`: they are in no bucket, job/layout.py's stage_units)."""
         calls = tuple(collectives(action, self.plan))
         if calls not in self.timed:
             self.timed[calls] = sum(self.dp_time(kind, nbytes, group) for kind, nbytes, group in calls)
-        return self.timed[calls]
+        return self.timed[calls] + (self.experts_s if type(action) is OptimizerStep else 0.0)
 
     def compute(self, action, armed: tuple, comm_free: float = 0.0):
         """The cost of compute `action` with `armed` issued while it runs; the dp stream is busy
@@ -87,7 +92,7 @@ class DataParallelPricer:
         segments, limit, wait = self.segments(action, armed)
         o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free,
                     self.settings.dp_slowdown)
-        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp)
+        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp, plain.ep)
         if comm_free <= 0:
             self.memo[key] = cost
         return cost
@@ -104,7 +109,7 @@ class DataParallelPricer:
             return [Segment(plain.total)] + tail, limit, self.zero == 2
         units = self.units[action.chunk]
         full = type(action) is Backward or action.chunk == 0  # chunk 0's weight gradient is its whole backward
-        shares = [u.backward + u.backward_tp + u.backward_cp for u in units] if full else [u.weight for u in units]
+        shares = [u.backward_total for u in units] if full else [u.weight for u in units]
         ready = ready_offsets([u.tensors for u in units], shares)
         firsts = self.firsts[action.chunk]
         segments, clock = [], 0.0
@@ -127,11 +132,11 @@ class DataParallelPricer:
         for index in order:
             u = units[index]
             if kind is Forward:
-                compute = u.forward + u.forward_tp + u.forward_cp
+                compute = u.forward_total
             elif kind is Backward or (kind is BackwardWeight and action.chunk == 0):
-                compute = u.backward + u.backward_tp + u.backward_cp
+                compute = u.backward_total
             elif kind is BackwardInput:
-                compute = u.backward - u.weight + u.backward_tp + u.backward_cp
+                compute = u.backward - u.weight + u.backward_tp + u.backward_cp + u.backward_ep
             else:
                 compute = u.weight
             reduce = 0.0 if self.settings.dp == "after" else reduces.get(index, 0.0)

@@ -21,6 +21,9 @@ What runs at once (a "transfer"):
                   (cp_rank + 1 mod cp), every tp rank of every replica at once; on the server's
                   NVLink while tp x cp fits in a server, across the network beyond (the step lasts
                   as long as its slowest hop). cp collective: a ring collective over the cp group.
+  all-to-all      expert parallelism's: every rank of each expert group (ep consecutive data ranks) sends
+                  its part to each other member, every group and tp rank of the stage at once; the
+                  experts' gradient collectives run over the ranks ep apart that hold the same experts.
   pp collective   rings over the stages (the optimizer's norm), every replica's at once.
   embedding sync  the first and last stage's GPUs (tied head), every replica's at once.
 A ring collective (collectives.ring_*) is 2(n-1) (all-reduce) or n-1 synchronous steps in
@@ -214,6 +217,9 @@ class LinkCosts:
             return [[rank(p, d, t, c) for p in range(layout.pp)] for d in replicas for c in cps for t in tps]
         if name == "cp":
             return [[rank(where[0], d, t, c) for c in cps] for d in replicas for t in tps]
+        if name == "ep":  # ep consecutive data ranks (cp is 1 with experts); all of them but on the graph path
+            return [[rank(where[0], g + i, t, c) for i in range(layout.ep)]
+                    for g in range(0, max(layout.ep, self.replicas), layout.ep) for c in cps for t in tps]
         data = [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps] for t in tps]  # "dp": dp x cp
         return data if name == "dp" else sharding_groups(name, data, where[1])
 
@@ -295,7 +301,8 @@ class LinkCosts:
     def collective_calls(self) -> list[dict]:
         """Every distinct collective call decided so far, by group, kind and size (one row per size of a group
         whatever its stage), JSON-ready."""
-        order = {name: i for i, name in enumerate(("tp", "cp", "dp", "dp_shard", "dp_replicas", "pp", "embedding"))}
+        order = {name: i for i, name in enumerate(("tp", "cp", "ep", "dp", "dp_shard", "dp_replicas", "dp_experts",
+                                                   "pp", "embedding"))}
         rows: dict[tuple, dict] = {}
         for call in self.calls.values():
             rows.setdefault((call["group"], call["kind"], call["bytes"]), call)
@@ -355,6 +362,29 @@ class LinkCosts:
         if n == self.layout.data_ranks:
             return self.dp_collective(stage, kind, nbytes) if group == "shard" else 0.0
         return self.collective(f"dp_{group}", kind, self.groups(f"dp_{group}", stage, n), nbytes)
+
+    def expert_collective(self, stage: int, kind: str, nbytes: float) -> float:
+        """One collective of the routed experts' gradients or weights over the dp x cp / ep ranks of `stage` that
+        hold the same experts (the ranks at the same place of every expert group: ep apart), all at once."""
+        groups = self.groups("dp_replicas", stage, self.layout.ep)
+        return self.collective("dp_experts", kind, groups, nbytes) if self.layout.data_ranks > self.layout.ep else 0.0
+
+    def ep_collective(self, stage: int, kind: str, nbytes: float) -> float:
+        """One collective over the expert groups of `stage` (the gradient norm's experts' share), all at once."""
+        return self.collective("ep", kind, self.groups("ep", stage), nbytes) if self.layout.ep > 1 else 0.0
+
+    def all_to_all(self, stage: int, nbytes: float) -> float:
+        """One all-to-all of the expert group on `stage`, each rank handing in `nbytes` (its own part included, as
+        all_to_all_single takes it): every rank sends nbytes / ep to each other member at once, every group and
+        tp rank of the stage together (on the graph path one group per tp rank), each flow at its bottleneck
+        share of the links it crosses: NVLink inside a server, the NICs beyond (docs/efficiency.md, "Mixture of
+        experts")."""
+        ep = self.layout.ep
+        if ep == 1 or nbytes <= 0:
+            return 0.0
+        groups, key = self.groups("ep", stage)
+        pairs = [(a, b) for group in groups for a in group for b in group if a != b]
+        return self.flows(("all_to_all", key), pairs, float(nbytes) / ep)
 
     def cp_pass(self, stage: int, nbytes: float) -> float:
         """One step of the context-parallel ring on `stage`: every cp rank sends `nbytes` to the next, every tp

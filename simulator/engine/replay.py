@@ -59,7 +59,7 @@ from simulator.engine.costs import RankCosts
 from simulator.engine.links import no_garbage_collection
 from simulator.engine.overlap import Overlap, slowed
 
-CATEGORIES = ("compute", "tp", "cp", "dp", "pp", "bubble", "optimizer")
+CATEGORIES = ("compute", "tp", "cp", "ep", "dp", "pp", "bubble", "optimizer")
 _COMPUTE = frozenset((Forward, Backward, BackwardInput, BackwardWeight))
 
 
@@ -236,7 +236,7 @@ class _Replay:
         groups = batches(self.schedule.actions[rank])
         armed_by, _ = armed_around(groups)
         issued = {action for armed in armed_by.values() for action in armed}  # run inside their compute
-        compute = tp = cp = dp = optimizer = 0.0
+        compute = tp = cp = ep = dp = optimizer = 0.0
         pp_bubble = [0.0, 0.0]
         dp_busy = 0.0  # when the rank's data-parallel stream has finished what was issued on it
         computed = 0.0  # when the rank's last compute ended
@@ -267,7 +267,7 @@ class _Replay:
                 events.append((action, clock, clock + total))
                 compute += c.compute
                 tp += c.tp
-                cp += c.cp
+                cp, ep = cp + c.cp, ep + c.ep
                 dp += c.dp
                 clock += total
                 computed = clock
@@ -307,7 +307,7 @@ class _Replay:
             clock += overhang
         yield env.timeout(clock - env.now)
         tally.end = env.now
-        tally.seconds.update(compute=compute, tp=tp, cp=cp, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1],
+        tally.seconds.update(compute=compute, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1],
                              optimizer=optimizer)
 
 

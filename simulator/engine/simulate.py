@@ -51,7 +51,7 @@ from simulator.engine.overlap import Overlap, resolve_overlap, stack_implementat
 from simulator.provenance import provenance
 from simulator.network.topology import Cluster
 
-BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "cp": "cp_comm", "pp": "pp_comm",
+BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm", "pp": "pp_comm",
                    "dp": "dp_comm", "optimizer": "optimizer"}
 DECIMAL_GB = 1e9  # job totals are reported in decimal GB (1 GB = 1e9 bytes)
 
@@ -60,8 +60,9 @@ DECIMAL_GB = 1e9  # job totals are reported in decimal GB (1 GB = 1e9 bytes)
 class SimResult:
     """One simulated training step. Seconds, bytes, FLOP/s; `breakdown` adds up to `step_time_s`.
 
-    tflops_per_gpu and mfu count the model's FLOPs (config.py, no recomputation) over the step
-    time and GPUs; mfu divides by the dense peak of the precision's compute format.
+    tflops_per_gpu and mfu count the model's FLOPs (config.py, no recomputation; a mixture of experts' active
+    ones: top_k routed and the shared experts per token) over the step time and GPUs; mfu divides by the dense
+    peak of the precision's compute format.
     `job_state_bytes`: the whole model's training state (as if tp = pp = dp = 1);
     `gpus_for_state`: how many of these GPUs that state needs at the least."""
 
@@ -91,6 +92,12 @@ class SimResult:
     overlap: Overlap = field(default_factory=Overlap)
     provenance: dict = field(default_factory=dict)  # what the numbers rest on (simulator/provenance.py)
     collectives: list[dict] = field(default_factory=list)  # each distinct collective call: NCCL's algorithm (links.py)
+    parameters: dict = field(default_factory=dict)  # the model's total and active (per token: a MoE's top_k) counts
+
+    @property
+    def moe(self) -> bool:
+        """A mixture of experts: its MFU counts the FLOPs of the active parameters (config.train_flops_per_token)."""
+        return self.parameters.get("active", 0) != self.parameters.get("total", 0)
 
     @cached_property
     def timelines(self) -> list[dict]:
@@ -136,7 +143,8 @@ class SimResult:
             "job_state_gb": {k: v / DECIMAL_GB for k, v in self.job_state_bytes.items()},
             "gpus_for_state": self.gpus_for_state, "per_rank": self.per_rank, "timings_s": self.timings,
             "host": self.host, "attention": self.attention, "overlap": self.overlap.as_dict(),
-            "provenance": self.provenance, "collectives": self.collectives,
+            "provenance": self.provenance, "collectives": self.collectives, "parameters": self.parameters,
+            "mfu_counts": "active parameters" if self.moe else "all parameters",
         }
 
     def trace_events(self) -> list[dict]:
@@ -236,6 +244,9 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     layout = replace(layout, virtual_chunks=max(v, layout.virtual_chunks))
     layout.check(model)
     check_cp_attention(layout.cp, attention)
+    if layout.ep > 1 and layout.shard_replicas > 1:
+        raise ConfigError(f"--shard-group {layout.shard_group} with --ep {layout.ep}: hybrid sharding of the experts' "
+                          f"states is not modelled; drop --shard-group (ZeRO then shards over every data rank)")
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, micro_batch,
               layout.world_size, layout.effective_zero, layout.cp)  # the stated limits, for callers of the API too
     spec = resolve_gpu(cluster, gpu)
@@ -303,6 +314,7 @@ def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, globa
                                            "compute_slowdown": compute.slowdown,
                                            "units_measured": compute.units is not None},
         attention=implementation.attention, overlap=settings,
-        provenance=provenance(spec, profile, pol, implementation, settings, compute, layout, model.seq_len),
-        collectives=links.collective_calls(),
+        provenance=provenance(spec, profile, pol, implementation, settings, compute, layout, model.seq_len,
+                              model.is_moe),
+        collectives=links.collective_calls(), parameters={"total": model.n_params(), "active": model.active_params()},
     )

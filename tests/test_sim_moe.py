@@ -1,0 +1,222 @@
+"""The simulator's mixture of experts and expert parallelism: a MoE block's op list (saved bytes equal to config.py's
+counts, the experts' GEMMs and FLOPs equal to the active FLOPs), chunks mixing dense and MoE blocks, the all-to-alls
+priced exactly as job/exchange/experts.py lists them, on NVLink inside a server and across the NICs beyond, the
+experts' memory falling with ep, and the CLI's refusals. Torch-free, no training ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routed_rows
+from job.layout import Layout
+from minigpt.config import preset
+from precision.policy import FORMAT_BYTES, policy
+from simulator.costs.compute import chunk_ops, chunk_times, tp_collectives
+from simulator.costs.hardware import load_hardware
+from simulator.costs.op_types import Gemm, Implementation, model_flops
+from simulator.costs.ops import block_ops
+from simulator.engine.experts import layer_exchange
+from simulator.engine.links import LinkCosts
+from simulator.engine.simulate import simulate_step
+from simulator.memory import check_activations_against_config, predict_memory
+from simulator.network.topology import build_cluster
+
+H100 = load_hardware("h100-sxm")
+TINY_MOE = preset("tiny-moe")
+MIXTRAL = preset("mixtral-8x7b")
+DEEPSEEK = preset("deepseek-v3")
+SHAPES = {  # every router, loss and MLP option, with and without biases and shared experts
+    "tiny-moe": TINY_MOE,
+    "llama-style": preset("tiny-llama").with_(n_experts=4, top_k=1, n_shared_experts=2, router="sigmoid",
+                                              aux_loss_coef=0.01),
+    "top-1 softmax": TINY_MOE.with_(top_k=1, z_loss_coef=0.0, dropout=0.1),
+    "dense first": TINY_MOE.with_(dense_layers=2, n_shared_experts=1, aux_loss_coef=0.0),
+    "mixtral": MIXTRAL, "deepseek": DEEPSEEK,
+}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+# ---------------------------------------------------------------- the op list
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_saved_bytes_equal_config(name, precision):
+    model, pol = SHAPES[name], policy(precision)
+    for recompute in ("none", "selective", "full"):
+        ops = block_ops(model, 2, Layout(), pol, Implementation(recompute=recompute), moe=True)
+        per_token = model.activation_bytes_per_token_per_layer(FORMAT_BYTES[pol.compute], recompute, moe=True)
+        per_sequence = model.moe_activation_bytes_per_sequence() if recompute != "full" else 0
+        assert ops.saved_bytes == 2 * (per_token * model.seq_len + per_sequence)
+    check_activations_against_config(model, pol)  # memory.py's check covers both kinds of block
+
+
+def test_the_memory_check_sees_a_wrong_moe_count(monkeypatch):
+    counted = TINY_MOE.moe_activation_bytes_per_token
+    monkeypatch.setattr(type(TINY_MOE), "moe_activation_bytes_per_token", lambda self, b=4: counted(b) + 1)
+    with pytest.raises(RuntimeError, match="MoE block"):
+        check_activations_against_config(TINY_MOE, policy("bf16"))
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "mixtral", "deepseek", "llama-style"])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_gemms_are_grouped_and_their_flops_are_the_active_ones(name, ep):
+    model = SHAPES[name]
+    ops = block_ops(model, 1, Layout(dp=ep, ep=ep), policy("bf16"), moe=True)
+    local = model.n_experts // ep
+    rows = routed_rows(model, model.seq_len, 1)
+    gemms = {op.name: op for op in ops.forward if isinstance(op, Gemm)}
+    fc1, fc2, router = gemms["experts.fc1"], gemms["experts.fc2"], gemms["router"]
+    assert (fc1.batch, fc1.m, fc1.n, fc1.k) == (local, rows // local, model.expert_in_width, model.d_model)
+    assert (fc2.batch, fc2.m, fc2.n, fc2.k) == (local, rows // local, model.d_model, model.expert_width)
+    assert (router.m, router.n, router.k) == (model.seq_len, model.n_experts, model.d_model)
+    forward = sum(model_flops(op) for op in ops.forward)
+    assert forward == model.seq_len * model.block_forward_flops_per_token(moe=True)
+    backward = sum(model_flops(op) for op in ops.backward if op.phase == "backward")
+    attention = model.seq_len * model.attention_core_flops_per_token()  # the flash backward recomputes the scores
+    assert backward == 2 * forward + attention // 2  # input and weight gradients of every matmul
+
+
+def test_a_chunk_counts_each_kind_of_block():
+    """DeepSeek-V3's first three blocks are dense: a chunk of blocks 0-3 holds three dense and one MoE block."""
+    layout, pol = Layout(dp=8, ep=8), policy("bf16")
+    units = chunk_ops(DEEPSEEK, 4, 1, layout, pol, Implementation(), moe_layers=1)
+    kinds = sorted((ops.saved_bytes, count) for ops, count in units)
+    dense = block_ops(DEEPSEEK, 1, layout, pol, moe=False).saved_bytes
+    moe = block_ops(DEEPSEEK, 1, layout, pol, moe=True).saved_bytes
+    assert kinds == sorted([(dense, 3), (moe, 1)])
+    ct = chunk_times(DEEPSEEK, 4, 1, layout, H100.gpu, "bf16", moe_layers=1)
+    per_token = 3 * DEEPSEEK.block_forward_flops_per_token(False) + DEEPSEEK.block_forward_flops_per_token(True)
+    assert ct.forward_flops == per_token * DEEPSEEK.seq_len
+    everything_moe = chunk_times(DEEPSEEK, 4, 1, layout, H100.gpu, "bf16")
+    assert everything_moe.forward_flops == 4 * DEEPSEEK.block_forward_flops_per_token(True) * DEEPSEEK.seq_len
+
+
+def test_a_moe_block_has_one_tensor_parallel_all_reduce_each_way():
+    """The experts are whole on every tensor-parallel rank (parallel/tensor/parallelize.py): only proj's sum."""
+    layout = Layout(tp=2)
+    dense = tp_collectives(MIXTRAL, 2, 1, layout, policy("bf16"), False, False)
+    mixed = tp_collectives(MIXTRAL, 2, 1, layout, policy("bf16"), False, False, moe_layers=1)
+    assert [c.calls for c in dense[0] + dense[1]] == [4, 4]
+    assert [c.calls for c in mixed[0] + mixed[1]] == [3, 3]
+
+
+# ---------------------------------------------------------------- the all-to-alls
+
+
+class Recording:
+    """Links that price every all-to-all at one figure and remember what they were asked."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, []
+
+    def all_to_all(self, stage: int, nbytes: float) -> float:
+        self.calls.append(nbytes)
+        return self.seconds
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_priced_all_to_alls_are_job_experts(recompute):
+    layout, links = Layout(dp=4, ep=4), Recording(1e-4)
+    forward, backward = layer_exchange(MIXTRAL, layout, 2, 2, recompute, links, 0)
+    sent = routed_rows(MIXTRAL, 2 * MIXTRAL.seq_len, 2)
+    expected_f = forward_exchanges(MIXTRAL, 4, sent, 2)
+    expected_b = backward_exchanges(MIXTRAL, 4, sent, 2, recompute=recompute)
+    assert forward.priced == expected_f and backward.priced == expected_b
+    assert links.calls == [e.bytes for e in expected_f + expected_b]
+    assert forward.seconds == pytest.approx(3e-4) and backward.seconds == pytest.approx(len(expected_b) * 1e-4)
+    assert layer_exchange(MIXTRAL, Layout(), 2, 2, recompute, links, 0)[0].priced == []  # ep 1: nothing moves
+
+
+def test_all_to_all_on_nvlink_inside_a_server_and_across_nics_beyond():
+    """ep 8 with tp 1 fills one 8-GPU server: each GPU sends 7/8 of its buffer over NVLink at NCCL's achieved rate.
+    tp 8 x ep 2 puts the two members on two servers: half the buffer crosses each GPU's NIC."""
+    cluster, nbytes = build_cluster(H100, 8, 2), 256 * 2**20
+    gpu, nic = H100.gpu, H100.nic
+    inside = LinkCosts(cluster, Layout(tp=1, dp=16, ep=8), gpu).all_to_all(0, nbytes)
+    across = LinkCosts(cluster, Layout(tp=8, dp=2, ep=2), gpu).all_to_all(0, nbytes)
+    nvlink = gpu.nvlink_bandwidth * gpu.reached.nvlink_fraction
+    assert inside == pytest.approx(nbytes * 7 / 8 / nvlink, rel=0.02)
+    assert across == pytest.approx(nbytes / 2 / (nic.bandwidth * nic.busbw_fraction), rel=0.02)
+    assert across > 3 * inside
+
+
+def test_simulated_step_shows_the_all_to_all_and_the_experts_reduction():
+    layout = Layout(dp=16, pp=4, ep=8)
+    result = simulate_step(MIXTRAL.with_(n_layers=8), layout, build_cluster(H100, 8, 8), "bf16", 64, 1)
+    assert result.breakdown["ep_comm"] > 0 and result.moe
+    assert result.parameters == {"total": MIXTRAL.with_(n_layers=8).n_params(),
+                                 "active": MIXTRAL.with_(n_layers=8).active_params()}
+    groups = {c["group"] for c in result.collectives}
+    assert {"ep", "dp_experts"} <= groups  # the norm's expert share, and the experts' gradients over 2 ranks
+    call = expert_gradient_reduction(MIXTRAL, 8, 16, 2, 2)
+    assert any(c["group"] == "dp_experts" and c["bytes"] == call.bytes and c["ranks"] == 2 for c in result.collectives)
+    dense = simulate_step(MIXTRAL.with_(n_layers=8), Layout(dp=16, pp=4), build_cluster(H100, 8, 8), "bf16", 64, 1)
+    assert dense.breakdown["ep_comm"] == 0
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_expert_memory_falls_with_ep():
+    """Each rank holds E/ep experts, unsharded beside ZeRO (parallel/expert/gradients.py): their share of the
+    model states halves with each doubling of ep, the dense weights' stays."""
+    states = [predict_memory(MIXTRAL, Layout(pp=4, dp=8, ep=ep), "bf16", 1).model_states for ep in (1, 2, 4, 8)]
+    assert states == sorted(states, reverse=True) and len(set(states)) == 4
+    expert_bytes = 8 * 8 * MIXTRAL.expert_params() * 16  # 8 layers a stage, 8 experts, 16 bytes a parameter
+    assert states[0] - states[1] == pytest.approx(expert_bytes / 2, rel=1e-4)
+    assert states[1] - states[3] == pytest.approx(expert_bytes / 2 - expert_bytes / 8, rel=1e-4)
+
+
+def test_dispatch_buffers_are_in_the_activations():
+    one = predict_memory(TINY_MOE, Layout(dp=2), "bf16", 2).activations
+    two = predict_memory(TINY_MOE, Layout(dp=2, ep=2), "bf16", 2).activations
+    assert two - one == 2 * routed_rows(TINY_MOE, 2 * TINY_MOE.seq_len, 2) * TINY_MOE.d_model * 2
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_simulate_prints_the_all_to_all_row_and_active_mfu():
+    result = invoke("simulate", "--model", "tiny-moe", "--ep", "2", "--dp", "2", "--gpu", "h100-sxm")
+    assert result.exit_code == 0, result.output
+    assert "expert all-to-all (exposed)" in result.output and "MFU, active" in result.output
+    data = json.loads(invoke("simulate", "--model", "tiny-moe", "--ep", "2", "--dp", "2", "--json").output)
+    assert data["breakdown"]["ep_comm"] > 0 and data["layout"]["ep"] == 2
+    assert data["parameters"]["active"] < data["parameters"]["total"] and data["mfu_counts"] == "active parameters"
+    flags = invoke("simulate", "--model", "tiny", "--experts", "4", "--top-k", "1", "--expert-width", "64", "--json")
+    assert flags.exit_code == 0 and json.loads(flags.output)["parameters"]["total"] == \
+        preset("tiny").with_(n_experts=4, top_k=1, d_expert=64).n_params()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "tiny-moe", "--ep", "3", "--dp", "3"], "does not divide the 8 experts"),
+    (["--model", "tiny-moe", "--ep", "2", "--dp", "3"], "does not divide --dp 3"),
+    (["--model", "tiny-moe", "--ep", "2"], "does not divide --dp 1"),
+    (["--model", "tiny", "--ep", "2", "--dp", "2"], "this model is dense"),
+    (["--model", "tiny-moe", "--top-k", "9"], "top_k=9 is above the 8 experts"),
+    (["--model", "tiny-moe", "--capacity-factor", "0"], "capacity_factor must be a number above 0"),
+    (["--model", "tiny-moe", "--experts", "-1"], "--experts must be a whole number"),
+    (["--model", "tiny", "--top-k", "2"], "this model is dense"),
+    (["--model", "tiny-moe", "--dense-layers", "4"], "leaves no MoE layer"),
+    (["--model", "tiny-moe", "--ep", "2", "--sweep", "--gpus", "2,4", "--global-batch", "8"],
+     "drop --ep"),
+])
+def test_bad_expert_inputs_exit_2_in_one_line(args, says):
+    result = CliRunner().invoke(main, ["simulate", *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and says in lines[0], result.output
+
+
+def test_plan_refuses_a_mixture_of_experts_in_one_line():
+    result = invoke("plan", "--model", "tiny-moe", "--gpus", "8")
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "minigpt simulate --ep" in lines[0], result.output
