@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from minigpt.config import preset
+from minigpt.presets import preset
 from parallel.calibrate.kernels import (ELEMENTWISE, FORMATS, attention_flops, launch_overhead, supported_formats,
                                         time_attention, time_elementwise, time_gemm)
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.model import GPT
 from parallel.device import measure_peak_flops, pick_device, synchronize

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from job.train_config import TrainConfig
-from minigpt.config import PRESETS
+from minigpt.presets import PRESETS
 from minigpt.data import Corpus
 from minigpt.model import GPT
 from parallel.run.build import build_rank, tied_copy

@@ -38,7 +38,7 @@ SWEEP_GPUS = [1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384]
 
 
 def one_trillion():
-    from minigpt.config import build_config
+    from minigpt.presets import build_config
 
     return build_config("gpt3-175b", n_layers=128, d_model=25600, n_heads=160)
 

@@ -38,7 +38,7 @@ sys.path[:] = [os.path.dirname(_BENCH_DIR)] + [p for p in sys.path if os.path.ab
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from minigpt.config import preset  # noqa: E402
+from minigpt.presets import preset  # noqa: E402
 from minigpt.data import BatchLayout, Corpus, get_batch  # noqa: E402
 from minigpt.errors import ConfigError  # noqa: E402
 from minigpt.model import GPT  # noqa: E402

@@ -15,7 +15,7 @@ import argparse
 import json
 import tempfile
 
-from minigpt.config import preset
+from minigpt.presets import preset
 from parallel.run.train import train
 from job.train_config import TrainConfig
 

@@ -175,10 +175,12 @@ def block_tensors(model: GPTConfig, tp: int, moe: bool | None = None) -> list[Te
     moe = model.is_moe if moe is None else moe
     mlp = _moe_tensors(model) if moe else [*_linear("mlp.fc1", model.mlp_in_width, d, model, tp, True),
                                            *_linear("mlp.fc2", d, f, model, tp, False)]
+    qk_norms = [Tensor(f"attn.core.{n}_norm.weight", model.head_dim, True) for n in "qk"] if model.qk_norm else []
     return [
         *_norm("ln1", model),
         *_linear("attn.qkv", model.qkv_width, d, model, tp, True),
-        *_linear("attn.proj", d, d, model, tp, False),
+        *qk_norms,
+        *_linear("attn.proj", d, model.attention_width, model, tp, False),
         *_norm("ln2", model),
         *mlp,
     ]

@@ -54,6 +54,8 @@ class GPTConfig:
     positions: str = "learned"
     rope_theta: float = 10000.0
     bias: bool = True
+    d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
     # Mixture of experts (minigpt/moe.py); n_experts 0 is a dense model and the fields below are ignored.
     n_experts: int = 0  # routed experts per MoE layer
     top_k: int = 2  # experts each token is routed to
@@ -70,7 +72,10 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads:
+        if self.d_head is not None and (not isinstance(self.d_head, int) or isinstance(self.d_head, bool)
+                                        or self.d_head <= 0):
+            raise ConfigError(f"d_head must be a positive integer (or unset for d_model / n_heads), got {self.d_head!r}")
+        if self.d_head is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}: "
                 f"choose a head count that divides the width"
@@ -121,18 +126,24 @@ class GPTConfig:
             if getattr(self, name) not in kinds:
                 raise ConfigError(f"{name} must be one of {', '.join(kinds)}, got {getattr(self, name)!r}")
         if self.positions == "rope" and self.head_dim % 2:
-            raise ConfigError(f"rotary position embeddings need an even head width, got d_model/n_heads = "
-                              f"{self.d_model}/{self.n_heads} = {self.head_dim}: change d_model or n_heads")
+            raise ConfigError(f"rotary position embeddings need an even head width, got {self.head_dim}: change "
+                              f"d_model or n_heads (or d_head)")
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
                 or not 1.0 < self.rope_theta < float("inf"):
             raise ConfigError(f"rope_theta must be a number above 1, got {self.rope_theta!r}")
-        for name in ("tied_head", "bias"):
+        for name in ("tied_head", "bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """Each attention head's width: d_head, or d_model / n_heads."""
+        return self.d_model // self.n_heads if self.d_head is None else self.d_head
+
+    @property
+    def attention_width(self) -> int:
+        """The query heads side by side (n_heads x head_dim): the attention's output, the output projection's input."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -184,6 +195,7 @@ class GPTConfig:
     def describe(self) -> str:
         """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
+        heads += (f" of {self.head_dim}" if self.d_head is not None else "") + (", QK-norm" if self.qk_norm else "")
         kind = "SwiGLU" if self.mlp == "swiglu" else "GELU"
         mlp = f"{kind} {self.d_ff}"
         if self.is_moe:
@@ -206,9 +218,11 @@ class GPTConfig:
     # ------------------------------------------------------------------ parameters
 
     def attention_params(self) -> int:
-        """The fused qkv projection and the output projection, weights and biases."""
-        d, bias = self.d_model, int(self.bias)
-        return (d * self.qkv_width + bias * self.qkv_width) + (d * d + bias * d)
+        """The fused qkv projection and the output projection, weights and biases (and the query and key norms'
+        gains: one head's width each, shared by the heads)."""
+        d, bias, width = self.d_model, int(self.bias), self.attention_width
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        return (d * self.qkv_width + bias * self.qkv_width) + (width * d + bias * d) + qk_norms
 
     def dense_mlp_params(self) -> int:
         d, f, bias = self.d_model, self.d_ff, int(self.bias)
@@ -282,7 +296,7 @@ class GPTConfig:
     def attention_core_flops_per_token(self) -> int:
         """q @ k^T and p @ v over the full s x s square, per token (one block). Grouped-query
         attention shares key/value heads but every query head still scores the whole sequence."""
-        return 2 * 2 * self.seq_len * self.d_model
+        return 2 * 2 * self.seq_len * self.attention_width
 
     def mlp_forward_flops_per_token(self, moe: bool | None = None) -> int:
         """Matmul FLOPs of one MLP's forward per token: the dense MLP, or a MoE's router and the experts a token
@@ -296,7 +310,7 @@ class GPTConfig:
     def block_forward_flops_per_token(self, moe: bool | None = None) -> int:
         """Matmul FLOPs of one block's forward pass, per token (`moe` as in block_params)."""
         d = self.d_model
-        linears = 2 * (d * self.qkv_width + d * d) + self.mlp_forward_flops_per_token(moe)
+        linears = 2 * (d * self.qkv_width + self.attention_width * d) + self.mlp_forward_flops_per_token(moe)
         return linears + self.attention_core_flops_per_token()
 
     def blocks_forward_flops_per_token(self) -> int:
@@ -340,9 +354,12 @@ class GPTConfig:
         attention (no s x s matrix is kept):
           norm inputs 2d, norm outputs feeding qkv and fc1 2d,
           the fused qkv output (H + 2K) x head_dim (q, k and v are views of it; with RoPE the
-          rotated copy replaces it, the same size), attention output d (also the
+          rotated copy replaces it, the same size), attention output H x head_dim (d unless d_head
+          sets the heads apart from the width; also the
           output projection's input: the fused kernel already writes it in
           (batch, seq, heads, head_dim) order, so no copy is made),
+          with query and key norms (qk_norm) the qkv output as well (their input) and one fp32 1/rms per
+          query and key head,
           GELU input f and output f, or for SwiGLU the fused gate/up output 2f, silu(gate) f
           and the product f,
           plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
@@ -363,9 +380,12 @@ class GPTConfig:
             mlp_bytes = self.moe_activation_bytes_per_token(dtype_bytes)
         else:
             mlp_bytes = dtype_bytes * (4 * f if self.mlp == "swiglu" else 2 * f)
-        tensors = dtype_bytes * (4 * d + self.qkv_width + d) + mlp_bytes
+        tensors = dtype_bytes * (4 * d + self.qkv_width + self.attention_width) + mlp_bytes
         norm_statistics = 2 * (2 if self.norm == "layernorm" else 1)
         statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))
+        if self.qk_norm and recompute != "selective":  # the norms keep their input (the qkv output) and 1/rms
+            tensors += dtype_bytes * self.qkv_width
+            statistics += 4 * (self.n_heads + self.kv_heads)
         dropout_masks = 2 * d if self.dropout > 0 else 0
         return tensors + statistics + dropout_masks
 
@@ -410,86 +430,3 @@ def check_recompute(recompute: str) -> None:
 def check_attention(attention: str) -> None:
     if attention not in ATTENTION_KINDS:
         raise ConfigError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
-
-
-def llama(vocab_size: int, seq_len: int, n_layers: int, n_heads: int, n_kv_heads: int, d_model: int, d_ff: int,
-          rope_theta: float) -> GPTConfig:
-    """A Llama-style shape: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied head."""
-    return GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                     d_model=d_model, d_ff=d_ff, tied_head=False, mlp="swiglu", norm="rmsnorm", positions="rope",
-                     rope_theta=rope_theta, bias=False)
-
-
-LLAMA3_VOCAB = 128_256  # Llama 3's tokenizer (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.2)
-
-PRESETS: dict[str, GPTConfig] = {
-    # About 0.8M parameters: trains on 2 CPU cores at a few steps per second.
-    "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layers=4, n_heads=4, d_model=128, d_ff=512),
-    # The tiny shape made Llama-style: 2 key/value heads for 4 query heads, SwiGLU at 8/3 of the width
-    # rounded up to a multiple of 32 (Llama's rule), the same number of parameters within 10%.
-    "tiny-llama": llama(256, 128, 4, 4, 2, 128, 352, 10000.0),
-    # About 10.7M parameters: the classic character-level Shakespeare model.
-    "small": GPTConfig(vocab_size=256, seq_len=256, n_layers=6, n_heads=6, d_model=384, d_ff=1536),
-    # GPT-2 small: 124,439,808 parameters with its 50,257-token vocabulary.
-    "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, n_layers=12, n_heads=12, d_model=768, d_ff=3072),
-    # GPT-3 175B (Brown et al. 2020, table 2.1): 96 layers, width 12,288, 96 heads.
-    "gpt3-175b": GPTConfig(
-        vocab_size=50257, seq_len=2048, n_layers=96, n_heads=96, d_model=12288, d_ff=4 * 12288
-    ),
-    # Llama 3 (Dubey et al. 2024, table 3): layers, width, FFN width, heads, key/value heads, RoPE base
-    # 500,000, pre-training sequence length 8,192. 8,030,261,248 / 70,553,706,496 / 405,853,388,800
-    # parameters, as the published checkpoints count them.
-    "llama3-8b": llama(LLAMA3_VOCAB, 8192, 32, 32, 8, 4096, 14336, 500000.0),
-    "llama3-70b": llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 8192, 28672, 500000.0),
-    "llama3-405b": llama(LLAMA3_VOCAB, 8192, 126, 128, 8, 16384, 53248, 500000.0),
-    # The tiny shape with a mixture of experts: 8 GELU experts of width 256, each token routed to 2, so a token
-    # goes through as many MLP parameters as tiny's (width 512); dropless, Switch's load-balancing loss (0.01)
-    # and ST-MoE's router z-loss (0.001).
-    "tiny-moe": GPTConfig(vocab_size=256, seq_len=128, n_layers=4, n_heads=4, d_model=128, d_ff=512, n_experts=8,
-                          top_k=2, d_expert=256, aux_loss_coef=0.01, z_loss_coef=0.001),
-    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", table 1; the released config.json): Mistral 7B's
-    # attention, 8 SwiGLU experts of width 14,336, top-2, RoPE base 1e6, vocabulary 32,000: 46,702,792,704
-    # parameters, 12,879,925,248 active. Training length 4,096 here (the 32K context is what it supports:
-    # pass --seq-len 32768); load-balancing coefficient 0.001, transformers' MixtralConfig default (Mistral
-    # published none).
-    "mixtral-8x7b": llama(32000, 4096, 32, 32, 8, 4096, 14336, 1e6).with_(
-        n_experts=8, top_k=2, aux_loss_coef=0.001),
-    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2): 61 layers of width 7,168, the first 3
-    # dense (SwiGLU 18,432), then 256 routed experts of width 2,048 and 1 shared, 8 routed per token, sigmoid
-    # scores normalised over the top 8, vocabulary 129,280, 4K pre-training sequences. Its multi-head latent
-    # attention is approximated here by 128-head attention of the same width (205.5M parameters a layer
-    # against MLA's 187.1M): the total comes to 672.1B against the published 671B, the active to 38.7B against
-    # 37B. Not modelled: its bias-based (auxiliary-loss-free) balancing, the routed scaling factor 2.5, node-
-    # limited routing and multi-token prediction. The sequence-wise balance loss's alpha is 0.0001.
-    "deepseek-v3": llama(129280, 4096, 61, 128, 128, 7168, 18432, 10000.0).with_(
-        n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
-        aux_loss_coef=0.0001),
-}
-
-
-def preset(name: str) -> GPTConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}") from None
-
-
-MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "tied_head",
-                "dropout", "mlp", "norm", "positions", "rope_theta", "bias", "n_experts", "top_k", "d_expert",
-                "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef")
-
-
-def build_config(name: str = "tiny", **overrides) -> GPTConfig:
-    """A preset with any explicit fields (MODEL_FIELDS) overriding it; None leaves the preset's value.
-
-    Changing d_model without d_ff keeps the preset's ratio of MLP width to model width.
-    """
-    unknown = set(overrides) - set(MODEL_FIELDS)
-    if unknown:
-        raise TypeError(f"build_config() got unknown fields {sorted(unknown)}")
-    base = preset(name)
-    changes = {key: value for key, value in overrides.items() if value is not None}
-    if "d_model" in changes and "d_ff" not in changes:
-        if isinstance(changes["d_model"], int):
-            changes["d_ff"] = changes["d_model"] * base.d_ff // base.d_model
-    return replace(base, **changes)

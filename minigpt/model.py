@@ -128,11 +128,23 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
         self.rope_theta = config.rope_theta if config.positions == "rope" else None
+        self.q_norm = RMSNorm(config.head_dim, eps=1e-6) if config.qk_norm else None  # Qwen3's, over each head
+        self.k_norm = RMSNorm(config.head_dim, eps=1e-6) if config.qk_norm else None
+
+    def normed(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """qkv with each query and key head RMS-normalised (a new fused tensor; v copied)."""
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
+        q = self.q_norm(q.view(batch, seq, heads, self.head_dim)).view(batch, seq, -1)
+        k = self.k_norm(k.view(batch, seq, kv_heads, self.head_dim)).view(batch, seq, -1)
+        return torch.cat([q, k, v], dim=-1)
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         batch, seq, width = qkv.shape
         kv_heads = width // (self.head_dim * (self.group + 2))
         heads = kv_heads * self.group
+        if self.q_norm is not None:
+            qkv = self.normed(qkv, heads, kv_heads)
         if self.rope_theta is not None:
             qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta)
         q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
@@ -148,7 +160,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.d_model, config.qkv_width, bias=config.bias)
         self.core = AttentionCore(config)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.attention_width, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 from claims_cli import invoke
 from cli.claims.claim import CAVEAT, HOLDS, UNCHECKABLE, WRONG
 from independent import DATASHEETS, NICS, block_kernels, model_params, price, ring_seconds
-from minigpt.config import preset
+from minigpt.presets import preset
 
 
 def check_gpt3_memory(row):

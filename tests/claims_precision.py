@@ -12,7 +12,7 @@ from claims_cli import simulated
 from cli.claims.claim import CAVEAT, HOLDS, WRONG
 from independent import (DATASHEETS, block_kernels, block_matmul_flops, gemm_flops, master_weights_reference,
                          model_efficiency, model_params, price)
-from minigpt.config import preset
+from minigpt.presets import preset
 from precision.policy import policy
 
 CLAIM_GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200")  # the speed rows' GPUs: the article's A100/H100, the H200

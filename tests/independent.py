@@ -168,7 +168,7 @@ def model_params(name: str) -> int:
     of config.py's."""
     import torch
 
-    from minigpt.config import preset
+    from minigpt.presets import preset
     from minigpt.model import GPT
 
     with torch.device("meta"):
@@ -183,7 +183,7 @@ def block_matmul_flops(name: str, micro_batch: int = 1) -> int:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from minigpt.config import preset
+    from minigpt.presets import preset
     from minigpt.model import Block
 
     config = preset(name)

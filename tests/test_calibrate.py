@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from cli.commands.calibrate import calibrate
 from cli.main import Group
 from conftest import PROFILE_RANKS as RANKS
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from parallel.calibrate.noise import FREE_CORES_RATIO
 
@@ -75,7 +75,7 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
 
 def test_the_profile_drives_the_simulator(profile_path):
     from cli.main import main
-    from minigpt.config import preset
+    from minigpt.presets import preset
     from simulator.engine.simulate import simulate_step
     from simulator.costs.hardware import load_hardware, save_hardware
     from job.layout import Layout

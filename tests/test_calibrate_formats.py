@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from parallel.calibrate.measure import FORMATS, build_profile, default_formats, make_plan
 from simulator.engine.simulate import simulate_step

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from parallel.calibrate.measure import fit_alpha_beta, make_plan
 from parallel.calibrate.device import AloneCollectives, piece_model, piece_step, tp_sizes, variants

@@ -5,7 +5,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from minigpt.config import PRESETS, GPTConfig, build_config, preset
+from minigpt.config import GPTConfig
+from minigpt.presets import PRESETS, build_config, preset
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
 
@@ -21,6 +22,10 @@ SHAPES = [
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=1, d_model=48, d_ff=40, mlp="swiglu"),
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=2, d_model=48, d_ff=64, norm="rmsnorm", bias=False),
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=6, n_kv_heads=3, d_model=48, d_ff=64, positions="rope"),
+    # Qwen3's attention: heads wider than the model's width / heads (d_head), RMS norms over each query and key head
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=48, d_ff=64, d_head=16,
+              qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, d_model=48, d_ff=64, d_head=8, qk_norm=True),
 ]
 LLAMA_SHAPES = SHAPES[6:]
 
@@ -30,7 +35,8 @@ def numel(model: torch.nn.Module) -> int:
 
 
 def shape_id(c: GPTConfig) -> str:
-    return f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}h{c.n_heads}k{c.kv_heads}{c.mlp}{c.norm}{c.positions}"
+    qwen = f"hd{c.head_dim}{'qk' if c.qk_norm else ''}" if c.d_head else ""
+    return f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}h{c.n_heads}k{c.kv_heads}{c.mlp}{c.norm}{c.positions}{qwen}"
 
 
 @pytest.mark.parametrize("cfg", SHAPES, ids=shape_id)

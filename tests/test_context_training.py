@@ -18,7 +18,7 @@ import torch
 from distributed import run_ranks
 from job.exchange.context import backward_exchanges, forward_exchanges
 from job.train_config import TrainConfig
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.data import Corpus
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
 from parallel.run.train import micro_batches

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.config import preset
+from minigpt.presets import preset
 from parallel.checkpoint.files import check_checkpoint, latest_checkpoint
 from job.train_config import TrainConfig
 

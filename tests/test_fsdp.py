@@ -21,7 +21,7 @@ import torch
 from distributed import run_ranks
 from job.layout import Layout
 from job.train_config import TrainConfig
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.data import Corpus
 from parallel.memory import ActivationMeter
 from parallel.mesh import build_mesh

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from minigpt.config import GPTConfig, preset
+from minigpt.config import GPTConfig
+from minigpt.presets import preset
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint

@@ -12,7 +12,7 @@ from cli.main import main
 from cli.options.model import model_from_options
 from cli.commands.simulate import simulate
 from cli.commands.train import train
-from minigpt.config import PRESETS
+from minigpt.presets import PRESETS
 
 MODEL_FLAGS = {"--model", "--layers", "--heads", "--kv-heads", "--d-model", "--d-ff", "--seq-len", "--vocab-size",
                "--untied", "--tied", "--mlp", "--norm", "--positions", "--rope-theta", "--bias", "--no-bias",
@@ -54,7 +54,7 @@ def test_the_flags_spell_out_a_preset():
 def test_one_toml_file_serves_every_command(tmp_path):
     """Top-level keys go to each command that takes them (the others' are skipped and named once); a table
     named after a command gives it its own values; a key no command takes is refused in one line."""
-    from minigpt.config import preset
+    from minigpt.presets import preset
 
     path = tmp_path / "job.toml"
     path.write_text('model = "tiny-llama"\ntp = 2\nglobal-batch = 8\nsteps = 3\nlr = 0.001\n'

@@ -5,7 +5,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from minigpt.config import PRESETS, GPTConfig
+from minigpt.config import GPTConfig
+from minigpt.presets import PRESETS
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
 from minigpt.moe import MoE, aux_loss_weight, capacity, choose, kept_choices
@@ -22,6 +23,7 @@ SHAPES = [
     BASE.with_(z_loss_coef=0.1, mlp="swiglu", bias=False, norm="rmsnorm", positions="rope", n_kv_heads=1),
     BASE.with_(n_shared_experts=2, aux_loss_coef=0.1, n_layers=3, dense_layers=1),
     BASE.with_(top_k=3, aux_loss_coef=0.01, tied_head=False),
+    BASE.with_(d_head=16, qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),  # Qwen3's
 ]
 
 
@@ -47,6 +49,9 @@ def test_published_sizes():
     mixtral = PRESETS["mixtral-8x7b"]  # Mixtral 8x7B's released checkpoint: 46.7B parameters, 12.9B active
     assert mixtral.n_params() == 46_702_792_704
     assert mixtral.active_params() == 12_879_925_248
+    qwen = PRESETS["qwen3-30b-a3b"]  # its released checkpoint: safetensors total_size 61,064,245,248 bytes in bf16
+    assert qwen.n_params() == 61_064_245_248 // 2 == 30_532_122_624
+    assert qwen.active_params() == 3_353_032_704  # "3.3B activated" (its card)
     deepseek = PRESETS["deepseek-v3"]  # 671B and 37B published; attention approximated (the preset says by how much)
     assert abs(deepseek.n_params() / 671e9 - 1) < 0.005
     assert abs(deepseek.active_params() / 37e9 - 1) < 0.05

@@ -17,7 +17,7 @@ import torch
 from distributed import run_ranks
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges
 from job.train_config import TrainConfig
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
 from parallel.expert.dispatch import ExpertParallel
@@ -31,6 +31,9 @@ MODELS = {
     "top2": preset("tiny-moe").with_(seq_len=32, n_layers=2),
     "top1-drop": preset("tiny-moe").with_(seq_len=32, n_layers=2, top_k=1, capacity_factor=1.0),
     "top2-drop": preset("tiny-moe").with_(seq_len=32, n_layers=2, capacity_factor=1.25),
+    # Qwen3's block: heads wider than width / heads, query and key norms (their gradients summed over tp), SwiGLU
+    "qwen": preset("tiny-moe").with_(seq_len=32, n_layers=2, d_head=48, n_kv_heads=2, qk_norm=True, mlp="swiglu",
+                                      norm="rmsnorm", positions="rope", bias=False, tied_head=False),
 }
 TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
 LAYOUTS = {
@@ -38,7 +41,8 @@ LAYOUTS = {
         "ep2-top1-drop": ("top1-drop", dict(dp=2, ep=2, micro_batches=2)),
         "dp2-zero1": ("top2", dict(dp=2, zero=1)),
         "tp2": ("top2-drop", dict(tp=2, micro_batches=2)),
-        "pp2": ("top2", dict(pp=2, micro_batches=2))},
+        "pp2": ("top2", dict(pp=2, micro_batches=2)),
+        "tp2-qwen": ("qwen", dict(tp=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),

@@ -8,7 +8,7 @@ import torch
 
 from job.layout import Layout
 from job.train_config import TrainConfig
-from minigpt.config import PRESETS
+from minigpt.presets import PRESETS
 from minigpt.model import GPT
 from parallel.recompute import Recomputed, apply_recompute
 from parallel.run.train import train

@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from minigpt.config import GPTConfig, preset
+from minigpt.config import GPTConfig
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, policy
 from simulator.costs.achieved import Achieved

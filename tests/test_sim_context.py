@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from cli.main import main
 from job.exchange.context import GRAD_BYTES, backward_exchanges, forward_exchanges, kv_elements
 from job.layout import Layout
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.costs.compute import chunk_times, tp_collectives

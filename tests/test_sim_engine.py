@@ -8,7 +8,8 @@ import time
 import networkx as nx
 import pytest
 
-from minigpt.config import GPTConfig, build_config, preset
+from minigpt.config import GPTConfig
+from minigpt.presets import build_config, preset
 from minigpt.errors import ConfigError
 from job.schedule import ScheduleConfig, build_schedule
 from simulator.network.collectives import simulate_collective

@@ -15,7 +15,8 @@ from cli.main import main
 from job.data_parallel import collectives, schedule_config
 from job.layout import Layout
 from job.schedule import GatherParams, ReduceScatterGrads, build_schedule, validate
-from minigpt.config import GPTConfig, preset
+from minigpt.config import GPTConfig
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from simulator.engine.links import LinkCosts
 from simulator.engine.simulate import simulate_step

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from minigpt.config import preset
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from simulator.engine.simulate import simulate_step
 from simulator.costs.hardware import hardware_to_dict, load_hardware, save_hardware

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from minigpt.config import GPTConfig, preset
+from minigpt.config import GPTConfig
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.costs.hardware import load_hardware

@@ -18,7 +18,7 @@ from cli.main import Group
 from cli.commands.simulate import simulate
 from cli.options.collectives import NCCL_ALGOS
 from job.layout import Layout
-from minigpt.config import build_config
+from minigpt.presets import build_config
 from minigpt.errors import ConfigError
 from simulator.costs.achieved import Achieved
 from simulator.costs.hardware import load_hardware

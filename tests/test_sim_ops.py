@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.config import RECOMPUTE_MODES, GPTConfig, preset
+from minigpt.config import RECOMPUTE_MODES, GPTConfig
+from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from job.layout import Layout

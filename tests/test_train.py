@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from minigpt.config import preset
+from minigpt.presets import preset
 from parallel.run.train import train
 from job.train_config import TrainConfig
 
@@ -182,7 +182,7 @@ def test_the_default_hyperparameters_do_not_spike_a_short_run(tmp_path):
     """`minigpt train --model tiny --steps 20` with every default: the loss never jumps and still falls over
     the last ten steps. The earlier defaults (lr 3e-3, 2 warmup steps) stalled and rose there (3.36 to 3.40
     on average), and nearby settings jumped to 6.5 for a step (docs/results.md)."""
-    from minigpt.config import PRESETS
+    from minigpt.presets import PRESETS
 
     losses = train(TrainConfig(model=PRESETS["tiny"], steps=20, out_dir=str(tmp_path / "run")))["losses"]
     rises = [later - earlier for earlier, later in zip(losses, losses[1:])]

@@ -11,7 +11,7 @@ from job.layout import Layout
 from job.schedule import (Costs, ScheduleConfig, SendActivation, SendGrad, build_schedule, closed_form_bubble,
                           simulate_order)
 from job.train_config import TrainConfig
-from minigpt.config import preset
+from minigpt.presets import preset
 from precision.policy import FORMAT_BYTES
 from simulator.costs.compute import chunk_times
 from simulator.engine.links import LinkCosts

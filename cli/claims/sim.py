@@ -13,7 +13,8 @@ from functools import lru_cache
 
 from cli.options.cluster import DEFAULT_GPU
 from job.layout import Layout
-from minigpt.config import GPTConfig, preset
+from minigpt.config import GPTConfig
+from minigpt.presets import preset
 from simulator.engine.simulate import SimResult
 from simulator.search.sweep import ClusterSpec, Job
 

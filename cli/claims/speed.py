@@ -9,7 +9,7 @@ from dataclasses import replace
 from cli.claims.claim import CAVEAT, HOLDS, WRONG, Claim, Finding, percent
 from cli.claims.sim import SimCase
 from job.layout import Layout
-from minigpt.config import preset
+from minigpt.presets import preset
 from precision.policy import FORMAT_BYTES, policy
 from simulator.costs.compute import gemm_efficiency, hbm_speed, pass_times
 from simulator.costs.hardware import load_hardware

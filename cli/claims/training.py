@@ -31,7 +31,7 @@ def tiny_run(precision: str) -> dict:
     import tempfile
 
     from job.train_config import TrainConfig
-    from minigpt.config import preset
+    from minigpt.presets import preset
     from parallel.run.train import train
 
     one_thread()

@@ -12,7 +12,7 @@ from cli.claims.sim import GIB, SimCase
 from job.data_parallel import NORM_BYTES, collectives, schedule_config
 from job.layout import Layout
 from job.schedule import build_schedule
-from minigpt.config import preset
+from minigpt.presets import preset
 from precision.policy import TEXTBOOK_MIXED_ADAM
 from job.train_config import TrainConfig
 

@@ -11,10 +11,11 @@ from typing import Callable
 
 import click
 
-from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, PRESETS, ROUTER_KINDS, GPTConfig, build_config
+from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, GPTConfig
+from minigpt.presets import PRESETS, build_config
 from minigpt.errors import ConfigError, check_positive_int
 
-POSITIVE = ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size")
+POSITIVE = ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "head_dim")
 
 
 def model_options(default: str) -> Callable:
@@ -40,6 +41,10 @@ def model_options(default: str) -> Callable:
         click.option("--rope-theta", "rope_theta", type=float, help="RoPE base (Llama 3: 500000)."),
         click.option("--bias/--no-bias", "bias", default=None, help="Biases in the Linears [default: the preset's]."),
         click.option("--dropout", type=float, help="Dropout probability [default: the preset's, 0]."),
+        click.option("--head-dim", "head_dim", type=int,
+                     help="Each attention head's width [default: the preset's; else --d-model / --heads]."),
+        click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
+                     help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
         *expert_options(),
     ]
 
@@ -84,7 +89,7 @@ def _expert_fields(options: dict) -> dict:
     given = [flag for flag, field in EXPERT_FIELDS.items() if fields[field] is not None]
     if dense and given:
         raise ConfigError(f"--{given[0].replace('_', '-')} sets a mixture of experts' field, but this model is dense: "
-                          f"give --experts N (or a MoE preset: tiny-moe, mixtral-8x7b, deepseek-v3)")
+                          f"give --experts N (or a MoE preset: tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)")
     return {"n_experts": experts, **fields}
 
 
@@ -100,5 +105,5 @@ def model_from_options(options: dict) -> GPTConfig:
         d_model=options.get("d_model"), d_ff=options.get("d_ff"), tied_head=None if untied is None else not untied,
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
-        **_expert_fields(options),
+        d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), **_expert_fields(options),
     )

@@ -191,7 +191,7 @@ def machine_drift(hardware) -> dict | None:
 def threads_ratio_now(calibration: dict, cores: int) -> float:
     """The sharing table's threads row timed now as parallel/calibrate/host.py's measure_sharing timed it (its
     model's block at its sharing micro-batch, tp 1, pairs of runs in turn)."""
-    from minigpt.config import preset
+    from minigpt.presets import preset
     from parallel.calibrate.measure import CalibrationPlan
     from parallel.calibrate.device import piece_step, threads_ratio
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from cli.tools.compare import check_compare, machine_drift, run_compare
 from job.train_config import TrainConfig
-from minigpt.config import PRESETS, GPTConfig
+from minigpt.config import GPTConfig
+from minigpt.presets import PRESETS
 
 # name -> the layout fields changed from the base configuration (tiny: 4 layers, 4 heads)
 MATRIX: dict[str, dict] = {

@@ -122,7 +122,7 @@ def measure_copy(plan, device: torch.device) -> float:
 def measure_block(plan, device: torch.device) -> dict:
     """Forward and backward seconds of one block of plan.model at its shape, fp32 (medians of plan.repeats runs
     after a warm-up), and the spread of the runs' forward + backward."""
-    from minigpt.config import preset
+    from minigpt.presets import preset
     from minigpt.model import Block
 
     config = preset(plan.model)

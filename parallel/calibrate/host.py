@@ -80,7 +80,7 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
     """{(model preset, tp, sequence parallel, cp): {"block_forward": [s per micro-batch size], ...}} for every preset of
     plan.unit_models: rank 0 alone on one thread (on `device`) while every other rank waits in a barrier (and
     returns None). `noise` (rank 0's): the CPU share of the timed loop and each series' spread of runs."""
-    from minigpt.config import preset
+    from minigpt.presets import preset
 
     units = {}
     noise = noise if noise is not None else Noise()
@@ -109,7 +109,7 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.devic
     and on a CPU rank 0's ratio alone of `cores` threads to one ("threads_ratio"; a GPU's rank has its own GPU),
     recording in
     `noise` (rank 0's) the share of the cores it got meanwhile."""
-    from minigpt.config import preset
+    from minigpt.presets import preset
 
     torch.manual_seed(rank)
     step = piece_step("block", preset(plan.model), 1, plan.sharing_micro_batch, device=device)
@@ -184,7 +184,7 @@ def _ping_pong(tensor: torch.Tensor, rank: int, partner: int) -> None:
 
 def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tuple[str, int, int, int], float]:
     """{(kind, group size n, busy ranks W, S bytes): this rank's median seconds}, where it was busy."""
-    from minigpt.config import preset
+    from minigpt.presets import preset
 
     rank, groups, points, config = dist.get_rank(), make_groups(ranks), {}, preset(plan.model)
     for busy, n in group_pairs(ranks):
@@ -266,7 +266,7 @@ def unit_shape(config) -> dict:
 
 def build_measured(hosts: list[dict], plan, fit) -> dict:
     """The profile's "measured" object from every rank's measure_host() (rank 0 first); fit: fit_alpha_beta."""
-    from minigpt.config import preset
+    from minigpt.presets import preset
 
     first = hosts[0]
     order = {name: index for index, name in enumerate(plan.unit_models)}

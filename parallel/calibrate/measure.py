@@ -132,7 +132,7 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
 
         check_device("cuda", ranks)  # a GPU for every rank, or one ConfigError line
     formats = check_formats(formats, on_cuda(device, ranks))
-    from minigpt.config import preset
+    from minigpt.presets import preset
 
     models = tuple(name.strip() for name in model.split(","))
     for name in models:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minigpt.model import AttentionCore
 from minigpt.moe import MoE
 from parallel.comm import Collectives
 from parallel.tensor.layers import (
@@ -107,8 +108,12 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     if sequence_parallel:
         for param in sequence_pieces:
             param.register_hook(lambda grad: _sum_over_group(grad, comm))
+    head_norms = [p for core in model.modules() if isinstance(core, AttentionCore) and core.q_norm is not None
+                  for norm in (core.q_norm, core.k_norm) for p in norm.parameters()]
+    for param in head_norms:  # shared by every head, and a rank holds some of them: its gradient is a part
+        param.register_hook(lambda grad: _sum_over_group(grad, comm))
     whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
-    return {id(param) for param in whole_sequence + sequence_pieces + experts}
+    return {id(param) for param in whole_sequence + sequence_pieces + experts + head_norms}
 
 
 def _sum_over_group(grad: torch.Tensor, comm: Collectives) -> torch.Tensor:

@@ -5,6 +5,7 @@ simulator/costs/ops.py explains the model and builds the units with these.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Union
 
@@ -40,7 +41,10 @@ class Implementation:
     fp8_scaling       "tensor" (per-tensor delayed scaling, an amax history) or "block" (MXFP8: one scale per
                       32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
     wgrad_fusion      the weight-gradient GEMM accumulates into the fp32 main gradient itself (Megatron-core's
-                      gradient_accumulation_fusion): no separate accumulation kernel."""
+                      gradient_accumulation_fusion): no separate accumulation kernel.
+    expert_load       a mixture of experts' routing imbalance: the busiest expert's routed rows over the mean (1.0:
+                      balanced), applied to the busiest rank of the expert group (simulator/costs/ops_moe.py's
+                      received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls)."""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -49,6 +53,7 @@ class Implementation:
     fp8_fused_casts: bool = False
     fp8_scaling: str = "tensor"
     wgrad_fusion: bool = False
+    expert_load: float = 1.0
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -63,6 +68,10 @@ class Implementation:
         if self.fp8_scaling == "block" and not self.fp8_fused_casts:
             raise ConfigError("fp8_scaling 'block' (MXFP8) needs fp8_fused_casts: only fused quantisers (Transformer "
                               "Engine's) make per-block scales; our executor scales per tensor")
+        load = self.expert_load
+        if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1 <= load < math.inf:
+            raise ConfigError(f"the expert load (the busiest expert's routed rows over the mean) must be a finite "
+                              f"number >= 1 (1: balanced), got {load!r}")
 
     def as_dict(self) -> dict:
         return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,
@@ -242,6 +251,8 @@ class UnitShape:
     fp8_fused: bool = False  # Implementation.fp8_fused_casts
     fp8_block: bool = False  # Implementation.fp8_scaling == "block"
     wgrad_fusion: bool = False
+    expert_load: float = 1.0  # Implementation.expert_load
+    qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
 
     def fp8_bytes(self, elements: int) -> int:
         """Bytes of one fp8 copy of `elements` values with its scales: one byte each, and under block scaling one
@@ -299,7 +310,8 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      bias=model.bias, norm_statistics=2 if model.norm == "layernorm" else 1,
                      swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
-                     fp8_block=impl.fp8_scaling == "block", wgrad_fusion=impl.wgrad_fusion)
+                     fp8_block=impl.fp8_scaling == "block", wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
+                     expert_load=impl.expert_load)
 
 
 class Recorder:

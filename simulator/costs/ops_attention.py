@@ -124,9 +124,32 @@ def _unfused_backward(rec: Recorder) -> None:
     rec.back_gemm("attention.grad_k", s, hd, s, sh.compute, batch, linear=False)  # dk = dS^T q
 
 
+def _qk_norm_forward(rec: Recorder, qkv: str) -> str:
+    """Qwen3's query and key norms, as AttentionCore.normed runs them: an RMSNorm kernel over the query heads and
+    one over the key heads (each keeping its input, the qkv output, and one fp32 1/rms per head and row), then the
+    normalised q and k and the untouched v copied into a new fused tensor."""
+    sh = rec.shape
+    qk = sh.rows * (sh.heads + sh.kv_heads) * sh.head_dim * sh.e
+    stats = rec.tensor("qk_norm.inv_rms", sh.rows * (sh.heads + sh.kv_heads) * FP32, small=True)
+    normed = rec.tensor("qk_norm.output", qk)
+    rec.op(MemoryOp("qk_norm", qk, qk + rec.size[stats]), saves=(qkv, stats))
+    fused = rec.tensor("qk_norm.fused", rec.size[qkv])
+    rec.op(MemoryOp("qk_norm.concat", rec.size[qkv], rec.size[fused]))  # q and k normalised, v as it was
+    return fused
+
+
+def _qk_norm_backward(rec: Recorder) -> None:
+    sh = rec.shape
+    qk = sh.rows * (sh.heads + sh.kv_heads) * sh.head_dim * sh.e
+    stats = sh.rows * (sh.heads + sh.kv_heads) * FP32
+    rec.back_mem("qk_norm_backward", 2 * qk + stats, qk)  # the input and the output's gradient, 1/rms
+
+
 def core_forward(rec: Recorder, attention: str, qkv: str) -> str:
     """From the fused qkv tensor `qkv` to the heads' output, in the recompute region CORE: returns the output."""
     rec.enter(CORE, inputs=(qkv,))
+    if rec.shape.qk_norm:
+        qkv = _qk_norm_forward(rec, qkv)
     if rec.shape.rope:
         qkv = _rope_forward(rec, qkv)
     (_flash_forward if attention == "flash" else _unfused_forward)(rec, qkv)
@@ -140,3 +163,5 @@ def core_backward(rec: Recorder, attention: str) -> None:
     if rec.shape.rope:
         qkv = rec.shape.rows * rec.shape.qkv_width * rec.shape.e
         rec.back_mem("rope_backward", qkv + rope_table_bytes(rec), qkv)
+    if rec.shape.qk_norm:
+        _qk_norm_backward(rec)

@@ -1,0 +1,103 @@
+"""The named model shapes (presets) and building a shape from a preset with fields changed. Torch-free.
+
+Each preset's comment cites where its shape comes from; tests/test_config.py and tests/test_moe.py check the
+published parameter counts exactly where they are published.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+
+
+def llama(vocab_size: int, seq_len: int, n_layers: int, n_heads: int, n_kv_heads: int, d_model: int, d_ff: int,
+          rope_theta: float) -> GPTConfig:
+    """A Llama-style shape: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied head."""
+    return GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                     d_model=d_model, d_ff=d_ff, tied_head=False, mlp="swiglu", norm="rmsnorm", positions="rope",
+                     rope_theta=rope_theta, bias=False)
+
+
+LLAMA3_VOCAB = 128_256  # Llama 3's tokenizer (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.2)
+
+PRESETS: dict[str, GPTConfig] = {
+    # About 0.8M parameters: trains on 2 CPU cores at a few steps per second.
+    "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layers=4, n_heads=4, d_model=128, d_ff=512),
+    # The tiny shape made Llama-style: 2 key/value heads for 4 query heads, SwiGLU at 8/3 of the width
+    # rounded up to a multiple of 32 (Llama's rule), the same number of parameters within 10%.
+    "tiny-llama": llama(256, 128, 4, 4, 2, 128, 352, 10000.0),
+    # About 10.7M parameters: the classic character-level Shakespeare model.
+    "small": GPTConfig(vocab_size=256, seq_len=256, n_layers=6, n_heads=6, d_model=384, d_ff=1536),
+    # GPT-2 small: 124,439,808 parameters with its 50,257-token vocabulary.
+    "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, n_layers=12, n_heads=12, d_model=768, d_ff=3072),
+    # GPT-3 175B (Brown et al. 2020, table 2.1): 96 layers, width 12,288, 96 heads.
+    "gpt3-175b": GPTConfig(
+        vocab_size=50257, seq_len=2048, n_layers=96, n_heads=96, d_model=12288, d_ff=4 * 12288
+    ),
+    # Llama 3 (Dubey et al. 2024, table 3): layers, width, FFN width, heads, key/value heads, RoPE base
+    # 500,000, pre-training sequence length 8,192. 8,030,261,248 / 70,553,706,496 / 405,853,388,800
+    # parameters, as the published checkpoints count them.
+    "llama3-8b": llama(LLAMA3_VOCAB, 8192, 32, 32, 8, 4096, 14336, 500000.0),
+    "llama3-70b": llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 8192, 28672, 500000.0),
+    "llama3-405b": llama(LLAMA3_VOCAB, 8192, 126, 128, 8, 16384, 53248, 500000.0),
+    # The tiny shape with a mixture of experts: 8 GELU experts of width 256, each token routed to 2, so a token
+    # goes through as many MLP parameters as tiny's (width 512); dropless, Switch's load-balancing loss (0.01)
+    # and ST-MoE's router z-loss (0.001).
+    "tiny-moe": GPTConfig(vocab_size=256, seq_len=128, n_layers=4, n_heads=4, d_model=128, d_ff=512, n_experts=8,
+                          top_k=2, d_expert=256, aux_loss_coef=0.01, z_loss_coef=0.001),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", table 1; the released config.json): Mistral 7B's
+    # attention, 8 SwiGLU experts of width 14,336, top-2, RoPE base 1e6, vocabulary 32,000: 46,702,792,704
+    # parameters, 12,879,925,248 active. Training length 4,096 here (the 32K context is what it supports:
+    # pass --seq-len 32768); load-balancing coefficient 0.001, transformers' MixtralConfig default (Mistral
+    # published none).
+    "mixtral-8x7b": llama(32000, 4096, 32, 32, 8, 4096, 14336, 1e6).with_(
+        n_experts=8, top_k=2, aux_loss_coef=0.001),
+    # Qwen3-30B-A3B (Qwen team 2025, its model card and released config.json): 48 layers of width 2,048, 32 query
+    # heads and 4 key/value heads of 128 (wider than the model: d_head), RMS norms over each query and key head,
+    # 128 SwiGLU experts of width 768, 8 routed per token (softmax, normalised over the 8), no shared expert,
+    # vocabulary 151,936, RoPE base 1e6, untied head; load-balancing coefficient 0.001; 4K pre-training sequences
+    # (its first stage; the context is 32K). 30.5B parameters, 3.3B active, as the card says.
+    "qwen3-30b-a3b": llama(151936, 4096, 48, 32, 4, 2048, 6144, 1e6).with_(
+        d_head=128, qk_norm=True, n_experts=128, top_k=8, d_expert=768, aux_loss_coef=0.001),
+    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2): 61 layers of width 7,168, the first 3
+    # dense (SwiGLU 18,432), then 256 routed experts of width 2,048 and 1 shared, 8 routed per token, sigmoid
+    # scores normalised over the top 8, vocabulary 129,280, 4K pre-training sequences. Its multi-head latent
+    # attention is approximated here by 128-head attention of the same width (205.5M parameters a layer
+    # against MLA's 187.1M): the total comes to 672.1B against the published 671B, the active to 38.7B against
+    # 37B. Not modelled: its bias-based (auxiliary-loss-free) balancing, the routed scaling factor 2.5, node-
+    # limited routing and multi-token prediction. The sequence-wise balance loss's alpha is 0.0001.
+    "deepseek-v3": llama(129280, 4096, 61, 128, 128, 7168, 18432, 10000.0).with_(
+        n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
+        aux_loss_coef=0.0001),
+}
+
+
+def preset(name: str) -> GPTConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}") from None
+
+
+MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "tied_head",
+                "dropout", "mlp", "norm", "positions", "rope_theta", "bias", "n_experts", "top_k", "d_expert",
+                "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
+                "d_head", "qk_norm")
+
+
+def build_config(name: str = "tiny", **overrides) -> GPTConfig:
+    """A preset with any explicit fields (MODEL_FIELDS) overriding it; None leaves the preset's value.
+
+    Changing d_model without d_ff keeps the preset's ratio of MLP width to model width.
+    """
+    unknown = set(overrides) - set(MODEL_FIELDS)
+    if unknown:
+        raise TypeError(f"build_config() got unknown fields {sorted(unknown)}")
+    base = preset(name)
+    changes = {key: value for key, value in overrides.items() if value is not None}
+    if "d_model" in changes and "d_ff" not in changes:
+        if isinstance(changes["d_model"], int):
+            changes["d_ff"] = changes["d_model"] * base.d_ff // base.d_model
+    return replace(base, **changes)
