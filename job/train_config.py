@@ -199,9 +199,6 @@ class TrainConfig:
         check_tensor_parallel(self.model, self.tp, self.sequence_parallel)
         check_context_parallel(self.model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
         check_expert_parallel(self.model, self.ep, self.dp, self.cp, self.sequence_parallel)
-        if self.ep > 1 and (self.save_every or self.resume):
-            raise ConfigError("checkpoints of expert-parallel runs (--ep > 1) are not written yet: train with --ep 1 "
-                              "(the experts replicated) to save and resume, or without --save-every/--resume")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)

@@ -35,6 +35,7 @@ def sample(out, checkpoint, prompt, tokens, temperature, top_k, seed, as_json) -
         return
     layout = result["layout"]
     where = f"tp{layout.get('tp')} pp{layout.get('pp')} dp{layout.get('dp')} zero{layout.get('zero')}"
+    where += "".join(f" {dim}{layout[dim]}" for dim in ("cp", "ep") if layout.get(dim, 1) > 1)
     print_table(["checkpoint", "step", "layout", "weights", "temperature", "top-k", "seed"],
                 [[result["checkpoint"], result["step"], where, result["weights"], temperature,
                   top_k if top_k is not None else "-", seed]])

@@ -339,15 +339,14 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
     )
     context = f" x cp {cfg.cp} ({cfg.cp_kind})" if cfg.cp > 1 else ""
     group = f"dp x cp group of {cfg.data_ranks}" if cfg.cp > 1 else f"dp group of {cfg.dp}"
-    if cfg.ep > 1:
-        group += f", the experts over ep {cfg.ep}"
+    experts = f", the experts split over ep {cfg.ep}" if cfg.ep > 1 else ""
     if cfg.shard_group:
         group = f"shard groups of {cfg.shard_group} ({cfg.data_ranks // cfg.shard_group} replicas, hybrid)"
     if not cfg.reshard_after_forward:
         group += ", no resharding after the forward"
     click.echo(f"layout: tp {cfg.tp}{context} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
                f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
-               f"{'' if cfg.zero == 0 else ' over the ' + group}"
+               f"{'' if cfg.zero == 0 else ' over the ' + group}{experts}"
                f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}, {cfg.precision}"
                f"{' (auto: bf16 on a GPU, fp32 on a CPU)' if options['precision'] == AUTO else ''}", file=out)
     summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json), resume_from=point,

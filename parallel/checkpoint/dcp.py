@@ -124,7 +124,8 @@ def read_metadata(path: Path) -> Metadata:
         return SafeReader(path).read_metadata()
     except Exception as error:  # a missing, truncated, foreign or malicious file
         raise ConfigError(
-            f"checkpoint {path} is corrupt: cannot read its tensor metadata ({type(error).__name__}: {error}): "
+            f"checkpoint {path} is corrupt: cannot read its tensor metadata ({type(error).__name__}: "
+            f"{' '.join(str(error).split())}): "  # one line, whatever the unpickler's message holds
             f"use another checkpoint"
         ) from None
 

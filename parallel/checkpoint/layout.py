@@ -18,10 +18,15 @@ box of the global tensor by the tensor-parallel cut of parallel/tensor/paralleli
   vocab     tok_emb, untied head      rows [r P, r P + P) of the vocabulary padded to a
                                       multiple of T; rows >= V are padding and dropped
   replicated, whole                   the same coordinates
+  experts   a MoE's stacked experts   under expert parallelism (parallel/expert/): experts [e E/ep, (e + 1) E/ep)
+            (mlp.experts.w1, ...)     of the ep group's rank e, dim 0 at e E/ep ("blocks.1.mlp.experts.local.w1"
+                                      is "blocks.1.mlp.experts.w1"); in the experts' own buffer, after ZeRO's
+                                      pieces in `weights`, whole on every tensor-parallel rank
 
 No gathering is needed to save or load: each rank reads and writes its own boxes.
 Boxes held by several ranks (LayerNorms on every tensor-parallel rank, everything on
-every ZeRO-0 data-parallel rank) are written by one of them (`writes`). A tied head's
+every ZeRO-0 data-parallel rank, an expert shard on the ranks holding the same experts and on every
+tensor-parallel rank) are written by one of them (`writes`). A tied head's
 copy on the last pipeline stage is never written: it is read from tok_emb.weight.
 """
 
@@ -94,11 +99,14 @@ def fused_sections(name: str, model_config) -> list[int]:
     return []
 
 
-def shard_shape(kind: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+def shard_shape(kind: str, shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """A shard's shape, of a tensor cut into `parts` (tp; ep for "experts")."""
     if kind in ("vocab", "sections"):
-        return (-(-shape[0] // tp), *shape[1:])
+        return (-(-shape[0] // parts), *shape[1:])
     if kind == "columns":
-        return (shape[0], shape[1] // tp)
+        return (shape[0], shape[1] // parts)
+    if kind == "experts":
+        return (shape[0] // parts, *shape[1:])
     return shape
 
 
@@ -122,7 +130,8 @@ def global_boxes(kind: str, local: tuple[int, ...], shape: tuple[int, ...], tp_r
                  sections: list[int] | None = None) -> list[Box]:
     """Boxes of the global tensor (of `shape`) holding elements [start, end) of this rank's shard (of `local`).
 
-    `sections`: the fused sections' row counts of a "sections" kind (none given: one section)."""
+    `tp_rank`: the shard's index (the ep rank for "experts"). `sections`: the fused sections' row counts of a
+    "sections" kind (none given: one section)."""
     found = []
     for first, offsets, sizes in decompose(local, start, end):
         offsets, sizes = list(offsets), list(sizes)
@@ -134,6 +143,8 @@ def global_boxes(kind: str, local: tuple[int, ...], shape: tuple[int, ...], tp_r
             offsets[0] += tp_rank * local[0]
         elif kind == "columns":
             offsets[1] += tp_rank * local[1]
+        elif kind == "experts":
+            offsets[0] += tp_rank * local[0]
         elif kind == "sections":
             tp = shape[0] // local[0]  # exact: tp divides every section (job/train_config.py checks)
             found += _section_rows(first, offsets, sizes, math.prod(local[1:]), sections or [shape[0]], tp, tp_rank)
@@ -179,7 +190,9 @@ def parameter_names(rank, cfg) -> dict[int, str]:
     names: dict[int, str] = {}
     for chunk in rank.stage.chunks:
         for local_name, param in chunk.named_parameters():
-            parts = [part for part in local_name.split(".") if part != "inner"]  # tensor-parallel wrappers
+            parts = local_name.split(".")  # less tensor parallelism's wrappers and expert parallelism's `local`
+            parts = [part for i, part in enumerate(parts)
+                     if part != "inner" and not (part == "local" and i and parts[i - 1] == "experts")]
             if parts[0] == "blocks":
                 parts[1] = str(layers[chunk.index][int(parts[1])])
             names.setdefault(id(param), ".".join(parts))
@@ -187,7 +200,13 @@ def parameter_names(rank, cfg) -> dict[int, str]:
 
 
 def flat_spaces(data_parallel) -> list[tuple[object, int, int, int]]:
-    """(FlatParameters, start, end, position in `weights` end to end) of every range this rank's optimizer owns."""
+    """(FlatParameters, start, end, position in `weights` end to end) of every range this rank's optimizer owns.
+
+    Under expert parallelism (parallel/expert/gradients.py's WithExperts): the ZeRO stage's, then the experts'
+    own buffer, whole."""
+    if hasattr(data_parallel, "experts_comm"):
+        experts = data_parallel.flat
+        return flat_spaces(data_parallel.inner) + [(experts, 0, experts.data.numel(), data_parallel.dense_numel)]
     if hasattr(data_parallel, "units"):  # ZeRO 3: piece r of every unit
         rank = data_parallel.comm.rank
         return [
@@ -206,7 +225,10 @@ def rank_placements(rank, cfg) -> list[Placement]:
     shapes = global_shapes(cfg.model)
     names = parameter_names(rank, cfg)
     mesh, data_parallel = rank.mesh, rank.data_parallel
-    replicated_over_dp = data_parallel.stage == 0 and data_parallel.comm.size > 1
+    dense = getattr(data_parallel, "inner", data_parallel)  # expert parallelism wraps the ZeRO stage
+    experts = data_parallel.flat if dense is not data_parallel else None
+    dense_writes = dense.replicas.rank == 0  # hybrid sharding: the first shard group's copy
+    dense_writes = dense_writes and not (dense.stage == 0 and dense.comm.size > 1 and dense.comm.rank != 0)  # dp x cp
     placements: dict[str, Placement] = {}
     for flat, start, end, position in flat_spaces(data_parallel):
         for segment, param in zip(flat.segments, flat.params):
@@ -218,17 +240,19 @@ def rank_placements(rank, cfg) -> list[Placement]:
             name = "tok_emb.weight" if tied_copy else name
             if name not in shapes:
                 raise AssertionError(f"parameter {segment.name} is taken for {name}, which GPT does not have")
-            kind = tensor_parallel_kind(name, mesh.tp)
+            if flat is experts:  # whole on every tp rank; one of the ranks holding the same experts writes
+                kind, index, parts = "experts", data_parallel.experts_comm.rank, data_parallel.experts_comm.size
+                writes = mesh.tp_rank == 0 and data_parallel.replicas.rank == 0
+            else:
+                kind, index, parts = tensor_parallel_kind(name, mesh.tp), mesh.tp_rank, mesh.tp
+                writes = dense_writes and not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)
             local = tuple(param.shape)
-            if local != shard_shape(kind, shapes[name], mesh.tp):
+            if local != shard_shape(kind, shapes[name], parts):
                 raise AssertionError(f"{name}: shard {local} does not match the {kind} cut of {shapes[name]}")
-            writes = not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)
-            writes = writes and not (replicated_over_dp and data_parallel.comm.rank != 0)  # over dp x cp
-            writes = writes and data_parallel.replicas.rank == 0  # hybrid sharding: the first shard group's copy
             placement = placements.setdefault(name, Placement(name, shapes[name], writes=writes, tied_copy=tied_copy))
             base = position + segment.start - start  # where the parameter's element 0 would sit
             sections = fused_sections(name, cfg.model)
-            for first, offsets, sizes in global_boxes(kind, local, shapes[name], mesh.tp_rank,
+            for first, offsets, sizes in global_boxes(kind, local, shapes[name], index,
                                                       lo - segment.start, hi - segment.start, sections):
                 placement.boxes.append((offsets, sizes, base + first))
     for placement in placements.values():

@@ -86,7 +86,7 @@ def _boxes(optimizer, placement: Placement, role: str) -> Boxes:
 
 def _layout(cfg) -> dict:
     return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "cp_kind": cfg.cp_kind, "zero": cfg.zero,
-            "virtual_chunks": cfg.virtual_chunks, "world_size": cfg.world_size}
+            "virtual_chunks": cfg.virtual_chunks, "world_size": cfg.world_size, "ep": cfg.ep}
 
 
 # ---------------------------------------------------------------------------- each rank's own state
@@ -256,7 +256,7 @@ def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> 
     if rank.scaler is not None and isinstance(saved_scaler, dict) and saved_scaler.get("dynamic") == rank.scaler.dynamic:
         rank.scaler.load_state_dict(saved_scaler)  # a scaler of the other kind (static vs dynamic) starts afresh
     rank.data_parallel.after_update()  # ZeRO 1 and 2: all-gather the weights this rank does not own
-    restored = state["layout"] == _layout(cfg)
+    restored = {"ep": 1, **state["layout"]} == _layout(cfg)  # written before "ep" was recorded: ep 1
     if restored:
         try:
             own = json.loads((path / rank_file_name(rank.mesh.rank)).read_text(encoding="utf-8"))
