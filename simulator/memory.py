@@ -50,7 +50,7 @@ from simulator.costs.hardware import GPUSpec
 from job.layout import Bucket, Layout, buckets, check_against_config, stage_units
 from simulator.costs.op_types import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
-from simulator.costs.ops_moe import expert_rows
+from simulator.costs.ops_moe import expert_rows, received_rows
 
 MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
 
@@ -241,14 +241,16 @@ def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPol
     return 2 * layout.cp * kv * (GRAD_BYTES + e)
 
 
-def dispatch_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int) -> int:
+def dispatch_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
+                          load: float = 1.0) -> int:
     """What expert parallelism's all-to-alls hold beyond the saved tensors, one MoE layer at a time: a send and a
-    receive buffer of the routed rows (R x d each, balanced: a rank receives as many as it sends), as the
-    combine's and the dispatch's gradients cross in the backward (job/exchange/experts.py)."""
+    receive buffer of the routed rows (R x d each, balanced: a rank receives as many as it sends; the busiest rank
+    of a routing imbalance `load` receives received_rows), as the combine's and the dispatch's gradients cross in
+    the backward (job/exchange/experts.py)."""
     if layout.ep == 1 or not model.is_moe:
         return 0
     rows, _ = expert_rows(model, micro_batch_size * model.seq_len, micro_batch_size, layout.ep)
-    return 2 * rows * model.d_model * FORMAT_BYTES[policy.compute]
+    return (rows + received_rows(rows, layout.ep, load)) * model.d_model * FORMAT_BYTES[policy.compute]
 
 
 @dataclass(frozen=True)
@@ -270,7 +272,7 @@ class ActivationModel:
         ops = block_ops(model, micro_batch_size, layout, policy, implementation, moe)
         exchanging = exchange_buffer_bytes(model, layout, policy, micro_batch_size)
         if model.is_moe if moe is None else moe:
-            exchanging += dispatch_buffer_bytes(model, layout, policy, micro_batch_size)
+            exchanging += dispatch_buffer_bytes(model, layout, policy, micro_batch_size, implementation.expert_load)
         copies = sum(t.bytes for t in ops.saved if t.name.endswith(".weight_fp8"))
         return cls(ops.saved_bytes, ops.recomputed_bytes, implementation, exchanging, ops.workspace_bytes, copies)
 

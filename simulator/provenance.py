@@ -54,11 +54,16 @@ def context(gpu: GPUSpec, layout, seq_len: int) -> dict:
     return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "exchange": exchange}
 
 
-def experts(layout) -> dict:
-    """What a mixture of experts' prediction rests on beyond the rest (assumptions stated in docs/efficiency.md)."""
+def experts(layout, load: float = 1.0) -> dict:
+    """What a mixture of experts' prediction rests on beyond the rest (assumptions stated in docs/efficiency.md);
+    `load`: the routing imbalance priced (Implementation.expert_load)."""
     ep = layout.ep if layout is not None else 1
+    routing = "balanced (expert load 1.0): every expert gets routed rows / E" if load == 1 else (
+        f"imbalanced (expert load {load:.3g}): the busiest expert gets {load:.3g}x the mean routed rows, priced on "
+        f"the busiest rank of each expert group (its experts' rows and all-to-alls x {min(load, ep):.3g}: at most ep), "
+        f"which the step waits for")
     return {"ep": ep, "experts": "grouped GEMM (batch E/ep) at the GEMM model's efficiency: an assumption",
-            "routing": "balanced: every expert gets routed rows / E",
+            "routing": routing, "expert_load": load,
             "all_to_all": "exposed, on the expert group's links (NVLink, NICs beyond)" if ep > 1 else "none (ep 1)"}
 
 
@@ -67,7 +72,7 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
     formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
     measured = host_compute is not None and host_compute.units is not None
     extra = {"context": context(gpu, layout, seq_len)} if layout is not None and layout.cp > 1 else {}
-    extra.update({"experts": experts(layout)} if moe else {})
+    extra.update({"experts": experts(layout, implementation.expert_load)} if moe else {})
     return {
         "compute": MEASURED_UNITS if measured else ROOFLINE,
         "matmul_efficiency": efficiency_sources(gpu, formats, profile),

@@ -1,5 +1,6 @@
 """`minigpt plan`: the search answers GPT-3 on 1,024 GPUs within a minute, its memory refusals and its
-lower bound hold against simulate_step, and on a small case it finds what brute force finds."""
+lower bound hold against simulate_step, and on a small case it finds what brute force finds; a mixture of experts'
+expert parallelism is searched (or fixed by --ep) with the same guarantees, under a routing imbalance too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from minigpt.config import build_config
+from minigpt.presets import build_config
 from job.schedule import peak_in_flight
 from simulator.engine.simulate import step_schedule
 from simulator.search.plan import candidate_memory, enumerate_candidates, plan, simulate_candidate
@@ -167,3 +168,58 @@ def test_bad_input_is_one_line_and_exit_code_2(args, words):
     assert len(lines) == 1 and lines[0].startswith("minigpt: error:") and words in lines[0], result.output
     if words == "smallest need is":
         assert "GiB per GPU" in lines[0] and "holds 40.0 GiB" in lines[0]
+
+
+# ---------------------------------------------------------------- a mixture of experts: ep searched
+
+
+@pytest.mark.parametrize("load", [1.0, 2.0])
+def test_a_mixture_of_experts_plan_searches_ep_and_finds_the_brute_force_minimum(load):
+    """tiny-moe on 8 GPUs, every candidate simulated: ep among the divisors of dp that divide the 8 experts, memory as
+    simulate_step has it, the bound below every step, and plan's best the brute-force minimum."""
+    model, spec = build_config("tiny-moe"), ClusterSpec.of("h100-sxm")
+    cluster = spec.build(8)
+    candidates, _ = enumerate_candidates(model, 8, spec.gpus_per_node, 16)
+    assert {(c.dp, c.ep) for c in candidates} >= {(8, 8), (8, 4), (4, 4), (2, 2), (1, 1)}
+    assert all(c.dp % c.ep == 0 and model.n_experts % c.ep == 0 and c.cp == 1 and not c.sequence_parallel
+               for c in candidates)
+    bound = StepBound(model, cluster, spec.hardware, "bf16", load)
+    steps = []
+    for c in candidates:
+        memory = candidate_memory(model, c, "bf16", spec.hardware.gpu, load)
+        result = simulate_candidate(model, c, cluster, spec, "bf16", 16, load)
+        assert result.memory.total == memory.total, c.describe()
+        low = bound.seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory)
+        assert 0 < low <= result.step_time_s, c.describe()
+        steps.append(result.step_time_s)
+    found = plan(model, 8, spec, 16, expert_load=load)
+    assert found.best[0][1].step_time_s == min(steps) and found.expert_load == load
+    assert found.pruned > len(candidates) // 2
+
+
+def test_mixtral_on_64_gpus_answers_fast_with_expert_parallelism():
+    start = time.perf_counter()
+    result = invoke("--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100-sxm", "--json")
+    elapsed = time.perf_counter() - start
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert elapsed < ACCEPTANCE_S and data["best"][0]["ep"] > 1 and data["expert_load"] == 1.0
+    assert data["expert_parallelism"].startswith("ep searched")
+    fixed = json.loads(invoke("--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100-sxm", "--ep", "2",
+                              "--json").output)
+    assert {b["ep"] for b in fixed["best"]} == {2} and fixed["expert_parallelism"] == "ep fixed at 2"
+    table = invoke("--model", "mixtral-8x7b", "--gpus", "64", "--gpu", "h100-sxm", "--top", "1")
+    assert "(ep " in table.output and "expert load 1.00, balanced" in table.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "gpt2-124m", "--gpus", "8", "--ep", "2"], "this model is dense"),
+    (["--model", "tiny-moe", "--gpus", "8", "--ep", "3"], "does not divide the 8 experts"),
+    (["--model", "tiny-moe", "--gpus", "8", "--ep", "0"], "--ep"),
+    (["--model", "tiny-moe", "--gpus", "8", "--cp", "2"], "which --cp 2 cuts across ranks"),
+    (["--model", "tiny-moe", "--gpus", "8", "--ep", "8", "--global-batch", "4"], "with dp a multiple of --ep 8"),
+])
+def test_a_bad_ep_is_one_line_and_exit_code_2(args, words):
+    result = invoke(*args)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and words in lines[0], result.output

@@ -1,7 +1,9 @@
 """The simulator's mixture of experts and expert parallelism: a MoE block's op list (saved bytes equal to config.py's
 counts, the experts' GEMMs and FLOPs equal to the active FLOPs), chunks mixing dense and MoE blocks, the all-to-alls
 priced exactly as job/exchange/experts.py lists them, on NVLink inside a server and across the NICs beyond, the
-experts' memory falling with ep, and the CLI's refusals. Torch-free, no training ranks."""
+experts' memory falling with ep, a routing imbalance (--expert-load: 1.0 is today's numbers exactly, more makes the
+busiest rank's experts and all-to-alls slower, never faster; a training run's summary.json read), and the CLI's
+refusals. Torch-free, no training ranks."""
 
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ from click.testing import CliRunner
 from cli.main import main
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routed_rows
 from job.layout import Layout
-from minigpt.config import preset
+from minigpt.errors import ConfigError
+from minigpt.presets import preset
 from precision.policy import FORMAT_BYTES, policy
 from simulator.costs.compute import chunk_ops, chunk_times, tp_collectives
 from simulator.costs.hardware import load_hardware
 from simulator.costs.op_types import Gemm, Implementation, model_flops
 from simulator.costs.ops import block_ops
-from simulator.engine.experts import layer_exchange
+from simulator.engine.experts import check_expert_load, layer_exchange
 from simulator.engine.links import LinkCosts
 from simulator.engine.simulate import simulate_step
 from simulator.memory import check_activations_against_config, predict_memory
@@ -216,7 +219,114 @@ def test_bad_expert_inputs_exit_2_in_one_line(args, says):
     assert len(lines) == 1 and says in lines[0], result.output
 
 
-def test_plan_refuses_a_mixture_of_experts_in_one_line():
-    result = invoke("plan", "--model", "tiny-moe", "--gpus", "8")
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code == 2 and len(lines) == 1 and "minigpt simulate --ep" in lines[0], result.output
+
+# ---------------------------------------------------------------- routing imbalance (--expert-load)
+
+MIXTRAL8 = MIXTRAL.with_(n_layers=8)
+EP_LAYOUT = Layout(dp=16, pp=4, ep=8)
+
+
+def simulated(load=None, layout=EP_LAYOUT, model=MIXTRAL8):
+    return simulate_step(model, layout, build_cluster(H100, 8, layout.world_size // 8), "bf16", 64, 1,
+                         expert_load=load)
+
+
+def test_an_expert_load_of_one_is_todays_numbers_exactly():
+    today = simulated()
+    for same in (simulated(1.0), simulated(1)):
+        assert (same.step_time_s, same.breakdown, same.per_rank) == (today.step_time_s, today.breakdown, today.per_rank)
+        assert same.memory == today.memory
+    assert block_ops(MIXTRAL, 1, Layout(dp=4, ep=4), policy("bf16"), Implementation(expert_load=1.0), moe=True) == \
+        block_ops(MIXTRAL, 1, Layout(dp=4, ep=4), policy("bf16"), moe=True)
+    assert today.provenance["experts"]["expert_load"] == 1.0 and "balanced" in today.provenance["experts"]["routing"]
+
+
+def test_imbalance_grows_the_busiest_ranks_expert_gemms_and_all_to_alls():
+    layout, pol, rows = Layout(dp=4, ep=4), policy("bf16"), routed_rows(MIXTRAL, MIXTRAL.seq_len, 1)
+    gemms = {}
+    for load in (1.0, 2.0):
+        ops = block_ops(MIXTRAL, 1, layout, pol, Implementation(expert_load=load), moe=True)
+        gemms[load] = {op.name: op for op in ops.forward + ops.backward if isinstance(op, Gemm)}
+    for name, op in gemms[2.0].items():  # the experts' m doubles (2 local experts: rows / 2 each), the rest stays
+        grows = name.startswith("experts.") and not name.endswith("weight_grad")
+        assert op.m == (2 * gemms[1.0][name].m if grows else gemms[1.0][name].m), name
+        assert op.k == (2 * gemms[1.0][name].k if name.startswith("experts.") and name.endswith("weight_grad")
+                        else gemms[1.0][name].k), name
+    assert gemms[2.0]["experts.fc1"].m == 2 * rows // 2
+    links = LinkCosts(build_cluster(H100, 4, 1), layout, H100.gpu)
+    even, busy = (layer_exchange(MIXTRAL, layout, 1, 2, "none", links, 0, load) for load in (1.0, 2.0))
+    assert [e.bytes for e in busy[0].priced] == [even[0].priced[0].bytes] + [2 * e.bytes for e in even[0].priced[1:]]
+    assert busy[0].seconds > even[0].seconds and busy[1].seconds > even[1].seconds
+    assert layer_exchange(MIXTRAL, Layout(), 1, 2, "none", links, 0, 2.0)[0].priced == []  # ep 1: nothing moves
+
+
+def test_a_larger_expert_load_is_never_faster():
+    steps = [simulated(load) for load in (1.0, 1.25, 1.5, 2.0, 3.0)]
+    for slower, faster in zip(steps[1:], steps):
+        assert slower.step_time_s > faster.step_time_s
+        assert slower.breakdown["ep_comm"] > faster.breakdown["ep_comm"]
+        assert slower.breakdown["compute"] > faster.breakdown["compute"]
+        assert slower.memory.activations > faster.memory.activations  # the busiest rank holds more rows
+    assert "imbalanced (expert load 2)" in steps[3].provenance["experts"]["routing"]
+    one_rank = Layout(dp=16, pp=4)  # ep 1: every expert on the rank, its own rows whatever their spread
+    assert simulated(3.0, one_rank).step_time_s == simulated(1.0, one_rank).step_time_s
+    assert simulated(4.0, Layout(dp=16, pp=4, ep=2)).step_time_s == simulated(2.0, Layout(dp=16, pp=4, ep=2)).step_time_s
+
+
+def test_the_expert_load_is_checked_and_capped_by_the_capacity():
+    assert check_expert_load(MIXTRAL, 2) == 2.0 and check_expert_load(preset("tiny"), 1) == 1.0
+    assert check_expert_load(MIXTRAL.with_(capacity_factor=1.25), 3.0) == 1.25
+    assert check_expert_load(MIXTRAL.with_(capacity_factor=0.5), 3.0) == 1.0
+    for bad in (0.5, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ConfigError, match="finite number >= 1"):
+            check_expert_load(MIXTRAL, bad)
+    with pytest.raises(ConfigError, match="over top_k 2 = 4"):
+        check_expert_load(MIXTRAL, 4.5)
+
+
+def summary(tmp_path, layers: dict) -> str:
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"final_loss": 2.0, "expert_load": {"layers": layers, "choices": 10}}))
+    return str(path)
+
+
+def test_a_training_runs_summary_gives_the_mean_of_its_layers_loads(tmp_path):
+    path = summary(tmp_path, {"0": {"counts": [3, 1], "shares": [0.75, 0.25], "max_over_mean": 1.5},
+                              "1": {"counts": [5, 0], "shares": [1.0, 0.0], "max_over_mean": 2.5}})
+    base = ("simulate", "--model", "tiny-moe", "--ep", "2", "--dp", "2", "--json")
+    for where in (path, str(tmp_path)):  # the file, or the run directory holding it
+        data = json.loads(invoke(*base, "--expert-load", where).output)
+        assert data["provenance"]["experts"]["expert_load"] == 2.0
+        assert "mean of the measured max_over_mean over 2 MoE layers" in data["expert_load_from"]
+    given = json.loads(invoke(*base, "--expert-load", "2").output)
+    assert given["step_time_s"] == data["step_time_s"] > json.loads(invoke(*base).output)["step_time_s"]
+    table = invoke(*base[:-1], "--expert-load", path)
+    assert table.exit_code == 0 and "expert load: 2.00 (the mean" in table.output
+    assert "routing imbalanced (expert load 2)" in table.output
+    plan = invoke("plan", "--model", "tiny-moe", "--gpus", "8", "--expert-load", path, "--json")
+    assert plan.exit_code == 0 and json.loads(plan.output)["expert_load"] == 2.0
+
+
+@pytest.mark.parametrize("value, says", [
+    ("0.5", "finite number >= 1"), ("nan", "finite number >= 1"), ("inf", "finite number >= 1"),
+    ("4.5", "over top_k 2 = 4"), ("missing.json", "does not exist"),
+    ({"final_loss": 2.0}, "has no expert_load per layer"),
+    ({"expert_load": {"layers": {"0": {"max_over_mean": 0.0}}}}, "layer 0's max_over_mean is 0.0"),
+    ({"expert_load": {"layers": {"0": {"max_over_mean": "2"}}}}, "layer 0's max_over_mean is '2'"),
+])
+def test_a_bad_expert_load_exits_2_in_one_line(tmp_path, value, says):
+    if isinstance(value, dict):
+        (tmp_path / "summary.json").write_text(json.dumps(value))
+        value = str(tmp_path / "summary.json")
+    elif value == "missing.json":
+        value = str(tmp_path / value)
+    for command in (["simulate", "--ep", "2", "--dp", "2"], ["plan", "--gpus", "8"]):
+        result = invoke(*command, "--model", "tiny-moe", "--expert-load", value)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.output
+
+
+def test_a_dense_model_takes_no_expert_load():
+    result = invoke("simulate", "--model", "tiny", "--expert-load", "2")
+    assert result.exit_code == 2 and "this model is dense" in result.output, result.output
+    assert invoke("simulate", "--model", "tiny", "--expert-load", "1").exit_code == 0

@@ -6,7 +6,9 @@ Torch-free: it checks flags and prints what simulator/search/plan.py finds. The 
 servers). The global batch defaults to one sequence per GPU, so every dp divides it;
 --micro-batch-size or --micro-batches fixes the micro-batching, otherwise it is searched. Context parallelism (ring) is
 searched too (simulator/search/plan.py's MIN_CP_CHUNK says how far); when no layout fits without it,
-one line says which cp the job needs at the least.
+one line says which cp the job needs at the least. For a mixture of experts expert parallelism is searched (every
+divisor of dp that divides the experts; --ep fixes it) and --expert-load prices a routing imbalance
+(cli/options/experts.py), the same for every candidate.
 
 A model that fits nowhere is bad input too: one line naming the smallest memory need found and the
 GPU's capacity, exit code 2 (the flags ask for the impossible; more GPUs, a larger GPU or a smaller
@@ -23,6 +25,7 @@ import click
 
 from cli.options.batch import batch_options
 from cli.options.config_file import config_file_option
+from cli.options.experts import expert_load_option, read_expert_load
 from cli.options.model import model_from_options, model_options
 from cli.options.cluster import check_cluster_names, cluster_options
 from cli.options.precision import precision_option, simulated_precision
@@ -79,6 +82,9 @@ def _print(result) -> None:
                f"fastest layouts that fit")
     if result.context_note:
         click.echo(result.context_note)
+    if model.is_moe:
+        click.echo(f"mixture of experts: {result.expert_note} (dp N (ep M): M of the N data-parallel ranks split "
+                   f"them); expert load {result.expert_load:.2f}, {result.expert_load_from}")
     click.echo(format_table(["#", "layout", "SP", "ZeRO", "micro-batches", "schedule", "recompute", "step", "MFU",
                              f"GiB per GPU (of {result.capacity / GIB:.1f})"], _rows(result)))
     click.echo("")
@@ -104,24 +110,25 @@ def _spec(options: dict):
 @click.option("--gpus", type=int, required=True, help="GPUs in the cluster (whole servers).")
 @click.option("--cp", type=int, help="Fix context parallelism (ring) at this size [default: searched: powers of two "
               "whose chunks hold at least 512 tokens].")
+@click.option("--ep", type=int, help="Fix a mixture of experts' expert parallelism at this size [default: searched: "
+              "every divisor of dp that divides the experts].")
+@expert_load_option
 @precision_option
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
 @cluster_options()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(**options) -> None:
-    """Search tp, sequence parallelism, context parallelism (ring), pp, dp, ZeRO stage, micro-batch size, schedule and recompute
-    for the fastest layouts that fit in memory, as the simulator predicts them, and say why the
-    others lost."""
+    """Search tp, sequence parallelism, context parallelism (ring), pp, dp, expert parallelism (a mixture of experts'),
+    ZeRO stage, micro-batch size, schedule and recompute for the fastest layouts that fit in memory, as the simulator
+    predicts them, and say why the others lost."""
     from precision.policy import policy as precision_policy
     from simulator.search.plan import plan as search
 
     model = model_from_options(options)
-    if model.is_moe:
-        raise ConfigError("minigpt plan searches dense layouts, not expert parallelism: for a mixture of experts "
-                          "simulate each layout with minigpt simulate --ep (docs/efficiency.md, 'Mixture of experts')")
+    load, load_from = read_expert_load(options["expert_load"])
     check_cluster_names(options)
     for name in ("gpus", "top", "global_batch", "micro_batch_size", "micro_batches", "gpus_per_node",
-                 "nics_per_node", "cp"):
+                 "nics_per_node", "cp", "ep"):
         if options[name] is not None:
             check_positive_int(f"--{name.replace('_', '-')}", options[name])
     if not 1.0 <= options["oversubscription"] < float("inf"):
@@ -132,7 +139,10 @@ def plan(**options) -> None:
     with _progress() as tick:
         result = search(model, options["gpus"], spec, options["global_batch"] or options["gpus"],
                         options["precision"], options["top"], options["micro_batch_size"], options["micro_batches"],
-                        progress=tick, cp=options["cp"])
+                        progress=tick, cp=options["cp"], ep=options["ep"], expert_load=load)
+    if result.expert_load != load:
+        load_from += f"; {load:.3g} capped at the capacity factor {model.capacity_factor:g}"
+    result.expert_load_from = load_from
     if options["as_json"]:
         click.echo(json.dumps({"model_parameters": model.n_params(), **result.as_dict()}))
     else:

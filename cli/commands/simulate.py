@@ -8,7 +8,8 @@ Without --nodes the cluster has exactly the layout's tp x cp x pp x dp GPUs. --c
 and values (simulator/engine/context.py), shown as its own row of the step's breakdown; it needs flash
 attention, and a sweep keeps it at the given cp. --ep splits a mixture of experts' experts over ep ranks of
 the data-parallel group (ep consecutive dp ranks: on NVLink while tp x ep fits in a server), whose all-to-alls
-(simulator/engine/experts.py) are the breakdown's "expert all-to-all" row; one layout only, no sweep. How a block is
+(simulator/engine/experts.py) are the breakdown's "expert all-to-all" row; one layout only, no sweep; --expert-load
+(cli/options/experts.py) prices a routing imbalance, a number or a training run's measured one. How a block is
 computed (--attention, --recompute, --sp-saved-input: simulator/costs/ops.py) and what overlaps
 what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
 simulator/engine/overlap.py) are flags too; the output says what its numbers rest on, and which algorithm
@@ -29,6 +30,7 @@ from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_option
 from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
+from cli.options.experts import expert_load_option, read_expert_load
 from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
@@ -118,10 +120,12 @@ def run_single(options: dict) -> dict:
     result = simulate_step(model, layout, cluster, options["precision"], global_batch, options["micro_batch"],
                            options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware,
                            attention=options["attention"], overlap=_overlap(options),
-                           sp_saved_input=options["sp_saved_input"], nccl_algo=options["nccl_algo"])
+                           sp_saved_input=options["sp_saved_input"], nccl_algo=options["nccl_algo"],
+                           expert_load=options["expert_load"])
     if options["trace"]:
         result.write_chrome_trace(options["trace"])
-    return {"model": model, "result": result, "cluster": cluster.describe()}
+    return {"model": model, "result": result, "cluster": cluster.describe(),
+            "expert_load_from": options["expert_load_from"]}
 
 
 def run_sweep(options: dict) -> dict:
@@ -131,8 +135,9 @@ def run_sweep(options: dict) -> dict:
         raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
     if options["dp"]:
         raise ConfigError("in a sweep dp follows from the GPU count: drop --dp (fix --tp and --pp, or let the sweep choose)")
-    if options["ep"] > 1:
-        raise ConfigError(f"--sweep searches layouts without expert parallelism: drop --ep {options['ep']}, or simulate "
+    if options["ep"] > 1 or options["expert_load"] != 1:
+        what = f"--ep {options['ep']}" if options["ep"] > 1 else "--expert-load"
+        raise ConfigError(f"--sweep searches layouts without expert parallelism: drop {what}, or simulate "
                           f"one layout (--tp, --pp, --dp, --ep) without --sweep")
     if options["nccl_algo"] != "auto":
         raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
@@ -193,6 +198,8 @@ def _print_single(report: dict) -> None:
     click.echo(f"{parameter_count(model.n_params())}-parameter GPT{active} ({model.describe()}) on "
                f"{rep.headline(result)}")
     click.echo(f"cluster: {report['cluster']}")
+    if model.is_moe:
+        click.echo(f"expert load: {result.provenance['experts']['expert_load']:.2f} ({report['expert_load_from']})")
     click.echo("")
     click.echo(format_table(["step", "seconds", "share"], rep.step_rows(result)))
     click.echo(f"(breakdown of the slowest pipeline rank, {result.critical_rank}; it adds up to the step)")
@@ -234,7 +241,8 @@ def _print_sweep(report: dict) -> None:
 
 def _json(report: dict) -> dict:
     if "result" in report:
-        return {**report["result"].as_dict(), "cluster": report["cluster"]}
+        moe = {"expert_load_from": report["expert_load_from"]} if report["model"].is_moe else {}
+        return {**report["result"].as_dict(), "cluster": report["cluster"], **moe}
     from simulator.search.sweep import zero_verdict
 
     data = {"sweep": report["sweep"].as_dict()}
@@ -263,13 +271,19 @@ def check_paths(options: dict) -> None:
 def check_context(options: dict, model) -> None:
     """--cp and --cp-kind, one line each: the split (job/train_config.py) and the attention it needs; --ep and the
     experts (job/train_config.py's check_expert_parallel: a MoE model, E and dp divisible by ep, no cp or sequence
-    parallelism with experts)."""
+    parallelism with experts); --expert-load, read into options["expert_load"] and where it comes from
+    (cli/options/experts.py, simulator/engine/experts.py's check_expert_load)."""
     from job.train_config import check_context_parallel, check_expert_parallel
+    from simulator.engine.experts import check_expert_load
 
     check_context_parallel(model, options["cp"], options["cp_kind"])
     check_cp_attention(options["cp"], options["attention"])
     dp = options["dp"] or (1 if not options["sweep"] else options["ep"])
     check_expert_parallel(model, options["ep"], dp, options["cp"], options["sequence_parallel"])
+    given, options["expert_load_from"] = read_expert_load(options["expert_load"])
+    options["expert_load"] = check_expert_load(model, given)
+    if options["expert_load"] != given:
+        options["expert_load_from"] += f"; {given:.3g} capped at the capacity factor {model.capacity_factor:g}"
 
 
 def parameter_count(n: int) -> str:
@@ -338,6 +352,7 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--ep", default=1, show_default=True, type=int,
               help="Expert-parallel size: a mixture of experts' experts split over ep consecutive ranks of the "
                    "data-parallel group (it must divide dp and the experts): on NVLink while tp x ep fits in a server.")
+@expert_load_option
 @precision_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")

@@ -24,7 +24,9 @@ for all T rows, parallel/tensor/parallelize.py), E experts of width w (in = w, o
               receives as many rows as it sends), priced by the GEMM model with every expert's tiles in one set of
               waves (simulator/costs/gemm_model.py; docs/efficiency.md "Mixture of experts" says what that rests
               on); biases inside the GEMM (torch.addmm); GELU, or SwiGLU as one kernel (ops.py's convention); the
-              experts' outputs concatenated (torch.cat: a copy);
+              experts' outputs concatenated (torch.cat: a copy); under a routing imbalance (Implementation's
+              expert_load) the busiest rank of the expert group receives more rows than it sends: its experts run
+              on received_rows (their m and element-wise kernels grow), the rows it sent and gets back do not;
   combine     the gates gathered in the rows' order and cast, the gate multiply (saving the rows and their
               gates), a zero T x d buffer and the index_add of the rows into it.
 
@@ -56,6 +58,16 @@ INDEX = 8  # int64 indices (torch's sort, nonzero, gather indices)
 def local_experts(model: GPTConfig, ep: int) -> int:
     """Experts on one rank: E / ep (job/train_config.py checks that ep divides E)."""
     return model.n_experts // ep
+
+
+def received_rows(rows: int, ep: int, load: float = 1.0) -> int:
+    """Routed rows the busiest rank of an expert group of `ep` receives for its experts when every rank sends `rows`:
+    as many when balanced; under a routing imbalance `load` (the busiest expert's rows over the mean) that many times
+    more, at most ep times (all its group's rows). An upper bound: a rank's rows over the mean are at most its
+    busiest expert's, its other experts taken as busy. With ep 1 one rank holds every expert and gets its own rows
+    whatever their spread (a grouped GEMM runs all experts' tiles in one set of waves): nothing changes."""
+    share = min(load, ep)
+    return rows if share == 1 else math.ceil(rows * share)
 
 
 def expert_rows(model: GPTConfig, tokens: int, sequences: int, ep: int) -> tuple[int, int]:
@@ -139,9 +151,11 @@ def _dispatch_forward(rec: Recorder, model: GPTConfig, rows: int) -> tuple[str, 
 
 
 def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gathered: str) -> str:
-    """Each local expert's MLP over its rows, as one grouped GEMM per Linear: returns the concatenated outputs."""
+    """Each local expert's MLP over the `rows` it received, as one grouped GEMM per Linear: returns the concatenated
+    outputs."""
     sh = rec.shape
-    experts, (_, per_expert) = local_experts(model, ep), expert_rows(model, sh.rows, sh.b, ep)
+    experts = local_experts(model, ep)
+    per_expert = math.ceil(rows / experts)
     width, width_in = model.expert_width, model.expert_in_width
     hidden = rec.tensor("experts.hidden", rows * width_in * sh.e)
     rec.gemm("experts.fc1", per_expert, width_in, sh.d, sh.compute, (gathered,), experts)
@@ -179,11 +193,17 @@ def _combine_forward(rec: Recorder, rows: int, out: str, order: str, tokens: str
 def routed_forward(rec: Recorder, model: GPTConfig, ep: int, inp: str) -> str:
     """Router, losses, dispatch, the local experts and the combine over `inp` (the ln2 output): returns the routed
     experts' T x d output."""
-    rows, _ = expert_rows(model, rec.shape.rows, rec.shape.b, ep)
+    sh = rec.shape
+    rows, _ = expert_rows(model, sh.rows, sh.b, ep)
+    received = received_rows(rows, ep, sh.expert_load)
     logits32, scores, _ = _router_forward(rec, model, inp)
     _losses_forward(rec, model, logits32, scores)
     order, tokens, gathered = _dispatch_forward(rec, model, rows)
-    out = _experts_forward(rec, model, ep, rows, gathered)
+    if received != rows:  # the dispatch's all-to-all (no op here) hands the busiest rank more rows than it sent
+        gathered = rec.tensor("experts.received", received * sh.d * sh.e)
+    out = _experts_forward(rec, model, ep, received, gathered)
+    if received != rows:  # and the combine's brings its own rows home
+        out = rec.tensor("combine.received", rows * sh.d * sh.e)
     return _combine_forward(rec, rows, out, order, tokens)
 
 
@@ -201,10 +221,12 @@ def weight_gradient(rec: Recorder, name: str, n: int, k: int, m: int, batch: int
     rec.back_mem(f"{name}.grad_accumulate", 2 * batch * n * k * sh.grad, batch * n * k * sh.grad)
 
 
-def _experts_backward(rec: Recorder, model: GPTConfig, ep: int, rows: int) -> None:
-    """Combine, the gate multiply, the gates' scatter, the grouped experts, the rows' scatter-add."""
+def _experts_backward(rec: Recorder, model: GPTConfig, ep: int, rows: int, received: int) -> None:
+    """Combine, the gate multiply, the gates' scatter, the grouped experts (over the `received` rows), the rows'
+    scatter-add (over the `rows` sent)."""
     sh = rec.shape
-    experts, (_, per_expert) = local_experts(model, ep), expert_rows(model, sh.rows, sh.b, ep)
+    experts = local_experts(model, ep)
+    per_expert = math.ceil(received / experts)
     width, width_in, row = model.expert_width, model.expert_in_width, rows * sh.d * sh.e
     rec.back_mem("combine.backward", rows * INDEX + row, row)  # index_select of the tokens' gradients
     rec.back_mem("combine.gate_multiply_backward", row + rows * sh.e, row)
@@ -215,11 +237,11 @@ def _experts_backward(rec: Recorder, model: GPTConfig, ep: int, rows: int) -> No
     rec.back_mem("combine.gate_scatter", rows * (INDEX + FP32), sh.rows * model.top_k * FP32)
     for name, n, k in (("experts.fc2", sh.d, width), ("experts.fc1", width_in, sh.d)):  # n outputs of k inputs
         if sh.bias:
-            rec.back_mem(f"{name}.bias_grad", rows * n * sh.e, experts * n * sh.grad)
+            rec.back_mem(f"{name}.bias_grad", received * n * sh.e, experts * n * sh.grad)
         rec.back_gemm(f"{name}.input_grad", per_expert, k, n, sh.compute, experts)
         weight_gradient(rec, name, k, n, per_expert, experts)
         if name == "experts.fc2":  # the activation's backward, between the two Linears
-            hidden = rows * width * sh.e  # one width-wide tensor
+            hidden = received * width * sh.e  # one width-wide tensor
             if sh.swiglu:
                 rec.back_mem("experts.swiglu_backward", 4 * hidden, 2 * hidden)
             else:
@@ -259,7 +281,7 @@ def routed_backward(rec: Recorder, model: GPTConfig, ep: int, consumers: int) ->
     """The backward of routed_forward; `consumers`: the tensors that read the MoE's input (router, gathered rows, and
     the shared experts when there are some), whose gradients are summed."""
     rows, _ = expert_rows(model, rec.shape.rows, rec.shape.b, ep)
-    _experts_backward(rec, model, ep, rows)
+    _experts_backward(rec, model, ep, rows, received_rows(rows, ep, rec.shape.expert_load))
     _router_backward(rec, model)
     grad = rec.shape.rows * rec.shape.d * rec.shape.e
     for _ in range(consumers - 1):

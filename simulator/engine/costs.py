@@ -149,7 +149,8 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             context = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage) \
                 if job.layout.cp > 1 else (0.0, 0.0)
             forward, backward = expert_exchange(job.model, job.layout, micro_batch, job.compute_bytes,
-                                                implementation.recompute, job.links, stage) if moe else ((), ())
+                                                implementation.recompute, job.links, stage,
+                                                implementation.expert_load) if moe else ((), ())
             experts = (layers * forward.seconds, layers * backward.seconds) if moe else (0.0, 0.0)
             exchanges[(key, stage)] = (*context, *experts)
         return (*priced, *exchanges[(key, stage)])

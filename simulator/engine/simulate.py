@@ -39,6 +39,7 @@ from job.train_config import TrainConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
 from simulator.engine.costs import rank_costs
+from simulator.engine.experts import check_expert_load
 from simulator.engine.host import HostLinks, host_compute
 from simulator.engine.links import LinkCosts
 from simulator.engine.replay import CATEGORIES, RankTally, no_garbage_collection, replay
@@ -224,19 +225,23 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                   bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None,
                   attention: str = "flash", overlap: Overlap | str | None = None,
                   sp_saved_input: str = "gathered", nccl_algo: str = "auto",
-                  implementation: Implementation | None = None) -> SimResult:
+                  implementation: Implementation | None = None, expert_load: float | None = None) -> SimResult:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
 
     `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py), or all of it as
     `implementation` (simulator/costs/op_types.py's Implementation: fp8 and weight-gradient settings too);
     `overlap`: an Overlap or a preset name (simulator/engine/overlap.py; default: our executor's);
-    `nccl_algo`: "auto" (each collective as NCCL would pick it) or an algorithm forced (simulator/network/nccl.py)."""
+    `nccl_algo`: "auto" (each collective as NCCL would pick it) or an algorithm forced (simulator/network/nccl.py);
+    `expert_load`: a mixture of experts' routing imbalance (Implementation.expert_load; None: the implementation's,
+    1.0 balanced), priced on the busiest rank of each expert group, which the step waits for."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
     settings = resolve_overlap(overlap)
     # the stack the overlap preset names computes its own way too (fp8 casts, weight gradients): overlap.py
     implementation = implementation or Implementation(attention, recompute, sp_saved_input,
                                                       **stack_implementation(settings))
+    if expert_load is not None:
+        implementation = replace(implementation, expert_load=check_expert_load(model, expert_load))
     attention, recompute = implementation.attention, implementation.recompute
     v = check_positive_int("virtual_chunks", virtual_chunks)
     if layout.virtual_chunks not in (1, v):

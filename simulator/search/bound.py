@@ -2,10 +2,10 @@
 
 simulator/engine/simulate.py's replay runs each pipeline rank's actions one after another on the rank's own
 clock: a compute action holds it for its price with nothing armed around it (compute plus exposed
-tp, simulator/engine/costs.py's `rank_costs`) or more (simulator/engine/dp_overlap.py's `overlap`
-never ends before its segments' compute, which adds up to that price); a send leaves, and so its
-receive ends, no earlier than the compute that made the data; the optimizer step runs last. So,
-for every rank r, the step lasts at least
+tp, cp and a MoE's all-to-alls, at the job's expert load: simulator/engine/costs.py's `rank_costs`) or
+more (simulator/engine/dp_overlap.py's `overlap` never ends before its segments' compute, which adds up
+to that price); a send leaves, and so its receive ends, no earlier than the compute that made the data;
+the optimizer step runs last. So, for every rank r, the step lasts at least
 
     compute_r = head_r + work_r + max(optimizer_r, tail_r + optimizer_0)
 
@@ -98,8 +98,10 @@ class StepBound:
     """Lower bounds for one model on one cluster; the prices of a pipeline are computed once and
     shared by every candidate that differs from it only in ZeRO stage or schedule kind."""
 
-    def __init__(self, model: GPTConfig, cluster: Cluster, hardware: Hardware, precision: str) -> None:
+    def __init__(self, model: GPTConfig, cluster: Cluster, hardware: Hardware, precision: str,
+                 expert_load: float = 1.0) -> None:
         self.model, self.cluster, self.hardware, self.precision = model, cluster, hardware, precision
+        self.expert_load = expert_load  # a MoE's routing imbalance, as simulate_step is given it
         self.policy = precision_policy(precision)
         self.settings = resolve_overlap(None)  # simulate_step's default: our executor
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
@@ -111,14 +113,15 @@ class StepBound:
         config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
                           micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
-                          Implementation("flash", recompute, "gathered", **stack_implementation(self.settings)),
+                          Implementation("flash", recompute, "gathered", **stack_implementation(self.settings),
+                                         expert_load=self.expert_load),
                           self.settings)
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
         """(forward, backward) seconds per global chunk, as rank_costs prices them with nothing armed."""
         key = (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch, recompute,
-               layout.cp, layout.cp_kind)
+               layout.cp, layout.cp_kind, layout.ep)
         if key not in self.prices:
             forward, backward = {}, {}
             for rank in self.costs(layout, micro_batches, kind, micro_batch, recompute, memory):

@@ -10,13 +10,17 @@ Every candidate:
           tokens (module constant: why);
   pp      dividing GPUs / (tp x cp), at most the layers (job/schedule.py's chunk_layers: a block a chunk);
   dp      GPUs / (tp x cp x pp);
+  ep      a mixture of experts' expert parallelism: every divisor of dp that divides the experts (E / ep experts a
+          rank; job/train_config.py's check_expert_parallel), or the one --ep asks for; 1 for a dense model (a MoE
+          takes no cp or sequence parallelism: shape_allows leaves them out);
   ZeRO    0, 1, 2 and 3 with several data-parallel ranks (dp x cp); 0 with one (every stage runs as 0 there);
   micro-batch  MICRO_BATCH_SIZES that divide the batch per replica (or the one --micro-batch-size /
           --micro-batches asks for);
   schedule  1f1b; interleaved with INTERLEAVED_CHUNKS virtual chunks where the micro-batches are a
           multiple of pp and every chunk gets a block (pp 1: 1f1b only);
   recompute none, selective, full;
-with flash attention and our executor's overlap, as `minigpt simulate` defaults to. A candidate
+with flash attention and our executor's overlap, as `minigpt simulate` defaults to, and a MoE's routing imbalance
+as --expert-load gives it (1.0: balanced; the memory check, the bound and every simulation price the same). A candidate
 beyond simulator/limits.py's schedule slots or ZeRO-3 gathers is refused, as the interleaved
 schedule is where it cannot run: both are counted.
 
@@ -44,7 +48,9 @@ from typing import Callable
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
-from job.train_config import check_context_parallel, shape_allows
+from job.train_config import check_context_parallel, check_expert_parallel, shape_allows
+from simulator.costs.op_types import Implementation
+from simulator.engine.experts import check_expert_load
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
@@ -83,13 +89,16 @@ class Candidate:
     virtual_chunks: int
     recompute: str
     cp: int = 1  # context parallelism, ring
+    ep: int = 1  # expert parallelism: ep of the dp ranks split a mixture of experts' experts
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp, self.zero, self.sequence_parallel, self.virtual_chunks, self.cp)
+        return Layout(self.tp, self.pp, self.dp, self.zero, self.sequence_parallel, self.virtual_chunks, self.cp,
+                      ep=self.ep)
 
     def mesh(self) -> str:
-        return f"tp {self.tp} x cp {self.cp} x pp {self.pp} x dp {self.dp}"
+        experts = f" (ep {self.ep})" if self.ep > 1 else ""
+        return f"tp {self.tp} x cp {self.cp} x pp {self.pp} x dp {self.dp}{experts}"
 
     def describe(self) -> str:
         chunks = f" x{self.virtual_chunks}" if self.virtual_chunks > 1 else ""
@@ -102,7 +111,7 @@ class Candidate:
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "zero": self.zero,
                 "sequence_parallel": self.sequence_parallel, "micro_batch": self.micro_batch,
                 "micro_batches": self.micro_batches, "schedule": self.schedule,
-                "virtual_chunks": self.virtual_chunks, "recompute": self.recompute}
+                "virtual_chunks": self.virtual_chunks, "recompute": self.recompute, "ep": self.ep}
 
 
 def tensor_parallel_options(model: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[tuple[int, bool]]:
@@ -120,6 +129,15 @@ def context_parallel_options(model: GPTConfig, n_gpus: int, tp: int, sequence_pa
     while fixed is None and model.seq_len // (4 * sizes[-1]) >= MIN_CP_CHUNK:
         sizes.append(2 * sizes[-1])
     return [cp for cp in sizes if (n_gpus // tp) % cp == 0 and shape_allows(model, tp, sequence_parallel, cp)]
+
+
+def expert_parallel_options(model: GPTConfig, dp: int, fixed: int | None = None) -> list[int]:
+    """ep sizes with this dp: `fixed` alone when given (and dividing dp), else every divisor of dp that divides the
+    experts; 1 for a dense model."""
+    if not model.is_moe:
+        return [1]
+    sizes = [fixed] if fixed is not None else range(1, dp + 1)
+    return [ep for ep in sizes if dp % ep == 0 and model.n_experts % ep == 0]
 
 
 def micro_batch_sizes(per_replica: int, size: int | None, count: int | None) -> list[int]:
@@ -147,10 +165,10 @@ def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter) -> list[tupl
 
 
 def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, global_batch: int,
-                         micro_batch: int | None = None, micro_batches: int | None = None, cp: int | None = None
-                         ) -> tuple[list[Candidate], Counter]:
+                         micro_batch: int | None = None, micro_batches: int | None = None, cp: int | None = None,
+                         ep: int | None = None) -> tuple[list[Candidate], Counter]:
     """Every candidate of the module docstring, and the refusals counted by REFUSALS key; `cp` fixes context
-    parallelism (None: searched)."""
+    parallelism, `ep` expert parallelism (None: searched)."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
         for cp_size in context_parallel_options(model, n_gpus, tp, sp, cp):
@@ -160,12 +178,14 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                 if global_batch % dp:
                     continue
                 for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
-                    out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused)
+                    for ep_size in expert_parallel_options(model, dp, ep):
+                        out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused,
+                                          ep_size)
     return out, refused
 
 
 def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,
-               refused: Counter) -> list[Candidate]:
+               refused: Counter, ep: int = 1) -> list[Candidate]:
     """The candidates of one mesh and micro-batching: every ZeRO stage, schedule and recompute mode."""
     out = []
     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
@@ -176,23 +196,25 @@ def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, s
             if zero3_gathers(zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
                 refused["zero3_gathers"] += len(RECOMPUTE_MODES)
                 continue
-            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp)
+            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp, ep)
                     for recompute in RECOMPUTE_MODES]
     return out
 
 
-def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu: GPUSpec) -> MemoryEstimate:
+def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu: GPUSpec,
+                     expert_load: float = 1.0) -> MemoryEstimate:
     """predict_memory exactly as simulate_step calls it for this candidate (its schedule's in-flight micro-batches)."""
     c = candidate
     in_flight = list(schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks).in_flight)
-    return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, in_flight)
+    return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, in_flight,
+                          implementation=Implementation(recompute=c.recompute, expert_load=expert_load))
 
 
 def simulate_candidate(model: GPTConfig, candidate: Candidate, cluster, spec: ClusterSpec, precision: str,
-                       global_batch: int) -> SimResult:
+                       global_batch: int, expert_load: float = 1.0) -> SimResult:
     c = candidate
     return simulate_step(model, c.layout, cluster, precision, global_batch, c.micro_batch, c.schedule,
-                         c.virtual_chunks, c.recompute, gpu=spec.hardware)
+                         c.virtual_chunks, c.recompute, gpu=spec.hardware, expert_load=expert_load)
 
 
 @dataclass
@@ -214,6 +236,9 @@ class Plan:
     pruned: int = 0  # fit, not simulated: their bound exceeds the slowest of the top best steps
     seconds: dict[str, float] = field(default_factory=dict)
     smallest_cp: int = 1  # the smallest context-parallel size among the layouts that fit
+    expert_load: float = 1.0  # a MoE's routing imbalance priced (simulator/engine/experts.py's check_expert_load)
+    expert_load_from: str = "balanced (the default)"  # where that number comes from (the command line says)
+    fixed_ep: int | None = None  # expert parallelism as asked for (None: searched)
 
     @property
     def context_note(self) -> str | None:
@@ -222,6 +247,13 @@ class Plan:
             return None
         return (f"a {self.model.seq_len}-token sequence does not fit without context parallelism: "
                 f"cp >= {self.smallest_cp} needed")
+
+    @property
+    def expert_note(self) -> str:
+        """What was searched of expert parallelism (a mixture of experts)."""
+        if self.fixed_ep is not None:
+            return f"ep fixed at {self.fixed_ep}"
+        return f"ep searched: every divisor of dp that divides the {self.model.n_experts} experts"
 
     @property
     def fitting(self) -> int:
@@ -237,6 +269,8 @@ class Plan:
             "n_gpus": self.n_gpus, "gpu": self.gpu, "memory_capacity_bytes": self.capacity,
             "global_batch": self.global_batch, "precision": self.precision, "model": self.model.describe(),
             "smallest_cp_that_fits": self.smallest_cp, "context_parallelism_note": self.context_note,
+            **({"expert_load": self.expert_load, "expert_load_from": self.expert_load_from,
+                "expert_parallelism": self.expert_note} if self.model.is_moe else {}),
             "best": [{**c.as_dict(), "step_time_s": r.step_time_s, "mfu": r.mfu, "tflops_per_gpu": r.tflops_per_gpu,
                       "samples_per_s": r.samples_per_s, "memory_per_gpu_bytes": r.memory.total,
                       "memory_margin_bytes": r.memory_margin_bytes, "lower_bound_s": bound, "breakdown": r.breakdown}
@@ -274,29 +308,35 @@ def _check(model: GPTConfig, n_gpus: int, global_batch: int, top: int) -> None:
 
 def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, precision: str = "bf16",
          top: int = 5, micro_batch: int | None = None, micro_batches: int | None = None,
-         progress: Callable[[str, int, int], None] | None = None, cp: int | None = None) -> Plan:
+         progress: Callable[[str, int, int], None] | None = None, cp: int | None = None, ep: int | None = None,
+         expert_load: float = 1.0) -> Plan:
     """The `top` fastest candidates that fit (see the module docstring); `progress(stage, done, total)`;
-    `cp` fixes context parallelism (None: searched)."""
+    `cp` fixes context parallelism, `ep` expert parallelism (None: searched); `expert_load`: a MoE's routing
+    imbalance (simulator/engine/experts.py)."""
     _check(model, n_gpus, global_batch, top)
     if cp is not None:
         check_context_parallel(model, cp)  # one line for a cp the sequence cannot take at all
+    check_expert_parallel(model, ep or 1, ep or 1, cp or 1)  # one line for an ep, or a MoE's cp, it cannot take
+    expert_load = check_expert_load(model, expert_load)
     if spec.hardware.gpu.measured is not None:
         raise ConfigError("plan searches GPU clusters: a calibrated CPU host profile's compute depends on how many "
                           "ranks share its cores; simulate its layouts one by one with `minigpt simulate`")
     cluster = spec.build(n_gpus)  # whole servers, or one error line
     clock = time.perf_counter()
     candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
-                                               micro_batches, cp)
+                                               micro_batches, cp, ep)
     gpu = spec.hardware.gpu
     result = Plan(model, n_gpus, spec.hardware.name, gpu.hbm_bytes, global_batch, precision, top,
-                  candidates=len(candidates) + sum(refused.values()), refused=dict(refused))
+                  candidates=len(candidates) + sum(refused.values()), refused=dict(refused), expert_load=expert_load,
+                  fixed_ep=ep)
     if not candidates:
         raise ConfigError(f"no layout of {n_gpus} GPUs runs a global batch of {global_batch}"
-                          f"{' with the micro-batching asked for' if micro_batch or micro_batches else ''} "
+                          f"{' with the micro-batching asked for' if micro_batch or micro_batches else ''}"
+                          f"{f' with dp a multiple of --ep {ep}' if ep else ''} "
                           f"within simulator/limits.py: give a global batch that is a multiple of the GPU count")
     fitting = []
     for index, candidate in enumerate(candidates):
-        memory = candidate_memory(model, candidate, precision, gpu)
+        memory = candidate_memory(model, candidate, precision, gpu, expert_load)
         if memory.fits:
             fitting.append((candidate, memory))
         else:
@@ -319,7 +359,7 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
     builds the schedule) only when the candidate reaches the front, which then goes back in line."""
     clock = time.perf_counter()
     model, precision = result.model, result.precision
-    bound = StepBound(model, cluster, spec.hardware, precision)
+    bound = StepBound(model, cluster, spec.hardware, precision, result.expert_load)
     line = [(bound.compute_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory), 0, i)
             for i, (c, memory) in enumerate(fitting)]
     heapq.heapify(line)
@@ -334,7 +374,8 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
             dp = bound.data_parallel_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory)
             heapq.heappush(line, (max(low, dp), 1, index))
             continue
-        simulated = simulate_candidate(model, candidate, cluster, spec, precision, result.global_batch)
+        simulated = simulate_candidate(model, candidate, cluster, spec, precision, result.global_batch,
+                                       result.expert_load)
         if not simulated.fits:  # predict_memory disagrees with itself: a bug, not an answer
             raise RuntimeError(f"{candidate.describe()}: the memory check said it fits, simulate_step says not")
         result.simulated.append((candidate, simulated.step_time_s, low))
