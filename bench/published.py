@@ -4,6 +4,7 @@
     python bench/published.py --json             # one JSON object
     python bench/published.py --legacy           # flags an older minigpt knows (for a before/after)
     python bench/published.py --table dgxc       # NVIDIA's DGX-Cloud GPT-3 175B on 128-2,048 H100s, bf16 and fp8
+    python bench/published.py --table moe        # mixtures of experts: Mixtral 8x7B, Qwen3-30B-A3B on H100s
 
 Each row of bench/published_runs.json is simulated through the command line a user would type,
 `minigpt simulate ... --json`, on the a100-80gb preset (DGX A100 nodes, HDR InfiniBand) with the
@@ -30,6 +31,19 @@ once per step, Transformer Engine's fused casts), and dropout 0.1 as the run's g
 (hidden_dropout and attention_dropout 0.1; the same file sets ub_tp_comm_overlap, gradient_accumulation_fusion,
 overlap_grad_sync, overlap_param_sync, overlap_p2p_comm and fp8_params, which the preset describes): settings of
 the run and its stack, not fitted numbers.
+
+`--table moe`: published mixture-of-experts runs (bench/published_runs.json's "moe_training", each row with its
+source, the recipe its settings come from and what it assumes), each simulated with the run's own layout (tp,
+pp, virtual chunks, ep, dp, ZeRO-1 for Megatron's distributed optimizer or ZeRO-3 for FSDP), micro- and global
+batch, recomputation and precision, on the preset of its GPU, with the overlap preset of its stack
+("megatron-core" for Megatron-Core and Megatron-Bridge runs, "torchtitan-fsdp2" for PyTorch FSDP2 ones). The
+published step time is the source's own (a step time, or the global batch's tokens over the published tokens/s
+per GPU times the GPUs, or the FLOPs of the source's convention over its TFLOP/s per GPU times the GPUs). The
+naive rule beside it: 6 x active parameters x tokens over (GPUs x the dense peak of the run's format x 0.5).
+The MFU column puts the published TFLOP/s (the source's FLOP convention) and the predicted (the simulator's:
+active parameters, no recomputation) over the same peak, the one the simulator's MFU divides by. Rows the
+simulator cannot express stay out of the summary: those simulated with a stated approximation are shown apart,
+those it refuses are given to it to show the refusal.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "bench" / "published_runs.json"
+HARDWARE = ROOT / "simulator" / "costs" / "hardware.json"  # the GPU presets' peaks (the naive rule's denominator)
 A100_PEAK = 312e12  # the paper's denominator (A100 fp16/bf16 dense), as bench/published_runs.json says
 
 
@@ -125,6 +140,105 @@ def dgxc_rows() -> tuple[list[dict], str]:
     return out, table["source"]
 
 
+MOE_FIELDS = {"--layers": "n_layers", "--hidden": "d_model", "--heads": "n_heads", "--kv-heads": "n_kv_heads",
+              "--d-ff": "d_ff", "--vocab": "vocab_size", "--head-dim": "d_head", "--expert-width": "d_expert",
+              "--experts": "n_experts", "--top-k": "top_k"}  # the model flags the rows use, as GPTConfig fields
+
+
+def moe_command(run: dict) -> list[str]:
+    """`minigpt simulate` with the run's model, layout, batch, recomputation, format, GPU and stack."""
+    model = [arg for flag, value in run["model_flags"].items() for arg in (flag, str(value))]
+    return [sys.executable, "-m", "cli", "simulate", "--model", run["model"], *model, "--seq-len", str(run["s"]),
+            "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]), "--tp", str(run["tp"]),
+            "--pp", str(run["pp"]), "--cp", str(run["cp"]), "--dp", str(run["dp"]), "--ep", str(run["ep"]),
+            "--zero", str(run["zero"]), *(["--sequence-parallel"] if run["sp"] else []),
+            *(["--no-reshard-after-forward"] if run["reshard_after_forward"] is False else []),
+            "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
+            "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
+            "--gpu", run["gpu"], "--overlap", run["overlap"], "--dropout", str(run["dropout"]), "--json"]
+
+
+def megatron_flops(shape: dict, batch: int, seq: int) -> float:
+    """FLOPs of a step as Megatron-Core v0.9 counts them (training.py, num_floating_point_operations):
+    full s x s attention scores, no router, SwiGLU's third GEMM as 3/2."""
+    h, l = shape["hidden"], shape["layers"]
+    query = shape["kv_channels"] * shape["heads"] / h
+    attention = (1 + shape["query_groups"] / shape["heads"] + seq / h) * query
+    mlp = shape["ffn"] / h * shape["topk"] * (1.5 if shape["swiglu"] else 1)
+    return 12 * batch * seq * l * h * h * (attention + mlp + shape["padded_vocab"] / (2 * l * h))
+
+
+def published_step(run: dict) -> float:
+    """The source's step time: published, or its tokens/s per GPU, or its convention's FLOPs over its TFLOP/s."""
+    pub, tokens = run["published"], run["gb"] * run["s"]
+    if "step_s" in pub:
+        return pub["step_s"]
+    if "tokens_per_s_per_gpu" in pub:
+        return tokens / (pub["tokens_per_s_per_gpu"] * run["n_gpus"])
+    if pub.get("conv") == "mcore_flops":
+        return megatron_flops(run["conv_shape"], run["gb"], run["s"]) / (pub["tflops_per_gpu"] * 1e12 * run["n_gpus"])
+    raise SystemExit(f"{run['id']}: no step time, tokens/s or FLOP convention to derive a published step from")
+
+
+def naive_step(run: dict) -> float:
+    """6 x active parameters x tokens over (GPUs x the dense peak of the run's format x 0.5)."""
+    from minigpt.presets import build_config  # torch-free: the shapes' one home (only this table needs it)
+    fields = {MOE_FIELDS[flag]: value for flag, value in run["model_flags"].items()}
+    active = build_config(run["model"], seq_len=run["s"], **fields).active_params()
+    peak = json.loads(HARDWARE.read_text())["gpus"][run["gpu"]]["peak_flops"][run["precision"]]
+    return 6 * active * run["gb"] * run["s"] / (run["n_gpus"] * peak * 0.5)
+
+
+def moe_row(run: dict) -> dict:
+    result = subprocess.run(moe_command(run), capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0:
+        raise SystemExit(f"{run['id']}: minigpt simulate failed: {result.stderr.strip()}")
+    sim, published, naive = json.loads(result.stdout), published_step(run), naive_step(run)
+    peak = sim["tflops_per_gpu"] / sim["mfu"]  # the peak the simulator's MFU divides by (TFLOP/s)
+    pub_tflops = run["published"].get("tflops_per_gpu")
+    return {"name": run["id"], "gpus": run["n_gpus"], "precision": run["precision"], "published_step_s": published,
+            "predicted_step_s": sim["step_time_s"], "error": sim["step_time_s"] / published - 1,
+            "naive_step_s": naive, "naive_error": naive / published - 1, "predicted_mfu": sim["mfu"],
+            "published_mfu": pub_tflops / peak if pub_tflops else None, "breakdown": sim["breakdown"],
+            "fits": sim["fits"], "why": run.get("why")}
+
+
+def refusal(run: dict) -> dict:
+    """What `minigpt simulate` says to a layout it cannot run (its one-line error), or that it ran."""
+    result = subprocess.run(moe_command(run), capture_output=True, text=True, cwd=ROOT)
+    said = result.stderr.strip().splitlines()[-1] if result.returncode else "ran (not refused)"
+    return {"name": run["id"], "gpus": run["n_gpus"], "published": run["published"], "why": run["why"],
+            "simulate_says": said}
+
+
+def moe_rows() -> tuple[list[dict], list[dict], list[dict], dict]:
+    table = json.loads(RUNS.read_text())["moe_training"]
+    return ([moe_row(run) for run in table["rows"]], [moe_row(run) for run in table["outside_mape"]],
+            [refusal(run) for run in table["refused"]], table["sources"])
+
+
+def print_moe(as_json: bool) -> None:
+    rows, outside, refused, sources = moe_rows()
+    if as_json:
+        print(json.dumps({"rows": rows, "simulator": summary(rows, "error"), "naive": summary(rows, "naive_error"),
+                          "outside_mape": outside, "refused": refused, "sources": sources}))
+        return
+    report(rows, sources, False, "MFU pub / pred", moe_mfu)
+    print("\nsimulated with an approximation, outside the summary:")
+    for r in outside:
+        print(f"- {r['name']} ({r['gpus']} GPUs): published {r['published_step_s']:.2f} s, predicted "
+              f"{r['predicted_step_s']:.2f} s ({r['error']:+.1%}; MFU {moe_mfu(r)}; naive {r['naive_error']:+.1%})"
+              f"{'' if r['fits'] else ', over the memory by its count'}: {r['why']}")
+    print("\nrefused by minigpt simulate, outside the summary:")
+    for r in refused:
+        print(f"- {r['name']} ({r['gpus']} GPUs, published {r['published']}): {r['simulate_says']}")
+
+
+def moe_mfu(row: dict) -> str:
+    published = "n/a" if row["published_mfu"] is None else f"{row['published_mfu']:.1%}"
+    return f"{published} / {row['predicted_mfu']:.1%}"
+
+
 def summary(table: list[dict], key: str) -> dict:
     errors = [row[key] for row in table]
     return {"mape": statistics.mean(abs(e) for e in errors), "signed_mean": statistics.mean(errors),
@@ -135,10 +249,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--legacy", action="store_true", help="only the flags an older minigpt simulate knows")
-    parser.add_argument("--table", choices=("narayanan", "dgxc"), default="narayanan")
+    parser.add_argument("--table", choices=("narayanan", "dgxc", "moe"), default="narayanan")
     args = parser.parse_args()
     if args.table == "dgxc":
         return print_dgxc(args.json)
+    if args.table == "moe":
+        return print_moe(args.json)
     table, source = rows(args.legacy)
     report(table, source["paper"], args.json, "TFLOP/s pub / pred",
            lambda r: f"{r['published_tflops_per_gpu']} / {r['predicted_tflops_per_gpu']:.0f}")
@@ -146,7 +262,10 @@ def main() -> None:
 
 def print_dgxc(as_json: bool) -> None:
     table, source = dgxc_rows()
-    report(table, source, as_json, "MFU pub / pred", lambda r: f"{r['published_mfu']:.1%} / {r['predicted_mfu']:.1%}",
+    # both in the run's own convention (its FLOP count over its peak: fp8 rows over the fp8 peak), so the predicted MFU
+    # is the published one scaled by the step times
+    report(table, source, as_json, "MFU pub / pred (the run's convention)",
+           lambda r: f"{r['published_mfu']:.1%} / {r['published_mfu'] * r['published_step_s'] / r['predicted_step_s']:.1%}",
            by_precision=True)
 
 

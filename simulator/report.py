@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minigpt.errors import ConfigError
+from precision.policy import policy as precision_policy
 from simulator.engine.simulate import DECIMAL_GB, SimResult
 from simulator.provenance import summary_rows
 from simulator.search.sweep import ScalingSweep
@@ -53,7 +54,7 @@ def step_rows(result: SimResult) -> list[list[str]]:
     per_gpu = (f"{result.tflops_per_gpu:.1f}" if result.tflops_per_gpu >= 1 else f"{result.tflops_per_gpu * 1e3:.1f}")
     active = " (active parameters)" if result.moe else ""
     rows += [["TFLOP/s per GPU" if result.tflops_per_gpu >= 1 else "GFLOP/s per GPU", per_gpu, f"model FLOPs{active}"],
-             [f"MFU{', active' if active else ''}", f"{result.mfu:.1%}", f"of the {result.precision} peak"],
+             [f"MFU{', active' if active else ''}", f"{result.mfu:.1%}", f"of the {precision_policy(result.precision).compute} peak"],
              ["throughput", f"{result.samples_per_s:.4g} samples/s", f"{result.tokens_per_s:.4g} tokens/s"]]
     return rows
 

@@ -43,3 +43,19 @@ def test_a_dgx_cloud_row_simulates_as_the_bench_runs_it():
     data = json.loads(result.output)
     assert data["n_gpus"] == 128 and data["layout"]["tp"] == 4 and data["step_time_s"] > 0
     assert data["provenance"]["overlap"]["name"] == "megatron-core"  # the stack's own overlap, a stated preset
+
+
+def test_the_moe_rows_cite_their_runs_and_simulate_as_the_bench_runs_them():
+    """Every published MoE row names its source and where in it; its layout multiplies to its GPUs; the first row
+    simulates through the command the bench builds and prints a step time."""
+    table = json.loads((BENCH / "published_runs.json").read_text())["moe_training"]
+    assert table["rows"] and table["sources"]
+    for row in table["rows"] + table["outside_mape"]:
+        assert row["source"] and row["where"], row["id"]
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == row["n_gpus"], row["id"]
+        assert row["dp"] % row["ep"] == 0, row["id"]
+    args = published().moe_command(table["rows"][0])
+    assert args[1:4] == ["-m", "cli", "simulate"] and args[-1] == "--json"
+    result = CliRunner().invoke(main, args[3:])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["step_time_s"] > 0
