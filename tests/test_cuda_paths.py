@@ -52,6 +52,9 @@ LAYOUTS = {
     "pp2-dp2-zero1-interleaved": dataclasses.replace(BASE, pp=2, dp=2, zero=1, schedule="interleaved",
                                                      virtual_chunks=2),
     "dp4-zero2-fp16-static-scale": dataclasses.replace(BASE, dp=4, zero=2, precision="fp16", loss_scale=1024.0),
+    # experts split over ep 2 inside dp 4: the routed rows' all-to-alls, their counts, the experts' gradient reduction
+    "dp4-ep2-zero1-moe-bf16": dataclasses.replace(BASE, dp=4, ep=2, zero=1, precision="bf16", model=MODEL.with_(
+        n_experts=4, top_k=2, d_expert=16, aux_loss_coef=0.01)),
 }
 
 
@@ -179,7 +182,7 @@ def test_every_collective_gets_tensors_on_the_ranks_device(ranks):
     for rank in ranks:
         for layout in rank.values():
             calls.update(layout["calls"])
-    for name in ("all_reduce", "P2POp(isend)", "P2POp(irecv)", "send", "recv"):
+    for name in ("all_reduce", "P2POp(isend)", "P2POp(irecv)", "send", "recv", "all_to_all_single"):
         assert calls[name] > 0, (name, calls)
     assert calls["all_gather_single"] + calls["all_gather_into_tensor"] > 0, calls
     assert calls["reduce_scatter_single"] + calls["reduce_scatter_tensor"] > 0, calls

@@ -40,7 +40,7 @@ class WithExperts:
         self.data_ranks, self.tp = data_ranks, tp
         self.flat = FlatParameters(expert_shards(model))
         self.stage = inner.stage
-        self.expert_share = torch.zeros((), dtype=torch.float64)
+        self.expert_share = torch.zeros((), dtype=torch.float64, device=self.flat.data.device)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # the rest of the protocol is ZeRO's

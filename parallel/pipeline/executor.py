@@ -223,7 +223,7 @@ class PipelineExecutor:
         clock = clock or StepClock(torch.device("cpu"))
         step = StepData(inputs, targets, scale, StepRecord(), activation_meter, optimize)
         # a MoE's router losses enter the gradient as each micro-batch's loss does (minigpt/moe.py)
-        aux_loss_weight(float(scale(torch.ones((), dtype=torch.float64))) / self.micro_batches)
+        aux_loss_weight(float(scale(1.0)) / self.micro_batches)  # the loss scale, times 1 / micro-batches
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
