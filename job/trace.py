@@ -12,10 +12,10 @@ machine share, so the ranks' tracks line up. What a time means depends on the de
         the host's time to enqueue them; the step's start and end are host times taken
         with the device idle (synchronised), so a step holds all of its GPU work.
 
-The tensor-parallel time `tp` (part of compute) is the time inside blocking
-collectives: host wall time on the CPU; on CUDA, CUDA events around each call on the
-current stream (parallel/comm.py BlockedTime), since the host returns from an NCCL
-call before the transfer is done.
+The tensor-parallel time `tp` (part of compute), and expert parallelism's `ep` (its all-to-alls, also inside
+the compute actions), is the time inside blocking collectives: host wall time on the CPU; on CUDA, CUDA events
+around each call on the current stream (parallel/comm.py BlockedTime), since the host returns from an NCCL call
+before the transfer is done.
 
 Breakdown of a step on a rank, from its events:
   compute   forward and backward actions
@@ -41,11 +41,13 @@ class Trace:
         self.steps: list[dict] = []
 
     def add_step(self, step: int, start: float, end: float, events: list[tuple[str, str, float, float]],
-                 tp_seconds: float = 0.0) -> None:
+                 tp_seconds: float = 0.0, ep_seconds: float = 0.0) -> None:
         """`tp_seconds`: the time spent inside blocking tensor-parallel collectives during the
-        compute actions (on CUDA from events on the stream: see the module's docstring)."""
+        compute actions (on CUDA from events on the stream: see the module's docstring); `ep_seconds`:
+        inside expert parallelism's all-to-alls, also within the compute actions."""
         if len(self.steps) < MAX_STEPS:
-            self.steps.append({"step": step, "start": start, "end": end, "events": events, "tp": tp_seconds})
+            self.steps.append({"step": step, "start": start, "end": end, "events": events, "tp": tp_seconds,
+                               "ep": ep_seconds})
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "steps": self.steps}
@@ -88,14 +90,16 @@ def _event(name: str, kind: str, start: float, end: float, tid: int, origin: flo
 
 def breakdown(timelines: list[dict]) -> dict:
     """Mean seconds per step of each kind over ranks and steps (the first step, a warm-up, left out);
-    tp_s is the part of compute_s spent inside blocking tensor-parallel collectives."""
-    totals = {"step": 0.0, "compute": 0.0, "p2p": 0.0, "dp": 0.0, "tp": 0.0}
+    tp_s (ep_s) is the part of compute_s spent inside blocking tensor-parallel collectives (expert parallelism's
+    all-to-alls)."""
+    totals = {"step": 0.0, "compute": 0.0, "p2p": 0.0, "dp": 0.0, "tp": 0.0, "ep": 0.0}
     count = 0
     for timeline in timelines:
         steps = timeline["steps"][1:] or timeline["steps"]
         for step in steps:
             totals["step"] += step["end"] - step["start"]
             totals["tp"] += step.get("tp", 0.0)  # inside compute: not in "other" below
+            totals["ep"] += step.get("ep", 0.0)
             for _, kind, start, end in step["events"]:
                 if kind in totals:
                     totals[kind] += end - start

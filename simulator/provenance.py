@@ -2,7 +2,8 @@
 
 `provenance(...)` names, for one simulated step:
   compute            the op-level roofline (simulator/costs/ops.py priced by simulator/costs/compute.py), or a
-                     calibrated host's measured units (simulator/engine/host.py);
+                     calibrated host's measured units (simulator/engine/host.py), with what the host did not
+                     measure of this model where it has units of other shapes only;
   matmul_efficiency  per number format the GEMMs run in: "GEMM model" (a preset's model by (m, n, k) with
                      wave quantisation, fitted to published sweeps: simulator/costs/gemm_model.py),
                      "cited table" (a preset's published microbenchmarks), "measured table" (a `minigpt
@@ -54,14 +55,20 @@ def context(gpu: GPUSpec, layout, seq_len: int) -> dict:
     return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "exchange": exchange}
 
 
-def experts(layout, load: float = 1.0) -> dict:
+def experts(layout, load: float = 1.0, measured: bool = False) -> dict:
     """What a mixture of experts' prediction rests on beyond the rest (assumptions stated in docs/efficiency.md);
-    `load`: the routing imbalance priced (Implementation.expert_load)."""
+    `load`: the routing imbalance priced (Implementation.expert_load); `measured`: a calibrated host's MoE unit
+    prices the blocks (and its measured gloo all-to-all the exchanges, where calibrate timed one)."""
     ep = layout.ep if layout is not None else 1
     routing = "balanced (expert load 1.0): every expert gets routed rows / E" if load == 1 else (
         f"imbalanced (expert load {load:.3g}): the busiest expert gets {load:.3g}x the mean routed rows, priced on "
         f"the busiest rank of each expert group (its experts' rows and all-to-alls x {min(load, ep):.3g}: at most ep), "
         f"which the step waits for")
+    if measured:
+        return {"ep": ep, "experts": "the calibrated host's measured MoE unit (routing, experts, combine), measured "
+                                     "at ep 1 with its own routing (an expert load scales the all-to-alls only)", "routing": routing, "expert_load": load,
+                "all_to_all": "exposed: the host's measured all-to-all for the group, else its links" if ep > 1
+                else "none (ep 1)"}
     return {"ep": ep, "experts": "grouped GEMM (batch E/ep) at the GEMM model's efficiency: an assumption",
             "routing": routing, "expert_load": load,
             "all_to_all": "exposed, on the expert group's links (NVLink, NICs beyond)" if ep > 1 else "none (ep 1)"}
@@ -72,9 +79,10 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
     formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
     measured = host_compute is not None and host_compute.units is not None
     extra = {"context": context(gpu, layout, seq_len)} if layout is not None and layout.cp > 1 else {}
-    extra.update({"experts": experts(layout, implementation.expert_load)} if moe else {})
+    extra.update({"experts": experts(layout, implementation.expert_load, measured)} if moe else {})
     return {
-        "compute": MEASURED_UNITS if measured else ROOFLINE,
+        "compute": (MEASURED_UNITS if measured else ROOFLINE) + (
+            f"; {host_compute.missing}" if host_compute is not None and host_compute.missing else ""),
         "matmul_efficiency": efficiency_sources(gpu, formats, profile),
         "kernel_overhead_s": kernel_overhead(gpu, profile),
         "achieved": gpu.reached.as_dict(),

@@ -57,6 +57,7 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
     assert max(e for _, e in table) > 0.3  # the best size sits near the (measured) peak
     assert gpu.matmul_efficiency.launch_latency > 0
     assert set(gpu.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    assert {(c.kind, c.group) for c in gpu.measured.collectives} >= {("all_to_all", 2), ("all_to_all", RANKS)}
     for fit in gpu.collectives.values():
         assert fit.alpha >= 0 and fit.beta > 0 and len(fit.points) == 3
     measured = gpu.measured
@@ -67,6 +68,9 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
     # (not compared in time: a cp-2 rank's block took 0.79x of the whole one's on a quiet calibration here and 1.2x
     # on a noisy one, docs/results.md; the blocks of 32-token chunks and their merges cost what half the GEMMs save)
     assert all(t > 0 for series in halves.series.values() for t in series)
+    moe = measured.unit_times(preset("tiny-moe"), 1)  # --model tiny,tiny-moe: a MoE block's own unit, at ep 1
+    assert moe is not None and moe.key[-1] == (8, 2, 256, 0, "softmax", None) and moe.series != whole.series
+    assert {u.cp for u in measured.units if u.key[-1] is not None} == {1}  # no MoE with context parallelism
     note = gpu.calibration
     assert note["ranks"] == RANKS and note["ranks_per_core"] == pytest.approx(RANKS / note["cores"])
     assert note["block"]["forward_s"] > 0 and note["block"]["backward_s"] > 0
@@ -183,12 +187,15 @@ def check_schema(measured: dict, ranks: int) -> None:
     assert isinstance(measured["cores"], int) and measured["cores"] >= 1
     tps = [tp for tp in (1, 2, 4, 8) if tp <= ranks and 4 % tp == 0]
     cps = [cp for cp in (2, 4, 8) if cp <= ranks]  # context-parallel units at tp 1 (128 tokens split for each)
-    assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in measured["units"]] == sorted(
+    dense = [u for u in measured["units"] if "experts" not in u]
+    assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in dense] == sorted(
         [(tp, sp, 1) for tp in tps for sp in ((False, True) if tp > 1 else (False,))] + [(1, False, cp) for cp in cps])
+    moe = [u for u in measured["units"] if "experts" in u]  # tiny-moe's, when asked for: no sp, no cp
+    assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in moe] in ([], [(tp, False, 1) for tp in tps])
     for unit in measured["units"]:
-        assert set(unit) - {"cp"} == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions", "bias",
-                                      "seq_len", "vocab_size", "tp", "sequence_parallel", "dtype", "micro_batches",
-                                      *UNIT_SERIES}
+        assert set(unit) - {"cp", "experts"} == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions",
+                                                 "bias", "seq_len", "vocab_size", "tp", "sequence_parallel", "dtype",
+                                                 "micro_batches", *UNIT_SERIES}
         assert unit["dtype"] == "fp32"  # the units say the format they were measured in
         assert (unit["d_model"], unit["n_heads"], unit["d_ff"], unit["seq_len"], unit["vocab_size"]) == (128, 4, 512, 128, 256)
         sizes = unit["micro_batches"]
@@ -225,7 +232,8 @@ def test_the_measured_field_has_the_schema(profile_path):
     assert [row[:2] for row in measured["sharing"]] == expected and measured["sharing"][0][2] == 1.0
     kinds = {(f["kind"], f["group"], f["active"]) for f in measured["collectives"]}
     assert kinds == {(kind, n, busy) for busy, n in [(2, 2), (4, 2), (4, 4)]
-                     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p") if kind != "p2p" or n == 2}
+                     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
+                     if kind != "p2p" or n == 2}
     from simulator.costs.hardware import load_hardware
 
     assert load_hardware(str(profile_path)).gpu.measured is not None  # the simulator reads what was written
@@ -233,7 +241,8 @@ def test_the_measured_field_has_the_schema(profile_path):
 
 def test_the_measured_numbers_are_physical(profile_path):
     measured = measured_of(profile_path)
-    units = {u["tp"]: u for u in measured["units"] if not u["sequence_parallel"] and u.get("cp", 1) == 1}
+    units = {u["tp"]: u for u in measured["units"]
+             if not u["sequence_parallel"] and u.get("cp", 1) == 1 and "experts" not in u}
     for unit in units.values():  # micro-batch 16 costs more than micro-batch 1
         assert unit["block_forward"][-1] > 2 * unit["block_forward"][0]
         assert unit["block_backward"][-1] > 2 * unit["block_backward"][0]

@@ -44,6 +44,12 @@ def test_the_pieces_are_one_tensor_parallel_ranks_modules_and_communicate_nothin
         for piece in ("block", "embedding", "head"):
             forward, backward = piece_step(piece, config, 2, 1, sequence_parallel=sp)()
             assert forward > 0 and backward > 0
+    moe = preset("tiny-moe").with_(seq_len=16, n_layers=3, dense_layers=1)  # a MoE unit times its MoE blocks only
+    moe_model = piece_model(moe, 1)
+    calls = []
+    for block in moe_model.blocks:
+        block.register_forward_hook(lambda module, args, out, mlp=type(block.mlp).__name__: calls.append(mlp))
+    assert all(t > 0 for t in piece_step("block", moe, 1, 1, moe_model)()) and calls == ["MoE", "MoE"]
     with torch.no_grad():  # under sequence parallelism a rank holds half the sequence between the layers
         assert piece_model(config, 2, True).embed(torch.zeros(1, config.seq_len, dtype=torch.long)).shape[1] == 64
     group = AloneCollectives(4)
@@ -93,7 +99,8 @@ def test_units_carry_the_shape_the_simulator_keys_them_by():
     assert variants(preset("tiny-llama"), 8)[:3] == [(1, False, 1), (2, False, 1), (2, True, 1)]  # 2 kv heads: no tp 4
     assert (4, False, 1) in variants(preset("tiny"), 8)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
-    for name, other in (("tiny-llama", "tiny"), ("tiny", "tiny-llama")):
+    assert variants(preset("tiny-moe"), 8) == [(1, False, 1), (2, False, 1), (4, False, 1)]  # MoE: no sp, no cp
+    for name, other in (("tiny-llama", "tiny"), ("tiny", "tiny-llama"), ("tiny-moe", "tiny"), ("tiny", "tiny-moe")):
         plan = make_plan(2, quick=True, model=name)
         units = {(name, 1, False, 1): series, (name, 2, True, 1): series}
         measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
@@ -101,6 +108,7 @@ def test_units_carry_the_shape_the_simulator_keys_them_by():
         assert {k: measured["units"][0][k] for k in ("kv_heads", "mlp", "norm", "positions", "bias")} == {
             "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm, "positions": config.positions,
             "bias": config.bias}
+        assert ("experts" in measured["units"][0]) == config.is_moe  # a MoE block is a shape of its own
         parsed = parse_measured_host(measured, "profile")
         assert parsed.unit_times(config, 1) is not None and parsed.unit_times(config, 2, True).sequence_parallel
         assert parsed.unit_times(preset(other), 1) is None

@@ -130,6 +130,22 @@ def test_cp2_prices_the_exchange_inside_the_compute(profile, tmp_path):
     assert abs(rows["activations (rank 0)"]["relative_error"]) <= 0.02, rows["activations (rank 0)"]
 
 
+def test_moe_ep2_prices_its_own_unit_and_pairs_the_all_to_alls(profile, tmp_path):
+    """tiny-moe at ep 2 (the quick profile measured its MoE unit): the MoE blocks priced by their own unit, the
+    experts' all-to-alls by the measured all_to_all, and paired with the time training spent inside them."""
+    result = invoke("--hardware", profile, "--model", "tiny-moe", "--dp", "2", "--ep", "2", "--batch-size", "4",
+                    "--steps", "3", "--threads-per-rank", "1", "--out", str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads(result.stdout)
+    assert report["layout"]["ep"] == 2 and report["simulated_host"]["units_measured"]
+    assert "units_missing" not in report["simulated_host"]
+    rows = {row["name"]: row for row in report["rows"]}
+    exchange, breakdown = rows["expert all-to-all"], report["measured_breakdown"]
+    assert exchange["predicted"] > 0 and exchange["measured"] == breakdown["ep_s"] > 0
+    assert rows["compute"]["measured"] == pytest.approx(breakdown["compute_s"] - breakdown["tp_s"] - breakdown["ep_s"])
+    check_memory(report["rows"])
+
+
 def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
     from cli.commands.compare import build_compare_config
     from cli.tools.compare import check_compare, run_compare
@@ -159,17 +175,23 @@ def test_bad_input_before_any_worker(profile, tmp_path, monkeypatch, args, words
 
 
 def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monkeypatch):
-    """The machinery of --matrix on two of its layouts (the whole matrix takes about a minute)."""
+    """The machinery of --matrix on four of its layouts, a MoE row among them (the whole matrix takes minutes)."""
     import cli.tools.compare_matrix as matrix
 
-    chosen = ("1 rank", "pp2 1f1b", "llama 1 rank")
+    from minigpt.presets import preset
+
+    assert {name for name in matrix.MATRIX if name.startswith("moe")} == {"moe 1 rank", "moe ep2", "moe ep2 x dp4 zero1"}
+    assert matrix.moe_of(preset("tiny")) == preset("tiny-moe")  # as tiny-moe is to tiny
+    chosen = ("1 rank", "pp2 1f1b", "llama 1 rank", "moe ep2")
     monkeypatch.setattr(matrix, "MATRIX", {name: matrix.MATRIX[name] for name in chosen})
     result = invoke("--hardware", profile, *TINY, "--matrix", "--json", "--out", str(tmp_path / "m"))
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [row["layout"] for row in report["rows"]] == list(chosen)
     errors = [abs(row["step_time_error"]) for row in report["rows"]]
-    assert report["step_time_mape"] == pytest.approx(sum(errors) / 3)
+    assert report["step_time_mape"] == pytest.approx(sum(errors) / len(chosen))
+    # TINY's 2 layers of 32 tokens are no preset's shape: no row has a measured unit, and the matrix says so once
+    assert "no measured unit of the shape of 4 row(s)" in result.stderr and "no preset has this shape" in result.stderr
     assert report["worst_model_state_error"] < 0.02  # predicted parameter/gradient/optimizer bytes
     assert len(report["machine_drift"]) == 2  # before the first layout and after the last
     assert report["prediction_confidence"]["known"]

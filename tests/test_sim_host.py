@@ -233,3 +233,45 @@ def test_a_unit_is_the_shape_it_was_measured_on(hardware, tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(ConfigError, match=re.escape(f"units[0].{words}")):
             load_hardware(str(path))
+
+
+def test_a_mixture_of_experts_is_priced_by_its_own_unit_and_the_measured_all_to_all(hardware, tmp_path):
+    """A MoE block is a shape of its own: its unit ("experts") prices the MoE blocks, the dense unit of the same sizes
+    the dense first blocks; without a MoE unit the roofline prices the model and the host says so (never the dense
+    unit, as a MoE model once was); the experts' all-to-alls take the measured all_to_all."""
+    from simulator.engine.host import HostLinks, host_compute
+
+    moe = preset("tiny-moe")
+    experts = {"n_experts": 8, "top_k": 2, "d_expert": 256, "n_shared_experts": 0, "router": "softmax",
+               "capacity_factor": None}
+    moe_unit = dict(unit(1), experts=experts)
+    for name in ("block_forward", "block_backward"):
+        moe_unit[name] = [3 * t for t in moe_unit[name]]
+    data = copy.deepcopy(hardware_to_dict(hardware))
+    gpu = next(iter(data["gpus"].values()))
+    gpu["measured"]["units"].append(moe_unit)
+    gpu["measured"]["collectives"].append({"kind": "all_to_all", "group": 2, "active": 2, "alpha": 1e-3, "beta": 1e-9})
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(data))
+    host = load_hardware(str(path)).gpu.measured
+    assert host.unit_times(moe, 1).series == host.units[-1].series and host.unit_times(TINY, 1) is host.units[0]
+    assert host.unit_times(moe.with_(top_k=1), 1) is None and host.unit_times(moe.with_(d_expert=128), 1) is None
+    mixed = moe.with_(dense_layers=1)  # a dense first block: the dense unit's
+    compute = host_compute(host, mixed, Layout(), 1)
+    roofline = (1.0, 2.0, 0.0)
+    assert compute.chunk(1, False, False, 4, "none", roofline, moe=True)[0] == pytest.approx(3 * (1e-3 + 4e-3))
+    assert compute.chunk(1, False, False, 4, "none", roofline, moe=False)[0] == pytest.approx(1e-3 + 4e-3)
+    assert compute.chunk(0, True, False, 4, "none", roofline)[0] == pytest.approx(1e-4 + 4e-4) and not compute.missing
+    unmeasured = host_compute(hardware.gpu.measured, moe, Layout(), 1)  # the dense unit only: the roofline, said
+    assert unmeasured.units is None and "mixture of experts' blocks" in unmeasured.missing
+    result = simulate_step(moe, Layout(), build_cluster(hardware, 1, 1), "fp32", 8, 8, gpu=hardware)
+    assert not result.host["units_measured"] and "roofline" in result.provenance["compute"]
+    links = HostLinks(build_cluster(hardware, 2, 1), Layout(dp=2, ep=2), host)
+    assert links.all_to_all(0, 2**20) == pytest.approx(1e-3 + 2**20 * 1e-9)
+    step = simulate_step(moe, Layout(dp=2, ep=2), build_cluster(hardware, 2, 1), "fp32", 16, 8,
+                         gpu=load_hardware(str(path)))
+    assert step.host["units_measured"] and step.breakdown["ep_comm"] > 0
+    gpu["measured"]["units"][-1]["experts"] = dict(experts, top_k=9)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=re.escape("units[2].experts.top_k must be at most n_experts=8")):
+        load_hardware(str(path))

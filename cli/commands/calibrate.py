@@ -144,8 +144,9 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
 @click.option("--threads-per-rank", "threads_per_rank", type=int,
               help="Torch threads per rank (default: 1 with several ranks, torch's default with one).")
 @click.option("--model", default="tiny", show_default=True,
-              help="Model preset whose pieces are timed; a list (tiny,tiny-llama) times the units of each, the "
-                   "reference block, sharing and collectives on the first.")
+              help="Model preset whose pieces are timed; a list (tiny,tiny-llama,tiny-moe) times the units of each "
+                   "(a mixture of experts' MoE blocks are its own unit), the reference block, sharing and collectives "
+                   "on the first.")
 @click.option("--micro-batch", "micro_batch", type=int, default=8, show_default=True)
 @click.option("--micro-batches", "micro_batches",
               help="The units' micro-batch sizes [default: 1,2,4,8,16; --quick 1,4,16].")
@@ -223,7 +224,8 @@ def echo_measured(measured: dict | None) -> None:
                           zip(unit["micro_batches"], unit["block_forward"], unit["block_backward"]))
         sp = " sequence-parallel" if unit.get("sequence_parallel") else ""
         cp = f" cp {unit['cp']}" if unit.get("cp", 1) > 1 else ""
-        click.echo(f"  block tp {unit['tp']}{sp}{cp} forward/backward ms by micro-batch (alone): {times}")
+        kind = f"MoE block ({unit['experts']['n_experts']} experts)" if unit.get("experts") else "block"
+        click.echo(f"  {kind} tp {unit['tp']}{sp}{cp} forward/backward ms by micro-batch (alone): {times}")
     click.echo("  sharing (ranks x threads: slowdown): "
                + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
     for fit in measured["collectives"]:

@@ -39,7 +39,8 @@ def build_compare_config(options: dict) -> TrainConfig:
         device="cpu" if options["device"] == "cpu" else "auto",
         precision=CPU_PRECISION if options["precision"] == AUTO else options["precision"],  # auto: resolved below
         tp=options["tp"], pp=options["pp"], dp=options["dp"], cp=options.get("cp", 1), cp_kind=options.get("cp_kind", "ring"),
-        zero=options["zero"], schedule=options["schedule"], shard_group=options.get("shard_group", 0),
+        ep=options.get("ep", 1), zero=options["zero"], schedule=options["schedule"],
+        shard_group=options.get("shard_group", 0),
         reshard_after_forward=options.get("reshard_after_forward", True),
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
@@ -60,6 +61,8 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--pp", default=1, show_default=True, type=int)
 @click.option("--dp", default=1, show_default=True, type=int)
 @context_options
+@click.option("--ep", default=1, show_default=True, type=int,
+              help="Expert-parallel size: a mixture of experts' experts split over ep ranks of the data-parallel group.")
 @click.option("--zero", default=0, show_default=True, type=int)
 @fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b or interleaved.")
@@ -91,6 +94,7 @@ def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
 
     lay = report["layout"]
     context = f" x cp {lay['cp']} ({lay['cp_kind']})" if lay.get("cp", 1) > 1 else ""
+    context += f", ep {lay['ep']}" if lay.get("ep", 1) > 1 else ""
     click.echo(f"tp {lay['tp']}{context} x pp {lay['pp']} x dp {lay['dp']} (zero {lay['zero']}, {lay['schedule']}), "
                f"{cfg.steps} steps, batch {cfg.global_batch} in {cfg.micro_batches} micro-batch(es), "
                f"{cfg.precision}, profile {report['hardware']}")

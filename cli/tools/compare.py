@@ -25,6 +25,7 @@ class ComparePlan:
     layout: object  # job.layout.Layout
     micro_batch: int
     claim: object = None  # parallel.run.directory.RunClaim on cfg.out_dir, checked; run_compare takes and releases it
+    units_missing: str | None = None  # the simulation's host: what of this shape the profile did not measure
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -47,13 +48,8 @@ def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> Co
         raise ConfigError(f"--hardware {hardware_path!r} does not exist: write it with "
                           f"`minigpt calibrate --out {hardware_path}`")
     hardware = load_hardware(hardware_path)
-    reliability = profile_reliability(hardware)
-    if warn and reliability is not None and not reliability.get("reliable"):
-        import click
-
-        from parallel.calibrate.noise import summary
-
-        click.echo(f"minigpt: warning: --hardware {hardware_path}: {summary(reliability, 'prediction')}", err=True)
+    if warn:
+        warn_unreliable(hardware, hardware_path)
     per_node = hardware.node.gpus_per_node
     if cfg.world_size > per_node:
         raise ConfigError(f"tp x cp x pp x dp = {cfg.world_size} ranks do not fit the profile's node of {per_node} "
@@ -64,11 +60,47 @@ def check_compare(cfg: TrainConfig, hardware_path: str, warn: bool = True) -> Co
     cluster = build_cluster(hardware, cfg.world_size, 1)
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
     plan = ComparePlan(cfg, hardware, cluster, layout, micro_batch)
-    simulate(plan)  # the simulator must accept the job before any training starts
+    result = simulate(plan)  # the simulator must accept the job before any training starts
+    plan.units_missing = (result.host or {}).get("units_missing")
+    if warn and plan.units_missing:
+        import click
+
+        click.echo(f"minigpt: warning: --hardware {hardware_path}: {plan.units_missing}; "
+                   f"{calibrate_hint([cfg.model], hardware)}", err=True)
     from parallel.run.directory import RunClaim
 
     plan.claim = RunClaim(cfg.out_dir, resume=False, overwrite=False)  # a fresh --out of its own, or refused
     return plan
+
+
+def warn_unreliable(hardware, hardware_path: str) -> None:
+    """On stderr, before anything trains: a profile marked unreliable (calibrated on a busy machine)."""
+    reliability = profile_reliability(hardware)
+    if reliability is not None and not reliability.get("reliable"):
+        import click
+
+        from parallel.calibrate.noise import summary
+
+        click.echo(f"minigpt: warning: --hardware {hardware_path}: {summary(reliability, 'prediction')}", err=True)
+
+
+def calibrate_hint(models, hardware) -> str:
+    """How to measure the units of `models` (shapes the profile lacks): the presets of their shapes (a unit's shape,
+    simulator/costs/host.py's unit_key) beside those the profile was calibrated with."""
+    from minigpt.presets import PRESETS
+    from simulator.costs.host import unit_key
+
+    def preset_of(model) -> str | None:
+        return next((name for name, preset in PRESETS.items() if unit_key(preset, 1) == unit_key(model, 1)), None)
+
+    calibrated = list((hardware.gpu.calibration or {}).get("plan", {}).get("unit_models", []))
+    wanted = [name for name in map(preset_of, models) if name]
+    if not wanted:
+        return "calibrate measures presets only, and no preset has this shape"
+    names = list(dict.fromkeys([*calibrated, *wanted]))
+    if names == calibrated:
+        return "its calibration has the shape, not this layout's split or format"
+    return f"`minigpt calibrate --model {','.join(names)}` measures {'it' if len(models) == 1 else 'them'}"
 
 
 def simulate(plan: ComparePlan):
@@ -117,15 +149,22 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     cfg = plan.cfg
     measured = summary["time_breakdown"]
     b = result.breakdown
-    tp_measured = measured.get("tp_s", 0.0)
+    tp_measured, ep_measured = measured.get("tp_s", 0.0), measured.get("ep_s", 0.0)
     compute_measured = measured.get("compute_s")
     exchange = b.get("cp_comm", 0.0) if cfg.cp > 1 else 0.0  # the ring runs inside the compute actions
     rows = [
         _row("step time", "s", result.step_time_s, summary["step_time_s"], "measured: median over the steps"),
-        _row("compute", "s", b["compute"] + exchange, None if compute_measured is None else compute_measured - tp_measured,
+        _row("compute", "s", b["compute"] + exchange,
+             None if compute_measured is None else compute_measured - tp_measured - ep_measured,
              "measured: the compute actions less their time inside tp collectives"
-             + ("; both with the context-parallel exchange, which runs inside them" if cfg.cp > 1 else "")),
+             + (" and the experts' all-to-alls" if cfg.ep > 1 else "")
+             + ("; both with the context-parallel exchange, which runs inside them" if cfg.cp > 1 else "")
+             + _units_note(result)),
     ]
+    if cfg.ep > 1:
+        rows.append(_row("expert all-to-all", "s", b.get("ep_comm", 0.0), ep_measured,
+                         "measured: wall time inside the all-to-alls of the compute actions (waiting for the group "
+                         "included)"))
     if cfg.cp > 1:
         rows.append(_row("context-parallel exchange", "s", exchange, None,
                          "not measured apart: inside the compute actions (predicted: its exposed part)"))
@@ -144,6 +183,12 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     for kind in MEMORY_KINDS:
         rows.append(_row(f"{kind} (rank 0)", "B", predicted_memory[kind], measured_memory[kind]))
     return rows
+
+
+def _units_note(result) -> str:
+    """What the compute's prediction rests on when the profile has no measured unit of this shape."""
+    missing = (result.host or {}).get("units_missing")
+    return f"; predicted: {missing}" if missing else ""
 
 
 def machine_drift(hardware) -> dict | None:

@@ -1,7 +1,9 @@
 """`minigpt compare --matrix`: a built-in set of layouts, each trained and simulated, and the error.
 
 Every layout is checked (profile, node size, the simulator's acceptance) before the first one
-trains. The step-time error is reported as the mean absolute percentage error (MAPE) over the
+trains; the rows whose shape the profile has no measured unit of (its Llama or MoE shape not
+calibrated: `minigpt calibrate --model tiny,tiny-llama,tiny-moe` measures all three) are named
+once on stderr, their compute priced by the roofline. The step-time error is reported as the mean absolute percentage error (MAPE) over the
 rows; model-state bytes (parameters, gradients, optimizer) as the worst relative error.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from cli.tools.compare import check_compare, machine_drift, run_compare
+from cli.tools.compare import calibrate_hint, check_compare, machine_drift, run_compare, warn_unreliable
 from job.train_config import TrainConfig
 from minigpt.config import GPTConfig
 from minigpt.presets import PRESETS
@@ -37,8 +39,26 @@ MATRIX: dict[str, dict] = {
     "cp2 ring": {"cp": 2},
     "cp2 allgather": {"cp": 2, "cp_kind": "allgather"},
     "llama cp2 x dp2 zero1": {"model": "llama", "cp": 2, "dp": 2, "zero": 1},
+    # the base shape with a mixture of experts (moe_of): its own measured unit, and the experts' all-to-alls over ep
+    "moe 1 rank": {"model": "moe"},
+    "moe ep2": {"model": "moe", "dp": 2, "ep": 2},
+    "moe ep2 x dp4 zero1": {"model": "moe", "dp": 4, "ep": 2, "zero": 1},
 }
 STATE_ROWS = ("parameters (rank 0)", "gradients (rank 0)", "optimizer (rank 0)")
+
+
+def warn_before_training(plans: dict, hardware_path: str) -> None:
+    """Said once for the matrix, before anything trains: an unreliable profile, and the rows whose shape the profile
+    has no measured unit of (the roofline prices their compute) with the calibration that would measure them."""
+    import click
+
+    first = next(iter(plans.values()))
+    warn_unreliable(first.hardware, hardware_path)
+    missing = [name for name, plan in plans.items() if plan.units_missing]
+    if missing:
+        hint = calibrate_hint([plans[name].cfg.model for name in missing], first.hardware)
+        click.echo(f"minigpt: warning: --hardware {hardware_path} has no measured unit of the shape of "
+                   f"{len(missing)} row(s) ({', '.join(missing)}): the roofline prices their compute; {hint}", err=True)
 
 
 def llama_of(model: GPTConfig) -> GPTConfig:
@@ -51,13 +71,26 @@ def llama_of(model: GPTConfig) -> GPTConfig:
                        n_heads=model.n_heads, n_kv_heads=max(1, model.n_heads // 2), d_model=model.d_model, d_ff=d_ff)
 
 
+def moe_of(model: GPTConfig) -> GPTConfig:
+    """`model`'s depth, width, heads, sequence and vocabulary with a mixture of experts as tiny-moe is to tiny: 8
+    experts of half the MLP width (GELU, or the model's MLP kind), each token routed to 2 (as many active MLP
+    parameters), dropless, tiny-moe's balance and z losses."""
+    moe = PRESETS["tiny-moe"]
+    return model.with_(n_experts=moe.n_experts, top_k=moe.top_k, d_expert=max(1, model.d_ff // 2),
+                       aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef)
+
+
+SHAPES = {"llama": llama_of, "moe": moe_of}  # MATRIX's "model": the base shape made so
+
+
 def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
     plans = {}
     for name, changes in MATRIX.items():
-        if changes.get("model") == "llama":
-            changes = {**changes, "model": llama_of(base.model)}
+        if changes.get("model") in SHAPES:
+            changes = {**changes, "model": SHAPES[changes["model"]](base.model)}
         cfg = dataclasses.replace(base, out_dir=str(Path(out_dir) / name.replace(" ", "-")), **changes)
-        plans[name] = check_compare(cfg, hardware_path, warn=not plans)  # an unreliable profile said once
+        plans[name] = check_compare(cfg, hardware_path, warn=False)
+    warn_before_training(plans, hardware_path)
     rows, drift, confidence = [], [], None
     for name, plan in plans.items():
         report = run_compare(plan)  # times the calibration's reference block before it trains

@@ -206,7 +206,8 @@ def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_par
                device: torch.device | None = None, cp: int = 1):
     """A function timing one forward and one backward of `piece` ("block", "embedding" or "head")
     as training runs it on one tensor-parallel (and context-parallel) rank: () -> (forward s, backward s); a
-    block's time is that of all the model's blocks run in turn, divided by their number."""
+    block's time is that of all the model's blocks (a mixture of experts': its MoE blocks) run in turn, divided by
+    their number."""
     device = device or torch.device("cpu")
     d = config.d_model
     seq = config.seq_len // cp  # a context-parallel rank's two chunks
@@ -214,10 +215,13 @@ def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_par
     rows = seq // tp if sequence_parallel else seq  # the sequence a rank holds between the layers
     x = None if piece == "embedding" else torch.randn(batch, rows, d, device=device, requires_grad=True)
     grad = None if piece == "head" else torch.randn(batch, rows, d, device=device)
-    if piece == "block":  # every block in turn, as a chunk runs them (their weights do not all stay in cache)
+    # every block in turn, as a chunk runs them (their weights do not all stay in cache); a mixture of experts' MoE
+    # blocks only (its unit is theirs; its dense first blocks are a dense shape's)
+    blocks = [b for i, b in enumerate(model.blocks) if config.is_moe_layer(i) or not config.is_moe]
+    if piece == "block":
         def forward():
             out = x
-            for block in model.blocks:
+            for block in blocks:
                 out = block(out)
             return out
     elif piece == "embedding":
@@ -227,7 +231,7 @@ def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_par
         targets = torch.randint(config.vocab_size, (batch, seq), device=device)
         forward = lambda: model.loss(model.logits(x), targets)  # noqa: E731
 
-    per = len(model.blocks) if piece == "block" else 1
+    per = len(blocks) if piece == "block" else 1
 
     def step() -> tuple[float, float]:
         if x is not None:

@@ -9,9 +9,9 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
 - units: seconds of the model's pieces for one micro-batch of b sequences, as one tensor-
   parallel rank computes them in fp32 (TF32 off, torch's default, as an fp32 training run computes;
   each unit says so: "dtype": "fp32", and simulator/costs/host.py's unit_times finds them for fp32 only):
-  the model's own block, embedding and final norm + head
-  + loss, made tensor-parallel by parallel/tensor/parallelize.py (with and without sequence parallelism)
-  over a group that communicates nothing (`AloneCollectives`: the collectives are measured
+  the model's own block (a mixture of experts': its MoE blocks, routing, experts and combine on one
+  rank, ep 1), embedding and final norm + head + loss, made tensor-parallel by
+  parallel/tensor/parallelize.py (with and without sequence parallelism) over a group that communicates nothing (`AloneCollectives`: the collectives are measured
   apart); forward and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and
   the model, and every b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up (the runs'
   spread and rank 0's CPU share go to parallel/calibrate/noise.py's record). Rank 0 measures
@@ -23,9 +23,9 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
   the mean of the busy ranks' medians over rank 0's median alone, and for the threads the median
   ratio of runs on every core's thread and on one taken in turn (device.threads_ratio). On CUDA each rank has its
   own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
-- collectives: all-reduce, all-gather, reduce-scatter (parallel/comm.py's Collectives over
-  gloo or NCCL, S = the full buffer's bytes) and p2p (ping-pong inside pairs, half the round
-  trip) by size S, group size n and the number W of busy ranks: ranks 0..W-1 split into
+- collectives: all-reduce, all-gather, reduce-scatter, all-to-all (parallel/comm.py's Collectives over
+  gloo or NCCL, S = the full buffer's bytes; all-to-all: each rank's input, split evenly, as expert
+  parallelism's exchanges are counted) and p2p (ping-pong inside pairs, half the round trip) by size S, group size n and the number W of busy ranks: ranks 0..W-1 split into
   contiguous groups of n that all run at once while the others wait. Each is timed as
   training issues it, on fresh buffers after a piece of compute (`_per_call`): a run of c
   calls less the same compute alone; t = alpha + beta * S is fitted per (kind, n, W) by
@@ -46,7 +46,7 @@ from parallel.comm import Collectives
 
 PIECES = ("block", "embedding", "head")
 UNITS_DTYPE = "fp32"  # the format the units are measured in: the model as built, TF32 off
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 
 
 def host_cores() -> int:
@@ -201,9 +201,12 @@ def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tu
                         block(x)
                     return torch.ones(numel, device=device), torch.ones(numel // n, device=device)
 
+                even = [numel // n] * n  # expert parallelism's exchange, balanced: S each rank's whole input
                 ops = {"all_reduce": lambda bufs: comm.all_reduce(bufs[0]),
                        "all_gather": lambda bufs: comm.all_gather(bufs[0], bufs[1]),
-                       "reduce_scatter": lambda bufs: comm.reduce_scatter(bufs[1], bufs[0])}
+                       "reduce_scatter": lambda bufs: comm.reduce_scatter(bufs[1], bufs[0]),
+                       "all_to_all": lambda bufs, even=even: comm.all_to_all(torch.empty_like(bufs[0]), bufs[0],
+                                                                             even, even)}
                 if n == 2:
                     ops["p2p"] = lambda bufs: _ping_pong(bufs[0], rank, rank ^ 1)
                 for kind, op in ops.items():
@@ -259,9 +262,14 @@ def collective_points(hosts: list[dict]) -> dict[tuple[str, int, int], list[list
 def unit_shape(config) -> dict:
     """The shape a unit was measured on, as simulator/costs/host.py keys it: the sizes and every option that changes
     what a block computes (key/value heads, MLP, norm, positions, biases; a test checks the two agree)."""
-    return {"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
-            "vocab_size": config.vocab_size, "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm,
-            "positions": config.positions, "bias": config.bias}
+    shape = {"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
+             "vocab_size": config.vocab_size, "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm,
+             "positions": config.positions, "bias": config.bias}
+    if config.is_moe:  # a MoE block is a shape of its own (simulator/costs/host.py's expert_key)
+        shape["experts"] = {"n_experts": config.n_experts, "top_k": config.top_k, "d_expert": config.expert_width,
+                            "n_shared_experts": config.n_shared_experts, "router": config.router,
+                            "capacity_factor": config.capacity_factor}
+    return shape
 
 
 def build_measured(hosts: list[dict], plan, fit) -> dict:

@@ -39,6 +39,7 @@ class StepOutcome:
     events: list[TimedEvent]
     tp_seconds: float  # inside blocking tensor-parallel collectives (parallel/comm.py BlockedTime)
     comm: dict[str, dict]
+    ep_seconds: float = 0.0  # inside expert parallelism's all-to-alls (blocking, inside the compute actions)
 
     @property
     def seconds(self) -> float:
@@ -56,10 +57,12 @@ def train_step(rank: "Rank", cfg: TrainConfig, step: int, inputs: list[torch.Ten
     start = clock.start()
     data_parallel.begin_step()
     scale = scaler.scale_loss if scaler else _unscaled
-    tp_blocked = []
+    tp_blocked, ep_blocked = [], []
 
     def optimize():
         tp_blocked.append(rank.comms["tp"].blocked())  # inside the compute actions (Megatron's collectives block)
+        if "ep" in rank.comms:  # the experts' all-to-alls, inside the compute actions too
+            ep_blocked.append(rank.comms["ep"].blocked())
         grads = data_parallel.finish_grads()
         return rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=scaler,
                                    reduce_sum=rank.reduce_sum)
@@ -71,11 +74,12 @@ def train_step(rank: "Rank", cfg: TrainConfig, step: int, inputs: list[torch.Ten
     end = clock.finish()
     result = record.result
     tp_seconds = tp_blocked[0].seconds()  # CUDA events resolve only now
+    ep_seconds = ep_blocked[0].seconds() if ep_blocked else 0.0
     events = clock.resolve([*record.events, ("UpdateGathers", "dp", dp_start, dp_end)])
     comm_counts = {dim: comm.counters() for dim, comm in rank.comms.items()}
     loss = mean_over(mesh.group("pp"), record.loss_sum / cfg.micro_batches, 1, mesh.device)
     loss = mean_over(mesh.data_group(), loss, mesh.data_ranks, mesh.device)  # the mean over every token
-    return StepOutcome(loss, result, start, end, events, tp_seconds, comm_counts)
+    return StepOutcome(loss, result, start, end, events, tp_seconds, comm_counts, ep_seconds)
 
 
 def _unscaled(loss: torch.Tensor) -> torch.Tensor:

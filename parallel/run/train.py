@@ -182,7 +182,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         for step in range(start_step, cfg.steps):
             inputs, targets = micro_batches(corpus, cfg, step, mesh, device)
             outcome = rank.train_step(cfg, step, inputs, targets, activations if step == 0 else None)
-            trace.add_step(step, outcome.start, outcome.end, outcome.events, outcome.tp_seconds)
+            trace.add_step(step, outcome.start, outcome.end, outcome.events, outcome.tp_seconds, outcome.ep_seconds)
             history.skipped_in_a_row = history.skipped_in_a_row + 1 if outcome.result.skipped else 0
             check_finite(policy.name, rank.scaler, step, outcome, history)
             history.losses.append(outcome.loss)
@@ -292,6 +292,7 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
             "dp": cfg.dp,
             "cp": cfg.cp,
             "cp_kind": cfg.cp_kind,
+            "ep": cfg.ep,
             "zero": rank.data_parallel.stage,
             "shard_group": rank.mesh.shard_ranks,  # ZeRO's group: every data rank, or a hybrid shard group
             "reshard_after_forward": cfg.reshard_after_forward,

@@ -9,7 +9,7 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
       "cores": C,                  (on CUDA: the GPUs, one per rank)
       "device": "cpu" | "cuda",
       "units": [{"d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp", "sequence_parallel"?, "dtype"?,
-                 "kv_heads"?, "mlp"?, "norm"?, "positions"?, "bias"?,
+                 "kv_heads"?, "mlp"?, "norm"?, "positions"?, "bias"?, "experts"?,
                  "micro_batches": [b, ...],
                  "block_forward": [s, ...], "block_backward": [...],
                  "embedding_forward": [...], "embedding_backward": [...],
@@ -30,7 +30,12 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   key/value heads, MLP kind, norm kind, positions, biases), so a Llama-style unit never prices a
   GPT of the same sizes or the reverse. A unit written before the options were keys lacks them
   and was a GPT-2-style block: as many key/value heads as heads, GELU, LayerNorm, learned
-  positions, biases (UNIT_SHAPE_DEFAULTS). "dtype" is the number format they were measured in
+  positions, biases (UNIT_SHAPE_DEFAULTS). A mixture of experts' block is a unit of its own, its "experts"
+  ({"n_experts", "top_k", "d_expert" (the width, d_ff when the model leaves it unset), "n_shared_experts",
+  "router", "capacity_factor"}) part of its shape: its block series are its MoE blocks' (routing, the experts one
+  after another, combine), never a dense block's of the same sizes, nor the reverse; a unit without "experts"
+  is dense. A MoE model's dense first blocks (dense_layers) take the dense unit of its sizes where there is one.
+  "dtype" is the number format they were measured in
   (calibrate measures fp32; a unit without one was written before units carried it, and was
   fp32). Units are for simulations computing in that format only: `unit_times` with another
   dtype finds none, and the engine then prices the chunk with compute.py's roofline in the
@@ -52,8 +57,9 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   their cores: engine.share_idle_cores replays the step with the slowdown of the ranks
   busy on average.
 - collectives: seconds of one collective on a buffer of S bytes in a group of `group`
-  ranks while `active` ranks run such groups at once (p2p: pairs). Between measured
-  sizes interpolated linearly; outside them the fitted line alpha + beta * S.
+  ranks while `active` ranks run such groups at once (p2p: pairs; all_to_all: S the input each rank hands
+  to all_to_all_single, its own part included, split evenly, as expert parallelism's exchanges are counted).
+  Between measured sizes interpolated linearly; outside them the fitted line alpha + beta * S.
 - reliability: how quiet the machine was while calibrate measured (parallel/calibrate/noise.py: the
   CPU share a measuring thread got, the spread of repeated runs, the threads row's ratio (did the other cores
   compute), whether the profile is reliable and why,
@@ -66,7 +72,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, GPTConfig
+from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.efficiency import FLOP_FORMATS
 from simulator.json_file import BYTES, COUNT, RELATIVE, SECONDS, SHARE, finite_number, in_range
@@ -78,9 +84,11 @@ UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
 # (kv_heads None: as many as n_heads). Their values: minigpt/config.py's kinds.
 UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True}
 SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
-UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS)
+UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS, "experts")
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+# A MoE unit's "experts": GPTConfig's fields, each with what it may be (d_expert: the width, resolved)
+EXPERT_FIELDS = ("n_experts", "top_k", "d_expert", "n_shared_experts", "router", "capacity_factor")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 # measured["reliability"] (parallel/calibrate/noise.py writes it): CPU shares of a core (0-1), spreads of repeated
 # runs ((slowest - fastest) / median, >= 0) and the confidence (a relative bound, >= 0); each may be null
 RELIABILITY_NUMBERS = {"cpu_share_before": SHARE, "cpu_share_alone": SHARE, "cpu_share_after": SHARE,
@@ -101,17 +109,26 @@ def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> floa
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def expert_key(model: GPTConfig) -> tuple | None:
+    """A mixture of experts' block as a unit keys it (EXPERT_FIELDS' order, the width resolved); None: dense."""
+    if not model.is_moe:
+        return None
+    return (model.n_experts, model.top_k, model.expert_width, model.n_shared_experts, model.router,
+            model.capacity_factor)
+
+
 def unit_key(model: GPTConfig, tp: int) -> tuple:
-    """What a unit is measured on: UNIT_KEYS' sizes, then the shape's options (UNIT_SHAPE_DEFAULTS' order)."""
+    """What a unit is measured on: UNIT_KEYS' sizes, then the shape's options (UNIT_SHAPE_DEFAULTS' order), then its
+    experts (expert_key: None for a dense block)."""
     return (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp,
-            model.kv_heads, model.mlp, model.norm, model.positions, model.bias)
+            model.kv_heads, model.mlp, model.norm, model.positions, model.bias, expert_key(model))
 
 
 @dataclass(frozen=True)
 class UnitTimes:
     """Measured seconds of the model's pieces on one tensor-parallel rank, by micro-batch size."""
 
-    key: tuple  # unit_key: the sizes (UNIT_KEYS), then the shape's options
+    key: tuple  # unit_key: the sizes (UNIT_KEYS), then the shape's options and experts
     micro_batches: tuple[int, ...]
     series: dict[str, tuple[float, ...]] = field(hash=False)
     sequence_parallel: bool = False
@@ -160,6 +177,17 @@ class MeasuredHost:
         key = unit_key(model, tp)
         same = [u for u in self.units if u.key == key and u.cp == cp and (dtype is None or u.dtype == dtype)]
         return next((u for u in same if u.sequence_parallel == sequence_parallel), same[0] if same else None)
+
+    def block_units(self, model: GPTConfig, tp: int, sequence_parallel: bool = False, dtype: str | None = None,
+                    cp: int = 1) -> tuple[UnitTimes | None, UnitTimes | None]:
+        """(the unit of this model's blocks, embedding and head; that of its dense blocks): a MoE model's MoE unit
+        and the unit of the same sizes without experts for its dense first blocks (None without dense_layers);
+        a dense model's unit twice. unit_times' rules for each."""
+        units = self.unit_times(model, tp, sequence_parallel, dtype, cp)
+        if not model.is_moe:
+            return units, units
+        dense = model.with_(n_experts=0, dense_layers=0) if model.dense_layers else None
+        return units, None if dense is None else self.unit_times(dense, tp, sequence_parallel, dtype, cp)
 
     def ideal_slowdown(self, ranks: int, threads: int) -> float:
         return 1.0 / min(threads, self.cores / ranks)
@@ -225,7 +253,26 @@ def _shape_options(entry: dict, at: str, n_heads: int) -> tuple:
             raise ConfigError(f"{at}.{name} must be one of {', '.join(kinds)}, got {options[name]!r}")
     if not isinstance(options["bias"], bool):
         raise ConfigError(f"{at}.bias must be true or false, got {options['bias']!r}")
-    return kv, options["mlp"], options["norm"], options["positions"], options["bias"]
+    return kv, options["mlp"], options["norm"], options["positions"], options["bias"], _experts(entry, at)
+
+
+def _experts(entry: dict, at: str) -> tuple | None:
+    """A unit's "experts" as expert_key keys them (None: a dense block's unit)."""
+    experts = entry.get("experts")
+    if experts is None:
+        return None
+    if not isinstance(experts, dict) or set(experts) != set(EXPERT_FIELDS):
+        raise ConfigError(f"{at}.experts must hold exactly {', '.join(EXPERT_FIELDS)}")
+    counts = [int(_positive(experts[k], f"{at}.experts.{k}", integer=True, high=2**20, zero=k == "n_shared_experts"))
+              for k in EXPERT_FIELDS[:4]]
+    if counts[1] > counts[0]:
+        raise ConfigError(f"{at}.experts.top_k must be at most n_experts={counts[0]}, got {counts[1]}")
+    if experts["router"] not in ROUTER_KINDS:
+        raise ConfigError(f"{at}.experts.router must be one of {', '.join(ROUTER_KINDS)}, got {experts['router']!r}")
+    factor = experts["capacity_factor"]
+    if factor is not None:
+        factor = float(_positive(factor, f"{at}.experts.capacity_factor", high=2**20))
+    return (*counts, experts["router"], factor)
 
 
 def parse_measured_host(data: object, where: str) -> MeasuredHost:

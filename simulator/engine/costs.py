@@ -135,7 +135,7 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
                              first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
             if host is not None:
-                f, b, again = host.chunk(layers, first, last, micro_batch, implementation.recompute, (f, b, again))
+                f, b, again = host.chunk(layers, first, last, micro_batch, implementation.recompute, (f, b, again), moe)
                 weight = (b - again) / 2  # measured units do not split the backward: half of it
             ftp, btp = tp_seconds(job.links, ct.tp_collectives_forward), tp_seconds(job.links, ct.tp_collectives_backward)
             if hide:  # hidden behind the Linears' GEMMs of the same pass, as far as they last, slowing them

@@ -1,10 +1,11 @@
 """The engine on a measured CPU host (simulator/costs/host.py): measured compute and collectives. Torch-free.
 
-`HostCompute` gives a chunk's forward and backward seconds from the measured units (the
-roofline's when this model was not measured), times the sharing slowdown of the job's
-ranks and threads on the host's cores. `HostLinks` times p2p and collectives with the
-measured gloo numbers for the group size and the job's number of ranks, falling back to
-the fluid link model (engine/links.py's LinkCosts) for a kind or group size not measured.
+`HostCompute` gives a chunk's forward and backward seconds from the measured units (a mixture
+of experts' MoE blocks from its own MoE unit; the roofline's when this model was not measured,
+which `missing` says), times the sharing slowdown of the job's ranks and threads on the host's
+cores. `HostLinks` times p2p, collectives and expert parallelism's all-to-alls with the measured
+gloo numbers for the group size and the job's number of ranks, falling back to the fluid link
+model (engine/links.py's LinkCosts) for a kind or group size not measured.
 """
 
 from __future__ import annotations
@@ -27,19 +28,27 @@ class HostCompute:
     # waits for its turn (checked on the 8-rank row of the compare matrix, docs/results.md); GPUs
     # move bytes with engines of their own.
     serial: bool = True
+    # A mixture of experts: `units` are its MoE blocks' (and its embedding's and head's), `dense` those of its dense
+    # first blocks (MeasuredHost.block_units; None: none measured, or no dense blocks); a dense model's are `units`.
+    moe: bool = False
+    dense: UnitTimes | None = None
+    missing: str | None = None  # why the roofline prices this model's compute on a measured host (None: it does not)
 
     def chunk(self, layers: int, first: bool, last: bool, micro_batch: int, recompute: str,
-              roofline: tuple[float, float, float]) -> tuple[float, float, float]:
-        """(forward, backward, recompute) seconds of a chunk; backward includes the recompute."""
-        if self.units is None:
+              roofline: tuple[float, float, float], moe: bool = False) -> tuple[float, float, float]:
+        """(forward, backward, recompute) seconds of a chunk of `layers` blocks (`moe`: MoE blocks); backward
+        includes the recompute."""
+        blocks = self.units if moe or not self.moe else self.dense
+        if self.units is None or (layers and blocks is None):
             forward, backward, again = roofline
         else:
-            def unit(name: str) -> float:
-                return self.units.seconds(name, micro_batch)
+            def unit(name: str, units: UnitTimes = self.units) -> float:
+                return units.seconds(name, micro_batch)
 
-            again = layers * unit("block_forward") if recompute == "full" else 0.0
-            forward = layers * unit("block_forward")
-            backward = layers * unit("block_backward") + again
+            block_forward = layers * unit("block_forward", blocks) if layers else 0.0
+            again = block_forward if recompute == "full" else 0.0
+            forward = block_forward
+            backward = (layers * unit("block_backward", blocks) if layers else 0.0) + again
             if first:
                 forward, backward = forward + unit("embedding_forward"), backward + unit("embedding_backward")
             if last:
@@ -56,10 +65,23 @@ def unit_format(host: MeasuredHost, compute_format: str) -> str:
 
 def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int,
                  compute_format: str = "fp32") -> HostCompute:
-    units = host.unit_times(model, layout.tp, layout.sequence_parallel, unit_format(host, compute_format), layout.cp)
+    """The measured compute of `model` in `layout` on `host`. A model (a mixture of experts, or its dense first
+    blocks) whose unit was not measured is priced by the roofline, and `missing` says so: never by another shape's
+    unit (a MoE block is not a dense block of its sizes)."""
+    fmt = unit_format(host, compute_format)
+    units, dense = host.block_units(model, layout.tp, layout.sequence_parallel, fmt, layout.cp)
+    shape = "mixture of experts' blocks" if model.is_moe else "blocks"
+    where = f"tp {layout.tp}" + (f", cp {layout.cp}" if layout.cp > 1 else "") + f", {fmt}"
+    missing = None
+    if units is None:
+        missing = f"no measured unit of this model's {shape} ({where}): the roofline prices its compute"
+    elif model.is_moe and model.dense_layers and dense is None:
+        missing = (f"no measured unit of this model's dense first blocks ({where}): the roofline prices those "
+                   f"{model.dense_layers} blocks")
     return HostCompute(units,
                        host.slowdown(layout.world_size, threads_per_rank),
-                       serial=host.device == "cpu" and layout.world_size * threads_per_rank <= host.cores)
+                       serial=host.device == "cpu" and layout.world_size * threads_per_rank <= host.cores,
+                       moe=model.is_moe, dense=dense, missing=missing)
 
 
 class HostLinks(LinkCosts):
@@ -78,6 +100,14 @@ class HostLinks(LinkCosts):
             return 0.0
         seconds = self.measured("p2p", 2, nbytes)
         return super().p2p(src_stage, dst_stage, nbytes) if seconds is None else seconds
+
+    def all_to_all(self, stage: int, nbytes: float) -> float:
+        """Expert parallelism's all-to-all over its group of ep: the measured gloo all_to_all_single for ep
+        (calibrate measures it by each rank's input, as it is counted here), else the fabric's flows."""
+        if self.layout.ep == 1 or nbytes <= 0:
+            return 0.0
+        seconds = self.measured("all_to_all", self.layout.ep, nbytes)
+        return super().all_to_all(stage, nbytes) if seconds is None else seconds
 
     def cp_pass(self, stage: int, nbytes: float) -> float:
         """A context-parallel ring pass: every rank sends to its neighbour at once, as the measured p2p does."""
