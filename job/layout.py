@@ -141,12 +141,14 @@ def _linear(name: str, rows: int, columns: int, model: GPTConfig, tp: int, colum
     return [bias, weight] if tp > 1 else [weight, bias]  # a RowParallelLinear registers its bias first
 
 
-EXPERT_TENSORS = "mlp.experts."  # the routed experts' tensors: split over ep ranks under expert parallelism
+def is_expert_tensor(tensor: Tensor) -> bool:
+    """A routed expert's tensor (mlp.experts.*): split over the ep ranks under expert parallelism."""
+    return tensor.name.startswith("mlp.experts.")
 
 
 def expert_tensors(model: GPTConfig, ep: int) -> list[Tensor]:
     """A MoE block's routed-expert tensors as one rank of an expert group of `ep` holds them (E / ep experts)."""
-    return [t._replace(numel=t.numel // ep) for t in _moe_tensors(model) if t.name.startswith(EXPERT_TENSORS)]
+    return [t._replace(numel=t.numel // ep) for t in _moe_tensors(model) if is_expert_tensor(t)]
 
 
 def _moe_tensors(model: GPTConfig) -> list[Tensor]:
@@ -221,7 +223,7 @@ def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]
     last = layout.pp * layout.virtual_chunks - 1
     kinds = {moe: block_tensors(model, layout.tp, moe) for moe in (False, True)}
     if layout.ep > 1:
-        kinds[True] = [t for t in kinds[True] if not t.name.startswith(EXPERT_TENSORS)]
+        kinds[True] = [t for t in kinds[True] if not is_expert_tensor(t)]
     stages = []
     for chunks in layout.rank_chunks(model):
         per_chunk = []

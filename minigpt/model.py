@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.config import GPTConfig
-from minigpt.moe import MoE
+from minigpt.moe import MoE, activation
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -174,18 +174,12 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.mlp == "swiglu"
         self.fc1 = nn.Linear(config.d_model, config.mlp_in_width, bias=config.bias)
-        self.act = nn.SiLU() if self.swiglu else nn.GELU(approximate="tanh")
         self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.fc1(x)
-        if self.swiglu:  # a column-sharded fc1 holds this rank's gate rows, then its up rows
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = self.act(gate) * up
-        else:
-            hidden = self.act(hidden)
-        return self.dropout(self.fc2(hidden))
+        # a column-sharded SwiGLU fc1 holds this rank's gate rows, then its up rows: its halves are still gate and up
+        return self.dropout(self.fc2(activation(self.fc1(x), self.swiglu)))
 
 
 class Block(nn.Module):

@@ -56,6 +56,15 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full(ctx.shape, aux_loss_weight(), dtype=ctx.dtype, device=grad.device)
 
 
+def activation(hidden: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """An MLP's activation of its first Linear's output: SwiGLU, silu(gate) * up of its two halves (Shazeer 2020),
+    or GELU (tanh approximation, GPT-2's). minigpt/model.py's dense MLP, the experts and the shared experts use it."""
+    if swiglu:
+        gate, up = hidden.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(hidden, approximate="tanh")
+
+
 class Combine(torch.autograd.Function):
     """Sums routed rows back into their tokens: out[tokens[i]] += rows[i]. Saves only the token indices (torch's
     index_add keeps its source rows too)."""
@@ -90,12 +99,7 @@ class Experts(nn.Module):
     def expert(self, weights: tuple, x: torch.Tensor) -> torch.Tensor:
         """Rows `x` through one expert, `weights` its (w1, w2, b1, b2) (biases None without them)."""
         w1, w2, b1, b2 = weights
-        hidden = x @ w1 if b1 is None else torch.addmm(b1, x, w1)
-        if self.swiglu:
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="tanh")
+        hidden = activation(x @ w1 if b1 is None else torch.addmm(b1, x, w1), self.swiglu)
         return hidden @ w2 if b2 is None else torch.addmm(b2, hidden, w2)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -122,13 +126,7 @@ class SharedExperts(nn.Module):
         self.fc2 = nn.Linear(width, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.fc1(x)
-        if self.swiglu:
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="tanh")
-        return self.fc2(hidden)
+        return self.fc2(activation(self.fc1(x), self.swiglu))
 
 
 def capacity(config: GPTConfig, seq: int) -> int | None:

@@ -47,7 +47,7 @@ from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.costs.hardware import GPUSpec
-from job.layout import Bucket, Layout, buckets, check_against_config, stage_units
+from job.layout import Bucket, Layout, buckets, check_against_config, is_expert_tensor, stage_units
 from simulator.costs.op_types import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
 from simulator.costs.ops_moe import expert_rows, received_rows
@@ -326,7 +326,7 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     per_param = pol.bytes_per_param()
     zero, dp = layout.effective_zero, layout.data_ranks
     if ep > 1:
-        dense = [[[t for t in unit if not is_expert(t)] for unit in chunk] for chunk in chunks]
+        dense = [[[t for t in unit if not is_expert_tensor(t)] for unit in chunk] for chunk in chunks]
         experts = [[[t._replace(numel=t.numel // ep) for t in unit] for unit in chunk] for chunk in chunks]
         parts = [_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts)]
         held, owned, grads, buffers, numel = (sum(values) for values in zip(*parts))
@@ -358,17 +358,12 @@ def _states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, hold: 
     return held, owned, grads, buffers, sum(t.numel for unit in units for t in unit)
 
 
-def is_expert(tensor) -> bool:
-    """A routed expert's parameter (job/layout.py's mlp.experts.*): split over the ep ranks."""
-    return tensor.name.startswith("mlp.experts.")
-
-
 def experts_states(chunks) -> tuple[int, ...]:
     """The routed experts' part of a stage under expert parallelism, as parallel/expert/gradients.py holds it: E/ep
     experts on each rank (job/layout.py's expert_tensors), in a flat buffer of their own beside ZeRO's (weights
     and gradients in the compute format), their masters and Adam states unsharded (ZeRO shards the dense weights
     only), their gradients all-reduced in place."""
-    experts = [[[t for t in unit if is_expert(t)] for unit in chunk] for chunk in chunks]
+    experts = [[[t for t in unit if is_expert_tensor(t)] for unit in chunk] for chunk in chunks]
     return _states([[unit for unit in chunk if unit] for chunk in experts], 0, 1, None, 0, "forward")
 
 

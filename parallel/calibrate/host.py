@@ -11,9 +11,9 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
   each unit says so: "dtype": "fp32", and simulator/costs/host.py's unit_times finds them for fp32 only):
   the model's own block (a mixture of experts': its MoE blocks, routing, experts and combine on one
   rank, ep 1), embedding and final norm + head + loss, made tensor-parallel by
-  parallel/tensor/parallelize.py (with and without sequence parallelism) over a group that communicates nothing (`AloneCollectives`: the collectives are measured
-  apart); forward and backward each, for every tp in (1, 2, 4, 8) that fits the ranks and
-  the model, and every b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up (the runs'
+  parallel/tensor/parallelize.py (with and without sequence parallelism) over a group that communicates
+  nothing (`AloneCollectives`: the collectives are measured apart); forward and backward each, for every
+  tp in (1, 2, 4, 8) that fits the ranks and the model, and every b of plan.micro_batches; the median of >= plan.repeats runs after a warm-up (the runs'
   spread and rank 0's CPU share go to parallel/calibrate/noise.py's record). Rank 0 measures
   alone on one thread while the others wait in a barrier (which takes no CPU): unshared costs.
   Parameter gradients accumulate from run to run, as over a step's micro-batches.
@@ -25,7 +25,8 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
   own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
 - collectives: all-reduce, all-gather, reduce-scatter, all-to-all (parallel/comm.py's Collectives over
   gloo or NCCL, S = the full buffer's bytes; all-to-all: each rank's input, split evenly, as expert
-  parallelism's exchanges are counted) and p2p (ping-pong inside pairs, half the round trip) by size S, group size n and the number W of busy ranks: ranks 0..W-1 split into
+  parallelism's exchanges are counted) and p2p (ping-pong inside pairs, half the round trip) by size S,
+  group size n and the number W of busy ranks: ranks 0..W-1 split into
   contiguous groups of n that all run at once while the others wait. Each is timed as
   training issues it, on fresh buffers after a piece of compute (`_per_call`): a run of c
   calls less the same compute alone; t = alpha + beta * S is fitted per (kind, n, W) by

@@ -204,8 +204,8 @@ def flat_spaces(data_parallel) -> list[tuple[object, int, int, int]]:
 
     Under expert parallelism (parallel/expert/gradients.py's WithExperts): the ZeRO stage's, then the experts'
     own buffer, whole."""
-    if hasattr(data_parallel, "experts_comm"):
-        experts = data_parallel.flat
+    experts = getattr(data_parallel, "expert_flat", None)
+    if experts is not None:
         return flat_spaces(data_parallel.inner) + [(experts, 0, experts.data.numel(), data_parallel.dense_numel)]
     if hasattr(data_parallel, "units"):  # ZeRO 3: piece r of every unit
         rank = data_parallel.comm.rank
@@ -225,10 +225,10 @@ def rank_placements(rank, cfg) -> list[Placement]:
     shapes = global_shapes(cfg.model)
     names = parameter_names(rank, cfg)
     mesh, data_parallel = rank.mesh, rank.data_parallel
-    dense = getattr(data_parallel, "inner", data_parallel)  # expert parallelism wraps the ZeRO stage
-    experts = data_parallel.flat if dense is not data_parallel else None
-    dense_writes = dense.replicas.rank == 0  # hybrid sharding: the first shard group's copy
-    dense_writes = dense_writes and not (dense.stage == 0 and dense.comm.size > 1 and dense.comm.rank != 0)  # dp x cp
+    experts = getattr(data_parallel, "expert_flat", None)  # expert parallelism's buffer beside ZeRO's
+    dense_writes = data_parallel.replicas.rank == 0  # hybrid sharding: the first shard group's copy
+    dense_writes = dense_writes and not (data_parallel.stage == 0 and data_parallel.comm.size > 1
+                                         and data_parallel.comm.rank != 0)  # over dp x cp
     placements: dict[str, Placement] = {}
     for flat, start, end, position in flat_spaces(data_parallel):
         for segment, param in zip(flat.segments, flat.params):
@@ -242,7 +242,7 @@ def rank_placements(rank, cfg) -> list[Placement]:
                 raise AssertionError(f"parameter {segment.name} is taken for {name}, which GPT does not have")
             if flat is experts:  # whole on every tp rank; one of the ranks holding the same experts writes
                 kind, index, parts = "experts", data_parallel.experts_comm.rank, data_parallel.experts_comm.size
-                writes = mesh.tp_rank == 0 and data_parallel.replicas.rank == 0
+                writes = mesh.tp_rank == 0 and data_parallel.expert_replicas.rank == 0
             else:
                 kind, index, parts = tensor_parallel_kind(name, mesh.tp), mesh.tp_rank, mesh.tp
                 writes = dense_writes and not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)

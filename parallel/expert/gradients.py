@@ -36,11 +36,12 @@ class WithExperts:
         """`inner`: the ZeRO stage over the dense weights; `experts_comm`: the expert group; `replicas`: the
         ranks holding the same experts; `data_ranks`: dp x cp; `tp`: copies of every expert over tensor
         parallelism (none is split)."""
-        self.inner, self.experts_comm, self.replicas = inner, experts_comm, replicas
+        # named apart from ZeRO's own `flat` and `replicas`, which every other reader gets through __getattr__
+        self.inner, self.experts_comm, self.expert_replicas = inner, experts_comm, replicas
         self.data_ranks, self.tp = data_ranks, tp
-        self.flat = FlatParameters(expert_shards(model))
+        self.expert_flat = FlatParameters(expert_shards(model))
         self.stage = inner.stage
-        self.expert_share = torch.zeros((), dtype=torch.float64, device=self.flat.data.device)
+        self.expert_share = torch.zeros((), dtype=torch.float64, device=self.expert_flat.data.device)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # the rest of the protocol is ZeRO's
@@ -53,28 +54,30 @@ class WithExperts:
     @property
     def weights(self) -> list[torch.Tensor]:
         weights = self.inner.weights
-        return (list(weights) if isinstance(weights, list) else [weights]) + [self.flat.data]
+        return (list(weights) if isinstance(weights, list) else [weights]) + [self.expert_flat.data]
+
+    def _expert_ranges(self, select) -> list[tuple[int, int]]:
+        """The parts of the experts' buffer `select(index)` picks, in `weights` coordinates (after ZeRO's pieces)."""
+        flat, base = self.expert_flat, self.dense_numel
+        return [(base + lo, base + hi) for lo, hi in flat.local_ranges([(0, flat.padded_numel)], select)]
 
     @property
     def decay_ranges(self) -> list[tuple[int, int]]:
-        base = self.dense_numel
-        ours = self.flat.decay_ranges([(0, self.flat.padded_numel)])
-        return list(self.inner.decay_ranges) + [(base + lo, base + hi) for lo, hi in ours]
+        return list(self.inner.decay_ranges) + self._expert_ranges(lambda i: self.expert_flat.segments[i].decay)
 
     def ranges_of(self, param_ids: set[int]) -> list[tuple[int, int]]:
-        base = self.dense_numel
-        ours = self.flat.local_ranges([(0, self.flat.padded_numel)], lambda i: id(self.flat.params[i]) in param_ids)
-        return self.inner.ranges_of(param_ids) + [(base + lo, base + hi) for lo, hi in ours]
+        params = self.expert_flat.params
+        return self.inner.ranges_of(param_ids) + self._expert_ranges(lambda i: id(params[i]) in param_ids)
 
     def begin_step(self) -> None:
         self.inner.begin_step()
-        self.flat.zero_grad()
+        self.expert_flat.zero_grad()
 
     def finish_grads(self) -> torch.Tensor:
         dense = self.inner.finish_grads()
-        grad = self.flat.grad
+        grad = self.expert_flat.grad
         grad.div_(self.data_ranks)
-        self.replicas.all_reduce(grad)
+        self.expert_replicas.all_reduce(grad)
         self.expert_share = squares(grad.float()) / self.tp  # as the optimizer's shared ranges count it
         return torch.cat([dense.reshape(-1), grad.to(dense.dtype)])
 
@@ -83,10 +86,10 @@ class WithExperts:
         return self.inner.reduce_sum(value - share) + self.experts_comm.sum(share.clone())
 
     def parameter_storages(self) -> set[int]:
-        return self.inner.parameter_storages() | {self.flat.data.untyped_storage().data_ptr()}
+        return self.inner.parameter_storages() | {self.expert_flat.data.untyped_storage().data_ptr()}
 
     def memory(self) -> dict[str, int]:
-        memory = dict(self.inner.memory())
-        memory["parameters"] += self.flat.data.numel() * self.flat.data.element_size()
-        memory["gradients"] += self.flat.grad.numel() * self.flat.grad.element_size()
+        memory, flat = dict(self.inner.memory()), self.expert_flat
+        memory["parameters"] += flat.data.numel() * flat.data.element_size()
+        memory["gradients"] += flat.grad.numel() * flat.grad.element_size()
         return memory
