@@ -49,8 +49,14 @@ def step_rows(result: SimResult) -> list[list[str]]:
     step = result.step_time_s
     rows = [["step time", seconds(step), "100.0%"]]
     shown = {"cp_comm": result.layout.cp > 1, "ep_comm": result.layout.ep > 1}  # no such parallelism, no row
-    rows += [[f"  {BREAKDOWN_LABELS[k]}", seconds(v), f"{v / step:.1%}"] for k, v in result.breakdown.items()
-             if shown.get(k, True)]
+    for key, value in result.breakdown.items():
+        if shown.get(key, True):
+            rows.append([f"  {BREAKDOWN_LABELS[key]}", seconds(value), f"{value / step:.1%}"])
+        if key == "ep_comm" and shown["ep_comm"]:  # beside it, what the shared experts hid (not part of the step)
+            hidden = result.hidden.get(key, 0.0)
+            rows.append(["  expert all-to-all (hidden)", seconds(hidden), "not in the step: " + (
+                "not overlapped (--ep-overlap)" if not result.overlap.ep else
+                "behind the shared experts" if hidden else "no shared experts to hide behind")])
     per_gpu = (f"{result.tflops_per_gpu:.1f}" if result.tflops_per_gpu >= 1 else f"{result.tflops_per_gpu * 1e3:.1f}")
     active = " (active parameters)" if result.moe else ""
     rows += [["TFLOP/s per GPU" if result.tflops_per_gpu >= 1 else "GFLOP/s per GPU", per_gpu, f"model FLOPs{active}"],

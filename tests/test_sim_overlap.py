@@ -23,7 +23,8 @@ def test_overlap_presets_and_settings():
     from simulator.engine.overlap import Overlap, overlap_preset, resolve_overlap
 
     assert resolve_overlap() == Overlap() == overlap_preset("executor")
-    assert resolve_overlap("overlapped") == Overlap("overlapped", tp=True, dp="backward", zero3_prefetch=1, p2p=True)
+    assert resolve_overlap("overlapped") == Overlap("overlapped", tp=True, dp="backward", zero3_prefetch=1, p2p=True,
+                                                      ep=True)
     assert overlap_preset("megatron-2021").dp == "after" and not overlap_preset("megatron-2021").tp
     custom = resolve_overlap("overlapped", p2p=False)
     assert custom.name == "overlapped+custom" and not custom.p2p and custom.tp

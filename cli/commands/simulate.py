@@ -11,7 +11,7 @@ the data-parallel group (ep consecutive dp ranks: on NVLink while tp x ep fits i
 (simulator/engine/experts.py) are the breakdown's "expert all-to-all" row; one layout only, no sweep; --expert-load
 (cli/options/experts.py) prices a routing imbalance, a number or a training run's measured one. How a block is
 computed (--attention, --recompute, --sp-saved-input: simulator/costs/ops.py) and what overlaps
-what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap:
+what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p-overlap, --ep-overlap:
 simulator/engine/overlap.py) are flags too; the output says what its numbers rest on, and which algorithm
 each collective runs as NCCL would pick it (--nccl-algo forces one: cli/options/collectives.py). A job beyond
 simulator/limits.py's stated size (GPUs, layers, schedule slots, sweep points) is refused in
@@ -30,7 +30,7 @@ from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_option
 from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
-from cli.options.experts import expert_load_option, read_expert_load
+from cli.options.experts import ep_overlap_option, expert_load_option, read_expert_load
 from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
@@ -100,7 +100,8 @@ def _overlap(options: dict):
     from simulator.engine.overlap import resolve_overlap
 
     return resolve_overlap(options["overlap"], tp=options["tp_overlap"], dp=options["dp_overlap"],
-                           zero3_prefetch=options["zero3_prefetch"], p2p=options["p2p_overlap"])
+                           zero3_prefetch=options["zero3_prefetch"], p2p=options["p2p_overlap"],
+                           ep=options["ep_overlap"])
 
 
 def run_single(options: dict) -> dict:
@@ -338,7 +339,7 @@ def micro_batch_size(options: dict) -> int:
                    "overlapped) or torchtitan-fsdp2 (FSDP2 prefetch 1, reduce-scatter in the backward, no tp "
                    "overlap, async p2p). An overlapped collective slows the compute it hides behind by the share "
                    f"of SMs it holds (tp {TP_SLOWDOWN:.1%}, dp {DP_SLOWDOWN:.1%}, p2p {P2P_SLOWDOWN:.1%}: "
-                   "simulator/engine/overlap.py). The four flags below change one setting of it.")
+                   "simulator/engine/overlap.py). The flags below (and --ep-overlap) change one setting of it.")
 @click.option("--tp-overlap/--no-tp-overlap", "tp_overlap", default=None,
               help="Hide tensor-parallel collectives behind the Linears' GEMMs (default: the preset's).")
 @click.option("--dp-overlap", "dp_overlap", type=click.Choice(DP_MODES), default=None,
@@ -353,6 +354,7 @@ def micro_batch_size(options: dict) -> int:
               help="Expert-parallel size: a mixture of experts' experts split over ep consecutive ranks of the "
                    "data-parallel group (it must divide dp and the experts): on NVLink while tp x ep fits in a server.")
 @expert_load_option
+@ep_overlap_option
 @precision_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")

@@ -1,4 +1,4 @@
-"""The mixture-of-experts flags of `simulate` and `plan`: --ep and --expert-load.
+"""The mixture-of-experts flags of `simulate` and `plan`: --ep, --expert-load and (simulate) --ep-overlap.
 
 --ep N: expert-parallel size (simulate: the layout's, default 1; plan: fixes it, default searched).
 --expert-load X: the routing imbalance the simulator prices (simulator/engine/experts.py), either a number >= 1 (the
@@ -28,6 +28,14 @@ EXPERT_LOAD_HELP = ("A mixture of experts' routing imbalance: the busiest expert
 
 def expert_load_option(command: Callable) -> Callable:
     return click.option("--expert-load", "expert_load", metavar="X|SUMMARY.JSON", help=EXPERT_LOAD_HELP)(command)
+
+
+def ep_overlap_option(command: Callable) -> Callable:
+    """--ep-overlap/--no-ep-overlap: simulator/engine/overlap.py's Overlap.ep (default: the --overlap preset's)."""
+    return click.option("--ep-overlap/--no-ep-overlap", "ep_overlap", default=None,
+                        help="Hide the experts' dispatch and combine all-to-alls behind the shared experts, run "
+                             "beside them (Megatron-core's moe_shared_expert_overlap); default: the preset's (on "
+                             "in overlapped only).")(command)
 
 
 def _number(text: str) -> float | None:

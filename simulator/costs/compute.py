@@ -169,6 +169,28 @@ class PassTimes:
                          self.attention * times)
 
 
+SHARED = "shared."  # a MoE's shared experts' ops (simulator/costs/ops.py's _mlp prefix)
+
+
+def shared_halves(ops, gpu: GPUSpec, profile: EfficiencyProfile | None = None, times: int = 1) -> tuple[float, float]:
+    """Seconds of a MoE's shared experts among `ops`, x `times`: (fc1 and its activation, fc2), their weight
+    gradients left out (zero-bubble schedules run those apart). What can hide expert parallelism's dispatch and
+    combine all-to-alls when the shared experts run beside them (Overlap.ep: simulator/engine/experts.py)."""
+    first = second = 0.0
+    for op in ops:
+        if op.name.startswith(SHARED) and not is_weight_gradient(op):
+            seconds = op_time(op, gpu, profile) * times
+            if op.name.startswith(f"{SHARED}fc2"):
+                second += seconds
+            else:
+                first += seconds
+    return first, second
+
+
+def _plus(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return a[0] + b[0], a[1] + b[1]
+
+
 def pass_times(ops, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> PassTimes:
     total = gemm = linear = memory = attention = 0.0
     for op in ops:
@@ -265,6 +287,10 @@ class ChunkTimes:
     attention_backward_s: float = 0.0  # of the backward, the recomputed forward's left out
     attention_recompute_s: float = 0.0  # of the recomputed forward
     per_step_s: float = 0.0  # once per step, not per micro-batch: fp8 weight casts kept across micro-batches
+    # a MoE's shared experts, (fc1 and activation, fc2) each, weight gradients left out (shared_halves)
+    shared_forward_s: tuple[float, float] = (0.0, 0.0)
+    shared_backward_s: tuple[float, float] = (0.0, 0.0)  # the recomputed forward's left out
+    shared_recompute_s: tuple[float, float] = (0.0, 0.0)
 
 
 def moe_count(model: GPTConfig, layers: int, moe_layers: int | None) -> int:
@@ -315,6 +341,7 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     forward = again = backward = weight = step = PassTimes()
     forward_flops = backward_flops = 0
+    shared = {"forward": (0.0, 0.0), "backward": (0.0, 0.0), "recompute": (0.0, 0.0)}
     moe = moe_count(model, layers, moe_layers)
     for ops, count in chunk_ops(model, layers, micro_batch_size, layout, policy, implementation, first, last, moe):
         step += pass_times(ops.per_step, gpu, profile) * count
@@ -324,6 +351,9 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         again += pass_times(rerun, gpu, profile) * count
         backward += pass_times(grads, gpu, profile) * count
         weight += pass_times([op for op in grads if is_weight_gradient(op)], gpu, profile) * count
+        if moe and model.n_shared_experts:
+            for name, listed in (("forward", ops.forward), ("backward", grads), ("recompute", rerun)):
+                shared[name] = _plus(shared[name], shared_halves(listed, gpu, profile, count))
         forward_flops += count * sum(model_flops(op) for op in ops.forward)
         backward_flops += count * sum(model_flops(op) for op in ops.backward)
     sharded = layout.sequence_parallel and implementation.sp_saved_input == "sharded"
@@ -337,7 +367,8 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         tp_collectives_forward=tuple(fwd), tp_collectives_backward=tuple(bwd), backward_weight_s=weight.total,
         forward_linear_s=forward.linear, backward_linear_s=backward.linear + again.linear, backward_flops=backward_flops,
         attention_forward_s=forward.attention, attention_backward_s=backward.attention,
-        attention_recompute_s=again.attention, per_step_s=step.total,
+        attention_recompute_s=again.attention, per_step_s=step.total, shared_forward_s=shared["forward"],
+        shared_backward_s=shared["backward"], shared_recompute_s=shared["recompute"],
     )
 
 

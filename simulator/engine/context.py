@@ -32,10 +32,12 @@ from minigpt.config import GPTConfig
 
 @dataclass
 class Priced:
-    """Exposed seconds of a list of exchanges, and the exchanges priced (kind, calls, bytes per call)."""
+    """Exposed seconds of a list of exchanges, and the exchanges priced (kind, calls, bytes per call); `hidden`: the
+    seconds they ran beside the compute that hid them (simulator/engine/experts.py's; not part of `seconds`)."""
 
     seconds: float = 0.0
     priced: list[Exchange] = field(default_factory=list)
+    hidden: float = 0.0
 
 
 def _price(exchanges: list[Exchange], hidden_by: list[float], links, stage: int, cp: int) -> Priced:

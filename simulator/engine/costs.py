@@ -13,7 +13,9 @@ default, "executor", is our code (parallel/pipeline/executor.py, parallel/data/z
           simulator/engine/context.py: the ring's passes behind the attention blocks as the trainer
           overlaps them, the rest exposed.
   ep      expert parallelism's all-to-alls inside each MoE block (job/exchange/experts.py's calls), priced by
-          simulator/engine/experts.py, exposed; the experts' own data-parallel collectives are the pricer's.
+          simulator/engine/experts.py: exposed, or under Overlap.ep behind the block's shared experts as far as
+          they last (the seconds hidden kept apart: ActionCost.ep_hidden, the breakdown's hidden row); the
+          experts' own data-parallel collectives are the pricer's.
   dp      no model of ZeRO here: the data-parallel collectives are the schedule's own actions
           (job/data_parallel.py: per bucket or unit, per micro-batch where the stage issues
           them), priced from their place in the list by simulator/engine/data_parallel.py.
@@ -38,7 +40,7 @@ from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, chunk_times
 from simulator.engine.context import layer_exchange
-from simulator.engine.experts import layer_exchange as expert_exchange
+from simulator.engine.experts import SharedExperts, layer_exchange as expert_exchange
 from job.exchange.experts import expert_gradient_reduction
 from simulator.engine.host import HostCompute
 from simulator.engine.links import LinkCosts
@@ -87,8 +89,10 @@ class Unit:
     weight: float = 0.0  # the weight-gradient part of `backward` (zero-bubble schedules' W)
     forward_cp: float = 0.0  # context-parallel exchange seconds left exposed (simulator/engine/context.py)
     backward_cp: float = 0.0
-    forward_ep: float = 0.0  # expert parallelism's all-to-alls (simulator/engine/experts.py)
+    forward_ep: float = 0.0  # expert parallelism's all-to-alls left exposed (simulator/engine/experts.py)
     backward_ep: float = 0.0
+    forward_ep_hidden: float = 0.0  # their seconds hidden behind the shared experts (Overlap.ep)
+    backward_ep_hidden: float = 0.0
 
     @property
     def forward_total(self) -> float:
@@ -122,8 +126,8 @@ class _Job:
 def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, implementation: Implementation,
                 profile: EfficiencyProfile | None, host: HostCompute | None):
     """times(layers, first, last, stage, moe) -> (forward, backward, exposed tp forward, exposed tp backward,
-    recompute, weight, exposed cp forward, exposed cp backward, exposed ep forward, exposed ep backward); `moe`:
-    the blocks are a mixture of experts'."""
+    recompute, weight, exposed cp forward, exposed cp backward, exposed ep forward, exposed ep backward, hidden ep
+    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'."""
     memo: dict = {}
     exchanges: dict = {}  # per stage too: the cp group's links are the stage's
     hide = job.overlap.tp and not job.serial
@@ -144,20 +148,33 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             memo[key] = (f, b, ftp, btp, again, weight), ct
         priced, ct = memo[key]
         if (job.layout.cp == 1 and not (moe and job.layout.ep > 1)) or not layers:
-            return (*priced, 0.0, 0.0, 0.0, 0.0)
+            return (*priced, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         if (key, stage) not in exchanges:
             context = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage) \
                 if job.layout.cp > 1 else (0.0, 0.0)
-            forward, backward = expert_exchange(job.model, job.layout, micro_batch, job.compute_bytes,
-                                                implementation.recompute, job.links, stage,
-                                                implementation.expert_load) if moe else ((), ())
-            experts = (layers * forward.seconds, layers * backward.seconds) if moe else (0.0, 0.0)
+            experts = (0.0,) * 4
+            if moe:
+                forward, backward = expert_exchange(job.model, job.layout, micro_batch, job.compute_bytes,
+                                                    implementation.recompute, job.links, stage,
+                                                    implementation.expert_load, _shared_experts(job, ct, layers))
+                experts = tuple(layers * x for x in (forward.seconds, backward.seconds, forward.hidden,
+                                                     backward.hidden))
             exchanges[(key, stage)] = (*context, *experts)
         return (*priced, *exchanges[(key, stage)])
 
     # once a step, not per micro-batch (fp8 weight casts kept across micro-batches): read after times() priced the unit
     times.per_step = lambda layers, first, last, moe=False: memo[(layers, first, last, moe)][1].per_step_s
     return times
+
+
+def _shared_experts(job: _Job, ct, layers: int) -> SharedExperts | None:
+    """What hides one MoE layer's all-to-alls under Overlap.ep: its shared experts (the chunk's `layers` blocks all
+    a mixture of experts'); nothing without the setting, or on a CPU host, where gloo does not overlap compute."""
+    if not job.overlap.ep or job.serial:
+        return None
+    per_layer = lambda halves: (halves[0] / layers, halves[1] / layers)  # noqa: E731
+    return SharedExperts(per_layer(ct.shared_forward_s), per_layer(ct.shared_backward_s),
+                         per_layer(ct.shared_recompute_s), job.overlap.dp_slowdown)
 
 
 def _exchange(job: _Job, ct, layers: int, micro_batch: int, recompute: str, stage: int) -> tuple[float, float]:
@@ -176,15 +193,18 @@ def _plain_actions(chunk: int, units: list[Unit], actions: dict) -> None:
     b_compute, b_tp = sum(u.backward for u in units), sum(u.backward_tp for u in units)
     f_cp, b_cp = sum(u.forward_cp for u in units), sum(u.backward_cp for u in units)
     f_ep, b_ep = sum(u.forward_ep for u in units), sum(u.backward_ep for u in units)
+    f_hid, b_hid = sum(u.forward_ep_hidden for u in units), sum(u.backward_ep_hidden for u in units)
     w_compute = sum(u.weight for u in units)
-    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp + f_ep, f_compute, f_tp, cp=f_cp, ep=f_ep)
-    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp + b_cp + b_ep, b_compute, b_tp, cp=b_cp, ep=b_ep)
+    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp + f_ep, f_compute, f_tp, cp=f_cp, ep=f_ep,
+                                           ep_hidden=f_hid)
+    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp + b_cp + b_ep, b_compute, b_tp, cp=b_cp, ep=b_ep,
+                                            ep_hidden=b_hid)
     if chunk == 0:  # no input gradient to send: BackwardInput does nothing, BackwardWeight the whole backward
         actions[(BackwardInput, chunk)] = ActionCost(0.0)
         actions[(BackwardWeight, chunk)] = actions[(Backward, chunk)]
     else:
         actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp + b_cp + b_ep, b_compute - w_compute,
-                                                     b_tp, cp=b_cp, ep=b_ep)
+                                                     b_tp, cp=b_cp, ep=b_ep, ep_hidden=b_hid)
         actions[(BackwardWeight, chunk)] = ActionCost(w_compute, w_compute)
 
 
@@ -216,10 +236,10 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
                 block = 0 if embedding or head else 1
                 moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
-                f, b, ftp, btp, again, weight, fcp, bcp, fep, bep = times(block, embedding, head, rank, moe)
+                f, b, ftp, btp, again, weight, *exchanged = times(block, embedding, head, rank, moe)
                 per_step += times.per_step(block, embedding, head, moe)
                 units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
-                                  fcp, bcp, fep, bep))
+                                  *exchanged))
             chunk_units[chunk] = units
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():

@@ -55,6 +55,7 @@ class ActionCost:
     comm_end: float | None = None
     cp: float = 0.0  # context parallelism's exposed key/value exchange (simulator/engine/context.py)
     ep: float = 0.0  # expert parallelism's exposed all-to-alls (simulator/engine/experts.py)
+    ep_hidden: float = 0.0  # and their seconds hidden behind the shared experts (Overlap.ep), not in `total`
 
 
 class DataParallelPricer:
@@ -92,7 +93,8 @@ class DataParallelPricer:
         segments, limit, wait = self.segments(action, armed)
         o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free,
                     self.settings.dp_slowdown)
-        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp, plain.ep)
+        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp, plain.ep,
+                          plain.ep_hidden)
         if comm_free <= 0:
             self.memo[key] = cost
         return cost

@@ -5,8 +5,12 @@ bytes against the same functions); this module only prices them, per MoE layer a
 expert group's links (simulator/engine/links.py's all_to_all: NVLink while tp x cp x ep fits in a server, the NICs
 beyond), as the trainer runs them: one after another, each waited for before the computation that needs it (the
 counts before the dispatch's splits are known, the dispatch before the experts, the combine before the gate
-multiply), so every second of them is exposed. Nothing overlaps them with the shared experts (Megatron-core's
-moe_shared_expert_overlap): not modelled, and off there by default too.
+multiply), so every second of them is exposed. With Overlap.ep (Megatron-core's moe_shared_expert_overlap:
+simulator/engine/overlap.py) a model's shared experts run beside them instead: the dispatch's all-to-all behind
+their fc1 and activation, the combine's behind fc2; in the backward the combine's gradient behind fc2's input
+gradient, the dispatch's behind fc1's and the activation's (a recomputed forward's as in the forward); each call
+exposed by overlap.py's `exposed` (max(c - g, f x overlap): the shared experts slowed by the SMs NCCL holds, f the
+overlap's dp_slowdown), hidden for the time it ran beside them; the counts' all-to-all stays exposed.
 
 Rows: balanced by default (routed_rows: each rank receives as many as it sends). Under a routing imbalance
 (Implementation.expert_load, `load`: the busiest expert's rows over the mean) the rank priced is the busiest of its
@@ -16,12 +20,13 @@ sends as many back in the combine and the dispatch's gradient. Each all-to-all o
 of the rows the busiest rank moves in its heavier direction (every member's buffer that large: its own links'
 time, an upper bound where links beyond the server are shared); the counts do not change.
 
-Returns per layer: (forward exposed seconds, backward exposed seconds), and what was priced, for checking.
+Returns per layer: the forward's and the backward's Priced (exposed seconds, what was priced, hidden seconds).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from job.exchange.experts import backward_exchanges, forward_exchanges, routed_rows
 from job.layout import Layout
@@ -29,26 +34,55 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.ops_moe import received_rows
 from simulator.engine.context import Priced
+from simulator.engine.overlap import exposed
+
+NOTHING = (0.0, 0.0)
 
 
-def _price(exchanges, links, stage: int) -> Priced:
+@dataclass(frozen=True)
+class SharedExperts:
+    """One MoE layer's shared experts, seconds at full rate, each (fc1 and its activation, fc2) as
+    simulator/costs/compute.py's shared_halves gives them: what hides the all-to-alls under Overlap.ep, and the share
+    of the compute rate they lose meanwhile (`slowdown`)."""
+
+    forward: tuple[float, float] = NOTHING
+    backward: tuple[float, float] = NOTHING  # input gradients; the recomputed forward's apart
+    recompute: tuple[float, float] = NOTHING
+    slowdown: float = 0.0
+
+
+def _price(exchanges, behind: list[float], links, stage: int, slowdown: float) -> Priced:
     out = Priced()
-    for exchange in exchanges:
-        out.seconds += exchange.calls * links.all_to_all(stage, exchange.bytes)
+    for exchange, compute in zip(exchanges, behind, strict=True):
+        seconds = exchange.calls * links.all_to_all(stage, exchange.bytes)
+        out.seconds += exposed(seconds, compute, slowdown)
+        out.hidden += min(seconds, compute / (1 - slowdown)) if seconds > 0 and compute > 0 else 0.0
         out.priced.append(exchange)
     return out
 
 
+def _forward_behind(halves: tuple[float, float]) -> list[float]:
+    """What hides a forward's (counts, dispatch, combine): nothing, fc1 and the activation, fc2."""
+    return [0.0, halves[0], halves[1]]
+
+
 def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
-                   links, stage: int, load: float = 1.0) -> tuple[Priced, Priced]:
-    """(forward, backward) exposed all-to-alls of one MoE layer for one micro-batch on a rank of `stage`, the busiest
-    of its expert group under a routing imbalance `load` (the module docstring): job/exchange/experts.py's calls of a
-    rank that sends and receives the rows it moves in its heavier direction."""
+                   links, stage: int, load: float = 1.0, shared: SharedExperts | None = None) -> tuple[Priced, Priced]:
+    """(forward, backward) all-to-alls of one MoE layer for one micro-batch on a rank of `stage`, the busiest of its
+    expert group under a routing imbalance `load` (the module docstring): job/exchange/experts.py's calls of a rank
+    that sends and receives the rows it moves in its heavier direction; behind `shared` when given (Overlap.ep)."""
+    shared = shared or SharedExperts()
     tokens = micro_batch * model.seq_len // layout.cp
     heavier = received_rows(routed_rows(model, tokens, micro_batch), layout.ep, load)
     forward = forward_exchanges(model, layout.ep, heavier, element_bytes)
     backward = backward_exchanges(model, layout.ep, heavier, element_bytes, recompute=recompute)
-    return _price(forward, links, stage), _price(backward, links, stage)
+    if not forward:
+        return Priced(), Priced()
+    again = _forward_behind(shared.recompute) if recompute == "full" else []
+    # the backward runs the combine's gradient first (behind fc2's), then the dispatch's (behind fc1's)
+    behind = again + [shared.backward[1], shared.backward[0]]
+    return (_price(forward, _forward_behind(shared.forward), links, stage, shared.slowdown),
+            _price(backward, behind, links, stage, shared.slowdown))
 
 
 def check_expert_load(model: GPTConfig, load: float) -> float:

@@ -33,6 +33,18 @@ simulator/engine/replay.py p2p and the parameter gathers):
                   waited for only by the forward that uses its weights (Megatron-core's
                   overlap_param_gather): exposed only beyond the rank's first forward of the step
                   (and the wait before it), priced once per step as the steady state repeats.
+  ep              False: expert parallelism's all-to-alls are each waited for before the computation
+                  that needs them (our executor; Megatron-core's default, moe_shared_expert_overlap
+                  False: "without this, the shared experts execute after the routed experts"). True:
+                  Megatron-core's moe_shared_expert_overlap: a MoE's shared experts run on a stream of
+                  their own beside the token dispatcher, fc1 and its activation during the dispatch's
+                  all-to-all, fc2 during the combine's, and in the backward (autograd's order arranged
+                  to match) fc2's input gradient during the combine's gradient, fc1's during the
+                  dispatch's; each all-to-all hides behind its half as far as it lasts (weight
+                  gradients left out: zero-bubble schedules move them), the counts' all-to-all before
+                  them exposed. A model without shared experts hides nothing (Mixtral, Qwen3-MoE).
+                  Priced by simulator/engine/experts.py with dp_slowdown: an NCCL all-to-all is a send
+                  and a receive per peer on NCCL's channels, the SMs the data-parallel collectives hold.
 
 The cost of hiding (`tp_slowdown`, `dp_slowdown`, `p2p_slowdown`): a collective runs on the same
 GPU as the compute it hides behind. NCCL runs one CTA per channel and a CTA holds its SM
@@ -62,16 +74,18 @@ values as the lower end.
 
 Presets (`overlap_preset`; each also names the stack's implementation choices, `stack_implementation`):
   "executor"          the default: what parallel/ does (`minigpt compare` measures it): tp exposed,
-                      dp "executor", ZeRO-3 prefetch 1, p2p exposed, param_gather "step".
+                      dp "executor", ZeRO-3 prefetch 1, p2p exposed, param_gather "step", ep exposed.
   "megatron-2021"     Narayanan et al. 2021 (Megatron-LM on Selene): tp exposed, the data-parallel
                       reduction after the last backward (not overlapped), p2p exposed, "step".
   "overlapped"        a modern stack, generic: tp hidden behind the Linears, dp reduced during the
-                      backward, ZeRO-3 prefetch 1, p2p overlapped, "step".
+                      backward, ZeRO-3 prefetch 1, p2p overlapped, "step", the all-to-alls behind
+                      the shared experts (ep True).
   "megatron-core"     Megatron-core / NeMo 2024 (the DGX-Cloud benchmarks' stack): tp comm overlap
                       through TE userbuffers (tp True), the distributed optimizer's gradient
                       reduce-scatter overlapped with the backward (dp "backward") and its parameter
                       all-gather with the next forward (param_gather "forward"), p2p overlapped;
-                      gradient-accumulation fusion and fp8 weights cast once per step (implementation).
+                      gradient-accumulation fusion and fp8 weights cast once per step (implementation);
+                      ep False, Megatron-core's default (--ep-overlap turns it on).
   "torchtitan-fsdp2"  torchtitan with FSDP2 (Liang et al. 2024, arXiv 2410.06511): each unit's
                       all-gather prefetched one unit ahead (zero3_prefetch 1), reduce-scatters
                       overlapped with the backward (dp "backward"), no tp overlap (tp False; async TP
@@ -92,7 +106,7 @@ TP_SLOWDOWN = 0.033  # 4.3 of 132 SMs: TE userbuffers' num_sm (module docstring)
 DP_SLOWDOWN = 0.121  # 16 of 132 SMs: NCCL on an 8-NIC DGX
 P2P_SLOWDOWN = 0.015  # 2 of 132 SMs: NCCL's channels per network peer
 SLOWDOWNS = ("tp_slowdown", "dp_slowdown", "p2p_slowdown")
-SETTINGS = ("tp", "dp", "zero3_prefetch", "p2p", "param_gather", *SLOWDOWNS)
+SETTINGS = ("tp", "dp", "zero3_prefetch", "p2p", "param_gather", "ep", *SLOWDOWNS)
 
 
 @dataclass(frozen=True)
@@ -103,12 +117,13 @@ class Overlap:
     zero3_prefetch: int = 1
     p2p: bool = False
     param_gather: str = "step"
+    ep: bool = False  # a MoE's all-to-alls behind its shared experts (Megatron-core's moe_shared_expert_overlap)
     tp_slowdown: float = TP_SLOWDOWN  # fraction of the compute rate lost while a collective overlaps it
     dp_slowdown: float = DP_SLOWDOWN
     p2p_slowdown: float = P2P_SLOWDOWN
 
     def __post_init__(self) -> None:
-        for flag in ("tp", "p2p"):
+        for flag in ("tp", "p2p", "ep"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"overlap {flag} must be true or false, got {getattr(self, flag)!r}")
         if self.dp not in DP_MODES:
@@ -150,7 +165,7 @@ def slowed(start: float, work: float, busy_until: float, slowdown: float) -> flo
 PRESETS = {
     "executor": Overlap(),
     "megatron-2021": Overlap("megatron-2021", tp=False, dp="after", zero3_prefetch=1, p2p=False),
-    "overlapped": Overlap("overlapped", tp=True, dp="backward", zero3_prefetch=1, p2p=True),
+    "overlapped": Overlap("overlapped", tp=True, dp="backward", zero3_prefetch=1, p2p=True, ep=True),
     "megatron-core": Overlap("megatron-core", tp=True, dp="backward", zero3_prefetch=1, p2p=True,
                              param_gather="forward"),
     "torchtitan-fsdp2": Overlap("torchtitan-fsdp2", tp=False, dp="backward", zero3_prefetch=1, p2p=True),

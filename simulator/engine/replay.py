@@ -73,6 +73,7 @@ class RankTally:
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
     end: float = 0.0
+    hidden: dict[str, float] = field(default_factory=lambda: {"ep": 0.0})  # overlapped, in no category's seconds
     events: list[tuple[object, float, float]] = field(default_factory=list)
 
     def named_events(self) -> list[tuple[str, str, float, float]]:
@@ -265,9 +266,8 @@ class _Replay:
                 if first_forward is None and kind is Forward:
                     first_forward = (clock, clock + total)
                 events.append((action, clock, clock + total))
-                compute += c.compute
-                tp += c.tp
-                cp, ep = cp + c.cp, ep + c.ep
+                compute, tp, cp, ep = compute + c.compute, tp + c.tp, cp + c.cp, ep + c.ep
+                tally.hidden["ep"] += c.ep_hidden
                 dp += c.dp
                 clock += total
                 computed = clock

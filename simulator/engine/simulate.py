@@ -94,6 +94,9 @@ class SimResult:
     provenance: dict = field(default_factory=dict)  # what the numbers rest on (simulator/provenance.py)
     collectives: list[dict] = field(default_factory=list)  # each distinct collective call: NCCL's algorithm (links.py)
     parameters: dict = field(default_factory=dict)  # the model's total and active (per token: a MoE's top_k) counts
+    # communication seconds of the critical rank that ran hidden beside compute, in no row of `breakdown`:
+    # "ep_comm", expert parallelism's all-to-alls behind the shared experts (Overlap.ep)
+    hidden: dict[str, float] = field(default_factory=dict)
 
     @property
     def moe(self) -> bool:
@@ -145,7 +148,7 @@ class SimResult:
             "gpus_for_state": self.gpus_for_state, "per_rank": self.per_rank, "timings_s": self.timings,
             "host": self.host, "attention": self.attention, "overlap": self.overlap.as_dict(),
             "provenance": self.provenance, "collectives": self.collectives, "parameters": self.parameters,
-            "mfu_counts": "active parameters" if self.moe else "all parameters",
+            "mfu_counts": "active parameters" if self.moe else "all parameters", "hidden": self.hidden,
         }
 
     def trace_events(self) -> list[dict]:
@@ -323,4 +326,5 @@ def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, globa
         provenance=provenance(spec, profile, pol, implementation, settings, compute, layout, model.seq_len,
                               model.is_moe),
         collectives=links.collective_calls(), parameters={"total": model.n_params(), "active": model.active_params()},
+        hidden={BREAKDOWN_NAMES[k]: v for k, v in tallies[critical].hidden.items()},
     )
