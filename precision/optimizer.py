@@ -50,6 +50,7 @@ class MasterAdamW:
         decay_ranges: list[tuple[int, int]] | None = None,
         masters_are_weights: bool = False,
         shared_ranges: list[tuple[int, int, int]] | None = None,
+        norm_split: int | None = None,
     ):
         """`weights`: flat 1-D compute weights (one tensor or pieces) that each step writes back into.
         `decay_ranges`: the ranges, in the pieces laid end to end, that take weight
@@ -80,6 +81,8 @@ class MasterAdamW:
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.steps = 0
         self.shared_ranges = shared_ranges or []
+        # the squared norm in two parts, split here, each summed over its own ranks (expert parallelism's experts)
+        self.norm_bounds = [(0, self.numel)] if norm_split is None else [(0, norm_split), (norm_split, self.numel)]
         decay_ranges = [(0, self.numel)] if decay_ranges is None else decay_ranges
         # Decay ranges cut at piece borders, in each piece's own coordinates.
         self.piece_decay = [
@@ -107,7 +110,7 @@ class MasterAdamW:
         # Unscaling and clipping are one factor on the gradient, folded into the moments' update
         # below instead of a pass over (and a copy of) the gradients.
         factor = 1.0 / scaler.scale if scaler is not None else 1.0
-        sum_of_squares = float(reduce_sum(self.sum_of_squares(grad))) * factor * factor
+        sum_of_squares = float(reduce_sum(self.sum_of_squares(grad)).double().sum()) * factor * factor
         overflow = not math.isfinite(sum_of_squares)  # any inf or nan anywhere makes the sum one
         skipped = scaler.update(overflow) if scaler is not None else overflow
         if skipped:
@@ -124,11 +127,19 @@ class MasterAdamW:
         return StepResult(grad_norm=grad_norm, skipped=False, loss_scale=self._scale(scaler))
 
     def sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the squared gradient norm, shared weights counted 1/copies (fp32, 0-dim)."""
-        total = squares(grad)
-        for lo, hi, copies in self.shared_ranges:
-            total = total - squares(grad[lo:hi]) * (1 - 1 / copies)
-        return total.float()
+        """This rank's part of the squared gradient norm, shared weights counted 1/copies (fp32): one number per
+        part of `norm_split` (one, or the weights before it and after it), which `reduce_sum` sums over the ranks
+        each part's own. Each part is summed alone, never one taken out of another: a difference would round
+        differently on ranks whose other part differs, and replicas that must stay equal would not."""
+        parts = []
+        for lo, hi in self.norm_bounds:
+            total = squares(grad[lo:hi])
+            for start, end, copies in self.shared_ranges:
+                start, end = max(start, lo), min(end, hi)
+                if start < end:
+                    total = total - squares(grad[start:end]) * (1 - 1 / copies)
+            parts.append(total)
+        return torch.stack(parts).float()
 
     @torch.no_grad()
     def _adamw(self, grad: torch.Tensor, lr: float, factor: float = 1.0) -> None:

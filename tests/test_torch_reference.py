@@ -243,5 +243,11 @@ def test_the_gradient_norm_is_accurate_at_any_length():
     halved = grads.double().clone()
     halved[1000 : 3 * 2**20] /= math.sqrt(2)
     assert shared.step(grads).grad_norm == pytest.approx(halved.norm().item(), rel=1e-7)
+    split = MasterAdamW(weights, masters_are_weights=True, shared_ranges=[(1000, 3 * 2**20, 2)], norm_split=2**21)
+    parts = split.sum_of_squares(grads)  # two parts, the shared range cut at the split and halved in each
+    assert parts.shape == (2,)
+    assert parts[0].item() == pytest.approx(halved[: 2**21].square().sum().item(), rel=1e-6)
+    assert parts[1].item() == pytest.approx(halved[2**21 :].square().sum().item(), rel=1e-6)
+    assert split.step(grads).grad_norm == pytest.approx(halved.norm().item(), rel=1e-7)
     grads[2**21 + 5] = math.inf
     assert MasterAdamW(weights, masters_are_weights=True).step(grads).skipped

@@ -9,9 +9,10 @@ stage that runs and adds them:
     all-reduce a step, job/exchange/experts.py's expert_gradient_reduction);
   - handed to the optimizer after ZeRO's pieces (`weights`, `finish_grads`), unsharded: ZeRO shards the dense
     weights only;
-  - in the gradient norm once each: `reduce_sum` takes the experts' share out of what ZeRO sums over the data
-    group and sums it over the expert group instead (each expert lives on one of its ranks); tensor-parallel
-    copies are divided out by the optimizer's shared ranges, as for every replicated weight.
+  - in the gradient norm once each: the optimizer sums the squares of the dense weights and of the experts apart
+    (MasterAdamW's norm_split, at `dense_numel`), and `reduce_sum` sums the first as ZeRO does over the data
+    group and the second over the expert group (each expert lives on one of its ranks); tensor-parallel copies
+    are divided out by the optimizer's shared ranges, as for every replicated weight.
 Everything else of the data-parallel protocol (parallel/data/protocol.py) is ZeRO's.
 """
 
@@ -23,7 +24,6 @@ from torch import nn
 from parallel.comm import Collectives
 from parallel.expert import is_expert_shard
 from precision.flat import FlatParameters
-from precision.optimizer import squares
 
 
 def expert_shards(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -31,17 +31,14 @@ def expert_shards(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 class WithExperts:
-    def __init__(self, inner, model: nn.Module, experts_comm: Collectives, replicas: Collectives, data_ranks: int,
-                 tp: int):
+    def __init__(self, inner, model: nn.Module, experts_comm: Collectives, replicas: Collectives, data_ranks: int):
         """`inner`: the ZeRO stage over the dense weights; `experts_comm`: the expert group; `replicas`: the
-        ranks holding the same experts; `data_ranks`: dp x cp; `tp`: copies of every expert over tensor
-        parallelism (none is split)."""
+        ranks holding the same experts; `data_ranks`: dp x cp."""
         # named apart from ZeRO's own `flat` and `replicas`, which every other reader gets through __getattr__
         self.inner, self.experts_comm, self.expert_replicas = inner, experts_comm, replicas
-        self.data_ranks, self.tp = data_ranks, tp
+        self.data_ranks = data_ranks
         self.expert_flat = FlatParameters(expert_shards(model))
         self.stage = inner.stage
-        self.expert_share = torch.zeros((), dtype=torch.float64, device=self.expert_flat.data.device)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # the rest of the protocol is ZeRO's
@@ -78,12 +75,11 @@ class WithExperts:
         grad = self.expert_flat.grad
         grad.div_(self.data_ranks)
         self.expert_replicas.all_reduce(grad)
-        self.expert_share = squares(grad.float()) / self.tp  # as the optimizer's shared ranges count it
         return torch.cat([dense.reshape(-1), grad.to(dense.dtype)])
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        share = self.expert_share.to(value.dtype)
-        return self.inner.reduce_sum(value - share) + self.experts_comm.sum(share.clone())
+        """`value`: the squared norm's (dense, experts') parts on this rank; each summed over its own ranks."""
+        return torch.cat([self.inner.reduce_sum(value[:1].clone()), self.experts_comm.sum(value[1:].clone())])
 
     def parameter_storages(self) -> set[int]:
         return self.inner.parameter_storages() | {self.expert_flat.data.untyped_storage().data_ptr()}

@@ -115,7 +115,7 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     config = schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb, cfg.precision)
     data_parallel = make_data_parallel(cfg.zero, stage, comms["dp"], bucket_numel, replicas, config)
     if cfg.ep > 1:
-        data_parallel = WithExperts(data_parallel, stage, comms["ep"], comms["ep_replicas"], mesh.data_ranks, mesh.tp)
+        data_parallel = WithExperts(data_parallel, stage, comms["ep"], comms["ep_replicas"], mesh.data_ranks)
 
     tied = None
     shared = [(lo, hi, mesh.tp) for lo, hi in data_parallel.ranges_of(replicated)] if mesh.tp > 1 else []
@@ -133,6 +133,7 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         decay_ranges=data_parallel.decay_ranges,
         masters_are_weights=policy.master is None,
         shared_ranges=shared,
+        norm_split=data_parallel.dense_numel if cfg.ep > 1 else None,
     )
     kept = data_parallel.kept() if hasattr(data_parallel, "kept") else None
     element_bytes = data_parallel.weights[0].element_size() if isinstance(data_parallel.weights, list) \
