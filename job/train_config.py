@@ -82,8 +82,8 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
 
 def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, sequence_parallel: bool = False) -> None:
     """Everything about expert parallelism and a mixture of experts that the shape and layout decide: the experts
-    split evenly over ep ranks, which lie inside the data-parallel group (job/experts.py); MoE routing groups are
-    whole sequences, which context and sequence parallelism would cut (not supported yet)."""
+    split evenly over ep ranks, which lie inside the data-parallel group (job/experts.py); context parallelism
+    counts MoE routing over whole sequences (parallel/context/moe.py); sequence parallelism is not supported yet."""
     check_positive_int("--ep", ep)
     if ep > 1 and not model.is_moe:
         raise ConfigError(f"--ep {ep} splits a mixture of experts over ranks, but this model is dense: give it "
@@ -94,10 +94,9 @@ def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, seque
     if dp % ep:
         raise ConfigError(f"--ep {ep} does not divide --dp {dp}: the expert group lies inside the data-parallel group "
                           f"(ep of its ranks split the experts); choose an ep that divides dp")
-    if model.is_moe and (cp > 1 or sequence_parallel):
-        what = f"--cp {cp}" if cp > 1 else "--sequence-parallel"
-        raise ConfigError(f"a mixture of experts routes and balances each whole sequence, which {what} cuts across "
-                          f"ranks: not supported yet; use tensor, pipeline, data or expert parallelism")
+    if model.is_moe and sequence_parallel:
+        raise ConfigError("a mixture of experts with --sequence-parallel is not supported yet (its experts would see "
+                          "each rank's slice of the tokens); drop --sequence-parallel, or use --cp for long sequences")
 
 
 def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_after_forward: bool = True) -> None:

@@ -153,6 +153,24 @@ def kept_choices(expert_ids: torch.Tensor, n_experts: int, limit: int | None) ->
     return (position < limit).view(batch, k, seq).transpose(1, 2)
 
 
+class WholeSequence:
+    """Each sequence as a MoE layer routes and balances it: whole on this rank. Capacity and the balance loss count
+    over a whole sequence; context parallelism, which gives a rank part of every sequence, swaps in its own view
+    (parallel/context/moe.py), so every layout drops and balances the same tokens."""
+
+    def length(self, local: int) -> int:
+        """The sequence's length, of which this rank holds `local` tokens."""
+        return local
+
+    def total(self, picks: torch.Tensor) -> torch.Tensor:
+        """(batch, E) choices per expert of this rank's tokens of each sequence -> of the whole sequences."""
+        return picks
+
+    def kept(self, expert_ids: torch.Tensor, n_experts: int, limit: int | None) -> torch.Tensor:
+        """kept_choices of this rank's tokens, counted over the whole sequences."""
+        return kept_choices(expert_ids, n_experts, limit)
+
+
 class MoE(nn.Module):
     """The MLP of a MoE block: routed experts (and shared ones) in place of the dense MLP."""
 
@@ -164,6 +182,7 @@ class MoE(nn.Module):
         self.shared = SharedExperts(config) if config.n_shared_experts else None
         self.dropout = nn.Dropout(config.dropout)
         self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.float64), persistent=False)
+        self.whole = WholeSequence()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids, gates, kept) each (batch, seq, k), and the router's losses (one number)."""
@@ -174,15 +193,15 @@ class MoE(nn.Module):
         gates = scores.gather(-1, expert_ids)
         if cfg.top_k > 1 or cfg.router == "sigmoid":
             gates = gates / gates.sum(-1, keepdim=True)
-        kept = kept_choices(expert_ids, cfg.n_experts, capacity(cfg, x.shape[1]))
+        kept = self.whole.kept(expert_ids, cfg.n_experts, capacity(cfg, self.whole.length(x.shape[1])))
         return expert_ids, gates, kept, self.router_losses(logits, scores, expert_ids)
 
     def router_losses(self, logits: torch.Tensor, scores: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         cfg, batch = self.config, logits.shape[0]
         loss = logits.new_zeros(())
         if cfg.aux_loss_coef:
-            picks = F.one_hot(expert_ids.reshape(batch, -1), cfg.n_experts).sum(1).to(scores.dtype)
-            share = picks / expert_ids[0].numel()  # f_e of each sequence
+            picks = self.whole.total(F.one_hot(expert_ids.reshape(batch, -1), cfg.n_experts).sum(1).to(scores.dtype))
+            share = picks / (self.whole.length(logits.shape[1]) * cfg.top_k)  # f_e of each (whole) sequence
             probs = scores if cfg.router == "softmax" else scores / scores.sum(-1, keepdim=True)
             balance = cfg.n_experts * (share * probs.mean(1)).sum(-1)
             loss = loss + cfg.aux_loss_coef * balance.mean()

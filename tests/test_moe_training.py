@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges
+from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
+from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routing_exchanges
 from job.train_config import TrainConfig
 from minigpt.presets import preset
 from minigpt.data import Corpus
@@ -44,12 +45,16 @@ LAYOUTS = {
         "dp2-zero1": ("top2", dict(dp=2, zero=1)),
         "tp2": ("top2-drop", dict(tp=2, micro_batches=2)),
         "pp2": ("top2", dict(pp=2, micro_batches=2)),
-        "tp2-qwen": ("qwen", dict(tp=2))},
+        "tp2-qwen": ("qwen", dict(tp=2)),
+        "cp2": ("top2", dict(cp=2)),
+        "cp2-top1-drop": ("top1-drop", dict(cp=2, micro_batches=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),
         "ep2-tp2": ("top2", dict(dp=2, ep=2, tp=2)),
-        "ep2-pp2": ("top2-drop", dict(dp=2, ep=2, pp=2, micro_batches=2))},
+        "ep2-pp2": ("top2-drop", dict(dp=2, ep=2, pp=2, micro_batches=2)),
+        "ep2-cp2": ("top2-drop", dict(dp=2, ep=2, cp=2)),
+        "cp2-tp2-allgather": ("top1-drop", dict(cp=2, tp=2, cp_kind="allgather"))},
 }
 
 
@@ -78,6 +83,7 @@ def trained(cfg: TrainConfig) -> dict:
     found["routed_last_step"] = [tuple(pair) for pair in routed]
     found["ep_log"] = list(rank.comms["ep"].log) if "ep" in rank.comms else []
     found["ep_replicas_log"] = list(rank.comms["ep_replicas"].log) if "ep_replicas" in rank.comms else []
+    found["cp_log"] = list(rank.comms["cp"].log)
     found["place"] = (mesh.pp_rank, mesh.tp_rank)  # ranks of one place hold the same dense weights (ZeRO 0-2)
     if cfg.zero < 3:  # ZeRO-3's weights are shards between the steps (their storage freed): no replicas
         dense = torch.cat([p.detach().reshape(-1) for n, p in rank.stage.named_parameters() if ".experts." not in n])
@@ -140,7 +146,8 @@ def test_data_parallel_replicas_stay_equal_bit_for_bit(spawned, world, name):
     digests: dict[tuple, set] = {}
     for run in spawned[name]:
         digests.setdefault(run["place"], set()).add(run["dense_digest"])
-    assert len(digests) * LAYOUTS[world][name][1]["dp"] == len(spawned[name])
+    layout = LAYOUTS[world][name][1]
+    assert len(digests) * layout["dp"] * layout.get("cp", 1) == len(spawned[name])
     assert all(len(found) == 1 for found in digests.values()), (name, digests)
 
 
@@ -165,10 +172,34 @@ def test_all_to_alls_are_the_descriptions(spawned, world, name):
         assert sorted(step_calls) == expected
         forward_order = [(e.kind, e.bytes) for e in expected_forward]
         assert step_calls[:3] == forward_order[:3]  # the first layer's counts, dispatch, combine, in that order
-        reduction = expert_gradient_reduction(cfg.model, cfg.ep, cfg.dp, cfg.model.n_moe_layers // cfg.pp, 4)
+        reduction = expert_gradient_reduction(cfg.model, cfg.ep, cfg.dp * cfg.cp, cfg.model.n_moe_layers // cfg.pp, 4)
         replicas = run["ep_replicas_log"]
         assert replicas[-1:] == ([] if reduction is None else [(reduction.kind, reduction.bytes)])
     assert uneven, f"{name}: every layer sent as many rows as it received: the splits were not uneven"
+
+
+CP = [(world, name) for world, name in ALL if LAYOUTS[world][name][1].get("cp", 1) > 1]
+
+
+@pytest.mark.parametrize("world, name", CP, ids=[name for _, name in CP])
+def test_routing_over_cp_exchanges_what_the_description_lists(spawned, world, name):
+    """Under context parallelism each MoE layer's forward all-gathers the expert ids (with a capacity) and
+    all-reduces the balance loss's counts over the cp group: the last step's collectives of the cp group, call for
+    call and byte for byte, are job/exchange/experts.py's routing_exchanges for every layer and micro-batch (an
+    all-gather counted at its gathered size)."""
+    model, layout = LAYOUTS[world][name]
+    cfg = config(model, **layout)
+    micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
+    per_layer = routing_exchanges(cfg.model, cfg.cp, micro_batch * cfg.model.seq_len // cfg.cp, micro_batch)
+    assert [e.kind for e in per_layer] == (["all_gather"] if cfg.model.capacity_factor else []) + ["all_reduce"]
+    # the attention's own collectives (all-gather kind) beside them: job/exchange/context.py's
+    attention = [e for e in context_forward(cfg.model, cfg.tp, cfg.cp, cfg.cp_kind, micro_batch, 4)
+                 + context_backward(cfg.model, cfg.tp, cfg.cp, cfg.cp_kind, micro_batch, 4) if e.kind != "p2p"]
+    calls = [(e.kind, e.bytes * (1 if e.kind == "all_reduce" else cfg.cp)) for e in per_layer + attention
+             for _ in range(e.calls)]
+    expected = calls * (cfg.model.n_moe_layers // cfg.pp) * cfg.micro_batches
+    for run in spawned[name]:
+        assert sorted(call for call in run["cp_log"] if call[0] != "send") == sorted(expected)
 
 
 def test_expert_parallel_refuses_what_it_cannot_split():

@@ -271,7 +271,7 @@ def check_paths(options: dict) -> None:
 
 def check_context(options: dict, model) -> None:
     """--cp and --cp-kind, one line each: the split (job/train_config.py) and the attention it needs; --ep and the
-    experts (job/train_config.py's check_expert_parallel: a MoE model, E and dp divisible by ep, no cp or sequence
+    experts (job/train_config.py's check_expert_parallel: a MoE model, E and dp divisible by ep, no sequence
     parallelism with experts); --expert-load, read into options["expert_load"] and where it comes from
     (cli/options/experts.py, simulator/engine/experts.py's check_expert_load)."""
     from job.train_config import check_context_parallel, check_expert_parallel

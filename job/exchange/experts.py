@@ -33,14 +33,15 @@ from minigpt.config import GPTConfig
 COUNT_BYTES = 8  # int64 token counts
 
 
-def routed_rows(model: GPTConfig, tokens: int, sequences: int) -> int:
-    """Token copies `tokens` (of `sequences` whole sequences) route when the experts are balanced: tokens x top_k,
-    or with a capacity factor at most the capacity of every expert in every sequence."""
+def routed_rows(model: GPTConfig, tokens: int, sequences: int, cp: int = 1) -> int:
+    """Token copies `tokens` (of `sequences` sequences, 1/cp of each under context parallelism) route when the
+    experts are balanced: tokens x top_k, or with a capacity factor at most the capacity of every expert in every
+    sequence (a cp rank's share of it: 1/cp)."""
     rows = tokens * model.top_k
     if model.capacity_factor is None:
         return rows
     per_expert = math.ceil(model.capacity_factor * model.seq_len * model.top_k / model.n_experts)
-    return min(rows, sequences * model.n_experts * per_expert)
+    return min(rows, math.ceil(sequences * model.n_experts * per_expert / cp))
 
 
 def forward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int,
@@ -66,9 +67,29 @@ def backward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int,
     return again + [Exchange("all_to_all", 1, sent * row), Exchange("all_to_all", 1, received * row)]
 
 
+SCORE_BYTES = 4  # the balance loss's fp32 choice counts
+
+
+def routing_exchanges(model: GPTConfig, cp: int, tokens: int, sequences: int) -> list[Exchange]:
+    """One MoE layer's forward exchange over the cp group when each rank holds part of every sequence
+    (parallel/context/moe.py), in the order it is issued: with a capacity factor the `tokens` x top_k int64 expert
+    ids of this rank all-gathered (bytes: its part), so every rank ranks the whole sequences' choices; with a balance
+    loss the `sequences` x E fp32 choice counts all-reduced (bytes: the whole buffer). None at cp 1. A fully
+    recomputed forward issues them again."""
+    if cp == 1 or not model.is_moe:
+        return []
+    exchanges = []
+    if model.capacity_factor is not None:
+        exchanges.append(Exchange("all_gather", 1, tokens * model.top_k * COUNT_BYTES))
+    if model.aux_loss_coef:
+        exchanges.append(Exchange("all_reduce", 1, sequences * model.n_experts * SCORE_BYTES))
+    return exchanges
+
+
 def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: int, grad_bytes: int) -> Exchange | None:
     """How the routed experts' gradients of a rank holding `moe_layers` MoE blocks are averaged under expert
-    parallelism: one all-reduce a step over the dp / ep ranks holding the same experts, of all of them at once,
+    parallelism: one all-reduce a step over the `dp` (data ranks: dp x cp) / ep ranks holding the same experts, of
+    all of them at once,
     issued at the optimizer step (None without ep, or with one such rank). Their optimizer states are not
     sharded (ZeRO applies to the dense parameters)."""
     if ep == 1 or not model.is_moe or dp == ep or moe_layers == 0:

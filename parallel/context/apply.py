@@ -4,7 +4,8 @@
 selective recomputation also wraps) for `ContextAttentionCore`, which rotates q and k at the tokens' true
 positions and attends across the group by ring or all-gather (parallel/context/ring.py, allgather.py), and
 re-indexes a learned position embedding to the same positions (a forward pre-hook: the parameters and their
-names stay the model's). Everything else in a block works token by token and needs nothing. Each rank's loss
+names stay the model's). A mixture of experts counts its routing over whole sequences (parallel/context/moe.py);
+everything else in a block works token by token and needs nothing. Each rank's loss
 is the mean over its tokens, the same count on every rank, so the sequence's loss is their mean and its
 gradient the mean of the ranks' gradients (`average_over`).
 """
@@ -17,7 +18,9 @@ from torch import nn
 
 from minigpt.model import GPT, RotaryQK
 from parallel.context.allgather import allgather_attention
+from parallel.comm import Collectives
 from parallel.context.chunks import check_split, positions
+from parallel.context.moe import apply_context_moe
 from parallel.context.ring import Rehearsal, ring_attention
 
 KINDS = {"ring": ring_attention, "allgather": allgather_attention}
@@ -62,6 +65,8 @@ def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | No
     token_positions = positions(rank, cp, model.config.seq_len, device)
     for block in model.blocks:
         block.attn.core = ContextAttentionCore(block.attn.core, group, kind, token_positions, counter)
+    if model.config.is_moe and not isinstance(group, Rehearsal):  # a rehearsal routes its own part (timing only)
+        apply_context_moe(model, counter or Collectives(group, "cp"), rank, cp)
     if model.pos_emb is not None:  # the model asks for 0 .. 2c - 1; these tokens sit at token_positions
         model.pos_emb.register_buffer("token_positions", token_positions, persistent=False)  # moves with the model
         model.pos_emb.register_forward_pre_hook(lambda module, args: (module.token_positions[args[0]],))

@@ -2,7 +2,8 @@
 
 The expert group is ep consecutive data-parallel ranks at one (pp, cp, tp) place of the mesh (parallel/mesh.py):
 they split every MoE layer's experts, rank i of the group holding experts i x E / ep onwards. The ranks at the
-same place of every expert group (dp / ep of them) hold the same experts and average their gradients
+same place of every expert group, at every cp place (dp x cp / ep of them), hold the same experts and average
+their gradients
 (parallel/expert/gradients.py). job/exchange/experts.py describes both for the simulator.
 """
 
@@ -19,20 +20,21 @@ from parallel.mesh import Mesh
 
 
 def expert_groups(mesh: Mesh, ep: int, device: torch.device) -> tuple[Collectives, Collectives]:
-    """(this rank's expert group, the ranks holding its experts); every rank builds every group (new_group is
-    collective), in one order."""
+    """(this rank's expert group, the ranks holding its experts: the same place of every expert group at every cp
+    place); every rank builds every group (new_group is collective), in one order."""
     mine: dict[str, dist.ProcessGroup] = {}
     for pp in range(mesh.pp):
-        for cp in range(mesh.cp):
-            for tp in range(mesh.tp):
-                cuts = {"ep": [range(start, start + ep) for start in range(0, mesh.dp, ep)],
-                        "replicas": [range(first, mesh.dp, ep) for first in range(ep)] if mesh.dp > ep else []}
-                for kind, groups in cuts.items():
-                    for dp_ranks in groups:
-                        ranks = [mesh.global_rank(pp, dp, cp, tp) for dp in dp_ranks]
-                        group = dist.new_group(ranks)
-                        if mesh.rank in ranks:
-                            mine[kind] = group
+        for tp in range(mesh.tp):
+            place = lambda dp, cp: mesh.global_rank(pp, dp, cp, tp)  # noqa: E731
+            cuts = [("ep", [place(dp, cp) for dp in range(start, start + ep)])
+                    for cp in range(mesh.cp) for start in range(0, mesh.dp, ep)]
+            if mesh.dp * mesh.cp > ep:
+                cuts += [("replicas", [place(dp, cp) for dp in range(first, mesh.dp, ep) for cp in range(mesh.cp)])
+                         for first in range(ep)]
+            for kind, ranks in cuts:
+                group = dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    mine[kind] = group
     return Collectives(mine["ep"], "ep", device), Collectives(mine.get("replicas"), "ep_replicas", device)
 
 

@@ -5,8 +5,10 @@ dense MLP's fc1, activation and fc2 (the ln2 before, the shared experts -- a den
 expert width, ops.py's own Linears -- and the residual after are ops.py's). Every kernel below is one torch op of
 MoE.forward (route, the dispatch's indices, the experts, the gate multiply, Combine) or of its autograd backward,
 with the bytes it reads and writes; int64 indices are 8 bytes, the router's scores fp32 (the model casts the
-logits). Per rank, for T = b x s tokens (tensor parallelism keeps the MoE whole on every rank: each computes it
-for all T rows, parallel/tensor/parallelize.py), E experts of width w (in = w, or 2w for SwiGLU), top_k = k:
+logits). Per rank, for T = b x s tokens (b x s / cp under context parallelism, whose capacity ranking runs over the
+whole sequences' gathered ids, parallel/context/moe.py; tensor parallelism keeps the MoE whole on every rank: each
+computes it for all T rows, parallel/tensor/parallelize.py), E experts of width w (in = w, or 2w for SwiGLU),
+top_k = k:
 
   router      one GEMM T x E x d in the compute format (an nn.Linear without bias; never fp8: precision/compute.py
               swaps only qkv, proj, fc1 and fc2), the cast of its logits to fp32, softmax or sigmoid;
@@ -70,9 +72,10 @@ def received_rows(rows: int, ep: int, load: float = 1.0) -> int:
     return rows if share == 1 else math.ceil(rows * share)
 
 
-def expert_rows(model: GPTConfig, tokens: int, sequences: int, ep: int) -> tuple[int, int]:
-    """(routed rows this rank sends, and receives balanced; rows of its busiest local expert)."""
-    rows = routed_rows(model, tokens, sequences)
+def expert_rows(model: GPTConfig, tokens: int, sequences: int, ep: int, cp: int = 1) -> tuple[int, int]:
+    """(routed rows this rank sends, and receives balanced; rows of its busiest local expert); `tokens`: this rank's
+    1/cp of each of `sequences` sequences."""
+    rows = routed_rows(model, tokens, sequences, cp)
     return rows, math.ceil(rows / local_experts(model, ep))
 
 
@@ -101,10 +104,14 @@ def _router_forward(rec: Recorder, model: GPTConfig, inp: str) -> tuple[str, str
     if model.capacity_factor is None:
         rec.op(MemoryOp("router.kept", 0, tokens * k * MASK))
     else:  # kept_choices: rank the choices, one-hot them, count each expert's queue, compare with the capacity
-        one_hot = tokens * k * experts * INDEX
-        for name, read, written in (("rank", tokens * k * INDEX, tokens * k * INDEX), ("one_hot", 0, one_hot),
-                                    ("cumsum", one_hot, one_hot), ("place", 2 * one_hot, tokens * k * INDEX),
-                                    ("keep", tokens * k * INDEX, tokens * k * MASK)):
+        whole = tokens * sh.cp  # under cp over the whole sequences: every rank's ids gathered (parallel/context/moe.py)
+        if sh.cp > 1:  # the gathered ids put in token order, and this rank's part of the verdict taken
+            rec.op(MemoryOp("router.capacity_order", whole * k * INDEX, whole * k * INDEX))
+            rec.op(MemoryOp("router.capacity_local", tokens * k * MASK, tokens * k * MASK))
+        one_hot = whole * k * experts * INDEX
+        for name, read, written in (("rank", whole * k * INDEX, whole * k * INDEX), ("one_hot", 0, one_hot),
+                                    ("cumsum", one_hot, one_hot), ("place", 2 * one_hot, whole * k * INDEX),
+                                    ("keep", whole * k * INDEX, whole * k * MASK)):
             rec.op(MemoryOp(f"router.capacity_{name}", read, written))
     return logits32, scores, ids
 
@@ -194,7 +201,7 @@ def routed_forward(rec: Recorder, model: GPTConfig, ep: int, inp: str) -> str:
     """Router, losses, dispatch, the local experts and the combine over `inp` (the ln2 output): returns the routed
     experts' T x d output."""
     sh = rec.shape
-    rows, _ = expert_rows(model, sh.rows, sh.b, ep)
+    rows, _ = expert_rows(model, sh.rows, sh.b, ep, sh.cp)
     received = received_rows(rows, ep, sh.expert_load)
     logits32, scores, _ = _router_forward(rec, model, inp)
     _losses_forward(rec, model, logits32, scores)
@@ -280,7 +287,7 @@ def _router_backward(rec: Recorder, model: GPTConfig) -> None:
 def routed_backward(rec: Recorder, model: GPTConfig, ep: int, consumers: int) -> None:
     """The backward of routed_forward; `consumers`: the tensors that read the MoE's input (router, gathered rows, and
     the shared experts when there are some), whose gradients are summed."""
-    rows, _ = expert_rows(model, rec.shape.rows, rec.shape.b, ep)
+    rows, _ = expert_rows(model, rec.shape.rows, rec.shape.b, ep, rec.shape.cp)
     _experts_backward(rec, model, ep, rows, received_rows(rows, ep, rec.shape.expert_load))
     _router_backward(rec, model)
     grad = rec.shape.rows * rec.shape.d * rec.shape.e

@@ -40,7 +40,7 @@ from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, chunk_times
 from simulator.engine.context import layer_exchange
-from simulator.engine.experts import SharedExperts, layer_exchange as expert_exchange
+from simulator.engine.experts import SharedExperts, layer_exchange as expert_exchange, routing_seconds
 from job.exchange.experts import expert_gradient_reduction
 from simulator.engine.host import HostCompute
 from simulator.engine.links import LinkCosts
@@ -152,6 +152,9 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
         if (key, stage) not in exchanges:
             context = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage) \
                 if job.layout.cp > 1 else (0.0, 0.0)
+            if moe and job.layout.cp > 1:  # the MoE's routing counted over whole sequences: the cp group's too
+                routing = routing_seconds(job.model, job.layout, micro_batch, implementation.recompute, job.links, stage)
+                context = (context[0] + layers * routing[0], context[1] + layers * routing[1])
             experts = (0.0,) * 4
             if moe:
                 forward, backward = expert_exchange(job.model, job.layout, micro_batch, job.compute_bytes,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from job.exchange.experts import backward_exchanges, forward_exchanges, routed_rows
+from job.exchange.experts import backward_exchanges, forward_exchanges, routed_rows, routing_exchanges
 from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
@@ -73,7 +73,7 @@ def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_b
     that sends and receives the rows it moves in its heavier direction; behind `shared` when given (Overlap.ep)."""
     shared = shared or SharedExperts()
     tokens = micro_batch * model.seq_len // layout.cp
-    heavier = received_rows(routed_rows(model, tokens, micro_batch), layout.ep, load)
+    heavier = received_rows(routed_rows(model, tokens, micro_batch, layout.cp), layout.ep, load)
     forward = forward_exchanges(model, layout.ep, heavier, element_bytes)
     backward = backward_exchanges(model, layout.ep, heavier, element_bytes, recompute=recompute)
     if not forward:
@@ -83,6 +83,19 @@ def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_b
     behind = again + [shared.backward[1], shared.backward[0]]
     return (_price(forward, _forward_behind(shared.forward), links, stage, shared.slowdown),
             _price(backward, behind, links, stage, shared.slowdown))
+
+
+def routing_seconds(model: GPTConfig, layout: Layout, micro_batch: int, recompute: str, links,
+                    stage: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE layer's routing exchange over the cp group for one micro-batch
+    (job/exchange/experts.py's routing_exchanges: the expert ids all-gathered, the balance loss's counts
+    all-reduced), each waited for (the capacity and the loss need them); a fully recomputed forward's again in the
+    backward. Charged to the context-parallel row: it is the cp group's."""
+    tokens = micro_batch * model.seq_len // layout.cp
+    whole = {"all_gather": layout.cp, "all_reduce": 1}  # links.cp_collective takes the whole buffer
+    forward = sum(e.calls * links.cp_collective(stage, e.kind, e.bytes * whole[e.kind])
+                  for e in routing_exchanges(model, layout.cp, tokens, micro_batch))
+    return forward, forward if recompute == "full" else 0.0
 
 
 def check_expert_load(model: GPTConfig, load: float) -> float:

@@ -217,9 +217,12 @@ class LinkCosts:
             return [[rank(p, d, t, c) for p in range(layout.pp)] for d in replicas for c in cps for t in tps]
         if name == "cp":
             return [[rank(where[0], d, t, c) for c in cps] for d in replicas for t in tps]
-        if name == "ep":  # ep consecutive data ranks (cp is 1 with experts); all of them but on the graph path
+        if name == "ep":  # ep consecutive dp ranks at each cp place; all of them but on the graph path
             return [[rank(where[0], g + i, t, c) for i in range(layout.ep)]
                     for g in range(0, max(layout.ep, self.replicas), layout.ep) for c in cps for t in tps]
+        if name == "dp_experts":  # the same place of every expert group, at every cp place: the same experts
+            return [[rank(where[0], d, t, c) for d in range(j, layout.dp, layout.ep) for c in cps]
+                    for t in tps for j in range(layout.ep)]
         data = [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps] for t in tps]  # "dp": dp x cp
         return data if name == "dp" else sharding_groups(name, data, where[1])
 
@@ -366,7 +369,7 @@ class LinkCosts:
     def expert_collective(self, stage: int, kind: str, nbytes: float) -> float:
         """One collective of the routed experts' gradients or weights over the dp x cp / ep ranks of `stage` that
         hold the same experts (the ranks at the same place of every expert group: ep apart), all at once."""
-        groups = self.groups("dp_replicas", stage, self.layout.ep)
+        groups = self.groups("dp_experts", stage)
         return self.collective("dp_experts", kind, groups, nbytes) if self.layout.data_ranks > self.layout.ep else 0.0
 
     def ep_collective(self, stage: int, kind: str, nbytes: float) -> float:
