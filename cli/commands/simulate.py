@@ -30,6 +30,7 @@ from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_option
 from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
+from cli.options.campaign import campaign_options, check_campaign, run_campaign
 from cli.options.experts import ep_overlap_option, expert_load_option, read_expert_load
 from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
@@ -125,8 +126,11 @@ def run_single(options: dict) -> dict:
                            expert_load=options["expert_load"])
     if options["trace"]:
         result.write_chrome_trace(options["trace"])
-    return {"model": model, "result": result, "cluster": cluster.describe(),
-            "expert_load_from": options["expert_load_from"]}
+    report = {"model": model, "result": result, "cluster": cluster.describe(),
+              "expert_load_from": options["expert_load_from"]}
+    if options["campaign_days"] is not None:
+        report["campaign"] = run_campaign(result, options)
+    return report
 
 
 def run_sweep(options: dict) -> dict:
@@ -218,6 +222,13 @@ def _print_single(report: dict) -> None:
     click.echo(rep.job_verdict(result, model.n_params()))
     click.echo("")
     click.echo(format_table(["what these numbers rest on", ""], rep.provenance_rows(result)))
+    if "campaign" in report:
+        from simulator.campaign.report import campaign_rows, campaign_note
+
+        click.echo("")
+        click.echo(format_table([f"campaign of {report['campaign']['days']:g} days", "", ""],
+                                campaign_rows(report["campaign"])))
+        click.echo(campaign_note(report["campaign"]))
 
 
 def _print_sweep(report: dict) -> None:
@@ -243,7 +254,8 @@ def _print_sweep(report: dict) -> None:
 def _json(report: dict) -> dict:
     if "result" in report:
         moe = {"expert_load_from": report["expert_load_from"]} if report["model"].is_moe else {}
-        return {**report["result"].as_dict(), "cluster": report["cluster"], **moe}
+        campaign = {"campaign": report["campaign"]} if "campaign" in report else {}
+        return {**report["result"].as_dict(), "cluster": report["cluster"], **moe, **campaign}
     from simulator.search.sweep import zero_verdict
 
     data = {"sweep": report["sweep"].as_dict()}
@@ -369,6 +381,7 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--threshold", type=float, help="Marginal efficiency (added GPU / GPU already there) under which "
               "adding GPUs stops paying (default: simulator.search.sweep.DEFAULT_THRESHOLD, half of linear scaling).")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the sweep to this PNG.")
+@campaign_options
 def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
@@ -376,6 +389,7 @@ def simulate(**options) -> None:
     check_context(options, model)
     check_paths(options)
     check_nccl_algo(options)
+    check_campaign(options)
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):

@@ -1,0 +1,103 @@
+"""`minigpt simulate --campaign DAYS`: the simulated step run for a whole campaign on a cluster whose parts fail.
+
+The step (its time and tokens) is the one simulate just predicted; the checkpoint's bytes per GPU are its
+memory estimate's weights, fp32 masters and Adam moments (what torch.distributed.checkpoint writes of each rank);
+the failure rates, the storage's write bandwidth and the restart time are flags with cited defaults
+(simulator/campaign/rates.py). Checked before anything is simulated: one line and exit code 2 on a bad value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable
+
+import click
+
+from minigpt.errors import ConfigError
+
+OPTIONS = (
+    click.option("--campaign", "campaign_days", type=float, metavar="DAYS",
+                 help="Run the predicted step for a whole campaign of DAYS on a cluster whose parts fail: goodput, "
+                      "effective training time, interruptions and time lost by cause, the best checkpoint interval "
+                      "(simulator/campaign/)."),
+    click.option("--failure-rates", "failure_rates", metavar="NAME|FILE",
+                 help="Failures per 1000 server-days by cause: a preset name (simulator/campaign/rates.py) or a "
+                      "JSON file {\"cause\": rate, ...}. [default: the preset of the GPU's cited cluster study]"),
+    click.option("--checkpoint-every", "checkpoint_every", type=int, metavar="STEPS",
+                 help="Steps between checkpoints [default: the interval that maximises goodput, found by simulation "
+                      "and shown beside Young's and Daly's]."),
+    click.option("--storage-gbps", "storage_gbps", type=float, metavar="GB/S",
+                 help="Checkpoint write bandwidth per server, decimal GB/s [default: rates.py's cited figure]."),
+    click.option("--restart-minutes", "restart_minutes", type=float, metavar="MIN",
+                 help="From a failure to training again: detection, rescheduling, reload, warm-up "
+                      "[default: rates.py's cited figure]."),
+    click.option("--campaign-runs", "campaign_runs", type=int, default=20, show_default=True,
+                 help="Simulated campaigns (seeds) the figures average over."),
+)
+
+
+def campaign_options(command: Callable) -> Callable:
+    for option in reversed(OPTIONS):
+        command = option(command)
+    return command
+
+
+def _number(options: dict, key: str, flag: str, allow_zero: bool = False) -> None:
+    value = options.get(key)
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{flag} must be a finite number {'>= 0' if allow_zero else 'above 0'}, got {value:g}")
+
+
+def check_campaign(options: dict) -> None:
+    """Every campaign flag, one line each, before any simulation; the failure rates read into options."""
+    from simulator.campaign.rates import read_rates
+
+    flags = ("failure_rates", "checkpoint_every", "storage_gbps", "restart_minutes")
+    if options["campaign_days"] is None:
+        given = [f"--{key.replace('_', '-')}" for key in flags if options[key] is not None]
+        if given:
+            raise ConfigError(f"{given[0]} describes a campaign: add --campaign DAYS")
+        return
+    if options["sweep"]:
+        raise ConfigError("--campaign with --sweep is not supported yet: simulate one layout's campaign")
+    _number(options, "campaign_days", "--campaign")
+    _number(options, "storage_gbps", "--storage-gbps")
+    _number(options, "restart_minutes", "--restart-minutes", allow_zero=True)
+    for key, flag in (("checkpoint_every", "--checkpoint-every"), ("campaign_runs", "--campaign-runs")):
+        if options[key] is not None and options[key] < 1:
+            raise ConfigError(f"{flag} must be a whole number >= 1, got {options[key]}")
+    options["rates"] = read_rates(options["failure_rates"])
+
+
+def run_campaign(result, options: dict) -> dict:
+    """The campaign of `result`'s step (simulator/engine/simulate.py's SimResult) as the flags describe it."""
+    from simulator.campaign.interval import best_interval, daly, young
+    from simulator.campaign.model import Campaign, checkpoint_seconds
+    from simulator.campaign.rates import RESTART_S, STORAGE_GB_S
+    from simulator.campaign.run import simulate_campaign
+
+    memory, layout = result.memory, result.layout
+    per_gpu = memory.parameters + memory.master_weights + memory.adam_m + memory.adam_v
+    gpus_per_node = options["gpus_per_node"] or 8
+    storage = options["storage_gbps"] or STORAGE_GB_S["value"]
+    restart = RESTART_S["value"] if options["restart_minutes"] is None else options["restart_minutes"] * 60
+    campaign = Campaign(step_s=result.step_time_s, tokens_per_step=result.global_batch * result.seq_len,
+                        gpus=layout.world_size, gpus_per_node=min(gpus_per_node, layout.world_size),
+                        hours=options["campaign_days"] * 24, rates=options["rates"],
+                        checkpoint_s=checkpoint_seconds(per_gpu, storage, min(gpus_per_node, layout.world_size)),
+                        restart_s=restart, interval_steps=1)
+    best, scanned = best_interval(campaign)
+    chosen = options["checkpoint_every"] or best
+    summary = simulate_campaign(replace(campaign, interval_steps=chosen), options["campaign_runs"]).summary()
+    mtbf = campaign.mtbf_s
+    return {**summary, "days": options["campaign_days"], "checkpoint_every": chosen, "best_interval": best,
+            "young_steps": young(campaign.checkpoint_s, mtbf) / campaign.step_s if math.isfinite(mtbf) else None,
+            "daly_steps": daly(campaign.checkpoint_s, mtbf) / campaign.step_s if math.isfinite(mtbf) else None,
+            "checkpoint_s": campaign.checkpoint_s, "checkpoint_bytes_per_gpu": per_gpu, "restart_s": restart,
+            "storage_gb_s_per_server": storage, "failure_rates": dict(campaign.rates.per_cause),
+            "failure_rates_source": campaign.rates.source, "step_s": campaign.step_s,
+            "tokens_per_step": campaign.tokens_per_step,
+            "scanned": [[n, ettr] for n, ettr in scanned]}

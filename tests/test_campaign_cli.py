@@ -1,0 +1,72 @@
+"""`minigpt simulate --campaign DAYS`: the campaign of the simulated step, its presets, its JSON and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from simulator.campaign.rates import LLAMA3_TABLE5, PRESETS, read_rates
+
+STEP = ["simulate", "--model", "gpt2-124m", "--dp", "8", "--gpu", "h100-sxm", "--global-batch", "64"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [*STEP, *args])
+
+
+def test_a_campaign_is_printed_and_in_the_json():
+    result = invoke("--campaign", "3", "--failure-rates", "llama3-405b", "--campaign-runs", "4")
+    assert result.exit_code == 0, result.output
+    assert "campaign of 3 days" in result.output and "effective training time" in result.output
+    data = json.loads(invoke("--campaign", "3", "--json", "--campaign-runs", "4").output)["campaign"]
+    assert data["runs"] == 4 and 0 < data["ettr"] < 1 and data["failure_rates"] == {"all causes": 6.5}
+    assert data["checkpoint_every"] == data["best_interval"]
+    scanned = [n for n, _ in data["scanned"]]
+    assert min(scanned) <= data["best_interval"] <= max(scanned)  # found inside the scan (Young and Daly: test_campaign)
+    fixed = json.loads(invoke("--campaign", "3", "--json", "--campaign-runs", "2", "--checkpoint-every", "50").output)
+    assert fixed["campaign"]["checkpoint_every"] == 50
+
+
+def test_the_presets_are_their_sources_numbers():
+    assert PRESETS["rsc-1"].total == 6.50 and PRESETS["rsc-2"].total == 2.34
+    assert sum(LLAMA3_TABLE5.values()) == 419  # Table 5's unexpected interruptions
+    assert PRESETS["llama3-405b"].total == pytest.approx(419 / (2048 * 54) * 1000)
+    assert read_rates(None) is PRESETS["rsc-1"]
+
+
+def test_a_rates_file_is_read(tmp_path):
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"gpu": 3.0, "network": 1.0}))
+    data = json.loads(invoke("--campaign", "2", "--failure-rates", str(path), "--json", "--campaign-runs",
+                             "2").output)["campaign"]
+    assert data["failure_rates"] == {"gpu": 3.0, "network": 1.0}
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--campaign", "-1"], "--campaign must be a finite number above 0"),
+    (["--campaign", "nan"], "--campaign must be a finite number"),
+    (["--campaign", "5", "--storage-gbps", "0"], "--storage-gbps must be a finite number above 0"),
+    (["--campaign", "5", "--restart-minutes", "-2"], "--restart-minutes must be a finite number >= 0"),
+    (["--campaign", "5", "--checkpoint-every", "0"], "--checkpoint-every must be a whole number >= 1"),
+    (["--campaign", "5", "--failure-rates", "nowhere"], "neither a preset"),
+    (["--storage-gbps", "3"], "add --campaign DAYS"),
+    (["--campaign", "1e-9"], "shorter than one step"),
+    (["--campaign", "5", "--sweep", "--gpus", "8,16"], "--campaign with --sweep is not supported yet"),
+])
+def test_bad_campaign_inputs_are_one_line_and_exit_2(args, says):
+    result = invoke(*args)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.output
+
+
+def test_a_bad_rates_file_is_one_line(tmp_path):
+    path = tmp_path / "rates.json"
+    for text, says in (("[1, 2]", "give an object"), ('{"gpu": -1}', "must be a finite number >= 0"),
+                       ("{", "not a JSON file")):
+        path.write_text(text)
+        result = invoke("--campaign", "2", "--failure-rates", str(path))
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.output
