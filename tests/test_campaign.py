@@ -4,6 +4,8 @@ closed forms it must meet where their assumptions hold, and its inputs' checks."
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -12,6 +14,7 @@ from minigpt.errors import ConfigError
 from simulator.campaign.interval import best_interval, daly, daly_ettr, young
 from simulator.campaign.model import Campaign, FailureRates, checkpoint_seconds
 from simulator.campaign.run import simulate_campaign, simulate_once
+from simulator.campaign.stragglers import max_moments
 
 SERVERS = 100
 MTBF_S = 3 * 3600.0
@@ -83,6 +86,7 @@ def test_checkpoint_seconds_is_each_gpus_share_of_the_servers_bandwidth():
     (dict(checkpoint_s=math.nan), "checkpoint time must be a finite number >= 0"),
     (dict(restart_s=-5.0), "restart time must be a finite number >= 0"),
     (dict(interval_steps=0), "interval steps must be a whole number >= 1"),
+    (dict(straggler_cv=-0.1), "coefficient of variation must be a finite number >= 0"),
     (dict(hours=1e-4, step_s=1.0), "shorter than one step"),
 ])
 def test_bad_campaigns_are_one_line(changes, says):
@@ -95,3 +99,35 @@ def test_bad_campaigns_are_one_line(changes, says):
 def test_bad_rates_are_one_line(rates, says):
     with pytest.raises(ConfigError, match=says):
         FailureRates(rates)
+
+
+# ---------------------------------------------------------------- stragglers
+
+def test_the_slowest_ranks_moments_are_the_order_statistics():
+    """The maximum of n standard normals: 1/sqrt(pi) and 1 - 1/pi for two; 1.42360 for eight (the tabulated
+    expected normal order statistic); a sample of maxima of 16 agrees."""
+    assert max_moments(1) == (0.0, 1.0)
+    assert max_moments(2) == (pytest.approx(1 / math.sqrt(math.pi), rel=1e-6), pytest.approx(1 - 1 / math.pi, rel=1e-6))
+    assert max_moments(8)[0] == pytest.approx(1.42360, abs=1e-5)
+    rng = random.Random(0)
+    sample = [max(rng.gauss(0, 1) for _ in range(16)) for _ in range(20_000)]
+    mean, variance = max_moments(16)
+    assert statistics.fmean(sample) == pytest.approx(mean, rel=0.01)
+    assert statistics.variance(sample) == pytest.approx(variance, rel=0.05)
+
+
+@pytest.mark.parametrize("gpus", [8, 800, 80_000])
+def test_a_straggler_costs_what_the_order_statistics_predict(gpus):
+    """No failures, no checkpoints: each step lasts its slowest rank's, 1 + cv E[M_N] times the step, so the
+    effective training time is its inverse and falls as the GPUs grow."""
+    cv = 0.05
+    c = campaign(rates=FailureRates({"gpu": 0.0}), checkpoint_s=0.0, hours=200.0, gpus=gpus, straggler_cv=cv,
+                 interval_steps=500)
+    ettr = simulate_campaign(c, runs=3).summary()["ettr"]
+    assert ettr == pytest.approx(1 / (1 + cv * max_moments(gpus)[0]), rel=2e-3)
+
+
+def test_more_ranks_straggle_more():
+    slowdowns = [simulate_campaign(campaign(gpus=g, straggler_cv=0.02, hours=100.0), runs=2).summary()
+                 ["straggler_slowdown"] for g in (8, 64, 512, 4096)]
+    assert slowdowns == sorted(slowdowns) and slowdowns[0] > 0

@@ -53,6 +53,8 @@ def test_a_rates_file_is_read(tmp_path):
     (["--campaign", "5", "--checkpoint-every", "0"], "--checkpoint-every must be a whole number >= 1"),
     (["--campaign", "5", "--failure-rates", "nowhere"], "neither a preset"),
     (["--storage-gbps", "3"], "add --campaign DAYS"),
+    (["--straggler-cv", "0.1"], "add --campaign DAYS"),
+    (["--campaign", "5", "--straggler-cv", "-1"], "--straggler-cv must be a finite number >= 0"),
     (["--campaign", "1e-9"], "shorter than one step"),
     (["--campaign", "5", "--sweep", "--gpus", "8,16"], "--campaign with --sweep is not supported yet"),
 ])

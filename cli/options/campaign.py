@@ -32,6 +32,10 @@ OPTIONS = (
     click.option("--restart-minutes", "restart_minutes", type=float, metavar="MIN",
                  help="From a failure to training again: detection, rescheduling, reload, warm-up "
                       "[default: rates.py's cited figure]."),
+    click.option("--straggler-cv", "straggler_cv", type=float, metavar="CV",
+                 help="Stragglers: each rank's step time varies as a normal of this coefficient of variation, "
+                      "independently, and every step waits for the slowest of all GPUs (simulator/campaign/"
+                      "stragglers.py) [default: 0, none]."),
     click.option("--campaign-runs", "campaign_runs", type=int, default=20, show_default=True,
                  help="Simulated campaigns (seeds) the figures average over."),
 )
@@ -55,7 +59,7 @@ def check_campaign(options: dict) -> None:
     """Every campaign flag, one line each, before any simulation; the failure rates read into options."""
     from simulator.campaign.rates import read_rates
 
-    flags = ("failure_rates", "checkpoint_every", "storage_gbps", "restart_minutes")
+    flags = ("failure_rates", "checkpoint_every", "storage_gbps", "restart_minutes", "straggler_cv")
     if options["campaign_days"] is None:
         given = [f"--{key.replace('_', '-')}" for key in flags if options[key] is not None]
         if given:
@@ -66,6 +70,7 @@ def check_campaign(options: dict) -> None:
     _number(options, "campaign_days", "--campaign")
     _number(options, "storage_gbps", "--storage-gbps")
     _number(options, "restart_minutes", "--restart-minutes", allow_zero=True)
+    _number(options, "straggler_cv", "--straggler-cv", allow_zero=True)
     for key, flag in (("checkpoint_every", "--checkpoint-every"), ("campaign_runs", "--campaign-runs")):
         if options[key] is not None and options[key] < 1:
             raise ConfigError(f"{flag} must be a whole number >= 1, got {options[key]}")
@@ -88,7 +93,7 @@ def run_campaign(result, options: dict) -> dict:
                         gpus=layout.world_size, gpus_per_node=min(gpus_per_node, layout.world_size),
                         hours=options["campaign_days"] * 24, rates=options["rates"],
                         checkpoint_s=checkpoint_seconds(per_gpu, storage, min(gpus_per_node, layout.world_size)),
-                        restart_s=restart, interval_steps=1)
+                        restart_s=restart, interval_steps=1, straggler_cv=options["straggler_cv"] or 0.0)
     best, scanned = best_interval(campaign)
     chosen = options["checkpoint_every"] or best
     summary = simulate_campaign(replace(campaign, interval_steps=chosen), options["campaign_runs"]).summary()
@@ -99,5 +104,5 @@ def run_campaign(result, options: dict) -> dict:
             "checkpoint_s": campaign.checkpoint_s, "checkpoint_bytes_per_gpu": per_gpu, "restart_s": restart,
             "storage_gb_s_per_server": storage, "failure_rates": dict(campaign.rates.per_cause),
             "failure_rates_source": campaign.rates.source, "step_s": campaign.step_s,
-            "tokens_per_step": campaign.tokens_per_step,
+            "tokens_per_step": campaign.tokens_per_step, "straggler_cv": campaign.straggler_cv,
             "scanned": [[n, ettr] for n, ettr in scanned]}

@@ -7,13 +7,14 @@ is the sum over causes times its servers: one failure anywhere stops every rank 
 costs the work since the last checkpoint that was written in full, and a restart (detecting the failure,
 rescheduling, reloading the checkpoint, warming up) of `restart_s`. A checkpoint every `interval_steps` steps
 blocks training for `checkpoint_s` (the sharded checkpoint's bytes per GPU over each GPU's share of the storage
-write bandwidth: `checkpoint_seconds`).
+write bandwidth: `checkpoint_seconds`). With `straggler_cv` every step waits for the slowest of the `gpus` ranks
+(stragglers.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minigpt.errors import ConfigError
 
@@ -60,13 +61,14 @@ class Campaign:
     checkpoint_s: float  # one blocking checkpoint write
     restart_s: float  # from a failure to training again: detection, rescheduling, reload, warm-up
     interval_steps: int  # steps between checkpoints
-    extra: dict = field(default_factory=dict)  # what the inputs rest on, for the report
+    straggler_cv: float = 0.0  # each rank's step time varies by this coefficient of variation (stragglers.py)
 
     def __post_init__(self) -> None:
         _positive("the step time", self.step_s)
         _positive("the campaign's length in hours", self.hours)
         _positive("the checkpoint time", self.checkpoint_s, allow_zero=True)
         _positive("the restart time", self.restart_s, allow_zero=True)
+        _positive("the stragglers' coefficient of variation", self.straggler_cv, allow_zero=True)
         for name in ("tokens_per_step", "gpus", "gpus_per_node", "interval_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -26,6 +26,9 @@ def campaign_rows(c: dict) -> list[list[str]]:
     for cause, count in sorted(c["interruptions_by_cause"].items(), key=lambda item: -item[1]):
         rows.append([f"  {cause}", f"{count:.1f} interruptions", f"{c['lost_hours_by_cause'][cause]:.1f} h lost "
                      "(rework and restarts)"])
+    if c["straggler_cv"]:
+        rows.append(["stragglers", f"+{c['straggler_slowdown']:.1%} a step", f"each rank's step +-{c['straggler_cv']:.1%}"
+                     " (sd), every step waiting for the slowest GPU"])
     every = c["checkpoint_every"]
     formulas = "" if c["young_steps"] is None else (f"Young {c['young_steps']:.0f}, Daly {c['daly_steps']:.0f}, "
                                                     f"simulated best {c['best_interval']}")

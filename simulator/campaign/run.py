@@ -3,7 +3,8 @@
 One process trains: `interval_steps` steps, then a blocking checkpoint, again and again; after a failure it
 restarts (`restart_s`) and goes on from the last checkpoint written in full. Another draws the failures: the time
 to the next one exponential at the job's rate, its cause drawn in proportion to the causes' rates, and interrupts
-the first wherever it is (computing, checkpointing or restarting again). Lost to a failure: the work since the
+the first wherever it is (computing, checkpointing or restarting again). With stragglers an interval's steps
+last as long as their slowest ranks make them (stragglers.py), drawn from a generator of their own. Lost to a failure: the work since the
 last complete checkpoint (the partial checkpoint included) and the restart it causes (a restart cut short by the
 next failure is charged to the first). When the campaign's time is up, the steps done since the last checkpoint
 count (the job's end writes them). Every run of the same seed draws the same failures, whatever the interval:
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import simpy
 
 from simulator.campaign.model import Campaign
+from simulator.campaign.stragglers import interval_seconds, max_moments
 
 DAY_S = 86_400.0
 
@@ -39,6 +41,7 @@ class RunResult:
 class _Campaign:
     def __init__(self, c: Campaign, seed: int):
         self.c, self.env, self.rng = c, simpy.Environment(), random.Random(seed)
+        self.steps_rng = random.Random(f"{seed} stragglers")  # apart: the failures stay the same whatever the steps
         self.steps, self.failures, self.lost, self.checkpoints = 0, Counter(), Counter(), 0.0
         self.phase, self.since = "compute", 0.0  # what the trainer does, and since when its unsaved work began
         self.restart = None  # (cause, start) while restarting
@@ -52,7 +55,8 @@ class _Campaign:
                     self.lost[self.restart[0]] += c.restart_s
                     self.restart = None
                 self.phase, self.since = "compute", env.now
-                yield env.timeout(c.interval_steps * c.step_s)
+                yield env.timeout(interval_seconds(c.interval_steps, c.step_s, c.straggler_cv, c.gpus,
+                                                   self.steps_rng.gauss(0.0, 1.0) if c.straggler_cv else 0.0))
                 self.phase = "checkpoint"
                 yield env.timeout(c.checkpoint_s)
                 self.steps += c.interval_steps
@@ -82,7 +86,8 @@ class _Campaign:
         env.run(until=wall)
         tail = 0
         if self.restart is None:  # the steps done since the last checkpoint: the job's end saves them
-            tail = c.interval_steps if self.phase == "checkpoint" else int((wall - self.since) / c.step_s + 1e-9)
+            step = c.step_s * (1 + c.straggler_cv * max_moments(c.gpus)[0])  # a step with its slowest rank
+            tail = c.interval_steps if self.phase == "checkpoint" else int((wall - self.since) / step + 1e-9)
         return RunResult(self.steps + min(tail, c.interval_steps), self.failures, self.lost, self.checkpoints, wall)
 
 
@@ -119,6 +124,7 @@ class CampaignResult:
             "lost_hours_by_cause": {cause: sum(r.lost_s[cause] for r in self.runs) / n / 3600 for cause in causes},
             "checkpoint_hours": statistics.fmean(r.checkpoint_s for r in self.runs) / 3600,
             "mtbf_hours": self.campaign.mtbf_s / 3600,
+            "straggler_slowdown": self.campaign.straggler_cv * max_moments(self.campaign.gpus)[0],
         }
 
 
