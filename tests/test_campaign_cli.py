@@ -56,7 +56,6 @@ def test_a_rates_file_is_read(tmp_path):
     (["--straggler-cv", "0.1"], "add --campaign DAYS"),
     (["--campaign", "5", "--straggler-cv", "-1"], "--straggler-cv must be a finite number >= 0"),
     (["--campaign", "1e-9"], "shorter than one step"),
-    (["--campaign", "5", "--sweep", "--gpus", "8,16"], "--campaign with --sweep is not supported yet"),
 ])
 def test_bad_campaign_inputs_are_one_line_and_exit_2(args, says):
     result = invoke(*args)
@@ -72,3 +71,18 @@ def test_a_bad_rates_file_is_one_line(tmp_path):
         result = invoke("--campaign", "2", "--failure-rates", str(path))
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.output
+
+
+def test_a_sweep_with_campaigns_names_where_gpus_stop_paying_with_failures():
+    """Each point's best layout run for the campaign: more servers fail more often, so the effective training time
+    falls with the GPU count, and the sweep's verdict is said again on goodput."""
+    args = ["simulate", "--model", "gpt2-124m", "--sweep", "--gpus", "64,512,4096", "--gpu", "h100-sxm",
+            "--global-batch", "4096", "--campaign", "20", "--campaign-runs", "4"]
+    data = json.loads(CliRunner().invoke(main, [*args, "--json"]).output)["campaign_sweep"]
+    ettr = [data["campaigns"][n]["ettr"] for n in ("64", "512", "4096")]
+    assert ettr == sorted(ettr, reverse=True) and ettr[-1] < ettr[0] - 0.02
+    points = data["sweep"]["points"]
+    assert [p["gpus"] for p in points] == [64, 512, 4096] and points[0]["efficiency"] == 1.0
+    assert "verdict" in data["sweep"] and data["sweep"]["threshold"] == 0.5
+    text = CliRunner().invoke(main, args).output
+    assert "run for a campaign of 20 days" in text and "with failures, checkpoints and restarts:" in text

@@ -15,7 +15,8 @@ what (--overlap PRESET, then --tp-overlap, --dp-overlap, --zero3-prefetch, --p2p
 simulator/engine/overlap.py) are flags too; the output says what its numbers rest on, and which algorithm
 each collective runs as NCCL would pick it (--nccl-algo forces one: cli/options/collectives.py). A job beyond
 simulator/limits.py's stated size (GPUs, layers, schedule slots, sweep points) is refused in
-one line before anything is built.
+one line before anything is built. --campaign DAYS (cli/options/campaign.py, simulator/campaign/) runs the
+predicted step (each point's, with --sweep) for a whole campaign whose servers fail.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_option
 from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
-from cli.options.campaign import campaign_options, check_campaign, run_campaign
+from cli.options.campaign import campaign_options, campaign_sweep, check_campaign, run_campaign
 from cli.options.experts import ep_overlap_option, expert_load_option, read_expert_load
 from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
@@ -181,7 +182,14 @@ def run_sweep(options: dict) -> dict:
         from simulator.report import plot_sweep
 
         plot_sweep(sweep, options["plot"])
-    return {"model": model, "sweep": sweep, "zero": zero, "zero_at": at}
+    report = {"model": model, "sweep": sweep, "zero": zero, "zero_at": at}
+    if options["campaign_days"] is not None:
+        report["campaign_sweep"] = campaign_sweep(sweep, options)
+    return report
+
+
+def options_days(campaigns: dict) -> str:
+    return f"{next(iter(campaigns.values()))['days']:g}" if campaigns else "?"
 
 
 @contextlib.contextmanager
@@ -249,6 +257,14 @@ def _print_sweep(report: dict) -> None:
         click.echo(f"ZeRO stages at {best.gpus} GPUs (tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}):")
         click.echo(format_table(rep.ZERO_HEADERS, rep.zero_rows(report["zero"])))
         click.echo(zero_verdict(report["zero"]))
+    if "campaign_sweep" in report:
+        from simulator.campaign.report import SWEEP_HEADERS, campaign_sweep_rows
+
+        with_failures, campaigns = report["campaign_sweep"]
+        click.echo("")
+        click.echo(f"each point's best layout run for a campaign of {options_days(campaigns)} days:")
+        click.echo(format_table(SWEEP_HEADERS, campaign_sweep_rows(with_failures, campaigns)))
+        click.echo(f"with failures, checkpoints and restarts: {with_failures.verdict()}")
 
 
 def _json(report: dict) -> dict:
@@ -259,6 +275,10 @@ def _json(report: dict) -> dict:
     from simulator.search.sweep import zero_verdict
 
     data = {"sweep": report["sweep"].as_dict()}
+    if "campaign_sweep" in report:
+        with_failures, campaigns = report["campaign_sweep"]
+        data["campaign_sweep"] = {"sweep": with_failures.as_dict(), "campaigns": {str(n): c for n, c in
+                                                                                 campaigns.items()}}
     if report["zero"]:
         data["zero_comparison"] = {"gpus": report["zero_at"].gpus, "verdict": zero_verdict(report["zero"]),
                                    "stages": {str(s): r.as_dict() for s, r in report["zero"].items()}}

@@ -65,8 +65,6 @@ def check_campaign(options: dict) -> None:
         if given:
             raise ConfigError(f"{given[0]} describes a campaign: add --campaign DAYS")
         return
-    if options["sweep"]:
-        raise ConfigError("--campaign with --sweep is not supported yet: simulate one layout's campaign")
     _number(options, "campaign_days", "--campaign")
     _number(options, "storage_gbps", "--storage-gbps")
     _number(options, "restart_minutes", "--restart-minutes", allow_zero=True)
@@ -75,6 +73,22 @@ def check_campaign(options: dict) -> None:
         if options[key] is not None and options[key] < 1:
             raise ConfigError(f"{flag} must be a whole number >= 1, got {options[key]}")
     options["rates"] = read_rates(options["failure_rates"])
+
+
+def campaign_sweep(sweep, options: dict):
+    """The sweep again with each point's campaign goodput (samples a second over the whole campaign) in place of
+    its failure-free throughput: where adding GPUs stops paying once failures, checkpoints and stragglers count.
+    Returns (that ScalingSweep, each fitting point's campaign by GPU count)."""
+    from simulator.search.sweep import ScalingPoint, ScalingSweep, add_point
+
+    with_failures, campaigns = ScalingSweep(sweep.scaling, sweep.threshold), {}
+    for point in sweep.points:
+        goodput = 0.0
+        if point.result.fits:
+            campaigns[point.gpus] = run_campaign(point.result, options)
+            goodput = campaigns[point.gpus]["tokens_per_day"] / point.result.seq_len / 86_400
+        add_point(with_failures, ScalingPoint(point.gpus, point.global_batch, point.result, goodput))
+    return with_failures, campaigns
 
 
 def run_campaign(result, options: dict) -> dict:

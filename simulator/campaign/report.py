@@ -42,6 +42,25 @@ def campaign_rows(c: dict) -> list[list[str]]:
     return rows
 
 
+SWEEP_HEADERS = ["GPUs", "failure-free tokens/day", "effective training", "goodput tokens/day", "per GPU",
+                 "marginal (with failures)"]
+
+
+def campaign_sweep_rows(with_failures, campaigns: dict) -> list[list[str]]:
+    """A row per GPU count of a sweep with campaigns (cli/options/campaign.py's campaign_sweep)."""
+    rows = []
+    for point in with_failures.points:
+        c = campaigns.get(point.gpus)
+        if c is None:
+            rows.append([str(point.gpus), "does not fit", "", "", "", ""])
+            continue
+        free = c["tokens_per_step"] * 86_400 / c["step_s"]
+        marginal = "" if point.marginal is None else f"{point.marginal:.0%}"
+        rows.append([str(point.gpus), f"{free:.4g}", f"{c['ettr']:.1%}", f"{c['tokens_per_day']:.4g}",
+                     f"{c['tokens_per_day'] / point.gpus:.4g}", marginal])
+    return rows
+
+
 def campaign_note(c: dict) -> str:
     return (f"(failures per 1000 server-days: {', '.join(f'{k} {v:g}' for k, v in c['failure_rates'].items())}; "
             f"{c['failure_rates_source']}; simulator/campaign/)")

@@ -235,20 +235,25 @@ def scaling_sweep(job: Job, gpu_counts: list[int], spec: ClusterSpec, scaling: s
         if scaling == "weak" and job.global_batch * n % counts[0]:
             raise ConfigError(f"weak scaling from {counts[0]} GPUs needs GPU counts that are multiples of it, got {n}")
         result = best_layout(job, n, spec, batch, tp, pp)
-        point = ScalingPoint(n, batch, result, result.samples_per_s)
-        fitting = [p for p in sweep.points if p.result.fits]
-        if result.fits and not fitting:  # the baseline: the first point whose layout fits in memory
-            point.speedup, point.efficiency = 1.0, 1.0
-        elif result.fits:
-            first, previous = fitting[0], fitting[-1]
-            point.speedup = point.samples_per_s / first.samples_per_s
-            point.efficiency = point.speedup / (n / first.gpus)
-            added = (point.samples_per_s - previous.samples_per_s) / (n - previous.gpus)
-            point.marginal = added / (previous.samples_per_s / previous.gpus)
-        sweep.points.append(point)
+        add_point(sweep, ScalingPoint(n, batch, result, result.samples_per_s))
         if progress is not None:
             progress(len(sweep.points), len(counts))
     return sweep
+
+
+def add_point(sweep: ScalingSweep, point: ScalingPoint) -> None:
+    """`point` appended to `sweep` with its speedup, efficiency and marginal efficiency from its samples_per_s
+    (the step's throughput, or a campaign's goodput: cli/options/campaign.py)."""
+    fitting = [p for p in sweep.points if p.result.fits]
+    if point.result.fits and not fitting:  # the baseline: the first point whose layout fits in memory
+        point.speedup, point.efficiency = 1.0, 1.0
+    elif point.result.fits:
+        first, previous = fitting[0], fitting[-1]
+        point.speedup = point.samples_per_s / first.samples_per_s
+        point.efficiency = point.speedup / (point.gpus / first.gpus)
+        added = (point.samples_per_s - previous.samples_per_s) / (point.gpus - previous.gpus)
+        point.marginal = added / (previous.samples_per_s / previous.gpus)
+    sweep.points.append(point)
 
 
 def compare_zero(job: Job, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
