@@ -183,6 +183,9 @@ class TrainConfig:
     # seconds a rank may be silent before the run ends naming it; None: parallel/launch/watchdog.py's default, 0: off
     # (checked there, by the launcher, before any rank starts)
     watchdog_s: float | None = None
+    # times torch's elastic agent starts every rank again after one fails; each restart resumes from the newest
+    # checkpoint of out_dir that verifies (parallel/run/train.py's run_worker)
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         positive_ints = {
@@ -242,6 +245,14 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.save_every, int) or self.save_every < 0:
             raise ConfigError(f"--save-every must be an integer >= 0, got {self.save_every!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be a whole number >= 0, got {self.max_restarts!r}")
+        if self.max_restarts and not self.save_every:
+            raise ConfigError(f"--max-restarts {self.max_restarts} resumes from the newest checkpoint after a "
+                              f"failure: give --save-every N")
+        if self.max_restarts and self.world_size == 1:
+            raise ConfigError(f"--max-restarts {self.max_restarts} restarts the ranks through torch's elastic agent: "
+                              f"it needs a layout of more than one process")
         if self.resume and self.out_dir is None:
             raise ConfigError("--resume needs --out: the run directory whose checkpoints to continue from")
         if self.log_every is not None:

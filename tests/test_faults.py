@@ -49,10 +49,12 @@ def has_open(pid: int, path: Path) -> bool:
     return False
 
 
-def start_until_checkpoint(tmp_path, out: Path, new_session: bool = False, extra: tuple = ()) -> subprocess.Popen:
-    """A 4-rank run into `out` that checkpoints every 2 steps, returned once its first checkpoint is complete."""
-    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", "100000", "--save-every", "2", *extra,
-               "--out", str(out)]
+def start_until_checkpoint(tmp_path, out: Path, new_session: bool = False, extra: tuple = (),
+                           steps: int = 100_000) -> subprocess.Popen:
+    """A 4-rank run into `out` that checkpoints every 2 steps, returned once its first checkpoint is complete
+    (with a finite number of `steps`, it prints its summary as JSON)."""
+    command = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", str(steps), "--save-every", "2", *extra,
+               "--out", str(out)] + (["--json"] if steps < 100_000 else [])
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                                start_new_session=new_session)
     deadline = time.time() + 180
@@ -255,3 +257,31 @@ def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path, uni
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a rank outlived the run"
 
     assert_resumes_exactly(tmp_path, out, uninterrupted)
+
+
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+    """--max-restarts 1: a rank killed after the first checkpoint, torch's elastic agent starts every rank again,
+    they resume from the newest checkpoint that verifies, and the run finishes with the losses of a run never
+    stopped, bit for bit, from the step it resumed at."""
+    steps, out = 40, tmp_path / "run"
+    reference = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", str(steps), "--out", str(tmp_path / "ref"),
+                 "--json"]
+    process = start_until_checkpoint(tmp_path, out, extra=("--max-restarts", "1"), steps=steps)
+    try:
+        workers = ranks_of(process.pid)
+        others = [pid for pid in workers if not has_open(pid, (out / "metrics.jsonl").resolve())]
+        os.kill(others[-1], signal.SIGKILL)
+        stdout, stderr = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr[-2000:]
+    said = [line for line in stderr.splitlines() if line.startswith("minigpt: restart 1 of 1 after a failure")]
+    assert len(said) == 1 and "resuming from step-" in said[0], stderr[-2000:]
+    summary = json.loads(stdout)
+    uninterrupted = subprocess.run(reference, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+    losses = json.loads(uninterrupted.stdout)["losses"]
+    first = summary["first_step"]
+    assert 0 < first < steps and said[0].endswith(f"from step-{first:06d}")
+    assert summary["losses"] == losses[first:]

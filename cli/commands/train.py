@@ -80,6 +80,7 @@ def build_train_config(options: dict) -> TrainConfig:
         resume=options["resume"] not in (None, False),
         recompute=options["recompute"],
         watchdog_s=options["watchdog"],
+        max_restarts=options["max_restarts"],
     )
     check_timeout(options["watchdog"])
     if options["precision"] == AUTO:  # the device's format, looked up (torch) once everything else is valid
@@ -259,6 +260,9 @@ def mib(n: int) -> str:
 @click.option("--log-every", type=int, help="Steps between log lines [default: 20 lines per run].")
 @click.option("--watchdog", type=float, default=DEFAULT_TIMEOUT_S, show_default=True, help="Seconds a rank may stop "
               "responding (stopped, frozen) before the run ends naming it; 0: off.")
+@click.option("--max-restarts", "max_restarts", type=int, default=0, show_default=True,
+              help="Restart every rank after a failure, at most this many times, each time from the newest checkpoint "
+                   "that verifies (torch's elastic agent; needs --save-every).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end, nothing else on stdout.")
 def train(as_json: bool, **options) -> None:
     """Train a GPT on the embedded corpus (or --data)."""

@@ -61,6 +61,7 @@ def launch(
     world_size: int,
     threads_per_rank: int = 1,
     watchdog_s: float = DEFAULT_TIMEOUT_S,
+    max_restarts: int = 0,
 ) -> Result:
     """Run entrypoint(arg) on world_size ranks and return what rank 0's call returned.
 
@@ -70,7 +71,9 @@ def launch(
     Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
     and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
     Locally launched ranks are watched (parallel/launch/watchdog.py): one silent for watchdog_s seconds ends the
-    run with a TrainingError naming it; 0 turns the watchdog off.
+    run with a TrainingError naming it; 0 turns the watchdog off. `max_restarts`: times the elastic agent starts
+    every rank again after one fails (the entrypoint sees TORCHELASTIC_RESTART_COUNT; under torchrun, torchrun's
+    own --max-restarts).
     """
     check_torchrun_world(world_size)
     check_threads_per_rank("threads per rank", threads_per_rank)
@@ -79,7 +82,7 @@ def launch(
         return entrypoint(arg)
     if world_size == 1:
         return entrypoint(arg)
-    return launch_local(entrypoint, arg, world_size, threads_per_rank, watchdog_s)
+    return launch_local(entrypoint, arg, world_size, threads_per_rank, watchdog_s, max_restarts)
 
 
 def check_torchrun_world(world_size: int) -> None:
@@ -163,10 +166,10 @@ def launch_on_a_free_port(config: LaunchConfig, entrypoint: Callable[[Arg], Resu
 
 def launch_local(
     entrypoint: Callable[[Arg], Result], arg: Arg, world_size: int, threads_per_rank: int,
-    watchdog_s: float = DEFAULT_TIMEOUT_S,
+    watchdog_s: float = DEFAULT_TIMEOUT_S, max_restarts: int = 0,
 ) -> Result:
     """Start world_size ranks on this machine as `torchrun --standalone` would (with a static rendezvous), and
-    wait for them."""
+    wait for them (started again after a failure, up to `max_restarts` times)."""
     saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", HEARTBEAT_DIR_VARIABLE, LAUNCHER_VARIABLE)}
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)  # the ranks take it with the rest of the environment
     start_rank_server(entrypoint.__module__)
@@ -189,7 +192,7 @@ def launch_local(
                 nproc_per_node=world_size,
                 run_id=str(uuid.uuid4()),
                 **local_rendezvous(),
-                max_restarts=0,
+                max_restarts=max_restarts,
                 monitor_interval=MONITOR_INTERVAL_S,
                 start_method=START_METHOD,
                 logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # stdout and stderr stay inherited

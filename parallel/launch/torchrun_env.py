@@ -129,9 +129,14 @@ def rendezvous(seconds: float):
 
     with quiet_stderr():
         try:
-            return next(dist.rendezvous("env://", timeout=timedelta(seconds=seconds)))
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=seconds)))
         except (dist.DistError, ValueError) as error:
             raise ConfigError(failure_line(error, seconds)) from None
+    # Ranks the elastic agent started again after a failure meet at the same store as the dead ones did (a static
+    # rendezvous keeps one for every attempt): each attempt's keys under a prefix of its own, or the new ranks
+    # would read the dead ranks' addresses
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return (store if attempt == "0" else dist.PrefixStore(f"minigpt/attempt_{attempt}/", store)), rank, world_size
 
 
 def join_process_group(backend: str, device=None) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -72,7 +74,8 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumeP
     try:
         summary = launch(run_worker, (cfg, on_step, checkpoint), cfg.world_size,
                          threads_per_rank=cfg.threads_per_rank or 1,
-                         watchdog_s=DEFAULT_TIMEOUT_S if cfg.watchdog_s is None else cfg.watchdog_s)
+                         watchdog_s=DEFAULT_TIMEOUT_S if cfg.watchdog_s is None else cfg.watchdog_s,
+                         max_restarts=cfg.max_restarts)
     except BaseException:
         if plotter is not None:
             plotter.close()
@@ -88,6 +91,9 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumeP
 
 def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | None:
     cfg, on_step, checkpoint = args
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:  # the elastic agent started the ranks again after a failure: on from the newest valid checkpoint
+        cfg, checkpoint = restarted(cfg, restart)
     device = init_worker(None if cfg.device == "auto" else cfg.device)
     if cfg.threads_per_rank:
         torch.set_num_threads(cfg.threads_per_rank)
@@ -95,6 +101,23 @@ def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | N
         return train_on_rank(cfg, device, on_step, checkpoint)
     finally:
         finish_worker()
+
+
+def restarted(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, str | None]:
+    """(the run's settings, the checkpoint) for the ranks started again after a failure: resuming from the newest
+    checkpoint of the run that verifies (every rank finds the same one: no rank writes while they look), or
+    from the start when none was written yet; rank 0 says which on stderr."""
+    try:
+        point = resume_point(cfg)
+    except ConfigError:  # no complete checkpoint yet: the run starts over, in its own directory
+        point = None
+    if os.environ.get("RANK", "0") == "0":
+        where = f"from {point.path.name}" if point else "from the start (no complete checkpoint yet)"
+        print(f"minigpt: restart {restart} of {cfg.max_restarts} after a failure: resuming {where}", file=sys.stderr,
+              flush=True)
+    if point is None:
+        return dataclasses.replace(cfg, resume=False), None
+    return dataclasses.replace(cfg, resume=True), str(point.path)
 
 
 def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
