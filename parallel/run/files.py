@@ -39,6 +39,9 @@ class RunFiles:
         write_json_file(self.path / name, obj)
 
     def log(self, record: dict) -> None:
+        """One line of metrics.jsonl, stamped "time": the wall clock (Unix seconds) when it is written, after the
+        step's validation and save (bench/campaign.py times restarts and checkpoints by it)."""
+        record["time"] = time.time()
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
 
