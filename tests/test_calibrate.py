@@ -70,7 +70,8 @@ def test_the_quick_profile_loads_and_holds_the_measurements(profile_path):
     assert all(t > 0 for series in halves.series.values() for t in series)
     moe = measured.unit_times(preset("tiny-moe"), 1)  # --model tiny,tiny-moe: a MoE block's own unit, at ep 1
     assert moe is not None and moe.key[-1] == (8, 2, 256, 0, "softmax", None) and moe.series != whole.series
-    assert {u.cp for u in measured.units if u.key[-1] is not None} == {1}  # no MoE with context parallelism
+    # a MoE block at every cp size too, routing its own chunks (the cp group's routing exchange is the links')
+    assert {u.cp for u in measured.units if u.key[-1] is not None} == {1, *(cp for cp in (2, 4, 8) if cp <= RANKS)}
     note = gpu.calibration
     assert note["ranks"] == RANKS and note["ranks_per_core"] == pytest.approx(RANKS / note["cores"])
     assert note["block"]["forward_s"] > 0 and note["block"]["backward_s"] > 0
@@ -190,8 +191,9 @@ def check_schema(measured: dict, ranks: int) -> None:
     dense = [u for u in measured["units"] if "experts" not in u]
     assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in dense] == sorted(
         [(tp, sp, 1) for tp in tps for sp in ((False, True) if tp > 1 else (False,))] + [(1, False, cp) for cp in cps])
-    moe = [u for u in measured["units"] if "experts" in u]  # tiny-moe's, when asked for: no sp, no cp
-    assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in moe] in ([], [(tp, False, 1) for tp in tps])
+    moe = [u for u in measured["units"] if "experts" in u]  # tiny-moe's, when asked for: no sp; cp as a dense block
+    assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in moe] in (
+        [], sorted([(tp, False, 1) for tp in tps] + [(1, False, cp) for cp in cps]))
     for unit in measured["units"]:
         assert set(unit) - {"cp", "experts"} == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions",
                                                  "bias", "seq_len", "vocab_size", "tp", "sequence_parallel", "dtype",
