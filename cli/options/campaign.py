@@ -23,7 +23,7 @@ OPTIONS = (
                       "(simulator/campaign/)."),
     click.option("--failure-rates", "failure_rates", metavar="NAME|FILE",
                  help="Failures per 1000 server-days by cause: a preset name (simulator/campaign/rates.py) or a "
-                      "JSON file {\"cause\": rate, ...}. [default: the preset of the GPU's cited cluster study]"),
+                      "JSON file {\"cause\": rate, ...}. [default: rsc-1, Meta's A100 cluster in Kokolis et al. 2025]"),
     click.option("--checkpoint-every", "checkpoint_every", type=int, metavar="STEPS",
                  help="Steps between checkpoints [default: the interval that maximises goodput, found by simulation "
                       "and shown beside Young's and Daly's]."),
