@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from parallel.launch.rank_start import launched_ranks  # noqa: E402
 from simulator.campaign.model import Campaign, FailureRates  # noqa: E402
 from simulator.campaign.run import simulate_campaign  # noqa: E402
 
@@ -53,18 +54,6 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def workers(pid: int) -> list[int]:
-    """The ranks of a `minigpt train` process: the children of the fork server it started."""
-    def children(p: int) -> list[int]:
-        found = []
-        for task in Path(f"/proc/{p}/task").iterdir():
-            text = (task / "children").read_text() if (task / "children").exists() else ""
-            found += [int(c) for c in text.split()]
-        return found
-    servers = [c for c in children(pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    return [rank for server in servers for rank in children(server)]
-
-
 def injected(out: Path, steps: int, save_every: int, mean_s: float, restarts: int, seed: int) -> dict:
     """The run with failures injected: its summary, records and the kill times."""
     rng, kills = random.Random(seed), []
@@ -74,7 +63,7 @@ def injected(out: Path, steps: int, save_every: int, mean_s: float, restarts: in
     next_kill = time.time() + rng.expovariate(1 / mean_s)
     while process.poll() is None:
         if time.time() >= next_kill and len(kills) < restarts:
-            ranks = workers(process.pid)
+            ranks = launched_ranks(process.pid)
             if ranks:  # (between two attempts there is none to kill: the failure waits for the next ranks)
                 os.kill(rng.choice(ranks), signal.SIGKILL)
                 kills.append(time.time())

@@ -14,6 +14,7 @@ import pytest
 
 from minigpt.presets import preset
 from parallel.checkpoint.files import check_checkpoint, latest_checkpoint
+from parallel.launch.rank_start import launched_ranks
 from job.train_config import TrainConfig
 
 # A constant learning rate (no warmup, no decay): a run's steps do not depend on its --steps, so a run stopped
@@ -22,19 +23,7 @@ ARGS = ["--dp", "4", "--layers", "1", "--seq-len", "32", "--batch-size", "8", "-
         "--warmup", "0", "--lr", "2e-3", "--min-lr", "2e-3"]
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text() if (task / "children").exists() else ""
-        found += [int(child) for child in text.split()]
-    return found
-
-
-def ranks_of(pid: int) -> list[int]:
-    """The ranks a `minigpt train` process launched: the children of the server they were forked from
-    (parallel/launch/rank_start.py), itself a child of the launching process."""
-    servers = [child for child in children(pid) if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()]
-    return [rank for server in servers for rank in children(server)]
+ranks_of = launched_ranks  # the ranks a `minigpt train` process launched (parallel/launch/rank_start.py)
 
 
 def has_open(pid: int, path: Path) -> bool:

@@ -182,14 +182,10 @@ def run_sweep(options: dict) -> dict:
         from simulator.report import plot_sweep
 
         plot_sweep(sweep, options["plot"])
-    report = {"model": model, "sweep": sweep, "zero": zero, "zero_at": at}
+    report = {"model": model, "sweep": sweep, "zero": zero, "zero_at": at, "campaign_days": options["campaign_days"]}
     if options["campaign_days"] is not None:
         report["campaign_sweep"] = campaign_sweep(sweep, options)
     return report
-
-
-def options_days(campaigns: dict) -> str:
-    return f"{next(iter(campaigns.values()))['days']:g}" if campaigns else "?"
 
 
 @contextlib.contextmanager
@@ -262,7 +258,7 @@ def _print_sweep(report: dict) -> None:
 
         with_failures, campaigns = report["campaign_sweep"]
         click.echo("")
-        click.echo(f"each point's best layout run for a campaign of {options_days(campaigns)} days:")
+        click.echo(f"each point's best layout run for a campaign of {report['campaign_days']:g} days:")
         click.echo(format_table(SWEEP_HEADERS, campaign_sweep_rows(with_failures, campaigns)))
         click.echo(f"with failures, checkpoints and restarts: {with_failures.verdict()}")
 

@@ -100,13 +100,13 @@ def run_campaign(result, options: dict) -> dict:
 
     memory, layout = result.memory, result.layout
     per_gpu = memory.parameters + memory.master_weights + memory.adam_m + memory.adam_v
-    gpus_per_node = options["gpus_per_node"] or 8
-    storage = options["storage_gbps"] or STORAGE_GB_S["value"]
-    restart = RESTART_S["value"] if options["restart_minutes"] is None else options["restart_minutes"] * 60
+    gpus_per_node = min(options["gpus_per_node"] or 8, layout.world_size)
+    storage = options["storage_gbps"] or STORAGE_GB_S
+    restart = RESTART_S if options["restart_minutes"] is None else options["restart_minutes"] * 60
     campaign = Campaign(step_s=result.step_time_s, tokens_per_step=result.global_batch * result.seq_len,
-                        gpus=layout.world_size, gpus_per_node=min(gpus_per_node, layout.world_size),
+                        gpus=layout.world_size, gpus_per_node=gpus_per_node,
                         hours=options["campaign_days"] * 24, rates=options["rates"],
-                        checkpoint_s=checkpoint_seconds(per_gpu, storage, min(gpus_per_node, layout.world_size)),
+                        checkpoint_s=checkpoint_seconds(per_gpu, storage, gpus_per_node),
                         restart_s=restart, interval_steps=1, straggler_cv=options["straggler_cv"] or 0.0)
     best, scanned = best_interval(campaign)
     chosen = options["checkpoint_every"] or best

@@ -23,6 +23,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+from pathlib import Path
 
 START_METHOD = "forkserver"
 # What every rank needs before its entrypoint: torch, its distributed package and elastic's worker
@@ -44,6 +45,25 @@ WORKER_VARIABLES = frozenset(TORCHRUN_VARIABLES) | {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 }
 WORKER_PREFIXES = ("TORCHELASTIC_",)
+
+
+def launched_ranks(launcher_pid: int) -> list[int]:
+    """The pids of the ranks a launching process started on this machine (Linux /proc): the children of the fork
+    server it started (start_rank_server), itself its child. For tests and benches that stop a rank."""
+    def children(pid: int) -> list[int]:
+        found = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            text = (task / "children").read_text() if (task / "children").exists() else ""
+            found += [int(child) for child in text.split()]
+        return found
+
+    servers = [c for c in children(launcher_pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [rank for server in servers for rank in children(server)]
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent has started this rank's group again after a failure (0: the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def in_torchrun() -> bool:

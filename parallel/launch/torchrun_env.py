@@ -23,7 +23,7 @@ import os
 import sys
 
 from minigpt.errors import ConfigError
-from parallel.launch.rank_start import TORCHRUN_VARIABLES
+from parallel.launch.rank_start import TORCHRUN_VARIABLES, restart_count
 TIMEOUT_VARIABLE = "MINIGPT_RENDEZVOUS_TIMEOUT"
 # Ranks started by hand on several machines arrive seconds apart; a minute is long enough for that and short
 # enough that a forgotten `export RANK=...` is noticed while the user still waits for the run to start.
@@ -135,8 +135,8 @@ def rendezvous(seconds: float):
     # Ranks the elastic agent started again after a failure meet at the same store as the dead ones did (a static
     # rendezvous keeps one for every attempt): each attempt's keys under a prefix of its own, or the new ranks
     # would read the dead ranks' addresses
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return (store if attempt == "0" else dist.PrefixStore(f"minigpt/attempt_{attempt}/", store)), rank, world_size
+    attempt = restart_count()
+    return (store if attempt == 0 else dist.PrefixStore(f"minigpt/attempt_{attempt}/", store)), rank, world_size
 
 
 def join_process_group(backend: str, device=None) -> None:

@@ -27,6 +27,7 @@ from parallel.run.build import Rank, build_rank
 from parallel.run.step import StepOutcome
 from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch.elastic import finish_worker, init_worker, launch
+from parallel.launch.rank_start import restart_count
 from parallel.launch.watchdog import DEFAULT_TIMEOUT_S
 from parallel.memory import ActivationMeter
 from parallel.context.chunks import local_part
@@ -91,7 +92,7 @@ def train(cfg: TrainConfig, on_step: StepLog | None = None, resume_from: ResumeP
 
 def run_worker(args: tuple[TrainConfig, StepLog | None, str | None]) -> dict | None:
     cfg, on_step, checkpoint = args
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = restart_count()
     if restart:  # the elastic agent started the ranks again after a failure: on from the newest valid checkpoint
         cfg, checkpoint = restarted(cfg, restart)
     device = init_worker(None if cfg.device == "auto" else cfg.device)

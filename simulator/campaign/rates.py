@@ -45,8 +45,8 @@ PRESETS = {
                                 "llama3-405b: Dubey et al. 2024, Table 5, 54 days on 16K H100"),
 }
 DEFAULT = "rsc-1"
-RESTART_S = {"value": 600.0, "source": "Kokolis et al. 2025: 5-20 min; MegaScale: detection under 10 min"}
-STORAGE_GB_S = {"value": 1.0, "source": "Llama 3: 2 TB/s sustained over its 2,048 servers"}
+RESTART_S = 600.0  # Kokolis et al. 2025: 5-20 min; MegaScale: detection under 10 min
+STORAGE_GB_S = 1.0  # Llama 3: 2 TB/s sustained over its 2,048 servers
 
 
 def read_rates(value: str | None) -> FailureRates:

@@ -34,7 +34,7 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.ops_moe import received_rows
 from simulator.engine.context import Priced
-from simulator.engine.overlap import exposed
+from simulator.engine.overlap import exposed, overlapped
 
 NOTHING = (0.0, 0.0)
 
@@ -56,7 +56,7 @@ def _price(exchanges, behind: list[float], links, stage: int, slowdown: float) -
     for exchange, compute in zip(exchanges, behind, strict=True):
         seconds = exchange.calls * links.all_to_all(stage, exchange.bytes)
         out.seconds += exposed(seconds, compute, slowdown)
-        out.hidden += min(seconds, compute / (1 - slowdown)) if seconds > 0 and compute > 0 else 0.0
+        out.hidden += overlapped(seconds, compute, slowdown)
         out.priced.append(exchange)
     return out
 

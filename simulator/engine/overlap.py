@@ -143,6 +143,14 @@ class Overlap:
         return asdict(self)
 
 
+def overlapped(comm: float, compute: float, slowdown: float) -> float:
+    """Seconds a collective of `comm` s runs beside the `compute` s (at full rate) it overlaps, the compute
+    running `slowdown` slower meanwhile: min(comm, compute / (1 - slowdown))."""
+    if comm <= 0 or compute <= 0:
+        return 0.0
+    return min(comm, compute / (1 - slowdown))
+
+
 def exposed(comm: float, compute: float, slowdown: float) -> float:
     """Seconds a collective of `comm` s adds to the `compute` s (at full rate) it overlaps, the compute
     running `slowdown` slower while both run: max(comm - compute, slowdown x overlapped time)."""
@@ -150,7 +158,7 @@ def exposed(comm: float, compute: float, slowdown: float) -> float:
         return 0.0
     if slowdown <= 0 or compute <= 0:
         return max(0.0, comm - compute)
-    return max(comm - compute, slowdown * min(comm, compute / (1 - slowdown)))
+    return max(comm - compute, slowdown * overlapped(comm, compute, slowdown))
 
 
 def slowed(start: float, work: float, busy_until: float, slowdown: float) -> float:
