@@ -352,6 +352,14 @@ def test_refusals(one_process, tmp_path):
     with pytest.raises(ConfigError, match="corrupt"):
         check_checkpoint(no_state, cfg)
 
+    shutil.rmtree(no_state)
+    odd_settings = copy_of(path, tmp_path)  # found by tests/test_fuzz_checkpoint.py: "config": true
+    state = json.loads((odd_settings / "state.json").read_text())
+    (odd_settings / "state.json").write_text(json.dumps({**state, "config": True}))
+    reseal(odd_settings)
+    with pytest.raises(ConfigError, match="no valid 'config'"):
+        check_checkpoint(odd_settings, cfg)
+
 
 class Hostile:
     """Unpickling this would create a directory."""

@@ -56,3 +56,7 @@ def test_a_resumed_run_keeps_its_save_every_and_says_what_a_new_step_count_does(
     kept, quiet = continue_settings(TrainConfig(steps=20, save_every=5, out_dir=str(tmp_path), resume=True), point,
                                     save_every_given=True)
     assert kept.save_every == 5 and quiet == []  # the flag given wins; the same steps need no word
+    for odd in ({"steps": 0, "save_every": True}, {"steps": 10, "warmup_steps": "x", "save_every": -1}):
+        odd_point = ResumePoint(point.path, 20, settings=odd)  # a hand-edited state.json's settings
+        same, said = continue_settings(cfg, odd_point, save_every_given=False)
+        assert same.save_every == cfg.save_every and len(said) == ("warmup_steps" in odd)  # default warmup, no crash

@@ -189,6 +189,8 @@ def read_state(path: str | os.PathLike, cfg, verify: bool = True) -> dict:
     for key, kind in (("step", int), ("optimizer_steps", int), ("model", dict), ("files", dict), ("layout", dict)):
         if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
             raise CorruptCheckpoint(path, f"corrupt: {STATE_FILE} has no valid {key!r}")
+    if not isinstance(state.get("config") or {}, dict):  # the run's settings, absent in older checkpoints
+        raise CorruptCheckpoint(path, f"corrupt: {STATE_FILE} has no valid 'config'")
     if marker.get("step") != state["step"]:
         raise CorruptCheckpoint(path, f"corrupt: {MARKER} says step {marker.get('step')!r}, {STATE_FILE} {state['step']}")
     check_model_shape(path, state["model"], cfg.model.as_dict())

@@ -63,14 +63,21 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
 
     lines = []
     saved_every = point.settings.get("save_every")
-    if not save_every_given and isinstance(saved_every, int) and saved_every != cfg.save_every:
+    if not save_every_given and _whole(saved_every) and saved_every != cfg.save_every:
         cfg = replace(cfg, save_every=saved_every)
         lines.append(f"resume: checkpoints every {saved_every} steps, as the run did (--save-every changes it)")
-    saved_steps = point.settings.get("steps")
-    if isinstance(saved_steps, int) and saved_steps != cfg.steps:
-        before = replace(cfg, steps=saved_steps, warmup_steps=point.settings.get("warmup_steps"))
+    saved_steps, saved_warmup = point.settings.get("steps"), point.settings.get("warmup_steps")
+    if not _whole(saved_warmup):
+        saved_warmup = None  # the default warmup: also what an unreadable saved setting falls back to
+    if _whole(saved_steps) and saved_steps > 0 and saved_steps != cfg.steps:
+        before = replace(cfg, steps=saved_steps, warmup_steps=saved_warmup)
         last = before.learning_rate(min(point.step, saved_steps) - 1) if point.step > 0 else before.learning_rate(0)
         lines.append(f"resume: --steps {cfg.steps} where the run was started with {saved_steps}: the learning rate "
                      f"follows a {cfg.steps}-step schedule from here ({cfg.learning_rate(point.step):.2e} at step "
                      f"{point.step}; the run's last step used {last:.2e})")
     return cfg, lines
+
+
+def _whole(value) -> bool:
+    """A saved setting that is a whole number >= 0 (a hand-edited state.json may hold anything)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
