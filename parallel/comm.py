@@ -26,13 +26,13 @@ import torch.distributed as dist
 from parallel.clock import cuda_timing_event
 
 
-def _all_gather_flat(*args, **kwargs):
+def all_gather_flat(*args, **kwargs):
     """torch 2.13 renamed the flat collectives; older releases know only the old names.
     Looked up at each call, so that a wrapper installed on torch.distributed sees every call."""
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def _reduce_scatter_flat(*args, **kwargs):
+def reduce_scatter_flat(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
@@ -133,7 +133,7 @@ class Collectives:
             output.copy_(shard)
             return Done() if async_op else None
         self._count("all_gather", output)
-        return self._timed(_all_gather_flat, output, shard, group=self.group, async_op=async_op)
+        return self._timed(all_gather_flat, output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """shard <- this rank's piece of the sum over ranks of `full`."""
@@ -141,7 +141,7 @@ class Collectives:
             shard.copy_(full)
             return Done() if async_op else None
         self._count("reduce_scatter", full)
-        return self._timed(_reduce_scatter_flat, shard, full, group=self.group, async_op=async_op)
+        return self._timed(reduce_scatter_flat, shard, full, group=self.group, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int],
                    input_splits: list[int]):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel.comm import all_gather_flat, reduce_scatter_flat
 from parallel.context.blocks import NONE, backward_block, backward_start, empty_result, forward_block, meeting, merge
 from parallel.context.chunks import chunk_ids
 from parallel.context.ring import Rehearsal
@@ -25,7 +26,7 @@ class GatherSequence(torch.autograd.Function):
     def forward(ctx, part, group, counter):
         cp = dist.get_world_size(group)
         gathered = torch.empty((cp * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
-        dist.all_gather_into_tensor(gathered, part.contiguous(), group=group)  # along the first dimension
+        all_gather_flat(gathered, part.contiguous(), group=group)  # along the first dimension
         if counter is not None:
             counter.count("all_gather", gathered)
         ctx.group, ctx.counter = group, counter
@@ -35,7 +36,7 @@ class GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         part = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
         full = grad.reshape(-1, *grad.shape[2:]).contiguous()
-        dist.reduce_scatter_tensor(part, full, group=ctx.group)
+        reduce_scatter_flat(part, full, group=ctx.group)
         if ctx.counter is not None:
             ctx.counter.count("reduce_scatter", full)
         return part, None, None
