@@ -6,7 +6,9 @@ lasts step x (1 + cv x M_N) with M_N the maximum of N standard normals, whose me
 cost of a straggler grows with the GPU count. `max_moments` gives M_N's mean and variance by numerical
 integration of its density N phi(x) Phi(x)^(N-1); a checkpoint interval of n steps then lasts n x step x
 (1 + cv E[M_N]) with standard deviation step x cv sqrt(n Var[M_N]) (a sum of n independent steps, drawn as a
-normal: the central limit theorem, exact enough from a few steps on).
+normal: the central limit theorem, exact enough from a few steps on). `straggler_factor` is the mean of that:
+what a synchronous step of N ranks costs over one rank's, as the step engine prices a measured host's compute
+(simulator/engine/host.py: the coefficient of variation calibrate measured with N ranks busy).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def max_moments(n: int) -> tuple[float, float]:
         second += weight * x * x * density
     mean, moment = first * h / 3, second * h / 3
     return mean, max(0.0, moment - mean * mean)
+
+
+def straggler_factor(cv: float, ranks: int) -> float:
+    """A synchronous step's expected time over one rank's when each of `ranks` ranks varies by `cv`: 1 + cv E[M_N]."""
+    return 1.0 + cv * max_moments(ranks)[0] if cv > 0 and ranks > 1 else 1.0
 
 
 def interval_seconds(steps: int, step_s: float, cv: float, ranks: int, z: float) -> float:

@@ -182,7 +182,8 @@ def measured_of(path) -> dict:
 
 
 def check_schema(measured: dict, ranks: int) -> None:
-    assert set(measured) <= {"cores", "device", "units", "sharing", "collectives", "note", "reliability"}
+    assert set(measured) <= {"cores", "device", "units", "sharing", "variation", "collectives", "note", "reliability",
+                             "failure_costs"}
     assert measured["device"] == "cpu"
     check_reliability(measured["reliability"])
     assert isinstance(measured["cores"], int) and measured["cores"] >= 1
@@ -206,6 +207,13 @@ def check_schema(measured: dict, ranks: int) -> None:
             assert len(unit[name]) == len(sizes) and all(isinstance(s, float) and 0 < s < 10 for s in unit[name])
     for row in measured["sharing"]:
         assert len(row) == 3 and isinstance(row[0], int) and isinstance(row[1], int) and row[2] > 0
+    busy = [row[0] for row in measured["sharing"] if row[1] == 1]  # a rank's variation at every load shared
+    assert [row[:2] for row in measured["variation"]] == [[k, 1] for k in busy]
+    assert all(row[2] >= 0 for row in measured["variation"])
+    costs = measured["failure_costs"]  # a checkpoint written and read by every rank at once, the ranks' start
+    assert [s for s, _ in costs["write"]["points"]] == [ranks * 2**20, ranks * 8 * 2**20]  # --quick's sizes a rank
+    assert all(t > 0 for kind in ("write", "read") for _, t in costs[kind]["points"])
+    assert (costs["start_s"] > 0 if ranks > 1 else costs["start_s"] == 0) and costs["monitor_s"] == 0.1
     for fit in measured["collectives"]:
         assert set(fit) == {"kind", "group", "active", "alpha", "beta", "points"}
         assert fit["alpha"] >= 0 and fit["beta"] > 0 and 2 <= fit["group"] <= fit["active"] <= ranks

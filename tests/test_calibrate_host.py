@@ -214,7 +214,8 @@ def test_on_cuda_the_gpus_are_the_cores_and_there_is_no_threads_row(monkeypatch)
     monkeypatch.setattr(calibrate_host, "measure_sharing", sharing)
     result = calibrate_host.measure_host(small_plan(), CUDA)
     assert result["cores"] == 1 and seen["cores"] == 1  # one rank: one GPU
-    assert result["sharing"] == {"busy": {1: pytest.approx(3e-3)}}  # no "threads_ratio"
+    assert result["sharing"]["busy"] == {1: pytest.approx(3e-3)} and "threads_ratio" not in result["sharing"]
+    assert set(result["sharing"]["runs"]) == {1}  # each busy count's runs: the variation of a rank's time
     assert "threads_ratio" in real_sharing(small_plan(), 0, 1, 4, CPU)
 
 
@@ -288,3 +289,42 @@ def test_several_models_are_timed_in_one_calibration():
     for bad, words in (("tiny,tiny", "twice"), ("tiny,llama9", "llama9")):
         with pytest.raises(ConfigError, match=words):
             make_plan(2, quick=True, model=bad)
+
+
+def test_the_variation_of_a_ranks_time_pools_every_busy_ranks_runs():
+    """measured["variation"]: per busy count, the coefficient of variation of every busy rank's runs together
+    (differences between the ranks included), which simulator/engine/host.py turns into the slowest rank's wait."""
+    import statistics
+
+    plan = make_plan(2, quick=True)
+    zero, one = host(0, {}, {1: 0.010, 2: 0.011}), host(1, {}, {2: 0.013})
+    zero["sharing"]["runs"] = {1: [0.010, 0.010, 0.010], 2: [0.010, 0.012]}
+    one["sharing"]["runs"] = {2: [0.013, 0.015]}
+    measured = build_measured([zero, one], plan, fit_alpha_beta)
+    both = [0.010, 0.012, 0.013, 0.015]
+    assert measured["variation"] == [[1, 1, 0.0], [2, 1, pytest.approx(statistics.pstdev(both) / statistics.fmean(both))]]
+
+
+def test_the_failure_costs_are_fitted_from_the_checkpoint_points_and_the_ranks_start(tmp_path):
+    """measured["failure_costs"] (parallel/calibrate/storage.py): write and read lines over all ranks' bytes, the
+    start from the launch to the last rank up, the launcher's monitor interval; the simulator reads them back."""
+    import json
+
+    from parallel.calibrate.measure import build_profile
+    from parallel.launch.elastic import MONITOR_INTERVAL_S
+    from simulator.costs.hardware import load_hardware
+
+    cpu = {"type": "cpu", "name": "cpu", "backend": "gloo", "memory_bytes": None}
+    ranks = [fake_rank(0, cpu, sizes=(64, 256, 512)), fake_rank(1, cpu)]
+    ranks[0]["checkpoint"] = {"write": [[2**21, 0.003], [2**24, 0.017]], "read": [[2**21, 0.002], [2**24, 0.009]]}
+    profile = build_profile(ranks, make_plan(2, quick=True), "x", 2, "2030-01-01", start_s=3.25)
+    costs = profile["gpus"]["x"]["measured"]["failure_costs"]
+    assert costs["start_s"] == 3.25 and costs["monitor_s"] == MONITOR_INTERVAL_S
+    assert costs["write"]["beta"] == pytest.approx(0.014 / (2**24 - 2**21))  # two points: the line through them
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    measured = load_hardware(str(path)).gpu.measured.failure_costs
+    assert measured.write.seconds(2**23) == pytest.approx(0.003 + 0.014 * (2**23 - 2**21) / (2**24 - 2**21))
+    assert measured.restart_seconds(2**24) == pytest.approx(MONITOR_INTERVAL_S + 3.25 + 0.009)
+    assert "failure_costs" not in build_profile(ranks, make_plan(2, quick=True), "x", 2, "2030-01-01")["gpus"]["x"][
+        "measured"]  # no start measured: no failure costs

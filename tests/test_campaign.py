@@ -14,7 +14,7 @@ from minigpt.errors import ConfigError
 from simulator.campaign.interval import best_interval, daly, daly_ettr, young
 from simulator.campaign.model import Campaign, FailureRates, checkpoint_seconds
 from simulator.campaign.run import simulate_campaign, simulate_once
-from simulator.campaign.stragglers import max_moments
+from simulator.stragglers import max_moments
 
 SERVERS = 100
 MTBF_S = 3 * 3600.0

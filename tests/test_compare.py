@@ -184,10 +184,15 @@ def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monke
     assert matrix.moe_of(preset("tiny")) == preset("tiny-moe")  # as tiny-moe is to tiny
     chosen = ("1 rank", "pp2 1f1b", "llama 1 rank", "moe ep2")
     monkeypatch.setattr(matrix, "MATRIX", {name: matrix.MATRIX[name] for name in chosen})
-    result = invoke("--hardware", profile, *TINY, "--matrix", "--json", "--out", str(tmp_path / "m"))
+    result = invoke("--hardware", profile, *TINY, "--matrix", "--rounds", "2", "--json", "--out", str(tmp_path / "m"))
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert [row["layout"] for row in report["rows"]] == list(chosen)
+    assert [row["layout"] for row in report["rows"]] == list(chosen) and report["rounds"] == 2
+    for row in report["rows"]:  # each layout twice, in round-1 and round-2 of its directory
+        assert len(row["rounds"]) == 2 and row["measured_spread"] >= 0
+        assert (tmp_path / "m" / row["layout"].replace(" ", "-") / "round-2" / "trace.json").is_file()
+    order = sorted(chosen, key=lambda name: (tmp_path / "m" / name.replace(" ", "-") / "round-2").stat().st_mtime)
+    assert order == list(reversed(chosen))  # the second round walks the matrix backwards
     errors = [abs(row["step_time_error"]) for row in report["rows"]]
     assert report["step_time_mape"] == pytest.approx(sum(errors) / len(chosen))
     # TINY's 2 layers of 32 tokens are no preset's shape: no row has a measured unit, and the matrix says so once

@@ -275,3 +275,34 @@ def test_a_mixture_of_experts_is_priced_by_its_own_unit_and_the_measured_all_to_
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=re.escape("units[2].experts.top_k must be at most n_experts=8")):
         load_hardware(str(path))
+
+
+def test_a_synchronous_step_waits_for_its_slowest_rank_as_the_measured_variation_says(hardware, tmp_path):
+    """With the variation calibrate measured (a rank's coefficient of variation with k ranks busy), the compute of
+    a k-rank step is the unvaried one times 1 + cv E[max of k standard normals]: for two ranks E = 1 / sqrt(pi).
+    One rank waits for no one; a profile without the field varies nothing."""
+    import math
+
+    data = hardware_to_dict(hardware)
+    name = next(iter(data["gpus"]))
+    data["gpus"][name]["measured"]["variation"] = [[1, 1, 0.05], [2, 1, 0.1], [4, 1, 0.2]]
+    (tmp_path / "varied.json").write_text(json.dumps(data))
+    varied = load_hardware(str(tmp_path / "varied.json"))
+    host = varied.gpu.measured
+    assert host.variation_cv(2, 1) == 0.1 and host.variation_cv(3, 1) == pytest.approx(0.15)
+    assert host.variation_cv(8, 1) == 0.2 and hardware.gpu.measured.variation_cv(2, 1) == 0.0
+
+    def step(gpu, dp: int):
+        return simulate_step(TINY, Layout(dp=dp), build_cluster(gpu, dp, 1), "fp32", 8 * dp, 8, gpu=gpu)
+
+    plain, waiting = step(hardware, 2), step(varied, 2)
+    factor = 1 + 0.1 / math.sqrt(math.pi)
+    assert waiting.breakdown["compute"] == pytest.approx(plain.breakdown["compute"] * factor)
+    assert waiting.host["straggler_factor"] == pytest.approx(factor) and waiting.host["straggler_cv"] == 0.1
+    assert step(varied, 1).breakdown["compute"] == pytest.approx(step(hardware, 1).breakdown["compute"])
+    four = step(varied, 4).host["straggler_factor"]
+    assert four == pytest.approx(1 + 0.2 * 1.0293754)  # E[max of 4] (Harter's tables: 1.02938)
+    data["gpus"][name]["measured"]["variation"] = [[2, 1, -0.1]]
+    (tmp_path / "broken.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=re.escape("variation[0] coefficient of variation")):
+        load_hardware(str(tmp_path / "broken.json"))

@@ -30,9 +30,11 @@ profile is reliable; an unreliable one is written with a warning on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -106,13 +108,19 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
         raise ConfigError(f"--name {name!r} must be letters, digits, dashes, dots or underscores")
     from parallel.calibrate.measure import build_profile, calibrate, make_plan, measured_device
     from parallel.calibrate.host import host_cores
+    from parallel.calibrate.storage import measure_start
     from parallel.calibrate.noise import check_quiet, cpu_share
     from simulator.costs.hardware import preset_links
 
     plan = make_plan(ranks, quick, threads_per_rank, model, micro_batch, device, micro_batches, formats, cp)
     start = time.perf_counter()
     before = check_quiet(cpu_share(), "before", allow_busy)
-    measured = calibrate(plan)
+    storage = tempfile.mkdtemp(prefix=".calibrate-storage-", dir=path.parent)  # checkpoints beside the profile
+    try:
+        measured = calibrate(dataclasses.replace(plan, storage_dir=storage))
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    start_s = measure_start(plan.ranks, None if plan.device == "auto" else plan.device)
     after = check_quiet(cpu_share(), "after", allow_busy)
     check_quiet(measured[0].get("noise", {}).get("cpu_share_alone"), "alone", allow_busy)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -120,7 +128,7 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
     name = name or (CUDA_NAME if used["type"] == "cuda" else DEFAULT_NAME)
     links_from = preset_links(used["name"]) if used["type"] == "cuda" else None
     shares = {"before": before, "after": after, "allowed_busy": allow_busy}
-    profile = build_profile(measured, plan, name, host_cores(), date, links_from, shares)
+    profile = build_profile(measured, plan, name, host_cores(), date, links_from, shares, start_s)
     profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
     profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
     write_atomically(profile, path)
@@ -228,6 +236,9 @@ def echo_measured(measured: dict | None) -> None:
         click.echo(f"  {kind} tp {unit['tp']}{sp}{cp} forward/backward ms by micro-batch (alone): {times}")
     click.echo("  sharing (ranks x threads: slowdown): "
                + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
+    if measured.get("variation"):
+        click.echo("  a rank's time varies by (ranks busy: coefficient of variation; a step waits for the slowest): "
+                   + ", ".join(f"{r}: {cv:.1%}" for r, t, cv in measured["variation"]))
     for fit in measured["collectives"]:
         if fit["group"] == fit["active"] or fit["kind"] == "p2p":
             click.echo(f"  {fit['kind']:<15} group {fit['group']} of {fit['active']} busy: alpha "

@@ -77,16 +77,27 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")
 @click.option("--out", type=str, help="Directory for the run, trace.json and simulated.json [default: runs/...].")
 @click.option("--matrix", is_flag=True, help="Run the built-in set of layouts (the layout flags are ignored) and report the error.")
+@click.option("--rounds", type=int, help="Train and predict each layout this many times, the rounds interleaved; "
+              "report the round of the median error and the spread [default: 3 with --matrix, else 1].")
+@click.option("--profile-units", "profile_units", is_flag=True,
+              help="Price with the profile's units as calibrated, not timed again beside each training.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
+def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, profile_units: bool, **options) -> None:
     """Train a layout for K steps, simulate it with a calibrated profile, print predicted against measured."""
     from cli.tools.compare import check_compare, format_error, format_value, run_compare
+    from minigpt.errors import check_positive_int
 
+    rounds = check_positive_int("--rounds", rounds if rounds is not None else 3 if matrix else 1)
     cfg = build_compare_config({**options})
     if matrix:
-        return compare_matrix(cfg, hardware, options["out"], as_json)
-    plan = check_compare(cfg, hardware)
-    report = run_compare(plan)
+        return compare_matrix(cfg, hardware, options["out"], as_json, rounds, not profile_units)
+    plans = [check_compare(dataclasses.replace(cfg, out_dir=f"{cfg.out_dir}/round-{k + 1}") if rounds > 1 else cfg,
+                           hardware, warn=k == 0) for k in range(rounds)]
+    reports = [run_compare(plan, not profile_units) for plan in plans]
+    report = sorted(reports, key=lambda r: r["step_time_relative_error"])[(rounds - 1) // 2]
+    if rounds > 1:
+        report = {**report, "rounds": [{key: r[key] for key in ("predicted_step_time_s", "measured_step_time_s",
+                                                               "step_time_relative_error", "run_dir")} for r in reports]}
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -105,7 +116,19 @@ def compare(as_json: bool, hardware: str, matrix: bool, **options) -> None:
         if r["note"]:
             click.echo(f"  {r['name']}: {r['note']}")
     click.echo(f"traces: {report['traces']['measured']} (measured), {report['traces']['simulated']} (simulated)")
+    if rounds > 1:
+        echo_rounds(report["rounds"])
     echo_drift(report["machine_drift"])
+
+
+def echo_rounds(rounds: list[dict]) -> None:
+    from cli.tools.compare import format_error, format_value
+    from parallel.calibrate.noise import spread
+
+    measured = [r["measured_step_time_s"] for r in rounds]
+    click.echo(f"{len(rounds)} rounds (the table is the round of the median error): step time measured "
+               + ", ".join(format_value(m, "s") for m in measured) + f" (spread {spread(measured):.0%}), errors "
+               + ", ".join(format_error(r["step_time_relative_error"]) for r in rounds))
 
 
 def echo_drift(drift: dict | None) -> None:
@@ -121,7 +144,7 @@ def echo_drift(drift: dict | None) -> None:
                    + ("; recalibrate for a fair comparison" if drift_too_large(drift) else ""))
 
 
-def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:
+def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool, rounds: int, retime: bool) -> None:
     import time
 
     from cli.output import format_table
@@ -129,17 +152,25 @@ def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool) -> None:
     from cli.tools.compare_matrix import run_matrix
 
     out_dir = out or f"runs/compare-matrix-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = run_matrix(cfg, hardware, out_dir)
+    report = run_matrix(cfg, hardware, out_dir, rounds, retime)
     if as_json:
         click.echo(json.dumps(report))
         return
     rows = [[r["layout"], format_value(r["predicted_step_time_s"], "s"), format_value(r["measured_step_time_s"], "s"),
-             format_error(r["step_time_error"]), format_error(r["model_state_error"]),
+             format_error(r["step_time_error"]), format_spread(r["measured_spread"]), format_error(r["model_state_error"]),
              format_error(r["activations_error"])] for r in report["rows"]]
-    click.echo(format_table(["layout", "predicted step", "measured step", "error", "model states", "activations"], rows))
-    click.echo(f"step-time MAPE {report['step_time_mape']:.1%} over {len(rows)} layouts; worst model-state error "
-               f"{report['worst_model_state_error']:.2%}; traces under {out_dir}")
+    click.echo(format_table(["layout", "predicted step", "measured step", "error", "measured spread", "model states",
+                             "activations"], rows))
+    how = (f"{rounds} interleaved rounds, each row the round of the median error" if rounds > 1 else "one round")
+    units = "units timed beside each training" if retime else "the profile's units"
+    click.echo(f"step-time MAPE {report['step_time_mape']:.1%} over {len(rows)} layouts ({how}; {units}); worst "
+               f"model-state error {report['worst_model_state_error']:.2%}; traces under {out_dir}")
     for drift in report["machine_drift"]:
         echo_drift(drift)
     if report.get("prediction_confidence"):
         click.echo(report["prediction_confidence"]["line"])
+
+
+def format_spread(value: float | None) -> str:
+    """A spread over rounds, (slowest - fastest) / median: "-" for one round."""
+    return "-" if value is None else f"{value:.0%}"

@@ -130,7 +130,7 @@ def run_single(options: dict) -> dict:
     report = {"model": model, "result": result, "cluster": cluster.describe(),
               "expert_load_from": options["expert_load_from"]}
     if options["campaign_days"] is not None:
-        report["campaign"] = run_campaign(result, options)
+        report["campaign"] = run_campaign(result, options, hardware)
     return report
 
 
@@ -184,7 +184,7 @@ def run_sweep(options: dict) -> dict:
         plot_sweep(sweep, options["plot"])
     report = {"model": model, "sweep": sweep, "zero": zero, "zero_at": at, "campaign_days": options["campaign_days"]}
     if options["campaign_days"] is not None:
-        report["campaign_sweep"] = campaign_sweep(sweep, options)
+        report["campaign_sweep"] = campaign_sweep(sweep, options, hardware)
     return report
 
 

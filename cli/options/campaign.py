@@ -34,8 +34,8 @@ OPTIONS = (
                       "[default: rates.py's cited figure]."),
     click.option("--straggler-cv", "straggler_cv", type=float, metavar="CV",
                  help="Stragglers: each rank's step time varies as a normal of this coefficient of variation, "
-                      "independently, and every step waits for the slowest of all GPUs (simulator/campaign/"
-                      "stragglers.py) [default: 0, none]."),
+                      "independently, and every step waits for the slowest of all GPUs (simulator/stragglers.py) "
+                      "[default: 0, none]."),
     click.option("--campaign-runs", "campaign_runs", type=int, default=20, show_default=True,
                  help="Simulated campaigns (seeds) the figures average over."),
 )
@@ -75,7 +75,7 @@ def check_campaign(options: dict) -> None:
     options["rates"] = read_rates(options["failure_rates"])
 
 
-def campaign_sweep(sweep, options: dict):
+def campaign_sweep(sweep, options: dict, hardware=None):
     """The sweep again with each point's campaign goodput (samples a second over the whole campaign) in place of
     its failure-free throughput: where adding GPUs stops paying once failures, checkpoints and stragglers count.
     Returns (that ScalingSweep, each fitting point's campaign by GPU count)."""
@@ -85,29 +85,55 @@ def campaign_sweep(sweep, options: dict):
     for point in sweep.points:
         goodput = 0.0
         if point.result.fits:
-            campaigns[point.gpus] = run_campaign(point.result, options)
+            campaigns[point.gpus] = run_campaign(point.result, options, hardware)
             goodput = campaigns[point.gpus]["tokens_per_day"] / point.result.seq_len / 86_400
         add_point(with_failures, ScalingPoint(point.gpus, point.global_batch, point.result, goodput))
     return with_failures, campaigns
 
 
-def run_campaign(result, options: dict) -> dict:
-    """The campaign of `result`'s step (simulator/engine/simulate.py's SimResult) as the flags describe it."""
-    from simulator.campaign.interval import best_interval, daly, young
-    from simulator.campaign.model import Campaign, checkpoint_seconds
+def failure_costs(per_gpu: float, gpus_per_node: int, options: dict, hardware) -> dict:
+    """The checkpoint's and the restart's seconds, the storage bandwidth they imply and where they come from: the
+    flags' where given; else, on a profile
+    that measured them (simulator/costs/host.py's FailureCosts: `minigpt calibrate` on this machine), the server's
+    measured checkpoint write of its GPUs' bytes, and a restart that notices the failure, starts the ranks and
+    reads that checkpoint back; else rates.py's cited figures."""
+    from simulator.campaign.model import checkpoint_seconds
     from simulator.campaign.rates import RESTART_S, STORAGE_GB_S
+
+    measured = getattr(getattr(getattr(hardware, "gpu", None), "measured", None), "failure_costs", None)
+    server_bytes = per_gpu * gpus_per_node
+    if options["storage_gbps"] is not None or measured is None:
+        storage = options["storage_gbps"] or STORAGE_GB_S
+        checkpoint = checkpoint_seconds(per_gpu, storage, gpus_per_node)
+        write_from = "--storage-gbps" if options["storage_gbps"] is not None else "rates.py"
+    else:
+        checkpoint, write_from = measured.write.seconds(server_bytes), "measured by calibrate"
+        storage = server_bytes / checkpoint / 1e9 if server_bytes > 0 else 1 / measured.write.beta / 1e9
+    if options["restart_minutes"] is not None or measured is None:
+        restart, restart_from = (RESTART_S, "rates.py") if options["restart_minutes"] is None else (
+            options["restart_minutes"] * 60, "--restart-minutes")
+    else:
+        restart, restart_from = measured.restart_seconds(server_bytes), "measured by calibrate"
+    return {"checkpoint_s": checkpoint, "restart_s": restart, "storage_gb_s_per_server": storage,
+            "costs_from": {"checkpoint": write_from, "restart": restart_from}}
+
+
+def run_campaign(result, options: dict, hardware=None) -> dict:
+    """The campaign of `result`'s step (simulator/engine/simulate.py's SimResult) as the flags describe it;
+    `hardware` (simulator/costs/hardware.py's Hardware): its measured failure costs where the flags give none."""
+    from simulator.campaign.interval import best_interval, daly, young
+    from simulator.campaign.model import Campaign
     from simulator.campaign.run import simulate_campaign
 
     memory, layout = result.memory, result.layout
     per_gpu = memory.parameters + memory.master_weights + memory.adam_m + memory.adam_v
     gpus_per_node = min(options["gpus_per_node"] or 8, layout.world_size)
-    storage = options["storage_gbps"] or STORAGE_GB_S
-    restart = RESTART_S if options["restart_minutes"] is None else options["restart_minutes"] * 60
+    costs = failure_costs(per_gpu, gpus_per_node, options, hardware)
     campaign = Campaign(step_s=result.step_time_s, tokens_per_step=result.global_batch * result.seq_len,
                         gpus=layout.world_size, gpus_per_node=gpus_per_node,
                         hours=options["campaign_days"] * 24, rates=options["rates"],
-                        checkpoint_s=checkpoint_seconds(per_gpu, storage, gpus_per_node),
-                        restart_s=restart, interval_steps=1, straggler_cv=options["straggler_cv"] or 0.0)
+                        checkpoint_s=costs["checkpoint_s"], restart_s=costs["restart_s"], interval_steps=1,
+                        straggler_cv=options["straggler_cv"] or 0.0)
     best, scanned = best_interval(campaign)
     chosen = options["checkpoint_every"] or best
     summary = simulate_campaign(replace(campaign, interval_steps=chosen), options["campaign_runs"]).summary()
@@ -115,8 +141,7 @@ def run_campaign(result, options: dict) -> dict:
     return {**summary, "days": options["campaign_days"], "checkpoint_every": chosen, "best_interval": best,
             "young_steps": young(campaign.checkpoint_s, mtbf) / campaign.step_s if math.isfinite(mtbf) else None,
             "daly_steps": daly(campaign.checkpoint_s, mtbf) / campaign.step_s if math.isfinite(mtbf) else None,
-            "checkpoint_s": campaign.checkpoint_s, "checkpoint_bytes_per_gpu": per_gpu, "restart_s": restart,
-            "storage_gb_s_per_server": storage, "failure_rates": dict(campaign.rates.per_cause),
+            **costs, "checkpoint_bytes_per_gpu": per_gpu, "failure_rates": dict(campaign.rates.per_cause),
             "failure_rates_source": campaign.rates.source, "step_s": campaign.step_s,
             "tokens_per_step": campaign.tokens_per_step, "straggler_cv": campaign.straggler_cv,
             "scanned": [[n, ettr] for n, ettr in scanned]}

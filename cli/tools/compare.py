@@ -7,6 +7,7 @@ simulates and pairs the numbers. Nothing here adjusts either side to make them a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,13 +281,18 @@ def prediction_confidence(hardware) -> dict:
             "why": None if data is None else data.get("why"), "cpu_share_now": round(now, 4), "line": line}
 
 
-def run_compare(plan: ComparePlan) -> dict:
-    """Train for cfg.steps, simulate, write simulated.json beside the training's trace.json."""
+def run_compare(plan: ComparePlan, retime: bool = True, reference: bool = True) -> dict:
+    """Train for cfg.steps, simulate, write simulated.json beside the training's trace.json. retime: on a CPU
+    profile, price the step with its units timed again before and after the training (parallel/calibrate/retime.py),
+    not as the profile holds them. reference: time the profile's reference block first (machine_drift)."""
     from parallel.run.train import train
 
     cfg = plan.cfg
-    drift = machine_drift(plan.hardware)
+    drift = machine_drift(plan.hardware) if reference else None
     confidence = prediction_confidence(plan.hardware)  # before training, as the drift
+    retimed = units_retimer(plan) if retime else None
+    if retimed is not None:
+        retimed.time(plan.hardware.gpu.measured, plan.layout)
     if plan.claim is not None:
         plan.claim.take()
     try:
@@ -294,12 +300,21 @@ def run_compare(plan: ComparePlan) -> dict:
     finally:
         if plan.claim is not None:
             plan.claim.release()
+    units_now = []
+    if retimed is not None:
+        retimed.time(plan.hardware.gpu.measured, plan.layout)
+        hardware, units_now = retimed.apply(plan.hardware, plan.layout)
+        plan = dataclasses.replace(plan, hardware=hardware, claim=None)
     result = simulate(plan)
     run_dir = Path(summary["run_dir"])
     simulated = result.write_chrome_trace(run_dir / "simulated.json")
     rows = pair(plan, summary, result)
     step = rows[0]
     step["note"] += f"; {confidence['line']}"
+    if units_now:
+        step["note"] += "; priced with its units timed beside the training: " + ", ".join(
+            f"{u['unit']} {_measure(u['now'], u['measure'])} now, {_measure(u['profile'], u['measure'])} in the profile"
+            for u in units_now)
     return {
         "layout": summary["layout"],
         "hardware": plan.hardware.name,
@@ -317,8 +332,24 @@ def run_compare(plan: ComparePlan) -> dict:
         "machine_drift": drift,
         "prediction_confidence": confidence,
         "simulated_host": result.host,
+        "units_now": units_now,  # the units re-timed beside the training (empty: the profile's as they are)
         "run_dir": str(run_dir),
     }
+
+
+def _measure(value: float, measure: str) -> str:
+    return f"{value * 1e3:.2f} ms" if measure == "s" else f"{value:.2f}x"
+
+
+def units_retimer(plan: ComparePlan):
+    """A Retimed for the plan's units on a CPU profile (a host of measured units, trained on this CPU); else None."""
+    host = plan.hardware.gpu.measured
+    if host is None or host.device != "cpu" or not host.units:
+        return None
+    from parallel.calibrate.retime import Retimed
+
+    threads = plan.cfg.threads_per_rank or (1 if plan.cfg.world_size > 1 else host.cores)  # as the simulation runs
+    return Retimed(plan.cfg.model, plan.micro_batch, threads=threads)
 
 
 def format_value(value, unit: str) -> str:

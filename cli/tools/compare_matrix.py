@@ -83,37 +83,72 @@ def moe_of(model: GPTConfig) -> GPTConfig:
 SHAPES = {"llama": llama_of, "moe": moe_of}  # MATRIX's "model": the base shape made so
 
 
-def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str) -> dict:
+def matrix_plans(base: TrainConfig, hardware_path: str, out_dir: str, rounds: int) -> dict[str, list]:
+    """{layout: one checked ComparePlan per round}, every one before anything trains (a round's run in
+    <out>/<layout>/round-<k> when there are several rounds, else in <out>/<layout>)."""
     plans = {}
     for name, changes in MATRIX.items():
         if changes.get("model") in SHAPES:
             changes = {**changes, "model": SHAPES[changes["model"]](base.model)}
-        cfg = dataclasses.replace(base, out_dir=str(Path(out_dir) / name.replace(" ", "-")), **changes)
-        plans[name] = check_compare(cfg, hardware_path, warn=False)
-    warn_before_training(plans, hardware_path)
-    rows, drift, confidence = [], [], None
-    for name, plan in plans.items():
-        report = run_compare(plan)  # times the calibration's reference block before it trains
-        if not drift:
-            drift.append(report["machine_drift"])  # before the first layout
-            confidence = report["prediction_confidence"]
-        by_name = {row["name"]: row for row in report["rows"]}
-        rows.append({
-            "layout": name,
-            "predicted_step_time_s": report["predicted_step_time_s"],
-            "measured_step_time_s": report["measured_step_time_s"],
-            "step_time_error": report["step_time_relative_error"],
-            "model_state_error": max(abs(by_name[r]["relative_error"] or 0.0) for r in STATE_ROWS),
-            "activations_error": by_name["activations (rank 0)"]["relative_error"],
-            "traces": report["traces"],
-        })
-    drift.append(machine_drift(plan.hardware))  # and after the last
+        where = Path(out_dir) / name.replace(" ", "-")
+        plans[name] = [check_compare(dataclasses.replace(base, out_dir=str(where / f"round-{k + 1}" if rounds > 1
+                                                                             else where), **changes),
+                                     hardware_path, warn=False) for k in range(rounds)]
+    return plans
+
+
+def run_matrix(base: TrainConfig, hardware_path: str, out_dir: str, rounds: int = 1, retime: bool = True) -> dict:
+    """Every layout of MATRIX trained and simulated `rounds` times, the rounds interleaved (round 1 in MATRIX's
+    order, round 2 in reverse, ...), so that a machine drifting over minutes moves every layout alike. Each round
+    predicts with the units timed beside its training (retime; parallel/calibrate/retime.py). A row reports the
+    round of the median error (its predicted and measured steps), and the spread of the measured steps over the
+    rounds ((slowest - fastest) / median)."""
+    plans = matrix_plans(base, hardware_path, out_dir, rounds)
+    warn_before_training({name: rows[0] for name, rows in plans.items()}, hardware_path)
+    names = list(plans)
+    reports: dict[str, list[dict]] = {name: [] for name in names}
+    drift, confidence = [], None
+    for k in range(rounds):
+        for name in names if k % 2 == 0 else reversed(names):
+            report = run_compare(plans[name][k], retime, reference=not drift)  # the reference block: before the first
+            if not drift:
+                drift.append(report["machine_drift"])
+                confidence = report["prediction_confidence"]
+            reports[name].append(report)
+    drift.append(machine_drift(plans[names[-1]][0].hardware))  # and after the last
+    rows = [matrix_row(name, reports[name]) for name in names]
     errors = [abs(row["step_time_error"]) for row in rows]
     return {
         "hardware": hardware_path,
+        "rounds": rounds,
+        "units_retimed": retime,
         "rows": rows,
         "step_time_mape": sum(errors) / len(errors),
         "worst_model_state_error": max(row["model_state_error"] for row in rows),
         "machine_drift": [d for d in drift if d is not None],
         "prediction_confidence": confidence,  # the profile's, and the CPU share before the first layout
+    }
+
+
+def matrix_row(name: str, reports: list[dict]) -> dict:
+    """One layout's row from its rounds' reports: the round of the median step-time error (the lower of the two
+    middle ones for an even count), the spread of the measured and predicted steps over the rounds."""
+    from parallel.calibrate.noise import spread
+
+    median = sorted(reports, key=lambda r: r["step_time_relative_error"])[(len(reports) - 1) // 2]
+    by_name = {row["name"]: row for row in median["rows"]}
+    measured = [r["measured_step_time_s"] for r in reports]
+    predicted = [r["predicted_step_time_s"] for r in reports]
+    return {
+        "layout": name,
+        "predicted_step_time_s": median["predicted_step_time_s"],
+        "measured_step_time_s": median["measured_step_time_s"],
+        "step_time_error": median["step_time_relative_error"],
+        "measured_spread": spread(measured),  # None for one round
+        "predicted_spread": spread(predicted),
+        "rounds": [{"predicted_step_time_s": p, "measured_step_time_s": m, "step_time_error": r["step_time_relative_error"]}
+                   for p, m, r in zip(predicted, measured, reports)],
+        "model_state_error": max(abs(by_name[r]["relative_error"] or 0.0) for r in STATE_ROWS),
+        "activations_error": by_name["activations (rank 0)"]["relative_error"],
+        "traces": median["traces"],
     }

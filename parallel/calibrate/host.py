@@ -23,6 +23,11 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
   the mean of the busy ranks' medians over rank 0's median alone, and for the threads the median
   ratio of runs on every core's thread and on one taken in turn (device.threads_ratio). On CUDA each rank has its
   own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
+- variation: how much one rank's time varies from run to run while k ranks compute at once, for the same runs
+  (on each busy rank at least SHARING_RUNS x plan.repeats of them, and enough to last about plan.variation_s: the
+  machine's slow moments, a neighbour's burst on a shared VM, come every few hundred ms): the coefficient of variation (standard deviation over
+  mean) of every busy rank's runs together, differences between ranks included. A synchronous step waits for
+  its slowest rank: simulator/engine/host.py prices that with simulator/stragglers.py's order statistics.
 - collectives: all-reduce, all-gather, reduce-scatter, all-to-all (parallel/comm.py's Collectives over
   gloo or NCCL, S = the full buffer's bytes; all-to-all: each rank's input, split evenly, as expert
   parallelism's exchanges are counted) and p2p (ping-pong inside pairs, half the round trip) by size S,
@@ -35,6 +40,7 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -48,6 +54,7 @@ from parallel.comm import Collectives
 PIECES = ("block", "embedding", "head")
 UNITS_DTYPE = "fp32"  # the format the units are measured in: the model as built, TF32 off
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
+SHARING_RUNS = 3  # runs of the sharing block per busy rank, in plan.repeats: enough to see how much a rank's time varies
 
 
 def host_cores() -> int:
@@ -105,6 +112,15 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
     return units if rank == 0 else None
 
 
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's `seconds` (all ranks call it), so that every rank runs as many timed runs."""
+    if not dist.is_initialized():
+        return seconds
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
 def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.device, noise: Noise | None = None) -> dict:
     """This rank's median block forward + backward seconds with k ranks busy at once, by k,
     and on a CPU rank 0's ratio alone of `cores` threads to one ("threads_ratio"; a GPU's rank has its own GPU),
@@ -114,16 +130,20 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.devic
 
     torch.manual_seed(rank)
     step = piece_step("block", preset(plan.model), 1, plan.sharing_micro_batch, device=device)
-    timed = lambda: statistics.median(sum(step()) for _ in range(plan.repeats))  # noqa: E731
     step()  # a rank's first block is slow (lazy initialisation): not while others are timed
-    result: dict = {"busy": {}}
+    alone = _slowest(sum(step()))  # one block, alone: how many runs fill plan.variation_s below
+    result: dict = {"busy": {}, "runs": {}}
     for busy in [1] + powers_up_to(ranks, 2):
         _barrier()
         if rank < busy:
             step()  # warm-up
         _barrier()  # the busy ranks start their timed runs together
         if rank < busy:
-            result["busy"][busy] = timed()
+            count = max(SHARING_RUNS * plan.repeats,
+                        math.ceil(plan.variation_s / (alone * max(1.0, busy / max(1, cores)))))
+            runs = [sum(step()) for _ in range(count)]
+            result["busy"][busy] = statistics.median(runs)
+            result["runs"][busy] = runs  # every run: how much a rank's time varies with `busy` ranks at work
     _barrier()
     if cores > 1 and device.type == "cpu":
         if rank == 0:
@@ -290,11 +310,16 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
         sharing.append([busy, 1, statistics.fmean(times) / base])
     if "threads_ratio" in first["sharing"]:
         sharing.append([1, first["cores"], first["sharing"]["threads_ratio"]])
+    variation = []
+    for busy in sorted(first["sharing"].get("runs", {})):
+        runs = [run for h in hosts for run in h["sharing"].get("runs", {}).get(busy, ())]
+        if len(runs) >= 2:
+            variation.append([busy, 1, statistics.pstdev(runs) / statistics.fmean(runs)])
     collectives = []
     for (kind, n, busy), points in sorted(collective_points(hosts).items(),
                                           key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):
         alpha, beta = fit(points)
         collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points})
     return {"cores": first["cores"], "device": first.get("device", "cpu"), "units": units, "sharing": sharing,
-            "collectives": collectives,
+            "variation": variation, "collectives": collectives,
             "note": f"parallel/calibrate/host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}

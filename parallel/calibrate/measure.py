@@ -46,6 +46,7 @@ from parallel.calibrate.device import (
 from parallel.calibrate.host import build_measured, collective_points, measure_host
 from parallel.calibrate.links import fit_alpha_beta, node_and_nic, profile_links
 from parallel.calibrate.noise import Noise, reliability
+from parallel.calibrate.storage import build_failure_costs, measure_checkpoint
 from parallel.launch.elastic import finish_worker, init_worker, launch
 from precision.compute import EMULATED_FORMATS
 from precision.policy import FLOP_FORMATS
@@ -67,11 +68,16 @@ class CalibrationPlan:
     micro_batch: int = 8
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)  # the host units' micro-batch sizes
     sharing_micro_batch: int = 8
+    variation_s: float = 1.5  # each busy rank's runs of the sharing block last about this long (parallel/calibrate/host.py)
     device: str = "auto"  # "auto": CUDA when every local rank has a GPU, else the CPU; "cpu"
     cuda_matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # on a GPU
     formats: tuple[str, ...] | None = None  # None: FORMATS on a GPU, fp32 alone on a CPU (default_formats)
     unit_models: tuple[str, ...] = ("tiny",)  # presets whose units are measured (model first)
     context_parallel: tuple[int, ...] = CONTEXT_PARALLEL  # cp sizes whose units are measured (those up to ranks)
+    # checkpoint writes and reads (parallel/calibrate/storage.py): bytes per rank, repeats, and where (None: not measured)
+    checkpoint_bytes: tuple[int, ...] = (4 * 2**20, 32 * 2**20)
+    checkpoint_repeats: int = 3
+    storage_dir: str | None = None
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -146,7 +152,8 @@ def make_plan(ranks: int | None, quick: bool = False, threads_per_rank: int | No
         return CalibrationPlan(ranks, threads, (64, 256, 512), 3, 0.005, 16 * 2**20,
                                (4 * 2**10, 256 * 2**10, 8 * 2**20), 3, model, micro_batch,
                                tuple(micro_batches or (1, 4, 16)), device=device, cuda_matmul_sizes=(256, 1024, 4096),
-                               formats=formats, unit_models=models, context_parallel=context_parallel)
+                               formats=formats, unit_models=models, context_parallel=context_parallel,
+                               checkpoint_bytes=(2**20, 8 * 2**20), checkpoint_repeats=1, variation_s=0.3)
     return CalibrationPlan(ranks, threads, model=model, unit_models=models, micro_batch=micro_batch, device=device,
                            micro_batches=tuple(micro_batches or CalibrationPlan.micro_batches), formats=formats,
                            context_parallel=context_parallel)
@@ -162,6 +169,10 @@ def check_context_sizes(cp: tuple[int, ...] | None, ranks: int) -> tuple[int, ..
         raise ConfigError(f"--cp must list context-parallel sizes from 2 to --ranks ({ranks}) such as 2,4, or 1 for "
                           f"none, got {','.join(map(str, cp)) if cp else 'none'}")
     return tuple(sorted(set(cp)))
+
+
+def rank_of() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def calibrate(plan: CalibrationPlan) -> list[dict]:
@@ -203,6 +214,7 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
             result["host"] = measure_host(plan, device, noise)  # starts with a barrier
             result["host"]["seconds"] = {"matmuls_copy_block": compute_s, **result["host"]["seconds"]}
             result["noise"] = noise.as_dict(on_cpu=device.type == "cpu")
+            result["checkpoint"] = measure_checkpoint(plan, rank_of(), plan.ranks, device)
         finally:
             if plan.ranks == 1:
                 torch.set_num_threads(saved)
@@ -317,12 +329,13 @@ def cpu_formats(peaks: dict, tables: dict, notes: dict) -> None:
 
 
 def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores: int, date: str,
-                  links_from: dict | None = None, shares: dict | None = None) -> dict:
+                  links_from: dict | None = None, shares: dict | None = None, start_s: float | None = None) -> dict:
     """The hardware profile (hardware.json's schema, one GPU) from every rank's measurements.
     cores: this machine's CPU cores; on CUDA the GPUs used (one per rank) take their place.
     links_from: a preset's link figures (simulator.costs.hardware.preset_links), used when no collective was measured.
     shares: {"before", "after": the CPU share noise.cpu_share found, "allowed_busy": bool}; with it the
-    measured object gets its "reliability" (noise.reliability)."""
+    measured object gets its "reliability" (noise.reliability). start_s: the ranks' start (storage.measure_start);
+    with it and rank 0's checkpoint points the measured object gets its "failure_costs" (parallel/calibrate/storage.py)."""
     device = measured_device(measured)
     on_gpu = device["type"] == "cuda"
     cores = plan.ranks if on_gpu else cores
@@ -378,6 +391,11 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
                                                      alone["block"].get("spread"), alone["matmuls"].get("spread"),
                                                      shares.get("allowed_busy", False),
                                                      alone["host"]["sharing"].get("threads_ratio"))
+    if alone.get("checkpoint") and start_s is not None:  # what a failure costs on this machine
+        from parallel.launch.elastic import MONITOR_INTERVAL_S
+
+        gpu["measured"]["failure_costs"] = build_failure_costs(alone["checkpoint"], start_s, MONITOR_INTERVAL_S,
+                                                               fit_alpha_beta)
     if collectives:
         gpu["collectives"] = collectives
     return {"about": f"hardware profile {name}: {source}", "gpus": {name: gpu}, **network}

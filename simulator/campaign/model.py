@@ -8,7 +8,7 @@ costs the work since the last checkpoint that was written in full, and a restart
 rescheduling, reloading the checkpoint, warming up) of `restart_s`. A checkpoint every `interval_steps` steps
 blocks training for `checkpoint_s` (the sharded checkpoint's bytes per GPU over each GPU's share of the storage
 write bandwidth: `checkpoint_seconds`). With `straggler_cv` every step waits for the slowest of the `gpus` ranks
-(stragglers.py).
+(simulator/stragglers.py).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Campaign:
     checkpoint_s: float  # one blocking checkpoint write
     restart_s: float  # from a failure to training again: detection, rescheduling, reload, warm-up
     interval_steps: int  # steps between checkpoints
-    straggler_cv: float = 0.0  # each rank's step time varies by this coefficient of variation (stragglers.py)
+    straggler_cv: float = 0.0  # each rank's step time varies by this coefficient of variation (simulator/stragglers.py)
 
     def __post_init__(self) -> None:
         _positive("the step time", self.step_s)

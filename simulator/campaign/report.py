@@ -35,11 +35,20 @@ def campaign_rows(c: dict) -> list[list[str]]:
     rows += [
         ["checkpoint", f"every {every} steps ({_hours(every * c['step_s'])})", formulas],
         ["  one write", _hours(c["checkpoint_s"]), f"{c['checkpoint_bytes_per_gpu'] / GB:.3g} GB a GPU at "
-                                                   f"{c['storage_gb_s_per_server']:g} GB/s a server"],
+                                                   f"{c['storage_gb_s_per_server']:.3g} GB/s a server"
+                                                   + _source(c, "checkpoint")],
         ["  time writing", f"{c['checkpoint_hours']:.1f} h", "in the campaign"],
-        ["restart", _hours(c["restart_s"]), "detection, rescheduling, reload, warm-up"],
+        ["restart", _hours(c["restart_s"]), "the launcher's check, the ranks' start, the checkpoint read (measured "
+                                            "by calibrate)" if _source(c, "restart") else
+                                            "detection, rescheduling, reload, warm-up"],
     ]
     return rows
+
+
+def _source(c: dict, cost: str) -> str:
+    """Where a failure cost comes from, when it was measured (cli/options/campaign.py's failure_costs)."""
+    where = c.get("costs_from", {}).get(cost, "")
+    return f" ({where})" if where.startswith("measured") else ""
 
 
 SWEEP_HEADERS = ["GPUs", "failure-free tokens/day", "effective training", "goodput tokens/day", "per GPU",

@@ -4,7 +4,7 @@ One process trains: `interval_steps` steps, then a blocking checkpoint, again an
 restarts (`restart_s`) and goes on from the last checkpoint written in full. Another draws the failures: the time
 to the next one exponential at the job's rate, its cause drawn in proportion to the causes' rates, and interrupts
 the first wherever it is (computing, checkpointing or restarting again). With stragglers an interval's steps
-last as long as their slowest ranks make them (stragglers.py), drawn from a generator of their own. Lost to a failure: the work since the
+last as long as their slowest ranks make them (simulator/stragglers.py), drawn from a generator of their own. Lost to a failure: the work since the
 last complete checkpoint (the partial checkpoint included) and the restart it causes (a restart cut short by the
 next failure is charged to the first). When the campaign's time is up, the steps done since the last checkpoint
 count (the job's end writes them). Every run of the same seed draws the same failures, whatever the interval:
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import simpy
 
 from simulator.campaign.model import Campaign
-from simulator.campaign.stragglers import interval_seconds, max_moments
+from simulator.stragglers import interval_seconds, max_moments
 
 DAY_S = 86_400.0
 

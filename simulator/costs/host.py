@@ -15,6 +15,8 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
                  "embedding_forward": [...], "embedding_backward": [...],
                  "head_forward": [...], "head_backward": [...]}, ...],
       "sharing": [[ranks, threads_per_rank, slowdown], ...],
+      "variation"?: [[ranks, threads_per_rank, cv], ...],
+      "failure_costs"?: {"write": {"alpha", "beta", "points"}, "read": {...}, "start_s", "monitor_s", "note"?},
       "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...],
       "reliability"?: {"cpu_share_before", "cpu_share_alone", "cpu_share_after", "cpu_share_threads"?,
                        "spread_block", "spread_units",
@@ -56,6 +58,16 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   the model was not measured, and the optimizer). Ranks idle in pipeline bubbles free
   their cores: engine.share_idle_cores replays the step with the slowdown of the ranks
   busy on average.
+- variation: how much one rank's compute time varies from run to run (the coefficient of variation) while
+  `ranks` ranks with `threads_per_rank` threads each compute at once, differences between ranks included; looked
+  up as sharing is (linear between measured rank counts, else the nearest load's). A synchronous step waits for
+  its slowest rank: engine/host.py prices that with simulator/stragglers.py. Absent from profiles written before
+  calibrate measured it: no variation.
+- failure_costs: what a failure costs on this host (parallel/calibrate/storage.py): a checkpoint written and read
+  back by every rank at once with torch.distributed.checkpoint, t = alpha + beta * S over the bytes S of all ranks
+  (and the measured points); start_s, from launching the ranks to the last one's process group; monitor_s, the
+  launcher's interval between checks of its ranks. `minigpt simulate --campaign` prices checkpoints and restarts
+  with them when its flags do not (cli/options/campaign.py).
 - collectives: seconds of one collective on a buffer of S bytes in a group of `group`
   ranks while `active` ranks run such groups at once (p2p: pairs; all_to_all: S the input each rank hands
   to all_to_all_single, its own part included, split evenly, as expert parallelism's exchanges are counted).
@@ -159,12 +171,28 @@ class MeasuredCollective:
 
 
 @dataclass(frozen=True)
+class FailureCosts:
+    """What a failure costs on a measured host: checkpoint writes and reads by size, the ranks' start."""
+
+    write: MeasuredCollective  # kind "write": seconds for S bytes written by every rank at once (S: all ranks')
+    read: MeasuredCollective
+    start_s: float  # from launching the ranks to the last one's process group
+    monitor_s: float  # the launcher's interval between checks of its ranks: a failure's detection
+
+    def restart_seconds(self, checkpoint_bytes: float) -> float:
+        """From a failure to training again on this host: noticed, the ranks started, `checkpoint_bytes` read back."""
+        return self.monitor_s + self.start_s + self.read.seconds(checkpoint_bytes)
+
+
+@dataclass(frozen=True)
 class MeasuredHost:
     cores: int
     units: tuple[UnitTimes, ...] = ()
     sharing: tuple[tuple[int, int, float], ...] = ()
     collectives: tuple[MeasuredCollective, ...] = ()
     device: str = "cpu"  # "cuda": measured on GPUs (NCCL), whose copies do not take the compute's cores
+    variation: tuple[tuple[int, int, float], ...] = ()  # (ranks, threads per rank, coefficient of variation)
+    failure_costs: "FailureCosts | None" = None  # checkpoint writes and reads, the ranks' start (None: not measured)
     raw: dict = field(default_factory=dict, hash=False, compare=False)  # the profile's object, for writing back
     reliability: dict | None = field(default=None, hash=False, compare=False)  # None: written before calibrate kept it
 
@@ -205,6 +233,20 @@ class MeasuredHost:
             return ideal
         r, t, value = min(self.sharing, key=lambda row: (abs(math.log(row[0] * row[1] / (ranks * threads))), -row[0]))
         return ideal * value / self.ideal_slowdown(r, t)
+
+    def variation_cv(self, ranks: int, threads: int) -> float:
+        """How much one rank's compute time varies (its coefficient of variation) with `ranks` ranks of `threads`
+        threads at work: the measured row, linear between measured rank counts of those threads, else the
+        nearest load's; 0 when none was measured."""
+        rows = sorted((r, cv) for r, t, cv in self.variation if t == threads)
+        for r, cv in rows:
+            if r == ranks:
+                return cv
+        if len(rows) >= 2 and rows[0][0] <= ranks <= rows[-1][0]:
+            return _interpolate(tuple(r for r, _ in rows), tuple(cv for _, cv in rows), ranks)
+        if not self.variation:
+            return 0.0
+        return min(self.variation, key=lambda row: (abs(math.log(row[0] * row[1] / (ranks * threads))), -row[0]))[2]
 
     def collective_seconds(self, kind: str, group: int, active: float, nbytes: float) -> float | None:
         """Seconds of one collective of `nbytes` in a group of `group` with `active` ranks busy: linear
@@ -280,14 +322,15 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     where = f"{where}.measured"
     if not isinstance(data, dict) or "cores" not in data:
         raise ConfigError(f"{where} must be a JSON object with cores, units, sharing and collectives")
-    unknown = sorted(set(data) - {"cores", "device", "units", "sharing", "collectives", "note", "reliability"})
+    unknown = sorted(set(data) - {"cores", "device", "units", "sharing", "variation", "collectives", "note",
+                                  "reliability", "failure_costs"})
     if unknown:
         raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}")
     cores = int(_positive(data["cores"], f"{where}.cores", integer=True))
     device = data.get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"{where}.device must be cpu or cuda, got {device!r}")
-    for name in ("units", "sharing", "collectives"):
+    for name in ("units", "sharing", "variation", "collectives"):
         if not isinstance(data.get(name, []), list):
             raise ConfigError(f"{where}.{name} must be a JSON list, got {data[name]!r}")
     units = []
@@ -326,6 +369,14 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         sharing.append((int(_positive(row[0], f"{where}.sharing[{i}] ranks", integer=True)),
                         int(_positive(row[1], f"{where}.sharing[{i}] threads", integer=True)),
                         float(_positive(row[2], f"{where}.sharing[{i}] slowdown", high=1e6))))
+    variation = []
+    for i, row in enumerate(data.get("variation", [])):
+        if not isinstance(row, list) or len(row) != 3:
+            raise ConfigError(f"{where}.variation[{i}] must be [ranks, threads_per_rank, coefficient of variation]")
+        variation.append((int(_positive(row[0], f"{where}.variation[{i}] ranks", integer=True)),
+                          int(_positive(row[1], f"{where}.variation[{i}] threads", integer=True)),
+                          float(_positive(row[2], f"{where}.variation[{i}] coefficient of variation", zero=True,
+                                          high=10.0))))
     collectives = []
     for i, entry in enumerate(data.get("collectives", [])):
         at = f"{where}.collectives[{i}]"
@@ -333,21 +384,45 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             raise ConfigError(f"{at} must hold kind, group, active, alpha, beta (and points)")
         if entry["kind"] not in KINDS:
             raise ConfigError(f"{at}.kind must be one of {', '.join(KINDS)}, got {entry['kind']!r}")
-        points = entry.get("points", [])
-        if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
-            raise ConfigError(f"{at}.points must be [[bytes, seconds], ...]")
-        points = tuple(sorted((int(_positive(s, f"{at}.points", integer=True, high=BYTES[1])),
-                               float(_positive(t, f"{at}.points"))) for s, t in points))
-        if any(a[0] == b[0] for a, b in zip(points, points[1:])):
-            raise ConfigError(f"{at}.points must measure each size once")
+        points = _points(entry.get("points", []), at)
         collectives.append(MeasuredCollective(
             entry["kind"], int(_positive(entry["group"], f"{at}.group", integer=True)),
             int(_positive(entry["active"], f"{at}.active", integer=True)),
             float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
             float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
             points))
-    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), device, raw=data,
+    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), device, tuple(variation),
+                        parse_failure_costs(data.get("failure_costs"), f"{where}.failure_costs"), raw=data,
                         reliability=parse_reliability(data.get("reliability"), f"{where}.reliability"))
+
+
+def _points(points: object, at: str) -> tuple[tuple[int, float], ...]:
+    """[[bytes, seconds], ...] sorted by size, each size once; ConfigError naming `at` otherwise."""
+    if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
+        raise ConfigError(f"{at}.points must be [[bytes, seconds], ...]")
+    points = tuple(sorted((int(_positive(s, f"{at}.points", integer=True, high=BYTES[1])),
+                           float(_positive(t, f"{at}.points"))) for s, t in points))
+    if any(a[0] == b[0] for a, b in zip(points, points[1:])):
+        raise ConfigError(f"{at}.points must measure each size once")
+    return points
+
+
+def parse_failure_costs(data: object, where: str) -> FailureCosts | None:
+    """The "failure_costs" object (the schema above), or None when absent."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) - {"note"} != {"write", "read", "start_s", "monitor_s"}:
+        raise ConfigError(f"{where} must hold exactly write, read, start_s and monitor_s (and optionally note)")
+    fits = []
+    for kind in ("write", "read"):
+        entry, at = data[kind], f"{where}.{kind}"
+        if not isinstance(entry, dict) or set(entry) != {"alpha", "beta", "points"}:
+            raise ConfigError(f"{at} must hold exactly alpha, beta and points")
+        fits.append(MeasuredCollective(kind, 1, 1, float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
+                                       float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
+                                       _points(entry["points"], at)))
+    return FailureCosts(*fits, float(_positive(data["start_s"], f"{where}.start_s", zero=True)),
+                        float(_positive(data["monitor_s"], f"{where}.monitor_s", zero=True)))
 
 
 def parse_reliability(data: object, where: str) -> dict | None:

@@ -3,7 +3,8 @@
 `HostCompute` gives a chunk's forward and backward seconds from the measured units (a mixture
 of experts' MoE blocks from its own MoE unit; the roofline's when this model was not measured,
 which `missing` says), times the sharing slowdown of the job's ranks and threads on the host's
-cores. `HostLinks` times p2p, collectives and expert parallelism's all-to-alls with the measured
+cores, and times what waiting for the slowest rank costs a synchronous step (the measured variation of a rank's
+time, simulator/stragglers.py). `HostLinks` times p2p, collectives and expert parallelism's all-to-alls with the measured
 gloo numbers for the group size and the job's number of ranks, falling back to the fluid link
 model (engine/links.py's LinkCosts) for a kind or group size not measured.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from simulator.engine.links import LinkCosts
 from simulator.costs.host import MeasuredHost, UnitTimes
+from simulator.stragglers import straggler_factor
 from job.layout import Layout
 from simulator.network.topology import Cluster
 
@@ -33,6 +35,10 @@ class HostCompute:
     moe: bool = False
     dense: UnitTimes | None = None
     missing: str | None = None  # why the roofline prices this model's compute on a measured host (None: it does not)
+    # Stragglers: a synchronous step waits for the slowest of the job's ranks, each varying by the measured
+    # coefficient of variation (MeasuredHost.variation_cv): simulator/stragglers.py's straggler_factor, 1 for one rank
+    straggler: float = 1.0
+    straggler_cv: float = 0.0
 
     def chunk(self, layers: int, first: bool, last: bool, micro_batch: int, recompute: str,
               roofline: tuple[float, float, float], moe: bool = False) -> tuple[float, float, float]:
@@ -53,7 +59,8 @@ class HostCompute:
                 forward, backward = forward + unit("embedding_forward"), backward + unit("embedding_backward")
             if last:
                 forward, backward = forward + unit("head_forward"), backward + unit("head_backward")
-        return forward * self.slowdown, backward * self.slowdown, again * self.slowdown
+        scale = self.slowdown * self.straggler
+        return forward * scale, backward * scale, again * scale
 
 
 def unit_format(host: MeasuredHost, compute_format: str) -> str:
@@ -78,10 +85,12 @@ def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: in
     elif model.is_moe and model.dense_layers and dense is None:
         missing = (f"no measured unit of this model's dense first blocks ({where}): the roofline prices those "
                    f"{model.dense_layers} blocks")
+    cv = host.variation_cv(layout.world_size, threads_per_rank) if layout.world_size > 1 else 0.0
     return HostCompute(units,
                        host.slowdown(layout.world_size, threads_per_rank),
                        serial=host.device == "cpu" and layout.world_size * threads_per_rank <= host.cores,
-                       moe=model.is_moe, dense=dense, missing=missing)
+                       moe=model.is_moe, dense=dense, missing=missing,
+                       straggler=straggler_factor(cv, layout.world_size), straggler_cv=cv)
 
 
 class HostLinks(LinkCosts):

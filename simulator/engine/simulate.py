@@ -320,6 +320,7 @@ def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, globa
         seq_len=model.seq_len, tallies=tallies, timings=timings,
         host=None if compute is None else {"threads_per_rank": threads, "busy_ranks": links.active,
                                            "compute_slowdown": compute.slowdown,
+                                           "straggler_cv": compute.straggler_cv, "straggler_factor": compute.straggler,
                                            "units_measured": compute.units is not None,
                                            **({"units_missing": compute.missing} if compute.missing else {})},
         attention=implementation.attention, overlap=settings,
