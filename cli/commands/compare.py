@@ -84,7 +84,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, profile_units: bool, **options) -> None:
     """Train a layout for K steps, simulate it with a calibrated profile, print predicted against measured."""
-    from cli.tools.compare import check_compare, format_error, format_value, run_compare
+    from cli.tools.compare import check_compare, format_error, format_value, median_round, run_compare
     from minigpt.errors import check_positive_int
 
     rounds = check_positive_int("--rounds", rounds if rounds is not None else 3 if matrix else 1)
@@ -94,7 +94,7 @@ def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, prof
     plans = [check_compare(dataclasses.replace(cfg, out_dir=f"{cfg.out_dir}/round-{k + 1}") if rounds > 1 else cfg,
                            hardware, warn=k == 0) for k in range(rounds)]
     reports = [run_compare(plan, not profile_units) for plan in plans]
-    report = sorted(reports, key=lambda r: r["step_time_relative_error"])[(rounds - 1) // 2]
+    report = median_round(reports)
     if rounds > 1:
         report = {**report, "rounds": [{key: r[key] for key in ("predicted_step_time_s", "measured_step_time_s",
                                                                "step_time_relative_error", "run_dir")} for r in reports]}

@@ -100,7 +100,8 @@ def failure_costs(per_gpu: float, gpus_per_node: int, options: dict, hardware) -
     from simulator.campaign.model import checkpoint_seconds
     from simulator.campaign.rates import RESTART_S, STORAGE_GB_S
 
-    measured = getattr(getattr(getattr(hardware, "gpu", None), "measured", None), "failure_costs", None)
+    host = None if hardware is None else hardware.gpu.measured
+    measured = None if host is None else host.failure_costs
     server_bytes = per_gpu * gpus_per_node
     if options["storage_gbps"] is not None or measured is None:
         storage = options["storage_gbps"] or STORAGE_GB_S

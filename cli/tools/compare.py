@@ -337,6 +337,11 @@ def run_compare(plan: ComparePlan, retime: bool = True, reference: bool = True) 
     }
 
 
+def median_round(reports: list[dict]) -> dict:
+    """Of one layout's rounds, the report of the median step-time error (the lower middle one for an even count)."""
+    return sorted(reports, key=lambda r: r["step_time_relative_error"])[(len(reports) - 1) // 2]
+
+
 def _measure(value: float, measure: str) -> str:
     return f"{value * 1e3:.2f} ms" if measure == "s" else f"{value:.2f}x"
 
@@ -347,9 +352,10 @@ def units_retimer(plan: ComparePlan):
     if host is None or host.device != "cpu" or not host.units:
         return None
     from parallel.calibrate.retime import Retimed
+    from simulator.engine.host import host_threads
 
-    threads = plan.cfg.threads_per_rank or (1 if plan.cfg.world_size > 1 else host.cores)  # as the simulation runs
-    return Retimed(plan.cfg.model, plan.micro_batch, threads=threads)
+    return Retimed(plan.cfg.model, plan.micro_batch, threads=host_threads(host, plan.cfg.world_size,
+                                                                          plan.cfg.threads_per_rank))
 
 
 def format_value(value, unit: str) -> str:

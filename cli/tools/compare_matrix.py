@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from cli.tools.compare import calibrate_hint, check_compare, machine_drift, run_compare, warn_unreliable
+from cli.tools.compare import (
+    calibrate_hint, check_compare, machine_drift, median_round, run_compare, warn_unreliable,
+)
 from job.train_config import TrainConfig
 from minigpt.config import GPTConfig
 from minigpt.presets import PRESETS
@@ -135,7 +137,7 @@ def matrix_row(name: str, reports: list[dict]) -> dict:
     middle ones for an even count), the spread of the measured and predicted steps over the rounds."""
     from parallel.calibrate.noise import spread
 
-    median = sorted(reports, key=lambda r: r["step_time_relative_error"])[(len(reports) - 1) // 2]
+    median = median_round(reports)
     by_name = {row["name"]: row for row in median["rows"]}
     measured = [r["measured_step_time_s"] for r in reports]
     predicted = [r["predicted_step_time_s"] for r in reports]

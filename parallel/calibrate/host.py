@@ -78,7 +78,7 @@ def group_pairs(ranks: int) -> list[tuple[int, int]]:
     return pairs
 
 
-def _barrier(group=None) -> None:
+def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
 
@@ -93,7 +93,7 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
     units = {}
     noise = noise if noise is not None else Noise()
     torch.manual_seed(0)
-    _barrier()
+    barrier()
     shapes = [(name, *variant) for name in plan.unit_models
               for variant in variants(preset(name), ranks, plan.context_parallel)]
     for name, tp, sp, cp in shapes if rank == 0 else ():
@@ -108,7 +108,7 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
                 noise.add("units", [f + b for f, b in runs])
                 for i, way in enumerate(("forward", "backward")):
                     series[f"{piece}_{way}"].append(statistics.median(run[i] for run in runs))
-    _barrier()
+    barrier()
     return units if rank == 0 else None
 
 
@@ -134,23 +134,23 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.devic
     alone = _slowest(sum(step()))  # one block, alone: how many runs fill plan.variation_s below
     result: dict = {"busy": {}, "runs": {}}
     for busy in [1] + powers_up_to(ranks, 2):
-        _barrier()
+        barrier()
         if rank < busy:
             step()  # warm-up
-        _barrier()  # the busy ranks start their timed runs together
+        barrier()  # the busy ranks start their timed runs together
         if rank < busy:
             count = max(SHARING_RUNS * plan.repeats,
                         math.ceil(plan.variation_s / (alone * max(1.0, busy / max(1, cores)))))
             runs = [sum(step()) for _ in range(count)]
             result["busy"][busy] = statistics.median(runs)
             result["runs"][busy] = runs  # every run: how much a rank's time varies with `busy` ranks at work
-    _barrier()
+    barrier()
     if cores > 1 and device.type == "cpu":
         if rank == 0:
             noise = noise or Noise()
             result["threads_ratio"] = threads_ratio(step, cores, 2 * plan.repeats - 1,
                                                     lambda: noise.timed_on_cores(cores))
-        _barrier()
+        barrier()
     return result
 
 
@@ -176,7 +176,7 @@ def _per_call(op, busy_group, plan, work, device: torch.device) -> float:
     chosen so a run lasts about plan.min_run_s (the slowest busy rank's probe decides, so every
     busy rank makes the same calls)."""
     op(work())  # warm-up
-    _barrier(busy_group)
+    barrier(busy_group)
     start = stamp(device)
     op(work())
     probe = torch.tensor([stamp(device) - start], dtype=torch.float64, device=device)  # NCCL: on the GPU
@@ -184,12 +184,12 @@ def _per_call(op, busy_group, plan, work, device: torch.device) -> float:
     calls = max(1, min(1000, int(plan.min_run_s / max(probe.item(), 1e-7))))
     both, alone = [], []
     for _ in range(plan.comm_repeats):
-        _barrier(busy_group)
+        barrier(busy_group)
         start = stamp(device)
         for _ in range(calls):
             work()
         alone.append((stamp(device) - start) / calls)
-        _barrier(busy_group)
+        barrier(busy_group)
         start = stamp(device)
         for _ in range(calls):
             op(work())
@@ -209,7 +209,7 @@ def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tu
 
     rank, groups, points, config = dist.get_rank(), make_groups(ranks), {}, preset(plan.model)
     for busy, n in group_pairs(ranks):
-        _barrier()
+        barrier()
         if rank < busy:
             comm = Collectives(groups[n], "calibrate")
             block = piece_model(config, 1).blocks[0].to(device)
@@ -233,7 +233,7 @@ def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tu
                 for kind, op in ops.items():
                     seconds = _per_call(op, groups[busy], plan, work, device)
                     points[(kind, n, busy, numel * 4)] = seconds / 2 if kind == "p2p" else seconds
-        _barrier()
+        barrier()
     return points
 
 

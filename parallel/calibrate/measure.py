@@ -171,10 +171,6 @@ def check_context_sizes(cp: tuple[int, ...] | None, ranks: int) -> tuple[int, ..
     return tuple(sorted(set(cp)))
 
 
-def rank_of() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def calibrate(plan: CalibrationPlan) -> list[dict]:
     """Run the measurements on plan.ranks local ranks; every rank's raw measurements, by rank."""
     return launch(measure_rank, plan, plan.ranks, threads_per_rank=plan.threads_per_rank)
@@ -214,7 +210,7 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
             result["host"] = measure_host(plan, device, noise)  # starts with a barrier
             result["host"]["seconds"] = {"matmuls_copy_block": compute_s, **result["host"]["seconds"]}
             result["noise"] = noise.as_dict(on_cpu=device.type == "cpu")
-            result["checkpoint"] = measure_checkpoint(plan, rank_of(), plan.ranks, device)
+            result["checkpoint"] = measure_checkpoint(plan, device)
         finally:
             if plan.ranks == 1:
                 torch.set_num_threads(saved)

@@ -45,10 +45,10 @@ class Retimed:
             torch.set_num_threads(1)  # as calibrate's rank 0 measured them
             torch.manual_seed(0)
             for dense, unit, config in self._units(host, layout, fmt):
-                model = piece_model(config, unit.key[5], unit.sequence_parallel, torch.device("cpu"), unit.cp)
+                model = piece_model(config, layout.tp, unit.sequence_parallel, torch.device("cpu"), unit.cp)
                 series = self.runs.setdefault((unit.key, unit.sequence_parallel, unit.cp, dense), {})
                 for piece in PIECES:
-                    step = piece_step(piece, config, unit.key[5], self.micro_batch, model, unit.sequence_parallel,
+                    step = piece_step(piece, config, layout.tp, self.micro_batch, model, unit.sequence_parallel,
                                       torch.device("cpu"), unit.cp)
                     for forward, backward in timed_runs(step, self.repeats, self.min_run_s * self.repeats):
                         series.setdefault(f"{piece}_forward", []).append(forward)

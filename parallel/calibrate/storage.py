@@ -28,20 +28,17 @@ import torch
 import torch.distributed as dist
 
 from parallel.calibrate.device import stamp
+from parallel.calibrate.host import barrier
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def measure_checkpoint(plan, rank: int, ranks: int, device: torch.device) -> dict | None:
+def measure_checkpoint(plan, device: torch.device) -> dict | None:
     """{"write": [[all ranks' bytes, seconds], ...], "read": [...]} on rank 0 (None elsewhere and without
     plan.storage_dir): each size written and read plan.checkpoint_repeats times, the median kept."""
     import torch.distributed.checkpoint as dcp
 
     if not plan.storage_dir:
         return None
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process use
         return _measure_checkpoint(dcp, plan, rank, ranks, device)
@@ -59,20 +56,20 @@ def _measure_checkpoint(dcp, plan, rank: int, ranks: int, device: torch.device) 
         for repeat in range(plan.checkpoint_repeats):
             where = root / f"{size}-{repeat}"
             for kind in ("write", "read"):
-                _barrier()
+                barrier()
                 start = stamp(device)
                 if kind == "write":
                     dcp.save(state, checkpoint_id=str(where), no_dist=ranks == 1)
                 else:
                     dcp.load(state, checkpoint_id=str(where), no_dist=ranks == 1)
-                _barrier()
+                barrier()
                 timings[kind].append(stamp(device) - start)
-            _barrier()
+            barrier()
             if rank == 0:
                 shutil.rmtree(where, ignore_errors=True)
         for kind in timings:
             points[kind].append([size * ranks, statistics.median(timings[kind])])
-    _barrier()
+    barrier()
     return points if rank == 0 else None
 
 
@@ -82,7 +79,7 @@ def start_rank(device: str | None) -> float:
 
     init_worker(device)
     try:
-        _barrier()
+        barrier()
         return time.time()
     finally:
         finish_worker()

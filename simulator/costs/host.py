@@ -362,21 +362,9 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
                 raise ConfigError(f"{at}.{name} must hold one time per micro-batch size ({len(sizes)})")
             series[name] = tuple(float(_positive(v, f"{at}.{name}")) for v in values)
         units.append(UnitTimes(key, sizes, series, sp, dtype, cp))
-    sharing = []
-    for i, row in enumerate(data.get("sharing", [])):
-        if not isinstance(row, list) or len(row) != 3:
-            raise ConfigError(f"{where}.sharing[{i}] must be [ranks, threads_per_rank, slowdown]")
-        sharing.append((int(_positive(row[0], f"{where}.sharing[{i}] ranks", integer=True)),
-                        int(_positive(row[1], f"{where}.sharing[{i}] threads", integer=True)),
-                        float(_positive(row[2], f"{where}.sharing[{i}] slowdown", high=1e6))))
-    variation = []
-    for i, row in enumerate(data.get("variation", [])):
-        if not isinstance(row, list) or len(row) != 3:
-            raise ConfigError(f"{where}.variation[{i}] must be [ranks, threads_per_rank, coefficient of variation]")
-        variation.append((int(_positive(row[0], f"{where}.variation[{i}] ranks", integer=True)),
-                          int(_positive(row[1], f"{where}.variation[{i}] threads", integer=True)),
-                          float(_positive(row[2], f"{where}.variation[{i}] coefficient of variation", zero=True,
-                                          high=10.0))))
+    sharing = _load_rows(data.get("sharing", []), f"{where}.sharing", "slowdown", zero=False, high=1e6)
+    variation = _load_rows(data.get("variation", []), f"{where}.variation", "coefficient of variation", zero=True,
+                           high=10.0)
     collectives = []
     for i, entry in enumerate(data.get("collectives", [])):
         at = f"{where}.collectives[{i}]"
@@ -391,9 +379,21 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
             float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
             points))
-    return MeasuredHost(cores, tuple(units), tuple(sharing), tuple(collectives), device, tuple(variation),
+    return MeasuredHost(cores, tuple(units), sharing, tuple(collectives), device, variation,
                         parse_failure_costs(data.get("failure_costs"), f"{where}.failure_costs"), raw=data,
                         reliability=parse_reliability(data.get("reliability"), f"{where}.reliability"))
+
+
+def _load_rows(rows: list, at: str, third: str, zero: bool, high: float) -> tuple[tuple[int, int, float], ...]:
+    """[[ranks, threads_per_rank, value], ...] (the sharing and variation tables); ConfigError naming the row."""
+    checked = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 3:
+            raise ConfigError(f"{at}[{i}] must be [ranks, threads_per_rank, {third}]")
+        checked.append((int(_positive(row[0], f"{at}[{i}] ranks", integer=True)),
+                        int(_positive(row[1], f"{at}[{i}] threads", integer=True)),
+                        float(_positive(row[2], f"{at}[{i}] {third}", zero=zero, high=high))))
+    return tuple(checked)
 
 
 def _points(points: object, at: str) -> tuple[tuple[int, float], ...]:

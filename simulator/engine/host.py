@@ -70,6 +70,12 @@ def unit_format(host: MeasuredHost, compute_format: str) -> str:
     return "fp32" if host.device == "cpu" else compute_format
 
 
+def host_threads(host: MeasuredHost, world_size: int, threads_per_rank: int | None) -> int:
+    """Torch threads a rank runs on, as parallel/run/train.py runs it: the given count, else one with several
+    ranks and every core with one."""
+    return threads_per_rank or (1 if world_size > 1 else host.cores)
+
+
 def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: int,
                  compute_format: str = "fp32") -> HostCompute:
     """The measured compute of `model` in `layout` on `host`. A model (a mixture of experts, or its dense first

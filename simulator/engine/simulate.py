@@ -40,7 +40,7 @@ from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, mfu as model_flops_utilisation, step_flops
 from simulator.engine.costs import rank_costs
 from simulator.engine.experts import check_expert_load
-from simulator.engine.host import HostLinks, host_compute
+from simulator.engine.host import HostLinks, host_compute, host_threads
 from simulator.engine.links import LinkCosts
 from simulator.engine.replay import CATEGORIES, RankTally, no_garbage_collection, replay
 from simulator.costs.hardware import GPUSpec, Hardware, load_hardware
@@ -218,7 +218,7 @@ def _compute_side(spec: GPUSpec, model: GPTConfig, layout: Layout, cluster: Clus
     host = spec.measured  # a calibrated CPU host: measured compute, sharing and collectives
     if host is None:
         return None, LinkCosts(cluster, layout, spec), None
-    threads = threads_per_rank or (1 if layout.world_size > 1 else host.cores)  # as parallel/run/train.py runs
+    threads = host_threads(host, layout.world_size, threads_per_rank)
     return host_compute(host, model, layout, threads, compute_format), HostLinks(cluster, layout, host), threads
 
 
