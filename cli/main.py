@@ -38,7 +38,9 @@ COMMANDS = {
     "calibrate": "cli.commands.calibrate",
     "compare": "cli.commands.compare",
     "sample": "cli.commands.sample",
+    "export": "cli.commands.export",
     "claims": "cli.commands.claims",
+    "tokenizer": "cli.commands.tokenizer",
 }
 
 

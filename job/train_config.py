@@ -8,6 +8,7 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
+from minigpt.tokenizer import BYTES, load_tokenizer
 from minigpt.errors import (
     ConfigError, check_output_path, check_path_given, check_positive_int, check_seed, check_threads_per_rank,
 )
@@ -15,6 +16,19 @@ from job.schedule import ScheduleConfig, chunk_layers
 from precision.policy import POLICIES
 
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_vocabulary(model: GPTConfig, tokenizer: str) -> None:
+    """The model's vocabulary holds every id of the tokenizer (a tokenizer.json that does not parse: ConfigError)."""
+    if not isinstance(tokenizer, str):
+        raise ConfigError(f"tokenizer must be {BYTES!r} or a tokenizer.json's path, got {tokenizer!r}")
+    size, name = (VOCAB_SIZE, "the byte vocabulary") if tokenizer == BYTES else \
+        (load_tokenizer(tokenizer).vocab_size, f"the vocabulary of tokenizer {tokenizer!r}")
+    if model.vocab_size < size:
+        raise ConfigError(f"vocab_size={model.vocab_size} is smaller than {name} ({size}): use --vocab-size "
+                          f"{size} or more")
+
+
 MIB = 2**20
 
 
@@ -157,6 +171,10 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
     data: str | None = None  # None: the embedded corpus
+    init_from: str | None = None  # a Hugging Face model directory whose weights the run starts from (minigpt/hf.py)
+    # "bytes" or a Hugging Face tokenizer.json (minigpt/tokenizer.py): the corpus is read in its ids, which the model's
+    # vocabulary must hold; a run's copy of it is out_dir/tokenizer.json
+    tokenizer: str = "bytes"
     out_dir: str | None = None  # None: runs/<time>-<model shape>
     device: str = "auto"
     precision: str = "fp32"
@@ -177,7 +195,10 @@ class TrainConfig:
     virtual_chunks: int = 1
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     threads_per_rank: int | None = None  # None: torch's default for one process, 1 per rank otherwise
-    save_every: int = 0  # checkpoint every N steps and at the end (0: no checkpoints)
+    save_every: int = 0  # checkpoint every N steps and at the end (0: only at the end, unless save_final is off)
+    # a checkpoint after the last step, so that the run can be sampled and exported: `minigpt train` sets it
+    # (unless --no-save); a run built in code (compare, claims, the tests) keeps nothing it did not ask for
+    save_final: bool = False
     resume: bool = False  # continue from the latest complete checkpoint in <out_dir>/checkpoints
     recompute: str = "none"  # "selective": the attention core runs again in the backward (parallel/recompute.py)
     # seconds a rank may be silent before the run ends naming it; None: parallel/launch/watchdog.py's default, 0: off
@@ -186,6 +207,19 @@ class TrainConfig:
     # times torch's elastic agent starts every rank again after one fails; each restart resumes from the newest
     # checkpoint of out_dir that verifies (parallel/run/train.py's run_worker)
     max_restarts: int = 0
+    # rank 0 writes TensorBoard event files into out_dir/tensorboard (parallel/run/tensorboard.py): `minigpt train`
+    # sets it where the tensorboard package is installed; a run built in code (compare, claims, the tests) does not
+    tensorboard: bool = False
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run writes checkpoints: every save_every steps, or its final one."""
+        return bool(self.save_every) or self.save_final
+
+    def saves_at(self, step: int) -> bool:
+        """Whether a checkpoint is written after `step` (counted from 0)."""
+        last = step == self.steps - 1
+        return (self.save_every and (step + 1) % self.save_every == 0) or (last and self.saves)
 
     def __post_init__(self) -> None:
         positive_ints = {
@@ -223,11 +257,7 @@ class TrainConfig:
                 f"interleaving needs the {self.model.n_layers} layers to divide evenly into pp x virtual chunks = "
                 f"{self.pp * self.virtual_chunks} chunks: change --layers, --pp or --virtual-chunks"
             )
-        if self.model.vocab_size < VOCAB_SIZE:
-            raise ConfigError(
-                f"vocab_size={self.model.vocab_size} is smaller than the byte vocabulary ({VOCAB_SIZE}): "
-                f"use --vocab-size {VOCAB_SIZE} or more"
-            )
+        check_vocabulary(self.model, self.tokenizer)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:

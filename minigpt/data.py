@@ -1,8 +1,9 @@
 """Bytes in, bytes out: the tokenizer, the corpus, and deterministic batches.
 
-The tokenizer is the identity on UTF-8 bytes (vocabulary 256), so any text
-round-trips exactly. A batch is a pure function of (seed, step, micro-batch,
-data-parallel rank): every sample of a step's global batch is drawn from
+The default tokenizer is the identity on UTF-8 bytes (vocabulary 256), so any text
+round-trips exactly; minigpt/tokenizer.py puts it and a Hugging Face tokenizer.json behind one
+interface, and a Corpus is loaded in either's ids (int16 or int32 above 255). A batch is a
+pure function of (seed, step, micro-batch, data-parallel rank): every sample of a step's global batch is drawn from
 (seed, step) alone, and a rank's micro-batch is a fixed slice of that global
 batch, so any parallel layout sees exactly the same global batch as one process.
 
@@ -83,37 +84,43 @@ def read_text_file(path: str | Path) -> bytes:
     return data
 
 
-def check_length(n_tokens: int, seq_len: int, source: str) -> None:
+def check_length(n_tokens: int, seq_len: int, source: str, unit: str = "bytes") -> None:
     """Each split must hold at least one full sample: seq_len inputs plus one target."""
     needed = math.ceil((seq_len + 1) / VAL_FRACTION)
     if n_tokens < needed:
         raise ConfigError(
-            f"data {source!r} has {n_tokens} bytes; with seq_len={seq_len} it needs at least "
+            f"data {source!r} has {n_tokens} {unit}; with seq_len={seq_len} it needs at least "
             f"{needed} so that the validation split (last {VAL_FRACTION:.0%}) holds one sequence: "
             f"use a longer file or a shorter --seq-len"
         )
 
 
-def check_text_file(path: str | Path, seq_len: int) -> None:
+def check_text_file(path: str | Path, seq_len: int, tokenizer=None) -> None:
     """Everything about a data file that can be known before training: it exists,
-    is UTF-8, and is long enough for seq_len."""
-    check_length(len(read_text_file(path)), seq_len, str(path))
+    is UTF-8, and is long enough for seq_len (in `tokenizer`'s tokens: minigpt/tokenizer.py; None: bytes)."""
+    data = read_text_file(path)
+    if tokenizer is None or tokenizer.spec == "bytes":
+        check_length(len(data), seq_len, str(path))
+    else:
+        check_length(len(tokenizer.encode(data.decode("utf-8"))), seq_len, str(path), "tokens")
 
 
 @dataclass(frozen=True)
 class Corpus:
     """A token stream split into train (first 90%) and validation (last 10%)."""
 
-    train: torch.Tensor  # uint8
+    train: torch.Tensor  # uint8 bytes; int16 or int32 ids of another tokenizer
     val: torch.Tensor
     source: str
 
     @classmethod
-    def load(cls, path: str | Path | None, seq_len: int) -> "Corpus":
+    def load(cls, path: str | Path | None, seq_len: int, tokenizer=None) -> "Corpus":
+        """The text of `path` (None: the embedded corpus) in `tokenizer`'s ids (minigpt/tokenizer.py; None: bytes)."""
         data = embedded_corpus() if path is None else read_text_file(path)
         source = "embedded:" + CORPUS_NAME if path is None else str(path)
-        tokens = tokens_of(data)
-        check_length(len(tokens), seq_len, source)
+        unit = "bytes" if tokenizer is None or tokenizer.spec == "bytes" else "tokens"
+        tokens = tokens_of(data) if unit == "bytes" else tokenizer.encode(data.decode("utf-8"))
+        check_length(len(tokens), seq_len, source, unit)
         split = len(tokens) - int(len(tokens) * VAL_FRACTION)
         return cls(train=tokens[:split], val=tokens[split:], source=source)
 

@@ -246,7 +246,8 @@ OUTPUT_ROWS = [  # what simulate writes, and the names it reads, checked before 
     ("simulate", ["--trace", "{root}/a-directory.json"], "is a directory"),
     ("simulate", ["--trace", "/proc/minigpt-trace.json"], "cannot write in '/proc'"),
     ("simulate", [*SWEEP, "--trace", "{root}/trace.json"], "drop --trace"),
-    ("simulate", ["--plot", "{root}/scaling.png"], "add --sweep"),
+    ("simulate", ["--plot", "{root}/step.svg"], "ending in .png"),  # one step's breakdown, or a sweep's curve: a PNG
+    ("simulate", [*SWEEP, "--plot", "{root}/a-directory.json"], "is a directory"),
     ("simulate", [*SWEEP, "--plot", "{root}/missing/scaling.png"], "does not exist"),
     ("simulate", [*SWEEP, "--plot", " "], "--plot is blank"),
     ("simulate", ["--topology", ""], "--topology is empty"),

@@ -202,6 +202,9 @@ def test_matrix_runs_every_layout_and_reports_the_error(profile, tmp_path, monke
     assert report["prediction_confidence"]["known"]
     for row in report["rows"]:
         assert abs(row["activations_error"]) < 0.2
+    assert report["plot"] == str(tmp_path / "m" / "compare.png")  # a panel per layout (tests/test_plots.py: the PNG)
+    assert (tmp_path / "m" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(row["phases"][0]["name"] == "step time" for row in report["rows"])
 
 
 def test_the_drift_line_asks_for_a_recalibration_when_either_time_moved(capsys):

@@ -128,7 +128,8 @@ def test_a_non_empty_out_is_refused_and_overwrite_clears_it(run):
     assert listing(run) == before
     result = train("--steps", "3", "--out", str(run), "--overwrite", "--json")
     assert result.exit_code == 0, result.output
-    assert not (run / "checkpoints").exists()  # the old run's checkpoints are gone with it
+    # the old run's checkpoints (steps 2, 4, 6) are gone with it: only the new run's final one is there
+    assert [path.name for path in (run / "checkpoints").iterdir()] == ["step-000003"]
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
 

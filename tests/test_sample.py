@@ -137,3 +137,25 @@ def test_a_changed_newest_checkpoint_is_skipped_for_the_newest_that_verifies(run
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["step"] == 2
     assert result.stderr.count("\n") == 1 and f"skipped {newest.name}" in result.stderr and "sha256" in result.stderr
+
+
+@pytest.mark.slow
+def test_every_run_keeps_its_final_weights_unless_told_not_to(tmp_path, monkeypatch):
+    """`minigpt train --model tiny --steps 30`, no other flag, then `minigpt sample --out RUN` prints text;
+    --no-save leaves no checkpoint (and sample says so in one line)."""
+    monkeypatch.chdir(tmp_path)  # the default run directory, runs/<time>-<shape>, lands here
+    result = CliRunner().invoke(main, ["train", "--model", "tiny", "--steps", "30"])
+    assert result.exit_code == 0, result.output
+    (run,) = (tmp_path / "runs").iterdir()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000030"]
+    result = CliRunner().invoke(main, ["sample", "--out", str(run), "--tokens", "40", "--prompt", "ROMEO:"])
+    assert result.exit_code == 0, result.output
+    text = result.output.split("ROMEO:", 1)[1]
+    assert len(text.strip()) > 10  # 40 bytes of text after the prompt
+    result = CliRunner().invoke(main, ["train", "--model", "tiny", "--steps", "3", "--no-save", "--out", "quiet"])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "quiet" / "checkpoints").exists()
+    result = CliRunner().invoke(main, ["sample", "--out", "quiet"])
+    assert result.exit_code == 2 and "--no-save" in result.output, result.output
+    result = CliRunner().invoke(main, ["train", "--no-save", "--save-every", "5", "--out", "both"])
+    assert result.exit_code == 2 and "give one or the other" in result.output and not (tmp_path / "both").exists()

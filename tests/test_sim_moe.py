@@ -155,7 +155,7 @@ def test_simulated_step_shows_the_all_to_all_and_the_experts_reduction():
     layout = Layout(dp=16, pp=4, ep=8)
     result = simulate_step(MIXTRAL.with_(n_layers=8), layout, build_cluster(H100, 8, 8), "bf16", 64, 1)
     assert result.breakdown["ep_comm"] > 0 and result.moe
-    assert result.parameters == {"total": MIXTRAL.with_(n_layers=8).n_params(),
+    assert result.parameters == {**MIXTRAL.with_(n_layers=8).param_breakdown(),
                                  "active": MIXTRAL.with_(n_layers=8).active_params()}
     groups = {c["group"] for c in result.collectives}
     assert {"ep", "dp_experts"} <= groups  # the norm's expert share, and the experts' gradients over 2 ranks

@@ -6,7 +6,8 @@
 The profile, the layout and the job are checked (the world must fit the profile's one
 node; the simulator must accept the job) before any worker starts. --out DIR holds the
 training's trace.json and the simulated step's simulated.json, side by side for
-chrome://tracing or Perfetto. Nothing is adjusted to make the two agree.
+chrome://tracing or Perfetto, and compare.png: the step's phases predicted against measured
+(cli/tools/plots.py; the matrix's, a panel per layout, in its directory). Nothing is adjusted to make the two agree.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def build_compare_config(options: dict) -> TrainConfig:
         shard_group=options.get("shard_group", 0),
         reshard_after_forward=options.get("reshard_after_forward", True),
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
+        tokenizer=options.get("tokenizer") or "bytes",  # the corpus in its ids (--tokenizer sets the vocabulary)
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
     )
     if options["precision"] == AUTO:  # the format the training side will compute in, for both sides
@@ -75,7 +77,8 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--threads-per-rank", "threads_per_rank", type=int, help="[default: 1 with several ranks]")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
 @click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")
-@click.option("--out", type=str, help="Directory for the run, trace.json and simulated.json [default: runs/...].")
+@click.option("--out", type=str, help="Directory for the run, trace.json, simulated.json and compare.png "
+              "[default: runs/...].")
 @click.option("--matrix", is_flag=True, help="Run the built-in set of layouts (the layout flags are ignored) and report the error.")
 @click.option("--rounds", type=int, help="Train and predict each layout this many times, the rounds interleaved; "
               "report the round of the median error and the spread [default: 3 with --matrix, else 1].")
@@ -85,6 +88,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, profile_units: bool, **options) -> None:
     """Train a layout for K steps, simulate it with a calibrated profile, print predicted against measured."""
     from cli.tools.compare import check_compare, format_error, format_value, median_round, run_compare
+    from cli.tools.plots import NOT_DRAWN, draw_compare, if_drawable
     from minigpt.errors import check_positive_int
 
     rounds = check_positive_int("--rounds", rounds if rounds is not None else 3 if matrix else 1)
@@ -98,6 +102,7 @@ def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, prof
     if rounds > 1:
         report = {**report, "rounds": [{key: r[key] for key in ("predicted_step_time_s", "measured_step_time_s",
                                                                "step_time_relative_error", "run_dir")} for r in reports]}
+    report["plot"] = if_drawable(draw_compare, report, f"{cfg.out_dir}/compare.png")  # beside the run (its rounds)
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -116,6 +121,7 @@ def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, prof
         if r["note"]:
             click.echo(f"  {r['name']}: {r['note']}")
     click.echo(f"traces: {report['traces']['measured']} (measured), {report['traces']['simulated']} (simulated)")
+    click.echo(f"picture: {report['plot'] or NOT_DRAWN} (predicted against measured, by phase)")
     if rounds > 1:
         echo_rounds(report["rounds"])
     echo_drift(report["machine_drift"])
@@ -150,9 +156,11 @@ def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool, rounds: i
     from cli.output import format_table
     from cli.tools.compare import format_error, format_value
     from cli.tools.compare_matrix import run_matrix
+    from cli.tools.plots import NOT_DRAWN, draw_compare_matrix, if_drawable
 
     out_dir = out or f"runs/compare-matrix-{time.strftime('%Y%m%d-%H%M%S')}"
     report = run_matrix(cfg, hardware, out_dir, rounds, retime)
+    report["plot"] = if_drawable(draw_compare_matrix, report, f"{out_dir}/compare.png")
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -165,6 +173,7 @@ def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool, rounds: i
     units = "units timed beside each training" if retime else "the profile's units"
     click.echo(f"step-time MAPE {report['step_time_mape']:.1%} over {len(rows)} layouts ({how}; {units}); worst "
                f"model-state error {report['worst_model_state_error']:.2%}; traces under {out_dir}")
+    click.echo(f"picture: {report['plot'] or NOT_DRAWN} (predicted against measured, by phase, a panel per layout)")
     for drift in report["machine_drift"]:
         echo_drift(drift)
     if report.get("prediction_confidence"):

@@ -10,6 +10,8 @@ one line says which cp the job needs at the least. For a mixture of experts expe
 divisor of dp that divides the experts; --ep fixes it) and --expert-load prices a routing imbalance
 (cli/options/experts.py), the same for every candidate.
 
+--plot FILE.png draws the listed layouts (cli/tools/plots.py), the path checked before the search.
+
 A model that fits nowhere is bad input too: one line naming the smallest memory need found and the
 GPU's capacity, exit code 2 (the flags ask for the impossible; more GPUs, a larger GPU or a smaller
 model is the fix), before anything is simulated.
@@ -30,6 +32,7 @@ from cli.options.model import model_from_options, model_options
 from cli.options.cluster import check_cluster_names, cluster_options
 from cli.options.precision import precision_option, simulated_precision
 from cli.commands.simulate import _hardware, parameter_count
+from cli.tools.plots import check_png
 from minigpt.errors import ConfigError, check_positive_int
 
 GIB = 2**30
@@ -116,17 +119,22 @@ def _spec(options: dict):
 @precision_option
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
 @cluster_options()
+@click.option("--plot", type=click.Path(dir_okay=False), help="Draw the listed layouts' step time and memory per GPU "
+              "to this PNG.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(**options) -> None:
     """Search tp, sequence parallelism, context parallelism (ring), pp, dp, expert parallelism (a mixture of experts'),
     ZeRO stage, micro-batch size, schedule and recompute for the fastest layouts that fit in memory, as the simulator
     predicts them, and say why the others lost."""
     from precision.policy import policy as precision_policy
+    from cli.tools.plots import draw_plan
     from simulator.search.plan import plan as search
 
     model = model_from_options(options)
     load, load_from = read_expert_load(options["expert_load"])
     check_cluster_names(options)
+    if options["plot"] is not None:
+        check_png("--plot", options["plot"], "plan.png")
     for name in ("gpus", "top", "global_batch", "micro_batch_size", "micro_batches", "gpus_per_node",
                  "nics_per_node", "cp", "ep"):
         if options[name] is not None:
@@ -143,7 +151,10 @@ def plan(**options) -> None:
     if result.expert_load != load:
         load_from += f"; {load:.3g} capped at the capacity factor {model.capacity_factor:g}"
     result.expert_load_from = load_from
+    plot = {"plot": str(draw_plan(result, options["plot"]))} if options["plot"] else {}
     if options["as_json"]:
-        click.echo(json.dumps({"model_parameters": model.n_params(), **result.as_dict()}))
-    else:
-        _print(result)
+        click.echo(json.dumps({"model_parameters": model.n_params(), **result.as_dict(), **plot}))
+        return
+    _print(result)
+    if plot:
+        click.echo(f"picture: {plot['plot']}")

@@ -1,4 +1,5 @@
-"""`minigpt sample`: text from a run's newest checkpoint (any layout), in one process."""
+"""`minigpt sample`: text from a run's newest checkpoint (any layout), in one process, in the run's tokens (its
+tokenizer.json, or bytes: parallel/run/sample.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from cli.output import print_table
 
 @click.command()
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
-              help="run directory of `minigpt train --save-every N`: its newest complete checkpoint")
+              help="run directory of `minigpt train`: its newest complete checkpoint")
 @click.option("--checkpoint", type=click.Path(), default=None, help="one checkpoint directory (checkpoints/step-NNNNNN)")
 @click.option("--prompt", default="\n", show_default="a newline", help="text to continue")
-@click.option("--tokens", type=int, default=200, show_default=True, help="new tokens (bytes) to generate")
+@click.option("--tokens", type=int, default=200, show_default=True, help="new tokens to generate (the run's tokenizer's: bytes, unless it trained with --tokenizer)")
 @click.option("--temperature", type=float, default=0.8, show_default=True, help="0: greedy (argmax)")
 @click.option("--top-k", "top_k", type=int, default=None, help="draw only from the K likeliest tokens")
 @click.option("--seed", type=int, default=0, show_default=True, help="the same seed gives the same text")

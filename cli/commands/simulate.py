@@ -16,7 +16,8 @@ simulator/engine/overlap.py) are flags too; the output says what its numbers res
 each collective runs as NCCL would pick it (--nccl-algo forces one: cli/options/collectives.py). A job beyond
 simulator/limits.py's stated size (GPUs, layers, schedule slots, sweep points) is refused in
 one line before anything is built. --campaign DAYS (cli/options/campaign.py, simulator/campaign/) runs the
-predicted step (each point's, with --sweep) for a whole campaign whose servers fail.
+predicted step (each point's, with --sweep) for a whole campaign whose servers fail. --plot FILE.png draws the step's
+breakdown (cli/tools/plots.py; with --sweep the scaling curve), and --json carries the model's parameter counts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.output_file import check_output_file
+from cli.tools.plots import check_png
 from cli.options.precision import precision_option, simulated_precision
 
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
@@ -129,6 +131,10 @@ def run_single(options: dict) -> dict:
         result.write_chrome_trace(options["trace"])
     report = {"model": model, "result": result, "cluster": cluster.describe(),
               "expert_load_from": options["expert_load_from"]}
+    if options["plot"]:
+        from cli.tools.plots import draw_step
+
+        report["plot"] = str(draw_step(result, options["plot"]))
     if options["campaign_days"] is not None:
         report["campaign"] = run_campaign(result, options, hardware)
     return report
@@ -178,11 +184,11 @@ def run_sweep(options: dict) -> dict:
     stages = tuple(z for z in range(4) if zero3_gathers(z, lay.dp, at.result.micro_batches, model.n_layers)
                    <= MAX_ZERO3_GATHERS)
     zero = compare_zero(job, lay, spec.build(at.gpus), hardware, at.global_batch, stages) if lay.dp > 1 else {}
+    report = {"model": model, "sweep": sweep, "zero": zero, "zero_at": at, "campaign_days": options["campaign_days"]}
     if options["plot"]:
         from simulator.report import plot_sweep
 
-        plot_sweep(sweep, options["plot"])
-    report = {"model": model, "sweep": sweep, "zero": zero, "zero_at": at, "campaign_days": options["campaign_days"]}
+        report["plot"] = str(plot_sweep(sweep, options["plot"]))
     if options["campaign_days"] is not None:
         report["campaign_sweep"] = campaign_sweep(sweep, options, hardware)
     return report
@@ -264,13 +270,14 @@ def _print_sweep(report: dict) -> None:
 
 
 def _json(report: dict) -> dict:
+    extra = {"plot": report["plot"]} if "plot" in report else {}
     if "result" in report:
         moe = {"expert_load_from": report["expert_load_from"]} if report["model"].is_moe else {}
         campaign = {"campaign": report["campaign"]} if "campaign" in report else {}
-        return {**report["result"].as_dict(), "cluster": report["cluster"], **moe, **campaign}
+        return {**report["result"].as_dict(), "cluster": report["cluster"], **moe, **campaign, **extra}
     from simulator.search.sweep import zero_verdict
 
-    data = {"sweep": report["sweep"].as_dict()}
+    data = {"sweep": report["sweep"].as_dict(), "parameters": parameter_counts(report["model"]), **extra}
     if "campaign_sweep" in report:
         with_failures, campaigns = report["campaign_sweep"]
         data["campaign_sweep"] = {"sweep": with_failures.as_dict(), "campaigns": {str(n): c for n, c in
@@ -281,20 +288,25 @@ def _json(report: dict) -> dict:
     return data
 
 
+def parameter_counts(model) -> dict:
+    """The model's parameters (minigpt/config.py): in all, those one token goes through (a mixture of experts' top_k
+    experts; all of a dense model's), and by part: what one simulation's report carries (simulator/engine/simulate.py)."""
+    return {**model.param_breakdown(), "active": model.active_params()}
+
+
 def check_paths(options: dict) -> None:
-    """The files simulate reads name something, and the one it writes can be written there, before any work;
-    --trace (one step) and --plot (a sweep) only where they are written."""
+    """The files simulate reads name something, and the ones it writes can be written there (--plot: a PNG), before
+    any work; --trace only for one step (a sweep simulates many)."""
     check_cluster_names(options)
     if options["topology"] is not None:
         check_path_given("--topology", options["topology"], "a cluster file's path")
     if options["trace"] is not None and options["sweep"]:
         raise ConfigError("--trace writes the simulated step of one layout, and a sweep simulates many: drop --trace "
                           "(--plot draws the sweep)")
-    if options["plot"] is not None and not options["sweep"]:
-        raise ConfigError("--plot draws a sweep's scaling curve: add --sweep, or drop --plot (--trace writes one step)")
-    for name, example in (("trace", "trace.json"), ("plot", "scaling.png")):
-        if options[name] is not None:
-            check_output_file(f"--{name}", options[name], example)
+    if options["trace"] is not None:
+        check_output_file("--trace", options["trace"], "trace.json")
+    if options["plot"] is not None:
+        check_png("--plot", options["plot"], "scaling.png" if options["sweep"] else "step.png")
 
 
 def check_context(options: dict, model) -> None:
@@ -396,7 +408,8 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--gpus", help="GPU counts of the sweep, e.g. 8,16,32,64.")
 @click.option("--threshold", type=float, help="Marginal efficiency (added GPU / GPU already there) under which "
               "adding GPUs stops paying (default: simulator.search.sweep.DEFAULT_THRESHOLD, half of linear scaling).")
-@click.option("--plot", type=click.Path(dir_okay=False), help="Draw the sweep to this PNG.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Draw one step's breakdown (with --sweep: the scaling "
+              "curve) to this PNG.")
 @campaign_options
 def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
@@ -421,3 +434,5 @@ def simulate(**options) -> None:
         _print_sweep(report)
     else:
         _print_single(report)
+    if "plot" in report and not options["as_json"]:
+        click.echo(f"picture: {report['plot']}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -15,17 +16,19 @@ from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options
 from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count
-from cli.options.model import model_from_options, model_options
+from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.data import check_text_file
 from minigpt.errors import ConfigError
+from minigpt.tokenizer import BYTES, load_tokenizer
 from parallel.gpu_files import cuda_devices
 from parallel.run.loss_plot import LossPlotter
 from parallel.launch.rank_start import in_torchrun, start_rank_server
-from parallel.run.resume import ResumePoint, continue_settings, resume_point
+from parallel.run.resume import ResumePoint, continue_settings, resume_point, resumed_tokenizer
 from parallel.run.directory import RunClaim
 from parallel.run.files import default_run_dir
-from parallel.launch.torchrun_env import check_torchrun_variables
+from parallel.run.tensorboard import announce as tensorboard_line, available as tensorboard_installed
+from parallel.launch.torchrun_env import check_torchrun_variables, tensor_parallel_across_nodes
 from parallel.launch.watchdog import DEFAULT_TIMEOUT_S, check_timeout
 from job.train_config import DEVICES, TrainConfig
 
@@ -39,7 +42,14 @@ def build_train_config(options: dict) -> TrainConfig:
     chosen = resume_choice(options["resume"])
     if chosen is not None and options["out"] is None and Path(chosen).parent.name == "checkpoints":
         options = {**options, "out": str(Path(chosen).parent.parent)}  # --resume RUN/checkpoints/step-N
-    model = model_from_options(options)
+    if options["no_save"] and options["save_every"]:
+        raise ConfigError(f"--no-save keeps no checkpoint, --save-every {options['save_every']} asks for them: "
+                          f"give one or the other")
+    if options["resume"] not in (None, False) and options["out"] is not None:  # the run's tokenizer, or refused
+        options = {**options, "tokenizer": resumed_tokenizer(options["tokenizer"], options["out"], chosen)}
+    if options["init_from"] is not None and options["tokenizer"] is None:  # the model's own, where it has one
+        options = {**options, "tokenizer": hf_tokenizer(options["init_from"])}
+    model = model_from_hf(options) if options["init_from"] is not None else model_from_options(options)
     dp = data_parallel_size(options)
     cfg = TrainConfig(
         model=model,
@@ -56,6 +66,8 @@ def build_train_config(options: dict) -> TrainConfig:
         eval_batches=options["eval_batches"],
         seed=options["seed"],
         data=options["data"],
+        init_from=options["init_from"],
+        tokenizer=options["tokenizer"] or BYTES,
         out_dir=options["out"],
         device=options["device"],
         precision=CPU_PRECISION if options["precision"] == AUTO else options["precision"],  # auto: resolved below
@@ -77,16 +89,18 @@ def build_train_config(options: dict) -> TrainConfig:
         bucket_mb=options["bucket_mb"],
         threads_per_rank=options["threads_per_rank"],
         save_every=options["save_every"] or 0,
+        save_final=not options["no_save"],
         resume=options["resume"] not in (None, False),
         recompute=options["recompute"],
         watchdog_s=options["watchdog"],
         max_restarts=options["max_restarts"],
+        tensorboard=tensorboard_installed(),  # event files in every run directory, where the package is installed
     )
     check_timeout(options["watchdog"])
     if options["precision"] == AUTO:  # the device's format, looked up (torch) once everything else is valid
         cfg = dataclasses.replace(cfg, precision=training_precision(AUTO, cfg.device, cfg.world_size))
     if cfg.data is not None:
-        check_text_file(cfg.data, model.seq_len)
+        check_text_file(cfg.data, model.seq_len, load_tokenizer(cfg.tokenizer))
     if cfg.out_dir is None:
         cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
     return cfg
@@ -104,13 +118,23 @@ def resume_choice(value: object) -> str | None:
 
 def claim_run_dir(cfg: TrainConfig, options: dict) -> RunClaim | None:
     """The launching process's claim on --out (checked, not yet taken); None in a torchrun rank other
-    than 0, which leaves the directory to rank 0."""
+    than 0, which checks the directory as rank 0 does (refused on every node alike, before any rank
+    waits for rank 0) and leaves claiming it to rank 0 (parallel/run/directory.py)."""
     from parallel.launch.elastic import check_torchrun_world  # torch: only once the flags are valid
 
     check_torchrun_world(cfg.world_size)  # before the directory is touched
-    if in_torchrun() and os.environ["RANK"] != "0":
+    if not reports():
+        RunClaim(cfg.out_dir, resume=cfg.resume, overwrite=options["overwrite"], lock=False)
         return None
+    across = tensor_parallel_across_nodes(cfg.tp)
+    if across is not None:
+        click.echo(f"minigpt: warning: {across}", err=True)
     return RunClaim(cfg.out_dir, resume=cfg.resume, overwrite=options["overwrite"])
+
+
+def reports() -> bool:
+    """Whether this process reports the run (its lines, its JSON): all but a torchrun rank other than 0."""
+    return not in_torchrun() or os.environ["RANK"] == "0"
 
 
 def check_memory(cfg: TrainConfig) -> None:
@@ -132,7 +156,7 @@ def choose_resume(cfg: TrainConfig, options: dict, out) -> ResumePoint | None:
     if not cfg.resume:
         return None
     point = resume_point(cfg, resume_choice(options["resume"]))
-    if point.skipped_line():
+    if point.skipped_line() and reports():
         click.echo(point.skipped_line(), err=True)
     if not point.nothing_to_do(cfg.steps):
         click.echo(point.resuming_line(cfg.steps), file=out)
@@ -247,13 +271,18 @@ def mib(n: int) -> str:
 @click.option("--eval-batches", default=4, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--data", type=str, help="A UTF-8 text file [default: the embedded Shakespeare corpus].")
+@click.option("--init-from", "init_from", type=str, metavar="DIR", help="Start from the weights and shape of a Hugging "
+              "Face model directory (transformers' GPT-2 or Llama: config.json, model.safetensors; `minigpt export` "
+              "writes one); the optimizer starts fresh.")
 @click.option("--out", type=str, help="Run directory [default: runs/<time>-<shape>].")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
 @precision_option
 @click.option("--loss-scale", default="dynamic", show_default=True, help="fp16 loss scale: 'dynamic' or a static number.")
 @click.option("--loss-scale-window", default=1000, show_default=True, type=int, help="Clean steps before a dynamic scale doubles.")
-@click.option("--save-every", type=int, help="Checkpoint every N steps and at the end (0: none) [default: 0, or "
-              "with --resume the run's own].")
+@click.option("--save-every", type=int, help="Checkpoint every N steps and at the end (0: at the end only) [default: 0, "
+              "or with --resume the run's own].")
+@click.option("--no-save", is_flag=True, help="No checkpoint at all, not even the final one that `minigpt sample` and "
+              "`minigpt export` read.")
 @click.option("--resume", is_flag=False, flag_value=NEWEST, default=None, type=click.UNPROCESSED, metavar="[PATH]",
               help="Continue the run in --out from its newest checkpoint that verifies, or from checkpoint PATH.")
 @click.option("--overwrite", is_flag=True, help="Clear --out first (only a minigpt run directory; never with --resume).")
@@ -280,18 +309,22 @@ def check_and_run(cfg: TrainConfig, options: dict, as_json: bool, plotter: LossP
     from parallel.device import check_device  # torch is imported only once the flags are valid
 
     check_device(cfg.device, cfg.world_size)
+    if cfg.init_from is not None:  # every tensor of the shape there, at its size: read from the files' headers
+        from minigpt.hf_files import check_hf_dir
+
+        check_hf_dir(cfg.init_from, cfg.model.seq_len)
     check_memory(cfg)
-    out = sys.stderr if as_json else sys.stdout
+    out = (sys.stderr if as_json else sys.stdout) if reports() else io.StringIO()  # torchrun: rank 0 speaks
     claim = claim_run_dir(cfg, options)
     try:
         point = choose_resume(cfg, options, out)
         if point is not None and not point.nothing_to_do(cfg.steps):
-            cfg, lines = continue_settings(cfg, point, options["save_every"] is not None)
+            cfg, lines = continue_settings(cfg, point, options["save_every"] is not None or options["no_save"])
             for line in lines:
                 click.echo(line, file=out)
         if point is not None and point.nothing_to_do(cfg.steps):
             click.echo(point.nothing_to_do(cfg.steps), file=out)
-            if as_json:
+            if as_json and reports():
                 click.echo(json.dumps({"nothing_to_do": point.nothing_to_do(cfg.steps), "first_step": point.step,
                                        "steps": cfg.steps, "checkpoint": str(point.path), "run_dir": cfg.out_dir}))
             return
@@ -316,7 +349,7 @@ def join_torchrun_group(cfg: TrainConfig) -> None:
 def start_plotter() -> LossPlotter | None:
     """The process that draws loss.png, started now: it imports matplotlib on one core while this process
     imports torch on the other. None in a torchrun rank other than 0, which reports nothing."""
-    if in_torchrun() and os.environ["RANK"] != "0":
+    if not reports():
         return None
     return LossPlotter.start()
 
@@ -326,7 +359,7 @@ def start_rank_server_early(cfg: TrainConfig) -> None:
     it imports torch on one core while this process imports it on the other. A run that saves or resumes
     checkpoints has it import torch.distributed.checkpoint too, once, instead of every rank (a second each)."""
     if cfg.world_size > 1 and not in_torchrun():
-        checkpoints = ("parallel.checkpoint.sharded",) if cfg.save_every or cfg.resume else ()
+        checkpoints = ("parallel.checkpoint.sharded",) if cfg.saves or cfg.resume else ()
         start_rank_server("parallel.run.train", "cli.main", *checkpoints)  # cli.main: the console script a rank runs
 
 
@@ -338,7 +371,8 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
     click.echo(
         f"training {m.n_params():,} parameters" + (f", {m.active_params():,} active" if m.is_moe else "") +
         f" ({m.describe()}) for {cfg.steps} steps of {cfg.tokens_per_step:,} "
-        f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation"),
+        f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation") +
+        ("" if cfg.tokenizer == BYTES else f", tokenizer {cfg.tokenizer} (vocabulary {m.vocab_size:,})"),
         file=out,
     )
     context = f" x cp {cfg.cp} ({cfg.cp_kind})" if cfg.cp > 1 else ""
@@ -353,6 +387,7 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
                f"{'' if cfg.zero == 0 else ' over the ' + group}{experts}"
                f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}, {cfg.precision}"
                f"{' (auto: bf16 on a GPU, fp32 on a CPU)' if options['precision'] == AUTO else ''}", file=out)
+    click.echo(tensorboard_line(cfg.out_dir, cfg.tensorboard), file=out)
     summary = run_training(cfg, on_step=StepPrinter(cfg.log_interval, cfg.steps, to_stderr=as_json), resume_from=point,
                            plotter=plotter)
     if summary is None:  # a torchrun rank other than 0: rank 0 reports

@@ -3,10 +3,14 @@
 A mixture of experts (minigpt/moe.py) is a preset (tiny-moe, mixtral-8x7b, deepseek-v3) or --experts N over any
 preset; --top-k, --expert-width, --shared-experts, --dense-layers, --router, --capacity-factor, --aux-loss-coef and
 --z-loss-coef change its fields (GPTConfig's n_experts, top_k, d_expert, n_shared_experts, dense_layers, router,
-capacity_factor, aux_loss_coef, z_loss_coef) and are refused, in one line, on a dense model."""
+capacity_factor, aux_loss_coef, z_loss_coef) and are refused, in one line, on a dense model.
+
+--tokenizer (minigpt/tokenizer.py) sets the vocabulary: a tokenizer.json's own, or --vocab-size when that is at
+least it (smaller: refused); `bytes` given sets 256; left out, the preset's vocabulary stands."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import click
@@ -14,6 +18,7 @@ import click
 from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, GPTConfig
 from minigpt.presets import PRESETS, build_config
 from minigpt.errors import ConfigError, check_positive_int
+from minigpt.tokenizer import model_vocab_size
 
 POSITIVE = ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "head_dim")
 
@@ -31,7 +36,12 @@ def model_options(default: str) -> Callable:
                      help="Model width (without --d-ff the MLP keeps the preset's ratio)."),
         click.option("--d-ff", "d_ff", type=int, help="MLP width (for SwiGLU: each of its gate and up projections)."),
         click.option("--seq-len", "seq_len", type=int, help="Sequence length."),
-        click.option("--vocab-size", "--vocab", "vocab_size", type=int, help="Vocabulary size."),
+        click.option("--vocab-size", "--vocab", "vocab_size", type=int,
+                     help="Vocabulary size [default: the preset's, or --tokenizer's vocabulary]."),
+        click.option("--tokenizer", type=str, metavar="bytes|FILE",
+                     help="bytes (UTF-8 bytes, vocabulary 256) or a Hugging Face tokenizer.json (or a directory "
+                          "holding one): the model's vocabulary is the tokenizer's [default: bytes, with the "
+                          "preset's vocabulary]."),
         click.option("--untied/--tied", "untied", default=None,
                      help="The LM head with its own weights, or sharing the token embedding [default: the preset's]."),
         click.option("--mlp", type=click.Choice(MLP_KINDS), help="MLP: gelu (GPT-2) or swiglu (Llama)."),
@@ -99,11 +109,62 @@ def model_from_options(options: dict) -> GPTConfig:
         if options.get(name) is not None:
             check_positive_int(f"--{name.replace('_', '-')}", options[name])
     untied = options.get("untied")
+    vocab_size = options.get("vocab_size")
+    if options.get("tokenizer") is not None:  # before the shape's other checks: a file that does not parse says so
+        vocab_size = model_vocab_size(options["tokenizer"], vocab_size)
     return build_config(
-        options["model"], vocab_size=options.get("vocab_size"), seq_len=options.get("seq_len"),
+        options["model"], vocab_size=vocab_size, seq_len=options.get("seq_len"),
         n_layers=options.get("layers"), n_heads=options.get("heads"), n_kv_heads=options.get("kv_heads"),
         d_model=options.get("d_model"), d_ff=options.get("d_ff"), tied_head=None if untied is None else not untied,
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), **_expert_fields(options),
     )
+
+
+# the model flags an imported model's shape leaves open: its training context (rotary models) and dropout
+OPEN_WITH_INIT = ("seq_len", "dropout")
+
+
+def shape_flags_given(options: dict) -> list[str]:
+    """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
+    given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
+                               "mlp", "norm", "positions", "rope_theta", "bias", "dropout", "head_dim", "qk_norm",
+                               "experts", *EXPERT_FIELDS) if options.get(name) is not None]
+    context = click.get_current_context(silent=True)
+    source = context.get_parameter_source("model") if context is not None else None
+    if source is not None and source != click.core.ParameterSource.DEFAULT:
+        given.insert(0, "model")
+    return given
+
+
+def hf_tokenizer(path: str) -> str | None:
+    """--init-from's tokenizer: the directory's tokenizer.json ("bytes" when it is the byte tokenizer's, as a byte
+    run's export writes), or None when it has none."""
+    from minigpt.tokenizer import BYTES, FILE_NAME, is_bytes, load_tokenizer
+
+    file = Path(path) / FILE_NAME
+    if not file.is_file():
+        return None
+    return BYTES if is_bytes(load_tokenizer(str(file))) else str(file)
+
+
+def model_from_hf(options: dict) -> GPTConfig:
+    """The shape of --init-from's Hugging Face model directory (its config.json; the weights' files present), with
+    --seq-len and --dropout over it; any other model flag is refused: the shape is the directory's."""
+    from dataclasses import replace
+
+    from minigpt.hf import config_from_hf
+    from minigpt.hf_files import read_config, weight_files
+
+    others = [name for name in shape_flags_given(options) if name not in OPEN_WITH_INIT]
+    if others:
+        raise ConfigError(f"--{others[0].replace('_', '-')} sets the model's shape, which --init-from takes from "
+                          f"{options['init_from']}/config.json: leave it out (--seq-len and --dropout may be given)")
+    for name in OPEN_WITH_INIT:
+        if name == "seq_len" and options.get(name) is not None:
+            check_positive_int("--seq-len", options[name])
+    path = Path(options["init_from"])
+    config = config_from_hf(read_config(path), options.get("seq_len"))
+    weight_files(path)
+    return config if options.get("dropout") is None else replace(config, dropout=options["dropout"])

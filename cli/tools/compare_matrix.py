@@ -15,6 +15,7 @@ from pathlib import Path
 from cli.tools.compare import (
     calibrate_hint, check_compare, machine_drift, median_round, run_compare, warn_unreliable,
 )
+from cli.tools.plots import time_phases
 from job.train_config import TrainConfig
 from minigpt.config import GPTConfig
 from minigpt.presets import PRESETS
@@ -153,4 +154,5 @@ def matrix_row(name: str, reports: list[dict]) -> dict:
         "model_state_error": max(abs(by_name[r]["relative_error"] or 0.0) for r in STATE_ROWS),
         "activations_error": by_name["activations (rank 0)"]["relative_error"],
         "traces": median["traces"],
+        "phases": time_phases(median["rows"]),  # the median round's, predicted against measured (its picture's)
     }

@@ -40,6 +40,7 @@ from parallel.launch.rank_start import (
     START_METHOD, TORCHRUN_VARIABLES, adopt_environment, in_torchrun, launching_environment, start_rank_server,
 )
 from parallel.launch.torchrun_env import check_torchrun_variables, join_process_group
+from parallel.launch.peer_watch import lost_peer_line, watch_torchrun_rank
 from parallel.launch.watchdog import (
     DEFAULT_TIMEOUT_S, HEARTBEAT_DIR_VARIABLE, LAUNCHER_VARIABLE, Watchdog, check_timeout, start_heartbeat,
 )
@@ -71,15 +72,27 @@ def launch(
     Under torchrun every rank gets its own call's value back (rank 0's is the one that counts)
     and threads_per_rank is left to torchrun, which sets OMP_NUM_THREADS itself.
     Locally launched ranks are watched (parallel/launch/watchdog.py): one silent for watchdog_s seconds ends the
-    run with a TrainingError naming it; 0 turns the watchdog off. `max_restarts`: times the elastic agent starts
-    every rank again after one fails (the entrypoint sees TORCHELASTIC_RESTART_COUNT; under torchrun, torchrun's
-    own --max-restarts).
+    run with a TrainingError naming it; 0 turns the watchdog off. Under torchrun the ranks watch each other
+    through their agents' store, each leaves when its agent is gone, and one whose collective broke because a
+    peer ended says so in one line (parallel/launch/peer_watch.py). `max_restarts`: times the elastic agent
+    starts every rank again after one fails (the entrypoint sees TORCHELASTIC_RESTART_COUNT; under torchrun,
+    torchrun's own --max-restarts).
     """
     check_torchrun_world(world_size)
     check_threads_per_rank("threads per rank", threads_per_rank)
     check_timeout(watchdog_s)
-    if in_torchrun():
-        return entrypoint(arg)
+    if in_torchrun():  # torchrun started this rank and the others: it watches its agent, and its peers
+        watch = watch_torchrun_rank(watchdog_s)
+        try:
+            return entrypoint(arg)
+        except RuntimeError as error:  # a peer that ended first: one line here, the cause is in its node's output
+            line = lost_peer_line(error)
+            if line is None:
+                raise
+            raise TrainingError(line) from None
+        finally:
+            if watch is not None:
+                watch.stop()
     if world_size == 1:
         return entrypoint(arg)
     return launch_local(entrypoint, arg, world_size, threads_per_rank, watchdog_s, max_restarts)

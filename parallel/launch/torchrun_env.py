@@ -7,9 +7,10 @@ a run wait for ranks that never came, silently, for torch's default of 30 minute
 - only some of them set is refused before any work (`check_torchrun_variables`, which also refuses values
   that are not a rank, a world size or a port);
 - all of them set, a rank joins its group through `join_process_group`: it says on stderr what it waits for
-  (unless torchrun's agent started it, which has gathered every rank already), and a rendezvous that does
-  not complete within `rendezvous_timeout_s()` (MINIGPT_RENDEZVOUS_TIMEOUT, default 60 s) ends in one
-  ConfigError line. The bound is the rendezvous store's only: the process group and its collectives keep
+  (unless torchrun's agent started it, whose rendezvous has gathered every node already), and ranks that do
+  not all meet within `rendezvous_timeout_s()` (MINIGPT_RENDEZVOUS_TIMEOUT, default 60 s) end in one
+  ConfigError line. Under torchrun the ranks of every node meet in init_process_group, not at the agent's
+  store (up before they start): the bound covers both. Once met, the process group and its collectives keep
   torch's default timeouts.
 
 Torch is imported by `join_process_group` alone.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import sys
 
 from minigpt.errors import ConfigError
@@ -66,6 +68,30 @@ def whole_number(name: str, low: int, high: int | None) -> int:
     return value
 
 
+def tensor_parallel_across_nodes(tp: int) -> str | None:
+    """Under torchrun, the warning for a tensor-parallel group that spans nodes; None when each is inside one.
+
+    torchrun numbers a node's ranks consecutively (RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK) and the mesh
+    puts tp innermost (parallel/mesh.py), so the groups are tp consecutive ranks: inside one node exactly when tp
+    divides the node's LOCAL_WORLD_SIZE. Otherwise the run is still correct, only slower (two all-reduces per
+    layer and micro-batch over the network), which a model too large for one node's tp may need: a warning, not a
+    refusal."""
+    if "RANK" not in os.environ or "LOCAL_WORLD_SIZE" not in os.environ:
+        return None
+    local = whole_number("LOCAL_WORLD_SIZE", 1, None)
+    if local % tp == 0:
+        return None
+    return (f"--tp {tp} does not divide the {local} ranks of a node (torchrun --nproc-per-node {local}): each "
+            f"tensor-parallel group spans nodes, and its all-reduces (two per layer and micro-batch) cross the "
+            f"network; a --tp that divides --nproc-per-node keeps every group inside one node")
+
+
+def rank_placement() -> dict:
+    """Where this rank runs: its host, its node (torchrun's GROUP_RANK, 0 on one machine) and its local rank."""
+    return {"host": socket.gethostname(), "node": int(os.environ.get("GROUP_RANK", "0")),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
+
+
 def rendezvous_timeout_s() -> float:
     """Seconds a rank waits for the others to reach MASTER_ADDR:MASTER_PORT: MINIGPT_RENDEZVOUS_TIMEOUT, or 60."""
     text = os.environ.get(TIMEOUT_VARIABLE)
@@ -96,12 +122,20 @@ def waiting_line(seconds: float) -> str:
 def failure_line(error: Exception, seconds: float) -> str:
     """One line for a rendezvous that failed: the others never came, or torch's reason."""
     reason = " ".join(str(error).split())
-    if "timed out" in reason.lower():
-        return (f"{whom()} waited {seconds:g} s for the other ranks at {where()} and they never came: "
-                f"{unset_hint()} (it starts every rank)")
+    if "timed out" in reason.lower() or "wait timeout" in reason.lower():
+        return f"{whom()} waited {seconds:g} s for the other ranks at {where()} and they never came: {missing_hint()}"
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[: MAX_REASON_CHARS - 3] + "..."
-    return f"{whom()} cannot meet the other ranks at {where()}: {reason}: {unset_hint()}"
+    return f"{whom()} cannot meet the other ranks at {where()}: {reason}: {missing_hint()}"
+
+
+def missing_hint() -> str:
+    """What to do about ranks that never came: without torchrun, start them with it; under torchrun's agent (which
+    started them), look at the node whose ranks ended before they joined (a flag refused there, a crash)."""
+    if AGENT_VARIABLE in os.environ:
+        return (f"a rank of another node ended before it joined, and that node's output says why "
+                f"({TIMEOUT_VARIABLE} sets how long a rank waits)")
+    return f"{unset_hint()} (it starts every rank)"
 
 
 @contextlib.contextmanager
@@ -140,8 +174,15 @@ def rendezvous(seconds: float):
 
 
 def join_process_group(backend: str, device=None) -> None:
-    """dist.init_process_group(backend, device_id=device) through env://, its rendezvous bounded by
-    rendezvous_timeout_s(); the group's own timeout (its collectives) stays torch's default."""
+    """dist.init_process_group(backend, device_id=device) through env://, bounded by rendezvous_timeout_s() until
+    every rank has met; from then on the group's own timeout (its collectives, its store) is torch's default.
+
+    Under torchrun's agent the rendezvous returns at once (the agent's store is up before any rank starts) and the
+    ranks first meet in init_process_group (gloo connects every pair, NCCL passes its id through the store), which
+    waits for as long as the group's timeout: 30 minutes, for a rank of another node that ended before it joined (a
+    flag refused there, a crash). So the group is made with the rendezvous's bound and given torch's default after."""
+    from datetime import timedelta
+
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
@@ -150,5 +191,13 @@ def join_process_group(backend: str, device=None) -> None:
     if AGENT_VARIABLE not in os.environ:
         print(waiting_line(seconds), file=sys.stderr, flush=True)
     store, rank, world_size = rendezvous(seconds)
-    store.set_timeout(default_pg_nccl_timeout if backend == "nccl" and default_pg_nccl_timeout else default_pg_timeout)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, device_id=device)
+    group_timeout = default_pg_nccl_timeout if backend == "nccl" and default_pg_nccl_timeout else default_pg_timeout
+    # NCCL_DEBUG's lines, when asked for, are printed as NCCL starts: only gloo's retry warnings are hidden
+    with quiet_stderr() if backend == "gloo" else contextlib.nullcontext():
+        try:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, device_id=device,
+                                    timeout=timedelta(seconds=seconds))
+        except dist.DistError as error:
+            raise ConfigError(failure_line(error, seconds)) from None
+    store.set_timeout(group_timeout)
+    dist.distributed_c10d._set_pg_timeout(group_timeout)

@@ -11,7 +11,8 @@ and the launch reports the verdict in one line instead of "killed by SIGKILL".
 
 A rank is judged from its first beat on; one that never beats (stopped while importing torch)
 is judged against the launch's start with STARTUP_GRACE_S added. Under torchrun there is no
-launching process of ours: torchrun's own agent and the process group's timeout apply.
+launching process of ours: the ranks beat into their agents' store and watch each other instead
+(parallel/launch/peer_watch.py), with the same timeout.
 """
 
 from __future__ import annotations

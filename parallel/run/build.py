@@ -92,6 +92,19 @@ def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_n
     return STAGES[stage](model, comm, bucket_numel, replicas=replicas)
 
 
+def load_hf_weights(model: GPT, path: str) -> None:
+    """The whole plain model's weights from a Hugging Face model directory (minigpt/hf_files.py), on every rank,
+    before any parallelism cuts the model: each layout keeps its own pieces of the same tensors."""
+    from minigpt.hf_files import read_hf_dir
+
+    state = read_hf_dir(path, model.config)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, tensor in state.items():
+            if name in params:  # a GPT-2 shape without biases: the directory's zero biases have no place
+                params[name].copy_(tensor)
+
+
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:
     comms = {dim: Collectives(mesh.group(dim), dim, device) for dim in ("tp", "pp", "cp")}
     comms["dp"] = Collectives(mesh.shard_group(), "dp", device)  # gradients are averaged over dp x cp: ZeRO's group
@@ -100,6 +113,8 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         comms["dp_replicas"] = replicas
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
+    if cfg.init_from is not None and not cfg.resume:  # a resumed run's weights come from its checkpoint
+        load_hf_weights(model, cfg.init_from)
     if cfg.cp > 1:  # before recomputation wraps the attention core it replaces
         apply_context_parallel(model, mesh.group("cp"), cfg.cp_kind, comms["cp"])
     model = apply_precision(apply_recompute(model, cfg.recompute), policy, device)  # built in fp32, then cast

@@ -13,7 +13,11 @@ starts (cli/commands/train.py); nothing here imports torch and nothing is writte
   no output file is ever written through one;
 - `run.lock` is held with flock(2) by the launching process from the check to the end of the run,
   so a second run on the same directory is refused (naming the directory and the holder's pid),
-  and a crashed run leaves no stale lock: the kernel drops it with the process.
+  and a crashed run leaves no stale lock: the kernel drops it with the process;
+- under torchrun the run's one directory (on a filesystem every node mounts) is claimed by rank 0
+  alone, and every other rank checks it the same way without locking it (`lock=False`), so that a
+  directory refused is refused on every node at once, before any rank waits for rank 0. The ranks
+  check side by side: one's probe directory is no content to another.
 """
 
 from __future__ import annotations
@@ -27,23 +31,30 @@ from pathlib import Path
 from minigpt.errors import ConfigError
 
 LOCK_FILE = "run.lock"
+PROBE_PREFIX = ".minigpt-probe-"  # check_writable's directory, made and removed at once
 # What a run writes into its directory (parallel/run/files.py, parallel/run/train.py, job/trace.py,
 # parallel/checkpoint*.py), with the temporary names they are written under before a rename.
 RUN_ENTRIES = frozenset({
     "config.json", "metrics.jsonl", "summary.json", "trace.json", "loss.png", "checkpoints", LOCK_FILE,
     "simulated.json",  # minigpt compare's simulated trace, beside the run's own
+    "compare.png",  # and its picture of predicted against measured (cli/tools/plots.py)
+    "tensorboard",  # TensorBoard's event files (parallel/run/tensorboard.py)
+    "tokenizer.json", "tokenizer.json.tmp",  # the run's tokenizer (parallel/run/files.py), when it is not bytes
     "config.json.tmp", "summary.json.tmp", "trace.tmp", "loss.png.tmp.png",
 })
 
 
 def is_run_dir(path: Path) -> bool:
-    """Every entry is one a run writes, and checkpoints/ holds only step directories."""
-    if not all(entry.name in RUN_ENTRIES for entry in path.iterdir()):
+    """Every entry is one a run writes, checkpoints/ holds only step directories and tensorboard/ only event files."""
+    if not all(entry.name in RUN_ENTRIES or entry.name.startswith(PROBE_PREFIX) for entry in path.iterdir()):
         return False
-    checkpoints = path / "checkpoints"
-    if checkpoints.is_symlink() or (checkpoints.exists() and not checkpoints.is_dir()):
-        return False
-    return not checkpoints.exists() or all(entry.name.startswith("step-") for entry in checkpoints.iterdir())
+    for folder, prefix in (("checkpoints", "step-"), ("tensorboard", "events.out.tfevents.")):
+        inside = path / folder
+        if inside.is_symlink() or (inside.exists() and not inside.is_dir()):
+            return False
+        if inside.exists() and not all(entry.name.startswith(prefix) for entry in inside.iterdir()):
+            return False
+    return True
 
 
 def check_writable(path: Path, flag: str = "--out") -> None:
@@ -58,7 +69,7 @@ def check_writable(path: Path, flag: str = "--out") -> None:
     # for root as for anyone, under a file (ENOTDIR), on a read-only or pseudo filesystem (EROFS, ENOENT), and
     # for anyone but root without the permissions (EACCES).
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".minigpt-probe-", dir=existing))
+        os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=existing))
     except OSError as error:
         raise ConfigError(f"{flag} {str(path)!r} is not writable{where}: {error.strerror}: pick another {flag}") from None
 
@@ -80,7 +91,7 @@ class RunClaim:
     """The launching process's claim on a run directory: checked on creation, locked and (with
     overwrite) cleared by `take()`, released by `release()` or at exit. A context manager."""
 
-    def __init__(self, out: str | os.PathLike, resume: bool, overwrite: bool):
+    def __init__(self, out: str | os.PathLike, resume: bool, overwrite: bool, lock: bool = True):
         self.path, self.overwrite = Path(out), overwrite
         self.lock: int | None = None
         self.clear = False  # take() empties the directory (--overwrite of a run directory)
@@ -91,7 +102,7 @@ class RunClaim:
         check_writable(self.path)
         if not self.path.is_dir():
             return
-        self.lock = self._lock_existing()
+        self.lock = self._lock_existing() if lock else None  # lock=False: checked only (a torchrun rank but 0)
         try:
             self._check_contents(resume)
         except BaseException:
@@ -99,7 +110,8 @@ class RunClaim:
             raise
 
     def _check_contents(self, resume: bool) -> None:
-        entries = sorted(entry.name for entry in self.path.iterdir() if entry.name != LOCK_FILE)
+        entries = sorted(entry.name for entry in self.path.iterdir()
+                         if entry.name != LOCK_FILE and not entry.name.startswith(PROBE_PREFIX))
         if resume:
             check_symlinks(self.path)
         elif entries and not self.overwrite:
@@ -107,7 +119,8 @@ class RunClaim:
                               f"{', ...' if len(entries) > 4 else ''}): continue that run with --resume, "
                               f"clear it with --overwrite, or pick a new --out")
         elif entries and not is_run_dir(self.path):
-            strangers = [name for name in entries if name not in RUN_ENTRIES] or ["checkpoints (a link, a file, or not only step-* in it)"]
+            strangers = [name for name in entries if name not in RUN_ENTRIES] or [
+                "checkpoints or tensorboard (a link, a file, or more than step-* or event files in it)"]
             raise ConfigError(f"--out {str(self.path)!r} holds files no minigpt run writes ({', '.join(strangers[:4])}): "
                               f"--overwrite clears only run directories; pick another --out")
         self.clear = bool(entries) and self.overwrite

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minigpt.errors import ConfigError
+from minigpt.tokenizer import BYTES, FILE_NAME, load_tokenizer
 from parallel.checkpoint.files import CorruptCheckpoint, check_checkpoint, newest_valid_checkpoint
 
 
@@ -53,7 +54,7 @@ def resume_point(cfg, chosen: str | os.PathLike | None = None) -> ResumePoint:
         reasons = "; ".join(f"{error.path.name} is {error.reason}" for error in skipped)
         raise ConfigError(f"--resume: no checkpoint in {cfg.checkpoint_dir} verifies ({reasons}): "
                           f"start afresh with --overwrite")
-    raise ConfigError(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; train with --save-every first")
+    raise ConfigError(f"--resume: no complete checkpoint in {cfg.checkpoint_dir}; train without --no-save, or with --save-every N")
 
 
 def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
@@ -76,6 +77,21 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
                      f"follows a {cfg.steps}-step schedule from here ({cfg.learning_rate(point.step):.2e} at step "
                      f"{point.step}; the run's last step used {last:.2e})")
     return cfg, lines
+
+
+def resumed_tokenizer(given: str | None, out: str | os.PathLike, chosen: str | os.PathLike | None = None) -> str | None:
+    """The tokenizer a resumed run trains with: the run's own (its tokenizer.json, written at its start; none: bytes,
+    returned as None, which leaves the model's vocabulary as its flags say) when --tokenizer is left out, `given`
+    when it is the same tokenizer (the same canonical JSON), ConfigError when it is another. The run is the one
+    holding checkpoint `chosen` (RUN/checkpoints/step-N), else `out`."""
+    run = Path(chosen).parent.parent if chosen is not None and Path(chosen).parent.name == "checkpoints" else Path(out)
+    own = str(run / FILE_NAME) if (run / FILE_NAME).is_file() else None
+    if given is None:
+        return own
+    if load_tokenizer(given).fingerprint != load_tokenizer(own).fingerprint:
+        raise ConfigError(f"--resume: --tokenizer {given!r} is not the tokenizer the run in {str(run)!r} was trained "
+                          f"with ({own or BYTES}): leave --tokenizer out to continue with the run's")
+    return given
 
 
 def _whole(value) -> bool:

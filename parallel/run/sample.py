@@ -6,7 +6,8 @@ reader: every tensor is one box covering the whole of it. The weights loaded are
 fp32 masters when the policy kept them apart from the compute weights (bf16, fp16, fp8
 runs: the values training updates), the weights themselves otherwise (fp32 runs).
 
-Sampling is autoregressive over byte tokens (minigpt/data.py): the context is the last
+Sampling is autoregressive over the run's tokens: bytes (minigpt/data.py), or the tokenizer.json the run
+kept in its directory (minigpt/tokenizer.py), which encodes the prompt and decodes the text; the context is the last
 seq_len tokens; temperature 0 is greedy (argmax), otherwise the logits are divided by the
 temperature, cut to the top k, and a token is drawn with a torch.Generator seeded by
 `seed`, so the same seed gives the same text.
@@ -24,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from minigpt.config import GPTConfig
-from minigpt.data import decode, encode
+from minigpt.tokenizer import BYTES, FILE_NAME, ByteTokenizer, load_tokenizer
 from minigpt.errors import ConfigError, check_output_path, check_path_given, check_seed
 from minigpt.model import GPT
 from parallel.checkpoint.dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
@@ -61,7 +62,7 @@ def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.P
     """The checkpoint to load: `checkpoint` itself, or the newest of run directory `out` that verifies
     (complete, every file's sha256 right); the newer ones passed over are appended to `skipped`."""
     if (out is None) == (checkpoint is None):
-        raise ConfigError("give exactly one of --out RUN_DIR (a run trained with --save-every) or --checkpoint PATH")
+        raise ConfigError("give exactly one of --out RUN_DIR (a `minigpt train` run) or --checkpoint PATH")
     check_output_path("--out", out, "a run directory's path")
     check_path_given("--checkpoint", checkpoint, "a checkpoint directory's path")
     if checkpoint is not None:
@@ -80,7 +81,7 @@ def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.P
     why = "; ".join(f"{error.path.name} is {error.reason}" for error in passed)
     raise ConfigError(
         f"run directory {str(run)!r} has no checkpoint that verifies under checkpoints/"
-        + (f" ({why})" if why else "") + ": train it with --save-every N, or pass --checkpoint PATH"
+        + (f" ({why})" if why else "") + ": train it without --no-save (it keeps its final weights), or pass --checkpoint PATH"
     )
 
 
@@ -143,11 +144,15 @@ def load_model(path: str | os.PathLike) -> tuple[GPT, dict]:
 
 
 @torch.no_grad()
-def generate(model: GPT, options: SampleOptions) -> list[int]:
-    """`options.tokens` new token ids after the prompt's, one at a time from the last seq_len of context."""
+def generate(model: GPT, options: SampleOptions, tokenizer=None) -> list[int]:
+    """`options.tokens` new token ids after the prompt's (in `tokenizer`'s ids; None: bytes), one at a time from
+    the last seq_len of context."""
     options.check()
-    seq_len = model.config.seq_len
-    context = encode(options.prompt).long().view(1, -1)
+    seq_len, tokenizer = model.config.seq_len, tokenizer or ByteTokenizer()
+    context = tokenizer.encode(options.prompt).long().view(1, -1)
+    if context.numel() == 0:
+        raise ConfigError(f"--prompt {options.prompt!r} encodes to no token with tokenizer {tokenizer.name!r}: "
+                          f"give more text")
     generator = torch.Generator().manual_seed(options.seed)
     new: list[int] = []
     for _ in range(options.tokens):
@@ -174,7 +179,8 @@ def sample_text(path: str | os.PathLike, options: SampleOptions) -> dict:
     """Load the checkpoint at `path` and generate: the text and what it came from."""
     options.check()
     model, state = load_model(path)
-    new = generate(model, options)
+    tokenizer = checkpoint_tokenizer(Path(path), state, model.config.vocab_size)
+    new = generate(model, options, tokenizer)
     return {
         "checkpoint": str(path),
         "step": state["step"],
@@ -186,5 +192,23 @@ def sample_text(path: str | os.PathLike, options: SampleOptions) -> dict:
         "temperature": options.temperature,
         "top_k": options.top_k,
         "seed": options.seed,
-        "text": decode(new),
+        "tokenizer": tokenizer.name,
+        "text": tokenizer.decode(new),
     }
+
+
+def checkpoint_tokenizer(path: Path, state: dict, vocab_size: int):
+    """The tokenizer the checkpoint's run trained with: its run directory's tokenizer.json (the run's copy), else
+    the one its settings name; bytes for a run without one. ConfigError when it is gone or outgrows the model."""
+    spec = (state.get("config") or {}).get("tokenizer", BYTES)
+    kept = path.parent.parent / FILE_NAME if path.parent.name == "checkpoints" else None
+    if kept is not None and kept.is_file():
+        spec = str(kept)
+    elif spec != BYTES and not (isinstance(spec, str) and Path(spec).exists()):
+        raise ConfigError(f"checkpoint {path} was trained with tokenizer {spec!r}, which is gone, and its run "
+                          f"directory keeps no {FILE_NAME}: put the tokenizer.json back in the run directory")
+    tokenizer = load_tokenizer(spec)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens, more than the model's "
+                          f"vocabulary ({vocab_size}): it is not the tokenizer checkpoint {path} was trained with")
+    return tokenizer

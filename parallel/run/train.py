@@ -23,11 +23,13 @@ import torch.distributed as dist
 
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import ConfigError, TrainingError
+from minigpt.tokenizer import load_tokenizer
 from parallel.run.build import Rank, build_rank
 from parallel.run.step import StepOutcome
 from parallel.device import PeakFlops, describe_device, measure_peak_flops
 from parallel.launch.elastic import finish_worker, init_worker, launch
 from parallel.launch.rank_start import restart_count
+from parallel.launch.torchrun_env import rank_placement
 from parallel.launch.watchdog import DEFAULT_TIMEOUT_S
 from parallel.memory import ActivationMeter
 from parallel.context.chunks import local_part
@@ -36,6 +38,7 @@ from parallel.run.resume import ResumePoint, resume_point
 from parallel.run.expert_load import load_summary, rank_load, run_load, write_load_plot
 from parallel.run.loss_plot import LossPlotter, write_loss_plot
 from parallel.run.files import RunFiles, default_run_dir, write_json_file
+from parallel.run.tensorboard import Board
 from job.trace import Trace, breakdown, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.compute import compute_path, dtype_of, needs_emulation
@@ -178,7 +181,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     """One rank's run. With cfg.resume, `checkpoint` is the one the launching process verified
     (None: the newest that verifies, verified again here)."""
     mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp, cfg.shard_group)
-    corpus = Corpus.load(cfg.data, cfg.model.seq_len)
+    corpus = Corpus.load(cfg.data, cfg.model.seq_len, load_tokenizer(cfg.tokenizer))
     policy = precision_policy(cfg.precision)
     rank = build_rank(cfg, mesh, device, policy)
     # Emulated 16-bit matmuls run as fp32 matmuls, so the CPU's fp32 rate is their peak.
@@ -189,7 +192,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         torch.cuda.reset_peak_memory_stats(device)
     activations = ActivationMeter(device, rank.data_parallel.parameter_storages)
     start_step = 0
-    if cfg.save_every or cfg.resume:
+    if cfg.saves or cfg.resume:
         # torch.distributed.checkpoint takes about a second to import in every rank: only runs that use it pay
         from parallel.checkpoint.sharded import load_checkpoint, save_checkpoint
     if cfg.resume:
@@ -197,15 +200,12 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         start_step = load_checkpoint(path, rank, cfg, verify=checkpoint is None)["step"]
         if start_step >= cfg.steps:
             raise ConfigError(ResumePoint(Path(path), start_step).nothing_to_do(cfg.steps))
-    run = RunFiles(Path(cfg.out_dir), resume=cfg.resume) if mesh.rank == 0 else None
-    if run:
-        run.write_json("config.json", {"train": cfg.as_dict(), "data": corpus.source})
-
+    run = open_run(cfg, corpus, start_step) if mesh.rank == 0 else None
     history, trace = History(start_step), Trace(mesh.rank)
     try:
         for step in range(start_step, cfg.steps):
             inputs, targets = micro_batches(corpus, cfg, step, mesh, device)
-            outcome = rank.train_step(cfg, step, inputs, targets, activations if step == 0 else None)
+            outcome = rank.train_step(cfg, step, inputs, targets, activations if step == start_step else None)
             trace.add_step(step, outcome.start, outcome.end, outcome.events, outcome.tp_seconds, outcome.ep_seconds)
             history.skipped_in_a_row = history.skipped_in_a_row + 1 if outcome.result.skipped else 0
             check_finite(policy.name, rank.scaler, step, outcome, history)
@@ -213,11 +213,12 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             history.grad_norms.append(outcome.result.grad_norm)
             history.step_times.append(outcome.seconds)
             history.comm_per_step = outcome.comm
-            record_out = step_log(cfg, step, outcome, peak)
+            held = ranks_memory(mesh, rank, activations) if step == start_step else None  # all ranks' bytes, once
+            record_out = step_log(cfg, step, outcome, peak, held)
             if (step + 1) % cfg.eval_interval == 0 or step == cfg.steps - 1:
                 record_out["val_loss"] = evaluate(rank, corpus, cfg, device)
                 history.val_history.append({"step": step, "val_loss": record_out["val_loss"]})
-            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step == cfg.steps - 1):
+            if cfg.saves_at(step):
                 record_out["checkpoint"] = str(save_checkpoint(cfg.checkpoint_dir, rank, cfg, step + 1))
             if run:
                 run.log(record_out)
@@ -234,6 +235,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     memory = rank_memory(rank.data_parallel, rank.optimizer, activations)
     memory_per_rank = gather_from_all(mesh, memory)
     timelines = gather_from_all(mesh, trace.as_dict())
+    placement = gather_from_all(mesh, rank_placement())
     loads = gather_from_all(mesh, {"tp_rank": mesh.tp_rank, "load": rank_load(rank.stage)}) if cfg.model.is_moe else []
     if run is None:
         return None
@@ -249,10 +251,22 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         "time_breakdown": breakdown(timelines),
         "trace": str(trace_path),
         "run_dir": str(run.path),
+        "placement": placement,  # each rank's host, node and local rank: tp's groups inside a node (parallel/mesh.py)
     })
     if loads:
         summary["expert_load"] = load_summary(run_load(loads))
     return summary
+
+
+def open_run(cfg: TrainConfig, corpus: Corpus, first_step: int) -> RunFiles:
+    """Rank 0's run directory, config.json written: metrics.jsonl (appended to when resumed), and TensorBoard's
+    event files where the run asks for them, from `first_step` on (parallel/run/tensorboard.py)."""
+    run = RunFiles(Path(cfg.out_dir), resume=cfg.resume)
+    tokenizer = run.write_tokenizer(load_tokenizer(cfg.tokenizer))  # RUN/tokenizer.json, unless bytes
+    run.write_json("config.json", {"train": cfg.as_dict(), "data": corpus.source, "tokenizer": tokenizer})
+    if cfg.tensorboard:
+        run.events = Board(run.path, first_step)
+    return run
 
 
 def check_finite(policy_name: str, scaler, step: int, outcome: StepOutcome, history: History) -> None:
@@ -278,8 +292,10 @@ def check_finite(policy_name: str, scaler, step: int, outcome: StepOutcome, hist
         )
 
 
-def step_log(cfg: TrainConfig, step: int, outcome: StepOutcome, peak: PeakFlops) -> dict:
-    """One line of metrics.jsonl. MFU is against the peak known after this step (<= 1: PeakFlops)."""
+def step_log(cfg: TrainConfig, step: int, outcome: StepOutcome, peak: PeakFlops,
+             memory_per_rank: list[dict] | None = None) -> dict:
+    """One line of metrics.jsonl. MFU is against the peak known after this step (<= 1: PeakFlops). The first step
+    a run (or a resumed run) takes carries every rank's bytes by category, `memory_per_rank` (ranks_memory)."""
     tokens_per_s = cfg.tokens_per_step / outcome.seconds
     mfu = peak.observe(cfg.model.train_flops_per_token() * tokens_per_s / cfg.world_size)
     return {
@@ -293,6 +309,7 @@ def step_log(cfg: TrainConfig, step: int, outcome: StepOutcome, peak: PeakFlops)
         "tokens_per_s": tokens_per_s,
         "mfu": mfu,
         "peak_flops": peak.value,
+        **({} if memory_per_rank is None else {"memory_per_rank": memory_per_rank}),
     }
 
 
@@ -363,6 +380,11 @@ def rank_memory(data_parallel, optimizer: MasterAdamW, activations: ActivationMe
         "activations": activations.bytes,
         "comm_buffers": held["comm_buffers"],
     }
+
+
+def ranks_memory(mesh: Mesh, rank: Rank, activations: ActivationMeter) -> list[dict]:
+    """Every rank's bytes by category (rank_memory), gathered: a collective every rank joins."""
+    return gather_from_all(mesh, rank_memory(rank.data_parallel, rank.optimizer, activations))
 
 
 def bytes_per_param(memory: dict, n_params: int) -> dict[str, float]:

@@ -326,6 +326,6 @@ def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, globa
         attention=implementation.attention, overlap=settings,
         provenance=provenance(spec, profile, pol, implementation, settings, compute, layout, model.seq_len,
                               model.is_moe),
-        collectives=links.collective_calls(), parameters={"total": model.n_params(), "active": model.active_params()},
+        collectives=links.collective_calls(), parameters={**model.param_breakdown(), "active": model.active_params()},
         hidden={BREAKDOWN_NAMES[k]: v for k, v in tallies[critical].hidden.items()},
     )

@@ -1,0 +1,65 @@
+"""`minigpt tokenizer train`: a byte-level BPE trained on local text, written as a Hugging Face tokenizer.json.
+
+The BPE (minigpt/tokenizer.py's train_bpe: the tokenizers library, GPT-2's byte-level pre-tokenizer without a
+prefix space, the 256 byte characters as the initial alphabet) encodes every text and decodes it back exactly.
+`minigpt train --tokenizer DIR` trains a model in its tokens, `simulate --tokenizer` prices its vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from minigpt.data import CORPUS_NAME, embedded_corpus, read_text_file
+from minigpt.errors import ConfigError, check_output_path
+from minigpt.tokenizer import FILE_NAME, check_bpe_vocab, train_bpe
+
+
+@click.group()
+def tokenizer() -> None:
+    """Tokenizers for `minigpt train --tokenizer`: train a byte-level BPE on local text."""
+
+
+def check_out_dir(out: str) -> Path:
+    """--out: a new or empty directory that can be made and written (nothing there is ever overwritten)."""
+    from parallel.run.directory import check_writable
+
+    check_output_path("--out", out, "a directory path")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out!r} exists and is not a directory: give a new or empty directory")
+    if path.is_dir() and any(path.iterdir()):
+        raise ConfigError(f"--out {out!r} is not empty: give a new or empty directory (the tokenizer goes to "
+                          f"DIR/{FILE_NAME})")
+    check_writable(path)
+    return path
+
+
+@tokenizer.command()
+@click.option("--vocab-size", "vocab_size", type=int, required=True,
+              help="Tokens in the vocabulary: the 256 bytes and vocab-size - 256 merges (fewer when the text holds "
+                   "no more pairs).")
+@click.option("--data", type=str, help="A UTF-8 text file to train on [default: the embedded Shakespeare corpus].")
+@click.option("--out", type=str, required=True, help=f"A new or empty directory: the tokenizer goes to DIR/{FILE_NAME}.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def train(vocab_size: int, data: str | None, out: str, as_json: bool) -> None:
+    """Train a byte-level BPE on local text (every text round-trips exactly) and write DIR/tokenizer.json."""
+    check_bpe_vocab(vocab_size)
+    text = embedded_corpus() if data is None else read_text_file(data)
+    source = f"embedded:{CORPUS_NAME}" if data is None else data
+    if not text:
+        raise ConfigError(f"data file {data!r} is empty: a BPE learns its merges from text")
+    directory = check_out_dir(out)
+    bpe = train_bpe(text.decode("utf-8"), vocab_size)
+    n_tokens = len(bpe.hf.encode(text.decode("utf-8"), add_special_tokens=False).ids)
+    path = bpe.save(directory)
+    result = {"tokenizer": str(path), "vocab_size": bpe.vocab_size, "asked": vocab_size, "data": source,
+              "bytes": len(text), "tokens": n_tokens, "bytes_per_token": len(text) / n_tokens}
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    fewer = "" if bpe.vocab_size == vocab_size else f" (of {vocab_size:,} asked: the text holds no more pairs)"
+    click.echo(f"wrote {path}: byte-level BPE, vocabulary {bpe.vocab_size:,}{fewer}; {result['bytes_per_token']:.2f} "
+               f"bytes per token on {source} ({len(text):,} bytes in {n_tokens:,} tokens)")

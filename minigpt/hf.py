@@ -1,0 +1,217 @@
+"""The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM).
+
+A shape is written in the layout that holds it exactly, and refused (ConfigError, one line) when neither does:
+
+- GPT-2: LayerNorm, GELU (tanh approximation: transformers' "gelu_new"), learned positions, multi-head
+  attention with d_model / n_heads wide heads. Its Linears are Conv1D, weights stored (in, out): each is our
+  (out, in) weight transposed. Its Linears always have biases: a shape without them is written with zero
+  biases, which compute the same. The fused qkv is c_attn, q then k then v, as ours.
+- Llama: RMSNorm, SwiGLU, rotary positions (both use the rotate-half pairing of each head's two halves),
+  any number of key/value heads, any head width, biases in every Linear or none. Our fused qkv splits into
+  q_proj, k_proj and v_proj by rows; our fused fc1 (gate rows, then up rows) into gate_proj and up_proj.
+
+Both hold a tied or an untied head (tie_word_embeddings). Neither holds a mixture of experts or per-head q/k
+norms (Qwen3's), and our norms' epsilon is fixed (1e-5): a Hugging Face model with another one is refused
+rather than computed differently. Torch-free except `to_hf` and `from_hf`, which move tensors.
+"""
+
+from __future__ import annotations
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+
+NORM_EPS = 1e-5  # nn.LayerNorm's default and minigpt/model.py's RMSNorm's
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
+
+
+def layout_of(config: GPTConfig) -> str:
+    """"gpt2" or "llama": the transformers layout that holds `config` exactly; ConfigError saying why not."""
+    if config.is_moe:
+        raise ConfigError("a mixture of experts cannot be written in transformers' GPT-2 or Llama layout "
+                          "(only dense models are exported)")
+    if config.qk_norm:
+        raise ConfigError("per-head q/k norms (--qk-norm, Qwen3's) have no place in transformers' GPT-2 or "
+                          "Llama layout")
+    gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
+    llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
+    if gpt2:
+        if config.kv_heads != config.n_heads or config.head_dim * config.n_heads != config.d_model:
+            raise ConfigError("transformers' GPT-2 layout has neither grouped-query attention nor heads of another "
+                              "width than d_model / n_heads: this shape cannot be written in it")
+        return "gpt2"
+    if llama:
+        return "llama"
+    raise ConfigError(f"a {config.norm} + {config.mlp} + {config.positions}-positions model is neither GPT-2's "
+                      f"layout (layernorm, gelu, learned) nor Llama's (rmsnorm, swiglu, rope): transformers cannot "
+                      f"hold it")
+
+
+def hf_config(config: GPTConfig) -> dict:
+    """config.json of the transformers model holding `config` (layout_of's), dropout as the run's."""
+    common = {"vocab_size": config.vocab_size, "tie_word_embeddings": config.tied_head, "dtype": "float32",
+              "bos_token_id": None, "eos_token_id": None}
+    if layout_of(config) == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+            "n_positions": config.seq_len, "n_embd": config.d_model, "n_layer": config.n_layers,
+            "n_head": config.n_heads, "n_inner": config.d_ff, "activation_function": "gelu_new",
+            "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+            "layer_norm_epsilon": NORM_EPS,
+        }
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+        "max_position_embeddings": config.seq_len, "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": NORM_EPS, "attention_bias": config.bias, "mlp_bias": config.bias,
+        "attention_dropout": config.dropout, "rope_theta": float(config.rope_theta),  # transformers 4 reads this,
+        "rope_parameters": rope,  # transformers 5 this
+    }
+
+
+def _number(hf: dict, key: str, default=None):
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config.json's {key} is {value!r}, not a number")
+    return value
+
+
+def _refuse_unless(condition: bool, why: str) -> None:
+    if not condition:
+        raise ConfigError(f"this transformers model cannot be trained by minigpt: {why}")
+
+
+def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
+    """The GPTConfig of a transformers config.json (GPT-2 or Llama), or ConfigError naming what minigpt cannot
+    compute the same. `seq_len`: the training context of a rotary model (at most its max_position_embeddings;
+    default: that); a GPT-2's is its n_positions, the rows of its position table."""
+    kind = hf.get("model_type")
+    tied = hf.get("tie_word_embeddings", True)
+    _refuse_unless(isinstance(tied, bool), f"tie_word_embeddings is {tied!r}")
+    if kind == "gpt2":
+        d_model, positions = _number(hf, "n_embd"), _number(hf, "n_positions")
+        _refuse_unless(hf.get("activation_function", "gelu_new") in GPT2_ACTIVATIONS,
+                       f"its activation is {hf.get('activation_function')!r}, minigpt's GELU the tanh one (gelu_new)")
+        _refuse_unless(_number(hf, "layer_norm_epsilon", NORM_EPS) == NORM_EPS,
+                       f"its LayerNorm epsilon is {hf.get('layer_norm_epsilon')}, minigpt's {NORM_EPS}")
+        _refuse_unless(not hf.get("scale_attn_by_inverse_layer_idx") and hf.get("scale_attn_weights", True),
+                       "its attention scores are not scaled by 1/sqrt(head width) alone")
+        _refuse_unless(seq_len in (None, positions), f"a GPT-2's context is its {positions} learned positions, "
+                                                     f"not --seq-len {seq_len}")
+        return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=positions, n_layers=_number(hf, "n_layer"),
+                         n_heads=_number(hf, "n_head"), d_model=d_model,
+                         d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied)
+    if kind == "llama":
+        return _llama_config(hf, tied, seq_len)
+    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2' and 'llama' models")
+
+
+def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
+    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
+    _refuse_unless(isinstance(rope, dict) and rope.get("rope_type", "default") == "default"
+                   and not hf.get("rope_scaling"), f"its rotary embedding is scaled ({rope or hf.get('rope_scaling')})")
+    _refuse_unless(hf.get("hidden_act", "silu") == "silu", f"its MLP activation is {hf.get('hidden_act')!r}, not silu")
+    _refuse_unless(_number(hf, "rms_norm_eps", 1e-6) == NORM_EPS,
+                   f"its RMSNorm epsilon is {hf.get('rms_norm_eps', 1e-6)}, minigpt's {NORM_EPS}")
+    bias = hf.get("attention_bias", False)
+    _refuse_unless(bias == hf.get("mlp_bias", False), "it has biases in the attention or the MLP, not both")
+    _refuse_unless(hf.get("pretraining_tp", 1) == 1, "its pretraining_tp splits the Linears' computation")
+    longest = _number(hf, "max_position_embeddings")
+    if seq_len is not None and seq_len > longest:
+        raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({longest})")
+    heads, width, head_dim = _number(hf, "num_attention_heads"), _number(hf, "hidden_size"), hf.get("head_dim")
+    return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=seq_len or longest,
+                     n_layers=_number(hf, "num_hidden_layers"), n_heads=heads,
+                     n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
+                     d_ff=_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
+                     positions="rope", rope_theta=float(rope.get("rope_theta", 10000.0)), bias=bool(bias),
+                     d_head=None if head_dim is None or head_dim * heads == width else head_dim)
+
+
+def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
+    """Our parameter name -> the transformers names it is written as (two for a fused weight split in Llama;
+    three for the qkv). Tied: no lm_head (transformers ties it to the embedding)."""
+    gpt2 = layout_of(config) == "gpt2"
+    base = "transformer." if gpt2 else "model."
+    table = {"tok_emb.weight": (base + ("wte" if gpt2 else "embed_tokens") + ".weight",),
+             "norm_f.weight": (base + ("ln_f" if gpt2 else "norm") + ".weight",)}
+    if gpt2:
+        table |= {"pos_emb.weight": ("transformer.wpe.weight",), "norm_f.bias": ("transformer.ln_f.bias",)}
+    if not config.tied_head:
+        table["head.weight"] = ("lm_head.weight",)
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}.", f"{base}{'h' if gpt2 else 'layers'}.{i}."
+        table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config.bias)
+    return table
+
+
+def _gpt2_block(ours: str, theirs: str) -> dict:
+    table = {}
+    for mine, hf in (("ln1", "ln_1"), ("ln2", "ln_2"), ("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
+                     ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
+        table |= {ours + mine + ".weight": (theirs + hf + ".weight",), ours + mine + ".bias": (theirs + hf + ".bias",)}
+    return table
+
+
+def _llama_block(ours: str, theirs: str, bias: bool) -> dict:
+    table = {ours + "ln1.weight": (theirs + "input_layernorm.weight",),
+             ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",)}
+    linears = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "attn.proj": ("self_attn.o_proj",), "mlp.fc1": ("mlp.gate_proj", "mlp.up_proj"),
+               "mlp.fc2": ("mlp.down_proj",)}
+    for mine, hf in linears.items():
+        table[ours + mine + ".weight"] = tuple(theirs + name + ".weight" for name in hf)
+        if bias:
+            table[ours + mine + ".bias"] = tuple(theirs + name + ".bias" for name in hf)
+    return table
+
+
+def _split_sizes(config: GPTConfig, ours: str) -> list[int]:
+    """Rows of each transformers piece of a fused weight (Llama's qkv and fc1)."""
+    if ours.endswith("attn.qkv.weight") or ours.endswith("attn.qkv.bias"):
+        kv = config.kv_heads * config.head_dim
+        return [config.n_heads * config.head_dim, kv, kv]
+    return [config.d_ff, config.d_ff]
+
+
+def _conv1d(ours: str) -> bool:
+    """GPT-2's Conv1D weights: the block's Linears (stored transposed)."""
+    return ours.startswith("blocks.") and ours.endswith(".weight") and ".ln" not in ours
+
+
+def to_hf(state: dict, config: GPTConfig) -> dict:
+    """Our plain GPT's state (tensors by our names) as transformers' tensors (contiguous, ready for safetensors).
+    A GPT-2 shape without biases gets zero biases."""
+    import torch
+
+    gpt2, out = layout_of(config) == "gpt2", {}
+    for ours, theirs in names(config).items():
+        tensor = state.get(ours)
+        if tensor is None and gpt2 and ours.endswith(".bias"):  # --no-bias: zeros compute the same
+            rows = state[ours[: -len("bias")] + "weight"].shape[0]
+            tensor = torch.zeros(rows, dtype=state["tok_emb.weight"].dtype)
+        if gpt2 and _conv1d(ours):
+            tensor = tensor.t()
+        pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
+        out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
+    return out
+
+
+def from_hf(tensors: dict, config: GPTConfig) -> dict:
+    """transformers' tensors (by their names, with or without the 'transformer.'/'model.' prefix) as our plain
+    GPT's state, in fp32; ConfigError naming a tensor that is missing or of the wrong shape."""
+    import torch
+
+    gpt2, state = layout_of(config) == "gpt2", {}
+    for ours, theirs in names(config).items():
+        pieces = []
+        for name in theirs:
+            short = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else name
+            found = tensors.get(name, tensors.get(short))
+            if found is None:
+                raise ConfigError(f"the model's weights have no {name}")
+            pieces.append(found.to(torch.float32))
+        tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
+    return state

@@ -1,0 +1,140 @@
+"""A Hugging Face model directory, read and written: config.json and the weights in safetensors.
+
+Reading takes model.safetensors, or the shards a model.safetensors.index.json lists (how transformers saves a
+model past its shard size). A directory is checked from its headers alone (`check_hf_dir`: the shape, every
+tensor's name and shape) before any rank starts; `read_hf_dir` then loads the tensors. Writing goes to a
+temporary directory beside the target, renamed into place when complete: a failed export leaves nothing, and an
+existing directory that is not empty is never written into.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+from minigpt.hf import config_from_hf, from_hf, hf_config, to_hf
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+
+
+def read_config(path: Path) -> dict:
+    """config.json of the model directory `path`, as a dict; ConfigError saying what is wrong."""
+    if not path.is_dir():
+        raise ConfigError(f"{str(path)!r} is not a directory: give a Hugging Face model directory (config.json and "
+                          f"model.safetensors)")
+    try:
+        hf = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{str(path)!r} has no {CONFIG}: it is not a Hugging Face model directory") from None
+    except (OSError, ValueError, RecursionError) as error:
+        raise ConfigError(f"{path / CONFIG} cannot be read as JSON ({' '.join(str(error).split())})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path / CONFIG} is not a JSON object")
+    return hf
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files holding the model's weights: model.safetensors, or the index's shards."""
+    if (path / WEIGHTS).is_file():
+        return [path / WEIGHTS]
+    if (path / INDEX).is_file():
+        try:
+            shards = sorted(set(json.loads((path / INDEX).read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ConfigError(f"{path / INDEX} is unreadable ({' '.join(str(error).split())})") from None
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise ConfigError(f"{path / INDEX} lists {missing[0]}, which is not in {str(path)!r}")
+        return [path / name for name in shards]
+    raise ConfigError(f"{str(path)!r} has no {WEIGHTS} (minigpt reads safetensors weights only)")
+
+
+def headers(files: list[Path]) -> dict[str, list[int]]:
+    """Every tensor's shape, read from the files' headers (no tensor loaded)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes |= {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
+        except Exception as error:  # safetensors raises its own SafetensorError on a damaged file
+            raise ConfigError(f"{file} is not a readable safetensors file ({' '.join(str(error).split())[:160]})"
+                              ) from None
+    return shapes
+
+
+def expected_shapes(config: GPTConfig) -> dict[str, list[int]]:
+    """The shape of every transformers tensor of `config`, from an empty model's state on the meta device."""
+    import torch
+
+    from minigpt.model import GPT
+
+    with torch.device("meta"):
+        state = GPT(config).state_dict()
+    return {name: list(tensor.shape) for name, tensor in to_hf(state, config).items()}
+
+
+def check_hf_dir(path: str | os.PathLike, seq_len: int | None = None) -> GPTConfig:
+    """The model shape of directory `path`, after checking that its weights hold every tensor of that shape at the
+    right size (headers only); ConfigError, one line, on anything minigpt cannot load."""
+    path = Path(path)
+    hf = read_config(path)
+    config = config_from_hf(hf, seq_len)
+    found = headers(weight_files(path))
+    for name, shape in expected_shapes(config).items():
+        short = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else name
+        have = found.get(name, found.get(short))
+        if have is None:
+            raise ConfigError(f"{str(path)!r}: the weights have no {name}, which a {hf.get('model_type')} model "
+                              f"of this config.json has")
+        if have != shape:
+            raise ConfigError(f"{str(path)!r}: {name} is {have}, this config.json makes it {shape}")
+    return config
+
+
+def read_hf_dir(path: str | os.PathLike, config: GPTConfig) -> dict:
+    """Our plain GPT's fp32 state from directory `path` (checked first with check_hf_dir)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in weight_files(Path(path)):
+        tensors |= load_file(str(file))
+    return from_hf(tensors, config)
+
+
+def write_hf_dir(state: dict, config: GPTConfig, out: str | os.PathLike,
+                 extra: dict[str, Path | bytes] | None = None) -> Path:
+    """Directory `out` made with config.json, model.safetensors and the `extra` files (name -> a file to copy or
+    the bytes to write, such as a tokenizer's), whole or not at all. Refused: an `out` that exists and is not an empty directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{str(out)!r} exists and is not an empty directory: give a new directory (nothing is "
+                          f"overwritten)")
+    if not out.parent.is_dir():
+        raise ConfigError(f"the directory {str(out.parent)!r} that would hold {out.name!r} does not exist")
+    tensors = to_hf(state, config)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(tensors, str(temporary / WEIGHTS), metadata={"format": "pt"})
+        (temporary / CONFIG).write_text(json.dumps(hf_config(config), indent=2) + "\n", encoding="utf-8")
+        for name, source in (extra or {}).items():
+            if isinstance(source, bytes):
+                (temporary / name).write_bytes(source)
+            else:
+                shutil.copyfile(source, temporary / name)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        temporary.rename(out)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return out
+

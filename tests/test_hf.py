@@ -1,0 +1,201 @@
+"""Weights that travel: `minigpt export RUN --hf DIR` writes a run of any layout as a Hugging Face model that
+transformers opens with the same logits, and `minigpt train --init-from DIR` starts from one, in any layout, with
+transformers' own loss on the same batch. Nothing is downloaded: the transformers models are built from configs
+here (minigpt/hf.py maps the layouts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from minigpt.config import GPTConfig
+from minigpt.data import BatchLayout, Corpus, get_batch
+from minigpt.errors import ConfigError
+from minigpt.hf import config_from_hf, hf_config, layout_of
+from parallel.run.sample import load_model
+
+transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
+
+SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
+          "llama": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32"]}  # GQA (4 heads, 2 kv), RoPE
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def one_line_refusal(result, *words: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minigpt: error:"), result.output
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """{shape: (checkpoint, hf dir)}: a tp2 x pp2 run of each shape, exported."""
+    found = {}
+    for name, shape in SHAPES.items():
+        root = tmp_path_factory.mktemp(name)
+        result = invoke("train", *shape, "--tp", "2", "--pp", "2", "--dp", "1", "--steps", "3", "--global-batch", "4",
+                        "--micro-batches", "2", "--eval-every", "0", "--out", str(root / "run"), "--json")
+        assert result.exit_code == 0, result.output
+        result = invoke("export", str(root / "run"), "--hf", str(root / "hf"), "--json")
+        assert result.exit_code == 0, result.output
+        found[name] = (json.loads(result.stdout)["checkpoint"], root / "hf")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, shape):
+    checkpoint, hf_dir = exported[shape]
+    ours, state = load_model(checkpoint)
+    assert state["layout"]["tp"] == 2 and state["layout"]["pp"] == 2
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[shape]
+    if shape == "llama":  # grouped-query attention and rotary positions, as the run trained them
+        assert theirs.config.num_key_value_heads == 2 < theirs.config.num_attention_heads == 4
+    tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gap = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert gap <= 1e-5, gap
+
+
+def transformers_model(shape: str, tmp_path):
+    """A freshly initialised transformers model of a small GPT-2 or Llama (GQA, RoPE) shape, saved in `tmp_path`."""
+    if shape == "gpt2":
+        config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0, initializer_range=0.2)
+    else:
+        config = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                          rope_theta=500000.0, initializer_range=0.2)
+    torch.manual_seed(3)  # weights 10x GPT-2's spread: a first loss far from a fresh minigpt model's ln 256
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    return model, tmp_path / "hf"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_path):
+    model, hf_dir = transformers_model(shape, tmp_path)
+    result = invoke("train", "--init-from", str(hf_dir), "--tp", "2", "--dp", "1", "--steps", "2",
+                    "--global-batch", "4", "--eval-every", "0", "--no-save", "--out", str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output
+    losses = json.loads(result.stdout)["losses"]
+    inputs, targets = get_batch(Corpus.load(None, 32).train, 32, BatchLayout(4, 1, 1), 0, 0, 0, 0)  # step 0's batch
+    with torch.no_grad():  # transformers' loss, told the targets are already shifted
+        targets = targets.contiguous()
+        loss = model(input_ids=inputs, labels=targets, shift_labels=targets).loss.item()
+    assert abs(losses[0] - loss) <= 1e-5 and loss > 6.0, (losses[0], loss)
+    assert losses[1] < losses[0]  # and it trains
+
+
+def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
+    assert layout_of(GPTConfig()) == "gpt2"
+    llama = GPTConfig(n_kv_heads=2, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, d_head=64)
+    assert layout_of(llama) == "llama" and config_from_hf(hf_config(llama)) == llama
+    assert config_from_hf(hf_config(GPTConfig(tied_head=False))) == GPTConfig(tied_head=False)
+    for bad, word in ((GPTConfig(n_experts=4), "mixture of experts"), (GPTConfig(qk_norm=True), "q/k norms"),
+                      (GPTConfig(positions="rope"), "neither"), (GPTConfig(n_kv_heads=2), "grouped-query")):
+        with pytest.raises(ConfigError, match=word):
+            layout_of(bad)
+
+
+def test_transformers_models_minigpt_computes_differently_are_refused():
+    llama = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope"))
+    for change, word in (({"rms_norm_eps": 1e-6}, "epsilon"), ({"hidden_act": "gelu"}, "activation"),
+                         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "scaled"),
+                         ({"model_type": "bert"}, "model_type")):
+        with pytest.raises(ConfigError, match=word):
+            config_from_hf({**llama, **change})
+    with pytest.raises(ConfigError, match="activation"):
+        config_from_hf({**hf_config(GPTConfig()), "activation_function": "relu"})
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        config_from_hf(llama, seq_len=4096)
+
+
+@pytest.mark.slow
+def test_bad_model_directories_get_one_line_before_any_rank_starts(tmp_path):
+    model, hf_dir = transformers_model("llama", tmp_path)
+    one_line_refusal(invoke("train", "--init-from", str(tmp_path / "nowhere")), "not a directory")
+    (tmp_path / "empty").mkdir()
+    one_line_refusal(invoke("train", "--init-from", str(tmp_path / "empty")), "no config.json")
+    one_line_refusal(invoke("train", "--init-from", str(hf_dir), "--layers", "3"), "--layers", "init-from")
+    one_line_refusal(invoke("train", "--init-from", str(hf_dir), "--model", "tiny"), "--model")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    one_line_refusal(invoke("train", "--init-from", str(hf_dir)), "layers.2")  # the weights hold two layers
+    (hf_dir / "config.json").write_text("{not json")
+    one_line_refusal(invoke("train", "--init-from", str(hf_dir)), "JSON")
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    (hf_dir / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    one_line_refusal(invoke("train", "--init-from", str(hf_dir)), "safetensors")
+
+
+@pytest.mark.slow
+def test_export_refuses_in_one_line_and_overwrites_nothing(exported, tmp_path):
+    checkpoint, hf_dir = exported["gpt2"]
+    before = {path.name: path.stat().st_mtime_ns for path in hf_dir.iterdir()}
+    one_line_refusal(invoke("export", checkpoint, "--hf", str(hf_dir)), "not an empty directory")
+    assert {path.name: path.stat().st_mtime_ns for path in hf_dir.iterdir()} == before
+    one_line_refusal(invoke("export", str(tmp_path / "nowhere"), "--hf", str(tmp_path / "out")), "does not exist")
+    (tmp_path / "run").mkdir()
+    one_line_refusal(invoke("export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")), "no checkpoint")
+    assert not (tmp_path / "out").exists()
+    result = invoke("train", "--layers", "1", "--seq-len", "16", "--steps", "1", "--global-batch", "2", "--qk-norm",
+                    "--eval-every", "0", "--out", str(tmp_path / "qk"))
+    assert result.exit_code == 0, result.output
+    one_line_refusal(invoke("export", str(tmp_path / "qk"), "--hf", str(tmp_path / "out")), "q/k norms")
+    assert not (tmp_path / "out").exists()
+    result = invoke("export", checkpoint, "--hf", str(tmp_path / "again"))  # one checkpoint, named directly
+    assert result.exit_code == 0 and sorted(p.name for p in (tmp_path / "again").iterdir()) == \
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+@pytest.mark.slow
+def test_a_bpe_run_exports_with_its_tokenizer_and_comes_back_with_it(tmp_path):
+    """A byte-level BPE trained on the corpus: the run trained with it exports its tokenizer.json, which
+    transformers' AutoTokenizer reads to the same ids, and --init-from takes it back without being told."""
+    from minigpt.data import embedded_corpus
+    from minigpt.tokenizer import load_tokenizer, train_bpe
+
+    text = embedded_corpus()[:200_000].decode("utf-8", errors="ignore")
+    train_bpe(text, 300).save(tmp_path / "bpe")
+    result = invoke("train", "--layers", "2", "--seq-len", "32", "--steps", "2", "--global-batch", "4",
+                    "--tokenizer", str(tmp_path / "bpe"), "--eval-every", "0", "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    result = invoke("export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf"), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokenizer"].endswith("tokenizer.json")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    sample = "ROMEO: But soft, what light through yonder window breaks?"
+    ours = load_tokenizer(str(tmp_path / "bpe"))
+    assert theirs(sample)["input_ids"] == ours.encode(sample).tolist() and theirs.decode(ours.encode(sample)) == sample
+    result = invoke("train", "--init-from", str(tmp_path / "hf"), "--steps", "1", "--global-batch", "2", "--no-save",
+                    "--eval-every", "0", "--out", str(tmp_path / "again"), "--json")
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.stdout)["config"]
+    assert config["tokenizer"] == str(tmp_path / "hf" / "tokenizer.json") and config["model"]["vocab_size"] == 300
+
+
+@pytest.mark.slow
+def test_a_byte_run_exports_the_byte_tokenizer_that_transformers_reads(exported, tmp_path):
+    _, hf_dir = exported["llama"]
+    theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    sample = "Héllo, wörld: ROMEO!\n"
+    assert theirs(sample)["input_ids"] == list(sample.encode("utf-8"))  # the byte tokenizer's ids
+    assert theirs.decode(list(sample.encode("utf-8"))) == sample
+    result = invoke("train", "--init-from", str(hf_dir), "--steps", "1", "--global-batch", "2", "--no-save",
+                    "--eval-every", "0", "--out", str(tmp_path / "again"), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"]["tokenizer"] == "bytes"  # recognised, not re-encoded by a BPE
