@@ -29,7 +29,7 @@ def checkpoint_of(run: str) -> tuple[Path, Path]:
     if (path / MARKER).is_file():
         return path, path.parent.parent
     skipped: list = []
-    found = find_checkpoint(out=run, skipped=skipped)
+    found = find_checkpoint(out=run, skipped=skipped, other="give one checkpoint as RUN (RUN/checkpoints/step-N)")
     if skipped:
         click.echo("export: skipped " + "; ".join(f"{e.path.name} ({e.reason})" for e in skipped), err=True)
     return found, path

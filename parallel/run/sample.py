@@ -58,9 +58,10 @@ class SampleOptions:
 
 
 def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
-                    skipped: list | None = None) -> Path:
+                    skipped: list | None = None, other: str = "pass --checkpoint PATH") -> Path:
     """The checkpoint to load: `checkpoint` itself, or the newest of run directory `out` that verifies
-    (complete, every file's sha256 right); the newer ones passed over are appended to `skipped`."""
+    (complete, every file's sha256 right); the newer ones passed over are appended to `skipped`. `other`: how the
+    command takes one checkpoint instead, said when `out` has none."""
     if (out is None) == (checkpoint is None):
         raise ConfigError("give exactly one of --out RUN_DIR (a `minigpt train` run) or --checkpoint PATH")
     check_output_path("--out", out, "a run directory's path")
@@ -81,7 +82,7 @@ def find_checkpoint(out: str | os.PathLike | None = None, checkpoint: str | os.P
     why = "; ".join(f"{error.path.name} is {error.reason}" for error in passed)
     raise ConfigError(
         f"run directory {str(run)!r} has no checkpoint that verifies under checkpoints/"
-        + (f" ({why})" if why else "") + ": train it without --no-save (it keeps its final weights), or pass --checkpoint PATH"
+        + (f" ({why})" if why else "") + f": train it without --no-save (it keeps its final weights), or {other}"
     )
 
 
