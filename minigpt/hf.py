@@ -198,6 +198,13 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
     return out
 
 
+def lookup(table: dict, name: str):
+    """table[name], or under the name without its 'transformer.'/'model.' prefix (how GPT-2's own checkpoints, and
+    some others, name their tensors); None when neither is there."""
+    short = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else name
+    return table.get(name, table.get(short))
+
+
 def from_hf(tensors: dict, config: GPTConfig) -> dict:
     """transformers' tensors (by their names, with or without the 'transformer.'/'model.' prefix) as our plain
     GPT's state, in fp32; ConfigError naming a tensor that is missing or of the wrong shape."""
@@ -207,8 +214,7 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
     for ours, theirs in names(config).items():
         pieces = []
         for name in theirs:
-            short = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else name
-            found = tensors.get(name, tensors.get(short))
+            found = lookup(tensors, name)
             if found is None:
                 raise ConfigError(f"the model's weights have no {name}")
             pieces.append(found.to(torch.float32))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.hf import config_from_hf, from_hf, hf_config, to_hf
+from minigpt.hf import config_from_hf, from_hf, hf_config, lookup, to_hf
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 
@@ -88,8 +88,7 @@ def check_hf_dir(path: str | os.PathLike, seq_len: int | None = None) -> GPTConf
     config = config_from_hf(hf, seq_len)
     found = headers(weight_files(path))
     for name, shape in expected_shapes(config).items():
-        short = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else name
-        have = found.get(name, found.get(short))
+        have = lookup(found, name)
         if have is None:
             raise ConfigError(f"{str(path)!r}: the weights have no {name}, which a {hf.get('model_type')} model "
                               f"of this config.json has")
@@ -108,16 +107,22 @@ def read_hf_dir(path: str | os.PathLike, config: GPTConfig) -> dict:
     return from_hf(tensors, config)
 
 
+def check_new_dir(out: str | os.PathLike, flag: str = "") -> Path:
+    """`out` as a Path, when it is new or an empty directory; ConfigError otherwise (nothing is ever overwritten)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{flag + ' ' if flag else ''}{str(out)!r} exists and is not an empty directory: give a new "
+                          f"one (nothing is overwritten)")
+    return out
+
+
 def write_hf_dir(state: dict, config: GPTConfig, out: str | os.PathLike,
                  extra: dict[str, Path | bytes] | None = None) -> Path:
     """Directory `out` made with config.json, model.safetensors and the `extra` files (name -> a file to copy or
     the bytes to write, such as a tokenizer's), whole or not at all. Refused: an `out` that exists and is not an empty directory."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{str(out)!r} exists and is not an empty directory: give a new directory (nothing is "
-                          f"overwritten)")
+    out = check_new_dir(out)
     if not out.parent.is_dir():
         raise ConfigError(f"the directory {str(out.parent)!r} that would hold {out.name!r} does not exist")
     tensors = to_hf(state, config)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 
-from minigpt.errors import ConfigError
 
 def tokenizer_files(tokenizer, seq_len: int) -> dict[str, bytes]:
     """The run's tokenizer as a tokenizer.json (a byte run's: its exact equivalent, minigpt/tokenizer.py) and the
@@ -44,14 +43,11 @@ def checkpoint_of(run: str) -> tuple[Path, Path]:
 def export(run: str, hf_dir: str, as_json: bool) -> None:
     """Write RUN's newest valid checkpoint (a run directory, or one checkpoint) as a Hugging Face model."""
     from minigpt.errors import check_output_path
+    from minigpt.hf_files import check_new_dir, write_hf_dir
 
     check_output_path("--hf", hf_dir, "a directory's path")
-    target = Path(hf_dir)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(f"--hf {hf_dir!r} exists and is not an empty directory: give a new one (nothing is "
-                          f"overwritten)")
+    target = check_new_dir(hf_dir, "--hf")
     from minigpt.hf import layout_of  # after the cheap checks: torch comes with the checkpoint's reader
-    from minigpt.hf_files import write_hf_dir
     from parallel.run.sample import checkpoint_model_config, checkpoint_tokenizer, load_model
 
     checkpoint, _ = checkpoint_of(run)

@@ -161,9 +161,8 @@ def model_from_hf(options: dict) -> GPTConfig:
     if others:
         raise ConfigError(f"--{others[0].replace('_', '-')} sets the model's shape, which --init-from takes from "
                           f"{options['init_from']}/config.json: leave it out (--seq-len and --dropout may be given)")
-    for name in OPEN_WITH_INIT:
-        if name == "seq_len" and options.get(name) is not None:
-            check_positive_int("--seq-len", options[name])
+    if options.get("seq_len") is not None:
+        check_positive_int("--seq-len", options["seq_len"])
     path = Path(options["init_from"])
     config = config_from_hf(read_config(path), options.get("seq_len"))
     weight_files(path)

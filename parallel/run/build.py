@@ -97,12 +97,10 @@ def load_hf_weights(model: GPT, path: str) -> None:
     before any parallelism cuts the model: each layout keeps its own pieces of the same tensors."""
     from minigpt.hf_files import read_hf_dir
 
-    state = read_hf_dir(path, model.config)
+    state = read_hf_dir(path, model.config)  # every parameter's name (a tied head once, as tok_emb.weight)
     with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, tensor in state.items():
-            if name in params:  # a GPT-2 shape without biases: the directory's zero biases have no place
-                params[name].copy_(tensor)
+        for name, param in model.named_parameters():
+            param.copy_(state[name])
 
 
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:

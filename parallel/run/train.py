@@ -233,9 +233,9 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
         # timed once more, now that the cores are the run's
         peak.measured = max(peak.measured, measure_peak_flops(device, peak_dtype))
     memory = rank_memory(rank.data_parallel, rank.optimizer, activations)
-    memory_per_rank = gather_from_all(mesh, memory)
-    timelines = gather_from_all(mesh, trace.as_dict())
-    placement = gather_from_all(mesh, rank_placement())
+    # one gather for what the summary needs of every rank: its bytes, where it ran, its timeline
+    ranks = gather_from_all(mesh, {"memory": memory, "placement": rank_placement(), "timeline": trace.as_dict()})
+    memory_per_rank, placement, timelines = ([r[key] for r in ranks] for key in ("memory", "placement", "timeline"))
     loads = gather_from_all(mesh, {"tp_rank": mesh.tp_rank, "load": rank_load(rank.stage)}) if cfg.model.is_moe else []
     if run is None:
         return None
