@@ -182,7 +182,7 @@ def measured_of(path) -> dict:
 
 
 def check_schema(measured: dict, ranks: int) -> None:
-    assert set(measured) <= {"cores", "device", "units", "sharing", "variation", "collectives", "note", "reliability",
+    assert set(measured) <= {"cores", "device", "units", "sharing", "stragglers", "collectives", "note", "reliability",
                              "failure_costs"}
     assert measured["device"] == "cpu"
     check_reliability(measured["reliability"])
@@ -207,9 +207,9 @@ def check_schema(measured: dict, ranks: int) -> None:
             assert len(unit[name]) == len(sizes) and all(isinstance(s, float) and 0 < s < 10 for s in unit[name])
     for row in measured["sharing"]:
         assert len(row) == 3 and isinstance(row[0], int) and isinstance(row[1], int) and row[2] > 0
-    busy = [row[0] for row in measured["sharing"] if row[1] == 1]  # a rank's variation at every load shared
-    assert [row[:2] for row in measured["variation"]] == [[k, 1] for k in busy]
-    assert all(row[2] >= 0 for row in measured["variation"])
+    busy = [row[0] for row in measured["sharing"] if row[1] == 1]  # the slowest rank at every load shared by 2+
+    assert [row[:2] for row in measured["stragglers"]] == [[k, 1] for k in busy if k > 1]
+    assert all(row[2] >= 1 for row in measured["stragglers"]) and "variation" not in measured
     costs = measured["failure_costs"]  # a checkpoint written and read by every rank at once, the ranks' start
     assert [s for s, _ in costs["write"]["points"]] == [ranks * 2**20, ranks * 8 * 2**20]  # --quick's sizes a rank
     assert all(t > 0 for kind in ("write", "read") for _, t in costs[kind]["points"])

@@ -291,18 +291,19 @@ def test_several_models_are_timed_in_one_calibration():
             make_plan(2, quick=True, model=bad)
 
 
-def test_the_variation_of_a_ranks_time_pools_every_busy_ranks_runs():
-    """measured["variation"]: per busy count, the coefficient of variation of every busy rank's runs together
-    (differences between the ranks included), which simulator/engine/host.py turns into the slowest rank's wait."""
-    import statistics
-
+def test_the_stragglers_row_is_the_slowest_rank_of_runs_taken_in_step_over_their_mean():
+    """measured["stragglers"]: per busy count of two or more, the mean over run indices (runs taken in step) of the
+    slowest busy rank's run over the mean of every run. Ranks that take turns (one slow where the other is fast)
+    wait for the slowest of each pair of runs, not for the pooled spread."""
     plan = make_plan(2, quick=True)
     zero, one = host(0, {}, {1: 0.010, 2: 0.011}), host(1, {}, {2: 0.013})
-    zero["sharing"]["runs"] = {1: [0.010, 0.010, 0.010], 2: [0.010, 0.012]}
-    one["sharing"]["runs"] = {2: [0.013, 0.015]}
+    zero["sharing"]["runs"] = {1: [0.010, 0.010, 0.010], 2: [0.010, 0.016]}
+    one["sharing"]["runs"] = {2: [0.016, 0.010]}
     measured = build_measured([zero, one], plan, fit_alpha_beta)
-    both = [0.010, 0.012, 0.013, 0.015]
-    assert measured["variation"] == [[1, 1, 0.0], [2, 1, pytest.approx(statistics.pstdev(both) / statistics.fmean(both))]]
+    assert measured["stragglers"] == [[2, 1, pytest.approx(0.016 / 0.013)]]
+    assert "variation" not in measured
+    one["sharing"]["runs"] = {2: [0.010, 0.016]}  # both slow at once: nobody waits
+    assert build_measured([zero, one], plan, fit_alpha_beta)["stragglers"] == [[2, 1, pytest.approx(1.0)]]
 
 
 def test_the_failure_costs_are_fitted_from_the_checkpoint_points_and_the_ranks_start(tmp_path):

@@ -14,6 +14,7 @@ from simulator.engine.simulate import simulate_step
 from simulator.costs.hardware import hardware_to_dict, load_hardware, save_hardware
 from job.layout import Layout
 from simulator.network.topology import build_cluster
+from simulator.stragglers import max_moments, straggler_factor
 
 TINY = preset("tiny")
 SIZES = [1, 2, 4, 8]
@@ -305,4 +306,24 @@ def test_a_synchronous_step_waits_for_its_slowest_rank_as_the_measured_variation
     data["gpus"][name]["measured"]["variation"] = [[2, 1, -0.1]]
     (tmp_path / "broken.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=re.escape("variation[0] coefficient of variation")):
+        load_hardware(str(tmp_path / "broken.json"))
+
+
+def test_a_measured_stragglers_factor_is_the_steps_factor_at_its_rank_count(hardware, tmp_path):
+    """calibrate's stragglers rows (the slowest of runs taken in step over their mean) take the place of the
+    variation rows: at a measured rank count the step's straggler factor is the measured one; between counts the
+    coefficient of variation each implies is interpolated; a factor below 1 is refused."""
+    data = hardware_to_dict(hardware)
+    name = next(iter(data["gpus"]))
+    data["gpus"][name]["measured"]["variation"] = [[2, 1, 0.5]]  # an old profile's pooled spread: not used
+    data["gpus"][name]["measured"]["stragglers"] = [[2, 1, 1.1], [4, 1, 1.05]]
+    (tmp_path / "stragglers.json").write_text(json.dumps(data))
+    host = load_hardware(str(tmp_path / "stragglers.json")).gpu.measured
+    two, four = 0.1 / max_moments(2)[0], 0.05 / max_moments(4)[0]
+    assert host.variation_cv(2, 1) == pytest.approx(two) and host.variation_cv(4, 1) == pytest.approx(four)
+    assert host.variation_cv(3, 1) == pytest.approx((two + four) / 2)
+    assert straggler_factor(host.variation_cv(4, 1), 4) == pytest.approx(1.05)
+    data["gpus"][name]["measured"]["stragglers"] = [[2, 1, 0.9]]
+    (tmp_path / "broken.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=re.escape("stragglers: a slowest rank's factor is at least 1")):
         load_hardware(str(tmp_path / "broken.json"))

@@ -236,9 +236,9 @@ def echo_measured(measured: dict | None) -> None:
         click.echo(f"  {kind} tp {unit['tp']}{sp}{cp} forward/backward ms by micro-batch (alone): {times}")
     click.echo("  sharing (ranks x threads: slowdown): "
                + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
-    if measured.get("variation"):
-        click.echo("  a rank's time varies by (ranks busy: coefficient of variation; a step waits for the slowest): "
-                   + ", ".join(f"{r}: {cv:.1%}" for r, t, cv in measured["variation"]))
+    if measured.get("stragglers"):
+        click.echo("  the slowest rank of runs taken in step, over their mean (ranks busy: factor): "
+                   + ", ".join(f"{r}: {factor:.3f}" for r, t, factor in measured["stragglers"]))
     for fit in measured["collectives"]:
         if fit["group"] == fit["active"] or fit["kind"] == "p2p":
             click.echo(f"  {fit['kind']:<15} group {fit['group']} of {fit['active']} busy: alpha "

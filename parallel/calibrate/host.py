@@ -20,14 +20,20 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
 - sharing: how much slower a rank computes when k ranks with one thread each compute at
   once (k = 1, 2, 4, ... and the rank count), and, on a CPU, when rank 0 alone uses every core
   as threads: one block's forward + backward at plan.sharing_micro_batch, tp 1; slowdown =
-  the mean of the busy ranks' medians over rank 0's median alone, and for the threads the median
-  ratio of runs on every core's thread and on one taken in turn (device.threads_ratio). On CUDA each rank has its
-  own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
-- variation: how much one rank's time varies from run to run while k ranks compute at once, for the same runs
-  (on each busy rank at least SHARING_RUNS x plan.repeats of them, and enough to last about plan.variation_s: the
-  machine's slow moments, a neighbour's burst on a shared VM, come every few hundred ms): the coefficient of variation (standard deviation over
-  mean) of every busy rank's runs together, differences between ranks included. A synchronous step waits for
-  its slowest rank: simulator/engine/host.py prices that with simulator/stragglers.py's order statistics.
+  the mean of the busy ranks' medians over rank 0's median alone (runs taken in step, as below: a rank done
+  first leaves its core to the others while it waits, as in a synchronous step), and for the threads the
+  median ratio of runs on every core's thread and on one taken in turn (device.threads_ratio). On CUDA each
+  rank has its own GPU ("cores" = the GPUs used), so the rows measure about 1 and there is no threads row.
+- stragglers: what waiting for the slowest rank costs while k ranks compute at once, from the same runs. Every
+  rank takes each run in step with the others (a barrier before each: the runs of one index are simultaneous, as
+  a synchronous step's ranks are), at least SHARING_RUNS x plan.repeats of them and enough to last about
+  plan.variation_s (the machine's slow moments, a neighbour's burst on a shared VM, come every few hundred ms).
+  The stragglers row is the mean over runs of the slowest busy rank's time over the mean of every busy rank's
+  times (simulator/costs/host.py reads it as the coefficient of variation of independent normal ranks giving that
+  factor, so that simulator/stragglers.py's order statistics reproduce it at k ranks and carry it to other
+  counts). A rank's own spread is not that: with more ranks than cores the ranks take turns, one rank's slow
+  run is another's fast one, and the pooled spread (26.7% with 4 ranks on 2 cores, 2026-12-03) priced a 4-rank
+  step 27% slower than the slowest rank was.
 - collectives: all-reduce, all-gather, reduce-scatter, all-to-all (parallel/comm.py's Collectives over
   gloo or NCCL, S = the full buffer's bytes; all-to-all: each rank's input, split evenly, as expert
   parallelism's exchanges are counted) and p2p (ping-pong inside pairs, half the round trip) by size S,
@@ -137,13 +143,16 @@ def measure_sharing(plan, rank: int, ranks: int, cores: int, device: torch.devic
         barrier()
         if rank < busy:
             step()  # warm-up
-        barrier()  # the busy ranks start their timed runs together
+        barrier()
+        runs = []
+        count = max(SHARING_RUNS * plan.repeats, math.ceil(plan.variation_s / (alone * max(1.0, busy / max(1, cores)))))
+        for _ in range(count):  # the same count on every rank: `alone` is the slowest rank's
+            barrier()  # each run in step: the runs of one index are simultaneous on the busy ranks
+            if rank < busy:
+                runs.append(sum(step()))
         if rank < busy:
-            count = max(SHARING_RUNS * plan.repeats,
-                        math.ceil(plan.variation_s / (alone * max(1.0, busy / max(1, cores)))))
-            runs = [sum(step()) for _ in range(count)]
             result["busy"][busy] = statistics.median(runs)
-            result["runs"][busy] = runs  # every run: how much a rank's time varies with `busy` ranks at work
+            result["runs"][busy] = runs  # every run, in order: the slowest rank of each index is its straggler
     barrier()
     if cores > 1 and device.type == "cpu":
         if rank == 0:
@@ -293,6 +302,16 @@ def unit_shape(config) -> dict:
     return shape
 
 
+def straggler_factor(runs: list[list[float]]) -> float | None:
+    """The stragglers row's value from each busy rank's runs taken in step (runs[rank][i] simultaneous): the mean
+    over i of the slowest rank's run over the mean of every run (>= 1); None for one rank (nobody to wait for)."""
+    count = min((len(r) for r in runs), default=0)
+    if len(runs) < 2 or count == 0:
+        return None
+    slowest = statistics.fmean(max(r[i] for r in runs) for i in range(count))
+    return slowest / statistics.fmean(r[i] for r in runs for i in range(count))
+
+
 def build_measured(hosts: list[dict], plan, fit) -> dict:
     """The profile's "measured" object from every rank's measure_host() (rank 0 first); fit: fit_alpha_beta."""
     from minigpt.presets import preset
@@ -310,16 +329,14 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
         sharing.append([busy, 1, statistics.fmean(times) / base])
     if "threads_ratio" in first["sharing"]:
         sharing.append([1, first["cores"], first["sharing"]["threads_ratio"]])
-    variation = []
-    for busy in sorted(first["sharing"].get("runs", {})):
-        runs = [run for h in hosts for run in h["sharing"].get("runs", {}).get(busy, ())]
-        if len(runs) >= 2:
-            variation.append([busy, 1, statistics.pstdev(runs) / statistics.fmean(runs)])
+    stragglers = [[busy, 1, factor] for busy in sorted(first["sharing"].get("runs", {}))
+                  if (factor := straggler_factor([h["sharing"]["runs"][busy] for h in hosts
+                                                  if busy in h["sharing"].get("runs", {})])) is not None]
     collectives = []
     for (kind, n, busy), points in sorted(collective_points(hosts).items(),
                                           key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):
         alpha, beta = fit(points)
         collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points})
     return {"cores": first["cores"], "device": first.get("device", "cpu"), "units": units, "sharing": sharing,
-            "variation": variation, "collectives": collectives,
+            "stragglers": stragglers, "collectives": collectives,
             "note": f"parallel/calibrate/host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}

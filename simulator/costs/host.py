@@ -16,6 +16,7 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
                  "head_forward": [...], "head_backward": [...]}, ...],
       "sharing": [[ranks, threads_per_rank, slowdown], ...],
       "variation"?: [[ranks, threads_per_rank, cv], ...],
+      "stragglers"?: [[ranks, threads_per_rank, factor], ...],
       "failure_costs"?: {"write": {"alpha", "beta", "points"}, "read": {...}, "start_s", "monitor_s", "note"?},
       "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...],
       "reliability"?: {"cpu_share_before", "cpu_share_alone", "cpu_share_after", "cpu_share_threads"?,
@@ -58,11 +59,16 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   the model was not measured, and the optimizer). Ranks idle in pipeline bubbles free
   their cores: engine.share_idle_cores replays the step with the slowdown of the ranks
   busy on average.
-- variation: how much one rank's compute time varies from run to run (the coefficient of variation) while
-  `ranks` ranks with `threads_per_rank` threads each compute at once, differences between ranks included; looked
-  up as sharing is (linear between measured rank counts, else the nearest load's). A synchronous step waits for
-  its slowest rank: engine/host.py prices that with simulator/stragglers.py. Absent from profiles written before
-  calibrate measured it: no variation.
+- stragglers: what waiting for the slowest rank costs a synchronous step with `ranks` ranks of `threads_per_rank`
+  threads at work: the mean over runs taken in step (parallel/calibrate/host.py) of the slowest rank's time over
+  the mean of every rank's, measured (>= 1). The simulator reads a row as the coefficient of variation of
+  independent normal ranks giving that factor, cv = (factor - 1) / E[max of `ranks` standard normals]
+  (simulator/stragglers.py), looked up as sharing is (linear in ranks between measured counts, else the nearest
+  load's): at a measured count the step's factor is the measured one, elsewhere the order statistics carry it.
+- variation: the same model's coefficient of variation given directly: profiles written before calibrate took
+  its runs in step held the spread of every busy rank's runs pooled here (with more ranks than cores the ranks
+  take turns, so that spread overstates the slowest rank). Used when there is no stragglers row; absent from
+  both: no variation.
 - failure_costs: what a failure costs on this host (parallel/calibrate/storage.py): a checkpoint written and read
   back by every rank at once with torch.distributed.checkpoint, t = alpha + beta * S over the bytes S of all ranks
   (and the measured points); start_s, from launching the ranks to the last one's process group; monitor_s, the
@@ -88,6 +94,7 @@ from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, 
 from minigpt.errors import ConfigError
 from simulator.costs.efficiency import FLOP_FORMATS
 from simulator.json_file import BYTES, COUNT, RELATIVE, SECONDS, SHARE, finite_number, in_range
+from simulator.stragglers import max_moments
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
@@ -192,6 +199,7 @@ class MeasuredHost:
     collectives: tuple[MeasuredCollective, ...] = ()
     device: str = "cpu"  # "cuda": measured on GPUs (NCCL), whose copies do not take the compute's cores
     variation: tuple[tuple[int, int, float], ...] = ()  # (ranks, threads per rank, coefficient of variation)
+    stragglers: tuple[tuple[int, int, float], ...] = ()  # (ranks, threads per rank, measured slowest-rank factor)
     failure_costs: "FailureCosts | None" = None  # checkpoint writes and reads, the ranks' start (None: not measured)
     raw: dict = field(default_factory=dict, hash=False, compare=False)  # the profile's object, for writing back
     reliability: dict | None = field(default=None, hash=False, compare=False)  # None: written before calibrate kept it
@@ -238,15 +246,18 @@ class MeasuredHost:
         """How much one rank's compute time varies (its coefficient of variation) with `ranks` ranks of `threads`
         threads at work: the measured row, linear between measured rank counts of those threads, else the
         nearest load's; 0 when none was measured."""
-        rows = sorted((r, cv) for r, t, cv in self.variation if t == threads)
+        table = self.variation
+        if self.stragglers:  # measured factors, as the cv of the stragglers model that gives each
+            table = tuple((r, t, (factor - 1) / max_moments(r)[0]) for r, t, factor in self.stragglers if r > 1)
+        rows = sorted((r, cv) for r, t, cv in table if t == threads)
         for r, cv in rows:
             if r == ranks:
                 return cv
         if len(rows) >= 2 and rows[0][0] <= ranks <= rows[-1][0]:
             return _interpolate(tuple(r for r, _ in rows), tuple(cv for _, cv in rows), ranks)
-        if not self.variation:
+        if not table:
             return 0.0
-        return min(self.variation, key=lambda row: (abs(math.log(row[0] * row[1] / (ranks * threads))), -row[0]))[2]
+        return min(table, key=lambda row: (abs(math.log(row[0] * row[1] / (ranks * threads))), -row[0]))[2]
 
     def collective_seconds(self, kind: str, group: int, active: float, nbytes: float) -> float | None:
         """Seconds of one collective of `nbytes` in a group of `group` with `active` ranks busy: linear
@@ -322,15 +333,15 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     where = f"{where}.measured"
     if not isinstance(data, dict) or "cores" not in data:
         raise ConfigError(f"{where} must be a JSON object with cores, units, sharing and collectives")
-    unknown = sorted(set(data) - {"cores", "device", "units", "sharing", "variation", "collectives", "note",
-                                  "reliability", "failure_costs"})
+    unknown = sorted(set(data) - {"cores", "device", "units", "sharing", "variation", "stragglers", "collectives",
+                                  "note", "reliability", "failure_costs"})
     if unknown:
         raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}")
     cores = int(_positive(data["cores"], f"{where}.cores", integer=True))
     device = data.get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"{where}.device must be cpu or cuda, got {device!r}")
-    for name in ("units", "sharing", "variation", "collectives"):
+    for name in ("units", "sharing", "variation", "stragglers", "collectives"):
         if not isinstance(data.get(name, []), list):
             raise ConfigError(f"{where}.{name} must be a JSON list, got {data[name]!r}")
     units = []
@@ -365,6 +376,10 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
     sharing = _load_rows(data.get("sharing", []), f"{where}.sharing", "slowdown", zero=False, high=1e6)
     variation = _load_rows(data.get("variation", []), f"{where}.variation", "coefficient of variation", zero=True,
                            high=10.0)
+    stragglers = _load_rows(data.get("stragglers", []), f"{where}.stragglers", "factor", zero=False, high=1e6)
+    if any(factor < 1 for _, _, factor in stragglers):
+        raise ConfigError(f"{where}.stragglers: a slowest rank's factor is at least 1 (the slowest of a step's ranks "
+                          f"over their mean), got {min(f for _, _, f in stragglers):g}")
     collectives = []
     for i, entry in enumerate(data.get("collectives", [])):
         at = f"{where}.collectives[{i}]"
@@ -379,13 +394,13 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
             float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
             points))
-    return MeasuredHost(cores, tuple(units), sharing, tuple(collectives), device, variation,
+    return MeasuredHost(cores, tuple(units), sharing, tuple(collectives), device, variation, stragglers,
                         parse_failure_costs(data.get("failure_costs"), f"{where}.failure_costs"), raw=data,
                         reliability=parse_reliability(data.get("reliability"), f"{where}.reliability"))
 
 
 def _load_rows(rows: list, at: str, third: str, zero: bool, high: float) -> tuple[tuple[int, int, float], ...]:
-    """[[ranks, threads_per_rank, value], ...] (the sharing and variation tables); ConfigError naming the row."""
+    """[[ranks, threads_per_rank, value], ...] (the sharing, variation and stragglers tables); ConfigError naming the row."""
     checked = []
     for i, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != 3:
