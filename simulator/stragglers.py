@@ -44,6 +44,12 @@ def straggler_factor(cv: float, ranks: int) -> float:
     return 1.0 + cv * max_moments(ranks)[0] if cv > 0 and ranks > 1 else 1.0
 
 
+def cv_giving(factor: float, ranks: int) -> float:
+    """The coefficient of variation whose straggler_factor at `ranks` ranks is `factor` (a measured slowest rank
+    over the mean: parallel/calibrate/host.py's stragglers rows); 0 for one rank."""
+    return (factor - 1) / max_moments(ranks)[0] if ranks > 1 else 0.0
+
+
 def interval_seconds(steps: int, step_s: float, cv: float, ranks: int, z: float) -> float:
     """`steps` synchronous steps of `ranks` ranks, each rank's step step_s x (1 + cv x N(0, 1)); `z` a standard
     normal draw for the sum's spread (0: its mean)."""

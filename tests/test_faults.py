@@ -248,6 +248,19 @@ def test_a_stopped_rank_ends_the_run_naming_it_and_resume_is_exact(tmp_path, uni
     assert_resumes_exactly(tmp_path, out, uninterrupted)
 
 
+def finish_after(process: subprocess.Popen, kill) -> tuple[str, str]:
+    """`kill()` the run's ranks as the test wants, then its (stdout, stderr) once it ends, which must be with 0; the
+    run is killed if anything fails first."""
+    try:
+        kill()
+        stdout, stderr = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr[-2000:]
+    return stdout, stderr
+
+
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
     """--max-restarts 1: a rank killed after the first checkpoint, torch's elastic agent starts every rank again,
     they resume from the newest checkpoint that verifies, and the run finishes with the losses of a run never
@@ -256,15 +269,12 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp
     reference = [sys.executable, "-m", "cli", "train", *ARGS, "--steps", str(steps), "--out", str(tmp_path / "ref"),
                  "--json"]
     process = start_until_checkpoint(tmp_path, out, extra=("--max-restarts", "1"), steps=steps)
-    try:
-        workers = ranks_of(process.pid)
-        others = [pid for pid in workers if not has_open(pid, (out / "metrics.jsonl").resolve())]
+
+    def kill_one() -> None:
+        others = [pid for pid in ranks_of(process.pid) if not has_open(pid, (out / "metrics.jsonl").resolve())]
         os.kill(others[-1], signal.SIGKILL)
-        stdout, stderr = process.communicate(timeout=180)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, stderr[-2000:]
+
+    stdout, stderr = finish_after(process, kill_one)
     said = [line for line in stderr.splitlines() if line.startswith("minigpt: restart 1 of 1 after a failure")]
     assert len(said) == 1 and "resuming from step-" in said[0], stderr[-2000:]
     summary = json.loads(stdout)
@@ -283,7 +293,9 @@ def test_a_rank_killed_as_a_restart_starts_costs_a_restart_not_elastics_grace(tm
     action: a second restart follows within seconds and the run ends."""
     out = tmp_path / "run"
     process = start_until_checkpoint(tmp_path, out, extra=("--max-restarts", "2"), steps=60)
-    try:
+    killed = []
+
+    def kill_twice() -> None:
         first = set(ranks_of(process.pid))
         os.kill(sorted(first)[-1], signal.SIGKILL)
         deadline = time.time() + 60
@@ -291,12 +303,9 @@ def test_a_rank_killed_as_a_restart_starts_costs_a_restart_not_elastics_grace(tm
             assert process.poll() is None and time.time() < deadline, "no restart began"
             time.sleep(0.002)
         os.kill(sorted(set(ranks_of(process.pid)) - first)[-1], signal.SIGKILL)
-        killed = time.time()
-        stdout, stderr = process.communicate(timeout=180)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, stderr[-2000:]
+        killed.append(time.time())
+
+    _, stderr = finish_after(process, kill_twice)
     said = [line for line in stderr.splitlines() if line.startswith("minigpt: restart ")]
     assert [line.split(" after")[0] for line in said] == ["minigpt: restart 1 of 2", "minigpt: restart 2 of 2"], stderr
-    assert time.time() - killed < 20, f"the second restart took {time.time() - killed:.1f} s (elastic's grace: 30 s)"
+    assert time.time() - killed[0] < 20, f"the second restart took {time.time() - killed[0]:.1f} s (elastic's grace: 30 s)"

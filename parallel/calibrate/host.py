@@ -302,7 +302,7 @@ def unit_shape(config) -> dict:
     return shape
 
 
-def straggler_factor(runs: list[list[float]]) -> float | None:
+def slowest_rank_factor(runs: list[list[float]]) -> float | None:
     """The stragglers row's value from each busy rank's runs taken in step (runs[rank][i] simultaneous): the mean
     over i of the slowest rank's run over the mean of every run (>= 1); None for one rank (nobody to wait for)."""
     count = min((len(r) for r in runs), default=0)
@@ -329,9 +329,11 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
         sharing.append([busy, 1, statistics.fmean(times) / base])
     if "threads_ratio" in first["sharing"]:
         sharing.append([1, first["cores"], first["sharing"]["threads_ratio"]])
-    stragglers = [[busy, 1, factor] for busy in sorted(first["sharing"].get("runs", {}))
-                  if (factor := straggler_factor([h["sharing"]["runs"][busy] for h in hosts
-                                                  if busy in h["sharing"].get("runs", {})])) is not None]
+    stragglers = []
+    for busy in sorted(first["sharing"].get("runs", {})):
+        factor = slowest_rank_factor([h["sharing"]["runs"][busy] for h in hosts if busy in h["sharing"].get("runs", {})])
+        if factor is not None:
+            stragglers.append([busy, 1, factor])
     collectives = []
     for (kind, n, busy), points in sorted(collective_points(hosts).items(),
                                           key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):

@@ -66,7 +66,7 @@ class RunFiles:
 
 
 def write_json_file(path: Path, obj: dict) -> None:
-    """`path` written through a temporary name and renamed: a reader never sees half a file."""
+    """`obj` as indented JSON in `path`, through write_text_file."""
     write_text_file(path, json.dumps(obj, indent=2) + "\n")
 
 

@@ -94,7 +94,7 @@ from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, 
 from minigpt.errors import ConfigError
 from simulator.costs.efficiency import FLOP_FORMATS
 from simulator.json_file import BYTES, COUNT, RELATIVE, SECONDS, SHARE, finite_number, in_range
-from simulator.stragglers import max_moments
+from simulator.stragglers import cv_giving
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
@@ -248,7 +248,7 @@ class MeasuredHost:
         nearest load's; 0 when none was measured."""
         table = self.variation
         if self.stragglers:  # measured factors, as the cv of the stragglers model that gives each
-            table = tuple((r, t, (factor - 1) / max_moments(r)[0]) for r, t, factor in self.stragglers if r > 1)
+            table = tuple((r, t, cv_giving(factor, r)) for r, t, factor in self.stragglers if r > 1)
         rows = sorted((r, cv) for r, t, cv in table if t == threads)
         for r, cv in rows:
             if r == ranks:
