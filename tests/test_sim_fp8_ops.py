@@ -162,9 +162,10 @@ def test_wgrad_fusion_accumulates_into_the_fp32_main_gradient_in_the_gemm(precis
 def test_the_settings_are_said_with_the_prediction():
     data = {"compute": "x", "matmul_efficiency": {}, "kernel_overhead_s": 0.0,
             "achieved": {"hbm_fraction": 1, "nvlink_fraction": 1, "source": "s"},
-            "implementation": TE.as_dict() | {"wgrad_fusion": True},
+            "implementation": TE.as_dict() | {"wgrad_fusion": True, "ub_chunks": True},
             "overlap": {"name": "executor", "tp": False, "dp": "x", "zero3_prefetch": 1, "p2p": False,
                         "param_gather": "none", "tp_slowdown": 0, "dp_slowdown": 0, "p2p_slowdown": 0}}
     row = dict(summary_rows(data))["implementation"]
     assert "fp8 weights cast once a step" in row and "fused fp8 casts" in row and "wgrad fused" in row
+    assert "userbuffers' GEMMs in chunks" in row
     assert "fp8" not in dict(summary_rows(data | {"implementation": Implementation().as_dict()}))["implementation"]

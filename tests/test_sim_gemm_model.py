@@ -176,3 +176,36 @@ def test_a_model_round_trips_and_bad_ones_name_the_field():
             parse_gemm_model(bad, "gemm_model")
     with pytest.raises(ConfigError, match="gemm_model"):
         parse_efficiency_profile({"gemm_model": {"sms": "many"}})
+
+
+def test_userbuffers_run_the_overlapped_linears_in_chunks_priced_chunk_by_chunk():
+    """Transformer Engine's userbuffers (initialize_ub's defaults): the ring exchange (qkv and fc1 forward, proj and
+    fc2 input gradients) in tp chunks, the pipelined reduce-scatter (proj and fc2 forward) in 4; the bulk overlaps
+    (qkv and fc1 input gradients) and every weight gradient whole. Each chunk is a GEMM of its own shape."""
+    from job.layout import Layout
+    from minigpt.config import GPTConfig
+    from precision.policy import policy
+    from simulator.costs.compute import op_time
+    from simulator.costs.op_types import Gemm, Implementation
+    from simulator.costs.ops import UB_PIPELINE_SPLITS, block_ops
+
+    gpu = load_hardware("h100-sxm").gpu
+    model = GPTConfig(vocab_size=512, seq_len=2048, n_layers=2, n_heads=32, d_model=4096, d_ff=16384)
+    sp8 = Layout(tp=8, sequence_parallel=True)
+    gemms = lambda layout, **impl: {op.name: op for op in (lambda o: o.forward + o.backward)(  # noqa: E731
+        block_ops(model, 1, layout, policy("bf16"), Implementation(**impl))) if isinstance(op, Gemm)}
+    plain, chunked = gemms(sp8), gemms(sp8, ub_chunks=True)
+    expected = {"qkv": 8, "fc1": 8, "proj.input_grad": 8, "fc2.input_grad": 8, "proj": UB_PIPELINE_SPLITS,
+                "fc2": UB_PIPELINE_SPLITS}
+    assert {name: op.chunks for name, op in chunked.items() if op.chunks > 1} == expected
+    assert all(op.chunks == 1 for op in plain.values())
+    assert gemms(Layout(tp=8), ub_chunks=True) == gemms(Layout(tp=8))  # userbuffers need sequence parallelism
+    overhead = gpu.reached.kernel_overhead
+    for name, chunks in expected.items():
+        op, whole = chunked[name], plain[name]
+        assert op.flops == whole.flops and op.bytes - whole.bytes == (chunks - 1) * op.n * op.k * 2  # weight re-read
+        one = Gemm(name, op.m // chunks, op.n, op.k, op.dtype)
+        piece = one.flops / (gpu.flops("bf16") * gemm_efficiency(one.m, one.n, one.k, "bf16", gpu,
+                                                                  gpu.matmul_efficiency))
+        assert op_time(op, gpu, gpu.matmul_efficiency) == pytest.approx(chunks * (piece + overhead), rel=1e-12)
+        assert op_time(op, gpu, gpu.matmul_efficiency) > op_time(whole, gpu, gpu.matmul_efficiency)

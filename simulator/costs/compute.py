@@ -123,7 +123,9 @@ def kernel_overhead(gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> f
 
 
 def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
-    return g.flops / (gpu.flops(g.dtype) * gemm_efficiency(g.m, g.n, g.k, g.dtype, gpu, profile, g.batch))
+    """At the efficiency of one chunk's shape when it runs in chunks (each a GEMM of its own, in turn)."""
+    rows = -(-g.m // g.chunks)
+    return g.flops / (gpu.flops(g.dtype) * gemm_efficiency(rows, g.n, g.k, g.dtype, gpu, profile, g.batch))
 
 
 def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
@@ -147,7 +149,7 @@ def op_time(op: Op, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> f
         compute = _attention_compute(op, gpu, profile)
     else:
         compute = 0.0
-    return max(compute, memory) + kernel_overhead(gpu, profile)
+    return max(compute, memory) + kernel_overhead(gpu, profile) * (op.chunks if isinstance(op, Gemm) else 1)
 
 
 @dataclass(frozen=True)

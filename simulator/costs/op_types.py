@@ -42,6 +42,9 @@ class Implementation:
                       32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
     wgrad_fusion      the weight-gradient GEMM accumulates into the fp32 main gradient itself (Megatron-core's
                       gradient_accumulation_fusion): no separate accumulation kernel.
+    ub_chunks         under sequence parallelism, the Linears whose collective Transformer Engine's userbuffers
+                      overlap run as GEMMs on chunks of the rows, one after another (simulator/costs/ops.py,
+                      "userbuffers' chunks"); False: one GEMM each (our executor).
     expert_load       a mixture of experts' routing imbalance: the busiest expert's routed rows over the mean (1.0:
                       balanced), applied to the busiest rank of the expert group (simulator/costs/ops_moe.py's
                       received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls)."""
@@ -54,13 +57,14 @@ class Implementation:
     fp8_scaling: str = "tensor"
     wgrad_fusion: bool = False
     expert_load: float = 1.0
+    ub_chunks: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
         check_recompute(self.recompute)
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
-        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion"):
+        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.fp8_scaling not in FP8_SCALINGS:
@@ -76,7 +80,7 @@ class Implementation:
     def as_dict(self) -> dict:
         return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
-                "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion}
+                "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks}
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class Gemm:
     bytes: int = 0  # HBM: both operands read once, the result written once
     phase: str = FORWARD
     linear: bool = True  # a Linear layer's matmul (these can hide tensor-parallel collectives)
+    chunks: int = 1  # run as this many GEMMs of m / chunks rows, one after another (Implementation.ub_chunks)
 
     @property
     def flops(self) -> int:
@@ -253,6 +258,7 @@ class UnitShape:
     wgrad_fusion: bool = False
     expert_load: float = 1.0  # Implementation.expert_load
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
+    ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
 
     def fp8_bytes(self, elements: int) -> int:
         """Bytes of one fp8 copy of `elements` values with its scales: one byte each, and under block scaling one
@@ -311,7 +317,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
                      fp8_block=impl.fp8_scaling == "block", wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
-                     expert_load=impl.expert_load)
+                     expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks)
 
 
 class Recorder:
@@ -349,8 +355,9 @@ class Recorder:
         self.forward.append((MemoryOp(name, self.bytes_of(*reads), self.bytes_of(*writes)), self.region, saves))
 
     def gemm(self, name: str, m: int, n: int, k: int, dtype: str, saves: tuple[str, ...] = (), batch: int = 1,
-             linear: bool = True) -> None:
-        self.forward.append((gemm(name, m, n, k, dtype, self.shape.e, batch, FORWARD, linear), self.region, saves))
+             linear: bool = True, chunks: int = 1) -> None:
+        self.forward.append((gemm(name, m, n, k, dtype, self.shape.e, batch, FORWARD, linear, chunks), self.region,
+                             saves))
 
     def op(self, op: Op, saves: tuple[str, ...] = ()) -> None:
         """Any op built by hand (FlashAttention, a lookup whose bytes are no tensor of ours)."""
@@ -366,10 +373,10 @@ class Recorder:
         self.workspace.extend(Saved(n, self.size[n]) for n in keeps)
 
     def back_gemm(self, name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, linear: bool = True,
-                  out_bytes: int | None = None) -> None:
+                  out_bytes: int | None = None, chunks: int = 1) -> None:
         """`out_bytes` per result element (default the compute format's): 2 x 4 when it accumulates into fp32."""
         out = self.shape.e if out_bytes is None else out_bytes
-        self.backward.append(gemm(name, m, n, k, dtype, out, batch, BACKWARD, linear))
+        self.backward.append(gemm(name, m, n, k, dtype, out, batch, BACKWARD, linear, chunks))
 
     def finish(self, recompute: str) -> OpList:
         """The unit, with recompute's rule (simulator/costs/ops.py): a saved tensor is dropped when the op that makes it
@@ -395,10 +402,11 @@ class Recorder:
 
 
 def gemm(name: str, m: int, n: int, k: int, dtype: str, out_bytes: int, batch: int = 1, phase: str = FORWARD,
-         linear: bool = True) -> Gemm:
-    """A Gemm whose bytes are its operands in `dtype` and its result in `out_bytes` per element."""
-    nbytes = batch * ((m * k + k * n) * GEMM_INPUT_BYTES[dtype] + m * n * out_bytes)
-    return Gemm(name, m, n, k, dtype, batch, nbytes, phase, linear)
+         linear: bool = True, chunks: int = 1) -> Gemm:
+    """A Gemm whose bytes are its operands in `dtype` and its result in `out_bytes` per element; run in `chunks` of
+    its rows, it reads the k x n operand once per chunk."""
+    nbytes = batch * ((m * k + chunks * k * n) * GEMM_INPUT_BYTES[dtype] + m * n * out_bytes)
+    return Gemm(name, m, n, k, dtype, batch, nbytes, phase, linear, chunks)
 
 
 WEIGHT_GRADIENT_OPS = (".weight_grad", ".grad_accumulate", ".bias_grad", ".position_grad", ".lookup_grad")

@@ -101,6 +101,10 @@ attention, the head and every element-wise kernel stay 16-bit. The casts, by Imp
         the 16-bit tensor in one kernel (by the LayerNorm itself before qkv and fc1); needs fused casts.
 wgrad_fusion: a weight-gradient GEMM reads and writes the fp32 main gradient (2 x 4 bytes per weight), no
 grad_accumulate kernel after it (Megatron-core's gradient_accumulation_fusion).
+userbuffers' chunks (ub_chunks, under sequence parallelism): Transformer Engine overlaps a Linear's collective by
+running its GEMM on chunks of the rows (initialize_ub's default methods, transformer_engine/pytorch/module/base.py):
+the ring exchange (qkv and fc1 forward, proj and fc2 input gradients) in t chunks, the pipelined reduce-scatter
+(proj and fc2 forward) in UB_PIPELINE_SPLITS; the bulk overlaps (qkv and fc1 backward) leave their GEMMs whole.
 
 The shape's options (minigpt/config.py), each as minigpt/model.py computes it:
   bias=False        no bias adds and no bias gradients: a Linear writes its output directly.
@@ -191,8 +195,11 @@ def _fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
 # ---------------------------------------------------------------- Linear layers
 
 
+UB_PIPELINE_SPLITS = 4  # Transformer Engine's default num_splits for its "pipeline" overlap (initialize_ub)
+
+
 def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int, out: str,
-                    normed: bool = False) -> str:
+                    normed: bool = False, chunks: int = 1) -> str:
     """A Linear of `k` -> `n` columns on this rank over all rows, writing `out` (before any bias).
 
     `inp` is the input it multiplies (16-bit, or e4m3 when a fused norm wrote it: `normed`, it follows one); `shard`
@@ -206,11 +213,11 @@ def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: in
     else:
         saves = (saved_input or inp,)
     rec.tensor(out, sh.rows * n * sh.e)
-    rec.gemm(name, sh.rows, n, k, sh.linear, saves)
+    rec.gemm(name, sh.rows, n, k, sh.linear, saves, chunks=chunks)
     return out
 
 
-def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = False) -> None:
+def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = False, chunks: int = 1) -> None:
     """Input and weight gradients of the Linear above (its output gradient in HBM), and the accumulation.
 
     Under fp8 the output gradient is cast to e5m2 first; our executor's _scaled_mm then makes the transposed
@@ -221,7 +228,7 @@ def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = Fa
     if sh.fp8:
         for kernel, read, written in _cast_kernels(sh, f"{name}.cast_grad", sh.rows * n, 2):
             rec.back_mem(kernel, read, written)
-    rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear)
+    rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear, chunks=chunks)
     if sh.fp8 and not sh.fp8_fused:
         rec.back_mem(f"{name}.transpose_weight", n * k, n * k)
     if sh.sharded and sh.fp8:  # the input shard, gathered again, is made e4m3 (transposed) again for the weight gradient
@@ -257,9 +264,11 @@ def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int
     """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one;
     `normed`: a norm wrote its input (a MoE's shared experts read the router's: not normed for them)."""
     sh = rec.shape
+    chunks = sh.t if sh.ub_chunks else 1  # the ring exchange's all-gather
     if not sh.bias:
-        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed)
-    _bias_add(rec, name, _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed), out, sh.rows, n)
+        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed, chunks)
+    matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed, chunks)
+    _bias_add(rec, name, matmul, out, sh.rows, n)
     return out
 
 
@@ -267,7 +276,7 @@ def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
     """A row-parallel Linear (proj, fc2) from `k` columns on this rank to d, summed over the group (all-reduced, or
     reduce-scattered to the sequence shard), and its bias, added after the sum, when the shape has one."""
     sh = rec.shape
-    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul")
+    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul", chunks=UB_PIPELINE_SPLITS if sh.ub_chunks else 1)
     total = rec.tensor(f"{name}.sum" if sh.bias else out, sh.residual_rows * sh.d * sh.e)
     if sh.bias:
         _bias_add(rec, name, total, out, sh.residual_rows, sh.d)
@@ -283,7 +292,7 @@ def _column_backward(rec: Recorder, name: str, n: int, normed: bool = True) -> N
 def _row_backward(rec: Recorder, name: str, k: int) -> None:
     if rec.shape.bias:
         _bias_backward(rec, name, rec.shape.residual_rows, rec.shape.d)
-    _linear_backward(rec, name, rec.shape.d, k)
+    _linear_backward(rec, name, rec.shape.d, k, chunks=rec.shape.t if rec.shape.ub_chunks else 1)
 
 
 def _bias_backward(rec: Recorder, name: str, rows: int, n: int) -> None:

@@ -84,7 +84,8 @@ Presets (`overlap_preset`; each also names the stack's implementation choices, `
                       through TE userbuffers (tp True), the distributed optimizer's gradient
                       reduce-scatter overlapped with the backward (dp "backward") and its parameter
                       all-gather with the next forward (param_gather "forward"), p2p overlapped;
-                      gradient-accumulation fusion and fp8 weights cast once per step (implementation);
+                      gradient-accumulation fusion, fp8 weights cast once per step and the overlapped
+                      Linears' GEMMs in userbuffers' chunks (implementation);
                       ep False, Megatron-core's default (--ep-overlap turns it on).
   "torchtitan-fsdp2"  torchtitan with FSDP2 (Liang et al. 2024, arXiv 2410.06511): each unit's
                       all-gather prefetched one unit ahead (zero3_prefetch 1), reduce-scatters
@@ -185,15 +186,19 @@ PRESETS = {
 # fp8_weight_cache: fp8 weights cast once per step and reused by every micro-batch (Transformer Engine's
 # is_first_microbatch, which Megatron-core passes); fp8_fused_casts: amax, cast and transpose in fused kernels
 # (Transformer Engine's; torchao's float8 under torch.compile) rather than our executor's torch ops. Every stack
-# here scales fp8 per tensor (TE's DelayedScaling, precision/fp8.py, torchao's tensorwise recipe).
-_OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor"}
+# here scales fp8 per tensor (TE's DelayedScaling, precision/fp8.py, torchao's tensorwise recipe). ub_chunks: the
+# Linears whose collective TE's userbuffers overlap run their GEMMs in chunks of the rows (simulator/costs/ops.py),
+# only while the preset overlaps tp (stack_implementation).
+_OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor",
+         "ub_chunks": False}
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
     "megatron-2021": _OURS,  # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
     "overlapped": _OURS,
-    "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor"},
+    "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor",
+                      "ub_chunks": True},
     "torchtitan-fsdp2": {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": True,
-                         "fp8_scaling": "tensor"},
+                         "fp8_scaling": "tensor", "ub_chunks": False},
 }
 
 
@@ -210,7 +215,10 @@ def stack_implementation(overlap: Overlap | str) -> dict:
     base = name.split("+", 1)[0]
     if base not in STACK_IMPLEMENTATION:
         raise ConfigError(f"unknown overlap preset {base!r}: choose one of {', '.join(PRESETS)}")
-    return dict(STACK_IMPLEMENTATION[base])
+    chosen = dict(STACK_IMPLEMENTATION[base])
+    tp = overlap.tp if isinstance(overlap, Overlap) else PRESETS[base].tp
+    chosen["ub_chunks"] = chosen["ub_chunks"] and tp  # userbuffers chunk the GEMMs to overlap tp's collectives
+    return chosen
 
 
 def resolve_overlap(overlap: Overlap | str | None = None, **changes) -> Overlap:
