@@ -29,8 +29,10 @@ the backward and its parameter all-gather in the next forward, asynchronous pipe
 collective slowing the compute it overlaps by the SMs it holds; gradient-accumulation fusion, fp8 weights cast
 once per step, Transformer Engine's fused casts), and dropout 0.1 as the run's gpt3_175b_hydra.yaml sets it
 (hidden_dropout and attention_dropout 0.1; the same file sets ub_tp_comm_overlap, gradient_accumulation_fusion,
-overlap_grad_sync, overlap_param_sync, overlap_p2p_comm and fp8_params, which the preset describes): settings of
-the run and its stack, not fitted numbers.
+overlap_grad_sync, overlap_param_sync, overlap_p2p_comm and fp8_params, which the preset describes), and
+`--sp-saved-input sharded`: Megatron-core's sequence-parallel Linears save their input shard and gather it again in
+the backward (TE's bulk overlap hides that gather behind the input-gradient GEMM): settings of the run and its
+stack, not fitted numbers.
 
 `--table moe`: published mixture-of-experts runs (bench/published_runs.json's "moe_training", each row with its
 source, the recipe its settings come from and what it assumes), each simulated with the run's own layout (tp,
@@ -118,7 +120,8 @@ def dgxc_command(run: dict) -> list[str]:
             "--pp", str(run["pp"]), "--dp", str(run["dp"]), "--cp", str(run["cp"]), "--zero", str(run["zero"]),
             *(["--sequence-parallel"] if run["sp"] else []), "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
             "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
-            "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(DGXC_DROPOUT), "--json"]
+            "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(DGXC_DROPOUT),
+            *(["--sp-saved-input", "sharded"] if run["sp"] else []), "--json"]
 
 
 def dgxc_rows() -> tuple[list[dict], str]:

@@ -1,0 +1,195 @@
+"""A training-shaped GEMM's rate in a short burst against back to back for a minute, with the GPU's clocks.
+
+    python bench/gpu_sustained.py --out sustained.json [--seconds 60] [--format bf16] [--dry-run]
+
+Why: the GEMM model (simulator/costs/gemm_model.py) rests on microbenchmarks that time a few runs per shape
+(OpenXLA's table: a warm-up and five traced runs; Bekman's MAMF: 150), while a training run keeps the tensor cores
+busy for hours under the board's power limit. docs/results.md ("what the rest of the gap looks like") finds every
+published H100 run slower than predicted by one factor on the tensor-core rate (0.70-0.81) and the A100 runs not;
+the clock is the leading candidate. This measures it on the lent GPU instead of taking it from a training table.
+
+What it does, on one GPU (a bare machine: torch and the repository root on PYTHONPATH, nothing else):
+1. idle `--cool-s` seconds (default 10), then the burst: a warm-up call and 20 calls timed one by one with CUDA
+   events, as a microbenchmark times them; their median rate;
+2. the sustained run: the same GEMM back to back for `--seconds`, an event every window of calls (about
+   0.25 s at the burst's rate), the rate of every window;
+3. throughout, `nvidia-smi` sampled every 0.5 s for the SM clock, the board power and the temperature, reported
+   for the idle seconds, the sustained run's first second and its last 10 s (null without nvidia-smi; the burst
+   itself is too short to sample: its clock is the first second's at best). The GPU is torch's current device,
+   given to nvidia-smi by its index: run it without CUDA_VISIBLE_DEVICES reordering.
+The shape is GPT-3 175B's fc1 at tensor parallelism 4, as the DGX-Cloud rows run it: 2048 x 12288 x 12288 (m x n x k,
+random normal operands). Out: JSON with the burst's rate, each window's, the mean of the last 10 s and its ratio to
+the burst, and the clock, power and temperature of each phase; one line printed. Without CUDA, or with --dry-run, the same code runs
+on the CPU at 64 x 128 x 128 in fp32 for `--seconds` (default 1 there) with no cool-down: CI runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from parallel.calibrate.kernels import gemm_call, matmul_mode  # noqa: E402
+
+SHAPE = (2048, 12288, 12288)  # GPT-3 175B's fc1 at tp 4: 2048 tokens x (49152 / 4) outputs x 12288 inputs
+DRY_SHAPE = (64, 128, 128)
+BURST_CALLS = 20
+WINDOW_S = 0.25
+LAST_S = 10.0
+QUERY = "clocks.sm,power.draw,temperature.gpu"
+
+
+class Sampler:
+    """nvidia-smi's SM clock (MHz), power (W) and temperature (C) every `period` seconds, in a thread."""
+
+    def __init__(self, index: int | None, period: float = 0.5):
+        self.index, self.period, self.samples = index, period, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.available = index is not None and shutil.which("nvidia-smi") is not None
+
+    def _run(self) -> None:
+        command = ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-i", str(self.index)]
+        while not self._stop.is_set():
+            try:
+                text = subprocess.run(command, capture_output=True, text=True, timeout=5).stdout.strip()
+                values = [float(x) for x in text.split(",")]
+                self.samples.append((time.perf_counter(), *values))
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "Sampler":
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join()
+
+    def between(self, start: float, end: float) -> dict:
+        """Mean, min and max of each quantity sampled in [start, end] (null without samples)."""
+        rows = [s[1:] for s in self.samples if start <= s[0] <= end]
+        stats = {}
+        for i, name in enumerate(("sm_clock_mhz", "power_w", "temperature_c")):
+            values = [r[i] for r in rows]
+            stats[name] = ({"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+                           if values else None)
+        return stats | {"samples": len(rows)}
+
+
+def timer(device: torch.device):
+    """(record, seconds_between): CUDA events on a GPU, the wall clock after a sync on the CPU."""
+    if device.type == "cuda":
+        def record():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return record, lambda a, b: a.elapsed_time(b) / 1e3
+    return time.perf_counter, lambda a, b: b - a
+
+
+def burst(call, device: torch.device, flops: int) -> float:
+    """Median FLOP/s of BURST_CALLS calls timed one by one after a warm-up call."""
+    record, seconds = timer(device)
+    call()
+    marks = []
+    for _ in range(BURST_CALLS):
+        marks.append((record(), call(), record()))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(flops / seconds(a, b) for a, _, b in marks)
+
+
+def sustained(call, device: torch.device, flops: int, seconds_wanted: float, rate_guess: float) -> list[list[float]]:
+    """[[seconds since the start at the window's end, FLOP/s], ...] of the calls run back to back for about
+    `seconds_wanted`, an event every window of about WINDOW_S."""
+    record, seconds = timer(device)
+    per_window = max(1, round(WINDOW_S * rate_guess / flops))
+    windows = max(1, math.ceil(seconds_wanted / WINDOW_S))
+    marks = [record()]
+    for _ in range(windows):
+        for _ in range(per_window):
+            call()
+        marks.append(record())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out, elapsed = [], 0.0
+    for a, b in zip(marks, marks[1:]):
+        took = seconds(a, b)
+        elapsed += took
+        out.append([elapsed, per_window * flops / took])
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict:
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    fmt = args.format if cuda else "fp32"
+    m, n, k = SHAPE if cuda else DRY_SHAPE
+    flops = 2 * m * n * k
+    with Sampler(device.index if cuda else None) as sampler, matmul_mode(fmt, device):
+        call = gemm_call(fmt, m, n, k, device)
+        if not cuda:
+            args.cool_s = 0.0
+        time.sleep(args.cool_s)
+        t0 = time.perf_counter()
+        rate = burst(call, device, flops)
+        t1 = time.perf_counter()
+        windows = sustained(call, device, flops, args.seconds, rate)
+        t2 = time.perf_counter()
+    last = [r for t, r in windows if t >= windows[-1][0] - LAST_S] or [windows[-1][1]]
+    steady = statistics.fmean(last)
+    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "format": fmt,
+            "m": m, "n": n, "k": k, "burst_flops_per_s": rate, "windows": windows,
+            "first_window_flops_per_s": windows[0][1], "last_10s_flops_per_s": steady,
+            "sustained_over_burst": steady / rate, "idle_gpu": sampler.between(t0 - args.cool_s, t0),
+            "first_second_gpu": sampler.between(t1, t1 + 1.0), "last_10s_gpu": sampler.between(t2 - LAST_S, t2),
+            "nvidia_smi": sampler.available}
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file to write (must not exist)")
+    parser.add_argument("--seconds", type=positive, default=None, help="sustained run (default 60; 1 on the CPU)")
+    parser.add_argument("--cool-s", type=positive, default=10.0, help="idle seconds before the burst (GPU only)")
+    parser.add_argument("--format", choices=("bf16", "fp16", "fp8", "fp8_fast"), default="bf16")
+    parser.add_argument("--dry-run", action="store_true", help="the CPU path at tiny sizes, even with CUDA")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists():
+        parser.exit(2, f"gpu_sustained.py: {out} exists; give a new path\n")
+    if args.seconds is None:
+        args.seconds = 60.0 if torch.cuda.is_available() and not args.dry_run else 1.0
+    result = measure(args)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    clock = result["last_10s_gpu"]["sm_clock_mhz"]
+    print(f"{result['device']}, {result['format']} {result['m']} x {result['n']} x {result['k']}: burst "
+          f"{result['burst_flops_per_s'] / 1e12:.1f} TFLOP/s, last 10 s {result['last_10s_flops_per_s'] / 1e12:.1f} "
+          f"({result['sustained_over_burst']:.3f} of the burst)"
+          + (f", SM clock {clock['mean']:.0f} MHz" if clock else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
