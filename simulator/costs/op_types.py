@@ -212,7 +212,8 @@ def op_rows(ops: OpList) -> list[list]:
     rows = []
     for op in ops.forward + ops.backward + ops.per_step:
         if isinstance(op, Gemm):
-            shape = f"{op.m} x {op.n} x {op.k}" + (f" x{op.batch}" if op.batch > 1 else "") + f" {op.dtype}"
+            shape = (f"{op.m} x {op.n} x {op.k}" + (f" x{op.batch}" if op.batch > 1 else "") + f" {op.dtype}"
+                     + (f" in {op.chunks} chunks" if op.chunks > 1 else ""))
         elif isinstance(op, FusedAttention):
             shape = " + ".join(f"{g.m}x{g.n}x{g.k}" for g in op.gemms) + f" x{op.gemms[0].batch}"
         else:
