@@ -59,3 +59,35 @@ def test_the_moe_rows_cite_their_runs_and_simulate_as_the_bench_runs_them():
     result = CliRunner().invoke(main, args[3:])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["step_time_s"] > 0
+
+
+def implied_rate():
+    spec = importlib.util.spec_from_file_location("implied_rate", BENCH / "implied_rate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_llama3_rows_cite_their_table_and_hold_16m_tokens():
+    table = json.loads((BENCH / "published_runs.json").read_text())["llama3_405b_h100"]
+    assert "2407.21783" in table["source"] and "Table 4" in table["source"] and table["assumed"]
+    assert [(r["n_gpus"], r["pub_tflops"]) for r in table["rows"]] == [(8192, 430), (16384, 400)]
+    for row in table["rows"]:
+        assert row["tp"] * row["cp"] * row["pp"] * row["dp"] == row["n_gpus"] and row["gb"] * row["s"] == 2**24
+
+
+def test_the_implied_rate_is_the_factor_that_meets_the_published_step(tmp_path):
+    """The two-point solve is exact enough: simulated again with the tensor-core peaks times the factor it finds,
+    a DGX-Cloud row lands on its published step; the scaled profile changes the tensor-core peaks alone."""
+    module = implied_rate()
+    base = module.load_hardware("h100-sxm").gpu
+    scaled = module.load_hardware(str(module.scaled_profile("h100-sxm", 0.5, tmp_path))).gpu
+    for fmt, peak in base.peak_flops.items():
+        assert scaled.peak_flops[fmt] == (peak * 0.5 if fmt in ("bf16", "fp16", "fp8") else peak)
+    assert (scaled.hbm_bandwidth, scaled.nvlink_bandwidth) == (base.hbm_bandwidth, base.nvlink_bandwidth)
+    row = json.loads((BENCH / "published_runs.json").read_text())["dgxc_gpt3_175b_h100"]["rows"][0]
+    args = published().dgxc_command(row)
+    found = module.implied("dgxc", row["id"], args, row["pub_s"], tmp_path)
+    assert found["error"] < 0 and 0.5 < found["factor"] < 1 and 0.5 < found["tensor_core_share"] < 1
+    again = module.simulated(args, module.scaled_profile("h100-sxm", found["factor"], tmp_path))["step_time_s"]
+    assert abs(again / row["pub_s"] - 1) < 0.01
