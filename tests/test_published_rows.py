@@ -13,11 +13,16 @@ from cli.main import main
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def published():
-    spec = importlib.util.spec_from_file_location("published", BENCH / "published.py")
+def bench_module(name: str):
+    """bench/NAME.py, imported from its file (bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def published():
+    return bench_module("published")
 
 
 def test_the_dgx_cloud_rows_are_the_validation_files():
@@ -61,13 +66,6 @@ def test_the_moe_rows_cite_their_runs_and_simulate_as_the_bench_runs_them():
     assert json.loads(result.output)["step_time_s"] > 0
 
 
-def implied_rate():
-    spec = importlib.util.spec_from_file_location("implied_rate", BENCH / "implied_rate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_llama3_rows_cite_their_table_and_hold_16m_tokens():
     table = json.loads((BENCH / "published_runs.json").read_text())["llama3_405b_h100"]
     assert "2407.21783" in table["source"] and "Table 4" in table["source"] and table["assumed"]
@@ -79,7 +77,7 @@ def test_the_llama3_rows_cite_their_table_and_hold_16m_tokens():
 def test_the_implied_rate_is_the_factor_that_meets_the_published_step(tmp_path):
     """The two-point solve is exact enough: simulated again with the tensor-core peaks times the factor it finds,
     a DGX-Cloud row lands on its published step; the scaled profile changes the tensor-core peaks alone."""
-    module = implied_rate()
+    module = bench_module("implied_rate")
     base = module.load_hardware("h100-sxm").gpu
     scaled = module.load_hardware(str(module.scaled_profile("h100-sxm", 0.5, tmp_path))).gpu
     for fmt, peak in base.peak_flops.items():
