@@ -5,6 +5,7 @@
     python bench/published.py --legacy           # flags an older minigpt knows (for a before/after)
     python bench/published.py --table dgxc       # NVIDIA's DGX-Cloud GPT-3 175B on 128-2,048 H100s, bf16 and fp8
     python bench/published.py --table moe        # mixtures of experts: Mixtral 8x7B, Qwen3-30B-A3B on H100s
+    python bench/published.py --implied-rate     # per run, the tensor-core rate at which the simulator meets it
 
 Each row of bench/published_runs.json is simulated through the command line a user would type,
 `minigpt simulate ... --json`, on the a100-80gb preset (DGX A100 nodes, HDR InfiniBand) with the
@@ -34,6 +35,18 @@ overlap_grad_sync, overlap_param_sync, overlap_p2p_comm and fp8_params, which th
 the backward (TE's bulk overlap hides that gather behind the input-gradient GEMM): settings of the run and its
 stack, not fitted numbers.
 
+`--implied-rate`: what the simulator's error on these runs looks like, as one number per run (a diagnosis, not a fit:
+nothing here changes a simulator number): the factor on the GPU preset's tensor-core peaks (bf16, fp16, fp8; HBM,
+links, every other number as they are) at which `minigpt simulate` meets the published step. Each run is simulated
+twice, with the preset as it is and with its tensor-core peaks times IMPLIED_LOW (a profile written to a temporary
+file and given as --hardware); the step is taken as a + b / factor through both (the tensor-core work scales with
+1 / factor, the rest not) and solved for the published step. A factor near 1 says the error is not the tensor
+cores' rate; one shared by runs of different stacks, formats and scales says it is. The runs: Narayanan et al.'s
+ten rows and the ten DGX-Cloud rows as simulated above, and Meta's Llama 3 405B on 8,192 and 16,384 H100s
+("llama3_405b_h100": its layout, the megatron-core preset as the nearest description of its stack, interleaved over
+7 chunks; the published step is the simulator's model FLOPs over the published TFLOP/s per GPU, as the row's
+"assumed" says).
+
 `--table moe`: published mixture-of-experts runs (bench/published_runs.json's "moe_training", each row with its
 source, the recipe its settings come from and what it assumes), each simulated with the run's own layout (tp,
 pp, virtual chunks, ep, dp, ZeRO-1 for Megatron's distributed optimizer or ZeRO-3 for FSDP), micro- and global
@@ -55,6 +68,8 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,7 +268,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--legacy", action="store_true", help="only the flags an older minigpt simulate knows")
     parser.add_argument("--table", choices=("narayanan", "dgxc", "moe"), default="narayanan")
+    parser.add_argument("--implied-rate", action="store_true",
+                        help="per run of the A100, DGX-Cloud and Llama 3 tables, the tensor-core rate factor that meets it")
     args = parser.parse_args()
+    if args.implied_rate:
+        return print_implied(args.json)
     if args.table == "dgxc":
         return print_dgxc(args.json)
     if args.table == "moe":
@@ -270,6 +289,90 @@ def print_dgxc(as_json: bool) -> None:
     report(table, source, as_json, "MFU pub / pred (the run's convention)",
            lambda r: f"{r['published_mfu']:.1%} / {r['published_mfu'] * r['published_step_s'] / r['predicted_step_s']:.1%}",
            by_precision=True)
+
+
+IMPLIED_LOW = 0.75  # --implied-rate's second point of the two-point solve: any factor well away from 1
+TENSOR_FORMATS = ("bf16", "fp16", "fp8")
+LLAMA3_CHUNKS = 7  # --implied-rate's Llama 3 405B: interleaved chunks per stage, 126 layers over 16 stages
+
+
+def scaled_profile(gpu: str, factor: float, folder: Path) -> Path:
+    """A profile of preset `gpu` with its tensor-core peaks times `factor`."""
+    sys.path.insert(0, str(ROOT))  # run as a script, bench/ is first on the path
+    from simulator.costs.hardware import load_hardware, save_hardware
+
+    hardware = load_hardware(gpu)
+    peaks = {fmt: (peak * factor if peak and fmt in TENSOR_FORMATS else peak)
+             for fmt, peak in hardware.gpu.peak_flops.items()}
+    return save_hardware(replace(hardware, gpu=replace(hardware.gpu, peak_flops=peaks)), folder / f"{gpu}-{factor}.json")
+
+
+def simulated(args: list[str], profile: Path) -> dict:
+    """`minigpt simulate` of `args` (which name a --gpu) on `profile` instead."""
+    args = list(args)
+    at = args.index("--gpu")
+    args[at : at + 2] = ["--hardware", str(profile)]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0:
+        raise SystemExit(f"minigpt simulate failed: {result.stderr.strip()}")
+    return json.loads(result.stdout)
+
+
+def llama3_command(row: dict) -> list[str]:
+    return [sys.executable, "-m", "cli", "simulate", "--model", row["model"], "--tp", str(row["tp"]),
+            "--cp", str(row["cp"]), "--pp", str(row["pp"]), "--dp", str(row["dp"]), "--zero", "1",
+            "--seq-len", str(row["s"]), "--global-batch", str(row["gb"]), "--micro-batch", "1",
+            "--sequence-parallel", "--sp-saved-input", "sharded", "--schedule", "interleaved",
+            "--virtual-chunks", str(LLAMA3_CHUNKS), "--gpu", "h100-sxm", "--overlap", "megatron-core", "--json"]
+
+
+def implied_runs() -> list[tuple[str, str, list[str], object]]:
+    """(family, name, simulate's arguments, the published step: seconds, or a function of the simulation)."""
+    data = json.loads(RUNS.read_text())
+    seq, vocab = data["common"]["sequence_length"], data["common"]["vocabulary"]
+    out = [("Narayanan et al. 2021, A100", run["name"], command(run, seq, vocab, False),
+            paper_flops(run, seq, vocab) / (run["achieved_tflops_per_gpu"] * 1e12 * run["gpus"]))
+           for run in data["runs"]]
+    out += [(f"DGX-Cloud GPT-3 175B, H100, {row['precision']}", row["id"], dgxc_command(row), row["pub_s"])
+            for row in data["dgxc_gpt3_175b_h100"]["rows"]]
+    out += [("Llama 3 405B, H100", row["id"], llama3_command(row),
+             lambda sim, row=row: sim["step_time_s"] * sim["tflops_per_gpu"] / row["pub_tflops"])
+            for row in data["llama3_405b_h100"]["rows"]]
+    return out
+
+
+def implied(family: str, name: str, args: list[str], published, folder: Path) -> dict:
+    gpu = args[args.index("--gpu") + 1]
+    full = simulated(args, scaled_profile(gpu, 1.0, folder))
+    low = simulated(args, scaled_profile(gpu, IMPLIED_LOW, folder))["step_time_s"]
+    step = published(full) if callable(published) else published
+    b = (low - full["step_time_s"]) / (1 / IMPLIED_LOW - 1)  # the tensor-core part at factor 1
+    a = full["step_time_s"] - b
+    factor = b / (step - a) if step > a else None  # None: even infinitely fast tensor cores would not be slow enough
+    return {"family": family, "name": name, "gpu": gpu, "published_step_s": step,
+            "predicted_step_s": full["step_time_s"], "error": full["step_time_s"] / step - 1,
+            "tensor_core_share": b / full["step_time_s"], "factor": factor}
+
+
+def print_implied(as_json: bool) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        rows = [implied(*run, Path(folder)) for run in implied_runs()]
+    families = {}
+    for row in rows:
+        families.setdefault(row["family"], []).append(row["factor"])
+    by_family = {family: {"mean": statistics.fmean(f), "min": min(f), "max": max(f)}
+                 for family, f in families.items() if None not in f}
+    if as_json:
+        print(json.dumps({"rows": rows, "by_family": by_family}))
+        return
+    print("| run | GPU | published step s | predicted s | error | tensor-core share of the step | factor needed |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        factor = "-" if r["factor"] is None else f"{r['factor']:.3f}"
+        print(f"| {r['name']} | {r['gpu']} | {r['published_step_s']:.2f} | {r['predicted_step_s']:.2f} | "
+              f"{r['error']:+.1%} | {r['tensor_core_share']:.0%} | {factor} |")
+    for family, f in by_family.items():
+        print(f"{family}: factor {f['mean']:.3f} on average ({f['min']:.3f}-{f['max']:.3f})")
 
 
 def report(table: list[dict], source: str, as_json: bool, column: str, cell, by_precision: bool = False) -> None:

@@ -13,16 +13,11 @@ from cli.main import main
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def bench_module(name: str):
-    """bench/NAME.py, imported from its file (bench/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+def published():
+    spec = importlib.util.spec_from_file_location("published", BENCH / "published.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def published():
-    return bench_module("published")
 
 
 def test_the_dgx_cloud_rows_are_the_validation_files():
@@ -77,14 +72,16 @@ def test_the_llama3_rows_cite_their_table_and_hold_16m_tokens():
 def test_the_implied_rate_is_the_factor_that_meets_the_published_step(tmp_path):
     """The two-point solve is exact enough: simulated again with the tensor-core peaks times the factor it finds,
     a DGX-Cloud row lands on its published step; the scaled profile changes the tensor-core peaks alone."""
-    module = bench_module("implied_rate")
-    base = module.load_hardware("h100-sxm").gpu
-    scaled = module.load_hardware(str(module.scaled_profile("h100-sxm", 0.5, tmp_path))).gpu
+    from simulator.costs.hardware import load_hardware
+
+    module = published()
+    base = load_hardware("h100-sxm").gpu
+    scaled = load_hardware(str(module.scaled_profile("h100-sxm", 0.5, tmp_path))).gpu
     for fmt, peak in base.peak_flops.items():
         assert scaled.peak_flops[fmt] == (peak * 0.5 if fmt in ("bf16", "fp16", "fp8") else peak)
     assert (scaled.hbm_bandwidth, scaled.nvlink_bandwidth) == (base.hbm_bandwidth, base.nvlink_bandwidth)
     row = json.loads((BENCH / "published_runs.json").read_text())["dgxc_gpt3_175b_h100"]["rows"][0]
-    args = published().dgxc_command(row)
+    args = module.dgxc_command(row)
     found = module.implied("dgxc", row["id"], args, row["pub_s"], tmp_path)
     assert found["error"] < 0 and 0.5 < found["factor"] < 1 and 0.5 < found["tensor_core_share"] < 1
     again = module.simulated(args, module.scaled_profile("h100-sxm", found["factor"], tmp_path))["step_time_s"]
