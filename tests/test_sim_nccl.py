@@ -8,7 +8,6 @@ data or of the model that moves a prediction away from what was measured fails h
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import click
 import pytest
@@ -66,12 +65,11 @@ def busbw(call: dict) -> float:
 
 
 def b200():
-    """A B200 server as Bekman measured it (no preset yet): NVLink 5, 900 GB/s a direction, the ring at
-    682.2 GB/s busbw (NCCL_NVLS_ENABLE=0, 8 GiB) as its achieved NVLink fraction."""
-    h100 = load_hardware("h100-sxm")
-    gpu = replace(h100.gpu, name="b200", node="dgx-b200", nvlink_bandwidth=900e9,
-                  achieved=replace(h100.gpu.achieved, nvlink_fraction=682.2 / 900))
-    return replace(h100, name="b200", gpu=gpu)
+    """The b200 preset: NVLink 5, 900 GB/s a direction, the ring at Bekman's 682.2 GB/s busbw (NCCL_NVLS_ENABLE=0,
+    8 GiB) as its achieved NVLink fraction."""
+    hardware = load_hardware("b200")
+    assert hardware.gpu.reached.nvlink_fraction == pytest.approx(682.2 / 900, abs=5e-4)
+    return hardware
 
 
 # ---------------------------------------------------------------- the data and the flag

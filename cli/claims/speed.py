@@ -17,7 +17,7 @@ from simulator.costs.op_types import FusedAttention, Gemm, Implementation
 from simulator.costs.ops import block_ops
 
 # The article's GPUs (A100/H100) and the H200: the presets of simulator/costs/hardware.json with published GEMM
-# tables in every format these rows price (h100-96gb-500w reuses the H100 SXM's; b200 has none yet).
+# tables in every format these rows price (h100-96gb-500w reuses the H100 SXM's; b200 has MAMF points and no tf32).
 GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200")
 A100, H100 = "a100-80gb", "h100-sxm"
 ARTICLE_SPEEDUP = (2.0, 3.0)
