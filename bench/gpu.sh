@@ -18,8 +18,8 @@
 #   5. train      one real bf16 training run of gpt2-124m                              -> train.json
 # plus env.txt (nvidia-smi, torch, CUDA, capability), gpu.log (everything printed) and summary.md
 # (one row per step): 8 files at most in $OUT; runs and traces go to a scratch folder that is removed.
-# Then, in a second device call: python bench/gpu_sustained.py --out sustained.json (~80 s), a GEMM's
-# sustained rate and SM clock against a microbenchmark's burst (docs/results.md says why).
+# Then, in a second device call: python bench/gpu_sustained.py --out sustained.json (~150 s), a GEMM's
+# sustained rate and SM clock against a microbenchmark's burst, bf16 and fp8 (docs/results.md says why).
 #
 # Estimated wall time on one H200: about 5 minutes, under the 8-minute target. How, step by step, from
 # FLOP counts at the rates measured on such a machine here (dense bf16 ~790 TFLOP/s on random data, a

@@ -1,6 +1,6 @@
 """A training-shaped GEMM's rate in a short burst against back to back for a minute, with the GPU's clocks.
 
-    python bench/gpu_sustained.py --out sustained.json [--seconds 60] [--format bf16] [--dry-run]
+    python bench/gpu_sustained.py --out sustained.json [--seconds 60] [--formats bf16,fp8] [--dry-run]
 
 Why: the GEMM model (simulator/costs/gemm_model.py) rests on microbenchmarks that time a few runs per shape
 (OpenXLA's table: a warm-up and five traced runs; Bekman's MAMF: 150), while a training run keeps the tensor cores
@@ -8,7 +8,8 @@ busy for hours under the board's power limit. docs/results.md ("what the rest of
 published H100 run slower than predicted by one factor on the tensor-core rate (0.70-0.81) and the A100 runs not;
 the clock is the leading candidate. This measures it on the lent GPU instead of taking it from a training table.
 
-What it does, on one GPU (a bare machine: torch and the repository root on PYTHONPATH, nothing else):
+What it does, on one GPU (a bare machine: torch and the repository root on PYTHONPATH, nothing else), for each
+format of `--formats` in turn (default bf16 then fp8, the DGX-Cloud rows' two):
 1. idle `--cool-s` seconds (default 10), then the burst: a warm-up call and 20 calls timed one by one with CUDA
    events, as a microbenchmark times them; their median rate;
 2. the sustained run: the same GEMM back to back for `--seconds`, an event every window of calls (about
@@ -18,8 +19,9 @@ What it does, on one GPU (a bare machine: torch and the repository root on PYTHO
    itself is too short to sample: its clock is the first second's at best). The GPU is torch's current device,
    given to nvidia-smi by its index: run it without CUDA_VISIBLE_DEVICES reordering.
 The shape is GPT-3 175B's fc1 at tensor parallelism 4, as the DGX-Cloud rows run it: 2048 x 12288 x 12288 (m x n x k,
-random normal operands). Out: JSON with the burst's rate, each window's, the mean of the last 10 s and its ratio to
-the burst, and the clock, power and temperature of each phase; one line printed. Without CUDA, or with --dry-run, the same code runs
+random normal operands). Out: JSON with, per format, the burst's rate, each window's, the mean of the last 10 s and
+its ratio to the burst, and the clock, power and temperature of each phase; one line printed per format (about
+150 s for the two). Without CUDA, or with --dry-run, the same code runs
 on the CPU at 64 x 128 x 128 in fp32 for `--seconds` (default 1 there) with no cool-down: CI runs it.
 """
 
@@ -48,6 +50,7 @@ BURST_CALLS = 20
 WINDOW_S = 0.25
 LAST_S = 10.0
 QUERY = "clocks.sm,power.draw,temperature.gpu"
+FORMATS = ("bf16", "fp16", "fp8", "fp8_fast")
 
 
 class Sampler:
@@ -135,30 +138,46 @@ def sustained(call, device: torch.device, flops: int, seconds_wanted: float, rat
     return out
 
 
-def measure(args: argparse.Namespace) -> dict:
-    cuda = torch.cuda.is_available() and not args.dry_run
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    fmt = args.format if cuda else "fp32"
-    m, n, k = SHAPE if cuda else DRY_SHAPE
+def measure_format(fmt: str, device: torch.device, args: argparse.Namespace, sampler: Sampler) -> dict:
+    """One format's burst and sustained run, after `args.cool_s` idle seconds."""
+    m, n, k = SHAPE if device.type == "cuda" else DRY_SHAPE
     flops = 2 * m * n * k
-    with Sampler(device.index if cuda else None) as sampler, matmul_mode(fmt, device):
+    with matmul_mode(fmt, device):
         call = gemm_call(fmt, m, n, k, device)
-        if not cuda:
-            args.cool_s = 0.0
         time.sleep(args.cool_s)
         t0 = time.perf_counter()
         rate = burst(call, device, flops)
         t1 = time.perf_counter()
         windows = sustained(call, device, flops, args.seconds, rate)
         t2 = time.perf_counter()
+    del call
     last = [r for t, r in windows if t >= windows[-1][0] - LAST_S] or [windows[-1][1]]
     steady = statistics.fmean(last)
-    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "format": fmt,
-            "m": m, "n": n, "k": k, "burst_flops_per_s": rate, "windows": windows,
-            "first_window_flops_per_s": windows[0][1], "last_10s_flops_per_s": steady,
-            "sustained_over_burst": steady / rate, "idle_gpu": sampler.between(t0 - args.cool_s, t0),
-            "first_second_gpu": sampler.between(t1, t1 + 1.0), "last_10s_gpu": sampler.between(t2 - LAST_S, t2),
-            "nvidia_smi": sampler.available}
+    return {"burst_flops_per_s": rate, "windows": windows, "first_window_flops_per_s": windows[0][1],
+            "last_10s_flops_per_s": steady, "sustained_over_burst": steady / rate,
+            "idle_gpu": sampler.between(t0 - args.cool_s, t0), "first_second_gpu": sampler.between(t1, t1 + 1.0),
+            "last_10s_gpu": sampler.between(t2 - LAST_S, t2)}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    formats = args.formats if cuda else ["fp32"]
+    if not cuda:
+        args.cool_s = 0.0
+    m, n, k = SHAPE if cuda else DRY_SHAPE
+    with Sampler(device.index if cuda else None) as sampler:
+        results = {fmt: measure_format(fmt, device, args, sampler) for fmt in formats}
+    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "m": m, "n": n, "k": k,
+            "nvidia_smi": sampler.available, "formats": results}
+
+
+def format_list(text: str) -> list[str]:
+    formats = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [fmt for fmt in formats if fmt not in FORMATS]
+    if not formats or unknown:
+        raise argparse.ArgumentTypeError(f"takes a comma-separated list of {', '.join(FORMATS)}, got {text!r}")
+    return formats
 
 
 def positive(text: str) -> float:
@@ -173,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write (must not exist)")
     parser.add_argument("--seconds", type=positive, default=None, help="sustained run (default 60; 1 on the CPU)")
     parser.add_argument("--cool-s", type=positive, default=10.0, help="idle seconds before the burst (GPU only)")
-    parser.add_argument("--format", choices=("bf16", "fp16", "fp8", "fp8_fast"), default="bf16")
+    parser.add_argument("--formats", type=format_list, default=["bf16", "fp8"],
+                        help=f"one run each, in turn ({', '.join(FORMATS)}; default bf16,fp8)")
     parser.add_argument("--dry-run", action="store_true", help="the CPU path at tiny sizes, even with CUDA")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -183,11 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         args.seconds = 60.0 if torch.cuda.is_available() and not args.dry_run else 1.0
     result = measure(args)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    clock = result["last_10s_gpu"]["sm_clock_mhz"]
-    print(f"{result['device']}, {result['format']} {result['m']} x {result['n']} x {result['k']}: burst "
-          f"{result['burst_flops_per_s'] / 1e12:.1f} TFLOP/s, last 10 s {result['last_10s_flops_per_s'] / 1e12:.1f} "
-          f"({result['sustained_over_burst']:.3f} of the burst)"
-          + (f", SM clock {clock['mean']:.0f} MHz" if clock else ""))
+    for fmt, one in result["formats"].items():
+        clock = one["last_10s_gpu"]["sm_clock_mhz"]
+        print(f"{result['device']}, {fmt} {result['m']} x {result['n']} x {result['k']}: burst "
+              f"{one['burst_flops_per_s'] / 1e12:.1f} TFLOP/s, last 10 s {one['last_10s_flops_per_s'] / 1e12:.1f} "
+              f"({one['sustained_over_burst']:.3f} of the burst)" + (f", SM clock {clock['mean']:.0f} MHz" if clock else ""))
     return 0
 
 

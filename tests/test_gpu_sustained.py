@@ -23,14 +23,16 @@ def test_the_dry_run_times_a_burst_and_windows_back_to_back(tmp_path):
     done = run("--dry-run", "--seconds", "0.6", "--out", str(out))
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
-    assert (data["device"], data["format"], data["m"], data["n"], data["k"]) == ("cpu (dry run)", "fp32", 64, 128, 128)
-    windows = data["windows"]
+    assert (data["device"], data["m"], data["n"], data["k"]) == ("cpu (dry run)", 64, 128, 128)
+    assert list(data["formats"]) == ["fp32"]  # the CPU runs its one format whatever --formats asks
+    one = data["formats"]["fp32"]
+    windows = one["windows"]
     assert len(windows) == 3  # 0.6 s in windows of 0.25 s
     assert all(b[0] > a[0] for a, b in zip(windows, windows[1:])) and all(rate > 0 for _, rate in windows)
-    assert data["burst_flops_per_s"] > 0 and data["first_window_flops_per_s"] == windows[0][1]
-    assert data["sustained_over_burst"] == data["last_10s_flops_per_s"] / data["burst_flops_per_s"]
-    assert data["nvidia_smi"] is False and data["last_10s_gpu"] == {"sm_clock_mhz": None, "power_w": None,
-                                                                   "temperature_c": None, "samples": 0}
+    assert one["burst_flops_per_s"] > 0 and one["first_window_flops_per_s"] == windows[0][1]
+    assert one["sustained_over_burst"] == one["last_10s_flops_per_s"] / one["burst_flops_per_s"]
+    assert data["nvidia_smi"] is False and one["last_10s_gpu"] == {"sm_clock_mhz": None, "power_w": None,
+                                                                  "temperature_c": None, "samples": 0}
     assert "of the burst" in done.stdout and len(done.stdout.strip().splitlines()) == 1
 
 
@@ -40,11 +42,13 @@ def test_bad_input_exits_2_and_an_earlier_result_is_kept(tmp_path, capsys):
     spec.loader.exec_module(script)
     out = tmp_path / "sustained.json"
     out.write_text("earlier")
-    for args in (["--out", str(out)], *(["--seconds", bad, "--out", str(tmp_path / "new.json")]
-                                       for bad in ("0", "-1", "nan", "inf"))):
+    new = str(tmp_path / "new.json")
+    for args in (["--out", str(out)], *(["--seconds", bad, "--out", new] for bad in ("0", "-1", "nan", "inf")),
+                 ["--formats", "bf16,int4", "--out", new], ["--formats", ",", "--out", new]):
         with pytest.raises(SystemExit) as stop:
             script.main(["--dry-run", *args])
         assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "exists; give a new path" in err and err.count("must be a positive number of seconds") == 4
+    assert err.count("takes a comma-separated list of bf16, fp16, fp8, fp8_fast") == 2
     assert out.read_text() == "earlier" and not (tmp_path / "new.json").exists()
