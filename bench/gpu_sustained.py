@@ -111,10 +111,12 @@ def burst(call, device: torch.device, flops: int) -> float:
     call()
     marks = []
     for _ in range(BURST_CALLS):
-        marks.append((record(), call(), record()))
+        start = record()
+        call()
+        marks.append((start, record()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return statistics.median(flops / seconds(a, b) for a, _, b in marks)
+    return statistics.median(flops / seconds(a, b) for a, b in marks)
 
 
 def sustained(call, device: torch.device, flops: int, seconds_wanted: float, rate_guess: float) -> list[list[float]]:

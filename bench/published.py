@@ -73,6 +73,8 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script, bench/ is first on the path: --implied-rate reads the presets
+    sys.path.insert(0, str(ROOT))
 RUNS = ROOT / "bench" / "published_runs.json"
 HARDWARE = ROOT / "simulator" / "costs" / "hardware.json"  # the GPU presets' peaks (the naive rule's denominator)
 A100_PEAK = 312e12  # the paper's denominator (A100 fp16/bf16 dense), as bench/published_runs.json says
@@ -98,11 +100,16 @@ def command(run: dict, seq: int, vocab: int, legacy: bool) -> list[str]:
     return args
 
 
-def simulate(run: dict, seq: int, vocab: int, legacy: bool) -> dict:
-    result = subprocess.run(command(run, seq, vocab, legacy), capture_output=True, text=True, cwd=ROOT)
+def run_simulate(args: list[str], name: str) -> dict:
+    """`minigpt simulate ... --json` as a subprocess, its JSON; a failure ends the bench naming the run."""
+    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
-        raise SystemExit(f"{run['name']}: minigpt simulate failed: {result.stderr.strip()}")
+        raise SystemExit(f"{name}: minigpt simulate failed: {result.stderr.strip()}")
     return json.loads(result.stdout)
+
+
+def simulate(run: dict, seq: int, vocab: int, legacy: bool) -> dict:
+    return run_simulate(command(run, seq, vocab, legacy), run["name"])
 
 
 def rows(legacy: bool) -> tuple[list[dict], dict]:
@@ -143,10 +150,7 @@ def dgxc_rows() -> tuple[list[dict], str]:
     table = json.loads(RUNS.read_text())["dgxc_gpt3_175b_h100"]
     out = []
     for run in table["rows"]:
-        result = subprocess.run(dgxc_command(run), capture_output=True, text=True, cwd=ROOT)
-        if result.returncode != 0:
-            raise SystemExit(f"{run['id']}: minigpt simulate failed: {result.stderr.strip()}")
-        sim, published = json.loads(result.stdout), run["pub_s"]
+        sim, published = run_simulate(dgxc_command(run), run["id"]), run["pub_s"]
         n_params = 12 * run["l"] * run["h"] ** 2 + run["V"] * run["h"]  # the convention's matmul parameters
         flops = run["gb"] * run["s"] * (6 * n_params + 12 * run["l"] * run["h"] * run["s"])
         naive = flops / (run["n_gpus"] * H100_PEAK[run["precision"]] * 0.5)
@@ -208,10 +212,7 @@ def naive_step(run: dict) -> float:
 
 
 def moe_row(run: dict) -> dict:
-    result = subprocess.run(moe_command(run), capture_output=True, text=True, cwd=ROOT)
-    if result.returncode != 0:
-        raise SystemExit(f"{run['id']}: minigpt simulate failed: {result.stderr.strip()}")
-    sim, published, naive = json.loads(result.stdout), published_step(run), naive_step(run)
+    sim, published, naive = run_simulate(moe_command(run), run["id"]), published_step(run), naive_step(run)
     peak = sim["tflops_per_gpu"] / sim["mfu"]  # the peak the simulator's MFU divides by (TFLOP/s)
     pub_tflops = run["published"].get("tflops_per_gpu")
     return {"name": run["id"], "gpus": run["n_gpus"], "precision": run["precision"], "published_step_s": published,
@@ -298,7 +299,6 @@ LLAMA3_CHUNKS = 7  # --implied-rate's Llama 3 405B: interleaved chunks per stage
 
 def scaled_profile(gpu: str, factor: float, folder: Path) -> Path:
     """A profile of preset `gpu` with its tensor-core peaks times `factor`."""
-    sys.path.insert(0, str(ROOT))  # run as a script, bench/ is first on the path
     from simulator.costs.hardware import load_hardware, save_hardware
 
     hardware = load_hardware(gpu)
@@ -307,15 +307,12 @@ def scaled_profile(gpu: str, factor: float, folder: Path) -> Path:
     return save_hardware(replace(hardware, gpu=replace(hardware.gpu, peak_flops=peaks)), folder / f"{gpu}-{factor}.json")
 
 
-def simulated(args: list[str], profile: Path) -> dict:
+def simulated(args: list[str], profile: Path, name: str) -> dict:
     """`minigpt simulate` of `args` (which name a --gpu) on `profile` instead."""
     args = list(args)
     at = args.index("--gpu")
     args[at : at + 2] = ["--hardware", str(profile)]
-    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
-    if result.returncode != 0:
-        raise SystemExit(f"minigpt simulate failed: {result.stderr.strip()}")
-    return json.loads(result.stdout)
+    return run_simulate(args, name)
 
 
 def llama3_command(row: dict) -> list[str]:
@@ -343,8 +340,8 @@ def implied_runs() -> list[tuple[str, str, list[str], object]]:
 
 def implied(family: str, name: str, args: list[str], published, folder: Path) -> dict:
     gpu = args[args.index("--gpu") + 1]
-    full = simulated(args, scaled_profile(gpu, 1.0, folder))
-    low = simulated(args, scaled_profile(gpu, IMPLIED_LOW, folder))["step_time_s"]
+    full = run_simulate(args, name)  # the preset itself: factor 1
+    low = simulated(args, scaled_profile(gpu, IMPLIED_LOW, folder), name)["step_time_s"]
     step = published(full) if callable(published) else published
     b = (low - full["step_time_s"]) / (1 / IMPLIED_LOW - 1)  # the tensor-core part at factor 1
     a = full["step_time_s"] - b

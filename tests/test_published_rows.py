@@ -84,5 +84,6 @@ def test_the_implied_rate_is_the_factor_that_meets_the_published_step(tmp_path):
     args = module.dgxc_command(row)
     found = module.implied("dgxc", row["id"], args, row["pub_s"], tmp_path)
     assert found["error"] < 0 and 0.5 < found["factor"] < 1 and 0.5 < found["tensor_core_share"] < 1
-    again = module.simulated(args, module.scaled_profile("h100-sxm", found["factor"], tmp_path))["step_time_s"]
+    profile = module.scaled_profile("h100-sxm", found["factor"], tmp_path)
+    again = module.simulated(args, profile, row["id"])["step_time_s"]
     assert abs(again / row["pub_s"] - 1) < 0.01

@@ -25,6 +25,7 @@ RECOMPUTED_REGIONS = {"none": (), "selective": (CORE,), "full": (CORE, BLOCK)}
 GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
 FP8_SCALINGS = ("tensor", "block")
 MX_BLOCK = 32  # MXFP8: one 8-bit (E8M0) scale per 32 elements along the reduction (OCP Microscaling Formats v1.0)
+UB_PIPELINE_SPLITS = 4  # Transformer Engine's default num_splits for its "pipeline" overlap (initialize_ub)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,17 @@ class UnitShape:
     expert_load: float = 1.0  # Implementation.expert_load
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
+
+    @property
+    def ring_chunks(self) -> int:
+        """GEMMs a Linear overlapping a ring exchange runs as: t under userbuffers' chunks, else 1."""
+        return self.t if self.ub_chunks else 1
+
+    @property
+    def pipeline_chunks(self) -> int:
+        """GEMMs a Linear overlapping a pipelined reduce-scatter runs as: UB_PIPELINE_SPLITS under userbuffers'
+        chunks, else 1."""
+        return UB_PIPELINE_SPLITS if self.ub_chunks else 1
 
     def fp8_bytes(self, elements: int) -> int:
         """Bytes of one fp8 copy of `elements` values with its scales: one byte each, and under block scaling one

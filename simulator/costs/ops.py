@@ -129,14 +129,14 @@ from minigpt.config import GPTConfig
 from precision.policy import PrecisionPolicy
 from job.layout import Layout, padded_vocab
 from simulator.costs.op_types import (
-    BACKWARD, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, FusedAttention, Gemm,
+    BACKWARD, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, UB_PIPELINE_SPLITS, FusedAttention, Gemm,
     Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
 )
 from simulator.costs.ops_attention import core_backward, core_forward
 from simulator.costs.ops_moe import routed_backward, routed_forward
 
-__all__ = ["SP_SAVED_INPUTS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved", "OpList", "Op",
-           "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
+__all__ = ["SP_SAVED_INPUTS", "UB_PIPELINE_SPLITS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved",
+           "OpList", "Op", "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
 
 
 # ---------------------------------------------------------------- fp8 casts (the module docstring's "fp8 Linears")
@@ -193,9 +193,6 @@ def _fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- Linear layers
-
-
-UB_PIPELINE_SPLITS = 4  # Transformer Engine's default num_splits for its "pipeline" overlap (initialize_ub)
 
 
 def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int, out: str,
@@ -264,10 +261,9 @@ def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int
     """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one;
     `normed`: a norm wrote its input (a MoE's shared experts read the router's: not normed for them)."""
     sh = rec.shape
-    chunks = sh.t if sh.ub_chunks else 1  # the ring exchange's all-gather
-    if not sh.bias:
-        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed, chunks)
-    matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed, chunks)
+    if not sh.bias:  # its input all-gathered by a ring exchange
+        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed, sh.ring_chunks)
+    matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed, sh.ring_chunks)
     _bias_add(rec, name, matmul, out, sh.rows, n)
     return out
 
@@ -276,7 +272,7 @@ def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
     """A row-parallel Linear (proj, fc2) from `k` columns on this rank to d, summed over the group (all-reduced, or
     reduce-scattered to the sequence shard), and its bias, added after the sum, when the shape has one."""
     sh = rec.shape
-    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul", chunks=UB_PIPELINE_SPLITS if sh.ub_chunks else 1)
+    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul", chunks=sh.pipeline_chunks)
     total = rec.tensor(f"{name}.sum" if sh.bias else out, sh.residual_rows * sh.d * sh.e)
     if sh.bias:
         _bias_add(rec, name, total, out, sh.residual_rows, sh.d)
@@ -292,7 +288,7 @@ def _column_backward(rec: Recorder, name: str, n: int, normed: bool = True) -> N
 def _row_backward(rec: Recorder, name: str, k: int) -> None:
     if rec.shape.bias:
         _bias_backward(rec, name, rec.shape.residual_rows, rec.shape.d)
-    _linear_backward(rec, name, rec.shape.d, k, chunks=rec.shape.t if rec.shape.ub_chunks else 1)
+    _linear_backward(rec, name, rec.shape.d, k, chunks=rec.shape.ring_chunks)
 
 
 def _bias_backward(rec: Recorder, name: str, rows: int, n: int) -> None:
