@@ -75,6 +75,18 @@ class Layout:
         """The ranks a stage's weight gradients are averaged over, and ZeRO shards over: dp x cp."""
         return self.dp * self.cp
 
+    @property
+    def sequence_ranks(self) -> int:
+        """The ranks among which a MoE layer splits each sequence it routes: cp, times tp under sequence
+        parallelism (parallel/tensor/moe.py)."""
+        return self.cp * (self.tp if self.sequence_parallel else 1)
+
+    @property
+    def token_ranks(self) -> int:
+        """The ranks of a stage that route other tokens through a MoE (each expert's copies among them): the data
+        ranks, times tp under sequence parallelism (parallel/tensor/moe.py)."""
+        return self.data_ranks * (self.tp if self.sequence_parallel else 1)
+
     def activation_rows(self, model: GPTConfig) -> int:
         """The tokens of a sequence one rank holds between the layers (what a pipeline stage sends on): its
         s / cp under context parallelism, cut by tp again under sequence parallelism."""
@@ -101,7 +113,7 @@ class Layout:
         """Everything about this layout that the model's shape decides (the same checks as training)."""
         check_tensor_parallel(model, self.tp, self.sequence_parallel)
         check_context_parallel(model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
-        check_expert_parallel(model, self.ep, self.dp, self.cp, self.sequence_parallel)
+        check_expert_parallel(model, self.ep, self.dp)
         chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
 
     def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:

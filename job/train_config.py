@@ -94,10 +94,10 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
                           f"--tp {tp}, which does not divide them: change --seq-len, --cp or --tp")
 
 
-def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, sequence_parallel: bool = False) -> None:
+def check_expert_parallel(model: GPTConfig, ep: int, dp: int) -> None:
     """Everything about expert parallelism and a mixture of experts that the shape and layout decide: the experts
-    split evenly over ep ranks, which lie inside the data-parallel group (job/experts.py); context parallelism
-    counts MoE routing over whole sequences (parallel/context/moe.py); sequence parallelism is not supported yet."""
+    split evenly over ep ranks, which lie inside the data-parallel group (job/exchange/experts.py); context and
+    sequence parallelism count MoE routing over whole sequences (parallel/context/moe.py, parallel/tensor/moe.py)."""
     check_positive_int("--ep", ep)
     if ep > 1 and not model.is_moe:
         raise ConfigError(f"--ep {ep} splits a mixture of experts over ranks, but this model is dense: give it "
@@ -108,9 +108,6 @@ def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, seque
     if dp % ep:
         raise ConfigError(f"--ep {ep} does not divide --dp {dp}: the expert group lies inside the data-parallel group "
                           f"(ep of its ranks split the experts); choose an ep that divides dp")
-    if model.is_moe and sequence_parallel:
-        raise ConfigError("a mixture of experts with --sequence-parallel is not supported yet (its experts would see "
-                          "each rank's slice of the tokens); drop --sequence-parallel, or use --cp for long sequences")
 
 
 def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_after_forward: bool = True) -> None:
@@ -146,7 +143,7 @@ def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False,
     try:
         check_tensor_parallel(model, tp, sequence_parallel)
         check_context_parallel(model, cp, cp_kind, tp, sequence_parallel)
-        check_expert_parallel(model, 1, 1, cp, sequence_parallel)
+        check_expert_parallel(model, 1, 1)
     except ConfigError:
         return False
     return True
@@ -234,7 +231,7 @@ class TrainConfig:
             check_positive_int(f"--{name}", getattr(self, name))
         check_tensor_parallel(self.model, self.tp, self.sequence_parallel)
         check_context_parallel(self.model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
-        check_expert_parallel(self.model, self.ep, self.dp, self.cp, self.sequence_parallel)
+        check_expert_parallel(self.model, self.ep, self.dp)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)

@@ -108,10 +108,10 @@ class Experts(nn.Module):
         # expert out of a stack would write a zero gradient the stack's size for every expert)
         stacks = [t.unbind(0) if t is not None else [None] * len(sizes) for t in (self.w1, self.w2, self.b1, self.b2)]
         weights = list(zip(*stacks))
-        pieces = [self.expert(weights[e], rows) for e, rows in enumerate(x.split(sizes)) if sizes[e]]
-        # no rows (an expert-parallel rank no token chose): still an output of x, so that the backward reaches
-        # the exchange that brought them, which every rank of the group must run
-        return torch.cat(pieces) if pieces else x * 0.0
+        # every expert runs, those no token chose on no rows: the graph, and so the order in which the backward
+        # reaches each weight (and the hooks that sum gradients over a group there), is the same on every rank
+        # whatever the routing; the output stays one of x's, so the backward reaches the exchange that brought them
+        return torch.cat([self.expert(weights[e], rows) for e, rows in enumerate(x.split(sizes))])
 
 
 class SharedExperts(nn.Module):
@@ -155,8 +155,8 @@ def kept_choices(expert_ids: torch.Tensor, n_experts: int, limit: int | None) ->
 
 class WholeSequence:
     """Each sequence as a MoE layer routes and balances it: whole on this rank. Capacity and the balance loss count
-    over a whole sequence; context parallelism, which gives a rank part of every sequence, swaps in its own view
-    (parallel/context/moe.py), so every layout drops and balances the same tokens."""
+    over a whole sequence; context and sequence parallelism, which give a rank part of every sequence, swap in their
+    own views (parallel/context/moe.py, parallel/tensor/moe.py), so every layout drops and balances the same tokens."""
 
     def length(self, local: int) -> int:
         """The sequence's length, of which this rank holds `local` tokens."""
@@ -169,6 +169,12 @@ class WholeSequence:
     def kept(self, expert_ids: torch.Tensor, n_experts: int, limit: int | None) -> torch.Tensor:
         """kept_choices of this rank's tokens, counted over the whole sequences."""
         return kept_choices(expert_ids, n_experts, limit)
+
+    @property
+    def gradient_share(self) -> float:
+        """The weight of this rank's token means in the router's losses: 1, or 1 / T where T ranks hold pieces of
+        the sequence whose gradients are summed, not averaged (sequence parallelism, parallel/tensor/moe.py)."""
+        return 1.0
 
 
 class MoE(nn.Module):
@@ -207,7 +213,7 @@ class MoE(nn.Module):
             loss = loss + cfg.aux_loss_coef * balance.mean()
         if cfg.z_loss_coef:
             loss = loss + cfg.z_loss_coef * logits.logsumexp(-1).square().mean()
-        return loss
+        return loss * self.whole.gradient_share
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d = x.shape

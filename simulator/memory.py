@@ -249,8 +249,8 @@ def dispatch_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPol
     the backward (job/exchange/experts.py)."""
     if layout.ep == 1 or not model.is_moe:
         return 0
-    rows, _ = expert_rows(model, micro_batch_size * model.seq_len // layout.cp, micro_batch_size, layout.ep,
-                          layout.cp)
+    split = layout.sequence_ranks  # under sequence parallelism each tp rank routes its slice
+    rows, _ = expert_rows(model, micro_batch_size * model.seq_len // split, micro_batch_size, layout.ep, split)
     return (rows + received_rows(rows, layout.ep, load)) * model.d_model * FORMAT_BYTES[policy.compute]
 
 

@@ -192,9 +192,10 @@ def check_schema(measured: dict, ranks: int) -> None:
     dense = [u for u in measured["units"] if "experts" not in u]
     assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in dense] == sorted(
         [(tp, sp, 1) for tp in tps for sp in ((False, True) if tp > 1 else (False,))] + [(1, False, cp) for cp in cps])
-    moe = [u for u in measured["units"] if "experts" in u]  # tiny-moe's, when asked for: no sp; cp as a dense block
+    moe = [u for u in measured["units"] if "experts" in u]  # tiny-moe's, when asked for: the same variants
     assert [(u["tp"], u["sequence_parallel"], u.get("cp", 1)) for u in moe] in (
-        [], sorted([(tp, False, 1) for tp in tps] + [(1, False, cp) for cp in cps]))
+        [], sorted([(tp, sp, 1) for tp in tps for sp in ((False, True) if tp > 1 else (False,))]
+                   + [(1, False, cp) for cp in cps]))
     for unit in measured["units"]:
         assert set(unit) - {"cp", "experts"} == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions",
                                                  "bias", "seq_len", "vocab_size", "tp", "sequence_parallel", "dtype",

@@ -3,8 +3,9 @@ process on the same global batch, step by step (losses and gradient norms), with
 with a capacity that drops tokens, and top-2 with a capacity. The all-to-alls real training sends are counted
 against job/exchange/experts.py's, call for call and byte for byte, with the uneven splits it measured.
 
-Two spawned worlds: 2 ranks (ep 2, and the earlier layouts with experts: dp 2 ZeRO-1, tp 2, pp 2) and 4 ranks
-(ep 4; ep 2 inside dp 4 under ZeRO-1 and ZeRO-3; ep 2 x tp 2; ep 2 x pp 2). The one-process references run here.
+Two spawned worlds: 2 ranks (ep 2, and the earlier layouts with experts: dp 2 ZeRO-1, tp 2, pp 2, cp 2, tp 2 with
+sequence parallelism) and 4 ranks (ep 4; ep 2 inside dp 4 under ZeRO-1 and ZeRO-3; ep 2 x tp 2, with and without
+sequence parallelism; ep 2 x pp 2; cp 2 x tp 2, with and without it). The one-process references run here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from distributed import run_ranks
 from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routing_exchanges
+from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.presets import preset
 from minigpt.data import Corpus
@@ -29,6 +31,7 @@ from parallel.run.build import build_rank
 from parallel.run.train import micro_batches
 from parity import worst_gap
 from precision.policy import policy as precision_policy
+from simulator.costs.compute import tp_collectives
 
 MODELS = {
     "top2": preset("tiny-moe").with_(seq_len=32, n_layers=2),
@@ -47,14 +50,17 @@ LAYOUTS = {
         "pp2": ("top2", dict(pp=2, micro_batches=2)),
         "tp2-qwen": ("qwen", dict(tp=2)),
         "cp2": ("top2", dict(cp=2)),
-        "cp2-top1-drop": ("top1-drop", dict(cp=2, micro_batches=2))},
+        "cp2-top1-drop": ("top1-drop", dict(cp=2, micro_batches=2)),
+        "tp2-sp": ("top2-drop", dict(tp=2, sequence_parallel=True, micro_batches=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),
         "ep2-tp2": ("top2", dict(dp=2, ep=2, tp=2)),
         "ep2-pp2": ("top2-drop", dict(dp=2, ep=2, pp=2, micro_batches=2)),
         "ep2-cp2": ("top2-drop", dict(dp=2, ep=2, cp=2)),
-        "cp2-tp2-allgather": ("top1-drop", dict(cp=2, tp=2, cp_kind="allgather"))},
+        "cp2-tp2-allgather": ("top1-drop", dict(cp=2, tp=2, cp_kind="allgather")),
+        "ep2-tp2-sp": ("top2-drop", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
+        "cp2-tp2-sp": ("top1-drop", dict(cp=2, tp=2, sequence_parallel=True))},
 }
 
 
@@ -84,6 +90,7 @@ def trained(cfg: TrainConfig) -> dict:
     found["ep_log"] = list(rank.comms["ep"].log) if "ep" in rank.comms else []
     found["ep_replicas_log"] = list(rank.comms["ep_replicas"].log) if "ep_replicas" in rank.comms else []
     found["cp_log"] = list(rank.comms["cp"].log)
+    found["tp_log"] = list(rank.comms["tp"].log)
     found["place"] = (mesh.pp_rank, mesh.tp_rank)  # ranks of one place hold the same dense weights (ZeRO 0-2)
     if cfg.zero < 3:  # ZeRO-3's weights are shards between the steps (their storage freed): no replicas
         dense = torch.cat([p.detach().reshape(-1) for n, p in rank.stage.named_parameters() if ".experts." not in n])
@@ -172,7 +179,8 @@ def test_all_to_alls_are_the_descriptions(spawned, world, name):
         assert sorted(step_calls) == expected
         forward_order = [(e.kind, e.bytes) for e in expected_forward]
         assert step_calls[:3] == forward_order[:3]  # the first layer's counts, dispatch, combine, in that order
-        reduction = expert_gradient_reduction(cfg.model, cfg.ep, cfg.dp * cfg.cp, cfg.model.n_moe_layers // cfg.pp, 4)
+        reduction = expert_gradient_reduction(cfg.model, cfg.ep, Layout.of(cfg).token_ranks,
+                                              cfg.model.n_moe_layers // cfg.pp, 4)
         replicas = run["ep_replicas_log"]
         assert replicas[-1:] == ([] if reduction is None else [(reduction.kind, reduction.bytes)])
     assert uneven, f"{name}: every layer sent as many rows as it received: the splits were not uneven"
@@ -209,5 +217,26 @@ def test_expert_parallel_refuses_what_it_cannot_split():
         config("top2", ep=2)
     with pytest.raises(ConfigError, match="this model is dense"):
         dataclasses.replace(config("top2"), model=preset("tiny").with_(seq_len=32), dp=2, ep=2)
-    with pytest.raises(ConfigError, match="sequence-parallel"):
-        config("top2", tp=2, sequence_parallel=True)
+
+
+SP = [(world, name) for world, name in ALL if LAYOUTS[world][name][1].get("sequence_parallel")]
+
+
+@pytest.mark.parametrize("world, name", SP, ids=[name for _, name in SP])
+def test_sequence_parallel_moe_collectives_are_the_simulators(spawned, world, name):
+    """Under sequence parallelism each tp rank routes its own slice of the tokens: its MoE blocks issue no all-gather
+    or reduce-scatter around the experts, the routing's counts (and with a capacity the expert ids) go over the tp
+    group, and the router's, shared and (without ep) routed experts' gradients are summed over it. The last step's
+    tp-group calls, byte for byte, are simulator/costs/compute.py's tp_collectives for the whole stage, every
+    micro-batch (one more all-reduce of the step: the gradient norm's sum over the group)."""
+    model, layout = LAYOUTS[world][name]
+    cfg = config(model, **layout)
+    micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
+    forward, backward = tp_collectives(cfg.model, cfg.model.n_layers, micro_batch, Layout.of(cfg),
+                                       precision_policy(cfg.precision), True, True, moe_layers=cfg.model.n_moe_layers)
+    kinds = [c.kind for c in forward]
+    assert kinds.count("all_gather") == 2 + (1 if cfg.model.capacity_factor else 0)  # attention's, the head's, ids
+    expected = sorted((c.kind, c.bytes) for c in forward + backward for _ in range(c.calls * cfg.micro_batches))
+    for run in spawned[name]:
+        assert sorted(run["tp_log"][:-1]) == expected, name
+        assert run["tp_log"][-1][0] == "all_reduce"

@@ -111,6 +111,31 @@ def test_a_moe_block_has_one_tensor_parallel_all_reduce_each_way():
     assert [c.calls for c in mixed[0] + mixed[1]] == [3, 3]
 
 
+def test_under_sequence_parallelism_a_moe_block_routes_each_tp_ranks_slice():
+    """With --sequence-parallel each tp rank routes its 1/T of the tokens through whole experts (parallel/tensor/
+    moe.py): the routed experts' GEMMs and the MoE's saved bytes are those of 1/T of the rows, the attention keeps its
+    all-gather and reduce-scatter but the MoE has none, the routing's counts go over the tp group, the router's
+    gradient is summed over it, and the experts' gradient all-reduce spans the tp places (T x dp / ep ranks)."""
+    model, pol = MIXTRAL.with_(aux_loss_coef=0.01), policy("bf16")
+    plain, sp = Layout(tp=2, dp=8, ep=8), Layout(tp=2, dp=8, ep=8, sequence_parallel=True)
+
+    def expert_flops(layout):
+        return sum(model_flops(op) for op in block_ops(model, 1, layout, pol, moe=True).forward
+                   if isinstance(op, Gemm) and op.name.startswith("experts."))
+
+    assert expert_flops(sp) > 0 and expert_flops(sp) * 2 == expert_flops(plain)
+    forward, backward = tp_collectives(model, 1, 1, sp, pol, False, False, moe_layers=1)
+    width = model.seq_len * model.d_model * 2
+    assert [(c.kind, c.bytes, c.calls) for c in forward] == [
+        ("all_reduce", model.n_experts * 4, 1), ("all_gather", width, 1), ("reduce_scatter", width, 1)]
+    router = [c for c in backward if c.bytes == model.d_model * model.n_experts * FORMAT_BYTES[pol.grad]]
+    assert [c.kind for c in router] == ["all_reduce"]
+    assert not any(c.bytes > width for c in backward)  # the experts' gradients go to their replicas, not over tp
+    assert sp.token_ranks == 2 * plain.token_ranks == 16
+    reduction = expert_gradient_reduction(model, 8, sp.token_ranks, 1, 2)
+    assert reduction is not None and expert_gradient_reduction(model, 8, plain.token_ranks, 1, 2) is None
+
+
 # ---------------------------------------------------------------- the all-to-alls
 
 

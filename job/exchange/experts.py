@@ -70,13 +70,13 @@ def backward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int,
 SCORE_BYTES = 4  # the balance loss's fp32 choice counts
 
 
-def routing_exchanges(model: GPTConfig, cp: int, tokens: int, sequences: int) -> list[Exchange]:
-    """One MoE layer's forward exchange over the cp group when each rank holds part of every sequence
-    (parallel/context/moe.py), in the order it is issued: with a capacity factor the `tokens` x top_k int64 expert
-    ids of this rank all-gathered (bytes: its part), so every rank ranks the whole sequences' choices; with a balance
-    loss the `sequences` x E fp32 choice counts all-reduced (bytes: the whole buffer). None at cp 1. A fully
-    recomputed forward issues them again."""
-    if cp == 1 or not model.is_moe:
+def routing_exchanges(model: GPTConfig, ranks: int, tokens: int, sequences: int) -> list[Exchange]:
+    """One MoE layer's forward exchange over a group of `ranks` that each hold part of every sequence (the cp group,
+    parallel/context/moe.py; the tp group under sequence parallelism, parallel/tensor/moe.py), in the order it is
+    issued: with a capacity factor the `tokens` x top_k int64 expert ids of this rank all-gathered (bytes: its part),
+    so every rank ranks the whole sequences' choices; with a balance loss the `sequences` x E fp32 choice counts
+    all-reduced (bytes: the whole buffer). None for one rank. A fully recomputed forward issues them again."""
+    if ranks == 1 or not model.is_moe:
         return []
     exchanges = []
     if model.capacity_factor is not None:
@@ -88,10 +88,10 @@ def routing_exchanges(model: GPTConfig, cp: int, tokens: int, sequences: int) ->
 
 def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: int, grad_bytes: int) -> Exchange | None:
     """How the routed experts' gradients of a rank holding `moe_layers` MoE blocks are averaged under expert
-    parallelism: one all-reduce a step over the `dp` (data ranks: dp x cp) / ep ranks holding the same experts, of
-    all of them at once,
-    issued at the optimizer step (None without ep, or with one such rank). Their optimizer states are not
-    sharded (ZeRO applies to the dense parameters)."""
+    parallelism: one all-reduce a step over the `dp` / ep ranks holding the same experts, of all of them at once,
+    issued at the optimizer step (None without ep, or with one such rank). `dp`: the ranks that route other tokens
+    through the experts, the data ranks (dp x cp) and, under sequence parallelism, times tp (Layout.token_ranks).
+    Their optimizer states are not sharded (ZeRO applies to the dense parameters)."""
     if ep == 1 or not model.is_moe or dp == ep or moe_layers == 0:
         return None
     numel = moe_layers * sum(t.numel for t in expert_tensors(model, ep))

@@ -2,9 +2,9 @@
 
 The expert group is ep consecutive data-parallel ranks at one (pp, cp, tp) place of the mesh (parallel/mesh.py):
 they split every MoE layer's experts, rank i of the group holding experts i x E / ep onwards. The ranks at the
-same place of every expert group, at every cp place (dp x cp / ep of them), hold the same experts and average
-their gradients
-(parallel/expert/gradients.py). job/exchange/experts.py describes both for the simulator.
+same place of every expert group, at every cp place (dp x cp / ep of them; under sequence parallelism at every tp
+place too, x tp), hold the same experts and sum or average their gradients (parallel/expert/gradients.py).
+job/exchange/experts.py describes both for the simulator.
 """
 
 from __future__ import annotations
@@ -19,18 +19,21 @@ from parallel.expert.dispatch import ExpertParallel
 from parallel.mesh import Mesh
 
 
-def expert_groups(mesh: Mesh, ep: int, device: torch.device) -> tuple[Collectives, Collectives]:
+def expert_groups(mesh: Mesh, ep: int, device: torch.device,
+                  sequence_parallel: bool = False) -> tuple[Collectives, Collectives]:
     """(this rank's expert group, the ranks holding its experts: the same place of every expert group at every cp
-    place); every rank builds every group (new_group is collective), in one order."""
+    place, and under sequence parallelism at every tp place too, whose ranks route other tokens through copies of
+    the same experts); every rank builds every group (new_group is collective), in one order."""
     mine: dict[str, dist.ProcessGroup] = {}
+    places = [[tp] for tp in range(mesh.tp)] if not sequence_parallel else [list(range(mesh.tp))]
     for pp in range(mesh.pp):
-        for tp in range(mesh.tp):
-            place = lambda dp, cp: mesh.global_rank(pp, dp, cp, tp)  # noqa: E731
-            cuts = [("ep", [place(dp, cp) for dp in range(start, start + ep)])
-                    for cp in range(mesh.cp) for start in range(0, mesh.dp, ep)]
-            if mesh.dp * mesh.cp > ep:
-                cuts += [("replicas", [place(dp, cp) for dp in range(first, mesh.dp, ep) for cp in range(mesh.cp)])
-                         for first in range(ep)]
+        for tps in places:
+            place = lambda dp, cp, tp: mesh.global_rank(pp, dp, cp, tp)  # noqa: E731
+            cuts = [("ep", [place(dp, cp, tp) for dp in range(start, start + ep)])
+                    for tp in tps for cp in range(mesh.cp) for start in range(0, mesh.dp, ep)]
+            if mesh.dp * mesh.cp * len(tps) > ep:
+                cuts += [("replicas", [place(dp, cp, tp) for dp in range(first, mesh.dp, ep) for cp in range(mesh.cp)
+                                       for tp in tps]) for first in range(ep)]
             for kind, ranks in cuts:
                 group = dist.new_group(ranks)
                 if mesh.rank in ranks:

@@ -118,7 +118,7 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     model = apply_precision(apply_recompute(model, cfg.recompute), policy, device)  # built in fp32, then cast
     replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)
     if cfg.ep > 1:  # the experts split over the expert group, after tensor parallelism left them whole
-        comms["ep"], comms["ep_replicas"] = expert_groups(mesh, cfg.ep, device)
+        comms["ep"], comms["ep_replicas"] = expert_groups(mesh, cfg.ep, device, cfg.sequence_parallel)
         apply_expert_parallel(model, comms["ep"])
         replicated |= {id(param) for _, param in expert_shards(model)} if mesh.tp > 1 else set()  # the new slices
     stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)

@@ -2,8 +2,8 @@
 
 Each MoE layer counts the choices its tokens made during training steps (minigpt/moe.py's `load`, where the
 router runs: on the rank that holds the tokens). The run's load is the sum over the data-parallel ranks (every
-rank sees other tokens) of one tensor-parallel rank's counts (its peers route the same tokens), the pipeline
-stages each giving their own layers. The summary gives each layer's shares and its busiest expert against the
+rank sees other tokens) of one tensor-parallel rank's counts (its peers route the same tokens; under sequence
+parallelism every tp rank's, each routing its slice), the pipeline stages each giving their own layers. The summary gives each layer's shares and its busiest expert against the
 mean (1.0: balanced; E: one expert takes everything); expert_load.png draws the shares.
 """
 
@@ -22,10 +22,10 @@ def rank_load(model: nn.Module) -> dict[int, list[float]]:
 
 
 def run_load(per_rank: list[dict]) -> dict[int, list[float]]:
-    """The run's counts from every rank's {"tp_rank": ..., "load": rank_load(...)}."""
+    """The run's counts from every rank's {"counted": whether its tokens count, "load": rank_load(...)}."""
     total: dict[int, list[float]] = {}
     for found in per_rank:
-        if found["tp_rank"] != 0:
+        if not found["counted"]:
             continue
         for layer, counts in found["load"].items():
             total[layer] = [a + b for a, b in zip(total.get(layer, [0.0] * len(counts)), counts)]

@@ -18,6 +18,7 @@ from torch import nn
 from minigpt.model import AttentionCore
 from minigpt.moe import MoE
 from parallel.comm import Collectives
+from parallel.tensor.moe import apply_sequence_moe
 from parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -86,7 +87,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     fused = {"qkv": [config.n_heads * head_dim, config.kv_heads * head_dim, config.kv_heads * head_dim],
              "fc1": [config.d_ff] * (config.mlp_in_width // config.d_ff)}
     experts = []  # a mixture of experts stays whole on every rank (no expert tensor parallelism): each computes it
-    for block in model.blocks:  # for the same tokens, so its gradients agree without a sum
+    for block in model.blocks:  # for the same tokens (or, under SP, for its slice of them: summed below)
         dense = not isinstance(block.mlp, MoE)
         experts += [] if dense else list(block.mlp.parameters())
         for parent, name in ((block.attn, "qkv"), (block.mlp, "fc1"))[: 2 if dense else 1]:
@@ -105,8 +106,8 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
         sequence_pieces += [*block.ln1.parameters(), *block.ln2.parameters()]
         mlp_bias = getattr(getattr(block.mlp, "fc2", None), "bias", None)  # a MoE has none of its own
         sequence_pieces += [b for b in (block.attn.proj.bias, mlp_bias) if b is not None]
-    if sequence_parallel:
-        for param in sequence_pieces:
+    if sequence_parallel:  # a MoE then routes this rank's slice of the tokens (parallel/tensor/moe.py)
+        for param in sequence_pieces + apply_sequence_moe(model, comm):
             param.register_hook(lambda grad: _sum_over_group(grad, comm))
     head_norms = [p for core in model.modules() if isinstance(core, AttentionCore) and core.q_norm is not None
                   for norm in (core.q_norm, core.k_norm) for p in norm.parameters()]

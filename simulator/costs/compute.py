@@ -49,7 +49,8 @@ from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.costs.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
 from simulator.costs.hardware import GPUSpec
-from job.layout import Layout, block_tensors, head_tensors
+from job.exchange.experts import routing_exchanges
+from job.layout import Layout, block_tensors, head_tensors, is_expert_tensor
 from simulator.costs.attention_rates import seconds as attention_seconds
 from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
                                       model_flops)
@@ -224,10 +225,12 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
     Under context parallelism each rank's are those of its s/cp tokens.
     Per block: without sequence parallelism 2 all-reduces of b*s*h forward (after proj, fc2)
     and 2 backward (before qkv, fc1), one each way in a MoE block (`moe_layers` of the `layers`: its experts
-    are whole on every rank, parallel/tensor/parallelize.py; MoE refuses sequence parallelism); with it 2
-    all-gathers + 2 reduce-scatters each way, plus
-    a backward all-reduce of every replicated parameter's gradient (parallel/tensor/parallelize.py: the norms'
-    gains, a LayerNorm's biases, proj/fc2 biases when the shape has them; the final norm's on the last chunk).
+    are whole on every rank, parallel/tensor/parallelize.py); with it 2 all-gathers + 2 reduce-scatters each way
+    (the attention's only in a MoE block, which routes the rank's slice of the tokens: parallel/tensor/moe.py),
+    plus a backward all-reduce of every replicated parameter's gradient (parallel/tensor/parallelize.py: the norms'
+    gains, a LayerNorm's biases, proj/fc2 biases when the shape has them, a MoE's router, shared experts and, without
+    expert parallelism, its routed experts; the final norm's on the last chunk) and a MoE block's routing exchange
+    over the group (job/exchange/experts.py's routing_exchanges).
     `sharded` (ops.py's sp_saved_input "sharded", Megatron's way): the backward all-gathers the
     saved input shard of every column-parallel Linear (qkv, fc1, the head) once more.
     """
@@ -242,13 +245,11 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         if sp:
             backward.append(TPCollective("all_gather", width, 1))
     if sp:
-        forward += [TPCollective("all_gather", width, 2 * layers), TPCollective("reduce_scatter", width, 2 * layers)]
-        backward += [TPCollective("all_gather", width, 2 * layers), TPCollective("reduce_scatter", width, 2 * layers)]
-        grad_bytes = FORMAT_BYTES[policy.grad]
-        replicated = [t for t in block_tensors(model, layout.tp) if t.replicated]
-        backward += [TPCollective("all_reduce", t.numel * grad_bytes, layers) for t in replicated]
+        forward += _sequence_parallel_blocks(model, layers, moe_layers, layout, width, tokens, micro_batch_size)
+        backward += [TPCollective(c.kind, c.bytes, c.calls) for c in forward[-2:]]
+        backward += _replicated_gradients(model, layers, moe_layers, layout, FORMAT_BYTES[policy.grad])
         if sharded:
-            backward.append(TPCollective("all_gather", width, 2 * layers + (1 if last else 0)))
+            backward.append(TPCollective("all_gather", width, 2 * layers - moe_layers + (1 if last else 0)))
     else:
         forward.append(TPCollective("all_reduce", width, 2 * layers - moe_layers))
         backward.append(TPCollective("all_reduce", width, 2 * layers - moe_layers))
@@ -261,6 +262,29 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
             replicated = [t for t in head_tensors(model, layout.tp, layout.pp) if t.replicated]
             backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], 1) for t in replicated]
     return forward, backward
+
+
+def _sequence_parallel_blocks(model: GPTConfig, layers: int, moe_layers: int, layout: Layout, width: int,
+                              tokens: int, sequences: int) -> list[TPCollective]:
+    """A chunk's forward collectives under sequence parallelism: the MoE blocks' routing exchanges, then the
+    all-gathers and reduce-scatters around the Linears (the last two: the backward issues the same pair)."""
+    routing = routing_exchanges(model, layout.tp, tokens // layout.tp, sequences) if moe_layers else []
+    gathered = {"all_gather": layout.tp, "all_reduce": 1}  # an all-gather counted at its gathered size
+    linears = 2 * layers - moe_layers
+    return [TPCollective(e.kind, e.bytes * gathered[e.kind], e.calls * moe_layers) for e in routing] + \
+        [TPCollective("all_gather", width, linears), TPCollective("reduce_scatter", width, linears)]
+
+
+def _replicated_gradients(model: GPTConfig, layers: int, moe_layers: int, layout: Layout,
+                          grad_bytes: int) -> list[TPCollective]:
+    """Under sequence parallelism, the all-reduces of the replicated parameters' gradients of a chunk's blocks, each
+    kind of block its own (a MoE's routed experts under expert parallelism go to their replicas instead)."""
+    out = []
+    for moe, count in ((False, layers - moe_layers), (True, moe_layers)):
+        tensors = [t for t in block_tensors(model, layout.tp, moe) if t.replicated
+                   and not (layout.ep > 1 and is_expert_tensor(t))] if count else []
+        out += [TPCollective("all_reduce", t.numel * grad_bytes, count) for t in tensors]
+    return out
 
 
 def total_bytes(collectives: list[TPCollective]) -> int:

@@ -263,6 +263,14 @@ class UnitShape:
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
 
     @property
+    def moe(self) -> UnitShape:
+        """What a MoE block's MLP runs on: under sequence parallelism this rank's slice of the tokens with its
+        Linears whole, no collective around them (parallel/tensor/moe.py), each sequence split over cp x t ranks."""
+        if not self.sp:
+            return self
+        return replace(self, rows=self.residual_rows, cp=self.cp * self.t, sp=False, sharded=False, ub_chunks=False)
+
+    @property
     def ring_chunks(self) -> int:
         """GEMMs a Linear overlapping a ring exchange runs as: t under userbuffers' chunks, else 1."""
         return self.t if self.ub_chunks else 1

@@ -267,7 +267,7 @@ def _expert_reduction(job: _Job, placed, stage: int, pol) -> float:
     optimizer step over the ranks holding the same experts (job/exchange/experts.py's expert_gradient_reduction)."""
     layout = job.layout
     moe_layers = sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
-    call = expert_gradient_reduction(job.model, layout.ep, layout.data_ranks, moe_layers, FORMAT_BYTES[pol.compute])
+    call = expert_gradient_reduction(job.model, layout.ep, layout.token_ranks, moe_layers, FORMAT_BYTES[pol.compute])
     return 0.0 if call is None else call.calls * job.links.expert_collective(stage, call.kind, call.bytes)
 
 

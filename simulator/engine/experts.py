@@ -72,8 +72,9 @@ def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_b
     expert group under a routing imbalance `load` (the module docstring): job/exchange/experts.py's calls of a rank
     that sends and receives the rows it moves in its heavier direction; behind `shared` when given (Overlap.ep)."""
     shared = shared or SharedExperts()
-    tokens = micro_batch * model.seq_len // layout.cp
-    heavier = received_rows(routed_rows(model, tokens, micro_batch, layout.cp), layout.ep, load)
+    split = layout.sequence_ranks  # under sequence parallelism each tp rank routes its slice
+    heavier = received_rows(routed_rows(model, micro_batch * model.seq_len // split, micro_batch, split), layout.ep,
+                            load)
     forward = forward_exchanges(model, layout.ep, heavier, element_bytes)
     backward = backward_exchanges(model, layout.ep, heavier, element_bytes, recompute=recompute)
     if not forward:

@@ -221,6 +221,9 @@ class LinkCosts:
             return [[rank(where[0], g + i, t, c) for i in range(layout.ep)]
                     for g in range(0, max(layout.ep, self.replicas), layout.ep) for c in cps for t in tps]
         if name == "dp_experts":  # the same place of every expert group, at every cp place: the same experts
+            if layout.sequence_parallel:  # and at every tp place, each routing its slice of the tokens
+                return [[rank(where[0], d, t, c) for d in range(j, layout.dp, layout.ep) for c in cps for t in tps]
+                        for j in range(layout.ep)]
             return [[rank(where[0], d, t, c) for d in range(j, layout.dp, layout.ep) for c in cps]
                     for t in tps for j in range(layout.ep)]
         data = [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps] for t in tps]  # "dp": dp x cp
@@ -368,9 +371,10 @@ class LinkCosts:
 
     def expert_collective(self, stage: int, kind: str, nbytes: float) -> float:
         """One collective of the routed experts' gradients or weights over the dp x cp / ep ranks of `stage` that
-        hold the same experts (the ranks at the same place of every expert group: ep apart), all at once."""
+        hold the same experts (the ranks at the same place of every expert group: ep apart; x tp under sequence
+        parallelism), all at once."""
         groups = self.groups("dp_experts", stage)
-        return self.collective("dp_experts", kind, groups, nbytes) if self.layout.data_ranks > self.layout.ep else 0.0
+        return self.collective("dp_experts", kind, groups, nbytes) if self.layout.token_ranks > self.layout.ep else 0.0
 
     def ep_collective(self, stage: int, kind: str, nbytes: float) -> float:
         """One collective over the expert groups of `stage` (the gradient norm's experts' share), all at once."""

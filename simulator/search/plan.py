@@ -11,8 +11,7 @@ Every candidate:
   pp      dividing GPUs / (tp x cp), at most the layers (job/schedule.py's chunk_layers: a block a chunk);
   dp      GPUs / (tp x cp x pp);
   ep      a mixture of experts' expert parallelism: every divisor of dp that divides the experts (E / ep experts a
-          rank; job/train_config.py's check_expert_parallel), or the one --ep asks for; 1 for a dense model (a MoE
-          takes no sequence parallelism: shape_allows leaves it out);
+          rank; job/train_config.py's check_expert_parallel), or the one --ep asks for; 1 for a dense model;
   ZeRO    0, 1, 2 and 3 with several data-parallel ranks (dp x cp); 0 with one (every stage runs as 0 there);
   micro-batch  MICRO_BATCH_SIZES that divide the batch per replica (or the one --micro-batch-size /
           --micro-batches asks for);
@@ -316,7 +315,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     _check(model, n_gpus, global_batch, top)
     if cp is not None:
         check_context_parallel(model, cp)  # one line for a cp the sequence cannot take at all
-    check_expert_parallel(model, ep or 1, ep or 1, cp or 1)  # one line for an ep the model cannot take
+    check_expert_parallel(model, ep or 1, ep or 1)  # one line for an ep the model cannot take
     expert_load = check_expert_load(model, expert_load)
     if spec.hardware.gpu.measured is not None:
         raise ConfigError("plan searches GPU clusters: a calibrated CPU host profile's compute depends on how many "
