@@ -248,7 +248,7 @@ def print_moe(as_json: bool) -> None:
         print(f"- {r['name']} ({r['gpus']} GPUs): published {r['published_step_s']:.2f} s, predicted "
               f"{r['predicted_step_s']:.2f} s ({r['error']:+.1%}; MFU {moe_mfu(r)}; naive {r['naive_error']:+.1%})"
               f"{'' if r['fits'] else ', over the memory by its count'}: {r['why']}")
-    print("\nrefused by minigpt simulate, outside the summary:")
+    print("\nrefused by minigpt simulate, outside the summary:" if refused else "\nnone refused by minigpt simulate")
     for r in refused:
         print(f"- {r['name']} ({r['gpus']} GPUs, published {r['published']}): {r['simulate_says']}")
 

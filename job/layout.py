@@ -55,9 +55,9 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "virtual_chunks", "cp", "ep"):
             check_positive_int(name, getattr(self, name))
-        if self.dp % self.ep:
-            raise ConfigError(f"ep {self.ep} does not divide dp {self.dp}: the expert group lies inside the "
-                              f"data-parallel group")
+        if self.token_ranks % self.ep:
+            raise ConfigError(f"ep {self.ep} does not divide the {self.token_ranks} ranks that route distinct tokens "
+                              f"(dp x cp, x tp under sequence parallelism): the expert group is ep of them")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sequence_parallel, bool):
@@ -113,7 +113,7 @@ class Layout:
         """Everything about this layout that the model's shape decides (the same checks as training)."""
         check_tensor_parallel(model, self.tp, self.sequence_parallel)
         check_context_parallel(model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
-        check_expert_parallel(model, self.ep, self.dp)
+        check_expert_parallel(model, self.ep, self.dp, self.cp, self.tp, self.sequence_parallel)
         chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
 
     def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:

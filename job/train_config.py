@@ -94,10 +94,12 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
                           f"--tp {tp}, which does not divide them: change --seq-len, --cp or --tp")
 
 
-def check_expert_parallel(model: GPTConfig, ep: int, dp: int) -> None:
+def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, tp: int = 1,
+                          sequence_parallel: bool = False) -> None:
     """Everything about expert parallelism and a mixture of experts that the shape and layout decide: the experts
-    split evenly over ep ranks, which lie inside the data-parallel group (job/exchange/experts.py); context and
-    sequence parallelism count MoE routing over whole sequences (parallel/context/moe.py, parallel/tensor/moe.py)."""
+    split evenly over ep ranks, consecutive among those routing distinct tokens (job/exchange/experts.py's
+    expert_places: the dp x cp data ranks, times tp under sequence parallelism); context and sequence parallelism
+    count MoE routing over whole sequences (parallel/context/moe.py, parallel/tensor/moe.py)."""
     check_positive_int("--ep", ep)
     if ep > 1 and not model.is_moe:
         raise ConfigError(f"--ep {ep} splits a mixture of experts over ranks, but this model is dense: give it "
@@ -105,9 +107,12 @@ def check_expert_parallel(model: GPTConfig, ep: int, dp: int) -> None:
     if model.is_moe and model.n_experts % ep:
         raise ConfigError(f"--ep {ep} does not divide the {model.n_experts} experts: each rank holds E / ep of them; "
                           f"choose an ep that divides {model.n_experts}")
-    if dp % ep:
-        raise ConfigError(f"--ep {ep} does not divide --dp {dp}: the expert group lies inside the data-parallel group "
-                          f"(ep of its ranks split the experts); choose an ep that divides dp")
+    routing = dp * cp * (tp if sequence_parallel else 1)
+    if routing % ep:
+        ranks = "dp x cp x tp" if sequence_parallel else "dp x cp"
+        raise ConfigError(f"--ep {ep} does not divide the {routing} ranks that route distinct tokens ({ranks}"
+                          f"{'' if sequence_parallel else '; under --sequence-parallel tp x dp x cp'}): the expert "
+                          f"group is ep of them; choose an ep that divides {routing}")
 
 
 def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_after_forward: bool = True) -> None:
@@ -183,7 +188,7 @@ class TrainConfig:
     dp: int = 1
     cp: int = 1  # context parallelism: each rank holds 2 of 2 x cp chunks of every sequence
     cp_kind: str = "ring"  # how the keys and values travel: "ring" (p2p, overlapped) or "allgather"
-    ep: int = 1  # expert parallelism: the experts split over ep ranks of the data-parallel group
+    ep: int = 1  # expert parallelism: the experts split over ep ranks routing distinct tokens
     zero: int = 0
     shard_group: int = 0  # hybrid sharding: ZeRO over groups of this many data ranks (0: all dp x cp of them)
     reshard_after_forward: bool = True  # False: ZeRO-3 keeps a unit gathered from its forward to its backward
@@ -231,7 +236,7 @@ class TrainConfig:
             check_positive_int(f"--{name}", getattr(self, name))
         check_tensor_parallel(self.model, self.tp, self.sequence_parallel)
         check_context_parallel(self.model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
-        check_expert_parallel(self.model, self.ep, self.dp)
+        check_expert_parallel(self.model, self.ep, self.dp, self.cp, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
         check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)

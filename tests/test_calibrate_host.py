@@ -99,9 +99,10 @@ def test_units_carry_the_shape_the_simulator_keys_them_by():
     assert variants(preset("tiny-llama"), 8)[:3] == [(1, False, 1), (2, False, 1), (2, True, 1)]  # 2 kv heads: no tp 4
     assert (4, False, 1) in variants(preset("tiny"), 8)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
-    # MoE: no sp; cp as a dense block (it routes its own chunks there: parallel/calibrate/ rehearses the cp group)
-    assert variants(preset("tiny-moe"), 8) == [(1, False, 1), (2, False, 1), (4, False, 1), (1, False, 2), (1, False, 4),
-                                              (1, False, 8)]
+    # MoE: sp as a dense block's (each tp rank routes its slice); cp too (it routes its own chunks there:
+    # parallel/calibrate/ rehearses the cp group)
+    assert variants(preset("tiny-moe"), 8) == [(1, False, 1), (2, False, 1), (2, True, 1), (4, False, 1), (4, True, 1),
+                                              (1, False, 2), (1, False, 4), (1, False, 8)]
     for name, other in (("tiny-llama", "tiny"), ("tiny", "tiny-llama"), ("tiny-moe", "tiny"), ("tiny", "tiny-moe")):
         plan = make_plan(2, quick=True, model=name)
         units = {(name, 1, False, 1): series, (name, 2, True, 1): series}

@@ -45,8 +45,13 @@ CASES = {
         dict(dp=4, zero=1),
         {"ep2-dp4-zero3": dict(dp=4, ep=2, zero=3), "ep4-dp4-zero2": dict(dp=4, ep=4, zero=2)},
     ),
+    # the expert group folded over tp under sequence parallelism: a slice's writer may sit at tp rank 1
+    "ep4-tp2-dp2-sp-zero1": (
+        dict(tp=2, dp=2, ep=4, zero=1, sequence_parallel=True),
+        {"ep2-dp4-zero0": dict(dp=4, ep=2), "ep2-tp2-dp2-sp": dict(tp=2, dp=2, ep=2, sequence_parallel=True)},
+    ),
 }
-LAYOUT_FIELDS = dict(tp=1, pp=1, dp=1, ep=1, zero=0, micro_batches=1)
+LAYOUT_FIELDS = dict(tp=1, pp=1, dp=1, ep=1, zero=0, micro_batches=1, sequence_parallel=False)
 
 
 def config(saved: dict, changes: dict) -> TrainConfig:

@@ -3,9 +3,10 @@ process on the same global batch, step by step (losses and gradient norms), with
 with a capacity that drops tokens, and top-2 with a capacity. The all-to-alls real training sends are counted
 against job/exchange/experts.py's, call for call and byte for byte, with the uneven splits it measured.
 
-Two spawned worlds: 2 ranks (ep 2, and the earlier layouts with experts: dp 2 ZeRO-1, tp 2, pp 2, cp 2, tp 2 with
-sequence parallelism) and 4 ranks (ep 4; ep 2 inside dp 4 under ZeRO-1 and ZeRO-3; ep 2 x tp 2, with and without
-sequence parallelism; ep 2 x pp 2; cp 2 x tp 2, with and without it). The one-process references run here.
+Two spawned worlds: 2 ranks (ep 2, ep 2 over the cp ranks, and the earlier layouts with experts: dp 2 ZeRO-1,
+tp 2, pp 2, cp 2, tp 2 with sequence parallelism) and 4 ranks (ep 4; ep 2 inside dp 4 under ZeRO-1 and ZeRO-3; ep 2
+x tp 2, with and without sequence parallelism; ep 4 folded over tp 2 x dp 2 under sequence parallelism; ep 2 x pp 2;
+cp 2 x tp 2, with and without it). The one-process references run here.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ LAYOUTS = {
         "tp2-qwen": ("qwen", dict(tp=2)),
         "cp2": ("top2", dict(cp=2)),
         "cp2-top1-drop": ("top1-drop", dict(cp=2, micro_batches=2)),
-        "tp2-sp": ("top2-drop", dict(tp=2, sequence_parallel=True, micro_batches=2))},
+        "tp2-sp": ("top2-drop", dict(tp=2, sequence_parallel=True, micro_batches=2)),
+        "ep2-over-cp2": ("top2", dict(cp=2, ep=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),
@@ -60,7 +62,8 @@ LAYOUTS = {
         "ep2-cp2": ("top2-drop", dict(dp=2, ep=2, cp=2)),
         "cp2-tp2-allgather": ("top1-drop", dict(cp=2, tp=2, cp_kind="allgather")),
         "ep2-tp2-sp": ("top2-drop", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
-        "cp2-tp2-sp": ("top1-drop", dict(cp=2, tp=2, sequence_parallel=True))},
+        "cp2-tp2-sp": ("top1-drop", dict(cp=2, tp=2, sequence_parallel=True)),
+        "ep4-over-tp2-dp2-sp": ("top2", dict(dp=2, ep=4, tp=2, sequence_parallel=True))},
 }
 
 
@@ -154,7 +157,7 @@ def test_data_parallel_replicas_stay_equal_bit_for_bit(spawned, world, name):
     for run in spawned[name]:
         digests.setdefault(run["place"], set()).add(run["dense_digest"])
     layout = LAYOUTS[world][name][1]
-    assert len(digests) * layout["dp"] * layout.get("cp", 1) == len(spawned[name])
+    assert len(digests) * layout.get("dp", 1) * layout.get("cp", 1) == len(spawned[name])
     assert all(len(found) == 1 for found in digests.values()), (name, digests)
 
 
@@ -213,8 +216,11 @@ def test_routing_over_cp_exchanges_what_the_description_lists(spawned, world, na
 def test_expert_parallel_refuses_what_it_cannot_split():
     with pytest.raises(ConfigError, match="--ep 3 does not divide the 8 experts"):
         config("top2", dp=3, ep=3)
-    with pytest.raises(ConfigError, match="--ep 2 does not divide --dp 1"):
+    with pytest.raises(ConfigError, match="--ep 2 does not divide the 1 ranks that route distinct tokens"):
         config("top2", ep=2)
+    with pytest.raises(ConfigError, match="--ep 4 does not divide the 2 ranks"):  # tp ranks route the same tokens
+        config("top2", dp=2, tp=2, ep=4)
+    config("top2", dp=2, tp=2, ep=4, sequence_parallel=True)  # under SP they route their own slices: folded
     with pytest.raises(ConfigError, match="this model is dense"):
         dataclasses.replace(config("top2"), model=preset("tiny").with_(seq_len=32), dp=2, ep=2)
 

@@ -175,14 +175,16 @@ def test_bad_input_is_one_line_and_exit_code_2(args, words):
 
 @pytest.mark.parametrize("load", [1.0, 2.0])
 def test_a_mixture_of_experts_plan_searches_ep_and_finds_the_brute_force_minimum(load):
-    """tiny-moe on 8 GPUs, every candidate simulated: ep among the divisors of dp that divide the 8 experts, memory as
+    """tiny-moe on 8 GPUs, every candidate simulated: ep among the divisors of the ranks routing distinct tokens (dp x
+    cp, x tp under sequence parallelism) that divide the 8 experts, memory as
     simulate_step has it, the bound below every step, and plan's best the brute-force minimum."""
     model, spec = build_config("tiny-moe"), ClusterSpec.of("h100-sxm")
     cluster = spec.build(8)
     candidates, _ = enumerate_candidates(model, 8, spec.gpus_per_node, 16)
     assert {(c.dp, c.ep) for c in candidates} >= {(8, 8), (8, 4), (4, 4), (2, 2), (1, 1)}
-    assert all(c.dp % c.ep == 0 and model.n_experts % c.ep == 0 and c.cp == 1 for c in candidates)
-    assert any(c.sequence_parallel and c.tp > 1 for c in candidates)  # a MoE routes each tp rank's slice under SP
+    assert all(c.dp * (c.tp if c.sequence_parallel else 1) % c.ep == 0 and model.n_experts % c.ep == 0 and c.cp == 1
+               for c in candidates)
+    assert any(c.sequence_parallel and c.ep > c.dp for c in candidates)  # under SP the expert group folds over tp
     bound = StepBound(model, cluster, spec.hardware, "bf16", load)
     steps = []
     for c in candidates:
@@ -221,7 +223,8 @@ def test_a_mixture_of_experts_plans_with_context_parallelism():
     (["--model", "gpt2-124m", "--gpus", "8", "--ep", "2"], "this model is dense"),
     (["--model", "tiny-moe", "--gpus", "8", "--ep", "3"], "does not divide the 8 experts"),
     (["--model", "tiny-moe", "--gpus", "8", "--ep", "0"], "--ep"),
-    (["--model", "tiny-moe", "--gpus", "8", "--ep", "8", "--global-batch", "4"], "with dp a multiple of --ep 8"),
+    (["--model", "tiny-moe", "--gpus", "4", "--ep", "8", "--global-batch", "4"],
+     "with ranks routing distinct tokens a multiple of --ep 8"),
 ])
 def test_a_bad_ep_is_one_line_and_exit_code_2(args, words):
     result = invoke(*args)

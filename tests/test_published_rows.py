@@ -53,7 +53,7 @@ def test_the_moe_rows_cite_their_runs_and_simulate_as_the_bench_runs_them():
     for row in table["rows"] + table["outside_mape"]:
         assert row["source"] and row["where"], row["id"]
         assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == row["n_gpus"], row["id"]
-        assert row["dp"] % row["ep"] == 0, row["id"]
+        assert row["dp"] * row["cp"] * (row["tp"] if row["sp"] else 1) % row["ep"] == 0, row["id"]  # routing ranks
     args = published().moe_command(table["rows"][0])
     assert args[1:4] == ["-m", "cli", "simulate"] and args[-1] == "--json"
     result = CliRunner().invoke(main, args[3:])

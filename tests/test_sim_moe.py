@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routed_rows
+from job.exchange.experts import (backward_exchanges, expert_gradient_reduction, expert_places, forward_exchanges,
+                                  routed_rows)
 from job.layout import Layout
 from minigpt.errors import ConfigError
 from minigpt.presets import preset
@@ -136,6 +137,26 @@ def test_under_sequence_parallelism_a_moe_block_routes_each_tp_ranks_slice():
     assert reduction is not None and expert_gradient_reduction(model, 8, plain.token_ranks, 1, 2) is None
 
 
+def test_expert_groups_fold_over_the_ranks_routing_distinct_tokens():
+    """job/exchange/experts.py's expert_places, which the trainer and the simulator both build from: ep consecutive
+    ranks (tp fastest, then cp, then dp) of those routing distinct tokens; without sequence parallelism a tp place's
+    data ranks (its tp peers route the same tokens), with it every rank of the stage (Megatron-core's folding)."""
+    groups, replicas = expert_places(dp=2, cp=1, tp=2, sequence_parallel=True, ep=4)
+    assert groups == [[(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]] and replicas == []
+    groups, replicas = expert_places(dp=4, cp=1, tp=2, sequence_parallel=False, ep=2)
+    assert groups == [[(0, 0, 0), (1, 0, 0)], [(2, 0, 0), (3, 0, 0)], [(0, 0, 1), (1, 0, 1)], [(2, 0, 1), (3, 0, 1)]]
+    assert replicas == [[(0, 0, 0), (2, 0, 0)], [(1, 0, 0), (3, 0, 0)], [(0, 0, 1), (2, 0, 1)], [(1, 0, 1), (3, 0, 1)]]
+    groups, replicas = expert_places(dp=2, cp=2, tp=1, sequence_parallel=False, ep=2)  # over one replica's cp ranks
+    assert groups == [[(0, 0, 0), (0, 1, 0)], [(1, 0, 0), (1, 1, 0)]]
+    assert replicas == [[(0, 0, 0), (1, 0, 0)], [(0, 1, 0), (1, 1, 0)]]
+    # Mixtral 8x22B's layout (tp 2 x pp 8 x dp 8, ep 8, SP) on DGX H100s: each expert group is one server's 8 GPUs
+    layout = Layout(tp=2, pp=8, dp=8, ep=8, sequence_parallel=True)
+    links = LinkCosts(build_cluster(H100, 8, 16), layout, H100.gpu)
+    assert len(links.rank_groups("ep", 0)) == 2  # 16 ranks of the stage
+    for group in links.rank_groups("ep", 0):
+        assert len(group) == 8 and len({rank // 8 for rank in group}) == 1
+
+
 # ---------------------------------------------------------------- the all-to-alls
 
 
@@ -226,8 +247,9 @@ def test_simulate_prints_the_all_to_all_row_and_active_mfu():
 
 @pytest.mark.parametrize("args, says", [
     (["--model", "tiny-moe", "--ep", "3", "--dp", "3"], "does not divide the 8 experts"),
-    (["--model", "tiny-moe", "--ep", "2", "--dp", "3"], "does not divide --dp 3"),
-    (["--model", "tiny-moe", "--ep", "2"], "does not divide --dp 1"),
+    (["--model", "tiny-moe", "--ep", "2", "--dp", "3"], "does not divide the 3 ranks that route distinct tokens"),
+    (["--model", "tiny-moe", "--ep", "2"], "does not divide the 1 ranks"),
+    (["--model", "tiny-moe", "--ep", "4", "--dp", "2", "--tp", "2"], "under --sequence-parallel tp x dp x cp"),
     (["--model", "tiny", "--ep", "2", "--dp", "2"], "this model is dense"),
     (["--model", "tiny-moe", "--top-k", "9"], "top_k=9 is above the 8 experts"),
     (["--model", "tiny-moe", "--capacity-factor", "0"], "capacity_factor must be a number above 0"),

@@ -53,8 +53,9 @@ def test_the_experts_replicas_span_every_cp_place():
     links = LinkCosts(build_cluster(H100, 8, 1), layout, H100.gpu)
     groups = links.rank_groups("dp_experts", 0)
     assert len(groups) == 2 and all(len(group) == 4 for group in groups)  # dp x cp / ep ranks hold each half
-    # dp ranks 0 and 2 (the first place of the two expert groups) at cp places 0 and 1: global ranks (d x cp + c)
-    assert sorted(groups[0]) == [0, 1, 4, 5]
+    # the expert groups are consecutive ranks routing distinct tokens (cp faster than dp): each replica's two cp
+    # ranks; the first member of each (cp place 0 of every replica) holds the first half: global ranks d x cp
+    assert sorted(groups[0]) == [0, 2, 4, 6]
     assert sorted(r for group in links.rank_groups("ep", 0) for r in group) == list(range(8))
 
 

@@ -6,8 +6,9 @@ file (--topology); --hardware loads a calibrated profile in place of the --gpu p
 Without --nodes the cluster has exactly the layout's tp x cp x pp x dp GPUs. --cp and --cp-kind
 (cli/options/context.py) add context parallelism: each rank computes seq/cp tokens and exchanges keys
 and values (simulator/engine/context.py), shown as its own row of the step's breakdown; it needs flash
-attention, and a sweep keeps it at the given cp. --ep splits a mixture of experts' experts over ep ranks of
-the data-parallel group (ep consecutive dp ranks: on NVLink while tp x ep fits in a server), whose all-to-alls
+attention, and a sweep keeps it at the given cp. --ep splits a mixture of experts' experts over ep consecutive
+ranks of those routing distinct tokens (dp x cp at each tp place; under --sequence-parallel every rank, tp included,
+as Megatron-core folds them: job/exchange/experts.py's expert_places), whose all-to-alls
 (simulator/engine/experts.py) are the breakdown's "expert all-to-all" row; one layout only, no sweep; --expert-load
 (cli/options/experts.py) prices a routing imbalance, a number or a training run's measured one. How a block is
 computed (--attention, --recompute, --sp-saved-input: simulator/costs/ops.py) and what overlaps
@@ -311,8 +312,8 @@ def check_paths(options: dict) -> None:
 
 def check_context(options: dict, model) -> None:
     """--cp and --cp-kind, one line each: the split (job/train_config.py) and the attention it needs; --ep and the
-    experts (job/train_config.py's check_expert_parallel: a MoE model, E and dp divisible by ep, no sequence
-    parallelism with experts); --expert-load, read into options["expert_load"] and where it comes from
+    experts (job/train_config.py's check_expert_parallel: a MoE model, E and the ranks routing distinct tokens
+    divisible by ep); --expert-load, read into options["expert_load"] and where it comes from
     (cli/options/experts.py, simulator/engine/experts.py's check_expert_load)."""
     from job.train_config import check_context_parallel, check_expert_parallel
     from simulator.engine.experts import check_expert_load
@@ -320,7 +321,7 @@ def check_context(options: dict, model) -> None:
     check_context_parallel(model, options["cp"], options["cp_kind"])
     check_cp_attention(options["cp"], options["attention"])
     dp = options["dp"] or (1 if not options["sweep"] else options["ep"])
-    check_expert_parallel(model, options["ep"], dp)
+    check_expert_parallel(model, options["ep"], dp, options["cp"], options["tp"], options["sequence_parallel"])
     given, options["expert_load_from"] = read_expert_load(options["expert_load"])
     options["expert_load"] = check_expert_load(model, given)
     if options["expert_load"] != given:
@@ -391,8 +392,9 @@ def micro_batch_size(options: dict) -> int:
               help="Asynchronous pipeline sends, receives posted early (default: the preset's).")
 @context_options
 @click.option("--ep", default=1, show_default=True, type=int,
-              help="Expert-parallel size: a mixture of experts' experts split over ep consecutive ranks of the "
-                   "data-parallel group (it must divide dp and the experts): on NVLink while tp x ep fits in a server.")
+              help="Expert-parallel size: a mixture of experts' experts split over ep consecutive ranks of those "
+                   "routing distinct tokens (dp x cp; x tp under --sequence-parallel); it must divide them and the "
+                   "experts.")
 @expert_load_option
 @ep_overlap_option
 @precision_option

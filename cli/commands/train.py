@@ -176,7 +176,8 @@ def data_parallel_size(options: dict) -> int:
         return 1 if dp is None else dp
     if dp is None:
         dp = default_data_parallel(model_parallel, 0 if cp > 1 else zero, options["device"])
-        if options["ep"] > 1 and dp % options["ep"] and not in_torchrun():  # the experts' group needs ep data ranks
+        routing = dp * cp * (options["tp"] if options["sequence_parallel"] else 1)  # ranks routing distinct tokens
+        if options["ep"] > 1 and routing % options["ep"] and not in_torchrun():  # the experts' group needs ep of them
             dp = options["ep"]
     if dp * cp == 1 and zero in (1, 2, 3):
         raise ConfigError(f"--zero {zero} shards over the data-parallel group (dp x cp), but it has one rank: "
@@ -248,8 +249,9 @@ def mib(n: int) -> str:
               "tp x cp x pp on CUDA, torchrun's world over them, on a CPU 1, or 2 with --zero 1-3 and no --cp].")
 @context_options
 @click.option("--ep", default=1, show_default=True, type=int,
-              help="Expert-parallel size: a mixture of experts' experts split over ep ranks of the data-parallel "
-                   "group (it must divide dp and the experts) [default dp on a CPU: ep].")
+              help="Expert-parallel size: a mixture of experts' experts split over ep consecutive ranks of those "
+                   "routing distinct tokens (dp x cp; x tp under --sequence-parallel); it must divide them and the "
+                   "experts [default dp on a CPU: ep].")
 @click.option("--zero", default=0, show_default=True, type=int, help="ZeRO stage over the data-parallel group (dp x cp): 0-3.")
 @fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (zero bubble: input and weight gradients split).")

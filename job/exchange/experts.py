@@ -6,9 +6,11 @@ all-to-alls below, issued by parallel/expert/ when the trainer runs the action a
 it replays it. A test counts what real training sends and finds it equal to these, call for call and byte for
 byte, with the routed rows it measured.
 
-The expert group is ep consecutive data-parallel ranks (dp x cp ranks hold the same dense weights; ep of them
-split the experts; the dp x cp / ep ranks at the same place of every expert group hold the same experts and
-average their gradients), as Megatron-core and torchtitan place it.
+The expert group is ep consecutive ranks of those that route distinct tokens through one set of experts
+(`expert_places`: the dp x cp data ranks at each tp place, or under sequence parallelism every rank of the stage,
+tp x cp x dp, each routing its slice), as Megatron-core folds its expert groups over the dense ranks with expert
+tensor parallelism 1; the ranks at the same place of every expert group hold the same experts and average
+their gradients.
 
 Per MoE layer and micro-batch, on one rank, with `sent` the routed token copies this rank sends (every kept
 top_k choice of its tokens: tokens x top_k when dropless), `received` those its experts get from the group
@@ -31,6 +33,21 @@ from job.layout import expert_tensors
 from minigpt.config import GPTConfig
 
 COUNT_BYTES = 8  # int64 token counts
+
+Place = tuple[int, int, int]  # (dp, cp, tp) of one pipeline stage
+
+
+def expert_places(dp: int, cp: int, tp: int, sequence_parallel: bool, ep: int) -> tuple[list[list[Place]], list[list[Place]]]:
+    """(the expert groups, the replica groups: the ranks holding the same experts) of one pipeline stage, as (dp, cp,
+    tp) places in rank order (tp fastest, then cp, then dp: parallel/mesh.py's). The ranks that route distinct tokens
+    through one set of experts are the stage's dp x cp data ranks at each tp place (their tp peers route the same
+    tokens), or under sequence parallelism all of them; each such system is cut into groups of ep consecutive ranks,
+    the j-th member of every group holding experts j x E / ep onwards."""
+    places = [(d, c, t) for d in range(dp) for c in range(cp) for t in range(tp)]
+    systems = [places] if sequence_parallel else [[p for p in places if p[2] == t] for t in range(tp)]
+    groups = [system[i:i + ep] for system in systems for i in range(0, len(system), ep)]
+    replicas = [system[j::ep] for system in systems for j in range(ep)] if len(systems[0]) > ep else []
+    return groups, replicas
 
 
 def routed_rows(model: GPTConfig, tokens: int, sequences: int, cp: int = 1) -> int:

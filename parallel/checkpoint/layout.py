@@ -240,9 +240,10 @@ def rank_placements(rank, cfg) -> list[Placement]:
             name = "tok_emb.weight" if tied_copy else name
             if name not in shapes:
                 raise AssertionError(f"parameter {segment.name} is taken for {name}, which GPT does not have")
-            if flat is experts:  # whole on every tp rank; one of the ranks holding the same experts writes
+            if flat is experts:  # whole on every tp rank; one of the ranks holding the same experts writes (at tp
+                # rank 0 unless sequence parallelism folds the tp ranks into the expert groups)
                 kind, index, parts = "experts", data_parallel.experts_comm.rank, data_parallel.experts_comm.size
-                writes = mesh.tp_rank == 0 and data_parallel.expert_replicas.rank == 0
+                writes = data_parallel.expert_replicas.rank == 0 and (mesh.tp_rank == 0 or cfg.sequence_parallel)
             else:
                 kind, index, parts = tensor_parallel_kind(name, mesh.tp), mesh.tp_rank, mesh.tp
                 writes = dense_writes and not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)

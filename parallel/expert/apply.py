@@ -1,10 +1,11 @@
 """Expert parallelism applied to a model from outside, and the two groups it runs over.
 
-The expert group is ep consecutive data-parallel ranks at one (pp, cp, tp) place of the mesh (parallel/mesh.py):
-they split every MoE layer's experts, rank i of the group holding experts i x E / ep onwards. The ranks at the
-same place of every expert group, at every cp place (dp x cp / ep of them; under sequence parallelism at every tp
-place too, x tp), hold the same experts and sum or average their gradients (parallel/expert/gradients.py).
-job/exchange/experts.py describes both for the simulator.
+The expert group is ep consecutive ranks of those routing distinct tokens through one set of experts on a pipeline
+stage (job/exchange/experts.py's expert_places: the dp x cp data ranks at one tp place, or under sequence
+parallelism every rank of the stage, in rank order, as Megatron-core folds its expert groups with expert tensor
+parallelism 1): they split every MoE layer's experts, rank i of the group holding experts i x E / ep onwards. The
+ranks at the same place of every expert group hold the same experts and sum (the tp slices of the tokens) and
+average their gradients (parallel/expert/gradients.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minigpt.moe import MoE
+from job.exchange.experts import expert_places
 from parallel.comm import Collectives
 from parallel.expert.dispatch import ExpertParallel
 from parallel.mesh import Mesh
@@ -21,20 +23,14 @@ from parallel.mesh import Mesh
 
 def expert_groups(mesh: Mesh, ep: int, device: torch.device,
                   sequence_parallel: bool = False) -> tuple[Collectives, Collectives]:
-    """(this rank's expert group, the ranks holding its experts: the same place of every expert group at every cp
-    place, and under sequence parallelism at every tp place too, whose ranks route other tokens through copies of
-    the same experts); every rank builds every group (new_group is collective), in one order."""
+    """(this rank's expert group, the ranks holding its experts), job/exchange/experts.py's expert_places on every
+    pipeline stage; every rank builds every group (new_group is collective), in one order."""
     mine: dict[str, dist.ProcessGroup] = {}
-    places = [[tp] for tp in range(mesh.tp)] if not sequence_parallel else [list(range(mesh.tp))]
     for pp in range(mesh.pp):
-        for tps in places:
-            place = lambda dp, cp, tp: mesh.global_rank(pp, dp, cp, tp)  # noqa: E731
-            cuts = [("ep", [place(dp, cp, tp) for dp in range(start, start + ep)])
-                    for tp in tps for cp in range(mesh.cp) for start in range(0, mesh.dp, ep)]
-            if mesh.dp * mesh.cp * len(tps) > ep:
-                cuts += [("replicas", [place(dp, cp, tp) for dp in range(first, mesh.dp, ep) for cp in range(mesh.cp)
-                                       for tp in tps]) for first in range(ep)]
-            for kind, ranks in cuts:
+        groups, replicas = expert_places(mesh.dp, mesh.cp, mesh.tp, sequence_parallel, ep)
+        for kind, cuts in (("ep", groups), ("replicas", replicas)):
+            for places in cuts:
+                ranks = [mesh.global_rank(pp, d, c, t) for d, c, t in places]
                 group = dist.new_group(ranks)
                 if mesh.rank in ranks:
                     mine[kind] = group

@@ -16,13 +16,15 @@ from torch import nn
 from minigpt.moe import MoE
 
 
-def rank_load(model: nn.Module) -> dict[int, list[float]]:
-    """This rank's counts by MoE layer (the layer's index in the whole model)."""
-    return {module.layer: module.load.tolist() for module in model.modules() if isinstance(module, MoE)}
+def rank_load(model: nn.Module, mesh, sequence_parallel: bool) -> dict:
+    """This rank's counts by MoE layer (the layer's index in the whole model), and whether they count: at tp rank 0,
+    or at every tp rank under sequence parallelism, where each routes its own slice of the tokens."""
+    return {"counted": mesh.tp_rank == 0 or sequence_parallel,
+            "load": {module.layer: module.load.tolist() for module in model.modules() if isinstance(module, MoE)}}
 
 
 def run_load(per_rank: list[dict]) -> dict[int, list[float]]:
-    """The run's counts from every rank's {"counted": whether its tokens count, "load": rank_load(...)}."""
+    """The run's counts from every rank's rank_load."""
     total: dict[int, list[float]] = {}
     for found in per_rank:
         if not found["counted"]:

@@ -236,8 +236,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     # one gather for what the summary needs of every rank: its bytes, where it ran, its timeline
     ranks = gather_from_all(mesh, {"memory": memory, "placement": rank_placement(), "timeline": trace.as_dict()})
     memory_per_rank, placement, timelines = ([r[key] for r in ranks] for key in ("memory", "placement", "timeline"))
-    counted = mesh.tp_rank == 0 or cfg.sequence_parallel  # under SP each tp rank routes its own tokens
-    loads = gather_from_all(mesh, {"counted": counted, "load": rank_load(rank.stage)}) if cfg.model.is_moe else []
+    loads = gather_from_all(mesh, rank_load(rank.stage, mesh, cfg.sequence_parallel)) if cfg.model.is_moe else []
     if run is None:
         return None
     trace_path = write_chrome_trace(Path(cfg.out_dir) / "trace.json", timelines)

@@ -2,7 +2,7 @@
 
 The exchanges are job/exchange/experts.py's, the very calls parallel/expert/ makes (a test counts the trainer's
 bytes against the same functions); this module only prices them, per MoE layer and micro-batch on one rank, on the
-expert group's links (simulator/engine/links.py's all_to_all: NVLink while tp x cp x ep fits in a server, the NICs
+expert group's links (simulator/engine/links.py's all_to_all: NVLink while the group's ranks share a server, the NICs
 beyond), as the trainer runs them: one after another, each waited for before the computation that needs it (the
 counts before the dispatch's splits are known, the dispatch before the experts, the combine before the gate
 multiply), so every second of them is exposed. With Overlap.ep (Megatron-core's moe_shared_expert_overlap:

@@ -21,9 +21,10 @@ What runs at once (a "transfer"):
                   (cp_rank + 1 mod cp), every tp rank of every replica at once; on the server's
                   NVLink while tp x cp fits in a server, across the network beyond (the step lasts
                   as long as its slowest hop). cp collective: a ring collective over the cp group.
-  all-to-all      expert parallelism's: every rank of each expert group (ep consecutive data ranks) sends
-                  its part to each other member, every group and tp rank of the stage at once; the
-                  experts' gradient collectives run over the ranks ep apart that hold the same experts.
+  all-to-all      expert parallelism's: every rank of each expert group (ep consecutive ranks of those
+                  routing distinct tokens: job/exchange/experts.py's expert_places) sends its part to each
+                  other member, every group of the stage at once; the experts' gradient collectives run
+                  over the ranks holding the same experts.
   pp collective   rings over the stages (the optimizer's norm), every replica's at once.
   embedding sync  the first and last stage's GPUs (tied head), every replica's at once.
 A ring collective (collectives.ring_*) is 2(n-1) (all-reduce) or n-1 synchronous steps in
@@ -65,6 +66,7 @@ from contextlib import contextmanager
 from itertools import chain
 from typing import Iterator
 
+from job.exchange.experts import expert_places
 from minigpt.errors import ConfigError
 from simulator.network.cluster_built import BuiltCluster
 from simulator.network.collectives import LinkFractions, Network
@@ -217,15 +219,11 @@ class LinkCosts:
             return [[rank(p, d, t, c) for p in range(layout.pp)] for d in replicas for c in cps for t in tps]
         if name == "cp":
             return [[rank(where[0], d, t, c) for c in cps] for d in replicas for t in tps]
-        if name == "ep":  # ep consecutive dp ranks at each cp place; all of them but on the graph path
-            return [[rank(where[0], g + i, t, c) for i in range(layout.ep)]
-                    for g in range(0, max(layout.ep, self.replicas), layout.ep) for c in cps for t in tps]
-        if name == "dp_experts":  # the same place of every expert group, at every cp place: the same experts
-            if layout.sequence_parallel:  # and at every tp place, each routing its slice of the tokens
-                return [[rank(where[0], d, t, c) for d in range(j, layout.dp, layout.ep) for c in cps for t in tps]
-                        for j in range(layout.ep)]
-            return [[rank(where[0], d, t, c) for d in range(j, layout.dp, layout.ep) for c in cps]
-                    for t in tps for j in range(layout.ep)]
+        if name in ("ep", "dp_experts"):  # job/exchange/experts.py's expert_places
+            groups, replicas = expert_places(layout.dp, layout.cp, layout.tp, layout.sequence_parallel, layout.ep)
+            if name == "ep":  # on the graph path the groups that start in the first replica (every group alike)
+                return [[rank(where[0], d, t, c) for d, c, t in g] for g in groups if g[0][0] < self.replicas]
+            return [[rank(where[0], d, t, c) for d, c, t in g] for g in replicas]
         data = [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps] for t in tps]  # "dp": dp x cp
         return data if name == "dp" else sharding_groups(name, data, where[1])
 
@@ -370,9 +368,8 @@ class LinkCosts:
         return self.collective(f"dp_{group}", kind, self.groups(f"dp_{group}", stage, n), nbytes)
 
     def expert_collective(self, stage: int, kind: str, nbytes: float) -> float:
-        """One collective of the routed experts' gradients or weights over the dp x cp / ep ranks of `stage` that
-        hold the same experts (the ranks at the same place of every expert group: ep apart; x tp under sequence
-        parallelism), all at once."""
+        """One collective of the routed experts' gradients or weights over the ranks of `stage` that hold the same
+        experts (token_ranks / ep of them: expert_places' replica groups), all at once."""
         groups = self.groups("dp_experts", stage)
         return self.collective("dp_experts", kind, groups, nbytes) if self.layout.token_ranks > self.layout.ep else 0.0
 

@@ -10,8 +10,9 @@ Every candidate:
           tokens (module constant: why);
   pp      dividing GPUs / (tp x cp), at most the layers (job/schedule.py's chunk_layers: a block a chunk);
   dp      GPUs / (tp x cp x pp);
-  ep      a mixture of experts' expert parallelism: every divisor of dp that divides the experts (E / ep experts a
-          rank; job/train_config.py's check_expert_parallel), or the one --ep asks for; 1 for a dense model;
+  ep      a mixture of experts' expert parallelism: every divisor of the ranks routing distinct tokens (dp x cp,
+          x tp under SP) that divides the experts (E / ep experts a rank; job/train_config.py's
+          check_expert_parallel), or the one --ep asks for; 1 for a dense model;
   ZeRO    0, 1, 2 and 3 with several data-parallel ranks (dp x cp); 0 with one (every stage runs as 0 there);
   micro-batch  MICRO_BATCH_SIZES that divide the batch per replica (or the one --micro-batch-size /
           --micro-batches asks for);
@@ -130,13 +131,14 @@ def context_parallel_options(model: GPTConfig, n_gpus: int, tp: int, sequence_pa
     return [cp for cp in sizes if (n_gpus // tp) % cp == 0 and shape_allows(model, tp, sequence_parallel, cp)]
 
 
-def expert_parallel_options(model: GPTConfig, dp: int, fixed: int | None = None) -> list[int]:
-    """ep sizes with this dp: `fixed` alone when given (and dividing dp), else every divisor of dp that divides the
-    experts; 1 for a dense model."""
+def expert_parallel_options(model: GPTConfig, routing: int, fixed: int | None = None) -> list[int]:
+    """ep sizes with `routing` ranks routing distinct tokens (dp x cp, times tp under sequence parallelism:
+    job/exchange/experts.py's expert_places): `fixed` alone when given (and dividing them), else every divisor of
+    them that divides the experts; 1 for a dense model."""
     if not model.is_moe:
         return [1]
-    sizes = [fixed] if fixed is not None else range(1, dp + 1)
-    return [ep for ep in sizes if dp % ep == 0 and model.n_experts % ep == 0]
+    sizes = [fixed] if fixed is not None else range(1, routing + 1)
+    return [ep for ep in sizes if routing % ep == 0 and model.n_experts % ep == 0]
 
 
 def micro_batch_sizes(per_replica: int, size: int | None, count: int | None) -> list[int]:
@@ -177,7 +179,7 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                 if global_batch % dp:
                     continue
                 for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
-                    for ep_size in expert_parallel_options(model, dp, ep):
+                    for ep_size in expert_parallel_options(model, dp * cp_size * (tp if sp else 1), ep):
                         out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused,
                                           ep_size)
     return out, refused
@@ -252,7 +254,8 @@ class Plan:
         """What was searched of expert parallelism (a mixture of experts)."""
         if self.fixed_ep is not None:
             return f"ep fixed at {self.fixed_ep}"
-        return f"ep searched: every divisor of dp that divides the {self.model.n_experts} experts"
+        return (f"ep searched: every divisor of the ranks routing distinct tokens (dp x cp, x tp under sequence "
+                f"parallelism) that divides the {self.model.n_experts} experts")
 
     @property
     def fitting(self) -> int:
@@ -331,7 +334,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     if not candidates:
         raise ConfigError(f"no layout of {n_gpus} GPUs runs a global batch of {global_batch}"
                           f"{' with the micro-batching asked for' if micro_batch or micro_batches else ''}"
-                          f"{f' with dp a multiple of --ep {ep}' if ep else ''} "
+                          f"{f' with ranks routing distinct tokens a multiple of --ep {ep}' if ep else ''} "
                           f"within simulator/limits.py: give a global batch that is a multiple of the GPU count")
     fitting = []
     for index, candidate in enumerate(candidates):
