@@ -321,7 +321,7 @@ def check_context(options: dict, model) -> None:
     check_context_parallel(model, options["cp"], options["cp_kind"])
     check_cp_attention(options["cp"], options["attention"])
     dp = options["dp"] or (1 if not options["sweep"] else options["ep"])
-    check_expert_parallel(model, options["ep"], dp, options["cp"], options["tp"], options["sequence_parallel"])
+    check_expert_parallel(model, options["ep"], dp, options["cp"], options["tp"] or 1, options["sequence_parallel"])
     given, options["expert_load_from"] = read_expert_load(options["expert_load"])
     options["expert_load"] = check_expert_load(model, given)
     if options["expert_load"] != given:
