@@ -19,7 +19,7 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.schedule import chunk_layers
 from job.train_config import (CP_KINDS, check_context_parallel, check_expert_parallel, check_sharding,
-                              check_tensor_parallel)
+                              check_tensor_parallel, routing_ranks)
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Layout:
     def token_ranks(self) -> int:
         """The ranks of a stage that route other tokens through a MoE (each expert's copies among them): the data
         ranks, times tp under sequence parallelism (parallel/tensor/moe.py)."""
-        return self.data_ranks * (self.tp if self.sequence_parallel else 1)
+        return routing_ranks(self.dp, self.cp, self.tp, self.sequence_parallel)
 
     def activation_rows(self, model: GPTConfig) -> int:
         """The tokens of a sequence one rank holds between the layers (what a pipeline stage sends on): its

@@ -94,6 +94,13 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
                           f"--tp {tp}, which does not divide them: change --seq-len, --cp or --tp")
 
 
+def routing_ranks(dp: int, cp: int = 1, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """The ranks of a pipeline stage that route distinct tokens through one set of experts: the dp x cp data ranks
+    (tp peers route the same tokens), times tp under sequence parallelism (each tp rank routes its slice,
+    parallel/tensor/moe.py). The expert group is ep of them (job/exchange/experts.py's expert_places)."""
+    return dp * cp * (tp if sequence_parallel else 1)
+
+
 def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, tp: int = 1,
                           sequence_parallel: bool = False) -> None:
     """Everything about expert parallelism and a mixture of experts that the shape and layout decide: the experts
@@ -107,7 +114,7 @@ def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, tp: i
     if model.is_moe and model.n_experts % ep:
         raise ConfigError(f"--ep {ep} does not divide the {model.n_experts} experts: each rank holds E / ep of them; "
                           f"choose an ep that divides {model.n_experts}")
-    routing = dp * cp * (tp if sequence_parallel else 1)
+    routing = routing_ranks(dp, cp, tp, sequence_parallel)
     if routing % ep:
         ranks = "dp x cp x tp" if sequence_parallel else "dp x cp"
         raise ConfigError(f"--ep {ep} does not divide the {routing} ranks that route distinct tokens ({ranks}"

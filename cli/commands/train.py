@@ -30,7 +30,7 @@ from parallel.run.files import default_run_dir
 from parallel.run.tensorboard import announce as tensorboard_line, available as tensorboard_installed
 from parallel.launch.torchrun_env import check_torchrun_variables, tensor_parallel_across_nodes
 from parallel.launch.watchdog import DEFAULT_TIMEOUT_S, check_timeout
-from job.train_config import DEVICES, TrainConfig
+from job.train_config import DEVICES, TrainConfig, routing_ranks
 
 NEWEST = "<newest>"  # bare --resume: the newest checkpoint of --out that verifies
 
@@ -176,7 +176,7 @@ def data_parallel_size(options: dict) -> int:
         return 1 if dp is None else dp
     if dp is None:
         dp = default_data_parallel(model_parallel, 0 if cp > 1 else zero, options["device"])
-        routing = dp * cp * (options["tp"] if options["sequence_parallel"] else 1)  # ranks routing distinct tokens
+        routing = routing_ranks(dp, cp, options["tp"], options["sequence_parallel"])
         if options["ep"] > 1 and routing % options["ep"] and not in_torchrun():  # the experts' group needs ep of them
             dp = options["ep"]
     if dp * cp == 1 and zero in (1, 2, 3):

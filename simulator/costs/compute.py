@@ -245,9 +245,10 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         if sp:
             backward.append(TPCollective("all_gather", width, 1))
     if sp:
-        forward += _sequence_parallel_blocks(model, layers, moe_layers, layout, width, tokens, micro_batch_size)
-        backward += [TPCollective(c.kind, c.bytes, c.calls) for c in forward[-2:]]
-        backward += _replicated_gradients(model, layers, moe_layers, layout, FORMAT_BYTES[policy.grad])
+        # around the Linears: a MoE block's only around the attention's
+        linears = [TPCollective(kind, width, 2 * layers - moe_layers) for kind in ("all_gather", "reduce_scatter")]
+        forward += _routing_collectives(model, moe_layers, layout, tokens, micro_batch_size) + linears
+        backward += linears + _replicated_gradients(model, layers, moe_layers, layout, FORMAT_BYTES[policy.grad])
         if sharded:
             backward.append(TPCollective("all_gather", width, 2 * layers - moe_layers + (1 if last else 0)))
     else:
@@ -264,15 +265,13 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
     return forward, backward
 
 
-def _sequence_parallel_blocks(model: GPTConfig, layers: int, moe_layers: int, layout: Layout, width: int,
-                              tokens: int, sequences: int) -> list[TPCollective]:
-    """A chunk's forward collectives under sequence parallelism: the MoE blocks' routing exchanges, then the
-    all-gathers and reduce-scatters around the Linears (the last two: the backward issues the same pair)."""
+def _routing_collectives(model: GPTConfig, moe_layers: int, layout: Layout, tokens: int,
+                         sequences: int) -> list[TPCollective]:
+    """The MoE blocks' routing exchanges over the tp group under sequence parallelism (an all-gather counted at its
+    gathered size)."""
     routing = routing_exchanges(model, layout.tp, tokens // layout.tp, sequences) if moe_layers else []
-    gathered = {"all_gather": layout.tp, "all_reduce": 1}  # an all-gather counted at its gathered size
-    linears = 2 * layers - moe_layers
-    return [TPCollective(e.kind, e.bytes * gathered[e.kind], e.calls * moe_layers) for e in routing] + \
-        [TPCollective("all_gather", width, linears), TPCollective("reduce_scatter", width, linears)]
+    gathered = {"all_gather": layout.tp, "all_reduce": 1}
+    return [TPCollective(e.kind, e.bytes * gathered[e.kind], e.calls * moe_layers) for e in routing]
 
 
 def _replicated_gradients(model: GPTConfig, layers: int, moe_layers: int, layout: Layout,

@@ -6,8 +6,9 @@ simulator/costs/ops.py explains the model and builds the units with these.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Iterator, Union
 
 from minigpt.config import GPTConfig, check_attention, check_recompute
 from minigpt.errors import ConfigError
@@ -355,6 +356,15 @@ class Recorder:
         self.region_inputs: dict[str, list[str]] = {}
         self.per_step: list[Op] = []
         self.workspace: list[Saved] = []
+
+    @contextmanager
+    def shaped(self, shape: UnitShape) -> Iterator[None]:
+        """Record the ops inside on `shape` (a MoE's on UnitShape.moe), the unit's own again after."""
+        outer, self.shape = self.shape, shape
+        try:
+            yield
+        finally:
+            self.shape = outer
 
     def enter(self, region: str, inputs: tuple[str, ...] = ()) -> None:
         """Record the ops that follow in `region`; `inputs`: what it reads from before it, which a recompute of

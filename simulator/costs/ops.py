@@ -395,15 +395,14 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
     sh = rec.shape
     if moe:  # under sequence parallelism on this rank's slice of the tokens (UnitShape.moe)
         _norm(rec, "ln2", "ln2.input", "moe.input")
-        rec.shape = sh.moe
-        branch = routed_forward(rec, model, ep, "moe.input")
-        if model.n_shared_experts:
-            shared = _mlp(rec, "shared.", "moe.input", None, model.n_shared_experts * model.expert_width,
-                          "shared.output", normed=False)
-            rec.tensor("moe.output", sh.residual_rows * sh.d * sh.e)
-            rec.mem("moe.shared_add", (branch, shared), ("moe.output",))
-            branch = "moe.output"
-        rec.shape = sh
+        with rec.shaped(sh.moe):
+            branch = routed_forward(rec, model, ep, "moe.input")
+            if model.n_shared_experts:
+                shared = _mlp(rec, "shared.", "moe.input", None, model.n_shared_experts * model.expert_width,
+                              "shared.output", normed=False)
+                rec.tensor("moe.output", sh.residual_rows * sh.d * sh.e)
+                rec.mem("moe.shared_add", (branch, shared), ("moe.output",))
+                branch = "moe.output"
     else:
         _norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input", sh.normed_bytes(sh.residual_rows * sh.d))
         if sh.sp:
@@ -419,11 +418,10 @@ def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, 
     if sh.dropout:
         _dropout_backward(rec, "mlp.residual_dropout", sh.residual_rows, sh.d)
     if moe:
-        rec.shape = sh.moe
-        if model.n_shared_experts:
-            _mlp_backward(rec, "shared.", model.n_shared_experts * model.expert_width, normed=False)
-        routed_backward(rec, model, ep, 3 if model.n_shared_experts else 2)
-        rec.shape = sh
+        with rec.shaped(sh.moe):
+            if model.n_shared_experts:
+                _mlp_backward(rec, "shared.", model.n_shared_experts * model.expert_width, normed=False)
+            routed_backward(rec, model, ep, 3 if model.n_shared_experts else 2)
     else:
         _mlp_backward(rec, "", sh.f // sh.t)
     _norm_backward(rec, "ln2")

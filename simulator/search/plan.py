@@ -48,7 +48,7 @@ from typing import Callable
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
-from job.train_config import check_context_parallel, check_expert_parallel, shape_allows
+from job.train_config import check_context_parallel, check_expert_parallel, routing_ranks, shape_allows
 from simulator.costs.op_types import Implementation
 from simulator.engine.experts import check_expert_load
 from simulator.engine.simulate import SimResult, simulate_step
@@ -179,7 +179,7 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                 if global_batch % dp:
                     continue
                 for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
-                    for ep_size in expert_parallel_options(model, dp * cp_size * (tp if sp else 1), ep):
+                    for ep_size in expert_parallel_options(model, routing_ranks(dp, cp_size, tp, sp), ep):
                         out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused,
                                           ep_size)
     return out, refused
