@@ -93,6 +93,13 @@ class Layout:
         return model.seq_len // self.cp // (self.tp if self.sequence_parallel else 1)
 
     @property
+    def expert_state_shards(self) -> int:
+        """How many ranks the routed experts' masters and AdamW moments are sharded over under expert parallelism:
+        the ranks holding the same experts (token_ranks / ep) under ZeRO 1-3, as Megatron-core's distributed
+        optimizer shards them; 1 under ZeRO 0 or without expert parallelism (parallel/expert/gradients.py)."""
+        return self.token_ranks // self.ep if self.ep > 1 and self.effective_zero else 1
+
+    @property
     def effective_zero(self) -> int:
         """The stage that runs: one data-parallel rank (dp x cp = 1) is always stage 0."""
         return self.zero if self.data_ranks > 1 else 0

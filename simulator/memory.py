@@ -28,7 +28,8 @@ checked against it:
   received copies, or the all-gather's whole-sequence gradients; the all-gather's gathered keys and values
   are saved tensors of every block (simulator/costs/ops_attention.py).
 - Mixture of experts: each block's activations by its kind (GPTConfig.is_moe_layer); under expert parallelism
-  a rank holds E/ep experts, unsharded beside ZeRO (`experts_states`), and one MoE layer's all-to-all buffers
+  a rank holds E/ep experts beside ZeRO, their optimizer states sharded over the ranks holding the same
+  experts under ZeRO 1-3 (`experts_states`), and one MoE layer's all-to-all buffers
   (`dispatch_buffer_bytes`).
 - A planner asks this of tens of thousands of layouts: the model's checks, each layout's model states
   and each block's activations are computed once per distinct input (lru_cache; all inputs are frozen).
@@ -295,11 +296,12 @@ def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp
 @lru_cache(maxsize=256)
 def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
                   pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
-                  ep: int = 1) -> tuple[StageMemory, ...]:
+                  ep: int = 1, expert_shards: int = 1) -> tuple[StageMemory, ...]:
     """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
-    ZeRO shards over (dp x cp, or a shard group of them), and on ep (experts_states)."""
+    ZeRO shards over (dp x cp, or a shard group of them), and on ep and the experts' state shards (experts_states)."""
     layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks)
-    return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep)
+    return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep,
+                        expert_shards)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
 
 
@@ -321,7 +323,7 @@ def _check_in_flight(micro_batches_in_flight, pp: int) -> list[int]:
 
 
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
-           activations: int, prefetch: int, hold: str = "forward", ep: int = 1) -> StageMemory:
+           activations: int, prefetch: int, hold: str = "forward", ep: int = 1, expert_shards: int = 1) -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given); under expert parallelism the
     experts' part apart (experts_states)."""
     per_param = pol.bytes_per_param()
@@ -329,7 +331,7 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     if ep > 1:
         dense = [[[t for t in unit if not is_expert_tensor(t)] for unit in chunk] for chunk in chunks]
         experts = [[[t._replace(numel=t.numel // ep) for t in unit] for unit in chunk] for chunk in chunks]
-        parts = [_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts)]
+        parts = [_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts, expert_shards)]
         held, owned, grads, buffers, numel = (sum(values) for values in zip(*parts))
     else:
         held, owned, grads, buffers, numel = _states(chunks, zero, dp, bucket_numel, prefetch, hold)
@@ -359,13 +361,15 @@ def _states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, hold: 
     return held, owned, grads, buffers, sum(t.numel for unit in units for t in unit)
 
 
-def experts_states(chunks) -> tuple[int, ...]:
-    """The routed experts' part of a stage under expert parallelism, as parallel/expert/gradients.py holds it: E/ep
-    experts on each rank (job/layout.py's expert_tensors), in a flat buffer of their own beside ZeRO's (weights
-    and gradients in the compute format), their masters and Adam states unsharded (ZeRO shards the dense weights
-    only), their gradients all-reduced in place."""
-    experts = [[[t for t in unit if is_expert_tensor(t)] for unit in chunk] for chunk in chunks]
-    return _states([[unit for unit in chunk if unit] for chunk in experts], 0, 1, None, 0, "forward")
+def experts_states(chunks, shards: int = 1) -> tuple[int, ...]:
+    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of the routed
+    experts of a stage under expert parallelism, as parallel/expert/gradients.py holds them: E/ep experts on each
+    rank (job/layout.py's expert_tensors) in a flat buffer of their own beside ZeRO's, padded to a multiple of
+    `shards` (Layout.expert_state_shards), weights and gradients whole, masters and Adam states for 1/shards of it
+    (the rank's piece, under ZeRO 1-3; all of it under ZeRO 0). The reduce-scatter's piece is the only buffer."""
+    numel = sum(t.numel for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t))
+    held = -(-numel // shards) * shards
+    return held, held // shards, held, held // shards if shards > 1 else 0, numel
 
 
 def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0) -> tuple[str, ...]:
@@ -388,8 +392,10 @@ def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0
                      f"{exchanging / 2**30:.2f} GiB more for the key/value exchange during one block's backward")
     if layout.ep > 1:
         notes.append(f"expert parallelism {layout.ep}: a rank holds {model.n_experts // layout.ep} of every MoE layer's "
-                     f"{model.n_experts} experts, their states unsharded (ZeRO shards the dense weights: "
-                     f"parallel/expert/gradients.py); activations include the dispatch buffers of one layer")
+                     f"{model.n_experts} experts, their optimizer states "
+                     + (f"sharded over the {layout.expert_state_shards} ranks holding the same experts"
+                        if layout.expert_state_shards > 1 else "whole")
+                     + " (parallel/expert/gradients.py); activations include the dispatch buffers of one layer")
     if recompute == "full":
         notes.append("recompute: activations include one block's full activations while it is recomputed")
     elif recompute == "selective":
@@ -440,7 +446,7 @@ def predict_memory(
                                                      layout.cp_kind, pol, micro_batch_size, implementation, layout.ep)
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
-                           layout.ep)
+                           layout.ep, layout.expert_state_shards)
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):

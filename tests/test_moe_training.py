@@ -31,8 +31,10 @@ from parallel.mesh import build_mesh
 from parallel.run.build import build_rank
 from parallel.run.train import micro_batches
 from parity import worst_gap
+from precision.optimizer import state_bytes
 from precision.policy import policy as precision_policy
 from simulator.costs.compute import tp_collectives
+from simulator.memory import predict_memory
 
 MODELS = {
     "top2": preset("tiny-moe").with_(seq_len=32, n_layers=2),
@@ -98,6 +100,13 @@ def trained(cfg: TrainConfig) -> dict:
     if cfg.zero < 3:  # ZeRO-3's weights are shards between the steps (their storage freed): no replicas
         dense = torch.cat([p.detach().reshape(-1) for n, p in rank.stage.named_parameters() if ".experts." not in n])
         found["dense_digest"] = hashlib.sha256(str(dense.view(torch.int32).tolist()).encode()).hexdigest()
+    held, states = rank.data_parallel.memory(), state_bytes(rank.optimizer)
+    found["states"] = {"parameters": held["parameters"], "gradients": held["gradients"], "master_weights":
+                       states.get("master", 0), "adam_m": states["adam_m"], "adam_v": states["adam_v"]}
+    if "ep" in rank.comms:  # the ranks at the same place of the expert group hold the same experts
+        experts = torch.cat([p.detach().reshape(-1) for n, p in rank.stage.named_parameters() if ".experts." in n])
+        found["expert_place"] = (mesh.pp_rank, rank.comms["ep"].rank)
+        found["expert_digest"] = hashlib.sha256(str(experts.view(torch.int32).tolist()).encode()).hexdigest()
     return found
 
 
@@ -144,6 +153,31 @@ def test_every_layout_matches_one_process(spawned, references, world, name):
 EP = [(world, name) for world, name in ALL if LAYOUTS[world][name][1].get("ep", 1) > 1]
 
 
+@pytest.mark.parametrize("world, name", EP, ids=[name for _, name in EP])
+def test_ranks_holding_the_same_experts_keep_them_equal_bit_for_bit(spawned, world, name):
+    """After 20 steps the ranks at the same place of the expert group hold the same experts, to the bit: one
+    all-reduce of their gradients under ZeRO 0, or (ZeRO 1-3, their optimizer states sharded over them) each
+    updating its piece and all-gathering the others'."""
+    digests: dict[tuple, set] = {}
+    for run in spawned[name]:
+        digests.setdefault(run["expert_place"], set()).add(run["expert_digest"])
+    assert len(digests) == LAYOUTS[world][name][1]["ep"] * LAYOUTS[world][name][1].get("pp", 1)
+    assert all(len(found) == 1 for found in digests.values()), (name, digests)
+
+
+@pytest.mark.parametrize("world, name", EP, ids=[name for _, name in EP])
+def test_model_states_per_rank_are_the_simulators(spawned, world, name):
+    """Weights, gradients, masters and AdamW moments each rank holds, byte for byte as simulator/memory.py predicts
+    them: the experts' states sharded over the ranks holding the same experts under ZeRO 1-3, whole under ZeRO 0."""
+    model, layout = LAYOUTS[world][name]
+    cfg = config(model, **layout)
+    estimate = predict_memory(cfg.model, Layout.of(cfg), cfg.precision, cfg.global_batch // (cfg.micro_batches * cfg.dp),
+                              bucket_mb=cfg.bucket_mb, micro_batches=cfg.micro_batches)
+    for run in spawned[name]:
+        stage = estimate.per_stage[run["place"][0]]
+        assert run["states"] == {key: getattr(stage, key) for key in run["states"]}, name
+
+
 REPLICATED = [(world, name) for world, name in EP if LAYOUTS[world][name][1].get("zero", 0) < 3]
 
 
@@ -182,10 +216,12 @@ def test_all_to_alls_are_the_descriptions(spawned, world, name):
         assert sorted(step_calls) == expected
         forward_order = [(e.kind, e.bytes) for e in expected_forward]
         assert step_calls[:3] == forward_order[:3]  # the first layer's counts, dispatch, combine, in that order
+        shards = Layout.of(cfg).expert_state_shards
         reduction = expert_gradient_reduction(cfg.model, cfg.ep, Layout.of(cfg).token_ranks,
-                                              cfg.model.n_moe_layers // cfg.pp, 4)
+                                              cfg.model.n_moe_layers // cfg.pp, 4, shards)
         replicas = run["ep_replicas_log"]
-        assert replicas[-1:] == ([] if reduction is None else [(reduction.kind, reduction.bytes)])
+        norm = [("all_reduce", 4)] if shards > 1 else []  # the experts' squared norm over their pieces
+        assert replicas == [(e.kind, e.bytes) for e in reduction[:1]] + norm + [(e.kind, e.bytes) for e in reduction[1:]]
     assert uneven, f"{name}: every layer sent as many rows as it received: the splits were not uneven"
 
 

@@ -134,7 +134,7 @@ def test_under_sequence_parallelism_a_moe_block_routes_each_tp_ranks_slice():
     assert not any(c.bytes > width for c in backward)  # the experts' gradients go to their replicas, not over tp
     assert sp.token_ranks == 2 * plain.token_ranks == 16
     reduction = expert_gradient_reduction(model, 8, sp.token_ranks, 1, 2)
-    assert reduction is not None and expert_gradient_reduction(model, 8, plain.token_ranks, 1, 2) is None
+    assert reduction and expert_gradient_reduction(model, 8, plain.token_ranks, 1, 2) == []
 
 
 def test_expert_groups_fold_over_the_ranks_routing_distinct_tokens():
@@ -205,17 +205,51 @@ def test_simulated_step_shows_the_all_to_all_and_the_experts_reduction():
                                  "active": MIXTRAL.with_(n_layers=8).active_params()}
     groups = {c["group"] for c in result.collectives}
     assert {"ep", "dp_experts"} <= groups  # the norm's expert share, and the experts' gradients over 2 ranks
-    call = expert_gradient_reduction(MIXTRAL, 8, 16, 2, 2)
+    [call] = expert_gradient_reduction(MIXTRAL, 8, 16, 2, 2)
+    assert call.kind == "all_reduce"
     assert any(c["group"] == "dp_experts" and c["bytes"] == call.bytes and c["ranks"] == 2 for c in result.collectives)
     dense = simulate_step(MIXTRAL.with_(n_layers=8), Layout(dp=16, pp=4), build_cluster(H100, 8, 8), "bf16", 64, 1)
     assert dense.breakdown["ep_comm"] == 0
+
+
+def test_zero_shards_the_experts_states_over_the_ranks_holding_them():
+    """Under ZeRO 1-3 the ranks holding the same experts shard their optimizer states (Megatron-core's distributed
+    optimizer): the gradients are reduce-scattered and the new weights all-gathered, both of the buffer padded to
+    a multiple of those ranks, on the step's listing; ZeRO 0 keeps the one all-reduce."""
+    model = MIXTRAL.with_(n_layers=8)
+    layout = Layout(dp=16, pp=4, ep=8, zero=1)
+    assert layout.expert_state_shards == 2 and Layout(dp=16, pp=4, ep=8).expert_state_shards == 1
+    assert Layout(dp=16, pp=4, ep=16, zero=1).expert_state_shards == 1  # one rank holds each expert
+    calls = expert_gradient_reduction(model, 8, 16, 2, 2, layout.expert_state_shards)
+    assert [c.kind for c in calls] == ["reduce_scatter", "all_gather"]
+    [whole] = expert_gradient_reduction(model, 8, 16, 2, 2)
+    assert calls[0].bytes == calls[1].bytes == whole.bytes  # 2 x 8 x 2 experts' elements: already even
+    assert expert_gradient_reduction(model, 8, 24, 1, 2, 3)[0].bytes % (3 * 2) == 0  # padded to the 3 ranks
+    result = simulate_step(model, layout, build_cluster(H100, 8, 8), "bf16", 64, 1)
+    listed = {(c["kind"], c["bytes"]) for c in result.collectives if c["group"] == "dp_experts" and c["ranks"] == 2}
+    assert {(c.kind, c.bytes) for c in calls} <= listed
+
+
+def test_sharded_expert_states_cut_the_experts_optimizer_memory():
+    """The experts' fp32 masters fall by the ranks sharing them; their weights and gradients stay whole. On a
+    middle stage of Mixtral (8 layers, pp 4: 2 MoE layers of 8 experts, E parameters each) at dp 16 and ZeRO-1,
+    ep 8 holds 2 experts' states split 2 ways, E x 4 bytes of masters, where ep 1 holds all 16 experts split
+    16 ways, the same; unsharded (before) it was 2 E x 4."""
+    model = MIXTRAL.with_(n_layers=8)
+    zero0 = predict_memory(model, Layout(dp=16, pp=4, ep=8), "bf16", 1).per_stage[1]
+    sharded = predict_memory(model, Layout(dp=16, pp=4, ep=8, zero=1), "bf16", 1)
+    no_ep = predict_memory(model, Layout(dp=16, pp=4, zero=1), "bf16", 1).per_stage[1]
+    assert sharded.per_stage[1].master_weights == pytest.approx(no_ep.master_weights, rel=1e-5)
+    assert sharded.per_stage[1].adam_m == pytest.approx(no_ep.adam_m, rel=1e-5)
+    assert sharded.per_stage[1].parameters == zero0.parameters and sharded.per_stage[1].gradients == zero0.gradients
+    assert any("sharded over the 2 ranks holding the same experts" in line for line in sharded.notes)
 
 
 # ---------------------------------------------------------------- memory
 
 
 def test_expert_memory_falls_with_ep():
-    """Each rank holds E/ep experts, unsharded beside ZeRO (parallel/expert/gradients.py): their share of the
+    """Each rank holds E/ep experts, whole beside ZeRO 0 (parallel/expert/gradients.py): their share of the
     model states halves with each doubling of ep, the dense weights' stays."""
     states = [predict_memory(MIXTRAL, Layout(pp=4, dp=8, ep=ep), "bf16", 1).model_states for ep in (1, 2, 4, 8)]
     assert states == sorted(states, reverse=True) and len(set(states)) == 4

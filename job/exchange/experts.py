@@ -103,13 +103,19 @@ def routing_exchanges(model: GPTConfig, ranks: int, tokens: int, sequences: int)
     return exchanges
 
 
-def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: int, grad_bytes: int) -> Exchange | None:
+def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: int, grad_bytes: int,
+                              shards: int = 1) -> list[Exchange]:
     """How the routed experts' gradients of a rank holding `moe_layers` MoE blocks are averaged under expert
-    parallelism: one all-reduce a step over the `dp` / ep ranks holding the same experts, of all of them at once,
-    issued at the optimizer step (None without ep, or with one such rank). `dp`: the ranks that route other tokens
-    through the experts, the data ranks (dp x cp) and, under sequence parallelism, times tp (Layout.token_ranks).
-    Their optimizer states are not sharded (ZeRO applies to the dense parameters)."""
+    parallelism over the `dp` / ep ranks holding the same experts, all of them at once, issued at the optimizer
+    step (none without ep, or with one such rank). `dp`: the ranks that route other tokens through the experts,
+    the data ranks (dp x cp) and, under sequence parallelism, times tp (Layout.token_ranks).
+    `shards` (Layout.expert_state_shards): 1, one all-reduce, every rank updating all its experts; otherwise those
+    ranks shard the experts' optimizer states (ZeRO 1-3, Megatron-core's distributed optimizer): the buffer padded
+    to a multiple of them is reduce-scattered, and after the update all-gathered (parallel/expert/gradients.py)."""
     if ep == 1 or not model.is_moe or dp == ep or moe_layers == 0:
-        return None
+        return []
     numel = moe_layers * sum(t.numel for t in expert_tensors(model, ep))
-    return Exchange("all_reduce", 1, numel * grad_bytes)
+    if shards == 1:
+        return [Exchange("all_reduce", 1, numel * grad_bytes)]
+    padded = -(-numel // shards) * shards
+    return [Exchange("reduce_scatter", 1, padded * grad_bytes), Exchange("all_gather", 1, padded * grad_bytes)]

@@ -202,11 +202,12 @@ def parameter_names(rank, cfg) -> dict[int, str]:
 def flat_spaces(data_parallel) -> list[tuple[object, int, int, int]]:
     """(FlatParameters, start, end, position in `weights` end to end) of every range this rank's optimizer owns.
 
-    Under expert parallelism (parallel/expert/gradients.py's WithExperts): the ZeRO stage's, then the experts'
-    own buffer, whole."""
+    Under expert parallelism (parallel/expert/gradients.py's WithExperts): the ZeRO stage's, then the part of the
+    experts' own buffer this rank's optimizer owns (whole, or its piece when their states are sharded)."""
     experts = getattr(data_parallel, "expert_flat", None)
     if experts is not None:
-        return flat_spaces(data_parallel.inner) + [(experts, 0, experts.data.numel(), data_parallel.dense_numel)]
+        start, end = data_parallel.expert_range
+        return flat_spaces(data_parallel.inner) + [(experts, start, end, data_parallel.dense_numel)]
     if hasattr(data_parallel, "units"):  # ZeRO 3: piece r of every unit
         rank = data_parallel.comm.rank
         return [
@@ -241,9 +242,10 @@ def rank_placements(rank, cfg) -> list[Placement]:
             if name not in shapes:
                 raise AssertionError(f"parameter {segment.name} is taken for {name}, which GPT does not have")
             if flat is experts:  # whole on every tp rank; one of the ranks holding the same experts writes (at tp
-                # rank 0 unless sequence parallelism folds the tp ranks into the expert groups)
+                # rank 0 unless sequence parallelism folds the tp ranks into the expert groups), or each its piece
                 kind, index, parts = "experts", data_parallel.experts_comm.rank, data_parallel.experts_comm.size
-                writes = data_parallel.expert_replicas.rank == 0 and (mesh.tp_rank == 0 or cfg.sequence_parallel)
+                writes = (data_parallel.sharded or data_parallel.expert_replicas.rank == 0) \
+                    and (mesh.tp_rank == 0 or cfg.sequence_parallel)
             else:
                 kind, index, parts = tensor_parallel_kind(name, mesh.tp), mesh.tp_rank, mesh.tp
                 writes = dense_writes and not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)

@@ -3,16 +3,21 @@
 A rank's experts (parallel/expert/dispatch.py marks them) are left out of ZeRO's flat buffers and buckets
 (parallel/pipeline/executor.py's parameter_groups, parallel/data/zero3.py's units); `WithExperts` wraps the ZeRO
 stage that runs and adds them:
-  - flat in a buffer of their own; after the backward (at the optimizer step) their gradients, already summed over
-    every token the expert group routed to them, are divided by the dp x cp data ranks (the mean over the global
-    batch, as ZeRO's) and all-reduced over the ranks that hold the same experts (the expert-data group: one
-    all-reduce a step, job/exchange/experts.py's expert_gradient_reduction);
-  - handed to the optimizer after ZeRO's pieces (`weights`, `finish_grads`), unsharded: ZeRO shards the dense
-    weights only;
+  - flat in a buffer of their own (whole on the rank: ZeRO-3 does not shard them); after the backward (at the
+    optimizer step) their gradients, already summed over every token the expert group routed to them, are divided
+    by the dp x cp data ranks (the mean over the global batch, as ZeRO's) and averaged over the ranks that hold the
+    same experts (the expert-data group, R ranks: job/exchange/experts.py's expert_gradient_reduction);
+  - under ZeRO 0 that is one all-reduce, and every rank updates all its experts; under ZeRO 1-3 their optimizer
+    states are sharded over the expert-data group as Megatron-core's distributed optimizer shards them: the buffer
+    is padded to a multiple of R, the gradients are reduce-scattered, rank r of the group keeps fp32 masters and
+    AdamW moments for piece r only and updates it, and `end_step` all-gathers the new weights (the dense ZeRO
+    stage's own sharding is unchanged);
+  - handed to the optimizer after ZeRO's pieces (`weights`, `finish_grads`);
   - in the gradient norm once each: the optimizer sums the squares of the dense weights and of the experts apart
     (MasterAdamW's norm_split, at `dense_numel`), and `reduce_sum` sums the first as ZeRO does over the data
-    group and the second over the expert group (each expert lives on one of its ranks); tensor-parallel copies
-    are divided out by the optimizer's shared ranges, as for every replicated weight.
+    group and the second over the expert group (each expert lives on one of its ranks) and, when sharded, the
+    expert-data group (each piece on one of its ranks); tensor-parallel copies are divided out by the optimizer's
+    shared ranges, as for every replicated weight.
 Everything else of the data-parallel protocol (parallel/data/protocol.py) is ZeRO's.
 """
 
@@ -37,8 +42,13 @@ class WithExperts:
         # named apart from ZeRO's own `flat` and `replicas`, which every other reader gets through __getattr__
         self.inner, self.experts_comm, self.expert_replicas = inner, experts_comm, replicas
         self.data_ranks = data_ranks
-        self.expert_flat = FlatParameters(expert_shards(model))
         self.stage = inner.stage
+        self.sharded = inner.stage >= 1 and replicas.size > 1  # the module docstring
+        self.expert_flat = FlatParameters(expert_shards(model), pad_to=replicas.size if self.sharded else 1)
+        piece = self.expert_flat.padded_numel // replicas.size if self.sharded else self.expert_flat.padded_numel
+        start = replicas.rank * piece if self.sharded else 0
+        self.expert_range = (start, start + piece)  # what this rank's optimizer owns of the experts' buffer
+        self.gather_pending = False
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # the rest of the protocol is ZeRO's
@@ -51,12 +61,13 @@ class WithExperts:
     @property
     def weights(self) -> list[torch.Tensor]:
         weights = self.inner.weights
-        return (list(weights) if isinstance(weights, list) else [weights]) + [self.expert_flat.data]
+        start, end = self.expert_range
+        return (list(weights) if isinstance(weights, list) else [weights]) + [self.expert_flat.data[start:end]]
 
     def _expert_ranges(self, select) -> list[tuple[int, int]]:
         """The parts of the experts' buffer `select(index)` picks, in `weights` coordinates (after ZeRO's pieces)."""
         flat, base = self.expert_flat, self.dense_numel
-        return [(base + lo, base + hi) for lo, hi in flat.local_ranges([(0, flat.padded_numel)], select)]
+        return [(base + lo, base + hi) for lo, hi in flat.local_ranges([self.expert_range], select)]
 
     @property
     def decay_ranges(self) -> list[tuple[int, int]]:
@@ -74,12 +85,38 @@ class WithExperts:
         dense = self.inner.finish_grads()
         grad = self.expert_flat.grad
         grad.div_(self.data_ranks)
-        self.expert_replicas.all_reduce(grad)
+        if self.sharded:
+            start, end = self.expert_range
+            piece = torch.empty(end - start, dtype=grad.dtype, device=grad.device)
+            self.expert_replicas.reduce_scatter(piece, grad)
+            grad, self.gather_pending = piece, True
+        else:
+            self.expert_replicas.all_reduce(grad)
         return torch.cat([dense.reshape(-1), grad.to(dense.dtype)])
+
+    def gather_experts(self) -> None:
+        """Every rank of the expert-data group gets the pieces the others updated (sharded states only)."""
+        start, end = self.expert_range
+        self.expert_replicas.all_gather(self.expert_flat.data, self.expert_flat.data[start:end].clone())
+        self.gather_pending = False
+
+    def end_step(self) -> None:
+        self.inner.end_step()
+        if self.gather_pending:
+            self.gather_experts()
+
+    def after_update(self) -> None:
+        """Outside a scheduled step (a loaded checkpoint): refresh every weight, the experts' pieces too."""
+        self.inner.after_update()
+        if self.sharded:
+            self.gather_experts()
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value`: the squared norm's (dense, experts') parts on this rank; each summed over its own ranks."""
-        return torch.cat([self.inner.reduce_sum(value[:1].clone()), self.experts_comm.sum(value[1:].clone())])
+        experts = self.experts_comm.sum(value[1:].clone())
+        if self.sharded:
+            experts = self.expert_replicas.sum(experts)
+        return torch.cat([self.inner.reduce_sum(value[:1].clone()), experts])
 
     def parameter_storages(self) -> set[int]:
         return self.inner.parameter_storages() | {self.expert_flat.data.untyped_storage().data_ptr()}
@@ -88,4 +125,7 @@ class WithExperts:
         memory, flat = dict(self.inner.memory()), self.expert_flat
         memory["parameters"] += flat.data.numel() * flat.data.element_size()
         memory["gradients"] += flat.grad.numel() * flat.grad.element_size()
+        if self.sharded:  # the reduce-scatter's piece (simulator/memory.py's experts_states)
+            start, end = self.expert_range
+            memory["comm_buffers"] += (end - start) * flat.grad.element_size()
         return memory

@@ -228,6 +228,8 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     norm_reduce = links.tp_collective("all_reduce", NORM_BYTES) + links.pp_collective("all_reduce", NORM_BYTES)
     if layout.ep > 1 and model.is_moe:  # the experts' share of the norm, summed over the expert group
         norm_reduce += links.ep_collective(0, "all_reduce", NORM_BYTES)
+        if layout.expert_state_shards > 1:  # and over the ranks whose pieces of the experts' states it sums
+            norm_reduce += links.expert_collective(0, "all_reduce", NORM_BYTES)
     ranks = []
     for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
         chunk_units: dict[int, list[Unit]] = {}
@@ -247,28 +249,30 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():
             _plain_actions(chunk, units, actions)
-        pricer = None
+        pricer, experts = None, _expert_reduction(job, placed, rank, pol)
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
                                             stage, kind, nbytes, group),
-                                        job.overlap, job.serial, actions, _expert_reduction(job, placed, rank, pol))
+                                        job.overlap, job.serial, actions, experts)
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu) * (host.slowdown if host is not None else 1.0)
-            + norm_reduce + per_step,
+            + norm_reduce + per_step + (0.0 if pricer else experts),  # no pricer (one data rank): at the step itself
             pricer=pricer,
         ))
     return ranks
 
 
 def _expert_reduction(job: _Job, placed, stage: int, pol) -> float:
-    """Seconds of the routed experts' gradient all-reduce of a rank under expert parallelism, once a step at its
-    optimizer step over the ranks holding the same experts (job/exchange/experts.py's expert_gradient_reduction)."""
+    """Seconds of the routed experts' gradient reduction of a rank under expert parallelism, once a step at its
+    optimizer step over the ranks holding the same experts: an all-reduce, or with their states sharded a
+    reduce-scatter and the updated weights' all-gather (job/exchange/experts.py's expert_gradient_reduction)."""
     layout = job.layout
     moe_layers = sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
-    call = expert_gradient_reduction(job.model, layout.ep, layout.token_ranks, moe_layers, FORMAT_BYTES[pol.compute])
-    return 0.0 if call is None else call.calls * job.links.expert_collective(stage, call.kind, call.bytes)
+    calls = expert_gradient_reduction(job.model, layout.ep, layout.token_ranks, moe_layers, FORMAT_BYTES[pol.compute],
+                                      layout.expert_state_shards)
+    return sum(call.calls * job.links.expert_collective(stage, call.kind, call.bytes) for call in calls)
 
 
 def optimizer_seconds(stage: MemoryEstimate, pol, gpu: GPUSpec) -> float:
