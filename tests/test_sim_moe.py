@@ -411,3 +411,16 @@ def test_a_dense_model_takes_no_expert_load():
     result = invoke("simulate", "--model", "tiny", "--expert-load", "2")
     assert result.exit_code == 2 and "this model is dense" in result.output, result.output
     assert invoke("simulate", "--model", "tiny", "--expert-load", "1").exit_code == 0
+
+
+def test_the_experts_reduction_is_priced_without_data_parallelism():
+    """Under sequence parallelism the tp ranks route their own slices, so with dp 1 two of tp 4's ranks can hold the
+    same experts at ep 2: their gradients' all-reduce is priced at the optimizer step (no data-parallel pricer)."""
+    model = MIXTRAL.with_(n_layers=2)
+    layout = Layout(tp=4, sequence_parallel=True, ep=2)
+    assert layout.data_ranks == 1 and layout.token_ranks // layout.ep == 2
+    result = simulate_step(model, layout, build_cluster(H100, 4, 1), "bf16", 8, 1)
+    [call] = expert_gradient_reduction(model, 2, 4, 2, 2)
+    assert any(c["group"] == "dp_experts" and c["bytes"] == call.bytes for c in result.collectives)
+    alone = simulate_step(model, Layout(tp=4, sequence_parallel=True, ep=4), build_cluster(H100, 4, 1), "bf16", 8, 1)
+    assert result.breakdown["optimizer"] > alone.breakdown["optimizer"]
