@@ -75,6 +75,7 @@ from job.schedule_check import (
     bubble_fraction,
     closed_form_bubble,
     match_pairs,
+    peak_ends_in_flight,
     peak_in_flight,
     simulate_order,
     validate,
@@ -88,7 +89,7 @@ __all__ = [
     "ReduceTiedGrad", "Schedule", "ScheduleConfig", "SendActivation", "SendGrad", "SyncEmbedding",
     "TimedAction", "Timeline", "armed_around", "batches", "bubble_fraction", "build_schedule", "chunk_layers",
     "chunk_rank", "closed_form_bubble", "compute_order", "compute_slots", "count_kinds", "input_recv",
-    "local_chunk", "match_pairs", "output_send", "peak_in_flight", "reduce_kind", "simulate_order",
+    "local_chunk", "match_pairs", "output_send", "peak_ends_in_flight", "peak_in_flight", "reduce_kind", "simulate_order",
     "validate",
 ]
 

@@ -35,7 +35,7 @@ from job.schedule_actions import (
 from job.schedule_run import COMPUTE_TYPES, Costs, TimedAction, Timeline, run_symbolically
 
 __all__ = ["Costs", "TimedAction", "Timeline", "bubble_fraction", "closed_form_bubble", "match_pairs",
-           "peak_in_flight", "simulate_order", "validate"]
+           "peak_alive", "peak_ends_in_flight", "peak_in_flight", "simulate_order", "validate"]
 
 
 def validate(schedule: Schedule) -> None:
@@ -67,17 +67,30 @@ def closed_form_bubble(pp: int, micro_batches: int, kind: str, virtual_chunks: i
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
     """Per rank, the most micro-batch chunks whose activations are alive (forward done, weight gradient not)."""
-    peaks = []
-    for actions in schedule.actions:
-        live = peak = 0
-        for action in actions:
-            if isinstance(action, Forward):
-                live += 1
-                peak = max(peak, live)
-            elif isinstance(action, (Backward, BackwardWeight)):
-                live -= 1
-        peaks.append(peak)
-    return peaks
+    return [peak_alive(actions, lambda chunk: True) for actions in schedule.actions]
+
+
+def peak_ends_in_flight(schedule: Schedule) -> list[tuple[int, int]]:
+    """Per rank, the most micro-batches alive at once in the first chunk (the embedding's) and in the last chunk
+    (the head's and loss's); 0 on a rank that holds neither. Without virtual chunks these are peak_in_flight's on
+    the first and last ranks; with them a rank holds the embedding's or head's activations for the micro-batches of
+    one chunk only, far fewer than all the chunks it has in flight (simulator/memory.py's predict_memory)."""
+    last = schedule.config.num_chunks - 1
+    return [(peak_alive(actions, lambda chunk: chunk == 0), peak_alive(actions, lambda chunk: chunk == last))
+            for actions in schedule.actions]
+
+
+def peak_alive(actions, counted) -> int:
+    """The most forwards of the chunks `counted(chunk)` picks alive at once in a rank's actions (a forward's
+    activations live until its backward, or under zero-bubble schedules its weight gradient)."""
+    live = peak = 0
+    for action in actions:
+        if isinstance(action, Forward) and counted(action.chunk):
+            live += 1
+            peak = max(peak, live)
+        elif isinstance(action, (Backward, BackwardWeight)) and counted(action.chunk):
+            live -= 1
+    return peak
 
 
 def _check_actions(schedule: Schedule) -> None:

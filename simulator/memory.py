@@ -322,6 +322,18 @@ def _check_in_flight(micro_batches_in_flight, pp: int) -> list[int]:
     return in_flight
 
 
+def _check_ends(ends_in_flight, in_flight: list[int]) -> list[tuple[int, int]]:
+    if ends_in_flight is None:
+        return [(n, n) for n in in_flight]
+    ends = [tuple(pair) for pair in ends_in_flight]
+    if len(ends) != len(in_flight) or any(
+            len(pair) != 2 or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= total for n in pair)
+            for pair, total in zip(ends, in_flight)):
+        raise ConfigError(f"ends_in_flight must give each of the {len(in_flight)} stages two whole numbers (first "
+                          f"chunk, last chunk) from 0 to its micro-batches in flight {in_flight}, got {ends_in_flight!r}")
+    return ends
+
+
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
            activations: int, prefetch: int, hold: str = "forward", ep: int = 1, expert_shards: int = 1) -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given); under expert parallelism the
@@ -417,13 +429,18 @@ def predict_memory(
     prefetch: int = 1,
     micro_batches: int | None = None,
     implementation: Implementation | None = None,
+    ends_in_flight: Sequence[tuple[int, int]] | None = None,
 ) -> MemoryEstimate:
     """Bytes per GPU by category, for the most loaded pipeline stage (every stage in `per_stage`).
 
     `micro_batches_in_flight`: forwards whose activations are alive at a stage's peak, one
     number for every stage or one per stage; the schedule decides (1 without a pipeline; 1F1B:
     pp - rank). With virtual chunks it counts chunk forwards, each charged the rank's largest
-    chunk (and the head's activations on the last rank): an upper bound. `attention`,
+    chunk: an upper bound. `ends_in_flight` (job/schedule.py's peak_ends_in_flight): per stage, the most
+    micro-batches alive in the first chunk and in the last, which hold the embedding's and the head's and loss's
+    activations (None: micro_batches_in_flight's, the same without virtual chunks; with them an upper bound, the
+    head's logits charged for every chunk in flight). Each is a peak of its own, so their sum bounds the stage's
+    peak from above. `attention`,
     `recompute`, `sp_saved_input`: simulator/costs/ops.py's Implementation; `prefetch`: ZeRO-3 units
     gathered ahead (simulator/engine/overlap.py); `micro_batches` per step (None: several), which decide how
     long ZeRO-3 without resharding after the forward keeps its units under pipelining (zero3_hold); `implementation`
@@ -438,6 +455,7 @@ def predict_memory(
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
         raise ConfigError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
     in_flight = _check_in_flight(micro_batches_in_flight, layout.pp)
+    ends_alive = _check_ends(ends_in_flight, in_flight)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
     _check_model(model, pol)
@@ -451,9 +469,10 @@ def predict_memory(
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):
         first, last = any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed)
-        ends = (embedding_ends if first else 0) + (head_ends if last else 0)
-        activations = in_flight[index] * (_chunk_bytes(model, blocks, placed) + ends) + _block_extras(model, blocks,
-                                                                                                     placed)
+        alive_first, alive_last = ends_alive[index]
+        ends = (alive_first * embedding_ends if first else 0) + (alive_last * head_ends if last else 0)
+        activations = in_flight[index] * _chunk_bytes(model, blocks, placed) + ends + _block_extras(model, blocks,
+                                                                                                   placed)
         stages.append(replace(states[index], activations=activations))
     peak = max(stages, key=lambda s: s.total)
     block = blocks[model.is_moe]

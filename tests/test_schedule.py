@@ -31,6 +31,7 @@ from job.schedule import (
     chunk_layers,
     closed_form_bubble,
     compute_order,
+    peak_ends_in_flight,
     peak_in_flight,
     simulate_order,
     validate,
@@ -82,6 +83,14 @@ def test_every_generated_schedule_is_proven_and_meets_its_closed_forms():
             assert max(peaks) <= p and peaks[0] == min(p, m)
         else:
             assert peaks == [min((v - 1) * p + 2 * (p - rank - 1) + 1, m * v) for rank in range(p)]
+        # the embedding's chunk (0, on rank 0) and the head's (the last, on the last rank) in flight, apart
+        ends = peak_ends_in_flight(built)
+        assert all(first == 0 for first, _ in ends[1:]) and all(last == 0 for _, last in ends[:-1]), config
+        first, last = ends[0][0], ends[-1][1]
+        if v == 1:  # the rank's only chunk
+            assert (first, last) == (peaks[0], peaks[-1]), config
+        else:  # Megatron's interleaving: 2p of chunk 0 warm up on rank 0; the head's backward follows its forward
+            assert (first, last) == (min(2 * p, m), 1), (config, ends)
         count += 1
     assert count > 1000
 

@@ -212,6 +212,34 @@ def test_pipeline_stages():
     assert [len(chunk) for chunk in units[0]] == [1 + 2, 1] and [len(chunk) for chunk in units[1]] == [1, 1 + 1]
 
 
+def test_interleaving_holds_the_heads_activations_for_its_own_chunk_only():
+    """With virtual chunks the last rank keeps the head's logits for the micro-batches in flight in the last chunk
+    (one: its backward follows its forward), not for every chunk it has in flight; the blocks' share is unchanged.
+    simulate_step charges what its schedule says (job/schedule.py's peak_ends_in_flight)."""
+    from job.schedule import ScheduleConfig, build_schedule, peak_ends_in_flight, peak_in_flight
+    from simulator.engine.simulate import simulate_step
+    from simulator.network.topology import build_cluster
+
+    model = TINY.with_(n_layers=8, vocab_size=4096, dropout=0.1)  # dropout: the embedding keeps its mask
+    layout = Layout(pp=2, dp=2, virtual_chunks=2)
+    schedule = build_schedule(ScheduleConfig(2, 8, "interleaved", 2))
+    in_flight, ends = peak_in_flight(schedule), peak_ends_in_flight(schedule)
+    assert in_flight == [5, 3] and ends == [(4, 0), (0, 1)]
+    upper = predict_memory(model, layout, "fp32", 1, micro_batches_in_flight=in_flight)
+    charged = predict_memory(model, layout, "fp32", 1, micro_batches_in_flight=in_flight, ends_in_flight=ends)
+    twice = predict_memory(model, layout, "fp32", 1, micro_batches_in_flight=in_flight, ends_in_flight=[(4, 0), (0, 2)])
+    head = twice.per_stage[1].activations - charged.per_stage[1].activations  # one micro-batch's head and loss
+    assert head > 4 * 4096 * 32 // 2  # at least the logits, fp32
+    assert upper.per_stage[1].activations - charged.per_stage[1].activations == (3 - 1) * head
+    embedding = predict_memory(model, layout, "fp32", 1, micro_batches_in_flight=in_flight,
+                               ends_in_flight=[(5, 0), (0, 1)]).per_stage[0].activations
+    assert upper.per_stage[0].activations == embedding > charged.per_stage[0].activations
+    result = simulate_step(model, layout, build_cluster("h100-sxm", 4, 1), "fp32", 16, 1, "interleaved", 2)
+    assert result.memory.per_stage == charged.per_stage
+    with pytest.raises(ConfigError, match="ends_in_flight"):
+        predict_memory(model, layout, "fp32", 1, micro_batches_in_flight=in_flight, ends_in_flight=[(6, 0), (0, 1)])
+
+
 def test_gpt3_175b_on_a100_80gb():
     gpu = load_hardware("a100-80gb").gpu
     model, layout = preset("gpt3-175b"), Layout(tp=8, pp=16, dp=8, zero=1)

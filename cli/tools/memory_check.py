@@ -14,7 +14,7 @@ smallest GPU's free memory.
 from __future__ import annotations
 
 from job.layout import Layout
-from job.schedule_check import peak_in_flight
+from job.schedule_check import peak_ends_in_flight, peak_in_flight
 from job.train_config import TrainConfig
 from minigpt.errors import ConfigError
 
@@ -35,7 +35,8 @@ def predicted_rank_bytes(cfg: TrainConfig) -> list[int]:
                                               cfg.precision))
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
     estimate = predict_memory(cfg.model, layout, cfg.precision, micro_batch, cfg.recompute, bucket_mb=cfg.bucket_mb,
-                              micro_batches_in_flight=peak_in_flight(schedule), micro_batches=cfg.micro_batches)
+                              micro_batches_in_flight=peak_in_flight(schedule), micro_batches=cfg.micro_batches,
+                              ends_in_flight=peak_ends_in_flight(schedule))
     return [stage.total for stage in estimate.per_stage] if estimate.per_stage else [estimate.total]
 
 

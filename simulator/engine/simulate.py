@@ -33,7 +33,7 @@ from pathlib import Path
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.data_parallel import schedule_config
-from job.schedule import Schedule, ScheduleConfig, build_schedule, peak_in_flight
+from job.schedule import Schedule, ScheduleConfig, build_schedule, peak_ends_in_flight, peak_in_flight
 from job.trace import chrome_trace_events, write_chrome_trace
 from job.train_config import TrainConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy
@@ -272,7 +272,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule),
-                            attention, sp_saved_input, settings.zero3_prefetch, m, implementation=implementation)
+                            attention, sp_saved_input, settings.zero3_prefetch, m, implementation=implementation,
+                            ends_in_flight=peak_ends_in_flight(schedule))
     activation = micro_batch * layout.activation_rows(model) * model.d_model * FORMAT_BYTES[pol.compute]
     tied = model.tied_head and layout.pp > 1
     sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]

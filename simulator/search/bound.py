@@ -40,6 +40,7 @@ from minigpt.config import GPTConfig
 from job.data_parallel import schedule_config
 from job.layout import Layout
 from job.schedule import Backward, Forward, ScheduleConfig, compute_order
+from job.schedule_check import peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
 from simulator.engine.simulate import step_schedule
@@ -70,6 +71,7 @@ class ScheduleShape:
     in_flight: tuple[int, ...]  # job/schedule.py's peak_in_flight: forwards alive at the peak
     first: tuple[tuple[type, int], ...]  # (action type, chunk) of the rank's first compute
     last: tuple[tuple[type, int], ...]  # and of its last
+    ends: tuple[tuple[int, int], ...] = ()  # job/schedule.py's peak_ends_in_flight: of the first and last chunks
 
 
 @lru_cache(maxsize=512)
@@ -78,20 +80,15 @@ def schedule_shape(pp: int, micro_batches: int, kind: str, virtual_chunks: int) 
     communication and data-parallel actions change neither, so a candidate's ZeRO stage and
     buckets do not matter and one order serves every candidate of the same pipeline."""
     config = ScheduleConfig(pp, micro_batches, kind, virtual_chunks)
-    in_flight, first, last = [], [], []
+    last_chunk = pp * virtual_chunks - 1
+    in_flight, first, last, ends = [], [], [], []
     for rank in range(pp):
         order = compute_order(config, rank)
-        live = peak = 0
-        for action in order:
-            if isinstance(action, Forward):
-                live += 1
-                peak = max(peak, live)
-            else:  # Backward (BackwardWeight only in zb-h1, which plan does not search)
-                live -= 1
-        in_flight.append(peak)
+        in_flight.append(peak_alive(order, lambda chunk: True))
+        ends.append((peak_alive(order, lambda chunk: chunk == 0), peak_alive(order, lambda chunk: chunk == last_chunk)))
         first.append((type(order[0]), order[0].chunk))
         last.append((type(order[-1]), order[-1].chunk))
-    return ScheduleShape(tuple(in_flight), tuple(first), tuple(last))
+    return ScheduleShape(tuple(in_flight), tuple(first), tuple(last), tuple(ends))
 
 
 class StepBound:

@@ -206,9 +206,10 @@ def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu
                      expert_load: float = 1.0) -> MemoryEstimate:
     """predict_memory exactly as simulate_step calls it for this candidate (its schedule's in-flight micro-batches)."""
     c = candidate
-    in_flight = list(schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks).in_flight)
-    return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, in_flight,
-                          implementation=Implementation(recompute=c.recompute, expert_load=expert_load))
+    shape = schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks)
+    return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, list(shape.in_flight),
+                          implementation=Implementation(recompute=c.recompute, expert_load=expert_load),
+                          ends_in_flight=shape.ends)
 
 
 def simulate_candidate(model: GPTConfig, candidate: Candidate, cluster, spec: ClusterSpec, precision: str,
