@@ -177,7 +177,8 @@ def moe_command(run: dict) -> list[str]:
             *(["--no-reshard-after-forward"] if run["reshard_after_forward"] is False else []),
             "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
             "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
-            "--gpu", run["gpu"], "--overlap", run["overlap"], "--dropout", str(run["dropout"]), "--json"]
+            "--gpu", run["gpu"], "--overlap", run["overlap"], "--dropout", str(run["dropout"]),
+            "--ep-dispatcher", run.get("dispatcher", "alltoall"), "--json"]
 
 
 def megatron_flops(shape: dict, batch: int, seq: int) -> float:

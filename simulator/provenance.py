@@ -55,7 +55,7 @@ def context(gpu: GPUSpec, layout, seq_len: int) -> dict:
     return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "exchange": exchange}
 
 
-def experts(layout, load: float = 1.0, measured: bool = False) -> dict:
+def experts(layout, load: float = 1.0, measured: bool = False, dispatcher: str = "alltoall") -> dict:
     """What a mixture of experts' prediction rests on beyond the rest (assumptions stated in docs/efficiency.md);
     `load`: the routing imbalance priced (Implementation.expert_load); `measured`: a calibrated host's MoE unit
     prices the blocks (and its measured gloo all-to-all the exchanges, where calibrate timed one)."""
@@ -69,9 +69,12 @@ def experts(layout, load: float = 1.0, measured: bool = False) -> dict:
                                      "at ep 1 with its own routing (an expert load scales the all-to-alls only)", "routing": routing, "expert_load": load,
                 "all_to_all": "exposed: the host's measured all-to-all for the group, else its links" if ep > 1
                 else "none (ep 1)"}
+    moved = ("each token once per destination server over the NICs and rank over NVLink (deepep)"
+             if dispatcher == "deepep" else "a copy per routed row (alltoall)")
     return {"ep": ep, "experts": "grouped GEMM (batch E/ep) at the GEMM model's efficiency: an assumption",
-            "routing": routing, "expert_load": load,
-            "all_to_all": "exposed, on the expert group's links (NVLink, NICs beyond)" if ep > 1 else "none (ep 1)"}
+            "routing": routing, "expert_load": load, "dispatcher": dispatcher,
+            "all_to_all": f"exposed, on the expert group's links (NVLink, NICs beyond), {moved}" if ep > 1
+            else "none (ep 1)"}
 
 
 def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implementation, overlap,
@@ -79,7 +82,8 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
     formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
     measured = host_compute is not None and host_compute.units is not None
     extra = {"context": context(gpu, layout, seq_len)} if layout is not None and layout.cp > 1 else {}
-    extra.update({"experts": experts(layout, implementation.expert_load, measured)} if moe else {})
+    extra.update({"experts": experts(layout, implementation.expert_load, measured, implementation.dispatcher)}
+                 if moe else {})
     return {
         "compute": (MEASURED_UNITS if measured else ROOFLINE) + (
             f"; {host_compute.missing}" if host_compute is not None and host_compute.missing else ""),

@@ -34,7 +34,7 @@ from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.campaign import campaign_options, campaign_sweep, check_campaign, run_campaign
-from cli.options.experts import ep_overlap_option, expert_load_option, read_expert_load
+from cli.options.experts import ep_dispatcher_option, ep_overlap_option, expert_load_option, read_expert_load
 from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
@@ -127,7 +127,7 @@ def run_single(options: dict) -> dict:
                            options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware,
                            attention=options["attention"], overlap=_overlap(options),
                            sp_saved_input=options["sp_saved_input"], nccl_algo=options["nccl_algo"],
-                           expert_load=options["expert_load"])
+                           expert_load=options["expert_load"], ep_dispatcher=options["ep_dispatcher"])
     if options["trace"]:
         result.write_chrome_trace(options["trace"])
     report = {"model": model, "result": result, "cluster": cluster.describe(),
@@ -148,8 +148,9 @@ def run_sweep(options: dict) -> dict:
         raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
     if options["dp"]:
         raise ConfigError("in a sweep dp follows from the GPU count: drop --dp (fix --tp and --pp, or let the sweep choose)")
-    if options["ep"] > 1 or options["expert_load"] != 1:
-        what = f"--ep {options['ep']}" if options["ep"] > 1 else "--expert-load"
+    if options["ep"] > 1 or options["expert_load"] != 1 or options["ep_dispatcher"] != "alltoall":
+        what = f"--ep {options['ep']}" if options["ep"] > 1 else "--expert-load" if options["expert_load"] != 1 \
+            else "--ep-dispatcher"
         raise ConfigError(f"--sweep searches layouts without expert parallelism: drop {what}, or simulate "
                           f"one layout (--tp, --pp, --dp, --ep) without --sweep")
     if options["nccl_algo"] != "auto":
@@ -322,6 +323,9 @@ def check_context(options: dict, model) -> None:
     check_cp_attention(options["cp"], options["attention"])
     dp = options["dp"] or (1 if not options["sweep"] else options["ep"])
     check_expert_parallel(model, options["ep"], dp, options["cp"], options["tp"] or 1, options["sequence_parallel"])
+    if options["ep_dispatcher"] != "alltoall" and options["ep"] == 1 and not options["sweep"]:
+        raise ConfigError(f"--ep-dispatcher {options['ep_dispatcher']} moves the experts' rows between the ranks of an "
+                          f"expert group, and --ep 1 has none: give --ep N, or drop --ep-dispatcher")
     given, options["expert_load_from"] = read_expert_load(options["expert_load"])
     options["expert_load"] = check_expert_load(model, given)
     if options["expert_load"] != given:
@@ -397,6 +401,7 @@ def micro_batch_size(options: dict) -> int:
                    "experts.")
 @expert_load_option
 @ep_overlap_option
+@ep_dispatcher_option
 @precision_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")

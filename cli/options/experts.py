@@ -1,4 +1,5 @@
-"""The mixture-of-experts flags of `simulate` and `plan`: --ep, --expert-load and (simulate) --ep-overlap.
+"""The mixture-of-experts flags of `simulate` and `plan`: --ep, --expert-load and (simulate) --ep-overlap and
+--ep-dispatcher.
 
 --ep N: expert-parallel size (simulate: the layout's, default 1; plan: fixes it, default searched).
 --expert-load X: the routing imbalance the simulator prices (simulator/engine/experts.py), either a number >= 1 (the
@@ -28,6 +29,18 @@ EXPERT_LOAD_HELP = ("A mixture of experts' routing imbalance: the busiest expert
 
 def expert_load_option(command: Callable) -> Callable:
     return click.option("--expert-load", "expert_load", metavar="X|SUMMARY.JSON", help=EXPERT_LOAD_HELP)(command)
+
+
+def ep_dispatcher_option(command: Callable) -> Callable:
+    """--ep-dispatcher: simulator/costs/op_types.py's Implementation.dispatcher."""
+    from simulator.costs.op_types import DISPATCHERS
+
+    return click.option("--ep-dispatcher", "ep_dispatcher", type=click.Choice(DISPATCHERS), default="alltoall",
+                        show_default=True,
+                        help="How the experts' rows travel: alltoall, a copy of every routed row to its expert's rank "
+                             "(our trainer, Megatron-core's alltoall dispatcher); deepep, each token once per "
+                             "destination server over the NICs and rank over NVLink (DeepEP's normal kernels, "
+                             "Megatron-core's flex dispatcher).")(command)
 
 
 def ep_overlap_option(command: Callable) -> Callable:

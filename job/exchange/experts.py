@@ -61,6 +61,15 @@ def routed_rows(model: GPTConfig, tokens: int, sequences: int, cp: int = 1) -> i
     return min(rows, math.ceil(sequences * model.n_experts * per_expert / cp))
 
 
+def token_share(model: GPTConfig, ep: int, members: int) -> float:
+    """The share of a rank's tokens that need at least one of the experts `members` ranks of an expert group hold
+    (E / ep each), when each token picks top_k distinct experts, every set of them alike (balanced routing):
+    1 - C(E - members E / ep, top_k) / C(E, top_k). What a dispatcher that sends each token once per destination
+    rank (members 1) or server (members on it) moves, against top_k / ep of a copy per routed row to each rank."""
+    held = members * model.n_experts // ep
+    return 1.0 - math.comb(model.n_experts - held, model.top_k) / math.comb(model.n_experts, model.top_k)
+
+
 def forward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int,
                       received: int | None = None) -> list[Exchange]:
     """One MoE layer's forward exchange on one rank that sends `sent` routed rows and receives `received` (None:

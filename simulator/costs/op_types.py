@@ -25,6 +25,7 @@ OUTSIDE, BLOCK, CORE = "outside", "block", "attention_core"  # where a tensor is
 RECOMPUTED_REGIONS = {"none": (), "selective": (CORE,), "full": (CORE, BLOCK)}
 GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
 FP8_SCALINGS = ("tensor", "block")
+DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expert group's ranks (Implementation)
 MX_BLOCK = 32  # MXFP8: one 8-bit (E8M0) scale per 32 elements along the reduction (OCP Microscaling Formats v1.0)
 UB_PIPELINE_SPLITS = 4  # Transformer Engine's default num_splits for its "pipeline" overlap (initialize_ub)
 
@@ -49,7 +50,11 @@ class Implementation:
                       "userbuffers' chunks"); False: one GEMM each (our executor).
     expert_load       a mixture of experts' routing imbalance: the busiest expert's routed rows over the mean (1.0:
                       balanced), applied to the busiest rank of the expert group (simulator/costs/ops_moe.py's
-                      received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls)."""
+                      received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls).
+    dispatcher        how a MoE's rows travel between the expert group's ranks (DISPATCHERS): "alltoall", a copy
+                      of every routed row to its expert's rank (our executor's, Megatron-core's alltoall dispatcher); "deepep", each token once per destination rank and server,
+                      forwarded over NVLink inside the server (DeepEP's normal kernels; Megatron-core's flex
+                      dispatcher, its hybridep: simulator/engine/experts.py)."""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -60,6 +65,7 @@ class Implementation:
     wgrad_fusion: bool = False
     expert_load: float = 1.0
     ub_chunks: bool = False
+    dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -69,6 +75,8 @@ class Implementation:
         for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ConfigError(f"--ep-dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(f"fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}")
         if self.fp8_scaling == "block" and not self.fp8_fused_casts:

@@ -159,7 +159,8 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             if moe:
                 forward, backward = expert_exchange(job.model, job.layout, micro_batch, job.compute_bytes,
                                                     implementation.recompute, job.links, stage,
-                                                    implementation.expert_load, _shared_experts(job, ct, layers))
+                                                    implementation.expert_load, _shared_experts(job, ct, layers),
+                                                    implementation.dispatcher)
                 experts = tuple(layers * x for x in (forward.seconds, backward.seconds, forward.hidden,
                                                      backward.hidden))
             exchanges[(key, stage)] = (*context, *experts)

@@ -20,6 +20,16 @@ sends as many back in the combine and the dispatch's gradient. Each all-to-all o
 of the rows the busiest rank moves in its heavier direction (every member's buffer that large: its own links'
 time, an upper bound where links beyond the server are shared); the counts do not change.
 
+Dispatcher (Implementation.dispatcher): "alltoall" prices the rows as above, a copy of every routed row to its
+expert's rank (links.all_to_all). "deepep" prices them as a hierarchical dispatcher that sends each token once per
+destination (DeepEP's normal kernels, deepseek-ai/DeepEP README; Megatron-core's flex dispatcher): a row
+exchange of b bytes (b / top_k for one row of each token) sends each other server of the group the tokens that
+need one of its experts once over the NICs, and each member forwards over NVLink to each other member of its server
+those that need it (job/exchange/experts.py's token_share, balanced routing; links.all_to_all_deduplicated). The
+counts' all-to-all is priced as before (DeepEP's notify). Assumptions: every set of top_k experts alike (no
+node-limited routing, as DeepSeek-V3's top-4 groups), NVLink forwarding fully overlapped with the NICs, and no
+kernel cost of DeepEP's own beyond its bytes on the links.
+
 Returns per layer: the forward's and the backward's Priced (exposed seconds, what was priced, hidden seconds).
 """
 
@@ -28,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from job.exchange.experts import backward_exchanges, forward_exchanges, routed_rows, routing_exchanges
+from job.exchange.experts import backward_exchanges, forward_exchanges, routed_rows, routing_exchanges, token_share
 from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
@@ -51,10 +61,15 @@ class SharedExperts:
     slowdown: float = 0.0
 
 
-def _price(exchanges, behind: list[float], links, stage: int, slowdown: float) -> Priced:
+def _price(exchanges, behind: list[float], links, stage: int, slowdown: float, rows=None,
+           counts: tuple[int, ...] = ()) -> Priced:
+    """Each exchange waited for, or hidden behind `behind`'s compute; `rows(bytes)`: the seconds of a row exchange
+    under a deduplicating dispatcher (None: all-to-alls); those at `counts` (a forward's first: the counts) are
+    all-to-alls whatever the dispatcher."""
     out = Priced()
-    for exchange, compute in zip(exchanges, behind, strict=True):
-        seconds = exchange.calls * links.all_to_all(stage, exchange.bytes)
+    for index, (exchange, compute) in enumerate(zip(exchanges, behind, strict=True)):
+        seconds = exchange.calls * (links.all_to_all(stage, exchange.bytes) if rows is None or index in counts
+                                    else rows(exchange.bytes))
         out.seconds += exposed(seconds, compute, slowdown)
         out.hidden += overlapped(seconds, compute, slowdown)
         out.priced.append(exchange)
@@ -66,11 +81,20 @@ def _forward_behind(halves: tuple[float, float]) -> list[float]:
     return [0.0, halves[0], halves[1]]
 
 
+def _deduplicated(model: GPTConfig, layout: Layout, links, stage: int):
+    """seconds(bytes) of a row exchange under the "deepep" dispatcher (the module docstring)."""
+    _, per_server = links.ep_servers(stage)
+    rank, server = token_share(model, layout.ep, 1), token_share(model, layout.ep, per_server)
+    return lambda nbytes: links.all_to_all_deduplicated(stage, nbytes / model.top_k, rank, server)
+
+
 def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
-                   links, stage: int, load: float = 1.0, shared: SharedExperts | None = None) -> tuple[Priced, Priced]:
+                   links, stage: int, load: float = 1.0, shared: SharedExperts | None = None,
+                   dispatcher: str = "alltoall") -> tuple[Priced, Priced]:
     """(forward, backward) all-to-alls of one MoE layer for one micro-batch on a rank of `stage`, the busiest of its
     expert group under a routing imbalance `load` (the module docstring): job/exchange/experts.py's calls of a rank
-    that sends and receives the rows it moves in its heavier direction; behind `shared` when given (Overlap.ep)."""
+    that sends and receives the rows it moves in its heavier direction; behind `shared` when given (Overlap.ep);
+    the rows moved as `dispatcher` moves them (Implementation.dispatcher)."""
     shared = shared or SharedExperts()
     split = layout.sequence_ranks  # under sequence parallelism each tp rank routes its slice
     heavier = received_rows(routed_rows(model, micro_batch * model.seq_len // split, micro_batch, split), layout.ep,
@@ -79,11 +103,12 @@ def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_b
     backward = backward_exchanges(model, layout.ep, heavier, element_bytes, recompute=recompute)
     if not forward:
         return Priced(), Priced()
+    rows = _deduplicated(model, layout, links, stage) if dispatcher == "deepep" else None
     again = _forward_behind(shared.recompute) if recompute == "full" else []
     # the backward runs the combine's gradient first (behind fc2's), then the dispatch's (behind fc1's)
     behind = again + [shared.backward[1], shared.backward[0]]
-    return (_price(forward, _forward_behind(shared.forward), links, stage, shared.slowdown),
-            _price(backward, behind, links, stage, shared.slowdown))
+    return (_price(forward, _forward_behind(shared.forward), links, stage, shared.slowdown, rows, (0,)),
+            _price(backward, behind, links, stage, shared.slowdown, rows, (0,) if again else ()))
 
 
 def routing_seconds(model: GPTConfig, layout: Layout, micro_batch: int, recompute: str, links,

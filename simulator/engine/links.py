@@ -390,6 +390,37 @@ class LinkCosts:
         pairs = [(a, b) for group in groups for a in group for b in group if a != b]
         return self.flows(("all_to_all", key), pairs, float(nbytes) / ep)
 
+    def ep_servers(self, stage: int) -> tuple[int, int]:
+        """(servers an expert group of `stage` spans, the most of its members on one of them)."""
+        group = self.groups("ep", stage)[0][0]
+        servers = Counter(self.cluster.node_of(member) for member in group)
+        return len(servers), max(servers.values())
+
+    def all_to_all_deduplicated(self, stage: int, nbytes: float, per_rank: float, per_server: float) -> float:
+        """One dispatch or combine of a hierarchical dispatcher that sends each token once per destination (DeepEP's
+        normal kernels: docs/efficiency.md, "Mixture of experts"), each rank handing in `nbytes`, one row of every
+        token it routes: every other server of the group gets the `per_server` share of them once, over the NICs,
+        at the member in the same place there; every member forwards over NVLink, to each other member of its
+        server, the `per_rank` share of the tokens of every server of the group (its own included). The two run
+        together (the NVLink forwarding of chunks as they land), so the slower sets the time."""
+        if self.layout.ep == 1 or nbytes <= 0:
+            return 0.0
+        groups, key = self.groups("ep", stage)
+        remote, local, spanned = [], [], 1
+        for group in groups:
+            by_server: dict = {}
+            for member in group:
+                by_server.setdefault(self.cluster.node_of(member), []).append(member)
+            spanned = len(by_server)
+            for server, members in by_server.items():
+                for place, a in enumerate(members):
+                    local += [(a, b) for b in members if b != a]
+                    remote += [(a, others[place % len(others)]) for other, others in by_server.items()
+                               if other != server]
+        over_nics = self.flows(("deduplicated_remote", key), remote, nbytes * per_server) if remote else 0.0
+        over_nvlink = self.flows(("deduplicated_local", key), local, nbytes * per_rank * spanned) if local else 0.0
+        return max(over_nics, over_nvlink)
+
     def cp_pass(self, stage: int, nbytes: float) -> float:
         """One step of the context-parallel ring on `stage`: every cp rank sends `nbytes` to the next, every tp
         rank of every replica at once (parallel/context/ring.py's start_pass)."""

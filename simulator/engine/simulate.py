@@ -228,7 +228,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                   bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None,
                   attention: str = "flash", overlap: Overlap | str | None = None,
                   sp_saved_input: str = "gathered", nccl_algo: str = "auto",
-                  implementation: Implementation | None = None, expert_load: float | None = None) -> SimResult:
+                  implementation: Implementation | None = None, expert_load: float | None = None,
+                  ep_dispatcher: str | None = None) -> SimResult:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
 
     `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py), or all of it as
@@ -236,7 +237,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     `overlap`: an Overlap or a preset name (simulator/engine/overlap.py; default: our executor's);
     `nccl_algo`: "auto" (each collective as NCCL would pick it) or an algorithm forced (simulator/network/nccl.py);
     `expert_load`: a mixture of experts' routing imbalance (Implementation.expert_load; None: the implementation's,
-    1.0 balanced), priced on the busiest rank of each expert group, which the step waits for."""
+    1.0 balanced), priced on the busiest rank of each expert group, which the step waits for; `ep_dispatcher`: how
+    its rows travel (Implementation.dispatcher; None: the implementation's, "alltoall")."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
     settings = resolve_overlap(overlap)
@@ -245,6 +247,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                                                       **stack_implementation(settings))
     if expert_load is not None:
         implementation = replace(implementation, expert_load=check_expert_load(model, expert_load))
+    if ep_dispatcher is not None:
+        implementation = replace(implementation, dispatcher=ep_dispatcher)
     attention, recompute = implementation.attention, implementation.recompute
     v = check_positive_int("virtual_chunks", virtual_chunks)
     if layout.virtual_chunks not in (1, v):
