@@ -18,7 +18,7 @@ checked against it:
   executor's flash attention; while a block's backward recomputes, what it recomputes is
   alive too. A block's workspace (fp8 weight copies cast once a step, Implementation.fp8_weight_cache)
   is held once per layer on the rank, not per micro-batch in flight.
-  Comm buffers: `data_parallel_buffers`, `zero3_buffers`.
+  Comm buffers: simulator/states.py's `data_parallel_buffers`, `zero3_buffers`.
   A run's measured activations are one micro-batch's forward (parallel/memory.py):
   compare them with micro_batches_in_flight=1.
 - Context parallelism (Layout.cp): a rank's activations are those of its s/cp tokens (the op list's
@@ -29,7 +29,7 @@ checked against it:
   are saved tensors of every block (simulator/costs/ops_attention.py).
 - Mixture of experts: each block's activations by its kind (GPTConfig.is_moe_layer); under expert parallelism
   a rank holds E/ep experts beside ZeRO, their optimizer states sharded over the ranks holding the same
-  experts under ZeRO 1-3 (`experts_states`), and one MoE layer's all-to-all buffers
+  experts under ZeRO 1-3 (simulator/states.py's `experts_states`), and one MoE layer's all-to-all buffers
   (`dispatch_buffer_bytes`).
 - A planner asks this of tens of thousands of layouts: the model's checks, each layout's model states
   and each block's activations are computed once per distinct input (lru_cache; all inputs are frozen).
@@ -48,12 +48,12 @@ from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.costs.hardware import GPUSpec
-from job.layout import Bucket, Layout, buckets, check_against_config, is_expert_tensor, stage_units
+from job.layout import Layout, check_against_config, is_expert_tensor, stage_units
 from simulator.costs.op_types import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
 from simulator.costs.ops_moe import expert_rows, received_rows
+from simulator.states import experts_states, zero3_hold, zero_states
 
-MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
 
 
 # ---------------------------------------------------------------- activations per rank
@@ -155,71 +155,6 @@ class MemoryEstimate(MemoryBytes):
         data = asdict(self)
         data.update(total=self.total, fits=self.fits, per_stage=[{**asdict(s), "total": s.total} for s in self.per_stage])
         return data
-
-
-def module_of(name: str) -> str:
-    return name.rsplit(".", 1)[0]
-
-
-def data_parallel_buffers(stage: int, cut: list[Bucket], dp: int) -> int:
-    """Peak elements of ZeRO 1/2 buffers, walking the buckets in backward order as parallel/data/zero.py does.
-
-    Buckets complete last to first. Stage 1 bounds nothing: each reduce-scatter's output (1/N of
-    its bucket) stays until the optimizer waits for them all. Stage 2 measures right after
-    launching one, with up to MAX_IN_FLIGHT + 1 reduce-scatters in the air (each an output of
-    1/N of its bucket and the bucket's staging), and the staging of the bucket
-    before it when that bucket is already open: counted when the border between them falls
-    inside one module (a weight and its bias reach their gradients together, in either order).
-    Stage 0 all-reduces in place: none.
-    """
-    if stage == 0:
-        return 0
-    if stage == 1:  # no bound: every bucket's piece stays in flight until the optimizer waits
-        return sum(bucket.size // dp for bucket in cut)
-    peak, in_flight = 0, []
-    for k in reversed(range(len(cut))):
-        size = cut[k].size
-        in_flight = (in_flight + [size // dp + (size if stage == 2 else 0)])[-(MAX_IN_FLIGHT + 1) :]
-        opened = stage == 2 and k > 0 and module_of(cut[k - 1].last) == module_of(cut[k].first)
-        peak = max(peak, sum(in_flight) + (cut[k - 1].size if opened else 0))
-        in_flight = in_flight[-MAX_IN_FLIGHT:]
-    return peak
-
-
-ZERO3_HOLDS = ("forward", "backward", "step")
-
-
-def zero3_hold(layout: Layout, micro_batches: int | None = None) -> str:
-    """How long ZeRO-3 keeps a unit gathered (job/schedule_comm.py's frees_after): "forward" (freed after each
-    forward and backward), "backward" (not resharded after the forward: freed after each backward), "step"
-    (not resharded, under pipelining with several micro-batches (None: several): gathered all step)."""
-    if layout.reshard_after_forward:
-        return "forward"
-    return "step" if layout.pp > 1 and (micro_batches is None or micro_batches > 1) else "backward"
-
-
-def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "forward") -> int:
-    """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/data/zero3.py does.
-
-    While unit i's gradients come in: the first and last units (kept gathered all step),
-    unit i and the `prefetch` units before it (gathered ahead; our code prefetches one) when
-    they are not kept, unit i's staging (full size), and the last MAX_IN_FLIGHT
-    reduce-scatters (staging + 1/N output). Not resharded after the forward (`hold`, zero3_hold):
-    every unit up to i, those after it freed after their reduction ("backward"), or every unit ("step").
-    """
-    kept = {0, len(units) - 1}
-    peak, in_flight = 0, []
-    for i in reversed(range(len(units))):
-        gathered = sum(units[j] for j in kept)
-        if hold == "step":
-            gathered = sum(units)
-        elif hold == "backward":
-            gathered += sum(units[j] for j in range(i + 1) if j not in kept)
-        elif i not in kept:
-            gathered += units[i] + sum(units[j] for j in range(max(0, i - prefetch), i) if j not in kept)
-        peak = max(peak, gathered + units[i] + sum(in_flight))
-        in_flight = (in_flight + [units[i] + units[i] // dp])[-MAX_IN_FLIGHT:]
-    return peak
 
 
 def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int) -> int:
@@ -343,45 +278,16 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     if ep > 1:
         dense = [[[t for t in unit if not is_expert_tensor(t)] for unit in chunk] for chunk in chunks]
         experts = [[[t._replace(numel=t.numel // ep) for t in unit] for unit in chunk] for chunk in chunks]
-        parts = [_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts, expert_shards)]
+        parts = [zero_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts, expert_shards)]
         held, owned, grads, buffers, numel = (sum(values) for values in zip(*parts))
     else:
-        held, owned, grads, buffers, numel = _states(chunks, zero, dp, bucket_numel, prefetch, hold)
+        held, owned, grads, buffers, numel = zero_states(chunks, zero, dp, bucket_numel, prefetch, hold)
     return StageMemory(
         parameters=held * per_param["compute"], gradients=grads * per_param["grad"],
         master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
         activations=activations, comm_buffers=buffers * per_param["compute"],
         stage=index, layers=sum(len(r) for _, r in placed), numel=numel,
     )
-
-
-def _states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, hold: str) -> tuple[int, ...]:
-    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of a stage's
-    chunks of units (lists of tensors) under ZeRO `zero` over `dp` ranks."""
-    units = [unit for chunk in chunks for unit in chunk]
-    size_of: dict[int, int] = {}  # by id: every block's unit is one list (job/layout.py's stage_units)
-    for unit in units:
-        if id(unit) not in size_of:
-            size_of[id(unit)] = buckets(unit, None, dp)[0].size if unit else 0
-    unit_sizes = [size_of[id(unit)] for unit in units]
-    cut = [b for chunk in chunks for b in buckets([t for unit in chunk for t in unit], bucket_numel, dp)]
-    padded = sum(b.size for b in cut)
-    held = sum(unit_sizes) // dp if zero == 3 else padded
-    owned = held if zero in (0, 3) else padded // dp
-    grads = owned if zero >= 2 else held
-    buffers = zero3_buffers(unit_sizes, dp, prefetch, hold) if zero == 3 else data_parallel_buffers(zero, cut, dp)
-    return held, owned, grads, buffers, sum(t.numel for unit in units for t in unit)
-
-
-def experts_states(chunks, shards: int = 1) -> tuple[int, ...]:
-    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of the routed
-    experts of a stage under expert parallelism, as parallel/expert/gradients.py holds them: E/ep experts on each
-    rank (job/layout.py's expert_tensors) in a flat buffer of their own beside ZeRO's, padded to a multiple of
-    `shards` (Layout.expert_state_shards), weights and gradients whole, masters and Adam states for 1/shards of it
-    (the rank's piece, under ZeRO 1-3; all of it under ZeRO 0). The reduce-scatter's piece is the only buffer."""
-    numel = sum(t.numel for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t))
-    held = -(-numel // shards) * shards
-    return held, held // shards, held, held // shards if shards > 1 else 0, numel
 
 
 def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.costs.hardware import load_hardware
 from job.layout import Layout, stage_units
-from simulator.memory import MAX_IN_FLIGHT, layer_activation_bytes, predict_memory
+from simulator.memory import layer_activation_bytes, predict_memory
+from simulator.states import MAX_IN_FLIGHT
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
 TINY_LLAMA = preset("tiny-llama").with_(seq_len=32, n_layers=2)  # 4 heads, 2 kv heads, SwiGLU 352, no biases, untied

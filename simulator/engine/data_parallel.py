@@ -39,7 +39,7 @@ from job.schedule import (
 )
 from job.layout import bucket_members
 from simulator.engine.dp_overlap import Segment, overlap, ready_offsets
-from simulator.memory import MAX_IN_FLIGHT
+from simulator.states import MAX_IN_FLIGHT
 from simulator.engine.overlap import Overlap
 
 

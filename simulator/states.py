@@ -1,0 +1,104 @@
+"""What a pipeline stage holds of its weights, gradients and optimizer states under ZeRO 0-3, and the
+communication buffers the data-parallel wrappers keep (parallel/data/zero.py, parallel/data/zero3.py), with the
+routed experts' own buffer under expert parallelism (parallel/expert/gradients.py): in elements, for
+simulator/memory.py to turn into bytes. Torch-free."""
+
+from __future__ import annotations
+
+from job.layout import Bucket, Layout, buckets, is_expert_tensor
+
+MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
+
+
+def module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def data_parallel_buffers(stage: int, cut: list[Bucket], dp: int) -> int:
+    """Peak elements of ZeRO 1/2 buffers, walking the buckets in backward order as parallel/data/zero.py does.
+
+    Buckets complete last to first. Stage 1 bounds nothing: each reduce-scatter's output (1/N of
+    its bucket) stays until the optimizer waits for them all. Stage 2 measures right after
+    launching one, with up to MAX_IN_FLIGHT + 1 reduce-scatters in the air (each an output of
+    1/N of its bucket and the bucket's staging), and the staging of the bucket
+    before it when that bucket is already open: counted when the border between them falls
+    inside one module (a weight and its bias reach their gradients together, in either order).
+    Stage 0 all-reduces in place: none.
+    """
+    if stage == 0:
+        return 0
+    if stage == 1:  # no bound: every bucket's piece stays in flight until the optimizer waits
+        return sum(bucket.size // dp for bucket in cut)
+    peak, in_flight = 0, []
+    for k in reversed(range(len(cut))):
+        size = cut[k].size
+        in_flight = (in_flight + [size // dp + (size if stage == 2 else 0)])[-(MAX_IN_FLIGHT + 1) :]
+        opened = stage == 2 and k > 0 and module_of(cut[k - 1].last) == module_of(cut[k].first)
+        peak = max(peak, sum(in_flight) + (cut[k - 1].size if opened else 0))
+        in_flight = in_flight[-MAX_IN_FLIGHT:]
+    return peak
+
+
+ZERO3_HOLDS = ("forward", "backward", "step")
+
+
+def zero3_hold(layout: Layout, micro_batches: int | None = None) -> str:
+    """How long ZeRO-3 keeps a unit gathered (job/schedule_comm.py's frees_after): "forward" (freed after each
+    forward and backward), "backward" (not resharded after the forward: freed after each backward), "step"
+    (not resharded, under pipelining with several micro-batches (None: several): gathered all step)."""
+    if layout.reshard_after_forward:
+        return "forward"
+    return "step" if layout.pp > 1 and (micro_batches is None or micro_batches > 1) else "backward"
+
+
+def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "forward") -> int:
+    """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/data/zero3.py does.
+
+    While unit i's gradients come in: the first and last units (kept gathered all step),
+    unit i and the `prefetch` units before it (gathered ahead; our code prefetches one) when
+    they are not kept, unit i's staging (full size), and the last MAX_IN_FLIGHT
+    reduce-scatters (staging + 1/N output). Not resharded after the forward (`hold`, zero3_hold):
+    every unit up to i, those after it freed after their reduction ("backward"), or every unit ("step").
+    """
+    kept = {0, len(units) - 1}
+    peak, in_flight = 0, []
+    for i in reversed(range(len(units))):
+        gathered = sum(units[j] for j in kept)
+        if hold == "step":
+            gathered = sum(units)
+        elif hold == "backward":
+            gathered += sum(units[j] for j in range(i + 1) if j not in kept)
+        elif i not in kept:
+            gathered += units[i] + sum(units[j] for j in range(max(0, i - prefetch), i) if j not in kept)
+        peak = max(peak, gathered + units[i] + sum(in_flight))
+        in_flight = (in_flight + [units[i] + units[i] // dp])[-MAX_IN_FLIGHT:]
+    return peak
+
+
+def zero_states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, hold: str) -> tuple[int, ...]:
+    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of a stage's
+    chunks of units (lists of tensors) under ZeRO `zero` over `dp` ranks."""
+    units = [unit for chunk in chunks for unit in chunk]
+    size_of: dict[int, int] = {}  # by id: every block's unit is one list (job/layout.py's stage_units)
+    for unit in units:
+        if id(unit) not in size_of:
+            size_of[id(unit)] = buckets(unit, None, dp)[0].size if unit else 0
+    unit_sizes = [size_of[id(unit)] for unit in units]
+    cut = [b for chunk in chunks for b in buckets([t for unit in chunk for t in unit], bucket_numel, dp)]
+    padded = sum(b.size for b in cut)
+    held = sum(unit_sizes) // dp if zero == 3 else padded
+    owned = held if zero in (0, 3) else padded // dp
+    grads = owned if zero >= 2 else held
+    buffers = zero3_buffers(unit_sizes, dp, prefetch, hold) if zero == 3 else data_parallel_buffers(zero, cut, dp)
+    return held, owned, grads, buffers, sum(t.numel for unit in units for t in unit)
+
+
+def experts_states(chunks, shards: int = 1) -> tuple[int, ...]:
+    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of the routed
+    experts of a stage under expert parallelism, as parallel/expert/gradients.py holds them: E/ep experts on each
+    rank (job/layout.py's expert_tensors) in a flat buffer of their own beside ZeRO's, padded to a multiple of
+    `shards` (Layout.expert_state_shards), weights and gradients whole, masters and Adam states for 1/shards of it
+    (the rank's piece, under ZeRO 1-3; all of it under ZeRO 0). The reduce-scatter's piece is the only buffer."""
+    numel = sum(t.numel for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t))
+    held = -(-numel // shards) * shards
+    return held, held // shards, held, held // shards if shards > 1 else 0, numel
