@@ -125,7 +125,7 @@ class WithExperts:
         memory, flat = dict(self.inner.memory()), self.expert_flat
         memory["parameters"] += flat.data.numel() * flat.data.element_size()
         memory["gradients"] += flat.grad.numel() * flat.grad.element_size()
-        if self.sharded:  # the reduce-scatter's piece (simulator/memory.py's experts_states)
+        if self.sharded:  # the reduce-scatter's piece (simulator/states.py's experts_states)
             start, end = self.expert_range
             memory["comm_buffers"] += (end - start) * flat.grad.element_size()
         return memory
