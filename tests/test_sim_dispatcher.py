@@ -96,3 +96,29 @@ def test_the_flag_in_the_cli():
         result = invoke(*args)
         lines = result.output.strip().splitlines()
         assert result.exit_code == 2 and words in lines[-1], result.output
+
+
+def test_plan_searches_with_the_dispatcher_asked_for():
+    """plan prices every candidate's rows as --ep-dispatcher says, in its bound and its simulations alike: its
+    best layout's step is simulate's for that layout and dispatcher."""
+    plan = lambda *extra: CliRunner().invoke(main, ["plan", "--model", "tiny-moe", "--gpus", "8", "--top", "1",  # noqa: E731
+                                                    "--json", *extra])
+    result = plan("--ep", "4", "--ep-dispatcher", "deepep")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    alltoall = json.loads(plan("--ep", "4").output)
+    assert alltoall["ep_dispatcher"] == "alltoall"
+    assert data["best"][0]["step_time_s"] < alltoall["best"][0]["step_time_s"]  # top 2 of 8 experts, 2 a rank
+    best = data["best"][0]
+    assert data["ep_dispatcher"] == "deepep" and best["ep"] == 4
+    layout = Layout(tp=best["tp"], pp=best["pp"], dp=best["dp"], zero=best["zero"], ep=4, cp=best["cp"],
+                    sequence_parallel=best["sequence_parallel"], virtual_chunks=best["virtual_chunks"])
+    again = simulate_step(preset("tiny-moe"), layout, build_cluster(data["gpu"], 8, 1), data["precision"],
+                          data["global_batch"],
+                          best["micro_batch"], best["schedule"], best["virtual_chunks"], best["recompute"],
+                          ep_dispatcher="deepep")
+    assert again.step_time_s == pytest.approx(best["step_time_s"], rel=1e-9)
+    for extra, words in ((["--ep", "1", "--ep-dispatcher", "deepep"], "--ep 1 has none"),
+                         (["--ep-dispatcher", "nccl"], "'nccl' is not one of")):
+        result = plan(*extra)
+        assert result.exit_code == 2 and words in result.output.strip().splitlines()[-1], result.output

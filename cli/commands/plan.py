@@ -27,7 +27,7 @@ import click
 
 from cli.options.batch import batch_options
 from cli.options.config_file import config_file_option
-from cli.options.experts import expert_load_option, read_expert_load
+from cli.options.experts import ep_dispatcher_option, expert_load_option, read_expert_load
 from cli.options.model import model_from_options, model_options
 from cli.options.cluster import check_cluster_names, cluster_options
 from cli.options.precision import precision_option, simulated_precision
@@ -87,7 +87,8 @@ def _print(result) -> None:
         click.echo(result.context_note)
     if model.is_moe:
         click.echo(f"mixture of experts: {result.expert_note} (dp N (ep M): M of the N data-parallel ranks split "
-                   f"them); expert load {result.expert_load:.2f}, {result.expert_load_from}")
+                   f"them); expert load {result.expert_load:.2f}, {result.expert_load_from}; dispatcher "
+                   f"{result.dispatcher}")
     click.echo(format_table(["#", "layout", "SP", "ZeRO", "micro-batches", "schedule", "recompute", "step", "MFU",
                              f"GiB per GPU (of {result.capacity / GIB:.1f})"], _rows(result)))
     click.echo("")
@@ -116,6 +117,7 @@ def _spec(options: dict):
 @click.option("--ep", type=int, help="Fix a mixture of experts' expert parallelism at this size [default: searched: "
               "every divisor of dp that divides the experts].")
 @expert_load_option
+@ep_dispatcher_option
 @precision_option
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
 @cluster_options()
@@ -147,7 +149,8 @@ def plan(**options) -> None:
     with _progress() as tick:
         result = search(model, options["gpus"], spec, options["global_batch"] or options["gpus"],
                         options["precision"], options["top"], options["micro_batch_size"], options["micro_batches"],
-                        progress=tick, cp=options["cp"], ep=options["ep"], expert_load=load)
+                        progress=tick, cp=options["cp"], ep=options["ep"], expert_load=load,
+                        dispatcher=options["ep_dispatcher"])
     if result.expert_load != load:
         load_from += f"; {load:.3g} capped at the capacity factor {model.capacity_factor:g}"
     result.expert_load_from = load_from

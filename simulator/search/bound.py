@@ -96,9 +96,10 @@ class StepBound:
     shared by every candidate that differs from it only in ZeRO stage or schedule kind."""
 
     def __init__(self, model: GPTConfig, cluster: Cluster, hardware: Hardware, precision: str,
-                 expert_load: float = 1.0) -> None:
+                 expert_load: float = 1.0, dispatcher: str = "alltoall") -> None:
         self.model, self.cluster, self.hardware, self.precision = model, cluster, hardware, precision
         self.expert_load = expert_load  # a MoE's routing imbalance, as simulate_step is given it
+        self.dispatcher = dispatcher  # how its rows travel (Implementation.dispatcher)
         self.policy = precision_policy(precision)
         self.settings = resolve_overlap(None)  # simulate_step's default: our executor
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
@@ -111,7 +112,7 @@ class StepBound:
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
                           micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
                           Implementation("flash", recompute, "gathered", **stack_implementation(self.settings),
-                                         expert_load=self.expert_load),
+                                         expert_load=self.expert_load, dispatcher=self.dispatcher),
                           self.settings)
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,

@@ -213,10 +213,11 @@ def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu
 
 
 def simulate_candidate(model: GPTConfig, candidate: Candidate, cluster, spec: ClusterSpec, precision: str,
-                       global_batch: int, expert_load: float = 1.0) -> SimResult:
+                       global_batch: int, expert_load: float = 1.0, dispatcher: str = "alltoall") -> SimResult:
     c = candidate
     return simulate_step(model, c.layout, cluster, precision, global_batch, c.micro_batch, c.schedule,
-                         c.virtual_chunks, c.recompute, gpu=spec.hardware, expert_load=expert_load)
+                         c.virtual_chunks, c.recompute, gpu=spec.hardware, expert_load=expert_load,
+                         ep_dispatcher=dispatcher)
 
 
 @dataclass
@@ -241,6 +242,7 @@ class Plan:
     expert_load: float = 1.0  # a MoE's routing imbalance priced (simulator/engine/experts.py's check_expert_load)
     expert_load_from: str = "balanced (the default)"  # where that number comes from (the command line says)
     fixed_ep: int | None = None  # expert parallelism as asked for (None: searched)
+    dispatcher: str = "alltoall"  # how a MoE's rows travel (Implementation.dispatcher)
 
     @property
     def context_note(self) -> str | None:
@@ -272,7 +274,7 @@ class Plan:
             "n_gpus": self.n_gpus, "gpu": self.gpu, "memory_capacity_bytes": self.capacity,
             "global_batch": self.global_batch, "precision": self.precision, "model": self.model.describe(),
             "smallest_cp_that_fits": self.smallest_cp, "context_parallelism_note": self.context_note,
-            **({"expert_load": self.expert_load, "expert_load_from": self.expert_load_from,
+            **({"expert_load": self.expert_load, "expert_load_from": self.expert_load_from, "ep_dispatcher": self.dispatcher,
                 "expert_parallelism": self.expert_note} if self.model.is_moe else {}),
             "best": [{**c.as_dict(), "step_time_s": r.step_time_s, "mfu": r.mfu, "tflops_per_gpu": r.tflops_per_gpu,
                       "samples_per_s": r.samples_per_s, "memory_per_gpu_bytes": r.memory.total,
@@ -312,7 +314,7 @@ def _check(model: GPTConfig, n_gpus: int, global_batch: int, top: int) -> None:
 def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, precision: str = "bf16",
          top: int = 5, micro_batch: int | None = None, micro_batches: int | None = None,
          progress: Callable[[str, int, int], None] | None = None, cp: int | None = None, ep: int | None = None,
-         expert_load: float = 1.0) -> Plan:
+         expert_load: float = 1.0, dispatcher: str = "alltoall") -> Plan:
     """The `top` fastest candidates that fit (see the module docstring); `progress(stage, done, total)`;
     `cp` fixes context parallelism, `ep` expert parallelism (None: searched); `expert_load`: a MoE's routing
     imbalance (simulator/engine/experts.py)."""
@@ -321,6 +323,11 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
         check_context_parallel(model, cp)  # one line for a cp the sequence cannot take at all
     check_expert_parallel(model, ep or 1, ep or 1)  # one line for an ep the model cannot take
     expert_load = check_expert_load(model, expert_load)
+    Implementation(dispatcher=dispatcher)  # one line for a dispatcher there is none of
+    if dispatcher != "alltoall" and (not model.is_moe or ep == 1):
+        raise ConfigError(f"--ep-dispatcher {dispatcher} moves a mixture of experts' rows between the ranks of an "
+                          f"expert group, and {'this model is dense' if not model.is_moe else '--ep 1 has none'}: "
+                          f"drop --ep-dispatcher")
     if spec.hardware.gpu.measured is not None:
         raise ConfigError("plan searches GPU clusters: a calibrated CPU host profile's compute depends on how many "
                           "ranks share its cores; simulate its layouts one by one with `minigpt simulate`")
@@ -331,7 +338,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     gpu = spec.hardware.gpu
     result = Plan(model, n_gpus, spec.hardware.name, gpu.hbm_bytes, global_batch, precision, top,
                   candidates=len(candidates) + sum(refused.values()), refused=dict(refused), expert_load=expert_load,
-                  fixed_ep=ep)
+                  fixed_ep=ep, dispatcher=dispatcher)
     if not candidates:
         raise ConfigError(f"no layout of {n_gpus} GPUs runs a global batch of {global_batch}"
                           f"{' with the micro-batching asked for' if micro_batch or micro_batches else ''}"
@@ -362,7 +369,7 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
     builds the schedule) only when the candidate reaches the front, which then goes back in line."""
     clock = time.perf_counter()
     model, precision = result.model, result.precision
-    bound = StepBound(model, cluster, spec.hardware, precision, result.expert_load)
+    bound = StepBound(model, cluster, spec.hardware, precision, result.expert_load, result.dispatcher)
     line = [(bound.compute_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory), 0, i)
             for i, (c, memory) in enumerate(fitting)]
     heapq.heapify(line)
@@ -378,7 +385,7 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
             heapq.heappush(line, (max(low, dp), 1, index))
             continue
         simulated = simulate_candidate(model, candidate, cluster, spec, precision, result.global_batch,
-                                       result.expert_load)
+                                       result.expert_load, result.dispatcher)
         if not simulated.fits:  # predict_memory disagrees with itself: a bug, not an answer
             raise RuntimeError(f"{candidate.describe()}: the memory check said it fits, simulate_step says not")
         result.simulated.append((candidate, simulated.step_time_s, low))
