@@ -90,7 +90,7 @@ class Layout:
     def activation_rows(self, model: GPTConfig) -> int:
         """The tokens of a sequence one rank holds between the layers (what a pipeline stage sends on): its
         s / cp under context parallelism, cut by tp again under sequence parallelism."""
-        return model.seq_len // self.cp // (self.tp if self.sequence_parallel else 1)
+        return model.seq_len // self.sequence_ranks
 
     @property
     def expert_state_shards(self) -> int:

@@ -35,7 +35,7 @@ from job.schedule_actions import (
 from job.schedule_run import COMPUTE_TYPES, Costs, TimedAction, Timeline, run_symbolically
 
 __all__ = ["Costs", "TimedAction", "Timeline", "bubble_fraction", "closed_form_bubble", "match_pairs",
-           "peak_alive", "peak_ends_in_flight", "peak_in_flight", "simulate_order", "validate"]
+           "ends_alive", "peak_alive", "peak_ends_in_flight", "peak_in_flight", "simulate_order", "validate"]
 
 
 def validate(schedule: Schedule) -> None:
@@ -75,9 +75,12 @@ def peak_ends_in_flight(schedule: Schedule) -> list[tuple[int, int]]:
     (the head's and loss's); 0 on a rank that holds neither. Without virtual chunks these are peak_in_flight's on
     the first and last ranks; with them a rank holds the embedding's or head's activations for the micro-batches of
     one chunk only, far fewer than all the chunks it has in flight (simulator/memory.py's predict_memory)."""
-    last = schedule.config.num_chunks - 1
-    return [(peak_alive(actions, lambda chunk: chunk == 0), peak_alive(actions, lambda chunk: chunk == last))
-            for actions in schedule.actions]
+    return [ends_alive(actions, schedule.config.num_chunks) for actions in schedule.actions]
+
+
+def ends_alive(actions, num_chunks: int) -> tuple[int, int]:
+    """One rank's (first chunk's, last chunk's) peak of forwards alive (peak_ends_in_flight)."""
+    return peak_alive(actions, lambda chunk: chunk == 0), peak_alive(actions, lambda chunk: chunk == num_chunks - 1)
 
 
 def peak_alive(actions, counted) -> int:

@@ -99,6 +99,6 @@ def experts_states(chunks, shards: int = 1) -> tuple[int, ...]:
     rank (job/layout.py's expert_tensors) in a flat buffer of their own beside ZeRO's, padded to a multiple of
     `shards` (Layout.expert_state_shards), weights and gradients whole, masters and Adam states for 1/shards of it
     (the rank's piece, under ZeRO 1-3; all of it under ZeRO 0). The reduce-scatter's piece is the only buffer."""
-    numel = sum(t.numel for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t))
-    held = -(-numel // shards) * shards
-    return held, held // shards, held, held // shards if shards > 1 else 0, numel
+    experts = [t for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t)]
+    held = buckets(experts, None, shards)[0].size if experts else 0  # one bucket, as gradients.py's buffer
+    return held, held // shards, held, held // shards if shards > 1 else 0, sum(t.numel for t in experts)

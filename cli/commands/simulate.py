@@ -317,15 +317,14 @@ def check_context(options: dict, model) -> None:
     divisible by ep); --expert-load, read into options["expert_load"] and where it comes from
     (cli/options/experts.py, simulator/engine/experts.py's check_expert_load)."""
     from job.train_config import check_context_parallel, check_expert_parallel
-    from simulator.engine.experts import check_expert_load
+    from simulator.engine.experts import check_dispatcher, check_expert_load
 
     check_context_parallel(model, options["cp"], options["cp_kind"])
     check_cp_attention(options["cp"], options["attention"])
     dp = options["dp"] or (1 if not options["sweep"] else options["ep"])
     check_expert_parallel(model, options["ep"], dp, options["cp"], options["tp"] or 1, options["sequence_parallel"])
-    if options["ep_dispatcher"] != "alltoall" and options["ep"] == 1 and not options["sweep"]:
-        raise ConfigError(f"--ep-dispatcher {options['ep_dispatcher']} moves the experts' rows between the ranks of an "
-                          f"expert group, and --ep 1 has none: give --ep N, or drop --ep-dispatcher")
+    if not options["sweep"]:  # a sweep refuses every MoE flag in a line of its own (run_sweep)
+        check_dispatcher(model, options["ep"], options["ep_dispatcher"])
     given, options["expert_load_from"] = read_expert_load(options["expert_load"])
     options["expert_load"] = check_expert_load(model, given)
     if options["expert_load"] != given:

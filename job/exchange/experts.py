@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 
 from job.exchange.context import Exchange
-from job.layout import expert_tensors
+from job.layout import buckets, expert_tensors
 from minigpt.config import GPTConfig
 
 COUNT_BYTES = 8  # int64 token counts
@@ -123,8 +123,7 @@ def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: in
     to a multiple of them is reduce-scattered, and after the update all-gathered (parallel/expert/gradients.py)."""
     if ep == 1 or not model.is_moe or dp == ep or moe_layers == 0:
         return []
-    numel = moe_layers * sum(t.numel for t in expert_tensors(model, ep))
+    numel = buckets(expert_tensors(model, ep) * moe_layers, None, shards)[0].size  # padded as FlatParameters pads
     if shards == 1:
         return [Exchange("all_reduce", 1, numel * grad_bytes)]
-    padded = -(-numel // shards) * shards
-    return [Exchange("reduce_scatter", 1, padded * grad_bytes), Exchange("all_gather", 1, padded * grad_bytes)]
+    return [Exchange("reduce_scatter", 1, numel * grad_bytes), Exchange("all_gather", 1, numel * grad_bytes)]

@@ -44,10 +44,9 @@ class WithExperts:
         self.data_ranks = data_ranks
         self.stage = inner.stage
         self.sharded = inner.stage >= 1 and replicas.size > 1  # the module docstring
-        self.expert_flat = FlatParameters(expert_shards(model), pad_to=replicas.size if self.sharded else 1)
-        piece = self.expert_flat.padded_numel // replicas.size if self.sharded else self.expert_flat.padded_numel
-        start = replicas.rank * piece if self.sharded else 0
-        self.expert_range = (start, start + piece)  # what this rank's optimizer owns of the experts' buffer
+        rank, shards = (replicas.rank, replicas.size) if self.sharded else (0, 1)
+        self.expert_flat = FlatParameters(expert_shards(model), pad_to=shards)  # one bucket: one piece a rank
+        (self.expert_range,) = self.expert_flat.shard_ranges(rank, shards)  # what this rank's optimizer owns
         self.gather_pending = False
 
     def __getattr__(self, name: str):

@@ -42,6 +42,7 @@ from job.exchange.experts import backward_exchanges, forward_exchanges, routed_r
 from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
+from simulator.costs.op_types import Implementation
 from simulator.costs.ops_moe import received_rows
 from simulator.engine.context import Priced
 from simulator.engine.overlap import exposed, overlapped
@@ -122,6 +123,17 @@ def routing_seconds(model: GPTConfig, layout: Layout, micro_batch: int, recomput
     forward = sum(e.calls * links.cp_collective(stage, e.kind, e.bytes * whole[e.kind])
                   for e in routing_exchanges(model, layout.cp, tokens, micro_batch))
     return forward, forward if recompute == "full" else 0.0
+
+
+def check_dispatcher(model: GPTConfig, ep: int | None, dispatcher: str) -> str:
+    """`dispatcher` if it names one (Implementation.dispatcher) and has rows to move: a mixture of experts with an
+    expert group (`ep` None: searched, as plan does), else one line."""
+    Implementation(dispatcher=dispatcher)
+    if dispatcher != "alltoall" and (not model.is_moe or ep == 1):
+        why = "this model is dense" if not model.is_moe else "--ep 1 has none"
+        raise ConfigError(f"--ep-dispatcher {dispatcher} moves a mixture of experts' rows between the ranks of an "
+                          f"expert group, and {why}: give --ep N, or drop --ep-dispatcher")
+    return dispatcher
 
 
 def check_expert_load(model: GPTConfig, load: float) -> float:

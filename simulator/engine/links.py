@@ -392,9 +392,27 @@ class LinkCosts:
 
     def ep_servers(self, stage: int) -> tuple[int, int]:
         """(servers an expert group of `stage` spans, the most of its members on one of them)."""
-        group = self.groups("ep", stage)[0][0]
-        servers = Counter(self.cluster.node_of(member) for member in group)
-        return len(servers), max(servers.values())
+        return self._by_server(stage)[2:]
+
+    def _by_server(self, stage: int) -> tuple[list, list, int, int]:
+        """The expert groups of `stage` split by server, once: (the NIC pairs, each member to the member in its
+        place on every other server of its group; the NVLink pairs, each member to every other member of its
+        server; servers a group spans; the most members on one)."""
+        key = ("ep_by_server", stage)
+        if key not in self.memo:
+            remote, local, spanned, most = [], [], 1, 1
+            for group in self.groups("ep", stage)[0]:
+                by_server: dict = {}
+                for member in group:
+                    by_server.setdefault(self.cluster.node_of(member), []).append(member)
+                spanned, most = len(by_server), max(len(members) for members in by_server.values())
+                for server, members in by_server.items():
+                    for place, a in enumerate(members):
+                        local += [(a, b) for b in members if b != a]
+                        remote += [(a, others[place % len(others)]) for other, others in by_server.items()
+                                   if other != server]
+            self.memo[key] = (remote, local, spanned, most)
+        return self.memo[key]
 
     def all_to_all_deduplicated(self, stage: int, nbytes: float, per_rank: float, per_server: float) -> float:
         """One dispatch or combine of a hierarchical dispatcher that sends each token once per destination (DeepEP's
@@ -405,18 +423,8 @@ class LinkCosts:
         together (the NVLink forwarding of chunks as they land), so the slower sets the time."""
         if self.layout.ep == 1 or nbytes <= 0:
             return 0.0
-        groups, key = self.groups("ep", stage)
-        remote, local, spanned = [], [], 1
-        for group in groups:
-            by_server: dict = {}
-            for member in group:
-                by_server.setdefault(self.cluster.node_of(member), []).append(member)
-            spanned = len(by_server)
-            for server, members in by_server.items():
-                for place, a in enumerate(members):
-                    local += [(a, b) for b in members if b != a]
-                    remote += [(a, others[place % len(others)]) for other, others in by_server.items()
-                               if other != server]
+        key = self.groups("ep", stage)[1]
+        remote, local, spanned, _ = self._by_server(stage)
         over_nics = self.flows(("deduplicated_remote", key), remote, nbytes * per_server) if remote else 0.0
         over_nvlink = self.flows(("deduplicated_local", key), local, nbytes * per_rank * spanned) if local else 0.0
         return max(over_nics, over_nvlink)

@@ -40,7 +40,7 @@ from minigpt.config import GPTConfig
 from job.data_parallel import schedule_config
 from job.layout import Layout
 from job.schedule import Backward, Forward, ScheduleConfig, compute_order
-from job.schedule_check import peak_alive
+from job.schedule_check import ends_alive, peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
 from simulator.engine.simulate import step_schedule
@@ -80,12 +80,11 @@ def schedule_shape(pp: int, micro_batches: int, kind: str, virtual_chunks: int) 
     communication and data-parallel actions change neither, so a candidate's ZeRO stage and
     buckets do not matter and one order serves every candidate of the same pipeline."""
     config = ScheduleConfig(pp, micro_batches, kind, virtual_chunks)
-    last_chunk = pp * virtual_chunks - 1
     in_flight, first, last, ends = [], [], [], []
     for rank in range(pp):
         order = compute_order(config, rank)
         in_flight.append(peak_alive(order, lambda chunk: True))
-        ends.append((peak_alive(order, lambda chunk: chunk == 0), peak_alive(order, lambda chunk: chunk == last_chunk)))
+        ends.append(ends_alive(order, pp * virtual_chunks))
         first.append((type(order[0]), order[0].chunk))
         last.append((type(order[-1]), order[-1].chunk))
     return ScheduleShape(tuple(in_flight), tuple(first), tuple(last), tuple(ends))

@@ -50,7 +50,7 @@ from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
 from job.train_config import check_context_parallel, check_expert_parallel, routing_ranks, shape_allows
 from simulator.costs.op_types import Implementation
-from simulator.engine.experts import check_expert_load
+from simulator.engine.experts import check_dispatcher, check_expert_load
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
@@ -323,11 +323,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
         check_context_parallel(model, cp)  # one line for a cp the sequence cannot take at all
     check_expert_parallel(model, ep or 1, ep or 1)  # one line for an ep the model cannot take
     expert_load = check_expert_load(model, expert_load)
-    Implementation(dispatcher=dispatcher)  # one line for a dispatcher there is none of
-    if dispatcher != "alltoall" and (not model.is_moe or ep == 1):
-        raise ConfigError(f"--ep-dispatcher {dispatcher} moves a mixture of experts' rows between the ranks of an "
-                          f"expert group, and {'this model is dense' if not model.is_moe else '--ep 1 has none'}: "
-                          f"drop --ep-dispatcher")
+    check_dispatcher(model, ep, dispatcher)
     if spec.hardware.gpu.measured is not None:
         raise ConfigError("plan searches GPU clusters: a calibrated CPU host profile's compute depends on how many "
                           "ranks share its cores; simulate its layouts one by one with `minigpt simulate`")
