@@ -44,7 +44,7 @@ from parallel.calibrate.device import (
     CONTEXT_PARALLEL, copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp,
 )
 from parallel.calibrate.host import build_measured, collective_points, measure_host
-from parallel.calibrate.links import fit_alpha_beta, node_and_nic, profile_links
+from parallel.calibrate.links import fit_alpha_beta, node_and_nic, preset_attention, profile_links
 from parallel.calibrate.noise import Noise, reliability
 from parallel.calibrate.storage import build_failure_costs, measure_checkpoint
 from parallel.launch.elastic import finish_worker, init_worker, launch
@@ -382,6 +382,9 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
         },
         "measured": build_measured([r["host"] for r in measured], plan, fit_alpha_beta),
     }
+    attention = preset_attention(links_from, peaks.get("bf16")) if on_gpu else None
+    if attention is not None:
+        gpu["attention_efficiency"] = attention
     if shares is not None:
         gpu["measured"]["reliability"] = reliability(shares["before"], shares["after"], alone.get("noise"),
                                                      alone["block"].get("spread"), alone["matmuls"].get("spread"),

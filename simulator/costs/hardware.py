@@ -432,8 +432,8 @@ def preset_for_device(device_name: str) -> str | None:
 
 
 def preset_links(device_name: str) -> dict | None:
-    """The link figures (NVLink, node, NIC) and datasheet peaks of the preset matching `device_name`,
-    as plain JSON-ready data for `minigpt calibrate` with one rank; None when no preset matches."""
+    """The link figures (NVLink, node, NIC), datasheet peaks and attention table of the preset matching
+    `device_name`, as plain JSON-ready data for `minigpt calibrate` with one rank; None when no preset matches."""
     name = preset_for_device(device_name)
     if name is None:
         return None
@@ -442,7 +442,9 @@ def preset_links(device_name: str) -> dict | None:
     del node["name"], nic["name"]
     return {"preset": name, "gpu_source": hardware.gpu.source, "peak_flops": dict(hardware.gpu.peak_flops),
             "nvlink_bandwidth": hardware.gpu.nvlink_bandwidth, "nvlink_latency": hardware.gpu.nvlink_latency,
-            "node_name": hardware.node.name, "node": node, "nic_name": hardware.nic.name, "nic": nic}
+            "node_name": hardware.node.name, "node": node, "nic_name": hardware.nic.name, "nic": nic,
+            "attention_efficiency": (None if hardware.gpu.attention_efficiency is None
+                                     else hardware.gpu.attention_efficiency.as_dict())}
 
 
 def load_nic(name: str) -> NICSpec:
