@@ -50,7 +50,7 @@ BURST_CALLS = 20
 WINDOW_S = 0.25
 LAST_S = 10.0
 QUERY = "clocks.sm,power.draw,temperature.gpu"
-FORMATS = ("bf16", "fp16", "fp8", "fp8_fast")
+FORMATS = ("bf16", "fp16", "fp8", "fp8_fast", "tf32", "fp32")  # tf32 and fp32 on CUDA only (the CPU dry run: fp32)
 
 
 class Sampler:

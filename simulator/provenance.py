@@ -114,8 +114,13 @@ def summary_rows(data: dict) -> list[list[str]]:
         text = source["kind"] if source["kind"] == "fallback curve" else f"{source['kind']} ({_short(source['source'])})"
         rows.append([f"{fmt} GEMM efficiency", text])
     achieved = data["achieved"]
+    held = achieved.get("tensor_sustained", {})
+    shares = sorted(set(held.values()))
+    held_text = "" if not held else (
+        f", tensor cores held at {shares[0]:.1%} of a burst under the power limit ({', '.join(held)})" if len(shares) == 1
+        else ", tensor cores held under the power limit at " + ", ".join(f"{f} {v:.1%}" for f, v in held.items()))
     rows.append(["achieved fractions", f"HBM {achieved['hbm_fraction']:.0%}, NVLink {achieved['nvlink_fraction']:.0%}, "
-                 f"{data['kernel_overhead_s'] * 1e6:.1f} us per kernel ({_short(achieved['source'])})"])
+                 f"{data['kernel_overhead_s'] * 1e6:.1f} us per kernel{held_text} ({_short(achieved['source'])})"])
     impl = data["implementation"]
     rows.append(["implementation", f"{impl['attention']} attention, recompute {impl['recompute']}, "
                  f"sequence-parallel inputs saved {impl['sp_saved_input']}" + _fp8_text(impl)])

@@ -129,9 +129,11 @@ def price(kernels: list[tuple], gpu: str) -> tuple[float, float]:
     """(seconds in GEMMs, FlashAttention included; seconds in memory-bound kernels) on `gpu`'s datasheet.
     A causal FlashAttention pass on a GPU with a published table: half its square's FLOPs (the kernel
     benchmark's count) at the table's share of the format's peak; otherwise the s (s + 1) / 2 of the s^2
-    products the mask keeps at the GEMM table's efficiency for the head size."""
+    products the mask keeps at the GEMM table's efficiency for the head size. Every tensor-core time is a burst's
+    stretched by the GPU's achieved.tensor_sustained for the format (1 where absent)."""
     sheet = DATASHEETS[gpu]
     hbm = sheet["hbm_bandwidth"] * sheet["achieved"]["hbm_fraction"]
+    held = sheet["achieved"].get("tensor_sustained", {})  # a burst's rate held under the power limit, per format
     launch = sheet["matmul_efficiency"]["launch_latency"]
     gemm = memory = 0.0
     for kernel in kernels:
@@ -142,14 +144,15 @@ def price(kernels: list[tuple], gpu: str) -> tuple[float, float]:
                 rate = peak * model_efficiency(model, m, n, k, peak, dtype)
             else:
                 rate = peak * table_efficiency(sheet["matmul_efficiency"][dtype], min(m, n, k))
-            gemm += flops / rate + launch
+            gemm += flops / (rate * held.get(dtype, 1.0)) + launch
         elif kernel[0] == "attention":
             _, square, head_dim, dtype, seq = kernel
             table = sheet.get("attention_efficiency", {}).get("causal")
+            peak = sheet["peak_flops"][dtype] * held.get(dtype, 1.0)
             if table is not None:  # measured in 16-bit; any format at the same share of its own peak
-                gemm += square / 2 / (sheet["peak_flops"][dtype] * causal_attention_efficiency(table, head_dim, seq))
+                gemm += square / 2 / (peak * causal_attention_efficiency(table, head_dim, seq))
             else:
-                rate = sheet["peak_flops"][dtype] * table_efficiency(sheet["matmul_efficiency"][dtype], head_dim)
+                rate = peak * table_efficiency(sheet["matmul_efficiency"][dtype], head_dim)
                 gemm += square * (seq + 1) / (2 * seq) / rate
             gemm += launch
         else:

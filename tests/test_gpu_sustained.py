@@ -50,5 +50,5 @@ def test_bad_input_exits_2_and_an_earlier_result_is_kept(tmp_path, capsys):
         assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "exists; give a new path" in err and err.count("must be a positive number of seconds") == 4
-    assert err.count("takes a comma-separated list of bf16, fp16, fp8, fp8_fast") == 2
+    assert err.count("takes a comma-separated list of bf16, fp16, fp8, fp8_fast, tf32, fp32") == 2
     assert out.read_text() == "earlier" and not (tmp_path / "new.json").exists()

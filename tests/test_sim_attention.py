@@ -90,7 +90,7 @@ def test_a_flash_op_is_priced_at_the_kernels_rate_or_at_the_gemms_for_the_kept_s
     forward, backward = flash_ops(4096, heads=8, head_dim=128, b=1)
     gpu = load_hardware("h100-sxm").gpu
     for op in (forward, backward):
-        expected = op.benchmark_flops / (989.4e12 * 0.2971)
+        expected = op.benchmark_flops / (989.4e12 * 0.843 * 0.2971)  # the kernel's burst share, held at 0.843
         assert op_time(op, gpu) == pytest.approx(expected + kernel_overhead(gpu))
     plain = dataclasses.replace(gpu, attention_efficiency=None)  # no table: the GEMMs' efficiency, kept share
     whole = dataclasses.replace(forward, causal_seq=0)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from minigpt.errors import ConfigError
-from simulator.costs.compute import efficiency, gemm_efficiency, matmul_time
+from simulator.costs.compute import efficiency, gemm_efficiency, matmul_time, tensor_peak
 from simulator.costs.efficiency import parse_efficiency_profile
 from simulator.costs.gemm_model import TILES, GemmFit, GemmModel, parse_gemm_model, tile_work, wave_utilisation
 from simulator.costs.hardware import load_hardware
@@ -136,7 +136,8 @@ def test_training_shapes_are_priced_by_their_three_sides_not_their_smallest():
 
 def test_matmul_time_and_batches_use_the_model():
     m, n, k = 4096, 4096, 4096
-    expected = 2 * m * n * k / (H100.flops("bf16") * gemm_efficiency(m, n, k, "bf16", H100, H100.matmul_efficiency))
+    expected = 2 * m * n * k / (tensor_peak(H100, "bf16") * gemm_efficiency(m, n, k, "bf16", H100,
+                                                                             H100.matmul_efficiency))
     assert matmul_time(2 * m * n * k, m, n, k, H100, "bf16", profile=H100.matmul_efficiency) == pytest.approx(
         expected + H100.matmul_efficiency.launch_latency)
     # a batch of GEMMs fills the SMs as one GEMM of batch x the tiles
@@ -205,7 +206,7 @@ def test_userbuffers_run_the_overlapped_linears_in_chunks_priced_chunk_by_chunk(
         op, whole = chunked[name], plain[name]
         assert op.flops == whole.flops and op.bytes - whole.bytes == (chunks - 1) * op.n * op.k * 2  # weight re-read
         one = Gemm(name, op.m // chunks, op.n, op.k, op.dtype)
-        piece = one.flops / (gpu.flops("bf16") * gemm_efficiency(one.m, one.n, one.k, "bf16", gpu,
-                                                                  gpu.matmul_efficiency))
+        piece = one.flops / (tensor_peak(gpu, "bf16") * gemm_efficiency(one.m, one.n, one.k, "bf16", gpu,
+                                                                        gpu.matmul_efficiency))
         assert op_time(op, gpu, gpu.matmul_efficiency) == pytest.approx(chunks * (piece + overhead), rel=1e-12)
         assert op_time(op, gpu, gpu.matmul_efficiency) > op_time(whole, gpu, gpu.matmul_efficiency)

@@ -230,11 +230,45 @@ def test_every_preset_gpu_has_achieved_fractions_with_a_source():
     raw = _raw_gpus()
     for name in GPUS:
         entry = raw[name]["achieved"]
-        assert set(entry) == {"hbm_fraction", "kernel_overhead", "nvlink_fraction", "source"}, name
+        assert set(entry) - {"tensor_sustained"} == {"hbm_fraction", "kernel_overhead", "nvlink_fraction",
+                                                     "source"}, name
         reached = load_hardware(name).gpu.reached
+        if "tensor_sustained" in entry:  # our measurement, named in the source
+            assert "tensor_sustained: our measurement" in reached.source and "bench/gpu_sustained.py" in reached.source
+            assert all(0.5 < reached.sustained(fmt) < 1 for fmt in entry["tensor_sustained"])
         assert reached.source != DATASHEET and "docs/efficiency.md" in reached.source
         assert 0 < reached.hbm_fraction <= 1 and 0 < reached.nvlink_fraction <= 1
         assert 0 < reached.kernel_overhead < 1e-4
+
+
+def test_the_sustained_tensor_rate_is_the_h200_measurement_on_the_gh100_presets_only():
+    """bench/gpu_sustained.py on a lent H200 (docs/measurements/h200-2026-12-04): the last 10 s of a GEMM run back to
+    back over its burst, per format. The GH100 presets carry it; the others say nothing (1)."""
+    folder = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h200-2026-12-04"
+    measured = {fmt: one["sustained_over_burst"] for file in ("sustained.json", "sustained-tf32-fp16-fp32.json")
+                for fmt, one in json.loads((folder / file).read_text())["formats"].items()}
+    assert set(measured) == {"bf16", "fp8", "tf32", "fp16", "fp32"} and abs(measured.pop("fp32") - 1) < 0.01
+    mean = sum(measured.values()) / len(measured)  # one power limit, one clock: the tensor-core formats' mean
+    assert max(measured.values()) - min(measured.values()) < 0.03
+    for name in ("h200", "h100-sxm", "h100-96gb-500w"):
+        reached = load_hardware(name).gpu.reached
+        for fmt in measured:
+            assert reached.sustained(fmt) == pytest.approx(mean, abs=5e-4)
+        assert reached.sustained("fp32") == 1  # the CUDA cores held their clock
+    for name in ("a100-40gb", "a100-80gb", "b200"):
+        assert load_hardware(name).gpu.reached.sustained("bf16") == 1
+
+
+def test_a_bad_sustained_rate_is_one_clear_error():
+    from simulator.costs.achieved import parse_achieved
+
+    base = {"source": "x"}
+    assert parse_achieved(base, "g").sustained("bf16") == 1
+    assert parse_achieved({**base, "tensor_sustained": {"bf16": 0.8}}, "g").as_dict()["tensor_sustained"] == {
+        "bf16": 0.8}
+    for bad in ({"int8": 0.8}, {"bf16": 1.5}, {"bf16": 0}, [0.8]):
+        with pytest.raises(ConfigError, match="tensor_sustained"):
+            parse_achieved({**base, "tensor_sustained": bad}, "g")
 
 
 def test_every_nic_has_a_published_bus_bandwidth_fraction():

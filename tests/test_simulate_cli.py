@@ -154,6 +154,11 @@ def test_every_prediction_says_what_it_rests_on():
     assert "source" in provenance["achieved"] and data["attention"] == "unfused" and data["recompute"] == "selective"
     plain = json.loads(invoke(*args, "--json").output)
     assert data["memory_per_gpu"]["activations"] > plain["memory_per_gpu"]["activations"]  # s x s scores kept
+    assert "tensor_sustained" not in provenance["achieved"] and "tensor cores held" not in table.output  # A100
+    h100 = invoke(*args, "--gpu", "h100-sxm")
+    assert "tensor cores held at 84.3% of a burst under the power limit (bf16, fp16, fp8, tf32)" in h100.output
+    assert json.loads(invoke(*args, "--gpu", "h100-sxm", "--json").output)["provenance"]["achieved"][
+        "tensor_sustained"]["bf16"] == 0.843
 
 
 def test_the_stack_presets_run_and_say_so():

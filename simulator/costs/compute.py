@@ -8,9 +8,10 @@ one costs its roofline plus a fixed cost per kernel:
     FlashAttention   max(sum of its GEMMs' flops / (peak * efficiency), bytes / HBM) + overhead
     memory-bound     bytes / HBM + overhead
 
-with HBM = hbm_bandwidth * gpu.reached.hbm_fraction and overhead = the profile's measured
-launch_latency when it has one, else gpu.reached.kernel_overhead (simulator/costs/achieved.py: 1 and
-0 when the GPU says nothing).
+with HBM = hbm_bandwidth * gpu.reached.hbm_fraction, peak = the datasheet's times
+gpu.reached.sustained(dtype) (the share of a burst's rate the tensor cores hold under the power limit:
+`tensor_peak`) and overhead = the profile's measured launch_latency when it has one, else
+gpu.reached.kernel_overhead (simulator/costs/achieved.py: 1 and 0 when the GPU says nothing).
 
 Efficiency (`gemm_efficiency`): where the profile has a GEMM model for the format (a preset's
 "gemm_model", simulator/costs/gemm_model.py), the model by (m, n, k): output tiles in waves over the
@@ -69,6 +70,14 @@ def hbm_speed(gpu: GPUSpec) -> float:
     return gpu.hbm_bandwidth * gpu.reached.hbm_fraction
 
 
+def tensor_peak(gpu: GPUSpec, dtype: str) -> float:
+    """FLOP/s the tensor cores hold in `dtype` through a training run: the dense peak times the share of a
+    burst's rate they keep back to back under the board's power limit (achieved.tensor_sustained; 1 if not given).
+    The efficiency tables and the GEMM model describe bursts (microbenchmarks of a few timed calls): a kernel's
+    whole burst time, its fixed cost included, is stretched by the lower clock that holds the power limit."""
+    return gpu.flops(dtype) * gpu.reached.sustained(dtype)
+
+
 def efficiency(smallest: int, dtype: str, profile: EfficiencyProfile | None = None) -> float:
     """Fraction of the peak a matmul whose smallest side is `smallest` reaches, by the profile's table."""
     measured = profile.efficiency(dtype, smallest) if profile is not None else None
@@ -92,7 +101,7 @@ def matmul_time(flops: float, m: int, n: int, k: int, gpu: GPUSpec, dtype: str, 
             raise ConfigError(f"matmul {name} must be a positive integer, got {value!r}")
     if not 0 <= flops < math.inf:
         raise ConfigError(f"matmul flops must be a finite number >= 0, got {flops!r}")
-    compute = flops / (gpu.flops(dtype) * gemm_efficiency(m, n, k, dtype, gpu, profile, batch))
+    compute = flops / (tensor_peak(gpu, dtype) * gemm_efficiency(m, n, k, dtype, gpu, profile, batch))
     memory = batch * (m * k + k * n + m * n) * ELEMENT_BYTES[dtype] / hbm_speed(gpu)
     return max(compute, memory) + (profile.launch_latency if profile is not None else 0.0)
 
@@ -126,7 +135,7 @@ def kernel_overhead(gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> f
 def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
     """At the efficiency of one chunk's shape when it runs in chunks (each a GEMM of its own, in turn)."""
     rows = -(-g.m // g.chunks)
-    return g.flops / (gpu.flops(g.dtype) * gemm_efficiency(rows, g.n, g.k, g.dtype, gpu, profile, g.batch))
+    return g.flops / (tensor_peak(gpu, g.dtype) * gemm_efficiency(rows, g.n, g.k, g.dtype, gpu, profile, g.batch))
 
 
 def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
@@ -136,7 +145,8 @@ def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProf
     scores = op.gemms[0]  # s x s x head_dim: the scores, or the backward's recomputed scores
     table = gpu.attention_efficiency
     if op.causal_seq and table is not None:  # at the length the kernel works on: a ring's chunk under cp (ops_attention.py)
-        return attention_seconds(table, op.benchmark_flops, scores.k, op.efficiency_seq, gpu.flops(scores.dtype))
+        peak = tensor_peak(gpu, scores.dtype)
+        return attention_seconds(table, op.benchmark_flops, scores.k, op.efficiency_seq, peak)
     square = sum(_gemm_compute(g, gpu, profile) for g in op.gemms)
     return square * op.flops / op.square_flops
 
