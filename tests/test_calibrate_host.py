@@ -71,7 +71,8 @@ def test_the_measured_field_is_assembled_from_every_rank():
     plan = make_plan(4, quick=True)
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     hosts = [
-        host(0, {("tiny", 1, False, 1): series, ("tiny", 2, False, 1): series}, {1: 0.010, 2: 0.012, 4: 0.020}, threads_ratio=0.6,
+        host(0, {("tiny", 1, False, 1, "fp32"): series, ("tiny", 2, False, 1, "fp32"): series},
+             {1: 0.010, 2: 0.012, 4: 0.020}, threads_ratio=0.6,
              collectives={("all_reduce", 2, 2, 4096): 1e-3, ("all_reduce", 2, 2, 2**20): 2e-3,
                           ("p2p", 2, 2, 4096): 1e-4, ("all_reduce", 4, 4, 4096): 3e-3}),
         host(1, None, {2: 0.014, 4: 0.024},
@@ -91,6 +92,31 @@ def test_the_measured_field_is_assembled_from_every_rank():
         assert fit["alpha"] >= 0 and fit["beta"] > 0
 
 
+def test_units_carry_their_format_and_price_only_a_run_in_it():
+    """On a GPU calibrate times the units in fp32 and bf16 (UNIT_FORMATS): each unit says its format, and a bf16
+    simulation finds the bf16 one, an fp32 simulation the fp32 one (never the other's). The bf16 piece model is the
+    bf16 policy's cast of the same model, and its step runs (here on the CPU, where training would emulate it)."""
+    from parallel.calibrate.device import piece_model, piece_step
+    from parallel.calibrate.host import UNIT_FORMATS
+    from simulator.costs.host import parse_measured_host
+
+    assert UNIT_FORMATS == {"cpu": ("fp32",), "cuda": ("fp32", "bf16")}
+    fp32 = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
+    bf16 = {name: [t / 4 for t in times] for name, times in fp32.items()}
+    plan = make_plan(1, quick=True)
+    units = {("tiny", 1, False, 1, "fp32"): fp32, ("tiny", 1, False, 1, "bf16"): bf16}
+    measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
+    assert [u["dtype"] for u in measured["units"]] == ["bf16", "fp32"]
+    parsed = parse_measured_host(measured, "profile")
+    for fmt, series in (("fp32", fp32), ("bf16", bf16)):
+        assert parsed.unit_times(preset("tiny"), 1, dtype=fmt).series["block_forward"] == tuple(series["block_forward"])
+    assert parsed.unit_times(preset("tiny"), 1, dtype="fp16") is None
+    model = piece_model(preset("tiny"), 1, precision="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    forward, backward = piece_step("block", preset("tiny"), 1, 2, model)()
+    assert forward > 0 and backward > 0
+
+
 def test_units_carry_the_shape_the_simulator_keys_them_by():
     """build_measured writes every option simulator/costs/host.py keys a unit by: a tiny-llama profile prices tiny-llama
     and never the tiny GPT of the same width, and the reverse; tp must divide the kv heads to be measured."""
@@ -105,7 +131,7 @@ def test_units_carry_the_shape_the_simulator_keys_them_by():
                                               (1, False, 2), (1, False, 4), (1, False, 8)]
     for name, other in (("tiny-llama", "tiny"), ("tiny", "tiny-llama"), ("tiny-moe", "tiny"), ("tiny", "tiny-moe")):
         plan = make_plan(2, quick=True, model=name)
-        units = {(name, 1, False, 1): series, (name, 2, True, 1): series}
+        units = {(name, 1, False, 1, "fp32"): series, (name, 2, True, 1, "fp32"): series}
         measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
         config = preset(name)
         assert {k: measured["units"][0][k] for k in ("kv_heads", "mlp", "norm", "positions", "bias")} == {
@@ -196,7 +222,7 @@ def test_every_measurement_runs_on_the_device_it_is_given():
     runs = timed_runs(step, 2, 0.0)
     assert len(runs) == 2 and all(f > 0 and b > 0 for f, b in runs)
     host_result = measure_host(plan, CPU)  # one rank, no process group: units and sharing
-    assert host_result["cores"] >= 1 and set(host_result["units"]) == {("tiny", 1, False, 1)}
+    assert host_result["cores"] >= 1 and set(host_result["units"]) == {("tiny", 1, False, 1, "fp32")}
     assert list(host_result["sharing"]["busy"]) == [1] and host_result["collectives"] == {}
 
 
@@ -226,7 +252,7 @@ def fake_rank(rank: int, device: dict, sizes=(256, 1024, 4096), busy=None, forma
     series = {f"{p}_{w}": [1e-4, 2e-4, 5e-4] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
     collectives = {(kind, 2, 2, size): 1e-5 + size / 1e11 for kind in ("all_reduce", "all_gather", "reduce_scatter",
                                                                         "p2p") for size in (4096, 2**20, 8 * 2**20)}
-    units = {("tiny", 1, False, 1): series, ("tiny", 2, False, 1): series} if rank == 0 else None
+    units = {("tiny", 1, False, 1, "fp32"): series, ("tiny", 2, False, 1, "fp32"): series} if rank == 0 else None
     result = {"device": device, "host": host(rank, units, busy or {1: 0.010, 2: 0.0101}, collectives=collectives)}
     result["host"]["seconds"] = {"matmuls_copy_block": 1.0, "units": 1.0}
     if rank == 0:
@@ -284,7 +310,8 @@ def test_several_models_are_timed_in_one_calibration():
     plan = make_plan(2, quick=True, model="tiny,tiny-llama")
     assert (plan.model, plan.unit_models) == ("tiny", ("tiny", "tiny-llama"))
     series = {f"{p}_{w}": [1e-3, 2e-3, 4e-3] for p in ("block", "embedding", "head") for w in ("forward", "backward")}
-    units = {("tiny-llama", 1, False, 1): series, ("tiny", 2, False, 1): series, ("tiny", 1, False, 1): series}
+    units = {("tiny-llama", 1, False, 1, "fp32"): series, ("tiny", 2, False, 1, "fp32"): series,
+             ("tiny", 1, False, 1, "fp32"): series}
     measured = build_measured([host(0, units, {1: 0.01})], plan, fit_alpha_beta)
     assert [(u["mlp"], u["tp"]) for u in measured["units"]] == [("gelu", 1), ("gelu", 2), ("swiglu", 1)]
     for bad, words in (("tiny,tiny", "twice"), ("tiny,llama9", "llama9")):

@@ -233,7 +233,8 @@ def echo_measured(measured: dict | None) -> None:
         sp = " sequence-parallel" if unit.get("sequence_parallel") else ""
         cp = f" cp {unit['cp']}" if unit.get("cp", 1) > 1 else ""
         kind = f"MoE block ({unit['experts']['n_experts']} experts)" if unit.get("experts") else "block"
-        click.echo(f"  {kind} tp {unit['tp']}{sp}{cp} forward/backward ms by micro-batch (alone): {times}")
+        click.echo(f"  {kind} tp {unit['tp']}{sp}{cp}, {unit.get('dtype', 'fp32')}, forward/backward ms by micro-batch "
+                   f"(alone): {times}")
     click.echo("  sharing (ranks x threads: slowdown): "
                + ", ".join(f"{r}x{t}: {s:.2f}" for r, t, s in measured["sharing"]))
     if measured.get("stragglers"):

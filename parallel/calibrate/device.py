@@ -186,20 +186,25 @@ def variants(config, ranks: int, context_parallel: tuple[int, ...] = CONTEXT_PAR
     return tensor + [(1, False, cp) for cp in context_parallel if 1 < cp <= ranks and shape_allows(config, cp=cp)]
 
 
-def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None, cp: int = 1):
+def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.device | None = None, cp: int = 1,
+                precision: str = "fp32"):
     """The GPT made tensor-parallel by parallel/tensor/parallelize.py over a group that communicates nothing, and
     with cp > 1 context-parallel as rank 0 of a ring that sends nothing (parallel/context/ring.py's Rehearsal:
-    the blocks, merges and receive buffers a rank computes; the passes are measured apart), on `device`."""
+    the blocks, merges and receive buffers a rank computes; the passes are measured apart), on `device`, in the
+    compute format of `precision`'s policy as training puts it there (precision/compute.py's apply_precision)."""
     from minigpt.model import GPT
     from parallel.context.apply import apply_context_parallel
     from parallel.context.ring import Rehearsal
     from parallel.tensor.parallelize import parallelize
+    from precision.compute import apply_precision
+    from precision.policy import policy
 
     model = GPT(config)
     if cp > 1:
         apply_context_parallel(model, Rehearsal(cp), "ring")
     parallelize(model, AloneCollectives(tp), sequence_parallel)
-    return model.to(device or torch.device("cpu"))
+    device = device or torch.device("cpu")
+    return model.to(device) if precision == "fp32" else apply_precision(model, policy(precision), device)
 
 
 def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_parallel: bool = False,
@@ -213,8 +218,9 @@ def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_par
     seq = config.seq_len // cp  # a context-parallel rank's two chunks
     model = model if model is not None else piece_model(config, tp, sequence_parallel, device, cp)
     rows = seq // tp if sequence_parallel else seq  # the sequence a rank holds between the layers
-    x = None if piece == "embedding" else torch.randn(batch, rows, d, device=device, requires_grad=True)
-    grad = None if piece == "head" else torch.randn(batch, rows, d, device=device)
+    dtype = next(model.parameters()).dtype  # the activations' format: the compute format's
+    x = None if piece == "embedding" else torch.randn(batch, rows, d, device=device, dtype=dtype, requires_grad=True)
+    grad = None if piece == "head" else torch.randn(batch, rows, d, device=device, dtype=dtype)
     # every block in turn, as a chunk runs them (their weights do not all stay in cache); a mixture of experts' MoE
     # blocks only (its unit is theirs; its dense first blocks are a dense shape's)
     blocks = [b for i, b in enumerate(model.blocks) if config.is_moe_layer(i) or not config.is_moe]

@@ -7,8 +7,9 @@ Everything runs on the ranks' device (parallel/calibrate/device.py: the CPU with
 CUDA GPU per rank with NCCL), and every timer waits for the device's queued work first:
 
 - units: seconds of the model's pieces for one micro-batch of b sequences, as one tensor-
-  parallel rank computes them in fp32 (TF32 off, torch's default, as an fp32 training run computes;
-  each unit says so: "dtype": "fp32", and simulator/costs/host.py's unit_times finds them for fp32 only):
+  parallel rank computes them in fp32 (TF32 off, torch's default, as an fp32 training run computes) and, on a GPU,
+  also in bf16 (the model cast as the bf16 policy casts it: precision/compute.py's apply_precision); each unit says
+  its format ("dtype"), and simulator/costs/host.py's unit_times finds a unit for its own format only:
   the model's own block (a mixture of experts': its MoE blocks, routing, experts and combine on one
   rank, ep 1), embedding and final norm + head + loss, made tensor-parallel by
   parallel/tensor/parallelize.py (with and without sequence parallelism) over a group that communicates
@@ -58,7 +59,9 @@ from parallel.calibrate.noise import Noise
 from parallel.comm import Collectives
 
 PIECES = ("block", "embedding", "head")
-UNITS_DTYPE = "fp32"  # the format the units are measured in: the model as built, TF32 off
+UNIT_FORMATS = {"cpu": ("fp32",), "cuda": ("fp32", "bf16")}  # the formats units are measured in, by device type:
+# fp32 (the model as built, TF32 off) everywhere; on a GPU also bf16, what training computes in there (on a CPU
+# 16-bit training emulates its matmuls with fp32 ones, so fp32's units price it)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 SHARING_RUNS = 3  # runs of the sharing block per busy rank, in plan.repeats: enough to see how much a rank's time varies
 
@@ -91,21 +94,23 @@ def barrier(group=None) -> None:
 
 def measure_units(plan, rank: int, ranks: int, device: torch.device,
                   noise: Noise | None = None) -> dict[tuple, dict[str, list[float]]] | None:
-    """{(model preset, tp, sequence parallel, cp): {"block_forward": [s per micro-batch size], ...}} for every preset of
-    plan.unit_models: rank 0 alone on one thread (on `device`) while every other rank waits in a barrier (and
-    returns None). `noise` (rank 0's): the CPU share of the timed loop and each series' spread of runs."""
+    """{(model preset, tp, sequence parallel, cp, format): {"block_forward": [s per micro-batch size], ...}} for every
+    preset of plan.unit_models and every format of UNIT_FORMATS[device.type]: rank 0 alone on one thread (on
+    `device`) while every other rank waits in a barrier (and returns None). `noise` (rank 0's): the CPU share of the
+    timed loop and each series' spread of runs."""
     from minigpt.presets import preset
 
     units = {}
     noise = noise if noise is not None else Noise()
     torch.manual_seed(0)
     barrier()
-    shapes = [(name, *variant) for name in plan.unit_models
-              for variant in variants(preset(name), ranks, plan.context_parallel)]
-    for name, tp, sp, cp in shapes if rank == 0 else ():
+    shapes = [(name, *variant, fmt) for name in plan.unit_models
+              for variant in variants(preset(name), ranks, plan.context_parallel) for fmt in UNIT_FORMATS[device.type]]
+    for name, tp, sp, cp, fmt in shapes if rank == 0 else ():
         config = preset(name)
-        series = units[(name, tp, sp, cp)] = {f"{piece}_{way}": [] for piece in PIECES for way in ("forward", "backward")}
-        model = piece_model(config, tp, sp, device, cp)  # the same weights for every micro-batch size
+        series = units[(name, tp, sp, cp, fmt)] = {f"{piece}_{way}": [] for piece in PIECES
+                                                   for way in ("forward", "backward")}
+        model = piece_model(config, tp, sp, device, cp, fmt)  # the same weights for every micro-batch size
         for piece in PIECES:
             for batch in plan.micro_batches:
                 step = piece_step(piece, config, tp, batch, model, sp, device, cp)
@@ -319,8 +324,8 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
     first = hosts[0]
     order = {name: index for index, name in enumerate(plan.unit_models)}
     units = [{**unit_shape(preset(name)), "tp": tp, "sequence_parallel": sp, **({"cp": cp} if cp > 1 else {}),
-              "dtype": UNITS_DTYPE, "micro_batches": list(plan.micro_batches), **series}
-             for (name, tp, sp, cp), series in sorted(first["units"].items(), key=lambda item: (order[item[0][0]],
+              "dtype": fmt, "micro_batches": list(plan.micro_batches), **series}
+             for (name, tp, sp, cp, fmt), series in sorted(first["units"].items(), key=lambda item: (order[item[0][0]],
                                                                                               *item[0][1:]))]
     base = first["sharing"]["busy"][1]
     sharing = []
