@@ -175,11 +175,18 @@ def check_more_gpus(row):
     assert points[64]["samples_per_s"] <= at_most_64
     assert (at_most_64 - points[32]["samples_per_s"]) / (32 * one) < n["threshold"] == 0.5
     # Inside one server the same all-reduce over NVLink takes 2 x 7/8 x 249 MB / (300 GB/s x 0.78) = 1.9 ms against
-    # 8 sequences of compute (76 ms): up to 8 GPUs every added GPU is worth nearly a whole one.
+    # 8 sequences of compute (64 ms), and every rank steps the whole model's AdamW as our executor runs it, kernel by
+    # kernel (precision/optimizer.py: 104 bytes a parameter in bf16, 13 GB, 7.6 ms at 0.83 of 2.04 TB/s), which
+    # adding ranks does not shrink: up to 8 GPUs every added GPU is still worth most of a whole one.
     nvlink = sheet["nvlink_bandwidth"] * sheet["achieved"]["nvlink_fraction"]
+    adamw = model_params("gpt2-124m") * 104 / (sheet["hbm_bandwidth"] * sheet["achieved"]["hbm_fraction"])
+    per_sample = 1 / one - adamw / 64
     for gpus in (2, 4, 8):
-        floor = 64 / (64 / gpus / one + ring_seconds("all_reduce", grads, gpus, nvlink, sheet["nvlink_latency"]))
-        assert floor / (gpus * one) > 0.95 and points[gpus]["efficiency"] > 0.95
+        ceiling = 64 / (64 / gpus * per_sample + adamw)  # the all-reduce hidden whole
+        floor = 64 / (64 / gpus * per_sample + adamw  # or exposed whole
+                      + ring_seconds("all_reduce", grads, gpus, nvlink, sheet["nvlink_latency"]))
+        assert floor / (gpus * one) > 0.85 and points[gpus]["efficiency"] > 0.85
+        assert floor * 0.999 <= points[gpus]["samples_per_s"] <= ceiling * 1.001
     assert stop in (16, 32, 64)  # it stops paying past one server, by 64 GPUs
     assert row["verdict"] == HOLDS
 

@@ -134,8 +134,9 @@ def test_the_h200_measurement_of_2026_12_04_with_and_without_the_attention_table
 
 def test_the_h200_profile_with_bf16_units_prices_a_bf16_step_from_them(tmp_path):
     """The third H200 call (docs/measurements/h200-2026-12-04/*-bf16-units.json): calibrate timed the units in fp32
-    and bf16; a bf16 simulation of gpt2-124m takes the bf16 units (no roofline), and lands within 10% of the step
-    compare measured in the same call (-5.1% there: the optimizer step is what is left)."""
+    and bf16; a bf16 simulation of gpt2-124m takes the bf16 units (no roofline), and lands within 5% of the step
+    compare measured in the same call (+0.3%), its optimizer priced as our MasterAdamW's passes within 20% of the
+    time measured after the last backward (3.13 against 3.60 ms; one fused pass, as priced before, gave 0.84)."""
     folder = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h200-2026-12-04"
     profile = json.loads((folder / "gpu-profile-bf16-units.json").read_text())
     measured = json.loads((folder / "compare-bf16-units.json").read_text())
@@ -145,7 +146,9 @@ def test_the_h200_profile_with_bf16_units_prices_a_bf16_step_from_them(tmp_path)
     result = simulate_step(preset("gpt2-124m"), Layout(), build_cluster(hardware, 1, 1), "bf16", 8, 8,
                            profile=hardware.gpu.matmul_efficiency, gpu=hardware)
     assert result.host["units_measured"] and "units_missing" not in result.host
-    assert abs(result.step_time_s / measured["measured_step_time_s"] - 1) < 0.10
+    assert abs(result.step_time_s / measured["measured_step_time_s"] - 1) < 0.05
+    after_backward = measured["measured_breakdown"]["dp_s"]
+    assert abs(result.breakdown["optimizer"] / after_backward - 1) < 0.20
 
 
 def test_without_a_matching_preset_the_copy_bandwidth_placeholder_says_so(tmp_path):

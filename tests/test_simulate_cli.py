@@ -68,13 +68,14 @@ def test_sweep_states_both_lessons_and_draws_the_plot(tmp_path):
     result = invoke(*sweep, "--plot", str(plot))
     assert result.exit_code == 0, result.output
     out = result.output
-    # past two servers the gradients' all-reduce loses NCCL's two-server tree (half the traffic on InfiniBand,
-    # NVIDIA/nccl #946) and runs the ring across the network: tests/test_sim_nccl.py
-    assert "adding GPUs stops paying at 32 GPUs" in out
-    assert "ZeRO stages at 32 GPUs" in out and "ZeRO-3 is" in out and "slower than ZeRO-" in out
+    # from 8 to 16 GPUs the gradients' all-reduce leaves the server (19% of the step exposed), while every rank still
+    # steps the whole model's AdamW as our executor runs it (a pass per element-wise op: engine/costs.py's
+    # optimizer_bytes), which adding ranks does not shrink: each added GPU brings 48% of what one brought at 8
+    assert "adding GPUs stops paying at 16 GPUs" in out
+    assert "ZeRO stages at 16 GPUs" in out and "ZeRO-3 is" in out and "slower than ZeRO-" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(invoke(*sweep, "--json").output)
-    assert data["sweep"]["stops_paying_at"] == 32 and data["zero_comparison"]["gpus"] == 32
+    assert data["sweep"]["stops_paying_at"] == 16 and data["zero_comparison"]["gpus"] == 16
 
 
 @pytest.mark.parametrize("args,message", [
@@ -145,7 +146,7 @@ def test_every_prediction_says_what_it_rests_on():
     provenance = data["provenance"]
     assert provenance["implementation"] == {"attention": "unfused", "recompute": "selective", "sp_saved_input": "gathered",
                                             "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor",
-                                            "wgrad_fusion": False, "ub_chunks": False}
+                                            "wgrad_fusion": False, "ub_chunks": False, "fused_optimizer": True}
     assert provenance["overlap"] == {"name": "megatron-2021+custom", "tp": False, "dp": "after", "zero3_prefetch": 1,
                                      "p2p": True, "param_gather": "step", "ep": False, "tp_slowdown": 0.033, "dp_slowdown": 0.121,
                                      "p2p_slowdown": 0.015}

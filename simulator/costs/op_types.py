@@ -45,6 +45,8 @@ class Implementation:
                       32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
     wgrad_fusion      the weight-gradient GEMM accumulates into the fp32 main gradient itself (Megatron-core's
                       gradient_accumulation_fusion): no separate accumulation kernel.
+    fused_optimizer   AdamW as one fused kernel (apex's FusedAdam, torch's AdamW(fused=True)); False: our executor's
+                      MasterAdamW, a pass over memory per element-wise op (simulator/engine/costs.py's optimizer_bytes).
     ub_chunks         under sequence parallelism, the Linears whose collective Transformer Engine's userbuffers
                       overlap run as GEMMs on chunks of the rows, one after another (simulator/costs/ops.py,
                       "userbuffers' chunks"); False: one GEMM each (our executor).
@@ -66,13 +68,14 @@ class Implementation:
     expert_load: float = 1.0
     ub_chunks: bool = False
     dispatcher: str = "alltoall"
+    fused_optimizer: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
         check_recompute(self.recompute)
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
-        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks"):
+        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dispatcher not in DISPATCHERS:
@@ -90,7 +93,8 @@ class Implementation:
     def as_dict(self) -> dict:
         return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
-                "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks}
+                "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
+                "fused_optimizer": self.fused_optimizer}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from minigpt.config import GPTConfig
 from job.schedule import ScheduleConfig
 from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
-from simulator.costs.compute import EfficiencyProfile, chunk_times
+from simulator.costs.compute import EfficiencyProfile, chunk_times, hbm_speed
 from simulator.engine.context import layer_exchange
 from simulator.engine.experts import SharedExperts, layer_exchange as expert_exchange, routing_seconds
 from job.exchange.experts import expert_gradient_reduction
@@ -258,7 +258,8 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                                         job.overlap, job.serial, actions, experts)
         ranks.append(RankCosts(
             actions=actions,
-            optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu) * (host.slowdown if host is not None else 1.0)
+            optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)
+            * (host.slowdown if host is not None else 1.0)
             + norm_reduce + per_step + (0.0 if pricer else experts),  # no pricer (one data rank): at the step itself
             pricer=pricer,
         ))
@@ -276,10 +277,28 @@ def _expert_reduction(job: _Job, placed, stage: int, pol) -> float:
     return sum(call.calls * job.links.expert_collective(stage, call.kind, call.bytes) for call in calls)
 
 
-def optimizer_seconds(stage: MemoryEstimate, pol, gpu: GPUSpec) -> float:
-    """AdamW on this rank's share: gradients read, moments (and masters) read and written, weights written, at HBM speed."""
-    owned = stage.adam_m // FORMAT_BYTES[pol.optimizer_state]
+def optimizer_bytes(pol, fused: bool) -> int:
+    """Bytes one AdamW step moves through memory per parameter it owns.
+
+    fused (apex's FusedAdam in Megatron, torch's AdamW(fused=True) in torchtitan): one pass, the gradient read, the
+    moments and the masters read and written, the compute weights written.
+    Not fused (our executor's MasterAdamW.step, precision/optimizer.py, kernel by kernel, fp32 state s = 4): a 16-bit
+    gradient copied to fp32 (g read, 4 written); the norm's squares (4 read); m: mul_ (2 s), add_ of the gradient
+    (3 s); v: mul_ (2 s), addcmul_ of the gradient (3 s); the denominator: sqrt, div_, add_ (2 s each); the weight
+    decay's mul_ on the masters (2 s; the few norm and bias weights it skips counted too); addcdiv_ (4 s); and the
+    compute weights copied from the masters (s read, their bytes written) when they are not the masters."""
     per_param = pol.bytes_per_param()
-    weights = 2 * per_param["master"] + per_param["compute"] if pol.master else 2 * per_param["compute"]
-    moved = owned * (per_param["grad"] + 2 * (per_param["adam_m"] + per_param["adam_v"]) + weights)
-    return moved / gpu.hbm_bandwidth
+    grad, master, compute = per_param["grad"], per_param["master"], per_param["compute"]
+    weights = 2 * master + compute if pol.master else 2 * compute
+    if fused:
+        return grad + 2 * (per_param["adam_m"] + per_param["adam_v"]) + weights
+    state = per_param["adam_m"]  # 4: MasterAdamW keeps every tensor of the update in fp32
+    cast = grad + state if grad != state else 0
+    passes = 1 + (2 + 3) + (2 + 3) + 3 * 2 + 2 + 4  # norm, m, v, denominator, decay, addcdiv: in state-size reads/writes
+    return cast + passes * state + (state + compute if pol.master else 0)
+
+
+def optimizer_seconds(stage: MemoryEstimate, pol, gpu: GPUSpec, fused: bool = False) -> float:
+    """AdamW on this rank's share: optimizer_bytes per owned parameter at the achieved HBM speed."""
+    owned = stage.adam_m // FORMAT_BYTES[pol.optimizer_state]
+    return owned * optimizer_bytes(pol, fused) / hbm_speed(gpu)

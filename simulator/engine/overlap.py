@@ -188,17 +188,20 @@ PRESETS = {
 # (Transformer Engine's; torchao's float8 under torch.compile) rather than our executor's torch ops. Every stack
 # here scales fp8 per tensor (TE's DelayedScaling, precision/fp8.py, torchao's tensorwise recipe). ub_chunks: the
 # Linears whose collective TE's userbuffers overlap run their GEMMs in chunks of the rows (simulator/costs/ops.py),
-# only while the preset overlaps tp (stack_implementation).
+# only while the preset overlaps tp (stack_implementation). fused_optimizer: AdamW in one kernel (Megatron-LM has
+# used apex's FusedAdam as its Adam (megatron/optimizer/__init__.py); torchtitan's optimizer.implementation defaults to
+# "fused", torch's AdamW(fused=True)) rather than our executor's element-wise passes (precision/optimizer.py).
 _OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor",
-         "ub_chunks": False}
+         "ub_chunks": False, "fused_optimizer": False}
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
-    "megatron-2021": _OURS,  # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
+    # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
+    "megatron-2021": {**_OURS, "fused_optimizer": True},
     "overlapped": _OURS,
     "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor",
-                      "ub_chunks": True},
+                      "ub_chunks": True, "fused_optimizer": True},
     "torchtitan-fsdp2": {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": True,
-                         "fp8_scaling": "tensor", "ub_chunks": False},
+                         "fp8_scaling": "tensor", "ub_chunks": False, "fused_optimizer": True},
 }
 
 

@@ -135,7 +135,8 @@ class StepBound:
         """max over ranks of compute_r (the module docstring); `memory`: the job's predict_memory."""
         forward, backward = self.chunk_prices(layout, micro_batches, kind, micro_batch, recompute, memory)
         shape = schedule_shape(layout.pp, micro_batches, kind, layout.virtual_chunks)
-        optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu) for stage in memory.per_stage]
+        fused = stack_implementation(self.settings)["fused_optimizer"]
+        optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu, fused) for stage in memory.per_stage]
         best = 0.0
         for rank in range(layout.pp):
             chunks = range(rank, layout.pp * layout.virtual_chunks, layout.pp)
