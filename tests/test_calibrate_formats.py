@@ -108,6 +108,27 @@ def test_one_gpu_takes_the_presets_attention_table_over_its_measured_peak(tmp_pa
     assert "attention_efficiency" not in rtx["gpus"]["x"]
 
 
+def test_a_cuda_calibration_measures_the_attention_kernel_and_prefers_it_to_the_preset(tmp_path):
+    """On CUDA rank 0 times torch's SDPA at FlashAttention-2's benchmark shapes (measure_attention_rates); the profile's
+    table is those rates over the measured bf16 peak, not the preset's. The function itself runs here on the CPU at
+    tiny sizes (the GPU sizes are the preset tables' own)."""
+    from parallel.calibrate.kernels import ATTENTION_HEAD_DIMS, ATTENTION_SEQS, measure_attention_rates
+
+    assert ATTENTION_HEAD_DIMS == (64, 128) and ATTENTION_SEQS == (512, 1024, 2048, 4096, 8192)
+    rates = measure_attention_rates(torch.device("cpu"), 0.001, 1, head_dims=(8, 16), seqs=(32, 64), width=32,
+                                    tokens=128)
+    assert set(rates) == {"8", "16"} and all([s for s, _ in points] == [32, 64] and all(r > 0 for _, r in points)
+                                             for points in rates.values())
+    plan = make_plan(1, quick=True)
+    rank = fake_rank(0, H200, formats=FORMATS)
+    rank["attention"] = {"64": [[1024, 2.4e14], [8192, 4.0e14]], "128": [[1024, 3.6e14], [8192, 5.2e14]]}
+    profile = build_profile([rank], plan, "cuda-calibrated", 16, "2030-01-01", preset_links("NVIDIA H200"))
+    table = write(profile, tmp_path).gpu.attention_efficiency
+    assert table.kernel == "torch SDPA" and "measured by minigpt calibrate" in table.source
+    assert table.fraction(128, 8192) == pytest.approx(5.2e14 / 8e14, abs=1e-4)  # over fake_rank's bf16 peak
+    assert table.fraction(64, 1024) == pytest.approx(0.3, abs=1e-4)
+
+
 def test_the_h200_measurement_of_2026_12_04_with_and_without_the_attention_table(tmp_path):
     """The profile `bench/gpu.sh` wrote on a lent H200 (docs/measurements/h200-2026-12-04), before the table was
     carried: attention priced as square GEMMs at the head size (its measured efficiency at 64: launch-bound tiny

@@ -194,6 +194,12 @@ def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch,
     click.echo(f"  memory copy {gpu['hbm_bandwidth'] / 1e9:.2f} GB/s, "
                f"matmul launch {gpu['matmul_efficiency']['launch_latency'] * 1e6:.1f} us")
     echo_formats(gpu, note)
+    attention = gpu.get("attention_efficiency")
+    if attention is not None:
+        shares = "; ".join(f"head {size}: " + ", ".join(f"{seq}: {share:.2f}" for seq, share in points)
+                           for size, points in attention["causal"].items())
+        click.echo(f"  attention ({attention['kernel']}, share of the bf16 peak by sequence): {shares}"
+                   + ("" if attention["kernel"] == "torch SDPA" else " (the preset's table: not measured here)"))
     click.echo(f"  links: {note['links']}")
     block = note["block"]
     click.echo(f"  one {block['model']} block (micro-batch {block['micro_batch']}): forward {block['forward_s'] * 1e3:.2f} ms, "

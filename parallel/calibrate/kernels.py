@@ -230,3 +230,43 @@ def time_attention(fused: bool, backward: bool, batch: int, heads: int, seq: int
     return {"kernel": "sdpa" if fused else "unfused", "pass": "forward+backward" if backward else "forward",
             "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "flops": flops,
             "seconds": timing.seconds, "flops_per_s": flops / timing.seconds, "spread": timing.spread}
+
+
+# FlashAttention-2's benchmark shapes (benchmarks/benchmark_flash_attention.py: model width 2048, 16K tokens a batch),
+# the shapes of the preset tables (simulator/costs/attention_rates.py), so a measured table reads as theirs.
+ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192)
+ATTENTION_WIDTH = 2048
+ATTENTION_TOKENS = 16384
+
+
+def measure_attention_rates(device: torch.device, min_run_s: float = 0.02, repeats: int = 5,
+                            head_dims: tuple[int, ...] = ATTENTION_HEAD_DIMS, seqs: tuple[int, ...] = ATTENTION_SEQS,
+                            width: int = ATTENTION_WIDTH, tokens: int = ATTENTION_TOKENS) -> dict[str, list]:
+    """{head size: [[sequence, FLOP/s], ...]} of torch's fused causal attention (SDPA, bf16, forward + backward, the
+    FLOPs counted as FlashAttention-2's benchmark counts them), at `width` / head size heads and `tokens` / sequence
+    sequences; a point torch refuses (memory, an unsupported size) is left out."""
+    table: dict[str, list] = {}
+    for head_dim in head_dims:
+        for seq in seqs:
+            try:
+                r = time_attention(True, True, max(1, tokens // seq), max(1, width // head_dim), seq, head_dim,
+                                   device, min_run_s, repeats)
+            except (RuntimeError, ValueError):
+                continue
+            table.setdefault(str(head_dim), []).append([seq, r["flops_per_s"]])
+    return table
+
+
+def attention_table(rates: dict[str, list] | None, peak_bf16: float | None) -> dict | None:
+    """The profile's "attention_efficiency" (simulator/costs/attention_rates.py) from measure_attention_rates' rates
+    over the measured bf16 peak (each at most 1); None without rates or a peak."""
+    if not rates or not peak_bf16:
+        return None
+    causal = {size: [[seq, round(min(1.0, rate / peak_bf16), 4)] for seq, rate in points]
+              for size, points in rates.items() if points}
+    return {"kernel": "torch SDPA", "causal": causal,
+            "source": (f"measured by minigpt calibrate: torch.nn.functional.scaled_dot_product_attention, causal, bf16, "
+                       f"forward + backward, at FlashAttention-2's benchmark shapes (width {ATTENTION_WIDTH}, "
+                       f"{ATTENTION_TOKENS} tokens a batch) and FLOP count, over this profile's measured bf16 peak "
+                       f"({peak_bf16 / 1e12:.0f} TFLOP/s)")}

@@ -44,6 +44,7 @@ from parallel.calibrate.device import (
     CONTEXT_PARALLEL, copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp,
 )
 from parallel.calibrate.host import build_measured, collective_points, measure_host
+from parallel.calibrate.kernels import attention_table, measure_attention_rates
 from parallel.calibrate.links import fit_alpha_beta, node_and_nic, preset_attention, profile_links
 from parallel.calibrate.noise import Noise, reliability
 from parallel.calibrate.storage import build_failure_costs, measure_checkpoint
@@ -201,6 +202,8 @@ def measure_rank(plan: CalibrationPlan) -> list[dict] | None:
                         result = {"matmuls": measure_matmuls(plan, device, formats),
                                   "copy_bandwidth": measure_copy(plan, device),
                                   "block": measure_block(plan, device)}
+                        if device.type == "cuda":  # the fused attention kernel the executor runs
+                            result["attention"] = measure_attention_rates(device, plan.min_run_s, plan.repeats)
                 finally:
                     torch.set_num_threads(threads)
             if dist.is_initialized():
@@ -382,7 +385,8 @@ def build_profile(measured: list[dict], plan: CalibrationPlan, name: str, cores:
         },
         "measured": build_measured([r["host"] for r in measured], plan, fit_alpha_beta),
     }
-    attention = preset_attention(links_from, peaks.get("bf16")) if on_gpu else None
+    attention = (attention_table(alone.get("attention"), peaks.get("bf16"))
+                 or preset_attention(links_from, peaks.get("bf16"))) if on_gpu else None
     if attention is not None:
         gpu["attention_efficiency"] = attention
     if shares is not None:
