@@ -16,14 +16,15 @@
 #   3. compare    gpt2-124m trained 6 steps against the simulator with that profile    -> compare.json
 #   4. precision  bench/mixed_precision.py --json: each policy against torch.autocast  -> precision.json
 #   5. train      one real bf16 training run of gpt2-124m                              -> train.json
-# plus env.txt (nvidia-smi, torch, CUDA, capability), gpu.log (everything printed) and summary.md
+#   6. sustained  bench/gpu_sustained.py: a GEMM back to back for 25 s against its burst, bf16 and fp8, with
+#                 the SM clock (the power limit's share: docs/efficiency.md, tensor_sustained) -> sustained.json
+# plus gpu.log (everything printed, the machine first: nvidia-smi, torch, CUDA, capability) and summary.md
 # (one row per step): 8 files at most in $OUT; runs and traces go to a scratch folder that is removed.
-# Then, in a second device call: python bench/gpu_sustained.py --out sustained.json (~150 s), a GEMM's
-# sustained rate and SM clock against a microbenchmark's burst, bf16 and fp8 (docs/results.md says why).
 #
-# Estimated wall time on one H200: about 5 minutes, under the 8-minute target. How, step by step, from
-# FLOP counts at the rates measured on such a machine here (dense bf16 ~790 TFLOP/s on random data, a
-# copy at ~4.3 TB/s) and the H100/H200 datasheet's fp32 (~60 TFLOP/s):
+# Seen on one H200 (2026-12-04, docs/results.md "The first GPU"): steps 1-5 in 209 s (49, 47, 12, 50, 33 s),
+# step 6 then about 75 s. The estimate it was planned from, step by step, from FLOP counts at the rates
+# measured on such a machine here (dense bf16 ~790 TFLOP/s on random data, a copy at ~4.3 TB/s) and the
+# H100/H200 datasheet's fp32 (~60 TFLOP/s):
 #   kernels    ~55 s: bench/gpu_kernels.py adds up its own calls (estimate_seconds, in its docstring);
 #              --budget-s 150 stops it early if the GPU is far slower;
 #   calibrate  ~40 s: ~80 timed GEMMs of 5 x 20 ms runs in five formats (~10 s), the copy, and the
@@ -33,7 +34,8 @@
 #   precision  ~60 s: 30 steps of batch 16 in fp32, bf16, fp16, fp8 and autocast bf16/fp16 (14 TFLOP a
 #              step: 0.3 s in fp32, 30-60 ms in 16-bit);
 #   train      ~40 s: 200 bf16 steps of batch 16 (~50 ms each) and two evaluations;
-# plus ~8 s for each of the five Python starts with torch and CUDA. The limits below add to 555 s, inside
+#   sustained  ~75 s: per format 5 s idle, a 20-call burst, 25 s back to back;
+# plus ~8 s for each of the six Python starts with torch and CUDA. The limits below add to 550 s, inside
 # one 10-minute device call.
 set -uo pipefail
 
@@ -92,8 +94,8 @@ else:
     print("cuda: none (CPU dry run at tiny sizes)")
 PY
   command -v nvidia-smi >/dev/null && nvidia-smi
-} > "$out/env.txt" 2>&1
-cat "$out/env.txt"
+} > "$scratch/env.txt" 2>&1
+cat "$scratch/env.txt"
 
 status="$scratch/status.tsv"
 failed=0
@@ -116,15 +118,16 @@ run_step() {  # run_step NAME LIMIT_S RESULT_FILE COMMAND...: stdout to RESULT_F
 }
 
 if [ "$cuda" = 1 ]; then
-  run_step kernels 170 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --budget-s 150
+  run_step kernels 120 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --budget-s 100
   run_step calibrate 100 - "$py" -m cli calibrate --device cuda --ranks 1 --allow-busy --model gpt2-124m \
     --micro-batches 1,2,4,8 --out "$out/gpu-profile.json"
-  run_step compare 75 "$out/compare.json" "$py" -m cli compare --hardware "$out/gpu-profile.json" \
+  run_step compare 60 "$out/compare.json" "$py" -m cli compare --hardware "$out/gpu-profile.json" \
     --model gpt2-124m --batch-size 8 --steps 6 --out "$scratch/compare" --json
-  run_step precision 120 "$out/precision.json" "$py" bench/mixed_precision.py --model gpt2-124m \
+  run_step precision 100 "$out/precision.json" "$py" bench/mixed_precision.py --model gpt2-124m \
     --steps 30 --batch-size 16 --json
-  run_step train 90 "$out/train.json" "$py" -m cli train --model gpt2-124m --precision bf16 --steps 200 \
+  run_step train 70 "$out/train.json" "$py" -m cli train --model gpt2-124m --precision bf16 --steps 200 \
     --batch-size 16 --eval-every 100 --out "$scratch/train" --json
+  run_step sustained 100 - "$py" bench/gpu_sustained.py --out "$out/sustained.json" --seconds 25 --cool-s 5
 else
   echo "gpu.sh: no CUDA device: the CPU dry run (the same steps at tiny sizes)"
   run_step kernels 60 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --dry-run
@@ -136,6 +139,7 @@ else
     --batch-size 8 --seq-len 64 --device cpu --json
   run_step train 60 "$out/train.json" "$py" -m cli train --model tiny --precision bf16 --steps 8 \
     --batch-size 8 --seq-len 64 --device cpu --out "$scratch/train" --json
+  run_step sustained 30 - "$py" bench/gpu_sustained.py --out "$out/sustained.json" --dry-run
 fi
 
 "$py" bench/gpu_summary.py "$status" "$out" | tee "$out/summary.md"

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 FILES = {"kernels": "kernels.json", "calibrate": "gpu-profile.json", "compare": "compare.json",
-         "precision": "precision.json", "train": "train.json"}
+         "precision": "precision.json", "train": "train.json", "sustained": "sustained.json"}
 
 
 def load(path: Path) -> dict | None:
@@ -62,7 +62,16 @@ def train(data: dict) -> str:
             f"{data['tokens_per_s']:,.0f} tok/s, MFU {data['mfu']:.1%} ({data.get('compute_path', '?')})")
 
 
-HEADLINES = {"kernels": kernels, "calibrate": calibrate, "compare": compare, "precision": precision, "train": train}
+def sustained(data: dict) -> str:
+    def one(fmt: str, run: dict) -> str:
+        clock = (run.get("last_10s_gpu") or {}).get("sm_clock_mhz")
+        return (f"{fmt} {run['last_10s_flops_per_s'] / 1e12:.4g} of {run['burst_flops_per_s'] / 1e12:.4g} TFLOP/s "
+                f"({run['sustained_over_burst']:.3f})" + (f" at {clock['mean']:.0f} MHz" if clock else ""))
+    return "held back to back / burst: " + "; ".join(one(fmt, run) for fmt, run in data["formats"].items())
+
+
+HEADLINES = {"kernels": kernels, "calibrate": calibrate, "compare": compare, "precision": precision, "train": train,
+             "sustained": sustained}
 
 
 def row(name: str, code: str, millis: str, out: Path) -> str:

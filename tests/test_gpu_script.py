@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.sh"
-STEPS = ("kernels", "calibrate", "compare", "precision", "train")
+STEPS = ("kernels", "calibrate", "compare", "precision", "train", "sustained")
 VENDORED = ("simpy", "click")
 ABSENT = VENDORED + ("numpy", "minigpt")
 
@@ -95,8 +95,8 @@ def test_the_dry_run_writes_at_most_8_files_with_real_results(dry_run):
     _, out = dry_run
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert len(files) <= 8, files  # what a device call brings back
-    assert {"env.txt", "gpu.log", "summary.md", "kernels.json", "gpu-profile.json", "compare.json",
-            "precision.json", "train.json"} == set(files)
+    assert {"gpu.log", "summary.md", "kernels.json", "gpu-profile.json", "compare.json", "precision.json",
+            "train.json", "sustained.json"} == set(files)
     profile = json.loads((out / "gpu-profile.json").read_text())
     (gpu,) = profile["gpus"].values()
     assert gpu["peak_flops"]["bf16"] > 0 and "bf16" in gpu["matmul_efficiency"]  # the per-format path ran
@@ -104,7 +104,9 @@ def test_the_dry_run_writes_at_most_8_files_with_real_results(dry_run):
     assert train["precision"]["compute"] == "bf16" and len(train["losses"]) == 8
     precision = json.loads((out / "precision.json").read_text())
     assert [row["run"] for row in precision["rows"]][:2] == ["minigpt fp32", "minigpt bf16"]
-    assert "cuda: none" in (out / "env.txt").read_text()
+    assert "cuda: none" in (out / "gpu.log").read_text()  # the machine, first in the log
+    sustained = json.loads((out / "sustained.json").read_text())
+    assert list(sustained["formats"]) == ["fp32"] and sustained["formats"]["fp32"]["burst_flops_per_s"] > 0
 
 
 def test_require_gpu_without_cuda_says_so_in_one_line(tmp_path, bare_python):
