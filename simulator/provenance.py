@@ -107,6 +107,17 @@ def _fp8_text(impl: dict) -> str:
     return "".join(f", {p}" for p in parts)
 
 
+def _held_text(achieved: dict) -> str:
+    """The tensor cores' share of a burst held under the power limit (achieved.tensor_sustained), or nothing."""
+    held = achieved.get("tensor_sustained", {})
+    if not held:
+        return ""
+    shares = set(held.values())
+    if len(shares) == 1:
+        return f", tensor cores held at {shares.pop():.1%} of a burst under the power limit ({', '.join(held)})"
+    return ", tensor cores held under the power limit at " + ", ".join(f"{f} {v:.1%}" for f, v in held.items())
+
+
 def summary_rows(data: dict) -> list[list[str]]:
     """The provenance as short table rows (what, rests on)."""
     rows = [["compute", data["compute"]]]
@@ -114,13 +125,9 @@ def summary_rows(data: dict) -> list[list[str]]:
         text = source["kind"] if source["kind"] == "fallback curve" else f"{source['kind']} ({_short(source['source'])})"
         rows.append([f"{fmt} GEMM efficiency", text])
     achieved = data["achieved"]
-    held = achieved.get("tensor_sustained", {})
-    shares = sorted(set(held.values()))
-    held_text = "" if not held else (
-        f", tensor cores held at {shares[0]:.1%} of a burst under the power limit ({', '.join(held)})" if len(shares) == 1
-        else ", tensor cores held under the power limit at " + ", ".join(f"{f} {v:.1%}" for f, v in held.items()))
     rows.append(["achieved fractions", f"HBM {achieved['hbm_fraction']:.0%}, NVLink {achieved['nvlink_fraction']:.0%}, "
-                 f"{data['kernel_overhead_s'] * 1e6:.1f} us per kernel{held_text} ({_short(achieved['source'])})"])
+                 f"{data['kernel_overhead_s'] * 1e6:.1f} us per kernel{_held_text(achieved)} "
+                 f"({_short(achieved['source'])})"])
     impl = data["implementation"]
     rows.append(["implementation", f"{impl['attention']} attention, recompute {impl['recompute']}, "
                  f"sequence-parallel inputs saved {impl['sp_saved_input']}" + _fp8_text(impl)])

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATASHEETS: dict = json.loads((ROOT / "simulator" / "costs" / "hardware.json").read_text(encoding="utf-8"))["gpus"]
 NICS: dict = json.loads((ROOT / "simulator" / "costs" / "hardware.json").read_text(encoding="utf-8"))["nics"]
+H200_RUN = ROOT / "docs" / "measurements" / "h200-2026-12-04"  # what the lent H200 measured (docs/results.md)
 
 
 def _piecewise(points: list, x: float, fraction) -> float:

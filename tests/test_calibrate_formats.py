@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from simulator.engine.simulate import simulate_step
 from simulator.costs.hardware import FLOP_FORMATS, load_hardware, preset_for_device, preset_links
 from job.layout import Layout
 from simulator.network.topology import build_cluster
-from test_calibrate_host import H200, fake_rank  # tests/ is on sys.path under pytest
+from independent import H200_RUN  # tests/ is on sys.path under pytest
+from test_calibrate_host import H200, fake_rank
 
 RTX = {**H200, "name": "NVIDIA GeForce RTX 4090"}
 SIZES = (256, 1024, 4096)
@@ -134,11 +134,10 @@ def test_the_h200_measurement_of_2026_12_04_with_and_without_the_attention_table
     carried: attention priced as square GEMMs at the head size (its measured efficiency at 64: launch-bound tiny
     matmuls) put gpt2-124m's bf16 step at 3.97 s against the 42.6 ms measured in the same run (compare.json). With
     the preset's table the prediction lands within 25% of the measurement (docs/results.md)."""
-    from parallel.calibrate.links import preset_attention
+    from parallel.calibrate.kernels import preset_attention
 
-    folder = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h200-2026-12-04"
-    profile = json.loads((folder / "gpu-profile.json").read_text())
-    measured = json.loads((folder / "compare.json").read_text())["measured_step_time_s"]
+    profile = json.loads((H200_RUN / "gpu-profile.json").read_text())
+    measured = json.loads((H200_RUN / "compare.json").read_text())["measured_step_time_s"]
     gpu = profile["gpus"]["cuda-calibrated"]
     assert "attention_efficiency" not in gpu
 
@@ -158,9 +157,8 @@ def test_the_h200_profile_with_bf16_units_prices_a_bf16_step_from_them(tmp_path)
     and bf16; a bf16 simulation of gpt2-124m takes the bf16 units (no roofline), and lands within 5% of the step
     compare measured in the same call (+0.3%), its optimizer priced as our MasterAdamW's passes within 20% of the
     time measured after the last backward (3.13 against 3.60 ms; one fused pass, as priced before, gave 0.84)."""
-    folder = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h200-2026-12-04"
-    profile = json.loads((folder / "gpu-profile-bf16-units.json").read_text())
-    measured = json.loads((folder / "compare-bf16-units.json").read_text())
+    profile = json.loads((H200_RUN / "gpu-profile-bf16-units.json").read_text())
+    measured = json.loads((H200_RUN / "compare-bf16-units.json").read_text())
     units = profile["gpus"]["cuda-calibrated"]["measured"]["units"]
     assert sorted(u["dtype"] for u in units) == ["bf16", "fp32"]
     hardware = write(profile, tmp_path)

@@ -12,6 +12,7 @@ from simulator.costs.efficiency import parse_efficiency_profile
 from simulator.costs.gemm_model import TILES, GemmFit, GemmModel, parse_gemm_model, tile_work, wave_utilisation
 from simulator.costs.hardware import load_hardware
 from simulator.provenance import efficiency_sources
+from independent import H200_RUN  # tests/ is on sys.path under pytest
 
 H100, H200, A100 = (load_hardware(name).gpu for name in ("h100-sxm", "h200", "a100-80gb"))
 
@@ -219,13 +220,9 @@ def test_the_model_with_the_sustained_share_meets_the_h200_measurements_it_was_n
     share. bf16: within 6% each, 2% on average; fp8 (fitted to Azure's H200 bursts): 2-15% slow on each, never fast.
     The gpt2-124m GEMMs (a side of 768 or less) are left out: there the model is up to 27% slow (docs/results.md)."""
     import json
-    from pathlib import Path
     from statistics import fmean
 
-    from simulator.costs.compute import tensor_peak
-
-    folder = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h200-2026-12-04"
-    rows = json.loads((folder / "kernels.json").read_text())["gemm"]["shapes"]
+    rows = json.loads((H200_RUN / "kernels.json").read_text())["gemm"]["shapes"]
     for fmt, worst, mean in (("bf16", 0.06, 0.02), ("fp8", 0.15, 0.10)):
         measured = [r for r in rows if r["format"] == fmt and min(r["m"], r["n"], r["k"]) >= 1024]
         assert len(measured) == 58 and {r["model"] for r in measured} == {"llama3-8b", "llama3-70b", "llama3-405b"}

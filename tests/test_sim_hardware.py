@@ -16,6 +16,7 @@ from simulator.costs.hardware import (
     preset_names,
     save_hardware,
 )
+from independent import H200_RUN  # tests/ is on sys.path under pytest
 
 GPUS = ("a100-40gb", "a100-80gb", "h100-sxm", "h200")
 
@@ -244,9 +245,8 @@ def test_every_preset_gpu_has_achieved_fractions_with_a_source():
 def test_the_sustained_tensor_rate_is_the_h200_measurement_on_the_gh100_presets_only():
     """bench/gpu_sustained.py on a lent H200 (docs/measurements/h200-2026-12-04): the last 10 s of a GEMM run back to
     back over its burst, per format. The GH100 presets carry it; the others say nothing (1)."""
-    folder = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h200-2026-12-04"
     measured = {fmt: one["sustained_over_burst"] for file in ("sustained.json", "sustained-tf32-fp16-fp32.json")
-                for fmt, one in json.loads((folder / file).read_text())["formats"].items()}
+                for fmt, one in json.loads((H200_RUN / file).read_text())["formats"].items()}
     assert set(measured) == {"bf16", "fp8", "tf32", "fp16", "fp32"} and abs(measured.pop("fp32") - 1) < 0.01
     mean = sum(measured.values()) / len(measured)  # one power limit, one clock: the tensor-core formats' mean
     assert max(measured.values()) - min(measured.values()) < 0.03

@@ -172,6 +172,7 @@ def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch,
               allow_busy, as_json) -> None:
     """Measure this machine (matmuls per format, memory copy, the model's pieces, sharing, collectives) into a
     profile: with gloo on the CPU, or with NCCL on CUDA GPUs."""
+    from parallel.calibrate.kernels import SDPA_KERNEL
     from parallel.calibrate.noise import details, summary
 
     profile = run_calibration(out, ranks, quick, threads_per_rank, name, model, micro_batch, device,
@@ -199,7 +200,7 @@ def calibrate(out, ranks, device, formats, threads_per_rank, model, micro_batch,
         shares = "; ".join(f"head {size}: " + ", ".join(f"{seq}: {share:.2f}" for seq, share in points)
                            for size, points in attention["causal"].items())
         click.echo(f"  attention ({attention['kernel']}, share of the bf16 peak by sequence): {shares}"
-                   + ("" if attention["kernel"] == "torch SDPA" else " (the preset's table: not measured here)"))
+                   + ("" if attention["kernel"] == SDPA_KERNEL else " (the preset's table: not measured here)"))
     click.echo(f"  links: {note['links']}")
     block = note["block"]
     click.echo(f"  one {block['model']} block (micro-batch {block['micro_batch']}): forward {block['forward_s'] * 1e3:.2f} ms, "

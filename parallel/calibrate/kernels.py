@@ -258,15 +258,39 @@ def measure_attention_rates(device: torch.device, min_run_s: float = 0.02, repea
     return table
 
 
-def attention_table(rates: dict[str, list] | None, peak_bf16: float | None) -> dict | None:
-    """The profile's "attention_efficiency" (simulator/costs/attention_rates.py) from measure_attention_rates' rates
-    over the measured bf16 peak (each at most 1); None without rates or a peak."""
-    if not rates or not peak_bf16:
-        return None
+SDPA_KERNEL = "torch SDPA"  # the kernel of a measured table (precision-free: the executor's attention)
+
+
+def _attention_entry(kernel: str, rates: dict[str, list], peak_bf16: float, source: str) -> dict:
+    """A profile's "attention_efficiency" (simulator/costs/attention_rates.py) from
+    {head size: [[sequence, FLOP/s], ...]} over the profile's bf16 peak, each share at most 1."""
     causal = {size: [[seq, round(min(1.0, rate / peak_bf16), 4)] for seq, rate in points]
               for size, points in rates.items() if points}
-    return {"kernel": "torch SDPA", "causal": causal,
-            "source": (f"measured by minigpt calibrate: torch.nn.functional.scaled_dot_product_attention, causal, bf16, "
-                       f"forward + backward, at FlashAttention-2's benchmark shapes (width {ATTENTION_WIDTH}, "
-                       f"{ATTENTION_TOKENS} tokens a batch) and FLOP count, over this profile's measured bf16 peak "
-                       f"({peak_bf16 / 1e12:.0f} TFLOP/s)")}
+    return {"kernel": kernel, "causal": causal, "source": source}
+
+
+def attention_table(rates: dict[str, list] | None, peak_bf16: float | None) -> dict | None:
+    """The profile's attention table from measure_attention_rates' rates over the measured bf16 peak; None without
+    rates or a peak."""
+    if not rates or not peak_bf16:
+        return None
+    return _attention_entry(SDPA_KERNEL, rates, peak_bf16, (
+        f"measured by minigpt calibrate: torch.nn.functional.scaled_dot_product_attention, causal, bf16, forward + "
+        f"backward, at FlashAttention-2's benchmark shapes (width {ATTENTION_WIDTH}, {ATTENTION_TOKENS} tokens a "
+        f"batch) and FLOP count, over this profile's measured bf16 peak ({peak_bf16 / 1e12:.0f} TFLOP/s)"))
+
+
+def preset_attention(links_from: dict | None, peak_bf16: float | None) -> dict | None:
+    """The matching preset's table (simulator.costs.hardware.preset_links' "attention_efficiency") for a CUDA
+    profile that could not measure its own: the preset's TFLOP/s over this profile's measured bf16 peak; None
+    without a preset, a table or a peak. Without any table the roofline would price attention as square GEMMs at the
+    head size (64: tiny square matmuls, launch-bound), a hundred times slow."""
+    table = None if links_from is None else links_from.get("attention_efficiency")
+    datasheet = None if links_from is None else links_from.get("peak_flops", {}).get("bf16")
+    if table is None or not datasheet or not peak_bf16:
+        return None
+    rates = {size: [[seq, share * datasheet] for seq, share in points] for size, points in table["causal"].items()}
+    return _attention_entry(table["kernel"], rates, peak_bf16, (
+        f"{table['source']}; from preset {links_from['preset']} (simulator/costs/hardware.json), not measured here: "
+        f"its TFLOP/s over this profile's measured bf16 peak ({peak_bf16 / 1e12:.0f} TFLOP/s) instead of the "
+        f"datasheet's ({datasheet / 1e12:.0f})"))

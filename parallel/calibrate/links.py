@@ -69,24 +69,6 @@ def profile_links(collectives: dict, copy_bandwidth: float, links_from: dict | N
                      f"measure them")}
 
 
-def preset_attention(links_from: dict | None, peak_bf16: float | None) -> dict | None:
-    """The matching preset's fused-attention table (simulator/costs/attention_rates.py) for a CUDA profile, its
-    fractions moved from the preset's datasheet bf16 peak to this profile's measured one (the same TFLOP/s over
-    another peak; at most 1); None without a preset, a table or a measured bf16 peak. Without it the roofline would
-    price attention as square GEMMs at the head size (64: tiny square matmuls, launch-bound), a hundred times slow."""
-    table = None if links_from is None else links_from.get("attention_efficiency")
-    datasheet = None if links_from is None else links_from.get("peak_flops", {}).get("bf16")
-    if table is None or not datasheet or not peak_bf16:
-        return None
-    factor = datasheet / peak_bf16
-    causal = {size: [[seq, min(1.0, round(share * factor, 4))] for seq, share in points]
-              for size, points in table["causal"].items()}
-    return {"kernel": table["kernel"], "causal": causal,
-            "source": (f"{table['source']}; from preset {links_from['preset']} (simulator/costs/hardware.json), not "
-                       f"measured here: its TFLOP/s over this profile's measured bf16 peak ({peak_bf16 / 1e12:.0f} "
-                       f"TFLOP/s) instead of the datasheet's ({datasheet / 1e12:.0f})")}
-
-
 def node_and_nic(name: str, source: str, ranks: int, links: dict) -> dict:
     """The profile's "nodes" and "nics": a preset's (links from a preset) or this machine's loopback."""
     preset = links["preset"]

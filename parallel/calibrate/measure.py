@@ -44,8 +44,8 @@ from parallel.calibrate.device import (
     CONTEXT_PARALLEL, copy_bytes, describe, measure_block, measure_copy, measure_matmuls, stamp,
 )
 from parallel.calibrate.host import build_measured, collective_points, measure_host
-from parallel.calibrate.kernels import attention_table, measure_attention_rates
-from parallel.calibrate.links import fit_alpha_beta, node_and_nic, preset_attention, profile_links
+from parallel.calibrate.kernels import attention_table, measure_attention_rates, preset_attention
+from parallel.calibrate.links import fit_alpha_beta, node_and_nic, profile_links
 from parallel.calibrate.noise import Noise, reliability
 from parallel.calibrate.storage import build_failure_costs, measure_checkpoint
 from parallel.launch.elastic import finish_worker, init_worker, launch

@@ -101,6 +101,7 @@ class StepBound:
         self.dispatcher = dispatcher  # how its rows travel (Implementation.dispatcher)
         self.policy = precision_policy(precision)
         self.settings = resolve_overlap(None)  # simulate_step's default: our executor
+        self.stack = stack_implementation(self.settings)  # its Implementation fields
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
 
     def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
@@ -110,7 +111,7 @@ class StepBound:
         config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
                           micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
-                          Implementation("flash", recompute, "gathered", **stack_implementation(self.settings),
+                          Implementation("flash", recompute, "gathered", **self.stack,
                                          expert_load=self.expert_load, dispatcher=self.dispatcher),
                           self.settings)
 
@@ -135,8 +136,8 @@ class StepBound:
         """max over ranks of compute_r (the module docstring); `memory`: the job's predict_memory."""
         forward, backward = self.chunk_prices(layout, micro_batches, kind, micro_batch, recompute, memory)
         shape = schedule_shape(layout.pp, micro_batches, kind, layout.virtual_chunks)
-        fused = stack_implementation(self.settings)["fused_optimizer"]
-        optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu, fused) for stage in memory.per_stage]
+        optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu, self.stack["fused_optimizer"])
+                     for stage in memory.per_stage]
         best = 0.0
         for rank in range(layout.pp):
             chunks = range(rank, layout.pp * layout.virtual_chunks, layout.pp)
