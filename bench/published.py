@@ -32,8 +32,12 @@ once per step, Transformer Engine's fused casts), and dropout 0.1 as the run's g
 (hidden_dropout and attention_dropout 0.1; the same file sets ub_tp_comm_overlap, gradient_accumulation_fusion,
 overlap_grad_sync, overlap_param_sync, overlap_p2p_comm and fp8_params, which the preset describes), and
 `--sp-saved-input sharded`: Megatron-core's sequence-parallel Linears save their input shard and gather it again in
-the backward (TE's bulk overlap hides that gather behind the input-gradient GEMM): settings of the run and its
-stack, not fitted numbers.
+the backward (TE's bulk overlap hides that gather behind the input-gradient GEMM), and `--tp-overlap-cfg` with the
+same yaml's ub_tp_comm_overlap_cfg (bench/dgxc_gpt3_175b_userbuffers.json: proj's and fc2's forward GEMMs on the 108
+and 112 SMs their pipelined reduce-scatters leave): settings of the run and its stack, not fitted numbers.
+`--table dgxc-v25.02`: the same benchmark's next release ("dgxc_gpt3_175b_h100_v25_02": NeMo 24.12, 6 virtual
+chunks, cuDNN's attention), simulated the same way with its 6 chunks: how far the published figure itself moves
+with the software on the same GPUs and layout. The acceptance table stays v25.01's.
 
 `--implied-rate`: what the simulator's error on these runs looks like, as one number per run (a diagnosis, not a fit:
 nothing here changes a simulator number): the factor on the GPU preset's tensor-core peaks (bf16, fp16, fp8; HBM,
@@ -131,6 +135,7 @@ def rows(legacy: bool) -> tuple[list[dict], dict]:
 
 
 DGXC_DROPOUT = 0.1  # gpt3_175b_hydra.yaml: hidden_dropout 0.1, attention_dropout 0.1
+DGXC_USERBUFFERS = ROOT / "bench" / "dgxc_gpt3_175b_userbuffers.json"  # the same yaml's ub_tp_comm_overlap_cfg
 H100_PEAK = {"bf16": 989e12, "fp8": 1979e12}  # the dense peaks the rows' MFU divides by (their "conv")
 
 
@@ -143,11 +148,15 @@ def dgxc_command(run: dict) -> list[str]:
             *(["--sequence-parallel"] if run["sp"] else []), "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
             "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
             "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(DGXC_DROPOUT),
-            *(["--sp-saved-input", "sharded"] if run["sp"] else []), "--json"]
+            *(["--sp-saved-input", "sharded"] if run["sp"] else []),
+            *(["--tp-overlap-cfg", str(DGXC_USERBUFFERS)] if run["sp"] and run["tp"] > 1 else []), "--json"]
 
 
-def dgxc_rows() -> tuple[list[dict], str]:
-    table = json.loads(RUNS.read_text())["dgxc_gpt3_175b_h100"]
+DGXC_TABLES = {"dgxc": "dgxc_gpt3_175b_h100", "dgxc-v25.02": "dgxc_gpt3_175b_h100_v25_02"}
+
+
+def dgxc_rows(table_name: str = "dgxc") -> tuple[list[dict], str]:
+    table = json.loads(RUNS.read_text())[DGXC_TABLES[table_name]]
     out = []
     for run in table["rows"]:
         sim, published = run_simulate(dgxc_command(run), run["id"]), run["pub_s"]
@@ -269,14 +278,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--legacy", action="store_true", help="only the flags an older minigpt simulate knows")
-    parser.add_argument("--table", choices=("narayanan", "dgxc", "moe"), default="narayanan")
+    parser.add_argument("--table", choices=("narayanan", *DGXC_TABLES, "moe"), default="narayanan")
     parser.add_argument("--implied-rate", action="store_true",
                         help="per run of the A100, DGX-Cloud and Llama 3 tables, the tensor-core rate factor that meets it")
     args = parser.parse_args()
     if args.implied_rate:
         return print_implied(args.json)
-    if args.table == "dgxc":
-        return print_dgxc(args.json)
+    if args.table in DGXC_TABLES:
+        return print_dgxc(args.json, args.table)
     if args.table == "moe":
         return print_moe(args.json)
     table, source = rows(args.legacy)
@@ -284,8 +293,8 @@ def main() -> None:
            lambda r: f"{r['published_tflops_per_gpu']} / {r['predicted_tflops_per_gpu']:.0f}")
 
 
-def print_dgxc(as_json: bool) -> None:
-    table, source = dgxc_rows()
+def print_dgxc(as_json: bool, table_name: str = "dgxc") -> None:
+    table, source = dgxc_rows(table_name)
     # both in the run's own convention (its FLOP count over its peak: fp8 rows over the fp8 peak), so the predicted MFU
     # is the published one scaled by the step times
     report(table, source, as_json, "MFU pub / pred (the run's convention)",

@@ -104,6 +104,8 @@ def _fp8_text(impl: dict) -> str:
              if impl.get(key)]
     if impl.get("fp8_scaling", "tensor") != "tensor":
         parts.append(f"fp8 {impl['fp8_scaling']} scaling")
+    if impl.get("userbuffers"):
+        parts.append(impl["userbuffers"])
     return "".join(f", {p}" for p in parts)
 
 

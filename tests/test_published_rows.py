@@ -33,6 +33,19 @@ def test_the_dgx_cloud_rows_are_the_validation_files():
         assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == row["n_gpus"] and row["gb"] == 64 * row["dp"]
 
 
+def test_the_next_release_differs_from_the_acceptance_table_only_where_its_source_says():
+    """v25.02's rows (beside the acceptance table, not instead of it): the same jobs, 6 virtual chunks, new times."""
+    data = json.loads((BENCH / "published_runs.json").read_text())
+    old, new = data["dgxc_gpt3_175b_h100"], data["dgxc_gpt3_175b_h100_v25_02"]
+    assert "v25.02" in new["source"] and "NVTE_FUSED_ATTN=1" in new["source"]
+    for a, b in zip(old["rows"], new["rows"], strict=True):
+        assert b["v"] == 6 and b["id"] == a["id"].replace("DGXC-", "DGXC2502-")
+        assert {k: v for k, v in a.items() if k not in ("id", "v", "pub_s", "pub_mfu")} == \
+            {k: v for k, v in b.items() if k not in ("id", "v", "pub_s", "pub_mfu")}
+    by_id = {row["id"]: row for row in new["rows"]}
+    assert by_id["DGXC2502-GPT3-128-bf16"]["pub_s"] == 8.309 and by_id["DGXC2502-GPT3-2048-fp8"]["pub_s"] == 5.96
+
+
 def test_a_dgx_cloud_row_simulates_as_the_bench_runs_it():
     module = published()
     row = json.loads((BENCH / "published_runs.json").read_text())["dgxc_gpt3_175b_h100"]["rows"][0]
@@ -43,6 +56,7 @@ def test_a_dgx_cloud_row_simulates_as_the_bench_runs_it():
     data = json.loads(result.output)
     assert data["n_gpus"] == 128 and data["layout"]["tp"] == 4 and data["step_time_s"] > 0
     assert data["provenance"]["overlap"]["name"] == "megatron-core"  # the stack's own overlap, a stated preset
+    assert "proj_fprop leaves 24 SMs" in data["provenance"]["implementation"]["userbuffers"]  # the run's own yaml
 
 
 def test_the_moe_rows_cite_their_runs_and_simulate_as_the_bench_runs_them():

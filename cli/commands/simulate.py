@@ -127,7 +127,8 @@ def run_single(options: dict) -> dict:
                            options["schedule"], options["virtual_chunks"], options["recompute"], gpu=hardware,
                            attention=options["attention"], overlap=_overlap(options),
                            sp_saved_input=options["sp_saved_input"], nccl_algo=options["nccl_algo"],
-                           expert_load=options["expert_load"], ep_dispatcher=options["ep_dispatcher"])
+                           expert_load=options["expert_load"], ep_dispatcher=options["ep_dispatcher"],
+                           userbuffers=options["userbuffers"])
     if options["trace"]:
         result.write_chrome_trace(options["trace"])
     report = {"model": model, "result": result, "cluster": cluster.describe(),
@@ -159,6 +160,9 @@ def run_sweep(options: dict) -> dict:
     if options["shard_group"] or not options["reshard_after_forward"]:
         raise ConfigError("--sweep simulates plain ZeRO over each layout's data ranks: drop --shard-group and "
                           "--no-reshard-after-forward, or simulate one layout without --sweep")
+    if options["tp_overlap_cfg"]:
+        raise ConfigError("--sweep simulates our executor, which has no userbuffers: drop --tp-overlap-cfg, or "
+                          "simulate one layout without --sweep")
     if options["attention"] != "flash" or options["sp_saved_input"] != "gathered" or _overlap(options).name != "executor":
         raise ConfigError("--sweep simulates our executor (flash attention, its overlap): drop --attention, "
                           "--sp-saved-input and the overlap flags, or simulate one layout without --sweep")
@@ -302,6 +306,12 @@ def check_paths(options: dict) -> None:
     check_cluster_names(options)
     if options["topology"] is not None:
         check_path_given("--topology", options["topology"], "a cluster file's path")
+    options["userbuffers"] = None
+    if options["tp_overlap_cfg"] is not None:
+        from simulator.costs.userbuffers import read_userbuffers
+
+        check_path_given("--tp-overlap-cfg", options["tp_overlap_cfg"], "a JSON file's path")
+        options["userbuffers"] = read_userbuffers(options["tp_overlap_cfg"])
     if options["trace"] is not None and options["sweep"]:
         raise ConfigError("--trace writes the simulated step of one layout, and a sweep simulates many: drop --trace "
                           "(--plot draws the sweep)")
@@ -386,6 +396,11 @@ def micro_batch_size(options: dict) -> int:
                    "simulator/engine/overlap.py). The flags below (and --ep-overlap) change one setting of it.")
 @click.option("--tp-overlap/--no-tp-overlap", "tp_overlap", default=None,
               help="Hide tensor-parallel collectives behind the Linears' GEMMs (default: the preset's).")
+@click.option("--tp-overlap-cfg", "tp_overlap_cfg", type=click.Path(dir_okay=False),
+              help="Transformer Engine's userbuffers settings for the megatron-core stack: JSON with the keys of "
+                   "Megatron-LM's --tp-comm-overlap-cfg (per overlap: method, num_sm, set_sm_margin, num_splits, "
+                   "aggregate). A GEMM with set_sm_margin runs on the SMs its collective leaves; the others' SMs "
+                   "set the tp slowdown (simulator/costs/userbuffers.py).")
 @click.option("--dp-overlap", "dp_overlap", type=click.Choice(DP_MODES), default=None,
               help="Data-parallel gradient reduction: executor (our ZeRO code), backward (bucket by bucket during "
                    "the backward) or after (after the last backward, not overlapped); default: the preset's.")

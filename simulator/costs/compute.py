@@ -85,11 +85,16 @@ def efficiency(smallest: int, dtype: str, profile: EfficiencyProfile | None = No
 
 
 def gemm_efficiency(m: int, n: int, k: int, dtype: str, gpu: GPUSpec, profile: EfficiencyProfile | None = None,
-                    batch: int = 1) -> float:
+                    batch: int = 1, margin: int = 0) -> float:
     """Fraction of `gpu`'s peak in `dtype` that `batch` GEMMs (m x k) @ (k x n) reach: the profile's GEMM model for the
-    format when it has one, else its table by the smallest side (`efficiency`)."""
+    format when it has one, else its table by the smallest side (`efficiency`). `margin`: SMs the GEMM leaves to a
+    collective, which only the GEMM model (it counts SMs) can price."""
     model = profile.gemm if profile is not None else None
-    shaped = model.efficiency(m, n, k, dtype, gpu.flops(dtype), batch) if model is not None else None
+    shaped = model.efficiency(m, n, k, dtype, gpu.flops(dtype), batch, margin) if model is not None else None
+    if shaped is None and margin:
+        raise ConfigError(f"a GEMM that leaves {margin} SMs to a collective (set_sm_margin) needs the GPU's GEMM model "
+                          f"in {dtype} (its SM count): this profile has none; drop the margin from the tp overlap "
+                          f"configuration")
     return shaped if shaped is not None else efficiency(min(m, n, k), dtype, profile)
 
 
@@ -135,7 +140,8 @@ def kernel_overhead(gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> f
 def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
     """At the efficiency of one chunk's shape when it runs in chunks (each a GEMM of its own, in turn)."""
     rows = -(-g.m // g.chunks)
-    return g.flops / (tensor_peak(gpu, g.dtype) * gemm_efficiency(rows, g.n, g.k, g.dtype, gpu, profile, g.batch))
+    return g.flops / (tensor_peak(gpu, g.dtype) * gemm_efficiency(rows, g.n, g.k, g.dtype, gpu, profile, g.batch,
+                                                                  g.sm_margin))
 
 
 def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:

@@ -96,16 +96,22 @@ class GemmModel:
     def fit(self, dtype: str) -> GemmFit | None:
         return dict(self.fits).get(dtype)
 
-    def seconds(self, m: int, n: int, k: int, dtype: str, peak: float, batch: int = 1) -> float | None:
-        """GPU seconds of the GEMM at `peak` FLOP/s, or None when this format has no fit."""
+    def seconds(self, m: int, n: int, k: int, dtype: str, peak: float, batch: int = 1, margin: int = 0) -> float | None:
+        """GPU seconds of the GEMM at `peak` FLOP/s (the whole GPU's), or None when this format has no fit; `margin`:
+        SMs it leaves to a collective (its waves over the rest, each SM at its share of the peak)."""
         fit = self.fit(dtype)
         if fit is None:
             return None
-        return tile_work(m, n, k, batch, self.sms, fit.k0) / (fit.large * peak) + fit.fixed
+        if not isinstance(margin, int) or isinstance(margin, bool) or not 0 <= margin < self.sms:
+            raise ConfigError(f"a GEMM's SM margin must be a whole number from 0 to {self.sms - 1} (this GPU has "
+                              f"{self.sms} SMs), got {margin!r}")
+        sms = self.sms - margin
+        return tile_work(m, n, k, batch, sms, fit.k0) / (fit.large * peak * sms / self.sms) + fit.fixed
 
-    def efficiency(self, m: int, n: int, k: int, dtype: str, peak: float, batch: int = 1) -> float | None:
+    def efficiency(self, m: int, n: int, k: int, dtype: str, peak: float, batch: int = 1,
+                   margin: int = 0) -> float | None:
         """Achieved FLOP/s over `peak` for the GEMM, or None when this format has no fit."""
-        seconds = self.seconds(m, n, k, dtype, peak, batch)
+        seconds = self.seconds(m, n, k, dtype, peak, batch, margin)
         return None if seconds is None else 2 * m * n * k * batch / (peak * seconds)
 
     def as_dict(self) -> dict:

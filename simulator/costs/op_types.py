@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Union
 from minigpt.config import GPTConfig, check_attention, check_recompute
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy
+from simulator.costs.userbuffers import TE_1X, Userbuffers
 
 if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
     from job.layout import Layout
@@ -69,6 +70,7 @@ class Implementation:
     ub_chunks: bool = False
     dispatcher: str = "alltoall"
     fused_optimizer: bool = False
+    userbuffers: Userbuffers | None = None
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -94,7 +96,8 @@ class Implementation:
         return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
                 "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
-                "fused_optimizer": self.fused_optimizer}
+                "fused_optimizer": self.fused_optimizer,
+                **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class Gemm:
     phase: str = FORWARD
     linear: bool = True  # a Linear layer's matmul (these can hide tensor-parallel collectives)
     chunks: int = 1  # run as this many GEMMs of m / chunks rows, one after another (Implementation.ub_chunks)
+    sm_margin: int = 0  # SMs left to a userbuffers collective for the whole GEMM (simulator/costs/userbuffers.py)
 
     @property
     def flops(self) -> int:
@@ -274,6 +278,7 @@ class UnitShape:
     expert_load: float = 1.0  # Implementation.expert_load
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
+    userbuffers: Userbuffers | None = None  # Implementation.userbuffers
 
     @property
     def moe(self) -> UnitShape:
@@ -283,16 +288,13 @@ class UnitShape:
             return self
         return replace(self, rows=self.residual_rows, cp=self.cp * self.t, sp=False, sharded=False, ub_chunks=False)
 
-    @property
-    def ring_chunks(self) -> int:
-        """GEMMs a Linear overlapping a ring exchange runs as: t under userbuffers' chunks, else 1."""
-        return self.t if self.ub_chunks else 1
-
-    @property
-    def pipeline_chunks(self) -> int:
-        """GEMMs a Linear overlapping a pipelined reduce-scatter runs as: UB_PIPELINE_SPLITS under userbuffers'
-        chunks, else 1."""
-        return UB_PIPELINE_SPLITS if self.ub_chunks else 1
+    def split(self, gemm: str) -> tuple[int, int]:
+        """How a Linear's GEMM (an op name) runs beside its userbuffers collective: (GEMMs it runs as, SMs it leaves to
+        the collective); (1, 0) without userbuffers' chunks."""
+        if not self.ub_chunks:
+            return 1, 0
+        config = self.userbuffers or TE_1X
+        return config.chunks(gemm, self.t), config.margin(gemm)
 
     def fp8_bytes(self, elements: int) -> int:
         """Bytes of one fp8 copy of `elements` values with its scales: one byte each, and under block scaling one
@@ -351,7 +353,8 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
                      fp8_block=impl.fp8_scaling == "block", wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
-                     expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks)
+                     expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
+                     userbuffers=impl.userbuffers)
 
 
 class Recorder:
@@ -398,9 +401,9 @@ class Recorder:
         self.forward.append((MemoryOp(name, self.bytes_of(*reads), self.bytes_of(*writes)), self.region, saves))
 
     def gemm(self, name: str, m: int, n: int, k: int, dtype: str, saves: tuple[str, ...] = (), batch: int = 1,
-             linear: bool = True, chunks: int = 1) -> None:
-        self.forward.append((gemm(name, m, n, k, dtype, self.shape.e, batch, FORWARD, linear, chunks), self.region,
-                             saves))
+             linear: bool = True, chunks: int = 1, margin: int = 0) -> None:
+        self.forward.append((gemm(name, m, n, k, dtype, self.shape.e, batch, FORWARD, linear, chunks, margin),
+                             self.region, saves))
 
     def op(self, op: Op, saves: tuple[str, ...] = ()) -> None:
         """Any op built by hand (FlashAttention, a lookup whose bytes are no tensor of ours)."""
@@ -416,10 +419,10 @@ class Recorder:
         self.workspace.extend(Saved(n, self.size[n]) for n in keeps)
 
     def back_gemm(self, name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, linear: bool = True,
-                  out_bytes: int | None = None, chunks: int = 1) -> None:
+                  out_bytes: int | None = None, chunks: int = 1, margin: int = 0) -> None:
         """`out_bytes` per result element (default the compute format's): 2 x 4 when it accumulates into fp32."""
         out = self.shape.e if out_bytes is None else out_bytes
-        self.backward.append(gemm(name, m, n, k, dtype, out, batch, BACKWARD, linear, chunks))
+        self.backward.append(gemm(name, m, n, k, dtype, out, batch, BACKWARD, linear, chunks, margin))
 
     def finish(self, recompute: str) -> OpList:
         """The unit, with recompute's rule (simulator/costs/ops.py): a saved tensor is dropped when the op that makes it
@@ -445,11 +448,11 @@ class Recorder:
 
 
 def gemm(name: str, m: int, n: int, k: int, dtype: str, out_bytes: int, batch: int = 1, phase: str = FORWARD,
-         linear: bool = True, chunks: int = 1) -> Gemm:
+         linear: bool = True, chunks: int = 1, margin: int = 0) -> Gemm:
     """A Gemm whose bytes are its operands in `dtype` and its result in `out_bytes` per element; run in `chunks` of
-    its rows, it reads the k x n operand once per chunk."""
+    its rows, it reads the k x n operand once per chunk; `margin`: SMs it leaves to a collective."""
     nbytes = batch * ((m * k + chunks * k * n) * GEMM_INPUT_BYTES[dtype] + m * n * out_bytes)
-    return Gemm(name, m, n, k, dtype, batch, nbytes, phase, linear, chunks)
+    return Gemm(name, m, n, k, dtype, batch, nbytes, phase, linear, chunks, margin)
 
 
 WEIGHT_GRADIENT_OPS = (".weight_grad", ".grad_accumulate", ".bias_grad", ".position_grad", ".lookup_grad")

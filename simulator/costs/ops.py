@@ -105,6 +105,8 @@ userbuffers' chunks (ub_chunks, under sequence parallelism): Transformer Engine 
 running its GEMM on chunks of the rows (initialize_ub's default methods, transformer_engine/pytorch/module/base.py):
 the ring exchange (qkv and fc1 forward, proj and fc2 input gradients) in t chunks, the pipelined reduce-scatter
 (proj and fc2 forward) in UB_PIPELINE_SPLITS; the bulk overlaps (qkv and fc1 backward) leave their GEMMs whole.
+A --tp-overlap-cfg file (Implementation.userbuffers, simulator/costs/userbuffers.py) sets each overlap's method and
+splits, and the SMs a GEMM with set_sm_margin leaves to its collective (Gemm.sm_margin: priced on the rest).
 
 The shape's options (minigpt/config.py), each as minigpt/model.py computes it:
   bias=False        no bias adds and no bias gradients: a Linear writes its output directly.
@@ -196,7 +198,7 @@ def _fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
 
 
 def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int, out: str,
-                    normed: bool = False, chunks: int = 1) -> str:
+                    normed: bool = False) -> str:
     """A Linear of `k` -> `n` columns on this rank over all rows, writing `out` (before any bias).
 
     `inp` is the input it multiplies (16-bit, or e4m3 when a fused norm wrote it: `normed`, it follows one); `shard`
@@ -210,11 +212,12 @@ def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: in
     else:
         saves = (saved_input or inp,)
     rec.tensor(out, sh.rows * n * sh.e)
-    rec.gemm(name, sh.rows, n, k, sh.linear, saves, chunks=chunks)
+    chunks, margin = sh.split(name)
+    rec.gemm(name, sh.rows, n, k, sh.linear, saves, chunks=chunks, margin=margin)
     return out
 
 
-def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = False, chunks: int = 1) -> None:
+def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = False) -> None:
     """Input and weight gradients of the Linear above (its output gradient in HBM), and the accumulation.
 
     Under fp8 the output gradient is cast to e5m2 first; our executor's _scaled_mm then makes the transposed
@@ -225,7 +228,8 @@ def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = Fa
     if sh.fp8:
         for kernel, read, written in _cast_kernels(sh, f"{name}.cast_grad", sh.rows * n, 2):
             rec.back_mem(kernel, read, written)
-    rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear, chunks=chunks)
+    chunks, margin = sh.split(f"{name}.input_grad")
+    rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear, chunks=chunks, margin=margin)
     if sh.fp8 and not sh.fp8_fused:
         rec.back_mem(f"{name}.transpose_weight", n * k, n * k)
     if sh.sharded and sh.fp8:  # the input shard, gathered again, is made e4m3 (transposed) again for the weight gradient
@@ -244,10 +248,11 @@ def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = Fa
 def _weight_gradient(rec: Recorder, name: str, n: int, k: int, dtype: str) -> None:
     """The weight-gradient GEMM and its accumulation into the gradient buffer (fused into it under wgrad_fusion)."""
     sh = rec.shape
+    margin = sh.split(f"{name}.weight_grad")[1]  # a bulk overlap's: never in chunks
     if sh.wgrad_fusion:
-        rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype, out_bytes=2 * FP32)
+        rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype, out_bytes=2 * FP32, margin=margin)
         return
-    rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype)
+    rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype, margin=margin)
     rec.back_mem(f"{name}.grad_accumulate", 2 * n * k * sh.grad, n * k * sh.grad)
 
 
@@ -262,8 +267,8 @@ def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int
     `normed`: a norm wrote its input (a MoE's shared experts read the router's: not normed for them)."""
     sh = rec.shape
     if not sh.bias:  # its input all-gathered by a ring exchange
-        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed, sh.ring_chunks)
-    matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed, sh.ring_chunks)
+        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed)
+    matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed)
     _bias_add(rec, name, matmul, out, sh.rows, n)
     return out
 
@@ -272,7 +277,7 @@ def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
     """A row-parallel Linear (proj, fc2) from `k` columns on this rank to d, summed over the group (all-reduced, or
     reduce-scattered to the sequence shard), and its bias, added after the sum, when the shape has one."""
     sh = rec.shape
-    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul", chunks=sh.pipeline_chunks)
+    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul")
     total = rec.tensor(f"{name}.sum" if sh.bias else out, sh.residual_rows * sh.d * sh.e)
     if sh.bias:
         _bias_add(rec, name, total, out, sh.residual_rows, sh.d)
@@ -288,7 +293,7 @@ def _column_backward(rec: Recorder, name: str, n: int, normed: bool = True) -> N
 def _row_backward(rec: Recorder, name: str, k: int) -> None:
     if rec.shape.bias:
         _bias_backward(rec, name, rec.shape.residual_rows, rec.shape.d)
-    _linear_backward(rec, name, rec.shape.d, k, chunks=rec.shape.ring_chunks)
+    _linear_backward(rec, name, rec.shape.d, k)
 
 
 def _bias_backward(rec: Recorder, name: str, rows: int, n: int) -> None:

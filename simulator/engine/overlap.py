@@ -100,6 +100,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from minigpt.errors import ConfigError
+from simulator.costs.userbuffers import Userbuffers
 
 DP_MODES = ("executor", "backward", "after")
 PARAM_GATHER_MODES = ("step", "forward")
@@ -235,3 +236,26 @@ def resolve_overlap(overlap: Overlap | str | None = None, **changes) -> Overlap:
         return base
     name = base.name if base.name.endswith("+custom") else f"{base.name}+custom"
     return replace(base, name=name, **changes)
+
+
+SM_REFERENCE = 132  # the SMs the slowdowns above are shares of (H100 SXM), for a GPU without a GEMM model
+
+
+def with_userbuffers(implementation, settings: Overlap, userbuffers: Userbuffers, layout, profile, linear_format: str):
+    """The implementation and overlap of a megatron-core stack run with a userbuffers configuration
+    (simulator/costs/userbuffers.py): its chunks and SM margins on the Linears' GEMMs, and its tp slowdown (the SMs
+    its collectives without a margin take, over the GPU's). Raises ConfigError where it cannot apply."""
+    if not (implementation.ub_chunks and layout.tp > 1 and layout.sequence_parallel):
+        raise ConfigError("--tp-overlap-cfg describes Transformer Engine's userbuffers, which overlap tensor-parallel "
+                          "collectives under sequence parallelism in the megatron-core stack: it needs --overlap "
+                          "megatron-core (tp overlapped), --sequence-parallel and --tp > 1")
+    model = profile.gemm if profile is not None else None
+    sms = model.sms if model is not None else SM_REFERENCE
+    if userbuffers.margins() and (model is None or model.fit(linear_format) is None):
+        raise ConfigError(f"{userbuffers.origin}: a GEMM with set_sm_margin runs on fewer SMs, which needs the GPU's "
+                          f"GEMM model in {linear_format} (its SM count); this hardware has none: drop the margins")
+    widest = max(userbuffers.margins().values(), default=0)
+    if widest >= sms:
+        raise ConfigError(f"{userbuffers.origin}: a margin of {widest} SMs leaves none of the GPU's {sms} to its GEMM")
+    # the preset keeps its name: the provenance names the file and prints the slowdown
+    return replace(implementation, userbuffers=userbuffers), replace(settings, tp_slowdown=userbuffers.slowdown(sms))

@@ -48,7 +48,8 @@ from simulator.limits import check_job
 from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
 from simulator.costs.op_types import Implementation, check_cp_attention
-from simulator.engine.overlap import Overlap, resolve_overlap, stack_implementation
+from simulator.costs.userbuffers import Userbuffers
+from simulator.engine.overlap import Overlap, resolve_overlap, stack_implementation, with_userbuffers
 from simulator.provenance import provenance
 from simulator.network.topology import Cluster
 
@@ -229,7 +230,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                   attention: str = "flash", overlap: Overlap | str | None = None,
                   sp_saved_input: str = "gathered", nccl_algo: str = "auto",
                   implementation: Implementation | None = None, expert_load: float | None = None,
-                  ep_dispatcher: str | None = None) -> SimResult:
+                  ep_dispatcher: str | None = None, userbuffers: Userbuffers | None = None) -> SimResult:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
 
     `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py), or all of it as
@@ -238,7 +239,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     `nccl_algo`: "auto" (each collective as NCCL would pick it) or an algorithm forced (simulator/network/nccl.py);
     `expert_load`: a mixture of experts' routing imbalance (Implementation.expert_load; None: the implementation's,
     1.0 balanced), priced on the busiest rank of each expert group, which the step waits for; `ep_dispatcher`: how
-    its rows travel (Implementation.dispatcher; None: the implementation's, "alltoall")."""
+    its rows travel (Implementation.dispatcher; None: the implementation's, "alltoall"); `userbuffers`: a
+    megatron-core stack's tp overlap settings (simulator/costs/userbuffers.py, overlap.py's with_userbuffers)."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
     settings = resolve_overlap(overlap)
@@ -265,6 +267,9 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
     if profile is None:
         profile = spec.matmul_efficiency  # the GPU's efficiency tables (cited or measured), when it has them
+    if userbuffers is not None:
+        implementation, settings = with_userbuffers(implementation, settings, userbuffers, layout, profile,
+                                                    "fp8" if pol.fp8_linears else pol.compute)
     compute, links, threads = _compute_side(spec, model, layout, cluster, pol.compute, threads_per_rank)
     links.select(nccl_algo)  # NCCL's choice per collective, or the algorithm forced (simulator/network/nccl.py)
     host = spec.measured
