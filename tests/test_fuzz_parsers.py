@@ -2,7 +2,8 @@
 the bytes, a valid object or ConfigError, never another exception; and through the CLI, exit 0 or exit 2 with exactly one line on stderr, no traceback.
 
 Parsers: topology files (node-link JSON and GraphML, simulator/network/topology.py's load_cluster), hardware
-profiles (simulator/costs/hardware.py's load_hardware, `simulate --hardware`), TOML flag files
+profiles (simulator/costs/hardware.py's load_hardware, `simulate --hardware`), userbuffers settings
+(simulator/costs/userbuffers.py, `simulate --tp-overlap-cfg`), TOML flag files
 (cli/options/config_file.py, `--config`) and data files (minigpt/data.py, `train --data`). Each gets (a) arbitrary
 bytes and damaged copies of a valid file, and (b) structured-but-wrong documents: the valid document
 with random JSON/TOML values put into its real fields (wrong types, NaN, inf, huge numbers, deep nesting,
@@ -29,6 +30,10 @@ from minigpt.data import Corpus
 from simulator.network.cluster import Cluster
 from simulator.costs.hardware import Hardware, load_hardware
 from simulator.network.topology import build_cluster, load_cluster
+from simulator.costs.userbuffers import Userbuffers, read_userbuffers
+from tests.independent import ROOT
+
+USERBUFFERS_FILE = ROOT / "bench" / "dgxc_gpt3_175b_userbuffers.json"
 
 
 # ---------------------------------------------------------------- valid documents to break
@@ -109,6 +114,27 @@ def test_simulate_topology_is_exit_0_or_one_line(scratch, content):
 def test_simulate_graphml_is_exit_0_or_one_line(scratch, content):
     path = write(scratch, "cli.graphml", content)
     one_line_or_success(["simulate", "--topology", str(path), "--model", "tiny", "--dp", "4", "--json"])
+
+
+# ---------------------------------------------------------------- userbuffers settings (simulate --tp-overlap-cfg)
+
+USERBUFFERS = {key: value for key, value in json.loads(USERBUFFERS_FILE.read_text()).items() if key != "source"}
+USERBUFFERS_JSON = json.dumps(USERBUFFERS).encode()
+USERBUFFERS_PATHS = paths(USERBUFFERS)[1:]
+
+
+@PARSERS
+@given(content=st.one_of(any_bytes(USERBUFFERS_JSON), broken_documents(USERBUFFERS, USERBUFFERS_PATHS)))
+def test_userbuffers_any_bytes_and_wrong_fields(scratch, content):
+    total(lambda p: read_userbuffers(str(p)), write(scratch, "ub.json", content), Userbuffers)
+
+
+@CLI
+@given(content=st.one_of(broken_documents(USERBUFFERS, USERBUFFERS_PATHS), any_bytes(USERBUFFERS_JSON)))
+def test_simulate_tp_overlap_cfg_is_exit_0_or_one_line(scratch, content):
+    path = write(scratch, "cli-ub.json", content)
+    one_line_or_success(["simulate", "--tp-overlap-cfg", str(path), "--model", "tiny", "--tp", "2",
+                         "--sequence-parallel", "--overlap", "megatron-core", "--gpu", "h100-sxm", "--json"])
 
 
 # ---------------------------------------------------------------- hardware profiles
