@@ -187,7 +187,9 @@ def moe_command(run: dict) -> list[str]:
             "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
             "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
             "--gpu", run["gpu"], "--overlap", run["overlap"], "--dropout", str(run["dropout"]),
-            "--ep-dispatcher", run.get("dispatcher", "alltoall"), "--json"]
+            "--ep-dispatcher", run.get("dispatcher", "alltoall"),
+            *(["--no-tp-overlap"] if run.get("tp_overlap") is False else []),
+            *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
 
 
 def megatron_flops(shape: dict, batch: int, seq: int) -> float:

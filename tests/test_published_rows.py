@@ -101,3 +101,16 @@ def test_the_implied_rate_is_the_factor_that_meets_the_published_step(tmp_path):
     profile = module.scaled_profile("h100-sxm", found["factor"], tmp_path)
     again = module.simulated(args, profile, row["id"])["step_time_s"]
     assert abs(again / row["pub_s"] - 1) < 0.01
+
+
+def test_the_moe_rows_carry_their_runs_tensor_parallel_overlap():
+    """Grok-1's yaml turns TE's tp overlap off; the ModelZoo's Mixtral 8x22B turns it on without a settings file
+    (TE's defaults): the bench passes each as the run set it."""
+    rows = {row["id"]: row for row in json.loads((BENCH / "published_runs.json").read_text())["moe_training"]["rows"]}
+    module = published()
+    grok = module.moe_command(rows["DGXC-GROK1-314B-2048-bf16"])
+    assert "--no-tp-overlap" in grok and "--tp-overlap-cfg" not in grok
+    zoo = module.moe_command(rows["MODELZOO-MIXTRAL-8x22B-128-bf16"])
+    settings = Path(zoo[zoo.index("--tp-overlap-cfg") + 1])
+    assert settings.is_file() and set(json.loads(settings.read_text())) == {"source"}  # every overlap TE's default
+    assert "--no-tp-overlap" not in zoo
