@@ -150,7 +150,8 @@ def test_simulate_reads_the_file_and_refuses_a_bad_one(tmp_path):
     assert math.isclose(data["overlap"]["tp_slowdown"], 2.2 / 132)
     for extra, words in (([str(bad)], "proj_fprop.method must be pipeline or ring_exchange"),
                          ([str(tmp_path / "missing.json")], "missing.json"),
-                         ([str(good), "--overlap", "executor"], "needs --overlap megatron-core")):
+                         ([str(good), "--overlap", "executor"], "needs --overlap megatron-core"),
+                         ([str(good), "--sweep", "--gpus", "4,8"], "drop --tp-overlap-cfg")):
         refused = CliRunner().invoke(main, [*args, "--tp-overlap-cfg", *extra])
         assert refused.exit_code == 2 and words in refused.output, refused.output
         assert len(refused.output.strip().splitlines()) == 1 and "Traceback" not in refused.output
