@@ -2,7 +2,7 @@
 
     python bench/gpu_sustained.py --out sustained.json [--seconds 60] [--formats bf16,fp8] [--dry-run]
 
-Why: the GEMM model (simulator/costs/gemm_model.py) rests on microbenchmarks that time a few runs per shape
+Why: the GEMM model (simulator/costs/rates/gemm_model.py) rests on microbenchmarks that time a few runs per shape
 (OpenXLA's table: a warm-up and five traced runs; Bekman's MAMF: 150), while a training run keeps the tensor cores
 busy for hours under the board's power limit. docs/results.md ("what the rest of the gap looks like") finds every
 published H100 run slower than predicted by one factor on the tensor-core rate (0.70-0.81) and the A100 runs not;

@@ -5,13 +5,13 @@
                      calibrated host's measured units (simulator/engine/host.py), with what the host did not
                      measure of this model where it has units of other shapes only;
   matmul_efficiency  per number format the GEMMs run in: "GEMM model" (a preset's model by (m, n, k) with
-                     wave quantisation, fitted to published sweeps: simulator/costs/gemm_model.py),
+                     wave quantisation, fitted to published sweeps: simulator/costs/rates/gemm_model.py),
                      "cited table" (a preset's published microbenchmarks), "measured table" (a `minigpt
                      calibrate` profile) or "fallback curve" (no table: the uncalibrated x/(x+128) curve),
                      with its source;
   kernel_overhead_s  what every kernel costs beyond its roofline;
   achieved           the HBM and NVLink fractions and the per-kernel overhead, with their source
-                     (simulator/costs/achieved.py; the datasheet itself when the GPU gives none);
+                     (simulator/costs/rates/achieved.py; the datasheet itself when the GPU gives none);
   implementation     attention kernel, recompute kind, what sequence parallelism saves;
   overlap            the overlap preset and its settings (simulator/engine/overlap.py);
   context            with context parallelism: its size and kind, the block length the attention

@@ -1,4 +1,4 @@
-"""Causal attention as kernels run it (simulator/costs/attention_rates.py, op_types.FusedAttention): the products
+"""Causal attention as kernels run it (simulator/costs/rates/attention_rates.py, op_types.FusedAttention): the products
 the mask keeps, counted one by one; the published FlashAttention-2 rates, read back as docs/efficiency.md prints
 them; and the price of a flash op with and without a GPU's table."""
 
@@ -16,7 +16,7 @@ from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import policy
-from simulator.costs.attention_rates import parse_attention_efficiency
+from simulator.costs.rates.attention_rates import parse_attention_efficiency
 from simulator.costs.compute import kernel_overhead, op_time
 from simulator.costs.hardware import load_hardware
 from simulator.costs.op_types import FusedAttention

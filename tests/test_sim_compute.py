@@ -8,7 +8,7 @@ from minigpt.config import GPTConfig
 from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, policy
-from simulator.costs.achieved import Achieved
+from simulator.costs.rates.achieved import Achieved
 from simulator.costs.compute import (
     FALLBACK_CURVE,
     HALF_EFFICIENCY_DIM,

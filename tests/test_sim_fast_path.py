@@ -7,7 +7,7 @@ import pytest
 
 import simulator.engine.simulate
 from minigpt.config import GPTConfig
-from simulator.costs.achieved import Achieved
+from simulator.costs.rates.achieved import Achieved
 from simulator.engine.simulate import simulate_step
 from simulator.engine.links import LinkCosts
 from simulator.costs.hardware import load_hardware, load_nic

@@ -1,4 +1,4 @@
-"""simulator/costs/gemm_model.py: the GEMM model by (m, n, k) reproduces the published sweeps it rests on (and the
+"""simulator/costs/rates/gemm_model.py: the GEMM model by (m, n, k) reproduces the published sweeps it rests on (and the
 points held out of its fit) within the tolerances docs/efficiency.md states, quantises waves over the SMs, tells a
 short m from a short k as the sweeps do, and a calibrated profile without a model keeps its smallest-side table."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from minigpt.errors import ConfigError
 from simulator.costs.compute import efficiency, gemm_efficiency, matmul_time, tensor_peak
-from simulator.costs.efficiency import parse_efficiency_profile
-from simulator.costs.gemm_model import TILES, GemmFit, GemmModel, parse_gemm_model, tile_work, wave_utilisation
+from simulator.costs.rates.efficiency import parse_efficiency_profile
+from simulator.costs.rates.gemm_model import TILES, GemmFit, GemmModel, parse_gemm_model, tile_work, wave_utilisation
 from simulator.costs.hardware import load_hardware
 from simulator.provenance import efficiency_sources
 from independent import H200_RUN  # tests/ is on sys.path under pytest

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from minigpt.errors import ConfigError
-from simulator.costs.gemm_model import tile_work
+from simulator.costs.rates.gemm_model import tile_work
 from simulator.costs.hardware import (
     FLOP_FORMATS,
     PRESETS_FILE,
@@ -226,7 +226,7 @@ def test_matmul_tables_say_where_they_come_from():
 
 
 def test_every_preset_gpu_has_achieved_fractions_with_a_source():
-    from simulator.costs.achieved import DATASHEET
+    from simulator.costs.rates.achieved import DATASHEET
 
     raw = _raw_gpus()
     for name in GPUS:
@@ -260,7 +260,7 @@ def test_the_sustained_tensor_rate_is_the_h200_measurement_on_the_gh100_presets_
 
 
 def test_a_bad_sustained_rate_is_one_clear_error():
-    from simulator.costs.achieved import parse_achieved
+    from simulator.costs.rates.achieved import parse_achieved
 
     base = {"source": "x"}
     assert parse_achieved(base, "g").sustained("bf16") == 1

@@ -19,7 +19,7 @@ from cli.options.collectives import NCCL_ALGOS
 from job.layout import Layout
 from minigpt.presets import build_config
 from minigpt.errors import ConfigError
-from simulator.costs.achieved import Achieved
+from simulator.costs.rates.achieved import Achieved
 from simulator.costs.hardware import load_hardware
 from simulator.engine.links import LinkCosts
 from simulator.engine.simulate import simulate_step

@@ -49,7 +49,7 @@ def test_the_default_is_the_executor_and_every_result_says_what_it_rests_on():
     assert default.step_time_s == explicit.step_time_s and default.overlap.name == "executor"
     data = default.as_dict()["provenance"]
     assert data["overlap"]["name"] == "executor" and data["implementation"]["attention"] == "flash"
-    assert data["matmul_efficiency"]["bf16"]["kind"] == "GEMM model"  # the preset's fit (simulator/costs/gemm_model.py)
+    assert data["matmul_efficiency"]["bf16"]["kind"] == "GEMM model"  # the preset's fit (simulator/costs/rates/gemm_model.py)
     assert set(data["achieved"]) >= {"hbm_fraction", "kernel_overhead", "nvlink_fraction", "source"}
     bare = replace(A100.gpu, matmul_efficiency=None, achieved=None)
     fallback = simulate_step(SMALL, layout, cluster, "bf16", 32, 1, gpu=bare).provenance

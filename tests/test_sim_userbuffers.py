@@ -14,7 +14,7 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.costs.compute import op_time
-from simulator.costs.gemm_model import tile_work
+from simulator.costs.rates.gemm_model import tile_work
 from simulator.costs.hardware import load_hardware
 from simulator.costs.op_types import Gemm, Implementation
 from simulator.costs.ops import block_ops

@@ -233,7 +233,7 @@ def time_attention(fused: bool, backward: bool, batch: int, heads: int, seq: int
 
 
 # FlashAttention-2's benchmark shapes (benchmarks/benchmark_flash_attention.py: model width 2048, 16K tokens a batch),
-# the shapes of the preset tables (simulator/costs/attention_rates.py), so a measured table reads as theirs.
+# the shapes of the preset tables (simulator/costs/rates/attention_rates.py), so a measured table reads as theirs.
 ATTENTION_HEAD_DIMS = (64, 128)
 ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192)
 ATTENTION_WIDTH = 2048
@@ -262,7 +262,7 @@ SDPA_KERNEL = "torch SDPA"  # the kernel of a measured table (precision-free: th
 
 
 def _attention_entry(kernel: str, rates: dict[str, list], peak_bf16: float, source: str) -> dict:
-    """A profile's "attention_efficiency" (simulator/costs/attention_rates.py) from
+    """A profile's "attention_efficiency" (simulator/costs/rates/attention_rates.py) from
     {head size: [[sequence, FLOP/s], ...]} over the profile's bf16 peak, each share at most 1."""
     causal = {size: [[seq, round(min(1.0, rate / peak_bf16), 4)] for seq, rate in points]
               for size, points in rates.items() if points}

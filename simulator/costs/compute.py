@@ -11,10 +11,10 @@ one costs its roofline plus a fixed cost per kernel:
 with HBM = hbm_bandwidth * gpu.reached.hbm_fraction, peak = the datasheet's times
 gpu.reached.sustained(dtype) (the share of a burst's rate the tensor cores hold under the power limit:
 `tensor_peak`) and overhead = the profile's measured launch_latency when it has one, else
-gpu.reached.kernel_overhead (simulator/costs/achieved.py: 1 and 0 when the GPU says nothing).
+gpu.reached.kernel_overhead (simulator/costs/rates/achieved.py: 1 and 0 when the GPU says nothing).
 
 Efficiency (`gemm_efficiency`): where the profile has a GEMM model for the format (a preset's
-"gemm_model", simulator/costs/gemm_model.py), the model by (m, n, k): output tiles in waves over the
+"gemm_model", simulator/costs/rates/gemm_model.py), the model by (m, n, k): output tiles in waves over the
 GPU's SMs, a fixed cost per tile along k and per kernel, fitted to published sweeps. Otherwise the
 GPU's table for the format (EfficiencyProfile, the "matmul_efficiency" field
 of a hardware entry: cited data in a preset, our measurement in a calibrated profile), by the
@@ -48,11 +48,11 @@ from dataclasses import dataclass
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
-from simulator.costs.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
+from simulator.costs.rates.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
 from simulator.costs.hardware import GPUSpec
 from job.exchange.experts import routing_exchanges
 from job.layout import Layout, block_tensors, head_tensors, is_expert_tensor
-from simulator.costs.attention_rates import seconds as attention_seconds
+from simulator.costs.rates.attention_rates import seconds as attention_seconds
 from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
                                       model_flops)
 from simulator.costs.ops import block_ops, embedding_ops, head_ops

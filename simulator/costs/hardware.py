@@ -25,8 +25,8 @@ and attention_efficiency only, taken from published microbenchmarks against thei
 (values, sources and derivations in docs/efficiency.md):
 
     "matmul_efficiency": see simulator/costs/compute.py (parse_efficiency_profile)
-    "achieved": see simulator/costs/achieved.py (a NIC entry may likewise hold "busbw_fraction")
-    "attention_efficiency": see simulator/costs/attention_rates.py (a causal attention kernel's rates)
+    "achieved": see simulator/costs/rates/achieved.py (a NIC entry may likewise hold "busbw_fraction")
+    "attention_efficiency": see simulator/costs/rates/attention_rates.py (a causal attention kernel's rates)
     "collectives": {KIND: {"ranks", "alpha", "beta", "points"?}}  KIND one of all_reduce,
         all_gather, reduce_scatter, p2p: a least-squares fit t = alpha + beta * S over the
         measured points [[S bytes, seconds], ...] (S: the full buffer, parallel/comm.py's
@@ -50,9 +50,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minigpt.errors import ConfigError
-from simulator.costs.achieved import Achieved, fraction, parse_achieved
-from simulator.costs.attention_rates import AttentionEfficiency, parse_attention_efficiency
-from simulator.costs.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
+from simulator.costs.rates.achieved import Achieved, fraction, parse_achieved
+from simulator.costs.rates.attention_rates import AttentionEfficiency, parse_attention_efficiency
+from simulator.costs.rates.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
 from simulator.costs.host import MeasuredHost, parse_measured_host
 from simulator.json_file import BYTES, COUNT, RATE, SECONDS, finite_number, in_range, read_json_file
 
@@ -94,9 +94,9 @@ class GPUSpec:
     collectives: dict[str, CollectiveFit] | None = field(default=None, hash=False, compare=False)
     calibration: dict | None = field(default=None, hash=False, compare=False)
     measured: MeasuredHost | None = field(default=None, hash=False, compare=False)
-    # What real kernels and NCCL reach against the datasheet (simulator/costs/achieved.py); None: nothing discounted.
+    # What real kernels and NCCL reach against the datasheet (simulator/costs/rates/achieved.py); None: nothing discounted.
     achieved: Achieved | None = field(default=None, hash=False, compare=False)
-    # A fused causal attention kernel's published rates (simulator/costs/attention_rates.py); None: GEMM pricing.
+    # A fused causal attention kernel's published rates (simulator/costs/rates/attention_rates.py); None: GEMM pricing.
     attention_efficiency: AttentionEfficiency | None = field(default=None, hash=False, compare=False)
 
     @property
@@ -137,7 +137,7 @@ class NICSpec:
     latency: float  # seconds per GPU-to-GPU message, software included
     switch_latency: float  # seconds per switch traversal
     switch_radix: int  # ports per leaf or spine switch
-    busbw_fraction: float = 1.0  # NCCL bus bandwidth across nodes / line rate (simulator/costs/achieved.py)
+    busbw_fraction: float = 1.0  # NCCL bus bandwidth across nodes / line rate (simulator/costs/rates/achieved.py)
 
 
 @dataclass(frozen=True)
@@ -464,7 +464,7 @@ def hardware_to_dict(hardware: Hardware) -> dict:
         data = {name: getattr(gpu, name) for name in
                 ("source", "node", "peak_flops", "hbm_bytes", "hbm_bandwidth", "nvlink_bandwidth", "nvlink_latency")}
         data["peak_flops"] = dict(gpu.peak_flops)
-        if gpu.matmul_efficiency is not None:  # tables, source, the GEMM model (simulator/costs/efficiency.py)
+        if gpu.matmul_efficiency is not None:  # tables, source, the GEMM model (simulator/costs/rates/efficiency.py)
             data["matmul_efficiency"] = gpu.matmul_efficiency.as_dict()
         if gpu.collectives is not None:
             data["collectives"] = {

@@ -92,7 +92,7 @@ from dataclasses import dataclass, field
 
 from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, GPTConfig
 from minigpt.errors import ConfigError
-from simulator.costs.efficiency import FLOP_FORMATS
+from simulator.costs.rates.efficiency import FLOP_FORMATS
 from simulator.json_file import BYTES, COUNT, RELATIVE, SECONDS, SHARE, finite_number, in_range
 from simulator.stragglers import cv_giving
 

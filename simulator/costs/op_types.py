@@ -154,7 +154,7 @@ class FusedAttention:
 
     @property
     def efficiency_seq(self) -> int:
-        """The length a published causal-kernel table is read at (simulator/costs/attention_rates.py)."""
+        """The length a published causal-kernel table is read at (simulator/costs/rates/attention_rates.py)."""
         return self.kernel_seq or self.causal_seq
 
     @property
@@ -172,7 +172,7 @@ class FusedAttention:
     @property
     def benchmark_flops(self) -> int:
         """FLOPs as attention kernels' benchmarks count them: half the square under a causal mask
-        (simulator/costs/attention_rates.py)."""
+        (simulator/costs/rates/attention_rates.py)."""
         return self.square_flops // 2 if self.causal_seq else self.square_flops
 
 

@@ -15,7 +15,7 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
   head, so the GEMMs are those of multi-head attention (batch b x a/t), over the causal half of the
   square: the op computes the s (s + 1) / 2 products the mask keeps (FusedAttention.flops), priced at
   the kernel's published causal throughput where the GPU has a table
-  (simulator/costs/attention_rates.py); the kernel reads
+  (simulator/costs/rates/attention_rates.py); the kernel reads
   q, k and v once each (a K/t-head k and v serve a/K query heads each, from on-chip memory) and
   writes the output and an fp32 log-sum-exp per query head and row. Backward: a pre-pass
   D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs,

@@ -24,7 +24,7 @@ top_k = k:
   experts     R routed rows (job/exchange/experts.py's routed_rows: T x k dropless, balanced) on E/ep local
               experts as a grouped GEMM: batch E/ep, m = ceil(R / (E/ep)) rows per expert (balanced: each rank
               receives as many rows as it sends), priced by the GEMM model with every expert's tiles in one set of
-              waves (simulator/costs/gemm_model.py; docs/efficiency.md "Mixture of experts" says what that rests
+              waves (simulator/costs/rates/gemm_model.py; docs/efficiency.md "Mixture of experts" says what that rests
               on); biases inside the GEMM (torch.addmm); GELU, or SwiGLU as one kernel (ops.py's convention); the
               experts' outputs concatenated (torch.cat: a copy); under a routing imbalance (Implementation's
               expert_load) the busiest rank of the expert group receives more rows than it sends: its experts run

@@ -223,6 +223,20 @@ def _compute_side(spec: GPUSpec, model: GPTConfig, layout: Layout, cluster: Clus
     return host_compute(host, model, layout, threads, compute_format), HostLinks(cluster, layout, host), threads
 
 
+def _implementation(model: GPTConfig, settings: Overlap, implementation: Implementation | None, attention: str,
+                    recompute: str, sp_saved_input: str, expert_load: float | None,
+                    ep_dispatcher: str | None) -> Implementation:
+    """How the blocks are computed: as given, or the three flags with the stack the overlap preset names (its own fp8
+    casts, weight gradients: overlap.py); a MoE's load and dispatcher over either."""
+    implementation = implementation or Implementation(attention, recompute, sp_saved_input,
+                                                      **stack_implementation(settings))
+    if expert_load is not None:
+        implementation = replace(implementation, expert_load=check_expert_load(model, expert_load))
+    if ep_dispatcher is not None:
+        implementation = replace(implementation, dispatcher=ep_dispatcher)
+    return implementation
+
+
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
@@ -244,13 +258,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     clock = time.perf_counter()
     pol = precision_policy(precision)
     settings = resolve_overlap(overlap)
-    # the stack the overlap preset names computes its own way too (fp8 casts, weight gradients): overlap.py
-    implementation = implementation or Implementation(attention, recompute, sp_saved_input,
-                                                      **stack_implementation(settings))
-    if expert_load is not None:
-        implementation = replace(implementation, expert_load=check_expert_load(model, expert_load))
-    if ep_dispatcher is not None:
-        implementation = replace(implementation, dispatcher=ep_dispatcher)
+    implementation = _implementation(model, settings, implementation, attention, recompute, sp_saved_input,
+                                     expert_load, ep_dispatcher)
     attention, recompute = implementation.attention, implementation.recompute
     v = check_positive_int("virtual_chunks", virtual_chunks)
     if layout.virtual_chunks not in (1, v):

@@ -5,7 +5,7 @@ A cluster is a directed graph: every cable is two edges, one per direction, each
 GPUs and NICs also carry `node` (server index) and `local` (index inside the server).
 Graph attributes a built cluster writes (all optional in a file): `gpu` (the GPU preset),
 `fabric` (the NIC preset), `kind`, `busbw_fraction` (what NCCL reaches across nodes as a
-fraction of the line rate, simulator/costs/achieved.py; 1 when absent) and `description`. Numbers are
+fraction of the line rate, simulator/costs/rates/achieved.py; 1 when absent) and `description`. Numbers are
 finite and within simulator/json_file.py's ranges (bandwidth 1 to 1e30 bytes/s, latency 0 to
 3600 s), and a graph holds at most simulator/limits.py's MAX_FILE_GPUS GPUs.
 

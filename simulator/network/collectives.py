@@ -11,7 +11,7 @@ Network model (fluid, alpha-beta):
 
 Achieved bandwidth: NCCL never reaches the datasheet. `LinkFractions` scales every NVLink
 edge (to or from an NVSwitch) by the GPU's `reached.nvlink_fraction` and every other edge
-(NIC, switches) by the NIC's `busbw_fraction` (simulator/costs/achieved.py): both are bus
+(NIC, switches) by the NIC's `busbw_fraction` (simulator/costs/rates/achieved.py): both are bus
 bandwidths as nccl-tests defines them (a ring all-reduce of S bytes over n ranks moves
 2(n-1)/n S per rank at the bus bandwidth), and a ring here moves exactly that over its
 slowest link, so the large-message limit of a ring is the fraction times the link.

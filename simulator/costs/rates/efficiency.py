@@ -9,7 +9,7 @@ compute.py (which prices matmuls with it). A GPU entry of a hardware file may ho
 efficiency = achieved FLOP/s / the format's dense peak, by the smallest side of the matmul. Between
 points the efficiency is interpolated linearly in log(size); outside them the nearest point holds.
 
-A preset's object may also hold "gemm_model" (simulator/costs/gemm_model.py: the GPU's SM count and, per
+A preset's object may also hold "gemm_model" (simulator/costs/rates/gemm_model.py: the GPU's SM count and, per
 format, a GEMM model by (m, n, k) with wave quantisation, fitted to published sweeps); compute.py prices a
 format that has one with it, every other format (and every calibrated profile) with its table.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from minigpt.errors import ConfigError
 from simulator.json_file import FRACTION, SECONDS, in_range
 from precision.policy import FLOP_FORMATS
-from simulator.costs.gemm_model import GemmModel, parse_gemm_model
+from simulator.costs.rates.gemm_model import GemmModel, parse_gemm_model
 
 
 @dataclass(frozen=True)

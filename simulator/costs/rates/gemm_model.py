@@ -40,7 +40,7 @@ hardware entry's "matmul_efficiency" object:
                    "bf16": {"large": 0.8321, "k0": 64, "fixed": 6e-6}, ...}
 
 `parse_gemm_model` checks exactly that object; a format without an entry keeps the smallest-side
-table (simulator/costs/efficiency.py), as does every calibrated profile (no gemm_model).
+table (simulator/costs/rates/efficiency.py), as does every calibrated profile (no gemm_model).
 """
 
 from __future__ import annotations

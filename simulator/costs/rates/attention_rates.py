@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minigpt.errors import ConfigError
-from simulator.costs.efficiency import along_log
+from simulator.costs.rates.efficiency import along_log
 from simulator.json_file import FRACTION, in_range
 
 
