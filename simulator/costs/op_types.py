@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Union
 from minigpt.config import GPTConfig, check_attention, check_recompute
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy
-from simulator.costs.userbuffers import TE_1X, Userbuffers
+from simulator.costs.userbuffers import TE_1X, UB_PIPELINE_SPLITS, Userbuffers  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
     from job.layout import Layout
@@ -28,7 +28,6 @@ GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
 FP8_SCALINGS = ("tensor", "block")
 DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expert group's ranks (Implementation)
 MX_BLOCK = 32  # MXFP8: one 8-bit (E8M0) scale per 32 elements along the reduction (OCP Microscaling Formats v1.0)
-UB_PIPELINE_SPLITS = 4  # Transformer Engine's default num_splits for its "pipeline" overlap (initialize_ub)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ OVERLAPS = {
 }
 BY_GEMM = {gemm: name for name, (gemm, _) in OVERLAPS.items()}
 UB_MAX_SM = 32  # TE's limit on a userbuffers collective's SMs (UB_MAX_SM in comm_gemm_overlap.h)
+UB_PIPELINE_SPLITS = 4  # TE's default num_splits for its "pipeline" overlap (initialize_ub)
 PRICED = {"method", "num_sm", "set_sm_margin", "num_splits", "aggregate"}
 # keys of TE's configuration that change no cost here: cluster shape, buffer format, stream priorities, copy engine
 UNPRICED = {"cga_size", "fp8_buf", "use_ce", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm",
@@ -60,7 +61,7 @@ class Overlapped:
     method: str
     num_sm: int
     set_sm_margin: bool
-    num_splits: int = 4  # pipeline only (a ring exchange runs in tp chunks)
+    num_splits: int = UB_PIPELINE_SPLITS  # pipeline only (a ring exchange runs in tp chunks)
     aggregate: bool = False  # ring exchange only: two slices per GEMM
 
     def chunks(self, tp: int) -> int:
