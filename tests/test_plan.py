@@ -133,6 +133,23 @@ def test_the_lower_bound_never_exceeds_the_simulated_step(brute_force, tight):
     assert deciding == {"compute", "data parallel"}
 
 
+def test_the_bounds_shared_units_price_as_a_fresh_bound_does():
+    """StepBound prices each unit once for all the layouts it searches (rank_costs' unit_memo): every candidate's
+    chunk prices equal those of a bound that has seen no other layout."""
+    model, spec = build_config("mixtral-8x7b"), ClusterSpec.of("h100-sxm")
+    cluster = spec.build(64)
+    shared = StepBound(model, cluster, spec.hardware, "bf16")
+    candidates, _ = enumerate_candidates(model, 64, spec.gpus_per_node, 64)
+    priced_apart = 0
+    for c in candidates[::157]:
+        job = (c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute,
+               candidate_memory(model, c, "bf16", spec.hardware.gpu))
+        fresh = StepBound(model, cluster, spec.hardware, "bf16")
+        assert shared.chunk_prices(*job) == fresh.chunk_prices(*job), c.describe()
+        priced_apart += len(fresh.units)
+    assert len(shared.units) < priced_apart  # units shared between layouts were priced once
+
+
 def test_json_and_table_say_why_the_others_lost():
     result = invoke("--model", "gpt2-124m", "--gpus", "8", "--top", "3", "--json")
     assert result.exit_code == 0, result.output

@@ -124,16 +124,24 @@ class _Job:
 
 
 def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, implementation: Implementation,
-                profile: EfficiencyProfile | None, host: HostCompute | None):
+                profile: EfficiencyProfile | None, host: HostCompute | None, memo: dict | None = None):
     """times(layers, first, last, stage, moe) -> (forward, backward, exposed tp forward, exposed tp backward,
     recompute, weight, exposed cp forward, exposed cp backward, exposed ep forward, exposed ep backward, hidden ep
-    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'."""
-    memo: dict = {}
+    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'. `memo`: the units priced so far, keyed
+    by what their price depends on, which a caller may share between layouts of one model, cluster, precision and
+    implementation (minigpt plan's bound: a unit of one tp and micro-batch serves every dp, ZeRO stage and schedule, and
+    every pp but the head's, whose replicated tensors depend on it)."""
+    memo = {} if memo is None else memo
+    layout = job.layout
+    shape = (layout.tp, layout.sequence_parallel, layout.cp, layout.cp_kind, layout.ep, micro_batch, implementation)
     exchanges: dict = {}  # per stage too: the cp group's links are the stage's
     hide = job.overlap.tp and not job.serial
 
+    def unit_key(layers: int, first: bool, last: bool, moe: bool) -> tuple:
+        return layers, first, last, moe, shape, layout.pp if last else 0
+
     def times(layers: int, first: bool, last: bool, stage: int = 0, moe: bool = False):
-        key = (layers, first, last, moe)
+        key = unit_key(layers, first, last, moe)
         if key not in memo:
             ct = chunk_times(job.model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
                              first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
@@ -167,7 +175,7 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
         return (*priced, *exchanges[(key, stage)])
 
     # once a step, not per micro-batch (fp8 weight casts kept across micro-batches): read after times() priced the unit
-    times.per_step = lambda layers, first, last, moe=False: memo[(layers, first, last, moe)][1].per_step_s
+    times.per_step = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1].per_step_s
     return times
 
 
@@ -215,13 +223,17 @@ def _plain_actions(chunk: int, units: list[Unit], actions: dict) -> None:
 def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links: LinkCosts, gpu: GPUSpec,
                precision: str, micro_batch: int, recompute: str, profile: EfficiencyProfile | None,
                memory: MemoryEstimate, bucket_mb: float, host: HostCompute | None = None,
-               implementation: Implementation | None = None, overlap_settings: Overlap | None = None) -> list[RankCosts]:
+               implementation: Implementation | None = None, overlap_settings: Overlap | None = None,
+               unit_memo: dict | None = None) -> list[RankCosts]:
+    """Every pipeline rank's prices: its actions' compute and exposed collectives, its data-parallel pricer, its
+    optimizer step. `unit_memo`: a dict shared across calls for one model, cluster, precision, profile and overlap
+    (plan's bound), so that a unit is priced once (_unit_times)."""
     pol = precision_policy(precision)
     implementation = implementation or Implementation(recompute=recompute)
     compute_bytes = FORMAT_BYTES[pol.compute]
     job = _Job(model, layout, links, schedule.zero_stage, layout.shard_ranks, bucket_numel(bucket_mb, compute_bytes),
                compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
-    times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host)
+    times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host, unit_memo)
     last_chunk = schedule.num_chunks - 1
     # The optimizer's one reduction of the squared gradient norm (precision/optimizer.py, parallel/run/build.py's
     # reduce_sum): an fp32 scalar all-reduced over tp, then pp; over dp it is the OptimizerStep's own action

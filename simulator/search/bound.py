@@ -103,6 +103,7 @@ class StepBound:
         self.settings = resolve_overlap(None)  # simulate_step's default: our executor
         self.stack = stack_implementation(self.settings)  # its Implementation fields
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
+        self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision
 
     def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
               memory: MemoryEstimate) -> list[RankCosts]:
@@ -113,7 +114,7 @@ class StepBound:
                           micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
                           Implementation("flash", recompute, "gathered", **self.stack,
                                          expert_load=self.expert_load, dispatcher=self.dispatcher),
-                          self.settings)
+                          self.settings, unit_memo=self.units)
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
