@@ -121,12 +121,20 @@ def test_simulate_graphml_is_exit_0_or_one_line(scratch, content):
 USERBUFFERS = {key: value for key, value in json.loads(USERBUFFERS_FILE.read_text()).items() if key != "source"}
 USERBUFFERS_JSON = json.dumps(USERBUFFERS).encode()
 USERBUFFERS_PATHS = paths(USERBUFFERS)[1:]
+USERBUFFERS_YAML = "".join(f"{name}:\n" + "".join(f"  {key}: {value}\n" for key, value in settings.items())
+                           for name, settings in USERBUFFERS.items()).encode()  # Megatron's --tp-comm-overlap-cfg
 
 
 @PARSERS
 @given(content=st.one_of(any_bytes(USERBUFFERS_JSON), broken_documents(USERBUFFERS, USERBUFFERS_PATHS)))
 def test_userbuffers_any_bytes_and_wrong_fields(scratch, content):
     total(lambda p: read_userbuffers(str(p)), write(scratch, "ub.json", content), Userbuffers)
+
+
+@PARSERS
+@given(content=any_bytes(USERBUFFERS_YAML))
+def test_userbuffers_yaml_any_bytes(scratch, content):
+    total(lambda p: read_userbuffers(str(p)), write(scratch, "ub.yaml", content), Userbuffers)
 
 
 @CLI

@@ -3,6 +3,7 @@ Linears' GEMMs, the GEMM model on fewer SMs, and `minigpt simulate --tp-overlap-
 
 import json
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -18,7 +19,7 @@ from simulator.costs.rates.gemm_model import tile_work
 from simulator.costs.hardware import load_hardware
 from simulator.costs.op_types import Gemm, Implementation
 from simulator.costs.ops import block_ops
-from simulator.costs.userbuffers import OVERLAPS, TE_1X, UB_MAX_SM, parse_userbuffers
+from simulator.costs.userbuffers import OVERLAPS, TE_1X, UB_MAX_SM, parse_userbuffers, read_userbuffers
 from simulator.engine.overlap import TP_SLOWDOWN, stack_implementation
 from simulator.engine.simulate import simulate_step
 from simulator.network.topology import build_cluster
@@ -157,3 +158,37 @@ def test_simulate_reads_the_file_and_refuses_a_bad_one(tmp_path):
         assert len(refused.output.strip().splitlines()) == 1 and "Traceback" not in refused.output
     help_text = CliRunner().invoke(main, ["simulate", "--help"]).output
     assert "--tp-overlap-cfg" in help_text and "set_sm_margin" in help_text
+
+
+def test_megatrons_yaml_file_reads_as_its_json(tmp_path):
+    """The file Megatron-LM's --tp-comm-overlap-cfg takes, as it is: YAML with the overlaps at its top."""
+    lines = []
+    for name, settings in DGXC.items():
+        lines.append(f"{name}:")
+        lines += [f"  {key}: {value}" for key, value in settings.items()]
+    path = tmp_path / "ub_cfg.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    from_yaml = read_userbuffers(str(path))
+    assert from_yaml.overlaps == parse_userbuffers(DGXC, "dgxc").overlaps and from_yaml.origin == str(path)
+    for text, words in (("qkv_dgrad: [unclosed\n", "is not valid YAML (line"), ("- just a list\n", "JSON object"),
+                        ("proj_fprop:\n  num_sm: yes\n", "num_sm must be a whole number"),
+                        ("a: &x [*x]\n", "unknown overlap(s) a")):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as raised:
+            read_userbuffers(str(path))
+        assert words in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_a_yaml_bomb_is_refused_at_once(tmp_path):
+    """Aliases nest a value that would print as 9^8 numbers: the refusal shows a bounded part of it."""
+    levels = ["    - &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    levels += [f"    - &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("qkv_dgrad:\n  method:\n" + "\n".join(levels) + "\n")
+    import yaml
+
+    assert len(yaml.safe_load(path.read_text())["qkv_dgrad"]["method"][8]) == 9  # the bomb, by reference
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="qkv_dgrad.method must be bulk"):
+        read_userbuffers(str(path))
+    assert time.perf_counter() - start < 5

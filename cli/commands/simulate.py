@@ -310,7 +310,7 @@ def check_paths(options: dict) -> None:
     if options["tp_overlap_cfg"] is not None:
         from simulator.costs.userbuffers import read_userbuffers
 
-        check_path_given("--tp-overlap-cfg", options["tp_overlap_cfg"], "a JSON file's path")
+        check_path_given("--tp-overlap-cfg", options["tp_overlap_cfg"], "a YAML or JSON file's path")
         options["userbuffers"] = read_userbuffers(options["tp_overlap_cfg"])
     if options["trace"] is not None and options["sweep"]:
         raise ConfigError("--trace writes the simulated step of one layout, and a sweep simulates many: drop --trace "
@@ -397,9 +397,9 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--tp-overlap/--no-tp-overlap", "tp_overlap", default=None,
               help="Hide tensor-parallel collectives behind the Linears' GEMMs (default: the preset's).")
 @click.option("--tp-overlap-cfg", "tp_overlap_cfg", type=click.Path(dir_okay=False),
-              help="Transformer Engine's userbuffers settings for the megatron-core stack: JSON with the keys of "
-                   "Megatron-LM's --tp-comm-overlap-cfg (per overlap: method, num_sm, set_sm_margin, num_splits, "
-                   "aggregate). A GEMM with set_sm_margin runs on the SMs its collective leaves; the others' SMs "
+              help="Transformer Engine's userbuffers settings for the megatron-core stack: the YAML file Megatron-LM's "
+                   "--tp-comm-overlap-cfg reads (.yaml, .yml) or the same as JSON (per overlap: method, num_sm, "
+                   "set_sm_margin, num_splits, aggregate). A GEMM with set_sm_margin runs on the SMs its collective leaves; the others' SMs "
                    "set the tp slowdown (simulator/costs/userbuffers.py).")
 @click.option("--dp-overlap", "dp_overlap", type=click.Choice(DP_MODES), default=None,
               help="Data-parallel gradient reduction: executor (our ZeRO code), backward (bucket by bucket during "

@@ -19,8 +19,9 @@ gemm_model.py's waves over `sms - margin`) and the second as the overlap's tp sl
 (simulator/engine/overlap.py): the mean over the ten overlaps of the SMs such a collective holds, those with a
 margin counted 0 (their cost is the margin), over the GPU's SMs (`slowdown`).
 
-A configuration is the file Megatron-LM's --tp-comm-overlap-cfg reads and NeMo's ub_tp_comm_overlap_cfg holds,
-written as JSON: {"proj_fprop": {"method": "pipeline", "num_sm": 24, "set_sm_margin": 1, "num_splits": 4}, ...}.
+A configuration is the file Megatron-LM's --tp-comm-overlap-cfg reads and NeMo's ub_tp_comm_overlap_cfg holds: YAML
+(.yaml, .yml, as Megatron reads it) or the same as JSON:
+{"proj_fprop": {"method": "pipeline", "num_sm": 24, "set_sm_margin": 1, "num_splits": 4}, ...}.
 An overlap or a key left out takes TE's default (get_default_config in transformer_engine/pytorch/module/base.py
 since TE 2.1, commit 544dd14b4: ring_exchange 1 SM, no margin; pipeline and bulk 16 SMs with the margin,
 pipeline in 4 splits; the methods below). Without a file the simulator keeps TE 1.x's behaviour (its defaults
@@ -30,10 +31,11 @@ preset's tp slowdown.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 
 from minigpt.errors import ConfigError
-from simulator.json_file import read_json_file
+from simulator.json_file import decode_utf8, read_bytes, read_json_file
 
 AG, RS, BULK = ("ring_exchange",), ("pipeline", "ring_exchange"), ("bulk",)
 # TE's name of each overlap: the GEMM of simulator/costs/ops.py it runs beside, the methods TE allows for it
@@ -127,12 +129,12 @@ TE_1X = Userbuffers(tuple((name, Overlapped(OVERLAPS[name][1][0], 16, False)) fo
 def _flag(value: object, where: str) -> bool:
     if value in (0, 1) and not isinstance(value, float):
         return bool(value)
-    raise ConfigError(f"{where} must be true or false (or 0 / 1), got {value!r}")
+    raise ConfigError(f"{where} must be true or false (or 0 / 1), got {reprlib.repr(value)}")
 
 
 def _count(value: object, where: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{where} must be a whole number from {low} to {high}, got {value!r}")
+        raise ConfigError(f"{where} must be a whole number from {low} to {high}, got {reprlib.repr(value)}")
     return value
 
 
@@ -147,7 +149,7 @@ def _overlapped(name: str, entry: object, where: str) -> Overlapped:
     allowed = OVERLAPS[name][1]
     method = entry.get("method", allowed[0])
     if method not in allowed:
-        raise ConfigError(f"{where}.method must be {' or '.join(allowed)} (what TE runs for {name}), got {method!r}")
+        raise ConfigError(f"{where}.method must be {' or '.join(allowed)} (what TE runs for {name}), got {reprlib.repr(method)}")
     default = te_default(name) if method == allowed[0] else Overlapped(method, 16, True)
     return Overlapped(method, _count(entry.get("num_sm", default.num_sm), f"{where}.num_sm", 0, UB_MAX_SM),
                       _flag(entry.get("set_sm_margin", default.set_sm_margin), f"{where}.set_sm_margin"),
@@ -169,5 +171,26 @@ def parse_userbuffers(data: object, origin: str) -> Userbuffers:
     return Userbuffers(overlaps, origin)
 
 
+WHAT = "the tp overlap configuration"
+
+
 def read_userbuffers(path: str) -> Userbuffers:
-    return parse_userbuffers(read_json_file(path, "the tp overlap configuration"), str(path))
+    """A JSON file, or YAML (.yaml, .yml: the file Megatron-LM's --tp-comm-overlap-cfg reads, as it is)."""
+    if str(path).lower().endswith((".yaml", ".yml")):
+        return parse_userbuffers(_yaml(decode_utf8(read_bytes(path, WHAT), path, WHAT), str(path)), str(path))
+    return parse_userbuffers(read_json_file(path, WHAT), str(path))
+
+
+def _yaml(text: str, origin: str) -> object:
+    """YAML's safe subset (no objects built from tags); parse_userbuffers reads known keys and scalars only, so a
+    document's aliases and nesting are never walked."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"{WHAT} {origin!r} is not valid YAML{line}: fix the file") from None
+    except (RecursionError, ValueError):
+        raise ConfigError(f"{WHAT} {origin!r} is not valid YAML (nested too deeply, or a value out of range)") from None
