@@ -126,15 +126,11 @@ USERBUFFERS_YAML = "".join(f"{name}:\n" + "".join(f"  {key}: {value}\n" for key,
 
 
 @PARSERS
-@given(content=st.one_of(any_bytes(USERBUFFERS_JSON), broken_documents(USERBUFFERS, USERBUFFERS_PATHS)))
-def test_userbuffers_any_bytes_and_wrong_fields(scratch, content):
-    total(lambda p: read_userbuffers(str(p)), write(scratch, "ub.json", content), Userbuffers)
-
-
-@PARSERS
-@given(content=any_bytes(USERBUFFERS_YAML))
-def test_userbuffers_yaml_any_bytes(scratch, content):
-    total(lambda p: read_userbuffers(str(p)), write(scratch, "ub.yaml", content), Userbuffers)
+@given(named=st.one_of(
+    st.tuples(st.just("ub.json"), st.one_of(any_bytes(USERBUFFERS_JSON), broken_documents(USERBUFFERS, USERBUFFERS_PATHS))),
+    st.tuples(st.just("ub.yaml"), any_bytes(USERBUFFERS_YAML))))
+def test_userbuffers_any_bytes_and_wrong_fields(scratch, named):
+    total(lambda p: read_userbuffers(str(p)), write(scratch, *named), Userbuffers)
 
 
 @CLI

@@ -47,9 +47,10 @@ OVERLAPS = {
     "qkv_dgrad": ("qkv.input_grad", BULK), "qkv_wgrad": ("qkv.weight_grad", BULK),
     "fc1_dgrad": ("fc1.input_grad", BULK), "fc1_wgrad": ("fc1.weight_grad", BULK),
 }
-BY_GEMM = {gemm: name for name, (gemm, _) in OVERLAPS.items()}
+POSITION = {gemm: index for index, (gemm, _) in enumerate(OVERLAPS.values())}  # a Userbuffers' overlaps keep this order
 UB_MAX_SM = 32  # TE's limit on a userbuffers collective's SMs (UB_MAX_SM in comm_gemm_overlap.h)
 UB_PIPELINE_SPLITS = 4  # TE's default num_splits for its "pipeline" overlap (initialize_ub)
+UB_DEFAULT_SMS = 16  # TE's default num_sm for a pipelined or bulk overlap (both TE 1.x and 2.1)
 PRICED = {"method", "num_sm", "set_sm_margin", "num_splits", "aggregate"}
 # keys of TE's configuration that change no cost here: cluster shape, buffer format, stream priorities, copy engine
 UNPRICED = {"cga_size", "fp8_buf", "use_ce", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm",
@@ -76,23 +77,23 @@ class Overlapped:
         return self.num_sm if self.set_sm_margin else 0
 
 
-def te_default(name: str) -> Overlapped:
-    """TE 2.1's default for an overlap left out of a file."""
-    method = OVERLAPS[name][1][0]
+def te_default(method: str) -> Overlapped:
+    """TE 2.1's defaults for an overlap run by `method`: a ring exchange on 1 SM without a margin, the others on 16
+    with one."""
     ring = method == "ring_exchange"
-    return Overlapped(method, 1 if ring else 16, not ring)
+    return Overlapped(method, 1 if ring else UB_DEFAULT_SMS, not ring)
 
 
 @dataclass(frozen=True)
 class Userbuffers:
     """The ten overlaps' settings and where they come from."""
 
-    overlaps: tuple[tuple[str, Overlapped], ...]
+    overlaps: tuple[tuple[str, Overlapped], ...]  # the ten, in OVERLAPS' order
     origin: str = ""
 
     def of_gemm(self, gemm: str) -> Overlapped | None:
-        name = BY_GEMM.get(gemm)
-        return dict(self.overlaps)[name] if name is not None else None
+        position = POSITION.get(gemm)
+        return self.overlaps[position][1] if position is not None else None
 
     def chunks(self, gemm: str, tp: int) -> int:
         """GEMMs the Linear GEMM `gemm` (an op name of simulator/costs/ops.py) runs as."""
@@ -122,8 +123,8 @@ class Userbuffers:
         return f"userbuffers {self.origin or 'configuration'}: {kept}"
 
 
-TE_1X = Userbuffers(tuple((name, Overlapped(OVERLAPS[name][1][0], 16, False)) for name in OVERLAPS),
-                    "TE 1.x defaults (commit 0004dbd0)")
+TE_1X = Userbuffers(tuple((name, Overlapped(methods[0], UB_DEFAULT_SMS, False))
+                          for name, (_, methods) in OVERLAPS.items()), "TE 1.x defaults (commit 0004dbd0)")
 
 
 def _flag(value: object, where: str) -> bool:
@@ -149,8 +150,9 @@ def _overlapped(name: str, entry: object, where: str) -> Overlapped:
     allowed = OVERLAPS[name][1]
     method = entry.get("method", allowed[0])
     if method not in allowed:
-        raise ConfigError(f"{where}.method must be {' or '.join(allowed)} (what TE runs for {name}), got {reprlib.repr(method)}")
-    default = te_default(name) if method == allowed[0] else Overlapped(method, 16, True)
+        raise ConfigError(f"{where}.method must be {' or '.join(allowed)} (what TE runs for {name}), "
+                          f"got {reprlib.repr(method)}")
+    default = te_default(method)
     return Overlapped(method, _count(entry.get("num_sm", default.num_sm), f"{where}.num_sm", 0, UB_MAX_SM),
                       _flag(entry.get("set_sm_margin", default.set_sm_margin), f"{where}.set_sm_margin"),
                       _count(entry.get("num_splits", default.num_splits), f"{where}.num_splits", 1, 64),
@@ -166,8 +168,8 @@ def parse_userbuffers(data: object, origin: str) -> Userbuffers:
         raise ConfigError(f"{origin} has unknown overlap(s) {', '.join(unknown)}: use {', '.join(OVERLAPS)}")
     if not isinstance(data.get("source", ""), str):
         raise ConfigError(f"{origin}: source must be text naming where the settings come from")
-    overlaps = tuple((name, _overlapped(name, data[name], f"{origin}: {name}") if name in data else te_default(name))
-                     for name in OVERLAPS)
+    overlaps = tuple((name, _overlapped(name, data[name], f"{origin}: {name}") if name in data
+                      else te_default(methods[0])) for name, (_, methods) in OVERLAPS.items())
     return Userbuffers(overlaps, origin)
 
 
