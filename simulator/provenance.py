@@ -96,6 +96,9 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
     }
 
 
+AMAX_GROUPS = {"tp_cp": "tp x cp", "data": "tp x cp x dp"}
+
+
 def _fp8_text(impl: dict) -> str:
     """The fp8 and weight-gradient settings where they differ from our executor's (none: nothing)."""
     parts = [text for key, text in (("fp8_weight_cache", "fp8 weights cast once a step"),
@@ -104,6 +107,8 @@ def _fp8_text(impl: dict) -> str:
              if impl.get(key)]
     if impl.get("fp8_scaling", "tensor") != "tensor":
         parts.append(f"fp8 {impl['fp8_scaling']} scaling")
+    elif impl.get("fp8_amax_group", "none") != "none":
+        parts.append(f"fp8 amaxes all-reduced per chunk over {AMAX_GROUPS[impl['fp8_amax_group']]}")
     if impl.get("userbuffers"):
         parts.append(impl["userbuffers"])
     return "".join(f", {p}" for p in parts)

@@ -17,7 +17,7 @@ from simulator.search.sweep import ScalingSweep
 GIB = 2**30
 BREAKDOWN_LABELS = {"compute": "compute", "pipeline_bubble": "pipeline bubble", "tp_comm": "exposed tp comm",
                     "cp_comm": "context-parallel exchange (exposed)", "ep_comm": "expert all-to-all (exposed)",
-                    "pp_comm": "exposed pp comm", "dp_comm": "exposed dp comm", "optimizer": "optimizer step"}
+                    "amax_comm": "fp8 amax all-reduces (exposed)", "pp_comm": "exposed pp comm", "dp_comm": "exposed dp comm", "optimizer": "optimizer step"}
 MEMORY_LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights": "master weights",
                  "optimizer_states": "optimizer states (Adam m, v)", "activations": "activations",
                  "comm_buffers": "communication buffers", "total": "total"}
@@ -48,7 +48,8 @@ def headline(result: SimResult) -> str:
 def step_rows(result: SimResult) -> list[list[str]]:
     step = result.step_time_s
     rows = [["step time", seconds(step), "100.0%"]]
-    shown = {"cp_comm": result.layout.cp > 1, "ep_comm": result.layout.ep > 1}  # no such parallelism, no row
+    shown = {"cp_comm": result.layout.cp > 1, "ep_comm": result.layout.ep > 1,  # no such parallelism, no row
+             "amax_comm": result.breakdown.get("amax_comm", 0.0) > 0}  # nor without fp8 amax reductions
     for key, value in result.breakdown.items():
         if shown.get(key, True):
             rows.append([f"  {BREAKDOWN_LABELS[key]}", seconds(value), f"{value / step:.1%}"])
@@ -138,7 +139,7 @@ def sweep_rows(sweep: ScalingSweep) -> list[list[str]]:
                      seconds(p.result.step_time_s), f"{p.samples_per_s:.4g}", "-" if p.efficiency is None else f"{p.efficiency:.0%}",
                      "-" if p.marginal is None else f"{p.marginal:.0%}", f"{p.result.mfu:.1%}",
                      f"{p.result.breakdown['pipeline_bubble'] / p.result.step_time_s:.0%}",
-                     f"{sum(p.result.breakdown[k] for k in ('dp_comm', 'tp_comm', 'cp_comm', 'ep_comm', 'pp_comm')) / p.result.step_time_s:.0%}",
+                     f"{sum(p.result.breakdown[k] for k in ('dp_comm', 'tp_comm', 'cp_comm', 'ep_comm', 'amax_comm', 'pp_comm')) / p.result.step_time_s:.0%}",
                      "yes" if p.result.fits else "NO"])
     return rows
 

@@ -332,6 +332,7 @@ class ChunkTimes:
     shared_forward_s: tuple[float, float] = (0.0, 0.0)
     shared_backward_s: tuple[float, float] = (0.0, 0.0)  # the recomputed forward's left out
     shared_recompute_s: tuple[float, float] = (0.0, 0.0)
+    fp8_gemms: int = 0  # the Linears' GEMMs of the forward that run in fp8 (each has amaxes to reduce: engine/costs.py)
 
 
 def moe_count(model: GPTConfig, layers: int, moe_layers: int | None) -> int:
@@ -381,7 +382,7 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     forward = again = backward = weight = step = PassTimes()
-    forward_flops = backward_flops = 0
+    forward_flops = backward_flops = fp8_gemms = 0
     shared = {"forward": (0.0, 0.0), "backward": (0.0, 0.0), "recompute": (0.0, 0.0)}
     moe = moe_count(model, layers, moe_layers)
     for ops, count in chunk_ops(model, layers, micro_batch_size, layout, policy, implementation, first, last, moe):
@@ -396,6 +397,7 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
             for name, listed in (("forward", ops.forward), ("backward", grads), ("recompute", rerun)):
                 shared[name] = _plus(shared[name], shared_halves(listed, gpu, profile, count))
         forward_flops += count * sum(model_flops(op) for op in ops.forward)
+        fp8_gemms += count * sum(op.batch for op in ops.forward if isinstance(op, Gemm) and op.linear and op.dtype == "fp8")
         backward_flops += count * sum(model_flops(op) for op in ops.backward)
     sharded = layout.sequence_parallel and implementation.sp_saved_input == "sharded"
     fwd, bwd = tp_collectives(model, layers, micro_batch_size, layout, policy, first, last, sharded, moe)
@@ -409,7 +411,7 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         forward_linear_s=forward.linear, backward_linear_s=backward.linear + again.linear, backward_flops=backward_flops,
         attention_forward_s=forward.attention, attention_backward_s=backward.attention,
         attention_recompute_s=again.attention, per_step_s=step.total, shared_forward_s=shared["forward"],
-        shared_backward_s=shared["backward"], shared_recompute_s=shared["recompute"],
+        shared_backward_s=shared["backward"], shared_recompute_s=shared["recompute"], fp8_gemms=fp8_gemms,
     )
 
 

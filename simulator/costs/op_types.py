@@ -26,6 +26,7 @@ OUTSIDE, BLOCK, CORE = "outside", "block", "attention_core"  # where a tensor is
 RECOMPUTED_REGIONS = {"none": (), "selective": (CORE,), "full": (CORE, BLOCK)}
 GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
 FP8_SCALINGS = ("tensor", "block")
+FP8_AMAX_GROUPS = ("none", "tp_cp", "data")  # over whom delayed scaling's amaxes are all-reduced (Implementation)
 DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expert group's ranks (Implementation)
 MX_BLOCK = 32  # MXFP8: one 8-bit (E8M0) scale per 32 elements along the reduction (OCP Microscaling Formats v1.0)
 
@@ -43,6 +44,11 @@ class Implementation:
                       executor's torch ops (precision/fp8.py's Fp8Meta.quantize, through an fp32 copy).
     fp8_scaling       "tensor" (per-tensor delayed scaling, an amax history) or "block" (MXFP8: one scale per
                       32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
+    fp8_amax_group    over whom per-tensor delayed scaling all-reduces (max) the amaxes of a model chunk's fp8
+                      Linears, once when its forward leaves the fp8 region and once at the end of its backward
+                      (Transformer Engine's fp8_autocast): "none" (each rank keeps its own: our executor), "tp_cp"
+                      (the stage's tp x cp ranks: Megatron-core 0.8, --tp-only-amax-red), "data" (tp x cp x dp:
+                      Megatron-core's default; simulator/engine/costs.py prices it, docs/efficiency.md).
     wgrad_fusion      the weight-gradient GEMM accumulates into the fp32 main gradient itself (Megatron-core's
                       gradient_accumulation_fusion): no separate accumulation kernel.
     fused_optimizer   AdamW as one fused kernel (apex's FusedAdam, torch's AdamW(fused=True)); False: our executor's
@@ -70,6 +76,7 @@ class Implementation:
     dispatcher: str = "alltoall"
     fused_optimizer: bool = False
     userbuffers: Userbuffers | None = None
+    fp8_amax_group: str = "none"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -83,6 +90,9 @@ class Implementation:
             raise ConfigError(f"--ep-dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(f"fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}")
+        if self.fp8_amax_group not in FP8_AMAX_GROUPS:
+            raise ConfigError(f"fp8_amax_group must be one of {', '.join(FP8_AMAX_GROUPS)}, "
+                              f"got {self.fp8_amax_group!r}")
         if self.fp8_scaling == "block" and not self.fp8_fused_casts:
             raise ConfigError("fp8_scaling 'block' (MXFP8) needs fp8_fused_casts: only fused quantisers (Transformer "
                               "Engine's) make per-block scales; our executor scales per tensor")
@@ -95,7 +105,7 @@ class Implementation:
         return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
                 "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
-                "fused_optimizer": self.fused_optimizer,
+                "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}
 
 

@@ -54,6 +54,8 @@ from simulator.engine.overlap import Overlap, exposed
 
 
 NORM_BYTES = FORMAT_BYTES["fp32"]
+AMAX_BYTES = FORMAT_BYTES["fp32"]
+AMAXES_PER_GEMM = (3, 2)  # Transformer Engine's fp8 tensors per GEMM: forward (input, weight, output), backward (two)
 
 
 @dataclass
@@ -176,7 +178,22 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
 
     # once a step, not per micro-batch (fp8 weight casts kept across micro-batches): read after times() priced the unit
     times.per_step = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1].per_step_s
+    times.fp8_gemms = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1].fp8_gemms
     return times
+
+
+def amax_seconds(job: _Job, implementation: Implementation, pol, stage: int, fp8_gemms: int) -> tuple[float, float]:
+    """(forward, backward) seconds of a chunk's fp8 amax reductions, exposed: Transformer Engine's fp8_autocast, which
+    Megatron-core opens around each model chunk's blocks, all-reduces (max) the amaxes of the region's fp8 GEMMs when
+    the forward leaves it and again when the backward of its first module ends, on the compute stream
+    (FP8GlobalStateManager.reduce_and_update_fp8_tensors, all_reduce with async_op=False): three fp32 amaxes per GEMM
+    forward (input, weight, output), two backward (output and input gradients), over Implementation.fp8_amax_group.
+    Nothing for per-block scaling (MXFP8 keeps no amax history) or without fp8 Linears."""
+    group = implementation.fp8_amax_group
+    if group == "none" or not fp8_gemms or not pol.fp8_linears or implementation.fp8_scaling != "tensor":
+        return 0.0, 0.0
+    return tuple(job.links.amax_all_reduce(stage, group, per_gemm * AMAX_BYTES * fp8_gemms)
+                 for per_gemm in AMAXES_PER_GEMM)
 
 
 def _shared_experts(job: _Job, ct, layers: int) -> SharedExperts | None:
@@ -199,24 +216,27 @@ def _exchange(job: _Job, ct, layers: int, micro_batch: int, recompute: str, stag
     return layers * forward.seconds, layers * backward.seconds
 
 
-def _plain_actions(chunk: int, units: list[Unit], actions: dict) -> None:
-    """A chunk's computes with nothing armed around them: compute, exposed tp, cp and ep only."""
+def _plain_actions(chunk: int, units: list[Unit], actions: dict, amax: tuple[float, float] = (0.0, 0.0)) -> None:
+    """A chunk's computes with nothing armed around them: compute, exposed tp, cp, ep and fp8 amax reductions only
+    (the backward's with the input gradients: BackwardInput's)."""
     f_compute, f_tp = sum(u.forward for u in units), sum(u.forward_tp for u in units)
     b_compute, b_tp = sum(u.backward for u in units), sum(u.backward_tp for u in units)
     f_cp, b_cp = sum(u.forward_cp for u in units), sum(u.backward_cp for u in units)
     f_ep, b_ep = sum(u.forward_ep for u in units), sum(u.backward_ep for u in units)
     f_hid, b_hid = sum(u.forward_ep_hidden for u in units), sum(u.backward_ep_hidden for u in units)
     w_compute = sum(u.weight for u in units)
-    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp + f_ep, f_compute, f_tp, cp=f_cp, ep=f_ep,
-                                           ep_hidden=f_hid)
-    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp + b_cp + b_ep, b_compute, b_tp, cp=b_cp, ep=b_ep,
-                                            ep_hidden=b_hid)
+    f_amax, b_amax = amax
+    actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp + f_ep + f_amax, f_compute, f_tp, cp=f_cp, ep=f_ep,
+                                           ep_hidden=f_hid, amax=f_amax)
+    actions[(Backward, chunk)] = ActionCost(b_compute + b_tp + b_cp + b_ep + b_amax, b_compute, b_tp, cp=b_cp, ep=b_ep,
+                                            ep_hidden=b_hid, amax=b_amax)
     if chunk == 0:  # no input gradient to send: BackwardInput does nothing, BackwardWeight the whole backward
         actions[(BackwardInput, chunk)] = ActionCost(0.0)
         actions[(BackwardWeight, chunk)] = actions[(Backward, chunk)]
     else:
-        actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp + b_cp + b_ep, b_compute - w_compute,
-                                                     b_tp, cp=b_cp, ep=b_ep, ep_hidden=b_hid)
+        actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp + b_cp + b_ep + b_amax,
+                                                     b_compute - w_compute, b_tp, cp=b_cp, ep=b_ep, ep_hidden=b_hid,
+                                                     amax=b_amax)
         actions[(BackwardWeight, chunk)] = ActionCost(w_compute, w_compute)
 
 
@@ -246,9 +266,10 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     ranks = []
     for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
         chunk_units: dict[int, list[Unit]] = {}
+        chunk_amax: dict[int, tuple[float, float]] = {}
         per_step = 0.0  # the rank's once-a-step compute, charged with its optimizer step
         for (chunk, layers), unit_tensors in zip(placed, per_chunk):
-            units = []
+            units, fp8_gemms = [], 0
             for position, tensors in enumerate(unit_tensors):
                 embedding = chunk == 0 and position == 0
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
@@ -256,12 +277,14 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                 moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
                 f, b, ftp, btp, again, weight, *exchanged = times(block, embedding, head, rank, moe)
                 per_step += times.per_step(block, embedding, head, moe)
+                fp8_gemms += times.fp8_gemms(block, embedding, head, moe)
                 units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
                                   *exchanged))
             chunk_units[chunk] = units
+            chunk_amax[chunk] = amax_seconds(job, implementation, pol, rank, fp8_gemms)
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():
-            _plain_actions(chunk, units, actions)
+            _plain_actions(chunk, units, actions, chunk_amax[chunk])
         pricer, experts = None, _expert_reduction(job, placed, rank, pol)
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,

@@ -56,6 +56,7 @@ class ActionCost:
     cp: float = 0.0  # context parallelism's exposed key/value exchange (simulator/engine/context.py)
     ep: float = 0.0  # expert parallelism's exposed all-to-alls (simulator/engine/experts.py)
     ep_hidden: float = 0.0  # and their seconds hidden behind the shared experts (Overlap.ep), not in `total`
+    amax: float = 0.0  # fp8 delayed scaling's amax all-reduces, exposed (simulator/engine/costs.py's amax_seconds)
 
 
 class DataParallelPricer:
@@ -94,7 +95,7 @@ class DataParallelPricer:
         o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free,
                     self.settings.dp_slowdown)
         cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp, plain.ep,
-                          plain.ep_hidden)
+                          plain.ep_hidden, plain.amax)
         if comm_free <= 0:
             self.memo[key] = cost
         return cost
@@ -143,6 +144,9 @@ class DataParallelPricer:
                 compute = u.weight
             reduce = 0.0 if self.settings.dp == "after" else reduces.get(index, 0.0)
             segments.append(Segment(compute, gathers.get(index, 0.0), reduce))
+        amax = self.plain[(kind, action.chunk)].amax  # the fp8 amax all-reduce at the chunk's end
+        if amax:
+            segments.append(Segment(amax))
         if self.settings.dp == "after":
             segments += [Segment(0.0, reduce=reduces[i]) for i in order if i in reduces]
         return segments

@@ -26,6 +26,8 @@ What runs at once (a "transfer"):
                   other member, every group of the stage at once; the experts' gradient collectives run
                   over the ranks holding the same experts.
   pp collective   rings over the stages (the optimizer's norm), every replica's at once.
+  amax all-reduce fp8 delayed scaling's, over a stage's tp x cp ranks (every replica's group at once) or its
+                  tp x cp x dp ranks (one group).
   embedding sync  the first and last stage's GPUs (tied head), every replica's at once.
 A ring collective (collectives.ring_*) is 2(n-1) (all-reduce) or n-1 synchronous steps in
 which every member sends S/n to the next; on an idle cluster the steps are alike, so one
@@ -219,6 +221,12 @@ class LinkCosts:
             return [[rank(p, d, t, c) for p in range(layout.pp)] for d in replicas for c in cps for t in tps]
         if name == "cp":
             return [[rank(where[0], d, t, c) for c in cps] for d in replicas for t in tps]
+        if name == "amax_tp":  # current scaling's, over each tp group (a sequence-parallel input's shards)
+            return [[rank(where[0], d, t, c) for t in tps] for d in replicas for c in cps]
+        if name == "amax_tp_cp":  # fp8 amax reductions over tp x cp: each replica's group at once
+            return [[rank(where[0], d, t, c) for c in cps for t in tps] for d in replicas]
+        if name == "amax_data":  # over the stage's tp x cp x dp ranks: one group
+            return [[rank(where[0], d, t, c) for d in range(layout.dp) for c in cps for t in tps]]
         if name in ("ep", "dp_experts"):  # job/exchange/experts.py's expert_places
             groups, replicas = expert_places(layout.dp, layout.cp, layout.tp, layout.sequence_parallel, layout.ep)
             if name == "ep":  # on the graph path the groups that start in the first replica (every group alike)
@@ -306,7 +314,7 @@ class LinkCosts:
         """Every distinct collective call decided so far, by group, kind and size (one row per size of a group
         whatever its stage), JSON-ready."""
         order = {name: i for i, name in enumerate(("tp", "cp", "ep", "dp", "dp_shard", "dp_replicas", "dp_experts",
-                                                   "pp", "embedding"))}
+                                                   "amax_tp", "amax_tp_cp", "amax_data", "pp", "embedding"))}
         rows: dict[tuple, dict] = {}
         for call in self.calls.values():
             rows.setdefault((call["group"], call["kind"], call["bytes"]), call)
@@ -366,6 +374,13 @@ class LinkCosts:
         if n == self.layout.data_ranks:
             return self.dp_collective(stage, kind, nbytes) if group == "shard" else 0.0
         return self.collective(f"dp_{group}", kind, self.groups(f"dp_{group}", stage, n), nbytes)
+
+    def amax_all_reduce(self, stage: int, group: str, nbytes: float) -> float:
+        """One all-reduce of `nbytes` of fp8 amaxes over `stage`'s tp ranks (`group` "tp"), its tp x cp ranks ("tp_cp")
+        or its tp x cp x dp ranks ("data"): Implementation.fp8_amax_group, and current scaling's per-GEMM reduction."""
+        name = f"amax_{group}"
+        groups = self.groups(name, stage)
+        return self.collective(name, "all_reduce", groups, nbytes) if len(groups[0][0]) > 1 else 0.0
 
     def expert_collective(self, stage: int, kind: str, nbytes: float) -> float:
         """One collective of the routed experts' gradients or weights over the ranks of `stage` that hold the same

@@ -192,17 +192,21 @@ PRESETS = {
 # only while the preset overlaps tp (stack_implementation). fused_optimizer: AdamW in one kernel (Megatron-LM has
 # used apex's FusedAdam as its Adam (megatron/optimizer/__init__.py); torchtitan's optimizer.implementation defaults to
 # "fused", torch's AdamW(fused=True)) rather than our executor's element-wise passes (precision/optimizer.py).
+# fp8_amax_group: Megatron-core hands Transformer Engine's fp8_autocast its amax reduction group, the stage's tp x cp x
+# dp ranks (parallel_state.get_amax_reduction_group, core_v0.7.0 and core_v0.9.0 on: "data"); our executor keeps each
+# rank's amaxes (precision/fp8.py), and torchao's tensorwise scaling under torchtitan takes each activation's amax
+# on its own rank (the weights' for FSDP once a step: not priced).
 _OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor",
-         "ub_chunks": False, "fused_optimizer": False}
+         "ub_chunks": False, "fused_optimizer": False, "fp8_amax_group": "none"}
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
     # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
     "megatron-2021": {**_OURS, "fused_optimizer": True},
     "overlapped": _OURS,
     "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor",
-                      "ub_chunks": True, "fused_optimizer": True},
+                      "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data"},
     "torchtitan-fsdp2": {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": True,
-                         "fp8_scaling": "tensor", "ub_chunks": False, "fused_optimizer": True},
+                         "fp8_scaling": "tensor", "ub_chunks": False, "fused_optimizer": True, "fp8_amax_group": "none"},
 }
 
 

@@ -59,7 +59,7 @@ from simulator.engine.costs import RankCosts
 from simulator.engine.links import no_garbage_collection
 from simulator.engine.overlap import Overlap, slowed
 
-CATEGORIES = ("compute", "tp", "cp", "ep", "dp", "pp", "bubble", "optimizer")
+CATEGORIES = ("compute", "tp", "cp", "ep", "amax", "dp", "pp", "bubble", "optimizer")
 _COMPUTE = frozenset((Forward, Backward, BackwardInput, BackwardWeight))
 
 
@@ -237,7 +237,7 @@ class _Replay:
         groups = batches(self.schedule.actions[rank])
         armed_by, _ = armed_around(groups)
         issued = {action for armed in armed_by.values() for action in armed}  # run inside their compute
-        compute = tp = cp = ep = dp = optimizer = 0.0
+        compute = tp = cp = ep = amax = dp = optimizer = 0.0
         pp_bubble = [0.0, 0.0]
         dp_busy = 0.0  # when the rank's data-parallel stream has finished what was issued on it
         computed = 0.0  # when the rank's last compute ended
@@ -266,7 +266,7 @@ class _Replay:
                 if first_forward is None and kind is Forward:
                     first_forward = (clock, clock + total)
                 events.append((action, clock, clock + total))
-                compute, tp, cp, ep = compute + c.compute, tp + c.tp, cp + c.cp, ep + c.ep
+                compute, tp, cp, ep, amax = compute + c.compute, tp + c.tp, cp + c.cp, ep + c.ep, amax + c.amax
                 tally.hidden["ep"] += c.ep_hidden
                 dp += c.dp
                 clock += total
@@ -307,8 +307,8 @@ class _Replay:
             clock += overhang
         yield env.timeout(clock - env.now)
         tally.end = env.now
-        tally.seconds.update(compute=compute, tp=tp, cp=cp, ep=ep, dp=dp, pp=pp_bubble[0], bubble=pp_bubble[1],
-                             optimizer=optimizer)
+        tally.seconds.update(compute=compute, tp=tp, cp=cp, ep=ep, amax=amax, dp=dp, pp=pp_bubble[0],
+                             bubble=pp_bubble[1], optimizer=optimizer)
 
 
 def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],

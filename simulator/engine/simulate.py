@@ -53,8 +53,8 @@ from simulator.engine.overlap import Overlap, resolve_overlap, stack_implementat
 from simulator.provenance import provenance
 from simulator.network.topology import Cluster
 
-BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm", "pp": "pp_comm",
-                   "dp": "dp_comm", "optimizer": "optimizer"}
+BREAKDOWN_NAMES = {"compute": "compute", "bubble": "pipeline_bubble", "tp": "tp_comm", "cp": "cp_comm", "ep": "ep_comm",
+                   "amax": "amax_comm", "pp": "pp_comm", "dp": "dp_comm", "optimizer": "optimizer"}
 DECIMAL_GB = 1e9  # job totals are reported in decimal GB (1 GB = 1e9 bytes)
 
 
