@@ -56,6 +56,7 @@ from simulator.costs.rates.attention_rates import seconds as attention_seconds
 from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
                                       model_flops)
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
+from simulator.costs.ops_fp8 import sp_amax_reductions
 
 HALF_EFFICIENCY_DIM = 128  # smallest matmul side at which the uncalibrated curve reaches half the peak
 FALLBACK_CURVE = f"fallback curve x/(x+{HALF_EFFICIENCY_DIM}) (no table: uncalibrated, optimistic)"
@@ -333,6 +334,7 @@ class ChunkTimes:
     shared_backward_s: tuple[float, float] = (0.0, 0.0)  # the recomputed forward's left out
     shared_recompute_s: tuple[float, float] = (0.0, 0.0)
     fp8_gemms: int = 0  # the Linears' GEMMs of the forward that run in fp8 (each has amaxes to reduce: engine/costs.py)
+    sp_amaxes: tuple[int, int] = (0, 0)  # current scaling's amax all-reduces over tp (forward, backward): ops_fp8.py
 
 
 def moe_count(model: GPTConfig, layers: int, moe_layers: int | None) -> int:
@@ -383,6 +385,8 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
     forward = again = backward = weight = step = PassTimes()
     forward_flops = backward_flops = fp8_gemms = 0
+    sp_amaxes = (0, 0)
+    current = policy.fp8_linears and implementation.fp8_scaling == "current"
     shared = {"forward": (0.0, 0.0), "backward": (0.0, 0.0), "recompute": (0.0, 0.0)}
     moe = moe_count(model, layers, moe_layers)
     for ops, count in chunk_ops(model, layers, micro_batch_size, layout, policy, implementation, first, last, moe):
@@ -398,6 +402,9 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
                 shared[name] = _plus(shared[name], shared_halves(listed, gpu, profile, count))
         forward_flops += count * sum(model_flops(op) for op in ops.forward)
         fp8_gemms += count * sum(op.batch for op in ops.forward if isinstance(op, Gemm) and op.linear and op.dtype == "fp8")
+        if current:
+            sp_amaxes = _plus(sp_amaxes, tuple(count * n for n in sp_amax_reductions(ops.forward, layout.sequence_parallel
+                                                                                        and layout.tp > 1)))
         backward_flops += count * sum(model_flops(op) for op in ops.backward)
     sharded = layout.sequence_parallel and implementation.sp_saved_input == "sharded"
     fwd, bwd = tp_collectives(model, layers, micro_batch_size, layout, policy, first, last, sharded, moe)
@@ -412,6 +419,7 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
         attention_forward_s=forward.attention, attention_backward_s=backward.attention,
         attention_recompute_s=again.attention, per_step_s=step.total, shared_forward_s=shared["forward"],
         shared_backward_s=shared["backward"], shared_recompute_s=shared["recompute"], fp8_gemms=fp8_gemms,
+        sp_amaxes=sp_amaxes,
     )
 
 

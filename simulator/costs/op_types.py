@@ -25,7 +25,8 @@ MASK = 1  # a dropout mask: one byte (torch.bool) per element
 OUTSIDE, BLOCK, CORE = "outside", "block", "attention_core"  # where a tensor is made (recompute regions)
 RECOMPUTED_REGIONS = {"none": (), "selective": (CORE,), "full": (CORE, BLOCK)}
 GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
-FP8_SCALINGS = ("tensor", "block")
+FP8_SCALINGS = ("tensor", "current", "block")
+FP8_RECIPES = {"delayed": "tensor", "current": "current", "mxfp8": "block"}  # --fp8-recipe: Implementation.fp8_scaling
 FP8_AMAX_GROUPS = ("none", "tp_cp", "data")  # over whom delayed scaling's amaxes are all-reduced (Implementation)
 DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expert group's ranks (Implementation)
 MX_BLOCK = 32  # MXFP8: one 8-bit (E8M0) scale per 32 elements along the reduction (OCP Microscaling Formats v1.0)
@@ -42,8 +43,9 @@ class Implementation:
     fp8_fused_casts   Transformer Engine's kernels: amax inside the cast, cast + transpose in one pass, the
                       LayerNorm writing the e4m3 input of the Linear after it (LayerNormLinear); False: our
                       executor's torch ops (precision/fp8.py's Fp8Meta.quantize, through an fp32 copy).
-    fp8_scaling       "tensor" (per-tensor delayed scaling, an amax history) or "block" (MXFP8: one scale per
-                      32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
+    fp8_scaling       "tensor" (per-tensor delayed scaling, an amax history), "current" (per-tensor current
+                      scaling: each tensor's own amax, taken before its cast; needs fused casts) or "block" (MXFP8:
+                      one scale per 32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
     fp8_amax_group    over whom per-tensor delayed scaling all-reduces (max) the amaxes of a model chunk's fp8
                       Linears, once when its forward leaves the fp8 region and once at the end of its backward
                       (Transformer Engine's fp8_autocast): "none" (each rank keeps its own: our executor), "tp_cp"
@@ -93,9 +95,10 @@ class Implementation:
         if self.fp8_amax_group not in FP8_AMAX_GROUPS:
             raise ConfigError(f"fp8_amax_group must be one of {', '.join(FP8_AMAX_GROUPS)}, "
                               f"got {self.fp8_amax_group!r}")
-        if self.fp8_scaling == "block" and not self.fp8_fused_casts:
-            raise ConfigError("fp8_scaling 'block' (MXFP8) needs fp8_fused_casts: only fused quantisers (Transformer "
-                              "Engine's) make per-block scales; our executor scales per tensor")
+        if self.fp8_scaling != "tensor" and not self.fp8_fused_casts:
+            raise ConfigError(f"fp8_scaling {self.fp8_scaling!r} needs fp8_fused_casts: only fused quantisers "
+                              "(Transformer Engine's, --overlap megatron-core) scale per block or from the tensor's "
+                              "own amax; our executor scales per tensor from an amax history")
         load = self.expert_load
         if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1 <= load < math.inf:
             raise ConfigError(f"the expert load (the busiest expert's routed rows over the mean) must be a finite "
@@ -283,6 +286,7 @@ class UnitShape:
     fp8_cache: bool = False  # Implementation.fp8_weight_cache (with fp8 Linears only)
     fp8_fused: bool = False  # Implementation.fp8_fused_casts
     fp8_block: bool = False  # Implementation.fp8_scaling == "block"
+    fp8_current: bool = False  # Implementation.fp8_scaling == "current"
     wgrad_fusion: bool = False
     expert_load: float = 1.0  # Implementation.expert_load
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
@@ -313,8 +317,9 @@ class UnitShape:
     @property
     def fused_norm(self) -> bool:
         """The LayerNorm before an fp8 Linear writes its quantised input itself (Transformer Engine's
-        LayerNormLinear): per-tensor scaling the e4m3 row-wise copy, MXFP8 both directions."""
-        return self.fp8 and self.fp8_fused
+        LayerNormLinear): per-tensor delayed scaling the e4m3 row-wise copy, MXFP8 both directions. Under current
+        scaling it writes 16 bits and their amax, and a cast follows (simulator/costs/ops_fp8.py)."""
+        return self.fp8 and self.fp8_fused and not self.fp8_current
 
     def normed_bytes(self, elements: int) -> int:
         """Bytes of what a LayerNorm hands the Linear after it, `elements` values: its fp8 copies when it writes them
@@ -361,7 +366,8 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      bias=model.bias, norm_statistics=2 if model.norm == "layernorm" else 1,
                      swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
-                     fp8_block=impl.fp8_scaling == "block", wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
+                     fp8_block=impl.fp8_scaling == "block", fp8_current=impl.fp8_scaling == "current",
+                     wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers)
 

@@ -86,19 +86,11 @@ With fp8 Linears the Linears save e4m3 copies of their inputs and weights instea
 
 fp8 Linears (the fp8 policy; docs/efficiency.md "fp8 Linears as they run"): Transformer Engine's
 DelayedScaling recipe with Format.HYBRID, which precision/fp8.py follows: the four Linears' forward GEMM
-e4m3 x e4m3, both backward GEMMs e5m2 (output gradient) x e4m3, per-tensor scales from an amax history;
-attention, the head and every element-wise kernel stay 16-bit. The casts, by Implementation:
-  fp8_fused_casts false (our executor): each quantisation is precision/fp8.py's Fp8Meta.quantize as torch
-        runs it, TORCH_QUANTIZE's six kernels through an fp32 copy (input, weight, output gradient), and
-        the backward's _scaled_mm transposes the weight, the gradient and the input (1 + 1 bytes each);
-  fp8_fused_casts true (Transformer Engine): one kernel per cast writing the row-wise and the transposed
-        copy (Hopper's fp8 GEMMs take only K-major operands) with the amax in the same pass; the LayerNorm
-        before qkv and fc1 writes their e4m3 input itself (LayerNormLinear), one transpose kernel makes the
-        weight gradient's copy; the weight and its transpose are what the backward keeps;
-  fp8_weight_cache: the weight casts run once a step (OpList.per_step) and their copies are the unit's
-        workspace, held once, not saved by every micro-batch (false: our executor's per-forward casts);
-  fp8_scaling "block": MXFP8, one scale byte per 32 elements of every fp8 copy, both directions cast from
-        the 16-bit tensor in one kernel (by the LayerNorm itself before qkv and fc1); needs fused casts.
+e4m3 x e4m3, both backward GEMMs e5m2 (output gradient) x e4m3, per-tensor scales (from an amax history);
+attention, the head and every element-wise kernel stay 16-bit. The casts, by Implementation, are
+simulator/costs/ops_fp8.py's (our executor's torch ops, or Transformer Engine's fused kernels; delayed, current or
+MXFP8 scaling; weights cast once a step or in every forward); our executor's _scaled_mm also transposes the weight,
+the gradient and the input in the backward (1 + 1 bytes each), which Transformer Engine's casts wrote already.
 wgrad_fusion: a weight-gradient GEMM reads and writes the fp32 main gradient (2 x 4 bytes per weight), no
 grad_accumulate kernel after it (Megatron-core's gradient_accumulation_fusion).
 userbuffers' chunks (ub_chunks, under sequence parallelism): Transformer Engine overlaps a Linear's collective by
@@ -135,63 +127,11 @@ from simulator.costs.op_types import (
     Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
 )
 from simulator.costs.ops_attention import core_backward, core_forward
+from simulator.costs.ops_fp8 import TORCH_QUANTIZE, cast_kernels, fp8_input, fp8_weight  # noqa: F401 (re-exported)
 from simulator.costs.ops_moe import routed_backward, routed_forward
 
 __all__ = ["SP_SAVED_INPUTS", "UB_PIPELINE_SPLITS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved",
            "OpList", "Op", "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
-
-
-# ---------------------------------------------------------------- fp8 casts (the module docstring's "fp8 Linears")
-
-# precision/fp8.py's Fp8Meta.quantize as torch runs it, one kernel each: an fp32 copy, |x|, its max, x * scale,
-# the clamp to the format's range, the cast; (kernel, bytes read, bytes written) per element, None: the source's.
-TORCH_QUANTIZE = (("to_fp32", None, FP32), ("abs", FP32, FP32), ("amax", FP32, 0), ("scale", FP32, FP32),
-                  ("clamp", FP32, FP32), ("cast", FP32, 1))
-
-
-def _cast_kernels(sh, prefix: str, elements: int, copies: int = 1) -> list[tuple[str, int, int]]:
-    """(name, bytes read, bytes written) of the kernels that make `copies` fp8 copies of `elements` 16-bit values:
-    Transformer Engine's one fused kernel (the amax taken in the same pass; the copies row-wise and transposed,
-    each with its scales under block scaling), or our executor's torch ops (one copy: TORCH_QUANTIZE)."""
-    if sh.fp8_fused:
-        return [(prefix, elements * sh.e, copies * sh.fp8_bytes(elements))]
-    return [(f"{prefix}.{kernel}", elements * (sh.e if read is None else read), elements * written)
-            for kernel, read, written in TORCH_QUANTIZE]
-
-
-def _fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded: bool) -> str:
-    """The e4m3 copy of a Linear's input its backward keeps (returned), and the kernels that make it."""
-    sh = rec.shape
-    elements = sh.rows * k
-    saved = rec.tensor(f"{name}.input_fp8", sh.fp8_bytes(elements))
-    if normed and sh.fused_norm:  # LayerNormLinear: the norm wrote the quantised input; per tensor the weight
-        if not sharded and not sh.fp8_block:  # gradient's transposed copy is made for the backward (the gathered
-            rec.mem(f"{name}.transpose_input", (inp,), (saved,))  # shard's in the backward); MXFP8 wrote both
-        return saved
-    if sh.fp8_fused:  # cast + transpose: the row-wise copy for this GEMM, the transposed one kept
-        rowwise = rec.tensor(f"{name}.input_rowwise", sh.fp8_bytes(elements))
-        rec.mem(f"{name}.cast_input", (inp,), (rowwise, saved))
-        return saved
-    for kernel, read, written in _cast_kernels(sh, f"{name}.cast_input", elements):
-        rec.op(MemoryOp(kernel, read, written))
-    return saved
-
-
-def _fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
-    """The weight's e4m3 copy: cast in this forward and kept by this micro-batch (returned), or once per step and
-    kept for all of them (fp8_weight_cache: the unit's workspace). Transformer Engine keeps it and its transpose."""
-    sh = rec.shape
-    copies = 2 if sh.fp8_fused else 1
-    kept = rec.tensor(f"{name}.weight_fp8", copies * sh.fp8_bytes(n * k), OUTSIDE if sh.fp8_cache else None)
-    kernels = _cast_kernels(sh, f"{name}.cast_weight", n * k, copies)
-    if sh.fp8_cache:
-        for kernel, read, written in kernels:
-            rec.step_mem(kernel, read, written)
-        rec.workspace.append(Saved(kept, rec.size[kept]))
-        return ()
-    for kernel, read, written in kernels:
-        rec.op(MemoryOp(kernel, read, written))
-    return (kept,)
 
 
 # ---------------------------------------------------------------- Linear layers
@@ -207,8 +147,8 @@ def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: in
     rec.tensor(f"{name}.weight", n * k * sh.e, OUTSIDE)
     saved_input = shard if shard is not None and sh.sharded else None
     if sh.fp8:
-        saved = _fp8_input(rec, name, inp, k, normed, saved_input is not None)
-        saves = (saved_input or saved, *_fp8_weight(rec, name, n, k))
+        saved = fp8_input(rec, name, inp, k, normed, saved_input is not None)
+        saves = (saved_input or saved, *fp8_weight(rec, name, n, k))
     else:
         saves = (saved_input or inp,)
     rec.tensor(out, sh.rows * n * sh.e)
@@ -226,7 +166,7 @@ def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = Fa
     writes the fp32 main gradient itself, no accumulation kernel."""
     sh = rec.shape
     if sh.fp8:
-        for kernel, read, written in _cast_kernels(sh, f"{name}.cast_grad", sh.rows * n, 2):
+        for kernel, read, written in cast_kernels(sh, f"{name}.cast_grad", sh.rows * n, 2):
             rec.back_mem(kernel, read, written)
     chunks, margin = sh.split(f"{name}.input_grad")
     rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear, chunks=chunks, margin=margin)
@@ -237,7 +177,7 @@ def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = Fa
             if not sh.fp8_block:
                 rec.back_mem(f"{name}.transpose_input", sh.rows * k, sh.rows * k)
         else:
-            for kernel, read, written in _cast_kernels(sh, f"{name}.cast_input", sh.rows * k):
+            for kernel, read, written in cast_kernels(sh, f"{name}.cast_input", sh.rows * k):
                 rec.back_mem(kernel, read, written)
     if sh.fp8 and not sh.fp8_fused:
         rec.back_mem(f"{name}.transpose_grad", sh.rows * n, sh.rows * n)

@@ -178,19 +178,27 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
 
     # once a step, not per micro-batch (fp8 weight casts kept across micro-batches): read after times() priced the unit
     times.per_step = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1].per_step_s
-    times.fp8_gemms = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1].fp8_gemms
+    times.fp8 = lambda layers, first, last, moe=False: (memo[unit_key(layers, first, last, moe)][1].fp8_gemms,
+                                                        memo[unit_key(layers, first, last, moe)][1].sp_amaxes)
     return times
 
 
-def amax_seconds(job: _Job, implementation: Implementation, pol, stage: int, fp8_gemms: int) -> tuple[float, float]:
-    """(forward, backward) seconds of a chunk's fp8 amax reductions, exposed: Transformer Engine's fp8_autocast, which
-    Megatron-core opens around each model chunk's blocks, all-reduces (max) the amaxes of the region's fp8 GEMMs when
-    the forward leaves it and again when the backward of its first module ends, on the compute stream
-    (FP8GlobalStateManager.reduce_and_update_fp8_tensors, all_reduce with async_op=False): three fp32 amaxes per GEMM
-    forward (input, weight, output), two backward (output and input gradients), over Implementation.fp8_amax_group.
-    Nothing for per-block scaling (MXFP8 keeps no amax history) or without fp8 Linears."""
+def amax_seconds(job: _Job, implementation: Implementation, pol, stage: int, fp8_gemms: int,
+                 sp_amaxes: tuple[int, int]) -> tuple[float, float]:
+    """(forward, backward) seconds of a chunk's fp8 amax reductions, exposed on the compute stream (all_reduce with
+    async_op=False). Delayed scaling: Transformer Engine's fp8_autocast, which Megatron-core opens around each model
+    chunk's blocks, all-reduces (max) the amaxes of the region's fp8 GEMMs when the forward leaves it and again when
+    the backward of its first module ends (FP8GlobalStateManager.reduce_and_update_fp8_tensors): three fp32 amaxes
+    per GEMM forward (input, weight, output), two backward (output and input gradients), over
+    Implementation.fp8_amax_group. Current scaling: one fp32 amax over tp per sequence-parallel gathered tensor
+    (`sp_amaxes`: simulator/costs/ops_fp8.py). MXFP8 keeps no amax: nothing; nor without fp8 Linears."""
+    if not pol.fp8_linears:
+        return 0.0, 0.0
+    if implementation.fp8_scaling == "current":
+        return tuple(calls * job.links.amax_all_reduce(stage, "tp", AMAX_BYTES) if calls else 0.0
+                     for calls in sp_amaxes)
     group = implementation.fp8_amax_group
-    if group == "none" or not fp8_gemms or not pol.fp8_linears or implementation.fp8_scaling != "tensor":
+    if group == "none" or not fp8_gemms or implementation.fp8_scaling != "tensor":
         return 0.0, 0.0
     return tuple(job.links.amax_all_reduce(stage, group, per_gemm * AMAX_BYTES * fp8_gemms)
                  for per_gemm in AMAXES_PER_GEMM)
@@ -269,7 +277,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         chunk_amax: dict[int, tuple[float, float]] = {}
         per_step = 0.0  # the rank's once-a-step compute, charged with its optimizer step
         for (chunk, layers), unit_tensors in zip(placed, per_chunk):
-            units, fp8_gemms = [], 0
+            units, fp8_gemms, sp_amaxes = [], 0, (0, 0)
             for position, tensors in enumerate(unit_tensors):
                 embedding = chunk == 0 and position == 0
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
@@ -277,11 +285,12 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                 moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
                 f, b, ftp, btp, again, weight, *exchanged = times(block, embedding, head, rank, moe)
                 per_step += times.per_step(block, embedding, head, moe)
-                fp8_gemms += times.fp8_gemms(block, embedding, head, moe)
+                gemms, amaxes = times.fp8(block, embedding, head, moe)
+                fp8_gemms, sp_amaxes = fp8_gemms + gemms, (sp_amaxes[0] + amaxes[0], sp_amaxes[1] + amaxes[1])
                 units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
                                   *exchanged))
             chunk_units[chunk] = units
-            chunk_amax[chunk] = amax_seconds(job, implementation, pol, rank, fp8_gemms)
+            chunk_amax[chunk] = amax_seconds(job, implementation, pol, rank, fp8_gemms, sp_amaxes)
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():
             _plain_actions(chunk, units, actions, chunk_amax[chunk])

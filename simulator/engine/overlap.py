@@ -186,16 +186,17 @@ PRESETS = {
 # wgrad_fusion: the weight gradient accumulated in fp32 inside its GEMM (Megatron's gradient_accumulation_fusion);
 # fp8_weight_cache: fp8 weights cast once per step and reused by every micro-batch (Transformer Engine's
 # is_first_microbatch, which Megatron-core passes); fp8_fused_casts: amax, cast and transpose in fused kernels
-# (Transformer Engine's; torchao's float8 under torch.compile) rather than our executor's torch ops. Every stack
-# here scales fp8 per tensor (TE's DelayedScaling, precision/fp8.py, torchao's tensorwise recipe). ub_chunks: the
+# (Transformer Engine's; torchao's float8 under torch.compile) rather than our executor's torch ops. fp8_scaling: per
+# tensor from an amax history (TE's DelayedScaling, Megatron-LM's --fp8-recipe default "delayed", and precision/fp8.py)
+# or from the tensor's own amax (torchao's tensorwise recipe, which torchtitan's float8 converter uses: "current");
+# --fp8-recipe changes it. ub_chunks: the
 # Linears whose collective TE's userbuffers overlap run their GEMMs in chunks of the rows (simulator/costs/ops.py),
 # only while the preset overlaps tp (stack_implementation). fused_optimizer: AdamW in one kernel (Megatron-LM has
 # used apex's FusedAdam as its Adam (megatron/optimizer/__init__.py); torchtitan's optimizer.implementation defaults to
 # "fused", torch's AdamW(fused=True)) rather than our executor's element-wise passes (precision/optimizer.py).
-# fp8_amax_group: Megatron-core hands Transformer Engine's fp8_autocast its amax reduction group, the stage's tp x cp x
-# dp ranks (parallel_state.get_amax_reduction_group, core_v0.7.0 and core_v0.9.0 on: "data"); our executor keeps each
-# rank's amaxes (precision/fp8.py), and torchao's tensorwise scaling under torchtitan takes each activation's amax
-# on its own rank (the weights' for FSDP once a step: not priced).
+# fp8_amax_group (delayed scaling's): Megatron-core hands Transformer Engine's fp8_autocast its amax reduction group,
+# the stage's tp x cp x dp ranks (parallel_state.get_amax_reduction_group: core_v0.6.0, core_v0.7.0, core_v0.9.0 on:
+# "data"); our executor keeps each rank's amaxes (precision/fp8.py); torchtitan scales from each tensor's own amax.
 _OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor",
          "ub_chunks": False, "fused_optimizer": False, "fp8_amax_group": "none"}
 STACK_IMPLEMENTATION = {
@@ -206,7 +207,7 @@ STACK_IMPLEMENTATION = {
     "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor",
                       "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data"},
     "torchtitan-fsdp2": {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": True,
-                         "fp8_scaling": "tensor", "ub_chunks": False, "fused_optimizer": True, "fp8_amax_group": "none"},
+                         "fp8_scaling": "current", "ub_chunks": False, "fused_optimizer": True, "fp8_amax_group": "none"},
 }
 
 

@@ -1,0 +1,93 @@
+"""The kernels that make a Linear's fp8 copies, by recipe and by who runs them. Torch-free.
+
+simulator/costs/ops.py's Linears call these under the fp8 policy (docs/efficiency.md, "fp8 Linears as they run").
+By Implementation:
+  fp8_fused_casts false (our executor): each quantisation is precision/fp8.py's Fp8Meta.quantize as torch runs it,
+        TORCH_QUANTIZE's six kernels through an fp32 copy (input, weight, output gradient);
+  fp8_fused_casts true (Transformer Engine): one kernel per cast writing the row-wise and the transposed copy
+        (Hopper's fp8 GEMMs take only K-major operands);
+  fp8_scaling "tensor" (DelayedScaling): the scale comes from the amax history, so the cast takes the tensor's own
+        amax in the same pass and the LayerNorm before qkv and fc1 writes their e4m3 input itself (LayerNormLinear);
+  fp8_scaling "current" (Float8CurrentScaling): the scale comes from the tensor's own amax, which must be known
+        before the cast: an amax kernel reads the tensor (nvte_compute_amax), then the cast kernel reads it again;
+        the LayerNorm computes its output's amax as it writes it in 16 bits (normalization.cpp's
+        FUSED_NORM_AMAX_FP8) and a cast kernel follows; under sequence parallelism a column-parallel Linear's input
+        and a row-parallel Linear's output gradient have their amax all-reduced over tp before the cast (one scale
+        for the gathered tensor: set_quantizer_amax_reduction_group in linear.py and layernorm_linear.py), which
+        simulator/engine/costs.py prices;
+  fp8_scaling "block" (MXFP8): one scale byte per 32 elements of every fp8 copy, both directions cast from the
+        16-bit tensor in one kernel (by the LayerNorm itself before qkv and fc1);
+  fp8_weight_cache: the weight casts run once a step (OpList.per_step) and their copies are the unit's workspace,
+        held once, not saved by every micro-batch (false: our executor's per-forward casts).
+"""
+
+from __future__ import annotations
+
+from simulator.costs.op_types import FP32, OUTSIDE, MemoryOp, Recorder, Saved
+
+# precision/fp8.py's Fp8Meta.quantize as torch runs it, one kernel each: an fp32 copy, |x|, its max, x * scale,
+# the clamp to the format's range, the cast; (kernel, bytes read, bytes written) per element, None: the source's.
+TORCH_QUANTIZE = (("to_fp32", None, FP32), ("abs", FP32, FP32), ("amax", FP32, 0), ("scale", FP32, FP32),
+                  ("clamp", FP32, FP32), ("cast", FP32, 1))
+SP_AMAX_INPUTS = ("qkv", "fc1")  # column-parallel: their sequence-parallel input is gathered
+SP_AMAX_GRADIENTS = ("proj", "fc2")  # row-parallel: their output gradient is gathered in the backward
+
+
+def cast_kernels(sh, prefix: str, elements: int, copies: int = 1) -> list[tuple[str, int, int]]:
+    """(name, bytes read, bytes written) of the kernels that make `copies` fp8 copies of `elements` 16-bit values:
+    Transformer Engine's one fused kernel (the copies row-wise and transposed, each with its scales under block
+    scaling; current scaling's amax kernel before it), or our executor's torch ops (one copy: TORCH_QUANTIZE)."""
+    if sh.fp8_fused:
+        amax = [(f"{prefix}.amax", elements * sh.e, 0)] if sh.fp8_current else []
+        return [*amax, (prefix, elements * sh.e, copies * sh.fp8_bytes(elements))]
+    return [(f"{prefix}.{kernel}", elements * (sh.e if read is None else read), elements * written)
+            for kernel, read, written in TORCH_QUANTIZE]
+
+
+def fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded: bool) -> str:
+    """The e4m3 copy of a Linear's input its backward keeps (returned), and the kernels that make it."""
+    sh = rec.shape
+    elements = sh.rows * k
+    saved = rec.tensor(f"{name}.input_fp8", sh.fp8_bytes(elements))
+    if normed and sh.fused_norm:  # LayerNormLinear: the norm wrote the quantised input; per tensor the weight
+        if not sharded and not sh.fp8_block:  # gradient's transposed copy is made for the backward (the gathered
+            rec.mem(f"{name}.transpose_input", (inp,), (saved,))  # shard's in the backward); MXFP8 wrote both
+        return saved
+    if sh.fp8_fused:  # cast + transpose: the row-wise copy for this GEMM, the transposed one kept
+        if sh.fp8_current and not normed:  # the tensor's amax first (a norm before it took it as it wrote it)
+            rec.op(MemoryOp(f"{name}.amax_input", elements * sh.e, 0))
+        rowwise = rec.tensor(f"{name}.input_rowwise", sh.fp8_bytes(elements))
+        rec.mem(f"{name}.cast_input", (inp,), (rowwise, saved))
+        return saved
+    for kernel, read, written in cast_kernels(sh, f"{name}.cast_input", elements):
+        rec.op(MemoryOp(kernel, read, written))
+    return saved
+
+
+def fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
+    """The weight's e4m3 copy: cast in this forward and kept by this micro-batch (returned), or once per step and
+    kept for all of them (fp8_weight_cache: the unit's workspace). Transformer Engine keeps it and its transpose."""
+    sh = rec.shape
+    copies = 2 if sh.fp8_fused else 1
+    kept = rec.tensor(f"{name}.weight_fp8", copies * sh.fp8_bytes(n * k), OUTSIDE if sh.fp8_cache else None)
+    kernels = cast_kernels(sh, f"{name}.cast_weight", n * k, copies)
+    if sh.fp8_cache:
+        for kernel, read, written in kernels:
+            rec.step_mem(kernel, read, written)
+        rec.workspace.append(Saved(kept, rec.size[kept]))
+        return ()
+    for kernel, read, written in kernels:
+        rec.op(MemoryOp(kernel, read, written))
+    return (kept,)
+
+
+def sp_amax_reductions(forward_ops, sequence_parallel: bool) -> tuple[int, int]:
+    """(forward, backward) amax all-reduces over tp that a unit's fp8 Linears (`forward_ops`, its forward op list)
+    make under current scaling with sequence parallelism (`sequence_parallel`: with tp > 1): one per gathered input
+    of a column-parallel Linear (qkv, fc1, a shared expert's fc1), one per gathered output gradient of a row-parallel
+    one (proj, fc2). The routed experts' Linears are whole on every rank: no gather, no reduction."""
+    if not sequence_parallel:
+        return 0, 0
+    names = [op.name.removeprefix("shared.") for op in forward_ops
+             if getattr(op, "linear", False) and getattr(op, "dtype", None) == "fp8"]
+    return sum(name in SP_AMAX_INPUTS for name in names), sum(name in SP_AMAX_GRADIENTS for name in names)
