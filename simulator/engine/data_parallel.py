@@ -56,7 +56,7 @@ class ActionCost:
     cp: float = 0.0  # context parallelism's exposed key/value exchange (simulator/engine/context.py)
     ep: float = 0.0  # expert parallelism's exposed all-to-alls (simulator/engine/experts.py)
     ep_hidden: float = 0.0  # and their seconds hidden behind the shared experts (Overlap.ep), not in `total`
-    amax: float = 0.0  # fp8 delayed scaling's amax all-reduces, exposed (simulator/engine/costs.py's amax_seconds)
+    amax: float = 0.0  # fp8 amax all-reduces, exposed (simulator/engine/costs.py's amax_seconds)
 
 
 class DataParallelPricer:
