@@ -103,7 +103,8 @@ def _fp8_text(impl: dict) -> str:
     """The fp8 and weight-gradient settings where they differ from our executor's (none: nothing)."""
     parts = [text for key, text in (("fp8_weight_cache", "fp8 weights cast once a step"),
                                     ("fp8_fused_casts", "fused fp8 casts"), ("wgrad_fusion", "wgrad fused into main_grad"),
-                                    ("ub_chunks", "userbuffers' GEMMs in chunks"), ("fused_optimizer", "fused AdamW"))
+                                    ("ub_chunks", "userbuffers' GEMMs in chunks"), ("fused_optimizer", "fused AdamW"),
+                                    ("fp8_experts", "fp8 grouped experts"))
              if impl.get(key)]
     if impl.get("fp8_scaling", "tensor") != "tensor":
         parts.append(f"fp8 {impl['fp8_scaling']} scaling")

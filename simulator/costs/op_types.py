@@ -37,6 +37,8 @@ class Implementation:
     """How the block is computed: attention kernel, what is recomputed, what sequence parallelism saves, and how
     fp8 Linears and weight gradients run (simulator/costs/ops.py explains each; every default is our executor's).
 
+    fp8_experts       a mixture of experts' routed experts run their grouped GEMMs in fp8 as well (Transformer
+                      Engine's GroupedLinear, Megatron-core's TEGroupedMLP); False: 16-bit, as minigpt/moe.py runs them.
     fp8_weight_cache  the fp8 copies of the weights are cast once per step and kept across micro-batches
                       (Transformer Engine's is_first_microbatch, which Megatron-core passes); False: cast in
                       every micro-batch's forward and saved by it for its backward (precision/fp8.py).
@@ -79,13 +81,14 @@ class Implementation:
     fused_optimizer: bool = False
     userbuffers: Userbuffers | None = None
     fp8_amax_group: str = "none"
+    fp8_experts: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
         check_recompute(self.recompute)
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
-        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer"):
+        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dispatcher not in DISPATCHERS:
@@ -109,6 +112,7 @@ class Implementation:
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
                 "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
+                "fp8_experts": self.fp8_experts,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}
 
 
@@ -287,6 +291,7 @@ class UnitShape:
     fp8_fused: bool = False  # Implementation.fp8_fused_casts
     fp8_block: bool = False  # Implementation.fp8_scaling == "block"
     fp8_current: bool = False  # Implementation.fp8_scaling == "current"
+    fp8_experts: bool = False  # Implementation.fp8_experts, with fp8 Linears
     wgrad_fusion: bool = False
     expert_load: float = 1.0  # Implementation.expert_load
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
@@ -367,6 +372,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
                      fp8_block=impl.fp8_scaling == "block", fp8_current=impl.fp8_scaling == "current",
+                     fp8_experts=policy.fp8_linears and impl.fp8_experts,
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers)

@@ -18,7 +18,10 @@ By Implementation:
   fp8_scaling "block" (MXFP8): one scale byte per 32 elements of every fp8 copy, both directions cast from the
         16-bit tensor in one kernel (by the LayerNorm itself before qkv and fc1);
   fp8_weight_cache: the weight casts run once a step (OpList.per_step) and their copies are the unit's workspace,
-        held once, not saved by every micro-batch (false: our executor's per-forward casts).
+        held once, not saved by every micro-batch (false: our executor's per-forward casts);
+  fp8_experts: a mixture of experts' routed experts run their grouped GEMMs in fp8 too (Transformer Engine's
+        GroupedLinear under Megatron-core): their inputs, weights and output gradients cast as above, over the rows
+        the rank's experts received (simulator/costs/ops_moe.py).
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ def cast_kernels(sh, prefix: str, elements: int, copies: int = 1) -> list[tuple[
             for kernel, read, written in TORCH_QUANTIZE]
 
 
-def fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded: bool) -> str:
-    """The e4m3 copy of a Linear's input its backward keeps (returned), and the kernels that make it."""
+def fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded: bool, rows: int | None = None) -> str:
+    """The e4m3 copy of a Linear's input its backward keeps (returned), and the kernels that make it; `rows`: the
+    input's rows (default: the unit's; a grouped expert GEMM's: the rows its experts received)."""
     sh = rec.shape
-    elements = sh.rows * k
+    elements = (sh.rows if rows is None else rows) * k
     saved = rec.tensor(f"{name}.input_fp8", sh.fp8_bytes(elements))
     if normed and sh.fused_norm:  # LayerNormLinear: the norm wrote the quantised input; per tensor the weight
         if not sharded and not sh.fp8_block:  # gradient's transposed copy is made for the backward (the gathered

@@ -26,7 +26,9 @@ top_k = k:
               receives as many rows as it sends), priced by the GEMM model with every expert's tiles in one set of
               waves (simulator/costs/rates/gemm_model.py; docs/efficiency.md "Mixture of experts" says what that rests
               on); biases inside the GEMM (torch.addmm); GELU, or SwiGLU as one kernel (ops.py's convention); the
-              experts' outputs concatenated (torch.cat: a copy); under a routing imbalance (Implementation's
+              experts' outputs concatenated (torch.cat: a copy); with fp8 experts (Implementation.fp8_experts:
+              Transformer Engine's GroupedLinear) the grouped GEMMs run in fp8, their inputs, weights and output
+              gradients cast by simulator/costs/ops_fp8.py's kernels, their e4m3 copies saved; under a routing imbalance (Implementation's
               expert_load) the busiest rank of the expert group receives more rows than it sends: its experts run
               on received_rows (their m and element-wise kernels grow), the rows it sent and gets back do not;
   combine     the gates gathered in the rows' order and cast, the gate multiply (saving the rows and their
@@ -53,6 +55,7 @@ import math
 from job.exchange.experts import routed_rows
 from minigpt.config import GPTConfig
 from simulator.costs.op_types import FP32, MASK, MemoryOp, Recorder
+from simulator.costs.ops_fp8 import cast_kernels, fp8_input, fp8_weight
 
 INDEX = 8  # int64 indices (torch's sort, nonzero, gather indices)
 
@@ -157,6 +160,20 @@ def _dispatch_forward(rec: Recorder, model: GPTConfig, rows: int) -> tuple[str, 
     return order, tokens, gathered
 
 
+def _format(sh) -> str:
+    """The experts' GEMM format: fp8 with fp8 experts (Implementation.fp8_experts), else the compute format."""
+    return sh.linear if sh.fp8_experts else sh.compute
+
+
+def _expert_saves(rec: Recorder, name: str, inp: str, rows: int, n: int, k: int) -> tuple[str, ...]:
+    """What a grouped expert GEMM of `rows` x `k` inputs to `n` outputs (all local experts' together) keeps for its
+    backward: its 16-bit input, or with fp8 experts the e4m3 copies of its input and weights (cast here:
+    simulator/costs/ops_fp8.py)."""
+    if not rec.shape.fp8_experts:
+        return (inp,)
+    return (fp8_input(rec, name, inp, k, normed=False, sharded=False, rows=rows), *fp8_weight(rec, name, n, k))
+
+
 def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gathered: str) -> str:
     """Each local expert's MLP over the `rows` it received, as one grouped GEMM per Linear: returns the concatenated
     outputs."""
@@ -165,7 +182,8 @@ def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gather
     per_expert = math.ceil(rows / experts)
     width, width_in = model.expert_width, model.expert_in_width
     hidden = rec.tensor("experts.hidden", rows * width_in * sh.e)
-    rec.gemm("experts.fc1", per_expert, width_in, sh.d, sh.compute, (gathered,), experts)
+    rec.gemm("experts.fc1", per_expert, width_in, sh.d, _format(sh), _expert_saves(rec, "experts.fc1", gathered, rows,
+                                                                                  width_in * experts, sh.d), experts)
     if sh.swiglu:
         silu = rec.tensor("experts.swiglu.silu", rows * width * sh.e)
         act = rec.tensor("experts.swiglu.output", rows * width * sh.e)
@@ -174,7 +192,8 @@ def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gather
         act = rec.tensor("experts.gelu.output", rows * width * sh.e)
         rec.mem("experts.gelu", (hidden,), (act,), saves=(hidden,))
     rec.tensor("experts.pieces", rows * sh.d * sh.e)
-    rec.gemm("experts.fc2", per_expert, sh.d, width, sh.compute, (act,), experts)
+    rec.gemm("experts.fc2", per_expert, sh.d, width, _format(sh), _expert_saves(rec, "experts.fc2", act, rows,
+                                                                                sh.d * experts, width), experts)
     out = rec.tensor("experts.output", rows * sh.d * sh.e)
     rec.mem("experts.concat", ("experts.pieces",), (out,))
     return out
@@ -217,14 +236,15 @@ def routed_forward(rec: Recorder, model: GPTConfig, ep: int, inp: str) -> str:
 # ---------------------------------------------------------------- backward
 
 
-def weight_gradient(rec: Recorder, name: str, n: int, k: int, m: int, batch: int = 1) -> None:
-    """`batch` weight-gradient GEMMs (n x k, over m rows) in the compute format and their accumulation into the
-    gradient buffer (fused into the GEMM under wgrad_fusion, as ops.py's Linears)."""
+def weight_gradient(rec: Recorder, name: str, n: int, k: int, m: int, batch: int = 1, dtype: str | None = None) -> None:
+    """`batch` weight-gradient GEMMs (n x k, over m rows) in `dtype` (default: the compute format) and their
+    accumulation into the gradient buffer (fused into the GEMM under wgrad_fusion, as ops.py's Linears)."""
     sh = rec.shape
+    dtype = dtype or sh.compute
     if sh.wgrad_fusion:
-        rec.back_gemm(f"{name}.weight_grad", n, k, m, sh.compute, batch, out_bytes=2 * FP32)
+        rec.back_gemm(f"{name}.weight_grad", n, k, m, dtype, batch, out_bytes=2 * FP32)
         return
-    rec.back_gemm(f"{name}.weight_grad", n, k, m, sh.compute, batch)
+    rec.back_gemm(f"{name}.weight_grad", n, k, m, dtype, batch)
     rec.back_mem(f"{name}.grad_accumulate", 2 * batch * n * k * sh.grad, batch * n * k * sh.grad)
 
 
@@ -245,8 +265,11 @@ def _experts_backward(rec: Recorder, model: GPTConfig, ep: int, rows: int, recei
     for name, n, k in (("experts.fc2", sh.d, width), ("experts.fc1", width_in, sh.d)):  # n outputs of k inputs
         if sh.bias:
             rec.back_mem(f"{name}.bias_grad", received * n * sh.e, experts * n * sh.grad)
-        rec.back_gemm(f"{name}.input_grad", per_expert, k, n, sh.compute, experts)
-        weight_gradient(rec, name, k, n, per_expert, experts)
+        if sh.fp8_experts:  # the output gradient cast to e5m2, both layouts (input and weight gradients)
+            for kernel, read, written in cast_kernels(sh, f"{name}.cast_grad", received * n, 2):
+                rec.back_mem(kernel, read, written)
+        rec.back_gemm(f"{name}.input_grad", per_expert, k, n, _format(sh), experts)
+        weight_gradient(rec, name, k, n, per_expert, experts, _format(sh))
         if name == "experts.fc2":  # the activation's backward, between the two Linears
             hidden = received * width * sh.e  # one width-wide tensor
             if sh.swiglu:

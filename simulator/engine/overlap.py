@@ -197,17 +197,20 @@ PRESETS = {
 # fp8_amax_group (delayed scaling's): Megatron-core hands Transformer Engine's fp8_autocast its amax reduction group,
 # the stage's tp x cp x dp ranks (parallel_state.get_amax_reduction_group: core_v0.6.0, core_v0.7.0, core_v0.9.0 on:
 # "data"); our executor keeps each rank's amaxes (precision/fp8.py); torchtitan scales from each tensor's own amax.
+# fp8_experts: Megatron-core's TEGroupedMLP runs the routed experts through Transformer Engine's GroupedLinear, in fp8
+# under fp8; minigpt/moe.py keeps them 16-bit, and torchtitan's float8 converter leaves MoE experts out by default.
 _OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor",
-         "ub_chunks": False, "fused_optimizer": False, "fp8_amax_group": "none"}
+         "ub_chunks": False, "fused_optimizer": False, "fp8_amax_group": "none", "fp8_experts": False}
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
     # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
     "megatron-2021": {**_OURS, "fused_optimizer": True},
     "overlapped": _OURS,
     "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor",
-                      "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data"},
+                      "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True},
     "torchtitan-fsdp2": {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": True,
-                         "fp8_scaling": "current", "ub_chunks": False, "fused_optimizer": True, "fp8_amax_group": "none"},
+                         "fp8_scaling": "current", "ub_chunks": False, "fused_optimizer": True, "fp8_amax_group": "none",
+                         "fp8_experts": False},
 }
 
 
