@@ -99,16 +99,19 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
 AMAX_GROUPS = {"tp_cp": "tp x cp", "data": "tp x cp x dp"}
 
 
-def _fp8_text(impl: dict) -> str:
-    """The fp8 and weight-gradient settings where they differ from our executor's (none: nothing)."""
-    parts = [text for key, text in (("fp8_weight_cache", "fp8 weights cast once a step"),
-                                    ("fp8_fused_casts", "fused fp8 casts"), ("wgrad_fusion", "wgrad fused into main_grad"),
-                                    ("ub_chunks", "userbuffers' GEMMs in chunks"), ("fused_optimizer", "fused AdamW"),
-                                    ("fp8_experts", "fp8 grouped experts"))
-             if impl.get(key)]
-    if impl.get("fp8_scaling", "tensor") != "tensor":
+FP8_SETTINGS = (("fp8_weight_cache", "fp8 weights cast once a step"), ("fp8_fused_casts", "fused fp8 casts"),
+                ("fp8_experts", "fp8 grouped experts"))
+OTHER_SETTINGS = (("wgrad_fusion", "wgrad fused into main_grad"), ("ub_chunks", "userbuffers' GEMMs in chunks"),
+                  ("fused_optimizer", "fused AdamW"))
+
+
+def _fp8_text(impl: dict, fp8: bool) -> str:
+    """The fp8 (only for a job with fp8 Linears, `fp8`) and weight-gradient settings where they differ from our
+    executor's (none: nothing)."""
+    parts = [text for key, text in (*(FP8_SETTINGS if fp8 else ()), *OTHER_SETTINGS) if impl.get(key)]
+    if fp8 and impl.get("fp8_scaling", "tensor") != "tensor":
         parts.append(f"fp8 {impl['fp8_scaling']} scaling")
-    elif impl.get("fp8_amax_group", "none") != "none":
+    elif fp8 and impl.get("fp8_amax_group", "none") != "none":
         parts.append(f"fp8 amaxes all-reduced per chunk over {AMAX_GROUPS[impl['fp8_amax_group']]}")
     if impl.get("userbuffers"):
         parts.append(impl["userbuffers"])
@@ -138,7 +141,8 @@ def summary_rows(data: dict) -> list[list[str]]:
                  f"({_short(achieved['source'])})"])
     impl = data["implementation"]
     rows.append(["implementation", f"{impl['attention']} attention, recompute {impl['recompute']}, "
-                 f"sequence-parallel inputs saved {impl['sp_saved_input']}" + _fp8_text(impl)])
+                 f"sequence-parallel inputs saved {impl['sp_saved_input']}"
+                 + _fp8_text(impl, "fp8" in data["matmul_efficiency"])])
     o = data["overlap"]
     rows.append(["overlap", f"{o['name']}: tp {'hidden behind the Linears' if o['tp'] else 'exposed'}, dp {o['dp']}, "
                  f"ZeRO-3 prefetch {o['zero3_prefetch']}, p2p {'overlapped' if o['p2p'] else 'exposed'}, "

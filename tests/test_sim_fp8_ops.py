@@ -160,7 +160,7 @@ def test_wgrad_fusion_accumulates_into_the_fp32_main_gradient_in_the_gemm(precis
 
 
 def test_the_settings_are_said_with_the_prediction():
-    data = {"compute": "x", "matmul_efficiency": {}, "kernel_overhead_s": 0.0,
+    data = {"compute": "x", "matmul_efficiency": {"fp8": {"kind": "GEMM model", "source": "s"}}, "kernel_overhead_s": 0.0,
             "achieved": {"hbm_fraction": 1, "nvlink_fraction": 1, "source": "s"},
             "implementation": TE.as_dict() | {"wgrad_fusion": True, "ub_chunks": True},
             "overlap": {"name": "executor", "tp": False, "dp": "x", "zero3_prefetch": 1, "p2p": False,
@@ -169,3 +169,6 @@ def test_the_settings_are_said_with_the_prediction():
     assert "fp8 weights cast once a step" in row and "fused fp8 casts" in row and "wgrad fused" in row
     assert "userbuffers' GEMMs in chunks" in row
     assert "fp8" not in dict(summary_rows(data | {"implementation": Implementation().as_dict()}))["implementation"]
+    bf16_job = data | {"matmul_efficiency": {"bf16": {"kind": "GEMM model", "source": "s"}}}
+    bf16 = dict(summary_rows(bf16_job))["implementation"]
+    assert "fp8" not in bf16 and "wgrad fused" in bf16  # a bf16 job is not told the stack's fp8 settings
