@@ -190,7 +190,6 @@ def moe_command(run: dict) -> list[str]:
             "--ep-dispatcher", run.get("dispatcher", "alltoall"),
             *(["--no-tp-overlap"] if run.get("tp_overlap") is False else []),
             *(["--fp8-recipe", run["fp8_recipe"]] if run.get("fp8_recipe") else []),
-            *(["--fp8-recipe", run["fp8_recipe"]] if run.get("fp8_recipe") else []),
             *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
 
 
