@@ -122,16 +122,14 @@ def fp8_implementation(options: dict):
                           "or simulate one layout without --sweep")
     from dataclasses import replace
 
-    from simulator.costs.op_types import Implementation
-    from simulator.engine.overlap import stack_implementation
+    from simulator.engine.overlap import stack_default
 
     overlap = _overlap(options)
-    stack = stack_implementation(overlap)
-    if recipe != "delayed" and not stack["fp8_fused_casts"]:
+    implementation = stack_default(overlap, options["attention"], options["recompute"], options["sp_saved_input"])
+    if recipe != "delayed" and not implementation.fp8_fused_casts:
         raise ConfigError(f"--fp8-recipe {recipe} needs fused fp8 casts (Transformer Engine's: --overlap megatron-core; "
                           f"torchao's: torchtitan-fsdp2); the {overlap.name} stack scales from an amax history "
                           f"(--fp8-recipe delayed)")
-    implementation = Implementation(options["attention"], options["recompute"], options["sp_saved_input"], **stack)
     return replace(implementation, fp8_scaling=FP8_RECIPES[recipe])
 
 

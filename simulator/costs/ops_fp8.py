@@ -36,13 +36,18 @@ SP_AMAX_INPUTS = ("qkv", "fc1")  # column-parallel: their sequence-parallel inpu
 SP_AMAX_GRADIENTS = ("proj", "fc2")  # row-parallel: their output gradient is gathered in the backward
 
 
+def amax_kernel(sh, name: str, elements: int) -> list[tuple[str, int, int]]:
+    """Current scaling's amax kernel over `elements` 16-bit values before their cast (nvte_compute_amax: read once,
+    nothing written but the amax), as (name, bytes read, bytes written); nothing under the other recipes."""
+    return [(name, elements * sh.e, 0)] if sh.fp8_current else []
+
+
 def cast_kernels(sh, prefix: str, elements: int, copies: int = 1) -> list[tuple[str, int, int]]:
     """(name, bytes read, bytes written) of the kernels that make `copies` fp8 copies of `elements` 16-bit values:
     Transformer Engine's one fused kernel (the copies row-wise and transposed, each with its scales under block
     scaling; current scaling's amax kernel before it), or our executor's torch ops (one copy: TORCH_QUANTIZE)."""
     if sh.fp8_fused:
-        amax = [(f"{prefix}.amax", elements * sh.e, 0)] if sh.fp8_current else []
-        return [*amax, (prefix, elements * sh.e, copies * sh.fp8_bytes(elements))]
+        return [*amax_kernel(sh, f"{prefix}.amax", elements), (prefix, elements * sh.e, copies * sh.fp8_bytes(elements))]
     return [(f"{prefix}.{kernel}", elements * (sh.e if read is None else read), elements * written)
             for kernel, read, written in TORCH_QUANTIZE]
 
@@ -58,8 +63,8 @@ def fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded:
             rec.mem(f"{name}.transpose_input", (inp,), (saved,))  # shard's in the backward); MXFP8 wrote both
         return saved
     if sh.fp8_fused:  # cast + transpose: the row-wise copy for this GEMM, the transposed one kept
-        if sh.fp8_current and not normed:  # the tensor's amax first (a norm before it took it as it wrote it)
-            rec.op(MemoryOp(f"{name}.amax_input", elements * sh.e, 0))
+        for kernel, read, written in ([] if normed else amax_kernel(sh, f"{name}.amax_input", elements)):
+            rec.op(MemoryOp(kernel, read, written))  # the amax first (a norm before it took it as it wrote it)
         rowwise = rec.tensor(f"{name}.input_rowwise", sh.fp8_bytes(elements))
         rec.mem(f"{name}.cast_input", (inp,), (rowwise, saved))
         return saved

@@ -176,10 +176,9 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             exchanges[(key, stage)] = (*context, *experts)
         return (*priced, *exchanges[(key, stage)])
 
-    # once a step, not per micro-batch (fp8 weight casts kept across micro-batches): read after times() priced the unit
-    times.per_step = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1].per_step_s
-    times.fp8 = lambda layers, first, last, moe=False: (memo[unit_key(layers, first, last, moe)][1].fp8_gemms,
-                                                        memo[unit_key(layers, first, last, moe)][1].sp_amaxes)
+    # the priced unit's ChunkTimes, read after times() priced it: its once-a-step compute (fp8 weight casts kept across
+    # micro-batches) and its fp8 GEMMs' amax reductions, which the engine charges per step and per chunk
+    times.unit = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1]
     return times
 
 
@@ -284,9 +283,10 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                 block = 0 if embedding or head else 1
                 moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
                 f, b, ftp, btp, again, weight, *exchanged = times(block, embedding, head, rank, moe)
-                per_step += times.per_step(block, embedding, head, moe)
-                gemms, amaxes = times.fp8(block, embedding, head, moe)
-                fp8_gemms, sp_amaxes = fp8_gemms + gemms, (sp_amaxes[0] + amaxes[0], sp_amaxes[1] + amaxes[1])
+                priced = times.unit(block, embedding, head, moe)
+                per_step += priced.per_step_s
+                fp8_gemms += priced.fp8_gemms
+                sp_amaxes = (sp_amaxes[0] + priced.sp_amaxes[0], sp_amaxes[1] + priced.sp_amaxes[1])
                 units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
                                   *exchanged))
             chunk_units[chunk] = units

@@ -100,6 +100,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from minigpt.errors import ConfigError
+from simulator.costs.op_types import Implementation
 from simulator.costs.userbuffers import Userbuffers
 
 DP_MODES = ("executor", "backward", "after")
@@ -231,6 +232,12 @@ def stack_implementation(overlap: Overlap | str) -> dict:
     tp = overlap.tp if isinstance(overlap, Overlap) else PRESETS[base].tp
     chosen["ub_chunks"] = chosen["ub_chunks"] and tp  # userbuffers chunk the GEMMs to overlap tp's collectives
     return chosen
+
+
+def stack_default(overlap: Overlap | str, attention: str, recompute: str, sp_saved_input: str) -> Implementation:
+    """How a block is computed under `overlap`'s stack: the three flags, with the stack's own choices
+    (stack_implementation)."""
+    return Implementation(attention, recompute, sp_saved_input, **stack_implementation(overlap))
 
 
 def resolve_overlap(overlap: Overlap | str | None = None, **changes) -> Overlap:

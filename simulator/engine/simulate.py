@@ -49,7 +49,7 @@ from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
 from simulator.costs.op_types import Implementation, check_cp_attention
 from simulator.costs.userbuffers import Userbuffers
-from simulator.engine.overlap import Overlap, resolve_overlap, stack_implementation, with_userbuffers
+from simulator.engine.overlap import Overlap, resolve_overlap, stack_default, with_userbuffers
 from simulator.provenance import provenance
 from simulator.network.topology import Cluster
 
@@ -228,8 +228,7 @@ def _implementation(model: GPTConfig, settings: Overlap, implementation: Impleme
                     ep_dispatcher: str | None) -> Implementation:
     """How the blocks are computed: as given, or the three flags with the stack the overlap preset names (its own fp8
     casts, weight gradients: overlap.py); a MoE's load and dispatcher over either."""
-    implementation = implementation or Implementation(attention, recompute, sp_saved_input,
-                                                      **stack_implementation(settings))
+    implementation = implementation or stack_default(settings, attention, recompute, sp_saved_input)
     if expert_load is not None:
         implementation = replace(implementation, expert_load=check_expert_load(model, expert_load))
     if ep_dispatcher is not None:
