@@ -38,6 +38,7 @@ from job.schedule_actions import (
 )
 
 NORM_BYTES = 4  # the squared gradient norm: one fp32 number
+FP8_BYTES = FORMAT_BYTES["fp8_e4m3"]  # a weight kept in fp8 (Implementation.fp8_param_gather)
 
 
 def _padded(numel: int, pad_to: int) -> int:
@@ -103,9 +104,11 @@ class Call(NamedTuple):
     group: str = "shard"
 
 
-def collectives(action: Action, plan: DataParallelPlan) -> list[Call]:
+def collectives(action: Action, plan: DataParallelPlan, fp8_elements: int = 0) -> list[Call]:
     """Every data-parallel collective `action` issues, in order, in parallel/comm.py's convention (the
-    whole buffer for all-reduce, the gathered size for all-gather and reduce-scatter); none over one replica."""
+    whole buffer for all-reduce, the gathered size for all-gather and reduce-scatter); none over one replica.
+    `fp8_elements`: of a gather's elements, the fp8 weights a stack keeping its weights in fp8 gathers at one byte
+    each (Implementation.fp8_param_gather; our executor gathers everything in the compute format)."""
     if plan.dp * plan.replicas == 1:
         return []
     size = plan.element_bytes
@@ -116,7 +119,7 @@ def collectives(action: Action, plan: DataParallelPlan) -> list[Call]:
         piece = [Call("all_reduce", action.numel // plan.dp * size, "replicas")] if across else []
         return [Call("reduce_scatter", action.numel * size)] + piece
     if isinstance(action, GatherParams):
-        return [Call("all_gather", action.numel * size)]
+        return [Call("all_gather", (action.numel - fp8_elements) * size + fp8_elements * FP8_BYTES)]
     if isinstance(action, ReduceTiedGrad):
         tied = Call("all_reduce", action.numel * size)
         return [tied, tied._replace(group="replicas")] if across else [tied]

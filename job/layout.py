@@ -17,6 +17,7 @@ from typing import NamedTuple, Sequence
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
+from precision.policy import FP8_LINEARS
 from job.schedule import chunk_layers
 from job.train_config import (CP_KINDS, check_context_parallel, check_expert_parallel, check_sharding,
                               check_tensor_parallel, routing_ranks)
@@ -163,6 +164,13 @@ def _linear(name: str, rows: int, columns: int, model: GPTConfig, tp: int, colum
 def is_expert_tensor(tensor: Tensor) -> bool:
     """A routed expert's tensor (mlp.experts.*): split over the ep ranks under expert parallelism."""
     return tensor.name.startswith("mlp.experts.")
+
+
+def is_fp8_weight(tensor: Tensor) -> bool:
+    """The weight of a block Linear the fp8 policy multiplies in fp8 (precision/policy.py's FP8_LINEARS: qkv, proj,
+    fc1, fc2, a shared expert's too); the embeddings, head, norms, biases, router and routed experts are not."""
+    parts = tensor.name.split(".")
+    return parts[-1] == "weight" and len(parts) > 1 and parts[-2] in FP8_LINEARS
 
 
 def expert_tensors(model: GPTConfig, ep: int) -> list[Tensor]:

@@ -19,10 +19,9 @@ from torch import nn
 
 from precision import fp8
 from precision.fp8 import Fp8Linear
-from precision.policy import PrecisionPolicy
+from precision.policy import FP8_LINEARS, PrecisionPolicy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 def dtype_of(name: str) -> torch.dtype:

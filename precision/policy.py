@@ -22,6 +22,7 @@ from minigpt.errors import ConfigError
 FORMAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # The matmul formats a GPU's peak and efficiency tables are given in (datasheets, calibrated profiles).
 FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the block Linears the fp8 policy runs in fp8 (precision/compute.py)
 
 ROLES = ("compute", "grad", "master", "adam_m", "adam_v")
 

@@ -44,6 +44,7 @@ from typing import Sequence
 
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from job.exchange.context import GRAD_BYTES, kv_elements
+from job.data_parallel import FP8_BYTES
 from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
@@ -52,7 +53,7 @@ from job.layout import Layout, check_against_config, is_expert_tensor, stage_uni
 from simulator.costs.op_types import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
 from simulator.costs.ops_moe import expert_rows, received_rows
-from simulator.states import experts_states, zero3_hold, zero_states
+from simulator.states import experts_states, fp8_weights_held, zero3_gather_bytes, zero3_hold, zero_states
 
 
 
@@ -231,12 +232,12 @@ def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp
 @lru_cache(maxsize=256)
 def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
                   pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
-                  ep: int = 1, expert_shards: int = 1) -> tuple[StageMemory, ...]:
+                  ep: int = 1, expert_shards: int = 1, fp8_params: str = "none") -> tuple[StageMemory, ...]:
     """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
     ZeRO shards over (dp x cp, or a shard group of them), and on ep and the experts' state shards (experts_states)."""
     layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks)
     return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep,
-                        expert_shards)
+                        expert_shards, fp8_params)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
 
 
@@ -270,24 +271,43 @@ def _check_ends(ends_in_flight, in_flight: list[int]) -> list[tuple[int, int]]:
 
 
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
-           activations: int, prefetch: int, hold: str = "forward", ep: int = 1, expert_shards: int = 1) -> StageMemory:
+           activations: int, prefetch: int, hold: str = "forward", ep: int = 1, expert_shards: int = 1,
+           fp8_params: str = "none") -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given); under expert parallelism the
-    experts' part apart (experts_states)."""
+    experts' part apart (experts_states). `fp8_params` (fp8_params_mode): the fp8 Linears' weights gathered in fp8
+    ("gathered": ZeRO-3's gathered units hold them at a byte each) and kept in fp8 ("kept": the weights held too)."""
     per_param = pol.bytes_per_param()
+    e = per_param["compute"]
     zero, dp = layout.effective_zero, layout.data_ranks
+    dense = chunks
     if ep > 1:
         dense = [[[t for t in unit if not is_expert_tensor(t)] for unit in chunk] for chunk in chunks]
         experts = [[[t._replace(numel=t.numel // ep) for t in unit] for unit in chunk] for chunk in chunks]
         parts = [zero_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts, expert_shards)]
         held, owned, grads, buffers, numel = (sum(values) for values in zip(*parts))
     else:
-        held, owned, grads, buffers, numel = zero_states(chunks, zero, dp, bucket_numel, prefetch, hold)
+        parts = [zero_states(chunks, zero, dp, bucket_numel, prefetch, hold)]
+        held, owned, grads, buffers, numel = parts[0]
+    parameters, comm = held * e, buffers * e
+    if fp8_params == "kept":
+        parameters -= fp8_weights_held(dense, zero, dp) * (e - FP8_BYTES)
+    if fp8_params != "none" and zero == 3:  # the dense units' gathers, their fp8 weights at a byte each
+        comm += zero3_gather_bytes(dense, dp, prefetch, hold, e, FP8_BYTES) - parts[0][3] * e
     return StageMemory(
-        parameters=held * per_param["compute"], gradients=grads * per_param["grad"],
+        parameters=parameters, gradients=grads * per_param["grad"],
         master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
-        activations=activations, comm_buffers=buffers * per_param["compute"],
+        activations=activations, comm_buffers=comm,
         stage=index, layers=sum(len(r) for _, r in placed), numel=numel,
     )
+
+
+def fp8_params_mode(pol: PrecisionPolicy, implementation: Implementation) -> str:
+    """How a job's fp8 Linears' weights are held (Implementation.fp8_param_gather): "none" (in the compute format),
+    "gathered" (gathered in fp8, sharded in the compute format: torchtitan's float8 all-gather) or "kept" (kept in
+    fp8 and gathered so: Megatron-core's fp8 parameters, whose stack casts its weights once a step)."""
+    if not (pol.fp8_linears and implementation.fp8_param_gather):
+        return "none"
+    return "kept" if implementation.fp8_weight_cache else "gathered"
 
 
 def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0) -> tuple[str, ...]:
@@ -370,7 +390,7 @@ def predict_memory(
                                                      layout.cp_kind, pol, micro_batch_size, implementation, layout.ep)
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
-                           layout.ep, layout.expert_state_shards)
+                           layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation))
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):
@@ -410,6 +430,10 @@ def _block_extras(model: GPTConfig, blocks: dict[bool, ActivationModel], placed)
 def _fp8_note(block: "ActivationModel", layout: Layout, model: GPTConfig) -> tuple[str, ...]:
     """Where fp8 Linears' weight copies sit in the activations (simulator/costs/ops.py's fp8 Linears)."""
     layers = model.n_layers // (layout.pp * layout.virtual_chunks)
+    if block.workspace and block.implementation.fp8_param_gather:
+        return (f"fp8 weights kept in fp8 (parameters at a byte each): activations include "
+                f"{block.workspace / 2**20:,.0f} MiB of transposed e4m3 copies per layer, made once a step "
+                f"({layers * layout.virtual_chunks} layers on a rank)",)
     if block.workspace:
         return (f"fp8 weights cast once a step: activations include {block.workspace / 2**20:,.0f} MiB of e4m3 weight "
                 f"copies per layer, held once ({layers * layout.virtual_chunks} layers on a rank)",)

@@ -5,7 +5,7 @@ simulator/memory.py to turn into bytes. Torch-free."""
 
 from __future__ import annotations
 
-from job.layout import Bucket, Layout, buckets, is_expert_tensor
+from job.layout import Bucket, Layout, buckets, is_expert_tensor, is_fp8_weight
 
 MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
 
@@ -51,8 +51,11 @@ def zero3_hold(layout: Layout, micro_batches: int | None = None) -> str:
     return "step" if layout.pp > 1 and (micro_batches is None or micro_batches > 1) else "backward"
 
 
-def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "forward") -> int:
-    """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/data/zero3.py does.
+def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "forward",
+                  weights: list[int] | None = None) -> int:
+    """Peak elements of ZeRO-3 buffers, walking the units in backward order as parallel/data/zero3.py does;
+    `weights`: each unit's gathered weights where they are not its size (in bytes, with `units` in bytes: the
+    fp8 weights gathered in fp8, zero3_gather_bytes).
 
     While unit i's gradients come in: the first and last units (kept gathered all step),
     unit i and the `prefetch` units before it (gathered ahead; our code prefetches one) when
@@ -60,17 +63,17 @@ def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "for
     reduce-scatters (staging + 1/N output). Not resharded after the forward (`hold`, zero3_hold):
     every unit up to i, those after it freed after their reduction ("backward"), or every unit ("step").
     """
-    kept = {0, len(units) - 1}
+    kept, held = {0, len(units) - 1}, units if weights is None else weights
     peak, in_flight = 0, []
     for i in reversed(range(len(units))):
-        gathered = sum(units[j] for j in kept)
+        gathered = sum(held[j] for j in kept)
         if hold == "step":
-            gathered = sum(units)
+            gathered = sum(held)
         elif hold == "backward":
-            gathered += sum(units[j] for j in range(i + 1) if j not in kept)
+            gathered += sum(held[j] for j in range(i + 1) if j not in kept)
         elif i not in kept:
-            gathered += units[i] + sum(units[j] for j in range(max(0, i - prefetch), i) if j not in kept)
-        peak = max(peak, gathered + units[i] + sum(in_flight))
+            gathered += held[i] + sum(held[j] for j in range(max(0, i - prefetch), i) if j not in kept)
+        peak = max(peak, gathered + units[i] + sum(in_flight))  # unit i's gradients staged at full size
         in_flight = (in_flight + [units[i] + units[i] // dp])[-MAX_IN_FLIGHT:]
     return peak
 
@@ -91,6 +94,23 @@ def zero_states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, ho
     grads = owned if zero >= 2 else held
     buffers = zero3_buffers(unit_sizes, dp, prefetch, hold) if zero == 3 else data_parallel_buffers(zero, cut, dp)
     return held, owned, grads, buffers, sum(t.numel for unit in units for t in unit)
+
+
+def zero3_gather_bytes(chunks, dp: int, prefetch: int, hold: str, element_bytes: int, fp8_bytes: int) -> int:
+    """Peak bytes of ZeRO-3's buffers (zero3_buffers) when the fp8 Linears' weights are gathered in fp8 (`fp8_bytes`
+    each, job/layout.py's is_fp8_weight) and everything else, gradients included, in `element_bytes`."""
+    units = [unit for chunk in chunks for unit in chunk]
+    sizes = [buckets(unit, None, dp)[0].size if unit else 0 for unit in units]
+    fp8 = [sum(t.numel for t in unit if is_fp8_weight(t)) for unit in units]
+    return zero3_buffers([size * element_bytes for size in sizes], dp, prefetch, hold,
+                         [(size - f) * element_bytes + f * fp8_bytes for size, f in zip(sizes, fp8)])
+
+
+def fp8_weights_held(chunks, zero: int, dp: int) -> int:
+    """Of zero_states' weights held, the elements that are fp8 Linears' weights (job/layout.py's is_fp8_weight):
+    all of them, or under ZeRO-3 the rank's 1/dp shard of them."""
+    fp8 = sum(t.numel for chunk in chunks for unit in chunk for t in unit if is_fp8_weight(t))
+    return fp8 // dp if zero == 3 else fp8
 
 
 def experts_states(chunks, shards: int = 1) -> tuple[int, ...]:

@@ -35,6 +35,7 @@ from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.campaign import campaign_options, campaign_sweep, check_campaign, run_campaign
 from cli.options.experts import ep_dispatcher_option, ep_overlap_option, expert_load_option, read_expert_load
+from cli.options.fp8 import fp8_implementation, fp8_options
 from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
@@ -45,7 +46,7 @@ from cli.options.precision import precision_option, simulated_precision
 from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_path_given, check_positive_int
 from simulator.limits import MAX_ZERO3_GATHERS, check_job, check_layers, check_sweep, zero3_gathers
-from simulator.costs.op_types import FP8_RECIPES, SP_SAVED_INPUTS, check_cp_attention
+from simulator.costs.op_types import SP_SAVED_INPUTS, check_cp_attention
 from simulator.engine.overlap import DP_MODES, DP_SLOWDOWN, P2P_SLOWDOWN, PRESETS as OVERLAP_PRESETS, TP_SLOWDOWN
 
 
@@ -107,30 +108,6 @@ def _overlap(options: dict):
     return resolve_overlap(options["overlap"], tp=options["tp_overlap"], dp=options["dp_overlap"],
                            zero3_prefetch=options["zero3_prefetch"], p2p=options["p2p_overlap"],
                            ep=options["ep_overlap"])
-
-
-def fp8_implementation(options: dict):
-    """--fp8-recipe: the stack's Implementation with its fp8 scaling changed (None: the stack's own); one line, before
-    any work, when the job has no fp8 Linears or its stack's casts cannot scale that way."""
-    recipe = options["fp8_recipe"]
-    if recipe is None:
-        return None
-    if options["precision"] != "fp8":
-        raise ConfigError(f"--fp8-recipe {recipe} says how fp8 Linears are scaled: it needs --precision fp8")
-    if options["sweep"]:
-        raise ConfigError("--sweep simulates our executor, which scales fp8 from an amax history: drop --fp8-recipe, "
-                          "or simulate one layout without --sweep")
-    from dataclasses import replace
-
-    from simulator.engine.overlap import stack_default
-
-    overlap = _overlap(options)
-    implementation = stack_default(overlap, options["attention"], options["recompute"], options["sp_saved_input"])
-    if recipe != "delayed" and not implementation.fp8_fused_casts:
-        raise ConfigError(f"--fp8-recipe {recipe} needs fused fp8 casts (Transformer Engine's: --overlap megatron-core; "
-                          f"torchao's: torchtitan-fsdp2); the {overlap.name} stack scales from an amax history "
-                          f"(--fp8-recipe delayed)")
-    return replace(implementation, fp8_scaling=FP8_RECIPES[recipe])
 
 
 def run_single(options: dict) -> dict:
@@ -441,11 +418,7 @@ def micro_batch_size(options: dict) -> int:
 @ep_overlap_option
 @ep_dispatcher_option
 @precision_option
-@click.option("--fp8-recipe", "fp8_recipe", type=click.Choice(tuple(FP8_RECIPES)), default=None,
-              help="How fp8 Linears are scaled: delayed (per tensor from an amax history, reduced over the amax "
-                   "group each chunk: Megatron-LM's default), current (per tensor from its own amax, taken before the "
-                   "cast) or mxfp8 (a scale per 32 elements); default: the stack's (--overlap). current and mxfp8 "
-                   "need fused casts (megatron-core, torchtitan-fsdp2).")
+@fp8_options
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")
 @nccl_algo_option
@@ -477,7 +450,7 @@ def simulate(**options) -> None:
     if not 1.0 <= options["oversubscription"] < float("inf"):
         raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
     options["precision"] = simulated_precision(options["precision"], _hardware(options) if options["hardware"] else None)
-    options["implementation"] = fp8_implementation(options)
+    options["implementation"] = fp8_implementation(options, lambda: _overlap(options))
     report = run_sweep(options) if options["sweep"] else run_single(options)
     if options["as_json"]:
         click.echo(json.dumps(_json(report)))

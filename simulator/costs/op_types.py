@@ -53,6 +53,9 @@ class Implementation:
                       (Transformer Engine's fp8_autocast): "none" (each rank keeps its own: our executor), "tp_cp"
                       (the stage's tp x cp ranks: Megatron-core 0.8, --tp-only-amax-red), "data" (tp x cp x dp:
                       Megatron-core's default; simulator/engine/costs.py prices it, docs/efficiency.md).
+    fp8_param_gather  the fp8 Linears' weights are kept in fp8 and all-gathered in fp8 by ZeRO (Megatron-core's
+                      --fp8-param-gather, NeMo's fp8_params, torchtitan's enable_fsdp_float8_all_gather): one byte a
+                      weight in memory and in the gathers; with fp8_weight_cache the step's cast becomes a transpose.
     wgrad_fusion      the weight-gradient GEMM accumulates into the fp32 main gradient itself (Megatron-core's
                       gradient_accumulation_fusion): no separate accumulation kernel.
     fused_optimizer   AdamW as one fused kernel (apex's FusedAdam, torch's AdamW(fused=True)); False: our executor's
@@ -82,13 +85,15 @@ class Implementation:
     userbuffers: Userbuffers | None = None
     fp8_amax_group: str = "none"
     fp8_experts: bool = False
+    fp8_param_gather: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
         check_recompute(self.recompute)
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
-        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts"):
+        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts",
+                     "fp8_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dispatcher not in DISPATCHERS:
@@ -102,6 +107,9 @@ class Implementation:
             raise ConfigError(f"fp8_scaling {self.fp8_scaling!r} needs fp8_fused_casts: only fused quantisers "
                               "(Transformer Engine's, --overlap megatron-core) scale per block or from the tensor's "
                               "own amax; our executor scales per tensor from an amax history")
+        if self.fp8_param_gather and (self.fp8_scaling == "block" or not self.fp8_fused_casts):
+            raise ConfigError("fp8_param_gather keeps the weights in per-tensor fp8, which needs fused casts "
+                              "(--overlap megatron-core or torchtitan-fsdp2) and per-tensor scaling (not mxfp8)")
         load = self.expert_load
         if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1 <= load < math.inf:
             raise ConfigError(f"the expert load (the busiest expert's routed rows over the mean) must be a finite "
@@ -112,7 +120,7 @@ class Implementation:
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
                 "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
-                "fp8_experts": self.fp8_experts,
+                "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}
 
 
@@ -292,6 +300,7 @@ class UnitShape:
     fp8_block: bool = False  # Implementation.fp8_scaling == "block"
     fp8_current: bool = False  # Implementation.fp8_scaling == "current"
     fp8_experts: bool = False  # Implementation.fp8_experts, with fp8 Linears
+    fp8_params: bool = False  # Implementation.fp8_param_gather, with fp8 Linears: the weights are kept in fp8
     wgrad_fusion: bool = False
     expert_load: float = 1.0  # Implementation.expert_load
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
@@ -373,6 +382,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
                      fp8_block=impl.fp8_scaling == "block", fp8_current=impl.fp8_scaling == "current",
                      fp8_experts=policy.fp8_linears and impl.fp8_experts,
+                     fp8_params=policy.fp8_linears and impl.fp8_param_gather,
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers)

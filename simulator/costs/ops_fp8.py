@@ -75,8 +75,16 @@ def fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded:
 
 def fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
     """The weight's e4m3 copy: cast in this forward and kept by this micro-batch (returned), or once per step and
-    kept for all of them (fp8_weight_cache: the unit's workspace). Transformer Engine keeps it and its transpose."""
+    kept for all of them (fp8_weight_cache: the unit's workspace). Transformer Engine keeps it and its transpose;
+    with the weights kept in fp8 (fp8_params) the parameter is the row-wise copy and the step makes the transpose
+    (Float8Tensor's cached transpose). Without the cache (torchtitan's float8 all-gather: the shard cast before each
+    gather, the transpose in the backward) the casts are priced as without fp8 parameters, about the same bytes."""
     sh = rec.shape
+    if sh.fp8_params and sh.fp8_cache:  # the weight is fp8 already (its parameter): the step makes its transpose
+        kept = rec.tensor(f"{name}.weight_fp8_transposed", n * k, OUTSIDE)
+        rec.step_mem(f"{name}.transpose_weight", n * k, n * k)
+        rec.workspace.append(Saved(kept, rec.size[kept]))
+        return ()
     copies = 2 if sh.fp8_fused else 1
     kept = rec.tensor(f"{name}.weight_fp8", copies * sh.fp8_bytes(n * k), OUTSIDE if sh.fp8_cache else None)
     kernels = cast_kernels(sh, f"{name}.cast_weight", n * k, copies)

@@ -299,7 +299,8 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
                                             stage, kind, nbytes, group),
-                                        job.overlap, job.serial, actions, experts)
+                                        job.overlap, job.serial, actions, experts,
+                                        pol.fp8_linears and implementation.fp8_param_gather)
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)

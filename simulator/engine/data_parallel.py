@@ -37,7 +37,7 @@ from job.schedule import (
     OptimizerStep,
     ReduceScatterGrads,
 )
-from job.layout import bucket_members
+from job.layout import bucket_members, is_fp8_weight
 from simulator.engine.dp_overlap import Segment, overlap, ready_offsets
 from simulator.states import MAX_IN_FLIGHT
 from simulator.engine.overlap import Overlap
@@ -64,13 +64,16 @@ class DataParallelPricer:
 
     def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
                  dp_time: Callable[[str, float, str], float], settings: Overlap, serial: bool, plain: dict,
-                 experts_s: float = 0.0):
+                 experts_s: float = 0.0, fp8_gathers: bool = False):
         self.units, self.plan, self.zero = chunk_units, plan, zero
         self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
         # each bucket's first tensor (its last gradient in), cut as the plan's buckets (job/layout.py)
-        self.firsts = {chunk: [members.start for members, _ in
-                               bucket_members([t for u in units for t in u.tensors], bucket_numel, plan.dp)]
-                       for chunk, units in chunk_units.items()} if zero < 3 else {}
+        cuts = {chunk: [members for members, _ in bucket_members([t for u in units for t in u.tensors], bucket_numel,
+                                                                 plan.dp)]
+                for chunk, units in chunk_units.items()} if zero < 3 else {}
+        self.firsts = {chunk: [members.start for members in cut] for chunk, cut in cuts.items()}
+        # fp8_gathers (Implementation.fp8_param_gather): each bucket's (unit's) fp8 weights, gathered at a byte each
+        self.fp8 = _fp8_elements(chunk_units, cuts, zero) if fp8_gathers else {}
         self.experts_s = experts_s  # expert parallelism's gradient reduction, issued with the optimizer step
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
@@ -79,7 +82,8 @@ class DataParallelPricer:
         """The data-parallel collectives of `action` on this rank's dp group (hybrid sharding: a shard group,
         then the replica group), one after another: `dp_time(kind, bytes, group)` each; the optimizer step's
         with the routed experts' own reduction (`experts_s`: they are in no bucket, job/layout.py's stage_units)."""
-        calls = tuple(collectives(action, self.plan))
+        fp8 = self.fp8[action.chunk][action.bucket] if self.fp8 and type(action) is GatherParams else 0
+        calls = tuple(collectives(action, self.plan, fp8))
         if calls not in self.timed:
             self.timed[calls] = sum(self.dp_time(kind, nbytes, group) for kind, nbytes, group in calls)
         return self.timed[calls] + (self.experts_s if type(action) is OptimizerStep else 0.0)
@@ -150,3 +154,16 @@ class DataParallelPricer:
         if self.settings.dp == "after":
             segments += [Segment(0.0, reduce=reduces[i]) for i in order if i in reduces]
         return segments
+
+
+def _fp8_elements(chunk_units: dict, cuts: dict, zero: int) -> dict[int, list[int]]:
+    """Per chunk, the fp8 Linears' weight elements (job/layout.py's is_fp8_weight) of each gather unit (ZeRO-3) or
+    bucket (ZeRO 1-2, `cuts`: each bucket's tensors by position)."""
+    out = {}
+    for chunk, units in chunk_units.items():
+        if zero == 3:
+            out[chunk] = [sum(t.numel for t in u.tensors if is_fp8_weight(t)) for u in units]
+        else:
+            tensors = [t for u in units for t in u.tensors]
+            out[chunk] = [sum(tensors[i].numel for i in members if is_fp8_weight(tensors[i])) for members in cuts[chunk]]
+    return out
