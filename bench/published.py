@@ -30,7 +30,8 @@ the backward and its parameter all-gather in the next forward, asynchronous pipe
 collective slowing the compute it overlaps by the SMs it holds; gradient-accumulation fusion, fp8 weights cast
 once per step, Transformer Engine's fused casts), and dropout 0.1 as the run's gpt3_175b_hydra.yaml sets it
 (hidden_dropout and attention_dropout 0.1; the same file sets ub_tp_comm_overlap, gradient_accumulation_fusion,
-overlap_grad_sync, overlap_param_sync, overlap_p2p_comm and fp8_params, which the preset describes), and
+overlap_grad_sync, overlap_param_sync and overlap_p2p_comm, which the preset describes), `--fp8-param-gather` on the
+fp8 rows (the yaml's fp8_params: true, both releases: the weights kept in fp8 and all-gathered so), and
 `--sp-saved-input sharded`: Megatron-core's sequence-parallel Linears save their input shard and gather it again in
 the backward (TE's bulk overlap hides that gather behind the input-gradient GEMM), and `--tp-overlap-cfg` with the
 same yaml's ub_tp_comm_overlap_cfg (bench/dgxc_gpt3_175b_userbuffers.json: proj's and fc2's forward GEMMs on the 108
@@ -149,6 +150,7 @@ def dgxc_command(run: dict) -> list[str]:
             "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
             "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(DGXC_DROPOUT),
             *(["--sp-saved-input", "sharded"] if run["sp"] else []),
+            *(["--fp8-param-gather"] if run["precision"] == "fp8" and run["zero"] > 0 else []),  # the yaml's fp8_params
             *(["--tp-overlap-cfg", str(DGXC_USERBUFFERS)] if run["sp"] and run["tp"] > 1 else []), "--json"]
 
 
@@ -190,6 +192,7 @@ def moe_command(run: dict) -> list[str]:
             "--ep-dispatcher", run.get("dispatcher", "alltoall"),
             *(["--no-tp-overlap"] if run.get("tp_overlap") is False else []),
             *(["--fp8-recipe", run["fp8_recipe"]] if run.get("fp8_recipe") else []),
+            *(["--fp8-param-gather"] if run.get("fp8_param_gather") else []),
             *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
 
 
