@@ -166,11 +166,16 @@ def is_expert_tensor(tensor: Tensor) -> bool:
     return tensor.name.startswith("mlp.experts.")
 
 
-def is_fp8_weight(tensor: Tensor) -> bool:
+FP8_EXPERT_WEIGHTS = ("mlp.experts.w1", "mlp.experts.w2")  # the routed experts' stacked weights (_moe_tensors)
+
+
+def is_fp8_weight(tensor: Tensor, experts: bool = False) -> bool:
     """The weight of a block Linear the fp8 policy multiplies in fp8 (precision/policy.py's FP8_LINEARS: qkv, proj,
-    fc1, fc2, a shared expert's too); the embeddings, head, norms, biases, router and routed experts are not."""
+    fc1, fc2, a shared expert's too), and with `experts` (fp8 grouped experts) the routed experts' weights; the
+    embeddings, head, norms, biases and router are not."""
     parts = tensor.name.split(".")
-    return parts[-1] == "weight" and len(parts) > 1 and parts[-2] in FP8_LINEARS
+    linear = parts[-1] == "weight" and len(parts) > 1 and parts[-2] in FP8_LINEARS
+    return linear or (experts and tensor.name in FP8_EXPERT_WEIGHTS)
 
 
 def expert_tensors(model: GPTConfig, ep: int) -> list[Tensor]:

@@ -232,12 +232,13 @@ def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp
 @lru_cache(maxsize=256)
 def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
                   pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
-                  ep: int = 1, expert_shards: int = 1, fp8_params: str = "none") -> tuple[StageMemory, ...]:
+                  ep: int = 1, expert_shards: int = 1, fp8_params: str = "none",
+                  fp8_experts: bool = False) -> tuple[StageMemory, ...]:
     """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
     ZeRO shards over (dp x cp, or a shard group of them), and on ep and the experts' state shards (experts_states)."""
     layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks)
     return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep,
-                        expert_shards, fp8_params)
+                        expert_shards, fp8_params, fp8_experts)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
 
 
@@ -272,10 +273,11 @@ def _check_ends(ends_in_flight, in_flight: list[int]) -> list[tuple[int, int]]:
 
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
            activations: int, prefetch: int, hold: str = "forward", ep: int = 1, expert_shards: int = 1,
-           fp8_params: str = "none") -> StageMemory:
+           fp8_params: str = "none", fp8_experts: bool = False) -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given); under expert parallelism the
     experts' part apart (experts_states). `fp8_params` (fp8_params_mode): the fp8 Linears' weights gathered in fp8
-    ("gathered": ZeRO-3's gathered units hold them at a byte each) and kept in fp8 ("kept": the weights held too)."""
+    ("gathered": ZeRO-3's gathered units hold them at a byte each) and kept in fp8 ("kept": the weights held too);
+    `fp8_experts`: the routed experts' weights among them (fp8 grouped experts)."""
     per_param = pol.bytes_per_param()
     e = per_param["compute"]
     zero, dp = layout.effective_zero, layout.data_ranks
@@ -289,10 +291,12 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
         parts = [zero_states(chunks, zero, dp, bucket_numel, prefetch, hold)]
         held, owned, grads, buffers, numel = parts[0]
     parameters, comm = held * e, buffers * e
-    if fp8_params == "kept":
-        parameters -= fp8_weights_held(dense, zero, dp) * (e - FP8_BYTES)
+    if fp8_params == "kept":  # and under expert parallelism the rank's own experts, whole (experts_states)
+        routed = [[[t for t in unit if is_expert_tensor(t)] for unit in chunk] for chunk in experts] if ep > 1 else []
+        kept = fp8_weights_held(dense, zero, dp, fp8_experts) + fp8_weights_held(routed, 0, 1, fp8_experts)
+        parameters -= kept * (e - FP8_BYTES)
     if fp8_params != "none" and zero == 3:  # the dense units' gathers, their fp8 weights at a byte each
-        comm += zero3_gather_bytes(dense, dp, prefetch, hold, e, FP8_BYTES) - parts[0][3] * e
+        comm += zero3_gather_bytes(dense, dp, prefetch, hold, e, FP8_BYTES, fp8_experts) - parts[0][3] * e
     return StageMemory(
         parameters=parameters, gradients=grads * per_param["grad"],
         master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
@@ -308,6 +312,11 @@ def fp8_params_mode(pol: PrecisionPolicy, implementation: Implementation) -> str
     if not (pol.fp8_linears and implementation.fp8_param_gather):
         return "none"
     return "kept" if implementation.fp8_weight_cache else "gathered"
+
+
+def _fp8_experts(pol: PrecisionPolicy, implementation: Implementation) -> bool:
+    """Whether the routed experts' weights are fp8 parameters too (fp8 grouped experts, fp8_params_mode not none)."""
+    return fp8_params_mode(pol, implementation) != "none" and implementation.fp8_experts
 
 
 def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0) -> tuple[str, ...]:
@@ -390,7 +399,8 @@ def predict_memory(
                                                      layout.cp_kind, pol, micro_batch_size, implementation, layout.ep)
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
-                           layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation))
+                           layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
+                           _fp8_experts(pol, implementation))
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):

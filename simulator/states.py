@@ -96,20 +96,22 @@ def zero_states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, ho
     return held, owned, grads, buffers, sum(t.numel for unit in units for t in unit)
 
 
-def zero3_gather_bytes(chunks, dp: int, prefetch: int, hold: str, element_bytes: int, fp8_bytes: int) -> int:
+def zero3_gather_bytes(chunks, dp: int, prefetch: int, hold: str, element_bytes: int, fp8_bytes: int,
+                       experts: bool = False) -> int:
     """Peak bytes of ZeRO-3's buffers (zero3_buffers) when the fp8 Linears' weights are gathered in fp8 (`fp8_bytes`
-    each, job/layout.py's is_fp8_weight) and everything else, gradients included, in `element_bytes`."""
+    each, job/layout.py's is_fp8_weight, the routed experts' with `experts`) and everything else, gradients included,
+    in `element_bytes`."""
     units = [unit for chunk in chunks for unit in chunk]
     sizes = [buckets(unit, None, dp)[0].size if unit else 0 for unit in units]
-    fp8 = [sum(t.numel for t in unit if is_fp8_weight(t)) for unit in units]
+    fp8 = [sum(t.numel for t in unit if is_fp8_weight(t, experts)) for unit in units]
     return zero3_buffers([size * element_bytes for size in sizes], dp, prefetch, hold,
                          [(size - f) * element_bytes + f * fp8_bytes for size, f in zip(sizes, fp8)])
 
 
-def fp8_weights_held(chunks, zero: int, dp: int) -> int:
-    """Of zero_states' weights held, the elements that are fp8 Linears' weights (job/layout.py's is_fp8_weight):
-    all of them, or under ZeRO-3 the rank's 1/dp shard of them."""
-    fp8 = sum(t.numel for chunk in chunks for unit in chunk for t in unit if is_fp8_weight(t))
+def fp8_weights_held(chunks, zero: int, dp: int, experts: bool = False) -> int:
+    """Of zero_states' weights held, the elements that are fp8 Linears' weights (job/layout.py's is_fp8_weight, the
+    routed experts' with `experts`): all of them, or under ZeRO-3 the rank's 1/dp shard of them."""
+    fp8 = sum(t.numel for chunk in chunks for unit in chunk for t in unit if is_fp8_weight(t, experts))
     return fp8 // dp if zero == 3 else fp8
 
 

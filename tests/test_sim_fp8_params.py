@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from cli.main import main
 from job.data_parallel import FP8_BYTES, collectives
-from job.layout import Layout, block_tensors, embedding_tensors, head_tensors, is_fp8_weight
+from job.exchange.experts import expert_gradient_reduction
+from job.layout import Layout, block_tensors, embedding_tensors, expert_tensors, head_tensors, is_fp8_weight
 from job.schedule_actions import AllReduceGrads, DataParallelPlan, GatherParams, ReduceScatterGrads
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
@@ -51,6 +52,24 @@ def test_the_fp8_weights_are_the_block_linears():
                     n_shared_experts=1)
     fp8 = {t.name for t in block_tensors(moe, 1, True) if is_fp8_weight(t)}
     assert fp8 == {"attn.qkv.weight", "attn.proj.weight", "mlp.shared.fc1.weight", "mlp.shared.fc2.weight"}
+    with_experts = {t.name for t in block_tensors(moe, 1, True) if is_fp8_weight(t, experts=True)}
+    assert with_experts - fp8 == {"mlp.experts.w1", "mlp.experts.w2"}  # fp8 grouped experts; biases, router: no
+
+
+def test_the_routed_experts_weights_are_gathered_in_fp8_with_fp8_grouped_experts():
+    moe = GPTConfig(vocab_size=512, seq_len=256, n_layers=2, n_heads=8, d_model=512, d_ff=2048, n_experts=8, top_k=2)
+    plain = expert_gradient_reduction(moe, 4, 8, 2, 2, shards=2)
+    fp8 = expert_gradient_reduction(moe, 4, 8, 2, 2, shards=2, fp8_weights=True)
+    weights = 2 * sum(t.numel for t in expert_tensors(moe, 4) if is_fp8_weight(t, experts=True))
+    assert [(x.kind, x.bytes) for x in plain] == [("reduce_scatter", plain[0].bytes), ("all_gather", plain[0].bytes)]
+    assert fp8[0] == plain[0] and plain[1].bytes - fp8[1].bytes == weights * (2 - FP8_BYTES)
+    core = replace(CORE, fp8_param_gather=True)
+    layout = Layout(dp=8, ep=4, zero=1)
+    cluster = build_cluster(H100, 8, 1)
+    results = [simulate_step(moe, layout, cluster, "fp8", 8, 1, overlap="megatron-core", implementation=impl)
+               for impl in (CORE, core)]
+    dense = sum(t.numel for t in block_tensors(moe, 1, True) if is_fp8_weight(t)) * moe.n_layers
+    assert results[0].memory.parameters - results[1].memory.parameters == dense + weights
 
 
 def test_a_gather_moves_its_fp8_weights_at_a_byte_each():

@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 
 from job.exchange.context import Exchange
-from job.layout import buckets, expert_tensors
+from job.layout import buckets, expert_tensors, is_fp8_weight
 from minigpt.config import GPTConfig
+from precision.policy import FORMAT_BYTES
 
 COUNT_BYTES = 8  # int64 token counts
 
@@ -113,17 +114,22 @@ def routing_exchanges(model: GPTConfig, ranks: int, tokens: int, sequences: int)
 
 
 def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: int, grad_bytes: int,
-                              shards: int = 1) -> list[Exchange]:
+                              shards: int = 1, fp8_weights: bool = False) -> list[Exchange]:
     """How the routed experts' gradients of a rank holding `moe_layers` MoE blocks are averaged under expert
     parallelism over the `dp` / ep ranks holding the same experts, all of them at once, issued at the optimizer
     step (none without ep, or with one such rank). `dp`: the ranks that route other tokens through the experts,
     the data ranks (dp x cp) and, under sequence parallelism, times tp (Layout.token_ranks).
     `shards` (Layout.expert_state_shards): 1, one all-reduce, every rank updating all its experts; otherwise those
     ranks shard the experts' optimizer states (ZeRO 1-3, Megatron-core's distributed optimizer): the buffer padded
-    to a multiple of them is reduce-scattered, and after the update all-gathered (parallel/expert/gradients.py)."""
+    to a multiple of them is reduce-scattered, and after the update all-gathered (parallel/expert/gradients.py).
+    `fp8_weights`: the experts' weights are kept in fp8 (fp8 parameters with fp8 grouped experts, a stack we do not
+    run): the all-gather moves them at a byte each."""
     if ep == 1 or not model.is_moe or dp == ep or moe_layers == 0:
         return []
-    numel = buckets(expert_tensors(model, ep) * moe_layers, None, shards)[0].size  # padded as FlatParameters pads
+    tensors = expert_tensors(model, ep) * moe_layers
+    numel = buckets(tensors, None, shards)[0].size  # padded as FlatParameters pads
     if shards == 1:
         return [Exchange("all_reduce", 1, numel * grad_bytes)]
-    return [Exchange("reduce_scatter", 1, numel * grad_bytes), Exchange("all_gather", 1, numel * grad_bytes)]
+    fp8 = sum(t.numel for t in tensors if is_fp8_weight(t, experts=True)) if fp8_weights else 0
+    return [Exchange("reduce_scatter", 1, numel * grad_bytes),
+            Exchange("all_gather", 1, (numel - fp8) * grad_bytes + fp8 * FORMAT_BYTES["fp8_e4m3"])]

@@ -294,13 +294,14 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():
             _plain_actions(chunk, units, actions, chunk_amax[chunk])
-        pricer, experts = None, _expert_reduction(job, placed, rank, pol)
+        gathers = pol.fp8_linears and implementation.fp8_param_gather  # fp8 parameters: gathered at a byte each
+        pricer, experts = None, _expert_reduction(job, placed, rank, pol, gathers and implementation.fp8_experts)
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
                                             stage, kind, nbytes, group),
-                                        job.overlap, job.serial, actions, experts,
-                                        pol.fp8_linears and implementation.fp8_param_gather)
+                                        job.overlap, job.serial, actions, experts, gathers,
+                                        implementation.fp8_experts)
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)
@@ -311,14 +312,15 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     return ranks
 
 
-def _expert_reduction(job: _Job, placed, stage: int, pol) -> float:
+def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool = False) -> float:
     """Seconds of the routed experts' gradient reduction of a rank under expert parallelism, once a step at its
     optimizer step over the ranks holding the same experts: an all-reduce, or with their states sharded a
-    reduce-scatter and the updated weights' all-gather (job/exchange/experts.py's expert_gradient_reduction)."""
+    reduce-scatter and the updated weights' all-gather (job/exchange/experts.py's expert_gradient_reduction), in fp8
+    for the weights when the stack keeps its experts' weights in fp8 (`fp8_experts_kept`)."""
     layout = job.layout
     moe_layers = sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
     calls = expert_gradient_reduction(job.model, layout.ep, layout.token_ranks, moe_layers, FORMAT_BYTES[pol.compute],
-                                      layout.expert_state_shards)
+                                      layout.expert_state_shards, fp8_experts_kept)
     return sum(call.calls * job.links.expert_collective(stage, call.kind, call.bytes) for call in calls)
 
 

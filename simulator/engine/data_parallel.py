@@ -64,7 +64,7 @@ class DataParallelPricer:
 
     def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
                  dp_time: Callable[[str, float, str], float], settings: Overlap, serial: bool, plain: dict,
-                 experts_s: float = 0.0, fp8_gathers: bool = False):
+                 experts_s: float = 0.0, fp8_gathers: bool = False, fp8_experts: bool = False):
         self.units, self.plan, self.zero = chunk_units, plan, zero
         self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
         # each bucket's first tensor (its last gradient in), cut as the plan's buckets (job/layout.py)
@@ -72,8 +72,9 @@ class DataParallelPricer:
                                                                  plan.dp)]
                 for chunk, units in chunk_units.items()} if zero < 3 else {}
         self.firsts = {chunk: [members.start for members in cut] for chunk, cut in cuts.items()}
-        # fp8_gathers (Implementation.fp8_param_gather): each bucket's (unit's) fp8 weights, gathered at a byte each
-        self.fp8 = _fp8_elements(chunk_units, cuts, zero) if fp8_gathers else {}
+        # fp8_gathers (Implementation.fp8_param_gather): each bucket's (unit's) fp8 weights, gathered at a byte each,
+        # the routed experts' among them with fp8 grouped experts (`fp8_experts`)
+        self.fp8 = _fp8_elements(chunk_units, cuts, zero, fp8_experts) if fp8_gathers else {}
         self.experts_s = experts_s  # expert parallelism's gradient reduction, issued with the optimizer step
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
@@ -156,14 +157,15 @@ class DataParallelPricer:
         return segments
 
 
-def _fp8_elements(chunk_units: dict, cuts: dict, zero: int) -> dict[int, list[int]]:
+def _fp8_elements(chunk_units: dict, cuts: dict, zero: int, experts: bool) -> dict[int, list[int]]:
     """Per chunk, the fp8 Linears' weight elements (job/layout.py's is_fp8_weight) of each gather unit (ZeRO-3) or
     bucket (ZeRO 1-2, `cuts`: each bucket's tensors by position)."""
     out = {}
     for chunk, units in chunk_units.items():
         if zero == 3:
-            out[chunk] = [sum(t.numel for t in u.tensors if is_fp8_weight(t)) for u in units]
+            out[chunk] = [sum(t.numel for t in u.tensors if is_fp8_weight(t, experts)) for u in units]
         else:
             tensors = [t for u in units for t in u.tensors]
-            out[chunk] = [sum(tensors[i].numel for i in members if is_fp8_weight(tensors[i])) for members in cuts[chunk]]
+            out[chunk] = [sum(tensors[i].numel for i in members if is_fp8_weight(tensors[i], experts))
+                          for members in cuts[chunk]]
     return out
