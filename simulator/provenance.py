@@ -105,10 +105,11 @@ OTHER_SETTINGS = (("wgrad_fusion", "wgrad fused into main_grad"), ("ub_chunks", 
                   ("fused_optimizer", "fused AdamW"))
 
 
-def _fp8_text(impl: dict, fp8: bool) -> str:
-    """The fp8 (only for a job with fp8 Linears, `fp8`) and weight-gradient settings where they differ from our
-    executor's (none: nothing)."""
-    parts = [text for key, text in (*(FP8_SETTINGS if fp8 else ()), *OTHER_SETTINGS) if impl.get(key)]
+def _fp8_text(impl: dict, fp8: bool, moe: bool = False) -> str:
+    """The fp8 (only for a job with fp8 Linears, `fp8`; the grouped experts' only for a mixture of experts, `moe`) and
+    weight-gradient settings where they differ from our executor's (none: nothing)."""
+    settings = [(key, text) for key, text in FP8_SETTINGS if fp8 and (moe or key != "fp8_experts")]
+    parts = [text for key, text in (*settings, *OTHER_SETTINGS) if impl.get(key)]
     if fp8 and impl.get("fp8_scaling", "tensor") != "tensor":
         parts.append(f"fp8 {impl['fp8_scaling']} scaling")
     elif fp8 and impl.get("fp8_amax_group", "none") != "none":
@@ -142,7 +143,7 @@ def summary_rows(data: dict) -> list[list[str]]:
     impl = data["implementation"]
     rows.append(["implementation", f"{impl['attention']} attention, recompute {impl['recompute']}, "
                  f"sequence-parallel inputs saved {impl['sp_saved_input']}"
-                 + _fp8_text(impl, "fp8" in data["matmul_efficiency"])])
+                 + _fp8_text(impl, "fp8" in data["matmul_efficiency"], "experts" in data)])
     o = data["overlap"]
     rows.append(["overlap", f"{o['name']}: tp {'hidden behind the Linears' if o['tp'] else 'exposed'}, dp {o['dp']}, "
                  f"ZeRO-3 prefetch {o['zero3_prefetch']}, p2p {'overlapped' if o['p2p'] else 'exposed'}, "

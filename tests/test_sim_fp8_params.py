@@ -154,3 +154,11 @@ def test_the_flag_and_its_refusals():
         result = invoke(*base, *args, "--fp8-param-gather")
         assert result.exit_code == 2 and words in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1
+
+
+def test_the_provenance_names_the_grouped_experts_only_for_a_mixture_of_experts():
+    args = ("--precision", "fp8", "--overlap", "megatron-core", "--dp", "2", "--zero", "1", "--fp8-param-gather")
+    dense = invoke(*args).output
+    moe = CliRunner().invoke(main, ["simulate", "--model", "tiny-moe", "--gpu", "h100-sxm", *args]).output
+    assert "fp8 weights kept and all-gathered in fp8" in dense and "fp8 grouped experts" not in dense
+    assert "fp8 grouped experts" in moe
