@@ -19,6 +19,8 @@ By Implementation:
         16-bit tensor in one kernel (by the LayerNorm itself before qkv and fc1);
   fp8_weight_cache: the weight casts run once a step (OpList.per_step) and their copies are the unit's workspace,
         held once, not saved by every micro-batch (false: our executor's per-forward casts);
+  fp8_param_gather with the cache: the weights are fp8 parameters (Megatron-core's --fp8-param-gather), so the
+        step only transposes them and the workspace keeps the transposed copy;
   fp8_experts: a mixture of experts' routed experts run their grouped GEMMs in fp8 too (Transformer Engine's
         GroupedLinear under Megatron-core): their inputs, weights and output gradients cast as above, over the rows
         the rank's experts received (simulator/costs/ops_moe.py).
