@@ -100,7 +100,8 @@ AMAX_GROUPS = {"tp_cp": "tp x cp", "data": "tp x cp x dp"}
 
 
 FP8_SETTINGS = (("fp8_weight_cache", "fp8 weights cast once a step"), ("fp8_fused_casts", "fused fp8 casts"),
-                ("fp8_experts", "fp8 grouped experts"), ("fp8_param_gather", "fp8 weights kept and all-gathered in fp8"))
+                ("fp8_experts", "fp8 grouped experts"), ("fp8_param_gather", "fp8 weights kept and all-gathered in fp8"),
+                ("fp8_recast", "16-bit inputs saved and cast again in the backward"))
 OTHER_SETTINGS = (("wgrad_fusion", "wgrad fused into main_grad"), ("ub_chunks", "userbuffers' GEMMs in chunks"),
                   ("fused_optimizer", "fused AdamW"))
 

@@ -125,3 +125,29 @@ def test_the_flag_and_its_refusals():
         result = invoke(*args)
         assert result.exit_code == 2 and words in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1
+
+
+def test_torchao_saves_the_16_bit_tensors_and_casts_them_again_in_the_backward():
+    titan = Implementation(**stack_implementation("torchtitan-fsdp2"))
+    rows, d, f = 2 * MODEL.seq_len, MODEL.d_model, MODEL.d_ff
+    shapes = {"qkv": (3 * d, d), "proj": (d, d), "fc1": (f, d), "fc2": (d, f)}  # (n, k) of each Linear's weight
+    ops = block_ops(MODEL, 2, Layout(), FP8, titan)
+    saved = {s.name for s in ops.saved}
+    assert not any(name.endswith("_fp8") for name in saved) and {"qkv.input", "fc1.input", "gelu.output"} <= saved
+    forward, backward = {op.name: op for op in ops.forward}, {op.name: op for op in ops.backward}
+    for name, (n, k) in shapes.items():  # amax (read 2 bytes a value), then one row-wise copy (1 byte)
+        assert (forward[f"{name}.cast_weight"].read, forward[f"{name}.cast_weight"].written) == (2 * n * k, n * k)
+        assert (backward[f"{name}.recast_weight"].read, backward[f"{name}.recast_weight"].written) == (2 * n * k, n * k)
+        assert backward[f"{name}.recast_input.amax"].read == 2 * rows * k
+        assert (backward[f"{name}.recast_input"].read, backward[f"{name}.recast_input"].written) == (2 * rows * k,
+                                                                                                     rows * k)
+    # against saving the e4m3 copies (an input's and both of the weight's): those go, the 16-bit inputs of qkv, fc1
+    # and fc2 come (proj's, the attention output, was saved anyway)
+    kept = block_ops(MODEL, 2, Layout(), FP8, replace(titan, fp8_recast=False))
+    copies = sum(rows * k + 2 * n * k for n, k in shapes.values())
+    assert kept.saved_bytes - ops.saved_bytes == copies - 2 * (rows * d + rows * d + rows * f)
+    # weights gathered in fp8 (--fp8-param-gather): used as they are in the forward, transposed in the backward
+    gathered = block_ops(MODEL, 2, Layout(), FP8, replace(titan, fp8_param_gather=True))
+    assert not any(".cast_weight" in op.name for op in gathered.forward)
+    transpose = {op.name: op for op in gathered.backward}["qkv.transpose_weight"]
+    assert (transpose.read, transpose.written) == (3 * d * d, 3 * d * d)

@@ -53,6 +53,8 @@ class Implementation:
                       (Transformer Engine's fp8_autocast): "none" (each rank keeps its own: our executor), "tp_cp"
                       (the stage's tp x cp ranks: Megatron-core 0.8, --tp-only-amax-red), "data" (tp x cp x dp:
                       Megatron-core's default; simulator/engine/costs.py prices it, docs/efficiency.md).
+    fp8_recast        the fp8 Linears save their 16-bit input and the backward casts input and weight again
+                      (torchao's Float8Linear, with its per-tensor current scaling); False: the e4m3 copies are saved.
     fp8_param_gather  the fp8 Linears' weights are kept in fp8 and all-gathered in fp8 by ZeRO (Megatron-core's
                       --fp8-param-gather, NeMo's fp8_params, torchtitan's enable_fsdp_float8_all_gather): one byte a
                       weight in memory and in the gathers; with fp8_weight_cache the step's cast becomes a transpose.
@@ -86,6 +88,7 @@ class Implementation:
     fp8_amax_group: str = "none"
     fp8_experts: bool = False
     fp8_param_gather: bool = False
+    fp8_recast: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -93,7 +96,7 @@ class Implementation:
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
         for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts",
-                     "fp8_param_gather"):
+                     "fp8_param_gather", "fp8_recast"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dispatcher not in DISPATCHERS:
@@ -120,7 +123,7 @@ class Implementation:
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
                 "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
-                "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather,
+                "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}
 
 
@@ -301,6 +304,7 @@ class UnitShape:
     fp8_current: bool = False  # Implementation.fp8_scaling == "current"
     fp8_experts: bool = False  # Implementation.fp8_experts, with fp8 Linears
     fp8_params: bool = False  # Implementation.fp8_param_gather, with fp8 Linears: the weights are kept in fp8
+    fp8_recast: bool = False  # Implementation.fp8_recast under current scaling: 16-bit saves, the backward casts again
     wgrad_fusion: bool = False
     expert_load: float = 1.0  # Implementation.expert_load
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
@@ -383,6 +387,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_block=impl.fp8_scaling == "block", fp8_current=impl.fp8_scaling == "current",
                      fp8_experts=policy.fp8_linears and impl.fp8_experts,
                      fp8_params=policy.fp8_linears and impl.fp8_param_gather,
+                     fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers)

@@ -127,7 +127,7 @@ from simulator.costs.op_types import (
     Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
 )
 from simulator.costs.ops_attention import core_backward, core_forward
-from simulator.costs.ops_fp8 import TORCH_QUANTIZE, cast_kernels, fp8_input, fp8_weight  # noqa: F401 (re-exported)
+from simulator.costs.ops_fp8 import TORCH_QUANTIZE, cast_kernels, fp8_input, fp8_recasts, fp8_weight  # noqa: F401
 from simulator.costs.ops_moe import routed_backward, routed_forward
 
 __all__ = ["SP_SAVED_INPUTS", "UB_PIPELINE_SPLITS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved",
@@ -172,7 +172,9 @@ def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = Fa
     rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear, chunks=chunks, margin=margin)
     if sh.fp8 and not sh.fp8_fused:
         rec.back_mem(f"{name}.transpose_weight", n * k, n * k)
-    if sh.sharded and sh.fp8:  # the input shard, gathered again, is made e4m3 (transposed) again for the weight gradient
+    if sh.fp8_recast:  # torchao saved the 16-bit input and weight: both are cast again
+        fp8_recasts(rec, name, sh.rows, n, k)
+    elif sh.sharded and sh.fp8:  # the input shard, gathered again, is made e4m3 (transposed) again for the weight gradient
         if normed and sh.fused_norm:
             if not sh.fp8_block:
                 rec.back_mem(f"{name}.transpose_input", sh.rows * k, sh.rows * k)

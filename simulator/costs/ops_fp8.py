@@ -21,6 +21,10 @@ By Implementation:
         held once, not saved by every micro-batch (false: our executor's per-forward casts);
   fp8_param_gather with the cache: the weights are fp8 parameters (Megatron-core's --fp8-param-gather), so the
         step only transposes them and the workspace keeps the transposed copy;
+  fp8_recast (torchao's Float8Linear, current scaling): the forward casts the input and the weight (amax, then one
+        row-wise copy each) and saves the 16-bit input; the backward casts the output gradient (both layouts) and the
+        input and the weight again, to the layouts its GEMMs take (fp8_recasts); gathered fp8 weights
+        (fp8_param_gather) are not cast, the backward transposes them;
   fp8_experts: a mixture of experts' routed experts run their grouped GEMMs in fp8 too (Transformer Engine's
         GroupedLinear under Megatron-core): their inputs, weights and output gradients cast as above, over the rows
         the rank's experts received (simulator/costs/ops_moe.py).
@@ -59,6 +63,10 @@ def fp8_input(rec: Recorder, name: str, inp: str, k: int, normed: bool, sharded:
     input's rows (default: the unit's; a grouped expert GEMM's: the rows its experts received)."""
     sh = rec.shape
     elements = (sh.rows if rows is None else rows) * k
+    if sh.fp8_recast:  # torchao: a row-wise copy for this GEMM, the 16-bit input saved (cast again in the backward)
+        for kernel, read, written in cast_kernels(sh, f"{name}.cast_input", elements):
+            rec.op(MemoryOp(kernel, read, written))
+        return inp
     saved = rec.tensor(f"{name}.input_fp8", sh.fp8_bytes(elements))
     if normed and sh.fused_norm:  # LayerNormLinear: the norm wrote the quantised input; per tensor the weight
         if not sharded and not sh.fp8_block:  # gradient's transposed copy is made for the backward (the gathered
@@ -82,6 +90,10 @@ def fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
     (Float8Tensor's cached transpose). Without the cache (torchtitan's float8 all-gather: the shard cast before each
     gather, the transpose in the backward) the casts are priced as without fp8 parameters, about the same bytes."""
     sh = rec.shape
+    if sh.fp8_recast:  # torchao: the weight's row-wise copy for this GEMM, nothing saved (the 16-bit parameter stays)
+        for kernel, read, written in ([] if sh.fp8_params else cast_kernels(sh, f"{name}.cast_weight", n * k)):
+            rec.op(MemoryOp(kernel, read, written))  # a gathered fp8 weight is used as it is
+        return ()
     if sh.fp8_params and sh.fp8_cache:  # the weight is fp8 already (its parameter): the step makes its transpose
         kept = rec.tensor(f"{name}.weight_fp8_transposed", n * k, OUTSIDE)
         rec.step_mem(f"{name}.transpose_weight", n * k, n * k)
@@ -98,6 +110,20 @@ def fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
     for kernel, read, written in kernels:
         rec.op(MemoryOp(kernel, read, written))
     return (kept,)
+
+
+def fp8_recasts(rec: Recorder, name: str, rows: int, n: int, k: int) -> None:
+    """torchao's backward of an fp8 Linear (fp8_recast): the saved 16-bit input cast again to the layout of the weight
+    gradient's GEMM, and the weight to the input gradient's (amax, then the cast), or a gathered fp8 weight
+    (fp8_param_gather) transposed; `rows` x `k` the input, `n` x `k` the weight."""
+    sh = rec.shape
+    for kernel, read, written in cast_kernels(sh, f"{name}.recast_input", rows * k):
+        rec.back_mem(kernel, read, written)
+    if sh.fp8_params:
+        rec.back_mem(f"{name}.transpose_weight", n * k, n * k)
+        return
+    for kernel, read, written in cast_kernels(sh, f"{name}.recast_weight", n * k):
+        rec.back_mem(kernel, read, written)
 
 
 def sp_amax_reductions(forward_ops, sequence_parallel: bool) -> tuple[int, int]:
