@@ -87,8 +87,8 @@ def fp8_weight(rec: Recorder, name: str, n: int, k: int) -> tuple[str, ...]:
     """The weight's e4m3 copy: cast in this forward and kept by this micro-batch (returned), or once per step and
     kept for all of them (fp8_weight_cache: the unit's workspace). Transformer Engine keeps it and its transpose;
     with the weights kept in fp8 (fp8_params) the parameter is the row-wise copy and the step makes the transpose
-    (Float8Tensor's cached transpose). Without the cache (torchtitan's float8 all-gather: the shard cast before each
-    gather, the transpose in the backward) the casts are priced as without fp8 parameters, about the same bytes."""
+    (Float8Tensor's cached transpose). torchao (fp8_recast) casts the weight in each forward and keeps nothing, or
+    with weights gathered in fp8 uses them as they are. Elsewhere, without the cache, fp8 parameters change no cast."""
     sh = rec.shape
     if sh.fp8_recast:  # torchao: the weight's row-wise copy for this GEMM, nothing saved (the 16-bit parameter stays)
         for kernel, read, written in ([] if sh.fp8_params else cast_kernels(sh, f"{name}.cast_weight", n * k)):
