@@ -50,7 +50,7 @@ from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, check_against_config, is_expert_tensor, stage_units
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
 from simulator.costs.ops_moe import expert_rows, received_rows
 from simulator.states import experts_states, fp8_weights_held, zero3_gather_bytes, zero3_hold, zero_states

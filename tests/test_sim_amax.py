@@ -9,7 +9,7 @@ import pytest
 from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.costs.hardware import load_hardware
 from simulator.engine.links import LinkCosts
 from simulator.engine.overlap import stack_implementation

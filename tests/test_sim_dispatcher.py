@@ -16,7 +16,7 @@ from job.layout import Layout
 from minigpt.errors import ConfigError
 from minigpt.presets import preset
 from simulator.costs.hardware import load_hardware
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.engine.links import LinkCosts
 from simulator.engine.simulate import simulate_step
 from simulator.network.topology import build_cluster

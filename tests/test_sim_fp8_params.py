@@ -17,7 +17,7 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.costs.hardware import load_hardware
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.costs.ops import block_ops
 from simulator.engine.overlap import stack_implementation
 from simulator.engine.simulate import simulate_step

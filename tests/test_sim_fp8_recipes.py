@@ -15,7 +15,7 @@ from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.costs.compute import chunk_times
 from simulator.costs.hardware import load_hardware
-from simulator.costs.op_types import FP8_RECIPES, Implementation
+from simulator.costs.implementation import FP8_RECIPES, Implementation
 from simulator.costs.ops import block_ops
 from simulator.costs.ops_fp8 import sp_amax_reductions
 from simulator.engine.overlap import stack_implementation

@@ -17,7 +17,7 @@ from minigpt.presets import preset
 from precision.policy import policy
 from simulator.costs.compute import chunk_times, op_time
 from simulator.costs.hardware import load_hardware
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.costs.ops import block_ops
 from simulator.engine.experts import SharedExperts, layer_exchange
 from simulator.engine.links import LinkCosts

@@ -9,7 +9,7 @@ from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.hardware import load_hardware
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.engine.dp_overlap import Segment, overlap
 from simulator.engine.overlap import resolve_overlap
 from simulator.engine.simulate import simulate_step

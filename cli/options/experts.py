@@ -32,8 +32,8 @@ def expert_load_option(command: Callable) -> Callable:
 
 
 def ep_dispatcher_option(command: Callable) -> Callable:
-    """--ep-dispatcher: simulator/costs/op_types.py's Implementation.dispatcher."""
-    from simulator.costs.op_types import DISPATCHERS
+    """--ep-dispatcher: simulator/costs/implementation.py's Implementation.dispatcher."""
+    from simulator.costs.implementation import DISPATCHERS
 
     return click.option("--ep-dispatcher", "ep_dispatcher", type=click.Choice(DISPATCHERS), default="alltoall",
                         show_default=True,

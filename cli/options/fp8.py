@@ -1,6 +1,6 @@
 """`minigpt simulate`'s fp8 flags: how the stack scales its fp8 Linears (--fp8-recipe) and whether it keeps and
 all-gathers their weights in fp8 (--fp8-param-gather). Both change the stack's Implementation
-(simulator/costs/op_types.py); a job that cannot run them gets one line before any work."""
+(simulator/costs/implementation.py); a job that cannot run them gets one line before any work."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable
 import click
 
 from minigpt.errors import ConfigError
-from simulator.costs.op_types import FP8_RECIPES
+from simulator.costs.implementation import FP8_RECIPES
 
 RECIPE_HELP = ("How fp8 Linears are scaled: delayed (per tensor from an amax history, reduced over the amax group "
                "each chunk: Megatron-LM's default), current (per tensor from its own amax, taken before the cast) or "

@@ -373,7 +373,7 @@ def chunk_times(model: GPTConfig, layers: int, micro_batch_size: int, layout: La
     """Forward and backward of `layers` blocks (+ embedding when `first`, head and loss when `last`), `moe_layers` of
     them a mixture of experts' (None: all of a MoE model's; moe_count).
 
-    `implementation` (simulator/costs/op_types.py), when given, is how the blocks are computed, its attention,
+    `implementation` (simulator/costs/implementation.py), when given, is how the blocks are computed, its attention,
     recompute and sp_saved_input in place of the three arguments; without it they make one with the rest default."""
     layout.check(model)
     implementation = implementation or Implementation(attention, recompute, sp_saved_input)

@@ -5,126 +5,27 @@ simulator/costs/ops.py explains the model and builds the units with these.
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator, Union
 
-from minigpt.config import GPTConfig, check_attention, check_recompute
+from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy
+from simulator.costs.implementation import (DISPATCHERS, FP8_AMAX_GROUPS, FP8_RECIPES, FP8_SCALINGS,  # noqa: F401
+                                             SP_SAVED_INPUTS, Implementation)  # (re-exported: the model's vocabulary)
 from simulator.costs.userbuffers import TE_1X, UB_PIPELINE_SPLITS, Userbuffers  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
     from job.layout import Layout
 
 FORWARD, RECOMPUTE, BACKWARD, STEP = "forward", "recompute", "backward", "step"
-SP_SAVED_INPUTS = ("gathered", "sharded")
 FP32 = FORMAT_BYTES["fp32"]
 MASK = 1  # a dropout mask: one byte (torch.bool) per element
 OUTSIDE, BLOCK, CORE = "outside", "block", "attention_core"  # where a tensor is made (recompute regions)
 RECOMPUTED_REGIONS = {"none": (), "selective": (CORE,), "full": (CORE, BLOCK)}
 GEMM_INPUT_BYTES = {"fp8": 1, "tf32": 4, "fp32": 4, "bf16": 2, "fp16": 2}
-FP8_SCALINGS = ("tensor", "current", "block")
-FP8_RECIPES = {"delayed": "tensor", "current": "current", "mxfp8": "block"}  # --fp8-recipe: Implementation.fp8_scaling
-FP8_AMAX_GROUPS = ("none", "tp_cp", "data")  # over whom delayed scaling's amaxes are all-reduced (Implementation)
-DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expert group's ranks (Implementation)
 MX_BLOCK = 32  # MXFP8: one 8-bit (E8M0) scale per 32 elements along the reduction (OCP Microscaling Formats v1.0)
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """How the block is computed: attention kernel, what is recomputed, what sequence parallelism saves, and how
-    fp8 Linears and weight gradients run (simulator/costs/ops.py explains each; every default is our executor's).
-
-    fp8_experts       a mixture of experts' routed experts run their grouped GEMMs in fp8 as well (Transformer
-                      Engine's GroupedLinear, Megatron-core's TEGroupedMLP); False: 16-bit, as minigpt/moe.py runs them.
-    fp8_weight_cache  the fp8 copies of the weights are cast once per step and kept across micro-batches
-                      (Transformer Engine's is_first_microbatch, which Megatron-core passes); False: cast in
-                      every micro-batch's forward and saved by it for its backward (precision/fp8.py).
-    fp8_fused_casts   Transformer Engine's kernels: amax inside the cast, cast + transpose in one pass, the
-                      LayerNorm writing the e4m3 input of the Linear after it (LayerNormLinear); False: our
-                      executor's torch ops (precision/fp8.py's Fp8Meta.quantize, through an fp32 copy).
-    fp8_scaling       "tensor" (per-tensor delayed scaling, an amax history), "current" (per-tensor current
-                      scaling: each tensor's own amax, taken before its cast; needs fused casts) or "block" (MXFP8:
-                      one scale per 32 elements, both directions quantised from the 16-bit tensor; needs fused casts).
-    fp8_amax_group    over whom per-tensor delayed scaling all-reduces (max) the amaxes of a model chunk's fp8
-                      Linears, once when its forward leaves the fp8 region and once at the end of its backward
-                      (Transformer Engine's fp8_autocast): "none" (each rank keeps its own: our executor), "tp_cp"
-                      (the stage's tp x cp ranks: Megatron-core 0.8, --tp-only-amax-red), "data" (tp x cp x dp:
-                      Megatron-core's default; simulator/engine/costs.py prices it, docs/efficiency.md).
-    fp8_recast        the fp8 Linears save their 16-bit input and the backward casts input and weight again
-                      (torchao's Float8Linear, with its per-tensor current scaling); False: the e4m3 copies are saved.
-    fp8_param_gather  the fp8 Linears' weights are kept in fp8 and all-gathered in fp8 by ZeRO (Megatron-core's
-                      --fp8-param-gather, NeMo's fp8_params, torchtitan's enable_fsdp_float8_all_gather): one byte a
-                      weight in memory and in the gathers; with fp8_weight_cache the step's cast becomes a transpose.
-    wgrad_fusion      the weight-gradient GEMM accumulates into the fp32 main gradient itself (Megatron-core's
-                      gradient_accumulation_fusion): no separate accumulation kernel.
-    fused_optimizer   AdamW as one fused kernel (apex's FusedAdam, torch's AdamW(fused=True)); False: our executor's
-                      MasterAdamW, a pass over memory per element-wise op (simulator/engine/costs.py's optimizer_bytes).
-    ub_chunks         under sequence parallelism, the Linears whose collective Transformer Engine's userbuffers
-                      overlap run as GEMMs on chunks of the rows, one after another (simulator/costs/ops.py,
-                      "userbuffers' chunks"); False: one GEMM each (our executor).
-    expert_load       a mixture of experts' routing imbalance: the busiest expert's routed rows over the mean (1.0:
-                      balanced), applied to the busiest rank of the expert group (simulator/costs/ops_moe.py's
-                      received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls).
-    dispatcher        how a MoE's rows travel between the expert group's ranks (DISPATCHERS): "alltoall", a copy
-                      of every routed row to its expert's rank (our executor's, Megatron-core's alltoall dispatcher); "deepep", each token once per destination rank and server,
-                      forwarded over NVLink inside the server (DeepEP's normal kernels; Megatron-core's flex
-                      dispatcher, its hybridep: simulator/engine/experts.py)."""
-
-    attention: str = "flash"
-    recompute: str = "none"
-    sp_saved_input: str = "gathered"
-    fp8_weight_cache: bool = False
-    fp8_fused_casts: bool = False
-    fp8_scaling: str = "tensor"
-    wgrad_fusion: bool = False
-    expert_load: float = 1.0
-    ub_chunks: bool = False
-    dispatcher: str = "alltoall"
-    fused_optimizer: bool = False
-    userbuffers: Userbuffers | None = None
-    fp8_amax_group: str = "none"
-    fp8_experts: bool = False
-    fp8_param_gather: bool = False
-    fp8_recast: bool = False
-
-    def __post_init__(self) -> None:
-        check_attention(self.attention)
-        check_recompute(self.recompute)
-        if self.sp_saved_input not in SP_SAVED_INPUTS:
-            raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
-        for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts",
-                     "fp8_param_gather", "fp8_recast"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.dispatcher not in DISPATCHERS:
-            raise ConfigError(f"--ep-dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
-        if self.fp8_scaling not in FP8_SCALINGS:
-            raise ConfigError(f"fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}")
-        if self.fp8_amax_group not in FP8_AMAX_GROUPS:
-            raise ConfigError(f"fp8_amax_group must be one of {', '.join(FP8_AMAX_GROUPS)}, "
-                              f"got {self.fp8_amax_group!r}")
-        if self.fp8_scaling != "tensor" and not self.fp8_fused_casts:
-            raise ConfigError(f"fp8_scaling {self.fp8_scaling!r} needs fp8_fused_casts: only fused quantisers "
-                              "(Transformer Engine's, --overlap megatron-core) scale per block or from the tensor's "
-                              "own amax; our executor scales per tensor from an amax history")
-        if self.fp8_param_gather and (self.fp8_scaling == "block" or not self.fp8_fused_casts):
-            raise ConfigError("fp8_param_gather keeps the weights in per-tensor fp8, which needs fused casts "
-                              "(--overlap megatron-core or torchtitan-fsdp2) and per-tensor scaling (not mxfp8)")
-        load = self.expert_load
-        if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1 <= load < math.inf:
-            raise ConfigError(f"the expert load (the busiest expert's routed rows over the mean) must be a finite "
-                              f"number >= 1 (1: balanced), got {load!r}")
-
-    def as_dict(self) -> dict:
-        return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,
-                "fp8_weight_cache": self.fp8_weight_cache, "fp8_fused_casts": self.fp8_fused_casts,
-                "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
-                "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
-                "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
-                **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, buckets, stage_units
 from job.schedule import Backward, BackwardInput, BackwardWeight, Forward
 from simulator.memory import MemoryEstimate
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.engine.overlap import Overlap, exposed
 
 

@@ -42,7 +42,7 @@ from job.exchange.experts import backward_exchanges, forward_exchanges, routed_r
 from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.costs.ops_moe import received_rows
 from simulator.engine.context import Priced
 from simulator.engine.overlap import exposed, overlapped

@@ -100,7 +100,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from minigpt.errors import ConfigError
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.costs.userbuffers import Userbuffers
 
 DP_MODES = ("executor", "backward", "after")
@@ -182,7 +182,7 @@ PRESETS = {
     "torchtitan-fsdp2": Overlap("torchtitan-fsdp2", tp=False, dp="backward", zero3_prefetch=1, p2p=True),
 }
 
-# How each stack computes, beyond what overlaps: the fields of simulator/costs/op_types.py's Implementation that a
+# How each stack computes, beyond what overlaps: the fields of simulator/costs/implementation.py's Implementation that a
 # preset sets (the attention kernel, recomputation and what sequence parallelism saves stay the user's flags).
 # wgrad_fusion: the weight gradient accumulated in fp32 inside its GEMM (Megatron's gradient_accumulation_fusion);
 # fp8_weight_cache: fp8 weights cast once per step and reused by every micro-batch (Transformer Engine's

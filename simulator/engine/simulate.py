@@ -247,7 +247,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
 
     `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py), or all of it as
-    `implementation` (simulator/costs/op_types.py's Implementation: fp8 and weight-gradient settings too);
+    `implementation` (simulator/costs/implementation.py's Implementation: fp8 and weight-gradient settings too);
     `overlap`: an Overlap or a preset name (simulator/engine/overlap.py; default: our executor's);
     `nccl_algo`: "auto" (each collective as NCCL would pick it) or an algorithm forced (simulator/network/nccl.py);
     `expert_load`: a mixture of experts' routing imbalance (Implementation.expert_load; None: the implementation's,

@@ -48,7 +48,7 @@ from simulator.engine.costs import RankCosts, optimizer_seconds, rank_costs
 from simulator.engine.links import LinkCosts
 from simulator.costs.hardware import Hardware
 from simulator.memory import MemoryEstimate
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.engine.overlap import resolve_overlap, stack_implementation
 from simulator.network.topology import Cluster
 

@@ -49,7 +49,7 @@ from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
 from job.train_config import check_context_parallel, check_expert_parallel, routing_ranks, shape_allows
-from simulator.costs.op_types import Implementation
+from simulator.costs.implementation import Implementation
 from simulator.engine.experts import check_dispatcher, check_expert_load
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
