@@ -38,6 +38,13 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_choice(name: str, value: object, choices) -> object:
+    """`value` when it is one of `choices`; otherwise "<name> must be one of <choices>, got <value>"."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 # torch.manual_seed and torch.Generator.manual_seed take 64 bits: 0 to 2**64 - 1, and negatives down to -2**63 as the
 # same bits (-1 seeds as 2**64 - 1), so a negative seed would only be another name for a large one.
 # minigpt/data.py hashes the seed's decimal text, which takes any integer: torch sets the bound.

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from minigpt.config import check_attention, check_recompute
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, check_choice
 from simulator.costs.userbuffers import Userbuffers
 
 SP_SAVED_INPUTS = ("gathered", "sharded")
@@ -86,13 +86,9 @@ class Implementation:
                      "fp8_param_gather", "fp8_recast"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.dispatcher not in DISPATCHERS:
-            raise ConfigError(f"--ep-dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
-        if self.fp8_scaling not in FP8_SCALINGS:
-            raise ConfigError(f"fp8_scaling must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}")
-        if self.fp8_amax_group not in FP8_AMAX_GROUPS:
-            raise ConfigError(f"fp8_amax_group must be one of {', '.join(FP8_AMAX_GROUPS)}, "
-                              f"got {self.fp8_amax_group!r}")
+        check_choice("--ep-dispatcher", self.dispatcher, DISPATCHERS)
+        check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
+        check_choice("fp8_amax_group", self.fp8_amax_group, FP8_AMAX_GROUPS)
         if self.fp8_scaling != "tensor" and not self.fp8_fused_casts:
             raise ConfigError(f"fp8_scaling {self.fp8_scaling!r} needs fp8_fused_casts: only fused quantisers "
                               "(Transformer Engine's, --overlap megatron-core) scale per block or from the tensor's "

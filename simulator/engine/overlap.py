@@ -99,7 +99,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from minigpt.errors import ConfigError
+from minigpt.errors import ConfigError, check_choice
 from simulator.costs.implementation import Implementation
 from simulator.costs.userbuffers import Userbuffers
 
@@ -129,11 +129,8 @@ class Overlap:
         for flag in ("tp", "p2p", "ep"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"overlap {flag} must be true or false, got {getattr(self, flag)!r}")
-        if self.dp not in DP_MODES:
-            raise ConfigError(f"overlap dp must be one of {', '.join(DP_MODES)}, got {self.dp!r}")
-        if self.param_gather not in PARAM_GATHER_MODES:
-            raise ConfigError(f"overlap param_gather must be one of {', '.join(PARAM_GATHER_MODES)}, "
-                              f"got {self.param_gather!r}")
+        check_choice("overlap dp", self.dp, DP_MODES)
+        check_choice("overlap param_gather", self.param_gather, PARAM_GATHER_MODES)
         prefetch = self.zero3_prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
