@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from minigpt.config import GPTConfig
-from precision.policy import FORMAT_BYTES, policy as precision_policy
+from precision.policy import FORMAT_BYTES, policy as precision_policy, weight_bytes
 from job.layout import Layout, Tensor, bucket_members, stage_units
 from job.train_config import bucket_numel
 from job.schedule_actions import (
@@ -38,7 +38,6 @@ from job.schedule_actions import (
 )
 
 NORM_BYTES = 4  # the squared gradient norm: one fp32 number
-FP8_BYTES = FORMAT_BYTES["fp8_e4m3"]  # a weight kept in fp8 (Implementation.fp8_param_gather)
 
 
 def _padded(numel: int, pad_to: int) -> int:
@@ -119,7 +118,7 @@ def collectives(action: Action, plan: DataParallelPlan, fp8_elements: int = 0) -
         piece = [Call("all_reduce", action.numel // plan.dp * size, "replicas")] if across else []
         return [Call("reduce_scatter", action.numel * size)] + piece
     if isinstance(action, GatherParams):
-        return [Call("all_gather", (action.numel - fp8_elements) * size + fp8_elements * FP8_BYTES)]
+        return [Call("all_gather", weight_bytes(action.numel, fp8_elements, size))]
     if isinstance(action, ReduceTiedGrad):
         tied = Call("all_reduce", action.numel * size)
         return [tied, tied._replace(group="replicas")] if across else [tied]

@@ -23,6 +23,12 @@ FORMAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # The matmul formats a GPU's peak and efficiency tables are given in (datasheets, calibrated profiles).
 FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the block Linears the fp8 policy runs in fp8 (precision/compute.py)
+FP8_BYTES = FORMAT_BYTES["fp8_e4m3"]  # a weight kept in fp8 (fp8 parameters)
+
+
+def weight_bytes(elements: int, fp8_elements: int, element_bytes: int) -> int:
+    """Bytes of `elements` weights of which `fp8_elements` are kept in fp8 and the rest in `element_bytes` each."""
+    return (elements - fp8_elements) * element_bytes + fp8_elements * FP8_BYTES
 
 ROLES = ("compute", "grad", "master", "adam_m", "adam_v")
 

@@ -44,10 +44,9 @@ from typing import Sequence
 
 from minigpt.config import RECOMPUTE_MODES, GPTConfig
 from job.exchange.context import GRAD_BYTES, kv_elements
-from job.data_parallel import FP8_BYTES
 from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
-from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_policy
+from precision.policy import FORMAT_BYTES, FP8_BYTES, PrecisionPolicy, policy as precision_policy
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, check_against_config, is_expert_tensor, stage_units
 from simulator.costs.implementation import Implementation
@@ -295,7 +294,7 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
         routed = [[[t for t in unit if is_expert_tensor(t)] for unit in chunk] for chunk in experts] if ep > 1 else []
         kept = fp8_weights_held(dense, zero, dp, fp8_experts) + fp8_weights_held(routed, 0, 1, fp8_experts)
         parameters -= kept * (e - FP8_BYTES)
-    if fp8_params != "none" and zero == 3:  # the dense units' gathers, their fp8 weights at a byte each
+    if fp8_params != "none" and zero == 3:  # the dense units' gathers (parts[0]'s buffers), fp8 weights a byte each
         comm += zero3_gather_bytes(dense, dp, prefetch, hold, e, FP8_BYTES, fp8_experts) - parts[0][3] * e
     return StageMemory(
         parameters=parameters, gradients=grads * per_param["grad"],
@@ -314,7 +313,7 @@ def fp8_params_mode(pol: PrecisionPolicy, implementation: Implementation) -> str
     return "kept" if implementation.fp8_weight_cache else "gathered"
 
 
-def _fp8_experts(pol: PrecisionPolicy, implementation: Implementation) -> bool:
+def fp8_experts_kept(pol: PrecisionPolicy, implementation: Implementation) -> bool:
     """Whether the routed experts' weights are fp8 parameters too (fp8 grouped experts, fp8_params_mode not none)."""
     return fp8_params_mode(pol, implementation) != "none" and implementation.fp8_experts
 
@@ -400,7 +399,7 @@ def predict_memory(
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
                            layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
-                           _fp8_experts(pol, implementation))
+                           fp8_experts_kept(pol, implementation))
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):

@@ -78,15 +78,20 @@ def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "for
     return peak
 
 
-def zero_states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, hold: str) -> tuple[int, ...]:
-    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of a stage's
-    chunks of units (lists of tensors) under ZeRO `zero` over `dp` ranks."""
-    units = [unit for chunk in chunks for unit in chunk]
+def _unit_sizes(units, dp: int) -> list[int]:
+    """Each ZeRO-3 unit's elements padded to a multiple of `dp` (one bucket per unit)."""
     size_of: dict[int, int] = {}  # by id: every block's unit is one list (job/layout.py's stage_units)
     for unit in units:
         if id(unit) not in size_of:
             size_of[id(unit)] = buckets(unit, None, dp)[0].size if unit else 0
-    unit_sizes = [size_of[id(unit)] for unit in units]
+    return [size_of[id(unit)] for unit in units]
+
+
+def zero_states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, hold: str) -> tuple[int, ...]:
+    """Elements of (weights held, states owned, gradients, communication buffers, parameters unpadded) of a stage's
+    chunks of units (lists of tensors) under ZeRO `zero` over `dp` ranks."""
+    units = [unit for chunk in chunks for unit in chunk]
+    unit_sizes = _unit_sizes(units, dp)
     cut = [b for chunk in chunks for b in buckets([t for unit in chunk for t in unit], bucket_numel, dp)]
     padded = sum(b.size for b in cut)
     held = sum(unit_sizes) // dp if zero == 3 else padded
@@ -102,7 +107,7 @@ def zero3_gather_bytes(chunks, dp: int, prefetch: int, hold: str, element_bytes:
     each, job/layout.py's is_fp8_weight, the routed experts' with `experts`) and everything else, gradients included,
     in `element_bytes`."""
     units = [unit for chunk in chunks for unit in chunk]
-    sizes = [buckets(unit, None, dp)[0].size if unit else 0 for unit in units]
+    sizes = _unit_sizes(units, dp)
     fp8 = [sum(t.numel for t in unit if is_fp8_weight(t, experts)) for unit in units]
     return zero3_buffers([size * element_bytes for size in sizes], dp, prefetch, hold,
                          [(size - f) * element_bytes + f * fp8_bytes for size, f in zip(sizes, fp8)])

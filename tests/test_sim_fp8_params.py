@@ -9,13 +9,13 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import main
-from job.data_parallel import FP8_BYTES, collectives
+from job.data_parallel import collectives
 from job.exchange.experts import expert_gradient_reduction
 from job.layout import Layout, block_tensors, embedding_tensors, expert_tensors, head_tensors, is_fp8_weight
 from job.schedule_actions import AllReduceGrads, DataParallelPlan, GatherParams, ReduceScatterGrads
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from precision.policy import policy
+from precision.policy import FP8_BYTES, policy
 from simulator.costs.hardware import load_hardware
 from simulator.costs.implementation import Implementation
 from simulator.costs.ops import block_ops

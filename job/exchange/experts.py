@@ -31,7 +31,7 @@ import math
 from job.exchange.context import Exchange
 from job.layout import buckets, expert_tensors, is_fp8_weight
 from minigpt.config import GPTConfig
-from precision.policy import FORMAT_BYTES
+from precision.policy import weight_bytes
 
 COUNT_BYTES = 8  # int64 token counts
 
@@ -132,4 +132,4 @@ def expert_gradient_reduction(model: GPTConfig, ep: int, dp: int, moe_layers: in
         return [Exchange("all_reduce", 1, numel * grad_bytes)]
     fp8 = sum(t.numel for t in tensors if is_fp8_weight(t, experts=True)) if fp8_weights else 0
     return [Exchange("reduce_scatter", 1, numel * grad_bytes),
-            Exchange("all_gather", 1, (numel - fp8) * grad_bytes + fp8 * FORMAT_BYTES["fp8_e4m3"])]
+            Exchange("all_gather", 1, weight_bytes(numel, fp8, grad_bytes))]

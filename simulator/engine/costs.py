@@ -48,7 +48,7 @@ from simulator.engine.data_parallel import ActionCost, DataParallelPricer
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, buckets, stage_units
 from job.schedule import Backward, BackwardInput, BackwardWeight, Forward
-from simulator.memory import MemoryEstimate
+from simulator.memory import MemoryEstimate, fp8_experts_kept, fp8_params_mode
 from simulator.costs.implementation import Implementation
 from simulator.engine.overlap import Overlap, exposed
 
@@ -271,6 +271,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         if layout.expert_state_shards > 1:  # and over the ranks whose pieces of the experts' states it sums
             norm_reduce += links.expert_collective(0, "all_reduce", NORM_BYTES)
     ranks = []
+    gathers = fp8_params_mode(pol, implementation) != "none"  # fp8 parameters: gathered at a byte each
     for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
         chunk_units: dict[int, list[Unit]] = {}
         chunk_amax: dict[int, tuple[float, float]] = {}
@@ -294,8 +295,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         actions: dict[tuple[type, int], ActionCost] = {}
         for chunk, units in chunk_units.items():
             _plain_actions(chunk, units, actions, chunk_amax[chunk])
-        gathers = pol.fp8_linears and implementation.fp8_param_gather  # fp8 parameters: gathered at a byte each
-        pricer, experts = None, _expert_reduction(job, placed, rank, pol, gathers and implementation.fp8_experts)
+        pricer, experts = None, _expert_reduction(job, placed, rank, pol, fp8_experts_kept(pol, implementation))
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
