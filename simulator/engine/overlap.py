@@ -200,20 +200,18 @@ PRESETS = {
 # fp8_recast: torchao's Float8Linear saves the 16-bit input and weight (matmul_with_hp_or_float8_args.forward's
 # save_for_backward(input_hp, weight_hp_t)) and casts them again in the backward; Transformer Engine and our executor
 # save the e4m3 copies.
-_OURS = {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": False, "fp8_scaling": "tensor",
-         "ub_chunks": False, "fused_optimizer": False, "fp8_amax_group": "none", "fp8_experts": False,
-         "fp8_recast": False}
+STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
+                "fp8_amax_group", "fp8_experts", "fp8_recast")  # the Implementation fields a preset sets
+_OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
     # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
     "megatron-2021": {**_OURS, "fused_optimizer": True},
     "overlapped": _OURS,
-    "megatron-core": {"wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True, "fp8_scaling": "tensor",
-                      "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True,
-                      "fp8_recast": False},
-    "torchtitan-fsdp2": {"wgrad_fusion": False, "fp8_weight_cache": False, "fp8_fused_casts": True,
-                         "fp8_scaling": "current", "ub_chunks": False, "fused_optimizer": True, "fp8_amax_group": "none",
-                         "fp8_experts": False, "fp8_recast": True},
+    "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
+                      "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True},
+    "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
+                         "fp8_recast": True},
 }
 
 
