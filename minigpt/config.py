@@ -11,7 +11,8 @@ Conventions:
   which is what a dense kernel computes.
 - Backward costs twice the forward (gradients of inputs and of weights).
 - Recomputation adds what it runs again: "full" one block forward per layer,
-  "selective" (Korthikanti et al. 2022) the attention core's two s x s matmuls.
+  "selective" (Korthikanti et al. 2022) the attention core's two s x s matmuls, "op" (torchtitan's
+  selective op policy, simulated only) the key, output and up projections (op_recompute_refusal).
 - A FlashAttention-2 backward also recomputes the scores q @ k^T: `attention="flash"`
   counts that matmul; the default counts the model's FLOPs (MFU's convention).
 """
@@ -22,7 +23,11 @@ from dataclasses import asdict, dataclass, replace
 
 from minigpt.errors import ConfigError
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")  # what our trainer runs and every shape allows
+# torchtitan's selective op checkpointing (activation_checkpoint.mode "selective", selective_ac_option "op"): the
+# simulator describes it (simulator/costs/ops_sac.py) for the shapes op_recompute_refusal lets through
+OP_RECOMPUTE = "op"
+SIM_RECOMPUTE_MODES = (*RECOMPUTE_MODES, OP_RECOMPUTE)
 ATTENTION_KINDS = ("flash", "unfused")
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -340,6 +345,9 @@ class GPTConfig:
             flops += self.blocks_forward_flops_per_token()
         elif recompute == "selective":
             flops += self.n_layers * self.attention_core_flops_per_token()
+        elif recompute == OP_RECOMPUTE:
+            self.check_op_recompute()
+            flops += self.n_layers * self.op_recomputed_flops_per_token()
         if attention == "flash":
             flops += self.n_layers * self.attention_core_flops_per_token() // 2
         return flops
@@ -376,6 +384,8 @@ class GPTConfig:
         d, f = self.d_model, self.d_ff
         if recompute == "full":
             return dtype_bytes * d
+        if recompute == OP_RECOMPUTE:
+            return self.op_activation_bytes_per_token_per_layer(dtype_bytes)
         if self.is_moe if moe is None else moe:
             mlp_bytes = self.moe_activation_bytes_per_token(dtype_bytes)
         else:
@@ -388,6 +398,44 @@ class GPTConfig:
             statistics += 4 * (self.n_heads + self.kv_heads)
         dropout_masks = 2 * d if self.dropout > 0 else 0
         return tensors + statistics + dropout_masks
+
+    def op_recompute_refusal(self) -> str | None:
+        """Why torchtitan's selective op policy (recompute "op") cannot be described for this shape, or None.
+
+        The policy (torchtitan's _apply_ac_to_transformer_block, selective_ac_option "op") keeps the outputs of
+        aten.mm and of the flash attention and recomputes everything else, every second mm included; it counts on
+        a Llama block of bias-free Linears run as separate projections (q, k, v, o, then w1, w3, w2). A Linear
+        with a bias runs as addmm (never kept), a MoE's experts as grouped matmuls, dropout draws again."""
+        if self.is_moe:
+            return "a mixture of experts (its grouped expert matmuls are not aten.mm)"
+        if self.bias:
+            return "Linears with biases (they run as addmm, which the policy never keeps): use --no-bias"
+        if self.dropout > 0:
+            return "dropout (torchtitan's models have none)"
+        return None
+
+    def check_op_recompute(self) -> None:
+        reason = self.op_recompute_refusal()
+        if reason is not None:
+            raise ConfigError(f"--recompute {OP_RECOMPUTE} (torchtitan's selective op policy) is described for "
+                              f"dense Llama-style blocks only, not for {reason}")
+
+    def op_recomputed_flops_per_token(self) -> int:
+        """The matmuls torchtitan's op policy runs again per token and block: every second aten.mm of the forward
+        (k and o, and SwiGLU's up projection w3; a GELU MLP's fc2 is not needed by the backward, so the
+        recompute stops before it: torch.utils.checkpoint's early stop)."""
+        d = self.d_model
+        flops = 2 * d * self.kv_heads * self.head_dim + 2 * self.attention_width * d
+        return flops + (2 * d * self.d_ff if self.mlp == "swiglu" else 0)
+
+    def op_activation_bytes_per_token_per_layer(self, dtype_bytes: int = 4) -> int:
+        """What torchtitan's op policy keeps per token and block: the block's input (the checkpoint's), the
+        kept mm outputs (q and v; SwiGLU's gate w1 and down w2, or GELU's fc1) and the attention's output and
+        fp32 log-sum-exp (one per query head)."""
+        self.check_op_recompute()
+        d = self.d_model
+        mm = (self.n_heads + self.kv_heads) * self.head_dim + (self.d_ff + d if self.mlp == "swiglu" else self.d_ff)
+        return dtype_bytes * (d + mm + self.attention_width) + 4 * self.n_heads
 
     def moe_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """What a MoE MLP (minigpt/moe.py) keeps per token, dropless (every one of the top_k choices routed).
@@ -423,8 +471,8 @@ class GPTConfig:
 
 
 def check_recompute(recompute: str) -> None:
-    if recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    if recompute not in SIM_RECOMPUTE_MODES:
+        raise ConfigError(f"recompute must be one of {', '.join(SIM_RECOMPUTE_MODES)}, got {recompute!r}")
 
 
 def check_attention(attention: str) -> None:

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Sequence
 
-from minigpt.config import RECOMPUTE_MODES, GPTConfig
+from minigpt.config import OP_RECOMPUTE, RECOMPUTE_MODES, GPTConfig
 from job.exchange.context import GRAD_BYTES, kv_elements
 from job.train_config import bucket_numel
 from minigpt.errors import ConfigError
@@ -71,7 +71,8 @@ def check_activations_against_config(model: GPTConfig, policy: PrecisionPolicy) 
     dtype_bytes = FORMAT_BYTES[plain.compute]
     dropless = replace(model, capacity_factor=None) if model.is_moe else model
     for moe in (False, True) if model.is_moe else (False,):
-        for recompute in RECOMPUTE_MODES:
+        op = (OP_RECOMPUTE,) if not moe and model.op_recompute_refusal() is None else ()
+        for recompute in (*RECOMPUTE_MODES, *op):
             implementation = _implementation(recompute, "flash", "gathered")
             counted = block_ops(dropless, 1, Layout(), plain, implementation, moe).saved_bytes
             expected = model.activation_bytes_per_token_per_layer(dtype_bytes, recompute, moe) * model.seq_len
@@ -346,6 +347,9 @@ def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0
         notes.append("recompute: activations include one block's full activations while it is recomputed")
     elif recompute == "selective":
         notes.append("selective recompute: activations include one block's attention core while it is recomputed")
+    elif recompute == OP_RECOMPUTE:
+        notes.append("op recompute (torchtitan's policy): activations include what one block's recompute makes "
+                     "again while its backward runs")
     return tuple(notes)
 
 

@@ -128,7 +128,7 @@ def test_weak_scaling_grows_the_batch_and_compares_zero_at_that_batch():
 def test_help_lists_the_cost_model_and_overlap_flags():
     result = invoke("--help")
     assert result.exit_code == 0
-    for flag in ("--attention [flash|unfused]", "--recompute [none|selective|full]", "--overlap",
+    for flag in ("--attention [flash|unfused]", "--recompute [none|selective|full|op]", "--overlap",
                  "executor|megatron-2021|overlapped|megatron-core|torchtitan-fsdp2", "--tp-overlap / --no-tp-overlap",
                  "--dp-overlap", "share of SMs",
                  "--zero3-prefetch", "--p2p-overlap / --no-p2p-overlap", "--sp-saved-input"):

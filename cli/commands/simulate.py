@@ -43,7 +43,7 @@ from cli.output_file import check_output_file
 from cli.tools.plots import check_png
 from cli.options.precision import precision_option, simulated_precision
 
-from minigpt.config import ATTENTION_KINDS, RECOMPUTE_MODES
+from minigpt.config import ATTENTION_KINDS, SIM_RECOMPUTE_MODES
 from minigpt.errors import ConfigError, check_path_given, check_positive_int
 from simulator.limits import MAX_ZERO3_GATHERS, check_job, check_layers, check_sweep, zero3_gathers
 from simulator.costs.op_types import SP_SAVED_INPUTS, check_cp_attention
@@ -378,8 +378,10 @@ def micro_batch_size(options: dict) -> int:
 @fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b, interleaved or zb-h1.")
 @click.option("--virtual-chunks", "virtual_chunks", type=int, default=1, show_default=True)
-@click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default="none", show_default=True,
-              help="Activation recomputation: none, selective (the attention core, Korthikanti et al. 2022) or full.")
+@click.option("--recompute", type=click.Choice(SIM_RECOMPUTE_MODES), default="none", show_default=True,
+              help="Activation recomputation: none, selective (the attention core, Korthikanti et al. 2022), full, "
+                   "or op (torchtitan's selective op policy: all but the attention's and every other matmul's "
+                   "outputs recomputed; dense bias-free blocks, 16-bit, no tp or cp).")
 @click.option("--attention", type=click.Choice(ATTENTION_KINDS), default="flash", show_default=True,
               help="flash (fused, no s x s tensor in memory; its backward recomputes the scores) or unfused "
                    "(scores, softmax and dropout materialised).")

@@ -51,7 +51,8 @@ of the heads) runs again in the backward and saves nothing: what it keeps is its
 fused q, k, v) and what the ops around it keep (its output). The rule, by construction: a
 saved tensor is dropped when the op that makes it is recomputed and every op that saves it is
 recomputed too, and a recomputed region keeps its input (Recorder.enter); `recomputed` lists
-those dropped, alive again while the block's backward runs.
+those dropped, alive again while the block's backward runs. "op": torchtitan's selective op
+policy, kept and recomputed op by op (simulator/costs/ops_sac.py).
 
 Sequence parallelism (`Implementation.sp_saved_input`): the column-parallel Linears (qkv, fc1,
 the head) multiply the all-gathered sequence. "gathered" (our executor, parallel/tensor/layers.py)
@@ -119,7 +120,7 @@ recompute mode (simulator/memory.py checks it before every prediction).
 
 from __future__ import annotations
 
-from minigpt.config import GPTConfig
+from minigpt.config import OP_RECOMPUTE, GPTConfig
 from precision.policy import PrecisionPolicy
 from job.layout import Layout, padded_vocab
 from simulator.costs.op_types import (
@@ -129,6 +130,7 @@ from simulator.costs.op_types import (
 from simulator.costs.ops_attention import core_backward, core_forward
 from simulator.costs.ops_fp8 import TORCH_QUANTIZE, cast_kernels, fp8_input, fp8_recasts, fp8_weight  # noqa: F401
 from simulator.costs.ops_moe import routed_backward, routed_forward
+from simulator.costs.ops_sac import check_op_layout, op_recompute
 
 __all__ = ["SP_SAVED_INPUTS", "UB_PIPELINE_SPLITS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved",
            "OpList", "Op", "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
@@ -388,10 +390,13 @@ def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precis
     experts' block when `moe` (None: the kind most of the model's blocks are, as GPTConfig.block_params)."""
     moe = model.is_moe if moe is None else moe and model.is_moe
     rec = Recorder(unit_shape(model, micro_batch, layout, policy, implementation))
+    if implementation.recompute == OP_RECOMPUTE:
+        model.check_op_recompute()
+        check_op_layout(rec.shape, implementation.attention)
     _attention_forward(rec, implementation.attention)
     _mlp_forward(rec, model, moe, layout.ep)
     _block_backward(rec, implementation.attention, model, moe, layout.ep)
-    return rec.finish(implementation.recompute)
+    return op_recompute(rec) if implementation.recompute == OP_RECOMPUTE else rec.finish(implementation.recompute)
 
 
 # ---------------------------------------------------------------- the ends

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minigpt.config import RECOMPUTE_MODES
 from simulator.engine.links import LinkCosts
 from simulator.costs.host import MeasuredHost, UnitTimes
 from simulator.stragglers import straggler_factor
@@ -45,7 +46,7 @@ class HostCompute:
         """(forward, backward, recompute) seconds of a chunk of `layers` blocks (`moe`: MoE blocks); backward
         includes the recompute."""
         blocks = self.units if moe or not self.moe else self.dense
-        if self.units is None or (layers and blocks is None):
+        if self.units is None or (layers and blocks is None) or recompute not in RECOMPUTE_MODES:  # not trainable
             forward, backward, again = roofline
         else:
             def unit(name: str, units: UnitTimes = self.units) -> float:
