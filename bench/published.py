@@ -193,6 +193,7 @@ def moe_command(run: dict) -> list[str]:
             *(["--no-tp-overlap"] if run.get("tp_overlap") is False else []),
             *(["--fp8-recipe", run["fp8_recipe"]] if run.get("fp8_recipe") else []),
             *(["--fp8-param-gather"] if run.get("fp8_param_gather") else []),
+            *(["--elementwise", run["elementwise"]] if run.get("elementwise") else []),
             *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
 
 

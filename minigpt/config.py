@@ -25,7 +25,7 @@ from minigpt.errors import ConfigError
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # what our trainer runs and every shape allows
 # torchtitan's selective op checkpointing (activation_checkpoint.mode "selective", selective_ac_option "op"): the
-# simulator describes it (simulator/costs/ops_sac.py) for the shapes op_recompute_refusal lets through
+# simulator describes it (simulator/costs/torchtitan/selective_op.py) for the shapes op_recompute_refusal lets through
 OP_RECOMPUTE = "op"
 SIM_RECOMPUTE_MODES = (*RECOMPUTE_MODES, OP_RECOMPUTE)
 ATTENTION_KINDS = ("flash", "unfused")

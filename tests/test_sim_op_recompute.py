@@ -1,5 +1,6 @@
-"""torchtitan's selective op checkpointing (`--recompute op`, simulator/costs/ops_sac.py): what a block keeps, what
-its backward runs again, the refusals, and the rule itself checked against torch.utils.checkpoint running it."""
+"""torchtitan's selective op checkpointing (`--recompute op`, simulator/costs/torchtitan/selective_op.py): what a
+block keeps, what its backward runs again, the refusals, and the rule itself checked against torch.utils.checkpoint
+running it."""
 
 import json
 from collections import defaultdict
@@ -168,7 +169,7 @@ def _backward_matmuls(block, x, checkpointed):
 
 
 def test_torch_checkpoint_under_the_rule_runs_again_exactly_k_o_and_up():
-    """The rule ops_sac.py prices, run by torch itself on CPU (its flash attention there is the _for_cpu op):
+    """The rule torchtitan/selective_op.py prices, run by torch itself on CPU (its flash attention there is the _for_cpu op):
     the backward's extra matmuls are wk's, wo's and w3's, and w2's (the last kept mm) is not run again."""
     torch.manual_seed(0)
     block, x = _Block(), torch.randn(2, 8, 32, requires_grad=True)

@@ -35,7 +35,7 @@ from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.campaign import campaign_options, campaign_sweep, check_campaign, run_campaign
 from cli.options.experts import ep_dispatcher_option, ep_overlap_option, expert_load_option, read_expert_load
-from cli.options.fp8 import fp8_implementation, fp8_options
+from cli.options.stack import stack_implementation, stack_options
 from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
@@ -420,7 +420,7 @@ def micro_batch_size(options: dict) -> int:
 @ep_overlap_option
 @ep_dispatcher_option
 @precision_option
-@fp8_options
+@stack_options
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism.")
 @cluster_options(f"{DEFAULT_GPU}, or a topology file's GPU")
 @nccl_algo_option
@@ -452,7 +452,7 @@ def simulate(**options) -> None:
     if not 1.0 <= options["oversubscription"] < float("inf"):
         raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
     options["precision"] = simulated_precision(options["precision"], _hardware(options) if options["hardware"] else None)
-    options["implementation"] = fp8_implementation(options, lambda: _overlap(options))
+    options["implementation"] = stack_implementation(options, lambda: _overlap(options))
     report = run_sweep(options) if options["sweep"] else run_single(options)
     if options["as_json"]:
         click.echo(json.dumps(_json(report)))

@@ -211,6 +211,7 @@ class UnitShape:
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
+    eager: bool = False  # Implementation.eager: torchtitan's element-wise code, one kernel per aten op
 
     @property
     def moe(self) -> UnitShape:
@@ -291,7 +292,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
-                     userbuffers=impl.userbuffers)
+                     userbuffers=impl.userbuffers, eager=impl.eager)
 
 
 class Recorder:
@@ -345,6 +346,15 @@ class Recorder:
     def op(self, op: Op, saves: tuple[str, ...] = ()) -> None:
         """Any op built by hand (FlashAttention, a lookup whose bytes are no tensor of ours)."""
         self.forward.append((op, self.region, saves))
+
+    def kernels(self, name: str, kernels: list[tuple[str, int, int]], saves: tuple[str, ...] = ()) -> None:
+        """Several forward kernels of one op (`name`.kernel), what the op saves held from the first."""
+        for i, (kernel, read, written) in enumerate(kernels):
+            self.forward.append((MemoryOp(f"{name}.{kernel}", read, written), self.region, saves if i == 0 else ()))
+
+    def back_kernels(self, name: str, kernels: list[tuple[str, int, int]]) -> None:
+        for kernel, read, written in kernels:
+            self.backward.append(MemoryOp(f"{name}.{kernel}", read, written, BACKWARD))
 
     def back_mem(self, name: str, read: int, written: int) -> None:
         self.backward.append(MemoryOp(name, read, written, BACKWARD))

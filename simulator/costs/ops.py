@@ -52,7 +52,7 @@ fused q, k, v) and what the ops around it keep (its output). The rule, by constr
 saved tensor is dropped when the op that makes it is recomputed and every op that saves it is
 recomputed too, and a recomputed region keeps its input (Recorder.enter); `recomputed` lists
 those dropped, alive again while the block's backward runs. "op": torchtitan's selective op
-policy, kept and recomputed op by op (simulator/costs/ops_sac.py).
+policy, kept and recomputed op by op (simulator/costs/torchtitan/selective_op.py).
 
 Sequence parallelism (`Implementation.sp_saved_input`): the column-parallel Linears (qkv, fc1,
 the head) multiply the all-gathered sequence. "gathered" (our executor, parallel/tensor/layers.py)
@@ -130,7 +130,8 @@ from simulator.costs.op_types import (
 from simulator.costs.ops_attention import core_backward, core_forward
 from simulator.costs.ops_fp8 import TORCH_QUANTIZE, cast_kernels, fp8_input, fp8_recasts, fp8_weight  # noqa: F401
 from simulator.costs.ops_moe import routed_backward, routed_forward
-from simulator.costs.ops_sac import check_op_layout, op_recompute
+from simulator.costs.torchtitan import eager
+from simulator.costs.torchtitan.selective_op import check_op_layout, op_recompute
 
 __all__ = ["SP_SAVED_INPUTS", "UB_PIPELINE_SPLITS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved",
            "OpList", "Op", "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
@@ -251,12 +252,25 @@ def _norm(rec: Recorder, name: str, inp: str, out: str, out_bytes: int | None = 
     rows = sh.residual_rows
     rec.tensor(out, rows * sh.d * sh.e if out_bytes is None else out_bytes)
     stats = rec.tensor(f"{name}.statistics", rows * sh.norm_statistics * FP32, small=True)
+    if _eager_rmsnorm(sh):  # torchtitan's RMSNorm in eager PyTorch (simulator/costs/torchtitan/eager.py)
+        copy, rsqrt, normalised = eager.rmsnorm_saved(rows, sh.d, sh.e)
+        saved = (rec.tensor(f"{name}.input_fp32", copy), rec.tensor(f"{name}.rsqrt", rsqrt, small=True),
+                 rec.tensor(f"{name}.normalised", normalised))
+        rec.kernels(name, eager.rmsnorm_forward(rows, sh.d, sh.e), saves=saved)
+        return
     rec.mem(name, (inp,), (out, stats), saves=(inp, stats))
+
+
+def _eager_rmsnorm(sh) -> bool:
+    return sh.eager and sh.norm_statistics == 1
 
 
 def _norm_backward(rec: Recorder, name: str) -> None:
     sh = rec.shape
     rows = sh.residual_rows
+    if _eager_rmsnorm(sh):
+        rec.back_kernels(f"{name}.backward", eager.rmsnorm_backward(rows, sh.d, sh.e))
+        return
     rec.back_mem(f"{name}.backward", 2 * rows * sh.d * sh.e + rows * sh.norm_statistics * FP32, rows * sh.d * sh.e)
 
 
@@ -310,6 +324,9 @@ def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
         return f"{prefix}gelu.output"
     silu = rec.tensor(f"{prefix}swiglu.silu", sh.rows * width * sh.e)
     out = rec.tensor(f"{prefix}swiglu.output", sh.rows * width * sh.e)
+    if sh.eager:  # silu's kernel, then the product's: the same tensors saved
+        rec.kernels(f"{prefix}swiglu", eager.swiglu_forward(sh.rows * width, sh.e), saves=(hidden, silu))
+        return out
     rec.mem(f"{prefix}swiglu", (hidden,), (silu, out), saves=(hidden, silu))  # silu(gate) and silu(gate) * up
     return out
 
@@ -317,7 +334,9 @@ def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
 def _activation_backward(rec: Recorder, name: str, elements: int) -> None:
     """The backward of `name` (gelu or swiglu) over `elements` values of one `width`-wide tensor."""
     width = elements * rec.shape.e
-    if rec.shape.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
+    if rec.shape.swiglu and rec.shape.eager:
+        rec.back_kernels(f"{name}swiglu_backward", eager.swiglu_backward(elements, rec.shape.e))
+    elif rec.shape.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
         rec.back_mem(f"{name}swiglu_backward", 4 * width, 2 * width)
     else:
         rec.back_mem(f"{name}gelu_backward", 2 * width, width)
@@ -439,7 +458,10 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     rec.mem("loss.to_fp32", ("head.logits",), (logits32,))
     log_probs = rec.tensor("loss.log_probabilities", sh.rows * vocab * FP32)
     rec.mem("loss.softmax", (logits32,), (log_probs,), saves=(log_probs,))  # max, exponentials, their sum: one pass
-    rec.back_mem("loss.backward", sh.rows * vocab * FP32, sh.rows * vocab * sh.e)  # softmax - one-hot, scaled
+    if sh.eager:  # nll_loss's backward, log_softmax's, the cast back
+        rec.back_kernels("loss.backward", eager.loss_backward(sh.rows, vocab, sh.e))
+    else:
+        rec.back_mem("loss.backward", sh.rows * vocab * FP32, sh.rows * vocab * sh.e)  # softmax - one-hot, scaled
     rec.back_gemm("head.input_grad", sh.rows, sh.d, vocab, sh.compute)
     _weight_gradient(rec, "head", vocab, sh.d, sh.compute)
     _norm_backward(rec, "final_norm")

@@ -39,6 +39,7 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
 
 from __future__ import annotations
 
+from simulator.costs.torchtitan import eager
 from simulator.costs.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, FusedAttention, MemoryOp, Recorder, gemm
 
 
@@ -49,8 +50,29 @@ def rope_table_bytes(rec: Recorder) -> int:
 
 def _rope_forward(rec: Recorder, qkv: str) -> str:
     rotated = rec.tensor("rope.output", rec.size[qkv])
+    if rec.shape.eager:  # torchtitan's complex multiplies, q and k apart (simulator/costs/torchtitan/eager.py)
+        rec.kernels("rope", eager.rope_forward(_rotated_elements(rec.shape), _eager_table(rec.shape), rec.shape.e))
+        return rotated
     rec.op(MemoryOp("rope", rec.size[qkv] + rope_table_bytes(rec), rec.size[rotated]))
     return rotated
+
+
+def _rotated_elements(sh) -> tuple[int, int]:
+    """The q and k elements an eager rotation casts and multiplies (v is not touched)."""
+    return sh.rows * sh.heads * sh.head_dim, sh.rows * sh.kv_heads * sh.head_dim
+
+
+def _eager_table(sh) -> int:
+    """torchtitan's frequencies: s x head_dim / 2 complex64 numbers."""
+    return sh.s * sh.head_dim // 2 * 2 * FP32
+
+
+def _repeated_kv(sh) -> tuple[int, int]:
+    """Grouped-query attention in eager torchtitan: k's and v's elements, and each one's copy over every query head
+    (repeat_kv); (0, 0) without grouping or without eager."""
+    if not sh.eager or sh.kv_heads == sh.heads:
+        return 0, 0
+    return sh.rows * sh.kv_heads * sh.head_dim, sh.rows * sh.heads * sh.head_dim
 
 
 def other_kv_bytes(sh) -> int:
@@ -69,6 +91,10 @@ def _flash_forward(rec: Recorder, qkv: str) -> None:
     lse = rec.tensor("attention.logsumexp", sh.rows * a * FP32, small=True)
     out = rec.tensor("attention.output", sh.rows * a * hd * sh.e)
     saves = (qkv, out, lse)
+    kv, repeated = _repeated_kv(sh)
+    if repeated:  # k and v copied to every query head, which the attention saves beside q
+        rec.kernels("attention", eager.repeat_kv_forward(kv, repeated, sh.e))
+        saves += (rec.tensor("attention.kv_repeated", 2 * (repeated - kv) * sh.e),)
     if sh.cp > 1 and sh.cp_kind == "allgather":  # the whole sequence's keys and values, kept for the backward
         saves += (rec.tensor("attention.gathered_kv", 2 * sh.b * sh.kv_heads * keys * hd * sh.e),)
     gemms = (gemm("attention.scores", s, keys, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
@@ -90,6 +116,9 @@ def _flash_backward(rec: Recorder) -> None:
     read = qkv + width + 2 * sh.rows * a * FP32 + other_kv_bytes(sh)  # q, k, v, dO; the log-sum-exp and D
     rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=keys,
                                        kernel_seq=_kernel_seq(sh)))
+    kv, repeated = _repeated_kv(sh)
+    if repeated:
+        rec.back_kernels("attention", eager.repeat_kv_backward(kv, repeated, sh.e))
 
 
 def _unfused_forward(rec: Recorder, qkv: str) -> None:
@@ -160,7 +189,10 @@ def core_forward(rec: Recorder, attention: str, qkv: str) -> str:
 def core_backward(rec: Recorder, attention: str) -> None:
     """The core's gradients, last op first: the attention's, then the rotation's."""
     (_flash_backward if attention == "flash" else _unfused_backward)(rec)
-    if rec.shape.rope:
+    if rec.shape.rope and rec.shape.eager:
+        rec.back_kernels("rope_backward", eager.rope_backward(_rotated_elements(rec.shape), _eager_table(rec.shape),
+                                                             rec.shape.e))
+    elif rec.shape.rope:
         qkv = rec.shape.rows * rec.shape.qkv_width * rec.shape.e
         rec.back_mem("rope_backward", qkv + rope_table_bytes(rec), qkv)
     if rec.shape.qk_norm:

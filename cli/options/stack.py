@@ -1,6 +1,7 @@
-"""`minigpt simulate`'s fp8 flags: how the stack scales its fp8 Linears (--fp8-recipe) and whether it keeps and
-all-gathers their weights in fp8 (--fp8-param-gather). Both change the stack's Implementation
-(simulator/costs/implementation.py); a job that cannot run them gets one line before any work."""
+"""`minigpt simulate`'s flags on how the stack runs its kernels: how it scales its fp8 Linears (--fp8-recipe), whether
+it keeps and all-gathers their weights in fp8 (--fp8-param-gather), and whether its element-wise ops run fused or as
+torchtitan's eager code (--elementwise). Each changes the stack's Implementation (simulator/costs/implementation.py);
+a job that cannot run them gets one line before any work."""
 
 from __future__ import annotations
 
@@ -21,17 +22,47 @@ GATHER_HELP = ("Keep the fp8 Linears' weights in fp8 and all-gather them so, a b
                "torchtitan-fsdp2), per-tensor scaling.")
 
 
-def fp8_options(function):
-    """--fp8-recipe and --fp8-param-gather."""
+ELEMENTWISE_HELP = ("How the element-wise ops (norms, rotary positions, SwiGLU, the loss) run: fused (one kernel "
+                    "each: torch.compile, Transformer Engine's kernels, every stack but torchtitan's by default) or "
+                    "eager (torchtitan's model code in eager PyTorch, one kernel per aten op: RMSNorm through an fp32 "
+                    "copy, RoPE as complex multiplies, grouped-query keys and values copied to every head; "
+                    "--overlap torchtitan-fsdp2 only, its default: torchtitan's training.compile = false).")
+
+
+def stack_options(function):
+    """--fp8-recipe, --fp8-param-gather and --elementwise."""
+    function = click.option("--elementwise", type=click.Choice(("fused", "eager")), default=None,
+                            help=ELEMENTWISE_HELP)(function)
     function = click.option("--fp8-param-gather", "fp8_param_gather", is_flag=True, help=GATHER_HELP)(function)
     return click.option("--fp8-recipe", "fp8_recipe", type=click.Choice(tuple(FP8_RECIPES)), default=None,
                         help=RECIPE_HELP)(function)
 
 
-def fp8_implementation(options: dict, overlap_of: Callable):
-    """The stack's Implementation with its fp8 scaling (--fp8-recipe) and weights (--fp8-param-gather) as asked
-    (None: neither asked, the stack's own); `overlap_of()` resolves the stack. One line, before any work, when the
-    job has no fp8 Linears or its stack cannot run them that way."""
+def stack_implementation(options: dict, overlap_of: Callable):
+    """The stack's Implementation with its fp8 scaling (--fp8-recipe), fp8 weights (--fp8-param-gather) and
+    element-wise kernels (--elementwise) as asked (None: none asked, the stack's own); `overlap_of()` resolves the
+    stack. One line, before any work, when the job or its stack cannot run them that way."""
+    elementwise = options["elementwise"]
+    implementation = _fp8_implementation(options, overlap_of)
+    if elementwise is None:
+        return implementation
+    if options["sweep"]:
+        raise ConfigError("--sweep simulates our executor: drop --elementwise, or simulate one layout with --overlap")
+    from dataclasses import replace
+
+    from simulator.engine.overlap import stack_default
+
+    overlap = overlap_of()
+    if elementwise == "eager" and overlap.name.split("+", 1)[0] != "torchtitan-fsdp2":
+        raise ConfigError(f"--elementwise eager describes torchtitan's model code in eager PyTorch: it needs --overlap "
+                          f"torchtitan-fsdp2 (the {overlap.name} stack's element-wise ops are its own kernels)")
+    implementation = implementation or stack_default(overlap, options["attention"], options["recompute"],
+                                                     options["sp_saved_input"])
+    return replace(implementation, eager=elementwise == "eager")
+
+
+def _fp8_implementation(options: dict, overlap_of: Callable):
+    """The stack's Implementation with --fp8-recipe and --fp8-param-gather as asked (None: neither asked)."""
     recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]
     if recipe is None and not gather:
         return None
