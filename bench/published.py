@@ -5,6 +5,7 @@
     python bench/published.py --legacy           # flags an older minigpt knows (for a before/after)
     python bench/published.py --table dgxc       # NVIDIA's DGX-Cloud GPT-3 175B on 128-2,048 H100s, bf16 and fp8
     python bench/published.py --table moe        # mixtures of experts: Mixtral 8x7B, Qwen3-30B-A3B on H100s
+    python bench/published.py --table torchtitan # torchtitan's Llama 3.1 8B, FSDP on 8 and 128 H100s at 500 W
     python bench/published.py --implied-rate     # per run, the tensor-core rate at which the simulator meets it
 
 Each row of bench/published_runs.json is simulated through the command line a user would type,
@@ -51,6 +52,11 @@ ten rows and the ten DGX-Cloud rows as simulated above, and Meta's Llama 3 405B 
 ("llama3_405b_h100": its layout, the megatron-core preset as the nearest description of its stack, interleaved over
 7 chunks; the published step is the simulator's model FLOPs over the published TFLOP/s per GPU, as the row's
 "assumed" says).
+
+`--table torchtitan`: torchtitan's own Llama 3.1 8B rows (bench/published_runs.json's "torchtitan_llama3_h100": 1D
+FSDP on 8 and 128 of Meta's 96 GB H100s at 500 W, eager and compiled), simulated as its config at the benchmark's
+commit runs them (selective op checkpointing, --elementwise eager or fused); the published step is 2 x 8,192 tokens
+over the published tokens/s per GPU, and the published peak reserved memory stands beside the predicted memory.
 
 `--table moe`: published mixture-of-experts runs (bench/published_runs.json's "moe_training", each row with its
 source, the recipe its settings come from and what it assumes), each simulated with the run's own layout (tp,
@@ -173,6 +179,34 @@ def dgxc_rows(table_name: str = "dgxc") -> tuple[list[dict], str]:
     return out, table["source"]
 
 
+TORCHTITAN_TOKENS = 2 * 8192  # a GPU's tokens a step in torchtitan's Tables 1 and 3: local batch 2 of 8,192
+
+
+def torchtitan_command(run: dict) -> list[str]:
+    """`minigpt simulate` of a torchtitan row as its config (llama3_8b.toml at 9dec370) runs it: the row's "assumed"."""
+    n = run["n_gpus"]
+    return [sys.executable, "-m", "cli", "simulate", "--model", "llama3-8b", "--seq-len", "8192", "--dp", str(n),
+            "--zero", "3", "--micro-batch", "2", "--global-batch", str(2 * n), "--recompute", "op",
+            "--gpu", "h100-96gb-500w", "--overlap", "torchtitan-fsdp2", "--elementwise", run["elementwise"], "--json"]
+
+
+def torchtitan_rows() -> tuple[list[dict], str]:
+    """torchtitan's Llama 3.1 8B FSDP rows (bench/published_runs.json's "torchtitan_llama3_h100"): step times from
+    the published tokens/s per GPU, and the published peak reserved memory beside the predicted memory."""
+    table = json.loads(RUNS.read_text())["torchtitan_llama3_h100"]
+    out = []
+    for run in table["rows"]:
+        n, sim = run["n_gpus"], run_simulate(torchtitan_command(run), run["id"])
+        published = TORCHTITAN_TOKENS / run["tps"]
+        naive = 6 * sim["parameters"]["total"] * TORCHTITAN_TOKENS / (H100_PEAK["bf16"] * 0.5)
+        out.append({"name": run["id"], "gpus": n, "precision": "bf16", "published_step_s": published,
+                    "predicted_step_s": sim["step_time_s"], "error": sim["step_time_s"] / published - 1,
+                    "naive_step_s": naive, "naive_error": naive / published - 1,
+                    "published_memory_gib": run["memory_gib"], "predicted_memory_gib": sim["memory_per_gpu"]["total"] / 2**30,
+                    "breakdown": sim.get("breakdown")})
+    return out, table["source"]
+
+
 MOE_FIELDS = {"--layers": "n_layers", "--hidden": "d_model", "--heads": "n_heads", "--kv-heads": "n_kv_heads",
               "--d-ff": "d_ff", "--vocab": "vocab_size", "--head-dim": "d_head", "--expert-width": "d_expert",
               "--experts": "n_experts", "--top-k": "top_k"}  # the model flags the rows use, as GPTConfig fields
@@ -285,7 +319,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--legacy", action="store_true", help="only the flags an older minigpt simulate knows")
-    parser.add_argument("--table", choices=("narayanan", *DGXC_TABLES, "moe"), default="narayanan")
+    parser.add_argument("--table", choices=("narayanan", *DGXC_TABLES, "moe", "torchtitan"), default="narayanan")
     parser.add_argument("--implied-rate", action="store_true",
                         help="per run of the A100, DGX-Cloud and Llama 3 tables, the tensor-core rate factor that meets it")
     args = parser.parse_args()
@@ -295,6 +329,10 @@ def main() -> None:
         return print_dgxc(args.json, args.table)
     if args.table == "moe":
         return print_moe(args.json)
+    if args.table == "torchtitan":
+        table, source = torchtitan_rows()
+        return report(table, source, args.json, "memory GiB pub (max reserved) / pred",
+                      lambda r: f"{r['published_memory_gib']:.1f} / {r['predicted_memory_gib']:.1f}")
     table, source = rows(args.legacy)
     report(table, source["paper"], args.json, "TFLOP/s pub / pred",
            lambda r: f"{r['published_tflops_per_gpu']} / {r['predicted_tflops_per_gpu']:.0f}")

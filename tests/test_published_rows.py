@@ -75,6 +75,19 @@ def test_the_moe_rows_cite_their_runs_and_simulate_as_the_bench_runs_them():
     assert json.loads(result.output)["step_time_s"] > 0
 
 
+def test_the_torchtitan_rows_cite_their_tables_and_simulate_as_the_bench_runs_them():
+    table = json.loads((BENCH / "published_runs.json").read_text())["torchtitan_llama3_h100"]
+    assert "llama3_h100_202412_torchtitan.md" in table["source"] and "9dec370" in table["assumed"]
+    assert [(r["n_gpus"], r["elementwise"], r["tps"]) for r in table["rows"]] == [
+        (8, "eager", 5762), (8, "fused", 6667), (128, "eager", 5605), (128, "fused", 6514)]
+    args = published().torchtitan_command(table["rows"][0])
+    result = CliRunner().invoke(main, args[3:])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["fits"] and report["provenance"]["implementation"]["eager"]
+    assert report["provenance"]["implementation"]["recompute"] == "op"
+
+
 def test_the_llama3_rows_cite_their_table_and_hold_16m_tokens():
     table = json.loads((BENCH / "published_runs.json").read_text())["llama3_405b_h100"]
     assert "2407.21783" in table["source"] and "Table 4" in table["source"] and table["assumed"]

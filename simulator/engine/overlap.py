@@ -200,7 +200,7 @@ PRESETS = {
 # fp8_recast: torchao's Float8Linear saves the 16-bit input and weight (matmul_with_hp_or_float8_args.forward's
 # save_for_backward(input_hp, weight_hp_t)) and casts them again in the backward; Transformer Engine and our executor
 # save the e4m3 copies. eager: torchtitan's training.compile defaults to false (train_configs/llama3_8b.toml at
-# ba2469780), so its model's element-wise code runs in eager PyTorch (simulator/costs/torchtitan/eager.py);
+# 9dec370), so its model's element-wise code runs in eager PyTorch (simulator/costs/torchtitan/eager.py);
 # --elementwise fused states a compiled run (one fused kernel an op, as every other stack here).
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
                 "fp8_amax_group", "fp8_experts", "fp8_recast", "eager")  # the Implementation fields a preset sets

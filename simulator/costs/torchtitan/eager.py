@@ -3,8 +3,8 @@
 With `Implementation.eager` the ops that torchtitan's Llama writes as several torch calls are priced as the
 kernels eager PyTorch launches for them, forward and backward (autograd's derivative of each call), instead
 of the one fused kernel simulator/costs/ops.py prices by default (what torch.compile, Transformer Engine or a
-fused kernel run). Read in pytorch/torchtitan at ba2469780 (2024-12-19; torchtitan/models/norms.py,
-torchtitan/models/llama/model.py, train.py), the code of its published Llama 3.1 benchmarks of the end of 2024:
+fused kernel run). Read in pytorch/torchtitan at 9dec370 (2024-12-26; torchtitan/models/norms.py,
+torchtitan/models/llama/model.py, train.py), the commit its published Llama 3.1 benchmarks name:
 
   RMSNorm    `x.float()`, `pow(2)`, `mean(-1)`, `+ eps`, `rsqrt`, `x * rsqrt`, `type_as(x)`, `* weight`: 8 kernels
              (the casts only when the input is 16-bit); it saves the fp32 copy of its input, the rsqrt and the

@@ -2,8 +2,8 @@
 
 torchtitan wraps each transformer block in torch.utils.checkpoint with a policy over the aten ops it runs
 (torchtitan's `_apply_ac_to_transformer_block`, `activation_checkpoint.mode = "selective"` with
-`selective_ac_option = "op"`, the default of its Llama 3 configs; pytorch/torchtitan at ba2469780, 2024-12-19, the
-code of its published Llama 3.1 benchmarks of the end of 2024): the outputs of `aten.mm` and of the flash attention
+`selective_ac_option = "op"`, the default of its Llama 3 configs; pytorch/torchtitan at 9dec370, 2024-12-26, the
+commit its published Llama 3.1 benchmarks name, benchmarks/llama3_h100_202412_torchtitan.md): the outputs of `aten.mm` and of the flash attention
 are kept (MUST_SAVE), except every second mm of the block's forward; everything else is recomputed
 (PREFER_RECOMPUTE). torchtitan's Llama block runs its projections as separate Linears, in this order:
 
