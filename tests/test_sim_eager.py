@@ -151,3 +151,6 @@ def test_torchtitan_is_eager_unless_fused_and_eager_is_refused_elsewhere():
     assert 1.1 < default["step_time_s"] / compiled["step_time_s"] < 1.4
     refused = runner.invoke(group, ["simulate", "--elementwise", "eager"])
     assert refused.exit_code == 2 and "torchtitan-fsdp2" in refused.output and refused.output.count("\n") == 1
+    unfused = runner.invoke(group, ["simulate", "--model", "llama3-8b", "--overlap", "torchtitan-fsdp2", "--attention",
+                                    "unfused"])
+    assert unfused.exit_code == 2 and "--attention flash" in unfused.output and unfused.output.count("\n") == 1

@@ -98,6 +98,9 @@ class Implementation:
             raise ConfigError(f"fp8_scaling {self.fp8_scaling!r} needs fp8_fused_casts: only fused quantisers "
                               "(Transformer Engine's, --overlap megatron-core) scale per block or from the tensor's "
                               "own amax; our executor scales per tensor from an amax history")
+        if self.eager and self.attention != "flash":
+            raise ConfigError("--elementwise eager describes torchtitan's code, which runs scaled_dot_product_attention's "
+                              "flash kernel: use --attention flash (or --elementwise fused)")
         if self.fp8_param_gather and (self.fp8_scaling == "block" or not self.fp8_fused_casts):
             raise ConfigError("fp8_param_gather keeps the weights in per-tensor fp8, which needs fused casts "
                               "(--overlap megatron-core or torchtitan-fsdp2) and per-tensor scaling (not mxfp8)")
