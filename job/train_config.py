@@ -43,9 +43,9 @@ TRAIN_RECOMPUTE = ("none", "selective")
 
 
 def check_train_recompute(recompute: str) -> None:
-    if recompute == "full":
-        raise ConfigError("--recompute full is simulated only (minigpt simulate --recompute full); training "
-                          "recomputes none or selective (the attention core)")
+    if recompute in ("full", "op"):
+        raise ConfigError(f"--recompute {recompute} is simulated only (minigpt simulate --recompute {recompute}); "
+                          "training recomputes none or selective (the attention core)")
     if recompute not in TRAIN_RECOMPUTE:
         raise ConfigError(f"--recompute must be none or selective, got {recompute!r}")
 

@@ -187,6 +187,7 @@ CASES = [
     ("train", ["--mlp", "relu"], "relu"),
     ("train", ["--positions", "rope", "--rope-theta", "0.5"], "rope_theta"),
     ("train", ["--recompute", "full"], "simulated only"),
+    ("train", ["--recompute", "op"], "simulated only"),
     ("train", ["--watchdog", "-1"], "--watchdog must be a number of seconds >= 0"),
     ("train", ["--watchdog", "nan"], "--watchdog must be a number of seconds >= 0"),
     ("train", ["--watchdog", "1"], "shorter than two heartbeats"),
