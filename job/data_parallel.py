@@ -103,14 +103,17 @@ class Call(NamedTuple):
     group: str = "shard"
 
 
-def collectives(action: Action, plan: DataParallelPlan, fp8_elements: int = 0) -> list[Call]:
+def collectives(action: Action, plan: DataParallelPlan, fp8_elements: int = 0,
+                reduce_bytes: int | None = None) -> list[Call]:
     """Every data-parallel collective `action` issues, in order, in parallel/comm.py's convention (the
     whole buffer for all-reduce, the gathered size for all-gather and reduce-scatter); none over one replica.
     `fp8_elements`: of a gather's elements, the fp8 weights a stack keeping its weights in fp8 gathers at one byte
-    each (Implementation.fp8_param_gather; our executor gathers everything in the compute format)."""
+    each (Implementation.fp8_param_gather; our executor gathers everything in the compute format). `reduce_bytes`:
+    the bytes a gradient element travels in when a stack reduces in another format (Implementation.grad_reduce_fp32;
+    None: the compute format, as our executor)."""
     if plan.dp * plan.replicas == 1:
         return []
-    size = plan.element_bytes
+    size = reduce_bytes or plan.element_bytes  # the gradients' reductions; the gathers move weights
     across = plan.replicas > 1
     if isinstance(action, AllReduceGrads):
         return [Call("all_reduce", action.numel * size)]
@@ -118,7 +121,7 @@ def collectives(action: Action, plan: DataParallelPlan, fp8_elements: int = 0) -
         piece = [Call("all_reduce", action.numel // plan.dp * size, "replicas")] if across else []
         return [Call("reduce_scatter", action.numel * size)] + piece
     if isinstance(action, GatherParams):
-        return [Call("all_gather", weight_bytes(action.numel, fp8_elements, size))]
+        return [Call("all_gather", weight_bytes(action.numel, fp8_elements, plan.element_bytes))]
     if isinstance(action, ReduceTiedGrad):
         tied = Call("all_reduce", action.numel * size)
         return [tied, tied._replace(group="replicas")] if across else [tied]

@@ -103,7 +103,7 @@ FP8_SETTINGS = (("fp8_weight_cache", "fp8 weights cast once a step"), ("fp8_fuse
                 ("fp8_experts", "fp8 grouped experts"), ("fp8_param_gather", "fp8 weights kept and all-gathered in fp8"),
                 ("fp8_recast", "16-bit inputs saved and cast again in the backward"))
 OTHER_SETTINGS = (("wgrad_fusion", "wgrad fused into main_grad"), ("ub_chunks", "userbuffers' GEMMs in chunks"),
-                  ("fused_optimizer", "fused AdamW"),
+                  ("fused_optimizer", "fused AdamW"), ("grad_reduce_fp32", "gradients reduced in fp32"),
                   ("eager", "element-wise ops in eager PyTorch (one kernel per aten op, torchtitan's code)"))
 
 

@@ -102,6 +102,29 @@ def run_simulate(*flags: str) -> dict:
     return json.loads(result.stdout)
 
 
+def test_a_stack_reducing_in_fp32_moves_its_gradients_at_four_bytes_and_its_weights_as_before():
+    """FSDP2's reduce_dtype float32 (torchtitan's only choice, Implementation.grad_reduce_fp32): bf16 training's
+    reduce-scatters and all-reduces at 4 bytes an element, its gathers still at 2."""
+    config = schedule_config(MODEL, Layout(dp=8, zero=3, shard_group=2), 2, "1f1b", 25.0, "bf16")
+    schedule = build_schedule(config)
+    for action in schedule.actions[0]:
+        if isinstance(action, (ReduceScatterGrads, GatherParams)):
+            plain, fp32 = collectives(action, config.plan), collectives(action, config.plan, reduce_bytes=4)
+            factor = 1 if isinstance(action, GatherParams) else 2
+            assert [c.nbytes * factor for c in plain] == [c.nbytes for c in fp32]
+    flags = ["--model", "gpt2-124m", "--dp", "16", "--zero", "3", "--global-batch", "16", "--overlap",
+             "torchtitan-fsdp2", "--elementwise", "fused", "--json"]
+    result = CliRunner().invoke(main, ["simulate", *flags])
+    report = json.loads(result.output)
+    assert report["provenance"]["implementation"]["grad_reduce_fp32"]
+    scatters = {c["bytes"] for c in report["collectives"] if c["kind"] == "reduce_scatter"}
+    gathers = {c["bytes"] for c in report["collectives"] if c["kind"] == "all_gather"}
+    assert scatters and {2 * size for size in gathers} == scatters
+    stated = json.loads(CliRunner().invoke(main, ["simulate", *flags, "--grad-reduce", "compute"]).output)
+    assert not stated["provenance"]["implementation"]["grad_reduce_fp32"]
+    assert stated["breakdown"]["dp_comm"] < report["breakdown"]["dp_comm"]
+
+
 def test_no_resharding_on_8_gpus_gathers_less_and_holds_more():
     flags = ["--model", "gpt2-124m", "--dp", "8", "--zero", "3", "--micro-batches", "4", "--global-batch", "64"]
     plain, kept = run_simulate(*flags), run_simulate(*flags, "--no-reshard-after-forward")

@@ -1,6 +1,6 @@
 """`minigpt simulate`'s flags on how the stack runs its kernels: how it scales its fp8 Linears (--fp8-recipe), whether
-it keeps and all-gathers their weights in fp8 (--fp8-param-gather), and whether its element-wise ops run fused or as
-torchtitan's eager code (--elementwise). Each changes the stack's Implementation (simulator/costs/implementation.py);
+it keeps and all-gathers their weights in fp8 (--fp8-param-gather), whether its element-wise ops run fused or as
+torchtitan's eager code (--elementwise), and the format its gradients are reduced in (--grad-reduce). Each changes the stack's Implementation (simulator/costs/implementation.py);
 a job that cannot run them gets one line before any work."""
 
 from __future__ import annotations
@@ -29,8 +29,16 @@ ELEMENTWISE_HELP = ("How the element-wise ops (norms, rotary positions, SwiGLU, 
                     "--overlap torchtitan-fsdp2 only, its default: torchtitan's training.compile = false).")
 
 
+REDUCE_HELP = ("The format gradients travel in between data-parallel ranks: compute (the precision's: bf16 for bf16 "
+               "training, as our executor and Megatron-core by default) or fp32 (FSDP2's reduce_dtype float32: the "
+               "torchtitan-fsdp2 preset's default; Megatron-core's --accumulate-allreduce-grads-in-fp32) [default: "
+               "the stack's].")
+
+
 def stack_options(function):
-    """--fp8-recipe, --fp8-param-gather and --elementwise."""
+    """--fp8-recipe, --fp8-param-gather, --elementwise and --grad-reduce."""
+    function = click.option("--grad-reduce", "grad_reduce", type=click.Choice(("compute", "fp32")), default=None,
+                            help=REDUCE_HELP)(function)
     function = click.option("--elementwise", type=click.Choice(("fused", "eager")), default=None,
                             help=ELEMENTWISE_HELP)(function)
     function = click.option("--fp8-param-gather", "fp8_param_gather", is_flag=True, help=GATHER_HELP)(function)
@@ -39,15 +47,17 @@ def stack_options(function):
 
 
 def stack_implementation(options: dict, overlap_of: Callable):
-    """The stack's Implementation with its fp8 scaling (--fp8-recipe), fp8 weights (--fp8-param-gather) and
-    element-wise kernels (--elementwise) as asked (None: none asked, the stack's own); `overlap_of()` resolves the
-    stack. One line, before any work, when the job or its stack cannot run them that way."""
-    elementwise = options["elementwise"]
+    """The stack's Implementation with its fp8 scaling (--fp8-recipe), fp8 weights (--fp8-param-gather), element-wise
+    kernels (--elementwise) and gradients' format in the reductions (--grad-reduce) as asked (None: none asked, the
+    stack's own); `overlap_of()` resolves the stack. One line, before any work, when the job or its stack cannot
+    run them that way."""
+    elementwise, reduce = options["elementwise"], options["grad_reduce"]
     implementation = _fp8_implementation(options, overlap_of)
-    if elementwise is None:
+    if elementwise is None and reduce is None:
         return implementation
     if options["sweep"]:
-        raise ConfigError("--sweep simulates our executor: drop --elementwise, or simulate one layout with --overlap")
+        raise ConfigError("--sweep simulates our executor: drop --elementwise and --grad-reduce, or simulate one "
+                          "layout with --overlap")
     from dataclasses import replace
 
     from simulator.engine.overlap import stack_default
@@ -58,7 +68,11 @@ def stack_implementation(options: dict, overlap_of: Callable):
                           f"torchtitan-fsdp2 (the {overlap.name} stack's element-wise ops are its own kernels)")
     implementation = implementation or stack_default(overlap, options["attention"], options["recompute"],
                                                      options["sp_saved_input"])
-    return replace(implementation, eager=elementwise == "eager")
+    if elementwise is not None:
+        implementation = replace(implementation, eager=elementwise == "eager")
+    if reduce is not None:
+        implementation = replace(implementation, grad_reduce_fp32=reduce == "fp32")
+    return implementation
 
 
 def _fp8_implementation(options: dict, overlap_of: Callable):

@@ -55,6 +55,10 @@ class Implementation:
     expert_load       a mixture of experts' routing imbalance: the busiest expert's routed rows over the mean (1.0:
                       balanced), applied to the busiest rank of the expert group (simulator/costs/ops_moe.py's
                       received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls).
+    grad_reduce_fp32  gradients travel between data-parallel ranks in fp32 (FSDP2's MixedPrecisionPolicy with
+                      reduce_dtype float32: torchtitan's only choice, training.mixed_precision_reduce, and NeMo
+                      Automodel's); False: in the precision policy's reduce format (bf16 training: bf16, as our
+                      executor, Megatron-core's default and NeMo's grad_sync_dtype bf16 reduce).
     eager             the element-wise code runs as torchtitan's model writes it in eager PyTorch (torch.compile off):
                       one kernel per aten op, RMSNorm through an fp32 copy, RoPE as complex multiplies, grouped-query
                       keys and values copied to every head (simulator/costs/torchtitan/eager.py); False: one fused
@@ -81,6 +85,7 @@ class Implementation:
     fp8_param_gather: bool = False
     fp8_recast: bool = False
     eager: bool = False
+    grad_reduce_fp32: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -88,7 +93,7 @@ class Implementation:
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
         for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts",
-                     "fp8_param_gather", "fp8_recast", "eager"):
+                     "fp8_param_gather", "fp8_recast", "eager", "grad_reduce_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_choice("--ep-dispatcher", self.dispatcher, DISPATCHERS)
@@ -115,5 +120,5 @@ class Implementation:
                 "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
-                "eager": self.eager,
+                "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -64,7 +64,8 @@ class DataParallelPricer:
 
     def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
                  dp_time: Callable[[str, float, str], float], settings: Overlap, serial: bool, plain: dict,
-                 experts_s: float = 0.0, fp8_gathers: bool = False, fp8_experts: bool = False):
+                 experts_s: float = 0.0, fp8_gathers: bool = False, fp8_experts: bool = False,
+                 reduce_bytes: int | None = None):
         self.units, self.plan, self.zero = chunk_units, plan, zero
         self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
         # each bucket's first tensor (its last gradient in), cut as the plan's buckets (job/layout.py)
@@ -76,6 +77,7 @@ class DataParallelPricer:
         # the routed experts' among them with fp8 grouped experts (`fp8_experts`)
         self.fp8 = _fp8_elements(chunk_units, cuts, zero, fp8_experts) if fp8_gathers else {}
         self.experts_s = experts_s  # expert parallelism's gradient reduction, issued with the optimizer step
+        self.reduce_bytes = reduce_bytes  # a gradient element's bytes in the reductions (None: the compute format's)
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
 
@@ -84,7 +86,7 @@ class DataParallelPricer:
         then the replica group), one after another: `dp_time(kind, bytes, group)` each; the optimizer step's
         with the routed experts' own reduction (`experts_s`: they are in no bucket, job/layout.py's stage_units)."""
         fp8 = self.fp8[action.chunk][action.bucket] if self.fp8 and type(action) is GatherParams else 0
-        calls = tuple(collectives(action, self.plan, fp8))
+        calls = tuple(collectives(action, self.plan, fp8, self.reduce_bytes))
         if calls not in self.timed:
             self.timed[calls] = sum(self.dp_time(kind, nbytes, group) for kind, nbytes, group in calls)
         return self.timed[calls] + (self.experts_s if type(action) is OptimizerStep else 0.0)

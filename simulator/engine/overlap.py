@@ -201,9 +201,11 @@ PRESETS = {
 # save_for_backward(input_hp, weight_hp_t)) and casts them again in the backward; Transformer Engine and our executor
 # save the e4m3 copies. eager: torchtitan's training.compile defaults to false (train_configs/llama3_8b.toml at
 # 9dec370), so its model's element-wise code runs in eager PyTorch (simulator/costs/torchtitan/eager.py);
-# --elementwise fused states a compiled run (one fused kernel an op, as every other stack here).
+# --elementwise fused states a compiled run (one fused kernel an op, as every other stack here). grad_reduce_fp32:
+# torchtitan's FSDP2 reduces gradients in fp32 (training.mixed_precision_reduce, whose only choice is "float32").
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
-                "fp8_amax_group", "fp8_experts", "fp8_recast", "eager")  # the Implementation fields a preset sets
+                "fp8_amax_group", "fp8_experts", "fp8_recast", "eager",
+                "grad_reduce_fp32")  # the Implementation fields a preset sets
 _OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
@@ -213,7 +215,7 @@ STACK_IMPLEMENTATION = {
     "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
                       "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
-                         "fp8_recast": True, "eager": True},
+                         "fp8_recast": True, "eager": True, "grad_reduce_fp32": True},
 }
 
 
