@@ -233,12 +233,12 @@ def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp
 def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
                   pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
                   ep: int = 1, expert_shards: int = 1, fp8_params: str = "none",
-                  fp8_experts: bool = False) -> tuple[StageMemory, ...]:
+                  fp8_experts: bool = False, reduce_bytes: int | None = None) -> tuple[StageMemory, ...]:
     """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
     ZeRO shards over (dp x cp, or a shard group of them), and on ep and the experts' state shards (experts_states)."""
     layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks)
     return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep,
-                        expert_shards, fp8_params, fp8_experts)
+                        expert_shards, fp8_params, fp8_experts, reduce_bytes)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
 
 
@@ -273,11 +273,12 @@ def _check_ends(ends_in_flight, in_flight: list[int]) -> list[tuple[int, int]]:
 
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
            activations: int, prefetch: int, hold: str = "forward", ep: int = 1, expert_shards: int = 1,
-           fp8_params: str = "none", fp8_experts: bool = False) -> StageMemory:
+           fp8_params: str = "none", fp8_experts: bool = False, reduce_bytes: int | None = None) -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given); under expert parallelism the
     experts' part apart (experts_states). `fp8_params` (fp8_params_mode): the fp8 Linears' weights gathered in fp8
     ("gathered": ZeRO-3's gathered units hold them at a byte each) and kept in fp8 ("kept": the weights held too);
-    `fp8_experts`: the routed experts' weights among them (fp8 grouped experts)."""
+    `fp8_experts`: the routed experts' weights among them (fp8 grouped experts); `reduce_bytes`: a gradient
+    element's bytes in the reductions' buffers (Implementation.grad_reduce_fp32; None: the compute format's)."""
     per_param = pol.bytes_per_param()
     e = per_param["compute"]
     zero, dp = layout.effective_zero, layout.data_ranks
@@ -290,13 +291,16 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
     else:
         parts = [zero_states(chunks, zero, dp, bucket_numel, prefetch, hold)]
         held, owned, grads, buffers, numel = parts[0]
-    parameters, comm = held * e, buffers * e
+    reduce_e = reduce_bytes or e  # ZeRO 1-2's buckets and the experts' piece are gradients; ZeRO-3's mixed below
+    parameters, comm = held * e, buffers * reduce_e
     if fp8_params == "kept":  # and under expert parallelism the rank's own experts, whole (experts_states)
         routed = [[[t for t in unit if is_expert_tensor(t)] for unit in chunk] for chunk in experts] if ep > 1 else []
         kept = fp8_weights_held(dense, zero, dp, fp8_experts) + fp8_weights_held(routed, 0, 1, fp8_experts)
         parameters -= kept * (e - FP8_BYTES)
-    if fp8_params != "none" and zero == 3:  # the dense units' gathers (parts[0]'s buffers), fp8 weights a byte each
-        comm += zero3_gather_bytes(dense, dp, prefetch, hold, e, FP8_BYTES, fp8_experts) - parts[0][3] * e
+    if zero == 3 and (fp8_params != "none" or reduce_e != e):  # the dense units' gathers apart from their gradients
+        fp8_bytes = FP8_BYTES if fp8_params != "none" else e  # fp8 weights a byte each where gathered in fp8
+        comm += (zero3_gather_bytes(dense, dp, prefetch, hold, e, fp8_bytes, fp8_experts, reduce_e)
+                 - parts[0][3] * reduce_e)
     return StageMemory(
         parameters=parameters, gradients=grads * per_param["grad"],
         master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
@@ -403,7 +407,8 @@ def predict_memory(
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
                            layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
-                           fp8_experts_kept(pol, implementation))
+                           fp8_experts_kept(pol, implementation),
+                           FORMAT_BYTES["fp32"] if implementation.grad_reduce_fp32 else None)
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):

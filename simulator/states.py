@@ -102,14 +102,15 @@ def zero_states(chunks, zero: int, dp: int, bucket_numel: int, prefetch: int, ho
 
 
 def zero3_gather_bytes(chunks, dp: int, prefetch: int, hold: str, element_bytes: int, fp8_bytes: int,
-                       experts: bool = False) -> int:
+                       experts: bool = False, reduce_bytes: int | None = None) -> int:
     """Peak bytes of ZeRO-3's buffers (zero3_buffers) when the fp8 Linears' weights are gathered in fp8 (`fp8_bytes`
-    each, job/layout.py's is_fp8_weight, the routed experts' with `experts`) and everything else, gradients included,
-    in `element_bytes`."""
+    each, job/layout.py's is_fp8_weight, the routed experts' with `experts`; `element_bytes` to gather them all in the
+    compute format) and everything else in `element_bytes`, the gradients' staging and reduce-scatters in
+    `reduce_bytes` (None: `element_bytes`; 4 when a stack reduces in fp32)."""
     units = [unit for chunk in chunks for unit in chunk]
     sizes = _unit_sizes(units, dp)
     fp8 = [sum(t.numel for t in unit if is_fp8_weight(t, experts)) for unit in units]
-    return zero3_buffers([size * element_bytes for size in sizes], dp, prefetch, hold,
+    return zero3_buffers([size * (reduce_bytes or element_bytes) for size in sizes], dp, prefetch, hold,
                          [(size - f) * element_bytes + f * fp8_bytes for size, f in zip(sizes, fp8)])
 
 

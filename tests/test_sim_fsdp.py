@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from job.data_parallel import collectives, schedule_config
-from job.layout import Layout
+from job.layout import Layout, Tensor
 from job.schedule import GatherParams, ReduceScatterGrads, build_schedule, validate
 from minigpt.config import GPTConfig
 from minigpt.presets import preset
@@ -21,6 +21,7 @@ from minigpt.errors import ConfigError
 from simulator.engine.links import LinkCosts
 from simulator.engine.simulate import simulate_step
 from simulator.memory import predict_memory
+from simulator.states import zero3_buffers, zero3_gather_bytes
 from simulator.network.topology import build_cluster
 
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layers=6, n_heads=2, d_model=32, d_ff=64)
@@ -123,6 +124,13 @@ def test_a_stack_reducing_in_fp32_moves_its_gradients_at_four_bytes_and_its_weig
     stated = json.loads(CliRunner().invoke(main, ["simulate", *flags, "--grad-reduce", "compute"]).output)
     assert not stated["provenance"]["implementation"]["grad_reduce_fp32"]
     assert stated["breakdown"]["dp_comm"] < report["breakdown"]["dp_comm"]
+    # the gradients' staging and reduce-scatters in fp32, the gathered weights in bf16
+    assert stated["memory_per_gpu"]["comm_buffers"] < report["memory_per_gpu"]["comm_buffers"]
+    units = [[[Tensor("a", 300, False)], [Tensor("b", 500, False)], [Tensor("c", 200, False)]]]
+    sizes = [304, 504, 200]  # padded to a multiple of 8 ranks
+    assert zero3_gather_bytes(units, 8, 1, "forward", 2, 2, reduce_bytes=4) == zero3_buffers(
+        [4 * n for n in sizes], 8, 1, "forward", [2 * n for n in sizes])
+    assert zero3_gather_bytes(units, 8, 1, "forward", 2, 2) == 2 * zero3_buffers(sizes, 8, 1, "forward")
 
 
 def test_no_resharding_on_8_gpus_gathers_less_and_holds_more():
