@@ -1,7 +1,8 @@
 """`minigpt simulate`'s flags on how the stack runs its kernels: how it scales its fp8 Linears (--fp8-recipe), whether
 it keeps and all-gathers their weights in fp8 (--fp8-param-gather), whether its element-wise ops run fused or as
-torchtitan's eager code (--elementwise), and the format its gradients are reduced in (--grad-reduce). Each changes the stack's Implementation (simulator/costs/implementation.py);
-a job that cannot run them gets one line before any work."""
+torchtitan's eager code (--elementwise), and the format its gradients are reduced in (--grad-reduce). Each changes
+the stack's Implementation (simulator/costs/implementation.py); a job that cannot run them gets one line before any
+work."""
 
 from __future__ import annotations
 
@@ -49,43 +50,20 @@ def stack_options(function):
 def stack_implementation(options: dict, overlap_of: Callable):
     """The stack's Implementation with its fp8 scaling (--fp8-recipe), fp8 weights (--fp8-param-gather), element-wise
     kernels (--elementwise) and gradients' format in the reductions (--grad-reduce) as asked (None: none asked, the
-    stack's own); `overlap_of()` resolves the stack. One line, before any work, when the job or its stack cannot
-    run them that way."""
-    elementwise, reduce = options["elementwise"], options["grad_reduce"]
-    implementation = _fp8_implementation(options, overlap_of)
-    if elementwise is None and reduce is None:
-        return implementation
-    if options["sweep"]:
-        raise ConfigError("--sweep simulates our executor: drop --elementwise and --grad-reduce, or simulate one "
-                          "layout with --overlap")
-    from dataclasses import replace
-
-    from simulator.engine.overlap import stack_default
-
-    overlap = overlap_of()
-    if elementwise == "eager" and overlap.name.split("+", 1)[0] != "torchtitan-fsdp2":
-        raise ConfigError(f"--elementwise eager describes torchtitan's model code in eager PyTorch: it needs --overlap "
-                          f"torchtitan-fsdp2 (the {overlap.name} stack's element-wise ops are its own kernels)")
-    implementation = implementation or stack_default(overlap, options["attention"], options["recompute"],
-                                                     options["sp_saved_input"])
-    if elementwise is not None:
-        implementation = replace(implementation, eager=elementwise == "eager")
-    if reduce is not None:
-        implementation = replace(implementation, grad_reduce_fp32=reduce == "fp32")
-    return implementation
-
-
-def _fp8_implementation(options: dict, overlap_of: Callable):
-    """The stack's Implementation with --fp8-recipe and --fp8-param-gather as asked (None: neither asked)."""
+    stack's own); `overlap_of()` resolves the stack, once. One line, before any work, when the job or its stack
+    cannot run them that way."""
     recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]
-    if recipe is None and not gather:
+    elementwise, reduce = options["elementwise"], options["grad_reduce"]
+    fp8_flag = f"--fp8-recipe {recipe}" if recipe is not None else "--fp8-param-gather" if gather else None
+    asked = [flag for flag in (fp8_flag, elementwise and f"--elementwise {elementwise}",
+                               reduce and f"--grad-reduce {reduce}") if flag]
+    if not asked:
         return None
-    flag = f"--fp8-recipe {recipe}" if recipe is not None else "--fp8-param-gather"
-    if options["precision"] != "fp8":
-        raise ConfigError(f"{flag} says how fp8 Linears run: it needs --precision fp8")
+    if fp8_flag and options["precision"] != "fp8":
+        raise ConfigError(f"{fp8_flag} says how fp8 Linears run: it needs --precision fp8")
     if options["sweep"]:
-        raise ConfigError(f"--sweep simulates our executor, which scales fp8 from an amax history and gathers its "
-                          f"weights in the compute format: drop {flag}, or simulate one layout without --sweep")
+        raise ConfigError(f"--sweep simulates our executor, with its own kernels, fp8 scaling and reductions: drop "
+                          f"{' and '.join(asked)}, or simulate one layout without --sweep")
     if gather and options["zero"] == 0:
         raise ConfigError("--fp8-param-gather all-gathers the weights in fp8: it needs ZeRO (--zero 1-3: Megatron's "
                           "distributed optimizer, FSDP)")
@@ -94,11 +72,28 @@ def _fp8_implementation(options: dict, overlap_of: Callable):
     from simulator.engine.overlap import stack_default
 
     overlap = overlap_of()
+    if elementwise == "eager" and overlap.preset != "torchtitan-fsdp2":
+        raise ConfigError(f"--elementwise eager describes torchtitan's model code in eager PyTorch: it needs --overlap "
+                          f"torchtitan-fsdp2 (the {overlap.name} stack's element-wise ops are its own kernels)")
     implementation = stack_default(overlap, options["attention"], options["recompute"], options["sp_saved_input"])
+    if fp8_flag:
+        implementation = _with_fp8(implementation, fp8_flag, recipe, gather, overlap.name)
+    if elementwise is not None:
+        implementation = replace(implementation, eager=elementwise == "eager")
+    if reduce is not None:
+        implementation = replace(implementation, grad_reduce_fp32=reduce == "fp32")
+    return implementation
+
+
+def _with_fp8(implementation, flag: str, recipe: str | None, gather: bool, stack: str):
+    """`implementation` scaling its fp8 Linears by `recipe` (None: the stack's) and keeping their weights in fp8
+    when `gather`, or one line when the stack cannot."""
+    from dataclasses import replace
+
     scaling = FP8_RECIPES[recipe] if recipe is not None else implementation.fp8_scaling
     if (scaling != "tensor" or gather) and not implementation.fp8_fused_casts:
         raise ConfigError(f"{flag} needs fused fp8 casts (Transformer Engine's: --overlap megatron-core; torchao's: "
-                          f"torchtitan-fsdp2); the {overlap.name} stack scales from an amax history and gathers its "
+                          f"torchtitan-fsdp2); the {stack} stack scales from an amax history and gathers its "
                           f"weights in the compute format")
     if gather and scaling == "block":
         raise ConfigError("--fp8-param-gather is modelled for per-tensor scaling only (--fp8-recipe delayed or "

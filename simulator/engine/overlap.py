@@ -139,6 +139,11 @@ class Overlap:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ConfigError(f"overlap {key} must be a fraction in [0, 1), got {value!r}")
 
+    @property
+    def preset(self) -> str:
+        """The preset this overlap comes from ("<preset>+custom" when a setting was changed: that preset)."""
+        return self.name.split("+", 1)[0]
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -228,8 +233,7 @@ def overlap_preset(name: str) -> Overlap:
 
 def stack_implementation(overlap: Overlap | str) -> dict:
     """The implementation choices of the stack an overlap (or preset name) comes from ("<preset>+custom": its preset's)."""
-    name = overlap.name if isinstance(overlap, Overlap) else overlap
-    base = name.split("+", 1)[0]
+    base = overlap.preset if isinstance(overlap, Overlap) else Overlap(name=overlap).preset
     if base not in STACK_IMPLEMENTATION:
         raise ConfigError(f"unknown overlap preset {base!r}: choose one of {', '.join(PRESETS)}")
     chosen = dict(STACK_IMPLEMENTATION[base])
