@@ -9,54 +9,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from cli.commands.simulate import simulate
 from cli.main import Group
 from job.layout import Layout
+from kernels import Kernels
 from minigpt.presets import build_config
 from precision.policy import policy
 from simulator.costs.torchtitan import eager
 from simulator.costs.op_types import Implementation
 from simulator.costs.ops import block_ops
 
-# aten ops that make no kernel: views, and the lazy conjugate (a bit on the tensor, made real by the next op's copy)
-VIEWS = {"view", "_unsafe_view", "transpose", "t", "expand", "unsqueeze", "view_as_complex", "view_as_real",
-         "_reshape_alias", "permute", "alias", "detach", "squeeze", "_conj"}
 B, S, HEADS, KV, HD, D, FF, VOCAB = 2, 16, 4, 2, 8, 32, 48, 40
-
-
-def _bytes(t: torch.Tensor) -> int:
-    """A tensor's bytes as a kernel touches them: a broadcast (stride 0) dimension once."""
-    n = 1
-    for size, stride in zip(t.shape, t.stride()):
-        n *= size if stride else 1
-    return n * t.element_size()
-
-
-class _Kernels(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func._schema.name.split("::")[1]
-        if name not in VIEWS:
-            ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            outs = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
-            self.seen.append((name, sum(map(_bytes, ins)), sum(map(_bytes, outs))))
-        return out
 
 
 def _run(fn, inputs):
     """(forward kernels, backward kernels) of fn(*inputs), every input differentiated (no accumulation kernels)."""
-    with _Kernels() as forward:
+    with Kernels() as forward:
         outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     grads = [torch.ones_like(o) for o in outs]
-    with _Kernels() as backward:
+    with Kernels() as backward:
         torch.autograd.grad(outs, inputs, grads)
     return forward.seen, backward.seen
 
