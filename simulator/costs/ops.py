@@ -252,10 +252,10 @@ def _norm(rec: Recorder, name: str, inp: str, out: str, out_bytes: int | None = 
     rows = sh.residual_rows
     rec.tensor(out, rows * sh.d * sh.e if out_bytes is None else out_bytes)
     stats = rec.tensor(f"{name}.statistics", rows * sh.norm_statistics * FP32, small=True)
-    if _eager_rmsnorm(sh):  # torchtitan's RMSNorm in eager PyTorch (simulator/costs/torchtitan/eager.py)
-        copy, rsqrt, normalised = eager.rmsnorm_saved(rows, sh.d, sh.e)
-        saved = (rec.tensor(f"{name}.input_fp32", copy), rec.tensor(f"{name}.rsqrt", rsqrt, small=True),
-                 rec.tensor(f"{name}.normalised", normalised))
+    if _eager_rmsnorm(sh):  # torchtitan's RMSNorm in eager PyTorch (simulator/costs/torchtitan/eager.py): it saves
+        # the fp32 copy of its input, the statistic (its rsqrt) and the 16-bit normalised output
+        saved = (rec.tensor(f"{name}.input_fp32", rows * sh.d * FP32), stats,
+                 rec.tensor(f"{name}.normalised", rows * sh.d * sh.e))
         rec.kernels(name, eager.rmsnorm_forward(rows, sh.d, sh.e), saves=saved)
         return
     rec.mem(name, (inp,), (out, stats), saves=(inp, stats))

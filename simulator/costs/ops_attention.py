@@ -63,8 +63,8 @@ def _rotated_elements(sh) -> tuple[int, int]:
 
 
 def _eager_table(sh) -> int:
-    """torchtitan's frequencies: s x head_dim / 2 complex64 numbers."""
-    return sh.s * sh.head_dim // 2 * 2 * FP32
+    """torchtitan's frequencies: s x head_dim / 2 complex64 numbers of two fp32 each."""
+    return sh.s * sh.head_dim * FP32
 
 
 def _repeated_kv(sh) -> tuple[int, int]:

@@ -41,11 +41,6 @@ def rmsnorm_forward(rows: int, width: int, e: int) -> Kernels:
             ("mul_weight", (n + width) * e, n * e)]
 
 
-def rmsnorm_saved(rows: int, width: int, e: int) -> tuple[int, int, int]:
-    """Bytes eager RMSNorm saves: the fp32 input (pow and the multiply by rsqrt), rsqrt, the normalised output."""
-    return rows * width * FP32, rows * FP32, rows * width * e
-
-
 def rmsnorm_backward(rows: int, width: int, e: int) -> Kernels:
     n, r = rows * width, rows * FP32
     return [("weight_grad_mul", 2 * n * e, n * e), ("input_grad_mul_weight", (n + width) * e, n * e),
