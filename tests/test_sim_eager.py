@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from cli.commands.simulate import simulate
 from cli.main import Group
 from job.layout import Layout
-from kernels import Kernels
+from dispatched_kernels import Kernels
 from minigpt.presets import build_config
 from precision.policy import policy
 from simulator.costs.torchtitan import eager

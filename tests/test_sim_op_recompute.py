@@ -17,7 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from cli.main import Group
 from cli.commands.simulate import simulate
 from job.layout import Layout
-from kernels import Kernels
+from dispatched_kernels import Kernels
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import policy

@@ -1,6 +1,7 @@
 """The kernels torch launches for a piece of code, seen through a dispatch mode: each aten op that is not a view, with
 the bytes it reads and writes and the shapes it makes. The simulator's kernel lists are checked against it
-(tests/test_sim_eager.py, tests/test_sim_op_recompute.py)."""
+(tests/test_sim_eager.py, tests/test_sim_op_recompute.py). Named apart from the `kernels` package, which
+transformers imports: tests/ is on sys.path under pytest."""
 
 from __future__ import annotations
 
