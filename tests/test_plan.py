@@ -247,3 +247,51 @@ def test_a_bad_ep_is_one_line_and_exit_code_2(args, words):
     result = invoke(*args)
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and words in lines[0], result.output
+
+
+@pytest.fixture(scope="module", params=["torchtitan-fsdp2", "megatron-core"])
+def stack_brute_force(request):
+    """A Llama 3 of 8 blocks on 8 H100s under a stack's preset: every candidate simulated under it."""
+    overlap = request.param
+    model, spec = build_config("llama3-8b", n_layers=8, seq_len=2048), ClusterSpec.of("h100-sxm")
+    cluster = spec.build(8)
+    candidates, _ = enumerate_candidates(model, 8, spec.gpus_per_node, 8, op_recompute=overlap == "torchtitan-fsdp2")
+    bound = StepBound(model, cluster, spec.hardware, "bf16", overlap=overlap)
+    rows = []
+    for c in candidates:
+        result = simulate_candidate(model, c, cluster, spec, "bf16", 8, overlap=overlap)
+        memory = candidate_memory(model, c, "bf16", spec.hardware.gpu, overlap=overlap)
+        assert memory.total == result.memory.total, c.describe()  # the check plan makes is simulate_step's
+        if result.fits:
+            rows.append((c, result.step_time_s, bound.seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch,
+                                                              c.recompute, result.memory)))
+    return overlap, model, spec, rows
+
+
+def test_a_stack_preset_plans_as_it_simulates_and_finds_the_brute_force_minimum(stack_brute_force):
+    overlap, model, spec, rows = stack_brute_force
+    assert all(0 < low <= step for _, step, low in rows), max(low / step for _, step, low in rows)
+    op = [c for c, _, _ in rows if c.recompute == "op"]
+    if overlap == "torchtitan-fsdp2":  # torchtitan's op policy searched where it is described: tp 1, cp 1
+        assert op and all(c.tp == 1 and c.cp == 1 for c in op)
+        assert any(c.tp > 1 for c, _, _ in rows)
+    else:
+        assert not op
+    found = plan(model, 8, spec, 8, top=3, overlap=overlap)
+    assert found.overlap == overlap and found.fitting == len(rows)
+    assert [r.step_time_s for _, r, _ in found.best] == sorted(step for _, step, _ in rows)[:3]
+    # the stack changes the answer: the same candidates under our executor's overlap price otherwise
+    executor = plan(model, 8, spec, 8, top=3)
+    assert [r.step_time_s for _, r, _ in executor.best] != [r.step_time_s for _, r, _ in found.best]
+
+
+def test_plan_names_the_stack_and_refuses_an_unknown_one():
+    base = ["--model", "tiny-llama", "--gpus", "8", "--gpu", "h100-sxm", "--dropout", "0"]
+    done = invoke(*base, "--overlap", "torchtitan-fsdp2", "--json")
+    assert done.exit_code == 0, done.output
+    data = json.loads(done.output)
+    assert data["overlap"] == "torchtitan-fsdp2"
+    text = invoke(*base, "--overlap", "megatron-core").output
+    assert "the megatron-core stack" in text
+    bad = invoke(*base, "--overlap", "deepspeed")
+    assert bad.exit_code == 2 and "deepspeed" in bad.output and "Traceback" not in bad.output

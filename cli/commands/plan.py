@@ -8,7 +8,9 @@ servers). The global batch defaults to one sequence per GPU, so every dp divides
 searched too (simulator/search/plan.py's MIN_CP_CHUNK says how far); when no layout fits without it,
 one line says which cp the job needs at the least. For a mixture of experts expert parallelism is searched (every
 divisor of dp that divides the experts; --ep fixes it) and --expert-load prices a routing imbalance
-(cli/options/experts.py), the same for every candidate.
+(cli/options/experts.py), the same for every candidate. --overlap names the stack the job runs on, as `simulate`'s
+does (its overlap and its own implementation: Megatron-core's fused casts and weight-gradient fusion, torchtitan's
+eager element-wise code and fp32 reductions); under torchtitan-fsdp2 its selective op recompute is searched too.
 
 --plot FILE.png draws the listed layouts (cli/tools/plots.py), the path checked before the search.
 
@@ -34,6 +36,7 @@ from cli.options.precision import precision_option, simulated_precision
 from cli.commands.simulate import _hardware, parameter_count
 from cli.tools.plots import check_png
 from minigpt.errors import ConfigError, check_positive_int
+from simulator.engine.overlap import PRESETS as OVERLAP_PRESETS
 
 GIB = 2**30
 
@@ -94,7 +97,8 @@ def _print(result) -> None:
     click.echo("")
     click.echo(format_table(["why the others lost", "layouts"], _why_rows(result)))
     seconds = sum(result.seconds.values())
-    click.echo(f"step times: simulate_step (flash attention, our executor's overlap) for {len(result.simulated):,} of "
+    stack = "our executor's overlap" if result.overlap == "executor" else f"the {result.overlap} stack"
+    click.echo(f"step times: simulate_step (flash attention, {stack}) for {len(result.simulated):,} of "
                f"the {result.fitting:,} layouts that fit, in increasing order of a lower bound on their step "
                f"(simulator/search/bound.py) until it passed the slowest of the {result.top} best; memory checked for all; "
                f"{seconds:.1f} s")
@@ -119,6 +123,10 @@ def _spec(options: dict):
 @expert_load_option
 @ep_dispatcher_option
 @precision_option
+@click.option("--overlap", type=click.Choice(list(OVERLAP_PRESETS)), default="executor", show_default=True,
+              help="The stack every candidate runs on, as `minigpt simulate --overlap` takes it (executor, "
+                   "megatron-2021, overlapped, megatron-core, torchtitan-fsdp2): what hides what, and the stack's own "
+                   "implementation; torchtitan-fsdp2 also searches --recompute op where it is described.")
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
 @cluster_options()
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the listed layouts' step time and memory per GPU "
@@ -150,7 +158,7 @@ def plan(**options) -> None:
         result = search(model, options["gpus"], spec, options["global_batch"] or options["gpus"],
                         options["precision"], options["top"], options["micro_batch_size"], options["micro_batches"],
                         progress=tick, cp=options["cp"], ep=options["ep"], expert_load=load,
-                        dispatcher=options["ep_dispatcher"])
+                        dispatcher=options["ep_dispatcher"], overlap=options["overlap"])
     if result.expert_load != load:
         load_from += f"; {load:.3g} capped at the capacity factor {model.capacity_factor:g}"
     result.expert_load_from = load_from

@@ -95,12 +95,12 @@ class StepBound:
     shared by every candidate that differs from it only in ZeRO stage or schedule kind."""
 
     def __init__(self, model: GPTConfig, cluster: Cluster, hardware: Hardware, precision: str,
-                 expert_load: float = 1.0, dispatcher: str = "alltoall") -> None:
+                 expert_load: float = 1.0, dispatcher: str = "alltoall", overlap: str = "executor") -> None:
         self.model, self.cluster, self.hardware, self.precision = model, cluster, hardware, precision
         self.expert_load = expert_load  # a MoE's routing imbalance, as simulate_step is given it
         self.dispatcher = dispatcher  # how its rows travel (Implementation.dispatcher)
         self.policy = precision_policy(precision)
-        self.settings = resolve_overlap(None)  # simulate_step's default: our executor
+        self.settings = resolve_overlap(overlap)  # a preset, as simulate_step is given it (default: our executor)
         self.stack = stack_implementation(self.settings)  # its Implementation fields
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
         self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision

@@ -18,8 +18,10 @@ Every candidate:
           --micro-batches asks for);
   schedule  1f1b; interleaved with INTERLEAVED_CHUNKS virtual chunks where the micro-batches are a
           multiple of pp and every chunk gets a block (pp 1: 1f1b only);
-  recompute none, selective, full;
-with flash attention and our executor's overlap, as `minigpt simulate` defaults to, and a MoE's routing imbalance
+  recompute none, selective, full; and torchtitan's selective op policy ("op") under the torchtitan-fsdp2 stack,
+          where it is described (a dense bias-free model without dropout, 16-bit, tp 1 and cp 1);
+with flash attention and the overlap preset asked for (our executor's by default, as `minigpt simulate`: every
+preset with its stack's own implementation, simulator/engine/overlap.py's stack_default), and a MoE's routing imbalance
 as --expert-load gives it (1.0: balanced; the memory check, the bound and every simulation price the same). A candidate
 beyond simulator/limits.py's schedule slots or ZeRO-3 gathers is refused, as the interleaved
 schedule is where it cannot run: both are counted.
@@ -42,15 +44,16 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from minigpt.config import RECOMPUTE_MODES, GPTConfig
+from minigpt.config import OP_RECOMPUTE, RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
+from precision.policy import policy as precision_policy
 from job.train_config import check_context_parallel, check_expert_parallel, routing_ranks, shape_allows
-from simulator.costs.implementation import Implementation
 from simulator.engine.experts import check_dispatcher, check_expert_load
+from simulator.engine.overlap import overlap_preset, stack_default
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
@@ -152,24 +155,25 @@ def micro_batch_sizes(per_replica: int, size: int | None, count: int | None) -> 
     return [s for s in MICRO_BATCH_SIZES if per_replica % s == 0]
 
 
-def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter) -> list[tuple[str, int]]:
-    """(kind, virtual chunks) searched; a refused interleaved schedule counts once per recompute mode."""
+def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter, modes: int) -> list[tuple[str, int]]:
+    """(kind, virtual chunks) searched; a refused interleaved schedule counts once per recompute mode (`modes`)."""
     if pp == 1:
         return [("1f1b", 1)]
     if m % pp:
-        refused["interleaved_micro_batches"] += len(RECOMPUTE_MODES)
+        refused["interleaved_micro_batches"] += modes
         return [("1f1b", 1)]
     if pp * INTERLEAVED_CHUNKS > model.n_layers:
-        refused["interleaved_layers"] += len(RECOMPUTE_MODES)
+        refused["interleaved_layers"] += modes
         return [("1f1b", 1)]
     return [("1f1b", 1), ("interleaved", INTERLEAVED_CHUNKS)]
 
 
 def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, global_batch: int,
                          micro_batch: int | None = None, micro_batches: int | None = None, cp: int | None = None,
-                         ep: int | None = None) -> tuple[list[Candidate], Counter]:
+                         ep: int | None = None, op_recompute: bool = False) -> tuple[list[Candidate], Counter]:
     """Every candidate of the module docstring, and the refusals counted by REFUSALS key; `cp` fixes context
-    parallelism, `ep` expert parallelism (None: searched)."""
+    parallelism, `ep` expert parallelism (None: searched); `op_recompute`: recompute "op" searched too, where tp and cp
+    are 1 (op_recompute_modes)."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
         for cp_size in context_parallel_options(model, n_gpus, tp, sp, cp):
@@ -180,43 +184,58 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                     continue
                 for size in micro_batch_sizes(global_batch // dp, micro_batch, micro_batches):
                     for ep_size in expert_parallel_options(model, routing_ranks(dp, cp_size, tp, sp), ep):
+                        modes = recompute_modes(op_recompute and tp == 1 and cp_size == 1)
                         out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused,
-                                          ep_size)
+                                          ep_size, modes)
     return out, refused
 
 
+def recompute_modes(op: bool) -> tuple[str, ...]:
+    """The recompute modes searched: none, selective, full, and torchtitan's op policy where `op`."""
+    return RECOMPUTE_MODES + ((OP_RECOMPUTE,) if op else ())
+
+
+def op_recompute_searched(model: GPTConfig, precision: str, overlap: str) -> bool:
+    """Whether plan searches recompute "op": under the stack whose policy it is (torchtitan-fsdp2), for a shape and
+    precision it is described for (minigpt/config.py's op_recompute_refusal; 16-bit Linears); tp and cp are the
+    candidate's (enumerate_candidates)."""
+    return (overlap_preset(overlap).preset == "torchtitan-fsdp2" and model.op_recompute_refusal() is None
+            and not precision_policy(precision).fp8_linears)
+
+
 def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,
-               refused: Counter, ep: int = 1) -> list[Candidate]:
-    """The candidates of one mesh and micro-batching: every ZeRO stage, schedule and recompute mode."""
+               refused: Counter, ep: int = 1, modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[Candidate]:
+    """The candidates of one mesh and micro-batching: every ZeRO stage, schedule and recompute mode of `modes`."""
     out = []
     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-        for schedule, v in _schedules(model, pp, m, refused):
+        for schedule, v in _schedules(model, pp, m, refused, len(modes)):
             if schedule_slots(pp, v, m) > MAX_SCHEDULE_SLOTS:
-                refused["schedule_slots"] += len(RECOMPUTE_MODES)
+                refused["schedule_slots"] += len(modes)
                 continue
             if zero3_gathers(zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
-                refused["zero3_gathers"] += len(RECOMPUTE_MODES)
+                refused["zero3_gathers"] += len(modes)
                 continue
-            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp, ep)
-                    for recompute in RECOMPUTE_MODES]
+            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp, ep) for recompute in modes]
     return out
 
 
 def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu: GPUSpec,
-                     expert_load: float = 1.0) -> MemoryEstimate:
-    """predict_memory exactly as simulate_step calls it for this candidate (its schedule's in-flight micro-batches)."""
+                     expert_load: float = 1.0, overlap: str = "executor") -> MemoryEstimate:
+    """predict_memory exactly as simulate_step calls it for this candidate (its schedule's in-flight micro-batches)
+    under the `overlap` preset's stack."""
     c = candidate
     shape = schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks)
+    implementation = replace(stack_default(overlap, "flash", c.recompute, "gathered"), expert_load=expert_load)
     return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, list(shape.in_flight),
-                          implementation=Implementation(recompute=c.recompute, expert_load=expert_load),
-                          ends_in_flight=shape.ends)
+                          implementation=implementation, ends_in_flight=shape.ends)
 
 
 def simulate_candidate(model: GPTConfig, candidate: Candidate, cluster, spec: ClusterSpec, precision: str,
-                       global_batch: int, expert_load: float = 1.0, dispatcher: str = "alltoall") -> SimResult:
+                       global_batch: int, expert_load: float = 1.0, dispatcher: str = "alltoall",
+                       overlap: str = "executor") -> SimResult:
     c = candidate
     return simulate_step(model, c.layout, cluster, precision, global_batch, c.micro_batch, c.schedule,
-                         c.virtual_chunks, c.recompute, gpu=spec.hardware, expert_load=expert_load,
+                         c.virtual_chunks, c.recompute, gpu=spec.hardware, overlap=overlap, expert_load=expert_load,
                          ep_dispatcher=dispatcher)
 
 
@@ -243,6 +262,7 @@ class Plan:
     expert_load_from: str = "balanced (the default)"  # where that number comes from (the command line says)
     fixed_ep: int | None = None  # expert parallelism as asked for (None: searched)
     dispatcher: str = "alltoall"  # how a MoE's rows travel (Implementation.dispatcher)
+    overlap: str = "executor"  # the overlap preset, and its stack's implementation (simulator/engine/overlap.py)
 
     @property
     def context_note(self) -> str | None:
@@ -272,7 +292,8 @@ class Plan:
         smallest = self.smallest_too_big
         return {
             "n_gpus": self.n_gpus, "gpu": self.gpu, "memory_capacity_bytes": self.capacity,
-            "global_batch": self.global_batch, "precision": self.precision, "model": self.model.describe(),
+            "global_batch": self.global_batch, "precision": self.precision, "overlap": self.overlap,
+            "model": self.model.describe(),
             "smallest_cp_that_fits": self.smallest_cp, "context_parallelism_note": self.context_note,
             **({"expert_load": self.expert_load, "expert_load_from": self.expert_load_from, "ep_dispatcher": self.dispatcher,
                 "expert_parallelism": self.expert_note} if self.model.is_moe else {}),
@@ -314,10 +335,10 @@ def _check(model: GPTConfig, n_gpus: int, global_batch: int, top: int) -> None:
 def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, precision: str = "bf16",
          top: int = 5, micro_batch: int | None = None, micro_batches: int | None = None,
          progress: Callable[[str, int, int], None] | None = None, cp: int | None = None, ep: int | None = None,
-         expert_load: float = 1.0, dispatcher: str = "alltoall") -> Plan:
+         expert_load: float = 1.0, dispatcher: str = "alltoall", overlap: str = "executor") -> Plan:
     """The `top` fastest candidates that fit (see the module docstring); `progress(stage, done, total)`;
     `cp` fixes context parallelism, `ep` expert parallelism (None: searched); `expert_load`: a MoE's routing
-    imbalance (simulator/engine/experts.py)."""
+    imbalance (simulator/engine/experts.py); `overlap`: a preset of simulator/engine/overlap.py, with its stack."""
     _check(model, n_gpus, global_batch, top)
     if cp is not None:
         check_context_parallel(model, cp)  # one line for a cp the sequence cannot take at all
@@ -329,12 +350,13 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
                           "ranks share its cores; simulate its layouts one by one with `minigpt simulate`")
     cluster = spec.build(n_gpus)  # whole servers, or one error line
     clock = time.perf_counter()
+    op = op_recompute_searched(model, precision, overlap)
     candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
-                                               micro_batches, cp, ep)
+                                               micro_batches, cp, ep, op)
     gpu = spec.hardware.gpu
     result = Plan(model, n_gpus, spec.hardware.name, gpu.hbm_bytes, global_batch, precision, top,
                   candidates=len(candidates) + sum(refused.values()), refused=dict(refused), expert_load=expert_load,
-                  fixed_ep=ep, dispatcher=dispatcher)
+                  fixed_ep=ep, dispatcher=dispatcher, overlap=overlap)
     if not candidates:
         raise ConfigError(f"no layout of {n_gpus} GPUs runs a global batch of {global_batch}"
                           f"{' with the micro-batching asked for' if micro_batch or micro_batches else ''}"
@@ -342,7 +364,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
                           f"within simulator/limits.py: give a global batch that is a multiple of the GPU count")
     fitting = []
     for index, candidate in enumerate(candidates):
-        memory = candidate_memory(model, candidate, precision, gpu, expert_load)
+        memory = candidate_memory(model, candidate, precision, gpu, expert_load, overlap)
         if memory.fits:
             fitting.append((candidate, memory))
         else:
@@ -365,7 +387,7 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
     builds the schedule) only when the candidate reaches the front, which then goes back in line."""
     clock = time.perf_counter()
     model, precision = result.model, result.precision
-    bound = StepBound(model, cluster, spec.hardware, precision, result.expert_load, result.dispatcher)
+    bound = StepBound(model, cluster, spec.hardware, precision, result.expert_load, result.dispatcher, result.overlap)
     line = [(bound.compute_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory), 0, i)
             for i, (c, memory) in enumerate(fitting)]
     heapq.heapify(line)
@@ -381,7 +403,7 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
             heapq.heappush(line, (max(low, dp), 1, index))
             continue
         simulated = simulate_candidate(model, candidate, cluster, spec, precision, result.global_batch,
-                                       result.expert_load, result.dispatcher)
+                                       result.expert_load, result.dispatcher, result.overlap)
         if not simulated.fits:  # predict_memory disagrees with itself: a bug, not an answer
             raise RuntimeError(f"{candidate.describe()}: the memory check said it fits, simulate_step says not")
         result.simulated.append((candidate, simulated.step_time_s, low))
