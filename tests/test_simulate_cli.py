@@ -184,7 +184,6 @@ def test_the_stack_presets_run_and_say_so():
     (["--dp-overlap", "sometimes"], "Invalid value for '--dp-overlap'"),
     (["--zero3-prefetch", "-1"], "Invalid value for '--zero3-prefetch'"),
     (["--sp-saved-input", "both"], "Invalid value for '--sp-saved-input'"),
-    (["--sweep", "--gpus", "8,16", "--global-batch", "64", "--attention", "unfused"], "--sweep simulates our executor"),
 ])
 def test_bad_cost_model_values_are_one_line_and_exit_code_2(args, message):
     result = invoke("--model", "gpt2-124m", *args)

@@ -95,11 +95,17 @@ def _mesh(options: dict) -> str:
 
 
 def _job(options: dict, model, zero: int):
+    """The job of a sweep, on the stack the flags name (--overlap and the flags that change one of its settings,
+    --attention, --sp-saved-input, the stack's kernel flags: cli/options/stack.py)."""
+    from simulator.engine.overlap import stack_default
     from simulator.search.sweep import Job
 
+    overlap = _overlap(options)
+    implementation = options["implementation"] or stack_default(overlap, options["attention"], options["recompute"],
+                                                                options["sp_saved_input"])
     return Job(model, options["precision"], options["global_batch"] or 0, options["micro_batch"], zero,
                options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"],
-               cp=options["cp"], cp_kind=options["cp_kind"])
+               cp=options["cp"], cp_kind=options["cp_kind"], overlap=overlap, implementation=implementation)
 
 
 def _overlap(options: dict):
@@ -164,9 +170,6 @@ def run_sweep(options: dict) -> dict:
     if options["tp_overlap_cfg"]:
         raise ConfigError("--sweep simulates our executor, which has no userbuffers: drop --tp-overlap-cfg, or "
                           "simulate one layout without --sweep")
-    if options["attention"] != "flash" or options["sp_saved_input"] != "gathered" or _overlap(options).name != "executor":
-        raise ConfigError("--sweep simulates our executor (flash attention, its overlap): drop --attention, "
-                          "--sp-saved-input and the overlap flags, or simulate one layout without --sweep")
     if not options["gpus"]:
         raise ConfigError("--sweep needs the GPU counts: e.g. --gpus 8,16,32,64")
     try:
@@ -254,8 +257,9 @@ def _print_sweep(report: dict) -> None:
     from simulator.search.sweep import zero_verdict
 
     sweep = report["sweep"]
+    stack = _stack(sweep)["overlap"]["name"]
     click.echo(f"{sweep.scaling} scaling of a {parameter_count(report['model'].n_params())}-parameter GPT "
-               f"(best layout at each GPU count unless --tp/--pp fix it)")
+               f"(best layout at each GPU count unless --tp/--pp fix it), overlap {stack}")
     click.echo(format_table(rep.SWEEP_HEADERS, rep.sweep_rows(sweep)))
     click.echo(sweep.verdict())
     if report["zero"]:
@@ -276,6 +280,12 @@ def _print_sweep(report: dict) -> None:
         click.echo(f"with failures, checkpoints and restarts: {with_failures.verdict()}")
 
 
+def _stack(sweep) -> dict:
+    """The overlap and implementation every point of a sweep ran with (its first point's provenance)."""
+    provenance = sweep.points[0].result.provenance
+    return {"overlap": provenance["overlap"], "implementation": provenance["implementation"]}
+
+
 def _json(report: dict) -> dict:
     extra = {"plot": report["plot"]} if "plot" in report else {}
     if "result" in report:
@@ -284,7 +294,8 @@ def _json(report: dict) -> dict:
         return {**report["result"].as_dict(), "cluster": report["cluster"], **moe, **campaign, **extra}
     from simulator.search.sweep import zero_verdict
 
-    data = {"sweep": report["sweep"].as_dict(), "parameters": parameter_counts(report["model"]), **extra}
+    data = {"sweep": report["sweep"].as_dict(), **_stack(report["sweep"]), "parameters": parameter_counts(report["model"]),
+            **extra}
     if "campaign_sweep" in report:
         with_failures, campaigns = report["campaign_sweep"]
         data["campaign_sweep"] = {"sweep": with_failures.as_dict(), "campaigns": {str(n): c for n, c in

@@ -61,9 +61,6 @@ def stack_implementation(options: dict, overlap_of: Callable):
         return None
     if fp8_flag and options["precision"] != "fp8":
         raise ConfigError(f"{fp8_flag} says how fp8 Linears run: it needs --precision fp8")
-    if options["sweep"]:
-        raise ConfigError(f"--sweep simulates our executor, with its own kernels, fp8 scaling and reductions: drop "
-                          f"{' and '.join(asked)}, or simulate one layout without --sweep")
     if gather and options["zero"] == 0:
         raise ConfigError("--fp8-param-gather all-gathers the weights in fp8: it needs ZeRO (--zero 1-3: Megatron's "
                           "distributed optimizer, FSDP)")

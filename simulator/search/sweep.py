@@ -23,9 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from minigpt.config import GPTConfig
+from minigpt.config import OP_RECOMPUTE, GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.compute import EfficiencyProfile
+from simulator.costs.implementation import Implementation
+from simulator.engine.overlap import Overlap, resolve_overlap, stack_default
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
@@ -94,19 +96,27 @@ class Job:
     profile: EfficiencyProfile | None = None
     cp: int = 1  # kept at every point of a sweep
     cp_kind: str = "ring"
+    overlap: Overlap | str | None = None  # the stack's overlap (simulator/engine/overlap.py; None: our executor's)
+    implementation: Implementation | None = None  # how its blocks are computed (None: the overlap's stack_default)
 
     def simulate(self, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
                  global_batch: int | None = None) -> SimResult:
         return simulate_step(self.model, layout, cluster, self.precision, global_batch or self.global_batch,
                              self.micro_batch, self.schedule, self.virtual_chunks, self.recompute, self.profile,
-                             gpu=hardware)
+                             gpu=hardware, overlap=self.overlap, implementation=self.stack)
+
+    @property
+    def stack(self) -> Implementation:
+        """How the blocks are computed: as given, or the overlap's stack with this job's recompute."""
+        return self.implementation or stack_default(resolve_overlap(self.overlap), "flash", self.recompute, "gathered")
 
 
 def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: int,
                       tp: int | None = None, pp: int | None = None) -> list[Layout]:
-    """Every tp x cp x pp x dp layout of n_gpus this job can run (tp or pp fixed when given; cp the job's)."""
+    """Every tp x cp x pp x dp layout of n_gpus this job can run (tp or pp fixed when given; cp the job's; tp 1 under
+    torchtitan's op recompute, which is described without tensor parallelism)."""
     model, out, cp = job.model, [], job.cp
-    per_server = min(n_gpus, gpus_per_node)  # a tp group must sit inside one server
+    per_server = 1 if job.recompute == OP_RECOMPUTE else min(n_gpus, gpus_per_node)  # a tp group inside one server
     for t in [tp] if tp else [t for t in range(1, per_server + 1) if n_gpus % t == 0 and per_server % t == 0]:
         if n_gpus % (t * cp) or not shape_allows(model, t, job.sequence_parallel, cp, job.cp_kind):
             continue
@@ -141,7 +151,8 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     gpu = spec.hardware.gpu
     fitting, smallest = [], None
     for layout in layouts:
-        states = predict_memory(job.model, layout, job.precision, job.micro_batch, job.recompute, gpu)
+        states = predict_memory(job.model, layout, job.precision, job.micro_batch, job.recompute, gpu,
+                                implementation=job.stack)
         if states.model_states > gpu.hbm_bytes:  # cannot fit whatever the schedule: skip the replay
             smallest = min(smallest or (states.total, layout), (states.total, layout), key=lambda x: x[0])
             continue
