@@ -38,7 +38,8 @@ the backward (TE's bulk overlap hides that gather behind the input-gradient GEMM
 same yaml's ub_tp_comm_overlap_cfg (bench/dgxc_gpt3_175b_userbuffers.json: proj's and fc2's forward GEMMs on the 108
 and 112 SMs their pipelined reduce-scatters leave): settings of the run and its stack, not fitted numbers.
 `--table dgxc-v25.02`: the same benchmark's next release ("dgxc_gpt3_175b_h100_v25_02": NeMo 24.12, 6 virtual
-chunks, cuDNN's attention), simulated the same way with its 6 chunks: how far the published figure itself moves
+chunks, cuDNN's attention), simulated the same way with its 6 chunks and `--attention-kernel cudnn` (the row's
+"attention_kernel", as its NVTE_FUSED_ATTN=1 says; v25.01's rows run flash-attn): how far the published figure itself moves
 with the software on the same GPUs and layout. The acceptance table stays v25.01's.
 
 `--implied-rate`: what the simulator's error on these runs looks like, as one number per run (a diagnosis, not a fit:
@@ -62,7 +63,8 @@ over the published tokens/s per GPU, and the published peak reserved memory stan
 source, the recipe its settings come from and what it assumes), each simulated with the run's own layout (tp,
 pp, virtual chunks, ep, dp, ZeRO-1 for Megatron's distributed optimizer or ZeRO-3 for FSDP), micro- and global
 batch, recomputation and precision, on the preset of its GPU, with the overlap preset of its stack
-("megatron-core" for Megatron-Core and Megatron-Bridge runs, "torchtitan-fsdp2" for PyTorch FSDP2 ones). The
+("megatron-core" for Megatron-Core and Megatron-Bridge runs, "torchtitan-fsdp2" for PyTorch FSDP2 ones) and the
+attention kernel its source implies (the table's "attention": cuDNN's where Transformer Engine chooses on H100). The
 published step time is the source's own (a step time, or the global batch's tokens over the published tokens/s
 per GPU times the GPUs, or the FLOPs of the source's convention over its TFLOP/s per GPU times the GPUs). The
 naive rule beside it: 6 x active parameters x tokens over (GPUs x the dense peak of the run's format x 0.5).
@@ -157,7 +159,8 @@ def dgxc_command(run: dict) -> list[str]:
             "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(DGXC_DROPOUT),
             *(["--sp-saved-input", "sharded"] if run["sp"] else []),
             *(["--fp8-param-gather"] if run["precision"] == "fp8" and run["zero"] > 0 else []),  # the yaml's fp8_params
-            *(["--tp-overlap-cfg", str(DGXC_USERBUFFERS)] if run["sp"] and run["tp"] > 1 else []), "--json"]
+            *(["--tp-overlap-cfg", str(DGXC_USERBUFFERS)] if run["sp"] and run["tp"] > 1 else []),
+            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []), "--json"]
 
 
 DGXC_TABLES = {"dgxc": "dgxc_gpt3_175b_h100", "dgxc-v25.02": "dgxc_gpt3_175b_h100_v25_02"}
@@ -228,6 +231,7 @@ def moe_command(run: dict) -> list[str]:
             *(["--fp8-recipe", run["fp8_recipe"]] if run.get("fp8_recipe") else []),
             *(["--fp8-param-gather"] if run.get("fp8_param_gather") else []),
             *(["--elementwise", run["elementwise"]] if run.get("elementwise") else []),
+            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []),
             *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
 
 

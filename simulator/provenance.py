@@ -13,6 +13,8 @@
   achieved           the HBM and NVLink fractions and the per-kernel overhead, with their source
                      (simulator/costs/rates/achieved.py; the datasheet itself when the GPU gives none);
   implementation     attention kernel, recompute kind, what sequence parallelism saves;
+  attention          what prices the attention: a fused kernel's published table (FlashAttention-2's or
+                     cuDNN's, Implementation.attention_kernel) with its source, or the GEMMs;
   overlap            the overlap preset and its settings (simulator/engine/overlap.py);
   context            with context parallelism: its size and kind, the block length the attention
                      kernel's table is read at, and how the exchange overlaps (simulator/engine/context.py);
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from simulator.costs.compute import FALLBACK_CURVE, EfficiencyProfile, kernel_overhead
 from simulator.costs.hardware import GPUSpec
+from simulator.costs.rates.attention_rates import kernel_table
 
 ROOFLINE = "op-level roofline (simulator/costs/ops.py, simulator/costs/compute.py)"
 MEASURED_UNITS = "measured units of a calibrated host (simulator/costs/host.py)"
@@ -44,11 +47,21 @@ def efficiency_sources(gpu: GPUSpec, formats, profile: EfficiencyProfile | None 
     return sources
 
 
-def context(gpu: GPUSpec, layout, seq_len: int) -> dict:
+def attention_source(gpu: GPUSpec, implementation) -> str:
+    """What prices the attention: a fused kernel's published table (its kernel and source), or the GEMMs."""
+    if implementation.attention != "flash":
+        return "unfused: its matmuls at the GEMM efficiency, softmax and dropout as memory-bound kernels"
+    table = kernel_table(gpu, implementation.attention_kernel)
+    return (f"{table.kernel} table ({table.source})" if table is not None
+            else "no attention table: the unmasked share of the scores at the GEMM efficiency")
+
+
+def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2") -> dict:
     """What a context-parallel prediction rests on beyond the rest."""
     block = seq_len // (2 * layout.cp)
-    table = (f"{gpu.attention_efficiency.kernel} table read at the {block:,}-token chunk each block spans"
-             if gpu.attention_efficiency is not None else "no attention table: the GEMM efficiency")
+    chosen = kernel_table(gpu, kernel)
+    table = (f"{chosen.kernel} table read at the {block:,}-token chunk each block spans"
+             if chosen is not None else "no attention table: the GEMM efficiency")
     exchange = ("passes hidden behind each block, the backward's dk/dv sent on behind the next block, the last "
                 "hop home exposed (parallel/context/ring.py)" if layout.cp_kind == "ring"
                 else "all-gathers and reduce-scatters over the cp group, not overlapped")
@@ -81,7 +94,8 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
                host_compute=None, layout=None, seq_len: int = 0, moe: bool = False) -> dict:
     formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
     measured = host_compute is not None and host_compute.units is not None
-    extra = {"context": context(gpu, layout, seq_len)} if layout is not None and layout.cp > 1 else {}
+    extra = ({"context": context(gpu, layout, seq_len, implementation.attention_kernel)}
+             if layout is not None and layout.cp > 1 else {})
     extra.update({"experts": experts(layout, implementation.expert_load, measured, implementation.dispatcher)}
                  if moe else {})
     return {
@@ -91,6 +105,7 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
         "kernel_overhead_s": kernel_overhead(gpu, profile),
         "achieved": gpu.reached.as_dict(),
         "implementation": implementation.as_dict(),
+        "attention": attention_source(gpu, implementation),
         "overlap": overlap.as_dict(),
         **extra,
     }
@@ -143,7 +158,8 @@ def summary_rows(data: dict) -> list[list[str]]:
                  f"{data['kernel_overhead_s'] * 1e6:.1f} us per kernel{_held_text(achieved)} "
                  f"({_short(achieved['source'])})"])
     impl = data["implementation"]
-    rows.append(["implementation", f"{impl['attention']} attention, recompute {impl['recompute']}, "
+    kernel = f" ({impl['attention_kernel']})" if impl.get("attention_kernel", "flash-attn-2") != "flash-attn-2" else ""
+    rows.append(["implementation", f"{impl['attention']}{kernel} attention, recompute {impl['recompute']}, "
                  f"sequence-parallel inputs saved {impl['sp_saved_input']}"
                  + _fp8_text(impl, "fp8" in data["matmul_efficiency"], "experts" in data)])
     o = data["overlap"]

@@ -34,14 +34,17 @@ def test_the_dgx_cloud_rows_are_the_validation_files():
 
 
 def test_the_next_release_differs_from_the_acceptance_table_only_where_its_source_says():
-    """v25.02's rows (beside the acceptance table, not instead of it): the same jobs, 6 virtual chunks, new times."""
-    data = json.loads((BENCH / "published_runs.json").read_text())
+    """v25.02's rows (beside the acceptance table, not instead of it): the same jobs, 6 virtual chunks, cuDNN's
+    attention (NVTE_FUSED_ATTN=1 against v25.01's 0), new times."""
+    data, module = json.loads((BENCH / "published_runs.json").read_text()), published()
     old, new = data["dgxc_gpt3_175b_h100"], data["dgxc_gpt3_175b_h100_v25_02"]
     assert "v25.02" in new["source"] and "NVTE_FUSED_ATTN=1" in new["source"]
     for a, b in zip(old["rows"], new["rows"], strict=True):
         assert b["v"] == 6 and b["id"] == a["id"].replace("DGXC-", "DGXC2502-")
+        assert b["attention_kernel"] == "cudnn" and "attention_kernel" not in a
         assert {k: v for k, v in a.items() if k not in ("id", "v", "pub_s", "pub_mfu")} == \
-            {k: v for k, v in b.items() if k not in ("id", "v", "pub_s", "pub_mfu")}
+            {k: v for k, v in b.items() if k not in ("id", "v", "pub_s", "pub_mfu", "attention_kernel")}
+        assert module.dgxc_command(b)[-3:] == ["--attention-kernel", "cudnn", "--json"]
     by_id = {row["id"]: row for row in new["rows"]}
     assert by_id["DGXC2502-GPT3-128-bf16"]["pub_s"] == 8.309 and by_id["DGXC2502-GPT3-2048-fp8"]["pub_s"] == 5.96
 

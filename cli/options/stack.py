@@ -1,6 +1,7 @@
 """`minigpt simulate`'s flags on how the stack runs its kernels: how it scales its fp8 Linears (--fp8-recipe), whether
 it keeps and all-gathers their weights in fp8 (--fp8-param-gather), whether its element-wise ops run fused or as
-torchtitan's eager code (--elementwise), and the format its gradients are reduced in (--grad-reduce). Each changes
+torchtitan's eager code (--elementwise), the format its gradients are reduced in (--grad-reduce) and which fused
+attention kernel it runs (--attention-kernel). Each changes
 the stack's Implementation (simulator/costs/implementation.py); a job that cannot run them gets one line before any
 work."""
 
@@ -11,7 +12,7 @@ from typing import Callable
 import click
 
 from minigpt.errors import ConfigError
-from simulator.costs.implementation import FP8_RECIPES
+from simulator.costs.implementation import ATTENTION_KERNELS, FP8_RECIPES
 
 RECIPE_HELP = ("How fp8 Linears are scaled: delayed (per tensor from an amax history, reduced over the amax group "
                "each chunk: Megatron-LM's default), current (per tensor from its own amax, taken before the cast) or "
@@ -36,8 +37,16 @@ REDUCE_HELP = ("The format gradients travel in between data-parallel ranks: comp
                "the stack's].")
 
 
+KERNEL_HELP = ("Which fused kernel runs --attention flash, priced by its published H100 table: flash-attn-2 "
+               "(FlashAttention-2: torch's SDPA, torchtitan, Transformer Engine with NVTE_FUSED_ATTN=0) or cudnn "
+               "(cuDNN's fused attention: Transformer Engine's FusedAttention, its choice on Hopper) [default: "
+               "flash-attn-2]; the same saved tensors either way.")
+
+
 def stack_options(function):
-    """--fp8-recipe, --fp8-param-gather, --elementwise and --grad-reduce."""
+    """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce and --attention-kernel."""
+    function = click.option("--attention-kernel", "attention_kernel", type=click.Choice(ATTENTION_KERNELS),
+                            default=None, help=KERNEL_HELP)(function)
     function = click.option("--grad-reduce", "grad_reduce", type=click.Choice(("compute", "fp32")), default=None,
                             help=REDUCE_HELP)(function)
     function = click.option("--elementwise", type=click.Choice(("fused", "eager")), default=None,
@@ -53,10 +62,10 @@ def stack_implementation(options: dict, overlap_of: Callable):
     stack's own); `overlap_of()` resolves the stack, once. One line, before any work, when the job or its stack
     cannot run them that way."""
     recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]
-    elementwise, reduce = options["elementwise"], options["grad_reduce"]
+    elementwise, reduce, kernel = options["elementwise"], options["grad_reduce"], options["attention_kernel"]
     fp8_flag = f"--fp8-recipe {recipe}" if recipe is not None else "--fp8-param-gather" if gather else None
     asked = [flag for flag in (fp8_flag, elementwise and f"--elementwise {elementwise}",
-                               reduce and f"--grad-reduce {reduce}") if flag]
+                               reduce and f"--grad-reduce {reduce}", kernel and f"--attention-kernel {kernel}") if flag]
     if not asked:
         return None
     if fp8_flag and options["precision"] != "fp8":
@@ -79,6 +88,8 @@ def stack_implementation(options: dict, overlap_of: Callable):
         implementation = replace(implementation, eager=elementwise == "eager")
     if reduce is not None:
         implementation = replace(implementation, grad_reduce_fp32=reduce == "fp32")
+    if kernel is not None:
+        implementation = replace(implementation, attention_kernel=kernel)
     return implementation
 
 

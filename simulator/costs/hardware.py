@@ -26,7 +26,7 @@ and attention_efficiency only, taken from published microbenchmarks against thei
 
     "matmul_efficiency": see simulator/costs/compute.py (parse_efficiency_profile)
     "achieved": see simulator/costs/rates/achieved.py (a NIC entry may likewise hold "busbw_fraction")
-    "attention_efficiency": see simulator/costs/rates/attention_rates.py (a causal attention kernel's rates)
+    "attention_efficiency", "attention_cudnn": see simulator/costs/rates/attention_rates.py (FlashAttention-2's, cuDNN's)
     "collectives": {KIND: {"ranks", "alpha", "beta", "points"?}}  KIND one of all_reduce,
         all_gather, reduce_scatter, p2p: a least-squares fit t = alpha + beta * S over the
         measured points [[S bytes, seconds], ...] (S: the full buffer, parallel/comm.py's
@@ -51,7 +51,7 @@ from pathlib import Path
 
 from minigpt.errors import ConfigError
 from simulator.costs.rates.achieved import Achieved, fraction, parse_achieved
-from simulator.costs.rates.attention_rates import AttentionEfficiency, parse_attention_efficiency
+from simulator.costs.rates.attention_rates import ATTENTION_FIELDS, AttentionEfficiency, parse_attention_efficiency
 from simulator.costs.rates.efficiency import FLOP_FORMATS, EfficiencyProfile, parse_efficiency_profile
 from simulator.costs.host import MeasuredHost, parse_measured_host
 from simulator.json_file import BYTES, COUNT, RATE, SECONDS, finite_number, in_range, read_json_file
@@ -59,7 +59,7 @@ from simulator.json_file import BYTES, COUNT, RATE, SECONDS, finite_number, in_r
 PRESETS_FILE = Path(__file__).with_name("hardware.json")
 TOP_LEVEL_KEYS = {"about", "assumptions", "gpus", "nodes", "nics"}
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured", "achieved", "attention_efficiency")
+OPTIONAL_GPU_FIELDS = ("matmul_efficiency", "collectives", "calibration", "measured", "achieved", *ATTENTION_FIELDS)
 SECONDS_PER_BYTE = (1e-30, 1.0)  # a collective's beta: 1 / bytes per second
 
 
@@ -98,6 +98,7 @@ class GPUSpec:
     achieved: Achieved | None = field(default=None, hash=False, compare=False)
     # A fused causal attention kernel's published rates (simulator/costs/rates/attention_rates.py); None: GEMM pricing.
     attention_efficiency: AttentionEfficiency | None = field(default=None, hash=False, compare=False)
+    attention_cudnn: AttentionEfficiency | None = field(default=None, hash=False, compare=False)  # cuDNN's, the same way
 
     @property
     def reached(self) -> Achieved:
@@ -226,7 +227,7 @@ def _parse_gpu(name: str, entry: object, origin: str) -> GPUSpec:
         calibration=_parse_calibration(entry.get("calibration"), where, origin),
         measured=_parse_measured(entry.get("measured"), where, origin),
         achieved=parse_achieved(entry.get("achieved"), f"{origin}: {where}"),
-        attention_efficiency=parse_attention_efficiency(entry.get("attention_efficiency"), f"{origin}: {where}"),
+        **{key: parse_attention_efficiency(entry.get(key), f"{origin}: {where}", key) for key in ATTENTION_FIELDS},
     )
 
 
@@ -477,8 +478,9 @@ def hardware_to_dict(hardware: Hardware) -> dict:
             data["measured"] = gpu.measured.raw
         if gpu.achieved is not None:
             data["achieved"] = gpu.achieved.as_dict()
-        if gpu.attention_efficiency is not None:
-            data["attention_efficiency"] = gpu.attention_efficiency.as_dict()
+        for key in ATTENTION_FIELDS:
+            if getattr(gpu, key) is not None:
+                data[key] = getattr(gpu, key).as_dict()
         return data
 
     return {

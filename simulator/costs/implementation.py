@@ -17,6 +17,7 @@ FP8_SCALINGS = ("tensor", "current", "block")
 FP8_RECIPES = {"delayed": "tensor", "current": "current", "mxfp8": "block"}  # --fp8-recipe: Implementation.fp8_scaling
 FP8_AMAX_GROUPS = ("none", "tp_cp", "data")  # over whom delayed scaling's amaxes are all-reduced (Implementation)
 DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expert group's ranks (Implementation)
+ATTENTION_KERNELS = ("flash-attn-2", "cudnn")  # which fused attention kernel runs "flash" (Implementation)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,12 @@ class Implementation:
     dispatcher        how a MoE's rows travel between the expert group's ranks (DISPATCHERS): "alltoall", a copy
                       of every routed row to its expert's rank (our executor's, Megatron-core's alltoall dispatcher); "deepep", each token once per destination rank and server,
                       forwarded over NVLink inside the server (DeepEP's normal kernels; Megatron-core's flex
-                      dispatcher, its hybridep: simulator/engine/experts.py)."""
+                      dispatcher, its hybridep: simulator/engine/experts.py).
+    attention_kernel  which fused kernel runs the "flash" attention (ATTENTION_KERNELS), priced by its published table
+                      (simulator/costs/rates/attention_rates.py): "flash-attn-2" (Dao's FlashAttention-2: our
+                      executor's torch SDPA, torchtitan's, NVTE_FUSED_ATTN=0 under Transformer Engine) or "cudnn"
+                      (cuDNN's fused attention: Transformer Engine's FusedAttention, which it prefers on Hopper);
+                      the same ops and saved tensors either way."""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -86,6 +92,7 @@ class Implementation:
     fp8_recast: bool = False
     eager: bool = False
     grad_reduce_fp32: bool = False
+    attention_kernel: str = "flash-attn-2"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -99,6 +106,10 @@ class Implementation:
         check_choice("--ep-dispatcher", self.dispatcher, DISPATCHERS)
         check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         check_choice("fp8_amax_group", self.fp8_amax_group, FP8_AMAX_GROUPS)
+        check_choice("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS)
+        if self.attention_kernel != ATTENTION_KERNELS[0] and self.attention != "flash":
+            raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
+                              f"--attention flash")
         if self.fp8_scaling != "tensor" and not self.fp8_fused_casts:
             raise ConfigError(f"fp8_scaling {self.fp8_scaling!r} needs fp8_fused_casts: only fused quantisers "
                               "(Transformer Engine's, --overlap megatron-core) scale per block or from the tensor's "
@@ -120,5 +131,5 @@ class Implementation:
                 "fp8_scaling": self.fp8_scaling, "wgrad_fusion": self.wgrad_fusion, "ub_chunks": self.ub_chunks,
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
-                "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32,
+                "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

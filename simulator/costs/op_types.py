@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Iterator, Union
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy
-from simulator.costs.implementation import (DISPATCHERS, FP8_AMAX_GROUPS, FP8_RECIPES, FP8_SCALINGS,  # noqa: F401
-                                             SP_SAVED_INPUTS, Implementation)  # (re-exported: the model's vocabulary)
+from simulator.costs.implementation import (ATTENTION_KERNELS, DISPATCHERS, FP8_AMAX_GROUPS, FP8_RECIPES,  # noqa: F401
+                                             FP8_SCALINGS, SP_SAVED_INPUTS, Implementation)  # (re-exported: the model's vocabulary)
 from simulator.costs.userbuffers import TE_1X, UB_PIPELINE_SPLITS, Userbuffers  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
@@ -75,6 +75,7 @@ class FusedAttention:
     phase: str = FORWARD
     causal_seq: int = 0  # s of a causal mask (the whole sequence's, under context parallelism too); 0: the whole square
     kernel_seq: int = 0  # the sequence length the kernel works on when it is not causal_seq (a ring's chunk)
+    kernel: str = "flash-attn-2"  # which fused kernel runs it (Implementation.attention_kernel): whose table prices it
 
     @property
     def bytes(self) -> int:
@@ -212,6 +213,7 @@ class UnitShape:
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
     eager: bool = False  # Implementation.eager: torchtitan's element-wise code, one kernel per aten op
+    attention_kernel: str = "flash-attn-2"  # Implementation.attention_kernel: the fused attention's kernel
 
     @property
     def moe(self) -> UnitShape:
@@ -292,7 +294,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
-                     userbuffers=impl.userbuffers, eager=impl.eager)
+                     userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel)
 
 
 class Recorder:

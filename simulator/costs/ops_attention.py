@@ -100,7 +100,7 @@ def _flash_forward(rec: Recorder, qkv: str) -> None:
     gemms = (gemm("attention.scores", s, keys, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
              gemm("attention.values", s, hd, keys, sh.compute, sh.e, sh.b * a, FORWARD, False))
     rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv) + other_kv_bytes(sh), rec.bytes_of(out, lse),
-                          causal_seq=keys, kernel_seq=_kernel_seq(sh)), saves=saves)
+                          causal_seq=keys, kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel), saves=saves)
 
 
 def _flash_backward(rec: Recorder) -> None:
@@ -115,7 +115,7 @@ def _flash_backward(rec: Recorder) -> None:
     gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
     read = qkv + width + 2 * sh.rows * a * FP32 + other_kv_bytes(sh)  # q, k, v, dO; the log-sum-exp and D
     rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=keys,
-                                       kernel_seq=_kernel_seq(sh)))
+                                       kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel))
     kv, repeated = _repeated_kv(sh)
     if repeated:
         rec.back_kernels("attention", eager.repeat_kv_backward(kv, repeated, sh.e))

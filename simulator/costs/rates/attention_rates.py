@@ -59,21 +59,29 @@ class AttentionEfficiency:
                 "causal": {str(size): [list(p) for p in points] for size, points in self.causal}}
 
 
-def parse_attention_efficiency(data: object, where: str) -> AttentionEfficiency | None:
-    """The "attention_efficiency" object of a GPU entry, checked; None when absent."""
+ATTENTION_FIELDS = ("attention_efficiency", "attention_cudnn")  # a GPU entry's tables: FlashAttention-2's, cuDNN's
+
+
+def kernel_table(gpu, kernel: str) -> AttentionEfficiency | None:
+    """`gpu`'s published table of a fused attention kernel (Implementation.attention_kernel), or None."""
+    return gpu.attention_cudnn if kernel == "cudnn" else gpu.attention_efficiency
+
+
+def parse_attention_efficiency(data: object, where: str, field: str = "attention_efficiency") -> AttentionEfficiency | None:
+    """The `field` object of a GPU entry ("attention_efficiency", or "attention_cudnn"), checked; None when absent."""
     if data is None:
         return None
     if not isinstance(data, dict) or set(data) != {"kernel", "source", "causal"}:
-        raise ConfigError(f"{where}.attention_efficiency must be an object of kernel, source and causal")
+        raise ConfigError(f"{where}.{field} must be an object of kernel, source and causal")
     for key in ("kernel", "source"):
         if not isinstance(data[key], str) or not data[key].strip():
-            raise ConfigError(f"{where}.attention_efficiency.{key} must be non-empty text")
+            raise ConfigError(f"{where}.{field}.{key} must be non-empty text")
     table = data["causal"]
     if not isinstance(table, dict) or not table:
-        raise ConfigError(f"{where}.attention_efficiency.causal must map head sizes to [[sequence, fraction], ...]")
+        raise ConfigError(f"{where}.{field}.causal must map head sizes to [[sequence, fraction], ...]")
     causal = []
     for size, points in table.items():
-        at = f"{where}.attention_efficiency.causal[{size!r}]"
+        at = f"{where}.{field}.causal[{size!r}]"
         if not size.isdigit() or int(size) < 1:
             raise ConfigError(f"{at}: a head size must be a positive integer")
         if (not isinstance(points, list) or not points
