@@ -168,8 +168,8 @@ def run_sweep(options: dict) -> dict:
         raise ConfigError("--sweep simulates plain ZeRO over each layout's data ranks: drop --shard-group and "
                           "--no-reshard-after-forward, or simulate one layout without --sweep")
     if options["tp_overlap_cfg"]:
-        raise ConfigError("--sweep simulates our executor, which has no userbuffers: drop --tp-overlap-cfg, or "
-                          "simulate one layout without --sweep")
+        raise ConfigError("--sweep picks each GPU count's layout, and a userbuffers file describes one tp: drop "
+                          "--tp-overlap-cfg, or simulate one layout without --sweep")
     if not options["gpus"]:
         raise ConfigError("--sweep needs the GPU counts: e.g. --gpus 8,16,32,64")
     try:

@@ -173,7 +173,7 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                          ep: int | None = None, op_recompute: bool = False) -> tuple[list[Candidate], Counter]:
     """Every candidate of the module docstring, and the refusals counted by REFUSALS key; `cp` fixes context
     parallelism, `ep` expert parallelism (None: searched); `op_recompute`: recompute "op" searched too, where tp and cp
-    are 1 (op_recompute_modes)."""
+    are 1 (recompute_modes)."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
         for cp_size in context_parallel_options(model, n_gpus, tp, sp, cp):
