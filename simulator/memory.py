@@ -407,8 +407,7 @@ def predict_memory(
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
                            layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
-                           fp8_experts_kept(pol, implementation),
-                           FORMAT_BYTES["fp32"] if implementation.grad_reduce_fp32 else None)
+                           fp8_experts_kept(pol, implementation), implementation.reduce_bytes)
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):

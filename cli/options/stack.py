@@ -58,7 +58,8 @@ def stack_options(function):
 
 def stack_implementation(options: dict, overlap_of: Callable):
     """The stack's Implementation with its fp8 scaling (--fp8-recipe), fp8 weights (--fp8-param-gather), element-wise
-    kernels (--elementwise) and gradients' format in the reductions (--grad-reduce) as asked (None: none asked, the
+    kernels (--elementwise), gradients' format in the reductions (--grad-reduce) and fused attention kernel
+    (--attention-kernel) as asked (None: none asked, the
     stack's own); `overlap_of()` resolves the stack, once. One line, before any work, when the job or its stack
     cannot run them that way."""
     recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]

@@ -53,8 +53,8 @@ from simulator.costs.hardware import GPUSpec
 from job.exchange.experts import routing_exchanges
 from job.layout import Layout, block_tensors, head_tensors, is_expert_tensor
 from simulator.costs.rates.attention_rates import kernel_table, seconds as attention_seconds
-from simulator.costs.op_types import (ATTENTION_KERNELS, RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList,
-                                      is_weight_gradient, model_flops)
+from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
+                                      model_flops)
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
 from simulator.costs.ops_fp8 import sp_amax_reductions
 
@@ -151,9 +151,6 @@ def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProf
     efficiency."""
     scores = op.gemms[0]  # s x s x head_dim: the scores, or the backward's recomputed scores
     table = kernel_table(gpu, op.kernel)
-    if table is None and op.kernel != ATTENTION_KERNELS[0]:
-        raise ConfigError(f"the {op.kernel} attention kernel is priced from its published table, which this GPU "
-                          f"has none of: use --attention-kernel {ATTENTION_KERNELS[0]}")
     if op.causal_seq and table is not None:  # at the length the kernel works on: a ring's chunk under cp (ops_attention.py)
         peak = tensor_peak(gpu, scores.dtype)
         return attention_seconds(table, op.benchmark_flops, scores.k, op.efficiency_seq, peak)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from minigpt.config import check_attention, check_recompute
 from minigpt.errors import ConfigError, check_choice
+from precision.policy import FORMAT_BYTES
 from simulator.costs.userbuffers import Userbuffers
 
 SP_SAVED_INPUTS = ("gathered", "sharded")
@@ -124,6 +125,12 @@ class Implementation:
         if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1 <= load < math.inf:
             raise ConfigError(f"the expert load (the busiest expert's routed rows over the mean) must be a finite "
                               f"number >= 1 (1: balanced), got {load!r}")
+
+    @property
+    def reduce_bytes(self) -> int | None:
+        """A gradient element's bytes in the data-parallel reductions: 4 under grad_reduce_fp32, else None (the
+        precision policy's reduce format)."""
+        return FORMAT_BYTES["fp32"] if self.grad_reduce_fp32 else None
 
     def as_dict(self) -> dict:
         return {"attention": self.attention, "recompute": self.recompute, "sp_saved_input": self.sp_saved_input,

@@ -296,13 +296,12 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
         for chunk, units in chunk_units.items():
             _plain_actions(chunk, units, actions, chunk_amax[chunk])
         pricer, experts = None, _expert_reduction(job, placed, rank, pol, fp8_experts_kept(pol, implementation))
-        reduce_bytes = FORMAT_BYTES["fp32"] if implementation.grad_reduce_fp32 else None
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
                                             stage, kind, nbytes, group),
                                         job.overlap, job.serial, actions, experts, gathers,
-                                        implementation.fp8_experts, reduce_bytes)
+                                        implementation.fp8_experts, implementation.reduce_bytes)
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)

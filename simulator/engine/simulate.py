@@ -237,14 +237,6 @@ def _implementation(model: GPTConfig, settings: Overlap, implementation: Impleme
     return implementation
 
 
-def _check_attention_kernel(spec: GPUSpec, implementation: Implementation) -> None:
-    """One line when the fused attention kernel asked for has no published table on this GPU to price it."""
-    kernel = implementation.attention_kernel
-    if kernel != "flash-attn-2" and kernel_table(spec, kernel) is None:
-        raise ConfigError(f"--attention-kernel {kernel} is priced from the kernel's published table, which "
-                          f"{spec.name} has none of: use --attention-kernel flash-attn-2")
-
-
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
@@ -282,7 +274,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
               layout.world_size, layout.effective_zero, layout.cp)  # the stated limits, for callers of the API too
     spec = resolve_gpu(cluster, gpu)
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
-    _check_attention_kernel(spec, implementation)
+    kernel_table(spec, implementation.attention_kernel)  # one line where the attention kernel has no table here
     if profile is None:
         profile = spec.matmul_efficiency  # the GPU's efficiency tables (cited or measured), when it has them
     if userbuffers is not None:

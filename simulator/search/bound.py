@@ -33,7 +33,7 @@ data-parallel term is what tells a ZeRO-3 job bound by its gathers from one that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from minigpt.config import GPTConfig
@@ -49,7 +49,7 @@ from simulator.engine.links import LinkCosts
 from simulator.costs.hardware import Hardware
 from simulator.memory import MemoryEstimate
 from simulator.costs.implementation import Implementation
-from simulator.engine.overlap import resolve_overlap, stack_implementation
+from simulator.engine.overlap import Overlap, resolve_overlap, stack_default, stack_implementation
 from simulator.network.topology import Cluster
 
 BUCKET_MB = TrainConfig.bucket_mb  # what simulate_step uses unless told otherwise
@@ -90,6 +90,14 @@ def schedule_shape(pp: int, micro_batches: int, kind: str, virtual_chunks: int) 
     return ScheduleShape(tuple(in_flight), tuple(first), tuple(last), tuple(ends))
 
 
+def candidate_stack(overlap: Overlap | str, recompute: str, expert_load: float = 1.0,
+                    dispatcher: str = "alltoall") -> Implementation:
+    """How a candidate's blocks are computed, as simulate_step computes them under `overlap` (a preset or its name):
+    flash attention, the gathered sequence-parallel input, the stack's own choices, a MoE's load and dispatcher."""
+    return replace(stack_default(overlap, "flash", recompute, "gathered"), expert_load=expert_load,
+                   dispatcher=dispatcher)
+
+
 class StepBound:
     """Lower bounds for one model on one cluster; the prices of a pipeline are computed once and
     shared by every candidate that differs from it only in ZeRO stage or schedule kind."""
@@ -112,8 +120,7 @@ class StepBound:
         config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
                           micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
-                          Implementation("flash", recompute, "gathered", **self.stack,
-                                         expert_load=self.expert_load, dispatcher=self.dispatcher),
+                          candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher),
                           self.settings, unit_memo=self.units)
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from minigpt.config import OP_RECOMPUTE, RECOMPUTE_MODES, GPTConfig
@@ -53,13 +53,13 @@ from job.layout import Layout
 from precision.policy import policy as precision_policy
 from job.train_config import check_context_parallel, check_expert_parallel, routing_ranks, shape_allows
 from simulator.engine.experts import check_dispatcher, check_expert_load
-from simulator.engine.overlap import overlap_preset, stack_default
+from simulator.engine.overlap import overlap_preset
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
                               zero3_gathers)
 from simulator.memory import MemoryEstimate, predict_memory
-from simulator.search.bound import BUCKET_MB, StepBound, schedule_shape
+from simulator.search.bound import BUCKET_MB, StepBound, candidate_stack, schedule_shape
 from simulator.search.sweep import ClusterSpec
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -225,9 +225,8 @@ def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu
     under the `overlap` preset's stack."""
     c = candidate
     shape = schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks)
-    implementation = replace(stack_default(overlap, "flash", c.recompute, "gathered"), expert_load=expert_load)
     return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, list(shape.in_flight),
-                          implementation=implementation, ends_in_flight=shape.ends)
+                          implementation=candidate_stack(overlap, c.recompute, expert_load), ends_in_flight=shape.ends)
 
 
 def simulate_candidate(model: GPTConfig, candidate: Candidate, cluster, spec: ClusterSpec, precision: str,

@@ -27,8 +27,9 @@ from minigpt.config import OP_RECOMPUTE, GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.compute import EfficiencyProfile
 from simulator.costs.implementation import Implementation
-from simulator.engine.overlap import Overlap, resolve_overlap, stack_default
+from simulator.engine.overlap import Overlap, resolve_overlap
 from simulator.engine.simulate import SimResult, simulate_step
+from simulator.search.bound import candidate_stack
 from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
                               zero3_gathers)
@@ -108,7 +109,7 @@ class Job:
     @property
     def stack(self) -> Implementation:
         """How the blocks are computed: as given, or the overlap's stack with this job's recompute."""
-        return self.implementation or stack_default(resolve_overlap(self.overlap), "flash", self.recompute, "gathered")
+        return self.implementation or candidate_stack(resolve_overlap(self.overlap), self.recompute)
 
 
 def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: int,

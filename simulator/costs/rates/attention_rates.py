@@ -63,8 +63,14 @@ ATTENTION_FIELDS = ("attention_efficiency", "attention_cudnn")  # a GPU entry's 
 
 
 def kernel_table(gpu, kernel: str) -> AttentionEfficiency | None:
-    """`gpu`'s published table of a fused attention kernel (Implementation.attention_kernel), or None."""
-    return gpu.attention_cudnn if kernel == "cudnn" else gpu.attention_efficiency
+    """`gpu`'s published table of a fused attention kernel (Implementation.attention_kernel): FlashAttention-2's, or
+    None (the GEMMs price it); cuDNN's, which only its table can price: one line where the GPU has none."""
+    if kernel != "cudnn":
+        return gpu.attention_efficiency
+    if gpu.attention_cudnn is None:
+        raise ConfigError(f"--attention-kernel {kernel} is priced from the kernel's published table, which {gpu.name} "
+                          f"has none of: use --attention-kernel flash-attn-2")
+    return gpu.attention_cudnn
 
 
 def parse_attention_efficiency(data: object, where: str, field: str = "attention_efficiency") -> AttentionEfficiency | None:
