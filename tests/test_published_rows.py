@@ -45,15 +45,17 @@ def test_the_next_release_differs_from_the_acceptance_table_only_where_its_sourc
         assert {k: v for k, v in a.items() if k not in ("id", "v", "pub_s", "pub_mfu")} == \
             {k: v for k, v in b.items() if k not in ("id", "v", "pub_s", "pub_mfu", "attention_kernel")}
         assert module.dgxc_command(b)[-3:] == ["--attention-kernel", "cudnn", "--json"]
+    # v25.01 ran flash-attn (its configure.sh: NVTE_FUSED_ATTN=0), stated beside the rows copied unchanged
+    assert old["attention_kernel"] == "flash-attn-2" and "NVTE_FUSED_ATTN=0" in old["assumed"]
     by_id = {row["id"]: row for row in new["rows"]}
     assert by_id["DGXC2502-GPT3-128-bf16"]["pub_s"] == 8.309 and by_id["DGXC2502-GPT3-2048-fp8"]["pub_s"] == 5.96
 
 
 def test_a_dgx_cloud_row_simulates_as_the_bench_runs_it():
     module = published()
-    row = json.loads((BENCH / "published_runs.json").read_text())["dgxc_gpt3_175b_h100"]["rows"][0]
+    row = module.stated_rows(json.loads((BENCH / "published_runs.json").read_text())["dgxc_gpt3_175b_h100"])[0]
     args = module.dgxc_command(row)
-    assert args[1:4] == ["-m", "cli", "simulate"]
+    assert args[1:4] == ["-m", "cli", "simulate"] and args[-3:] == ["--attention-kernel", "flash-attn-2", "--json"]
     result = CliRunner().invoke(main, args[3:])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)

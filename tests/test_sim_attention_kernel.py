@@ -118,3 +118,49 @@ def test_context_parallelism_reads_the_kernels_table():
     data = json.loads(invoke("--gpu", "h100-sxm", "--dp", "4", "--cp", "2", "--zero", "3", "--global-batch", "4",
                              "--attention-kernel", "cudnn", "--json").output)
     assert data["provenance"]["context"]["attention"].startswith("cuDNN fused attention table read at the 1,024-token")
+
+
+def step(*args: str) -> dict:
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize("gpu,runs", [("h100-sxm", "cudnn"), ("h200", "cudnn"), ("a100-80gb", "flash-attn-2"),
+                                      ("b200", "flash-attn-2")])
+def test_the_megatron_core_stack_runs_transformer_engines_choice(gpu, runs):
+    """Megatron-core leaves the attention to Transformer Engine, which prefers cuDNN's FusedAttention on Hopper: the
+    stack's default ("te") is cuDNN's table where the GPU's preset has one and FlashAttention-2's elsewhere (the
+    A100, where TE picks flash-attn; the B200, which has no cuDNN table here), the same step as stating it."""
+    stack = ("--gpu", gpu, "--overlap", "megatron-core")
+    default = step(*stack)
+    assert default["provenance"]["implementation"]["attention_kernel"] == runs  # the report names the kernel run
+    assert default["step_time_s"] == step(*stack, "--attention-kernel", runs)["step_time_s"]
+    assert default["step_time_s"] == step(*stack, "--attention-kernel", "te")["step_time_s"]
+    # other stacks run torch's SDPA: FlashAttention-2 unless asked
+    assert step("--gpu", gpu)["provenance"]["implementation"]["attention_kernel"] == "flash-attn-2"
+    if runs == "cudnn":
+        assert default["step_time_s"] < step(*stack, "--attention-kernel", "flash-attn-2")["step_time_s"]
+    else:  # asking cuDNN's kernel by name where no table prices it is still one line
+        refused = invoke(*stack, "--attention-kernel", "cudnn")
+        assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1
+
+
+def test_an_unfused_attention_under_the_megatron_core_stack_runs_no_fused_kernel():
+    data = step("--gpu", "h100-sxm", "--overlap", "megatron-core", "--attention", "unfused")
+    assert data["provenance"]["implementation"]["attention_kernel"] == "flash-attn-2"  # the field's neutral value
+    assert data["provenance"]["attention"].startswith("unfused")
+
+
+def test_the_megatron_core_stack_saves_the_sequence_parallel_shard():
+    """Megatron's column-parallel Linears (Transformer Engine's too) save their input's shard under sequence
+    parallelism and all-gather it again in the backward: the megatron-core stack's default; ours keeps the
+    gathered input; --sp-saved-input states either under any stack."""
+    job = ("--gpu", "h100-sxm", "--tp", "4", "--dp", "2", "--sequence-parallel")
+    core = step(*job, "--overlap", "megatron-core")
+    assert core["provenance"]["implementation"]["sp_saved_input"] == "sharded"
+    sharded = step(*job, "--overlap", "megatron-core", "--sp-saved-input", "sharded")
+    assert (core["step_time_s"], core["memory_per_gpu"]) == (sharded["step_time_s"], sharded["memory_per_gpu"])
+    gathered = step(*job, "--overlap", "megatron-core", "--sp-saved-input", "gathered")
+    assert gathered["memory_per_gpu"]["activations"] > core["memory_per_gpu"]["activations"]
+    assert step(*job)["provenance"]["implementation"]["sp_saved_input"] == "gathered"  # our executor's

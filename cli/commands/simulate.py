@@ -396,9 +396,11 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--attention", type=click.Choice(ATTENTION_KINDS), default="flash", show_default=True,
               help="flash (fused, no s x s tensor in memory; its backward recomputes the scores) or unfused "
                    "(scores, softmax and dropout materialised).")
-@click.option("--sp-saved-input", "sp_saved_input", type=click.Choice(SP_SAVED_INPUTS), default="gathered",
-              show_default=True, help="With --sequence-parallel, what the column-parallel Linears keep: the gathered "
-                                      "input (our executor) or its shard, gathered again in the backward (Megatron).")
+@click.option("--sp-saved-input", "sp_saved_input", type=click.Choice(SP_SAVED_INPUTS), default=None,
+              help="With --sequence-parallel, what the column-parallel Linears keep: the gathered input (our "
+                   "executor, torchtitan) or its shard, gathered again in the backward (Megatron, Transformer "
+                   "Engine) [default: the stack's (--overlap): sharded under megatron-core, gathered "
+                   "otherwise].")
 @click.option("--overlap", type=click.Choice(list(OVERLAP_PRESETS)), default="executor", show_default=True,
               help="What hides what, and what hiding costs: executor (our code: tp and p2p exposed, dp as our "
                    "ZeRO code, update gathers end the step), megatron-2021 (tp and p2p exposed, dp after the last "

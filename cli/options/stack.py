@@ -38,9 +38,10 @@ REDUCE_HELP = ("The format gradients travel in between data-parallel ranks: comp
 
 
 KERNEL_HELP = ("Which fused kernel runs --attention flash, priced by its published H100 table: flash-attn-2 "
-               "(FlashAttention-2: torch's SDPA, torchtitan, Transformer Engine with NVTE_FUSED_ATTN=0) or cudnn "
-               "(cuDNN's fused attention: Transformer Engine's FusedAttention, its choice on Hopper) [default: "
-               "flash-attn-2]; the same saved tensors either way.")
+               "(FlashAttention-2: torch's SDPA, torchtitan, Transformer Engine with NVTE_FUSED_ATTN=0), cudnn "
+               "(cuDNN's fused attention: Transformer Engine's FusedAttention) or te (as Transformer Engine picks: "
+               "cudnn on the Hopper presets, flash-attn-2 elsewhere) [default: the stack's (--overlap): te under "
+               "megatron-core, flash-attn-2 otherwise]; the same saved tensors either way.")
 
 
 def stack_options(function):

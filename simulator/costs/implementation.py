@@ -18,7 +18,9 @@ FP8_SCALINGS = ("tensor", "current", "block")
 FP8_RECIPES = {"delayed": "tensor", "current": "current", "mxfp8": "block"}  # --fp8-recipe: Implementation.fp8_scaling
 FP8_AMAX_GROUPS = ("none", "tp_cp", "data")  # over whom delayed scaling's amaxes are all-reduced (Implementation)
 DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expert group's ranks (Implementation)
-ATTENTION_KERNELS = ("flash-attn-2", "cudnn")  # which fused attention kernel runs "flash" (Implementation)
+# which fused attention kernel runs "flash" (Implementation): "te" is Transformer Engine's own choice, cuDNN's where the
+# GPU's preset carries its table (the Hopper presets), FlashAttention-2 elsewhere (attention_rates.kernel_table)
+ATTENTION_KERNELS = ("flash-attn-2", "cudnn", "te")
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,10 @@ class Implementation:
     attention_kernel  which fused kernel runs the "flash" attention (ATTENTION_KERNELS), priced by its published table
                       (simulator/costs/rates/attention_rates.py): "flash-attn-2" (Dao's FlashAttention-2: our
                       executor's torch SDPA, torchtitan's, NVTE_FUSED_ATTN=0 under Transformer Engine) or "cudnn"
-                      (cuDNN's fused attention: Transformer Engine's FusedAttention, which it prefers on Hopper);
-                      the same ops and saved tensors either way."""
+                      (cuDNN's fused attention: Transformer Engine's FusedAttention, which it prefers on Hopper)
+                      or "te" (as Transformer Engine picks: cudnn on a GPU whose preset has cuDNN's table, the
+                      Hopper presets, else flash-attn-2; the megatron-core stack's); the same ops and saved tensors
+                      either way."""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -108,7 +112,7 @@ class Implementation:
         check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         check_choice("fp8_amax_group", self.fp8_amax_group, FP8_AMAX_GROUPS)
         check_choice("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS)
-        if self.attention_kernel != ATTENTION_KERNELS[0] and self.attention != "flash":
+        if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
         if self.fp8_scaling != "tensor" and not self.fp8_fused_casts:

@@ -208,9 +208,14 @@ PRESETS = {
 # 9dec370), so its model's element-wise code runs in eager PyTorch (simulator/costs/torchtitan/eager.py);
 # --elementwise fused states a compiled run (one fused kernel an op, as every other stack here). grad_reduce_fp32:
 # torchtitan's FSDP2 reduces gradients in fp32 (training.mixed_precision_reduce, whose only choice is "float32").
+# sp_saved_input: Megatron's column-parallel Linears under sequence parallelism save their input's shard and all-gather
+# it again in the backward (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication, Transformer Engine's
+# LayerNormLinear and Linear; under userbuffers the bulk qkv_dgrad / fc1_dgrad overlaps); our executor and torchtitan's
+# DTensor Linears keep the gathered input autograd saved. attention_kernel "te": Transformer Engine's DotProductAttention
+# picks its backend (simulator/costs/rates/attention_rates.py's te_kernel); torch's SDPA runs FlashAttention-2.
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
-                "fp8_amax_group", "fp8_experts", "fp8_recast", "eager",
-                "grad_reduce_fp32")  # the Implementation fields a preset sets
+                "fp8_amax_group", "fp8_experts", "fp8_recast", "eager", "grad_reduce_fp32", "sp_saved_input",
+                "attention_kernel")  # the Implementation fields a preset sets
 _OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
@@ -218,7 +223,8 @@ STACK_IMPLEMENTATION = {
     "megatron-2021": {**_OURS, "fused_optimizer": True},
     "overlapped": _OURS,
     "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
-                      "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True},
+                      "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True,
+                      "sp_saved_input": "sharded", "attention_kernel": "te"},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
                          "fp8_recast": True, "eager": True, "grad_reduce_fp32": True},
 }
@@ -242,10 +248,14 @@ def stack_implementation(overlap: Overlap | str) -> dict:
     return chosen
 
 
-def stack_default(overlap: Overlap | str, attention: str, recompute: str, sp_saved_input: str) -> Implementation:
-    """How a block is computed under `overlap`'s stack: the three flags, with the stack's own choices
-    (stack_implementation)."""
-    return Implementation(attention, recompute, sp_saved_input, **stack_implementation(overlap))
+def stack_default(overlap: Overlap | str, attention: str, recompute: str,
+                  sp_saved_input: str | None = None) -> Implementation:
+    """How a block is computed under `overlap`'s stack: the flags, with the stack's own choices
+    (stack_implementation; `sp_saved_input` None: the stack's too)."""
+    chosen = stack_implementation(overlap)
+    if sp_saved_input is not None:
+        chosen["sp_saved_input"] = sp_saved_input
+    return Implementation(attention, recompute, **chosen)
 
 
 def resolve_overlap(overlap: Overlap | str | None = None, **changes) -> Overlap:

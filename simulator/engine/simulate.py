@@ -44,7 +44,7 @@ from simulator.engine.host import HostLinks, host_compute, host_threads
 from simulator.engine.links import LinkCosts
 from simulator.engine.replay import CATEGORIES, RankTally, no_garbage_collection, replay
 from simulator.costs.hardware import GPUSpec, Hardware, load_hardware
-from simulator.costs.rates.attention_rates import kernel_table
+from simulator.costs.rates.attention_rates import kernel_table, te_kernel
 from simulator.limits import check_job
 from job.layout import Layout, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
@@ -225,7 +225,7 @@ def _compute_side(spec: GPUSpec, model: GPTConfig, layout: Layout, cluster: Clus
 
 
 def _implementation(model: GPTConfig, settings: Overlap, implementation: Implementation | None, attention: str,
-                    recompute: str, sp_saved_input: str, expert_load: float | None,
+                    recompute: str, sp_saved_input: str | None, expert_load: float | None,
                     ep_dispatcher: str | None) -> Implementation:
     """How the blocks are computed: as given, or the three flags with the stack the overlap preset names (its own fp8
     casts, weight gradients: overlap.py); a MoE's load and dispatcher over either."""
@@ -237,18 +237,28 @@ def _implementation(model: GPTConfig, settings: Overlap, implementation: Impleme
     return implementation
 
 
+def _kernel_on(implementation: Implementation, spec: GPUSpec) -> Implementation:
+    """The implementation with the attention kernel that runs on `spec`: Transformer Engine's choice ("te") made
+    (attention_rates.te_kernel), so that the report names it; one line where an asked kernel has no table here."""
+    kernel_table(spec, implementation.attention_kernel)
+    if implementation.attention_kernel != "te":
+        return implementation
+    return replace(implementation, attention_kernel=te_kernel(spec) if implementation.attention == "flash"
+                   else "flash-attn-2")  # an unfused attention runs no fused kernel
+
+
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
                   bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None,
                   attention: str = "flash", overlap: Overlap | str | None = None,
-                  sp_saved_input: str = "gathered", nccl_algo: str = "auto",
+                  sp_saved_input: str | None = None, nccl_algo: str = "auto",
                   implementation: Implementation | None = None, expert_load: float | None = None,
                   ep_dispatcher: str | None = None, userbuffers: Userbuffers | None = None) -> SimResult:
     """One training step of `model` laid out as `layout` on `cluster` (see the module docstring).
 
-    `attention`, `recompute`, `sp_saved_input`: how a block is computed (simulator/costs/ops.py), or all of it as
-    `implementation` (simulator/costs/implementation.py's Implementation: fp8 and weight-gradient settings too);
+    `attention`, `recompute`, `sp_saved_input` (None: the stack's): how a block is computed (costs/ops.py), or all
+    of it as `implementation` (costs/implementation.py's Implementation: fp8 and weight-gradient settings too);
     `overlap`: an Overlap or a preset name (simulator/engine/overlap.py; default: our executor's);
     `nccl_algo`: "auto" (each collective as NCCL would pick it) or an algorithm forced (simulator/network/nccl.py);
     `expert_load`: a mixture of experts' routing imbalance (Implementation.expert_load; None: the implementation's,
@@ -274,7 +284,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
               layout.world_size, layout.effective_zero, layout.cp)  # the stated limits, for callers of the API too
     spec = resolve_gpu(cluster, gpu)
     spec.flops(pol.compute)  # the GPU must have tensor cores for the compute format
-    kernel_table(spec, implementation.attention_kernel)  # one line where the attention kernel has no table here
+    implementation = _kernel_on(implementation, spec)
     if profile is None:
         profile = spec.matmul_efficiency  # the GPU's efficiency tables (cited or measured), when it has them
     if userbuffers is not None:
@@ -291,8 +301,8 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule),
-                            attention, sp_saved_input, settings.zero3_prefetch, m, implementation=implementation,
-                            ends_in_flight=peak_ends_in_flight(schedule))
+                            attention, implementation.sp_saved_input, settings.zero3_prefetch, m,
+                            implementation=implementation, ends_in_flight=peak_ends_in_flight(schedule))
     activation = micro_batch * layout.activation_rows(model) * model.d_model * FORMAT_BYTES[pol.compute]
     tied = model.tied_head and layout.pp > 1
     sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]

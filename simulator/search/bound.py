@@ -93,8 +93,9 @@ def schedule_shape(pp: int, micro_batches: int, kind: str, virtual_chunks: int) 
 def candidate_stack(overlap: Overlap | str, recompute: str, expert_load: float = 1.0,
                     dispatcher: str = "alltoall") -> Implementation:
     """How a candidate's blocks are computed, as simulate_step computes them under `overlap` (a preset or its name):
-    flash attention, the gathered sequence-parallel input, the stack's own choices, a MoE's load and dispatcher."""
-    return replace(stack_default(overlap, "flash", recompute, "gathered"), expert_load=expert_load,
+    flash attention, the stack's own choices (its sequence-parallel input and attention kernel too), a MoE's load and
+    dispatcher."""
+    return replace(stack_default(overlap, "flash", recompute), expert_load=expert_load,
                    dispatcher=dispatcher)
 
 

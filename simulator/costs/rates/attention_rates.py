@@ -64,13 +64,24 @@ ATTENTION_FIELDS = ("attention_efficiency", "attention_cudnn")  # a GPU entry's 
 
 def kernel_table(gpu, kernel: str) -> AttentionEfficiency | None:
     """`gpu`'s published table of a fused attention kernel (Implementation.attention_kernel): FlashAttention-2's, or
-    None (the GEMMs price it); cuDNN's, which only its table can price: one line where the GPU has none."""
+    None (the GEMMs price it); cuDNN's, which only its table can price: one line where the GPU has none; "te"
+    (Transformer Engine's choice): cuDNN's where the GPU has its table, else FlashAttention-2's (te_kernel)."""
+    if kernel == "te":
+        kernel = te_kernel(gpu)
     if kernel != "cudnn":
         return gpu.attention_efficiency
     if gpu.attention_cudnn is None:
         raise ConfigError(f"--attention-kernel {kernel} is priced from the kernel's published table, which {gpu.name} "
                           f"has none of: use --attention-kernel flash-attn-2")
     return gpu.attention_cudnn
+
+
+def te_kernel(gpu) -> str:
+    """The kernel Transformer Engine's DotProductAttention runs on `gpu`: cuDNN's FusedAttention on Hopper and later
+    ("Disabling FlashAttention to give FusedAttention preference on Hopper+", get_attention_backend, since TE commit
+    32db39288, 2023-12), flash-attn before. Only the Hopper presets carry cuDNN's table (attention_cudnn), so: cudnn
+    where the GPU has it; flash-attn-2 elsewhere (the A100s, as TE; the B200, whose cuDNN figures no table here has)."""
+    return "cudnn" if gpu.attention_cudnn is not None else "flash-attn-2"
 
 
 def parse_attention_efficiency(data: object, where: str, field: str = "attention_efficiency") -> AttentionEfficiency | None:
