@@ -249,27 +249,33 @@ def test_a_bad_ep_is_one_line_and_exit_code_2(args, words):
     assert result.exit_code == 2 and len(lines) == 1 and words in lines[0], result.output
 
 
-@pytest.fixture(scope="module", params=["torchtitan-fsdp2", "megatron-core"])
+STACKS = [("torchtitan-fsdp2", ()), ("megatron-core", ()),
+          # the stack's kernel flags: torchtitan compiled, Megatron-core on flash-attn with fp32 reductions
+          ("torchtitan-fsdp2", (("eager", False),)),
+          ("megatron-core", (("attention_kernel", "flash-attn-2"), ("grad_reduce_fp32", True)))]
+
+
+@pytest.fixture(scope="module", params=STACKS, ids=lambda stack: "+".join([stack[0], *(k for k, _ in stack[1])]))
 def stack_brute_force(request):
-    """A Llama 3 of 8 blocks on 8 H100s under a stack's preset: every candidate simulated under it."""
-    overlap = request.param
+    """A Llama 3 of 8 blocks on 8 H100s under a stack's preset and flags: every candidate simulated under it."""
+    overlap, changes = request.param
     model, spec = build_config("llama3-8b", n_layers=8, seq_len=2048), ClusterSpec.of("h100-sxm")
     cluster = spec.build(8)
     candidates, _ = enumerate_candidates(model, 8, spec.gpus_per_node, 8, op_recompute=overlap == "torchtitan-fsdp2")
-    bound = StepBound(model, cluster, spec.hardware, "bf16", overlap=overlap)
+    bound = StepBound(model, cluster, spec.hardware, "bf16", overlap=overlap, changes=changes)
     rows = []
     for c in candidates:
-        result = simulate_candidate(model, c, cluster, spec, "bf16", 8, overlap=overlap)
-        memory = candidate_memory(model, c, "bf16", spec.hardware.gpu, overlap=overlap)
+        result = simulate_candidate(model, c, cluster, spec, "bf16", 8, overlap=overlap, changes=changes)
+        memory = candidate_memory(model, c, "bf16", spec.hardware.gpu, overlap=overlap, changes=changes)
         assert memory.total == result.memory.total, c.describe()  # the check plan makes is simulate_step's
         if result.fits:
             rows.append((c, result.step_time_s, bound.seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch,
                                                               c.recompute, result.memory)))
-    return overlap, model, spec, rows
+    return overlap, changes, model, spec, rows
 
 
 def test_a_stack_preset_plans_as_it_simulates_and_finds_the_brute_force_minimum(stack_brute_force):
-    overlap, model, spec, rows = stack_brute_force
+    overlap, changes, model, spec, rows = stack_brute_force
     assert all(0 < low <= step for _, step, low in rows), max(low / step for _, step, low in rows)
     op = [c for c, _, _ in rows if c.recompute == "op"]
     if overlap == "torchtitan-fsdp2":  # torchtitan's op policy searched where it is described: tp 1, cp 1
@@ -277,12 +283,49 @@ def test_a_stack_preset_plans_as_it_simulates_and_finds_the_brute_force_minimum(
         assert any(c.tp > 1 for c, _, _ in rows)
     else:
         assert not op
-    found = plan(model, 8, spec, 8, top=3, overlap=overlap)
-    assert found.overlap == overlap and found.fitting == len(rows)
+    found = plan(model, 8, spec, 8, top=3, overlap=overlap, stack_changes=changes)
+    assert found.overlap == overlap and found.fitting == len(rows) and found.stack_changes == changes
     assert [r.step_time_s for _, r, _ in found.best] == sorted(step for _, step, _ in rows)[:3]
-    # the stack changes the answer: the same candidates under our executor's overlap price otherwise
-    executor = plan(model, 8, spec, 8, top=3)
-    assert [r.step_time_s for _, r, _ in executor.best] != [r.step_time_s for _, r, _ in found.best]
+    # the stack changes the answer: the same candidates under our executor's overlap price otherwise, and the
+    # stack's flags change it again
+    other = plan(model, 8, spec, 8, top=3, overlap=overlap if changes else "executor")
+    assert [r.step_time_s for _, r, _ in other.best] != [r.step_time_s for _, r, _ in found.best]
+
+
+def test_plan_takes_the_stacks_flags_as_simulate_does():
+    """--attention-kernel (and the other stack flags) change every candidate: plan's best step is `simulate`'s of
+    the same layout with the same flag; what the stack cannot run is one line before the search."""
+    base = ["--model", "tiny-llama", "--gpus", "8", "--gpu", "h100-sxm", "--dropout", "0", "--overlap",
+            "megatron-core", "--top", "1", "--json"]
+    done = invoke(*base, "--attention-kernel", "flash-attn-2")
+    assert done.exit_code == 0, done.output
+    data = json.loads(done.output)
+    assert data["stack_changes"] == {"attention_kernel": "flash-attn-2"}
+    best = data["best"][0]
+    layout = ["--tp", str(best["tp"]), "--pp", str(best["pp"]), "--dp", str(best["dp"]), "--cp", str(best["cp"]),
+              "--zero", str(best["zero"]), "--micro-batch", str(best["micro_batch"]), "--schedule", best["schedule"],
+              "--virtual-chunks", str(best["virtual_chunks"]), "--recompute", best["recompute"],
+              *(["--sequence-parallel"] if best["sequence_parallel"] else [])]
+    alone = CliRunner().invoke(main, ["simulate", "--model", "tiny-llama", "--gpu", "h100-sxm", "--dropout", "0",
+                                      "--overlap", "megatron-core", "--global-batch", str(data["global_batch"]),
+                                      "--attention-kernel", "flash-attn-2", *layout, "--json"])
+    assert alone.exit_code == 0, alone.output
+    assert json.loads(alone.output)["step_time_s"] == best["step_time_s"]
+    for args, words in ((("--elementwise", "eager"), "needs --overlap torchtitan-fsdp2"),
+                        (("--fp8-recipe", "mxfp8"), "needs --precision fp8"),
+                        (("--attention-kernel", "cudnn", "--gpu", "a100-80gb"), "which a100-80gb has none of")):
+        bad = invoke(*base, *args)
+        assert bad.exit_code == 2 and words in bad.output and len(bad.output.strip().splitlines()) == 1, bad.output
+
+
+def test_plan_with_fp8_weights_gathered_searches_zero_only():
+    result = invoke("--model", "tiny-llama", "--gpus", "8", "--gpu", "h100-sxm", "--dropout", "0", "--precision",
+                    "fp8", "--overlap", "megatron-core", "--fp8-param-gather", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["stack_changes"] == {"fp8_param_gather": True, "fp8_scaling": "tensor"}
+    assert data["best"] and all(row["zero"] > 0 for row in data["best"])
+    assert data["search"]["refused"]["fp8 weights all-gathered (--fp8-param-gather): ZeRO 0 gathers none"] > 0
 
 
 def test_plan_names_the_stack_and_refuses_an_unknown_one():

@@ -11,6 +11,8 @@ divisor of dp that divides the experts; --ep fixes it) and --expert-load prices 
 (cli/options/experts.py), the same for every candidate. --overlap names the stack the job runs on, as `simulate`'s
 does (its overlap and its own implementation: Megatron-core's fused casts and weight-gradient fusion, torchtitan's
 eager element-wise code and fp32 reductions); under torchtitan-fsdp2 its selective op recompute is searched too.
+The stack's kernel flags (--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce, --attention-kernel:
+cli/options/stack.py) change every candidate as they change `simulate`'s job.
 
 --plot FILE.png draws the listed layouts (cli/tools/plots.py), the path checked before the search.
 
@@ -33,6 +35,7 @@ from cli.options.experts import ep_dispatcher_option, expert_load_option, read_e
 from cli.options.model import model_from_options, model_options
 from cli.options.cluster import check_cluster_names, cluster_options
 from cli.options.precision import precision_option, simulated_precision
+from cli.options.stack import stack_changes, stack_options
 from cli.commands.simulate import _hardware, parameter_count
 from cli.tools.plots import check_png
 from minigpt.errors import ConfigError, check_positive_int
@@ -98,10 +101,20 @@ def _print(result) -> None:
     click.echo(format_table(["why the others lost", "layouts"], _why_rows(result)))
     seconds = sum(result.seconds.values())
     stack = "our executor's overlap" if result.overlap == "executor" else f"the {result.overlap} stack"
+    if result.stack_changes:
+        stack += " with " + ", ".join(f"{name} {value}" for name, value in result.stack_changes)
     click.echo(f"step times: simulate_step (flash attention, {stack}) for {len(result.simulated):,} of "
                f"the {result.fitting:,} layouts that fit, in increasing order of a lower bound on their step "
                f"(simulator/search/bound.py) until it passed the slowest of the {result.top} best; memory checked for all; "
                f"{seconds:.1f} s")
+
+
+def _stack_changes(options: dict) -> tuple[tuple[str, object], ...]:
+    """What the stack flags change in every candidate's implementation (cli/options/stack.py), checked before the
+    search; ZeRO is searched, so --fp8-param-gather keeps the ZeRO candidates only (simulator/search/plan.py)."""
+    from simulator.engine.overlap import resolve_overlap
+
+    return tuple(sorted(stack_changes({**options, "zero": None}, resolve_overlap(options["overlap"])).items()))
 
 
 def _spec(options: dict):
@@ -127,6 +140,7 @@ def _spec(options: dict):
               help="The stack every candidate runs on, as `minigpt simulate --overlap` takes it (executor, "
                    "megatron-2021, overlapped, megatron-core, torchtitan-fsdp2): what hides what, and the stack's own "
                    "implementation; torchtitan-fsdp2 also searches --recompute op where it is described.")
+@stack_options
 @click.option("--top", type=int, default=5, show_default=True, help="How many of the fastest layouts to print.")
 @cluster_options()
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the listed layouts' step time and memory per GPU "
@@ -153,12 +167,13 @@ def plan(**options) -> None:
         raise ConfigError(f"--oversubscription must be a ratio >= 1 (2 for 2:1), got {options['oversubscription']}")
     options["precision"] = simulated_precision(options["precision"], _hardware(options) if options["hardware"] else None)
     precision_policy(options["precision"])
+    changes = _stack_changes(options)
     spec = _spec(options)
     with _progress() as tick:
         result = search(model, options["gpus"], spec, options["global_batch"] or options["gpus"],
                         options["precision"], options["top"], options["micro_batch_size"], options["micro_batches"],
                         progress=tick, cp=options["cp"], ep=options["ep"], expert_load=load,
-                        dispatcher=options["ep_dispatcher"], overlap=options["overlap"])
+                        dispatcher=options["ep_dispatcher"], overlap=options["overlap"], stack_changes=changes)
     if result.expert_load != load:
         load_from += f"; {load:.3g} capped at the capacity factor {model.capacity_factor:g}"
     result.expert_load_from = load_from

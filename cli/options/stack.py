@@ -57,49 +57,65 @@ def stack_options(function):
                         help=RECIPE_HELP)(function)
 
 
-def stack_implementation(options: dict, overlap_of: Callable):
-    """The stack's Implementation with its fp8 scaling (--fp8-recipe), fp8 weights (--fp8-param-gather), element-wise
-    kernels (--elementwise), gradients' format in the reductions (--grad-reduce) and fused attention kernel
-    (--attention-kernel) as asked (None: none asked, the
-    stack's own); `overlap_of()` resolves the stack, once. One line, before any work, when the job or its stack
-    cannot run them that way."""
+def asked_flags(options: dict) -> list[str]:
+    """The stack flags given, as typed (none: the stack's own choices)."""
+    recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]
+    fp8_flag = f"--fp8-recipe {recipe}" if recipe is not None else "--fp8-param-gather" if gather else None
+    return [flag for flag in (fp8_flag, options["elementwise"] and f"--elementwise {options['elementwise']}",
+                              options["grad_reduce"] and f"--grad-reduce {options['grad_reduce']}",
+                              options["attention_kernel"] and f"--attention-kernel {options['attention_kernel']}")
+            if flag]
+
+
+def stack_changes(options: dict, overlap) -> dict:
+    """The Implementation fields the stack flags change under `overlap` (a resolved Overlap): fp8 scaling and
+    weights (--fp8-recipe, --fp8-param-gather), element-wise kernels (--elementwise), the reductions' format
+    (--grad-reduce) and the fused attention kernel (--attention-kernel); empty when none is given. One line, before
+    any work, when the job or its stack cannot run them that way (options["zero"] None: searched, as by plan)."""
     recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]
     elementwise, reduce, kernel = options["elementwise"], options["grad_reduce"], options["attention_kernel"]
     fp8_flag = f"--fp8-recipe {recipe}" if recipe is not None else "--fp8-param-gather" if gather else None
-    asked = [flag for flag in (fp8_flag, elementwise and f"--elementwise {elementwise}",
-                               reduce and f"--grad-reduce {reduce}", kernel and f"--attention-kernel {kernel}") if flag]
-    if not asked:
-        return None
     if fp8_flag and options["precision"] != "fp8":
         raise ConfigError(f"{fp8_flag} says how fp8 Linears run: it needs --precision fp8")
-    if gather and options["zero"] == 0:
+    if gather and options.get("zero") == 0:
         raise ConfigError("--fp8-param-gather all-gathers the weights in fp8: it needs ZeRO (--zero 1-3: Megatron's "
                           "distributed optimizer, FSDP)")
+    if elementwise == "eager" and overlap.preset != "torchtitan-fsdp2":
+        raise ConfigError(f"--elementwise eager describes torchtitan's model code in eager PyTorch: it needs --overlap "
+                          f"torchtitan-fsdp2 (the {overlap.name} stack's element-wise ops are its own kernels)")
+    from dataclasses import replace
+
+    from simulator.engine.overlap import stack_default
+
+    base = stack_default(overlap, options.get("attention", "flash"), options.get("recompute", "none"))
+    changes = _fp8_changes(base, fp8_flag, recipe, gather, overlap.name) if fp8_flag else {}
+    if elementwise is not None:
+        changes["eager"] = elementwise == "eager"
+    if reduce is not None:
+        changes["grad_reduce_fp32"] = reduce == "fp32"
+    if kernel is not None:
+        changes["attention_kernel"] = kernel
+    replace(base, **changes)  # the Implementation's own checks, one line each
+    return changes
+
+
+def stack_implementation(options: dict, overlap_of: Callable):
+    """The stack's Implementation with what the stack flags change (stack_changes), or None when none is given (the
+    stack's own); `overlap_of()` resolves the stack, once."""
+    if not asked_flags(options):
+        return None
     from dataclasses import replace
 
     from simulator.engine.overlap import stack_default
 
     overlap = overlap_of()
-    if elementwise == "eager" and overlap.preset != "torchtitan-fsdp2":
-        raise ConfigError(f"--elementwise eager describes torchtitan's model code in eager PyTorch: it needs --overlap "
-                          f"torchtitan-fsdp2 (the {overlap.name} stack's element-wise ops are its own kernels)")
     implementation = stack_default(overlap, options["attention"], options["recompute"], options["sp_saved_input"])
-    if fp8_flag:
-        implementation = _with_fp8(implementation, fp8_flag, recipe, gather, overlap.name)
-    if elementwise is not None:
-        implementation = replace(implementation, eager=elementwise == "eager")
-    if reduce is not None:
-        implementation = replace(implementation, grad_reduce_fp32=reduce == "fp32")
-    if kernel is not None:
-        implementation = replace(implementation, attention_kernel=kernel)
-    return implementation
+    return replace(implementation, **stack_changes(options, overlap))
 
 
-def _with_fp8(implementation, flag: str, recipe: str | None, gather: bool, stack: str):
-    """`implementation` scaling its fp8 Linears by `recipe` (None: the stack's) and keeping their weights in fp8
-    when `gather`, or one line when the stack cannot."""
-    from dataclasses import replace
-
+def _fp8_changes(implementation, flag: str, recipe: str | None, gather: bool, stack: str) -> dict:
+    """The fp8 fields of `implementation` scaling its fp8 Linears by `recipe` (None: the stack's) and keeping their
+    weights in fp8 when `gather`, or one line when the stack cannot."""
     scaling = FP8_RECIPES[recipe] if recipe is not None else implementation.fp8_scaling
     if (scaling != "tensor" or gather) and not implementation.fp8_fused_casts:
         raise ConfigError(f"{flag} needs fused fp8 casts (Transformer Engine's: --overlap megatron-core; torchao's: "
@@ -108,4 +124,4 @@ def _with_fp8(implementation, flag: str, recipe: str | None, gather: bool, stack
     if gather and scaling == "block":
         raise ConfigError("--fp8-param-gather is modelled for per-tensor scaling only (--fp8-recipe delayed or "
                           "current): MXFP8's transposed copy is quantised again from the 16-bit weights")
-    return replace(implementation, fp8_scaling=scaling, fp8_param_gather=gather)
+    return {"fp8_scaling": scaling, "fp8_param_gather": gather}

@@ -91,11 +91,12 @@ def schedule_shape(pp: int, micro_batches: int, kind: str, virtual_chunks: int) 
 
 
 def candidate_stack(overlap: Overlap | str, recompute: str, expert_load: float = 1.0,
-                    dispatcher: str = "alltoall") -> Implementation:
+                    dispatcher: str = "alltoall", changes: tuple[tuple[str, object], ...] = ()) -> Implementation:
     """How a candidate's blocks are computed, as simulate_step computes them under `overlap` (a preset or its name):
-    flash attention, the stack's own choices (its sequence-parallel input and attention kernel too), a MoE's load and
+    flash attention, the stack's own choices (its sequence-parallel input and attention kernel too) with `changes`
+    (Implementation fields the stack's flags change: cli/options/stack.py's stack_changes), a MoE's load and
     dispatcher."""
-    return replace(stack_default(overlap, "flash", recompute), expert_load=expert_load,
+    return replace(stack_default(overlap, "flash", recompute), **dict(changes), expert_load=expert_load,
                    dispatcher=dispatcher)
 
 
@@ -104,13 +105,15 @@ class StepBound:
     shared by every candidate that differs from it only in ZeRO stage or schedule kind."""
 
     def __init__(self, model: GPTConfig, cluster: Cluster, hardware: Hardware, precision: str,
-                 expert_load: float = 1.0, dispatcher: str = "alltoall", overlap: str = "executor") -> None:
+                 expert_load: float = 1.0, dispatcher: str = "alltoall", overlap: str = "executor",
+                 changes: tuple[tuple[str, object], ...] = ()) -> None:
         self.model, self.cluster, self.hardware, self.precision = model, cluster, hardware, precision
         self.expert_load = expert_load  # a MoE's routing imbalance, as simulate_step is given it
         self.dispatcher = dispatcher  # how its rows travel (Implementation.dispatcher)
         self.policy = precision_policy(precision)
         self.settings = resolve_overlap(overlap)  # a preset, as simulate_step is given it (default: our executor)
-        self.stack = stack_implementation(self.settings)  # its Implementation fields
+        self.changes = changes  # the Implementation fields the stack's flags change (candidate_stack)
+        self.stack = {**stack_implementation(self.settings), **dict(changes)}  # its Implementation fields
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
         self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision
 
@@ -121,7 +124,7 @@ class StepBound:
         config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
                           micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
-                          candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher),
+                          candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher, self.changes),
                           self.settings, unit_memo=self.units)
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,

@@ -74,6 +74,7 @@ REFUSALS = {
     "interleaved_layers": f"interleaved: fewer layers than pp x {INTERLEAVED_CHUNKS} chunks",
     "schedule_slots": f"over simulator/limits.py's {MAX_SCHEDULE_SLOTS:,} schedule slots",
     "zero3_gathers": f"over simulator/limits.py's {MAX_ZERO3_GATHERS:,} ZeRO-3 gathers",
+    "fp8_gather_zero0": "fp8 weights all-gathered (--fp8-param-gather): ZeRO 0 gathers none",
 }
 
 
@@ -220,22 +221,24 @@ def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, s
 
 
 def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu: GPUSpec,
-                     expert_load: float = 1.0, overlap: str = "executor") -> MemoryEstimate:
+                     expert_load: float = 1.0, overlap: str = "executor", changes: tuple = ()) -> MemoryEstimate:
     """predict_memory exactly as simulate_step calls it for this candidate (its schedule's in-flight micro-batches)
-    under the `overlap` preset's stack."""
+    under the `overlap` preset's stack with `changes` (candidate_stack)."""
     c = candidate
     shape = schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks)
     return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, list(shape.in_flight),
-                          implementation=candidate_stack(overlap, c.recompute, expert_load), ends_in_flight=shape.ends)
+                          implementation=candidate_stack(overlap, c.recompute, expert_load, changes=changes),
+                          ends_in_flight=shape.ends)
 
 
 def simulate_candidate(model: GPTConfig, candidate: Candidate, cluster, spec: ClusterSpec, precision: str,
                        global_batch: int, expert_load: float = 1.0, dispatcher: str = "alltoall",
-                       overlap: str = "executor") -> SimResult:
+                       overlap: str = "executor", changes: tuple = ()) -> SimResult:
     c = candidate
     return simulate_step(model, c.layout, cluster, precision, global_batch, c.micro_batch, c.schedule,
                          c.virtual_chunks, c.recompute, gpu=spec.hardware, overlap=overlap, expert_load=expert_load,
-                         ep_dispatcher=dispatcher)
+                         ep_dispatcher=dispatcher,
+                         implementation=candidate_stack(overlap, c.recompute, expert_load, dispatcher, changes))
 
 
 @dataclass
@@ -262,6 +265,7 @@ class Plan:
     fixed_ep: int | None = None  # expert parallelism as asked for (None: searched)
     dispatcher: str = "alltoall"  # how a MoE's rows travel (Implementation.dispatcher)
     overlap: str = "executor"  # the overlap preset, and its stack's implementation (simulator/engine/overlap.py)
+    stack_changes: tuple[tuple[str, object], ...] = ()  # Implementation fields the stack's flags change
 
     @property
     def context_note(self) -> str | None:
@@ -292,6 +296,7 @@ class Plan:
         return {
             "n_gpus": self.n_gpus, "gpu": self.gpu, "memory_capacity_bytes": self.capacity,
             "global_batch": self.global_batch, "precision": self.precision, "overlap": self.overlap,
+            "stack_changes": dict(self.stack_changes),
             "model": self.model.describe(),
             "smallest_cp_that_fits": self.smallest_cp, "context_parallelism_note": self.context_note,
             **({"expert_load": self.expert_load, "expert_load_from": self.expert_load_from, "ep_dispatcher": self.dispatcher,
@@ -334,10 +339,13 @@ def _check(model: GPTConfig, n_gpus: int, global_batch: int, top: int) -> None:
 def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, precision: str = "bf16",
          top: int = 5, micro_batch: int | None = None, micro_batches: int | None = None,
          progress: Callable[[str, int, int], None] | None = None, cp: int | None = None, ep: int | None = None,
-         expert_load: float = 1.0, dispatcher: str = "alltoall", overlap: str = "executor") -> Plan:
+         expert_load: float = 1.0, dispatcher: str = "alltoall", overlap: str = "executor",
+         stack_changes: tuple[tuple[str, object], ...] = ()) -> Plan:
     """The `top` fastest candidates that fit (see the module docstring); `progress(stage, done, total)`;
     `cp` fixes context parallelism, `ep` expert parallelism (None: searched); `expert_load`: a MoE's routing
-    imbalance (simulator/engine/experts.py); `overlap`: a preset of simulator/engine/overlap.py, with its stack."""
+    imbalance (simulator/engine/experts.py); `overlap`: a preset of simulator/engine/overlap.py, with its stack,
+    whose Implementation fields `stack_changes` changes (the stack's flags: fp8 recipe, fp8 weights, element-wise
+    kernels, reduction format, attention kernel; with fp8 weights gathered, only ZeRO candidates)."""
     _check(model, n_gpus, global_batch, top)
     if cp is not None:
         check_context_parallel(model, cp)  # one line for a cp the sequence cannot take at all
@@ -352,10 +360,13 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     op = op_recompute_searched(model, precision, overlap)
     candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
                                                micro_batches, cp, ep, op)
+    if dict(stack_changes).get("fp8_param_gather"):
+        refused["fp8_gather_zero0"] = sum(c.zero == 0 for c in candidates)
+        candidates = [c for c in candidates if c.zero > 0]
     gpu = spec.hardware.gpu
     result = Plan(model, n_gpus, spec.hardware.name, gpu.hbm_bytes, global_batch, precision, top,
                   candidates=len(candidates) + sum(refused.values()), refused=dict(refused), expert_load=expert_load,
-                  fixed_ep=ep, dispatcher=dispatcher, overlap=overlap)
+                  fixed_ep=ep, dispatcher=dispatcher, overlap=overlap, stack_changes=tuple(stack_changes))
     if not candidates:
         raise ConfigError(f"no layout of {n_gpus} GPUs runs a global batch of {global_batch}"
                           f"{' with the micro-batching asked for' if micro_batch or micro_batches else ''}"
@@ -363,7 +374,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
                           f"within simulator/limits.py: give a global batch that is a multiple of the GPU count")
     fitting = []
     for index, candidate in enumerate(candidates):
-        memory = candidate_memory(model, candidate, precision, gpu, expert_load, overlap)
+        memory = candidate_memory(model, candidate, precision, gpu, expert_load, overlap, result.stack_changes)
         if memory.fits:
             fitting.append((candidate, memory))
         else:
@@ -386,7 +397,8 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
     builds the schedule) only when the candidate reaches the front, which then goes back in line."""
     clock = time.perf_counter()
     model, precision = result.model, result.precision
-    bound = StepBound(model, cluster, spec.hardware, precision, result.expert_load, result.dispatcher, result.overlap)
+    bound = StepBound(model, cluster, spec.hardware, precision, result.expert_load, result.dispatcher, result.overlap,
+                      result.stack_changes)
     line = [(bound.compute_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory), 0, i)
             for i, (c, memory) in enumerate(fitting)]
     heapq.heapify(line)
@@ -402,7 +414,7 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
             heapq.heappush(line, (max(low, dp), 1, index))
             continue
         simulated = simulate_candidate(model, candidate, cluster, spec, precision, result.global_batch,
-                                       result.expert_load, result.dispatcher, result.overlap)
+                                       result.expert_load, result.dispatcher, result.overlap, result.stack_changes)
         if not simulated.fits:  # predict_memory disagrees with itself: a bug, not an answer
             raise RuntimeError(f"{candidate.describe()}: the memory check said it fits, simulate_step says not")
         result.simulated.append((candidate, simulated.step_time_s, low))
