@@ -77,7 +77,13 @@ class Implementation:
                       (cuDNN's fused attention: Transformer Engine's FusedAttention, which it prefers on Hopper)
                       or "te" (as Transformer Engine picks: cudnn on a GPU whose preset has cuDNN's table, the
                       Hopper presets, else flash-attn-2; the megatron-core stack's); the same ops and saved tensors
-                      either way."""
+                      either way.
+    fsdp2_copies      under ZeRO-3, FSDP2's copies on the compute stream (torch/distributed/fsdp/_fully_shard/
+                      _fsdp_collectives.py): each gathered unit copied out of the all-gather buffer into its
+                      parameters (foreach_all_gather_copy_out's split_with_sizes_copy, after the compute stream
+                      waits for the gather) and each unit's gradients copied into the reduce-scatter's buffer in the
+                      reduction's format (foreach_reduce's chunk_cat, before the reduce-scatter stream waits for
+                      it): the torchtitan-fsdp2 stack's; our ZeRO-3 gathers into the parameters' own storage."""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -98,6 +104,7 @@ class Implementation:
     eager: bool = False
     grad_reduce_fp32: bool = False
     attention_kernel: str = "flash-attn-2"
+    fsdp2_copies: bool = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -105,7 +112,7 @@ class Implementation:
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
         for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts",
-                     "fp8_param_gather", "fp8_recast", "eager", "grad_reduce_fp32"):
+                     "fp8_param_gather", "fp8_recast", "eager", "grad_reduce_fp32", "fsdp2_copies"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_choice("--ep-dispatcher", self.dispatcher, DISPATCHERS)
@@ -143,4 +150,5 @@ class Implementation:
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
+                "fsdp2_copies": self.fsdp2_copies,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -38,13 +38,13 @@ from minigpt.config import GPTConfig
 from job.schedule import ScheduleConfig
 from job.train_config import bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
-from simulator.costs.compute import EfficiencyProfile, chunk_times, hbm_speed
+from simulator.costs.compute import EfficiencyProfile, chunk_times, hbm_speed, kernel_overhead
 from simulator.engine.context import layer_exchange
 from simulator.engine.experts import SharedExperts, layer_exchange as expert_exchange, routing_seconds
 from job.exchange.experts import expert_gradient_reduction
 from simulator.engine.host import HostCompute
 from simulator.engine.links import LinkCosts
-from simulator.engine.data_parallel import ActionCost, DataParallelPricer
+from simulator.engine.data_parallel import ActionCost, DataParallelPricer, UnitCopies
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, buckets, stage_units
 from job.schedule import Backward, BackwardInput, BackwardWeight, Forward
@@ -301,7 +301,8 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
                                             stage, kind, nbytes, group),
                                         job.overlap, job.serial, actions, experts, gathers,
-                                        implementation.fp8_experts, implementation.reduce_bytes)
+                                        implementation.fp8_experts, implementation.reduce_bytes,
+                                        _copies(job, gpu, profile, implementation))
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)
@@ -310,6 +311,18 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             pricer=pricer,
         ))
     return ranks
+
+
+def _copies(job: _Job, gpu: GPUSpec, profile: EfficiencyProfile | None,
+            implementation: Implementation) -> UnitCopies | None:
+    """FSDP2's compute-stream copies around ZeRO-3's gathers and reductions (Implementation.fsdp2_copies) at the GPU's
+    element-wise bandwidth: out of the all-gather buffer, an element read and written in the compute format; into
+    the reduce-scatter's, read in the compute format and written in the reduction's."""
+    if not implementation.fsdp2_copies or job.zero != 3:
+        return None
+    speed, reduced = hbm_speed(gpu), implementation.reduce_bytes or job.compute_bytes
+    return UnitCopies(2 * job.compute_bytes / speed, (job.compute_bytes + reduced) / speed,
+                      kernel_overhead(gpu, profile))
 
 
 def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool = False) -> float:

@@ -65,7 +65,7 @@ class DataParallelPricer:
     def __init__(self, chunk_units: dict, plan: DataParallelPlan, zero: int, bucket_numel: int,
                  dp_time: Callable[[str, float, str], float], settings: Overlap, serial: bool, plain: dict,
                  experts_s: float = 0.0, fp8_gathers: bool = False, fp8_experts: bool = False,
-                 reduce_bytes: int | None = None):
+                 reduce_bytes: int | None = None, copies: "UnitCopies | None" = None):
         self.units, self.plan, self.zero = chunk_units, plan, zero
         self.dp_time, self.settings, self.serial, self.plain = dp_time, settings, serial, plain
         # each bucket's first tensor (its last gradient in), cut as the plan's buckets (job/layout.py)
@@ -78,6 +78,7 @@ class DataParallelPricer:
         self.fp8 = _fp8_elements(chunk_units, cuts, zero, fp8_experts) if fp8_gathers else {}
         self.experts_s = experts_s  # expert parallelism's gradient reduction, issued with the optimizer step
         self.reduce_bytes = reduce_bytes  # a gradient element's bytes in the reductions (None: the compute format's)
+        self.copies = copies  # ZeRO-3 copies on the compute stream around each gather and reduction (FSDP2's)
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
 
@@ -101,8 +102,10 @@ class DataParallelPricer:
         segments, limit, wait = self.segments(action, armed)
         o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free,
                     self.settings.dp_slowdown)
-        cost = ActionCost(o.end, plain.compute, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp, plain.ep,
-                          plain.ep_hidden, plain.amax)
+        copies = sum(self.copy_seconds(action.chunk, index, armed) for index in range(len(self.units[action.chunk]))) \
+            if self.zero == 3 and self.copies is not None else 0.0
+        cost = ActionCost(o.end, plain.compute + copies, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp,
+                          plain.ep, plain.ep_hidden, plain.amax)
         if comm_free <= 0:
             self.memo[key] = cost
         return cost
@@ -131,6 +134,13 @@ class DataParallelPricer:
             segments.append(Segment(compute=plain.total - clock))
         return segments, limit, self.zero == 2
 
+    def copy_seconds(self, chunk: int, index: int, armed: tuple) -> float:
+        """The compute-stream copies (UnitCopies) of unit `index` of `chunk` that `armed` implies: a gather of it, a
+        reduction of its gradients."""
+        gathered = any(type(a) is GatherParams and a.bucket == index for a in armed)
+        reduced = any(type(a) is ReduceScatterGrads and a.bucket == index for a in armed)
+        return self.copies.seconds(self.units[chunk][index].numel, gathered, reduced)
+
     def unit_segments(self, action, armed: tuple) -> list[Segment]:
         """ZeRO-3: the chunk's units in the order the compute uses them, each with its armed gather and reduction."""
         units = self.units[action.chunk]
@@ -150,6 +160,7 @@ class DataParallelPricer:
             else:
                 compute = u.weight
             reduce = 0.0 if self.settings.dp == "after" else reduces.get(index, 0.0)
+            compute += self.copy_seconds(action.chunk, index, armed) if self.copies is not None else 0.0
             segments.append(Segment(compute, gathers.get(index, 0.0), reduce))
         amax = self.plain[(kind, action.chunk)].amax  # the fp8 amax all-reduce at the chunk's end
         if amax:
@@ -157,6 +168,22 @@ class DataParallelPricer:
         if self.settings.dp == "after":
             segments += [Segment(0.0, reduce=reduces[i]) for i in order if i in reduces]
         return segments
+
+
+@dataclass(frozen=True)
+class UnitCopies:
+    """ZeRO-3's copies on the compute stream, per unit (FSDP2's: Implementation.fsdp2_copies): after a gather, the
+    unit's elements copied out of the all-gather buffer (`out_s` an element, read and written); before a reduction,
+    its gradients copied into the reduce-scatter's buffer (`in_s` an element: read in the gradients' format, written in
+    the reduction's); `kernel_s` a copy kernel's launch."""
+
+    out_s: float
+    in_s: float
+    kernel_s: float
+
+    def seconds(self, numel: int, gathered: bool, reduced: bool) -> float:
+        return ((self.out_s * numel + self.kernel_s) if gathered else 0.0) + \
+            ((self.in_s * numel + self.kernel_s) if reduced else 0.0)
 
 
 def _fp8_elements(chunk_units: dict, cuts: dict, zero: int, experts: bool) -> dict[int, list[int]]:
