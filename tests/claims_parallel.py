@@ -139,13 +139,15 @@ def check_zero3_not_best(row):
     across = n["cases"]["64 GPUs, 8 servers"]
     assert extra - compute > 1e-3
     assert across["3"]["step_s"] - min(across["0"]["step_s"], across["1"]["step_s"]) >= extra - compute
-    # Inside one server the extra all-gather takes 2 x 124M x 7/8 bytes over NVLink, under 1 ms, against some 75 ms
-    # of compute for 8 sequences: it can hide. The simulated 1.03x there (the gathers' and per-unit reduce-scatters'
-    # latency) is the simulator's own number, which nothing here re-derives; the verdict rests on it for "holds".
+    # Inside one server the extra all-gather takes 2 x 124M x 7/8 bytes over NVLink, under 1 ms, against some 65 ms
+    # of compute for 8 sequences: it can hide. What ZeRO-3 still adds there is its per-unit collectives' latency and,
+    # at each of the 8 micro-batches' reductions, our ZeRO-3's staging copies on the compute stream (zero-fill, a copy
+    # per gradient, the division: about 1.3 ms a micro-batch, tests/test_sim_zero3_copies.py counts them): the
+    # simulated 1.21x is the simulator's own number, which nothing here re-derives; the verdict rests on it for "holds".
     nvlink = sheet["nvlink_bandwidth"] * sheet["achieved"]["nvlink_fraction"]
     assert ring_seconds("all_gather", weights, 8, nvlink, sheet["nvlink_latency"]) < 1e-3
     inside = n["zero3_over_best_of_0_1"]["8 GPUs, one server"]
-    assert 1 < inside < 1.1
+    assert 1 < inside < 1.3
     assert row["verdict"] == HOLDS
 
 

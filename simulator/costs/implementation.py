@@ -21,6 +21,7 @@ DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expe
 # which fused attention kernel runs "flash" (Implementation): "te" is Transformer Engine's own choice, cuDNN's where the
 # GPU's preset carries its table (the Hopper presets), FlashAttention-2 elsewhere (attention_rates.kernel_table)
 ATTENTION_KERNELS = ("flash-attn-2", "cudnn", "te")
+ZERO3_COPIES = ("staging", "fsdp2", "none")  # the compute-stream copies around ZeRO-3's collectives (Implementation)
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,15 @@ class Implementation:
                       or "te" (as Transformer Engine picks: cudnn on a GPU whose preset has cuDNN's table, the
                       Hopper presets, else flash-attn-2; the megatron-core stack's); the same ops and saved tensors
                       either way.
-    fsdp2_copies      under ZeRO-3, FSDP2's copies on the compute stream (torch/distributed/fsdp/_fully_shard/
-                      _fsdp_collectives.py): each gathered unit copied out of the all-gather buffer into its
-                      parameters (foreach_all_gather_copy_out's split_with_sizes_copy, after the compute stream
-                      waits for the gather) and each unit's gradients copied into the reduce-scatter's buffer in the
-                      reduction's format (foreach_reduce's chunk_cat, before the reduce-scatter stream waits for
-                      it): the torchtitan-fsdp2 stack's; our ZeRO-3 gathers into the parameters' own storage."""
+    zero3_copies      the copies ZeRO-3 makes on the compute stream around its collectives (ZERO3_COPIES):
+                      "staging" (our parallel/data/zero3.py: gathers into the parameters' own storage; each unit's
+                      gradients copied into a zero-filled staging buffer, divided there, and the reduced piece added
+                      to the rank's shard), "fsdp2" (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: each
+                      gathered unit copied out of the all-gather buffer into its parameters, split_with_sizes_copy
+                      after the compute stream waits for the gather; each unit's gradients copied into the
+                      reduce-scatter's buffer in the reduction's format, chunk_cat, before the reduce-scatter stream
+                      waits for it: the torchtitan-fsdp2 stack's) or "none" (buffers the collectives run on in place:
+                      the megatron-core stack's)"""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -104,7 +108,7 @@ class Implementation:
     eager: bool = False
     grad_reduce_fp32: bool = False
     attention_kernel: str = "flash-attn-2"
-    fsdp2_copies: bool = False
+    zero3_copies: str = "staging"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -112,13 +116,14 @@ class Implementation:
         if self.sp_saved_input not in SP_SAVED_INPUTS:
             raise ConfigError(f"sp_saved_input must be one of {', '.join(SP_SAVED_INPUTS)}, got {self.sp_saved_input!r}")
         for name in ("fp8_weight_cache", "fp8_fused_casts", "wgrad_fusion", "ub_chunks", "fused_optimizer", "fp8_experts",
-                     "fp8_param_gather", "fp8_recast", "eager", "grad_reduce_fp32", "fsdp2_copies"):
+                     "fp8_param_gather", "fp8_recast", "eager", "grad_reduce_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_choice("--ep-dispatcher", self.dispatcher, DISPATCHERS)
         check_choice("fp8_scaling", self.fp8_scaling, FP8_SCALINGS)
         check_choice("fp8_amax_group", self.fp8_amax_group, FP8_AMAX_GROUPS)
         check_choice("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS)
+        check_choice("zero3_copies", self.zero3_copies, ZERO3_COPIES)
         if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
@@ -150,5 +155,5 @@ class Implementation:
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
-                "fsdp2_copies": self.fsdp2_copies,
+                "zero3_copies": self.zero3_copies,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -315,14 +315,18 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
 
 def _copies(job: _Job, gpu: GPUSpec, profile: EfficiencyProfile | None,
             implementation: Implementation) -> UnitCopies | None:
-    """FSDP2's compute-stream copies around ZeRO-3's gathers and reductions (Implementation.fsdp2_copies) at the GPU's
-    element-wise bandwidth: out of the all-gather buffer, an element read and written in the compute format; into
-    the reduce-scatter's, read in the compute format and written in the reduction's."""
-    if not implementation.fsdp2_copies or job.zero != 3:
+    """ZeRO-3's compute-stream copies around its gathers and reductions (Implementation.zero3_copies) at the GPU's
+    element-wise bandwidth, an element's bytes each: FSDP2's out of the all-gather buffer (read and written in the
+    compute format) and into the reduce-scatter's (read in the compute format, written in the reduction's); ours,
+    at a reduction, the staging buffer zero-filled, each gradient copied in, the whole divided by the ranks, and the
+    reduced piece (1/dp) added to the shard, all in the compute format."""
+    if implementation.zero3_copies == "none" or job.zero != 3:
         return None
-    speed, reduced = hbm_speed(gpu), implementation.reduce_bytes or job.compute_bytes
-    return UnitCopies(2 * job.compute_bytes / speed, (job.compute_bytes + reduced) / speed,
-                      kernel_overhead(gpu, profile))
+    speed, e, kernel = hbm_speed(gpu), job.compute_bytes, kernel_overhead(gpu, profile)
+    if implementation.zero3_copies == "fsdp2":
+        return UnitCopies(2 * e / speed, (e + (implementation.reduce_bytes or e)) / speed, kernel)
+    staged = e + 2 * e + 2 * e + 3 * e / job.dp  # zeros; grad in; div_; the piece's add_ into the shard
+    return UnitCopies(0.0, staged / speed, kernel, out_kernels=0, in_kernels=3, per_tensor=True)
 
 
 def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool = False) -> float:

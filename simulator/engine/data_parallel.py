@@ -78,7 +78,7 @@ class DataParallelPricer:
         self.fp8 = _fp8_elements(chunk_units, cuts, zero, fp8_experts) if fp8_gathers else {}
         self.experts_s = experts_s  # expert parallelism's gradient reduction, issued with the optimizer step
         self.reduce_bytes = reduce_bytes  # a gradient element's bytes in the reductions (None: the compute format's)
-        self.copies = copies  # ZeRO-3 copies on the compute stream around each gather and reduction (FSDP2's)
+        self.copies = copies  # ZeRO-3 copies on the compute stream around each gather and reduction
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
 
@@ -139,7 +139,8 @@ class DataParallelPricer:
         reduction of its gradients."""
         gathered = any(type(a) is GatherParams and a.bucket == index for a in armed)
         reduced = any(type(a) is ReduceScatterGrads and a.bucket == index for a in armed)
-        return self.copies.seconds(self.units[chunk][index].numel, gathered, reduced)
+        unit = self.units[chunk][index]
+        return self.copies.seconds(unit.numel, len(unit.tensors), gathered, reduced)
 
     def unit_segments(self, action, armed: tuple) -> list[Segment]:
         """ZeRO-3: the chunk's units in the order the compute uses them, each with its armed gather and reduction."""
@@ -172,18 +173,21 @@ class DataParallelPricer:
 
 @dataclass(frozen=True)
 class UnitCopies:
-    """ZeRO-3's copies on the compute stream, per unit (FSDP2's: Implementation.fsdp2_copies): after a gather, the
-    unit's elements copied out of the all-gather buffer (`out_s` an element, read and written); before a reduction,
-    its gradients copied into the reduce-scatter's buffer (`in_s` an element: read in the gradients' format, written in
-    the reduction's); `kernel_s` a copy kernel's launch."""
+    """ZeRO-3's copies on the compute stream, per unit (Implementation.zero3_copies): after a gather, `out_s` an
+    element of the unit and `out_kernels` kernels; before a reduction, `in_s` an element, `in_kernels` kernels and one
+    more per tensor when `per_tensor` (a copy each); `kernel_s` a kernel's launch."""
 
     out_s: float
     in_s: float
     kernel_s: float
+    out_kernels: int = 1
+    in_kernels: int = 1
+    per_tensor: bool = False
 
-    def seconds(self, numel: int, gathered: bool, reduced: bool) -> float:
-        return ((self.out_s * numel + self.kernel_s) if gathered else 0.0) + \
-            ((self.in_s * numel + self.kernel_s) if reduced else 0.0)
+    def seconds(self, numel: int, tensors: int, gathered: bool, reduced: bool) -> float:
+        out = self.out_s * numel + self.out_kernels * self.kernel_s if gathered else 0.0
+        kernels = self.in_kernels + (tensors if self.per_tensor else 0)
+        return out + (self.in_s * numel + kernels * self.kernel_s if reduced else 0.0)
 
 
 def _fp8_elements(chunk_units: dict, cuts: dict, zero: int, experts: bool) -> dict[int, list[int]]:

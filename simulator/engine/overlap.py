@@ -215,7 +215,7 @@ PRESETS = {
 # picks its backend (simulator/costs/rates/attention_rates.py's te_kernel); torch's SDPA runs FlashAttention-2.
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
                 "fp8_amax_group", "fp8_experts", "fp8_recast", "eager", "grad_reduce_fp32", "sp_saved_input",
-                "attention_kernel", "fsdp2_copies")  # the Implementation fields a preset sets
+                "attention_kernel", "zero3_copies")  # the Implementation fields a preset sets
 _OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
@@ -224,9 +224,9 @@ STACK_IMPLEMENTATION = {
     "overlapped": _OURS,
     "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
                       "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True,
-                      "sp_saved_input": "sharded", "attention_kernel": "te"},
+                      "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none"},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
-                         "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "fsdp2_copies": True},
+                         "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "zero3_copies": "fsdp2"},
 }
 
 
