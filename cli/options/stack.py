@@ -57,24 +57,30 @@ def stack_options(function):
                         help=RECIPE_HELP)(function)
 
 
+def _fp8_flag(options: dict) -> str | None:
+    """The fp8 flag given, as typed (--fp8-recipe, else --fp8-param-gather), or None."""
+    if options["fp8_recipe"] is not None:
+        return f"--fp8-recipe {options['fp8_recipe']}"
+    return "--fp8-param-gather" if options["fp8_param_gather"] else None
+
+
 def asked_flags(options: dict) -> list[str]:
     """The stack flags given, as typed (none: the stack's own choices)."""
-    recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]
-    fp8_flag = f"--fp8-recipe {recipe}" if recipe is not None else "--fp8-param-gather" if gather else None
-    return [flag for flag in (fp8_flag, options["elementwise"] and f"--elementwise {options['elementwise']}",
+    return [flag for flag in (_fp8_flag(options), options["elementwise"] and f"--elementwise {options['elementwise']}",
                               options["grad_reduce"] and f"--grad-reduce {options['grad_reduce']}",
                               options["attention_kernel"] and f"--attention-kernel {options['attention_kernel']}")
             if flag]
 
 
-def stack_changes(options: dict, overlap) -> dict:
-    """The Implementation fields the stack flags change under `overlap` (a resolved Overlap): fp8 scaling and
-    weights (--fp8-recipe, --fp8-param-gather), element-wise kernels (--elementwise), the reductions' format
-    (--grad-reduce) and the fused attention kernel (--attention-kernel); empty when none is given. One line, before
-    any work, when the job or its stack cannot run them that way (options["zero"] None: searched, as by plan)."""
+def stack_changes(options: dict, overlap, base=None) -> dict:
+    """The Implementation fields the stack flags change under `overlap` (a resolved Overlap) over `base` (its
+    Implementation; None: the stack's with flash attention, no recompute): fp8 scaling and weights (--fp8-recipe,
+    --fp8-param-gather), element-wise kernels (--elementwise), the reductions' format (--grad-reduce) and the fused
+    attention kernel (--attention-kernel); empty when none is given. One line, before any work, when the job or its
+    stack cannot run them that way (options["zero"] None: searched, as by plan)."""
     recipe, gather = options["fp8_recipe"], options["fp8_param_gather"]
     elementwise, reduce, kernel = options["elementwise"], options["grad_reduce"], options["attention_kernel"]
-    fp8_flag = f"--fp8-recipe {recipe}" if recipe is not None else "--fp8-param-gather" if gather else None
+    fp8_flag = _fp8_flag(options)
     if fp8_flag and options["precision"] != "fp8":
         raise ConfigError(f"{fp8_flag} says how fp8 Linears run: it needs --precision fp8")
     if gather and options.get("zero") == 0:
@@ -87,7 +93,7 @@ def stack_changes(options: dict, overlap) -> dict:
 
     from simulator.engine.overlap import stack_default
 
-    base = stack_default(overlap, options.get("attention", "flash"), options.get("recompute", "none"))
+    base = base or stack_default(overlap, "flash", "none")
     changes = _fp8_changes(base, fp8_flag, recipe, gather, overlap.name) if fp8_flag else {}
     if elementwise is not None:
         changes["eager"] = elementwise == "eager"
@@ -110,7 +116,7 @@ def stack_implementation(options: dict, overlap_of: Callable):
 
     overlap = overlap_of()
     implementation = stack_default(overlap, options["attention"], options["recompute"], options["sp_saved_input"])
-    return replace(implementation, **stack_changes(options, overlap))
+    return replace(implementation, **stack_changes(options, overlap, implementation))
 
 
 def _fp8_changes(implementation, flag: str, recipe: str | None, gather: bool, stack: str) -> dict:

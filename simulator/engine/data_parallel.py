@@ -99,21 +99,21 @@ class DataParallelPricer:
         if comm_free <= 0 and key in self.memo:
             return self.memo[key]
         plain = self.plain[(type(action), action.chunk)]
-        segments, limit, wait = self.segments(action, armed)
+        copies = self.unit_copies(action.chunk, armed)
+        segments, limit, wait = self.segments(action, armed, copies)
         o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free,
                     self.settings.dp_slowdown)
-        copies = sum(self.copy_seconds(action.chunk, index, armed) for index in range(len(self.units[action.chunk]))) \
-            if self.zero == 3 and self.copies is not None else 0.0
-        cost = ActionCost(o.end, plain.compute + copies, plain.tp, o.exposed, None if wait else o.comm_end, plain.cp,
-                          plain.ep, plain.ep_hidden, plain.amax)
+        cost = ActionCost(o.end, plain.compute + sum(copies), plain.tp, o.exposed, None if wait else o.comm_end,
+                          plain.cp, plain.ep, plain.ep_hidden, plain.amax)
         if comm_free <= 0:
             self.memo[key] = cost
         return cost
 
-    def segments(self, action, armed: tuple) -> tuple[list[Segment], int | None, bool]:
-        """(segments, reductions allowed in flight, whether the compute waits for them at its end)."""
+    def segments(self, action, armed: tuple, copies: list[float]) -> tuple[list[Segment], int | None, bool]:
+        """(segments, reductions allowed in flight, whether the compute waits for them at its end); `copies`: each
+        unit's compute-stream copies (unit_copies)."""
         if self.zero == 3:
-            return self.unit_segments(action, armed), MAX_IN_FLIGHT, True
+            return self.unit_segments(action, armed, copies), MAX_IN_FLIGHT, True
         plain = self.plain[(type(action), action.chunk)]
         reduced = {a.bucket: a for a in armed if type(a) in (AllReduceGrads, ReduceScatterGrads)}
         limit = None if self.zero <= 1 else MAX_IN_FLIGHT  # ZeRO-1 bounds nothing (parallel/data/zero.py)
@@ -134,15 +134,17 @@ class DataParallelPricer:
             segments.append(Segment(compute=plain.total - clock))
         return segments, limit, self.zero == 2
 
-    def copy_seconds(self, chunk: int, index: int, armed: tuple) -> float:
-        """The compute-stream copies (UnitCopies) of unit `index` of `chunk` that `armed` implies: a gather of it, a
-        reduction of its gradients."""
-        gathered = any(type(a) is GatherParams and a.bucket == index for a in armed)
-        reduced = any(type(a) is ReduceScatterGrads and a.bucket == index for a in armed)
-        unit = self.units[chunk][index]
-        return self.copies.seconds(unit.numel, len(unit.tensors), gathered, reduced)
+    def unit_copies(self, chunk: int, armed: tuple) -> list[float]:
+        """Seconds of each unit's compute-stream copies (UnitCopies) that `armed` implies under ZeRO-3: a gather of the
+        unit, a reduction of its gradients; zeros where the stack makes none."""
+        units = self.units[chunk]
+        if self.zero != 3 or self.copies is None:
+            return [0.0] * len(units)
+        gathered = {a.bucket for a in armed if type(a) is GatherParams}
+        reduced = {a.bucket for a in armed if type(a) is ReduceScatterGrads}
+        return [self.copies.seconds(u.numel, len(u.tensors), i in gathered, i in reduced) for i, u in enumerate(units)]
 
-    def unit_segments(self, action, armed: tuple) -> list[Segment]:
+    def unit_segments(self, action, armed: tuple, copies: list[float]) -> list[Segment]:
         """ZeRO-3: the chunk's units in the order the compute uses them, each with its armed gather and reduction."""
         units = self.units[action.chunk]
         gathers = {a.bucket: self.seconds(a) for a in armed if type(a) is GatherParams}
@@ -161,8 +163,7 @@ class DataParallelPricer:
             else:
                 compute = u.weight
             reduce = 0.0 if self.settings.dp == "after" else reduces.get(index, 0.0)
-            compute += self.copy_seconds(action.chunk, index, armed) if self.copies is not None else 0.0
-            segments.append(Segment(compute, gathers.get(index, 0.0), reduce))
+            segments.append(Segment(compute + copies[index], gathers.get(index, 0.0), reduce))
         amax = self.plain[(kind, action.chunk)].amax  # the fp8 amax all-reduce at the chunk's end
         if amax:
             segments.append(Segment(amax))

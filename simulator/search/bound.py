@@ -113,7 +113,7 @@ class StepBound:
         self.policy = precision_policy(precision)
         self.settings = resolve_overlap(overlap)  # a preset, as simulate_step is given it (default: our executor)
         self.changes = changes  # the Implementation fields the stack's flags change (candidate_stack)
-        self.stack = {**stack_implementation(self.settings), **dict(changes)}  # its Implementation fields
+        self.fused_optimizer = stack_implementation(self.settings)["fused_optimizer"]  # no stack flag changes it
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
         self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision
 
@@ -148,7 +148,7 @@ class StepBound:
         """max over ranks of compute_r (the module docstring); `memory`: the job's predict_memory."""
         forward, backward = self.chunk_prices(layout, micro_batches, kind, micro_batch, recompute, memory)
         shape = schedule_shape(layout.pp, micro_batches, kind, layout.virtual_chunks)
-        optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu, self.stack["fused_optimizer"])
+        optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu, self.fused_optimizer)
                      for stage in memory.per_stage]
         best = 0.0
         for rank in range(layout.pp):
