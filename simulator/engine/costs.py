@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from minigpt.config import GPTConfig
 from job.schedule import ScheduleConfig
-from job.train_config import bucket_numel
+from job.train_config import TrainConfig, bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, chunk_times, hbm_speed, kernel_overhead
 from simulator.engine.context import layer_exchange
@@ -257,11 +257,8 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     (plan's bound), so that a unit is priced once (_unit_times)."""
     pol = precision_policy(precision)
     implementation = implementation or Implementation(recompute=recompute)
-    compute_bytes = FORMAT_BYTES[pol.compute]
-    job = _Job(model, layout, links, schedule.zero_stage, layout.shard_ranks, bucket_numel(bucket_mb, compute_bytes),
-               compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
+    job = _job(model, layout, schedule.zero_stage, links, pol, bucket_mb, host, overlap_settings)
     times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, host, unit_memo)
-    last_chunk = schedule.num_chunks - 1
     # The optimizer's one reduction of the squared gradient norm (precision/optimizer.py, parallel/run/build.py's
     # reduce_sum): an fp32 scalar all-reduced over tp, then pp; over dp it is the OptimizerStep's own action
     # (job/data_parallel.py), priced by the pricer.
@@ -272,29 +269,8 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             norm_reduce += links.expert_collective(0, "all_reduce", NORM_BYTES)
     ranks = []
     gathers = fp8_params_mode(pol, implementation) != "none"  # fp8 parameters: gathered at a byte each
-    for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
-        chunk_units: dict[int, list[Unit]] = {}
-        chunk_amax: dict[int, tuple[float, float]] = {}
-        per_step = 0.0  # the rank's once-a-step compute, charged with its optimizer step
-        for (chunk, layers), unit_tensors in zip(placed, per_chunk):
-            units, fp8_gemms, sp_amaxes = [], 0, (0, 0)
-            for position, tensors in enumerate(unit_tensors):
-                embedding = chunk == 0 and position == 0
-                head = chunk == last_chunk and position == len(unit_tensors) - 1
-                block = 0 if embedding or head else 1
-                moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
-                f, b, ftp, btp, again, weight, *exchanged = times(block, embedding, head, rank, moe)
-                priced = times.unit(block, embedding, head, moe)
-                per_step += priced.per_step_s
-                fp8_gemms += priced.fp8_gemms
-                sp_amaxes = (sp_amaxes[0] + priced.sp_amaxes[0], sp_amaxes[1] + priced.sp_amaxes[1])
-                units.append(Unit(tensors, f, b, ftp, btp, buckets(tensors, None, job.dp)[0].size, again, weight,
-                                  *exchanged))
-            chunk_units[chunk] = units
-            chunk_amax[chunk] = amax_seconds(job, implementation, pol, rank, fp8_gemms, sp_amaxes)
-        actions: dict[tuple[type, int], ActionCost] = {}
-        for chunk, units in chunk_units.items():
-            _plain_actions(chunk, units, actions, chunk_amax[chunk])
+    priced = _rank_actions(job, times, implementation, pol, schedule.num_chunks - 1, sized=True)
+    for rank, (placed, chunk_units, actions, per_step) in enumerate(priced):
         pricer, experts = None, _expert_reduction(job, placed, rank, pol, fp8_experts_kept(pol, implementation))
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
@@ -311,6 +287,53 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             pricer=pricer,
         ))
     return ranks
+
+
+def action_prices(model: GPTConfig, layout: Layout, links: LinkCosts, gpu: GPUSpec, precision: str, micro_batch: int, profile: EfficiencyProfile | None, implementation: Implementation,
+                  overlap_settings: Overlap, unit_memo: dict | None = None) -> list[dict[tuple[type, int], ActionCost]]:
+    """Each pipeline rank's actions with nothing armed, priced exactly as rank_costs prices them, without the
+    data-parallel pricer, the optimizer step or the buckets those need: what minigpt plan's bound reads for every
+    layout it searches (simulator/search/bound.py)."""
+    pol = precision_policy(precision)
+    job = _job(model, layout, 0, links, pol, TrainConfig.bucket_mb, None, overlap_settings)  # no stage: no pricer
+    times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, None, unit_memo)
+    last_chunk = layout.pp * layout.virtual_chunks - 1
+    return [actions for _, _, actions, _ in _rank_actions(job, times, implementation, pol, last_chunk, sized=False)]
+
+
+def _job(model: GPTConfig, layout: Layout, zero: int, links: LinkCosts, pol, bucket_mb: float,
+         host: HostCompute | None, overlap_settings: Overlap | None) -> _Job:
+    compute_bytes = FORMAT_BYTES[pol.compute]
+    return _Job(model, layout, links, zero, layout.shard_ranks, bucket_numel(bucket_mb, compute_bytes),
+                compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
+
+
+def _rank_actions(job: _Job, times, implementation: Implementation, pol, last_chunk: int, sized: bool):
+    """Per pipeline rank, in order: (its chunks' placed layers, their units, their actions with nothing armed, its
+    once-a-step compute). `sized`: each unit's numel padded to the dp size (its bucket: what the data-parallel
+    pricer needs; 0 without)."""
+    model, layout = job.model, job.layout
+    for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
+        chunk_units: dict[int, list[Unit]] = {}
+        actions: dict[tuple[type, int], ActionCost] = {}
+        per_step = 0.0  # the rank's once-a-step compute, charged with its optimizer step
+        for (chunk, layers), unit_tensors in zip(placed, per_chunk):
+            units, fp8_gemms, sp_amaxes = [], 0, (0, 0)
+            for position, tensors in enumerate(unit_tensors):
+                embedding = chunk == 0 and position == 0
+                head = chunk == last_chunk and position == len(unit_tensors) - 1
+                block = 0 if embedding or head else 1
+                moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
+                f, b, ftp, btp, again, weight, *exchanged = times(block, embedding, head, rank, moe)
+                priced = times.unit(block, embedding, head, moe)
+                per_step += priced.per_step_s
+                fp8_gemms += priced.fp8_gemms
+                sp_amaxes = (sp_amaxes[0] + priced.sp_amaxes[0], sp_amaxes[1] + priced.sp_amaxes[1])
+                numel = buckets(tensors, None, job.dp)[0].size if sized else 0
+                units.append(Unit(tensors, f, b, ftp, btp, numel, again, weight, *exchanged))
+            chunk_units[chunk] = units
+            _plain_actions(chunk, units, actions, amax_seconds(job, implementation, pol, rank, fp8_gemms, sp_amaxes))
+        yield placed, chunk_units, actions, per_step
 
 
 def _copies(job: _Job, gpu: GPUSpec, profile: EfficiencyProfile | None,

@@ -44,7 +44,7 @@ from job.schedule_check import ends_alive, peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
 from simulator.engine.simulate import step_schedule
-from simulator.engine.costs import RankCosts, optimizer_seconds, rank_costs
+from simulator.engine.costs import RankCosts, action_prices, optimizer_seconds, rank_costs
 from simulator.engine.links import LinkCosts
 from simulator.costs.hardware import Hardware
 from simulator.memory import MemoryEstimate
@@ -129,13 +129,18 @@ class StepBound:
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
-        """(forward, backward) seconds per global chunk, as rank_costs prices them with nothing armed."""
+        """(forward, backward) seconds per global chunk, as rank_costs prices them with nothing armed (action_prices:
+        the same prices without the data-parallel pricer, which only data_parallel_seconds reads)."""
         key = (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch, recompute,
                layout.cp, layout.cp_kind, layout.ep)
         if key not in self.prices:
             forward, backward = {}, {}
-            for rank in self.costs(layout, micro_batches, kind, micro_batch, recompute, memory):
-                for (action, chunk), cost in rank.actions.items():
+            gpu = self.hardware.gpu
+            stack = candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher, self.changes)
+            for actions in action_prices(self.model, layout, ComputeLinks(self.cluster, layout, gpu), gpu,
+                                         self.precision, micro_batch, gpu.matmul_efficiency, stack, self.settings,
+                                         self.units):
+                for (action, chunk), cost in actions.items():
                     if action is Forward:
                         forward[chunk] = cost.total
                     elif action is Backward:
