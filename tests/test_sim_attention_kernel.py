@@ -62,7 +62,27 @@ def test_the_figures_quoted_are_the_docs_and_the_table_is_their_derivation():
                 rate = derived(head, i)
                 assert fraction == round(rate * 1e12 / PRESETS[gpu]["peak_flops"]["bf16"], 4)
                 assert abs(int(printed[head][i][0]) - rate) <= 0.5 and float(printed[head][i][1]) == fraction
-    assert all("attention_cudnn" not in PRESETS[g] for g in ("a100-40gb", "a100-80gb", "b200"))
+    assert all("attention_cudnn" not in PRESETS[g] for g in ("a100-40gb", "a100-80gb"))
+
+
+# cudnn-frontend's GB200 measurement (llama3.1_20260424_100750.csv): tokens, forward ms and TFLOP/s, backward ms and
+# TFLOP/s, causal, bf16, head size 128, non-deterministic backward
+GB200 = ((2048, 0.125, 1097.0, 0.389, 885.0), (4096, 0.391, 1408.0, 1.198, 1148.0),
+         (8192, 1.397, 1574.0, 4.127, 1332.0), (16384, 5.150, 1708.0, 16.554, 1328.0),
+         (32768, 21.692, 1622.0, 71.756, 1226.0))
+GB200_BF16_PEAK = 2.5e15  # NVIDIA Blackwell architecture technical brief: GB200 at 1,200 W, dense
+
+
+def test_the_b200_cudnn_table_is_the_gb200_measurement_over_its_own_peak():
+    """Each point: the forward's FLOPs (its TFLOP/s x its time) x 3.5 (flash-attention's convention: the backward
+    2.5 times the forward, as the measurement's own backward rate says) over the forward + backward time, over the
+    GB200's dense peak."""
+    entry = PRESETS["b200"]["attention_cudnn"]
+    assert "cudnn-frontend" in entry["source"] and "GB200" in entry["source"] and list(entry["causal"]) == ["128"]
+    for (seq, fwd_ms, fwd_tf, bwd_ms, bwd_tf), (point, fraction) in zip(GB200, entry["causal"]["128"], strict=True):
+        forward_flops = fwd_tf * 1e12 * fwd_ms * 1e-3
+        assert bwd_tf * 1e12 * bwd_ms * 1e-3 == pytest.approx(2.5 * forward_flops, rel=0.005)
+        assert point == seq and fraction == round(3.5 * forward_flops / ((fwd_ms + bwd_ms) * 1e-3) / GB200_BF16_PEAK, 4)
 
 
 def flash_pair(kernel: str) -> tuple[FusedAttention, FusedAttention]:
@@ -127,11 +147,11 @@ def step(*args: str) -> dict:
 
 
 @pytest.mark.parametrize("gpu,runs", [("h100-sxm", "cudnn"), ("h200", "cudnn"), ("a100-80gb", "flash-attn-2"),
-                                      ("b200", "flash-attn-2")])
+                                      ("b200", "cudnn")])
 def test_the_megatron_core_stack_runs_transformer_engines_choice(gpu, runs):
-    """Megatron-core leaves the attention to Transformer Engine, which prefers cuDNN's FusedAttention on Hopper: the
-    stack's default ("te") is cuDNN's table where the GPU's preset has one and FlashAttention-2's elsewhere (the
-    A100, where TE picks flash-attn; the B200, which has no cuDNN table here), the same step as stating it."""
+    """Megatron-core leaves the attention to Transformer Engine, which prefers cuDNN's FusedAttention on Hopper and
+    later: the stack's default ("te") is cuDNN's table where the GPU's preset has one (Hopper, Blackwell) and
+    FlashAttention-2's elsewhere (the A100, where TE picks flash-attn), the same step as stating it."""
     stack = ("--gpu", gpu, "--overlap", "megatron-core")
     default = step(*stack)
     assert default["provenance"]["implementation"]["attention_kernel"] == runs  # the report names the kernel run
@@ -139,8 +159,10 @@ def test_the_megatron_core_stack_runs_transformer_engines_choice(gpu, runs):
     assert default["step_time_s"] == step(*stack, "--attention-kernel", "te")["step_time_s"]
     # other stacks run torch's SDPA: FlashAttention-2 unless asked
     assert step("--gpu", gpu)["provenance"]["implementation"]["attention_kernel"] == "flash-attn-2"
-    if runs == "cudnn":
+    if runs == "cudnn" and "attention_efficiency" in PRESETS[gpu]:  # both kernels measured there: cuDNN's faster
         assert default["step_time_s"] < step(*stack, "--attention-kernel", "flash-attn-2")["step_time_s"]
+    elif runs == "cudnn":  # the B200: no FlashAttention-2 table; its flash-attn-2 is the GEMMs' fallback, not cuDNN's
+        assert default["step_time_s"] != step(*stack, "--attention-kernel", "flash-attn-2")["step_time_s"]
     else:  # asking cuDNN's kernel by name where no table prices it is still one line
         refused = invoke(*stack, "--attention-kernel", "cudnn")
         assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1

@@ -382,7 +382,8 @@ def test_the_new_presets_hold_their_published_figures_each_with_its_source():
         h100_fit = h100.matmul_efficiency.gemm.fit(fmt)  # the shape terms, reused: no B200 sweep is published
         assert (fit.k0, fit.fixed) == (h100_fit.k0, h100_fit.fixed)
     assert b200.reached.nvlink_fraction == pytest.approx(682.2 / 900, abs=5e-4) and b200.reached.hbm_fraction == 1.0
-    assert b200.attention_efficiency is None and "no published attention or STREAM figure" in b200.source
+    assert b200.attention_efficiency is None and "no published STREAM figure" in b200.source
+    assert b200.attention_cudnn is not None and "GB200" in b200.attention_cudnn.source
     for words in ("MAMF", "1745.0", "3432.5", "H100 SXM's"):
         assert words in raw["b200"]["matmul_efficiency"]["gemm_model"]["source"], words
     assert "682.2" in raw["b200"]["achieved"]["source"]

@@ -79,8 +79,8 @@ def kernel_table(gpu, kernel: str) -> AttentionEfficiency | None:
 def te_kernel(gpu) -> str:
     """The kernel Transformer Engine's DotProductAttention runs on `gpu`: cuDNN's FusedAttention on Hopper and later
     ("Disabling FlashAttention to give FusedAttention preference on Hopper+", get_attention_backend, since TE commit
-    32db39288, 2023-12), flash-attn before. Only the Hopper presets carry cuDNN's table (attention_cudnn), so: cudnn
-    where the GPU has it; flash-attn-2 elsewhere (the A100s, as TE; the B200, whose cuDNN figures no table here has)."""
+    32db39288, 2023-12), flash-attn before. The Hopper presets and the B200 carry cuDNN's table (attention_cudnn),
+    so: cudnn where the GPU has it; flash-attn-2 elsewhere (the A100s, as TE)."""
     return "cudnn" if gpu.attention_cudnn is not None else "flash-attn-2"
 
 
