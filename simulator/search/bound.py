@@ -39,7 +39,7 @@ from functools import lru_cache
 from minigpt.config import GPTConfig
 from job.data_parallel import schedule_config
 from job.layout import Layout
-from job.schedule import Backward, Forward, ScheduleConfig, compute_order
+from job.schedule import Backward, DataParallel, Forward, ScheduleConfig, compute_order
 from job.schedule_check import ends_alive, peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
@@ -175,7 +175,8 @@ class StepBound:
             return 0.0
         schedule = step_schedule(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
-        return max(sum(map(cost.pricer.seconds, actions)) for cost, actions in zip(costs, schedule.actions))
+        return max(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel))  # none priced else
+                   for cost, actions in zip(costs, schedule.actions))
 
     def seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                 memory: MemoryEstimate) -> float:
