@@ -289,8 +289,9 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     return ranks
 
 
-def action_prices(model: GPTConfig, layout: Layout, links: LinkCosts, gpu: GPUSpec, precision: str, micro_batch: int, profile: EfficiencyProfile | None, implementation: Implementation,
-                  overlap_settings: Overlap, unit_memo: dict | None = None) -> list[dict[tuple[type, int], ActionCost]]:
+def action_prices(model: GPTConfig, layout: Layout, links: LinkCosts, gpu: GPUSpec, precision: str, micro_batch: int,
+                  profile: EfficiencyProfile | None, implementation: Implementation, overlap_settings: Overlap,
+                  unit_memo: dict | None = None) -> list[dict[tuple[type, int], ActionCost]]:
     """Each pipeline rank's actions with nothing armed, priced exactly as rank_costs prices them, without the
     data-parallel pricer, the optimizer step or the buckets those need: what minigpt plan's bound reads for every
     layout it searches (simulator/search/bound.py)."""
