@@ -27,6 +27,10 @@ checked against it:
   recompute brings back): the ring's received keys and values and the fp32 dk/dv accumulators and their
   received copies, or the all-gather's whole-sequence gradients; the all-gather's gathered keys and values
   are saved tensors of every block (simulator/costs/ops_attention.py).
+- The last stage's loss: beside the fp32 log-probabilities it saves, its backward holds the gradients it makes, one
+  micro-batch at a time (`loss_gradient_bytes`, by Implementation.loss: two fp32 gradients a logit for torch's
+  cross entropy, ours at tp 1 and torchtitan's; four for ours under tp; Megatron's in place, only the gradient's
+  16-bit copy), measured on CPU with torch's memory timeline (tests/test_loss_memory.py).
 - Mixture of experts: each block's activations by its kind (GPTConfig.is_moe_layer); under expert parallelism
   a rank holds E/ep experts beside ZeRO, their optimizer states sharded over the ranks holding the same
   experts under ZeRO 1-3 (simulator/states.py's `experts_states`), and one MoE layer's all-to-all buffers
@@ -156,6 +160,29 @@ class MemoryEstimate(MemoryBytes):
         data = asdict(self)
         data.update(total=self.total, fits=self.fits, per_stage=[{**asdict(s), "total": s.total} for s in self.per_stage])
         return data
+
+
+# what the loss's backward holds per logit beside the saved fp32 log-probability, measured on this CPU with torch's
+# memory timeline (tests/test_sim_memory.py): torch's F.cross_entropy on fp32 logits, nll_loss's gradient of the
+# log-probabilities and log_softmax's of the logits, fp32 each; ours under tp (VocabParallelCrossEntropy's backward), the
+# softmax, the one-hot, their difference and its scaled copy, fp32 each
+LOSS_GRADIENTS = {"torch": 2 * FORMAT_BYTES["fp32"], "ours-tp": 4 * FORMAT_BYTES["fp32"]}
+
+
+def loss_gradient_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
+                        implementation: Implementation | None = None) -> int:
+    """What the loss's backward holds at its peak beyond the saved fp32 log-probabilities, on the last stage, one
+    micro-batch at a time (Implementation.loss): torch's cross entropy (ours at tp 1, torchtitan's) two fp32
+    gradients a logit, ours under tp four; Megatron's vocab-parallel cross entropy makes the gradient in place of its
+    saved softmax (megatron/core/tensor_parallel/cross_entropy.py), so only its copy in the compute format (none in
+    fp32, where the cast is the same tensor)."""
+    implementation = implementation or Implementation()
+    saved = head_ops(model, micro_batch_size, layout, policy, implementation).saved
+    logits = sum(t.bytes for t in saved if t.name == "loss.log_probabilities") // FORMAT_BYTES["fp32"]
+    compute = FORMAT_BYTES[policy.compute]
+    if implementation.loss == "fused":
+        return logits * (compute if compute < FORMAT_BYTES["fp32"] else 0)
+    return logits * LOSS_GRADIENTS["ours-tp" if implementation.loss == "ours" and layout.tp > 1 else "torch"]
 
 
 def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int) -> int:
@@ -408,12 +435,13 @@ def predict_memory(
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
                            layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
                            fp8_experts_kept(pol, implementation), implementation.reduce_bytes)
+    loss = loss_gradient_bytes(model, layout, pol, micro_batch_size, implementation)  # one micro-batch's at a time
     last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
     for index, placed in enumerate(layout.rank_chunks(model)):
         first, last = any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed)
         alive_first, alive_last = ends_alive[index]
-        ends = (alive_first * embedding_ends if first else 0) + (alive_last * head_ends if last else 0)
+        ends = (alive_first * embedding_ends if first else 0) + (alive_last * head_ends + loss if last else 0)
         activations = in_flight[index] * _chunk_bytes(model, blocks, placed) + ends + _block_extras(model, blocks,
                                                                                                    placed)
         stages.append(replace(states[index], activations=activations))

@@ -13,7 +13,7 @@ from minigpt.model import GPT
 from parallel.recompute import Recomputed, apply_recompute
 from parallel.run.train import train
 from precision.policy import policy
-from simulator.memory import predict_memory, recomputed_bytes
+from simulator.memory import loss_gradient_bytes, predict_memory, recomputed_bytes
 
 SHAPES = {name: PRESETS[name].with_(seq_len=64, n_layers=2) for name in ("tiny", "tiny-llama")}
 BATCH = 4
@@ -27,10 +27,11 @@ def run(tmp_path, name: str, recompute: str) -> dict:
 
 def predicted_activations(name: str, recompute: str) -> int:
     """What one micro-batch's forward keeps on one rank: the simulator's activations less the transient
-    tensors of the one block whose backward recomputes (training measures the forward)."""
+    tensors of the one block whose backward recomputes and of the loss's backward (training measures the forward)."""
     model, fp32 = SHAPES[name], policy("fp32")
     memory = predict_memory(model, Layout(), "fp32", BATCH, recompute, micro_batches_in_flight=1)
-    return memory.activations - recomputed_bytes(model, Layout(), fp32, BATCH, recompute)
+    return (memory.activations - recomputed_bytes(model, Layout(), fp32, BATCH, recompute)
+            - loss_gradient_bytes(model, Layout(), fp32, BATCH))
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

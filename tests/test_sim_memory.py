@@ -11,9 +11,18 @@ from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
 from simulator.costs.hardware import load_hardware
-from job.layout import Layout, stage_units
+from job.layout import Layout, padded_vocab, stage_units
 from simulator.memory import layer_activation_bytes, predict_memory
 from simulator.states import MAX_IN_FLIGHT
+
+FP32 = 4
+
+
+def loss_gradients(model: GPTConfig, tp: int, tokens: int) -> int:
+    """What our executor's loss backward holds beside its saved log-probabilities, per logit (measured below,
+    test_the_loss_backward_holds_what_torch_allocates): torch's cross entropy two fp32 gradients; under tp our
+    VocabParallelCrossEntropy four."""
+    return tokens * padded_vocab(model, tp) // tp * (2 if tp == 1 else 4) * FP32
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
 TINY_LLAMA = preset("tiny-llama").with_(seq_len=32, n_layers=2)  # 4 heads, 2 kv heads, SwiGLU 352, no biases, untied
@@ -146,9 +155,11 @@ def test_activations_without_tensor_parallelism_equal_config(model):
             if recompute == "selective" and model.positions == "rope":  # the rotated copy, beside the kept input
                 rebuilt += model.qkv_width * dtype_bytes
             expected += rebuilt * tokens
+            expected += loss_gradients(model, 1, tokens)  # one micro-batch's loss backward at a time
             assert estimate.activations == expected
     twice = predict_memory(model, Layout(), "bf16", batch, micro_batches_in_flight=2)
-    assert twice.activations == 2 * predict_memory(model, Layout(), "bf16", batch).activations
+    once, loss = predict_memory(model, Layout(), "bf16", batch).activations, loss_gradients(model, 1, tokens)
+    assert twice.activations == 2 * (once - loss) + loss
 
 
 def test_activations_under_tensor_and_sequence_parallelism():
@@ -171,7 +182,8 @@ def test_activations_under_tensor_and_sequence_parallelism():
         ends = estimate.activations - padded.n_layers * layer_activation_bytes(padded, layout, bf16, 1)
         sequence = (d * b + 2 * 4) // (2 if sequence_parallel else 1)  # final LayerNorm input and statistics
         embedding_mask = d  # the embeddings' dropout mask (before the sequence is split), 1 byte per element
-        assert ends == tokens // 2 * (sequence + d * b + 4 * 260 // 2 + embedding_mask)
+        assert ends == tokens // 2 * (sequence + d * b + 4 * 260 // 2 + embedding_mask) + loss_gradients(padded, 2,
+                                                                                                          tokens // 2)
     # fp8 Linears save their inputs in e4m3 (1 byte, not 2), the attention output once more in e4m3, and their
     # weights in e4m3 once per micro-batch: more bytes for a tiny model, fewer once the tokens dominate.
     d, f, tokens = TINY.d_model, TINY.d_ff, 8 * TINY.seq_len
@@ -194,7 +206,8 @@ def test_llama_activations_under_tensor_and_sequence_parallelism():
     assert sp == tokens // 2 * (split // tp + replicated + sequence // tp)
     estimate = predict_memory(model, Layout(tp=tp, sequence_parallel=True), "bf16", 1)
     ends = estimate.activations - model.n_layers * sp
-    assert ends == tokens // 2 * ((d * b + 4) // tp + d * b + 4 * model.vocab_size // tp)  # no embedding mask
+    assert ends == tokens // 2 * ((d * b + 4) // tp + d * b + 4 * model.vocab_size // tp) + loss_gradients(
+        model, tp, tokens // 2)  # no embedding mask
 
 
 def test_pipeline_stages():

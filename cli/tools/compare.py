@@ -117,7 +117,7 @@ def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:
     """Rank 0 is pipeline stage 0. Activations are predicted for one micro-batch's forward,
     which is what training measures (the schedule may keep several in flight)."""
     from precision.policy import policy as policy_of
-    from simulator.memory import exchange_buffer_bytes, predict_memory, recomputed_bytes
+    from simulator.memory import exchange_buffer_bytes, loss_gradient_bytes, predict_memory, recomputed_bytes
 
     stages = result.memory.per_stage
     m = stages[0] if stages else result.memory
@@ -130,6 +130,8 @@ def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:
     policy = policy_of(cfg.precision)
     transient = recomputed_bytes(cfg.model, plan.layout, policy, plan.micro_batch, cfg.recompute)
     transient += exchange_buffer_bytes(cfg.model, plan.layout, policy, plan.micro_batch)
+    if plan.layout.pp == 1:  # rank 0 runs the loss too: its gradients live only in its backward
+        transient += loss_gradient_bytes(cfg.model, plan.layout, policy, plan.micro_batch)
     return {"parameters": m.parameters, "gradients": m.gradients,
             "optimizer": m.master_weights + m.adam_m + m.adam_v, "activations": one_stage.activations - transient}
 

@@ -22,6 +22,7 @@ DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expe
 # GPU's preset carries its table (the Hopper presets), FlashAttention-2 elsewhere (attention_rates.kernel_table)
 ATTENTION_KERNELS = ("flash-attn-2", "cudnn", "te")
 ZERO3_COPIES = ("staging", "fsdp2", "none")  # the compute-stream copies around ZeRO-3's collectives (Implementation)
+LOSSES = ("ours", "torch", "fused")  # the cross-entropy's code (Implementation.loss)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,12 @@ class Implementation:
                       after the compute stream waits for the gather; each unit's gradients copied into the
                       reduce-scatter's buffer in the reduction's format, chunk_cat, before the reduce-scatter stream
                       waits for it: the torchtitan-fsdp2 stack's) or "none" (buffers the collectives run on in place:
-                      the megatron-core stack's)"""
+                      the megatron-core stack's)
+    loss              the cross-entropy's code, which decides what its backward holds beside the saved fp32
+                      log-probabilities (LOSSES; simulator/memory.py's loss_gradient_bytes): "ours" (minigpt/model.py's
+                      F.cross_entropy on fp32 logits; under tp, parallel/tensor/layers.py's VocabParallelCrossEntropy),
+                      "torch" (torch's F.cross_entropy on fp32 logits: torchtitan's) or "fused" (Megatron's
+                      vocab-parallel cross entropy, which makes the gradient in place of its saved softmax)"""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -109,6 +115,7 @@ class Implementation:
     grad_reduce_fp32: bool = False
     attention_kernel: str = "flash-attn-2"
     zero3_copies: str = "staging"
+    loss: str = "ours"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -124,6 +131,7 @@ class Implementation:
         check_choice("fp8_amax_group", self.fp8_amax_group, FP8_AMAX_GROUPS)
         check_choice("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS)
         check_choice("zero3_copies", self.zero3_copies, ZERO3_COPIES)
+        check_choice("loss", self.loss, LOSSES)
         if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
@@ -155,5 +163,5 @@ class Implementation:
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
-                "zero3_copies": self.zero3_copies,
+                "zero3_copies": self.zero3_copies, "loss": self.loss,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -215,18 +215,19 @@ PRESETS = {
 # picks its backend (simulator/costs/rates/attention_rates.py's te_kernel); torch's SDPA runs FlashAttention-2.
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
                 "fp8_amax_group", "fp8_experts", "fp8_recast", "eager", "grad_reduce_fp32", "sp_saved_input",
-                "attention_kernel", "zero3_copies")  # the Implementation fields a preset sets
+                "attention_kernel", "zero3_copies", "loss")  # the Implementation fields a preset sets
 _OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
     # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
-    "megatron-2021": {**_OURS, "fused_optimizer": True},
+    "megatron-2021": {**_OURS, "fused_optimizer": True, "loss": "fused"},
     "overlapped": _OURS,
     "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
                       "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True,
-                      "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none"},
+                      "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none", "loss": "fused"},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
-                         "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "zero3_copies": "fsdp2"},
+                         "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "zero3_copies": "fsdp2",
+                         "loss": "torch"},
 }
 
 
