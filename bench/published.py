@@ -6,6 +6,7 @@
     python bench/published.py --table dgxc       # NVIDIA's DGX-Cloud GPT-3 175B on 128-2,048 H100s, bf16 and fp8
     python bench/published.py --table moe        # mixtures of experts: Mixtral 8x7B, Qwen3-30B-A3B on H100s
     python bench/published.py --table torchtitan # torchtitan's Llama 3.1 8B, FSDP on 8 and 128 H100s at 500 W
+    python bench/published.py --table torchtitan-cp  # the same with context parallelism, 32K-256K tokens, float8
     python bench/published.py --implied-rate     # per run, the tensor-core rate at which the simulator meets it
 
 Each row of bench/published_runs.json is simulated through the command line a user would type,
@@ -59,6 +60,8 @@ ten rows and the ten DGX-Cloud rows as simulated above, and Meta's Llama 3 405B 
 FSDP on 8 and 128 of Meta's 96 GB H100s at 500 W, eager and compiled), simulated as its config at the benchmark's
 commit runs them (selective op checkpointing, --elementwise eager or fused); the published step is 2 x 8,192 tokens
 over the published tokens/s per GPU, and the published peak reserved memory stands beside the predicted memory.
+`--table torchtitan-cp`: its long-context rows ("torchtitan_cp_llama3_h100": FSDP x CP on 8 GPUs, 32K-256K tokens,
+compiled, torchao's float8, full recomputation), a GPU's tokens a step dp x s / 8 over the published tokens/s.
 
 `--table moe`: published mixture-of-experts runs (bench/published_runs.json's "moe_training", each row with its
 source, the recipe its settings come from and what it assumes), each simulated with the run's own layout (tp,
@@ -201,15 +204,32 @@ def torchtitan_command(run: dict) -> list[str]:
             "--gpu", "h100-96gb-500w", "--overlap", "torchtitan-fsdp2", "--elementwise", run["elementwise"], "--json"]
 
 
-def torchtitan_rows() -> tuple[list[dict], str]:
-    """torchtitan's Llama 3.1 8B FSDP rows (bench/published_runs.json's "torchtitan_llama3_h100"): step times from
-    the published tokens/s per GPU, and the published peak reserved memory beside the predicted memory."""
-    table = json.loads(RUNS.read_text())["torchtitan_llama3_h100"]
+def torchtitan_cp_command(run: dict) -> list[str]:
+    """`minigpt simulate` of a row of torchtitan's long-context table (Table 2) as the table's "assumed" says it ran:
+    one sequence per FSDP rank split over its cp ranks, all-gathered keys and values, full recomputation, compiled,
+    torchao's float8 Linears."""
+    return [sys.executable, "-m", "cli", "simulate", "--model", "llama3-8b", "--seq-len", str(run["s"]),
+            "--dp", str(run["dp"]), "--cp", str(run["cp"]), "--cp-kind", "allgather", "--zero", "3",
+            "--micro-batch", "1", "--global-batch", str(run["dp"]), "--recompute", "full", "--gpu", "h100-96gb-500w",
+            "--overlap", "torchtitan-fsdp2", "--elementwise", "fused", "--precision", "fp8", "--fp8-recipe", "current",
+            "--json"]
+
+
+TORCHTITAN_TABLES = {"torchtitan": ("torchtitan_llama3_h100", torchtitan_command, lambda run: TORCHTITAN_TOKENS),
+                     "torchtitan-cp": ("torchtitan_cp_llama3_h100", torchtitan_cp_command,
+                                       lambda run: run["dp"] * run["s"] // run["n_gpus"])}
+
+
+def torchtitan_rows(name: str = "torchtitan") -> tuple[list[dict], str]:
+    """torchtitan's Llama 3.1 8B rows (TORCHTITAN_TABLES: 1D FSDP, or FSDP with context parallelism): step times
+    from the published tokens/s per GPU, and the published peak reserved memory beside the predicted memory."""
+    key, command, tokens = TORCHTITAN_TABLES[name]
+    table = json.loads(RUNS.read_text())[key]
     out = []
     for run in table["rows"]:
-        n, sim = run["n_gpus"], run_simulate(torchtitan_command(run), run["id"])
-        published = TORCHTITAN_TOKENS / run["tps"]
-        naive = 6 * sim["parameters"]["total"] * TORCHTITAN_TOKENS / (H100_PEAK["bf16"] * 0.5)
+        n, sim = run["n_gpus"], run_simulate(command(run), run["id"])
+        published = tokens(run) / run["tps"]
+        naive = 6 * sim["parameters"]["total"] * tokens(run) / (H100_PEAK["bf16"] * 0.5)
         out.append({"name": run["id"], "gpus": n, "precision": "bf16", "published_step_s": published,
                     "predicted_step_s": sim["step_time_s"], "error": sim["step_time_s"] / published - 1,
                     "naive_step_s": naive, "naive_error": naive / published - 1,
@@ -331,7 +351,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--legacy", action="store_true", help="only the flags an older minigpt simulate knows")
-    parser.add_argument("--table", choices=("narayanan", *DGXC_TABLES, "moe", "torchtitan"), default="narayanan")
+    parser.add_argument("--table", choices=("narayanan", *DGXC_TABLES, "moe", *TORCHTITAN_TABLES), default="narayanan")
     parser.add_argument("--implied-rate", action="store_true",
                         help="per run of the A100, DGX-Cloud and Llama 3 tables, the tensor-core rate factor that meets it")
     args = parser.parse_args()
@@ -341,8 +361,8 @@ def main() -> None:
         return print_dgxc(args.json, args.table)
     if args.table == "moe":
         return print_moe(args.json)
-    if args.table == "torchtitan":
-        table, source = torchtitan_rows()
+    if args.table in TORCHTITAN_TABLES:
+        table, source = torchtitan_rows(args.table)
         return report(table, source, args.json, "memory GiB pub (max reserved) / pred",
                       lambda r: f"{r['published_memory_gib']:.1f} / {r['predicted_memory_gib']:.1f}")
     table, source = rows(args.legacy)

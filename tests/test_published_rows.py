@@ -93,6 +93,21 @@ def test_the_torchtitan_rows_cite_their_tables_and_simulate_as_the_bench_runs_th
     assert report["provenance"]["implementation"]["recompute"] == "op"
 
 
+def test_the_torchtitan_long_context_rows_cite_their_table_and_simulate_as_the_bench_runs_them():
+    table = json.loads((BENCH / "published_runs.json").read_text())["torchtitan_cp_llama3_h100"]
+    assert "Table 2" in table["source"] and "9dec370" in table["source"] and "allgather" in table["assumed"]
+    rows = table["rows"]
+    assert [(r["dp"], r["cp"], r["s"], r["tps"], r["memory_gib"]) for r in rows] == [
+        (8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5)]
+    assert all(r["n_gpus"] == r["dp"] * r["cp"] == 8 for r in rows)
+    args = published().torchtitan_cp_command(rows[1])
+    result = CliRunner().invoke(main, args[3:])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["fits"] and report["layout"]["cp"] == 2 and report["layout"]["cp_kind"] == "allgather"
+    assert report["provenance"]["implementation"]["recompute"] == "full"
+
+
 def test_the_llama3_rows_cite_their_table_and_hold_16m_tokens():
     table = json.loads((BENCH / "published_runs.json").read_text())["llama3_405b_h100"]
     assert "2407.21783" in table["source"] and "Table 4" in table["source"] and table["assumed"]
