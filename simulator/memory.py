@@ -163,7 +163,7 @@ class MemoryEstimate(MemoryBytes):
 
 
 # what the loss's backward holds per logit beside the saved fp32 log-probability, measured on this CPU with torch's
-# memory timeline (tests/test_sim_memory.py): torch's F.cross_entropy on fp32 logits, nll_loss's gradient of the
+# memory timeline (tests/test_loss_memory.py): torch's F.cross_entropy on fp32 logits, nll_loss's gradient of the
 # log-probabilities and log_softmax's of the logits, fp32 each; ours under tp (VocabParallelCrossEntropy's backward), the
 # softmax, the one-hot, their difference and its scaled copy, fp32 each
 LOSS_GRADIENTS = {"torch": 2 * FORMAT_BYTES["fp32"], "ours-tp": 4 * FORMAT_BYTES["fp32"]}
@@ -177,12 +177,20 @@ def loss_gradient_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolic
     saved softmax (megatron/core/tensor_parallel/cross_entropy.py), so only its copy in the compute format (none in
     fp32, where the cast is the same tensor)."""
     implementation = implementation or Implementation()
-    saved = head_ops(model, micro_batch_size, layout, policy, implementation).saved
-    logits = sum(t.bytes for t in saved if t.name == "loss.log_probabilities") // FORMAT_BYTES["fp32"]
+    logits = _loss_logits(model, layout.tp, layout.sequence_parallel, layout.cp, policy, micro_batch_size)
     compute = FORMAT_BYTES[policy.compute]
     if implementation.loss == "fused":
         return logits * (compute if compute < FORMAT_BYTES["fp32"] else 0)
     return logits * LOSS_GRADIENTS["ours-tp" if implementation.loss == "ours" and layout.tp > 1 else "torch"]
+
+
+@lru_cache(maxsize=256)
+def _loss_logits(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, policy: PrecisionPolicy,
+                 micro_batch_size: int) -> int:
+    """The logits one micro-batch's loss has on a rank: its saved fp32 log-probabilities over 4 (head_ops)."""
+    layout = Layout(tp=tp, sequence_parallel=sequence_parallel, cp=cp)
+    saved = head_ops(model, micro_batch_size, layout, policy, Implementation()).saved
+    return sum(t.bytes for t in saved if t.name == "loss.log_probabilities") // FORMAT_BYTES["fp32"]
 
 
 def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int) -> int:
