@@ -215,22 +215,23 @@ def torchtitan_cp_command(run: dict) -> list[str]:
             "--json"]
 
 
-TORCHTITAN_TABLES = {"torchtitan": ("torchtitan_llama3_h100", torchtitan_command, lambda run: TORCHTITAN_TOKENS),
-                     "torchtitan-cp": ("torchtitan_cp_llama3_h100", torchtitan_cp_command,
-                                       lambda run: run["dp"] * run["s"] // run["n_gpus"])}
+TORCHTITAN_TABLES = {  # table: (its key in published_runs.json, its command, a GPU's tokens a step, its precision)
+    "torchtitan": ("torchtitan_llama3_h100", torchtitan_command, lambda run: TORCHTITAN_TOKENS, "bf16"),
+    "torchtitan-cp": ("torchtitan_cp_llama3_h100", torchtitan_cp_command,
+                      lambda run: run["dp"] * run["s"] // run["n_gpus"], "fp8")}
 
 
 def torchtitan_rows(name: str = "torchtitan") -> tuple[list[dict], str]:
     """torchtitan's Llama 3.1 8B rows (TORCHTITAN_TABLES: 1D FSDP, or FSDP with context parallelism): step times
     from the published tokens/s per GPU, and the published peak reserved memory beside the predicted memory."""
-    key, command, tokens = TORCHTITAN_TABLES[name]
+    key, command, tokens, precision = TORCHTITAN_TABLES[name]
     table = json.loads(RUNS.read_text())[key]
     out = []
     for run in table["rows"]:
         n, sim = run["n_gpus"], run_simulate(command(run), run["id"])
         published = tokens(run) / run["tps"]
         naive = 6 * sim["parameters"]["total"] * tokens(run) / (H100_PEAK["bf16"] * 0.5)
-        out.append({"name": run["id"], "gpus": n, "precision": "bf16", "published_step_s": published,
+        out.append({"name": run["id"], "gpus": n, "precision": precision, "published_step_s": published,
                     "predicted_step_s": sim["step_time_s"], "error": sim["step_time_s"] / published - 1,
                     "naive_step_s": naive, "naive_error": naive / published - 1,
                     "published_memory_gib": run["memory_gib"], "predicted_memory_gib": sim["memory_per_gpu"]["total"] / 2**30,
