@@ -88,9 +88,10 @@ def test_dp2_json(profile, tmp_path):
 def test_the_predicted_step_is_within_its_bound_on_a_quiet_profile(profile, tmp_path):
     """dp 2 with the matrix's shape (the tiny preset, batch 16): on a profile calibrated on a quiet machine that
     still runs at its calibrated speed, the predicted step is within STEP_TIME_BOUND of the measured one, plus the
-    calibration's stated noise;
+    calibration's stated noise, for the round of the median error of three (a burst of other work on this shared
+    VM during one round's few steps took one round 38% off in a CI run; --rounds is compare's answer to it);
     otherwise the report says why it may not be."""
-    result = invoke("--hardware", profile, "--steps", "4", "--threads-per-rank", "1", "--dp", "2",
+    result = invoke("--hardware", profile, "--steps", "4", "--threads-per-rank", "1", "--dp", "2", "--rounds", "3",
                     "--out", str(tmp_path / "run"), "--json")
     assert result.exit_code == 0, result.output + result.stderr
     report = json.loads(result.stdout)
