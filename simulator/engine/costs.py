@@ -269,7 +269,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
             norm_reduce += links.expert_collective(0, "all_reduce", NORM_BYTES)
     ranks = []
     gathers = fp8_params_mode(pol, implementation) != "none"  # fp8 parameters: gathered at a byte each
-    priced = _rank_actions(job, times, implementation, pol, schedule.num_chunks - 1, sized=True)
+    priced = _rank_actions(job, times, implementation, pol, sized=True)
     for rank, (placed, chunk_units, actions, per_step) in enumerate(priced):
         pricer, experts = None, _expert_reduction(job, placed, rank, pol, fp8_experts_kept(pol, implementation))
         if job.dp > 1:
@@ -298,8 +298,7 @@ def action_prices(model: GPTConfig, layout: Layout, links: LinkCosts, gpu: GPUSp
     pol = precision_policy(precision)
     job = _job(model, layout, 0, links, pol, TrainConfig.bucket_mb, None, overlap_settings)  # no stage: no pricer
     times = _unit_times(job, gpu, precision, micro_batch, implementation, profile, None, unit_memo)
-    last_chunk = layout.pp * layout.virtual_chunks - 1
-    return [actions for _, _, actions, _ in _rank_actions(job, times, implementation, pol, last_chunk, sized=False)]
+    return [actions for _, _, actions, _ in _rank_actions(job, times, implementation, pol, sized=False)]
 
 
 def _job(model: GPTConfig, layout: Layout, zero: int, links: LinkCosts, pol, bucket_mb: float,
@@ -309,11 +308,12 @@ def _job(model: GPTConfig, layout: Layout, zero: int, links: LinkCosts, pol, buc
                 compute_bytes, host is not None and host.serial, overlap_settings or Overlap())
 
 
-def _rank_actions(job: _Job, times, implementation: Implementation, pol, last_chunk: int, sized: bool):
+def _rank_actions(job: _Job, times, implementation: Implementation, pol, sized: bool):
     """Per pipeline rank, in order: (its chunks' placed layers, their units, their actions with nothing armed, its
     once-a-step compute). `sized`: each unit's numel padded to the dp size (its bucket: what the data-parallel
     pricer needs; 0 without)."""
     model, layout = job.model, job.layout
+    last_chunk = layout.pp * layout.virtual_chunks - 1  # the head's (Layout.rank_chunks)
     for rank, (per_chunk, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))):
         chunk_units: dict[int, list[Unit]] = {}
         actions: dict[tuple[type, int], ActionCost] = {}

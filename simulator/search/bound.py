@@ -123,9 +123,12 @@ class StepBound:
         gpu = self.hardware.gpu
         config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
-                          micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None,
-                          candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher, self.changes),
+                          micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None, self.stack(recompute),
                           self.settings, unit_memo=self.units)
+
+    def stack(self, recompute: str) -> Implementation:
+        """How every candidate with this recompute computes (candidate_stack of the bound's stack and flags)."""
+        return candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher, self.changes)
 
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
@@ -136,10 +139,9 @@ class StepBound:
         if key not in self.prices:
             forward, backward = {}, {}
             gpu = self.hardware.gpu
-            stack = candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher, self.changes)
             for actions in action_prices(self.model, layout, ComputeLinks(self.cluster, layout, gpu), gpu,
-                                         self.precision, micro_batch, gpu.matmul_efficiency, stack, self.settings,
-                                         self.units):
+                                         self.precision, micro_batch, gpu.matmul_efficiency, self.stack(recompute),
+                                         self.settings, self.units):
                 for (action, chunk), cost in actions.items():
                     if action is Forward:
                         forward[chunk] = cost.total
