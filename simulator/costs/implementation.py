@@ -23,6 +23,7 @@ DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expe
 ATTENTION_KERNELS = ("flash-attn-2", "cudnn", "te")
 ZERO3_COPIES = ("staging", "fsdp2", "none")  # the compute-stream copies around ZeRO-3's collectives (Implementation)
 LOSSES = ("ours", "torch", "fused")  # the cross-entropy's code (Implementation.loss)
+CP_ATTENTIONS = ("fused", "torch")  # how context parallelism's attention steps are merged (Implementation.cp_attention)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,12 @@ class Implementation:
                       log-probabilities (LOSSES; simulator/memory.py's loss_gradient_bytes): "ours" (minigpt/model.py's
                       F.cross_entropy on fp32 logits; under tp, parallel/tensor/layers.py's VocabParallelCrossEntropy),
                       "torch" (torch's F.cross_entropy on fp32 logits: torchtitan's) or "fused" (Megatron's
-                      vocab-parallel cross entropy, which makes the gradient in place of its saved softmax)"""
+                      vocab-parallel cross entropy, which makes the gradient in place of its saved softmax)
+    cp_attention      how the attention's blocks under context parallelism are merged (CP_ATTENTIONS): "fused"
+                      (the kernel's own online softmax, nothing more priced: our executor's description, and
+                      Transformer Engine's ring) or "torch" (torch's context_parallel as torchtitan runs it: one
+                      SDPA call a step, its output merged in fp32 by eager kernels, k and v copied, the gradients
+                      accumulated in fp32: simulator/costs/torchtitan/context.py)"""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -116,6 +122,7 @@ class Implementation:
     attention_kernel: str = "flash-attn-2"
     zero3_copies: str = "staging"
     loss: str = "ours"
+    cp_attention: str = "fused"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -132,6 +139,7 @@ class Implementation:
         check_choice("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS)
         check_choice("zero3_copies", self.zero3_copies, ZERO3_COPIES)
         check_choice("loss", self.loss, LOSSES)
+        check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
         if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
@@ -163,5 +171,5 @@ class Implementation:
                 "fused_optimizer": self.fused_optimizer, "fp8_amax_group": self.fp8_amax_group,
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
-                "zero3_copies": self.zero3_copies, "loss": self.loss,
+                "zero3_copies": self.zero3_copies, "loss": self.loss, "cp_attention": self.cp_attention,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

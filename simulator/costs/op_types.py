@@ -214,6 +214,7 @@ class UnitShape:
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
     eager: bool = False  # Implementation.eager: torchtitan's element-wise code, one kernel per aten op
     attention_kernel: str = "flash-attn-2"  # Implementation.attention_kernel: the fused attention's kernel
+    cp_torch: bool = False  # Implementation.cp_attention == "torch" under context parallelism
 
     @property
     def moe(self) -> UnitShape:
@@ -294,7 +295,8 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
-                     userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel)
+                     userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
+                     cp_torch=layout.cp > 1 and impl.cp_attention == "torch")
 
 
 class Recorder:

@@ -213,9 +213,11 @@ PRESETS = {
 # LayerNormLinear and Linear; under userbuffers the bulk qkv_dgrad / fc1_dgrad overlaps); our executor and torchtitan's
 # DTensor Linears keep the gathered input autograd saved. attention_kernel "te": Transformer Engine's DotProductAttention
 # picks its backend (simulator/costs/rates/attention_rates.py's te_kernel); torch's SDPA runs FlashAttention-2.
+# cp_attention "torch": torchtitan's context parallelism is torch's context_parallel, which merges its per-step SDPA
+# calls in eager fp32 kernels (simulator/costs/torchtitan/context.py).
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
                 "fp8_amax_group", "fp8_experts", "fp8_recast", "eager", "grad_reduce_fp32", "sp_saved_input",
-                "attention_kernel", "zero3_copies", "loss")  # the Implementation fields a preset sets
+                "attention_kernel", "zero3_copies", "loss", "cp_attention")  # the Implementation fields a preset sets
 _OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
@@ -227,7 +229,7 @@ STACK_IMPLEMENTATION = {
                       "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none", "loss": "fused"},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
                          "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "zero3_copies": "fsdp2",
-                         "loss": "torch"},
+                         "loss": "torch", "cp_attention": "torch"},
 }
 
 
