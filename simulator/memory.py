@@ -29,7 +29,8 @@ checked against it:
   are saved tensors of every block (simulator/costs/ops_attention.py).
 - The last stage's loss: beside the fp32 log-probabilities it saves, its backward holds the gradients it makes, one
   micro-batch at a time (`loss_gradient_bytes`, by Implementation.loss: two fp32 gradients a logit for torch's
-  cross entropy, ours at tp 1 and torchtitan's; four for ours under tp; Megatron's in place, only the gradient's
+  cross entropy, ours at tp 1 and torchtitan's; one for ours under tp (its backward works in place, the peak is its
+  forward's fp32 logits beside the exponentials); Megatron's in place, only the gradient's
   16-bit copy), measured on CPU with torch's memory timeline (tests/test_loss_memory.py).
 - Mixture of experts: each block's activations by its kind (GPTConfig.is_moe_layer); under expert parallelism
   a rank holds E/ep experts beside ZeRO, their optimizer states sharded over the ranks holding the same
@@ -162,18 +163,18 @@ class MemoryEstimate(MemoryBytes):
         return data
 
 
-# what the loss's backward holds per logit beside the saved fp32 log-probability, measured on this CPU with torch's
-# memory timeline (tests/test_loss_memory.py): torch's F.cross_entropy on fp32 logits, nll_loss's gradient of the
-# log-probabilities and log_softmax's of the logits, fp32 each; ours under tp (VocabParallelCrossEntropy's backward), the
-# softmax, the one-hot, their difference and its scaled copy, fp32 each
-LOSS_GRADIENTS = {"torch": 2 * FORMAT_BYTES["fp32"], "ours-tp": 4 * FORMAT_BYTES["fp32"]}
+# the loss's peak per logit beside its saved fp32 log-probability (or exponential), measured with torch's memory timeline
+# on fp32 logits (tests/test_loss_memory.py): torch's F.cross_entropy, two fp32 gradients in its backward (nll_loss's,
+# log_softmax's); ours under tp (VocabParallelCrossEntropy, its backward in place): the forward's fp32 logits
+LOSS_GRADIENTS = {"torch": 2 * FORMAT_BYTES["fp32"], "ours-tp": FORMAT_BYTES["fp32"]}
 
 
 def loss_gradient_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPolicy, micro_batch_size: int,
                         implementation: Implementation | None = None) -> int:
-    """What the loss's backward holds at its peak beyond the saved fp32 log-probabilities, on the last stage, one
-    micro-batch at a time (Implementation.loss): torch's cross entropy (ours at tp 1, torchtitan's) two fp32
-    gradients a logit, ours under tp four; Megatron's vocab-parallel cross entropy makes the gradient in place of its
+    """What the loss holds at its peak beyond the saved fp32 log-probabilities, on the last stage, one micro-batch
+    at a time (Implementation.loss): torch's cross entropy (ours at tp 1, torchtitan's) two fp32 gradients a logit in
+    its backward; ours under tp one, its forward's fp32 logits beside the exponentials (its backward makes the
+    gradient in place of them); Megatron's vocab-parallel cross entropy makes the gradient in place of its
     saved softmax (megatron/core/tensor_parallel/cross_entropy.py), so only its copy in the compute format (none in
     fp32, where the cast is the same tensor)."""
     implementation = implementation or Implementation()

@@ -19,10 +19,10 @@ FP32 = 4
 
 
 def loss_gradients(model: GPTConfig, tp: int, tokens: int) -> int:
-    """What our executor's loss backward holds beside its saved log-probabilities, per logit (measured below,
-    test_the_loss_backward_holds_what_torch_allocates): torch's cross entropy two fp32 gradients; under tp our
-    VocabParallelCrossEntropy four."""
-    return tokens * padded_vocab(model, tp) // tp * (2 if tp == 1 else 4) * FP32
+    """What our executor's loss holds at its peak beside its saved log-probabilities, per logit (measured in
+    tests/test_loss_memory.py): torch's cross entropy two fp32 gradients; under tp our VocabParallelCrossEntropy, whose
+    backward works in place, its forward's fp32 logits."""
+    return tokens * padded_vocab(model, tp) // tp * (2 if tp == 1 else 1) * FP32
 
 TINY = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
 TINY_LLAMA = preset("tiny-llama").with_(seq_len=32, n_layers=2)  # 4 heads, 2 kv heads, SwiGLU 352, no biases, untied

@@ -178,17 +178,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, start: int, vocab_size: int, comm: Collectives):
         logits = logits.float()
         local = logits.shape[-1]
-        ids = torch.arange(start, start + local, device=logits.device)
-        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padded vocabulary
+        if start + local > vocab_size:  # this rank holds padded vocabulary: masked in a copy of its logits
+            ids = torch.arange(start, start + local, device=logits.device)
+            logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
         maximum = logits.max(dim=-1).values
         comm.max(maximum)
         shifted = logits - maximum.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        comm.sum(sum_exp)
         local_targets = targets - start
         mine = (local_targets >= 0) & (local_targets < local)
         picked = shifted.gather(-1, local_targets.clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
+        exp = shifted.exp_()  # the exponentials in place of the shifted logits, once the targets' are picked
+        sum_exp = exp.sum(dim=-1)
+        comm.sum(sum_exp)
         target_logit = torch.where(mine, picked, torch.zeros_like(picked))
         comm.sum(target_logit)
         loss = sum_exp.log() - target_logit
@@ -197,12 +198,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient made in place of the saved exponentials (as Megatron's vocab-parallel cross entropy makes
+        it in place of its softmax): the softmax, less one at each target this rank holds, over the tokens."""
         exp, sum_exp, local_targets, mine = ctx.saved_tensors
-        softmax = exp / sum_exp.unsqueeze(-1)
-        onehot = torch.zeros_like(softmax)
-        onehot.scatter_(-1, local_targets.clamp(0, softmax.shape[-1] - 1).unsqueeze(-1), mine.unsqueeze(-1).float())
-        count = local_targets.numel()
-        return (softmax - onehot) * (grad / count), None, None, None, None
+        logits_grad = exp.div_(sum_exp.unsqueeze(-1))
+        targets = local_targets.clamp(0, exp.shape[-1] - 1).unsqueeze(-1)
+        logits_grad.scatter_add_(-1, targets, -mine.unsqueeze(-1).to(logits_grad.dtype))
+        return logits_grad.mul_(grad / local_targets.numel()), None, None, None, None
 
 
 class VocabParallelLoss(nn.Module):
