@@ -134,6 +134,27 @@ def test_the_lower_bound_never_exceeds_the_simulated_step(brute_force, tight):
     assert deciding == {"compute", "data parallel"}
 
 
+def test_the_data_parallel_term_is_shared_by_candidates_that_differ_in_what_they_recompute():
+    """StepBound prices a layout's data-parallel actions once for every candidate with the same schedule (they differ in
+    what they recompute): each candidate's term, from a bound that has priced others, equals a fresh bound's for it."""
+    model, spec = build_config("llama3-8b"), ClusterSpec.of("h100-sxm")
+    cluster = spec.build(32)
+    shared = StepBound(model, cluster, spec.hardware, "fp8")
+    candidates, _ = enumerate_candidates(model, 32, spec.gpus_per_node, 32)
+    groups: dict = {}
+    for c in candidates:
+        if c.layout.data_ranks > 1:
+            groups.setdefault((c.layout, c.micro_batches, c.schedule), []).append(c)
+    mixed = [group for group in groups.values() if len({c.recompute for c in group}) > 1]
+    assert mixed
+    for group in mixed[::max(1, len(mixed) // 4)]:
+        for c in group[:3]:
+            job = (c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute,
+                   candidate_memory(model, c, "fp8", spec.hardware.gpu))
+            fresh = StepBound(model, cluster, spec.hardware, "fp8").data_parallel_seconds(*job)
+            assert shared.data_parallel_seconds(*job) == fresh > 0, c.describe()
+
+
 @pytest.mark.parametrize("name, gpus, gpu, precision", [("mixtral-8x7b", 64, "h100-sxm", "bf16"),
                                                        ("llama3-8b", 32, "h100-sxm", "fp8")])
 def test_the_bounds_action_prices_are_the_simulators(name, gpus, gpu, precision):

@@ -116,6 +116,7 @@ class StepBound:
         self.fused_optimizer = stack_implementation(self.settings)["fused_optimizer"]  # no stack flag changes it
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
         self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision
+        self.data_parallel: dict[tuple, float] = {}  # data_parallel_seconds by (layout, micro-batches, kind)
 
     def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
               memory: MemoryEstimate) -> list[RankCosts]:
@@ -172,13 +173,19 @@ class StepBound:
 
     def data_parallel_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                               memory: MemoryEstimate) -> float:
-        """max over ranks of data_parallel_r: the schedule simulate_step replays, priced as it prices it."""
+        """max over ranks of data_parallel_r: the schedule simulate_step replays, priced as it prices it. The
+        data-parallel actions and their collectives' prices follow from the layout, the schedule (its kind and
+        micro-batches) and the stack, not from the micro-batch's size, the recompute or the memory: priced once for
+        every candidate that shares the first three."""
         if layout.data_ranks == 1:
             return 0.0
-        schedule = step_schedule(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
-        costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
-        return max(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel))  # none priced else
-                   for cost, actions in zip(costs, schedule.actions))
+        key = (layout, micro_batches, kind)
+        if key not in self.data_parallel:
+            schedule = step_schedule(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
+            costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
+            self.data_parallel[key] = max(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel))
+                                          for cost, actions in zip(costs, schedule.actions))  # none priced else
+        return self.data_parallel[key]
 
     def seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                 memory: MemoryEstimate) -> float:
