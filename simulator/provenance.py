@@ -56,8 +56,8 @@ def attention_source(gpu: GPUSpec, implementation) -> str:
             else "no attention table: the unmasked share of the scores at the GEMM efficiency")
 
 
-def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2") -> dict:
-    """What a context-parallel prediction rests on beyond the rest."""
+def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2", merge: str = "fused") -> dict:
+    """What a context-parallel prediction rests on beyond the rest (`merge`: Implementation.cp_attention)."""
     block = seq_len // (2 * layout.cp)
     chosen = kernel_table(gpu, kernel)
     table = (f"{chosen.kernel} table read at the {block:,}-token chunk each block spans"
@@ -65,7 +65,10 @@ def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2") ->
     exchange = ("passes hidden behind each block, the backward's dk/dv sent on behind the next block, the last "
                 "hop home exposed (parallel/context/ring.py)" if layout.cp_kind == "ring"
                 else "all-gathers and reduce-scatters over the cp group, not overlapped")
-    return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "exchange": exchange}
+    merged = ("by torch's context_parallel: an attention call a step, in eager fp32 kernels "
+              "(simulator/costs/torchtitan/context.py)" if merge == "torch"
+              else "inside the fused kernel's online softmax")
+    return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "merge": merged, "exchange": exchange}
 
 
 def experts(layout, load: float = 1.0, measured: bool = False, dispatcher: str = "alltoall") -> dict:
@@ -94,7 +97,8 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
                host_compute=None, layout=None, seq_len: int = 0, moe: bool = False) -> dict:
     formats = [policy.compute] + (["fp8"] if policy.fp8_linears else [])
     measured = host_compute is not None and host_compute.units is not None
-    extra = ({"context": context(gpu, layout, seq_len, implementation.attention_kernel)}
+    extra = ({"context": context(gpu, layout, seq_len, implementation.attention_kernel,
+                                 implementation.cp_attention)}
              if layout is not None and layout.cp > 1 else {})
     extra.update({"experts": experts(layout, implementation.expert_load, measured, implementation.dispatcher)}
                  if moe else {})
@@ -170,7 +174,8 @@ def summary_rows(data: dict) -> list[list[str]]:
                  f"p2p {o['p2p_slowdown']:.1%} (the SMs the collectives hold)"])
     if "context" in data:
         c = data["context"]
-        rows.append(["context parallelism", f"cp {c['cp']} {c['kind']}: {c['attention']}; {c['exchange']}"])
+        rows.append(["context parallelism", f"cp {c['cp']} {c['kind']}: {c['attention']}; blocks merged "
+                     f"{c['merge']}; {c['exchange']}"])
     if "experts" in data:
         e = data["experts"]
         rows.append(["mixture of experts", f"ep {e['ep']}: {e['experts']}; routing {e['routing']}; all-to-alls "

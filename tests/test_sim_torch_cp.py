@@ -3,12 +3,16 @@ around each step's attention call against those torch's own _templated_ring_atte
 counted by a dispatch mode on a fake process group in this process (its collectives do nothing), on the group's last
 rank; and what they add to torchtitan's long-context rows."""
 
+import json
+
 import pytest
 import torch
+from click.testing import CliRunner
 import torch.distributed as dist
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from cli.main import main
 from dispatched_kernels import Kernels
 from job.layout import Layout
 from minigpt.presets import build_config
@@ -91,3 +95,16 @@ def test_only_torchs_context_parallelism_adds_them_and_the_recompute_runs_them_a
     assert extra == sum(r + w for _, r, w in forward) * 2 + sum(r + w for _, r, w in backward)  # nothing else moves
     n = 1024 * 32 * 128  # a rank's output elements: its 1,024 tokens x 32 heads x 128
     assert 100 * n * 4 < extra < 200 * n * 4  # some 150 fp32 passes over the output a layer
+
+
+def test_the_prediction_says_how_the_blocks_are_merged():
+    """`minigpt simulate --json`'s provenance names torch's merges under the torchtitan stack, the fused kernel's
+    online softmax under our executor's."""
+    def merge(overlap):
+        result = CliRunner().invoke(main, ["simulate", "--model", "llama3-8b", "--seq-len", "16384", "--cp", "2",
+                                           "--gpu", "h100-sxm", "--overlap", overlap, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["provenance"]["context"]["merge"]
+
+    assert merge("torchtitan-fsdp2").startswith("by torch's context_parallel")
+    assert merge("executor") == "inside the fused kernel's online softmax"
