@@ -1,7 +1,7 @@
 """torch's context parallelism as torchtitan runs it (simulator/costs/torchtitan/context.py): the kernels priced
 around each step's attention call against those torch's own _templated_ring_attention (forward and backward) launches,
 counted by a dispatch mode on a fake process group in this process (its collectives do nothing), on the group's last
-rank; and what they add to torchtitan's long-context rows."""
+rank, with the collectives those functions issue; and what they add to torchtitan's long-context rows."""
 
 import json
 
@@ -20,6 +20,7 @@ from precision.policy import policy
 from simulator.costs.op_types import Implementation
 from simulator.costs.ops import block_ops
 from simulator.costs.torchtitan import context
+from simulator.engine.context import torch_layer_exchange
 
 B, HEADS, T, HD = 1, 2, 8, 4  # a rank's micro-batch, heads, tokens (s / cp) and head size
 # what makes no kernel of its own: slices and allocations, the collectives (priced apart), their waits and wrappers
@@ -43,7 +44,8 @@ def _kernels(seen):
     for name, read, written in seen:
         if name in NOT_KERNELS:
             continue
-        out.append((name, 0 if name in ("zero_", "zeros_like") else read, written // 2 if name == "log_sigmoid_forward" else written))
+        read = 0 if name in ("zero_", "zeros_like") else read
+        out.append((name, read, written // 2 if name == "log_sigmoid_forward" else written))
     return out
 
 
@@ -77,6 +79,15 @@ def test_the_kernels_around_torchs_ring_attention_steps(last_rank_of):
                                                 q, k, v, out, lse, True)
     _same(context.forward_kernels(cp, B * T, HEADS, HD, e), _kernels(forward.seen))
     _same(context.backward_kernels(cp, B * T, HEADS, HD, e), _kernels(backward.seen))
+    # and the collectives they issue: each all-gather's input, each all-to-all's buffer (one peer gets it all)
+    gathers, passes = context.exchanges(cp, B * T * HEADS * HD, e)
+    assert _collectives(forward.seen) == [(x.kind, x.bytes) for x in gathers for _ in range(x.calls)]
+    assert _collectives(backward.seen) == [(x.kind, x.bytes) for x in passes for _ in range(x.calls)]
+
+
+def _collectives(seen):
+    kinds = {"all_gather_into_tensor": "all_gather", "all_to_all_single": "p2p"}
+    return [(kinds[name], read) for name, read, _ in seen if name in kinds]
 
 
 def test_only_torchs_context_parallelism_adds_them_and_the_recompute_runs_them_again():
@@ -97,14 +108,37 @@ def test_only_torchs_context_parallelism_adds_them_and_the_recompute_runs_them_a
     assert 100 * n * 4 < extra < 200 * n * 4  # some 150 fp32 passes over the output a layer
 
 
-def test_the_prediction_says_how_the_blocks_are_merged():
-    """`minigpt simulate --json`'s provenance names torch's merges under the torchtitan stack, the fused kernel's
-    online softmax under our executor's."""
-    def merge(overlap):
+def test_the_prediction_says_how_the_blocks_are_merged_and_exchanged():
+    """`minigpt simulate --json`'s provenance names torch's merges and exchange under the torchtitan stack, the fused
+    kernel's online softmax and our ring under our executor's."""
+    def context_of(overlap):
         result = CliRunner().invoke(main, ["simulate", "--model", "llama3-8b", "--seq-len", "16384", "--cp", "2",
                                            "--gpu", "h100-sxm", "--overlap", overlap, "--json"])
         assert result.exit_code == 0, result.output
-        return json.loads(result.output)["provenance"]["context"]["merge"]
+        return json.loads(result.output)["provenance"]["context"]
 
-    assert merge("torchtitan-fsdp2").startswith("by torch's context_parallel")
-    assert merge("executor") == "inside the fused kernel's online softmax"
+    torchs, ours = context_of("torchtitan-fsdp2"), context_of("executor")
+    assert torchs["merge"].startswith("by torch's context_parallel") and torchs["exchange"].startswith("torch's")
+    assert ours["merge"] == "inside the fused kernel's online softmax" and ours["exchange"].startswith("passes hidden")
+
+
+class FlatLinks:
+    """A cp group's links at fixed prices: 1 ms an all-gather, 2 ms a ring pass, whatever the bytes."""
+
+    def cp_collective(self, stage, kind, nbytes):
+        return 1e-3
+
+    def cp_pass(self, stage, nbytes):
+        return 2e-3
+
+
+def test_torchs_exchange_hides_behind_the_steps_but_the_last_pass():
+    model, layout = build_config("llama3-8b", seq_len=4096), Layout(cp=4, cp_kind="allgather")
+    hidden = torch_layer_exchange(model, layout, 1, 2, "full", FlatLinks(), 0, (1.0, 1.0, 1.0))
+    assert hidden[0].seconds == 0 and hidden[1].seconds == pytest.approx(2e-3)  # only the last dk/dv pass waits
+    exposed = torch_layer_exchange(model, layout, 1, 2, "full", FlatLinks(), 0, (0.0, 0.0, 0.0))  # gloo: nothing hides
+    assert exposed[0].seconds == pytest.approx(1e-3)
+    assert exposed[1].seconds == pytest.approx(2 * 1e-3 + 4 * 2e-3)  # the recomputed and backward's gathers, 4 passes
+    elements = 4096 // 4 * 32 * 128  # the rank's keys over every query head
+    assert [(x.kind, x.calls, x.bytes) for x in exposed[1].priced] == [
+        ("all_gather", 1, 2 * elements * 2), ("all_gather", 1, 2 * elements * 2), ("p2p", 4, 2 * elements * 4)]

@@ -19,6 +19,8 @@ as the trainer runs them:
                   collective of the whole sequence's keys or values, not overlapped (autograd waits).
 
 Returns per layer: (forward exposed seconds, backward exposed seconds), and what was priced, for checking.
+torch's context_parallel (torchtitan's, Implementation.cp_attention "torch") exchanges its own way:
+torch_layer_exchange.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from job.exchange.context import Exchange, backward_exchanges, forward_exchanges
+from simulator.costs.torchtitan.context import exchanges as torch_exchanges
 from job.layout import Layout
 from minigpt.config import GPTConfig
 
@@ -78,3 +81,24 @@ def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_b
     recomputed = _price(backward[:len(again)], again, links, stage, cp)
     ring = _ring_backward(*backward[len(again):], backward_s / cp, links, stage, cp)
     return priced_forward, Priced(recomputed.seconds + ring.seconds, recomputed.priced + ring.priced)
+
+
+def torch_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
+                         links, stage: int, attention: tuple[float, float, float]) -> tuple[Priced, Priced]:
+    """layer_exchange for torch's context_parallel as torchtitan runs it (simulator/costs/torchtitan/context.py's
+    exchanges): each all-gather hidden behind the first step's attention (1/cp of the pass), each dk/dv pass behind
+    the next step's, the last one waited for whole."""
+    cp = layout.cp
+    forward_s, backward_s, recompute_s = (seconds / cp for seconds in attention)  # one step's attention
+    elements = micro_batch * (model.n_heads // layout.tp) * (model.seq_len // cp) * model.head_dim
+    forward, backward = torch_exchanges(cp, elements, element_bytes, recompute)
+
+    def gathered(exchange: Exchange, step_s: float) -> float:
+        return max(0.0, links.cp_collective(stage, "all_gather", exchange.bytes * cp) - step_s)
+
+    *gathers, passes = backward  # the recomputed forward's gather (under recompute), the backward's, the dk/dv passes
+    one_pass = links.cp_pass(stage, passes.bytes)
+    seconds = sum(gathered(g, step) for g, step in zip(gathers, [recompute_s] * (len(gathers) - 1) + [backward_s],
+                                                       strict=True))
+    seconds += (passes.calls - 1) * max(0.0, one_pass - backward_s) + one_pass
+    return Priced(gathered(forward[0], forward_s), forward), Priced(seconds, backward)

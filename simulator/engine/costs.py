@@ -39,7 +39,7 @@ from job.schedule import ScheduleConfig
 from job.train_config import TrainConfig, bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, chunk_times, hbm_speed, kernel_overhead
-from simulator.engine.context import layer_exchange
+from simulator.engine.context import layer_exchange, torch_layer_exchange
 from simulator.engine.experts import SharedExperts, layer_exchange as expert_exchange, routing_seconds
 from job.exchange.experts import expert_gradient_reduction
 from simulator.engine.host import HostCompute
@@ -160,7 +160,7 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
         if (job.layout.cp == 1 and not (moe and job.layout.ep > 1)) or not layers:
             return (*priced, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         if (key, stage) not in exchanges:
-            context = _exchange(job, ct, layers, micro_batch, implementation.recompute, stage) \
+            context = _exchange(job, ct, layers, micro_batch, implementation, stage) \
                 if job.layout.cp > 1 else (0.0, 0.0)
             if moe and job.layout.cp > 1:  # the MoE's routing counted over whole sequences: the cp group's too
                 routing = routing_seconds(job.model, job.layout, micro_batch, implementation.recompute, job.links, stage)
@@ -213,13 +213,15 @@ def _shared_experts(job: _Job, ct, layers: int) -> SharedExperts | None:
                          per_layer(ct.shared_recompute_s), job.overlap.dp_slowdown)
 
 
-def _exchange(job: _Job, ct, layers: int, micro_batch: int, recompute: str, stage: int) -> tuple[float, float]:
+def _exchange(job: _Job, ct, layers: int, micro_batch: int, implementation: Implementation,
+              stage: int) -> tuple[float, float]:
     """Exposed seconds of the context-parallel exchange of `layers` blocks (forward, backward)."""
     per_layer = (ct.attention_forward_s / layers, ct.attention_backward_s / layers, ct.attention_recompute_s / layers)
     if job.serial:  # gloo on a CPU host: a pass does not overlap the block (as for every other collective)
         per_layer = (0.0, 0.0, 0.0)
-    forward, backward = layer_exchange(job.model, job.layout, micro_batch, job.compute_bytes, recompute, job.links,
-                                       stage, per_layer)
+    pricer = torch_layer_exchange if implementation.cp_attention == "torch" else layer_exchange
+    forward, backward = pricer(job.model, job.layout, micro_batch, job.compute_bytes, implementation.recompute,
+                               job.links, stage, per_layer)
     return layers * forward.seconds, layers * backward.seconds
 
 

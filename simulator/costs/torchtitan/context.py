@@ -26,6 +26,7 @@ The heads are the query heads: torchtitan's Llama copies k and v to every query 
 
 from __future__ import annotations
 
+from job.exchange.context import Exchange
 from simulator.costs.torchtitan.eager import FP32, Kernels
 
 
@@ -67,3 +68,17 @@ def backward_kernels(cp: int, rows: int, heads: int, head_dim: int, e: int) -> K
             out += [(f"grad_{x}_concat", n * FP32, n * FP32) for x in "kv"]
         out += [("grad_kv_concat", 2 * n * FP32, 2 * n * FP32), ("grad_q_accumulate", n * (FP32 + e), n * FP32)]
     return out + [("grad_q_to_input_format", n * FP32, n * e), ("grad_kv_to_input_format", 2 * n * FP32, 2 * n * e)]
+
+
+def exchanges(cp: int, elements: int, e: int, recompute: str = "none") -> tuple[list[Exchange], list[Exchange]]:
+    """(forward, backward) collectives of one layer on one rank, as torch's ring attention issues them with the
+    all-gather rotater (torchtitan's default): `elements` of the rank's k (or v) over every query head.
+
+      forward   one all-gather of k and v concatenated (each rank gives 2 elements x e bytes), issued before the first
+                step and waited for at the second;
+      backward  the same all-gather again, and at each of the cp steps the fp32 dk and dv concatenated sent on to the
+                next rank (an all-to-all that moves the whole buffer to one peer: a ring pass), each waited for after
+                the next step's kernel, the last after the loop; recomputation runs the forward's again first."""
+    gather = Exchange("all_gather", 1, 2 * elements * e)
+    again = [gather] if recompute != "none" else []
+    return [gather], again + [gather, Exchange("p2p", cp, 2 * elements * FP32)]
