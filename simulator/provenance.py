@@ -65,12 +65,12 @@ def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2", me
     exchange = ("passes hidden behind each block, the backward's dk/dv sent on behind the next block, the last "
                 "hop home exposed (parallel/context/ring.py)" if layout.cp_kind == "ring"
                 else "all-gathers and reduce-scatters over the cp group, not overlapped")
+    merged = "inside the fused kernel's online softmax"
     if merge == "torch":
+        merged = ("by torch's context_parallel: an attention call a step, in eager fp32 kernels "
+                  "(simulator/costs/torchtitan/context.py)")
         exchange = ("torch's: k and v of every query head all-gathered once a pass behind the first step, dk and dv "
                     "sent on in fp32 each step behind the next, the last pass exposed")
-    merged = ("by torch's context_parallel: an attention call a step, in eager fp32 kernels "
-              "(simulator/costs/torchtitan/context.py)" if merge == "torch"
-              else "inside the fused kernel's online softmax")
     return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "merge": merged, "exchange": exchange}
 
 

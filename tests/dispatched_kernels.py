@@ -38,3 +38,9 @@ class Kernels(TorchDispatchMode):
             self.seen.append((name, sum(map(touched_bytes, ins)), sum(map(touched_bytes, outs))))
             self.made.append((name, [tuple(t.shape) for t in outs]))
         return out
+
+
+def same_kernels(priced, seen) -> None:
+    """A priced kernel list (name, read, written) against the kernels seen: as many, with the same bytes each."""
+    assert len(priced) == len(seen), ([k for k, _, _ in priced], [k for k, _, _ in seen])
+    assert sorted((r, w) for _, r, w in priced) == sorted((r, w) for _, r, w in seen)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from cli.commands.simulate import simulate
 from cli.main import Group
 from job.layout import Layout
-from dispatched_kernels import Kernels
+from dispatched_kernels import Kernels, same_kernels
 from minigpt.presets import build_config
 from precision.policy import policy
 from simulator.costs.torchtitan import eager
@@ -34,11 +34,6 @@ def _run(fn, inputs):
     return forward.seen, backward.seen
 
 
-def _same(priced, seen):
-    assert len(priced) == len(seen), ([k for k, _, _ in priced], [k for k, _, _ in seen])
-    assert sorted((r, w) for _, r, w in priced) == sorted((r, w) for _, r, w in seen)
-
-
 def _leaf(*shape, dtype):
     return torch.randn(*shape, dtype=dtype, requires_grad=True)
 
@@ -53,8 +48,8 @@ def test_rmsnorm_as_torchtitan_writes_it(dtype):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x) * w
 
     forward, backward = _run(rmsnorm, (_leaf(B, S, D, dtype=dtype), weight))
-    _same(eager.rmsnorm_forward(B * S, D, e), forward)
-    _same(eager.rmsnorm_backward(B * S, D, e), backward)
+    same_kernels(eager.rmsnorm_forward(B * S, D, e), forward)
+    same_kernels(eager.rmsnorm_backward(B * S, D, e), backward)
 
 
 def test_rope_repeat_kv_swiglu_and_the_loss_as_torchtitan_writes_them():
@@ -69,19 +64,19 @@ def test_rope_repeat_kv_swiglu_and_the_loss_as_torchtitan_writes_them():
     q, k, v = _leaf(B, S, HEADS, HD, dtype=bf16), _leaf(B, S, KV, HD, dtype=bf16), _leaf(B, S, KV, HD, dtype=bf16)
     elements, table = (B * S * HEADS * HD, B * S * KV * HD), S * HD // 2 * 8
     forward, backward = _run(rope, (q, k))
-    _same(eager.rope_forward(elements, table, 2), forward)
-    _same(eager.rope_backward(elements, table, 2), backward)
+    same_kernels(eager.rope_forward(elements, table, 2), forward)
+    same_kernels(eager.rope_backward(elements, table, 2), backward)
 
     def repeat(k, v):
         return tuple(t.unsqueeze(3).expand(B, S, KV, HEADS // KV, HD).reshape(B, S, HEADS, HD) for t in (k, v))
 
     forward, backward = _run(repeat, (k, v))
-    _same(eager.repeat_kv_forward(B * S * KV * HD, B * S * HEADS * HD, 2), forward)
-    _same(eager.repeat_kv_backward(B * S * KV * HD, B * S * HEADS * HD, 2), backward)
+    same_kernels(eager.repeat_kv_forward(B * S * KV * HD, B * S * HEADS * HD, 2), forward)
+    same_kernels(eager.repeat_kv_backward(B * S * KV * HD, B * S * HEADS * HD, 2), backward)
 
     forward, backward = _run(lambda gate, up: F.silu(gate) * up, (_leaf(B, S, FF, dtype=bf16), _leaf(B, S, FF, dtype=bf16)))
-    _same(eager.swiglu_forward(B * S * FF, 2), forward)
-    _same(eager.swiglu_backward(B * S * FF, 2), backward)
+    same_kernels(eager.swiglu_forward(B * S * FF, 2), forward)
+    same_kernels(eager.swiglu_backward(B * S * FF, 2), backward)
 
     labels = torch.randint(0, VOCAB, (B * S,))
     _, backward = _run(lambda logits: F.cross_entropy(logits.flatten(0, 1).float(), labels),
@@ -89,7 +84,7 @@ def test_rope_repeat_kv_swiglu_and_the_loss_as_torchtitan_writes_them():
     # nll_loss_backward is handed the log-probabilities for their shape only: it zero-fills its output and writes
     # one value per row (the kernel reads the target and the loss's gradient, a few bytes)
     backward = [(n, 0 if n == "nll_loss_backward" else r, w) for n, r, w in backward]
-    _same(eager.loss_backward(B * S, VOCAB, 2), backward)
+    same_kernels(eager.loss_backward(B * S, VOCAB, 2), backward)
 
 
 def test_an_eager_llama_block_costs_more_kernels_and_bytes_and_keeps_the_fp32_norm_inputs():

@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 import torch.distributed as dist
+from click.testing import CliRunner
 from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from cli.main import main
-from dispatched_kernels import Kernels
+from dispatched_kernels import Kernels, same_kernels
 from job.layout import Layout
 from minigpt.presets import build_config
 from precision.policy import policy
@@ -62,11 +62,6 @@ def last_rank_of(request):
         dist.destroy_process_group()
 
 
-def _same(priced, seen):
-    assert len(priced) == len(seen), ([k for k, _, _ in priced], [k for k, _, _ in seen])
-    assert sorted((r, w) for _, r, w in priced) == sorted((r, w) for _, r, w in seen)
-
-
 @pytest.mark.parametrize("last_rank_of", [2, 4], indirect=True)
 def test_the_kernels_around_torchs_ring_attention_steps(last_rank_of):
     cp, e = last_rank_of, 2
@@ -77,8 +72,8 @@ def test_the_kernels_around_torchs_ring_attention_steps(last_rank_of):
     with Kernels() as backward:
         ring._templated_ring_attention_backward(dist.group.WORLD, 2, _attention_step_backward, grad_out, "grad_out",
                                                 q, k, v, out, lse, True)
-    _same(context.forward_kernels(cp, B * T, HEADS, HD, e), _kernels(forward.seen))
-    _same(context.backward_kernels(cp, B * T, HEADS, HD, e), _kernels(backward.seen))
+    same_kernels(context.forward_kernels(cp, B * T, HEADS, HD, e), _kernels(forward.seen))
+    same_kernels(context.backward_kernels(cp, B * T, HEADS, HD, e), _kernels(backward.seen))
     # and the collectives they issue: each all-gather's input, each all-to-all's buffer (one peer gets it all)
     gathers, passes = context.exchanges(cp, B * T * HEADS * HD, e)
     assert _collectives(forward.seen) == [(x.kind, x.bytes) for x in gathers for _ in range(x.calls)]

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from job.exchange.context import Exchange, backward_exchanges, forward_exchanges
-from simulator.costs.torchtitan.context import exchanges as torch_exchanges
 from job.layout import Layout
 from minigpt.config import GPTConfig
+from simulator.costs.torchtitan.context import exchanges as torch_exchanges
 
 
 @dataclass
@@ -96,9 +96,8 @@ def torch_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, ele
     def gathered(exchange: Exchange, step_s: float) -> float:
         return max(0.0, links.cp_collective(stage, "all_gather", exchange.bytes * cp) - step_s)
 
-    *gathers, passes = backward  # the recomputed forward's gather (under recompute), the backward's, the dk/dv passes
+    *again, gather, passes = backward  # the recomputed forward's gather (under recompute), the backward's, dk/dv
     one_pass = links.cp_pass(stage, passes.bytes)
-    seconds = sum(gathered(g, step) for g, step in zip(gathers, [recompute_s] * (len(gathers) - 1) + [backward_s],
-                                                       strict=True))
+    seconds = sum(gathered(g, recompute_s) for g in again) + gathered(gather, backward_s)
     seconds += (passes.calls - 1) * max(0.0, one_pass - backward_s) + one_pass
     return Priced(gathered(forward[0], forward_s), forward), Priced(seconds, backward)
