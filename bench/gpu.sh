@@ -17,12 +17,13 @@
 #   4. precision  bench/mixed_precision.py --json: each policy against torch.autocast  -> precision.json
 #   5. train      one real bf16 training run of gpt2-124m                              -> train.json
 #   6. sustained  bench/gpu_sustained.py: a GEMM back to back for 25 s against its burst, bf16 and fp8, with
-#                 the SM clock (the power limit's share: docs/efficiency.md, tensor_sustained) -> sustained.json
+#                 the SM clock (the power limit's share: docs/efficiency.md, tensor_sustained), then one GPT-3 175B
+#                 block forward and backward the same way beside the preset's price of it -> sustained.json
 # plus gpu.log (everything printed, the machine first: nvidia-smi, torch, CUDA, capability) and summary.md
 # (one row per step): 8 files at most in $OUT; runs and traces go to a scratch folder that is removed.
 #
 # Seen on one H200 (2026-12-04, docs/results.md "The first GPU"): steps 1-5 in 209 s (49, 47, 12, 50, 33 s),
-# step 6 then about 75 s. The estimate it was planned from, step by step, from FLOP counts at the rates
+# step 6 then about 75 s (before the block was added to it: about 40 s more). The estimate it was planned from, step by step, from FLOP counts at the rates
 # measured on such a machine here (dense bf16 ~790 TFLOP/s on random data, a copy at ~4.3 TB/s) and the
 # H100/H200 datasheet's fp32 (~60 TFLOP/s):
 #   kernels    ~55 s: bench/gpu_kernels.py adds up its own calls (estimate_seconds, in its docstring);
@@ -34,8 +35,9 @@
 #   precision  ~60 s: 30 steps of batch 16 in fp32, bf16, fp16, fp8 and autocast bf16/fp16 (14 TFLOP a
 #              step: 0.3 s in fp32, 30-60 ms in 16-bit);
 #   train      ~40 s: 200 bf16 steps of batch 16 (~50 ms each) and two evaluations;
-#   sustained  ~75 s: per format 5 s idle, a 20-call burst, 25 s back to back;
-# plus ~8 s for each of the six Python starts with torch and CUDA. The limits below add to 550 s, inside
+#   sustained  ~115 s: per format 5 s idle, a 20-call burst, 25 s back to back; the block the same (~35 ms a
+#              call: 20 calls and 25 s);
+# plus ~8 s for each of the six Python starts with torch and CUDA. The limits below add to 570 s, inside
 # one 10-minute device call.
 set -uo pipefail
 
@@ -119,15 +121,15 @@ run_step() {  # run_step NAME LIMIT_S RESULT_FILE COMMAND...: stdout to RESULT_F
 
 if [ "$cuda" = 1 ]; then
   run_step kernels 120 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --budget-s 100
-  run_step calibrate 100 - "$py" -m cli calibrate --device cuda --ranks 1 --allow-busy --model gpt2-124m \
+  run_step calibrate 90 - "$py" -m cli calibrate --device cuda --ranks 1 --allow-busy --model gpt2-124m \
     --micro-batches 1,2,4,8 --out "$out/gpu-profile.json"
   run_step compare 60 "$out/compare.json" "$py" -m cli compare --hardware "$out/gpu-profile.json" \
     --model gpt2-124m --batch-size 8 --steps 6 --out "$scratch/compare" --json
-  run_step precision 100 "$out/precision.json" "$py" bench/mixed_precision.py --model gpt2-124m \
+  run_step precision 90 "$out/precision.json" "$py" bench/mixed_precision.py --model gpt2-124m \
     --steps 30 --batch-size 16 --json
   run_step train 70 "$out/train.json" "$py" -m cli train --model gpt2-124m --precision bf16 --steps 200 \
     --batch-size 16 --eval-every 100 --out "$scratch/train" --json
-  run_step sustained 100 - "$py" bench/gpu_sustained.py --out "$out/sustained.json" --seconds 25 --cool-s 5
+  run_step sustained 140 - "$py" bench/gpu_sustained.py --out "$out/sustained.json" --seconds 25 --cool-s 5
 else
   echo "gpu.sh: no CUDA device: the CPU dry run (the same steps at tiny sizes)"
   run_step kernels 60 - "$py" bench/gpu_kernels.py --out "$out/kernels.json" --dry-run

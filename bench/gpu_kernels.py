@@ -24,8 +24,18 @@ Measured, in this order (--budget-s stops it between measurements, and the JSON 
 5. attention, bf16, causal: scaled_dot_product_attention against unfused (matmul, softmax, matmul),
    forward and forward + backward, sequence 1K, 2K, 4K, 8K at 16K tokens (batch = 16K / sequence),
    head dim 64 with 12 heads (gpt2-124m) and 128 with 32 heads (Llama 3 8B); CPU dry run: sequence
-   64 and 128, 2 heads, 256 tokens.
+   64 and 128, 2 heads, 256 tokens;
+6. weight-gradient GEMMs (dW = dY^T X: m = outputs, n = inputs, k = tokens) of GPT-3 175B at tp 4 over 2048 tokens
+   and Llama 3 70B at tp 8 over 8192 (WGRAD_SHAPES), three ways (WGRAD_WAYS): writing bf16 (what the GEMM tables and
+   the simulator's GEMM model describe), accumulating into an fp32 main gradient inside the GEMM (torch.addmm with
+   out_dtype float32: cuBLAS reads and writes the fp32 result, as Megatron-core's gradient_accumulation_fusion and
+   Transformer Engine's fuse_wgrad_accumulation run it; torch refuses it before CUDA: "refused"), and the bf16 GEMM
+   then a separate fp32 add (the unfused path); CPU dry run: every dimension / 64, all in fp32.
 Efficiency = achieved rate / the best rate measured in that format in this run; rates in TFLOP/s.
+
+Why 6: the simulator prices the fused accumulation as the GEMM or its bytes, whichever is longer (the roofline's
+max); a weight gradient over few tokens reads and writes 8 bytes of fp32 a weight for 2 x tokens FLOPs a weight, so
+whether cuBLAS hides that epilogue behind its main loop decides a few percent of a Megatron step.
 
 H200 wall time, estimated (`estimate_seconds`, printed by every run): each measurement makes a warm-up
 call, a probe call and `repeats` runs of max(1, ceil(min_run_s / t)) calls, t = FLOPs / rate or bytes /
@@ -36,10 +46,10 @@ rate), tf32 395 (half of bf16, the datasheet's ratio), fp8 1200 (below the datas
 stay on the long side); fused attention 400 TFLOP/s forward and 300 forward + backward (assumed: about
 half of dense bf16), unfused charged its full square's FLOPs at the bf16 rate plus 3 (forward) or 9
 (forward + backward) passes of its s x s matrix through HBM; the 5 us launch and 20 ms set-up are
-assumptions too. The sum is about 54 s: the real GEMMs ~32 s (240 of them, mostly each one's 5 x 20 ms timed runs), the square
-GEMMs ~6 s (fp32 at 16384, 0.15 s a call, ~1 s of it), attention ~4 s, element-wise ~1 s, start-up
-10 s; under the 2.5 minutes asked with room for rates half as good, and --budget-s caps it whatever
-the GPU turns out to be. The CPU dry run takes about 4 s here (2-core AMD EPYC, torch 2.13; on a 2-core
+assumptions too. The sum is about 57 s: the real GEMMs ~32 s (240 of them, mostly each one's 5 x 20 ms timed
+runs), the square GEMMs ~6 s (fp32 at 16384, 0.15 s a call, ~1 s of it), attention ~4 s, the weight gradients ~3 s,
+element-wise ~1 s, start-up 10 s; under the 2.5 minutes asked with room for rates half as good, and --budget-s caps it
+whatever the GPU turns out to be. The CPU dry run takes about 4 s here (2-core AMD EPYC, torch 2.13; on a 2-core
 Intel Xeon 131 s before fp8 was limited to DRY_RUN_FP8_MACS).
 """
 
@@ -56,7 +66,7 @@ import torch
 
 from minigpt.presets import preset
 from parallel.calibrate.kernels import (ELEMENTWISE, FORMATS, attention_flops, launch_overhead, supported_formats,
-                                        time_attention, time_elementwise, time_gemm)
+                                        time_attention, time_call, time_elementwise, time_gemm)
 
 # Meta, "The Llama 3 Herd of Models" (2024), Table 3: model dimension, FFN dimension, attention heads
 # (all of head dim 128), 8 key/value heads. The vocabulary, 128,256 entries, is the released models'
@@ -123,6 +133,44 @@ def model_gemms(plan: Plan) -> list[dict]:
     return gemms
 
 
+# name: (outputs, inputs, tokens) of a weight-gradient GEMM on one tensor-parallel rank: GPT-3 175B at tp 4 (one
+# 2048-token sequence, the DGX-Cloud rows' micro-batch; fc2's is fc1's shape transposed, 12288 x 12288), Llama 3 70B
+# at tp 8 (one 8192-token sequence; q of 8192 and k, v of 8 heads of 128 each, over 8)
+WGRAD_SHAPES = {"gpt3-175b tp4 qkv": (3 * 12288 // 4, 12288, 2048), "gpt3-175b tp4 proj": (12288, 12288 // 4, 2048),
+                "gpt3-175b tp4 fc1": (4 * 12288 // 4, 12288, 2048),
+                "llama3-70b tp8 qkv": ((8192 + 2 * 8 * 128) // 8, 8192, 8192),
+                "llama3-70b tp8 o": (8192, 8192 // 8, 8192),
+                "llama3-70b tp8 gate_up": (2 * 28672 // 8, 8192, 8192), "llama3-70b tp8 down": (8192, 28672 // 8, 8192)}
+WGRAD_WAYS = ("bf16_out", "fp32_accumulate", "separate_add")
+
+
+def wgrad_call(way: str, outputs: int, inputs: int, tokens: int, device: torch.device):
+    """One weight-gradient GEMM (outputs x tokens) @ (tokens x inputs) the `way` of WGRAD_WAYS: bf16 operands on a GPU
+    (fp32 on the CPU dry run), the fp32 main gradient (outputs x inputs) the accumulating ways add into."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    grad = torch.randn(tokens, outputs, device=device, dtype=dtype)  # dY, token-major as the backward has it
+    x = torch.randn(tokens, inputs, device=device, dtype=dtype)
+    main = torch.zeros(outputs, inputs, device=device, dtype=torch.float32)
+    out = torch.empty(outputs, inputs, device=device, dtype=dtype)
+    if way == "bf16_out":
+        return lambda: torch.mm(grad.t(), x, out=out)
+    if way == "fp32_accumulate":  # cuBLAS with an fp32 C read and an fp32 result written, beta 1
+        if device.type == "cuda":
+            return lambda: torch.addmm(main, grad.t(), x, out_dtype=torch.float32)
+        return lambda: torch.addmm(main, grad.t(), x)
+    return lambda: main.add_(torch.mm(grad.t(), x, out=out))
+
+
+def time_wgrad(way: str, outputs: int, inputs: int, tokens: int, device: torch.device, min_run_s: float,
+               repeats: int) -> dict:
+    call = wgrad_call(way, outputs, inputs, tokens, device)
+    timing = time_call(call, device, min_run_s, repeats)
+    del call
+    flops = 2 * outputs * inputs * tokens
+    return {"seconds": timing.seconds, "flops_per_s": flops / timing.seconds, "spread": timing.spread,
+            "calls": timing.calls}
+
+
 # ---------------------------------------------------------------- the jobs
 
 
@@ -163,6 +211,11 @@ def jobs(plan: Plan, device: torch.device) -> list[tuple[str, dict, callable]]:
                     todo.append(("attention", what, lambda w=what: time_attention(
                         w["fused"], w["backward"], w["batch"], w["heads"], w["seq"], w["head_dim"], device, run_s,
                         reps)))
+    for name, (outputs, inputs, tokens) in WGRAD_SHAPES.items():
+        o, i, t = (round16(-(-v // plan.shrink)) for v in (outputs, inputs, tokens))
+        for way in WGRAD_WAYS:
+            todo.append(("wgrad", {"gemm": name, "way": way, "outputs": o, "inputs": i, "tokens": t},
+                         lambda way=way, o=o, i=i, t=t: time_wgrad(way, o, i, t, device, run_s, reps)))
     return todo
 
 
@@ -175,6 +228,10 @@ def job_seconds(section: str, what: dict, plan: Plan, rates: dict) -> float:
     elif section in ("square", "shapes"):
         m, n, k = what["m"], what["n"], what["k"]
         t = max(2 * m * n * k / rates[what["format"]], (m * k + k * n + m * n) * 2 / rates["hbm"]) + rates["launch_s"]
+    elif section == "wgrad":  # the GEMM's FLOPs or bytes, and the fp32 main gradient read and written (8 bytes a
+        o, i, tk = what["outputs"], what["inputs"], what["tokens"]  # weight) when it accumulates, 12 when apart
+        main = {"bf16_out": 0, "fp32_accumulate": 8, "separate_add": 12}[what["way"]] * o * i / rates["hbm"]
+        t = max(2 * o * i * tk / rates["bf16"], (o * tk + tk * i + o * i) * 2 / rates["hbm"]) + main + rates["launch_s"]
     else:
         b, h, s, d = what["batch"], what["heads"], what["seq"], what["head_dim"]
         flops = attention_flops(b, h, s, d, True, what["backward"])
@@ -199,7 +256,7 @@ def estimate_seconds(plan: Plan, device: torch.device, rates: dict = H200_RATES)
 def run_jobs(plan: Plan, device: torch.device, budget_s: float, started: float) -> dict:
     """Every job until the budget is spent: {section: [result, ...], "skipped": [...], "refused": [...]}."""
     results: dict[str, list] = {"launch": [], "elementwise": [], "square": [], "shapes": [], "attention": [],
-                                "skipped": [], "refused": []}
+                                "wgrad": [], "skipped": [], "refused": []}
     for section, what, run in jobs(plan, device):
         if time.perf_counter() - started > budget_s:
             results["skipped"].append({"section": section, **what})
@@ -282,7 +339,25 @@ def other_tables(results: dict) -> str:
                     "x 3.5 forward + backward)",
                 table(["head dim", "heads", "seq", "batch", "sdpa fwd", "unfused fwd", "sdpa fwd+bwd",
                        "unfused fwd+bwd"], rows)]
-    return "\n".join(out)
+    return "\n".join(out + wgrad_table(results))
+
+
+def wgrad_table(results: dict) -> list[str]:
+    by: dict[tuple, dict] = {}
+    for r in results["wgrad"]:
+        by.setdefault((r["gemm"], r["outputs"], r["inputs"], r["tokens"]), {})[r["way"]] = r
+    if not by:
+        return []
+
+    def ratio(ways: dict, way: str) -> str:
+        if way not in ways or "bf16_out" not in ways:
+            return "-"
+        return f"{ways[way]['seconds'] / ways['bf16_out']['seconds']:.3f}"
+    rates = [[f"{ways[w]['flops_per_s'] / 1e12:.3g}" if w in ways else "-" for w in WGRAD_WAYS] for ways in by.values()]
+    rows = [[gemm, f"{o} x {i} x {t}", *rate, ratio(ways, "fp32_accumulate"), ratio(ways, "separate_add")]
+            for ((gemm, o, i, t), ways), rate in zip(by.items(), rates)]
+    return ["", "Weight gradients (outputs x inputs over tokens): TFLOP/s, and time over the bf16-out GEMM's",
+            table(["gemm", "out x in x tokens", *WGRAD_WAYS, "fused / bf16", "apart / bf16"], rows)]
 
 
 def describe_device(device: torch.device) -> dict:
@@ -321,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
               "plan": asdict(plan), "h200_estimate_s": estimate, "best_tflops": best,
               "launch": results["launch"][0] if results["launch"] else {},
               "elementwise": {"best_bytes_per_s": elementwise_best, "results": results["elementwise"]},
-              "gemm": {"square": results["square"], "shapes": results["shapes"]},
+              "gemm": {"square": results["square"], "shapes": results["shapes"], "wgrad": results["wgrad"]},
               "attention": results["attention"], "refused": results["refused"], "skipped": results["skipped"],
               "seconds": round(time.perf_counter() - started, 2)}
     with open(args.out, "w", encoding="utf-8") as file:

@@ -67,7 +67,13 @@ def sustained(data: dict) -> str:
         clock = (run.get("last_10s_gpu") or {}).get("sm_clock_mhz")
         return (f"{fmt} {run['last_10s_flops_per_s'] / 1e12:.4g} of {run['burst_flops_per_s'] / 1e12:.4g} TFLOP/s "
                 f"({run['sustained_over_burst']:.3f})" + (f" at {clock['mean']:.0f} MHz" if clock else ""))
-    return "held back to back / burst: " + "; ".join(one(fmt, run) for fmt, run in data["formats"].items())
+    line = "held back to back / burst: " + "; ".join(one(fmt, run) for fmt, run in data["formats"].items())
+    layer = data.get("layer")
+    if layer and layer.get("predicted"):
+        ratio = layer["measured_over_predicted"]
+        line += (f"; a {layer['model']} {layer['last_10s_s'] * 1e3:.1f} ms held, measured / {layer['predicted']['preset']}"
+                 f" predicted {ratio['held']:.3f} (burst {ratio['burst']:.3f})")
+    return line
 
 
 HEADLINES = {"kernels": kernels, "calibrate": calibrate, "compare": compare, "precision": precision, "train": train,

@@ -18,11 +18,22 @@ format of `--formats` in turn (default bf16 then fp8, the DGX-Cloud rows' two):
    for the idle seconds, the sustained run's first second and its last 10 s (null without nvidia-smi; the burst
    itself is too short to sample: its clock is the first second's at best). The GPU is torch's current device,
    given to nvidia-smi by its index: run it without CUDA_VISIBLE_DEVICES reordering.
-The shape is GPT-3 175B's fc1 at tensor parallelism 4, as the DGX-Cloud rows run it: 2048 x 12288 x 12288 (m x n x k,
-random normal operands). Out: JSON with, per format, the burst's rate, each window's, the mean of the last 10 s and
-its ratio to the burst, and the clock, power and temperature of each phase; one line printed per format (about
-150 s for the two). Without CUDA, or with --dry-run, the same code runs
-on the CPU at 64 x 128 x 128 in fp32 for `--seconds` (default 1 there) with no cool-down: CI runs it.
+Then the same for training-shaped work (`--layer-seconds`, 0 to skip): one whole block of GPT-3 175B (minigpt's
+Block: LayerNorm, attention through torch's SDPA, GELU MLP, biases; tp 1, one 2048-token sequence, bf16 weights and
+activations), forward and backward back to back (the weights' gradients set to None before each, so no accumulation
+kernel runs), its burst and its last 10 s in seconds an iteration, beside what the simulator prices for the same ops on
+the preset matching the GPU's name (simulator/costs/ops.py's block_ops for our executor, without the gradient
+accumulation, priced by simulator/costs/compute.py's op_time: with the preset's tensor_sustained, and without it for
+the burst). Why: the presets' GEMM model agrees with this GPU's GEMMs alone, back to back, within 2%, yet published
+runs on H100s come out about 9% slower than predicted; a block mixes GEMMs with memory-bound kernels, attention and the
+launch gaps between them, and this says whether the presets price that mix as it runs.
+The GEMM's shape is GPT-3 175B's fc1 at tensor parallelism 4, as the DGX-Cloud rows run it: 2048 x 12288 x 12288
+(m x n x k, random normal operands). Out: JSON with, per format, the burst's rate, each window's, the mean of the last
+10 s and its ratio to the burst, and the clock, power and temperature of each phase, and the block's ("layer"); one
+line printed per format and one for the block (about 150 s for the two formats, 40 s for the block at 25 s). Without
+CUDA, or with --dry-run, the same code runs on the CPU at 64 x 128 x 128 in fp32 for `--seconds` (default 1 there)
+with no cool-down, and the block at width 64 (2 heads, sequence 64, fp32) priced on the h200 preset (not comparable:
+the code path only): CI runs it.
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from parallel.calibrate.kernels import gemm_call, matmul_mode  # noqa: E402
+from minigpt.config import GPTConfig  # noqa: E402
+from minigpt.model import Block  # noqa: E402
+from minigpt.presets import preset  # noqa: E402
 
 SHAPE = (2048, 12288, 12288)  # GPT-3 175B's fc1 at tp 4: 2048 tokens x (49152 / 4) outputs x 12288 inputs
 DRY_SHAPE = (64, 128, 128)
@@ -51,6 +65,8 @@ WINDOW_S = 0.25
 LAST_S = 10.0
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 FORMATS = ("bf16", "fp16", "fp8", "fp8_fast", "tf32", "fp32")  # tf32 and fp32 on CUDA only (the CPU dry run: fp32)
+LAYER_MODEL = "gpt3-175b"  # one of its blocks, whole: 1.8e9 weights, about 24 TFLOP forward and backward a sequence
+DRY_LAYER = GPTConfig(vocab_size=256, seq_len=64, n_layers=1, n_heads=2, d_model=64, d_ff=256)
 
 
 class Sampler:
@@ -161,6 +177,75 @@ def measure_format(fmt: str, device: torch.device, args: argparse.Namespace, sam
             "last_10s_gpu": sampler.between(t2 - LAST_S, t2)}
 
 
+def layer_call(config: GPTConfig, device: torch.device):
+    """One forward and backward of a block over one sequence, bf16 on a GPU (fp32 on the CPU dry run)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with device:  # built where it runs: GPT-3's 1.8e9 weights initialised on a CPU would take longer than the run
+        block = Block(config).to(dtype=dtype)
+    x = torch.randn(1, config.seq_len, config.d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(1, config.seq_len, config.d_model, device=device, dtype=dtype)
+    params = list(block.parameters())
+
+    def call() -> None:
+        for param in params:
+            param.grad = None
+        x.grad = None
+        block(x).backward(grad)
+    return call
+
+
+def predicted_layer(config: GPTConfig, preset_name: str | None, dtype: str) -> dict | None:
+    """The simulator's seconds for layer_call's ops on `preset_name`: held (its tensor_sustained) and a burst's."""
+    if preset_name is None:
+        return None
+    from dataclasses import replace  # the simulator only here: the GEMM runs above need torch alone
+
+    from job.layout import Layout
+    from precision.policy import policy
+    from simulator.costs.compute import op_time
+    from simulator.costs.hardware import load_hardware
+    from simulator.costs.op_types import Implementation
+    from simulator.costs.ops import block_ops
+    gpu = load_hardware(preset_name).gpu
+    ops = block_ops(config, 1, Layout(), policy(dtype), Implementation())
+    kept = [op for op in (*ops.forward, *ops.backward) if not op.name.endswith(".grad_accumulate")]
+    burst_gpu = replace(gpu, achieved=replace(gpu.reached, tensor_sustained=()))
+    return {"preset": preset_name, "ops": len(kept),
+            "held_s": sum(op_time(op, gpu, gpu.matmul_efficiency) for op in kept),
+            "burst_s": sum(op_time(op, burst_gpu, burst_gpu.matmul_efficiency) for op in kept)}
+
+
+def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampler) -> dict:
+    """The block's burst and back-to-back seconds an iteration, after the idle seconds, and the simulator's."""
+    cuda = device.type == "cuda"
+    config = preset(LAYER_MODEL) if cuda else DRY_LAYER
+    call = layer_call(config, device)
+    time.sleep(args.cool_s)
+    t0 = time.perf_counter()
+    rate = burst(call, device, 1)  # iterations a second
+    t1 = time.perf_counter()
+    windows = sustained(call, device, 1, args.layer_seconds, rate)
+    t2 = time.perf_counter()
+    del call
+    last = [r for t, r in windows if t >= windows[-1][0] - LAST_S] or [windows[-1][1]]
+    held = 1 / statistics.fmean(last)
+    name = torch.cuda.get_device_name(device) if cuda else "h200"
+    predicted = predicted_layer(config, preset_for_device(name) if cuda else "h200", "bf16" if cuda else "fp32")
+    out = {"model": f"{LAYER_MODEL} block" if cuda else "dry-run block", "d_model": config.d_model,
+           "heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len, "burst_s": 1 / rate,
+           "last_10s_s": held, "windows": windows, "held_over_burst": (1 / held) / rate, "predicted": predicted,
+           "idle_gpu": sampler.between(t0 - args.cool_s, t0), "last_10s_gpu": sampler.between(t2 - LAST_S, t2)}
+    if predicted is not None:
+        out["measured_over_predicted"] = {"burst": out["burst_s"] / predicted["burst_s"],
+                                          "held": held / predicted["held_s"]}
+    return out | {"first_second_gpu": sampler.between(t1, t1 + 1.0)}
+
+
+def preset_for_device(name: str) -> str | None:
+    from simulator.costs.hardware import preset_for_device as match
+    return match(name)
+
+
 def measure(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -170,8 +255,9 @@ def measure(args: argparse.Namespace) -> dict:
     m, n, k = SHAPE if cuda else DRY_SHAPE
     with Sampler(device.index if cuda else None) as sampler:
         results = {fmt: measure_format(fmt, device, args, sampler) for fmt in formats}
+        layer = measure_layer(device, args, sampler) if args.layer_seconds > 0 else None
     return {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "m": m, "n": n, "k": k,
-            "nvidia_smi": sampler.available, "formats": results}
+            "nvidia_smi": sampler.available, "formats": results, "layer": layer}
 
 
 def format_list(text: str) -> list[str]:
@@ -196,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cool-s", type=positive, default=10.0, help="idle seconds before the burst (GPU only)")
     parser.add_argument("--formats", type=format_list, default=["bf16", "fp8"],
                         help=f"one run each, in turn ({', '.join(FORMATS)}; default bf16,fp8)")
+    parser.add_argument("--layer-seconds", type=float, default=None,
+                        help="the block's run back to back (default --seconds; 0: no block)")
     parser.add_argument("--dry-run", action="store_true", help="the CPU path at tiny sizes, even with CUDA")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -203,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"gpu_sustained.py: {out} exists; give a new path\n")
     if args.seconds is None:
         args.seconds = 60.0 if torch.cuda.is_available() and not args.dry_run else 1.0
+    if args.layer_seconds is None:
+        args.layer_seconds = args.seconds
+    if not 0 <= args.layer_seconds < math.inf:
+        parser.exit(2, f"gpu_sustained.py: --layer-seconds must be 0 or a positive number of seconds, "
+                       f"got {args.layer_seconds}\n")
     result = measure(args)
     out.write_text(json.dumps(result, indent=1) + "\n")
     for fmt, one in result["formats"].items():
@@ -210,7 +303,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result['device']}, {fmt} {result['m']} x {result['n']} x {result['k']}: burst "
               f"{one['burst_flops_per_s'] / 1e12:.1f} TFLOP/s, last 10 s {one['last_10s_flops_per_s'] / 1e12:.1f} "
               f"({one['sustained_over_burst']:.3f} of the burst)" + (f", SM clock {clock['mean']:.0f} MHz" if clock else ""))
+    if result["layer"] is not None:
+        print(layer_line(result["layer"]))
     return 0
+
+
+def layer_line(layer: dict) -> str:
+    """The block's measured and predicted milliseconds, in a line."""
+    line = (f"{layer['model']} (width {layer['d_model']}, sequence {layer['seq_len']}) forward + backward: burst "
+            f"{layer['burst_s'] * 1e3:.2f} ms, last 10 s {layer['last_10s_s'] * 1e3:.2f} ms")
+    predicted = layer["predicted"]
+    if predicted is None:
+        return line + "; no preset matches this GPU"
+    ratio = layer["measured_over_predicted"]
+    return (line + f"; {predicted['preset']} predicts {predicted['burst_s'] * 1e3:.2f} and "
+            f"{predicted['held_s'] * 1e3:.2f} ms (measured / predicted: burst {ratio['burst']:.3f}, "
+            f"held {ratio['held']:.3f})")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,16 @@ def test_the_dry_run_measures_every_section_at_tiny_sizes(dry_run):
     assert len(attention) == 2 * 2 * 4 and {r["head_dim"] for r in attention} == {64, 128}
     assert {(r["kernel"], r["pass"]) for r in attention} == {(k, p) for k in ("sdpa", "unfused")
                                                              for p in ("forward", "forward+backward")}
-    for header in ("| n | fp32 |", "| model | gemm | tp |", "| op | bf16 | fp32 |", "| head dim | heads |"):
+    wgrad = report["gemm"]["wgrad"]  # every weight-gradient shape three ways, each shape / 64 rounded up to 16
+    assert {(r["gemm"], r["way"]) for r in wgrad} == {(g, w) for g in ("gpt3-175b tp4 qkv", "gpt3-175b tp4 proj",
+                                                                       "gpt3-175b tp4 fc1", "llama3-70b tp8 qkv",
+                                                                       "llama3-70b tp8 o", "llama3-70b tp8 gate_up",
+                                                                       "llama3-70b tp8 down")
+                                                      for w in ("bf16_out", "fp32_accumulate", "separate_add")}
+    fc1 = next(r for r in wgrad if r["gemm"] == "gpt3-175b tp4 fc1")
+    assert (fc1["outputs"], fc1["inputs"], fc1["tokens"]) == (192, 192, 32) and all(r["flops_per_s"] > 0 for r in wgrad)
+    for header in ("| n | fp32 |", "| model | gemm | tp |", "| op | bf16 | fp32 |", "| head dim | heads |",
+                   "| gemm | out x in x tokens | bf16_out | fp32_accumulate | separate_add |"):
         assert header in result.stdout  # the markdown tables
 
 
@@ -81,7 +90,7 @@ def test_the_real_shapes_are_the_published_ones_divided_by_tensor_parallelism():
 def test_the_budget_stops_it_and_says_what_was_skipped(tmp_path):
     _, report = run(tmp_path, "--dry-run", "--budget-s", "0.001")
     assert report["skipped"] and not report["gemm"]["square"]  # everything after the first check skipped
-    assert {row["section"] for row in report["skipped"]} >= {"square", "shapes", "attention"}
+    assert {row["section"] for row in report["skipped"]} >= {"square", "shapes", "attention", "wgrad"}
 
 
 def test_it_imports_torch_and_the_job_description_only():

@@ -107,6 +107,8 @@ def test_the_dry_run_writes_at_most_8_files_with_real_results(dry_run):
     assert "cuda: none" in (out / "gpu.log").read_text()  # the machine, first in the log
     sustained = json.loads((out / "sustained.json").read_text())
     assert list(sustained["formats"]) == ["fp32"] and sustained["formats"]["fp32"]["burst_flops_per_s"] > 0
+    assert sustained["layer"]["predicted"]["preset"] == "h200"  # the block priced by the simulator on a bare machine
+    assert "a dry-run block" in (out / "summary.md").read_text()
 
 
 def test_require_gpu_without_cuda_says_so_in_one_line(tmp_path, bare_python):

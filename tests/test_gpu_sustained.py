@@ -33,7 +33,38 @@ def test_the_dry_run_times_a_burst_and_windows_back_to_back(tmp_path):
     assert one["sustained_over_burst"] == one["last_10s_flops_per_s"] / one["burst_flops_per_s"]
     assert data["nvidia_smi"] is False and one["last_10s_gpu"] == {"sm_clock_mhz": None, "power_w": None,
                                                                   "temperature_c": None, "samples": 0}
-    assert "of the burst" in done.stdout and len(done.stdout.strip().splitlines()) == 1
+    layer = data["layer"]  # the block's code path: measured on the CPU, priced on the h200 preset (not comparable)
+    assert (layer["model"], layer["d_model"], layer["seq_len"]) == ("dry-run block", 64, 64)
+    assert layer["burst_s"] > 0 and layer["last_10s_s"] > 0 and len(layer["windows"]) == 3
+    predicted = layer["predicted"]
+    assert predicted["preset"] == "h200" and predicted["ops"] > 20 and predicted["held_s"] >= predicted["burst_s"] > 0
+    assert layer["measured_over_predicted"]["held"] == pytest.approx(layer["last_10s_s"] / predicted["held_s"])
+    lines = done.stdout.strip().splitlines()
+    assert "of the burst" in lines[0] and "h200 predicts" in lines[1] and len(lines) == 2
+
+
+def test_the_block_is_priced_as_the_simulator_prices_its_ops_held_and_in_a_burst():
+    spec = importlib.util.spec_from_file_location("gpu_sustained", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from minigpt.presets import preset
+    from simulator.costs.compute import op_time
+    from simulator.costs.hardware import load_hardware
+    gpt3 = script.predicted_layer(preset("gpt3-175b"), "h100-sxm", "bf16")
+    gpu = load_hardware("h100-sxm").gpu
+    share = gpu.reached.sustained("bf16")
+    assert share < 1 and gpt3["burst_s"] < gpt3["held_s"] < gpt3["burst_s"] / share  # only tensor-core work slows
+    assert script.predicted_layer(preset("gpt3-175b"), None, "bf16") is None  # no preset for this GPU
+    from job.layout import Layout
+    from precision.policy import policy
+    from simulator.costs.op_types import Implementation
+    from simulator.costs.ops import block_ops
+    ops = block_ops(preset("gpt3-175b"), 1, Layout(), policy("bf16"), Implementation())
+    accumulations = [op for op in ops.backward if op.name.endswith(".grad_accumulate")]
+    assert len(accumulations) == 4 and gpt3["ops"] == len(ops.forward) + len(ops.backward) - 4
+    everything = sum(op_time(op, gpu, gpu.matmul_efficiency) for op in (*ops.forward, *ops.backward))
+    assert gpt3["held_s"] == pytest.approx(everything - sum(op_time(op, gpu, gpu.matmul_efficiency)
+                                                            for op in accumulations))
 
 
 def test_bad_input_exits_2_and_an_earlier_result_is_kept(tmp_path, capsys):
@@ -44,11 +75,13 @@ def test_bad_input_exits_2_and_an_earlier_result_is_kept(tmp_path, capsys):
     out.write_text("earlier")
     new = str(tmp_path / "new.json")
     for args in (["--out", str(out)], *(["--seconds", bad, "--out", new] for bad in ("0", "-1", "nan", "inf")),
-                 ["--formats", "bf16,int4", "--out", new], ["--formats", ",", "--out", new]):
+                 ["--formats", "bf16,int4", "--out", new], ["--formats", ",", "--out", new],
+                 *(["--layer-seconds", bad, "--out", new] for bad in ("-1", "nan", "inf"))):
         with pytest.raises(SystemExit) as stop:
             script.main(["--dry-run", *args])
         assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "exists; give a new path" in err and err.count("must be a positive number of seconds") == 4
     assert err.count("takes a comma-separated list of bf16, fp16, fp8, fp8_fast, tf32, fp32") == 2
+    assert err.count("--layer-seconds must be 0 or a positive number of seconds") == 3
     assert out.read_text() == "earlier" and not (tmp_path / "new.json").exists()
