@@ -214,6 +214,19 @@ def test_json_and_table_say_why_the_others_lost():
         assert words in table.output
 
 
+def test_the_smallest_need_that_did_not_fit_reads_above_the_capacity():
+    from types import SimpleNamespace
+
+    from cli.commands.plan import _why_rows
+    gib = 2**30
+    for need, shown in ((80.3, "80.3 GiB per GPU, of 80.0)"), (80.04, "80.04 GiB per GPU, of 80.00)"),
+                        (80.0004, "80.000 GiB per GPU, of 80.000)")):
+        result = SimpleNamespace(candidates=10, refused={}, smallest_too_big=(None, need * gib), capacity=80 * gib,
+                                 too_big=[1, 2], simulated=[1], best=[1], pruned=7)
+        (row,) = [r for r in _why_rows(result) if r[0].startswith("did not fit")]
+        assert row[0].endswith(shown) and row[1] == "2"
+
+
 def test_plan_stays_torch_free():
     code = "import sys, cli.commands.plan, simulator.search.plan, simulator.search.bound; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -74,8 +74,10 @@ def _why_rows(result) -> list[list]:
     rows += [[f"refused: {REFUSALS[key]}", f"{count:,}"] for key, count in sorted(result.refused.items())]
     smallest = result.smallest_too_big
     if smallest:
-        rows.append([f"did not fit in memory (the smallest need among them: {smallest[1] / GIB:.1f} GiB per GPU, "
-                     f"of {result.capacity / GIB:.1f})", f"{len(result.too_big):,}"])
+        need, capacity = smallest[1] / GIB, result.capacity / GIB
+        digits = next((d for d in (1, 2, 3) if f"{need:.{d}f}" != f"{capacity:.{d}f}"), 3)  # the need shows above
+        rows.append([f"did not fit in memory (the smallest need among them: {need:.{digits}f} GiB per GPU, "
+                     f"of {capacity:.{digits}f})", f"{len(result.too_big):,}"])
     rows.append(["fit, simulated, slower", f"{len(result.simulated) - len(result.best):,}"])
     rows.append(["fit, slower by a lower bound (not simulated)", f"{result.pruned:,}"])
     rows.append(["fit, the fastest (above)", f"{len(result.best):,}"])
