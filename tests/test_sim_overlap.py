@@ -160,7 +160,7 @@ def test_stack_presets_state_their_settings():
                                                      "grad_reduce_fp32": False, "sp_saved_input": "sharded",
                                                      "attention_kernel": "te", "zero3_copies": "none",
                                                      "loss": "fused",  # Megatron's in-place vocab-parallel loss
-                                                     "cp_attention": "fused"}  # Transformer Engine's ring
+                                                     "cp_attention": "te"}  # Transformer Engine's ring, in bf16
     # userbuffers chunk the GEMMs only to overlap tp's collectives: not when the preset's tp overlap is turned off
     assert stack_implementation(resolve_overlap("megatron-core", tp=False))["ub_chunks"] is False
     assert stack_implementation(resolve_overlap("torchtitan-fsdp2", tp=True)) == {

@@ -23,7 +23,7 @@ DISPATCHERS = ("alltoall", "deepep")  # how a MoE's rows travel between the expe
 ATTENTION_KERNELS = ("flash-attn-2", "cudnn", "te")
 ZERO3_COPIES = ("staging", "fsdp2", "none")  # the compute-stream copies around ZeRO-3's collectives (Implementation)
 LOSSES = ("ours", "torch", "fused")  # the cross-entropy's code (Implementation.loss)
-CP_ATTENTIONS = ("fused", "torch")  # how context parallelism's attention steps are merged (Implementation.cp_attention)
+CP_ATTENTIONS = ("fused", "torch", "te")  # how context parallelism's steps are merged (Implementation.cp_attention)
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,13 @@ class Implementation:
                       "torch" (torch's F.cross_entropy on fp32 logits: torchtitan's) or "fused" (Megatron's
                       vocab-parallel cross entropy, which makes the gradient in place of its saved softmax)
     cp_attention      how the attention's blocks under context parallelism are merged (CP_ATTENTIONS): "fused"
-                      (the kernel's own online softmax, nothing more priced: our executor's description, and
-                      Transformer Engine's ring) or "torch" (torch's context_parallel as torchtitan runs it: one
-                      SDPA call a step, its output merged in fp32 by eager kernels, k and v copied, the gradients
-                      accumulated in fp32: simulator/costs/torchtitan/context.py)"""
+                      (the kernel's own online softmax, nothing more priced: our executor's description), "torch"
+                      (torch's context_parallel as torchtitan runs it: one SDPA call a step, its output merged in
+                      fp32 by eager kernels, k and v copied, the gradients accumulated in fp32:
+                      simulator/costs/torchtitan/context.py) or "te" (Transformer Engine's ring, Megatron-core's:
+                      one fused attention call a step, the outputs merged in bf16 by compiled kernels, dq and the
+                      travelling dk, dv added in bf16: simulator/costs/te_context.py; under --cp-kind allgather,
+                      whose TE class was not read, as "fused")"""
 
     attention: str = "flash"
     recompute: str = "none"

@@ -214,7 +214,7 @@ class UnitShape:
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
     eager: bool = False  # Implementation.eager: torchtitan's element-wise code, one kernel per aten op
     attention_kernel: str = "flash-attn-2"  # Implementation.attention_kernel: the fused attention's kernel
-    cp_torch: bool = False  # Implementation.cp_attention == "torch" under context parallelism
+    cp_merge: str = "fused"  # Implementation.cp_attention under context parallelism ("fused" without it)
 
     @property
     def moe(self) -> UnitShape:
@@ -296,7 +296,15 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
-                     cp_torch=layout.cp > 1 and impl.cp_attention == "torch")
+                     cp_merge=cp_merge(layout, impl.cp_attention))
+
+
+def cp_merge(layout: Layout, cp_attention: str) -> str:
+    """How the attention's steps are merged on this layout: Implementation.cp_attention under context parallelism,
+    "fused" without it, and for Transformer Engine's "te" outside its ring (its all-gather class was not read)."""
+    if layout.cp == 1 or (cp_attention == "te" and layout.cp_kind != "ring"):
+        return "fused"
+    return cp_attention
 
 
 class Recorder:

@@ -34,13 +34,15 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
   (GatheredAttention saves them): a tensor of the core, dropped and gathered again under recompute.
   What travels, and its time, is simulator/engine/context.py's. Under torch's context_parallel (torchtitan's:
   Implementation.cp_attention "torch") each step is a kernel call of its own, merged by eager fp32 kernels
-  around it (simulator/costs/torchtitan/context.py); the fused op above still prices the steps' GEMMs.
+  around it (simulator/costs/torchtitan/context.py); under Transformer Engine's ring (Megatron-core's: "te") by
+  compiled bf16 kernels (simulator/costs/te_context.py); the fused op above still prices the steps' GEMMs.
 - Unfused: scores = q @ k^T, softmax, dropout, probabilities @ v, heads merged back into rows,
   batch b x a/t matmuls each reading its group's key or value head.
 """
 
 from __future__ import annotations
 
+from simulator.costs import te_context
 from simulator.costs.torchtitan import context, eager
 from simulator.costs.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, FusedAttention, MemoryOp, Recorder, gemm
 
@@ -103,8 +105,10 @@ def _flash_forward(rec: Recorder, qkv: str) -> None:
              gemm("attention.values", s, hd, keys, sh.compute, sh.e, sh.b * a, FORWARD, False))
     rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv) + other_kv_bytes(sh), rec.bytes_of(out, lse),
                           causal_seq=keys, kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel), saves=saves)
-    if sh.cp_torch:  # torch's context_parallel: each step's output merged by eager fp32 kernels
+    if sh.cp_merge == "torch":  # torch's context_parallel: each step's output merged by eager fp32 kernels
         rec.kernels("attention.cp", context.forward_kernels(sh.cp, sh.rows, a, hd, sh.e))
+    elif sh.cp_merge == "te":  # Transformer Engine's ring: the steps merged by compiled bf16 kernels
+        rec.kernels("attention.cp", te_context.forward_kernels(sh.cp, sh.rows, a, sh.kv_heads, hd, sh.e))
 
 
 def _flash_backward(rec: Recorder) -> None:
@@ -120,8 +124,10 @@ def _flash_backward(rec: Recorder) -> None:
     read = qkv + width + 2 * sh.rows * a * FP32 + other_kv_bytes(sh)  # q, k, v, dO; the log-sum-exp and D
     rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=keys,
                                        kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel))
-    if sh.cp_torch:
+    if sh.cp_merge == "torch":
         rec.back_kernels("attention.cp", context.backward_kernels(sh.cp, sh.rows, a, hd, e))
+    elif sh.cp_merge == "te":
+        rec.back_kernels("attention.cp", te_context.backward_kernels(sh.cp, sh.rows, a, sh.kv_heads, hd, e))
     kv, repeated = _repeated_kv(sh)
     if repeated:
         rec.back_kernels("attention", eager.repeat_kv_backward(kv, repeated, sh.e))

@@ -20,16 +20,17 @@ as the trainer runs them:
 
 Returns per layer: (forward exposed seconds, backward exposed seconds), and what was priced, for checking.
 torch's context_parallel (torchtitan's, Implementation.cp_attention "torch") exchanges its own way:
-torch_layer_exchange.
+torch_layer_exchange; Transformer Engine's ring (Megatron-core's, "te") its own: te_layer_exchange.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from job.exchange.context import Exchange, backward_exchanges, forward_exchanges
+from job.exchange.context import Exchange, backward_exchanges, forward_exchanges, kv_elements
 from job.layout import Layout
 from minigpt.config import GPTConfig
+from simulator.costs.te_context import exchanges as te_exchanges
 from simulator.costs.torchtitan.context import exchanges as torch_exchanges
 
 
@@ -101,3 +102,23 @@ def torch_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, ele
     seconds = sum(gathered(g, recompute_s) for g in again) + gathered(gather, backward_s)
     seconds += (passes.calls - 1) * max(0.0, one_pass - backward_s) + one_pass
     return Priced(gathered(forward[0], forward_s), forward), Priced(seconds, backward)
+
+
+def te_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
+                      links, stage: int, attention: tuple[float, float, float]) -> tuple[Priced, Priced]:
+    """layer_exchange for Transformer Engine's ring as Megatron-core runs it (simulator/costs/te_context.py's
+    exchanges): the forward's passes as ours; in the backward the first step hides the keys' pass, each middle step
+    one message of keys and the bf16 dk, dv so far, and the last hop of dk, dv is waited for whole (cp - 1 gradient
+    passes in the compute format, where our ring sends cp in fp32). Outside the ring, as ours (layer_exchange)."""
+    if layout.cp_kind != "ring":
+        return layer_exchange(model, layout, micro_batch, element_bytes, recompute, links, stage, attention)
+    cp = layout.cp
+    forward_s, backward_s, recompute_s = attention
+    forward, backward = te_exchanges(cp, kv_elements(model, layout.tp, cp, micro_batch), element_bytes, recompute)
+    *again, keys, grads = backward
+    recomputed = _price(again, [recompute_s] * len(again), links, stage, cp)
+    block = backward_s / cp
+    kv, both, dkv = (links.cp_pass(stage, size) for size in (keys.bytes, keys.bytes + grads.bytes, grads.bytes))
+    seconds = max(0.0, kv - block) + (cp - 2) * max(0.0, both - block) + dkv
+    return (_price(forward, [forward_s] * len(forward), links, stage, cp),
+            Priced(recomputed.seconds + seconds, recomputed.priced + [keys, grads]))

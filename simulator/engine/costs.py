@@ -39,7 +39,7 @@ from job.schedule import ScheduleConfig
 from job.train_config import TrainConfig, bucket_numel
 from precision.policy import FORMAT_BYTES, policy as precision_policy
 from simulator.costs.compute import EfficiencyProfile, chunk_times, hbm_speed, kernel_overhead
-from simulator.engine.context import layer_exchange, torch_layer_exchange
+from simulator.engine.context import layer_exchange, te_layer_exchange, torch_layer_exchange
 from simulator.engine.experts import SharedExperts, layer_exchange as expert_exchange, routing_seconds
 from job.exchange.experts import expert_gradient_reduction
 from simulator.engine.host import HostCompute
@@ -219,7 +219,7 @@ def _exchange(job: _Job, ct, layers: int, micro_batch: int, implementation: Impl
     per_layer = (ct.attention_forward_s / layers, ct.attention_backward_s / layers, ct.attention_recompute_s / layers)
     if job.serial:  # gloo on a CPU host: a pass does not overlap the block (as for every other collective)
         per_layer = (0.0, 0.0, 0.0)
-    pricer = torch_layer_exchange if implementation.cp_attention == "torch" else layer_exchange
+    pricer = {"torch": torch_layer_exchange, "te": te_layer_exchange}.get(implementation.cp_attention, layer_exchange)
     forward, backward = pricer(job.model, job.layout, micro_batch, job.compute_bytes, implementation.recompute,
                                job.links, stage, per_layer)
     return layers * forward.seconds, layers * backward.seconds

@@ -214,7 +214,8 @@ PRESETS = {
 # DTensor Linears keep the gathered input autograd saved. attention_kernel "te": Transformer Engine's DotProductAttention
 # picks its backend (simulator/costs/rates/attention_rates.py's te_kernel); torch's SDPA runs FlashAttention-2.
 # cp_attention "torch": torchtitan's context parallelism is torch's context_parallel, which merges its per-step SDPA
-# calls in eager fp32 kernels (simulator/costs/torchtitan/context.py).
+# calls in eager fp32 kernels (simulator/costs/torchtitan/context.py); "te": Megatron-core's is Transformer Engine's
+# DotProductAttention with cp_comm_type "p2p", its steps merged in bf16 (simulator/costs/te_context.py).
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
                 "fp8_amax_group", "fp8_experts", "fp8_recast", "eager", "grad_reduce_fp32", "sp_saved_input",
                 "attention_kernel", "zero3_copies", "loss", "cp_attention")  # the Implementation fields a preset sets
@@ -226,7 +227,8 @@ STACK_IMPLEMENTATION = {
     "overlapped": _OURS,
     "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
                       "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True,
-                      "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none", "loss": "fused"},
+                      "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none", "loss": "fused",
+                      "cp_attention": "te"},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
                          "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "zero3_copies": "fsdp2",
                          "loss": "torch", "cp_attention": "torch"},
