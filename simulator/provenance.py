@@ -79,7 +79,8 @@ def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2", me
     return {"cp": layout.cp, "kind": layout.cp_kind, "attention": table, "merge": merged, "exchange": exchange}
 
 
-def experts(layout, load: float = 1.0, measured: bool = False, dispatcher: str = "alltoall") -> dict:
+def experts(layout, load: float = 1.0, measured: bool = False, dispatcher: str = "alltoall",
+            gemms: str = "grouped") -> dict:
     """What a mixture of experts' prediction rests on beyond the rest (assumptions stated in docs/efficiency.md);
     `load`: the routing imbalance priced (Implementation.expert_load); `measured`: a calibrated host's MoE unit
     prices the blocks (and its measured gloo all-to-all the exchanges, where calibrate timed one)."""
@@ -95,7 +96,10 @@ def experts(layout, load: float = 1.0, measured: bool = False, dispatcher: str =
                 else "none (ep 1)"}
     moved = ("each token once per destination server over the NICs and rank over NVLink (deepep)"
              if dispatcher == "deepep" else "a copy per routed row (alltoall)")
-    return {"ep": ep, "experts": "grouped GEMM (batch E/ep) at the GEMM model's efficiency: an assumption",
+    grouped = ("a GEMM per local expert, 4 at a time on Transformer Engine's streams, each round at the GEMM model's "
+               "efficiency" if gemms == "te-streams" else "grouped GEMM (batch E/ep) at the GEMM model's efficiency: "
+                                                          "an assumption")
+    return {"ep": ep, "experts": grouped,
             "routing": routing, "expert_load": load, "dispatcher": dispatcher,
             "all_to_all": f"exposed, on the expert group's links (NVLink, NICs beyond), {moved}" if ep > 1
             else "none (ep 1)"}
@@ -108,8 +112,8 @@ def provenance(gpu: GPUSpec, profile: EfficiencyProfile | None, policy, implemen
     extra = ({"context": context(gpu, layout, seq_len, implementation.attention_kernel,
                                  implementation.cp_attention)}
              if layout is not None and layout.cp > 1 else {})
-    extra.update({"experts": experts(layout, implementation.expert_load, measured, implementation.dispatcher)}
-                 if moe else {})
+    extra.update({"experts": experts(layout, implementation.expert_load, measured, implementation.dispatcher,
+                                     implementation.expert_gemms)} if moe else {})
     return {
         "compute": (MEASURED_UNITS if measured else ROOFLINE) + (
             f"; {host_compute.missing}" if host_compute is not None and host_compute.missing else ""),

@@ -160,7 +160,8 @@ def test_stack_presets_state_their_settings():
                                                      "grad_reduce_fp32": False, "sp_saved_input": "sharded",
                                                      "attention_kernel": "te", "zero3_copies": "none",
                                                      "loss": "fused",  # Megatron's in-place vocab-parallel loss
-                                                     "cp_attention": "te"}  # Transformer Engine's ring, in bf16
+                                                     "cp_attention": "te",  # Transformer Engine's ring, in bf16
+                                                     "expert_gemms": "te-streams"}  # TE's GroupedLinear, 4 streams
     # userbuffers chunk the GEMMs only to overlap tp's collectives: not when the preset's tp overlap is turned off
     assert stack_implementation(resolve_overlap("megatron-core", tp=False))["ub_chunks"] is False
     assert stack_implementation(resolve_overlap("torchtitan-fsdp2", tp=True)) == {
@@ -172,14 +173,15 @@ def test_stack_presets_state_their_settings():
         "sp_saved_input": "gathered", "attention_kernel": "flash-attn-2",  # DTensor Linears' autograd; torch's SDPA
         "zero3_copies": "fsdp2",  # FSDP2's copies out of and into its collectives' buffers
         "loss": "torch",  # torch's F.cross_entropy on fp32 logits
-        "cp_attention": "torch"}  # torch's context_parallel: its steps merged by eager fp32 kernels
+        "cp_attention": "torch",  # torch's context_parallel: its steps merged by eager fp32 kernels
+        "expert_gemms": "grouped"}  # torch's grouped_mm: one kernel
     assert stack_implementation("executor") == {  # precision/fp8.py and our ZeRO code: Implementation's defaults
         name: getattr(Implementation(), name) for name in ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts",
                                                            "fp8_scaling", "ub_chunks", "fused_optimizer",
                                                            "fp8_amax_group", "fp8_experts", "fp8_recast",
                                                            "eager", "grad_reduce_fp32", "sp_saved_input",
                                                            "attention_kernel", "zero3_copies", "loss",
-                                                           "cp_attention")}
+                                                           "cp_attention", "expert_gemms")}
     for bad in (lambda: Overlap(tp_slowdown=1.0), lambda: Overlap(dp_slowdown=-0.1), lambda: Overlap(p2p_slowdown=True),
                 lambda: Overlap(param_gather="never"), lambda: stack_implementation("magic")):
         with pytest.raises(ConfigError):

@@ -139,10 +139,12 @@ def kernel_overhead(gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> f
 
 
 def _gemm_compute(g: Gemm, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
-    """At the efficiency of one chunk's shape when it runs in chunks (each a GEMM of its own, in turn)."""
+    """At the efficiency of one chunk's shape when it runs in chunks (each a GEMM of its own, in turn); a batch on
+    parallel streams round by round, each round's GEMMs sharing the SMs (their tiles in one set of waves)."""
     rows = -(-g.m // g.chunks)
-    return g.flops / (tensor_peak(gpu, g.dtype) * gemm_efficiency(rows, g.n, g.k, g.dtype, gpu, profile, g.batch,
-                                                                  g.sm_margin))
+    peak, flops = tensor_peak(gpu, g.dtype), 2 * g.m * g.n * g.k
+    return sum(flops * batch / (peak * gemm_efficiency(rows, g.n, g.k, g.dtype, gpu, profile, batch, g.sm_margin))
+               for batch in g.rounds)
 
 
 def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProfile | None) -> float:
@@ -167,7 +169,7 @@ def op_time(op: Op, gpu: GPUSpec, profile: EfficiencyProfile | None = None) -> f
         compute = _attention_compute(op, gpu, profile)
     else:
         compute = 0.0
-    return max(compute, memory) + kernel_overhead(gpu, profile) * (op.chunks if isinstance(op, Gemm) else 1)
+    return max(compute, memory) + kernel_overhead(gpu, profile) * (op.launches if isinstance(op, Gemm) else 1)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ ATTENTION_KERNELS = ("flash-attn-2", "cudnn", "te")
 ZERO3_COPIES = ("staging", "fsdp2", "none")  # the compute-stream copies around ZeRO-3's collectives (Implementation)
 LOSSES = ("ours", "torch", "fused")  # the cross-entropy's code (Implementation.loss)
 CP_ATTENTIONS = ("fused", "torch", "te")  # how context parallelism's steps are merged (Implementation.cp_attention)
+# how a mixture of experts' local experts run their GEMMs (Implementation.expert_gemms): as one grouped kernel, or a
+# cuBLAS GEMM per expert on Transformer Engine's 4 compute streams (transformer_engine/common/util/multi_stream.cpp:
+# num_compute_streams = 4; multi_stream_cublas_gemm launches GEMM i on stream i % 4)
+EXPERT_STREAMS = {"grouped": 0, "te-streams": 4}
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,11 @@ class Implementation:
                       one kernel per aten op, RMSNorm through an fp32 copy, RoPE as complex multiplies, grouped-query
                       keys and values copied to every head (simulator/costs/torchtitan/eager.py); False: one fused
                       kernel each.
+    expert_gemms      how a MoE's local experts run each Linear (EXPERT_STREAMS): "grouped", one kernel whose tiles
+                      cover every expert (our executor's batched matmul, torch's grouped_mm) or "te-streams"
+                      (Transformer Engine's GroupedLinear, Megatron-core's TEGroupedMLP: one cuBLAS GEMM per
+                      expert, round robin on 4 streams, so at most 4 experts' tiles share the SMs at once:
+                      multi_stream_cublas_gemm in transformer_engine/common/gemm/cublaslt_gemm.cu).
     dispatcher        how a MoE's rows travel between the expert group's ranks (DISPATCHERS): "alltoall", a copy
                       of every routed row to its expert's rank (our executor's, Megatron-core's alltoall dispatcher); "deepep", each token once per destination rank and server,
                       forwarded over NVLink inside the server (DeepEP's normal kernels; Megatron-core's flex
@@ -126,6 +135,7 @@ class Implementation:
     zero3_copies: str = "staging"
     loss: str = "ours"
     cp_attention: str = "fused"
+    expert_gemms: str = "grouped"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -143,6 +153,7 @@ class Implementation:
         check_choice("zero3_copies", self.zero3_copies, ZERO3_COPIES)
         check_choice("loss", self.loss, LOSSES)
         check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
+        check_choice("expert_gemms", self.expert_gemms, tuple(EXPERT_STREAMS))
         if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
@@ -175,4 +186,5 @@ class Implementation:
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
                 "zero3_copies": self.zero3_copies, "loss": self.loss, "cp_attention": self.cp_attention,
+                "expert_gemms": self.expert_gemms,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -13,7 +13,8 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy
 from simulator.costs.implementation import (ATTENTION_KERNELS, DISPATCHERS, FP8_AMAX_GROUPS, FP8_RECIPES,  # noqa: F401
-                                             FP8_SCALINGS, SP_SAVED_INPUTS, Implementation)  # (re-exported: the model's vocabulary)
+                                             FP8_SCALINGS, SP_SAVED_INPUTS, EXPERT_STREAMS,
+                                             Implementation)  # (re-exported: the model's vocabulary)
 from simulator.costs.userbuffers import TE_1X, UB_PIPELINE_SPLITS, Userbuffers  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # kept out of the import: `minigpt --help` reads SP_SAVED_INPUTS from here
@@ -41,10 +42,24 @@ class Gemm:
     linear: bool = True  # a Linear layer's matmul (these can hide tensor-parallel collectives)
     chunks: int = 1  # run as this many GEMMs of m / chunks rows, one after another (Implementation.ub_chunks)
     sm_margin: int = 0  # SMs left to a userbuffers collective for the whole GEMM (simulator/costs/userbuffers.py)
+    streams: int = 0  # 0: the batch one kernel; S: a kernel per batch entry, S at a time (Implementation.expert_gemms)
 
     @property
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k * self.batch
+
+    @property
+    def rounds(self) -> list[int]:
+        """The batch entries that run together, round by round: all at once, or `streams` at a time."""
+        if not self.streams or self.batch <= self.streams:
+            return [self.batch]
+        full, rest = divmod(self.batch, self.streams)
+        return [self.streams] * full + ([rest] if rest else [])
+
+    @property
+    def launches(self) -> int:
+        """Kernels whose overhead shows one after another: a chunk each, a round each on parallel streams."""
+        return self.chunks * len(self.rounds)
 
 
 @dataclass(frozen=True)
@@ -160,7 +175,8 @@ def op_rows(ops: OpList) -> list[list]:
     for op in ops.forward + ops.backward + ops.per_step:
         if isinstance(op, Gemm):
             shape = (f"{op.m} x {op.n} x {op.k}" + (f" x{op.batch}" if op.batch > 1 else "") + f" {op.dtype}"
-                     + (f" in {op.chunks} chunks" if op.chunks > 1 else ""))
+                     + (f" in {op.chunks} chunks" if op.chunks > 1 else "")
+                     + (f" on {op.streams} streams" if op.streams else ""))
         elif isinstance(op, FusedAttention):
             shape = " + ".join(f"{g.m}x{g.n}x{g.k}" for g in op.gemms) + f" x{op.gemms[0].batch}"
         else:
@@ -209,6 +225,7 @@ class UnitShape:
     fp8_recast: bool = False  # Implementation.fp8_recast under current scaling: 16-bit saves, the backward casts again
     wgrad_fusion: bool = False
     expert_load: float = 1.0  # Implementation.expert_load
+    expert_streams: int = 0  # Implementation.expert_gemms: 0 one grouped GEMM, else a GEMM per expert on this many
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
@@ -294,7 +311,8 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_params=policy.fp8_linears and impl.fp8_param_gather,
                      fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
-                     expert_load=impl.expert_load, ub_chunks=sp and impl.ub_chunks,
+                     expert_load=impl.expert_load, expert_streams=EXPERT_STREAMS[impl.expert_gemms],
+                     ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
                      cp_merge=cp_merge(layout, impl.cp_attention))
 
@@ -351,9 +369,9 @@ class Recorder:
         self.forward.append((MemoryOp(name, self.bytes_of(*reads), self.bytes_of(*writes)), self.region, saves))
 
     def gemm(self, name: str, m: int, n: int, k: int, dtype: str, saves: tuple[str, ...] = (), batch: int = 1,
-             linear: bool = True, chunks: int = 1, margin: int = 0) -> None:
-        self.forward.append((gemm(name, m, n, k, dtype, self.shape.e, batch, FORWARD, linear, chunks, margin),
-                             self.region, saves))
+             linear: bool = True, chunks: int = 1, margin: int = 0, streams: int = 0) -> None:
+        self.forward.append((gemm(name, m, n, k, dtype, self.shape.e, batch, FORWARD, linear, chunks, margin,
+                                  streams), self.region, saves))
 
     def op(self, op: Op, saves: tuple[str, ...] = ()) -> None:
         """Any op built by hand (FlashAttention, a lookup whose bytes are no tensor of ours)."""
@@ -378,10 +396,10 @@ class Recorder:
         self.workspace.extend(Saved(n, self.size[n]) for n in keeps)
 
     def back_gemm(self, name: str, m: int, n: int, k: int, dtype: str, batch: int = 1, linear: bool = True,
-                  out_bytes: int | None = None, chunks: int = 1, margin: int = 0) -> None:
+                  out_bytes: int | None = None, chunks: int = 1, margin: int = 0, streams: int = 0) -> None:
         """`out_bytes` per result element (default the compute format's): 2 x 4 when it accumulates into fp32."""
         out = self.shape.e if out_bytes is None else out_bytes
-        self.backward.append(gemm(name, m, n, k, dtype, out, batch, BACKWARD, linear, chunks, margin))
+        self.backward.append(gemm(name, m, n, k, dtype, out, batch, BACKWARD, linear, chunks, margin, streams))
 
     def finish(self, recompute: str) -> OpList:
         """The unit, with recompute's rule (simulator/costs/ops.py): a saved tensor is dropped when the op that makes it
@@ -407,11 +425,12 @@ class Recorder:
 
 
 def gemm(name: str, m: int, n: int, k: int, dtype: str, out_bytes: int, batch: int = 1, phase: str = FORWARD,
-         linear: bool = True, chunks: int = 1, margin: int = 0) -> Gemm:
+         linear: bool = True, chunks: int = 1, margin: int = 0, streams: int = 0) -> Gemm:
     """A Gemm whose bytes are its operands in `dtype` and its result in `out_bytes` per element; run in `chunks` of
-    its rows, it reads the k x n operand once per chunk; `margin`: SMs it leaves to a collective."""
+    its rows, it reads the k x n operand once per chunk; `margin`: SMs it leaves to a collective; `streams`: its batch
+    entries each a kernel of its own, that many at a time (0: one kernel)."""
     nbytes = batch * ((m * k + chunks * k * n) * GEMM_INPUT_BYTES[dtype] + m * n * out_bytes)
-    return Gemm(name, m, n, k, dtype, batch, nbytes, phase, linear, chunks, margin)
+    return Gemm(name, m, n, k, dtype, batch, nbytes, phase, linear, chunks, margin, streams)
 
 
 WEIGHT_GRADIENT_OPS = (".weight_grad", ".grad_accumulate", ".bias_grad", ".position_grad", ".lookup_grad")

@@ -25,7 +25,8 @@ top_k = k:
               experts as a grouped GEMM: batch E/ep, m = ceil(R / (E/ep)) rows per expert (balanced: each rank
               receives as many rows as it sends), priced by the GEMM model with every expert's tiles in one set of
               waves (simulator/costs/rates/gemm_model.py; docs/efficiency.md "Mixture of experts" says what that rests
-              on); biases inside the GEMM (torch.addmm); GELU, or SwiGLU as one kernel (ops.py's convention); the
+              on), or under Implementation.expert_gemms "te-streams" a GEMM per expert, 4 at a time (Gemm.rounds);
+              biases inside the GEMM (torch.addmm); GELU, or SwiGLU as one kernel (ops.py's convention); the
               experts' outputs concatenated (torch.cat: a copy); with fp8 experts (Implementation.fp8_experts:
               Transformer Engine's GroupedLinear) the grouped GEMMs run in fp8, their inputs, weights and output
               gradients cast by simulator/costs/ops_fp8.py's kernels, their e4m3 copies saved; under a routing imbalance (Implementation's
@@ -183,7 +184,8 @@ def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gather
     width, width_in = model.expert_width, model.expert_in_width
     hidden = rec.tensor("experts.hidden", rows * width_in * sh.e)
     rec.gemm("experts.fc1", per_expert, width_in, sh.d, _format(sh), _expert_saves(rec, "experts.fc1", gathered, rows,
-                                                                                  width_in * experts, sh.d), experts)
+                                                                                  width_in * experts, sh.d), experts,
+             streams=sh.expert_streams)
     if sh.swiglu:
         silu = rec.tensor("experts.swiglu.silu", rows * width * sh.e)
         act = rec.tensor("experts.swiglu.output", rows * width * sh.e)
@@ -193,7 +195,8 @@ def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gather
         rec.mem("experts.gelu", (hidden,), (act,), saves=(hidden,))
     rec.tensor("experts.pieces", rows * sh.d * sh.e)
     rec.gemm("experts.fc2", per_expert, sh.d, width, _format(sh), _expert_saves(rec, "experts.fc2", act, rows,
-                                                                                sh.d * experts, width), experts)
+                                                                                sh.d * experts, width), experts,
+             streams=sh.expert_streams)
     out = rec.tensor("experts.output", rows * sh.d * sh.e)
     rec.mem("experts.concat", ("experts.pieces",), (out,))
     return out
@@ -236,15 +239,17 @@ def routed_forward(rec: Recorder, model: GPTConfig, ep: int, inp: str) -> str:
 # ---------------------------------------------------------------- backward
 
 
-def weight_gradient(rec: Recorder, name: str, n: int, k: int, m: int, batch: int = 1, dtype: str | None = None) -> None:
+def weight_gradient(rec: Recorder, name: str, n: int, k: int, m: int, batch: int = 1, dtype: str | None = None,
+                    streams: int = 0) -> None:
     """`batch` weight-gradient GEMMs (n x k, over m rows) in `dtype` (default: the compute format) and their
-    accumulation into the gradient buffer (fused into the GEMM under wgrad_fusion, as ops.py's Linears)."""
+    accumulation into the gradient buffer (fused into the GEMM under wgrad_fusion, as ops.py's Linears); `streams`:
+    a GEMM per expert, that many at a time (0: one grouped kernel)."""
     sh = rec.shape
     dtype = dtype or sh.compute
     if sh.wgrad_fusion:
-        rec.back_gemm(f"{name}.weight_grad", n, k, m, dtype, batch, out_bytes=2 * FP32)
+        rec.back_gemm(f"{name}.weight_grad", n, k, m, dtype, batch, out_bytes=2 * FP32, streams=streams)
         return
-    rec.back_gemm(f"{name}.weight_grad", n, k, m, dtype, batch)
+    rec.back_gemm(f"{name}.weight_grad", n, k, m, dtype, batch, streams=streams)
     rec.back_mem(f"{name}.grad_accumulate", 2 * batch * n * k * sh.grad, batch * n * k * sh.grad)
 
 
@@ -268,8 +273,8 @@ def _experts_backward(rec: Recorder, model: GPTConfig, ep: int, rows: int, recei
         if sh.fp8_experts:  # the output gradient cast to e5m2, both layouts (input and weight gradients)
             for kernel, read, written in cast_kernels(sh, f"{name}.cast_grad", received * n, 2):
                 rec.back_mem(kernel, read, written)
-        rec.back_gemm(f"{name}.input_grad", per_expert, k, n, _format(sh), experts)
-        weight_gradient(rec, name, k, n, per_expert, experts, _format(sh))
+        rec.back_gemm(f"{name}.input_grad", per_expert, k, n, _format(sh), experts, streams=sh.expert_streams)
+        weight_gradient(rec, name, k, n, per_expert, experts, _format(sh), sh.expert_streams)
         if name == "experts.fc2":  # the activation's backward, between the two Linears
             hidden = received * width * sh.e  # one width-wide tensor
             if sh.swiglu:
