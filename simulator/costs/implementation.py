@@ -28,6 +28,7 @@ CP_ATTENTIONS = ("fused", "torch", "te")  # how context parallelism's steps are 
 # cuBLAS GEMM per expert on Transformer Engine's 4 compute streams (transformer_engine/common/util/multi_stream.cpp:
 # num_compute_streams = 4; multi_stream_cublas_gemm launches GEMM i on stream i % 4)
 EXPERT_STREAMS = {"grouped": 0, "te-streams": 4}
+BIAS_FUSIONS = ("none", "megatron", "te")  # which bias adds run inside other kernels (Implementation.bias_fusion)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,12 @@ class Implementation:
                       (Transformer Engine's GroupedLinear, Megatron-core's TEGroupedMLP: one cuBLAS GEMM per
                       expert, round robin on 4 streams, so at most 4 experts' tiles share the SMs at once:
                       multi_stream_cublas_gemm in transformer_engine/common/gemm/cublaslt_gemm.cu).
+    bias_fusion       where the Linears' biases and the residual branches' dropout run (BIAS_FUSIONS): "none" (each
+                      a kernel of its own: our executor's description), "megatron" (Megatron-LM's defaults,
+                      --bias-gelu-fusion and --bias-dropout-fusion: fc1's bias inside the activation's kernel,
+                      proj's and fc2's bias, the dropout and the residual add one kernel, bias_dropout_add_fused_train;
+                      qkv's bias a kernel of its own) or "te" (Megatron-core on Transformer Engine: the same, and
+                      qkv's bias added and reduced by its GEMMs' cuBLASLt epilogues).
     dispatcher        how a MoE's rows travel between the expert group's ranks (DISPATCHERS): "alltoall", a copy
                       of every routed row to its expert's rank (our executor's, Megatron-core's alltoall dispatcher); "deepep", each token once per destination rank and server,
                       forwarded over NVLink inside the server (DeepEP's normal kernels; Megatron-core's flex
@@ -136,6 +143,7 @@ class Implementation:
     loss: str = "ours"
     cp_attention: str = "fused"
     expert_gemms: str = "grouped"
+    bias_fusion: str = "none"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -154,6 +162,7 @@ class Implementation:
         check_choice("loss", self.loss, LOSSES)
         check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
         check_choice("expert_gemms", self.expert_gemms, tuple(EXPERT_STREAMS))
+        check_choice("bias_fusion", self.bias_fusion, BIAS_FUSIONS)
         if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
@@ -186,5 +195,5 @@ class Implementation:
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
                 "zero3_copies": self.zero3_copies, "loss": self.loss, "cp_attention": self.cp_attention,
-                "expert_gemms": self.expert_gemms,
+                "expert_gemms": self.expert_gemms, "bias_fusion": self.bias_fusion,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

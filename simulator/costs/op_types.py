@@ -226,6 +226,7 @@ class UnitShape:
     wgrad_fusion: bool = False
     expert_load: float = 1.0  # Implementation.expert_load
     expert_streams: int = 0  # Implementation.expert_gemms: 0 one grouped GEMM, else a GEMM per expert on this many
+    bias_fusion: str = "none"  # Implementation.bias_fusion
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
@@ -312,6 +313,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm,
                      expert_load=impl.expert_load, expert_streams=EXPERT_STREAMS[impl.expert_gemms],
+                     bias_fusion=impl.bias_fusion,
                      ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
                      cp_merge=cp_merge(layout, impl.cp_attention))

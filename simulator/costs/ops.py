@@ -23,9 +23,12 @@ under sequence parallelism, B otherwise; everything between a column- and a row-
 Linear is split over t (a/t and K/t heads, (a + 2K) head_dim/t qkv columns, f/t or 2f/t fc1
 columns). Each op reads its inputs from HBM once and writes its
 outputs once. Kernels fused: FlashAttention; the scale, causal mask and softmax of unfused
-attention (one kernel, as Megatron's FusedScaleMaskSoftmax); nothing else: bias adds, dropout
-and residual adds are kernels of their own (our executor and Megatron fuse some bias adds into
-the GEMM or the dropout: these times are an upper bound). Tensor-parallel collectives are not
+attention (one kernel, as Megatron's FusedScaleMaskSoftmax); by default nothing else: bias adds,
+dropout and residual adds are kernels of their own (our executor's description: an upper bound on a
+GPU, where cuBLASLt adds a Linear's bias in its epilogue). Implementation.bias_fusion describes
+Megatron's: "megatron", fc1's bias inside the activation's kernel and proj's and fc2's bias, the
+residual dropout and the residual add one kernel (bias_dropout_add, saving the same mask); "te", qkv's
+bias added and reduced by its GEMMs' epilogues as well. Tensor-parallel collectives are not
 ops: compute.tp_collectives counts them. Backward, op by op in reverse: each Linear an
 input-gradient GEMM (m=B, n=in, k=out) and a weight-gradient GEMM (m=out, n=in, k=B: the same
 FLOPs), then its weight gradient accumulated into the gradient buffer (read old and new, write);
@@ -207,11 +210,18 @@ def _bias_add(rec: Recorder, name: str, inp: str, out: str, rows: int, n: int) -
     rec.mem(f"{name}.bias_add", (inp, bias), (out,))
 
 
+def _bias_in_gemm(sh, name: str) -> bool:
+    """Whether a column-parallel Linear's bias is added and reduced by its GEMMs (Transformer Engine's cuBLASLt bias
+    epilogues: bias_fusion "te"); fc1's is the activation's under any fusion (Megatron's bias_gelu, bias_swiglu)."""
+    return sh.bias_fusion == "te" and not name.endswith("fc1")
+
+
 def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int, out: str, normed: bool = True) -> str:
     """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one;
     `normed`: a norm wrote its input (a MoE's shared experts read the router's: not normed for them)."""
     sh = rec.shape
-    if not sh.bias:  # its input all-gathered by a ring exchange
+    fused = sh.bias_fusion != "none" and (name.endswith("fc1") or _bias_in_gemm(sh, name))
+    if not sh.bias or fused:  # no bias kernel (fused: the GEMM's epilogue or the activation's kernel adds it)
         return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed)
     matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed)
     _bias_add(rec, name, matmul, out, sh.rows, n)
@@ -223,14 +233,15 @@ def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
     reduce-scattered to the sequence shard), and its bias, added after the sum, when the shape has one."""
     sh = rec.shape
     _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul")
-    total = rec.tensor(f"{name}.sum" if sh.bias else out, sh.residual_rows * sh.d * sh.e)
-    if sh.bias:
+    added = sh.bias and sh.bias_fusion == "none"  # else the residual join adds it (Megatron's bias_dropout_add)
+    total = rec.tensor(f"{name}.sum" if added else out, sh.residual_rows * sh.d * sh.e)
+    if added:
         _bias_add(rec, name, total, out, sh.residual_rows, sh.d)
     return out
 
 
 def _column_backward(rec: Recorder, name: str, n: int, normed: bool = True) -> None:
-    if rec.shape.bias:
+    if rec.shape.bias and not _bias_in_gemm(rec.shape, name):
         _bias_backward(rec, name, rec.shape.rows, n)
     _linear_backward(rec, name, n, rec.shape.d, normed)
 
@@ -285,6 +296,20 @@ def _residual_dropout(rec: Recorder, name: str, inp: str) -> str:
     return out
 
 
+def _residual_join(rec: Recorder, name: str, stream: str, branch: str, out: str, bias_of: str | None) -> None:
+    """The branch's dropout and its sum with the stream into `out`; under bias_fusion one kernel with the row-parallel
+    Linear `bias_of`'s bias (Megatron's bias_dropout_add_fused_train), saving the mask."""
+    sh = rec.shape
+    rows = sh.residual_rows
+    rec.tensor(out, rows * sh.d * sh.e)
+    if sh.bias_fusion == "none":
+        rec.mem(f"{name}.residual_add", (stream, _residual_dropout(rec, name, branch)), (out,))
+        return
+    mask = (rec.tensor(f"{name}.residual_mask", rows * sh.d * MASK),) if sh.dropout else ()
+    bias = (rec.tensor(f"{bias_of}.bias", sh.d * sh.e, OUTSIDE),) if sh.bias and bias_of else ()
+    rec.mem(f"{name}.bias_dropout_add", (stream, branch, *bias), (out, *mask), saves=mask)
+
+
 def _dropout_backward(rec: Recorder, name: str, rows: int, width: int) -> None:
     """`name`: the dropout op's name."""
     e = rec.shape.e
@@ -309,10 +334,8 @@ def _attention_forward(rec: Recorder, attention: str) -> None:
         rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d))  # all-gathered along the sequence
     qkv = _column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
     heads = core_forward(rec, attention, qkv)
-    branch = _residual_dropout(rec, "attention", _row_linear(rec, "proj", heads, sh.heads * sh.head_dim,
-                                                             "attention.residual"))
-    rec.tensor("ln2.input", sh.residual_rows * sh.d * sh.e)
-    rec.mem("attention.residual_add", (x, branch), ("ln2.input",))
+    branch = _row_linear(rec, "proj", heads, sh.heads * sh.head_dim, "attention.residual")
+    _residual_join(rec, "attention", x, branch, "ln2.input", "proj")
 
 
 def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
@@ -376,9 +399,7 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
         if sh.sp:
             rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
         branch = _mlp(rec, "", "fc1.input", "ln2.output", sh.f // sh.t, "mlp.residual")
-    branch = _residual_dropout(rec, "mlp", branch)
-    rec.tensor("y", sh.residual_rows * sh.d * sh.e)
-    rec.mem("mlp.residual_add", ("ln2.input", branch), ("y",))
+    _residual_join(rec, "mlp", "ln2.input", branch, "y", None if moe else "fc2")
 
 
 def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, ep: int) -> None:

@@ -216,23 +216,28 @@ PRESETS = {
 # cp_attention "torch": torchtitan's context parallelism is torch's context_parallel, which merges its per-step SDPA
 # calls in eager fp32 kernels (simulator/costs/torchtitan/context.py); "te": Megatron-core's is Transformer Engine's
 # DotProductAttention with cp_comm_type "p2p", its steps merged in bf16 (simulator/costs/te_context.py).
+# bias_fusion: Megatron-LM fuses fc1's bias into its activation (--bias-gelu-fusion, fused_bias_gelu.py) and proj's and
+# fc2's bias, dropout and residual add into one kernel (--bias-dropout-fusion, bias_dropout_add_fused_train), both on by
+# default since 2020 (their flags are --no-...); Megatron-core keeps both (bias_activation_fusion, bias_dropout_fusion)
+# and Transformer Engine's Linears add qkv's bias in the GEMM's epilogue ("te").
 # expert_gemms "te-streams": Megatron-core's TEGroupedMLP (the --moe-grouped-gemm default since core 0.11) runs each
 # Linear through Transformer Engine's GroupedLinear, a cuBLAS GEMM per local expert on 4 streams (nvte_multi_tensor_gemm
 # falls back to them unless NVTE_USE_CUTLASS_GROUPED_GEMM is set on Hopper); torchtitan's torch._grouped_mm and our
 # executor's batched matmul are one kernel each.
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
                 "fp8_amax_group", "fp8_experts", "fp8_recast", "eager", "grad_reduce_fp32", "sp_saved_input",
-                "attention_kernel", "zero3_copies", "loss", "cp_attention", "expert_gemms")  # what a preset sets
+                "attention_kernel", "zero3_copies", "loss", "cp_attention", "expert_gemms",
+                "bias_fusion")  # the Implementation fields a preset sets
 _OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
     # no fp8 in 2021; Megatron-LM's gradient accumulation fusion came later
-    "megatron-2021": {**_OURS, "fused_optimizer": True, "loss": "fused"},
+    "megatron-2021": {**_OURS, "fused_optimizer": True, "loss": "fused", "bias_fusion": "megatron"},
     "overlapped": _OURS,
     "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
                       "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True,
                       "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none", "loss": "fused",
-                      "cp_attention": "te", "expert_gemms": "te-streams"},
+                      "cp_attention": "te", "expert_gemms": "te-streams", "bias_fusion": "te"},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
                          "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "zero3_copies": "fsdp2",
                          "loss": "torch", "cp_attention": "torch"},
