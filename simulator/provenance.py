@@ -67,10 +67,10 @@ def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2", me
                 else "all-gathers and reduce-scatters over the cp group, not overlapped")
     merged = "inside the fused kernel's online softmax"
     if merge == "te" and layout.cp_kind == "ring":
-        merged = ("by Transformer Engine's ring: an attention call a step, outputs and gradients merged in bf16 by "
-                  "compiled kernels (simulator/costs/te_context.py)")
-        exchange = ("Transformer Engine's: passes hidden behind each block, dk and dv sent on in bf16 with the next "
-                    "block's keys, the last hop exposed")
+        merged = ("by Transformer Engine's ring: an attention call a step, outputs and gradients merged in the "
+                  "compute format by compiled kernels (simulator/costs/te_context.py)")
+        exchange = ("Transformer Engine's: passes hidden behind each block, dk and dv sent on in the compute format "
+                    "with the next block's keys, the last hop exposed")
     elif merge == "torch":
         merged = ("by torch's context_parallel: an attention call a step, in eager fp32 kernels "
                   "(simulator/costs/torchtitan/context.py)")

@@ -96,5 +96,5 @@ def test_the_megatron_core_stack_prices_tes_ring_and_says_so():
 
     core = simulate("megatron-core")
     context = core["provenance"]["context"]
-    assert context["merge"].startswith("by Transformer Engine's ring") and "bf16" in context["exchange"]
+    assert context["merge"].startswith("by Transformer Engine's ring") and "compute format" in context["exchange"]
     assert core["provenance"]["implementation"]["cp_attention"] == "te"
