@@ -122,7 +122,7 @@ def test_a_small_all_reduce_costs_the_published_floor(gpu, size, published, tole
     call = tp_call(costs, size)
     assert call["seconds"] == pytest.approx(published, rel=tolerance)
     assert call["seconds"] > call["ring_seconds"]  # the links alone would be faster than NCCL ever is
-    assert tp_call(costs, 4)["seconds"] == call["seconds"]  # a floor: 4 bytes cost as much
+    assert tp_call(costs, 4)["seconds"] == pytest.approx(call["seconds"], rel=0.03)  # a floor: 4 bytes cost as much
 
 
 def test_smaller_groups_and_fewer_steps_pay_less_of_the_floor():
@@ -142,8 +142,8 @@ def test_nvls_takes_over_from_the_ring_where_the_published_runs_switch(gpu):
     for size in (2 * MIB, 4 * MIB, 64 * MIB, 4 * GIB):
         call = tp_call(costs, size)
         assert (call["algorithm"], call["protocol"]) == ("nvls", "Simple"), size
-        forced = tp_call(ring, size)["seconds"]  # NCCL_NVLS_ENABLE=0: slower, or at 2 MiB both at the Simple floor
-        assert call["seconds"] < forced if size > 2 * MIB else call["seconds"] <= forced
+        forced = tp_call(ring, size)["seconds"]  # NCCL_NVLS_ENABLE=0: slower, or at 2-4 MiB both at a floor (the
+        assert call["seconds"] < forced if size > 4 * MIB else call["seconds"] <= forced  # Simple's, nccl-tests')
     for kind in ("all_gather", "reduce_scatter"):  # Bekman: NCCL ran these on the ring at 16 GiB
         assert tp_call(costs, 16 * GIB, kind)["algorithm"] == "ring"
 
@@ -276,3 +276,21 @@ def test_decisions_are_made_once_per_distinct_call():
     calls = dict(costs.calls)
     assert costs.dp_collective(0, "all_reduce", 123 * MIB) == first and costs.calls == calls
     assert len(costs.collective_calls()) == 1
+
+
+def test_an_all_reduce_on_one_server_is_no_faster_than_nccl_tests_measured_at_its_size():
+    """Azure's ND A100 v4 all_reduce_perf (NCCL 2.18.5, 8 GPUs): 166.63 GB/s bus bandwidth at 64 MiB, 174.18 at 128
+    MiB; between them read linearly in log2 of the size; where the links' ring would be faster, the measurement
+    holds."""
+    from simulator.network.nccl import catalog
+    a100 = catalog().nodes["dgx-a100"]
+    assert a100.measured_seconds(64 * MIB, 8) == pytest.approx(64 * MIB * 1.75 / 166.63e9)
+    middle = (166.63e9 + 174.18e9) / 2  # 2^26.5 bytes: half way in log2
+    assert a100.measured_seconds(2**26.5, 8) == pytest.approx(2**26.5 * 1.75 / middle)
+    assert a100.measured_seconds(64 * MIB, 4) == 0  # measured on 8 GPUs only
+    assert a100.measured_seconds(16 * GIB, 8) == pytest.approx(16 * GIB * 1.75 / 231.58e9)  # the last size held
+    costs = links("a100-80gb", 8, 1, Layout(tp=8))
+    call = tp_call(costs, 80 * MIB)  # Megatron 2021's tp all-reduce of GPT 76.1B's activations
+    assert call["seconds"] == pytest.approx(a100.measured_seconds(80 * MIB, 8))
+    assert call["seconds"] > 1.3 * call["ring_seconds"]  # the links' ring: 227 GB/s; nccl-tests: about 168
+    assert catalog().nodes["dgx-h100"].measured_seconds(64 * MIB, 8) == 0  # no table of an 8x H100 node stored

@@ -30,6 +30,11 @@ the first size NCCL runs Simple at, less its transfer; the LL floor where none i
 costs max(floor, latency + bandwidth term / protocol share): nothing finishes below the published
 small-message time of its node, and above it the hops and bytes count. Ring and tree floors scale with
 the ring's steps against the measured all-reduce's (2 (ranks - 1)); NVLS-family floors do not.
+Measured: where nccl.json holds nccl-tests' all-reduce bus bandwidth by size on a node's GPUs
+(all_reduce_busbw: Azure's tables for 8x A100 and 8x H200), an all-reduce on that many GPUs of one
+server takes at least the measured time at its size (read between the measured sizes), whatever
+the algorithm: the links' model reaches the large-message bandwidth from a few MiB on, NCCL only
+from about 1 GiB (8x A100: 167 GB/s at 64 MiB, 228 at 1 GiB).
 All-gather and reduce-scatter run the ring (NCCL's NVLS for them is not modelled: the published 8x H200
 runs chose the ring, and no NVLS figure for them was found). The fastest wins; at equal times LL before
 Simple, then the lower time without the floor. A forced algorithm (--nccl-algo, as NCCL_ALGO) is used
@@ -79,6 +84,22 @@ class NodeCollectives:
     nvls_busbw: float | None = None  # NVLS all-reduce bus bandwidth on `nvls_ranks` GPUs (None: no NVLS)
     nvls_ranks: int = 8
     nvls_min_gpus: int = 5
+    # all_reduce_perf's bus bandwidth on `measured_ranks` GPUs of one server at 2^i x first_bytes bytes (empty: none)
+    measured_busbw: tuple[float, ...] = ()
+    measured_first: int = 1024
+    measured_ranks: int = 8
+
+    def measured_seconds(self, nbytes: float, ranks: int) -> float:
+        """The time nccl-tests measured for an all-reduce of `nbytes` on this node's `measured_ranks` GPUs, its bus
+        bandwidth read between the two measured sizes around it (linear in log2 of the size; the end points held
+        beyond them); 0 without a table."""
+        if not self.measured_busbw or ranks != self.measured_ranks or nbytes <= 0:
+            return 0.0
+        place = min(max(math.log2(nbytes / self.measured_first), 0.0), len(self.measured_busbw) - 1.0)
+        low = int(place)
+        high = min(low + 1, len(self.measured_busbw) - 1)
+        busbw = self.measured_busbw[low] + (place - low) * (self.measured_busbw[high] - self.measured_busbw[low])
+        return nbytes * 2 * (ranks - 1) / ranks / busbw
 
     @property
     def nvls_algbw(self) -> float:
@@ -115,7 +136,7 @@ def _ranks(value: object, where: str) -> int:
 
 def _node(name: str, entry: object) -> NodeCollectives:
     where = f"nodes.{name}"
-    known = {"source", "small_message", "simple_floor", "nvls"}
+    known = {"source", "small_message", "simple_floor", "nvls", "all_reduce_busbw"}
     if not isinstance(entry, dict) or not isinstance(entry.get("source"), str) or set(entry) - known:
         raise ConfigError(f"{DATA_FILE.name}: {where} must be an object of {', '.join(sorted(known))} (source required)")
     fields: dict = {"name": name}
@@ -134,6 +155,15 @@ def _node(name: str, entry: object) -> NodeCollectives:
         fields["nvls_busbw"] = _number(nvls["busbw"], f"{where}.nvls.busbw", RATE)
         fields["nvls_ranks"] = _ranks(nvls["ranks"], f"{where}.nvls.ranks")
         fields["nvls_min_gpus"] = _ranks(nvls["min_gpus"], f"{where}.nvls.min_gpus")
+    measured = entry.get("all_reduce_busbw")
+    if measured is not None:
+        if not isinstance(measured, dict) or set(measured) != {"ranks", "first_bytes", "busbw", "source"} or not (
+                isinstance(measured["busbw"], list) and measured["busbw"]):
+            raise ConfigError(f"{DATA_FILE.name}: {where}.all_reduce_busbw must be {{\"ranks\", \"first_bytes\", "
+                              f"\"busbw\": [bytes/s, ...], \"source\"}}")
+        fields["measured_busbw"] = tuple(_number(v, f"{where}.all_reduce_busbw.busbw", RATE) for v in measured["busbw"])
+        fields["measured_first"] = int(_number(measured["first_bytes"], f"{where}.all_reduce_busbw.first_bytes", COUNT))
+        fields["measured_ranks"] = _ranks(measured["ranks"], f"{where}.all_reduce_busbw.ranks")
     return NodeCollectives(**fields)
 
 
@@ -280,4 +310,6 @@ class NcclModel:
                 note = f"{self.algorithm} cannot run this call ({self.why_not(call)}): ring"
             options = forced or [o for o in options if o[3] == "ring"]
         seconds, _, _, algorithm, protocol = min(options)
+        if call.kind == "all_reduce" and call.servers == 1:  # no algorithm beats what NCCL's own choice was measured at
+            seconds = max(seconds, self.node.measured_seconds(call.nbytes, call.ranks))
         return Choice(algorithm, protocol, seconds, note)
