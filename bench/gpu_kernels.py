@@ -151,13 +151,13 @@ def wgrad_call(way: str, outputs: int, inputs: int, tokens: int, device: torch.d
     grad = torch.randn(tokens, outputs, device=device, dtype=dtype)  # dY, token-major as the backward has it
     x = torch.randn(tokens, inputs, device=device, dtype=dtype)
     main = torch.zeros(outputs, inputs, device=device, dtype=torch.float32)
-    out = torch.empty(outputs, inputs, device=device, dtype=dtype)
-    if way == "bf16_out":
-        return lambda: torch.mm(grad.t(), x, out=out)
     if way == "fp32_accumulate":  # cuBLAS with an fp32 C read and an fp32 result written, beta 1
         if device.type == "cuda":
             return lambda: torch.addmm(main, grad.t(), x, out_dtype=torch.float32)
         return lambda: torch.addmm(main, grad.t(), x)
+    out = torch.empty(outputs, inputs, device=device, dtype=dtype)
+    if way == "bf16_out":
+        return lambda: torch.mm(grad.t(), x, out=out)
     return lambda: main.add_(torch.mm(grad.t(), x, out=out))
 
 

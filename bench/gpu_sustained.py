@@ -229,8 +229,9 @@ def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampl
     del call
     last = [r for t, r in windows if t >= windows[-1][0] - LAST_S] or [windows[-1][1]]
     held = 1 / statistics.fmean(last)
-    name = torch.cuda.get_device_name(device) if cuda else "h200"
-    predicted = predicted_layer(config, preset_for_device(name) if cuda else "h200", "bf16" if cuda else "fp32")
+    from simulator.costs.hardware import preset_for_device  # the simulator only here, as predicted_layer
+    preset_name = preset_for_device(torch.cuda.get_device_name(device)) if cuda else "h200"
+    predicted = predicted_layer(config, preset_name, "bf16" if cuda else "fp32")
     out = {"model": f"{LAYER_MODEL} block" if cuda else "dry-run block", "d_model": config.d_model,
            "heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len, "burst_s": 1 / rate,
            "last_10s_s": held, "windows": windows, "held_over_burst": (1 / held) / rate, "predicted": predicted,
@@ -239,11 +240,6 @@ def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampl
         out["measured_over_predicted"] = {"burst": out["burst_s"] / predicted["burst_s"],
                                           "held": held / predicted["held_s"]}
     return out | {"first_second_gpu": sampler.between(t1, t1 + 1.0)}
-
-
-def preset_for_device(name: str) -> str | None:
-    from simulator.costs.hardware import preset_for_device as match
-    return match(name)
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from simulator.costs.compute import FALLBACK_CURVE, EfficiencyProfile, kernel_overhead
 from simulator.costs.hardware import GPUSpec
+from simulator.costs.op_types import cp_merge
 from simulator.costs.rates.attention_rates import kernel_table
 
 ROOFLINE = "op-level roofline (simulator/costs/ops.py, simulator/costs/compute.py)"
@@ -66,7 +67,8 @@ def context(gpu: GPUSpec, layout, seq_len: int, kernel: str = "flash-attn-2", me
                 "hop home exposed (parallel/context/ring.py)" if layout.cp_kind == "ring"
                 else "all-gathers and reduce-scatters over the cp group, not overlapped")
     merged = "inside the fused kernel's online softmax"
-    if merge == "te" and layout.cp_kind == "ring":
+    merge = cp_merge(layout, merge)
+    if merge == "te":
         merged = ("by Transformer Engine's ring: an attention call a step, outputs and gradients merged in the "
                   "compute format by compiled kernels (simulator/costs/te_context.py)")
         exchange = ("Transformer Engine's: passes hidden behind each block, dk and dv sent on in the compute format "

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from job.exchange.context import Exchange, backward_exchanges, forward_exchanges, kv_elements
 from job.layout import Layout
 from minigpt.config import GPTConfig
+from simulator.costs.op_types import cp_merge
 from simulator.costs.te_context import exchanges as te_exchanges
 from simulator.costs.torchtitan.context import exchanges as torch_exchanges
 
@@ -59,12 +60,26 @@ def _price(exchanges: list[Exchange], hidden_by: list[float], links, stage: int,
 
 def _ring_backward(keys: Exchange, grads: Exchange, block_s: float, links, stage: int, cp: int) -> Priced:
     """The ring backward's passes as parallel/context/ring.py runs them (the module docstring); `block_s`: one
-    step's block of the attention backward."""
+    step's block of the attention backward. The gradient passes beyond the cp - 2 that share a message with the keys
+    hide behind a block, but the last (ours: cp passes, one alone behind the last block; Transformer Engine's: cp - 1,
+    none alone)."""
     kv, dkv = links.cp_pass(stage, keys.bytes), links.cp_pass(stage, grads.bytes)
     both = links.cp_pass(stage, keys.bytes + grads.bytes)
     hidden = lambda seconds: max(0.0, seconds - block_s)  # noqa: E731
-    seconds = hidden(kv) + (cp - 2) * hidden(both) + hidden(dkv) + dkv
+    seconds = hidden(kv) + (cp - 2) * hidden(both) + (grads.calls - cp + 1) * hidden(dkv) + dkv
     return Priced(seconds, [keys, grads])
+
+
+def _ring(forward: list[Exchange], backward: list[Exchange], recompute: str, links, stage: int, cp: int,
+          attention: tuple[float, float, float]) -> tuple[Priced, Priced]:
+    """A ring's exchanges priced: the forward's passes behind their blocks, the recomputed forward's (first in the
+    backward's list under recompute) behind the recomputed blocks, then the backward's ring."""
+    forward_s, backward_s, recompute_s = attention
+    priced_forward = _price(forward, [forward_s] * len(forward), links, stage, cp)
+    again = [recompute_s] * len(forward) if recompute != "none" else []
+    recomputed = _price(backward[:len(again)], again, links, stage, cp)
+    ring = _ring_backward(*backward[len(again):], backward_s / cp, links, stage, cp)
+    return priced_forward, Priced(recomputed.seconds + ring.seconds, recomputed.priced + ring.priced)
 
 
 def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
@@ -72,16 +87,12 @@ def layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_b
     """(forward, backward) exposed exchange of one attention layer; `attention`: its attention kernel's
     seconds in the forward, the backward and the recomputed forward (simulator/costs/compute.py's ChunkTimes)."""
     cp, kind = layout.cp, layout.cp_kind
-    forward_s, backward_s, recompute_s = attention
     forward = forward_exchanges(model, layout.tp, cp, kind, micro_batch, element_bytes)
     backward = backward_exchanges(model, layout.tp, cp, kind, micro_batch, element_bytes, recompute)
-    again = [recompute_s] * len(forward) if recompute != "none" else []
-    priced_forward = _price(forward, [forward_s] * len(forward), links, stage, cp)
     if kind != "ring":  # all-gather: the recomputed forward's gathers and the reduce-scatters, none hidden
-        return priced_forward, _price(backward, [0.0] * len(backward), links, stage, cp)
-    recomputed = _price(backward[:len(again)], again, links, stage, cp)
-    ring = _ring_backward(*backward[len(again):], backward_s / cp, links, stage, cp)
-    return priced_forward, Priced(recomputed.seconds + ring.seconds, recomputed.priced + ring.priced)
+        return (_price(forward, [attention[0]] * len(forward), links, stage, cp),
+                _price(backward, [0.0] * len(backward), links, stage, cp))
+    return _ring(forward, backward, recompute, links, stage, cp, attention)
 
 
 def torch_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
@@ -107,18 +118,11 @@ def torch_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, ele
 def te_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, element_bytes: int, recompute: str,
                       links, stage: int, attention: tuple[float, float, float]) -> tuple[Priced, Priced]:
     """layer_exchange for Transformer Engine's ring as Megatron-core runs it (simulator/costs/te_context.py's
-    exchanges): the forward's passes as ours; in the backward the first step hides the keys' pass, each middle step
-    one message of keys and the bf16 dk, dv so far, and the last hop of dk, dv is waited for whole (cp - 1 gradient
-    passes in the compute format, where our ring sends cp in fp32). Outside the ring, as ours (layer_exchange)."""
-    if layout.cp_kind != "ring":
+    exchanges) on its ring: the forward's passes as ours; in the backward the first step hides the keys' pass, each
+    middle step one message of keys and the dk, dv so far, and the last hop of dk, dv is waited for whole (cp - 1
+    gradient passes in the compute format, where our ring sends cp in fp32). Outside its ring, as ours (cp_merge)."""
+    if cp_merge(layout, "te") != "te":
         return layer_exchange(model, layout, micro_batch, element_bytes, recompute, links, stage, attention)
-    cp = layout.cp
-    forward_s, backward_s, recompute_s = attention
-    forward, backward = te_exchanges(cp, kv_elements(model, layout.tp, cp, micro_batch), element_bytes, recompute)
-    *again, keys, grads = backward
-    recomputed = _price(again, [recompute_s] * len(again), links, stage, cp)
-    block = backward_s / cp
-    kv, both, dkv = (links.cp_pass(stage, size) for size in (keys.bytes, keys.bytes + grads.bytes, grads.bytes))
-    seconds = max(0.0, kv - block) + (cp - 2) * max(0.0, both - block) + dkv
-    return (_price(forward, [forward_s] * len(forward), links, stage, cp),
-            Priced(recomputed.seconds + seconds, recomputed.priced + [keys, grads]))
+    forward, backward = te_exchanges(layout.cp, kv_elements(model, layout.tp, layout.cp, micro_batch), element_bytes,
+                                     recompute)
+    return _ring(forward, backward, recompute, links, stage, layout.cp, attention)

@@ -50,6 +50,7 @@ from job.layout import Layout, buckets, stage_units
 from job.schedule import Backward, BackwardInput, BackwardWeight, Forward
 from simulator.memory import MemoryEstimate, fp8_experts_kept, fp8_params_mode
 from simulator.costs.implementation import Implementation
+from simulator.costs.op_types import cp_merge
 from simulator.engine.overlap import Overlap, exposed
 
 
@@ -219,7 +220,8 @@ def _exchange(job: _Job, ct, layers: int, micro_batch: int, implementation: Impl
     per_layer = (ct.attention_forward_s / layers, ct.attention_backward_s / layers, ct.attention_recompute_s / layers)
     if job.serial:  # gloo on a CPU host: a pass does not overlap the block (as for every other collective)
         per_layer = (0.0, 0.0, 0.0)
-    pricer = {"torch": torch_layer_exchange, "te": te_layer_exchange}.get(implementation.cp_attention, layer_exchange)
+    merge = cp_merge(job.layout, implementation.cp_attention)  # one reading of which merge runs on this layout
+    pricer = {"torch": torch_layer_exchange, "te": te_layer_exchange}.get(merge, layer_exchange)
     forward, backward = pricer(job.model, job.layout, micro_batch, job.compute_bytes, implementation.recompute,
                                job.links, stage, per_layer)
     return layers * forward.seconds, layers * backward.seconds
