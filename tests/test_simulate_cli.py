@@ -217,3 +217,26 @@ def test_fabric_flags_reach_the_cluster_and_bad_ones_are_one_line():
                        (["--nics-per-node", "0"], "--nics-per-node must be")):
         result = runner.invoke(main, base + bad)
         assert result.exit_code == 2 and words in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_gpus_without_a_sweep_is_the_job_size_and_sets_dp():
+    """`--gpus N` on one run was read only by --sweep and silently simulated one GPU; it now sets dp."""
+    out = json.loads(invoke("--model", "gpt2-124m", "--gpus", "16", "--tp", "2", "--pp", "2", "--global-batch", "16",
+                            "--json").output)
+    assert out["n_gpus"] == 16 and out["layout"]["dp"] == 4
+    agreeing = json.loads(invoke("--model", "gpt2-124m", "--gpus", "16", "--tp", "2", "--pp", "2", "--dp", "4",
+                                 "--global-batch", "16", "--json").output)
+    assert agreeing["step_time_s"] == out["step_time_s"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--gpus", "12", "--tp", "8"), "--gpus 12 is not a multiple of tp x pp = 8"),
+    (("--gpus", "16", "--tp", "8", "--dp", "4"), "--gpus 16 but tp x pp x dp = 32"),
+    (("--gpus", "16", "--cp", "2", "--dp", "4"), "--gpus 16 but tp x cp x pp x dp = 8"),
+    (("--gpus", "8,16"), "one run takes one GPU count"),
+    (("--gpus", "0"), "--gpus must be a positive integer"),
+])
+def test_gpus_that_cannot_be_the_job_are_one_line_and_exit_2(args, words):
+    result = invoke("--model", "gpt2-124m", *args)
+    assert result.exit_code == 2 and words in result.output and len(result.output.strip().splitlines()) == 1, \
+        result.output

@@ -29,7 +29,7 @@ import sys
 
 import click
 
-from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_options
+from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_options, dp_from_gpus
 from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
@@ -443,7 +443,8 @@ def micro_batch_size(options: dict) -> int:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--sweep", is_flag=True, help="Sweep GPU counts (--gpus) and name where adding GPUs stops paying.")
 @click.option("--scaling", type=click.Choice(["strong", "weak"]), default="strong", show_default=True)
-@click.option("--gpus", help="GPU counts of the sweep, e.g. 8,16,32,64.")
+@click.option("--gpus", help="GPUs of the job (dp: them over tp x cp x pp); with --sweep the counts to sweep, "
+              "e.g. 8,16,32,64.")
 @click.option("--threshold", type=float, help="Marginal efficiency (added GPU / GPU already there) under which "
               "adding GPUs stops paying (default: simulator.search.sweep.DEFAULT_THRESHOLD, half of linear scaling).")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw one step's breakdown (with --sweep: the scaling "
@@ -457,6 +458,7 @@ def simulate(**options) -> None:
     check_paths(options)
     check_nccl_algo(options)
     check_campaign(options)
+    dp_from_gpus(options)  # before anything reads dp
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):

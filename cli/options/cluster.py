@@ -7,7 +7,7 @@ from typing import Callable
 
 import click
 
-from minigpt.errors import check_path_given
+from minigpt.errors import ConfigError, check_path_given, check_positive_int
 
 DEFAULT_GPU = "a100-80gb"
 TOPOLOGY_KINDS = ["fat-tree", "rail", "rail-only"]  # simulator.network.topology.CLUSTER_KINDS (a test checks they agree)
@@ -45,3 +45,26 @@ def check_cluster_names(options: dict) -> None:
     for name, what in NAMED.items():
         if options[name] is not None:
             check_path_given(f"--{name}", options[name], what)
+
+
+def dp_from_gpus(options: dict) -> None:
+    """`minigpt simulate --gpus N` without --sweep: the job's GPU count. It sets dp (N over tp x cp x pp) when --dp
+    is not given and must equal tp x cp x pp x dp when it is; one count (a comma-separated list is a sweep's)."""
+    given = options["gpus"]
+    if given is None or options["sweep"]:
+        return
+    try:
+        gpus = int(given)
+    except ValueError:
+        raise ConfigError(f"--gpus {given!r}: one run takes one GPU count (a comma-separated list is --sweep's)") \
+            from None
+    check_positive_int("--gpus", gpus)
+    cp = options["cp"] or 1
+    mesh, size = ("tp x cp x pp" if cp > 1 else "tp x pp"), (options["tp"] or 1) * cp * (options["pp"] or 1)
+    if options["dp"] is None:
+        if gpus % size:
+            raise ConfigError(f"--gpus {gpus} is not a multiple of {mesh} = {size}: change --gpus or the layout")
+        options["dp"] = gpus // size
+    elif size * options["dp"] != gpus:
+        raise ConfigError(f"--gpus {gpus} but {mesh} x dp = {size * options['dp']}: drop --dp (--gpus sets it) "
+                          "or make them agree")
