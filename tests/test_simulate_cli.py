@@ -240,3 +240,14 @@ def test_gpus_that_cannot_be_the_job_are_one_line_and_exit_2(args, words):
     result = invoke("--model", "gpt2-124m", *args)
     assert result.exit_code == 2 and words in result.output and len(result.output.strip().splitlines()) == 1, \
         result.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--threshold", "0.3"), "--threshold describes a sweep"),
+    (("--scaling", "weak"), "--scaling describes a sweep"),
+    (("--campaign-runs", "5"), "--campaign-runs describes a campaign"),
+])
+def test_flags_of_a_sweep_or_a_campaign_on_a_plain_run_are_refused(args, words):
+    """They did nothing there, silently; the same flags with --sweep (or --campaign) still run."""
+    result = invoke("--model", "gpt2-124m", *args)
+    assert result.exit_code == 2 and words in result.output, result.output

@@ -29,7 +29,7 @@ import sys
 
 import click
 
-from cli.options.cluster import DEFAULT_GPU, check_cluster_names, cluster_options, dp_from_gpus
+from cli.options.cluster import DEFAULT_GPU, check_cluster_names, check_sweep_flags, cluster_options, dp_from_gpus
 from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
@@ -458,6 +458,7 @@ def simulate(**options) -> None:
     check_paths(options)
     check_nccl_algo(options)
     check_campaign(options)
+    check_sweep_flags(options)
     dp_from_gpus(options)  # before anything reads dp
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",

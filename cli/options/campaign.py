@@ -16,6 +16,8 @@ import click
 
 from minigpt.errors import ConfigError
 
+CAMPAIGN_RUNS = 20  # seeds a campaign's figures average over, unless --campaign-runs says
+
 OPTIONS = (
     click.option("--campaign", "campaign_days", type=float, metavar="DAYS",
                  help="Run the predicted step for a whole campaign of DAYS on a cluster whose parts fail: goodput, "
@@ -36,8 +38,8 @@ OPTIONS = (
                  help="Stragglers: each rank's step time varies as a normal of this coefficient of variation, "
                       "independently, and every step waits for the slowest of all GPUs (simulator/stragglers.py) "
                       "[default: 0, none]."),
-    click.option("--campaign-runs", "campaign_runs", type=int, default=20, show_default=True,
-                 help="Simulated campaigns (seeds) the figures average over."),
+    click.option("--campaign-runs", "campaign_runs", type=int,
+                 help=f"Simulated campaigns (seeds) the figures average over [default: {CAMPAIGN_RUNS}]."),
 )
 
 
@@ -59,7 +61,7 @@ def check_campaign(options: dict) -> None:
     """Every campaign flag, one line each, before any simulation; the failure rates read into options."""
     from simulator.campaign.rates import read_rates
 
-    flags = ("failure_rates", "checkpoint_every", "storage_gbps", "restart_minutes", "straggler_cv")
+    flags = ("failure_rates", "checkpoint_every", "storage_gbps", "restart_minutes", "straggler_cv", "campaign_runs")
     if options["campaign_days"] is None:
         given = [f"--{key.replace('_', '-')}" for key in flags if options[key] is not None]
         if given:
@@ -72,6 +74,7 @@ def check_campaign(options: dict) -> None:
     for key, flag in (("checkpoint_every", "--checkpoint-every"), ("campaign_runs", "--campaign-runs")):
         if options[key] is not None and options[key] < 1:
             raise ConfigError(f"{flag} must be a whole number >= 1, got {options[key]}")
+    options["campaign_runs"] = options["campaign_runs"] or CAMPAIGN_RUNS
     options["rates"] = read_rates(options["failure_rates"])
 
 

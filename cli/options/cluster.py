@@ -68,3 +68,13 @@ def dp_from_gpus(options: dict) -> None:
     elif size * options["dp"] != gpus:
         raise ConfigError(f"--gpus {gpus} but {mesh} x dp = {size * options['dp']}: drop --dp (--gpus sets it) "
                           "or make them agree")
+
+
+def check_sweep_flags(options: dict) -> None:
+    """--threshold and --scaling shape a sweep (--sweep): on one run they would do nothing, so they are refused."""
+    if options["sweep"]:
+        return
+    context = click.get_current_context()
+    for name in ("threshold", "scaling"):
+        if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+            raise ConfigError(f"--{name} describes a sweep: add --sweep and its --gpus counts")
