@@ -163,6 +163,8 @@ def test_memory_of_one_rank_within_2_percent(profile, tmp_path):
     (["--dp", "128", "--batch-size", "128"], "do not fit"),
     (["--dp", "3"], "batch"),
     (["--tp", "3"], "--tp 3"),
+    (["--matrix", "--tp", "2"], "--tp with --matrix"),  # it leaked into the rows that leave tp alone
+    (["--matrix", "--no-reshard-after-forward"], "--no-reshard-after-forward with --matrix"),
 ])
 def test_bad_input_before_any_worker(profile, tmp_path, monkeypatch, args, words):
     import parallel.run.train

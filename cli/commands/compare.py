@@ -24,6 +24,7 @@ from cli.options.fsdp import fsdp_options
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
+from minigpt.errors import ConfigError
 from job.train_config import TrainConfig
 from parallel.launch.torchrun_env import check_torchrun_variables
 
@@ -79,7 +80,8 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")
 @click.option("--out", type=str, help="Directory for the run, trace.json, simulated.json and compare.png "
               "[default: runs/...].")
-@click.option("--matrix", is_flag=True, help="Run the built-in set of layouts (the layout flags are ignored) and report the error.")
+@click.option("--matrix", is_flag=True, help="Run the built-in set of layouts (each sets its own: no layout flag "
+              "with it) and report the error.")
 @click.option("--rounds", type=int, help="Train and predict each layout this many times, the rounds interleaved; "
               "report the round of the median error and the spread [default: 3 with --matrix, else 1].")
 @click.option("--profile-units", "profile_units", is_flag=True,
@@ -92,6 +94,8 @@ def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, prof
     from minigpt.errors import check_positive_int
 
     rounds = check_positive_int("--rounds", rounds if rounds is not None else 3 if matrix else 1)
+    if matrix:
+        check_no_layout_flags()
     cfg = build_compare_config({**options})
     if matrix:
         return compare_matrix(cfg, hardware, options["out"], as_json, rounds, not profile_units)
@@ -148,6 +152,21 @@ def echo_drift(drift: dict | None) -> None:
                       f"; on {cores['threads']} threads {cores['now_ratio']:.2f}x of one thread's time now, "
                       f"{cores['calibrated_ratio']:.2f}x then ({cores['change']:+.1%})")
                    + ("; recalibrate for a fair comparison" if drift_too_large(drift) else ""))
+
+
+MATRIX_SETS = ("tp", "pp", "dp", "cp", "cp_kind", "ep", "zero", "shard_group", "reshard_after_forward", "schedule",
+               "virtual_chunks", "sequence_parallel")  # what each row of cli/tools/compare_matrix.py's MATRIX sets
+
+
+def check_no_layout_flags() -> None:
+    """--matrix runs its own layouts, each from the base configuration: a layout flag given with it would leak into
+    the rows that leave that field alone (its "1 rank" row at tp 2 under --tp 2), so it is refused."""
+    context = click.get_current_context()
+    for name in MATRIX_SETS:
+        if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+            flag = "--no-reshard-after-forward" if name == "reshard_after_forward" else f"--{name.replace('_', '-')}"
+            raise ConfigError(f"{flag} with --matrix: the matrix runs its own layouts; drop {flag} "
+                              "(or drop --matrix to compare that layout)")
 
 
 def compare_matrix(cfg, hardware: str, out: str | None, as_json: bool, rounds: int, retime: bool) -> None:
