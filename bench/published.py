@@ -209,7 +209,8 @@ def torchtitan_cp_command(run: dict) -> list[str]:
     one sequence per FSDP rank split over its cp ranks, all-gathered keys and values, full recomputation, compiled,
     torchao's float8 Linears."""
     return [sys.executable, "-m", "cli", "simulate", "--model", "llama3-8b", "--seq-len", str(run["s"]),
-            "--dp", str(run["dp"]), "--cp", str(run["cp"]), "--cp-kind", "allgather", "--zero", "3",
+            "--dp", str(run["dp"]), "--cp", str(run["cp"]), *(["--cp-kind", "allgather"] if run["cp"] > 1 else []),
+            "--zero", "3",
             "--micro-batch", "1", "--global-batch", str(run["dp"]), "--recompute", "full", "--gpu", "h100-96gb-500w",
             "--overlap", "torchtitan-fsdp2", "--elementwise", "fused", "--precision", "fp8", "--fp8-recipe", "current",
             "--json"]

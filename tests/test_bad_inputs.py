@@ -120,6 +120,7 @@ CASES = [
     ("train", ["--cp", "32"], "chunks of at least one token"),
     ("train", ["--cp", "0"], "--cp"),
     ("train", ["--cp", "2", "--cp-kind", "mesh"], "--cp-kind must be one of ring, allgather"),
+    ("train", ["--cp-kind", "allgather"], "--cp-kind says how context-parallel ranks exchange keys and values"),
     # train: FSDP's settings (cli/options/fsdp.py)
     ("train", ["--dp", "4", "--zero", "3", "--shard-group", "3"], "--shard-group 3 does not divide the data-parallel"),
     ("train", ["--no-reshard-after-forward"], "--no-reshard-after-forward keeps ZeRO-3's gathered weights"),

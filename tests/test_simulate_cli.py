@@ -251,3 +251,15 @@ def test_flags_of_a_sweep_or_a_campaign_on_a_plain_run_are_refused(args, words):
     """They did nothing there, silently; the same flags with --sweep (or --campaign) still run."""
     result = invoke("--model", "gpt2-124m", *args)
     assert result.exit_code == 2 and words in result.output, result.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--cp-kind", "allgather"), "--cp-kind says how context-parallel ranks exchange"),
+    (("--sp-saved-input", "sharded"), "--sp-saved-input says what sequence parallelism's Linears keep"),
+])
+def test_flags_of_a_parallelism_the_job_does_not_have_are_refused(args, words):
+    """Without --cp 2+ (or --sequence-parallel) they described nothing and were dropped silently."""
+    result = invoke("--model", "gpt2-124m", *args)
+    assert result.exit_code == 2 and words in result.output, result.output
+    with_it = invoke("--model", "gpt2-124m", "--tp", "2", "--cp", "2", "--sequence-parallel", *args)
+    assert with_it.exit_code == 0, with_it.output

@@ -459,6 +459,8 @@ def simulate(**options) -> None:
     check_nccl_algo(options)
     check_campaign(options)
     check_sweep_flags(options)
+    if options["sp_saved_input"] is not None and not options["sequence_parallel"]:
+        raise ConfigError("--sp-saved-input says what sequence parallelism's Linears keep: it needs --sequence-parallel")
     dp_from_gpus(options)  # before anything reads dp
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",

@@ -12,11 +12,13 @@ gathers the whole sequence's keys and values once (Llama 3's choice with grouped
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import click
 
 from job.train_config import CP_KINDS
+from minigpt.errors import ConfigError
 
 CP_HELP = ("Context-parallel size: each rank holds 2 of 2 x cp chunks of every sequence. Mesh order pp, dp, "
            "cp, tp (tp innermost): a cp group lies within tp x cp adjacent ranks, inside one server while tp x cp "
@@ -25,7 +27,17 @@ CP_KIND_HELP = "How keys and values travel between context-parallel ranks: ring 
 
 
 def context_options(command: Callable) -> Callable:
-    """--cp and --cp-kind (the kind is checked by job/train_config.py's check_context_parallel, one line)."""
-    command = click.option("--cp-kind", "cp_kind", default="ring", show_default=True, metavar="|".join(CP_KINDS),
-                           help=CP_KIND_HELP)(command)
-    return click.option("--cp", "cp", default=1, show_default=True, type=int, help=CP_HELP)(command)
+    """--cp and --cp-kind (the kind is checked by job/train_config.py's check_context_parallel, one line; given
+    without context parallelism it is refused, where it would do nothing)."""
+
+    @functools.wraps(command)
+    def checked(*args, **kwargs):
+        given = click.get_current_context().get_parameter_source("cp_kind") is click.core.ParameterSource.COMMANDLINE
+        if given and kwargs.get("cp") == 1:
+            raise ConfigError("--cp-kind says how context-parallel ranks exchange keys and values: it needs --cp 2 "
+                              "or more")
+        return command(*args, **kwargs)
+
+    with_kind = click.option("--cp-kind", "cp_kind", default="ring", show_default=True, metavar="|".join(CP_KINDS),
+                             help=CP_KIND_HELP)(checked)
+    return click.option("--cp", "cp", default=1, show_default=True, type=int, help=CP_HELP)(with_kind)
