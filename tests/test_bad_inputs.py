@@ -353,3 +353,16 @@ def test_one_bucket_size_conversion_for_executor_and_simulator():
     assert bucket_numel(25.0, 4) == 25 * 2**20 // 4
     assert bucket_numel(1.0, 2) == 2**19
     assert bucket_numel(1e-9, 4) == 1  # never an empty bucket
+
+
+def test_loss_scale_flags_on_a_format_that_scales_nothing_are_refused():
+    """--loss-scale / --loss-scale-window only scale fp16's loss; on bf16 or fp32 they were dropped silently."""
+    from click.testing import CliRunner
+
+    from cli.main import main
+
+    for args, flag in ((["--precision", "bf16", "--loss-scale", "1024"], "--loss-scale"),
+                       (["--precision", "fp32", "--loss-scale-window", "10"], "--loss-scale-window")):
+        result = CliRunner().invoke(main, ["train", *args, "--steps", "1"])
+        assert result.exit_code == 2, result.output
+        assert f"{flag} scales fp16's loss" in result.output, result.output

@@ -99,11 +99,25 @@ def build_train_config(options: dict) -> TrainConfig:
     check_timeout(options["watchdog"])
     if options["precision"] == AUTO:  # the device's format, looked up (torch) once everything else is valid
         cfg = dataclasses.replace(cfg, precision=training_precision(AUTO, cfg.device, cfg.world_size))
+    check_loss_scale_flags(cfg.precision)
     if cfg.data is not None:
         check_text_file(cfg.data, model.seq_len, load_tokenizer(cfg.tokenizer))
     if cfg.out_dir is None:
         cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
     return cfg
+
+
+def check_loss_scale_flags(precision: str) -> None:
+    """--loss-scale and --loss-scale-window scale fp16's loss (the only format whose policy scales it): given for
+    another format they would do nothing, so they are refused."""
+    context = click.get_current_context(silent=True)
+    if precision == "fp16" or context is None:
+        return
+    for name in ("loss_scale", "loss_scale_window"):
+        if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+            flag = f"--{name.replace('_', '-')}"
+            raise ConfigError(f"{flag} scales fp16's loss, and this run computes in {precision}, whose loss is not "
+                              f"scaled: drop {flag} or train with --precision fp16")
 
 
 def resume_choice(value: object) -> str | None:
