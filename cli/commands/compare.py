@@ -18,6 +18,7 @@ import dataclasses
 
 import click
 
+from cli.options import typed
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options
@@ -161,9 +162,8 @@ MATRIX_SETS = ("tp", "pp", "dp", "cp", "cp_kind", "ep", "zero", "shard_group", "
 def check_no_layout_flags() -> None:
     """--matrix runs its own layouts, each from the base configuration: a layout flag given with it would leak into
     the rows that leave that field alone (its "1 rank" row at tp 2 under --tp 2), so it is refused."""
-    context = click.get_current_context()
     for name in MATRIX_SETS:
-        if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+        if typed(name):
             flag = "--no-reshard-after-forward" if name == "reshard_after_forward" else f"--{name.replace('_', '-')}"
             raise ConfigError(f"{flag} with --matrix: the matrix runs its own layouts; drop {flag} "
                               "(or drop --matrix to compare that layout)")

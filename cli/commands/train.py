@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import typed
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options
@@ -110,11 +111,8 @@ def build_train_config(options: dict) -> TrainConfig:
 def check_loss_scale_flags(precision: str) -> None:
     """--loss-scale and --loss-scale-window scale fp16's loss (the only format whose policy scales it): given for
     another format they would do nothing, so they are refused."""
-    context = click.get_current_context(silent=True)
-    if precision == "fp16" or context is None:
-        return
     for name in ("loss_scale", "loss_scale_window"):
-        if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+        if precision != "fp16" and typed(name):
             flag = f"--{name.replace('_', '-')}"
             raise ConfigError(f"{flag} scales fp16's loss, and this run computes in {precision}, whose loss is not "
                               f"scaled: drop {flag} or train with --precision fp16")

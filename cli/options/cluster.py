@@ -7,6 +7,7 @@ from typing import Callable
 
 import click
 
+from cli.options import typed
 from minigpt.errors import ConfigError, check_path_given, check_positive_int
 
 DEFAULT_GPU = "a100-80gb"
@@ -74,7 +75,6 @@ def check_sweep_flags(options: dict) -> None:
     """--threshold and --scaling shape a sweep (--sweep): on one run they would do nothing, so they are refused."""
     if options["sweep"]:
         return
-    context = click.get_current_context()
     for name in ("threshold", "scaling"):
-        if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+        if typed(name):
             raise ConfigError(f"--{name} describes a sweep: add --sweep and its --gpus counts")

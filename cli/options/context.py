@@ -17,6 +17,7 @@ from typing import Callable
 
 import click
 
+from cli.options import typed
 from job.train_config import CP_KINDS
 from minigpt.errors import ConfigError
 
@@ -32,8 +33,7 @@ def context_options(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def checked(*args, **kwargs):
-        given = click.get_current_context().get_parameter_source("cp_kind") is click.core.ParameterSource.COMMANDLINE
-        if given and kwargs.get("cp") == 1:
+        if typed("cp_kind") and kwargs.get("cp") == 1:
             raise ConfigError("--cp-kind says how context-parallel ranks exchange keys and values: it needs --cp 2 "
                               "or more")
         return command(*args, **kwargs)
