@@ -26,6 +26,7 @@ from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.errors import ConfigError
+from job.layout import Layout
 from job.train_config import TrainConfig
 from parallel.launch.torchrun_env import check_torchrun_variables
 
@@ -155,8 +156,7 @@ def echo_drift(drift: dict | None) -> None:
                    + ("; recalibrate for a fair comparison" if drift_too_large(drift) else ""))
 
 
-MATRIX_SETS = ("tp", "pp", "dp", "cp", "cp_kind", "ep", "zero", "shard_group", "reshard_after_forward", "schedule",
-               "virtual_chunks", "sequence_parallel")  # what each row of cli/tools/compare_matrix.py's MATRIX sets
+MATRIX_SETS = (*(field.name for field in dataclasses.fields(Layout)), "schedule")  # a layout: what MATRIX's rows set
 
 
 def check_no_layout_flags() -> None:

@@ -29,7 +29,8 @@ import sys
 
 import click
 
-from cli.options.cluster import DEFAULT_GPU, check_cluster_names, check_sweep_flags, cluster_options, dp_from_gpus
+from cli.options.cluster import (DEFAULT_GPU, check_cluster_names, check_sweep_flags, cluster_options, dp_from_gpus,
+                                 mesh_name)
 from cli.options.collectives import check_nccl_algo, nccl_algo_option
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
@@ -82,16 +83,12 @@ def _cluster(options: dict, world: int):
             per_node = world  # one partly filled server
         if world % per_node:
             raise ConfigError(
-                f"{_mesh(options)} = {world} GPUs do not fill whole servers of {per_node}: "
+                f"{mesh_name(options)} x dp = {world} GPUs do not fill whole servers of {per_node}: "
                 f"give --nodes, or a layout whose GPU count is a multiple of {per_node}"
             )
         nodes = world // per_node
     return build_cluster(hardware, per_node, nodes, options["fabric"], options["topology_kind"],
                          options["nics_per_node"], options["oversubscription"]), hardware
-
-
-def _mesh(options: dict) -> str:
-    return "tp x cp x pp x dp" if options["cp"] > 1 else "tp x pp x dp"
 
 
 def _job(options: dict, model, zero: int):

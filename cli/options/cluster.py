@@ -48,6 +48,11 @@ def check_cluster_names(options: dict) -> None:
             check_path_given(f"--{name}", options[name], what)
 
 
+def mesh_name(options: dict) -> str:
+    """The model-parallel dimensions a job's flags multiply, as its messages name them (cp only when it is used)."""
+    return "tp x cp x pp" if (options["cp"] or 1) > 1 else "tp x pp"
+
+
 def dp_from_gpus(options: dict) -> None:
     """`minigpt simulate --gpus N` without --sweep: the job's GPU count. It sets dp (N over tp x cp x pp) when --dp
     is not given and must equal tp x cp x pp x dp when it is; one count (a comma-separated list is a sweep's)."""
@@ -60,8 +65,7 @@ def dp_from_gpus(options: dict) -> None:
         raise ConfigError(f"--gpus {given!r}: one run takes one GPU count (a comma-separated list is --sweep's)") \
             from None
     check_positive_int("--gpus", gpus)
-    cp = options["cp"] or 1
-    mesh, size = ("tp x cp x pp" if cp > 1 else "tp x pp"), (options["tp"] or 1) * cp * (options["pp"] or 1)
+    mesh, size = mesh_name(options), (options["tp"] or 1) * (options["cp"] or 1) * (options["pp"] or 1)
     if options["dp"] is None:
         if gpus % size:
             raise ConfigError(f"--gpus {gpus} is not a multiple of {mesh} = {size}: change --gpus or the layout")
