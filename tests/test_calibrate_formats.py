@@ -242,8 +242,11 @@ def test_a_one_gpu_cuda_calibration_prints_every_format_and_where_the_links_come
     for fmt in FORMATS:
         assert f"  {fmt:<5} peak (best measured)" in result.output
     assert "of preset h200's datasheet" in result.output
+    assert result.output.count("GEMM model by shape (fitted to its") == len(FORMATS)  # the device's 132 SMs
     hardware = load_hardware(str(path))
     assert hardware.gpu.peak_flops["bf16"] > hardware.gpu.peak_flops["fp32"]
+    model = hardware.gpu.matmul_efficiency.gemm  # GEMMs priced by shape, not by the smallest side
+    assert model.sms == 132 and all(model.fit(fmt) is not None for fmt in FORMATS)
 
 
 def test_the_cpu_dry_run_measures_the_formats_asked_for_and_simulates_bf16(tmp_path):
@@ -257,6 +260,7 @@ def test_the_cpu_dry_run_measures_the_formats_asked_for_and_simulates_bf16(tmp_p
     assert "not measured (one rank) and no preset matches the device" in result.output  # the placeholder, said
     (gpu,) = json.loads(path.read_text())["gpus"].values()
     assert gpu["peak_flops"]["bf16"] > 0 and gpu["peak_flops"]["fp8"] > 0
+    assert "gemm_model" not in gpu["matmul_efficiency"] and "GEMM model" not in result.output  # no SMs on a CPU
     assert gpu["peak_flops"]["tf32"] == gpu["peak_flops"]["fp32"]
     # fp16 not measured: a CPU emulates it with fp32 matmuls (precision/compute.py), so fp32's rates stand for it
     assert gpu["peak_flops"]["fp16"] == gpu["peak_flops"]["fp32"]

@@ -147,7 +147,7 @@ def test_units_carry_the_shape_the_simulator_keys_them_by():
 
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
-H200 = {"type": "cuda", "name": "NVIDIA H200", "backend": "nccl", "memory_bytes": 150 * 10**9}
+H200 = {"type": "cuda", "name": "NVIDIA H200", "backend": "nccl", "memory_bytes": 150 * 10**9, "sms": 132}
 
 
 def small_plan(ranks: int = 1, **changes):
@@ -197,6 +197,7 @@ def test_the_device_decides_sizes_and_its_description(monkeypatch):
 
     class Properties:
         total_memory = H200["memory_bytes"]
+        multi_processor_count = H200["sms"]
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Properties())

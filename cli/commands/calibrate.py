@@ -129,6 +129,10 @@ def run_calibration(out: str, ranks: int | None, quick: bool, threads_per_rank: 
     links_from = preset_links(used["name"]) if used["type"] == "cuda" else None
     shares = {"before": before, "after": after, "allowed_busy": allow_busy}
     profile = build_profile(measured, plan, name, host_cores(), date, links_from, shares, start_s)
+    if used.get("sms"):  # a GPU: GEMMs priced by shape, fitted to the ones it just timed
+        from simulator.costs.rates.gemm_fit import add_gemm_model
+
+        add_gemm_model(profile["gpus"][name], used["sms"])
     profile["gpus"][name]["calibration"]["host"] = socket.gethostname()
     profile["gpus"][name]["calibration"]["seconds"] = round(time.perf_counter() - start, 2)
     write_atomically(profile, path)
@@ -228,6 +232,11 @@ def echo_formats(gpu: dict, note: dict) -> None:
             extra += f", {about['of_datasheet']:.0%} of preset {note.get('datasheet_preset')}'s datasheet"
         click.echo(f"  {fmt:<5} peak (best measured) {peak / 1e12:.3g} TFLOP/s{extra}; efficiency by smallest side: "
                    f"{table}")
+        fit = gpu["matmul_efficiency"].get("gemm_model", {}).get(fmt)
+        if fit is not None:
+            click.echo(f"        GEMM model by shape (fitted to its {about['gemm_fit']['points']} GEMMs, off by "
+                       f"{about['gemm_fit']['rms_log_error']:.0%} rms): large {fit['large']:.3f}, k0 {fit['k0']}, "
+                       f"fixed {fit['fixed'] * 1e6:.1f} us")
 
 
 def echo_measured(measured: dict | None) -> None:

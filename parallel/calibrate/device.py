@@ -59,15 +59,17 @@ def strict_fp32(device: torch.device):
 
 
 def describe(device: torch.device) -> dict:
-    """What this rank measured on: {"type", "name", "backend", "memory_bytes" (a GPU's, else None)}."""
+    """What this rank measured on: {"type", "name", "backend", "memory_bytes" (a GPU's, else None), and on a GPU
+    "sms", its streaming multiprocessors (the GEMM model's waves: simulator/costs/rates/gemm_fit.py)}."""
     import torch.distributed as dist
 
     on_gpu = device.type == "cuda"
     backend = dist.get_backend() if dist.is_initialized() else ("nccl" if on_gpu else "gloo")
     if not on_gpu:
         return {"type": "cpu", "name": "cpu", "backend": str(backend), "memory_bytes": None}
+    properties = torch.cuda.get_device_properties(device)
     return {"type": "cuda", "name": torch.cuda.get_device_name(device), "backend": str(backend),
-            "memory_bytes": int(torch.cuda.get_device_properties(device).total_memory)}
+            "memory_bytes": int(properties.total_memory), "sms": int(properties.multi_processor_count)}
 
 
 def matmul_sizes(plan, device: torch.device, fmt: str = "fp32") -> tuple[int, ...]:

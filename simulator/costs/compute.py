@@ -15,7 +15,8 @@ gpu.reached.kernel_overhead (simulator/costs/rates/achieved.py: 1 and 0 when the
 
 Efficiency (`gemm_efficiency`): where the profile has a GEMM model for the format (a preset's
 "gemm_model", simulator/costs/rates/gemm_model.py), the model by (m, n, k): output tiles in waves over the
-GPU's SMs, a fixed cost per tile along k and per kernel, fitted to published sweeps. Otherwise the
+GPU's SMs, a fixed cost per tile along k and per kernel, fitted to published sweeps (a GPU's calibrated
+profile: to the GEMMs calibrate timed on it, simulator/costs/rates/gemm_fit.py). Otherwise the
 GPU's table for the format (EfficiencyProfile, the "matmul_efficiency" field
 of a hardware entry: cited data in a preset, our measurement in a calibrated profile), by the
 matmul's smallest side, interpolated linearly in log(size), the nearest point outside the

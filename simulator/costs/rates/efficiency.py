@@ -10,8 +10,9 @@ efficiency = achieved FLOP/s / the format's dense peak, by the smallest side of 
 points the efficiency is interpolated linearly in log(size); outside them the nearest point holds.
 
 A preset's object may also hold "gemm_model" (simulator/costs/rates/gemm_model.py: the GPU's SM count and, per
-format, a GEMM model by (m, n, k) with wave quantisation, fitted to published sweeps); compute.py prices a
-format that has one with it, every other format (and every calibrated profile) with its table.
+format, a GEMM model by (m, n, k) with wave quantisation, fitted to published sweeps), and so does a GPU's
+calibrated profile (fitted to the GEMMs calibrate timed: simulator/costs/rates/gemm_fit.py); compute.py prices a
+format that has one with it, every other format (and a CPU's calibrated profile) with its table.
 """
 
 from __future__ import annotations

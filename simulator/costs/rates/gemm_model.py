@@ -40,7 +40,8 @@ hardware entry's "matmul_efficiency" object:
                    "bf16": {"large": 0.8321, "k0": 64, "fixed": 6e-6}, ...}
 
 `parse_gemm_model` checks exactly that object; a format without an entry keeps the smallest-side
-table (simulator/costs/rates/efficiency.py), as does every calibrated profile (no gemm_model).
+table (simulator/costs/rates/efficiency.py), as does a CPU's calibrated profile (no gemm_model); a GPU's
+calibrated profile has one fitted to the GEMMs it timed (simulator/costs/rates/gemm_fit.py).
 """
 
 from __future__ import annotations
