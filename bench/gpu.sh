@@ -18,7 +18,8 @@
 #   5. train      one real bf16 training run of gpt2-124m                              -> train.json
 #   6. sustained  bench/gpu_sustained.py: a GEMM back to back for 25 s against its burst, bf16 and fp8, with
 #                 the SM clock (the power limit's share: docs/efficiency.md, tensor_sustained), then one GPT-3 175B
-#                 block forward and backward the same way beside the preset's price of it -> sustained.json
+#                 block forward and backward the same way beside the preset's price of it, and its kernels by
+#                 class under torch.profiler (GEMMs, attention, the rest, the gaps) beside the preset's -> sustained.json
 # plus gpu.log (everything printed, the machine first: nvidia-smi, torch, CUDA, capability) and summary.md
 # (one row per step): 8 files at most in $OUT; runs and traces go to a scratch folder that is removed.
 #

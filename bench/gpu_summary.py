@@ -73,6 +73,12 @@ def sustained(data: dict) -> str:
         ratio = layer["measured_over_predicted"]
         line += (f"; a {layer['model']} {layer['last_10s_s'] * 1e3:.1f} ms held, measured / {layer['predicted']['preset']}"
                  f" predicted {ratio['held']:.3f} (burst {ratio['burst']:.3f})")
+        measured = (layer.get("classes") or {}).get("measured") or {}
+        if "gemm" in measured:  # the profiled iterations: where the block's time goes, measured / predicted
+            priced = layer["classes"]["predicted"]
+            line += "; ms by class " + ", ".join(f"{name} {measured[name] * 1e3:.2f}/{priced[name] * 1e3:.2f}"
+                                                  for name in ("gemm", "attention", "memory"))
+            line += f", gaps {measured['gaps'] * 1e3:.2f}/{priced['overhead'] * 1e3:.2f}"
     return line
 
 

@@ -26,7 +26,11 @@ the preset matching the GPU's name (simulator/costs/ops.py's block_ops for our e
 accumulation, priced by simulator/costs/compute.py's op_time: with the preset's tensor_sustained, and without it for
 the burst). Why: the presets' GEMM model agrees with this GPU's GEMMs alone, back to back, within 2%, yet published
 runs on H100s come out about 9% slower than predicted; a block mixes GEMMs with memory-bound kernels, attention and the
-launch gaps between them, and this says whether the presets price that mix as it runs.
+launch gaps between them, and this says whether the presets price that mix as it runs. Then, held, PROFILED
+iterations under torch.profiler: the GPU's kernels by class (GEMMs, attention, the memory-bound rest, and the gaps
+between kernels), beside the simulator's seconds for its ops of each class and its per-kernel overhead ("classes"):
+where a gap between the block's measured and predicted time comes from. On the CPU dry run the classes are torch's
+ops' own CPU time (the code path only).
 The GEMM's shape is GPT-3 175B's fc1 at tensor parallelism 4, as the DGX-Cloud rows run it: 2048 x 12288 x 12288
 (m x n x k, random normal operands). Out: JSON with, per format, the burst's rate, each window's, the mean of the last
 10 s and its ratio to the burst, and the clock, power and temperature of each phase, and the block's ("layer"); one
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import statistics
 import subprocess
@@ -67,6 +72,11 @@ QUERY = "clocks.sm,power.draw,temperature.gpu"
 FORMATS = ("bf16", "fp16", "fp8", "fp8_fast", "tf32", "fp32")  # tf32 and fp32 on CUDA only (the CPU dry run: fp32)
 LAYER_MODEL = "gpt3-175b"  # one of its blocks, whole: 1.8e9 weights, about 24 TFLOP forward and backward a sequence
 DRY_LAYER = GPTConfig(vocab_size=256, seq_len=64, n_layers=1, n_heads=2, d_model=64, d_ff=256)
+PROFILED = 5  # block iterations under torch.profiler, after the back-to-back run
+ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)  # FlashAttention's, cuDNN's, torch's SDPA
+GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|s16816|splitk", re.IGNORECASE)  # cuBLAS(Lt), CUTLASS
+CPU_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
+CLASSES = ("gemm", "attention", "memory")
 
 
 class Sampler:
@@ -212,7 +222,67 @@ def predicted_layer(config: GPTConfig, preset_name: str | None, dtype: str) -> d
     burst_gpu = replace(gpu, achieved=replace(gpu.reached, tensor_sustained=()))
     return {"preset": preset_name, "ops": len(kept),
             "held_s": sum(op_time(op, gpu, gpu.matmul_efficiency) for op in kept),
-            "burst_s": sum(op_time(op, burst_gpu, burst_gpu.matmul_efficiency) for op in kept)}
+            "burst_s": sum(op_time(op, burst_gpu, burst_gpu.matmul_efficiency) for op in kept),
+            "classes": predicted_classes(kept, gpu)}
+
+
+def predicted_classes(ops, gpu) -> dict:
+    """The held seconds of `ops` by class (GEMMs, fused attention, the memory-bound rest: each op's roofline) and
+    "overhead", the per-kernel cost compute.py's op_time adds to each (the launch gaps the profile's "gaps" measure)."""
+    from simulator.costs.compute import kernel_overhead, op_time
+    from simulator.costs.op_types import FusedAttention, Gemm
+
+    out = dict.fromkeys((*CLASSES, "overhead"), 0.0)
+    for op in ops:
+        launches = op.launches if isinstance(op, Gemm) else 1
+        overhead = kernel_overhead(gpu, gpu.matmul_efficiency) * launches
+        kind = "gemm" if isinstance(op, Gemm) else "attention" if isinstance(op, FusedAttention) else "memory"
+        out[kind] += op_time(op, gpu, gpu.matmul_efficiency) - overhead
+        out["overhead"] += overhead
+    return out
+
+
+def kernel_class(name: str, cuda: bool) -> str:
+    """A profiled kernel's (on the CPU: a torch op's) class: attention, gemm or memory."""
+    if ATTENTION_KERNEL.search(name):
+        return "attention"
+    return "gemm" if (GEMM_KERNEL.search(name) if cuda else name in CPU_GEMMS) else "memory"
+
+
+def profile_classes(call, device: torch.device, iterations: int = PROFILED) -> dict:
+    """Seconds an iteration of `call` spends in each kernel class, and "gaps" (the span from the first kernel's
+    start to the last one's end, less the time some kernel runs), measured under torch.profiler after a warm-up
+    call. On the CPU: each torch op's self time by class, and the gaps the wall clock leaves (Python, dispatch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    call()
+    synchronize = torch.cuda.synchronize if cuda else (lambda *a: None)
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(iterations):
+            call()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    out = dict.fromkeys(CLASSES, 0.0)
+    if cuda:
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, reach = 0.0, -math.inf
+        for begin, end, name in kernels:
+            out[kernel_class(name, True)] += (end - begin) / 1e6
+            busy += max(0.0, end - max(begin, reach)) / 1e6
+            reach = max(reach, end)
+        span, count = ((kernels[-1][1] - kernels[0][0]) / 1e6 if kernels else 0.0), len(kernels)
+    else:
+        rows = [row for row in prof.key_averages() if row.self_cpu_time_total > 0]
+        for row in rows:
+            out[kernel_class(row.key, False)] += row.self_cpu_time_total / 1e6
+        busy, span, count = sum(out.values()), wall, sum(row.count for row in rows)
+    per = {name: seconds / iterations for name, seconds in out.items()}
+    return per | {"gaps": max(0.0, span - busy) / iterations, "kernels": count / iterations,
+                  "iterations": iterations}
 
 
 def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampler) -> dict:
@@ -226,6 +296,10 @@ def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampl
     t1 = time.perf_counter()
     windows = sustained(call, device, 1, args.layer_seconds, rate)
     t2 = time.perf_counter()
+    try:  # held: right after the back-to-back run; a profiler that fails costs this one field, not the run
+        measured_classes = profile_classes(call, device)
+    except Exception as error:  # noqa: BLE001 (torch.profiler's failures are not one type)
+        measured_classes = {"error": f"{type(error).__name__}: {error}"}
     del call
     last = [r for t, r in windows if t >= windows[-1][0] - LAST_S] or [windows[-1][1]]
     held = 1 / statistics.fmean(last)
@@ -236,6 +310,7 @@ def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampl
            "heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len, "burst_s": 1 / rate,
            "last_10s_s": held, "windows": windows, "held_over_burst": (1 / held) / rate, "predicted": predicted,
            "idle_gpu": sampler.between(t0 - args.cool_s, t0), "last_10s_gpu": sampler.between(t2 - LAST_S, t2)}
+    out["classes"] = {"measured": measured_classes, "predicted": None if predicted is None else predicted["classes"]}
     if predicted is not None:
         out["measured_over_predicted"] = {"burst": out["burst_s"] / predicted["burst_s"],
                                           "held": held / predicted["held_s"]}
@@ -312,9 +387,21 @@ def layer_line(layer: dict) -> str:
     if predicted is None:
         return line + "; no preset matches this GPU"
     ratio = layer["measured_over_predicted"]
-    return (line + f"; {predicted['preset']} predicts {predicted['burst_s'] * 1e3:.2f} and "
-            f"{predicted['held_s'] * 1e3:.2f} ms (measured / predicted: burst {ratio['burst']:.3f}, "
-            f"held {ratio['held']:.3f})")
+    line += (f"; {predicted['preset']} predicts {predicted['burst_s'] * 1e3:.2f} and "
+             f"{predicted['held_s'] * 1e3:.2f} ms (measured / predicted: burst {ratio['burst']:.3f}, "
+             f"held {ratio['held']:.3f})")
+    return line + "\n" + classes_line(layer["classes"])
+
+
+def classes_line(classes: dict) -> str:
+    """The block's milliseconds an iteration by kernel class, measured (held, profiled) / predicted (held)."""
+    measured, predicted = classes["measured"], classes["predicted"]
+    if "error" in measured:
+        return f"  by kernel class: not profiled ({measured['error']})"
+    parts = [f"{name} {measured[name] * 1e3:.2f}/{predicted[name] * 1e3:.2f}" for name in CLASSES]
+    parts.append(f"gaps {measured['gaps'] * 1e3:.2f}/{predicted['overhead'] * 1e3:.2f} (per-kernel overhead)")
+    return (f"  by kernel class, ms an iteration, measured/predicted ({measured['kernels']:.0f} kernels measured): "
+            + ", ".join(parts))
 
 
 if __name__ == "__main__":

@@ -39,8 +39,51 @@ def test_the_dry_run_times_a_burst_and_windows_back_to_back(tmp_path):
     predicted = layer["predicted"]
     assert predicted["preset"] == "h200" and predicted["ops"] > 20 and predicted["held_s"] >= predicted["burst_s"] > 0
     assert layer["measured_over_predicted"]["held"] == pytest.approx(layer["last_10s_s"] / predicted["held_s"])
+    measured, priced = layer["classes"]["measured"], layer["classes"]["predicted"]  # the profiled iterations
+    assert measured["iterations"] == 5 and measured["kernels"] > 20 and measured["gaps"] >= 0
+    assert measured["gemm"] > 0 and measured["memory"] > 0 and measured["attention"] > 0  # SDPA's CPU kernel
+    assert set(priced) == {"gemm", "attention", "memory", "overhead"} and all(v > 0 for v in priced.values())
+    assert sum(priced.values()) == pytest.approx(predicted["held_s"])
     lines = done.stdout.strip().splitlines()
-    assert "of the burst" in lines[0] and "h200 predicts" in lines[1] and len(lines) == 2
+    assert "of the burst" in lines[0] and "h200 predicts" in lines[1] and len(lines) == 3
+    assert lines[2].startswith("  by kernel class, ms an iteration, measured/predicted") and "gaps" in lines[2]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_sustained", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_kernels_are_classed_by_their_names_as_cublas_flash_attention_and_torch_name_them():
+    kernel_class = load_script().kernel_class
+    for name in ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_kernel",
+                 "nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", "cutlass3x_sm90_tensorop_gemm_bf16_bf16_f32",
+                 "ampere_bf16_s16816gemm_bf16_256x128_ldg8_f2f_stages_64x3_tn", "splitKreduce_kernel"):
+        assert kernel_class(name, True) == "gemm", name
+    for name in ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>",
+                 "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "fmha_cutlassF_bf16_aligned_64x128_rf_sm80",
+                 "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"):
+        assert kernel_class(name, True) == "attention", name
+    for name in ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>",
+                 "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>",
+                 "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>"):
+        assert kernel_class(name, True) == "memory", name
+    assert kernel_class("aten::addmm", False) == "gemm" and kernel_class("aten::gelu", False) == "memory"
+    assert kernel_class("aten::_scaled_dot_product_flash_attention_for_cpu", False) == "attention"
+
+
+def test_the_block_by_class_is_its_ops_priced_one_by_one():
+    from minigpt.presets import preset
+    from simulator.costs.hardware import load_hardware
+
+    script = load_script()
+    gpt3 = script.predicted_layer(preset("gpt3-175b"), "h100-sxm", "bf16")
+    classes, gpu = gpt3["classes"], load_hardware("h100-sxm").gpu
+    assert sum(classes.values()) == pytest.approx(gpt3["held_s"])
+    assert classes["overhead"] == pytest.approx(gpt3["ops"] * gpu.reached.kernel_overhead, rel=0.2)  # GEMM launches
+    assert classes["gemm"] > classes["attention"] > 0 and classes["gemm"] > classes["memory"] > 0
 
 
 def test_the_block_is_priced_as_the_simulator_prices_its_ops_held_and_in_a_burst():
