@@ -73,13 +73,21 @@ def sustained(data: dict) -> str:
         ratio = layer["measured_over_predicted"]
         line += (f"; a {layer['model']} {layer['last_10s_s'] * 1e3:.1f} ms held, measured / {layer['predicted']['preset']}"
                  f" predicted {ratio['held']:.3f} (burst {ratio['burst']:.3f})")
-        measured = (layer.get("classes") or {}).get("measured") or {}
-        if "gemm" in measured:  # the profiled iterations: where the block's time goes, measured / predicted
-            priced = layer["classes"]["predicted"]
-            line += "; ms by class " + ", ".join(f"{name} {measured[name] * 1e3:.2f}/{priced[name] * 1e3:.2f}"
-                                                  for name in ("gemm", "attention", "memory"))
-            line += f", gaps {measured['gaps'] * 1e3:.2f}/{priced['overhead'] * 1e3:.2f}"
+        for block in (layer, layer.get("small") or {}):
+            line += by_class(block)
     return line
+
+
+def by_class(block: dict) -> str:
+    """A profiled block's milliseconds by kernel class, measured / predicted (nothing when it was not profiled)."""
+    measured = (block.get("classes") or {}).get("measured") or {}
+    priced = (block.get("classes") or {}).get("predicted")
+    if "gemm" not in measured or priced is None:
+        return ""
+    size = f" x {block['batch']}" if "batch" in block else ""
+    return (f"; {block['model']}{size} ms by class " + ", ".join(
+        f"{name} {measured[name] * 1e3:.2f}/{priced[name] * 1e3:.2f}" for name in ("gemm", "attention", "memory"))
+        + f", gaps {measured['gaps'] * 1e3:.2f}/{priced['overhead'] * 1e3:.2f}")
 
 
 HEADLINES = {"kernels": kernels, "calibrate": calibrate, "compare": compare, "precision": precision, "train": train,

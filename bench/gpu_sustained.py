@@ -29,8 +29,10 @@ runs on H100s come out about 9% slower than predicted; a block mixes GEMMs with 
 launch gaps between them, and this says whether the presets price that mix as it runs. Then, held, PROFILED
 iterations under torch.profiler: the GPU's kernels by class (GEMMs, attention, the memory-bound rest, and the gaps
 between kernels), beside the simulator's seconds for its ops of each class and its per-kernel overhead ("classes"):
-where a gap between the block's measured and predicted time comes from. On the CPU dry run the classes are torch's
-ops' own CPU time (the code path only).
+where a gap between the block's measured and predicted time comes from; and the same for a block of short kernels,
+gpt2-124m's over 8 sequences (`minigpt compare`'s model, where the roofline's compute came out at about half the
+measured: docs/results.md), "small". On the CPU dry run the classes are torch's ops' own CPU time (the code path
+only).
 The GEMM's shape is GPT-3 175B's fc1 at tensor parallelism 4, as the DGX-Cloud rows run it: 2048 x 12288 x 12288
 (m x n x k, random normal operands). Out: JSON with, per format, the burst's rate, each window's, the mean of the last
 10 s and its ratio to the burst, and the clock, power and temperature of each phase, and the block's ("layer"); one
@@ -73,6 +75,7 @@ FORMATS = ("bf16", "fp16", "fp8", "fp8_fast", "tf32", "fp32")  # tf32 and fp32 o
 LAYER_MODEL = "gpt3-175b"  # one of its blocks, whole: 1.8e9 weights, about 24 TFLOP forward and backward a sequence
 DRY_LAYER = GPTConfig(vocab_size=256, seq_len=64, n_layers=1, n_heads=2, d_model=64, d_ff=256)
 PROFILED = 5  # block iterations under torch.profiler, after the back-to-back run
+SMALL_MODEL, SMALL_BATCH = "gpt2-124m", 8  # a block of short kernels, profiled too: minigpt compare's gpt2 step
 ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)  # FlashAttention's, cuDNN's, torch's SDPA
 GEMM_KERNEL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|s16816|splitk", re.IGNORECASE)  # cuBLAS(Lt), CUTLASS
 CPU_GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
@@ -187,13 +190,13 @@ def measure_format(fmt: str, device: torch.device, args: argparse.Namespace, sam
             "last_10s_gpu": sampler.between(t2 - LAST_S, t2)}
 
 
-def layer_call(config: GPTConfig, device: torch.device):
-    """One forward and backward of a block over one sequence, bf16 on a GPU (fp32 on the CPU dry run)."""
+def layer_call(config: GPTConfig, device: torch.device, batch: int = 1):
+    """One forward and backward of a block over `batch` sequences, bf16 on a GPU (fp32 on the CPU dry run)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with device:  # built where it runs: GPT-3's 1.8e9 weights initialised on a CPU would take longer than the run
         block = Block(config).to(dtype=dtype)
-    x = torch.randn(1, config.seq_len, config.d_model, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(1, config.seq_len, config.d_model, device=device, dtype=dtype)
+    x = torch.randn(batch, config.seq_len, config.d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(batch, config.seq_len, config.d_model, device=device, dtype=dtype)
     params = list(block.parameters())
 
     def call() -> None:
@@ -204,7 +207,7 @@ def layer_call(config: GPTConfig, device: torch.device):
     return call
 
 
-def predicted_layer(config: GPTConfig, preset_name: str | None, dtype: str) -> dict | None:
+def predicted_layer(config: GPTConfig, preset_name: str | None, dtype: str, batch: int = 1) -> dict | None:
     """The simulator's seconds for layer_call's ops on `preset_name`: held (its tensor_sustained) and a burst's."""
     if preset_name is None:
         return None
@@ -217,7 +220,7 @@ def predicted_layer(config: GPTConfig, preset_name: str | None, dtype: str) -> d
     from simulator.costs.op_types import Implementation
     from simulator.costs.ops import block_ops
     gpu = load_hardware(preset_name).gpu
-    ops = block_ops(config, 1, Layout(), policy(dtype), Implementation())
+    ops = block_ops(config, batch, Layout(), policy(dtype), Implementation())
     kept = [op for op in (*ops.forward, *ops.backward) if not op.name.endswith(".grad_accumulate")]
     burst_gpu = replace(gpu, achieved=replace(gpu.reached, tensor_sustained=()))
     return {"preset": preset_name, "ops": len(kept),
@@ -296,10 +299,7 @@ def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampl
     t1 = time.perf_counter()
     windows = sustained(call, device, 1, args.layer_seconds, rate)
     t2 = time.perf_counter()
-    try:  # held: right after the back-to-back run; a profiler that fails costs this one field, not the run
-        measured_classes = profile_classes(call, device)
-    except Exception as error:  # noqa: BLE001 (torch.profiler's failures are not one type)
-        measured_classes = {"error": f"{type(error).__name__}: {error}"}
+    measured_classes = profiled(call, device)  # held: right after the back-to-back run
     del call
     last = [r for t, r in windows if t >= windows[-1][0] - LAST_S] or [windows[-1][1]]
     held = 1 / statistics.fmean(last)
@@ -314,7 +314,28 @@ def measure_layer(device: torch.device, args: argparse.Namespace, sampler: Sampl
     if predicted is not None:
         out["measured_over_predicted"] = {"burst": out["burst_s"] / predicted["burst_s"],
                                           "held": held / predicted["held_s"]}
-    return out | {"first_second_gpu": sampler.between(t1, t1 + 1.0)}
+    return out | {"first_second_gpu": sampler.between(t1, t1 + 1.0), "small": small_block(device, preset_name)}
+
+
+def profiled(call, device: torch.device) -> dict:
+    """profile_classes of `call`, or {"error": why}: a profiler that fails costs this one field, not the run."""
+    try:
+        return profile_classes(call, device)
+    except Exception as error:  # noqa: BLE001 (torch.profiler's failures are not one type)
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def small_block(device: torch.device, preset_name: str | None) -> dict:
+    """SMALL_MODEL's block over SMALL_BATCH sequences profiled by class beside the preset's price: the regime of
+    short kernels (width 768), where launch gaps and memory-bound kernels weigh most (the dry run: DRY_LAYER, 2)."""
+    cuda = device.type == "cuda"
+    config, batch = (preset(SMALL_MODEL), SMALL_BATCH) if cuda else (DRY_LAYER, 2)
+    call = layer_call(config, device, batch)
+    measured = profiled(call, device)
+    del call
+    predicted = predicted_layer(config, preset_name, "bf16" if cuda else "fp32", batch)
+    return {"model": f"{SMALL_MODEL} block" if cuda else "dry-run block", "batch": batch, "seq_len": config.seq_len,
+            "classes": {"measured": measured, "predicted": None if predicted is None else predicted["classes"]}}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -390,7 +411,11 @@ def layer_line(layer: dict) -> str:
     line += (f"; {predicted['preset']} predicts {predicted['burst_s'] * 1e3:.2f} and "
              f"{predicted['held_s'] * 1e3:.2f} ms (measured / predicted: burst {ratio['burst']:.3f}, "
              f"held {ratio['held']:.3f})")
-    return line + "\n" + classes_line(layer["classes"])
+    line += "\n" + classes_line(layer["classes"])
+    small = layer.get("small")
+    if small and small["classes"]["predicted"] is not None:
+        line += "\n" + classes_line(small["classes"]).replace("by kernel class", f"{small['model']} x {small['batch']}")
+    return line
 
 
 def classes_line(classes: dict) -> str:

@@ -44,9 +44,14 @@ def test_the_dry_run_times_a_burst_and_windows_back_to_back(tmp_path):
     assert measured["gemm"] > 0 and measured["memory"] > 0 and measured["attention"] > 0  # SDPA's CPU kernel
     assert set(priced) == {"gemm", "attention", "memory", "overhead"} and all(v > 0 for v in priced.values())
     assert sum(priced.values()) == pytest.approx(predicted["held_s"])
+    small = layer["small"]  # a block of short kernels (gpt2-124m x 8 on a GPU), profiled and priced by class too
+    assert (small["model"], small["batch"], small["seq_len"]) == ("dry-run block", 2, 64)
+    assert small["classes"]["measured"]["gemm"] > 0 and small["classes"]["measured"]["kernels"] > 20
+    assert small["classes"]["predicted"]["gemm"] > priced["gemm"]  # twice the sequences: twice the GEMM work
     lines = done.stdout.strip().splitlines()
-    assert "of the burst" in lines[0] and "h200 predicts" in lines[1] and len(lines) == 3
+    assert "of the burst" in lines[0] and "h200 predicts" in lines[1] and len(lines) == 4
     assert lines[2].startswith("  by kernel class, ms an iteration, measured/predicted") and "gaps" in lines[2]
+    assert lines[3].startswith("  dry-run block x 2, ms an iteration, measured/predicted")
 
 
 def load_script():
