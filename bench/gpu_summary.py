@@ -42,8 +42,14 @@ def kernels(data: dict) -> str:
 def calibrate(data: dict) -> str:
     (name, gpu), = data["gpus"].items()
     peaks = ", ".join(f"{fmt} {value / 1e12:.3g}" for fmt, value in gpu["peak_flops"].items() if value)
-    tables = ", ".join(k for k in gpu.get("matmul_efficiency", {}) if k != "launch_latency")
-    return f"{name}: peak TFLOP/s {peaks}; efficiency tables: {tables}; copy {gpu['hbm_bandwidth'] / 1e9:.1f} GB/s"
+    efficiency = gpu.get("matmul_efficiency", {})
+    tables = ", ".join(k for k in efficiency if k not in ("launch_latency", "gemm_model"))
+    fits = {fmt: note["gemm_fit"] for fmt, note in gpu.get("calibration", {}).get("formats", {}).items()
+            if "gemm_fit" in note}  # the GEMM model by shape fitted to its GEMMs (simulator/costs/rates/gemm_fit.py)
+    model = ("; GEMM model fitted (rms): " + ", ".join(f"{fmt} {fit['rms_log_error']:.0%}" for fmt, fit in fits.items())
+             if fits else "")
+    return (f"{name}: peak TFLOP/s {peaks}; efficiency tables: {tables}{model}; "
+            f"copy {gpu['hbm_bandwidth'] / 1e9:.1f} GB/s")
 
 
 def compare(data: dict) -> str:

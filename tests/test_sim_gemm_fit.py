@@ -111,3 +111,16 @@ def test_a_format_not_measured_is_not_fitted_and_without_any_there_is_no_model()
 def test_no_points_no_fit():
     with pytest.raises(ValueError, match="needs measured GEMMs"):
         fit_gemm([], 132, 1e15, 0.0)
+
+
+def test_gpu_sh_summary_names_the_fit():
+    """bench/gpu.sh's summary line for the calibrate step says the profile carries a fitted GEMM model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_summary", H200_RUN.parents[2] / "bench" / "gpu_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    fitted = json.loads(PROFILE.read_text()) | {"gpus": {"cuda-calibrated": add_gemm_model(h200_gpu(), H200_SMS)}}
+    line = summary.calibrate(fitted)
+    assert "GEMM model fitted (rms): fp32 13%, tf32 15%, bf16 14%, fp16 15%, fp8 16%" in line
+    assert "GEMM model" not in summary.calibrate(json.loads(PROFILE.read_text()))  # as calibrated on 2026-12-04
