@@ -79,9 +79,6 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
         raise ConfigError(f"--cp-kind must be one of {', '.join(CP_KINDS)}, got {kind!r}")
     if cp == 1:
         return
-    if model.qk_norm:
-        raise ConfigError(f"--cp {cp} with query and key norms (qk_norm, Qwen3) is not supported yet: the context-"
-                          f"parallel attention does not apply them; use tensor, pipeline or data parallelism")
     if 2 * cp > model.seq_len:
         raise ConfigError(f"--cp {cp} needs 2 x cp = {2 * cp} chunks of at least one token, but the sequence has "
                           f"{model.seq_len}: choose a cp of at most {model.seq_len // 2}")

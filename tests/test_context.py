@@ -1,7 +1,8 @@
 """Context parallelism (parallel/context/): the load-balanced split; ring and all-gather attention over 2 and 4
 gloo ranks against torch's own causal attention on the whole sequence, outputs and gradients, with grouped-query
-heads; the ring's bytes counted; and the plain model made context-parallel from outside (learned positions, and
-RoPE with grouped-query attention), its loss and gradients against one process on the same batch."""
+heads; the ring's bytes counted; and the plain model made context-parallel from outside (learned positions, RoPE with
+grouped-query attention, and Qwen3's wider heads with their query and key norms), its loss and gradients against one
+process on the same batch."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from parallel.context.ring import ring_attention
 B, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
 KINDS = {"ring": ring_attention, "allgather": allgather_attention}
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
-# Two small models: GPT-2's shape (learned positions, GELU, LayerNorm), and Llama's (RoPE, grouped-query
-# attention, SwiGLU, RMSNorm, no biases, untied head); 32 tokens split into 2 x cp chunks for cp 2 and 4.
+# Three small models: GPT-2's shape (learned positions, GELU, LayerNorm), Llama's (RoPE, grouped-query
+# attention, SwiGLU, RMSNorm, no biases, untied head) and Qwen3's (Llama's with heads wider than width / heads and
+# each query and key head RMS-normalised); 32 tokens split into 2 x cp chunks for cp 2 and 4.
 MODELS = {
     "gpt": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, d_model=32, d_ff=64),
     "llama": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48,
                        positions="rope", mlp="swiglu", norm="rmsnorm", bias=False, tied_head=False),
+    "qwen3": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48, d_head=12,
+                       qk_norm=True, positions="rope", mlp="swiglu", norm="rmsnorm", bias=False, tied_head=False),
 }
 
 

@@ -4,8 +4,8 @@ checkpoint written at cp 2 loaded at cp 1 and at tp 2.
 A mesh spans its whole world, so the layouts run in three worlds: 2 ranks (cp 2, both kinds; the byte
 counts; the checkpoint and its load at tp 2), 4 ranks (cp 4, both kinds; cp 2 x tp 2 with sequence
 parallelism; cp 2 x pp 2, 1F1B and zero-bubble; cp 2 x dp 2 under ZeRO-3), 8 ranks (tp 2 x cp 2 x pp 2),
-each for the GPT-2-shaped and the Llama-shaped tiny model. The one-process references and the load at
-cp 1 run in this process.
+each for the GPT-2-shaped and the Llama-shaped tiny model, and the Llama-shaped one with Qwen3's query and key
+norms at cp 2 (both kinds) and cp 2 x tp 2. The one-process references and the load at cp 1 run in this process.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from test_checkpoint import mismatches, new_rank, train
 
 # two of the presets' four layers: every layout has what it needs (pp 2: a block a stage), in half the time
 MODELS = {name: preset(name).with_(seq_len=32, n_layers=2) for name in ("tiny", "tiny-llama")}
+# Qwen3's attention on the Llama-shaped model: heads wider than width / heads, each query and key head RMS-normalised
+# (their norms' gradients summed over tp); the layouts that reach them (QK_LAYOUTS), beside one process
+QWEN = MODELS["tiny-llama"].with_(d_head=48, qk_norm=True)
+QK_LAYOUTS = {2: ("cp2-ring", "cp2-allgather"), 4: ("cp2-tp2-sp",), 8: ()}
 STEPS = 20
 TOLERANCE = 1e-5  # relative, at every step: the loss and the gradient norm before clipping
 LAYOUTS = {
@@ -43,8 +47,8 @@ SAVED_AT = 3
 def base(model: str) -> TrainConfig:
     # lr 1e-3: at the default 2e-3 the tiny GPT at 32 tokens spikes at step 12 (loss 3.7 -> 8.2, gradient norm
     # 165), which turns the 1e-7 gaps of every other step into 5e-5 in any layout that sums in another order
-    return TrainConfig(model=MODELS[model], steps=STEPS, global_batch=8, eval_every=0, eval_batches=1,
-                       device="cpu", lr=1e-3, min_lr=1e-4)
+    return TrainConfig(model=QWEN if model == "qwen3" else MODELS[model], steps=STEPS, global_batch=8, eval_every=0,
+                       eval_batches=1, device="cpu", lr=1e-3, min_lr=1e-4)
 
 
 def history(cfg: TrainConfig) -> dict:
@@ -63,8 +67,10 @@ def history(cfg: TrainConfig) -> dict:
 
 def parity_runs(world: int) -> dict:
     torch.set_num_threads(1)
-    return {f"{model} {name}": history(dataclasses.replace(base(model), **changes))
+    runs = {f"{model} {name}": history(dataclasses.replace(base(model), **changes))
             for model in MODELS for name, changes in LAYOUTS[world].items()}
+    return runs | {f"qwen3 {name}": history(dataclasses.replace(base("qwen3"), **LAYOUTS[world][name]))
+                   for name in QK_LAYOUTS[world]}
 
 
 def two_ranks(out_dir: str) -> dict | None:
@@ -99,14 +105,15 @@ def references():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {model: history(base(model)) for model in MODELS}
+        return {model: history(base(model)) for model in (*MODELS, "qwen3")}
     finally:
         torch.set_num_threads(threads)
 
 
 def test_every_context_parallel_layout_matches_one_process(spawned, references):
     runs = spawned["parity"]
-    assert set(runs) == {f"{model} {name}" for model in MODELS for layouts in LAYOUTS.values() for name in layouts}
+    assert set(runs) == {f"{model} {name}" for model in MODELS for layouts in LAYOUTS.values() for name in layouts} | {
+        f"qwen3 {name}" for names in QK_LAYOUTS.values() for name in names}
     gaps = {name: worst_gap(run, references[name.split()[0]]) for name, run in runs.items()}
     print("worst relative gaps: " + "; ".join(f"{name} {gap}" for name, gap in gaps.items()))
     for name, gap in gaps.items():

@@ -1,7 +1,8 @@
 """The plain model made context-parallel from outside: each rank computes two chunks of every sequence.
 
 `apply_context_parallel` swaps every block's attention core (minigpt/model.py's AttentionCore, the module
-selective recomputation also wraps) for `ContextAttentionCore`, which rotates q and k at the tokens' true
+selective recomputation also wraps) for `ContextAttentionCore`, which normalises each query and key head where the
+model does (Qwen3's qk_norm, the core's own norm modules), rotates q and k at the tokens' true
 positions and attends across the group by ring or all-gather (parallel/context/ring.py, allgather.py), and
 re-indexes a learned position embedding to the same positions (a forward pre-hook: the parameters and their
 names stay the model's). A mixture of experts counts its routing over whole sequences (parallel/context/moe.py);
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minigpt.model import GPT, RotaryQK
+from minigpt.model import GPT, AttentionCore, RotaryQK
 from parallel.context.allgather import allgather_attention
 from parallel.comm import Collectives
 from parallel.context.chunks import check_split, positions
@@ -33,6 +34,7 @@ class ContextAttentionCore(nn.Module):
                  counter=None):
         super().__init__()
         self.head_dim, self.group_size, self.rope_theta = core.head_dim, core.group, core.rope_theta
+        self.q_norm, self.k_norm = core.q_norm, core.k_norm  # Qwen3's per-head norms: the same modules and names
         self.cp_group, self.attend, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
 
@@ -40,6 +42,8 @@ class ContextAttentionCore(nn.Module):
         batch, seq, width = qkv.shape
         kv_heads = width // (self.head_dim * (self.group_size + 2))
         heads = kv_heads * self.group_size
+        if self.q_norm is not None:  # token by token, before the rotation, as AttentionCore normalises
+            qkv = AttentionCore.normed(self, qkv, heads, kv_heads)
         if self.rope_theta is not None:
             qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.token_positions)
         q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
