@@ -11,7 +11,7 @@ import click
 from minigpt.errors import ConfigError, Interrupted, TrainingError
 
 EXIT_BAD_INPUT = 2
-STOPPED = "the run ended early; its checkpoints so far are kept (--resume continues)"
+STOPPED = "the run ended early; its checkpoints so far are kept (--resume continues)"  # train's: it checkpoints
 EXIT_RUN_FAILED = 1
 LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines() splits on
 
@@ -25,6 +25,14 @@ def one_line(message: object) -> str:
 
 def _raise_interrupted(signal_number: int, frame) -> None:
     raise Interrupted(signal_number)
+
+
+def stopped(args: list[str] | None) -> str:
+    """What a stop by a signal leaves, for the command in `args` (sys.argv's when None): train's checkpoints, or,
+    for every other command (none checkpoints), that it did not finish."""
+    words = sys.argv[1:] if args is None else args
+    command = next((word for word in words if word in COMMANDS), None)
+    return STOPPED if command in (None, "train") else f"minigpt {command} ended before it finished"
 
 
 # Each command's module, imported when the command is used (or listed): `minigpt train` does not pay for
@@ -67,10 +75,10 @@ class Group(click.Group):
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except (click.exceptions.Abort, KeyboardInterrupt):  # Ctrl-C in this process (click turns it into Abort)
-            click.echo(f"minigpt: {Interrupted(signal.SIGINT)}: {STOPPED}", err=True)
+            click.echo(f"minigpt: {Interrupted(signal.SIGINT)}: {stopped(args)}", err=True)
             sys.exit(128 + signal.SIGINT)
         except Interrupted as error:
-            click.echo(f"minigpt: {error}: {STOPPED}", err=True)
+            click.echo(f"minigpt: {error}: {stopped(args)}", err=True)
             sys.exit(128 + error.signal_number)
         except click.ClickException as error:
             click.echo(f"minigpt: error: {one_line(error.format_message())}", err=True)

@@ -366,3 +366,36 @@ def test_loss_scale_flags_on_a_format_that_scales_nothing_are_refused():
         result = CliRunner().invoke(main, ["train", *args, "--steps", "1"])
         assert result.exit_code == 2, result.output
         assert f"{flag} scales fp16's loss" in result.output, result.output
+
+
+def test_a_command_stopped_by_a_signal_says_what_it_leaves():
+    """SIGTERM or Ctrl-C: train's line says its checkpoints are kept; every other command checkpoints nothing, so
+    its line says only that it did not finish (a stopped plan once spoke of checkpoints and --resume)."""
+    from cli.main import STOPPED, stopped
+
+    assert stopped(["train", "--steps", "5"]) == STOPPED and stopped(["--config", "x.toml"]) == STOPPED
+    assert stopped(["plan", "--model", "llama3-70b"]) == "minigpt plan ended before it finished"
+    assert stopped(["simulate", "--sweep"]) == "minigpt simulate ended before it finished"
+
+
+def test_sigterm_stops_a_plan_in_one_line():
+    """A long search (Llama 3 70B at 128K tokens on 256 B200s: minutes) stopped by a scheduler's SIGTERM: exit 143,
+    one line naming the signal and the command, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "cli", "plan", "--model", "llama3-70b", "--gpus", "256",
+                                "--global-batch", "1024", "--seq-len", "131072", "--gpu", "b200"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(6)  # past the imports, inside the search
+        assert process.poll() is None, "the search ended before the signal"
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-1000:]
+    assert stderr.strip() == "minigpt: stopped by SIGTERM: minigpt plan ended before it finished", stderr[-1000:]
