@@ -124,3 +124,24 @@ def test_gpu_sh_summary_names_the_fit():
     line = summary.calibrate(fitted)
     assert "GEMM model fitted (rms): fp32 13%, tf32 15%, bf16 14%, fp16 15%, fp8 16%" in line
     assert "GEMM model" not in summary.calibrate(json.loads(PROFILE.read_text()))  # as calibrated on 2026-12-04
+
+
+def test_the_fit_reads_the_shapes_calibrate_times(monkeypatch):
+    """measured_points turns a profile's rates back into (m, n, k): the shapes parallel/calibrate/device.py times
+    under those names, checked against the calls it makes (each faked to take one second)."""
+    import torch
+
+    import parallel.calibrate.device as device
+    from parallel.calibrate.measure import make_plan
+
+    calls = []
+
+    def fake_gemm(fmt, m, n, k, where, min_run_s, repeats):
+        calls.append((m, n, k))
+        return {"flops_per_s": 2.0 * m * n * k, "spread": 0.0}  # every GEMM one second
+
+    monkeypatch.setattr(device, "time_gemm", fake_gemm)
+    rates, _ = device.format_rates(make_plan(1, quick=True), torch.device("cpu"), "fp32")
+    points = measured_points(rates)
+    assert sorted((m, n, k) for m, n, k, _ in points) == sorted(calls) and len(calls) == 2 * len(rates["square"])
+    assert all(seconds == 1.0 for *_, seconds in points)
