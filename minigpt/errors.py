@@ -20,14 +20,19 @@ class TrainingError(RuntimeError):
 class Interrupted(Exception):
     """The run was stopped by a signal (SIGINT: Ctrl-C, SIGTERM: a scheduler or `kill`).
 
-    The CLI prints one line and exits with 128 + the signal's number, as a shell reports it.
+    The CLI prints one line and exits with 128 + the signal's number, as a shell reports it. Its args are the
+    signal's number alone, so that whatever rebuilds an exception from its args gets the same one back: SimPy
+    re-raises an exception from inside a simulation as type(error)(*error.args), and pickle does the same.
     """
 
     def __init__(self, signal_number: int):
+        super().__init__(signal_number)
+        self.signal_number = signal_number
+
+    def __str__(self) -> str:
         import signal
 
-        self.signal_number = signal_number
-        super().__init__(f"stopped by {signal.Signals(signal_number).name}")
+        return f"stopped by {signal.Signals(self.signal_number).name}"
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -399,3 +399,25 @@ def test_sigterm_stops_a_plan_in_one_line():
             process.kill()
     assert process.returncode == 128 + signal.SIGTERM, stderr[-1000:]
     assert stderr.strip() == "minigpt: stopped by SIGTERM: minigpt plan ended before it finished", stderr[-1000:]
+
+
+def test_a_signal_inside_a_simulation_is_the_same_stop():
+    """A SIGTERM that lands inside SimPy's replay (simulate, plan) reaches the CLI as the same Interrupted: SimPy
+    re-raises an exception as type(error)(*error.args), which once failed on Interrupted's message (a traceback)."""
+    import pickle
+    import signal
+
+    import simpy
+
+    from minigpt.errors import Interrupted
+
+    def stopped_here(env):
+        yield env.timeout(1)
+        raise Interrupted(signal.SIGTERM)
+
+    env = simpy.Environment()
+    env.process(stopped_here(env))
+    with pytest.raises(Interrupted) as caught:
+        env.run()
+    assert caught.value.signal_number == signal.SIGTERM and str(caught.value) == "stopped by SIGTERM"
+    assert pickle.loads(pickle.dumps(caught.value)).signal_number == signal.SIGTERM
