@@ -122,7 +122,8 @@ class AttentionCore(nn.Module):
 
     Reads its head counts from the input's width: a column-sharded qkv carries fewer heads of each
     kind, in the same ratio of query heads to key/value heads (`group`). The one module that
-    selective recomputation runs again (parallel/recompute.py)."""
+    selective recomputation runs again (parallel/recompute.py). `positions` and `attend` are what a rank
+    holding part of each sequence changes (parallel/context/apply.py's subclass); the rest is the same."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -146,12 +147,20 @@ class AttentionCore(nn.Module):
         if self.q_norm is not None:
             qkv = self.normed(qkv, heads, kv_heads)
         if self.rope_theta is not None:
-            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta)
+            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.positions())
         q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
         # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim), views of the fused tensor
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)
+        out = self.attend(q, k, v)
         return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
+
+    def positions(self) -> torch.Tensor | None:
+        """The tokens' positions in their sequence for the rotation; None: 0 .. seq - 1, the whole sequence."""
+        return None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over (batch, heads, seq, head_dim) q, k, v (fewer key/value heads: grouped-query)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)
 
 
 class CausalSelfAttention(nn.Module):

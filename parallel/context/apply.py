@@ -1,9 +1,9 @@
 """The plain model made context-parallel from outside: each rank computes two chunks of every sequence.
 
 `apply_context_parallel` swaps every block's attention core (minigpt/model.py's AttentionCore, the module
-selective recomputation also wraps) for `ContextAttentionCore`, which normalises each query and key head where the
-model does (Qwen3's qk_norm, the core's own norm modules), rotates q and k at the tokens' true
-positions and attends across the group by ring or all-gather (parallel/context/ring.py, allgather.py), and
+selective recomputation also wraps) for `ContextAttentionCore`, its subclass that keeps the core's norm modules
+(Qwen3's qk_norm) and changes only where q and k are rotated (at the tokens' true positions) and how they attend
+(across the group by ring or all-gather: parallel/context/ring.py, allgather.py), and
 re-indexes a learned position embedding to the same positions (a forward pre-hook: the parameters and their
 names stay the model's). A mixture of experts counts its routing over whole sequences (parallel/context/moe.py);
 everything else in a block works token by token and needs nothing. Each rank's loss
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minigpt.model import GPT, AttentionCore, RotaryQK
+from minigpt.model import GPT, AttentionCore
 from parallel.context.allgather import allgather_attention
 from parallel.comm import Collectives
 from parallel.context.chunks import check_split, positions
@@ -27,29 +27,23 @@ from parallel.context.ring import Rehearsal, ring_attention
 KINDS = {"ring": ring_attention, "allgather": allgather_attention}
 
 
-class ContextAttentionCore(nn.Module):
-    """AttentionCore for a rank that holds two chunks of each sequence (parallel/context/chunks.py)."""
+class ContextAttentionCore(AttentionCore):
+    """AttentionCore for a rank that holds two chunks of each sequence (parallel/context/chunks.py): the same split,
+    norms and rotation, at the chunks' true positions, and attention across the group by ring or all-gather."""
 
-    def __init__(self, core: nn.Module, group: dist.ProcessGroup | None, kind: str, token_positions: torch.Tensor,
+    def __init__(self, core: AttentionCore, group: dist.ProcessGroup | None, kind: str, token_positions: torch.Tensor,
                  counter=None):
-        super().__init__()
-        self.head_dim, self.group_size, self.rope_theta = core.head_dim, core.group, core.rope_theta
-        self.q_norm, self.k_norm = core.q_norm, core.k_norm  # Qwen3's per-head norms: the same modules and names
-        self.cp_group, self.attend, self.counter = group, KINDS[kind], counter
+        nn.Module.__init__(self)  # made from the model's core: its sizes and its norm modules (their names kept)
+        self.head_dim, self.group, self.rope_theta = core.head_dim, core.group, core.rope_theta
+        self.q_norm, self.k_norm = core.q_norm, core.k_norm
+        self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
 
-    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = qkv.shape
-        kv_heads = width // (self.head_dim * (self.group_size + 2))
-        heads = kv_heads * self.group_size
-        if self.q_norm is not None:  # token by token, before the rotation, as AttentionCore normalises
-            qkv = AttentionCore.normed(self, qkv, heads, kv_heads)
-        if self.rope_theta is not None:
-            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.token_positions)
-        q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
-        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = self.attend(q, k, v, self.cp_group, counter=self.counter)
-        return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
+    def positions(self) -> torch.Tensor:
+        return self.token_positions
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.exchange(q, k, v, self.cp_group, counter=self.counter)
 
 
 def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | None, kind: str,

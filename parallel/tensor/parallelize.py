@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minigpt.model import AttentionCore
 from minigpt.moe import MoE
 from parallel.comm import Collectives
 from parallel.tensor.moe import apply_sequence_moe
@@ -108,10 +109,8 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     if sequence_parallel:  # a MoE then routes this rank's slice of the tokens (parallel/tensor/moe.py)
         for param in sequence_pieces + apply_sequence_moe(model, comm):
             param.register_hook(lambda grad: _sum_over_group(grad, comm))
-    # the attention cores' query and key norms: AttentionCore's, or the context-parallel core that took its place
-    # (parallel/context/apply.py's, which keeps the same norm modules), once each
-    head_norms = list({id(p): p for core in model.modules() if getattr(core, "q_norm", None) is not None
-                       for norm in (core.q_norm, core.k_norm) for p in norm.parameters()}.values())
+    head_norms = [p for core in model.modules() if isinstance(core, AttentionCore) and core.q_norm is not None
+                  for norm in (core.q_norm, core.k_norm) for p in norm.parameters()]
     for param in head_norms:  # shared by every head, and a rank holds some of them: its gradient is a part
         param.register_hook(lambda grad: _sum_over_group(grad, comm))
     whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
