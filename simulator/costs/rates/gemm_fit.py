@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 
-from simulator.costs.rates.gemm_model import GemmFit, tile_work
+from simulator.costs.rates.gemm_model import GemmFit, GemmModel
 
 K0_GRID = (0, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # elements of k
 FIXED_GRID_S = tuple(us * 1e-6 for us in (0, 0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16, 20))
 LARGE_RANGE = (0.05, 1.0)
 GOLDEN_STEPS = 40
+FITTED = "fitted"  # the one fit a candidate model holds (the format it is for does not change its seconds)
 SHAPES = {"square": lambda n: (n, n, n), "gpt": lambda n: (2 * n, 4 * n, n)}  # (m, n, k) of calibrate's two shapes
 
 
@@ -55,14 +56,15 @@ def measured_points(rates: dict) -> list[tuple[int, int, int, float]]:
 
 
 def model_seconds(m: int, n: int, k: int, fit: GemmFit, sms: int, peak: float, launch: float) -> float:
-    """Seconds of one (m x k) @ (k x n) GEMM as the simulator prices it with this fit: the shape model plus the
-    profile's launch latency."""
-    return tile_work(m, n, k, 1, sms, fit.k0) / (fit.large * peak) + fit.fixed + launch
+    """Seconds of one (m x k) @ (k x n) GEMM as the simulator prices it with this fit: the shape model's own seconds
+    (GemmModel.seconds) plus the profile's launch latency."""
+    return GemmModel(sms, ((FITTED, fit),)).seconds(m, n, k, FITTED, peak) + launch
 
 
 def log_error(points: list[tuple[int, int, int, float]], fit: GemmFit, sms: int, peak: float, launch: float) -> float:
-    """Root mean square of log(model / measured) over the points."""
-    squares = [math.log(model_seconds(m, n, k, fit, sms, peak, launch) / seconds) ** 2 for m, n, k, seconds in points]
+    """Root mean square of log(model / measured) over the points (model_seconds of each)."""
+    model = GemmModel(sms, ((FITTED, fit),))
+    squares = [math.log((model.seconds(m, n, k, FITTED, peak) + launch) / seconds) ** 2 for m, n, k, seconds in points]
     return math.sqrt(sum(squares) / len(squares))
 
 
