@@ -18,7 +18,7 @@ import dataclasses
 
 import click
 
-from cli.options import typed
+from cli.options import flag, typed
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options
@@ -164,8 +164,8 @@ def check_no_layout_flags() -> None:
     the rows that leave that field alone (its "1 rank" row at tp 2 under --tp 2), so it is refused."""
     for name in MATRIX_SETS:
         if typed(name):
-            flag = "--no-reshard-after-forward" if name == "reshard_after_forward" else f"--{name.replace('_', '-')}"
-            raise ConfigError(f"{flag} with --matrix: the matrix runs its own layouts; drop {flag} "
+            given = flag(name)
+            raise ConfigError(f"{given} with --matrix: the matrix runs its own layouts; drop {given} "
                               "(or drop --matrix to compare that layout)")
 
 

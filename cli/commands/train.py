@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import typed
+from cli.options import flag, typed
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options
@@ -113,9 +113,9 @@ def check_loss_scale_flags(precision: str) -> None:
     another format they would do nothing, so they are refused."""
     for name in ("loss_scale", "loss_scale_window"):
         if precision != "fp16" and typed(name):
-            flag = f"--{name.replace('_', '-')}"
-            raise ConfigError(f"{flag} scales fp16's loss, and this run computes in {precision}, whose loss is not "
-                              f"scaled: drop {flag} or train with --precision fp16")
+            given = flag(name)
+            raise ConfigError(f"{given} scales fp16's loss, and this run computes in {precision}, whose loss is not "
+                              f"scaled: drop {given} or train with --precision fp16")
 
 
 def resume_choice(value: object) -> str | None:
