@@ -258,6 +258,12 @@ class TrainConfig:
             )
         chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks)  # every chunk needs a block
         check_train_recompute(self.recompute)
+        if self.schedule == "zb-h1" and self.recompute == "selective" and self.model.qk_norm:
+            raise ConfigError(
+                "--schedule zb-h1 with --recompute selective and --qk-norm cannot be trained yet: the recomputed "
+                "attention core holds the query and key norms' weights, whose gradients the split backward would not "
+                "defer; use --schedule 1f1b, or zb-h1 without selective recomputation"
+            )
         if self.schedule == "interleaved" and self.model.n_layers % (self.pp * self.virtual_chunks):
             raise ConfigError(
                 f"interleaving needs the {self.model.n_layers} layers to divide evenly into pp x virtual chunks = "

@@ -203,6 +203,8 @@ CASES = [
      "--shard-group 3 does not divide"),
     ("compare", ["--hardware", "{root}/profile.json", "--dp", "2", "--no-reshard-after-forward"], "needs --zero 3"),
     ("train", ["--recompute", "sometimes"], "--recompute must be none or selective"),
+    ("train", ["--model", "tiny-llama", "--layers", "2", "--qk-norm", "--recompute", "selective", "--pp", "2",
+               "--micro-batches", "2", "--schedule", "zb-h1"], "the query and key norms' weights"),
     ("simulate", ["--model", "llama3-70b", "--kv-heads", "5"], "n_kv_heads=5 does not divide n_heads=64"),
     ("simulate", ["--model", "llama3-70b", "--tp", "16", "--gpus-per-node", "16"], "does not divide the 8 key/value"),
     ("simulate", ["--model", "llama3-8b", "--d-model", "4128"], "even head width"),

@@ -47,9 +47,12 @@ def test_selective_recompute_same_losses_and_predicted_memory(tmp_path, name):
         assert abs(predicted / bytes_measured - 1) < 0.05, (recompute, predicted, bytes_measured)
 
 
-def test_recomputed_core_gives_the_same_gradients():
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_recomputed_core_gives_the_same_gradients(qk_norm):
+    """Every parameter's gradient, bit for bit: with Qwen3's query and key norms the core holds weights of its own,
+    whose gradients the recomputation computes (it once returned the input's gradient only: they stayed None)."""
     torch.manual_seed(0)
-    model = GPT(SHAPES["tiny-llama"])
+    model = GPT(SHAPES["tiny-llama"].with_(qk_norm=qk_norm))
     idx = torch.randint(0, 256, (2, 64))
     model(idx, idx).backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -57,4 +60,31 @@ def test_recomputed_core_gives_the_same_gradients():
     apply_recompute(model, "selective")
     assert all(isinstance(block.attn.core, Recomputed) for block in model.blocks)
     model(idx, idx).backward()
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    grads = [p.grad for p in model.parameters()]
+    assert len(grads) == len(expected) == len(list(model.parameters()))
+    assert all(g is not None and torch.equal(g, e) for g, e in zip(grads, expected))
+
+
+def test_selective_recompute_trains_qk_norm_as_without(tmp_path):
+    """Qwen3-style training with selective recomputation: the same losses as without, and the norms' weights move."""
+    shape = SHAPES["tiny-llama"].with_(qk_norm=True)
+    runs = {}
+    for recompute in ("none", "selective"):
+        cfg = TrainConfig(model=shape, steps=3, global_batch=BATCH, eval_every=0, eval_batches=1, device="cpu",
+                          out_dir=str(tmp_path / recompute), recompute=recompute)
+        runs[recompute] = train(cfg)
+    assert runs["selective"]["losses"] == runs["none"]["losses"]
+
+
+def test_recomputed_core_runs_its_parameters_hooks_once():
+    """Tensor parallelism sums the query and key norms' gradients over its group in a hook on each weight
+    (parallel/tensor/parallelize.py): the rerun must not fire it a second time (it did: the sum counted twice)."""
+    torch.manual_seed(0)
+    model = apply_recompute(GPT(SHAPES["tiny-llama"].with_(qk_norm=True)), "selective")
+    calls = []
+    norms = [p for block in model.blocks for p in block.attn.core.inner.parameters()]
+    for param in norms:
+        param.register_hook(lambda grad, p=param: calls.append(id(p)) or grad * 2)  # as a sum over 2 ranks would
+    idx = torch.randint(0, 256, (2, 64))
+    model(idx, idx).backward()
+    assert sorted(calls) == sorted(map(id, norms))  # each once
