@@ -1,6 +1,7 @@
-"""Selective activation recomputation (Korthikanti et al. 2022): the attention core runs again in the backward.
+"""Activation recomputation: selective (Korthikanti et al. 2022), the attention core runs again in the backward;
+full (Chen et al. 2016, Megatron's --recompute-granularity full per layer), every block does.
 
-The core (minigpt/model.py's AttentionCore: Qwen3's query and key norms, RoPE and the attention
+Selective. The core (minigpt/model.py's AttentionCore: Qwen3's query and key norms, RoPE and the attention
 itself) keeps its input, the fused qkv output, and nothing of its own; the backward runs it again
 on that input and differentiates the copy, for the input and for the core's own parameters (the
 norms' weights, inputs of the autograd function so that their gradients reach them as any other
@@ -10,16 +11,27 @@ input is saved with save_for_backward, so the activation meter (parallel/memory.
 any other saved tensor. Like torch's reentrant checkpoint, but small enough to read; the core has
 no randomness (attention dropout is not part of the model), so the recomputed values equal the
 first ones bit for bit.
+
+Full. A block keeps its input alone (the sequence-parallel shard under sequence parallelism): its forward runs
+without a graph, and the backward runs it again from that input, with the random state its forward began with
+(dropout draws the same masks), then backpropagates through the copy into the input and into the block's
+parameters, accumulating into .grad as torch's reentrant checkpoint does, every hook on the parameters running once
+(ZeRO's reductions, tensor parallelism's sums). The rerun calls the block's forward itself, not the module, so hooks
+on the block (ZeRO-3 gathers it for its backward before this runs) do not fire twice; its collectives (tensor,
+context and expert parallelism's) run again in the same order on every rank. The embeddings and the head are not
+recomputed (Megatron's granularity: the transformer layers).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from job.train_config import check_train_recompute
-from parallel.backward import gradients_from
+from parallel.backward import backward_from, gradients_from
 
 
 class RecomputedCall(torch.autograd.Function):
@@ -61,10 +73,52 @@ class Recomputed(nn.Module):
         return RecomputedCall.apply(x, self.inner, tuple(named), *named.values())
 
 
+class RecomputedBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block: nn.Module) -> torch.Tensor:
+        ctx.block, ctx.states = block, random_states(x.device)
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return type(block).forward(block, x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        again = x.detach().requires_grad_()
+        devices = [x.device] if x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            restore_random_states(ctx.states, x.device)
+            out = type(ctx.block).forward(ctx.block, again)
+        backward_from(out, grad)  # into the parameters' .grad and into again.grad
+        return again.grad, None
+
+
+def random_states(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def restore_random_states(states: tuple, device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def recomputed_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A block's forward under full recomputation; as usual where no gradient reaches its input (evaluation: the
+    parameters' gradients travel through the input's)."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return type(block).forward(block, x)
+    return RecomputedBlock.apply(x, block)
+
+
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Make `model`'s blocks recompute as `mode` says ("none" or "selective"), from outside, in place."""
+    """Make `model`'s blocks recompute as `mode` says ("none", "selective" or "full"), from outside, in place.
+    Full recomputation replaces each block's forward on the instance (no wrapper: the blocks keep their place and
+    their parameters' names for tensor parallelism, the pipeline's split and ZeRO-3's units)."""
     check_train_recompute(mode)
-    if mode == "selective":
-        for block in model.blocks:
+    for block in model.blocks:
+        if mode == "selective":
             block.attn.core = Recomputed(block.attn.core)
+        elif mode == "full":
+            block.forward = functools.partial(recomputed_forward, block)
     return model

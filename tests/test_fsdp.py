@@ -6,9 +6,9 @@ tests/test_schedule_collectives.py.
 
 A mesh spans its whole world, so the layouts run in two spawned worlds: 4 ranks (dp 4 without resharding,
 dp 4 in shard groups of 2 under ZeRO 1, 2 and 3, cp 2 x dp 2 in shard groups of 2, pp 2 x dp 2 without
-resharding, three six-block layouts for the memory alone; then a checkpoint written in shard groups of 2, loaded
-over the whole group) and 8 ranks (pp 2 x dp 4 in shard groups of 2). The one-process reference runs in this
-process.
+resharding and with full recomputation, three six-block layouts for the memory alone; then a checkpoint written in
+shard groups of 2, loaded over the whole group) and 8 ranks (pp 2 x dp 4 in shard groups of 2). The one-process
+reference runs in this process.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ LAYOUTS = {
         "dp4-zero1-shard2": dict(dp=4, zero=1, shard_group=2, bucket_mb=0.1),
         "pp2-dp2-zero3-no-reshard": dict(pp=2, dp=2, zero=3, micro_batches=2, reshard_after_forward=False),
         "cp2-dp2-zero3-shard2": dict(cp=2, dp=2, zero=3, shard_group=2),  # a shard group: one replica's cp pair
+        # full recomputation: the rerun inside a unit's backward, after ZeRO-3 gathered it for that backward
+        "pp2-dp2-zero3-full-recompute": dict(pp=2, dp=2, zero=3, micro_batches=2, recompute="full"),
         # memory only (two steps): six blocks, where keeping units gathered holds more than one prefetched
         "dp4-zero3-deep": dict(DEEP, dp=4, zero=3, micro_batches=2),
         "dp4-zero3-no-reshard-deep": dict(DEEP, dp=4, zero=3, micro_batches=2, reshard_after_forward=False),

@@ -1,5 +1,7 @@
-"""Selective recomputation in training: the same losses bit for bit, and the activation memory the
-simulator predicts (simulator/memory.py, from simulator/costs/ops.py's saved tensors)."""
+"""Selective and full recomputation in training: the same losses bit for bit, and the activation memory the
+simulator predicts (simulator/memory.py, from simulator/costs/ops.py's saved tensors). Full recomputation in the
+parallel layouts, against one process: tests/test_fsdp.py, tests/test_context_training.py,
+tests/test_moe_training.py."""
 
 from __future__ import annotations
 
@@ -35,16 +37,43 @@ def predicted_activations(name: str, recompute: str) -> int:
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_selective_recompute_same_losses_and_predicted_memory(tmp_path, name):
-    plain, selective = run(tmp_path, name, "none"), run(tmp_path, name, "selective")
-    assert selective["losses"] == plain["losses"]  # bit for bit
-    measured = {r: s["memory_per_rank"][0]["activations"] for r, s in (("none", plain), ("selective", selective))}
+def test_recompute_same_losses_and_predicted_memory(tmp_path, name):
+    runs = {recompute: run(tmp_path, name, recompute) for recompute in ("none", "selective", "full")}
+    for recompute in ("selective", "full"):
+        assert runs[recompute]["losses"] == runs["none"]["losses"], recompute  # bit for bit
+    measured = {r: s["memory_per_rank"][0]["activations"] for r, s in runs.items()}
     model = SHAPES[name]
     # what the core kept of its own: the fp32 log-sum-exp, one per query head and token, in every block
     assert measured["none"] - measured["selective"] == model.n_layers * 4 * model.n_heads * BATCH * model.seq_len
+    # full: each block its input alone (B x T x d fp32), beside the embeddings' and the head's own
+    assert measured["full"] < measured["none"] / 4
     for recompute, bytes_measured in measured.items():
         predicted = predicted_activations(name, recompute)
         assert abs(predicted / bytes_measured - 1) < 0.05, (recompute, predicted, bytes_measured)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-moe"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fully_recomputed_blocks_give_the_same_gradients(name, dropout):
+    """Every parameter's gradient bit for bit: the rerun draws the forward's dropout masks again (its random state
+    restored), a mixture of experts routes the same tokens, and the blocks keep their parameters' names."""
+    model = GPT(PRESETS[name].with_(seq_len=64, n_layers=2, dropout=dropout))
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    model(idx, idx).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    apply_recompute(model, "full")
+    torch.manual_seed(1)
+    model(idx, idx).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads.keys() == expected.keys()
+    assert all(grads[n] is not None and torch.equal(grads[n], expected[n]) for n in expected)
+    plain = GPT(model.config)
+    plain.load_state_dict(model.state_dict())  # the same names: the blocks were not wrapped
+    model.eval(), plain.eval()
+    with torch.no_grad():  # evaluation: the same loss as the plain model's
+        assert torch.equal(model(idx, idx), plain(idx, idx))
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

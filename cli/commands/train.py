@@ -272,8 +272,9 @@ def mib(n: int) -> str:
 @click.option("--bucket-mb", default=25.0, show_default=True, type=float, help="Gradient bucket size in MiB.")
 @click.option("--threads-per-rank", type=int, help="CPU threads per rank [default: 1 with several ranks].")
 @model_options("tiny")
-@click.option("--recompute", default="none", show_default=True, help="Activation recomputation: none or "
-              "selective (the attention core runs again in the backward, Korthikanti et al. 2022).")
+@click.option("--recompute", default="none", show_default=True, help="Activation recomputation: none, "
+              "selective (the attention core runs again in the backward, Korthikanti et al. 2022) or full (every "
+              "block keeps its input alone and runs again in the backward).")
 @click.option("--steps", default=100, show_default=True, type=int, help="Optimizer steps.")
 @batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
 @click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate.")
