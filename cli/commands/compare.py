@@ -75,7 +75,8 @@ def build_compare_config(options: dict) -> TrainConfig:
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism (tp > 1).")
 @batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
 @model_options("tiny")
-@click.option("--recompute", default="none", show_default=True, help="none or selective (the attention core).")
+@click.option("--recompute", default="none", show_default=True,
+              help="none, selective (the attention core) or full (every block).")
 @precision_option
 @click.option("--threads-per-rank", "threads_per_rank", type=int, help="[default: 1 with several ranks]")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
