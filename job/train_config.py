@@ -262,10 +262,6 @@ class TrainConfig:
             raise ConfigError("--recompute full with --schedule zb-h1 cannot be trained yet: the split backward keeps "
                               "the outputs of a forward that full recomputation runs without a graph; use --schedule "
                               "1f1b or interleaved")
-        if self.recompute == "full" and self.precision == "fp8":
-            raise ConfigError("--recompute full with --precision fp8 cannot be trained yet: the rerun forward would "
-                              "push every fp8 tensor's amax into its delayed-scaling history a second time; use bf16, "
-                              "or --recompute selective")
         if self.schedule == "zb-h1" and self.recompute == "selective" and self.model.qk_norm:
             raise ConfigError(
                 "--schedule zb-h1 with --recompute selective and --qk-norm cannot be trained yet: the recomputed "

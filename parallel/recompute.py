@@ -19,7 +19,9 @@ parameters, accumulating into .grad as torch's reentrant checkpoint does, every 
 (ZeRO's reductions, tensor parallelism's sums). The rerun calls the block's forward itself, not the module, so hooks
 on the block (ZeRO-3 gathers it for its backward before this runs) do not fire twice; its collectives (tensor,
 context and expert parallelism's) run again in the same order on every rank. The embeddings and the head are not
-recomputed (Megatron's granularity: the transformer layers).
+recomputed (Megatron's granularity: the transformer layers). In fp8 the rerun quantises with the scales its forward
+used and records no amax (precision/fp8.py's recompute_phase), as Transformer Engine keeps a recomputed forward's
+fp8 metadata.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.func import functional_call
 
 from job.train_config import check_train_recompute
 from parallel.backward import backward_from, gradients_from
+from precision.fp8 import recompute_phase
 
 
 class RecomputedCall(torch.autograd.Function):
@@ -78,7 +81,7 @@ class RecomputedBlock(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, block: nn.Module) -> torch.Tensor:
         ctx.block, ctx.states = block, random_states(x.device)
         ctx.save_for_backward(x)
-        with torch.no_grad():
+        with torch.no_grad(), recompute_phase("first"):
             return type(block).forward(block, x)
 
     @staticmethod
@@ -86,7 +89,7 @@ class RecomputedBlock(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         again = x.detach().requires_grad_()
         devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again"):
             restore_random_states(ctx.states, x.device)
             out = type(ctx.block).forward(ctx.block, again)
         backward_from(out, grad)  # into the parameters' .grad and into again.grad

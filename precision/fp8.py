@@ -64,6 +64,8 @@ scale sees the new amax.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import warnings
 from typing import Any
 
@@ -95,6 +97,21 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+# Which forward of a fully recomputed block runs (parallel/recompute.py): None (no recomputation, or evaluation),
+# "first" (the forward without a graph) or "again" (its rerun in the backward). One process runs one at a time.
+RECOMPUTE_PHASE: list[str | None] = [None]
+
+
+@contextlib.contextmanager
+def recompute_phase(phase: str):
+    """Every fp8 quantisation inside is `phase`'s (Fp8Meta.quantize)."""
+    before, RECOMPUTE_PHASE[0] = RECOMPUTE_PHASE[0], phase
+    try:
+        yield
+    finally:
+        RECOMPUTE_PHASE[0] = before
+
+
 class Fp8Meta:
     """Delayed-scaling state of one Linear layer: amax history and scale per role.
 
@@ -122,6 +139,8 @@ class Fp8Meta:
         self.scale: dict[str, Tensor] = {
             role: torch.ones((), dtype=torch.float32) for role in ROLES
         }
+        # under full recomputation (parallel/recompute.py): the scales a forward used, in call order, for its rerun
+        self.replay: dict[str, collections.deque] = {role: collections.deque() for role in ROLES}
 
     def _to(self, device: torch.device) -> None:
         for role in ROLES:
@@ -147,16 +166,25 @@ class Fp8Meta:
     def quantize(self, role: str, tensor: Tensor, update: bool) -> tuple[Tensor, Tensor]:
         """(fp8 tensor, dequantisation scale 1/scale) with the delayed scale of `role`.
 
-        With `update`, the tensor's amax is pushed into the history after use.
+        With `update`, the tensor's amax is pushed into the history after use. Under full recomputation
+        (RECOMPUTE_PHASE) a block's first forward also keeps each scale it used, and its rerun in the backward
+        quantises with those, in the same order, recording nothing: the rerun is the forward's computation again,
+        and the history holds one entry per forward, as without recomputation.
         """
         self._to(tensor.device)
         dtype = ROLE_DTYPES[role]
         data = tensor.detach().float()
-        amax = data.abs().amax() if data.numel() else torch.zeros((), device=data.device)
-        scale = self.delayed_scale(role, amax)
-        self.scale[role] = scale
-        if update:
-            self.record(role, amax)
+        phase = RECOMPUTE_PHASE[0]
+        if phase == "again":
+            scale = self.replay[role].popleft()
+        else:
+            amax = data.abs().amax() if data.numel() else torch.zeros((), device=data.device)
+            scale = self.delayed_scale(role, amax)
+            self.scale[role] = scale
+            if update:
+                self.record(role, amax)
+            if phase == "first":
+                self.replay[role].append(scale)
         limit = fp8_max(dtype)
         quantized = (data * scale).clamp_(-limit, limit).to(dtype)
         return quantized, scale.reciprocal()

@@ -187,7 +187,6 @@ CASES = [
     ("train", ["--kv-heads", "0"], "--kv-heads must be a positive integer"),
     ("train", ["--mlp", "relu"], "relu"),
     ("train", ["--positions", "rope", "--rope-theta", "0.5"], "rope_theta"),
-    ("train", ["--recompute", "full", "--precision", "fp8"], "a second time"),
     ("train", ["--recompute", "full", "--layers", "2", "--pp", "2", "--micro-batches", "2", "--schedule", "zb-h1"],
      "without a graph"),
     ("train", ["--recompute", "op"], "simulated only"),
