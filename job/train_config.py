@@ -258,16 +258,6 @@ class TrainConfig:
             )
         chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks)  # every chunk needs a block
         check_train_recompute(self.recompute)
-        if self.recompute == "full" and self.schedule == "zb-h1":
-            raise ConfigError("--recompute full with --schedule zb-h1 cannot be trained yet: the split backward keeps "
-                              "the outputs of a forward that full recomputation runs without a graph; use --schedule "
-                              "1f1b or interleaved")
-        if self.schedule == "zb-h1" and self.recompute == "selective" and self.model.qk_norm:
-            raise ConfigError(
-                "--schedule zb-h1 with --recompute selective and --qk-norm cannot be trained yet: the recomputed "
-                "attention core holds the query and key norms' weights, whose gradients the split backward would not "
-                "defer; use --schedule 1f1b, or zb-h1 without selective recomputation"
-            )
         if self.schedule == "interleaved" and self.model.n_layers % (self.pp * self.virtual_chunks):
             raise ConfigError(
                 f"interleaving needs the {self.model.n_layers} layers to divide evenly into pp x virtual chunks = "

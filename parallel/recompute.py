@@ -19,14 +19,16 @@ parameters, accumulating into .grad as torch's reentrant checkpoint does, every 
 (ZeRO's reductions, tensor parallelism's sums). The rerun calls the block's forward itself, not the module, so hooks
 on the block (ZeRO-3 gathers it for its backward before this runs) do not fire twice; its collectives (tensor,
 context and expert parallelism's) run again in the same order on every rank. The embeddings and the head are not
-recomputed (Megatron's granularity: the transformer layers). In fp8 the rerun quantises with the scales its forward
-used and records no amax (precision/fp8.py's recompute_phase), as Transformer Engine keeps a recomputed forward's
-fp8 metadata.
+recomputed (Megatron's granularity: the transformer layers). Under a zero-bubble schedule the rerun (of a block or
+of a core) happens in the backward's first half, which keeps the rerun's graph and defers its weight gradients to
+the second (SPLIT). In fp8 the rerun quantises with the scales its forward used and records no amax
+(precision/fp8.py's recompute_phase), as Transformer Engine keeps a recomputed forward's fp8 metadata.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -35,6 +37,12 @@ from torch.func import functional_call
 from job.train_config import check_train_recompute
 from parallel.backward import backward_from, gradients_from
 from precision.fp8 import recompute_phase
+
+
+# Set by a zero-bubble schedule's split backward while it runs a chunk's activation gradients
+# (parallel/pipeline/weight_gradients.py): split(rerun, again, grad) runs a recomputed block (or core) again,
+# keeping what its weight gradients need for later, and returns its input's gradient.
+SPLIT: list[Callable[[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor] | None] = [None]
 
 
 class RecomputedCall(torch.autograd.Function):
@@ -50,6 +58,11 @@ class RecomputedCall(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         again = x.detach().requires_grad_()
         needed = ctx.needs_input_grad[3:]
+        if SPLIT[0] is not None:  # a zero-bubble backward's first half: the norms' weight gradients wait for the second
+            def rerun() -> torch.Tensor:
+                with torch.enable_grad():
+                    return ctx.core(again)
+            return (SPLIT[0](rerun, again, grad), None, None, *(None for _ in needed))
         # the rerun differentiates stand-ins sharing the parameters' storage, not the parameters: a hook on a
         # parameter (tensor parallelism's sum over its group) then runs once, when this function's gradient reaches it
         stand_ins = {name: param.detach().requires_grad_(need)
@@ -88,11 +101,16 @@ class RecomputedBlock(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
         again = x.detach().requires_grad_()
-        devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again"):
-            restore_random_states(ctx.states, x.device)
-            out = type(ctx.block).forward(ctx.block, again)
-        backward_from(out, grad)  # into the parameters' .grad and into again.grad
+
+        def rerun() -> torch.Tensor:
+            devices = [x.device] if x.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again"):
+                restore_random_states(ctx.states, x.device)
+                return type(ctx.block).forward(ctx.block, again)
+
+        if SPLIT[0] is not None:  # a zero-bubble backward's first half: the weights' gradients wait
+            return SPLIT[0](rerun, again, grad), None
+        backward_from(rerun(), grad)  # into the parameters' .grad and into again.grad
         return again.grad, None
 
 

@@ -5,8 +5,8 @@ A mesh spans its whole world, so the layouts run in three worlds: 2 ranks (cp 2,
 counts; the checkpoint and its load at tp 2), 4 ranks (cp 4, both kinds; cp 2 x tp 2 with sequence
 parallelism; cp 2 x pp 2, 1F1B and zero-bubble; cp 2 x dp 2 under ZeRO-3), 8 ranks (tp 2 x cp 2 x pp 2),
 each for the GPT-2-shaped and the Llama-shaped tiny model, and the Llama-shaped one with Qwen3's query and key
-norms at cp 2 (both kinds) and cp 2 x tp 2, without recomputation, with selective and with full. The one-process
-references and the load at cp 1 run in this process.
+norms at cp 2 (both kinds) and cp 2 x tp 2, without recomputation, with selective and with full, and cp 2 x pp 2
+under zero-bubble with either recomputation. The one-process references and the load at cp 1 run in this process.
 """
 
 from __future__ import annotations
@@ -31,11 +31,16 @@ MODELS = {name: preset(name).with_(seq_len=32, n_layers=2) for name in ("tiny", 
 # Qwen3's attention on the Llama-shaped model: heads wider than width / heads, each query and key head RMS-normalised
 # (their norms' gradients summed over tp); the layouts that reach them (QK_LAYOUTS), beside one process
 QWEN = MODELS["tiny-llama"].with_(d_head=48, qk_norm=True)
-QK_LAYOUTS = {2: ("cp2-ring", "cp2-allgather"), 4: ("cp2-tp2-sp", "cp2-tp2-sp-selective", "cp2-tp2-sp-full"), 8: ()}
+QK_LAYOUTS = {2: ("cp2-ring", "cp2-allgather"),
+              4: ("cp2-tp2-sp", "cp2-tp2-sp-selective", "cp2-tp2-sp-full", "cp2-pp2-zb-h1-selective",
+                  "cp2-pp2-zb-h1-full"), 8: ()}
 # Qwen3's alone: selective recomputation runs the core, and so its norms, again in the backward (their weights'
 # gradients once went missing there: parallel/recompute.py); full recomputation reruns each block, exchange included
 QK_ONLY = {"cp2-tp2-sp-selective": dict(cp=2, tp=2, sequence_parallel=True, recompute="selective"),
-           "cp2-tp2-sp-full": dict(cp=2, tp=2, sequence_parallel=True, recompute="full")}  # every block rerun
+           "cp2-tp2-sp-full": dict(cp=2, tp=2, sequence_parallel=True, recompute="full"),  # every block rerun
+           # zero-bubble: the rerun in the backward's first half, the norms' (and blocks') weight gradients deferred
+           "cp2-pp2-zb-h1-selective": dict(cp=2, pp=2, micro_batches=2, schedule="zb-h1", recompute="selective"),
+           "cp2-pp2-zb-h1-full": dict(cp=2, pp=2, micro_batches=2, schedule="zb-h1", recompute="full")}
 STEPS = 20
 TOLERANCE = 1e-5  # relative, at every step: the loss and the gradient norm before clipping
 LAYOUTS = {

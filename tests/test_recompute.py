@@ -150,3 +150,32 @@ def test_full_recompute_in_fp8_is_the_same_computation():
     assert runs["full"]["grad_norms"] == runs["none"]["grad_norms"]
     for rank in run_ranks(2, fp8_histories):
         assert rank["full"] == rank["none"]
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_zero_bubble_defers_the_recomputed_weight_gradients(mode):
+    """Under a zero-bubble split the rerun happens in the backward's first half, which computes the input's
+    gradient and no weight's (the block's, or the core's norms under selective recomputation); the second half
+    then gives every weight the gradient a plain backward gives."""
+    from parallel.pipeline.weight_gradients import WeightGradients
+
+    shape = SHAPES["tiny-llama"].with_(qk_norm=True)
+    torch.manual_seed(0)
+    plain, model = GPT(shape), GPT(shape)
+    model.load_state_dict(plain.state_dict())
+    apply_recompute(model, mode)
+    x = torch.randn(2, 64, shape.d_model, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(2, 64, shape.d_model, generator=torch.Generator().manual_seed(2))
+    expected_x = torch.autograd.grad((torch.nn.Sequential(*plain.blocks)(x.requires_grad_()) * grad).sum(), x,
+                                     retain_graph=True)[0]
+    (torch.nn.Sequential(*plain.blocks)(x) * grad).sum().backward()
+    chunk = torch.nn.Sequential(*model.blocks)
+    chunk.index = 0
+    split, again = WeightGradients([chunk]), x.detach().requires_grad_()
+    out = split.forward(chunk, again, (0, 0))
+    grad_x = split.input_gradient((0, 0), out, grad, again)
+    assert torch.equal(grad_x, expected_x)
+    assert all(p.grad is None for p in chunk.parameters())  # nothing yet: every weight gradient waits
+    split.weight_gradients((0, 0), lambda params: None)
+    for (name, p), q in zip(chunk.named_parameters(), torch.nn.Sequential(*plain.blocks).parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name

@@ -45,6 +45,8 @@ LAYOUTS = {
         "pp2 dp2 zero3 interleaved": dict(pp=2, dp=2, zero=3, micro_batches=4, schedule="interleaved",
                                           virtual_chunks=2),
         "pp2 dp2 zero3 full recompute": dict(pp=2, dp=2, zero=3, micro_batches=2, recompute="full"),
+        "pp2 dp2 zero3 zb-h1 full recompute": dict(pp=2, dp=2, zero=3, micro_batches=4, schedule="zb-h1",
+                                                   recompute="full"),
         "pp2 dp2 zero0 zb-h1": dict(pp=2, dp=2, zero=0, micro_batches=4, schedule="zb-h1", bucket_mb=0.01),
         "pp2 dp2 zero1 interleaved": dict(pp=2, dp=2, zero=1, micro_batches=4, schedule="interleaved",
                                           virtual_chunks=2, bucket_mb=0.01),

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from parallel.backward import backward_from, gradients_from
+from parallel.recompute import SPLIT
 
 
 class WeightGradients:
@@ -27,6 +28,10 @@ class WeightGradients:
     each module runs once a forward), and it accumulates into .grad as a whole backward
     does, so ZeRO's post-accumulate hooks, the tied embedding's hook and sequence
     parallelism's parameter all-reduces fire here, in the same order on every rank.
+
+    A recomputed block or attention core (parallel/recompute.py) runs its forward without a graph, so nothing of it
+    is kept then; its rerun comes inside `input_gradient`, which hands it `split_rerun` (recompute.SPLIT): the rerun
+    keeps the outputs of its modules with parameters the same way, and their gradients wait with the chunk's.
     """
 
     def __init__(self, chunks: list[nn.Module]):
@@ -44,6 +49,7 @@ class WeightGradients:
                     self.params[id(module)] = params
                     module.register_forward_hook(self.keep)
         self.capturing: list | None = None
+        self.reruns: list[list] = []  # fully recomputed blocks' waiting gradients, in the order their reruns came
         self.kept: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]] = {}
         self.waiting: dict[tuple[int, int], list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]]] = {}
 
@@ -71,9 +77,30 @@ class WeightGradients:
             raise RuntimeError("a module with parameters ran twice in one forward: the zero-bubble split "
                                "would count its gradient twice")
         outputs = [output for _, output in kept]
-        grads = gradients_from(out, [x, *outputs], grad, retain_graph=True, allow_unused=True)
+        self.reruns, SPLIT[0] = [], self.split_rerun
+        try:
+            grads = gradients_from(out, [x, *outputs], grad, retain_graph=True, allow_unused=True)
+        finally:
+            SPLIT[0] = None
         self.waiting[key] = [(self.params[id(module)], output, g)
                              for module, output, g in zip(modules, outputs, grads[1:]) if g is not None]
+        self.waiting[key] += [entry for rerun in reversed(self.reruns) for entry in rerun]  # blocks, forward order
+        return grads[0]
+
+    def split_rerun(self, rerun: Callable[[], torch.Tensor], again: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A fully recomputed block's backward in the first half (parallel/recompute.py's SPLIT): its forward again,
+        keeping the outputs of its modules with parameters, and the gradients of its input and of those outputs;
+        the input's returned, the rest waiting for the second half as the chunk's own do."""
+        self.capturing = []
+        try:
+            out = rerun()
+            kept = self.capturing
+        finally:
+            self.capturing = None
+        outputs = [output for _, output in kept]
+        grads = gradients_from(out, [again, *outputs], grad, retain_graph=True, allow_unused=True)
+        self.reruns.append([(self.params[id(module)], output, g)
+                            for (module, _), output, g in zip(kept, outputs, grads[1:]) if g is not None])
         return grads[0]
 
     def weight_gradients(self, key, before: Callable[[list[nn.Parameter]], None]) -> None:
