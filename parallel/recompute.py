@@ -2,15 +2,14 @@
 full (Chen et al. 2016, Megatron's --recompute-granularity full per layer), every block does.
 
 Selective. The core (minigpt/model.py's AttentionCore: Qwen3's query and key norms, RoPE and the attention
-itself) keeps its input, the fused qkv output, and nothing of its own; the backward runs it again
-on that input and differentiates the copy, for the input and for the core's own parameters (the
-norms' weights, inputs of the autograd function so that their gradients reach them as any other
-weight's: accumulated into .grad, with every hook on them). What the core would have kept (the
-normed and rotated q and k, the log-sum-exp) is alive only while its block's backward runs. The
-input is saved with save_for_backward, so the activation meter (parallel/memory.py) sees it like
-any other saved tensor. Like torch's reentrant checkpoint, but small enough to read; the core has
-no randomness (attention dropout is not part of the model), so the recomputed values equal the
-first ones bit for bit.
+itself) keeps its input, the fused qkv output, and nothing of its own; the backward runs it again on that input
+and backpropagates through the copy into the input and into the core's own weights (the norms'), accumulating into
+.grad as torch's reentrant checkpoint does, so every hook on them runs once (tensor parallelism's sum over its
+group: a rerun differentiated for the weights by name ran it twice, and one for the input alone left the norms'
+weights without gradients). What the core would have kept (the normed and rotated q and k, the log-sum-exp) is
+alive only while its block's backward runs. The input is saved with save_for_backward, so the activation meter
+(parallel/memory.py) sees it like any other saved tensor. The core has no randomness (attention dropout is not
+part of the model), so the recomputed values equal the first ones bit for bit.
 
 Full. A block keeps its input alone (the sequence-parallel shard under sequence parallelism): its forward runs
 without a graph, and the backward runs it again from that input, with the random state its forward began with
@@ -32,10 +31,9 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from job.train_config import check_train_recompute
-from parallel.backward import backward_from, gradients_from
+from parallel.backward import backward_from
 from precision.fp8 import recompute_phase
 
 
@@ -45,57 +43,15 @@ from precision.fp8 import recompute_phase
 SPLIT: list[Callable[[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor] | None] = [None]
 
 
-class RecomputedCall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, core: nn.Module, names: tuple[str, ...], *params: torch.Tensor) -> torch.Tensor:
-        ctx.core, ctx.names, ctx.params = core, names, params  # parameters as inputs: their gradients flow
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return core(x)
+class Recompute(torch.autograd.Function):
+    """run(x) without a graph, x kept; in the backward run(x) again and backpropagate through the copy (above)."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        again = x.detach().requires_grad_()
-        needed = ctx.needs_input_grad[3:]
-        if SPLIT[0] is not None:  # a zero-bubble backward's first half: the norms' weight gradients wait for the second
-            def rerun() -> torch.Tensor:
-                with torch.enable_grad():
-                    return ctx.core(again)
-            return (SPLIT[0](rerun, again, grad), None, None, *(None for _ in needed))
-        # the rerun differentiates stand-ins sharing the parameters' storage, not the parameters: a hook on a
-        # parameter (tensor parallelism's sum over its group) then runs once, when this function's gradient reaches it
-        stand_ins = {name: param.detach().requires_grad_(need)
-                     for name, param, need in zip(ctx.names, ctx.params, needed)}
-        with torch.enable_grad():
-            out = functional_call(ctx.core, stand_ins, (again,))
-        wanted = [stand_ins[name] for name, need in zip(ctx.names, needed) if need]
-        grads = iter(gradients_from(out, [again, *wanted], grad, allow_unused=True))
-        grad_x = next(grads)
-        return (grad_x, None, None, *(next(grads) if need else None for need in needed))
-
-
-class Recomputed(nn.Module):
-    """`inner` run without keeping anything but its input; run again in the backward."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return self.inner(x)
-        named = dict(self.inner.named_parameters())
-        return RecomputedCall.apply(x, self.inner, tuple(named), *named.values())
-
-
-class RecomputedBlock(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, block: nn.Module) -> torch.Tensor:
-        ctx.block, ctx.states = block, random_states(x.device)
+    def forward(ctx, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.run, ctx.states = run, random_states(x.device)
         ctx.save_for_backward(x)
         with torch.no_grad(), recompute_phase("first"):
-            return type(block).forward(block, x)
+            return run(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -106,7 +62,7 @@ class RecomputedBlock(torch.autograd.Function):
             devices = [x.device] if x.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again"):
                 restore_random_states(ctx.states, x.device)
-                return type(ctx.block).forward(ctx.block, again)
+                return ctx.run(again)
 
         if SPLIT[0] is not None:  # a zero-bubble backward's first half: the weights' gradients wait
             return SPLIT[0](rerun, again, grad), None
@@ -124,12 +80,25 @@ def restore_random_states(states: tuple, device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
+class Recomputed(nn.Module):
+    """`inner` run without keeping anything but its input; run again in the backward (selective recomputation)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.inner(x)
+        return Recompute.apply(x, self.inner)
+
+
 def recomputed_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A block's forward under full recomputation; as usual where no gradient reaches its input (evaluation: the
-    parameters' gradients travel through the input's)."""
+    parameters' gradients travel through the input's). The rerun calls the block's own forward, not the module."""
     if not (torch.is_grad_enabled() and x.requires_grad):
         return type(block).forward(block, x)
-    return RecomputedBlock.apply(x, block)
+    return Recompute.apply(x, functools.partial(type(block).forward, block))
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:

@@ -117,9 +117,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     return {id(param) for param in whole_sequence + sequence_pieces + experts + head_norms}
 
 
-def _sum_over_group(grad: torch.Tensor | None, comm: Collectives) -> torch.Tensor | None:
-    if grad is None:  # a recomputing function's first half under zero-bubble (parallel/recompute.py): none yet
-        return None
+def _sum_over_group(grad: torch.Tensor, comm: Collectives) -> torch.Tensor:
     grad = grad.clone()
     comm.all_reduce(grad)
     return grad
