@@ -61,6 +61,7 @@ class GPTConfig:
     bias: bool = True
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
+    norm_eps: float = 1e-5  # every norm's epsilon (nn.LayerNorm's default, Llama's; Qwen's checkpoints: 1e-6)
     # Mixture of experts (minigpt/moe.py); n_experts 0 is a dense model and the fields below are ignored.
     n_experts: int = 0  # routed experts per MoE layer
     top_k: int = 2  # experts each token is routed to
@@ -87,6 +88,9 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ConfigError(f"norm_eps must be a number in (0, 1), got {eps!r}")
         self._check_llama_options()
         if self.n_experts != 0:
             self._check_moe_options()

@@ -1,4 +1,5 @@
-"""The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM).
+"""The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and
+Qwen3 (Qwen3ForCausalLM).
 
 A shape is written in the layout that holds it exactly, and refused (ConfigError, one line) when neither does:
 
@@ -10,9 +11,14 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
   any number of key/value heads, any head width, biases in every Linear or none. Our fused qkv splits into
   q_proj, k_proj and v_proj by rows; our fused fc1 (gate rows, then up rows) into gate_proj and up_proj.
 
-Both hold a tied or an untied head (tie_word_embeddings). Neither holds a mixture of experts or per-head q/k
-norms (Qwen3's), and our norms' epsilon is fixed (1e-5): a Hugging Face model with another one is refused
-rather than computed differently. Torch-free except `to_hf` and `from_hf`, which move tensors.
+- Qwen3: Llama's block with an RMSNorm over each query and key head before the rotation (q_norm, k_norm, one
+  head's width each, shared by the heads: ours, --qk-norm), no bias in its MLP (so none anywhere here), every
+  norm with the one epsilon (rms_norm_eps), no sliding window.
+
+All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
+layer_norm_epsilon, the others' rms_norm_eps). None holds a mixture of experts. A transformers model computed
+differently is refused rather than trained as something else. Torch-free except `to_hf` and `from_hf`, which
+move tensors.
 """
 
 from __future__ import annotations
@@ -20,20 +26,21 @@ from __future__ import annotations
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 
-NORM_EPS = 1e-5  # nn.LayerNorm's default and minigpt/model.py's RMSNorm's
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 
 
 def layout_of(config: GPTConfig) -> str:
-    """"gpt2" or "llama": the transformers layout that holds `config` exactly; ConfigError saying why not."""
+    """"gpt2", "llama" or "qwen3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
     if config.is_moe:
-        raise ConfigError("a mixture of experts cannot be written in transformers' GPT-2 or Llama layout "
+        raise ConfigError("a mixture of experts cannot be written in transformers' GPT-2, Llama or Qwen3 layout "
                           "(only dense models are exported)")
-    if config.qk_norm:
-        raise ConfigError("per-head q/k norms (--qk-norm, Qwen3's) have no place in transformers' GPT-2 or "
-                          "Llama layout")
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
+    if config.qk_norm:
+        if not llama or config.bias:
+            raise ConfigError("per-head q/k norms (--qk-norm) are written in transformers' Qwen3 layout, which holds "
+                              "a bias-free rmsnorm + swiglu + rope model only")
+        return "qwen3"
     if gpt2:
         if config.kv_heads != config.n_heads or config.head_dim * config.n_heads != config.d_model:
             raise ConfigError("transformers' GPT-2 layout has neither grouped-query attention nor heads of another "
@@ -56,18 +63,21 @@ def hf_config(config: GPTConfig) -> dict:
             "n_positions": config.seq_len, "n_embd": config.d_model, "n_layer": config.n_layers,
             "n_head": config.n_heads, "n_inner": config.d_ff, "activation_function": "gelu_new",
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
-            "layer_norm_epsilon": NORM_EPS,
+            "layer_norm_epsilon": config.norm_eps,
         }
     rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+    llama = {
         "max_position_embeddings": config.seq_len, "hidden_size": config.d_model,
         "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": NORM_EPS, "attention_bias": config.bias, "mlp_bias": config.bias,
+        "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.bias,
         "attention_dropout": config.dropout, "rope_theta": float(config.rope_theta),  # transformers 4 reads this,
         "rope_parameters": rope,  # transformers 5 this
     }
+    if layout_of(config) == "qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common, **llama,
+                "use_sliding_window": False, "sliding_window": None}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama, "mlp_bias": config.bias}
 
 
 def _number(hf: dict, key: str, default=None):
@@ -93,18 +103,23 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         d_model, positions = _number(hf, "n_embd"), _number(hf, "n_positions")
         _refuse_unless(hf.get("activation_function", "gelu_new") in GPT2_ACTIVATIONS,
                        f"its activation is {hf.get('activation_function')!r}, minigpt's GELU the tanh one (gelu_new)")
-        _refuse_unless(_number(hf, "layer_norm_epsilon", NORM_EPS) == NORM_EPS,
-                       f"its LayerNorm epsilon is {hf.get('layer_norm_epsilon')}, minigpt's {NORM_EPS}")
         _refuse_unless(not hf.get("scale_attn_by_inverse_layer_idx") and hf.get("scale_attn_weights", True),
                        "its attention scores are not scaled by 1/sqrt(head width) alone")
         _refuse_unless(seq_len in (None, positions), f"a GPT-2's context is its {positions} learned positions, "
                                                      f"not --seq-len {seq_len}")
         return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=positions, n_layers=_number(hf, "n_layer"),
                          n_heads=_number(hf, "n_head"), d_model=d_model,
-                         d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied)
+                         d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied,
+                         norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
-    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2' and 'llama' models")
+    if kind == "qwen3":
+        _refuse_unless(not hf.get("use_sliding_window") and "sliding_attention" not in (hf.get("layer_types") or ()),
+                       "it attends through a sliding window")
+        _refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
+        return _llama_config({**hf, "mlp_bias": False}, tied, seq_len).with_(qk_norm=True)
+    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama' and "
+                      f"'qwen3' models")
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
@@ -112,8 +127,6 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
     _refuse_unless(isinstance(rope, dict) and rope.get("rope_type", "default") == "default"
                    and not hf.get("rope_scaling"), f"its rotary embedding is scaled ({rope or hf.get('rope_scaling')})")
     _refuse_unless(hf.get("hidden_act", "silu") == "silu", f"its MLP activation is {hf.get('hidden_act')!r}, not silu")
-    _refuse_unless(_number(hf, "rms_norm_eps", 1e-6) == NORM_EPS,
-                   f"its RMSNorm epsilon is {hf.get('rms_norm_eps', 1e-6)}, minigpt's {NORM_EPS}")
     bias = hf.get("attention_bias", False)
     _refuse_unless(bias == hf.get("mlp_bias", False), "it has biases in the attention or the MLP, not both")
     _refuse_unless(hf.get("pretraining_tp", 1) == 1, "its pretraining_tp splits the Linears' computation")
@@ -126,12 +139,13 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
                      n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
                      d_ff=_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
                      positions="rope", rope_theta=float(rope.get("rope_theta", 10000.0)), bias=bool(bias),
+                     norm_eps=_number(hf, "rms_norm_eps", 1e-6),
                      d_head=None if head_dim is None or head_dim * heads == width else head_dim)
 
 
 def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
-    """Our parameter name -> the transformers names it is written as (two for a fused weight split in Llama;
-    three for the qkv). Tied: no lm_head (transformers ties it to the embedding)."""
+    """Our parameter name -> the transformers names it is written as (two for a fused weight split in Llama and
+    Qwen3; three for the qkv). Tied: no lm_head (transformers ties it to the embedding)."""
     gpt2 = layout_of(config) == "gpt2"
     base = "transformer." if gpt2 else "model."
     table = {"tok_emb.weight": (base + ("wte" if gpt2 else "embed_tokens") + ".weight",),
@@ -143,6 +157,9 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}.", f"{base}{'h' if gpt2 else 'layers'}.{i}."
         table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config.bias)
+        if config.qk_norm:
+            table |= {f"{ours}attn.core.{norm}.weight": (f"{theirs}self_attn.{norm}.weight",)
+                      for norm in ("q_norm", "k_norm")}
     return table
 
 

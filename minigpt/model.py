@@ -65,7 +65,8 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
-    return RMSNorm(config.d_model) if config.norm == "rmsnorm" else nn.LayerNorm(config.d_model)
+    eps = config.norm_eps
+    return RMSNorm(config.d_model, eps=eps) if config.norm == "rmsnorm" else nn.LayerNorm(config.d_model, eps=eps)
 
 
 @functools.lru_cache(maxsize=16)
@@ -129,8 +130,8 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
         self.rope_theta = config.rope_theta if config.positions == "rope" else None
-        self.q_norm = RMSNorm(config.head_dim, eps=1e-6) if config.qk_norm else None  # Qwen3's, over each head
-        self.k_norm = RMSNorm(config.head_dim, eps=1e-6) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
+        self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
     def normed(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
         """qkv with each query and key head RMS-normalised (a new fused tensor; v copied)."""

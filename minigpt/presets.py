@@ -58,9 +58,10 @@ PRESETS: dict[str, GPTConfig] = {
     # heads and 4 key/value heads of 128 (wider than the model: d_head), RMS norms over each query and key head,
     # 128 SwiGLU experts of width 768, 8 routed per token (softmax, normalised over the 8), no shared expert,
     # vocabulary 151,936, RoPE base 1e6, untied head; load-balancing coefficient 0.001; 4K pre-training sequences
-    # (its first stage; the context is 32K). 30.5B parameters, 3.3B active, as the card says.
+    # (its first stage; the context is 32K); every norm's epsilon 1e-6 (rms_norm_eps). 30.5B parameters, 3.3B
+    # active, as the card says.
     "qwen3-30b-a3b": llama(151936, 4096, 48, 32, 4, 2048, 6144, 1e6).with_(
-        d_head=128, qk_norm=True, n_experts=128, top_k=8, d_expert=768, aux_loss_coef=0.001),
+        d_head=128, qk_norm=True, n_experts=128, top_k=8, d_expert=768, aux_loss_coef=0.001, norm_eps=1e-6),
     # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2): 61 layers of width 7,168, the first 3
     # dense (SwiGLU 18,432), then 256 routed experts of width 2,048 and 1 shared, 8 routed per token, sigmoid
     # scores normalised over the top 8, vocabulary 129,280, 4K pre-training sequences. Its multi-head latent

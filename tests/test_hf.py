@@ -1,5 +1,5 @@
-"""Weights that travel: `minigpt export RUN --hf DIR` writes a run of any layout as a Hugging Face model that
-transformers opens with the same logits, and `minigpt train --init-from DIR` starts from one, in any layout, with
+"""Weights that travel: `minigpt export RUN --hf DIR` writes a run of any layout as a Hugging Face model (GPT-2,
+Llama or Qwen3) that transformers opens with the same logits, and `minigpt train --init-from DIR` starts from one, in any layout, with
 transformers' own loss on the same batch. Nothing is downloaded: the transformers models are built from configs
 here (minigpt/hf.py maps the layouts)."""
 
@@ -21,7 +21,9 @@ from parallel.run.sample import load_model
 transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
 
 SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
-          "llama": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32"]}  # GQA (4 heads, 2 kv), RoPE
+          "llama": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32"],  # GQA (4 heads, 2 kv), RoPE
+          "qwen3": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--qk-norm", "--head-dim", "24"]}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def invoke(*args: str):
@@ -58,18 +60,25 @@ def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, 
     ours, state = load_model(checkpoint)
     assert state["layout"]["tp"] == 2 and state["layout"]["pp"] == 2
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    assert type(theirs).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[shape]
-    if shape == "llama":  # grouped-query attention and rotary positions, as the run trained them
+    assert type(theirs).__name__ == CLASSES[shape]
+    if shape != "gpt2":  # grouped-query attention and rotary positions, as the run trained them
         assert theirs.config.num_key_value_heads == 2 < theirs.config.num_attention_heads == 4
     tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         gap = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    print(f"{shape}: largest logit gap {gap:.1e}")
     assert gap <= 1e-5, gap
 
 
 def transformers_model(shape: str, tmp_path):
-    """A freshly initialised transformers model of a small GPT-2 or Llama (GQA, RoPE) shape, saved in `tmp_path`."""
-    if shape == "gpt2":
+    """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE) or Qwen3 (GQA, RoPE, heads wider
+    than the width / heads, q/k norms, every norm's epsilon 1e-6 as Qwen's checkpoints) shape, saved in `tmp_path`."""
+    if shape == "qwen3":
+        config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.2)
+    elif shape == "gpt2":
         config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                                          activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          bos_token_id=0, eos_token_id=0, initializer_range=0.2)
@@ -80,6 +89,10 @@ def transformers_model(shape: str, tmp_path):
                                           rope_theta=500000.0, initializer_range=0.2)
     torch.manual_seed(3)  # weights 10x GPT-2's spread: a first loss far from a fresh minigpt model's ln 256
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms' gains away from their initial ones, so that a misplaced gain shows
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln" in name:
+                param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
     model.save_pretrained(tmp_path / "hf")
     return model, tmp_path / "hf"
 
@@ -105,7 +118,11 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     llama = GPTConfig(n_kv_heads=2, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, d_head=64)
     assert layout_of(llama) == "llama" and config_from_hf(hf_config(llama)) == llama
     assert config_from_hf(hf_config(GPTConfig(tied_head=False))) == GPTConfig(tied_head=False)
+    qwen3 = llama.with_(qk_norm=True, norm_eps=1e-6)
+    assert layout_of(qwen3) == "qwen3" and config_from_hf(hf_config(qwen3)) == qwen3
+    assert config_from_hf(hf_config(GPTConfig(norm_eps=1e-6))).norm_eps == 1e-6
     for bad, word in ((GPTConfig(n_experts=4), "mixture of experts"), (GPTConfig(qk_norm=True), "q/k norms"),
+                      (qwen3.with_(bias=True), "bias-free"),
                       (GPTConfig(positions="rope"), "neither"), (GPTConfig(n_kv_heads=2), "grouped-query")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
@@ -113,7 +130,13 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
 
 def test_transformers_models_minigpt_computes_differently_are_refused():
     llama = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope"))
-    for change, word in (({"rms_norm_eps": 1e-6}, "epsilon"), ({"hidden_act": "gelu"}, "activation"),
+    qwen3 = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, qk_norm=True))
+    for change, word in (({**qwen3, "use_sliding_window": True}, "sliding window"),
+                         ({**qwen3, "layer_types": ["sliding_attention", "full_attention"]}, "sliding window"),
+                         ({**qwen3, "attention_bias": True}, "biases")):
+        with pytest.raises(ConfigError, match=word):
+            config_from_hf(change)
+    for change, word in (({"rms_norm_eps": 0}, "norm_eps"), ({"hidden_act": "gelu"}, "activation"),
                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "scaled"),
                          ({"model_type": "bert"}, "model_type")):
         with pytest.raises(ConfigError, match=word):
