@@ -58,6 +58,9 @@ class GPTConfig:
     norm: str = "layernorm"
     positions: str = "learned"
     rope_theta: float = 10000.0
+    # Llama 3.1's rotary frequencies scaled for a longer context (transformers' rope_type "llama3"):
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: unscaled
+    rope_scaling: tuple[float, float, float, int] | None = None
     bias: bool = True
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
@@ -140,9 +143,23 @@ class GPTConfig:
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
                 or not 1.0 < self.rope_theta < float("inf"):
             raise ConfigError(f"rope_theta must be a number above 1, got {self.rope_theta!r}")
+        if self.rope_scaling is not None:
+            self._check_rope_scaling()
+            if self.positions != "rope":
+                raise ConfigError("rope_scaling scales rotary positions: it needs positions = rope")
         for name in ("tied_head", "bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def _check_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if not isinstance(scaling, (tuple, list)) or len(scaling) != 4 or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in scaling):
+            raise ConfigError(f"rope_scaling must be four positive numbers (factor, low_freq_factor, "
+                              f"high_freq_factor, original_max_position_embeddings), got {scaling!r}")
+        if not scaling[2] > scaling[1]:
+            raise ConfigError(f"rope_scaling's high_freq_factor must be above its low_freq_factor, got {scaling!r}")
+        object.__setattr__(self, "rope_scaling", tuple(scaling))  # a list read from JSON: the same shape
 
     @property
     def head_dim(self) -> int:

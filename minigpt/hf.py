@@ -27,6 +27,7 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling's
 
 
 def layout_of(config: GPTConfig) -> str:
@@ -66,6 +67,8 @@ def hf_config(config: GPTConfig) -> dict:
             "layer_norm_epsilon": config.norm_eps,
         }
     rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **dict(zip(LLAMA3_ROPE, config.rope_scaling))}
     llama = {
         "max_position_embeddings": config.seq_len, "hidden_size": config.d_model,
         "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
@@ -73,6 +76,7 @@ def hf_config(config: GPTConfig) -> dict:
         "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.bias,
         "attention_dropout": config.dropout, "rope_theta": float(config.rope_theta),  # transformers 4 reads this,
         "rope_parameters": rope,  # transformers 5 this
+        **({"rope_scaling": rope} if config.rope_scaling is not None else {}),  # and transformers 4 this
     }
     if layout_of(config) == "qwen3":
         return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common, **llama,
@@ -122,10 +126,25 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                       f"'qwen3' models")
 
 
+def _rope(hf: dict) -> tuple[float, tuple | None]:
+    """(base, GPTConfig.rope_scaling) of a transformers 5 rope_parameters or a transformers 4 rope_theta and
+    rope_scaling; ConfigError for a scaling minigpt does not compute (Llama 3.1's "llama3" it does)."""
+    parameters, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    _refuse_unless(isinstance(parameters, dict) and isinstance(legacy, dict),
+                   f"its rope_parameters / rope_scaling are {parameters!r} / {legacy!r}")
+    rope = {"rope_theta": hf.get("rope_theta") or 10000.0, **parameters, **legacy}
+    kind = next((d.get("rope_type", d.get("type")) for d in (legacy, parameters) if d.get("rope_type", d.get("type"))),
+                "default")
+    theta = float(_number(rope, "rope_theta"))
+    if kind == "default":
+        return theta, None
+    _refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
+                   f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3'")
+    return theta, tuple(_number(rope, key) for key in LLAMA3_ROPE)
+
+
 def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0)}
-    _refuse_unless(isinstance(rope, dict) and rope.get("rope_type", "default") == "default"
-                   and not hf.get("rope_scaling"), f"its rotary embedding is scaled ({rope or hf.get('rope_scaling')})")
+    theta, scaling = _rope(hf)
     _refuse_unless(hf.get("hidden_act", "silu") == "silu", f"its MLP activation is {hf.get('hidden_act')!r}, not silu")
     bias = hf.get("attention_bias", False)
     _refuse_unless(bias == hf.get("mlp_bias", False), "it has biases in the attention or the MLP, not both")
@@ -138,7 +157,7 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
                      n_layers=_number(hf, "num_hidden_layers"), n_heads=heads,
                      n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
                      d_ff=_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
-                     positions="rope", rope_theta=float(rope.get("rope_theta", 10000.0)), bias=bool(bias),
+                     positions="rope", rope_theta=theta, rope_scaling=scaling, bias=bool(bias),
                      norm_eps=_number(hf, "rms_norm_eps", 1e-6),
                      d_head=None if head_dim is None or head_dim * heads == width else head_dim)
 

@@ -70,14 +70,27 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 
 @functools.lru_cache(maxsize=16)
-def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device,
+                scaling: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, (seq, head_dim), in fp32; frequency i of the
     first half pairs with i of the second half (the rotate-half convention). Made once per shape
-    and device and shared by every layer (never written to)."""
+    and device and shared by every layer (never written to). `scaling`: GPTConfig.rope_scaling."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, *scaling)
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, context: int) -> torch.Tensor:
+    """Llama 3.1's scaled rotary frequencies (Meta's reference code, transformers' rope_type "llama3"): wavelengths
+    shorter than context / high kept, longer than context / low divided by `factor`, those between interpolated."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    return torch.where((wavelength >= context / high) & (wavelength <= context / low), between, scaled)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
@@ -97,12 +110,14 @@ class RotaryQK(torch.autograd.Function):
     each token's position along the sequence (None: 0, 1, ..., seq - 1)."""
 
     @staticmethod
-    def forward(ctx, qkv, rotated_heads: int, head_dim: int, theta: float, positions: torch.Tensor | None = None):
+    def forward(ctx, qkv, rotated_heads: int, head_dim: int, theta: float, positions: torch.Tensor | None = None,
+                scaling: tuple | None = None):
         batch, seq, width = qkv.shape
         if positions is None:
-            cos, sin = rope_tables(seq, head_dim, theta, qkv.device)
+            cos, sin = rope_tables(seq, head_dim, theta, qkv.device, scaling)
         else:
-            cos, sin = (table[positions] for table in rope_tables(int(positions.max()) + 1, head_dim, theta, qkv.device))
+            longest = int(positions.max()) + 1
+            cos, sin = (table[positions] for table in rope_tables(longest, head_dim, theta, qkv.device, scaling))
         ctx.tables, ctx.rotated, ctx.head_dim = (cos, sin), rotated_heads * head_dim, head_dim
         out = qkv.clone()
         qk = qkv[..., : ctx.rotated].view(batch, seq, rotated_heads, head_dim)
@@ -115,7 +130,7 @@ class RotaryQK(torch.autograd.Function):
         out = grad.clone()
         qk = grad[..., : ctx.rotated].reshape(batch, seq, -1, ctx.head_dim)
         out[..., : ctx.rotated] = _rotate(qk, cos, sin, -1.0).view(batch, seq, -1)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 class AttentionCore(nn.Module):
@@ -130,6 +145,7 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
         self.rope_theta = config.rope_theta if config.positions == "rope" else None
+        self.rope_scaling = config.rope_scaling
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
@@ -148,7 +164,8 @@ class AttentionCore(nn.Module):
         if self.q_norm is not None:
             qkv = self.normed(qkv, heads, kv_heads)
         if self.rope_theta is not None:
-            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.positions())
+            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.positions(),
+                                 self.rope_scaling)
         q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
         # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim), views of the fused tensor
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))

@@ -15,7 +15,8 @@ from cli.main import main
 from minigpt.config import GPTConfig
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.errors import ConfigError
-from minigpt.hf import config_from_hf, hf_config, layout_of
+from minigpt.hf import config_from_hf, from_hf, hf_config, layout_of
+from minigpt.model import GPT
 from parallel.run.sample import load_model
 
 transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
@@ -118,6 +119,8 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     llama = GPTConfig(n_kv_heads=2, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, d_head=64)
     assert layout_of(llama) == "llama" and config_from_hf(hf_config(llama)) == llama
     assert config_from_hf(hf_config(GPTConfig(tied_head=False))) == GPTConfig(tied_head=False)
+    llama31 = llama.with_(rope_scaling=(8.0, 1.0, 4.0, 8192), rope_theta=500000.0)  # Llama 3.1's context scaling
+    assert config_from_hf(hf_config(llama31)) == llama31
     qwen3 = llama.with_(qk_norm=True, norm_eps=1e-6)
     assert layout_of(qwen3) == "qwen3" and config_from_hf(hf_config(qwen3)) == qwen3
     assert config_from_hf(hf_config(GPTConfig(norm_eps=1e-6))).norm_eps == 1e-6
@@ -138,6 +141,8 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
             config_from_hf(change)
     for change, word in (({"rms_norm_eps": 0}, "norm_eps"), ({"hidden_act": "gelu"}, "activation"),
                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "scaled"),
+                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}, "yarn"),
+                         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
                          ({"model_type": "bert"}, "model_type")):
         with pytest.raises(ConfigError, match=word):
             config_from_hf({**llama, **change})
@@ -222,3 +227,27 @@ def test_a_byte_run_exports_the_byte_tokenizer_that_transformers_reads(exported,
                     "--eval-every", "0", "--out", str(tmp_path / "again"), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["config"]["tokenizer"] == "bytes"  # recognised, not re-encoded by a BPE
+
+
+def test_llama31_scaled_rotary_positions_are_transformers():
+    """Llama 3.1's rope_type "llama3" (its long wavelengths divided by the factor, the middle ones interpolated):
+    a transformers Llama with it gives minigpt's logits over a context 4 times the scaling's original one, which
+    the unscaled rotation misses by far."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    config = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=64, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
+                                      rope_scaling=scaling, initializer_range=0.2)
+    torch.manual_seed(3)
+    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ours_config = config_from_hf(config.to_dict())
+    assert ours_config.rope_scaling == (8.0, 1.0, 4.0, 16)
+    tokens = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
+    gaps = {}
+    for name, shape in (("scaled", ours_config), ("unscaled", ours_config.with_(rope_scaling=None))):
+        ours = GPT(shape).eval()
+        ours.load_state_dict(from_hf(dict(theirs.state_dict()), shape))
+        with torch.no_grad():
+            gaps[name] = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert gaps["scaled"] <= 5e-5 and gaps["unscaled"] > 0.1, gaps  # logits up to about 7: 1e-5 of them

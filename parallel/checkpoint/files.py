@@ -35,10 +35,10 @@ FORMAT = "minigpt-checkpoint"
 VERSION = 2  # 2: sha256 of every file in state.json, and of state.json in the marker
 MARKER = "COMPLETE"
 STATE_FILE = "state.json"
-# What the saved model must share with this run's: its tensors' shapes, and the RoPE base, which changes
-# what the same weights compute (dropout may change on resume)
+# What the saved model must share with this run's: its tensors' shapes, and the RoPE base and scaling and the norms'
+# epsilon, which change what the same weights compute (dropout may change on resume)
 SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff", "tied_head",
-                "n_kv_heads", "mlp", "norm", "positions", "bias", "rope_theta")
+                "n_kv_heads", "mlp", "norm", "positions", "bias", "rope_theta", "rope_scaling", "norm_eps")
 STEP_DIR = re.compile(r"step-(\d+)")
 HINT = "resume an older one (--resume PATH), or start without --resume"
 HASH_BLOCK = 1 << 20  # bytes read at a time while hashing a shard
@@ -220,6 +220,8 @@ def model_fields(model: dict) -> dict:
     they existed holds a GPT-2-style model) and n_kv_heads spelled out (None: as many as the heads)."""
     defaults = {field.name: field.default for field in fields(GPTConfig) if field.default is not MISSING}
     full = {**defaults, **model}
+    if isinstance(full.get("rope_scaling"), list):  # JSON's spelling of the config's tuple
+        full["rope_scaling"] = tuple(full["rope_scaling"])
     if full.get("n_kv_heads") is None:
         full["n_kv_heads"] = full.get("n_heads")
     return full

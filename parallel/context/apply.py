@@ -34,7 +34,8 @@ class ContextAttentionCore(AttentionCore):
     def __init__(self, core: AttentionCore, group: dist.ProcessGroup | None, kind: str, token_positions: torch.Tensor,
                  counter=None):
         nn.Module.__init__(self)  # made from the model's core: its sizes and its norm modules (their names kept)
-        self.head_dim, self.group, self.rope_theta = core.head_dim, core.group, core.rope_theta
+        self.head_dim, self.group, self.rope_theta, self.rope_scaling = (core.head_dim, core.group, core.rope_theta,
+                                                                         core.rope_scaling)
         self.q_norm, self.k_norm = core.q_norm, core.k_norm
         self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
