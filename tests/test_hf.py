@@ -1,7 +1,7 @@
 """Weights that travel: `minigpt export RUN --hf DIR` writes a run of any layout as a Hugging Face model (GPT-2,
 Llama or Qwen3) that transformers opens with the same logits, and `minigpt train --init-from DIR` starts from one,
-in any layout, with transformers' own loss on the same batch. Nothing is downloaded: the transformers models are built from configs
-here (minigpt/hf.py maps the layouts)."""
+in any layout, with transformers' own loss on the same batch. Nothing is downloaded: the transformers models are
+built from configs here (minigpt/hf.py maps the layouts)."""
 
 from __future__ import annotations
 
