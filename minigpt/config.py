@@ -145,8 +145,6 @@ class GPTConfig:
             raise ConfigError(f"rope_theta must be a number above 1, got {self.rope_theta!r}")
         if self.rope_scaling is not None:
             self._check_rope_scaling()
-            if self.positions != "rope":
-                raise ConfigError("rope_scaling scales rotary positions: it needs positions = rope")
         for name in ("tied_head", "bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -157,8 +155,9 @@ class GPTConfig:
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in scaling):
             raise ConfigError(f"rope_scaling must be four positive numbers (factor, low_freq_factor, "
                               f"high_freq_factor, original_max_position_embeddings), got {scaling!r}")
-        if not scaling[2] > scaling[1]:
-            raise ConfigError(f"rope_scaling's high_freq_factor must be above its low_freq_factor, got {scaling!r}")
+        if not scaling[2] > scaling[1] or self.positions != "rope":
+            raise ConfigError(f"rope_scaling scales rotary positions (positions rope), its high_freq_factor above its "
+                              f"low_freq_factor: got {scaling!r} with positions {self.positions}")
         object.__setattr__(self, "rope_scaling", tuple(scaling))  # a list read from JSON: the same shape
 
     @property
