@@ -26,6 +26,7 @@ the second (SPLIT). In fp8 the rerun quantises with the scales its forward used 
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Callable
 
@@ -48,9 +49,9 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        ctx.run, ctx.states = run, random_states(x.device)
+        ctx.run, ctx.states, ctx.scales = run, random_states(x.device), collections.deque()  # fp8's, for the rerun
         ctx.save_for_backward(x)
-        with torch.no_grad(), recompute_phase("first"):
+        with torch.no_grad(), recompute_phase("first", ctx.scales):
             return run(x)
 
     @staticmethod
@@ -60,7 +61,7 @@ class Recompute(torch.autograd.Function):
 
         def rerun() -> torch.Tensor:
             devices = [x.device] if x.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again"):
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again", ctx.scales):
                 restore_random_states(ctx.states, x.device)
                 return ctx.run(again)
 

@@ -97,15 +97,16 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-# Which forward of a fully recomputed block runs (parallel/recompute.py): None (no recomputation, or evaluation),
-# "first" (the forward without a graph) or "again" (its rerun in the backward). One process runs one at a time.
-RECOMPUTE_PHASE: list[str | None] = [None]
+# The recomputed forward running now (parallel/recompute.py), as (phase, scales): None (no recomputation, or
+# evaluation); "first", the forward without a graph, which appends each quantisation's scale to `scales`; "again",
+# its rerun in the backward, which takes them back in the same order. One process runs one at a time.
+RECOMPUTE_PHASE: list[tuple[str, collections.deque] | None] = [None]
 
 
 @contextlib.contextmanager
-def recompute_phase(phase: str):
-    """Every fp8 quantisation inside is `phase`'s (Fp8Meta.quantize)."""
-    before, RECOMPUTE_PHASE[0] = RECOMPUTE_PHASE[0], phase
+def recompute_phase(phase: str, scales: collections.deque):
+    """Every fp8 quantisation inside is `phase`'s, with `scales` the recomputed call's own (Fp8Meta.quantize)."""
+    before, RECOMPUTE_PHASE[0] = RECOMPUTE_PHASE[0], (phase, scales)
     try:
         yield
     finally:
@@ -139,8 +140,6 @@ class Fp8Meta:
         self.scale: dict[str, Tensor] = {
             role: torch.ones((), dtype=torch.float32) for role in ROLES
         }
-        # under full recomputation (parallel/recompute.py): the scales a forward used, in call order, for its rerun
-        self.replay: dict[str, collections.deque] = {role: collections.deque() for role in ROLES}
 
     def _to(self, device: torch.device) -> None:
         for role in ROLES:
@@ -167,16 +166,16 @@ class Fp8Meta:
         """(fp8 tensor, dequantisation scale 1/scale) with the delayed scale of `role`.
 
         With `update`, the tensor's amax is pushed into the history after use. Under full recomputation
-        (RECOMPUTE_PHASE) a block's first forward also keeps each scale it used, and its rerun in the backward
-        quantises with those, in the same order, recording nothing: the rerun is the forward's computation again,
-        and the history holds one entry per forward, as without recomputation.
+        (RECOMPUTE_PHASE) a block's first forward also keeps each scale it used, with the recomputing call, and its
+        rerun in the backward quantises with those, in the same order, recording nothing: the rerun is the forward's
+        computation again, and the history holds one entry per forward, as without recomputation.
         """
         self._to(tensor.device)
         dtype = ROLE_DTYPES[role]
         data = tensor.detach().float()
-        phase = RECOMPUTE_PHASE[0]
+        phase, scales = RECOMPUTE_PHASE[0] or (None, None)
         if phase == "again":
-            scale = self.replay[role].popleft()
+            scale = scales.popleft()
         else:
             amax = data.abs().amax() if data.numel() else torch.zeros((), device=data.device)
             scale = self.delayed_scale(role, amax)
@@ -184,7 +183,7 @@ class Fp8Meta:
             if update:
                 self.record(role, amax)
             if phase == "first":
-                self.replay[role].append(scale)
+                scales.append(scale)
         limit = fp8_max(dtype)
         quantized = (data * scale).clamp_(-limit, limit).to(dtype)
         return quantized, scale.reciprocal()

@@ -138,7 +138,7 @@ def fp8_histories() -> dict:
 
 def test_full_recompute_in_fp8_is_the_same_computation():
     """fp8's delayed scaling under full recomputation: the rerun quantises with the scales its forward used and
-    records nothing (precision/fp8.py's replay), so the histories, the scales and so the steps are those without
+    records nothing (precision/fp8.py's recompute_phase), so the histories, the scales and so the steps are those without
     recomputation, to the bit; one process, then pp 2 interleaved."""
     shape = SHAPES["tiny-llama"]
     runs = {}
