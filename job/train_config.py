@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minigpt.config import GPTConfig
+from minigpt.config import OP_RECOMPUTE, RECOMPUTE_MODES, GPTConfig
 from minigpt.data import VOCAB_SIZE, BatchLayout
 from minigpt.tokenizer import BYTES, load_tokenizer
 from minigpt.errors import (
@@ -39,15 +39,14 @@ def bucket_numel(bucket_mb: float, element_bytes: int) -> int:
 
 
 PRECISIONS = tuple(POLICIES)
-TRAIN_RECOMPUTE = ("none", "selective", "full")
-
-
 def check_train_recompute(recompute: str) -> None:
-    if recompute == "op":
+    """minigpt/config.py's RECOMPUTE_MODES are what training runs; torchtitan's op policy is simulated only."""
+    if recompute == OP_RECOMPUTE:
         raise ConfigError(f"--recompute {recompute} is simulated only (minigpt simulate --recompute {recompute}); "
                           "training recomputes none, selective (the attention core) or full (every block)")
-    if recompute not in TRAIN_RECOMPUTE:
-        raise ConfigError(f"--recompute must be none, selective or full, got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"--recompute must be {', '.join(RECOMPUTE_MODES[:-1])} or {RECOMPUTE_MODES[-1]}, "
+                          f"got {recompute!r}")
 
 
 def check_tensor_parallel(model: GPTConfig, tp: int, sequence_parallel: bool) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from minigpt.config import GPTConfig
 from minigpt.model import GPT, AttentionCore
 from parallel.context.allgather import allgather_attention
 from parallel.comm import Collectives
@@ -31,12 +31,10 @@ class ContextAttentionCore(AttentionCore):
     """AttentionCore for a rank that holds two chunks of each sequence (parallel/context/chunks.py): the same split,
     norms and rotation, at the chunks' true positions, and attention across the group by ring or all-gather."""
 
-    def __init__(self, core: AttentionCore, group: dist.ProcessGroup | None, kind: str, token_positions: torch.Tensor,
-                 counter=None):
-        nn.Module.__init__(self)  # made from the model's core: its sizes and its norm modules (their names kept)
-        self.head_dim, self.group, self.rope_theta, self.rope_scaling = (core.head_dim, core.group, core.rope_theta,
-                                                                         core.rope_scaling)
-        self.q_norm, self.k_norm = core.q_norm, core.k_norm
+    def __init__(self, config: GPTConfig, core: AttentionCore, group: dist.ProcessGroup | None, kind: str,
+                 token_positions: torch.Tensor, counter=None):
+        super().__init__(config)  # the core's sizes and rotation, from the model's shape as the core had them
+        self.q_norm, self.k_norm = core.q_norm, core.k_norm  # the model's own norm modules (their weights and names)
         self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
 
@@ -63,7 +61,7 @@ def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | No
     device = next(model.parameters()).device
     token_positions = positions(rank, cp, model.config.seq_len, device)
     for block in model.blocks:
-        block.attn.core = ContextAttentionCore(block.attn.core, group, kind, token_positions, counter)
+        block.attn.core = ContextAttentionCore(model.config, block.attn.core, group, kind, token_positions, counter)
     if model.config.is_moe and not isinstance(group, Rehearsal):  # a rehearsal routes its own part (timing only)
         apply_context_moe(model, counter or Collectives(group, "cp"), rank, cp)
     if model.pos_emb is not None:  # the model asks for 0 .. 2c - 1; these tokens sit at token_positions

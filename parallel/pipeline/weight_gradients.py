@@ -62,13 +62,25 @@ class WeightGradients:
 
     def forward(self, chunk: nn.Module, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
         """chunk(x), keeping the outputs of its modules with parameters for `key`'s backward."""
+        out, self.kept[key] = self.captured(lambda: chunk(x))
+        return out
+
+    def captured(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list]:
+        """run()'s output and the (module, output) pairs of its modules with parameters, in the order they ran."""
         self.capturing = []
         try:
-            out = chunk(x)
-            self.kept[key] = self.capturing
+            return run(), self.capturing
         finally:
             self.capturing = None
-        return out
+
+    def split(self, out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None, kept: list) -> tuple:
+        """The gradient of x, and the (params, output, gradient) each kept module's weights wait with; the graph
+        kept for them."""
+        outputs = [output for _, output in kept]
+        grads = gradients_from(out, [x, *outputs], grad, retain_graph=True, allow_unused=True)
+        waiting = [(self.params[id(module)], output, g)
+                   for (module, output), g in zip(kept, grads[1:]) if g is not None]
+        return grads[0], waiting
 
     def input_gradient(self, key, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         kept = self.kept.pop(key)
@@ -76,32 +88,21 @@ class WeightGradients:
         if len(set(map(id, modules))) < len(modules):
             raise RuntimeError("a module with parameters ran twice in one forward: the zero-bubble split "
                                "would count its gradient twice")
-        outputs = [output for _, output in kept]
         self.reruns, SPLIT[0] = [], self.split_rerun
         try:
-            grads = gradients_from(out, [x, *outputs], grad, retain_graph=True, allow_unused=True)
+            grad_x, waiting = self.split(out, x, grad, kept)
         finally:
             SPLIT[0] = None
-        self.waiting[key] = [(self.params[id(module)], output, g)
-                             for module, output, g in zip(modules, outputs, grads[1:]) if g is not None]
-        self.waiting[key] += [entry for rerun in reversed(self.reruns) for entry in rerun]  # blocks, forward order
-        return grads[0]
+        self.waiting[key] = waiting + [entry for rerun in reversed(self.reruns) for entry in rerun]  # blocks in order
+        return grad_x
 
     def split_rerun(self, rerun: Callable[[], torch.Tensor], again: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """A fully recomputed block's backward in the first half (parallel/recompute.py's SPLIT): its forward again,
-        keeping the outputs of its modules with parameters, and the gradients of its input and of those outputs;
-        the input's returned, the rest waiting for the second half as the chunk's own do."""
-        self.capturing = []
-        try:
-            out = rerun()
-            kept = self.capturing
-        finally:
-            self.capturing = None
-        outputs = [output for _, output in kept]
-        grads = gradients_from(out, [again, *outputs], grad, retain_graph=True, allow_unused=True)
-        self.reruns.append([(self.params[id(module)], output, g)
-                            for (module, _), output, g in zip(kept, outputs, grads[1:]) if g is not None])
-        return grads[0]
+        """A recomputed block's (or core's) backward in the first half (parallel/recompute.py's SPLIT): its forward
+        again, captured as a chunk's is, its input's gradient returned, its weights' waiting with the chunk's."""
+        out, kept = self.captured(rerun)
+        grad_x, waiting = self.split(out, again, grad, kept)
+        self.reruns.append(waiting)
+        return grad_x
 
     def weight_gradients(self, key, before: Callable[[list[nn.Parameter]], None]) -> None:
         """The parameter gradients of `key`, module by module, last first; `before(params)` ahead of each."""

@@ -62,9 +62,8 @@ def model_seconds(m: int, n: int, k: int, fit: GemmFit, sms: int, peak: float, l
 
 
 def log_error(points: list[tuple[int, int, int, float]], fit: GemmFit, sms: int, peak: float, launch: float) -> float:
-    """Root mean square of log(model / measured) over the points (model_seconds of each)."""
-    model = GemmModel(sms, ((FITTED, fit),))
-    squares = [math.log((model.seconds(m, n, k, FITTED, peak) + launch) / seconds) ** 2 for m, n, k, seconds in points]
+    """Root mean square of log(model / measured) over the points."""
+    squares = [math.log(model_seconds(m, n, k, fit, sms, peak, launch) / seconds) ** 2 for m, n, k, seconds in points]
     return math.sqrt(sum(squares) / len(squares))
 
 
