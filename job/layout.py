@@ -153,7 +153,7 @@ def _linear(name: str, rows: int, columns: int, model: GPTConfig, tp: int, colum
     """A Linear's weight split over tp (by rows: column-parallel; by columns: row-parallel) and its bias
     (split with the rows, or replicated and added after the sum)."""
     weight = Tensor(f"{name}.weight", rows * columns // tp, False)
-    if not model.bias:
+    if not model.linear_bias(name):
         return [weight]
     if column_parallel:
         return [weight, Tensor(f"{name}.bias", rows // tp, False)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from minigpt.errors import ConfigError
+from minigpt.shape_checks import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, check_shape  # noqa: F401
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # what our trainer runs and every shape allows
 # torchtitan's selective op checkpointing (activation_checkpoint.mode "selective", selective_ac_option "op"): the
@@ -29,10 +30,6 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # what our trainer runs and eve
 OP_RECOMPUTE = "op"
 SIM_RECOMPUTE_MODES = (*RECOMPUTE_MODES, OP_RECOMPUTE)
 ATTENTION_KINDS = ("flash", "unfused")
-MLP_KINDS = ("gelu", "swiglu")
-NORM_KINDS = ("layernorm", "rmsnorm")
-POSITION_KINDS = ("learned", "rope")
-ROUTER_KINDS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,8 @@ class GPTConfig:
     # Llama 3.1's rotary frequencies scaled for a longer context (transformers' rope_type "llama3"):
     # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: unscaled
     rope_scaling: tuple[float, float, float, int] | None = None
-    bias: bool = True
+    bias: bool = True  # biases in every Linear
+    qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
     norm_eps: float = 1e-5  # every norm's epsilon (nn.LayerNorm's default, Llama's; Qwen's checkpoints: 1e-6)
@@ -77,88 +75,12 @@ class GPTConfig:
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.d_head is not None and (not isinstance(self.d_head, int) or isinstance(self.d_head, bool)
-                                        or self.d_head <= 0):
-            raise ConfigError(f"d_head must be a positive integer (or unset for d_model / n_heads), got {self.d_head!r}")
-        if self.d_head is None and self.d_model % self.n_heads:
-            raise ConfigError(
-                f"n_heads={self.n_heads} does not divide d_model={self.d_model}: "
-                f"choose a head count that divides the width"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
-        eps = self.norm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
-            raise ConfigError(f"norm_eps must be a number in (0, 1), got {eps!r}")
-        self._check_llama_options()
-        if self.n_experts != 0:
-            self._check_moe_options()
+        check_shape(self)
 
-    def _check_moe_options(self) -> None:
-        for name in ("n_experts", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.top_k > self.n_experts:
-            raise ConfigError(f"top_k={self.top_k} is above the {self.n_experts} experts: each token picks "
-                              f"distinct experts, so choose top_k <= n_experts")
-        if self.d_expert is not None and (not isinstance(self.d_expert, int) or isinstance(self.d_expert, bool)
-                                          or self.d_expert <= 0):
-            raise ConfigError(f"d_expert must be a positive integer (or unset for d_ff), got {self.d_expert!r}")
-        for name in ("n_shared_experts", "dense_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a whole number >= 0, got {value!r}")
-        if self.dense_layers >= self.n_layers:
-            raise ConfigError(f"dense_layers={self.dense_layers} leaves no MoE layer of {self.n_layers}: "
-                              f"choose dense_layers < n_layers (or n_experts 0 for a dense model)")
-        if self.router not in ROUTER_KINDS:
-            raise ConfigError(f"router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
-        cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
-            raise ConfigError(f"capacity_factor must be a number above 0 (or unset for dropless routing), got {cf!r}")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-
-    def _check_llama_options(self) -> None:
-        kv = self.n_kv_heads
-        if kv is not None:
-            if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0:
-                raise ConfigError(f"n_kv_heads must be a positive integer, got {kv!r}")
-            if self.n_heads % kv:
-                raise ConfigError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}: grouped-query attention "
-                                  f"shares each key/value head among an equal number of query heads")
-        for name, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("positions", POSITION_KINDS)):
-            if getattr(self, name) not in kinds:
-                raise ConfigError(f"{name} must be one of {', '.join(kinds)}, got {getattr(self, name)!r}")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ConfigError(f"rotary position embeddings need an even head width, got {self.head_dim}: change "
-                              f"d_model or n_heads (or d_head)")
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
-                or not 1.0 < self.rope_theta < float("inf"):
-            raise ConfigError(f"rope_theta must be a number above 1, got {self.rope_theta!r}")
-        if self.rope_scaling is not None:
-            self._check_rope_scaling()
-        for name in ("tied_head", "bias", "qk_norm"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-
-    def _check_rope_scaling(self) -> None:
-        scaling = self.rope_scaling
-        if not isinstance(scaling, (tuple, list)) or len(scaling) != 4 or any(
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") for v in scaling):
-            raise ConfigError(f"rope_scaling must be four positive numbers (factor, low_freq_factor, "
-                              f"high_freq_factor, original_max_position_embeddings), got {scaling!r}")
-        if not scaling[2] > scaling[1] or self.positions != "rope":
-            raise ConfigError(f"rope_scaling scales rotary positions (positions rope), its high_freq_factor above its "
-                              f"low_freq_factor: got {scaling!r} with positions {self.positions}")
-        object.__setattr__(self, "rope_scaling", tuple(scaling))  # a list read from JSON: the same shape
+    def linear_bias(self, name: str) -> bool:
+        """Whether the Linear `name` (attn.qkv, attn.proj, mlp.fc1, ...) has a bias: every one with `bias`, the
+        fused query, key and value projection also with `qkv_bias`."""
+        return self.bias or (self.qkv_bias and name.endswith("qkv"))
 
     @property
     def head_dim(self) -> int:
@@ -231,7 +153,8 @@ class GPTConfig:
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
                  "RoPE" if self.positions == "rope" else "learned positions",
                  "tied head" if self.tied_head else "untied head"]
-        return ", ".join(parts + ([] if self.bias else ["no bias"]) + [f"seq {self.seq_len}"])
+        biases = [] if self.bias else ["q, k, v biases only" if self.qkv_bias else "no bias"]
+        return ", ".join(parts + biases + [f"seq {self.seq_len}"])
 
     def with_(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again)."""
@@ -245,9 +168,10 @@ class GPTConfig:
     def attention_params(self) -> int:
         """The fused qkv projection and the output projection, weights and biases (and the query and key norms'
         gains: one head's width each, shared by the heads)."""
-        d, bias, width = self.d_model, int(self.bias), self.attention_width
+        d, width = self.d_model, self.attention_width
+        qkv_bias, proj_bias = int(self.linear_bias("attn.qkv")), int(self.linear_bias("attn.proj"))
         qk_norms = 2 * self.head_dim if self.qk_norm else 0
-        return (d * self.qkv_width + bias * self.qkv_width) + (width * d + bias * d) + qk_norms
+        return (d * self.qkv_width + qkv_bias * self.qkv_width) + (width * d + proj_bias * d) + qk_norms
 
     def dense_mlp_params(self) -> int:
         d, f, bias = self.d_model, self.d_ff, int(self.bias)
@@ -428,8 +352,9 @@ class GPTConfig:
         with a bias runs as addmm (never kept), a MoE's experts as grouped matmuls, dropout draws again."""
         if self.is_moe:
             return "a mixture of experts (its grouped expert matmuls are not aten.mm)"
-        if self.bias:
-            return "Linears with biases (they run as addmm, which the policy never keeps): use --no-bias"
+        if self.bias or self.qkv_bias:
+            return ("Linears with biases (they run as addmm, which the policy never keeps): use "
+                    + ("--no-bias" if self.bias else "--no-qkv-bias"))
         if self.dropout > 0:
             return "dropout (torchtitan's models have none)"
         return None

@@ -1,15 +1,18 @@
-"""The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and
-Qwen3 (Qwen3ForCausalLM).
+"""The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Qwen2
+(Qwen2ForCausalLM, also Qwen2.5's) and Qwen3 (Qwen3ForCausalLM).
 
 A shape is written in the layout that holds it exactly, and refused (ConfigError, one line) when neither does:
 
 - GPT-2: LayerNorm, GELU (tanh approximation: transformers' "gelu_new"), learned positions, multi-head
   attention with d_model / n_heads wide heads. Its Linears are Conv1D, weights stored (in, out): each is our
   (out, in) weight transposed. Its Linears always have biases: a shape without them is written with zero
-  biases, which compute the same. The fused qkv is c_attn, q then k then v, as ours.
+  biases, which compute the same (a shape with q/k/v biases only, --qkv-bias, too). The fused qkv is c_attn,
+  q then k then v, as ours.
 - Llama: RMSNorm, SwiGLU, rotary positions (both use the rotate-half pairing of each head's two halves),
   any number of key/value heads, any head width, biases in every Linear or none. Our fused qkv splits into
   q_proj, k_proj and v_proj by rows; our fused fc1 (gate rows, then up rows) into gate_proj and up_proj.
+- Qwen2: Llama's block with biases on q_proj, k_proj and v_proj and none elsewhere (ours: --no-bias --qkv-bias),
+  every norm with the one epsilon (rms_norm_eps), no sliding window.
 
 - Qwen3: Llama's block with an RMSNorm over each query and key head before the rotation (q_norm, k_norm, one
   head's width each, shared by the heads: ours, --qk-norm), no bias in its MLP (so none anywhere here), every
@@ -31,17 +34,19 @@ LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 
 def layout_of(config: GPTConfig) -> str:
-    """"gpt2", "llama" or "qwen3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
+    """"gpt2", "llama", "qwen2" or "qwen3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
     if config.is_moe:
-        raise ConfigError("a mixture of experts cannot be written in transformers' GPT-2, Llama or Qwen3 layout "
+        raise ConfigError("a mixture of experts cannot be written in transformers' GPT-2, Llama or Qwen layouts "
                           "(only dense models are exported)")
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
     if config.qk_norm:
-        if not llama or config.bias:
+        if not llama or config.bias or config.qkv_bias:
             raise ConfigError("per-head q/k norms (--qk-norm) are written in transformers' Qwen3 layout, which holds "
                               "a bias-free rmsnorm + swiglu + rope model only")
         return "qwen3"
+    if llama and config.qkv_bias and not config.bias:
+        return "qwen2"
     if gpt2:
         if config.kv_heads != config.n_heads or config.head_dim * config.n_heads != config.d_model:
             raise ConfigError("transformers' GPT-2 layout has neither grouped-query attention nor heads of another "
@@ -78,9 +83,11 @@ def hf_config(config: GPTConfig) -> dict:
         "rope_parameters": rope,  # transformers 5 this
         **({"rope_scaling": rope} if config.rope_scaling is not None else {}),  # and transformers 4 this
     }
-    if layout_of(config) == "qwen3":
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common, **llama,
-                "use_sliding_window": False, "sliding_window": None}
+    layout = layout_of(config)
+    if layout in ("qwen2", "qwen3"):
+        architecture = "Qwen2ForCausalLM" if layout == "qwen2" else "Qwen3ForCausalLM"
+        return {"architectures": [architecture], "model_type": layout, **common, **llama,
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": config.n_layers}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama, "mlp_bias": config.bias}
 
 
@@ -97,7 +104,7 @@ def _refuse_unless(condition: bool, why: str) -> None:
 
 
 def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
-    """The GPTConfig of a transformers config.json (GPT-2 or Llama), or ConfigError naming what minigpt cannot
+    """The GPTConfig of a transformers config.json (GPT-2, Llama, Qwen2 or Qwen3), or ConfigError naming what minigpt cannot
     compute the same. `seq_len`: the training context of a rotary model (at most its max_position_embeddings;
     default: that); a GPT-2's is its n_positions, the rows of its position table."""
     kind = hf.get("model_type")
@@ -117,13 +124,16 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
-    if kind == "qwen3":
+    if kind in ("qwen2", "qwen3"):
         _refuse_unless(not hf.get("use_sliding_window") and "sliding_attention" not in (hf.get("layer_types") or ()),
                        "it attends through a sliding window")
+        if kind == "qwen2":  # biases on q, k and v (transformers' Qwen2Attention), none elsewhere
+            return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len).with_(
+                qkv_bias=True)
         _refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
         return _llama_config({**hf, "mlp_bias": False}, tied, seq_len).with_(qk_norm=True)
-    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama' and "
-                      f"'qwen3' models")
+    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', 'qwen2' "
+                      f"and 'qwen3' models")
 
 
 def _rope(hf: dict) -> tuple[float, tuple | None]:
@@ -164,7 +174,7 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
 
 def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     """Our parameter name -> the transformers names it is written as (two for a fused weight split in Llama and
-    Qwen3; three for the qkv). Tied: no lm_head (transformers ties it to the embedding)."""
+    Qwen; three for the qkv). Tied: no lm_head (transformers ties it to the embedding)."""
     gpt2 = layout_of(config) == "gpt2"
     base = "transformer." if gpt2 else "model."
     table = {"tok_emb.weight": (base + ("wte" if gpt2 else "embed_tokens") + ".weight",),
@@ -175,7 +185,7 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
         table["head.weight"] = ("lm_head.weight",)
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}.", f"{base}{'h' if gpt2 else 'layers'}.{i}."
-        table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config.bias)
+        table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config)
         if config.qk_norm:
             table |= {f"{ours}attn.core.{norm}.weight": (f"{theirs}self_attn.{norm}.weight",)
                       for norm in ("q_norm", "k_norm")}
@@ -190,7 +200,7 @@ def _gpt2_block(ours: str, theirs: str) -> dict:
     return table
 
 
-def _llama_block(ours: str, theirs: str, bias: bool) -> dict:
+def _llama_block(ours: str, theirs: str, config: GPTConfig) -> dict:
     table = {ours + "ln1.weight": (theirs + "input_layernorm.weight",),
              ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",)}
     linears = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -198,7 +208,7 @@ def _llama_block(ours: str, theirs: str, bias: bool) -> dict:
                "mlp.fc2": ("mlp.down_proj",)}
     for mine, hf in linears.items():
         table[ours + mine + ".weight"] = tuple(theirs + name + ".weight" for name in hf)
-        if bias:
+        if config.linear_bias(mine):
             table[ours + mine + ".bias"] = tuple(theirs + name + ".bias" for name in hf)
     return table
 

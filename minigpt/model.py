@@ -185,7 +185,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.d_model, config.qkv_width, bias=config.bias)
+        self.qkv = nn.Linear(config.d_model, config.qkv_width, bias=config.linear_bias("attn.qkv"))
         self.core = AttentionCore(config)
         self.proj = nn.Linear(config.attention_width, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)

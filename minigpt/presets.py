@@ -85,7 +85,7 @@ def preset(name: str) -> GPTConfig:
 MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "tied_head",
                 "dropout", "mlp", "norm", "positions", "rope_theta", "bias", "n_experts", "top_k", "d_expert",
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
-                "d_head", "qk_norm")
+                "d_head", "qk_norm", "qkv_bias")
 
 
 def build_config(name: str = "tiny", **overrides) -> GPTConfig:

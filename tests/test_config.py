@@ -26,6 +26,9 @@ SHAPES = [
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=48, d_ff=64, d_head=16,
               qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, d_model=48, d_ff=64, d_head=8, qk_norm=True),
+    # Qwen2's attention: biases on the query, key and value projections only
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=48, d_ff=64, qkv_bias=True,
+              mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),
 ]
 LLAMA_SHAPES = SHAPES[6:]
 
@@ -35,7 +38,7 @@ def numel(model: torch.nn.Module) -> int:
 
 
 def shape_id(c: GPTConfig) -> str:
-    qwen = f"hd{c.head_dim}{'qk' if c.qk_norm else ''}" if c.d_head else ""
+    qwen = (f"hd{c.head_dim}{'qk' if c.qk_norm else ''}" if c.d_head else "") + ("qkvb" if c.qkv_bias else "")
     return f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}h{c.n_heads}k{c.kv_heads}{c.mlp}{c.norm}{c.positions}{qwen}"
 
 

@@ -1,5 +1,5 @@
 """Weights that travel: `minigpt export RUN --hf DIR` writes a run of any layout as a Hugging Face model (GPT-2,
-Llama or Qwen3) that transformers opens with the same logits, and `minigpt train --init-from DIR` starts from one,
+Llama, Qwen2 or Qwen3) that transformers opens with the same logits, and `minigpt train --init-from DIR` starts from one,
 in any layout, with transformers' own loss on the same batch. Nothing is downloaded: the transformers models are
 built from configs here (minigpt/hf.py maps the layouts)."""
 
@@ -15,7 +15,7 @@ from cli.main import main
 from minigpt.config import GPTConfig
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.errors import ConfigError
-from minigpt.hf import config_from_hf, from_hf, hf_config, layout_of
+from minigpt.hf import config_from_hf, from_hf, hf_config, layout_of, lookup, names
 from minigpt.model import GPT
 from parallel.run.sample import load_model
 
@@ -23,8 +23,10 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 
 SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "llama": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32"],  # GQA (4 heads, 2 kv), RoPE
+          "qwen2": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--no-bias", "--qkv-bias", "--tied"],
           "qwen3": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--qk-norm", "--head-dim", "24"]}
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+           "qwen3": "Qwen3ForCausalLM"}
 
 
 def invoke(*args: str):
@@ -72,9 +74,15 @@ def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, 
 
 
 def transformers_model(shape: str, tmp_path):
-    """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE) or Qwen3 (GQA, RoPE, heads wider
-    than the width / heads, q/k norms, every norm's epsilon 1e-6 as Qwen's checkpoints) shape, saved in `tmp_path`."""
-    if shape == "qwen3":
+    """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Qwen2 (GQA, RoPE, biases on q, k
+    and v only) or Qwen3 (GQA, RoPE, heads wider than the width / heads, q/k
+    norms) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in `tmp_path`."""
+    if shape == "qwen2":
+        config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                          rope_theta=1e6, initializer_range=0.2)
+    elif shape == "qwen3":
         config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                           intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
@@ -90,10 +98,10 @@ def transformers_model(shape: str, tmp_path):
                                           rope_theta=500000.0, initializer_range=0.2)
     torch.manual_seed(3)  # weights 10x GPT-2's spread: a first loss far from a fresh minigpt model's ln 256
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # norms' gains away from their initial ones, so that a misplaced gain shows
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln" in name:
-                param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
+    with torch.no_grad():  # norms' gains (and Qwen2's zero-initialised q/k/v biases, a little) away from their
+        for name, param in model.named_parameters():  # initial ones, so that a misplaced one shows
+            scale = 0.3 if "norm" in name or "ln" in name else 0.05 if shape == "qwen2" and "bias" in name else 0
+            param.add_(scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
     model.save_pretrained(tmp_path / "hf")
     return model, tmp_path / "hf"
 
@@ -114,6 +122,31 @@ def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_pat
     assert losses[1] < losses[0]  # and it trains
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_gradient_is_transformers_own(shape, tmp_path):
+    """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
+    parameter's gradient (a fused one against its pieces side by side)."""
+    theirs, _ = transformers_model(shape, tmp_path)
+    config = config_from_hf(theirs.config.to_dict())
+    ours, state = GPT(config), from_hf(theirs.state_dict(), config)
+    ours.load_state_dict({**state, "head.weight": state["tok_emb.weight"]} if config.tied_head else state)
+    inputs = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    targets = inputs.roll(-1, 1)
+    loss = torch.nn.functional.cross_entropy(ours(inputs).flatten(0, 1), targets.flatten())
+    loss.backward()
+    their_loss = theirs(input_ids=inputs, labels=targets, shift_labels=targets).loss
+    their_loss.backward()
+    assert abs(loss.item() - their_loss.item()) <= 1e-5
+    grads = {name: param.grad for name, param in theirs.named_parameters()}
+    for name, param in ours.named_parameters():
+        pieces = [lookup(grads, piece) for piece in names(config)[name]]
+        expected = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if layout_of(config) == "gpt2" and name.startswith("blocks.") and name.endswith(".weight") and ".ln" not in name:
+            expected = expected.t()  # GPT-2's Conv1D
+        gap = (param.grad - expected).abs().max().item()
+        assert gap <= 1e-5 * max(1.0, expected.abs().max().item()), (name, gap)
+
+
 def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert layout_of(GPTConfig()) == "gpt2"
     llama = GPTConfig(n_kv_heads=2, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, d_head=64)
@@ -123,9 +156,13 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert config_from_hf(hf_config(llama31)) == llama31
     qwen3 = llama.with_(qk_norm=True, norm_eps=1e-6)
     assert layout_of(qwen3) == "qwen3" and config_from_hf(hf_config(qwen3)) == qwen3
+    qwen2 = llama.with_(qkv_bias=True, norm_eps=1e-6, tied_head=True, rope_theta=1e6)
+    assert layout_of(qwen2) == "qwen2" and config_from_hf(hf_config(qwen2)) == qwen2
+    assert layout_of(llama.with_(bias=True, qkv_bias=True)) == "llama"  # every Linear's bias: Llama's attention_bias
+    assert layout_of(GPTConfig(bias=False, qkv_bias=True)) == "gpt2"  # zero biases elsewhere compute the same
     assert config_from_hf(hf_config(GPTConfig(norm_eps=1e-6))).norm_eps == 1e-6
     for bad, word in ((GPTConfig(n_experts=4), "mixture of experts"), (GPTConfig(qk_norm=True), "q/k norms"),
-                      (qwen3.with_(bias=True), "bias-free"),
+                      (qwen3.with_(bias=True), "bias-free"), (qwen3.with_(qkv_bias=True), "bias-free"),
                       (GPTConfig(positions="rope"), "neither"), (GPTConfig(n_kv_heads=2), "grouped-query")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
@@ -134,7 +171,9 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
 def test_transformers_models_minigpt_computes_differently_are_refused():
     llama = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope"))
     qwen3 = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, qk_norm=True))
+    qwen2 = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, qkv_bias=True))
     for change, word in (({**qwen3, "use_sliding_window": True}, "sliding window"),
+                         ({**qwen2, "use_sliding_window": True}, "sliding window"),
                          ({**qwen3, "layer_types": ["sliding_attention", "full_attention"]}, "sliding window"),
                          ({**qwen3, "attention_bias": True}, "biases")):
         with pytest.raises(ConfigError, match=word):

@@ -42,6 +42,16 @@ def test_each_fusion_removes_the_kernels_it_fuses(layout):
         assert kept in none and kept in megatron and kept in te  # their backwards stay kernels of their own
 
 
+@pytest.mark.parametrize("fusion", ["none", "megatron"])
+def test_qwen2s_qkv_bias_is_the_only_bias_kernel(fusion):
+    """--no-bias --qkv-bias (Qwen2): qkv's bias add and its gradient, and no other Linear's."""
+    qwen2 = replace(preset("llama3-8b"), bias=False, qkv_bias=True)
+    def bias_kernels(model):
+        return [name for name in names(ops_of(fusion, Layout(tp=2), model)) if name.endswith((".bias_add", ".bias_grad"))]
+    assert bias_kernels(qwen2) == ["qkv.bias_add", "qkv.bias_grad"]
+    assert bias_kernels(preset("llama3-8b")) == []
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_join_reads_the_stream_the_branch_and_the_bias_and_writes_the_sum_and_the_mask(layout):
     ops = ops_of("megatron", layout)

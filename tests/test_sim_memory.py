@@ -83,7 +83,7 @@ def test_parameters_and_buckets_match_torch():
 
     assert MAX_IN_FLIGHT == ZERO_MAX_IN_FLIGHT
     bucket_mb = 0.01
-    for model in (TINY, TINY.with_(vocab_size=259, tied_head=False), TINY_LLAMA):
+    for model in (TINY, TINY.with_(vocab_size=259, tied_head=False), TINY_LLAMA, TINY_LLAMA.with_(qkv_bias=True)):
         for tp in (1, 2, 4) if model.kv_heads % 4 == 0 else (1, 2):
             for sequence_parallel in (False, True):
                 gpt = GPT(model)

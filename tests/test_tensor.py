@@ -29,6 +29,8 @@ from parity import history, worst_gap
 
 MODEL = GPTConfig(vocab_size=256, seq_len=32, n_layers=2, n_heads=4, d_model=64, d_ff=128)
 BASE = TrainConfig(model=MODEL, steps=20, global_batch=8, eval_every=0, eval_batches=1, device="cpu")
+# Qwen2's block: Llama's, with biases on the query, key and value projections only (sharded with their rows)
+QWEN2 = MODEL.with_(mlp="swiglu", norm="rmsnorm", positions="rope", n_kv_heads=2, bias=False, qkv_bias=True)
 # Dynamic loss scaling that moves within 20 steps: it grows every 4 clean steps and overflows at steps 8 and 17.
 FP16 = dataclasses.replace(BASE, precision="fp16", loss_scale_window=4)
 TOLERANCE = 1e-4
@@ -132,6 +134,7 @@ def two_ranks(out_dir: str) -> dict:
         "tp2-vocab257-untied": dataclasses.replace(BASE, tp=2, model=MODEL.with_(vocab_size=257, tied_head=False)),
         "tp2-accumulate": dataclasses.replace(BASE, tp=2, micro_batches=4),
         "tp2-fp16": dataclasses.replace(FP16, tp=2),
+        "tp2-sp-qwen2": dataclasses.replace(BASE, tp=2, sequence_parallel=True, model=QWEN2),
     }
     return {"layers": layer_checks(), "runs": run_layouts(layouts, out_dir)}
 
@@ -158,12 +161,13 @@ def results(tmp_path_factory):
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp-reference")
     configs = {"": BASE, "vocab257-untied": dataclasses.replace(BASE, model=MODEL.with_(vocab_size=257, tied_head=False)),
-               "vocab258": dataclasses.replace(BASE, model=MODEL.with_(vocab_size=258)), "fp16": FP16}
+               "vocab258": dataclasses.replace(BASE, model=MODEL.with_(vocab_size=258)), "fp16": FP16,
+               "qwen2": dataclasses.replace(BASE, model=QWEN2)}
     return {key: run_one(cfg, str(out / (key or "base"))) for key, cfg in configs.items()}
 
 
 def reference_of(name: str) -> str:
-    return next((key for key in ("vocab257-untied", "vocab258", "fp16") if key.split("-")[0] in name), "")
+    return next((key for key in ("vocab257-untied", "vocab258", "fp16", "qwen2") if key.split("-")[0] in name), "")
 
 
 def test_each_layer_matches_the_unsplit_reference(results):
@@ -175,7 +179,7 @@ def test_every_layout_matches_one_process(results, references):
     """Every layout, gradient accumulation (4 micro-batches) and fp16 with dynamic loss scaling included."""
     gaps = {name: worst_gap(run, references[reference_of(name)]) for name, run in results["runs"].items()}
     print("worst relative gaps: " + "; ".join(f"{n} {g}" for n, g in gaps.items()))
-    assert len(gaps) == 9
+    assert len(gaps) == 10
     for name, gap in gaps.items():
         assert gap.worst < (FP16_TOLERANCE if name.endswith("fp16") else TOLERANCE), (name, str(gap))
     # fp16: the same steps skipped (NaN norms, checked above) and the same loss scale after every step

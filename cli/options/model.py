@@ -50,6 +50,9 @@ def model_options(default: str) -> Callable:
                      help="Positions: learned embeddings (GPT-2) or rope, rotary (Llama)."),
         click.option("--rope-theta", "rope_theta", type=float, help="RoPE base (Llama 3: 500000)."),
         click.option("--bias/--no-bias", "bias", default=None, help="Biases in the Linears [default: the preset's]."),
+        click.option("--qkv-bias/--no-qkv-bias", "qkv_bias", default=None,
+                     help="Biases in the query, key and value projections, the other Linears as --bias says (Qwen2) "
+                          "[default: the preset's]."),
         click.option("--dropout", type=float, help="Dropout probability [default: the preset's, 0]."),
         click.option("--head-dim", "head_dim", type=int,
                      help="Each attention head's width [default: the preset's; else --d-model / --heads]."),
@@ -118,7 +121,8 @@ def model_from_options(options: dict) -> GPTConfig:
         d_model=options.get("d_model"), d_ff=options.get("d_ff"), tied_head=None if untied is None else not untied,
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
-        d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), **_expert_fields(options),
+        d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
+        **_expert_fields(options),
     )
 
 
@@ -129,7 +133,7 @@ OPEN_WITH_INIT = ("seq_len", "dropout")
 def shape_flags_given(options: dict) -> list[str]:
     """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
-                               "mlp", "norm", "positions", "rope_theta", "bias", "dropout", "head_dim", "qk_norm",
+                               "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim", "qk_norm",
                                "experts", *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
     source = context.get_parameter_source("model") if context is not None else None

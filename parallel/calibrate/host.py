@@ -299,7 +299,8 @@ def unit_shape(config) -> dict:
     what a block computes (key/value heads, MLP, norm, positions, biases; a test checks the two agree)."""
     shape = {"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
              "vocab_size": config.vocab_size, "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm,
-             "positions": config.positions, "bias": config.bias}
+             "positions": config.positions, "bias": config.bias, "qkv_bias": config.qkv_bias,
+             "qk_norm": config.qk_norm, "d_head": config.d_head}
     if config.is_moe:  # a MoE block is a shape of its own (simulator/costs/host.py's expert_key)
         shape["experts"] = {"n_experts": config.n_experts, "top_k": config.top_k, "d_expert": config.expert_width,
                             "n_shared_experts": config.n_shared_experts, "router": config.router,

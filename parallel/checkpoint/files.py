@@ -35,10 +35,13 @@ FORMAT = "minigpt-checkpoint"
 VERSION = 2  # 2: sha256 of every file in state.json, and of state.json in the marker
 MARKER = "COMPLETE"
 STATE_FILE = "state.json"
-# What the saved model must share with this run's: its tensors' shapes, and the RoPE base and scaling and the norms'
-# epsilon, which change what the same weights compute (dropout may change on resume)
+# What the saved model must share with this run's: its tensors (their shapes, the biases, the query and key norms,
+# the experts), and the RoPE base and scaling, the norms' epsilon and the router, which change what the same weights
+# compute (dropout, the experts' capacity and the routing losses' coefficients may change on resume)
 SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff", "tied_head",
-                "n_kv_heads", "mlp", "norm", "positions", "bias", "rope_theta", "rope_scaling", "norm_eps")
+                "n_kv_heads", "mlp", "norm", "positions", "bias", "qkv_bias", "d_head", "qk_norm", "rope_theta",
+                "rope_scaling", "norm_eps", "n_experts", "top_k", "d_expert", "n_shared_experts", "dense_layers",
+                "router")
 STEP_DIR = re.compile(r"step-(\d+)")
 HINT = "resume an older one (--resume PATH), or start without --resume"
 HASH_BLOCK = 1 << 20  # bytes read at a time while hashing a shard

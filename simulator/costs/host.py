@@ -30,10 +30,11 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   one thread (the real tensor-parallel modules, their communication left out). Between measured
   b the time is interpolated linearly; beyond the last, extended along the last segment. A unit
   is the shape it was measured on: its sizes and the shape's options (minigpt/config.py:
-  key/value heads, MLP kind, norm kind, positions, biases), so a Llama-style unit never prices a
-  GPT of the same sizes or the reverse. A unit written before the options were keys lacks them
-  and was a GPT-2-style block: as many key/value heads as heads, GELU, LayerNorm, learned
-  positions, biases (UNIT_SHAPE_DEFAULTS). A mixture of experts' block is a unit of its own, its "experts"
+  key/value heads, MLP kind, norm kind, positions, biases, the q/k/v biases, the query and key norms,
+  the head width), so a Llama-style unit never prices a GPT of the same sizes or the reverse. A unit
+  written before the options were keys lacks them and was a GPT-2-style block: as many key/value heads
+  as heads, GELU, LayerNorm, learned positions, biases, heads d_model / n_heads wide, no query and key
+  norms (UNIT_SHAPE_DEFAULTS). A mixture of experts' block is a unit of its own, its "experts"
   ({"n_experts", "top_k", "d_expert" (the width, d_ff when the model leaves it unset), "n_shared_experts",
   "router", "capacity_factor"}) part of its shape: its block series are its MoE blocks' (routing, the experts one
   after another, combine), never a dense block's of the same sizes, nor the reverse; a unit without "experts"
@@ -101,7 +102,8 @@ UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embeddin
 UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
 # The shape's options, keys of a unit too; a unit without them predates them and measured a GPT-2-style block
 # (kv_heads None: as many as n_heads). Their values: minigpt/config.py's kinds.
-UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True}
+UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True,
+                       "qkv_bias": False, "qk_norm": False, "d_head": None}
 SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
 UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS, "experts")
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
@@ -140,7 +142,8 @@ def unit_key(model: GPTConfig, tp: int) -> tuple:
     """What a unit is measured on: UNIT_KEYS' sizes, then the shape's options (UNIT_SHAPE_DEFAULTS' order), then its
     experts (expert_key: None for a dense block)."""
     return (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp,
-            model.kv_heads, model.mlp, model.norm, model.positions, model.bias, expert_key(model))
+            model.kv_heads, model.mlp, model.norm, model.positions, model.bias, model.qkv_bias, model.qk_norm,
+            model.head_dim, expert_key(model))
 
 
 @dataclass(frozen=True)
@@ -295,7 +298,7 @@ def _positive(value: object, where: str, integer: bool = False, zero: bool = Fal
     return value
 
 
-def _shape_options(entry: dict, at: str, n_heads: int) -> tuple:
+def _shape_options(entry: dict, at: str, n_heads: int, d_model: int) -> tuple:
     """A unit's shape options (UNIT_SHAPE_DEFAULTS' order), the defaults where it has none."""
     options = {**UNIT_SHAPE_DEFAULTS, **{k: entry[k] for k in UNIT_SHAPE_DEFAULTS if k in entry}}
     kv = n_heads if options["kv_heads"] is None else options["kv_heads"]
@@ -304,9 +307,16 @@ def _shape_options(entry: dict, at: str, n_heads: int) -> tuple:
     for name, kinds in SHAPE_KINDS.items():
         if options[name] not in kinds:
             raise ConfigError(f"{at}.{name} must be one of {', '.join(kinds)}, got {options[name]!r}")
-    if not isinstance(options["bias"], bool):
-        raise ConfigError(f"{at}.bias must be true or false, got {options['bias']!r}")
-    return kv, options["mlp"], options["norm"], options["positions"], options["bias"], _experts(entry, at)
+    for name in ("bias", "qkv_bias", "qk_norm"):
+        if not isinstance(options[name], bool):
+            raise ConfigError(f"{at}.{name} must be true or false, got {options[name]!r}")
+    head_dim = options["d_head"]
+    if head_dim is None:
+        head_dim = d_model // n_heads
+    elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ConfigError(f"{at}.d_head must be a positive integer (or absent: d_model / n_heads), got {head_dim!r}")
+    return (kv, options["mlp"], options["norm"], options["positions"], options["bias"], options["qkv_bias"],
+            options["qk_norm"], head_dim, _experts(entry, at))
 
 
 def _experts(entry: dict, at: str) -> tuple | None:
@@ -352,7 +362,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))} "
                               f"(and optionally {', '.join(UNIT_OPTIONAL)})")
         key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True, high=BYTES[1])) for k in UNIT_KEYS)
-        key += _shape_options(entry, at, key[1])
+        key += _shape_options(entry, at, key[1], key[0])
         sp = entry.get("sequence_parallel", False)
         if not isinstance(sp, bool):
             raise ConfigError(f"{at}.sequence_parallel must be true or false, got {sp!r}")

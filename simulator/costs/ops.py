@@ -216,12 +216,17 @@ def _bias_in_gemm(sh, name: str) -> bool:
     return sh.bias_fusion == "te" and not name.endswith("fc1")
 
 
+def _column_bias(sh, name: str) -> bool:
+    """Whether the column-parallel Linear `name` has a bias: every Linear's with `bias`, qkv's with `qkv_bias`."""
+    return sh.bias or (sh.qkv_bias and name == "qkv")
+
+
 def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int, out: str, normed: bool = True) -> str:
     """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one;
     `normed`: a norm wrote its input (a MoE's shared experts read the router's: not normed for them)."""
     sh = rec.shape
     fused = sh.bias_fusion != "none" and (name.endswith("fc1") or _bias_in_gemm(sh, name))
-    if not sh.bias or fused:  # no bias kernel (fused: the GEMM's epilogue or the activation's kernel adds it)
+    if not _column_bias(sh, name) or fused:  # no bias kernel (fused: the GEMM's epilogue or the activation's kernel adds it)
         return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed)
     matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed)
     _bias_add(rec, name, matmul, out, sh.rows, n)
@@ -241,7 +246,7 @@ def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
 
 
 def _column_backward(rec: Recorder, name: str, n: int, normed: bool = True) -> None:
-    if rec.shape.bias and not _bias_in_gemm(rec.shape, name):
+    if _column_bias(rec.shape, name) and not _bias_in_gemm(rec.shape, name):
         _bias_backward(rec, name, rec.shape.rows, n)
     _linear_backward(rec, name, n, rec.shape.d, normed)
 

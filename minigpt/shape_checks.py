@@ -1,0 +1,103 @@
+"""The checks a GPTConfig runs on its fields when it is made (GPTConfig.__post_init__), each bad value one
+ConfigError saying what is allowed, and the names of the shape's kinds. Torch-free; imports nothing of minigpt's
+model so that minigpt/config.py can import it."""
+
+from __future__ import annotations
+
+from minigpt.errors import ConfigError
+
+MLP_KINDS = ("gelu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+POSITION_KINDS = ("learned", "rope")
+ROUTER_KINDS = ("softmax", "sigmoid")
+FLAGS = ("tied_head", "bias", "qkv_bias", "qk_norm")  # the shape's yes-or-no fields
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_shape(config) -> None:
+    """Every field of `config` (a GPTConfig), or ConfigError naming the first bad one."""
+    for name in ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff"):
+        if not _positive_int(getattr(config, name)):
+            raise ConfigError(f"{name} must be a positive integer, got {getattr(config, name)!r}")
+    if config.d_head is not None and not _positive_int(config.d_head):
+        raise ConfigError(f"d_head must be a positive integer (or unset for d_model / n_heads), got {config.d_head!r}")
+    if config.d_head is None and config.d_model % config.n_heads:
+        raise ConfigError(f"n_heads={config.n_heads} does not divide d_model={config.d_model}: "
+                          f"choose a head count that divides the width")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ConfigError(f"dropout must be in [0, 1), got {config.dropout}")
+    eps = config.norm_eps
+    if not _number(eps) or not 0 < eps < 1:
+        raise ConfigError(f"norm_eps must be a number in (0, 1), got {eps!r}")
+    _check_llama_options(config)
+    if config.n_experts != 0:
+        _check_moe_options(config)
+
+
+def _check_moe_options(config) -> None:
+    for name in ("n_experts", "top_k"):
+        if not _positive_int(getattr(config, name)):
+            raise ConfigError(f"{name} must be a positive integer, got {getattr(config, name)!r}")
+    if config.top_k > config.n_experts:
+        raise ConfigError(f"top_k={config.top_k} is above the {config.n_experts} experts: each token picks "
+                          f"distinct experts, so choose top_k <= n_experts")
+    if config.d_expert is not None and not _positive_int(config.d_expert):
+        raise ConfigError(f"d_expert must be a positive integer (or unset for d_ff), got {config.d_expert!r}")
+    for name in ("n_shared_experts", "dense_layers"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{name} must be a whole number >= 0, got {value!r}")
+    if config.dense_layers >= config.n_layers:
+        raise ConfigError(f"dense_layers={config.dense_layers} leaves no MoE layer of {config.n_layers}: "
+                          f"choose dense_layers < n_layers (or n_experts 0 for a dense model)")
+    if config.router not in ROUTER_KINDS:
+        raise ConfigError(f"router must be one of {', '.join(ROUTER_KINDS)}, got {config.router!r}")
+    cf = config.capacity_factor
+    if cf is not None and (not _number(cf) or not 0 < cf < float("inf")):
+        raise ConfigError(f"capacity_factor must be a number above 0 (or unset for dropless routing), got {cf!r}")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        value = getattr(config, name)
+        if not _number(value) or not 0 <= value < float("inf"):
+            raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_llama_options(config) -> None:
+    kv = config.n_kv_heads
+    if kv is not None:
+        if not _positive_int(kv):
+            raise ConfigError(f"n_kv_heads must be a positive integer, got {kv!r}")
+        if config.n_heads % kv:
+            raise ConfigError(f"n_kv_heads={kv} does not divide n_heads={config.n_heads}: grouped-query attention "
+                              f"shares each key/value head among an equal number of query heads")
+    for name, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("positions", POSITION_KINDS)):
+        if getattr(config, name) not in kinds:
+            raise ConfigError(f"{name} must be one of {', '.join(kinds)}, got {getattr(config, name)!r}")
+    if config.positions == "rope" and config.head_dim % 2:
+        raise ConfigError(f"rotary position embeddings need an even head width, got {config.head_dim}: change "
+                          f"d_model or n_heads (or d_head)")
+    if not _number(config.rope_theta) or not 1.0 < config.rope_theta < float("inf"):
+        raise ConfigError(f"rope_theta must be a number above 1, got {config.rope_theta!r}")
+    if config.rope_scaling is not None:
+        _check_rope_scaling(config)
+    for name in FLAGS:
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name} must be true or false, got {getattr(config, name)!r}")
+
+
+def _check_rope_scaling(config) -> None:
+    scaling = config.rope_scaling
+    if not isinstance(scaling, (tuple, list)) or len(scaling) != 4 or any(
+            not _number(v) or not 0 < v < float("inf") for v in scaling):
+        raise ConfigError(f"rope_scaling must be four positive numbers (factor, low_freq_factor, "
+                          f"high_freq_factor, original_max_position_embeddings), got {scaling!r}")
+    if not scaling[2] > scaling[1] or config.positions != "rope":
+        raise ConfigError(f"rope_scaling scales rotary positions (positions rope), its high_freq_factor above its "
+                          f"low_freq_factor: got {scaling!r} with positions {config.positions}")
+    object.__setattr__(config, "rope_scaling", tuple(scaling))  # a list read from JSON: the same shape
