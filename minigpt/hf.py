@@ -19,25 +19,27 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
   norm with the one epsilon (rms_norm_eps), no sliding window.
 
 All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
-layer_norm_epsilon, the others' rms_norm_eps). None holds a mixture of experts. A transformers model computed
-differently is refused rather than trained as something else. Torch-free except `to_hf` and `from_hf`, which
-move tensors.
+layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's or Qwen3-MoE's layout
+(minigpt/hf_moe.py). A transformers model computed differently is refused rather than trained as something else.
+Torch-free except `to_hf` and `from_hf`, which move tensors.
 """
 
 from __future__ import annotations
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
+from minigpt.hf_moe import (ARCHITECTURES, config_number, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
+                            moe_layout, refuse_unless, router_names)
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling's
 
 
 def layout_of(config: GPTConfig) -> str:
-    """"gpt2", "llama", "qwen2" or "qwen3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
+    """"gpt2", "llama", "qwen2", "qwen3", "mixtral" or "qwen3_moe": the transformers layout that holds `config`
+    exactly; ConfigError saying why not."""
     if config.is_moe:
-        raise ConfigError("a mixture of experts cannot be written in transformers' GPT-2, Llama or Qwen layouts "
-                          "(only dense models are exported)")
+        return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
     if config.qk_norm:
@@ -84,23 +86,14 @@ def hf_config(config: GPTConfig) -> dict:
         **({"rope_scaling": rope} if config.rope_scaling is not None else {}),  # and transformers 4 this
     }
     layout = layout_of(config)
+    if layout in ARCHITECTURES:
+        return {"architectures": [ARCHITECTURES[layout]], "model_type": layout, **common, **llama,
+                **moe_hf_config(config, layout)}
     if layout in ("qwen2", "qwen3"):
         architecture = "Qwen2ForCausalLM" if layout == "qwen2" else "Qwen3ForCausalLM"
         return {"architectures": [architecture], "model_type": layout, **common, **llama,
                 "use_sliding_window": False, "sliding_window": None, "max_window_layers": config.n_layers}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama, "mlp_bias": config.bias}
-
-
-def _number(hf: dict, key: str, default=None):
-    value = hf.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"config.json's {key} is {value!r}, not a number")
-    return value
-
-
-def _refuse_unless(condition: bool, why: str) -> None:
-    if not condition:
-        raise ConfigError(f"this transformers model cannot be trained by minigpt: {why}")
 
 
 def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
@@ -109,73 +102,81 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     default: that); a GPT-2's is its n_positions, the rows of its position table."""
     kind = hf.get("model_type")
     tied = hf.get("tie_word_embeddings", True)
-    _refuse_unless(isinstance(tied, bool), f"tie_word_embeddings is {tied!r}")
+    refuse_unless(isinstance(tied, bool), f"tie_word_embeddings is {tied!r}")
     if kind == "gpt2":
-        d_model, positions = _number(hf, "n_embd"), _number(hf, "n_positions")
-        _refuse_unless(hf.get("activation_function", "gelu_new") in GPT2_ACTIVATIONS,
+        d_model, positions = config_number(hf, "n_embd"), config_number(hf, "n_positions")
+        refuse_unless(hf.get("activation_function", "gelu_new") in GPT2_ACTIVATIONS,
                        f"its activation is {hf.get('activation_function')!r}, minigpt's GELU the tanh one (gelu_new)")
-        _refuse_unless(not hf.get("scale_attn_by_inverse_layer_idx") and hf.get("scale_attn_weights", True),
+        refuse_unless(not hf.get("scale_attn_by_inverse_layer_idx") and hf.get("scale_attn_weights", True),
                        "its attention scores are not scaled by 1/sqrt(head width) alone")
-        _refuse_unless(seq_len in (None, positions), f"a GPT-2's context is its {positions} learned positions, "
+        refuse_unless(seq_len in (None, positions), f"a GPT-2's context is its {positions} learned positions, "
                                                      f"not --seq-len {seq_len}")
-        return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=positions, n_layers=_number(hf, "n_layer"),
-                         n_heads=_number(hf, "n_head"), d_model=d_model,
+        return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=positions, n_layers=config_number(hf, "n_layer"),
+                         n_heads=config_number(hf, "n_head"), d_model=d_model,
                          d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied,
-                         norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
+                         norm_eps=config_number(hf, "layer_norm_epsilon", 1e-5))
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
+    if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
+        refuse_unless(not hf.get("use_sliding_window") and (kind == "qwen3_moe" or hf.get("sliding_window") is None),
+                       "it attends through a sliding window")
+        refuse_unless(not hf.get("attention_bias"), "its attention has biases and its experts none")
+        dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
+        return dense.with_(qk_norm=kind == "qwen3_moe", **moe_fields(hf, kind))
     if kind in ("qwen2", "qwen3"):
-        _refuse_unless(not hf.get("use_sliding_window") and "sliding_attention" not in (hf.get("layer_types") or ()),
+        refuse_unless(not hf.get("use_sliding_window") and "sliding_attention" not in (hf.get("layer_types") or ()),
                        "it attends through a sliding window")
         if kind == "qwen2":  # biases on q, k and v (transformers' Qwen2Attention), none elsewhere
             return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len).with_(
                 qkv_bias=True)
-        _refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
+        refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
         return _llama_config({**hf, "mlp_bias": False}, tied, seq_len).with_(qk_norm=True)
-    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', 'qwen2' "
-                      f"and 'qwen3' models")
+    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', 'qwen2', "
+                      f"'qwen3', 'mixtral' and 'qwen3_moe' models")
 
 
 def _rope(hf: dict) -> tuple[float, tuple | None]:
     """(base, GPTConfig.rope_scaling) of a transformers 5 rope_parameters or a transformers 4 rope_theta and
     rope_scaling; ConfigError for a scaling minigpt does not compute (Llama 3.1's "llama3" it does)."""
     parameters, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
-    _refuse_unless(isinstance(parameters, dict) and isinstance(legacy, dict),
+    refuse_unless(isinstance(parameters, dict) and isinstance(legacy, dict),
                    f"its rope_parameters / rope_scaling are {parameters!r} / {legacy!r}")
     rope = {"rope_theta": hf.get("rope_theta") or 10000.0, **parameters, **legacy}
     kind = next((d.get("rope_type", d.get("type")) for d in (legacy, parameters) if d.get("rope_type", d.get("type"))),
                 "default")
-    theta = float(_number(rope, "rope_theta"))
+    theta = float(config_number(rope, "rope_theta"))
     if kind == "default":
         return theta, None
-    _refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
+    refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
                    f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3'")
-    return theta, tuple(_number(rope, key) for key in LLAMA3_ROPE)
+    return theta, tuple(config_number(rope, key) for key in LLAMA3_ROPE)
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
     theta, scaling = _rope(hf)
-    _refuse_unless(hf.get("hidden_act", "silu") == "silu", f"its MLP activation is {hf.get('hidden_act')!r}, not silu")
+    refuse_unless(hf.get("hidden_act", "silu") == "silu", f"its MLP activation is {hf.get('hidden_act')!r}, not silu")
     bias = hf.get("attention_bias", False)
-    _refuse_unless(bias == hf.get("mlp_bias", False), "it has biases in the attention or the MLP, not both")
-    _refuse_unless(hf.get("pretraining_tp", 1) == 1, "its pretraining_tp splits the Linears' computation")
-    longest = _number(hf, "max_position_embeddings")
+    refuse_unless(bias == hf.get("mlp_bias", False), "it has biases in the attention or the MLP, not both")
+    refuse_unless(hf.get("pretraining_tp", 1) == 1, "its pretraining_tp splits the Linears' computation")
+    longest = config_number(hf, "max_position_embeddings")
     if seq_len is not None and seq_len > longest:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({longest})")
-    heads, width, head_dim = _number(hf, "num_attention_heads"), _number(hf, "hidden_size"), hf.get("head_dim")
-    return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=seq_len or longest,
-                     n_layers=_number(hf, "num_hidden_layers"), n_heads=heads,
+    heads, width, head_dim = config_number(hf, "num_attention_heads"), config_number(hf, "hidden_size"), hf.get("head_dim")
+    return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest,
+                     n_layers=config_number(hf, "num_hidden_layers"), n_heads=heads,
                      n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
-                     d_ff=_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
+                     d_ff=config_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
                      positions="rope", rope_theta=theta, rope_scaling=scaling, bias=bool(bias),
-                     norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+                     norm_eps=config_number(hf, "rms_norm_eps", 1e-6),
                      d_head=None if head_dim is None or head_dim * heads == width else head_dim)
 
 
 def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     """Our parameter name -> the transformers names it is written as (two for a fused weight split in Llama and
-    Qwen; three for the qkv). Tied: no lm_head (transformers ties it to the embedding)."""
-    gpt2 = layout_of(config) == "gpt2"
+    Qwen; three for the qkv). Tied: no lm_head (transformers ties it to the embedding). A mixture of experts' stacked
+    experts are not here (minigpt/hf_moe.py's expert_names: one tensor per expert and projection)."""
+    layout = layout_of(config)
+    gpt2 = layout == "gpt2"
     base = "transformer." if gpt2 else "model."
     table = {"tok_emb.weight": (base + ("wte" if gpt2 else "embed_tokens") + ".weight",),
              "norm_f.weight": (base + ("ln_f" if gpt2 else "norm") + ".weight",)}
@@ -186,6 +187,9 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}.", f"{base}{'h' if gpt2 else 'layers'}.{i}."
         table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config)
+        if config.is_moe_layer(i):  # a router and experts in place of the dense MLP
+            table = {name: hf for name, hf in table.items() if not name.startswith(ours + "mlp.")}
+            table |= router_names(i, theirs, layout)
         if config.qk_norm:
             table |= {f"{ours}attn.core.{norm}.weight": (f"{theirs}self_attn.{norm}.weight",)
                       for norm in ("q_norm", "k_norm")}
@@ -241,7 +245,13 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
             tensor = tensor.t()
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
         out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
+    for layer in _moe_layers(config):
+        out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout_of(config))
     return out
+
+
+def _moe_layers(config: GPTConfig) -> list[int]:
+    return [layer for layer in range(config.n_layers) if config.is_moe_layer(layer)]
 
 
 def lookup(table: dict, name: str):
@@ -256,14 +266,17 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
     GPT's state, in fp32; ConfigError naming a tensor that is missing or of the wrong shape."""
     import torch
 
+    def found(name: str) -> torch.Tensor:
+        tensor = lookup(tensors, name)
+        if tensor is None:
+            raise ConfigError(f"the model's weights have no {name}")
+        return tensor.to(torch.float32)
+
     gpt2, state = layout_of(config) == "gpt2", {}
     for ours, theirs in names(config).items():
-        pieces = []
-        for name in theirs:
-            found = lookup(tensors, name)
-            if found is None:
-                raise ConfigError(f"the model's weights have no {name}")
-            pieces.append(found.to(torch.float32))
+        pieces = [found(name) for name in theirs]
         tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
+    for layer in _moe_layers(config):
+        state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout_of(config))
     return state

@@ -15,18 +15,25 @@ from cli.main import main
 from minigpt.config import GPTConfig
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.errors import ConfigError
-from minigpt.hf import config_from_hf, from_hf, hf_config, layout_of, lookup, names
+from minigpt.hf import config_from_hf, from_hf, hf_config, layout_of, lookup, to_hf
+from minigpt.hf_files import read_config, read_hf_dir
+from minigpt.hf_moe import MLP_NAME, PROJECTIONS
 from minigpt.model import GPT
 from parallel.run.sample import load_model
 
 transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
 
+MOE = ["--model", "tiny-moe", "--experts", "4", "--mlp", "swiglu", "--norm", "rmsnorm", "--positions", "rope", "--no-bias",
+       "--kv-heads", "2"]
 SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "llama": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32"],  # GQA (4 heads, 2 kv), RoPE
           "qwen2": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--no-bias", "--qkv-bias", "--tied"],
-          "qwen3": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--qk-norm", "--head-dim", "24"]}
+          "qwen3": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--qk-norm", "--head-dim", "24"],
+          # mixtures of experts (4 SwiGLU experts, top 2): Mixtral's every block, Qwen3-MoE's after a dense first one
+          "mixtral": [*MOE, "--layers", "2", "--seq-len", "32"],
+          "qwen3_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--dense-layers", "1"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "qwen3": "Qwen3ForCausalLM"}
+           "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def invoke(*args: str):
@@ -74,10 +81,18 @@ def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, 
 
 
 def transformers_model(shape: str, tmp_path):
-    """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Qwen2 (GQA, RoPE, biases on q, k
-    and v only) or Qwen3 (GQA, RoPE, heads wider than the width / heads, q/k
+    """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mixtral, Qwen3-MoE, Qwen2 (GQA,
+    RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the width / heads, q/k
     norms) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in `tmp_path`."""
-    if shape == "qwen2":
+    moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
+               initializer_range=0.2, router_aux_loss_coef=0.01)
+    if shape == "mixtral":
+        config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6)
+    elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
+        config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
+                                             norm_topk_prob=True, head_dim=24, rms_norm_eps=1e-6)
+    elif shape == "qwen2":
         config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                           intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -110,7 +125,8 @@ def transformers_model(shape: str, tmp_path):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_path):
     model, hf_dir = transformers_model(shape, tmp_path)
-    result = invoke("train", "--init-from", str(hf_dir), "--tp", "2", "--dp", "1", "--steps", "2",
+    data = ["--dp", "2", "--ep", "2"] if shape in ("mixtral", "qwen3_moe") else ["--dp", "1"]  # experts over 2 ranks
+    result = invoke("train", "--init-from", str(hf_dir), "--tp", "2", *data, "--steps", "2",
                     "--global-batch", "4", "--eval-every", "0", "--no-save", "--out", str(tmp_path / "run"), "--json")
     assert result.exit_code == 0, result.output
     losses = json.loads(result.stdout)["losses"]
@@ -122,13 +138,32 @@ def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_pat
     assert losses[1] < losses[0]  # and it trains
 
 
+def hub_named(grads: dict, layout: str) -> dict:
+    """transformers' gradients under its checkpoints' names: transformers 5 holds a mixture's experts fused
+    (experts.gate_up_proj (E, 2 x width, d), experts.down_proj (E, d, width)) and Mixtral's router under mlp.;
+    its checkpoints (and transformers 4) one tensor per expert and projection, Mixtral's under block_sparse_moe."""
+    out = {}
+    for name, grad in grads.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            layer = name.rsplit("mlp.experts.", 1)[0]
+            gate, up, down = PROJECTIONS[layout]
+            for expert, matrix in enumerate(grad):
+                base = f"{layer}{MLP_NAME[layout]}.experts.{expert}."
+                pieces = zip((gate, up), matrix.chunk(2)) if name.endswith("gate_up_proj") else [(down, matrix)]
+                out |= {f"{base}{projection}.weight": piece for projection, piece in pieces}
+        else:
+            out[name.replace("mlp.gate.", "block_sparse_moe.gate.") if layout == "mixtral" else name] = grad
+    return out
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
-    parameter's gradient (a fused one against its pieces side by side)."""
-    theirs, _ = transformers_model(shape, tmp_path)
-    config = config_from_hf(theirs.config.to_dict())
-    ours, state = GPT(config), from_hf(theirs.state_dict(), config)
+    parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
+    router's balance loss off: transformers adds it only with output_router_logits (and then to its loss too)."""
+    theirs, hf_dir = transformers_model(shape, tmp_path)
+    config = config_from_hf(read_config(hf_dir)).with_(aux_loss_coef=0.0)
+    ours, state = GPT(config), read_hf_dir(hf_dir, config)
     ours.load_state_dict({**state, "head.weight": state["tok_emb.weight"]} if config.tied_head else state)
     inputs = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     targets = inputs.roll(-1, 1)
@@ -137,13 +172,12 @@ def test_every_gradient_is_transformers_own(shape, tmp_path):
     their_loss = theirs(input_ids=inputs, labels=targets, shift_labels=targets).loss
     their_loss.backward()
     assert abs(loss.item() - their_loss.item()) <= 1e-5
-    grads = {name: param.grad for name, param in theirs.named_parameters()}
-    for name, param in ours.named_parameters():
-        pieces = [lookup(grads, piece) for piece in names(config)[name]]
-        expected = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        if layout_of(config) == "gpt2" and name.startswith("blocks.") and name.endswith(".weight") and ".ln" not in name:
-            expected = expected.t()  # GPT-2's Conv1D
-        gap = (param.grad - expected).abs().max().item()
+    theirs_by_name = hub_named({name: param.grad for name, param in theirs.named_parameters()}, layout_of(config))
+    ours_by_name = to_hf({name: param.grad for name, param in ours.named_parameters()}, config)
+    assert len(ours_by_name) == len(theirs_by_name)
+    for name, grad in ours_by_name.items():
+        expected = lookup(theirs_by_name, name)
+        gap = (grad - expected).abs().max().item()
         assert gap <= 1e-5 * max(1.0, expected.abs().max().item()), (name, gap)
 
 
@@ -161,6 +195,16 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert layout_of(llama.with_(bias=True, qkv_bias=True)) == "llama"  # every Linear's bias: Llama's attention_bias
     assert layout_of(GPTConfig(bias=False, qkv_bias=True)) == "gpt2"  # zero biases elsewhere compute the same
     assert config_from_hf(hf_config(GPTConfig(norm_eps=1e-6))).norm_eps == 1e-6
+    mixtral = llama.with_(n_experts=8, top_k=2, d_expert=None, aux_loss_coef=0.01)
+    assert layout_of(mixtral) == "mixtral" and config_from_hf(hf_config(mixtral)) == mixtral
+    assert config_from_hf(hf_config(mixtral.with_(capacity_factor=1.25))) == mixtral  # training's choice, as dropout
+    qwen3_moe = qwen3.with_(n_experts=8, top_k=2, d_expert=32, dense_layers=1, aux_loss_coef=0.001)
+    assert layout_of(qwen3_moe) == "qwen3_moe" and config_from_hf(hf_config(qwen3_moe)) == qwen3_moe
+    for bad, word in ((mixtral.with_(router="sigmoid"), "sigmoid"), (mixtral.with_(n_shared_experts=1), "shared"),
+                      (mixtral.with_(top_k=1), "top-1"),
+                      (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
+        with pytest.raises(ConfigError, match=word):
+            layout_of(bad)
     for bad, word in ((GPTConfig(n_experts=4), "mixture of experts"), (GPTConfig(qk_norm=True), "q/k norms"),
                       (qwen3.with_(bias=True), "bias-free"), (qwen3.with_(qkv_bias=True), "bias-free"),
                       (GPTConfig(positions="rope"), "neither"), (GPTConfig(n_kv_heads=2), "grouped-query")):
@@ -187,6 +231,15 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
             config_from_hf({**llama, **change})
     with pytest.raises(ConfigError, match="activation"):
         config_from_hf({**hf_config(GPTConfig()), "activation_function": "relu"})
+    moe = GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, n_experts=4)
+    mixtral, qwen3_moe = hf_config(moe), hf_config(moe.with_(qk_norm=True, dense_layers=1))
+    for change, word in (({**mixtral, "router_jitter_noise": 0.1}, "jitter"), ({**mixtral, "sliding_window": 64},
+                         "sliding window"), ({**mixtral, "num_experts_per_tok": 1}, "top-1"),
+                         ({**qwen3_moe, "norm_topk_prob": False}, "norm_topk_prob"),
+                         ({**qwen3_moe, "decoder_sparse_step": 2}, "decoder_sparse_step"),
+                         ({**qwen3_moe, "mlp_only_layers": [1]}, "not its first")):
+        with pytest.raises(ConfigError, match=word):
+            config_from_hf(change)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         config_from_hf(llama, seq_len=4096)
 

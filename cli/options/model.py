@@ -126,8 +126,10 @@ def model_from_options(options: dict) -> GPTConfig:
     )
 
 
-# the model flags an imported model's shape leaves open: its training context (rotary models) and dropout
-OPEN_WITH_INIT = ("seq_len", "dropout")
+# the model flags an imported model's shape leaves open: its training context (rotary models) and dropout, and a
+# mixture of experts' routing in training (its balance and z-loss coefficients, a capacity factor)
+ROUTING_IN_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor")
+OPEN_WITH_INIT = ("seq_len", "dropout", *ROUTING_IN_TRAINING)
 
 
 def shape_flags_given(options: dict) -> list[str]:
@@ -164,10 +166,16 @@ def model_from_hf(options: dict) -> GPTConfig:
     others = [name for name in shape_flags_given(options) if name not in OPEN_WITH_INIT]
     if others:
         raise ConfigError(f"--{others[0].replace('_', '-')} sets the model's shape, which --init-from takes from "
-                          f"{options['init_from']}/config.json: leave it out (--seq-len and --dropout may be given)")
+                          f"{options['init_from']}/config.json: leave it out (--seq-len, --dropout and a mixture of "
+                          f"experts' --aux-loss-coef, --z-loss-coef and --capacity-factor may be given)")
     if options.get("seq_len") is not None:
         check_positive_int("--seq-len", options["seq_len"])
     path = Path(options["init_from"])
     config = config_from_hf(read_config(path), options.get("seq_len"))
     weight_files(path)
-    return config if options.get("dropout") is None else replace(config, dropout=options["dropout"])
+    changes = {name: options[name] for name in ("dropout", *ROUTING_IN_TRAINING) if options.get(name) is not None}
+    routing = [name for name in ROUTING_IN_TRAINING if name in changes]
+    if routing and not config.is_moe:
+        raise ConfigError(f"--{routing[0].replace('_', '-')} sets a mixture of experts' routing, but the model in "
+                          f"{options['init_from']} is dense")
+    return replace(config, **changes)

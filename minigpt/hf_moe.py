@@ -1,0 +1,127 @@
+"""A mixture of experts in Hugging Face transformers' layouts: Mixtral (MixtralForCausalLM) and Qwen3-MoE
+(Qwen3MoeForCausalLM), as their checkpoints store them (one tensor per expert and projection; transformers 5 fuses
+them when it loads and splits them again when it saves).
+
+Both route as minigpt/moe.py does: a softmax over every expert's logit (fp32), the top_k, the chosen scores
+renormalised to sum to 1 (Mixtral always; Qwen3-MoE when norm_topk_prob, which minigpt's top_k > 1 is), SwiGLU
+experts without biases, no shared expert. They keep every token (dropless): a capacity factor is a choice of
+training, like dropout, not written (a run may set one from an imported model, and its export routes dropless). Mixtral is Llama's attention with every block
+a mixture of experts of width intermediate_size; Qwen3-MoE is Qwen3's attention (per-head q/k norms) with the
+blocks listed in mlp_only_layers dense MLPs of width intermediate_size (minigpt: the first `dense_layers`), the
+others mixtures of experts of width moe_intermediate_size. The router's balance coefficient is router_aux_loss_coef
+both ways (minigpt adds the loss to the gradient, never to the reported loss, as transformers without
+output_router_logits). Anything else (a sigmoid router, shared experts, a top-1 router, sparse blocks other than
+the last ones, router jitter) is refused: transformers would compute another model.
+Torch-free except `experts_to_hf` and `experts_from_hf`, which move tensors.
+"""
+
+from __future__ import annotations
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+
+# transformers' names of one expert's three projections: (gate, up, down), and where a block's experts and router are
+PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+MLP_NAME = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def moe_layout(config: GPTConfig) -> str:
+    """"mixtral" or "qwen3_moe": the layout holding the mixture of experts `config`; ConfigError saying why none."""
+    def refuse(why: str) -> None:
+        raise ConfigError(f"a mixture of experts is written in transformers' Mixtral or Qwen3-MoE layout, which "
+                          f"cannot hold {why}")
+    if (config.norm, config.mlp, config.positions) != ("rmsnorm", "swiglu", "rope") or config.bias or config.qkv_bias:
+        refuse("this block (they are bias-free rmsnorm + swiglu + rope blocks)")
+    if config.router != "softmax" or config.n_shared_experts:
+        refuse("a sigmoid router or shared experts (theirs: a softmax one, none)")
+    if config.top_k == 1:
+        refuse("a top-1 router, whose gate minigpt keeps as its probability and they renormalise to 1")
+    if config.qk_norm:
+        return "qwen3_moe"
+    if config.dense_layers:
+        refuse("dense first blocks without per-head q/k norms (Mixtral has none; Qwen3-MoE has the norms)")
+    return "mixtral"
+
+
+def moe_hf_config(config: GPTConfig, layout: str) -> dict:
+    """The config.json fields of the mixture of experts (beside the Llama-style ones the caller writes)."""
+    common = {"num_experts_per_tok": config.top_k, "router_aux_loss_coef": config.aux_loss_coef,
+              "output_router_logits": False}
+    if layout == "mixtral":
+        return {**common, "num_local_experts": config.n_experts, "intermediate_size": config.expert_width,
+                "router_jitter_noise": 0.0, "sliding_window": None}
+    return {**common, "num_experts": config.n_experts, "moe_intermediate_size": config.expert_width,
+            "intermediate_size": config.d_ff, "decoder_sparse_step": 1, "norm_topk_prob": True,
+            "mlp_only_layers": list(range(config.dense_layers)), "use_sliding_window": False, "sliding_window": None}
+
+
+def config_number(hf: dict, key: str, default=None):
+    """config.json's number `key` (`default` when absent); ConfigError when it is not a number."""
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config.json's {key} is {value!r}, not a number")
+    return value
+
+
+def refuse_unless(condition: bool, why: str) -> None:
+    """ConfigError saying why minigpt cannot train this transformers model, unless `condition`."""
+    if not condition:
+        raise ConfigError(f"this transformers model cannot be trained by minigpt: {why}")
+
+
+def moe_fields(hf: dict, layout: str) -> dict:
+    """GPTConfig's mixture-of-experts fields of a transformers Mixtral or Qwen3-MoE config.json (the block's other
+    fields are Llama's or Qwen3's); ConfigError naming what minigpt would compute differently."""
+    top_k = config_number(hf, "num_experts_per_tok", 2)
+    fields = {"top_k": top_k, "aux_loss_coef": config_number(hf, "router_aux_loss_coef", 0.0)}
+    if layout == "mixtral":
+        refuse_unless(not hf.get("router_jitter_noise"), "its router adds jitter noise")
+        refuse_unless(top_k > 1, "a top-1 Mixtral renormalises its gate to 1, minigpt keeps the probability")
+        return {**fields, "n_experts": config_number(hf, "num_local_experts", 8), "d_expert": None}
+    refuse_unless(bool(hf.get("norm_topk_prob", False)) == (top_k > 1),
+                   "its norm_topk_prob does not renormalise the gates as minigpt does (when top_k > 1)")
+    refuse_unless(hf.get("decoder_sparse_step", 1) == 1, "its sparse blocks are every decoder_sparse_step'th")
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    refuse_unless(dense == list(range(len(dense))), f"its dense blocks {dense} are not its first ones")
+    experts = "num_experts" if "num_experts" in hf else "num_local_experts"  # the Hub's name, transformers 5's
+    return {**fields, "n_experts": config_number(hf, experts), "d_expert": config_number(hf, "moe_intermediate_size"),
+            "dense_layers": len(dense)}
+
+
+def router_names(layer: int, theirs: str, layout: str) -> dict:
+    """Block `layer`'s router: ours -> transformers' name (`theirs`: the block's prefix)."""
+    return {f"blocks.{layer}.mlp.router.weight": (f"{theirs}{MLP_NAME[layout]}.gate.weight",)}
+
+
+def expert_names(config: GPTConfig, layer: int, theirs: str, layout: str) -> dict[str, list[str]]:
+    """Our stacked expert tensors of block `layer` -> transformers' per-expert names: w1 (E, d, 2 x width) holds
+    each expert's gate then up projection transposed; w2 (E, width, d) its down projection transposed."""
+    gate, up, down = PROJECTIONS[layout]
+    base = f"{theirs}{MLP_NAME[layout]}.experts."
+    experts = range(config.n_experts)
+    return {f"blocks.{layer}.mlp.experts.w1": [f"{base}{e}.{p}.weight" for e in experts for p in (gate, up)],
+            f"blocks.{layer}.mlp.experts.w2": [f"{base}{e}.{down}.weight" for e in experts]}
+
+
+def experts_to_hf(state: dict, config: GPTConfig, layer: int, theirs: str, layout: str) -> dict:
+    """Block `layer`'s experts as transformers' per-expert tensors (contiguous)."""
+    out = {}
+    for ours, names in expert_names(config, layer, theirs, layout).items():
+        pieces = [half for matrix in state[ours].unbind(0) for half in matrix.t().chunk(2 if ours.endswith("w1")
+                                                                                        else 1)]
+        out |= {name: piece.contiguous() for name, piece in zip(names, pieces)}
+    return out
+
+
+def experts_from_hf(found, config: GPTConfig, layer: int, theirs: str, layout: str) -> dict:
+    """Block `layer`'s stacked experts from transformers' tensors (`found(name)`: the fp32 tensor)."""
+    import torch
+
+    state = {}
+    for ours, names in expert_names(config, layer, theirs, layout).items():
+        per = 2 if ours.endswith("w1") else 1
+        matrices = [torch.cat([found(name) for name in names[e * per:(e + 1) * per]]).t()
+                    for e in range(config.n_experts)]
+        state[ours] = torch.stack(matrices)
+    return state
