@@ -249,12 +249,6 @@ class TrainConfig:
             check_threads_per_rank("threads per rank", self.threads_per_rank)
         BatchLayout(self.global_batch, self.micro_batches, self.dp)  # divisibility
         ScheduleConfig(self.pp, self.micro_batches, self.schedule, self.virtual_chunks, self.zero)  # checks
-        if self.schedule == "zb-h1" and self.precision == "fp8":
-            raise ConfigError(
-                "--schedule zb-h1 with --precision fp8 cannot be trained yet: the fp8 Linear's backward is one autograd "
-                "Function that would run in both halves of the split backward and record each gradient's amax "
-                "twice; use --schedule 1f1b with fp8, or zb-h1 with bf16"
-            )
         chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks)  # every chunk needs a block
         check_train_recompute(self.recompute)
         if self.schedule == "interleaved" and self.model.n_layers % (self.pp * self.virtual_chunks):

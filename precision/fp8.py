@@ -113,6 +113,22 @@ def recompute_phase(phase: str, scales: collections.deque):
         RECOMPUTE_PHASE[0] = before
 
 
+# Zero-bubble's split backward (parallel/pipeline/weight_gradients.py): "input" while a chunk's activation gradients
+# are made (B), "weight" while its weights' are (W, later); None for a whole backward. An fp8 Linear's backward runs
+# in both: its gradient is quantised (and its amax recorded) once, in B, and W multiplies that same quantised gradient
+SPLIT_BACKWARD: list[str | None] = [None]
+
+
+@contextlib.contextmanager
+def split_backward(phase: str):
+    """The fp8 Linears' backwards in this block run as `phase` ("input" or "weight") of a split backward."""
+    before, SPLIT_BACKWARD[0] = SPLIT_BACKWARD[0], phase
+    try:
+        yield
+    finally:
+        SPLIT_BACKWARD[0] = before
+
+
 class Fp8Meta:
     """Delayed-scaling state of one Linear layer: amax history and scale per role.
 
@@ -336,18 +352,26 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_y: Tensor):  # type: ignore[override]
         x_fp8, w_fp8, inv_scale_x, inv_scale_w = ctx.saved_tensors
         grad_2d = grad_y.reshape(-1, w_fp8.shape[0])
-        g_fp8, inv_scale_g = ctx.meta.quantize(GRAD_OUTPUT, grad_2d, ctx.update_history)
+        phase = SPLIT_BACKWARD[0]
+        if phase == "weight":  # zero-bubble's W: the gradient B quantised, no amax recorded again
+            g_fp8, inv_scale_g = ctx.split_gradient
+            del ctx.split_gradient
+        else:
+            g_fp8, inv_scale_g = ctx.meta.quantize(GRAD_OUTPUT, grad_2d, ctx.update_history)
+        if phase == "input":  # zero-bubble's B: the input's gradient only; W takes the weight's and the bias's
+            ctx.split_gradient = (g_fp8, inv_scale_g)
         grad_x = grad_w = grad_b = None
+        activation, weights = phase != "weight", phase != "input"  # the halves this call makes (a whole one: both)
         # dgrad and wgrad: e5m2 x e4m3, fp32 (split) accumulation, no fast accumulation.
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and activation:
             grad_x = fp8_matmul(g_fp8, w_fp8, inv_scale_g, inv_scale_w,
                                 out_dtype=gemm_dtype(ctx.x_dtype), use_fast_accum=False)
             grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and weights:
             grad_w = fp8_matmul(g_fp8.t(), x_fp8, inv_scale_g, inv_scale_x,
                                 out_dtype=gemm_dtype(ctx.w_dtype), use_fast_accum=False)
             grad_w = grad_w.to(ctx.w_dtype)
-        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2] and weights:
             grad_b = grad_2d.float().sum(0).to(ctx.b_dtype)
         return grad_x, grad_w, grad_b, None, None
 

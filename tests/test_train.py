@@ -91,7 +91,6 @@ BAD_INPUTS = [
     (["--tp", "4", "--seq-len", "30", "--sequence-parallel"], "sequence"),
     (["--pp", "8"], "cannot fill"),
     (["--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--batch-size", "6"], "multiple"),
-    (["--schedule", "zb-h1", "--precision", "fp8"], "cannot be trained"),
     (["--virtual-chunks", "2"], "interleaved"),
     (["--pp", "2", "--schedule", "interleaved", "--virtual-chunks", "2", "--layers", "6", "--micro-batches", "2"], "divide evenly"),
     (["--pp", "2", "--batch-size", "16", "--micro-batches", "3"], "divisible"),

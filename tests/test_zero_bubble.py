@@ -1,5 +1,5 @@
 """Zero-bubble (ZB-H1) training: the executor's dispatch table, the split backward, and zb-h1
-against 1f1b on the same layouts under ZeRO 2/3, fp16 loss scaling, bf16 and tensor/sequence
+against 1f1b on the same layouts under ZeRO 2/3, fp16 loss scaling, bf16, fp8 and tensor/sequence
 parallelism. The 20-step parity with one process at pp 2 and pp 4 is in tests/test_pipeline.py,
 in its shared groups; the layouts here share one 4-rank group.
 """
@@ -30,6 +30,9 @@ PAIRS = {  # zb-h1 and 1f1b on each, three steps
     "pp2-dp2-zero2-fp16": dict(pp=2, dp=2, zero=2, precision="fp16"),
     "pp2-dp2-zero3-bf16": dict(pp=2, dp=2, zero=3, precision="bf16"),
     "tp2-pp2-sequence-parallel": dict(tp=2, pp=2, sequence_parallel=True),
+    # fp8: each Linear's gradient quantised (its amax recorded) once, in B; W multiplies that same quantised gradient
+    "tp2-pp2-sequence-parallel-fp8": dict(tp=2, pp=2, sequence_parallel=True, precision="fp8"),
+    "pp2-dp2-zero3-fp8-full-recompute": dict(pp=2, dp=2, zero=3, precision="fp8", recompute="full"),
 }
 
 

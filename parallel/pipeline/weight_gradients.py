@@ -9,6 +9,7 @@ from torch import nn
 
 from parallel.backward import backward_from, gradients_from
 from parallel.recompute import SPLIT
+from precision.fp8 import split_backward
 
 
 class WeightGradients:
@@ -77,7 +78,8 @@ class WeightGradients:
         """The gradient of x, and the (params, output, gradient) each kept module's weights wait with; the graph
         kept for them."""
         outputs = [output for _, output in kept]
-        grads = gradients_from(out, [x, *outputs], grad, retain_graph=True, allow_unused=True)
+        with split_backward("input"):  # an fp8 Linear quantises its gradient here, once, for both halves
+            grads = gradients_from(out, [x, *outputs], grad, retain_graph=True, allow_unused=True)
         waiting = [(self.params[id(module)], output, g)
                    for (module, output), g in zip(kept, grads[1:]) if g is not None]
         return grads[0], waiting
@@ -108,7 +110,8 @@ class WeightGradients:
         """The parameter gradients of `key`, module by module, last first; `before(params)` ahead of each."""
         for params, output, grad in reversed(self.waiting.pop(key)):
             before(params)
-            backward_from(output, grad, inputs=params)
+            with split_backward("weight"):
+                backward_from(output, grad, inputs=params)
 
     def reset(self) -> None:
         self.kept.clear()
