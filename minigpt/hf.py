@@ -11,6 +11,8 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
 - Llama: RMSNorm, SwiGLU, rotary positions (both use the rotate-half pairing of each head's two halves),
   any number of key/value heads, any head width, biases in every Linear or none. Our fused qkv splits into
   q_proj, k_proj and v_proj by rows; our fused fc1 (gate rows, then up rows) into gate_proj and up_proj.
+  Mistral's checkpoints (MistralForCausalLM) are read as Llama's block, which they are when their sliding window
+  holds the whole training context (or they have none).
 - Qwen2: Llama's block with biases on q_proj, k_proj and v_proj and none elsewhere (ours: --no-bias --qkv-bias),
   every norm with the one epsilon (rms_norm_eps), no sliding window.
 
@@ -117,9 +119,12 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          norm_eps=config_number(hf, "layer_norm_epsilon", 1e-5))
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
+    if kind == "mistral":  # Llama's block without biases; its window, if any, must hold the whole context
+        refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
+        return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
-        refuse_unless(not hf.get("use_sliding_window") and (kind == "qwen3_moe" or hf.get("sliding_window") is None),
-                       "it attends through a sliding window")
+        refuse_unless(not hf.get("use_sliding_window") and (kind == "qwen3_moe" or _full_attention(hf, seq_len)),
+                      "it attends through a sliding window shorter than the context")
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its experts none")
         dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
         return dense.with_(qk_norm=kind == "qwen3_moe", **moe_fields(hf, kind))
@@ -131,8 +136,17 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                 qkv_bias=True)
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
         return _llama_config({**hf, "mlp_bias": False}, tied, seq_len).with_(qk_norm=True)
-    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', 'qwen2', "
-                      f"'qwen3', 'mixtral' and 'qwen3_moe' models")
+    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', 'mistral', "
+                      f"'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe' models")
+
+
+def _full_attention(hf: dict, seq_len: int | None) -> bool:
+    """Whether Mistral's or Mixtral's sliding window (sliding_window tokens back) leaves every position of the
+    training context (seq_len, or max_position_embeddings) attending to all before it: no window, or one as long."""
+    if hf.get("sliding_window") is None:
+        return True
+    context = seq_len or config_number(hf, "max_position_embeddings")
+    return context <= config_number(hf, "sliding_window")  # a token sees the window's tokens, itself the last
 
 
 def _rope(hf: dict) -> tuple[float, tuple | None]:

@@ -87,7 +87,12 @@ def transformers_model(shape: str, tmp_path):
     moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
                initializer_range=0.2, router_aux_loss_coef=0.01)
-    if shape == "mixtral":
+    if shape == "mistral":  # its window as long as the context: every token sees all before it
+        config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=24, sliding_window=32,
+                                            tie_word_embeddings=False, initializer_range=0.2)
+    elif shape == "mixtral":
         config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6)
     elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
         config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
@@ -156,7 +161,7 @@ def hub_named(grads: dict, layout: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", [*SHAPES, "mistral"])  # Mistral read as Llama's block (written as Llama)
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -233,8 +238,11 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
         config_from_hf({**hf_config(GPTConfig()), "activation_function": "relu"})
     moe = GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, n_experts=4)
     mixtral, qwen3_moe = hf_config(moe), hf_config(moe.with_(qk_norm=True, dense_layers=1))
-    for change, word in (({**mixtral, "router_jitter_noise": 0.1}, "jitter"), ({**mixtral, "sliding_window": 64},
-                         "sliding window"), ({**mixtral, "num_experts_per_tok": 1}, "top-1"),
+    mistral = {**llama, "model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
+    assert config_from_hf(mistral, seq_len=4096).seq_len == 4096  # the window holds the context: full attention
+    for change, word in (({**mixtral, "router_jitter_noise": 0.1}, "jitter"), ({**mixtral, "sliding_window": 64,
+                         "max_position_embeddings": 128}, "sliding window"), (mistral, "sliding window"),
+                         ({**mixtral, "num_experts_per_tok": 1}, "top-1"),
                          ({**qwen3_moe, "norm_topk_prob": False}, "norm_topk_prob"),
                          ({**qwen3_moe, "decoder_sparse_step": 2}, "decoder_sparse_step"),
                          ({**qwen3_moe, "mlp_only_layers": [1]}, "not its first")):
