@@ -173,7 +173,7 @@ def test_a_bad_collectives_entry_is_a_config_error(profile_path, tmp_path):
 
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
-               "head_forward", "head_backward")
+               "head_forward", "head_backward", "block_backward_input", "block_backward_weight")
 
 
 def measured_of(path) -> dict:
@@ -198,8 +198,8 @@ def check_schema(measured: dict, ranks: int) -> None:
                    + [(1, False, cp) for cp in cps]))
     for unit in measured["units"]:
         assert set(unit) - {"cp", "experts"} == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions",
-                                                 "bias", "seq_len", "vocab_size", "tp", "sequence_parallel", "dtype",
-                                                 "micro_batches", *UNIT_SERIES}
+                                                 "bias", "qkv_bias", "qk_norm", "d_head", "seq_len", "vocab_size", "tp",
+                                                 "sequence_parallel", "dtype", "micro_batches", *UNIT_SERIES}
         assert unit["dtype"] == "fp32"  # the units say the format they were measured in
         assert (unit["d_model"], unit["n_heads"], unit["d_ff"], unit["seq_len"], unit["vocab_size"]) == (128, 4, 512, 128, 256)
         sizes = unit["micro_batches"]
@@ -257,6 +257,10 @@ def test_the_measured_numbers_are_physical(profile_path):
     for unit in units.values():  # micro-batch 16 costs more than micro-batch 1
         assert unit["block_forward"][-1] > 2 * unit["block_forward"][0]
         assert unit["block_backward"][-1] > 2 * unit["block_backward"][0]
+        # zero-bubble's halves: two passes, each less than the whole backward, together at least as much
+        halves = [i + w for i, w in zip(unit["block_backward_input"], unit["block_backward_weight"])]
+        assert all(0.9 * whole < both for whole, both in zip(unit["block_backward"], halves))
+        assert all(i < whole for i, whole in zip(unit["block_backward_input"], unit["block_backward"]))
     for i, b in enumerate(units[1]["micro_batches"]):
         if b >= 4:  # half the heads and half the MLP: clearly less work per rank
             assert units[2]["block_forward"][i] < units[1]["block_forward"][i]

@@ -327,3 +327,47 @@ def test_a_measured_stragglers_factor_is_the_steps_factor_at_its_rank_count(hard
     (tmp_path / "broken.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=re.escape("stragglers: a slowest rank's factor is at least 1")):
         load_hardware(str(tmp_path / "broken.json"))
+
+
+def test_zero_bubbles_halves_are_priced_from_the_measured_halves(hardware, tmp_path):
+    """A unit with its block's backward timed in zero-bubble's two halves (parallel/calibrate/device.py's split_runs)
+    prices a split chunk's BackwardInput and BackwardWeight with them, their sum above the whole backward; a unit
+    without them (older profiles) halves the backward."""
+    from job.schedule import BackwardInput, BackwardWeight, ScheduleConfig
+    from simulator.engine.costs import rank_costs
+    from simulator.engine.host import host_compute
+    from simulator.engine.links import LinkCosts
+    from simulator.memory import predict_memory
+
+    data = hardware_to_dict(load_hardware("a100-80gb"))
+    measured = next(iter(data["gpus"].values()))["measured"] = copy.deepcopy(MEASURED)  # as the fixture's
+    for entry in measured["units"]:
+        entry["block_backward_input"] = [1.5e-3 + 1.5e-3 * b / entry["tp"] for b in SIZES]  # 0.75 + 0.6 of the
+        entry["block_backward_weight"] = [1.2e-3 + 1.2e-3 * b / entry["tp"] for b in SIZES]  # whole: 1.35 x it
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps(data))
+    split = load_hardware(str(path))
+    layout, schedule = Layout(pp=2), ScheduleConfig(2, 4, "zb-h1")
+    cluster = build_cluster(split, 2, 1)
+    blocks = TINY.n_layers // 2  # the last stage's: its blocks and the head
+    prices = {}
+    for name, hw in (("halves", hardware), ("measured", split)):
+        host = host_compute(hw.gpu.measured, TINY, layout, 1, "fp32")
+        memory = predict_memory(TINY, layout, "fp32", 2)
+        costs = rank_costs(TINY, layout, schedule, LinkCosts(cluster, layout), hw.gpu, "fp32", 2, "none", None,
+                           memory, 25.0, host=host)
+        prices[name] = (costs[1].actions[(BackwardInput, 1)].compute, costs[1].actions[(BackwardWeight, 1)].compute)
+    units = split.gpu.measured.unit_times(TINY, 1)
+    slowdown = split.gpu.measured.slowdown(2, 1)
+    head = units.seconds("head_backward", 2) / 2
+    assert prices["measured"][0] == pytest.approx(slowdown * (blocks * units.seconds("block_backward_input", 2) + head))
+    assert prices["measured"][1] == pytest.approx(slowdown * (blocks * units.seconds("block_backward_weight", 2) + head))
+    whole = slowdown * (blocks * units.seconds("block_backward", 2) + 2 * head)
+    assert prices["halves"] == pytest.approx((whole / 2, whole / 2))
+    assert sum(prices["measured"]) == pytest.approx(slowdown * (1.35 * blocks * units.seconds("block_backward", 2)
+                                                                 + 2 * head))
+    bad = copy.deepcopy(data)
+    del next(iter(bad["gpus"].values()))["measured"]["units"][0]["block_backward_weight"]
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="both halves"):
+        load_hardware(str(path))

@@ -160,3 +160,15 @@ def test_zb_h1_trace_holds_both_halves_of_every_backward(pairs):
         schedule = build_schedule(ScheduleConfig(2, SHORT.micro_batches, "zb-h1"))
         wanted = {a.name for actions in schedule.actions for a in actions if a.name.startswith(("F", "Bi", "W"))}
         assert wanted <= names and not any(n.startswith("B") and not n.startswith("Bi") for n in names), name
+
+
+def test_calibrate_times_the_split_backward_and_leaves_the_model_as_it_was():
+    """parallel/calibrate/device.py's split_runs: zero-bubble's two halves of a block's backward, per block, each a
+    pass of its own; the forward hooks they need are gone afterwards, so the unit's other timings run unhooked."""
+    from parallel.calibrate.device import piece_model, split_runs
+
+    model = piece_model(MODEL, 1)
+    runs = split_runs(MODEL, 1, 2, model, repeats=3, min_total_s=0.0)
+    assert len(runs) >= 3 and all(first > 0 and second > 0 for first, second in runs)
+    assert not any(module._forward_hooks for module in model.modules())
+    assert all(p.grad is None for p in model.parameters())

@@ -70,7 +70,7 @@ def build_compare_config(options: dict) -> TrainConfig:
               help="Expert-parallel size: a mixture of experts' experts split over ep ranks of the data-parallel group.")
 @click.option("--zero", default=0, show_default=True, type=int)
 @fsdp_options
-@click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b or interleaved.")
+@click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b, interleaved or zb-h1.")
 @click.option("--virtual-chunks", "virtual_chunks", default=1, show_default=True, type=int)
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism (tp > 1).")
 @batch_options(16, "Global batch: sequences per step over every data-parallel replica.")

@@ -253,6 +253,53 @@ def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_par
     return step
 
 
+class _Blocks(torch.nn.Module):
+    """Blocks run in turn, as a pipeline chunk runs them: what zero-bubble's split backward is timed on."""
+
+    index = 0
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def split_runs(config, tp: int, batch: int, model, repeats: int, min_total_s: float, sequence_parallel: bool = False,
+               device: torch.device | None = None, cp: int = 1) -> list[tuple[float, float]]:
+    """(input half, weight half) seconds of a block's backward split as zero-bubble's schedules run it
+    (parallel/pipeline/weight_gradients.py: the activation gradients, then the weights' module by module), after a
+    forward that keeps what the split needs; each run all the model's blocks (a mixture's MoE blocks) in turn, per
+    block, after a warm-up (timed_runs' counts). The model's modules are left as they were."""
+    from parallel.pipeline.weight_gradients import WeightGradients
+
+    device = device or torch.device("cpu")
+    rows = config.seq_len // cp // (tp if sequence_parallel else 1)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(batch, rows, config.d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(batch, rows, config.d_model, device=device, dtype=dtype)
+    chunk = _Blocks([b for i, b in enumerate(model.blocks) if config.is_moe_layer(i) or not config.is_moe])
+    halves = WeightGradients([chunk])
+    per = len(chunk.blocks)
+
+    def step() -> tuple[float, float]:
+        out = halves.forward(chunk, x, (0, 0))
+        start = stamp(device)
+        halves.input_gradient((0, 0), out, grad, x)
+        middle = stamp(device)
+        halves.weight_gradients((0, 0), lambda params: None)
+        return (middle - start) / per, (stamp(device) - middle) / per
+
+    try:
+        return timed_runs(step, repeats, min_total_s)
+    finally:
+        halves.detach()
+        model.zero_grad(set_to_none=True)
+
+
 def timed_runs(step, repeats: int, min_total_s: float) -> list[tuple[float, float]]:
     """(forward, backward) seconds of each run after a warm-up: at least `repeats` runs, more
     (up to 5x) for short pieces so the runs last about min_total_s."""

@@ -54,11 +54,13 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from parallel.calibrate.device import piece_model, piece_step, stamp, strict_fp32, threads_ratio, timed_runs, variants
+from parallel.calibrate.device import (piece_model, piece_step, split_runs, stamp, strict_fp32, threads_ratio,
+                                       timed_runs, variants)
 from parallel.calibrate.noise import Noise
 from parallel.comm import Collectives
 
 PIECES = ("block", "embedding", "head")
+SPLIT = ("block_backward_input", "block_backward_weight")  # a block's backward in zero-bubble's two halves
 UNIT_FORMATS = {"cpu": ("fp32",), "cuda": ("fp32", "bf16")}  # the formats units are measured in, by device type:
 # fp32 (the model as built, TF32 off) everywhere; on a GPU also bf16, what training computes in there (on a CPU
 # 16-bit training emulates its matmuls with fp32 ones, so fp32's units price it)
@@ -109,7 +111,7 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
     for name, tp, sp, cp, fmt in shapes if rank == 0 else ():
         config = preset(name)
         series = units[(name, tp, sp, cp, fmt)] = {f"{piece}_{way}": [] for piece in PIECES
-                                                   for way in ("forward", "backward")}
+                                                   for way in ("forward", "backward")} | {s: [] for s in SPLIT}
         model = piece_model(config, tp, sp, device, cp, fmt)  # the same weights for every micro-batch size
         for piece in PIECES:
             for batch in plan.micro_batches:
@@ -119,6 +121,11 @@ def measure_units(plan, rank: int, ranks: int, device: torch.device,
                 noise.add("units", [f + b for f, b in runs])
                 for i, way in enumerate(("forward", "backward")):
                     series[f"{piece}_{way}"].append(statistics.median(run[i] for run in runs))
+        for batch in plan.micro_batches:  # a block's backward as zero-bubble splits it: two passes, each its own
+            with noise.timed():
+                runs = split_runs(config, tp, batch, model, plan.repeats, plan.min_run_s * plan.repeats, sp, device, cp)
+            for i, name in enumerate(SPLIT):
+                series[name].append(statistics.median(run[i] for run in runs))
     barrier()
     return units if rank == 0 else None
 

@@ -38,7 +38,7 @@ class Retimed:
 
     def time(self, host, layout, fmt: str = "fp32") -> None:
         """Time the units `host` prices this layout with (one thread, alone), adding to the runs."""
-        from parallel.calibrate.device import piece_model, piece_step, threads_ratio, timed_runs
+        from parallel.calibrate.device import piece_model, piece_step, split_runs, threads_ratio, timed_runs
 
         threads = torch.get_num_threads()
         try:
@@ -55,6 +55,12 @@ class Retimed:
                         series.setdefault(f"{piece}_backward", []).append(backward)
                     if piece == "block" and not dense and layout.world_size == 1 and self.threads > 1:
                         self.ratios.append(threads_ratio(step, self.threads, self.repeats))  # leaves one thread
+                if unit.split:  # the block's backward in zero-bubble's halves, as the profile timed it
+                    for first, second in split_runs(config, layout.tp, self.micro_batch, model, self.repeats,
+                                                    self.min_run_s * self.repeats, unit.sequence_parallel,
+                                                    torch.device("cpu"), unit.cp):
+                        series.setdefault("block_backward_input", []).append(first)
+                        series.setdefault("block_backward_weight", []).append(second)
         finally:
             torch.set_num_threads(threads)
 

@@ -37,6 +37,7 @@ class WeightGradients:
 
     def __init__(self, chunks: list[nn.Module]):
         self.params: dict[int, list[nn.Parameter]] = {}
+        self.hooks = []  # the forward hooks, removed by `detach` (a calibration times the split on a unit's model)
         owner: dict[int, str] = {}
         for chunk in chunks:
             for name, module in chunk.named_modules():
@@ -48,7 +49,7 @@ class WeightGradients:
                     owner[id(param)] = name
                 if params:
                     self.params[id(module)] = params
-                    module.register_forward_hook(self.keep)
+                    self.hooks.append(module.register_forward_hook(self.keep))
         self.capturing: list | None = None
         self.reruns: list[list] = []  # fully recomputed blocks' waiting gradients, in the order their reruns came
         self.kept: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]] = {}
@@ -112,6 +113,12 @@ class WeightGradients:
             before(params)
             with split_backward("weight"):
                 backward_from(output, grad, inputs=params)
+
+    def detach(self) -> None:
+        """The chunks' modules as they were before: their forward hooks removed."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
 
     def reset(self) -> None:
         self.kept.clear()

@@ -105,7 +105,10 @@ UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
 UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True,
                        "qkv_bias": False, "qk_norm": False, "d_head": None}
 SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
-UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS, "experts")
+# A block's backward as zero-bubble's schedules split it (parallel/calibrate/device.py's split_runs): its input half
+# and its weight half, each a pass of its own (a unit without them, measured before they were: halves of the backward)
+SPLIT_SERIES = ("block_backward_input", "block_backward_weight")
+UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS, "experts", *SPLIT_SERIES)
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
 # A MoE unit's "experts": GPTConfig's fields, each with what it may be (d_expert: the width, resolved)
 EXPERT_FIELDS = ("n_experts", "top_k", "d_expert", "n_shared_experts", "router", "capacity_factor")
@@ -156,6 +159,11 @@ class UnitTimes:
     sequence_parallel: bool = False
     dtype: str = LEGACY_UNIT_DTYPE  # the number format they were measured in
     cp: int = 1  # context-parallel size: a rank's two chunks of 2 cp, its ring's blocks computed alone
+
+    @property
+    def split(self) -> bool:
+        """Whether the block's backward was also timed in zero-bubble's two halves (SPLIT_SERIES)."""
+        return all(name in self.series for name in SPLIT_SERIES)
 
     def seconds(self, name: str, micro_batch: int) -> float:
         ys = self.series[name]
@@ -377,7 +385,11 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         if any(a >= b for a, b in zip(sizes, sizes[1:])):
             raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
         series = {}
-        for name in UNIT_SERIES:
+        split = [name for name in SPLIT_SERIES if name in entry]
+        if split and len(split) < len(SPLIT_SERIES):
+            raise ConfigError(f"{at} has {split[0]} without {', '.join(set(SPLIT_SERIES) - set(split))}: both halves "
+                              f"of the split backward, or neither")
+        for name in (*UNIT_SERIES, *split):
             values = entry[name]
             if not isinstance(values, list) or len(values) != len(sizes):
                 raise ConfigError(f"{at}.{name} must hold one time per micro-batch size ({len(sizes)})")

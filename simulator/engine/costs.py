@@ -96,6 +96,7 @@ class Unit:
     backward_ep: float = 0.0
     forward_ep_hidden: float = 0.0  # their seconds hidden behind the shared experts (Overlap.ep)
     backward_ep_hidden: float = 0.0
+    split_extra: float = 0.0  # what splitting the backward adds to it (measured halves' sum over the whole backward)
 
     @property
     def forward_total(self) -> float:
@@ -105,6 +106,11 @@ class Unit:
     @property
     def backward_total(self) -> float:
         return self.backward + self.backward_tp + self.backward_cp + self.backward_ep
+
+    @property
+    def backward_input(self) -> float:
+        """The compute of a zero-bubble schedule's input half (BackwardInput): the backward but its weights'."""
+        return self.backward - self.weight + self.split_extra
 
 
 def tp_seconds(links: LinkCosts, collectives) -> float:
@@ -149,14 +155,17 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             ct = chunk_times(job.model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
                              first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
+            extra = 0.0
             if host is not None:
                 f, b, again = host.chunk(layers, first, last, micro_batch, implementation.recompute, (f, b, again), moe)
-                weight = (b - again) / 2  # measured units do not split the backward: half of it
+                halves = host.split(layers, last, micro_batch, implementation.recompute, moe)
+                weight = (b - again) / 2 if halves is None else halves[1]  # halved, unless the halves were measured
+                extra = 0.0 if halves is None else sum(halves) - b
             ftp, btp = tp_seconds(job.links, ct.tp_collectives_forward), tp_seconds(job.links, ct.tp_collectives_backward)
             if hide:  # hidden behind the Linears' GEMMs of the same pass, as far as they last, slowing them
                 ftp = exposed(ftp, ct.forward_linear_s, job.overlap.tp_slowdown)
                 btp = exposed(btp, ct.backward_linear_s, job.overlap.tp_slowdown)
-            memo[key] = (f, b, ftp, btp, again, weight), ct
+            memo[key] = (f, b, ftp, btp, again, weight, extra), ct
         priced, ct = memo[key]
         if (job.layout.cp == 1 and not (moe and job.layout.ep > 1)) or not layers:
             return (*priced, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -235,7 +244,7 @@ def _plain_actions(chunk: int, units: list[Unit], actions: dict, amax: tuple[flo
     f_cp, b_cp = sum(u.forward_cp for u in units), sum(u.backward_cp for u in units)
     f_ep, b_ep = sum(u.forward_ep for u in units), sum(u.backward_ep for u in units)
     f_hid, b_hid = sum(u.forward_ep_hidden for u in units), sum(u.backward_ep_hidden for u in units)
-    w_compute = sum(u.weight for u in units)
+    w_compute, i_compute = sum(u.weight for u in units), sum(u.backward_input for u in units)
     f_amax, b_amax = amax
     actions[(Forward, chunk)] = ActionCost(f_compute + f_tp + f_cp + f_ep + f_amax, f_compute, f_tp, cp=f_cp, ep=f_ep,
                                            ep_hidden=f_hid, amax=f_amax)
@@ -245,9 +254,8 @@ def _plain_actions(chunk: int, units: list[Unit], actions: dict, amax: tuple[flo
         actions[(BackwardInput, chunk)] = ActionCost(0.0)
         actions[(BackwardWeight, chunk)] = actions[(Backward, chunk)]
     else:
-        actions[(BackwardInput, chunk)] = ActionCost(b_compute - w_compute + b_tp + b_cp + b_ep + b_amax,
-                                                     b_compute - w_compute, b_tp, cp=b_cp, ep=b_ep, ep_hidden=b_hid,
-                                                     amax=b_amax)
+        actions[(BackwardInput, chunk)] = ActionCost(i_compute + b_tp + b_cp + b_ep + b_amax, i_compute, b_tp, cp=b_cp,
+                                                     ep=b_ep, ep_hidden=b_hid, amax=b_amax)
         actions[(BackwardWeight, chunk)] = ActionCost(w_compute, w_compute)
 
 
@@ -329,13 +337,13 @@ def _rank_actions(job: _Job, times, implementation: Implementation, pol, sized: 
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
                 block = 0 if embedding or head else 1
                 moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
-                f, b, ftp, btp, again, weight, *exchanged = times(block, embedding, head, rank, moe)
+                f, b, ftp, btp, again, weight, extra, *exchanged = times(block, embedding, head, rank, moe)
                 priced = times.unit(block, embedding, head, moe)
                 per_step += priced.per_step_s
                 fp8_gemms += priced.fp8_gemms
                 sp_amaxes = (sp_amaxes[0] + priced.sp_amaxes[0], sp_amaxes[1] + priced.sp_amaxes[1])
                 numel = buckets(tensors, None, job.dp)[0].size if sized else 0
-                units.append(Unit(tensors, f, b, ftp, btp, numel, again, weight, *exchanged))
+                units.append(Unit(tensors, f, b, ftp, btp, numel, again, weight, *exchanged, split_extra=extra))
             chunk_units[chunk] = units
             _plain_actions(chunk, units, actions, amax_seconds(job, implementation, pol, rank, fp8_gemms, sp_amaxes))
         yield placed, chunk_units, actions, per_step

@@ -159,7 +159,7 @@ class DataParallelPricer:
             elif kind is Backward or (kind is BackwardWeight and action.chunk == 0):
                 compute = u.backward_total
             elif kind is BackwardInput:
-                compute = u.backward - u.weight + u.backward_tp + u.backward_cp + u.backward_ep
+                compute = u.backward_input + u.backward_tp + u.backward_cp + u.backward_ep
             else:
                 compute = u.weight
             reduce = 0.0 if self.settings.dp == "after" else reduces.get(index, 0.0)

@@ -63,6 +63,24 @@ class HostCompute:
         scale = self.slowdown * self.straggler
         return forward * scale, backward * scale, again * scale
 
+    def split(self, layers: int, last: bool, micro_batch: int, recompute: str, moe: bool = False
+              ) -> tuple[float, float] | None:
+        """(input half, weight half) seconds of a chunk's backward split by a zero-bubble schedule, from its blocks'
+        measured halves (each half a pass of its own: together more than the whole backward), a full recomputation's
+        rerun in the input half and the head's backward halved (not timed apart); None where the blocks' halves were
+        not measured (the engine then halves the backward)."""
+        blocks = self.units if moe or not self.moe else self.dense
+        if self.units is None or blocks is None or not blocks.split or recompute not in RECOMPUTE_MODES:
+            return None
+        again = layers * blocks.seconds("block_forward", micro_batch) if recompute == "full" else 0.0
+        first = layers * blocks.seconds("block_backward_input", micro_batch) + again
+        second = layers * blocks.seconds("block_backward_weight", micro_batch)
+        if last:
+            head = self.units.seconds("head_backward", micro_batch) / 2
+            first, second = first + head, second + head
+        scale = self.slowdown * self.straggler
+        return first * scale, second * scale
+
 
 def unit_format(host: MeasuredHost, compute_format: str) -> str:
     """The format a host's units must have been measured in to price a run computing in `compute_format`:
