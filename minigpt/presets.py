@@ -42,6 +42,12 @@ PRESETS: dict[str, GPTConfig] = {
     "llama3-8b": llama(LLAMA3_VOCAB, 8192, 32, 32, 8, 4096, 14336, 500000.0),
     "llama3-70b": llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 8192, 28672, 500000.0),
     "llama3-405b": llama(LLAMA3_VOCAB, 8192, 126, 128, 8, 16384, 53248, 500000.0),
+    # Qwen2.5-7B (Qwen team 2024, its model card and released config.json): 28 layers of width 3,584, 28 query
+    # heads and 4 key/value heads, SwiGLU 18,944, biases on the query, key and value projections only, vocabulary
+    # 152,064, RoPE base 1e6, untied head, every norm's epsilon 1e-6; 4K pre-training sequences (the Qwen2.5
+    # report's first stage; the context is 128K). 7.61B parameters, 6.53B without the embedding and head, as the
+    # card says (7,615,616,512 here).
+    "qwen2.5-7b": llama(152064, 4096, 28, 28, 4, 3584, 18944, 1e6).with_(qkv_bias=True, norm_eps=1e-6),
     # The tiny shape with a mixture of experts: 8 GELU experts of width 256, each token routed to 2, so a token
     # goes through as many MLP parameters as tiny's (width 512); dropless, Switch's load-balancing loss (0.01)
     # and ST-MoE's router z-loss (0.001).

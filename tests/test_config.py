@@ -60,6 +60,9 @@ def test_published_sizes():
     assert PRESETS["llama3-70b"].n_params() == 70_553_706_496
     assert PRESETS["llama3-405b"].n_params() == 405_853_388_800
     assert abs(PRESETS["tiny-llama"].n_params() / PRESETS["tiny"].n_params() - 1) < 0.1
+    # Qwen2.5-7B's card: 7.61B parameters, 6.53B without the embedding and the head (q/k/v biases counted)
+    qwen = PRESETS["qwen2.5-7b"]
+    assert qwen.n_params() == 7_615_616_512 and f"{(qwen.n_params() - 2 * 152064 * 3584) / 1e9:.2f}" == "6.53"
 
 
 @pytest.mark.parametrize("cfg", SHAPES[2:4] + LLAMA_SHAPES, ids=shape_id)
