@@ -35,6 +35,7 @@ from minigpt.hf_moe import (ARCHITECTURES, config_number, experts_from_hf, exper
 
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling's
+_number = config_number  # config.json's number at a key (ConfigError when it is not one)
 
 
 def layout_of(config: GPTConfig) -> str:
@@ -99,24 +100,24 @@ def hf_config(config: GPTConfig) -> dict:
 
 
 def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
-    """The GPTConfig of a transformers config.json (GPT-2, Llama, Qwen2 or Qwen3), or ConfigError naming what minigpt cannot
-    compute the same. `seq_len`: the training context of a rotary model (at most its max_position_embeddings;
-    default: that); a GPT-2's is its n_positions, the rows of its position table."""
+    """The GPTConfig of a transformers config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE), or
+    ConfigError naming what minigpt cannot compute the same. `seq_len`: the training context of a rotary model (at
+    most its max_position_embeddings; default: that); a GPT-2's is its n_positions, the rows of its position table."""
     kind = hf.get("model_type")
     tied = hf.get("tie_word_embeddings", True)
     refuse_unless(isinstance(tied, bool), f"tie_word_embeddings is {tied!r}")
     if kind == "gpt2":
-        d_model, positions = config_number(hf, "n_embd"), config_number(hf, "n_positions")
+        d_model, positions = _number(hf, "n_embd"), _number(hf, "n_positions")
         refuse_unless(hf.get("activation_function", "gelu_new") in GPT2_ACTIVATIONS,
-                       f"its activation is {hf.get('activation_function')!r}, minigpt's GELU the tanh one (gelu_new)")
+                      f"its activation is {hf.get('activation_function')!r}, minigpt's GELU the tanh one (gelu_new)")
         refuse_unless(not hf.get("scale_attn_by_inverse_layer_idx") and hf.get("scale_attn_weights", True),
-                       "its attention scores are not scaled by 1/sqrt(head width) alone")
+                      "its attention scores are not scaled by 1/sqrt(head width) alone")
         refuse_unless(seq_len in (None, positions), f"a GPT-2's context is its {positions} learned positions, "
                                                      f"not --seq-len {seq_len}")
-        return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=positions, n_layers=config_number(hf, "n_layer"),
-                         n_heads=config_number(hf, "n_head"), d_model=d_model,
+        return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=positions, n_layers=_number(hf, "n_layer"),
+                         n_heads=_number(hf, "n_head"), d_model=d_model,
                          d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied,
-                         norm_eps=config_number(hf, "layer_norm_epsilon", 1e-5))
+                         norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
     if kind == "mistral":  # Llama's block without biases; its window, if any, must hold the whole context
@@ -130,7 +131,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return dense.with_(qk_norm=kind == "qwen3_moe", **moe_fields(hf, kind))
     if kind in ("qwen2", "qwen3"):
         refuse_unless(not hf.get("use_sliding_window") and "sliding_attention" not in (hf.get("layer_types") or ()),
-                       "it attends through a sliding window")
+                      "it attends through a sliding window")
         if kind == "qwen2":  # biases on q, k and v (transformers' Qwen2Attention), none elsewhere
             return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len).with_(
                 qkv_bias=True)
@@ -145,8 +146,8 @@ def _full_attention(hf: dict, seq_len: int | None) -> bool:
     training context (seq_len, or max_position_embeddings) attending to all before it: no window, or one as long."""
     if hf.get("sliding_window") is None:
         return True
-    context = seq_len or config_number(hf, "max_position_embeddings")
-    return context <= config_number(hf, "sliding_window")  # a token sees the window's tokens, itself the last
+    context = seq_len or _number(hf, "max_position_embeddings")
+    return context <= _number(hf, "sliding_window")  # a token sees the window's tokens, itself the last
 
 
 def _rope(hf: dict) -> tuple[float, tuple | None]:
@@ -154,16 +155,16 @@ def _rope(hf: dict) -> tuple[float, tuple | None]:
     rope_scaling; ConfigError for a scaling minigpt does not compute (Llama 3.1's "llama3" it does)."""
     parameters, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     refuse_unless(isinstance(parameters, dict) and isinstance(legacy, dict),
-                   f"its rope_parameters / rope_scaling are {parameters!r} / {legacy!r}")
+                  f"its rope_parameters / rope_scaling are {parameters!r} / {legacy!r}")
     rope = {"rope_theta": hf.get("rope_theta") or 10000.0, **parameters, **legacy}
     kind = next((d.get("rope_type", d.get("type")) for d in (legacy, parameters) if d.get("rope_type", d.get("type"))),
                 "default")
-    theta = float(config_number(rope, "rope_theta"))
+    theta = float(_number(rope, "rope_theta"))
     if kind == "default":
         return theta, None
     refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
-                   f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3'")
-    return theta, tuple(config_number(rope, key) for key in LLAMA3_ROPE)
+                  f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3'")
+    return theta, tuple(_number(rope, key) for key in LLAMA3_ROPE)
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
@@ -172,16 +173,16 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
     bias = hf.get("attention_bias", False)
     refuse_unless(bias == hf.get("mlp_bias", False), "it has biases in the attention or the MLP, not both")
     refuse_unless(hf.get("pretraining_tp", 1) == 1, "its pretraining_tp splits the Linears' computation")
-    longest = config_number(hf, "max_position_embeddings")
+    longest = _number(hf, "max_position_embeddings")
     if seq_len is not None and seq_len > longest:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({longest})")
-    heads, width, head_dim = config_number(hf, "num_attention_heads"), config_number(hf, "hidden_size"), hf.get("head_dim")
-    return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest,
-                     n_layers=config_number(hf, "num_hidden_layers"), n_heads=heads,
+    heads, width, head_dim = _number(hf, "num_attention_heads"), _number(hf, "hidden_size"), hf.get("head_dim")
+    return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=seq_len or longest,
+                     n_layers=_number(hf, "num_hidden_layers"), n_heads=heads,
                      n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
-                     d_ff=config_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
+                     d_ff=_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
                      positions="rope", rope_theta=theta, rope_scaling=scaling, bias=bool(bias),
-                     norm_eps=config_number(hf, "rms_norm_eps", 1e-6),
+                     norm_eps=_number(hf, "rms_norm_eps", 1e-6),
                      d_head=None if head_dim is None or head_dim * heads == width else head_dim)
 
 

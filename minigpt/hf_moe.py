@@ -5,13 +5,14 @@ them when it loads and splits them again when it saves).
 Both route as minigpt/moe.py does: a softmax over every expert's logit (fp32), the top_k, the chosen scores
 renormalised to sum to 1 (Mixtral always; Qwen3-MoE when norm_topk_prob, which minigpt's top_k > 1 is), SwiGLU
 experts without biases, no shared expert. They keep every token (dropless): a capacity factor is a choice of
-training, like dropout, not written (a run may set one from an imported model, and its export routes dropless). Mixtral is Llama's attention with every block
-a mixture of experts of width intermediate_size; Qwen3-MoE is Qwen3's attention (per-head q/k norms) with the
-blocks listed in mlp_only_layers dense MLPs of width intermediate_size (minigpt: the first `dense_layers`), the
-others mixtures of experts of width moe_intermediate_size. The router's balance coefficient is router_aux_loss_coef
-both ways (minigpt adds the loss to the gradient, never to the reported loss, as transformers without
-output_router_logits). Anything else (a sigmoid router, shared experts, a top-1 router, sparse blocks other than
-the last ones, router jitter) is refused: transformers would compute another model.
+training, like dropout, not written (a run may set one from an imported model, and its export routes dropless).
+Mixtral is Llama's attention with every block a mixture of experts of width intermediate_size; Qwen3-MoE is
+Qwen3's attention (per-head q/k norms) with the blocks listed in mlp_only_layers dense MLPs of width
+intermediate_size (minigpt: the first `dense_layers`), the others mixtures of experts of width
+moe_intermediate_size. The router's balance coefficient is router_aux_loss_coef both ways (minigpt adds the loss
+to the gradient, never to the reported loss, as transformers without output_router_logits). Anything else (a
+sigmoid router, shared experts, a top-1 router, dense blocks other than the first ones, router jitter) is
+refused: transformers would compute another model.
 Torch-free except `experts_to_hf` and `experts_from_hf`, which move tensors.
 """
 

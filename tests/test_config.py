@@ -38,7 +38,8 @@ def numel(model: torch.nn.Module) -> int:
 
 
 def shape_id(c: GPTConfig) -> str:
-    qwen = (f"hd{c.head_dim}{'qk' if c.qk_norm else ''}" if c.d_head else "") + ("qkvb" if c.qkv_bias else "")
+    qwen = f"hd{c.head_dim}{'qk' if c.qk_norm else ''}" if c.d_head else ""
+    qwen += "qkvb" if c.qkv_bias else ""
     return f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}h{c.n_heads}k{c.kv_heads}{c.mlp}{c.norm}{c.positions}{qwen}"
 
 

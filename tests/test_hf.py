@@ -1,5 +1,6 @@
 """Weights that travel: `minigpt export RUN --hf DIR` writes a run of any layout as a Hugging Face model (GPT-2,
-Llama, Qwen2 or Qwen3) that transformers opens with the same logits, and `minigpt train --init-from DIR` starts from one,
+Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE) that transformers opens with the same logits, and `minigpt train
+--init-from DIR` starts from one (Mistral's too),
 in any layout, with transformers' own loss on the same batch. Nothing is downloaded: the transformers models are
 built from configs here (minigpt/hf.py maps the layouts)."""
 
@@ -23,8 +24,8 @@ from parallel.run.sample import load_model
 
 transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
 
-MOE = ["--model", "tiny-moe", "--experts", "4", "--mlp", "swiglu", "--norm", "rmsnorm", "--positions", "rope", "--no-bias",
-       "--kv-heads", "2"]
+MOE = ["--model", "tiny-moe", "--experts", "4", "--mlp", "swiglu", "--norm", "rmsnorm", "--positions", "rope",
+       "--no-bias", "--kv-heads", "2"]
 SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "llama": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32"],  # GQA (4 heads, 2 kv), RoPE
           "qwen2": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--no-bias", "--qkv-bias", "--tied"],
