@@ -12,7 +12,8 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
   any number of key/value heads, any head width, biases in every Linear or none. Our fused qkv splits into
   q_proj, k_proj and v_proj by rows; our fused fc1 (gate rows, then up rows) into gate_proj and up_proj.
   Mistral's checkpoints (MistralForCausalLM) are read as Llama's block, which they are when their sliding window
-  holds the whole training context (or they have none).
+  holds the whole training context (or they have none); Phi-3's and Phi-4's (Phi3ForCausalLM) too, their fused
+  qkv_proj and gate_up_proj split into Llama's pieces as they are read (`unfused`), when they rotate whole heads.
 - Qwen2: Llama's block with biases on q_proj, k_proj and v_proj and none elsewhere (ours: --no-bias --qkv-bias),
   every norm with the one epsilon (rms_norm_eps), no sliding window.
 
@@ -100,7 +101,7 @@ def hf_config(config: GPTConfig) -> dict:
 
 
 def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
-    """The GPTConfig of a transformers config.json (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE), or
+    """The GPTConfig of a transformers config.json (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, Mixtral, Qwen3-MoE), or
     ConfigError naming what minigpt cannot compute the same. `seq_len`: the training context of a rotary model (at
     most its max_position_embeddings; default: that); a GPT-2's is its n_positions, the rows of its position table."""
     kind = hf.get("model_type")
@@ -120,6 +121,11 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
+    if kind == "phi3":  # Llama's block with fused projections (read apart: unfused), rotating whole heads
+        rotated = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+        refuse_unless(rotated == 1.0, f"it rotates {rotated} of each head (partial_rotary_factor), minigpt all of it")
+        refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
+        return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
     if kind == "mistral":  # Llama's block without biases; its window, if any, must hold the whole context
         refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
         return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
@@ -138,7 +144,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
         return _llama_config({**hf, "mlp_bias": False}, tied, seq_len).with_(qk_norm=True)
     raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', 'mistral', "
-                      f"'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe' models")
+                      f"'phi3', 'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe' models")
 
 
 def _full_attention(hf: dict, seq_len: int | None) -> bool:
@@ -269,6 +275,29 @@ def _moe_layers(config: GPTConfig) -> list[int]:
     return [layer for layer in range(config.n_layers) if config.is_moe_layer(layer)]
 
 
+# Phi-3's fused projections (Phi3ForCausalLM) and Llama's pieces of them, which our fused Linears split into
+FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def unfused(table: dict, config: GPTConfig) -> dict:
+    """`table` (tensors, or a header's shapes as lists) with Phi-3's fused qkv_proj (q, k then v rows) and
+    gate_up_proj (gate then up rows) also as Llama's pieces, split by rows as the shape says; a fused tensor of
+    another size stays whole (its pieces are then missing, and said so)."""
+    out = dict(table)
+    for name, value in table.items():
+        fused = next((key for key in FUSED if name.endswith(key)), None)
+        if fused is None:
+            continue
+        sizes = _split_sizes(config, "attn.qkv.weight" if fused.startswith("self_attn") else "mlp.fc1.weight")
+        rows = value[0] if isinstance(value, list) else value.shape[0]
+        if rows != sum(sizes):
+            continue
+        parts = [[size, *value[1:]] for size in sizes] if isinstance(value, list) else value.split(sizes)
+        out |= {name[: -len(fused)] + piece: part for piece, part in zip(FUSED[fused], parts)}
+    return out
+
+
 def lookup(table: dict, name: str):
     """table[name], or under the name without its 'transformer.'/'model.' prefix (how GPT-2's own checkpoints, and
     some others, name their tensors); None when neither is there."""
@@ -287,6 +316,7 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
             raise ConfigError(f"the model's weights have no {name}")
         return tensor.to(torch.float32)
 
+    tensors = unfused(tensors, config)  # a Phi-3's fused projections, as Llama's pieces
     gpt2, state = layout_of(config) == "gpt2", {}
     for ours, theirs in names(config).items():
         pieces = [found(name) for name in theirs]

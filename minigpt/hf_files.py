@@ -17,7 +17,7 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.hf import config_from_hf, from_hf, hf_config, lookup, to_hf
+from minigpt.hf import config_from_hf, from_hf, hf_config, lookup, to_hf, unfused
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 
@@ -86,7 +86,7 @@ def check_hf_dir(path: str | os.PathLike, seq_len: int | None = None) -> GPTConf
     path = Path(path)
     hf = read_config(path)
     config = config_from_hf(hf, seq_len)
-    found = headers(weight_files(path))
+    found = unfused(headers(weight_files(path)), config)
     for name, shape in expected_shapes(config).items():
         have = lookup(found, name)
         if have is None:

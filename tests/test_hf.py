@@ -16,8 +16,8 @@ from cli.main import main
 from minigpt.config import GPTConfig
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.errors import ConfigError
-from minigpt.hf import config_from_hf, from_hf, hf_config, layout_of, lookup, to_hf
-from minigpt.hf_files import read_config, read_hf_dir
+from minigpt.hf import FUSED, config_from_hf, from_hf, hf_config, layout_of, lookup, to_hf, unfused
+from minigpt.hf_files import check_hf_dir, read_hf_dir
 from minigpt.hf_moe import MLP_NAME, PROJECTIONS
 from minigpt.model import GPT
 from parallel.run.sample import load_model
@@ -88,7 +88,12 @@ def transformers_model(shape: str, tmp_path):
     moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
                initializer_range=0.2, router_aux_loss_coef=0.01)
-    if shape == "mistral":  # its window as long as the context: every token sees all before it
+    if shape == "phi3":  # qkv_proj and gate_up_proj fused, a window as long as the context
+        config = transformers.Phi3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, sliding_window=32, tie_word_embeddings=False,
+                                         initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    elif shape == "mistral":  # its window as long as the context: every token sees all before it
         config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                             num_key_value_heads=2, head_dim=24, sliding_window=32,
@@ -162,13 +167,13 @@ def hub_named(grads: dict, layout: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("shape", [*SHAPES, "mistral"])  # Mistral read as Llama's block (written as Llama)
+@pytest.mark.parametrize("shape", [*SHAPES, "mistral", "phi3"])  # read as Llama's block (written as Llama)
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
     router's balance loss off: transformers adds it only with output_router_logits (and then to its loss too)."""
     theirs, hf_dir = transformers_model(shape, tmp_path)
-    config = config_from_hf(read_config(hf_dir)).with_(aux_loss_coef=0.0)
+    config = check_hf_dir(hf_dir).with_(aux_loss_coef=0.0)  # every tensor there at its size, from the headers
     ours, state = GPT(config), read_hf_dir(hf_dir, config)
     ours.load_state_dict({**state, "head.weight": state["tok_emb.weight"]} if config.tied_head else state)
     inputs = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -179,6 +184,8 @@ def test_every_gradient_is_transformers_own(shape, tmp_path):
     their_loss.backward()
     assert abs(loss.item() - their_loss.item()) <= 1e-5
     theirs_by_name = hub_named({name: param.grad for name, param in theirs.named_parameters()}, layout_of(config))
+    theirs_by_name = {name: grad for name, grad in unfused(theirs_by_name, config).items()  # Phi-3's fused pieces
+                      if not name.endswith(tuple(FUSED))}
     ours_by_name = to_hf({name: param.grad for name, param in ours.named_parameters()}, config)
     assert len(ours_by_name) == len(theirs_by_name)
     for name, grad in ours_by_name.items():
@@ -240,6 +247,10 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
     moe = GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, n_experts=4)
     mixtral, qwen3_moe = hf_config(moe), hf_config(moe.with_(qk_norm=True, dense_layers=1))
     mistral = {**llama, "model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
+    phi = {**llama, "model_type": "phi3", "sliding_window": None}
+    assert config_from_hf(phi) == config_from_hf({**llama, "attention_bias": False, "mlp_bias": False})
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):  # Phi-4-mini rotates 3/4 of each head
+        config_from_hf({**phi, "partial_rotary_factor": 0.75})
     assert config_from_hf(mistral, seq_len=4096).seq_len == 4096  # the window holds the context: full attention
     for change, word in (({**mixtral, "router_jitter_noise": 0.1}, "jitter"), ({**mixtral, "sliding_window": 64,
                          "max_position_embeddings": 128}, "sliding window"), (mistral, "sliding window"),
