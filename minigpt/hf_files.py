@@ -27,14 +27,19 @@ def read_config(path: Path) -> dict:
     if not path.is_dir():
         raise ConfigError(f"{str(path)!r} is not a directory: give a Hugging Face model directory (config.json and "
                           f"model.safetensors)")
+    if not (path / CONFIG).is_file():
+        raise ConfigError(f"{str(path)!r} has no {CONFIG}: it is not a Hugging Face model directory")
+    return read_config_file(path / CONFIG)
+
+
+def read_config_file(path: Path) -> dict:
+    """A transformers config.json at `path`, as a dict; ConfigError saying what is wrong."""
     try:
-        hf = json.loads((path / CONFIG).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{str(path)!r} has no {CONFIG}: it is not a Hugging Face model directory") from None
+        hf = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as error:
-        raise ConfigError(f"{path / CONFIG} cannot be read as JSON ({' '.join(str(error).split())})") from None
+        raise ConfigError(f"{path} cannot be read as JSON ({' '.join(str(error).split())})") from None
     if not isinstance(hf, dict):
-        raise ConfigError(f"{path / CONFIG} is not a JSON object")
+        raise ConfigError(f"{path} is not a JSON object")
     return hf
 
 

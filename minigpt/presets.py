@@ -94,15 +94,16 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "d_head", "qk_norm", "qkv_bias")
 
 
-def build_config(name: str = "tiny", **overrides) -> GPTConfig:
-    """A preset with any explicit fields (MODEL_FIELDS) overriding it; None leaves the preset's value.
+def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:
+    """A preset (or a shape given whole) with any explicit fields (MODEL_FIELDS) overriding it; None leaves the
+    preset's value.
 
     Changing d_model without d_ff keeps the preset's ratio of MLP width to model width.
     """
     unknown = set(overrides) - set(MODEL_FIELDS)
     if unknown:
         raise TypeError(f"build_config() got unknown fields {sorted(unknown)}")
-    base = preset(name)
+    base = name if isinstance(name, GPTConfig) else preset(name)
     changes = {key: value for key, value in overrides.items() if value is not None}
     if "d_model" in changes and "d_ff" not in changes:
         if isinstance(changes["d_model"], int):

@@ -363,3 +363,27 @@ def test_llama31_scaled_rotary_positions_are_transformers():
         with torch.no_grad():
             gaps[name] = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     assert gaps["scaled"] <= 5e-5 and gaps["unscaled"] > 0.1, gaps  # logits up to about 7: 1e-5 of them
+
+
+def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
+    """`--model` also takes a transformers config.json (or the directory holding it): the shape --init-from would
+    read, without weights, the other model flags over it; simulate prices it as the preset of that shape."""
+    from minigpt.presets import PRESETS
+
+    (tmp_path / "qwen").mkdir()
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps(hf_config(PRESETS["qwen2.5-7b"].with_(seq_len=32768))))
+    runs = {}
+    for model in ("qwen2.5-7b", str(tmp_path / "qwen"), str(tmp_path / "qwen" / "config.json")):
+        result = invoke("simulate", "--model", model, "--seq-len", "4096", "--dp", "8", "--zero", "1", "--gpu",
+                        "h100-sxm", "--json")
+        assert result.exit_code == 0, result.output
+        runs[model] = json.loads(result.stdout)
+    steps = {run["step_time_s"] for run in runs.values()}
+    assert len(steps) == 1  # the same shape, the same prediction
+    result = invoke("plan", "--model", str(tmp_path / "qwen"), "--seq-len", "4096", "--gpus", "16", "--gpu",
+                    "h100-sxm", "--json")
+    assert result.exit_code == 0, result.output
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    one_line_refusal(invoke("simulate", "--model", str(tmp_path / "bad.json")), "not a JSON object")
+    one_line_refusal(invoke("simulate", "--model", str(tmp_path)), "no config.json")
+    one_line_refusal(invoke("simulate", "--model", "llama-9"), "unknown model preset", "config.json")

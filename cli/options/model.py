@@ -26,8 +26,10 @@ POSITIVE = ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_
 def model_options(default: str) -> Callable:
     """Click options for the model, `--model` defaulting to preset `default`."""
     options = [
-        click.option("--model", default=default, show_default=True, metavar="PRESET",
-                     help=f"Model preset: {', '.join(PRESETS)}; the flags below override its fields."),
+        click.option("--model", default=default, show_default=True, metavar="PRESET|CONFIG",
+                     help=f"Model preset: {', '.join(PRESETS)}; or a transformers model's config.json (or the "
+                          f"directory holding it: its shape, read as --init-from reads it, no weights); the flags "
+                          f"below override its fields."),
         click.option("--layers", type=int, help="Transformer blocks."),
         click.option("--heads", type=int, help="Attention (query) heads."),
         click.option("--kv-heads", "kv_heads", type=int,
@@ -98,12 +100,27 @@ def _expert_fields(options: dict) -> dict:
     experts = options.get("experts")
     if experts is not None and (not isinstance(experts, int) or isinstance(experts, bool) or experts < 0):
         raise ConfigError(f"--experts must be a whole number >= 0 (0: a dense model), got {experts!r}")
-    dense = experts == 0 or (experts is None and not PRESETS.get(options["model"], GPTConfig()).is_moe)
+    dense = experts == 0 or (experts is None and not base_model(options["model"]).is_moe)
     given = [flag for flag, field in EXPERT_FIELDS.items() if fields[field] is not None]
     if dense and given:
         raise ConfigError(f"--{given[0].replace('_', '-')} sets a mixture of experts' field, but this model is dense: "
                           f"give --experts N (or a MoE preset: tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)")
     return {"n_experts": experts, **fields}
+
+
+def base_model(model: str) -> GPTConfig:
+    """--model's shape: a preset's, or a transformers config.json's (a file, or a directory holding one), read by
+    minigpt/hf.py as --init-from reads it; ConfigError for anything else."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if not Path(model).exists():
+        raise ConfigError(f"unknown model preset {model!r}: choose one of {', '.join(PRESETS)}, or give a transformers "
+                          f"model's config.json (or the directory holding it)")
+    from minigpt.hf import config_from_hf
+    from minigpt.hf_files import read_config, read_config_file
+
+    path = Path(model)
+    return config_from_hf(read_config(path) if path.is_dir() else read_config_file(path))
 
 
 def model_from_options(options: dict) -> GPTConfig:
@@ -116,7 +133,7 @@ def model_from_options(options: dict) -> GPTConfig:
     if options.get("tokenizer") is not None:  # before the shape's other checks: a file that does not parse says so
         vocab_size = model_vocab_size(options["tokenizer"], vocab_size)
     return build_config(
-        options["model"], vocab_size=vocab_size, seq_len=options.get("seq_len"),
+        base_model(options["model"]), vocab_size=vocab_size, seq_len=options.get("seq_len"),
         n_layers=options.get("layers"), n_heads=options.get("heads"), n_kv_heads=options.get("kv_heads"),
         d_model=options.get("d_model"), d_ff=options.get("d_ff"), tied_head=None if untied is None else not untied,
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
