@@ -34,6 +34,7 @@ from minigpt.errors import ConfigError
 from minigpt.hf_moe import (ARCHITECTURES, config_number, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 
+LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", *ARCHITECTURES)  # read as Llama's block, plus theirs
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling's
 _number = config_number  # config.json's number at a key (ConfigError when it is not one)
@@ -119,41 +120,34 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          n_heads=_number(hf, "n_head"), d_model=d_model,
                          d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied,
                          norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
+    if kind not in LLAMA_FAMILY:
+        raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe' models")
+    refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
+    if kind in ("qwen3", *ARCHITECTURES):  # their attention's biases are the o projection's too; none in the MLP
+        refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
     if kind == "phi3":  # Llama's block with fused projections (read apart: unfused), rotating whole heads
         rotated = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
         refuse_unless(rotated == 1.0, f"it rotates {rotated} of each head (partial_rotary_factor), minigpt all of it")
-        refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
-        return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
-    if kind == "mistral":  # Llama's block without biases; its window, if any, must hold the whole context
-        refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
-        return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
+    dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)  # bias-free, but Qwen2's
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
-        refuse_unless(not hf.get("use_sliding_window") and (kind == "qwen3_moe" or _full_attention(hf, seq_len)),
-                      "it attends through a sliding window shorter than the context")
-        refuse_unless(not hf.get("attention_bias"), "its attention has biases and its experts none")
-        dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
         return dense.with_(qk_norm=kind == "qwen3_moe", **moe_fields(hf, kind))
-    if kind in ("qwen2", "qwen3"):
-        refuse_unless(not hf.get("use_sliding_window") and "sliding_attention" not in (hf.get("layer_types") or ()),
-                      "it attends through a sliding window")
-        if kind == "qwen2":  # biases on q, k and v (transformers' Qwen2Attention), none elsewhere
-            return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len).with_(
-                qkv_bias=True)
-        refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
-        return _llama_config({**hf, "mlp_bias": False}, tied, seq_len).with_(qk_norm=True)
-    raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', 'mistral', "
-                      f"'phi3', 'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe' models")
+    return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3")  # Qwen2: biases on q, k and v alone
 
 
 def _full_attention(hf: dict, seq_len: int | None) -> bool:
-    """Whether Mistral's or Mixtral's sliding window (sliding_window tokens back) leaves every position of the
-    training context (seq_len, or max_position_embeddings) attending to all before it: no window, or one as long."""
-    if hf.get("sliding_window") is None:
+    """Whether every position of the training context (seq_len, or max_position_embeddings) attends to all before
+    it: no sliding window in use, or one at least as long (a token sees the window's tokens, itself the last).
+    Mistral's, Phi-3's and Mixtral's window is in use whenever sliding_window is set; the Qwens' only with
+    use_sliding_window or a "sliding_attention" layer (a window in use whose length is not given: not full)."""
+    window = hf.get("sliding_window")
+    in_use = hf.get("use_sliding_window", window is not None) or "sliding_attention" in (hf.get("layer_types") or ())
+    if not in_use:
         return True
     context = seq_len or _number(hf, "max_position_embeddings")
-    return context <= _number(hf, "sliding_window")  # a token sees the window's tokens, itself the last
+    return window is not None and context <= _number(hf, "sliding_window")
 
 
 def _rope(hf: dict) -> tuple[float, tuple | None]:
@@ -207,9 +201,9 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
         table["head.weight"] = ("lm_head.weight",)
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}.", f"{base}{'h' if gpt2 else 'layers'}.{i}."
-        table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config)
-        if config.is_moe_layer(i):  # a router and experts in place of the dense MLP
-            table = {name: hf for name, hf in table.items() if not name.startswith(ours + "mlp.")}
+        moe = config.is_moe_layer(i)  # a router and experts in place of the dense MLP
+        table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe)
+        if moe:
             table |= router_names(i, theirs, layout)
         if config.qk_norm:
             table |= {f"{ours}attn.core.{norm}.weight": (f"{theirs}self_attn.{norm}.weight",)
@@ -225,12 +219,13 @@ def _gpt2_block(ours: str, theirs: str) -> dict:
     return table
 
 
-def _llama_block(ours: str, theirs: str, config: GPTConfig) -> dict:
+def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True) -> dict:
     table = {ours + "ln1.weight": (theirs + "input_layernorm.weight",),
              ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",)}
     linears = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "attn.proj": ("self_attn.o_proj",), "mlp.fc1": ("mlp.gate_proj", "mlp.up_proj"),
-               "mlp.fc2": ("mlp.down_proj",)}
+               "attn.proj": ("self_attn.o_proj",)}
+    if mlp:
+        linears |= {"mlp.fc1": ("mlp.gate_proj", "mlp.up_proj"), "mlp.fc2": ("mlp.down_proj",)}
     for mine, hf in linears.items():
         table[ours + mine + ".weight"] = tuple(theirs + name + ".weight" for name in hf)
         if config.linear_bias(mine):
@@ -256,7 +251,8 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
     A GPT-2 shape without biases gets zero biases."""
     import torch
 
-    gpt2, out = layout_of(config) == "gpt2", {}
+    layout, out = layout_of(config), {}
+    gpt2 = layout == "gpt2"
     for ours, theirs in names(config).items():
         tensor = state.get(ours)
         if tensor is None and gpt2 and ours.endswith(".bias"):  # --no-bias: zeros compute the same
@@ -267,7 +263,7 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
         out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
     for layer in _moe_layers(config):
-        out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout_of(config))
+        out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout)
     return out
 
 
@@ -317,11 +313,12 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
         return tensor.to(torch.float32)
 
     tensors = unfused(tensors, config)  # a Phi-3's fused projections, as Llama's pieces
-    gpt2, state = layout_of(config) == "gpt2", {}
+    layout, state = layout_of(config), {}
+    gpt2 = layout == "gpt2"
     for ours, theirs in names(config).items():
         pieces = [found(name) for name in theirs]
         tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
     for layer in _moe_layers(config):
-        state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout_of(config))
+        state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout)
     return state

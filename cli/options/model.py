@@ -94,13 +94,13 @@ def expert_options() -> list:
     ]
 
 
-def _expert_fields(options: dict) -> dict:
+def _expert_fields(options: dict, base: GPTConfig) -> dict:
     """The mixture-of-experts fields the flags set; ConfigError when one is given for a dense model."""
     fields = {field: options.get(flag) for flag, field in EXPERT_FIELDS.items()}
     experts = options.get("experts")
     if experts is not None and (not isinstance(experts, int) or isinstance(experts, bool) or experts < 0):
         raise ConfigError(f"--experts must be a whole number >= 0 (0: a dense model), got {experts!r}")
-    dense = experts == 0 or (experts is None and not base_model(options["model"]).is_moe)
+    dense = experts == 0 or (experts is None and not base.is_moe)
     given = [flag for flag, field in EXPERT_FIELDS.items() if fields[field] is not None]
     if dense and given:
         raise ConfigError(f"--{given[0].replace('_', '-')} sets a mixture of experts' field, but this model is dense: "
@@ -132,14 +132,15 @@ def model_from_options(options: dict) -> GPTConfig:
     vocab_size = options.get("vocab_size")
     if options.get("tokenizer") is not None:  # before the shape's other checks: a file that does not parse says so
         vocab_size = model_vocab_size(options["tokenizer"], vocab_size)
+    base = base_model(options["model"])
     return build_config(
-        base_model(options["model"]), vocab_size=vocab_size, seq_len=options.get("seq_len"),
+        base, vocab_size=vocab_size, seq_len=options.get("seq_len"),
         n_layers=options.get("layers"), n_heads=options.get("heads"), n_kv_heads=options.get("kv_heads"),
         d_model=options.get("d_model"), d_ff=options.get("d_ff"), tied_head=None if untied is None else not untied,
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
-        **_expert_fields(options),
+        **_expert_fields(options, base),
     )
 
 

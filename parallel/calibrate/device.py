@@ -209,52 +209,8 @@ def piece_model(config, tp: int, sequence_parallel: bool = False, device: torch.
     return model.to(device) if precision == "fp32" else apply_precision(model, policy(precision), device)
 
 
-def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_parallel: bool = False,
-               device: torch.device | None = None, cp: int = 1):
-    """A function timing one forward and one backward of `piece` ("block", "embedding" or "head")
-    as training runs it on one tensor-parallel (and context-parallel) rank: () -> (forward s, backward s); a
-    block's time is that of all the model's blocks (a mixture of experts': its MoE blocks) run in turn, divided by
-    their number."""
-    device = device or torch.device("cpu")
-    d = config.d_model
-    seq = config.seq_len // cp  # a context-parallel rank's two chunks
-    model = model if model is not None else piece_model(config, tp, sequence_parallel, device, cp)
-    rows = seq // tp if sequence_parallel else seq  # the sequence a rank holds between the layers
-    dtype = next(model.parameters()).dtype  # the activations' format: the compute format's
-    x = None if piece == "embedding" else torch.randn(batch, rows, d, device=device, dtype=dtype, requires_grad=True)
-    grad = None if piece == "head" else torch.randn(batch, rows, d, device=device, dtype=dtype)
-    # every block in turn, as a chunk runs them (their weights do not all stay in cache); a mixture of experts' MoE
-    # blocks only (its unit is theirs; its dense first blocks are a dense shape's)
-    blocks = [b for i, b in enumerate(model.blocks) if config.is_moe_layer(i) or not config.is_moe]
-    if piece == "block":
-        def forward():
-            out = x
-            for block in blocks:
-                out = block(out)
-            return out
-    elif piece == "embedding":
-        idx = torch.randint(config.vocab_size, (batch, seq), device=device)
-        forward = lambda: model.embed(idx)  # noqa: E731
-    else:
-        targets = torch.randint(config.vocab_size, (batch, seq), device=device)
-        forward = lambda: model.loss(model.logits(x), targets)  # noqa: E731
-
-    per = len(blocks) if piece == "block" else 1
-
-    def step() -> tuple[float, float]:
-        if x is not None:
-            x.grad = None
-        start = stamp(device)
-        out = forward()
-        middle = stamp(device)
-        out.backward(grad)
-        return (middle - start) / per, (stamp(device) - middle) / per
-
-    return step
-
-
 class _Blocks(torch.nn.Module):
-    """Blocks run in turn, as a pipeline chunk runs them: what zero-bubble's split backward is timed on."""
+    """Blocks run in turn, as a pipeline chunk runs them: what a unit's block series are timed on."""
 
     index = 0
 
@@ -268,6 +224,57 @@ class _Blocks(torch.nn.Module):
         return x
 
 
+def unit_blocks(config, model) -> _Blocks:
+    """The blocks a unit is timed on, in turn as a chunk runs them (their weights do not all stay in cache): every
+    block, a mixture of experts' MoE blocks only (its unit is theirs; its dense first blocks are a dense shape's)."""
+    return _Blocks([b for i, b in enumerate(model.blocks) if config.is_moe_layer(i) or not config.is_moe])
+
+
+def between_layers(config, tp: int, batch: int, model, sequence_parallel: bool, device: torch.device, cp: int,
+                   requires_grad: bool = False) -> torch.Tensor:
+    """A random tensor of the rows a rank holds between the layers (its cp share of each sequence, its tp share of
+    that under sequence parallelism), in the model's compute format."""
+    rows = config.seq_len // cp // (tp if sequence_parallel else 1)
+    dtype = next(model.parameters()).dtype  # the activations' format: the compute format's
+    return torch.randn(batch, rows, config.d_model, device=device, dtype=dtype, requires_grad=requires_grad)
+
+
+def piece_step(piece: str, config, tp: int, batch: int, model=None, sequence_parallel: bool = False,
+               device: torch.device | None = None, cp: int = 1):
+    """A function timing one forward and one backward of `piece` ("block", "embedding" or "head")
+    as training runs it on one tensor-parallel (and context-parallel) rank: () -> (forward s, backward s); a
+    block's time is that of all the model's blocks (a mixture of experts': its MoE blocks) run in turn, divided by
+    their number."""
+    device = device or torch.device("cpu")
+    seq = config.seq_len // cp  # a context-parallel rank's two chunks
+    model = model if model is not None else piece_model(config, tp, sequence_parallel, device, cp)
+    shard = (config, tp, batch, model, sequence_parallel, device, cp)
+    x = None if piece == "embedding" else between_layers(*shard, requires_grad=True)
+    grad = None if piece == "head" else between_layers(*shard)
+    blocks = unit_blocks(config, model)
+    if piece == "block":
+        forward = lambda: blocks(x)  # noqa: E731
+    elif piece == "embedding":
+        idx = torch.randint(config.vocab_size, (batch, seq), device=device)
+        forward = lambda: model.embed(idx)  # noqa: E731
+    else:
+        targets = torch.randint(config.vocab_size, (batch, seq), device=device)
+        forward = lambda: model.loss(model.logits(x), targets)  # noqa: E731
+
+    per = len(blocks.blocks) if piece == "block" else 1
+
+    def step() -> tuple[float, float]:
+        if x is not None:
+            x.grad = None
+        start = stamp(device)
+        out = forward()
+        middle = stamp(device)
+        out.backward(grad)
+        return (middle - start) / per, (stamp(device) - middle) / per
+
+    return step
+
+
 def split_runs(config, tp: int, batch: int, model, repeats: int, min_total_s: float, sequence_parallel: bool = False,
                device: torch.device | None = None, cp: int = 1) -> list[tuple[float, float]]:
     """(input half, weight half) seconds of a block's backward split as zero-bubble's schedules run it
@@ -277,11 +284,9 @@ def split_runs(config, tp: int, batch: int, model, repeats: int, min_total_s: fl
     from parallel.pipeline.weight_gradients import WeightGradients
 
     device = device or torch.device("cpu")
-    rows = config.seq_len // cp // (tp if sequence_parallel else 1)
-    dtype = next(model.parameters()).dtype
-    x = torch.randn(batch, rows, config.d_model, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(batch, rows, config.d_model, device=device, dtype=dtype)
-    chunk = _Blocks([b for i, b in enumerate(model.blocks) if config.is_moe_layer(i) or not config.is_moe])
+    shard = (config, tp, batch, model, sequence_parallel, device, cp)
+    x, grad = between_layers(*shard, requires_grad=True), between_layers(*shard)
+    chunk = unit_blocks(config, model)
     halves = WeightGradients([chunk])
     per = len(chunk.blocks)
 

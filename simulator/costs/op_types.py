@@ -211,7 +211,7 @@ class UnitShape:
     sp: bool
     sharded: bool  # sequence parallelism saves the Linears' input shards (Megatron)
     bias: bool = True  # the Linears have biases (GPT-2) or not (Llama)
-    qkv_bias: bool = False  # the qkv projection has a bias whatever `bias` says (Qwen2)
+    qkv_bias: bool = True  # the qkv projection has a bias (GPTConfig.linear_bias: every Linear's, or Qwen2's alone)
     norm_statistics: int = 2  # fp32 numbers a norm keeps per row: a LayerNorm's mean and 1/std, an RMSNorm's 1/rms
     swiglu: bool = False  # the MLP is SwiGLU (fc1 holds the gate and up projections), else GELU
     rope: bool = False  # rotary positions rotate q and k inside the attention core (no position embedding)
@@ -305,7 +305,8 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      grad=FORMAT_BYTES[policy.grad], compute=policy.compute,
                      linear="fp8" if policy.fp8_linears else policy.compute, fp8=policy.fp8_linears,
                      dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded",
-                     bias=model.bias, qkv_bias=model.qkv_bias, norm_statistics=2 if model.norm == "layernorm" else 1,
+                     bias=model.bias, qkv_bias=model.linear_bias("attn.qkv"),
+                     norm_statistics=2 if model.norm == "layernorm" else 1,
                      swiglu=model.mlp == "swiglu", rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
                      fp8_block=impl.fp8_scaling == "block", fp8_current=impl.fp8_scaling == "current",

@@ -217,8 +217,8 @@ def _bias_in_gemm(sh, name: str) -> bool:
 
 
 def _column_bias(sh, name: str) -> bool:
-    """Whether the column-parallel Linear `name` has a bias: every Linear's with `bias`, qkv's with `qkv_bias`."""
-    return sh.bias or (sh.qkv_bias and name == "qkv")
+    """Whether the column-parallel Linear `name` (qkv, or an MLP's fc1) has a bias."""
+    return sh.qkv_bias if name == "qkv" else sh.bias
 
 
 def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int, out: str, normed: bool = True) -> str:

@@ -96,7 +96,7 @@ class Unit:
     backward_ep: float = 0.0
     forward_ep_hidden: float = 0.0  # their seconds hidden behind the shared experts (Overlap.ep)
     backward_ep_hidden: float = 0.0
-    split_extra: float = 0.0  # what splitting the backward adds to it (measured halves' sum over the whole backward)
+    input_half: float | None = None  # a zero-bubble input half measured apart (None: the backward but `weight`)
 
     @property
     def forward_total(self) -> float:
@@ -109,8 +109,9 @@ class Unit:
 
     @property
     def backward_input(self) -> float:
-        """The compute of a zero-bubble schedule's input half (BackwardInput): the backward but its weights'."""
-        return self.backward - self.weight + self.split_extra
+        """The compute of a zero-bubble schedule's input half (BackwardInput): as measured, or the backward but its
+        weights'."""
+        return self.backward - self.weight if self.input_half is None else self.input_half
 
 
 def tp_seconds(links: LinkCosts, collectives) -> float:
@@ -155,17 +156,17 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
             ct = chunk_times(job.model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
                              first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
-            extra = 0.0
+            first_half = None
             if host is not None:
                 f, b, again = host.chunk(layers, first, last, micro_batch, implementation.recompute, (f, b, again), moe)
                 halves = host.split(layers, last, micro_batch, implementation.recompute, moe)
                 weight = (b - again) / 2 if halves is None else halves[1]  # halved, unless the halves were measured
-                extra = 0.0 if halves is None else sum(halves) - b
+                first_half = None if halves is None else halves[0]
             ftp, btp = tp_seconds(job.links, ct.tp_collectives_forward), tp_seconds(job.links, ct.tp_collectives_backward)
             if hide:  # hidden behind the Linears' GEMMs of the same pass, as far as they last, slowing them
                 ftp = exposed(ftp, ct.forward_linear_s, job.overlap.tp_slowdown)
                 btp = exposed(btp, ct.backward_linear_s, job.overlap.tp_slowdown)
-            memo[key] = (f, b, ftp, btp, again, weight, extra), ct
+            memo[key] = (f, b, ftp, btp, again, weight, first_half), ct
         priced, ct = memo[key]
         if (job.layout.cp == 1 and not (moe and job.layout.ep > 1)) or not layers:
             return (*priced, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -337,13 +338,13 @@ def _rank_actions(job: _Job, times, implementation: Implementation, pol, sized: 
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
                 block = 0 if embedding or head else 1
                 moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
-                f, b, ftp, btp, again, weight, extra, *exchanged = times(block, embedding, head, rank, moe)
+                f, b, ftp, btp, again, weight, first_half, *exchanged = times(block, embedding, head, rank, moe)
                 priced = times.unit(block, embedding, head, moe)
                 per_step += priced.per_step_s
                 fp8_gemms += priced.fp8_gemms
                 sp_amaxes = (sp_amaxes[0] + priced.sp_amaxes[0], sp_amaxes[1] + priced.sp_amaxes[1])
                 numel = buckets(tensors, None, job.dp)[0].size if sized else 0
-                units.append(Unit(tensors, f, b, ftp, btp, numel, again, weight, *exchanged, split_extra=extra))
+                units.append(Unit(tensors, f, b, ftp, btp, numel, again, weight, *exchanged, input_half=first_half))
             chunk_units[chunk] = units
             _plain_actions(chunk, units, actions, amax_seconds(job, implementation, pol, rank, fp8_gemms, sp_amaxes))
         yield placed, chunk_units, actions, per_step

@@ -41,12 +41,21 @@ class HostCompute:
     straggler: float = 1.0
     straggler_cv: float = 0.0
 
+    def _blocks(self, layers: int, recompute: str, moe: bool) -> UnitTimes | None:
+        """The measured unit pricing a chunk of `layers` blocks (`moe`: MoE blocks; a chunk without blocks: the
+        model's own), or None where the roofline prices it: no unit of these blocks, or a recomputation training does
+        not run."""
+        blocks = self.units if moe or not self.moe else self.dense
+        if self.units is None or (layers and blocks is None) or recompute not in RECOMPUTE_MODES:
+            return None
+        return blocks if layers else self.units
+
     def chunk(self, layers: int, first: bool, last: bool, micro_batch: int, recompute: str,
               roofline: tuple[float, float, float], moe: bool = False) -> tuple[float, float, float]:
         """(forward, backward, recompute) seconds of a chunk of `layers` blocks (`moe`: MoE blocks); backward
         includes the recompute."""
-        blocks = self.units if moe or not self.moe else self.dense
-        if self.units is None or (layers and blocks is None) or recompute not in RECOMPUTE_MODES:  # not trainable
+        blocks = self._blocks(layers, recompute, moe)
+        if blocks is None:
             forward, backward, again = roofline
         else:
             def unit(name: str, units: UnitTimes = self.units) -> float:
@@ -69,8 +78,8 @@ class HostCompute:
         measured halves (each half a pass of its own: together more than the whole backward), a full recomputation's
         rerun in the input half and the head's backward halved (not timed apart); None where the blocks' halves were
         not measured (the engine then halves the backward)."""
-        blocks = self.units if moe or not self.moe else self.dense
-        if self.units is None or blocks is None or not blocks.split or recompute not in RECOMPUTE_MODES:
+        blocks = self._blocks(layers, recompute, moe)
+        if blocks is None or not blocks.split:
             return None
         again = layers * blocks.seconds("block_forward", micro_batch) if recompute == "full" else 0.0
         first = layers * blocks.seconds("block_backward_input", micro_batch) + again
