@@ -7,6 +7,7 @@ run is shared by every test here and tests/test_compare.py (tests/conftest.py's 
 from __future__ import annotations
 
 import json
+import statistics
 
 import click
 import pytest
@@ -277,9 +278,11 @@ def test_the_measured_numbers_are_physical(profile_path):
         assert reliability["threads_ratio"] == pytest.approx(sharing[(1, cores)], abs=1e-4)
         assert sharing[(1, cores)] <= FREE_CORES_RATIO or (
             not reliability["reliable"] and "the other cores did not compute" in reliability["why"]), reliability
-    for fit in measured["collectives"]:  # the largest message takes longer than the smallest
-        if fit["active"] <= cores:  # with more busy ranks than cores the OS scheduler's turns dominate
-            assert fit["points"][-1][1] > fit["points"][0][1], fit
+    # The largest message takes longer than the smallest (8 MB against 4 KB: 2-10x here). With more busy ranks than
+    # cores the OS scheduler's turns dominate; and a quick run's 5 ms runs can catch one preemption, so one of the
+    # collectives may invert (CI saw a 4 KB all-to-all at 5.7 ms, its 8 MB one at 4.9): not two, and not on the whole.
+    ratios = [fit["points"][-1][1] / fit["points"][0][1] for fit in measured["collectives"] if fit["active"] <= cores]
+    assert sum(r <= 1 for r in ratios) <= 1 and statistics.median(ratios) > 1.5, measured["collectives"]
     if (2 * cores, 1) not in sharing:
         pytest.skip(f"{cores} cores: the quick run has no row with twice as many ranks")
     assert sharing[(2 * cores, 1)] > 1.3  # ranks outnumbering cores take turns
