@@ -217,7 +217,8 @@ def check_schema(measured: dict, ranks: int) -> None:
     assert all(t > 0 for kind in ("write", "read") for _, t in costs[kind]["points"])
     assert (costs["start_s"] > 0 if ranks > 1 else costs["start_s"] == 0) and costs["monitor_s"] == 0.1
     for fit in measured["collectives"]:
-        assert set(fit) == {"kind", "group", "active", "alpha", "beta", "points"}
+        assert set(fit) == {"kind", "group", "active", "alpha", "beta", "points", "cpu_share"}
+        assert 0 <= fit["cpu_share"] <= 1  # the share of a core the rank computed while in the collective
         assert fit["alpha"] >= 0 and fit["beta"] > 0 and 2 <= fit["group"] <= fit["active"] <= ranks
         assert [s for s, _ in fit["points"]] == sorted(s for s, _ in fit["points"]) and len(fit["points"]) == 3
         assert all(isinstance(s, int) and t > 0 for s, t in fit["points"])

@@ -78,8 +78,8 @@ def test_dp2_json(profile, tmp_path):
     confidence = report["prediction_confidence"]  # the profile records its noise; this machine's share now
     assert confidence["known"] and isinstance(confidence["reliable"], bool) and confidence["confidence"] >= 0
     assert 0 < confidence["cpu_share_now"] <= 1 and confidence["line"] in report["rows"][0]["note"]
-    host = report["simulated_host"]  # 2 ranks, one thread each, both busy (no pipeline)
-    assert host["threads_per_rank"] == 1 and host["busy_ranks"] == 2 and host["compute_slowdown"] > 0
+    host = report["simulated_host"]  # 2 ranks, one thread each, busy but while they wait in their all-reduces
+    assert host["threads_per_rank"] == 1 and 1 <= host["busy_ranks"] <= 2 and host["compute_slowdown"] > 0
     json.loads((tmp_path / "run" / "simulated.json").read_text())
     error = report["step_time_relative_error"]
     assert error == pytest.approx(report["predicted_step_time_s"] / report["measured_step_time_s"] - 1)

@@ -106,6 +106,7 @@ def test_the_measured_object_round_trips_and_bad_entries_are_config_errors(hardw
         (lambda m: m["sharing"].append([2, 1]), "sharing[4]"),
         (lambda m: m["collectives"][0].update(kind="broadcast"), "kind must be one of"),
         (lambda m: m["collectives"][0].update(beta=-1), "beta must be"),
+        (lambda m: m["collectives"][0].update(cpu_share=1.5), "cpu_share must be a share of one core"),
     ):
         broken = copy.deepcopy(entry["measured"])
         breakage(broken)
@@ -142,6 +143,32 @@ def test_pipeline_ranks_idle_in_bubbles_leave_their_cores_to_the_others(hardware
     assert busy == pytest.approx(4 * sum(1 - b / step for b in bubble) / 2, rel=0.05)  # settled
     whole = simulate_step(TINY, Layout(dp=4), build_cluster(hardware, 4, 1), "fp32", 16, 4, gpu=hardware)
     assert whole.host["busy_ranks"] == 4 and whole.host["compute_slowdown"] == 2.4  # no bubbles: all busy
+
+
+def test_ranks_blocked_in_collectives_leave_their_cores_but_the_measured_share(hardware, tmp_path):
+    """tp 2 x dp 2 on 2 cores: no bubbles, but every rank waits in its tensor-parallel all-reduces. Where calibrate
+    measured what a collective computes (cpu_share; at 4 busy ranks on 2 cores a rank also waits for a core, so
+    only the rows with at most 2 count), a waiting rank leaves the rest of its core to the others."""
+    from simulator.engine.simulate import WAITS, idle_seconds
+
+    cluster, layout = build_cluster(hardware, 4, 1), Layout(tp=2, dp=2)
+    unmeasured = simulate_step(TINY, layout, cluster, "fp32", 16, 8, gpu=hardware)
+    assert unmeasured.host["busy_ranks"] == 4 and unmeasured.host["compute_slowdown"] == 2.4  # waits count as busy
+    data = copy.deepcopy(hardware_to_dict(hardware))  # the fixture's own measured object stays as it is
+    for fit in next(iter(data["gpus"].values()))["measured"]["collectives"]:
+        fit["cpu_share"] = 0.25 if fit["active"] <= 2 else 0.9
+    path = tmp_path / "shares.json"
+    path.write_text(json.dumps(data))
+    shared = load_hardware(str(path))
+    host = shared.gpu.measured
+    assert host.collective_cpu_share(WAITS["tp"]) == 0.25  # the 4-busy rows' 0.9 left out
+    result = simulate_step(TINY, layout, build_cluster(shared, 4, 1), "fp32", 16, 8, gpu=shared)
+    busy, step = result.host["busy_ranks"], result.step_time_s
+    waits = {name: 0.25 for name in WAITS}
+    assert result.tallies[0].seconds["tp"] > 0 and 1 < busy < 4
+    assert busy == pytest.approx(4 * (1 - idle_seconds(result.tallies[0], waits) / step), rel=0.05)  # settled
+    assert result.host["compute_slowdown"] == pytest.approx(host.slowdown(busy, 1))
+    assert result.breakdown["compute"] < unmeasured.breakdown["compute"]
 
 
 def test_gpus_measured_with_nccl_overlap_communication_with_compute(hardware, tmp_path):

@@ -258,5 +258,6 @@ def echo_measured(measured: dict | None) -> None:
                    + ", ".join(f"{r}: {factor:.3f}" for r, t, factor in measured["stragglers"]))
     for fit in measured["collectives"]:
         if fit["group"] == fit["active"] or fit["kind"] == "p2p":
+            share = f", {fit['cpu_share']:.0%} of a core computing" if "cpu_share" in fit else ""
             click.echo(f"  {fit['kind']:<15} group {fit['group']} of {fit['active']} busy: alpha "
-                       f"{fit['alpha'] * 1e3:.3f} ms, {1 / fit['beta'] / 1e9:.2f} GB/s")
+                       f"{fit['alpha'] * 1e3:.3f} ms, {1 / fit['beta'] / 1e9:.2f} GB/s{share}")

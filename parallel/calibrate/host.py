@@ -42,7 +42,10 @@ CUDA GPU per rank with NCCL), and every timer waits for the device's queued work
   contiguous groups of n that all run at once while the others wait. Each is timed as
   training issues it, on fresh buffers after a piece of compute (`_per_call`): a run of c
   calls less the same compute alone; t = alpha + beta * S is fitted per (kind, n, W) by
-  calibrate.fit_alpha_beta.
+  calibrate.fit_alpha_beta. On a CPU each fit also keeps "cpu_share": the share of a core the rank's process
+  computed while in the call (its CPU time over the wall time, both as the same difference; the median over sizes
+  and busy ranks), what a rank blocked in it does not leave to the others (simulator/engine/simulate.py's
+  share_idle_cores).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -189,13 +193,16 @@ def make_groups(ranks: int) -> dict[int, object]:
     return groups
 
 
-def _per_call(op, busy_group, plan, work, device: torch.device) -> float:
-    """Median seconds of op as training issues it: on the fresh output of a piece of compute.
+def _per_call(op, busy_group, plan, work, device: torch.device) -> tuple[float, float]:
+    """(median seconds of op as training issues it: on the fresh output of a piece of compute; the share of one core
+    this process spent computing during it).
 
     A run is c times (buffers = work(); op(buffers)); the same c times work() alone is timed
     just before; a call costs the difference / c, the median over plan.comm_repeats runs. c is
     chosen so a run lasts about plan.min_run_s (the slowest busy rank's probe decides, so every
-    busy rank makes the same calls)."""
+    busy rank makes the same calls). The CPU share is the process's CPU time (every thread's: gloo's own included)
+    over the wall time, both as the same difference: on a CPU a rank blocked in a collective leaves its core to the
+    others but for that share (simulator/engine/simulate.py's share_idle_cores)."""
     op(work())  # warm-up
     barrier(busy_group)
     start = stamp(device)
@@ -203,19 +210,23 @@ def _per_call(op, busy_group, plan, work, device: torch.device) -> float:
     probe = torch.tensor([stamp(device) - start], dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=busy_group)  # every busy rank makes the same calls
     calls = max(1, min(1000, int(plan.min_run_s / max(probe.item(), 1e-7))))
-    both, alone = [], []
+    both, alone, cpu_both, cpu_alone = [], [], [], []
     for _ in range(plan.comm_repeats):
         barrier(busy_group)
-        start = stamp(device)
+        start, cpu = stamp(device), time.process_time()
         for _ in range(calls):
             work()
         alone.append((stamp(device) - start) / calls)
+        cpu_alone.append((time.process_time() - cpu) / calls)
         barrier(busy_group)
-        start = stamp(device)
+        start, cpu = stamp(device), time.process_time()
         for _ in range(calls):
             op(work())
         both.append((stamp(device) - start) / calls)
-    return max(statistics.median(both) - statistics.median(alone), 1e-7)
+        cpu_both.append((time.process_time() - cpu) / calls)
+    seconds = max(statistics.median(both) - statistics.median(alone), 1e-7)
+    cpu = statistics.median(cpu_both) - statistics.median(cpu_alone)
+    return seconds, min(max(cpu / seconds, 0.0), 1.0)
 
 
 def _ping_pong(tensor: torch.Tensor, rank: int, partner: int) -> None:
@@ -224,8 +235,8 @@ def _ping_pong(tensor: torch.Tensor, rank: int, partner: int) -> None:
     second(tensor, partner)
 
 
-def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tuple[str, int, int, int], float]:
-    """{(kind, group size n, busy ranks W, S bytes): this rank's median seconds}, where it was busy."""
+def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tuple[str, int, int, int], tuple]:
+    """{(kind, group size n, busy ranks W, S bytes): (this rank's median seconds, its CPU share)}, where it was busy."""
     from minigpt.presets import preset
 
     rank, groups, points, config = dist.get_rank(), make_groups(ranks), {}, preset(plan.model)
@@ -252,8 +263,8 @@ def measure_group_collectives(plan, ranks: int, device: torch.device) -> dict[tu
                 if n == 2:
                     ops["p2p"] = lambda bufs: _ping_pong(bufs[0], rank, rank ^ 1)
                 for kind, op in ops.items():
-                    seconds = _per_call(op, groups[busy], plan, work, device)
-                    points[(kind, n, busy, numel * 4)] = seconds / 2 if kind == "p2p" else seconds
+                    seconds, share = _per_call(op, groups[busy], plan, work, device)
+                    points[(kind, n, busy, numel * 4)] = (seconds / 2 if kind == "p2p" else seconds, share)
         barrier()
     return points
 
@@ -283,6 +294,10 @@ def measure_host(plan, device: torch.device, noise: Noise | None = None) -> dict
             seconds[name] = stamp(device) - start
     finally:
         torch.set_num_threads(saved)
+    timed = result.pop("collectives")
+    result["collectives"] = {key: value[0] for key, value in timed.items()}
+    if device.type == "cpu":  # on a GPU the collectives do not run on the cores
+        result["collective_cpu"] = {key: value[1] for key, value in timed.items()}
     return {"cores": cores, "device": device.type, **result, "seconds": seconds}
 
 
@@ -299,6 +314,14 @@ def collective_points(hosts: list[dict]) -> dict[tuple[str, int, int], list[list
     for (kind, n, busy, size), seconds in sorted(slowest.items()):
         series.setdefault((kind, n, busy), []).append([int(size), seconds])
     return series
+
+
+def collective_cpu_share(hosts: list[dict], kind: str, n: int, busy: int) -> dict:
+    """{"cpu_share": the median over the busy ranks and sizes of the share of a core each spent computing in this
+    collective}, or {} where it was not measured (a GPU's collectives, or an older rank's record)."""
+    shares = [share for host in hosts for (k, g, w, _), share in host.get("collective_cpu", {}).items()
+              if (k, g, w) == (kind, n, busy)]
+    return {"cpu_share": round(statistics.median(shares), 4)} if shares else {}
 
 
 def unit_shape(config) -> dict:
@@ -351,7 +374,8 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
     for (kind, n, busy), points in sorted(collective_points(hosts).items(),
                                           key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):
         alpha, beta = fit(points)
-        collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points})
+        collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points,
+                            **collective_cpu_share(hosts, kind, n, busy)})
     return {"cores": first["cores"], "device": first.get("device", "cpu"), "units": units, "sharing": sharing,
             "stragglers": stragglers, "collectives": collectives,
             "note": f"parallel/calibrate/host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}

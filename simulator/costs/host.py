@@ -18,7 +18,7 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
       "variation"?: [[ranks, threads_per_rank, cv], ...],
       "stragglers"?: [[ranks, threads_per_rank, factor], ...],
       "failure_costs"?: {"write": {"alpha", "beta", "points"}, "read": {...}, "start_s", "monitor_s", "note"?},
-      "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...]}, ...],
+      "collectives": [{"kind", "group", "active", "alpha", "beta", "points": [[S, s], ...], "cpu_share"?}, ...],
       "reliability"?: {"cpu_share_before", "cpu_share_alone", "cpu_share_after", "cpu_share_threads"?,
                        "spread_block", "spread_units",
                        "spread_matmuls", "threads_ratio"?, "confidence", "reliable", "why", "allowed_busy"?,
@@ -58,8 +58,9 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   times the measured-to-ideal ratio of the nearest measured load (ranks x threads).
   The factor applies to every compute second of the step (the units, the roofline when
   the model was not measured, and the optimizer). Ranks idle in pipeline bubbles free
-  their cores: engine.share_idle_cores replays the step with the slowdown of the ranks
-  busy on average.
+  their cores, and ranks blocked in collectives all but the share of a core the collective
+  computes (its "cpu_share"): engine.share_idle_cores replays the step with the slowdown of
+  the ranks busy on average.
 - stragglers: what waiting for the slowest rank costs a synchronous step with `ranks` ranks of `threads_per_rank`
   threads at work: the mean over runs taken in step (parallel/calibrate/host.py) of the slowest rank's time over
   the mean of every rank's, measured (>= 1). The simulator reads a row as the coefficient of variation of
@@ -79,6 +80,9 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   ranks while `active` ranks run such groups at once (p2p: pairs; all_to_all: S the input each rank hands
   to all_to_all_single, its own part included, split evenly, as expert parallelism's exchanges are counted).
   Between measured sizes interpolated linearly; outside them the fitted line alpha + beta * S.
+  "cpu_share" (optional; calibrate measures it on a CPU): the share of one core the calling rank's process
+  computed while in the call (its CPU time over the wall time, the median over sizes and busy ranks); what a rank
+  waiting in it leaves to the others is the rest.
 - reliability: how quiet the machine was while calibrate measured (parallel/calibrate/noise.py: the
   CPU share a measuring thread got, the spread of repeated runs, the threads row's ratio (did the other cores
   compute), whether the profile is reliable and why,
@@ -89,6 +93,7 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, GPTConfig
@@ -180,6 +185,7 @@ class MeasuredCollective:
     alpha: float
     beta: float
     points: tuple[tuple[int, float], ...] = ()
+    cpu_share: float | None = None  # the share of a core the calling rank computed while in it (None: not measured)
 
     def seconds(self, nbytes: float) -> float:
         pts = self.points
@@ -282,6 +288,14 @@ class MeasuredHost:
             lo, hi = below[-1], above[0]
             return _interpolate((lo.active, hi.active), (lo.seconds(nbytes), hi.seconds(nbytes)), active)
         return self.collective(kind, group, active).seconds(nbytes)
+
+    def collective_cpu_share(self, kinds: tuple[str, ...]) -> float | None:
+        """The share of a core a rank computes while in one of these collectives: the median of those measured with
+        no more busy ranks than cores (more, and a rank also waits for a core, which its share does not see); None
+        when none was measured."""
+        shares = [c.cpu_share for c in self.collectives
+                  if c.kind in kinds and c.cpu_share is not None and c.active <= self.cores]
+        return statistics.median(shares) if shares else None
 
     def collective(self, kind: str, group: int, active: int) -> MeasuredCollective | None:
         """The measured collective of this kind and group size at the nearest load (`active` ranks), or None."""
@@ -410,12 +424,16 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         if entry["kind"] not in KINDS:
             raise ConfigError(f"{at}.kind must be one of {', '.join(KINDS)}, got {entry['kind']!r}")
         points = _points(entry.get("points", []), at)
+        share = entry.get("cpu_share")
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 <= share <= 1):
+            raise ConfigError(f"{at}.cpu_share must be a share of one core from 0 to 1, got {share!r}")
         collectives.append(MeasuredCollective(
             entry["kind"], int(_positive(entry["group"], f"{at}.group", integer=True)),
             int(_positive(entry["active"], f"{at}.active", integer=True)),
             float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
             float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
-            points))
+            points, None if share is None else float(share)))
     return MeasuredHost(cores, tuple(units), sharing, tuple(collectives), device, variation, stragglers,
                         parse_failure_costs(data.get("failure_costs"), f"{where}.failure_costs"), raw=data,
                         reliability=parse_reliability(data.get("reliability"), f"{where}.reliability"))

@@ -197,16 +197,29 @@ def resolve_gpu(cluster: Cluster, gpu: GPUSpec | Hardware | str | None) -> GPUSp
     return load_hardware(name).gpu
 
 
-def share_idle_cores(run, tallies, host, compute, links, ranks: int, threads: int, rounds: int = 5):
-    """Ranks idle in pipeline bubbles leave their cores to the others (a mean-field take on sharing).
+WAITS = {"tp": ("all_reduce", "all_gather", "reduce_scatter"), "dp": ("all_reduce", "all_gather", "reduce_scatter"),
+         "cp": ("p2p", "all_gather"), "ep": ("all_to_all",), "pp": ("p2p",)}  # a tally's waits: what they run
 
-    The sharing slowdown and the collectives were measured with every rank busy; a pipeline's
-    ranks wait in bubbles, so on average ranks x (1 - bubble / step) of them are busy at once.
-    The step is replayed with the slowdown and the collective times of that many busy ranks
-    until it settles."""
+
+def idle_seconds(tally, shares: dict[str, float]) -> float:
+    """Seconds a rank leaves its core to the others in one step: its bubbles, and of each exposed wait in
+    collectives all but the share of a core the collective computes (`shares`; 1, busy, where not measured)."""
+    return tally.seconds["bubble"] + sum(tally.seconds[name] * (1 - shares[name]) for name in WAITS)
+
+
+def share_idle_cores(run, tallies, host, compute, links, ranks: int, threads: int, rounds: int = 5):
+    """Ranks idle in pipeline bubbles or blocked in collectives leave their cores to the others (a mean-field take on
+    sharing).
+
+    The sharing slowdown and the collectives were measured with every rank busy; a pipeline's ranks wait in
+    bubbles, and every rank in its blocking collectives, which compute only the share of a core calibrate measured
+    (MeasuredHost.collective_cpu_share), so on average ranks x (1 - idle / step) of them are busy at once. The step
+    is replayed with the slowdown and the collective times of that many busy ranks until it settles."""
+    shares = {name: host.collective_cpu_share(kinds) for name, kinds in WAITS.items()}
+    shares = {name: 1.0 if share is None else share for name, share in shares.items()}
     for _ in range(rounds):
         step = max(t.end for t in tallies)
-        busy = max(1.0, ranks * sum(1 - t.seconds["bubble"] / step for t in tallies) / len(tallies))
+        busy = max(1.0, ranks * sum(1 - idle_seconds(t, shares) / step for t in tallies) / len(tallies))
         if abs(busy - links.active) <= 0.01 * links.active:
             break
         links.active, compute = busy, replace(compute, slowdown=host.slowdown(busy, threads))
@@ -322,7 +335,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     tallies = run(compute)
-    if host is not None and host.device == "cpu" and layout.pp > 1:
+    if host is not None and host.device == "cpu" and layout.world_size > 1:
         tallies, compute = share_idle_cores(run, tallies, host, compute, links, layout.world_size, threads)
     timings["replay_s"] = time.perf_counter() - clock
     return _result(model, layout, spec, precision, schedule_kind, micro_batch, m, global_batch, implementation,
