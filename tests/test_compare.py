@@ -81,6 +81,11 @@ def test_dp2_json(profile, tmp_path):
     host = report["simulated_host"]  # 2 ranks, one thread each, busy but while they wait in their all-reduces
     assert host["threads_per_rank"] == 1 and 1 <= host["busy_ranks"] <= 2 and host["compute_slowdown"] > 0
     json.loads((tmp_path / "run" / "simulated.json").read_text())
+    rows, b = {row["name"]: row for row in report["rows"]}, report["predicted_breakdown"]
+    # the exposed dp time split where the measurement splits it (the last backward's end): nothing lost or counted twice
+    assert rows["compute"]["predicted"] + rows["dp communication + optimizer"]["predicted"] == pytest.approx(
+        b["compute"] + b["dp_comm"] + b["optimizer"])
+    assert b["optimizer"] <= rows["dp communication + optimizer"]["predicted"] <= b["dp_comm"] + b["optimizer"]
     error = report["step_time_relative_error"]
     assert error == pytest.approx(report["predicted_step_time_s"] / report["measured_step_time_s"] - 1)
 

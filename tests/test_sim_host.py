@@ -171,6 +171,17 @@ def test_ranks_blocked_in_collectives_leave_their_cores_but_the_measured_share(h
     assert result.breakdown["compute"] < unmeasured.breakdown["compute"]
 
 
+def test_zero3s_gathers_are_exposed_inside_the_compute_and_the_tail_after_it(hardware):
+    """A tally's dp_tail is the exposed data-parallel time after the rank's last compute (what compare's measured
+    "dp communication + optimizer" row holds); ZeRO-3's gathers, which every forward and backward waits for on a CPU
+    host, are the rest of the exposed dp time."""
+    result = simulate_step(TINY, Layout(dp=2, zero=3), build_cluster(hardware, 2, 1), "fp32", 16, 8, gpu=hardware)
+    (tally,) = result.tallies
+    assert 0 < tally.dp_tail < tally.seconds["dp"]
+    plain = simulate_step(TINY, Layout(dp=2), build_cluster(hardware, 2, 1), "fp32", 16, 8, gpu=hardware)
+    assert 0 <= plain.tallies[0].dp_tail <= plain.tallies[0].seconds["dp"]
+
+
 def test_gpus_measured_with_nccl_overlap_communication_with_compute(hardware, tmp_path):
     """The same numbers marked as measured on CUDA: ZeRO-3's gathers hide behind compute again."""
     data = hardware_to_dict(hardware)

@@ -155,13 +155,17 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     tp_measured, ep_measured = measured.get("tp_s", 0.0), measured.get("ep_s", 0.0)
     compute_measured = measured.get("compute_s")
     exchange = b.get("cp_comm", 0.0) if cfg.cp > 1 else 0.0  # the ring runs inside the compute actions
+    # the exposed dp traffic after the last compute, as the measured row times it; the rest (ZeRO-3's gathers, the
+    # reductions a backward waits for) inside the compute actions, as measured
+    tail = result.tallies[result.critical_rank].dp_tail if result.tallies else b["dp_comm"]
     rows = [
         _row("step time", "s", result.step_time_s, summary["step_time_s"], "measured: median over the steps"),
-        _row("compute", "s", b["compute"] + exchange,
+        _row("compute", "s", b["compute"] + exchange + b["dp_comm"] - tail,
              None if compute_measured is None else compute_measured - tp_measured - ep_measured,
              "measured: the compute actions less their time inside tp collectives"
              + (" and the experts' all-to-alls" if cfg.ep > 1 else "")
              + ("; both with the context-parallel exchange, which runs inside them" if cfg.cp > 1 else "")
+             + "; both with the data-parallel waits inside them (ZeRO-3's gathers, reductions a backward waits for)"
              + _units_note(result)),
     ]
     if cfg.ep > 1:
@@ -178,9 +182,9 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
         rows.append(_row("pipeline p2p + bubble", "s", b["pp_comm"] + b["pipeline_bubble"], measured.get("p2p_s"),
                          "measured: time in the pipeline's sends and receives, waits included"))
         rows.append(_row("bubble", "s", b["pipeline_bubble"], None, "not measured apart: inside the p2p time"))
-    rows.append(_row("dp communication + optimizer", "s", b["dp_comm"] + b["optimizer"], measured.get("dp_s", 0.0),
-                     "measured: after the last backward (the reductions left, the optimizer); predicted: all "
-                     "exposed dp traffic (ZeRO-2/3's, during the backward, is inside measured compute)"))
+    rows.append(_row("dp communication + optimizer", "s", tail + b["optimizer"], measured.get("dp_s", 0.0),
+                     "after the last backward (the reductions left, the optimizer); the dp waits before it are in "
+                     "the compute row, both sides"))
     predicted_memory = _memory_predicted(result, plan)
     measured_memory = _memory_measured(summary["memory_per_rank"][0])
     for kind in MEMORY_KINDS:

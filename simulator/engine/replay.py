@@ -74,6 +74,7 @@ class RankTally:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
     end: float = 0.0
     hidden: dict[str, float] = field(default_factory=lambda: {"ep": 0.0})  # overlapped, in no category's seconds
+    dp_tail: float = 0.0  # of seconds["dp"], what is exposed after the rank's last compute (the rest inside it)
     events: list[tuple[object, float, float]] = field(default_factory=list)
 
     def named_events(self) -> list[tuple[str, str, float, float]]:
@@ -238,6 +239,7 @@ class _Replay:
         armed_by, _ = armed_around(groups)
         issued = {action for armed in armed_by.values() for action in armed}  # run inside their compute
         compute = tp = cp = ep = amax = dp = optimizer = 0.0
+        dp_computed = 0.0  # the rank's exposed dp seconds when its last compute ended
         pp_bubble = [0.0, 0.0]
         dp_busy = 0.0  # when the rank's data-parallel stream has finished what was issued on it
         computed = 0.0  # when the rank's last compute ended
@@ -269,6 +271,7 @@ class _Replay:
                 compute, tp, cp, ep, amax = compute + c.compute, tp + c.tp, cp + c.cp, ep + c.ep, amax + c.amax
                 tally.hidden["ep"] += c.ep_hidden
                 dp += c.dp
+                dp_computed = dp
                 clock += total
                 computed = clock
             elif kind in _P2P:
@@ -309,6 +312,7 @@ class _Replay:
         tally.end = env.now
         tally.seconds.update(compute=compute, tp=tp, cp=cp, ep=ep, amax=amax, dp=dp, pp=pp_bubble[0],
                              bubble=pp_bubble[1], optimizer=optimizer)
+        tally.dp_tail = dp - dp_computed
 
 
 def replay(schedule: Schedule, costs: list[RankCosts], p2p_seconds: dict[tuple[int, int], float],
