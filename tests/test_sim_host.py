@@ -149,7 +149,7 @@ def test_ranks_blocked_in_collectives_leave_their_cores_but_the_measured_share(h
     """tp 2 x dp 2 on 2 cores: no bubbles, but every rank waits in its tensor-parallel all-reduces. Where calibrate
     measured what a collective computes (cpu_share; at 4 busy ranks on 2 cores a rank also waits for a core, so
     only the rows with at most 2 count), a waiting rank leaves the rest of its core to the others."""
-    from simulator.engine.simulate import WAITS, idle_seconds
+    from simulator.engine.simulate import WAITS, collective_cpu_share, idle_seconds
 
     cluster, layout = build_cluster(hardware, 4, 1), Layout(tp=2, dp=2)
     unmeasured = simulate_step(TINY, layout, cluster, "fp32", 16, 8, gpu=hardware)
@@ -161,7 +161,7 @@ def test_ranks_blocked_in_collectives_leave_their_cores_but_the_measured_share(h
     path.write_text(json.dumps(data))
     shared = load_hardware(str(path))
     host = shared.gpu.measured
-    assert host.collective_cpu_share(WAITS["tp"]) == 0.25  # the 4-busy rows' 0.9 left out
+    assert collective_cpu_share(host, WAITS["tp"]) == 0.25  # the 4-busy rows' 0.9 left out
     result = simulate_step(TINY, layout, build_cluster(shared, 4, 1), "fp32", 16, 8, gpu=shared)
     busy, step = result.host["busy_ranks"], result.step_time_s
     waits = {name: 0.25 for name in WAITS}

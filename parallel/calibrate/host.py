@@ -316,7 +316,7 @@ def collective_points(hosts: list[dict]) -> dict[tuple[str, int, int], list[list
     return series
 
 
-def collective_cpu_share(hosts: list[dict], kind: str, n: int, busy: int) -> dict:
+def fit_cpu_share(hosts: list[dict], kind: str, n: int, busy: int) -> dict:
     """{"cpu_share": the median over the busy ranks and sizes of the share of a core each spent computing in this
     collective}, or {} where it was not measured (a GPU's collectives, or an older rank's record)."""
     shares = [share for host in hosts for (k, g, w, _), share in host.get("collective_cpu", {}).items()
@@ -375,7 +375,7 @@ def build_measured(hosts: list[dict], plan, fit) -> dict:
                                           key=lambda item: (item[0][2], item[0][1], KINDS.index(item[0][0]))):
         alpha, beta = fit(points)
         collectives.append({"kind": kind, "group": n, "active": busy, "alpha": alpha, "beta": beta, "points": points,
-                            **collective_cpu_share(hosts, kind, n, busy)})
+                            **fit_cpu_share(hosts, kind, n, busy)})
     return {"cores": first["cores"], "device": first.get("device", "cpu"), "units": units, "sharing": sharing,
             "stragglers": stragglers, "collectives": collectives,
             "note": f"parallel/calibrate/host.py; sharing at micro-batch {plan.sharing_micro_batch}, tp 1"}

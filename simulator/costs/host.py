@@ -93,7 +93,6 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 
 from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, GPTConfig
@@ -288,14 +287,6 @@ class MeasuredHost:
             lo, hi = below[-1], above[0]
             return _interpolate((lo.active, hi.active), (lo.seconds(nbytes), hi.seconds(nbytes)), active)
         return self.collective(kind, group, active).seconds(nbytes)
-
-    def collective_cpu_share(self, kinds: tuple[str, ...]) -> float | None:
-        """The share of a core a rank computes while in one of these collectives: the median of those measured with
-        no more busy ranks than cores (more, and a rank also waits for a core, which its share does not see); None
-        when none was measured."""
-        shares = [c.cpu_share for c in self.collectives
-                  if c.kind in kinds and c.cpu_share is not None and c.active <= self.cores]
-        return statistics.median(shares) if shares else None
 
     def collective(self, kind: str, group: int, active: int) -> MeasuredCollective | None:
         """The measured collective of this kind and group size at the nearest load (`active` ranks), or None."""

@@ -240,8 +240,7 @@ class _Replay:
         issued = {action for armed in armed_by.values() for action in armed}  # run inside their compute
         compute = tp = cp = ep = amax = dp = optimizer = 0.0
         dp_computed = 0.0  # the rank's exposed dp seconds when its last compute ended
-        pp_bubble = [0.0, 0.0]
-        dp_busy = 0.0  # when the rank's data-parallel stream has finished what was issued on it
+        pp_bubble, dp_busy = [0.0, 0.0], 0.0  # dp_busy: when the rank's data-parallel stream has done what it was given
         computed = 0.0  # when the rank's last compute ended
         early, dp_slowdown, p2p_slowdown, gathers_into_forward = self.overlap_costs(pricer)
         first_forward = None  # (start, end) of the rank's first forward: the next step's hides the update gathers
@@ -270,8 +269,7 @@ class _Replay:
                 events.append((action, clock, clock + total))
                 compute, tp, cp, ep, amax = compute + c.compute, tp + c.tp, cp + c.cp, ep + c.ep, amax + c.amax
                 tally.hidden["ep"] += c.ep_hidden
-                dp += c.dp
-                dp_computed = dp
+                dp = dp_computed = dp + c.dp
                 clock += total
                 computed = clock
             elif kind in _P2P:

@@ -25,6 +25,7 @@ result carries its provenance (simulator/provenance.py): what its numbers rest o
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, lru_cache
@@ -201,6 +202,15 @@ WAITS = {"tp": ("all_reduce", "all_gather", "reduce_scatter"), "dp": ("all_reduc
          "cp": ("p2p", "all_gather"), "ep": ("all_to_all",), "pp": ("p2p",)}  # a tally's waits: what they run
 
 
+def collective_cpu_share(host, kinds: tuple[str, ...]) -> float | None:
+    """The share of a core a rank computes while in one of these collectives: the median of those measured with no
+    more busy ranks than cores (more, and a rank also waits for a core, which its share does not see); None when
+    none was measured."""
+    shares = [c.cpu_share for c in host.collectives
+              if c.kind in kinds and c.cpu_share is not None and c.active <= host.cores]
+    return statistics.median(shares) if shares else None
+
+
 def idle_seconds(tally, shares: dict[str, float]) -> float:
     """Seconds a rank leaves its core to the others in one step: its bubbles, and of each exposed wait in
     collectives all but the share of a core the collective computes (`shares`; 1, busy, where not measured)."""
@@ -213,9 +223,9 @@ def share_idle_cores(run, tallies, host, compute, links, ranks: int, threads: in
 
     The sharing slowdown and the collectives were measured with every rank busy; a pipeline's ranks wait in
     bubbles, and every rank in its blocking collectives, which compute only the share of a core calibrate measured
-    (MeasuredHost.collective_cpu_share), so on average ranks x (1 - idle / step) of them are busy at once. The step
+    (collective_cpu_share), so on average ranks x (1 - idle / step) of them are busy at once. The step
     is replayed with the slowdown and the collective times of that many busy ranks until it settles."""
-    shares = {name: host.collective_cpu_share(kinds) for name, kinds in WAITS.items()}
+    shares = {name: collective_cpu_share(host, kinds) for name, kinds in WAITS.items()}
     shares = {name: 1.0 if share is None else share for name, share in shares.items()}
     for _ in range(rounds):
         step = max(t.end for t in tallies)
