@@ -31,13 +31,13 @@ from __future__ import annotations
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.hf_moe import (ARCHITECTURES, config_number, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
+from minigpt.hf_moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
+from minigpt.hf_moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", *ARCHITECTURES)  # read as Llama's block, plus theirs
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling's
-_number = config_number  # config.json's number at a key (ConfigError when it is not one)
 
 
 def layout_of(config: GPTConfig) -> str:

@@ -157,7 +157,7 @@ def pair(plan: ComparePlan, summary: dict, result) -> list[dict]:
     exchange = b.get("cp_comm", 0.0) if cfg.cp > 1 else 0.0  # the ring runs inside the compute actions
     # the exposed dp traffic after the last compute, as the measured row times it; the rest (ZeRO-3's gathers, the
     # reductions a backward waits for) inside the compute actions, as measured
-    tail = result.tallies[result.critical_rank].dp_tail if result.tallies else b["dp_comm"]
+    tail = result.tallies[result.critical_rank].dp_tail
     rows = [
         _row("step time", "s", result.step_time_s, summary["step_time_s"], "measured: median over the steps"),
         _row("compute", "s", b["compute"] + exchange + b["dp_comm"] - tail,

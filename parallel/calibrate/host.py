@@ -294,10 +294,10 @@ def measure_host(plan, device: torch.device, noise: Noise | None = None) -> dict
             seconds[name] = stamp(device) - start
     finally:
         torch.set_num_threads(saved)
-    timed = result.pop("collectives")
-    result["collectives"] = {key: value[0] for key, value in timed.items()}
+    timed = result["collectives"]  # (seconds, CPU share) by call
+    result["collectives"] = {key: seconds for key, (seconds, _) in timed.items()}
     if device.type == "cpu":  # on a GPU the collectives do not run on the cores
-        result["collective_cpu"] = {key: value[1] for key, value in timed.items()}
+        result["collective_cpu"] = {key: share for key, (_, share) in timed.items()}
     return {"cores": cores, "device": device.type, **result, "seconds": seconds}
 
 
