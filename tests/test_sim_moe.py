@@ -279,6 +279,17 @@ def test_simulate_prints_the_all_to_all_row_and_active_mfu():
         preset("tiny").with_(n_experts=4, top_k=1, d_expert=64).n_params()
 
 
+def test_gpus_sets_dp_before_the_expert_group_is_checked():
+    """`--gpus N` is the job's size (dp = N over tp x cp x pp); --ep's check reads that dp, not the default 1."""
+    result = CliRunner().invoke(main, ["simulate", "--model", "tiny-moe", "--gpus", "4", "--ep", "4",
+                                       "--global-batch", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["layout"]["dp"] == 4 and data["layout"]["ep"] == 4
+    result = CliRunner().invoke(main, ["simulate", "--model", "tiny-moe", "--gpus", "6", "--ep", "4"])
+    assert result.exit_code == 2 and "does not divide the 6 ranks" in result.output
+
+
 @pytest.mark.parametrize("args, says", [
     (["--model", "tiny-moe", "--ep", "3", "--dp", "3"], "does not divide the 8 experts"),
     (["--model", "tiny-moe", "--ep", "2", "--dp", "3"], "does not divide the 3 ranks that route distinct tokens"),

@@ -451,6 +451,7 @@ def simulate(**options) -> None:
     """Predict step time, its breakdown, TFLOP/s, MFU and memory per GPU of a training job on a
     simulated cluster; with --sweep, the scaling curve and where adding GPUs stops paying."""
     model = model_from_options(options)  # the model's flags first, each on one line
+    dp_from_gpus(options)  # before anything reads dp (--ep's check does)
     check_context(options, model)
     check_paths(options)
     check_nccl_algo(options)
@@ -458,7 +459,6 @@ def simulate(**options) -> None:
     check_sweep_flags(options)
     if options["sp_saved_input"] is not None and not options["sequence_parallel"]:
         raise ConfigError("--sp-saved-input says what sequence parallelism's Linears keep: it needs --sequence-parallel")
-    dp_from_gpus(options)  # before anything reads dp
     options["micro_batch"] = micro_batch_size(options)
     for name in ("global_batch", "micro_batch", "tp", "pp", "dp",
                  "gpus_per_node", "nodes", "nics_per_node"):
