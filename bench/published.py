@@ -153,17 +153,22 @@ H100_PEAK = {"bf16": 989e12, "fp8": 1979e12}  # the dense peaks the rows' MFU di
 
 
 def dgxc_command(run: dict) -> list[str]:
-    return [sys.executable, "-m", "cli", "simulate", "--layers", str(run["l"]), "--hidden", str(run["h"]),
-            "--heads", str(run["a"]), "--kv-heads", str(run["kv"]), "--d-ff", str(run["ffn"]),
-            "--vocab", str(run["V"]), "--seq-len", str(run["s"]), "--mlp", run["mlp"],
+    """A DGX-Cloud row: its shape as flags (GPT-3) or a preset ("model": Llama 3.1 405B), the recipe's userbuffers
+    file ("ub", else GPT-3's), its dropout ("dropout", else GPT-3's) and racks ("gpus_per_node": GB200 NVL72)."""
+    shape = (["--model", run["model"]] if "model" in run else
+             ["--layers", str(run["l"]), "--hidden", str(run["h"]), "--heads", str(run["a"]), "--kv-heads", str(run["kv"]),
+              "--d-ff", str(run["ffn"]), "--vocab", str(run["V"]), "--mlp", run["mlp"]])
+    userbuffers = ROOT / "bench" / run["ub"] if "ub" in run else DGXC_USERBUFFERS
+    return [sys.executable, "-m", "cli", "simulate", *shape, "--seq-len", str(run["s"]),
             "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]), "--tp", str(run["tp"]),
             "--pp", str(run["pp"]), "--dp", str(run["dp"]), "--cp", str(run["cp"]), "--zero", str(run["zero"]),
             *(["--sequence-parallel"] if run["sp"] else []), "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
             "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
-            "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(DGXC_DROPOUT),
+            "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(run.get("dropout", DGXC_DROPOUT)),
+            *(["--gpus-per-node", str(run["gpus_per_node"])] if "gpus_per_node" in run else []),
             *(["--sp-saved-input", "sharded"] if run["sp"] else []),
             *(["--fp8-param-gather"] if run["precision"] == "fp8" and run["zero"] > 0 else []),  # the yaml's fp8_params
-            *(["--tp-overlap-cfg", str(DGXC_USERBUFFERS)] if run["sp"] and run["tp"] > 1 else []),
+            *(["--tp-overlap-cfg", str(userbuffers)] if run["sp"] and run["tp"] > 1 else []),
             *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []), "--json"]
 
 
@@ -174,17 +179,26 @@ def stated_rows(table: dict) -> list[dict]:
     return [{**stated, **run} for run in table["rows"]]
 
 
-DGXC_TABLES = {"dgxc": "dgxc_gpt3_175b_h100", "dgxc-v25.02": "dgxc_gpt3_175b_h100_v25_02"}
+DGXC_TABLES = {"dgxc": "dgxc_gpt3_175b_h100", "dgxc-v25.02": "dgxc_gpt3_175b_h100_v25_02",
+               "dgxc-gb200": "dgxc_llama31_405b_gb200"}
+
+
+def dgxc_naive(run: dict) -> float:
+    """Half the dense peak: of the H100 over the GPT-3 convention's FLOPs, or of the row's GPU preset over the FLOPs
+    a sequence its source states ("seq_flops")."""
+    if "seq_flops" in run:
+        peak = json.loads(HARDWARE.read_text())["gpus"][run["gpu"]]["peak_flops"][run["precision"]]
+        return run["gb"] * run["seq_flops"] / (run["n_gpus"] * peak * 0.5)
+    n_params = 12 * run["l"] * run["h"] ** 2 + run["V"] * run["h"]  # the convention's matmul parameters
+    flops = run["gb"] * run["s"] * (6 * n_params + 12 * run["l"] * run["h"] * run["s"])
+    return flops / (run["n_gpus"] * H100_PEAK[run["precision"]] * 0.5)
 
 
 def dgxc_rows(table_name: str = "dgxc") -> tuple[list[dict], str]:
     table = json.loads(RUNS.read_text())[DGXC_TABLES[table_name]]
     out = []
     for run in stated_rows(table):
-        sim, published = run_simulate(dgxc_command(run), run["id"]), run["pub_s"]
-        n_params = 12 * run["l"] * run["h"] ** 2 + run["V"] * run["h"]  # the convention's matmul parameters
-        flops = run["gb"] * run["s"] * (6 * n_params + 12 * run["l"] * run["h"] * run["s"])
-        naive = flops / (run["n_gpus"] * H100_PEAK[run["precision"]] * 0.5)
+        sim, published, naive = run_simulate(dgxc_command(run), run["id"]), run["pub_s"], dgxc_naive(run)
         out.append({"name": run["id"], "gpus": run["n_gpus"], "precision": run["precision"],
                     "published_step_s": published, "predicted_step_s": sim["step_time_s"],
                     "error": sim["step_time_s"] / published - 1, "naive_step_s": naive,

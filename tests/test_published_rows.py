@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import main
@@ -147,3 +148,29 @@ def test_the_moe_rows_carry_their_runs_tensor_parallel_overlap():
     settings = Path(zoo[zoo.index("--tp-overlap-cfg") + 1])
     assert settings.is_file() and set(json.loads(settings.read_text())) == {"source"}  # every overlap TE's default
     assert "--no-tp-overlap" not in zoo
+
+
+def test_the_gb200_rows_cite_their_release_and_simulate_as_the_bench_runs_them():
+    """NVIDIA/dgxc-benchmarking v25.05's Llama 3.1 405B on GB200 NVL72: tp 4 x pp 8 x cp 2 x vp 8, one sequence of 8,192
+    a micro-batch, global batch GPUs / 2; each precision's run with its recipe's userbuffers settings (NeMo v2.3.1)."""
+    table = json.loads((BENCH / "published_runs.json").read_text())["dgxc_llama31_405b_gb200"]
+    assert "v25.05" in table["source"] and "v2.3.1" in table["source"] and "fp8_param_gather True" in table["source"]
+    by_id = {row["id"]: row for row in table["rows"]}
+    assert by_id["DGXC2505-LLAMA31-405B-128-bf16"]["pub_s"] == 9.347 and by_id["DGXC2505-LLAMA31-405B-512-fp8"]["pub_s"] == 6.244
+    for row in table["rows"]:
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == row["n_gpus"] and row["gb"] == row["n_gpus"] // 2
+        # the published MFU is its FLOPs a sequence over its peak (2.45 PF bf16, 4.9 PF fp8), to the rounding
+        peak = {"bf16": 2.45e15, "fp8": 4.9e15}[row["precision"]]
+        assert row["gb"] * row["seq_flops"] / row["pub_s"] / row["n_gpus"] / peak == pytest.approx(row["pub_mfu"], abs=0.002)
+        settings = json.loads((BENCH / row["ub"]).read_text())
+        assert f"userbuffers_{row['precision']}_b200_h16384_tp4_cp2_mbs1_seqlen8192" in settings["source"]
+    module = published()
+    fp8 = by_id["DGXC2505-LLAMA31-405B-128-fp8"]
+    args = module.dgxc_command(fp8)
+    assert args[args.index("--model") + 1] == "llama3-405b" and args[args.index("--gpus-per-node") + 1] == "64"
+    assert "--fp8-param-gather" in args and args[args.index("--dropout") + 1] == "0.0"
+    result = CliRunner().invoke(main, args[3:])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["n_gpus"] == 128 and data["layout"]["cp"] == 2 and data["step_time_s"] > 0
+    assert "proj_fprop leaves 1 SMs" in data["provenance"]["implementation"]["userbuffers"]
