@@ -86,3 +86,16 @@ def test_a_sweep_with_campaigns_names_where_gpus_stop_paying_with_failures():
     assert "verdict" in data["sweep"] and data["sweep"]["threshold"] == 0.5
     text = CliRunner().invoke(main, args).output
     assert "run for a campaign of 20 days" in text and "with failures, checkpoints and restarts:" in text
+
+
+def test_failures_count_the_rates_own_servers_not_the_nvlink_domains():
+    """The rates are per 1000 days of 8-GPU servers (RSC-1's, Llama 3's): 128 GPUs are 16 of them whether the
+    cluster puts them in 8-GPU servers or in two GB200 NVL72 racks of 64 (--gpus-per-node 64)."""
+    mtbf = {}
+    for per_node in ("8", "64"):
+        result = CliRunner().invoke(main, ["simulate", "--model", "llama3-8b", "--gpu", "gb200", "--gpus", "128",
+                                           "--gpus-per-node", per_node, "--global-batch", "256", "--campaign", "10",
+                                           "--campaign-runs", "2", "--json"])
+        assert result.exit_code == 0, result.output
+        mtbf[per_node] = json.loads(result.output)["campaign"]["mtbf_hours"]
+    assert mtbf["8"] == mtbf["64"] == pytest.approx(24 * 1000 / (6.50 * 128 / 8))

@@ -127,11 +127,12 @@ def run_campaign(result, options: dict, hardware=None) -> dict:
     `hardware` (simulator/costs/hardware.py's Hardware): its measured failure costs where the flags give none."""
     from simulator.campaign.interval import best_interval, daly, young
     from simulator.campaign.model import Campaign
+    from simulator.campaign.rates import SERVER_GPUS
     from simulator.campaign.run import simulate_campaign
 
     memory, layout = result.memory, result.layout
     per_gpu = memory.parameters + memory.master_weights + memory.adam_m + memory.adam_v
-    gpus_per_node = min(options["gpus_per_node"] or 8, layout.world_size)
+    gpus_per_node = min(SERVER_GPUS, layout.world_size)  # the rates' servers, not the cluster's NVLink domains
     costs = failure_costs(per_gpu, gpus_per_node, options, hardware)
     campaign = Campaign(step_s=result.step_time_s, tokens_per_step=result.global_batch * result.seq_len,
                         gpus=layout.world_size, gpus_per_node=gpus_per_node,

@@ -19,6 +19,8 @@ overhead on the RSC clusters (their ETTR section) and assume 5 min in their Fig.
 Storage (STORAGE_GB_S): 1.0 GB/s of checkpoint writes per server: Llama 3's storage sustains 2 TB/s (Dubey et al.
 section 3.3.1, "a sustainable throughput of 2 TB/s and a peak throughput of 7 TB/s") for the 2,048 servers of its
 16K GPUs, 0.98 GB/s each when all write at once.
+Both are per server of SERVER_GPUS GPUs, the studies' own: a campaign counts its GPUs in such servers whatever
+--gpus-per-node says of the cluster's NVLink domains (a GB200 NVL72 rack is 72 GPUs in one domain, in 4-GPU trays).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ PRESETS = {
 DEFAULT = "rsc-1"
 RESTART_S = 600.0  # Kokolis et al. 2025: 5-20 min; MegaScale: detection under 10 min
 STORAGE_GB_S = 1.0  # Llama 3: 2 TB/s sustained over its 2,048 servers
+SERVER_GPUS = 8  # the servers these rates and this bandwidth are per (RSC-1/2, Llama 3: 8-GPU servers)
 
 
 def read_rates(value: str | None) -> FailureRates:
