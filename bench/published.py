@@ -180,7 +180,7 @@ def stated_rows(table: dict) -> list[dict]:
 
 
 DGXC_TABLES = {"dgxc": "dgxc_gpt3_175b_h100", "dgxc-v25.02": "dgxc_gpt3_175b_h100_v25_02",
-               "dgxc-gb200": "dgxc_llama31_405b_gb200"}
+               "dgxc-gb200": "dgxc_llama31_405b_gb200", "dgxc-llama-h100": "dgxc_llama31_h100"}
 
 
 def dgxc_naive(run: dict) -> float:

@@ -174,3 +174,25 @@ def test_the_gb200_rows_cite_their_release_and_simulate_as_the_bench_runs_them()
     data = json.loads(result.output)
     assert data["n_gpus"] == 128 and data["layout"]["cp"] == 2 and data["step_time_s"] > 0
     assert "proj_fprop leaves 1 SMs" in data["provenance"]["implementation"]["userbuffers"]
+
+
+def test_the_h100_llama_rows_of_the_2025_stack_cite_their_release_and_simulate_as_the_bench_runs_them():
+    """NVIDIA/dgxc-benchmarking v25.04.01's Llama 3.1 8B, 70B and 405B on DGX H100 (NeMo 25.02.01): each row's
+    published MFU is its FLOPs a sequence over the H100's peak; 70B and 405B carry their recipe's userbuffers."""
+    table = json.loads((BENCH / "published_runs.json").read_text())["dgxc_llama31_h100"]
+    assert "v25.04.01" in table["source"] and "d2b21556" in table["source"] and "NCCL_NVLS_ENABLE=0" in table["source"]
+    assert len(table["rows"]) == 28 and {r["model"] for r in table["rows"]} == {"llama3-8b", "llama3-70b", "llama3-405b"}
+    for row in table["rows"]:
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == row["n_gpus"]
+        peak = {"bf16": 989e12, "fp8": 1979e12}[row["precision"]]
+        assert row["gb"] * row["seq_flops"] / row["pub_s"] / row["n_gpus"] / peak == pytest.approx(row["pub_mfu"], abs=0.002)
+        assert ("ub" in row) == (row["tp"] > 1) and row["sp"] == (row["tp"] > 1)
+    by_id = {row["id"]: row for row in table["rows"]}
+    assert by_id["DGXC2504-LLAMA31-70B-64-fp8"]["pp"] == 8 and by_id["DGXC2504-LLAMA31-70B-64-bf16"]["cp"] == 2
+    module = published()
+    args = module.dgxc_command(by_id["DGXC2504-LLAMA31-8B-8-bf16"])
+    assert "--sequence-parallel" not in args and "--tp-overlap-cfg" not in args
+    result = CliRunner().invoke(main, args[3:])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["n_gpus"] == 8 and data["layout"]["cp"] == 2 and data["layout"]["dp"] == 4 and data["step_time_s"] > 0
