@@ -84,7 +84,8 @@ def _cluster(options: dict, world: int):
         if world % per_node:
             raise ConfigError(
                 f"{mesh_name(options)} x dp = {world} GPUs do not fill whole servers of {per_node}: "
-                f"give --nodes, or a layout whose GPU count is a multiple of {per_node}"
+                f"give a layout whose GPU count is a multiple of {per_node}, or --gpus-per-node N to use N GPUs of "
+                f"each server (as jobs on part of each GB200 NVL72 rack do)"
             )
         nodes = world // per_node
     return build_cluster(hardware, per_node, nodes, options["fabric"], options["topology_kind"],

@@ -73,7 +73,8 @@ class ClusterSpec:
         per_node, nodes = (n_gpus, 1) if n_gpus < self.gpus_per_node else (self.gpus_per_node, n_gpus // self.gpus_per_node)
         if n_gpus >= self.gpus_per_node and n_gpus % self.gpus_per_node:
             raise ConfigError(
-                f"{n_gpus} GPUs do not fill whole servers of {self.gpus_per_node}: use a multiple of {self.gpus_per_node}"
+                f"{n_gpus} GPUs do not fill whole servers of {self.gpus_per_node}: use a multiple of {self.gpus_per_node}, "
+                f"or --gpus-per-node N to use N GPUs of each server"
             )
         nics = self.nics_per_node
         if nics is not None and per_node < self.gpus_per_node:  # a partly filled server keeps its GPUs per NIC
