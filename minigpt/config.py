@@ -143,7 +143,7 @@ class GPTConfig:
         """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
         heads += (f" of {self.head_dim}" if self.d_head is not None else "") + (", QK-norm" if self.qk_norm else "")
-        kind = "SwiGLU" if self.mlp == "swiglu" else "GELU"
+        kind = {"swiglu": "SwiGLU", "relu2": "squared-ReLU"}.get(self.mlp, "GELU")
         mlp = f"{kind} {self.d_ff}"
         if self.is_moe:
             shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""

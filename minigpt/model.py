@@ -195,18 +195,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU(x W1) W2, or SwiGLU (Shazeer 2020): (silu(x Wg) * x Wu) W2 with Wg and Wu fused in fc1."""
+    """GELU(x W1) W2, relu(x W1)^2 W2 (GPTConfig.mlp "relu2"), or SwiGLU (Shazeer 2020): (silu(x Wg) * x Wu) W2
+    with Wg and Wu fused in fc1."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.swiglu = config.mlp == "swiglu"
+        self.kind = config.mlp
         self.fc1 = nn.Linear(config.d_model, config.mlp_in_width, bias=config.bias)
         self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a column-sharded SwiGLU fc1 holds this rank's gate rows, then its up rows: its halves are still gate and up
-        return self.dropout(self.fc2(activation(self.fc1(x), self.swiglu)))
+        return self.dropout(self.fc2(activation(self.fc1(x), self.kind)))
 
 
 class Block(nn.Module):

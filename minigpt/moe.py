@@ -56,12 +56,15 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full(ctx.shape, aux_loss_weight(), dtype=ctx.dtype, device=grad.device)
 
 
-def activation(hidden: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """An MLP's activation of its first Linear's output: SwiGLU, silu(gate) * up of its two halves (Shazeer 2020),
-    or GELU (tanh approximation, GPT-2's). minigpt/model.py's dense MLP, the experts and the shared experts use it."""
-    if swiglu:
+def activation(hidden: torch.Tensor, kind: str) -> torch.Tensor:
+    """An MLP's activation (GPTConfig.mlp) of its first Linear's output: SwiGLU, silu(gate) * up of its two halves
+    (Shazeer 2020), GELU (tanh approximation, GPT-2's) or the squared ReLU, relu(x)^2 (So et al. 2021, Primer;
+    Nemotron-4). minigpt/model.py's dense MLP, the experts and the shared experts use it."""
+    if kind == "swiglu":
         gate, up = hidden.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if kind == "relu2":
+        return torch.square(F.relu(hidden))
     return F.gelu(hidden, approximate="tanh")
 
 
@@ -90,7 +93,7 @@ class Experts(nn.Module):
         super().__init__()
         n = config.n_experts if n_experts is None else n_experts
         d, width, width_in = config.d_model, config.expert_width, config.expert_in_width
-        self.swiglu = config.mlp == "swiglu"
+        self.kind = config.mlp
         self.w1 = nn.Parameter(torch.empty(n, d, width_in))
         self.w2 = nn.Parameter(torch.empty(n, width, d))
         self.b1 = nn.Parameter(torch.zeros(n, width_in)) if config.bias else None
@@ -99,7 +102,7 @@ class Experts(nn.Module):
     def expert(self, weights: tuple, x: torch.Tensor) -> torch.Tensor:
         """Rows `x` through one expert, `weights` its (w1, w2, b1, b2) (biases None without them)."""
         w1, w2, b1, b2 = weights
-        hidden = activation(x @ w1 if b1 is None else torch.addmm(b1, x, w1), self.swiglu)
+        hidden = activation(x @ w1 if b1 is None else torch.addmm(b1, x, w1), self.kind)
         return hidden @ w2 if b2 is None else torch.addmm(b2, hidden, w2)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -121,12 +124,12 @@ class SharedExperts(nn.Module):
         super().__init__()
         width = config.n_shared_experts * config.expert_width
         width_in = config.n_shared_experts * config.expert_in_width
-        self.swiglu = config.mlp == "swiglu"
+        self.kind = config.mlp
         self.fc1 = nn.Linear(config.d_model, width_in, bias=config.bias)
         self.fc2 = nn.Linear(width, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.fc1(x), self.swiglu))
+        return self.fc2(activation(self.fc1(x), self.kind))
 
 
 def capacity(config: GPTConfig, seq: int) -> int | None:

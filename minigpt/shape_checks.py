@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from minigpt.errors import ConfigError
 
-MLP_KINDS = ("gelu", "swiglu")
+MLP_KINDS = ("gelu", "swiglu", "relu2")
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope")
 ROUTER_KINDS = ("softmax", "sigmoid")

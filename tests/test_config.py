@@ -29,6 +29,9 @@ SHAPES = [
     # Qwen2's attention: biases on the query, key and value projections only
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=48, d_ff=64, qkv_bias=True,
               mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),
+    # Nemotron-4's block: LayerNorm, the squared ReLU, rotary positions, grouped-query attention, no bias
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=48, d_ff=96, mlp="relu2",
+              positions="rope", bias=False, tied_head=False),
 ]
 LLAMA_SHAPES = SHAPES[6:]
 
@@ -144,7 +147,7 @@ def test_selective_recompute_and_flash_attention_flops():
     (dict(n_heads=4, n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=4"),
     (dict(n_heads=4, n_kv_heads=0), "n_kv_heads must be a positive integer"),
     (dict(n_heads=8, d_model=24, positions="rope"), "even head width"),
-    (dict(mlp="relu"), "mlp must be one of gelu, swiglu"),
+    (dict(mlp="relu"), "mlp must be one of gelu, swiglu, relu2"),
     (dict(norm="batchnorm"), "norm must be one of"),
     (dict(positions="alibi"), "positions must be one of"),
     (dict(positions="rope", rope_theta=0.5), "rope_theta"),
@@ -188,3 +191,26 @@ def test_grouped_query_attention_equals_repeated_key_value_heads():
     mha = GPTConfig(vocab_size=97, seq_len=8, n_layers=1, n_heads=4, d_model=32, d_ff=64)
     full = GPT(mha).blocks[0].attn.core(torch.cat([q, repeat(k), repeat(v)], dim=-1))
     assert torch.allclose(attn.core(qkv), full, atol=1e-6)
+
+
+def test_the_squared_relu_is_relu_squared_with_its_gradient():
+    """Nemotron-4's MLP activation (mlp "relu2"): relu(x)^2, gradient 2 relu(x); a model built with it trains."""
+    from minigpt.moe import activation
+
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.5, 3.0], dtype=torch.float64, requires_grad=True)
+    y = activation(x, "relu2")
+    assert torch.equal(y, torch.tensor([0.0, 0.0, 0.0, 0.25, 9.0], dtype=torch.float64))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.tensor([0.0, 0.0, 0.0, 1.0, 6.0], dtype=torch.float64))
+    torch.manual_seed(0)
+    model = GPT(SHAPES[-1])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batch = torch.randint(0, SHAPES[-1].vocab_size, (4, SHAPES[-1].seq_len))
+    losses = []
+    for _ in range(20):
+        loss = model(batch, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]

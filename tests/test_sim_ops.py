@@ -26,6 +26,7 @@ SHAPES = {
     "no-bias": MODEL.with_(bias=False),
     "rmsnorm": MODEL.with_(norm="rmsnorm"),
     "swiglu": MODEL.with_(mlp="swiglu", d_ff=704),
+    "relu2": MODEL.with_(mlp="relu2"),
     "rope": MODEL.with_(positions="rope"),
     "gqa": MODEL.with_(n_kv_heads=2),
     "tiny-llama": TINY_LLAMA,
@@ -293,3 +294,17 @@ def test_simulator_modules_have_no_import_cycle_and_no_torch():
     code = "import sys, simulator.costs.ops, simulator.engine.overlap, simulator.provenance; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_squared_relu_is_priced_as_gelu_is_under_its_own_name():
+    """relu(x)^2 reads fc1's output and writes fc2's input, one kernel, and its backward reads two tensors and
+    writes one, as GELU's: the same bytes and the same step, named for what it is."""
+    def memory_ops(model):
+        ops = block_ops(model, 2, Layout(tp=2), BF16, Implementation())
+        return {op.name: (op.read, op.written) for op in (*ops.forward, *ops.backward)
+                if isinstance(op, MemoryOp)}
+
+    gelu, relu2 = memory_ops(MODEL), memory_ops(MODEL.with_(mlp="relu2"))
+    assert gelu["gelu"] == relu2["relu2"] and gelu["gelu_backward"] == relu2["relu2_backward"]
+    assert "gelu" not in relu2 and {k: v for k, v in gelu.items() if "gelu" not in k} == \
+        {k: v for k, v in relu2.items() if "relu2" not in k}

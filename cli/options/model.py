@@ -46,7 +46,8 @@ def model_options(default: str) -> Callable:
                           "preset's vocabulary]."),
         click.option("--untied/--tied", "untied", default=None,
                      help="The LM head with its own weights, or sharing the token embedding [default: the preset's]."),
-        click.option("--mlp", type=click.Choice(MLP_KINDS), help="MLP: gelu (GPT-2) or swiglu (Llama)."),
+        click.option("--mlp", type=click.Choice(MLP_KINDS), help="MLP: gelu (GPT-2), swiglu (Llama) or relu2 "
+                     "(squared ReLU: Nemotron-4)."),
         click.option("--norm", type=click.Choice(NORM_KINDS), help="Norm: layernorm (GPT-2) or rmsnorm (Llama)."),
         click.option("--positions", type=click.Choice(POSITION_KINDS),
                      help="Positions: learned embeddings (GPT-2) or rope, rotary (Llama)."),

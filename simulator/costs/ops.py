@@ -344,12 +344,15 @@ def _attention_forward(rec: Recorder, attention: str) -> None:
 
 
 def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
-    """GELU of fc1's output, or SwiGLU of its gate and up halves, `width` columns on this rank: returns fc2's input."""
+    """GELU of fc1's output (or the squared ReLU: the same bytes, one fused kernel, its input's role in the backward
+    taken by the ReLU's output, saved in its place), or SwiGLU of its gate and up halves, `width` columns on this
+    rank: returns fc2's input."""
     sh = rec.shape
     if not sh.swiglu:
-        rec.tensor(f"{prefix}gelu.output", sh.rows * width * sh.e)
-        rec.mem(f"{prefix}gelu", (hidden,), (f"{prefix}gelu.output",), saves=(hidden,))
-        return f"{prefix}gelu.output"
+        act = "relu2" if sh.relu2 else "gelu"
+        rec.tensor(f"{prefix}{act}.output", sh.rows * width * sh.e)
+        rec.mem(f"{prefix}{act}", (hidden,), (f"{prefix}{act}.output",), saves=(hidden,))
+        return f"{prefix}{act}.output"
     silu = rec.tensor(f"{prefix}swiglu.silu", sh.rows * width * sh.e)
     out = rec.tensor(f"{prefix}swiglu.output", sh.rows * width * sh.e)
     if sh.eager:  # silu's kernel, then the product's: the same tensors saved
@@ -360,14 +363,14 @@ def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
 
 
 def _activation_backward(rec: Recorder, name: str, elements: int) -> None:
-    """The backward of `name` (gelu or swiglu) over `elements` values of one `width`-wide tensor."""
+    """The backward of `name` (gelu, relu2 or swiglu) over `elements` values of one `width`-wide tensor."""
     width = elements * rec.shape.e
     if rec.shape.swiglu and rec.shape.eager:
         rec.back_kernels(f"{name}swiglu_backward", eager.swiglu_backward(elements, rec.shape.e))
     elif rec.shape.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
         rec.back_mem(f"{name}swiglu_backward", 4 * width, 2 * width)
     else:
-        rec.back_mem(f"{name}gelu_backward", 2 * width, width)
+        rec.back_mem(f"{name}{'relu2' if rec.shape.relu2 else 'gelu'}_backward", 2 * width, width)
 
 
 def _mlp(rec: Recorder, prefix: str, inp: str, shard: str | None, width: int, out: str, normed: bool = True) -> str:
