@@ -153,12 +153,12 @@ H100_PEAK = {"bf16": 989e12, "fp8": 1979e12}  # the dense peaks the rows' MFU di
 
 
 def dgxc_command(run: dict) -> list[str]:
-    """A DGX-Cloud row: its shape as flags (GPT-3) or a preset ("model": Llama 3.1 405B), the recipe's userbuffers
-    file ("ub", else GPT-3's), its dropout ("dropout", else GPT-3's) and racks ("gpus_per_node": GB200 NVL72)."""
+    """A DGX-Cloud row: its shape as flags (GPT-3's, and "shape_flags") or a preset ("model"), the recipe's userbuffers
+    file ("ub": GPT-3's if absent, none if null), its dropout ("dropout", else GPT-3's) and racks ("gpus_per_node")."""
     shape = (["--model", run["model"]] if "model" in run else
              ["--layers", str(run["l"]), "--hidden", str(run["h"]), "--heads", str(run["a"]), "--kv-heads", str(run["kv"]),
-              "--d-ff", str(run["ffn"]), "--vocab", str(run["V"]), "--mlp", run["mlp"]])
-    userbuffers = ROOT / "bench" / run["ub"] if "ub" in run else DGXC_USERBUFFERS
+              "--d-ff", str(run["ffn"]), "--vocab", str(run["V"]), "--mlp", run["mlp"], *run.get("shape_flags", [])])
+    ub = run.get("ub", DGXC_USERBUFFERS.name)
     return [sys.executable, "-m", "cli", "simulate", *shape, "--seq-len", str(run["s"]),
             "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]), "--tp", str(run["tp"]),
             "--pp", str(run["pp"]), "--dp", str(run["dp"]), "--cp", str(run["cp"]), "--zero", str(run["zero"]),
@@ -168,7 +168,7 @@ def dgxc_command(run: dict) -> list[str]:
             *(["--gpus-per-node", str(run["gpus_per_node"])] if "gpus_per_node" in run else []),
             *(["--sp-saved-input", "sharded"] if run["sp"] else []),
             *(["--fp8-param-gather"] if run["precision"] == "fp8" and run["zero"] > 0 else []),  # the yaml's fp8_params
-            *(["--tp-overlap-cfg", str(userbuffers)] if run["sp"] and run["tp"] > 1 else []),
+            *(["--tp-overlap-cfg", str(ROOT / "bench" / ub)] if ub and run["sp"] and run["tp"] > 1 else []),
             *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []), "--json"]
 
 
@@ -180,7 +180,8 @@ def stated_rows(table: dict) -> list[dict]:
 
 
 DGXC_TABLES = {"dgxc": "dgxc_gpt3_175b_h100", "dgxc-v25.02": "dgxc_gpt3_175b_h100_v25_02",
-               "dgxc-gb200": "dgxc_llama31_405b_gb200", "dgxc-llama-h100": "dgxc_llama31_h100"}
+               "dgxc-gb200": "dgxc_llama31_405b_gb200", "dgxc-llama-h100": "dgxc_llama31_h100",
+               "dgxc-nemotron-h100": "dgxc_nemotron4_h100"}
 
 
 def dgxc_naive(run: dict) -> float:

@@ -196,3 +196,23 @@ def test_the_h100_llama_rows_of_the_2025_stack_cite_their_release_and_simulate_a
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["n_gpus"] == 8 and data["layout"]["cp"] == 2 and data["layout"]["dp"] == 4 and data["step_time_s"] > 0
+
+
+def test_the_nemotron_rows_cite_their_release_and_simulate_as_the_bench_runs_them():
+    """NVIDIA/dgxc-benchmarking v25.04.01's Nemotron-4 15B and 340B on DGX H100: the squared-ReLU MLP, a 256K
+    vocabulary, no userbuffers file on H100 (Transformer Engine's defaults); each MFU its FLOPs a sequence over the peak."""
+    table = json.loads((BENCH / "published_runs.json").read_text())["dgxc_nemotron4_h100"]
+    assert "v25.04.01" in table["source"] and "squared ReLU" in table["source"] and len(table["rows"]) == 24
+    for row in table["rows"]:
+        assert row["tp"] * row["pp"] * row["cp"] * row["dp"] == row["n_gpus"] and row["mlp"] == "relu2"
+        peak = {"bf16": 989e12, "fp8": 1979e12}[row["precision"]]
+        assert row["gb"] * row["seq_flops"] / row["pub_s"] / row["n_gpus"] / peak == pytest.approx(row["pub_mfu"], abs=0.002)
+    by_id = {row["id"]: row for row in table["rows"]}
+    assert by_id["DGXC2504-NEMOTRON4-340B-256-bf16"]["v"] == 12 and by_id["DGXC2504-NEMOTRON4-15B-16-fp8"]["mb"] == 2
+    args = published().dgxc_command(by_id["DGXC2504-NEMOTRON4-15B-2048-bf16"])
+    assert "--tp-overlap-cfg" not in args and args[args.index("--mlp") + 1] == "relu2" and "--untied" in args
+    result = CliRunner().invoke(main, args[3:])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["layout"]["dp"] == 1024 and data["provenance"]["implementation"]["ddp_buckets"] == "megatron"
+    assert data["step_time_s"] > 0

@@ -163,7 +163,8 @@ def test_stack_presets_state_their_settings():
                                                      "loss": "fused",  # Megatron's in-place vocab-parallel loss
                                                      "cp_attention": "te",  # Transformer Engine's ring, in bf16
                                                      "expert_gemms": "te-streams",  # TE's GroupedLinear, 4 streams
-                                                     "bias_fusion": "te"}  # Megatron's fusions, TE's bias epilogues
+                                                     "bias_fusion": "te",  # Megatron's fusions, TE's bias epilogues
+                                                     "ddp_buckets": "megatron"}  # max(40M, 1M x dp) parameters
     # userbuffers chunk the GEMMs only to overlap tp's collectives: not when the preset's tp overlap is turned off
     assert stack_implementation(resolve_overlap("megatron-core", tp=False))["ub_chunks"] is False
     assert stack_implementation(resolve_overlap("torchtitan-fsdp2", tp=True)) == {
@@ -177,16 +178,50 @@ def test_stack_presets_state_their_settings():
         "loss": "torch",  # torch's F.cross_entropy on fp32 logits
         "cp_attention": "torch",  # torch's context_parallel: its steps merged by eager fp32 kernels
         "expert_gemms": "grouped",  # torch's grouped_mm: one kernel
-        "bias_fusion": "none"}  # Llama has no biases; torch.compile fuses what there is (--elementwise fused)
+        "bias_fusion": "none",  # Llama has no biases; torch.compile fuses what there is (--elementwise fused)
+        "ddp_buckets": "ddp"}  # FSDP2 reduces per unit; the setting is DDP's (ZeRO 0-2 under this stack)
     assert stack_implementation("executor") == {  # precision/fp8.py and our ZeRO code: Implementation's defaults
         name: getattr(Implementation(), name) for name in ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts",
                                                            "fp8_scaling", "ub_chunks", "fused_optimizer",
                                                            "fp8_amax_group", "fp8_experts", "fp8_recast",
                                                            "eager", "grad_reduce_fp32", "sp_saved_input",
                                                            "attention_kernel", "zero3_copies", "loss",
-                                                           "cp_attention", "expert_gemms", "bias_fusion")}
+                                                           "cp_attention", "expert_gemms", "bias_fusion",
+                                                           "ddp_buckets")}
     for bad in (lambda: Overlap(tp_slowdown=1.0), lambda: Overlap(dp_slowdown=-0.1), lambda: Overlap(p2p_slowdown=True),
                 lambda: Overlap(param_gather="never"), lambda: stack_implementation("magic")):
         with pytest.raises(ConfigError):
             bad()
     assert resolve_overlap(resolve_overlap("megatron-core", tp=False), p2p=False).name == "megatron-core+custom"
+
+
+def test_megatron_core_sizes_its_gradient_buckets_by_the_data_parallel_group():
+    """Megatron-core's DistributedDataParallel, ddp_bucket_size unset (NeMo's recipes): max(40M, 1M x dp x cp)
+    parameters a bucket, so that a ring over many ranks stays bandwidth-bound; our executor keeps DDP's 25 MiB. On
+    NVIDIA's Nemotron-4 15B run over 1,024 data-parallel ranks (bench/published_runs.json "dgxc_nemotron4_h100") the
+    reductions are fewer and the exposed data-parallel time falls."""
+    from job.layout import Layout
+    from precision.policy import policy
+    from simulator.costs.hardware import load_hardware
+    from simulator.costs.op_types import Implementation
+    from simulator.engine.simulate import ddp_bucket_mb, simulate_step
+    from simulator.network.topology import build_cluster
+
+    bf16 = policy("bf16")
+    assert ddp_bucket_mb(Implementation(), Layout(dp=1024), bf16) == 25.0
+    megatron = Implementation(ddp_buckets="megatron")
+    assert ddp_bucket_mb(megatron, Layout(dp=8), bf16) == 40_000_000 * 2 / 2**20  # the floor
+    assert ddp_bucket_mb(megatron, Layout(dp=512, cp=2), bf16) == 1_024_000_000 * 2 / 2**20
+    with pytest.raises(ConfigError, match="ddp_buckets"):
+        Implementation(ddp_buckets="huge")
+    from minigpt.config import GPTConfig
+
+    nemotron = GPTConfig(vocab_size=256000, seq_len=4096, n_layers=32, n_heads=48, n_kv_heads=8, d_model=6144,
+                         d_ff=24576, mlp="relu2", positions="rope", tied_head=False, bias=False)
+    layout = Layout(tp=2, dp=1024, zero=1, sequence_parallel=True)
+    hardware = load_hardware("h100-sxm")
+    cluster = build_cluster(hardware, 8, 256)
+    step = {mb: simulate_step(nemotron, layout, cluster, "bf16", 8192, 2, overlap="megatron-core", gpu=hardware,
+                              bucket_mb=mb) for mb in (None, 25.0)}
+    assert step[None].breakdown["dp_comm"] < 0.5 * step[25.0].breakdown["dp_comm"]
+    assert step[None].breakdown["compute"] == pytest.approx(step[25.0].breakdown["compute"])

@@ -151,7 +151,8 @@ def test_every_prediction_says_what_it_rests_on():
                                             "fp8_param_gather": False, "fp8_recast": False, "eager": False,
                                             "grad_reduce_fp32": False, "attention_kernel": "flash-attn-2",
                                             "zero3_copies": "staging", "loss": "fused", "cp_attention": "fused",
-                                            "expert_gemms": "grouped", "bias_fusion": "megatron"}
+                                            "expert_gemms": "grouped", "bias_fusion": "megatron",
+                                            "ddp_buckets": "ddp"}
     assert provenance["attention"].startswith("unfused: its matmuls at the GEMM efficiency")
     assert provenance["overlap"] == {"name": "megatron-2021+custom", "tp": False, "dp": "after", "zero3_prefetch": 1,
                                      "p2p": True, "param_gather": "step", "ep": False, "tp_slowdown": 0.033, "dp_slowdown": 0.121,

@@ -29,6 +29,7 @@ CP_ATTENTIONS = ("fused", "torch", "te")  # how context parallelism's steps are 
 # num_compute_streams = 4; multi_stream_cublas_gemm launches GEMM i on stream i % 4)
 EXPERT_STREAMS = {"grouped": 0, "te-streams": 4}
 BIAS_FUSIONS = ("none", "megatron", "te")  # which bias adds run inside other kernels (Implementation.bias_fusion)
+DDP_BUCKETS = ("ddp", "megatron")  # how the data-parallel gradients are cut into reductions (Implementation.ddp_buckets)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,13 @@ class Implementation:
                       simulator/costs/torchtitan/context.py) or "te" (Transformer Engine's ring, Megatron-core's:
                       one fused attention call a step, the outputs merged in bf16 by compiled kernels, dq and the
                       travelling dk, dv added in bf16: simulator/costs/te_context.py; under --cp-kind allgather,
-                      whose TE class was not read, as "fused")"""
+                      whose TE class was not read, as "fused")
+    ddp_buckets       how the data-parallel gradients are cut into buckets, each one reduction (DDP_BUCKETS): "ddp"
+                      (torch DDP's and our executor's bucket_cap_mb, 25 MiB, TrainConfig.bucket_mb) or "megatron"
+                      (Megatron-core's DistributedDataParallel when ddp_bucket_size is unset: max(40,000,000,
+                      1,000,000 x the data-parallel size with context parallelism) parameters a bucket, "so that
+                      chunks used in NCCL ring-reduce implementations ... remain bandwidth-bound rather than
+                      latency-bound")"""
 
     attention: str = "flash"
     recompute: str = "none"
@@ -144,6 +151,7 @@ class Implementation:
     cp_attention: str = "fused"
     expert_gemms: str = "grouped"
     bias_fusion: str = "none"
+    ddp_buckets: str = "ddp"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -163,6 +171,7 @@ class Implementation:
         check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
         check_choice("expert_gemms", self.expert_gemms, tuple(EXPERT_STREAMS))
         check_choice("bias_fusion", self.bias_fusion, BIAS_FUSIONS)
+        check_choice("ddp_buckets", self.ddp_buckets, DDP_BUCKETS)
         if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
@@ -195,5 +204,5 @@ class Implementation:
                 "fp8_experts": self.fp8_experts, "fp8_param_gather": self.fp8_param_gather, "fp8_recast": self.fp8_recast,
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
                 "zero3_copies": self.zero3_copies, "loss": self.loss, "cp_attention": self.cp_attention,
-                "expert_gemms": self.expert_gemms, "bias_fusion": self.bias_fusion,
+                "expert_gemms": self.expert_gemms, "bias_fusion": self.bias_fusion, "ddp_buckets": self.ddp_buckets,
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

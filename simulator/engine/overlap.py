@@ -223,11 +223,12 @@ PRESETS = {
 # expert_gemms "te-streams": Megatron-core's TEGroupedMLP (the --moe-grouped-gemm default since core 0.11) runs each
 # Linear through Transformer Engine's GroupedLinear, a cuBLAS GEMM per local expert on 4 streams (nvte_multi_tensor_gemm
 # falls back to them unless NVTE_USE_CUTLASS_GROUPED_GEMM is set on Hopper); torchtitan's torch._grouped_mm and our
-# executor's batched matmul are one kernel each.
+# executor's batched matmul are one kernel each. ddp_buckets "megatron": Megatron-core's DistributedDataParallel sizes its
+# buckets by the data-parallel group (max(40M, 1M x dp) parameters when ddp_bucket_size is unset; NeMo leaves it unset).
 STACK_FIELDS = ("wgrad_fusion", "fp8_weight_cache", "fp8_fused_casts", "fp8_scaling", "ub_chunks", "fused_optimizer",
                 "fp8_amax_group", "fp8_experts", "fp8_recast", "eager", "grad_reduce_fp32", "sp_saved_input",
                 "attention_kernel", "zero3_copies", "loss", "cp_attention", "expert_gemms",
-                "bias_fusion")  # the Implementation fields a preset sets
+                "bias_fusion", "ddp_buckets")  # the Implementation fields a preset sets
 _OURS = {name: getattr(Implementation(), name) for name in STACK_FIELDS}  # Implementation's defaults: our executor's
 STACK_IMPLEMENTATION = {
     "executor": _OURS,
@@ -237,7 +238,7 @@ STACK_IMPLEMENTATION = {
     "megatron-core": {**_OURS, "wgrad_fusion": True, "fp8_weight_cache": True, "fp8_fused_casts": True,
                       "ub_chunks": True, "fused_optimizer": True, "fp8_amax_group": "data", "fp8_experts": True,
                       "sp_saved_input": "sharded", "attention_kernel": "te", "zero3_copies": "none", "loss": "fused",
-                      "cp_attention": "te", "expert_gemms": "te-streams", "bias_fusion": "te"},
+                      "cp_attention": "te", "expert_gemms": "te-streams", "bias_fusion": "te", "ddp_buckets": "megatron"},
     "torchtitan-fsdp2": {**_OURS, "fp8_fused_casts": True, "fp8_scaling": "current", "fused_optimizer": True,
                          "fp8_recast": True, "eager": True, "grad_reduce_fp32": True, "zero3_copies": "fsdp2",
                          "loss": "torch", "cp_attention": "torch"},

@@ -176,6 +176,27 @@ def step_schedule(model: GPTConfig, layout: Layout, micro_batches: int, kind: st
     return cached_schedule(schedule_config(model, layout, micro_batches, kind, bucket_mb, precision))
 
 
+MEGATRON_BUCKET_FLOOR, MEGATRON_BUCKET_PER_RANK = 40_000_000, 1_000_000  # parameters (Implementation.ddp_buckets)
+
+
+def ddp_bucket_mb(implementation: Implementation, layout: Layout, pol) -> float:
+    """The MiB of gradients a data-parallel reduction takes at once: DDP's bucket_cap_mb (our executor's), or
+    Megatron-core's bucket of max(40M, 1M x dp x cp) parameters, in the compute format's bytes as bucket_numel
+    counts them (job/train_config.py)."""
+    if implementation.ddp_buckets != "megatron":
+        return TrainConfig.bucket_mb
+    params = max(MEGATRON_BUCKET_FLOOR, MEGATRON_BUCKET_PER_RANK * layout.dp * layout.cp)
+    return params * FORMAT_BYTES[pol.compute] / 2**20
+
+
+def bucket_sizes(implementation: Implementation, layout: Layout, pol, given: float | None) -> tuple[float, float]:
+    """(MiB of the reductions' buckets, MiB the memory model sizes our ZeRO's bucket buffers by): `given` for both,
+    or the stack's buckets (ddp_bucket_mb) and DDP's 25 MiB, since Megatron-core reduces in place in its buffers."""
+    if given is not None:
+        return given, given
+    return ddp_bucket_mb(implementation, layout, pol), TrainConfig.bucket_mb
+
+
 def micro_batches_per_replica(global_batch: int, micro_batch: int, dp: int) -> int:
     per_step = check_positive_int("micro_batch", micro_batch) * dp
     if check_positive_int("global_batch", global_batch) % per_step:
@@ -273,7 +294,7 @@ def _kernel_on(implementation: Implementation, spec: GPUSpec) -> Implementation:
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
-                  bucket_mb: float = TrainConfig.bucket_mb, threads_per_rank: int | None = None,
+                  bucket_mb: float | None = None, threads_per_rank: int | None = None,
                   attention: str = "flash", overlap: Overlap | str | None = None,
                   sp_saved_input: str | None = None, nccl_algo: str = "auto",
                   implementation: Implementation | None = None, expert_load: float | None = None,
@@ -287,7 +308,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     `expert_load`: a mixture of experts' routing imbalance (Implementation.expert_load; None: the implementation's,
     1.0 balanced), priced on the busiest rank of each expert group, which the step waits for; `ep_dispatcher`: how
     its rows travel (Implementation.dispatcher; None: the implementation's, "alltoall"); `userbuffers`: a
-    megatron-core stack's tp overlap settings (simulator/costs/userbuffers.py, overlap.py's with_userbuffers)."""
+    megatron-core stack's tp overlap settings; `bucket_mb`: the gradient buckets (None: the stack's, bucket_sizes)."""
     clock = time.perf_counter()
     pol = precision_policy(precision)
     settings = resolve_overlap(overlap)
@@ -315,15 +336,15 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                                                     "fp8" if pol.fp8_linears else pol.compute)
     compute, links, threads = _compute_side(spec, model, layout, cluster, pol.compute, threads_per_rank)
     links.select(nccl_algo)  # NCCL's choice per collective, or the algorithm forced (simulator/network/nccl.py)
-    host = spec.measured
     m = micro_batches_per_replica(global_batch, micro_batch, layout.dp)
+    reduced_mb, buffers_mb = bucket_sizes(implementation, layout, pol, bucket_mb)
     with no_garbage_collection():
-        schedule = step_schedule(model, layout, m, schedule_kind, bucket_mb, precision)
+        schedule = step_schedule(model, layout, m, schedule_kind, reduced_mb, precision)
     config = schedule.config
     timings = {"schedule_s": time.perf_counter() - clock}
 
     clock = time.perf_counter()
-    memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, bucket_mb, peak_in_flight(schedule),
+    memory = predict_memory(model, layout, precision, micro_batch, recompute, spec, buffers_mb, peak_in_flight(schedule),
                             attention, implementation.sp_saved_input, settings.zero3_prefetch, m,
                             implementation=implementation, ends_in_flight=peak_ends_in_flight(schedule))
     activation = micro_batch * layout.activation_rows(model) * model.d_model * FORMAT_BYTES[pol.compute]
@@ -333,7 +354,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     def run(compute):
         costs = rank_costs(model, layout, config, links, spec, precision, micro_batch, recompute, profile, memory,
-                           bucket_mb, compute, implementation, settings)
+                           reduced_mb, compute, implementation, settings)
         p2p = {}
         for chunk in range(config.num_chunks - 1):
             a, b = chunk % layout.pp, (chunk + 1) % layout.pp
@@ -345,7 +366,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
 
     clock = time.perf_counter()
     tallies = run(compute)
-    if host is not None and host.device == "cpu" and layout.world_size > 1:
+    if (host := spec.measured) is not None and host.device == "cpu" and layout.world_size > 1:
         tallies, compute = share_idle_cores(run, tallies, host, compute, links, layout.world_size, threads)
     timings["replay_s"] = time.perf_counter() - clock
     return _result(model, layout, spec, precision, schedule_kind, micro_batch, m, global_batch, implementation,
