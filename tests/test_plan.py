@@ -400,3 +400,25 @@ def test_plan_names_the_stack_and_refuses_an_unknown_one():
     assert "the megatron-core stack" in text
     bad = invoke(*base, "--overlap", "deepspeed")
     assert bad.exit_code == 2 and "deepspeed" in bad.output and "Traceback" not in bad.output
+
+
+def test_the_bound_cuts_the_gradients_as_the_stack_does():
+    """The bound prices the data-parallel reductions in the stack's own buckets (Megatron-core's max(40M, 1M x dp)
+    parameters), as simulate_step does: over 1,024 data-parallel ranks fewer, larger reductions than DDP's 25 MiB, and
+    still no more than the simulated step."""
+    from job.layout import Layout
+    from minigpt.config import GPTConfig
+    from simulator.costs.hardware import load_hardware
+    from simulator.engine.simulate import simulate_step
+    from simulator.network.topology import build_cluster
+
+    model = GPTConfig(vocab_size=256000, seq_len=4096, n_layers=32, n_heads=48, n_kv_heads=8, d_model=6144,
+                      d_ff=24576, mlp="relu2", positions="rope", tied_head=False, bias=False)  # Nemotron-4 15B
+    hardware, layout = load_hardware("h100-sxm"), Layout(tp=2, dp=1024, zero=1, sequence_parallel=True)
+    cluster = build_cluster(hardware, 8, 256)
+    result = simulate_step(model, layout, cluster, "bf16", 8192, 2, overlap="megatron-core", gpu=hardware)
+    megatron = StepBound(model, cluster, hardware, "bf16", overlap="megatron-core")
+    ddp = StepBound(model, cluster, hardware, "bf16", overlap="megatron-core", changes=(("ddp_buckets", "ddp"),))
+    job = (layout, 4, "1f1b", 2, "none", result.memory)
+    assert megatron.data_parallel_seconds(*job) < 0.5 * ddp.data_parallel_seconds(*job)
+    assert 0 < megatron.seconds(*job) <= result.step_time_s

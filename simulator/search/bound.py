@@ -43,7 +43,7 @@ from job.schedule import Backward, DataParallel, Forward, ScheduleConfig, comput
 from job.schedule_check import ends_alive, peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
-from simulator.engine.simulate import step_schedule
+from simulator.engine.simulate import ddp_bucket_mb, step_schedule
 from simulator.engine.costs import RankCosts, action_prices, optimizer_seconds, rank_costs
 from simulator.engine.links import LinkCosts
 from simulator.costs.hardware import Hardware
@@ -52,7 +52,7 @@ from simulator.costs.implementation import Implementation
 from simulator.engine.overlap import Overlap, resolve_overlap, stack_default, stack_implementation
 from simulator.network.topology import Cluster
 
-BUCKET_MB = TrainConfig.bucket_mb  # what simulate_step uses unless told otherwise
+BUCKET_MB = TrainConfig.bucket_mb  # the memory model's bucket buffers, as simulate_step sizes them by default
 
 
 class ComputeLinks(LinkCosts):
@@ -121,10 +121,11 @@ class StepBound:
     def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
               memory: MemoryEstimate) -> list[RankCosts]:
         """rank_costs as simulate_step calls it (its optimizer without the norm's reduction over pp)."""
-        gpu = self.hardware.gpu
-        config = schedule_config(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
+        gpu, stack = self.hardware.gpu, self.stack(recompute)
+        buckets = ddp_bucket_mb(stack, layout, self.policy)  # the stack's, as simulate_step cuts them
+        config = schedule_config(self.model, layout, micro_batches, kind, buckets, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
-                          micro_batch, recompute, gpu.matmul_efficiency, memory, BUCKET_MB, None, self.stack(recompute),
+                          micro_batch, recompute, gpu.matmul_efficiency, memory, buckets, None, stack,
                           self.settings, unit_memo=self.units)
 
     def stack(self, recompute: str) -> Implementation:
@@ -181,7 +182,8 @@ class StepBound:
             return 0.0
         key = (layout, micro_batches, kind)
         if key not in self.data_parallel:
-            schedule = step_schedule(self.model, layout, micro_batches, kind, BUCKET_MB, self.precision)
+            buckets = ddp_bucket_mb(self.stack(recompute), layout, self.policy)
+            schedule = step_schedule(self.model, layout, micro_batches, kind, buckets, self.precision)
             costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
             self.data_parallel[key] = max(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel))
                                           for cost, actions in zip(costs, schedule.actions))  # none priced else
