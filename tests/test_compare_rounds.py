@@ -112,6 +112,7 @@ def test_rounds_of_one_layout(profile, tmp_path):
     report = json.loads(result.stdout)
     assert [r["run_dir"] for r in report["rounds"]] == [str(tmp_path / "run" / f"round-{k}") for k in (1, 2)]
     assert report["step_time_relative_error"] == sorted(r["step_time_relative_error"] for r in report["rounds"])[0]
+    assert all(r["machine_drift"]["now_s"] > 0 for r in report["rounds"])  # the machine timed before each round
     (units,) = report["units_now"]  # the tiny preset's blocks, timed again (one thread: no threads' ratio)
     assert units["now"] > 0 and units["profile"] > 0 and "timed beside the training" in report["rows"][0]["note"]
     text = invoke("--hardware", profile, "--steps", "2", "--batch-size", "4", "--threads-per-rank", "1",

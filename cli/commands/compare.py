@@ -108,7 +108,8 @@ def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, prof
     report = median_round(reports)
     if rounds > 1:
         report = {**report, "rounds": [{key: r[key] for key in ("predicted_step_time_s", "measured_step_time_s",
-                                                               "step_time_relative_error", "run_dir")} for r in reports]}
+                                                               "step_time_relative_error", "run_dir", "machine_drift")}
+                                       for r in reports]}  # each round's drift: the machine timed before it
     report["plot"] = if_drawable(draw_compare, report, f"{cfg.out_dir}/compare.png")  # beside the run (its rounds)
     if as_json:
         click.echo(json.dumps(report))
@@ -138,10 +139,15 @@ def echo_rounds(rounds: list[dict]) -> None:
     from cli.tools.compare import format_error, format_value
     from parallel.calibrate.noise import spread
 
+    from cli.tools.compare import drift_too_large
+
     measured = [r["measured_step_time_s"] for r in rounds]
+    moved = [k + 1 for k, r in enumerate(rounds) if drift_too_large(r.get("machine_drift"))]
     click.echo(f"{len(rounds)} rounds (the table is the round of the median error): step time measured "
                + ", ".join(format_value(m, "s") for m in measured) + f" (spread {spread(measured):.0%}), errors "
-               + ", ".join(format_error(r["step_time_relative_error"]) for r in rounds))
+               + ", ".join(format_error(r["step_time_relative_error"]) for r in rounds)
+               + (f"; the machine had moved from its calibration before round(s) {', '.join(map(str, moved))}: "
+                  "recalibrate for a fair comparison" if moved else ""))
 
 
 def echo_drift(drift: dict | None) -> None:
