@@ -213,8 +213,7 @@ class UnitShape:
     bias: bool = True  # the Linears have biases (GPT-2) or not (Llama)
     qkv_bias: bool = True  # the qkv projection has a bias (GPTConfig.linear_bias: every Linear's, or Qwen2's alone)
     norm_statistics: int = 2  # fp32 numbers a norm keeps per row: a LayerNorm's mean and 1/std, an RMSNorm's 1/rms
-    swiglu: bool = False  # the MLP is SwiGLU (fc1 holds the gate and up projections), else GELU or squared ReLU
-    relu2: bool = False  # the activation is the squared ReLU (one kernel reading fc1's output and writing its own)
+    mlp: str = "gelu"  # GPTConfig.mlp: gelu, relu2 (one kernel each) or swiglu (fc1 holds the gate and up projections)
     rope: bool = False  # rotary positions rotate q and k inside the attention core (no position embedding)
     cp: int = 1  # context parallelism: `s` is this rank's s/cp tokens of a sequence of s x cp
     cp_kind: str = "ring"  # how the keys and values of the other cp ranks arrive (job/exchange/context.py)
@@ -256,6 +255,11 @@ class UnitShape:
         """Bytes of one fp8 copy of `elements` values with its scales: one byte each, and under block scaling one
         more byte per MX_BLOCK of them."""
         return elements + (elements // MX_BLOCK if self.fp8_block else 0)
+
+    @property
+    def swiglu(self) -> bool:
+        """The MLP is SwiGLU: fc1 holds the gate and up projections, one kernel makes silu(gate) * up."""
+        return self.mlp == "swiglu"
 
     @property
     def fused_norm(self) -> bool:
@@ -308,8 +312,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded",
                      bias=model.bias, qkv_bias=model.linear_bias("attn.qkv"),
                      norm_statistics=2 if model.norm == "layernorm" else 1,
-                     swiglu=model.mlp == "swiglu", relu2=model.mlp == "relu2", rope=model.positions == "rope",
-                     cp=layout.cp, cp_kind=layout.cp_kind,
+                     mlp=model.mlp, rope=model.positions == "rope", cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
                      fp8_block=impl.fp8_scaling == "block", fp8_current=impl.fp8_scaling == "current",
                      fp8_experts=policy.fp8_linears and impl.fp8_experts,

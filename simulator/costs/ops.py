@@ -348,11 +348,10 @@ def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
     taken by the ReLU's output, saved in its place), or SwiGLU of its gate and up halves, `width` columns on this
     rank: returns fc2's input."""
     sh = rec.shape
-    if not sh.swiglu:
-        act = "relu2" if sh.relu2 else "gelu"
-        rec.tensor(f"{prefix}{act}.output", sh.rows * width * sh.e)
-        rec.mem(f"{prefix}{act}", (hidden,), (f"{prefix}{act}.output",), saves=(hidden,))
-        return f"{prefix}{act}.output"
+    if not sh.swiglu:  # the op named for its kind: gelu or relu2
+        rec.tensor(f"{prefix}{sh.mlp}.output", sh.rows * width * sh.e)
+        rec.mem(f"{prefix}{sh.mlp}", (hidden,), (f"{prefix}{sh.mlp}.output",), saves=(hidden,))
+        return f"{prefix}{sh.mlp}.output"
     silu = rec.tensor(f"{prefix}swiglu.silu", sh.rows * width * sh.e)
     out = rec.tensor(f"{prefix}swiglu.output", sh.rows * width * sh.e)
     if sh.eager:  # silu's kernel, then the product's: the same tensors saved
@@ -370,7 +369,7 @@ def _activation_backward(rec: Recorder, name: str, elements: int) -> None:
     elif rec.shape.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
         rec.back_mem(f"{name}swiglu_backward", 4 * width, 2 * width)
     else:
-        rec.back_mem(f"{name}{'relu2' if rec.shape.relu2 else 'gelu'}_backward", 2 * width, width)
+        rec.back_mem(f"{name}{rec.shape.mlp}_backward", 2 * width, width)
 
 
 def _mlp(rec: Recorder, prefix: str, inp: str, shard: str | None, width: int, out: str, normed: bool = True) -> str:

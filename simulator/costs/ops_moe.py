@@ -190,10 +190,9 @@ def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gather
         silu = rec.tensor("experts.swiglu.silu", rows * width * sh.e)
         act = rec.tensor("experts.swiglu.output", rows * width * sh.e)
         rec.mem("experts.swiglu", (hidden,), (silu, act), saves=(hidden, silu))
-    else:  # GELU, or the squared ReLU: the same bytes
-        kind = "relu2" if sh.relu2 else "gelu"
-        act = rec.tensor(f"experts.{kind}.output", rows * width * sh.e)
-        rec.mem(f"experts.{kind}", (hidden,), (act,), saves=(hidden,))
+    else:  # GELU, or the squared ReLU: the same bytes, the op named for its kind
+        act = rec.tensor(f"experts.{sh.mlp}.output", rows * width * sh.e)
+        rec.mem(f"experts.{sh.mlp}", (hidden,), (act,), saves=(hidden,))
     rec.tensor("experts.pieces", rows * sh.d * sh.e)
     rec.gemm("experts.fc2", per_expert, sh.d, width, _format(sh), _expert_saves(rec, "experts.fc2", act, rows,
                                                                                 sh.d * experts, width), experts,
@@ -281,7 +280,7 @@ def _experts_backward(rec: Recorder, model: GPTConfig, ep: int, rows: int, recei
             if sh.swiglu:
                 rec.back_mem("experts.swiglu_backward", 4 * hidden, 2 * hidden)
             else:
-                rec.back_mem(f"experts.{'relu2' if sh.relu2 else 'gelu'}_backward", 2 * hidden, hidden)
+                rec.back_mem(f"experts.{sh.mlp}_backward", 2 * hidden, hidden)
     tokens = sh.rows * sh.d * sh.e
     rec.back_mem("dispatch.gather_zeros", 0, tokens)
     rec.back_mem("dispatch.gather_backward", row + rows * INDEX + tokens, tokens)  # index_put with accumulate
