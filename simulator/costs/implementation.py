@@ -30,6 +30,7 @@ CP_ATTENTIONS = ("fused", "torch", "te")  # how context parallelism's steps are 
 EXPERT_STREAMS = {"grouped": 0, "te-streams": 4}
 BIAS_FUSIONS = ("none", "megatron", "te")  # which bias adds run inside other kernels (Implementation.bias_fusion)
 DDP_BUCKETS = ("ddp", "megatron")  # how the data-parallel gradients are cut into reductions (Implementation.ddp_buckets)
+MEGATRON_BUCKET_FLOOR, MEGATRON_BUCKET_PER_RANK = 40_000_000, 1_000_000  # parameters: Megatron-core's rule
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,13 @@ class Implementation:
         if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1 <= load < math.inf:
             raise ConfigError(f"the expert load (the busiest expert's routed rows over the mean) must be a finite "
                               f"number >= 1 (1: balanced), got {load!r}")
+
+    def bucket_params(self, data_ranks: int) -> int | None:
+        """Parameters a data-parallel reduction takes at once over `data_ranks` (dp x cp) under Megatron-core's rule
+        (ddp_buckets "megatron"); None: DDP's bucket_cap_mb."""
+        if self.ddp_buckets != "megatron":
+            return None
+        return max(MEGATRON_BUCKET_FLOOR, MEGATRON_BUCKET_PER_RANK * data_ranks)
 
     @property
     def reduce_bytes(self) -> int | None:

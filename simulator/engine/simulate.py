@@ -176,17 +176,12 @@ def step_schedule(model: GPTConfig, layout: Layout, micro_batches: int, kind: st
     return cached_schedule(schedule_config(model, layout, micro_batches, kind, bucket_mb, precision))
 
 
-MEGATRON_BUCKET_FLOOR, MEGATRON_BUCKET_PER_RANK = 40_000_000, 1_000_000  # parameters (Implementation.ddp_buckets)
-
-
 def ddp_bucket_mb(implementation: Implementation, layout: Layout, pol) -> float:
-    """The MiB of gradients a data-parallel reduction takes at once: DDP's bucket_cap_mb (our executor's), or
-    Megatron-core's bucket of max(40M, 1M x dp x cp) parameters, in the compute format's bytes as bucket_numel
-    counts them (job/train_config.py)."""
-    if implementation.ddp_buckets != "megatron":
-        return TrainConfig.bucket_mb
-    params = max(MEGATRON_BUCKET_FLOOR, MEGATRON_BUCKET_PER_RANK * layout.dp * layout.cp)
-    return params * FORMAT_BYTES[pol.compute] / 2**20
+    """The MiB of gradients a data-parallel reduction takes at once: DDP's bucket_cap_mb (our executor's), or the
+    stack's bucket of parameters (Implementation.bucket_params) in the compute format's bytes, as bucket_numel counts
+    them (job/train_config.py)."""
+    params = implementation.bucket_params(layout.dp * layout.cp)
+    return TrainConfig.bucket_mb if params is None else params * FORMAT_BYTES[pol.compute] / 2**20
 
 
 def bucket_sizes(implementation: Implementation, layout: Layout, pol, given: float | None) -> tuple[float, float]:

@@ -121,12 +121,15 @@ class StepBound:
     def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
               memory: MemoryEstimate) -> list[RankCosts]:
         """rank_costs as simulate_step calls it (its optimizer without the norm's reduction over pp)."""
-        gpu, stack = self.hardware.gpu, self.stack(recompute)
-        buckets = ddp_bucket_mb(stack, layout, self.policy)  # the stack's, as simulate_step cuts them
+        gpu, stack, buckets = self.hardware.gpu, self.stack(recompute), self.buckets(layout, recompute)
         config = schedule_config(self.model, layout, micro_batches, kind, buckets, self.precision)
         return rank_costs(self.model, layout, config, ComputeLinks(self.cluster, layout, gpu), gpu, self.precision,
                           micro_batch, recompute, gpu.matmul_efficiency, memory, buckets, None, stack,
                           self.settings, unit_memo=self.units)
+
+    def buckets(self, layout: Layout, recompute: str) -> float:
+        """MiB of the data-parallel reductions: the stack's buckets, as simulate_step cuts them (ddp_bucket_mb)."""
+        return ddp_bucket_mb(self.stack(recompute), layout, self.policy)
 
     def stack(self, recompute: str) -> Implementation:
         """How every candidate with this recompute computes (candidate_stack of the bound's stack and flags)."""
@@ -182,8 +185,8 @@ class StepBound:
             return 0.0
         key = (layout, micro_batches, kind)
         if key not in self.data_parallel:
-            buckets = ddp_bucket_mb(self.stack(recompute), layout, self.policy)
-            schedule = step_schedule(self.model, layout, micro_batches, kind, buckets, self.precision)
+            schedule = step_schedule(self.model, layout, micro_batches, kind, self.buckets(layout, recompute),
+                                     self.precision)
             costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
             self.data_parallel[key] = max(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel))
                                           for cost, actions in zip(costs, schedule.actions))  # none priced else
