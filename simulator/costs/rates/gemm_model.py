@@ -22,6 +22,16 @@ about twice the time per useful tile of 132 (`wave_utilisation`). Per format thr
           (writing the tile), so a tile of depth k runs at k / (k + k0) of `large`;
   fixed   seconds per kernel (GPU side: launch ramp, the first and last wave's fill and drain).
 
+and, where a maximum-achievable-matmul measurement of the GPU exists, a fourth:
+
+  mamf    the most any shape reached in a search over shapes (Bekman's MAMF: the best of a brute-force
+          search of m, n, k), over the peak: no GEMM is priced faster than that, its fixed cost on top:
+          time = max(tiles' time, 2 m n k batch / (mamf x peak)) + fixed. The B200 and GB200 carry it: their
+          `large` was set from MAMF at a short-k best shape with k0 borrowed from the H100, so the tiles' time
+          alone has long-k GEMMs faster than any shape MAMF found (by up to 19% for the GB200's fp8). The GH100
+          presets do not: our own H200 burst (818.8 TFLOP/s at 2048 x 12288 x 12288) passes the H100 MAMF
+          (794.5), so that figure is no ceiling on today's stack, and their fits come from sweeps.
+
 TILES: 128 x 128, 128 x 256, 256 x 128, the large output tiles NVIDIA's guide names cuBLAS's most
 efficient (section 2.3) and CUTLASS's default tensor-core tile (its SM80 DefaultGemmConfiguration,
 128 x 256 x 64); smaller tiles are left out (less efficient). All reach the same `large` here: the
@@ -37,7 +47,7 @@ sweep; SMs from NVIDIA's architecture whitepapers (A100 108, H100 SXM5 132; H200
 hardware entry's "matmul_efficiency" object:
 
     "gemm_model": {"sms": 132, "source": "...",
-                   "bf16": {"large": 0.8321, "k0": 64, "fixed": 6e-6}, ...}
+                   "bf16": {"large": 0.8321, "k0": 64, "fixed": 6e-6}, ...}   ("mamf": 0.7288 where measured)
 
 `parse_gemm_model` checks exactly that object; a format without an entry keeps the smallest-side
 table (simulator/costs/rates/efficiency.py), as does a CPU's calibrated profile (no gemm_model); a GPU's
@@ -84,6 +94,7 @@ class GemmFit:
     large: float
     k0: float
     fixed: float  # seconds
+    mamf: float = 1.0  # the most any shape reached in a search (a share of the peak); 1.0: no measurement
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,9 @@ class GemmModel:
             raise ConfigError(f"a GEMM's SM margin must be a whole number from 0 to {self.sms - 1} (this GPU has "
                               f"{self.sms} SMs), got {margin!r}")
         sms = self.sms - margin
-        return tile_work(m, n, k, batch, sms, fit.k0) / (fit.large * peak * sms / self.sms) + fit.fixed
+        share = peak * sms / self.sms
+        tiles = tile_work(m, n, k, batch, sms, fit.k0) / (fit.large * share)
+        return max(tiles, 2 * m * n * k * batch / (fit.mamf * share)) + fit.fixed
 
     def efficiency(self, m: int, n: int, k: int, dtype: str, peak: float, batch: int = 1,
                    margin: int = 0) -> float | None:
@@ -119,7 +132,8 @@ class GemmModel:
         data: dict = {"sms": self.sms}
         if self.source:
             data["source"] = self.source
-        data.update({fmt: {"large": f.large, "k0": f.k0, "fixed": f.fixed} for fmt, f in self.fits})
+        data.update({fmt: {"large": f.large, "k0": f.k0, "fixed": f.fixed, **({"mamf": f.mamf} if f.mamf < 1 else {})}
+                     for fmt, f in self.fits})
         return data
 
 
@@ -142,10 +156,13 @@ def parse_gemm_model(data: object, where: str) -> GemmModel:
         if fmt not in data:
             continue
         entry = data[fmt]
-        ok = isinstance(entry, dict) and set(entry) == {"large", "k0", "fixed"} and in_range(entry["large"], FRACTION) \
-            and in_range(entry["k0"], K0_RANGE) and in_range(entry["fixed"], SECONDS)
+        ok = isinstance(entry, dict) and {"large", "k0", "fixed"} <= set(entry) <= {"large", "k0", "fixed", "mamf"} \
+            and in_range(entry["large"], FRACTION) and in_range(entry["k0"], K0_RANGE) \
+            and in_range(entry["fixed"], SECONDS) and in_range(entry.get("mamf", 1.0), FRACTION)
         if not ok:
             raise ConfigError(f"{where}.{fmt} must be {{\"large\": efficiency in ({FRACTION[0]:g}, 1], \"k0\": elements "
-                              f">= 0, \"fixed\": seconds >= 0}}, got {entry!r}")
-        fits.append((fmt, GemmFit(float(entry["large"]), float(entry["k0"]), float(entry["fixed"]))))
+                              f">= 0, \"fixed\": seconds >= 0, optionally \"mamf\": the measured maximum in "
+                              f"({FRACTION[0]:g}, 1]}}, got {entry!r}")
+        fits.append((fmt, GemmFit(float(entry["large"]), float(entry["k0"]), float(entry["fixed"]),
+                                  float(entry.get("mamf", 1.0)))))
     return GemmModel(int(sms), tuple(fits), source)
