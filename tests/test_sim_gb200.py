@@ -15,8 +15,7 @@ from cli.main import main
 from job.layout import Layout
 from simulator.costs.hardware import PRESETS_FILE, load_hardware, save_hardware
 from simulator.costs.rates.gemm_model import tile_work
-from simulator.engine.links import LinkCosts
-from simulator.network.topology import build_cluster
+from nccl_calls import links, tp_call  # tests/ is on sys.path under pytest
 
 GIB = 2**30
 
@@ -64,11 +63,7 @@ def test_the_gb200_holds_its_published_figures_each_with_its_source(tmp_path):
 
 
 def rack_all_reduce(gpus: int, nbytes: float) -> dict:
-    hardware = load_hardware("gb200")
-    costs = LinkCosts(build_cluster(hardware, 72, 1), Layout(tp=gpus), hardware.gpu)
-    costs.select("auto")
-    costs.tp_collective("all_reduce", nbytes)
-    return next(c for c in costs.calls.values() if c["group"] == "tp" and c["bytes"] == nbytes)
+    return tp_call(links("gb200", 72, 1, Layout(tp=gpus)), nbytes)
 
 
 def test_a_whole_rack_all_reduces_at_coreweaves_measured_bus_bandwidth():

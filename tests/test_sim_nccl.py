@@ -26,6 +26,7 @@ from simulator.engine.simulate import simulate_step
 from simulator.network import nccl
 from simulator.network.cluster import Cluster
 from simulator.network.topology import build_cluster
+from nccl_calls import links, tp_call  # tests/ is on sys.path under pytest
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
@@ -36,21 +37,6 @@ def group() -> None:
 
 
 group.add_command(simulate)
-
-
-def links(gpu: str, per_node: int, nodes: int, layout: Layout, algorithm: str = "auto", hardware=None) -> LinkCosts:
-    hardware = hardware or load_hardware(gpu)
-    cluster = build_cluster(hardware, per_node, nodes)
-    costs = LinkCosts(cluster, layout, hardware.gpu)
-    costs.select(algorithm)
-    return costs
-
-
-def tp_call(costs: LinkCosts, nbytes: float, kind: str = "all_reduce") -> dict:
-    seconds = costs.tp_collective(kind, nbytes)
-    call = next(c for c in costs.calls.values() if c["group"] == "tp" and c["kind"] == kind and c["bytes"] == nbytes)
-    assert call["seconds"] == seconds
-    return call
 
 
 def dp_call(costs: LinkCosts, nbytes: float) -> dict:

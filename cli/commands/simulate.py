@@ -66,7 +66,7 @@ def _hardware(options: dict, topology_gpu: str | None = None):
 
 def _cluster(options: dict, world: int):
     """The cluster and its hardware."""
-    from simulator.network.topology import build_cluster, load_cluster
+    from simulator.network.topology import build_cluster, load_cluster, whole_servers
 
     if options["topology"]:
         if (options["nodes"] or options["gpus_per_node"] or options["fabric"] or options["nics_per_node"]
@@ -78,16 +78,9 @@ def _cluster(options: dict, world: int):
     hardware = _hardware(options)
     per_node = options["gpus_per_node"] or hardware.node.gpus_per_node
     nodes = options["nodes"]
-    if nodes is None:
-        if world < per_node and not options["gpus_per_node"]:
-            per_node = world  # one partly filled server
-        if world % per_node:
-            raise ConfigError(
-                f"{mesh_name(options)} x dp = {world} GPUs do not fill whole servers of {per_node}: "
-                f"give a layout whose GPU count is a multiple of {per_node}, or --gpus-per-node N to use N GPUs of "
-                f"each server (as jobs on part of each GB200 NVL72 rack do)"
-            )
-        nodes = world // per_node
+    if nodes is None:  # one partly filled server below a server's worth, unless --gpus-per-node says otherwise
+        per_node, nodes = whole_servers(world, per_node, f"{mesh_name(options)} x dp = {world} GPUs",
+                                        partial=not options["gpus_per_node"])
     return build_cluster(hardware, per_node, nodes, options["fabric"], options["topology_kind"],
                          options["nics_per_node"], options["oversubscription"]), hardware
 

@@ -37,7 +37,7 @@ from simulator.json_file import read_bytes, read_json_file
 from simulator.limits import check_gpus
 
 __all__ = ["NODE_TYPES", "CLUSTER_KINDS", "Edge", "Cluster", "BuiltCluster", "build_cluster", "save_cluster",
-           "load_cluster", "default_nics_per_node"]
+           "load_cluster", "default_nics_per_node", "whole_servers"]
 
 CLUSTER_KINDS = FABRIC_KINDS
 
@@ -55,6 +55,18 @@ def default_nics_per_node(gpu: GPUSpec | Hardware, gpus_per_node: int) -> int:
     node = gpu.node
     gpus_per_nic = max(1, node.gpus_per_node // max(1, node.nics_per_node))
     return max(1, -(-gpus_per_node // gpus_per_nic))
+
+
+def whole_servers(n_gpus: int, per_node: int, what: str, partial: bool = True) -> tuple[int, int]:
+    """(GPUs a server, servers) for a job of `n_gpus` on servers of `per_node`: whole servers, or, with `partial`,
+    one partly filled server below a server's worth; else one ConfigError naming `what` (the job's GPUs)."""
+    if partial and n_gpus < per_node:
+        return n_gpus, 1
+    if n_gpus % per_node:
+        raise ConfigError(f"{what} do not fill whole servers of {per_node}: give a GPU count that is a multiple of "
+                          f"{per_node}, or --gpus-per-node N to use N GPUs of each server (as jobs on part of each "
+                          f"GB200 NVL72 rack do)")
+    return per_node, n_gpus // per_node
 
 
 def build_cluster(

@@ -36,7 +36,7 @@ from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layer
 from job.layout import Layout
 from job.train_config import shape_allows
 from simulator.memory import predict_memory
-from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster
+from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster, whole_servers
 
 DEFAULT_THRESHOLD = 0.5
 SCALINGS = ("strong", "weak")
@@ -70,12 +70,7 @@ class ClusterSpec:
 
     def build(self, n_gpus: int) -> Cluster:
         """n_gpus GPUs: whole servers, or one partly filled server below a server's worth."""
-        per_node, nodes = (n_gpus, 1) if n_gpus < self.gpus_per_node else (self.gpus_per_node, n_gpus // self.gpus_per_node)
-        if n_gpus >= self.gpus_per_node and n_gpus % self.gpus_per_node:
-            raise ConfigError(
-                f"{n_gpus} GPUs do not fill whole servers of {self.gpus_per_node}: use a multiple of {self.gpus_per_node}, "
-                f"or --gpus-per-node N to use N GPUs of each server"
-            )
+        per_node, nodes = whole_servers(n_gpus, self.gpus_per_node, f"{n_gpus} GPUs")
         nics = self.nics_per_node
         if nics is not None and per_node < self.gpus_per_node:  # a partly filled server keeps its GPUs per NIC
             nics = max(1, -(-per_node * nics // self.gpus_per_node))
