@@ -8,7 +8,8 @@
                      wave quantisation, fitted to published sweeps: simulator/costs/rates/gemm_model.py),
                      "cited table" (a preset's published microbenchmarks), "measured table" (a `minigpt
                      calibrate` profile) or "fallback curve" (no table: the uncalibrated x/(x+128) curve),
-                     with its source;
+                     with its source, and "mamf" where the model is capped at a measured maximum
+                     (simulator/costs/rates/gemm_model.py);
   kernel_overhead_s  what every kernel costs beyond its roofline;
   achieved           the HBM and NVLink fractions and the per-kernel overhead, with their source
                      (simulator/costs/rates/achieved.py; the datasheet itself when the GPU gives none);
@@ -38,7 +39,9 @@ def efficiency_sources(gpu: GPUSpec, formats, profile: EfficiencyProfile | None 
     sources = {}
     for fmt in dict.fromkeys(formats):
         if profile is not None and profile.gemm is not None and profile.gemm.fit(fmt) is not None:
-            sources[fmt] = {"kind": "GEMM model", "source": profile.gemm.source or profile.source or gpu.source}
+            mamf = profile.gemm.fit(fmt).mamf  # the measured maximum no shape passes (1: none)
+            sources[fmt] = {"kind": "GEMM model", "source": profile.gemm.source or profile.source or gpu.source,
+                            **({"mamf": mamf} if mamf < 1 else {})}
         elif profile is not None and profile.points.get(fmt):
             measured = gpu.calibration is not None or gpu.measured is not None
             sources[fmt] = {"kind": "measured table" if measured else "cited table",
@@ -170,6 +173,8 @@ def summary_rows(data: dict) -> list[list[str]]:
     rows = [["compute", data["compute"]]]
     for fmt, source in data["matmul_efficiency"].items():
         text = source["kind"] if source["kind"] == "fallback curve" else f"{source['kind']} ({_short(source['source'])})"
+        if "mamf" in source:
+            text += f", at most MAMF's {source['mamf']:.1%} of the peak"
         rows.append([f"{fmt} GEMM efficiency", text])
     achieved = data["achieved"]
     rows.append(["achieved fractions", f"HBM {achieved['hbm_fraction']:.0%}, NVLink {achieved['nvlink_fraction']:.0%}, "

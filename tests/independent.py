@@ -53,12 +53,14 @@ def table_efficiency(table: list[list[float]], side: int) -> float:
 def model_efficiency(model: dict, m: int, n: int, k: int, peak: float, fmt: str) -> float:
     """docs/efficiency.md's GEMM model, written out: output tiles of 128 x 128, 128 x 256 or 256 x 128, k split
     into 1 to 16 slices, in waves of as many tiles as the GPU has SMs; each tile of depth k' costs k' + k0; the
-    fastest tile and split; the kernel's fixed seconds on top."""
+    fastest tile and split, never faster than the measured maximum ("mamf") where the preset gives one; the kernel's
+    fixed seconds on top."""
     fit, sms = model[fmt], model["sms"]
     best = min(math.ceil(math.ceil(m / tm) * math.ceil(n / tn) * split / sms) * sms * tm * tn * 2
                * (math.ceil(k / split) + fit["k0"])
                for tm, tn in ((128, 128), (128, 256), (256, 128)) for split in range(1, min(16, k) + 1))
-    return 2 * m * n * k / (peak * (best / (fit["large"] * peak) + fit["fixed"]))
+    tiles = max(best / (fit["large"] * peak), 2 * m * n * k / (fit.get("mamf", 1.0) * peak))
+    return 2 * m * n * k / (peak * (tiles + fit["fixed"]))
 
 
 # precision/fp8.py's per-tensor quantisation as torch runs it, bytes moved per element by each kernel: an fp32 copy

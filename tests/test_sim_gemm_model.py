@@ -192,6 +192,9 @@ def test_mamf_caps_the_blackwell_gemms_the_borrowed_k0_had_run_past_it():
     assert tiles_share == pytest.approx(0.858, abs=0.002)  # 19% above MAMF's 0.7231, as docs/efficiency.md says
     for gpu in (H100, H200, A100):
         assert all(fit.mamf == 1.0 for _, fit in gpu.matmul_efficiency.gemm.fits)
+        assert "mamf" not in efficiency_sources(gpu, ["bf16"], gpu.matmul_efficiency)["bf16"]
+    b200 = load_hardware("b200").gpu  # the provenance names the ceiling where there is one
+    assert efficiency_sources(b200, ["fp8"], b200.matmul_efficiency)["fp8"]["mamf"] == pytest.approx(3432.5 / 4500, abs=1e-4)
 
 
 def test_a_model_round_trips_and_bad_ones_name_the_field():
