@@ -104,3 +104,7 @@ def test_jobs_that_do_not_fill_whole_racks_are_refused_in_one_line_or_take_part_
                                        "--gpus-per-node", "64", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["n_gpus"] == 128
+    result = CliRunner().invoke(main, ["simulate", "--model", "llama3-8b", "--gpu", "gb200", "--gpus", "100",
+                                       "--gpus-per-node", "64"])  # the flag given: the one line says what to change
+    assert result.exit_code == 2 and "a --gpus-per-node that divides 100" in result.output
+    assert len(result.output.strip().splitlines()) == 1
