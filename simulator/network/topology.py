@@ -63,7 +63,7 @@ def whole_servers(n_gpus: int, per_node: int, what: str, partial: bool = True) -
     if partial and n_gpus < per_node:
         return n_gpus, 1
     if n_gpus % per_node:
-        other = (f"or --gpus-per-node N to use N GPUs of each server (as jobs on part of each GB200 NVL72 rack do)"
+        other = ("or --gpus-per-node N to use N GPUs of each server (as jobs on part of each GB200 NVL72 rack do)"
                  if partial else f"or a --gpus-per-node that divides {n_gpus}")
         raise ConfigError(f"{what} do not fill whole servers of {per_node}: give a GPU count that is a multiple of "
                           f"{per_node}, {other}")
