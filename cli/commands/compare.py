@@ -136,10 +136,8 @@ def compare(as_json: bool, hardware: str, matrix: bool, rounds: int | None, prof
 
 
 def echo_rounds(rounds: list[dict]) -> None:
-    from cli.tools.compare import format_error, format_value
+    from cli.tools.compare import drift_too_large, format_error, format_value
     from parallel.calibrate.noise import spread
-
-    from cli.tools.compare import drift_too_large
 
     measured = [r["measured_step_time_s"] for r in rounds]
     moved = [k + 1 for k, r in enumerate(rounds) if drift_too_large(r.get("machine_drift"))]

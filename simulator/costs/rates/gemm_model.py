@@ -26,11 +26,8 @@ and, where a maximum-achievable-matmul measurement of the GPU exists, a fourth:
 
   mamf    the most any shape reached in a search over shapes (Bekman's MAMF: the best of a brute-force
           search of m, n, k), over the peak: no GEMM is priced faster than that, its fixed cost on top:
-          time = max(tiles' time, 2 m n k batch / (mamf x peak)) + fixed. The B200 and GB200 carry it: their
-          `large` was set from MAMF at a short-k best shape with k0 borrowed from the H100, so the tiles' time
-          alone has long-k GEMMs faster than any shape MAMF found (by up to 19% for the GB200's fp8). The GH100
-          presets do not: our own H200 burst (818.8 TFLOP/s at 2048 x 12288 x 12288) passes the H100 MAMF
-          (794.5), so that figure is no ceiling on today's stack, and their fits come from sweeps.
+          time = max(tiles' time, 2 m n k batch / (mamf x peak)) + fixed. Which presets carry it, and why the
+          others do not: docs/efficiency.md, "MAMF as a ceiling".
 
 TILES: 128 x 128, 128 x 256, 256 x 128, the large output tiles NVIDIA's guide names cuBLAS's most
 efficient (section 2.3) and CUTLASS's default tensor-core tile (its SM80 DefaultGemmConfiguration,
@@ -47,7 +44,7 @@ sweep; SMs from NVIDIA's architecture whitepapers (A100 108, H100 SXM5 132; H200
 hardware entry's "matmul_efficiency" object:
 
     "gemm_model": {"sms": 132, "source": "...",
-                   "bf16": {"large": 0.8321, "k0": 64, "fixed": 6e-6}, ...}   ("mamf": 0.7288 where measured)
+                   "bf16": {"large": 0.8321, "k0": 64, "fixed": 6e-6}, ...}   (and "mamf" where it applies)
 
 `parse_gemm_model` checks exactly that object; a format without an entry keeps the smallest-side
 table (simulator/costs/rates/efficiency.py), as does a CPU's calibrated profile (no gemm_model); a GPU's
