@@ -66,7 +66,7 @@ import weakref
 from collections import Counter
 from contextlib import contextmanager
 from itertools import chain
-from typing import Iterator
+from typing import Callable, Iterator
 
 from job.exchange.experts import expert_places
 from minigpt.errors import ConfigError
@@ -81,6 +81,7 @@ _CACHES: "weakref.WeakKeyDictionary[Cluster, dict]" = weakref.WeakKeyDictionary(
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1}
 
 Profile = tuple[tuple[float, float], ...]  # distinct (latency s, rate bytes/s) of a transfer's flows
+Flows = list[tuple[int, int]] | Callable[[], list[tuple[int, int]]]  # (src, dst) pairs, or a function listing them
 
 
 def check_placement(cluster: Cluster, layout: Layout) -> None:
@@ -156,6 +157,10 @@ def flow_profile(cluster: BuiltCluster, flows: list[tuple[int, int]], fractions:
     pairs = {(cluster.latency_of(units), rate) for units, rate in shares}
     # keep a pair unless another is at least as slow to start and at most as fast
     return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] <= p[1] for q in pairs)))
+
+
+def _listed(flows: Flows) -> list[tuple[int, int]]:
+    return flows() if callable(flows) else flows
 
 
 def profile_seconds(profile: Profile, nbytes: float) -> float:
@@ -269,22 +274,23 @@ class LinkCosts:
 
     # ------------------------------------------------------------ timing
 
-    def run(self, key: tuple, flows: list, nbytes: float) -> float:
+    def run(self, key: tuple, flows: Flows, nbytes: float) -> float:
         """Seconds until every flow (src, dst) of nbytes, started together on an idle cluster, has arrived (cached)."""
         if key not in self.cache:
             net = Network(self.cluster, fractions=self.fractions)
-            done = [net.transfer(src, dst, nbytes) for src, dst in flows]
+            done = [net.transfer(src, dst, nbytes) for src, dst in _listed(flows)]
             net.env.run(until=net.env.all_of(done))
             self.cache[key] = net.env.now
         return self.cache[key]
 
-    def profile(self, key: tuple, flows: list[tuple[int, int]]) -> Profile:
+    def profile(self, key: tuple, flows: Flows) -> Profile:
         if key not in self.cache:
-            self.cache[key] = flow_profile(self.cluster, flows, self.fractions)
+            self.cache[key] = flow_profile(self.cluster, _listed(flows), self.fractions)
         return self.cache[key]
 
-    def flows(self, key: tuple, flows: list[tuple], nbytes: float) -> float:
-        """Flows started together: their profile (fast) or the fluid model (graph, exact)."""
+    def flows(self, key: tuple, flows: Flows, nbytes: float) -> float:
+        """Flows started together: their profile (fast) or the fluid model (graph, exact); `flows` a list of
+        (src, dst), or a function that lists them, called only when `key` is not cached yet."""
         if self.mode == "fast":
             return profile_seconds(self.profile(("flows", key), flows), nbytes)
         return self.run(("flows", key, float(nbytes)), flows, nbytes)
@@ -336,7 +342,9 @@ class LinkCosts:
         representative, key = groups
         n = len(representative[0])
         if self.mode != "graph":
-            hops = [(group[i], group[(i + 1) % n]) for group in representative for i in range(n)]
+            def hops() -> list[tuple[int, int]]:  # listed only when this ring's profile is not cached yet
+                return [(group[i], group[(i + 1) % n]) for group in representative for i in range(n)]
+
             return self.flows(("ring", key), hops, chunk)
         hops_key = ("hops", key)
         if hops_key not in self.cache:
@@ -402,7 +410,10 @@ class LinkCosts:
         if ep == 1 or nbytes <= 0:
             return 0.0
         groups, key = self.groups("ep", stage)
-        pairs = [(a, b) for group in groups for a in group for b in group if a != b]
+
+        def pairs() -> list[tuple[int, int]]:  # listed only when this group's profile is not cached yet
+            return [(a, b) for group in groups for a in group for b in group if a != b]
+
         return self.flows(("all_to_all", key), pairs, float(nbytes) / ep)
 
     def ep_servers(self, stage: int) -> tuple[int, int]:
