@@ -135,7 +135,8 @@ def sweep_rows(sweep: ScalingSweep) -> list[list[str]]:
     for p in sweep.points:
         lay = p.result.layout
         cp = f"x{lay.cp}cp" if lay.cp > 1 else ""
-        rows.append([p.gpus, p.global_batch, f"{lay.tp}{cp}x{lay.pp}x{lay.dp}", p.result.micro_batches,
+        ep = f" (ep {lay.ep})" if lay.ep > 1 else ""
+        rows.append([p.gpus, p.global_batch, f"{lay.tp}{cp}x{lay.pp}x{lay.dp}{ep}", p.result.micro_batches,
                      seconds(p.result.step_time_s), f"{p.samples_per_s:.4g}", "-" if p.efficiency is None else f"{p.efficiency:.0%}",
                      "-" if p.marginal is None else f"{p.marginal:.0%}", f"{p.result.mfu:.1%}",
                      f"{p.result.breakdown['pipeline_bubble'] / p.result.step_time_s:.0%}",

@@ -301,8 +301,6 @@ def test_gpus_sets_dp_before_the_expert_group_is_checked():
     (["--model", "tiny-moe", "--experts", "-1"], "--experts must be a whole number"),
     (["--model", "tiny", "--top-k", "2"], "this model is dense"),
     (["--model", "tiny-moe", "--dense-layers", "4"], "leaves no MoE layer"),
-    (["--model", "tiny-moe", "--ep", "2", "--sweep", "--gpus", "2,4", "--global-batch", "8"],
-     "drop --ep"),
 ])
 def test_bad_expert_inputs_exit_2_in_one_line(args, says):
     result = CliRunner().invoke(main, ["simulate", *args])

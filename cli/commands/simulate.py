@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from dataclasses import replace
 
 import click
 
@@ -94,9 +95,11 @@ def _job(options: dict, model, zero: int):
     overlap = _overlap(options)
     implementation = options["implementation"] or stack_default(overlap, options["attention"], options["recompute"],
                                                                 options["sp_saved_input"])
+    implementation = replace(implementation, expert_load=options["expert_load"], dispatcher=options["ep_dispatcher"])
     return Job(model, options["precision"], options["global_batch"] or 0, options["micro_batch"], zero,
                options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"],
-               cp=options["cp"], cp_kind=options["cp_kind"], overlap=overlap, implementation=implementation)
+               cp=options["cp"], cp_kind=options["cp_kind"], ep=options["ep"], overlap=overlap,
+               implementation=implementation)
 
 
 def _overlap(options: dict):
@@ -147,11 +150,6 @@ def run_sweep(options: dict) -> dict:
         raise ConfigError("--sweep builds a cluster per GPU count: use --gpu/--gpus-per-node/--fabric, not --topology")
     if options["dp"]:
         raise ConfigError("in a sweep dp follows from the GPU count: drop --dp (fix --tp and --pp, or let the sweep choose)")
-    if options["ep"] > 1 or options["expert_load"] != 1 or options["ep_dispatcher"] != "alltoall":
-        what = f"--ep {options['ep']}" if options["ep"] > 1 else "--expert-load" if options["expert_load"] != 1 \
-            else "--ep-dispatcher"
-        raise ConfigError(f"--sweep searches layouts without expert parallelism: drop {what}, or simulate "
-                          f"one layout (--tp, --pp, --dp, --ep) without --sweep")
     if options["nccl_algo"] != "auto":
         raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
                           "layout without --sweep")
@@ -258,7 +256,8 @@ def _print_sweep(report: dict) -> None:
         lay = best.result.layout
         click.echo("")
         cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
-        click.echo(f"ZeRO stages at {best.gpus} GPUs (tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}):")
+        ep = f" (ep {lay.ep})" if lay.ep > 1 else ""
+        click.echo(f"ZeRO stages at {best.gpus} GPUs (tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}{ep}):")
         click.echo(format_table(rep.ZERO_HEADERS, rep.zero_rows(report["zero"])))
         click.echo(zero_verdict(report["zero"]))
     if "campaign_sweep" in report:
@@ -334,10 +333,9 @@ def check_context(options: dict, model) -> None:
 
     check_context_parallel(model, options["cp"], options["cp_kind"])
     check_cp_attention(options["cp"], options["attention"])
-    dp = options["dp"] or (1 if not options["sweep"] else options["ep"])
+    dp = options["dp"] or (1 if not options["sweep"] else options["ep"])  # a sweep's points check their own dp
     check_expert_parallel(model, options["ep"], dp, options["cp"], options["tp"] or 1, options["sequence_parallel"])
-    if not options["sweep"]:  # a sweep refuses every MoE flag in a line of its own (run_sweep)
-        check_dispatcher(model, options["ep"], options["ep_dispatcher"])
+    check_dispatcher(model, options["ep"], options["ep_dispatcher"])
     given, options["expert_load_from"] = read_expert_load(options["expert_load"])
     options["expert_load"] = check_expert_load(model, given)
     if options["expert_load"] != given:

@@ -5,7 +5,8 @@ batch per GPU of the first point is kept). At each GPU count the layout is the g
 (tp and pp fixed, dp = GPUs / (tp x pp)) or the fastest that fits in memory among every
 tp (dividing the heads and MLP width, at most one server) and pp (every chunk at least a
 block) that divide the GPU count and the batch (context parallelism stays at the job's cp: dp =
-GPUs / (tp x cp x pp)), and whose schedule stays within
+GPUs / (tp x cp x pp); a mixture of experts' expert parallelism at the job's ep, where it divides the layout's
+ranks routing distinct tokens), and whose schedule stays within
 simulator/limits.py's MAX_SCHEDULE_SLOTS and MAX_ZERO3_GATHERS (the sweep's GPU counts and points
 are limited there too).
 
@@ -34,7 +35,7 @@ from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
                               zero3_gathers)
 from job.layout import Layout
-from job.train_config import shape_allows
+from job.train_config import routing_ranks, shape_allows
 from simulator.memory import predict_memory
 from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster, whole_servers
 
@@ -93,6 +94,7 @@ class Job:
     profile: EfficiencyProfile | None = None
     cp: int = 1  # kept at every point of a sweep
     cp_kind: str = "ring"
+    ep: int = 1  # kept at every point of a sweep: a mixture of experts' experts split over ep data ranks
     overlap: Overlap | str | None = None  # the stack's overlap (simulator/engine/overlap.py; None: our executor's)
     implementation: Implementation | None = None  # how its blocks are computed (None: the overlap's stack_default)
 
@@ -110,8 +112,9 @@ class Job:
 
 def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: int,
                       tp: int | None = None, pp: int | None = None) -> list[Layout]:
-    """Every tp x cp x pp x dp layout of n_gpus this job can run (tp or pp fixed when given; cp the job's; tp 1 under
-    torchtitan's op recompute, which is described without tensor parallelism)."""
+    """Every tp x cp x pp x dp layout of n_gpus this job can run (tp or pp fixed when given; cp and ep the job's, ep
+    dividing the ranks that route distinct tokens; tp 1 under torchtitan's op recompute, which is described without
+    tensor parallelism)."""
     model, out, cp = job.model, [], job.cp
     per_server = 1 if job.recompute == OP_RECOMPUTE else min(n_gpus, gpus_per_node)  # a tp group inside one server
     for t in [tp] if tp else [t for t in range(1, per_server + 1) if n_gpus % t == 0 and per_server % t == 0]:
@@ -122,14 +125,14 @@ def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: i
             if rest % p or p * job.virtual_chunks > model.n_layers:
                 continue
             dp = rest // p
-            if global_batch % (job.micro_batch * dp):
+            if global_batch % (job.micro_batch * dp) or routing_ranks(dp, cp, t, job.sequence_parallel) % job.ep:
                 continue
             m = global_batch // (job.micro_batch * dp)
             if (job.schedule == "interleaved" and m % p) or schedule_slots(p, job.virtual_chunks, m) > MAX_SCHEDULE_SLOTS \
                     or zero3_gathers(job.zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
                 continue
             out.append(Layout(tp=t, pp=p, dp=dp, zero=job.zero, sequence_parallel=job.sequence_parallel,
-                              virtual_chunks=job.virtual_chunks, cp=cp, cp_kind=job.cp_kind))
+                              virtual_chunks=job.virtual_chunks, cp=cp, cp_kind=job.cp_kind, ep=job.ep))
     return out
 
 
@@ -140,7 +143,7 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     if not layouts:
         raise ConfigError(
             f"no layout of {n_gpus} GPUs runs a global batch of {global_batch} in micro-batches of {job.micro_batch} "
-            f"(tp={tp or 'any'}, pp={pp or 'any'}) within {MAX_SCHEDULE_SLOTS:,} schedule slots (pp x virtual "
+            f"(tp={tp or 'any'}, pp={pp or 'any'}{f', ep={job.ep}, which must divide the ranks routing distinct tokens: dp x cp, x tp under sequence parallelism' if job.ep > 1 else ''}) within {MAX_SCHEDULE_SLOTS:,} schedule slots (pp x virtual "
             f"chunks x micro-batches) and {MAX_ZERO3_GATHERS:,} ZeRO-3 gathers (simulator/limits.py): change the "
             f"batch, the GPU counts or the layout"
         )
@@ -175,7 +178,7 @@ class ScalingPoint:
     def as_dict(self) -> dict:
         r = self.result
         return {"gpus": self.gpus, "global_batch": self.global_batch, "layout": {"tp": r.layout.tp, "cp": r.layout.cp,
-                "pp": r.layout.pp, "dp": r.layout.dp, "zero": r.layout.zero}, "micro_batches": r.micro_batches,
+                "pp": r.layout.pp, "dp": r.layout.dp, "ep": r.layout.ep, "zero": r.layout.zero}, "micro_batches": r.micro_batches,
                 "step_time_s": r.step_time_s, "samples_per_s": self.samples_per_s, "tflops_per_gpu": r.tflops_per_gpu,
                 "mfu": r.mfu, "speedup": self.speedup, "efficiency": self.efficiency, "marginal_efficiency": self.marginal,
                 "fits": r.fits, "breakdown": r.breakdown}
