@@ -140,11 +140,9 @@ def schedule_config(model: GPTConfig, layout: Layout, micro_batches: int, kind: 
 
 
 def zero3_hold(config: ScheduleConfig) -> int:
-    """How many reductions of a ZeRO-3 unit in a step end its stay gathered (job/schedule_comm.py's
-    frees_after): 1 (after each; resharding or not) or, without resharding after the forward under
-    pipelining, the step's micro-batches (after the chunk's last backward, as torchtitan runs it)."""
-    keeps_across = not config.data_parallel.reshard_after_forward and config.pp > 1
-    return config.micro_batches if keeps_across else 1
+    """ScheduleConfig.zero3_hold: how many backwards of a ZeRO-3 unit end its stay gathered (1, or the step's
+    micro-batches, whose gradients it then sums and reduce-scatters once)."""
+    return config.zero3_hold
 
 
 def check_against_plan(plan: DataParallelPlan, sizes: dict[int, tuple[int, ...]], element_bytes: int,

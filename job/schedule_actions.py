@@ -180,8 +180,9 @@ class AllReduceGrads(DataParallel):
 class ReduceScatterGrads(DataParallel):
     """ZeRO-1/2/3: reduce-scatter one gradient bucket (ZeRO-3: unit) of a chunk into this replica's shard.
 
-    micro_batch -1: once a step, after the chunk's last weight gradient (ZeRO-1); otherwise
-    after that micro-batch's weight gradient (ZeRO-2 and 3 keep no full gradient to accumulate in)."""
+    micro_batch -1: once a step, after the chunk's last weight gradient (ZeRO-1, and ZeRO-3 holding its units all
+    step, which sums their gradients over the micro-batches: ScheduleConfig.zero3_hold); otherwise after that
+    micro-batch's weight gradient (ZeRO-2 and 3 otherwise keep no full gradient to accumulate in)."""
 
     chunk: int
     bucket: int = 0
@@ -360,6 +361,16 @@ class ScheduleConfig:
     def data_parallel(self) -> DataParallelPlan:
         """The plan, or `buckets` buckets of unknown size in every chunk."""
         return self.plan or DataParallelPlan.symbolic(self.num_chunks, self.buckets)
+
+    @property
+    def zero3_hold(self) -> int:
+        """How many backwards of a ZeRO-3 unit in a step end its stay gathered (job/schedule_comm.py's frees_after):
+        1 (after each; resharding or not) or, without resharding after the forward under pipelining, the step's
+        micro-batches (after the chunk's last backward, as torchtitan runs it). Held so, a unit's gradients are
+        summed over the micro-batches, unsharded, and reduce-scattered once, after its last backward, as torch's
+        pipelining runs FSDP2 (torch.distributed.pipelining's stage: gradient sync off but for the last backward)."""
+        keeps_across = not self.data_parallel.reshard_after_forward and self.pp > 1
+        return self.micro_batches if keeps_across else 1
 
     def chunks_of(self, rank: int) -> list[int]:
         """The global chunks rank `rank` holds, in local order."""

@@ -39,11 +39,13 @@ buckets and units (ScheduleConfig.plan, job/data_parallel.py):
     unit and micro-batch, none before a backward), the next backward where forwards
     run back to back (GPipe); under pipelining (pp > 1) it is freed only after the
     chunk's last backward of the step, as torchtitan runs it: one gather per unit and
-    step, at its first forward. The rank's first and last units stay kept all step,
-    and gradients are reduce-scattered every micro-batch either way;
+    step, at its first forward. The rank's first and last units stay kept all step;
   - reductions come right after the compute that makes their gradients, last
     bucket first (a backward fills it first): ZeRO 0/1 once a step, after the
-    chunk's last weight gradient; ZeRO 2/3 after every micro-batch's;
+    chunk's last weight gradient; ZeRO 2/3 after every micro-batch's, but ZeRO-3
+    holding its units all step (ScheduleConfig.zero3_hold), whose gradients are
+    summed unsharded and reduce-scattered once, after the chunk's last backward, as
+    torch's pipelining runs FSDP2;
   - a tied embedding split over stages: after every compute and batch,
     SyncEmbedding, then the tied matrix's own reduction (ZeRO 0/1: its bucket;
     ZeRO 2/3: ReduceTiedGrad);
@@ -211,6 +213,9 @@ class _DataParallelPlacer:
         producers = [a for a in order if isinstance(a, (Backward, BackwardWeight))]
         self.last_weight_grad = {a.chunk: a for a in producers}
         self.resident: set[tuple[int, int]] = set()
+        # ZeRO-3 holding its units all step (ScheduleConfig.zero3_hold) sums their gradients over the micro-batches, unsharded, and
+        # reduce-scatters them once after the chunk's last backward, as torch's pipelining runs FSDP2
+        self.accumulates = self.zero == 3 and config.zero3_hold > 1
         self.tied_chunk = next((c for c in config.chunks_of(rank) if self.plan.of(c).tied is not None), None)
 
     def sizes(self, chunk: int) -> tuple[int, ...]:
@@ -237,10 +242,12 @@ class _DataParallelPlacer:
         if not makes_grads:
             return []
         order = range(len(params.sizes) - 1, -1, -1)  # a backward fills the last bucket first
-        if self.zero >= 2:
+        if self.zero >= 2 and not self.accumulates:
             return [ReduceScatterGrads(chunk, b, params.sizes[b], action.micro_batch) for b in order]
         if self.last_weight_grad[chunk] is not action:
             return []
+        if self.zero >= 2:  # ZeRO-3 holding its units all step: their summed gradients, once a step
+            return [ReduceScatterGrads(chunk, b, params.sizes[b]) for b in order]
         return [self.reduction(chunk, b) for b in order if not (chunk == self.tied_chunk and b == params.tied)]
 
     def frees_after(self, action: Compute) -> bool:

@@ -61,19 +61,21 @@ def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "for
     unit i and the `prefetch` units before it (gathered ahead; our code prefetches one) when
     they are not kept, unit i's staging (full size), and the last MAX_IN_FLIGHT
     reduce-scatters (staging + 1/N output). Not resharded after the forward (`hold`, zero3_hold):
-    every unit up to i, those after it freed after their reduction ("backward"), or every unit ("step").
+    every unit up to i, those after it freed after their reduction ("backward"). Held all step ("step"), a unit
+    sums its gradients over the step's micro-batches in its staging until its one reduction after its last backward
+    (job/schedule_actions.py's ScheduleConfig.zero3_hold): in the last micro-batch's backward, every unit up to i
+    gathered and staged; before it, every unit gathered and staged, nothing in flight.
     """
     kept, held = {0, len(units) - 1}, units if weights is None else weights
-    peak, in_flight = 0, []
+    peak, in_flight = sum(held) + sum(units) if hold == "step" else 0, []
     for i in reversed(range(len(units))):
         gathered = sum(held[j] for j in kept)
-        if hold == "step":
-            gathered = sum(held)
-        elif hold == "backward":
+        if hold in ("backward", "step"):
             gathered += sum(held[j] for j in range(i + 1) if j not in kept)
         elif i not in kept:
             gathered += held[i] + sum(held[j] for j in range(max(0, i - prefetch), i) if j not in kept)
-        peak = max(peak, gathered + units[i] + sum(in_flight))  # unit i's gradients staged at full size
+        staged = sum(units[: i + 1]) if hold == "step" else units[i]  # gradients staged at full size
+        peak = max(peak, gathered + staged + sum(in_flight))
         in_flight = (in_flight + [units[i] + units[i] // dp])[-MAX_IN_FLIGHT:]
     return peak
 

@@ -187,6 +187,10 @@ def test_no_resharding_gathers_less_and_holds_more(spawned):
     assert deep_kept["calls"]["all_gather"] < deep["calls"]["all_gather"]
     across = spawned["pp2-dp2-zero3-no-reshard-deep"][0]  # pipelined: each of rank 0's 4 units gathered once a step
     assert across["calls"]["all_gather"] == 4
+    # and its gradients summed over the 4 micro-batches, reduce-scattered once (torch's pipelining runs FSDP2 so)
+    assert across["calls"]["reduce_scatter"] == 4
+    resharding = spawned["pp2-dp2-zero3-full-recompute"][0]  # 2 micro-batches, each reduce-scattered
+    assert spawned["pp2-dp2-zero3-no-reshard"][0]["calls"]["reduce_scatter"] * 2 == resharding["calls"]["reduce_scatter"]
 
 
 def test_hybrid_shards_over_its_group(spawned):

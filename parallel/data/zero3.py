@@ -24,12 +24,16 @@ it is gathered again; autograd's saved weights are those same views.
 Without resharding after the forward (`reshard_after_forward` False, FSDP2's
 reshard_after_forward=False) the post-forward hook frees nothing in a step: a
 unit gathered for its forward is still there for its backward, which gathers
-nothing, and it is freed after its reduction once `hold` reductions of it are
-done in the step: 1 (after each backward; one gather per unit and micro-batch)
-or, under pipelining, the step's micro-batches (torchtitan's way: gathered once,
-freed after the chunk's last backward). Outside a scheduled step (evaluation)
-the forward frees as usual. Gradients are reduce-scattered per micro-batch either
-way. job/schedule_comm.py lists exactly these gathers.
+nothing, and it is freed after its reduction. `hold` (job/schedule_actions.py's
+ScheduleConfig.zero3_hold) is 1 (reduced and freed after each backward; one gather
+per unit and micro-batch) or, under pipelining, the step's micro-batches
+(torchtitan's way: gathered once, its gradients summed unsharded in its staging
+buffer over the micro-batches and reduce-scattered once, after the chunk's last
+backward, when the schedule arms that reduction, then freed: torch's pipelining
+turns FSDP2's gradient sync off for every backward but the last). Outside a
+scheduled step (evaluation) the forward frees as usual. Resharding after the
+forward, gradients are reduce-scattered per micro-batch. job/schedule_comm.py
+lists exactly these gathers and reductions.
 
 Hybrid sharding (HSDP): `comm` is a shard group of N ranks, which the units are
 padded to and cut over; `replicas` the replica group, over which each unit's
@@ -59,7 +63,6 @@ class Unit:
         self.gathered = True
         self.pending_gather = None
         self.grads_waiting = 0
-        self.reductions = 0  # in this step
         self.staging: torch.Tensor | None = None
 
     def storage_ptr(self) -> int:
@@ -218,9 +221,9 @@ class ShardedParameters:
             self.free(unit)
 
     def after_reduction(self, unit: Unit) -> None:
-        """Free `unit` after a reduction of it, unless it is kept or, not resharding, held for more of them."""
-        unit.reductions += 1
-        if not unit.keep and (self.reshard_after_forward or unit.reductions % self.hold == 0):
+        """Free `unit` after its reduction (held all step, its one reduction comes after its last backward), unless
+        it is kept."""
+        if not unit.keep:
             self.free(unit)
 
     def before_backward(self, unit: Unit) -> None:
@@ -240,11 +243,17 @@ class ShardedParameters:
         if unit.staging is None:
             unit.staging = torch.zeros(unit.flat.padded_numel, dtype=unit.flat.dtype, device=unit.flat.device)
         segment = unit.flat.segments[index]
-        unit.staging[segment.start : segment.end].copy_(param.grad.reshape(-1))
+        staged = unit.staging[segment.start : segment.end]
+        if self.hold > 1:  # summed over the step's micro-batches (module docstring)
+            staged.add_(param.grad.reshape(-1))
+        else:
+            staged.copy_(param.grad.reshape(-1))
         param.grad = None
         unit.grads_waiting -= 1
         self.note_buffers()
         if unit.grads_waiting == 0:
+            if self.hold > 1 and self.scheduled and ("reduce", *unit.key) not in self.armed:
+                return  # not the chunk's last backward of the step: the gradients stay summed, the unit gathered
             self.reduce_unit(unit)
             self.after_reduction(unit)
 
@@ -301,8 +310,6 @@ class ShardedParameters:
         self.shard_grad.zero_()
         self.issued = set()
         self.scheduled = True
-        for unit in self.units:
-            unit.reductions = 0
 
     def begin_compute(self, chunk: int, armed: list) -> None:
         """A compute of `chunk` starts; `armed`: the gathers listed right before it, the reductions right after."""
