@@ -268,6 +268,7 @@ def moe_command(run: dict) -> list[str]:
             "--pp", str(run["pp"]), "--cp", str(run["cp"]), "--dp", str(run["dp"]), "--ep", str(run["ep"]),
             "--zero", str(run["zero"]), *(["--sequence-parallel"] if run["sp"] else []),
             *(["--no-reshard-after-forward"] if run["reshard_after_forward"] is False else []),
+            *(["--sync-grads-once"] if run.get("sync_grads_once") else []),
             "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
             "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
             "--gpu", run["gpu"], "--overlap", run["overlap"], "--dropout", str(run["dropout"]),

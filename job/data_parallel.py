@@ -91,7 +91,7 @@ def plan_for(model: GPTConfig, layout: Layout, bucket_numel: int | None, element
             chunks.append((chunk, _chunk_params(tensors, units, kept, zero, pad_to, bucket_numel,
                                                 _tied_tensor(model, layout, chunk))))
     return DataParallelPlan(layout.shard_ranks, element_bytes, tuple(sorted(chunks)), layout.shard_replicas,
-                            layout.reshard_after_forward or zero != 3)
+                            layout.reshard_after_forward or zero != 3, layout.sync_grads_once and zero == 3)
 
 
 class Call(NamedTuple):
@@ -137,12 +137,6 @@ def schedule_config(model: GPTConfig, layout: Layout, micro_batches: int, kind: 
     element_bytes = FORMAT_BYTES[precision_policy(precision).compute]
     plan = plan_for(model, layout, bucket_numel(bucket_mb, element_bytes), element_bytes)
     return ScheduleConfig(layout.pp, micro_batches, kind, layout.virtual_chunks, layout.effective_zero, plan=plan)
-
-
-def zero3_hold(config: ScheduleConfig) -> int:
-    """ScheduleConfig.zero3_hold: how many backwards of a ZeRO-3 unit end its stay gathered (1, or the step's
-    micro-batches, whose gradients it then sums and reduce-scatters once)."""
-    return config.zero3_hold
 
 
 def check_against_plan(plan: DataParallelPlan, sizes: dict[int, tuple[int, ...]], element_bytes: int,

@@ -31,9 +31,11 @@ class Layout:
     Context parallelism (job/train_config.py's check_context_parallel) cuts every sequence into 2 x cp chunks,
     two per rank; weight gradients are averaged, and ZeRO shards, over the dp x cp ranks of a stage
     (`data_ranks`). FSDP's settings: `shard_group` N (hybrid sharding: ZeRO over groups of N consecutive data ranks,
-    `shard_replicas` copies of each shard; 0: over all of them) and `reshard_after_forward` (ZeRO-3 only; False
-    keeps a unit gathered from its forward to its backward). New fields come last so that positional constructions
-    stay valid."""
+    `shard_replicas` copies of each shard; 0: over all of them), `reshard_after_forward` (ZeRO-3 only; False
+    keeps a unit gathered from its forward to its backward) and `sync_grads_once` (with it, kept all step, its
+    gradients summed over the micro-batches and reduce-scattered once, as FSDP2's set_requires_gradient_sync(False)
+    and set_reshard_after_backward(False) between them; implied under pipelining). New fields come last so that
+    positional constructions stay valid."""
 
     tp: int = 1
     pp: int = 1
@@ -46,12 +48,13 @@ class Layout:
     reshard_after_forward: bool = True
     shard_group: int = 0  # 0: ZeRO shards over every data rank
     ep: int = 1  # expert parallelism: a MoE's experts split over ep ranks of the data-parallel group (job/experts.py)
+    sync_grads_once: bool = False  # ZeRO-3 without resharding: units kept all step, gradients reduced once
 
     @classmethod
     def of(cls, cfg) -> "Layout":
         """The layout of a TrainConfig (job/train_config.py), every field of it."""
         return cls(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks, cfg.cp, cfg.cp_kind,
-                   cfg.reshard_after_forward, cfg.shard_group, cfg.ep)
+                   cfg.reshard_after_forward, cfg.shard_group, cfg.ep, cfg.sync_grads_once)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "virtual_chunks", "cp", "ep"):
@@ -65,7 +68,7 @@ class Layout:
             raise ConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if self.cp_kind not in CP_KINDS:
             raise ConfigError(f"cp_kind must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}")
-        check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)
+        check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward, self.sync_grads_once)
 
     @property
     def world_size(self) -> int:

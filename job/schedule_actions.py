@@ -294,13 +294,15 @@ class DataParallelPlan:
 
     `dp`: the ranks a reduction and a gather span (Layout.shard_ranks: a shard group under hybrid sharding,
     else every data rank); `replicas`: copies of each shard (hybrid sharding: a reduce-scatter's piece is then
-    all-reduced over them); `reshard_after_forward`: ZeRO-3 frees a unit after each forward (job/schedule_comm.py)."""
+    all-reduced over them); `reshard_after_forward`: ZeRO-3 frees a unit after each forward (job/schedule_comm.py);
+    `sync_grads_once`: without it, ZeRO-3 keeps its units all step and reduces their gradients once (zero3_hold)."""
 
     dp: int
     element_bytes: int  # of the weights and gradients ZeRO moves (the compute format)
     chunks: tuple[tuple[int, ChunkParams], ...]  # (global chunk, its layout), every chunk of the model
     replicas: int = 1
     reshard_after_forward: bool = True
+    sync_grads_once: bool = False
 
     def of(self, chunk: int) -> ChunkParams:
         for index, params in self.chunks:
@@ -365,11 +367,14 @@ class ScheduleConfig:
     @property
     def zero3_hold(self) -> int:
         """How many backwards of a ZeRO-3 unit in a step end its stay gathered (job/schedule_comm.py's frees_after):
-        1 (after each; resharding or not) or, without resharding after the forward under pipelining, the step's
-        micro-batches (after the chunk's last backward, as torchtitan runs it). Held so, a unit's gradients are
-        summed over the micro-batches, unsharded, and reduce-scattered once, after its last backward, as torch's
-        pipelining runs FSDP2 (torch.distributed.pipelining's stage: gradient sync off but for the last backward)."""
-        keeps_across = not self.data_parallel.reshard_after_forward and self.pp > 1
+        1 (after each; resharding or not) or, without resharding after the forward under pipelining or with
+        sync_grads_once, the step's micro-batches (after the chunk's last backward, as torchtitan runs it). Held so,
+        a unit's gradients are summed over the micro-batches, unsharded, and reduce-scattered once, after its last
+        backward, as torch's pipelining runs FSDP2 (torch.distributed.pipelining's stage: gradient sync and the
+        reshard after the backward off but for the last backward; NeMo Automodel's enable_fsdp_optimizations does
+        the same without pipelining)."""
+        plan = self.data_parallel
+        keeps_across = not plan.reshard_after_forward and (self.pp > 1 or plan.sync_grads_once)
         return self.micro_batches if keeps_across else 1
 
     def chunks_of(self, rank: int) -> list[int]:

@@ -213,8 +213,8 @@ class _DataParallelPlacer:
         producers = [a for a in order if isinstance(a, (Backward, BackwardWeight))]
         self.last_weight_grad = {a.chunk: a for a in producers}
         self.resident: set[tuple[int, int]] = set()
-        # ZeRO-3 holding its units all step (ScheduleConfig.zero3_hold) sums their gradients over the micro-batches, unsharded, and
-        # reduce-scatters them once after the chunk's last backward, as torch's pipelining runs FSDP2
+        # ZeRO-3 holding its units all step (ScheduleConfig.zero3_hold) sums their gradients over the micro-batches,
+        # unsharded, and reduce-scatters them once after the chunk's last backward, as torch's pipelining runs FSDP2
         self.accumulates = self.zero == 3 and config.zero3_hold > 1
         self.tied_chunk = next((c for c in config.chunks_of(rank) if self.plan.of(c).tied is not None), None)
 
@@ -252,13 +252,15 @@ class _DataParallelPlacer:
 
     def frees_after(self, action: Compute) -> bool:
         """Whether ZeRO-3 frees the chunk's units that are not kept after `action`: after every forward and
-        backward (weight gradient); without resharding after the forward, after each backward, and under
-        pipelining only after the chunk's last backward of the step (parallel/data/zero3.py does the same)."""
+        backward (weight gradient); without resharding after the forward, after each backward, and held all step
+        (ScheduleConfig.zero3_hold) only after the chunk's last backward of the step (parallel/data/zero3.py does
+        the same)."""
         if isinstance(action, Forward):
             return self.plan.reshard_after_forward
         if not isinstance(action, (Backward, BackwardWeight)):
             return False
-        return self.plan.reshard_after_forward or self.config.pp == 1 or self.last_weight_grad[action.chunk] is action
+        held = self.config.zero3_hold > 1
+        return self.plan.reshard_after_forward or not held or self.last_weight_grad[action.chunk] is action
 
     def reduction(self, chunk: int, bucket: int) -> Action:
         return reduce_kind(self.zero)(chunk, bucket, self.sizes(chunk)[bucket])

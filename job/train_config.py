@@ -118,17 +118,24 @@ def check_expert_parallel(model: GPTConfig, ep: int, dp: int, cp: int = 1, tp: i
                           f"group is ep of them; choose an ep that divides {routing}")
 
 
-def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_after_forward: bool = True) -> None:
-    """FSDP's two settings, as training and the simulator take them (job/layout.py's Layout checks the same).
+def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_after_forward: bool = True,
+                   sync_grads_once: bool = False) -> None:
+    """FSDP's settings, as training and the simulator take them (job/layout.py's Layout checks the same).
 
     `shard_group` N (hybrid sharding, HSDP): ZeRO shards over groups of N consecutive data ranks, replicated
     across the groups; 0: over every data rank (dp x cp). `reshard_after_forward` False: ZeRO-3 keeps a unit
-    gathered from its forward to its backward (job/schedule_comm.py says how long)."""
-    if not isinstance(reshard_after_forward, bool):
-        raise ConfigError(f"reshard_after_forward must be true or false, got {reshard_after_forward!r}")
+    gathered from its forward to its backward (job/schedule_comm.py says how long); `sync_grads_once` with it: all
+    step, its gradients summed over the micro-batches and reduce-scattered once (job/schedule_actions.py's
+    ScheduleConfig.zero3_hold)."""
+    for name, value in (("reshard_after_forward", reshard_after_forward), ("sync_grads_once", sync_grads_once)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
     if not reshard_after_forward and zero != 3:
         raise ConfigError(f"--no-reshard-after-forward keeps ZeRO-3's gathered weights from a unit's forward to its "
                           f"backward: it needs --zero 3, not --zero {zero}")
+    if sync_grads_once and (zero != 3 or reshard_after_forward):
+        raise ConfigError("--sync-grads-once keeps ZeRO-3's units gathered all step and reduce-scatters their summed "
+                          "gradients once: it needs --zero 3 --no-reshard-after-forward")
     if isinstance(shard_group, int) and not isinstance(shard_group, bool) and shard_group == 0:
         return  # every data rank: plain ZeRO
     check_positive_int("--shard-group", shard_group)
@@ -195,6 +202,7 @@ class TrainConfig:
     zero: int = 0
     shard_group: int = 0  # hybrid sharding: ZeRO over groups of this many data ranks (0: all dp x cp of them)
     reshard_after_forward: bool = True  # False: ZeRO-3 keeps a unit gathered from its forward to its backward
+    sync_grads_once: bool = False  # with it: kept all step, gradients summed and reduce-scattered once a step
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_chunks: int = 1
@@ -242,7 +250,7 @@ class TrainConfig:
         check_expert_parallel(self.model, self.ep, self.dp, self.cp, self.tp, self.sequence_parallel)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward)
+        check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward, self.sync_grads_once)
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ConfigError(f"--bucket-mb must be a number > 0, got {self.bucket_mb}")
         if self.threads_per_rank is not None:

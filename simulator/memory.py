@@ -371,8 +371,10 @@ def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0
         notes.append(f"hybrid sharding: ZeRO shards over groups of {layout.shard_ranks} ranks, "
                      f"{layout.shard_replicas} copies of each shard")
     if layout.effective_zero == 3 and not layout.reshard_after_forward:
+        held = " (all step, with their gradients summed over the micro-batches" + (
+            ", under pipelining)" if layout.pp > 1 else ", --sync-grads-once)")
         notes.append("ZeRO-3 without resharding after the forward: comm buffers hold the units kept gathered "
-                     "until their backward" + (" (all step, under pipelining)" if layout.pp > 1 else ""))
+                     "until their backward" + (held if layout.pp > 1 or layout.sync_grads_once else ""))
     if layout.cp > 1:
         notes.append(f"context parallelism {layout.cp} ({layout.cp_kind}): each rank holds the activations of "
                      f"{model.seq_len // layout.cp:,} of the sequence's {model.seq_len:,} tokens, and "

@@ -45,10 +45,12 @@ ZERO3_HOLDS = ("forward", "backward", "step")
 def zero3_hold(layout: Layout, micro_batches: int | None = None) -> str:
     """How long ZeRO-3 keeps a unit gathered (job/schedule_comm.py's frees_after): "forward" (freed after each
     forward and backward), "backward" (not resharded after the forward: freed after each backward), "step"
-    (not resharded, under pipelining with several micro-batches (None: several): gathered all step)."""
+    (not resharded, under pipelining or with sync_grads_once, over several micro-batches (None: several): gathered
+    all step, its gradients summed: job/schedule_actions.py's ScheduleConfig.zero3_hold)."""
     if layout.reshard_after_forward:
         return "forward"
-    return "step" if layout.pp > 1 and (micro_batches is None or micro_batches > 1) else "backward"
+    held = layout.pp > 1 or layout.sync_grads_once
+    return "step" if held and (micro_batches is None or micro_batches > 1) else "backward"
 
 
 def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "forward",

@@ -125,6 +125,7 @@ CASES = [
     ("train", ["--dp", "4", "--zero", "3", "--shard-group", "3"], "--shard-group 3 does not divide the data-parallel"),
     ("train", ["--no-reshard-after-forward"], "--no-reshard-after-forward keeps ZeRO-3's gathered weights"),
     ("train", ["--dp", "2", "--zero", "2", "--no-reshard-after-forward"], "needs --zero 3, not --zero 2"),
+    ("train", ["--dp", "2", "--zero", "3", "--sync-grads-once"], "needs --zero 3 --no-reshard-after-forward"),
     ("train", ["--dp", "2", "--shard-group", "2"], "needs --zero 1, 2 or 3"),
     ("train", ["--dp", "4", "--zero", "3", "--shard-group", "1"], "shards over one rank"),
     ("train", ["--dp", "4", "--zero", "3", "--shard-group", "-2"], "--shard-group must be a positive integer"),

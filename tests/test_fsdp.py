@@ -46,6 +46,8 @@ LAYOUTS = {
         "dp4-zero2-shard2": dict(dp=4, zero=2, shard_group=2, bucket_mb=0.01),
         "dp4-zero1-shard2": dict(dp=4, zero=1, shard_group=2, bucket_mb=0.1),
         "pp2-dp2-zero3-no-reshard": dict(pp=2, dp=2, zero=3, micro_batches=2, reshard_after_forward=False),
+        # FSDP2's gradient sync off between micro-batches without pipelining (NeMo Automodel's)
+        "dp4-zero3-sync-once": dict(dp=4, zero=3, micro_batches=2, reshard_after_forward=False, sync_grads_once=True),
         "cp2-dp2-zero3-shard2": dict(cp=2, dp=2, zero=3, shard_group=2),  # a shard group: one replica's cp pair
         # full recomputation: the rerun inside a unit's backward, after ZeRO-3 gathered it for that backward
         "pp2-dp2-zero3-full-recompute": dict(pp=2, dp=2, zero=3, micro_batches=2, recompute="full"),
@@ -53,7 +55,9 @@ LAYOUTS = {
         "dp4-zero3-deep": dict(DEEP, dp=4, zero=3, micro_batches=2),
         "dp4-zero3-no-reshard-deep": dict(DEEP, dp=4, zero=3, micro_batches=2, reshard_after_forward=False),
         "pp2-dp2-zero3-no-reshard-deep": dict(DEEP, pp=2, dp=2, zero=3, micro_batches=4,
-                                              reshard_after_forward=False)},
+                                              reshard_after_forward=False),
+        "dp4-zero3-sync-once-deep": dict(DEEP, dp=4, zero=3, micro_batches=2, reshard_after_forward=False,
+                                         sync_grads_once=True)},
     8: {"pp2-dp4-zero3-shard2": dict(pp=2, dp=4, zero=3, micro_batches=2, shard_group=2)},
 }
 KEPT = ("parameters", "gradients", "master_weights", "adam_m", "adam_v", "comm_buffers")
@@ -171,7 +175,7 @@ def test_memory_per_rank_is_the_simulators(spawned):
             ratio = sum(expected.values()) / sum(measured[key] for key in KEPT)
             ratios[name] = max(ratios.get(name, 1.0), ratio, key=lambda r: abs(r - 1))
             assert abs(ratio - 1) <= MEMORY_TOLERANCE, (name, index, measured, expected)
-            if "no-reshard" in name:
+            if "no-reshard" in name or "sync-once" in name:
                 assert measured["comm_buffers"] == expected["comm_buffers"], (name, index, measured, expected)
     print("predicted / measured bytes, worst rank: " + "; ".join(f"{n} {r:.4f}" for n, r in ratios.items()))
 
@@ -189,6 +193,9 @@ def test_no_resharding_gathers_less_and_holds_more(spawned):
     assert across["calls"]["all_gather"] == 4
     # and its gradients summed over the 4 micro-batches, reduce-scattered once (torch's pipelining runs FSDP2 so)
     assert across["calls"]["reduce_scatter"] == 4
+    once = spawned["dp4-zero3-sync-once-deep"][0]  # the same without pipelining: kept and summed over 2 micro-batches
+    assert once["calls"]["all_gather"] < deep_kept["calls"]["all_gather"]
+    assert once["calls"]["reduce_scatter"] * 2 == deep_kept["calls"]["reduce_scatter"]
     resharding = spawned["pp2-dp2-zero3-full-recompute"][0]  # 2 micro-batches, each reduce-scattered
     assert spawned["pp2-dp2-zero3-no-reshard"][0]["calls"]["reduce_scatter"] * 2 == resharding["calls"]["reduce_scatter"]
 

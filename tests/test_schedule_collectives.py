@@ -53,6 +53,8 @@ LAYOUTS = {
         "pp2 dp2 zero3 zb-h1": dict(pp=2, dp=2, zero=3, micro_batches=2, schedule="zb-h1"),
         # FSDP as today's stacks run it: no resharding after the forward, hybrid sharding (HSDP)
         "dp4 zero3 no-reshard m2": dict(dp=4, zero=3, micro_batches=2, reshard_after_forward=False),
+        "dp4 zero3 sync-once m2": dict(dp=4, zero=3, micro_batches=2, reshard_after_forward=False,
+                                       sync_grads_once=True),
         "pp2 dp2 zero3 no-reshard 1f1b": dict(pp=2, dp=2, zero=3, micro_batches=4, reshard_after_forward=False),
         "pp2 dp2 zero3 no-reshard zb-h1": dict(pp=2, dp=2, zero=3, micro_batches=2, schedule="zb-h1",
                                                reshard_after_forward=False),

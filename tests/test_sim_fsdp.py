@@ -60,6 +60,27 @@ def test_under_pipelining_a_unit_is_gathered_once_per_step(kind, virtual):
     for rank in range(2):
         units = sum(len(config.plan.of(chunk).sizes) for chunk in config.chunks_of(rank))
         assert gathers(schedule, rank) == Counter({"forward": units}), rank
+        reductions = [a for a in schedule.actions[rank] if isinstance(a, ReduceScatterGrads)]
+        assert len(reductions) == units and all(a.micro_batch == -1 for a in reductions)  # summed, reduced once
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1"])
+def test_grads_synced_once_without_pipelining(kind):
+    """--sync-grads-once (FSDP2's gradient sync off between micro-batches): as under pipelining, each unit gathered
+    once and reduced once a step; the simulator holds every unit and its summed gradients all step, and prices the
+    8 reductions in place of 3 x 8."""
+    layout = Layout(dp=4, zero=3, reshard_after_forward=False, sync_grads_once=True)
+    config, schedule = actions(layout, 3, kind)
+    assert config.zero3_hold == 3
+    assert gathers(schedule) == Counter({"forward": 8})
+    assert sum(isinstance(a, ReduceScatterGrads) for a in schedule.actions[0]) == 8
+    cluster = build_cluster("h100-sxm", 8, 1)
+    kept = Layout(dp=8, zero=3, reshard_after_forward=False)
+    once = Layout(dp=8, zero=3, reshard_after_forward=False, sync_grads_once=True)
+    model = preset("llama3-8b")
+    steps = {lay: simulate_step(model, lay, cluster, "bf16", 32, 1) for lay in (kept, once)}
+    assert steps[once].breakdown["dp_comm"] < steps[kept].breakdown["dp_comm"]
+    assert steps[once].memory.comm_buffers > steps[kept].memory.comm_buffers
 
 
 def test_hybrid_sharding_reduces_in_a_group_then_across():
@@ -153,6 +174,7 @@ def test_hybrid_sharding_on_64_gpus_gathers_inside_a_server():
     (dict(dp=4, zero=3, shard_group=3), "does not divide"),
     (dict(dp=4, zero=0, shard_group=2), "needs --zero 1, 2 or 3"),
     (dict(dp=4, zero=2, reshard_after_forward=False), "needs --zero 3"),
+    (dict(dp=4, zero=3, sync_grads_once=True), "needs --zero 3 --no-reshard-after-forward"),
     (dict(dp=4, zero=3, shard_group=-2), "--shard-group must be a positive integer"),
     (dict(dp=4, zero=3, shard_group=1), "one rank"),
 ])
@@ -166,3 +188,4 @@ def test_help_lists_both_options(command):
     result = CliRunner().invoke(main, [command, "--help"])
     assert result.exit_code == 0, result.output
     assert "--shard-group" in result.output and "--no-reshard-after-forward" in result.output
+    assert "--sync-grads-once" in result.output

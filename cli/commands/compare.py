@@ -46,6 +46,7 @@ def build_compare_config(options: dict) -> TrainConfig:
         ep=options.get("ep", 1), zero=options["zero"], schedule=options["schedule"],
         shard_group=options.get("shard_group", 0),
         reshard_after_forward=options.get("reshard_after_forward", True),
+        sync_grads_once=options.get("sync_grads_once", False),
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
         tokenizer=options.get("tokenizer") or "bytes",  # the corpus in its ids (--tokenizer sets the vocabulary)
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),

@@ -118,7 +118,8 @@ def run_single(options: dict) -> dict:
     layout = Layout(tp=options["tp"] or 1, pp=options["pp"] or 1, dp=options["dp"] or 1, zero=options["zero"],
                     sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"],
                     cp=options["cp"], cp_kind=options["cp_kind"], shard_group=options["shard_group"],
-                    reshard_after_forward=options["reshard_after_forward"], ep=options["ep"])
+                    reshard_after_forward=options["reshard_after_forward"], ep=options["ep"],
+                    sync_grads_once=options["sync_grads_once"])
     layout.check(model)  # the shape's checks (context parallelism's split too), before any cluster is built
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, options["micro_batch"],
@@ -153,9 +154,9 @@ def run_sweep(options: dict) -> dict:
     if options["nccl_algo"] != "auto":
         raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
                           "layout without --sweep")
-    if options["shard_group"] or not options["reshard_after_forward"]:
-        raise ConfigError("--sweep simulates plain ZeRO over each layout's data ranks: drop --shard-group and "
-                          "--no-reshard-after-forward, or simulate one layout without --sweep")
+    if options["shard_group"] or not options["reshard_after_forward"] or options["sync_grads_once"]:
+        raise ConfigError("--sweep simulates plain ZeRO over each layout's data ranks: drop --shard-group, "
+                          "--no-reshard-after-forward and --sync-grads-once, or simulate one layout without --sweep")
     if options["tp_overlap_cfg"]:
         raise ConfigError("--sweep picks each GPU count's layout, and a userbuffers file describes one tp: drop "
                           "--tp-overlap-cfg, or simulate one layout without --sweep")

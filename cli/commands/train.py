@@ -84,6 +84,7 @@ def build_train_config(options: dict) -> TrainConfig:
         zero=options["zero"],
         shard_group=options["shard_group"],
         reshard_after_forward=options["reshard_after_forward"],
+        sync_grads_once=options["sync_grads_once"],
         sequence_parallel=options["sequence_parallel"],
         schedule=options["schedule"],
         virtual_chunks=options["virtual_chunks"],
@@ -396,7 +397,7 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
     if cfg.shard_group:
         group = f"shard groups of {cfg.shard_group} ({cfg.data_ranks // cfg.shard_group} replicas, hybrid)"
     if not cfg.reshard_after_forward:
-        group += ", no resharding after the forward"
+        group += ", no resharding after the forward" + (", gradients synced once a step" if cfg.sync_grads_once else "")
     click.echo(f"layout: tp {cfg.tp}{context} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
                f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
                f"{'' if cfg.zero == 0 else ' over the ' + group}{experts}"

@@ -1,9 +1,12 @@
-"""FSDP's two settings as today's stacks run them, one vocabulary for `train`, `simulate` and `compare`.
+"""FSDP's settings as today's stacks run them, one vocabulary for `train`, `simulate` and `compare`.
 
 --no-reshard-after-forward (with --zero 3): a unit's gathered weights stay from its forward to its backward of
-the same micro-batch (torch FSDP2's reshard_after_forward=False), so the backward gathers nothing; under
-pipelining a unit is gathered once and kept until the chunk's last backward of the step, as torchtitan does.
-Gradients are still reduce-scattered every micro-batch. Fewer gathers, more memory.
+the same micro-batch (torch FSDP2's reshard_after_forward=False), so the backward gathers nothing, and its
+gradients are reduce-scattered after every micro-batch; under pipelining a unit is gathered once and kept until
+the chunk's last backward of the step, its gradients summed over the micro-batches and reduce-scattered once, as
+torchtitan does on torch's pipelining. Fewer gathers, more memory.
+--sync-grads-once (with both): the same without pipelining, as FSDP2's set_requires_gradient_sync(False) and
+set_reshard_after_backward(False) between micro-batches (NeMo Automodel's enable_fsdp_optimizations).
 --shard-group N (hybrid sharding, HSDP): ZeRO shards over groups of N consecutive data ranks (dp x cp, in
 mesh order: on one server while N x tp fits in it), whole replicas across the groups; gradients are
 reduce-scattered inside a group, then all-reduced across the groups; weights are gathered inside a group.
@@ -21,6 +24,9 @@ from minigpt.errors import check_positive_int
 RESHARD_HELP = ("ZeRO-3: free a unit's gathered weights after its forward and gather them again for its backward "
                 "(the default), or keep them until the backward (under pipelining: until the chunk's last "
                 "backward of the step, as torchtitan); --no-reshard-after-forward needs --zero 3.")
+SYNC_HELP = ("ZeRO-3 without resharding after the forward: keep every unit gathered all step, sum its gradients over "
+             "the micro-batches and reduce-scatter them once, after its last backward (FSDP2's gradient sync off "
+             "between micro-batches; implied under pipelining); needs --zero 3 --no-reshard-after-forward.")
 SHARD_GROUP_HELP = ("Hybrid sharding (HSDP): ZeRO shards over groups of N consecutive data ranks, replicated across "
                     "the groups (gradients reduce-scattered in a group, then all-reduced across); N divides dp x cp "
                     "[default: all of them].")
@@ -32,7 +38,9 @@ def shard_group_value(ctx, param, value: int | None) -> int:
 
 
 def fsdp_options(command: Callable) -> Callable:
-    """--shard-group and --reshard-after-forward/--no-reshard-after-forward."""
+    """--shard-group, --reshard-after-forward/--no-reshard-after-forward and --sync-grads-once."""
+    command = click.option("--sync-grads-once", "sync_grads_once", is_flag=True, default=False,
+                           help=SYNC_HELP)(command)
     command = click.option("--shard-group", "shard_group", type=int, default=None, metavar="N",
                            callback=shard_group_value, help=SHARD_GROUP_HELP)(command)
     return click.option("--reshard-after-forward/--no-reshard-after-forward", "reshard_after_forward", default=True,

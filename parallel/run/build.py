@@ -21,7 +21,7 @@ from parallel.run.step import StepOutcome, train_step
 from parallel.mesh import Mesh
 from parallel.recompute import apply_recompute
 from parallel.pipeline.executor import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
-from job.data_parallel import check_against_plan, schedule_config, zero3_hold
+from job.data_parallel import check_against_plan, schedule_config
 from job.layout import Layout
 from job.schedule import ScheduleConfig, build_schedule
 from parallel.tensor.parallelize import parallelize
@@ -83,12 +83,12 @@ def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_n
                        replicas: Collectives | None = None, config: ScheduleConfig | None = None) -> DataParallel:
     """The ZeRO stage `stage` over `comm`'s group (stage 0 when the group has one rank); hybrid sharding:
     `comm` a shard group and `replicas` the replica group. `config`: the schedule's, which says how long
-    ZeRO-3 keeps a unit gathered without resharding after the forward (job/data_parallel.py's zero3_hold)."""
+    ZeRO-3 keeps a unit gathered without resharding after the forward (ScheduleConfig.zero3_hold)."""
     if comm.size == 1:
         return Replicated(model, comm, bucket_numel)
     if stage == 3:
         reshard = config is None or config.data_parallel.reshard_after_forward
-        return ShardedParameters(model, comm, replicas, reshard, 1 if config is None else zero3_hold(config))
+        return ShardedParameters(model, comm, replicas, reshard, 1 if config is None else config.zero3_hold)
     return STAGES[stage](model, comm, bucket_numel, replicas=replicas)
 
 
