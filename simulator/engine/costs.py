@@ -291,7 +291,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                                             stage, kind, nbytes, group),
                                         job.overlap, job.serial, actions, experts, gathers,
                                         implementation.fp8_experts, implementation.reduce_bytes,
-                                        _copies(job, gpu, profile, implementation))
+                                        _copies(job, gpu, profile, implementation, schedule.zero3_hold > 1))
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)
@@ -350,20 +350,26 @@ def _rank_actions(job: _Job, times, implementation: Implementation, pol, sized: 
         yield placed, chunk_units, actions, per_step
 
 
-def _copies(job: _Job, gpu: GPUSpec, profile: EfficiencyProfile | None,
-            implementation: Implementation) -> UnitCopies | None:
+def _copies(job: _Job, gpu: GPUSpec, profile: EfficiencyProfile | None, implementation: Implementation,
+            sums: bool = False) -> UnitCopies | None:
     """ZeRO-3's compute-stream copies around its gathers and reductions (Implementation.zero3_copies) at the GPU's
     element-wise bandwidth, an element's bytes each: FSDP2's out of the all-gather buffer (read and written in the
     compute format) and into the reduce-scatter's (read in the compute format, written in the reduction's); ours,
     at a reduction, the staging buffer zero-filled, each gradient copied in, the whole divided by the ranks, and the
-    reduced piece (1/dp) added to the shard, all in the compute format."""
+    reduced piece (1/dp) added to the shard, all in the compute format. `sums`: the units are held all step
+    (ScheduleConfig.zero3_hold), each backward's gradients summed until the one reduction: ours added into the
+    staging (read both, write one), FSDP2's accumulated in the reduction's format (its to_accumulated_grad_if_needed:
+    the gradient read, the sum read and written; autograd's accumulation where the formats are the same). The
+    first micro-batch's sum is charged like the others (ours: its zero-fill and copy move as many bytes)."""
     if implementation.zero3_copies == "none" or job.zero != 3:
         return None
     speed, e, kernel = hbm_speed(gpu), job.compute_bytes, kernel_overhead(gpu, profile)
     if implementation.zero3_copies == "fsdp2":
-        return UnitCopies(2 * e / speed, (e + (implementation.reduce_bytes or e)) / speed, kernel)
+        r = implementation.reduce_bytes or e
+        return UnitCopies(2 * e / speed, (e + r) / speed, kernel, sum_s=(e + 2 * r) / speed if sums else 0.0)
     staged = e + 2 * e + 2 * e + 3 * e / job.dp  # zeros; grad in; div_; the piece's add_ into the shard
-    return UnitCopies(0.0, staged / speed, kernel, out_kernels=0, in_kernels=3, per_tensor=True)
+    return UnitCopies(0.0, staged / speed, kernel, out_kernels=0, in_kernels=3, per_tensor=True,
+                      sum_s=3 * e / speed if sums else 0.0)
 
 
 def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool = False) -> float:

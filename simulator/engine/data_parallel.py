@@ -99,7 +99,7 @@ class DataParallelPricer:
         if comm_free <= 0 and key in self.memo:
             return self.memo[key]
         plain = self.plain[(type(action), action.chunk)]
-        copies = self.unit_copies(action.chunk, armed)
+        copies = self.unit_copies(action, armed)
         segments, limit, wait = self.segments(action, armed, copies)
         o = overlap(segments, limit, wait, self.serial, self.settings.zero3_prefetch, comm_free,
                     self.settings.dp_slowdown)
@@ -134,15 +134,23 @@ class DataParallelPricer:
             segments.append(Segment(compute=plain.total - clock))
         return segments, limit, self.zero == 2
 
-    def unit_copies(self, chunk: int, armed: tuple) -> list[float]:
+    def sums(self, action) -> bool:
+        """Whether `action` sums its units' gradients on the compute stream with no reduction armed (UnitCopies.sum_s:
+        ZeRO-3 holding its units all step), so its price is not the plain one even with nothing armed."""
+        return self.copies is not None and self.copies.sum_s > 0 and type(action) in (Backward, BackwardWeight)
+
+    def unit_copies(self, action, armed: tuple) -> list[float]:
         """Seconds of each unit's compute-stream copies (UnitCopies) that `armed` implies under ZeRO-3: a gather of the
-        unit, a reduction of its gradients; zeros where the stack makes none."""
-        units = self.units[chunk]
+        unit, a reduction of its gradients, or, `action` making them with no reduction armed, their sum (a stack
+        summing them over the micro-batches: UnitCopies.sum_s); zeros where the stack makes none."""
+        units = self.units[action.chunk]
         if self.zero != 3 or self.copies is None:
             return [0.0] * len(units)
         gathered = {a.bucket for a in armed if type(a) is GatherParams}
         reduced = {a.bucket for a in armed if type(a) is ReduceScatterGrads}
-        return [self.copies.seconds(u.numel, len(u.tensors), i in gathered, i in reduced) for i, u in enumerate(units)]
+        grads = type(action) in (Backward, BackwardWeight)
+        return [self.copies.seconds(u.numel, len(u.tensors), i in gathered, i in reduced, grads)
+                for i, u in enumerate(units)]
 
     def unit_segments(self, action, armed: tuple, copies: list[float]) -> list[Segment]:
         """ZeRO-3: the chunk's units in the order the compute uses them, each with its armed gather and reduction."""
@@ -176,7 +184,8 @@ class DataParallelPricer:
 class UnitCopies:
     """ZeRO-3's copies on the compute stream, per unit (Implementation.zero3_copies): after a gather, `out_s` an
     element of the unit and `out_kernels` kernels; before a reduction, `in_s` an element, `in_kernels` kernels and one
-    more per tensor when `per_tensor` (a copy each); `kernel_s` a kernel's launch."""
+    more per tensor when `per_tensor` (a copy each); after a backward whose gradients are summed, not reduced (a unit
+    held all step: ScheduleConfig.zero3_hold), `sum_s` an element and a kernel per tensor; `kernel_s` a launch."""
 
     out_s: float
     in_s: float
@@ -184,11 +193,13 @@ class UnitCopies:
     out_kernels: int = 1
     in_kernels: int = 1
     per_tensor: bool = False
+    sum_s: float = 0.0
 
-    def seconds(self, numel: int, tensors: int, gathered: bool, reduced: bool) -> float:
+    def seconds(self, numel: int, tensors: int, gathered: bool, reduced: bool, summed: bool = False) -> float:
         out = self.out_s * numel + self.out_kernels * self.kernel_s if gathered else 0.0
-        kernels = self.in_kernels + (tensors if self.per_tensor else 0)
-        return out + (self.in_s * numel + kernels * self.kernel_s if reduced else 0.0)
+        if reduced:
+            return out + self.in_s * numel + (self.in_kernels + (tensors if self.per_tensor else 0)) * self.kernel_s
+        return out + (self.sum_s * numel + tensors * self.kernel_s if summed and self.sum_s else 0.0)
 
 
 def _fp8_elements(chunk_units: dict, cuts: dict, zero: int, experts: bool) -> dict[int, list[int]]:

@@ -251,8 +251,8 @@ class _Replay:
             kind = type(action)
             if kind in _COMPUTE:
                 armed = armed_by.get(index) if pricer is not None else None
-                if armed:
-                    c = pricer.compute(action, armed, dp_busy - clock)
+                if armed or (pricer is not None and pricer.sums(action)):  # the latter: ZeRO-3's gradient sums
+                    c = pricer.compute(action, armed or (), dp_busy - clock)
                     if c.comm_end is not None:
                         dp_busy = max(dp_busy, clock + c.comm_end)
                 else:
