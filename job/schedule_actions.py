@@ -377,6 +377,11 @@ class ScheduleConfig:
         keeps_across = not plan.reshard_after_forward and (self.pp > 1 or plan.sync_grads_once)
         return self.micro_batches if keeps_across else 1
 
+    @property
+    def sums_grads(self) -> bool:
+        """ZeRO-3 holding its units all step (zero3_hold): their gradients summed, reduced once a step."""
+        return self.zero_stage == 3 and self.zero3_hold > 1
+
     def chunks_of(self, rank: int) -> list[int]:
         """The global chunks rank `rank` holds, in local order."""
         return [local * self.pp + rank for local in range(self.virtual_chunks)]

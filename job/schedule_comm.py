@@ -213,9 +213,6 @@ class _DataParallelPlacer:
         producers = [a for a in order if isinstance(a, (Backward, BackwardWeight))]
         self.last_weight_grad = {a.chunk: a for a in producers}
         self.resident: set[tuple[int, int]] = set()
-        # ZeRO-3 holding its units all step (ScheduleConfig.zero3_hold) sums their gradients over the micro-batches,
-        # unsharded, and reduce-scatters them once after the chunk's last backward, as torch's pipelining runs FSDP2
-        self.accumulates = self.zero == 3 and config.zero3_hold > 1
         self.tied_chunk = next((c for c in config.chunks_of(rank) if self.plan.of(c).tied is not None), None)
 
     def sizes(self, chunk: int) -> tuple[int, ...]:
@@ -242,7 +239,7 @@ class _DataParallelPlacer:
         if not makes_grads:
             return []
         order = range(len(params.sizes) - 1, -1, -1)  # a backward fills the last bucket first
-        if self.zero >= 2 and not self.accumulates:
+        if self.zero >= 2 and not self.config.sums_grads:  # else summed, reduced after the chunk's last backward
             return [ReduceScatterGrads(chunk, b, params.sizes[b], action.micro_batch) for b in order]
         if self.last_weight_grad[chunk] is not action:
             return []

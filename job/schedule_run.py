@@ -249,7 +249,7 @@ class SymbolicRun:
     def reductions(self, rank: int) -> list[tuple]:
         """The facts of every reduction the optimizer of `rank` waits for."""
         config, plan = self.config, self.config.data_parallel
-        per_step = config.zero_stage in (0, 1) or (config.zero_stage == 3 and config.zero3_hold > 1)
+        per_step = config.zero_stage in (0, 1) or config.sums_grads
         facts: list[tuple] = []
         for chunk in config.chunks_of(rank):
             params = plan.of(chunk)

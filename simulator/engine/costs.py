@@ -291,7 +291,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                                             stage, kind, nbytes, group),
                                         job.overlap, job.serial, actions, experts, gathers,
                                         implementation.fp8_experts, implementation.reduce_bytes,
-                                        _copies(job, gpu, profile, implementation, schedule.zero3_hold > 1))
+                                        _copies(job, gpu, profile, implementation, schedule.sums_grads))
         ranks.append(RankCosts(
             actions=actions,
             optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)
