@@ -189,3 +189,24 @@ def test_help_lists_both_options(command):
     assert result.exit_code == 0, result.output
     assert "--shard-group" in result.output and "--no-reshard-after-forward" in result.output
     assert "--sync-grads-once" in result.output
+
+
+def test_torchtitans_stack_does_not_reshard_under_pipelining_unless_told():
+    """torchtitan's default policy (its parallelize: reshard_after_forward = not pp_enabled): under --overlap
+    torchtitan-fsdp2 a pipelined ZeRO-3 run keeps its units when the flag is not given; given, the flag decides; our
+    executor reshards; plan's candidates follow the stack the same way."""
+    def run(*flags):
+        result = CliRunner().invoke(main, ["simulate", "--model", "tiny", "--pp", "2", "--dp", "2", "--zero", "3",
+                                           "--global-batch", "8", "--json", *flags])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+    default = run("--overlap", "torchtitan-fsdp2")
+    assert default["step_time_s"] == run("--overlap", "torchtitan-fsdp2", "--no-reshard-after-forward")["step_time_s"]
+    assert default["step_time_s"] != run("--overlap", "torchtitan-fsdp2", "--reshard-after-forward")["step_time_s"]
+    assert run()["step_time_s"] == run("--reshard-after-forward")["step_time_s"]  # ours reshards
+    from simulator.search.plan import enumerate_candidates
+    for keeps in (False, True):
+        candidates, _ = enumerate_candidates(MODEL, 8, 8, 8, pipelined_reshard=not keeps)
+        kept = {c for c in candidates if not c.reshard_after_forward}
+        assert kept == ({c for c in candidates if c.zero == 3 and c.pp > 1} if keeps else set())
+        assert all(c.layout.reshard_after_forward == c.reshard_after_forward for c in candidates)

@@ -21,7 +21,7 @@ import click
 from cli.options import flag, typed
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
-from cli.options.fsdp import fsdp_options
+from cli.options.fsdp import fsdp_options, reshards
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
@@ -45,7 +45,7 @@ def build_compare_config(options: dict) -> TrainConfig:
         tp=options["tp"], pp=options["pp"], dp=options["dp"], cp=options.get("cp", 1), cp_kind=options.get("cp_kind", "ring"),
         ep=options.get("ep", 1), zero=options["zero"], schedule=options["schedule"],
         shard_group=options.get("shard_group", 0),
-        reshard_after_forward=options.get("reshard_after_forward", True),
+        reshard_after_forward=reshards(options),
         sync_grads_once=options.get("sync_grads_once", False),
         virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
         tokenizer=options.get("tokenizer") or "bytes",  # the corpus in its ids (--tokenizer sets the vocabulary)

@@ -61,7 +61,8 @@ def _rows(result) -> list[list]:
     for rank, (candidate, simulated, _) in enumerate(result.best, 1):
         schedule = candidate.schedule + (f" x{candidate.virtual_chunks}" if candidate.virtual_chunks > 1 else "")
         rows.append([rank, candidate.mesh(),
-                     "yes" if candidate.sequence_parallel else "no", candidate.zero,
+                     "yes" if candidate.sequence_parallel else "no",
+                     f"{candidate.zero}{'' if candidate.reshard_after_forward else ' kept'}",
                      f"{candidate.micro_batches} of {candidate.micro_batch}", schedule, candidate.recompute,
                      seconds(simulated.step_time_s), f"{simulated.mfu:.1%}", f"{simulated.memory.total / GIB:.1f}"])
     return rows
@@ -99,6 +100,9 @@ def _print(result) -> None:
                    f"{result.dispatcher}")
     click.echo(format_table(["#", "layout", "SP", "ZeRO", "micro-batches", "schedule", "recompute", "step", "MFU",
                              f"GiB per GPU (of {result.capacity / GIB:.1f})"], _rows(result)))
+    if any(not candidate.reshard_after_forward for candidate, _, _ in result.best):
+        click.echo("ZeRO 3 kept: a unit not resharded after its forward, kept to its chunk's last backward of the "
+                   "step under pipelining, as this stack does by default (simulator/engine/overlap.py's stack_reshards)")
     click.echo("")
     click.echo(format_table(["why the others lost", "layouts"], _why_rows(result)))
     seconds = sum(result.seconds.values())

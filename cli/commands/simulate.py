@@ -38,7 +38,7 @@ from cli.options.context import context_options
 from cli.options.campaign import campaign_options, campaign_sweep, check_campaign, run_campaign
 from cli.options.experts import ep_dispatcher_option, ep_overlap_option, expert_load_option, read_expert_load
 from cli.options.stack import stack_implementation, stack_options
-from cli.options.fsdp import fsdp_options
+from cli.options.fsdp import fsdp_options, reshards
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import model_from_options, model_options
 from cli.output_file import check_output_file
@@ -118,7 +118,7 @@ def run_single(options: dict) -> dict:
     layout = Layout(tp=options["tp"] or 1, pp=options["pp"] or 1, dp=options["dp"] or 1, zero=options["zero"],
                     sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"],
                     cp=options["cp"], cp_kind=options["cp_kind"], shard_group=options["shard_group"],
-                    reshard_after_forward=options["reshard_after_forward"], ep=options["ep"],
+                    reshard_after_forward=reshards(options, _overlap(options)), ep=options["ep"],
                     sync_grads_once=options["sync_grads_once"])
     layout.check(model)  # the shape's checks (context parallelism's split too), before any cluster is built
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
@@ -154,7 +154,7 @@ def run_sweep(options: dict) -> dict:
     if options["nccl_algo"] != "auto":
         raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
                           "layout without --sweep")
-    if options["shard_group"] or not options["reshard_after_forward"] or options["sync_grads_once"]:
+    if options["shard_group"] or options["reshard_after_forward"] is False or options["sync_grads_once"]:
         raise ConfigError("--sweep simulates plain ZeRO over each layout's data ranks: drop --shard-group, "
                           "--no-reshard-after-forward and --sync-grads-once, or simulate one layout without --sweep")
     if options["tp_overlap_cfg"]:

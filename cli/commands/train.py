@@ -14,7 +14,7 @@ import click
 from cli.options import flag, typed
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
-from cli.options.fsdp import fsdp_options
+from cli.options.fsdp import fsdp_options, reshards
 from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count
 from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
@@ -83,7 +83,7 @@ def build_train_config(options: dict) -> TrainConfig:
         ep=options["ep"],
         zero=options["zero"],
         shard_group=options["shard_group"],
-        reshard_after_forward=options["reshard_after_forward"],
+        reshard_after_forward=reshards(options),
         sync_grads_once=options["sync_grads_once"],
         sequence_parallel=options["sequence_parallel"],
         schedule=options["schedule"],

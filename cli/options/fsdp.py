@@ -21,9 +21,10 @@ import click
 
 from minigpt.errors import check_positive_int
 
-RESHARD_HELP = ("ZeRO-3: free a unit's gathered weights after its forward and gather them again for its backward "
-                "(the default), or keep them until the backward (under pipelining: until the chunk's last "
-                "backward of the step, as torchtitan); --no-reshard-after-forward needs --zero 3.")
+RESHARD_HELP = ("ZeRO-3: free a unit's gathered weights after its forward and gather them again for its backward, "
+                "or keep them until the backward (under pipelining: until the chunk's last backward of the step, as "
+                "torchtitan); --no-reshard-after-forward needs --zero 3. [default: reshard; simulate and plan "
+                "under --overlap torchtitan-fsdp2 with --pp > 1: not, torchtitan's own default]")
 SYNC_HELP = ("ZeRO-3 without resharding after the forward: keep every unit gathered all step, sum its gradients over "
              "the micro-batches and reduce-scatter them once, after its last backward (FSDP2's gradient sync off "
              "between micro-batches; implied under pipelining); needs --zero 3 --no-reshard-after-forward.")
@@ -43,5 +44,16 @@ def fsdp_options(command: Callable) -> Callable:
                            help=SYNC_HELP)(command)
     command = click.option("--shard-group", "shard_group", type=int, default=None, metavar="N",
                            callback=shard_group_value, help=SHARD_GROUP_HELP)(command)
-    return click.option("--reshard-after-forward/--no-reshard-after-forward", "reshard_after_forward", default=True,
-                        show_default=True, help=RESHARD_HELP)(command)
+    return click.option("--reshard-after-forward/--no-reshard-after-forward", "reshard_after_forward", default=None,
+                        help=RESHARD_HELP)(command)
+
+
+def reshards(options: dict, overlap=None) -> bool:
+    """The run's ZeRO-3 reshard after the forward: as given, else the stack's default (simulator/engine/overlap.py's
+    stack_reshards: torchtitan's does not under pipelining; `overlap` None, our executor's: it does)."""
+    given = options.get("reshard_after_forward")
+    if given is not None or overlap is None or options.get("zero") != 3:
+        return given is not False
+    from simulator.engine.overlap import stack_reshards
+
+    return stack_reshards(overlap, options.get("pp") or 1)

@@ -91,7 +91,8 @@ Presets (`overlap_preset`; each also names the stack's implementation choices, `
                       all-gather prefetched one unit ahead (zero3_prefetch 1), reduce-scatters
                       overlapped with the backward (dp "backward"), no tp overlap (tp False; async TP
                       is --tp-overlap), torch.distributed.pipelining's asynchronous sends (p2p True),
-                      "step".
+                      "step"; under pipelining ZeRO-3 does not reshard after the forward unless told to
+                      (stack_reshards: torchtitan's default policy).
 All presets share the three slowdowns above (they matter only where something overlaps).
 """
 
@@ -250,6 +251,14 @@ def overlap_preset(name: str) -> Overlap:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown overlap preset {name!r}: choose one of {', '.join(PRESETS)}") from None
+
+
+def stack_reshards(overlap: Overlap | str, pp: int) -> bool:
+    """Whether ZeRO-3 reshards after the forward under `overlap`'s stack when the flags do not say: torchtitan's
+    default policy does not under pipelining (its parallelize: reshard_after_forward = not pp_enabled, "to avoid
+    per-microbatch all-gathers"), every other stack does (ours; Megatron-core runs no ZeRO-3)."""
+    base = overlap.preset if isinstance(overlap, Overlap) else Overlap(name=overlap).preset
+    return not (base == "torchtitan-fsdp2" and pp > 1)
 
 
 def stack_implementation(overlap: Overlap | str) -> dict:

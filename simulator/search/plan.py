@@ -53,7 +53,7 @@ from job.layout import Layout
 from precision.policy import policy as precision_policy
 from job.train_config import check_context_parallel, check_expert_parallel, routing_ranks, shape_allows
 from simulator.engine.experts import check_dispatcher, check_expert_load
-from simulator.engine.overlap import overlap_preset
+from simulator.engine.overlap import overlap_preset, stack_reshards
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
@@ -94,11 +94,12 @@ class Candidate:
     recompute: str
     cp: int = 1  # context parallelism, ring
     ep: int = 1  # expert parallelism: ep of the dp ranks split a mixture of experts' experts
+    reshard_after_forward: bool = True  # ZeRO-3: the stack's default (simulator/engine/overlap.py's stack_reshards)
 
     @property
     def layout(self) -> Layout:
         return Layout(self.tp, self.pp, self.dp, self.zero, self.sequence_parallel, self.virtual_chunks, self.cp,
-                      ep=self.ep)
+                      ep=self.ep, reshard_after_forward=self.reshard_after_forward)
 
     def mesh(self) -> str:
         experts = f" (ep {self.ep})" if self.ep > 1 else ""
@@ -107,7 +108,8 @@ class Candidate:
     def describe(self) -> str:
         chunks = f" x{self.virtual_chunks}" if self.virtual_chunks > 1 else ""
         return (f"{self.mesh()}{', SP' if self.sequence_parallel else ''}, "
-                f"ZeRO-{self.zero}, {self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''} of "
+                f"ZeRO-{self.zero}{'' if self.reshard_after_forward else ' without resharding after the forward'}, "
+                f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''} of "
                 f"{self.micro_batch}, "
                 f"{self.schedule}{chunks}, recompute {self.recompute}")
 
@@ -115,7 +117,8 @@ class Candidate:
         return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "zero": self.zero,
                 "sequence_parallel": self.sequence_parallel, "micro_batch": self.micro_batch,
                 "micro_batches": self.micro_batches, "schedule": self.schedule,
-                "virtual_chunks": self.virtual_chunks, "recompute": self.recompute, "ep": self.ep}
+                "virtual_chunks": self.virtual_chunks, "recompute": self.recompute, "ep": self.ep,
+                "reshard_after_forward": self.reshard_after_forward}
 
 
 def tensor_parallel_options(model: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[tuple[int, bool]]:
@@ -171,10 +174,12 @@ def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter, modes: int) 
 
 def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, global_batch: int,
                          micro_batch: int | None = None, micro_batches: int | None = None, cp: int | None = None,
-                         ep: int | None = None, op_recompute: bool = False) -> tuple[list[Candidate], Counter]:
+                         ep: int | None = None, op_recompute: bool = False,
+                         pipelined_reshard: bool = True) -> tuple[list[Candidate], Counter]:
     """Every candidate of the module docstring, and the refusals counted by REFUSALS key; `cp` fixes context
     parallelism, `ep` expert parallelism (None: searched); `op_recompute`: recompute "op" searched too, where tp and cp
-    are 1 (recompute_modes)."""
+    are 1 (recompute_modes); `pipelined_reshard`: whether ZeRO-3 reshards after the forward under pipelining (the
+    stack's default: stack_reshards)."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
         for cp_size in context_parallel_options(model, n_gpus, tp, sp, cp):
@@ -187,7 +192,7 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                     for ep_size in expert_parallel_options(model, routing_ranks(dp, cp_size, tp, sp), ep):
                         modes = recompute_modes(op_recompute and tp == 1 and cp_size == 1)
                         out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused,
-                                          ep_size, modes)
+                                          ep_size, modes, pipelined_reshard)
     return out, refused
 
 
@@ -205,8 +210,10 @@ def op_recompute_searched(model: GPTConfig, precision: str, overlap: str) -> boo
 
 
 def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,
-               refused: Counter, ep: int = 1, modes: tuple[str, ...] = RECOMPUTE_MODES) -> list[Candidate]:
-    """The candidates of one mesh and micro-batching: every ZeRO stage, schedule and recompute mode of `modes`."""
+               refused: Counter, ep: int = 1, modes: tuple[str, ...] = RECOMPUTE_MODES,
+               pipelined_reshard: bool = True) -> list[Candidate]:
+    """The candidates of one mesh and micro-batching: every ZeRO stage, schedule and recompute mode of `modes`
+    (ZeRO-3 under pipelining resharding after the forward or not, as `pipelined_reshard` says)."""
     out = []
     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
         for schedule, v in _schedules(model, pp, m, refused, len(modes)):
@@ -216,7 +223,9 @@ def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, s
             if zero3_gathers(zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
                 refused["zero3_gathers"] += len(modes)
                 continue
-            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp, ep) for recompute in modes]
+            reshard = pipelined_reshard or zero != 3 or pp == 1
+            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp, ep, reshard)
+                    for recompute in modes]
     return out
 
 
@@ -359,7 +368,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     clock = time.perf_counter()
     op = op_recompute_searched(model, precision, overlap)
     candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
-                                               micro_batches, cp, ep, op)
+                                               micro_batches, cp, ep, op, stack_reshards(overlap, 2))
     if dict(stack_changes).get("fp8_param_gather"):
         refused["fp8_gather_zero0"] = sum(c.zero == 0 for c in candidates)
         candidates = [c for c in candidates if c.zero > 0]
