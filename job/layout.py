@@ -32,10 +32,8 @@ class Layout:
     two per rank; weight gradients are averaged, and ZeRO shards, over the dp x cp ranks of a stage
     (`data_ranks`). FSDP's settings: `shard_group` N (hybrid sharding: ZeRO over groups of N consecutive data ranks,
     `shard_replicas` copies of each shard; 0: over all of them), `reshard_after_forward` (ZeRO-3 only; False
-    keeps a unit gathered from its forward to its backward) and `sync_grads_once` (with it, kept all step, its
-    gradients summed over the micro-batches and reduce-scattered once, as FSDP2's set_requires_gradient_sync(False)
-    and set_reshard_after_backward(False) between them; implied under pipelining). New fields come last so that
-    positional constructions stay valid."""
+    keeps a unit gathered from its forward to its backward) and `sync_grads_once` (with it, all step: job/
+    schedule_actions.py's holds_all_step). New fields come last so that positional constructions stay valid."""
 
     tp: int = 1
     pp: int = 1

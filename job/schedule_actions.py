@@ -295,7 +295,7 @@ class DataParallelPlan:
     `dp`: the ranks a reduction and a gather span (Layout.shard_ranks: a shard group under hybrid sharding,
     else every data rank); `replicas`: copies of each shard (hybrid sharding: a reduce-scatter's piece is then
     all-reduced over them); `reshard_after_forward`: ZeRO-3 frees a unit after each forward (job/schedule_comm.py);
-    `sync_grads_once`: without it, ZeRO-3 keeps its units all step and reduces their gradients once (zero3_hold)."""
+    `sync_grads_once`: ZeRO-3 without resharding holds its units all step without pipelining too (holds_all_step)."""
 
     dp: int
     element_bytes: int  # of the weights and gradients ZeRO moves (the compute format)
@@ -374,8 +374,8 @@ class ScheduleConfig:
         reshard after the backward off but for the last backward; NeMo Automodel's enable_fsdp_optimizations does
         the same without pipelining)."""
         plan = self.data_parallel
-        keeps_across = not plan.reshard_after_forward and (self.pp > 1 or plan.sync_grads_once)
-        return self.micro_batches if keeps_across else 1
+        held = holds_all_step(plan.reshard_after_forward, plan.sync_grads_once, self.pp, self.micro_batches)
+        return self.micro_batches if held else 1
 
     @property
     def sums_grads(self) -> bool:
@@ -385,6 +385,13 @@ class ScheduleConfig:
     def chunks_of(self, rank: int) -> list[int]:
         """The global chunks rank `rank` holds, in local order."""
         return [local * self.pp + rank for local in range(self.virtual_chunks)]
+
+
+def holds_all_step(reshard_after_forward: bool, sync_grads_once: bool, pp: int, micro_batches: int | None) -> bool:
+    """Whether ZeRO-3 keeps its units gathered all step, summing their gradients (ScheduleConfig.zero3_hold): without
+    resharding after the forward, under pipelining or with sync_grads_once, over several micro-batches (None:
+    several). The one rule for the schedule and for the simulator's memory (simulator/states.py's zero3_hold)."""
+    return not reshard_after_forward and (pp > 1 or sync_grads_once) and (micro_batches is None or micro_batches > 1)
 
 
 def chunk_rank(chunk: int, pp: int) -> int:

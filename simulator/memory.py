@@ -374,7 +374,7 @@ def _notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: int = 0
         held = " (all step, with their gradients summed over the micro-batches" + (
             ", under pipelining)" if layout.pp > 1 else ", --sync-grads-once)")
         notes.append("ZeRO-3 without resharding after the forward: comm buffers hold the units kept gathered "
-                     "until their backward" + (held if layout.pp > 1 or layout.sync_grads_once else ""))
+                     "until their backward" + (held if zero3_hold(layout) == "step" else ""))
     if layout.cp > 1:
         notes.append(f"context parallelism {layout.cp} ({layout.cp_kind}): each rank holds the activations of "
                      f"{model.seq_len // layout.cp:,} of the sequence's {model.seq_len:,} tokens, and "

@@ -6,6 +6,7 @@ simulator/memory.py to turn into bytes. Torch-free."""
 from __future__ import annotations
 
 from job.layout import Bucket, Layout, buckets, is_expert_tensor, is_fp8_weight
+from job.schedule_actions import holds_all_step
 
 MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
 
@@ -49,8 +50,7 @@ def zero3_hold(layout: Layout, micro_batches: int | None = None) -> str:
     all step, its gradients summed: job/schedule_actions.py's ScheduleConfig.zero3_hold)."""
     if layout.reshard_after_forward:
         return "forward"
-    held = layout.pp > 1 or layout.sync_grads_once
-    return "step" if held and (micro_batches is None or micro_batches > 1) else "backward"
+    return "step" if holds_all_step(False, layout.sync_grads_once, layout.pp, micro_batches) else "backward"
 
 
 def zero3_buffers(units: list[int], dp: int, prefetch: int = 1, hold: str = "forward",

@@ -368,7 +368,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     clock = time.perf_counter()
     op = op_recompute_searched(model, precision, overlap)
     candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
-                                               micro_batches, cp, ep, op, stack_reshards(overlap, 2))
+                                               micro_batches, cp, ep, op, stack_reshards(overlap, pp=2))  # any pp > 1
     if dict(stack_changes).get("fp8_param_gather"):
         refused["fp8_gather_zero0"] = sum(c.zero == 0 for c in candidates)
         candidates = [c for c in candidates if c.zero > 0]

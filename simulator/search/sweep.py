@@ -40,6 +40,7 @@ from simulator.memory import predict_memory
 from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster, whole_servers
 
 DEFAULT_THRESHOLD = 0.5
+_EP_NOTE = ", ep={ep}, which must divide the ranks routing distinct tokens: dp x cp, x tp under sequence parallelism"
 SCALINGS = ("strong", "weak")
 
 
@@ -143,7 +144,8 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     if not layouts:
         raise ConfigError(
             f"no layout of {n_gpus} GPUs runs a global batch of {global_batch} in micro-batches of {job.micro_batch} "
-            f"(tp={tp or 'any'}, pp={pp or 'any'}{f', ep={job.ep}, which must divide the ranks routing distinct tokens: dp x cp, x tp under sequence parallelism' if job.ep > 1 else ''}) within {MAX_SCHEDULE_SLOTS:,} schedule slots (pp x virtual "
+            f"(tp={tp or 'any'}, pp={pp or 'any'}{_EP_NOTE.format(ep=job.ep) if job.ep > 1 else ''}) within "
+            f"{MAX_SCHEDULE_SLOTS:,} schedule slots (pp x virtual "
             f"chunks x micro-batches) and {MAX_ZERO3_GATHERS:,} ZeRO-3 gathers (simulator/limits.py): change the "
             f"batch, the GPU counts or the layout"
         )
