@@ -118,13 +118,13 @@ def test_the_lower_bound_never_exceeds_the_simulated_step(brute_force, tight):
     assert max(low / step for _, step, low in rows) > 0.8  # and it is not vacuous
     _, _, found = tight
     assert all(0 < low <= step for _, step, low in found.simulated)
-    # GPT-3 on 1,024 GPUs, every 61st candidate: both terms of the bound decide somewhere, neither passes the step
+    # GPT-3 on 1,024 GPUs, every 107th candidate: both terms of the bound decide somewhere, neither passes the step
     model, spec = build_config("gpt3-175b"), ClusterSpec.of("a100-80gb")
     cluster = spec.build(1024)
     bound = StepBound(model, cluster, spec.hardware, "bf16")
     candidates, _ = enumerate_candidates(model, 1024, spec.gpus_per_node, 1024)
     deciding = set()
-    for c in candidates[::61]:
+    for c in candidates[::107]:
         job = (c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute,
                candidate_memory(model, c, "bf16", spec.hardware.gpu))
         compute, data_parallel = bound.compute_seconds(*job), bound.data_parallel_seconds(*job)
@@ -422,3 +422,30 @@ def test_the_bound_cuts_the_gradients_as_the_stack_does():
     job = (layout, 4, "1f1b", 2, "none", result.memory)
     assert megatron.data_parallel_seconds(*job) < 0.5 * ddp.data_parallel_seconds(*job)
     assert 0 < megatron.seconds(*job) <= result.step_time_s
+
+
+def test_plan_searches_fsdp_settings_and_says_how_to_run_them():
+    """ZeRO-3 candidates come kept, kept all step and hybrid-sharded over a server's data ranks (simulator/search/
+    plan.py's fsdp_options); the table labels them and says what the labels mean, and each is the step `minigpt
+    simulate` gives the same layout with the flags that ask for it."""
+    args = ["--model", "tiny", "--gpus", "16", "--gpu", "h100-sxm", "--global-batch", "64", "--top", "400"]
+    data = json.loads(invoke(*args, "--json").output)
+    zero3 = [b for b in data["best"] if b["zero"] == 3]
+    kinds = {(b["reshard_after_forward"], b["sync_grads_once"], b["shard_group"] > 0) for b in zero3}
+    assert kinds == {(r, s, g) for r, s in ((True, False), (False, False), (False, True)) for g in (False, True)}
+    assert all(b["shard_group"] in (0, 8 // b["tp"]) for b in zero3)
+    table = invoke(*args).output
+    assert "3 kept all step / " in table and "ZeRO 3 kept: a unit not resharded" in table
+    assert "ZeRO 3 / N: hybrid sharding (--shard-group N)" in table
+    for b in [next(b for b in zero3 if b["sync_grads_once"] and b["shard_group"]),
+              next(b for b in zero3 if not b["reshard_after_forward"] and not b["sync_grads_once"])]:
+        flags = ["--tp", b["tp"], "--pp", b["pp"], "--dp", b["dp"], "--cp", b["cp"], "--zero", 3,
+                 "--micro-batch", b["micro_batch"], "--schedule", b["schedule"], "--virtual-chunks",
+                 b["virtual_chunks"], "--recompute", b["recompute"], "--no-reshard-after-forward",
+                 *(["--sequence-parallel"] if b["sequence_parallel"] else []),
+                 *(["--sync-grads-once"] if b["sync_grads_once"] else []),
+                 *(["--shard-group", b["shard_group"]] if b["shard_group"] else [])]
+        result = CliRunner().invoke(main, ["simulate", "--model", "tiny", "--gpu", "h100-sxm", "--global-batch", "64",
+                                           "--json", *map(str, flags)])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["step_time_s"] == pytest.approx(b["step_time_s"], rel=1e-12)

@@ -62,7 +62,7 @@ def _rows(result) -> list[list]:
         schedule = candidate.schedule + (f" x{candidate.virtual_chunks}" if candidate.virtual_chunks > 1 else "")
         rows.append([rank, candidate.mesh(),
                      "yes" if candidate.sequence_parallel else "no",
-                     f"{candidate.zero}{'' if candidate.reshard_after_forward else ' kept'}",
+                     candidate.zero_label(),
                      f"{candidate.micro_batches} of {candidate.micro_batch}", schedule, candidate.recompute,
                      seconds(simulated.step_time_s), f"{simulated.mfu:.1%}", f"{simulated.memory.total / GIB:.1f}"])
     return rows
@@ -100,9 +100,14 @@ def _print(result) -> None:
                    f"{result.dispatcher}")
     click.echo(format_table(["#", "layout", "SP", "ZeRO", "micro-batches", "schedule", "recompute", "step", "MFU",
                              f"GiB per GPU (of {result.capacity / GIB:.1f})"], _rows(result)))
-    if any(not candidate.reshard_after_forward for candidate, _, _ in result.best):
-        click.echo("ZeRO 3 kept: a unit not resharded after its forward, kept to its chunk's last backward of the "
-                   "step under pipelining, as this stack does by default (simulator/engine/overlap.py's stack_reshards)")
+    labels = {candidate.zero_label() for candidate, _, _ in result.best}
+    if any(" kept" in label for label in labels):
+        click.echo("ZeRO 3 kept: a unit not resharded after its forward (--no-reshard-after-forward), gathered to its "
+                   "backward; all step: to its chunk's last backward of the step, gradients reduced once (under "
+                   "pipelining, or --sync-grads-once)")
+    if any(" / " in label for label in labels):
+        click.echo("ZeRO 3 / N: hybrid sharding (--shard-group N), each unit sharded over N data ranks, replicated "
+                   "across the groups, its gradients all-reduced between them")
     click.echo("")
     click.echo(format_table(["why the others lost", "layouts"], _why_rows(result)))
     seconds = sum(result.seconds.values())

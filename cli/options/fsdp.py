@@ -23,7 +23,7 @@ from minigpt.errors import check_positive_int
 
 RESHARD_HELP = ("ZeRO-3: free a unit's gathered weights after its forward and gather them again for its backward, "
                 "or keep them until the backward (under pipelining: until the chunk's last backward of the step, as "
-                "torchtitan); --no-reshard-after-forward needs --zero 3. [default: reshard; simulate and plan "
+                "torchtitan); --no-reshard-after-forward needs --zero 3. [default: reshard; simulate "
                 "under --overlap torchtitan-fsdp2 with --pp > 1: not, torchtitan's own default]")
 SYNC_HELP = ("ZeRO-3 without resharding after the forward: keep every unit gathered all step, sum its gradients over "
              "the micro-batches and reduce-scatter them once, after its last backward (FSDP2's gradient sync off "

@@ -14,6 +14,10 @@ Every candidate:
           x tp under SP) that divides the experts (E / ep experts a rank; job/train_config.py's
           check_expert_parallel), or the one --ep asks for; 1 for a dense model;
   ZeRO    0, 1, 2 and 3 with several data-parallel ranks (dp x cp); 0 with one (every stage runs as 0 there);
+  FSDP    for ZeRO-3 (fsdp_options): resharding after the forward or not (kept from a unit's forward to its
+          backward; all step under pipelining), kept all step with the gradients reduced once (--sync-grads-once)
+          where pp is 1 and there are several micro-batches; each sharded over every data rank and over each
+          server's (hybrid sharding, --shard-group: shards inside a server, replicas across servers);
   micro-batch  MICRO_BATCH_SIZES that divide the batch per replica (or the one --micro-batch-size /
           --micro-batches asks for);
   schedule  1f1b; interleaved with INTERLEAVED_CHUNKS virtual chunks where the micro-batches are a
@@ -50,10 +54,11 @@ from typing import Callable
 from minigpt.config import OP_RECOMPUTE, RECOMPUTE_MODES, GPTConfig
 from minigpt.errors import ConfigError, check_positive_int
 from job.layout import Layout
+from job.schedule_actions import holds_all_step
 from precision.policy import policy as precision_policy
 from job.train_config import check_context_parallel, check_expert_parallel, routing_ranks, shape_allows
 from simulator.engine.experts import check_dispatcher, check_expert_load
-from simulator.engine.overlap import overlap_preset, stack_reshards
+from simulator.engine.overlap import overlap_preset
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.costs.hardware import GPUSpec
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_gpus, check_layers, schedule_slots,
@@ -94,12 +99,21 @@ class Candidate:
     recompute: str
     cp: int = 1  # context parallelism, ring
     ep: int = 1  # expert parallelism: ep of the dp ranks split a mixture of experts' experts
-    reshard_after_forward: bool = True  # ZeRO-3: the stack's default (simulator/engine/overlap.py's stack_reshards)
+    reshard_after_forward: bool = True  # ZeRO-3 only may keep its units (fsdp_options)
+    shard_group: int = 0  # ZeRO-3's hybrid sharding: shards over groups of this many data ranks (0: over all)
+    sync_grads_once: bool = False  # ZeRO-3 kept all step without pipelining, its gradients reduced once
 
     @property
     def layout(self) -> Layout:
         return Layout(self.tp, self.pp, self.dp, self.zero, self.sequence_parallel, self.virtual_chunks, self.cp,
-                      ep=self.ep, reshard_after_forward=self.reshard_after_forward)
+                      ep=self.ep, reshard_after_forward=self.reshard_after_forward, shard_group=self.shard_group,
+                      sync_grads_once=self.sync_grads_once)
+
+    def zero_label(self) -> str:
+        """The ZeRO stage with its FSDP settings, short: "3", "3 kept", "3 kept all step", "3 / 8" (shards over
+        groups of 8 data ranks)."""
+        kept = "" if self.reshard_after_forward else " kept all step" if self._holds_all_step() else " kept"
+        return f"{self.zero}{kept}{f' / {self.shard_group}' if self.shard_group else ''}"
 
     def mesh(self) -> str:
         experts = f" (ep {self.ep})" if self.ep > 1 else ""
@@ -108,7 +122,7 @@ class Candidate:
     def describe(self) -> str:
         chunks = f" x{self.virtual_chunks}" if self.virtual_chunks > 1 else ""
         return (f"{self.mesh()}{', SP' if self.sequence_parallel else ''}, "
-                f"ZeRO-{self.zero}{'' if self.reshard_after_forward else ' without resharding after the forward'}, "
+                f"ZeRO-{self.zero}{self._fsdp_words()}, "
                 f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''} of "
                 f"{self.micro_batch}, "
                 f"{self.schedule}{chunks}, recompute {self.recompute}")
@@ -118,7 +132,16 @@ class Candidate:
                 "sequence_parallel": self.sequence_parallel, "micro_batch": self.micro_batch,
                 "micro_batches": self.micro_batches, "schedule": self.schedule,
                 "virtual_chunks": self.virtual_chunks, "recompute": self.recompute, "ep": self.ep,
-                "reshard_after_forward": self.reshard_after_forward}
+                "reshard_after_forward": self.reshard_after_forward, "shard_group": self.shard_group,
+                "sync_grads_once": self.sync_grads_once}
+
+    def _holds_all_step(self) -> bool:
+        return holds_all_step(self.reshard_after_forward, self.sync_grads_once, self.pp, self.micro_batches)
+
+    def _fsdp_words(self) -> str:
+        kept = "" if self.reshard_after_forward else (
+            " kept gathered all step" if self._holds_all_step() else " without resharding after the forward")
+        return kept + (f", sharded over groups of {self.shard_group} data ranks" if self.shard_group else "")
 
 
 def tensor_parallel_options(model: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[tuple[int, bool]]:
@@ -159,27 +182,26 @@ def micro_batch_sizes(per_replica: int, size: int | None, count: int | None) -> 
     return [s for s in MICRO_BATCH_SIZES if per_replica % s == 0]
 
 
-def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter, modes: int) -> list[tuple[str, int]]:
-    """(kind, virtual chunks) searched; a refused interleaved schedule counts once per recompute mode (`modes`)."""
+def _schedules(model: GPTConfig, pp: int, m: int, refused: Counter, variants: int) -> list[tuple[str, int]]:
+    """(kind, virtual chunks) searched; a refused interleaved schedule counts once per variant (recompute mode and
+    FSDP settings: `variants`)."""
     if pp == 1:
         return [("1f1b", 1)]
     if m % pp:
-        refused["interleaved_micro_batches"] += modes
+        refused["interleaved_micro_batches"] += variants
         return [("1f1b", 1)]
     if pp * INTERLEAVED_CHUNKS > model.n_layers:
-        refused["interleaved_layers"] += modes
+        refused["interleaved_layers"] += variants
         return [("1f1b", 1)]
     return [("1f1b", 1), ("interleaved", INTERLEAVED_CHUNKS)]
 
 
 def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, global_batch: int,
                          micro_batch: int | None = None, micro_batches: int | None = None, cp: int | None = None,
-                         ep: int | None = None, op_recompute: bool = False,
-                         pipelined_reshard: bool = True) -> tuple[list[Candidate], Counter]:
+                         ep: int | None = None, op_recompute: bool = False) -> tuple[list[Candidate], Counter]:
     """Every candidate of the module docstring, and the refusals counted by REFUSALS key; `cp` fixes context
     parallelism, `ep` expert parallelism (None: searched); `op_recompute`: recompute "op" searched too, where tp and cp
-    are 1 (recompute_modes); `pipelined_reshard`: whether ZeRO-3 reshards after the forward under pipelining (the
-    stack's default: stack_reshards)."""
+    are 1 (recompute_modes)."""
     out, refused = [], Counter()
     for tp, sp in tensor_parallel_options(model, n_gpus, gpus_per_node):
         for cp_size in context_parallel_options(model, n_gpus, tp, sp, cp):
@@ -192,7 +214,7 @@ def enumerate_candidates(model: GPTConfig, n_gpus: int, gpus_per_node: int, glob
                     for ep_size in expert_parallel_options(model, routing_ranks(dp, cp_size, tp, sp), ep):
                         modes = recompute_modes(op_recompute and tp == 1 and cp_size == 1)
                         out += _pipelines(model, tp, sp, cp_size, pp, dp, size, global_batch // (dp * size), refused,
-                                          ep_size, modes, pipelined_reshard)
+                                          ep_size, modes, gpus_per_node)
     return out, refused
 
 
@@ -209,23 +231,41 @@ def op_recompute_searched(model: GPTConfig, precision: str, overlap: str) -> boo
             and not precision_policy(precision).fp8_linears)
 
 
+def fsdp_options(zero: int, data_ranks: int, pp: int, m: int, server_data_ranks: int,
+                 ep: int = 1) -> list[tuple[bool, bool, int]]:
+    """(reshard_after_forward, sync_grads_once, shard_group) searched for a ZeRO stage: ZeRO-3 resharding after the
+    forward or keeping its units (all step under pipelining), or kept all step with its gradients reduced once where
+    pp is 1 and there are several micro-batches; each sharded over every data rank (0) and, where a server holds
+    fewer of them (`server_data_ranks`) and divides them, over each server's (hybrid sharding: the gathers and
+    reduce-scatters inside a server, the replicas' all-reduce between servers; `simulate --shard-group` takes any
+    size, plan keeps to this one so that its search stays within seconds). Not with expert parallelism: hybrid
+    sharding of the experts' states is not modelled (simulate_step refuses it). Other stages: (True, False, 0)."""
+    if zero != 3:
+        return [(True, False, 0)]
+    holds = [(True, False), (False, False)] + ([(False, True)] if pp == 1 and m > 1 else [])
+    hybrid = ep == 1 and 2 <= server_data_ranks < data_ranks and data_ranks % server_data_ranks == 0
+    return [(reshard, once, group) for reshard, once in holds for group in (0, server_data_ranks)[:1 + hybrid]]
+
+
 def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,
                refused: Counter, ep: int = 1, modes: tuple[str, ...] = RECOMPUTE_MODES,
-               pipelined_reshard: bool = True) -> list[Candidate]:
-    """The candidates of one mesh and micro-batching: every ZeRO stage, schedule and recompute mode of `modes`
-    (ZeRO-3 under pipelining resharding after the forward or not, as `pipelined_reshard` says)."""
+               gpus_per_node: int = 8) -> list[Candidate]:
+    """The candidates of one mesh and micro-batching: every ZeRO stage (with its FSDP settings: fsdp_options),
+    schedule and recompute mode of `modes`. A server of `gpus_per_node` holds gpus_per_node / tp data ranks of a
+    stage (the mesh puts pp outermost, tp innermost: job/layout.py)."""
     out = []
     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-        for schedule, v in _schedules(model, pp, m, refused, len(modes)):
+        variants = [(recompute, *fsdp) for fsdp in fsdp_options(zero, dp * cp, pp, m, gpus_per_node // tp, ep)
+                    for recompute in modes]
+        for schedule, v in _schedules(model, pp, m, refused, len(variants)):
             if schedule_slots(pp, v, m) > MAX_SCHEDULE_SLOTS:
-                refused["schedule_slots"] += len(modes)
+                refused["schedule_slots"] += len(variants)
                 continue
             if zero3_gathers(zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
-                refused["zero3_gathers"] += len(modes)
+                refused["zero3_gathers"] += len(variants)
                 continue
-            reshard = pipelined_reshard or zero != 3 or pp == 1
-            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp, ep, reshard)
-                    for recompute in modes]
+            out += [Candidate(tp, pp, dp, zero, sp, size, m, schedule, v, recompute, cp, ep, reshard, group, once)
+                    for recompute, reshard, once, group in variants]
     return out
 
 
@@ -236,6 +276,7 @@ def candidate_memory(model: GPTConfig, candidate: Candidate, precision: str, gpu
     c = candidate
     shape = schedule_shape(c.pp, c.micro_batches, c.schedule, c.virtual_chunks)
     return predict_memory(model, c.layout, precision, c.micro_batch, c.recompute, gpu, BUCKET_MB, list(shape.in_flight),
+                          micro_batches=c.micro_batches,
                           implementation=candidate_stack(overlap, c.recompute, expert_load, changes=changes),
                           ends_in_flight=shape.ends)
 
@@ -368,7 +409,7 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     clock = time.perf_counter()
     op = op_recompute_searched(model, precision, overlap)
     candidates, refused = enumerate_candidates(model, n_gpus, spec.gpus_per_node, global_batch, micro_batch,
-                                               micro_batches, cp, ep, op, stack_reshards(overlap, pp=2))  # any pp > 1
+                                               micro_batches, cp, ep, op)
     if dict(stack_changes).get("fp8_param_gather"):
         refused["fp8_gather_zero0"] = sum(c.zero == 0 for c in candidates)
         candidates = [c for c in candidates if c.zero > 0]
