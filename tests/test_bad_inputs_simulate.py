@@ -260,9 +260,10 @@ FSDP_ROWS = [  # cli/options/fsdp.py's flags, checked by job/train_config.py's c
     ("simulate", ["--dp", "4", "--zero", "2", "--no-reshard-after-forward"], "needs --zero 3"),
     ("simulate", ["--dp", "4", "--shard-group", "2"], "needs --zero 1, 2 or 3"),
     ("simulate", ["--dp", "4", "--zero", "3", "--shard-group", "0"], "--shard-group must be a positive integer"),
-    ("simulate", [*SWEEP, "--zero", "3", "--no-reshard-after-forward"], "--no-reshard-after-forward"),
+    ("simulate", [*SWEEP, "--zero", "2", "--no-reshard-after-forward"], "needs --zero 3"),  # a sweep checks the same
     ("simulate", ["--dp", "4", "--zero", "3", "--sync-grads-once"], "needs --zero 3 --no-reshard-after-forward"),
-    ("simulate", [*SWEEP, "--sync-grads-once"], "--sync-grads-once"),
+    ("simulate", [*SWEEP, "--sync-grads-once"], "needs --zero 3 --no-reshard-after-forward"),
+    ("simulate", [*SWEEP, "--zero", "3", "--shard-group", "7"], "--shard-group 7, which must divide the data ranks"),
 ]
 CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS + OUTPUT_ROWS + FSDP_ROWS
 

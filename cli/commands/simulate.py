@@ -99,7 +99,8 @@ def _job(options: dict, model, zero: int):
     return Job(model, options["precision"], options["global_batch"] or 0, options["micro_batch"], zero,
                options["schedule"], options["virtual_chunks"], options["recompute"], options["sequence_parallel"],
                cp=options["cp"], cp_kind=options["cp_kind"], ep=options["ep"], overlap=overlap,
-               implementation=implementation)
+               implementation=implementation, reshard_after_forward=options["reshard_after_forward"],
+               shard_group=options["shard_group"], sync_grads_once=options["sync_grads_once"])
 
 
 def _overlap(options: dict):
@@ -154,9 +155,6 @@ def run_sweep(options: dict) -> dict:
     if options["nccl_algo"] != "auto":
         raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
                           "layout without --sweep")
-    if options["shard_group"] or options["reshard_after_forward"] is False or options["sync_grads_once"]:
-        raise ConfigError("--sweep simulates plain ZeRO over each layout's data ranks: drop --shard-group, "
-                          "--no-reshard-after-forward and --sync-grads-once, or simulate one layout without --sweep")
     if options["tp_overlap_cfg"]:
         raise ConfigError("--sweep picks each GPU count's layout, and a userbuffers file describes one tp: drop "
                           "--tp-overlap-cfg, or simulate one layout without --sweep")
@@ -241,6 +239,16 @@ def _print_single(report: dict) -> None:
         click.echo(campaign_note(report["campaign"]))
 
 
+def _fsdp_words(sweep) -> str:
+    """FSDP's settings of a sweep's points, when any is set (every point has the job's)."""
+    layouts = [p.result.layout for p in sweep.points]
+    kept = [lay for lay in layouts if not lay.reshard_after_forward]
+    words = [f"ZeRO-3 without resharding after the forward at {len(kept)} of {len(layouts)} points"] if kept else []
+    words += ["gradients reduced once a step (--sync-grads-once)"] if layouts[0].sync_grads_once else []
+    words += [f"hybrid sharding over groups of {layouts[0].shard_group} data ranks"] if layouts[0].shard_group else []
+    return "".join(f"; {w}" for w in words)
+
+
 def _print_sweep(report: dict) -> None:
     from cli.output import format_table
     from simulator import report as rep
@@ -249,7 +257,7 @@ def _print_sweep(report: dict) -> None:
     sweep = report["sweep"]
     stack = _stack(sweep)["overlap"]["name"]
     click.echo(f"{sweep.scaling} scaling of a {parameter_count(report['model'].n_params())}-parameter GPT "
-               f"(best layout at each GPU count unless --tp/--pp fix it), overlap {stack}")
+               f"(best layout at each GPU count unless --tp/--pp fix it), overlap {stack}{_fsdp_words(sweep)}")
     click.echo(format_table(rep.SWEEP_HEADERS, rep.sweep_rows(sweep)))
     click.echo(sweep.verdict())
     if report["zero"]:

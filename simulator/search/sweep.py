@@ -8,7 +8,10 @@ block) that divide the GPU count and the batch (context parallelism stays at the
 GPUs / (tp x cp x pp); a mixture of experts' expert parallelism at the job's ep, where it divides the layout's
 ranks routing distinct tokens), and whose schedule stays within
 simulator/limits.py's MAX_SCHEDULE_SLOTS and MAX_ZERO3_GATHERS (the sweep's GPU counts and points
-are limited there too).
+are limited there too). FSDP's settings are the job's at every point (`reshard_after_forward`, None: the stack's
+default for the point's pp, simulator/engine/overlap.py's stack_reshards; `sync_grads_once`; `shard_group`, where it
+divides the point's data ranks: a layout whose data ranks it does not divide is left out, as one whose routing ranks
+ep does not divide).
 
 Marginal gain: going from N0 to N1 GPUs, each added GPU brings (T1 - T0) / (N1 - N0)
 samples/s; linear scaling would have it bring what a GPU brought at N0, T0 / N0. Their
@@ -28,19 +31,20 @@ from minigpt.config import OP_RECOMPUTE, GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.compute import EfficiencyProfile
 from simulator.costs.implementation import Implementation
-from simulator.engine.overlap import Overlap, resolve_overlap
+from simulator.engine.overlap import Overlap, resolve_overlap, stack_reshards
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.search.bound import candidate_stack
 from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
                               zero3_gathers)
 from job.layout import Layout
-from job.train_config import routing_ranks, shape_allows
+from job.train_config import check_sharding, routing_ranks, shape_allows
 from simulator.memory import predict_memory
 from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster, whole_servers
 
 DEFAULT_THRESHOLD = 0.5
 _EP_NOTE = ", ep={ep}, which must divide the ranks routing distinct tokens: dp x cp, x tp under sequence parallelism"
+_SHARD_NOTE = ", --shard-group {group}, which must divide the data ranks: dp x cp"
 SCALINGS = ("strong", "weak")
 
 
@@ -98,6 +102,24 @@ class Job:
     ep: int = 1  # kept at every point of a sweep: a mixture of experts' experts split over ep data ranks
     overlap: Overlap | str | None = None  # the stack's overlap (simulator/engine/overlap.py; None: our executor's)
     implementation: Implementation | None = None  # how its blocks are computed (None: the overlap's stack_default)
+    reshard_after_forward: bool | None = None  # ZeRO-3 (None: the stack's default for each layout's pp)
+    shard_group: int = 0  # hybrid sharding: ZeRO over groups of this many data ranks (0: over all of them)
+    sync_grads_once: bool = False  # ZeRO-3 kept all step without pipelining too, its gradients reduced once
+
+    def __post_init__(self) -> None:
+        """FSDP's settings checked once, whatever the layouts (job/train_config.py's check_sharding: the flags go
+        with ZeRO-3, a shard group with ZeRO 1-3) and their data ranks (those checked per layout)."""
+        check_sharding(self.zero, self.shard_group or 1, self.shard_group, self.reshard_after_forward is not False,
+                       self.sync_grads_once)
+        if self.shard_group and self.ep > 1:
+            raise ConfigError(f"--shard-group {self.shard_group} with --ep {self.ep}: hybrid sharding of the experts' "
+                              f"states is not modelled; drop --shard-group (ZeRO then shards over every data rank)")
+
+    def reshards(self, pp: int) -> bool:
+        """ZeRO-3's reshard after the forward at a layout of `pp` stages: as given, else the stack's default."""
+        if self.reshard_after_forward is not None or self.zero != 3:
+            return self.reshard_after_forward is not False
+        return stack_reshards(self.overlap or "executor", pp)
 
     def simulate(self, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
                  global_batch: int | None = None) -> SimResult:
@@ -126,14 +148,17 @@ def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: i
             if rest % p or p * job.virtual_chunks > model.n_layers:
                 continue
             dp = rest // p
-            if global_batch % (job.micro_batch * dp) or routing_ranks(dp, cp, t, job.sequence_parallel) % job.ep:
+            if global_batch % (job.micro_batch * dp) or routing_ranks(dp, cp, t, job.sequence_parallel) % job.ep \
+                    or (job.shard_group and (dp * cp) % job.shard_group):
                 continue
             m = global_batch // (job.micro_batch * dp)
             if (job.schedule == "interleaved" and m % p) or schedule_slots(p, job.virtual_chunks, m) > MAX_SCHEDULE_SLOTS \
                     or zero3_gathers(job.zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
                 continue
             out.append(Layout(tp=t, pp=p, dp=dp, zero=job.zero, sequence_parallel=job.sequence_parallel,
-                              virtual_chunks=job.virtual_chunks, cp=cp, cp_kind=job.cp_kind, ep=job.ep))
+                              virtual_chunks=job.virtual_chunks, cp=cp, cp_kind=job.cp_kind, ep=job.ep,
+                              reshard_after_forward=job.reshards(p), shard_group=job.shard_group,
+                              sync_grads_once=job.sync_grads_once))
     return out
 
 
@@ -144,7 +169,8 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     if not layouts:
         raise ConfigError(
             f"no layout of {n_gpus} GPUs runs a global batch of {global_batch} in micro-batches of {job.micro_batch} "
-            f"(tp={tp or 'any'}, pp={pp or 'any'}{_EP_NOTE.format(ep=job.ep) if job.ep > 1 else ''}) within "
+            f"(tp={tp or 'any'}, pp={pp or 'any'}{_EP_NOTE.format(ep=job.ep) if job.ep > 1 else ''}"
+            f"{_SHARD_NOTE.format(group=job.shard_group) if job.shard_group else ''}) within "
             f"{MAX_SCHEDULE_SLOTS:,} schedule slots (pp x virtual "
             f"chunks x micro-batches) and {MAX_ZERO3_GATHERS:,} ZeRO-3 gathers (simulator/limits.py): change the "
             f"batch, the GPU counts or the layout"
@@ -180,7 +206,9 @@ class ScalingPoint:
     def as_dict(self) -> dict:
         r = self.result
         return {"gpus": self.gpus, "global_batch": self.global_batch, "layout": {"tp": r.layout.tp, "cp": r.layout.cp,
-                "pp": r.layout.pp, "dp": r.layout.dp, "ep": r.layout.ep, "zero": r.layout.zero}, "micro_batches": r.micro_batches,
+                "pp": r.layout.pp, "dp": r.layout.dp, "ep": r.layout.ep, "zero": r.layout.zero,
+                "reshard_after_forward": r.layout.reshard_after_forward, "shard_group": r.layout.shard_group,
+                "sync_grads_once": r.layout.sync_grads_once}, "micro_batches": r.micro_batches,
                 "step_time_s": r.step_time_s, "samples_per_s": self.samples_per_s, "tflops_per_gpu": r.tflops_per_gpu,
                 "mfu": r.mfu, "speedup": self.speedup, "efficiency": self.efficiency, "marginal_efficiency": self.marginal,
                 "fits": r.fits, "breakdown": r.breakdown}
@@ -271,8 +299,15 @@ def add_point(sweep: ScalingSweep, point: ScalingPoint) -> None:
 
 def compare_zero(job: Job, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
                  global_batch: int | None = None, stages: tuple[int, ...] = (0, 1, 2, 3)) -> dict[int, SimResult]:
-    """The same job and layout under each ZeRO stage: what sharding costs in time and saves in memory."""
-    return {stage: job.simulate(replace(layout, zero=stage), cluster, hardware, global_batch) for stage in stages}
+    """The same job and layout under each ZeRO stage: what sharding costs in time and saves in memory (FSDP's settings
+    with ZeRO-3 as the job has them, the other stages without them; a shard group with ZeRO 1-3)."""
+    def staged(stage: int) -> Layout:
+        if stage == 3:
+            return replace(layout, zero=3, reshard_after_forward=job.reshards(layout.pp),
+                           sync_grads_once=job.sync_grads_once, shard_group=job.shard_group)
+        return replace(layout, zero=stage, reshard_after_forward=True, sync_grads_once=False,
+                       shard_group=job.shard_group if stage else 0)
+    return {stage: job.simulate(staged(stage), cluster, hardware, global_batch) for stage in stages}
 
 
 def zero_verdict(results: dict[int, SimResult]) -> str:
