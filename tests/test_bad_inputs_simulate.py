@@ -264,8 +264,6 @@ FSDP_ROWS = [  # cli/options/fsdp.py's flags, checked by job/train_config.py's c
     ("simulate", ["--dp", "4", "--zero", "3", "--sync-grads-once"], "needs --zero 3 --no-reshard-after-forward"),
     ("simulate", [*SWEEP, "--sync-grads-once"], "needs --zero 3 --no-reshard-after-forward"),
     ("simulate", [*SWEEP, "--zero", "3", "--shard-group", "7"], "--shard-group 7, which must divide the data ranks"),
-    ("simulate", ["--model", "tiny-moe", "--dp", "4", "--ep", "2", "--zero", "3", "--shard-group", "2"],
-     "hybrid sharding of the experts' states is not modelled"),
 ]
 CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS + OUTPUT_ROWS + FSDP_ROWS
 

@@ -60,6 +60,8 @@ LAYOUTS = {
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),
+        "ep2-dp4-zero3-shard2": ("top2-drop", dict(dp=4, ep=2, zero=3, shard_group=2, micro_batches=2)),
+        "ep2-dp4-zero1-shard2": ("top2", dict(dp=4, ep=2, zero=1, shard_group=2)),
         "ep2-tp2": ("top2", dict(dp=2, ep=2, tp=2)),
         "ep2-pp2": ("top2-drop", dict(dp=2, ep=2, pp=2, micro_batches=2)),
         "ep2-cp2": ("top2-drop", dict(dp=2, ep=2, cp=2)),

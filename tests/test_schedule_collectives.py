@@ -28,6 +28,7 @@ from precision.policy import policy as precision_policy
 from simulator.engine.simulate import step_schedule
 
 MODEL = GPTConfig(vocab_size=256, seq_len=16, n_layers=4, n_heads=2, d_model=32, d_ff=64)
+MOE = dataclasses.replace(MODEL, n_experts=4, top_k=2)
 BASE = TrainConfig(model=MODEL, steps=2, global_batch=8, eval_every=0, eval_batches=1, device="cpu")
 STEPS = 2
 
@@ -61,6 +62,9 @@ LAYOUTS = {
         "dp4 zero3 shard2 m2": dict(dp=4, zero=3, micro_batches=2, shard_group=2),
         "dp4 zero2 shard2": dict(dp=4, zero=2, micro_batches=2, bucket_mb=0.01, shard_group=2),
         "dp4 zero1 shard2": dict(dp=4, zero=1, micro_batches=2, bucket_mb=0.01, shard_group=2),
+        # a mixture of experts under hybrid sharding: the dense weights' collectives (the experts' are
+        # tests/test_moe_training.py's, over the ranks holding the same experts)
+        "moe ep2 dp4 zero3 shard2": dict(dp=4, zero=3, micro_batches=2, shard_group=2, ep=2, model=MOE),
     },
     8: {
         "tp2 pp2 dp2 zero3": dict(tp=2, pp=2, dp=2, zero=3, micro_batches=4),

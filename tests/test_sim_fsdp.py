@@ -216,7 +216,6 @@ def test_plan_searches_fsdp_settings_for_zero3():
     assert fsdp_options(3, 16, 1, 4, 8)[-2:] == [(False, True, 0), (False, True, 8)]
     assert fsdp_options(3, 16, 1, 1, 8) == fsdp_options(3, 16, 2, 1, 8)  # one micro-batch: nothing to sum
     assert fsdp_options(3, 8, 1, 1, 8) == fsdp_options(3, 24, 1, 1, 16) == [(True, False, 0), (False, False, 0)]
-    assert fsdp_options(3, 16, 1, 1, 8, ep=2) == [(True, False, 0), (False, False, 0)]
     candidates, _ = enumerate_candidates(MODEL, 16, 8, 32)
     zero3 = [c for c in candidates if c.zero == 3]
     assert {(c.reshard_after_forward, c.sync_grads_once, c.shard_group) for c in zero3} == {
@@ -227,3 +226,21 @@ def test_plan_searches_fsdp_settings_for_zero3():
                for c in candidates if c.zero != 3)
     assert all((c.layout.reshard_after_forward, c.layout.sync_grads_once, c.layout.shard_group)
                == (c.reshard_after_forward, c.sync_grads_once, c.shard_group) for c in candidates)
+
+
+def test_a_mixture_of_experts_under_hybrid_sharding_shards_its_experts_as_without():
+    """--shard-group with --ep (as tests/test_moe_training.py trains it, against one process): the dense weights'
+    collectives go over the shard group and its replicas, the routed experts' over the ranks holding the same experts,
+    as without the group; plan searches the combination."""
+    def collectives_of(*flags):
+        result = CliRunner().invoke(main, ["simulate", "--model", "tiny-moe", "--dp", "4", "--ep", "2", "--zero", "3",
+                                           "--global-batch", "8", "--json", *flags])
+        assert result.exit_code == 0, result.output
+        found = json.loads(result.output)["collectives"]
+        return ({(c["kind"], c["bytes"]) for c in found if c["group"] == "dp_experts"},
+                {c["group"] for c in found if c["group"].startswith("dp") and c["group"] != "dp_experts"})
+    experts, dense = collectives_of("--shard-group", "2")
+    assert dense == {"dp_shard", "dp_replicas"} and experts and experts == collectives_of()[0]
+    from simulator.search.plan import enumerate_candidates
+    candidates, _ = enumerate_candidates(preset("tiny-moe"), 16, 8, 32)
+    assert any(c.ep > 1 and c.shard_group for c in candidates)

@@ -286,13 +286,6 @@ def _kernel_on(implementation: Implementation, spec: GPUSpec) -> Implementation:
                    else "flash-attn-2")  # an unfused attention runs no fused kernel
 
 
-def check_hybrid_experts(ep: int, shard_group: int, replicas: int = 2) -> None:
-    """Hybrid sharding (`replicas` copies of each shard) with expert parallelism: not modelled, one line."""
-    if ep > 1 and shard_group and replicas > 1:
-        raise ConfigError(f"--shard-group {shard_group} with --ep {ep}: hybrid sharding of the experts' states is not "
-                          f"modelled; drop --shard-group (ZeRO then shards over every data rank)")
-
-
 def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision: str, global_batch: int,
                   micro_batch: int, schedule_kind: str = "1f1b", virtual_chunks: int = 1, recompute: str = "none",
                   profile: EfficiencyProfile | None = None, gpu: GPUSpec | Hardware | str | None = None,
@@ -323,7 +316,6 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
     layout = replace(layout, virtual_chunks=max(v, layout.virtual_chunks))
     layout.check(model)
     check_cp_attention(layout.cp, attention)
-    check_hybrid_experts(layout.ep, layout.shard_group, layout.shard_replicas)
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, micro_batch,
               layout.world_size, layout.effective_zero, layout.cp)  # the stated limits, for callers of the API too
     spec = resolve_gpu(cluster, gpu)

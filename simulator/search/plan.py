@@ -231,19 +231,18 @@ def op_recompute_searched(model: GPTConfig, precision: str, overlap: str) -> boo
             and not precision_policy(precision).fp8_linears)
 
 
-def fsdp_options(zero: int, data_ranks: int, pp: int, m: int, server_data_ranks: int,
-                 ep: int = 1) -> list[tuple[bool, bool, int]]:
+def fsdp_options(zero: int, data_ranks: int, pp: int, m: int, server_data_ranks: int) -> list[tuple[bool, bool, int]]:
     """(reshard_after_forward, sync_grads_once, shard_group) searched for a ZeRO stage: ZeRO-3 resharding after the
     forward or keeping its units (all step under pipelining), or kept all step with its gradients reduced once where
     pp is 1 and there are several micro-batches; each sharded over every data rank (0) and, where a server holds
     fewer of them (`server_data_ranks`) and divides them, over each server's (hybrid sharding: the gathers and
     reduce-scatters inside a server, the replicas' all-reduce between servers; `simulate --shard-group` takes any
-    size, plan keeps to this one so that its search stays within seconds). Not with expert parallelism: hybrid
-    sharding of the experts' states is not modelled (simulate_step refuses it). Other stages: (True, False, 0)."""
+    size, plan keeps to this one so that its search stays within seconds; a mixture of experts' routed experts keep
+    their states sharded over the ranks holding the same experts, whatever the group). Other stages: (True, False, 0)."""
     if zero != 3:
         return [(True, False, 0)]
     holds = [(True, False), (False, False)] + ([(False, True)] if pp == 1 and m > 1 else [])
-    hybrid = ep == 1 and 2 <= server_data_ranks < data_ranks and data_ranks % server_data_ranks == 0
+    hybrid = 2 <= server_data_ranks < data_ranks and data_ranks % server_data_ranks == 0
     return [(reshard, once, group) for reshard, once in holds for group in (0, server_data_ranks)[:1 + hybrid]]
 
 
@@ -255,7 +254,7 @@ def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, s
     stage (the mesh puts pp outermost, tp innermost: job/layout.py)."""
     out = []
     for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-        variants = [(recompute, *fsdp) for fsdp in fsdp_options(zero, dp * cp, pp, m, gpus_per_node // tp, ep)
+        variants = [(recompute, *fsdp) for fsdp in fsdp_options(zero, dp * cp, pp, m, gpus_per_node // tp)
                     for recompute in modes]
         for schedule, v in _schedules(model, pp, m, refused, len(variants)):
             if schedule_slots(pp, v, m) > MAX_SCHEDULE_SLOTS:

@@ -32,7 +32,7 @@ from minigpt.errors import ConfigError
 from simulator.costs.compute import EfficiencyProfile
 from simulator.costs.implementation import Implementation
 from simulator.engine.overlap import Overlap, resolve_overlap, stack_reshards
-from simulator.engine.simulate import SimResult, check_hybrid_experts, simulate_step
+from simulator.engine.simulate import SimResult, simulate_step
 from simulator.search.bound import candidate_stack
 from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
@@ -111,7 +111,6 @@ class Job:
         with ZeRO-3, a shard group with ZeRO 1-3) and their data ranks (those checked per layout)."""
         check_sharding(self.zero, self.shard_group or 1, self.shard_group, self.reshard_after_forward is not False,
                        self.sync_grads_once)
-        check_hybrid_experts(self.ep, self.shard_group)  # replicas at some point, whatever the GPU counts
 
     def reshards(self, pp: int) -> bool:
         """ZeRO-3's reshard after the forward at a layout of `pp` stages: as given, else the stack's default."""
