@@ -177,7 +177,7 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     fitting, smallest = [], None
     for layout in layouts:
         states = predict_memory(job.model, layout, job.precision, job.micro_batch, job.recompute, gpu,
-                                implementation=job.stack)
+                                micro_batches=global_batch // (job.micro_batch * layout.dp), implementation=job.stack)
         if states.model_states > gpu.hbm_bytes:  # cannot fit whatever the schedule: skip the replay
             smallest = min(smallest or (states.total, layout), (states.total, layout), key=lambda x: x[0])
             continue
