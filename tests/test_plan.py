@@ -118,13 +118,13 @@ def test_the_lower_bound_never_exceeds_the_simulated_step(brute_force, tight):
     assert max(low / step for _, step, low in rows) > 0.8  # and it is not vacuous
     _, _, found = tight
     assert all(0 < low <= step for _, step, low in found.simulated)
-    # GPT-3 on 1,024 GPUs, every 107th candidate: both terms of the bound decide somewhere, neither passes the step
+    # GPT-3 on 1,024 GPUs, every 131st candidate: both terms of the bound decide somewhere, neither passes the step
     model, spec = build_config("gpt3-175b"), ClusterSpec.of("a100-80gb")
     cluster = spec.build(1024)
     bound = StepBound(model, cluster, spec.hardware, "bf16")
     candidates, _ = enumerate_candidates(model, 1024, spec.gpus_per_node, 1024)
     deciding = set()
-    for c in candidates[::107]:
+    for c in candidates[::131]:
         job = (c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute,
                candidate_memory(model, c, "bf16", spec.hardware.gpu))
         compute, data_parallel = bound.compute_seconds(*job), bound.data_parallel_seconds(*job)
@@ -436,7 +436,7 @@ def test_plan_searches_fsdp_settings_and_says_how_to_run_them():
     assert all(b["shard_group"] in (0, 8 // b["tp"]) for b in zero3)
     table = invoke(*args).output
     assert "3 kept all step / " in table and "ZeRO 3 kept: a unit not resharded" in table
-    assert "ZeRO 3 / N: hybrid sharding (--shard-group N)" in table
+    assert "ZeRO Z / N: hybrid sharding (--shard-group N)" in table
     for b in [next(b for b in zero3 if b["sync_grads_once"] and b["shard_group"]),
               next(b for b in zero3 if not b["reshard_after_forward"] and not b["sync_grads_once"])]:
         flags = ["--tp", b["tp"], "--pp", b["pp"], "--dp", b["dp"], "--cp", b["cp"], "--zero", 3,

@@ -208,10 +208,11 @@ def test_torchtitans_stack_does_not_reshard_under_pipelining_unless_told():
 
 def test_plan_searches_fsdp_settings_for_zero3():
     """plan's ZeRO-3 candidates come resharding, kept (all step under pipelining), kept all step with gradients
-    reduced once (pp 1, several micro-batches), each over every data rank and over a server's (hybrid sharding,
-    not with expert parallelism); the other stages as they are. Each candidate's layout says the same."""
+    reduced once (pp 1, several micro-batches); ZeRO 1-3 each over every data rank and over a server's (hybrid
+    sharding). Each candidate's layout says the same."""
     from simulator.search.plan import enumerate_candidates, fsdp_options
-    assert fsdp_options(1, 16, 1, 4, 8) == [(True, False, 0)]
+    assert fsdp_options(1, 16, 1, 4, 8) == [(True, False, 0), (True, False, 8)]
+    assert fsdp_options(0, 16, 1, 4, 8) == [(True, False, 0)]  # ZeRO-0 shards nothing
     assert fsdp_options(3, 16, 2, 4, 8) == [(True, False, 0), (True, False, 8), (False, False, 0), (False, False, 8)]
     assert fsdp_options(3, 16, 1, 4, 8)[-2:] == [(False, True, 0), (False, True, 8)]
     assert fsdp_options(3, 16, 1, 1, 8) == fsdp_options(3, 16, 2, 1, 8)  # one micro-batch: nothing to sum
@@ -222,8 +223,9 @@ def test_plan_searches_fsdp_settings_for_zero3():
         (True, False, 0), (True, False, 4), (True, False, 8), (False, False, 0), (False, False, 4), (False, False, 8),
         (False, True, 0), (False, True, 4), (False, True, 8)}
     assert all(c.shard_group in (0, 8 // c.tp) for c in zero3)
-    assert all((c.reshard_after_forward, c.sync_grads_once, c.shard_group) == (True, False, 0)
-               for c in candidates if c.zero != 3)
+    assert all(c.reshard_after_forward and not c.sync_grads_once for c in candidates if c.zero != 3)
+    assert {c.shard_group > 0 for c in candidates if c.zero in (1, 2)} == {True, False}
+    assert not any(c.shard_group for c in candidates if c.zero == 0)
     assert all((c.layout.reshard_after_forward, c.layout.sync_grads_once, c.layout.shard_group)
                == (c.reshard_after_forward, c.sync_grads_once, c.shard_group) for c in candidates)
 

@@ -4,7 +4,8 @@ Torch-free: it checks flags and prints what simulator/search/plan.py finds. The 
 `simulate`'s (cli/options/model.py), the cluster flags too (--gpu, --hardware, --gpus-per-node,
 --fabric, --topology-kind, --nics-per-node, --oversubscription: one cluster of --gpus GPUs in whole
 servers). The global batch defaults to one sequence per GPU, so every dp divides it; ZeRO-3 comes with FSDP's settings
-(simulator/search/plan.py's fsdp_options: the table's "3 kept", "3 kept all step", "3 / N");
+(simulator/search/plan.py's fsdp_options: the table's "3 kept", "3 kept all step") and ZeRO 1-3 with hybrid sharding
+over a server ("1 / N");
 --micro-batch-size or --micro-batches fixes the micro-batching, otherwise it is searched. Context parallelism (ring) is
 searched too (simulator/search/plan.py's MIN_CP_CHUNK says how far); when no layout fits without it,
 one line says which cp the job needs at the least. For a mixture of experts expert parallelism is searched (every
@@ -107,8 +108,8 @@ def _print(result) -> None:
                    "backward; all step: to its chunk's last backward of the step, gradients reduced once (under "
                    "pipelining, or --sync-grads-once)")
     if any(" / " in label for label in labels):
-        click.echo("ZeRO 3 / N: hybrid sharding (--shard-group N), each unit sharded over N data ranks, replicated "
-                   "across the groups, its gradients all-reduced between them")
+        click.echo("ZeRO Z / N: hybrid sharding (--shard-group N), the states ZeRO-Z shards sharded over N data ranks, "
+                   "replicated across the groups, the gradients all-reduced between them")
     click.echo("")
     click.echo(format_table(["why the others lost", "layouts"], _why_rows(result)))
     seconds = sum(result.seconds.values())
@@ -160,8 +161,8 @@ def _spec(options: dict):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(**options) -> None:
     """Search tp, sequence parallelism, context parallelism (ring), pp, dp, expert parallelism (a mixture of experts'),
-    ZeRO stage (ZeRO-3 with FSDP's settings: kept after the forward, gradients reduced once, hybrid sharding over a
-    server), micro-batch size, schedule and recompute for the fastest layouts that fit in memory, as the simulator
+    ZeRO stage (with FSDP's settings: ZeRO-3 kept after the forward or all step, hybrid sharding over a server),
+    micro-batch size, schedule and recompute for the fastest layouts that fit in memory, as the simulator
     predicts them, and say why the others lost."""
     from precision.policy import policy as precision_policy
     from cli.tools.plots import draw_plan

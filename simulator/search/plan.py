@@ -14,9 +14,9 @@ Every candidate:
           x tp under SP) that divides the experts (E / ep experts a rank; job/train_config.py's
           check_expert_parallel), or the one --ep asks for; 1 for a dense model;
   ZeRO    0, 1, 2 and 3 with several data-parallel ranks (dp x cp); 0 with one (every stage runs as 0 there);
-  FSDP    for ZeRO-3 (fsdp_options): resharding after the forward or not (kept from a unit's forward to its
+  FSDP    (fsdp_options) ZeRO-3 resharding after the forward or not (kept from a unit's forward to its
           backward; all step under pipelining), kept all step with the gradients reduced once (--sync-grads-once)
-          where pp is 1 and there are several micro-batches; each sharded over every data rank and over each
+          where pp is 1 and there are several micro-batches; ZeRO 1-3 sharded over every data rank and over each
           server's (hybrid sharding, --shard-group: shards inside a server, replicas across servers);
   micro-batch  MICRO_BATCH_SIZES that divide the batch per replica (or the one --micro-batch-size /
           --micro-batches asks for);
@@ -100,7 +100,7 @@ class Candidate:
     cp: int = 1  # context parallelism, ring
     ep: int = 1  # expert parallelism: ep of the dp ranks split a mixture of experts' experts
     reshard_after_forward: bool = True  # ZeRO-3 only may keep its units (fsdp_options)
-    shard_group: int = 0  # ZeRO-3's hybrid sharding: shards over groups of this many data ranks (0: over all)
+    shard_group: int = 0  # hybrid sharding (ZeRO 1-3): shards over groups of this many data ranks (0: over all)
     sync_grads_once: bool = False  # ZeRO-3 kept all step without pipelining, its gradients reduced once
 
     @property
@@ -110,7 +110,7 @@ class Candidate:
                       sync_grads_once=self.sync_grads_once)
 
     def zero_label(self) -> str:
-        """The ZeRO stage with its FSDP settings, short: "3", "3 kept", "3 kept all step", "3 / 8" (shards over
+        """The ZeRO stage with its FSDP settings, short: "3", "3 kept", "3 kept all step", "1 / 8" (shards over
         groups of 8 data ranks)."""
         kept = "" if self.reshard_after_forward else " kept all step" if self._holds_all_step() else " kept"
         return f"{self.zero}{kept}{f' / {self.shard_group}' if self.shard_group else ''}"
@@ -234,16 +234,15 @@ def op_recompute_searched(model: GPTConfig, precision: str, overlap: str) -> boo
 def fsdp_options(zero: int, data_ranks: int, pp: int, m: int, server_data_ranks: int) -> list[tuple[bool, bool, int]]:
     """(reshard_after_forward, sync_grads_once, shard_group) searched for a ZeRO stage: ZeRO-3 resharding after the
     forward or keeping its units (all step under pipelining), or kept all step with its gradients reduced once where
-    pp is 1 and there are several micro-batches; each sharded over every data rank (0) and, where a server holds
-    fewer of them (`server_data_ranks`) and divides them, over each server's (hybrid sharding: the gathers and
+    pp is 1 and there are several micro-batches; ZeRO 1-3 each sharded over every data rank (0) and, where a server
+    holds fewer of them (`server_data_ranks`) and divides them, over each server's (hybrid sharding: the gathers and
     reduce-scatters inside a server, the replicas' all-reduce between servers; `simulate --shard-group` takes any
     size, plan keeps to this one so that its search stays within seconds; a mixture of experts' routed experts keep
-    their states sharded over the ranks holding the same experts, whatever the group). Other stages: (True, False, 0)."""
-    if zero != 3:
-        return [(True, False, 0)]
-    holds = [(True, False), (False, False)] + ([(False, True)] if pp == 1 and m > 1 else [])
-    hybrid = 2 <= server_data_ranks < data_ranks and data_ranks % server_data_ranks == 0
-    return [(reshard, once, group) for reshard, once in holds for group in (0, server_data_ranks)[:1 + hybrid]]
+    their states sharded over the ranks holding the same experts, whatever the group). ZeRO-0: (True, False, 0)."""
+    hybrid = zero > 0 and 2 <= server_data_ranks < data_ranks and data_ranks % server_data_ranks == 0
+    groups = (0, server_data_ranks)[:1 + hybrid]
+    holds = [(True, False)] + ([(False, False)] + ([(False, True)] if pp == 1 and m > 1 else []) if zero == 3 else [])
+    return [(reshard, once, group) for reshard, once in holds for group in groups]
 
 
 def _pipelines(model: GPTConfig, tp: int, sp: bool, cp: int, pp: int, dp: int, size: int, m: int,
