@@ -51,9 +51,8 @@ def fsdp_options(command: Callable) -> Callable:
 def reshards(options: dict, overlap=None) -> bool:
     """The run's ZeRO-3 reshard after the forward: as given, else the stack's default (simulator/engine/overlap.py's
     stack_reshards: torchtitan's does not under pipelining; `overlap` None, our executor's: it does)."""
-    given = options.get("reshard_after_forward")
-    if given is not None or overlap is None or options.get("zero") != 3:
-        return given is not False
-    from simulator.engine.overlap import stack_reshards
+    if overlap is None:  # train and compare: our executor reshards unless told (no simulator import)
+        return options.get("reshard_after_forward") is not False
+    from simulator.engine.overlap import reshards as stack_or_given
 
-    return stack_reshards(overlap, options.get("pp") or 1)
+    return stack_or_given(options.get("reshard_after_forward"), options.get("zero"), overlap, options.get("pp") or 1)

@@ -261,6 +261,15 @@ def stack_reshards(overlap: Overlap | str, pp: int) -> bool:
     return not (base == "torchtitan-fsdp2" and pp > 1)
 
 
+def reshards(given: bool | None, zero: int, overlap: Overlap | str | None, pp: int) -> bool:
+    """A run's ZeRO-3 reshard after the forward: `given` (the flag), else the stack's default at `pp` stages
+    (stack_reshards; `overlap` None, our executor's: it reshards); True for other ZeRO stages unless `given` says
+    otherwise (which the layout's check then refuses in one line)."""
+    if given is not None or overlap is None or zero != 3:
+        return given is not False
+    return stack_reshards(overlap, pp)
+
+
 def stack_implementation(overlap: Overlap | str) -> dict:
     """The implementation choices of the stack an overlap (or preset name) comes from ("<preset>+custom": its preset's)."""
     base = overlap.preset if isinstance(overlap, Overlap) else Overlap(name=overlap).preset

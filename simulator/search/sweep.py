@@ -31,7 +31,7 @@ from minigpt.config import OP_RECOMPUTE, GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.compute import EfficiencyProfile
 from simulator.costs.implementation import Implementation
-from simulator.engine.overlap import Overlap, resolve_overlap, stack_reshards
+from simulator.engine.overlap import Overlap, reshards, resolve_overlap
 from simulator.engine.simulate import SimResult, simulate_step
 from simulator.search.bound import candidate_stack
 from simulator.costs.hardware import Hardware, load_hardware
@@ -114,9 +114,7 @@ class Job:
 
     def reshards(self, pp: int) -> bool:
         """ZeRO-3's reshard after the forward at a layout of `pp` stages: as given, else the stack's default."""
-        if self.reshard_after_forward is not None or self.zero != 3:
-            return self.reshard_after_forward is not False
-        return stack_reshards(self.overlap or "executor", pp)
+        return reshards(self.reshard_after_forward, self.zero, self.overlap or "executor", pp)
 
     def simulate(self, layout: Layout, cluster: Cluster, hardware: Hardware | None = None,
                  global_batch: int | None = None) -> SimResult:
