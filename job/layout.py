@@ -89,6 +89,14 @@ class Layout:
         ranks, times tp under sequence parallelism (parallel/tensor/moe.py)."""
         return routing_ranks(self.dp, self.cp, self.tp, self.sequence_parallel)
 
+    def zero_description(self) -> str:
+        """The ZeRO stage that runs with FSDP's settings, in words (simulate's headline, plan's candidates)."""
+        three = self.effective_zero == 3
+        return (f"ZeRO-{self.effective_zero}"
+                + (f" in shard groups of {self.shard_ranks}" if self.shard_replicas > 1 else "")
+                + (" without resharding after the forward" if three and not self.reshard_after_forward else "")
+                + (", gradients synced once a step" if three and self.sync_grads_once else ""))
+
     def activation_rows(self, model: GPTConfig) -> int:
         """The tokens of a sequence one rank holds between the layers (what a pipeline stage sends on): its
         s / cp under context parallelism, cut by tp again under sequence parallelism."""

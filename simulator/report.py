@@ -37,10 +37,7 @@ def headline(result: SimResult) -> str:
     lay = result.layout
     chunks = f" x {lay.virtual_chunks} chunks" if lay.virtual_chunks > 1 else ""
     cp = f" x cp {lay.cp} ({lay.cp_kind})" if lay.cp > 1 else ""
-    zero = f"ZeRO-{lay.effective_zero}" + (f" in shard groups of {lay.shard_ranks}" if lay.shard_replicas > 1 else "") \
-        + (" without resharding after the forward" if lay.effective_zero == 3 and not lay.reshard_after_forward else "") \
-        + (", gradients synced once a step" if lay.effective_zero == 3 and lay.sync_grads_once else "")
-    return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}, {zero}"
+    return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}, {lay.zero_description()}"
             f"{', sequence parallel' if lay.sequence_parallel else ''}, {result.precision}, {result.schedule}{chunks}, "
             f"{result.attention} attention, recompute {result.recompute}, overlap {result.overlap.name}; global batch {result.global_batch} = {result.micro_batches} micro-batches "
             f"of {result.micro_batch} per replica")

@@ -102,12 +102,12 @@ def _print(result) -> None:
                    f"{result.dispatcher}")
     click.echo(format_table(["#", "layout", "SP", "ZeRO", "micro-batches", "schedule", "recompute", "step", "MFU",
                              f"GiB per GPU (of {result.capacity / GIB:.1f})"], _rows(result)))
-    labels = {candidate.zero_label() for candidate, _, _ in result.best}
-    if any(" kept" in label for label in labels):
+    listed = [candidate for candidate, _, _ in result.best]
+    if any(not candidate.reshard_after_forward for candidate in listed):
         click.echo("ZeRO 3 kept: a unit not resharded after its forward (--no-reshard-after-forward), gathered to its "
                    "backward; all step: to its chunk's last backward of the step, gradients reduced once (under "
                    "pipelining, or --sync-grads-once)")
-    if any(" / " in label for label in labels):
+    if any(candidate.shard_group for candidate in listed):
         click.echo("ZeRO Z / N: hybrid sharding (--shard-group N), the states ZeRO-Z shards sharded over N data ranks, "
                    "replicated across the groups, the gradients all-reduced between them")
     click.echo("")

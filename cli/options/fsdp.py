@@ -51,8 +51,6 @@ def fsdp_options(command: Callable) -> Callable:
 def reshards(options: dict, overlap=None) -> bool:
     """The run's ZeRO-3 reshard after the forward: as given, else the stack's default (simulator/engine/overlap.py's
     stack_reshards: torchtitan's does not under pipelining; `overlap` None, our executor's: it does)."""
-    if overlap is None:  # train and compare: our executor reshards unless told (no simulator import)
-        return options.get("reshard_after_forward") is not False
     from simulator.engine.overlap import reshards as stack_or_given
 
     return stack_or_given(options.get("reshard_after_forward"), options.get("zero"), overlap, options.get("pp") or 1)

@@ -112,7 +112,8 @@ class Candidate:
     def zero_label(self) -> str:
         """The ZeRO stage with its FSDP settings, short: "3", "3 kept", "3 kept all step", "1 / 8" (shards over
         groups of 8 data ranks)."""
-        kept = "" if self.reshard_after_forward else " kept all step" if self._holds_all_step() else " kept"
+        held = holds_all_step(self.reshard_after_forward, self.sync_grads_once, self.pp, self.micro_batches)
+        kept = "" if self.reshard_after_forward else " kept all step" if held else " kept"
         return f"{self.zero}{kept}{f' / {self.shard_group}' if self.shard_group else ''}"
 
     def mesh(self) -> str:
@@ -122,7 +123,7 @@ class Candidate:
     def describe(self) -> str:
         chunks = f" x{self.virtual_chunks}" if self.virtual_chunks > 1 else ""
         return (f"{self.mesh()}{', SP' if self.sequence_parallel else ''}, "
-                f"ZeRO-{self.zero}{self._fsdp_words()}, "
+                f"{self.layout.zero_description()}, "
                 f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''} of "
                 f"{self.micro_batch}, "
                 f"{self.schedule}{chunks}, recompute {self.recompute}")
@@ -134,14 +135,6 @@ class Candidate:
                 "virtual_chunks": self.virtual_chunks, "recompute": self.recompute, "ep": self.ep,
                 "reshard_after_forward": self.reshard_after_forward, "shard_group": self.shard_group,
                 "sync_grads_once": self.sync_grads_once}
-
-    def _holds_all_step(self) -> bool:
-        return holds_all_step(self.reshard_after_forward, self.sync_grads_once, self.pp, self.micro_batches)
-
-    def _fsdp_words(self) -> str:
-        kept = "" if self.reshard_after_forward else (
-            " kept gathered all step" if self._holds_all_step() else " without resharding after the forward")
-        return kept + (f", sharded over groups of {self.shard_group} data ranks" if self.shard_group else "")
 
 
 def tensor_parallel_options(model: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[tuple[int, bool]]:
@@ -239,9 +232,13 @@ def fsdp_options(zero: int, data_ranks: int, pp: int, m: int, server_data_ranks:
     reduce-scatters inside a server, the replicas' all-reduce between servers; `simulate --shard-group` takes any
     size, plan keeps to this one so that its search stays within seconds; a mixture of experts' routed experts keep
     their states sharded over the ranks holding the same experts, whatever the group). ZeRO-0: (True, False, 0)."""
+    holds = [(True, False)]  # (reshard_after_forward, sync_grads_once)
+    if zero == 3:
+        holds.append((False, False))
+        if pp == 1 and m > 1:  # under pipelining, kept units are held all step already
+            holds.append((False, True))
     hybrid = zero > 0 and 2 <= server_data_ranks < data_ranks and data_ranks % server_data_ranks == 0
-    groups = (0, server_data_ranks)[:1 + hybrid]
-    holds = [(True, False)] + ([(False, False)] + ([(False, True)] if pp == 1 and m > 1 else []) if zero == 3 else [])
+    groups = [0, server_data_ranks] if hybrid else [0]
     return [(reshard, once, group) for reshard, once in holds for group in groups]
 
 

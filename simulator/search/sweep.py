@@ -297,11 +297,9 @@ def compare_zero(job: Job, layout: Layout, cluster: Cluster, hardware: Hardware 
     """The same job and layout under each ZeRO stage: what sharding costs in time and saves in memory (FSDP's settings
     with ZeRO-3 as the job has them, the other stages without them; a shard group with ZeRO 1-3)."""
     def staged(stage: int) -> Layout:
-        if stage == 3:
-            return replace(layout, zero=3, reshard_after_forward=job.reshards(layout.pp),
-                           sync_grads_once=job.sync_grads_once, shard_group=job.shard_group)
-        return replace(layout, zero=stage, reshard_after_forward=True, sync_grads_once=False,
-                       shard_group=job.shard_group if stage else 0)
+        three = stage == 3  # the settings of ZeRO-3 alone; a shard group with ZeRO 1-3 (the layout's, the job's)
+        return replace(layout, zero=stage, reshard_after_forward=job.reshards(layout.pp) if three else True,
+                       sync_grads_once=job.sync_grads_once and three, shard_group=layout.shard_group if stage else 0)
     return {stage: job.simulate(staged(stage), cluster, hardware, global_batch) for stage in stages}
 
 
