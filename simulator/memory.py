@@ -251,7 +251,7 @@ class ActivationModel:
         return cls(ops.saved_bytes, ops.recomputed_bytes, implementation, exchanging, ops.workspace_bytes, copies)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=8192)
 def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp_kind: str, pol: PrecisionPolicy,
                  micro_batch_size: int, implementation: Implementation,
                  ep: int = 1) -> tuple[dict[bool, ActivationModel], int, int]:
@@ -265,7 +265,7 @@ def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp
             end_activation_bytes(model, layout, pol, micro_batch_size, False, True, saved))
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=8192)
 def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
                   pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
                   ep: int = 1, expert_shards: int = 1, fp8_params: str = "none",
@@ -440,22 +440,19 @@ def predict_memory(
         raise ConfigError(f"the ZeRO-3 prefetch depth must be a whole number of units >= 0, got {prefetch!r}")
     _check_model(model, pol)
     bucket_elements = bucket_numel(bucket_mb, pol.bytes_per_param()["compute"])
-    blocks, embedding_ends, head_ends = _activations(model, layout.tp, layout.sequence_parallel, layout.cp,
-                                                     layout.cp_kind, pol, micro_batch_size, implementation, layout.ep)
+    shape = (model, layout.tp, layout.sequence_parallel, layout.cp, layout.cp_kind, pol, micro_batch_size,
+             implementation, layout.ep)
+    blocks, embedding_ends, head_ends = _activations(*shape)
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
                            layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
                            fp8_experts_kept(pol, implementation), implementation.reduce_bytes)
     loss = loss_gradient_bytes(model, layout, pol, micro_batch_size, implementation)  # one micro-batch's at a time
-    last_chunk = layout.pp * layout.virtual_chunks - 1
     stages = []
-    for index, placed in enumerate(layout.rank_chunks(model)):
-        first, last = any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed)
+    for index, (first, last, chunk, extras) in enumerate(_stage_blocks(*shape, layout.pp, layout.virtual_chunks)):
         alive_first, alive_last = ends_alive[index]
         ends = (alive_first * embedding_ends if first else 0) + (alive_last * head_ends + loss if last else 0)
-        activations = in_flight[index] * _chunk_bytes(model, blocks, placed) + ends + _block_extras(model, blocks,
-                                                                                                   placed)
-        stages.append(replace(states[index], activations=activations))
+        stages.append(replace(states[index], activations=in_flight[index] * chunk + ends + extras))
     peak = max(stages, key=lambda s: s.total)
     block = blocks[model.is_moe]
     return MemoryEstimate(
@@ -463,6 +460,19 @@ def predict_memory(
         stage=peak.stage, per_stage=tuple(stages), capacity=None if gpu is None else gpu.hbm_bytes,
         notes=_notes(layout, model, recompute, block.exchanging) + _fp8_note(block, layout, model),
     )
+
+
+@lru_cache(maxsize=8192)
+def _stage_blocks(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp_kind: str, pol: PrecisionPolicy,
+                  micro_batch_size: int, implementation: Implementation, ep: int, pp: int,
+                  virtual_chunks: int) -> tuple[tuple[bool, bool, int, int], ...]:
+    """Per stage: (whether it holds the first chunk, the last, _chunk_bytes, _block_extras), what its blocks keep;
+    the arguments before pp are _activations'."""
+    blocks = _activations(model, tp, sequence_parallel, cp, cp_kind, pol, micro_batch_size, implementation, ep)[0]
+    last_chunk = pp * virtual_chunks - 1
+    return tuple((any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed),
+                  _chunk_bytes(model, blocks, placed), _block_extras(model, blocks, placed))
+                 for placed in Layout(pp=pp, virtual_chunks=virtual_chunks).rank_chunks(model))
 
 
 def _chunk_bytes(model: GPTConfig, blocks: dict[bool, ActivationModel], placed) -> int:
