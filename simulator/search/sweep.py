@@ -32,7 +32,7 @@ from minigpt.errors import ConfigError
 from simulator.costs.compute import EfficiencyProfile
 from simulator.costs.implementation import Implementation
 from simulator.engine.overlap import Overlap, reshards, resolve_overlap
-from simulator.engine.simulate import SimResult, simulate_step
+from simulator.engine.simulate import SimResult, micro_batches_per_replica, simulate_step
 from simulator.search.bound import candidate_stack
 from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
@@ -146,7 +146,7 @@ def candidate_layouts(job: Job, n_gpus: int, gpus_per_node: int, global_batch: i
             if global_batch % (job.micro_batch * dp) or routing_ranks(dp, cp, t, job.sequence_parallel) % job.ep \
                     or (job.shard_group and (dp * cp) % job.shard_group):
                 continue
-            m = global_batch // (job.micro_batch * dp)
+            m = micro_batches_per_replica(global_batch, job.micro_batch, dp)
             if (job.schedule == "interleaved" and m % p) or schedule_slots(p, job.virtual_chunks, m) > MAX_SCHEDULE_SLOTS \
                     or zero3_gathers(job.zero, dp * cp, m, model.n_layers) > MAX_ZERO3_GATHERS:
                 continue
@@ -175,7 +175,8 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     fitting, smallest = [], None
     for layout in layouts:
         states = predict_memory(job.model, layout, job.precision, job.micro_batch, job.recompute, gpu,
-                                micro_batches=global_batch // (job.micro_batch * layout.dp), implementation=job.stack)
+                                micro_batches=micro_batches_per_replica(global_batch, job.micro_batch, layout.dp),
+                                implementation=job.stack)
         if states.model_states > gpu.hbm_bytes:  # cannot fit whatever the schedule: skip the replay
             smallest = min(smallest or (states.total, layout), (states.total, layout), key=lambda x: x[0])
             continue
