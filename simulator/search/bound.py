@@ -22,10 +22,19 @@ and, since a rank's data-parallel collectives run one at a time on its one strea
 and in simulator/engine/dp_overlap.py, which starts each after the one before) and the rank ends only
 when the last has landed,
 
-    data_parallel_r = the rank's data-parallel actions' prices (engine/data_parallel.py's `seconds`), summed.
+    data_parallel_r = the rank's data-parallel actions' prices (engine/data_parallel.py's `seconds`), summed;
+
+and, since the first gradient reduction cannot start before the computes listed before the one that issues it
+have run (a reduction is issued when its bucket's gradients are in, during that compute or, under Overlap.dp
+"after", once it ends), the optimizer step starts after the last reduction and the last compute, with the routed
+experts' own reduction (issued with it) first, and the update gathers follow the optimizer where nothing hides
+them (Overlap.param_gather "step"),
+
+    reduction_r = max(compute before the first reduction + the reductions, work_r)
+                  + the experts' reduction + optimizer_r (+ the update gathers).
 
 Every transfer between stages and the tied embedding's sync is left at zero, so max over ranks of
-max(compute_r, data_parallel_r) is a lower bound on what simulate_step returns for the same job
+max(compute_r, data_parallel_r, reduction_r) is a lower bound on what simulate_step returns for the same job
 (tests/test_plan.py checks it on every schedule, ZeRO stage and recompute mode searched). For
 1F1B the compute term is the textbook (m + p - 1) x (forward + backward) of a stage; the
 data-parallel term is what tells a ZeRO-3 job bound by its gathers from one that hides them.
@@ -39,7 +48,8 @@ from functools import lru_cache
 from minigpt.config import GPTConfig
 from job.data_parallel import schedule_config
 from job.layout import Layout
-from job.schedule import Backward, DataParallel, Forward, ScheduleConfig, compute_order
+from job.schedule import (AllReduceGrads, Backward, BackwardInput, BackwardWeight, DataParallel, Forward, GatherParams,
+                          OptimizerStep, ReduceScatterGrads, ReduceTiedGrad, ScheduleConfig, compute_order)
 from job.schedule_check import ends_alive, peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
@@ -100,6 +110,62 @@ def candidate_stack(overlap: Overlap | str, recompute: str, expert_load: float =
                    dispatcher=dispatcher)
 
 
+_COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+_REDUCTIONS = (AllReduceGrads, ReduceScatterGrads, ReduceTiedGrad)  # on the rank's data-parallel stream, in turn
+
+
+@dataclass(frozen=True)
+class RankReductions:
+    """What reduction_r of the module docstring needs of one rank's schedule and its data-parallel prices, none of
+    which depends on the micro-batch's size or the recompute: its computes (each (type, chunk) and how many times),
+    those listed before the one that issues the first gradient reduction and that one (None: the rank reduces
+    nothing), the reductions before the optimizer step, the step's own (the routed experts', issued with it), and
+    what follows it: the optimizer and the update gathers nothing hides (Overlap.param_gather "step")."""
+
+    computes: tuple[tuple[tuple[type, int], int], ...] = ()
+    before: tuple[tuple[tuple[type, int], int], ...] = ()
+    issuer: tuple[type, int] | None = None
+    reductions: float = 0.0
+    at_step: float = 0.0
+    after: float = 0.0
+
+    def seconds(self, prices: dict[tuple[type, int], float], dp_after: bool) -> float:
+        """reduction_r with the computes at `prices`; `dp_after`: the reductions start once their issuer ends."""
+        def priced(counts) -> float:
+            return sum(count * prices.get(action, 0.0) for action, count in counts)
+
+        stream = 0.0
+        if self.issuer is not None:
+            stream = priced(self.before) + (prices.get(self.issuer, 0.0) if dp_after else 0.0) + self.reductions
+        return max(stream, priced(self.computes)) + self.at_step + self.after
+
+
+def rank_reductions(cost: RankCosts, actions, settings: Overlap) -> RankReductions:
+    """RankReductions of one rank: `actions` its schedule, `cost` its prices (rank_costs)."""
+    computes: dict[tuple[type, int], int] = {}
+    before: dict[tuple[type, int], int] = {}
+    issuer, reducing = None, False
+    reductions = at_step = gathers = 0.0
+    for action in actions:
+        kind = type(action)
+        if kind in _COMPUTE:
+            key = (kind, action.chunk)
+            computes[key] = computes.get(key, 0) + 1
+            if not reducing:
+                if issuer is not None:
+                    before[issuer] = before.get(issuer, 0) + 1
+                issuer = key
+        elif kind in _REDUCTIONS:
+            reducing = True
+            reductions += cost.pricer.seconds(action)
+        elif kind is OptimizerStep:
+            at_step += cost.pricer.seconds(action)
+        elif kind is GatherParams and action.phase == "update" and settings.param_gather == "step":
+            gathers += cost.pricer.seconds(action)
+    return RankReductions(tuple(computes.items()), tuple(before.items()), issuer if reducing else None, reductions,
+                          at_step, cost.optimizer + gathers)
+
+
 class StepBound:
     """Lower bounds for one model on one cluster; the prices of a pipeline are computed once and
     shared by every candidate that differs from it only in ZeRO stage or schedule kind."""
@@ -116,7 +182,9 @@ class StepBound:
         self.fused_optimizer = stack_implementation(self.settings)["fused_optimizer"]  # no stack flag changes it
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
         self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision
-        self.data_parallel: dict[tuple, float] = {}  # data_parallel_seconds by (layout, micro-batches, kind)
+        self.totals: dict[tuple, dict] = {}  # every compute's price by (type, chunk), keyed as `prices`
+        # per (layout, micro-batches, kind), each rank's data-parallel prices summed and its RankReductions
+        self.data_parallel: dict[tuple, list[tuple[float, RankReductions]]] = {}
 
     def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
               memory: MemoryEstimate) -> list[RankCosts]:
@@ -135,25 +203,36 @@ class StepBound:
         """How every candidate with this recompute computes (candidate_stack of the bound's stack and flags)."""
         return candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher, self.changes)
 
+    @staticmethod
+    def _price_key(layout: Layout, micro_batch: int, recompute: str) -> tuple:
+        return (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch,
+                recompute, layout.cp, layout.cp_kind, layout.ep)
+
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
         """(forward, backward) seconds per global chunk, as rank_costs prices them with nothing armed (action_prices:
         the same prices without the data-parallel pricer, which only data_parallel_seconds reads)."""
-        key = (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch, recompute,
-               layout.cp, layout.cp_kind, layout.ep)
+        key = self._price_key(layout, micro_batch, recompute)
         if key not in self.prices:
-            forward, backward = {}, {}
+            forward, backward, totals = {}, {}, {}
             gpu = self.hardware.gpu
             for actions in action_prices(self.model, layout, ComputeLinks(self.cluster, layout, gpu), gpu,
                                          self.precision, micro_batch, gpu.matmul_efficiency, self.stack(recompute),
                                          self.settings, self.units):
                 for (action, chunk), cost in actions.items():
+                    totals[(action, chunk)] = cost.total
                     if action is Forward:
                         forward[chunk] = cost.total
                     elif action is Backward:
                         backward[chunk] = cost.total
             self.prices[key] = forward, backward
+            self.totals[key] = totals
         return self.prices[key]
+
+    def action_totals(self, layout: Layout, micro_batch: int, recompute: str) -> dict[tuple[type, int], float]:
+        """Every compute's price with nothing armed, by (type, chunk), as chunk_prices prices it."""
+        self.chunk_prices(layout, 0, "", micro_batch, recompute, None)
+        return self.totals[self._price_key(layout, micro_batch, recompute)]
 
     def compute_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                         memory: MemoryEstimate) -> float:
@@ -177,23 +256,45 @@ class StepBound:
 
     def data_parallel_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                               memory: MemoryEstimate) -> float:
-        """max over ranks of data_parallel_r: the schedule simulate_step replays, priced as it prices it. The
+        """max over ranks of data_parallel_r: the schedule simulate_step replays, priced as it prices it."""
+        ranks = self._data_parallel(layout, micro_batches, kind, micro_batch, recompute, memory)
+        return max((total for total, _ in ranks), default=0.0)
+
+    def reduction_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                          memory: MemoryEstimate) -> float:
+        """max over ranks of reduction_r, its computes at this candidate's chunk prices."""
+        ranks = self._data_parallel(layout, micro_batches, kind, micro_batch, recompute, memory)
+        if not ranks:
+            return 0.0
+        prices, after = self.action_totals(layout, micro_batch, recompute), self.settings.dp == "after"
+        return max(reductions.seconds(prices, after) for _, reductions in ranks)
+
+    def _data_parallel(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                       memory: MemoryEstimate) -> list[tuple[float, RankReductions]]:
+        """Per rank, its data-parallel prices summed and its RankReductions (none with one data rank). The
         data-parallel actions and their collectives' prices follow from the layout, the schedule (its kind and
         micro-batches) and the stack, not from the micro-batch's size, the recompute or the memory: priced once for
         every candidate that shares the first three."""
         if layout.data_ranks == 1:
-            return 0.0
+            return []
         key = (layout, micro_batches, kind)
         if key not in self.data_parallel:
             schedule = step_schedule(self.model, layout, micro_batches, kind, self.buckets(layout, recompute),
                                      self.precision)
             costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
-            self.data_parallel[key] = max(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel))
-                                          for cost, actions in zip(costs, schedule.actions))  # none priced else
+            self.data_parallel[key] = [(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel)),
+                                        rank_reductions(cost, actions, self.settings))
+                                       for cost, actions in zip(costs, schedule.actions)]
         return self.data_parallel[key]
+
+    def communication_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                              memory: MemoryEstimate) -> float:
+        """The bound's terms that read the schedule: max(data_parallel_r, reduction_r) over ranks."""
+        job = (layout, micro_batches, kind, micro_batch, recompute, memory)
+        return max(self.data_parallel_seconds(*job), self.reduction_seconds(*job))
 
     def seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                 memory: MemoryEstimate) -> float:
         """The bound of the module docstring for this job."""
         job = (layout, micro_batches, kind, micro_batch, recompute, memory)
-        return max(self.compute_seconds(*job), self.data_parallel_seconds(*job))
+        return max(self.compute_seconds(*job), self.communication_seconds(*job))

@@ -455,7 +455,7 @@ def _branch_and_bound(result: Plan, fitting: list, cluster, spec: ClusterSpec, p
         candidate, memory = fitting[index]
         c = candidate
         if not refined:  # 1 sorts after 0: a refined bound equal to an unrefined one waits behind it
-            dp = bound.data_parallel_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory)
+            dp = bound.communication_seconds(c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute, memory)
             heapq.heappush(line, (max(low, dp), 1, index))
             continue
         simulated = simulate_candidate(model, candidate, cluster, spec, precision, result.global_batch,
