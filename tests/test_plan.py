@@ -118,7 +118,7 @@ def test_the_lower_bound_never_exceeds_the_simulated_step(brute_force, tight):
     assert max(low / step for _, step, low in rows) > 0.8  # and it is not vacuous
     _, _, found = tight
     assert all(0 < low <= step for _, step, low in found.simulated)
-    # GPT-3 on 1,024 GPUs, every 131st candidate: both terms of the bound decide somewhere, neither passes the step
+    # GPT-3 on 1,024 GPUs, every 131st candidate: each term of the bound decides somewhere, none passes the step
     model, spec = build_config("gpt3-175b"), ClusterSpec.of("a100-80gb")
     cluster = spec.build(1024)
     bound = StepBound(model, cluster, spec.hardware, "bf16")
@@ -128,11 +128,11 @@ def test_the_lower_bound_never_exceeds_the_simulated_step(brute_force, tight):
         job = (c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute,
                candidate_memory(model, c, "bf16", spec.hardware.gpu))
         terms = {"compute": bound.compute_seconds(*job), "data parallel": bound.data_parallel_seconds(*job),
-                 "reductions": bound.reduction_seconds(*job)}
+                 "reductions": bound.reduction_seconds(*job), "gathers": bound.gathered_seconds(*job)}
         step = simulate_candidate(model, c, cluster, spec, "bf16", 1024).step_time_s
         assert 0 < max(terms.values()) <= step, c.describe()
         deciding.add(max(terms, key=terms.get))
-    assert deciding == {"compute", "data parallel", "reductions"}, deciding
+    assert deciding >= {"compute", "data parallel", "reductions"}, deciding
 
 
 def test_the_data_parallel_term_is_shared_by_candidates_that_differ_in_what_they_recompute():
@@ -471,3 +471,21 @@ def test_the_reductions_term_waits_for_the_compute_that_makes_the_gradients():
                                bound.reduction_seconds(*job))
     assert max(compute, dp) < 0.6 * step  # each alone says little here: the reductions come after the compute
     assert 1.4 * max(compute, dp) < reductions <= step
+
+
+def test_the_gathers_term_follows_the_first_micro_batch_through_the_stages():
+    """Pipelined ZeRO-3 kept all step: each chunk's first forward waits for the gathers it issues as it starts, and
+    the next stage for it. Over 1,024 A100s GPT-3's gathers take longer than the chunks' compute: the bound's gathers
+    term tops its compute term by a quarter and stays under the simulated step."""
+    model, spec = build_config("gpt3-175b"), ClusterSpec.of("a100-80gb")
+    cluster = spec.build(1024)
+    bound = StepBound(model, cluster, spec.hardware, "bf16")
+    candidates, _ = enumerate_candidates(model, 1024, spec.gpus_per_node, 1024)
+    c = next(c for c in candidates if (c.tp, c.cp, c.pp, c.dp, c.zero, c.reshard_after_forward, c.micro_batch,
+                                       c.schedule, c.recompute, c.sequence_parallel, c.shard_group)
+             == (2, 2, 8, 32, 3, False, 1, "interleaved", "none", True, 0))
+    job = (c.layout, c.micro_batches, c.schedule, c.micro_batch, c.recompute,
+           candidate_memory(model, c, "bf16", spec.hardware.gpu))
+    step = simulate_candidate(model, c, cluster, spec, "bf16", 1024).step_time_s
+    compute, gathers = bound.compute_seconds(*job), bound.gathered_seconds(*job)
+    assert 1.25 * compute < gathers <= step  # 12.6 s, 16.2 s, 26.0 s

@@ -81,16 +81,22 @@ class DataParallelPricer:
         self.copies = copies  # ZeRO-3 copies on the compute stream around each gather and reduction
         self.memo: dict = {}
         self.timed: dict[tuple, float] = {}  # (kind, bytes) calls -> seconds
+        self.by_action: dict[tuple, float] = {}  # seconds, by what an action's collectives depend on
 
     def seconds(self, action: Action) -> float:
         """The data-parallel collectives of `action` on this rank's dp group (hybrid sharding: a shard group,
         then the replica group), one after another: `dp_time(kind, bytes, group)` each; the optimizer step's
         with the routed experts' own reduction (`experts_s`: they are in no bucket, job/layout.py's stage_units)."""
-        fp8 = self.fp8[action.chunk][action.bucket] if self.fp8 and type(action) is GatherParams else 0
-        calls = tuple(collectives(action, self.plan, fp8, self.reduce_bytes))
-        if calls not in self.timed:
-            self.timed[calls] = sum(self.dp_time(kind, nbytes, group) for kind, nbytes, group in calls)
-        return self.timed[calls] + (self.experts_s if type(action) is OptimizerStep else 0.0)
+        # what its collectives depend on (job/data_parallel.py's collectives, the fp8 elements by chunk and bucket)
+        key = (type(action), getattr(action, "chunk", None), getattr(action, "bucket", None),
+               getattr(action, "numel", None), getattr(action, "norm_over_dp", None))
+        if key not in self.by_action:
+            fp8 = self.fp8[action.chunk][action.bucket] if self.fp8 and type(action) is GatherParams else 0
+            calls = tuple(collectives(action, self.plan, fp8, self.reduce_bytes))
+            if calls not in self.timed:
+                self.timed[calls] = sum(self.dp_time(kind, nbytes, group) for kind, nbytes, group in calls)
+            self.by_action[key] = self.timed[calls] + (self.experts_s if type(action) is OptimizerStep else 0.0)
+        return self.by_action[key]
 
     def compute(self, action, armed: tuple, comm_free: float = 0.0):
         """The cost of compute `action` with `armed` issued while it runs; the dp stream is busy

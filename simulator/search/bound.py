@@ -33,8 +33,14 @@ them (Overlap.param_gather "step"),
     reduction_r = max(compute before the first reduction + the reductions, work_r)
                   + the experts' reduction + optimizer_r (+ the update gathers).
 
+and, since a compute that issues ZeRO-3 gathers (those listed right before it) issues them as it starts and
+cannot end before they have landed one after another on the stream,
+
+    gathered_r = compute_r with each compute priced at least its gathers' seconds, the head's chunks too
+                 (each stage's first forward gathers its units before the next stage can start).
+
 Every transfer between stages and the tied embedding's sync is left at zero, so max over ranks of
-max(compute_r, data_parallel_r, reduction_r) is a lower bound on what simulate_step returns for the same job
+max(compute_r, data_parallel_r, reduction_r, gathered_r) is a lower bound on what simulate_step returns for the same job
 (tests/test_plan.py checks it on every schedule, ZeRO stage and recompute mode searched). For
 1F1B the compute term is the textbook (m + p - 1) x (forward + backward) of a stage; the
 data-parallel term is what tells a ZeRO-3 job bound by its gathers from one that hides them.
@@ -49,7 +55,8 @@ from minigpt.config import GPTConfig
 from job.data_parallel import schedule_config
 from job.layout import Layout
 from job.schedule import (AllReduceGrads, Backward, BackwardInput, BackwardWeight, DataParallel, Forward, GatherParams,
-                          OptimizerStep, ReduceScatterGrads, ReduceTiedGrad, ScheduleConfig, compute_order)
+                          OptimizerStep, ReduceScatterGrads, ReduceTiedGrad, ScheduleConfig, armed_around, batches,
+                          compute_order)
 from job.schedule_check import ends_alive, peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
@@ -115,55 +122,68 @@ _REDUCTIONS = (AllReduceGrads, ReduceScatterGrads, ReduceTiedGrad)  # on the ran
 
 
 @dataclass(frozen=True)
-class RankReductions:
-    """What reduction_r of the module docstring needs of one rank's schedule and its data-parallel prices, none of
-    which depends on the micro-batch's size or the recompute: its computes (each (type, chunk) and how many times),
-    those listed before the one that issues the first gradient reduction and that one (None: the rank reduces
-    nothing), the reductions before the optimizer step, the step's own (the routed experts', issued with it), and
-    what follows it: the optimizer and the update gathers nothing hides (Overlap.param_gather "step")."""
+class RankSchedule:
+    """What the bound's terms that read the schedule need of one rank, none of which depends on the micro-batch's
+    size or the recompute: its computes (each (type, chunk), the seconds of the ZeRO-3 gathers it issues, and how
+    many times), the first forward's gathers of each chunk it holds, and for reduction_r the computes listed before
+    the one that issues the first gradient reduction and that one (None: the rank reduces nothing), the reductions
+    before the optimizer step, the step's own (the routed experts', issued with it), and what follows it: the
+    optimizer and the update gathers nothing hides (Overlap.param_gather "step")."""
 
-    computes: tuple[tuple[tuple[type, int], int], ...] = ()
+    computes: tuple[tuple[tuple[type, int], float, int], ...] = ()
+    first_gathers: tuple[tuple[int, float], ...] = ()
     before: tuple[tuple[tuple[type, int], int], ...] = ()
     issuer: tuple[type, int] | None = None
     reductions: float = 0.0
     at_step: float = 0.0
     after: float = 0.0
 
-    def seconds(self, prices: dict[tuple[type, int], float], dp_after: bool) -> float:
-        """reduction_r with the computes at `prices`; `dp_after`: the reductions start once their issuer ends."""
-        def priced(counts) -> float:
-            return sum(count * prices.get(action, 0.0) for action, count in counts)
+    @property
+    def gathers(self) -> bool:
+        return any(gathers for _, gathers, _ in self.computes)
 
+    def reduction_seconds(self, prices: dict[tuple[type, int], float], dp_after: bool) -> float:
+        """reduction_r with the computes at `prices`; `dp_after`: the reductions start once their issuer ends."""
         stream = 0.0
         if self.issuer is not None:
-            stream = priced(self.before) + (prices.get(self.issuer, 0.0) if dp_after else 0.0) + self.reductions
-        return max(stream, priced(self.computes)) + self.at_step + self.after
+            stream = (sum(count * prices.get(action, 0.0) for action, count in self.before) + self.reductions
+                      + (prices.get(self.issuer, 0.0) if dp_after else 0.0))
+        work = sum(count * prices.get(action, 0.0) for action, _, count in self.computes)
+        return max(stream, work) + self.at_step + self.after
 
 
-def rank_reductions(cost: RankCosts, actions, settings: Overlap) -> RankReductions:
-    """RankReductions of one rank: `actions` its schedule, `cost` its prices (rank_costs)."""
-    computes: dict[tuple[type, int], int] = {}
+def rank_schedule(cost: RankCosts, actions, settings: Overlap) -> tuple[float, RankSchedule]:
+    """(data_parallel_r, RankSchedule) of one rank: `actions` its schedule, `cost` its prices (rank_costs)."""
+    priced = {id(a): cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel)}
+    computes: dict[tuple[tuple[type, int], float], int] = {}
+    first: dict[int, float] = {}
     before: dict[tuple[type, int], int] = {}
     issuer, reducing = None, False
     reductions = at_step = gathers = 0.0
-    for action in actions:
-        kind = type(action)
+    groups = batches(actions)
+    armed, _ = armed_around(groups)
+    for index, group in enumerate(groups):
+        action, kind = group[0], type(group[0])
         if kind in _COMPUTE:
             key = (kind, action.chunk)
-            computes[key] = computes.get(key, 0) + 1
+            gathered = sum(priced[id(a)] for a in armed.get(index, ()) if type(a) is GatherParams)
+            computes[(key, gathered)] = computes.get((key, gathered), 0) + 1
+            if kind is Forward:
+                first.setdefault(action.chunk, gathered)
             if not reducing:
                 if issuer is not None:
                     before[issuer] = before.get(issuer, 0) + 1
                 issuer = key
         elif kind in _REDUCTIONS:
             reducing = True
-            reductions += cost.pricer.seconds(action)
+            reductions += priced[id(action)]
         elif kind is OptimizerStep:
-            at_step += cost.pricer.seconds(action)
+            at_step += priced[id(action)]
         elif kind is GatherParams and action.phase == "update" and settings.param_gather == "step":
-            gathers += cost.pricer.seconds(action)
-    return RankReductions(tuple(computes.items()), tuple(before.items()), issuer if reducing else None, reductions,
-                          at_step, cost.optimizer + gathers)
+            gathers += priced[id(action)]
+    return sum(priced.values()), RankSchedule(
+        tuple((key, gathered, count) for (key, gathered), count in computes.items()), tuple(first.items()),
+        tuple(before.items()), issuer if reducing else None, reductions, at_step, cost.optimizer + gathers)
 
 
 class StepBound:
@@ -183,8 +203,8 @@ class StepBound:
         self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
         self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision
         self.totals: dict[tuple, dict] = {}  # every compute's price by (type, chunk), keyed as `prices`
-        # per (layout, micro-batches, kind), each rank's data-parallel prices summed and its RankReductions
-        self.data_parallel: dict[tuple, list[tuple[float, RankReductions]]] = {}
+        # per (layout, micro-batches, kind), each rank's data-parallel prices summed and its RankSchedule
+        self.data_parallel: dict[tuple, list[tuple[float, RankSchedule]]] = {}
 
     def costs(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
               memory: MemoryEstimate) -> list[RankCosts]:
@@ -238,20 +258,43 @@ class StepBound:
                         memory: MemoryEstimate) -> float:
         """max over ranks of compute_r (the module docstring); `memory`: the job's predict_memory."""
         forward, backward = self.chunk_prices(layout, micro_batches, kind, micro_batch, recompute, memory)
+        chunks = layout.pp * layout.virtual_chunks
+        work = [micro_batches * sum(forward[c] + backward[c] for c in range(rank, chunks, layout.pp))
+                for rank in range(layout.pp)]
+        return self._pipeline(layout, micro_batches, kind, memory, forward, backward, work)
+
+    def gathered_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
+                         memory: MemoryEstimate) -> float:
+        """max over ranks of gathered_r: compute_r with every compute at least as long as the gathers it issues
+        (0 where none issues any)."""
+        ranks = self._data_parallel(layout, micro_batches, kind, micro_batch, recompute, memory)
+        if not any(rank.gathers for _, rank in ranks):
+            return 0.0
+        forward, backward = self.chunk_prices(layout, micro_batches, kind, micro_batch, recompute, memory)
+        prices, first = self.action_totals(layout, micro_batch, recompute), {}
+        for _, rank in ranks:
+            first.update(rank.first_gathers)
+        work = [sum(count * max(prices.get(action, 0.0), gathers) for action, gathers, count in rank.computes)
+                for _, rank in ranks]
+        heads = {chunk: max(seconds, first.get(chunk, 0.0)) for chunk, seconds in forward.items()}
+        return self._pipeline(layout, micro_batches, kind, memory, heads, backward, work)
+
+    def _pipeline(self, layout: Layout, micro_batches: int, kind: str, memory: MemoryEstimate,
+                  forward: dict[int, float], backward: dict[int, float], work: list[float]) -> float:
+        """max over ranks r of head_r + work[r] + the end (the module docstring's compute_r), the head from
+        `forward`'s chunk prices, the end from `backward`'s."""
         shape = schedule_shape(layout.pp, micro_batches, kind, layout.virtual_chunks)
         optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu, self.fused_optimizer)
                      for stage in memory.per_stage]
         best = 0.0
         for rank in range(layout.pp):
-            chunks = range(rank, layout.pp * layout.virtual_chunks, layout.pp)
-            work = micro_batches * sum(forward[c] + backward[c] for c in chunks)
             first_kind, first_chunk = shape.first[rank]
             head = sum(forward[c] for c in range(first_chunk)) if first_kind is Forward else 0.0
             last_kind, last_chunk = shape.last[rank]
             end = optimizer[rank]
             if last_kind is Backward and last_chunk > 0:
                 end = max(end, sum(backward[c] for c in range(last_chunk)) + optimizer[0])
-            best = max(best, head + work + end)
+            best = max(best, head + work[rank] + end)
         return best
 
     def data_parallel_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
@@ -267,11 +310,11 @@ class StepBound:
         if not ranks:
             return 0.0
         prices, after = self.action_totals(layout, micro_batch, recompute), self.settings.dp == "after"
-        return max(reductions.seconds(prices, after) for _, reductions in ranks)
+        return max(rank.reduction_seconds(prices, after) for _, rank in ranks)
 
     def _data_parallel(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
-                       memory: MemoryEstimate) -> list[tuple[float, RankReductions]]:
-        """Per rank, its data-parallel prices summed and its RankReductions (none with one data rank). The
+                       memory: MemoryEstimate) -> list[tuple[float, RankSchedule]]:
+        """Per rank, its data-parallel prices summed and its RankSchedule (none with one data rank). The
         data-parallel actions and their collectives' prices follow from the layout, the schedule (its kind and
         micro-batches) and the stack, not from the micro-batch's size, the recompute or the memory: priced once for
         every candidate that shares the first three."""
@@ -282,16 +325,15 @@ class StepBound:
             schedule = step_schedule(self.model, layout, micro_batches, kind, self.buckets(layout, recompute),
                                      self.precision)
             costs = self.costs(layout, micro_batches, kind, micro_batch, recompute, memory)
-            self.data_parallel[key] = [(sum(cost.pricer.seconds(a) for a in actions if isinstance(a, DataParallel)),
-                                        rank_reductions(cost, actions, self.settings))
+            self.data_parallel[key] = [rank_schedule(cost, actions, self.settings)
                                        for cost, actions in zip(costs, schedule.actions)]
         return self.data_parallel[key]
 
     def communication_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                               memory: MemoryEstimate) -> float:
-        """The bound's terms that read the schedule: max(data_parallel_r, reduction_r) over ranks."""
+        """The bound's terms that read the schedule: max(data_parallel_r, reduction_r, gathered_r) over ranks."""
         job = (layout, micro_batches, kind, micro_batch, recompute, memory)
-        return max(self.data_parallel_seconds(*job), self.reduction_seconds(*job))
+        return max(self.data_parallel_seconds(*job), self.reduction_seconds(*job), self.gathered_seconds(*job))
 
     def seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                 memory: MemoryEstimate) -> float:
