@@ -40,8 +40,8 @@ cannot end before they have landed one after another on the stream,
                  (each stage's first forward gathers its units before the next stage can start).
 
 Every transfer between stages and the tied embedding's sync is left at zero, so max over ranks of
-max(compute_r, data_parallel_r, reduction_r, gathered_r) is a lower bound on what simulate_step returns for the same job
-(tests/test_plan.py checks it on every schedule, ZeRO stage and recompute mode searched). For
+max(compute_r, data_parallel_r, reduction_r, gathered_r) is a lower bound on what simulate_step returns for the
+same job (tests/test_plan.py checks it on every schedule, ZeRO stage and recompute mode searched). For
 1F1B the compute term is the textbook (m + p - 1) x (forward + backward) of a stage; the
 data-parallel term is what tells a ZeRO-3 job bound by its gathers from one that hides them.
 """
@@ -139,7 +139,7 @@ class RankSchedule:
     after: float = 0.0
 
     @property
-    def gathers(self) -> bool:
+    def issues_gathers(self) -> bool:
         return any(gathers for _, gathers, _ in self.computes)
 
     def reduction_seconds(self, prices: dict[tuple[type, int], float], dp_after: bool) -> float:
@@ -159,7 +159,7 @@ def rank_schedule(cost: RankCosts, actions, settings: Overlap) -> tuple[float, R
     first: dict[int, float] = {}
     before: dict[tuple[type, int], int] = {}
     issuer, reducing = None, False
-    reductions = at_step = gathers = 0.0
+    reductions = at_step = update_gathers = 0.0
     groups = batches(actions)
     armed, _ = armed_around(groups)
     for index, group in enumerate(groups):
@@ -180,10 +180,10 @@ def rank_schedule(cost: RankCosts, actions, settings: Overlap) -> tuple[float, R
         elif kind is OptimizerStep:
             at_step += priced[id(action)]
         elif kind is GatherParams and action.phase == "update" and settings.param_gather == "step":
-            gathers += priced[id(action)]
+            update_gathers += priced[id(action)]
     return sum(priced.values()), RankSchedule(
         tuple((key, gathered, count) for (key, gathered), count in computes.items()), tuple(first.items()),
-        tuple(before.items()), issuer if reducing else None, reductions, at_step, cost.optimizer + gathers)
+        tuple(before.items()), issuer if reducing else None, reductions, at_step, cost.optimizer + update_gathers)
 
 
 class StepBound:
@@ -200,9 +200,8 @@ class StepBound:
         self.settings = resolve_overlap(overlap)  # a preset, as simulate_step is given it (default: our executor)
         self.changes = changes  # the Implementation fields the stack's flags change (candidate_stack)
         self.fused_optimizer = stack_implementation(self.settings)["fused_optimizer"]  # no stack flag changes it
-        self.prices: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
+        self.prices: dict[tuple, tuple[dict, dict, dict]] = {}  # _priced's, by pipeline and micro-batch
         self.units: dict = {}  # rank_costs' priced units, shared by every layout of this model, cluster and precision
-        self.totals: dict[tuple, dict] = {}  # every compute's price by (type, chunk), keyed as `prices`
         # per (layout, micro-batches, kind), each rank's data-parallel prices summed and its RankSchedule
         self.data_parallel: dict[tuple, list[tuple[float, RankSchedule]]] = {}
 
@@ -223,16 +222,21 @@ class StepBound:
         """How every candidate with this recompute computes (candidate_stack of the bound's stack and flags)."""
         return candidate_stack(self.settings, recompute, self.expert_load, self.dispatcher, self.changes)
 
-    @staticmethod
-    def _price_key(layout: Layout, micro_batch: int, recompute: str) -> tuple:
-        return (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch,
-                recompute, layout.cp, layout.cp_kind, layout.ep)
-
     def chunk_prices(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                      memory: MemoryEstimate) -> tuple[dict[int, float], dict[int, float]]:
         """(forward, backward) seconds per global chunk, as rank_costs prices them with nothing armed (action_prices:
         the same prices without the data-parallel pricer, which only data_parallel_seconds reads)."""
-        key = self._price_key(layout, micro_batch, recompute)
+        forward, backward, _ = self._priced(layout, micro_batch, recompute)
+        return forward, backward
+
+    def action_totals(self, layout: Layout, micro_batch: int, recompute: str) -> dict[tuple[type, int], float]:
+        """Every compute's price with nothing armed, by (type, chunk), as chunk_prices prices it."""
+        return self._priced(layout, micro_batch, recompute)[2]
+
+    def _priced(self, layout: Layout, micro_batch: int, recompute: str) -> tuple[dict, dict, dict]:
+        """(forward, backward, every compute's price by (type, chunk)), computed once per pipeline and micro-batch."""
+        key = (layout.tp, layout.sequence_parallel, layout.pp, layout.dp, layout.virtual_chunks, micro_batch, recompute,
+               layout.cp, layout.cp_kind, layout.ep)
         if key not in self.prices:
             forward, backward, totals = {}, {}, {}
             gpu = self.hardware.gpu
@@ -245,14 +249,8 @@ class StepBound:
                         forward[chunk] = cost.total
                     elif action is Backward:
                         backward[chunk] = cost.total
-            self.prices[key] = forward, backward
-            self.totals[key] = totals
+            self.prices[key] = forward, backward, totals
         return self.prices[key]
-
-    def action_totals(self, layout: Layout, micro_batch: int, recompute: str) -> dict[tuple[type, int], float]:
-        """Every compute's price with nothing armed, by (type, chunk), as chunk_prices prices it."""
-        self.chunk_prices(layout, 0, "", micro_batch, recompute, None)
-        return self.totals[self._price_key(layout, micro_batch, recompute)]
 
     def compute_seconds(self, layout: Layout, micro_batches: int, kind: str, micro_batch: int, recompute: str,
                         memory: MemoryEstimate) -> float:
@@ -268,7 +266,7 @@ class StepBound:
         """max over ranks of gathered_r: compute_r with every compute at least as long as the gathers it issues
         (0 where none issues any)."""
         ranks = self._data_parallel(layout, micro_batches, kind, micro_batch, recompute, memory)
-        if not any(rank.gathers for _, rank in ranks):
+        if not any(rank.issues_gathers for _, rank in ranks):
             return 0.0
         forward, backward = self.chunk_prices(layout, micro_batches, kind, micro_batch, recompute, memory)
         prices, first = self.action_totals(layout, micro_batch, recompute), {}
