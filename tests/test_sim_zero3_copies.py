@@ -51,18 +51,26 @@ def _expected(stack: str, layout: Layout, micro_batches: int) -> float:
     seconds = 0.0
     schedule = step_schedule(MODEL, layout, micro_batches, "1f1b", 25.0, "bf16")
     actions = schedule.actions[0]
+    summing, compute = schedule.config.zero3_hold > 1, None
     for index, action in enumerate(actions):
         after = next((actions[index + 1 : index + 1 + k] for k in range(len(actions) - index)
                       if index + 1 + k == len(actions) or type(actions[index + 1 + k]) in (Forward, Backward)), ())
-        if schedule.config.zero3_hold > 1 and type(action) is Backward and not any(
+        if type(action) in (Forward, Backward):
+            compute = action
+        if summing and type(action) is Backward and not any(
                 type(a) is ReduceScatterGrads for a in after):  # summed, not reduced
-            for n, tensors in zip(numel, units):  # ours: added into the staging; FSDP2: accumulated in fp32
-                seconds += n * (3 * 2 if stack == "executor" else 2 + 2 * 4) / speed + len(tensors) * kernel
+            # ours: added into the staging (the first: zero-filled and copied in, as many bytes); FSDP2: accumulated
+            # in fp32 (the first micro-batch's gradient cast to it: bf16 read, fp32 written)
+            per = 3 * 2 if stack == "executor" else 2 + 4 if action.micro_batch == 0 else 2 + 2 * 4
+            for n, tensors in zip(numel, units):
+                seconds += n * per / speed + len(tensors) * kernel
         if type(action) not in (GatherParams, ReduceScatterGrads):
             continue
         n = numel[action.bucket]
         if stack == "torchtitan-fsdp2" and type(action) is GatherParams:  # out of the buffer, read and written in bf16
             seconds += n * 2 * 2 / speed + kernel
+        elif stack == "torchtitan-fsdp2" and summing and compute.micro_batch > 0:  # the last gradient summed too, then
+            seconds += n * (2 + 2 * 4 + 2 * 4) / speed + (1 + len(units[action.bucket])) * kernel  # the fp32 sum in
         elif stack == "torchtitan-fsdp2":  # into the reduce-scatter's buffer: bf16 read, fp32 written
             seconds += n * (2 + 4) / speed + kernel
         elif type(action) is ReduceScatterGrads:  # ours: zeros, copy in, divide; the piece added to the shard

@@ -358,15 +358,20 @@ def _copies(job: _Job, gpu: GPUSpec, profile: EfficiencyProfile | None, implemen
     at a reduction, the staging buffer zero-filled, each gradient copied in, the whole divided by the ranks, and the
     reduced piece (1/dp) added to the shard, all in the compute format. `sums`: the units are held all step
     (ScheduleConfig.zero3_hold), each backward's gradients summed until the one reduction: ours added into the
-    staging (read both, write one), FSDP2's accumulated in the reduction's format (its to_accumulated_grad_if_needed:
-    the gradient read, the sum read and written; autograd's accumulation where the formats are the same). The
-    first micro-batch's sum is charged like the others (ours: its zero-fill and copy move as many bytes)."""
+    staging (read both, write one; the first micro-batch's zero-fill and copy move as many bytes), FSDP2's accumulated
+    in the reduction's format (torch's FSDPParam: the first micro-batch's gradient cast to it where the formats differ,
+    to_accumulated_grad_if_needed, and kept where autograd wrote it where they do not; each later one read and added,
+    accumulate_unsharded_grad_if_needed or autograd's accumulation, the last before the reduction too, which then
+    copies the sum in, read and written in the reduction's format)."""
     if implementation.zero3_copies == "none" or job.zero != 3:
         return None
     speed, e, kernel = hbm_speed(gpu), job.compute_bytes, kernel_overhead(gpu, profile)
     if implementation.zero3_copies == "fsdp2":
         r = implementation.reduce_bytes or e
-        return UnitCopies(2 * e / speed, (e + r) / speed, kernel, sum_s=(e + 2 * r) / speed if sums else 0.0)
+        if not sums:
+            return UnitCopies(2 * e / speed, (e + r) / speed, kernel)
+        return UnitCopies(2 * e / speed, (e + r) / speed, kernel, sum_s=(e + 2 * r) / speed,
+                          first_s=(e + r) / speed if r != e else 0.0, summed_in_s=(e + 2 * r + 2 * r) / speed)
     staged = e + 2 * e + 2 * e + 3 * e / job.dp  # zeros; grad in; div_; the piece's add_ into the shard
     return UnitCopies(0.0, staged / speed, kernel, out_kernels=0, in_kernels=3, per_tensor=True,
                       sum_s=3 * e / speed if sums else 0.0)

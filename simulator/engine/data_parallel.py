@@ -101,7 +101,8 @@ class DataParallelPricer:
     def compute(self, action, armed: tuple, comm_free: float = 0.0):
         """The cost of compute `action` with `armed` issued while it runs; the dp stream is busy
         `comm_free` seconds more from its start (reductions of an earlier compute still moving)."""
-        key = (type(action), action.chunk, tuple((type(a), a.bucket, getattr(a, "phase", "")) for a in armed))
+        key = (type(action), action.chunk, tuple((type(a), a.bucket, getattr(a, "phase", "")) for a in armed),
+               action.micro_batch == 0)  # a unit held all step sums its gradients from the second micro-batch on
         if comm_free <= 0 and key in self.memo:
             return self.memo[key]
         plain = self.plain[(type(action), action.chunk)]
@@ -154,8 +155,8 @@ class DataParallelPricer:
             return [0.0] * len(units)
         gathered = {a.bucket for a in armed if type(a) is GatherParams}
         reduced = {a.bucket for a in armed if type(a) is ReduceScatterGrads}
-        grads = type(action) in (Backward, BackwardWeight)
-        return [self.copies.seconds(u.numel, len(u.tensors), i in gathered, i in reduced, grads)
+        grads = type(action) in (Backward, BackwardWeight) and self.copies.sum_s > 0
+        return [self.copies.seconds(u.numel, len(u.tensors), i in gathered, i in reduced, grads, action.micro_batch == 0)
                 for i, u in enumerate(units)]
 
     def unit_segments(self, action, armed: tuple, copies: list[float]) -> list[Segment]:
@@ -191,7 +192,10 @@ class UnitCopies:
     """ZeRO-3's copies on the compute stream, per unit (Implementation.zero3_copies): after a gather, `out_s` an
     element of the unit and `out_kernels` kernels; before a reduction, `in_s` an element, `in_kernels` kernels and one
     more per tensor when `per_tensor` (a copy each); after a backward whose gradients are summed, not reduced (a unit
-    held all step: ScheduleConfig.zero3_hold), `sum_s` an element and a kernel per tensor; `kernel_s` a launch."""
+    held all step: ScheduleConfig.zero3_hold), `sum_s` an element and a kernel per tensor, the first micro-batch's
+    `first_s` where it differs (None: the same; 0: nothing, the gradient kept where autograd wrote it), and a
+    reduction after earlier micro-batches' sums `summed_in_s` an element where it differs (None: `in_s`; the last
+    gradient summed too, and a kernel per tensor for it); `kernel_s` a launch."""
 
     out_s: float
     in_s: float
@@ -200,12 +204,20 @@ class UnitCopies:
     in_kernels: int = 1
     per_tensor: bool = False
     sum_s: float = 0.0
+    first_s: float | None = None
+    summed_in_s: float | None = None
 
-    def seconds(self, numel: int, tensors: int, gathered: bool, reduced: bool, summed: bool = False) -> float:
+    def seconds(self, numel: int, tensors: int, gathered: bool, reduced: bool, summed: bool = False,
+                first: bool = False) -> float:
+        """`summed`: a backward of a unit held all step (its gradients summed over the micro-batches); `first`: of
+        the step's first micro-batch."""
         out = self.out_s * numel + self.out_kernels * self.kernel_s if gathered else 0.0
+        if reduced and summed and not first and self.summed_in_s is not None:
+            return out + self.summed_in_s * numel + (self.in_kernels + tensors) * self.kernel_s
         if reduced:
             return out + self.in_s * numel + (self.in_kernels + (tensors if self.per_tensor else 0)) * self.kernel_s
-        return out + (self.sum_s * numel + tensors * self.kernel_s if summed and self.sum_s else 0.0)
+        per = self.first_s if first and self.first_s is not None else self.sum_s
+        return out + (per * numel + tensors * self.kernel_s if summed and self.sum_s and per else 0.0)
 
 
 def _fp8_elements(chunk_units: dict, cuts: dict, zero: int, experts: bool) -> dict[int, list[int]]:
