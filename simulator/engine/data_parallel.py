@@ -217,7 +217,7 @@ class UnitCopies:
         if reduced:
             return out + self.in_s * numel + (self.in_kernels + (tensors if self.per_tensor else 0)) * self.kernel_s
         per = self.first_s if first and self.first_s is not None else self.sum_s
-        return out + (per * numel + tensors * self.kernel_s if summed and self.sum_s and per else 0.0)
+        return out + (per * numel + tensors * self.kernel_s if summed and per else 0.0)
 
 
 def _fp8_elements(chunk_units: dict, cuts: dict, zero: int, experts: bool) -> dict[int, list[int]]:

@@ -54,9 +54,8 @@ from functools import lru_cache
 from minigpt.config import GPTConfig
 from job.data_parallel import schedule_config
 from job.layout import Layout
-from job.schedule import (AllReduceGrads, Backward, BackwardInput, BackwardWeight, DataParallel, Forward, GatherParams,
-                          OptimizerStep, ReduceScatterGrads, ReduceTiedGrad, ScheduleConfig, armed_around, batches,
-                          compute_order)
+from job.schedule import (AllReduceGrads, Backward, Compute, DataParallel, Forward, GatherParams, OptimizerStep,
+                          ReduceScatterGrads, ReduceTiedGrad, ScheduleConfig, armed_around, batches, compute_order)
 from job.schedule_check import ends_alive, peak_alive
 from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
@@ -107,6 +106,7 @@ def schedule_shape(pp: int, micro_batches: int, kind: str, virtual_chunks: int) 
     return ScheduleShape(tuple(in_flight), tuple(first), tuple(last), tuple(ends))
 
 
+@lru_cache(maxsize=256)  # per candidate in plan's hot loops: one Implementation per distinct stack
 def candidate_stack(overlap: Overlap | str, recompute: str, expert_load: float = 1.0,
                     dispatcher: str = "alltoall", changes: tuple[tuple[str, object], ...] = ()) -> Implementation:
     """How a candidate's blocks are computed, as simulate_step computes them under `overlap` (a preset or its name):
@@ -117,7 +117,6 @@ def candidate_stack(overlap: Overlap | str, recompute: str, expert_load: float =
                    dispatcher=dispatcher)
 
 
-_COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 _REDUCTIONS = (AllReduceGrads, ReduceScatterGrads, ReduceTiedGrad)  # on the rank's data-parallel stream, in turn
 
 
@@ -164,7 +163,7 @@ def rank_schedule(cost: RankCosts, actions, settings: Overlap) -> tuple[float, R
     armed, _ = armed_around(groups)
     for index, group in enumerate(groups):
         action, kind = group[0], type(group[0])
-        if kind in _COMPUTE:
+        if isinstance(action, Compute):
             key = (kind, action.chunk)
             gathered = sum(priced[id(a)] for a in armed.get(index, ()) if type(a) is GatherParams)
             computes[(key, gathered)] = computes.get((key, gathered), 0) + 1
