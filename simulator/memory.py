@@ -26,7 +26,7 @@ checked against it:
   attention backward runs the exchange holds its buffers too (`exchange_buffer_bytes`, beside what a
   recompute brings back): the ring's received keys and values and the fp32 dk/dv accumulators and their
   received copies, or the all-gather's whole-sequence gradients; the all-gather's gathered keys and values
-  are saved tensors of every block (simulator/costs/ops_attention.py).
+  are saved tensors of every block (simulator/costs/layers/attention.py).
 - The last stage's loss: beside the fp32 log-probabilities it saves, its backward holds the gradients it makes, one
   micro-batch at a time (`loss_gradient_bytes`, by Implementation.loss: two fp32 gradients a logit for torch's
   cross entropy, ours at tp 1 and torchtitan's; one for ours under tp (its backward works in place, the peak is its
@@ -56,7 +56,7 @@ from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, check_against_config, is_expert_tensor, stage_units
 from simulator.costs.implementation import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
-from simulator.costs.ops_moe import expert_rows, received_rows
+from simulator.costs.layers.moe import expert_rows, received_rows
 from simulator.memory_notes import fp8_note, layout_notes
 from simulator.states import experts_states, fp8_weights_held, zero3_gather_bytes, zero3_hold, zero_states
 
@@ -206,7 +206,7 @@ def exchange_buffer_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPol
             values: less);
       allgather (allgather.py)  the gradients of the gathered keys and values, fp32, and their copies in
             the compute format handed to the reduce-scatter: 2 cp kv each (the gathered keys and values
-            themselves are saved tensors, simulator/costs/ops_attention.py)."""
+            themselves are saved tensors, simulator/costs/layers/attention.py)."""
     if layout.cp == 1:
         return 0
     kv, e = kv_elements(model, layout.tp, layout.cp, micro_batch_size), FORMAT_BYTES[policy.compute]

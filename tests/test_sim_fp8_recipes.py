@@ -1,4 +1,4 @@
-"""fp8 recipes (simulator/costs/ops_fp8.py, `minigpt simulate --fp8-recipe`): per-tensor current scaling's amax
+"""fp8 recipes (simulator/costs/layers/fp8.py, `minigpt simulate --fp8-recipe`): per-tensor current scaling's amax
 pass before each cast, the LayerNorm writing 16 bits and their amax, its amax all-reduces over tp under sequence
 parallelism; which stacks scale how; one line for a recipe the job cannot run."""
 
@@ -17,7 +17,7 @@ from simulator.costs.compute import chunk_times
 from simulator.costs.hardware import load_hardware
 from simulator.costs.implementation import FP8_RECIPES, Implementation
 from simulator.costs.ops import block_ops
-from simulator.costs.ops_fp8 import sp_amax_reductions
+from simulator.costs.layers.fp8 import sp_amax_reductions
 from simulator.engine.overlap import stack_implementation
 from simulator.engine.simulate import simulate_step
 from simulator.network.topology import build_cluster

@@ -1,4 +1,4 @@
-"""fp8 routed experts (Implementation.fp8_experts, simulator/costs/ops_moe.py): Megatron-core's grouped experts run
+"""fp8 routed experts (Implementation.fp8_experts, simulator/costs/layers/moe.py): Megatron-core's grouped experts run
 in fp8 under an fp8 job (Transformer Engine's GroupedLinear), with their casts, e4m3 copies and amaxes; our executor
 keeps them 16-bit (minigpt/moe.py)."""
 

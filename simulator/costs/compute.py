@@ -57,7 +57,7 @@ from simulator.costs.rates.attention_rates import kernel_table, seconds as atten
 from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
                                       model_flops)
 from simulator.costs.ops import block_ops, embedding_ops, head_ops
-from simulator.costs.ops_fp8 import sp_amax_reductions
+from simulator.costs.layers.fp8 import sp_amax_reductions
 
 HALF_EFFICIENCY_DIM = 128  # smallest matmul side at which the uncalibrated curve reaches half the peak
 FALLBACK_CURVE = f"fallback curve x/(x+{HALF_EFFICIENCY_DIM}) (no table: uncalibrated, optimistic)"
@@ -154,7 +154,7 @@ def _attention_compute(op: FusedAttention, gpu: GPUSpec, profile: EfficiencyProf
     efficiency."""
     scores = op.gemms[0]  # s x s x head_dim: the scores, or the backward's recomputed scores
     table = kernel_table(gpu, op.kernel)
-    if op.causal_seq and table is not None:  # at the length the kernel works on: a ring's chunk under cp (ops_attention.py)
+    if op.causal_seq and table is not None:  # at the length the kernel works on: a ring's chunk under cp (layers/attention.py)
         peak = tensor_peak(gpu, scores.dtype)
         return attention_seconds(table, op.benchmark_flops, scores.k, op.efficiency_seq, peak)
     square = sum(_gemm_compute(g, gpu, profile) for g in op.gemms)
@@ -337,7 +337,7 @@ class ChunkTimes:
     shared_backward_s: tuple[float, float] = (0.0, 0.0)  # the recomputed forward's left out
     shared_recompute_s: tuple[float, float] = (0.0, 0.0)
     fp8_gemms: int = 0  # the Linears' GEMMs of the forward that run in fp8 (each has amaxes to reduce: engine/costs.py)
-    sp_amaxes: tuple[int, int] = (0, 0)  # current scaling's amax all-reduces over tp (forward, backward): ops_fp8.py
+    sp_amaxes: tuple[int, int] = (0, 0)  # current scaling's amax all-reduces over tp (forward, backward): layers/fp8.py
 
 
 def moe_count(model: GPTConfig, layers: int, moe_layers: int | None) -> int:

@@ -1,7 +1,7 @@
 """How a stack computes a block (`Implementation`): the attention kernel, what is recomputed, what sequence
 parallelism saves, how fp8 Linears and weight gradients run, the optimizer's kernels, a mixture of experts' routing
 and dispatcher. Torch-free. Every default is our executor's; simulator/engine/overlap.py's presets set the others,
-simulator/costs/ops.py and ops_fp8.py price each choice (simulator/costs/op_types.py re-exports these names)."""
+simulator/costs/ops.py and layers/fp8.py price each choice (simulator/costs/op_types.py re-exports these names)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Implementation:
                       overlap run as GEMMs on chunks of the rows, one after another (simulator/costs/ops.py,
                       "userbuffers' chunks"); False: one GEMM each (our executor).
     expert_load       a mixture of experts' routing imbalance: the busiest expert's routed rows over the mean (1.0:
-                      balanced), applied to the busiest rank of the expert group (simulator/costs/ops_moe.py's
+                      balanced), applied to the busiest rank of the expert group (simulator/costs/layers/moe.py's
                       received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls).
     grad_reduce_fp32  gradients travel between data-parallel ranks in fp32 (FSDP2's MixedPrecisionPolicy with
                       reduce_dtype float32: torchtitan's only choice, training.mixed_precision_reduce, and NeMo

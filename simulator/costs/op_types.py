@@ -265,7 +265,7 @@ class UnitShape:
     def fused_norm(self) -> bool:
         """The LayerNorm before an fp8 Linear writes its quantised input itself (Transformer Engine's
         LayerNormLinear): per-tensor delayed scaling the e4m3 row-wise copy, MXFP8 both directions. Under current
-        scaling it writes 16 bits and their amax, and a cast follows (simulator/costs/ops_fp8.py)."""
+        scaling it writes 16 bits and their amax, and a cast follows (simulator/costs/layers/fp8.py)."""
         return self.fp8 and self.fp8_fused and not self.fp8_current
 
     def normed_bytes(self, elements: int) -> int:

@@ -14,8 +14,8 @@ forward and backward as plain dataclasses (print them: `for op in ops.forward: p
 and `Saved`, the tensors the forward leaves for the backward. `embedding_ops` and `head_ops`
 do the same for the embeddings and for the final norm, the head and the loss.
 simulator/costs/compute.py prices the ops, simulator/memory.py sums what they save. The attention
-core (rotary positions, flash or unfused attention) is simulator/costs/ops_attention.py's; a mixture of
-experts' router, routed experts and combine (block_ops(moe=True)) simulator/costs/ops_moe.py's.
+core (rotary positions, flash or unfused attention) is simulator/costs/layers/attention.py's; a mixture of
+experts' router, routed experts and combine (block_ops(moe=True)) simulator/costs/layers/moe.py's.
 
 Per rank, for b sequences of s tokens (B = b*s rows), width h = d, MLP width f, a query heads,
 K key/value heads, tp t: row counts of the element-wise work on the residual stream are B/t
@@ -92,7 +92,7 @@ fp8 Linears (the fp8 policy; docs/efficiency.md "fp8 Linears as they run"): Tran
 DelayedScaling recipe with Format.HYBRID, which precision/fp8.py follows: the four Linears' forward GEMM
 e4m3 x e4m3, both backward GEMMs e5m2 (output gradient) x e4m3, per-tensor scales (from an amax history);
 attention, the head and every element-wise kernel stay 16-bit. The casts, by Implementation, are
-simulator/costs/ops_fp8.py's (our executor's torch ops, or Transformer Engine's fused kernels; delayed, current or
+simulator/costs/layers/fp8.py's (our executor's torch ops, or Transformer Engine's fused kernels; delayed, current or
 MXFP8 scaling; weights cast once a step or in every forward); our executor's _scaled_mm also transposes the weight,
 the gradient and the input in the backward (1 + 1 bytes each), which Transformer Engine's casts wrote already.
 wgrad_fusion: a weight-gradient GEMM reads and writes the fp32 main gradient (2 x 4 bytes per weight), no
@@ -113,10 +113,10 @@ The shape's options (minigpt/config.py), each as minigpt/model.py computes it:
                     silu(gate) and the product (the fp8 fc2 its e4m3 copy instead). Its backward reads the
                     product's gradient, fc1's output and silu(gate) and writes fc1's output gradient.
   positions="rope"  no position embedding (no add, no gradient); the rotation is part of the
-                    attention core (ops_attention.py), saves nothing, and a selective recompute
+                    attention core (layers/attention.py), saves nothing, and a selective recompute
                     keeps the core's input, the unrotated qkv output, as parallel/recompute.py does.
   n_kv_heads        grouped-query attention: qkv is (a + 2K) head_dim wide; the attention FLOPs are
-                    those of a query heads (ops_attention.py).
+                    those of a query heads (layers/attention.py).
 These saved bytes equal config.activation_bytes_per_token_per_layer for every shape and
 recompute mode (simulator/memory.py checks it before every prediction).
 """
@@ -130,202 +130,16 @@ from simulator.costs.op_types import (
     BACKWARD, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, UB_PIPELINE_SPLITS, FusedAttention, Gemm,
     Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
 )
-from simulator.costs.ops_attention import core_backward, core_forward
-from simulator.costs.ops_fp8 import TORCH_QUANTIZE, cast_kernels, fp8_input, fp8_recasts, fp8_weight  # noqa: F401
-from simulator.costs.ops_moe import routed_backward, routed_forward
+from simulator.costs.layers.attention import core_backward, core_forward
+from simulator.costs.layers.fp8 import TORCH_QUANTIZE  # noqa: F401 (re-exported)
+from simulator.costs.layers.linear import (column_backward, column_linear, dropout_backward, norm, norm_backward,
+                                           residual_backward, residual_join, row_backward, row_linear, weight_gradient)
+from simulator.costs.layers.moe import routed_backward, routed_forward
 from simulator.costs.torchtitan import eager
 from simulator.costs.torchtitan.selective_op import check_op_layout, op_recompute
 
 __all__ = ["SP_SAVED_INPUTS", "UB_PIPELINE_SPLITS", "Implementation", "Gemm", "MemoryOp", "FusedAttention", "Saved",
            "OpList", "Op", "block_ops", "embedding_ops", "head_ops", "op_rows", "FORWARD", "RECOMPUTE", "BACKWARD"]
-
-
-# ---------------------------------------------------------------- Linear layers
-
-
-def _linear_forward(rec: Recorder, name: str, inp: str, shard: str | None, n: int, k: int, out: str,
-                    normed: bool = False) -> str:
-    """A Linear of `k` -> `n` columns on this rank over all rows, writing `out` (before any bias).
-
-    `inp` is the input it multiplies (16-bit, or e4m3 when a fused norm wrote it: `normed`, it follows one); `shard`
-    the sequence shard that "sharded" saves instead."""
-    sh = rec.shape
-    rec.tensor(f"{name}.weight", n * k * sh.e, OUTSIDE)
-    saved_input = shard if shard is not None and sh.sharded else None
-    if sh.fp8:
-        saved = fp8_input(rec, name, inp, k, normed, saved_input is not None)
-        saves = (saved_input or saved, *fp8_weight(rec, name, n, k))
-    else:
-        saves = (saved_input or inp,)
-    rec.tensor(out, sh.rows * n * sh.e)
-    chunks, margin = sh.split(name)
-    rec.gemm(name, sh.rows, n, k, sh.linear, saves, chunks=chunks, margin=margin)
-    return out
-
-
-def _linear_backward(rec: Recorder, name: str, n: int, k: int, normed: bool = False) -> None:
-    """Input and weight gradients of the Linear above (its output gradient in HBM), and the accumulation.
-
-    Under fp8 the output gradient is cast to e5m2 first; our executor's _scaled_mm then makes the transposed
-    copies its layouts need (the weight for the input gradient, the gradient and the input for the weight
-    gradient), Transformer Engine's casts wrote them already. `wgrad_fusion`: the weight-gradient GEMM reads and
-    writes the fp32 main gradient itself, no accumulation kernel."""
-    sh = rec.shape
-    if sh.fp8:
-        for kernel, read, written in cast_kernels(sh, f"{name}.cast_grad", sh.rows * n, 2):
-            rec.back_mem(kernel, read, written)
-    chunks, margin = sh.split(f"{name}.input_grad")
-    rec.back_gemm(f"{name}.input_grad", sh.rows, k, n, sh.linear, chunks=chunks, margin=margin)
-    if sh.fp8 and not sh.fp8_fused:
-        rec.back_mem(f"{name}.transpose_weight", n * k, n * k)
-    if sh.fp8_recast:  # torchao saved the 16-bit input and weight: both are cast again
-        fp8_recasts(rec, name, sh.rows, n, k)
-    elif sh.sharded and sh.fp8:  # the input shard, gathered again, is made e4m3 (transposed) again for the weight gradient
-        if normed and sh.fused_norm:
-            if not sh.fp8_block:
-                rec.back_mem(f"{name}.transpose_input", sh.rows * k, sh.rows * k)
-        else:
-            for kernel, read, written in cast_kernels(sh, f"{name}.cast_input", sh.rows * k):
-                rec.back_mem(kernel, read, written)
-    if sh.fp8 and not sh.fp8_fused:
-        rec.back_mem(f"{name}.transpose_grad", sh.rows * n, sh.rows * n)
-        rec.back_mem(f"{name}.transpose_input", sh.rows * k, sh.rows * k)
-    _weight_gradient(rec, name, n, k, sh.linear)
-
-
-def _weight_gradient(rec: Recorder, name: str, n: int, k: int, dtype: str) -> None:
-    """The weight-gradient GEMM and its accumulation into the gradient buffer (fused into it under wgrad_fusion)."""
-    sh = rec.shape
-    margin = sh.split(f"{name}.weight_grad")[1]  # a bulk overlap's: never in chunks
-    if sh.wgrad_fusion:
-        rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype, out_bytes=2 * FP32, margin=margin)
-        return
-    rec.back_gemm(f"{name}.weight_grad", n, k, sh.rows, dtype, margin=margin)
-    rec.back_mem(f"{name}.grad_accumulate", 2 * n * k * sh.grad, n * k * sh.grad)
-
-
-def _bias_add(rec: Recorder, name: str, inp: str, out: str, rows: int, n: int) -> None:
-    bias = rec.tensor(f"{name}.bias", n * rec.shape.e, OUTSIDE)
-    rec.tensor(out, rows * n * rec.shape.e)
-    rec.mem(f"{name}.bias_add", (inp, bias), (out,))
-
-
-def _bias_in_gemm(sh, name: str) -> bool:
-    """Whether a column-parallel Linear's bias is added and reduced by its GEMMs (Transformer Engine's cuBLASLt bias
-    epilogues: bias_fusion "te"); fc1's is the activation's under any fusion (Megatron's bias_gelu, bias_swiglu)."""
-    return sh.bias_fusion == "te" and not name.endswith("fc1")
-
-
-def _column_bias(sh, name: str) -> bool:
-    """Whether the column-parallel Linear `name` (qkv, or an MLP's fc1) has a bias."""
-    return sh.qkv_bias if name == "qkv" else sh.bias
-
-
-def _column_linear(rec: Recorder, name: str, inp: str, shard: str | None, n: int, out: str, normed: bool = True) -> str:
-    """A column-parallel Linear (qkv, fc1) from d to `n` columns on this rank, and its bias when the shape has one;
-    `normed`: a norm wrote its input (a MoE's shared experts read the router's: not normed for them)."""
-    sh = rec.shape
-    fused = sh.bias_fusion != "none" and (name.endswith("fc1") or _bias_in_gemm(sh, name))
-    if not _column_bias(sh, name) or fused:  # no bias kernel (fused: the GEMM's epilogue or the activation's kernel adds it)
-        return _linear_forward(rec, name, inp, shard, n, sh.d, out, normed)
-    matmul = _linear_forward(rec, name, inp, shard, n, sh.d, f"{name}.matmul", normed)
-    _bias_add(rec, name, matmul, out, sh.rows, n)
-    return out
-
-
-def _row_linear(rec: Recorder, name: str, inp: str, k: int, out: str) -> str:
-    """A row-parallel Linear (proj, fc2) from `k` columns on this rank to d, summed over the group (all-reduced, or
-    reduce-scattered to the sequence shard), and its bias, added after the sum, when the shape has one."""
-    sh = rec.shape
-    _linear_forward(rec, name, inp, None, sh.d, k, f"{name}.matmul")
-    added = sh.bias and sh.bias_fusion == "none"  # else the residual join adds it (Megatron's bias_dropout_add)
-    total = rec.tensor(f"{name}.sum" if added else out, sh.residual_rows * sh.d * sh.e)
-    if added:
-        _bias_add(rec, name, total, out, sh.residual_rows, sh.d)
-    return out
-
-
-def _column_backward(rec: Recorder, name: str, n: int, normed: bool = True) -> None:
-    if _column_bias(rec.shape, name) and not _bias_in_gemm(rec.shape, name):
-        _bias_backward(rec, name, rec.shape.rows, n)
-    _linear_backward(rec, name, n, rec.shape.d, normed)
-
-
-def _row_backward(rec: Recorder, name: str, k: int) -> None:
-    if rec.shape.bias:
-        _bias_backward(rec, name, rec.shape.residual_rows, rec.shape.d)
-    _linear_backward(rec, name, rec.shape.d, k)
-
-
-def _bias_backward(rec: Recorder, name: str, rows: int, n: int) -> None:
-    rec.back_mem(f"{name}.bias_grad", rows * n * rec.shape.e, n * rec.shape.grad)
-
-
-def _norm(rec: Recorder, name: str, inp: str, out: str, out_bytes: int | None = None) -> None:
-    """A LayerNorm or RMSNorm over the residual rows: saves its input and its fp32 statistics. `out_bytes`: what it
-    writes (default its output in the compute format; the next fp8 Linear's quantised input where it makes it)."""
-    sh = rec.shape
-    rows = sh.residual_rows
-    rec.tensor(out, rows * sh.d * sh.e if out_bytes is None else out_bytes)
-    stats = rec.tensor(f"{name}.statistics", rows * sh.norm_statistics * FP32, small=True)
-    if _eager_rmsnorm(sh):  # torchtitan's RMSNorm in eager PyTorch (simulator/costs/torchtitan/eager.py): it saves
-        # the fp32 copy of its input, the statistic (its rsqrt) and the 16-bit normalised output
-        saved = (rec.tensor(f"{name}.input_fp32", rows * sh.d * FP32), stats,
-                 rec.tensor(f"{name}.normalised", rows * sh.d * sh.e))
-        rec.kernels(name, eager.rmsnorm_forward(rows, sh.d, sh.e), saves=saved)
-        return
-    rec.mem(name, (inp,), (out, stats), saves=(inp, stats))
-
-
-def _eager_rmsnorm(sh) -> bool:
-    return sh.eager and sh.norm_statistics == 1
-
-
-def _norm_backward(rec: Recorder, name: str) -> None:
-    sh = rec.shape
-    rows = sh.residual_rows
-    if _eager_rmsnorm(sh):
-        rec.back_kernels(f"{name}.backward", eager.rmsnorm_backward(rows, sh.d, sh.e))
-        return
-    rec.back_mem(f"{name}.backward", 2 * rows * sh.d * sh.e + rows * sh.norm_statistics * FP32, rows * sh.d * sh.e)
-
-
-def _residual_dropout(rec: Recorder, name: str, inp: str) -> str:
-    """Dropout on the residual branch (when dropout > 0): returns what is added to the stream."""
-    sh = rec.shape
-    if not sh.dropout:
-        return inp
-    rows = sh.residual_rows
-    out, mask = rec.tensor(f"{name}.residual_dropped", rows * sh.d * sh.e), rec.tensor(f"{name}.residual_mask", rows * sh.d * MASK)
-    rec.mem(f"{name}.residual_dropout", (inp,), (out, mask), saves=(mask,))
-    return out
-
-
-def _residual_join(rec: Recorder, name: str, stream: str, branch: str, out: str, bias_of: str | None) -> None:
-    """The branch's dropout and its sum with the stream into `out`; under bias_fusion one kernel with the row-parallel
-    Linear `bias_of`'s bias (Megatron's bias_dropout_add_fused_train), saving the mask."""
-    sh = rec.shape
-    rows = sh.residual_rows
-    rec.tensor(out, rows * sh.d * sh.e)
-    if sh.bias_fusion == "none":
-        rec.mem(f"{name}.residual_add", (stream, _residual_dropout(rec, name, branch)), (out,))
-        return
-    mask = (rec.tensor(f"{name}.residual_mask", rows * sh.d * MASK),) if sh.dropout else ()
-    bias = (rec.tensor(f"{bias_of}.bias", sh.d * sh.e, OUTSIDE),) if sh.bias and bias_of else ()
-    rec.mem(f"{name}.bias_dropout_add", (stream, branch, *bias), (out, *mask), saves=mask)
-
-
-def _dropout_backward(rec: Recorder, name: str, rows: int, width: int) -> None:
-    """`name`: the dropout op's name."""
-    e = rec.shape.e
-    rec.back_mem(f"{name}_backward", rows * width * (e + MASK), rows * width * e)
-
-
-def _residual_backward(rec: Recorder, name: str) -> None:
-    """The two gradients that meet at a residual join (the stream's and the branch's) are summed."""
-    sh = rec.shape
-    n = sh.residual_rows * sh.d * sh.e
-    rec.back_mem(f"{name}.residual_grad_sum", 2 * n, n)
 
 
 # ---------------------------------------------------------------- the block
@@ -334,13 +148,13 @@ def _residual_backward(rec: Recorder, name: str) -> None:
 def _attention_forward(rec: Recorder, attention: str) -> None:
     sh = rec.shape
     x = rec.tensor("x", sh.residual_rows * sh.d * sh.e, OUTSIDE)
-    _norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
+    norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
     if sh.sp:
         rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d))  # all-gathered along the sequence
-    qkv = _column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
+    qkv = column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
     heads = core_forward(rec, attention, qkv)
-    branch = _row_linear(rec, "proj", heads, sh.heads * sh.head_dim, "attention.residual")
-    _residual_join(rec, "attention", x, branch, "ln2.input", "proj")
+    branch = row_linear(rec, "proj", heads, sh.heads * sh.head_dim, "attention.residual")
+    residual_join(rec, "attention", x, branch, "ln2.input", "proj")
 
 
 def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
@@ -376,23 +190,23 @@ def _mlp(rec: Recorder, prefix: str, inp: str, shard: str | None, width: int, ou
     """fc1, its activation and fc2, `width` wide on this rank (the dense MLP's f/t, a MoE's shared experts' whole
     n_shared x expert width): returns fc2's output, `out`."""
     sh = rec.shape
-    hidden = _column_linear(rec, f"{prefix}fc1", inp, shard, (2 if sh.swiglu else 1) * width, f"{prefix}fc1.output",
+    hidden = column_linear(rec, f"{prefix}fc1", inp, shard, (2 if sh.swiglu else 1) * width, f"{prefix}fc1.output",
                             normed)
-    return _row_linear(rec, f"{prefix}fc2", _activation(rec, hidden, prefix, width), width, out)
+    return row_linear(rec, f"{prefix}fc2", _activation(rec, hidden, prefix, width), width, out)
 
 
 def _mlp_backward(rec: Recorder, prefix: str, width: int, normed: bool = True) -> None:
-    _row_backward(rec, f"{prefix}fc2", width)
+    row_backward(rec, f"{prefix}fc2", width)
     _activation_backward(rec, prefix, rec.shape.rows * width)
-    _column_backward(rec, f"{prefix}fc1", (2 if rec.shape.swiglu else 1) * width, normed)
+    column_backward(rec, f"{prefix}fc1", (2 if rec.shape.swiglu else 1) * width, normed)
 
 
 def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
-    """ln2, the dense MLP or a mixture of experts (simulator/costs/ops_moe.py: router, routed experts, and the
+    """ln2, the dense MLP or a mixture of experts (simulator/costs/layers/moe.py: router, routed experts, and the
     shared experts as a dense MLP), dropout, the residual add."""
     sh = rec.shape
     if moe:  # under sequence parallelism on this rank's slice of the tokens (UnitShape.moe)
-        _norm(rec, "ln2", "ln2.input", "moe.input")
+        norm(rec, "ln2", "ln2.input", "moe.input")
         with rec.shaped(sh.moe):
             branch = routed_forward(rec, model, ep, "moe.input")
             if model.n_shared_experts:
@@ -402,17 +216,17 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
                 rec.mem("moe.shared_add", (branch, shared), ("moe.output",))
                 branch = "moe.output"
     else:
-        _norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input", sh.normed_bytes(sh.residual_rows * sh.d))
+        norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input", sh.normed_bytes(sh.residual_rows * sh.d))
         if sh.sp:
             rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
         branch = _mlp(rec, "", "fc1.input", "ln2.output", sh.f // sh.t, "mlp.residual")
-    _residual_join(rec, "mlp", "ln2.input", branch, "y", None if moe else "fc2")
+    residual_join(rec, "mlp", "ln2.input", branch, "y", None if moe else "fc2")
 
 
 def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, ep: int) -> None:
     sh = rec.shape
     if sh.dropout:
-        _dropout_backward(rec, "mlp.residual_dropout", sh.residual_rows, sh.d)
+        dropout_backward(rec, "mlp.residual_dropout", sh.residual_rows, sh.d)
     if moe:
         with rec.shaped(sh.moe):
             if model.n_shared_experts:
@@ -420,15 +234,15 @@ def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, 
             routed_backward(rec, model, ep, 3 if model.n_shared_experts else 2)
     else:
         _mlp_backward(rec, "", sh.f // sh.t)
-    _norm_backward(rec, "ln2")
-    _residual_backward(rec, "mlp")
+    norm_backward(rec, "ln2")
+    residual_backward(rec, "mlp")
     if sh.dropout:
-        _dropout_backward(rec, "attention.residual_dropout", sh.residual_rows, sh.d)
-    _row_backward(rec, "proj", sh.heads * sh.head_dim)
+        dropout_backward(rec, "attention.residual_dropout", sh.residual_rows, sh.d)
+    row_backward(rec, "proj", sh.heads * sh.head_dim)
     core_backward(rec, attention)
-    _column_backward(rec, "qkv", sh.qkv_width)
-    _norm_backward(rec, "ln1")
-    _residual_backward(rec, "attention")
+    column_backward(rec, "qkv", sh.qkv_width)
+    norm_backward(rec, "ln1")
+    residual_backward(rec, "attention")
 
 
 def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
@@ -463,7 +277,7 @@ def embedding_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Pr
     if sh.dropout:
         mask = rec.tensor("embedding.mask", sh.rows * sh.d * MASK)
         rec.mem("embedding.dropout", ("embedding.output",), ("embedding.output", mask), saves=(mask,))
-        _dropout_backward(rec, "embedding.dropout", sh.rows, sh.d)
+        dropout_backward(rec, "embedding.dropout", sh.rows, sh.d)
     if not sh.rope:
         rec.back_mem("embedding.position_grad", rows, sh.s * sh.d * sh.grad)
     rec.back_mem("embedding.lookup_grad", rows, sh.rows * sh.d * sh.grad)  # into the rows the tokens touched
@@ -477,7 +291,7 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     rec = Recorder(sh)
     vocab = padded_vocab(model, sh.t) // sh.t
     final = rec.tensor("final_norm.input", sh.residual_rows * sh.d * sh.e, OUTSIDE)
-    _norm(rec, "final_norm", final, "final_norm.output" if sh.sp else "head.input")
+    norm(rec, "final_norm", final, "final_norm.output" if sh.sp else "head.input")
     if sh.sp:
         rec.tensor("head.input", sh.rows * sh.d * sh.e)
     rec.tensor("head.logits", sh.rows * vocab * sh.e)
@@ -491,6 +305,6 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     else:
         rec.back_mem("loss.backward", sh.rows * vocab * FP32, sh.rows * vocab * sh.e)  # softmax - one-hot, scaled
     rec.back_gemm("head.input_grad", sh.rows, sh.d, vocab, sh.compute)
-    _weight_gradient(rec, "head", vocab, sh.d, sh.compute)
-    _norm_backward(rec, "final_norm")
+    weight_gradient(rec, "head", vocab, sh.d, sh.compute)
+    norm_backward(rec, "final_norm")
     return rec.finish("none")

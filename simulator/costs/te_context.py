@@ -4,7 +4,7 @@ Megatron-core's attention under context parallelism is Transformer Engine's DotP
 "p2p" (its default): AttnFuncWithCPAndKVP2P in transformer_engine/pytorch/attention/dot_product_attention/
 context_parallel.py (read at v2.7, 2025-08; bf16 throughout from v2.4, which dropped the fp64 log-sum-exp, to the
 later releases, which split the same bytes over more kernels). It calls the fused attention kernel once per step (the
-fused op in ops_attention.py prices the steps' GEMMs) and merges the steps outside it; in bf16, with Megatron's sbhd
+fused op in layers/attention.py prices the steps' GEMMs) and merges the steps outside it; in bf16, with Megatron's sbhd
 layout and the causal load balance (two chunks a rank), per attention layer and micro-batch:
 
   forward   k and v concatenated once into the buffer the ring sends (torch.cat); the first step's log-sum-exp

@@ -201,7 +201,7 @@ def amax_seconds(job: _Job, implementation: Implementation, pol, stage: int, fp8
     the backward of its first module ends (FP8GlobalStateManager.reduce_and_update_fp8_tensors): three fp32 amaxes
     per GEMM forward (input, weight, output), two backward (output and input gradients), over
     Implementation.fp8_amax_group. Current scaling: one fp32 amax over tp per sequence-parallel gathered tensor
-    (`sp_amaxes`: simulator/costs/ops_fp8.py). MXFP8 keeps no amax: nothing; nor without fp8 Linears."""
+    (`sp_amaxes`: simulator/costs/layers/fp8.py). MXFP8 keeps no amax: nothing; nor without fp8 Linears."""
     if not pol.fp8_linears:
         return 0.0, 0.0
     if implementation.fp8_scaling == "current":

@@ -15,7 +15,7 @@ overlap's dp_slowdown), hidden for the time it ran beside them; the counts' all-
 Rows: balanced by default (routed_rows: each rank receives as many as it sends). Under a routing imbalance
 (Implementation.expert_load, `load`: the busiest expert's rows over the mean) the rank priced is the busiest of its
 expert group, as a synchronous all-to-all makes every member wait for it: it receives received_rows
-(simulator/costs/ops_moe.py: load times as many, at most ep times) in the dispatch and the combine's gradient, and
+(simulator/costs/layers/moe.py: load times as many, at most ep times) in the dispatch and the combine's gradient, and
 sends as many back in the combine and the dispatch's gradient. Each all-to-all of rows is priced as a balanced one
 of the rows the busiest rank moves in its heavier direction (every member's buffer that large: its own links'
 time, an upper bound where links beyond the server are shared); the counts do not change.
@@ -43,7 +43,7 @@ from job.layout import Layout
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from simulator.costs.implementation import Implementation
-from simulator.costs.ops_moe import received_rows
+from simulator.costs.layers.moe import received_rows
 from simulator.engine.context import Priced
 from simulator.engine.overlap import exposed, overlapped
 

@@ -27,7 +27,7 @@ By Implementation:
         (fp8_param_gather) are not cast, the backward transposes them;
   fp8_experts: a mixture of experts' routed experts run their grouped GEMMs in fp8 too (Transformer Engine's
         GroupedLinear under Megatron-core): their inputs, weights and output gradients cast as above, over the rows
-        the rank's experts received (simulator/costs/ops_moe.py).
+        the rank's experts received (simulator/costs/layers/moe.py).
 """
 
 from __future__ import annotations

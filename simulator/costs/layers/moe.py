@@ -29,7 +29,7 @@ top_k = k:
               biases inside the GEMM (torch.addmm); GELU, or SwiGLU as one kernel (ops.py's convention); the
               experts' outputs concatenated (torch.cat: a copy); with fp8 experts (Implementation.fp8_experts:
               Transformer Engine's GroupedLinear) the grouped GEMMs run in fp8, their inputs, weights and output
-              gradients cast by simulator/costs/ops_fp8.py's kernels, their e4m3 copies saved; under a routing imbalance (Implementation's
+              gradients cast by simulator/costs/layers/fp8.py's kernels, their e4m3 copies saved; under a routing imbalance (Implementation's
               expert_load) the busiest rank of the expert group receives more rows than it sends: its experts run
               on received_rows (their m and element-wise kernels grow), the rows it sent and gets back do not;
   combine     the gates gathered in the rows' order and cast, the gate multiply (saving the rows and their
@@ -56,7 +56,7 @@ import math
 from job.exchange.experts import routed_rows
 from minigpt.config import GPTConfig
 from simulator.costs.op_types import FP32, MASK, MemoryOp, Recorder
-from simulator.costs.ops_fp8 import cast_kernels, fp8_input, fp8_weight
+from simulator.costs.layers.fp8 import cast_kernels, fp8_input, fp8_weight
 
 INDEX = 8  # int64 indices (torch's sort, nonzero, gather indices)
 
@@ -169,7 +169,7 @@ def _format(sh) -> str:
 def _expert_saves(rec: Recorder, name: str, inp: str, rows: int, n: int, k: int) -> tuple[str, ...]:
     """What a grouped expert GEMM of `rows` x `k` inputs to `n` outputs (all local experts' together) keeps for its
     backward: its 16-bit input, or with fp8 experts the e4m3 copies of its input and weights (cast here:
-    simulator/costs/ops_fp8.py)."""
+    simulator/costs/layers/fp8.py)."""
     if not rec.shape.fp8_experts:
         return (inp,)
     return (fp8_input(rec, name, inp, k, normed=False, sharded=False, rows=rows), *fp8_weight(rec, name, n, k))
