@@ -218,15 +218,25 @@ def block_tensors(model: GPTConfig, tp: int, moe: bool | None = None) -> list[Te
     moe = model.is_moe if moe is None else moe
     mlp = _moe_tensors(model) if moe else [*_linear("mlp.fc1", model.mlp_in_width, d, model, tp, True),
                                            *_linear("mlp.fc2", d, f, model, tp, False)]
-    qk_norms = [Tensor(f"attn.core.{n}_norm.weight", model.head_dim, True) for n in "qk"] if model.qk_norm else []
-    return [
-        *_norm("ln1", model),
-        *_linear("attn.qkv", model.qkv_width, d, model, tp, True),
-        *qk_norms,
-        *_linear("attn.proj", d, model.attention_width, model, tp, False),
-        *_norm("ln2", model),
-        *mlp,
-    ]
+    return [*_norm("ln1", model), *_attention_tensors(model, tp), *_norm("ln2", model), *mlp]
+
+
+def _attention_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
+    """The attention's parameters on one rank: the fused qkv (rows split), the head norms (replicated) and proj
+    (columns split); under MLA (minigpt/model.py's LatentAttention) the down projection and the latent norms
+    replicated, the up projections split by heads (rows), proj by columns."""
+    d = model.d_model
+    proj = _linear("attn.proj", d, model.attention_width, model, tp, False)
+    if not model.is_mla:
+        qk_norms = [Tensor(f"attn.core.{n}_norm.weight", model.head_dim, True) for n in "qk"] if model.qk_norm else []
+        return [*_linear("attn.qkv", model.qkv_width, d, model, tp, True), *qk_norms, *proj]
+    q_norm = [Tensor("attn.q_norm.weight", model.q_lora_rank, True)] if model.q_lora_rank else []
+    heads = model.n_heads
+    return [Tensor("attn.down.weight", model.latent_width * d, True), *q_norm,
+            Tensor("attn.kv_norm.weight", model.kv_lora_rank, True),
+            *_linear("attn.q_up", heads * model.qk_head_dim, model.q_up_in_width, model, tp, True),
+            *_linear("attn.kv_up", heads * (model.head_dim + model.v_head_dim), model.kv_lora_rank, model, tp, True),
+            *proj]
 
 
 def embedding_tensors(model: GPTConfig, tp: int) -> list[Tensor]:

@@ -62,6 +62,14 @@ class GPTConfig:
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
+    # Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1), when kv_lora_rank > 0: keys and
+    # values from a kv_lora_rank-wide latent (normed), queries from a q_lora_rank-wide one (0: straight from the
+    # width), each query and key head d_head wide (DeepSeek's qk_nope_head_dim) plus rope_head_dim rotated columns,
+    # the key's shared by the heads; each value head d_value wide (None: d_head).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    d_value: int | None = None
     norm_eps: float = 1e-5  # every norm's epsilon (nn.LayerNorm's default, Llama's; Qwen's checkpoints: 1e-6)
     # Mixture of experts (minigpt/moe.py); n_experts 0 is a dense model and the fields below are ignored.
     n_experts: int = 0  # routed experts per MoE layer
@@ -88,9 +96,49 @@ class GPTConfig:
         return self.d_model // self.n_heads if self.d_head is None else self.d_head
 
     @property
+    def is_mla(self) -> bool:  # multi-head latent attention
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each query and key head's width: head_dim, and under MLA its rope_head_dim rotated columns after it."""
+        return self.head_dim + self.rope_head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Each value head's width: d_value, or head_dim."""
+        return self.head_dim if self.d_value is None else self.d_value
+
+    @property
+    def rotary_dim(self) -> int:
+        """The columns of each query and key head rotary positions turn: the last rope_head_dim under MLA, else all."""
+        return 0 if self.positions != "rope" else self.rope_head_dim if self.is_mla else self.head_dim
+
+    @property
     def attention_width(self) -> int:
-        """The query heads side by side (n_heads x head_dim): the attention's output, the output projection's input."""
-        return self.n_heads * self.head_dim
+        """The value heads side by side (n_heads x v_head_dim): the attention's output, the output projection's input."""
+        return self.n_heads * self.v_head_dim
+
+    @property
+    def padded_values(self) -> int:
+        """Per token, the attention's zero-padded v and padded output (n_heads x qk_head_dim each) when value heads
+        are narrower than query heads (minigpt/model.py's AttentionCore: SDPA's kernels take one head width)."""
+        return 2 * self.n_heads * self.qk_head_dim if self.v_head_dim != self.qk_head_dim else 0
+
+    @property
+    def latent_width(self) -> int:
+        """MLA's down projection's output: the query latent, the key/value latent and the shared rotated key."""
+        return self.q_lora_rank + self.kv_lora_rank + self.rope_head_dim
+
+    @property
+    def latent_norms(self) -> int:
+        """MLA's RMSNorms over its latents: the query latent's (when there is one) and the key/value latent's."""
+        return (2 if self.q_lora_rank else 1) if self.is_mla else 0
+
+    @property
+    def q_up_in_width(self) -> int:
+        """MLA's query up projection's input: the query latent, or the width when there is none."""
+        return self.q_lora_rank or self.d_model
 
     @property
     def kv_heads(self) -> int:
@@ -99,8 +147,9 @@ class GPTConfig:
 
     @property
     def qkv_width(self) -> int:
-        """Output features of the fused q, k, v projection: all query heads, then the key and value heads."""
-        return (self.n_heads + 2 * self.kv_heads) * self.head_dim
+        """The attention core's input, q, k and v side by side: all query heads, then the key and value heads (the
+        fused q, k, v projection's output; under MLA the heads the up projections make, the shared key repeated)."""
+        return (self.n_heads + self.kv_heads) * self.qk_head_dim + self.kv_heads * self.v_head_dim
 
     @property
     def mlp_in_width(self) -> int:
@@ -143,6 +192,10 @@ class GPTConfig:
         """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
         heads += (f" of {self.head_dim}" if self.d_head is not None else "") + (", QK-norm" if self.qk_norm else "")
+        if self.is_mla:
+            query = f"q latent {self.q_lora_rank}, " if self.q_lora_rank else ""
+            heads = (f"{self.n_heads} heads, latent attention ({query}kv latent {self.kv_lora_rank}, q/k "
+                     f"{self.head_dim}+{self.rope_head_dim} rotated, v {self.v_head_dim})")
         kind = {"swiglu": "SwiGLU", "relu2": "squared-ReLU"}.get(self.mlp, "GELU")
         mlp = f"{kind} {self.d_ff}"
         if self.is_moe:
@@ -167,11 +220,19 @@ class GPTConfig:
 
     def attention_params(self) -> int:
         """The fused qkv projection and the output projection, weights and biases (and the query and key norms'
-        gains: one head's width each, shared by the heads)."""
+        gains: one head's width each, shared by the heads); under MLA its projections and latent norms."""
         d, width = self.d_model, self.attention_width
+        if self.is_mla:
+            return self.mla_projection_params() + self.q_lora_rank + self.kv_lora_rank + width * d
         qkv_bias, proj_bias = int(self.linear_bias("attn.qkv")), int(self.linear_bias("attn.proj"))
         qk_norms = 2 * self.head_dim if self.qk_norm else 0
         return (d * self.qkv_width + qkv_bias * self.qkv_width) + (width * d + proj_bias * d) + qk_norms
+
+    def mla_projection_params(self) -> int:
+        """MLA's down projection (d -> latent_width) and its query and key/value up projections (no biases)."""
+        up = self.q_up_in_width * self.n_heads * self.qk_head_dim
+        up += self.kv_lora_rank * self.n_heads * (self.head_dim + self.v_head_dim)
+        return self.d_model * self.latent_width + up
 
     def dense_mlp_params(self) -> int:
         d, f, bias = self.d_model, self.d_ff, int(self.bias)
@@ -245,7 +306,13 @@ class GPTConfig:
     def attention_core_flops_per_token(self) -> int:
         """q @ k^T and p @ v over the full s x s square, per token (one block). Grouped-query
         attention shares key/value heads but every query head still scores the whole sequence."""
-        return 2 * 2 * self.seq_len * self.attention_width
+        return 2 * self.seq_len * self.n_heads * (self.qk_head_dim + self.v_head_dim)
+
+    def attention_linear_flops_per_token(self) -> int:
+        """The attention's projections, forward, per token: qkv and proj (MLA: down, up and proj)."""
+        d = self.d_model
+        projections = self.mla_projection_params() if self.is_mla else d * self.qkv_width
+        return 2 * (projections + self.attention_width * d)
 
     def mlp_forward_flops_per_token(self, moe: bool | None = None) -> int:
         """Matmul FLOPs of one MLP's forward per token: the dense MLP, or a MoE's router and the experts a token
@@ -258,8 +325,7 @@ class GPTConfig:
 
     def block_forward_flops_per_token(self, moe: bool | None = None) -> int:
         """Matmul FLOPs of one block's forward pass, per token (`moe` as in block_params)."""
-        d = self.d_model
-        linears = 2 * (d * self.qkv_width + self.attention_width * d) + self.mlp_forward_flops_per_token(moe)
+        linears = self.attention_linear_flops_per_token() + self.mlp_forward_flops_per_token(moe)
         return linears + self.attention_core_flops_per_token()
 
     def blocks_forward_flops_per_token(self) -> int:
@@ -292,8 +358,8 @@ class GPTConfig:
         elif recompute == OP_RECOMPUTE:
             self.check_op_recompute()
             flops += self.n_layers * self.op_recomputed_flops_per_token()
-        if attention == "flash":
-            flops += self.n_layers * self.attention_core_flops_per_token() // 2
+        if attention == "flash":  # the scores q @ k^T again: 2 s x (query and key head width) per head
+            flops += self.n_layers * 2 * self.seq_len * self.n_heads * self.qk_head_dim
         return flops
 
     # ------------------------------------------------------------------ activations
@@ -312,6 +378,10 @@ class GPTConfig:
           (batch, seq, heads, head_dim) order, so no copy is made),
           with query and key norms (qk_norm) the qkv output as well (their input) and one fp32 1/rms per
           query and key head,
+          under MLA also its down projection's output (the latent norms' input) and the normed latent (the up
+          projections' input), latent_width each, and each latent norm's fp32 1/rms (q's, kv's), the fused
+          qkv being the heads the up projections make (the shared rotated key repeated per head), and
+          with value heads narrower than query heads the zero-padded v and the padded output (padded_values),
           GELU input f and output f, or for SwiGLU the fused gate/up output 2f, silu(gate) f
           and the product f,
           plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
@@ -334,8 +404,10 @@ class GPTConfig:
             mlp_bytes = self.moe_activation_bytes_per_token(dtype_bytes)
         else:
             mlp_bytes = dtype_bytes * (4 * f if self.mlp == "swiglu" else 2 * f)
-        tensors = dtype_bytes * (4 * d + self.qkv_width + self.attention_width) + mlp_bytes
-        norm_statistics = 2 * (2 if self.norm == "layernorm" else 1)
+        latent = 2 * self.latent_width if self.is_mla else 0  # MLA's down output and its normed copy
+        padded = self.padded_values if recompute != "selective" else 0  # the core's own: recomputed under selective
+        tensors = dtype_bytes * (4 * d + latent + self.qkv_width + self.attention_width + padded) + mlp_bytes
+        norm_statistics = 2 * (2 if self.norm == "layernorm" else 1) + self.latent_norms
         statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))
         if self.qk_norm and recompute != "selective":  # the norms keep their input (the qkv output) and 1/rms
             tensors += dtype_bytes * self.qkv_width
@@ -352,6 +424,8 @@ class GPTConfig:
         with a bias runs as addmm (never kept), a MoE's experts as grouped matmuls, dropout draws again."""
         if self.is_moe:
             return "a mixture of experts (its grouped expert matmuls are not aten.mm)"
+        if self.is_mla:
+            return "multi-head latent attention (the policy counts on a Llama block's q, k, v and o projections)"
         if self.bias or self.qkv_bias:
             return ("Linears with biases (they run as addmm, which the policy never keeps): use "
                     + ("--no-bias" if self.bias else "--no-qkv-bias"))

@@ -43,6 +43,9 @@ LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "qwen2", "qwen3", "mixtral" or "qwen3_moe": the transformers layout that holds `config`
     exactly; ConfigError saying why not."""
+    if config.is_mla:
+        raise ConfigError("multi-head latent attention is not written in or read from a transformers layout yet "
+                          "(DeepSeek-V3's needs its rotated columns interleaved): train it from a preset or flags")
     if config.is_moe:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")

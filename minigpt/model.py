@@ -1,11 +1,12 @@
 """A plain GPT: embeddings, pre-norm blocks, final norm, LM head, loss.
 
 GPT-2-style by default; the config's options make it Llama-style (RMSNorm, SwiGLU, rotary
-positions, grouped-query attention, no biases, untied head) with the same module names.
+positions, grouped-query attention, no biases, untied head) with the same module names, or give it
+DeepSeek's multi-head latent attention (LatentAttention).
 
 No distributed code lives here. Parallelism is applied from outside
 (`parallel/`): tensor parallelism swaps modules (`qkv`, `proj`, `fc1`, `fc2`,
-`tok_emb`, `head`) for sharded ones, and pipeline parallelism runs
+`tok_emb`, `head`; under multi-head latent attention `spread`, `q_up`, `kv_up`) for sharded ones, and pipeline parallelism runs
 `embed`, slices of `blocks`, and `logits`/`loss` on different ranks. To make that
 possible the attention reads its shapes from the qkv output, so a column-sharded
 qkv simply carries fewer heads (and, under sequence parallelism, the whole
@@ -102,35 +103,40 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     return (wide * cos + sign * rotated_half * sin).to(x.dtype)
 
 
+def _rotated_columns(qkv: torch.Tensor, heads: int, head_width: int, rotary: int) -> torch.Tensor:
+    """The rotated columns of the first `heads` heads of a fused tensor, (batch, seq, heads, rotary): each head's
+    last `rotary` columns (all of them but under multi-head latent attention), a view."""
+    return qkv[..., : heads * head_width].unflatten(-1, (heads, head_width))[..., head_width - rotary:]
+
+
 class RotaryQK(torch.autograd.Function):
-    """Rotary position embeddings (Su et al. 2021) applied to the q and k heads of a fused qkv output.
+    """Rotary position embeddings (Su et al. 2021) applied to the q and k heads of a fused qkv output: the last
+    `rotary` columns of each of the first `rotated_heads` heads of `head_width` (the whole head but under MLA).
 
     Returns a new fused tensor (v copied) so that the attention's saved q, k and v are views of one
     tensor of the qkv output's size, and saves nothing itself: its backward rotates back. `positions`:
     each token's position along the sequence (None: 0, 1, ..., seq - 1)."""
 
     @staticmethod
-    def forward(ctx, qkv, rotated_heads: int, head_dim: int, theta: float, positions: torch.Tensor | None = None,
-                scaling: tuple | None = None):
-        batch, seq, width = qkv.shape
+    def forward(ctx, qkv, rotated_heads: int, head_width: int, rotary: int, theta: float,
+                positions: torch.Tensor | None = None, scaling: tuple | None = None):
+        seq = qkv.shape[1]
         if positions is None:
-            cos, sin = rope_tables(seq, head_dim, theta, qkv.device, scaling)
+            cos, sin = rope_tables(seq, rotary, theta, qkv.device, scaling)
         else:
             longest = int(positions.max()) + 1
-            cos, sin = (table[positions] for table in rope_tables(longest, head_dim, theta, qkv.device, scaling))
-        ctx.tables, ctx.rotated, ctx.head_dim = (cos, sin), rotated_heads * head_dim, head_dim
+            cos, sin = (table[positions] for table in rope_tables(longest, rotary, theta, qkv.device, scaling))
+        ctx.tables, ctx.heads = (cos, sin), (rotated_heads, head_width, rotary)
         out = qkv.clone()
-        qk = qkv[..., : ctx.rotated].view(batch, seq, rotated_heads, head_dim)
-        out[..., : ctx.rotated] = _rotate(qk, cos, sin, 1.0).view(batch, seq, -1)
+        _rotated_columns(out, *ctx.heads).copy_(_rotate(_rotated_columns(qkv, *ctx.heads), cos, sin, 1.0))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (cos, sin), batch, seq = ctx.tables, grad.shape[0], grad.shape[1]
+        cos, sin = ctx.tables
         out = grad.clone()
-        qk = grad[..., : ctx.rotated].reshape(batch, seq, -1, ctx.head_dim)
-        out[..., : ctx.rotated] = _rotate(qk, cos, sin, -1.0).view(batch, seq, -1)
-        return out, None, None, None, None, None
+        _rotated_columns(out, *ctx.heads).copy_(_rotate(_rotated_columns(grad, *ctx.heads), cos, sin, -1.0))
+        return out, None, None, None, None, None, None
 
 
 class AttentionCore(nn.Module):
@@ -144,33 +150,44 @@ class AttentionCore(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
+        self.qk_dim, self.v_dim, self.rotary = config.qk_head_dim, config.v_head_dim, config.rotary_dim
         self.rope_theta = config.rope_theta if config.positions == "rope" else None
         self.rope_scaling = config.rope_scaling
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
+    def split_sizes(self, width: int) -> tuple[int, int, list[int]]:
+        """(query heads, key/value heads, the widths of q, k and v) of a fused tensor `width` wide."""
+        kv_heads = width // (self.group * self.qk_dim + self.qk_dim + self.v_dim)
+        heads = kv_heads * self.group
+        return heads, kv_heads, [heads * self.qk_dim, kv_heads * self.qk_dim, kv_heads * self.v_dim]
+
     def normed(self, qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
         """qkv with each query and key head RMS-normalised (a new fused tensor; v copied)."""
         batch, seq, _ = qkv.shape
-        q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
+        q, k, v = qkv.split(self.split_sizes(qkv.shape[-1])[2], dim=-1)
         q = self.q_norm(q.view(batch, seq, heads, self.head_dim)).view(batch, seq, -1)
         k = self.k_norm(k.view(batch, seq, kv_heads, self.head_dim)).view(batch, seq, -1)
         return torch.cat([q, k, v], dim=-1)
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         batch, seq, width = qkv.shape
-        kv_heads = width // (self.head_dim * (self.group + 2))
-        heads = kv_heads * self.group
+        heads, kv_heads, sizes = self.split_sizes(width)
         if self.q_norm is not None:
             qkv = self.normed(qkv, heads, kv_heads)
         if self.rope_theta is not None:
-            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.head_dim, self.rope_theta, self.positions(),
+            qkv = RotaryQK.apply(qkv, heads + kv_heads, self.qk_dim, self.rotary, self.rope_theta, self.positions(),
                                  self.rope_scaling)
-        q, k, v = qkv.split([heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
-        # (batch, seq, heads, head_dim) -> (batch, heads, seq, head_dim), views of the fused tensor
-        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = self.attend(q, k, v)
-        return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.head_dim)
+        q, k, v = qkv.split(sizes, dim=-1)
+        # (batch, seq, heads, head width) -> (batch, heads, seq, head width), views of the fused tensor
+        q, k = (t.view(batch, seq, -1, self.qk_dim).transpose(1, 2) for t in (q, k))
+        v = v.view(batch, seq, -1, self.v_dim).transpose(1, 2)
+        if self.v_dim == self.qk_dim:
+            return self.attend(q, k, v).transpose(1, 2).contiguous().view(batch, seq, heads * self.v_dim)
+        # SDPA's fused kernels take one head width: v zero-padded to q and k's, the output cut back to v's (as
+        # torchtitan's DeepSeek-V3 runs it); the padded v and output are saved, and the cut copy the projection reads
+        out = self.attend(q, k, F.pad(v, (0, self.qk_dim - self.v_dim)))[..., : self.v_dim]
+        return out.transpose(1, 2).contiguous().view(batch, seq, heads * self.v_dim)
 
     def positions(self) -> torch.Tensor | None:
         """The tokens' positions in their sequence for the rotation; None: 0 .. seq - 1, the whole sequence."""
@@ -192,6 +209,47 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(self.core(self.qkv(x))))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1): one down projection makes a query
+    latent (q_lora_rank wide; none when 0), a key/value latent (kv_lora_rank) and a rotated key shared by every head
+    (rope_head_dim); the two latents are RMS-normalised, and up projections make each head's query (head_dim +
+    rope_head_dim), key (head_dim, the shared rotated key after it) and value (v_head_dim). From there the fused q,
+    k, v tensor goes through the same AttentionCore as the other attentions (rotating each q and k head's last
+    rope_head_dim columns), then the output projection.
+
+    `spread` is where tensor parallelism hands the normed latent to every rank of its group (an identity here:
+    parallel/tensor/parallelize.py swaps it); the up projections then make only that rank's heads."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.sizes = [config.q_lora_rank, config.kv_lora_rank, config.rope_head_dim]
+        self.key_value = [config.head_dim, config.v_head_dim]
+        heads, d = config.n_heads, config.d_model
+        self.down = nn.Linear(d, config.latent_width, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, eps=config.norm_eps) if config.q_lora_rank else None
+        self.kv_norm = RMSNorm(config.kv_lora_rank, eps=config.norm_eps)
+        self.spread = nn.Identity()
+        self.q_up = nn.Linear(config.q_up_in_width, heads * config.qk_head_dim, bias=False)
+        self.kv_up = nn.Linear(config.kv_lora_rank, heads * sum(self.key_value), bias=False)
+        self.core = AttentionCore(config)
+        self.proj = nn.Linear(config.attention_width, d, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q_latent, kv_latent, rotated_key = self.down(x).split(self.sizes, dim=-1)
+        normed = [self.kv_norm(kv_latent), rotated_key]
+        if self.q_norm is not None:
+            normed.insert(0, self.q_norm(q_latent))
+        q_latent, kv_latent, rotated_key = self.spread(torch.cat(normed, dim=-1)).split(self.sizes, dim=-1)
+        q = self.q_up(q_latent if self.q_norm is not None else x)
+        key_value = self.kv_up(kv_latent).unflatten(-1, (-1, sum(self.key_value)))  # (batch, seq, heads, k + v)
+        batch, seq, heads, _ = key_value.shape
+        k, v = key_value.split(self.key_value, dim=-1)
+        k = torch.cat([k, rotated_key.unsqueeze(2).expand(batch, seq, heads, -1)], dim=-1)
+        qkv = torch.cat([q, k.flatten(2), v.flatten(2)], dim=-1)
+        return self.dropout(self.proj(self.core(qkv)))
 
 
 class MLP(nn.Module):
@@ -217,7 +275,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln1 = make_norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(config)
         self.ln2 = make_norm(config)
         self.mlp = MoE(config, layer) if config.is_moe_layer(layer) else MLP(config)
 

@@ -68,14 +68,22 @@ PRESETS: dict[str, GPTConfig] = {
     # active, as the card says.
     "qwen3-30b-a3b": llama(151936, 4096, 48, 32, 4, 2048, 6144, 1e6).with_(
         d_head=128, qk_norm=True, n_experts=128, top_k=8, d_expert=768, aux_loss_coef=0.001, norm_eps=1e-6),
-    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2): 61 layers of width 7,168, the first 3
-    # dense (SwiGLU 18,432), then 256 routed experts of width 2,048 and 1 shared, 8 routed per token, sigmoid
-    # scores normalised over the top 8, vocabulary 129,280, 4K pre-training sequences. Its multi-head latent
-    # attention is approximated here by 128-head attention of the same width (205.5M parameters a layer
-    # against MLA's 187.1M): the total comes to 672.1B against the published 671B, the active to 38.7B against
-    # 37B. Not modelled: its bias-based (auxiliary-loss-free) balancing, the routed scaling factor 2.5, node-
-    # limited routing and multi-token prediction. The sequence-wise balance loss's alpha is 0.0001.
+    # DeepSeek-V3's block in miniature, at tiny-llama's width: multi-head latent attention (4 heads of 32 + 16
+    # rotated columns, values of 32, query latent 64, key/value latent 32), the first block dense (SwiGLU 352), then
+    # 8 SwiGLU experts of 128 and 1 shared, 2 routed per token by sigmoid scores.
+    "tiny-deepseek": llama(256, 128, 4, 4, 4, 128, 352, 10000.0).with_(
+        n_kv_heads=None, d_head=32, kv_lora_rank=32, q_lora_rank=64, rope_head_dim=16, n_experts=8, top_k=2,
+        d_expert=128, n_shared_experts=1, dense_layers=1, router="sigmoid", aux_loss_coef=0.001),
+    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2; its released config.json): 61 layers of width
+    # 7,168, multi-head latent attention with 128 heads (query latent 1,536, key/value latent 512, query and key
+    # heads 128 + 64 rotated columns, values 128), the first 3 blocks dense (SwiGLU 18,432), then 256 routed experts
+    # of width 2,048 and 1 shared, 8 routed per token, sigmoid scores normalised over the top 8, vocabulary 129,280,
+    # 4K pre-training sequences, norms' epsilon 1e-6: 671,026,404,352 parameters (the published 671B, without the
+    # multi-token prediction module's 14B), 37.55B active (published 37B). Not modelled: its bias-based
+    # (auxiliary-loss-free) balancing, the routed scaling factor 2.5, node-limited routing and multi-token
+    # prediction. The sequence-wise balance loss's alpha is 0.0001.
     "deepseek-v3": llama(129280, 4096, 61, 128, 128, 7168, 18432, 10000.0).with_(
+        n_kv_heads=None, d_head=128, kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, norm_eps=1e-6,
         n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
         aux_loss_coef=0.0001),
 }
@@ -91,7 +99,7 @@ def preset(name: str) -> GPTConfig:
 MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "tied_head",
                 "dropout", "mlp", "norm", "positions", "rope_theta", "bias", "n_experts", "top_k", "d_expert",
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
-                "d_head", "qk_norm", "qkv_bias")
+                "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

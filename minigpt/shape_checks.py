@@ -79,16 +79,45 @@ def _check_llama_options(config) -> None:
     for name, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("positions", POSITION_KINDS)):
         if getattr(config, name) not in kinds:
             raise ConfigError(f"{name} must be one of {', '.join(kinds)}, got {getattr(config, name)!r}")
-    if config.positions == "rope" and config.head_dim % 2:
+    if config.positions == "rope" and config.head_dim % 2 and not config.kv_lora_rank:
         raise ConfigError(f"rotary position embeddings need an even head width, got {config.head_dim}: change "
                           f"d_model or n_heads (or d_head)")
     if not _number(config.rope_theta) or not 1.0 < config.rope_theta < float("inf"):
         raise ConfigError(f"rope_theta must be a number above 1, got {config.rope_theta!r}")
     if config.rope_scaling is not None:
         _check_rope_scaling(config)
+    _check_latent_attention(config)
     for name in FLAGS:
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"{name} must be true or false, got {getattr(config, name)!r}")
+
+
+def _check_latent_attention(config) -> None:
+    """Multi-head latent attention's fields (kv_lora_rank > 0), and none of them set without it."""
+    for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{name} must be a whole number >= 0, got {value!r}")
+    if config.d_value is not None and not _positive_int(config.d_value):
+        raise ConfigError(f"d_value must be a positive integer (or unset for d_head), got {config.d_value!r}")
+    if not config.kv_lora_rank:
+        if config.q_lora_rank or config.rope_head_dim or config.d_value is not None:
+            raise ConfigError("q_lora_rank, rope_head_dim and d_value shape multi-head latent attention: set "
+                              "kv_lora_rank above 0 with them")
+        return
+    if config.positions != "rope" or not config.rope_head_dim or config.rope_head_dim % 2:
+        raise ConfigError(f"multi-head latent attention rotates rope_head_dim columns of each query and key head: "
+                          f"use positions rope and an even rope_head_dim above 0, got {config.positions} and "
+                          f"{config.rope_head_dim}")
+    if config.d_value is not None and config.d_value > config.d_head + config.rope_head_dim:
+        raise ConfigError(f"d_value={config.d_value} is wider than a query head ({config.d_head} + "
+                          f"{config.rope_head_dim}): the attention pads values to the query's width, not the reverse")
+    clashes = [name for name, on in (("n_kv_heads", config.n_kv_heads not in (None, config.n_heads)),
+                                     ("qk_norm", config.qk_norm), ("bias", config.bias),
+                                     ("qkv_bias", config.qkv_bias)) if on]
+    if clashes:
+        raise ConfigError(f"multi-head latent attention has one key and value head per query head (n_kv_heads "
+                          f"unset or {config.n_heads}), no head norms and no biases: change {', '.join(clashes)}")
 
 
 def _check_rope_scaling(config) -> None:

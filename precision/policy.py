@@ -22,7 +22,8 @@ from minigpt.errors import ConfigError
 FORMAT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # The matmul formats a GPU's peak and efficiency tables are given in (datasheets, calibrated profiles).
 FLOP_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8")
-FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the block Linears the fp8 policy runs in fp8 (precision/compute.py)
+# the block Linears the fp8 policy runs in fp8 (precision/compute.py); MLA's down and up projections among them
+FP8_LINEARS = ("qkv", "proj", "fc1", "fc2", "down", "q_up", "kv_up")
 FP8_BYTES = FORMAT_BYTES["fp8_e4m3"]  # a weight kept in fp8 (fp8 parameters)
 
 

@@ -32,6 +32,12 @@ SHAPES = [
     # Nemotron-4's block: LayerNorm, the squared ReLU, rotary positions, grouped-query attention, no bias
     GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, n_kv_heads=2, d_model=48, d_ff=96, mlp="relu2",
               positions="rope", bias=False, tied_head=False),
+    # DeepSeek-V2/V3's multi-head latent attention: a query latent, a key/value latent and a shared rotated key;
+    # then without the query latent (DeepSeek-V2-Lite's), value heads narrower than the query and key heads
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=4, d_model=48, d_ff=64, d_head=16, kv_lora_rank=24,
+              q_lora_rank=32, rope_head_dim=8, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),
+    GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=3, d_model=48, d_ff=64, d_head=8, kv_lora_rank=16,
+              rope_head_dim=4, d_value=6, positions="rope", bias=False),
 ]
 LLAMA_SHAPES = SHAPES[6:]
 
@@ -43,6 +49,7 @@ def numel(model: torch.nn.Module) -> int:
 def shape_id(c: GPTConfig) -> str:
     qwen = f"hd{c.head_dim}{'qk' if c.qk_norm else ''}" if c.d_head else ""
     qwen += "qkvb" if c.qkv_bias else ""
+    qwen += f"mla{c.q_lora_rank}-{c.kv_lora_rank}r{c.rope_head_dim}v{c.v_head_dim}" if c.is_mla else ""
     return f"L{c.n_layers}d{c.d_model}{'t' if c.tied_head else 'u'}h{c.n_heads}k{c.kv_heads}{c.mlp}{c.norm}{c.positions}{qwen}"
 
 
@@ -78,7 +85,9 @@ def test_train_flops_match_counted_matmuls(cfg):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx, idx).backward()
     tokens = batch * cfg.seq_len
-    assert counter.get_total_flops() == cfg.train_flops_per_token() * tokens
+    # values narrower than queries are zero-padded for SDPA: p @ v and its two backward matmuls at the query's width
+    padding = 3 * 2 * cfg.seq_len * cfg.n_heads * (cfg.qk_head_dim - cfg.v_head_dim) * cfg.n_layers
+    assert counter.get_total_flops() == (cfg.train_flops_per_token() + padding) * tokens
 
 
 def test_recompute_adds_one_block_forward():

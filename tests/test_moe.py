@@ -52,9 +52,12 @@ def test_published_sizes():
     qwen = PRESETS["qwen3-30b-a3b"]  # its released checkpoint: safetensors total_size 61,064,245,248 bytes in bf16
     assert qwen.n_params() == 61_064_245_248 // 2 == 30_532_122_624
     assert qwen.active_params() == 3_353_032_704  # "3.3B activated" (its card)
-    deepseek = PRESETS["deepseek-v3"]  # 671B and 37B published; attention approximated (the preset says by how much)
-    assert abs(deepseek.n_params() / 671e9 - 1) < 0.005
-    assert abs(deepseek.active_params() / 37e9 - 1) < 0.05
+    deepseek = PRESETS["deepseek-v3"]  # 671B and 37B published (the multi-token prediction module left out)
+    assert deepseek.n_params() == 671_026_404_352 and f"{deepseek.n_params() / 1e9:.0f}" == "671"
+    assert abs(deepseek.active_params() / 37e9 - 1) < 0.02
+    # its multi-head latent attention, 187.1M parameters a layer: DeepSeek-V2's section 2.1 with V3's sizes
+    assert deepseek.attention_params() == (7168 * (1536 + 512 + 64) + 1536 + 512 + 1536 * 128 * 192
+                                           + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
     moe_layers = deepseek.n_layers - deepseek.dense_layers
     assert moe_layers * deepseek.n_experts * deepseek.expert_params() == 58 * 256 * 3 * 7168 * 2048  # routed experts
     tiny, tiny_moe = PRESETS["tiny"], PRESETS["tiny-moe"]  # equal active parameters but for the router and the

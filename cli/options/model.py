@@ -61,6 +61,7 @@ def model_options(default: str) -> Callable:
                      help="Each attention head's width [default: the preset's; else --d-model / --heads]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
+        *latent_options(),
         *expert_options(),
     ]
 
@@ -73,6 +74,25 @@ def model_options(default: str) -> Callable:
 
 
 # flag -> GPTConfig field of the mixture-of-experts options (--experts itself is n_experts)
+LATENT_FIELDS = {"kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank", "rope_head_dim": "rope_head_dim",
+                 "v_head_dim": "d_value"}  # flag name: GPTConfig field
+
+
+def latent_options() -> list:
+    """Multi-head latent attention's shape (DeepSeek-V2/V3): minigpt/model.py's LatentAttention."""
+    return [
+        click.option("--kv-lora-rank", "kv_lora_rank", type=int,
+                     help="Multi-head latent attention's key/value latent width (0: ordinary attention; DeepSeek-V3: "
+                          "512) [default: the preset's]."),
+        click.option("--q-lora-rank", "q_lora_rank", type=int,
+                     help="Its query latent width (0: queries straight from the width; DeepSeek-V3: 1536)."),
+        click.option("--rope-head-dim", "rope_head_dim", type=int,
+                     help="Its rotated columns after each query and key head's --head-dim (DeepSeek-V3: 64)."),
+        click.option("--v-head-dim", "v_head_dim", type=int,
+                     help="Its value heads' width [default: --head-dim]."),
+    ]
+
+
 EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts": "n_shared_experts",
                  "dense_layers": "dense_layers", "router": "router", "capacity_factor": "capacity_factor",
                  "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef"}
@@ -141,7 +161,7 @@ def model_from_options(options: dict) -> GPTConfig:
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
-        **_expert_fields(options, base),
+        **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()}, **_expert_fields(options, base),
     )
 
 
@@ -155,7 +175,7 @@ def shape_flags_given(options: dict) -> list[str]:
     """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim", "qk_norm",
-                               "experts", *EXPERT_FIELDS) if options.get(name) is not None]
+                               "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
     source = context.get_parameter_source("model") if context is not None else None
     if source is not None and source != click.core.ParameterSource.DEFAULT:

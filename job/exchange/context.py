@@ -39,8 +39,9 @@ class Exchange:
 
 
 def kv_elements(model: GPTConfig, tp: int, cp: int, micro_batch: int) -> int:
-    """One rank's keys (or values) of one layer and micro-batch."""
-    return micro_batch * (model.kv_heads // tp) * (model.seq_len // cp) * model.head_dim
+    """One rank's keys (or values) of one layer and micro-batch: each head as wide as a query head (under MLA the
+    values zero-padded to it before the exchange, minigpt/model.py's AttentionCore)."""
+    return micro_batch * (model.kv_heads // tp) * (model.seq_len // cp) * model.qk_head_dim
 
 
 def forward_exchanges(model: GPTConfig, tp: int, cp: int, kind: str, micro_batch: int,

@@ -10,8 +10,9 @@ a partial first row, whole rows, a partial last row, recursively). Each box maps
 box of the global tensor by the tensor-parallel cut of parallel/tensor/parallelize.py:
 
   sections  qkv, fc1 (weight, bias)   rows in sections laid end to end (qkv: query heads |
-                                      key heads | value heads, H hd, K hd, K hd; a SwiGLU
-                                      fc1: gate | up, d_ff each; a GELU fc1: one section);
+            MLA's q_up, kv_up         key heads | value heads, H hd, K hd, K hd; a SwiGLU
+                                      fc1: gate | up, d_ff each; a GELU fc1 and MLA's up
+                                      projections: one section);
                                       a shard holds rows [r n/T, (r + 1) n/T) of each
                                       section n, in order (`fused_sections`)
   columns   proj, fc2 weights         columns [r n, (r + 1) n)
@@ -80,7 +81,8 @@ def tensor_parallel_kind(name: str, tp: int) -> str:
         return "whole"
     if name in ("tok_emb.weight", "head.weight"):
         return "vocab"
-    if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")):
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias", "attn.q_up.weight",
+                      "attn.kv_up.weight")):  # MLA's up projections: one section, whole heads
         return "sections"
     if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
         return "columns"

@@ -132,6 +132,18 @@ class ColumnParallelLinear(nn.Module):
         return self.inner(x)
 
 
+class SpreadToGroup(nn.Module):
+    """A small activation every rank of the group needs whole before its column-parallel work (MLA's normed latent):
+    all-gathered along the sequence under sequence parallelism, else copied (its gradient all-reduced)."""
+
+    def __init__(self, comm: Collectives, sequence_parallel: bool):
+        super().__init__()
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return GatherFromSequence.apply(x, self.comm) if self.sequence_parallel else CopyToTP.apply(x, self.comm)
+
+
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b: sharded input features, partial outputs summed across the group.
 

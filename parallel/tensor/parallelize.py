@@ -1,7 +1,8 @@
 """`parallelize`: the plain GPT of minigpt/model.py made tensor-parallel from outside.
 
 Modules are replaced, never edited: qkv and fc1 become column-parallel (each rank
-keeping whole query and key/value heads, and a SwiGLU's gate rows with their up rows), proj and
+keeping whole query and key/value heads, and a SwiGLU's gate rows with their up rows; under
+multi-head latent attention the up projections keep whole heads of the latent every rank makes), proj and
 fc2 row-parallel, the token embedding and the LM head vocabulary-parallel (the
 head keeps sharing the embedding's shard when tied), and the loss a
 vocabulary-parallel cross-entropy that never gathers the logits. Every shard is
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minigpt.model import AttentionCore
+from minigpt.model import AttentionCore, LatentAttention
 from minigpt.moe import MoE
 from parallel.comm import Collectives
 from parallel.tensor.moe import apply_sequence_moe
@@ -23,6 +24,7 @@ from parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceSplit,
+    SpreadToGroup,
     VocabParallelEmbedding,
     VocabParallelLoss,
     shard_rows,
@@ -87,10 +89,14 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     fused = {"qkv": [config.n_heads * head_dim, config.kv_heads * head_dim, config.kv_heads * head_dim],
              "fc1": [config.d_ff] * (config.mlp_in_width // config.d_ff)}
     experts = []  # a mixture of experts stays whole on every rank (no expert tensor parallelism): each computes it
+    latent = []  # MLA's down projection and latent norms: every rank makes the whole latent (its rows under SP)
     for block in model.blocks:  # for the same tokens (or, under SP, for its slice of them: summed below)
         dense = not isinstance(block.mlp, MoE)
         experts += [] if dense else list(block.mlp.parameters())
-        for parent, name in ((block.attn, "qkv"), (block.mlp, "fc1"))[: 2 if dense else 1]:
+        mla = isinstance(block.attn, LatentAttention)
+        latent += _latent_attention(block.attn, comm, sequence_parallel) if mla else []
+        column = ([] if mla else [(block.attn, "qkv")]) + ([(block.mlp, "fc1")] if dense else [])
+        for parent, name in column:
             inner = getattr(parent, name)
             weight = _shard_sections(inner.weight.detach(), fused[name], rank, size)
             bias = _shard_sections(None if inner.bias is None else inner.bias.detach(), fused[name], rank, size)
@@ -101,7 +107,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
             _replace_weight(inner, _shard_columns(inner.weight.detach(), rank, size), None)
             setattr(parent, name, RowParallelLinear(inner, bias, comm, sequence_parallel))
 
-    sequence_pieces = list(model.norm_f.parameters())  # replicated and fed 1/T of the sequence under SP
+    sequence_pieces = list(model.norm_f.parameters()) + latent  # replicated and fed 1/T of the sequence under SP
     for block in model.blocks:
         sequence_pieces += [*block.ln1.parameters(), *block.ln2.parameters()]
         mlp_bias = getattr(getattr(block.mlp, "fc2", None), "bias", None)  # a MoE has none of its own
@@ -115,6 +121,22 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
         param.register_hook(lambda grad: _sum_over_group(grad, comm))
     whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
     return {id(param) for param in whole_sequence + sequence_pieces + experts + head_norms}
+
+
+def _latent_attention(attn: LatentAttention, comm: Collectives, sequence_parallel: bool) -> list[nn.Parameter]:
+    """MLA made tensor-parallel as Megatron-core makes it: the down projection and the latent norms stay whole on
+    every rank, the normed latent goes to every rank (`spread`: all-gathered along the sequence under SP, else
+    all-reduced backward), the up projections keep this rank's heads (rows) and proj is row-parallel (done with
+    the others). Queries made straight from the width (no query latent) gather the block's input themselves.
+    Returns the replicated parameters."""
+    attn.spread = SpreadToGroup(comm, sequence_parallel)
+    for name in ("q_up", "kv_up"):
+        inner = getattr(attn, name)
+        _replace_weight(inner, shard_rows(inner.weight.detach(), comm.rank, comm.size), None)
+    if attn.q_norm is None:
+        attn.q_up = ColumnParallelLinear(attn.q_up, comm, sequence_parallel)
+    return [*attn.down.parameters(), *attn.kv_norm.parameters(),
+            *([] if attn.q_norm is None else attn.q_norm.parameters())]
 
 
 def _sum_over_group(grad: torch.Tensor, comm: Collectives) -> torch.Tensor:

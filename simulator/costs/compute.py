@@ -44,7 +44,7 @@ micro-batch (fp8 weight casts kept across micro-batches, Implementation.fp8_weig
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
@@ -264,16 +264,20 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         forward.append(TPCollective("all_reduce", width, 1))
         if sp:
             backward.append(TPCollective("all_gather", width, 1))
+    # what the column-parallel Linears take in (qkv's and fc1's input, a MoE block's attention's only; MLA's normed
+    # latent, and the block's input where its queries come straight from the width) and the row-parallel give out
+    columns = _column_inputs(model, layers, moe_layers, tokens * FORMAT_BYTES[policy.compute])
+    rows = [TPCollective("", width, 2 * layers - moe_layers)]
     if sp:
-        # around the Linears: a MoE block's only around the attention's
-        linears = [TPCollective(kind, width, 2 * layers - moe_layers) for kind in ("all_gather", "reduce_scatter")]
-        forward += _routing_collectives(model, moe_layers, layout, tokens, micro_batch_size) + linears
-        backward += linears + _replicated_gradients(model, layers, moe_layers, layout, FORMAT_BYTES[policy.grad])
+        forward += _routing_collectives(model, moe_layers, layout, tokens, micro_batch_size)
+        forward += _as("all_gather", columns) + _as("reduce_scatter", rows)
+        backward += _as("all_gather", rows) + _as("reduce_scatter", columns)
+        backward += _replicated_gradients(model, layers, moe_layers, layout, FORMAT_BYTES[policy.grad])
         if sharded:
-            backward.append(TPCollective("all_gather", width, 2 * layers - moe_layers + (1 if last else 0)))
+            backward += _as("all_gather", columns[:-1] + [replace(columns[-1], calls=columns[-1].calls + int(last))])
     else:
-        forward.append(TPCollective("all_reduce", width, 2 * layers - moe_layers))
-        backward.append(TPCollective("all_reduce", width, 2 * layers - moe_layers))
+        forward += _as("all_reduce", rows)
+        backward += _as("all_reduce", columns)
     if last:  # the head is column-parallel; the loss all-reduces three fp32 numbers per token
         if sp:
             forward.append(TPCollective("all_gather", width, 1))
@@ -283,6 +287,22 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
             replicated = [t for t in head_tensors(model, layout.tp, layout.pp) if t.replicated]
             backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], 1) for t in replicated]
     return forward, backward
+
+
+def _column_inputs(model: GPTConfig, layers: int, moe_layers: int, token_bytes: int) -> list[TPCollective]:
+    """The column-parallel Linears' inputs of a chunk's blocks, by width (kind left blank), the model's width last:
+    qkv's and the dense MLPs' fc1's; under MLA its normed latent in place of qkv's, and the block's input still
+    where the queries have no latent (their up projection column-parallel over it)."""
+    width = [TPCollective("", token_bytes * model.d_model, layers - moe_layers)]
+    if not model.is_mla:
+        return [replace(width[0], calls=width[0].calls + layers)]
+    latent = TPCollective("", token_bytes * model.latent_width, layers)
+    return [latent, replace(width[0], calls=width[0].calls + (0 if model.q_lora_rank else layers))]
+
+
+def _as(kind: str, collectives: list[TPCollective]) -> list[TPCollective]:
+    """The collectives as `kind`, those of no call left out."""
+    return [replace(c, kind=kind) for c in collectives if c.calls]
 
 
 def _routing_collectives(model: GPTConfig, moe_layers: int, layout: Layout, tokens: int,

@@ -225,8 +225,10 @@ class MeasuredHost:
         """The measured pieces of this model at this tp and cp (with sequence parallelism when measured so,
         else without) in the compute format `dtype`, or None when they were not measured so: never
         another format's or context-parallel size's times (dtype None: any format, for callers that do not
-        know theirs)."""
+        know theirs). Never for multi-head latent attention: no unit records its shape (calibrate refuses it)."""
         key = unit_key(model, tp)
+        if model.is_mla:
+            return None
         same = [u for u in self.units if u.key == key and u.cp == cp and (dtype is None or u.dtype == dtype)]
         return next((u for u in same if u.sequence_parallel == sequence_parallel), same[0] if same else None)
 

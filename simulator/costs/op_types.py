@@ -91,6 +91,7 @@ class FusedAttention:
     causal_seq: int = 0  # s of a causal mask (the whole sequence's, under context parallelism too); 0: the whole square
     kernel_seq: int = 0  # the sequence length the kernel works on when it is not causal_seq (a ring's chunk)
     kernel: str = "flash-attn-2"  # which fused kernel runs it (Implementation.attention_kernel): whose table prices it
+    padded_flops: int = 0  # of the square's, the products of zero-padded value columns: not the model's
 
     @property
     def bytes(self) -> int:
@@ -124,8 +125,9 @@ Op = Union[Gemm, MemoryOp, FusedAttention]
 
 
 def model_flops(op: Op) -> int:
-    """An op's FLOPs as config.py counts them: a fused attention's whole square, every other op's own."""
-    return op.square_flops if isinstance(op, FusedAttention) else op.flops
+    """An op's FLOPs as config.py counts them: a fused attention's whole square (its padded values' left out), every
+    other op's own."""
+    return op.square_flops - op.padded_flops if isinstance(op, FusedAttention) else op.flops
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,7 @@ class UnitShape:
     f: int
     heads: int  # query heads on this rank
     kv_heads: int  # key/value heads on this rank (as many as `heads` without grouped-query attention)
-    head_dim: int
+    head_dim: int  # each query and key head's width (under MLA with its rotated columns)
     t: int
     rows: int  # b*s: the rows the Linears multiply
     residual_rows: int  # rows of the residual stream: b*s/t under sequence parallelism
@@ -234,6 +236,25 @@ class UnitShape:
     eager: bool = False  # Implementation.eager: torchtitan's element-wise code, one kernel per aten op
     attention_kernel: str = "flash-attn-2"  # Implementation.attention_kernel: the fused attention's kernel
     cp_merge: str = "fused"  # Implementation.cp_attention under context parallelism ("fused" without it)
+    v_dim: int = 0  # each value head's width (0: head_dim)
+    rotary: int = 0  # the columns of each query and key head rotary positions turn (0: all of them)
+    latent: tuple[int, ...] = ()  # multi-head latent attention's (query latent, key/value latent, rotated key) widths
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_dim or self.head_dim
+
+    @property
+    def padded_values(self) -> bool:
+        """Value heads narrower than query heads, zero-padded to their width for the fused kernel (minigpt/model.py's
+        AttentionCore under SDPA, torchtitan's DeepSeek-V3): FlashAttention-2 takes one head width; cuDNN's
+        fused attention takes a value width of its own, as Transformer Engine runs MLA ("te" on Hopper)."""
+        return self.value_dim < self.head_dim and self.attention_kernel == "flash-attn-2"
+
+    @property
+    def out_dim(self) -> int:
+        """The width of each head the attention kernel reads v at and writes its output at."""
+        return self.head_dim if self.padded_values else self.value_dim
 
     @property
     def moe(self) -> UnitShape:
@@ -278,7 +299,7 @@ class UnitShape:
     @property
     def qkv_width(self) -> int:
         """Columns of the fused q, k, v output on this rank: the query heads', then the key and value heads'."""
-        return (self.heads + 2 * self.kv_heads) * self.head_dim
+        return (self.heads + self.kv_heads) * self.head_dim + self.kv_heads * self.value_dim
 
     @property
     def keys(self) -> int:
@@ -305,7 +326,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
     rows = micro_batch * s
     sp = layout.sequence_parallel and t > 1
     return UnitShape(b=micro_batch, s=s, d=model.d_model, f=model.d_ff, heads=model.n_heads // t,
-                     kv_heads=model.kv_heads // t, head_dim=model.head_dim, t=t, rows=rows,
+                     kv_heads=model.kv_heads // t, head_dim=model.qk_head_dim, t=t, rows=rows,
                      residual_rows=rows // t if sp else rows, e=FORMAT_BYTES[policy.compute],
                      grad=FORMAT_BYTES[policy.grad], compute=policy.compute,
                      linear="fp8" if policy.fp8_linears else policy.compute, fp8=policy.fp8_linears,
@@ -323,7 +344,9 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      bias_fusion=impl.bias_fusion,
                      ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
-                     cp_merge=cp_merge(layout, impl.cp_attention))
+                     cp_merge=cp_merge(layout, impl.cp_attention), v_dim=model.v_head_dim,
+                     rotary=model.rotary_dim if model.is_mla else 0,
+                     latent=(model.q_lora_rank, model.kv_lora_rank, model.rope_head_dim) if model.is_mla else ())
 
 
 def cp_merge(layout: Layout, cp_attention: str) -> str:

@@ -132,6 +132,7 @@ from simulator.costs.op_types import (
 )
 from simulator.costs.layers.attention import core_backward, core_forward
 from simulator.costs.layers.fp8 import TORCH_QUANTIZE  # noqa: F401 (re-exported)
+from simulator.costs.layers.latent import latent_backward, latent_forward
 from simulator.costs.layers.linear import (column_backward, column_linear, dropout_backward, norm, norm_backward,
                                            residual_backward, residual_join, row_backward, row_linear, weight_gradient)
 from simulator.costs.layers.moe import routed_backward, routed_forward
@@ -148,12 +149,15 @@ __all__ = ["SP_SAVED_INPUTS", "UB_PIPELINE_SPLITS", "Implementation", "Gemm", "M
 def _attention_forward(rec: Recorder, attention: str) -> None:
     sh = rec.shape
     x = rec.tensor("x", sh.residual_rows * sh.d * sh.e, OUTSIDE)
-    norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
-    if sh.sp:
-        rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d))  # all-gathered along the sequence
-    qkv = column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
+    if sh.latent:  # multi-head latent attention's projections (simulator/costs/layers/latent.py)
+        qkv = latent_forward(rec, x)
+    else:
+        norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
+        if sh.sp:
+            rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d))  # all-gathered along the sequence
+        qkv = column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
     heads = core_forward(rec, attention, qkv)
-    branch = row_linear(rec, "proj", heads, sh.heads * sh.head_dim, "attention.residual")
+    branch = row_linear(rec, "proj", heads, sh.heads * sh.value_dim, "attention.residual")
     residual_join(rec, "attention", x, branch, "ln2.input", "proj")
 
 
@@ -238,9 +242,12 @@ def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, 
     residual_backward(rec, "mlp")
     if sh.dropout:
         dropout_backward(rec, "attention.residual_dropout", sh.residual_rows, sh.d)
-    row_backward(rec, "proj", sh.heads * sh.head_dim)
+    row_backward(rec, "proj", sh.heads * sh.value_dim)
     core_backward(rec, attention)
-    column_backward(rec, "qkv", sh.qkv_width)
+    if sh.latent:
+        latent_backward(rec)
+    else:
+        column_backward(rec, "qkv", sh.qkv_width)
     norm_backward(rec, "ln1")
     residual_backward(rec, "attention")
 

@@ -102,7 +102,7 @@ def torch_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, ele
     the next step's, the last one waited for whole."""
     cp = layout.cp
     forward_s, backward_s, recompute_s = (seconds / cp for seconds in attention)  # one step's attention
-    elements = micro_batch * (model.n_heads // layout.tp) * (model.seq_len // cp) * model.head_dim
+    elements = micro_batch * (model.n_heads // layout.tp) * (model.seq_len // cp) * model.qk_head_dim
     forward, backward = torch_exchanges(cp, elements, element_bytes, recompute)
 
     def gathered(exchange: Exchange, step_s: float) -> float:

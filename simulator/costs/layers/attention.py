@@ -48,8 +48,13 @@ from simulator.costs.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK,
 
 
 def rope_table_bytes(rec: Recorder) -> int:
-    """The fp32 cos and sin tables a rotation reads: s x head_dim each (minigpt/model.py's rope_tables)."""
-    return 2 * rec.shape.s * rec.shape.head_dim * FP32
+    """The fp32 cos and sin tables a rotation reads: s x the rotated columns each (minigpt/model.py's rope_tables)."""
+    return 2 * rec.shape.s * _rotary(rec.shape) * FP32
+
+
+def _rotary(sh) -> int:
+    """The columns of each query and key head a rotation turns: all of them but under MLA."""
+    return sh.rotary or sh.head_dim
 
 
 def _rope_forward(rec: Recorder, qkv: str) -> str:
@@ -63,12 +68,12 @@ def _rope_forward(rec: Recorder, qkv: str) -> str:
 
 def _rotated_elements(sh) -> tuple[int, int]:
     """The q and k elements an eager rotation casts and multiplies (v is not touched)."""
-    return sh.rows * sh.heads * sh.head_dim, sh.rows * sh.kv_heads * sh.head_dim
+    return sh.rows * sh.heads * _rotary(sh), sh.rows * sh.kv_heads * _rotary(sh)
 
 
 def _eager_table(sh) -> int:
-    """torchtitan's frequencies: s x head_dim / 2 complex64 numbers of two fp32 each."""
-    return sh.s * sh.head_dim * FP32
+    """torchtitan's frequencies: s x (rotated columns) / 2 complex64 numbers of two fp32 each."""
+    return sh.s * _rotary(sh) * FP32
 
 
 def _repeated_kv(sh) -> tuple[int, int]:
@@ -81,7 +86,7 @@ def _repeated_kv(sh) -> tuple[int, int]:
 
 def other_kv_bytes(sh) -> int:
     """The keys and values of the other context-parallel ranks a rank's attention reads: (cp - 1) x its own."""
-    return (sh.cp - 1) * 2 * sh.b * sh.kv_heads * sh.s * sh.head_dim * sh.e
+    return (sh.cp - 1) * sh.b * sh.kv_heads * sh.s * (sh.head_dim + sh.out_dim) * sh.e
 
 
 def _kernel_seq(sh) -> int:
@@ -89,53 +94,73 @@ def _kernel_seq(sh) -> int:
     return sh.s // 2 if sh.cp > 1 else 0
 
 
+def _padded_flops(sh) -> int:
+    """The whole square's products of one value GEMM that fall on zero-padded columns (0 without padding)."""
+    return 2 * sh.s * sh.keys * (sh.out_dim - sh.value_dim) * sh.b * sh.heads
+
+
 def _flash_forward(rec: Recorder, qkv: str) -> None:
     sh = rec.shape
-    a, s, keys, hd = sh.heads, sh.s, sh.keys, sh.head_dim
+    a, s, keys, hd, vd = sh.heads, sh.s, sh.keys, sh.head_dim, sh.out_dim
     lse = rec.tensor("attention.logsumexp", sh.rows * a * FP32, small=True)
-    out = rec.tensor("attention.output", sh.rows * a * hd * sh.e)
-    saves = (qkv, out, lse)
+    out = rec.tensor("attention.padded_output" if sh.padded_values else "attention.output", sh.rows * a * vd * sh.e)
+    saves, read = (qkv, out, lse), rec.bytes_of(qkv)
+    if sh.padded_values:  # v zero-padded to the query's width, read and saved in place of the fused tensor's v
+        values = sh.rows * sh.kv_heads * sh.value_dim * sh.e
+        padded = rec.tensor("attention.padded_values", sh.rows * sh.kv_heads * hd * sh.e)
+        rec.op(MemoryOp("attention.pad_values", values, rec.size[padded]), saves=(padded,))
+        read += rec.size[padded] - values
     kv, repeated = _repeated_kv(sh)
     if repeated:  # k and v copied to every query head, which the attention saves beside q
         rec.kernels("attention", eager.repeat_kv_forward(kv, repeated, sh.e))
         saves += (rec.tensor("attention.kv_repeated", 2 * (repeated - kv) * sh.e),)
     if sh.cp > 1 and sh.cp_kind == "allgather":  # the whole sequence's keys and values, kept for the backward
-        saves += (rec.tensor("attention.gathered_kv", 2 * sh.b * sh.kv_heads * keys * hd * sh.e),)
+        saves += (rec.tensor("attention.gathered_kv", sh.b * sh.kv_heads * keys * (hd + vd) * sh.e),)
     gemms = (gemm("attention.scores", s, keys, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
-             gemm("attention.values", s, hd, keys, sh.compute, sh.e, sh.b * a, FORWARD, False))
-    rec.op(FusedAttention("attention.flash", gemms, rec.bytes_of(qkv) + other_kv_bytes(sh), rec.bytes_of(out, lse),
-                          causal_seq=keys, kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel), saves=saves)
+             gemm("attention.values", s, vd, keys, sh.compute, sh.e, sh.b * a, FORWARD, False))
+    rec.op(FusedAttention("attention.flash", gemms, read + other_kv_bytes(sh), rec.bytes_of(out, lse),
+                          causal_seq=keys, kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel,
+                          padded_flops=_padded_flops(sh)), saves=saves)
     if sh.cp_merge == "torch":  # torch's context_parallel: each step's output merged by eager fp32 kernels
-        rec.kernels("attention.cp", context.forward_kernels(sh.cp, sh.rows, a, hd, sh.e))
+        rec.kernels("attention.cp", context.forward_kernels(sh.cp, sh.rows, a, vd, sh.e))
     elif sh.cp_merge == "te":  # Transformer Engine's ring: the steps merged by compiled bf16 kernels
-        rec.kernels("attention.cp", te_context.forward_kernels(sh.cp, sh.rows, a, sh.kv_heads, hd, sh.e))
+        rec.kernels("attention.cp", te_context.forward_kernels(sh.cp, sh.rows, a, sh.kv_heads, vd, sh.e))
+    if sh.padded_values:  # the output cut back to the value heads' width: the copy the projection reads
+        rec.tensor("attention.output", sh.rows * a * sh.value_dim * sh.e)
+        rec.mem("attention.cut_output", (out,), ("attention.output",))
 
 
 def _flash_backward(rec: Recorder) -> None:
     """FlashAttention-2: D = rowsum(dO * O), then one kernel recomputing the scores and running four gradient GEMMs."""
     sh = rec.shape
-    a, s, keys, hd, batch, e = sh.heads, sh.s, sh.keys, sh.head_dim, sh.b * sh.heads, sh.e
-    width = sh.rows * a * hd * e  # one of q, O, dO
-    qkv = sh.rows * sh.qkv_width * e  # q, k and v (or dq, dk and dv)
+    a, s, keys, hd, vd, batch, e = sh.heads, sh.s, sh.keys, sh.head_dim, sh.out_dim, sh.b * sh.heads, sh.e
+    width = sh.rows * a * vd * e  # one of O, dO
+    cut = sh.rows * a * sh.value_dim * e
+    if sh.padded_values:  # the output's gradient padded with zeros
+        rec.back_mem("attention.cut_output_backward", cut, width)
+    qkv = sh.rows * ((a + sh.kv_heads) * hd + sh.kv_heads * vd) * e  # q, k and v (or dq, dk and dv)
     rec.back_mem("attention.flash_backward_preprocess", 2 * width, sh.rows * a * FP32)
-    shapes = (("attention.scores_recomputed", s, keys, hd), ("attention.grad_v", keys, hd, s),
-              ("attention.grad_probs", s, keys, hd), ("attention.grad_q", s, hd, keys), ("attention.grad_k", keys, hd, s))
+    shapes = (("attention.scores_recomputed", s, keys, hd), ("attention.grad_v", keys, vd, s),
+              ("attention.grad_probs", s, keys, vd), ("attention.grad_q", s, hd, keys), ("attention.grad_k", keys, hd, s))
     gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
     read = qkv + width + 2 * sh.rows * a * FP32 + other_kv_bytes(sh)  # q, k, v, dO; the log-sum-exp and D
     rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=keys,
-                                       kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel))
+                                       kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel,
+                                       padded_flops=2 * _padded_flops(sh)))  # dP = dO v^T and dv = P^T dO
     if sh.cp_merge == "torch":
-        rec.back_kernels("attention.cp", context.backward_kernels(sh.cp, sh.rows, a, hd, e))
+        rec.back_kernels("attention.cp", context.backward_kernels(sh.cp, sh.rows, a, vd, e))
     elif sh.cp_merge == "te":
-        rec.back_kernels("attention.cp", te_context.backward_kernels(sh.cp, sh.rows, a, sh.kv_heads, hd, e))
+        rec.back_kernels("attention.cp", te_context.backward_kernels(sh.cp, sh.rows, a, sh.kv_heads, vd, e))
     kv, repeated = _repeated_kv(sh)
     if repeated:
         rec.back_kernels("attention", eager.repeat_kv_backward(kv, repeated, sh.e))
+    if sh.padded_values:  # dv cut back to the value heads' width
+        rec.back_mem("attention.pad_values_backward", sh.rows * sh.kv_heads * hd * e, sh.rows * sh.kv_heads * sh.value_dim * e)
 
 
 def _unfused_forward(rec: Recorder, qkv: str) -> None:
     sh = rec.shape
-    a, s, hd, batch = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads
+    a, s, hd, vd, batch = sh.heads, sh.s, sh.head_dim, sh.value_dim, sh.b * sh.heads
     square = batch * s * s  # elements of the s x s scores of this rank's heads
     rec.tensor("attention.scores", square * sh.e)
     rec.gemm("attention.scores", s, s, hd, sh.compute, (qkv,), batch, linear=False)
@@ -145,19 +170,19 @@ def _unfused_forward(rec: Recorder, qkv: str) -> None:
         dropped, mask = rec.tensor("attention.dropped", square * sh.e), rec.tensor("attention.mask", square * MASK)
         rec.mem("attention.dropout", (probs,), (dropped, mask), saves=(mask,))
         probs = dropped
-    heads = rec.tensor("attention.heads", sh.rows * a * hd * sh.e)
-    rec.gemm("attention.values", s, hd, s, sh.compute, (probs, qkv), batch, linear=False)
-    rec.tensor("attention.output", sh.rows * a * hd * sh.e)
+    heads = rec.tensor("attention.heads", sh.rows * a * vd * sh.e)
+    rec.gemm("attention.values", s, vd, s, sh.compute, (probs, qkv), batch, linear=False)
+    rec.tensor("attention.output", sh.rows * a * vd * sh.e)
     rec.mem("attention.merge_heads", (heads,), ("attention.output",))  # (b*a, s, hd) -> (b*s, a*hd)
 
 
 def _unfused_backward(rec: Recorder) -> None:
     sh = rec.shape
-    a, s, hd, batch, e = sh.heads, sh.s, sh.head_dim, sh.b * sh.heads, sh.e
-    square, width = batch * s * s, sh.rows * a * hd * e
+    a, s, hd, vd, batch, e = sh.heads, sh.s, sh.head_dim, sh.value_dim, sh.b * sh.heads, sh.e
+    square, width = batch * s * s, sh.rows * a * vd * e
     rec.back_mem("attention.merge_heads_backward", width, width)
-    rec.back_gemm("attention.grad_probs", s, s, hd, sh.compute, batch, linear=False)  # dP = dO v^T
-    rec.back_gemm("attention.grad_v", s, hd, s, sh.compute, batch, linear=False)  # dv = P^T dO
+    rec.back_gemm("attention.grad_probs", s, s, vd, sh.compute, batch, linear=False)  # dP = dO v^T
+    rec.back_gemm("attention.grad_v", s, vd, s, sh.compute, batch, linear=False)  # dv = P^T dO
     if sh.dropout:
         rec.back_mem("attention.dropout_backward", square * (e + MASK), square * e)
     rec.back_mem("attention.softmax_backward", 2 * square * e, square * e)
