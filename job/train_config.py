@@ -183,7 +183,7 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
     data: str | None = None  # None: the embedded corpus
-    init_from: str | None = None  # a Hugging Face model directory whose weights the run starts from (minigpt/hf.py)
+    init_from: str | None = None  # a Hugging Face model directory whose weights the run starts from (minigpt/hf/layouts.py)
     # "bytes" or a Hugging Face tokenizer.json (minigpt/tokenizer.py): the corpus is read in its ids, which the model's
     # vocabulary must hold; a run's copy of it is out_dir/tokenizer.json
     tokenizer: str = "bytes"

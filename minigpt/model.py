@@ -211,6 +211,11 @@ class CausalSelfAttention(nn.Module):
         return self.dropout(self.proj(self.core(self.qkv(x))))
 
 
+# DeepSeek's latent norms keep RMSNorm's default epsilon whatever the model's (its modeling code and transformers'
+# DeepseekV3Attention build q_a_layernorm and kv_a_layernorm without rms_norm_eps)
+LATENT_NORM_EPS = 1e-6
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1): one down projection makes a query
     latent (q_lora_rank wide; none when 0), a key/value latent (kv_lora_rank) and a rotated key shared by every head
@@ -228,8 +233,8 @@ class LatentAttention(nn.Module):
         self.key_value = [config.head_dim, config.v_head_dim]
         heads, d = config.n_heads, config.d_model
         self.down = nn.Linear(d, config.latent_width, bias=False)
-        self.q_norm = RMSNorm(config.q_lora_rank, eps=config.norm_eps) if config.q_lora_rank else None
-        self.kv_norm = RMSNorm(config.kv_lora_rank, eps=config.norm_eps)
+        self.q_norm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS) if config.q_lora_rank else None
+        self.kv_norm = RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.spread = nn.Identity()
         self.q_up = nn.Linear(config.q_up_in_width, heads * config.qk_head_dim, bias=False)
         self.kv_up = nn.Linear(config.kv_lora_rank, heads * sum(self.key_value), bias=False)

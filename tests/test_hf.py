@@ -2,7 +2,7 @@
 Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE) that transformers opens with the same logits, and `minigpt train
 --init-from DIR` starts from one (Mistral's too),
 in any layout, with transformers' own loss on the same batch. Nothing is downloaded: the transformers models are
-built from configs here (minigpt/hf.py maps the layouts)."""
+built from configs here (minigpt/hf/layouts.py maps the layouts)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from cli.main import main
 from minigpt.config import GPTConfig
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.errors import ConfigError
-from minigpt.hf import FUSED, config_from_hf, from_hf, hf_config, layout_of, lookup, to_hf, unfused
-from minigpt.hf_files import check_hf_dir, read_hf_dir
-from minigpt.hf_moe import MLP_NAME, PROJECTIONS
+from minigpt.hf.layouts import FUSED, config_from_hf, from_hf, hf_config, layout_of, lookup, to_hf, unfused
+from minigpt.hf.files import check_hf_dir, read_hf_dir
+from minigpt.hf.moe import MLP_NAME, PROJECTIONS
 from minigpt.model import GPT
+from minigpt.presets import preset
 from parallel.run.sample import load_model
 
 transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
@@ -32,9 +33,13 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "qwen3": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--qk-norm", "--head-dim", "24"],
           # mixtures of experts (4 SwiGLU experts, top 2): Mixtral's every block, Qwen3-MoE's after a dense first one
           "mixtral": [*MOE, "--layers", "2", "--seq-len", "32"],
-          "qwen3_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--dense-layers", "1"]}
+          "qwen3_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--dense-layers", "1"],
+          # multi-head latent attention, a dense first block, then shared and routed experts (sigmoid router)
+          "deepseek_v3": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-           "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+           "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           "deepseek_v3": "DeepseekV3ForCausalLM"}
+MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 
 def invoke(*args: str):
@@ -72,7 +77,7 @@ def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, 
     assert state["layout"]["tp"] == 2 and state["layout"]["pp"] == 2
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(theirs).__name__ == CLASSES[shape]
-    if shape != "gpt2":  # grouped-query attention and rotary positions, as the run trained them
+    if shape not in ("gpt2", "deepseek_v3"):  # grouped-query attention and rotary positions, as the run trained them
         assert theirs.config.num_key_value_heads == 2 < theirs.config.num_attention_heads == 4
     tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -103,6 +108,13 @@ def transformers_model(shape: str, tmp_path):
     elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
         config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
                                              norm_topk_prob=True, head_dim=24, rms_norm_eps=1e-6)
+    elif shape == "deepseek_v3":  # values narrower than the query heads (12 for 16 + 8), a query latent
+        config = transformers.DeepseekV3Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, num_mtp_layers=0)
     elif shape == "qwen2":
         config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                           intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -136,7 +148,7 @@ def transformers_model(shape: str, tmp_path):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_path):
     model, hf_dir = transformers_model(shape, tmp_path)
-    data = ["--dp", "2", "--ep", "2"] if shape in ("mixtral", "qwen3_moe") else ["--dp", "1"]  # experts over 2 ranks
+    data = ["--dp", "2", "--ep", "2"] if shape in MOE_SHAPES else ["--dp", "1"]  # experts over 2 ranks
     result = invoke("train", "--init-from", str(hf_dir), "--tp", "2", *data, "--steps", "2",
                     "--global-batch", "4", "--eval-every", "0", "--no-save", "--out", str(tmp_path / "run"), "--json")
     assert result.exit_code == 0, result.output
@@ -186,7 +198,9 @@ def test_every_gradient_is_transformers_own(shape, tmp_path):
     theirs_by_name = hub_named({name: param.grad for name, param in theirs.named_parameters()}, layout_of(config))
     theirs_by_name = {name: grad for name, grad in unfused(theirs_by_name, config).items()  # Phi-3's fused pieces
                       if not name.endswith(tuple(FUSED))}
-    ours_by_name = to_hf({name: param.grad for name, param in ours.named_parameters()}, config)
+    ours_by_name = {name: grad for name, grad in to_hf({name: param.grad for name, param in ours.named_parameters()},
+                                                       config).items()
+                    if not name.endswith("e_score_correction_bias")}  # DeepSeek's router buffer: no gradient
     assert len(ours_by_name) == len(theirs_by_name)
     for name, grad in ours_by_name.items():
         expected = lookup(theirs_by_name, name)
@@ -216,6 +230,15 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     for bad, word in ((mixtral.with_(router="sigmoid"), "sigmoid"), (mixtral.with_(n_shared_experts=1), "shared"),
                       (mixtral.with_(top_k=1), "top-1"),
                       (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
+        with pytest.raises(ConfigError, match=word):
+            layout_of(bad)
+    deepseek = preset("tiny-deepseek")  # DeepSeek-V3's layout, its latent norms with their own epsilon
+    assert layout_of(deepseek) == "deepseek_v3"
+    assert config_from_hf(hf_config(deepseek)) == deepseek.with_(aux_loss_coef=0.0)  # training's choice, not written
+    dense_latent = deepseek.with_(n_experts=0, d_expert=None, n_shared_experts=0, dense_layers=0, router="softmax")
+    assert config_from_hf(hf_config(dense_latent)) == dense_latent.with_(aux_loss_coef=0.0)
+    for bad, word in ((deepseek.with_(router="softmax"), "softmax"), (deepseek.with_(norm="layernorm"), "bias-free"),
+                      (deepseek.with_(rope_scaling=(8.0, 1.0, 4.0, 64)), "scaling")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
     for bad, word in ((GPTConfig(n_experts=4), "mixture of experts"), (GPTConfig(qk_norm=True), "q/k norms"),
@@ -262,6 +285,23 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
             config_from_hf(change)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         config_from_hf(llama, seq_len=4096)
+    deepseek = hf_config(preset("tiny-deepseek"))  # DeepSeek's own checkpoints set what minigpt's router lacks
+    for change, word in (({"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+                         ({"n_group": 8, "topk_group": 4}, "groups"), ({"norm_topk_prob": False}, "renormalised"),
+                         ({"rope_interleave": False}, "rope_interleave"), ({"num_key_value_heads": 2}, "fewer"),
+                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}}, "yarn")):
+        with pytest.raises(ConfigError, match=word):
+            config_from_hf({**deepseek, **change})
+
+
+def test_deepseeks_router_bias_is_refused_where_it_would_choose():
+    """A DeepSeek-V3 checkpoint whose e_score_correction_bias is not zero chooses other experts than minigpt would."""
+    config = preset("tiny-deepseek").with_(seq_len=32)
+    tensors = to_hf({name: param.detach() for name, param in GPT(config).named_parameters()}, config)
+    assert from_hf(tensors, config).keys() == dict(GPT(config).named_parameters()).keys()
+    tensors["model.layers.1.mlp.gate.e_score_correction_bias"][3] = 0.5
+    with pytest.raises(ConfigError, match="e_score_correction_bias"):
+        from_hf(tensors, config)
 
 
 @pytest.mark.slow

@@ -66,8 +66,8 @@ def reference_attention(attn: LatentAttention, x: torch.Tensor) -> torch.Tensor:
     heads, nope, v_dim, (batch, seq, _) = config.n_heads, config.head_dim, config.v_head_dim, x.shape
     c_q, c_kv, k_rope = (x @ attn.down.weight.T).split([q_lora, kv_lora, rope], dim=-1)
 
-    def rms(t, gain):
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + config.norm_eps) * gain
+    def rms(t, gain):  # DeepSeek's latent norms: epsilon 1e-6 whatever the model's
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
 
     q = (rms(c_q, attn.q_norm.weight) @ attn.q_up.weight.T).view(batch, seq, heads, nope + rope)
     kv = (rms(c_kv, attn.kv_norm.weight) @ attn.kv_up.weight.T).view(batch, seq, heads, nope + v_dim)

@@ -1,5 +1,5 @@
 """`minigpt export RUN --hf DIR`: a run's newest checkpoint, whatever layout saved it, as a Hugging Face model
-directory that transformers' AutoModelForCausalLM opens (minigpt/hf.py says which layout holds which shape)."""
+directory that transformers' AutoModelForCausalLM opens (minigpt/hf/layouts.py says which layout holds which shape)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ def checkpoint_of(run: str) -> tuple[Path, Path]:
 def export(run: str, hf_dir: str, as_json: bool) -> None:
     """Write RUN's newest valid checkpoint (a run directory, or one checkpoint) as a Hugging Face model."""
     from minigpt.errors import check_output_path
-    from minigpt.hf_files import check_new_dir, write_hf_dir
+    from minigpt.hf.files import check_new_dir, write_hf_dir
 
     check_output_path("--hf", hf_dir, "a directory's path")
     target = check_new_dir(hf_dir, "--hf")
-    from minigpt.hf import layout_of  # after the cheap checks: torch comes with the checkpoint's reader
+    from minigpt.hf.layouts import layout_of  # after the cheap checks: torch comes with the checkpoint's reader
     from parallel.run.sample import checkpoint_model_config, checkpoint_tokenizer, load_model
 
     checkpoint, _ = checkpoint_of(run)

@@ -326,7 +326,7 @@ def check_and_run(cfg: TrainConfig, options: dict, as_json: bool, plotter: LossP
 
     check_device(cfg.device, cfg.world_size)
     if cfg.init_from is not None:  # every tensor of the shape there, at its size: read from the files' headers
-        from minigpt.hf_files import check_hf_dir
+        from minigpt.hf.files import check_hf_dir
 
         check_hf_dir(cfg.init_from, cfg.model.seq_len)
     check_memory(cfg)

@@ -131,14 +131,14 @@ def _expert_fields(options: dict, base: GPTConfig) -> dict:
 
 def base_model(model: str) -> GPTConfig:
     """--model's shape: a preset's, or a transformers config.json's (a file, or a directory holding one), read by
-    minigpt/hf.py as --init-from reads it; ConfigError for anything else."""
+    minigpt/hf/layouts.py as --init-from reads it; ConfigError for anything else."""
     if model in PRESETS:
         return PRESETS[model]
     if not Path(model).exists():
         raise ConfigError(f"unknown model preset {model!r}: choose one of {', '.join(PRESETS)}, or give a transformers "
                           f"model's config.json (or the directory holding it)")
-    from minigpt.hf import config_from_hf
-    from minigpt.hf_files import read_config, read_config_file
+    from minigpt.hf.layouts import config_from_hf
+    from minigpt.hf.files import read_config, read_config_file
 
     path = Path(model)
     return config_from_hf(read_config(path) if path.is_dir() else read_config_file(path))
@@ -199,8 +199,8 @@ def model_from_hf(options: dict) -> GPTConfig:
     --seq-len and --dropout over it; any other model flag is refused: the shape is the directory's."""
     from dataclasses import replace
 
-    from minigpt.hf import config_from_hf
-    from minigpt.hf_files import read_config, weight_files
+    from minigpt.hf.layouts import config_from_hf
+    from minigpt.hf.files import read_config, weight_files
 
     others = [name for name in shape_flags_given(options) if name not in OPEN_WITH_INIT]
     if others:

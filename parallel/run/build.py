@@ -93,9 +93,9 @@ def make_data_parallel(stage: int, model: nn.Module, comm: Collectives, bucket_n
 
 
 def load_hf_weights(model: GPT, path: str) -> None:
-    """The whole plain model's weights from a Hugging Face model directory (minigpt/hf_files.py), on every rank,
+    """The whole plain model's weights from a Hugging Face model directory (minigpt/hf/files.py), on every rank,
     before any parallelism cuts the model: each layout keeps its own pieces of the same tensors."""
-    from minigpt.hf_files import read_hf_dir
+    from minigpt.hf.files import read_hf_dir
 
     state = read_hf_dir(path, model.config)  # every parameter's name (a tied head once, as tok_emb.weight)
     with torch.no_grad():

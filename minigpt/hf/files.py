@@ -17,7 +17,7 @@ from pathlib import Path
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.hf import config_from_hf, from_hf, hf_config, lookup, to_hf, unfused
+from minigpt.hf.layouts import config_from_hf, from_hf, hf_config, lookup, to_hf, unfused
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 

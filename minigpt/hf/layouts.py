@@ -23,7 +23,7 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
 
 All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
 layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's or Qwen3-MoE's layout
-(minigpt/hf_moe.py). A transformers model computed differently is refused rather than trained as something else.
+(minigpt/hf/moe.py). A transformers model computed differently is refused rather than trained as something else.
 Torch-free except `to_hf` and `from_hf`, which move tensors.
 """
 
@@ -31,9 +31,11 @@ from __future__ import annotations
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.hf_moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
+from minigpt.hf.deepseek import (attention_names, check_deepseek, check_router_extras, deepseek_config,
+                                 deepseek_hf_config, interleaved, router_extras, shared_names, split_sizes)
+from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
-from minigpt.hf_moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
+from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", *ARCHITECTURES)  # read as Llama's block, plus theirs
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
@@ -44,8 +46,8 @@ def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "qwen2", "qwen3", "mixtral" or "qwen3_moe": the transformers layout that holds `config`
     exactly; ConfigError saying why not."""
     if config.is_mla:
-        raise ConfigError("multi-head latent attention is not written in or read from a transformers layout yet "
-                          "(DeepSeek-V3's needs its rotated columns interleaved): train it from a preset or flags")
+        check_deepseek(config)
+        return "deepseek_v3"
     if config.is_moe:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
@@ -73,6 +75,8 @@ def hf_config(config: GPTConfig) -> dict:
     """config.json of the transformers model holding `config` (layout_of's), dropout as the run's."""
     common = {"vocab_size": config.vocab_size, "tie_word_embeddings": config.tied_head, "dtype": "float32",
               "bos_token_id": None, "eos_token_id": None}
+    if layout_of(config) == "deepseek_v3":
+        return deepseek_hf_config(config, common)
     if layout_of(config) == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
@@ -123,9 +127,11 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          n_heads=_number(hf, "n_head"), d_model=d_model,
                          d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied,
                          norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
+    if kind == "deepseek_v3":
+        return deepseek_config(hf, tied, seq_len, _rope)
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral' and 'qwen3_moe' models")
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'deepseek_v3' models")
     refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
@@ -192,7 +198,7 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
 def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     """Our parameter name -> the transformers names it is written as (two for a fused weight split in Llama and
     Qwen; three for the qkv). Tied: no lm_head (transformers ties it to the embedding). A mixture of experts' stacked
-    experts are not here (minigpt/hf_moe.py's expert_names: one tensor per expert and projection)."""
+    experts are not here (minigpt/hf/moe.py's expert_names: one tensor per expert and projection)."""
     layout = layout_of(config)
     gpt2 = layout == "gpt2"
     base = "transformer." if gpt2 else "model."
@@ -205,7 +211,11 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}.", f"{base}{'h' if gpt2 else 'layers'}.{i}."
         moe = config.is_moe_layer(i)  # a router and experts in place of the dense MLP
-        table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe)
+        if layout == "deepseek_v3":  # Llama's norms and MLP names, the latent attention's own
+            table |= {**_llama_block(ours, theirs, config, mlp=not moe, attention=False),
+                      **attention_names(config, ours, theirs), **(shared_names(config, i, theirs) if moe else {})}
+        else:
+            table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe)
         if moe:
             table |= router_names(i, theirs, layout)
         if config.qk_norm:
@@ -222,11 +232,11 @@ def _gpt2_block(ours: str, theirs: str) -> dict:
     return table
 
 
-def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True) -> dict:
+def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True, attention: bool = True) -> dict:
     table = {ours + "ln1.weight": (theirs + "input_layernorm.weight",),
              ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",)}
     linears = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "attn.proj": ("self_attn.o_proj",)}
+               "attn.proj": ("self_attn.o_proj",)} if attention else {}
     if mlp:
         linears |= {"mlp.fc1": ("mlp.gate_proj", "mlp.up_proj"), "mlp.fc2": ("mlp.down_proj",)}
     for mine, hf in linears.items():
@@ -237,7 +247,10 @@ def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True) ->
 
 
 def _split_sizes(config: GPTConfig, ours: str) -> list[int]:
-    """Rows of each transformers piece of a fused weight (Llama's qkv and fc1)."""
+    """Rows of each transformers piece of a fused weight (Llama's qkv and fc1; DeepSeek-V3's down projection and
+    shared experts' fc1)."""
+    if config.is_mla and split_sizes(config, ours) is not None:
+        return split_sizes(config, ours)
     if ours.endswith("attn.qkv.weight") or ours.endswith("attn.qkv.bias"):
         kv = config.kv_heads * config.head_dim
         return [config.n_heads * config.head_dim, kv, kv]
@@ -263,10 +276,14 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
             tensor = torch.zeros(rows, dtype=state["tok_emb.weight"].dtype)
         if gpt2 and _conv1d(ours):
             tensor = tensor.t()
+        if layout == "deepseek_v3":  # its rotated rows in DeepSeek's neighbouring pairs
+            tensor = interleaved(tensor, config, ours, to_hf=True)
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
         out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
     for layer in _moe_layers(config):
         out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout)
+        if layout == "deepseek_v3":
+            out |= router_extras(config, layer, f"model.layers.{layer}.")
     return out
 
 
@@ -321,7 +338,11 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
     for ours, theirs in names(config).items():
         pieces = [found(name) for name in theirs]
         tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if layout == "deepseek_v3":  # its rotated rows back in our rotate-half pairs
+            tensor = interleaved(tensor, config, ours, to_hf=False)
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
     for layer in _moe_layers(config):
         state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout)
+        if layout == "deepseek_v3":
+            check_router_extras(lambda name: lookup(tensors, name), config, layer, f"model.layers.{layer}.")
     return state

@@ -22,8 +22,9 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 
 # transformers' names of one expert's three projections: (gate, up, down), and where a block's experts and router are
-PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
-MLP_NAME = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+               "deepseek_v3": ("gate_proj", "up_proj", "down_proj")}  # DeepSeek-V3's: minigpt/hf/deepseek.py
+MLP_NAME = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "deepseek_v3": "mlp"}
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 

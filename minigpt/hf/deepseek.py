@@ -1,0 +1,175 @@
+"""DeepSeek-V3's transformers layout (DeepseekV3ForCausalLM, model_type "deepseek_v3"), both ways: multi-head latent
+attention and DeepSeek's experts.
+
+Attention (minigpt/model.py's LatentAttention): our down projection's rows are q_a_proj's (the query latent) then
+kv_a_proj_with_mqa's (the key/value latent, then the rotated key); q_norm and kv_norm are q_a_layernorm and
+kv_a_layernorm; q_up is q_b_proj (q_proj without a query latent), kv_up is kv_b_proj (each head's key rows, then its
+value rows, as ours), proj is o_proj. DeepSeek's checkpoints pair each rotated column with its neighbour
+(rope_interleave, the layout's default), ours column i with column i + r/2 (rotate-half): the rotated rows of
+q_b_proj (each head's last r) and of kv_a_proj_with_mqa (its last r) are permuted between the two (a config.json
+with rope_interleave false is refused).
+Experts: a sigmoid router (mlp.gate), the chosen scores renormalised (norm_topk_prob), shared experts of width
+n_shared_experts x moe_intermediate_size (mlp.shared_experts), the first first_k_dense_replace blocks dense (width
+intermediate_size), the routed experts one tensor per expert and projection as the checkpoints store them
+(minigpt/hf/moe.py's). minigpt's router computes the layout's with routed_scaling_factor 1, no expert groups
+limiting the choice (n_group 1, or topk_group = n_group) and a zero e_score_correction_bias (DeepSeek's
+auxiliary-loss-free balancing): DeepSeek's own checkpoints set all three, and are refused on reading rather than
+trained as another model.
+Torch-free except the tensor functions.
+"""
+
+from __future__ import annotations
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+from minigpt.hf.moe import config_number, refuse_unless
+
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+ATTENTION = "self_attn."
+
+
+def check_deepseek(config: GPTConfig) -> None:
+    """ConfigError unless DeepSeek-V3's layout holds `config` (a shape with multi-head latent attention)."""
+    def refuse(why: str) -> None:
+        raise ConfigError(f"multi-head latent attention is written in transformers' DeepSeek-V3 layout, which cannot "
+                          f"hold {why}")
+    if (config.norm, config.mlp, config.positions) != ("rmsnorm", "swiglu", "rope") or config.bias:
+        refuse("this block (it is a bias-free rmsnorm + swiglu + rope block)")
+    if config.rope_scaling is not None:
+        refuse("Llama 3.1's rotary scaling")
+    if config.is_moe and config.router != "sigmoid":
+        refuse("a softmax router (its router's scores are sigmoids)")
+
+
+def deepseek_hf_config(config: GPTConfig, common: dict) -> dict:
+    """config.json of the DeepSeek-V3 model holding `config` (`common`: the fields every layout writes)."""
+    moe = config.is_moe
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "deepseek_v3", **common,
+        "max_position_embeddings": config.seq_len, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_heads, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
+        "attention_bias": False, "attention_dropout": config.dropout, "rope_theta": float(config.rope_theta),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)}, "rope_interleave": True,
+        "kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank or None,
+        "qk_rope_head_dim": config.rope_head_dim, "qk_nope_head_dim": config.head_dim,
+        "v_head_dim": config.v_head_dim,
+        # a dense model: every block dense, one placeholder expert the blocks never build
+        "n_routed_experts": config.n_experts if moe else 1, "num_experts_per_tok": config.top_k if moe else 1,
+        "moe_intermediate_size": config.expert_width if moe else config.d_ff,
+        "n_shared_experts": config.n_shared_experts if moe else 0,
+        "first_k_dense_replace": config.dense_layers if moe else config.n_layers,
+        "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "num_mtp_layers": 0,
+    }
+
+
+def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfig:
+    """The GPTConfig of a DeepSeek-V3 config.json (`rope`: the caller's reader of its rotary base and scaling);
+    ConfigError naming what minigpt would compute differently."""
+    theta, scaling = rope(hf)
+    refuse_unless(scaling is None, "its rotary embedding is scaled (minigpt's latent attention rotates unscaled)")
+    refuse_unless(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias"),
+                  "its MLP activation is not silu, or its attention has biases")
+    heads = config_number(hf, "num_attention_heads")
+    refuse_unless(hf.get("num_key_value_heads") in (None, heads), "it has fewer key/value heads than query heads")
+    refuse_unless(config_number(hf, "routed_scaling_factor", 1.0) == 1.0,
+                  "its router scales the chosen gates (routed_scaling_factor), minigpt's does not")
+    groups, chosen = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    refuse_unless(groups == chosen, f"its router picks experts from {chosen} of {groups} groups (n_group, "
+                                    f"topk_group), minigpt's from all")
+    refuse_unless(bool(hf.get("norm_topk_prob", True)), "its chosen gates are not renormalised, minigpt's are")
+    refuse_unless(hf.get("rope_interleave", True) is True, "its rotated columns are not in DeepSeek's neighbouring "
+                                                          "pairs (rope_interleave), the layout minigpt reads")
+    longest = config_number(hf, "max_position_embeddings")
+    if seq_len is not None and seq_len > longest:
+        raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({longest})")
+    layers, dense = config_number(hf, "num_hidden_layers"), config_number(hf, "first_k_dense_replace", 0)
+    values = config_number(hf, "v_head_dim")
+    experts = {} if dense >= layers else {
+        "n_experts": config_number(hf, "n_routed_experts"), "top_k": config_number(hf, "num_experts_per_tok"),
+        "d_expert": config_number(hf, "moe_intermediate_size"),
+        "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid"}
+    return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest, n_layers=layers,
+                     n_heads=heads, d_model=config_number(hf, "hidden_size"),
+                     d_ff=config_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
+                     positions="rope", rope_theta=theta, bias=False, norm_eps=config_number(hf, "rms_norm_eps", 1e-6),
+                     d_head=config_number(hf, "qk_nope_head_dim"), kv_lora_rank=config_number(hf, "kv_lora_rank"),
+                     q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=config_number(hf, "qk_rope_head_dim"),
+                     d_value=None if values == hf.get("qk_nope_head_dim") else values, **experts)
+
+
+def attention_names(config: GPTConfig, ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
+    """Block's latent attention: ours -> transformers' names (two for the down projection with a query latent)."""
+    at = theirs + ATTENTION
+    down = ((at + "q_a_proj.weight",) if config.q_lora_rank else ()) + (at + "kv_a_proj_with_mqa.weight",)
+    table = {ours + "attn.down.weight": down, ours + "attn.kv_norm.weight": (at + "kv_a_layernorm.weight",),
+             ours + "attn.q_up.weight": (at + ("q_b_proj" if config.q_lora_rank else "q_proj") + ".weight",),
+             ours + "attn.kv_up.weight": (at + "kv_b_proj.weight",), ours + "attn.proj.weight": (at + "o_proj.weight",)}
+    if config.q_lora_rank:
+        table[ours + "attn.q_norm.weight"] = (at + "q_a_layernorm.weight",)
+    return table
+
+
+def shared_names(config: GPTConfig, layer: int, theirs: str) -> dict[str, tuple[str, ...]]:
+    """Block `layer`'s shared experts (one MLP, its gate and up rows fused in fc1 as ours), when it has them."""
+    if not config.n_shared_experts:
+        return {}
+    at = f"{theirs}mlp.shared_experts."
+    return {f"blocks.{layer}.mlp.shared.fc1.weight": (at + "gate_proj.weight", at + "up_proj.weight"),
+            f"blocks.{layer}.mlp.shared.fc2.weight": (at + "down_proj.weight",)}
+
+
+def split_sizes(config: GPTConfig, ours: str) -> list[int] | None:
+    """Rows of each transformers piece of our down projection or shared experts' fc1; None for another tensor."""
+    if ours.endswith("attn.down.weight"):
+        return [config.q_lora_rank, config.kv_lora_rank + config.rope_head_dim]
+    if ours.endswith("mlp.shared.fc1.weight"):
+        return [config.n_shared_experts * config.expert_width] * 2
+    return None
+
+
+def _rotated_rows(config: GPTConfig, ours: str) -> list[tuple[int, int]]:
+    """(first row, rows) of each run of rotated rows of our tensor `ours`: q_up's last rope_head_dim of each head,
+    the down projection's last rope_head_dim (the rotated key); none in the others."""
+    r = config.rope_head_dim
+    if ours.endswith("attn.q_up.weight"):
+        width = config.qk_head_dim
+        return [(head * width + config.head_dim, r) for head in range(config.n_heads)]
+    if ours.endswith("attn.down.weight"):
+        return [(config.latent_width - r, r)]
+    return []
+
+
+def interleaved(tensor, config: GPTConfig, ours: str, to_hf: bool):
+    """`tensor` (our `ours`) with its rotated rows moved from our rotate-half pairing to DeepSeek's neighbours
+    (to_hf), or back: row i and row i + r/2 of ours are rows 2i and 2i + 1 of theirs."""
+    import torch
+
+    runs = _rotated_rows(config, ours)
+    if not runs:
+        return tensor
+    r = config.rope_head_dim
+    neighbours = torch.stack([torch.arange(r // 2), torch.arange(r // 2) + r // 2], dim=1).flatten()
+    order = neighbours if to_hf else torch.argsort(neighbours)
+    out = tensor.clone()
+    for first, rows in runs:
+        out[first:first + rows] = tensor[first:first + rows][order]
+    return out
+
+
+def router_extras(config: GPTConfig, layer: int, theirs: str) -> dict:
+    """The router's e_score_correction_bias of block `layer`, zeros (minigpt's router has none)."""
+    import torch
+
+    return {f"{theirs}mlp.gate.e_score_correction_bias": torch.zeros(config.n_experts)}
+
+
+def check_router_extras(lookup, config: GPTConfig, layer: int, theirs: str) -> None:
+    """ConfigError when block `layer`'s e_score_correction_bias (`lookup(name)`: the tensor, or None when the
+    checkpoint has none) would change which experts are chosen."""
+    name = f"{theirs}mlp.gate.e_score_correction_bias"
+    bias = lookup(name)
+    if bias is not None and bool(bias.abs().max() > 0):
+        raise ConfigError(f"this transformers model cannot be trained by minigpt: its router adds {name} to its "
+                          f"scores to choose experts (DeepSeek's auxiliary-loss-free balancing), minigpt's does not")
