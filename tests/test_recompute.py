@@ -18,7 +18,7 @@ from parallel.run.train import train
 from precision.policy import policy
 from simulator.memory import loss_gradient_bytes, predict_memory, recomputed_bytes
 
-SHAPES = {name: PRESETS[name].with_(seq_len=64, n_layers=2) for name in ("tiny", "tiny-llama")}
+SHAPES = {name: PRESETS[name].with_(seq_len=64, n_layers=2) for name in ("tiny", "tiny-llama", "tiny-deepseek")}
 BATCH = 4
 
 
@@ -44,8 +44,10 @@ def test_recompute_same_losses_and_predicted_memory(tmp_path, name):
         assert runs[recompute]["losses"] == runs["none"]["losses"], recompute  # bit for bit
     measured = {r: s["memory_per_rank"][0]["activations"] for r, s in runs.items()}
     model = SHAPES[name]
-    # what the core kept of its own: the fp32 log-sum-exp, one per query head and token, in every block
-    assert measured["none"] - measured["selective"] == model.n_layers * 4 * model.n_heads * BATCH * model.seq_len
+    # what the core kept of its own: the fp32 log-sum-exp, one per query head and token, in every block (and under
+    # latent attention its zero-padded values and padded output)
+    own = 4 * model.n_heads + 4 * model.padded_values
+    assert measured["none"] - measured["selective"] == model.n_layers * own * BATCH * model.seq_len
     # full: each block its input alone (B x T x d fp32), beside the embeddings' and the head's own
     assert measured["full"] < measured["none"] / 4
     for recompute, bytes_measured in measured.items():
