@@ -316,6 +316,29 @@ def test_a_mixture_of_experts_is_priced_by_its_own_unit_and_the_measured_all_to_
         load_hardware(str(path))
 
 
+def test_latent_attention_is_priced_by_its_own_unit(hardware, tmp_path):
+    """Multi-head latent attention is a shape of its own ("latent" in a unit): its unit prices it, an ordinary unit
+    of the same sizes never does, nor the reverse; a latent of other widths is another shape; a bad one is refused."""
+    base = preset("tiny-llama").with_(n_kv_heads=None, n_layers=TINY.n_layers, seq_len=TINY.seq_len,
+                                      d_ff=TINY.d_ff, d_head=32)
+    latent = base.with_(kv_lora_rank=32, q_lora_rank=64, rope_head_dim=16)
+    shape = {"kv_heads": 4, "mlp": "swiglu", "norm": "rmsnorm", "positions": "rope", "bias": False, "d_head": 32}
+    widths = {"kv_lora_rank": 32, "q_lora_rank": 64, "rope_head_dim": 16, "v_head_dim": 32}
+    data = copy.deepcopy(hardware_to_dict(hardware))
+    gpu = next(iter(data["gpus"].values()))
+    gpu["measured"]["units"] = [dict(unit(1), **shape, latent=widths), dict(unit(2), **shape)]
+    path = tmp_path / "latent.json"
+    path.write_text(json.dumps(data))
+    host = load_hardware(str(path)).gpu.measured
+    assert host.unit_times(latent, 1) is host.units[0] and host.unit_times(base, 2) is host.units[1]
+    assert host.unit_times(latent, 2) is None and host.unit_times(base, 1) is None
+    assert host.unit_times(latent.with_(q_lora_rank=0), 1) is None and host.unit_times(latent.with_(d_value=16), 1) is None
+    gpu["measured"]["units"][0]["latent"] = dict(widths, rope_head_dim=0)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=re.escape("units[0].latent.rope_head_dim must be a positive integer")):
+        load_hardware(str(path))
+
+
 def test_a_synchronous_step_waits_for_its_slowest_rank_as_the_measured_variation_says(hardware, tmp_path):
     """With the variation calibrate measured (a rank's coefficient of variation with k ranks busy), the compute of
     a k-rank step is the unvaried one times 1 + cv E[max of k standard normals]: for two ranks E = 1 / sqrt(pi).

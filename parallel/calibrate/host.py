@@ -331,6 +331,9 @@ def unit_shape(config) -> dict:
              "vocab_size": config.vocab_size, "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm,
              "positions": config.positions, "bias": config.bias, "qkv_bias": config.qkv_bias,
              "qk_norm": config.qk_norm, "d_head": config.d_head}
+    if config.is_mla:  # multi-head latent attention too (simulator/costs/host_units.py's latent_key)
+        shape["latent"] = {"kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank,
+                           "rope_head_dim": config.rope_head_dim, "v_head_dim": config.v_head_dim}
     if config.is_moe:  # a MoE block is a shape of its own (simulator/costs/host.py's expert_key)
         shape["experts"] = {"n_experts": config.n_experts, "top_k": config.top_k, "d_expert": config.expert_width,
                             "n_shared_experts": config.n_shared_experts, "router": config.router,

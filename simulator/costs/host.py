@@ -39,6 +39,8 @@ optional "measured" object (parallel/calibrate/host.py writes it) holds what rep
   "router", "capacity_factor"}) part of its shape: its block series are its MoE blocks' (routing, the experts one
   after another, combine), never a dense block's of the same sizes, nor the reverse; a unit without "experts"
   is dense. A MoE model's dense first blocks (dense_layers) take the dense unit of its sizes where there is one.
+  Multi-head latent attention's "latent" ({"kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim"}) is part
+  of the shape too: a unit without it measured ordinary attention (simulator/costs/host_units.py keys both).
   "dtype" is the number format they were measured in
   (calibrate measures fp32; a unit without one was written before units carried it, and was
   fp32). Units are for simulations computing in that format only: `unit_times` with another
@@ -95,27 +97,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from minigpt.config import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, GPTConfig
+from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
+from simulator.costs.host_units import UNIT_KEYS, UNIT_SHAPE_DEFAULTS, positive, shape_options, unit_key
 from simulator.costs.rates.efficiency import FLOP_FORMATS
-from simulator.json_file import BYTES, COUNT, RELATIVE, SECONDS, SHARE, finite_number, in_range
+from simulator.json_file import BYTES, RELATIVE, SHARE, in_range
 from simulator.stragglers import cv_giving
 
 UNIT_SERIES = ("block_forward", "block_backward", "embedding_forward", "embedding_backward",
                "head_forward", "head_backward")
-UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
-# The shape's options, keys of a unit too; a unit without them predates them and measured a GPT-2-style block
-# (kv_heads None: as many as n_heads). Their values: minigpt/config.py's kinds.
-UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True,
-                       "qkv_bias": False, "qk_norm": False, "d_head": None}
-SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
 # A block's backward as zero-bubble's schedules split it (parallel/calibrate/device.py's split_runs): its input half
 # and its weight half, each a pass of its own (a unit without them, measured before they were: halves of the backward)
 SPLIT_SERIES = ("block_backward_input", "block_backward_weight")
-UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS, "experts", *SPLIT_SERIES)
+UNIT_OPTIONAL = ("sequence_parallel", "cp", "dtype", *UNIT_SHAPE_DEFAULTS, "experts", "latent", *SPLIT_SERIES)
 LEGACY_UNIT_DTYPE = "fp32"  # a unit without "dtype" predates the field; calibrate measured it in fp32
-# A MoE unit's "experts": GPTConfig's fields, each with what it may be (d_expert: the width, resolved)
-EXPERT_FIELDS = ("n_experts", "top_k", "d_expert", "n_shared_experts", "router", "capacity_factor")
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 # measured["reliability"] (parallel/calibrate/noise.py writes it): CPU shares of a core (0-1), spreads of repeated
 # runs ((slowest - fastest) / median, >= 0) and the confidence (a relative bound, >= 0); each may be null
@@ -137,27 +132,11 @@ def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> floa
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def expert_key(model: GPTConfig) -> tuple | None:
-    """A mixture of experts' block as a unit keys it (EXPERT_FIELDS' order, the width resolved); None: dense."""
-    if not model.is_moe:
-        return None
-    return (model.n_experts, model.top_k, model.expert_width, model.n_shared_experts, model.router,
-            model.capacity_factor)
-
-
-def unit_key(model: GPTConfig, tp: int) -> tuple:
-    """What a unit is measured on: UNIT_KEYS' sizes, then the shape's options (UNIT_SHAPE_DEFAULTS' order), then its
-    experts (expert_key: None for a dense block)."""
-    return (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp,
-            model.kv_heads, model.mlp, model.norm, model.positions, model.bias, model.qkv_bias, model.qk_norm,
-            model.head_dim, expert_key(model))
-
-
 @dataclass(frozen=True)
 class UnitTimes:
     """Measured seconds of the model's pieces on one tensor-parallel rank, by micro-batch size."""
 
-    key: tuple  # unit_key: the sizes (UNIT_KEYS), then the shape's options and experts
+    key: tuple  # unit_key: the sizes (UNIT_KEYS), then the shape's options, experts and latent attention
     micro_batches: tuple[int, ...]
     series: dict[str, tuple[float, ...]] = field(hash=False)
     sequence_parallel: bool = False
@@ -225,10 +204,8 @@ class MeasuredHost:
         """The measured pieces of this model at this tp and cp (with sequence parallelism when measured so,
         else without) in the compute format `dtype`, or None when they were not measured so: never
         another format's or context-parallel size's times (dtype None: any format, for callers that do not
-        know theirs). Never for multi-head latent attention: no unit records its shape (calibrate refuses it)."""
+        know theirs)."""
         key = unit_key(model, tp)
-        if model.is_mla:
-            return None
         same = [u for u in self.units if u.key == key and u.cp == cp and (dtype is None or u.dtype == dtype)]
         return next((u for u in same if u.sequence_parallel == sequence_parallel), same[0] if same else None)
 
@@ -301,58 +278,6 @@ class MeasuredHost:
 # ---------------------------------------------------------------- parsing
 
 
-def _positive(value: object, where: str, integer: bool = False, zero: bool = False, high: float | None = None) -> float:
-    """A number > 0 (>= 0 with `zero`), at most `high` (default: a count for an integer, seconds otherwise;
-    simulator/json_file.py's ranges, within which no simulated step overflows)."""
-    kinds = (int,) if integer else (int, float)
-    high = high if high is not None else COUNT[1] if integer else SECONDS[1]
-    if not isinstance(value, kinds) or finite_number(value) is None or value < 0 or (value == 0 and not zero) or (
-            value > high):
-        kind = "positive integer" if integer else "number >= 0" if zero else "number > 0"
-        raise ConfigError(f"{where} must be a {kind} of at most {high:g}, got {value!r}")
-    return value
-
-
-def _shape_options(entry: dict, at: str, n_heads: int, d_model: int) -> tuple:
-    """A unit's shape options (UNIT_SHAPE_DEFAULTS' order), the defaults where it has none."""
-    options = {**UNIT_SHAPE_DEFAULTS, **{k: entry[k] for k in UNIT_SHAPE_DEFAULTS if k in entry}}
-    kv = n_heads if options["kv_heads"] is None else options["kv_heads"]
-    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or n_heads % kv:
-        raise ConfigError(f"{at}.kv_heads must be a positive integer dividing n_heads={n_heads}, got {kv!r}")
-    for name, kinds in SHAPE_KINDS.items():
-        if options[name] not in kinds:
-            raise ConfigError(f"{at}.{name} must be one of {', '.join(kinds)}, got {options[name]!r}")
-    for name in ("bias", "qkv_bias", "qk_norm"):
-        if not isinstance(options[name], bool):
-            raise ConfigError(f"{at}.{name} must be true or false, got {options[name]!r}")
-    head_dim = options["d_head"]
-    if head_dim is None:
-        head_dim = d_model // n_heads
-    elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-        raise ConfigError(f"{at}.d_head must be a positive integer (or absent: d_model / n_heads), got {head_dim!r}")
-    return (kv, options["mlp"], options["norm"], options["positions"], options["bias"], options["qkv_bias"],
-            options["qk_norm"], head_dim, _experts(entry, at))
-
-
-def _experts(entry: dict, at: str) -> tuple | None:
-    """A unit's "experts" as expert_key keys them (None: a dense block's unit)."""
-    experts = entry.get("experts")
-    if experts is None:
-        return None
-    if not isinstance(experts, dict) or set(experts) != set(EXPERT_FIELDS):
-        raise ConfigError(f"{at}.experts must hold exactly {', '.join(EXPERT_FIELDS)}")
-    counts = [int(_positive(experts[k], f"{at}.experts.{k}", integer=True, high=2**20, zero=k == "n_shared_experts"))
-              for k in EXPERT_FIELDS[:4]]
-    if counts[1] > counts[0]:
-        raise ConfigError(f"{at}.experts.top_k must be at most n_experts={counts[0]}, got {counts[1]}")
-    if experts["router"] not in ROUTER_KINDS:
-        raise ConfigError(f"{at}.experts.router must be one of {', '.join(ROUTER_KINDS)}, got {experts['router']!r}")
-    factor = experts["capacity_factor"]
-    if factor is not None:
-        factor = float(_positive(factor, f"{at}.experts.capacity_factor", high=2**20))
-    return (*counts, experts["router"], factor)
-
-
 def parse_measured_host(data: object, where: str) -> MeasuredHost:
     """Check a "measured" object (the schema above); every problem raises ConfigError naming the field."""
     where = f"{where}.measured"
@@ -362,7 +287,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
                                   "note", "reliability", "failure_costs"})
     if unknown:
         raise ConfigError(f"{where} has unknown key(s) {', '.join(unknown)}")
-    cores = int(_positive(data["cores"], f"{where}.cores", integer=True))
+    cores = int(positive(data["cores"], f"{where}.cores", integer=True))
     device = data.get("device", "cpu")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"{where}.device must be cpu or cuda, got {device!r}")
@@ -376,19 +301,19 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
         if not isinstance(entry, dict) or set(entry) - set(UNIT_OPTIONAL) != required:
             raise ConfigError(f"{at} must hold exactly {', '.join((*UNIT_KEYS, 'micro_batches', *UNIT_SERIES))} "
                               f"(and optionally {', '.join(UNIT_OPTIONAL)})")
-        key = tuple(int(_positive(entry[k], f"{at}.{k}", integer=True, high=BYTES[1])) for k in UNIT_KEYS)
-        key += _shape_options(entry, at, key[1], key[0])
+        key = tuple(int(positive(entry[k], f"{at}.{k}", integer=True, high=BYTES[1])) for k in UNIT_KEYS)
+        key += shape_options(entry, at, key[1], key[0])
         sp = entry.get("sequence_parallel", False)
         if not isinstance(sp, bool):
             raise ConfigError(f"{at}.sequence_parallel must be true or false, got {sp!r}")
-        cp = int(_positive(entry.get("cp", 1), f"{at}.cp", integer=True, high=2**20))
+        cp = int(positive(entry.get("cp", 1), f"{at}.cp", integer=True, high=2**20))
         dtype = entry.get("dtype", LEGACY_UNIT_DTYPE)
         if dtype not in FLOP_FORMATS:
             raise ConfigError(f"{at}.dtype must be one of {', '.join(FLOP_FORMATS)}, got {dtype!r}")
         sizes = entry["micro_batches"]
         if not isinstance(sizes, list) or not sizes:
             raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
-        sizes = tuple(int(_positive(b, f"{at}.micro_batches", integer=True)) for b in sizes)
+        sizes = tuple(int(positive(b, f"{at}.micro_batches", integer=True)) for b in sizes)
         if any(a >= b for a, b in zip(sizes, sizes[1:])):
             raise ConfigError(f"{at}.micro_batches must be increasing micro-batch sizes")
         series = {}
@@ -400,7 +325,7 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
             values = entry[name]
             if not isinstance(values, list) or len(values) != len(sizes):
                 raise ConfigError(f"{at}.{name} must hold one time per micro-batch size ({len(sizes)})")
-            series[name] = tuple(float(_positive(v, f"{at}.{name}")) for v in values)
+            series[name] = tuple(float(positive(v, f"{at}.{name}")) for v in values)
         units.append(UnitTimes(key, sizes, series, sp, dtype, cp))
     sharing = _load_rows(data.get("sharing", []), f"{where}.sharing", "slowdown", zero=False, high=1e6)
     variation = _load_rows(data.get("variation", []), f"{where}.variation", "coefficient of variation", zero=True,
@@ -422,10 +347,10 @@ def parse_measured_host(data: object, where: str) -> MeasuredHost:
                                   or not 0 <= share <= 1):
             raise ConfigError(f"{at}.cpu_share must be a share of one core from 0 to 1, got {share!r}")
         collectives.append(MeasuredCollective(
-            entry["kind"], int(_positive(entry["group"], f"{at}.group", integer=True)),
-            int(_positive(entry["active"], f"{at}.active", integer=True)),
-            float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
-            float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
+            entry["kind"], int(positive(entry["group"], f"{at}.group", integer=True)),
+            int(positive(entry["active"], f"{at}.active", integer=True)),
+            float(positive(entry["alpha"], f"{at}.alpha", zero=True)),
+            float(positive(entry["beta"], f"{at}.beta", high=1.0)),
             points, None if share is None else float(share)))
     return MeasuredHost(cores, tuple(units), sharing, tuple(collectives), device, variation, stragglers,
                         parse_failure_costs(data.get("failure_costs"), f"{where}.failure_costs"), raw=data,
@@ -438,9 +363,9 @@ def _load_rows(rows: list, at: str, third: str, zero: bool, high: float) -> tupl
     for i, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != 3:
             raise ConfigError(f"{at}[{i}] must be [ranks, threads_per_rank, {third}]")
-        checked.append((int(_positive(row[0], f"{at}[{i}] ranks", integer=True)),
-                        int(_positive(row[1], f"{at}[{i}] threads", integer=True)),
-                        float(_positive(row[2], f"{at}[{i}] {third}", zero=zero, high=high))))
+        checked.append((int(positive(row[0], f"{at}[{i}] ranks", integer=True)),
+                        int(positive(row[1], f"{at}[{i}] threads", integer=True)),
+                        float(positive(row[2], f"{at}[{i}] {third}", zero=zero, high=high))))
     return tuple(checked)
 
 
@@ -448,8 +373,8 @@ def _points(points: object, at: str) -> tuple[tuple[int, float], ...]:
     """[[bytes, seconds], ...] sorted by size, each size once; ConfigError naming `at` otherwise."""
     if not isinstance(points, list) or not all(isinstance(p, list) and len(p) == 2 for p in points):
         raise ConfigError(f"{at}.points must be [[bytes, seconds], ...]")
-    points = tuple(sorted((int(_positive(s, f"{at}.points", integer=True, high=BYTES[1])),
-                           float(_positive(t, f"{at}.points"))) for s, t in points))
+    points = tuple(sorted((int(positive(s, f"{at}.points", integer=True, high=BYTES[1])),
+                           float(positive(t, f"{at}.points"))) for s, t in points))
     if any(a[0] == b[0] for a, b in zip(points, points[1:])):
         raise ConfigError(f"{at}.points must measure each size once")
     return points
@@ -466,11 +391,11 @@ def parse_failure_costs(data: object, where: str) -> FailureCosts | None:
         entry, at = data[kind], f"{where}.{kind}"
         if not isinstance(entry, dict) or set(entry) != {"alpha", "beta", "points"}:
             raise ConfigError(f"{at} must hold exactly alpha, beta and points")
-        fits.append(MeasuredCollective(kind, 1, 1, float(_positive(entry["alpha"], f"{at}.alpha", zero=True)),
-                                       float(_positive(entry["beta"], f"{at}.beta", high=1.0)),
+        fits.append(MeasuredCollective(kind, 1, 1, float(positive(entry["alpha"], f"{at}.alpha", zero=True)),
+                                       float(positive(entry["beta"], f"{at}.beta", high=1.0)),
                                        _points(entry["points"], at)))
-    return FailureCosts(*fits, float(_positive(data["start_s"], f"{where}.start_s", zero=True)),
-                        float(_positive(data["monitor_s"], f"{where}.monitor_s", zero=True)))
+    return FailureCosts(*fits, float(positive(data["start_s"], f"{where}.start_s", zero=True)),
+                        float(positive(data["monitor_s"], f"{where}.monitor_s", zero=True)))
 
 
 def parse_reliability(data: object, where: str) -> dict | None:
