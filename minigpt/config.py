@@ -62,10 +62,9 @@ class GPTConfig:
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
-    # Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1), when kv_lora_rank > 0: keys and
-    # values from a kv_lora_rank-wide latent (normed), queries from a q_lora_rank-wide one (0: straight from the
-    # width), each query and key head d_head wide (DeepSeek's qk_nope_head_dim) plus rope_head_dim rotated columns,
-    # the key's shared by the heads; each value head d_value wide (None: d_head).
+    # Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, 2.1) when kv_lora_rank > 0: keys and values from a
+    # kv_lora_rank latent, queries from a q_lora_rank one (0: from the width), each query and key head d_head wide
+    # plus rope_head_dim rotated columns (the key's shared by the heads), each value head d_value (None: d_head).
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     rope_head_dim: int = 0
@@ -81,6 +80,11 @@ class GPTConfig:
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf x tokens x k / E) per sequence
     aux_loss_coef: float = 0.0  # load balancing (Switch / GShard), per sequence: E x sum_e f_e P_e
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2
+    # DeepSeek-V3's routing (arXiv 2412.19437, 2.1.2): a token's top_k from its groups_per_token best of expert_groups
+    # groups (each scored by its two best experts; None: all), the chosen gates multiplied by routed_scale
+    expert_groups: int = 1
+    groups_per_token: int | None = None
+    routed_scale: float = 1.0
 
     def __post_init__(self) -> None:
         check_shape(self)
@@ -100,18 +104,15 @@ class GPTConfig:
         return self.kv_lora_rank > 0
 
     @property
-    def qk_head_dim(self) -> int:
-        """Each query and key head's width: head_dim, and under MLA its rope_head_dim rotated columns after it."""
+    def qk_head_dim(self) -> int:  # each query and key head's width (under MLA its rotated columns after head_dim)
         return self.head_dim + self.rope_head_dim
 
     @property
-    def v_head_dim(self) -> int:
-        """Each value head's width: d_value, or head_dim."""
+    def v_head_dim(self) -> int:  # each value head's width: d_value, or head_dim
         return self.head_dim if self.d_value is None else self.d_value
 
     @property
-    def rotary_dim(self) -> int:
-        """The columns of each query and key head rotary positions turn: the last rope_head_dim under MLA, else all."""
+    def rotary_dim(self) -> int:  # the columns of a query or key head rotary positions turn: MLA's last, else all
         return 0 if self.positions != "rope" else self.rope_head_dim if self.is_mla else self.head_dim
 
     @property
@@ -126,18 +127,15 @@ class GPTConfig:
         return 2 * self.n_heads * self.qk_head_dim if self.v_head_dim != self.qk_head_dim else 0
 
     @property
-    def latent_width(self) -> int:
-        """MLA's down projection's output: the query latent, the key/value latent and the shared rotated key."""
+    def latent_width(self) -> int:  # MLA's down projection's output: query latent, key/value latent, rotated key
         return self.q_lora_rank + self.kv_lora_rank + self.rope_head_dim
 
     @property
-    def latent_norms(self) -> int:
-        """MLA's RMSNorms over its latents: the query latent's (when there is one) and the key/value latent's."""
+    def latent_norms(self) -> int:  # MLA's RMSNorms over its latents: the query latent's (if any), the key/value's
         return (2 if self.q_lora_rank else 1) if self.is_mla else 0
 
     @property
-    def q_up_in_width(self) -> int:
-        """MLA's query up projection's input: the query latent, or the width when there is none."""
+    def q_up_in_width(self) -> int:  # MLA's query up projection's input: the query latent, or the width
         return self.q_lora_rank or self.d_model
 
     @property
@@ -201,7 +199,10 @@ class GPTConfig:
         if self.is_moe:
             shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""
             dense = f", the first {self.dense_layers} dense ({kind} {self.d_ff})" if self.dense_layers else ""
-            mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{dense}"
+            grouped = (f" of {self.groups_per_token} of {self.expert_groups} groups"
+                       if self.groups_per_token not in (None, self.expert_groups) else "")
+            scaled = f", gates x{self.routed_scale:g}" if self.routed_scale != 1.0 else ""
+            mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}{scaled}{dense}"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
                  "RoPE" if self.positions == "rope" else "learned positions",

@@ -144,6 +144,19 @@ def choose(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[..., :top_k].contiguous()
 
 
+def in_chosen_groups(scores: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """The scores a token chooses its experts by: under group-limited routing (DeepSeek-V3's node-limited routing:
+    expert_groups, groups_per_token) those outside its groups_per_token best groups, each group scored by the sum
+    of its two best, set to -inf (ties to the lower group); else the scores themselves."""
+    groups, chosen = config.expert_groups, config.groups_per_token
+    if groups == 1 or chosen is None or chosen == groups:
+        return scores
+    grouped = scores.detach().unflatten(-1, (groups, -1))
+    best = choose(grouped.topk(2, dim=-1).values.sum(-1), chosen)  # (..., chosen) group ids
+    keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=scores.device).scatter_(-1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 def kept_choices(expert_ids: torch.Tensor, n_experts: int, limit: int | None) -> torch.Tensor:
     """(batch, seq, k) bools: which choices fit in their expert's capacity in their sequence, first choices of
     every token first, then second choices, each in token order."""
@@ -198,10 +211,12 @@ class MoE(nn.Module):
         cfg = self.config
         logits = self.router(x).float()
         scores = logits.softmax(-1) if cfg.router == "softmax" else logits.sigmoid()
-        expert_ids = choose(scores, cfg.top_k)
+        expert_ids = choose(in_chosen_groups(scores, cfg), cfg.top_k)
         gates = scores.gather(-1, expert_ids)
         if cfg.top_k > 1 or cfg.router == "sigmoid":
             gates = gates / gates.sum(-1, keepdim=True)
+        if cfg.routed_scale != 1.0:
+            gates = gates * cfg.routed_scale
         kept = self.whole.kept(expert_ids, cfg.n_experts, capacity(cfg, self.whole.length(x.shape[1])))
         return expert_ids, gates, kept, self.router_losses(logits, scores, expert_ids)
 

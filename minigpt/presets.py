@@ -79,13 +79,14 @@ PRESETS: dict[str, GPTConfig] = {
     # heads 128 + 64 rotated columns, values 128), the first 3 blocks dense (SwiGLU 18,432), then 256 routed experts
     # of width 2,048 and 1 shared, 8 routed per token, sigmoid scores normalised over the top 8, vocabulary 129,280,
     # 4K pre-training sequences, norms' epsilon 1e-6: 671,026,404,352 parameters (the published 671B, without the
-    # multi-token prediction module's 14B), 37.55B active (published 37B). Not modelled: its bias-based
-    # (auxiliary-loss-free) balancing, the routed scaling factor 2.5, node-limited routing and multi-token
+    # multi-token prediction module's 14B), 37.55B active (published 37B). Its routing: the 256 experts in 8 groups,
+    # each token's 8 from its 4 best groups (node-limited routing: a group per server under its ep 64 over 8
+    # servers), the gates scaled by 2.5. Not modelled: its bias-based (auxiliary-loss-free) balancing and multi-token
     # prediction. The sequence-wise balance loss's alpha is 0.0001.
     "deepseek-v3": llama(129280, 4096, 61, 128, 128, 7168, 18432, 10000.0).with_(
         n_kv_heads=None, d_head=128, kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, norm_eps=1e-6,
         n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
-        aux_loss_coef=0.0001),
+        aux_loss_coef=0.0001, expert_groups=8, groups_per_token=4, routed_scale=2.5),
 }
 
 
@@ -99,7 +100,8 @@ def preset(name: str) -> GPTConfig:
 MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d_model", "d_ff", "tied_head",
                 "dropout", "mlp", "norm", "positions", "rope_theta", "bias", "n_experts", "top_k", "d_expert",
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
-                "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value")
+                "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value",
+                "expert_groups", "groups_per_token", "routed_scale")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

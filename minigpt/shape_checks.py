@@ -66,6 +66,23 @@ def _check_moe_options(config) -> None:
         value = getattr(config, name)
         if not _number(value) or not 0 <= value < float("inf"):
             raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    _check_groups(config)
+
+
+def _check_groups(config) -> None:
+    """DeepSeek-V3's group-limited routing and routed scale."""
+    groups, chosen, scale = config.expert_groups, config.groups_per_token, config.routed_scale
+    if not _number(scale) or not 0 < scale < float("inf"):
+        raise ConfigError(f"routed_scale must be a number above 0, got {scale!r}")
+    if not _positive_int(groups) or config.n_experts % groups or (groups > 1 and config.n_experts // groups < 2):
+        raise ConfigError(f"expert_groups must be a positive integer dividing the {config.n_experts} experts into "
+                          f"groups of 2 or more (each group is scored by its two best), got {groups!r}")
+    if chosen is not None and (not _positive_int(chosen) or chosen > groups):
+        raise ConfigError(f"groups_per_token must be a positive integer of at most expert_groups={groups} (or unset "
+                          f"for all), got {chosen!r}")
+    if (chosen or groups) * (config.n_experts // groups) < config.top_k:
+        raise ConfigError(f"top_k={config.top_k} is above the {chosen * (config.n_experts // groups)} experts of a "
+                          f"token's {chosen} groups: choose more groups_per_token")
 
 
 def _check_llama_options(config) -> None:

@@ -108,11 +108,12 @@ def transformers_model(shape: str, tmp_path):
     elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
         config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
                                              norm_topk_prob=True, head_dim=24, rms_norm_eps=1e-6)
-    elif shape == "deepseek_v3":  # values narrower than the query heads (12 for 16 + 8), a query latent
+    elif shape == "deepseek_v3":  # values narrower than the query heads (12 for 16 + 8), a query latent; each
+        # token's 2 experts from the better of 2 groups of 2, the gates scaled by 2.5 (DeepSeek-V3's routing)
         config = transformers.DeepseekV3Config(
             vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
-            num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
             rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, num_mtp_layers=0)
     elif shape == "qwen2":
@@ -285,9 +286,10 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
             config_from_hf(change)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         config_from_hf(llama, seq_len=4096)
-    deepseek = hf_config(preset("tiny-deepseek"))  # DeepSeek's own checkpoints set what minigpt's router lacks
-    for change, word in (({"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
-                         ({"n_group": 8, "topk_group": 4}, "groups"), ({"norm_topk_prob": False}, "renormalised"),
+    deepseek = hf_config(preset("tiny-deepseek"))  # read with its routing; refused where minigpt computes otherwise
+    assert config_from_hf({**deepseek, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}) == preset(
+        "tiny-deepseek").with_(expert_groups=4, groups_per_token=2, routed_scale=2.5, aux_loss_coef=0.0)
+    for change, word in (({"norm_topk_prob": False}, "renormalised"),
                          ({"rope_interleave": False}, "rope_interleave"), ({"num_key_value_heads": 2}, "fewer"),
                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}}, "yarn")):
         with pytest.raises(ConfigError, match=word):

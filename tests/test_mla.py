@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) trained: the module against an independent spelling of the paper's
+"""Multi-head latent attention (DeepSeek-V2/V3) and DeepSeek-V3's group-limited, scaled routing trained: the module against an independent spelling of the paper's
 equations, every layout against one process (tensor parallelism with and without sequence parallelism, context,
 pipeline and data parallelism with ZeRO-3, expert parallelism folded over tp x dp), the tensor-parallel calls
 against the simulator's count byte for byte, and a checkpoint saved at tp 2 read back by one process.
@@ -34,6 +34,8 @@ from test_moe_training import trained
 
 MODEL = preset("tiny-deepseek").with_(seq_len=32)
 QUERIES_FROM_WIDTH = MODEL.with_(q_lora_rank=0, d_value=24)  # DeepSeek-V2-Lite's: no query latent
+# DeepSeek-V3's routing: each token's 2 experts from its best 2 of 4 groups, the gates scaled by 2.5
+GROUPED = MODEL.with_(expert_groups=4, groups_per_token=2, routed_scale=2.5)
 TOLERANCE = 1e-5  # relative loss gap with one process, every one of the 20 steps (fp32)
 # The same for the gradient norms, before clipping. The loss stops falling at steps 15-16 (3.80, 3.83, 3.86) and
 # the norm there amplifies the order of a sum: tp 2 with sequence parallelism was 2e-6 and 1e-5 off at those two
@@ -46,7 +48,8 @@ LAYOUTS = {
         "tp2-no-query-latent": (QUERIES_FROM_WIDTH, dict(tp=2)),
         "cp2": (MODEL, dict(cp=2)),
         "pp2": (MODEL, dict(pp=2, micro_batches=2)),
-        "dp2-zero3": (MODEL, dict(dp=2, zero=3))},
+        "dp2-zero3": (MODEL, dict(dp=2, zero=3)),
+        "ep2-grouped": (GROUPED, dict(dp=2, ep=2))},
     4: {"ep4-over-tp2-dp2-sp": (MODEL, dict(tp=2, dp=2, ep=4, sequence_parallel=True))},
 }
 SAVING = dict(tp=2, sequence_parallel=True, steps=3)
@@ -100,6 +103,22 @@ def test_latent_attention_is_the_papers():
     assert (attn(x) - theirs).abs().max() > 1e-2 * scale
 
 
+def test_a_token_chooses_its_experts_from_its_best_groups():
+    """Group-limited routing as DeepSeek-V3 runs it: each token's top_k experts inside the groups_per_token groups
+    whose two best scores sum highest, the gates renormalised over the chosen, then scaled."""
+    torch.manual_seed(1)
+    moe = GPT(GROUPED.with_(n_layers=2)).blocks[1].mlp
+    x = torch.randn(3, GROUPED.seq_len, GROUPED.d_model)
+    expert_ids, gates, _, _ = moe.route(x)
+    scores = moe.router(x).float().sigmoid().unflatten(-1, (4, 2))
+    best = scores.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices  # (batch, seq, 2) groups
+    assert ((expert_ids // 2).unsqueeze(-1) == best.unsqueeze(-2)).any(-1).all()  # every choice in a best group
+    assert torch.allclose(gates.sum(-1), torch.full(gates.shape[:-1], 2.5))
+    ungrouped = GPT(MODEL.with_(n_layers=2)).blocks[1].mlp
+    ungrouped.load_state_dict(moe.state_dict())
+    assert not torch.equal(ungrouped.route(x)[0], expert_ids)  # the limit changes some tokens' choices
+
+
 def test_latent_attention_shapes_are_checked():
     with pytest.raises(ConfigError, match="rope_head_dim"):
         MODEL.with_(rope_head_dim=0)
@@ -109,6 +128,14 @@ def test_latent_attention_shapes_are_checked():
         preset("tiny-llama").with_(rope_head_dim=16)
     with pytest.raises(ConfigError, match="wider than a query head"):
         MODEL.with_(d_value=64)
+    with pytest.raises(ConfigError, match="expert_groups"):
+        MODEL.with_(expert_groups=3)
+    with pytest.raises(ConfigError, match="groups_per_token"):
+        MODEL.with_(expert_groups=4, groups_per_token=5)
+    with pytest.raises(ConfigError, match="choose more groups_per_token"):
+        MODEL.with_(expert_groups=4, groups_per_token=1, top_k=3)
+    with pytest.raises(ConfigError, match="routed_scale"):
+        MODEL.with_(routed_scale=0.0)
 
 
 def test_up_projections_are_cut_by_whole_heads():
@@ -154,7 +181,7 @@ def references():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {id(model): trained(config(model)) for model in (MODEL, QUERIES_FROM_WIDTH)}
+        return {id(model): trained(config(model)) for model in (MODEL, QUERIES_FROM_WIDTH, GROUPED)}
     finally:
         torch.set_num_threads(threads)
 

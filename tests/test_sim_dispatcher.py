@@ -37,6 +37,24 @@ def test_token_share_counts_the_top_k_sets_that_reach_the_members(experts, top_k
     assert token_share(model.with_(top_k=1), ep, 1) == pytest.approx(1 / ep)  # one choice: a copy per row, as alltoall
 
 
+@pytest.mark.parametrize("experts, top_k, groups, chosen, ep, members",
+                         [(16, 4, 4, 2, 8, 2), (16, 4, 4, 2, 8, 3), (12, 3, 4, 2, 6, 1), (16, 2, 8, 1, 4, 1),
+                          (16, 4, 4, 4, 8, 3)])
+def test_token_share_under_group_limited_routing(experts, top_k, groups, chosen, ep, members):
+    """Against every set of `chosen` groups, then every set of top_k of their experts, each as likely: DeepSeek-V3's
+    node-limited routing (its 4 of 8 groups), balanced; with every group chosen the same as without groups."""
+    model = QWEN.with_(n_experts=experts, top_k=top_k, expert_groups=groups, groups_per_token=chosen)
+    held, size = set(range(members * experts // ep)), experts // groups
+    shares = []
+    for picked in itertools.combinations(range(groups), chosen):
+        pool = [e for g in picked for e in range(g * size, (g + 1) * size)]
+        sets = list(itertools.combinations(pool, top_k))
+        shares.append(sum(1 for s in sets if held & set(s)) / len(sets))
+    assert token_share(model, ep, members) == pytest.approx(sum(shares) / len(shares), rel=1e-12)
+    assert token_share(model, ep, members) <= token_share(model.with_(expert_groups=1, groups_per_token=None), ep,
+                                                          members) + 1e-12
+
+
 def links(gpus_per_node: int, nodes: int, ep: int) -> LinkCosts:
     layout = Layout(dp=gpus_per_node * nodes, ep=ep)
     return LinkCosts(build_cluster(H100, gpus_per_node, nodes), layout, H100.gpu)

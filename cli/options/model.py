@@ -95,7 +95,8 @@ def latent_options() -> list:
 
 EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts": "n_shared_experts",
                  "dense_layers": "dense_layers", "router": "router", "capacity_factor": "capacity_factor",
-                 "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef"}
+                 "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef", "expert_groups": "expert_groups",
+                 "groups_per_token": "groups_per_token", "routed_scale": "routed_scale"}
 
 
 def expert_options() -> list:
@@ -112,6 +113,13 @@ def expert_options() -> list:
                      help="Each expert takes at most ceil(cf x tokens x k / E) of a sequence [default: dropless]."),
         click.option("--aux-loss-coef", "aux_loss_coef", type=float, help="Load-balancing loss coefficient."),
         click.option("--z-loss-coef", "z_loss_coef", type=float, help="Router z-loss coefficient."),
+        click.option("--expert-groups", "expert_groups", type=int,
+                     help="The experts in this many equal groups (DeepSeek-V3: 8) [default: 1]."),
+        click.option("--groups-per-token", "groups_per_token", type=int,
+                     help="Each token's experts from its best this many groups (DeepSeek-V3's node-limited routing: "
+                          "4) [default: all]."),
+        click.option("--routed-scale", "routed_scale", type=float,
+                     help="The chosen gates multiplied by this (DeepSeek-V3: 2.5) [default: 1]."),
     ]
 
 

@@ -63,12 +63,24 @@ def routed_rows(model: GPTConfig, tokens: int, sequences: int, cp: int = 1) -> i
 
 
 def token_share(model: GPTConfig, ep: int, members: int) -> float:
-    """The share of a rank's tokens that need at least one of the experts `members` ranks of an expert group hold
-    (E / ep each), when each token picks top_k distinct experts, every set of them alike (balanced routing):
-    1 - C(E - members E / ep, top_k) / C(E, top_k). What a dispatcher that sends each token once per destination
-    rank (members 1) or server (members on it) moves, against top_k / ep of a copy per routed row to each rank."""
-    held = members * model.n_experts // ep
-    return 1.0 - math.comb(model.n_experts - held, model.top_k) / math.comb(model.n_experts, model.top_k)
+    """The share of a rank's tokens that need at least one of the experts `members` consecutive ranks of an expert
+    group hold (E / ep each), when each token picks top_k distinct experts, every set of them alike (balanced
+    routing): 1 - C(E - members E / ep, top_k) / C(E, top_k). Under group-limited routing (expert_groups,
+    groups_per_token: DeepSeek-V3's node-limited routing) every set of groups alike, then every set of top_k experts
+    among theirs: the chance that a token needs none of them summed over how many of the groups they fill (whole or in
+    part) are among its groups. What a dispatcher that sends each token once per destination rank (members 1) or
+    server (members on it) moves, against top_k / ep of a copy per routed row to each rank."""
+    held, size = members * model.n_experts // ep, model.n_experts // model.expert_groups
+    groups, chosen = model.expert_groups, model.groups_per_token or model.expert_groups
+    whole, rest = divmod(held, size)  # the groups the held experts fill, and the experts of one more they part fill
+    parts, reachable, k = int(rest > 0), chosen * size, model.top_k
+    missed = 0.0
+    for full in range(min(whole, chosen) + 1):
+        for part in range(min(parts, chosen - full) + 1):
+            ways = math.comb(whole, full) * math.comb(parts, part) * math.comb(groups - whole - parts,
+                                                                                chosen - full - part)
+            missed += ways * math.comb(reachable - full * size - part * rest, k) / math.comb(reachable, k)
+    return 1.0 - missed / math.comb(groups, chosen)
 
 
 def forward_exchanges(model: GPTConfig, ep: int, sent: int, element_bytes: int,

@@ -11,10 +11,10 @@ with rope_interleave false is refused).
 Experts: a sigmoid router (mlp.gate), the chosen scores renormalised (norm_topk_prob), shared experts of width
 n_shared_experts x moe_intermediate_size (mlp.shared_experts), the first first_k_dense_replace blocks dense (width
 intermediate_size), the routed experts one tensor per expert and projection as the checkpoints store them
-(minigpt/hf/moe.py's). minigpt's router computes the layout's with routed_scaling_factor 1, no expert groups
-limiting the choice (n_group 1, or topk_group = n_group) and a zero e_score_correction_bias (DeepSeek's
-auxiliary-loss-free balancing): DeepSeek's own checkpoints set all three, and are refused on reading rather than
-trained as another model.
+(minigpt/hf/moe.py's). minigpt's router computes the layout's, its routed_scaling_factor (routed_scale) and
+group-limited choice (n_group, topk_group: expert_groups, groups_per_token) included, with a zero
+e_score_correction_bias (DeepSeek's auxiliary-loss-free balancing, which minigpt does not run): a checkpoint whose
+bias is not zero is refused on reading rather than trained as another model.
 Torch-free except the tensor functions.
 """
 
@@ -59,7 +59,8 @@ def deepseek_hf_config(config: GPTConfig, common: dict) -> dict:
         "moe_intermediate_size": config.expert_width if moe else config.d_ff,
         "n_shared_experts": config.n_shared_experts if moe else 0,
         "first_k_dense_replace": config.dense_layers if moe else config.n_layers,
-        "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": float(config.routed_scale), "n_group": config.expert_groups,
+        "topk_group": config.groups_per_token or config.expert_groups, "norm_topk_prob": True,
         "num_mtp_layers": 0,
     }
 
@@ -73,11 +74,6 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
                   "its MLP activation is not silu, or its attention has biases")
     heads = config_number(hf, "num_attention_heads")
     refuse_unless(hf.get("num_key_value_heads") in (None, heads), "it has fewer key/value heads than query heads")
-    refuse_unless(config_number(hf, "routed_scaling_factor", 1.0) == 1.0,
-                  "its router scales the chosen gates (routed_scaling_factor), minigpt's does not")
-    groups, chosen = hf.get("n_group") or 1, hf.get("topk_group") or 1
-    refuse_unless(groups == chosen, f"its router picks experts from {chosen} of {groups} groups (n_group, "
-                                    f"topk_group), minigpt's from all")
     refuse_unless(bool(hf.get("norm_topk_prob", True)), "its chosen gates are not renormalised, minigpt's are")
     refuse_unless(hf.get("rope_interleave", True) is True, "its rotated columns are not in DeepSeek's neighbouring "
                                                           "pairs (rope_interleave), the layout minigpt reads")
@@ -89,7 +85,9 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
     experts = {} if dense >= layers else {
         "n_experts": config_number(hf, "n_routed_experts"), "top_k": config_number(hf, "num_experts_per_tok"),
         "d_expert": config_number(hf, "moe_intermediate_size"),
-        "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid"}
+        "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid",
+        "routed_scale": float(config_number(hf, "routed_scaling_factor", 1.0)),
+        "expert_groups": config_number(hf, "n_group", 1) or 1, "groups_per_token": _groups_per_token(hf)}
     return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest, n_layers=layers,
                      n_heads=heads, d_model=config_number(hf, "hidden_size"),
                      d_ff=config_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
@@ -97,6 +95,12 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
                      d_head=config_number(hf, "qk_nope_head_dim"), kv_lora_rank=config_number(hf, "kv_lora_rank"),
                      q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=config_number(hf, "qk_rope_head_dim"),
                      d_value=None if values == hf.get("qk_nope_head_dim") else values, **experts)
+
+
+def _groups_per_token(hf: dict) -> int | None:
+    """topk_group, None where it is every group (minigpt's unlimited routing)."""
+    groups, chosen = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    return None if chosen == groups else config_number(hf, "topk_group")
 
 
 def attention_names(config: GPTConfig, ours: str, theirs: str) -> dict[str, tuple[str, ...]]:

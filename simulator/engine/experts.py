@@ -26,9 +26,10 @@ destination (DeepEP's normal kernels, deepseek-ai/DeepEP README; Megatron-core's
 exchange of b bytes (b / top_k for one row of each token) sends each other server of the group the tokens that
 need one of its experts once over the NICs, and each member forwards over NVLink to each other member of its server
 those that need it (job/exchange/experts.py's token_share, balanced routing; links.all_to_all_deduplicated). The
-counts' all-to-all is priced as before (DeepEP's notify). Assumptions: every set of top_k experts alike (no
-node-limited routing, as DeepSeek-V3's top-4 groups), NVLink forwarding fully overlapped with the NICs, and no
-kernel cost of DeepEP's own beyond its bytes on the links.
+counts' all-to-all is priced as before (DeepEP's notify). Assumptions: every set of top_k experts alike (under
+group-limited routing, DeepSeek-V3's top 4 of 8 groups, every set of groups alike, then every set of top_k of their
+experts: token_share), NVLink forwarding fully overlapped with the NICs, and no kernel cost of DeepEP's own beyond
+its bytes on the links.
 
 Returns per layer: the forward's and the backward's Priced (exposed seconds, what was priced, hidden seconds).
 """
