@@ -117,11 +117,11 @@ class GPTConfig:
 
     @property
     def attention_width(self) -> int:
-        """The value heads side by side (n_heads x v_head_dim): the attention's output, the output projection's input."""
+        """The value heads side by side (n_heads x v_head_dim): the attention's output, proj's input."""
         return self.n_heads * self.v_head_dim
 
     @property
-    def padded_values(self) -> int:
+    def padded_values_width(self) -> int:
         """Per token, the attention's zero-padded v and padded output (n_heads x qk_head_dim each) when value heads
         are narrower than query heads (minigpt/model.py's AttentionCore: SDPA's kernels take one head width)."""
         return 2 * self.n_heads * self.qk_head_dim if self.v_head_dim != self.qk_head_dim else 0
@@ -174,8 +174,7 @@ class GPTConfig:
         return 2 * self.expert_width if self.mlp == "swiglu" else self.expert_width
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether block `layer` (0-based) has a mixture-of-experts MLP: every block of a MoE model after the
-        `dense_layers` first."""
+        """Whether block `layer` (0-based) has a mixture-of-experts MLP: a MoE model's after `dense_layers`."""
         return self.is_moe and layer >= self.dense_layers
 
     @property
@@ -202,7 +201,8 @@ class GPTConfig:
             grouped = (f" of {self.groups_per_token} of {self.expert_groups} groups"
                        if self.groups_per_token not in (None, self.expert_groups) else "")
             scaled = f", gates x{self.routed_scale:g}" if self.routed_scale != 1.0 else ""
-            mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}{scaled}{dense}"
+            mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}"
+            mlp += scaled + dense
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
                  "RoPE" if self.positions == "rope" else "learned positions",
@@ -382,7 +382,7 @@ class GPTConfig:
           under MLA also its down projection's output (the latent norms' input) and the normed latent (the up
           projections' input), latent_width each, and each latent norm's fp32 1/rms (q's, kv's), the fused
           qkv being the heads the up projections make (the shared rotated key repeated per head), and
-          with value heads narrower than query heads the zero-padded v and the padded output (padded_values),
+          with value heads narrower than query heads the zero-padded v and the padded output (padded_values_width),
           GELU input f and output f, or for SwiGLU the fused gate/up output 2f, silu(gate) f
           and the product f,
           plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
@@ -406,7 +406,7 @@ class GPTConfig:
         else:
             mlp_bytes = dtype_bytes * (4 * f if self.mlp == "swiglu" else 2 * f)
         latent = 2 * self.latent_width if self.is_mla else 0  # MLA's down output and its normed copy
-        padded = self.padded_values if recompute != "selective" else 0  # the core's own: recomputed under selective
+        padded = self.padded_values_width if recompute != "selective" else 0  # the core's: selective drops it
         tensors = dtype_bytes * (4 * d + latent + self.qkv_width + self.attention_width + padded) + mlp_bytes
         norm_statistics = 2 * (2 if self.norm == "layernorm" else 1) + self.latent_norms
         statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))

@@ -6,7 +6,8 @@ DeepSeek's multi-head latent attention (LatentAttention).
 
 No distributed code lives here. Parallelism is applied from outside
 (`parallel/`): tensor parallelism swaps modules (`qkv`, `proj`, `fc1`, `fc2`,
-`tok_emb`, `head`; under multi-head latent attention `spread`, `q_up`, `kv_up`) for sharded ones, and pipeline parallelism runs
+`tok_emb`, `head`; under multi-head latent attention `spread`, `q_up`, `kv_up`) for sharded ones,
+and pipeline parallelism runs
 `embed`, slices of `blocks`, and `logits`/`loss` on different ranks. To make that
 possible the attention reads its shapes from the qkv output, so a column-sharded
 qkv simply carries fewer heads (and, under sequence parallelism, the whole

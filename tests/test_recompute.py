@@ -46,7 +46,7 @@ def test_recompute_same_losses_and_predicted_memory(tmp_path, name):
     model = SHAPES[name]
     # what the core kept of its own: the fp32 log-sum-exp, one per query head and token, in every block (and under
     # latent attention its zero-padded values and padded output)
-    own = 4 * model.n_heads + 4 * model.padded_values
+    own = 4 * model.n_heads + 4 * model.padded_values_width
     assert measured["none"] - measured["selective"] == model.n_layers * own * BATCH * model.seq_len
     # full: each block its input alone (B x T x d fp32), beside the embeddings' and the head's own
     assert measured["full"] < measured["none"] / 4

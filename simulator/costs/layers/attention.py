@@ -141,7 +141,8 @@ def _flash_backward(rec: Recorder) -> None:
     qkv = sh.rows * ((a + sh.kv_heads) * hd + sh.kv_heads * vd) * e  # q, k and v (or dq, dk and dv)
     rec.back_mem("attention.flash_backward_preprocess", 2 * width, sh.rows * a * FP32)
     shapes = (("attention.scores_recomputed", s, keys, hd), ("attention.grad_v", keys, vd, s),
-              ("attention.grad_probs", s, keys, vd), ("attention.grad_q", s, hd, keys), ("attention.grad_k", keys, hd, s))
+              ("attention.grad_probs", s, keys, vd), ("attention.grad_q", s, hd, keys),
+              ("attention.grad_k", keys, hd, s))
     gemms = tuple(gemm(name, m, n, k, sh.compute, e, batch, BACKWARD, False) for name, m, n, k in shapes)
     read = qkv + width + 2 * sh.rows * a * FP32 + other_kv_bytes(sh)  # q, k, v, dO; the log-sum-exp and D
     rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=keys,
@@ -155,7 +156,8 @@ def _flash_backward(rec: Recorder) -> None:
     if repeated:
         rec.back_kernels("attention", eager.repeat_kv_backward(kv, repeated, sh.e))
     if sh.padded_values:  # dv cut back to the value heads' width
-        rec.back_mem("attention.pad_values_backward", sh.rows * sh.kv_heads * hd * e, sh.rows * sh.kv_heads * sh.value_dim * e)
+        rows = sh.rows * sh.kv_heads
+        rec.back_mem("attention.pad_values_backward", rows * hd * e, rows * sh.value_dim * e)
 
 
 def _unfused_forward(rec: Recorder, qkv: str) -> None:
