@@ -13,8 +13,10 @@ module import in the ranks as they did in pytest.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
 from parallel.launch.elastic import finish_worker, init_worker, launch
@@ -42,3 +44,23 @@ def gather_results(job: tuple[Callable[..., Any], tuple[Any, ...]]) -> list[Any]
         return values
     finally:
         finish_worker()
+
+
+def by_layout(ranks: list[dict], runs: dict | None = None) -> dict[str, list]:
+    """Every rank's {layout name: result} gathered by name: {name: [rank 0's, rank 1's, ...]} (added to `runs`)."""
+    runs = {} if runs is None else runs
+    for rank in ranks:
+        for name, run in rank.items():
+            runs.setdefault(name, []).append(run)
+    return runs
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside (a one-process reference computed as each rank computes), as before after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

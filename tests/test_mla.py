@@ -14,9 +14,8 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from distributed import run_ranks
+from distributed import by_layout, one_thread, run_ranks
 from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.layout import Layout
 from job.train_config import TrainConfig
@@ -169,21 +168,14 @@ def spawned_world(world: int, out_dir: str) -> dict:
 def spawned(tmp_path_factory):
     runs = {}
     for world in LAYOUTS:
-        out_dir = str(tmp_path_factory.mktemp(f"mla-{world}"))
-        for rank in run_ranks(world, spawned_world, world, out_dir):
-            for name, run in rank.items():
-                runs.setdefault(name, []).append(run)
+        by_layout(run_ranks(world, spawned_world, world, str(tmp_path_factory.mktemp(f"mla-{world}"))), runs)
     return runs
 
 
 @pytest.fixture(scope="module")
 def references():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return {id(model): trained(config(model)) for model in (MODEL, QUERIES_FROM_WIDTH, GROUPED)}
-    finally:
-        torch.set_num_threads(threads)
 
 
 ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]

@@ -18,7 +18,7 @@ import hashlib
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import by_layout, one_thread, run_ranks
 from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routing_exchanges
 from job.layout import Layout
@@ -126,20 +126,14 @@ def spawned_world(world: int) -> dict:
 def spawned():
     runs = {}
     for world in LAYOUTS:
-        for rank in run_ranks(world, spawned_world, world):
-            for name, run in rank.items():
-                runs.setdefault(name, []).append(run)
+        by_layout(run_ranks(world, spawned_world, world), runs)
     return runs
 
 
 @pytest.fixture(scope="module")
 def references():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return {model: trained(config(model)) for model in MODELS}
-    finally:
-        torch.set_num_threads(threads)
 
 
 ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]

@@ -249,8 +249,9 @@ def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True, at
 def _split_sizes(config: GPTConfig, ours: str) -> list[int]:
     """Rows of each transformers piece of a fused weight (Llama's qkv and fc1; DeepSeek-V3's down projection and
     shared experts' fc1)."""
-    if config.is_mla and split_sizes(config, ours) is not None:
-        return split_sizes(config, ours)
+    sizes = split_sizes(config, ours) if config.is_mla else None
+    if sizes is not None:
+        return sizes
     if ours.endswith("attn.qkv.weight") or ours.endswith("attn.qkv.bias"):
         kv = config.kv_heads * config.head_dim
         return [config.n_heads * config.head_dim, kv, kv]

@@ -111,6 +111,12 @@ class ScatterToSequence(torch.autograd.Function):
         return _gather_seq(grad, ctx.comm), None
 
 
+def to_every_rank(x: torch.Tensor, comm: Collectives, sequence_parallel: bool) -> torch.Tensor:
+    """The input of column-parallel work, whole on every rank: all-gathered along the sequence under sequence
+    parallelism (reduce-scattered backward), else the same tensor (all-reduced backward)."""
+    return GatherFromSequence.apply(x, comm) if sequence_parallel else CopyToTP.apply(x, comm)
+
+
 def shard_rows(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     rows = tensor.shape[0] // size
     return tensor[rank * rows : (rank + 1) * rows].clone()
@@ -128,8 +134,7 @@ class ColumnParallelLinear(nn.Module):
         self.inner, self.comm, self.sequence_parallel = inner, comm, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = GatherFromSequence.apply(x, self.comm) if self.sequence_parallel else CopyToTP.apply(x, self.comm)
-        return self.inner(x)
+        return self.inner(to_every_rank(x, self.comm, self.sequence_parallel))
 
 
 class SpreadToGroup(nn.Module):
@@ -141,7 +146,7 @@ class SpreadToGroup(nn.Module):
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return GatherFromSequence.apply(x, self.comm) if self.sequence_parallel else CopyToTP.apply(x, self.comm)
+        return to_every_rank(x, self.comm, self.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):

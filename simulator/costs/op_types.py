@@ -237,7 +237,7 @@ class UnitShape:
     attention_kernel: str = "flash-attn-2"  # Implementation.attention_kernel: the fused attention's kernel
     cp_merge: str = "fused"  # Implementation.cp_attention under context parallelism ("fused" without it)
     v_dim: int = 0  # each value head's width (0: head_dim)
-    rotary: int = 0  # the columns of each query and key head rotary positions turn (0: all of them)
+    rotary: int = 0  # the columns of each query and key head rotary positions turn (GPTConfig.rotary_dim)
     latent: tuple[int, ...] = ()  # multi-head latent attention's (query latent, key/value latent, rotated key) widths
 
     @property
@@ -345,7 +345,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
                      cp_merge=cp_merge(layout, impl.cp_attention), v_dim=model.v_head_dim,
-                     rotary=model.rotary_dim if model.is_mla else 0,
+                     rotary=model.rotary_dim,
                      latent=(model.q_lora_rank, model.kv_lora_rank, model.rope_head_dim) if model.is_mla else ())
 
 

@@ -49,12 +49,8 @@ from simulator.costs.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK,
 
 def rope_table_bytes(rec: Recorder) -> int:
     """The fp32 cos and sin tables a rotation reads: s x the rotated columns each (minigpt/model.py's rope_tables)."""
-    return 2 * rec.shape.s * _rotary(rec.shape) * FP32
+    return 2 * rec.shape.s * rec.shape.rotary * FP32
 
-
-def _rotary(sh) -> int:
-    """The columns of each query and key head a rotation turns: all of them but under MLA."""
-    return sh.rotary or sh.head_dim
 
 
 def _rope_forward(rec: Recorder, qkv: str) -> str:
@@ -68,12 +64,12 @@ def _rope_forward(rec: Recorder, qkv: str) -> str:
 
 def _rotated_elements(sh) -> tuple[int, int]:
     """The q and k elements an eager rotation casts and multiplies (v is not touched)."""
-    return sh.rows * sh.heads * _rotary(sh), sh.rows * sh.kv_heads * _rotary(sh)
+    return sh.rows * sh.heads * sh.rotary, sh.rows * sh.kv_heads * sh.rotary
 
 
 def _eager_table(sh) -> int:
     """torchtitan's frequencies: s x (rotated columns) / 2 complex64 numbers of two fp32 each."""
-    return sh.s * _rotary(sh) * FP32
+    return sh.s * sh.rotary * FP32
 
 
 def _repeated_kv(sh) -> tuple[int, int]:
