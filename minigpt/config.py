@@ -1,6 +1,6 @@
-"""The model's shape and all of its arithmetic: parameters, FLOPs, activation bytes.
+"""The model's shape and its arithmetic: parameters and FLOPs here, activation bytes in minigpt/activations.py.
 
-This module is the single home of the model's arithmetic. It never imports torch:
+With minigpt/activations.py this is the single home of the model's arithmetic. Neither imports torch:
 the simulator uses it to size models it will never build.
 
 Conventions:
@@ -21,19 +21,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from minigpt.activations import (OP_RECOMPUTE, RECOMPUTE_MODES, SIM_RECOMPUTE_MODES,  # noqa: F401
+                                 ActivationArithmetic, check_recompute)
 from minigpt.errors import ConfigError
 from minigpt.shape_checks import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, check_shape  # noqa: F401
 
-RECOMPUTE_MODES = ("none", "selective", "full")  # what our trainer runs and every shape allows
-# torchtitan's selective op checkpointing (activation_checkpoint.mode "selective", selective_ac_option "op"): the
-# simulator describes it (simulator/costs/torchtitan/selective_op.py) for the shapes op_recompute_refusal lets through
-OP_RECOMPUTE = "op"
-SIM_RECOMPUTE_MODES = (*RECOMPUTE_MODES, OP_RECOMPUTE)
 ATTENTION_KINDS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(ActivationArithmetic):
     """The shape of a GPT: everything needed to build it or to count it.
 
     The defaults are a GPT-2-style block (LayerNorm, GELU MLP, learned positions, multi-head
@@ -362,137 +359,6 @@ class GPTConfig:
         if attention == "flash":  # the scores q @ k^T again: 2 s x (query and key head width) per head
             flops += self.n_layers * 2 * self.seq_len * self.n_heads * self.qk_head_dim
         return flops
-
-    # ------------------------------------------------------------------ activations
-
-    def activation_bytes_per_token_per_layer(self, dtype_bytes: int = 4, recompute: str = "none",
-                                             moe: bool | None = None) -> int:
-        """Bytes one block keeps for its backward pass, per token.
-
-        Counted from what the block saves (see minigpt/model.py), with fused
-        attention (no s x s matrix is kept):
-          norm inputs 2d, norm outputs feeding qkv and fc1 2d,
-          the fused qkv output (H + 2K) x head_dim (q, k and v are views of it; with RoPE the
-          rotated copy replaces it, the same size), attention output H x head_dim (d unless d_head
-          sets the heads apart from the width; also the
-          output projection's input: the fused kernel already writes it in
-          (batch, seq, heads, head_dim) order, so no copy is made),
-          with query and key norms (qk_norm) the qkv output as well (their input) and one fp32 1/rms per
-          query and key head,
-          under MLA also its down projection's output (the latent norms' input) and the normed latent (the up
-          projections' input), latent_width each, and each latent norm's fp32 1/rms (q's, kv's), the fused
-          qkv being the heads the up projections make (the shared rotated key repeated per head), and
-          with value heads narrower than query heads the zero-padded v and the padded output (padded_values_width),
-          GELU input f and output f, or for SwiGLU the fused gate/up output 2f, silu(gate) f
-          and the product f,
-          plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
-          each of the two norms, and the attention log-sum-exp (one per query head),
-          plus a 1-byte mask per element of each of the two residual dropouts
-          when dropout > 0.
-        With recompute="full" only the block's input (d elements) is kept; with
-        "selective" the attention core (RoPE and the attention itself) keeps nothing of its
-        own: the log-sum-exp goes, the qkv output and the core's output stay, saved around it.
-        A MoE block (`moe` as in block_params) keeps its MLP's (moe_activation_bytes_per_token) in place of
-        the dense MLP's, and moe_activation_bytes_per_sequence more per sequence.
-        """
-        check_recompute(recompute)
-        d, f = self.d_model, self.d_ff
-        if recompute == "full":
-            return dtype_bytes * d
-        if recompute == OP_RECOMPUTE:
-            return self.op_activation_bytes_per_token_per_layer(dtype_bytes)
-        if self.is_moe if moe is None else moe:
-            mlp_bytes = self.moe_activation_bytes_per_token(dtype_bytes)
-        else:
-            mlp_bytes = dtype_bytes * (4 * f if self.mlp == "swiglu" else 2 * f)
-        latent = 2 * self.latent_width if self.is_mla else 0  # MLA's down output and its normed copy
-        padded = self.padded_values_width if recompute != "selective" else 0  # the core's: selective drops it
-        tensors = dtype_bytes * (4 * d + latent + self.qkv_width + self.attention_width + padded) + mlp_bytes
-        norm_statistics = 2 * (2 if self.norm == "layernorm" else 1) + self.latent_norms
-        statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))
-        if self.qk_norm and recompute != "selective":  # the norms keep their input (the qkv output) and 1/rms
-            tensors += dtype_bytes * self.qkv_width
-            statistics += 4 * (self.n_heads + self.kv_heads)
-        dropout_masks = 2 * d if self.dropout > 0 else 0
-        return tensors + statistics + dropout_masks
-
-    def op_recompute_refusal(self) -> str | None:
-        """Why torchtitan's selective op policy (recompute "op") cannot be described for this shape, or None.
-
-        The policy (torchtitan's _apply_ac_to_transformer_block, selective_ac_option "op") keeps the outputs of
-        aten.mm and of the flash attention and recomputes everything else, every second mm included; it counts on
-        a Llama block of bias-free Linears run as separate projections (q, k, v, o, then w1, w3, w2). A Linear
-        with a bias runs as addmm (never kept), a MoE's experts as grouped matmuls, dropout draws again."""
-        if self.is_moe:
-            return "a mixture of experts (its grouped expert matmuls are not aten.mm)"
-        if self.is_mla:
-            return "multi-head latent attention (the policy counts on a Llama block's q, k, v and o projections)"
-        if self.bias or self.qkv_bias:
-            return ("Linears with biases (they run as addmm, which the policy never keeps): use "
-                    + ("--no-bias" if self.bias else "--no-qkv-bias"))
-        if self.dropout > 0:
-            return "dropout (torchtitan's models have none)"
-        return None
-
-    def check_op_recompute(self) -> None:
-        reason = self.op_recompute_refusal()
-        if reason is not None:
-            raise ConfigError(f"--recompute {OP_RECOMPUTE} (torchtitan's selective op policy) is described for "
-                              f"dense Llama-style blocks only, not for {reason}")
-
-    def op_recomputed_flops_per_token(self) -> int:
-        """The matmuls torchtitan's op policy runs again per token and block: every second aten.mm of the forward
-        (k and o, and SwiGLU's up projection w3; a GELU MLP's fc2 is not needed by the backward, so the
-        recompute stops before it: torch.utils.checkpoint's early stop)."""
-        d = self.d_model
-        flops = 2 * d * self.kv_heads * self.head_dim + 2 * self.attention_width * d
-        return flops + (2 * d * self.d_ff if self.mlp == "swiglu" else 0)
-
-    def op_activation_bytes_per_token_per_layer(self, dtype_bytes: int = 4) -> int:
-        """What torchtitan's op policy keeps per token and block: the block's input (the checkpoint's), the
-        kept mm outputs (q and v; SwiGLU's gate w1 and down w2, or GELU's fc1) and the attention's output and
-        fp32 log-sum-exp (one per query head)."""
-        self.check_op_recompute()
-        d = self.d_model
-        mm = (self.n_heads + self.kv_heads) * self.head_dim + (self.d_ff + d if self.mlp == "swiglu" else self.d_ff)
-        return dtype_bytes * (d + mm + self.attention_width) + 4 * self.n_heads
-
-    def moe_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """What a MoE MLP (minigpt/moe.py) keeps per token, dropless (every one of the top_k choices routed).
-
-        Per routed copy (top_k per token): its input row d and output row d, the expert's hidden tensors as a
-        dense MLP's (GELU 2 x width, SwiGLU 4 x width), its gate (in the compute format) and three int64 indices
-        (its expert, its token, its place in the sorted order). Per token, in fp32: the router scores (E), and
-        when the gates are renormalised the chosen scores (top_k) and their sum; a sigmoid router's balance
-        loss its sum of scores; the z-loss the logits (E) and their log-sum-exp. The shared experts keep what
-        a dense MLP of their width keeps. The norm output feeding the router is the block's (its 4d)."""
-        b, e, k, experts = dtype_bytes, self.expert_width, self.top_k, self.n_experts
-        hidden = 4 * e if self.mlp == "swiglu" else 2 * e
-        routed = k * (b * (2 * self.d_model + hidden + 1) + 3 * 8)
-        scores = 4 * experts
-        if k > 1 or self.router == "sigmoid":
-            scores += 4 * (k + 1)
-        if self.aux_loss_coef and self.router == "sigmoid":
-            scores += 4
-        if self.z_loss_coef:
-            scores += 4 * (experts + 1)
-        shared = self.n_shared_experts * b * hidden
-        return routed + scores + shared
-
-    def moe_activation_bytes_per_sequence(self) -> int:
-        """Per sequence and MoE layer: the balance loss's fp32 share of choices per expert (E)."""
-        return 4 * self.n_experts if self.is_moe and self.aux_loss_coef else 0
-
-    def head_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Final norm input and output (2d) and its fp32 statistics (mean and 1/std, or 1/rms), and the
-        fp32 log-probabilities (V) kept by the loss."""
-        statistics = 2 if self.norm == "layernorm" else 1
-        return dtype_bytes * 2 * self.d_model + 4 * (statistics + self.vocab_size)
-
-
-def check_recompute(recompute: str) -> None:
-    if recompute not in SIM_RECOMPUTE_MODES:
-        raise ConfigError(f"recompute must be one of {', '.join(SIM_RECOMPUTE_MODES)}, got {recompute!r}")
 
 
 def check_attention(attention: str) -> None:
