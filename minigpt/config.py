@@ -82,6 +82,10 @@ class GPTConfig(ActivationArithmetic):
     expert_groups: int = 1
     groups_per_token: int | None = None
     routed_scale: float = 1.0
+    # DeepSeek-V3's auxiliary-loss-free balancing (2.1.2; Wang et al. arXiv 2408.15664): a per-expert bias added to the
+    # scores to choose experts only, moved by expert_bias_rate x sign(mean load - load) after every step (0: frozen)
+    expert_bias: bool = False
+    expert_bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
         check_shape(self)
@@ -198,6 +202,8 @@ class GPTConfig(ActivationArithmetic):
             grouped = (f" of {self.groups_per_token} of {self.expert_groups} groups"
                        if self.groups_per_token not in (None, self.expert_groups) else "")
             scaled = f", gates x{self.routed_scale:g}" if self.routed_scale != 1.0 else ""
+            if self.expert_bias:
+                scaled += f", choice bias (rate {self.expert_bias_rate:g})"
             mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}"
             mlp += scaled + dense
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,

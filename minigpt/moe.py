@@ -6,7 +6,9 @@ around it stays the same, so every layout routes, drops and weights the very sam
 
 Routing, per token (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021; DeepSeek-V3 2024):
   scores   softmax over the E router logits (fp32), or their sigmoid ("sigmoid", DeepSeek-V3);
-  choice   the top_k scores, ties to the lower expert index (a stable sort: the same on every layout);
+  choice   the top_k scores, ties to the lower expert index (a stable sort: the same on every layout); with
+           expert_bias the top_k of the scores plus a per-expert bias (DeepSeek-V3's auxiliary-loss-free
+           balancing), which choose and weigh nothing else; `update_bias` moves it after a step;
   gates    the chosen scores, renormalised to sum to 1 when top_k > 1 or the router is a sigmoid (Mixtral,
            Qwen3, DeepSeek-V3); a top-1 softmax keeps its probability (Switch);
   capacity with a capacity factor cf, each expert takes at most ceil(cf x s x top_k / E) tokens of each sequence
@@ -204,6 +206,9 @@ class MoE(nn.Module):
         self.shared = SharedExperts(config) if config.n_shared_experts else None
         self.dropout = nn.Dropout(config.dropout)
         self.register_buffer("load", torch.zeros(config.n_experts, dtype=torch.float64), persistent=False)
+        if config.expert_bias:  # fp32 whatever the compute format, saved with the weights (transformers' too)
+            self.register_buffer("expert_bias", torch.zeros(config.n_experts, dtype=torch.float32))
+            self.register_buffer("step_load", torch.zeros(config.n_experts, dtype=torch.float64), persistent=False)
         self.whole = WholeSequence()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,7 +216,8 @@ class MoE(nn.Module):
         cfg = self.config
         logits = self.router(x).float()
         scores = logits.softmax(-1) if cfg.router == "softmax" else logits.sigmoid()
-        expert_ids = choose(in_chosen_groups(scores, cfg), cfg.top_k)
+        biased = scores + self.expert_bias if cfg.expert_bias else scores  # chooses; the gates are the scores'
+        expert_ids = choose(in_chosen_groups(biased, cfg), cfg.top_k)
         gates = scores.gather(-1, expert_ids)
         if cfg.top_k > 1 or cfg.router == "sigmoid":
             gates = gates / gates.sum(-1, keepdim=True)
@@ -236,13 +242,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d = x.shape
         expert_ids, gates, kept, losses = self.route(x)
-        k, n_experts = self.config.top_k, self.config.n_experts
+        cfg = self.config
+        k, n_experts = cfg.top_k, cfg.n_experts
         slots = kept.reshape(-1).nonzero().squeeze(1)  # kept (token, choice) slots, token-major
         chosen = expert_ids.reshape(-1)[slots]
         order = slots[torch.sort(chosen, stable=True).indices]  # grouped by expert, token order inside
         counts = torch.bincount(chosen, minlength=n_experts)
         if self.training and torch.is_grad_enabled():  # the load of training steps, not of evaluations
             self.load += counts.to(self.load.dtype)
+            if cfg.expert_bias:
+                self.step_load += counts.to(self.step_load.dtype)
         tokens = order // k
         routed = self.experts(x.reshape(-1, d)[tokens], counts)
         weighted = routed * gates.reshape(-1)[order].to(routed.dtype).unsqueeze(1)
@@ -252,3 +261,14 @@ class MoE(nn.Module):
         if losses.requires_grad:
             out = AuxLoss.apply(out, losses)
         return self.dropout(out)
+
+
+def update_bias(moe: MoE, step_load: torch.Tensor) -> None:
+    """DeepSeek-V3's update of the choice bias after a step (arXiv 2412.19437, 2.1.2): each expert's bias moves by
+    expert_bias_rate towards the experts the step's tokens chose less than the mean, b_e += rate x sign(mean - c_e),
+    `step_load` the step's choices per expert over the whole batch (c_e: the sum over every rank routing other tokens,
+    parallel/expert/balance.py); the step's count starts again from zero."""
+    rate = moe.config.expert_bias_rate
+    if rate:
+        moe.expert_bias += (rate * torch.sign(step_load.mean() - step_load)).to(moe.expert_bias.dtype)
+    moe.step_load.zero_()

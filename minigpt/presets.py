@@ -70,10 +70,11 @@ PRESETS: dict[str, GPTConfig] = {
         d_head=128, qk_norm=True, n_experts=128, top_k=8, d_expert=768, aux_loss_coef=0.001, norm_eps=1e-6),
     # DeepSeek-V3's block in miniature, at tiny-llama's width: multi-head latent attention (4 heads of 32 + 16
     # rotated columns, values of 32, query latent 64, key/value latent 32), the first block dense (SwiGLU 352), then
-    # 8 SwiGLU experts of 128 and 1 shared, 2 routed per token by sigmoid scores.
+    # 8 SwiGLU experts of 128 and 1 shared, 2 routed per token by sigmoid scores chosen with DeepSeek-V3's bias.
     "tiny-deepseek": llama(256, 128, 4, 4, 4, 128, 352, 10000.0).with_(
         n_kv_heads=None, d_head=32, kv_lora_rank=32, q_lora_rank=64, rope_head_dim=16, n_experts=8, top_k=2,
-        d_expert=128, n_shared_experts=1, dense_layers=1, router="sigmoid", aux_loss_coef=0.001),
+        d_expert=128, n_shared_experts=1, dense_layers=1, router="sigmoid", aux_loss_coef=0.001, expert_bias=True,
+        expert_bias_rate=0.001),
     # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437, section 4.2; its released config.json): 61 layers of width
     # 7,168, multi-head latent attention with 128 heads (query latent 1,536, key/value latent 512, query and key
     # heads 128 + 64 rotated columns, values 128), the first 3 blocks dense (SwiGLU 18,432), then 256 routed experts
@@ -81,12 +82,14 @@ PRESETS: dict[str, GPTConfig] = {
     # 4K pre-training sequences, norms' epsilon 1e-6: 671,026,404,352 parameters (the published 671B, without the
     # multi-token prediction module's 14B), 37.55B active (published 37B). Its routing: the 256 experts in 8 groups,
     # each token's 8 from its 4 best groups (node-limited routing: a group per server under its ep 64 over 8
-    # servers), the gates scaled by 2.5. Not modelled: its bias-based (auxiliary-loss-free) balancing and multi-token
-    # prediction. The sequence-wise balance loss's alpha is 0.0001.
+    # servers), the gates scaled by 2.5; its auxiliary-loss-free balancing, a bias on the scores that choose, moved
+    # by 0.001 a step (section 4.2's gamma for the first 14.3T tokens), beside a sequence-wise balance loss of alpha
+    # 0.0001. Not modelled: multi-token prediction.
     "deepseek-v3": llama(129280, 4096, 61, 128, 128, 7168, 18432, 10000.0).with_(
         n_kv_heads=None, d_head=128, kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, norm_eps=1e-6,
         n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
-        aux_loss_coef=0.0001, expert_groups=8, groups_per_token=4, routed_scale=2.5),
+        aux_loss_coef=0.0001, expert_groups=8, groups_per_token=4, routed_scale=2.5, expert_bias=True,
+        expert_bias_rate=0.001),
 }
 
 
@@ -101,7 +104,7 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "dropout", "mlp", "norm", "positions", "rope_theta", "bias", "n_experts", "top_k", "d_expert",
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                 "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value",
-                "expert_groups", "groups_per_token", "routed_scale")
+                "expert_groups", "groups_per_token", "routed_scale", "expert_bias", "expert_bias_rate")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

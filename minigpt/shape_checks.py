@@ -70,8 +70,14 @@ def _check_moe_options(config) -> None:
 
 
 def _check_groups(config) -> None:
-    """DeepSeek-V3's group-limited routing and routed scale."""
+    """DeepSeek-V3's group-limited routing, routed scale and choice bias."""
     groups, chosen, scale = config.expert_groups, config.groups_per_token, config.routed_scale
+    rate = config.expert_bias_rate
+    if not isinstance(config.expert_bias, bool):
+        raise ConfigError(f"expert_bias must be true or false, got {config.expert_bias!r}")
+    if not _number(rate) or not 0 <= rate < float("inf") or (rate and not config.expert_bias):
+        raise ConfigError(f"expert_bias_rate must be a finite number >= 0, and above 0 only with expert_bias (the "
+                          f"bias it moves), got {rate!r}")
     if not _number(scale) or not 0 < scale < float("inf"):
         raise ConfigError(f"routed_scale must be a number above 0, got {scale!r}")
     if not _positive_int(groups) or config.n_experts % groups or (groups > 1 and config.n_experts // groups < 2):

@@ -111,9 +111,13 @@ def compute_path(policy: PrecisionPolicy, device: torch.device) -> str:
 
 
 def apply_precision(model: nn.Module, policy: PrecisionPolicy, device: torch.device) -> nn.Module:
-    """Cast `model` to the policy's compute format and swap its Linears for the
-    policy's compute path. Parameters are kept (shared), never re-initialised."""
-    model.to(device=device, dtype=dtype_of(policy.compute))
+    """Cast `model`'s parameters to the policy's compute format and swap its Linears for the
+    policy's compute path. Parameters are kept (shared), never re-initialised. Buffers keep their own
+    format (a MoE's fp64 expert counts and fp32 choice bias: minigpt/moe.py)."""
+    model.to(device=device)
+    compute = dtype_of(policy.compute)
+    for param in model.parameters():  # as nn.Module.to does, parameters only
+        param.data = param.data.to(compute)
     emulate = needs_emulation(policy, device)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

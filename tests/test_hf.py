@@ -141,6 +141,9 @@ def transformers_model(shape: str, tmp_path):
         for name, param in model.named_parameters():  # initial ones, so that a misplaced one shows
             scale = 0.3 if "norm" in name or "ln" in name else 0.05 if shape == "qwen2" and "bias" in name else 0
             param.add_(scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
+        for name, buffer in model.named_buffers():  # DeepSeek's choice bias, far enough from zero to choose others
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)))
     model.save_pretrained(tmp_path / "hf")
     return model, tmp_path / "hf"
 
@@ -229,14 +232,16 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     qwen3_moe = qwen3.with_(n_experts=8, top_k=2, d_expert=32, dense_layers=1, aux_loss_coef=0.001)
     assert layout_of(qwen3_moe) == "qwen3_moe" and config_from_hf(hf_config(qwen3_moe)) == qwen3_moe
     for bad, word in ((mixtral.with_(router="sigmoid"), "sigmoid"), (mixtral.with_(n_shared_experts=1), "shared"),
-                      (mixtral.with_(top_k=1), "top-1"),
+                      (mixtral.with_(top_k=1), "top-1"), (mixtral.with_(router="softmax", expert_bias=True), "bias"),
                       (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
     deepseek = preset("tiny-deepseek")  # DeepSeek-V3's layout, its latent norms with their own epsilon
     assert layout_of(deepseek) == "deepseek_v3"
-    assert config_from_hf(hf_config(deepseek)) == deepseek.with_(aux_loss_coef=0.0)  # training's choice, not written
-    dense_latent = deepseek.with_(n_experts=0, d_expert=None, n_shared_experts=0, dense_layers=0, router="softmax")
+    # training's choices, not written: the balance loss, the bias's rate (read frozen)
+    assert config_from_hf(hf_config(deepseek)) == deepseek.with_(aux_loss_coef=0.0, expert_bias_rate=0.0)
+    dense_latent = deepseek.with_(n_experts=0, d_expert=None, n_shared_experts=0, dense_layers=0, router="softmax",
+                                  expert_bias=False, expert_bias_rate=0.0)
     assert config_from_hf(hf_config(dense_latent)) == dense_latent.with_(aux_loss_coef=0.0)
     for bad, word in ((deepseek.with_(router="softmax"), "softmax"), (deepseek.with_(norm="layernorm"), "bias-free"),
                       (deepseek.with_(rope_scaling=(8.0, 1.0, 4.0, 64)), "scaling")):
@@ -288,7 +293,8 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
         config_from_hf(llama, seq_len=4096)
     deepseek = hf_config(preset("tiny-deepseek"))  # read with its routing; refused where minigpt computes otherwise
     assert config_from_hf({**deepseek, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}) == preset(
-        "tiny-deepseek").with_(expert_groups=4, groups_per_token=2, routed_scale=2.5, aux_loss_coef=0.0)
+        "tiny-deepseek").with_(expert_groups=4, groups_per_token=2, routed_scale=2.5, aux_loss_coef=0.0,
+                               expert_bias_rate=0.0)
     for change, word in (({"norm_topk_prob": False}, "renormalised"),
                          ({"rope_interleave": False}, "rope_interleave"), ({"num_key_value_heads": 2}, "fewer"),
                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}}, "yarn")):
@@ -296,14 +302,24 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
             config_from_hf({**deepseek, **change})
 
 
-def test_deepseeks_router_bias_is_refused_where_it_would_choose():
-    """A DeepSeek-V3 checkpoint whose e_score_correction_bias is not zero chooses other experts than minigpt would."""
-    config = preset("tiny-deepseek").with_(seq_len=32)
-    tensors = to_hf({name: param.detach() for name, param in GPT(config).named_parameters()}, config)
-    assert from_hf(tensors, config).keys() == dict(GPT(config).named_parameters()).keys()
-    tensors["model.layers.1.mlp.gate.e_score_correction_bias"][3] = 0.5
-    with pytest.raises(ConfigError, match="e_score_correction_bias"):
-        from_hf(tensors, config)
+def test_deepseeks_router_bias_chooses_as_transformers(tmp_path):
+    """A DeepSeek-V3 model's e_score_correction_bias (transformers_model sets it far from zero) is read as our choice
+    bias: the same logits as transformers; read as zeros, other experts are chosen and the logits move."""
+    theirs, hf_dir = transformers_model("deepseek_v3", tmp_path)
+    config = check_hf_dir(hf_dir)
+    assert config.expert_bias and config.expert_bias_rate == 0.0  # read frozen
+    state = read_hf_dir(hf_dir, config)
+    assert state["blocks.1.mlp.expert_bias"].abs().min() > 0
+    ours = GPT(config)
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        gap = (ours(tokens) - expected).abs().max().item()
+        ours.blocks[1].mlp.expert_bias.zero_()
+        unbiased = (ours(tokens) - expected).abs().max().item()
+    assert gap <= 1e-5 < 1e-2 < unbiased, (gap, unbiased)
+    assert to_hf(ours.state_dict(), config)["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() == 0
 
 
 @pytest.mark.slow

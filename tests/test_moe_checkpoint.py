@@ -21,7 +21,9 @@ from distributed import run_ranks
 from job.train_config import TrainConfig
 from minigpt.presets import preset
 from minigpt.data import Corpus
+from parallel.checkpoint.layout import stage_buffers
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
+from parallel.run.sample import load_model
 from test_checkpoint import one_thread  # noqa: F401 (autouse: this process's runs on one thread)
 from test_checkpoint import counters, mismatches, new_rank, tolerance, train, unlike_the_plain_model
 
@@ -156,3 +158,35 @@ def test_one_process_loads_every_ep(spawned):
         assert mismatches(expected[case], gather_global_state(rank, cfg)) == [], case
         losses = train(rank, cfg, corpus, range(state["step"], state["step"] + AFTER))
         assert worst(losses, found["reference"]) < tolerance(case), case
+
+
+BIASED = BASE.model.with_(router="sigmoid", expert_bias=True, expert_bias_rate=0.01)
+
+
+def biased_pp2(out_dir: str) -> dict:
+    """DeepSeek-V3's choice bias at pp 2 (each stage holding one MoE layer's): trained, saved, trained on."""
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(BASE, model=BIASED, pp=2, micro_batches=2)
+    corpus, rank = Corpus.load(None, MODEL.seq_len), new_rank(cfg)
+    train(rank, cfg, corpus, range(SAVED_AT))
+    path = save_checkpoint(f"{out_dir}/biased", rank, cfg, SAVED_AT)
+    bias = {name: tensor.tolist() for name, tensor in stage_buffers(rank.stage).items()}
+    return {"path": str(path), "bias": bias, "reference": train(rank, cfg, corpus, range(SAVED_AT, SAVED_AT + AFTER))}
+
+
+def test_the_choice_bias_is_saved_and_loads_into_another_layout(tmp_path):
+    """The bias, a buffer every rank of its stage holds whole, is written once per layer and comes back bit for bit
+    in one process (where both layers are one stage's), in the plain model `minigpt export` reads, and training goes
+    on as the saving run does."""
+    ranks = run_ranks(2, biased_pp2, str(tmp_path))
+    saved = {name: bias for found in ranks for name, bias in found["bias"].items()}
+    assert sorted(saved) == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
+    assert all(max(bias) > min(bias) for bias in saved.values())  # moved by 3 steps' loads
+    cfg = dataclasses.replace(BASE, model=BIASED)
+    rank = new_rank(cfg)
+    state = load_checkpoint(ranks[0]["path"], rank, cfg)
+    assert {name: tensor.tolist() for name, tensor in stage_buffers(rank.stage).items()} == saved
+    plain, _ = load_model(ranks[0]["path"])
+    assert {name: plain.get_buffer(name).tolist() for name in saved} == saved
+    losses = train(rank, cfg, Corpus.load(None, MODEL.seq_len), range(state["step"], state["step"] + AFTER))
+    assert worst(losses, ranks[0]["reference"]) < tolerance("biased"), (losses, ranks[0]["reference"])

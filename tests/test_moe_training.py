@@ -26,6 +26,7 @@ from job.train_config import TrainConfig
 from minigpt.presets import preset
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
+from minigpt.moe import MoE
 from parallel.expert.dispatch import ExpertParallel
 from parallel.mesh import build_mesh
 from parallel.run.build import build_rank
@@ -43,6 +44,10 @@ MODELS = {
     # Qwen3's block: heads wider than width / heads, query and key norms (their gradients summed over tp), SwiGLU
     "qwen": preset("tiny-moe").with_(seq_len=32, n_layers=2, d_head=48, n_kv_heads=2, qk_norm=True, mlp="swiglu",
                                       norm="rmsnorm", positions="rope", bias=False, tied_head=False),
+    # DeepSeek-V3's auxiliary-loss-free balancing: sigmoid scores chosen with a bias that moves 0.01 a step by the
+    # whole batch's load (a rate large enough to change which experts are chosen within the 20 steps)
+    "biased": preset("tiny-moe").with_(seq_len=32, n_layers=2, router="sigmoid", expert_bias=True,
+                                        expert_bias_rate=0.01),
 }
 TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
 LAYOUTS = {
@@ -56,7 +61,9 @@ LAYOUTS = {
         "cp2-top1-drop": ("top1-drop", dict(cp=2, micro_batches=2)),
         "tp2-sp": ("top2-drop", dict(tp=2, sequence_parallel=True, micro_batches=2)),
         "ep2-over-cp2": ("top2", dict(cp=2, ep=2)),
-        "ep2-full-recompute": ("top2-drop", dict(dp=2, ep=2, micro_batches=2, recompute="full"))},
+        "ep2-full-recompute": ("top2-drop", dict(dp=2, ep=2, micro_batches=2, recompute="full")),
+        "biased-tp2-sp": ("biased", dict(tp=2, sequence_parallel=True, micro_batches=2)),
+        "biased-ep2-over-cp2": ("biased", dict(cp=2, ep=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),
@@ -68,7 +75,10 @@ LAYOUTS = {
         "cp2-tp2-allgather": ("top1-drop", dict(cp=2, tp=2, cp_kind="allgather")),
         "ep2-tp2-sp": ("top2-drop", dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
         "cp2-tp2-sp": ("top1-drop", dict(cp=2, tp=2, sequence_parallel=True)),
-        "ep4-over-tp2-dp2-sp": ("top2", dict(dp=2, ep=4, tp=2, sequence_parallel=True))},
+        "ep4-over-tp2-dp2-sp": ("top2", dict(dp=2, ep=4, tp=2, sequence_parallel=True)),
+        "biased-ep2-tp2": ("biased", dict(dp=2, ep=2, tp=2)),
+        "biased-ep2-pp2": ("biased", dict(dp=2, ep=2, pp=2, micro_batches=2)),
+        "biased-ep2-dp4-zero3": ("biased", dict(dp=4, ep=2, zero=3))},
 }
 
 
@@ -95,6 +105,8 @@ def trained(cfg: TrainConfig) -> dict:
         found["losses"].append(outcome.loss)
         found["grad_norms"].append(outcome.result.grad_norm)
     found["routed_last_step"] = [tuple(pair) for pair in routed]
+    found["expert_bias"] = {module.layer: module.expert_bias.tolist() for module in rank.stage.modules()
+                            if isinstance(module, MoE) and module.config.expert_bias}
     found["ep_log"] = list(rank.comms["ep"].log) if "ep" in rank.comms else []
     found["ep_replicas_log"] = list(rank.comms["ep_replicas"].log) if "ep_replicas" in rank.comms else []
     found["cp_log"] = list(rank.comms["cp"].log)
@@ -146,6 +158,21 @@ def test_every_layout_matches_one_process(spawned, references, world, name):
         gap = worst_gap(run, references[model])
         print(f"{name}: {gap}")
         assert gap.worst <= TOLERANCE, f"{name}: {gap}"
+
+
+BIASED = [(world, name) for world, name in ALL if LAYOUTS[world][name][0] == "biased"]
+
+
+@pytest.mark.parametrize("world, name", BIASED, ids=[name for _, name in BIASED])
+def test_every_rank_moves_the_choice_bias_as_one_process(spawned, references, world, name):
+    """After 20 steps every rank holds the choice bias one process holds (each layer's, moved by the whole batch's
+    load every step: summed over the ranks routing other tokens), and it has moved: not every expert alike."""
+    expected = references["biased"]["expert_bias"]
+    assert all(max(bias) - min(bias) >= 0.02 for bias in expected.values()), expected
+    for run in spawned[name]:
+        assert run["expert_bias"], name  # every stage holds a MoE layer
+        for layer, bias in run["expert_bias"].items():
+            assert max(abs(a - b) for a, b in zip(bias, expected[layer])) <= 1e-6, (name, layer, bias, expected[layer])
 
 
 EP = [(world, name) for world, name in ALL if LAYOUTS[world][name][1].get("ep", 1) > 1]

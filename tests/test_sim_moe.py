@@ -301,6 +301,9 @@ def test_gpus_sets_dp_before_the_expert_group_is_checked():
     (["--model", "tiny-moe", "--experts", "-1"], "--experts must be a whole number"),
     (["--model", "tiny", "--top-k", "2"], "this model is dense"),
     (["--model", "tiny-moe", "--dense-layers", "4"], "leaves no MoE layer"),
+    (["--model", "tiny-moe", "--expert-bias-rate", "-1"], "expert_bias_rate must be a finite number >= 0"),
+    (["--model", "tiny-moe", "--no-expert-bias", "--expert-bias-rate", "0.01"], "only with expert_bias"),
+    (["--model", "tiny", "--expert-bias-rate", "0.01"], "this model is dense"),
 ])
 def test_bad_expert_inputs_exit_2_in_one_line(args, says):
     result = CliRunner().invoke(main, ["simulate", *args])

@@ -96,7 +96,8 @@ def latent_options() -> list:
 EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts": "n_shared_experts",
                  "dense_layers": "dense_layers", "router": "router", "capacity_factor": "capacity_factor",
                  "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef", "expert_groups": "expert_groups",
-                 "groups_per_token": "groups_per_token", "routed_scale": "routed_scale"}
+                 "groups_per_token": "groups_per_token", "routed_scale": "routed_scale", "expert_bias": "expert_bias",
+                 "expert_bias_rate": "expert_bias_rate"}
 
 
 def expert_options() -> list:
@@ -120,6 +121,12 @@ def expert_options() -> list:
                           "4) [default: all]."),
         click.option("--routed-scale", "routed_scale", type=float,
                      help="The chosen gates multiplied by this (DeepSeek-V3: 2.5) [default: 1]."),
+        click.option("--expert-bias/--no-expert-bias", "expert_bias", default=None,
+                     help="A per-expert bias added to the scores to choose experts only (DeepSeek-V3's auxiliary-"
+                          "loss-free balancing) [default: the preset's; on with --expert-bias-rate above 0]."),
+        click.option("--expert-bias-rate", "expert_bias_rate", type=float,
+                     help="How far that bias moves after each step, towards the experts below the mean load "
+                          "(DeepSeek-V3: 0.001; 0: frozen)."),
     ]
 
 
@@ -134,6 +141,9 @@ def _expert_fields(options: dict, base: GPTConfig) -> dict:
     if dense and given:
         raise ConfigError(f"--{given[0].replace('_', '-')} sets a mixture of experts' field, but this model is dense: "
                           f"give --experts N (or a MoE preset: tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)")
+    rate = fields["expert_bias_rate"]
+    if fields["expert_bias"] is None and isinstance(rate, (int, float)) and rate > 0:
+        fields["expert_bias"] = True  # a rate moves a bias: --expert-bias-rate alone turns it on
     return {"n_experts": experts, **fields}
 
 
@@ -175,7 +185,7 @@ def model_from_options(options: dict) -> GPTConfig:
 
 # the model flags an imported model's shape leaves open: its training context (rotary models) and dropout, and a
 # mixture of experts' routing in training (its balance and z-loss coefficients, a capacity factor)
-ROUTING_IN_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor")
+ROUTING_IN_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "expert_bias_rate")
 OPEN_WITH_INIT = ("seq_len", "dropout", *ROUTING_IN_TRAINING)
 
 
@@ -214,7 +224,8 @@ def model_from_hf(options: dict) -> GPTConfig:
     if others:
         raise ConfigError(f"--{others[0].replace('_', '-')} sets the model's shape, which --init-from takes from "
                           f"{options['init_from']}/config.json: leave it out (--seq-len, --dropout and a mixture of "
-                          f"experts' --aux-loss-coef, --z-loss-coef and --capacity-factor may be given)")
+                          f"experts' --aux-loss-coef, --z-loss-coef, --capacity-factor and --expert-bias-rate may "
+                          f"be given)")
     if options.get("seq_len") is not None:
         check_positive_int("--seq-len", options["seq_len"])
     path = Path(options["init_from"])

@@ -12,9 +12,10 @@ Experts: a sigmoid router (mlp.gate), the chosen scores renormalised (norm_topk_
 n_shared_experts x moe_intermediate_size (mlp.shared_experts), the first first_k_dense_replace blocks dense (width
 intermediate_size), the routed experts one tensor per expert and projection as the checkpoints store them
 (minigpt/hf/moe.py's). minigpt's router computes the layout's, its routed_scaling_factor (routed_scale) and
-group-limited choice (n_group, topk_group: expert_groups, groups_per_token) included, with a zero
-e_score_correction_bias (DeepSeek's auxiliary-loss-free balancing, which minigpt does not run): a checkpoint whose
-bias is not zero is refused on reading rather than trained as another model.
+group-limited choice (n_group, topk_group: expert_groups, groups_per_token) and its choice bias
+(e_score_correction_bias, DeepSeek's auxiliary-loss-free balancing: minigpt's expert_bias) included. A model read
+from the layout chooses with its bias, frozen (expert_bias_rate 0, as DeepSeek-V3's last 500B tokens) unless the run
+gives --expert-bias-rate; a model without a bias is written with zeros, which choose as none.
 Torch-free except the tensor functions.
 """
 
@@ -87,7 +88,8 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
         "d_expert": config_number(hf, "moe_intermediate_size"),
         "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid",
         "routed_scale": float(config_number(hf, "routed_scaling_factor", 1.0)),
-        "expert_groups": config_number(hf, "n_group", 1) or 1, "groups_per_token": _groups_per_token(hf)}
+        "expert_groups": config_number(hf, "n_group", 1) or 1, "groups_per_token": _groups_per_token(hf),
+        "expert_bias": True}
     return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest, n_layers=layers,
                      n_heads=heads, d_model=config_number(hf, "hidden_size"),
                      d_ff=config_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
@@ -162,18 +164,18 @@ def interleaved(tensor, config: GPTConfig, ours: str, to_hf: bool):
     return out
 
 
-def router_extras(config: GPTConfig, layer: int, theirs: str) -> dict:
-    """The router's e_score_correction_bias of block `layer`, zeros (minigpt's router has none)."""
+def router_extras(state: dict, config: GPTConfig, layer: int, theirs: str) -> dict:
+    """The router's e_score_correction_bias of block `layer`: our choice bias, or zeros (a router without one)."""
     import torch
 
-    return {f"{theirs}mlp.gate.e_score_correction_bias": torch.zeros(config.n_experts)}
+    bias = state.get(f"blocks.{layer}.mlp.expert_bias")
+    return {f"{theirs}mlp.gate.e_score_correction_bias":
+            torch.zeros(config.n_experts) if bias is None else bias.detach().float().clone()}
 
 
-def check_router_extras(lookup, config: GPTConfig, layer: int, theirs: str) -> None:
-    """ConfigError when block `layer`'s e_score_correction_bias (`lookup(name)`: the tensor, or None when the
-    checkpoint has none) would change which experts are chosen."""
-    name = f"{theirs}mlp.gate.e_score_correction_bias"
-    bias = lookup(name)
-    if bias is not None and bool(bias.abs().max() > 0):
-        raise ConfigError(f"this transformers model cannot be trained by minigpt: its router adds {name} to its "
-                          f"scores to choose experts (DeepSeek's auxiliary-loss-free balancing), minigpt's does not")
+def router_extras_from_hf(found, config: GPTConfig, layer: int, theirs: str) -> dict:
+    """Our state's choice bias of block `layer` from its e_score_correction_bias (`found(name)`: the tensor, fp32;
+    ConfigError when the checkpoint has none)."""
+    if not config.expert_bias:
+        return {}
+    return {f"blocks.{layer}.mlp.expert_bias": found(f"{theirs}mlp.gate.e_score_correction_bias")}

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.hf.deepseek import (attention_names, check_deepseek, check_router_extras, deepseek_config,
-                                 deepseek_hf_config, interleaved, router_extras, shared_names, split_sizes)
+from minigpt.hf.deepseek import (attention_names, check_deepseek, deepseek_config, deepseek_hf_config, interleaved,
+                                 router_extras, router_extras_from_hf, shared_names, split_sizes)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
@@ -284,7 +284,7 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
     for layer in _moe_layers(config):
         out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout)
         if layout == "deepseek_v3":
-            out |= router_extras(config, layer, f"model.layers.{layer}.")
+            out |= router_extras(state, config, layer, f"model.layers.{layer}.")
     return out
 
 
@@ -345,5 +345,5 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
     for layer in _moe_layers(config):
         state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout)
         if layout == "deepseek_v3":
-            check_router_extras(lambda name: lookup(tensors, name), config, layer, f"model.layers.{layer}.")
+            state |= router_extras_from_hf(found, config, layer, f"model.layers.{layer}.")
     return state

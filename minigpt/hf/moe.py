@@ -37,8 +37,8 @@ def moe_layout(config: GPTConfig) -> str:
         refuse("this block (they are bias-free rmsnorm + swiglu + rope blocks)")
     if config.router != "softmax" or config.n_shared_experts:
         refuse("a sigmoid router or shared experts (theirs: a softmax one, none)")
-    if config.routed_scale != 1.0 or config.groups_per_token not in (None, config.expert_groups):
-        refuse("scaled gates or group-limited routing (theirs: neither)")
+    if config.routed_scale != 1.0 or config.groups_per_token not in (None, config.expert_groups) or config.expert_bias:
+        refuse("scaled gates, group-limited routing or a choice bias (theirs: none of them)")
     if config.top_k == 1:
         refuse("a top-1 router, whose gate minigpt keeps as its probability and they renormalise to 1")
     if config.qk_norm:

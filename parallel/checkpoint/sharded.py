@@ -7,6 +7,7 @@ What is saved is the plain GPT's global tensors, whatever the layout that saved 
   optimizer.master.<name>        fp32 masters (only when the policy keeps them apart from the weights)
   optimizer.exp_avg.<name>       AdamW's moments, fp32
   optimizer.exp_avg_sq.<name>
+  buffer.<name>                  a MoE layer's choice bias (fp32; every rank of its stage holds it whole, one writes it)
 
 with <name> as in GPT.state_dict() ("blocks.3.attn.qkv.weight") and the full unpadded
 shape, so a checkpoint of tp2 x pp2 x dp2 ZeRO 3 loads into dp4 ZeRO 1 or one process,
@@ -47,7 +48,8 @@ from parallel.checkpoint.files import (
     step_dir_name,
     write_json,
 )
-from parallel.checkpoint.layout import Placement, global_shapes, rank_placements
+from parallel.checkpoint.layout import (BUFFER, Placement, global_shapes, rank_placements, saved_buffers,
+                                       stage_buffers)
 from precision.fp8 import Fp8Linear
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint", "gather_global_state"]
@@ -169,7 +171,7 @@ def save_checkpoint(directory: str | os.PathLike, rank, cfg, step: int, extra: d
         for placement in rank_placements(rank, cfg)
         if placement.writes
         for role in roles
-    }
+    } | {BUFFER + name: tensor for name, tensor in stage_buffers(rank.stage).items()}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's note on single-process use
@@ -230,7 +232,8 @@ def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> 
     separate = all(KEYS["master"] + name in metadata.state_dict_metadata for name in shapes)
     sources = {"master": KEYS["master"] if separate else KEYS["model"], "exp_avg": KEYS["exp_avg"],
                "exp_avg_sq": KEYS["exp_avg_sq"]}
-    check_tensors(path, metadata, {prefix + name: shape for prefix in sources.values() for name, shape in shapes.items()})
+    check_tensors(path, metadata, {prefix + name: shape for prefix in sources.values() for name, shape in shapes.items()}
+                  | {BUFFER + name: shape for name, shape in saved_buffers(cfg.model).items()})
 
     optimizer = rank.optimizer
     with torch.no_grad():
@@ -240,7 +243,7 @@ def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> 
             prefix + placement.name: _boxes(optimizer, placement, role)
             for placement in rank_placements(rank, cfg)
             for role, prefix in sources.items()
-        }
+        } | {BUFFER + name: tensor for name, tensor in stage_buffers(rank.stage).items()}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process use

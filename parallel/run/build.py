@@ -101,6 +101,9 @@ def load_hf_weights(model: GPT, path: str) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(state[name])
+        for name, buffer in model.named_buffers():  # a MoE's choice bias (DeepSeek's e_score_correction_bias)
+            if name in state:
+                buffer.copy_(state[name])
 
 
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:

@@ -30,7 +30,7 @@ from minigpt.errors import ConfigError, check_output_path, check_path_given, che
 from minigpt.model import GPT
 from parallel.checkpoint.dcp import SafeReader, TensorsOnlyLoadPlanner, check_tensors, read_metadata
 from parallel.checkpoint.files import MARKER, STATE_FILE, newest_valid_checkpoint, read_state
-from parallel.checkpoint.layout import global_shapes
+from parallel.checkpoint.layout import BUFFER, global_shapes, saved_buffers
 
 MODEL_PREFIX, MASTER_PREFIX = "model.", "optimizer.master."
 
@@ -125,12 +125,13 @@ def load_model(path: str | os.PathLike) -> tuple[GPT, dict]:
     shapes = global_shapes(config)
     separate = all(MASTER_PREFIX + name in metadata.state_dict_metadata for name in shapes)
     prefix = MASTER_PREFIX if separate else MODEL_PREFIX
-    check_tensors(path, metadata, {prefix + name: shape for name, shape in shapes.items()})
+    buffers = {BUFFER + name: shape for name, shape in saved_buffers(config).items()}  # a MoE's choice bias
+    check_tensors(path, metadata, {prefix + name: shape for name, shape in shapes.items()} | buffers)
     model = GPT(config)
     model.eval()
     params = dict(model.named_parameters())  # a tied head once, as tok_emb.weight
     targets = {prefix + name: torch.zeros(shape, dtype=metadata.state_dict_metadata[prefix + name].properties.dtype)
-               for name, shape in shapes.items()}
+               for name, shape in shapes.items()} | {name: torch.zeros(shape) for name, shape in buffers.items()}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's note on single-process use
@@ -141,6 +142,9 @@ def load_model(path: str | os.PathLike) -> tuple[GPT, dict]:
     with torch.no_grad():
         for name in shapes:
             params[name].copy_(targets[prefix + name].float())
+        model_buffers = dict(model.named_buffers())
+        for name in buffers:
+            model_buffers[name[len(BUFFER):]].copy_(targets[name])
     return model, {**state, "weights": prefix.rstrip(".")}
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.clock import StepClock, TimedEvent
+from parallel.expert.balance import update_expert_bias
 from parallel.memory import ActivationMeter
 from job.train_config import TrainConfig
 from precision.optimizer import StepResult
@@ -64,8 +65,10 @@ def train_step(rank: "Rank", cfg: TrainConfig, step: int, inputs: list[torch.Ten
         if "ep" in rank.comms:  # the experts' all-to-alls, inside the compute actions too
             ep_blocked.append(rank.comms["ep"].blocked())
         grads = data_parallel.finish_grads()
-        return rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=scaler,
-                                   reduce_sum=rank.reduce_sum)
+        result = rank.optimizer.step(grads, cfg.learning_rate(step), grad_clip=cfg.grad_clip, scaler=scaler,
+                                     reduce_sum=rank.reduce_sum)
+        update_expert_bias(rank.stage, mesh, cfg.sequence_parallel)  # the step's load over the batch moves it
+        return result
 
     record = rank.executor.run_step(inputs, targets, scale, activations, clock, optimize)
     dp_start = clock.stamp()
