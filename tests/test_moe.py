@@ -185,3 +185,20 @@ def test_exchanges_of_a_moe_layer():
 def test_moe_options_are_checked(fields, message):
     with pytest.raises(ConfigError, match=message):
         GPTConfig(vocab_size=97, seq_len=24, n_layers=2, n_heads=2, d_model=48, d_ff=64, **fields)
+
+
+def test_16_bit_compute_keeps_the_routers_counts_and_bias_in_their_formats():
+    """apply_precision casts parameters only: a MoE's load counts stay fp64 (in bf16, 4096 + 1 is 4096: a long run's
+    counts stopped growing) and its choice bias fp32 (DeepSeek-V3's steps of 0.001 are below bf16's resolution at
+    its size)."""
+    from precision.compute import apply_precision
+    from precision.policy import policy
+
+    config = PRESETS["tiny-moe"].with_(router="sigmoid", expert_bias=True, expert_bias_rate=0.001)
+    model = apply_precision(GPT(config), policy("bf16"), torch.device("cpu"))
+    moe = next(module for module in model.modules() if isinstance(module, MoE))
+    assert moe.router.weight.dtype == torch.bfloat16
+    assert (moe.load.dtype, moe.step_load.dtype, moe.expert_bias.dtype) == (torch.float64, torch.float64, torch.float32)
+    moe.load.fill_(4096)
+    moe.load += 1
+    assert moe.load[0].item() == 4097
