@@ -19,6 +19,7 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from minigpt.activations import (OP_RECOMPUTE, RECOMPUTE_MODES, SIM_RECOMPUTE_MODES,  # noqa: F401
@@ -55,6 +56,10 @@ class GPTConfig(ActivationArithmetic):
     # Llama 3.1's rotary frequencies scaled for a longer context (transformers' rope_type "llama3"):
     # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: unscaled
     rope_scaling: tuple[float, float, float, int] | None = None
+    # YaRN's (Peng et al. 2023, arXiv 2309.00071; transformers' rope_type "yarn": DeepSeek-V3, Kimi K2, Qwen3's long
+    # context): (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim), the last
+    # two 0 where unset; None: unscaled
+    rope_yarn: tuple[float, int, float, float, float, float] | None = None
     bias: bool = True  # biases in every Linear
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
@@ -115,6 +120,25 @@ class GPTConfig(ActivationArithmetic):
     @property
     def rotary_dim(self) -> int:  # the columns of a query or key head rotary positions turn: MLA's last, else all
         return 0 if self.positions != "rope" else self.rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """What YaRN multiplies the rotation's cos and sin by (1 without it): transformers' attention_factor, mscale's
+        over mscale_all_dim's where both are set, else 0.1 ln(factor) + 1."""
+        if self.rope_yarn is None:
+            return 1.0
+        factor, _, _, _, mscale, mscale_all_dim = self.rope_yarn
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim \
+            else yarn_mscale(factor)
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's scale of q @ k^T: 1 / sqrt(query head width), under MLA with YaRN times mscale_all_dim's
+        mscale squared (DeepSeek's reference code and transformers' yarn_apply_mscale)."""
+        scale = self.qk_head_dim ** -0.5
+        if self.is_mla and self.rope_yarn is not None and self.rope_yarn[5]:
+            scale *= yarn_mscale(self.rope_yarn[0], self.rope_yarn[5]) ** 2
+        return scale
 
     @property
     def attention_width(self) -> int:
@@ -365,6 +389,11 @@ class GPTConfig(ActivationArithmetic):
         if attention == "flash":  # the scores q @ k^T again: 2 s x (query and key head width) per head
             flops += self.n_layers * 2 * self.seq_len * self.n_heads * self.qk_head_dim
         return flops
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (its equation 21, as transformers' yarn_get_mscale): 0.1 mscale ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def check_attention(attention: str) -> None:

@@ -76,13 +76,33 @@ def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device,
                 scaling: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, (seq, head_dim), in fp32; frequency i of the
     first half pairs with i of the second half (the rotate-half convention). Made once per shape
-    and device and shared by every layer (never written to). `scaling`: GPTConfig.rope_scaling."""
+    and device and shared by every layer (never written to). `scaling`: None, ("llama3", GPTConfig.rope_scaling)
+    or ("yarn", GPTConfig.rope_yarn, its attention factor)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    if scaling is not None:
-        inv_freq = llama3_frequencies(inv_freq, *scaling)
+    factor = 1.0
+    if scaling is not None and scaling[0] == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, *scaling[1])
+    elif scaling is not None:
+        inv_freq, factor = yarn_frequencies(inv_freq, theta, *scaling[1][:4]), scaling[2]
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, theta: float, factor: float, context: int, fast: float,
+                     slow: float) -> torch.Tensor:
+    """YaRN's rotary frequencies (Peng et al. 2023, "NTK-by-parts"; transformers' _compute_yarn_parameters, its
+    correction range truncated to whole columns): frequencies turning more than `fast` times over the original
+    `context` kept, fewer than `slow` times divided by `factor`, a linear ramp over the columns between."""
+    dim = 2 * inv_freq.numel()
+
+    def column(rotations: float) -> float:  # the column whose frequency turns `rotations` times over the context
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(column(fast)), 0), min(math.ceil(column(slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low)
+            / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, context: int) -> torch.Tensor:
@@ -153,7 +173,9 @@ class AttentionCore(nn.Module):
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
         self.qk_dim, self.v_dim, self.rotary = config.qk_head_dim, config.v_head_dim, config.rotary_dim
         self.rope_theta = config.rope_theta if config.positions == "rope" else None
-        self.rope_scaling = config.rope_scaling
+        self.rope_scaling = (("llama3", config.rope_scaling) if config.rope_scaling is not None else
+                             ("yarn", config.rope_yarn, config.rope_attention_factor) if config.rope_yarn else None)
+        self.scale = config.softmax_scale  # of q @ k^T
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
@@ -196,7 +218,7 @@ class AttentionCore(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over (batch, heads, seq, head_dim) q, k, v (fewer key/value heads: grouped-query)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.group > 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
 
 
 class CausalSelfAttention(nn.Module):

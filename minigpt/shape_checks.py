@@ -109,6 +109,8 @@ def _check_llama_options(config) -> None:
         raise ConfigError(f"rope_theta must be a number above 1, got {config.rope_theta!r}")
     if config.rope_scaling is not None:
         _check_rope_scaling(config)
+    if config.rope_yarn is not None:
+        _check_rope_yarn(config)
     _check_latent_attention(config)
     for name in FLAGS:
         if not isinstance(getattr(config, name), bool):
@@ -153,3 +155,19 @@ def _check_rope_scaling(config) -> None:
         raise ConfigError(f"rope_scaling scales rotary positions (positions rope), its high_freq_factor above its "
                           f"low_freq_factor: got {scaling!r} with positions {config.positions}")
     object.__setattr__(config, "rope_scaling", tuple(scaling))  # a list read from JSON: the same shape
+
+
+def _check_rope_yarn(config) -> None:
+    yarn = config.rope_yarn
+    fields = "(factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim)"
+    if not isinstance(yarn, (tuple, list)) or len(yarn) != 6 or any(
+            not _number(v) or not 0 <= v < float("inf") for v in yarn):
+        raise ConfigError(f"rope_yarn must be six finite numbers >= 0 {fields}, got {yarn!r}")
+    factor, context, fast, slow = yarn[:4]
+    if not (factor >= 1 and _positive_int(context) and fast > slow > 0):
+        raise ConfigError(f"rope_yarn {fields} needs a factor of 1 or more, a whole original context and beta_fast "
+                          f"above beta_slow above 0, got {tuple(yarn)!r}")
+    if config.positions != "rope" or config.rope_scaling is not None:
+        raise ConfigError(f"rope_yarn scales rotary positions (positions rope, without Llama 3.1's rope_scaling): got "
+                          f"positions {config.positions}, rope_scaling {config.rope_scaling!r}")
+    object.__setattr__(config, "rope_yarn", tuple(yarn))  # a list read from JSON: the same shape

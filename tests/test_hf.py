@@ -116,6 +116,23 @@ def transformers_model(shape: str, tmp_path):
             num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
             rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, num_mtp_layers=0)
+    elif shape == "deepseek_v3_yarn":  # DeepSeek-V3's YaRN (its factor 40 over 4K here 4 over 8), mscale 1 over 0.8
+        config = transformers.DeepseekV3Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+            num_mtp_layers=0, n_group=1, topk_group=1,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 0.8})
+    elif shape == "qwen3_yarn":  # Qwen3's long-context YaRN: cos and sin times 0.1 ln 4 + 1
+        config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=False, initializer_range=0.2,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                           "original_max_position_embeddings": 8})
     elif shape == "qwen2":
         config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                           intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -183,7 +200,8 @@ def hub_named(grads: dict, layout: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("shape", [*SHAPES, "mistral", "phi3"])  # read as Llama's block (written as Llama)
+# Mistral's and Phi-3's read as Llama's block (written as Llama); YaRN's rotation in Qwen3 and DeepSeek-V3
+@pytest.mark.parametrize("shape", [*SHAPES, "mistral", "phi3", "qwen3_yarn", "deepseek_v3_yarn"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -236,8 +254,13 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
                       (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
+    yarn = (4.0, 8, 32.0, 1.0, 1.0, 0.8)  # YaRN's rotation, written as rope_type "yarn" and read back
+    assert config_from_hf(hf_config(qwen3.with_(rope_yarn=yarn[:4] + (0.0, 0.0)))) == qwen3.with_(
+        rope_yarn=yarn[:4] + (0.0, 0.0))
     deepseek = preset("tiny-deepseek")  # DeepSeek-V3's layout, its latent norms with their own epsilon
     assert layout_of(deepseek) == "deepseek_v3"
+    assert config_from_hf(hf_config(deepseek.with_(rope_yarn=yarn))) == deepseek.with_(
+        rope_yarn=yarn, aux_loss_coef=0.0, expert_bias_rate=0.0)
     # training's choices, not written: the balance loss, the bias's rate (read frozen)
     assert config_from_hf(hf_config(deepseek)) == deepseek.with_(aux_loss_coef=0.0, expert_bias_rate=0.0)
     dense_latent = deepseek.with_(n_experts=0, d_expert=None, n_shared_experts=0, dense_layers=0, router="softmax",
@@ -266,7 +289,10 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
             config_from_hf(change)
     for change, word in (({"rms_norm_eps": 0}, "norm_eps"), ({"hidden_act": "gelu"}, "activation"),
                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "scaled"),
-                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}, "yarn"),
+                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
+                          "original_max_position_embeddings"),
+                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": False,
+                                               "original_max_position_embeddings": 8}}, "truncate"),
                          ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
                          ({"model_type": "bert"}, "model_type")):
         with pytest.raises(ConfigError, match=word):
@@ -297,7 +323,11 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
                                expert_bias_rate=0.0)
     for change, word in (({"norm_topk_prob": False}, "renormalised"),
                          ({"rope_interleave": False}, "rope_interleave"), ({"num_key_value_heads": 2}, "fewer"),
-                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}}, "yarn")):
+                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}},
+                          "original_max_position_embeddings"),
+                         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8}}, "Llama 3.1")):
         with pytest.raises(ConfigError, match=word):
             config_from_hf({**deepseek, **change})
 

@@ -35,6 +35,9 @@ MODEL = preset("tiny-deepseek").with_(seq_len=32)
 QUERIES_FROM_WIDTH = MODEL.with_(q_lora_rank=0, d_value=24)  # DeepSeek-V2-Lite's: no query latent
 # DeepSeek-V3's routing: each token's 2 experts from its best 2 of 4 groups, the gates scaled by 2.5
 GROUPED = MODEL.with_(expert_groups=4, groups_per_token=2, routed_scale=2.5)
+# YaRN as DeepSeek-V3 scales it (factor 4 over an original context of 8): rotated columns' frequencies and their cos
+# and sin scaled (mscale 1 over mscale_all_dim 0.8: 1.025), the softmax's scale of q @ k^T times 1.111^2
+YARN = MODEL.with_(rope_yarn=(4.0, 8, 32.0, 1.0, 1.0, 0.8))
 TOLERANCE = 1e-5  # relative loss gap with one process, every one of the 20 steps (fp32)
 # The same for the gradient norms, before clipping. The loss stops falling at steps 15-16 (3.80, 3.83, 3.86) and
 # the norm there amplifies the order of a sum: tp 2 with sequence parallelism was 2e-6 and 1e-5 off at those two
@@ -46,6 +49,8 @@ LAYOUTS = {
         "tp2-sp-no-query-latent": (QUERIES_FROM_WIDTH, dict(tp=2, sequence_parallel=True)),
         "tp2-no-query-latent": (QUERIES_FROM_WIDTH, dict(tp=2)),
         "cp2": (MODEL, dict(cp=2)),
+        "cp2-yarn": (YARN, dict(cp=2)),
+        "cp2-allgather-yarn": (YARN, dict(cp=2, cp_kind="allgather")),
         "pp2": (MODEL, dict(pp=2, micro_batches=2)),
         "dp2-zero3": (MODEL, dict(dp=2, zero=3)),
         "ep2-grouped": (GROUPED, dict(dp=2, ep=2))},
@@ -175,7 +180,7 @@ def spawned(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references():
     with one_thread():
-        return {id(model): trained(config(model)) for model in (MODEL, QUERIES_FROM_WIDTH, GROUPED)}
+        return {id(model): trained(config(model)) for model in (MODEL, QUERIES_FROM_WIDTH, GROUPED, YARN)}
 
 
 ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]

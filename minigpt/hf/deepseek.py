@@ -42,16 +42,16 @@ def check_deepseek(config: GPTConfig) -> None:
         refuse("a softmax router (its router's scores are sigmoids)")
 
 
-def deepseek_hf_config(config: GPTConfig, common: dict) -> dict:
-    """config.json of the DeepSeek-V3 model holding `config` (`common`: the fields every layout writes)."""
+def deepseek_hf_config(config: GPTConfig, common: dict, rope_fields) -> dict:
+    """config.json of the DeepSeek-V3 model holding `config` (`common`: the fields every layout writes; `rope_fields`:
+    the layouts' writer of its rotation)."""
     moe = config.is_moe
     return {
         "architectures": [ARCHITECTURE], "model_type": "deepseek_v3", **common,
         "max_position_embeddings": config.seq_len, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
         "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_heads, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-        "attention_bias": False, "attention_dropout": config.dropout, "rope_theta": float(config.rope_theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rope_theta)}, "rope_interleave": True,
+        "attention_bias": False, "attention_dropout": config.dropout, **rope_fields(config), "rope_interleave": True,
         "kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank or None,
         "qk_rope_head_dim": config.rope_head_dim, "qk_nope_head_dim": config.head_dim,
         "v_head_dim": config.v_head_dim,
@@ -70,7 +70,7 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
     """The GPTConfig of a DeepSeek-V3 config.json (`rope`: the caller's reader of its rotary base and scaling);
     ConfigError naming what minigpt would compute differently."""
     theta, scaling = rope(hf)
-    refuse_unless(scaling is None, "its rotary embedding is scaled (minigpt's latent attention rotates unscaled)")
+    refuse_unless("rope_scaling" not in scaling, "its rotary embedding is scaled as Llama 3.1's, not by YaRN")
     refuse_unless(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias"),
                   "its MLP activation is not silu, or its attention has biases")
     heads = config_number(hf, "num_attention_heads")
@@ -93,7 +93,8 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
     return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest, n_layers=layers,
                      n_heads=heads, d_model=config_number(hf, "hidden_size"),
                      d_ff=config_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
-                     positions="rope", rope_theta=theta, bias=False, norm_eps=config_number(hf, "rms_norm_eps", 1e-6),
+                     positions="rope", rope_theta=theta, **scaling, bias=False,
+                     norm_eps=config_number(hf, "rms_norm_eps", 1e-6),
                      d_head=config_number(hf, "qk_nope_head_dim"), kv_lora_rank=config_number(hf, "kv_lora_rank"),
                      q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=config_number(hf, "qk_rope_head_dim"),
                      d_value=None if values == hf.get("qk_nope_head_dim") else values, **experts)

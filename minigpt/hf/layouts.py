@@ -76,7 +76,7 @@ def hf_config(config: GPTConfig) -> dict:
     common = {"vocab_size": config.vocab_size, "tie_word_embeddings": config.tied_head, "dtype": "float32",
               "bos_token_id": None, "eos_token_id": None}
     if layout_of(config) == "deepseek_v3":
-        return deepseek_hf_config(config, common)
+        return deepseek_hf_config(config, common, rope_fields)
     if layout_of(config) == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
@@ -85,17 +85,12 @@ def hf_config(config: GPTConfig) -> dict:
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
             "layer_norm_epsilon": config.norm_eps,
         }
-    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-    if config.rope_scaling is not None:
-        rope = {**rope, "rope_type": "llama3", **dict(zip(LLAMA3_ROPE, config.rope_scaling))}
     llama = {
         "max_position_embeddings": config.seq_len, "hidden_size": config.d_model,
         "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
         "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "attention_bias": config.bias,
-        "attention_dropout": config.dropout, "rope_theta": float(config.rope_theta),  # transformers 4 reads this,
-        "rope_parameters": rope,  # transformers 5 this
-        **({"rope_scaling": rope} if config.rope_scaling is not None else {}),  # and transformers 4 this
+        "attention_dropout": config.dropout, **rope_fields(config),
     }
     layout = layout_of(config)
     if layout in ARCHITECTURES:
@@ -159,9 +154,10 @@ def _full_attention(hf: dict, seq_len: int | None) -> bool:
     return window is not None and context <= _number(hf, "sliding_window")
 
 
-def _rope(hf: dict) -> tuple[float, tuple | None]:
-    """(base, GPTConfig.rope_scaling) of a transformers 5 rope_parameters or a transformers 4 rope_theta and
-    rope_scaling; ConfigError for a scaling minigpt does not compute (Llama 3.1's "llama3" it does)."""
+def _rope(hf: dict) -> tuple[float, dict]:
+    """(base, the GPTConfig fields of its scaling: rope_scaling or rope_yarn, none when unscaled) of a transformers 5
+    rope_parameters or a transformers 4 rope_theta and rope_scaling; ConfigError for a scaling minigpt does not
+    compute (Llama 3.1's "llama3" and YaRN's "yarn" it does)."""
     parameters, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     refuse_unless(isinstance(parameters, dict) and isinstance(legacy, dict),
                   f"its rope_parameters / rope_scaling are {parameters!r} / {legacy!r}")
@@ -170,10 +166,34 @@ def _rope(hf: dict) -> tuple[float, tuple | None]:
                 "default")
     theta = float(_number(rope, "rope_theta"))
     if kind == "default":
-        return theta, None
+        return theta, {}
+    if kind == "yarn":
+        refuse_unless(rope.get("attention_factor") is None and rope.get("truncate", True) is True
+                      and rope.get("factor") is not None and "original_max_position_embeddings" in rope,
+                      f"its YaRN scaling ({rope}) sets attention_factor or truncate, or leaves out factor or "
+                      f"original_max_position_embeddings")
+        yarn = (float(_number(rope, "factor")), int(_number(rope, "original_max_position_embeddings")),
+                float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+                float(rope.get("mscale") or 0), float(rope.get("mscale_all_dim") or 0))
+        return theta, {"rope_yarn": yarn}
     refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
-                  f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3'")
-    return theta, tuple(_number(rope, key) for key in LLAMA3_ROPE)
+                  f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3' "
+                  f"and YaRN's 'yarn'")
+    return theta, {"rope_scaling": tuple(_number(rope, key) for key in LLAMA3_ROPE)}
+
+
+def rope_fields(config: GPTConfig) -> dict:
+    """rope_parameters (and transformers 4's rope_scaling) of `config`'s rotation, as _rope reads them."""
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **dict(zip(LLAMA3_ROPE, config.rope_scaling))}
+    elif config.rope_yarn is not None:
+        factor, context, fast, slow, mscale, mscale_all_dim = config.rope_yarn
+        rope = {**rope, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": context,
+                "beta_fast": fast, "beta_slow": slow, **({"mscale": mscale} if mscale else {}),
+                **({"mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
+    return {"rope_theta": float(config.rope_theta), "rope_parameters": rope,  # transformers 4 reads rope_theta,
+            **({"rope_scaling": rope} if rope["rope_type"] != "default" else {})}  # 5 rope_parameters, 4 this
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
@@ -190,7 +210,7 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
                      n_layers=_number(hf, "num_hidden_layers"), n_heads=heads,
                      n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
                      d_ff=_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
-                     positions="rope", rope_theta=theta, rope_scaling=scaling, bias=bool(bias),
+                     positions="rope", rope_theta=theta, **scaling, bias=bool(bias),
                      norm_eps=_number(hf, "rms_norm_eps", 1e-6),
                      d_head=None if head_dim is None or head_dim * heads == width else head_dim)
 

@@ -40,7 +40,7 @@ STATE_FILE = "state.json"
 # compute (dropout, the experts' capacity and the routing losses' coefficients may change on resume)
 SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff", "tied_head",
                 "n_kv_heads", "mlp", "norm", "positions", "bias", "qkv_bias", "d_head", "qk_norm", "rope_theta",
-                "rope_scaling", "norm_eps", "n_experts", "top_k", "d_expert", "n_shared_experts", "dense_layers",
+                "rope_scaling", "rope_yarn", "norm_eps", "n_experts", "top_k", "d_expert", "n_shared_experts", "dense_layers",
                 "router", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value", "expert_groups",
                 "groups_per_token", "routed_scale", "expert_bias")
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -224,8 +224,9 @@ def model_fields(model: dict) -> dict:
     they existed holds a GPT-2-style model) and n_kv_heads spelled out (None: as many as the heads)."""
     defaults = {field.name: field.default for field in fields(GPTConfig) if field.default is not MISSING}
     full = {**defaults, **model}
-    if isinstance(full.get("rope_scaling"), list):  # JSON's spelling of the config's tuple
-        full["rope_scaling"] = tuple(full["rope_scaling"])
+    for name in ("rope_scaling", "rope_yarn"):
+        if isinstance(full.get(name), list):  # JSON's spelling of the config's tuple
+            full[name] = tuple(full[name])
     if full.get("n_kv_heads") is None:
         full["n_kv_heads"] = full.get("n_heads")
     return full
