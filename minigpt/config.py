@@ -232,7 +232,9 @@ class GPTConfig(ActivationArithmetic):
             mlp += scaled + dense
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
-                 "RoPE" if self.positions == "rope" else "learned positions",
+                 "learned positions" if self.positions != "rope" else
+                 f"RoPE (YaRN x{self.rope_yarn[0]:g})" if self.rope_yarn else
+                 f"RoPE (scaled x{self.rope_scaling[0]:g})" if self.rope_scaling else "RoPE",
                  "tied head" if self.tied_head else "untied head"]
         biases = [] if self.bias else ["q, k, v biases only" if self.qkv_bias else "no bias"]
         return ", ".join(parts + biases + [f"seq {self.seq_len}"])

@@ -352,6 +352,63 @@ def test_deepseeks_router_bias_chooses_as_transformers(tmp_path):
     assert to_hf(ours.state_dict(), config)["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() == 0
 
 
+def block_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` quantized as DeepSeek-V3's releases are: e4m3 in blocks of block x block, each scaled by its largest
+    magnitude over 448, the scale stored (weight_scale_inv: what dequantization multiplies by)."""
+    rows, cols = weight.shape
+    scales = torch.zeros(-(-rows // block), -(-cols // block))
+    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            piece = weight[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+            scales[i, j] = piece.abs().max() / 448
+            quantized[i * block:(i + 1) * block, j * block:(j + 1) * block] = (piece / scales[i, j]).to(
+                torch.float8_e4m3fn)
+    return quantized, scales
+
+
+def test_block_fp8_weights_are_read_multiplied_out(tmp_path):
+    """A DeepSeek-V3 directory in its releases' block-wise fp8 (quant_method "fp8", weight_block_size; here blocks of
+    16, partial at the edges): every quantized Linear read as its fp8 values times its block's scale (transformers
+    5.25 on a CPU, with accelerate, dequantizes this directory to the very same values: checked when this was
+    written), the model's loss within fp8's error of the full-precision one; scales of the wrong shape, or another
+    quantization, refused in one line before any rank starts."""
+    from safetensors.torch import load_file, save_file
+
+    theirs, hf_dir = transformers_model("deepseek_v3", tmp_path)
+    full = load_file(str(hf_dir / "model.safetensors"))
+    stored, expected = {}, dict(full)
+    for name, weight in full.items():
+        if weight.dim() == 2 and name.endswith("proj.weight"):  # the Linears; embeddings, router and norms as they are
+            stored[name], stored[name + "_scale_inv"] = block_fp8(weight, 16)
+            expected[name] = torch.stack([torch.stack([stored[name][i, j].float() * stored[name + "_scale_inv"][
+                i // 16, j // 16] for j in range(weight.shape[1])]) for i in range(weight.shape[0])])
+        else:
+            stored[name] = weight
+    quantized = tmp_path / "fp8"
+    quantized.mkdir()
+    save_file(stored, str(quantized / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((hf_dir / "config.json").read_text())
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
+    (quantized / "config.json").write_text(json.dumps({**hf, "quantization_config": fp8}))
+    config = check_hf_dir(quantized)
+    state = read_hf_dir(quantized, config)
+    assert state.keys() == read_hf_dir(hf_dir, config).keys()
+    assert all(torch.equal(tensor, from_hf(expected, config)[name]) for name, tensor in state.items())
+    ours = GPT(config)
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(ours(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()).item()
+        exact = theirs(input_ids=tokens, labels=tokens.roll(-1, 1), shift_labels=tokens.roll(-1, 1)).loss.item()
+    assert 0 < abs(loss - exact) / exact < 0.05, (loss, exact)
+    for change, words in (({**fp8, "weight_block_size": [32, 32]}, "block scales"),
+                          ({"quant_method": "mxfp4"}, "'mxfp4'"), ({"quant_method": "fp8"}, "weight_block_size")):
+        (quantized / "config.json").write_text(json.dumps({**hf, "quantization_config": change}))
+        with pytest.raises(ConfigError, match=words):
+            check_hf_dir(quantized)
+
+
 @pytest.mark.slow
 def test_bad_model_directories_get_one_line_before_any_rank_starts(tmp_path):
     model, hf_dir = transformers_model("llama", tmp_path)
@@ -471,6 +528,33 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
     result = invoke("plan", "--model", str(tmp_path / "qwen"), "--seq-len", "4096", "--gpus", "16", "--gpu",
                     "h100-sxm", "--json")
     assert result.exit_code == 0, result.output
+    # DeepSeek-V3's own config.json (deepseek-ai/DeepSeek-V3 on the Hub, its fields as released): YaRN to 160K
+    # contexts, noaux_tc routing (e_score_correction_bias), block-fp8 weights: the deepseek-v3 preset's shape and
+    # price (its training's balance loss given, which a config.json does not hold)
+    released = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+        "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+        "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True, "rope_theta": 10000,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]}}
+    (tmp_path / "dsv3.json").write_text(json.dumps(released))
+    layout = ["--gpus", "1024", "--gpu", "h100-sxm", "--pp", "16", "--dp", "64", "--ep", "64", "--global-batch",
+              "8192", "--json"]
+    read = invoke("simulate", "--model", str(tmp_path / "dsv3.json"), "--seq-len", "4096", "--aux-loss-coef", "0.0001",
+                  *layout)
+    preset_run = invoke("simulate", "--model", "deepseek-v3", *layout)
+    assert read.exit_code == 0 and preset_run.exit_code == 0, read.output + preset_run.output
+    read, preset_run = json.loads(read.stdout), json.loads(preset_run.stdout)
+    assert read["parameters"]["total"] == preset_run["parameters"]["total"] == 671_026_404_352
+    assert read["step_time_s"] == preset_run["step_time_s"]
     (tmp_path / "bad.json").write_text("[1, 2]")
     one_line_refusal(invoke("simulate", "--model", str(tmp_path / "bad.json")), "not a JSON object")
     one_line_refusal(invoke("simulate", "--model", str(tmp_path)), "no config.json")

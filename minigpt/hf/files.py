@@ -2,7 +2,8 @@
 
 Reading takes model.safetensors, or the shards a model.safetensors.index.json lists (how transformers saves a
 model past its shard size). A directory is checked from its headers alone (`check_hf_dir`: the shape, every
-tensor's name and shape) before any rank starts; `read_hf_dir` then loads the tensors. Writing goes to a
+tensor's name and shape) before any rank starts; `read_hf_dir` then loads the tensors, block-wise fp8 weights
+(DeepSeek-V3's and Kimi K2's releases) multiplied out by their scales. Writing goes to a
 temporary directory beside the target, renamed into place when complete: a failed export leaves nothing, and an
 existing directory that is not empty is never written into.
 """
@@ -85,13 +86,57 @@ def expected_shapes(config: GPTConfig) -> dict[str, list[int]]:
     return {name: list(tensor.shape) for name, tensor in to_hf(state, config).items()}
 
 
+def fp8_blocks(hf: dict) -> tuple[int, int] | None:
+    """The weight block of transformers' fine-grained fp8 checkpoints (quantization_config quant_method "fp8" with a
+    weight_block_size: DeepSeek-V3's and Kimi K2's released weights), None for unquantized weights; ConfigError for
+    any other quantization (minigpt trains from full-precision weights)."""
+    quantization = hf.get("quantization_config")
+    if quantization is None:
+        return None
+    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
+    if not (isinstance(quantization, dict) and quantization.get("quant_method") == "fp8" and isinstance(block, list)
+            and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ConfigError(f"its weights are quantized ({method!r}): minigpt reads full-precision weights and "
+                          f"transformers' block-wise fp8 ones (quant_method 'fp8' with a weight_block_size)")
+    return block[0], block[1]
+
+
+def scale_shape(weight: list[int], block: tuple[int, int]) -> list[int]:
+    """The shape of a block-wise fp8 weight's weight_scale_inv: one scale per block, the last blocks partial."""
+    return [-(-weight[0] // block[0]), -(-weight[1] // block[1])]
+
+
+def dequantized(tensors: dict, block: tuple[int, int]) -> dict:
+    """`tensors` with every block-wise fp8 weight (a `.weight` beside its `.weight_scale_inv`) multiplied out in fp32,
+    each block by its scale (DeepSeek's weight_dequant; transformers' own dequantization gives the same values), and
+    the scales dropped; ConfigError on a scale of the wrong shape."""
+    out = dict(tensors)
+    for name in [key for key in tensors if key.endswith(".weight_scale_inv")]:
+        weight, scale = out[name[: -len("_scale_inv")]], out.pop(name)
+        if list(scale.shape) != scale_shape(list(weight.shape), block):
+            raise ConfigError(f"{name} is {list(scale.shape)}, its weight's {list(weight.shape)} blocks of {block} "
+                              f"make it {scale_shape(list(weight.shape), block)}")
+        rows, cols = weight.shape
+        full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        out[name[: -len("_scale_inv")]] = weight.float() * full
+    return out
+
+
 def check_hf_dir(path: str | os.PathLike, seq_len: int | None = None) -> GPTConfig:
     """The model shape of directory `path`, after checking that its weights hold every tensor of that shape at the
-    right size (headers only); ConfigError, one line, on anything minigpt cannot load."""
+    right size (headers only; a block-wise fp8 weight with its scales); ConfigError, one line, on anything minigpt
+    cannot load."""
     path = Path(path)
     hf = read_config(path)
     config = config_from_hf(hf, seq_len)
-    found = unfused(headers(weight_files(path)), config)
+    block, found = fp8_blocks(hf), headers(weight_files(path))
+    for name in [key for key in found if key.endswith(".weight_scale_inv")]:
+        weight = found.get(name[: -len("_scale_inv")])
+        if block is None or weight is None or found[name] != scale_shape(weight, block):
+            raise ConfigError(f"{str(path)!r}: {name} is not the block scales of an fp8 weight this config.json "
+                              f"describes")
+    found = unfused(found, config)
     for name, shape in expected_shapes(config).items():
         have = lookup(found, name)
         if have is None:
@@ -106,10 +151,10 @@ def read_hf_dir(path: str | os.PathLike, config: GPTConfig) -> dict:
     """Our plain GPT's fp32 state from directory `path` (checked first with check_hf_dir)."""
     from safetensors.torch import load_file
 
-    tensors = {}
+    tensors, block = {}, fp8_blocks(read_config(Path(path)))
     for file in weight_files(Path(path)):
         tensors |= load_file(str(file))
-    return from_hf(tensors, config)
+    return from_hf(dequantized(tensors, block) if block else tensors, config)
 
 
 def check_new_dir(out: str | os.PathLike, flag: str = "") -> Path:
