@@ -8,7 +8,7 @@ Conventions:
   usual convention for MFU. LayerNorm, GELU, softmax and the residual adds are
   left out; they are a few percent of the total for any real shape.
 - Attention scores are counted for the full s x s square (no causal discount),
-  which is what a dense kernel computes.
+  which is what a dense kernel computes; under a sliding window w < s, the s x w band.
 - Backward costs twice the forward (gradients of inputs and of weights).
 - Recomputation adds what it runs again: "full" one block forward per layer,
   "selective" (Korthikanti et al. 2022) the attention core's two s x s matmuls, "op" (torchtitan's
@@ -60,6 +60,9 @@ class GPTConfig(ActivationArithmetic):
     # context): (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim), the last
     # two 0 where unset; None: unscaled
     rope_yarn: tuple[float, int, float, float, float, float] | None = None
+    # a sliding window (Mistral 7B, Phi-3-mini; transformers' sliding_window): each query attends to itself and the
+    # window - 1 tokens before it; 0: to the whole causal context
+    window: int = 0
     bias: bool = True  # biases in every Linear
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
@@ -230,6 +233,8 @@ class GPTConfig(ActivationArithmetic):
                 scaled += f", choice bias (rate {self.expert_bias_rate:g})"
             mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}"
             mlp += scaled + dense
+        if self.window and self.window < self.seq_len:
+            heads += f", window {self.window}"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
                  "learned positions" if self.positions != "rope" else
@@ -333,10 +338,15 @@ class GPTConfig(ActivationArithmetic):
 
     # ------------------------------------------------------------------ FLOPs
 
+    @property
+    def attended(self) -> int:
+        """The keys a query scores in the FLOP convention: the whole sequence, or a window shorter than it."""
+        return min(self.seq_len, self.window) if self.window else self.seq_len
+
     def attention_core_flops_per_token(self) -> int:
-        """q @ k^T and p @ v over the full s x s square, per token (one block). Grouped-query
-        attention shares key/value heads but every query head still scores the whole sequence."""
-        return 2 * self.seq_len * self.n_heads * (self.qk_head_dim + self.v_head_dim)
+        """q @ k^T and p @ v over the full s x s square, per token (one block; a sliding window's s x w band).
+        Grouped-query attention shares key/value heads but every query head still scores the whole sequence."""
+        return 2 * self.attended * self.n_heads * (self.qk_head_dim + self.v_head_dim)
 
     def attention_linear_flops_per_token(self) -> int:
         """The attention's projections, forward, per token: qkv and proj (MLA: down, up and proj)."""
@@ -389,7 +399,7 @@ class GPTConfig(ActivationArithmetic):
             self.check_op_recompute()
             flops += self.n_layers * self.op_recomputed_flops_per_token()
         if attention == "flash":  # the scores q @ k^T again: 2 s x (query and key head width) per head
-            flops += self.n_layers * 2 * self.seq_len * self.n_heads * self.qk_head_dim
+            flops += self.n_layers * 2 * self.attended * self.n_heads * self.qk_head_dim
         return flops
 
 

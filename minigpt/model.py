@@ -176,6 +176,7 @@ class AttentionCore(nn.Module):
         self.rope_scaling = (("llama3", config.rope_scaling) if config.rope_scaling is not None else
                              ("yarn", config.rope_yarn, config.rope_attention_factor) if config.rope_yarn else None)
         self.scale = config.softmax_scale  # of q @ k^T
+        self.window = config.window  # a sliding window (0: none)
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
@@ -217,8 +218,21 @@ class AttentionCore(nn.Module):
         return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over (batch, heads, seq, head_dim) q, k, v (fewer key/value heads: grouped-query)."""
+        """Causal attention over (batch, heads, seq, head_dim) q, k, v (fewer key/value heads: grouped-query), through
+        the sliding window where one is shorter than the sequence (a mask: SDPA's fused kernels that take one)."""
+        seq = q.shape[2]
+        if self.window and self.window < seq:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, self.window, q.device),
+                                                  scale=self.scale, enable_gqa=self.group > 1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
+
+
+@functools.lru_cache(maxsize=8)
+def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """(seq, seq) bools: query i sees key j when i - window < j <= i (transformers' sliding window). Made once per
+    shape and device, shared by every layer."""
+    distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 class CausalSelfAttention(nn.Module):

@@ -33,6 +33,10 @@ def check_shape(config) -> None:
                           f"choose a head count that divides the width")
     if not 0.0 <= config.dropout < 1.0:
         raise ConfigError(f"dropout must be in [0, 1), got {config.dropout}")
+    if not isinstance(config.window, int) or isinstance(config.window, bool) or config.window < 0:
+        raise ConfigError(f"window must be a whole number >= 0 (0: no sliding window), got {config.window!r}")
+    if config.window and config.kv_lora_rank:
+        raise ConfigError("a sliding window with multi-head latent attention: no model has both, minigpt neither")
     eps = config.norm_eps
     if not _number(eps) or not 0 < eps < 1:
         raise ConfigError(f"norm_eps must be a number in (0, 1), got {eps!r}")

@@ -161,6 +161,8 @@ def test_selective_recompute_and_flash_attention_flops():
     (dict(positions="alibi"), "positions must be one of"),
     (dict(positions="rope", rope_theta=0.5), "rope_theta"),
     (dict(bias="no"), "bias must be true or false"),
+    (dict(window=-1), "window must be a whole number >= 0"),
+    (dict(window=2.5), "window must be a whole number >= 0"),
     (dict(positions="rope", rope_yarn=(4.0, 8, 32.0)), "rope_yarn must be six"),
     (dict(positions="rope", rope_yarn=(0.5, 8, 32.0, 1.0, 0.0, 0.0)), "factor of 1 or more"),
     (dict(positions="rope", rope_yarn=(4.0, 8.5, 32.0, 1.0, 0.0, 0.0)), "whole original context"),

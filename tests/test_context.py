@@ -1,6 +1,6 @@
 """Context parallelism (parallel/context/): the load-balanced split; ring and all-gather attention over 2 and 4
 gloo ranks against torch's own causal attention on the whole sequence, outputs and gradients, with grouped-query
-heads; the ring's bytes counted; and the plain model made context-parallel from outside (learned positions, RoPE with
+heads, without and through sliding windows; the ring's bytes counted; and the plain model made context-parallel from outside (learned positions, RoPE with
 grouped-query attention, and Qwen3's wider heads with their query and key norms), its loss and gradients against one
 process on the same batch."""
 
@@ -31,6 +31,9 @@ MODELS = {
                        positions="rope", mlp="swiglu", norm="rmsnorm", bias=False, tied_head=False),
     "qwen3": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48, d_head=12,
                        qk_norm=True, positions="rope", mlp="swiglu", norm="rmsnorm", bias=False, tied_head=False),
+    # Mistral's: Llama's through a sliding window, here 7 tokens (chunks of 8 at cp 2, 4 at cp 4)
+    "mistral": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48,
+                         window=7, positions="rope", mlp="swiglu", norm="rmsnorm", bias=False, tied_head=False),
 }
 
 
@@ -42,22 +45,28 @@ def inputs() -> tuple[torch.Tensor, ...]:
     return q, k, v, torch.randn(B, HEADS, SEQ, HEAD_DIM, generator=gen)
 
 
-def reference() -> dict[str, torch.Tensor]:
-    """torch's causal attention on one process: the output and the gradients of q, k and v."""
+WINDOWS = (0, 3, 6, 11)  # no window; windows cutting chunks of 4 (cp 2) and 2 (cp 4) in bands, and spanning several
+
+
+def reference(window: int = 0) -> dict[str, torch.Tensor]:
+    """torch's causal attention on one process (through a sliding window: query i sees keys i - window < j <= i,
+    written out as a mask here): the output and the gradients of q, k and v."""
     q, k, v, grad = inputs()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     groups = HEADS // KV_HEADS
+    i = torch.arange(SEQ)
+    mask = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
-                                         is_causal=True)
+                                         attn_mask=mask)
     out.backward(grad)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def local_run(kind: str, group, rank: int, cp: int) -> dict:
+def local_run(kind: str, group, rank: int, cp: int, window: int = 0) -> dict:
     """One rank's attention over its two chunks, forward and backward."""
     q, k, v, grad = (local_part(t, rank, cp, 2) for t in inputs())
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = KINDS[kind](q, k, v, group)
+    out = KINDS[kind](q, k, v, group, window=window)
     out.backward(grad)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -69,8 +78,9 @@ def ranks_run() -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     results = {}
     for kind in KINDS:
-        results[(kind, 4)] = local_run(kind, dist.group.WORLD, rank, 4)
-        results[(kind, 2)] = local_run(kind, pairs[rank // 2], rank % 2, 2)
+        for window in WINDOWS:
+            results[(kind, 4, window)] = local_run(kind, dist.group.WORLD, rank, 4, window)
+            results[(kind, 2, window)] = local_run(kind, pairs[rank // 2], rank % 2, 2, window)
     sent, models = {}, {}
     for cp, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
         sent[cp] = count_ring_bytes(group, rank % cp, cp)
@@ -113,7 +123,7 @@ def count_ring_bytes(group, rank: int, cp: int) -> tuple[int, int]:
 
     q, k, v, grad = (local_part(t, rank, cp, 2).clone().requires_grad_() for t in inputs())
     counter = Collectives(group, "cp")  # the counter training's ring counts its sends in
-    out = RingAttention.apply(q, k, v, Ring(group, counter), HEAD_DIM ** -0.5)
+    out = RingAttention.apply(q, k, v, Ring(group, counter), HEAD_DIM ** -0.5, 0)
     forward = counter.bytes["send"]
     out.backward(grad.detach())
     return forward, counter.bytes["send"]
@@ -124,12 +134,13 @@ def four_ranks() -> list[dict]:
     return run_ranks(4, ranks_run)
 
 
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_attention_equals_torchs_on_the_whole_sequence(four_ranks, kind, cp):
-    expected = reference()
+def test_context_parallel_attention_equals_torchs_on_the_whole_sequence(four_ranks, kind, cp, window):
+    expected = reference(window)
     for first in range(0, 4, cp):  # every cp group of the run holds the whole sequence
-        parts = [four_ranks[rank]["results"][(kind, cp)] for rank in range(first, first + cp)]
+        parts = [four_ranks[rank]["results"][(kind, cp, window)] for rank in range(first, first + cp)]
         for name, value in expected.items():
             torch.testing.assert_close(whole_sequence([p[name] for p in parts], 2), value, **TOLERANCE)
 
@@ -143,12 +154,13 @@ def test_the_ring_sends_its_keys_and_values_and_their_gradients(four_ranks):
             assert total == 2 * (cp - 1) * kv + cp * kv  # again in the backward, and dk, dv (fp32) every step
 
 
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_one_rank_is_plain_causal_attention(kind):
+def test_one_rank_is_plain_causal_attention(kind, window):
     q, k, v, grad = inputs()
-    expected = reference()
+    expected = reference(window)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = KINDS[kind](q, k, v, None)
+    out = KINDS[kind](q, k, v, None, window=window)
     out.backward(grad)
     for name, value in {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}.items():
         torch.testing.assert_close(value.detach(), expected[name], **TOLERANCE)

@@ -34,11 +34,13 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           # mixtures of experts (4 SwiGLU experts, top 2): Mixtral's every block, Qwen3-MoE's after a dense first one
           "mixtral": [*MOE, "--layers", "2", "--seq-len", "32"],
           "qwen3_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--dense-layers", "1"],
+          # Llama's block through a sliding window of 12 tokens: Mistral's layout
+          "mistral": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--window", "12"],
           # multi-head latent attention, a dense first block, then shared and routed experts (sigmoid router)
           "deepseek_v3": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM"}
+           "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM"}
 MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 
@@ -98,11 +100,14 @@ def transformers_model(shape: str, tmp_path):
                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, sliding_window=32, tie_word_embeddings=False,
                                          initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    elif shape == "mistral":  # its window as long as the context: every token sees all before it
+    elif shape == "mistral":  # a sliding window of 12 over a context of 32: each token sees the 11 before it
         config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                            num_key_value_heads=2, head_dim=24, sliding_window=32,
+                                            num_key_value_heads=2, head_dim=24, sliding_window=12,
                                             tie_word_embeddings=False, initializer_range=0.2)
+    elif shape == "mixtral_window":  # Mixtral's experts through a sliding window of 12
+        config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6,
+                                            sliding_window=12)
     elif shape == "mixtral":
         config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6)
     elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
@@ -201,7 +206,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 
 
 # Mistral's and Phi-3's read as Llama's block (written as Llama); YaRN's rotation in Qwen3 and DeepSeek-V3
-@pytest.mark.parametrize("shape", [*SHAPES, "mistral", "phi3", "qwen3_yarn", "deepseek_v3_yarn"])
+@pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_yarn", "deepseek_v3_yarn"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -252,6 +257,14 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     for bad, word in ((mixtral.with_(router="sigmoid"), "sigmoid"), (mixtral.with_(n_shared_experts=1), "shared"),
                       (mixtral.with_(top_k=1), "top-1"), (mixtral.with_(router="softmax", expert_bias=True), "bias"),
                       (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
+        with pytest.raises(ConfigError, match=word):
+            layout_of(bad)
+    mistral = llama.with_(bias=False, window=12)  # a sliding window: Mistral's layout, Mixtral's with experts
+    assert layout_of(mistral) == "mistral" and config_from_hf(hf_config(mistral)) == mistral
+    assert config_from_hf(hf_config(mixtral.with_(window=12))) == mixtral.with_(window=12)
+    assert layout_of(llama.with_(window=llama.seq_len)) == "llama"  # a window as long as the context: none
+    for bad, word in ((qwen3.with_(window=12), "sliding window"), (mistral.with_(bias=True), "no biases"),
+                      (GPTConfig(window=12), "sliding window")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
     yarn = (4.0, 8, 32.0, 1.0, 1.0, 0.8)  # YaRN's rotation, written as rope_type "yarn" and read back
@@ -306,9 +319,11 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
     assert config_from_hf(phi) == config_from_hf({**llama, "attention_bias": False, "mlp_bias": False})
     with pytest.raises(ConfigError, match="partial_rotary_factor"):  # Phi-4-mini rotates 3/4 of each head
         config_from_hf({**phi, "partial_rotary_factor": 0.75})
-    assert config_from_hf(mistral, seq_len=4096).seq_len == 4096  # the window holds the context: full attention
-    for change, word in (({**mixtral, "router_jitter_noise": 0.1}, "jitter"), ({**mixtral, "sliding_window": 64,
-                         "max_position_embeddings": 128}, "sliding window"), (mistral, "sliding window"),
+    assert config_from_hf(mistral, seq_len=4096).window == 0  # the window holds the context: full attention
+    assert config_from_hf(mistral).window == 4096  # shorter than the context: every layer's window
+    assert config_from_hf({**mixtral, "sliding_window": 64, "max_position_embeddings": 128}).window == 64
+    for change, word in (({**mixtral, "router_jitter_noise": 0.1}, "jitter"),
+                         ({**mistral, "layer_types": ["sliding_attention", "full_attention"]}, "some of its layers"),
                          ({**mixtral, "num_experts_per_tok": 1}, "top-1"),
                          ({**qwen3_moe, "norm_topk_prob": False}, "norm_topk_prob"),
                          ({**qwen3_moe, "decoder_sparse_step": 2}, "decoder_sparse_step"),

@@ -117,3 +117,49 @@ def test_the_table_survives_a_profile_round_trip(tmp_path):
     hardware = load_hardware("h200")
     again = load_hardware(str(save_hardware(hardware, tmp_path / "h200.json")))
     assert again.gpu.attention_efficiency == hardware.gpu.attention_efficiency is not None
+
+
+def brute_band(s: int, window: int, cp: int) -> float:
+    """The busiest context-parallel rank's share of its (s/cp) x s square that a sliding window keeps, counted pair
+    by pair over its load-balanced chunks."""
+    from parallel.context.chunks import positions
+
+    shares = []
+    for rank in range(cp):
+        rows = positions(rank, cp, s).tolist() if cp > 1 else range(s)
+        shares.append(sum(1 for i in rows for j in range(s) if 0 <= i - j < window) / (len(rows) * s))
+    return max(shares)
+
+
+@pytest.mark.parametrize("s, window, cp", [(64, 5, 1), (64, 64, 1), (64, 100, 1), (64, 5, 2), (64, 12, 2),
+                                           (64, 20, 4), (96, 7, 4), (128, 40, 8)])
+def test_a_sliding_windows_share_is_the_pairs_it_keeps(s, window, cp):
+    from simulator.costs.layers.attention import window_share
+
+    assert window_share(s, window, cp) == pytest.approx(brute_band(s, window, cp), rel=1e-12)
+
+
+def test_a_sliding_window_is_the_band_a_kernel_computes():
+    """Llama 3 8B at 32K tokens through a window of 4,096: the fused attention keeps sum_i min(i + 1, w) products,
+    read at the causal table's 2 w; the model's FLOPs count the s x w band; unfused attention and the stacks whose
+    context parallelism has no window are refused."""
+    from minigpt.presets import preset
+    from simulator.costs.op_types import unit_shape
+
+    BF16 = BF16_POLICY = policy("bf16")
+    model = preset("llama3-8b").with_(seq_len=32768, window=4096)
+    layout, impl = Layout(), Implementation("flash", "none")
+    flash = next(op for op in block_ops(model, 1, layout, BF16, impl).forward if isinstance(op, FusedAttention))
+    s, w = 32768, 4096
+    kept = w * (w + 1) // 2 + (s - w) * w
+    assert flash.flops == pytest.approx(flash.square_flops * kept / s ** 2, rel=1e-9)
+    assert flash.efficiency_seq == 2 * w and flash.benchmark_flops == flash.flops
+    assert flash.square_flops * w // s == flash.model_square
+    full = next(op for op in block_ops(model.with_(window=0), 1, layout, BF16, impl).forward
+                if isinstance(op, FusedAttention))
+    assert flash.flops < full.flops / 4  # 7.5 of 32 chunks of the triangle's 16
+    for bad_impl, bad_layout, word in ((Implementation("unfused", "none"), layout, "fused attention"),
+                                       (Implementation("flash", "none", cp_attention="torch"), Layout(cp=2),
+                                        "context_parallel")):
+        with pytest.raises(ConfigError, match=word):
+            unit_shape(model, 1, bad_layout, BF16_POLICY, bad_impl)

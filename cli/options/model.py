@@ -59,6 +59,9 @@ def model_options(default: str) -> Callable:
         click.option("--dropout", type=float, help="Dropout probability [default: the preset's, 0]."),
         click.option("--head-dim", "head_dim", type=int,
                      help="Each attention head's width [default: the preset's; else --d-model / --heads]."),
+        click.option("--window", type=int,
+                     help="A sliding window: each query attends to itself and the window - 1 tokens before it "
+                          "(Mistral 7B: 4096; 0: the whole context) [default: the preset's]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
         *latent_options(),
@@ -179,7 +182,7 @@ def model_from_options(options: dict) -> GPTConfig:
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
-        **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()}, **_expert_fields(options, base),
+        window=options.get("window"), **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()}, **_expert_fields(options, base),
     )
 
 
@@ -193,6 +196,7 @@ def shape_flags_given(options: dict) -> list[str]:
     """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim", "qk_norm",
+                               "window",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
     source = context.get_parameter_source("model") if context is not None else None

@@ -43,8 +43,19 @@ LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 
 def layout_of(config: GPTConfig) -> str:
-    """"gpt2", "llama", "qwen2", "qwen3", "mixtral" or "qwen3_moe": the transformers layout that holds `config`
-    exactly; ConfigError saying why not."""
+    """"gpt2", "llama", "mistral" (Llama's with a sliding window), "qwen2", "qwen3", "mixtral", "qwen3_moe" or
+    "deepseek_v3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
+    layout = _block_layout(config)
+    if config.window and config.window < config.seq_len and layout not in ("mistral", "mixtral"):
+        raise ConfigError(f"a sliding window is written in transformers' Mistral or Mixtral layout, which cannot hold "
+                          f"this {layout} shape")
+    if layout == "mistral" and config.bias:
+        raise ConfigError("transformers' Mistral layout, which holds a sliding window, has no biases")
+    return layout
+
+
+def _block_layout(config: GPTConfig) -> str:
+    """The layout of `config`'s block (layout_of's before the window)."""
     if config.is_mla:
         check_deepseek(config)
         return "deepseek_v3"
@@ -65,7 +76,7 @@ def layout_of(config: GPTConfig) -> str:
                               "width than d_model / n_heads: this shape cannot be written in it")
         return "gpt2"
     if llama:
-        return "llama"
+        return "mistral" if config.window and config.window < config.seq_len else "llama"
     raise ConfigError(f"a {config.norm} + {config.mlp} + {config.positions}-positions model is neither GPT-2's "
                       f"layout (layernorm, gelu, learned) nor Llama's (rmsnorm, swiglu, rope): transformers cannot "
                       f"hold it")
@@ -93,6 +104,9 @@ def hf_config(config: GPTConfig) -> dict:
         "attention_dropout": config.dropout, **rope_fields(config),
     }
     layout = layout_of(config)
+    if layout == "mistral":  # Llama's block through a sliding window
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **common, **llama,
+                "sliding_window": config.window}
     if layout in ARCHITECTURES:
         return {"architectures": [ARCHITECTURES[layout]], "model_type": layout, **common, **llama,
                 **moe_hf_config(config, layout)}
@@ -127,7 +141,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'deepseek_v3' models")
-    refuse_unless(_full_attention(hf, seq_len), "it attends through a sliding window shorter than the context")
+    window = _window(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
     if kind in ("qwen3", *ARCHITECTURES):  # their attention's biases are the o projection's too; none in the MLP
@@ -137,8 +151,23 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         refuse_unless(rotated == 1.0, f"it rotates {rotated} of each head (partial_rotary_factor), minigpt all of it")
     dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)  # bias-free, but Qwen2's
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
-        return dense.with_(qk_norm=kind == "qwen3_moe", **moe_fields(hf, kind))
-    return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3")  # Qwen2: biases on q, k and v alone
+        return dense.with_(qk_norm=kind == "qwen3_moe", window=window, **moe_fields(hf, kind))
+    # Qwen2: biases on q, k and v alone
+    return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", window=window)
+
+
+UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
+
+
+def _window(hf: dict, kind: str, seq_len: int | None) -> int:
+    """The sliding window shorter than the training context of a Mistral, Phi-3 or Mixtral (GPTConfig.window; 0:
+    none, or one as long as the context); ConfigError for the Qwens' windows (theirs are some layers' only)."""
+    if _full_attention(hf, seq_len):
+        return 0
+    refuse_unless(kind in UNIFORM_WINDOWS and not hf.get("layer_types"),
+                  "it attends through a sliding window shorter than the context in some of its layers only "
+                  "(minigpt's window is every layer's: Mistral's, Phi-3's and Mixtral's)")
+    return _number(hf, "sliding_window")
 
 
 def _full_attention(hf: dict, seq_len: int | None) -> bool:

@@ -43,34 +43,34 @@ class GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                        scale: float | None = None, counter=None) -> torch.Tensor:
+                        scale: float | None = None, counter=None, window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence, gathered from `group`
     (parallel/context/chunks.py's split). Shapes (b, h, 2 c, d); autograd carries the backward.
     `counter` (a parallel.comm.Collectives) counts the gathers and their backward's reduce-scatters."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if isinstance(group, Rehearsal):  # rank 0 alone: every rank's keys and values a copy of its own
         keys, values = (t.unsqueeze(0).repeat(group.size, *[1] * t.dim()) for t in (k, v))
-        return GatheredAttention.apply(q, keys, values, 0, scale)
+        return GatheredAttention.apply(q, keys, values, 0, scale, window)
     rank = 0 if group is None else dist.get_rank(group)
     keys = k.unsqueeze(0) if group is None else GatherSequence.apply(k, group, counter)
     values = v.unsqueeze(0) if group is None else GatherSequence.apply(v, group, counter)
-    return GatheredAttention.apply(q, keys, values, rank, scale)
+    return GatheredAttention.apply(q, keys, values, rank, scale, window)
 
 
 class GatheredAttention(torch.autograd.Function):
     """This rank's query chunks against every rank's key/value chunks (stacked by rank), block by block."""
 
     @staticmethod
-    def forward(ctx, q, keys, values, rank: int, scale: float):
+    def forward(ctx, q, keys, values, rank: int, scale: float, window: int):
         cp, c = keys.shape[0], q.shape[2] // 2
         out, lse = empty_result(q)
-        for qs, source, ks, how in _meetings(rank, cp, c):
+        for qs, source, ks, how in _meetings(rank, cp, c, window):
             block_out, block_lse = forward_block(q[:, :, qs], keys[source][:, :, ks], values[source][:, :, ks],
                                                  how, scale)
             merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
         ctx.save_for_backward(q, keys, values, out, lse)
-        ctx.rank, ctx.scale = rank, scale
+        ctx.rank, ctx.scale, ctx.window = rank, scale, window
         return out
 
     @staticmethod
@@ -80,19 +80,19 @@ class GatheredAttention(torch.autograd.Function):
         delta, dq = backward_start(q, out, dout)
         dkeys = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
         dvalues = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
-        for qs, source, ks, how in _meetings(ctx.rank, cp, c):
+        for qs, source, ks, how in _meetings(ctx.rank, cp, c, ctx.window):
             backward_block(q[:, :, qs], keys[source][:, :, ks], values[source][:, :, ks], dout[:, :, qs],
                            lse[:, :, qs], delta[:, :, qs], how, ctx.scale, dq[:, :, qs], dkeys[source][:, :, ks],
                            dvalues[source][:, :, ks])
-        return dq.to(q.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype), None, None
+        return dq.to(q.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype), None, None, None
 
 
-def _meetings(rank: int, cp: int, c: int):
+def _meetings(rank: int, cp: int, c: int, window: int):
     """(query slice, source rank, key slice, how) of every meeting of this rank's query chunks with a key chunk."""
     for qi, q_chunk in enumerate(chunk_ids(rank, cp)):
         for source in range(cp):
             for ki, k_chunk in enumerate(chunk_ids(source, cp)):
-                how = meeting(q_chunk, k_chunk)
+                how = meeting(q_chunk, k_chunk, c, window)
                 if how != NONE:
                     yield slice(qi * c, (qi + 1) * c), source, slice(ki * c, (ki + 1) * c), how
 

@@ -42,7 +42,7 @@ class ContextAttentionCore(AttentionCore):
         return self.token_positions
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.exchange(q, k, v, self.cp_group, scale=self.scale, counter=self.counter)
+        return self.exchange(q, k, v, self.cp_group, scale=self.scale, counter=self.counter, window=self.window)
 
 
 def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | None, kind: str,

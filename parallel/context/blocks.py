@@ -1,7 +1,9 @@
 """Exact causal attention one block of keys at a time: the pieces ring attention is made of.
 
 A query chunk meets a key chunk in one of three ways (chunk ids along the whole sequence): an earlier key
-chunk is seen whole, the same chunk under the causal triangle, a later one not at all. Each block's partial
+chunk is seen whole, the same chunk under the causal triangle, a later one not at all. Under a sliding window
+(GPTConfig.window w: query i sees keys i - w < j <= i) a pair may also be out of reach, or partly in it: a band
+whose mask comes from the two chunks' distance (BAND, the distance of their first rows). Each block's partial
 result is its softmax-weighted values and the log-sum-exp of its scores; partial results merge exactly
 (`merge`): out = sum_b exp(lse_b - lse) out_b with lse = log sum_b exp(lse_b), the online softmax of
 FlashAttention. The backward recomputes a block's probabilities from the merged log-sum-exp
@@ -14,21 +16,37 @@ from __future__ import annotations
 
 import torch
 
-FULL, DIAGONAL, NONE = "full", "diagonal", "none"
+FULL, DIAGONAL, NONE, BAND = "full", "diagonal", "none", "band"
 
 
-def meeting(query_chunk: int, key_chunk: int) -> str:
-    """How a query chunk sees a key chunk under the causal mask."""
-    return FULL if key_chunk < query_chunk else DIAGONAL if key_chunk == query_chunk else NONE
+def meeting(query_chunk: int, key_chunk: int, c: int = 0, window: int = 0) -> str | tuple[str, int, int]:
+    """How a query chunk sees a key chunk (both c long) under the causal mask, and a sliding `window` (0: none):
+    FULL, DIAGONAL, NONE, or (BAND, the distance of their first rows, the window) where the window cuts the pair."""
+    if key_chunk > query_chunk:
+        return NONE
+    if not window:
+        return FULL if key_chunk < query_chunk else DIAGONAL
+    distance = (query_chunk - key_chunk) * c  # of the first rows; a pair's rows lie within c - 1 of it
+    if distance - (c - 1) >= window:
+        return NONE
+    if distance + (c - 1) < window:
+        return FULL if key_chunk < query_chunk else DIAGONAL
+    return BAND, distance, window
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, how: str, scale: float) -> torch.Tensor:
-    """q (b, h, c, d) against k (b, h_kv, c, d): fp32 scores, the upper triangle masked on the diagonal."""
+def _scores(q: torch.Tensor, k: torch.Tensor, how, scale: float) -> torch.Tensor:
+    """q (b, h, c, d) against k (b, h_kv, c, d): fp32 scores, the upper triangle masked on the diagonal, the keys
+    out of the window masked in a band."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if how == DIAGONAL:
         upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(upper, float("-inf"))
+    elif isinstance(how, tuple):  # BAND: row a meets column b at distance first + a - b
+        _, first, window = how
+        rows, cols = s.shape[-2:]
+        distance = first + torch.arange(rows, device=s.device)[:, None] - torch.arange(cols, device=s.device)[None, :]
+        s = s.masked_fill((distance < 0) | (distance >= window), float("-inf"))
     return s
 
 
@@ -37,7 +55,8 @@ def forward_block(q, k, v, how: str, scale: float) -> tuple[torch.Tensor, torch.
     s = _scores(q, k, how, scale)
     lse = torch.logsumexp(s, dim=-1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row a band leaves no key: its weights 0, not nan
+    return torch.matmul(torch.exp(s - finite.unsqueeze(-1)), v.float()), lse
 
 
 def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +76,8 @@ def backward_start(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor) -> tu
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold a block's partial result into (out, lse), in place."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    shift = new.masked_fill(new == float("-inf"), 0.0)  # a row no block has given a key yet stays zero, not nan
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - shift).unsqueeze(-1))
     lse.copy_(new)
 
 

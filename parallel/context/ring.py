@@ -68,25 +68,25 @@ class RehearsedRing(Ring):
         return [t.clone(memory_format=torch.contiguous_format) for t in tensors], []
 
 
-def _pairs(rank: int, source: int, cp: int, c: int):
+def _pairs(rank: int, source: int, cp: int, c: int, window: int):
     """(query slice, key slice, how) of every pair of this rank's chunks and `source`'s that meet."""
     for qi, q_chunk in enumerate(chunk_ids(rank, cp)):
         for ki, k_chunk in enumerate(chunk_ids(source, cp)):
-            how = meeting(q_chunk, k_chunk)
+            how = meeting(q_chunk, k_chunk, c, window)
             if how != NONE:
                 yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), how
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, scale: float):
+    def forward(ctx, q, k, v, ring: Ring, scale: float, window: int):
         cp, c = ring.size, q.shape[2] // 2
         out, lse = empty_result(q)
         kv = [k, v]
         for step in range(cp):
             incoming = ring.start_pass(kv) if step < cp - 1 else None
             source = (ring.rank - step) % cp
-            for qs, ks, how in _pairs(ring.rank, source, cp, c):
+            for qs, ks, how in _pairs(ring.rank, source, cp, c, window):
                 block_out, block_lse = forward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how, scale)
                 merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if incoming is not None:
@@ -95,7 +95,7 @@ class RingAttention(torch.autograd.Function):
                 kv = incoming[0]
         out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.window = ring, scale, window
         return out
 
     @staticmethod
@@ -109,7 +109,7 @@ class RingAttention(torch.autograd.Function):
             incoming = ring.start_pass(kv) if step < cp - 1 else None  # the next keys and values, ahead
             source = (ring.rank - step) % cp
             grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]  # this block's
-            for qs, ks, how in _pairs(ring.rank, source, cp, c):
+            for qs, ks, how in _pairs(ring.rank, source, cp, c, ctx.window):
                 backward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs], lse[:, :, qs],
                                delta[:, :, qs], how, scale, dq[:, :, qs], grads[0][:, :, ks], grads[1][:, :, ks])
             if travelling is not None:  # the source's dk/dv from the ranks before, sent during this block
@@ -127,14 +127,15 @@ class RingAttention(torch.autograd.Function):
             for request in travelling[1]:
                 request.wait()
             grads = travelling[0]
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                   scale: float | None = None, counter=None) -> torch.Tensor:
+                   scale: float | None = None, counter=None, window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence's keys and values, which
     the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d).
-    `counter` (a parallel.comm.Collectives) counts every tensor sent as a "send"."""
+    `counter` (a parallel.comm.Collectives) counts every tensor sent as a "send". `window`: a sliding window
+    (0: none); the keys and values still travel the whole ring, the blocks out of reach are not computed."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ring = RehearsedRing(group) if isinstance(group, Rehearsal) else Ring(group, counter)
-    return RingAttention.apply(q, k, v, ring, scale)
+    return RingAttention.apply(q, k, v, ring, scale, window)

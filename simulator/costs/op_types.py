@@ -92,6 +92,8 @@ class FusedAttention:
     kernel_seq: int = 0  # the sequence length the kernel works on when it is not causal_seq (a ring's chunk)
     kernel: str = "flash-attn-2"  # which fused kernel runs it (Implementation.attention_kernel): whose table prices it
     padded_flops: int = 0  # of the square's, the products of zero-padded value columns: not the model's
+    window: int = 0  # a sliding window shorter than causal_seq (0: none)
+    kept: float = 0.0  # under it, the share of the square its band keeps (the busiest context-parallel rank's)
 
     @property
     def bytes(self) -> int:
@@ -99,8 +101,11 @@ class FusedAttention:
 
     @property
     def efficiency_seq(self) -> int:
-        """The length a published causal-kernel table is read at (simulator/costs/rates/attention_rates.py)."""
-        return self.kernel_seq or self.causal_seq
+        """The length a published causal-kernel table is read at (simulator/costs/rates/attention_rates.py); under a
+        sliding window w at most 2 w, the causal length whose rows meet w keys on average as the band's rows do (no
+        sliding-window kernel table is published)."""
+        seq = self.kernel_seq or self.causal_seq
+        return min(seq, 2 * self.window) if self.window else seq
 
     @property
     def square_flops(self) -> int:
@@ -110,15 +115,24 @@ class FusedAttention:
     def flops(self) -> int:
         """The products the mask keeps, exactly: s (s + 1) / 2 of the square's s^2 under a causal mask (a
         context-parallel rank's GEMMs span s/cp queries x s keys, and it keeps exactly 1/cp of them:
-        the load-balanced split, parallel/context/chunks.py)."""
+        the load-balanced split, parallel/context/chunks.py); under a sliding window its band (`kept`)."""
         s = self.causal_seq
+        if self.window:
+            return int(self.square_flops * self.kept)
         return self.square_flops * (s + 1) // (2 * s) if s else self.square_flops
 
     @property
     def benchmark_flops(self) -> int:
         """FLOPs as attention kernels' benchmarks count them: half the square under a causal mask
-        (simulator/costs/rates/attention_rates.py)."""
+        (simulator/costs/rates/attention_rates.py); a band's own products."""
+        if self.window:
+            return self.flops
         return self.square_flops // 2 if self.causal_seq else self.square_flops
+
+    @property
+    def model_square(self) -> int:
+        """The square as config.py counts the model's FLOPs: s x s, or s x w under a sliding window."""
+        return self.square_flops * self.window // self.causal_seq if self.window else self.square_flops
 
 
 Op = Union[Gemm, MemoryOp, FusedAttention]
@@ -127,7 +141,7 @@ Op = Union[Gemm, MemoryOp, FusedAttention]
 def model_flops(op: Op) -> int:
     """An op's FLOPs as config.py counts them: a fused attention's whole square (its padded values' left out), every
     other op's own."""
-    return op.square_flops - op.padded_flops if isinstance(op, FusedAttention) else op.flops
+    return op.model_square - op.padded_flops if isinstance(op, FusedAttention) else op.flops
 
 
 @dataclass(frozen=True)
@@ -239,6 +253,7 @@ class UnitShape:
     v_dim: int = 0  # each value head's width (0: head_dim)
     rotary: int = 0  # the columns of each query and key head rotary positions turn (GPTConfig.rotary_dim)
     latent: tuple[int, ...] = ()  # multi-head latent attention's (query latent, key/value latent, rotated key) widths
+    window: int = 0  # a sliding window shorter than the whole sequence (GPTConfig.window; 0: none)
 
     @property
     def value_dim(self) -> int:
@@ -322,6 +337,14 @@ def check_cp_attention(cp: int, attention: str) -> None:
 def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy, impl: Implementation) -> UnitShape:
     """One micro-batch on one rank: under context parallelism the rank's s/cp tokens of each sequence."""
     check_cp_attention(layout.cp, impl.attention)
+    if model.window and model.window < model.seq_len:
+        if impl.attention != "flash":
+            raise ConfigError("a sliding window is priced in a fused attention kernel that skips the band's outside "
+                              "(--attention flash), not in unfused attention's whole square")
+        if cp_merge(layout, impl.cp_attention) != "fused":
+            raise ConfigError(f"a sliding window under --cp {layout.cp} is described with our ring and all-gather "
+                              f"only: this stack's context parallelism ({impl.cp_attention}: torch's context_parallel "
+                              f"or Transformer Engine's ring) takes none")
     t, s = layout.tp, model.seq_len // layout.cp
     rows = micro_batch * s
     sp = layout.sequence_parallel and t > 1
@@ -345,7 +368,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
                      cp_merge=cp_merge(layout, impl.cp_attention), v_dim=model.v_head_dim,
-                     rotary=model.rotary_dim,
+                     rotary=model.rotary_dim, window=model.window if model.window < model.seq_len else 0,
                      latent=(model.q_lora_rank, model.kv_lora_rank, model.rope_head_dim) if model.is_mla else ())
 
 

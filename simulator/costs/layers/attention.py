@@ -36,6 +36,12 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
   Implementation.cp_attention "torch") each step is a kernel call of its own, merged by eager fp32 kernels
   around it (simulator/costs/torchtitan/context.py); under Transformer Engine's ring (Megatron-core's: "te") by
   compiled bf16 kernels (simulator/costs/te_context.py); the fused op above still prices the steps' GEMMs.
+- A sliding window w shorter than the sequence (Mistral's): the kernel skips the tiles outside the band as
+  FlashAttention-2's window_size and cuDNN's sliding window do, keeping sum_i min(i + 1, w) products of the
+  square (the busiest context-parallel rank's: the load-balanced split does not even a band out), at the causal
+  table's rate read at 2 w at most (FusedAttention.efficiency_seq; no sliding-window table is published). Our
+  executor's masked SDPA on a GPU computes the whole square (its fused kernels take the mask, not the band): not
+  priced here.
 - Unfused: scores = q @ k^T, softmax, dropout, probabilities @ v, heads merged back into rows,
   batch b x a/t matmuls each reading its group's key or value head.
 """
@@ -90,6 +96,24 @@ def _kernel_seq(sh) -> int:
     return sh.s // 2 if sh.cp > 1 else 0
 
 
+def window_share(s: int, window: int, cp: int) -> float:
+    """The share of a rank's (s/cp) x s square of scores a sliding window keeps (query i meets keys i - w < j <= i),
+    the busiest rank's: the load-balanced split (parallel/context/chunks.py) evens the causal triangle out, not a
+    band, whose first rows meet fewer keys."""
+    def kept(first: int, rows: int) -> int:  # sum over queries first .. first + rows - 1 of min(i + 1, w)
+        short = min(max(window - first, 0), rows)  # the rows that meet fewer than w keys
+        return short * (2 * first + short + 1) // 2 + (rows - short) * window
+    if cp == 1:
+        return kept(0, s) / (s * s)
+    c = s // (2 * cp)
+    return max(kept(r * c, c) + kept((2 * cp - 1 - r) * c, c) for r in range(cp)) / (2 * c * s)
+
+
+def _band(sh) -> dict:
+    """FusedAttention's window fields of this unit: none, or the window and its band's share of the square."""
+    return dict(window=sh.window, kept=window_share(sh.keys, sh.window, sh.cp)) if sh.window else {}
+
+
 def _padded_flops(sh) -> int:
     """The whole square's products of one value GEMM that fall on zero-padded columns (0 without padding)."""
     return 2 * sh.s * sh.keys * (sh.out_dim - sh.value_dim) * sh.b * sh.heads
@@ -116,7 +140,7 @@ def _flash_forward(rec: Recorder, qkv: str) -> None:
              gemm("attention.values", s, vd, keys, sh.compute, sh.e, sh.b * a, FORWARD, False))
     rec.op(FusedAttention("attention.flash", gemms, read + other_kv_bytes(sh), rec.bytes_of(out, lse),
                           causal_seq=keys, kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel,
-                          padded_flops=_padded_flops(sh)), saves=saves)
+                          padded_flops=_padded_flops(sh), **_band(sh)), saves=saves)
     if sh.cp_merge == "torch":  # torch's context_parallel: each step's output merged by eager fp32 kernels
         rec.kernels("attention.cp", context.forward_kernels(sh.cp, sh.rows, a, vd, sh.e))
     elif sh.cp_merge == "te":  # Transformer Engine's ring: the steps merged by compiled bf16 kernels
@@ -143,7 +167,7 @@ def _flash_backward(rec: Recorder) -> None:
     read = qkv + width + 2 * sh.rows * a * FP32 + other_kv_bytes(sh)  # q, k, v, dO; the log-sum-exp and D
     rec.backward.append(FusedAttention("attention.flash_backward", gemms, read, qkv, BACKWARD, causal_seq=keys,
                                        kernel_seq=_kernel_seq(sh), kernel=sh.attention_kernel,
-                                       padded_flops=2 * _padded_flops(sh)))  # dP = dO v^T and dv = P^T dO
+                                       padded_flops=2 * _padded_flops(sh), **_band(sh)))  # dP = dO v^T, dv = P^T dO
     if sh.cp_merge == "torch":
         rec.back_kernels("attention.cp", context.backward_kernels(sh.cp, sh.rows, a, vd, e))
     elif sh.cp_merge == "te":
