@@ -233,7 +233,7 @@ class GPTConfig(ActivationArithmetic):
                 scaled += f", choice bias (rate {self.expert_bias_rate:g})"
             mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}"
             mlp += scaled + dense
-        if self.window and self.window < self.seq_len:
+        if self.window_in_use:
             heads += f", window {self.window}"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
@@ -337,6 +337,11 @@ class GPTConfig(ActivationArithmetic):
         return breakdown
 
     # ------------------------------------------------------------------ FLOPs
+
+    @property
+    def window_in_use(self) -> int:
+        """The sliding window where it is shorter than the sequence; 0 where none or one as long (full attention)."""
+        return self.window if self.window < self.seq_len else 0
 
     @property
     def attended(self) -> int:

@@ -200,7 +200,8 @@ def check_schema(measured: dict, ranks: int) -> None:
                    + [(1, False, cp) for cp in cps]))
     for unit in measured["units"]:
         assert set(unit) - {"cp", "experts"} == {"d_model", "n_heads", "kv_heads", "d_ff", "mlp", "norm", "positions",
-                                                 "bias", "qkv_bias", "qk_norm", "d_head", "seq_len", "vocab_size", "tp",
+                                                 "bias", "qkv_bias", "qk_norm", "d_head", "window", "seq_len",
+                                                 "vocab_size", "tp",
                                                  "sequence_parallel", "dtype", "micro_batches", *UNIT_SERIES}
         assert unit["dtype"] == "fp32"  # the units say the format they were measured in
         assert (unit["d_model"], unit["n_heads"], unit["d_ff"], unit["seq_len"], unit["vocab_size"]) == (128, 4, 512, 128, 256)

@@ -46,7 +46,7 @@ def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "qwen2", "qwen3", "mixtral", "qwen3_moe" or
     "deepseek_v3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
-    if config.window and config.window < config.seq_len and layout not in ("mistral", "mixtral"):
+    if config.window_in_use and layout not in ("mistral", "mixtral"):
         raise ConfigError(f"a sliding window is written in transformers' Mistral or Mixtral layout, which cannot hold "
                           f"this {layout} shape")
     if layout == "mistral" and config.bias:
@@ -76,7 +76,7 @@ def _block_layout(config: GPTConfig) -> str:
                               "width than d_model / n_heads: this shape cannot be written in it")
         return "gpt2"
     if llama:
-        return "mistral" if config.window and config.window < config.seq_len else "llama"
+        return "mistral" if config.window_in_use else "llama"
     raise ConfigError(f"a {config.norm} + {config.mlp} + {config.positions}-positions model is neither GPT-2's "
                       f"layout (layernorm, gelu, learned) nor Llama's (rmsnorm, swiglu, rope): transformers cannot "
                       f"hold it")

@@ -55,7 +55,7 @@ def moe_hf_config(config: GPTConfig, layout: str) -> dict:
     if layout == "mixtral":
         return {**common, "num_local_experts": config.n_experts, "intermediate_size": config.expert_width,
                 "router_jitter_noise": 0.0,
-                "sliding_window": config.window if 0 < config.window < config.seq_len else None}
+                "sliding_window": config.window_in_use or None}
     return {**common, "num_experts": config.n_experts, "moe_intermediate_size": config.expert_width,
             "intermediate_size": config.d_ff, "decoder_sparse_step": 1, "norm_topk_prob": True,
             "mlp_only_layers": list(range(config.dense_layers)), "use_sliding_window": False, "sliding_window": None}

@@ -330,7 +330,7 @@ def unit_shape(config) -> dict:
     shape = {"d_model": config.d_model, "n_heads": config.n_heads, "d_ff": config.d_ff, "seq_len": config.seq_len,
              "vocab_size": config.vocab_size, "kv_heads": config.kv_heads, "mlp": config.mlp, "norm": config.norm,
              "positions": config.positions, "bias": config.bias, "qkv_bias": config.qkv_bias,
-             "qk_norm": config.qk_norm, "d_head": config.d_head}
+             "qk_norm": config.qk_norm, "d_head": config.d_head, "window": config.window_in_use}
     if config.is_mla:  # multi-head latent attention too (simulator/costs/host_units.py's latent_key)
         shape["latent"] = {"kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank,
                            "rope_head_dim": config.rope_head_dim, "v_head_dim": config.v_head_dim}

@@ -12,7 +12,7 @@ UNIT_KEYS = ("d_model", "n_heads", "d_ff", "seq_len", "vocab_size", "tp")
 # The shape's options, keys of a unit too; a unit without them predates them and measured a GPT-2-style block
 # (kv_heads None: as many as n_heads). Their values: minigpt/config.py's kinds.
 UNIT_SHAPE_DEFAULTS = {"kv_heads": None, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True,
-                       "qkv_bias": False, "qk_norm": False, "d_head": None}
+                       "qkv_bias": False, "qk_norm": False, "d_head": None, "window": 0}
 SHAPE_KINDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "positions": POSITION_KINDS}
 # A MoE unit's "experts": GPTConfig's fields, each with what it may be (d_expert: the width, resolved)
 EXPERT_FIELDS = ("n_experts", "top_k", "d_expert", "n_shared_experts", "router", "capacity_factor")
@@ -41,7 +41,7 @@ def unit_key(model: GPTConfig, tp: int) -> tuple:
     experts (expert_key: None for a dense block) and its latent attention (latent_key: None for ordinary)."""
     return (model.d_model, model.n_heads, model.d_ff, model.seq_len, model.vocab_size, tp,
             model.kv_heads, model.mlp, model.norm, model.positions, model.bias, model.qkv_bias, model.qk_norm,
-            model.head_dim, expert_key(model), latent_key(model))
+            model.head_dim, model.window_in_use, expert_key(model), latent_key(model))
 
 
 def positive(value: object, where: str, integer: bool = False, zero: bool = False, high: float | None = None) -> float:
@@ -73,8 +73,11 @@ def shape_options(entry: dict, at: str, n_heads: int, d_model: int) -> tuple:
         head_dim = d_model // n_heads
     elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ConfigError(f"{at}.d_head must be a positive integer (or absent: d_model / n_heads), got {head_dim!r}")
+    window = options["window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ConfigError(f"{at}.window must be a whole number >= 0 (0: no sliding window), got {window!r}")
     return (kv, options["mlp"], options["norm"], options["positions"], options["bias"], options["qkv_bias"],
-            options["qk_norm"], head_dim, _experts(entry, at), _latent(entry, at))
+            options["qk_norm"], head_dim, window, _experts(entry, at), _latent(entry, at))
 
 
 def _experts(entry: dict, at: str) -> tuple | None:

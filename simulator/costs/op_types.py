@@ -337,7 +337,7 @@ def check_cp_attention(cp: int, attention: str) -> None:
 def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy, impl: Implementation) -> UnitShape:
     """One micro-batch on one rank: under context parallelism the rank's s/cp tokens of each sequence."""
     check_cp_attention(layout.cp, impl.attention)
-    if model.window and model.window < model.seq_len:
+    if model.window_in_use:
         if impl.attention != "flash":
             raise ConfigError("a sliding window is priced in a fused attention kernel that skips the band's outside "
                               "(--attention flash), not in unfused attention's whole square")
@@ -368,7 +368,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
                      cp_merge=cp_merge(layout, impl.cp_attention), v_dim=model.v_head_dim,
-                     rotary=model.rotary_dim, window=model.window if model.window < model.seq_len else 0,
+                     rotary=model.rotary_dim, window=model.window_in_use,
                      latent=(model.q_lora_rank, model.kv_lora_rank, model.rope_head_dim) if model.is_mla else ())
 
 
