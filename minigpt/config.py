@@ -346,7 +346,7 @@ class GPTConfig(ActivationArithmetic):
     @property
     def attended(self) -> int:
         """The keys a query scores in the FLOP convention: the whole sequence, or a window shorter than it."""
-        return min(self.seq_len, self.window) if self.window else self.seq_len
+        return self.window_in_use or self.seq_len
 
     def attention_core_flops_per_token(self) -> int:
         """q @ k^T and p @ v over the full s x s square, per token (one block; a sliding window's s x w band).

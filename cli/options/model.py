@@ -182,7 +182,8 @@ def model_from_options(options: dict) -> GPTConfig:
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
-        window=options.get("window"), **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()}, **_expert_fields(options, base),
+        window=options.get("window"), **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
+        **_expert_fields(options, base),
     )
 
 

@@ -40,8 +40,8 @@ STATE_FILE = "state.json"
 # compute (dropout, the experts' capacity and the routing losses' coefficients may change on resume)
 SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff", "tied_head",
                 "n_kv_heads", "mlp", "norm", "positions", "bias", "qkv_bias", "d_head", "qk_norm", "rope_theta",
-                "rope_scaling", "rope_yarn", "norm_eps", "n_experts", "top_k", "d_expert", "n_shared_experts", "dense_layers",
-                "router", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value", "expert_groups",
+                "rope_scaling", "rope_yarn", "norm_eps", "n_experts", "top_k", "d_expert", "n_shared_experts",
+                "dense_layers", "router", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value", "expert_groups",
                 "groups_per_token", "routed_scale", "expert_bias", "window")
 STEP_DIR = re.compile(r"step-(\d+)")
 HINT = "resume an older one (--resume PATH), or start without --resume"

@@ -232,8 +232,8 @@ def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> 
     separate = all(KEYS["master"] + name in metadata.state_dict_metadata for name in shapes)
     sources = {"master": KEYS["master"] if separate else KEYS["model"], "exp_avg": KEYS["exp_avg"],
                "exp_avg_sq": KEYS["exp_avg_sq"]}
-    check_tensors(path, metadata, {prefix + name: shape for prefix in sources.values() for name, shape in shapes.items()}
-                  | {BUFFER + name: shape for name, shape in saved_buffers(cfg.model).items()})
+    wanted = {prefix + name: shape for prefix in sources.values() for name, shape in shapes.items()}
+    check_tensors(path, metadata, wanted | {BUFFER + name: shape for name, shape in saved_buffers(cfg.model).items()})
 
     optimizer = rank.optimizer
     with torch.no_grad():
