@@ -187,6 +187,36 @@ def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_pat
     assert losses[1] < losses[0]  # and it trains
 
 
+def test_rope_yarn_extends_an_imported_models_context(tmp_path):
+    """`--init-from DIR --rope-yarn 2 --seq-len 64` trains a Qwen3 of context 32 at 64 tokens by YaRN, from the
+    first loss transformers' own Qwen3 with that YaRN gives over the same weights; the export writes it."""
+    model, hf_dir = transformers_model("qwen3", tmp_path)
+    run = tmp_path / "run"
+    result = invoke("train", "--init-from", str(hf_dir), "--rope-yarn", "2", "--seq-len", "64", "--steps", "2",
+                    "--global-batch", "4", "--eval-every", "0", "--out", str(run), "--json")
+    assert result.exit_code == 0, result.output
+    losses = json.loads(result.stdout)["losses"]
+    config = transformers.Qwen3Config(**{**model.config.to_dict(), "max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0, "original_max_position_embeddings": 32}})
+    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
+    theirs.load_state_dict(model.state_dict())
+    inputs, targets = get_batch(Corpus.load(None, 64).train, 64, BatchLayout(4, 1, 1), 0, 0, 0, 0)  # step 0's batch
+    with torch.no_grad():
+        targets = targets.contiguous()
+        loss = theirs(input_ids=inputs, labels=targets, shift_labels=targets).loss.item()
+    assert abs(losses[0] - loss) <= 1e-5, (losses[0], loss)
+    result = invoke("export", str(run), "--hf", str(tmp_path / "hf-64"))
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "hf-64" / "config.json").read_text())
+    assert written["max_position_embeddings"] == 64 and written["rope_parameters"]["rope_type"] == "yarn"
+    assert (written["rope_parameters"]["factor"], written["rope_parameters"]["original_max_position_embeddings"]) == (
+        2.0, 32)
+    for args, words in ((["--seq-len", "128"], "beyond YaRN's reach"), (["--layers", "1"], "--layers")):
+        one_line_refusal(invoke("train", "--init-from", str(hf_dir), "--rope-yarn", "2", *args, "--out",
+                                str(tmp_path / "refused")), *words.split(" ", 1)[:1])
+    assert not (tmp_path / "refused").exists()
+
+
 def hub_named(grads: dict, layout: str) -> dict:
     """transformers' gradients under its checkpoints' names: transformers 5 holds a mixture's experts fused
     (experts.gate_up_proj (E, 2 x width, d), experts.down_proj (E, d, width)) and Mixtral's router under mlp.;

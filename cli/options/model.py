@@ -59,6 +59,11 @@ def model_options(default: str) -> Callable:
         click.option("--dropout", type=float, help="Dropout probability [default: the preset's, 0]."),
         click.option("--head-dim", "head_dim", type=int,
                      help="Each attention head's width [default: the preset's; else --d-model / --heads]."),
+        click.option("--rope-yarn", "rope_yarn", metavar="FACTOR[,ORIGINAL[,FAST,SLOW[,MSCALE,MSCALE_ALL]]]",
+                     help="Extend a rotary model's context by YaRN (DeepSeek-V3's and Qwen3's long-context recipe): "
+                          "its frequencies scaled by FACTOR beyond the ORIGINAL context [default: the model's own], "
+                          "beta_fast and beta_slow [32, 1], DeepSeek's mscales [unset]; --seq-len up to FACTOR x "
+                          "ORIGINAL; with --init-from too."),
         click.option("--window", type=int,
                      help="A sliding window: each query attends to itself and the window - 1 tokens before it "
                           "(Mistral 7B: 4096; 0: the whole context) [default: the preset's]."),
@@ -175,8 +180,9 @@ def model_from_options(options: dict) -> GPTConfig:
     if options.get("tokenizer") is not None:  # before the shape's other checks: a file that does not parse says so
         vocab_size = model_vocab_size(options["tokenizer"], vocab_size)
     base = base_model(options["model"])
-    return build_config(
-        base, vocab_size=vocab_size, seq_len=options.get("seq_len"),
+    yarn = options.get("rope_yarn")
+    config = build_config(
+        base, vocab_size=vocab_size, seq_len=None if yarn else options.get("seq_len"),
         n_layers=options.get("layers"), n_heads=options.get("heads"), n_kv_heads=options.get("kv_heads"),
         d_model=options.get("d_model"), d_ff=options.get("d_ff"), tied_head=None if untied is None else not untied,
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
@@ -185,19 +191,43 @@ def model_from_options(options: dict) -> GPTConfig:
         window=options.get("window"), **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
         **_expert_fields(options, base),
     )
+    return config if yarn is None else with_yarn(config, yarn, options.get("seq_len"))
+
+
+def with_yarn(config: GPTConfig, text: str, seq_len: int | None) -> GPTConfig:
+    """`config` extended by --rope-yarn's YaRN (its ORIGINAL context defaulting to the model's own), at `seq_len`
+    (default: that context); ConfigError for a model already scaled, unrotated, or a context beyond the factor's."""
+    if config.positions != "rope" or config.rope_scaling is not None or config.rope_yarn is not None:
+        raise ConfigError("--rope-yarn extends a rotary model whose rotation is not scaled yet: this one has "
+                          + ("learned positions" if config.positions != "rope" else "its scaling already"))
+    try:
+        numbers = [float(part) for part in str(text).split(",")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2, 4, 6) or (len(numbers) > 1 and not numbers[1].is_integer()):
+        raise ConfigError(f"--rope-yarn takes FACTOR[,ORIGINAL[,FAST,SLOW[,MSCALE,MSCALE_ALL]]], numbers apart by "
+                          f"commas (ORIGINAL a whole context), got {text!r}")
+    factor, original = numbers[0], int(numbers[1]) if len(numbers) > 1 else config.seq_len
+    betas, mscales = numbers[2:4] or [32.0, 1.0], numbers[4:6] or [0.0, 0.0]  # transformers' defaults, unset
+    extended = config.with_(rope_yarn=(factor, original, *betas, *mscales))
+    seq = config.seq_len if seq_len is None else seq_len
+    if seq > factor * original:
+        raise ConfigError(f"--seq-len {seq} is beyond YaRN's reach of {factor:g} x {original} tokens: raise the "
+                          f"factor or shorten the context")
+    return extended.with_(seq_len=seq)
 
 
 # the model flags an imported model's shape leaves open: its training context (rotary models) and dropout, and a
 # mixture of experts' routing in training (its balance and z-loss coefficients, a capacity factor)
 ROUTING_IN_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "expert_bias_rate")
-OPEN_WITH_INIT = ("seq_len", "dropout", *ROUTING_IN_TRAINING)
+OPEN_WITH_INIT = ("seq_len", "dropout", "rope_yarn", *ROUTING_IN_TRAINING)
 
 
 def shape_flags_given(options: dict) -> list[str]:
     """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim", "qk_norm",
-                               "window",
+                               "window", "rope_yarn",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
     source = context.get_parameter_source("model") if context is not None else None
@@ -228,13 +258,15 @@ def model_from_hf(options: dict) -> GPTConfig:
     others = [name for name in shape_flags_given(options) if name not in OPEN_WITH_INIT]
     if others:
         raise ConfigError(f"--{others[0].replace('_', '-')} sets the model's shape, which --init-from takes from "
-                          f"{options['init_from']}/config.json: leave it out (--seq-len, --dropout and a mixture of "
-                          f"experts' --aux-loss-coef, --z-loss-coef, --capacity-factor and --expert-bias-rate may "
-                          f"be given)")
+                          f"{options['init_from']}/config.json: leave it out (--seq-len, --rope-yarn, --dropout and a "
+                          f"mixture of experts' --aux-loss-coef, --z-loss-coef, --capacity-factor and "
+                          f"--expert-bias-rate may be given)")
     if options.get("seq_len") is not None:
         check_positive_int("--seq-len", options["seq_len"])
-    path = Path(options["init_from"])
-    config = config_from_hf(read_config(path), options.get("seq_len"))
+    path, yarn = Path(options["init_from"]), options.get("rope_yarn")
+    config = config_from_hf(read_config(path), None if yarn else options.get("seq_len"))
+    if yarn is not None:  # a context extended past the model's own
+        config = with_yarn(config, yarn, options.get("seq_len"))
     weight_files(path)
     changes = {name: options[name] for name in ("dropout", *ROUTING_IN_TRAINING) if options.get(name) is not None}
     routing = [name for name in ROUTING_IN_TRAINING if name in changes]
