@@ -171,17 +171,22 @@ def biased_pp2(out_dir: str) -> dict:
     train(rank, cfg, corpus, range(SAVED_AT))
     path = save_checkpoint(f"{out_dir}/biased", rank, cfg, SAVED_AT)
     bias = {name: tensor.tolist() for name, tensor in stage_buffers(rank.stage).items()}
-    return {"path": str(path), "bias": bias, "reference": train(rank, cfg, corpus, range(SAVED_AT, SAVED_AT + AFTER))}
+    reference = train(rank, cfg, corpus, range(SAVED_AT, SAVED_AT + AFTER))
+    resumed = new_rank(cfg)  # the saving layout again: an exact resume
+    step = load_checkpoint(path, resumed, cfg)["step"]
+    return {"path": str(path), "bias": bias, "reference": reference,
+            "resumed": train(resumed, cfg, corpus, range(step, step + AFTER))}
 
 
 def test_the_choice_bias_is_saved_and_loads_into_another_layout(tmp_path):
     """The bias, a buffer every rank of its stage holds whole, is written once per layer and comes back bit for bit
-    in one process (where both layers are one stage's), in the plain model `minigpt export` reads, and training goes
-    on as the saving run does."""
+    in one process (where both layers are one stage's) and in the plain model `minigpt export` reads; training goes on
+    as the saving run does, to the bit in the saving layout (pp 2)."""
     ranks = run_ranks(2, biased_pp2, str(tmp_path))
     saved = {name: bias for found in ranks for name, bias in found["bias"].items()}
     assert sorted(saved) == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
     assert all(max(bias) > min(bias) for bias in saved.values())  # moved by 3 steps' loads
+    assert all(found["resumed"] == found["reference"] for found in ranks)  # bit for bit in the saving layout
     cfg = dataclasses.replace(BASE, model=BIASED)
     rank = new_rank(cfg)
     state = load_checkpoint(ranks[0]["path"], rank, cfg)
