@@ -4,7 +4,8 @@ the bytes, a valid object or ConfigError, never another exception; and through t
 Parsers: topology files (node-link JSON and GraphML, simulator/network/topology.py's load_cluster), hardware
 profiles (simulator/costs/hardware.py's load_hardware, `simulate --hardware`), userbuffers settings
 (simulator/costs/userbuffers.py, `simulate --tp-overlap-cfg`), TOML flag files
-(cli/options/config_file.py, `--config`) and data files (minigpt/data.py, `train --data`). Each gets (a) arbitrary
+(cli/options/config_file.py, `--config`), transformers' config.json (minigpt/hf/: DeepSeek-V3's and Mistral
+7B's as released, `--model CONFIG`, `--init-from`) and data files (minigpt/data.py, `train --data`). Each gets (a) arbitrary
 bytes and damaged copies of a valid file, and (b) structured-but-wrong documents: the valid document
 with random JSON/TOML values put into its real fields (wrong types, NaN, inf, huge numbers, deep nesting,
 fields removed or added). Hypothesis runs derandomized (the same examples every run, for CI) without
@@ -26,7 +27,11 @@ from cli.options.config_file import read_config_file, value_kind
 from cli.main import main
 from fuzzing import (CLI, PARSERS, any_bytes, broken_documents, cpu_profile_document, damaged, one_line_or_success, paths,
                      total, write)
+from hf_released import DEEPSEEK_V3_RELEASED, MISTRAL_7B_RELEASED
+from minigpt.config import GPTConfig
 from minigpt.data import Corpus
+from minigpt.hf.files import fp8_blocks, read_config_file as read_hf_config_file
+from minigpt.hf.layouts import config_from_hf
 from simulator.network.cluster import Cluster
 from simulator.costs.hardware import Hardware, load_hardware
 from simulator.network.topology import build_cluster, load_cluster
@@ -266,6 +271,31 @@ def test_train_config_is_one_line(scratch, content):
     path = write(scratch, "cli.toml", content)
     one_line_or_success(["train", "--config", str(path), "--steps", "0", "--out", str(scratch / "never")])
     assert not (scratch / "never").exists()
+
+
+# ---------------------------------------------------------------- transformers config.json (--model, --init-from)
+
+
+def places_of(document: dict) -> list[tuple]:
+    """Every field of a config.json, the nested ones (its rotary scaling, quantization) too."""
+    return [(key,) for key in document] + [(key, inner) for key, value in document.items() if isinstance(value, dict)
+                                           for inner in value]
+
+
+HF_DOCUMENTS = (DEEPSEEK_V3_RELEASED, MISTRAL_7B_RELEASED)
+
+
+def read_hf_shape(path) -> GPTConfig:
+    """What --model CONFIG and --init-from read of a config.json: the shape, and the weights' quantization."""
+    hf = read_hf_config_file(path)
+    fp8_blocks(hf)
+    return config_from_hf(hf)
+
+
+@PARSERS
+@given(content=st.one_of(st.binary(max_size=256), *(broken_documents(d, places_of(d)) for d in HF_DOCUMENTS)))
+def test_transformers_config_json(scratch, content):
+    total(read_hf_shape, write(scratch, "config.json", content), GPTConfig)
 
 
 # ---------------------------------------------------------------- data files

@@ -22,6 +22,7 @@ from minigpt.hf.moe import MLP_NAME, PROJECTIONS
 from minigpt.model import GPT
 from minigpt.presets import preset
 from parallel.run.sample import load_model
+from hf_released import DEEPSEEK_V3_RELEASED, MISTRAL_7B_RELEASED
 
 transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
 
@@ -576,21 +577,7 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
     # DeepSeek-V3's own config.json (deepseek-ai/DeepSeek-V3 on the Hub, its fields as released): YaRN to 160K
     # contexts, noaux_tc routing (e_score_correction_bias), block-fp8 weights: the deepseek-v3 preset's shape and
     # price (its training's balance loss given, which a config.json does not hold)
-    released = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-        "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
-        "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
-        "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
-        "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
-        "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True, "rope_theta": 10000,
-        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 4096, "type": "yarn"},
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": [128, 128]}}
-    (tmp_path / "dsv3.json").write_text(json.dumps(released))
+    (tmp_path / "dsv3.json").write_text(json.dumps(DEEPSEEK_V3_RELEASED))
     layout = ["--gpus", "1024", "--gpu", "h100-sxm", "--pp", "16", "--dp", "64", "--ep", "64", "--global-batch",
               "8192", "--json"]
     read = invoke("simulate", "--model", str(tmp_path / "dsv3.json"), "--seq-len", "4096", "--aux-loss-coef", "0.0001",
@@ -600,6 +587,18 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
     read, preset_run = json.loads(read.stdout), json.loads(preset_run.stdout)
     assert read["parameters"]["total"] == preset_run["parameters"]["total"] == 671_026_404_352
     assert read["step_time_s"] == preset_run["step_time_s"]
+    # Mistral 7B's own (mistralai/Mistral-7B-v0.1): its 7,241,732,096 parameters, every layer through its window of
+    # 4,096 at its 32K context (attention priced as the band), none at 4K
+    (tmp_path / "mistral.json").write_text(json.dumps(MISTRAL_7B_RELEASED))
+    steps = {}
+    for args in ([], ["--window", "0"], ["--seq-len", "4096"]):
+        result = invoke("simulate", "--model", str(tmp_path / "mistral.json"), *args, "--gpus", "8", "--dp", "8",
+                        "--zero", "3", "--gpu", "h100-sxm", "--recompute", "full", "--json")
+        assert result.exit_code == 0, result.output
+        run = json.loads(result.stdout)
+        assert run["parameters"]["total"] == 7_241_732_096
+        steps[" ".join(args)] = run["step_time_s"]
+    assert steps[""] < 0.8 * steps["--window 0"], steps
     (tmp_path / "bad.json").write_text("[1, 2]")
     one_line_refusal(invoke("simulate", "--model", str(tmp_path / "bad.json")), "not a JSON object")
     one_line_refusal(invoke("simulate", "--model", str(tmp_path)), "no config.json")

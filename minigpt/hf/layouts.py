@@ -201,10 +201,12 @@ def _rope(hf: dict) -> tuple[float, dict]:
                       and rope.get("factor") is not None and "original_max_position_embeddings" in rope,
                       f"its YaRN scaling ({rope}) sets attention_factor or truncate, or leaves out factor or "
                       f"original_max_position_embeddings")
-        yarn = (float(_number(rope, "factor")), int(_number(rope, "original_max_position_embeddings")),
-                float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
-                float(rope.get("mscale") or 0), float(rope.get("mscale_all_dim") or 0))
-        return theta, {"rope_yarn": yarn}
+        context = _number(rope, "original_max_position_embeddings")
+        refuse_unless(float(context).is_integer(), f"its YaRN original_max_position_embeddings is {context!r}")
+        unset = {"beta_fast": 32, "beta_slow": 1, "mscale": 0, "mscale_all_dim": 0}  # transformers' defaults, None
+        numbers = {key: float(_number(rope, key, default) if rope.get(key) is not None else default)
+                   for key, default in unset.items()}
+        return theta, {"rope_yarn": (float(_number(rope, "factor")), int(context), *numbers.values())}
     refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
                   f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3' "
                   f"and YaRN's 'yarn'")
