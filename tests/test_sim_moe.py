@@ -436,3 +436,16 @@ def test_the_experts_reduction_is_priced_without_data_parallelism():
     assert any(c["group"] == "dp_experts" and c["bytes"] == call.bytes for c in result.collectives)
     alone = simulate_step(model, Layout(tp=4, sequence_parallel=True, ep=4), build_cluster(H100, 4, 1), "bf16", 8, 1)
     assert result.breakdown["optimizer"] > alone.breakdown["optimizer"]
+
+
+def test_the_choice_bias_costs_one_small_all_reduce_a_step():
+    """DeepSeek-V3's auxiliary-loss-free balancing all-reduces each stage's choice counts once a step (fp64, its MoE
+    layers x 256 experts: under 30 KB a stage at pp 16): a price, and a small one (latency-bound, tens of us)."""
+    layout = ["--model", "deepseek-v3", "--gpus", "1024", "--gpu", "h100-sxm", "--pp", "16", "--dp", "64", "--ep",
+              "64", "--global-batch", "8192", "--json"]
+    steps = []
+    for bias in ([], ["--no-expert-bias"]):
+        result = CliRunner().invoke(main, ["simulate", *layout, *bias])
+        assert result.exit_code == 0, result.output
+        steps.append(json.loads(result.stdout)["step_time_s"])
+    assert 0 < steps[0] - steps[1] < 1e-3, steps

@@ -152,6 +152,8 @@ def _expert_fields(options: dict, base: GPTConfig) -> dict:
     rate = fields["expert_bias_rate"]
     if fields["expert_bias"] is None and isinstance(rate, (int, float)) and rate > 0:
         fields["expert_bias"] = True  # a rate moves a bias: --expert-bias-rate alone turns it on
+    if fields["expert_bias"] is False and rate is None:
+        fields["expert_bias_rate"] = 0.0  # and --no-expert-bias alone turns the preset's rate off with it
     return {"n_experts": experts, **fields}
 
 

@@ -285,6 +285,7 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
     priced = _rank_actions(job, times, implementation, pol, sized=True)
     for rank, (placed, chunk_units, actions, per_step) in enumerate(priced):
         pricer, experts = None, _expert_reduction(job, placed, rank, pol, fp8_experts_kept(pol, implementation))
+        per_step += _bias_counts(job, placed, rank)
         if job.dp > 1:
             pricer = DataParallelPricer(chunk_units, schedule.data_parallel, job.zero, job.bucket_numel,
                                         lambda kind, nbytes, group, stage=rank: links.sharded_collective(
@@ -375,6 +376,17 @@ def _copies(job: _Job, gpu: GPUSpec, profile: EfficiencyProfile | None, implemen
     staged = e + 2 * e + 2 * e + 3 * e / job.dp  # zeros; grad in; div_; the piece's add_ into the shard
     return UnitCopies(0.0, staged / speed, kernel, out_kernels=0, in_kernels=3, per_tensor=True,
                       sum_s=3 * e / speed if sums else 0.0)
+
+
+def _bias_counts(job: _Job, placed, stage: int) -> float:
+    """Seconds of DeepSeek-V3's choice-bias update on `stage` (parallel/expert/balance.py): its MoE layers' fp64 choice
+    counts all-reduced once a step over the ranks routing other tokens (dp x cp, and tp under sequence parallelism),
+    after the optimizer step."""
+    if not (job.model.is_moe and job.model.expert_bias):
+        return 0.0
+    nbytes = 8 * job.model.n_experts * sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
+    tp = job.links.tp_collective("all_reduce", nbytes) if job.layout.sequence_parallel else 0.0
+    return job.links.dp_collective(stage, "all_reduce", nbytes) + tp
 
 
 def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool = False) -> float:
