@@ -98,3 +98,16 @@ def test_the_megatron_core_stack_prices_tes_ring_and_says_so():
     context = core["provenance"]["context"]
     assert context["merge"].startswith("by Transformer Engine's ring") and "compute format" in context["exchange"]
     assert core["provenance"]["implementation"]["cp_attention"] == "te"
+
+
+def test_tes_ring_passes_latent_attentions_values_at_their_own_width():
+    """Under multi-head latent attention (DeepSeek-V3: keys 128 + 64 wide, values 128) TE's ring passes k and v as
+    they are, (192 + 128) x 2 bytes a token and head in bf16, where our ring pads v to 192 first."""
+    model, layout = build_config("deepseek-v3", seq_len=32768), Layout(tp=1, cp=4)
+    keys = kv_elements(model, 1, 4, 1)  # at the query heads' width, 192
+    forward, backward = te_layer_exchange(model, layout, 1, 2, "none", Links(), 0, (0.0, 0.0, 0.0))
+    pair = (keys + keys * 128 // 192) * 2
+    assert [(x.calls, x.bytes) for x in forward.priced] == [(3, pair)]
+    assert [(x.calls, x.bytes) for x in backward.priced] == [(3, pair), (3, pair)]
+    ours = layer_exchange(model, layout, 1, 2, "none", Links(), 0, (0.0, 0.0, 0.0))
+    assert ours[0].priced[0].bytes == 2 * keys * 2 > pair  # ours: v padded to 192

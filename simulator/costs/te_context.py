@@ -48,13 +48,14 @@ def backward_kernels(cp: int, rows: int, heads: int, kv_heads: int, head_dim: in
     return out + [("grad_q_add", 2 * n * e, n * e), ("grad_kv_add", 4 * kv * e, 2 * kv * e)]
 
 
-def exchanges(cp: int, elements: int, e: int, recompute: str = "none") -> tuple[list[Exchange], list[Exchange]]:
-    """(forward, backward) passes of one layer on one rank, `elements` of the rank's k (or v):
+def exchanges(cp: int, pair: int, e: int, recompute: str = "none") -> tuple[list[Exchange], list[Exchange]]:
+    """(forward, backward) passes of one layer on one rank, `pair` the elements of the rank's k and v together (under
+    multi-head latent attention v at its own width: TE passes k and v as they are, not padded as our ring pads them):
 
-      forward   cp - 1 passes of k and v (2 x elements x e bytes), each behind its step's attention;
+      forward   cp - 1 passes of k and v (pair x e bytes), each behind its step's attention;
       backward  the recomputed forward's under recompute; cp - 1 passes of k and v, and cp - 1 of the bf16 dk, dv
                 accumulated so far, sent together with the next step's keys (one message) from the second step on,
                 the last alone and waited for at the end (simulator/engine/context.py's te_layer_exchange)."""
-    forward = [Exchange("p2p", cp - 1, 2 * elements * e)]
+    forward = [Exchange("p2p", cp - 1, pair * e)]
     again = list(forward) if recompute != "none" else []
-    return forward, again + [Exchange("p2p", cp - 1, 2 * elements * e), Exchange("p2p", cp - 1, 2 * elements * e)]
+    return forward, again + [Exchange("p2p", cp - 1, pair * e), Exchange("p2p", cp - 1, pair * e)]

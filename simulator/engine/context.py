@@ -120,9 +120,11 @@ def te_layer_exchange(model: GPTConfig, layout: Layout, micro_batch: int, elemen
     """layer_exchange for Transformer Engine's ring as Megatron-core runs it (simulator/costs/te_context.py's
     exchanges) on its ring: the forward's passes as ours; in the backward the first step hides the keys' pass, each
     middle step one message of keys and the dk, dv so far, and the last hop of dk, dv is waited for whole (cp - 1
-    gradient passes in the compute format, where our ring sends cp in fp32). Outside its ring, as ours (cp_merge)."""
+    gradient passes in the compute format, where our ring sends cp in fp32), multi-head latent attention's values at
+    their own width (ours pads them to the query's). Outside its ring, as ours (cp_merge)."""
     if cp_merge(layout, "te") != "te":
         return layer_exchange(model, layout, micro_batch, element_bytes, recompute, links, stage, attention)
-    forward, backward = te_exchanges(layout.cp, kv_elements(model, layout.tp, layout.cp, micro_batch), element_bytes,
+    keys = kv_elements(model, layout.tp, layout.cp, micro_batch)  # values at their own width: MLA's narrower
+    forward, backward = te_exchanges(layout.cp, keys + keys * model.v_head_dim // model.qk_head_dim, element_bytes,
                                      recompute)
     return _ring(forward, backward, recompute, links, stage, layout.cp, attention)
