@@ -263,6 +263,16 @@ class MoE(nn.Module):
         return self.dropout(out)
 
 
+def bias_name(layer: int) -> str:
+    """The plain GPT's state name of block `layer`'s choice bias (checkpoints and transformers' layouts key it so)."""
+    return f"blocks.{layer}.mlp.expert_bias"
+
+
+def biased_layers(module: nn.Module) -> list[MoE]:
+    """The MoE layers under `module` (a model, or a stage of one) that choose with a bias, in the model's order."""
+    return [layer for layer in module.modules() if isinstance(layer, MoE) and layer.config.expert_bias]
+
+
 def update_bias(moe: MoE, step_load: torch.Tensor) -> None:
     """DeepSeek-V3's update of the choice bias after a step (arXiv 2412.19437, 2.1.2): each expert's bias moves by
     expert_bias_rate towards the experts the step's tokens chose less than the mean, b_e += rate x sign(mean - c_e),

@@ -1,8 +1,8 @@
 """Weights that travel: `minigpt export RUN --hf DIR` writes a run of any layout as a Hugging Face model (GPT-2,
-Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE) that transformers opens with the same logits, and `minigpt train
---init-from DIR` starts from one (Mistral's too),
-in any layout, with transformers' own loss on the same batch. Nothing is downloaded: the transformers models are
-built from configs here (minigpt/hf/layouts.py maps the layouts)."""
+Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3) that transformers opens with the same logits, and
+`minigpt train --init-from DIR` starts from one (Phi-3's too), in any layout, with transformers' own loss on the same
+batch. Nothing is downloaded: the transformers models are built from configs (tests/hf_models.py; minigpt/hf/layouts.py
+maps the layouts). What is read beside the layouts (YaRN, fp8 weights, the choice bias): test_hf_readings.py."""
 
 from __future__ import annotations
 
@@ -13,18 +13,17 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
+from hf_models import transformers, transformers_model  # transformers: a test extra, skipped without
 from minigpt.config import GPTConfig
 from minigpt.data import BatchLayout, Corpus, get_batch
 from minigpt.errors import ConfigError
-from minigpt.hf.layouts import FUSED, config_from_hf, from_hf, hf_config, layout_of, lookup, to_hf, unfused
+from minigpt.hf.layouts import FUSED, config_from_hf, hf_config, layout_of, lookup, to_hf, unfused
 from minigpt.hf.files import check_hf_dir, read_hf_dir
 from minigpt.hf.moe import MLP_NAME, PROJECTIONS
 from minigpt.model import GPT
 from minigpt.presets import preset
 from parallel.run.sample import load_model
-from hf_released import DEEPSEEK_V3_RELEASED, MISTRAL_7B_RELEASED
 
-transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
 
 MOE = ["--model", "tiny-moe", "--experts", "4", "--mlp", "swiglu", "--norm", "rmsnorm", "--positions", "rope",
        "--no-bias", "--kv-heads", "2"]
@@ -89,88 +88,6 @@ def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, 
     assert gap <= 1e-5, gap
 
 
-def transformers_model(shape: str, tmp_path):
-    """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mixtral, Qwen3-MoE, Qwen2 (GQA,
-    RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the width / heads, q/k
-    norms) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in `tmp_path`."""
-    moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
-               initializer_range=0.2, router_aux_loss_coef=0.01)
-    if shape == "phi3":  # qkv_proj and gate_up_proj fused, a window as long as the context
-        config = transformers.Phi3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
-                                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, sliding_window=32, tie_word_embeddings=False,
-                                         initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    elif shape == "mistral":  # a sliding window of 12 over a context of 32: each token sees the 11 before it
-        config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
-                                            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                            num_key_value_heads=2, head_dim=24, sliding_window=12,
-                                            tie_word_embeddings=False, initializer_range=0.2)
-    elif shape == "mixtral_window":  # Mixtral's experts through a sliding window of 12
-        config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6,
-                                            sliding_window=12)
-    elif shape == "mixtral":
-        config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6)
-    elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
-        config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
-                                             norm_topk_prob=True, head_dim=24, rms_norm_eps=1e-6)
-    elif shape == "deepseek_v3":  # values narrower than the query heads (12 for 16 + 8), a query latent; each
-        # token's 2 experts from the better of 2 groups of 2, the gates scaled by 2.5 (DeepSeek-V3's routing)
-        config = transformers.DeepseekV3Config(
-            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
-            num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
-            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
-            rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, num_mtp_layers=0)
-    elif shape == "deepseek_v3_yarn":  # DeepSeek-V3's YaRN (its factor 40 over 4K here 4 over 8), mscale 1 over 0.8
-        config = transformers.DeepseekV3Config(
-            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
-            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-            qk_nope_head_dim=16, v_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
-            num_mtp_layers=0, n_group=1, topk_group=1,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "mscale": 1.0, "mscale_all_dim": 0.8})
-    elif shape == "qwen3_yarn":  # Qwen3's long-context YaRN: cos and sin times 0.1 ln 4 + 1
-        config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
-                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
-                                          tie_word_embeddings=False, initializer_range=0.2,
-                                          rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-                                                           "original_max_position_embeddings": 8})
-    elif shape == "qwen2":
-        config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
-                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                          rope_theta=1e6, initializer_range=0.2)
-    elif shape == "qwen3":
-        config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
-                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
-                                          tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.2)
-    elif shape == "gpt2":
-        config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=0, eos_token_id=0, initializer_range=0.2)
-    else:
-        config = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
-                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                          rope_theta=500000.0, initializer_range=0.2)
-    torch.manual_seed(3)  # weights 10x GPT-2's spread: a first loss far from a fresh minigpt model's ln 256
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # norms' gains (and Qwen2's zero-initialised q/k/v biases, a little) away from their
-        for name, param in model.named_parameters():  # initial ones, so that a misplaced one shows
-            scale = 0.3 if "norm" in name or "ln" in name else 0.05 if shape == "qwen2" and "bias" in name else 0
-            param.add_(scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
-        for name, buffer in model.named_buffers():  # DeepSeek's choice bias, far enough from zero to choose others
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)))
-    model.save_pretrained(tmp_path / "hf")
-    return model, tmp_path / "hf"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_path):
@@ -186,36 +103,6 @@ def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_pat
         loss = model(input_ids=inputs, labels=targets, shift_labels=targets).loss.item()
     assert abs(losses[0] - loss) <= 1e-5 and loss > 6.0, (losses[0], loss)
     assert losses[1] < losses[0]  # and it trains
-
-
-def test_rope_yarn_extends_an_imported_models_context(tmp_path):
-    """`--init-from DIR --rope-yarn 2 --seq-len 64` trains a Qwen3 of context 32 at 64 tokens by YaRN, from the
-    first loss transformers' own Qwen3 with that YaRN gives over the same weights; the export writes it."""
-    model, hf_dir = transformers_model("qwen3", tmp_path)
-    run = tmp_path / "run"
-    result = invoke("train", "--init-from", str(hf_dir), "--rope-yarn", "2", "--seq-len", "64", "--steps", "2",
-                    "--global-batch", "4", "--eval-every", "0", "--out", str(run), "--json")
-    assert result.exit_code == 0, result.output
-    losses = json.loads(result.stdout)["losses"]
-    config = transformers.Qwen3Config(**{**model.config.to_dict(), "max_position_embeddings": 64, "rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0, "original_max_position_embeddings": 32}})
-    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
-    theirs.load_state_dict(model.state_dict())
-    inputs, targets = get_batch(Corpus.load(None, 64).train, 64, BatchLayout(4, 1, 1), 0, 0, 0, 0)  # step 0's batch
-    with torch.no_grad():
-        targets = targets.contiguous()
-        loss = theirs(input_ids=inputs, labels=targets, shift_labels=targets).loss.item()
-    assert abs(losses[0] - loss) <= 1e-5, (losses[0], loss)
-    result = invoke("export", str(run), "--hf", str(tmp_path / "hf-64"))
-    assert result.exit_code == 0, result.output
-    written = json.loads((tmp_path / "hf-64" / "config.json").read_text())
-    assert written["max_position_embeddings"] == 64 and written["rope_parameters"]["rope_type"] == "yarn"
-    assert (written["rope_parameters"]["factor"], written["rope_parameters"]["original_max_position_embeddings"]) == (
-        2.0, 32)
-    for args, words in ((["--seq-len", "128"], "beyond YaRN's reach"), (["--layers", "1"], "--layers")):
-        one_line_refusal(invoke("train", "--init-from", str(hf_dir), "--rope-yarn", "2", *args, "--out",
-                                str(tmp_path / "refused")), *words.split(" ", 1)[:1])
-    assert not (tmp_path / "refused").exists()
 
 
 def hub_named(grads: dict, layout: str) -> dict:
@@ -378,83 +265,6 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
             config_from_hf({**deepseek, **change})
 
 
-def test_deepseeks_router_bias_chooses_as_transformers(tmp_path):
-    """A DeepSeek-V3 model's e_score_correction_bias (transformers_model sets it far from zero) is read as our choice
-    bias: the same logits as transformers; read as zeros, other experts are chosen and the logits move."""
-    theirs, hf_dir = transformers_model("deepseek_v3", tmp_path)
-    config = check_hf_dir(hf_dir)
-    assert config.expert_bias and config.expert_bias_rate == 0.0  # read frozen
-    state = read_hf_dir(hf_dir, config)
-    assert state["blocks.1.mlp.expert_bias"].abs().min() > 0
-    ours = GPT(config)
-    ours.load_state_dict(state)
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = theirs(tokens).logits
-        gap = (ours(tokens) - expected).abs().max().item()
-        ours.blocks[1].mlp.expert_bias.zero_()
-        unbiased = (ours(tokens) - expected).abs().max().item()
-    assert gap <= 1e-5 < 1e-2 < unbiased, (gap, unbiased)
-    assert to_hf(ours.state_dict(), config)["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() == 0
-
-
-def block_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` quantized as DeepSeek-V3's releases are: e4m3 in blocks of block x block, each scaled by its largest
-    magnitude over 448, the scale stored (weight_scale_inv: what dequantization multiplies by)."""
-    rows, cols = weight.shape
-    scales = torch.zeros(-(-rows // block), -(-cols // block))
-    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(scales.shape[0]):
-        for j in range(scales.shape[1]):
-            piece = weight[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
-            scales[i, j] = piece.abs().max() / 448
-            quantized[i * block:(i + 1) * block, j * block:(j + 1) * block] = (piece / scales[i, j]).to(
-                torch.float8_e4m3fn)
-    return quantized, scales
-
-
-def test_block_fp8_weights_are_read_multiplied_out(tmp_path):
-    """A DeepSeek-V3 directory in its releases' block-wise fp8 (quant_method "fp8", weight_block_size; here blocks of
-    16, partial at the edges): every quantized Linear read as its fp8 values times its block's scale (transformers
-    5.25 on a CPU, with accelerate, dequantizes this directory to the very same values: checked when this was
-    written), the model's loss within fp8's error of the full-precision one; scales of the wrong shape, or another
-    quantization, refused in one line before any rank starts."""
-    from safetensors.torch import load_file, save_file
-
-    theirs, hf_dir = transformers_model("deepseek_v3", tmp_path)
-    full = load_file(str(hf_dir / "model.safetensors"))
-    stored, expected = {}, dict(full)
-    for name, weight in full.items():
-        if weight.dim() == 2 and name.endswith("proj.weight"):  # the Linears; embeddings, router and norms as they are
-            stored[name], stored[name + "_scale_inv"] = block_fp8(weight, 16)
-            expected[name] = torch.stack([torch.stack([stored[name][i, j].float() * stored[name + "_scale_inv"][
-                i // 16, j // 16] for j in range(weight.shape[1])]) for i in range(weight.shape[0])])
-        else:
-            stored[name] = weight
-    quantized = tmp_path / "fp8"
-    quantized.mkdir()
-    save_file(stored, str(quantized / "model.safetensors"), metadata={"format": "pt"})
-    hf = json.loads((hf_dir / "config.json").read_text())
-    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
-    (quantized / "config.json").write_text(json.dumps({**hf, "quantization_config": fp8}))
-    config = check_hf_dir(quantized)
-    state = read_hf_dir(quantized, config)
-    assert state.keys() == read_hf_dir(hf_dir, config).keys()
-    assert all(torch.equal(tensor, from_hf(expected, config)[name]) for name, tensor in state.items())
-    ours = GPT(config)
-    ours.load_state_dict(state)
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        loss = torch.nn.functional.cross_entropy(ours(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()).item()
-        exact = theirs(input_ids=tokens, labels=tokens.roll(-1, 1), shift_labels=tokens.roll(-1, 1)).loss.item()
-    assert 0 < abs(loss - exact) / exact < 0.05, (loss, exact)
-    for change, words in (({**fp8, "weight_block_size": [32, 32]}, "block scales"),
-                          ({"quant_method": "mxfp4"}, "'mxfp4'"), ({"quant_method": "fp8"}, "weight_block_size")):
-        (quantized / "config.json").write_text(json.dumps({**hf, "quantization_config": change}))
-        with pytest.raises(ConfigError, match=words):
-            check_hf_dir(quantized)
-
-
 @pytest.mark.slow
 def test_bad_model_directories_get_one_line_before_any_rank_starts(tmp_path):
     model, hf_dir = transformers_model("llama", tmp_path)
@@ -531,75 +341,3 @@ def test_a_byte_run_exports_the_byte_tokenizer_that_transformers_reads(exported,
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["config"]["tokenizer"] == "bytes"  # recognised, not re-encoded by a BPE
 
-
-def test_llama31_scaled_rotary_positions_are_transformers():
-    """Llama 3.1's rope_type "llama3" (its long wavelengths divided by the factor, the middle ones interpolated):
-    a transformers Llama with it gives minigpt's logits over a context 4 times the scaling's original one, which
-    the unscaled rotation misses by far."""
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
-    config = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=64, hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
-                                      rope_scaling=scaling, initializer_range=0.2)
-    torch.manual_seed(3)
-    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
-    ours_config = config_from_hf(config.to_dict())
-    assert ours_config.rope_scaling == (8.0, 1.0, 4.0, 16)
-    tokens = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
-    gaps = {}
-    for name, shape in (("scaled", ours_config), ("unscaled", ours_config.with_(rope_scaling=None))):
-        ours = GPT(shape).eval()
-        ours.load_state_dict(from_hf(dict(theirs.state_dict()), shape))
-        with torch.no_grad():
-            gaps[name] = (ours(tokens) - theirs(tokens).logits).abs().max().item()
-    assert gaps["scaled"] <= 5e-5 and gaps["unscaled"] > 0.1, gaps  # logits up to about 7: 1e-5 of them
-
-
-def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
-    """`--model` also takes a transformers config.json (or the directory holding it): the shape --init-from would
-    read, without weights, the other model flags over it; simulate prices it as the preset of that shape."""
-    from minigpt.presets import PRESETS
-
-    (tmp_path / "qwen").mkdir()
-    (tmp_path / "qwen" / "config.json").write_text(json.dumps(hf_config(PRESETS["qwen2.5-7b"].with_(seq_len=32768))))
-    runs = {}
-    for model in ("qwen2.5-7b", str(tmp_path / "qwen"), str(tmp_path / "qwen" / "config.json")):
-        result = invoke("simulate", "--model", model, "--seq-len", "4096", "--dp", "8", "--zero", "1", "--gpu",
-                        "h100-sxm", "--json")
-        assert result.exit_code == 0, result.output
-        runs[model] = json.loads(result.stdout)
-    steps = {run["step_time_s"] for run in runs.values()}
-    assert len(steps) == 1  # the same shape, the same prediction
-    result = invoke("plan", "--model", str(tmp_path / "qwen"), "--seq-len", "4096", "--gpus", "16", "--gpu",
-                    "h100-sxm", "--json")
-    assert result.exit_code == 0, result.output
-    # DeepSeek-V3's own config.json (deepseek-ai/DeepSeek-V3 on the Hub, its fields as released): YaRN to 160K
-    # contexts, noaux_tc routing (e_score_correction_bias), block-fp8 weights: the deepseek-v3 preset's shape and
-    # price (its training's balance loss given, which a config.json does not hold)
-    (tmp_path / "dsv3.json").write_text(json.dumps(DEEPSEEK_V3_RELEASED))
-    layout = ["--gpus", "1024", "--gpu", "h100-sxm", "--pp", "16", "--dp", "64", "--ep", "64", "--global-batch",
-              "8192", "--json"]
-    read = invoke("simulate", "--model", str(tmp_path / "dsv3.json"), "--seq-len", "4096", "--aux-loss-coef", "0.0001",
-                  *layout)
-    preset_run = invoke("simulate", "--model", "deepseek-v3", *layout)
-    assert read.exit_code == 0 and preset_run.exit_code == 0, read.output + preset_run.output
-    read, preset_run = json.loads(read.stdout), json.loads(preset_run.stdout)
-    assert read["parameters"]["total"] == preset_run["parameters"]["total"] == 671_026_404_352
-    assert read["step_time_s"] == preset_run["step_time_s"]
-    # Mistral 7B's own (mistralai/Mistral-7B-v0.1): its 7,241,732,096 parameters, every layer through its window of
-    # 4,096 at its 32K context (attention priced as the band), none at 4K
-    (tmp_path / "mistral.json").write_text(json.dumps(MISTRAL_7B_RELEASED))
-    steps = {}
-    for args in ([], ["--window", "0"], ["--seq-len", "4096"]):
-        result = invoke("simulate", "--model", str(tmp_path / "mistral.json"), *args, "--gpus", "8", "--dp", "8",
-                        "--zero", "3", "--gpu", "h100-sxm", "--recompute", "full", "--json")
-        assert result.exit_code == 0, result.output
-        run = json.loads(result.stdout)
-        assert run["parameters"]["total"] == 7_241_732_096
-        steps[" ".join(args)] = run["step_time_s"]
-    assert steps[""] < 0.8 * steps["--window 0"], steps
-    (tmp_path / "bad.json").write_text("[1, 2]")
-    one_line_refusal(invoke("simulate", "--model", str(tmp_path / "bad.json")), "not a JSON object")
-    one_line_refusal(invoke("simulate", "--model", str(tmp_path)), "no config.json")
-    one_line_refusal(invoke("simulate", "--model", "llama-9"), "unknown model preset", "config.json")

@@ -26,7 +26,7 @@ from job.train_config import TrainConfig
 from minigpt.presets import preset
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
-from minigpt.moe import MoE
+from minigpt.moe import biased_layers
 from parallel.expert.dispatch import ExpertParallel
 from parallel.mesh import build_mesh
 from parallel.run.build import build_rank
@@ -105,8 +105,7 @@ def trained(cfg: TrainConfig) -> dict:
         found["losses"].append(outcome.loss)
         found["grad_norms"].append(outcome.result.grad_norm)
     found["routed_last_step"] = [tuple(pair) for pair in routed]
-    found["expert_bias"] = {module.layer: module.expert_bias.tolist() for module in rank.stage.modules()
-                            if isinstance(module, MoE) and module.config.expert_bias}
+    found["expert_bias"] = {module.layer: module.expert_bias.tolist() for module in biased_layers(rank.stage)}
     found["ep_log"] = list(rank.comms["ep"].log) if "ep" in rank.comms else []
     found["ep_replicas_log"] = list(rank.comms["ep_replicas"].log) if "ep_replicas" in rank.comms else []
     found["cp_log"] = list(rank.comms["cp"].log)

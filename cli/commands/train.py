@@ -328,7 +328,7 @@ def check_and_run(cfg: TrainConfig, options: dict, as_json: bool, plotter: LossP
     if cfg.init_from is not None:  # every tensor of the shape there, at its size: read from the files' headers
         from minigpt.hf.files import check_hf_dir
 
-        check_hf_dir(cfg.init_from, None if cfg.model.rope_yarn else cfg.model.seq_len)  # YaRN: past its context
+        check_hf_dir(cfg.init_from)  # the context was checked where the shape was read (model_from_hf)
     check_memory(cfg)
     out = (sys.stderr if as_json else sys.stdout) if reports() else io.StringIO()  # torchrun: rank 0 speaks
     claim = claim_run_dir(cfg, options)

@@ -169,7 +169,9 @@ def router_extras(state: dict, config: GPTConfig, layer: int, theirs: str) -> di
     """The router's e_score_correction_bias of block `layer`: our choice bias, or zeros (a router without one)."""
     import torch
 
-    bias = state.get(f"blocks.{layer}.mlp.expert_bias")
+    from minigpt.moe import bias_name
+
+    bias = state.get(bias_name(layer))
     return {f"{theirs}mlp.gate.e_score_correction_bias":
             torch.zeros(config.n_experts) if bias is None else bias.detach().float().clone()}
 
@@ -177,6 +179,8 @@ def router_extras(state: dict, config: GPTConfig, layer: int, theirs: str) -> di
 def router_extras_from_hf(found, config: GPTConfig, layer: int, theirs: str) -> dict:
     """Our state's choice bias of block `layer` from its e_score_correction_bias (`found(name)`: the tensor, fp32;
     ConfigError when the checkpoint has none)."""
+    from minigpt.moe import bias_name
+
     if not config.expert_bias:
         return {}
-    return {f"blocks.{layer}.mlp.expert_bias": found(f"{theirs}mlp.gate.e_score_correction_bias")}
+    return {bias_name(layer): found(f"{theirs}mlp.gate.e_score_correction_bias")}

@@ -102,6 +102,11 @@ def fp8_blocks(hf: dict) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
+def scaled_weights(names) -> dict[str, str]:
+    """{a block-wise fp8 weight's weight_scale_inv: that weight's name} of the tensor `names`."""
+    return {name: name[: -len("_scale_inv")] for name in names if name.endswith(".weight_scale_inv")}
+
+
 def scale_shape(weight: list[int], block: tuple[int, int]) -> list[int]:
     """The shape of a block-wise fp8 weight's weight_scale_inv: one scale per block, the last blocks partial."""
     return [-(-weight[0] // block[0]), -(-weight[1] // block[1])]
@@ -112,27 +117,27 @@ def dequantized(tensors: dict, block: tuple[int, int]) -> dict:
     each block by its scale (DeepSeek's weight_dequant; transformers' own dequantization gives the same values), and
     the scales dropped; ConfigError on a scale of the wrong shape."""
     out = dict(tensors)
-    for name in [key for key in tensors if key.endswith(".weight_scale_inv")]:
-        weight, scale = out[name[: -len("_scale_inv")]], out.pop(name)
+    for name, weight_name in scaled_weights(tensors).items():
+        weight, scale = out[weight_name], out.pop(name)
         if list(scale.shape) != scale_shape(list(weight.shape), block):
             raise ConfigError(f"{name} is {list(scale.shape)}, its weight's {list(weight.shape)} blocks of {block} "
                               f"make it {scale_shape(list(weight.shape), block)}")
         rows, cols = weight.shape
         full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-        out[name[: -len("_scale_inv")]] = weight.float() * full
+        out[weight_name] = weight.float() * full
     return out
 
 
-def check_hf_dir(path: str | os.PathLike, seq_len: int | None = None) -> GPTConfig:
+def check_hf_dir(path: str | os.PathLike) -> GPTConfig:
     """The model shape of directory `path`, after checking that its weights hold every tensor of that shape at the
     right size (headers only; a block-wise fp8 weight with its scales); ConfigError, one line, on anything minigpt
     cannot load."""
     path = Path(path)
     hf = read_config(path)
-    config = config_from_hf(hf, seq_len)
+    config = config_from_hf(hf)
     block, found = fp8_blocks(hf), headers(weight_files(path))
-    for name in [key for key in found if key.endswith(".weight_scale_inv")]:
-        weight = found.get(name[: -len("_scale_inv")])
+    for name, weight_name in scaled_weights(found).items():
+        weight = found.get(weight_name)
         if block is None or weight is None or found[name] != scale_shape(weight, block):
             raise ConfigError(f"{str(path)!r}: {name} is not the block scales of an fp8 weight this config.json "
                               f"describes")

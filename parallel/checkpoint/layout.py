@@ -40,7 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from minigpt.model import GPT
-from minigpt.moe import MoE
+from minigpt.moe import bias_name, biased_layers
 from job.schedule import chunk_layers
 
 Box = tuple[int, tuple[int, ...], tuple[int, ...]]  # (first flat element, offsets, sizes)
@@ -182,14 +182,13 @@ def saved_buffers(model_config) -> dict[str, tuple[int, ...]]:
     bias (minigpt/moe.py's expert_bias, fp32, the same on every rank of its stage)."""
     if not (model_config.is_moe and model_config.expert_bias):
         return {}
-    return {f"blocks.{layer}.mlp.expert_bias": (model_config.n_experts,) for layer in range(model_config.n_layers)
+    return {bias_name(layer): (model_config.n_experts,) for layer in range(model_config.n_layers)
             if model_config.is_moe_layer(layer)}
 
 
 def stage_buffers(stage) -> dict[str, torch.Tensor]:
     """This rank's saved_buffers, by their names in the plain GPT (its stage's MoE layers only)."""
-    return {f"blocks.{module.layer}.mlp.expert_bias": module.expert_bias for module in stage.modules()
-            if isinstance(module, MoE) and module.config.expert_bias}
+    return {bias_name(module.layer): module.expert_bias for module in biased_layers(stage)}
 
 
 class NoNormalOnMeta(TorchFunctionMode):

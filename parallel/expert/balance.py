@@ -16,13 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minigpt.moe import MoE, update_bias
+from minigpt.moe import biased_layers, update_bias
 from parallel.mesh import Mesh
-
-
-def biased_layers(stage: nn.Module) -> list[MoE]:
-    """The stage's MoE layers that choose with a bias, in the model's order."""
-    return [module for module in stage.modules() if isinstance(module, MoE) and module.config.expert_bias]
 
 
 def update_expert_bias(stage: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:

@@ -80,13 +80,19 @@ def shape_options(entry: dict, at: str, n_heads: int, d_model: int) -> tuple:
             options["qk_norm"], head_dim, window, _experts(entry, at), _latent(entry, at))
 
 
+def _section(entry: dict, at: str, name: str, fields: tuple[str, ...]) -> dict | None:
+    """A unit's optional section `name` (None where absent), checked to hold exactly `fields`."""
+    section = entry.get(name)
+    if section is not None and (not isinstance(section, dict) or set(section) != set(fields)):
+        raise ConfigError(f"{at}.{name} must hold exactly {', '.join(fields)}")
+    return section
+
+
 def _experts(entry: dict, at: str) -> tuple | None:
     """A unit's "experts" as expert_key keys them (None: a dense block's unit)."""
-    experts = entry.get("experts")
+    experts = _section(entry, at, "experts", EXPERT_FIELDS)
     if experts is None:
         return None
-    if not isinstance(experts, dict) or set(experts) != set(EXPERT_FIELDS):
-        raise ConfigError(f"{at}.experts must hold exactly {', '.join(EXPERT_FIELDS)}")
     counts = [int(positive(experts[k], f"{at}.experts.{k}", integer=True, high=2**20, zero=k == "n_shared_experts"))
               for k in EXPERT_FIELDS[:4]]
     if counts[1] > counts[0]:
@@ -101,10 +107,8 @@ def _experts(entry: dict, at: str) -> tuple | None:
 
 def _latent(entry: dict, at: str) -> tuple | None:
     """A unit's "latent" (multi-head latent attention) as latent_key keys it (None: ordinary attention)."""
-    latent = entry.get("latent")
+    latent = _section(entry, at, "latent", LATENT_FIELDS)
     if latent is None:
         return None
-    if not isinstance(latent, dict) or set(latent) != set(LATENT_FIELDS):
-        raise ConfigError(f"{at}.latent must hold exactly {', '.join(LATENT_FIELDS)}")
     return tuple(int(positive(latent[k], f"{at}.latent.{k}", integer=True, high=2**20, zero=k == "q_lora_rank"))
                  for k in LATENT_FIELDS)

@@ -384,9 +384,14 @@ def _bias_counts(job: _Job, placed, stage: int) -> float:
     after the optimizer step."""
     if not (job.model.is_moe and job.model.expert_bias):
         return 0.0
-    nbytes = 8 * job.model.n_experts * sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
+    nbytes = 8 * job.model.n_experts * _moe_layers(job, placed)
     tp = job.links.tp_collective("all_reduce", nbytes) if job.layout.sequence_parallel else 0.0
     return job.links.dp_collective(stage, "all_reduce", nbytes) + tp
+
+
+def _moe_layers(job: _Job, placed) -> int:
+    """The MoE layers of a rank's placed chunks."""
+    return sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
 
 
 def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool = False) -> float:
@@ -395,9 +400,8 @@ def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool
     reduce-scatter and the updated weights' all-gather (job/exchange/experts.py's expert_gradient_reduction), in fp8
     for the weights when the stack keeps its experts' weights in fp8 (`fp8_experts_kept`)."""
     layout = job.layout
-    moe_layers = sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
-    calls = expert_gradient_reduction(job.model, layout.ep, layout.token_ranks, moe_layers, FORMAT_BYTES[pol.compute],
-                                      layout.expert_state_shards, fp8_experts_kept)
+    calls = expert_gradient_reduction(job.model, layout.ep, layout.token_ranks, _moe_layers(job, placed),
+                                      FORMAT_BYTES[pol.compute], layout.expert_state_shards, fp8_experts_kept)
     return sum(call.calls * job.links.expert_collective(stage, call.kind, call.bytes) for call in calls)
 
 

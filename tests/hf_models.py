@@ -1,0 +1,93 @@
+"""Small transformers models for the tests that read them (test_hf.py, test_hf_readings.py): built from configs
+here, nothing downloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # a test extra: pip install -e '.[test]'
+
+
+def transformers_model(shape: str, tmp_path):
+    """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
+    Phi-3 (fused projections), Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
+    from zero; also with YaRN), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
+    width / heads, q/k norms; also with YaRN) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in
+    `tmp_path`: (the model, its directory)."""
+    moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
+               initializer_range=0.2, router_aux_loss_coef=0.01)
+    if shape == "phi3":  # qkv_proj and gate_up_proj fused, a window as long as the context
+        config = transformers.Phi3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, sliding_window=32, tie_word_embeddings=False,
+                                         initializer_range=0.2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    elif shape == "mistral":  # a sliding window of 12 over a context of 32: each token sees the 11 before it
+        config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=24, sliding_window=12,
+                                            tie_word_embeddings=False, initializer_range=0.2)
+    elif shape == "mixtral_window":  # Mixtral's experts through a sliding window of 12
+        config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6,
+                                            sliding_window=12)
+    elif shape == "mixtral":
+        config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6)
+    elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
+        config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
+                                             norm_topk_prob=True, head_dim=24, rms_norm_eps=1e-6)
+    elif shape == "deepseek_v3":  # values narrower than the query heads (12 for 16 + 8), a query latent; each
+        # token's 2 experts from the better of 2 groups of 2, the gates scaled by 2.5 (DeepSeek-V3's routing)
+        config = transformers.DeepseekV3Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, num_mtp_layers=0)
+    elif shape == "deepseek_v3_yarn":  # DeepSeek-V3's YaRN (its factor 40 over 4K here 4 over 8), mscale 1 over 0.8
+        config = transformers.DeepseekV3Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+            num_mtp_layers=0, n_group=1, topk_group=1,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 0.8})
+    elif shape == "qwen3_yarn":  # Qwen3's long-context YaRN: cos and sin times 0.1 ln 4 + 1
+        config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=False, initializer_range=0.2,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                           "original_max_position_embeddings": 8})
+    elif shape == "qwen2":
+        config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                          rope_theta=1e6, initializer_range=0.2)
+    elif shape == "qwen3":
+        config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.2)
+    elif shape == "gpt2":
+        config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0, initializer_range=0.2)
+    else:
+        config = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                          rope_theta=500000.0, initializer_range=0.2)
+    torch.manual_seed(3)  # weights 10x GPT-2's spread: a first loss far from a fresh minigpt model's ln 256
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms' gains (and Qwen2's zero-initialised q/k/v biases, a little) away from their
+        for name, param in model.named_parameters():  # initial ones, so that a misplaced one shows
+            scale = 0.3 if "norm" in name or "ln" in name else 0.05 if shape == "qwen2" and "bias" in name else 0
+            param.add_(scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
+        for name, buffer in model.named_buffers():  # DeepSeek's choice bias, far enough from zero to choose others
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)))
+    model.save_pretrained(tmp_path / "hf")
+    return model, tmp_path / "hf"

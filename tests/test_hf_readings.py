@@ -1,0 +1,199 @@
+"""What minigpt reads of others' models beside their layouts (test_hf.py): DeepSeek-V3's choice bias, YaRN (a model's
+own, and --rope-yarn extending one), Llama 3.1's scaled rotation, block-wise fp8 weights, and a released config.json
+given as --model to simulate and plan; each against transformers' own model where it has one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_models import transformers, transformers_model
+from hf_released import DEEPSEEK_V3_RELEASED, MISTRAL_7B_RELEASED
+from minigpt.data import BatchLayout, Corpus, get_batch
+from minigpt.errors import ConfigError
+from minigpt.hf.files import check_hf_dir, read_hf_dir
+from minigpt.hf.layouts import config_from_hf, from_hf, hf_config, to_hf
+from minigpt.model import GPT
+from test_hf import invoke, one_line_refusal
+
+
+def test_rope_yarn_extends_an_imported_models_context(tmp_path):
+    """`--init-from DIR --rope-yarn 2 --seq-len 64` trains a Qwen3 of context 32 at 64 tokens by YaRN, from the
+    first loss transformers' own Qwen3 with that YaRN gives over the same weights; the export writes it."""
+    model, hf_dir = transformers_model("qwen3", tmp_path)
+    run = tmp_path / "run"
+    result = invoke("train", "--init-from", str(hf_dir), "--rope-yarn", "2", "--seq-len", "64", "--steps", "2",
+                    "--global-batch", "4", "--eval-every", "0", "--out", str(run), "--json")
+    assert result.exit_code == 0, result.output
+    losses = json.loads(result.stdout)["losses"]
+    config = transformers.Qwen3Config(**{**model.config.to_dict(), "max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0, "original_max_position_embeddings": 32}})
+    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
+    theirs.load_state_dict(model.state_dict())
+    inputs, targets = get_batch(Corpus.load(None, 64).train, 64, BatchLayout(4, 1, 1), 0, 0, 0, 0)  # step 0's batch
+    with torch.no_grad():
+        targets = targets.contiguous()
+        loss = theirs(input_ids=inputs, labels=targets, shift_labels=targets).loss.item()
+    assert abs(losses[0] - loss) <= 1e-5, (losses[0], loss)
+    result = invoke("export", str(run), "--hf", str(tmp_path / "hf-64"))
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "hf-64" / "config.json").read_text())
+    assert written["max_position_embeddings"] == 64 and written["rope_parameters"]["rope_type"] == "yarn"
+    assert (written["rope_parameters"]["factor"], written["rope_parameters"]["original_max_position_embeddings"]) == (
+        2.0, 32)
+    for args, words in ((["--seq-len", "128"], "beyond YaRN's reach"), (["--layers", "1"], "--layers")):
+        one_line_refusal(invoke("train", "--init-from", str(hf_dir), "--rope-yarn", "2", *args, "--out",
+                                str(tmp_path / "refused")), *words.split(" ", 1)[:1])
+    assert not (tmp_path / "refused").exists()
+
+
+def test_deepseeks_router_bias_chooses_as_transformers(tmp_path):
+    """A DeepSeek-V3 model's e_score_correction_bias (transformers_model sets it far from zero) is read as our choice
+    bias: the same logits as transformers; read as zeros, other experts are chosen and the logits move."""
+    theirs, hf_dir = transformers_model("deepseek_v3", tmp_path)
+    config = check_hf_dir(hf_dir)
+    assert config.expert_bias and config.expert_bias_rate == 0.0  # read frozen
+    state = read_hf_dir(hf_dir, config)
+    assert state["blocks.1.mlp.expert_bias"].abs().min() > 0
+    ours = GPT(config)
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        gap = (ours(tokens) - expected).abs().max().item()
+        ours.blocks[1].mlp.expert_bias.zero_()
+        unbiased = (ours(tokens) - expected).abs().max().item()
+    assert gap <= 1e-5 < 1e-2 < unbiased, (gap, unbiased)
+    assert to_hf(ours.state_dict(), config)["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() == 0
+
+
+def block_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` quantized as DeepSeek-V3's releases are: e4m3 in blocks of block x block, each scaled by its largest
+    magnitude over 448, the scale stored (weight_scale_inv: what dequantization multiplies by)."""
+    rows, cols = weight.shape
+    scales = torch.zeros(-(-rows // block), -(-cols // block))
+    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            piece = weight[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+            scales[i, j] = piece.abs().max() / 448
+            quantized[i * block:(i + 1) * block, j * block:(j + 1) * block] = (piece / scales[i, j]).to(
+                torch.float8_e4m3fn)
+    return quantized, scales
+
+
+def test_block_fp8_weights_are_read_multiplied_out(tmp_path):
+    """A DeepSeek-V3 directory in its releases' block-wise fp8 (quant_method "fp8", weight_block_size; here blocks of
+    16, partial at the edges): every quantized Linear read as its fp8 values times its block's scale (transformers
+    5.25 on a CPU, with accelerate, dequantizes this directory to the very same values: checked when this was
+    written), the model's loss within fp8's error of the full-precision one; scales of the wrong shape, or another
+    quantization, refused in one line before any rank starts."""
+    from safetensors.torch import load_file, save_file
+
+    theirs, hf_dir = transformers_model("deepseek_v3", tmp_path)
+    full = load_file(str(hf_dir / "model.safetensors"))
+    stored, expected = {}, dict(full)
+    for name, weight in full.items():
+        if weight.dim() == 2 and name.endswith("proj.weight"):  # the Linears; embeddings, router and norms as they are
+            stored[name], stored[name + "_scale_inv"] = block_fp8(weight, 16)
+            expected[name] = torch.stack([torch.stack([stored[name][i, j].float() * stored[name + "_scale_inv"][
+                i // 16, j // 16] for j in range(weight.shape[1])]) for i in range(weight.shape[0])])
+        else:
+            stored[name] = weight
+    quantized = tmp_path / "fp8"
+    quantized.mkdir()
+    save_file(stored, str(quantized / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((hf_dir / "config.json").read_text())
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
+    (quantized / "config.json").write_text(json.dumps({**hf, "quantization_config": fp8}))
+    config = check_hf_dir(quantized)
+    state = read_hf_dir(quantized, config)
+    assert state.keys() == read_hf_dir(hf_dir, config).keys()
+    assert all(torch.equal(tensor, from_hf(expected, config)[name]) for name, tensor in state.items())
+    ours = GPT(config)
+    ours.load_state_dict(state)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(ours(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten()).item()
+        exact = theirs(input_ids=tokens, labels=tokens.roll(-1, 1), shift_labels=tokens.roll(-1, 1)).loss.item()
+    assert 0 < abs(loss - exact) / exact < 0.05, (loss, exact)
+    for change, words in (({**fp8, "weight_block_size": [32, 32]}, "block scales"),
+                          ({"quant_method": "mxfp4"}, "'mxfp4'"), ({"quant_method": "fp8"}, "weight_block_size")):
+        (quantized / "config.json").write_text(json.dumps({**hf, "quantization_config": change}))
+        with pytest.raises(ConfigError, match=words):
+            check_hf_dir(quantized)
+
+
+def test_llama31_scaled_rotary_positions_are_transformers():
+    """Llama 3.1's rope_type "llama3" (its long wavelengths divided by the factor, the middle ones interpolated):
+    a transformers Llama with it gives minigpt's logits over a context 4 times the scaling's original one, which
+    the unscaled rotation misses by far."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    config = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=64, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
+                                      rope_scaling=scaling, initializer_range=0.2)
+    torch.manual_seed(3)
+    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ours_config = config_from_hf(config.to_dict())
+    assert ours_config.rope_scaling == (8.0, 1.0, 4.0, 16)
+    tokens = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(0))
+    gaps = {}
+    for name, shape in (("scaled", ours_config), ("unscaled", ours_config.with_(rope_scaling=None))):
+        ours = GPT(shape).eval()
+        ours.load_state_dict(from_hf(dict(theirs.state_dict()), shape))
+        with torch.no_grad():
+            gaps[name] = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert gaps["scaled"] <= 5e-5 and gaps["unscaled"] > 0.1, gaps  # logits up to about 7: 1e-5 of them
+
+
+def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
+    """`--model` also takes a transformers config.json (or the directory holding it): the shape --init-from would
+    read, without weights, the other model flags over it; simulate prices it as the preset of that shape."""
+    from minigpt.presets import PRESETS
+
+    (tmp_path / "qwen").mkdir()
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps(hf_config(PRESETS["qwen2.5-7b"].with_(seq_len=32768))))
+    runs = {}
+    for model in ("qwen2.5-7b", str(tmp_path / "qwen"), str(tmp_path / "qwen" / "config.json")):
+        result = invoke("simulate", "--model", model, "--seq-len", "4096", "--dp", "8", "--zero", "1", "--gpu",
+                        "h100-sxm", "--json")
+        assert result.exit_code == 0, result.output
+        runs[model] = json.loads(result.stdout)
+    steps = {run["step_time_s"] for run in runs.values()}
+    assert len(steps) == 1  # the same shape, the same prediction
+    result = invoke("plan", "--model", str(tmp_path / "qwen"), "--seq-len", "4096", "--gpus", "16", "--gpu",
+                    "h100-sxm", "--json")
+    assert result.exit_code == 0, result.output
+    # DeepSeek-V3's own config.json (deepseek-ai/DeepSeek-V3 on the Hub, its fields as released): YaRN to 160K
+    # contexts, noaux_tc routing (e_score_correction_bias), block-fp8 weights: the deepseek-v3 preset's shape and
+    # price (its training's balance loss given, which a config.json does not hold)
+    (tmp_path / "dsv3.json").write_text(json.dumps(DEEPSEEK_V3_RELEASED))
+    layout = ["--gpus", "1024", "--gpu", "h100-sxm", "--pp", "16", "--dp", "64", "--ep", "64", "--global-batch",
+              "8192", "--json"]
+    read = invoke("simulate", "--model", str(tmp_path / "dsv3.json"), "--seq-len", "4096", "--aux-loss-coef", "0.0001",
+                  *layout)
+    preset_run = invoke("simulate", "--model", "deepseek-v3", *layout)
+    assert read.exit_code == 0 and preset_run.exit_code == 0, read.output + preset_run.output
+    read, preset_run = json.loads(read.stdout), json.loads(preset_run.stdout)
+    assert read["parameters"]["total"] == preset_run["parameters"]["total"] == 671_026_404_352
+    assert read["step_time_s"] == preset_run["step_time_s"]
+    # Mistral 7B's own (mistralai/Mistral-7B-v0.1): its 7,241,732,096 parameters, every layer through its window of
+    # 4,096 at its 32K context (attention priced as the band), none at 4K
+    (tmp_path / "mistral.json").write_text(json.dumps(MISTRAL_7B_RELEASED))
+    steps = {}
+    for args in ([], ["--window", "0"], ["--seq-len", "4096"]):
+        result = invoke("simulate", "--model", str(tmp_path / "mistral.json"), *args, "--gpus", "8", "--dp", "8",
+                        "--zero", "3", "--gpu", "h100-sxm", "--recompute", "full", "--json")
+        assert result.exit_code == 0, result.output
+        run = json.loads(result.stdout)
+        assert run["parameters"]["total"] == 7_241_732_096
+        steps[" ".join(args)] = run["step_time_s"]
+    assert steps[""] < 0.8 * steps["--window 0"], steps
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    one_line_refusal(invoke("simulate", "--model", str(tmp_path / "bad.json")), "not a JSON object")
+    one_line_refusal(invoke("simulate", "--model", str(tmp_path)), "no config.json")
+    one_line_refusal(invoke("simulate", "--model", "llama-9"), "unknown model preset", "config.json")
