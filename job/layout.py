@@ -47,12 +47,13 @@ class Layout:
     shard_group: int = 0  # 0: ZeRO shards over every data rank
     ep: int = 1  # expert parallelism: a MoE's experts split over ep ranks of the data-parallel group (job/experts.py)
     sync_grads_once: bool = False  # ZeRO-3 without resharding: units kept all step, gradients reduced once
+    stage_layers: tuple[int, ...] = ()  # blocks of each pipeline chunk, in global chunk order (): the even split
 
     @classmethod
     def of(cls, cfg) -> "Layout":
         """The layout of a TrainConfig (job/train_config.py), every field of it."""
         return cls(cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sequence_parallel, cfg.virtual_chunks, cfg.cp, cfg.cp_kind,
-                   cfg.reshard_after_forward, cfg.shard_group, cfg.ep, cfg.sync_grads_once)
+                   cfg.reshard_after_forward, cfg.shard_group, cfg.ep, cfg.sync_grads_once, cfg.stage_layers)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "virtual_chunks", "cp", "ep"):
@@ -67,6 +68,7 @@ class Layout:
         if self.cp_kind not in CP_KINDS:
             raise ConfigError(f"cp_kind must be one of {', '.join(CP_KINDS)}, got {self.cp_kind!r}")
         check_sharding(self.zero, self.data_ranks, self.shard_group, self.reshard_after_forward, self.sync_grads_once)
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # hashable, whatever sequence was given
 
     @property
     def world_size(self) -> int:
@@ -131,11 +133,27 @@ class Layout:
         check_tensor_parallel(model, self.tp, self.sequence_parallel)
         check_context_parallel(model, self.cp, self.cp_kind, self.tp, self.sequence_parallel)
         check_expert_parallel(model, self.ep, self.dp, self.cp, self.tp, self.sequence_parallel)
-        chunk_layers(model.n_layers, self.pp * self.virtual_chunks)  # raises when a chunk would have no block
+        self.chunks(model)  # raises when a chunk would have no block, or the stage layout does not fit
+
+    def chunks(self, model: GPTConfig) -> list[range]:
+        """The blocks of each global pipeline chunk: the stage layout's, else the even split (chunk_layers)."""
+        return chunk_layers(model.n_layers, self.pp * self.virtual_chunks, self.stage_layers)
+
+    @property
+    def placement(self) -> str:
+        """The stage layout as --stage-layers takes it ('4,4*14,1': runs of equal chunks folded), '' for the even
+        split."""
+        runs: list[list[int]] = []
+        for size in self.stage_layers:
+            if runs and runs[-1][0] == size:
+                runs[-1][1] += 1
+            else:
+                runs.append([size, 1])
+        return ",".join(f"{size}*{count}" if count > 1 else str(size) for size, count in runs)
 
     def rank_chunks(self, model: GPTConfig) -> list[list[tuple[int, range]]]:
         """For each pipeline rank, its (global chunk index, blocks): rank r holds chunks r, r + pp, ..."""
-        chunks = chunk_layers(model.n_layers, self.pp * self.virtual_chunks)
+        chunks = self.chunks(model)
         return [[(c, chunks[c]) for c in range(rank, len(chunks), self.pp)] for rank in range(self.pp)]
 
 

@@ -34,7 +34,7 @@ assignment), chunk 0 also holds the embedding, chunk p*v-1 the head and loss.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from minigpt.errors import ConfigError
 from job.schedule_actions import (
@@ -87,8 +87,8 @@ __all__ = [
     "BackwardWeight", "ChunkParams", "Compute", "Costs", "DataParallel", "DataParallelPlan", "Forward",
     "GatherParams", "OptimizerStep", "PointToPoint", "RecvActivation", "RecvGrad", "ReduceScatterGrads",
     "ReduceTiedGrad", "Schedule", "ScheduleConfig", "SendActivation", "SendGrad", "SyncEmbedding",
-    "TimedAction", "Timeline", "armed_around", "batches", "bubble_fraction", "build_schedule", "chunk_layers",
-    "chunk_rank", "closed_form_bubble", "compute_order", "compute_slots", "count_kinds", "input_recv",
+    "TimedAction", "Timeline", "armed_around", "batches", "bubble_fraction", "build_schedule", "check_stage_layers",
+    "chunk_layers", "chunk_rank", "closed_form_bubble", "compute_order", "compute_slots", "count_kinds", "input_recv",
     "local_chunk", "match_pairs", "output_send", "peak_ends_in_flight", "peak_in_flight", "reduce_kind", "simulate_order",
     "validate",
 ]
@@ -105,22 +105,43 @@ def build_schedule(config: ScheduleConfig) -> Schedule:
     return Schedule(config, tuple(assemble(config, rank, orders[rank], boundaries[rank]) for rank in range(config.pp)))
 
 
-def chunk_layers(n_layers: int, num_chunks: int) -> list[range]:
-    """The transformer blocks of each chunk: contiguous, sizes differing by at most one.
+def chunk_layers(n_layers: int, num_chunks: int, sizes: Sequence[int] = ()) -> list[range]:
+    """The transformer blocks of each chunk: contiguous, `sizes` blocks each where given (a stage layout,
+    Megatron's pipeline_model_parallel_layout or torchtitan's layers per stage), else sizes differing by at most one.
 
-    The first n_layers % num_chunks chunks take one block more: the last chunk already
-    carries the head and the loss, the heaviest non-block work.
+    The even split gives the first n_layers % num_chunks chunks one block more: the last chunk already
+    carries the head and the loss, the heaviest non-block work. A stage layout may leave the first chunk
+    (embeddings only) or the last (head and loss only) without blocks, never one between.
     """
-    if num_chunks < 1 or n_layers < num_chunks:
+    if sizes:
+        check_stage_layers(sizes, n_layers, num_chunks)
+    elif num_chunks < 1 or n_layers < num_chunks:
         raise ConfigError(
             f"{n_layers} layers cannot fill {num_chunks} pipeline chunks (pp x virtual chunks): "
             "every chunk needs at least one block; use fewer stages or chunks, or more layers"
         )
-    base, extra = divmod(n_layers, num_chunks)
+    else:
+        base, extra = divmod(n_layers, num_chunks)
+        sizes = [base + (1 if chunk < extra else 0) for chunk in range(num_chunks)]
     bounds = [0]
-    for chunk in range(num_chunks):
-        bounds.append(bounds[-1] + base + (1 if chunk < extra else 0))
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
     return [range(bounds[i], bounds[i + 1]) for i in range(num_chunks)]
+
+
+def check_stage_layers(sizes: Sequence[int], n_layers: int, num_chunks: int) -> None:
+    """A stage layout: one whole number of blocks per chunk (pp x virtual chunks of them, in global chunk
+    order), adding up to the model's layers, at least one in every chunk but the first and the last."""
+    if len(sizes) != num_chunks:
+        raise ConfigError(f"--stage-layers gives {len(sizes)} chunk(s) but pp x virtual chunks = {num_chunks}: "
+                          f"one block count per chunk")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes):
+        raise ConfigError(f"--stage-layers takes whole numbers of blocks >= 0, got {list(sizes)}")
+    if sum(sizes) != n_layers:
+        raise ConfigError(f"--stage-layers adds up to {sum(sizes)} blocks but the model has {n_layers}")
+    if any(n == 0 for n in sizes[1:-1]) or (num_chunks == 1 and n_layers == 0):
+        raise ConfigError(f"--stage-layers {','.join(map(str, sizes))}: only the first chunk (embeddings) and the "
+                          f"last (head and loss) may hold no block")
 
 
 def count_kinds(actions: Iterable[Action]) -> dict[str, int]:

@@ -206,6 +206,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_chunks: int = 1
+    stage_layers: tuple[int, ...] = ()  # blocks of each pipeline chunk in global chunk order; (): the even split
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     threads_per_rank: int | None = None  # None: torch's default for one process, 1 per rank otherwise
     save_every: int = 0  # checkpoint every N steps and at the end (0: only at the end, unless save_final is off)
@@ -257,12 +258,15 @@ class TrainConfig:
             check_threads_per_rank("threads per rank", self.threads_per_rank)
         BatchLayout(self.global_batch, self.micro_batches, self.dp)  # divisibility
         ScheduleConfig(self.pp, self.micro_batches, self.schedule, self.virtual_chunks, self.zero)  # checks
-        chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks)  # every chunk needs a block
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))  # hashable, saved as a list in JSON
+        chunk_layers(self.model.n_layers, self.pp * self.virtual_chunks, self.stage_layers)  # a block a chunk, or a layout
         check_train_recompute(self.recompute)
-        if self.schedule == "interleaved" and self.model.n_layers % (self.pp * self.virtual_chunks):
+        if self.schedule == "interleaved" and self.model.n_layers % (self.pp * self.virtual_chunks) \
+                and not self.stage_layers:
             raise ConfigError(
                 f"interleaving needs the {self.model.n_layers} layers to divide evenly into pp x virtual chunks = "
-                f"{self.pp * self.virtual_chunks} chunks: change --layers, --pp or --virtual-chunks"
+                f"{self.pp * self.virtual_chunks} chunks: change --layers, --pp or --virtual-chunks, or place them "
+                f"with --stage-layers"
             )
         check_vocabulary(self.model, self.tokenizer)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):

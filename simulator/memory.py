@@ -270,10 +270,11 @@ def _activations(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp
 def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard_ranks: int, zero: int,
                   pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
                   ep: int = 1, expert_shards: int = 1, fp8_params: str = "none",
-                  fp8_experts: bool = False, reduce_bytes: int | None = None) -> tuple[StageMemory, ...]:
+                  fp8_experts: bool = False, reduce_bytes: int | None = None,
+                  stage_layers: tuple[int, ...] = ()) -> tuple[StageMemory, ...]:
     """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
     ZeRO shards over (dp x cp, or a shard group of them), and on ep and the experts' state shards (experts_states)."""
-    layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks)
+    layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks, stage_layers=stage_layers)
     return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep,
                         expert_shards, fp8_params, fp8_experts, reduce_bytes)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
@@ -411,10 +412,11 @@ def predict_memory(
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
                            layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
-                           fp8_experts_kept(pol, implementation), implementation.reduce_bytes)
+                           fp8_experts_kept(pol, implementation), implementation.reduce_bytes, layout.stage_layers)
     loss = loss_gradient_bytes(model, layout, pol, micro_batch_size, implementation)  # one micro-batch's at a time
     stages = []
-    for index, (first, last, chunk, extras) in enumerate(_stage_blocks(*shape, layout.pp, layout.virtual_chunks)):
+    placing = (layout.pp, layout.virtual_chunks, layout.stage_layers)
+    for index, (first, last, chunk, extras) in enumerate(_stage_blocks(*shape, *placing)):
         alive_first, alive_last = ends_alive[index]
         ends = (alive_first * embedding_ends if first else 0) + (alive_last * head_ends + loss if last else 0)
         stages.append(replace(states[index], activations=in_flight[index] * chunk + ends + extras))
@@ -430,14 +432,15 @@ def predict_memory(
 @lru_cache(maxsize=8192)
 def _stage_blocks(model: GPTConfig, tp: int, sequence_parallel: bool, cp: int, cp_kind: str, pol: PrecisionPolicy,
                   micro_batch_size: int, implementation: Implementation, ep: int, pp: int,
-                  virtual_chunks: int) -> tuple[tuple[bool, bool, int, int], ...]:
+                  virtual_chunks: int, stage_layers: tuple[int, ...] = ()) -> tuple[tuple[bool, bool, int, int], ...]:
     """Per stage: (whether it holds the first chunk, the last, _chunk_bytes, _block_extras), what its blocks keep;
     the arguments before pp are _activations'."""
     blocks = _activations(model, tp, sequence_parallel, cp, cp_kind, pol, micro_batch_size, implementation, ep)[0]
     last_chunk = pp * virtual_chunks - 1
     return tuple((any(c == 0 for c, _ in placed), any(c == last_chunk for c, _ in placed),
                   _chunk_bytes(model, blocks, placed), _block_extras(model, blocks, placed))
-                 for placed in Layout(pp=pp, virtual_chunks=virtual_chunks).rank_chunks(model))
+                 for placed in Layout(pp=pp, virtual_chunks=virtual_chunks,
+                                      stage_layers=stage_layers).rank_chunks(model))
 
 
 def _chunk_bytes(model: GPTConfig, blocks: dict[bool, ActivationModel], placed) -> int:

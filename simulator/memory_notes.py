@@ -47,14 +47,14 @@ def layout_notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: i
 def fp8_note(block, layout: Layout, model: GPTConfig) -> tuple[str, ...]:
     """Where fp8 Linears' weight copies sit in the activations (simulator/costs/ops.py's fp8 Linears); `block`: a
     block's simulator/memory.py ActivationModel."""
-    layers = model.n_layers // (layout.pp * layout.virtual_chunks)
+    layers = max(sum(len(blocks) for _, blocks in placed) for placed in layout.rank_chunks(model))  # the most a rank holds
     if block.workspace and block.implementation.fp8_param_gather:
         return (f"fp8 weights kept in fp8 (parameters at a byte each): activations include "
                 f"{block.workspace / 2**20:,.0f} MiB of transposed e4m3 copies per layer, made once a step "
-                f"({layers * layout.virtual_chunks} layers on a rank)",)
+                f"({layers} layers on a rank)",)
     if block.workspace:
         return (f"fp8 weights cast once a step: activations include {block.workspace / 2**20:,.0f} MiB of e4m3 weight "
-                f"copies per layer, held once ({layers * layout.virtual_chunks} layers on a rank)",)
+                f"copies per layer, held once ({layers} layers on a rank)",)
     if block.fp8_weights:
         return (f"fp8 weights cast in every forward: each micro-batch in flight keeps its own e4m3 copy of its "
                 f"layers' weights ({block.fp8_weights / 2**20:,.0f} MiB per layer), as precision/fp8.py does; "

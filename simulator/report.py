@@ -36,6 +36,7 @@ def seconds(value: float) -> str:
 def headline(result: SimResult) -> str:
     lay = result.layout
     chunks = f" x {lay.virtual_chunks} chunks" if lay.virtual_chunks > 1 else ""
+    chunks += f" (blocks per chunk {lay.placement})" if lay.stage_layers else ""
     cp = f" x cp {lay.cp} ({lay.cp_kind})" if lay.cp > 1 else ""
     return (f"{result.n_gpus} x {result.gpu}: tp {lay.tp}{cp} x pp {lay.pp} x dp {lay.dp}, {lay.zero_description()}"
             f"{', sequence parallel' if lay.sequence_parallel else ''}, {result.precision}, {result.schedule}{chunks}, "

@@ -54,14 +54,15 @@ CASES = {
     ),
     "pp2-dp2-zero1-tied": (
         dict(pp=2, dp=2, zero=1),
-        {"tp4": dict(tp=4), "tp2-dp2-zero3": dict(tp=2, dp=2, zero=3)},
+        {"tp4": dict(tp=4), "tp2-dp2-zero3": dict(tp=2, dp=2, zero=3),
+         "pp4-stages-0-2-1-1": dict(pp=4, stage_layers=(0, 2, 1, 1))},
     ),
     "tp2-pp2-fp16-tied": (
         dict(tp=2, pp=2, precision="fp16"),
         {"pp4": dict(pp=4), "pp2-interleaved-dp2-zero2": dict(pp=2, dp=2, zero=2, schedule="interleaved", virtual_chunks=2)},
     ),
 }
-LAYOUT_FIELDS = dict(tp=1, pp=1, dp=1, zero=0, schedule=BASE.schedule, virtual_chunks=1)
+LAYOUT_FIELDS = dict(tp=1, pp=1, dp=1, zero=0, schedule=BASE.schedule, virtual_chunks=1, stage_layers=())
 
 
 def counters(rank) -> dict:

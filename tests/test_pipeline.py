@@ -35,9 +35,16 @@ def layouts_for(world: int) -> dict[str, TrainConfig]:
     layouts = {f"pp{pp}-{kind}": dataclasses.replace(BASE, pp=pp, schedule=kind, **extra) for kind, extra in SCHEDULES.items()}
     if pp == 2:  # fewer micro-batches than stages is allowed
         layouts["pp2-one-micro-batch"] = dataclasses.replace(BASE, pp=2, micro_batches=1)
+        # stage layouts (--stage-layers): uneven, and a first chunk holding the embeddings alone
+        layouts["pp2-stages-1-7"] = dataclasses.replace(BASE, pp=2, stage_layers=(1, 7))
+        layouts["pp2-stages-0-8-zb-h1"] = dataclasses.replace(BASE, pp=2, stage_layers=(0, 8), schedule="zb-h1")
     if pp == 4:
         layouts["pp2-dp2-zero1-zb-h1"] = dataclasses.replace(BASE, pp=2, dp=2, zero=1, schedule="zb-h1")
         layouts["pp2-dp2-zero2"] = dataclasses.replace(BASE, pp=2, dp=2, zero=2)
+        # interleaved over uneven chunks, the last holding the head alone; ZeRO-3 over an uneven split
+        layouts["pp4-interleaved-stages"] = dataclasses.replace(BASE, pp=4, schedule="interleaved", virtual_chunks=2,
+                                                                stage_layers=(1, 1, 1, 2, 1, 1, 1, 0))
+        layouts["pp2-dp2-zero3-stages-5-3"] = dataclasses.replace(BASE, pp=2, dp=2, zero=3, stage_layers=(5, 3))
     return layouts
 
 

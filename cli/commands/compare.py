@@ -22,7 +22,7 @@ from cli.options import flag, typed
 from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options, reshards
-from cli.options.batch import batch_options, micro_batch_count
+from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.errors import ConfigError
@@ -47,7 +47,8 @@ def build_compare_config(options: dict) -> TrainConfig:
         shard_group=options.get("shard_group", 0),
         reshard_after_forward=reshards(options),
         sync_grads_once=options.get("sync_grads_once", False),
-        virtual_chunks=options["virtual_chunks"], threads_per_rank=options["threads_per_rank"],
+        virtual_chunks=options["virtual_chunks"], stage_layers=options.get("stage_layers", ()),
+        threads_per_rank=options["threads_per_rank"],
         tokenizer=options.get("tokenizer") or "bytes",  # the corpus in its ids (--tokenizer sets the vocabulary)
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
     )
@@ -73,6 +74,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b, interleaved or zb-h1.")
 @click.option("--virtual-chunks", "virtual_chunks", default=1, show_default=True, type=int)
+@stage_layers_option
 @click.option("--sequence-parallel", "sequence_parallel", is_flag=True, help="Megatron sequence parallelism (tp > 1).")
 @batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
 @model_options("tiny")

@@ -39,7 +39,7 @@ from cli.options.campaign import campaign_options, campaign_sweep, check_campaig
 from cli.options.experts import ep_dispatcher_option, ep_overlap_option, expert_load_option, read_expert_load
 from cli.options.stack import stack_implementation, stack_options
 from cli.options.fsdp import fsdp_options, reshards
-from cli.options.batch import batch_options, micro_batch_count
+from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import model_from_options, model_options
 from cli.output_file import check_output_file
 from cli.tools.plots import check_png
@@ -120,7 +120,7 @@ def run_single(options: dict) -> dict:
                     sequence_parallel=options["sequence_parallel"], virtual_chunks=options["virtual_chunks"],
                     cp=options["cp"], cp_kind=options["cp_kind"], shard_group=options["shard_group"],
                     reshard_after_forward=reshards(options, _overlap(options)), ep=options["ep"],
-                    sync_grads_once=options["sync_grads_once"])
+                    sync_grads_once=options["sync_grads_once"], stage_layers=options["stage_layers"])
     layout.check(model)  # the shape's checks (context parallelism's split too), before any cluster is built
     global_batch = options["global_batch"] or options["micro_batch"] * layout.dp * layout.pp
     check_job(model.n_layers, layout.pp, layout.dp, layout.virtual_chunks, global_batch, options["micro_batch"],
@@ -155,6 +155,9 @@ def run_sweep(options: dict) -> dict:
     if options["nccl_algo"] != "auto":
         raise ConfigError("--sweep lets NCCL choose every collective's algorithm: drop --nccl-algo, or simulate one "
                           "layout without --sweep")
+    if options["stage_layers"]:
+        raise ConfigError("--sweep picks each GPU count's pp, and --stage-layers places the blocks of one: drop "
+                          "--stage-layers, or simulate one layout without --sweep")
     if options["tp_overlap_cfg"]:
         raise ConfigError("--sweep picks each GPU count's layout, and a userbuffers file describes one tp: drop "
                           "--tp-overlap-cfg, or simulate one layout without --sweep")
@@ -387,6 +390,7 @@ def micro_batch_size(options: dict) -> int:
 @fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="gpipe, 1f1b, interleaved or zb-h1.")
 @click.option("--virtual-chunks", "virtual_chunks", type=int, default=1, show_default=True)
+@stage_layers_option
 @click.option("--recompute", type=click.Choice(SIM_RECOMPUTE_MODES), default="none", show_default=True,
               help="Activation recomputation: none, selective (the attention core, Korthikanti et al. 2022), full, "
                    "or op (torchtitan's selective op policy: all but the attention's and every other matmul's "

@@ -16,7 +16,7 @@ from cli.options.config_file import config_file_option
 from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options, reshards
 from cli.output import print_table
-from cli.options.batch import batch_options, micro_batch_count
+from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
 from minigpt.data import check_text_file
@@ -88,6 +88,7 @@ def build_train_config(options: dict) -> TrainConfig:
         sequence_parallel=options["sequence_parallel"],
         schedule=options["schedule"],
         virtual_chunks=options["virtual_chunks"],
+        stage_layers=options["stage_layers"],
         bucket_mb=options["bucket_mb"],
         threads_per_rank=options["threads_per_rank"],
         save_every=options["save_every"] or 0,
@@ -269,6 +270,7 @@ def mib(n: int) -> str:
 @fsdp_options
 @click.option("--schedule", default="1f1b", show_default=True, help="Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (zero bubble: input and weight gradients split).")
 @click.option("--virtual-chunks", default=1, show_default=True, type=int, help="Model chunks per pipeline rank (interleaved).")
+@stage_layers_option
 @click.option("--sequence-parallel", is_flag=True, help="Shard LayerNorm and dropout regions along the sequence (tp > 1).")
 @click.option("--bucket-mb", default=25.0, show_default=True, type=float, help="Gradient bucket size in MiB.")
 @click.option("--threads-per-rank", type=int, help="CPU threads per rank [default: 1 with several ranks].")
@@ -381,6 +383,7 @@ def start_rank_server_early(cfg: TrainConfig) -> None:
 
 def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, as_json: bool, out,
                    plotter: LossPlotter | None) -> None:
+    from job.layout import Layout
     from parallel.run.train import train as run_training
 
     m = cfg.model
@@ -398,7 +401,9 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
         group = f"shard groups of {cfg.shard_group} ({cfg.data_ranks // cfg.shard_group} replicas, hybrid)"
     if not cfg.reshard_after_forward:
         group += ", no resharding after the forward" + (", gradients synced once a step" if cfg.sync_grads_once else "")
-    click.echo(f"layout: tp {cfg.tp}{context} x pp {cfg.pp} x dp {cfg.dp} = {cfg.world_size} process"
+    placed = Layout.of(cfg).placement
+    stages = f" x pp {cfg.pp}" + (f" (blocks per chunk {placed})" if placed else "")
+    click.echo(f"layout: tp {cfg.tp}{context}{stages} x dp {cfg.dp} = {cfg.world_size} process"
                f"{'es' if cfg.world_size > 1 else ''}, ZeRO-{cfg.zero}"
                f"{'' if cfg.zero == 0 else ' over the ' + group}{experts}"
                f"{'' if options['dp'] is not None else ' (dp chosen: --dp sets it)'}, {cfg.precision}"

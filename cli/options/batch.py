@@ -4,6 +4,8 @@
 --micro-batches: how many micro-batches each replica accumulates in a step.
 --micro-batch-size (alias --micro-batch): sequences in one micro-batch on one replica.
 Either of the last two sets the other: global batch = micro-batches x micro-batch size x dp.
+--stage-layers: the blocks of each pipeline chunk (Megatron's pipeline_model_parallel_layout, torchtitan's layers
+per stage), e.g. 5,4*6,3 for 8 chunks; by default the blocks are split evenly (job/schedule.py's chunk_layers).
 """
 
 from __future__ import annotations
@@ -33,6 +35,34 @@ def batch_options(global_default: int | None, global_help: str) -> Callable:
         return command
 
     return decorate
+
+
+STAGE_LAYERS_HELP = ("Blocks of each pipeline chunk, in global chunk order (pp x virtual chunks of them; N*K "
+                     "repeats N K times), e.g. 4,4*14,1: Megatron's pipeline layout. Only the first and last chunk "
+                     "may hold none. [default: as even as the layers allow]")
+
+
+def stage_layers_value(ctx, param, value: str | None) -> tuple[int, ...]:
+    """--stage-layers as TrainConfig and Layout take it: () when not given; 'N*K' stands for K chunks of N blocks.
+    The count per chunk and the sum are checked against the model by job/schedule.py's check_stage_layers."""
+    if value is None:
+        return ()
+    sizes: list[int] = []
+    for item in value.split(","):
+        count, _, times = item.strip().partition("*")
+        try:
+            blocks, repeat = int(count), int(times) if times else 1
+        except ValueError:
+            raise ConfigError(f"--stage-layers takes whole numbers of blocks, as 4,4*14,1; got {value!r}") from None
+        if blocks < 0 or not 1 <= repeat <= 100_000:
+            raise ConfigError(f"--stage-layers takes blocks >= 0 and repeats from 1 to 100,000, got {item.strip()!r}")
+        sizes += [blocks] * repeat
+    return tuple(sizes)
+
+
+def stage_layers_option(command: Callable) -> Callable:
+    return click.option("--stage-layers", "stage_layers", default=None, metavar="N,N,...",
+                        callback=stage_layers_value, help=STAGE_LAYERS_HELP)(command)
 
 
 def micro_batch_count(global_batch: int, dp: int, count: int | None, size: int | None) -> int:

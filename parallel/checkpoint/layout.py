@@ -206,7 +206,7 @@ class NoNormalOnMeta(TorchFunctionMode):
 
 def parameter_names(rank, cfg) -> dict[int, str]:
     """id(parameter) -> its name in the plain GPT, for every parameter of this rank's stage."""
-    layers = chunk_layers(cfg.model.n_layers, cfg.pp * cfg.virtual_chunks)
+    layers = chunk_layers(cfg.model.n_layers, cfg.pp * cfg.virtual_chunks, cfg.stage_layers)
     names: dict[int, str] = {}
     for chunk in rank.stage.chunks:
         for local_name, param in chunk.named_parameters():

@@ -1,6 +1,6 @@
 """Pipeline parallelism: the model cut into chunks, and the executor of job/schedule.py.
 
-The blocks are cut into pp x v contiguous chunks (`chunk_layers`); chunk 0 also
+The blocks are cut into pp x v contiguous chunks (`chunk_layers`: evenly, or by a stage layout); chunk 0 also
 holds the embeddings, the last chunk the final norm, head and loss. Pipeline
 rank r holds chunks r, r + p, ... (the schedule's rule). Every rank builds the
 whole model from the same seed first, so each chunk starts with exactly the
@@ -132,10 +132,12 @@ class StageModel(nn.Module):
         return [group for group in groups if group]
 
 
-def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_chunks: int) -> StageModel:
-    """This rank's chunks of the (already precision- and tensor-parallel) model."""
+def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_chunks: int,
+                stage_layers: tuple[int, ...] = ()) -> StageModel:
+    """This rank's chunks of the (already precision- and tensor-parallel) model; `stage_layers`: the blocks of
+    each chunk (TrainConfig.stage_layers; (): the even split)."""
     num_chunks = pp * virtual_chunks
-    layers = chunk_layers(len(model.blocks), num_chunks)
+    layers = chunk_layers(len(model.blocks), num_chunks, stage_layers)
     chunks = [
         Chunk(model, index, layers[index], first=index == 0, last=index == num_chunks - 1)
         for index in range(pp_rank, num_chunks, pp)

@@ -124,7 +124,7 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         comms["ep"], comms["ep_replicas"] = expert_groups(mesh, cfg.ep, device, cfg.sequence_parallel)
         apply_expert_parallel(model, comms["ep"])
         replicated |= {id(param) for _, param in expert_shards(model)} if mesh.tp > 1 else set()  # the new slices
-    stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks)
+    stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks, cfg.stage_layers)
     del model  # blocks of other stages go with it
     bucket_numel = bucket_numel_of(cfg.bucket_mb, dtype_of(policy.compute).itemsize)
     layout = Layout.of(cfg)
