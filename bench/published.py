@@ -169,7 +169,14 @@ def dgxc_command(run: dict) -> list[str]:
             *(["--sp-saved-input", "sharded"] if run["sp"] else []),
             *(["--fp8-param-gather"] if run["precision"] == "fp8" and run["zero"] > 0 else []),  # the yaml's fp8_params
             *(["--tp-overlap-cfg", str(ROOT / "bench" / ub)] if ub and run["sp"] and run["tp"] > 1 else []),
-            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []), "--json"]
+            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []),
+            *stage_flags(run), "--json"]
+
+
+def stage_flags(run: dict) -> list[str]:
+    """The recipe's placement of the blocks over the pipeline chunks ("stage_layers", as --stage-layers takes it),
+    where its source states one; none: the simulator's even split."""
+    return ["--stage-layers", run["stage_layers"]] if run.get("stage_layers") else []
 
 
 def stated_rows(table: dict) -> list[dict]:
@@ -278,7 +285,8 @@ def moe_command(run: dict) -> list[str]:
             *(["--fp8-param-gather"] if run.get("fp8_param_gather") else []),
             *(["--elementwise", run["elementwise"]] if run.get("elementwise") else []),
             *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []),
-            *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
+            *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []),
+            *stage_flags(run), "--json"]
 
 
 def megatron_flops(shape: dict, batch: int, seq: int) -> float:
