@@ -264,7 +264,7 @@ def torchtitan_rows(name: str = "torchtitan") -> tuple[list[dict], str]:
 
 MOE_FIELDS = {"--layers": "n_layers", "--hidden": "d_model", "--heads": "n_heads", "--kv-heads": "n_kv_heads",
               "--d-ff": "d_ff", "--vocab": "vocab_size", "--head-dim": "d_head", "--expert-width": "d_expert",
-              "--experts": "n_experts", "--top-k": "top_k"}  # the model flags the rows use, as GPTConfig fields
+              "--experts": "n_experts", "--top-k": "top_k", "--mtp-depth": "mtp_depth"}  # the rows' model flags
 
 
 def moe_command(run: dict) -> list[str]:

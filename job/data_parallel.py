@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from minigpt.config import GPTConfig
 from precision.policy import FORMAT_BYTES, policy as precision_policy, weight_bytes
-from job.layout import Layout, Tensor, bucket_members, stage_units
+from job.layout import Layout, Tensor, bucket_members, embedding_copy, stage_units
 from job.train_config import bucket_numel
 from job.schedule_actions import (
     Action,
@@ -45,11 +45,13 @@ def _padded(numel: int, pad_to: int) -> int:
 
 
 def _tied_tensor(model: GPTConfig, layout: Layout, chunk: int) -> str | None:
-    """The name of this chunk's copy of a tied embedding split across stages, if it holds one."""
-    if not model.tied_head or layout.pp == 1:
+    """The name of this chunk's copy of an embedding split across stages (job/layout.py's embedding_copy: a tied
+    head's, or the multi-token prediction's), if it holds one."""
+    copy = embedding_copy(model, layout.pp)
+    if copy is None:
         return None
     last = layout.pp * layout.virtual_chunks - 1
-    return "tok_emb.weight" if chunk == 0 else "head.weight" if chunk == last else None
+    return "tok_emb.weight" if chunk == 0 else copy if chunk == last else None
 
 
 def _chunk_params(tensors: list[Tensor], units: list[list[Tensor]], kept: tuple[bool, ...], zero: int,

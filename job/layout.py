@@ -272,12 +272,46 @@ def head_tensors(model: GPTConfig, tp: int, pp: int) -> list[Tensor]:
     return norm + [Tensor("head.weight", padded_vocab(model, tp) // tp * model.d_model, False)]
 
 
+def mtp_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
+    """The multi-token prediction modules' parameters (minigpt/model.py's MultiTokenPrediction), in order: each its
+    two input norms, the 2d -> d projection (replicated: not split over tp), its block (of the model's last kind,
+    named as a block's) and its final norm."""
+    block = block_tensors(model, tp, model.is_moe_layer(model.n_layers))
+    one = [*_norm("enorm", model), *_norm("hnorm", model), Tensor("eh_proj.weight", 2 * model.d_model**2, True),
+           *block, *_norm("norm", model)]
+    return one * model.mtp_depth
+
+
+def embedding_copy(model: GPTConfig, pp: int) -> str | None:
+    """The name of the last stage's own copy of the embedding matrix when the model is split over pp > 1 stages and
+    the last one reads it, Megatron-style (its gradient summed with the first stage's): a tied head's weight, or an
+    untied model's copy for its multi-token prediction modules' lookups; None otherwise."""
+    if pp == 1 or not (model.tied_head or model.mtp_depth):
+        return None
+    return "head.weight" if model.tied_head else MTP_EMBEDDING
+
+
+MTP_EMBEDDING = "mtp.embedding.weight"  # the last stage's copy of an untied model's embedding, for its modules
+
+
+def last_unit(model: GPTConfig, tp: int, pp: int, ep: int = 1) -> list[Tensor]:
+    """The last chunk's last ZeRO-3 unit (parallel/pipeline/executor.py's Chunk.units): the final norm, the
+    multi-token prediction modules (their routed experts left out under expert parallelism; under pipelining an
+    untied model's embedding copy first) and the head."""
+    head, norm = head_tensors(model, tp, pp), len(_norm("norm_f", model))
+    mtp = [t for t in mtp_tensors(model, tp) if not (ep > 1 and is_expert_tensor(t))]
+    if embedding_copy(model, pp) == MTP_EMBEDDING:
+        mtp.insert(0, Tensor(MTP_EMBEDDING, padded_vocab(model, tp) // tp * model.d_model, False))
+    return head[:norm] + mtp + head[norm:]
+
+
 def check_against_config(model: GPTConfig) -> None:
     """The shapes above, summed for one rank, must equal config.py's counts (the single home)."""
     counted = (sum(t.numel for t in block_tensors(model, 1, False)), sum(t.numel for t in block_tensors(model, 1, True)),
-               sum(t.numel for t in embedding_tensors(model, 1)), sum(t.numel for t in head_tensors(model, 1, 1)))
+               sum(t.numel for t in embedding_tensors(model, 1)), sum(t.numel for t in head_tensors(model, 1, 1)),
+               sum(t.numel for t in mtp_tensors(model, 1)))
     expected = (model.block_params(False), model.block_params(True) if model.is_moe else counted[1],
-                model.embedding_params(), model.head_params())
+                model.embedding_params(), model.head_params(), model.mtp_params())
     if counted != expected:
         raise RuntimeError(f"job/layout.py's tensor shapes {counted} disagree with minigpt/config.py {expected}")
 
@@ -300,7 +334,7 @@ def stage_units(model: GPTConfig, layout: Layout) -> list[list[list[list[Tensor]
             units = [embedding_tensors(model, layout.tp)] if index == 0 else []
             units += [kinds[model.is_moe_layer(layer)] for layer in layers]
             if index == last:
-                units.append(head_tensors(model, layout.tp, layout.pp))
+                units.append(last_unit(model, layout.tp, layout.pp, layout.ep))
             per_chunk.append(units)
         stages.append(per_chunk)
     return stages

@@ -94,6 +94,11 @@ class GPTConfig(ActivationArithmetic):
     # scores to choose experts only, moved by expert_bias_rate x sign(mean load - load) after every step (0: frozen)
     expert_bias: bool = False
     expert_bias_rate: float = 0.0
+    # DeepSeek-V3's multi-token prediction (arXiv 2412.19437, 2.2): mtp_depth modules after the last block, module k
+    # predicting token i + k + 1 from depth k - 1's hidden state and token i + k's embedding through a block of the
+    # model's last kind and the shared head; their mean loss weighted by mtp_weight (lambda) joins the next token's
+    mtp_depth: int = 0
+    mtp_weight: float = 0.1
 
     def __post_init__(self) -> None:
         check_shape(self)
@@ -242,7 +247,9 @@ class GPTConfig(ActivationArithmetic):
                  f"RoPE (scaled x{self.rope_scaling[0]:g})" if self.rope_scaling else "RoPE",
                  "tied head" if self.tied_head else "untied head"]
         biases = [] if self.bias else ["q, k, v biases only" if self.qkv_bias else "no bias"]
-        return ", ".join(parts + biases + [f"seq {self.seq_len}"])
+        ahead = [f"{self.mtp_depth} multi-token prediction module{'s' if self.mtp_depth > 1 else ''} "
+                 f"(weight {self.mtp_weight:g})"] if self.mtp_depth else []
+        return ", ".join(parts + biases + ahead + [f"seq {self.seq_len}"])
 
     def with_(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again)."""
@@ -315,13 +322,25 @@ class GPTConfig(ActivationArithmetic):
         head = 0 if self.tied_head else self.vocab_size * self.d_model
         return self.norm_params + head
 
+    def mtp_params(self, active: bool = False) -> int:
+        """The multi-token prediction modules': each an embedding norm, a hidden-state norm, the 2d -> d projection,
+        a block of the model's last kind and a final norm (the embedding and the head are the model's)."""
+        block = self.block_params(self.is_moe_layer(self.n_layers), active)
+        return self.mtp_depth * (3 * self.norm_params + 2 * self.d_model**2 + block)
+
     def n_params(self) -> int:
-        """Total trainable parameters, each counted once (a tied head is not counted twice)."""
+        """Total trainable parameters, each counted once (a tied head is not counted twice), the multi-token
+        prediction modules' included (DeepSeek-V3's published 671B leaves its 14B out: `main_params`)."""
+        return self.main_params() + self.mtp_params()
+
+    def main_params(self) -> int:
+        """The parameters without the multi-token prediction modules: what inference keeps."""
         return self.embedding_params() + self.blocks_params() + self.head_params()
 
     def active_params(self) -> int:
         """Parameters one token goes through: every one of a dense model; of a MoE model's experts only its
-        top_k routed ones and the shared ones (the embedding and head counted whole, as published counts do)."""
+        top_k routed ones and the shared ones (the embedding and head counted whole, as published counts do),
+        without the multi-token prediction modules, as published counts give them."""
         return self.embedding_params() + self.blocks_params(active=True) + self.head_params()
 
     def param_breakdown(self) -> dict:
@@ -332,6 +351,8 @@ class GPTConfig(ActivationArithmetic):
             "head": self.head_params(),
             "total": self.n_params(),
         }
+        if self.mtp_depth:
+            breakdown["mtp"] = self.mtp_params()
         if self.is_moe:
             breakdown.update(per_expert=self.expert_params(), active=self.active_params())
         return breakdown
@@ -380,8 +401,15 @@ class GPTConfig(ActivationArithmetic):
         """The LM head's matmul (tied or not, it is one d x V product)."""
         return 2 * self.d_model * self.vocab_size
 
+    def mtp_forward_flops_per_token(self) -> int:
+        """The multi-token prediction modules' matmuls, forward, per token: each its 2d -> d projection, its block
+        and the shared head once more (every position runs them; the last k's losses are masked)."""
+        block = self.block_forward_flops_per_token(self.is_moe_layer(self.n_layers))
+        return self.mtp_depth * (2 * 2 * self.d_model**2 + block + self.head_forward_flops_per_token())
+
     def forward_flops_per_token(self) -> int:
-        return self.blocks_forward_flops_per_token() + self.head_forward_flops_per_token()
+        return self.blocks_forward_flops_per_token() + self.head_forward_flops_per_token() \
+            + self.mtp_forward_flops_per_token()
 
     def train_flops_per_token(self, recompute: str = "none", attention: str | None = None) -> int:
         """Forward + backward matmul FLOPs per token, recomputation included.
@@ -404,8 +432,14 @@ class GPTConfig(ActivationArithmetic):
             self.check_op_recompute()
             flops += self.n_layers * self.op_recomputed_flops_per_token()
         if attention == "flash":  # the scores q @ k^T again: 2 s x (query and key head width) per head
-            flops += self.n_layers * 2 * self.attended * self.n_heads * self.qk_head_dim
+            flops += (self.n_layers + self.mtp_depth) * 2 * self.attended * self.n_heads * self.qk_head_dim
         return flops
+
+
+def block_name(layer: int, n_layers: int) -> str:
+    """The plain GPT's name of block `layer` with its dot: one of the model's `n_layers`, or past them a multi-token
+    prediction module's (minigpt/model.py's MultiTokenPrediction)."""
+    return f"mtp.{layer - n_layers}.block." if layer >= n_layers else f"blocks.{layer}."
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -327,10 +327,69 @@ class Block(nn.Module):
 
 
 class NextTokenLoss(nn.Module):
-    """Mean next-token cross-entropy over every position (computed in fp32)."""
+    """Mean next-token cross-entropy over every position (computed in fp32) whose target is not IGNORED."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORED)
+
+
+IGNORED = -100  # a target no loss counts (cross_entropy's ignore_index): the positions a prediction runs past
+
+
+class MultiTokenPrediction(nn.Module):
+    """DeepSeek-V3's multi-token prediction module k (arXiv 2412.19437, 2.2): from depth k - 1's hidden state h
+    (depth 0: the model's, after its final norm) and the embedding e of token i + k, the hidden state that predicts
+    token i + k + 1: norm(block(W [enorm(e); hnorm(h)])), W a 2d -> d projection, the block of the model's last
+    kind; the model's embedding and head are shared. The order inside the concatenation is the released weights'
+    (Megatron-core's and vLLM's: the embedding first)."""
+
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.enorm, self.hnorm = make_norm(config), make_norm(config)
+        self.eh_proj = nn.Linear(2 * config.d_model, config.d_model, bias=False)
+        self.block = Block(config, layer)
+        self.norm = make_norm(config)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))))
+
+
+def every_block(model: nn.Module) -> list[Block]:
+    """The model's blocks, then its multi-token prediction modules' (what expert parallelism splits)."""
+    return [*model.blocks, *(module.block for module in model.mtp)]
+
+
+def ahead(targets: torch.Tensor, k: int) -> torch.Tensor:
+    """The tokens k places after each position's next one: targets moved k places left, the last k IGNORED
+    (the input tokens of depth k are ahead(targets, k - 1): their wrapped last ones only reach IGNORED positions,
+    as attention is causal)."""
+    if k == 0:
+        return targets
+    moved = torch.roll(targets, -k, dims=1)
+    moved[:, -k:] = IGNORED
+    return moved
+
+
+def predict_ahead(modules: nn.ModuleList, embed, normed: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    """Each depth's normed hidden state, from the model's own (`normed`) and the targets' embeddings (`embed(ids)`:
+    the model's token embedding)."""
+    hidden, out = normed, []
+    for k, module in enumerate(modules, start=1):
+        tokens = ahead(targets, k - 1).clamp(min=0)  # IGNORED positions read token 0; causal: nothing sees them
+        hidden = module(hidden, embed(tokens))
+        out.append(hidden)
+    return out
+
+
+def prediction_loss(loss: nn.Module, logits: torch.Tensor, ahead_logits: list[torch.Tensor], targets: torch.Tensor,
+                    weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the next-token loss, the training objective): the next token's loss plus `weight` times the mean over the
+    depths of each depth's loss on its own tokens (GPTConfig.mtp_weight, DeepSeek-V3's lambda)."""
+    main = loss(logits, targets)
+    if not ahead_logits:
+        return main, main
+    extra = sum(loss(out, ahead(targets, k)) for k, out in enumerate(ahead_logits, start=1))
+    return main, main + weight / len(ahead_logits) * extra
 
 
 class GPT(nn.Module):
@@ -346,15 +405,17 @@ class GPT(nn.Module):
         if config.tied_head:
             self.head.weight = self.tok_emb.weight
         self.loss = NextTokenLoss()
-        self.reset_parameters()
+        self.reset_parameters()  # before the modules below: the model's own draws are those of a model without them
+        self.mtp = nn.ModuleList(MultiTokenPrediction(config, config.n_layers + k) for k in range(config.mtp_depth))
+        self.reset_parameters(self.mtp)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, within: nn.Module | None = None) -> None:
         """GPT-2 initialisation: N(0, 0.02), zero biases, and residual output
-        projections scaled by 1/sqrt(2 * n_layers)."""
+        projections scaled by 1/sqrt(2 * n_layers); of the modules `within` only, when given."""
         std = 0.02
         residual_std = std / math.sqrt(2 * self.config.n_layers)
-        for name, module in self.named_modules():
+        for name, module in (self if within is None else within).named_modules():
             if isinstance(module, MoE):  # each expert as a dense MLP: its input N(0, 0.02), its output residual
                 nn.init.normal_(module.experts.w1, 0.0, std)
                 nn.init.normal_(module.experts.w2, 0.0, residual_std)
@@ -385,9 +446,19 @@ class GPT(nn.Module):
         return self.head(self.norm_f(x))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for `idx`, or the mean loss when `targets` are given."""
+        """Logits for `idx`, or the mean next-token loss when `targets` are given."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.logits(x)
         return logits if targets is None else self.loss(logits, targets)
+
+    def objective(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """What training minimises: the next-token loss, plus the multi-token prediction's (prediction_loss)."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        normed = self.norm_f(x)
+        hidden = predict_ahead(self.mtp, self.tok_emb, normed, targets)
+        logits = [self.head(h) for h in hidden]
+        return prediction_loss(self.loss, self.head(normed), logits, targets, self.config.mtp_weight)[1]

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.config import GPTConfig
+from minigpt.config import GPTConfig, block_name
 
 _AUX_WEIGHT = [1.0]
 
@@ -263,9 +263,9 @@ class MoE(nn.Module):
         return self.dropout(out)
 
 
-def bias_name(layer: int) -> str:
+def bias_name(layer: int, n_layers: int) -> str:
     """The plain GPT's state name of block `layer`'s choice bias (checkpoints and transformers' layouts key it so)."""
-    return f"blocks.{layer}.mlp.expert_bias"
+    return f"{block_name(layer, n_layers)}mlp.expert_bias"
 
 
 def biased_layers(module: nn.Module) -> list[MoE]:

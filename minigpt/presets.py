@@ -79,17 +79,19 @@ PRESETS: dict[str, GPTConfig] = {
     # 7,168, multi-head latent attention with 128 heads (query latent 1,536, key/value latent 512, query and key
     # heads 128 + 64 rotated columns, values 128), the first 3 blocks dense (SwiGLU 18,432), then 256 routed experts
     # of width 2,048 and 1 shared, 8 routed per token, sigmoid scores normalised over the top 8, vocabulary 129,280,
-    # 4K pre-training sequences, norms' epsilon 1e-6: 671,026,404,352 parameters (the published 671B, without the
-    # multi-token prediction module's 14B), 37.55B active (published 37B). Its routing: the 256 experts in 8 groups,
+    # 4K pre-training sequences, norms' epsilon 1e-6: 671,026,404,352 parameters without the multi-token prediction
+    # module (the published 671B), 37.55B active (published 37B). Its routing: the 256 experts in 8 groups,
     # each token's 8 from its 4 best groups (node-limited routing: a group per server under its ep 64 over 8
     # servers), the gates scaled by 2.5; its auxiliary-loss-free balancing, a bias on the scores that choose, moved
     # by 0.001 a step (section 4.2's gamma for the first 14.3T tokens), beside a sequence-wise balance loss of alpha
-    # 0.0001. Not modelled: multi-token prediction.
+    # 0.0001. Its multi-token prediction (2.2, 4.2): one module (D = 1: a MoE block after its projection, sharing the
+    # embedding and head, 11,610,067,968 parameters of its own; the published 14B counts its checkpoint's copies of
+    # the embedding and head), its loss weighted by lambda 0.3 (the first 10T tokens').
     "deepseek-v3": llama(129280, 4096, 61, 128, 128, 7168, 18432, 10000.0).with_(
         n_kv_heads=None, d_head=128, kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, norm_eps=1e-6,
         n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
         aux_loss_coef=0.0001, expert_groups=8, groups_per_token=4, routed_scale=2.5, expert_bias=True,
-        expert_bias_rate=0.001),
+        expert_bias_rate=0.001, mtp_depth=1, mtp_weight=0.3),
 }
 
 
@@ -105,7 +107,7 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                 "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value",
                 "expert_groups", "groups_per_token", "routed_scale", "expert_bias", "expert_bias_rate",
-                "rope_scaling", "rope_yarn", "window")
+                "rope_scaling", "rope_yarn", "window", "mtp_depth", "mtp_weight")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

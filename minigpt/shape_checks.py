@@ -4,6 +4,8 @@ model so that minigpt/config.py can import it."""
 
 from __future__ import annotations
 
+import math
+
 from minigpt.errors import ConfigError
 
 MLP_KINDS = ("gelu", "swiglu", "relu2")
@@ -43,6 +45,11 @@ def check_shape(config) -> None:
     _check_llama_options(config)
     if config.n_experts != 0:
         _check_moe_options(config)
+    depth, weight = config.mtp_depth, config.mtp_weight
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth < config.seq_len:
+        raise ConfigError(f"mtp_depth must be a whole number of modules from 0 to seq_len - 1, got {depth!r}")
+    if not _number(weight) or not math.isfinite(weight) or weight < 0:
+        raise ConfigError(f"mtp_weight must be a finite number >= 0, got {weight!r}")
 
 
 def _check_moe_options(config) -> None:

@@ -55,7 +55,7 @@ from precision.policy import FORMAT_BYTES, FP8_BYTES, PrecisionPolicy, policy as
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, check_against_config, is_expert_tensor, stage_units
 from simulator.costs.implementation import Implementation
-from simulator.costs.ops import block_ops, embedding_ops, head_ops
+from simulator.costs.ops import block_ops, embedding_ops, head_ops, mtp_units
 from simulator.costs.layers.moe import expert_rows, received_rows
 from simulator.memory_notes import fp8_note, layout_notes
 from simulator.states import experts_states, fp8_weights_held, zero3_gather_bytes, zero3_hold, zero_states
@@ -110,8 +110,10 @@ def end_activation_bytes(model: GPTConfig, layout: Layout, policy: PrecisionPoli
     """What the embeddings (a dropout mask) and the final norm, head and loss keep, for the stages that hold them."""
     implementation = _implementation("none", "flash", sp_saved_input)
     total = embedding_ops(model, micro_batch_size, layout, policy, implementation).saved_bytes if first else 0
-    if last:
+    if last:  # and the multi-token prediction modules' inputs, blocks and heads (compute.py's mtp_units)
         total += head_ops(model, micro_batch_size, layout, policy, implementation).saved_bytes
+        total += sum(ops.saved_bytes * count for ops, count in mtp_units(model, micro_batch_size, layout, policy,
+                                                                           implementation))
     return total
 
 

@@ -14,6 +14,9 @@ def layout_notes(layout: Layout, model: GPTConfig, recompute: str, exchanging: i
         notes.append(
             "tied head on several pipeline stages: the last stage holds its own copy of the embedding matrix (Megatron-style)"
         )
+    elif model.mtp_depth and layout.pp > 1:
+        notes.append("multi-token prediction on several pipeline stages: the last stage holds its own copy of the "
+                     "embedding matrix for the modules' lookups (Megatron-style)")
     if layout.data_ranks == 1 and layout.zero > 0:
         notes.append("one data-parallel rank: ZeRO runs as stage 0")
     if layout.shard_replicas > 1:

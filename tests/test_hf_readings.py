@@ -169,7 +169,8 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
                     "h100-sxm", "--json")
     assert result.exit_code == 0, result.output
     # DeepSeek-V3's own config.json (deepseek-ai/DeepSeek-V3 on the Hub, its fields as released): YaRN to 160K
-    # contexts, noaux_tc routing (e_score_correction_bias), block-fp8 weights: the deepseek-v3 preset's shape and
+    # contexts, noaux_tc routing (e_score_correction_bias), block-fp8 weights, one multi-token prediction module:
+    # the deepseek-v3 preset's shape and
     # price (its training's balance loss given, which a config.json does not hold)
     (tmp_path / "dsv3.json").write_text(json.dumps(DEEPSEEK_V3_RELEASED))
     layout = ["--gpus", "1024", "--gpu", "h100-sxm", "--pp", "16", "--dp", "64", "--ep", "64", "--global-batch",
@@ -179,7 +180,9 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
     preset_run = invoke("simulate", "--model", "deepseek-v3", *layout)
     assert read.exit_code == 0 and preset_run.exit_code == 0, read.output + preset_run.output
     read, preset_run = json.loads(read.stdout), json.loads(preset_run.stdout)
-    assert read["parameters"]["total"] == preset_run["parameters"]["total"] == 671_026_404_352
+    # its num_nextn_predict_layers 1: the multi-token prediction module, 11.6B beside the published 671B
+    assert read["parameters"]["total"] == preset_run["parameters"]["total"] == 671_026_404_352 + 11_610_067_968
+    assert read["parameters"]["mtp"] == preset_run["parameters"]["mtp"] == 11_610_067_968
     assert read["step_time_s"] == preset_run["step_time_s"]
     # Mistral 7B's own (mistralai/Mistral-7B-v0.1): its 7,241,732,096 parameters, every layer through its window of
     # 4,096 at its 32K context (attention priced as the band), none at 4K

@@ -53,7 +53,11 @@ def test_published_sizes():
     assert qwen.n_params() == 61_064_245_248 // 2 == 30_532_122_624
     assert qwen.active_params() == 3_353_032_704  # "3.3B activated" (its card)
     deepseek = PRESETS["deepseek-v3"]  # 671B and 37B published (the multi-token prediction module left out)
-    assert deepseek.n_params() == 671_026_404_352 and f"{deepseek.n_params() / 1e9:.0f}" == "671"
+    assert deepseek.main_params() == 671_026_404_352 and f"{deepseek.main_params() / 1e9:.0f}" == "671"
+    # its one multi-token prediction module: 11.6B of its own, 13.5B with the checkpoint's embedding and head copies
+    # (the published 14B)
+    extra = deepseek.mtp_params() + 2 * deepseek.vocab_size * deepseek.d_model
+    assert deepseek.n_params() == 671_026_404_352 + 11_610_067_968 and f"{extra / 1e9:.1f}" == "13.5"
     assert abs(deepseek.active_params() / 37e9 - 1) < 0.02
     # its multi-head latent attention, 187.1M parameters a layer: DeepSeek-V2's section 2.1 with V3's sizes
     assert deepseek.attention_params() == (7168 * (1536 + 512 + 64) + 1536 + 512 + 1536 * 128 * 192

@@ -69,6 +69,12 @@ def model_options(default: str) -> Callable:
                           "(Mistral 7B: 4096; 0: the whole context) [default: the preset's]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
+        click.option("--mtp-depth", "mtp_depth", type=int,
+                     help="Multi-token prediction modules after the last block (DeepSeek-V3's: 1), module k "
+                          "predicting the token k + 1 places on; 0: none [default: the preset's]."),
+        click.option("--mtp-weight", "mtp_weight", type=float,
+                     help="Their mean loss's weight beside the next token's (DeepSeek-V3's lambda: 0.3, then 0.1) "
+                          "[default: the preset's, 0.1]."),
         *latent_options(),
         *expert_options(),
     ]
@@ -190,7 +196,8 @@ def model_from_options(options: dict) -> GPTConfig:
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
-        window=options.get("window"), **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
+        window=options.get("window"), mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
+        **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
         **_expert_fields(options, base),
     )
     return config if yarn is None else with_yarn(config, yarn, options.get("seq_len"))
@@ -222,14 +229,14 @@ def with_yarn(config: GPTConfig, text: str, seq_len: int | None) -> GPTConfig:
 # the model flags an imported model's shape leaves open: its training context (rotary models) and dropout, and a
 # mixture of experts' routing in training (its balance and z-loss coefficients, a capacity factor)
 ROUTING_IN_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "expert_bias_rate")
-OPEN_WITH_INIT = ("seq_len", "dropout", "rope_yarn", *ROUTING_IN_TRAINING)
+OPEN_WITH_INIT = ("seq_len", "dropout", "rope_yarn", "mtp_weight", *ROUTING_IN_TRAINING)
 
 
 def shape_flags_given(options: dict) -> list[str]:
     """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim", "qk_norm",
-                               "window", "rope_yarn",
+                               "window", "rope_yarn", "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
     source = context.get_parameter_source("model") if context is not None else None
@@ -255,12 +262,12 @@ def model_from_hf(options: dict) -> GPTConfig:
     from dataclasses import replace
 
     from minigpt.hf.layouts import config_from_hf
-    from minigpt.hf.files import read_config, weight_files
+    from minigpt.hf.files import headers, read_config, weight_files, with_held_modules
 
     others = [name for name in shape_flags_given(options) if name not in OPEN_WITH_INIT]
     if others:
         raise ConfigError(f"--{others[0].replace('_', '-')} sets the model's shape, which --init-from takes from "
-                          f"{options['init_from']}/config.json: leave it out (--seq-len, --rope-yarn, --dropout and a "
+                          f"{options['init_from']}/config.json: leave it out (--seq-len, --rope-yarn, --dropout, --mtp-weight and a "
                           f"mixture of experts' --aux-loss-coef, --z-loss-coef, --capacity-factor and "
                           f"--expert-bias-rate may be given)")
     if options.get("seq_len") is not None:
@@ -269,8 +276,9 @@ def model_from_hf(options: dict) -> GPTConfig:
     config = config_from_hf(read_config(path), None if yarn else options.get("seq_len"))
     if yarn is not None:  # a context extended past the model's own
         config = with_yarn(config, yarn, options.get("seq_len"))
-    weight_files(path)
-    changes = {name: options[name] for name in ("dropout", *ROUTING_IN_TRAINING) if options.get(name) is not None}
+    config = with_held_modules(config, headers(weight_files(path)))
+    changes = {name: options[name] for name in ("dropout", "mtp_weight", *ROUTING_IN_TRAINING)
+               if options.get(name) is not None}
     routing = [name for name in ROUTING_IN_TRAINING if name in changes]
     if routing and not config.is_moe:
         raise ConfigError(f"--{routing[0].replace('_', '-')} sets a mixture of experts' routing, but the model in "

@@ -21,7 +21,7 @@ Torch-free except the tensor functions.
 
 from __future__ import annotations
 
-from minigpt.config import GPTConfig
+from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
 from minigpt.hf.moe import config_number, refuse_unless
 
@@ -62,7 +62,7 @@ def deepseek_hf_config(config: GPTConfig, common: dict, rope_fields) -> dict:
         "first_k_dense_replace": config.dense_layers if moe else config.n_layers,
         "routed_scaling_factor": float(config.routed_scale), "n_group": config.expert_groups,
         "topk_group": config.groups_per_token or config.expert_groups, "norm_topk_prob": True,
-        "num_mtp_layers": 0,
+        "num_mtp_layers": 0, "num_nextn_predict_layers": config.mtp_depth,
     }
 
 
@@ -97,7 +97,8 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
                      norm_eps=config_number(hf, "rms_norm_eps", 1e-6),
                      d_head=config_number(hf, "qk_nope_head_dim"), kv_lora_rank=config_number(hf, "kv_lora_rank"),
                      q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=config_number(hf, "qk_rope_head_dim"),
-                     d_value=None if values == hf.get("qk_nope_head_dim") else values, **experts)
+                     d_value=None if values == hf.get("qk_nope_head_dim") else values,
+                     mtp_depth=config_number(hf, "num_nextn_predict_layers", 0), **experts)
 
 
 def _groups_per_token(hf: dict) -> int | None:
@@ -122,9 +123,9 @@ def shared_names(config: GPTConfig, layer: int, theirs: str) -> dict[str, tuple[
     """Block `layer`'s shared experts (one MLP, its gate and up rows fused in fc1 as ours), when it has them."""
     if not config.n_shared_experts:
         return {}
-    at = f"{theirs}mlp.shared_experts."
-    return {f"blocks.{layer}.mlp.shared.fc1.weight": (at + "gate_proj.weight", at + "up_proj.weight"),
-            f"blocks.{layer}.mlp.shared.fc2.weight": (at + "down_proj.weight",)}
+    at, ours = f"{theirs}mlp.shared_experts.", block_name(layer, config.n_layers)
+    return {f"{ours}mlp.shared.fc1.weight": (at + "gate_proj.weight", at + "up_proj.weight"),
+            f"{ours}mlp.shared.fc2.weight": (at + "down_proj.weight",)}
 
 
 def split_sizes(config: GPTConfig, ours: str) -> list[int] | None:
@@ -171,7 +172,7 @@ def router_extras(state: dict, config: GPTConfig, layer: int, theirs: str) -> di
 
     from minigpt.moe import bias_name
 
-    bias = state.get(bias_name(layer))
+    bias = state.get(bias_name(layer, config.n_layers))
     return {f"{theirs}mlp.gate.e_score_correction_bias":
             torch.zeros(config.n_experts) if bias is None else bias.detach().float().clone()}
 
@@ -183,4 +184,28 @@ def router_extras_from_hf(found, config: GPTConfig, layer: int, theirs: str) -> 
 
     if not config.expert_bias:
         return {}
-    return {bias_name(layer): found(f"{theirs}mlp.gate.e_score_correction_bias")}
+    return {bias_name(layer, config.n_layers): found(f"{theirs}mlp.gate.e_score_correction_bias")}
+
+
+def mtp_names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
+    """The multi-token prediction modules' own tensors (their blocks are named as blocks, layouts.names): module k is
+    DeepSeek-V3's layer n_layers + k, its enorm, hnorm, eh_proj and shared_head.norm (our final norm)."""
+    table = {}
+    for k in range(config.mtp_depth):
+        ours, theirs = f"mtp.{k}.", f"model.layers.{config.n_layers + k}."
+        table |= {f"{ours}{name}.weight": (f"{theirs}{name}.weight",) for name in ("enorm", "hnorm", "eh_proj")}
+        table[f"{ours}norm.weight"] = (f"{theirs}shared_head.norm.weight",)
+    return table
+
+
+def mtp_copies(state: dict, config: GPTConfig) -> dict:
+    """What DeepSeek-V3's checkpoints hold in each multi-token prediction layer beside its own tensors: copies of the
+    embedding (embed_tokens) and of the head (shared_head.head), which the modules share with the model (read back,
+    they are not needed: the model's own are)."""
+    head = state["tok_emb.weight"] if config.tied_head else state["head.weight"]
+    out = {}
+    for k in range(config.mtp_depth):
+        theirs = f"model.layers.{config.n_layers + k}."
+        out[f"{theirs}embed_tokens.weight"] = state["tok_emb.weight"].contiguous().clone()
+        out[f"{theirs}shared_head.head.weight"] = head.contiguous().clone()
+    return out

@@ -134,8 +134,8 @@ def check_hf_dir(path: str | os.PathLike) -> GPTConfig:
     cannot load."""
     path = Path(path)
     hf = read_config(path)
-    config = config_from_hf(hf)
     block, found = fp8_blocks(hf), headers(weight_files(path))
+    config = with_held_modules(config_from_hf(hf), found)
     for name, weight_name in scaled_weights(found).items():
         weight = found.get(weight_name)
         if block is None or weight is None or found[name] != scale_shape(weight, block):
@@ -149,6 +149,15 @@ def check_hf_dir(path: str | os.PathLike) -> GPTConfig:
                               f"of this config.json has")
         if have != shape:
             raise ConfigError(f"{str(path)!r}: {name} is {have}, this config.json makes it {shape}")
+    return config
+
+
+def with_held_modules(config: GPTConfig, found: dict) -> GPTConfig:
+    """`config` with the multi-token prediction modules the weights (`found`: tensors or shapes by name) hold:
+    transformers' own DeepSeek-V3 checkpoints leave them out while their config.json still counts them
+    (num_nextn_predict_layers), and are read without them, as transformers reads them."""
+    if config.mtp_depth and lookup(found, f"model.layers.{config.n_layers}.eh_proj.weight") is None:
+        return config.with_(mtp_depth=0)
     return config
 
 

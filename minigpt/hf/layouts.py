@@ -29,10 +29,11 @@ Torch-free except `to_hf` and `from_hf`, which move tensors.
 
 from __future__ import annotations
 
-from minigpt.config import GPTConfig
+from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
 from minigpt.hf.deepseek import (attention_names, check_deepseek, deepseek_config, deepseek_hf_config, interleaved,
-                                 router_extras, router_extras_from_hf, shared_names, split_sizes)
+                                 mtp_copies, mtp_names, router_extras, router_extras_from_hf, shared_names,
+                                 split_sizes)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
@@ -46,6 +47,9 @@ def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "qwen2", "qwen3", "mixtral", "qwen3_moe" or
     "deepseek_v3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
+    if config.mtp_depth and layout != "deepseek_v3":
+        raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's layout (as its checkpoints "
+                          f"hold them), which cannot hold this {layout} shape")
     if config.window_in_use and layout not in ("mistral", "mixtral"):
         raise ConfigError(f"a sliding window is written in transformers' Mistral or Mixtral layout, which cannot hold "
                           f"this {layout} shape")
@@ -259,8 +263,8 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
         table |= {"pos_emb.weight": ("transformer.wpe.weight",), "norm_f.bias": ("transformer.ln_f.bias",)}
     if not config.tied_head:
         table["head.weight"] = ("lm_head.weight",)
-    for i in range(config.n_layers):
-        ours, theirs = f"blocks.{i}.", f"{base}{'h' if gpt2 else 'layers'}.{i}."
+    for i in range(config.n_layers + config.mtp_depth):  # a multi-token prediction module's block past them
+        ours, theirs = block_name(i, config.n_layers), f"{base}{'h' if gpt2 else 'layers'}.{i}."
         moe = config.is_moe_layer(i)  # a router and experts in place of the dense MLP
         if layout == "deepseek_v3":  # Llama's norms and MLP names, the latent attention's own
             table |= {**_llama_block(ours, theirs, config, mlp=not moe, attention=False),
@@ -268,11 +272,11 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
         else:
             table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe)
         if moe:
-            table |= router_names(i, theirs, layout)
+            table |= router_names(ours, theirs, layout)
         if config.qk_norm:
             table |= {f"{ours}attn.core.{norm}.weight": (f"{theirs}self_attn.{norm}.weight",)
                       for norm in ("q_norm", "k_norm")}
-    return table
+    return table | mtp_names(config)
 
 
 def _gpt2_block(ours: str, theirs: str) -> dict:
@@ -336,11 +340,12 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
         out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout)
         if layout == "deepseek_v3":
             out |= router_extras(state, config, layer, f"model.layers.{layer}.")
-    return out
+    return out | mtp_copies(state, config)
 
 
 def _moe_layers(config: GPTConfig) -> list[int]:
-    return [layer for layer in range(config.n_layers) if config.is_moe_layer(layer)]
+    """The MoE blocks, a multi-token prediction module's (DeepSeek-V3's layer n_layers + k) included."""
+    return [layer for layer in range(config.n_layers + config.mtp_depth) if config.is_moe_layer(layer)]
 
 
 # Phi-3's fused projections (Phi3ForCausalLM) and Llama's pieces of them, which our fused Linears split into

@@ -18,7 +18,7 @@ Torch-free except `experts_to_hf` and `experts_from_hf`, which move tensors.
 
 from __future__ import annotations
 
-from minigpt.config import GPTConfig
+from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
 
 # transformers' names of one expert's three projections: (gate, up, down), and where a block's experts and router are
@@ -94,9 +94,9 @@ def moe_fields(hf: dict, layout: str) -> dict:
             "dense_layers": len(dense)}
 
 
-def router_names(layer: int, theirs: str, layout: str) -> dict:
-    """Block `layer`'s router: ours -> transformers' name (`theirs`: the block's prefix)."""
-    return {f"blocks.{layer}.mlp.router.weight": (f"{theirs}{MLP_NAME[layout]}.gate.weight",)}
+def router_names(ours: str, theirs: str, layout: str) -> dict:
+    """A block's router: ours -> transformers' name (`ours`, `theirs`: the block's prefixes)."""
+    return {f"{ours}mlp.router.weight": (f"{theirs}{MLP_NAME[layout]}.gate.weight",)}
 
 
 def expert_names(config: GPTConfig, layer: int, theirs: str, layout: str) -> dict[str, list[str]]:
@@ -105,8 +105,9 @@ def expert_names(config: GPTConfig, layer: int, theirs: str, layout: str) -> dic
     gate, up, down = PROJECTIONS[layout]
     base = f"{theirs}{MLP_NAME[layout]}.experts."
     experts = range(config.n_experts)
-    return {f"blocks.{layer}.mlp.experts.w1": [f"{base}{e}.{p}.weight" for e in experts for p in (gate, up)],
-            f"blocks.{layer}.mlp.experts.w2": [f"{base}{e}.{down}.weight" for e in experts]}
+    ours = block_name(layer, config.n_layers)
+    return {f"{ours}mlp.experts.w1": [f"{base}{e}.{p}.weight" for e in experts for p in (gate, up)],
+            f"{ours}mlp.experts.w2": [f"{base}{e}.{down}.weight" for e in experts]}
 
 
 def experts_to_hf(state: dict, config: GPTConfig, layer: int, theirs: str, layout: str) -> dict:

@@ -182,13 +182,14 @@ def saved_buffers(model_config) -> dict[str, tuple[int, ...]]:
     bias (minigpt/moe.py's expert_bias, fp32, the same on every rank of its stage)."""
     if not (model_config.is_moe and model_config.expert_bias):
         return {}
-    return {bias_name(layer): (model_config.n_experts,) for layer in range(model_config.n_layers)
+    layers = model_config.n_layers
+    return {bias_name(layer, layers): (model_config.n_experts,) for layer in range(layers + model_config.mtp_depth)
             if model_config.is_moe_layer(layer)}
 
 
 def stage_buffers(stage) -> dict[str, torch.Tensor]:
     """This rank's saved_buffers, by their names in the plain GPT (its stage's MoE layers only)."""
-    return {bias_name(module.layer): module.expert_bias for module in biased_layers(stage)}
+    return {bias_name(module.layer, module.config.n_layers): module.expert_bias for module in biased_layers(stage)}
 
 
 class NoNormalOnMeta(TorchFunctionMode):

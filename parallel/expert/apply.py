@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minigpt.model import every_block
 from minigpt.moe import MoE
 from job.exchange.experts import expert_places
 from parallel.comm import Collectives
@@ -40,6 +41,6 @@ def expert_groups(mesh: Mesh, ep: int, device: torch.device,
 def apply_expert_parallel(model: nn.Module, comm: Collectives) -> None:
     """Every MoE layer's experts split over `comm`'s group, in place (after tensor parallelism, which leaves the
     experts whole)."""
-    for block in model.blocks:
+    for block in every_block(model):
         if isinstance(block.mlp, MoE):
             block.mlp.experts = ExpertParallel(block.mlp.experts, comm)

@@ -41,8 +41,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from minigpt.model import predict_ahead, prediction_loss
 from minigpt.moe import aux_loss_weight
 from parallel.expert import is_expert_shard
 from minigpt.errors import ConfigError
@@ -80,10 +82,13 @@ class Chunk(nn.Module):
         if first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
-        if last:
-            self.norm_f, self.head, self.loss = model.norm_f, model.head, model.loss
+        if last:  # in this order: the parameters' (ZeRO's buckets) is job/layout.py's head_tensors'
+            self.norm_f, self.mtp, self.head, self.loss = model.norm_f, model.mtp, model.head, model.loss
+            self.mtp_weight = model.config.mtp_weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        """The chunk's output; on the last chunk the logits, with a multi-token prediction and `targets` the
+        logits and each depth's (minigpt/model.py's predict_ahead)."""
         if self.first:  # GPT.embed, on this stage's modules
             ids, x = x, self.tok_emb(x)
             if self.pos_emb is not None:
@@ -92,14 +97,25 @@ class Chunk(nn.Module):
         for block in self.blocks:
             x = block(x)
         if self.last:
-            x = self.head(self.norm_f(x))
+            normed = self.norm_f(x)
+            x = self.head(normed)
+            if len(self.mtp) and targets is not None:  # the embedding's rows read as a tensor: its module's ZeRO-3
+                # hooks (gather, prefetch the next unit) belong to the chunk's own lookup
+                lookup = lambda ids: F.embedding(ids, self.tok_emb.weight)  # noqa: E731
+                return x, [self.head(h) for h in predict_ahead(self.mtp, lookup, normed, targets)]
         return x
 
+    def losses(self, out, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last chunk's (next-token loss, training objective) of its output `out` (minigpt/model.py's
+        prediction_loss)."""
+        logits, ahead_logits = out if isinstance(out, tuple) else (out, [])
+        return prediction_loss(self.loss, logits, ahead_logits, targets, self.mtp_weight)
+
     def units(self) -> list[list[nn.Module]]:
-        """ZeRO-3's gather units: the embeddings, each block, the norm and head."""
+        """ZeRO-3's gather units: the embeddings, each block, the norm, multi-token prediction modules and head."""
         units = [[m for m in (self.tok_emb, self.pos_emb) if m is not None]] if self.first else []
         units += [[block] for block in self.blocks]
-        return units + ([[self.norm_f, self.head]] if self.last else [])
+        return units + ([[self.norm_f, *([self.mtp] if len(self.mtp) else []), self.head]] if self.last else [])
 
 
 class StageModel(nn.Module):
@@ -311,11 +327,13 @@ class PipelineExecutor:
         else:  # the previous chunk is on this rank (pp = 1): hand over in memory
             x = self.outputs.pop((action.micro_batch, action.chunk - 1)).detach().requires_grad_()
             self.inputs[key] = x
-        out = self.split.forward(chunk, x, key) if self.split is not None and not chunk.first else chunk(x)
+        targets = step.targets[action.micro_batch] if chunk.last else None
+        split = self.split is not None and not chunk.first
+        out = self.split.forward(chunk, x, key, targets) if split else chunk(x, targets)
         if chunk.last:
-            loss = chunk.loss(out, step.targets[action.micro_batch])
+            loss, objective = chunk.losses(out, targets)
             step.record.loss_sum += loss.item()
-            self.outputs[key] = step.scale(loss / self.micro_batches)
+            self.outputs[key] = step.scale(objective / self.micro_batches)
         else:
             self.outputs[key] = out
 

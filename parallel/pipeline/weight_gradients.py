@@ -62,9 +62,9 @@ class WeightGradients:
                                 "split needs modules with parameters to return one tensor")
             self.capturing.append((module, output))
 
-    def forward(self, chunk: nn.Module, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-        """chunk(x), keeping the outputs of its modules with parameters for `key`'s backward."""
-        out, self.kept[key] = self.captured(lambda: chunk(x))
+    def forward(self, chunk: nn.Module, x: torch.Tensor, key: tuple[int, int], targets=None):
+        """chunk(x, targets), keeping the outputs of its modules with parameters for `key`'s backward."""
+        out, self.kept[key] = self.captured(lambda: chunk(x) if targets is None else chunk(x, targets))
         return out
 
     def captured(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list]:

@@ -56,7 +56,7 @@ from job.layout import Layout, block_tensors, head_tensors, is_expert_tensor
 from simulator.costs.rates.attention_rates import kernel_table, seconds as attention_seconds
 from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
                                       model_flops)
-from simulator.costs.ops import block_ops, embedding_ops, head_ops
+from simulator.costs.ops import block_ops, embedding_ops, head_ops, mtp_units
 from simulator.costs.layers.fp8 import sp_amax_reductions
 
 HALF_EFFICIENCY_DIM = 128  # smallest matmul side at which the uncalibrated curve reaches half the peak
@@ -286,6 +286,11 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         if sp:  # the final norm's gain (and a LayerNorm's bias): the head's replicated tensors
             replicated = [t for t in head_tensors(model, layout.tp, layout.pp) if t.replicated]
             backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], 1) for t in replicated]
+        if model.mtp_depth:  # each module: the embedding's, its block's and the head's once more (mtp_units)
+            one = tp_collectives(model.with_(mtp_depth=0), 1, micro_batch_size, layout, policy, True, True, sharded,
+                                 int(model.is_moe_layer(model.n_layers)))
+            forward += [replace(c, calls=c.calls * model.mtp_depth) for c in one[0]]
+            backward += [replace(c, calls=c.calls * model.mtp_depth) for c in one[1]]
     return forward, backward
 
 
@@ -385,6 +390,7 @@ def chunk_ops(model: GPTConfig, layers: int, micro_batch_size: int, layout: Layo
             units.append((block_ops(model, micro_batch_size, layout, policy, implementation, kind), count))
     if last:
         units.append((head_ops(model, micro_batch_size, layout, policy, implementation), 1))
+        units += mtp_units(model, micro_batch_size, layout, policy, implementation)
     return units
 
 

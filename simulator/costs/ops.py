@@ -123,6 +123,8 @@ recompute mode (simulator/memory.py checks it before every prediction).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from minigpt.config import OP_RECOMPUTE, GPTConfig
 from precision.policy import PrecisionPolicy
 from job.layout import Layout, padded_vocab
@@ -315,3 +317,46 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     weight_gradient(rec, "head", vocab, sh.d, sh.compute)
     norm_backward(rec, "final_norm")
     return rec.finish("none")
+
+
+def mtp_input_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
+                  implementation: Implementation = Implementation()) -> OpList:
+    """What one multi-token prediction module runs before its block (minigpt/model.py's MultiTokenPrediction): the
+    lookup of the tokens one place on, the two input norms, their concatenation and the 2d -> d projection, over
+    the rank's residual rows (the projection whole on every tensor-parallel rank); its block and the head it
+    shares are block_ops' and head_ops'."""
+    sh = unit_shape(model, micro_batch, layout, policy, implementation)
+    rec = Recorder(sh)
+    rows = sh.residual_rows * sh.d * sh.e
+    rec.op(MemoryOp("mtp.lookup", rows, rows))  # the rows of the table read, written out
+    embedded = rec.tensor("mtp.embedded", rows)
+    hidden = rec.tensor("mtp.hidden", rows, OUTSIDE)  # the model's normed hidden state, the head's input
+    norm(rec, "mtp.enorm", embedded, "mtp.enorm.output")
+    norm(rec, "mtp.hnorm", hidden, "mtp.hnorm.output")
+    joined = rec.tensor("mtp.joined", 2 * rows)
+    rec.mem("mtp.concat", ("mtp.enorm.output", "mtp.hnorm.output"), (joined,))
+    rec.tensor("mtp.projected", rows)
+    rec.gemm("mtp.eh_proj", sh.residual_rows, sh.d, 2 * sh.d, sh.compute, (joined,))
+    rec.back_gemm("mtp.eh_proj.input_grad", sh.residual_rows, 2 * sh.d, sh.d, sh.compute)
+    rec.back_gemm("mtp.eh_proj.weight_grad", sh.d, 2 * sh.d, sh.residual_rows, sh.compute)
+    rec.back_mem("mtp.eh_proj.accumulate", 2 * 2 * sh.d * sh.d * sh.grad, 2 * sh.d * sh.d * sh.grad)
+    rec.back_mem("mtp.concat_grad", 2 * rows, 2 * rows)
+    norm_backward(rec, "mtp.hnorm")
+    norm_backward(rec, "mtp.enorm")
+    rec.back_mem("mtp.lookup_grad", rows, sh.residual_rows * sh.d * sh.grad)  # into the embedding's rows
+    return rec.finish("none")
+
+
+def mtp_units(model: GPTConfig, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
+              implementation: Implementation) -> list[tuple[OpList, int]]:
+    """The multi-token prediction modules on the last chunk, each: its inputs (mtp_input_ops), a block of the
+    model's last kind, not recomputed (parallel/recompute.py wraps the model's own blocks), and the shared head once
+    more."""
+    depth = model.mtp_depth
+    if not depth:
+        return []
+    kept = replace(implementation, recompute="none")
+    moe = model.is_moe_layer(model.n_layers)
+    return [(mtp_input_ops(model, micro_batch_size, layout, policy, kept), depth),
+            (block_ops(model, micro_batch_size, layout, policy, kept, moe), depth),
+            (head_ops(model, micro_batch_size, layout, policy, kept), depth)]

@@ -168,22 +168,23 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
                 btp = exposed(btp, ct.backward_linear_s, job.overlap.tp_slowdown)
             memo[key] = (f, b, ftp, btp, again, weight, first_half), ct
         priced, ct = memo[key]
-        if (job.layout.cp == 1 and not (moe and job.layout.ep > 1)) or not layers:
+        blocks, moe_blocks = _exchanging_blocks(job.model, layers, last, moe)
+        if (job.layout.cp == 1 and not (moe_blocks and job.layout.ep > 1)) or not blocks:
             return (*priced, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         if (key, stage) not in exchanges:
-            context = _exchange(job, ct, layers, micro_batch, implementation, stage) \
+            context = _exchange(job, ct, blocks, micro_batch, implementation, stage) \
                 if job.layout.cp > 1 else (0.0, 0.0)
-            if moe and job.layout.cp > 1:  # the MoE's routing counted over whole sequences: the cp group's too
+            if moe_blocks and job.layout.cp > 1:  # the MoE's routing counted over whole sequences: the cp group's too
                 routing = routing_seconds(job.model, job.layout, micro_batch, implementation.recompute, job.links, stage)
-                context = (context[0] + layers * routing[0], context[1] + layers * routing[1])
+                context = (context[0] + moe_blocks * routing[0], context[1] + moe_blocks * routing[1])
             experts = (0.0,) * 4
-            if moe:
+            if moe_blocks:
                 forward, backward = expert_exchange(job.model, job.layout, micro_batch, job.compute_bytes,
                                                     implementation.recompute, job.links, stage,
-                                                    implementation.expert_load, _shared_experts(job, ct, layers),
+                                                    implementation.expert_load, _shared_experts(job, ct, moe_blocks),
                                                     implementation.dispatcher)
-                experts = tuple(layers * x for x in (forward.seconds, backward.seconds, forward.hidden,
-                                                     backward.hidden))
+                experts = tuple(moe_blocks * x for x in (forward.seconds, backward.seconds, forward.hidden,
+                                                         backward.hidden))
             exchanges[(key, stage)] = (*context, *experts)
         return (*priced, *exchanges[(key, stage)])
 
@@ -212,6 +213,13 @@ def amax_seconds(job: _Job, implementation: Implementation, pol, stage: int, fp8
         return 0.0, 0.0
     return tuple(job.links.amax_all_reduce(stage, group, per_gemm * AMAX_BYTES * fp8_gemms)
                  for per_gemm in AMAXES_PER_GEMM)
+
+
+def _exchanging_blocks(model, layers: int, last: bool, moe: bool) -> tuple[int, int]:
+    """(blocks, MoE blocks) whose context-parallel and expert exchanges a unit runs: its own `layers`, and on the
+    last chunk's head unit the multi-token prediction modules' blocks (compute.py's mtp_units)."""
+    mtp = model.mtp_depth if last else 0
+    return layers + mtp, (layers if moe else 0) + (mtp if model.is_moe_layer(model.n_layers) else 0)
 
 
 def _shared_experts(job: _Job, ct, layers: int) -> SharedExperts | None:
@@ -390,8 +398,10 @@ def _bias_counts(job: _Job, placed, stage: int) -> float:
 
 
 def _moe_layers(job: _Job, placed) -> int:
-    """The MoE layers of a rank's placed chunks."""
-    return sum(job.model.is_moe_layer(i) for _, layers in placed for i in layers)
+    """The MoE layers of a rank's placed chunks, a multi-token prediction module's on the last chunk's rank."""
+    model, last = job.model, job.layout.pp * job.layout.virtual_chunks - 1
+    mtp = model.mtp_depth if model.is_moe_layer(model.n_layers) and any(c == last for c, _ in placed) else 0
+    return mtp + sum(model.is_moe_layer(i) for _, layers in placed for i in layers)
 
 
 def _expert_reduction(job: _Job, placed, stage: int, pol, fp8_experts_kept: bool = False) -> float:

@@ -47,7 +47,7 @@ from simulator.engine.replay import CATEGORIES, RankTally, no_garbage_collection
 from simulator.costs.hardware import GPUSpec, Hardware, load_hardware
 from simulator.costs.rates.attention_rates import kernel_table, te_kernel
 from simulator.limits import check_job
-from job.layout import Layout, padded_vocab
+from job.layout import Layout, embedding_copy, padded_vocab
 from simulator.memory import MemoryEstimate, predict_memory
 from simulator.costs.op_types import Implementation, check_cp_attention
 from simulator.costs.userbuffers import Userbuffers
@@ -340,7 +340,7 @@ def simulate_step(model: GPTConfig, layout: Layout, cluster: Cluster, precision:
                             attention, implementation.sp_saved_input, settings.zero3_prefetch, m,
                             implementation=implementation, ends_in_flight=peak_ends_in_flight(schedule))
     activation = micro_batch * layout.activation_rows(model) * model.d_model * FORMAT_BYTES[pol.compute]
-    tied = model.tied_head and layout.pp > 1
+    tied = embedding_copy(model, layout.pp) is not None  # its gradient summed over the first and last stage
     sync_bytes = padded_vocab(model, layout.tp) // layout.tp * model.d_model * FORMAT_BYTES[pol.grad]
     timings["costs_s"] = time.perf_counter() - clock
 
