@@ -445,20 +445,21 @@ class GPT(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm_f(x))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for `idx`, or the mean next-token loss when `targets` are given."""
+    def trunk(self, idx: torch.Tensor) -> torch.Tensor:
+        """The last block's output for `idx` (before the final norm)."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        logits = self.logits(x)
+        return x
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `idx`, or the mean next-token loss when `targets` are given."""
+        logits = self.logits(self.trunk(idx))
         return logits if targets is None else self.loss(logits, targets)
 
     def objective(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """What training minimises: the next-token loss, plus the multi-token prediction's (prediction_loss)."""
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        normed = self.norm_f(x)
+        normed = self.norm_f(self.trunk(idx))
         hidden = predict_ahead(self.mtp, self.tok_emb, normed, targets)
         logits = [self.head(h) for h in hidden]
         return prediction_loss(self.loss, self.head(normed), logits, targets, self.config.mtp_weight)[1]

@@ -21,7 +21,7 @@ from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.model import GPT, IGNORED, ahead
+from minigpt.model import GPT, IGNORED, ahead, predict_ahead
 from minigpt.presets import preset
 from parallel.run.train import train_on_rank
 from parity import worst_gap
@@ -59,10 +59,7 @@ def test_the_objective_is_the_papers():
     torch.manual_seed(0)
     model = GPT(DENSE)
     idx, targets = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
-    x = model.embed(idx)
-    for block in model.blocks:
-        x = block(x)
-    hidden = model.norm_f(x)
+    hidden = model.norm_f(model.trunk(idx))
     expected = F.cross_entropy(model.head(hidden).flatten(0, 1), targets.flatten())
     depths = []
     for k, module in enumerate(model.mtp, start=1):
@@ -96,25 +93,14 @@ def test_a_depth_never_sees_what_it_predicts():
     torch.manual_seed(0)
     model = GPT(DENSE)
     idx, targets = torch.randint(0, 256, (1, 32)), torch.randint(0, 256, (1, 32))
-    changed = targets.clone()
-    i = 10
+    hidden, i = model.norm_f(model.trunk(idx)), 10
     for k in (1, 2):
+        changed = targets.clone()
         changed[:, i + k:] = (targets[:, i + k:] + 1) % 256
-        hidden = [model.norm_f(_trunk(model, idx))] * 2
-        from minigpt.model import predict_ahead
-
-        before = predict_ahead(model.mtp, model.tok_emb, hidden[0], targets)[k - 1]
-        after = predict_ahead(model.mtp, model.tok_emb, hidden[1], changed)[k - 1]
+        before = predict_ahead(model.mtp, model.tok_emb, hidden, targets)[k - 1]
+        after = predict_ahead(model.mtp, model.tok_emb, hidden, changed)[k - 1]
         assert torch.equal(before[:, : i + 1], after[:, : i + 1])
         assert not torch.equal(before[:, i + 1:], after[:, i + 1:])
-        changed = targets.clone()
-
-
-def _trunk(model: GPT, idx: torch.Tensor) -> torch.Tensor:
-    x = model.embed(idx)
-    for block in model.blocks:
-        x = block(x)
-    return x
 
 
 def test_parameters_are_counted_as_the_modules_hold_them():

@@ -82,7 +82,7 @@ class Chunk(nn.Module):
         if first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
-        if last:  # in this order: the parameters' (ZeRO's buckets) is job/layout.py's head_tensors'
+        if last:  # registered in job/layout.py's last_unit order (ZeRO's buckets follow the parameters')
             self.norm_f, self.mtp, self.head, self.loss = model.norm_f, model.mtp, model.head, model.loss
             self.mtp_weight = model.config.mtp_weight
 
