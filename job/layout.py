@@ -291,18 +291,18 @@ def embedding_copy(model: GPTConfig, pp: int) -> str | None:
     return "head.weight" if model.tied_head else MTP_EMBEDDING
 
 
-MTP_EMBEDDING = "mtp.embedding.weight"  # the last stage's copy of an untied model's embedding, for its modules
+MTP_EMBEDDING = "mtp_embedding.weight"  # the last stage's copy of an untied model's embedding, for its modules
 
 
 def last_unit(model: GPTConfig, tp: int, pp: int, ep: int = 1) -> list[Tensor]:
     """The last chunk's last ZeRO-3 unit (parallel/pipeline/executor.py's Chunk.units): the final norm, the
-    multi-token prediction modules (their routed experts left out under expert parallelism; under pipelining an
-    untied model's embedding copy first) and the head."""
+    multi-token prediction modules (their routed experts left out under expert parallelism), the head, and under
+    pipelining an untied model's embedding copy for the modules."""
     head, norm = head_tensors(model, tp, pp), len(_norm("norm_f", model))
     mtp = [t for t in mtp_tensors(model, tp) if not (ep > 1 and is_expert_tensor(t))]
-    if embedding_copy(model, pp) == MTP_EMBEDDING:
-        mtp.insert(0, Tensor(MTP_EMBEDDING, padded_vocab(model, tp) // tp * model.d_model, False))
-    return head[:norm] + mtp + head[norm:]
+    copy = [Tensor(MTP_EMBEDDING, padded_vocab(model, tp) // tp * model.d_model, False)] \
+        if embedding_copy(model, pp) == MTP_EMBEDDING else []
+    return head[:norm] + mtp + head[norm:] + copy
 
 
 def check_against_config(model: GPTConfig) -> None:

@@ -164,13 +164,14 @@ def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False,
     return True
 
 
-def check_trained_prediction(model: GPTConfig, tp: int, cp: int, pp: int) -> None:
-    """Multi-token prediction is trained here with data parallelism, ZeRO 0-3 (FSDP's settings) and expert
-    parallelism; under tensor, context or pipeline parallelism it is not yet (`minigpt simulate` prices it there)."""
-    used = [f"--{name} {size}" for name, size in (("tp", tp), ("cp", cp), ("pp", pp)) if size > 1]
+def check_trained_prediction(model: GPTConfig, tp: int, cp: int) -> None:
+    """Multi-token prediction is trained here with data, pipeline and expert parallelism and ZeRO 0-3 (FSDP's
+    settings); under tensor or context parallelism it is not yet (`minigpt simulate` prices it there)."""
+    used = [f"--{name} {size}" for name, size in (("tp", tp), ("cp", cp)) if size > 1]
     if model.mtp_depth and used:
-        raise ConfigError(f"multi-token prediction (--mtp-depth {model.mtp_depth}) is trained with data, ZeRO/FSDP and "
-                          f"expert parallelism, not yet with {' '.join(used)}: `minigpt simulate` prices it there")
+        raise ConfigError(f"multi-token prediction (--mtp-depth {model.mtp_depth}) is trained with data, pipeline, "
+                          f"ZeRO/FSDP and expert parallelism, not yet with {' '.join(used)}: `minigpt simulate` "
+                          f"prices it there")
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ class TrainConfig:
                 f"with --stage-layers"
             )
         check_vocabulary(self.model, self.tokenizer)
-        check_trained_prediction(self.model, self.tp, self.cp, self.pp)
+        check_trained_prediction(self.model, self.tp, self.cp)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:

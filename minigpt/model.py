@@ -372,11 +372,12 @@ def ahead(targets: torch.Tensor, k: int) -> torch.Tensor:
 
 def predict_ahead(modules: nn.ModuleList, embed, normed: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
     """Each depth's normed hidden state, from the model's own (`normed`) and the targets' embeddings (`embed(ids)`:
-    the model's token embedding)."""
+    the model's token embedding, called once for every depth's tokens)."""
+    tokens = [ahead(targets, k).clamp(min=0) for k in range(len(modules))]  # IGNORED ones read token 0: causal,
+    embedded = embed(torch.cat(tokens)).chunk(len(modules))  # nothing that counts sees them
     hidden, out = normed, []
-    for k, module in enumerate(modules, start=1):
-        tokens = ahead(targets, k - 1).clamp(min=0)  # IGNORED positions read token 0; causal: nothing sees them
-        hidden = module(hidden, embed(tokens))
+    for module, inputs in zip(modules, embedded):
+        hidden = module(hidden, inputs)
         out.append(hidden)
     return out
 

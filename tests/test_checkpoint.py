@@ -57,6 +57,11 @@ CASES = {
         {"tp4": dict(tp=4), "tp2-dp2-zero3": dict(tp=2, dp=2, zero=3),
          "pp4-stages-0-2-1-1": dict(pp=4, stage_layers=(0, 2, 1, 1))},
     ),
+    # multi-token prediction under pipelining: the last stage's own copy of the untied embedding, never saved
+    "pp2-mtp-untied": (
+        dict(pp=2, dp=2, model=MODEL.with_(tied_head=False, mtp_depth=1)),
+        {"dp4-zero3": dict(dp=4, zero=3)},
+    ),
     "tp2-pp2-fp16-tied": (
         dict(tp=2, pp=2, precision="fp16"),
         {"pp4": dict(pp=4), "pp2-interleaved-dp2-zero2": dict(pp=2, dp=2, zero=2, schedule="interleaved", virtual_chunks=2)},

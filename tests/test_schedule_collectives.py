@@ -52,6 +52,9 @@ LAYOUTS = {
         "pp2 dp2 zero1 interleaved": dict(pp=2, dp=2, zero=1, micro_batches=4, schedule="interleaved",
                                           virtual_chunks=2, bucket_mb=0.01),
         "pp2 dp2 zero3 zb-h1": dict(pp=2, dp=2, zero=3, micro_batches=2, schedule="zb-h1"),
+        # multi-token prediction under pipelining: the last stage's embedding copy, summed with the first's
+        "pp2 dp2 zero1 mtp": dict(pp=2, dp=2, zero=1, micro_batches=2, bucket_mb=0.01,
+                                  model=dataclasses.replace(MODEL, tied_head=False, mtp_depth=1)),
         # a stage layout, interleaved: the first chunk the embeddings alone
         "pp2 dp2 zero2 stages 0,2,1,1": dict(pp=2, dp=2, zero=2, micro_batches=4, schedule="interleaved",
                                              virtual_chunks=2, stage_layers=(0, 2, 1, 1), bucket_mb=0.01),

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from minigpt.model import GPT
 from minigpt.moe import bias_name, biased_layers
+from job.layout import MTP_EMBEDDING
 from job.schedule import chunk_layers
 
 Box = tuple[int, tuple[int, ...], tuple[int, ...]]  # (first flat element, offsets, sizes)
@@ -258,7 +259,7 @@ def rank_placements(rank, cfg) -> list[Placement]:
             if lo >= hi:
                 continue
             name = names[id(param)]
-            tied_copy = name == "head.weight" and cfg.model.tied_head
+            tied_copy = (name == "head.weight" and cfg.model.tied_head) or name == MTP_EMBEDDING
             name = "tok_emb.weight" if tied_copy else name
             if name not in shapes:
                 raise AssertionError(f"parameter {segment.name} is taken for {name}, which GPT does not have")

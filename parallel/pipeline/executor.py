@@ -98,24 +98,35 @@ class Chunk(nn.Module):
             x = block(x)
         if self.last:
             normed = self.norm_f(x)
+            if len(self.mtp) and targets is not None:  # the head once, over every depth (zero-bubble's split
+                # backward counts a module's weight gradient once a forward)
+                hidden = predict_ahead(self.mtp, self.lookup(), normed, targets)
+                return tuple(self.head(torch.cat([normed, *hidden])).chunk(1 + len(hidden)))
             x = self.head(normed)
-            if len(self.mtp) and targets is not None:  # the embedding's rows read as a tensor: its module's ZeRO-3
-                # hooks (gather, prefetch the next unit) belong to the chunk's own lookup
-                lookup = lambda ids: F.embedding(ids, self.tok_emb.weight)  # noqa: E731
-                return x, [self.head(h) for h in predict_ahead(self.mtp, lookup, normed, targets)]
         return x
+
+    def lookup(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The multi-token prediction's embedding lookup on this (last) chunk: the stage's own copy under pipelining
+        (a module, whose output zero-bubble's weight gradients see: split_model's `mtp_embedding`); with the
+        embeddings on the same chunk their rows read as a tensor, since the embedding module's ZeRO-3 hooks (gather,
+        prefetch the next unit) belong to the chunk's own lookup."""
+        if not self.first:
+            return self.mtp_embedding
+        return lambda ids: F.embedding(ids, self.tok_emb.weight)
 
     def losses(self, out, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last chunk's (next-token loss, training objective) of its output `out` (minigpt/model.py's
         prediction_loss)."""
-        logits, ahead_logits = out if isinstance(out, tuple) else (out, [])
+        logits, *ahead_logits = out if isinstance(out, tuple) else (out,)
         return prediction_loss(self.loss, logits, ahead_logits, targets, self.mtp_weight)
 
     def units(self) -> list[list[nn.Module]]:
         """ZeRO-3's gather units: the embeddings, each block, the norm, multi-token prediction modules and head."""
         units = [[m for m in (self.tok_emb, self.pos_emb) if m is not None]] if self.first else []
         units += [[block] for block in self.blocks]
-        return units + ([[self.norm_f, *([self.mtp] if len(self.mtp) else []), self.head]] if self.last else [])
+        copy = [self.mtp_embedding] if self.last and not self.first and len(self.mtp) else []  # after the head: its
+        # tensors are job/layout.py's last_unit's (a tied head's weight is the copy itself, listed once)
+        return units + ([[self.norm_f, *([self.mtp] if len(self.mtp) else []), self.head, *copy]] if self.last else [])
 
 
 class StageModel(nn.Module):
@@ -163,6 +174,12 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_chunks: int,
             if chunk.last:  # the head's own copy of the embedding matrix
                 inner = getattr(chunk.head, "inner", chunk.head)
                 inner.weight = nn.Parameter(inner.weight.detach().clone())
+    for chunk in chunks:  # the last stage's copy of the embedding for the multi-token prediction's lookups (job/
+        if chunk.last and not chunk.first and len(chunk.mtp):  # layout.py's embedding_copy): a tied head's weight,
+            copy = getattr(chunk.head, "inner", chunk.head).weight if model.config.tied_head else \
+                nn.Parameter(model.tok_emb.weight.detach().clone())  # or a copy of its own, registered last
+            chunk.mtp_embedding = nn.Embedding.from_pretrained(copy.data, freeze=False)
+            chunk.mtp_embedding.weight = copy
     return StageModel(chunks)
 
 

@@ -22,7 +22,7 @@ from parallel.mesh import Mesh
 from parallel.recompute import apply_recompute
 from parallel.pipeline.executor import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
 from job.data_parallel import check_against_plan, schedule_config
-from job.layout import Layout
+from job.layout import Layout, embedding_copy
 from job.schedule import ScheduleConfig, build_schedule
 from parallel.tensor.parallelize import parallelize
 from job.train_config import TrainConfig, bucket_numel as bucket_numel_of
@@ -70,11 +70,14 @@ def make_scaler(cfg: TrainConfig, loss_scaling: bool) -> LossScaler | None:
 
 
 def tied_copy(stage: StageModel) -> nn.Parameter | None:
-    """This rank's copy of a tied embedding matrix split across stages (first or last chunk)."""
+    """This rank's copy of an embedding matrix split across stages (job/layout.py's embedding_copy: a tied head's,
+    or the multi-token prediction's): the first chunk's embedding, or the last chunk's copy."""
     for chunk in stage.chunks:
         if chunk.first:
             return chunk.tok_emb.weight
         if chunk.last:
+            if hasattr(chunk, "mtp_embedding"):
+                return chunk.mtp_embedding.weight
             return getattr(chunk.head, "inner", chunk.head).weight
     return None
 
@@ -135,7 +138,7 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
 
     tied = None
     shared = [(lo, hi, mesh.tp) for lo, hi in data_parallel.ranges_of(replicated)] if mesh.tp > 1 else []
-    if cfg.pp > 1 and cfg.model.tied_head:
+    if embedding_copy(cfg.model, cfg.pp) is not None:
         groups = embedding_groups(mesh)  # collective: every rank takes part
         copy = tied_copy(stage)
         if copy is not None and mesh.rank in groups:
