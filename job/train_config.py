@@ -164,14 +164,17 @@ def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False,
     return True
 
 
-def check_trained_prediction(model: GPTConfig, tp: int, cp: int) -> None:
-    """Multi-token prediction is trained here with data, pipeline and expert parallelism and ZeRO 0-3 (FSDP's
-    settings); under tensor or context parallelism it is not yet (`minigpt simulate` prices it there)."""
-    used = [f"--{name} {size}" for name, size in (("tp", tp), ("cp", cp)) if size > 1]
+def check_trained_prediction(model: GPTConfig, cp: int, sequence_parallel: bool, split_tied: bool = False) -> None:
+    """Multi-token prediction is trained here with data, tensor, pipeline and expert parallelism and ZeRO 0-3 (FSDP's
+    settings); under context parallelism or sequence parallelism it is not yet (`minigpt simulate` prices it there),
+    nor with a tied head under zero-bubble's split backward (`split_tied`: the last stage's head weight is then its
+    lookups' too, and the split needs each weight in one module)."""
+    used = ([f"--cp {cp}"] if cp > 1 else []) + (["--sequence-parallel"] if sequence_parallel else [])
+    used += ["a tied head under --schedule zb-h1"] if split_tied else []
     if model.mtp_depth and used:
-        raise ConfigError(f"multi-token prediction (--mtp-depth {model.mtp_depth}) is trained with data, pipeline, "
-                          f"ZeRO/FSDP and expert parallelism, not yet with {' '.join(used)}: `minigpt simulate` "
-                          f"prices it there")
+        raise ConfigError(f"multi-token prediction (--mtp-depth {model.mtp_depth}) is trained with data, tensor, "
+                          f"pipeline, ZeRO/FSDP and expert parallelism, not yet with {' and '.join(used)}: `minigpt "
+                          f"simulate` prices it there")
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,8 @@ class TrainConfig:
                 f"with --stage-layers"
             )
         check_vocabulary(self.model, self.tokenizer)
-        check_trained_prediction(self.model, self.tp, self.cp)
+        check_trained_prediction(self.model, self.cp, self.sequence_parallel and self.tp > 1,
+                                 self.model.tied_head and self.schedule == "zb-h1" and self.pp > 1)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:

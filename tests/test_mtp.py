@@ -39,6 +39,7 @@ BASE = TrainConfig(model=DENSE, steps=20, global_batch=8, micro_batches=2, eval_
                    device="cpu")
 TOLERANCE = 1e-5
 TIED = DENSE.with_(tied_head=True)
+REFERENCES = {DENSE: "dense", MOE: "moe", TIED: "tied"}  # each model's one-process run
 LAYOUTS = {
     2: {"dp2": (DENSE, dict(dp=2)), "dp2-zero3": (DENSE, dict(dp=2, zero=3)),
         "ep2-moe": (MOE, dict(dp=2, ep=2, zero=1)),
@@ -47,7 +48,12 @@ LAYOUTS = {
         "pp2": (DENSE, dict(pp=2)), "pp2-tied": (TIED, dict(pp=2)), "pp2-zb-h1": (DENSE, dict(pp=2, schedule="zb-h1")),
         "pp2-interleaved": (DENSE, dict(pp=2, schedule="interleaved", virtual_chunks=2, stage_layers=(0, 1, 1, 0)))},
     4: {"ep2-dp4-zero3-shard2": (MOE, dict(dp=4, ep=2, zero=3, shard_group=2)),
-        "pp2-dp2-zero3-tied": (TIED, dict(pp=2, dp=2, zero=3)), "pp2-ep2-moe": (MOE, dict(pp=2, dp=2, ep=2, zero=1))},
+        "pp2-dp2-zero3-tied": (TIED, dict(pp=2, dp=2, zero=3)), "pp2-ep2-moe": (MOE, dict(pp=2, dp=2, ep=2, zero=1)),
+        # tensor parallelism: the modules' blocks split as the model's, the lookups and the loss vocabulary-parallel
+        "tp2-dp2": (DENSE, dict(tp=2, dp=2)), "tp2-pp2-tied": (TIED, dict(tp=2, pp=2)),
+        "tp2-pp2": (DENSE, dict(tp=2, pp=2)), "tp2-pp2-zb-h1": (DENSE, dict(tp=2, pp=2, schedule="zb-h1"))},
+    8: {"tp2-pp2-dp2-zero3": (DENSE, dict(tp=2, pp=2, dp=2, zero=3)),
+        "tp2-ep2-pp2-moe": (MOE, dict(tp=2, pp=2, dp=2, ep=2, zero=1))},
 }
 
 
@@ -124,8 +130,8 @@ def run_layouts(world: int, out: str) -> dict:
         for name, (model, changes) in LAYOUTS[world].items():
             cfg = dataclasses.replace(BASE, model=model, out_dir=f"{out}/{name}", **changes)
             summary = train_on_rank(cfg, torch.device("cpu"))
-            found[name] = None if summary is None else {"losses": summary["losses"],
-                                                        "grad_norms": summary["grad_norms"]}
+            found[name] = None if summary is None else {"losses": summary["losses"], "grad_norms": summary["grad_norms"],
+                                                        "reference": REFERENCES[model]}
     return found
 
 
@@ -134,21 +140,21 @@ def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("mtp-reference")
     runs = {}
     with one_thread():
-        for name, model in (("dense", DENSE), ("moe", MOE), ("tied", TIED)):
+        for model, name in REFERENCES.items():
             summary = train_on_rank(dataclasses.replace(BASE, model=model, out_dir=f"{out}/{name}"),
                                     torch.device("cpu"))
             runs[name] = {"losses": summary["losses"], "grad_norms": summary["grad_norms"]}
     return runs
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[2, 4, 8])
 def layouts(request, tmp_path_factory):
     return run_ranks(request.param, run_layouts, request.param, str(tmp_path_factory.mktemp("mtp")))[0]
 
 
 def test_every_layout_trains_as_one_process(layouts, references):
     for name, run in layouts.items():
-        reference = references["moe" if "moe" in name or "ep" in name else "tied" if "tied" in name else "dense"]
+        reference = references[run["reference"]]
         gap = worst_gap(run, reference)
         print(f"{name}: {gap}")
         assert len(run["losses"]) == 20 and gap.worst < TOLERANCE, (name, str(gap))
@@ -169,8 +175,9 @@ def test_the_objective_moves_the_modules(references, tmp_path):
 @pytest.mark.parametrize("args,expected", [
     (["--mtp-depth", "-1"], "mtp_depth must be a whole number"),
     (["--mtp-depth", "1", "--mtp-weight", "nan"], "mtp_weight must be a finite number"),
-    (["--mtp-depth", "1", "--tp", "2"], "not yet with --tp 2"),
+    (["--mtp-depth", "1", "--tp", "2", "--sequence-parallel"], "not yet with --sequence-parallel"),
     (["--mtp-depth", "1", "--cp", "2"], "not yet with --cp 2"),
+    (["--mtp-depth", "1", "--tied", "--pp", "2", "--schedule", "zb-h1"], "not yet with a tied head under --schedule zb-h1"),
 ])
 def test_refusals_are_one_line(tmp_path, args, expected):
     result = CliRunner().invoke(main, ["train", "--model", "tiny-llama", "--steps", "1", "--out",

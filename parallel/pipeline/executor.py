@@ -41,7 +41,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from minigpt.model import predict_ahead, prediction_loss
@@ -49,6 +48,7 @@ from minigpt.moe import aux_loss_weight
 from parallel.expert import is_expert_shard
 from minigpt.errors import ConfigError
 from parallel.clock import Event, StepClock
+from parallel.tensor.layers import VocabParallelEmbedding
 from parallel.backward import backward_from
 from parallel.pipeline.weight_gradients import WeightGradients
 from job.schedule import (
@@ -108,11 +108,11 @@ class Chunk(nn.Module):
     def lookup(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The multi-token prediction's embedding lookup on this (last) chunk: the stage's own copy under pipelining
         (a module, whose output zero-bubble's weight gradients see: split_model's `mtp_embedding`); with the
-        embeddings on the same chunk their rows read as a tensor, since the embedding module's ZeRO-3 hooks (gather,
-        prefetch the next unit) belong to the chunk's own lookup."""
+        embeddings on the same chunk their module's forward, not the module: its ZeRO-3 hooks (gather, prefetch the
+        next unit) belong to the chunk's own lookup."""
         if not self.first:
             return self.mtp_embedding
-        return lambda ids: F.embedding(ids, self.tok_emb.weight)
+        return self.tok_emb.forward  # called past the module: no hook runs (a vocabulary-parallel one's sum does)
 
     def losses(self, out, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last chunk's (next-token loss, training objective) of its output `out` (minigpt/model.py's
@@ -178,9 +178,17 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_chunks: int,
         if chunk.last and not chunk.first and len(chunk.mtp):  # layout.py's embedding_copy): a tied head's weight,
             copy = getattr(chunk.head, "inner", chunk.head).weight if model.config.tied_head else \
                 nn.Parameter(model.tok_emb.weight.detach().clone())  # or a copy of its own, registered last
-            chunk.mtp_embedding = nn.Embedding.from_pretrained(copy.data, freeze=False)
-            chunk.mtp_embedding.weight = copy
+            chunk.mtp_embedding = embedding_like(model.tok_emb, copy)
     return StageModel(chunks)
+
+
+def embedding_like(embedding: nn.Module, weight: nn.Parameter) -> nn.Module:
+    """An embedding that looks up as `embedding` does (a vocabulary-parallel one its shard), on `weight`."""
+    if isinstance(embedding, VocabParallelEmbedding):
+        return VocabParallelEmbedding(weight, embedding.start, embedding.comm)
+    module = nn.Embedding(*weight.shape, _weight=weight.data)
+    module.weight = weight
+    return module
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.comm import Collectives
+from minigpt.model import IGNORED
 
 SEQ_DIM = 1  # activations are (batch, seq, features)
 
@@ -210,18 +211,24 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = torch.where(mine, picked, torch.zeros_like(picked))
         comm.sum(target_logit)
         loss = sum_exp.log() - target_logit
-        ctx.save_for_backward(exp, sum_exp, local_targets, mine)
-        return loss.mean()
+        counted = targets != IGNORED  # the multi-token prediction's positions past the sequence count for nothing
+        ctx.save_for_backward(exp, sum_exp, local_targets, mine, counted)
+        if bool(counted.all()):
+            return loss.mean()
+        return torch.where(counted, loss, torch.zeros_like(loss)).sum() / counted.sum()
 
     @staticmethod
     def backward(ctx, grad):
         """The gradient made in place of the saved exponentials (as Megatron's vocab-parallel cross entropy makes
         it in place of its softmax): the softmax, less one at each target this rank holds, over the tokens."""
-        exp, sum_exp, local_targets, mine = ctx.saved_tensors
+        exp, sum_exp, local_targets, mine, counted = ctx.saved_tensors
         logits_grad = exp.div_(sum_exp.unsqueeze(-1))
         targets = local_targets.clamp(0, exp.shape[-1] - 1).unsqueeze(-1)
         logits_grad.scatter_add_(-1, targets, -mine.unsqueeze(-1).to(logits_grad.dtype))
-        return logits_grad.mul_(grad / local_targets.numel()), None, None, None, None
+        if bool(counted.all()):
+            return logits_grad.mul_(grad / local_targets.numel()), None, None, None, None
+        logits_grad.mul_(counted.unsqueeze(-1).to(logits_grad.dtype))
+        return logits_grad.mul_(grad / counted.sum()), None, None, None, None
 
 
 class VocabParallelLoss(nn.Module):

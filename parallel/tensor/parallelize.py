@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minigpt.model import AttentionCore, LatentAttention
+from minigpt.model import AttentionCore, LatentAttention, every_block
 from minigpt.moe import MoE
 from parallel.comm import Collectives
 from parallel.tensor.moe import apply_sequence_moe
@@ -90,7 +90,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
              "fc1": [config.d_ff] * (config.mlp_in_width // config.d_ff)}
     experts = []  # a mixture of experts stays whole on every rank (no expert tensor parallelism): each computes it
     latent = []  # MLA's down projection and latent norms: every rank makes the whole latent (its rows under SP)
-    for block in model.blocks:  # for the same tokens (or, under SP, for its slice of them: summed below)
+    for block in every_block(model):  # for the same tokens (or, under SP, for its slice of them: summed below)
         dense = not isinstance(block.mlp, MoE)
         experts += [] if dense else list(block.mlp.parameters())
         mla = isinstance(block.attn, LatentAttention)
@@ -108,7 +108,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
             setattr(parent, name, RowParallelLinear(inner, bias, comm, sequence_parallel))
 
     sequence_pieces = list(model.norm_f.parameters()) + latent  # replicated and fed 1/T of the sequence under SP
-    for block in model.blocks:
+    for block in every_block(model):
         sequence_pieces += [*block.ln1.parameters(), *block.ln2.parameters()]
         mlp_bias = getattr(getattr(block.mlp, "fc2", None), "bias", None)  # a MoE has none of its own
         sequence_pieces += [b for b in (block.attn.proj.bias, mlp_bias) if b is not None]
@@ -120,6 +120,10 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     for param in head_norms:  # shared by every head, and a rank holds some of them: its gradient is a part
         param.register_hook(lambda grad: _sum_over_group(grad, comm))
     whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
+    # the multi-token prediction modules' norms and projection, whole on every rank for the same tokens (its
+    # training refuses sequence parallelism: job/train_config.py's check_trained_prediction)
+    whole_sequence += [p for module in model.mtp for part in (module.enorm, module.hnorm, module.eh_proj, module.norm)
+                       for p in part.parameters()]
     return {id(param) for param in whole_sequence + sequence_pieces + experts + head_norms}
 
 
