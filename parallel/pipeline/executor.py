@@ -51,6 +51,7 @@ from parallel.clock import Event, StepClock
 from parallel.tensor.layers import VocabParallelEmbedding
 from parallel.backward import backward_from
 from parallel.pipeline.weight_gradients import WeightGradients
+from job.layout import MTP_EMBEDDING, embedding_copy
 from job.schedule import (
     AllReduceGrads,
     Backward,
@@ -174,11 +175,12 @@ def split_model(model: nn.Module, pp: int, pp_rank: int, virtual_chunks: int,
             if chunk.last:  # the head's own copy of the embedding matrix
                 inner = getattr(chunk.head, "inner", chunk.head)
                 inner.weight = nn.Parameter(inner.weight.detach().clone())
-    for chunk in chunks:  # the last stage's copy of the embedding for the multi-token prediction's lookups (job/
-        if chunk.last and not chunk.first and len(chunk.mtp):  # layout.py's embedding_copy): a tied head's weight,
-            copy = getattr(chunk.head, "inner", chunk.head).weight if model.config.tied_head else \
-                nn.Parameter(model.tok_emb.weight.detach().clone())  # or a copy of its own, registered last
-            chunk.mtp_embedding = embedding_like(model.tok_emb, copy)
+    copy = embedding_copy(model.config, pp)  # the last stage's copy of the embedding, if it holds one
+    for chunk in chunks:  # the multi-token prediction's lookups read it: a tied head's weight, or one of their own
+        if chunk.last and len(chunk.mtp) and copy is not None:  # (registered last, as job/layout.py's last_unit)
+            weight = getattr(chunk.head, "inner", chunk.head).weight if copy != MTP_EMBEDDING else \
+                nn.Parameter(model.tok_emb.weight.detach().clone())
+            chunk.mtp_embedding = embedding_like(model.tok_emb, weight)
     return StageModel(chunks)
 
 
