@@ -159,24 +159,24 @@ def dgxc_command(run: dict) -> list[str]:
              ["--layers", str(run["l"]), "--hidden", str(run["h"]), "--heads", str(run["a"]), "--kv-heads", str(run["kv"]),
               "--d-ff", str(run["ffn"]), "--vocab", str(run["V"]), "--mlp", run["mlp"], *run.get("shape_flags", [])])
     ub = run.get("ub", DGXC_USERBUFFERS.name)
-    return [sys.executable, "-m", "cli", "simulate", *shape, "--seq-len", str(run["s"]),
-            "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]), "--tp", str(run["tp"]),
-            "--pp", str(run["pp"]), "--dp", str(run["dp"]), "--cp", str(run["cp"]), "--zero", str(run["zero"]),
-            *(["--sequence-parallel"] if run["sp"] else []), "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
-            "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
-            "--gpu", run["gpu"], "--overlap", "megatron-core", "--dropout", str(run.get("dropout", DGXC_DROPOUT)),
+    return [sys.executable, "-m", "cli", "simulate", *shape, *layout_flags(run), "--overlap", "megatron-core",
+            "--dropout", str(run.get("dropout", DGXC_DROPOUT)),
             *(["--gpus-per-node", str(run["gpus_per_node"])] if "gpus_per_node" in run else []),
             *(["--sp-saved-input", "sharded"] if run["sp"] else []),
             *(["--fp8-param-gather"] if run["precision"] == "fp8" and run["zero"] > 0 else []),  # the yaml's fp8_params
-            *(["--tp-overlap-cfg", str(ROOT / "bench" / ub)] if ub and run["sp"] and run["tp"] > 1 else []),
-            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []),
-            *stage_flags(run), "--json"]
+            *(["--tp-overlap-cfg", str(ROOT / "bench" / ub)] if ub and run["sp"] and run["tp"] > 1 else []), "--json"]
 
 
-def stage_flags(run: dict) -> list[str]:
-    """The recipe's placement of the blocks over the pipeline chunks ("stage_layers", as --stage-layers takes it),
-    where its source states one; none: the simulator's even split."""
-    return ["--stage-layers", run["stage_layers"]] if run.get("stage_layers") else []
+def layout_flags(run: dict) -> list[str]:
+    """The flags of what a DGX-Cloud or MoE row states alike: sequence, batch, layout (the recipe's block placement,
+    "stage_layers", where its source states one), recomputation, format, GPU and attention kernel."""
+    return ["--seq-len", str(run["s"]), "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]),
+            "--tp", str(run["tp"]), "--pp", str(run["pp"]), "--dp", str(run["dp"]), "--cp", str(run["cp"]),
+            "--zero", str(run["zero"]), *(["--sequence-parallel"] if run["sp"] else []),
+            "--schedule", "interleaved" if run["v"] > 1 else "1f1b", "--virtual-chunks", str(run["v"]),
+            *(["--stage-layers", run["stage_layers"]] if run.get("stage_layers") else []),
+            "--recompute", run["recompute"], "--precision", run["precision"], "--gpu", run["gpu"],
+            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else [])]
 
 
 def stated_rows(table: dict) -> list[dict]:
@@ -232,10 +232,9 @@ def torchtitan_cp_command(run: dict) -> list[str]:
     torchao's float8 Linears."""
     return [sys.executable, "-m", "cli", "simulate", "--model", "llama3-8b", "--seq-len", str(run["s"]),
             "--dp", str(run["dp"]), "--cp", str(run["cp"]), *(["--cp-kind", "allgather"] if run["cp"] > 1 else []),
-            "--zero", "3",
-            "--micro-batch", "1", "--global-batch", str(run["dp"]), "--recompute", "full", "--gpu", "h100-96gb-500w",
-            "--overlap", "torchtitan-fsdp2", "--elementwise", "fused", "--precision", "fp8", "--fp8-recipe", "current",
-            "--json"]
+            "--zero", "3", "--micro-batch", "1", "--global-batch", str(run["dp"]), "--recompute", "full",
+            "--gpu", "h100-96gb-500w", "--overlap", "torchtitan-fsdp2", "--elementwise", "fused", "--precision", "fp8",
+            "--fp8-recipe", "current", "--json"]
 
 
 TORCHTITAN_TABLES = {  # table: (its key in published_runs.json, its command, a GPU's tokens a step, its precision)
@@ -270,23 +269,16 @@ MOE_FIELDS = {"--layers": "n_layers", "--hidden": "d_model", "--heads": "n_heads
 def moe_command(run: dict) -> list[str]:
     """`minigpt simulate` with the run's model, layout, batch, recomputation, format, GPU and stack."""
     model = [arg for flag, value in run["model_flags"].items() for arg in (flag, str(value))]
-    return [sys.executable, "-m", "cli", "simulate", "--model", run["model"], *model, "--seq-len", str(run["s"]),
-            "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]), "--tp", str(run["tp"]),
-            "--pp", str(run["pp"]), "--cp", str(run["cp"]), "--dp", str(run["dp"]), "--ep", str(run["ep"]),
-            "--zero", str(run["zero"]), *(["--sequence-parallel"] if run["sp"] else []),
-            *(["--no-reshard-after-forward"] if run["reshard_after_forward"] is False else []),
+    return [sys.executable, "-m", "cli", "simulate", "--model", run["model"], *model, *layout_flags(run),
+            "--ep", str(run["ep"]), *(["--no-reshard-after-forward"] if run["reshard_after_forward"] is False else []),
             *(["--sync-grads-once"] if run.get("sync_grads_once") else []),
-            "--schedule", "interleaved" if run["v"] > 1 else "1f1b",
-            "--virtual-chunks", str(run["v"]), "--recompute", run["recompute"], "--precision", run["precision"],
-            "--gpu", run["gpu"], "--overlap", run["overlap"], "--dropout", str(run["dropout"]),
+            "--overlap", run["overlap"], "--dropout", str(run["dropout"]),
             "--ep-dispatcher", run.get("dispatcher", "alltoall"),
             *(["--no-tp-overlap"] if run.get("tp_overlap") is False else []),
             *(["--fp8-recipe", run["fp8_recipe"]] if run.get("fp8_recipe") else []),
             *(["--fp8-param-gather"] if run.get("fp8_param_gather") else []),
             *(["--elementwise", run["elementwise"]] if run.get("elementwise") else []),
-            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else []),
-            *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []),
-            *stage_flags(run), "--json"]
+            *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
 
 
 def megatron_flops(shape: dict, batch: int, seq: int) -> float:
