@@ -159,17 +159,17 @@ def dgxc_command(run: dict) -> list[str]:
              ["--layers", str(run["l"]), "--hidden", str(run["h"]), "--heads", str(run["a"]), "--kv-heads", str(run["kv"]),
               "--d-ff", str(run["ffn"]), "--vocab", str(run["V"]), "--mlp", run["mlp"], *run.get("shape_flags", [])])
     ub = run.get("ub", DGXC_USERBUFFERS.name)
-    return [sys.executable, "-m", "cli", "simulate", *shape, *layout_flags(run), "--overlap", "megatron-core",
+    return [sys.executable, "-m", "cli", "simulate", *shape, "--overlap", "megatron-core",
             "--dropout", str(run.get("dropout", DGXC_DROPOUT)),
             *(["--gpus-per-node", str(run["gpus_per_node"])] if "gpus_per_node" in run else []),
             *(["--sp-saved-input", "sharded"] if run["sp"] else []),
             *(["--fp8-param-gather"] if run["precision"] == "fp8" and run["zero"] > 0 else []),  # the yaml's fp8_params
-            *(["--tp-overlap-cfg", str(ROOT / "bench" / ub)] if ub and run["sp"] and run["tp"] > 1 else []), "--json"]
+            *(["--tp-overlap-cfg", str(ROOT / "bench" / ub)] if ub and run["sp"] and run["tp"] > 1 else []),
+            *layout_flags(run), "--json"]
 
 
 def layout_flags(run: dict) -> list[str]:
-    """The flags of what a DGX-Cloud or MoE row states alike: sequence, batch, layout (the recipe's block placement,
-    "stage_layers", where its source states one), recomputation, format, GPU and attention kernel."""
+    """The flags DGX-Cloud and MoE rows state alike: batch, layout (and "stage_layers"), format, GPU, the kernel last."""
     return ["--seq-len", str(run["s"]), "--global-batch", str(run["gb"]), "--micro-batch", str(run["mb"]),
             "--tp", str(run["tp"]), "--pp", str(run["pp"]), "--dp", str(run["dp"]), "--cp", str(run["cp"]),
             "--zero", str(run["zero"]), *(["--sequence-parallel"] if run["sp"] else []),
@@ -269,16 +269,16 @@ MOE_FIELDS = {"--layers": "n_layers", "--hidden": "d_model", "--heads": "n_heads
 def moe_command(run: dict) -> list[str]:
     """`minigpt simulate` with the run's model, layout, batch, recomputation, format, GPU and stack."""
     model = [arg for flag, value in run["model_flags"].items() for arg in (flag, str(value))]
-    return [sys.executable, "-m", "cli", "simulate", "--model", run["model"], *model, *layout_flags(run),
-            "--ep", str(run["ep"]), *(["--no-reshard-after-forward"] if run["reshard_after_forward"] is False else []),
-            *(["--sync-grads-once"] if run.get("sync_grads_once") else []),
-            "--overlap", run["overlap"], "--dropout", str(run["dropout"]),
-            "--ep-dispatcher", run.get("dispatcher", "alltoall"),
+    return [sys.executable, "-m", "cli", "simulate", "--model", run["model"], *model, "--ep", str(run["ep"]),
+            *(["--no-reshard-after-forward"] if run["reshard_after_forward"] is False else []),
+            *(["--sync-grads-once"] if run.get("sync_grads_once") else []), "--overlap", run["overlap"],
+            "--dropout", str(run["dropout"]), "--ep-dispatcher", run.get("dispatcher", "alltoall"),
             *(["--no-tp-overlap"] if run.get("tp_overlap") is False else []),
             *(["--fp8-recipe", run["fp8_recipe"]] if run.get("fp8_recipe") else []),
             *(["--fp8-param-gather"] if run.get("fp8_param_gather") else []),
             *(["--elementwise", run["elementwise"]] if run.get("elementwise") else []),
-            *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []), "--json"]
+            *(["--tp-overlap-cfg", str(ROOT / run["tp_overlap_cfg"])] if run.get("tp_overlap_cfg") else []),
+            *layout_flags(run), "--json"]
 
 
 def megatron_flops(shape: dict, batch: int, seq: int) -> float:
