@@ -289,6 +289,38 @@ def test_expert_parallel_refuses_what_it_cannot_split():
         dataclasses.replace(config("top2"), model=preset("tiny").with_(seq_len=32), dp=2, ep=2)
 
 
+def test_the_norm_counts_once_what_the_stage_holds_whole():
+    """Under tensor parallelism the gradient norm counts a weight every tp rank holds whole once (build_rank's
+    `replicated`). On the last stage of tp 2 x ep 2 x pp 2 with a tied head and multi-token prediction those are the
+    norms, the biases added after a sum, the routers, the expert slices and the module's projection, and never the
+    head's copy that cutting the stage makes (the ids are taken while the parameters are alive: a replaced
+    parameter's id is the next object's, and the tied copy took the whole experts' in some runs: gradient norms 30%
+    off one process's)."""
+    from types import SimpleNamespace
+
+    from minigpt.model import GPT
+    from parallel.expert.apply import apply_expert_parallel
+    from parallel.expert.gradients import expert_shards
+    from parallel.pipeline.executor import split_model
+    from parallel.run.build import replicated_ids
+    from parallel.tensor.parallelize import parallelize
+
+    model = GPT(preset("tiny-moe").with_(seq_len=32, n_layers=2, tied_head=True, mtp_depth=1))
+    group = SimpleNamespace(size=2, rank=0)
+    replicated = parallelize(model, group)
+    apply_expert_parallel(model, group)
+    replicated += [param for _, param in expert_shards(model)]
+    stage = split_model(model, 2, 1, 1)
+    ids = replicated_ids(replicated, stage)
+    whole = {name for name, param in stage.named_parameters() if id(param) in ids}
+    split = {name for name, param in stage.named_parameters() if id(param) not in ids}
+    assert split == {f"chunks.0.{block}.attn.{name}" for block in ("blocks.0", "mtp.0.block")
+                     for name in ("qkv.inner.weight", "qkv.inner.bias", "proj.inner.weight")} | {
+        "chunks.0.head.inner.weight"}  # the vocabulary rows (its lookups' too), the heads' columns and rows
+    assert {name.split(".")[-2] for name in whole} == {"proj", "ln1", "ln2", "local", "router", "eh_proj", "enorm",
+                                                       "hnorm", "norm", "norm_f"}  # proj: the attention's bias
+
+
 SP = [(world, name) for world, name in ALL if LAYOUTS[world][name][1].get("sequence_parallel")]
 
 

@@ -52,7 +52,8 @@ LAYOUTS = {
         # tensor parallelism: the modules' blocks split as the model's, the lookups and the loss vocabulary-parallel
         "tp2-dp2": (DENSE, dict(tp=2, dp=2)), "tp2-pp2-tied": (TIED, dict(tp=2, pp=2)),
         "tp2-pp2": (DENSE, dict(tp=2, pp=2)), "tp2-pp2-zb-h1": (DENSE, dict(tp=2, pp=2, schedule="zb-h1"))},
-    8: {"tp2-pp2-dp2-zero3": (DENSE, dict(tp=2, pp=2, dp=2, zero=3))},
+    8: {"tp2-pp2-dp2-zero3": (DENSE, dict(tp=2, pp=2, dp=2, zero=3)),
+        "tp2-ep2-pp2-moe": (MOE, dict(tp=2, pp=2, dp=2, ep=2, zero=1))},
 }
 
 
@@ -177,7 +178,6 @@ def test_the_objective_moves_the_modules(references, tmp_path):
     (["--mtp-depth", "1", "--tp", "2", "--sequence-parallel"], "not yet with --sequence-parallel"),
     (["--mtp-depth", "1", "--cp", "2"], "not yet with --cp 2"),
     (["--mtp-depth", "1", "--tied", "--pp", "2", "--schedule", "zb-h1"], "not yet with a tied head under --schedule zb-h1"),
-    (["--model", "tiny-moe", "--mtp-depth", "1", "--tp", "2", "--dp", "2", "--ep", "2"], "not yet with --ep under --tp"),
 ])
 def test_refusals_are_one_line(tmp_path, args, expected):
     result = CliRunner().invoke(main, ["train", "--model", "tiny-llama", "--steps", "1", "--out",

@@ -109,6 +109,15 @@ def load_hf_weights(model: GPT, path: str) -> None:
                 buffer.copy_(state[name])
 
 
+def replicated_ids(replicated: list[nn.Parameter], stage: nn.Module) -> set[int]:
+    """The ids of the `replicated` parameters (parallelize's, and the expert slices) that `stage` holds, taken while
+    the list keeps every parameter it names alive: the whole experts expert parallelism replaced and other stages'
+    blocks drop out, and no id of theirs can name a parameter made since (split_model's copies of a tied head or of
+    the embedding), as CPython gives a freed object's id to the next one made at its address."""
+    held = {id(param) for param in stage.parameters()}
+    return {id(param) for param in replicated if id(param) in held}
+
+
 def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: PrecisionPolicy) -> Rank:
     comms = {dim: Collectives(mesh.group(dim), dim, device) for dim in ("tp", "pp", "cp")}
     comms["dp"] = Collectives(mesh.shard_group(), "dp", device)  # gradients are averaged over dp x cp: ZeRO's group
@@ -126,8 +135,9 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     if cfg.ep > 1:  # the experts split over the expert group, after tensor parallelism left them whole
         comms["ep"], comms["ep_replicas"] = expert_groups(mesh, cfg.ep, device, cfg.sequence_parallel)
         apply_expert_parallel(model, comms["ep"])
-        replicated |= {id(param) for _, param in expert_shards(model)} if mesh.tp > 1 else set()  # the new slices
+        replicated += [param for _, param in expert_shards(model)] if mesh.tp > 1 else []  # the new slices
     stage = split_model(model, cfg.pp, mesh.pp_rank, cfg.virtual_chunks, cfg.stage_layers)
+    replicated = replicated_ids(replicated, stage)
     del model  # blocks of other stages go with it
     bucket_numel = bucket_numel_of(cfg.bucket_mb, dtype_of(policy.compute).itemsize)
     layout = Layout.of(cfg)

@@ -56,19 +56,21 @@ def _pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
 
 
-def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = False) -> set[int]:
+def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = False) -> list[nn.Parameter]:
     """Make `model` tensor-parallel over `comm`'s group, in place.
 
-    Returns the ids of the parameters that stay replicated on every rank of the
-    group (LayerNorms, position embeddings, biases added after a sum), which a
-    gradient norm must count once. With sequence parallelism those that see
+    Returns the parameters that stay replicated on every rank of the group
+    (LayerNorms, position embeddings, biases added after a sum), which a gradient
+    norm must count once: the parameters themselves, not their ids, since an id
+    outlives a parameter replaced later (expert parallelism's whole experts) and
+    CPython gives it to the next object made at that address. With sequence parallelism those that see
     only a piece of the sequence get their gradients summed over the group.
     """
     size, rank = comm.size, comm.rank
     config = model.config
     check_tensor_parallel(config, size, sequence_parallel)
     if size == 1:
-        return set()
+        return []
     detached = {name: p.detach() for name, p in model.named_parameters()}
 
     padded_vocab = -(-config.vocab_size // size) * size
@@ -124,7 +126,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     # training refuses sequence parallelism: job/train_config.py's check_trained_prediction)
     whole_sequence += [p for module in model.mtp for part in (module.enorm, module.hnorm, module.eh_proj, module.norm)
                        for p in part.parameters()]
-    return {id(param) for param in whole_sequence + sequence_pieces + experts + head_norms}
+    return whole_sequence + sequence_pieces + experts + head_norms
 
 
 def _latent_attention(attn: LatentAttention, comm: Collectives, sequence_parallel: bool) -> list[nn.Parameter]:
