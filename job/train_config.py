@@ -164,13 +164,13 @@ def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False,
     return True
 
 
-def check_trained_prediction(model: GPTConfig, cp: int, sequence_parallel: bool, split_tied: bool = False) -> None:
-    """Multi-token prediction is trained here with data, tensor, pipeline and expert parallelism and ZeRO 0-3 (FSDP's
-    settings); under context parallelism or sequence parallelism it is not yet (`minigpt simulate` prices it there),
-    nor with a tied head under zero-bubble's split backward (`split_tied`: the last stage's head weight is then its
-    lookups' too, and the split needs each weight in one module)."""
-    used = ([f"--cp {cp}"] if cp > 1 else []) + (["--sequence-parallel"] if sequence_parallel else [])
-    used += ["a tied head under --schedule zb-h1"] if split_tied else []
+def check_trained_prediction(model: GPTConfig, cp: int, split_tied: bool = False) -> None:
+    """Multi-token prediction is trained here with data, tensor (sequence parallelism too), pipeline and expert
+    parallelism and ZeRO 0-3 (FSDP's settings); under context parallelism it is not yet (`minigpt simulate` prices
+    it there: a module's tokens ahead would cross the ranks' pieces of the sequence), nor with a tied head under
+    zero-bubble's split backward (`split_tied`: the last stage's head weight is then its lookups' too, and the split
+    needs each weight in one module)."""
+    used = ([f"--cp {cp}"] if cp > 1 else []) + (["a tied head under --schedule zb-h1"] if split_tied else [])
     if model.mtp_depth and used:
         raise ConfigError(f"multi-token prediction (--mtp-depth {model.mtp_depth}) is trained with data, tensor, "
                           f"pipeline, ZeRO/FSDP and expert parallelism, not yet with {' and '.join(used)}: `minigpt "
@@ -282,8 +282,7 @@ class TrainConfig:
                 f"with --stage-layers"
             )
         check_vocabulary(self.model, self.tokenizer)
-        check_trained_prediction(self.model, self.cp, self.sequence_parallel and self.tp > 1,
-                                 self.model.tied_head and self.schedule == "zb-h1" and self.pp > 1)
+        check_trained_prediction(self.model, self.cp, self.model.tied_head and self.schedule == "zb-h1" and self.pp > 1)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:

@@ -1,10 +1,9 @@
 """Multi-token prediction (DeepSeek-V3, arXiv 2412.19437, 2.2): the objective against its definition, trained in
 the layouts that run it against one process, refused where it does not run yet, and priced by the simulator.
 
-One spawned world of 2 ranks runs dp 2 (ZeRO-0 and ZeRO-3) and ep 2 with a mixture of experts whose multi-token
-prediction block is one too (its choice bias moving); one of 4 ranks runs ep 2 inside dp 4 under ZeRO-3 with shard
-groups of 2. The one-process references run here.
-"""
+Spawned worlds of 2, 4 and 8 ranks run the layouts of LAYOUTS (data, tensor with and without sequence parallelism,
+pipeline, expert parallelism and ZeRO-3, and their products); their tp-group calls are checked against the
+simulator's. The one-process references run here."""
 
 from __future__ import annotations
 
@@ -25,7 +24,8 @@ from minigpt.model import GPT, IGNORED, ahead, predict_ahead
 from minigpt.presets import preset
 from parallel.run.train import train_on_rank
 from parity import worst_gap
-from simulator.costs.compute import chunk_times
+from precision.policy import policy as precision_policy
+from simulator.costs.compute import chunk_times, tp_collectives
 from simulator.costs.hardware import load_hardware
 from simulator.engine.simulate import simulate_step
 from simulator.memory import predict_memory
@@ -46,12 +46,16 @@ LAYOUTS = {
         # under pipelining the last stage's own copy of the embedding (untied), or the tied head's, summed with the
         # first stage's; zero-bubble's split backward; interleaved with the modules on the last virtual chunk
         "pp2": (DENSE, dict(pp=2)), "pp2-tied": (TIED, dict(pp=2)), "pp2-zb-h1": (DENSE, dict(pp=2, schedule="zb-h1")),
-        "pp2-interleaved": (DENSE, dict(pp=2, schedule="interleaved", virtual_chunks=2, stage_layers=(0, 1, 1, 0)))},
+        "pp2-interleaved": (DENSE, dict(pp=2, schedule="interleaved", virtual_chunks=2, stage_layers=(0, 1, 1, 0))),
+        # sequence parallelism: each module's embedded tokens cut to the rank's slice, its norms' and projection's
+        # gradients summed over the group; a MoE module routing the rank's slice
+        "tp2-sp": (DENSE, dict(tp=2, sequence_parallel=True)), "tp2-sp-moe": (MOE, dict(tp=2, sequence_parallel=True))},
     4: {"ep2-dp4-zero3-shard2": (MOE, dict(dp=4, ep=2, zero=3, shard_group=2)),
         "pp2-dp2-zero3-tied": (TIED, dict(pp=2, dp=2, zero=3)), "pp2-ep2-moe": (MOE, dict(pp=2, dp=2, ep=2, zero=1)),
         # tensor parallelism: the modules' blocks split as the model's, the lookups and the loss vocabulary-parallel
         "tp2-dp2": (DENSE, dict(tp=2, dp=2)), "tp2-pp2-tied": (TIED, dict(tp=2, pp=2)),
-        "tp2-pp2": (DENSE, dict(tp=2, pp=2)), "tp2-pp2-zb-h1": (DENSE, dict(tp=2, pp=2, schedule="zb-h1"))},
+        "tp2-pp2": (DENSE, dict(tp=2, pp=2)), "tp2-pp2-zb-h1": (DENSE, dict(tp=2, pp=2, schedule="zb-h1")),
+        "tp2-sp-pp2-tied": (TIED, dict(tp=2, pp=2, sequence_parallel=True))},
     8: {"tp2-pp2-dp2-zero3": (DENSE, dict(tp=2, pp=2, dp=2, zero=3)),
         "tp2-ep2-pp2-moe": (MOE, dict(tp=2, pp=2, dp=2, ep=2, zero=1))},
 }
@@ -131,7 +135,8 @@ def run_layouts(world: int, out: str) -> dict:
             cfg = dataclasses.replace(BASE, model=model, out_dir=f"{out}/{name}", **changes)
             summary = train_on_rank(cfg, torch.device("cpu"))
             found[name] = None if summary is None else {"losses": summary["losses"], "grad_norms": summary["grad_norms"],
-                                                        "reference": REFERENCES[model]}
+                                                        "reference": REFERENCES[model],
+                                                        "tp": summary["comm_bytes_per_step"].get("tp", {})}
     return found
 
 
@@ -160,6 +165,30 @@ def test_every_layout_trains_as_one_process(layouts, references):
         assert len(run["losses"]) == 20 and gap.worst < TOLERANCE, (name, str(gap))
 
 
+NAMED = {name: layout for layouts in LAYOUTS.values() for name, layout in layouts.items()}
+
+
+def test_tensor_parallel_calls_are_the_simulators(layouts, tmp_path):
+    """The last step's tp-group calls and bytes of each kind, with and without sequence parallelism, are
+    simulator/costs/compute.py's tp_collectives for every micro-batch (layouts of one stage): the lookup once over
+    every depth's tokens, the head once over every depth's hidden states, the loss's sums per depth, each module's
+    block, and under sequence parallelism each module's scatter of its tokens and its norms' and projection's
+    gradient sums (one more all-reduce of the step: the gradient norm's, one fp32 number)."""
+    for name, run in layouts.items():
+        model, changes = NAMED[name]
+        if changes.get("tp", 1) == 1 or changes.get("pp", 1) > 1 or changes.get("ep", 1) > 1:
+            continue
+        cfg = dataclasses.replace(BASE, model=model, out_dir=str(tmp_path), **changes)
+        micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
+        forward, backward = tp_collectives(model, model.n_layers, micro_batch, Layout.of(cfg),
+                                           precision_policy(cfg.precision), True, True, moe_layers=model.n_moe_layers)
+        expected = {"all_reduce": (1, 4)}  # the squared gradient norm's sum
+        for c in forward + backward:
+            calls, size = expected.get(c.kind, (0, 0))
+            expected[c.kind] = (calls + c.calls * cfg.micro_batches, size + c.bytes * c.calls * cfg.micro_batches)
+        assert {kind: (c["calls"], c["bytes"]) for kind, c in run["tp"].items()} == expected, name
+
+
 def test_the_objective_moves_the_modules(references, tmp_path):
     """Without the weight the modules still run (and are priced) but learn nothing: the next-token losses are those of
     a model without them; with it they differ."""
@@ -175,7 +204,6 @@ def test_the_objective_moves_the_modules(references, tmp_path):
 @pytest.mark.parametrize("args,expected", [
     (["--mtp-depth", "-1"], "mtp_depth must be a whole number"),
     (["--mtp-depth", "1", "--mtp-weight", "nan"], "mtp_weight must be a finite number"),
-    (["--mtp-depth", "1", "--tp", "2", "--sequence-parallel"], "not yet with --sequence-parallel"),
     (["--mtp-depth", "1", "--cp", "2"], "not yet with --cp 2"),
     (["--mtp-depth", "1", "--tied", "--pp", "2", "--schedule", "zb-h1"], "not yet with a tied head under --schedule zb-h1"),
 ])

@@ -23,6 +23,7 @@ from parallel.tensor.moe import apply_sequence_moe
 from parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    ScatterToSequence,
     SequenceSplit,
     SpreadToGroup,
     VocabParallelEmbedding,
@@ -110,6 +111,12 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
             setattr(parent, name, RowParallelLinear(inner, bias, comm, sequence_parallel))
 
     sequence_pieces = list(model.norm_f.parameters()) + latent  # replicated and fed 1/T of the sequence under SP
+    # the multi-token prediction modules' norms and projection (whole on every rank), and under SP their embedded
+    # tokens cut to this rank's slice, as the model's own are after their dropout (ScatterToSequence)
+    sequence_pieces += [p for module in model.mtp for part in (module.enorm, module.hnorm, module.eh_proj, module.norm)
+                        for p in part.parameters()]
+    for module in model.mtp if sequence_parallel else []:
+        module.register_forward_pre_hook(lambda _, args: (args[0], ScatterToSequence.apply(args[1], comm)))
     for block in every_block(model):
         sequence_pieces += [*block.ln1.parameters(), *block.ln2.parameters()]
         mlp_bias = getattr(getattr(block.mlp, "fc2", None), "bias", None)  # a MoE has none of its own
@@ -122,10 +129,6 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
     for param in head_norms:  # shared by every head, and a rank holds some of them: its gradient is a part
         param.register_hook(lambda grad: _sum_over_group(grad, comm))
     whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
-    # the multi-token prediction modules' norms and projection, whole on every rank for the same tokens (its
-    # training refuses sequence parallelism: job/train_config.py's check_trained_prediction)
-    whole_sequence += [p for module in model.mtp for part in (module.enorm, module.hnorm, module.eh_proj, module.norm)
-                       for p in part.parameters()]
     return whole_sequence + sequence_pieces + experts + head_norms
 
 

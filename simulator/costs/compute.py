@@ -52,7 +52,7 @@ from precision.policy import FORMAT_BYTES, PrecisionPolicy, policy as precision_
 from simulator.costs.rates.efficiency import EfficiencyProfile, parse_efficiency_profile  # noqa: F401 (re-exported)
 from simulator.costs.hardware import GPUSpec
 from job.exchange.experts import routing_exchanges
-from job.layout import Layout, block_tensors, head_tensors, is_expert_tensor
+from job.layout import Layout, block_tensors, head_tensors, is_expert_tensor, mtp_tensors
 from simulator.costs.rates.attention_rates import kernel_table, seconds as attention_seconds
 from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
                                       model_flops)
@@ -259,6 +259,7 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
     tokens = micro_batch_size * model.seq_len // layout.cp  # this rank's tokens
     width = tokens * model.d_model * FORMAT_BYTES[policy.compute]
     sp = layout.sequence_parallel
+    heads = 1 + model.mtp_depth  # the head runs once over every depth's hidden states (the executor's Chunk)
     forward, backward = [], []
     if first:  # the vocabulary-parallel embedding sums its pieces; SequenceSplit gathers back in the backward
         forward.append(TPCollective("all_reduce", width, 1))
@@ -273,25 +274,43 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
         forward += _as("all_gather", columns) + _as("reduce_scatter", rows)
         backward += _as("all_gather", rows) + _as("reduce_scatter", columns)
         backward += _replicated_gradients(model, layers, moe_layers, layout, FORMAT_BYTES[policy.grad])
-        if sharded:
-            backward += _as("all_gather", columns[:-1] + [replace(columns[-1], calls=columns[-1].calls + int(last))])
+        if sharded:  # and the head's, every depth's at once
+            backward += _as("all_gather", columns) + ([TPCollective("all_gather", width * heads, 1)] if last else [])
     else:
         forward += _as("all_reduce", rows)
         backward += _as("all_reduce", columns)
     if last:  # the head is column-parallel; the loss all-reduces three fp32 numbers per token
         if sp:
-            forward.append(TPCollective("all_gather", width, 1))
-        backward.append(TPCollective("reduce_scatter" if sp else "all_reduce", width, 1))
-        forward.append(TPCollective("all_reduce", tokens * LOSS_VALUE_BYTES, LOSS_ALL_REDUCES))
-        if sp:  # the final norm's gain (and a LayerNorm's bias): the head's replicated tensors
+            forward.append(TPCollective("all_gather", width * heads, 1))
+        backward.append(TPCollective("reduce_scatter" if sp else "all_reduce", width * heads, 1))
+        forward.append(TPCollective("all_reduce", tokens * LOSS_VALUE_BYTES, LOSS_ALL_REDUCES * heads))
+        if sp:  # the final norm's gain (and a LayerNorm's bias): the head's replicated tensors; each module's own
             replicated = [t for t in head_tensors(model, layout.tp, layout.pp) if t.replicated]
-            backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], 1) for t in replicated]
-        if model.mtp_depth:  # each module: the embedding's, its block's and the head's once more (mtp_units)
-            one = tp_collectives(model.with_(mtp_depth=0), 1, micro_batch_size, layout, policy, True, True, sharded,
-                                 int(model.is_moe_layer(model.n_layers)))
-            forward += [replace(c, calls=c.calls * model.mtp_depth) for c in one[0]]
-            backward += [replace(c, calls=c.calls * model.mtp_depth) for c in one[1]]
+            backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], heads) for t in replicated]
+        if model.mtp_depth:
+            forward_mtp, backward_mtp = _mtp_collectives(model, micro_batch_size, layout, policy, sharded)
+            forward, backward = forward + forward_mtp, backward + backward_mtp
     return forward, backward
+
+
+def _mtp_collectives(model: GPTConfig, micro_batch_size: int, layout: Layout, policy: PrecisionPolicy,
+                     sharded: bool) -> tuple[list[TPCollective], list[TPCollective]]:
+    """The multi-token prediction modules' (mtp_units), the head and loss apart (tp_collectives counts them with
+    the model's): one lookup for every depth's tokens (one all-reduce of them all) and each module's block; under
+    sequence parallelism each module's embedded tokens cut to the rank's slice (gathered back in the backward) and
+    its input norms and projection, which see that slice, their gradients summed over the group."""
+    depth = model.mtp_depth
+    forward, backward = tp_collectives(model.with_(mtp_depth=0), 1, micro_batch_size, layout, policy, True, False,
+                                       sharded, int(model.is_moe_layer(model.n_layers)))
+    lookup, *forward = forward  # the vocabulary-parallel embedding's sum comes first
+    if layout.sequence_parallel:
+        inputs = [t for t in mtp_tensors(model.with_(mtp_depth=1), layout.tp) if t.name.split(".")[0] in MTP_INPUTS]
+        backward += [TPCollective("all_reduce", t.numel * FORMAT_BYTES[policy.grad], 1) for t in inputs]
+    return ([replace(lookup, bytes=lookup.bytes * depth)] + [replace(c, calls=c.calls * depth) for c in forward],
+            [replace(c, calls=c.calls * depth) for c in backward])
+
+
+MTP_INPUTS = ("enorm", "hnorm", "eh_proj")  # a module's parameters before its block
 
 
 def _column_inputs(model: GPTConfig, layers: int, moe_layers: int, token_bytes: int) -> list[TPCollective]:
