@@ -164,17 +164,14 @@ def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False,
     return True
 
 
-def check_trained_prediction(model: GPTConfig, cp: int, split_tied: bool = False) -> None:
-    """Multi-token prediction is trained here with data, tensor (sequence parallelism too), pipeline and expert
-    parallelism and ZeRO 0-3 (FSDP's settings); under context parallelism it is not yet (`minigpt simulate` prices
-    it there: a module's tokens ahead would cross the ranks' pieces of the sequence), nor with a tied head under
-    zero-bubble's split backward (`split_tied`: the last stage's head weight is then its lookups' too, and the split
-    needs each weight in one module)."""
-    used = ([f"--cp {cp}"] if cp > 1 else []) + (["a tied head under --schedule zb-h1"] if split_tied else [])
-    if model.mtp_depth and used:
-        raise ConfigError(f"multi-token prediction (--mtp-depth {model.mtp_depth}) is trained with data, tensor, "
-                          f"pipeline, ZeRO/FSDP and expert parallelism, not yet with {' and '.join(used)}: `minigpt "
-                          f"simulate` prices it there")
+def check_trained_prediction(model: GPTConfig, split_tied: bool) -> None:
+    """Multi-token prediction is trained here in every layout (`minigpt simulate` prices them all) but with a tied
+    head under zero-bubble's split backward (`split_tied`: the last stage's head weight is then its lookups' too, and
+    the split needs each weight in one module)."""
+    if model.mtp_depth and split_tied:
+        raise ConfigError(f"multi-token prediction (--mtp-depth {model.mtp_depth}) is not yet trained with a tied "
+                          f"head under --schedule zb-h1: `minigpt simulate` prices it there; untie the head "
+                          f"(--untied) or choose another schedule")
 
 
 @dataclass(frozen=True)
@@ -282,7 +279,7 @@ class TrainConfig:
                 f"with --stage-layers"
             )
         check_vocabulary(self.model, self.tokenizer)
-        check_trained_prediction(self.model, self.cp, self.model.tied_head and self.schedule == "zb-h1" and self.pp > 1)
+        check_trained_prediction(self.model, self.model.tied_head and self.schedule == "zb-h1" and self.pp > 1)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:

@@ -362,7 +362,10 @@ def every_block(model: nn.Module) -> list[Block]:
 def ahead(targets: torch.Tensor, k: int) -> torch.Tensor:
     """The tokens k places after each position's next one: targets moved k places left, the last k IGNORED
     (the input tokens of depth k are ahead(targets, k - 1): their wrapped last ones only reach IGNORED positions,
-    as attention is causal)."""
+    as attention is causal). `targets` (batch, seq) whole sequences, or (1 + D, batch, seq): each depth's already
+    moved (a layout that holds pieces of the sequences moves them before it cuts: parallel/run/train.py)."""
+    if targets.dim() == 3:
+        return targets[k]
     if k == 0:
         return targets
     moved = torch.roll(targets, -k, dims=1)
@@ -383,14 +386,29 @@ def predict_ahead(modules: nn.ModuleList, embed, normed: torch.Tensor, targets: 
 
 
 def prediction_loss(loss: nn.Module, logits: torch.Tensor, ahead_logits: list[torch.Tensor], targets: torch.Tensor,
-                    weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    weight: float, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the next-token loss, the training objective): the next token's loss plus `weight` times the mean over the
-    depths of each depth's loss on its own tokens (GPTConfig.mtp_weight, DeepSeek-V3's lambda)."""
-    main = loss(logits, targets)
+    depths of each depth's loss on its own tokens (GPTConfig.mtp_weight, DeepSeek-V3's lambda). Given the whole
+    sequences' `seq_len`, each depth's loss is weighed by the share of the depth's positions over those sequences
+    that these targets hold, against an even share (1 when they are whole sequences): a layout that holds pieces of
+    the sequences averages the pieces' objectives, and so gets each depth's mean over every position that has one."""
+    main = loss(logits, ahead(targets, 0))
     if not ahead_logits:
         return main, main
-    extra = sum(loss(out, ahead(targets, k)) for k, out in enumerate(ahead_logits, start=1))
+    extra = sum(_depth_loss(loss, out, ahead(targets, k), k, seq_len) for k, out in enumerate(ahead_logits, start=1))
     return main, main + weight / len(ahead_logits) * extra
+
+
+def _depth_loss(loss: nn.Module, logits: torch.Tensor, targets: torch.Tensor, k: int,
+                seq_len: int | None) -> torch.Tensor:
+    """Depth k's mean loss over the positions here that have a token k places on, weighed by their share (above)."""
+    if seq_len is None or seq_len == targets.shape[-1]:
+        return loss(logits, targets)
+    held = int((targets != IGNORED).sum())
+    if held == 0:  # every position here runs past the sequence: nothing to learn, nothing to average in
+        return logits.sum() * 0.0
+    parts = seq_len / targets.shape[-1]
+    return loss(logits, targets) * (held * parts / (targets.shape[-2] * (seq_len - k)))
 
 
 class GPT(nn.Module):

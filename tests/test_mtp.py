@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from cli.main import main
 from distributed import one_thread, run_ranks
+from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.config import GPTConfig
@@ -49,15 +50,21 @@ LAYOUTS = {
         "pp2-interleaved": (DENSE, dict(pp=2, schedule="interleaved", virtual_chunks=2, stage_layers=(0, 1, 1, 0))),
         # sequence parallelism: each module's embedded tokens cut to the rank's slice, its norms' and projection's
         # gradients summed over the group; a MoE module routing the rank's slice
-        "tp2-sp": (DENSE, dict(tp=2, sequence_parallel=True)), "tp2-sp-moe": (MOE, dict(tp=2, sequence_parallel=True))},
+        "tp2-sp": (DENSE, dict(tp=2, sequence_parallel=True)), "tp2-sp-moe": (MOE, dict(tp=2, sequence_parallel=True)),
+        # context parallelism: the targets moved ahead over whole sequences before the cut, each depth's loss
+        # weighed by the share of its positions a rank holds (the last k run past the sequence); ring and all-gather
+        "cp2": (DENSE, dict(cp=2)), "cp2-moe": (MOE, dict(cp=2)), "cp2-allgather": (DENSE, dict(cp=2, cp_kind="allgather"))},
     4: {"ep2-dp4-zero3-shard2": (MOE, dict(dp=4, ep=2, zero=3, shard_group=2)),
         "pp2-dp2-zero3-tied": (TIED, dict(pp=2, dp=2, zero=3)), "pp2-ep2-moe": (MOE, dict(pp=2, dp=2, ep=2, zero=1)),
         # tensor parallelism: the modules' blocks split as the model's, the lookups and the loss vocabulary-parallel
         "tp2-dp2": (DENSE, dict(tp=2, dp=2)), "tp2-pp2-tied": (TIED, dict(tp=2, pp=2)),
         "tp2-pp2": (DENSE, dict(tp=2, pp=2)), "tp2-pp2-zb-h1": (DENSE, dict(tp=2, pp=2, schedule="zb-h1")),
-        "tp2-sp-pp2-tied": (TIED, dict(tp=2, pp=2, sequence_parallel=True))},
+        "tp2-sp-pp2-tied": (TIED, dict(tp=2, pp=2, sequence_parallel=True)),
+        "cp2-pp2": (DENSE, dict(cp=2, pp=2)), "cp2-tp2-sp": (DENSE, dict(cp=2, tp=2, sequence_parallel=True)),
+        "cp2-ep2-moe": (MOE, dict(cp=2, dp=2, ep=2, zero=1))},
     8: {"tp2-pp2-dp2-zero3": (DENSE, dict(tp=2, pp=2, dp=2, zero=3)),
-        "tp2-ep2-pp2-moe": (MOE, dict(tp=2, pp=2, dp=2, ep=2, zero=1))},
+        "tp2-ep2-pp2-moe": (MOE, dict(tp=2, pp=2, dp=2, ep=2, zero=1)),
+        "cp2-tp2-pp2": (DENSE, dict(cp=2, tp=2, pp=2))},
 }
 
 
@@ -136,7 +143,8 @@ def run_layouts(world: int, out: str) -> dict:
             summary = train_on_rank(cfg, torch.device("cpu"))
             found[name] = None if summary is None else {"losses": summary["losses"], "grad_norms": summary["grad_norms"],
                                                         "reference": REFERENCES[model],
-                                                        "tp": summary["comm_bytes_per_step"].get("tp", {})}
+                                                        "tp": summary["comm_bytes_per_step"].get("tp", {}),
+                                                        "cp": summary["comm_bytes_per_step"].get("cp", {})}
     return found
 
 
@@ -189,6 +197,24 @@ def test_tensor_parallel_calls_are_the_simulators(layouts, tmp_path):
         assert {kind: (c["calls"], c["bytes"]) for kind, c in run["tp"].items()} == expected, name
 
 
+def test_context_parallel_passes_are_the_schedules(layouts):
+    """The ring's passes of keys and values and of their gradients on rank 0 (the first stage, tp rank 0) are
+    job/exchange/context.py's for each of its blocks and micro-batches, the modules' blocks among them where the
+    stage holds them (simulator/engine/costs.py's _exchanging_blocks)."""
+    ring = {name: NAMED[name][1] for name in layouts
+            if NAMED[name][1].get("cp", 1) > 1 and NAMED[name][0] is DENSE and "cp_kind" not in NAMED[name][1]}
+    assert ring  # every world runs one
+    for name, changes in ring.items():
+        pp, tp = changes.get("pp", 1), changes.get("tp", 1)
+        micro_batch = BASE.global_batch // BASE.micro_batches
+        blocks = DENSE.n_layers // pp + (DENSE.mtp_depth if pp == 1 else 0)
+        exchanges = context_forward(DENSE, tp, 2, "ring", micro_batch, 4) + context_backward(DENSE, tp, 2, "ring",
+                                                                                           micro_batch, 4)
+        calls = sum(exchange.calls * 2 for exchange in exchanges) * blocks * BASE.micro_batches
+        sent = sum(exchange.calls * exchange.bytes for exchange in exchanges) * blocks * BASE.micro_batches
+        assert {kind: (c["calls"], c["bytes"]) for kind, c in layouts[name]["cp"].items()} == {"send": (calls, sent)}
+
+
 def test_the_objective_moves_the_modules(references, tmp_path):
     """Without the weight the modules still run (and are priced) but learn nothing: the next-token losses are those of
     a model without them; with it they differ."""
@@ -204,8 +230,7 @@ def test_the_objective_moves_the_modules(references, tmp_path):
 @pytest.mark.parametrize("args,expected", [
     (["--mtp-depth", "-1"], "mtp_depth must be a whole number"),
     (["--mtp-depth", "1", "--mtp-weight", "nan"], "mtp_weight must be a finite number"),
-    (["--mtp-depth", "1", "--cp", "2"], "not yet with --cp 2"),
-    (["--mtp-depth", "1", "--tied", "--pp", "2", "--schedule", "zb-h1"], "not yet with a tied head under --schedule zb-h1"),
+    (["--mtp-depth", "1", "--tied", "--pp", "2", "--schedule", "zb-h1"], "not yet trained with a tied head under --schedule zb-h1"),
 ])
 def test_refusals_are_one_line(tmp_path, args, expected):
     result = CliRunner().invoke(main, ["train", "--model", "tiny-llama", "--steps", "1", "--out",

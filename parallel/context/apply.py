@@ -8,7 +8,9 @@ re-indexes a learned position embedding to the same positions (a forward pre-hoo
 names stay the model's). A mixture of experts counts its routing over whole sequences (parallel/context/moe.py);
 everything else in a block works token by token and needs nothing. Each rank's loss
 is the mean over its tokens, the same count on every rank, so the sequence's loss is their mean and its
-gradient the mean of the ranks' gradients (`average_over`).
+gradient the mean of the ranks' gradients (`average_over`). Multi-token prediction's modules run the same way on
+targets moved ahead over whole sequences before the cut (parallel/run/train.py's micro_batches); each depth's loss
+weighs its rank's mean by the share of the depth's positions the rank holds (minigpt/model.py's prediction_loss).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from minigpt.config import GPTConfig
-from minigpt.model import GPT, AttentionCore
+from minigpt.model import GPT, AttentionCore, every_block
 from parallel.context.allgather import allgather_attention
 from parallel.comm import Collectives
 from parallel.context.chunks import check_split, positions
@@ -60,7 +62,7 @@ def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | No
     check_split(model.config.seq_len, cp)
     device = next(model.parameters()).device
     token_positions = positions(rank, cp, model.config.seq_len, device)
-    for block in model.blocks:
+    for block in every_block(model):  # the multi-token prediction modules' too
         block.attn.core = ContextAttentionCore(model.config, block.attn.core, group, kind, token_positions, counter)
     if model.config.is_moe and not isinstance(group, Rehearsal):  # a rehearsal routes its own part (timing only)
         apply_context_moe(model, counter or Collectives(group, "cp"), rank, cp)

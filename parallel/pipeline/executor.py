@@ -85,7 +85,7 @@ class Chunk(nn.Module):
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
         if last:  # registered in job/layout.py's last_unit order (ZeRO's buckets follow the parameters')
             self.norm_f, self.mtp, self.head, self.loss = model.norm_f, model.mtp, model.head, model.loss
-            self.mtp_weight = model.config.mtp_weight
+            self.mtp_weight, self.seq_len = model.config.mtp_weight, model.config.seq_len
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """The chunk's output; on the last chunk the logits, with a multi-token prediction and `targets` the
@@ -119,7 +119,7 @@ class Chunk(nn.Module):
         """The last chunk's (next-token loss, training objective) of its output `out` (minigpt/model.py's
         prediction_loss)."""
         logits, *ahead_logits = out if isinstance(out, tuple) else (out,)
-        return prediction_loss(self.loss, logits, ahead_logits, targets, self.mtp_weight)
+        return prediction_loss(self.loss, logits, ahead_logits, targets, self.mtp_weight, self.seq_len)
 
     def units(self) -> list[list[nn.Module]]:
         """ZeRO-3's gather units: the embeddings, each block, the norm, multi-token prediction modules and head."""

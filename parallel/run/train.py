@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
 from minigpt.errors import ConfigError, TrainingError
+from minigpt.model import ahead
 from minigpt.tokenizer import load_tokenizer
 from parallel.run.build import Rank, build_rank
 from parallel.run.step import StepOutcome
@@ -150,6 +151,15 @@ def context_part(tokens: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return tokens if mesh.cp == 1 else local_part(tokens, mesh.cp_rank, mesh.cp, dim=1)
 
 
+def context_targets(targets: torch.Tensor, mesh: Mesh, mtp_depth: int) -> torch.Tensor:
+    """This context-parallel rank's targets; with multi-token prediction modules every depth's, moved ahead over the
+    whole sequences before the cut ((1 + D, batch, its tokens): minigpt/model.py's `ahead` reads them so), as a
+    module's tokens ahead may sit on another rank."""
+    if mesh.cp == 1 or not mtp_depth:
+        return context_part(targets, mesh)
+    return torch.stack([context_part(ahead(targets, k), mesh) for k in range(mtp_depth + 1)])
+
+
 def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, mesh: Mesh, device: torch.device):
     """This rank's inputs and targets of every micro-batch of a step: its data-parallel replica's sequences,
     and of them its context-parallel chunks."""
@@ -157,7 +167,7 @@ def micro_batches(corpus: Corpus, cfg: TrainConfig, step: int, mesh: Mesh, devic
     inputs, targets = [], []
     for micro in range(cfg.micro_batches):
         x, y = get_batch(corpus.train, cfg.model.seq_len, layout, cfg.seed, step, micro, mesh.dp_rank)
-        x, y = context_part(x, mesh), context_part(y, mesh)
+        x, y = context_part(x, mesh), context_targets(y, mesh, cfg.model.mtp_depth)
         inputs.append(x.to(device))
         targets.append(y.to(device))
     return inputs, targets
