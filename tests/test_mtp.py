@@ -21,7 +21,7 @@ from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.model import GPT, IGNORED, ahead, predict_ahead
+from minigpt.model import GPT, IGNORED, NextTokenLoss, ahead, predict_ahead, prediction_loss
 from minigpt.presets import preset
 from parallel.run.train import train_on_rank
 from parity import worst_gap
@@ -108,6 +108,29 @@ def test_the_executor_minimises_the_models_objective():
     loss, objective = chunk.losses(chunk(idx, targets), targets)
     assert objective.item() == pytest.approx(expected, rel=1e-6) and loss.item() == pytest.approx(plain, rel=1e-6)
     assert chunk.losses(chunk(idx), targets)[1].item() == pytest.approx(plain, rel=1e-6)  # evaluation: no targets
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_pieces_objectives_average_to_the_whole_sequences(cp):
+    """Context parallelism's ranks each hold two pieces of every sequence (parallel/context/chunks.py) and average
+    their objectives: with every depth's targets moved over the whole sequences before the cut and each depth's loss
+    weighed by the share of its positions a piece holds, the average is the whole sequences' objective; unweighed it
+    is not (the positions that run past the sequence all sit in the last piece)."""
+    from parallel.context.chunks import local_part
+
+    torch.manual_seed(0)
+    loss, depths, batch, seq = NextTokenLoss(), 3, 2, 32
+    logits = [torch.randn(batch, seq, 256, dtype=torch.float64) for _ in range(1 + depths)]
+    targets = torch.randint(0, 256, (batch, seq))
+    whole = prediction_loss(loss, logits[0], logits[1:], targets, 0.3)[1]
+    moved = torch.stack([ahead(targets, k) for k in range(1 + depths)])
+    pieces = [[local_part(t, rank, cp, dim=1) for t in logits] for rank in range(cp)]
+    weighed = sum(prediction_loss(loss, part[0], part[1:], local_part(moved, rank, cp, dim=2), 0.3, seq)[1]
+                  for rank, part in enumerate(pieces)) / cp
+    plain = sum(prediction_loss(loss, part[0], part[1:], local_part(moved, rank, cp, dim=2), 0.3)[1]
+                for rank, part in enumerate(pieces)) / cp
+    assert weighed.item() == pytest.approx(whole.item(), rel=1e-6)  # NextTokenLoss sums in fp32
+    assert abs(plain.item() - whole.item()) > 1e-5 * whole.item(), (plain.item(), whole.item())  # 7e-5, 2.5e-4
 
 
 def test_a_depth_never_sees_what_it_predicts():
