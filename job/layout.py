@@ -276,7 +276,7 @@ def mtp_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
     """The multi-token prediction modules' parameters (minigpt/model.py's MultiTokenPrediction), in order: each its
     two input norms, the 2d -> d projection (replicated: not split over tp), its block (of the model's last kind,
     named as a block's) and its final norm."""
-    block = block_tensors(model, tp, model.is_moe_layer(model.n_layers))
+    block = block_tensors(model, tp, model.mtp_is_moe)
     one = [*_norm("enorm", model), *_norm("hnorm", model), Tensor("eh_proj.weight", 2 * model.d_model**2, True),
            *block, *_norm("norm", model)]
     return one * model.mtp_depth

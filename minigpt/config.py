@@ -211,6 +211,12 @@ class GPTConfig(ActivationArithmetic):
         return self.is_moe and layer >= self.dense_layers
 
     @property
+    def mtp_is_moe(self) -> bool:
+        """Whether the multi-token prediction modules' blocks have a mixture of experts: each is block n_layers + k
+        of the model's kind (minigpt/model.py's MultiTokenPrediction), the model's last kind."""
+        return self.is_moe_layer(self.n_layers)
+
+    @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.dense_layers if self.is_moe else 0
 
@@ -325,7 +331,7 @@ class GPTConfig(ActivationArithmetic):
     def mtp_params(self, active: bool = False) -> int:
         """The multi-token prediction modules': each an embedding norm, a hidden-state norm, the 2d -> d projection,
         a block of the model's last kind and a final norm (the embedding and the head are the model's)."""
-        block = self.block_params(self.is_moe_layer(self.n_layers), active)
+        block = self.block_params(self.mtp_is_moe, active)
         return self.mtp_depth * (3 * self.norm_params + 2 * self.d_model**2 + block)
 
     def n_params(self) -> int:
@@ -404,7 +410,7 @@ class GPTConfig(ActivationArithmetic):
     def mtp_forward_flops_per_token(self) -> int:
         """The multi-token prediction modules' matmuls, forward, per token: each its 2d -> d projection, its block
         and the shared head once more (every position runs them; the last k's losses are masked)."""
-        block = self.block_forward_flops_per_token(self.is_moe_layer(self.n_layers))
+        block = self.block_forward_flops_per_token(self.mtp_is_moe)
         return self.mtp_depth * (2 * 2 * self.d_model**2 + block + self.head_forward_flops_per_token())
 
     def forward_flops_per_token(self) -> int:

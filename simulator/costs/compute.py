@@ -301,7 +301,7 @@ def _mtp_collectives(model: GPTConfig, micro_batch_size: int, layout: Layout, po
     its input norms and projection, which see that slice, their gradients summed over the group."""
     depth = model.mtp_depth
     forward, backward = tp_collectives(model.with_(mtp_depth=0), 1, micro_batch_size, layout, policy, True, False,
-                                       sharded, int(model.is_moe_layer(model.n_layers)))
+                                       sharded, int(model.mtp_is_moe))
     lookup, *forward = forward  # the vocabulary-parallel embedding's sum comes first
     if layout.sequence_parallel:
         inputs = [t for t in mtp_tensors(model.with_(mtp_depth=1), layout.tp) if t.name.split(".")[0] in MTP_INPUTS]

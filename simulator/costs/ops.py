@@ -356,7 +356,6 @@ def mtp_units(model: GPTConfig, micro_batch_size: int, layout: Layout, policy: P
     if not depth:
         return []
     kept = replace(implementation, recompute="none")
-    moe = model.is_moe_layer(model.n_layers)
     return [(mtp_input_ops(model, micro_batch_size, layout, policy, kept), depth),
-            (block_ops(model, micro_batch_size, layout, policy, kept, moe), depth),
+            (block_ops(model, micro_batch_size, layout, policy, kept, model.mtp_is_moe), depth),
             (head_ops(model, micro_batch_size, layout, policy, kept), depth)]

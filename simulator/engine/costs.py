@@ -219,7 +219,7 @@ def _exchanging_blocks(model, layers: int, last: bool, moe: bool) -> tuple[int, 
     """(blocks, MoE blocks) whose context-parallel and expert exchanges a unit runs: its own `layers`, and on the
     last chunk's head unit the multi-token prediction modules' blocks (compute.py's mtp_units)."""
     mtp = model.mtp_depth if last else 0
-    return layers + mtp, (layers if moe else 0) + (mtp if model.is_moe_layer(model.n_layers) else 0)
+    return layers + mtp, (layers if moe else 0) + (mtp if model.mtp_is_moe else 0)
 
 
 def _shared_experts(job: _Job, ct, layers: int) -> SharedExperts | None:
@@ -400,7 +400,7 @@ def _bias_counts(job: _Job, placed, stage: int) -> float:
 def _moe_layers(job: _Job, placed) -> int:
     """The MoE layers of a rank's placed chunks, a multi-token prediction module's on the last chunk's rank."""
     model, last = job.model, job.layout.pp * job.layout.virtual_chunks - 1
-    mtp = model.mtp_depth if model.is_moe_layer(model.n_layers) and any(c == last for c, _ in placed) else 0
+    mtp = model.mtp_depth if model.mtp_is_moe and any(c == last for c, _ in placed) else 0
     return mtp + sum(model.is_moe_layer(i) for _, layers in placed for i in layers)
 
 
