@@ -63,6 +63,9 @@ class GPTConfig(ActivationArithmetic):
     # a sliding window (Mistral 7B, Phi-3-mini; transformers' sliding_window): each query attends to itself and the
     # window - 1 tokens before it; 0: to the whole causal context
     window: int = 0
+    # with a window: every this-many-th block (blocks k - 1, 2k - 1, ...) attends to the whole context, the others
+    # through the window (Gemma 3: 6, GPT-OSS: 2; transformers' layer_types); 0: every block through the window
+    full_attention_every: int = 0
     bias: bool = True  # biases in every Linear
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
@@ -216,6 +219,27 @@ class GPTConfig(ActivationArithmetic):
         of the model's kind (minigpt/model.py's MultiTokenPrediction), the model's last kind."""
         return self.is_moe_layer(self.n_layers)
 
+    def layer_window(self, layer: int) -> int:
+        """The sliding window block `layer` (0-based) attends through (0: the whole context): the model's window in
+        use, except every full_attention_every-th block."""
+        every = self.full_attention_every
+        return 0 if every and (layer + 1) % every == 0 else self.window_in_use
+
+    @property
+    def full_attention_layers(self) -> int:
+        """Blocks that attend to the whole context: every one without a window in use, else every
+        full_attention_every-th."""
+        if not self.window_in_use:
+            return self.n_layers
+        return self.n_layers // self.full_attention_every if self.full_attention_every else 0
+
+    def uniform(self, window: int) -> "GPTConfig":
+        """This model with every block attending as one of its blocks does, through `window` (0: the whole context):
+        how a block of a per-layer pattern is priced on its own."""
+        if not self.full_attention_every and window == self.window_in_use:
+            return self
+        return self.with_(window=window, full_attention_every=0)
+
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.dense_layers if self.is_moe else 0
@@ -246,6 +270,8 @@ class GPTConfig(ActivationArithmetic):
             mlp += scaled + dense
         if self.window_in_use:
             heads += f", window {self.window}"
+            if self.full_attention_every:
+                heads += f" (1 block in {self.full_attention_every} full)"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
                  "learned positions" if self.positions != "rope" else
@@ -375,10 +401,22 @@ class GPTConfig(ActivationArithmetic):
         """The keys a query scores in the FLOP convention: the whole sequence, or a window shorter than it."""
         return self.window_in_use or self.seq_len
 
-    def attention_core_flops_per_token(self) -> int:
-        """q @ k^T and p @ v over the full s x s square, per token (one block; a sliding window's s x w band).
-        Grouped-query attention shares key/value heads but every query head still scores the whole sequence."""
-        return 2 * self.attended * self.n_heads * (self.qk_head_dim + self.v_head_dim)
+    @property
+    def attended_by_blocks(self) -> int:
+        """The keys a query scores, summed over the blocks: the windowed blocks' `attended`, the whole sequence in
+        the blocks of full attention."""
+        full = self.full_attention_layers
+        return (self.n_layers - full) * self.attended + full * self.seq_len
+
+    def attention_core_flops_per_token(self, attended: int | None = None) -> int:
+        """q @ k^T and p @ v over the full s x s square, per token (one block; a sliding window's s x w band;
+        `attended`: keys scored, default the windowed blocks'). Grouped-query attention shares key/value heads but
+        every query head still scores the whole sequence."""
+        return 2 * (attended or self.attended) * self.n_heads * (self.qk_head_dim + self.v_head_dim)
+
+    def blocks_core_flops_per_token(self) -> int:
+        """The attention cores' matmuls of all the blocks, forward, per token."""
+        return self.attention_core_flops_per_token(self.attended_by_blocks)
 
     def attention_linear_flops_per_token(self) -> int:
         """The attention's projections, forward, per token: qkv and proj (MLA: down, up and proj)."""
@@ -401,7 +439,9 @@ class GPTConfig(ActivationArithmetic):
         return linears + self.attention_core_flops_per_token()
 
     def blocks_forward_flops_per_token(self) -> int:
-        return sum(count * self.block_forward_flops_per_token(moe) for moe, count in self._layer_kinds())
+        linears = sum(count * (self.attention_linear_flops_per_token() + self.mlp_forward_flops_per_token(moe))
+                      for moe, count in self._layer_kinds())
+        return linears + self.blocks_core_flops_per_token()
 
     def head_forward_flops_per_token(self) -> int:
         """The LM head's matmul (tied or not, it is one d x V product)."""
@@ -433,12 +473,13 @@ class GPTConfig(ActivationArithmetic):
         if recompute == "full":
             flops += self.blocks_forward_flops_per_token()
         elif recompute == "selective":
-            flops += self.n_layers * self.attention_core_flops_per_token()
+            flops += self.blocks_core_flops_per_token()
         elif recompute == OP_RECOMPUTE:
             self.check_op_recompute()
             flops += self.n_layers * self.op_recomputed_flops_per_token()
         if attention == "flash":  # the scores q @ k^T again: 2 s x (query and key head width) per head
-            flops += (self.n_layers + self.mtp_depth) * 2 * self.attended * self.n_heads * self.qk_head_dim
+            keys = self.attended_by_blocks + self.mtp_depth * self.attended
+            flops += 2 * keys * self.n_heads * self.qk_head_dim
         return flops
 
 

@@ -168,7 +168,7 @@ class AttentionCore(nn.Module):
     selective recomputation runs again (parallel/recompute.py). `positions` and `attend` are what a rank
     holding part of each sequence changes (parallel/context/apply.py's subclass); the rest is the same."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, window: int | None = None):
         super().__init__()
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
         self.qk_dim, self.v_dim, self.rotary = config.qk_head_dim, config.v_head_dim, config.rotary_dim
@@ -176,7 +176,7 @@ class AttentionCore(nn.Module):
         self.rope_scaling = (("llama3", config.rope_scaling) if config.rope_scaling is not None else
                              ("yarn", config.rope_yarn, config.rope_attention_factor) if config.rope_yarn else None)
         self.scale = config.softmax_scale  # of q @ k^T
-        self.window = config.window  # a sliding window (0: none)
+        self.window = config.window if window is None else window  # a sliding window (0: none); a block's own
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
@@ -236,11 +236,13 @@ def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """`window`: the block's sliding window (GPTConfig.layer_window; None: the model's)."""
+
+    def __init__(self, config: GPTConfig, window: int | None = None):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.d_model, config.qkv_width, bias=config.linear_bias("attn.qkv"))
-        self.core = AttentionCore(config)
+        self.core = AttentionCore(config, window)
         self.proj = nn.Linear(config.attention_width, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -312,12 +314,14 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)); the MLP a mixture of experts
-    (minigpt/moe.py) when block `layer` of the model is one (GPTConfig.is_moe_layer)."""
+    (minigpt/moe.py) when block `layer` of the model is one (GPTConfig.is_moe_layer), the attention through the
+    block's window (GPTConfig.layer_window)."""
 
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln1 = make_norm(config)
-        self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(config)
+        window = config.layer_window(layer)
+        self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(config, window)
         self.ln2 = make_norm(config)
         self.mlp = MoE(config, layer) if config.is_moe_layer(layer) else MLP(config)
 

@@ -107,7 +107,7 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                 "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value",
                 "expert_groups", "groups_per_token", "routed_scale", "expert_bias", "expert_bias_rate",
-                "rope_scaling", "rope_yarn", "window", "mtp_depth", "mtp_weight")
+                "rope_scaling", "rope_yarn", "window", "full_attention_every", "mtp_depth", "mtp_weight")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

@@ -37,6 +37,16 @@ def check_shape(config) -> None:
         raise ConfigError(f"dropout must be in [0, 1), got {config.dropout}")
     if not isinstance(config.window, int) or isinstance(config.window, bool) or config.window < 0:
         raise ConfigError(f"window must be a whole number >= 0 (0: no sliding window), got {config.window!r}")
+    every = config.full_attention_every
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ConfigError(f"full_attention_every must be a whole number >= 0 (0: every block through the window), "
+                          f"got {every!r}")
+    if every and not config.window:
+        raise ConfigError("full_attention_every needs a sliding window (window): without one every block attends "
+                          "to the whole context")
+    if every and config.mtp_depth:
+        raise ConfigError("full_attention_every with multi-token prediction modules: no model has both, and which "
+                          "attention a module's block takes is not defined")
     if config.window and config.kv_lora_rank:
         raise ConfigError("a sliding window with multi-head latent attention: no model has both, minigpt neither")
     eps = config.norm_eps

@@ -13,8 +13,8 @@ def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections), Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
     from zero; also with YaRN), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
-    width / heads, q/k norms; also with YaRN) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in
-    `tmp_path`: (the model, its directory)."""
+    width / heads, q/k norms; also with YaRN, or a window in its first block) shape, the Qwens' norms with epsilon
+    1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
     moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
                initializer_range=0.2, router_aux_loss_coef=0.01)
@@ -61,6 +61,13 @@ def transformers_model(shape: str, tmp_path):
                                           tie_word_embeddings=False, initializer_range=0.2,
                                           rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                            "original_max_position_embeddings": 8})
+    elif shape == "qwen3_window":  # a window of 12 in the first block, the whole context in the second (GPT-OSS's)
+        config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.2,
+                                          use_sliding_window=True, sliding_window=12,
+                                          layer_types=["sliding_attention", "full_attention"])
     elif shape == "qwen2":
         config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                           intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

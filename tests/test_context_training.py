@@ -41,8 +41,9 @@ QK_ONLY = {"cp2-tp2-sp-selective": dict(cp=2, tp=2, sequence_parallel=True, reco
            # zero-bubble: the rerun in the backward's first half, the norms' (and blocks') weight gradients deferred
            "cp2-pp2-zb-h1-selective": dict(cp=2, pp=2, micro_batches=2, schedule="zb-h1", recompute="selective"),
            "cp2-pp2-zb-h1-full": dict(cp=2, pp=2, micro_batches=2, schedule="zb-h1", recompute="full")}
-# Mistral's sliding window on the Llama-shaped model: 11 tokens, cutting the chunks of 8 (cp 2) and 4 (cp 4) in bands
-WINDOWED = MODELS["tiny-llama"].with_(window=11)
+# a sliding window on the Llama-shaped model: 11 tokens, cutting the chunks of 8 (cp 2) and 4 (cp 4) in bands, in
+# the first block; the second attends to the whole context (Gemma 3's and GPT-OSS's pattern: full_attention_every)
+WINDOWED = MODELS["tiny-llama"].with_(window=11, full_attention_every=2)
 WINDOW_LAYOUTS = {2: ("cp2-ring", "cp2-allgather"), 4: ("cp4-ring", "cp2-tp2-sp-selective", "cp2-pp2"), 8: ()}
 SPECIAL = {"qwen3": (QWEN, QK_LAYOUTS), "window": (WINDOWED, WINDOW_LAYOUTS)}  # a model and the layouts it runs
 STEPS = 20

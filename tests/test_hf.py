@@ -124,7 +124,8 @@ def hub_named(grads: dict, layout: str) -> dict:
 
 
 # Mistral's and Phi-3's read as Llama's block (written as Llama); YaRN's rotation in Qwen3 and DeepSeek-V3
-@pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_yarn", "deepseek_v3_yarn"])
+@pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
+                                   "deepseek_v3_yarn"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -181,8 +182,14 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert layout_of(mistral) == "mistral" and config_from_hf(hf_config(mistral)) == mistral
     assert config_from_hf(hf_config(mixtral.with_(window=12))) == mixtral.with_(window=12)
     assert layout_of(llama.with_(window=llama.seq_len)) == "llama"  # a window as long as the context: none
-    for bad, word in ((qwen3.with_(window=12), "sliding window"), (mistral.with_(bias=True), "no biases"),
-                      (GPTConfig(window=12), "sliding window")):
+    for windowed in (qwen3.with_(window=12), qwen3.with_(window=12, full_attention_every=2),  # in layer_types
+                     qwen2.with_(window=12, full_attention_every=3), qwen2.with_(window=12, n_layers=6)):
+        assert layout_of(windowed) in ("qwen2", "qwen3") and config_from_hf(hf_config(windowed)) == windowed
+    assert hf_config(qwen3.with_(window=12, full_attention_every=2))["layer_types"] == [
+        "sliding_attention", "full_attention"] * (qwen3.n_layers // 2)
+    for bad, word in ((mistral.with_(bias=True), "no biases"), (GPTConfig(window=12), "sliding window"),
+                      (mistral.with_(full_attention_every=2), "layer_types"),
+                      (mixtral.with_(window=12, full_attention_every=2), "layer_types")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
     yarn = (4.0, 8, 32.0, 1.0, 1.0, 0.8)  # YaRN's rotation, written as rope_type "yarn" and read back
@@ -212,9 +219,15 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
     llama = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope"))
     qwen3 = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, qk_norm=True))
     qwen2 = hf_config(GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, qkv_bias=True))
-    for change, word in (({**qwen3, "use_sliding_window": True}, "sliding window"),
-                         ({**qwen2, "use_sliding_window": True}, "sliding window"),
-                         ({**qwen3, "layer_types": ["sliding_attention", "full_attention"]}, "sliding window"),
+    windowed = {**qwen2, "use_sliding_window": True, "sliding_window": 12, "num_hidden_layers": 4}
+    assert config_from_hf({**windowed, "max_window_layers": 0}).window == 12  # every layer from the first
+    assert config_from_hf(windowed).window == 0  # max_window_layers 4 (as written): no layer through it
+    assert config_from_hf({**windowed, "layer_types": ["sliding_attention", "full_attention"] * 2}).with_(
+        n_layers=4).full_attention_every == 2  # GPT-OSS's alternation, read from layer_types
+    for change, word in (({**qwen3, "use_sliding_window": True}, "sliding_window"),  # in use, no length
+                         ({**windowed, "max_window_layers": 1}, "pattern"),  # the full layers first
+                         ({**windowed, "layer_types": ["sliding_attention", "global"] * 2}, "per layer"),
+                         ({**windowed, "layer_types": ["sliding_attention"]}, "per layer"),
                          ({**qwen3, "attention_bias": True}, "biases")):
         with pytest.raises(ConfigError, match=word):
             config_from_hf(change)

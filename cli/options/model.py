@@ -67,6 +67,9 @@ def model_options(default: str) -> Callable:
         click.option("--window", type=int,
                      help="A sliding window: each query attends to itself and the window - 1 tokens before it "
                           "(Mistral 7B: 4096; 0: the whole context) [default: the preset's]."),
+        click.option("--full-attention-every", "full_attention_every", type=int,
+                     help="With --window: every N-th block attends to the whole context, the others through the "
+                          "window (Gemma 3: 6, GPT-OSS: 2); 0: every block through it [default: the preset's, 0]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
         click.option("--mtp-depth", "mtp_depth", type=int,
@@ -196,7 +199,8 @@ def model_from_options(options: dict) -> GPTConfig:
         dropout=options.get("dropout"), mlp=options.get("mlp"), norm=options.get("norm"),
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
-        window=options.get("window"), mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
+        window=options.get("window"), full_attention_every=options.get("full_attention_every"),
+        mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
         **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
         **_expert_fields(options, base),
     )
@@ -235,8 +239,8 @@ OPEN_WITH_INIT = ("seq_len", "dropout", "rope_yarn", "mtp_weight", *ROUTING_IN_T
 def shape_flags_given(options: dict) -> list[str]:
     """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
-                               "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim", "qk_norm",
-                               "window", "rope_yarn", "mtp_depth", "mtp_weight",
+                               "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim",
+                               "qk_norm", "window", "full_attention_every", "rope_yarn", "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
     source = context.get_parameter_source("model") if context is not None else None

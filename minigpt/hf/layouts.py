@@ -15,11 +15,11 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
   holds the whole training context (or they have none); Phi-3's and Phi-4's (Phi3ForCausalLM) too, their fused
   qkv_proj and gate_up_proj split into Llama's pieces as they are read (`unfused`), when they rotate whole heads.
 - Qwen2: Llama's block with biases on q_proj, k_proj and v_proj and none elsewhere (ours: --no-bias --qkv-bias),
-  every norm with the one epsilon (rms_norm_eps), no sliding window.
-
+  every norm with the one epsilon (rms_norm_eps); a sliding window in the layers its layer_types name (every one,
+  or all but every N-th: GPTConfig.full_attention_every, Gemma 3's and GPT-OSS's pattern).
 - Qwen3: Llama's block with an RMSNorm over each query and key head before the rotation (q_norm, k_norm, one
   head's width each, shared by the heads: ours, --qk-norm), no bias in its MLP (so none anywhere here), every
-  norm with the one epsilon (rms_norm_eps), no sliding window.
+  norm with the one epsilon (rms_norm_eps), a sliding window as Qwen2's.
 
 All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
 layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's or Qwen3-MoE's layout
@@ -50,9 +50,13 @@ def layout_of(config: GPTConfig) -> str:
     if config.mtp_depth and layout != "deepseek_v3":
         raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's layout (as its checkpoints "
                           f"hold them), which cannot hold this {layout} shape")
-    if config.window_in_use and layout not in ("mistral", "mixtral"):
-        raise ConfigError(f"a sliding window is written in transformers' Mistral or Mixtral layout, which cannot hold "
-                          f"this {layout} shape")
+    if config.window_in_use and layout not in WINDOWED_LAYOUTS:
+        raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2 or Qwen3 layout, "
+                          f"which cannot hold this {layout} shape")
+    if config.window_in_use and config.full_attention_every and layout not in LAYER_TYPES:
+        raise ConfigError("some blocks through a sliding window and the others not (--full-attention-every) are "
+                          "written in transformers' Qwen2 layout (q, k and v biases) or Qwen3's (q/k norms), whose "
+                          "layer_types hold the pattern: this shape has neither")
     if layout == "mistral" and config.bias:
         raise ConfigError("transformers' Mistral layout, which holds a sliding window, has no biases")
     return layout
@@ -117,7 +121,7 @@ def hf_config(config: GPTConfig) -> dict:
     if layout in ("qwen2", "qwen3"):
         architecture = "Qwen2ForCausalLM" if layout == "qwen2" else "Qwen3ForCausalLM"
         return {"architectures": [architecture], "model_type": layout, **common, **llama,
-                "use_sliding_window": False, "sliding_window": None, "max_window_layers": config.n_layers}
+                "max_window_layers": config.n_layers, **_layer_types(config)}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama, "mlp_bias": config.bias}
 
 
@@ -145,7 +149,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'deepseek_v3' models")
-    window = _window(hf, kind, seq_len)
+    windows = _windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
     if kind in ("qwen3", *ARCHITECTURES):  # their attention's biases are the o projection's too; none in the MLP
@@ -155,23 +159,52 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         refuse_unless(rotated == 1.0, f"it rotates {rotated} of each head (partial_rotary_factor), minigpt all of it")
     dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)  # bias-free, but Qwen2's
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
-        return dense.with_(qk_norm=kind == "qwen3_moe", window=window, **moe_fields(hf, kind))
+        return dense.with_(qk_norm=kind == "qwen3_moe", **windows, **moe_fields(hf, kind))
     # Qwen2: biases on q, k and v alone
-    return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", window=window)
+    return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **windows)
 
 
 UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
+LAYER_TYPES = ("qwen2", "qwen3")  # whose layer_types say which layers attend through it
+WINDOWED_LAYOUTS = ("mistral", "mixtral", *LAYER_TYPES)  # the layouts minigpt writes a window in
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def _window(hf: dict, kind: str, seq_len: int | None) -> int:
-    """The sliding window shorter than the training context of a Mistral, Phi-3 or Mixtral (GPTConfig.window; 0:
-    none, or one as long as the context); ConfigError for the Qwens' windows (theirs are some layers' only)."""
+def _layer_types(config: GPTConfig) -> dict:
+    """A Qwen2 or Qwen3 config.json's window fields: none in use, or the window and each layer's kind."""
+    if not config.window_in_use:
+        return {"use_sliding_window": False, "sliding_window": None}
+    kinds = [SLIDING if config.layer_window(layer) else FULL for layer in range(config.n_layers)]
+    return {"use_sliding_window": True, "sliding_window": config.window, "layer_types": kinds}
+
+
+def _windows(hf: dict, kind: str, seq_len: int | None) -> dict:
+    """The GPTConfig fields of a model's sliding window shorter than the training context (none where there is none,
+    or one as long): a Mistral's, Phi-3's or Mixtral's in every layer, a Qwen2's or Qwen3's in the layers its
+    layer_types (else max_window_layers) name, every layer or all but every N-th (full_attention_every);
+    ConfigError for another pattern or model."""
     if _full_attention(hf, seq_len):
-        return 0
-    refuse_unless(kind in UNIFORM_WINDOWS and not hf.get("layer_types"),
-                  "it attends through a sliding window shorter than the context in some of its layers only "
-                  "(minigpt's window is every layer's: Mistral's, Phi-3's and Mixtral's)")
-    return _number(hf, "sliding_window")
+        return {}
+    window = _number(hf, "sliding_window")
+    if kind in UNIFORM_WINDOWS and not hf.get("layer_types"):
+        return {"window": window}
+    refuse_unless(kind in LAYER_TYPES, "it attends through a sliding window shorter than the context in some of its "
+                                       "layers, which minigpt reads of Qwen2 and Qwen3 models only (layer_types)")
+    layers = _number(hf, "num_hidden_layers")
+    kinds = hf.get("layer_types") or [SLIDING if i >= hf.get("max_window_layers", 28) else FULL for i in range(layers)]
+    refuse_unless(isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {SLIDING, FULL},
+                  f"its layer_types are {kinds!r}, not one of {SLIDING!r} or {FULL!r} per layer")
+    if SLIDING not in kinds:
+        return {}
+    every = next((n for n in range(2, layers + 1) if kinds == _pattern(layers, n)), None) if FULL in kinds else 0
+    refuse_unless(every is not None, f"its layers attend through the window in a pattern minigpt does not compute "
+                                     f"({kinds}): every layer, or all but every N-th")
+    return {"window": window, "full_attention_every": every}
+
+
+def _pattern(layers: int, every: int) -> list[str]:
+    """Each layer's kind when every `every`-th attends to the whole context (GPTConfig.layer_window)."""
+    return [FULL if (i + 1) % every == 0 else SLIDING for i in range(layers)]
 
 
 def _full_attention(hf: dict, seq_len: int | None) -> bool:

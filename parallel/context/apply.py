@@ -35,7 +35,7 @@ class ContextAttentionCore(AttentionCore):
 
     def __init__(self, config: GPTConfig, core: AttentionCore, group: dist.ProcessGroup | None, kind: str,
                  token_positions: torch.Tensor, counter=None):
-        super().__init__(config)  # the core's sizes and rotation, from the model's shape as the core had them
+        super().__init__(config, core.window)  # the core's sizes, rotation and window, as the core had them
         self.q_norm, self.k_norm = core.q_norm, core.k_norm  # the model's own norm modules (their weights and names)
         self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)

@@ -135,25 +135,27 @@ class _Job:
 
 def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, implementation: Implementation,
                 profile: EfficiencyProfile | None, host: HostCompute | None, memo: dict | None = None):
-    """times(layers, first, last, stage, moe) -> (forward, backward, exposed tp forward, exposed tp backward,
+    """times(layers, first, last, stage, moe, window) -> (forward, backward, exposed tp forward, exposed tp backward,
     recompute, weight, exposed cp forward, exposed cp backward, exposed ep forward, exposed ep backward, hidden ep
-    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'. `memo`: the units priced so far, keyed
-    by what their price depends on, which a caller may share between layouts of one model, cluster, precision and
-    implementation (minigpt plan's bound: a unit of one tp and micro-batch serves every dp, ZeRO stage and schedule, and
-    every pp but the head's, whose replicated tensors depend on it)."""
+    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'; `window`: under a per-layer
+    pattern (GPTConfig.full_attention_every) the blocks' sliding window (0: none; None: the model's own).
+    `memo`: the units priced so far, keyed by what their price depends on, which a caller may share between layouts
+    of one model, cluster, precision and implementation (minigpt plan's bound: a unit of one tp and micro-batch
+    serves every dp, ZeRO stage and schedule, and every pp but the head's, whose replicated tensors depend on it)."""
     memo = {} if memo is None else memo
     layout = job.layout
     shape = (layout.tp, layout.sequence_parallel, layout.cp, layout.cp_kind, layout.ep, micro_batch, implementation)
     exchanges: dict = {}  # per stage too: the cp group's links are the stage's
     hide = job.overlap.tp and not job.serial
 
-    def unit_key(layers: int, first: bool, last: bool, moe: bool) -> tuple:
-        return layers, first, last, moe, shape, layout.pp if last else 0
+    def unit_key(layers: int, first: bool, last: bool, moe: bool, window: int | None) -> tuple:
+        return layers, first, last, moe, window, shape, layout.pp if last else 0
 
-    def times(layers: int, first: bool, last: bool, stage: int = 0, moe: bool = False):
-        key = unit_key(layers, first, last, moe)
+    def times(layers: int, first: bool, last: bool, stage: int = 0, moe: bool = False, window: int | None = None):
+        key = unit_key(layers, first, last, moe, window)
         if key not in memo:
-            ct = chunk_times(job.model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
+            model = job.model if window is None else job.model.uniform(window)
+            ct = chunk_times(model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
                              first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
             first_half = None
@@ -190,7 +192,7 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
 
     # the priced unit's ChunkTimes, read after times() priced it: its once-a-step compute (fp8 weight casts kept across
     # micro-batches) and its fp8 GEMMs' amax reductions, which the engine charges per step and per chunk
-    times.unit = lambda layers, first, last, moe=False: memo[unit_key(layers, first, last, moe)][1]
+    times.unit = lambda layers, first, last, moe=False, window=None: memo[unit_key(layers, first, last, moe, window)][1]
     return times
 
 
@@ -346,9 +348,11 @@ def _rank_actions(job: _Job, times, implementation: Implementation, pol, sized: 
                 embedding = chunk == 0 and position == 0
                 head = chunk == last_chunk and position == len(unit_tensors) - 1
                 block = 0 if embedding or head else 1
-                moe = bool(block) and model.is_moe_layer(layers[position - (1 if chunk == 0 else 0)])
-                f, b, ftp, btp, again, weight, first_half, *exchanged = times(block, embedding, head, rank, moe)
-                priced = times.unit(block, embedding, head, moe)
+                layer = layers[position - (1 if chunk == 0 else 0)] if block else None
+                moe = bool(block) and model.is_moe_layer(layer)
+                window = model.layer_window(layer) if block and model.full_attention_every else None
+                f, b, ftp, btp, again, weight, first_half, *exchanged = times(block, embedding, head, rank, moe, window)
+                priced = times.unit(block, embedding, head, moe, window)
                 per_step += priced.per_step_s
                 fp8_gemms += priced.fp8_gemms
                 sp_amaxes = (sp_amaxes[0] + priced.sp_amaxes[0], sp_amaxes[1] + priced.sp_amaxes[1])

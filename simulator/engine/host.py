@@ -114,7 +114,10 @@ def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: in
     shape = "mixture of experts' blocks" if model.is_moe else "blocks"
     where = f"tp {layout.tp}" + (f", cp {layout.cp}" if layout.cp > 1 else "") + f", {fmt}"
     missing = None
-    if units is None:
+    if model.window_in_use and model.full_attention_every:  # a unit is one block's kind: the pattern has two
+        units, dense = None, None
+        missing = "a unit measured per model, not per block: the roofline prices a pattern of windowed and full blocks"
+    elif units is None:
         missing = f"no measured unit of this model's {shape} ({where}): the roofline prices its compute"
     elif model.is_moe and model.dense_layers and dense is None:
         missing = (f"no measured unit of this model's dense first blocks ({where}): the roofline prices those "
