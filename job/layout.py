@@ -215,6 +215,7 @@ def _moe_tensors(model: GPTConfig) -> list[Tensor]:
     parallelism): router, the stacked experts' weights and biases, the shared experts."""
     d, experts, bias = model.d_model, model.n_experts, model.bias
     tensors = [Tensor("mlp.router.weight", d * experts, True),
+               *([Tensor("mlp.router.bias", experts, True)] if model.router_bias else []),
                Tensor("mlp.experts.w1", experts * d * model.expert_in_width, True),
                Tensor("mlp.experts.w2", experts * model.expert_width * d, True)]
     if bias:
@@ -247,7 +248,8 @@ def _attention_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
     proj = _linear("attn.proj", d, model.attention_width, model, tp, False)
     if not model.is_mla:
         qk_norms = [Tensor(f"attn.core.{n}_norm.weight", model.head_dim, True) for n in "qk"] if model.qk_norm else []
-        return [*_linear("attn.qkv", model.qkv_width, d, model, tp, True), *qk_norms, *proj]
+        sinks = [Tensor("attn.core.sinks", model.n_heads // tp, False)] if model.attention_sinks else []
+        return [*_linear("attn.qkv", model.qkv_width, d, model, tp, True), *qk_norms, *sinks, *proj]
     q_norm = [Tensor("attn.q_norm.weight", model.q_lora_rank, True)] if model.q_lora_rank else []
     heads = model.n_heads
     return [Tensor("attn.down.weight", model.latent_width * d, True), *q_norm,

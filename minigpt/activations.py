@@ -12,10 +12,20 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # what our trainer runs and eve
 # simulator describes it (simulator/costs/torchtitan/selective_op.py) for the shapes op_recompute_refusal lets through
 OP_RECOMPUTE = "op"
 SIM_RECOMPUTE_MODES = (*RECOMPUTE_MODES, OP_RECOMPUTE)
+# the columns q, k and v gain for attention sinks (minigpt/attention.py): the sink's logit and zeros, as fused
+# kernels take head widths in eights
+SINK_COLUMNS = 8
 
 
 class ActivationArithmetic:
     """GPTConfig's activation bytes (its fields read through self)."""
+
+    @property
+    def mlp_saved_widths(self) -> int:
+        """What an MLP keeps per token in widths of its hidden layer: fc1's output and fc2's input (GELU, squared
+        ReLU: 2), SwiGLU's gate and up, its silu(gate) and fc2's input (4), the clamped SwiGLU's fc1 output (it
+        saves only that and recomputes the rest: minigpt/moe.py's ClampedSwiGLU) and fc2's input (3)."""
+        return {"swiglu": 4, "clamped-swiglu": 3}.get(self.mlp, 2)
 
     def activation_bytes_per_token_per_layer(self, dtype_bytes: int = 4, recompute: str = "none",
                                              moe: bool | None = None) -> int:
@@ -35,6 +45,7 @@ class ActivationArithmetic:
           projections' input), latent_width each, and each latent norm's fp32 1/rms (q's, kv's), the fused
           qkv being the heads the up projections make (the shared rotated key repeated per head), and
           with value heads narrower than query heads the zero-padded v and the padded output (padded_values_width),
+          with attention sinks q, k, v and the output padded by SINK_COLUMNS (sink_padding_width),
           GELU input f and output f, or for SwiGLU the fused gate/up output 2f, silu(gate) f
           and the product f,
           plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
@@ -56,9 +67,9 @@ class ActivationArithmetic:
         if self.is_moe if moe is None else moe:
             mlp_bytes = self.moe_activation_bytes_per_token(dtype_bytes)
         else:
-            mlp_bytes = dtype_bytes * (4 * f if self.mlp == "swiglu" else 2 * f)
+            mlp_bytes = dtype_bytes * self.mlp_saved_widths * f
         latent = 2 * self.latent_width if self.is_mla else 0  # MLA's down output and its normed copy
-        padded = self.padded_values_width if recompute != "selective" else 0  # the core's: selective drops it
+        padded = self.padded_values_width + self.sink_padding_width if recompute != "selective" else 0  # the core's
         tensors = dtype_bytes * (4 * d + latent + self.qkv_width + self.attention_width + padded) + mlp_bytes
         norm_statistics = 2 * (2 if self.norm == "layernorm" else 1) + self.latent_norms
         statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))
@@ -119,7 +130,7 @@ class ActivationArithmetic:
         loss its sum of scores; the z-loss the logits (E) and their log-sum-exp. The shared experts keep what
         a dense MLP of their width keeps. The norm output feeding the router is the block's (its 4d)."""
         b, e, k, experts = dtype_bytes, self.expert_width, self.top_k, self.n_experts
-        hidden = 4 * e if self.mlp == "swiglu" else 2 * e
+        hidden = self.mlp_saved_widths * e
         routed = k * (b * (2 * self.d_model + hidden + 1) + 3 * 8)
         scores = 4 * experts
         if k > 1 or self.router == "sigmoid":

@@ -1,7 +1,8 @@
-"""The model's shape and its arithmetic: parameters and FLOPs here, activation bytes in minigpt/activations.py.
+"""The model's shape and its arithmetic: parameters here, FLOPs in minigpt/flops.py, activation bytes in
+minigpt/activations.py (GPTConfig inherits both).
 
-With minigpt/activations.py this is the single home of the model's arithmetic. Neither imports torch:
-the simulator uses it to size models it will never build.
+With those two this is the single home of the model's arithmetic. None imports torch: the simulator uses it to
+size models it will never build.
 
 Conventions:
 - FLOPs count matrix multiplications only (2 FLOPs per multiply-accumulate), the
@@ -22,16 +23,16 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from minigpt.activations import (OP_RECOMPUTE, RECOMPUTE_MODES, SIM_RECOMPUTE_MODES,  # noqa: F401
+from minigpt.activations import (OP_RECOMPUTE, RECOMPUTE_MODES, SIM_RECOMPUTE_MODES, SINK_COLUMNS,  # noqa: F401
                                  ActivationArithmetic, check_recompute)
-from minigpt.errors import ConfigError
-from minigpt.shape_checks import MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS, check_shape  # noqa: F401
+from minigpt.flops import ATTENTION_KINDS, FlopArithmetic, check_attention  # noqa: F401 (re-exported)
+from minigpt.shape_checks import (GATED_MLPS, MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS,  # noqa: F401
+                                  check_shape)
 
-ATTENTION_KINDS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
-class GPTConfig(ActivationArithmetic):
+class GPTConfig(ActivationArithmetic, FlopArithmetic):
     """The shape of a GPT: everything needed to build it or to count it.
 
     The defaults are a GPT-2-style block (LayerNorm, GELU MLP, learned positions, multi-head
@@ -60,6 +61,9 @@ class GPTConfig(ActivationArithmetic):
     # context): (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim), the last
     # two 0 where unset; None: unscaled
     rope_yarn: tuple[float, int, float, float, float, float] | None = None
+    # YaRN's correction range rounded out to whole columns (transformers' truncate, its default); False: not
+    # rounded (GPT-OSS's)
+    rope_yarn_truncate: bool = True
     # a sliding window (Mistral 7B, Phi-3-mini; transformers' sliding_window): each query attends to itself and the
     # window - 1 tokens before it; 0: to the whole causal context
     window: int = 0
@@ -70,6 +74,9 @@ class GPTConfig(ActivationArithmetic):
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
+    # GPT-OSS's attention sinks: a learned logit per query head beside each query's scores in the softmax, a key whose
+    # value is zero (its weight taken from the others: a head may attend to nothing)
+    attention_sinks: bool = False
     # Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, 2.1) when kv_lora_rank > 0: keys and values from a
     # kv_lora_rank latent, queries from a q_lora_rank one (0: from the width), each query and key head d_head wide
     # plus rope_head_dim rotated columns (the key's shared by the heads), each value head d_value (None: d_head).
@@ -85,6 +92,7 @@ class GPTConfig(ActivationArithmetic):
     n_shared_experts: int = 0  # experts every token goes through, of width d_expert each (DeepSeek)
     dense_layers: int = 0  # the first blocks keep the dense MLP of width d_ff (DeepSeek-V3: 3)
     router: str = "softmax"  # softmax then top-k; "sigmoid": sigmoid scores, top-k, renormalised (DeepSeek-V3)
+    router_bias: bool = False  # a bias on the router's logits, which choose and weigh (GPT-OSS's)
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf x tokens x k / E) per sequence
     aux_loss_coef: float = 0.0  # load balancing (Switch / GShard), per sequence: E x sum_e f_e P_e
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2
@@ -163,6 +171,15 @@ class GPTConfig(ActivationArithmetic):
         return 2 * self.n_heads * self.qk_head_dim if self.v_head_dim != self.qk_head_dim else 0
 
     @property
+    def sink_padding_width(self) -> int:
+        """Per token, what attention sinks add to the core's saved tensors (minigpt/attention.py): q, k and v each
+        SINK_COLUMNS wider, and the kernel's padded output beside the cut copy the projection reads; the sink's own
+        key and value row (one per sequence) and the mask (one per micro-batch) aside."""
+        if not self.attention_sinks:
+            return 0
+        return (self.n_heads + 2 * self.kv_heads) * SINK_COLUMNS + self.n_heads * (self.qk_head_dim + SINK_COLUMNS)
+
+    @property
     def latent_width(self) -> int:  # MLA's down projection's output: query latent, key/value latent, rotated key
         return self.q_lora_rank + self.kv_lora_rank + self.rope_head_dim
 
@@ -188,7 +205,12 @@ class GPTConfig(ActivationArithmetic):
     @property
     def mlp_in_width(self) -> int:
         """Output features of the MLP's first Linear: d_ff, or 2 d_ff for SwiGLU (gate and up, fused)."""
-        return 2 * self.d_ff if self.mlp == "swiglu" else self.d_ff
+        return 2 * self.d_ff if self.gated_mlp else self.d_ff
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP is gated (SwiGLU, or GPT-OSS's clamped SwiGLU): its first Linear makes a gate and an up half."""
+        return self.mlp in GATED_MLPS
 
     @property
     def norm_params(self) -> int:
@@ -207,7 +229,7 @@ class GPTConfig(ActivationArithmetic):
     @property
     def expert_in_width(self) -> int:
         """Output features of an expert's first Linear: its width, or twice it for SwiGLU (gate and up)."""
-        return 2 * self.expert_width if self.mlp == "swiglu" else self.expert_width
+        return 2 * self.expert_width if self.gated_mlp else self.expert_width
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` (0-based) has a mixture-of-experts MLP: a MoE model's after `dense_layers`."""
@@ -252,11 +274,12 @@ class GPTConfig(ActivationArithmetic):
         """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
         heads += (f" of {self.head_dim}" if self.d_head is not None else "") + (", QK-norm" if self.qk_norm else "")
+        heads += ", sinks" if self.attention_sinks else ""
         if self.is_mla:
             query = f"q latent {self.q_lora_rank}, " if self.q_lora_rank else ""
             heads = (f"{self.n_heads} heads, latent attention ({query}kv latent {self.kv_lora_rank}, q/k "
                      f"{self.head_dim}+{self.rope_head_dim} rotated, v {self.v_head_dim})")
-        kind = {"swiglu": "SwiGLU", "relu2": "squared-ReLU"}.get(self.mlp, "GELU")
+        kind = {"swiglu": "SwiGLU", "relu2": "squared-ReLU", "clamped-swiglu": "clamped SwiGLU"}.get(self.mlp, "GELU")
         mlp = f"{kind} {self.d_ff}"
         if self.is_moe:
             shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""
@@ -266,6 +289,7 @@ class GPTConfig(ActivationArithmetic):
             scaled = f", gates x{self.routed_scale:g}" if self.routed_scale != 1.0 else ""
             if self.expert_bias:
                 scaled += f", choice bias (rate {self.expert_bias_rate:g})"
+            scaled += ", router bias" if self.router_bias else ""
             mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}"
             mlp += scaled + dense
         if self.window_in_use:
@@ -300,7 +324,8 @@ class GPTConfig(ActivationArithmetic):
             return self.mla_projection_params() + self.q_lora_rank + self.kv_lora_rank + width * d
         qkv_bias, proj_bias = int(self.linear_bias("attn.qkv")), int(self.linear_bias("attn.proj"))
         qk_norms = 2 * self.head_dim if self.qk_norm else 0
-        return (d * self.qkv_width + qkv_bias * self.qkv_width) + (width * d + proj_bias * d) + qk_norms
+        sinks = self.n_heads if self.attention_sinks else 0
+        return (d * self.qkv_width + qkv_bias * self.qkv_width) + (width * d + proj_bias * d) + qk_norms + sinks
 
     def mla_projection_params(self) -> int:
         """MLA's down projection (d -> latent_width) and its query and key/value up projections (no biases)."""
@@ -318,8 +343,8 @@ class GPTConfig(ActivationArithmetic):
         return (d * self.expert_in_width + bias * self.expert_in_width) + (e * d + bias * d)
 
     def router_params(self) -> int:
-        """The router's d x E projection (no bias)."""
-        return self.d_model * self.n_experts
+        """The router's d x E projection (and its bias, router_bias)."""
+        return (self.d_model + int(self.router_bias)) * self.n_experts
 
     def shared_expert_params(self) -> int:
         """The shared experts, one MLP of width n_shared_experts x expert_width (DeepSeek's), so one output bias."""
@@ -389,99 +414,6 @@ class GPTConfig(ActivationArithmetic):
             breakdown.update(per_expert=self.expert_params(), active=self.active_params())
         return breakdown
 
-    # ------------------------------------------------------------------ FLOPs
-
-    @property
-    def window_in_use(self) -> int:
-        """The sliding window where it is shorter than the sequence; 0 where none or one as long (full attention)."""
-        return self.window if self.window < self.seq_len else 0
-
-    @property
-    def attended(self) -> int:
-        """The keys a query scores in the FLOP convention: the whole sequence, or a window shorter than it."""
-        return self.window_in_use or self.seq_len
-
-    @property
-    def attended_by_blocks(self) -> int:
-        """The keys a query scores, summed over the blocks: the windowed blocks' `attended`, the whole sequence in
-        the blocks of full attention."""
-        full = self.full_attention_layers
-        return (self.n_layers - full) * self.attended + full * self.seq_len
-
-    def attention_core_flops_per_token(self, attended: int | None = None) -> int:
-        """q @ k^T and p @ v over the full s x s square, per token (one block; a sliding window's s x w band;
-        `attended`: keys scored, default the windowed blocks'). Grouped-query attention shares key/value heads but
-        every query head still scores the whole sequence."""
-        return 2 * (attended or self.attended) * self.n_heads * (self.qk_head_dim + self.v_head_dim)
-
-    def blocks_core_flops_per_token(self) -> int:
-        """The attention cores' matmuls of all the blocks, forward, per token."""
-        return self.attention_core_flops_per_token(self.attended_by_blocks)
-
-    def attention_linear_flops_per_token(self) -> int:
-        """The attention's projections, forward, per token: qkv and proj (MLA: down, up and proj)."""
-        d = self.d_model
-        projections = self.mla_projection_params() if self.is_mla else d * self.qkv_width
-        return 2 * (projections + self.attention_width * d)
-
-    def mlp_forward_flops_per_token(self, moe: bool | None = None) -> int:
-        """Matmul FLOPs of one MLP's forward per token: the dense MLP, or a MoE's router and the experts a token
-        goes through (top_k routed and the shared ones; tokens a capacity drops are still counted, as MFU does)."""
-        d = self.d_model
-        if not (self.is_moe if moe is None else moe):
-            return 2 * (d * self.mlp_in_width + self.d_ff * d)
-        expert = 2 * (d * self.expert_in_width + self.expert_width * d)
-        return 2 * d * self.n_experts + (self.top_k + self.n_shared_experts) * expert
-
-    def block_forward_flops_per_token(self, moe: bool | None = None) -> int:
-        """Matmul FLOPs of one block's forward pass, per token (`moe` as in block_params)."""
-        linears = self.attention_linear_flops_per_token() + self.mlp_forward_flops_per_token(moe)
-        return linears + self.attention_core_flops_per_token()
-
-    def blocks_forward_flops_per_token(self) -> int:
-        linears = sum(count * (self.attention_linear_flops_per_token() + self.mlp_forward_flops_per_token(moe))
-                      for moe, count in self._layer_kinds())
-        return linears + self.blocks_core_flops_per_token()
-
-    def head_forward_flops_per_token(self) -> int:
-        """The LM head's matmul (tied or not, it is one d x V product)."""
-        return 2 * self.d_model * self.vocab_size
-
-    def mtp_forward_flops_per_token(self) -> int:
-        """The multi-token prediction modules' matmuls, forward, per token: each its 2d -> d projection, its block
-        and the shared head once more (every position runs them; the last k's losses are masked)."""
-        block = self.block_forward_flops_per_token(self.mtp_is_moe)
-        return self.mtp_depth * (2 * 2 * self.d_model**2 + block + self.head_forward_flops_per_token())
-
-    def forward_flops_per_token(self) -> int:
-        return self.blocks_forward_flops_per_token() + self.head_forward_flops_per_token() \
-            + self.mtp_forward_flops_per_token()
-
-    def train_flops_per_token(self, recompute: str = "none", attention: str | None = None) -> int:
-        """Forward + backward matmul FLOPs per token, recomputation included.
-
-        recompute="full" runs every block's forward a second time during the backward
-        (only block inputs are kept), adding one block forward per layer; "selective"
-        runs the attention core again (q @ k^T, p @ v). attention="flash" adds the
-        scores q @ k^T that a FlashAttention-2 backward recomputes (half the core's
-        forward); None or "unfused" count the backward as twice the forward.
-        """
-        check_recompute(recompute)
-        if attention is not None:
-            check_attention(attention)
-        flops = 3 * self.forward_flops_per_token()
-        if recompute == "full":
-            flops += self.blocks_forward_flops_per_token()
-        elif recompute == "selective":
-            flops += self.blocks_core_flops_per_token()
-        elif recompute == OP_RECOMPUTE:
-            self.check_op_recompute()
-            flops += self.n_layers * self.op_recomputed_flops_per_token()
-        if attention == "flash":  # the scores q @ k^T again: 2 s x (query and key head width) per head
-            keys = self.attended_by_blocks + self.mtp_depth * self.attended
-            flops += 2 * keys * self.n_heads * self.qk_head_dim
-        return flops
-
 
 def block_name(layer: int, n_layers: int) -> str:
     """The plain GPT's name of block `layer` with its dot: one of the model's `n_layers`, or past them a multi-token
@@ -493,7 +425,3 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature (its equation 21, as transformers' yarn_get_mscale): 0.1 mscale ln(factor) + 1."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
-
-def check_attention(attention: str) -> None:
-    if attention not in ATTENTION_KINDS:
-        raise ConfigError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")

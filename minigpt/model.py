@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minigpt.attention import causal_attention
 from minigpt.config import GPTConfig
 from minigpt.moe import MoE, activation
 
@@ -83,23 +84,26 @@ def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device,
     if scaling is not None and scaling[0] == "llama3":
         inv_freq = llama3_frequencies(inv_freq, *scaling[1])
     elif scaling is not None:
-        inv_freq, factor = yarn_frequencies(inv_freq, theta, *scaling[1][:4]), scaling[2]
+        inv_freq, factor = yarn_frequencies(inv_freq, theta, *scaling[1][:4], truncate=scaling[3]), scaling[2]
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return (angles.cos() * factor).float(), (angles.sin() * factor).float()
 
 
 def yarn_frequencies(inv_freq: torch.Tensor, theta: float, factor: float, context: int, fast: float,
-                     slow: float) -> torch.Tensor:
+                     slow: float, truncate: bool = True) -> torch.Tensor:
     """YaRN's rotary frequencies (Peng et al. 2023, "NTK-by-parts"; transformers' _compute_yarn_parameters, its
-    correction range truncated to whole columns): frequencies turning more than `fast` times over the original
-    `context` kept, fewer than `slow` times divided by `factor`, a linear ramp over the columns between."""
+    correction range rounded out to whole columns unless `truncate` is False): frequencies turning more than `fast`
+    times over the original `context` kept, fewer than `slow` times divided by `factor`, a linear ramp between."""
     dim = 2 * inv_freq.numel()
 
     def column(rotations: float) -> float:  # the column whose frequency turns `rotations` times over the context
         return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = max(math.floor(column(fast)), 0), min(math.ceil(column(slow)), dim - 1)
+    low, high = column(fast), column(slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low)
             / (high - low if high != low else 0.001)).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
@@ -174,11 +178,13 @@ class AttentionCore(nn.Module):
         self.qk_dim, self.v_dim, self.rotary = config.qk_head_dim, config.v_head_dim, config.rotary_dim
         self.rope_theta = config.rope_theta if config.positions == "rope" else None
         self.rope_scaling = (("llama3", config.rope_scaling) if config.rope_scaling is not None else
-                             ("yarn", config.rope_yarn, config.rope_attention_factor) if config.rope_yarn else None)
+                             ("yarn", config.rope_yarn, config.rope_attention_factor, config.rope_yarn_truncate)
+                             if config.rope_yarn else None)
         self.scale = config.softmax_scale  # of q @ k^T
         self.window = config.window if window is None else window  # a sliding window (0: none); a block's own
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None  # GPT-OSS's
 
     def split_sizes(self, width: int) -> tuple[int, int, list[int]]:
         """(query heads, key/value heads, the widths of q, k and v) of a fused tensor `width` wide."""
@@ -219,20 +225,8 @@ class AttentionCore(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over (batch, heads, seq, head_dim) q, k, v (fewer key/value heads: grouped-query), through
-        the sliding window where one is shorter than the sequence (a mask: SDPA's fused kernels that take one)."""
-        seq = q.shape[2]
-        if self.window and self.window < seq:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, self.window, q.device),
-                                                  scale=self.scale, enable_gqa=self.group > 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
-
-
-@functools.lru_cache(maxsize=8)
-def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
-    """(seq, seq) bools: query i sees key j when i - window < j <= i (transformers' sliding window). Made once per
-    shape and device, shared by every layer."""
-    distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
-    return (distance >= 0) & (distance < window)
+        the block's sliding window and with its sinks where it has them (minigpt/attention.py)."""
+        return causal_attention(q, k, v, self.scale, self.window, self.group, self.sinks)
 
 
 class CausalSelfAttention(nn.Module):
@@ -457,6 +451,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, AttentionCore) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)  # a sink's logit 0: its key weighs as one of score 0 would
         # A tied head shares the embedding matrix; both draw from N(0, 0.02).
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

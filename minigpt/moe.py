@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minigpt.config import GPTConfig, block_name
+from minigpt.shape_checks import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 _AUX_WEIGHT = [1.0]
 
@@ -60,14 +61,41 @@ class AuxLoss(torch.autograd.Function):
 
 def activation(hidden: torch.Tensor, kind: str) -> torch.Tensor:
     """An MLP's activation (GPTConfig.mlp) of its first Linear's output: SwiGLU, silu(gate) * up of its two halves
-    (Shazeer 2020), GELU (tanh approximation, GPT-2's) or the squared ReLU, relu(x)^2 (So et al. 2021, Primer;
-    Nemotron-4). minigpt/model.py's dense MLP, the experts and the shared experts use it."""
+    (Shazeer 2020), GPT-OSS's clamped SwiGLU (ClampedSwiGLU), GELU (tanh approximation, GPT-2's) or the squared
+    ReLU, relu(x)^2 (So et al. 2021, Primer; Nemotron-4). minigpt/model.py's dense MLP, the experts and the shared
+    experts use it."""
     if kind == "swiglu":
         gate, up = hidden.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if kind == "clamped-swiglu":
+        return ClampedSwiGLU.apply(hidden)
     if kind == "relu2":
         return torch.square(F.relu(hidden))
     return F.gelu(hidden, approximate="tanh")
+
+
+def clamped_swiglu(hidden: torch.Tensor) -> torch.Tensor:
+    """(clamp(up, -L, L) + 1) x g sigmoid(alpha g), g = min(gate, L), of the gate and up halves of `hidden`."""
+    gate, up = hidden.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=SWIGLU_LIMIT), up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
+
+
+class ClampedSwiGLU(torch.autograd.Function):
+    """clamped_swiglu keeping only its input for the backward, which computes it again (its element-wise steps
+    would each save a tensor of the hidden width)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden)
+        return clamped_swiglu(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (hidden,) = ctx.saved_tensors
+        with torch.enable_grad():
+            again = hidden.detach().requires_grad_()
+            return torch.autograd.grad(clamped_swiglu(again), again, grad)[0]
 
 
 class Combine(torch.autograd.Function):
@@ -201,7 +229,7 @@ class MoE(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.config, self.layer = config, layer  # `layer`: the block's index in the model (for its load's report)
-        self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
+        self.router = nn.Linear(config.d_model, config.n_experts, bias=config.router_bias)
         self.experts = Experts(config)
         self.shared = SharedExperts(config) if config.n_shared_experts else None
         self.dropout = nn.Dropout(config.dropout)

@@ -22,6 +22,12 @@ def llama(vocab_size: int, seq_len: int, n_layers: int, n_heads: int, n_kv_heads
 
 LLAMA3_VOCAB = 128_256  # Llama 3's tokenizer (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.2)
 
+GPT_OSS = GPTConfig(vocab_size=201088, seq_len=4096, n_layers=36, n_heads=64, n_kv_heads=8, d_model=2880, d_ff=2880,
+                    d_head=64, tied_head=False, mlp="clamped-swiglu", norm="rmsnorm", positions="rope",
+                    rope_theta=150000.0, rope_yarn=(32.0, 4096, 32.0, 1.0, 0.0, 0.0), rope_yarn_truncate=False,
+                    bias=True, norm_eps=1e-5, window=128, full_attention_every=2, attention_sinks=True,
+                    n_experts=128, top_k=4, router_bias=True)
+
 PRESETS: dict[str, GPTConfig] = {
     # About 0.8M parameters: trains on 2 CPU cores at a few steps per second.
     "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layers=4, n_heads=4, d_model=128, d_ff=512),
@@ -68,6 +74,17 @@ PRESETS: dict[str, GPTConfig] = {
     # active, as the card says.
     "qwen3-30b-a3b": llama(151936, 4096, 48, 32, 4, 2048, 6144, 1e6).with_(
         d_head=128, qk_norm=True, n_experts=128, top_k=8, d_expert=768, aux_loss_coef=0.001, norm_eps=1e-6),
+    # GPT-OSS (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", arXiv 2508.10925, section 2; the released
+    # config.json files): width 2,880, 64 query heads and 8 key/value heads of 64 with biases and a learned sink per
+    # query head, a 128-token sliding window in every other block from the first, YaRN x32 over an original 4,096
+    # tokens (base 150,000, its correction range unrounded: truncate false), then every block a mixture of clamped
+    # SwiGLU experts of width 2,880 with biases, 4 per token from a router with a bias (softmax over the top 4),
+    # vocabulary 201,088, untied head, RMS norms of epsilon 1e-5; 4K training sequences (initial_context_length).
+    # 36 blocks of 128 experts: 116,829,156,672 parameters, 5.13B active without the embedding (the card's 116.83B
+    # and 5.13B); 24 blocks of 32: 20,914,757,184 and 3.61B (the card's 20.91B and 3.61B). No balance-loss
+    # coefficient is published: none here (--aux-loss-coef sets one).
+    "gpt-oss-120b": GPT_OSS.with_(n_layers=36, n_experts=128),
+    "gpt-oss-20b": GPT_OSS.with_(n_layers=24, n_experts=32),
     # DeepSeek-V3's block in miniature, at tiny-llama's width: multi-head latent attention (4 heads of 32 + 16
     # rotated columns, values of 32, query latent 64, key/value latent 32), the first block dense (SwiGLU 352), then
     # 8 SwiGLU experts of 128 and 1 shared, 2 routed per token by sigmoid scores chosen with DeepSeek-V3's bias.
@@ -107,7 +124,8 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                 "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value",
                 "expert_groups", "groups_per_token", "routed_scale", "expert_bias", "expert_bias_rate",
-                "rope_scaling", "rope_yarn", "window", "full_attention_every", "mtp_depth", "mtp_weight")
+                "rope_scaling", "rope_yarn", "rope_yarn_truncate", "window", "full_attention_every", "attention_sinks", "mtp_depth",
+                "mtp_weight", "router_bias")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

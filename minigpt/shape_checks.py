@@ -8,11 +8,14 @@ import math
 
 from minigpt.errors import ConfigError
 
-MLP_KINDS = ("gelu", "swiglu", "relu2")
+MLP_KINDS = ("gelu", "swiglu", "relu2", "clamped-swiglu")
+GATED_MLPS = ("swiglu", "clamped-swiglu")  # fc1 makes a gate and an up projection, fused
+# GPT-OSS's clamped SwiGLU (its reference code and transformers' GptOssExperts: swiglu_alpha, swiglu_limit)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope")
 ROUTER_KINDS = ("softmax", "sigmoid")
-FLAGS = ("tied_head", "bias", "qkv_bias", "qk_norm")  # the shape's yes-or-no fields
+FLAGS = ("tied_head", "bias", "qkv_bias", "qk_norm", "attention_sinks", "rope_yarn_truncate")  # the shape's yes-or-no fields
 
 
 def _positive_int(value) -> bool:
@@ -55,6 +58,8 @@ def check_shape(config) -> None:
     _check_llama_options(config)
     if config.n_experts != 0:
         _check_moe_options(config)
+    elif config.router_bias:
+        raise ConfigError("router_bias is a mixture of experts' router's: this model is dense (n_experts 0)")
     depth, weight = config.mtp_depth, config.mtp_weight
     if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth < config.seq_len:
         raise ConfigError(f"mtp_depth must be a whole number of modules from 0 to seq_len - 1, got {depth!r}")
@@ -94,6 +99,8 @@ def _check_groups(config) -> None:
     """DeepSeek-V3's group-limited routing, routed scale and choice bias."""
     groups, chosen, scale = config.expert_groups, config.groups_per_token, config.routed_scale
     rate = config.expert_bias_rate
+    if not isinstance(config.router_bias, bool):
+        raise ConfigError(f"router_bias must be true or false, got {config.router_bias!r}")
     if not isinstance(config.expert_bias, bool):
         raise ConfigError(f"expert_bias must be true or false, got {config.expert_bias!r}")
     if not _number(rate) or not 0 <= rate < float("inf") or (rate and not config.expert_bias):
@@ -132,6 +139,8 @@ def _check_llama_options(config) -> None:
         _check_rope_scaling(config)
     if config.rope_yarn is not None:
         _check_rope_yarn(config)
+    elif config.rope_yarn_truncate is not True:
+        raise ConfigError("rope_yarn_truncate rounds YaRN's correction range: set it with rope_yarn only")
     _check_latent_attention(config)
     for name in FLAGS:
         if not isinstance(getattr(config, name), bool):
@@ -160,10 +169,11 @@ def _check_latent_attention(config) -> None:
                           f"{config.rope_head_dim}): the attention pads values to the query's width, not the reverse")
     clashes = [name for name, on in (("n_kv_heads", config.n_kv_heads not in (None, config.n_heads)),
                                      ("qk_norm", config.qk_norm), ("bias", config.bias),
+                                     ("attention_sinks", config.attention_sinks),
                                      ("qkv_bias", config.qkv_bias)) if on]
     if clashes:
         raise ConfigError(f"multi-head latent attention has one key and value head per query head (n_kv_heads "
-                          f"unset or {config.n_heads}), no head norms and no biases: change {', '.join(clashes)}")
+                          f"unset or {config.n_heads}), no head norms, sinks or biases: change {', '.join(clashes)}")
 
 
 def _check_rope_scaling(config) -> None:

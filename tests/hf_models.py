@@ -68,6 +68,14 @@ def transformers_model(shape: str, tmp_path):
                                           tie_word_embeddings=False, rope_theta=1e6, initializer_range=0.2,
                                           use_sliding_window=True, sliding_window=12,
                                           layer_types=["sliding_attention", "full_attention"])
+    elif shape == "gpt_oss":  # sinks, biases, a window of 12 in every other block, clamped experts, YaRN unrounded
+        # (its original context of 1,024 puts the ramp's ends between whole columns of the 16-wide heads)
+        config = transformers.GptOssConfig(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=12, tie_word_embeddings=False, initializer_range=0.2, router_aux_loss_coef=0.01,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "original_max_position_embeddings": 1024, "truncate": False})
     elif shape == "qwen2":
         config = transformers.Qwen2Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                           intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -91,8 +99,11 @@ def transformers_model(shape: str, tmp_path):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms' gains (and Qwen2's zero-initialised q/k/v biases, a little) away from their
         for name, param in model.named_parameters():  # initial ones, so that a misplaced one shows
-            scale = 0.3 if "norm" in name or "ln" in name else 0.05 if shape == "qwen2" and "bias" in name else 0
+            scale = 0.3 if "norm" in name or "ln" in name or "sinks" in name else \
+                0.05 if shape in ("qwen2", "gpt_oss") and "bias" in name else 0
             param.add_(scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
+            if shape == "gpt_oss" and name.endswith("gate_up_proj"):  # its gates and ups past the clamp at 7
+                param.mul_(4.0)
         for name, buffer in model.named_buffers():  # DeepSeek's choice bias, far enough from zero to choose others
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.3 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)))

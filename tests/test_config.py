@@ -74,6 +74,12 @@ def test_published_sizes():
     # Qwen2.5-7B's card: 7.61B parameters, 6.53B without the embedding and the head (q/k/v biases counted)
     qwen = PRESETS["qwen2.5-7b"]
     assert qwen.n_params() == 7_615_616_512 and f"{(qwen.n_params() - 2 * 152064 * 3584) / 1e9:.2f}" == "6.53"
+    # GPT-OSS's model card (arXiv 2508.10925, table 1): 116.83B and 20.91B in all, 5.13B and 3.61B active per token
+    # without the embedding (its unembedding counted), sinks and biases included
+    for name, total, active in (("gpt-oss-120b", "116.83", "5.13"), ("gpt-oss-20b", "20.91", "3.61")):
+        model = PRESETS[name]
+        assert f"{model.n_params() / 1e9:.2f}" == total
+        assert f"{(model.active_params() - model.embedding_params()) / 1e9:.2f}" == active
 
 
 @pytest.mark.parametrize("cfg", SHAPES[2:4] + LLAMA_SHAPES, ids=shape_id)

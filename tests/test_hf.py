@@ -108,7 +108,10 @@ def test_init_from_trains_in_tp2_from_transformers_own_first_loss(shape, tmp_pat
 def hub_named(grads: dict, layout: str) -> dict:
     """transformers' gradients under its checkpoints' names: transformers 5 holds a mixture's experts fused
     (experts.gate_up_proj (E, 2 x width, d), experts.down_proj (E, d, width)) and Mixtral's router under mlp.;
-    its checkpoints (and transformers 4) one tensor per expert and projection, Mixtral's under block_sparse_moe."""
+    its checkpoints (and transformers 4) one tensor per expert and projection, Mixtral's under block_sparse_moe.
+    GPT-OSS's checkpoints hold them fused as transformers does."""
+    if layout == "gpt_oss":
+        return grads
     out = {}
     for name, grad in grads.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -125,7 +128,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 
 # Mistral's and Phi-3's read as Llama's block (written as Llama); YaRN's rotation in Qwen3 and DeepSeek-V3
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
-                                   "deepseek_v3_yarn"])
+                                   "deepseek_v3_yarn", "gpt_oss"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -195,6 +198,9 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     yarn = (4.0, 8, 32.0, 1.0, 1.0, 0.8)  # YaRN's rotation, written as rope_type "yarn" and read back
     assert config_from_hf(hf_config(qwen3.with_(rope_yarn=yarn[:4] + (0.0, 0.0)))) == qwen3.with_(
         rope_yarn=yarn[:4] + (0.0, 0.0))
+    unrounded = qwen3.with_(rope_yarn=yarn[:4] + (0.0, 0.0), rope_yarn_truncate=False)  # GPT-OSS's YaRN
+    assert hf_config(unrounded)["rope_parameters"]["truncate"] is False and config_from_hf(
+        hf_config(unrounded)) == unrounded
     deepseek = preset("tiny-deepseek")  # DeepSeek-V3's layout, its latent norms with their own epsilon
     assert layout_of(deepseek) == "deepseek_v3"
     assert config_from_hf(hf_config(deepseek.with_(rope_yarn=yarn))) == deepseek.with_(
@@ -235,7 +241,7 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "scaled"),
                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
                           "original_max_position_embeddings"),
-                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": False,
+                         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": "no",
                                                "original_max_position_embeddings": 8}}, "truncate"),
                          ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
                          ({"model_type": "bert"}, "model_type")):

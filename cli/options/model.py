@@ -70,6 +70,9 @@ def model_options(default: str) -> Callable:
         click.option("--full-attention-every", "full_attention_every", type=int,
                      help="With --window: every N-th block attends to the whole context, the others through the "
                           "window (Gemma 3: 6, GPT-OSS: 2); 0: every block through it [default: the preset's, 0]."),
+        click.option("--attention-sinks/--no-attention-sinks", "attention_sinks", default=None,
+                     help="A learned logit per query head in each softmax's denominator (GPT-OSS's sinks) "
+                          "[default: the preset's]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
         click.option("--mtp-depth", "mtp_depth", type=int,
@@ -114,7 +117,7 @@ EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts":
                  "dense_layers": "dense_layers", "router": "router", "capacity_factor": "capacity_factor",
                  "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef", "expert_groups": "expert_groups",
                  "groups_per_token": "groups_per_token", "routed_scale": "routed_scale", "expert_bias": "expert_bias",
-                 "expert_bias_rate": "expert_bias_rate"}
+                 "expert_bias_rate": "expert_bias_rate", "router_bias": "router_bias"}
 
 
 def expert_options() -> list:
@@ -127,6 +130,8 @@ def expert_options() -> list:
         click.option("--dense-layers", "dense_layers", type=int, help="First blocks that keep the dense MLP."),
         click.option("--router", type=click.Choice(ROUTER_KINDS), help="Router scores: softmax, or sigmoid "
                                                                        "renormalised over the top k (DeepSeek-V3)."),
+        click.option("--router-bias/--no-router-bias", "router_bias", default=None,
+                     help="A bias on the router's logits (GPT-OSS's) [default: the preset's]."),
         click.option("--capacity-factor", "capacity_factor", type=float,
                      help="Each expert takes at most ceil(cf x tokens x k / E) of a sequence [default: dropless]."),
         click.option("--aux-loss-coef", "aux_loss_coef", type=float, help="Load-balancing loss coefficient."),
@@ -200,6 +205,7 @@ def model_from_options(options: dict) -> GPTConfig:
         positions=options.get("positions"), rope_theta=options.get("rope_theta"), bias=options.get("bias"),
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
         window=options.get("window"), full_attention_every=options.get("full_attention_every"),
+        attention_sinks=options.get("attention_sinks"),
         mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
         **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
         **_expert_fields(options, base),
@@ -240,7 +246,8 @@ def shape_flags_given(options: dict) -> list[str]:
     """The model flags set on the command line or in a config file (--model counts when not left at its default)."""
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim",
-                               "qk_norm", "window", "full_attention_every", "rope_yarn", "mtp_depth", "mtp_weight",
+                               "qk_norm", "window", "full_attention_every", "attention_sinks", "rope_yarn",
+                               "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
     source = context.get_parameter_source("model") if context is not None else None

@@ -34,6 +34,8 @@ from minigpt.errors import ConfigError
 from minigpt.hf.deepseek import (attention_names, check_deepseek, deepseek_config, deepseek_hf_config, interleaved,
                                  mtp_copies, mtp_names, router_extras, router_extras_from_hf, shared_names,
                                  split_sizes)
+from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
+                                 oss_experts_from_hf, oss_experts_to_hf)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
@@ -51,12 +53,12 @@ def layout_of(config: GPTConfig) -> str:
         raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's layout (as its checkpoints "
                           f"hold them), which cannot hold this {layout} shape")
     if config.window_in_use and layout not in WINDOWED_LAYOUTS:
-        raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2 or Qwen3 layout, "
-                          f"which cannot hold this {layout} shape")
+        raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2, Qwen3 or GPT-OSS "
+                          f"layout, which cannot hold this {layout} shape")
     if config.window_in_use and config.full_attention_every and layout not in LAYER_TYPES:
         raise ConfigError("some blocks through a sliding window and the others not (--full-attention-every) are "
-                          "written in transformers' Qwen2 layout (q, k and v biases) or Qwen3's (q/k norms), whose "
-                          "layer_types hold the pattern: this shape has neither")
+                          "written in transformers' Qwen2 layout (q, k and v biases), Qwen3's (q/k norms) or "
+                          "GPT-OSS's, whose layer_types hold the pattern: this shape is none of them")
     if layout == "mistral" and config.bias:
         raise ConfigError("transformers' Mistral layout, which holds a sliding window, has no biases")
     return layout
@@ -67,6 +69,9 @@ def _block_layout(config: GPTConfig) -> str:
     if config.is_mla:
         check_deepseek(config)
         return "deepseek_v3"
+    if config.attention_sinks or config.mlp == "clamped-swiglu" or config.router_bias:
+        check_gpt_oss(config)
+        return "gpt_oss"
     if config.is_moe:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
@@ -96,6 +101,8 @@ def hf_config(config: GPTConfig) -> dict:
               "bos_token_id": None, "eos_token_id": None}
     if layout_of(config) == "deepseek_v3":
         return deepseek_hf_config(config, common, rope_fields)
+    if layout_of(config) == "gpt_oss":
+        return gpt_oss_hf_config(config, common, rope_fields, _layer_types(config))
     if layout_of(config) == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
@@ -146,9 +153,12 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
     if kind == "deepseek_v3":
         return deepseek_config(hf, tied, seq_len, _rope)
+    if kind == "gpt_oss":
+        return gpt_oss_config(hf, tied, seq_len, _rope, _windows(hf, kind, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe' and 'deepseek_v3' models")
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'deepseek_v3' and 'gpt_oss' "
+                          f"models")
     windows = _windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
@@ -165,7 +175,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
 
 
 UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
-LAYER_TYPES = ("qwen2", "qwen3")  # whose layer_types say which layers attend through it
+LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss")  # whose layer_types say which layers attend through it
 WINDOWED_LAYOUTS = ("mistral", "mixtral", *LAYER_TYPES)  # the layouts minigpt writes a window in
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -234,16 +244,17 @@ def _rope(hf: dict) -> tuple[float, dict]:
     if kind == "default":
         return theta, {}
     if kind == "yarn":
-        refuse_unless(rope.get("attention_factor") is None and rope.get("truncate", True) is True
+        refuse_unless(rope.get("attention_factor") is None and rope.get("truncate", True) in (True, False)
                       and rope.get("factor") is not None and "original_max_position_embeddings" in rope,
-                      f"its YaRN scaling ({rope}) sets attention_factor or truncate, or leaves out factor or "
-                      f"original_max_position_embeddings")
+                      f"its YaRN scaling ({rope}) sets attention_factor or a truncate neither true nor false, or "
+                      f"leaves out factor or original_max_position_embeddings")
         context = _number(rope, "original_max_position_embeddings")
         refuse_unless(float(context).is_integer(), f"its YaRN original_max_position_embeddings is {context!r}")
         unset = {"beta_fast": 32, "beta_slow": 1, "mscale": 0, "mscale_all_dim": 0}  # transformers' defaults, None
         numbers = {key: float(_number(rope, key, default) if rope.get(key) is not None else default)
                    for key, default in unset.items()}
-        return theta, {"rope_yarn": (float(_number(rope, "factor")), int(context), *numbers.values())}
+        truncate = {} if rope.get("truncate", True) else {"rope_yarn_truncate": False}
+        return theta, {"rope_yarn": (float(_number(rope, "factor")), int(context), *numbers.values()), **truncate}
     refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
                   f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3' "
                   f"and YaRN's 'yarn'")
@@ -259,7 +270,8 @@ def rope_fields(config: GPTConfig) -> dict:
         factor, context, fast, slow, mscale, mscale_all_dim = config.rope_yarn
         rope = {**rope, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": context,
                 "beta_fast": fast, "beta_slow": slow, **({"mscale": mscale} if mscale else {}),
-                **({"mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
+                **({"mscale_all_dim": mscale_all_dim} if mscale_all_dim else {}),
+                **({} if config.rope_yarn_truncate else {"truncate": False})}
     return {"rope_theta": float(config.rope_theta), "rope_parameters": rope,  # transformers 4 reads rope_theta,
             **({"rope_scaling": rope} if rope["rope_type"] != "default" else {})}  # 5 rope_parameters, 4 this
 
@@ -304,7 +316,9 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
                       **attention_names(config, ours, theirs), **(shared_names(config, i, theirs) if moe else {})}
         else:
             table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe)
-        if moe:
+        if layout == "gpt_oss":
+            table |= gpt_oss_names(ours, theirs)
+        elif moe:
             table |= router_names(ours, theirs, layout)
         if config.qk_norm:
             table |= {f"{ours}attn.core.{norm}.weight": (f"{theirs}self_attn.{norm}.weight",)
@@ -370,6 +384,9 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
         out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
     for layer in _moe_layers(config):
+        if layout == "gpt_oss":
+            out |= oss_experts_to_hf(state, config, layer, f"model.layers.{layer}.")
+            continue
         out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout)
         if layout == "deepseek_v3":
             out |= router_extras(state, config, layer, f"model.layers.{layer}.")
@@ -432,6 +449,9 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
             tensor = interleaved(tensor, config, ours, to_hf=False)
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
     for layer in _moe_layers(config):
+        if layout == "gpt_oss":
+            state |= oss_experts_from_hf(found, config, layer, f"model.layers.{layer}.")
+            continue
         state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout)
         if layout == "deepseek_v3":
             state |= router_extras_from_hf(found, config, layer, f"model.layers.{layer}.")

@@ -10,9 +10,10 @@ a partial first row, whole rows, a partial last row, recursively). Each box maps
 box of the global tensor by the tensor-parallel cut of parallel/tensor/parallelize.py:
 
   sections  qkv, fc1 (weight, bias)   rows in sections laid end to end (qkv: query heads |
-            MLA's q_up, kv_up         key heads | value heads, H hd, K hd, K hd; a SwiGLU
-                                      fc1: gate | up, d_ff each; a GELU fc1 and MLA's up
-                                      projections: one section);
+            MLA's q_up, kv_up,        key heads | value heads, H hd, K hd, K hd; a SwiGLU
+            the sinks                 fc1: gate | up, d_ff each; a GELU fc1, MLA's up
+                                      projections and the sinks (one per query head): one
+                                      section);
                                       a shard holds rows [r n/T, (r + 1) n/T) of each
                                       section n, in order (`fused_sections`)
   columns   proj, fc2 weights         columns [r n, (r + 1) n)
@@ -84,7 +85,7 @@ def tensor_parallel_kind(name: str, tp: int) -> str:
     if name in ("tok_emb.weight", "head.weight"):
         return "vocab"
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias", "attn.q_up.weight",
-                      "attn.kv_up.weight")):  # MLA's up projections: one section, whole heads
+                      "attn.kv_up.weight", "attn.core.sinks")):  # MLA's up projections, the sinks: one section
         return "sections"
     if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
         return "columns"
@@ -98,7 +99,7 @@ def fused_sections(name: str, model_config) -> list[int]:
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
         hd = model_config.head_dim
         return [model_config.n_heads * hd, model_config.kv_heads * hd, model_config.kv_heads * hd]
-    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")) and model_config.mlp == "swiglu":
+    if name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")) and model_config.gated_mlp:
         return [model_config.d_ff, model_config.d_ff]
     return []
 

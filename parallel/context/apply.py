@@ -37,6 +37,7 @@ class ContextAttentionCore(AttentionCore):
                  token_positions: torch.Tensor, counter=None):
         super().__init__(config, core.window)  # the core's sizes, rotation and window, as the core had them
         self.q_norm, self.k_norm = core.q_norm, core.k_norm  # the model's own norm modules (their weights and names)
+        self.sinks = core.sinks  # None: check_context_parallel refuses sinks (the ring's merge has no sink term)
         self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator, Union
 
-from minigpt.config import GPTConfig
+from minigpt.config import GATED_MLPS, SINK_COLUMNS, GPTConfig
 from minigpt.errors import ConfigError
 from precision.policy import FORMAT_BYTES, PrecisionPolicy
 from simulator.costs.implementation import (ATTENTION_KERNELS, DISPATCHERS, FP8_AMAX_GROUPS, FP8_RECIPES,  # noqa: F401
@@ -185,22 +185,6 @@ class OpList:
         return sum(model_flops(op) for op in self.forward + self.backward)
 
 
-def op_rows(ops: OpList) -> list[list]:
-    """One row per op: phase, name, GEMM shape (or "-"), HBM bytes, FLOPs: for printing the list."""
-    rows = []
-    for op in ops.forward + ops.backward + ops.per_step:
-        if isinstance(op, Gemm):
-            shape = (f"{op.m} x {op.n} x {op.k}" + (f" x{op.batch}" if op.batch > 1 else "") + f" {op.dtype}"
-                     + (f" in {op.chunks} chunks" if op.chunks > 1 else "")
-                     + (f" on {op.streams} streams" if op.streams else ""))
-        elif isinstance(op, FusedAttention):
-            shape = " + ".join(f"{g.m}x{g.n}x{g.k}" for g in op.gemms) + f" x{op.gemms[0].batch}"
-        else:
-            shape = "-"
-        rows.append([op.phase, op.name, shape, op.bytes, op.flops])
-    return rows
-
-
 # ---------------------------------------------------------------- recording a unit
 
 
@@ -254,6 +238,14 @@ class UnitShape:
     rotary: int = 0  # the columns of each query and key head rotary positions turn (GPTConfig.rotary_dim)
     latent: tuple[int, ...] = ()  # multi-head latent attention's (query latent, key/value latent, rotated key) widths
     window: int = 0  # a sliding window shorter than the whole sequence (GPTConfig.window; 0: none)
+    sinks: bool = False  # GPT-OSS's attention sinks (GPTConfig.attention_sinks)
+
+    @property
+    def sink_columns(self) -> int:
+        """The columns q, k, v and the output gain for the sinks: our executor's (minigpt/attention.py, SDPA under
+        flash-attn-2's name) SINK_COLUMNS; cuDNN's fused attention takes the sinks as they are (Transformer
+        Engine's learnable softmax offset): none."""
+        return SINK_COLUMNS if self.sinks and self.attention_kernel == "flash-attn-2" else 0
 
     @property
     def value_dim(self) -> int:
@@ -294,8 +286,14 @@ class UnitShape:
 
     @property
     def swiglu(self) -> bool:
-        """The MLP is SwiGLU: fc1 holds the gate and up projections, one kernel makes silu(gate) * up."""
-        return self.mlp == "swiglu"
+        """The MLP is gated (SwiGLU, or GPT-OSS's clamped one): fc1 holds the gate and up projections."""
+        return self.mlp in GATED_MLPS
+
+    @property
+    def clamped(self) -> bool:
+        """GPT-OSS's clamped SwiGLU: one kernel whose backward reads only its input (minigpt/moe.py's ClampedSwiGLU;
+        the stacks' fused kernels keep no more)."""
+        return self.mlp == "clamped-swiglu"
 
     @property
     def fused_norm(self) -> bool:
@@ -368,7 +366,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      ub_chunks=sp and impl.ub_chunks,
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
                      cp_merge=cp_merge(layout, impl.cp_attention), v_dim=model.v_head_dim,
-                     rotary=model.rotary_dim, window=model.window_in_use,
+                     rotary=model.rotary_dim, window=model.window_in_use, sinks=model.attention_sinks,
                      latent=(model.q_lora_rank, model.kv_lora_rank, model.rope_head_dim) if model.is_mla else ())
 
 

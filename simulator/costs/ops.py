@@ -130,7 +130,7 @@ from precision.policy import PrecisionPolicy
 from job.layout import Layout, padded_vocab
 from simulator.costs.op_types import (
     BACKWARD, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, UB_PIPELINE_SPLITS, FusedAttention, Gemm,
-    Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape, op_rows,
+    Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape,
 )
 from simulator.costs.layers.attention import core_backward, core_forward
 from simulator.costs.layers.fp8 import TORCH_QUANTIZE  # noqa: F401 (re-exported)
@@ -168,6 +168,10 @@ def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
     taken by the ReLU's output, saved in its place), or SwiGLU of its gate and up halves, `width` columns on this
     rank: returns fc2's input."""
     sh = rec.shape
+    if sh.clamped:  # GPT-OSS's clamped SwiGLU: one kernel, its input kept (the backward computes it again)
+        out = rec.tensor(f"{prefix}clamped_swiglu.output", sh.rows * width * sh.e)
+        rec.mem(f"{prefix}clamped_swiglu", (hidden,), (out,), saves=(hidden,))
+        return out
     if not sh.swiglu:  # the op named for its kind: gelu or relu2
         rec.tensor(f"{prefix}{sh.mlp}.output", sh.rows * width * sh.e)
         rec.mem(f"{prefix}{sh.mlp}", (hidden,), (f"{prefix}{sh.mlp}.output",), saves=(hidden,))
@@ -182,9 +186,11 @@ def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
 
 
 def _activation_backward(rec: Recorder, name: str, elements: int) -> None:
-    """The backward of `name` (gelu, relu2 or swiglu) over `elements` values of one `width`-wide tensor."""
+    """The backward of `name` (gelu, relu2, swiglu or clamped-swiglu) over `elements` values of one `width`-wide tensor."""
     width = elements * rec.shape.e
-    if rec.shape.swiglu and rec.shape.eager:
+    if rec.shape.clamped:  # its input and the product's gradient read; the gate's and up's gradients written
+        rec.back_mem(f"{name}clamped_swiglu_backward", 3 * width, 2 * width)
+    elif rec.shape.swiglu and rec.shape.eager:
         rec.back_kernels(f"{name}swiglu_backward", eager.swiglu_backward(elements, rec.shape.e))
     elif rec.shape.swiglu:  # reads the product's gradient, gate and up, silu(gate); writes the gate's and up's gradients
         rec.back_mem(f"{name}swiglu_backward", 4 * width, 2 * width)
@@ -359,3 +365,19 @@ def mtp_units(model: GPTConfig, micro_batch_size: int, layout: Layout, policy: P
     return [(mtp_input_ops(model, micro_batch_size, layout, policy, kept), depth),
             (block_ops(model, micro_batch_size, layout, policy, kept, model.mtp_is_moe), depth),
             (head_ops(model, micro_batch_size, layout, policy, kept), depth)]
+
+
+def op_rows(ops: OpList) -> list[list]:
+    """One row per op: phase, name, GEMM shape (or "-"), HBM bytes, FLOPs: for printing the list."""
+    rows = []
+    for op in ops.forward + ops.backward + ops.per_step:
+        if isinstance(op, Gemm):
+            shape = (f"{op.m} x {op.n} x {op.k}" + (f" x{op.batch}" if op.batch > 1 else "") + f" {op.dtype}"
+                     + (f" in {op.chunks} chunks" if op.chunks > 1 else "")
+                     + (f" on {op.streams} streams" if op.streams else ""))
+        elif isinstance(op, FusedAttention):
+            shape = " + ".join(f"{g.m}x{g.n}x{g.k}" for g in op.gemms) + f" x{op.gemms[0].batch}"
+        else:
+            shape = "-"
+        rows.append([op.phase, op.name, shape, op.bytes, op.flops])
+    return rows

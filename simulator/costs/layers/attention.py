@@ -134,6 +134,10 @@ def _flash_forward(rec: Recorder, qkv: str) -> None:
     if repeated:  # k and v copied to every query head, which the attention saves beside q
         rec.kernels("attention", eager.repeat_kv_forward(kv, repeated, sh.e))
         saves += (rec.tensor("attention.kv_repeated", 2 * (repeated - kv) * sh.e),)
+    if sh.sink_columns:  # q, k, v and the output padded for the sinks (minigpt/attention.py), saved beside them
+        padded = _sink_padding(sh)
+        rec.op(MemoryOp("attention.sink_pads", rec.bytes_of(qkv), rec.bytes_of(qkv) + padded[0]))
+        saves += (rec.tensor("attention.sink_padded", sum(padded)),)
     if sh.cp > 1 and sh.cp_kind == "allgather":  # the whole sequence's keys and values, kept for the backward
         saves += (rec.tensor("attention.gathered_kv", sh.b * sh.kv_heads * keys * (hd + vd) * sh.e),)
     gemms = (gemm("attention.scores", s, keys, hd, sh.compute, sh.e, sh.b * a, FORWARD, False),
@@ -148,6 +152,15 @@ def _flash_forward(rec: Recorder, qkv: str) -> None:
     if sh.padded_values:  # the output cut back to the value heads' width: the copy the projection reads
         rec.tensor("attention.output", sh.rows * a * sh.value_dim * sh.e)
         rec.mem("attention.cut_output", (out,), ("attention.output",))
+    if sh.sink_columns:  # the kernel's padded output, cut back to the heads' width
+        rec.op(MemoryOp("attention.sink_cut_output", _sink_padding(sh)[1], rec.bytes_of(out)))
+
+
+def _sink_padding(sh) -> tuple[int, int]:
+    """Bytes our executor's sinks add to the core's saved tensors (GPTConfig.sink_padding_width on this rank): q, k
+    and v each sink_columns wider, and the kernel's padded output."""
+    c = sh.sink_columns
+    return (sh.rows * (sh.heads + 2 * sh.kv_heads) * c * sh.e, sh.rows * sh.heads * (sh.out_dim + c) * sh.e)
 
 
 def _flash_backward(rec: Recorder) -> None:
@@ -175,6 +188,9 @@ def _flash_backward(rec: Recorder) -> None:
     kv, repeated = _repeated_kv(sh)
     if repeated:
         rec.back_kernels("attention", eager.repeat_kv_backward(kv, repeated, sh.e))
+    if sh.sink_columns:  # the padded output's gradient, and q, k and v's cut back from their padded ones
+        padded, output = _sink_padding(sh)
+        rec.back_mem("attention.sink_pads_backward", output + qkv + padded, output + qkv)
     if sh.padded_values:  # dv cut back to the value heads' width
         rows = sh.rows * sh.kv_heads
         rec.back_mem("attention.pad_values_backward", rows * hd * e, rows * sh.value_dim * e)

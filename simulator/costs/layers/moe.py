@@ -186,7 +186,10 @@ def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gather
     rec.gemm("experts.fc1", per_expert, width_in, sh.d, _format(sh), _expert_saves(rec, "experts.fc1", gathered, rows,
                                                                                   width_in * experts, sh.d), experts,
              streams=sh.expert_streams)
-    if sh.swiglu:
+    if sh.clamped:  # GPT-OSS's: one kernel, its input kept (the backward computes it again)
+        act = rec.tensor("experts.clamped_swiglu.output", rows * width * sh.e)
+        rec.mem("experts.clamped_swiglu", (hidden,), (act,), saves=(hidden,))
+    elif sh.swiglu:
         silu = rec.tensor("experts.swiglu.silu", rows * width * sh.e)
         act = rec.tensor("experts.swiglu.output", rows * width * sh.e)
         rec.mem("experts.swiglu", (hidden,), (silu, act), saves=(hidden, silu))
@@ -277,7 +280,9 @@ def _experts_backward(rec: Recorder, model: GPTConfig, ep: int, rows: int, recei
         weight_gradient(rec, name, k, n, per_expert, experts, _format(sh), sh.expert_streams)
         if name == "experts.fc2":  # the activation's backward, between the two Linears
             hidden = received * width * sh.e  # one width-wide tensor
-            if sh.swiglu:
+            if sh.clamped:  # its input and the product's gradient read; the gate's and up's written
+                rec.back_mem("experts.clamped_swiglu_backward", 3 * hidden, 2 * hidden)
+            elif sh.swiglu:
                 rec.back_mem("experts.swiglu_backward", 4 * hidden, 2 * hidden)
             else:
                 rec.back_mem(f"experts.{sh.mlp}_backward", 2 * hidden, hidden)

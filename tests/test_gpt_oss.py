@@ -1,0 +1,143 @@
+"""GPT-OSS's pieces trained in the layouts that take them, against one process on the same global batch (losses and
+gradient norms, 20 steps): attention sinks (one per query head, split with the heads under tp), the clamped SwiGLU
+experts with biases, a router with a bias, every other block through a sliding window, YaRN unrounded. A tp 2 run's
+checkpoint loads whole in one process; each rank's model states are the simulator's, byte for byte; context
+parallelism, whose ring merges softmaxes without a sink term, is refused in one line. The pieces against
+transformers' GptOssForCausalLM (every gradient): test_hf.py; the presets' sizes against the model card:
+test_published_sizes in test_config.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import by_layout, one_thread, run_ranks
+from job.layout import Layout
+from job.train_config import TrainConfig
+from minigpt.data import Corpus
+from minigpt.errors import ConfigError
+from minigpt.presets import preset
+from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
+from parity import worst_gap
+from precision.optimizer import state_bytes
+from simulator.memory import predict_memory
+from test_checkpoint import mismatches, new_rank, train
+from test_llama_parallel import train_history
+
+# tiny-moe's sizes in GPT-OSS's block: 4 heads (2 key/value) with sinks and biases, a window of 11 over 32 tokens in
+# the first block, the whole context in the second, YaRN x4 over 16 tokens unrounded, 8 clamped-SwiGLU experts of
+# 256 (2 a token) with biases, a biased router
+MODEL = preset("tiny-moe").with_(
+    seq_len=32, n_layers=2, n_kv_heads=2, mlp="clamped-swiglu", norm="rmsnorm", positions="rope", tied_head=False,
+    attention_sinks=True, router_bias=True, window=11, full_attention_every=2,
+    rope_yarn=(4.0, 16, 32.0, 1.0, 0.0, 0.0), rope_yarn_truncate=False)
+TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
+LAYOUTS = {
+    2: {"tp2-sp": dict(tp=2, sequence_parallel=True, micro_batches=2), "ep2": dict(dp=2, ep=2),
+        "pp2": dict(pp=2, micro_batches=2), "dp2-zero3": dict(dp=2, zero=3)},
+    4: {"ep2-tp2": dict(dp=2, ep=2, tp=2), "tp2-pp2": dict(tp=2, pp=2, micro_batches=2),
+        "ep2-dp4-zero3": dict(dp=4, ep=2, zero=3, micro_batches=2)},
+}
+SAVED_AT = 3
+
+
+def config(**layout) -> TrainConfig:
+    return TrainConfig(model=MODEL, steps=20, global_batch=8, eval_every=0, eval_batches=1, device="cpu", lr=1e-3,
+                       min_lr=1e-4, **layout)
+
+
+def trained(cfg: TrainConfig) -> dict:
+    rank = new_rank(cfg)
+    found = train_history(rank, cfg, Corpus.load(None, cfg.model.seq_len))
+    held, states = rank.data_parallel.memory(), state_bytes(rank.optimizer)
+    found["states"] = {"parameters": held["parameters"], "gradients": held["gradients"],
+                       "adam_m": states["adam_m"], "adam_v": states["adam_v"]}
+    found["stage"] = rank.mesh.pp_rank
+    return found
+
+
+def spawned_world(world: int, out_dir: str) -> dict:
+    torch.set_num_threads(1)
+    runs = {name: trained(config(**layout)) for name, layout in LAYOUTS[world].items()}
+    if world == 2:  # a tp 2 checkpoint (the sinks split with the heads) loaded at pp 2 (each block's whole)
+        saving = config(tp=2)
+        rank, corpus = new_rank(saving), Corpus.load(None, MODEL.seq_len)
+        train(rank, saving, corpus, range(SAVED_AT))
+        path = save_checkpoint(out_dir, rank, saving, SAVED_AT)
+        at_pp2 = config(pp=2, micro_batches=2)
+        loaded = new_rank(at_pp2)
+        load_checkpoint(path, loaded, at_pp2)
+        state, back = gather_global_state(rank, saving), gather_global_state(loaded, at_pp2)
+        sinks = state["model.blocks.0.attn.core.sinks"]  # the gathered tensors are views of one buffer: not sent
+        runs["saved"] = {"mismatches": mismatches(state, back), "sinks": (tuple(sinks.shape), sinks.abs().sum().item())}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    runs = {}
+    for world in LAYOUTS:
+        by_layout(run_ranks(world, spawned_world, world, str(tmp_path_factory.mktemp(f"oss{world}"))), runs)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with one_thread():
+        return trained(config())
+
+
+ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+
+
+@pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
+def test_every_layout_matches_one_process(spawned, reference, world, name):
+    for run in spawned[name]:
+        gap = worst_gap(run, reference)
+        print(f"gpt-oss {name}: {gap}")
+        assert gap.worst <= TOLERANCE, f"{name}: {gap}"
+
+
+@pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
+def test_model_states_per_rank_are_the_simulators(spawned, world, name):
+    """Weights, gradients and AdamW moments each rank holds, as simulator/memory.py predicts them: the sinks split
+    over tp with the heads, the router's bias and the experts' biases where their weights are."""
+    cfg = config(**LAYOUTS[world][name])
+    estimate = predict_memory(cfg.model, Layout.of(cfg), cfg.precision, cfg.global_batch // (cfg.micro_batches * cfg.dp),
+                              bucket_mb=cfg.bucket_mb, micro_batches=cfg.micro_batches)
+    for run in spawned[name]:
+        stage = estimate.per_stage[run["stage"]]
+        assert run["states"] == {key: getattr(stage, key) for key in run["states"]}, name
+
+
+def test_a_tp2_checkpoint_loads_at_pp2_as_it_was_saved(spawned):
+    """Every global tensor (weights, masters, moments) of a tp 2 run after 3 steps, gathered from its checkpoint
+    loaded at pp 2, is the one tp 2 held: the sinks' halves, the router's and experts' biases in place."""
+    for saved in spawned["saved"]:
+        shape, size = saved["sinks"]
+        assert shape == (MODEL.n_heads,) and size > 0  # whole, and trained away from its zeros
+        assert not saved["mismatches"], saved["mismatches"]
+
+
+def test_context_parallelism_is_refused_with_sinks():
+    with pytest.raises(ConfigError, match="attention sinks"):
+        config(cp=2)
+
+
+def test_a_blocks_saved_tensors_are_the_activation_arithmetic():
+    """What autograd keeps for one block with sinks and the clamped SwiGLU, against GPTConfig's bytes per token: the
+    clamped SwiGLU keeps its input alone (3 widths with fc2's input, against SwiGLU's 4), the sinks q, k, v and the
+    output padded by SINK_COLUMNS; beyond the count, per micro-batch, the sink's key and value rows and the mask."""
+    from test_config import saved_bytes
+    from minigpt.config import SINK_COLUMNS
+    from minigpt.model import GPT
+
+    for window in (0, 7):
+        cfg = preset("tiny-llama").with_(attention_sinks=True, mlp="clamped-swiglu", window=window)
+        model, batch, seq = GPT(cfg), 3, cfg.seq_len
+        x = torch.randn(batch, seq, cfg.d_model, requires_grad=True)
+        measured = saved_bytes(lambda: model.blocks[0](x), {p.data_ptr() for p in model.parameters()})
+        rows = 2 * batch * cfg.kv_heads * (cfg.head_dim + SINK_COLUMNS) * 4  # the sink's key and value, fp32
+        mask = seq * (seq + 1) * 4  # the (seq, seq + 1) mask SDPA's CPU kernel keeps as fp32
+        assert measured == cfg.activation_bytes_per_token_per_layer() * batch * seq + rows + mask
+        assert cfg.mlp_saved_widths == 3 and cfg.sink_padding_width > 0
