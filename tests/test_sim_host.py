@@ -303,6 +303,10 @@ def test_a_mixture_of_experts_is_priced_by_its_own_unit_and_the_measured_all_to_
     assert compute.chunk(0, True, False, 4, "none", roofline)[0] == pytest.approx(1e-4 + 4e-4) and not compute.missing
     unmeasured = host_compute(hardware.gpu.measured, moe, Layout(), 1)  # the dense unit only: the roofline, said
     assert unmeasured.units is None and "mixture of experts' blocks" in unmeasured.missing
+    for other in (moe.with_(router_bias=True), TINY.with_(positions="rope", attention_sinks=True),
+                  TINY.with_(window=8, full_attention_every=2)):  # what a unit's key does not tell apart: said
+        priced = host_compute(host, other, Layout(), 1)
+        assert priced.units is None and "roofline" in priced.missing
     result = simulate_step(moe, Layout(), build_cluster(hardware, 1, 1), "fp32", 8, 8, gpu=hardware)
     assert not result.host["units_measured"] and "roofline" in result.provenance["compute"]
     links = HostLinks(build_cluster(hardware, 2, 1), Layout(dp=2, ep=2), host)

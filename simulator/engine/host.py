@@ -117,6 +117,9 @@ def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: in
     if model.window_in_use and model.full_attention_every:  # a unit is one block's kind: the pattern has two
         units, dense = None, None
         missing = "a unit measured per model, not per block: the roofline prices a pattern of windowed and full blocks"
+    elif model.attention_sinks or model.router_bias:  # a measured unit's key does not tell these apart
+        units, dense = None, None
+        missing = "measured units are not told apart by attention sinks or a router bias: the roofline prices them"
     elif units is None:
         missing = f"no measured unit of this model's {shape} ({where}): the roofline prices its compute"
     elif model.is_moe and model.dense_layers and dense is None:
