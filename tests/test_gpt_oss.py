@@ -34,7 +34,8 @@ MODEL = preset("tiny-moe").with_(
 TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
 LAYOUTS = {
     2: {"tp2-sp": dict(tp=2, sequence_parallel=True, micro_batches=2), "ep2": dict(dp=2, ep=2),
-        "pp2": dict(pp=2, micro_batches=2), "dp2-zero3": dict(dp=2, zero=3)},
+        "pp2": dict(pp=2, micro_batches=2), "dp2-zero3": dict(dp=2, zero=3),
+        "tp2-selective": dict(tp=2, recompute="selective"), "ep2-full": dict(dp=2, ep=2, recompute="full")},
     4: {"ep2-tp2": dict(dp=2, ep=2, tp=2), "tp2-pp2": dict(tp=2, pp=2, micro_batches=2),
         "ep2-dp4-zero3": dict(dp=4, ep=2, zero=3, micro_batches=2)},
 }

@@ -98,8 +98,9 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
         experts += [] if dense else list(block.mlp.parameters())
         mla = isinstance(block.attn, LatentAttention)
         latent += _latent_attention(block.attn, comm, sequence_parallel) if mla else []
-        if not mla and block.attn.core.sinks is not None:  # GPT-OSS's sinks: one per query head, this rank's heads'
-            block.attn.core.sinks = nn.Parameter(shard_rows(block.attn.core.sinks.detach(), rank, size))
+        for core in block.attn.modules():  # GPT-OSS's sinks: one per query head, this rank's heads' (the core is
+            if isinstance(core, AttentionCore) and core.sinks is not None:  # wrapped under selective recompute)
+                core.sinks = nn.Parameter(shard_rows(core.sinks.detach(), rank, size))
         column = ([] if mla else [(block.attn, "qkv")]) + ([(block.mlp, "fc1")] if dense else [])
         for parent, name in column:
             inner = getattr(parent, name)
