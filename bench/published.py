@@ -1,8 +1,7 @@
 """The simulator against published training runs (validation only: nothing is tuned to these rows).
 
     python bench/published.py                    # Narayanan et al. 2021, Table 1, all ten rows
-    python bench/published.py --json             # one JSON object
-    python bench/published.py --legacy           # flags an older minigpt knows (for a before/after)
+    python bench/published.py --json             # one JSON object (--legacy: flags an older minigpt knows)
     python bench/published.py --table dgxc       # NVIDIA's DGX-Cloud GPT-3 175B on 128-2,048 H100s, bf16 and fp8
     python bench/published.py --table moe        # mixtures of experts: Mixtral 8x7B, Qwen3-30B-A3B on H100s
     python bench/published.py --table torchtitan # torchtitan's Llama 3.1 8B, FSDP on 8 and 128 H100s at 500 W
@@ -16,10 +15,10 @@ The published step time comes from the paper's own accounting: its FLOPs per ite
 96 B s l h^2 (1 + s/6h + V/16lh), recomputation included) over the published TFLOP/s per GPU times
 the GPUs. The naive rule beside it: the same FLOPs over (GPUs x peak x 0.5).
 
-How the 2021 stack is described (settings, not fitted numbers; each from the paper or its scripts):
-attention unfused (Megatron 2021 materialises the scores; its softmax is one fused kernel), the
-"megatron-2021" overlap preset (tensor-parallel communication exposed, the data-parallel all-reduce
-after the last backward, point-to-point exposed), and dropout 0.1 (the scripts' default).
+How the 2021 stack is described (settings, not fitted numbers; each from the paper or its scripts): attention
+unfused (Megatron 2021 materialises the scores; its softmax is one fused kernel), the "megatron-2021" overlap preset
+(tensor-parallel communication exposed, the data-parallel all-reduce after the last backward, point-to-point
+exposed), and dropout 0.1 (the scripts' default).
 
 `--table dgxc`: NVIDIA/dgxc-benchmarking's GPT-3 175B rows (bench/published_runs.json's
 "dgxc_gpt3_175b_h100", with their source), each simulated with its own layout (tp 4 x pp 8 with 12
@@ -176,7 +175,8 @@ def layout_flags(run: dict) -> list[str]:
             "--schedule", "interleaved" if run["v"] > 1 else "1f1b", "--virtual-chunks", str(run["v"]),
             *(["--stage-layers", run["stage_layers"]] if run.get("stage_layers") else []),
             "--recompute", run["recompute"], "--precision", run["precision"], "--gpu", run["gpu"],
-            *(["--attention-kernel", run["attention_kernel"]] if run.get("attention_kernel") else [])]
+            *[arg for key, flag in (("recompute_modules", "--recompute-modules"), ("attention_kernel", "--attention-kernel"))
+              if run.get(key) for arg in (flag, ",".join(run[key]) if isinstance(run[key], list) else run[key])]]
 
 
 def stated_rows(table: dict) -> list[dict]:

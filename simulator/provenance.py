@@ -182,7 +182,8 @@ def summary_rows(data: dict) -> list[list[str]]:
                  f"({_short(achieved['source'])})"])
     impl = data["implementation"]
     kernel = f" ({impl['attention_kernel']})" if impl.get("attention_kernel", "flash-attn-2") != "flash-attn-2" else ""
-    rows.append(["implementation", f"{impl['attention']}{kernel} attention, recompute {impl['recompute']}, "
+    modules = f" + modules {', '.join(impl['recompute_modules'])}" if impl.get("recompute_modules") else ""
+    rows.append(["implementation", f"{impl['attention']}{kernel} attention, recompute {impl['recompute']}{modules}, "
                  f"sequence-parallel inputs saved {impl['sp_saved_input']}"
                  + _fp8_text(impl, "fp8" in data["matmul_efficiency"], "experts" in data)])
     o = data["overlap"]

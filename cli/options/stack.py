@@ -44,8 +44,16 @@ KERNEL_HELP = ("Which fused kernel runs --attention flash, priced by its publish
                "megatron-core, flash-attn-2 otherwise]; the same saved tensors either way.")
 
 
+MODULES_HELP = ("Megatron-core's --recompute-modules beside --recompute none or selective, apart by commas: "
+                "layernorm (the block's two norms), moe_act (a mixture of experts' activation), mla_up_proj (latent "
+                "attention's up projections), core_attn (the attention core, as --recompute selective); each "
+                "module's output freed once read and computed again in the backward [default: none].")
+
+
 def stack_options(function):
-    """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce and --attention-kernel."""
+    """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce, --attention-kernel and --recompute-modules."""
+    function = click.option("--recompute-modules", "recompute_modules", metavar="MODULE[,MODULE...]", default=None,
+                            help=MODULES_HELP)(function)
     function = click.option("--attention-kernel", "attention_kernel", type=click.Choice(ATTENTION_KERNELS),
                             default=None, help=KERNEL_HELP)(function)
     function = click.option("--grad-reduce", "grad_reduce", type=click.Choice(("compute", "fp32")), default=None,
@@ -68,7 +76,8 @@ def asked_flags(options: dict) -> list[str]:
     """The stack flags given, as typed (none: the stack's own choices)."""
     return [flag for flag in (_fp8_flag(options), options["elementwise"] and f"--elementwise {options['elementwise']}",
                               options["grad_reduce"] and f"--grad-reduce {options['grad_reduce']}",
-                              options["attention_kernel"] and f"--attention-kernel {options['attention_kernel']}")
+                              options["attention_kernel"] and f"--attention-kernel {options['attention_kernel']}",
+                              options.get("recompute_modules") and f"--recompute-modules {options['recompute_modules']}")
             if flag]
 
 
@@ -101,6 +110,8 @@ def stack_changes(options: dict, overlap, base=None) -> dict:
         changes["grad_reduce_fp32"] = reduce == "fp32"
     if kernel is not None:
         changes["attention_kernel"] = kernel
+    if options.get("recompute_modules"):
+        changes["recompute_modules"] = tuple(m.strip() for m in str(options["recompute_modules"]).split(","))
     replace(base, **changes)  # the Implementation's own checks, one line each
     return changes
 

@@ -54,7 +54,8 @@ from simulator.costs.hardware import GPUSpec
 from job.exchange.experts import routing_exchanges
 from job.layout import Layout, block_tensors, head_tensors, is_expert_tensor, mtp_tensors
 from simulator.costs.rates.attention_rates import kernel_table, seconds as attention_seconds
-from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList, is_weight_gradient,
+from simulator.costs.recorder import is_weight_gradient
+from simulator.costs.op_types import (RECOMPUTE, FusedAttention, Gemm, Implementation, Op, OpList,
                                       model_flops)
 from simulator.costs.ops import block_ops, embedding_ops, head_ops, mtp_units
 from simulator.costs.layers.fp8 import sp_amax_reductions

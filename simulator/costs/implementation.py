@@ -29,6 +29,8 @@ CP_ATTENTIONS = ("fused", "torch", "te")  # how context parallelism's steps are 
 # num_compute_streams = 4; multi_stream_cublas_gemm launches GEMM i on stream i % 4)
 EXPERT_STREAMS = {"grouped": 0, "te-streams": 4}
 BIAS_FUSIONS = ("none", "megatron", "te")  # which bias adds run inside other kernels (Implementation.bias_fusion)
+# Megatron-core's recompute_modules the simulator describes (simulator/costs/recorder.py's MODULES)
+RECOMPUTE_MODULES = ("layernorm", "moe_act", "mla_up_proj", "core_attn")
 DDP_BUCKETS = ("ddp", "megatron")  # how the data-parallel gradients are cut into reductions (Implementation.ddp_buckets)
 MEGATRON_BUCKET_FLOOR, MEGATRON_BUCKET_PER_RANK = 40_000_000, 1_000_000  # parameters: Megatron-core's rule
 
@@ -153,6 +155,7 @@ class Implementation:
     expert_gemms: str = "grouped"
     bias_fusion: str = "none"
     ddp_buckets: str = "ddp"
+    recompute_modules: tuple[str, ...] = ()  # Megatron-core's --recompute-modules beside recompute (none, selective)
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -173,6 +176,11 @@ class Implementation:
         check_choice("expert_gemms", self.expert_gemms, tuple(EXPERT_STREAMS))
         check_choice("bias_fusion", self.bias_fusion, BIAS_FUSIONS)
         check_choice("ddp_buckets", self.ddp_buckets, DDP_BUCKETS)
+        for module in self.recompute_modules:
+            check_choice("--recompute-modules", module, RECOMPUTE_MODULES)
+        if self.recompute_modules and self.recompute not in ("none", "selective"):
+            raise ConfigError(f"--recompute-modules with --recompute {self.recompute}: that recomputation already "
+                              f"decides what each block keeps (use it with none or selective)")
         if self.attention_kernel == "cudnn" and self.attention != "flash":
             raise ConfigError(f"--attention-kernel {self.attention_kernel} is a fused attention kernel: it needs "
                               f"--attention flash")
@@ -213,4 +221,5 @@ class Implementation:
                 "eager": self.eager, "grad_reduce_fp32": self.grad_reduce_fp32, "attention_kernel": self.attention_kernel,
                 "zero3_copies": self.zero3_copies, "loss": self.loss, "cp_attention": self.cp_attention,
                 "expert_gemms": self.expert_gemms, "bias_fusion": self.bias_fusion, "ddp_buckets": self.ddp_buckets,
+                **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules else {}),
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -126,12 +126,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from minigpt.config import OP_RECOMPUTE, GPTConfig
+from minigpt.errors import ConfigError
 from precision.policy import PrecisionPolicy
 from job.layout import Layout, padded_vocab
 from simulator.costs.op_types import (
     BACKWARD, FORWARD, FP32, MASK, OUTSIDE, RECOMPUTE, SP_SAVED_INPUTS, UB_PIPELINE_SPLITS, FusedAttention, Gemm,
-    Implementation, MemoryOp, Op, OpList, Saved, Recorder, unit_shape,
+    Implementation, MemoryOp, Op, OpList, Saved, unit_shape,
 )
+from simulator.costs.recorder import Recorder
 from simulator.costs.layers.attention import core_backward, core_forward
 from simulator.costs.layers.fp8 import TORCH_QUANTIZE  # noqa: F401 (re-exported)
 from simulator.costs.layers.latent import latent_backward, latent_forward
@@ -154,7 +156,8 @@ def _attention_forward(rec: Recorder, attention: str) -> None:
     if sh.latent:  # multi-head latent attention's projections (simulator/costs/layers/latent.py)
         qkv = latent_forward(rec, x)
     else:
-        norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
+        with rec.module("layernorm"):
+            norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
         if sh.sp:
             rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d))  # all-gathered along the sequence
         qkv = column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
@@ -218,7 +221,8 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
     shared experts as a dense MLP), dropout, the residual add."""
     sh = rec.shape
     if moe:  # under sequence parallelism on this rank's slice of the tokens (UnitShape.moe)
-        norm(rec, "ln2", "ln2.input", "moe.input")
+        with rec.module("layernorm"):
+            norm(rec, "ln2", "ln2.input", "moe.input")
         with rec.shaped(sh.moe):
             branch = routed_forward(rec, model, ep, "moe.input")
             if model.n_shared_experts:
@@ -228,7 +232,9 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
                 rec.mem("moe.shared_add", (branch, shared), ("moe.output",))
                 branch = "moe.output"
     else:
-        norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input", sh.normed_bytes(sh.residual_rows * sh.d))
+        with rec.module("layernorm"):
+            norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input",
+                 sh.normed_bytes(sh.residual_rows * sh.d))
         if sh.sp:
             rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
         branch = _mlp(rec, "", "fc1.input", "ln2.output", sh.f // sh.t, "mlp.residual")
@@ -265,6 +271,11 @@ def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precis
     """One transformer block, forward and backward, for one micro-batch on one tensor-parallel rank: a mixture of
     experts' block when `moe` (None: the kind most of the model's blocks are, as GPTConfig.block_params)."""
     moe = model.is_moe if moe is None else moe and model.is_moe
+    for module, has in (("mla_up_proj", model.is_mla), ("moe_act", model.is_moe)):
+        if module in implementation.recompute_modules and not has:
+            raise ConfigError(f"--recompute-modules {module} recomputes part of "
+                              f"{'multi-head latent attention' if module == 'mla_up_proj' else 'a mixture of experts'}"
+                              f", which this model has not")
     rec = Recorder(unit_shape(model, micro_batch, layout, policy, implementation))
     if implementation.recompute == OP_RECOMPUTE:
         model.check_op_recompute()
@@ -272,7 +283,9 @@ def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precis
     _attention_forward(rec, implementation.attention)
     _mlp_forward(rec, model, moe, layout.ep)
     _block_backward(rec, implementation.attention, model, moe, layout.ep)
-    return op_recompute(rec) if implementation.recompute == OP_RECOMPUTE else rec.finish(implementation.recompute)
+    if implementation.recompute == OP_RECOMPUTE:
+        return op_recompute(rec)
+    return rec.finish(implementation.recompute, implementation.recompute_modules)
 
 
 # ---------------------------------------------------------------- the ends
@@ -361,7 +374,7 @@ def mtp_units(model: GPTConfig, micro_batch_size: int, layout: Layout, policy: P
     depth = model.mtp_depth
     if not depth:
         return []
-    kept = replace(implementation, recompute="none")
+    kept = replace(implementation, recompute="none", recompute_modules=())
     return [(mtp_input_ops(model, micro_batch_size, layout, policy, kept), depth),
             (block_ops(model, micro_batch_size, layout, policy, kept, model.mtp_is_moe), depth),
             (head_ops(model, micro_batch_size, layout, policy, kept), depth)]

@@ -50,7 +50,8 @@ from __future__ import annotations
 
 from simulator.costs import te_context
 from simulator.costs.torchtitan import context, eager
-from simulator.costs.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, FusedAttention, MemoryOp, Recorder, gemm
+from simulator.costs.op_types import BACKWARD, BLOCK, CORE, FORWARD, FP32, MASK, FusedAttention, MemoryOp
+from simulator.costs.recorder import Recorder, gemm
 
 
 def rope_table_bytes(rec: Recorder) -> int:
@@ -59,7 +60,8 @@ def rope_table_bytes(rec: Recorder) -> int:
 
 
 
-def _rope_forward(rec: Recorder, qkv: str) -> str:
+def rope_forward(rec: Recorder, qkv: str) -> str:
+    """q and k rotated: a new fused tensor (latent attention runs it after its up projections: layers/latent.py)."""
     rotated = rec.tensor("rope.output", rec.size[qkv])
     if rec.shape.eager:  # torchtitan's complex multiplies, q and k apart (simulator/costs/torchtitan/eager.py)
         rec.kernels("rope", eager.rope_forward(_rotated_elements(rec.shape), _eager_table(rec.shape), rec.shape.e))
@@ -250,12 +252,13 @@ def _qk_norm_backward(rec: Recorder) -> None:
 
 
 def core_forward(rec: Recorder, attention: str, qkv: str) -> str:
-    """From the fused qkv tensor `qkv` to the heads' output, in the recompute region CORE: returns the output."""
+    """From the fused qkv tensor `qkv` to the heads' output, in the recompute region CORE (the rotation in it, but
+    latent attention's, which Megatron-core's mla_up_proj recomputes with the up projections): returns the output."""
     rec.enter(CORE, inputs=(qkv,))
     if rec.shape.qk_norm:
         qkv = _qk_norm_forward(rec, qkv)
-    if rec.shape.rope:
-        qkv = _rope_forward(rec, qkv)
+    if rec.shape.rope and not rec.shape.latent:  # latent attention's rotation is its up projections' (latent.py)
+        qkv = rope_forward(rec, qkv)
     (_flash_forward if attention == "flash" else _unfused_forward)(rec, qkv)
     rec.enter(BLOCK)
     return "attention.output"

@@ -32,7 +32,8 @@ By Implementation:
 
 from __future__ import annotations
 
-from simulator.costs.op_types import FP32, OUTSIDE, MemoryOp, Recorder, Saved
+from simulator.costs.op_types import FP32, OUTSIDE, MemoryOp, Saved
+from simulator.costs.recorder import Recorder
 
 # precision/fp8.py's Fp8Meta.quantize as torch runs it, one kernel each: an fp32 copy, |x|, its max, x * scale,
 # the clamp to the format's range, the cast; (kernel, bytes read, bytes written) per element, None: the source's.

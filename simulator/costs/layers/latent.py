@@ -33,7 +33,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from simulator.costs.layers.linear import column_backward, column_linear, linear_backward, linear_forward, norm
-from simulator.costs.op_types import FP32, MemoryOp, Recorder, UnitShape
+from simulator.costs.op_types import FP32, MemoryOp, UnitShape
+from simulator.costs.layers.attention import rope_forward
+from simulator.costs.recorder import Recorder
 
 
 def _local(sh: UnitShape) -> UnitShape:
@@ -46,7 +48,8 @@ def latent_forward(rec: Recorder, x: str) -> str:
     sh = rec.shape
     q_lora, kv_lora, rope = sh.latent
     width, e = sum(sh.latent), sh.e
-    norm(rec, "ln1", x, "down.input")
+    with rec.module("layernorm"):
+        norm(rec, "ln1", x, "down.input")
     with rec.shaped(_local(sh)):
         linear_forward(rec, "down", "down.input", None, width, sh.d, "down.output")
     rows = sh.residual_rows
@@ -58,12 +61,20 @@ def latent_forward(rec: Recorder, x: str) -> str:
     up_input, shard = ("latent.gathered", "latent.normed") if sh.sp else ("latent.normed", None)
     if sh.sp:
         rec.tensor("latent.gathered", sh.rows * width * e)  # all-gathered along the sequence
+    if not q_lora and sh.sp:
+        rec.tensor("q_up.input", sh.rows * sh.d * e)
+    with rec.module("mla_up_proj"):  # what Megatron-core's recompute_modules mla_up_proj runs again
+        return _up_projections(rec, up_input, shard)
+
+
+def _up_projections(rec: Recorder, up_input: str, shard: str | None) -> str:
+    """The query and key/value up projections, the fused q, k, v they make and its rotation: returns that."""
+    sh, e = rec.shape, rec.shape.e
+    q_lora, kv_lora, rope = sh.latent
     heads, hd, vd = sh.heads, sh.head_dim, sh.value_dim
     if q_lora:
         linear_forward(rec, "q_up", up_input, shard, heads * hd, q_lora, "q_up.output")
     else:  # a column-parallel Linear over the block's normed input (gathered under sequence parallelism)
-        if sh.sp:
-            rec.tensor("q_up.input", sh.rows * sh.d * e)
         column_linear(rec, "q_up", "q_up.input" if sh.sp else "down.input", "down.input" if sh.sp else None,
                       heads * hd, "q_up.output", normed=False)
     linear_forward(rec, "kv_up", up_input, shard, heads * (hd - rope + vd), kv_lora, "kv_up.output")
@@ -72,7 +83,7 @@ def latent_forward(rec: Recorder, x: str) -> str:
     qkv = rec.tensor("q_k_v", sh.rows * sh.qkv_width * e)
     values = sh.rows * heads * vd * e  # kv_up's value columns
     rec.op(MemoryOp("attention.assemble", rec.bytes_of("q_up.output", keys) + values, rec.size[qkv]))
-    return qkv
+    return rope_forward(rec, qkv)
 
 
 def latent_backward(rec: Recorder) -> None:

@@ -3,7 +3,8 @@ assembles them; simulator/costs/layers/fp8.py adds an fp8 Linear's casts). Torch
 
 from __future__ import annotations
 
-from simulator.costs.op_types import FP32, MASK, OUTSIDE, Recorder
+from simulator.costs.op_types import FP32, MASK, OUTSIDE
+from simulator.costs.recorder import Recorder
 from simulator.costs.layers.fp8 import cast_kernels, fp8_input, fp8_recasts, fp8_weight
 from simulator.costs.torchtitan import eager
 

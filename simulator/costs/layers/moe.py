@@ -55,7 +55,8 @@ import math
 
 from job.exchange.experts import routed_rows
 from minigpt.config import GPTConfig
-from simulator.costs.op_types import FP32, MASK, MemoryOp, Recorder
+from simulator.costs.op_types import FP32, MASK, MemoryOp
+from simulator.costs.recorder import Recorder
 from simulator.costs.layers.fp8 import cast_kernels, fp8_input, fp8_weight
 
 INDEX = 8  # int64 indices (torch's sort, nonzero, gather indices)
@@ -186,16 +187,17 @@ def _experts_forward(rec: Recorder, model: GPTConfig, ep: int, rows: int, gather
     rec.gemm("experts.fc1", per_expert, width_in, sh.d, _format(sh), _expert_saves(rec, "experts.fc1", gathered, rows,
                                                                                   width_in * experts, sh.d), experts,
              streams=sh.expert_streams)
-    if sh.clamped:  # GPT-OSS's: one kernel, its input kept (the backward computes it again)
-        act = rec.tensor("experts.clamped_swiglu.output", rows * width * sh.e)
-        rec.mem("experts.clamped_swiglu", (hidden,), (act,), saves=(hidden,))
-    elif sh.swiglu:
-        silu = rec.tensor("experts.swiglu.silu", rows * width * sh.e)
-        act = rec.tensor("experts.swiglu.output", rows * width * sh.e)
-        rec.mem("experts.swiglu", (hidden,), (silu, act), saves=(hidden, silu))
-    else:  # GELU, or the squared ReLU: the same bytes, the op named for its kind
-        act = rec.tensor(f"experts.{sh.mlp}.output", rows * width * sh.e)
-        rec.mem(f"experts.{sh.mlp}", (hidden,), (act,), saves=(hidden,))
+    with rec.module("moe_act"):  # what Megatron-core's recompute_modules moe_act runs again
+        if sh.clamped:  # GPT-OSS's: one kernel, its input kept (the backward computes it again)
+            act = rec.tensor("experts.clamped_swiglu.output", rows * width * sh.e)
+            rec.mem("experts.clamped_swiglu", (hidden,), (act,), saves=(hidden,))
+        elif sh.swiglu:
+            silu = rec.tensor("experts.swiglu.silu", rows * width * sh.e)
+            act = rec.tensor("experts.swiglu.output", rows * width * sh.e)
+            rec.mem("experts.swiglu", (hidden,), (silu, act), saves=(hidden, silu))
+        else:  # GELU, or the squared ReLU: the same bytes, the op named for its kind
+            act = rec.tensor(f"experts.{sh.mlp}.output", rows * width * sh.e)
+            rec.mem(f"experts.{sh.mlp}", (hidden,), (act,), saves=(hidden,))
     rec.tensor("experts.pieces", rows * sh.d * sh.e)
     rec.gemm("experts.fc2", per_expert, sh.d, width, _format(sh), _expert_saves(rec, "experts.fc2", act, rows,
                                                                                 sh.d * experts, width), experts,

@@ -30,7 +30,8 @@ from dataclasses import replace
 
 from minigpt.config import OP_RECOMPUTE
 from minigpt.errors import ConfigError
-from simulator.costs.op_types import FP32, RECOMPUTE, FusedAttention, Gemm, OpList, Recorder, Saved, gemm
+from simulator.costs.op_types import FP32, RECOMPUTE, FusedAttention, Gemm, OpList, Saved
+from simulator.costs.recorder import Recorder, gemm
 
 NOT_RUN_AGAIN = ("mlp.residual_add",)  # after the last tensor the backward needs (early stop)
 
