@@ -181,7 +181,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def _layer_types(config: GPTConfig) -> dict:
-    """A Qwen2 or Qwen3 config.json's window fields: none in use, or the window and each layer's kind."""
+    """A Qwen2, Qwen3 or GPT-OSS config.json's window fields: none in use, or the window and each layer's kind."""
     if not config.window_in_use:
         return {"use_sliding_window": False, "sliding_window": None}
     kinds = [SLIDING if config.layer_window(layer) else FULL for layer in range(config.n_layers)]
@@ -190,7 +190,7 @@ def _layer_types(config: GPTConfig) -> dict:
 
 def _windows(hf: dict, kind: str, seq_len: int | None) -> dict:
     """The GPTConfig fields of a model's sliding window shorter than the training context (none where there is none,
-    or one as long): a Mistral's, Phi-3's or Mixtral's in every layer, a Qwen2's or Qwen3's in the layers its
+    or one as long): a Mistral's, Phi-3's or Mixtral's in every layer, a Qwen2's, Qwen3's or GPT-OSS's in the layers its
     layer_types (else max_window_layers) name, every layer or all but every N-th (full_attention_every);
     ConfigError for another pattern or model."""
     if _full_attention(hf, seq_len):
@@ -199,7 +199,8 @@ def _windows(hf: dict, kind: str, seq_len: int | None) -> dict:
     if kind in UNIFORM_WINDOWS and not hf.get("layer_types"):
         return {"window": window}
     refuse_unless(kind in LAYER_TYPES, "it attends through a sliding window shorter than the context in some of its "
-                                       "layers, which minigpt reads of Qwen2 and Qwen3 models only (layer_types)")
+                                       "layers, which minigpt reads of Qwen2, Qwen3 and GPT-OSS models only "
+                                       "(layer_types)")
     layers = _number(hf, "num_hidden_layers")
     kinds = hf.get("layer_types") or [SLIDING if i >= hf.get("max_window_layers", 28) else FULL for i in range(layers)]
     refuse_unless(isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {SLIDING, FULL},
