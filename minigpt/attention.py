@@ -7,8 +7,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-
 from minigpt.activations import SINK_COLUMNS
 
 
@@ -44,8 +42,16 @@ def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     k = torch.cat([sink_key, F.pad(k, (0, SINK_COLUMNS))], dim=2)
     v_width = v.shape[-1]
     v = F.pad(v, (0, width + SINK_COLUMNS - v_width, 1, 0))  # the sink's zero row first, zero columns after
-    mask = F.pad(window_mask(seq, window, q.device), (1, 0), value=True) if window else causal_lower_right(seq, seq + 1)
+    mask = sink_mask(seq, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)[..., :v_width]
+
+
+@functools.lru_cache(maxsize=8)
+def sink_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """(seq, seq + 1) bools: every query sees the sink (key 0) and keys 1 + j as window_mask (causal where `window` is
+    0). Built here, not with torch.nn.attention.bias's causal_lower_right, whose import loads torch._dynamo."""
+    keys = window_mask(seq, window, device) if window else torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    return F.pad(keys, (1, 0), value=True)
 
 
 @functools.lru_cache(maxsize=8)

@@ -142,3 +142,27 @@ def test_a_blocks_saved_tensors_are_the_activation_arithmetic():
         mask = seq * (seq + 1) * 4  # the (seq, seq + 1) mask SDPA's CPU kernel keeps as fp32
         assert measured == cfg.activation_bytes_per_token_per_layer() * batch * seq + rows + mask
         assert cfg.mlp_saved_widths == 3 and cfg.sink_padding_width > 0
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_sinks_are_a_softmax_column_whose_value_is_zero(window):
+    """minigpt/attention.py's one SDPA call against transformers' eager GPT-OSS attention written out (the scores,
+    the sinks' logits as one more column, softmax, the column dropped), in fp64: outputs and every gradient, the
+    sinks' included, to 1e-12; grouped-query heads, with and without a window of 4 over 10 tokens."""
+    from minigpt.attention import causal_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, seq, width = 2, 4, 2, 10, 16
+    q = torch.randn(batch, heads, seq, width, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, width, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(heads, dtype=torch.float64, requires_grad=True)
+    ours = causal_attention(q, k, v, width ** -0.5, window, heads // kv_heads, sinks)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * width ** -0.5
+    distance = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+    scores = scores.masked_fill(~((distance >= 0) & ((distance < window) if window else True)), float("-inf"))
+    column = sinks.view(1, heads, 1, 1).expand(batch, heads, seq, 1)
+    theirs = torch.cat([scores, column], -1).softmax(-1)[..., :-1] @ v.repeat_interleave(2, 1)
+    assert (ours - theirs).abs().max() < 1e-12
+    for a, b in zip(torch.autograd.grad(ours.square().sum(), [q, k, v, sinks]),
+                    torch.autograd.grad(theirs.square().sum(), [q, k, v, sinks])):
+        assert (a - b).abs().max() < 1e-12
