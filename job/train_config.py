@@ -78,9 +78,6 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
         raise ConfigError(f"--cp-kind must be one of {', '.join(CP_KINDS)}, got {kind!r}")
     if cp == 1:
         return
-    if model.attention_sinks:
-        raise ConfigError(f"--cp {cp} with attention sinks: minigpt's ring and all-gather attention merge the "
-                          f"blocks' softmaxes without a sink term, so they neither train nor price one")
     if 2 * cp > model.seq_len:
         raise ConfigError(f"--cp {cp} needs 2 x cp = {2 * cp} chunks of at least one token, but the sequence has "
                           f"{model.seq_len}: choose a cp of at most {model.seq_len // 2}")

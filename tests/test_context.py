@@ -34,6 +34,11 @@ MODELS = {
     # Mistral's: Llama's through a sliding window, here 7 tokens (chunks of 8 at cp 2, 4 at cp 4)
     "mistral": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48,
                          window=7, positions="rope", mlp="swiglu", norm="rmsnorm", bias=False, tied_head=False),
+    # GPT-OSS's attention: a sink per query head (merged once per row by the ring and the all-gather), the window in
+    # the first block only
+    "sinks": GPTConfig(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, d_ff=48,
+                       window=7, full_attention_every=2, attention_sinks=True, positions="rope", mlp="swiglu",
+                       norm="rmsnorm", tied_head=False),
 }
 
 

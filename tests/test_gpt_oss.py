@@ -1,10 +1,9 @@
-"""GPT-OSS's pieces trained in the layouts that take them, against one process on the same global batch (losses and
-gradient norms, 20 steps): attention sinks (one per query head, split with the heads under tp), the clamped SwiGLU
-experts with biases, a router with a bias, every other block through a sliding window, YaRN unrounded. A tp 2 run's
-checkpoint loads whole in one process; each rank's model states are the simulator's, byte for byte; context
-parallelism, whose ring merges softmaxes without a sink term, is refused in one line. The pieces against
-transformers' GptOssForCausalLM (every gradient): test_hf.py; the presets' sizes against the model card:
-test_published_sizes in test_config.py."""
+"""GPT-OSS's pieces trained in every layout, against one process on the same global batch (losses and gradient
+norms, 20 steps): attention sinks (one per query head, split with the heads under tp, merged once per row by context
+parallelism's ring and all-gather), the clamped SwiGLU experts with biases, a router with a bias, every other block
+through a sliding window, YaRN unrounded. A tp 2 run's checkpoint loads at pp 2; each rank's model states are the
+simulator's, byte for byte. The pieces against transformers' GptOssForCausalLM (every gradient): test_hf.py; the
+presets' sizes against the model card: test_published_sizes in test_config.py."""
 
 from __future__ import annotations
 
@@ -35,9 +34,11 @@ TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
 LAYOUTS = {
     2: {"tp2-sp": dict(tp=2, sequence_parallel=True, micro_batches=2), "ep2": dict(dp=2, ep=2),
         "pp2": dict(pp=2, micro_batches=2), "dp2-zero3": dict(dp=2, zero=3),
-        "tp2-selective": dict(tp=2, recompute="selective"), "ep2-full": dict(dp=2, ep=2, recompute="full")},
+        "tp2-selective": dict(tp=2, recompute="selective"), "ep2-full": dict(dp=2, ep=2, recompute="full"),
+        "cp2": dict(cp=2), "cp2-allgather": dict(cp=2, cp_kind="allgather")},
     4: {"ep2-tp2": dict(dp=2, ep=2, tp=2), "tp2-pp2": dict(tp=2, pp=2, micro_batches=2),
-        "ep2-dp4-zero3": dict(dp=4, ep=2, zero=3, micro_batches=2)},
+        "ep2-dp4-zero3": dict(dp=4, ep=2, zero=3, micro_batches=2),
+        "cp2-tp2-sp": dict(cp=2, tp=2, sequence_parallel=True), "cp2-ep2": dict(cp=2, dp=2, ep=2)},
 }
 SAVED_AT = 3
 
@@ -120,9 +121,17 @@ def test_a_tp2_checkpoint_loads_at_pp2_as_it_was_saved(spawned):
         assert not saved["mismatches"], saved["mismatches"]
 
 
-def test_context_parallelism_is_refused_with_sinks():
+def test_the_simulator_prices_sinks_under_our_context_parallelism_only():
+    """Our ring and all-gather merge the sinks (trained above); torch's context_parallel and Transformer Engine's ring,
+    as the simulator describes them, take none: one line."""
+    from simulator.costs.implementation import Implementation
+    from simulator.costs.ops import block_ops
+    from precision.policy import policy
+
+    model = MODEL.with_(window=0, full_attention_every=0)
+    assert block_ops(model, 1, Layout(cp=2), policy("bf16"), Implementation()).saved_bytes > 0
     with pytest.raises(ConfigError, match="attention sinks"):
-        config(cp=2)
+        block_ops(model, 1, Layout(cp=2), policy("bf16"), Implementation(cp_attention="torch"))
 
 
 def test_a_blocks_saved_tensors_are_the_activation_arithmetic():

@@ -37,7 +37,7 @@ class ContextAttentionCore(AttentionCore):
                  token_positions: torch.Tensor, counter=None):
         super().__init__(config, core.window)  # the core's sizes, rotation and window, as the core had them
         self.q_norm, self.k_norm = core.q_norm, core.k_norm  # the model's own norm modules (their weights and names)
-        self.sinks = core.sinks  # None: check_context_parallel refuses sinks (the ring's merge has no sink term)
+        self.sinks = core.sinks  # GPT-OSS's (None: none), merged by the ring and the all-gather once per row
         self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
 
@@ -45,7 +45,8 @@ class ContextAttentionCore(AttentionCore):
         return self.token_positions
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.exchange(q, k, v, self.cp_group, scale=self.scale, counter=self.counter, window=self.window)
+        return self.exchange(q, k, v, self.cp_group, scale=self.scale, counter=self.counter, window=self.window,
+                             sinks=self.sinks)
 
 
 def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | None, kind: str,

@@ -93,3 +93,18 @@ def backward_block(q, k, v, dout, lse, delta, how: str, scale: float, dq, dk, dv
     b, h_kv, c, d = k.shape
     dk.add_((torch.matmul(ds.transpose(-1, -2), q.float()) * scale).view(b, h_kv, groups, c, d).sum(2))
     dv.add_(torch.matmul(p.transpose(-1, -2), dout).view(b, h_kv, groups, c, d).sum(2))
+
+
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Fold GPT-OSS's sinks into a finished (out, lse), in place: each query head's sink is one more key of logit
+    sinks[h] whose value is zero (minigpt/attention.py's), met by every row once, on the rank holding the row."""
+    new = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def sinks_grad(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient from the final (sink-merged) lse and delta = rowsum(dout * out): each row's sink weight
+    exp(sink - lse) times -delta, summed over the batch and this rank's rows (the other keys' gradients need no
+    change: their weights already come from the final lse)."""
+    return -(torch.exp(sinks.detach().float().view(1, -1, 1) - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.context.blocks import NONE, backward_block, backward_start, empty_result, forward_block, meeting, merge
+from parallel.context.blocks import (NONE, backward_block, backward_start, empty_result, forward_block, meeting, merge,
+                                     merge_sinks, sinks_grad)
 from parallel.context.chunks import chunk_ids
 
 
@@ -79,7 +80,7 @@ def _pairs(rank: int, source: int, cp: int, c: int, window: int):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, scale: float, window: int):
+    def forward(ctx, q, k, v, ring: Ring, scale: float, window: int, sinks: torch.Tensor | None = None):
         cp, c = ring.size, q.shape[2] // 2
         out, lse = empty_result(q)
         kv = [k, v]
@@ -93,14 +94,16 @@ class RingAttention(torch.autograd.Function):
                 for request in incoming[1]:
                     request.wait()
                 kv = incoming[0]
+        if sinks is not None:
+            merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.scale, ctx.window = ring, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         cp, c = ring.size, q.shape[2] // 2
         delta, dq = backward_start(q, out, dout)
@@ -127,15 +130,18 @@ class RingAttention(torch.autograd.Function):
             for request in travelling[1]:
                 request.wait()
             grads = travelling[0]
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
+        dsinks = None if sinks is None else sinks_grad(lse, delta, sinks)
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, dsinks
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                   scale: float | None = None, counter=None, window: int = 0) -> torch.Tensor:
+                   scale: float | None = None, counter=None, window: int = 0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence's keys and values, which
     the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d).
     `counter` (a parallel.comm.Collectives) counts every tensor sent as a "send". `window`: a sliding window
-    (0: none); the keys and values still travel the whole ring, the blocks out of reach are not computed."""
+    (0: none); the keys and values still travel the whole ring, the blocks out of reach are not computed.
+    `sinks`: GPT-OSS's, one logit per query head, merged once per row on the rank holding it."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ring = RehearsedRing(group) if isinstance(group, Rehearsal) else Ring(group, counter)
-    return RingAttention.apply(q, k, v, ring, scale, window)
+    return RingAttention.apply(q, k, v, ring, scale, window, sinks)

@@ -342,6 +342,10 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
             raise ConfigError(f"a sliding window under --cp {layout.cp} is described with our ring and all-gather "
                               f"only: this stack's context parallelism ({impl.cp_attention}: torch's context_parallel "
                               f"or Transformer Engine's ring) takes none")
+    if model.attention_sinks and cp_merge(layout, impl.cp_attention) != "fused":
+        raise ConfigError(f"attention sinks under --cp {layout.cp} are described with our ring and all-gather only: "
+                          f"this stack's context parallelism ({impl.cp_attention}: torch's context_parallel or "
+                          f"Transformer Engine's ring, whose learnable softmax needs its a2a) takes none")
     t, s = layout.tp, model.seq_len // layout.cp
     rows = micro_batch * s
     sp = layout.sequence_parallel and t > 1
