@@ -106,3 +106,16 @@ def test_the_flag_prices_the_step_and_its_memory():
                       (["--recompute-modules", "layernorm", "--recompute", "full"], "recompute full")):
         result = simulate(*bad)
         assert result.exit_code == 2 and word in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_plan_searches_the_modules_with_recompute_none_and_selective():
+    """minigpt plan with --recompute-modules: the modules go with recompute none and selective (a block recomputed
+    whole reruns them anyway), and the search runs to its table."""
+    from simulator.search.bound import candidate_stack
+
+    changes = (("recompute_modules", ("moe_act",)),)
+    assert candidate_stack("executor", "none", changes=changes).recompute_modules == ("moe_act",)
+    assert candidate_stack("executor", "full", changes=changes).recompute_modules == ()
+    result = CliRunner().invoke(main, ["plan", "--model", "tiny-moe", "--gpus", "4", "--gpu", "h100-sxm",
+                                       "--recompute-modules", "moe_act"])
+    assert result.exit_code == 0 and "fastest" in result.output, result.output

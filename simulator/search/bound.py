@@ -112,8 +112,10 @@ def candidate_stack(overlap: Overlap | str, recompute: str, expert_load: float =
     """How a candidate's blocks are computed, as simulate_step computes them under `overlap` (a preset or its name):
     flash attention, the stack's own choices (its sequence-parallel input and attention kernel too) with `changes`
     (Implementation fields the stack's flags change: cli/options/stack.py's stack_changes), a MoE's load and
-    dispatcher."""
-    return replace(stack_default(overlap, "flash", recompute), **dict(changes), expert_load=expert_load,
+    dispatcher. Megatron's recompute modules go with recompute none and selective; a block recomputed whole (full,
+    op) reruns them anyway."""
+    changes = {k: v for k, v in changes if k != "recompute_modules" or recompute in ("none", "selective")}
+    return replace(stack_default(overlap, "flash", recompute), **changes, expert_load=expert_load,
                    dispatcher=dispatcher)
 
 
