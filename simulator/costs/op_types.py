@@ -243,8 +243,8 @@ class UnitShape:
     def sink_columns(self) -> int:
         """The columns q, k, v and the output gain for the sinks: our executor's (minigpt/attention.py, SDPA under
         flash-attn-2's name) SINK_COLUMNS; cuDNN's fused attention takes the sinks as they are (Transformer
-        Engine's learnable softmax offset): none."""
-        return SINK_COLUMNS if self.sinks and self.attention_kernel == "flash-attn-2" else 0
+        Engine's learnable softmax offset), and so does our context-parallel attention (parallel/context/): none."""
+        return SINK_COLUMNS if self.sinks and self.attention_kernel == "flash-attn-2" and self.cp == 1 else 0
 
     @property
     def value_dim(self) -> int:
