@@ -175,8 +175,8 @@ def layout_flags(run: dict) -> list[str]:
             "--schedule", "interleaved" if run["v"] > 1 else "1f1b", "--virtual-chunks", str(run["v"]),
             *(["--stage-layers", run["stage_layers"]] if run.get("stage_layers") else []),
             "--recompute", run["recompute"], "--precision", run["precision"], "--gpu", run["gpu"],
-            *[arg for key, flag in (("recompute_modules", "--recompute-modules"), ("attention_kernel", "--attention-kernel"))
-              if run.get(key) for arg in (flag, ",".join(run[key]) if isinstance(run[key], list) else run[key])]]
+            *[arg for key in ("recompute_modules", "attention_kernel") if run.get(key)
+              for arg in ("--" + key.replace("_", "-"), run[key])]]
 
 
 def stated_rows(table: dict) -> list[dict]:

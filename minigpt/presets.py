@@ -83,7 +83,7 @@ PRESETS: dict[str, GPTConfig] = {
     # 36 blocks of 128 experts: 116,829,156,672 parameters, 5.13B active without the embedding (the card's 116.83B
     # and 5.13B); 24 blocks of 32: 20,914,757,184 and 3.61B (the card's 20.91B and 3.61B). No balance-loss
     # coefficient is published: none here (--aux-loss-coef sets one).
-    "gpt-oss-120b": GPT_OSS.with_(n_layers=36, n_experts=128),
+    "gpt-oss-120b": GPT_OSS,
     "gpt-oss-20b": GPT_OSS.with_(n_layers=24, n_experts=32),
     # DeepSeek-V3's block in miniature, at tiny-llama's width: multi-head latent attention (4 heads of 32 + 16
     # rotated columns, values of 32, query latent 64, key/value latent 32), the first block dense (SwiGLU 352), then
