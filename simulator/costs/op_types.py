@@ -334,18 +334,15 @@ def check_cp_attention(cp: int, attention: str) -> None:
 def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy, impl: Implementation) -> UnitShape:
     """One micro-batch on one rank: under context parallelism the rank's s/cp tokens of each sequence."""
     check_cp_attention(layout.cp, impl.attention)
-    if model.window_in_use:
-        if impl.attention != "flash":
-            raise ConfigError("a sliding window is priced in a fused attention kernel that skips the band's outside "
-                              "(--attention flash), not in unfused attention's whole square")
-        if cp_merge(layout, impl.cp_attention) != "fused":
-            raise ConfigError(f"a sliding window under --cp {layout.cp} is described with our ring and all-gather "
-                              f"only: this stack's context parallelism ({impl.cp_attention}: torch's context_parallel "
-                              f"or Transformer Engine's ring) takes none")
-    if model.attention_sinks and cp_merge(layout, impl.cp_attention) != "fused":
-        raise ConfigError(f"attention sinks under --cp {layout.cp} are described with our ring and all-gather only: "
-                          f"this stack's context parallelism ({impl.cp_attention}: torch's context_parallel or "
-                          f"Transformer Engine's ring, whose learnable softmax needs its a2a) takes none")
+    if model.window_in_use and impl.attention != "flash":
+        raise ConfigError("a sliding window is priced in a fused attention kernel that skips the band's outside "
+                          "(--attention flash), not in unfused attention's whole square")
+    ours_only = [what for what, has in (("a sliding window", model.window_in_use), ("attention sinks",
+                                                                                   model.attention_sinks)) if has]
+    if ours_only and cp_merge(layout, impl.cp_attention) != "fused":
+        raise ConfigError(f"{' and '.join(ours_only)} under --cp {layout.cp}: described with our ring and "
+                          f"all-gather only; this stack's context parallelism ({impl.cp_attention}: torch's "
+                          f"context_parallel or Transformer Engine's ring) takes none")
     t, s = layout.tp, model.seq_len // layout.cp
     rows = micro_batch * s
     sp = layout.sequence_parallel and t > 1
