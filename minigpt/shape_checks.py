@@ -195,9 +195,9 @@ def _check_rope_yarn(config) -> None:
             not _number(v) or not 0 <= v < float("inf") for v in yarn):
         raise ConfigError(f"rope_yarn must be six finite numbers >= 0 {fields}, got {yarn!r}")
     factor, context, fast, slow = yarn[:4]
-    if not (factor >= 1 and _positive_int(context) and fast > slow > 0):
+    if not (factor >= 1 and _positive_int(context) and fast >= slow > 0):  # equal betas: the ramp a step (Kimi K2)
         raise ConfigError(f"rope_yarn {fields} needs a factor of 1 or more, a whole original context and beta_fast "
-                          f"above beta_slow above 0, got {tuple(yarn)!r}")
+                          f"at least beta_slow, above 0, got {tuple(yarn)!r}")
     if config.positions != "rope" or config.rope_scaling is not None:
         raise ConfigError(f"rope_yarn scales rotary positions (positions rope, without Llama 3.1's rope_scaling): got "
                           f"positions {config.positions}, rope_scaling {config.rope_scaling!r}")

@@ -3,6 +3,8 @@ here, nothing downloaded."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections), Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
-    from zero; also with YaRN), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
+    from zero; also with YaRN, and as Kimi K2 ships it), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
     width / heads, q/k norms; also with YaRN, or a window in its first block) shape, the Qwens' norms with epsilon
     1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
     moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -54,6 +56,18 @@ def transformers_model(shape: str, tmp_path):
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                              "mscale": 1.0, "mscale_all_dim": 0.8})
+    elif shape == "kimi_k2":  # Kimi K2's: DeepSeek-V3's architecture under model_type "kimi_k2" (set after saving),
+        # ungrouped routing with gates scaled by 2.827, one dense block, and YaRN with beta_fast = beta_slow = 1 (its
+        # ramp a step between two whole columns), mscale 1 over 1
+        config = transformers.DeepseekV3Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.827, n_group=1, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, num_mtp_layers=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 1.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0})
     elif shape == "qwen3_yarn":  # Qwen3's long-context YaRN: cos and sin times 0.1 ln 4 + 1
         config = transformers.Qwen3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                           intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -108,4 +122,7 @@ def transformers_model(shape: str, tmp_path):
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.3 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)))
     model.save_pretrained(tmp_path / "hf")
+    if shape == "kimi_k2":  # as Moonshot AI ships it: transformers' DeepSeek-V3 under a model_type of its own
+        saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**saved, "model_type": "kimi_k2"}))
     return model, tmp_path / "hf"

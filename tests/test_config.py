@@ -172,7 +172,7 @@ def test_selective_recompute_and_flash_attention_flops():
     (dict(positions="rope", rope_yarn=(4.0, 8, 32.0)), "rope_yarn must be six"),
     (dict(positions="rope", rope_yarn=(0.5, 8, 32.0, 1.0, 0.0, 0.0)), "factor of 1 or more"),
     (dict(positions="rope", rope_yarn=(4.0, 8.5, 32.0, 1.0, 0.0, 0.0)), "whole original context"),
-    (dict(positions="rope", rope_yarn=(4.0, 8, 1.0, 32.0, 0.0, 0.0)), "beta_fast above beta_slow"),
+    (dict(positions="rope", rope_yarn=(4.0, 8, 1.0, 32.0, 0.0, 0.0)), "beta_fast at least beta_slow"),
     (dict(rope_yarn=(4.0, 8, 32.0, 1.0, 0.0, 0.0)), "positions rope"),
     (dict(positions="rope", rope_scaling=(8.0, 1.0, 4.0, 8), rope_yarn=(4.0, 8, 32.0, 1.0, 0.0, 0.0)),
      "without Llama 3.1's rope_scaling"),

@@ -184,6 +184,12 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
     assert read["parameters"]["total"] == preset_run["parameters"]["total"] == 671_026_404_352 + 11_610_067_968
     assert read["parameters"]["mtp"] == preset_run["parameters"]["mtp"] == 11_610_067_968
     assert read["step_time_s"] == preset_run["step_time_s"]
+    # Kimi K2 ships DeepSeek-V3's architecture under model_type "kimi_k2": read as that layout, the same price
+    (tmp_path / "kimi.json").write_text(json.dumps({**DEEPSEEK_V3_RELEASED, "model_type": "kimi_k2"}))
+    kimi = invoke("simulate", "--model", str(tmp_path / "kimi.json"), "--seq-len", "4096", "--aux-loss-coef",
+                  "0.0001", *layout)
+    assert kimi.exit_code == 0, kimi.output
+    assert json.loads(kimi.stdout)["step_time_s"] == read["step_time_s"]
     # Mistral 7B's own (mistralai/Mistral-7B-v0.1): its 7,241,732,096 parameters, every layer through its window of
     # 4,096 at its 32K context (attention priced as the band), none at 4K
     (tmp_path / "mistral.json").write_text(json.dumps(MISTRAL_7B_RELEASED))

@@ -26,6 +26,9 @@ from minigpt.errors import ConfigError
 from minigpt.hf.moe import config_number, refuse_unless
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+# the model_types read as this layout: DeepSeek-V3's, and Kimi K2's, whose checkpoints are DeepseekV3ForCausalLM's
+# under a model_type of their own (Moonshot AI's deployment guide: set it to "deepseek_v3" where "kimi_k2" is unknown)
+DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
 ATTENTION = "self_attn."
 
 

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
-from minigpt.hf.deepseek import (attention_names, check_deepseek, deepseek_config, deepseek_hf_config, interleaved,
-                                 mtp_copies, mtp_names, router_extras, router_extras_from_hf, shared_names,
-                                 split_sizes)
+from minigpt.hf.deepseek import (DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
+                                 deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
+                                 router_extras_from_hf, shared_names, split_sizes)
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
@@ -151,14 +151,14 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          n_heads=_number(hf, "n_head"), d_model=d_model,
                          d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied,
                          norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
-    if kind == "deepseek_v3":
+    if kind in DEEPSEEK_TYPES:
         return deepseek_config(hf, tied, seq_len, _rope)
     if kind == "gpt_oss":
         return gpt_oss_config(hf, tied, seq_len, _rope, _windows(hf, kind, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'deepseek_v3' and 'gpt_oss' "
-                          f"models")
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'deepseek_v3' (and Kimi K2's "
+                          f"'kimi_k2') and 'gpt_oss' models")
     windows = _windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
