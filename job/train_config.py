@@ -151,14 +151,20 @@ def check_sharding(zero: int, data_ranks: int, shard_group: int = 0, reshard_aft
                           "ranks, or --zero 0")
 
 
+def check_split(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
+                cp_kind: str = "ring") -> None:
+    """ConfigError unless the model's shape takes this tensor- and context-parallel split (the checks above)."""
+    check_tensor_parallel(model, tp, sequence_parallel)
+    check_context_parallel(model, cp, cp_kind, tp, sequence_parallel)
+    check_expert_parallel(model, 1, 1)
+
+
 def shape_allows(model: GPTConfig, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
                  cp_kind: str = "ring") -> bool:
-    """Whether the model's shape takes this tensor- and context-parallel split: the two checks above, asked
-    rather than raised (the searches of simulate, plan and calibrate skip what training would refuse)."""
+    """Whether the model's shape takes this tensor- and context-parallel split: check_split asked rather than
+    raised (the searches of simulate, plan and calibrate skip what training would refuse)."""
     try:
-        check_tensor_parallel(model, tp, sequence_parallel)
-        check_context_parallel(model, cp, cp_kind, tp, sequence_parallel)
-        check_expert_parallel(model, 1, 1)
+        check_split(model, tp, sequence_parallel, cp, cp_kind)
     except ConfigError:
         return False
     return True

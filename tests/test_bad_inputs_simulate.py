@@ -265,7 +265,11 @@ FSDP_ROWS = [  # cli/options/fsdp.py's flags, checked by job/train_config.py's c
     ("simulate", [*SWEEP, "--sync-grads-once"], "needs --zero 3 --no-reshard-after-forward"),
     ("simulate", [*SWEEP, "--zero", "3", "--shard-group", "7"], "--shard-group 7, which must divide the data ranks"),
 ]
-CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS + OUTPUT_ROWS + FSDP_ROWS
+SHAPE_ROWS = [  # a sweep's fixed split that the model's shape refuses: its own reason, not the limits' message
+    ("simulate", [*SWEEP, "--model", "tiny-moe", "--tp", "8"], "does not divide the 4 attention heads"),
+    ("simulate", [*SWEEP, "--seq-len", "100", "--cp", "8"], "which 100 tokens are not"),
+]
+CASES = LIMITS + TOPOLOGY_ROWS + PROFILE_ROWS + TOML_ROWS + OUTPUT_ROWS + FSDP_ROWS + SHAPE_ROWS
 
 
 @pytest.mark.parametrize("command,args,expected", CASES,

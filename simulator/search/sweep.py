@@ -38,7 +38,7 @@ from simulator.costs.hardware import Hardware, load_hardware
 from simulator.limits import (MAX_SCHEDULE_SLOTS, MAX_ZERO3_GATHERS, check_layers, check_sweep, schedule_slots,
                               zero3_gathers)
 from job.layout import Layout
-from job.train_config import check_sharding, routing_ranks, shape_allows
+from job.train_config import check_sharding, check_split, routing_ranks, shape_allows
 from simulator.memory import predict_memory
 from simulator.network.topology import CLUSTER_KINDS, Cluster, build_cluster, whole_servers
 
@@ -162,6 +162,8 @@ def best_layout(job: Job, n_gpus: int, spec: ClusterSpec, global_batch: int, tp:
     """The fastest layout that fits (or, when none fits, the one needing the least memory)."""
     layouts = candidate_layouts(job, n_gpus, spec.gpus_per_node, global_batch, tp, pp)
     if not layouts:
+        if not shape_allows(job.model, tp or 1, job.sequence_parallel, job.cp, job.cp_kind):
+            check_split(job.model, tp or 1, job.sequence_parallel, job.cp, job.cp_kind)  # the shape's own reason
         raise ConfigError(
             f"no layout of {n_gpus} GPUs runs a global batch of {global_batch} in micro-batches of {job.micro_batch} "
             f"(tp={tp or 'any'}, pp={pp or 'any'}{_EP_NOTE.format(ep=job.ep) if job.ep > 1 else ''}"
