@@ -251,6 +251,9 @@ CASES = [
     # plan: an empty name is not the default
     ("plan", ["--gpus", "8", "--hardware", ""], "--hardware is empty"),
     ("plan", ["--gpus", "8", "--gpu", " "], "--gpu is blank"),
+    # plan: a format the GPU has no tensor cores for, before the search (not "no layout fits")
+    ("plan", ["--model", "llama3-70b", "--gpus", "8", "--gpu", "a100-80gb", "--precision", "fp8"],
+     "has no fp8 tensor cores"),
     # claims
     ("claims", ["--only", "nope"], "unknown claim 'nope'"),
     ("claims", ["--only", "swamping", "--markdown", "{root}/claims.md"], "drop --only"),

@@ -397,6 +397,9 @@ def plan(model: GPTConfig, n_gpus: int, spec: ClusterSpec, global_batch: int, pr
     check_expert_parallel(model, ep or 1, ep or 1)  # one line for an ep the model cannot take
     expert_load = check_expert_load(model, expert_load)
     check_dispatcher(model, ep, dispatcher)
+    pol = precision_policy(precision)  # tensor cores for its formats (its Linears' fp8 too), before any search
+    for fmt in (pol.compute, *(("fp8",) if pol.fp8_linears else ())):
+        spec.hardware.gpu.flops(fmt)
     if spec.hardware.gpu.measured is not None:
         raise ConfigError("plan searches GPU clusters: a calibrated CPU host profile's compute depends on how many "
                           "ranks share its cores; simulate its layouts one by one with `minigpt simulate`")
