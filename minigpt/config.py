@@ -64,6 +64,14 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
     # YaRN's correction range rounded out to whole columns (transformers' truncate, its default); False: not
     # rounded (GPT-OSS's)
     rope_yarn_truncate: bool = True
+    # LongRoPE's (Ding et al. 2024, arXiv 2402.13753; transformers' rope_type "longrope": Phi-3.5, Phi-4-mini): each
+    # rotated frequency divided by a factor of its own, the long ones when the context passes the original, cos and
+    # sin times an attention factor: (short_factors, long_factors, original_max_position_embeddings,
+    # attention_factor); None: unscaled
+    rope_longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
+    # the share of each query and key head that rotary positions turn, its last columns (Phi-4-mini: 0.75; transformers'
+    # partial_rotary_factor turns the first ones: its projections are read and written with the columns moved)
+    rotary_fraction: float = 1.0
     # a sliding window (Mistral 7B, Phi-3-mini; transformers' sliding_window): each query attends to itself and the
     # window - 1 tokens before it; 0: to the whole causal context
     window: int = 0
@@ -137,13 +145,26 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
         return self.head_dim if self.d_value is None else self.d_value
 
     @property
-    def rotary_dim(self) -> int:  # the columns of a query or key head rotary positions turn: MLA's last, else all
-        return 0 if self.positions != "rope" else self.rope_head_dim if self.is_mla else self.head_dim
+    def rotary_dim(self) -> int:  # the columns of a query or key head rotary positions turn: its last ones (MLA's)
+        if self.positions != "rope":
+            return 0
+        return self.rope_head_dim if self.is_mla else round(self.head_dim * self.rotary_fraction)
+
+    @property
+    def longrope_factors(self) -> tuple[float, ...] | None:
+        """LongRoPE's factors in use: the long ones when the training context passes the original (transformers picks
+        them by the longest position of a batch, which a full sequence reaches), else the short ones."""
+        if self.rope_longrope is None:
+            return None
+        short, long, original, _ = self.rope_longrope
+        return long if self.seq_len > original else short
 
     @property
     def rope_attention_factor(self) -> float:
         """What YaRN multiplies the rotation's cos and sin by (1 without it): transformers' attention_factor, mscale's
-        over mscale_all_dim's where both are set, else 0.1 ln(factor) + 1."""
+        over mscale_all_dim's where both are set, else 0.1 ln(factor) + 1; LongRoPE's attention factor."""
+        if self.rope_longrope is not None:
+            return self.rope_longrope[3]
         if self.rope_yarn is None:
             return 1.0
         factor, _, _, _, mscale, mscale_all_dim = self.rope_yarn
@@ -298,14 +319,21 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
                 heads += f" (1 block in {self.full_attention_every} full)"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
-                 "learned positions" if self.positions != "rope" else
-                 f"RoPE (YaRN x{self.rope_yarn[0]:g})" if self.rope_yarn else
-                 f"RoPE (scaled x{self.rope_scaling[0]:g})" if self.rope_scaling else "RoPE",
+                 "learned positions" if self.positions != "rope" else self._rope_words(),
                  "tied head" if self.tied_head else "untied head"]
         biases = [] if self.bias else ["q, k, v biases only" if self.qkv_bias else "no bias"]
         ahead = [f"{self.mtp_depth} multi-token prediction module{'s' if self.mtp_depth > 1 else ''} "
                  f"(weight {self.mtp_weight:g})"] if self.mtp_depth else []
         return ", ".join(parts + biases + ahead + [f"seq {self.seq_len}"])
+
+    def _rope_words(self) -> str:
+        scaled = (f"YaRN x{self.rope_yarn[0]:g}" if self.rope_yarn else
+                  f"scaled x{self.rope_scaling[0]:g}" if self.rope_scaling else
+                  f"LongRoPE, {'long' if self.longrope_factors == self.rope_longrope[1] else 'short'} factors"
+                  if self.rope_longrope else "")
+        part = f"{self.rotary_dim} of {self.head_dim} columns" if self.rotary_fraction != 1 else ""
+        inside = "; ".join(word for word in (scaled, part) if word)
+        return f"RoPE ({inside})" if inside else "RoPE"
 
     def with_(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again)."""

@@ -77,12 +77,14 @@ def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device,
                 scaling: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, (seq, head_dim), in fp32; frequency i of the
     first half pairs with i of the second half (the rotate-half convention). Made once per shape
-    and device and shared by every layer (never written to). `scaling`: None, ("llama3", GPTConfig.rope_scaling)
-    or ("yarn", GPTConfig.rope_yarn, its attention factor)."""
+    and device and shared by every layer (never written to). `scaling`: None, ("llama3", GPTConfig.rope_scaling),
+    ("yarn", GPTConfig.rope_yarn, its attention factor, truncate) or ("longrope", its factors, attention factor)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     factor = 1.0
     if scaling is not None and scaling[0] == "llama3":
         inv_freq = llama3_frequencies(inv_freq, *scaling[1])
+    elif scaling is not None and scaling[0] == "longrope":  # each frequency over its own factor (the ones in use)
+        inv_freq, factor = inv_freq / torch.tensor(scaling[1], dtype=torch.float64, device=device), scaling[2]
     elif scaling is not None:
         inv_freq, factor = yarn_frequencies(inv_freq, theta, *scaling[1][:4], truncate=scaling[3]), scaling[2]
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
@@ -179,7 +181,9 @@ class AttentionCore(nn.Module):
         self.rope_theta = config.rope_theta if config.positions == "rope" else None
         self.rope_scaling = (("llama3", config.rope_scaling) if config.rope_scaling is not None else
                              ("yarn", config.rope_yarn, config.rope_attention_factor, config.rope_yarn_truncate)
-                             if config.rope_yarn else None)
+                             if config.rope_yarn else
+                             ("longrope", config.longrope_factors, config.rope_attention_factor)
+                             if config.rope_longrope else None)
         self.scale = config.softmax_scale  # of q @ k^T
         self.window = config.window if window is None else window  # a sliding window (0: none); a block's own
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's

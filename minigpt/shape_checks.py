@@ -141,6 +141,7 @@ def _check_llama_options(config) -> None:
         _check_rope_yarn(config)
     elif config.rope_yarn_truncate is not True:
         raise ConfigError("rope_yarn_truncate rounds YaRN's correction range: set it with rope_yarn only")
+    _check_partial_rotation(config)
     _check_latent_attention(config)
     for name in FLAGS:
         if not isinstance(getattr(config, name), bool):
@@ -202,3 +203,34 @@ def _check_rope_yarn(config) -> None:
         raise ConfigError(f"rope_yarn scales rotary positions (positions rope, without Llama 3.1's rope_scaling): got "
                           f"positions {config.positions}, rope_scaling {config.rope_scaling!r}")
     object.__setattr__(config, "rope_yarn", tuple(yarn))  # a list read from JSON: the same shape
+
+
+def _check_partial_rotation(config) -> None:
+    """rotary_fraction (an even whole number of each head's columns) and rope_longrope (a factor for each rotated
+    pair), both of rotary positions only, LongRoPE instead of the other scalings."""
+    fraction = config.rotary_fraction
+    if not _number(fraction) or not 0 < fraction <= 1:
+        raise ConfigError(f"rotary_fraction must be a number in (0, 1], got {fraction!r}")
+    if fraction != 1 and (config.positions != "rope" or config.kv_lora_rank):
+        raise ConfigError("rotary_fraction turns part of each head by rotary positions: it needs positions rope and "
+                          "no multi-head latent attention (whose rotated columns are rope_head_dim)")
+    turned = config.head_dim * fraction
+    if fraction != 1 and not (turned == round(turned) and round(turned) % 2 == 0 and turned >= 2):
+        raise ConfigError(f"rotary_fraction {fraction} of {config.head_dim}-wide heads turns {turned:g} columns: it "
+                          f"must be an even whole number of them")
+    longrope = config.rope_longrope
+    if longrope is None:
+        return
+    pairs = config.rotary_dim // 2
+    if not (isinstance(longrope, (tuple, list)) and len(longrope) == 4 and all(
+            isinstance(f, (tuple, list)) and len(f) == pairs and all(_number(v) and 0 < v < float("inf") for v in f)
+            for f in longrope[:2]) and _positive_int(longrope[2]) and _number(longrope[3])
+            and 1 <= longrope[3] < float("inf")):
+        raise ConfigError(f"rope_longrope must be (short_factors, long_factors, original_max_position_embeddings, "
+                          f"attention_factor): {pairs} positive factors each (one per rotated pair), a whole original "
+                          f"context and an attention factor of 1 or more, got {longrope!r}")
+    if config.positions != "rope" or config.rope_scaling is not None or config.rope_yarn is not None:
+        raise ConfigError("rope_longrope scales rotary positions: it needs positions rope, without rope_scaling or "
+                          "rope_yarn")
+    object.__setattr__(config, "rope_longrope", (tuple(longrope[0]), tuple(longrope[1]), longrope[2],
+                                                 float(longrope[3])))  # lists read from JSON: the same shape

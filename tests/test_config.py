@@ -174,6 +174,14 @@ def test_selective_recompute_and_flash_attention_flops():
     (dict(positions="rope", rope_yarn=(4.0, 8.5, 32.0, 1.0, 0.0, 0.0)), "whole original context"),
     (dict(positions="rope", rope_yarn=(4.0, 8, 1.0, 32.0, 0.0, 0.0)), "beta_fast at least beta_slow"),
     (dict(rope_yarn=(4.0, 8, 32.0, 1.0, 0.0, 0.0)), "positions rope"),
+    (dict(positions="rope", rotary_fraction=0.0), "rotary_fraction must be a number in"),
+    (dict(positions="rope", rotary_fraction=1.5), "rotary_fraction must be a number in"),
+    (dict(positions="rope", rotary_fraction=0.3), "even whole number"),  # 9.6 of 32 columns
+    (dict(rotary_fraction=0.5), "needs positions rope"),
+    (dict(positions="rope", rope_longrope=((1.0,) * 16, (2.0,) * 15, 8, 1.2)), "one per rotated pair"),
+    (dict(positions="rope", rope_longrope=((1.0,) * 16, (2.0,) * 16, 8, 0.5)), "attention factor of 1 or more"),
+    (dict(positions="rope", rope_longrope=((1.0,) * 16, (2.0,) * 16, 8, 1.2),
+          rope_yarn=(4.0, 8, 32.0, 1.0, 0.0, 0.0)), "without rope_scaling or rope_yarn"),
     (dict(positions="rope", rope_scaling=(8.0, 1.0, 4.0, 8), rope_yarn=(4.0, 8, 32.0, 1.0, 0.0, 0.0)),
      "without Llama 3.1's rope_scaling"),
 ])

@@ -206,3 +206,27 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
     one_line_refusal(invoke("simulate", "--model", str(tmp_path / "bad.json")), "not a JSON object")
     one_line_refusal(invoke("simulate", "--model", str(tmp_path)), "no config.json")
     one_line_refusal(invoke("simulate", "--model", "llama-9"), "unknown model preset", "config.json")
+
+
+def test_phi4_minis_rotation_is_written_back_as_phi3(tmp_path):
+    """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors) read into minigpt and written
+    again: transformers' Phi-3 layout, every tensor the one read (the rotated columns moved back first), and the
+    model transformers opens from it gives minigpt's logits."""
+    from minigpt.hf.files import write_hf_dir
+
+    theirs, hf_dir = transformers_model("phi3_longrope", tmp_path)
+    config = check_hf_dir(hf_dir)
+    assert (config.rotary_dim, config.longrope_factors) == (12, (1.0, 1.5, 2.0, 3.0, 5.0, 8.0))
+    ours = GPT(config).eval()
+    ours.load_state_dict(read_hf_dir(hf_dir, config))
+    written = write_hf_dir(ours.state_dict(), config, tmp_path / "again")
+    again = transformers.AutoModelForCausalLM.from_pretrained(written).eval()
+    assert type(again).__name__ == "Phi3ForCausalLM" and again.config.partial_rotary_factor == 0.75
+    original = dict(theirs.named_parameters())
+    for name, param in again.named_parameters():
+        assert torch.equal(param, original[name]), name
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = again(tokens).logits
+        gap = (ours(tokens) - logits).abs().max().item()
+    assert gap <= 1e-5 * logits.abs().max().item(), gap  # fp32; its frequencies in fp32, ours in fp64 (2e-6 here)

@@ -29,11 +29,14 @@ Torch-free except `to_hf` and `from_hf`, which move tensors.
 
 from __future__ import annotations
 
+import math
+
 from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
 from minigpt.hf.deepseek import (DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
+from minigpt.hf.rope import is_number, read_rope, rope_fields, rotation_moved
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
@@ -42,7 +45,6 @@ from minigpt.hf.moe import config_number as _number  # config.json's number at a
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", *ARCHITECTURES)  # read as Llama's block, plus theirs
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
-LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")  # rope_scaling's
 
 
 def layout_of(config: GPTConfig) -> str:
@@ -76,6 +78,11 @@ def _block_layout(config: GPTConfig) -> str:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
+    if config.rotary_fraction != 1 or config.rope_longrope is not None:
+        if not llama or config.bias or config.qkv_bias or config.qk_norm:
+            raise ConfigError("part of each head rotated (rotary_fraction) or LongRoPE is written in transformers' "
+                              "Phi-3 layout, which holds a bias-free rmsnorm + swiglu + rope model without head norms")
+        return "phi3"
     if config.qk_norm:
         if not llama or config.bias or config.qkv_bias:
             raise ConfigError("per-head q/k norms (--qk-norm) are written in transformers' Qwen3 layout, which holds "
@@ -119,6 +126,12 @@ def hf_config(config: GPTConfig) -> dict:
         "attention_dropout": config.dropout, **rope_fields(config),
     }
     layout = layout_of(config)
+    if layout == "phi3":  # Llama's block with fused projections, part of each head rotated, LongRoPE
+        longrope = {"original_max_position_embeddings": config.rope_longrope[2]} if config.rope_longrope else {}
+        return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **common, **llama,
+                "partial_rotary_factor": config.rotary_fraction, "sliding_window": config.window or None,
+                "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "pad_token_id": None,  # its default
+                **longrope}  # 32000 would be past a smaller vocabulary
     if layout == "mistral":  # Llama's block through a sliding window
         return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **common, **llama,
                 "sliding_window": config.window}
@@ -152,9 +165,9 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                          d_ff=hf.get("n_inner") or 4 * d_model, tied_head=tied,
                          norm_eps=_number(hf, "layer_norm_epsilon", 1e-5))
     if kind in DEEPSEEK_TYPES:
-        return deepseek_config(hf, tied, seq_len, _rope)
+        return deepseek_config(hf, tied, seq_len, read_rope)
     if kind == "gpt_oss":
-        return gpt_oss_config(hf, tied, seq_len, _rope, _windows(hf, kind, seq_len))
+        return gpt_oss_config(hf, tied, seq_len, read_rope, _windows(hf, kind, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'deepseek_v3' (and Kimi K2's "
@@ -164,10 +177,14 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return _llama_config(hf, tied, seq_len)
     if kind in ("qwen3", *ARCHITECTURES):  # their attention's biases are the o projection's too; none in the MLP
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
-    if kind == "phi3":  # Llama's block with fused projections (read apart: unfused), rotating whole heads
+    rotated = 1.0
+    if kind == "phi3":  # Llama's block with fused projections, the first partial_rotary_factor of each head rotated
         rotated = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-        refuse_unless(rotated == 1.0, f"it rotates {rotated} of each head (partial_rotary_factor), minigpt all of it")
-    dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)  # bias-free, but Qwen2's
+        refuse_unless(is_number(rotated), f"its partial_rotary_factor is {rotated!r}")
+    dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len,  # bias-free, but Qwen2's
+                          float(rotated))
+    if kind == "phi3":
+        return dense.with_(**windows)
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
         return dense.with_(qk_norm=kind == "qwen3_moe", **windows, **moe_fields(hf, kind))
     # Qwen2: biases on q, k and v alone
@@ -176,7 +193,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
 
 UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
 LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss")  # whose layer_types say which layers attend through it
-WINDOWED_LAYOUTS = ("mistral", "mixtral", *LAYER_TYPES)  # the layouts minigpt writes a window in
+WINDOWED_LAYOUTS = ("mistral", "mixtral", "phi3", *LAYER_TYPES)  # the layouts minigpt writes a window in
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -231,54 +248,8 @@ def _full_attention(hf: dict, seq_len: int | None) -> bool:
     return window is not None and context <= _number(hf, "sliding_window")
 
 
-def _rope(hf: dict) -> tuple[float, dict]:
-    """(base, the GPTConfig fields of its scaling: rope_scaling or rope_yarn, none when unscaled) of a transformers 5
-    rope_parameters or a transformers 4 rope_theta and rope_scaling; ConfigError for a scaling minigpt does not
-    compute (Llama 3.1's "llama3" and YaRN's "yarn" it does)."""
-    parameters, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
-    refuse_unless(isinstance(parameters, dict) and isinstance(legacy, dict),
-                  f"its rope_parameters / rope_scaling are {parameters!r} / {legacy!r}")
-    rope = {"rope_theta": hf.get("rope_theta") or 10000.0, **parameters, **legacy}
-    kind = next((d.get("rope_type", d.get("type")) for d in (legacy, parameters) if d.get("rope_type", d.get("type"))),
-                "default")
-    theta = float(_number(rope, "rope_theta"))
-    if kind == "default":
-        return theta, {}
-    if kind == "yarn":
-        refuse_unless(rope.get("attention_factor") is None and rope.get("truncate", True) in (True, False)
-                      and rope.get("factor") is not None and "original_max_position_embeddings" in rope,
-                      f"its YaRN scaling ({rope}) sets attention_factor or a truncate neither true nor false, or "
-                      f"leaves out factor or original_max_position_embeddings")
-        context = _number(rope, "original_max_position_embeddings")
-        refuse_unless(float(context).is_integer(), f"its YaRN original_max_position_embeddings is {context!r}")
-        unset = {"beta_fast": 32, "beta_slow": 1, "mscale": 0, "mscale_all_dim": 0}  # transformers' defaults, None
-        numbers = {key: float(_number(rope, key, default) if rope.get(key) is not None else default)
-                   for key, default in unset.items()}
-        truncate = {} if rope.get("truncate", True) else {"rope_yarn_truncate": False}
-        return theta, {"rope_yarn": (float(_number(rope, "factor")), int(context), *numbers.values()), **truncate}
-    refuse_unless(kind == "llama3" and all(key in rope for key in LLAMA3_ROPE),
-                  f"its rotary embedding is scaled as {kind!r} ({rope}); minigpt computes Llama 3.1's 'llama3' "
-                  f"and YaRN's 'yarn'")
-    return theta, {"rope_scaling": tuple(_number(rope, key) for key in LLAMA3_ROPE)}
-
-
-def rope_fields(config: GPTConfig) -> dict:
-    """rope_parameters (and transformers 4's rope_scaling) of `config`'s rotation, as _rope reads them."""
-    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-    if config.rope_scaling is not None:
-        rope = {**rope, "rope_type": "llama3", **dict(zip(LLAMA3_ROPE, config.rope_scaling))}
-    elif config.rope_yarn is not None:
-        factor, context, fast, slow, mscale, mscale_all_dim = config.rope_yarn
-        rope = {**rope, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": context,
-                "beta_fast": fast, "beta_slow": slow, **({"mscale": mscale} if mscale else {}),
-                **({"mscale_all_dim": mscale_all_dim} if mscale_all_dim else {}),
-                **({} if config.rope_yarn_truncate else {"truncate": False})}
-    return {"rope_theta": float(config.rope_theta), "rope_parameters": rope,  # transformers 4 reads rope_theta,
-            **({"rope_scaling": rope} if rope["rope_type"] != "default" else {})}  # 5 rope_parameters, 4 this
-
-
-def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
-    theta, scaling = _rope(hf)
+def _llama_config(hf: dict, tied: bool, seq_len: int | None, rotated: float = 1.0) -> GPTConfig:
+    theta, scaling = read_rope(hf)
     refuse_unless(hf.get("hidden_act", "silu") == "silu", f"its MLP activation is {hf.get('hidden_act')!r}, not silu")
     bias = hf.get("attention_bias", False)
     refuse_unless(bias == hf.get("mlp_bias", False), "it has biases in the attention or the MLP, not both")
@@ -292,7 +263,7 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
                      n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
                      d_ff=_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
                      positions="rope", rope_theta=theta, **scaling, bias=bool(bias),
-                     norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+                     norm_eps=_number(hf, "rms_norm_eps", 1e-6), rotary_fraction=rotated,
                      d_head=None if head_dim is None or head_dim * heads == width else head_dim)
 
 
@@ -316,7 +287,8 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
             table |= {**_llama_block(ours, theirs, config, mlp=not moe, attention=False),
                       **attention_names(config, ours, theirs), **(shared_names(config, i, theirs) if moe else {})}
         else:
-            table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe)
+            table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe,
+                                                                          fused=layout == "phi3")
         if layout == "gpt_oss":
             table |= gpt_oss_names(ours, theirs)
         elif moe:
@@ -335,13 +307,16 @@ def _gpt2_block(ours: str, theirs: str) -> dict:
     return table
 
 
-def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True, attention: bool = True) -> dict:
+def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True, attention: bool = True,
+                 fused: bool = False) -> dict:
+    """Llama's block names; `fused`: Phi-3's, whose qkv_proj and gate_up_proj hold our fused Linears' rows as ours."""
     table = {ours + "ln1.weight": (theirs + "input_layernorm.weight",),
              ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",)}
-    linears = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "attn.proj": ("self_attn.o_proj",)} if attention else {}
+    qkv = ("self_attn.qkv_proj",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    linears = {"attn.qkv": qkv, "attn.proj": ("self_attn.o_proj",)} if attention else {}
     if mlp:
-        linears |= {"mlp.fc1": ("mlp.gate_proj", "mlp.up_proj"), "mlp.fc2": ("mlp.down_proj",)}
+        linears |= {"mlp.fc1": ("mlp.gate_up_proj",) if fused else ("mlp.gate_proj", "mlp.up_proj"),
+                    "mlp.fc2": ("mlp.down_proj",)}
     for mine, hf in linears.items():
         table[ours + mine + ".weight"] = tuple(theirs + name + ".weight" for name in hf)
         if config.linear_bias(mine):
@@ -382,6 +357,8 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
             tensor = tensor.t()
         if layout == "deepseek_v3":  # its rotated rows in DeepSeek's neighbouring pairs
             tensor = interleaved(tensor, config, ours, to_hf=True)
+        if ours.endswith("attn.qkv.weight"):  # a partial rotation's columns first, as transformers turns them
+            tensor = rotation_moved(tensor, config, to_hf=True)
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
         out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
     for layer in _moe_layers(config):
@@ -448,6 +425,8 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
         tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if layout == "deepseek_v3":  # its rotated rows back in our rotate-half pairs
             tensor = interleaved(tensor, config, ours, to_hf=False)
+        if ours.endswith("attn.qkv.weight"):  # a partial rotation's columns last, as ours turns them
+            tensor = rotation_moved(tensor, config, to_hf=False)
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
     for layer in _moe_layers(config):
         if layout == "gpt_oss":
