@@ -54,7 +54,8 @@ def layer_model(row: dict) -> GPTConfig:
 
 
 def priced(row: dict, stack: str, gpu) -> dict:
-    """The simulator's seconds of the row's MoE layer, forward and backward, split into its experts' GEMMs and the rest."""
+    """The simulator's seconds of the row's MoE layer, forward and backward, split into its experts' GEMMs and the
+    rest."""
     ops = block_ops(layer_model(row), row["tokens"] // 2048, Layout(), policy("bf16"),
                     stack_default(stack, "flash", "none"), True)
     passes = {"forward": ops.forward, "backward": [op for op in ops.backward if op.phase != RECOMPUTE]}
@@ -95,12 +96,11 @@ def table(rows: list[dict], gpu) -> list[dict]:
         entry["measured"] = {name: row[name] for name in ("megatron", "sonicmoe")}
         for stack in STACKS:
             price = priced(row, stack, gpu)
+            passes = (("forward", fwd_flops), ("backward", bwd_flops))
             entry[stack] = {
-                "tflops": [fwd_flops / price["forward"]["seconds"] / 1e12, bwd_flops / price["backward"]["seconds"] / 1e12],
-                "expert_gemm_tflops": [fwd_flops / price["forward"]["expert_gemms_s"] / 1e12,
-                                       bwd_flops / price["backward"]["expert_gemms_s"] / 1e12],
-                "rest_per_tflop": [(price[p]["seconds"] - price[p]["expert_gemms_s"]) / f * 1e12
-                                   for p, f in (("forward", fwd_flops), ("backward", bwd_flops))],
+                "tflops": [f / price[p]["seconds"] / 1e12 for p, f in passes],
+                "expert_gemm_tflops": [f / price[p]["expert_gemms_s"] / 1e12 for p, f in passes],
+                "rest_per_tflop": [(price[p]["seconds"] - price[p]["expert_gemms_s"]) / f * 1e12 for p, f in passes],
             }
         out.append(entry)
     return out
@@ -112,13 +112,17 @@ def report(entries: list[dict], fits: dict) -> None:
     print("|---|---|---|---|---|---|---|")
     for e in entries:
         meg, core, ours = e["measured"]["megatron"], e["megatron-core"]["tflops"], e["executor"]["tflops"]
+        sonic = e["measured"]["sonicmoe"]
         print(f"| {e['model']} d {e['d_model']} | {e['expert_width']} / {e['experts']} / {e['top_k']} "
-              f"| {meg[0]} / {meg[1]} | {core[0]:.0f} / {core[1]:.0f} | {core[0] / meg[0]:.2f} / {core[1] / meg[1]:.2f} "
-              f"| {ours[0]:.0f} / {ours[1]:.0f} | {e['measured']['sonicmoe'][0]} / {e['measured']['sonicmoe'][1]} |")
-    ratios = np.array([[e["megatron-core"]["tflops"][i] / e["measured"]["megatron"][i] for i in (0, 1)] for e in entries])
+              f"| {meg[0]} / {meg[1]} | {core[0]:.0f} / {core[1]:.0f} "
+              f"| {core[0] / meg[0]:.2f} / {core[1] / meg[1]:.2f} | {ours[0]:.0f} / {ours[1]:.0f} "
+              f"| {sonic[0]} / {sonic[1]} |")
+    ratios = np.array([[e["megatron-core"]["tflops"][i] / e["measured"]["megatron"][i] for i in (0, 1)]
+                       for e in entries])
     print(f"megatron-core priced over Megatron measured: forward {ratios[:, 0].min():.2f}-{ratios[:, 0].max():.2f}, "
           f"backward {ratios[:, 1].min():.2f}-{ratios[:, 1].max():.2f} (TFLOP/s: above 1, the price is faster)")
-    print("\nwhat the Megatron forward splits into, per d (1 / TF = a + b / n over its layers), against the price's own split:")
+    print("\nwhat the Megatron forward splits into, per d (1 / TF = a + b / n over its layers), against the price's "
+          "own split:")
     print("| d | layers | measured grouped GEMMs TF/s (1 / a) | priced expert GEMMs TF/s | measured routed rows b / n at "
           "n = 512 (ms per TFLOP) | priced rest at n = 512 | fit's worst miss |")
     print("|---|---|---|---|---|---|---|")

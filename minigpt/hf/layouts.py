@@ -1,5 +1,5 @@
-"""The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Qwen2
-(Qwen2ForCausalLM, also Qwen2.5's) and Qwen3 (Qwen3ForCausalLM).
+"""The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Phi-3
+(Phi3ForCausalLM), Qwen2 (Qwen2ForCausalLM, also Qwen2.5's) and Qwen3 (Qwen3ForCausalLM).
 
 A shape is written in the layout that holds it exactly, and refused (ConfigError, one line) when neither does:
 
@@ -13,7 +13,11 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
   q_proj, k_proj and v_proj by rows; our fused fc1 (gate rows, then up rows) into gate_proj and up_proj.
   Mistral's checkpoints (MistralForCausalLM) are read as Llama's block, which they are when their sliding window
   holds the whole training context (or they have none); Phi-3's and Phi-4's (Phi3ForCausalLM) too, their fused
-  qkv_proj and gate_up_proj split into Llama's pieces as they are read (`unfused`), when they rotate whole heads.
+  qkv_proj and gate_up_proj split into Llama's pieces as they are read (`unfused`), when they rotate whole heads
+  without LongRoPE.
+- Phi-3: Llama's block with fused qkv_proj and gate_up_proj (our fused Linears' rows as they are), for a model that
+  rotates part of each head (rotary_fraction; transformers' partial_rotary_factor turns each head's first columns,
+  ours the last: minigpt/hf/rope.py moves the query and key rows) or by LongRoPE (Phi-3.5-mini, Phi-4-mini).
 - Qwen2: Llama's block with biases on q_proj, k_proj and v_proj and none elsewhere (ours: --no-bias --qkv-bias),
   every norm with the one epsilon (rms_norm_eps); a sliding window in the layers its layer_types name (every one,
   or all but every N-th: GPTConfig.full_attention_every, Gemma 3's and GPT-OSS's pattern).
@@ -29,19 +33,17 @@ Torch-free except `to_hf` and `from_hf`, which move tensors.
 
 from __future__ import annotations
 
-import math
-
 from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
 from minigpt.hf.deepseek import (DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
-from minigpt.hf.rope import is_number, read_rope, rope_fields, rotation_moved
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
+from minigpt.hf.rope import is_number, read_rope, rope_fields, rotation_moved
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", *ARCHITECTURES)  # read as Llama's block, plus theirs
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU

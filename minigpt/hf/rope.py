@@ -13,9 +13,9 @@ LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 
 def read_rope(hf: dict) -> tuple[float, dict]:
-    """(base, the GPTConfig fields of its scaling: rope_scaling, rope_yarn or rope_longrope, none when unscaled) of a transformers 5
-    rope_parameters or a transformers 4 rope_theta and rope_scaling; ConfigError for a scaling minigpt does not
-    compute (Llama 3.1's "llama3", YaRN's "yarn" and LongRoPE's "longrope" it does)."""
+    """(base, the GPTConfig fields of its scaling: rope_scaling, rope_yarn or rope_longrope, none when unscaled) of
+    a transformers 5 rope_parameters or a transformers 4 rope_theta and rope_scaling; ConfigError for a scaling
+    minigpt does not compute (Llama 3.1's "llama3", YaRN's "yarn" and LongRoPE's "longrope" it does)."""
     parameters, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
     refuse_unless(isinstance(parameters, dict) and isinstance(legacy, dict),
                   f"its rope_parameters / rope_scaling are {parameters!r} / {legacy!r}")
@@ -48,7 +48,8 @@ def read_rope(hf: dict) -> tuple[float, dict]:
 def longrope(hf: dict, rope: dict) -> tuple:
     """rope_longrope of a config.json, as transformers' _compute_longrope_parameters reads it: the original context
     (the rotation's or the config's original_max_position_embeddings), the attention factor its own, else
-    sqrt(1 + ln(factor) / ln(original)) (1 when factor <= 1), factor its own, else max_position_embeddings / original."""
+    sqrt(1 + ln(factor) / ln(original)) (1 when factor <= 1), factor its own, else max_position_embeddings /
+    original."""
     original = rope.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
     factors = [rope.get(key) for key in ("short_factor", "long_factor")]
     refuse_unless(isinstance(original, int) and not isinstance(original, bool) and original > 1
