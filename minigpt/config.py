@@ -78,6 +78,9 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
     # with a window: every this-many-th block (blocks k - 1, 2k - 1, ...) attends to the whole context, the others
     # through the window (Gemma 3: 6, GPT-OSS: 2; transformers' layer_types); 0: every block through the window
     full_attention_every: int = 0
+    # every this-many-th block (blocks k - 1, 2k - 1, ...) attends without rotary positions (SmolLM3: 4, transformers'
+    # no_rope_layers), the others rotate; 0: every block rotates
+    nope_every: int = 0
     bias: bool = True  # biases in every Linear
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
@@ -276,12 +279,22 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
             return self.n_layers
         return self.n_layers // self.full_attention_every if self.full_attention_every else 0
 
-    def uniform(self, window: int) -> "GPTConfig":
-        """This model with every block attending as one of its blocks does, through `window` (0: the whole context):
-        how a block of a per-layer pattern is priced on its own."""
-        if not self.full_attention_every and window == self.window_in_use:
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) turns its queries and keys by rotary positions: every one of a rotary
+        model, except every nope_every-th."""
+        every = self.nope_every
+        return self.positions == "rope" and not (every and (layer + 1) % every == 0)
+
+    def layer_kind(self, layer: int) -> tuple[int, bool]:
+        """(sliding window, rotates) of block `layer`: what a block of a per-layer pattern is priced by."""
+        return self.layer_window(layer), self.layer_rotates(layer)
+
+    def uniform(self, window: int, rotates: bool = True) -> "GPTConfig":
+        """This model with every block attending as one of its blocks does, through `window` (0: the whole context)
+        and with or without rotary positions: how a block of a per-layer pattern is priced on its own."""
+        if not self.full_attention_every and window == self.window_in_use and not self.nope_every and rotates:
             return self
-        return self.with_(window=window, full_attention_every=0)
+        return self.with_(window=window, full_attention_every=0, nope_every=0 if rotates else 1)
 
     @property
     def n_moe_layers(self) -> int:
@@ -317,6 +330,8 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
             heads += f", window {self.window}"
             if self.full_attention_every:
                 heads += f" (1 block in {self.full_attention_every} full)"
+        if self.nope_every:
+            heads += f", no rotation in 1 block in {self.nope_every}"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
                  "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
                  "learned positions" if self.positions != "rope" else self._rope_words(),

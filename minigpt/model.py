@@ -174,11 +174,11 @@ class AttentionCore(nn.Module):
     selective recomputation runs again (parallel/recompute.py). `positions` and `attend` are what a rank
     holding part of each sequence changes (parallel/context/apply.py's subclass); the rest is the same."""
 
-    def __init__(self, config: GPTConfig, window: int | None = None):
+    def __init__(self, config: GPTConfig, window: int | None = None, rotates: bool = True):
         super().__init__()
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
         self.qk_dim, self.v_dim, self.rotary = config.qk_head_dim, config.v_head_dim, config.rotary_dim
-        self.rope_theta = config.rope_theta if config.positions == "rope" else None
+        self.rope_theta = config.rope_theta if config.positions == "rope" and rotates else None  # a block's own
         self.rope_scaling = (("llama3", config.rope_scaling) if config.rope_scaling is not None else
                              ("yarn", config.rope_yarn, config.rope_attention_factor, config.rope_yarn_truncate)
                              if config.rope_yarn else
@@ -234,13 +234,14 @@ class AttentionCore(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """`window`: the block's sliding window (GPTConfig.layer_window; None: the model's)."""
+    """`window`: the block's sliding window (GPTConfig.layer_window; None: the model's); `rotates`: whether it turns
+    its queries and keys by rotary positions (GPTConfig.layer_rotates)."""
 
-    def __init__(self, config: GPTConfig, window: int | None = None):
+    def __init__(self, config: GPTConfig, window: int | None = None, rotates: bool = True):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.d_model, config.qkv_width, bias=config.linear_bias("attn.qkv"))
-        self.core = AttentionCore(config, window)
+        self.core = AttentionCore(config, window, rotates)
         self.proj = nn.Linear(config.attention_width, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -319,7 +320,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1 = make_norm(config)
         window = config.layer_window(layer)
-        self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(config, window)
+        self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(config, window,
+                                                                                         config.layer_rotates(layer))
         self.ln2 = make_norm(config)
         self.mlp = MoE(config, layer) if config.is_moe_layer(layer) else MLP(config)
 

@@ -50,6 +50,12 @@ def check_shape(config) -> None:
     if every and config.mtp_depth:
         raise ConfigError("full_attention_every with multi-token prediction modules: no model has both, and which "
                           "attention a module's block takes is not defined")
+    nope = config.nope_every
+    if not isinstance(nope, int) or isinstance(nope, bool) or nope < 0:
+        raise ConfigError(f"nope_every must be a whole number >= 0 (0: every block rotates), got {nope!r}")
+    if nope and (config.positions != "rope" or config.kv_lora_rank):
+        raise ConfigError("nope_every leaves rotary positions out of some blocks: it needs positions rope and no "
+                          "multi-head latent attention")
     if config.window and config.kv_lora_rank:
         raise ConfigError("a sliding window with multi-head latent attention: no model has both, minigpt neither")
     eps = config.norm_eps

@@ -174,6 +174,8 @@ def test_selective_recompute_and_flash_attention_flops():
     (dict(positions="rope", rope_yarn=(4.0, 8.5, 32.0, 1.0, 0.0, 0.0)), "whole original context"),
     (dict(positions="rope", rope_yarn=(4.0, 8, 1.0, 32.0, 0.0, 0.0)), "beta_fast at least beta_slow"),
     (dict(rope_yarn=(4.0, 8, 32.0, 1.0, 0.0, 0.0)), "positions rope"),
+    (dict(positions="rope", nope_every=-1), "nope_every must be a whole number"),
+    (dict(nope_every=2), "needs positions rope"),
     (dict(positions="rope", rotary_fraction=0.0), "rotary_fraction must be a number in"),
     (dict(positions="rope", rotary_fraction=1.5), "rotary_fraction must be a number in"),
     (dict(positions="rope", rotary_fraction=0.3), "even whole number"),  # 9.6 of 32 columns

@@ -208,20 +208,26 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
     one_line_refusal(invoke("simulate", "--model", "llama-9"), "unknown model preset", "config.json")
 
 
-def test_phi4_minis_rotation_is_written_back_as_phi3(tmp_path):
-    """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors) read into minigpt and written
-    again: transformers' Phi-3 layout, every tensor the one read (the rotated columns moved back first), and the
-    model transformers opens from it gives minigpt's logits."""
+@pytest.mark.parametrize("shape, written_as", [("phi3_longrope", "Phi3ForCausalLM"),
+                                               ("smollm3", "SmolLM3ForCausalLM")])
+def test_rotations_of_some_columns_or_blocks_are_written_back(tmp_path, shape, written_as):
+    """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors) and SmolLM3's (none in every
+    second block here) read into minigpt and written again: transformers' Phi-3 or SmolLM3 layout, every tensor the
+    one read (the rotated columns moved back first), and the model transformers opens from it gives minigpt's
+    logits."""
     from minigpt.hf.files import write_hf_dir
 
-    theirs, hf_dir = transformers_model("phi3_longrope", tmp_path)
+    theirs, hf_dir = transformers_model(shape, tmp_path)
     config = check_hf_dir(hf_dir)
-    assert (config.rotary_dim, config.longrope_factors) == (12, (1.0, 1.5, 2.0, 3.0, 5.0, 8.0))
+    if shape == "phi3_longrope":
+        assert (config.rotary_dim, config.longrope_factors) == (12, (1.0, 1.5, 2.0, 3.0, 5.0, 8.0))
+    else:
+        assert [config.layer_rotates(layer) for layer in range(4)] == [True, False, True, False]
     ours = GPT(config).eval()
     ours.load_state_dict(read_hf_dir(hf_dir, config))
     written = write_hf_dir(ours.state_dict(), config, tmp_path / "again")
     again = transformers.AutoModelForCausalLM.from_pretrained(written).eval()
-    assert type(again).__name__ == "Phi3ForCausalLM" and again.config.partial_rotary_factor == 0.75
+    assert type(again).__name__ == written_as
     original = dict(theirs.named_parameters())
     for name, param in again.named_parameters():
         assert torch.equal(param, original[name]), name

@@ -67,6 +67,9 @@ def model_options(default: str) -> Callable:
         click.option("--rotary-fraction", "rotary_fraction", type=float,
                      help="The share of each query and key head rotary positions turn, its last columns (Phi-4-mini: "
                           "0.75, Nemotron-4: 0.5; an even number of columns) [default: the preset's, 1]."),
+        click.option("--nope-every", "nope_every", type=int,
+                     help="Every N-th block attends without rotary positions (SmolLM3: 4); 0: every block rotates "
+                          "[default: the preset's, 0]."),
         click.option("--window", type=int,
                      help="A sliding window: each query attends to itself and the window - 1 tokens before it "
                           "(Mistral 7B: 4096; 0: the whole context) [default: the preset's]."),
@@ -209,6 +212,7 @@ def model_from_options(options: dict) -> GPTConfig:
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
         window=options.get("window"), full_attention_every=options.get("full_attention_every"),
         attention_sinks=options.get("attention_sinks"), rotary_fraction=options.get("rotary_fraction"),
+        nope_every=options.get("nope_every"),
         mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
         **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
         **_expert_fields(options, base),
@@ -250,7 +254,7 @@ def shape_flags_given(options: dict) -> list[str]:
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim",
                                "qk_norm", "window", "full_attention_every", "attention_sinks", "rope_yarn",
-                               "rotary_fraction",
+                               "rotary_fraction", "nope_every",
                                "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)

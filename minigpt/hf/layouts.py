@@ -1,5 +1,6 @@
 """The plain GPT in Hugging Face transformers' layouts: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Phi-3
-(Phi3ForCausalLM), Qwen2 (Qwen2ForCausalLM, also Qwen2.5's) and Qwen3 (Qwen3ForCausalLM).
+(Phi3ForCausalLM), SmolLM3 (SmolLM3ForCausalLM), Qwen2 (Qwen2ForCausalLM, also Qwen2.5's) and Qwen3
+(Qwen3ForCausalLM).
 
 A shape is written in the layout that holds it exactly, and refused (ConfigError, one line) when neither does:
 
@@ -18,6 +19,8 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
 - Phi-3: Llama's block with fused qkv_proj and gate_up_proj (our fused Linears' rows as they are), for a model that
   rotates part of each head (rotary_fraction; transformers' partial_rotary_factor turns each head's first columns,
   ours the last: minigpt/hf/rope.py moves the query and key rows) or by LongRoPE (Phi-3.5-mini, Phi-4-mini).
+- SmolLM3: Llama's block, every no_rope_layer_interval-th layer without rotary positions (no_rope_layers; ours:
+  nope_every), no sliding window.
 - Qwen2: Llama's block with biases on q_proj, k_proj and v_proj and none elsewhere (ours: --no-bias --qkv-bias),
   every norm with the one epsilon (rms_norm_eps); a sliding window in the layers its layer_types name (every one,
   or all but every N-th: GPTConfig.full_attention_every, Gemma 3's and GPT-OSS's pattern).
@@ -45,7 +48,7 @@ from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_f
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
 from minigpt.hf.rope import is_number, read_rope, rope_fields, rotation_moved
 
-LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", *ARCHITECTURES)  # read as Llama's block, plus theirs
+LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", *ARCHITECTURES)  # Llama's block, and theirs
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 
 
@@ -80,6 +83,12 @@ def _block_layout(config: GPTConfig) -> str:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
+    if config.nope_every:
+        if not llama or config.qkv_bias or config.qk_norm or config.rotary_fraction != 1 or config.rope_longrope \
+                or config.window_in_use:
+            raise ConfigError("blocks without rotary positions (nope_every) are written in transformers' SmolLM3 "
+                              "layout, which holds Llama's block (whole heads rotated, no window, no head norms)")
+        return "smollm3"
     if config.rotary_fraction != 1 or config.rope_longrope is not None:
         if not llama or config.bias or config.qkv_bias or config.qk_norm:
             raise ConfigError("part of each head rotated (rotary_fraction) or LongRoPE is written in transformers' "
@@ -134,6 +143,11 @@ def hf_config(config: GPTConfig) -> dict:
                 "partial_rotary_factor": config.rotary_fraction, "sliding_window": config.window or None,
                 "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "pad_token_id": None,  # its default
                 **longrope}  # 32000 would be past a smaller vocabulary
+    if layout == "smollm3":  # Llama's block, every nope_every-th without rotary positions
+        rotates = [int(config.layer_rotates(layer)) for layer in range(config.n_layers)]
+        return {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", **common, **llama,
+                "mlp_bias": config.bias, "no_rope_layers": rotates, "no_rope_layer_interval": config.nope_every,
+                "use_sliding_window": False, "pad_token_id": None}
     if layout == "mistral":  # Llama's block through a sliding window
         return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **common, **llama,
                 "sliding_window": config.window}
@@ -177,6 +191,9 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     windows = _windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
+    if kind == "smollm3":  # Llama's block, every no_rope_layer_interval-th without rotary positions
+        plain = _llama_config(hf, tied, seq_len)
+        return plain.with_(nope_every=_nope_every(hf, plain.n_layers))
     if kind in ("qwen3", *ARCHITECTURES):  # their attention's biases are the o projection's too; none in the MLP
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
     rotated = 1.0
@@ -187,6 +204,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
                           float(rotated))
     if kind == "phi3":
         return dense.with_(**windows)
+
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
         return dense.with_(qk_norm=kind == "qwen3_moe", **windows, **moe_fields(hf, kind))
     # Qwen2: biases on q, k and v alone
@@ -248,6 +266,19 @@ def _full_attention(hf: dict, seq_len: int | None) -> bool:
         return True
     context = seq_len or _number(hf, "max_position_embeddings")
     return window is not None and context <= _number(hf, "sliding_window")
+
+
+def _nope_every(hf: dict, layers: int) -> int:
+    """SmolLM3's no_rope_layers (1: the layer rotates) as nope_every: every no_rope_layer_interval-th layer without
+    rotary positions (its default list), or none; ConfigError for another pattern or a sliding window."""
+    refuse_unless(not hf.get("use_sliding_window"), "it attends through a sliding window in its unrotated layers")
+    every = _number(hf, "no_rope_layer_interval", 4)
+    listed = hf.get("no_rope_layers")
+    if listed is None or listed == [1] * layers:
+        return 0 if listed is not None else every
+    refuse_unless(listed == [int((layer + 1) % every != 0) for layer in range(layers)],
+                  f"its unrotated layers (no_rope_layers {listed}) are not every {every}-th")
+    return every
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None, rotated: float = 1.0) -> GPTConfig:

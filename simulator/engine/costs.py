@@ -137,8 +137,8 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
                 profile: EfficiencyProfile | None, host: HostCompute | None, memo: dict | None = None):
     """times(layers, first, last, stage, moe, window) -> (forward, backward, exposed tp forward, exposed tp backward,
     recompute, weight, exposed cp forward, exposed cp backward, exposed ep forward, exposed ep backward, hidden ep
-    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'; `window`: under a per-layer
-    pattern (GPTConfig.full_attention_every) the blocks' sliding window (0: none; None: the model's own).
+    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'; `window`: the blocks' kind
+    (GPTConfig.layer_kind: their sliding window, 0 none, and whether they rotate; None: the model's own).
     `memo`: the units priced so far, keyed by what their price depends on, which a caller may share between layouts
     of one model, cluster, precision and implementation (minigpt plan's bound: a unit of one tp and micro-batch
     serves every dp, ZeRO stage and schedule, and every pp but the head's, whose replicated tensors depend on it)."""
@@ -154,7 +154,7 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
     def times(layers: int, first: bool, last: bool, stage: int = 0, moe: bool = False, window: int | None = None):
         key = unit_key(layers, first, last, moe, window)
         if key not in memo:
-            model = job.model if window is None else job.model.uniform(window)  # itself unless a pattern
+            model = job.model if window is None else job.model.uniform(*window)  # itself unless a pattern
             ct = chunk_times(model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
                              first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
@@ -350,7 +350,7 @@ def _rank_actions(job: _Job, times, implementation: Implementation, pol, sized: 
                 block = 0 if embedding or head else 1
                 layer = layers[position - (1 if chunk == 0 else 0)] if block else None
                 moe = bool(block) and model.is_moe_layer(layer)
-                window = model.layer_window(layer) if block else None
+                window = model.layer_kind(layer) if block else None  # its (window, rotates)
                 f, b, ftp, btp, again, weight, first_half, *exchanged = times(block, embedding, head, rank, moe, window)
                 priced = times.unit(block, embedding, head, moe, window)
                 per_step += priced.per_step_s

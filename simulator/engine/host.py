@@ -114,9 +114,10 @@ def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: in
     shape = "mixture of experts' blocks" if model.is_moe else "blocks"
     where = f"tp {layout.tp}" + (f", cp {layout.cp}" if layout.cp > 1 else "") + f", {fmt}"
     missing = None
-    if model.window_in_use and model.full_attention_every:  # a unit is one block's kind: the pattern has two
-        units, dense = None, None
-        missing = "a unit measured per model, not per block: the roofline prices a pattern of windowed and full blocks"
+    if (model.window_in_use and model.full_attention_every) or model.nope_every:  # a unit is one block's kind:
+        units, dense = None, None  # the pattern has two
+        missing = ("a unit measured per model, not per block: the roofline prices a pattern of windowed and full "
+                   "blocks, or of rotating and unrotated ones")
     elif model.attention_sinks or model.router_bias:  # a measured unit's key does not tell these apart
         units, dense = None, None
         missing = "measured units are not told apart by attention sinks or a router bias: the roofline prices them"
