@@ -237,7 +237,8 @@ def block_tensors(model: GPTConfig, tp: int, moe: bool | None = None) -> list[Te
     moe = model.is_moe if moe is None else moe
     mlp = _moe_tensors(model) if moe else [*_linear("mlp.fc1", model.mlp_in_width, d, model, tp, True),
                                            *_linear("mlp.fc2", d, f, model, tp, False)]
-    return [*_norm("ln1", model), *_attention_tensors(model, tp), *_norm("ln2", model), *mlp]
+    post = [*_norm("post_attn_norm", model), *_norm("post_mlp_norm", model)] if model.post_norms else []  # Gemma's
+    return [*_norm("ln1", model), *_attention_tensors(model, tp), *_norm("ln2", model), *mlp, *post]
 
 
 def _attention_tensors(model: GPTConfig, tp: int) -> list[Tensor]:

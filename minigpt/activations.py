@@ -23,9 +23,9 @@ class ActivationArithmetic:
     @property
     def mlp_saved_widths(self) -> int:
         """What an MLP keeps per token in widths of its hidden layer: fc1's output and fc2's input (GELU, squared
-        ReLU: 2), SwiGLU's gate and up, its silu(gate) and fc2's input (4), the clamped SwiGLU's fc1 output (it
+        ReLU: 2), SwiGLU's (GeGLU's) gate and up, its silu(gate) and fc2's input (4), the clamped SwiGLU's fc1 output (it
         saves only that and recomputes the rest: minigpt/moe.py's ClampedSwiGLU) and fc2's input (3)."""
-        return {"swiglu": 4, "clamped-swiglu": 3}.get(self.mlp, 2)
+        return {"swiglu": 4, "geglu": 4, "clamped-swiglu": 3}.get(self.mlp, 2)
 
     def activation_bytes_per_token_per_layer(self, dtype_bytes: int = 4, recompute: str = "none",
                                              moe: bool | None = None) -> int:
@@ -51,7 +51,8 @@ class ActivationArithmetic:
           plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
           each of the two norms, and the attention log-sum-exp (one per query head),
           plus a 1-byte mask per element of each of the two residual dropouts
-          when dropout > 0.
+          when dropout > 0, and with post_norms (Gemma's) each branch's output, 2d, and the two norms'
+          statistics.
         With recompute="full" only the block's input (d elements) is kept; with
         "selective" the attention core (RoPE and the attention itself) keeps nothing of its
         own: the log-sum-exp goes, the qkv output and the core's output stay, saved around it.
@@ -76,6 +77,9 @@ class ActivationArithmetic:
         if self.qk_norm and recompute != "selective":  # the norms keep their input (the qkv output) and 1/rms
             tensors += dtype_bytes * self.qkv_width
             statistics += 4 * (self.n_heads + self.kv_heads)
+        if self.post_norms:  # Gemma's: each branch's output (the post norm's input) and its statistics
+            tensors += dtype_bytes * 2 * d
+            statistics += 4 * 2 * (2 if self.norm == "layernorm" else 1)
         dropout_masks = 2 * d if self.dropout > 0 else 0
         return tensors + statistics + dropout_masks
 
@@ -95,6 +99,8 @@ class ActivationArithmetic:
                     + ("--no-bias" if self.bias else "--no-qkv-bias"))
         if self.dropout > 0:
             return "dropout (torchtitan's models have none)"
+        if self.post_norms or self.mlp == "geglu":
+            return "Gemma's post norms or GeGLU (torchtitan's Llama block has neither)"
         return None
 
     def check_op_recompute(self) -> None:

@@ -1,13 +1,17 @@
 """The attention's softmax over keys as the model computes it: causal, through a sliding window where one is shorter
-than the sequence, and with GPT-OSS's sinks. One SDPA call each (torch's fused kernels where they take the mask)."""
+than the sequence, and with GPT-OSS's sinks. One SDPA call each (torch's fused kernels where they take the mask).
+And the rotation of its queries and keys by position (RotaryQK), with its scalings (Llama 3.1's, YaRN's,
+LongRoPE's, linear)."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 from minigpt.activations import SINK_COLUMNS
+from minigpt.config import GPTConfig
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
@@ -60,3 +64,115 @@ def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
     shape and device, shared by every layer."""
     distance = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
     return (distance >= 0) & (distance < window)
+
+
+def wide_format(dtype: torch.dtype) -> torch.dtype:
+    """The format statistics and rotations are computed in: fp32, or wider when the input is."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device,
+                scaling: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, (seq, head_dim), in fp32; frequency i of the
+    first half pairs with i of the second half (the rotate-half convention). Made once per shape
+    and device and shared by every layer (never written to). `scaling`: None, ("llama3", GPTConfig.rope_scaling),
+    ("yarn", GPTConfig.rope_yarn, its attention factor, truncate) or ("longrope", its factors, attention factor)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    factor = 1.0
+    if scaling is not None and scaling[0] == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, *scaling[1])
+    elif scaling is not None and scaling[0] == "longrope":  # each frequency over its own factor (the ones in use)
+        inv_freq, factor = inv_freq / torch.tensor(scaling[1], dtype=torch.float64, device=device), scaling[2]
+    elif scaling is not None and scaling[0] == "linear":  # positions divided by the factor
+        inv_freq = inv_freq / scaling[1]
+    elif scaling is not None:
+        inv_freq, factor = yarn_frequencies(inv_freq, theta, *scaling[1][:4], truncate=scaling[3]), scaling[2]
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
+
+
+def yarn_frequencies(inv_freq: torch.Tensor, theta: float, factor: float, context: int, fast: float,
+                     slow: float, truncate: bool = True) -> torch.Tensor:
+    """YaRN's rotary frequencies (Peng et al. 2023, "NTK-by-parts"; transformers' _compute_yarn_parameters, its
+    correction range rounded out to whole columns unless `truncate` is False): frequencies turning more than `fast`
+    times over the original `context` kept, fewer than `slow` times divided by `factor`, a linear ramp between."""
+    dim = 2 * inv_freq.numel()
+
+    def column(rotations: float) -> float:  # the column whose frequency turns `rotations` times over the context
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = column(fast), column(slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low)
+            / (high - low if high != low else 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, context: int) -> torch.Tensor:
+    """Llama 3.1's scaled rotary frequencies (Meta's reference code, transformers' rope_type "llama3"): wavelengths
+    shorter than context / high kept, longer than context / low divided by `factor`, those between interpolated."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    return torch.where((wavelength >= context / high) & (wavelength <= context / low), between, scaled)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """x (batch, seq, heads, head_dim) rotated by +angle (sign 1) or -angle (sign -1), in fp32."""
+    wide = x.to(wide_format(x.dtype))
+    first, second = wide.chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
+    cos, sin = cos[:, None, :].to(wide.dtype), sin[:, None, :].to(wide.dtype)
+    return (wide * cos + sign * rotated_half * sin).to(x.dtype)
+
+
+def _rotated_columns(qkv: torch.Tensor, heads: int, head_width: int, rotary: int) -> torch.Tensor:
+    """The rotated columns of the first `heads` heads of a fused tensor, (batch, seq, heads, rotary): each head's
+    last `rotary` columns (all of them but under multi-head latent attention), a view."""
+    return qkv[..., : heads * head_width].unflatten(-1, (heads, head_width))[..., head_width - rotary:]
+
+
+class RotaryQK(torch.autograd.Function):
+    """Rotary position embeddings (Su et al. 2021) applied to the q and k heads of a fused qkv output: the last
+    `rotary` columns of each of the first `rotated_heads` heads of `head_width` (the whole head but under MLA).
+
+    Returns a new fused tensor (v copied) so that the attention's saved q, k and v are views of one
+    tensor of the qkv output's size, and saves nothing itself: its backward rotates back. `positions`:
+    each token's position along the sequence (None: 0, 1, ..., seq - 1)."""
+
+    @staticmethod
+    def forward(ctx, qkv, rotated_heads: int, head_width: int, rotary: int, theta: float,
+                positions: torch.Tensor | None = None, scaling: tuple | None = None):
+        seq = qkv.shape[1]
+        if positions is None:
+            cos, sin = rope_tables(seq, rotary, theta, qkv.device, scaling)
+        else:
+            longest = int(positions.max()) + 1
+            cos, sin = (table[positions] for table in rope_tables(longest, rotary, theta, qkv.device, scaling))
+        ctx.tables, ctx.heads = (cos, sin), (rotated_heads, head_width, rotary)
+        out = qkv.clone()
+        _rotated_columns(out, *ctx.heads).copy_(_rotate(_rotated_columns(qkv, *ctx.heads), cos, sin, 1.0))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.tables
+        out = grad.clone()
+        _rotated_columns(out, *ctx.heads).copy_(_rotate(_rotated_columns(grad, *ctx.heads), cos, sin, -1.0))
+        return out, None, None, None, None, None, None
+
+
+def rotation_scaling(config: GPTConfig) -> tuple | None:
+    """rope_tables' `scaling` of the model's rotation (its base's): Llama 3.1's, YaRN's, LongRoPE's or linear."""
+    if config.rope_scaling is not None:
+        return "llama3", config.rope_scaling
+    if config.rope_yarn:
+        return "yarn", config.rope_yarn, config.rope_attention_factor, config.rope_yarn_truncate
+    if config.rope_longrope:
+        return "longrope", config.longrope_factors, config.rope_attention_factor
+    return ("linear", config.rope_linear) if config.rope_linear != 1 else None

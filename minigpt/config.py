@@ -81,6 +81,13 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
     # every this-many-th block (blocks k - 1, 2k - 1, ...) attends without rotary positions (SmolLM3: 4, transformers'
     # no_rope_layers), the others rotate; 0: every block rotates
     nope_every: int = 0
+    # Gemma 2 and 3's block and embedding (transformers' Gemma3ForCausalLM): a norm after the attention and after the
+    # MLP too, each on its branch before the residual add (post_attention_layernorm, post_feedforward_layernorm)
+    post_norms: bool = False
+    embed_scale: bool = False  # the token embeddings times sqrt(d_model) (Gemma's normalizer)
+    query_scale: float | None = None  # softmax scale query_scale ** -0.5 (query_pre_attn_scalar); None: head width's
+    rope_local_theta: float | None = None  # the windowed blocks' rotary base, unscaled (Gemma 3's local 10,000)
+    rope_linear: float = 1.0  # the other blocks' positions divided by this (transformers' rope_type "linear")
     bias: bool = True  # biases in every Linear
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
@@ -178,6 +185,8 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
     def softmax_scale(self) -> float:
         """The attention's scale of q @ k^T: 1 / sqrt(query head width), under MLA with YaRN times mscale_all_dim's
         mscale squared (DeepSeek's reference code and transformers' yarn_apply_mscale)."""
+        if self.query_scale is not None:  # Gemma's query_pre_attn_scalar
+            return self.query_scale ** -0.5
         scale = self.qk_head_dim ** -0.5
         if self.is_mla and self.rope_yarn is not None and self.rope_yarn[5]:
             scale *= yarn_mscale(self.rope_yarn[0], self.rope_yarn[5]) ** 2
@@ -233,7 +242,8 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
 
     @property
     def gated_mlp(self) -> bool:
-        """The MLP is gated (SwiGLU, or GPT-OSS's clamped SwiGLU): its first Linear makes a gate and an up half."""
+        """The MLP is gated (SwiGLU, GeGLU, or GPT-OSS's clamped SwiGLU): its first Linear makes a gate and an up
+        half."""
         return self.mlp in GATED_MLPS
 
     @property
@@ -285,6 +295,12 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
         every = self.nope_every
         return self.positions == "rope" and not (every and (layer + 1) % every == 0)
 
+    def layer_local(self, layer: int) -> bool:
+        """Whether block `layer` rotates by rope_local_theta (Gemma 3's sliding blocks: those the window pattern puts
+        through the window, whether or not it is shorter than the context)."""
+        every = self.full_attention_every
+        return self.rope_local_theta is not None and bool(self.window) and not (every and (layer + 1) % every == 0)
+
     def layer_kind(self, layer: int) -> tuple[int, bool]:
         """(sliding window, rotates) of block `layer`: what a block of a per-layer pattern is priced by."""
         return self.layer_window(layer), self.layer_rotates(layer)
@@ -292,9 +308,11 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
     def uniform(self, window: int, rotates: bool = True) -> "GPTConfig":
         """This model with every block attending as one of its blocks does, through `window` (0: the whole context)
         and with or without rotary positions: how a block of a per-layer pattern is priced on its own."""
-        if not self.full_attention_every and window == self.window_in_use and not self.nope_every and rotates:
+        unrotated = not rotates and self.positions == "rope"  # (a learned-positions model rotates nowhere)
+        if not self.full_attention_every and window == self.window_in_use and not self.nope_every and not unrotated:
             return self
-        return self.with_(window=window, full_attention_every=0, nope_every=0 if rotates else 1)
+        return self.with_(window=window, full_attention_every=0, nope_every=1 if unrotated else 0,
+                          rope_local_theta=self.rope_local_theta if window else None)  # a base: no cost of its own
 
     @property
     def n_moe_layers(self) -> int:
@@ -309,11 +327,13 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
         heads += (f" of {self.head_dim}" if self.d_head is not None else "") + (", QK-norm" if self.qk_norm else "")
         heads += ", sinks" if self.attention_sinks else ""
+        heads += f", scale {self.query_scale:g}^-0.5" if self.query_scale is not None else ""
         if self.is_mla:
             query = f"q latent {self.q_lora_rank}, " if self.q_lora_rank else ""
             heads = (f"{self.n_heads} heads, latent attention ({query}kv latent {self.kv_lora_rank}, q/k "
                      f"{self.head_dim}+{self.rope_head_dim} rotated, v {self.v_head_dim})")
-        kind = {"swiglu": "SwiGLU", "relu2": "squared-ReLU", "clamped-swiglu": "clamped SwiGLU"}.get(self.mlp, "GELU")
+        kind = {"swiglu": "SwiGLU", "relu2": "squared-ReLU", "clamped-swiglu": "clamped SwiGLU",
+                "geglu": "GeGLU"}.get(self.mlp, "GELU")
         mlp = f"{kind} {self.d_ff}"
         if self.is_moe:
             shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""
@@ -333,9 +353,11 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
         if self.nope_every:
             heads += f", no rotation in 1 block in {self.nope_every}"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
-                 "RMSNorm" if self.norm == "rmsnorm" else "LayerNorm",
+                 ("RMSNorm" if self.norm == "rmsnorm" else "LayerNorm") + (" (and after each branch)"
+                                                                          if self.post_norms else ""),
                  "learned positions" if self.positions != "rope" else self._rope_words(),
                  "tied head" if self.tied_head else "untied head"]
+        parts[1] += ", embeddings x sqrt(width)" if self.embed_scale else ""
         biases = [] if self.bias else ["q, k, v biases only" if self.qkv_bias else "no bias"]
         ahead = [f"{self.mtp_depth} multi-token prediction module{'s' if self.mtp_depth > 1 else ''} "
                  f"(weight {self.mtp_weight:g})"] if self.mtp_depth else []
@@ -346,8 +368,10 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
                   f"scaled x{self.rope_scaling[0]:g}" if self.rope_scaling else
                   f"LongRoPE, {'long' if self.longrope_factors == self.rope_longrope[1] else 'short'} factors"
                   if self.rope_longrope else "")
+        scaled = scaled or (f"positions / {self.rope_linear:g}" if self.rope_linear != 1 else "")
         part = f"{self.rotary_dim} of {self.head_dim} columns" if self.rotary_fraction != 1 else ""
-        inside = "; ".join(word for word in (scaled, part) if word)
+        local = f"base {self.rope_local_theta:g} in the windowed blocks" if self.rope_local_theta is not None else ""
+        inside = "; ".join(word for word in (scaled, part, local) if word)
         return f"RoPE ({inside})" if inside else "RoPE"
 
     def with_(self, **changes) -> "GPTConfig":
@@ -406,7 +430,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
         of the model's blocks are, MoE for a MoE model); `active`: only those one token uses."""
         moe = self.is_moe if moe is None else moe
         mlp = self.moe_mlp_params(active) if moe else self.dense_mlp_params()
-        return 2 * self.norm_params + self.attention_params() + mlp
+        return (4 if self.post_norms else 2) * self.norm_params + self.attention_params() + mlp
 
     def blocks_params(self, active: bool = False) -> int:
         """Parameters of all the blocks (dense and MoE)."""

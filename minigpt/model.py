@@ -16,21 +16,15 @@ sequence gathered from the pieces its input had).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.attention import causal_attention
+from minigpt.attention import RotaryQK, causal_attention, rotation_scaling, wide_format
 from minigpt.config import GPTConfig
 from minigpt.moe import MoE, activation
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """The format statistics and rotations are computed in: fp32, or wider when the input is."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +45,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        x32 = x.to(_wide(x.dtype))
+        x32 = x.to(wide_format(x.dtype))
         inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, inv_rms)
         return (x32 * inv_rms * weight.to(x32.dtype)).to(x.dtype)
@@ -72,100 +66,6 @@ def make_norm(config: GPTConfig) -> nn.Module:
     return RMSNorm(config.d_model, eps=eps) if config.norm == "rmsnorm" else nn.LayerNorm(config.d_model, eps=eps)
 
 
-@functools.lru_cache(maxsize=16)
-def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device,
-                scaling: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position x frequency, (seq, head_dim), in fp32; frequency i of the
-    first half pairs with i of the second half (the rotate-half convention). Made once per shape
-    and device and shared by every layer (never written to). `scaling`: None, ("llama3", GPTConfig.rope_scaling),
-    ("yarn", GPTConfig.rope_yarn, its attention factor, truncate) or ("longrope", its factors, attention factor)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    factor = 1.0
-    if scaling is not None and scaling[0] == "llama3":
-        inv_freq = llama3_frequencies(inv_freq, *scaling[1])
-    elif scaling is not None and scaling[0] == "longrope":  # each frequency over its own factor (the ones in use)
-        inv_freq, factor = inv_freq / torch.tensor(scaling[1], dtype=torch.float64, device=device), scaling[2]
-    elif scaling is not None:
-        inv_freq, factor = yarn_frequencies(inv_freq, theta, *scaling[1][:4], truncate=scaling[3]), scaling[2]
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return (angles.cos() * factor).float(), (angles.sin() * factor).float()
-
-
-def yarn_frequencies(inv_freq: torch.Tensor, theta: float, factor: float, context: int, fast: float,
-                     slow: float, truncate: bool = True) -> torch.Tensor:
-    """YaRN's rotary frequencies (Peng et al. 2023, "NTK-by-parts"; transformers' _compute_yarn_parameters, its
-    correction range rounded out to whole columns unless `truncate` is False): frequencies turning more than `fast`
-    times over the original `context` kept, fewer than `slow` times divided by `factor`, a linear ramp between."""
-    dim = 2 * inv_freq.numel()
-
-    def column(rotations: float) -> float:  # the column whose frequency turns `rotations` times over the context
-        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = column(fast), column(slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - low)
-            / (high - low if high != low else 0.001)).clamp(0, 1)
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
-
-
-def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, context: int) -> torch.Tensor:
-    """Llama 3.1's scaled rotary frequencies (Meta's reference code, transformers' rope_type "llama3"): wavelengths
-    shorter than context / high kept, longer than context / low divided by `factor`, those between interpolated."""
-    wavelength = 2 * math.pi / inv_freq
-    smooth = (context / wavelength - low) / (high - low)
-    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
-    return torch.where((wavelength >= context / high) & (wavelength <= context / low), between, scaled)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """x (batch, seq, heads, head_dim) rotated by +angle (sign 1) or -angle (sign -1), in fp32."""
-    wide = x.to(_wide(x.dtype))
-    first, second = wide.chunk(2, dim=-1)
-    rotated_half = torch.cat([-second, first], dim=-1)
-    cos, sin = cos[:, None, :].to(wide.dtype), sin[:, None, :].to(wide.dtype)
-    return (wide * cos + sign * rotated_half * sin).to(x.dtype)
-
-
-def _rotated_columns(qkv: torch.Tensor, heads: int, head_width: int, rotary: int) -> torch.Tensor:
-    """The rotated columns of the first `heads` heads of a fused tensor, (batch, seq, heads, rotary): each head's
-    last `rotary` columns (all of them but under multi-head latent attention), a view."""
-    return qkv[..., : heads * head_width].unflatten(-1, (heads, head_width))[..., head_width - rotary:]
-
-
-class RotaryQK(torch.autograd.Function):
-    """Rotary position embeddings (Su et al. 2021) applied to the q and k heads of a fused qkv output: the last
-    `rotary` columns of each of the first `rotated_heads` heads of `head_width` (the whole head but under MLA).
-
-    Returns a new fused tensor (v copied) so that the attention's saved q, k and v are views of one
-    tensor of the qkv output's size, and saves nothing itself: its backward rotates back. `positions`:
-    each token's position along the sequence (None: 0, 1, ..., seq - 1)."""
-
-    @staticmethod
-    def forward(ctx, qkv, rotated_heads: int, head_width: int, rotary: int, theta: float,
-                positions: torch.Tensor | None = None, scaling: tuple | None = None):
-        seq = qkv.shape[1]
-        if positions is None:
-            cos, sin = rope_tables(seq, rotary, theta, qkv.device, scaling)
-        else:
-            longest = int(positions.max()) + 1
-            cos, sin = (table[positions] for table in rope_tables(longest, rotary, theta, qkv.device, scaling))
-        ctx.tables, ctx.heads = (cos, sin), (rotated_heads, head_width, rotary)
-        out = qkv.clone()
-        _rotated_columns(out, *ctx.heads).copy_(_rotate(_rotated_columns(qkv, *ctx.heads), cos, sin, 1.0))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.tables
-        out = grad.clone()
-        _rotated_columns(out, *ctx.heads).copy_(_rotate(_rotated_columns(grad, *ctx.heads), cos, sin, -1.0))
-        return out, None, None, None, None, None, None
-
-
 class AttentionCore(nn.Module):
     """From the fused qkv output to the heads' outputs: split, RoPE, causal attention.
 
@@ -174,18 +74,16 @@ class AttentionCore(nn.Module):
     selective recomputation runs again (parallel/recompute.py). `positions` and `attend` are what a rank
     holding part of each sequence changes (parallel/context/apply.py's subclass); the rest is the same."""
 
-    def __init__(self, config: GPTConfig, window: int | None = None, rotates: bool = True):
+    def __init__(self, config: GPTConfig, window: int | None = None, rotates: bool = True, local: bool = False):
         super().__init__()
         self.head_dim, self.group = config.head_dim, config.n_heads // config.kv_heads
         self.qk_dim, self.v_dim, self.rotary = config.qk_head_dim, config.v_head_dim, config.rotary_dim
-        self.rope_theta = config.rope_theta if config.positions == "rope" and rotates else None  # a block's own
-        self.rope_scaling = (("llama3", config.rope_scaling) if config.rope_scaling is not None else
-                             ("yarn", config.rope_yarn, config.rope_attention_factor, config.rope_yarn_truncate)
-                             if config.rope_yarn else
-                             ("longrope", config.longrope_factors, config.rope_attention_factor)
-                             if config.rope_longrope else None)
-        self.scale = config.softmax_scale  # of q @ k^T
         self.window = config.window if window is None else window  # a sliding window (0: none); a block's own
+        self.local = local  # Gemma 3's sliding blocks rotate by their own base, unscaled (GPTConfig.layer_local)
+        theta = config.rope_local_theta if local else config.rope_theta
+        self.rope_theta = theta if config.positions == "rope" and rotates else None
+        self.rope_scaling = None if local else rotation_scaling(config)
+        self.scale = config.softmax_scale  # of q @ k^T
         self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None  # GPT-OSS's
@@ -235,13 +133,13 @@ class AttentionCore(nn.Module):
 
 class CausalSelfAttention(nn.Module):
     """`window`: the block's sliding window (GPTConfig.layer_window; None: the model's); `rotates`: whether it turns
-    its queries and keys by rotary positions (GPTConfig.layer_rotates)."""
+    its queries and keys by rotary positions (GPTConfig.layer_rotates); `local`: by rope_local_theta (layer_local)."""
 
-    def __init__(self, config: GPTConfig, window: int | None = None, rotates: bool = True):
+    def __init__(self, config: GPTConfig, window: int | None = None, rotates: bool = True, local: bool = False):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv = nn.Linear(config.d_model, config.qkv_width, bias=config.linear_bias("attn.qkv"))
-        self.core = AttentionCore(config, window, rotates)
+        self.core = AttentionCore(config, window, rotates, local)
         self.proj = nn.Linear(config.attention_width, config.d_model, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -312,7 +210,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)); the MLP a mixture of experts
+    """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)) (with post_norms x + post(attn(ln1(x))) and
+    x + post(mlp(ln2(x))), Gemma's); the MLP a mixture of experts
     (minigpt/moe.py) when block `layer` of the model is one (GPTConfig.is_moe_layer), the attention through the
     block's window (GPTConfig.layer_window)."""
 
@@ -320,12 +219,17 @@ class Block(nn.Module):
         super().__init__()
         self.ln1 = make_norm(config)
         window = config.layer_window(layer)
-        self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(config, window,
-                                                                                         config.layer_rotates(layer))
+        self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(
+            config, window, config.layer_rotates(layer), config.layer_local(layer))
         self.ln2 = make_norm(config)
         self.mlp = MoE(config, layer) if config.is_moe_layer(layer) else MLP(config)
+        self.post_attn_norm = make_norm(config) if config.post_norms else None
+        self.post_mlp_norm = make_norm(config) if config.post_norms else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_attn_norm is not None:  # Gemma's: each branch normed again before its residual add
+            x = x + self.post_attn_norm(self.attn(self.ln1(x)))
+            return x + self.post_mlp_norm(self.mlp(self.ln2(x)))
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -356,6 +260,12 @@ class MultiTokenPrediction(nn.Module):
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         return self.norm(self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))))
+
+
+def embedded(x: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """The token embeddings as the blocks take them: times sqrt(d_model) in their own format with embed_scale
+    (Gemma's normalizer, as transformers rounds it), else as they are."""
+    return x * torch.tensor(config.d_model ** 0.5, dtype=x.dtype) if config.embed_scale else x
 
 
 def every_block(model: nn.Module) -> list[Block]:
@@ -462,7 +372,7 @@ class GPT(nn.Module):
         # A tied head shares the embedding matrix; both draw from N(0, 0.02).
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_emb(idx)
+        x = embedded(self.tok_emb(idx), self.config)
         if self.pos_emb is not None:  # rotary positions enter in the attention instead
             x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         return self.drop(x)

@@ -67,6 +67,9 @@ def activation(hidden: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "swiglu":
         gate, up = hidden.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if kind == "geglu":  # Gemma's: gelu(gate) * up, the GELU's tanh approximation (gelu_pytorch_tanh)
+        gate, up = hidden.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
     if kind == "clamped-swiglu":
         return ClampedSwiGLU.apply(hidden)
     if kind == "relu2":

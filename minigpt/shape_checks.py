@@ -8,14 +8,15 @@ import math
 
 from minigpt.errors import ConfigError
 
-MLP_KINDS = ("gelu", "swiglu", "relu2", "clamped-swiglu")
-GATED_MLPS = ("swiglu", "clamped-swiglu")  # fc1 makes a gate and an up projection, fused
+MLP_KINDS = ("gelu", "swiglu", "relu2", "clamped-swiglu", "geglu")
+GATED_MLPS = ("swiglu", "clamped-swiglu", "geglu")  # fc1 makes a gate and an up projection, fused
 # GPT-OSS's clamped SwiGLU (its reference code and transformers' GptOssExperts: swiglu_alpha, swiglu_limit)
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope")
 ROUTER_KINDS = ("softmax", "sigmoid")
-FLAGS = ("tied_head", "bias", "qkv_bias", "qk_norm", "attention_sinks", "rope_yarn_truncate")  # the shape's yes-or-no fields
+FLAGS = ("tied_head", "bias", "qkv_bias", "qk_norm", "attention_sinks", "rope_yarn_truncate", "post_norms",
+         "embed_scale")  # the shape's yes-or-no fields
 
 
 def _positive_int(value) -> bool:
@@ -148,6 +149,7 @@ def _check_llama_options(config) -> None:
     elif config.rope_yarn_truncate is not True:
         raise ConfigError("rope_yarn_truncate rounds YaRN's correction range: set it with rope_yarn only")
     _check_partial_rotation(config)
+    _check_gemma(config)
     _check_latent_attention(config)
     for name in FLAGS:
         if not isinstance(getattr(config, name), bool):
@@ -240,3 +242,25 @@ def _check_partial_rotation(config) -> None:
                           "rope_yarn")
     object.__setattr__(config, "rope_longrope", (tuple(longrope[0]), tuple(longrope[1]), longrope[2],
                                                  float(longrope[3])))  # lists read from JSON: the same shape
+
+
+def _check_gemma(config) -> None:
+    """Gemma's pieces: a positive query_scale, the local rotary base of windowed blocks (with a window, rotary
+    positions) and a linear factor of 1 or more (rotary, no other scaling)."""
+    scale = config.query_scale
+    if scale is not None and not (_number(scale) and 0 < scale < float("inf")):
+        raise ConfigError(f"query_scale must be a positive number (or unset for the head width), got {scale!r}")
+    if scale is not None and config.kv_lora_rank:
+        raise ConfigError("query_scale sets the softmax scale, which multi-head latent attention sets its own way")
+    local = config.rope_local_theta
+    if local is not None and not (_number(local) and 1 < local < float("inf") and config.positions == "rope"
+                                  and config.window):
+        raise ConfigError(f"rope_local_theta is the windowed blocks' rotary base: a number above 1, with positions rope "
+                          f"and a window, got {local!r}")
+    linear = config.rope_linear
+    if not (_number(linear) and 1 <= linear < float("inf")):
+        raise ConfigError(f"rope_linear must be a number of 1 or more, got {linear!r}")
+    if linear != 1 and (config.positions != "rope" or config.rope_scaling is not None or config.rope_yarn is not None
+                        or config.rope_longrope is not None or config.kv_lora_rank):
+        raise ConfigError("rope_linear divides rotary positions: it needs positions rope, no other scaling and no "
+                          "multi-head latent attention")

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
-    Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks), Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
+    Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks), Gemma 3, Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
     from zero; also with YaRN, and as Kimi K2 ships it), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
     width / heads, q/k norms; also with YaRN, or a window in its first block) shape, the Qwens' norms with epsilon
     1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
@@ -43,6 +43,16 @@ def transformers_model(shape: str, tmp_path):
                                             num_key_value_heads=2, no_rope_layer_interval=2, tie_word_embeddings=False,
                                             initializer_range=0.2, pad_token_id=None, bos_token_id=None,
                                             eos_token_id=None)
+    elif shape == "gemma3":  # Gemma 3's: every second layer full (its 6th here 2nd), the others through a window of
+        # 12 rotating by their own base, the full ones' positions halved (its linear 8 here 2), the softmax scaled by
+        # 24 ** -0.5 (not the 16-wide heads'), post norms, GeGLU, the embeddings x 8, the head tied
+        config = transformers.Gemma3TextConfig(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+            layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.2, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
     elif shape == "mistral":  # a sliding window of 12 over a context of 32: each token sees the 11 before it
         config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

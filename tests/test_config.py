@@ -194,7 +194,7 @@ def test_llama_options_are_checked(fields, message):
 
 def test_rope_model_has_no_position_embedding_and_rotates_relative_positions():
     """RoPE's scores depend on relative positions only: shifting every position leaves q . k alone."""
-    from minigpt.model import rope_tables, _rotate
+    from minigpt.attention import _rotate, rope_tables
 
     cos, sin = rope_tables(12, 8, 10000.0, torch.device("cpu"))
     q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)

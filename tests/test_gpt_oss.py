@@ -17,9 +17,8 @@ from minigpt.data import Corpus
 from minigpt.errors import ConfigError
 from minigpt.presets import preset
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
+from model_states import held_states, predicted_states
 from parity import worst_gap
-from precision.optimizer import state_bytes
-from simulator.memory import predict_memory
 from test_checkpoint import mismatches, new_rank, train
 from test_llama_parallel import train_history
 
@@ -51,10 +50,7 @@ def config(**layout) -> TrainConfig:
 def trained(cfg: TrainConfig) -> dict:
     rank = new_rank(cfg)
     found = train_history(rank, cfg, Corpus.load(None, cfg.model.seq_len))
-    held, states = rank.data_parallel.memory(), state_bytes(rank.optimizer)
-    found["states"] = {"parameters": held["parameters"], "gradients": held["gradients"],
-                       "adam_m": states["adam_m"], "adam_v": states["adam_v"]}
-    found["stage"] = rank.mesh.pp_rank
+    found["states"], found["stage"] = held_states(rank), rank.mesh.pp_rank
     return found
 
 
@@ -105,11 +101,8 @@ def test_model_states_per_rank_are_the_simulators(spawned, world, name):
     """Weights, gradients and AdamW moments each rank holds, as simulator/memory.py predicts them: the sinks split
     over tp with the heads, the router's bias and the experts' biases where their weights are."""
     cfg = config(**LAYOUTS[world][name])
-    estimate = predict_memory(cfg.model, Layout.of(cfg), cfg.precision, cfg.global_batch // (cfg.micro_batches * cfg.dp),
-                              bucket_mb=cfg.bucket_mb, micro_batches=cfg.micro_batches)
     for run in spawned[name]:
-        stage = estimate.per_stage[run["stage"]]
-        assert run["states"] == {key: getattr(stage, key) for key in run["states"]}, name
+        assert run["states"] == predicted_states(cfg, run["stage"]), name
 
 
 def test_a_tp2_checkpoint_loads_at_pp2_as_it_was_saved(spawned):

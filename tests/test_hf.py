@@ -129,7 +129,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 # Mistral's and Phi-3's read as Llama's block (written as Llama); YaRN's rotation in Qwen3 and DeepSeek-V3;
 # Kimi K2's config.json (DeepSeek-V3's under model_type "kimi_k2", YaRN's betas equal)
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
-                                   "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gpt_oss"])
+                                   "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -150,7 +150,7 @@ def test_every_gradient_is_transformers_own(shape, tmp_path):
         theirs_by_name = {name: grad for name, grad in unfused(theirs_by_name, config).items()
                           if not name.endswith(tuple(FUSED))}
     ours_by_name = {name: grad for name, grad in to_hf({name: param.grad for name, param in ours.named_parameters()},
-                                                       config).items()
+                                                       config, gradients=True).items()
                     if not name.endswith("e_score_correction_bias")}  # DeepSeek's router buffer: no gradient
     assert len(ours_by_name) == len(theirs_by_name)
     for name, grad in ours_by_name.items():

@@ -31,11 +31,10 @@ from parallel.expert.dispatch import ExpertParallel
 from parallel.mesh import build_mesh
 from parallel.run.build import build_rank
 from parallel.run.train import micro_batches
+from model_states import held_states, predicted_states
 from parity import worst_gap
-from precision.optimizer import state_bytes
 from precision.policy import policy as precision_policy
 from simulator.costs.compute import tp_collectives
-from simulator.memory import predict_memory
 
 MODELS = {
     "top2": preset("tiny-moe").with_(seq_len=32, n_layers=2),
@@ -114,9 +113,7 @@ def trained(cfg: TrainConfig) -> dict:
     if cfg.zero < 3:  # ZeRO-3's weights are shards between the steps (their storage freed): no replicas
         dense = torch.cat([p.detach().reshape(-1) for n, p in rank.stage.named_parameters() if ".experts." not in n])
         found["dense_digest"] = hashlib.sha256(str(dense.view(torch.int32).tolist()).encode()).hexdigest()
-    held, states = rank.data_parallel.memory(), state_bytes(rank.optimizer)
-    found["states"] = {"parameters": held["parameters"], "gradients": held["gradients"], "master_weights":
-                       states.get("master", 0), "adam_m": states["adam_m"], "adam_v": states["adam_v"]}
+    found["states"] = held_states(rank)
     if "ep" in rank.comms:  # the ranks at the same place of the expert group hold the same experts
         experts = torch.cat([p.detach().reshape(-1) for n, p in rank.stage.named_parameters() if ".experts." in n])
         found["expert_place"] = (mesh.pp_rank, rank.comms["ep"].rank)
@@ -195,11 +192,8 @@ def test_model_states_per_rank_are_the_simulators(spawned, world, name):
     them: the experts' states sharded over the ranks holding the same experts under ZeRO 1-3, whole under ZeRO 0."""
     model, layout = LAYOUTS[world][name]
     cfg = config(model, **layout)
-    estimate = predict_memory(cfg.model, Layout.of(cfg), cfg.precision, cfg.global_batch // (cfg.micro_batches * cfg.dp),
-                              bucket_mb=cfg.bucket_mb, micro_batches=cfg.micro_batches)
     for run in spawned[name]:
-        stage = estimate.per_stage[run["place"][0]]
-        assert run["states"] == {key: getattr(stage, key) for key in run["states"]}, name
+        assert run["states"] == predicted_states(cfg, run["place"][0]), name
 
 
 REPLICATED = [(world, name) for world, name in EP if LAYOUTS[world][name][1].get("zero", 0) < 3]

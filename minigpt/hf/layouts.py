@@ -41,6 +41,7 @@ from minigpt.errors import ConfigError
 from minigpt.hf.deepseek import (DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
+from minigpt.hf.gemma import check_gemma, gemma_config, gemma_hf_config, gemma_names, is_gemma, norm_gain
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
@@ -76,6 +77,9 @@ def _block_layout(config: GPTConfig) -> str:
     if config.is_mla:
         check_deepseek(config)
         return "deepseek_v3"
+    if is_gemma(config):
+        check_gemma(config)
+        return "gemma3_text"
     if config.attention_sinks or config.mlp == "clamped-swiglu" or config.router_bias:
         check_gpt_oss(config)
         return "gpt_oss"
@@ -121,6 +125,8 @@ def hf_config(config: GPTConfig) -> dict:
         return deepseek_hf_config(config, common, rope_fields)
     if layout_of(config) == "gpt_oss":
         return gpt_oss_hf_config(config, common, rope_fields, _layer_types(config))
+    if layout_of(config) == "gemma3_text":
+        return gemma_hf_config(config, common)
     if layout_of(config) == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
@@ -184,10 +190,12 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return deepseek_config(hf, tied, seq_len, read_rope)
     if kind == "gpt_oss":
         return gpt_oss_config(hf, tied, seq_len, read_rope, _windows(hf, kind, seq_len))
+    if kind == "gemma3_text":
+        return gemma_config(hf, tied, seq_len)
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe', 'deepseek_v3' (and Kimi K2's "
-                          f"'kimi_k2') and 'gpt_oss' models")
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
+                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2') and 'gpt_oss' models")
     windows = _windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
@@ -212,7 +220,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
 
 
 UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
-LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss")  # whose layer_types say which layers attend through it
+LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss", "gemma3_text")  # whose layer_types say which layers attend through it
 WINDOWED_LAYOUTS = ("mistral", "mixtral", "phi3", *LAYER_TYPES)  # the layouts minigpt writes a window in
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -324,6 +332,8 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
                                                                           fused=layout == "phi3")
         if layout == "gpt_oss":
             table |= gpt_oss_names(ours, theirs)
+        elif layout == "gemma3_text":
+            table |= gemma_names(ours, theirs)
         elif moe:
             table |= router_names(ours, theirs, layout)
         if config.qk_norm:
@@ -374,9 +384,10 @@ def _conv1d(ours: str) -> bool:
     return ours.startswith("blocks.") and ours.endswith(".weight") and ".ln" not in ours
 
 
-def to_hf(state: dict, config: GPTConfig) -> dict:
+def to_hf(state: dict, config: GPTConfig, gradients: bool = False) -> dict:
     """Our plain GPT's state (tensors by our names) as transformers' tensors (contiguous, ready for safetensors).
-    A GPT-2 shape without biases gets zero biases."""
+    A GPT-2 shape without biases gets zero biases. `gradients`: the tensors are gradients (the layouts' row moves
+    apply, not Gemma's gains less 1)."""
     import torch
 
     layout, out = layout_of(config), {}
@@ -392,6 +403,8 @@ def to_hf(state: dict, config: GPTConfig) -> dict:
             tensor = interleaved(tensor, config, ours, to_hf=True)
         if ours.endswith("attn.qkv.weight"):  # a partial rotation's columns first, as transformers turns them
             tensor = rotation_moved(tensor, config, to_hf=True)
+        if layout == "gemma3_text" and not gradients:  # its norms' weights are the gains less 1
+            tensor = norm_gain(tensor, ours, to_hf=True)
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
         out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
     for layer in _moe_layers(config):
@@ -460,6 +473,8 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
             tensor = interleaved(tensor, config, ours, to_hf=False)
         if ours.endswith("attn.qkv.weight"):  # a partial rotation's columns last, as ours turns them
             tensor = rotation_moved(tensor, config, to_hf=False)
+        if layout == "gemma3_text":
+            tensor = norm_gain(tensor, ours, to_hf=False)
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
     for layer in _moe_layers(config):
         if layout == "gpt_oss":

@@ -35,7 +35,7 @@ class ContextAttentionCore(AttentionCore):
 
     def __init__(self, config: GPTConfig, core: AttentionCore, group: dist.ProcessGroup | None, kind: str,
                  token_positions: torch.Tensor, counter=None):
-        super().__init__(config, core.window, core.rope_theta is not None)  # the core's sizes, rotation and window
+        super().__init__(config, core.window, core.rope_theta is not None, core.local)  # the core's sizes, rotation
         self.q_norm, self.k_norm = core.q_norm, core.k_norm  # the model's own norm modules (their weights and names)
         self.sinks = core.sinks  # GPT-OSS's (None: none), merged by the ring and the all-gather once per row
         self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter

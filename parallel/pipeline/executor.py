@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minigpt.model import predict_ahead, prediction_loss
+from minigpt.model import embedded, predict_ahead, prediction_loss
 from minigpt.moe import aux_loss_weight
 from parallel.expert import is_expert_shard
 from minigpt.errors import ConfigError
@@ -82,6 +82,7 @@ class Chunk(nn.Module):
         self.index, self.first, self.last = index, first, last
         if first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+            self.config = model.config  # Gemma's embedding scale (minigpt/model.py's embedded)
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
         if last:  # registered in job/layout.py's last_unit order (ZeRO's buckets follow the parameters')
             self.norm_f, self.mtp, self.head, self.loss = model.norm_f, model.mtp, model.head, model.loss
@@ -91,7 +92,7 @@ class Chunk(nn.Module):
         """The chunk's output; on the last chunk the logits, with a multi-token prediction and `targets` the
         logits and each depth's (minigpt/model.py's predict_ahead)."""
         if self.first:  # GPT.embed, on this stage's modules
-            ids, x = x, self.tok_emb(x)
+            ids, x = x, embedded(self.tok_emb(x), self.config)
             if self.pos_emb is not None:
                 x = x + self.pos_emb(torch.arange(ids.shape[1], device=ids.device))
             x = self.drop(x)

@@ -163,7 +163,16 @@ def _attention_forward(rec: Recorder, attention: str) -> None:
         qkv = column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
     heads = core_forward(rec, attention, qkv)
     branch = row_linear(rec, "proj", heads, sh.heads * sh.value_dim, "attention.residual")
-    residual_join(rec, "attention", x, branch, "ln2.input", "proj")
+    residual_join(rec, "attention", x, _post_norm(rec, "post_attn_norm", branch), "ln2.input",
+                  None if sh.post_norms else "proj")
+
+
+def _post_norm(rec: Recorder, name: str, branch: str) -> str:
+    """Gemma's norm of a branch before its residual add (UnitShape.post_norms): returns what is added."""
+    if not rec.shape.post_norms:
+        return branch
+    norm(rec, name, branch, f"{name}.output")
+    return f"{name}.output"
 
 
 def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
@@ -238,13 +247,16 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
         if sh.sp:
             rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
         branch = _mlp(rec, "", "fc1.input", "ln2.output", sh.f // sh.t, "mlp.residual")
-    residual_join(rec, "mlp", "ln2.input", branch, "y", None if moe else "fc2")
+    residual_join(rec, "mlp", "ln2.input", _post_norm(rec, "post_mlp_norm", branch), "y",
+                  None if moe or sh.post_norms else "fc2")
 
 
 def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, ep: int) -> None:
     sh = rec.shape
     if sh.dropout:
         dropout_backward(rec, "mlp.residual_dropout", sh.residual_rows, sh.d)
+    if sh.post_norms:
+        norm_backward(rec, "post_mlp_norm")
     if moe:
         with rec.shaped(sh.moe):
             if model.n_shared_experts:
@@ -256,6 +268,8 @@ def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, 
     residual_backward(rec, "mlp")
     if sh.dropout:
         dropout_backward(rec, "attention.residual_dropout", sh.residual_rows, sh.d)
+    if sh.post_norms:
+        norm_backward(rec, "post_attn_norm")
     row_backward(rec, "proj", sh.heads * sh.value_dim)
     core_backward(rec, attention)
     if sh.latent:
@@ -293,21 +307,26 @@ def block_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precis
 
 def embedding_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
                   implementation: Implementation = Implementation()) -> OpList:
-    """Token lookup (this rank's share of the vocabulary), the learned positions' add, dropout; their backward.
-    Rotary positions enter in the attention instead: no add, no position gradient."""
+    """Token lookup (this rank's share of the vocabulary), the learned positions' add, Gemma's scale, dropout; their
+    backward. Rotary positions enter in the attention instead: no add, no position gradient."""
     sh = unit_shape(model, micro_batch, layout, policy, implementation)
     rec = Recorder(sh)
     rows = sh.rows * sh.d * sh.e
     rec.op(MemoryOp("embedding.lookup", rows, rows))  # the rows of the table read, written out
     rec.tensor("embedding.output", rows)
-    if not sh.rope:
+    learned = model.positions == "learned"  # (rotary positions: none here, whichever blocks rotate)
+    if learned:
         rec.op(MemoryOp("embedding.position_add", rows + sh.s * sh.d * sh.e, rows))
+    if model.embed_scale:  # Gemma's sqrt(d_model), a kernel of its own each way (minigpt/model.py's embedded)
+        rec.op(MemoryOp("embedding.scale", rows, rows))
     if sh.dropout:
         mask = rec.tensor("embedding.mask", sh.rows * sh.d * MASK)
         rec.mem("embedding.dropout", ("embedding.output",), ("embedding.output", mask), saves=(mask,))
         dropout_backward(rec, "embedding.dropout", sh.rows, sh.d)
-    if not sh.rope:
+    if learned:
         rec.back_mem("embedding.position_grad", rows, sh.s * sh.d * sh.grad)
+    if model.embed_scale:
+        rec.back_mem("embedding.scale_backward", rows, rows)
     rec.back_mem("embedding.lookup_grad", rows, sh.rows * sh.d * sh.grad)  # into the rows the tokens touched
     return rec.finish("none")
 

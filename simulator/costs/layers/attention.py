@@ -55,7 +55,7 @@ from simulator.costs.recorder import Recorder, gemm
 
 
 def rope_table_bytes(rec: Recorder) -> int:
-    """The fp32 cos and sin tables a rotation reads: s x the rotated columns each (minigpt/model.py's rope_tables)."""
+    """The fp32 cos and sin tables a rotation reads: s x the rotated columns each (minigpt/attention.py's rope_tables)."""
     return 2 * rec.shape.s * rec.shape.rotary * FP32
 
 

@@ -1,0 +1,137 @@
+"""Gemma 3's transformers layout (Gemma3ForCausalLM, model_type "gemma3_text"), both ways.
+
+Gemma 3's block is Llama's with GeGLU (gelu_pytorch_tanh), per-head query and key norms (Qwen3's), a norm after the
+attention and after the MLP on each branch (post_attention_layernorm, post_feedforward_layernorm: ours post_norms;
+its norm before the MLP is pre_feedforward_layernorm), the embeddings times sqrt(hidden_size), the softmax scaled by
+query_pre_attn_scalar ** -0.5, and every N-th layer attending to the whole context while the others go through a
+sliding window and rotate by their own base (rope_local_base_freq, unscaled; the full layers' rope_theta may be
+scaled linearly). Its RMSNorms multiply by (1 + weight): ours hold 1 + its weight, in fp32 the same product.
+Torch-free except the tensor function.
+"""
+
+from __future__ import annotations
+
+from minigpt.config import GPTConfig
+from minigpt.errors import ConfigError
+from minigpt.hf.moe import config_number, refuse_unless
+
+ARCHITECTURE = "Gemma3ForCausalLM"
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def is_gemma(config: GPTConfig) -> bool:
+    """Whether `config` has one of Gemma's pieces (then only Gemma 3's layout holds it)."""
+    return (config.post_norms or config.embed_scale or config.mlp == "geglu" or config.query_scale is not None
+            or config.rope_local_theta is not None or config.rope_linear != 1)
+
+
+def check_gemma(config: GPTConfig) -> None:
+    """ConfigError unless Gemma 3's layout holds `config`: Gemma's block whole, every rotation whole and unscaled but
+    linearly, no mixture of experts."""
+    gemma = (config.norm, config.mlp, config.positions) == ("rmsnorm", "geglu", "rope")
+    if not (gemma and config.post_norms and config.embed_scale and config.qk_norm) or config.bias or config.qkv_bias \
+            or config.is_moe or config.is_mla or config.rotary_fraction != 1 or config.nope_every \
+            or config.rope_scaling or config.rope_yarn or config.rope_longrope or config.attention_sinks \
+            or config.mtp_depth:
+        raise ConfigError("Gemma's pieces (post norms, the embedding scale, GeGLU, a query scale, a local rotary base)"
+                          " are written in transformers' Gemma 3 layout, which holds them all with an rmsnorm + geglu "
+                          "+ rope block, per-head q/k norms, no biases, no experts and no other rotary scaling")
+
+
+def gemma_hf_config(config: GPTConfig, common: dict) -> dict:
+    """config.json of the Gemma 3 text model holding `config` (`common`: the fields every layout writes)."""
+    every = config.full_attention_every
+    kinds = [SLIDING if config.window and not (every and (layer + 1) % every == 0) else FULL
+             for layer in range(config.n_layers)]
+    full = {"rope_type": "linear", "factor": config.rope_linear} if config.rope_linear != 1 else {"rope_type": "default"}
+    local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "gemma3_text", **common, "pad_token_id": None,
+        "max_position_embeddings": config.seq_len, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim, "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": config.norm_eps, "attention_bias": False, "attention_dropout": config.dropout,
+        "query_pre_attn_scalar": _whole(config.query_scale or config.head_dim),  # an int to transformers 5
+        "sliding_window": config.window or None,
+        "layer_types": kinds, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "rope_parameters": {FULL: {**full, "rope_theta": float(config.rope_theta)},
+                            SLIDING: {"rope_type": "default", "rope_theta": float(local)}},
+        "rope_theta": float(config.rope_theta), "rope_local_base_freq": float(local),  # transformers 4's spelling
+        **({"rope_scaling": full} if config.rope_linear != 1 else {}),
+    }
+
+
+def _whole(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
+
+
+def gemma_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
+    """The GPTConfig of a Gemma 3 text config.json (transformers 5's rope_parameters per layer type, or 4's
+    rope_theta, rope_local_base_freq and rope_scaling); ConfigError naming what minigpt would compute differently."""
+    refuse_unless(hf.get("hidden_activation", "gelu_pytorch_tanh") == "gelu_pytorch_tanh",
+                  f"its MLP activation is {hf.get('hidden_activation')!r}, not the tanh GELU")
+    refuse_unless(not hf.get("attention_bias") and not hf.get("use_bidirectional_attention"),
+                  "its attention has biases or is bidirectional")
+    refuse_unless(hf.get("final_logit_softcapping") is None and hf.get("attn_logit_softcapping") is None,
+                  "it soft-caps its logits (Gemma 2's), which minigpt does not")
+    layers, heads = config_number(hf, "num_hidden_layers"), config_number(hf, "num_attention_heads")
+    longest = config_number(hf, "max_position_embeddings")
+    if seq_len is not None and seq_len > longest:
+        raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({longest})")
+    window, every = _pattern(hf, layers)
+    full_theta, local_theta, linear = _rotations(hf)
+    return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest, n_layers=layers,
+                     n_heads=heads, n_kv_heads=config_number(hf, "num_key_value_heads", heads),
+                     d_model=config_number(hf, "hidden_size"), d_ff=config_number(hf, "intermediate_size"),
+                     d_head=config_number(hf, "head_dim", 256), tied_head=tied, mlp="geglu", norm="rmsnorm",
+                     positions="rope", rope_theta=full_theta, bias=False, qk_norm=True, post_norms=True,
+                     embed_scale=True, query_scale=float(config_number(hf, "query_pre_attn_scalar", 256)),
+                     rope_local_theta=local_theta if window else None, rope_linear=linear, window=window,
+                     full_attention_every=every, norm_eps=config_number(hf, "rms_norm_eps", 1e-6))
+
+
+def _pattern(hf: dict, layers: int) -> tuple[int, int]:
+    """(window, full_attention_every) of its layer_types (or sliding_window_pattern): every layer full (0, 0), or
+    every N-th full and the others through the window, whether or not it is shorter than the context."""
+    every = hf.get("sliding_window_pattern", 6)
+    kinds = hf.get("layer_types") or [SLIDING if (i + 1) % every else FULL for i in range(layers)]
+    refuse_unless(isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {SLIDING, FULL},
+                  f"its layer_types are {kinds!r}, not one of {SLIDING!r} or {FULL!r} per layer")
+    if SLIDING not in kinds:
+        return 0, 0
+    found = next((n for n in range(2, layers + 1) if kinds == [FULL if (i + 1) % n == 0 else SLIDING
+                                                               for i in range(layers)]), None)
+    refuse_unless(found is not None or FULL not in kinds, f"its sliding layers ({kinds}) are not all but every N-th")
+    return config_number(hf, "sliding_window"), found or 0
+
+
+def _rotations(hf: dict) -> tuple[float, float, float]:
+    """(the full layers' rotary base, the sliding layers', the full layers' linear factor)."""
+    parameters = hf.get("rope_parameters")
+    if isinstance(parameters, dict) and FULL in parameters:
+        full, local = parameters.get(FULL) or {}, parameters.get(SLIDING) or {}
+        refuse_unless(local.get("rope_type", "default") == "default", "its sliding layers' rotation is scaled")
+    else:
+        full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    kind = full.get("rope_type", full.get("type", "default"))
+    refuse_unless(kind in ("default", "linear"), f"its full layers' rotation is scaled as {kind!r}, minigpt computes "
+                                                  f"a linear factor there")
+    linear = float(config_number(full, "factor")) if kind == "linear" else 1.0
+    return (float(config_number(full, "rope_theta", 1_000_000.0)), float(config_number(local, "rope_theta", 10_000.0)),
+            linear)
+
+
+def gemma_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
+    """A block's names in Gemma 3's layout beside Llama's q, k, v, o and MLP projections: its four norms."""
+    return {ours + "ln1.weight": (theirs + "input_layernorm.weight",),
+            ours + "post_attn_norm.weight": (theirs + "post_attention_layernorm.weight",),
+            ours + "ln2.weight": (theirs + "pre_feedforward_layernorm.weight",),
+            ours + "post_mlp_norm.weight": (theirs + "post_feedforward_layernorm.weight",)}
+
+
+def norm_gain(tensor, ours: str, to_hf: bool):
+    """A norm's weight in Gemma's (1 + weight) convention, or back; any other tensor as it is."""
+    if not (ours.endswith("norm.weight") or ours.endswith(("ln1.weight", "ln2.weight", "norm_f.weight"))):
+        return tensor
+    return tensor - 1 if to_hf else tensor + 1
