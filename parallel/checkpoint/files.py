@@ -42,8 +42,9 @@ SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff
                 "n_kv_heads", "mlp", "norm", "positions", "bias", "qkv_bias", "d_head", "qk_norm", "rope_theta",
                 "rope_scaling", "rope_yarn", "norm_eps", "n_experts", "top_k", "d_expert", "n_shared_experts",
                 "dense_layers", "router", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value", "expert_groups",
-                "groups_per_token", "routed_scale", "expert_bias", "window", "rope_longrope", "rotary_fraction",
-                "nope_every")
+                "groups_per_token", "routed_scale", "expert_bias", "window", "full_attention_every", "rope_yarn_truncate", "rope_longrope",
+                "rotary_fraction", "nope_every", "post_norms", "embed_scale", "query_scale", "rope_local_theta",
+                "rope_linear")
 STEP_DIR = re.compile(r"step-(\d+)")
 HINT = "resume an older one (--resume PATH), or start without --resume"
 HASH_BLOCK = 1 << 20  # bytes read at a time while hashing a shard
@@ -228,9 +229,9 @@ def model_fields(model: dict) -> dict:
     for name in ("rope_scaling", "rope_yarn"):
         if isinstance(full.get(name), list):  # JSON's spelling of the config's tuple
             full[name] = tuple(full[name])
-    if isinstance(full.get("rope_longrope"), list):  # and of LongRoPE's, whose factors are tuples too
-        short, long, original, attention = full["rope_longrope"]
-        full["rope_longrope"] = (tuple(short), tuple(long), original, attention)
+    longrope = full.get("rope_longrope")  # and of LongRoPE's, whose factors are tuples too (any other shape is the
+    if isinstance(longrope, list) and len(longrope) == 4 and all(isinstance(f, list) for f in longrope[:2]):  # check's
+        full["rope_longrope"] = (tuple(longrope[0]), tuple(longrope[1]), longrope[2], longrope[3])
     if full.get("n_kv_heads") is None:
         full["n_kv_heads"] = full.get("n_heads")
     return full

@@ -135,9 +135,9 @@ class _Job:
 
 def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, implementation: Implementation,
                 profile: EfficiencyProfile | None, host: HostCompute | None, memo: dict | None = None):
-    """times(layers, first, last, stage, moe, window) -> (forward, backward, exposed tp forward, exposed tp backward,
+    """times(layers, first, last, stage, moe, kind) -> (forward, backward, exposed tp forward, exposed tp backward,
     recompute, weight, exposed cp forward, exposed cp backward, exposed ep forward, exposed ep backward, hidden ep
-    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'; `window`: the blocks' kind
+    forward, hidden ep backward); `moe`: the blocks are a mixture of experts'; `kind`: the blocks' kind
     (GPTConfig.layer_kind: their sliding window, 0 none, and whether they rotate; None: the model's own).
     `memo`: the units priced so far, keyed by what their price depends on, which a caller may share between layouts
     of one model, cluster, precision and implementation (minigpt plan's bound: a unit of one tp and micro-batch
@@ -148,13 +148,14 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
     exchanges: dict = {}  # per stage too: the cp group's links are the stage's
     hide = job.overlap.tp and not job.serial
 
-    def unit_key(layers: int, first: bool, last: bool, moe: bool, window: int | None) -> tuple:
-        return layers, first, last, moe, window, shape, layout.pp if last else 0
+    def unit_key(layers: int, first: bool, last: bool, moe: bool, kind: tuple[int, bool] | None) -> tuple:
+        return layers, first, last, moe, kind, shape, layout.pp if last else 0
 
-    def times(layers: int, first: bool, last: bool, stage: int = 0, moe: bool = False, window: int | None = None):
-        key = unit_key(layers, first, last, moe, window)
+    def times(layers: int, first: bool, last: bool, stage: int = 0, moe: bool = False,
+              kind: tuple[int, bool] | None = None):
+        key = unit_key(layers, first, last, moe, kind)
         if key not in memo:
-            model = job.model if window is None else job.model.uniform(*window)  # itself unless a pattern
+            model = job.model if kind is None else job.model.uniform(*kind)  # itself unless a pattern
             ct = chunk_times(model, layers, micro_batch, job.layout, gpu, precision, implementation.recompute,
                              first, last, profile, implementation=implementation, moe_layers=layers if moe else 0)
             f, b, again, weight = ct.forward_s, ct.backward_s, ct.recompute_s, ct.backward_weight_s
@@ -192,7 +193,7 @@ def _unit_times(job: _Job, gpu: GPUSpec, precision: str, micro_batch: int, imple
 
     # the priced unit's ChunkTimes, read after times() priced it: its once-a-step compute (fp8 weight casts kept across
     # micro-batches) and its fp8 GEMMs' amax reductions, which the engine charges per step and per chunk
-    times.unit = lambda layers, first, last, moe=False, window=None: memo[unit_key(layers, first, last, moe, window)][1]
+    times.unit = lambda layers, first, last, moe=False, kind=None: memo[unit_key(layers, first, last, moe, kind)][1]
     return times
 
 
@@ -350,9 +351,9 @@ def _rank_actions(job: _Job, times, implementation: Implementation, pol, sized: 
                 block = 0 if embedding or head else 1
                 layer = layers[position - (1 if chunk == 0 else 0)] if block else None
                 moe = bool(block) and model.is_moe_layer(layer)
-                window = model.layer_kind(layer) if block else None  # its (window, rotates)
-                f, b, ftp, btp, again, weight, first_half, *exchanged = times(block, embedding, head, rank, moe, window)
-                priced = times.unit(block, embedding, head, moe, window)
+                kind = model.layer_kind(layer) if block else None  # its (window, rotates)
+                f, b, ftp, btp, again, weight, first_half, *exchanged = times(block, embedding, head, rank, moe, kind)
+                priced = times.unit(block, embedding, head, moe, kind)
                 per_step += priced.per_step_s
                 fp8_gemms += priced.fp8_gemms
                 sp_amaxes = (sp_amaxes[0] + priced.sp_amaxes[0], sp_amaxes[1] + priced.sp_amaxes[1])
