@@ -240,3 +240,20 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
         logits = again(tokens).logits
         gap = (ours(tokens) - logits).abs().max().item()
     assert gap <= 1e-5 * logits.abs().max().item(), gap  # fp32; its frequencies in fp32, ours in fp64 (2e-6 here)
+
+
+def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
+    """A Phi-3's, SmolLM3's or Gemma 3's config.json whose fields hold the wrong types (as random mutations of them
+    found, each a TypeError, AttributeError or ZeroDivisionError before) gets ConfigError, as every other one."""
+    from minigpt.presets import preset
+
+    small = preset("tiny-llama").with_(seq_len=32)
+    phi = hf_config(small.with_(rotary_fraction=0.5))
+    smol = hf_config(small.with_(nope_every=2))
+    gemma = hf_config(small.with_(mlp="geglu", qk_norm=True, post_norms=True, embed_scale=True, window=11,
+                                  full_attention_every=2, rope_local_theta=100.0, tied_head=True))
+    for broken in ({**phi, "rope_parameters": 3}, {**phi, "head_dim": {}}, {**smol, "no_rope_layer_interval": 0},
+                   {**gemma, "num_hidden_layers": 0.5}, {**gemma, "rope_parameters": None, "rope_scaling": "x"},
+                   {**gemma, "layer_types": None, "sliding_window_pattern": None}):
+        with pytest.raises(ConfigError):
+            config_from_hf(broken)

@@ -93,7 +93,12 @@ def gemma_config(hf: dict, tied: bool, seq_len: int | None) -> GPTConfig:
 def _pattern(hf: dict, layers: int) -> tuple[int, int]:
     """(window, full_attention_every) of its layer_types (or sliding_window_pattern): every layer full (0, 0), or
     every N-th full and the others through the window, whether or not it is shorter than the context."""
+    refuse_unless(isinstance(layers, int) and not isinstance(layers, bool) and layers > 0,
+                  f"its num_hidden_layers is {layers!r}, not a whole number above 0")
     every = hf.get("sliding_window_pattern", 6)
+    if not hf.get("layer_types"):
+        refuse_unless(isinstance(every, int) and not isinstance(every, bool) and every > 0,
+                      f"its sliding_window_pattern is {every!r}, not a whole number above 0")
     kinds = hf.get("layer_types") or [SLIDING if (i + 1) % every else FULL for i in range(layers)]
     refuse_unless(isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {SLIDING, FULL},
                   f"its layer_types are {kinds!r}, not one of {SLIDING!r} or {FULL!r} per layer")
@@ -110,10 +115,14 @@ def _rotations(hf: dict) -> tuple[float, float, float]:
     parameters = hf.get("rope_parameters")
     if isinstance(parameters, dict) and FULL in parameters:
         full, local = parameters.get(FULL) or {}, parameters.get(SLIDING) or {}
-        refuse_unless(local.get("rope_type", "default") == "default", "its sliding layers' rotation is scaled")
     else:
-        full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
+        scaling = hf.get("rope_scaling") or {}
+        refuse_unless(isinstance(scaling, dict), f"its rope_scaling is {scaling!r}")
+        full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **scaling}
         local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    refuse_unless(isinstance(full, dict) and isinstance(local, dict),
+                  f"its rotations per layer type are {full!r} and {local!r}")
+    refuse_unless(local.get("rope_type", "default") == "default", "its sliding layers' rotation is scaled")
     kind = full.get("rope_type", full.get("type", "default"))
     refuse_unless(kind in ("default", "linear"), f"its full layers' rotation is scaled as {kind!r}, minigpt computes "
                                                   f"a linear factor there")

@@ -206,7 +206,8 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
     rotated = 1.0
     if kind == "phi3":  # Llama's block with fused projections, the first partial_rotary_factor of each head rotated
-        rotated = hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+        parameters = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}  # (read_rope
+        rotated = hf.get("partial_rotary_factor", parameters.get("partial_rotary_factor", 1.0))  # refuses another)
         refuse_unless(is_number(rotated), f"its partial_rotary_factor is {rotated!r}")
     dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len,  # bias-free, but Qwen2's
                           float(rotated))
@@ -280,7 +281,9 @@ def _nope_every(hf: dict, layers: int) -> int:
     """SmolLM3's no_rope_layers (1: the layer rotates) as nope_every: every no_rope_layer_interval-th layer without
     rotary positions (its default list), or none; ConfigError for another pattern or a sliding window."""
     refuse_unless(not hf.get("use_sliding_window"), "it attends through a sliding window in its unrotated layers")
-    every = _number(hf, "no_rope_layer_interval", 4)
+    every = hf.get("no_rope_layer_interval", 4)
+    refuse_unless(isinstance(every, int) and not isinstance(every, bool) and every > 0,
+                  f"its no_rope_layer_interval is {every!r}, not a whole number above 0")
     listed = hf.get("no_rope_layers")
     if listed is None or listed == [1] * layers:
         return 0 if listed is not None else every
@@ -299,6 +302,8 @@ def _llama_config(hf: dict, tied: bool, seq_len: int | None, rotated: float = 1.
     if seq_len is not None and seq_len > longest:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({longest})")
     heads, width, head_dim = _number(hf, "num_attention_heads"), _number(hf, "hidden_size"), hf.get("head_dim")
+    refuse_unless(head_dim is None or (isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0),
+                  f"its head_dim is {head_dim!r}, not a whole number above 0")
     return GPTConfig(vocab_size=_number(hf, "vocab_size"), seq_len=seq_len or longest,
                      n_layers=_number(hf, "num_hidden_layers"), n_heads=heads,
                      n_kv_heads=hf.get("num_key_value_heads") or heads, d_model=width,
