@@ -278,8 +278,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
     def layer_window(self, layer: int) -> int:
         """The sliding window block `layer` (0-based) attends through (0: the whole context): the model's window in
         use, except every full_attention_every-th block."""
-        every = self.full_attention_every
-        return 0 if every and (layer + 1) % every == 0 else self.window_in_use
+        return 0 if _every_nth(layer, self.full_attention_every) else self.window_in_use
 
     @property
     def full_attention_layers(self) -> int:
@@ -292,14 +291,13 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
     def layer_rotates(self, layer: int) -> bool:
         """Whether block `layer` (0-based) turns its queries and keys by rotary positions: every one of a rotary
         model, except every nope_every-th."""
-        every = self.nope_every
-        return self.positions == "rope" and not (every and (layer + 1) % every == 0)
+        return self.positions == "rope" and not _every_nth(layer, self.nope_every)
 
     def layer_local(self, layer: int) -> bool:
         """Whether block `layer` rotates by rope_local_theta (Gemma 3's sliding blocks: those the window pattern puts
         through the window, whether or not it is shorter than the context)."""
-        every = self.full_attention_every
-        return self.rope_local_theta is not None and bool(self.window) and not (every and (layer + 1) % every == 0)
+        return self.rope_local_theta is not None and bool(self.window) and not _every_nth(layer,
+                                                                                         self.full_attention_every)
 
     def layer_kind(self, layer: int) -> tuple[int, bool]:
         """(sliding window, rotates) of block `layer`: what a block of a per-layer pattern is priced by."""
@@ -486,6 +484,12 @@ def block_name(layer: int, n_layers: int) -> str:
     """The plain GPT's name of block `layer` with its dot: one of the model's `n_layers`, or past them a multi-token
     prediction module's (minigpt/model.py's MultiTokenPrediction)."""
     return f"mtp.{layer - n_layers}.block." if layer >= n_layers else f"blocks.{layer}."
+
+
+def _every_nth(layer: int, every: int) -> bool:
+    """Whether block `layer` (0-based) is one of every `every`-th (blocks every - 1, 2 every - 1, ...; 0: none): the
+    per-layer patterns' rule (full_attention_every, nope_every; transformers' layer_types and no_rope_layers)."""
+    return bool(every) and (layer + 1) % every == 0
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -223,15 +223,13 @@ class Block(nn.Module):
             config, window, config.layer_rotates(layer), config.layer_local(layer))
         self.ln2 = make_norm(config)
         self.mlp = MoE(config, layer) if config.is_moe_layer(layer) else MLP(config)
-        self.post_attn_norm = make_norm(config) if config.post_norms else None
-        self.post_mlp_norm = make_norm(config) if config.post_norms else None
+        # Gemma's norm of each branch before its residual add; otherwise the branch as it is
+        self.post_attn_norm = make_norm(config) if config.post_norms else nn.Identity()
+        self.post_mlp_norm = make_norm(config) if config.post_norms else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.post_attn_norm is not None:  # Gemma's: each branch normed again before its residual add
-            x = x + self.post_attn_norm(self.attn(self.ln1(x)))
-            return x + self.post_mlp_norm(self.mlp(self.ln2(x)))
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.post_attn_norm(self.attn(self.ln1(x)))
+        return x + self.post_mlp_norm(self.mlp(self.ln2(x)))
 
 
 class NextTokenLoss(nn.Module):

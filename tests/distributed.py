@@ -14,7 +14,7 @@ module import in the ranks as they did in pytest.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,21 @@ def gather_results(job: tuple[Callable[..., Any], tuple[Any, ...]]) -> list[Any]
         return values
     finally:
         finish_worker()
+
+
+def run_worlds(world_fn: Callable[..., dict], worlds: Iterable[int],
+               extra: Callable[[int], Any] | None = None) -> dict[str, list]:
+    """{layout name: every rank's result} of world_fn(world) (with extra(world) after it when given) on `world`
+    gloo ranks for each world size: a parity test's layouts started once per size, gathered by name (by_layout)."""
+    runs: dict[str, list] = {}
+    for world in worlds:
+        by_layout(run_ranks(world, world_fn, world, *(() if extra is None else (extra(world),))), runs)
+    return runs
+
+
+def every_layout(layouts: dict[int, dict]) -> list[tuple[int, str]]:
+    """(world size, layout name) of every layout of {world size: {name: layout}}: a parity test's parameters."""
+    return [(world, name) for world, named in layouts.items() for name in named]
 
 
 def by_layout(ranks: list[dict], runs: dict | None = None) -> dict[str, list]:

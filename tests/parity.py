@@ -50,3 +50,14 @@ def worst_gap(run: dict, reference: dict) -> Gap:
 def history(summary: dict) -> dict:
     """What parity compares from a training summary."""
     return {"losses": summary["losses"], "grad_norms": summary["grad_norms"]}
+
+
+def assert_runs_match(runs: list[dict], reference: dict, label: str, tolerance: float,
+                      grad_norm_tolerance: float | None = None) -> None:
+    """Every rank's run within `tolerance` of the reference on the losses and the gradient norms (the norms within
+    `grad_norm_tolerance` when given), its gap printed under `label`."""
+    for run in runs:
+        gap = worst_gap(run, reference)
+        print(f"{label}: {gap}")
+        norms = tolerance if grad_norm_tolerance is None else grad_norm_tolerance
+        assert gap.loss <= tolerance and gap.grad_norm <= norms, f"{label}: {gap}"

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import by_layout, one_thread, run_ranks
+from distributed import every_layout, one_thread, run_worlds
 from job.train_config import TrainConfig
 from minigpt.data import Corpus
 from minigpt.model import GPT
 from minigpt.presets import preset
 from model_states import held_states, predicted_states
-from parity import worst_gap
+from parity import assert_runs_match
 from test_checkpoint import new_rank
 from test_config import saved_bytes
 from test_llama_parallel import train_history
@@ -53,10 +53,7 @@ def spawned_world(world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def spawned():
-    runs = {}
-    for world in LAYOUTS:
-        by_layout(run_ranks(world, spawned_world, world), runs)
-    return runs
+    return run_worlds(spawned_world, LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +62,12 @@ def reference():
         return trained(config())
 
 
-ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+ALL = every_layout(LAYOUTS)
 
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
 def test_every_layout_matches_one_process(spawned, reference, world, name):
-    for run in spawned[name]:
-        gap = worst_gap(run, reference)
-        print(f"gemma {name}: {gap}")
-        assert gap.worst <= TOLERANCE, f"{name}: {gap}"
+    assert_runs_match(spawned[name], reference, f"gemma {name}", TOLERANCE)
 
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])

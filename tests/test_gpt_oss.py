@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import by_layout, one_thread, run_ranks
+from distributed import every_layout, one_thread, run_worlds
 from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.data import Corpus
@@ -18,7 +18,7 @@ from minigpt.errors import ConfigError
 from minigpt.presets import preset
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
 from model_states import held_states, predicted_states
-from parity import worst_gap
+from parity import assert_runs_match
 from test_checkpoint import mismatches, new_rank, train
 from test_llama_parallel import train_history
 
@@ -73,10 +73,7 @@ def spawned_world(world: int, out_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    runs = {}
-    for world in LAYOUTS:
-        by_layout(run_ranks(world, spawned_world, world, str(tmp_path_factory.mktemp(f"oss{world}"))), runs)
-    return runs
+    return run_worlds(spawned_world, LAYOUTS, lambda world: str(tmp_path_factory.mktemp(f"oss{world}")))
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +82,12 @@ def reference():
         return trained(config())
 
 
-ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+ALL = every_layout(LAYOUTS)
 
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
 def test_every_layout_matches_one_process(spawned, reference, world, name):
-    for run in spawned[name]:
-        gap = worst_gap(run, reference)
-        print(f"gpt-oss {name}: {gap}")
-        assert gap.worst <= TOLERANCE, f"{name}: {gap}"
+    assert_runs_match(spawned[name], reference, f"gpt-oss {name}", TOLERANCE)
 
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])

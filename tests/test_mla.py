@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from distributed import by_layout, one_thread, run_ranks
+from distributed import every_layout, one_thread, run_worlds
 from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.layout import Layout
 from job.train_config import TrainConfig
@@ -25,7 +25,7 @@ from minigpt.model import GPT, LatentAttention
 from minigpt.presets import preset
 from parallel.checkpoint.layout import fused_sections, shard_shape, tensor_parallel_kind
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
-from parity import worst_gap
+from parity import assert_runs_match
 from precision.policy import policy as precision_policy
 from simulator.costs.compute import tp_collectives
 from test_checkpoint import mismatches, new_rank, train, unlike_the_plain_model
@@ -171,10 +171,7 @@ def spawned_world(world: int, out_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    runs = {}
-    for world in LAYOUTS:
-        by_layout(run_ranks(world, spawned_world, world, str(tmp_path_factory.mktemp(f"mla-{world}"))), runs)
-    return runs
+    return run_worlds(spawned_world, LAYOUTS, lambda world: str(tmp_path_factory.mktemp(f"mla-{world}")))
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +180,7 @@ def references():
         return {id(model): trained(config(model)) for model in (MODEL, QUERIES_FROM_WIDTH, GROUPED, YARN)}
 
 
-ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+ALL = every_layout(LAYOUTS)
 
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
@@ -191,10 +188,7 @@ def test_every_layout_matches_one_process(spawned, references, world, name):
     model, _ = LAYOUTS[world][name]
     reference = references[id(model)]
     assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns: the gaps compare runs that move
-    for run in spawned[name]:
-        gap = worst_gap(run, reference)
-        print(f"{name}: {gap}")
-        assert gap.loss <= TOLERANCE and gap.grad_norm <= GRAD_NORM_TOLERANCE, f"{name}: {gap}"
+    assert_runs_match(spawned[name], reference, name, TOLERANCE, GRAD_NORM_TOLERANCE)
 
 
 TENSOR = [(world, name) for world, name in ALL if LAYOUTS[world][name][1].get("tp", 1) > 1]

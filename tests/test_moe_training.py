@@ -18,7 +18,7 @@ import hashlib
 import pytest
 import torch
 
-from distributed import by_layout, one_thread, run_ranks
+from distributed import every_layout, one_thread, run_worlds
 from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routing_exchanges
 from job.layout import Layout
@@ -32,7 +32,7 @@ from parallel.mesh import build_mesh
 from parallel.run.build import build_rank
 from parallel.run.train import micro_batches
 from model_states import held_states, predicted_states
-from parity import worst_gap
+from parity import assert_runs_match
 from precision.policy import policy as precision_policy
 from simulator.costs.compute import tp_collectives
 
@@ -132,10 +132,7 @@ def spawned_world(world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def spawned():
-    runs = {}
-    for world in LAYOUTS:
-        by_layout(run_ranks(world, spawned_world, world), runs)
-    return runs
+    return run_worlds(spawned_world, LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +141,12 @@ def references():
         return {model: trained(config(model)) for model in MODELS}
 
 
-ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+ALL = every_layout(LAYOUTS)
 
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
 def test_every_layout_matches_one_process(spawned, references, world, name):
-    model, _ = LAYOUTS[world][name]
-    for run in spawned[name]:
-        gap = worst_gap(run, references[model])
-        print(f"{name}: {gap}")
-        assert gap.worst <= TOLERANCE, f"{name}: {gap}"
+    assert_runs_match(spawned[name], references[LAYOUTS[world][name][0]], name, TOLERANCE)
 
 
 BIASED = [(world, name) for world, name in ALL if LAYOUTS[world][name][0] == "biased"]

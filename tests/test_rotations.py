@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import by_layout, one_thread, run_ranks
+from distributed import every_layout, one_thread, run_worlds
 from job.train_config import TrainConfig
 from minigpt.data import Corpus
 from minigpt.presets import preset
-from parity import worst_gap
+from parity import assert_runs_match
 from test_checkpoint import new_rank
 from test_llama_parallel import train_history
 
@@ -50,10 +50,7 @@ def spawned_world(world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def spawned():
-    runs = {}
-    for world in LAYOUTS:
-        by_layout(run_ranks(world, spawned_world, world), runs)
-    return runs
+    return run_worlds(spawned_world, LAYOUTS)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +59,7 @@ def references():
         return {model: trained(config(model)) for model in MODELS}
 
 
-ALL = [(world, name) for world, layouts in LAYOUTS.items() for name in layouts]
+ALL = every_layout(LAYOUTS)
 
 
 def test_the_models_rotate_what_they_say():
@@ -73,8 +70,4 @@ def test_the_models_rotate_what_they_say():
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
 def test_every_layout_matches_one_process(spawned, references, world, name):
-    model = LAYOUTS[world][name][0]
-    for run in spawned[name]:
-        gap = worst_gap(run, references[model])
-        print(f"{name}: {gap}")
-        assert gap.worst <= TOLERANCE, f"{name}: {gap}"
+    assert_runs_match(spawned[name], references[LAYOUTS[world][name][0]], name, TOLERANCE)

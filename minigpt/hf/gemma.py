@@ -14,9 +14,9 @@ from __future__ import annotations
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from minigpt.hf.moe import config_number, refuse_unless
+from minigpt.hf.patterns import FULL, SLIDING, full_attention_every, layer_kinds
 
 ARCHITECTURE = "Gemma3ForCausalLM"
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def is_gemma(config: GPTConfig) -> bool:
@@ -40,9 +40,7 @@ def check_gemma(config: GPTConfig) -> None:
 
 def gemma_hf_config(config: GPTConfig, common: dict) -> dict:
     """config.json of the Gemma 3 text model holding `config` (`common`: the fields every layout writes)."""
-    every = config.full_attention_every
-    kinds = [SLIDING if config.window and not (every and (layer + 1) % every == 0) else FULL
-             for layer in range(config.n_layers)]
+    kinds = layer_kinds(config.n_layers, config.full_attention_every) if config.window else [FULL] * config.n_layers
     full = {"rope_type": "linear", "factor": config.rope_linear} if config.rope_linear != 1 else {"rope_type": "default"}
     local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
     return {
@@ -99,15 +97,8 @@ def _pattern(hf: dict, layers: int) -> tuple[int, int]:
     if not hf.get("layer_types"):
         refuse_unless(isinstance(every, int) and not isinstance(every, bool) and every > 0,
                       f"its sliding_window_pattern is {every!r}, not a whole number above 0")
-    kinds = hf.get("layer_types") or [SLIDING if (i + 1) % every else FULL for i in range(layers)]
-    refuse_unless(isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {SLIDING, FULL},
-                  f"its layer_types are {kinds!r}, not one of {SLIDING!r} or {FULL!r} per layer")
-    if SLIDING not in kinds:
-        return 0, 0
-    found = next((n for n in range(2, layers + 1) if kinds == [FULL if (i + 1) % n == 0 else SLIDING
-                                                               for i in range(layers)]), None)
-    refuse_unless(found is not None or FULL not in kinds, f"its sliding layers ({kinds}) are not all but every N-th")
-    return config_number(hf, "sliding_window"), found or 0
+    found = full_attention_every(hf.get("layer_types") or layer_kinds(layers, every), layers)
+    return (0, 0) if found is None else (config_number(hf, "sliding_window"), found)
 
 
 def _rotations(hf: dict) -> tuple[float, float, float]:

@@ -47,6 +47,7 @@ from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
+from minigpt.hf.patterns import FULL, SLIDING, full_attention_every, layer_kinds
 from minigpt.hf.rope import is_number, read_rope, rope_fields, rotation_moved
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", *ARCHITECTURES)  # Llama's block, and theirs
@@ -223,15 +224,12 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
 UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
 LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss", "gemma3_text")  # whose layer_types say which layers attend through it
 WINDOWED_LAYOUTS = ("mistral", "mixtral", "phi3", *LAYER_TYPES)  # the layouts minigpt writes a window in
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-
 def _layer_types(config: GPTConfig) -> dict:
     """A Qwen2, Qwen3 or GPT-OSS config.json's window fields: none in use, or the window and each layer's kind."""
     if not config.window_in_use:
         return {"use_sliding_window": False, "sliding_window": None}
-    kinds = [SLIDING if config.layer_window(layer) else FULL for layer in range(config.n_layers)]
-    return {"use_sliding_window": True, "sliding_window": config.window, "layer_types": kinds}
+    return {"use_sliding_window": True, "sliding_window": config.window,
+            "layer_types": layer_kinds(config.n_layers, config.full_attention_every)}
 
 
 def _windows(hf: dict, kind: str, seq_len: int | None) -> dict:
@@ -249,19 +247,8 @@ def _windows(hf: dict, kind: str, seq_len: int | None) -> dict:
                                        "(layer_types)")
     layers = _number(hf, "num_hidden_layers")
     kinds = hf.get("layer_types") or [SLIDING if i >= hf.get("max_window_layers", 28) else FULL for i in range(layers)]
-    refuse_unless(isinstance(kinds, list) and len(kinds) == layers and set(kinds) <= {SLIDING, FULL},
-                  f"its layer_types are {kinds!r}, not one of {SLIDING!r} or {FULL!r} per layer")
-    if SLIDING not in kinds:
-        return {}
-    every = next((n for n in range(2, layers + 1) if kinds == _pattern(layers, n)), None) if FULL in kinds else 0
-    refuse_unless(every is not None, f"its layers attend through the window in a pattern minigpt does not compute "
-                                     f"({kinds}): every layer, or all but every N-th")
-    return {"window": window, "full_attention_every": every}
-
-
-def _pattern(layers: int, every: int) -> list[str]:
-    """Each layer's kind when every `every`-th attends to the whole context (GPTConfig.layer_window)."""
-    return [FULL if (i + 1) % every == 0 else SLIDING for i in range(layers)]
+    every = full_attention_every(kinds, layers)
+    return {} if every is None else {"window": window, "full_attention_every": every}
 
 
 def _full_attention(hf: dict, seq_len: int | None) -> bool:

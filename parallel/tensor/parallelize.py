@@ -122,7 +122,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
         module.register_forward_pre_hook(lambda _, args: (args[0], ScatterToSequence.apply(args[1], comm)))
     for block in every_block(model):
         norms = (block.ln1, block.ln2, block.post_attn_norm, block.post_mlp_norm)  # Gemma's post norms too
-        sequence_pieces += [p for norm in norms if norm is not None for p in norm.parameters()]
+        sequence_pieces += [p for norm in norms for p in norm.parameters()]
         mlp_bias = getattr(getattr(block.mlp, "fc2", None), "bias", None)  # a MoE has none of its own
         sequence_pieces += [b for b in (block.attn.proj.bias, mlp_bias) if b is not None]
     if sequence_parallel:  # a MoE then routes this rank's slice of the tokens (parallel/tensor/moe.py)

@@ -355,7 +355,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      dropout=model.dropout > 0, sp=sp, sharded=sp and impl.sp_saved_input == "sharded",
                      bias=model.bias, qkv_bias=model.linear_bias("attn.qkv"),
                      norm_statistics=2 if model.norm == "layernorm" else 1,
-                     mlp=model.mlp, rope=model.positions == "rope" and model.nope_every != 1,  # 1: a NoPE kind
+                     mlp=model.mlp, rope=model.layer_rotates(0),  # a block kind's (GPTConfig.uniform)
                      cp=layout.cp, cp_kind=layout.cp_kind,
                      fp8_cache=impl.fp8_weight_cache, fp8_fused=impl.fp8_fused_casts,
                      fp8_block=impl.fp8_scaling == "block", fp8_current=impl.fp8_scaling == "current",
