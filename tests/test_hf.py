@@ -218,7 +218,11 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
             layout_of(bad)
     for bad, word in ((GPTConfig(n_experts=4), "mixture of experts"), (GPTConfig(qk_norm=True), "q/k norms"),
                       (qwen3.with_(bias=True), "bias-free"), (qwen3.with_(qkv_bias=True), "bias-free"),
-                      (GPTConfig(positions="rope"), "neither"), (GPTConfig(n_kv_heads=2), "grouped-query")):
+                      (GPTConfig(positions="rope"), "neither"), (GPTConfig(n_kv_heads=2), "grouped-query"),
+                      # rotations a layout would write as whole ones: refused, not written as another model
+                      (mixtral.with_(rotary_fraction=0.5), "mixtral layout turns every block's whole heads"),
+                      (qwen3_moe.with_(nope_every=2), "SmolLM3"),
+                      (qwen3.with_(rope_longrope=((1.0,) * 32, (2.0,) * 32, 64, 1.1)), "LongRoPE")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
 

@@ -47,10 +47,11 @@ from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
-from minigpt.hf.patterns import FULL, SLIDING, full_attention_every, layer_kinds
+from minigpt.hf.patterns import LAYER_TYPES, WINDOWED_LAYOUTS, layer_types, nope_every, windows
 from minigpt.hf.rope import is_number, read_rope, rope_fields, rotation_moved
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", *ARCHITECTURES)  # Llama's block, and theirs
+PARTIAL_ROTATION = ("phi3",)  # the layouts that turn part of each head (transformers' partial_rotary_factor)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 
 
@@ -61,6 +62,11 @@ def layout_of(config: GPTConfig) -> str:
     if config.mtp_depth and layout != "deepseek_v3":
         raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's layout (as its checkpoints "
                           f"hold them), which cannot hold this {layout} shape")
+    if config.nope_every and layout != "smollm3" or config.rope_longrope is not None and layout != "phi3" \
+            or config.rotary_fraction != 1 and layout not in PARTIAL_ROTATION:
+        raise ConfigError(f"transformers' {layout} layout turns every block's whole heads: blocks without rotary "
+                          f"positions are written in SmolLM3's layout, part of each head turned in Phi-3's and "
+                          f"LongRoPE in Phi-3's, none of which holds this shape")
     if config.window_in_use and layout not in WINDOWED_LAYOUTS:
         raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2, Qwen3 or GPT-OSS "
                           f"layout, which cannot hold this {layout} shape")
@@ -125,7 +131,7 @@ def hf_config(config: GPTConfig) -> dict:
     if layout_of(config) == "deepseek_v3":
         return deepseek_hf_config(config, common, rope_fields)
     if layout_of(config) == "gpt_oss":
-        return gpt_oss_hf_config(config, common, rope_fields, _layer_types(config))
+        return gpt_oss_hf_config(config, common, rope_fields, layer_types(config))
     if layout_of(config) == "gemma3_text":
         return gemma_hf_config(config, common)
     if layout_of(config) == "gpt2":
@@ -164,7 +170,7 @@ def hf_config(config: GPTConfig) -> dict:
     if layout in ("qwen2", "qwen3"):
         architecture = "Qwen2ForCausalLM" if layout == "qwen2" else "Qwen3ForCausalLM"
         return {"architectures": [architecture], "model_type": layout, **common, **llama,
-                "max_window_layers": config.n_layers, **_layer_types(config)}
+                "max_window_layers": config.n_layers, **layer_types(config)}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, **llama, "mlp_bias": config.bias}
 
 
@@ -190,19 +196,19 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind in DEEPSEEK_TYPES:
         return deepseek_config(hf, tied, seq_len, read_rope)
     if kind == "gpt_oss":
-        return gpt_oss_config(hf, tied, seq_len, read_rope, _windows(hf, kind, seq_len))
+        return gpt_oss_config(hf, tied, seq_len, read_rope, windows(hf, kind, seq_len))
     if kind == "gemma3_text":
         return gemma_config(hf, tied, seq_len)
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
                           f"'deepseek_v3' (and Kimi K2's 'kimi_k2') and 'gpt_oss' models")
-    windows = _windows(hf, kind, seq_len)
+    window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
     if kind == "smollm3":  # Llama's block, every no_rope_layer_interval-th without rotary positions
         plain = _llama_config(hf, tied, seq_len)
-        return plain.with_(nope_every=_nope_every(hf, plain.n_layers))
+        return plain.with_(nope_every=nope_every(hf, plain.n_layers))
     if kind in ("qwen3", *ARCHITECTURES):  # their attention's biases are the o projection's too; none in the MLP
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
     rotated = 1.0
@@ -213,70 +219,12 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len,  # bias-free, but Qwen2's
                           float(rotated))
     if kind == "phi3":
-        return dense.with_(**windows)
+        return dense.with_(**window_fields)
 
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
-        return dense.with_(qk_norm=kind == "qwen3_moe", **windows, **moe_fields(hf, kind))
+        return dense.with_(qk_norm=kind == "qwen3_moe", **window_fields, **moe_fields(hf, kind))
     # Qwen2: biases on q, k and v alone
-    return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **windows)
-
-
-UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
-LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss", "gemma3_text")  # whose layer_types say which layers attend through it
-WINDOWED_LAYOUTS = ("mistral", "mixtral", "phi3", *LAYER_TYPES)  # the layouts minigpt writes a window in
-def _layer_types(config: GPTConfig) -> dict:
-    """A Qwen2, Qwen3 or GPT-OSS config.json's window fields: none in use, or the window and each layer's kind."""
-    if not config.window_in_use:
-        return {"use_sliding_window": False, "sliding_window": None}
-    return {"use_sliding_window": True, "sliding_window": config.window,
-            "layer_types": layer_kinds(config.n_layers, config.full_attention_every)}
-
-
-def _windows(hf: dict, kind: str, seq_len: int | None) -> dict:
-    """The GPTConfig fields of a model's sliding window shorter than the training context (none where there is none,
-    or one as long): a Mistral's, Phi-3's or Mixtral's in every layer, a Qwen2's, Qwen3's or GPT-OSS's in the layers its
-    layer_types (else max_window_layers) name, every layer or all but every N-th (full_attention_every);
-    ConfigError for another pattern or model."""
-    if _full_attention(hf, seq_len):
-        return {}
-    window = _number(hf, "sliding_window")
-    if kind in UNIFORM_WINDOWS and not hf.get("layer_types"):
-        return {"window": window}
-    refuse_unless(kind in LAYER_TYPES, "it attends through a sliding window shorter than the context in some of its "
-                                       "layers, which minigpt reads of Qwen2, Qwen3 and GPT-OSS models only "
-                                       "(layer_types)")
-    layers = _number(hf, "num_hidden_layers")
-    kinds = hf.get("layer_types") or [SLIDING if i >= hf.get("max_window_layers", 28) else FULL for i in range(layers)]
-    every = full_attention_every(kinds, layers)
-    return {} if every is None else {"window": window, "full_attention_every": every}
-
-
-def _full_attention(hf: dict, seq_len: int | None) -> bool:
-    """Whether every position of the training context (seq_len, or max_position_embeddings) attends to all before
-    it: no sliding window in use, or one at least as long (a token sees the window's tokens, itself the last).
-    Mistral's, Phi-3's and Mixtral's window is in use whenever sliding_window is set; the Qwens' only with
-    use_sliding_window or a "sliding_attention" layer (a window in use whose length is not given: not full)."""
-    window = hf.get("sliding_window")
-    in_use = hf.get("use_sliding_window", window is not None) or "sliding_attention" in (hf.get("layer_types") or ())
-    if not in_use:
-        return True
-    context = seq_len or _number(hf, "max_position_embeddings")
-    return window is not None and context <= _number(hf, "sliding_window")
-
-
-def _nope_every(hf: dict, layers: int) -> int:
-    """SmolLM3's no_rope_layers (1: the layer rotates) as nope_every: every no_rope_layer_interval-th layer without
-    rotary positions (its default list), or none; ConfigError for another pattern or a sliding window."""
-    refuse_unless(not hf.get("use_sliding_window"), "it attends through a sliding window in its unrotated layers")
-    every = hf.get("no_rope_layer_interval", 4)
-    refuse_unless(isinstance(every, int) and not isinstance(every, bool) and every > 0,
-                  f"its no_rope_layer_interval is {every!r}, not a whole number above 0")
-    listed = hf.get("no_rope_layers")
-    if listed is None or listed == [1] * layers:
-        return 0 if listed is not None else every
-    refuse_unless(listed == [int((layer + 1) % every != 0) for layer in range(layers)],
-                  f"its unrotated layers (no_rope_layers {listed}) are not every {every}-th")
-    return every
+    return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **window_fields)
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None, rotated: float = 1.0) -> GPTConfig:
