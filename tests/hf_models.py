@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks), Gemma 3, Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
-    from zero; also with YaRN, and as Kimi K2 ships it), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
+    from zero; also with YaRN, and as Kimi K2 ships it), GLM-4.5 (DeepSeek's experts after grouped-query attention,
+    half of each head turned), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
     width / heads, q/k norms; also with YaRN, or a window in its first block) shape, the Qwens' norms with epsilon
     1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
     moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -84,6 +85,15 @@ def transformers_model(shape: str, tmp_path):
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                              "mscale": 1.0, "mscale_all_dim": 0.8})
+    elif shape == "glm4_moe":  # GLM-4.5's: q, k and v biases, per-head q/k norms, the first half of each 24-wide head
+        # turned (its default), a dense first block, then DeepSeek's experts (2 of 4 from the better of 2 groups, one
+        # shared, the gates scaled by 2.5)
+        config = transformers.Glm4MoeConfig(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True,
+            use_qk_norm=True, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, n_group=2, topk_group=1, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            initializer_range=0.2, num_mtp_layers=0)
     elif shape == "kimi_k2":  # Kimi K2's: DeepSeek-V3's architecture under model_type "kimi_k2" (set after saving),
         # ungrouped routing with gates scaled by 2.827, one dense block, and YaRN with beta_fast = beta_slow = 1 (its
         # ramp a step between two whole columns), mscale 1 over 1
@@ -142,7 +152,7 @@ def transformers_model(shape: str, tmp_path):
     with torch.no_grad():  # norms' gains (and Qwen2's zero-initialised q/k/v biases, a little) away from their
         for name, param in model.named_parameters():  # initial ones, so that a misplaced one shows
             scale = 0.3 if "norm" in name or "ln" in name or "sinks" in name else \
-                0.05 if shape in ("qwen2", "gpt_oss") and "bias" in name else 0
+                0.05 if shape in ("qwen2", "gpt_oss", "glm4_moe") and "bias" in name else 0
             param.add_(scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
             if shape == "gpt_oss" and name.endswith("gate_up_proj"):  # its gates and ups past the clamp at 7
                 param.mul_(4.0)

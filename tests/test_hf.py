@@ -37,11 +37,18 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           # Llama's block through a sliding window of 12 tokens: Mistral's layout
           "mistral": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--window", "12"],
           # multi-head latent attention, a dense first block, then shared and routed experts (sigmoid router)
-          "deepseek_v3": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32"]}
+          "deepseek_v3": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32"],
+          # grouped-query attention with q, k and v biases, q/k norms and half of each head turned, then DeepSeek's
+          # experts after a dense block (sigmoid router with its choice bias, groups, a shared expert), and a
+          # multi-token prediction module: GLM-4.5's layout
+          "glm4_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qkv-bias", "--head-dim", "24",
+                       "--rotary-fraction", "0.5", "--router", "sigmoid", "--shared-experts", "1", "--dense-layers",
+                       "1", "--expert-bias", "--routed-scale", "2.5", "--expert-groups", "2", "--groups-per-token",
+                       "1", "--mtp-depth", "1"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM"}
-MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3")
+           "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
 
 
 def invoke(*args: str):
@@ -129,7 +136,8 @@ def hub_named(grads: dict, layout: str) -> dict:
 # Mistral's and Phi-3's read as Llama's block (written as Llama); YaRN's rotation in Qwen3 and DeepSeek-V3;
 # Kimi K2's config.json (DeepSeek-V3's under model_type "kimi_k2", YaRN's betas equal)
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
-                                   "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss"])
+                                   "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
+                                   "glm4_moe"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -178,7 +186,20 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert config_from_hf(hf_config(mixtral.with_(capacity_factor=1.25))) == mixtral  # training's choice, as dropout
     qwen3_moe = qwen3.with_(n_experts=8, top_k=2, d_expert=32, dense_layers=1, aux_loss_coef=0.001)
     assert layout_of(qwen3_moe) == "qwen3_moe" and config_from_hf(hf_config(qwen3_moe)) == qwen3_moe
-    for bad, word in ((mixtral.with_(router="sigmoid"), "sigmoid"), (mixtral.with_(n_shared_experts=1), "shared"),
+    # DeepSeek's experts (a sigmoid router) after grouped-query attention: GLM-4.5's layout, half of each head turned
+    glm = qwen3_moe.with_(router="sigmoid", n_shared_experts=1, expert_bias=True, routed_scale=2.5, expert_groups=2,
+                          groups_per_token=1, qkv_bias=True, rotary_fraction=0.5, mtp_depth=1, aux_loss_coef=0.0)
+    for sigmoid in (glm, glm.with_(qk_norm=False, qkv_bias=False, rotary_fraction=1.0, mtp_depth=0),
+                    mixtral.with_(router="sigmoid", aux_loss_coef=0.0)):  # (the rotation written where whole too)
+        assert layout_of(sigmoid) == "glm4_moe"  # read back with its choice bias (zeros where none) frozen
+        assert config_from_hf(hf_config(sigmoid)) == sigmoid.with_(expert_bias=True, expert_bias_rate=0.0,
+                                                                   d_expert=sigmoid.expert_width)
+    assert hf_config(glm)["rope_parameters"]["partial_rotary_factor"] == 0.5
+    for bad, word in ((glm.with_(bias=True), "bias-free"), (glm.with_(window=12), "sliding window"),
+                      (glm.with_(nope_every=2), "SmolLM3")):
+        with pytest.raises(ConfigError, match=word):
+            layout_of(bad)
+    for bad, word in ((mixtral.with_(n_shared_experts=1), "shared"),
                       (mixtral.with_(top_k=1), "top-1"), (mixtral.with_(router="softmax", expert_bias=True), "bias"),
                       (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
         with pytest.raises(ConfigError, match=word):

@@ -29,6 +29,7 @@ ARCHITECTURE = "DeepseekV3ForCausalLM"
 # the model_types read as this layout: DeepSeek-V3's, and Kimi K2's, whose checkpoints are DeepseekV3ForCausalLM's
 # under a model_type of their own (Moonshot AI's deployment guide: set it to "deepseek_v3" where "kimi_k2" is unknown)
 DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
+DEEPSEEK_EXPERTS = ("deepseek_v3", "glm4_moe")  # the layouts with DeepSeek's experts and multi-token prediction
 ATTENTION = "self_attn."
 
 
@@ -48,7 +49,6 @@ def check_deepseek(config: GPTConfig) -> None:
 def deepseek_hf_config(config: GPTConfig, common: dict, rope_fields) -> dict:
     """config.json of the DeepSeek-V3 model holding `config` (`common`: the fields every layout writes; `rope_fields`:
     the layouts' writer of its rotation)."""
-    moe = config.is_moe
     return {
         "architectures": [ARCHITECTURE], "model_type": "deepseek_v3", **common,
         "max_position_embeddings": config.seq_len, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
@@ -57,8 +57,14 @@ def deepseek_hf_config(config: GPTConfig, common: dict, rope_fields) -> dict:
         "attention_bias": False, "attention_dropout": config.dropout, **rope_fields(config), "rope_interleave": True,
         "kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank or None,
         "qk_rope_head_dim": config.rope_head_dim, "qk_nope_head_dim": config.head_dim,
-        "v_head_dim": config.v_head_dim,
-        # a dense model: every block dense, one placeholder expert the blocks never build
+        "v_head_dim": config.v_head_dim, **experts_hf_fields(config),
+    }
+
+
+def experts_hf_fields(config: GPTConfig) -> dict:
+    """config.json's fields of DeepSeek's experts (DeepSeek-V3's and GLM-4.5's layouts) and multi-token prediction."""
+    moe = config.is_moe
+    return {  # a dense model: every block dense, one placeholder expert the blocks never build
         "n_routed_experts": config.n_experts if moe else 1, "num_experts_per_tok": config.top_k if moe else 1,
         "moe_intermediate_size": config.expert_width if moe else config.d_ff,
         "n_shared_experts": config.n_shared_experts if moe else 0,
@@ -78,21 +84,12 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
                   "its MLP activation is not silu, or its attention has biases")
     heads = config_number(hf, "num_attention_heads")
     refuse_unless(hf.get("num_key_value_heads") in (None, heads), "it has fewer key/value heads than query heads")
-    refuse_unless(bool(hf.get("norm_topk_prob", True)), "its chosen gates are not renormalised, minigpt's are")
     refuse_unless(hf.get("rope_interleave", True) is True, "its rotated columns are not in DeepSeek's neighbouring "
                                                           "pairs (rope_interleave), the layout minigpt reads")
     longest = config_number(hf, "max_position_embeddings")
     if seq_len is not None and seq_len > longest:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_position_embeddings ({longest})")
-    layers, dense = config_number(hf, "num_hidden_layers"), config_number(hf, "first_k_dense_replace", 0)
-    values = config_number(hf, "v_head_dim")
-    experts = {} if dense >= layers else {
-        "n_experts": config_number(hf, "n_routed_experts"), "top_k": config_number(hf, "num_experts_per_tok"),
-        "d_expert": config_number(hf, "moe_intermediate_size"),
-        "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid",
-        "routed_scale": float(config_number(hf, "routed_scaling_factor", 1.0)),
-        "expert_groups": config_number(hf, "n_group", 1) or 1, "groups_per_token": _groups_per_token(hf),
-        "expert_bias": True}
+    layers, values = config_number(hf, "num_hidden_layers"), config_number(hf, "v_head_dim")
     return GPTConfig(vocab_size=config_number(hf, "vocab_size"), seq_len=seq_len or longest, n_layers=layers,
                      n_heads=heads, d_model=config_number(hf, "hidden_size"),
                      d_ff=config_number(hf, "intermediate_size"), tied_head=tied, mlp="swiglu", norm="rmsnorm",
@@ -101,7 +98,22 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
                      d_head=config_number(hf, "qk_nope_head_dim"), kv_lora_rank=config_number(hf, "kv_lora_rank"),
                      q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=config_number(hf, "qk_rope_head_dim"),
                      d_value=None if values == hf.get("qk_nope_head_dim") else values,
-                     mtp_depth=config_number(hf, "num_nextn_predict_layers", 0), **experts)
+                     **experts_fields(hf, layers))
+
+
+def experts_fields(hf: dict, layers: int) -> dict:
+    """GPTConfig's fields of DeepSeek's experts (DeepSeek-V3's and GLM-4.5's config.json) and multi-token prediction;
+    ConfigError where minigpt's router would choose or weigh differently."""
+    refuse_unless(bool(hf.get("norm_topk_prob", True)), "its chosen gates are not renormalised, minigpt's are")
+    dense = config_number(hf, "first_k_dense_replace", 0)
+    mtp = {"mtp_depth": config_number(hf, "num_nextn_predict_layers", 0)}
+    return mtp if dense >= layers else {**mtp,
+        "n_experts": config_number(hf, "n_routed_experts"), "top_k": config_number(hf, "num_experts_per_tok"),
+        "d_expert": config_number(hf, "moe_intermediate_size"),
+        "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid",
+        "routed_scale": float(config_number(hf, "routed_scaling_factor", 1.0)),
+        "expert_groups": config_number(hf, "n_group", 1) or 1, "groups_per_token": _groups_per_token(hf),
+        "expert_bias": True}
 
 
 def _groups_per_token(hf: dict) -> int | None:

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
-from minigpt.hf.deepseek import (DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
+from minigpt.hf.deepseek import (DEEPSEEK_EXPERTS, DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
+from minigpt.hf.glm import check_glm, glm_config, glm_hf_config
 from minigpt.hf.gemma import check_gemma, gemma_config, gemma_hf_config, gemma_names, is_gemma, norm_gain
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
@@ -48,10 +49,10 @@ from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_f
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
 from minigpt.hf.patterns import LAYER_TYPES, WINDOWED_LAYOUTS, layer_types, nope_every, windows
-from minigpt.hf.rope import is_number, read_rope, rope_fields, rotation_moved
+from minigpt.hf.rope import partial_rotary_factor, read_rope, rope_fields, rotation_moved
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", *ARCHITECTURES)  # Llama's block, and theirs
-PARTIAL_ROTATION = ("phi3",)  # the layouts that turn part of each head (transformers' partial_rotary_factor)
+PARTIAL_ROTATION = ("phi3", "glm4_moe")  # the layouts that turn part of each head (transformers' partial_rotary_factor)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 
 
@@ -59,9 +60,9 @@ def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "qwen2", "qwen3", "mixtral", "qwen3_moe" or
     "deepseek_v3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
-    if config.mtp_depth and layout != "deepseek_v3":
-        raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's layout (as its checkpoints "
-                          f"hold them), which cannot hold this {layout} shape")
+    if config.mtp_depth and layout not in DEEPSEEK_EXPERTS:
+        raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's or GLM-4.5's layout (as "
+                          f"their checkpoints hold them), which cannot hold this {layout} shape")
     if config.nope_every and layout != "smollm3" or config.rope_longrope is not None and layout != "phi3" \
             or config.rotary_fraction != 1 and layout not in PARTIAL_ROTATION:
         raise ConfigError(f"transformers' {layout} layout turns every block's whole heads: blocks without rotary "
@@ -90,6 +91,9 @@ def _block_layout(config: GPTConfig) -> str:
     if config.attention_sinks or config.mlp == "clamped-swiglu" or config.router_bias:
         check_gpt_oss(config)
         return "gpt_oss"
+    if config.is_moe and config.router == "sigmoid":  # DeepSeek's experts after grouped-query attention
+        check_glm(config)
+        return "glm4_moe"
     if config.is_moe:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
@@ -150,6 +154,8 @@ def hf_config(config: GPTConfig) -> dict:
         "attention_dropout": config.dropout, **rope_fields(config),
     }
     layout = layout_of(config)
+    if layout == "glm4_moe":
+        return glm_hf_config(config, {**common, **llama})
     if layout == "phi3":  # Llama's block with fused projections, part of each head rotated, LongRoPE
         longrope = {"original_max_position_embeddings": config.rope_longrope[2]} if config.rope_longrope else {}
         return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **common, **llama,
@@ -199,10 +205,12 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return gpt_oss_config(hf, tied, seq_len, read_rope, windows(hf, kind, seq_len))
     if kind == "gemma3_text":
         return gemma_config(hf, tied, seq_len)
+    if kind == "glm4_moe":  # Llama's attention, its biases q, k and v's alone, with DeepSeek's experts
+        return glm_config(hf, _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
-                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2') and 'gpt_oss' models")
+                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe' and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
@@ -211,13 +219,10 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return plain.with_(nope_every=nope_every(hf, plain.n_layers))
     if kind in ("qwen3", *ARCHITECTURES):  # their attention's biases are the o projection's too; none in the MLP
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
-    rotated = 1.0
-    if kind == "phi3":  # Llama's block with fused projections, the first partial_rotary_factor of each head rotated
-        parameters = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}  # (read_rope
-        rotated = hf.get("partial_rotary_factor", parameters.get("partial_rotary_factor", 1.0))  # refuses another)
-        refuse_unless(is_number(rotated), f"its partial_rotary_factor is {rotated!r}")
+    # Phi-3: Llama's block with fused projections, the first partial_rotary_factor of each head rotated
+    rotated = partial_rotary_factor(hf, 1.0) if kind == "phi3" else 1.0
     dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len,  # bias-free, but Qwen2's
-                          float(rotated))
+                          rotated)
     if kind == "phi3":
         return dense.with_(**window_fields)
 
@@ -266,7 +271,7 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
         moe = config.is_moe_layer(i)  # a router and experts in place of the dense MLP
         if layout == "deepseek_v3":  # Llama's norms and MLP names, the latent attention's own
             table |= {**_llama_block(ours, theirs, config, mlp=not moe, attention=False),
-                      **attention_names(config, ours, theirs), **(shared_names(config, i, theirs) if moe else {})}
+                      **attention_names(config, ours, theirs)}
         else:
             table |= _gpt2_block(ours, theirs) if gpt2 else _llama_block(ours, theirs, config, mlp=not moe,
                                                                           fused=layout == "phi3")
@@ -276,6 +281,8 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
             table |= gemma_names(ours, theirs)
         elif moe:
             table |= router_names(ours, theirs, layout)
+        if moe and layout in DEEPSEEK_EXPERTS:
+            table |= shared_names(config, i, theirs)
         if config.qk_norm:
             table |= {f"{ours}attn.core.{norm}.weight": (f"{theirs}self_attn.{norm}.weight",)
                       for norm in ("q_norm", "k_norm")}
@@ -310,7 +317,7 @@ def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True, at
 def _split_sizes(config: GPTConfig, ours: str) -> list[int]:
     """Rows of each transformers piece of a fused weight (Llama's qkv and fc1; DeepSeek-V3's down projection and
     shared experts' fc1)."""
-    sizes = split_sizes(config, ours) if config.is_mla else None
+    sizes = split_sizes(config, ours)
     if sizes is not None:
         return sizes
     if ours.endswith("attn.qkv.weight") or ours.endswith("attn.qkv.bias"):
@@ -341,8 +348,7 @@ def to_hf(state: dict, config: GPTConfig, gradients: bool = False) -> dict:
             tensor = tensor.t()
         if layout == "deepseek_v3":  # its rotated rows in DeepSeek's neighbouring pairs
             tensor = interleaved(tensor, config, ours, to_hf=True)
-        if ours.endswith("attn.qkv.weight"):  # a partial rotation's columns first, as transformers turns them
-            tensor = rotation_moved(tensor, config, to_hf=True)
+        tensor = rotation_moved(tensor, config, ours, to_hf=True)  # a partial rotation's columns first, as theirs
         if layout == "gemma3_text" and not gradients:  # its norms' weights are the gains less 1
             tensor = norm_gain(tensor, ours, to_hf=True)
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
@@ -352,7 +358,7 @@ def to_hf(state: dict, config: GPTConfig, gradients: bool = False) -> dict:
             out |= oss_experts_to_hf(state, config, layer, f"model.layers.{layer}.")
             continue
         out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout)
-        if layout == "deepseek_v3":
+        if layout in DEEPSEEK_EXPERTS:
             out |= router_extras(state, config, layer, f"model.layers.{layer}.")
     return out | mtp_copies(state, config)
 
@@ -411,8 +417,7 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
         tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if layout == "deepseek_v3":  # its rotated rows back in our rotate-half pairs
             tensor = interleaved(tensor, config, ours, to_hf=False)
-        if ours.endswith("attn.qkv.weight"):  # a partial rotation's columns last, as ours turns them
-            tensor = rotation_moved(tensor, config, to_hf=False)
+        tensor = rotation_moved(tensor, config, ours, to_hf=False)  # a partial rotation's columns last, as ours
         if layout == "gemma3_text":
             tensor = norm_gain(tensor, ours, to_hf=False)
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
@@ -421,6 +426,6 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
             state |= oss_experts_from_hf(found, config, layer, f"model.layers.{layer}.")
             continue
         state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout)
-        if layout == "deepseek_v3":
+        if layout in DEEPSEEK_EXPERTS:
             state |= router_extras_from_hf(found, config, layer, f"model.layers.{layer}.")
     return state

@@ -89,15 +89,29 @@ def rope_fields(config: GPTConfig) -> dict:
             **({"rope_scaling": rope} if rope["rope_type"] != "default" else {})}  # 5 rope_parameters, 4 this
 
 
-def rotation_moved(qkv, config: GPTConfig, to_hf: bool):
-    """A qkv weight's query and key heads with their rotated columns first (transformers' partial_rotary_factor
-    turns each head's first ones) from last (ours, as multi-head latent attention's), or back: the same product of
-    each query with each key, the rotation on the same columns. Whole rotations and latent attention unchanged."""
+def rotation_moved(tensor, config: GPTConfig, ours: str, to_hf: bool):
+    """Our tensor `ours` with each query and key head's rotated columns first (transformers' partial_rotary_factor
+    turns each head's first ones) from last (ours, as multi-head latent attention's), or back: the qkv weight's and
+    bias's rows, the per-head q/k norms' gains; the same product of each query with each key, the rotation on the same
+    columns. Other tensors, whole rotations and latent attention unchanged."""
     import torch
 
-    if config.rotary_fraction == 1:
-        return qkv
-    width, turned = config.head_dim, config.rotary_dim
-    heads = config.n_heads + config.kv_heads
-    moved = torch.roll(qkv[: heads * width].unflatten(0, (heads, width)), turned if to_hf else -turned, dims=1)
-    return torch.cat([moved.flatten(0, 1), qkv[heads * width:]])
+    if config.rotary_fraction == 1 or config.is_mla:
+        return tensor
+    shift = config.rotary_dim if to_hf else -config.rotary_dim
+    if ours.endswith(("attn.core.q_norm.weight", "attn.core.k_norm.weight")):  # one head's gains, shared
+        return torch.roll(tensor, shift, dims=0)
+    if not ours.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        return tensor
+    rows = (config.n_heads + config.kv_heads) * config.head_dim  # the query and key heads; the values unturned
+    moved = torch.roll(tensor[:rows].unflatten(0, (-1, config.head_dim)), shift, dims=1)
+    return torch.cat([moved.flatten(0, 1), tensor[rows:]])
+
+
+def partial_rotary_factor(hf: dict, default: float) -> float:
+    """The share of each head a config.json turns: its partial_rotary_factor (transformers 4's, top level) or its
+    rope_parameters' (transformers 5's), `default` where neither says; ConfigError when it is not a number."""
+    parameters = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}  # (read_rope
+    rotated = hf.get("partial_rotary_factor", parameters.get("partial_rotary_factor", default))  # refuses another)
+    refuse_unless(is_number(rotated), f"its partial_rotary_factor is {rotated!r}")
+    return float(rotated)
