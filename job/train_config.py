@@ -180,6 +180,9 @@ def check_trained_prediction(model: GPTConfig, split_tied: bool) -> None:
                           f"(--untied) or choose another schedule")
 
 
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
@@ -190,6 +193,12 @@ class TrainConfig:
     # within their first 20 steps, and the spike amplifies rounding differences between layouts (docs/results.md)
     lr: float = 2e-3
     min_lr: float = 2e-4
+    # after the warmup: "cosine" (to min_lr at the last step), "linear" (the same, in a straight line), "wsd"
+    # (warmup-stable-decay: lr until the last decay_fraction of the steps, then linearly to min_lr; Hu et al. 2024,
+    # MiniCPM, arXiv 2404.06395; Hägele et al. 2024, arXiv 2405.18392, whose 20% cooldown matches cosine) or
+    # "constant" (lr to the end)
+    lr_schedule: str = "cosine"
+    decay_fraction: float = 0.2
     warmup_steps: int | None = None  # None: 10% of the steps, at least 10 (at most the run), at most 100
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -294,6 +303,10 @@ class TrainConfig:
             raise ConfigError("lr must be > 0")
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr {self.min_lr} is larger than lr {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if not (isinstance(self.decay_fraction, (int, float)) and 0 < self.decay_fraction <= 1):
+            raise ConfigError(f"decay_fraction must be a number in (0, 1], got {self.decay_fraction!r}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -366,12 +379,24 @@ class TrainConfig:
         return max(1, self.steps // 20) if self.log_every is None else self.log_every
 
     def learning_rate(self, step: int) -> float:
-        """Linear warmup to lr, then cosine decay to min_lr at the last step."""
+        """Linear warmup to lr, then lr_schedule's decay to min_lr at the last step (none: constant)."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
-        span = max(1, self.steps - 1 - self.warmup)
-        progress = min(1.0, (step - self.warmup) / span)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+        if self.lr_schedule == "constant":
+            return self.lr
+        start = self.decay_start
+        progress = min(1.0, max(0, step - start) / max(1, self.steps - 1 - start))
+        if self.lr_schedule == "cosine":
+            return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+        return self.lr - (self.lr - self.min_lr) * progress
+
+    @property
+    def decay_start(self) -> int:
+        """The step the decay starts from: the warmup's end, or under wsd the last decay_fraction of the steps
+        (at least one step, never before the warmup's end)."""
+        if self.lr_schedule != "wsd":
+            return self.warmup
+        return max(self.warmup, self.steps - max(1, round(self.decay_fraction * self.steps)))
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -187,3 +187,20 @@ def test_the_default_hyperparameters_do_not_spike_a_short_run(tmp_path):
     rises = [later - earlier for earlier, later in zip(losses, losses[1:])]
     assert max(rises) < 0.25, losses
     assert sum(losses[15:]) / 5 < sum(losses[10:15]) / 5 - 0.1, losses
+
+
+def test_each_learning_rate_schedule_after_the_warmup():
+    """The warmup (10 steps of 100) climbs to lr alike; then cosine and linear fall from lr to min_lr at the last
+    step (linear in a straight line), wsd holds lr until the last 20% (from step 80) and then falls in a straight
+    line, constant holds lr to the end."""
+    rates = {kind: [TrainConfig(steps=100, lr_schedule=kind).learning_rate(step) for step in range(100)]
+             for kind in ("cosine", "linear", "wsd", "constant")}
+    lr, low = 2e-3, 2e-4
+    for kind, rate in rates.items():
+        assert rate[:10] == pytest.approx([lr * (step + 1) / 10 for step in range(10)])
+        assert rate[10] == lr and rate[99] == pytest.approx(low if kind != "constant" else lr)
+    assert all(a > b for a, b in zip(rates["cosine"][10:], rates["cosine"][11:]))
+    assert rates["linear"][54] == pytest.approx(lr - (lr - low) * 44 / 89)  # 44 of the decay's 89 steps
+    assert rates["wsd"][10:81] == [lr] * 71 and rates["wsd"][90] == pytest.approx(lr - (lr - low) * 10 / 19)
+    assert rates["constant"][10:] == [lr] * 90
+    assert TrainConfig(steps=100, lr_schedule="wsd", decay_fraction=1.0).decay_start == 10  # never inside the warmup

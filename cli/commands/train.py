@@ -31,7 +31,7 @@ from parallel.run.files import default_run_dir
 from parallel.run.tensorboard import announce as tensorboard_line, available as tensorboard_installed
 from parallel.launch.torchrun_env import check_torchrun_variables, tensor_parallel_across_nodes
 from parallel.launch.watchdog import DEFAULT_TIMEOUT_S, check_timeout
-from job.train_config import DEVICES, TrainConfig, routing_ranks
+from job.train_config import DEVICES, LR_SCHEDULES, TrainConfig, routing_ranks
 
 NEWEST = "<newest>"  # bare --resume: the newest checkpoint of --out that verifies
 
@@ -60,6 +60,7 @@ def build_train_config(options: dict) -> TrainConfig:
                                         options["micro_batch_size"]),
         lr=options["lr"],
         min_lr=options["min_lr"] if options["min_lr"] is not None else options["lr"] / 10,
+        lr_schedule=options["lr_schedule"], decay_fraction=options["decay_fraction"],
         warmup_steps=options["warmup"],
         weight_decay=options["weight_decay"],
         grad_clip=options["grad_clip"],
@@ -281,7 +282,12 @@ def mib(n: int) -> str:
 @click.option("--steps", default=100, show_default=True, type=int, help="Optimizer steps.")
 @batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
 @click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate.")
-@click.option("--min-lr", type=float, help="Final learning rate of the cosine decay [default: lr/10].")
+@click.option("--min-lr", type=float, help="Final learning rate of the decay [default: lr/10].")
+@click.option("--lr-schedule", "lr_schedule", type=click.Choice(LR_SCHEDULES), default="cosine", show_default=True,
+              help="After the warmup: cosine or linear decay to --min-lr at the last step, wsd (warmup-stable-decay: "
+                   "--lr until the last --decay-fraction of the steps, then linearly to --min-lr) or constant.")
+@click.option("--decay-fraction", "decay_fraction", type=float, default=0.2, show_default=True,
+              help="wsd: the share of the steps, at the end, that decays.")
 @click.option("--warmup", type=int, help="Warmup steps [default: 10% of steps, at least 10 (at most the run), at most 100].")
 @click.option("--weight-decay", default=0.1, show_default=True, type=float)
 @click.option("--grad-clip", default=1.0, show_default=True, type=float, help="Max gradient norm (0: off).")
