@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from importlib import resources
@@ -96,8 +97,18 @@ def check_length(n_tokens: int, seq_len: int, source: str, unit: str = "bytes") 
 
 
 def check_text_file(path: str | Path, seq_len: int, tokenizer=None) -> None:
-    """Everything about a data file that can be known before training: it exists,
-    is UTF-8, and is long enough for seq_len (in `tokenizer`'s tokens: minigpt/tokenizer.py; None: bytes)."""
+    """Everything about --data that can be known before training: a text file exists, is UTF-8, and is long enough
+    for seq_len (in `tokenizer`'s tokens: minigpt/tokenizer.py; None: bytes); a token directory (`minigpt tokenizer
+    encode`) is whole, was encoded by `tokenizer`, is long enough and holds no id past its vocabulary."""
+    if is_token_dir(path):
+        tokens = token_stream(path, tokenizer)
+        check_length(len(tokens), seq_len, str(path), "tokens")
+        vocab = (tokenizer.vocab_size if tokenizer is not None else VOCAB_SIZE)
+        largest = max((int(tokens[i:i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK)), default=0)
+        if largest >= vocab:
+            raise ConfigError(f"data {str(path)!r} holds token id {largest}, past its tokenizer's vocabulary of "
+                              f"{vocab}: the file is damaged; encode the text again")
+        return
     data = read_text_file(path)
     if tokenizer is None or tokenizer.spec == "bytes":
         check_length(len(data), seq_len, str(path))
@@ -116,13 +127,109 @@ class Corpus:
     @classmethod
     def load(cls, path: str | Path | None, seq_len: int, tokenizer=None) -> "Corpus":
         """The text of `path` (None: the embedded corpus) in `tokenizer`'s ids (minigpt/tokenizer.py; None: bytes)."""
-        data = embedded_corpus() if path is None else read_text_file(path)
         source = "embedded:" + CORPUS_NAME if path is None else str(path)
+        if path is not None and is_token_dir(path):  # already encoded: memory-mapped, read as batches need it
+            tokens = token_stream(path, tokenizer)
+            check_length(len(tokens), seq_len, source, "tokens")
+            split = len(tokens) - int(len(tokens) * VAL_FRACTION)
+            return cls(train=tokens[:split], val=tokens[split:], source=source)
+        data = embedded_corpus() if path is None else read_text_file(path)
         unit = "bytes" if tokenizer is None or tokenizer.spec == "bytes" else "tokens"
         tokens = tokens_of(data) if unit == "bytes" else tokenizer.encode(data.decode("utf-8"))
         check_length(len(tokens), seq_len, source, unit)
         split = len(tokens) - int(len(tokens) * VAL_FRACTION)
         return cls(train=tokens[:split], val=tokens[split:], source=source)
+
+
+# A token directory (`minigpt tokenizer encode`): DIR/tokens.bin, the ids one after another (little-endian, the
+# narrowest unsigned type the vocabulary fits), and DIR/tokens.json, written last, naming the tokenizer that encoded
+# them (its fingerprint), their type and count and the texts they came from; DIR/tokenizer.json, the tokenizer itself.
+TOKENS_HEADER, TOKENS_FILE, TOKENS_FORMAT = "tokens.json", "tokens.bin", "minigpt-tokens"
+TOKEN_TYPES = {"uint8": 1, "uint16": 2, "uint32": 4}
+SCAN_CHUNK = 1 << 26  # ids read at a time where a whole stream is checked
+
+
+def token_type(vocab_size: int) -> str:
+    """The narrowest unsigned type holding every id of a vocabulary."""
+    return next(name for name, size in TOKEN_TYPES.items() if vocab_size <= 256 ** size)
+
+
+def is_token_dir(path) -> bool:
+    return path is not None and Path(path).is_dir() and (Path(path) / TOKENS_HEADER).is_file()
+
+
+def token_header(path) -> dict:
+    """DIR/tokens.json, checked against DIR/tokens.bin's size; ConfigError (one line) saying what is wrong."""
+    def refuse(why: str) -> None:
+        raise ConfigError(f"data {str(path)!r} is not a whole token directory: {why} (`minigpt tokenizer encode` "
+                          f"writes one)")
+    try:
+        header = json.loads((Path(path) / TOKENS_HEADER).read_text(encoding="utf-8"))
+        size = (Path(path) / TOKENS_FILE).stat().st_size
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:  # (JSON nested past Python's stack)
+        refuse(f"{TOKENS_HEADER} or {TOKENS_FILE} cannot be read ({getattr(error, 'strerror', None) or error})")
+    if not isinstance(header, dict) or header.get("format") != TOKENS_FORMAT or header.get("version") != 1:
+        refuse(f"{TOKENS_HEADER} is not a {TOKENS_FORMAT} version 1 header")
+    count, kind, tokenizer = header.get("tokens"), header.get("dtype"), header.get("tokenizer")
+    if not isinstance(kind, str) or kind not in TOKEN_TYPES or not isinstance(count, int) or isinstance(count, bool) or count < 0 \
+            or not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("fingerprint"), str):
+        refuse(f"{TOKENS_HEADER} lacks a dtype ({', '.join(TOKEN_TYPES)}), a token count or the tokenizer's fingerprint")
+    if size != count * TOKEN_TYPES[kind]:
+        refuse(f"{TOKENS_FILE} has {size:,} bytes, the header's {count:,} {kind} ids {count * TOKEN_TYPES[kind]:,}")
+    return header
+
+
+def token_stream(path, tokenizer=None):
+    """DIR/tokens.bin as a read-only numpy memory map, after its header's checks and that `tokenizer` (None: bytes)
+    is the one that encoded it; ConfigError otherwise."""
+    import numpy as np
+
+    header = token_header(path)
+    fingerprint = "bytes" if tokenizer is None else tokenizer.fingerprint
+    if header["tokenizer"]["fingerprint"] != fingerprint:
+        raise ConfigError(f"data {str(path)!r} was encoded by the tokenizer {header['tokenizer'].get('name')!r}, not "
+                          f"the run's ({'bytes' if tokenizer is None else tokenizer.spec}): leave --tokenizer out to "
+                          f"train with the data's own, or encode the text with the run's")
+    if header["tokens"] == 0:
+        return np.zeros(0, dtype=header["dtype"])
+    return np.memmap(Path(path) / TOKENS_FILE, dtype=np.dtype(header["dtype"]).newbyteorder("<"), mode="r")
+
+
+def write_token_dir(directory: str | Path, paths: list[str], tokenizer) -> dict:
+    """Encode the UTF-8 text files `paths` (each whole, one after another) with `tokenizer` into the token directory
+    `directory` (new or empty), built beside it and renamed into place when complete; its header."""
+    import os
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    directory = Path(directory)
+    kind = token_type(tokenizer.vocab_size)
+    work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        sources, count = [], 0
+        with open(work / TOKENS_FILE, "wb") as stream:
+            for path in paths:
+                text = read_text_file(path)
+                ids = np.asarray(tokenizer.encode(text.decode("utf-8")).numpy(), dtype=np.dtype(kind).newbyteorder("<"))
+                stream.write(ids.tobytes())
+                count += len(ids)
+                sources.append({"path": str(path), "bytes": len(text), "tokens": len(ids),
+                                "sha256": hashlib.sha256(text).hexdigest()})
+        tokenizer.save(work)
+        header = {"format": TOKENS_FORMAT, "version": 1, "dtype": kind, "tokens": count,
+                  "tokenizer": tokenizer.describe(), "sources": sources}
+        (work / TOKENS_HEADER).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(work, 0o777 & ~mask)  # as a directory made plainly (mkdtemp's is the owner's alone)
+        if directory.is_dir():
+            directory.rmdir()  # new or empty, as the caller checked
+        os.rename(work, directory)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return header
 
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -147,7 +254,12 @@ def slice_samples(tokens, offsets, seq_len: int):
     import torch
 
     window = offsets[:, None] + torch.arange(seq_len + 1, device="cpu")[None, :]
-    chunk = tokens[window].long()
+    if not isinstance(tokens, torch.Tensor):  # a token directory's memory map: the windows read from it alone
+        import numpy as np
+
+        chunk = torch.from_numpy(np.asarray(tokens[window.numpy()], dtype=np.int64))
+    else:
+        chunk = tokens[window].long()
     return chunk[:, :-1], chunk[:, 1:]
 
 

@@ -29,7 +29,7 @@ from fuzzing import (CLI, PARSERS, any_bytes, broken_documents, cpu_profile_docu
                      total, write)
 from hf_released import DEEPSEEK_V3_RELEASED, MISTRAL_7B_RELEASED
 from minigpt.config import GPTConfig
-from minigpt.data import Corpus
+from minigpt.data import TOKENS_FILE, TOKENS_HEADER, Corpus, check_text_file
 from minigpt.hf.files import fp8_blocks, read_config_file as read_hf_config_file
 from minigpt.hf.layouts import config_from_hf
 from simulator.network.cluster import Cluster
@@ -309,6 +309,25 @@ def test_data_file_any_bytes(scratch, content):
     path = write(scratch, "d.txt", content)
     corpus = total(lambda p: Corpus.load(p, 1), path, Corpus)
     assert corpus is None or len(corpus.train) + len(corpus.val) == len(content)
+
+
+TOKENS_DOCUMENT = {"format": "minigpt-tokens", "version": 1, "dtype": "uint16", "tokens": 40,
+                   "tokenizer": {"name": "bytes", "vocab_size": 256, "fingerprint": "bytes"},
+                   "sources": [{"path": "a.txt", "bytes": 40, "tokens": 40, "sha256": "0" * 64}]}
+
+
+@PARSERS
+@given(header=st.one_of(any_bytes(json.dumps(TOKENS_DOCUMENT).encode()), broken_documents(TOKENS_DOCUMENT, paths(TOKENS_DOCUMENT))),
+       stream=st.binary(max_size=160))
+def test_token_directory_any_header_and_ids(scratch, header, stream):
+    """A token directory's header and ids, either broken: the check before training and Corpus.load (what every rank
+    reads it with) accept it whole or raise ConfigError, nothing else."""
+    directory = scratch / "tokens"
+    directory.mkdir(exist_ok=True)
+    write(directory, TOKENS_HEADER, header)
+    write(directory, TOKENS_FILE, stream)
+    total(lambda p: check_text_file(p, 1), directory, type(None))
+    total(lambda p: Corpus.load(p, 1), directory, Corpus)
 
 
 @CLI

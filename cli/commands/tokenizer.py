@@ -1,4 +1,6 @@
 """`minigpt tokenizer train`: a byte-level BPE trained on local text, written as a Hugging Face tokenizer.json.
+`minigpt tokenizer encode`: text files encoded once into a token directory that `minigpt train --data DIR` memory-maps
+(no rank encodes the text again; the batches read the windows they take).
 
 The BPE (minigpt/tokenizer.py's train_bpe: the tokenizers library, GPT-2's byte-level pre-tokenizer without a
 prefix space, the 256 byte characters as the initial alphabet) encodes every text and decodes it back exactly.
@@ -12,14 +14,14 @@ from pathlib import Path
 
 import click
 
-from minigpt.data import CORPUS_NAME, embedded_corpus, read_text_file
+from minigpt.data import CORPUS_NAME, embedded_corpus, read_text_file, write_token_dir
 from minigpt.errors import ConfigError, check_output_path
-from minigpt.tokenizer import FILE_NAME, check_bpe_vocab, train_bpe
+from minigpt.tokenizer import FILE_NAME, check_bpe_vocab, load_tokenizer, train_bpe
 
 
 @click.group()
 def tokenizer() -> None:
-    """Tokenizers for `minigpt train --tokenizer`: train a byte-level BPE on local text."""
+    """Tokenizers for `minigpt train --tokenizer`: train a byte-level BPE on local text, encode text for --data."""
 
 
 def check_out_dir(out: str) -> Path:
@@ -63,3 +65,25 @@ def train(vocab_size: int, data: str | None, out: str, as_json: bool) -> None:
     fewer = "" if bpe.vocab_size == vocab_size else f" (of {vocab_size:,} asked: the text holds no more pairs)"
     click.echo(f"wrote {path}: byte-level BPE, vocabulary {bpe.vocab_size:,}{fewer}; {result['bytes_per_token']:.2f} "
                f"bytes per token on {source} ({len(text):,} bytes in {n_tokens:,} tokens)")
+
+
+@tokenizer.command()
+@click.argument("files", nargs=-1, required=True)
+@click.option("--tokenizer", "spec", default="bytes", show_default=True, metavar="bytes|FILE",
+              help="The tokenizer: bytes, or a tokenizer.json (or a directory holding one).")
+@click.option("--out", type=str, required=True,
+              help="A new or empty directory: tokens.bin, tokens.json and the tokenizer.json go there.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def encode(files: tuple[str, ...], spec: str, out: str, as_json: bool) -> None:
+    """Encode UTF-8 text FILES (each whole, in order) into a token directory for `minigpt train --data DIR`."""
+    chosen = load_tokenizer(spec)
+    for path in files:
+        read_text_file(path)  # every file readable and UTF-8 before anything is written
+    header = write_token_dir(check_out_dir(out), list(files), chosen)
+    if as_json:
+        click.echo(json.dumps({"out": out, **header}))
+        return
+    size = sum(source["bytes"] for source in header["sources"])
+    click.echo(f"wrote {out}: {header['tokens']:,} tokens ({header['dtype']}) of {len(files)} file"
+               f"{'s' if len(files) > 1 else ''} ({size:,} bytes) by {chosen.spec}; `minigpt train --data {out}` "
+               f"trains on them")

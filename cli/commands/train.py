@@ -19,7 +19,7 @@ from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
-from minigpt.data import check_text_file
+from minigpt.data import check_text_file, is_token_dir
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, load_tokenizer
 from parallel.gpu_files import cuda_devices
@@ -50,6 +50,8 @@ def build_train_config(options: dict) -> TrainConfig:
         options = {**options, "tokenizer": resumed_tokenizer(options["tokenizer"], options["out"], chosen)}
     if options["init_from"] is not None and options["tokenizer"] is None:  # the model's own, where it has one
         options = {**options, "tokenizer": hf_tokenizer(options["init_from"])}
+    if is_token_dir(options["data"]) and options["tokenizer"] is None:  # encoded data: the tokenizer that encoded it
+        options = {**options, "tokenizer": hf_tokenizer(options["data"])}
     model = model_from_hf(options) if options["init_from"] is not None else model_from_options(options)
     dp = data_parallel_size(options)
     cfg = TrainConfig(
@@ -294,7 +296,8 @@ def mib(n: int) -> str:
 @click.option("--eval-every", type=int, help="Steps between validations [default: 5 per run; 0: at the end].")
 @click.option("--eval-batches", default=4, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--data", type=str, help="A UTF-8 text file [default: the embedded Shakespeare corpus].")
+@click.option("--data", type=str, help="A UTF-8 text file, or a token directory (`minigpt tokenizer encode`: "
+              "memory-mapped, its tokenizer the run's unless --tokenizer) [default: the embedded Shakespeare corpus].")
 @click.option("--init-from", "init_from", type=str, metavar="DIR", help="Start from the weights and shape of a Hugging "
               "Face model directory (transformers' GPT-2 or Llama: config.json, model.safetensors; `minigpt export` "
               "writes one); the optimizer starts fresh.")
