@@ -1,5 +1,5 @@
-"""The model's shape and its arithmetic: parameters here, FLOPs in minigpt/flops.py, activation bytes in
-minigpt/activations.py (GPTConfig inherits both).
+"""The model's shape; its arithmetic, which GPTConfig inherits: parameters and FLOPs in minigpt/arithmetic.py,
+activation bytes in minigpt/activations.py.
 
 With those two this is the single home of the model's arithmetic. None imports torch: the simulator uses it to
 size models it will never build.
@@ -25,14 +25,15 @@ from dataclasses import asdict, dataclass, replace
 
 from minigpt.activations import (OP_RECOMPUTE, RECOMPUTE_MODES, SIM_RECOMPUTE_MODES, SINK_COLUMNS,  # noqa: F401
                                  ActivationArithmetic, check_recompute)
-from minigpt.flops import ATTENTION_KINDS, FlopArithmetic, check_attention  # noqa: F401 (re-exported)
+from minigpt.arithmetic import (ATTENTION_KINDS, FlopArithmetic, ParameterArithmetic,  # noqa: F401 (re-exported)
+                                check_attention)
 from minigpt.shape_checks import (GATED_MLPS, MLP_KINDS, NORM_KINDS, POSITION_KINDS, ROUTER_KINDS,  # noqa: F401
                                   check_shape)
 
 
 
 @dataclass(frozen=True)
-class GPTConfig(ActivationArithmetic, FlopArithmetic):
+class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     """The shape of a GPT: everything needed to build it or to count it.
 
     The defaults are a GPT-2-style block (LayerNorm, GELU MLP, learned positions, multi-head
@@ -378,106 +379,6 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic):
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-    # ------------------------------------------------------------------ parameters
-
-    def attention_params(self) -> int:
-        """The fused qkv projection and the output projection, weights and biases (and the query and key norms'
-        gains: one head's width each, shared by the heads); under MLA its projections and latent norms."""
-        d, width = self.d_model, self.attention_width
-        if self.is_mla:
-            return self.mla_projection_params() + self.q_lora_rank + self.kv_lora_rank + width * d
-        qkv_bias, proj_bias = int(self.linear_bias("attn.qkv")), int(self.linear_bias("attn.proj"))
-        qk_norms = 2 * self.head_dim if self.qk_norm else 0
-        sinks = self.n_heads if self.attention_sinks else 0
-        return (d * self.qkv_width + qkv_bias * self.qkv_width) + (width * d + proj_bias * d) + qk_norms + sinks
-
-    def mla_projection_params(self) -> int:
-        """MLA's down projection (d -> latent_width) and its query and key/value up projections (no biases)."""
-        up = self.q_up_in_width * self.n_heads * self.qk_head_dim
-        up += self.kv_lora_rank * self.n_heads * (self.head_dim + self.v_head_dim)
-        return self.d_model * self.latent_width + up
-
-    def dense_mlp_params(self) -> int:
-        d, f, bias = self.d_model, self.d_ff, int(self.bias)
-        return (d * self.mlp_in_width + bias * self.mlp_in_width) + (f * d + bias * d)
-
-    def expert_params(self) -> int:
-        """One expert: an MLP of width expert_width (its biases when the model has them)."""
-        d, e, bias = self.d_model, self.expert_width, int(self.bias)
-        return (d * self.expert_in_width + bias * self.expert_in_width) + (e * d + bias * d)
-
-    def router_params(self) -> int:
-        """The router's d x E projection (and its bias, router_bias)."""
-        return (self.d_model + int(self.router_bias)) * self.n_experts
-
-    def shared_expert_params(self) -> int:
-        """The shared experts, one MLP of width n_shared_experts x expert_width (DeepSeek's), so one output bias."""
-        d, shared, bias = self.d_model, self.n_shared_experts, int(self.bias)
-        if shared == 0:
-            return 0
-        return shared * (d * self.expert_in_width + bias * self.expert_in_width + self.expert_width * d) + bias * d
-
-    def moe_mlp_params(self, active: bool = False) -> int:
-        """A MoE MLP: router, routed experts (only the top_k a token uses when `active`) and shared experts."""
-        routed = self.top_k if active else self.n_experts
-        return self.router_params() + routed * self.expert_params() + self.shared_expert_params()
-
-    def block_params(self, moe: bool | None = None, active: bool = False) -> int:
-        """Parameters of one transformer block (weights and biases): a MoE block when `moe` (None: the kind most
-        of the model's blocks are, MoE for a MoE model); `active`: only those one token uses."""
-        moe = self.is_moe if moe is None else moe
-        mlp = self.moe_mlp_params(active) if moe else self.dense_mlp_params()
-        return (4 if self.post_norms else 2) * self.norm_params + self.attention_params() + mlp
-
-    def blocks_params(self, active: bool = False) -> int:
-        """Parameters of all the blocks (dense and MoE)."""
-        return sum(count * self.block_params(moe, active) for moe, count in self._layer_kinds())
-
-    def embedding_params(self) -> int:
-        """Token embeddings, and position embeddings when they are learned (RoPE has none)."""
-        positions = self.seq_len if self.positions == "learned" else 0
-        return (self.vocab_size + positions) * self.d_model
-
-    def head_params(self) -> int:
-        """Final norm plus the LM head's own weight (zero extra when tied)."""
-        head = 0 if self.tied_head else self.vocab_size * self.d_model
-        return self.norm_params + head
-
-    def mtp_params(self, active: bool = False) -> int:
-        """The multi-token prediction modules': each an embedding norm, a hidden-state norm, the 2d -> d projection,
-        a block of the model's last kind and a final norm (the embedding and the head are the model's)."""
-        block = self.block_params(self.mtp_is_moe, active)
-        return self.mtp_depth * (3 * self.norm_params + 2 * self.d_model**2 + block)
-
-    def n_params(self) -> int:
-        """Total trainable parameters, each counted once (a tied head is not counted twice), the multi-token
-        prediction modules' included (DeepSeek-V3's published 671B leaves its 14B out: `main_params`)."""
-        return self.main_params() + self.mtp_params()
-
-    def main_params(self) -> int:
-        """The parameters without the multi-token prediction modules: what inference keeps."""
-        return self.embedding_params() + self.blocks_params() + self.head_params()
-
-    def active_params(self) -> int:
-        """Parameters one token goes through: every one of a dense model; of a MoE model's experts only its
-        top_k routed ones and the shared ones (the embedding and head counted whole, as published counts do),
-        without the multi-token prediction modules, as published counts give them."""
-        return self.embedding_params() + self.blocks_params(active=True) + self.head_params()
-
-    def param_breakdown(self) -> dict:
-        breakdown = {
-            "embedding": self.embedding_params(),
-            "per_block": self.block_params(),
-            "blocks": self.blocks_params(),
-            "head": self.head_params(),
-            "total": self.n_params(),
-        }
-        if self.mtp_depth:
-            breakdown["mtp"] = self.mtp_params()
-        if self.is_moe:
-            breakdown.update(per_expert=self.expert_params(), active=self.active_params())
-        return breakdown
 
 
 def block_name(layer: int, n_layers: int) -> str:
