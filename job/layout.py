@@ -238,17 +238,22 @@ def block_tensors(model: GPTConfig, tp: int, moe: bool | None = None) -> list[Te
     mlp = _moe_tensors(model) if moe else [*_linear("mlp.fc1", model.mlp_in_width, d, model, tp, True),
                                            *_linear("mlp.fc2", d, f, model, tp, False)]
     post = [*_norm("post_attn_norm", model), *_norm("post_mlp_norm", model)] if model.post_norms else []  # Gemma's
-    return [*_norm("ln1", model), *_attention_tensors(model, tp), *_norm("ln2", model), *mlp, *post]
+    pre = [_norm("ln1", model), _norm("ln2", model)] if model.pre_norms else [[], []]  # none: OLMo 2's
+    return [*pre[0], *_attention_tensors(model, tp), *pre[1], *mlp, *post]
 
 
 def _attention_tensors(model: GPTConfig, tp: int) -> list[Tensor]:
-    """The attention's parameters on one rank: the fused qkv (rows split), the head norms (replicated) and proj
+    """The attention's parameters on one rank: the fused qkv (rows split), the head norms (replicated; over all heads
+    split as the heads) and proj
     (columns split); under MLA (minigpt/model.py's LatentAttention) the down projection and the latent norms
     replicated, the up projections split by heads (rows), proj by columns."""
     d = model.d_model
     proj = _linear("attn.proj", d, model.attention_width, model, tp, False)
     if not model.is_mla:
         qk_norms = [Tensor(f"attn.core.{n}_norm.weight", model.head_dim, True) for n in "qk"] if model.qk_norm else []
+        if model.qk_norm_whole:  # OLMo 2's, a gain per column: this rank's heads'
+            qk_norms = [Tensor(f"attn.core.{n}_norm.weight", heads * model.head_dim // tp, False)
+                        for n, heads in (("q", model.n_heads), ("k", model.kv_heads))]
         sinks = [Tensor("attn.core.sinks", model.n_heads // tp, False)] if model.attention_sinks else []
         return [*_linear("attn.qkv", model.qkv_width, d, model, tp, True), *qk_norms, *sinks, *proj]
     q_norm = [Tensor("attn.q_norm.weight", model.q_lora_rank, True)] if model.q_lora_rank else []

@@ -33,14 +33,15 @@ class ActivationArithmetic:
 
         Counted from what the block saves (see minigpt/model.py), with fused
         attention (no s x s matrix is kept):
-          norm inputs 2d, norm outputs feeding qkv and fc1 2d,
+          norm inputs 2d, norm outputs feeding qkv and fc1 2d (without pre_norms qkv's and fc1's inputs, the
+          residual stream, 2d),
           the fused qkv output (H + 2K) x head_dim (q, k and v are views of it; with RoPE the
           rotated copy replaces it, the same size), attention output H x head_dim (d unless d_head
           sets the heads apart from the width; also the
           output projection's input: the fused kernel already writes it in
           (batch, seq, heads, head_dim) order, so no copy is made),
           with query and key norms (qk_norm) the qkv output as well (their input) and one fp32 1/rms per
-          query and key head,
+          query and key head (two with qk_norm_whole: q's and k's),
           under MLA also its down projection's output (the latent norms' input) and the normed latent (the up
           projections' input), latent_width each, and each latent norm's fp32 1/rms (q's, kv's), the fused
           qkv being the heads the up projections make (the shared rotated key repeated per head), and
@@ -49,7 +50,7 @@ class ActivationArithmetic:
           GELU input f and output f, or for SwiGLU the fused gate/up output 2f, silu(gate) f
           and the product f,
           plus fp32 statistics: a LayerNorm's mean and 1/std (an RMSNorm's 1/rms only) for
-          each of the two norms, and the attention log-sum-exp (one per query head),
+          each of the two pre norms, and the attention log-sum-exp (one per query head),
           plus a 1-byte mask per element of each of the two residual dropouts
           when dropout > 0, and with post_norms (Gemma's) each branch's output, 2d, and the two norms'
           statistics.
@@ -71,12 +72,13 @@ class ActivationArithmetic:
             mlp_bytes = dtype_bytes * self.mlp_saved_widths * f
         latent = 2 * self.latent_width if self.is_mla else 0  # MLA's down output and its normed copy
         padded = self.padded_values_width + self.sink_padding_width if recompute != "selective" else 0  # the core's
-        tensors = dtype_bytes * (4 * d + latent + self.qkv_width + self.attention_width + padded) + mlp_bytes
-        norm_statistics = 2 * (2 if self.norm == "layernorm" else 1) + self.latent_norms
+        norm_inputs = 4 * d if self.pre_norms else 2 * d  # without pre norms qkv and fc1 keep the residual stream
+        tensors = dtype_bytes * (norm_inputs + latent + self.qkv_width + self.attention_width + padded) + mlp_bytes
+        norm_statistics = 2 * int(self.pre_norms) * (2 if self.norm == "layernorm" else 1) + self.latent_norms
         statistics = 4 * (norm_statistics + (0 if recompute == "selective" else self.n_heads))
         if self.qk_norm and recompute != "selective":  # the norms keep their input (the qkv output) and 1/rms
             tensors += dtype_bytes * self.qkv_width
-            statistics += 4 * (self.n_heads + self.kv_heads)
+            statistics += 4 * (2 if self.qk_norm_whole else self.n_heads + self.kv_heads)
         if self.post_norms:  # Gemma's: each branch's output (the post norm's input) and its statistics
             tensors += dtype_bytes * 2 * d
             statistics += 4 * 2 * (2 if self.norm == "layernorm" else 1)
@@ -100,7 +102,7 @@ class ActivationArithmetic:
         if self.dropout > 0:
             return "dropout (torchtitan's models have none)"
         if self.post_norms or self.mlp == "geglu":
-            return "Gemma's post norms or GeGLU (torchtitan's Llama block has neither)"
+            return "post norms (Gemma's, OLMo 2's) or GeGLU (torchtitan's Llama block has neither)"
         return None
 
     def check_op_recompute(self) -> None:

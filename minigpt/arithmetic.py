@@ -115,12 +115,14 @@ class ParameterArithmetic:
 
     def attention_params(self) -> int:
         """The fused qkv projection and the output projection, weights and biases (and the query and key norms'
-        gains: one head's width each, shared by the heads); under MLA its projections and latent norms."""
+        gains: one head's width each, shared by the heads, or every column's with qk_norm_whole); under MLA its
+        projections and latent norms."""
         d, width = self.d_model, self.attention_width
         if self.is_mla:
             return self.mla_projection_params() + self.q_lora_rank + self.kv_lora_rank + width * d
         qkv_bias, proj_bias = int(self.linear_bias("attn.qkv")), int(self.linear_bias("attn.proj"))
-        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        qk_norms = 0 if not self.qk_norm else (self.n_heads + self.kv_heads) * self.head_dim if self.qk_norm_whole \
+            else 2 * self.head_dim
         sinks = self.n_heads if self.attention_sinks else 0
         return (d * self.qkv_width + qkv_bias * self.qkv_width) + (width * d + proj_bias * d) + qk_norms + sinks
 
@@ -160,7 +162,8 @@ class ParameterArithmetic:
         of the model's blocks are, MoE for a MoE model); `active`: only those one token uses."""
         moe = self.is_moe if moe is None else moe
         mlp = self.moe_mlp_params(active) if moe else self.dense_mlp_params()
-        return (4 if self.post_norms else 2) * self.norm_params + self.attention_params() + mlp
+        norms = 2 * int(self.pre_norms) + 2 * int(self.post_norms)
+        return norms * self.norm_params + self.attention_params() + mlp
 
     def blocks_params(self, active: bool = False) -> int:
         """Parameters of all the blocks (dense and MoE)."""

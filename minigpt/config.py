@@ -93,6 +93,11 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     qkv_bias: bool = False  # biases in the query, key and value projections even when `bias` is off (Qwen2)
     d_head: int | None = None  # each head's width (None: d_model / n_heads); Qwen3 sets it apart from the width
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3)
+    # with qk_norm: q and k each normalised over all their heads at once, a gain per column (OLMo 2's, OLMoE's)
+    qk_norm_whole: bool = False
+    # a norm before the attention and before the MLP (ln1, ln2); without them (OLMo 2's "reordered norm") the
+    # block normalises each branch's output alone (post_norms)
+    pre_norms: bool = True
     # GPT-OSS's attention sinks: a learned logit per query head beside each query's scores in the softmax, a key whose
     # value is zero (its weight taken from the others: a head may attend to nothing)
     attention_sinks: bool = False
@@ -324,7 +329,8 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     def describe(self) -> str:
         """'4 layers, width 128, 4 heads (2 kv), SwiGLU 352, RMSNorm, RoPE, untied, no bias, seq 128'."""
         heads = f"{self.n_heads} heads" + (f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else "")
-        heads += (f" of {self.head_dim}" if self.d_head is not None else "") + (", QK-norm" if self.qk_norm else "")
+        heads += f" of {self.head_dim}" if self.d_head is not None else ""
+        heads += "" if not self.qk_norm else ", QK-norm over all heads" if self.qk_norm_whole else ", QK-norm"
         heads += ", sinks" if self.attention_sinks else ""
         heads += f", scale {self.query_scale:g}^-0.5" if self.query_scale is not None else ""
         if self.is_mla:
@@ -352,8 +358,9 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
         if self.nope_every:
             heads += f", no rotation in 1 block in {self.nope_every}"
         parts = [f"{self.n_layers} layers", f"width {self.d_model}", heads, mlp,
-                 ("RMSNorm" if self.norm == "rmsnorm" else "LayerNorm") + (" (and after each branch)"
-                                                                          if self.post_norms else ""),
+                 ("RMSNorm" if self.norm == "rmsnorm" else "LayerNorm") + (
+                     "" if not self.post_norms else " (and after each branch)" if self.pre_norms else
+                     " after each branch (none before)"),
                  "learned positions" if self.positions != "rope" else self._rope_words(),
                  "tied head" if self.tied_head else "untied head"]
         parts[1] += ", embeddings x sqrt(width)" if self.embed_scale else ""

@@ -61,6 +61,39 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_weight, None
 
 
+class WholeQKNormFunction(torch.autograd.Function):
+    """q and k each RMS-normalised over all their columns at once (OLMo 2's q_norm and k_norm): one fp32 1/rms per
+    row for each, from the sum of squares of the `widths` (q's, k's) columns. `total` joins the sums of columns held
+    elsewhere to this rank's (tensor parallelism: a sum over its group, the same call again in the backward for
+    the sums there); None: every column is here. Saves the inputs and the two 1/rms, as RMSNormFunction."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, eps: float, widths: tuple[int, int], total):
+        q32, k32 = q.to(wide_format(q.dtype)), k.to(wide_format(k.dtype))
+        squares = torch.cat([q32.pow(2).sum(-1, keepdim=True), k32.pow(2).sum(-1, keepdim=True)], dim=-1)
+        squares = squares if total is None else total(squares)
+        inv_rms = torch.rsqrt(squares / squares.new_tensor(widths) + eps)
+        ctx.save_for_backward(q, k, q_weight, k_weight, inv_rms)
+        ctx.widths, ctx.total = widths, total
+        return tuple((x32 * inv_rms[..., i:i + 1] * w.to(x32.dtype)).to(x.dtype)
+                     for i, (x, x32, w) in enumerate(((q, q32, q_weight), (k, k32, k_weight))))
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        q, k, q_weight, k_weight, inv_rms = ctx.saved_tensors
+        normed, grad_normed, grad_weights = [], [], []
+        for i, (x, w, grad) in enumerate(((q, q_weight, grad_q), (k, k_weight, grad_k))):
+            x32, grad32 = x.to(inv_rms.dtype), grad.to(inv_rms.dtype)
+            normed.append(x32 * inv_rms[..., i:i + 1])
+            grad_weights.append((grad32 * normed[i]).flatten(0, -2).sum(0).to(w.dtype))
+            grad_normed.append(grad32 * w.to(x32.dtype))
+        dots = torch.cat([(g * n).sum(-1, keepdim=True) for g, n in zip(grad_normed, normed)], dim=-1)
+        dots = (dots if ctx.total is None else ctx.total(dots)) / dots.new_tensor(ctx.widths)
+        grads = [(inv_rms[..., i:i + 1] * (grad_normed[i] - normed[i] * dots[..., i:i + 1])).to(x.dtype)
+                 for i, x in enumerate((q, k))]
+        return grads[0], grads[1], grad_weights[0], grad_weights[1], None, None, None
+
+
 def make_norm(config: GPTConfig) -> nn.Module:
     eps = config.norm_eps
     return RMSNorm(config.d_model, eps=eps) if config.norm == "rmsnorm" else nn.LayerNorm(config.d_model, eps=eps)
@@ -84,8 +117,13 @@ class AttentionCore(nn.Module):
         self.rope_theta = theta if config.positions == "rope" and rotates else None
         self.rope_scaling = None if local else rotation_scaling(config)
         self.scale = config.softmax_scale  # of q @ k^T
-        self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None  # Qwen3's, a head's
-        self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        # Qwen3's norms, over each head (one head's gains, shared), or OLMo 2's over all of q's or k's heads at once
+        self.whole = config.qk_norm_whole
+        self.widths = (config.n_heads * config.head_dim, config.kv_heads * config.head_dim)
+        q_width, k_width = self.widths if self.whole else (config.head_dim, config.head_dim)
+        self.q_norm = RMSNorm(q_width, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, eps=config.norm_eps) if config.qk_norm else None
+        self.qk_total = None  # the whole norms' sum over the columns elsewhere (tensor parallelism sets it)
         self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None  # GPT-OSS's
 
     def split_sizes(self, width: int) -> tuple[int, int, list[int]]:
@@ -98,6 +136,10 @@ class AttentionCore(nn.Module):
         """qkv with each query and key head RMS-normalised (a new fused tensor; v copied)."""
         batch, seq, _ = qkv.shape
         q, k, v = qkv.split(self.split_sizes(qkv.shape[-1])[2], dim=-1)
+        if self.whole:
+            q, k = WholeQKNormFunction.apply(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             self.widths, self.qk_total)
+            return torch.cat([q, k, v], dim=-1)
         q = self.q_norm(q.view(batch, seq, heads, self.head_dim)).view(batch, seq, -1)
         k = self.k_norm(k.view(batch, seq, kv_heads, self.head_dim)).view(batch, seq, -1)
         return torch.cat([q, k, v], dim=-1)
@@ -211,17 +253,17 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)) (with post_norms x + post(attn(ln1(x))) and
-    x + post(mlp(ln2(x))), Gemma's); the MLP a mixture of experts
+    x + post(mlp(ln2(x))), Gemma's; without pre_norms x + post(attn(x)), OLMo 2's); the MLP a mixture of experts
     (minigpt/moe.py) when block `layer` of the model is one (GPTConfig.is_moe_layer), the attention through the
     block's window (GPTConfig.layer_window)."""
 
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
-        self.ln1 = make_norm(config)
+        self.ln1 = make_norm(config) if config.pre_norms else nn.Identity()  # none: OLMo 2's block
         window = config.layer_window(layer)
         self.attn = LatentAttention(config) if config.is_mla else CausalSelfAttention(
             config, window, config.layer_rotates(layer), config.layer_local(layer))
-        self.ln2 = make_norm(config)
+        self.ln2 = make_norm(config) if config.pre_norms else nn.Identity()
         self.mlp = MoE(config, layer) if config.is_moe_layer(layer) else MLP(config)
         # Gemma's norm of each branch before its residual add; otherwise the branch as it is
         self.post_attn_norm = make_norm(config) if config.post_norms else nn.Identity()

@@ -16,7 +16,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rope")
 ROUTER_KINDS = ("softmax", "sigmoid")
 FLAGS = ("tied_head", "bias", "qkv_bias", "qk_norm", "attention_sinks", "rope_yarn_truncate", "post_norms",
-         "embed_scale")  # the shape's yes-or-no fields
+         "embed_scale", "qk_norm_whole", "pre_norms")  # the shape's yes-or-no fields
 
 
 def _positive_int(value) -> bool:
@@ -62,6 +62,11 @@ def check_shape(config) -> None:
     eps = config.norm_eps
     if not _number(eps) or not 0 < eps < 1:
         raise ConfigError(f"norm_eps must be a number in (0, 1), got {eps!r}")
+    if config.qk_norm_whole and not config.qk_norm:
+        raise ConfigError("qk_norm_whole normalises q and k over all their heads at once: it needs qk_norm")
+    if not config.pre_norms and not config.post_norms:
+        raise ConfigError("pre_norms off leaves the block without a norm: a block without them (OLMo 2's) normalises "
+                          "each branch's output instead (post_norms)")
     _check_llama_options(config)
     if config.n_experts != 0:
         _check_moe_options(config)

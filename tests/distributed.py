@@ -56,6 +56,19 @@ def run_worlds(world_fn: Callable[..., dict], worlds: Iterable[int],
     return runs
 
 
+def named_world(trained: Callable, config: Callable, layouts: dict[int, dict], world: int) -> dict:
+    """This rank's run of every layout of `world` ranks in {world: {name: (model name, layout)}}:
+    trained(config(model name, **layout)) by name (run_worlds(partial(named_world, trained, config, layouts), ...))."""
+    torch.set_num_threads(1)
+    return {name: trained(config(model, **layout)) for name, (model, layout) in layouts[world].items()}
+
+
+def named_references(trained: Callable, config: Callable, models: Iterable[str]) -> dict:
+    """{model name: trained(config(model name))}: the one-process references, on one thread."""
+    with one_thread():
+        return {model: trained(config(model)) for model in models}
+
+
 def every_layout(layouts: dict[int, dict]) -> list[tuple[int, str]]:
     """(world size, layout name) of every layout of {world size: {name: layout}}: a parity test's parameters."""
     return [(world, name) for world, named in layouts.items() for name in named]

@@ -44,10 +44,14 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "glm4_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qkv-bias", "--head-dim", "24",
                        "--rotary-fraction", "0.5", "--router", "sigmoid", "--shared-experts", "1", "--dense-layers",
                        "1", "--expert-bias", "--routed-scale", "2.5", "--expert-groups", "2", "--groups-per-token",
-                       "1", "--mtp-depth", "1"]}
+                       "1", "--mtp-depth", "1"],
+          # OLMo 2's block: norms after the branches alone, q and k normalised over all their heads
+          "olmo2": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole",
+                    "--norm-placement", "post"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+           "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+           "olmo2": "Olmo2ForCausalLM"}
 MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
 
 
@@ -137,7 +141,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 # Kimi K2's config.json (DeepSeek-V3's under model_type "kimi_k2", YaRN's betas equal)
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
                                    "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
-                                   "glm4_moe"])
+                                   "glm4_moe", "olmo2"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -195,6 +199,12 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
         assert config_from_hf(hf_config(sigmoid)) == sigmoid.with_(expert_bias=True, expert_bias_rate=0.0,
                                                                    d_expert=sigmoid.expert_width)
     assert hf_config(glm)["rope_parameters"]["partial_rotary_factor"] == 0.5
+    olmo = qwen3.with_(qk_norm_whole=True, pre_norms=False, post_norms=True)  # OLMo 2's block
+    assert layout_of(olmo) == "olmo2" and config_from_hf(hf_config(olmo)) == olmo
+    for bad in (olmo.with_(pre_norms=True), olmo.with_(qk_norm_whole=False), olmo.with_(qkv_bias=True),
+                olmo.with_(n_experts=4, top_k=2), glm.with_(qk_norm_whole=True)):
+        with pytest.raises(ConfigError, match="OLMo 2"):
+            layout_of(bad)
     for bad, word in ((glm.with_(bias=True), "bias-free"), (glm.with_(window=12), "sliding window"),
                       (glm.with_(nope_every=2), "SmolLM3")):
         with pytest.raises(ConfigError, match=word):

@@ -210,11 +210,12 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
 
 @pytest.mark.parametrize("shape, written_as", [("phi3_longrope", "Phi3ForCausalLM"),
                                                ("smollm3", "SmolLM3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
-                                               ("glm4_moe", "Glm4MoeForCausalLM")])
+                                               ("glm4_moe", "Glm4MoeForCausalLM"), ("olmo2", "Olmo2ForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
-    second block here), Gemma 3's block and GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
-    experts) read into minigpt and written again: transformers' Phi-3, SmolLM3, Gemma 3 or GLM-4.5 layout, every
+    second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
+    experts) and OLMo 2's read into minigpt and written again: transformers' Phi-3, SmolLM3, Gemma 3, GLM-4.5 or
+    OLMo 2 layout, every
     tensor the one read (the rotated columns and their gains moved back, Gemma's gains less 1), and the model
     transformers opens from it gives minigpt's logits."""
     from minigpt.hf.files import write_hf_dir
@@ -225,6 +226,8 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
         assert (config.rotary_dim, config.longrope_factors) == (12, (1.0, 1.5, 2.0, 3.0, 5.0, 8.0))
     elif shape == "smollm3":
         assert [config.layer_rotates(layer) for layer in range(4)] == [True, False, True, False]
+    elif shape == "olmo2":
+        assert (config.pre_norms, config.post_norms, config.qk_norm_whole) == (False, True, True)
     elif shape == "glm4_moe":
         assert (config.rotary_dim, config.qkv_bias, config.qk_norm, config.routed_scale, config.expert_groups,
                 config.groups_per_token, config.n_shared_experts, config.dense_layers) == (12, True, True, 2.5, 2, 1, 1, 1)
@@ -248,7 +251,7 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
 
 
 def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
-    """A Phi-3's, SmolLM3's, Gemma 3's or GLM-4.5's config.json whose fields hold the wrong types (as random mutations of them
+    """A Phi-3's, SmolLM3's, Gemma 3's, GLM-4.5's or OLMo 2's config.json whose fields hold the wrong types (as random mutations of them
     found, each a TypeError, AttributeError or ZeroDivisionError before) gets ConfigError, as every other one."""
     from minigpt.presets import preset
 
@@ -256,13 +259,15 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
     phi = hf_config(small.with_(rotary_fraction=0.5))
     smol = hf_config(small.with_(nope_every=2))
     glm = hf_config(small.with_(n_experts=4, top_k=2, router="sigmoid", rotary_fraction=0.5))
+    olmo = hf_config(small.with_(qk_norm=True, qk_norm_whole=True, pre_norms=False, post_norms=True))
     gemma = hf_config(small.with_(mlp="geglu", qk_norm=True, post_norms=True, embed_scale=True, window=11,
                                   full_attention_every=2, rope_local_theta=100.0, tied_head=True))
     for broken in ({**phi, "rope_parameters": 3}, {**phi, "head_dim": {}}, {**smol, "no_rope_layer_interval": 0},
                    {**gemma, "num_hidden_layers": 0.5}, {**gemma, "rope_parameters": None, "rope_scaling": "x"},
                    {**gemma, "layer_types": None, "sliding_window_pattern": None},
                    {**glm, "attention_bias": "yes"}, {**glm, "partial_rotary_factor": "half"},
-                   {**glm, "use_qk_norm": None}, {**glm, "norm_topk_prob": False}, {**glm, "n_group": "2"}):
+                   {**glm, "use_qk_norm": None}, {**glm, "norm_topk_prob": False}, {**glm, "n_group": "2"},
+                   {**olmo, "attention_bias": True}, {**olmo, "attention_bias": "no"}, {**olmo, "head_dim": "x"}):
         with pytest.raises(ConfigError):
             config_from_hf(broken)
 

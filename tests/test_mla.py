@@ -27,7 +27,7 @@ from parallel.checkpoint.layout import fused_sections, shard_shape, tensor_paral
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
 from parity import assert_runs_match
 from precision.policy import policy as precision_policy
-from simulator.costs.compute import tp_collectives
+from simulator.costs.tp_collectives import tp_collectives
 from test_checkpoint import mismatches, new_rank, train, unlike_the_plain_model
 from test_moe_training import trained
 
@@ -196,7 +196,7 @@ TENSOR = [(world, name) for world, name in ALL if LAYOUTS[world][name][1].get("t
 
 @pytest.mark.parametrize("world, name", TENSOR, ids=[name for _, name in TENSOR])
 def test_tensor_parallel_calls_are_the_simulators(spawned, world, name):
-    """The last step's tp-group calls, byte for byte, are simulator/costs/compute.py's tp_collectives for every
+    """The last step's tp-group calls, byte for byte, are simulator/costs/tp_collectives.py's tp_collectives for every
     micro-batch: the normed latent (not the block's input) gathered or all-reduced for the up projections, the
     block's input as well where the queries have no latent; under sequence parallelism the down projection's and
     latent norms' gradients summed over the group (one more all-reduce of the step: the gradient norm's)."""

@@ -14,11 +14,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+from functools import partial
 
 import pytest
 import torch
 
-from distributed import every_layout, one_thread, run_worlds
+from distributed import every_layout, named_references, named_world, run_worlds
 from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routing_exchanges
 from job.layout import Layout
@@ -34,7 +35,7 @@ from parallel.run.train import micro_batches
 from model_states import held_states, predicted_states
 from parity import assert_runs_match
 from precision.policy import policy as precision_policy
-from simulator.costs.compute import tp_collectives
+from simulator.costs.tp_collectives import tp_collectives
 
 MODELS = {
     "top2": preset("tiny-moe").with_(seq_len=32, n_layers=2),
@@ -125,20 +126,14 @@ def routed_per_step(cfg: TrainConfig) -> int:
     return cfg.model.n_moe_layers // cfg.pp * cfg.micro_batches
 
 
-def spawned_world(world: int) -> dict:
-    torch.set_num_threads(1)
-    return {name: trained(config(model, **layout)) for name, (model, layout) in LAYOUTS[world].items()}
-
-
 @pytest.fixture(scope="module")
 def spawned():
-    return run_worlds(spawned_world, LAYOUTS)
+    return run_worlds(partial(named_world, trained, config, LAYOUTS), LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def references():
-    with one_thread():
-        return {model: trained(config(model)) for model in MODELS}
+    return named_references(trained, config, MODELS)
 
 
 ALL = every_layout(LAYOUTS)
@@ -316,7 +311,7 @@ def test_sequence_parallel_moe_collectives_are_the_simulators(spawned, world, na
     """Under sequence parallelism each tp rank routes its own slice of the tokens: its MoE blocks issue no all-gather
     or reduce-scatter around the experts, the routing's counts (and with a capacity the expert ids) go over the tp
     group, and the router's, shared and (without ep) routed experts' gradients are summed over it. The last step's
-    tp-group calls, byte for byte, are simulator/costs/compute.py's tp_collectives for the whole stage, every
+    tp-group calls, byte for byte, are simulator/costs/tp_collectives.py's tp_collectives for the whole stage, every
     micro-batch (one more all-reduce of the step: the gradient norm's sum over the group)."""
     model, layout = LAYOUTS[world][name]
     cfg = config(model, **layout)

@@ -26,7 +26,8 @@ from minigpt.presets import preset
 from parallel.run.train import train_on_rank
 from parity import worst_gap
 from precision.policy import policy as precision_policy
-from simulator.costs.compute import chunk_times, tp_collectives
+from simulator.costs.compute import chunk_times
+from simulator.costs.tp_collectives import tp_collectives
 from simulator.costs.hardware import load_hardware
 from simulator.engine.simulate import simulate_step
 from simulator.memory import predict_memory
@@ -201,7 +202,7 @@ NAMED = {name: layout for layouts in LAYOUTS.values() for name, layout in layout
 
 def test_tensor_parallel_calls_are_the_simulators(layouts, tmp_path):
     """The last step's tp-group calls and bytes of each kind, with and without sequence parallelism, are
-    simulator/costs/compute.py's tp_collectives for every micro-batch (layouts of one stage): the lookup once over
+    simulator/costs/tp_collectives.py's tp_collectives for every micro-batch (layouts of one stage): the lookup once over
     every depth's tokens, the head once over every depth's hidden states, the loss's sums per depth, each module's
     block, and under sequence parallelism each module's scatter of its tokens and its norms' and projection's
     gradient sums (one more all-reduce of the step: the gradient norm's, one fp32 number)."""

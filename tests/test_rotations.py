@@ -5,10 +5,11 @@ transformers' Phi-3 and SmolLM3 (every gradient, and written back): test_hf.py a
 
 from __future__ import annotations
 
-import pytest
-import torch
+from functools import partial
 
-from distributed import every_layout, one_thread, run_worlds
+import pytest
+
+from distributed import every_layout, named_references, named_world, run_worlds
 from job.train_config import TrainConfig
 from minigpt.data import Corpus
 from minigpt.presets import preset
@@ -43,20 +44,14 @@ def trained(cfg: TrainConfig) -> dict:
     return train_history(new_rank(cfg), cfg, Corpus.load(None, cfg.model.seq_len))
 
 
-def spawned_world(world: int) -> dict:
-    torch.set_num_threads(1)
-    return {name: trained(config(model, **layout)) for name, (model, layout) in LAYOUTS[world].items()}
-
-
 @pytest.fixture(scope="module")
 def spawned():
-    return run_worlds(spawned_world, LAYOUTS)
+    return run_worlds(partial(named_world, trained, config, LAYOUTS), LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def references():
-    with one_thread():
-        return {model: trained(config(model)) for model in MODELS}
+    return named_references(trained, config, MODELS)
 
 
 ALL = every_layout(LAYOUTS)

@@ -16,7 +16,8 @@ from job.layout import Layout
 from minigpt.presets import preset
 from minigpt.errors import ConfigError
 from precision.policy import policy
-from simulator.costs.compute import chunk_times, tp_collectives
+from simulator.costs.compute import chunk_times
+from simulator.costs.tp_collectives import tp_collectives
 from simulator.costs.hardware import NICSpec, load_hardware
 from simulator.costs.ops import block_ops
 from simulator.engine.context import layer_exchange

@@ -19,7 +19,8 @@ from job.layout import Layout
 from minigpt.errors import ConfigError
 from minigpt.presets import preset
 from precision.policy import FORMAT_BYTES, policy
-from simulator.costs.compute import chunk_ops, chunk_times, tp_collectives
+from simulator.costs.compute import chunk_ops, chunk_times
+from simulator.costs.tp_collectives import tp_collectives
 from simulator.costs.hardware import load_hardware
 from simulator.costs.op_types import Gemm, Implementation, model_flops
 from simulator.costs.ops import block_ops

@@ -21,6 +21,9 @@ from minigpt.errors import ConfigError, check_positive_int
 from minigpt.tokenizer import model_vocab_size
 
 POSITIVE = ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "head_dim")
+# --norm-placement: where a block's norms sit (GPTConfig.pre_norms, post_norms)
+NORM_PLACES = {"pre": {"pre_norms": True, "post_norms": False}, "post": {"pre_norms": False, "post_norms": True},
+               "both": {"pre_norms": True, "post_norms": True}}
 
 
 def model_options(default: str) -> Callable:
@@ -81,6 +84,12 @@ def model_options(default: str) -> Callable:
                           "[default: the preset's]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
+        click.option("--qk-norm-whole/--no-qk-norm-whole", "qk_norm_whole", default=None,
+                     help="With --qk-norm: q and k each normalised over all their heads at once, a gain per column "
+                          "(OLMo 2's) [default: the preset's, per head]."),
+        click.option("--norm-placement", "norm_placement", type=click.Choice(NORM_PLACES), default=None,
+                     help="Where the block's norms sit: before each branch (pre: GPT-2, Llama), after each branch's "
+                          "output only (post: OLMo 2), or both (Gemma's) [default: the preset's]."),
         click.option("--mtp-depth", "mtp_depth", type=int,
                      help="Multi-token prediction modules after the last block (DeepSeek-V3's: 1), module k "
                           "predicting the token k + 1 places on; 0: none [default: the preset's]."),
@@ -212,7 +221,8 @@ def model_from_options(options: dict) -> GPTConfig:
         d_head=options.get("head_dim"), qk_norm=options.get("qk_norm"), qkv_bias=options.get("qkv_bias"),
         window=options.get("window"), full_attention_every=options.get("full_attention_every"),
         attention_sinks=options.get("attention_sinks"), rotary_fraction=options.get("rotary_fraction"),
-        nope_every=options.get("nope_every"),
+        nope_every=options.get("nope_every"), qk_norm_whole=options.get("qk_norm_whole"),
+        **NORM_PLACES.get(options.get("norm_placement"), {}),
         mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
         **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
         **_expert_fields(options, base),
@@ -254,7 +264,7 @@ def shape_flags_given(options: dict) -> list[str]:
     given = [name for name in ("layers", "heads", "kv_heads", "d_model", "d_ff", "seq_len", "vocab_size", "untied",
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim",
                                "qk_norm", "window", "full_attention_every", "attention_sinks", "rope_yarn",
-                               "rotary_fraction", "nope_every",
+                               "rotary_fraction", "nope_every", "qk_norm_whole", "norm_placement",
                                "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)

@@ -42,6 +42,7 @@ from minigpt.hf.deepseek import (DEEPSEEK_EXPERTS, DEEPSEEK_TYPES, attention_nam
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
 from minigpt.hf.glm import check_glm, glm_config, glm_hf_config
+from minigpt.hf.olmo import check_olmo, is_olmo, olmo_config, olmo_hf_config, olmo_names
 from minigpt.hf.gemma import check_gemma, gemma_config, gemma_hf_config, gemma_names, is_gemma, norm_gain
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
@@ -85,6 +86,9 @@ def _block_layout(config: GPTConfig) -> str:
     if config.is_mla:
         check_deepseek(config)
         return "deepseek_v3"
+    if is_olmo(config):  # before Gemma's: its post norms are Gemma's too
+        check_olmo(config)
+        return "olmo2"
     if is_gemma(config):
         check_gemma(config)
         return "gemma3_text"
@@ -156,6 +160,8 @@ def hf_config(config: GPTConfig) -> dict:
     layout = layout_of(config)
     if layout == "glm4_moe":
         return glm_hf_config(config, {**common, **llama})
+    if layout == "olmo2":
+        return olmo_hf_config(config, {**common, **llama})
     if layout == "phi3":  # Llama's block with fused projections, part of each head rotated, LongRoPE
         longrope = {"original_max_position_embeddings": config.rope_longrope[2]} if config.rope_longrope else {}
         return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **common, **llama,
@@ -205,12 +211,13 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return gpt_oss_config(hf, tied, seq_len, read_rope, windows(hf, kind, seq_len))
     if kind == "gemma3_text":
         return gemma_config(hf, tied, seq_len)
-    if kind == "glm4_moe":  # Llama's attention, its biases q, k and v's alone, with DeepSeek's experts
-        return glm_config(hf, _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len))
+    if kind in ("glm4_moe", "olmo2"):  # Llama's attention with DeepSeek's experts, or OLMo 2's norms
+        dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
+        return (glm_config if kind == "glm4_moe" else olmo_config)(hf, dense)
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
-                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe' and 'gpt_oss' models")
+                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2' and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
@@ -279,6 +286,9 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
             table |= gpt_oss_names(ours, theirs)
         elif layout == "gemma3_text":
             table |= gemma_names(ours, theirs)
+        elif layout == "olmo2":  # no norm before the branches; one after each
+            table = {name: hf for name, hf in table.items() if name not in (ours + "ln1.weight", ours + "ln2.weight")}
+            table |= olmo_names(ours, theirs)
         elif moe:
             table |= router_names(ours, theirs, layout)
         if moe and layout in DEEPSEEK_EXPERTS:

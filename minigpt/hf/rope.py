@@ -99,8 +99,8 @@ def rotation_moved(tensor, config: GPTConfig, ours: str, to_hf: bool):
     if config.rotary_fraction == 1 or config.is_mla:
         return tensor
     shift = config.rotary_dim if to_hf else -config.rotary_dim
-    if ours.endswith(("attn.core.q_norm.weight", "attn.core.k_norm.weight")):  # one head's gains, shared
-        return torch.roll(tensor, shift, dims=0)
+    if ours.endswith(("attn.core.q_norm.weight", "attn.core.k_norm.weight")):  # one head's gains, or every head's
+        return torch.roll(tensor.unflatten(0, (-1, config.head_dim)), shift, dims=1).flatten()
     if not ours.endswith(("attn.qkv.weight", "attn.qkv.bias")):
         return tensor
     rows = (config.n_heads + config.kv_heads) * config.head_dim  # the query and key heads; the values unturned

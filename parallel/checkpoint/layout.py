@@ -11,9 +11,9 @@ box of the global tensor by the tensor-parallel cut of parallel/tensor/paralleli
 
   sections  qkv, fc1 (weight, bias)   rows in sections laid end to end (qkv: query heads |
             MLA's q_up, kv_up,        key heads | value heads, H hd, K hd, K hd; a SwiGLU
-            the sinks                 fc1: gate | up, d_ff each; a GELU fc1, MLA's up
-                                      projections and the sinks (one per query head): one
-                                      section);
+            the sinks, OLMo 2's       fc1: gate | up, d_ff each; a GELU fc1, MLA's up
+            q/k norms                 projections, the sinks (one per query head) and the
+                                      norms over all heads: one section);
                                       a shard holds rows [r n/T, (r + 1) n/T) of each
                                       section n, in order (`fused_sections`)
   columns   proj, fc2 weights         columns [r n, (r + 1) n)
@@ -78,10 +78,14 @@ def decompose(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     return boxes
 
 
-def tensor_parallel_kind(name: str, tp: int) -> str:
-    """How parallel/tensor/parallelize.py cuts the parameter `name` over `tp` ranks."""
+def tensor_parallel_kind(name: str, tp: int, model=None) -> str:
+    """How parallel/tensor/parallelize.py cuts the parameter `name` over `tp` ranks (`model`: the GPTConfig, whose
+    q/k norms over all heads, qk_norm_whole, are cut by heads)."""
     if tp == 1:
         return "whole"
+    if model is not None and model.qk_norm_whole and name.endswith(("attn.core.q_norm.weight",
+                                                                     "attn.core.k_norm.weight")):
+        return "sections"
     if name in ("tok_emb.weight", "head.weight"):
         return "vocab"
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias", "attn.q_up.weight",
@@ -270,7 +274,7 @@ def rank_placements(rank, cfg) -> list[Placement]:
                 writes = (data_parallel.sharded or data_parallel.expert_replicas.rank == 0) \
                     and (mesh.tp_rank == 0 or cfg.sequence_parallel)
             else:
-                kind, index, parts = tensor_parallel_kind(name, mesh.tp), mesh.tp_rank, mesh.tp
+                kind, index, parts = tensor_parallel_kind(name, mesh.tp, cfg.model), mesh.tp_rank, mesh.tp
                 writes = dense_writes and not tied_copy and not (kind == "replicated" and mesh.tp_rank != 0)
             local = tuple(param.shape)
             if local != shard_shape(kind, shapes[name], parts):

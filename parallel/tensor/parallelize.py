@@ -98,9 +98,9 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
         experts += [] if dense else list(block.mlp.parameters())
         mla = isinstance(block.attn, LatentAttention)
         latent += _latent_attention(block.attn, comm, sequence_parallel) if mla else []
-        for core in block.attn.modules():  # GPT-OSS's sinks: one per query head, this rank's heads' (the core is
-            if isinstance(core, AttentionCore) and core.sinks is not None:  # wrapped under selective recompute)
-                core.sinks = nn.Parameter(shard_rows(core.sinks.detach(), rank, size))
+        for core in block.attn.modules():  # (the core is wrapped under selective recompute)
+            if isinstance(core, AttentionCore):
+                _shard_core(core, comm)
         column = ([] if mla else [(block.attn, "qkv")]) + ([(block.mlp, "fc1")] if dense else [])
         for parent, name in column:
             inner = getattr(parent, name)
@@ -129,7 +129,7 @@ def parallelize(model: nn.Module, comm: Collectives, sequence_parallel: bool = F
         for param in sequence_pieces + apply_sequence_moe(model, comm):
             param.register_hook(lambda grad: _sum_over_group(grad, comm))
     head_norms = [p for core in model.modules() if isinstance(core, AttentionCore) and core.q_norm is not None
-                  for norm in (core.q_norm, core.k_norm) for p in norm.parameters()]
+                  and not core.whole for norm in (core.q_norm, core.k_norm) for p in norm.parameters()]
     for param in head_norms:  # shared by every head, and a rank holds some of them: its gradient is a part
         param.register_hook(lambda grad: _sum_over_group(grad, comm))
     whole_sequence = [] if model.pos_emb is None else [model.pos_emb.weight]
@@ -150,6 +150,25 @@ def _latent_attention(attn: LatentAttention, comm: Collectives, sequence_paralle
         attn.q_up = ColumnParallelLinear(attn.q_up, comm, sequence_parallel)
     return [*attn.down.parameters(), *attn.kv_norm.parameters(),
             *([] if attn.q_norm is None else attn.q_norm.parameters())]
+
+
+def _shard_core(core: AttentionCore, comm: Collectives) -> None:
+    """The attention core's per-head parameters cut to this rank's heads: GPT-OSS's sinks (one per query head),
+    OLMo 2's q/k norms over all heads (a gain per column), whose sums of squares are then summed over the group."""
+    if core.sinks is not None:
+        core.sinks = nn.Parameter(shard_rows(core.sinks.detach(), comm.rank, comm.size))
+    if core.q_norm is not None and core.whole:
+        for norm in (core.q_norm, core.k_norm):
+            norm.weight = nn.Parameter(shard_rows(norm.weight.detach(), comm.rank, comm.size))
+        core.qk_total = _group_sum(comm)
+
+
+def _group_sum(comm: Collectives):
+    """The sum over the group of a tensor each rank computed afresh (all-reduced in place)."""
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(tensor)
+        return tensor
+    return total
 
 
 def _sum_over_group(grad: torch.Tensor, comm: Collectives) -> torch.Tensor:

@@ -228,7 +228,9 @@ class UnitShape:
     expert_streams: int = 0  # Implementation.expert_gemms: 0 one grouped GEMM, else a GEMM per expert on this many
     bias_fusion: str = "none"  # Implementation.bias_fusion
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
+    qk_norm_whole: bool = False  # over all of q's or k's heads at once instead (OLMo 2's)
     post_norms: bool = False  # a norm of each branch before its residual add (Gemma's)
+    pre_norms: bool = True  # a norm before each branch (ln1, ln2); none in OLMo 2's block
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
     eager: bool = False  # Implementation.eager: torchtitan's element-wise code, one kernel per aten op
@@ -363,6 +365,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_params=policy.fp8_linears and impl.fp8_param_gather,
                      fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm, post_norms=model.post_norms,
+                     qk_norm_whole=model.qk_norm_whole, pre_norms=model.pre_norms,
                      expert_load=impl.expert_load, expert_streams=EXPERT_STREAMS[impl.expert_gemms],
                      bias_fusion=impl.bias_fusion,
                      ub_chunks=sp and impl.ub_chunks,

@@ -29,7 +29,7 @@ GPU, where cuBLASLt adds a Linear's bias in its epilogue). Implementation.bias_f
 Megatron's: "megatron", fc1's bias inside the activation's kernel and proj's and fc2's bias, the
 residual dropout and the residual add one kernel (bias_dropout_add, saving the same mask); "te", qkv's
 bias added and reduced by its GEMMs' epilogues as well. Tensor-parallel collectives are not
-ops: compute.tp_collectives counts them. Backward, op by op in reverse: each Linear an
+ops: tp_collectives.py counts them. Backward, op by op in reverse: each Linear an
 input-gradient GEMM (m=B, n=in, k=out) and a weight-gradient GEMM (m=out, n=in, k=B: the same
 FLOPs), then its weight gradient accumulated into the gradient buffer (read old and new, write);
 each attention matmul two GEMMs; each memory-bound op its own backward with its own bytes;
@@ -60,7 +60,7 @@ policy, kept and recomputed op by op (simulator/costs/torchtitan/selective_op.py
 Sequence parallelism (`Implementation.sp_saved_input`): the column-parallel Linears (qkv, fc1,
 the head) multiply the all-gathered sequence. "gathered" (our executor, parallel/tensor/layers.py)
 saves that gathered input; "sharded" (Megatron; Korthikanti et al.'s sequence parallelism) saves the
-LayerNorm's own B/t rows and all-gathers them again in the backward (compute.tp_collectives
+LayerNorm's own B/t rows and all-gathers them again in the backward (tp_collectives.py
 counts that gather).
 
 Korthikanti et al. 2022, section 4.1 ("Reducing Activation Recomputation in Large Transformer
@@ -156,15 +156,26 @@ def _attention_forward(rec: Recorder, attention: str) -> None:
     if sh.latent:  # multi-head latent attention's projections (simulator/costs/layers/latent.py)
         qkv = latent_forward(rec, x)
     else:
-        with rec.module("layernorm"):
-            norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input", sh.normed_bytes(sh.residual_rows * sh.d))
-        if sh.sp:
-            rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d))  # all-gathered along the sequence
-        qkv = column_linear(rec, "qkv", "qkv.input", "ln1.output", sh.qkv_width, "q_k_v")
+        shard = _pre_norm(rec, "ln1", x, "ln1.output" if sh.sp else "qkv.input")
+        if sh.sp:  # all-gathered along the sequence
+            rec.tensor("qkv.input", sh.normed_bytes(sh.rows * sh.d) if sh.pre_norms else sh.rows * sh.d * sh.e)
+        qkv = column_linear(rec, "qkv", "qkv.input" if sh.sp else shard, shard, sh.qkv_width, "q_k_v", sh.pre_norms)
     heads = core_forward(rec, attention, qkv)
     branch = row_linear(rec, "proj", heads, sh.heads * sh.value_dim, "attention.residual")
     residual_join(rec, "attention", x, _post_norm(rec, "post_attn_norm", branch), "ln2.input",
                   None if sh.post_norms else "proj")
+
+
+def _pre_norm(rec: Recorder, name: str, inp: str, out: str, linear: bool = True) -> str:
+    """A norm before a branch (ln1, ln2) from the residual stream `inp` into `out` (`linear`: for a Linear, which
+    may take it as the norm writes it, UnitShape.normed_bytes): returns what the branch reads, `out`, or `inp`
+    itself in a block without them (UnitShape.pre_norms off: OLMo 2's)."""
+    sh = rec.shape
+    if not sh.pre_norms:
+        return inp
+    with rec.module("layernorm"):
+        norm(rec, name, inp, out, sh.normed_bytes(sh.residual_rows * sh.d) if linear else None)
+    return out
 
 
 def _post_norm(rec: Recorder, name: str, branch: str) -> str:
@@ -230,23 +241,20 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
     shared experts as a dense MLP), dropout, the residual add."""
     sh = rec.shape
     if moe:  # under sequence parallelism on this rank's slice of the tokens (UnitShape.moe)
-        with rec.module("layernorm"):
-            norm(rec, "ln2", "ln2.input", "moe.input")
+        moe_input = _pre_norm(rec, "ln2", "ln2.input", "moe.input", linear=False)
         with rec.shaped(sh.moe):
-            branch = routed_forward(rec, model, ep, "moe.input")
+            branch = routed_forward(rec, model, ep, moe_input)
             if model.n_shared_experts:
-                shared = _mlp(rec, "shared.", "moe.input", None, model.n_shared_experts * model.expert_width,
+                shared = _mlp(rec, "shared.", moe_input, None, model.n_shared_experts * model.expert_width,
                               "shared.output", normed=False)
                 rec.tensor("moe.output", sh.residual_rows * sh.d * sh.e)
                 rec.mem("moe.shared_add", (branch, shared), ("moe.output",))
                 branch = "moe.output"
     else:
-        with rec.module("layernorm"):
-            norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input",
-                 sh.normed_bytes(sh.residual_rows * sh.d))
+        shard = _pre_norm(rec, "ln2", "ln2.input", "ln2.output" if sh.sp else "fc1.input")
         if sh.sp:
-            rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d))
-        branch = _mlp(rec, "", "fc1.input", "ln2.output", sh.f // sh.t, "mlp.residual")
+            rec.tensor("fc1.input", sh.normed_bytes(sh.rows * sh.d) if sh.pre_norms else sh.rows * sh.d * sh.e)
+        branch = _mlp(rec, "", "fc1.input" if sh.sp else shard, shard, sh.f // sh.t, "mlp.residual", sh.pre_norms)
     residual_join(rec, "mlp", "ln2.input", _post_norm(rec, "post_mlp_norm", branch), "y",
                   None if moe or sh.post_norms else "fc2")
 
@@ -263,8 +271,9 @@ def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, 
                 _mlp_backward(rec, "shared.", model.n_shared_experts * model.expert_width, normed=False)
             routed_backward(rec, model, ep, 3 if model.n_shared_experts else 2)
     else:
-        _mlp_backward(rec, "", sh.f // sh.t)
-    norm_backward(rec, "ln2")
+        _mlp_backward(rec, "", sh.f // sh.t, sh.pre_norms)
+    if sh.pre_norms:
+        norm_backward(rec, "ln2")
     residual_backward(rec, "mlp")
     if sh.dropout:
         dropout_backward(rec, "attention.residual_dropout", sh.residual_rows, sh.d)
@@ -275,8 +284,9 @@ def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, 
     if sh.latent:
         latent_backward(rec)
     else:
-        column_backward(rec, "qkv", sh.qkv_width)
-    norm_backward(rec, "ln1")
+        column_backward(rec, "qkv", sh.qkv_width, sh.pre_norms)
+    if sh.pre_norms:
+        norm_backward(rec, "ln1")
     residual_backward(rec, "attention")
 
 

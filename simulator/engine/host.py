@@ -118,10 +118,11 @@ def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: in
         units, dense = None, None  # the pattern has two
         missing = ("a unit measured per model, not per block: the roofline prices a pattern of windowed and full "
                    "blocks, or of rotating and unrotated ones")
-    elif model.attention_sinks or model.router_bias or model.post_norms or model.embed_scale:  # a measured unit's
-        units, dense = None, None  # key does not tell these apart
-        missing = ("measured units are not told apart by attention sinks, a router bias or Gemma's post norms: the "
-                   "roofline prices them")
+    elif model.attention_sinks or model.router_bias or model.post_norms or model.embed_scale \
+            or model.qk_norm_whole or not model.pre_norms:  # a measured unit's key does not tell these apart
+        units, dense = None, None
+        missing = ("measured units are not told apart by attention sinks, a router bias, Gemma's post norms or OLMo "
+                   "2's norms: the roofline prices them")
     elif units is None:
         missing = f"no measured unit of this model's {shape} ({where}): the roofline prices its compute"
     elif model.is_moe and model.dense_layers and dense is None:

@@ -232,11 +232,12 @@ def _unfused_backward(rec: Recorder) -> None:
 
 def _qk_norm_forward(rec: Recorder, qkv: str) -> str:
     """Qwen3's query and key norms, as AttentionCore.normed runs them: an RMSNorm kernel over the query heads and
-    one over the key heads (each keeping its input, the qkv output, and one fp32 1/rms per head and row), then the
+    one over the key heads (each keeping its input, the qkv output, and one fp32 1/rms per head and row; OLMo 2's
+    over all heads one per row each: the same bytes moved), then the
     normalised q and k and the untouched v copied into a new fused tensor."""
     sh = rec.shape
     qk = sh.rows * (sh.heads + sh.kv_heads) * sh.head_dim * sh.e
-    stats = rec.tensor("qk_norm.inv_rms", sh.rows * (sh.heads + sh.kv_heads) * FP32, small=True)
+    stats = rec.tensor("qk_norm.inv_rms", sh.rows * _qk_statistics(sh) * FP32, small=True)
     normed = rec.tensor("qk_norm.output", qk)
     rec.op(MemoryOp("qk_norm", qk, qk + rec.size[stats]), saves=(qkv, stats))
     fused = rec.tensor("qk_norm.fused", rec.size[qkv])
@@ -247,8 +248,14 @@ def _qk_norm_forward(rec: Recorder, qkv: str) -> str:
 def _qk_norm_backward(rec: Recorder) -> None:
     sh = rec.shape
     qk = sh.rows * (sh.heads + sh.kv_heads) * sh.head_dim * sh.e
-    stats = sh.rows * (sh.heads + sh.kv_heads) * FP32
+    stats = sh.rows * _qk_statistics(sh) * FP32
     rec.back_mem("qk_norm_backward", 2 * qk + stats, qk)  # the input and the output's gradient, 1/rms
+
+
+def _qk_statistics(sh) -> int:
+    """The 1/rms the q and k norms keep per row: one per head on this rank, or q's and k's over all heads (OLMo 2's,
+    the sums of squares summed over the tensor-parallel group: simulator/costs/tp_collectives.py's tp_collectives)."""
+    return 2 if sh.qk_norm_whole else sh.heads + sh.kv_heads
 
 
 def core_forward(rec: Recorder, attention: str, qkv: str) -> str:

@@ -11,7 +11,7 @@ B/t residual rows:
   linear_q_down_proj and linear_kv_down_proj are duplicated too); its output is saved by the latent norms;
 - the two RMSNorms (one kernel each; two fp32 1/rms per row, one without a query latent) and the concatenation of
   the normed latents with the rotated key (one kernel), saved by the up projections: under sequence parallelism
-  all-gathered over the group first (compute.tp_collectives counts it: L per row where qkv's input was d), else
+  all-gathered over the group first (tp_collectives.py counts it: L per row where qkv's input was d), else
   the same on every rank (its gradient all-reduced);
 - the up projections, column-parallel over the heads: q -> a/t hd (from the block's input when there is no query
   latent: a column-parallel Linear of d), c -> a/t (hd - r + v);
