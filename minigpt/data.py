@@ -155,7 +155,11 @@ def token_type(vocab_size: int) -> str:
 
 
 def is_token_dir(path) -> bool:
-    return path is not None and Path(path).is_dir() and (Path(path) / TOKENS_HEADER).is_file()
+    """Whether `path` names a token directory (a name the file system refuses does not: the text reader says why)."""
+    try:
+        return path is not None and Path(path).is_dir() and (Path(path) / TOKENS_HEADER).is_file()
+    except (OSError, ValueError):  # too long, a NUL
+        return False
 
 
 def token_header(path) -> dict:

@@ -30,7 +30,9 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
 
 All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
 layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's or Qwen3-MoE's layout
-(minigpt/hf/moe.py). A transformers model computed differently is refused rather than trained as something else.
+(minigpt/hf/moe.py), with a sigmoid router in GLM-4.5's (minigpt/hf/glm.py), with latent attention in DeepSeek-V3's
+(minigpt/hf/deepseek.py); OLMo 2's norms in its layout (minigpt/hf/olmo.py), Gemma 3's pieces in its (gemma.py).
+A transformers model computed differently is refused rather than trained as something else.
 Torch-free except `to_hf` and `from_hf`, which move tensors.
 """
 
@@ -41,14 +43,14 @@ from minigpt.errors import ConfigError
 from minigpt.hf.deepseek import (DEEPSEEK_EXPERTS, DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
-from minigpt.hf.glm import check_glm, glm_config, glm_hf_config
-from minigpt.hf.olmo import check_olmo, is_olmo, olmo_config, olmo_hf_config, olmo_names
 from minigpt.hf.gemma import check_gemma, gemma_config, gemma_hf_config, gemma_names, is_gemma, norm_gain
+from minigpt.hf.glm import check_glm, glm_config, glm_hf_config
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
+from minigpt.hf.olmo import check_olmo, is_olmo, olmo_config, olmo_hf_config, olmo_names
 from minigpt.hf.patterns import LAYER_TYPES, WINDOWED_LAYOUTS, layer_types, nope_every, windows
 from minigpt.hf.rope import partial_rotary_factor, read_rope, rope_fields, rotation_moved
 
@@ -58,8 +60,9 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of t
 
 
 def layout_of(config: GPTConfig) -> str:
-    """"gpt2", "llama", "mistral" (Llama's with a sliding window), "qwen2", "qwen3", "mixtral", "qwen3_moe" or
-    "deepseek_v3": the transformers layout that holds `config` exactly; ConfigError saying why not."""
+    """"gpt2", "llama", "mistral" (Llama's with a sliding window), "phi3", "smollm3", "qwen2", "qwen3", "gemma3_text",
+    "olmo2", "mixtral", "qwen3_moe", "glm4_moe", "deepseek_v3" or "gpt_oss": the transformers layout that holds
+    `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
     if config.mtp_depth and layout not in DEEPSEEK_EXPERTS:
         raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's or GLM-4.5's layout (as "
@@ -67,8 +70,8 @@ def layout_of(config: GPTConfig) -> str:
     if config.nope_every and layout != "smollm3" or config.rope_longrope is not None and layout != "phi3" \
             or config.rotary_fraction != 1 and layout not in PARTIAL_ROTATION:
         raise ConfigError(f"transformers' {layout} layout turns every block's whole heads: blocks without rotary "
-                          f"positions are written in SmolLM3's layout, part of each head turned in Phi-3's and "
-                          f"LongRoPE in Phi-3's, none of which holds this shape")
+                          f"positions are written in SmolLM3's layout, part of each head turned in Phi-3's or "
+                          f"GLM-4.5's, LongRoPE in Phi-3's: none of them holds this shape")
     if config.window_in_use and layout not in WINDOWED_LAYOUTS:
         raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2, Qwen3 or GPT-OSS "
                           f"layout, which cannot hold this {layout} shape")
