@@ -210,12 +210,13 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
 
 @pytest.mark.parametrize("shape, written_as", [("phi3_longrope", "Phi3ForCausalLM"),
                                                ("smollm3", "SmolLM3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
-                                               ("glm4_moe", "Glm4MoeForCausalLM"), ("olmo2", "Olmo2ForCausalLM")])
+                                               ("glm4_moe", "Glm4MoeForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
+                                               ("minimax_m2", "MiniMaxM2ForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
-    experts) and OLMo 2's read into minigpt and written again: transformers' Phi-3, SmolLM3, Gemma 3, GLM-4.5 or
-    OLMo 2 layout, every
+    experts), OLMo 2's and MiniMax-M2's read into minigpt and written again: transformers' Phi-3, SmolLM3, Gemma 3,
+    GLM-4.5, OLMo 2 or MiniMax-M2 layout, every
     tensor the one read (the rotated columns and their gains moved back, Gemma's gains less 1), and the model
     transformers opens from it gives minigpt's logits."""
     from minigpt.hf.files import write_hf_dir
@@ -226,6 +227,8 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
         assert (config.rotary_dim, config.longrope_factors) == (12, (1.0, 1.5, 2.0, 3.0, 5.0, 8.0))
     elif shape == "smollm3":
         assert [config.layer_rotates(layer) for layer in range(4)] == [True, False, True, False]
+    elif shape == "minimax_m2":
+        assert (config.rotary_dim, config.qk_norm_whole, config.router, config.expert_bias) == (12, True, "sigmoid", True)
     elif shape == "olmo2":
         assert (config.pre_norms, config.post_norms, config.qk_norm_whole) == (False, True, True)
     elif shape == "glm4_moe":
@@ -251,7 +254,7 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
 
 
 def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
-    """A Phi-3's, SmolLM3's, Gemma 3's, GLM-4.5's or OLMo 2's config.json whose fields hold the wrong types (as random mutations of them
+    """A Phi-3's, SmolLM3's, Gemma 3's, GLM-4.5's, OLMo 2's or MiniMax-M2's config.json whose fields hold the wrong types (as random mutations of them
     found, each a TypeError, AttributeError or ZeroDivisionError before) gets ConfigError, as every other one."""
     from minigpt.presets import preset
 
@@ -260,6 +263,7 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
     smol = hf_config(small.with_(nope_every=2))
     glm = hf_config(small.with_(n_experts=4, top_k=2, router="sigmoid", rotary_fraction=0.5))
     olmo = hf_config(small.with_(qk_norm=True, qk_norm_whole=True, pre_norms=False, post_norms=True))
+    minimax = hf_config(small.with_(qk_norm=True, qk_norm_whole=True, n_experts=4, top_k=2, router="sigmoid"))
     gemma = hf_config(small.with_(mlp="geglu", qk_norm=True, post_norms=True, embed_scale=True, window=11,
                                   full_attention_every=2, rope_local_theta=100.0, tied_head=True))
     for broken in ({**phi, "rope_parameters": 3}, {**phi, "head_dim": {}}, {**smol, "no_rope_layer_interval": 0},
@@ -267,18 +271,20 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
                    {**gemma, "layer_types": None, "sliding_window_pattern": None},
                    {**glm, "attention_bias": "yes"}, {**glm, "partial_rotary_factor": "half"},
                    {**glm, "use_qk_norm": None}, {**glm, "norm_topk_prob": False}, {**glm, "n_group": "2"},
-                   {**olmo, "attention_bias": True}, {**olmo, "attention_bias": "no"}, {**olmo, "head_dim": "x"}):
+                   {**olmo, "attention_bias": True}, {**olmo, "attention_bias": "no"}, {**olmo, "head_dim": "x"},
+                   {**minimax, "rotary_dim": 7.5}, {**minimax, "rotary_dim": 500}, {**minimax, "scoring_func": "softmax"},
+                   {**minimax, "num_local_experts": None}, {**minimax, "qk_norm_type": "per_head"}):
         with pytest.raises(ConfigError):
             config_from_hf(broken)
 
 
-def test_glm45_shaped_configs_count_the_published_parameters(tmp_path):
+def test_glm45_and_minimax_m2_shaped_configs_count_the_published_parameters(tmp_path):
     """GLM-4.5's and GLM-4.5-Air's shapes (arXiv 2508.06471, Table 1: 92 and 46 layers, 3 and 1 of them dense, 160
     and 128 experts of 8 routed per token plus one shared, 96 query heads of 128 and 8 key/value heads, widths 5,120 and
     4,096, one multi-token prediction layer; their dense and expert widths and vocabulary as transformers'
     Glm4MoeConfig describes the Air) read as GLM-4.5's config.json: the report's 355B and 106B parameters (within 1%),
     32B and 12B active (within the half billion the report rounds to; without the embedding and head, as it counts).
-    Our counts: 352.8B + 4.0B for the prediction layer, 32.1B active; 106.9B + 2.4B, 12.2B."""
+    Our counts: 352.8B + 4.0B for the prediction layer, 32.1B active; 106.9B + 2.4B, 12.2B; MiniMax-M2 228.7B, 9.8B."""
     air = {"model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
            "moe_intermediate_size": 1408, "num_hidden_layers": 46, "first_k_dense_replace": 1,
            "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128,
@@ -287,12 +293,14 @@ def test_glm45_shaped_configs_count_the_published_parameters(tmp_path):
     full = {**air, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
             "num_hidden_layers": 92, "first_k_dense_replace": 3, "n_routed_experts": 160, "use_qk_norm": True,
             "routed_scaling_factor": 2.5}
-    for shape, (total, active) in ((air, (106e9, 12e9)), (full, (355e9, 32e9))):
+    # MiniMax-M2's (its model card: 230B parameters, 10B active): transformers' MiniMaxM2Config describes it
+    minimax = {**transformers.MiniMaxM2Config(rotary_dim=64).to_dict(), "model_type": "minimax_m2"}
+    for shape, (total, active) in ((air, (106e9, 12e9)), (full, (355e9, 32e9)), (minimax, (230e9, 10e9))):
         (tmp_path / "glm.json").write_text(json.dumps(shape))
         result = invoke("simulate", "--model", str(tmp_path / "glm.json"), "--seq-len", "4096", "--gpus", "64",
                         "--gpu", "h100-sxm", "--ep", "8", "--pp", "8", "--recompute", "full", "--json")
         assert result.exit_code == 0, result.output
         counted = json.loads(result.stdout)["parameters"]
         unembedded = counted["active"] - counted["embedding"] - counted["head"]
-        assert abs(counted["total"] - counted["mtp"] - total) <= 0.01 * total, counted
+        assert abs(counted["total"] - counted.get("mtp", 0) - total) <= 0.01 * total, counted
         assert abs(unembedded - active) <= 0.5e9, counted

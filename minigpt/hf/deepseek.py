@@ -181,25 +181,26 @@ def interleaved(tensor, config: GPTConfig, ours: str, to_hf: bool):
     return out
 
 
-def router_extras(state: dict, config: GPTConfig, layer: int, theirs: str) -> dict:
-    """The router's e_score_correction_bias of block `layer`: our choice bias, or zeros (a router without one)."""
+def router_extras(state: dict, config: GPTConfig, layer: int, theirs: str, at: str = "mlp.gate.") -> dict:
+    """The router's e_score_correction_bias of block `layer` (`at`: where its layout keeps it, DeepSeek's under the
+    router): our choice bias, or zeros (a router without one)."""
     import torch
 
     from minigpt.moe import bias_name
 
     bias = state.get(bias_name(layer, config.n_layers))
-    return {f"{theirs}mlp.gate.e_score_correction_bias":
+    return {f"{theirs}{at}e_score_correction_bias":
             torch.zeros(config.n_experts) if bias is None else bias.detach().float().clone()}
 
 
-def router_extras_from_hf(found, config: GPTConfig, layer: int, theirs: str) -> dict:
+def router_extras_from_hf(found, config: GPTConfig, layer: int, theirs: str, at: str = "mlp.gate.") -> dict:
     """Our state's choice bias of block `layer` from its e_score_correction_bias (`found(name)`: the tensor, fp32;
     ConfigError when the checkpoint has none)."""
     from minigpt.moe import bias_name
 
     if not config.expert_bias:
         return {}
-    return {bias_name(layer, config.n_layers): found(f"{theirs}mlp.gate.e_score_correction_bias")}
+    return {bias_name(layer, config.n_layers): found(f"{theirs}{at}e_score_correction_bias")}
 
 
 def mtp_names(config: GPTConfig) -> dict[str, tuple[str, ...]]:

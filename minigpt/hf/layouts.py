@@ -30,7 +30,8 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
 
 All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
 layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's or Qwen3-MoE's layout
-(minigpt/hf/moe.py), with a sigmoid router in GLM-4.5's (minigpt/hf/glm.py), with latent attention in DeepSeek-V3's
+(minigpt/hf/moe.py), with a sigmoid router in GLM-4.5's (minigpt/hf/glm.py) or, its q/k norms over all heads,
+MiniMax-M2's (minigpt/hf/minimax.py), with latent attention in DeepSeek-V3's
 (minigpt/hf/deepseek.py); OLMo 2's norms in its layout (minigpt/hf/olmo.py), Gemma 3's pieces in its (gemma.py).
 A transformers model computed differently is refused rather than trained as something else.
 Torch-free except `to_hf` and `from_hf`, which move tensors.
@@ -50,18 +51,22 @@ from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config
 from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_fields, moe_hf_config,
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
+from minigpt.hf.minimax import BIAS_AT, check_minimax, is_minimax, minimax_config, minimax_hf_config
 from minigpt.hf.olmo import check_olmo, is_olmo, olmo_config, olmo_hf_config, olmo_names
 from minigpt.hf.patterns import LAYER_TYPES, WINDOWED_LAYOUTS, layer_types, nope_every, windows
 from minigpt.hf.rope import partial_rotary_factor, read_rope, rope_fields, rotation_moved
 
 LLAMA_FAMILY = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", *ARCHITECTURES)  # Llama's block, and theirs
-PARTIAL_ROTATION = ("phi3", "glm4_moe")  # the layouts that turn part of each head (transformers' partial_rotary_factor)
+PARTIAL_ROTATION = ("phi3", "glm4_moe", "minimax_m2")  # the layouts that turn part of each head
+# where a layout with a choice bias keeps it (e_score_correction_bias): DeepSeek's under the router, MiniMax-M2's beside
+CHOICE_BIAS = {"deepseek_v3": "mlp.gate.", "glm4_moe": "mlp.gate.", "minimax_m2": BIAS_AT}
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of the tanh-approximated GELU
 
 
 def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "phi3", "smollm3", "qwen2", "qwen3", "gemma3_text",
-    "olmo2", "mixtral", "qwen3_moe", "glm4_moe", "deepseek_v3" or "gpt_oss": the transformers layout that holds
+    "olmo2", "mixtral", "qwen3_moe", "glm4_moe", "minimax_m2", "deepseek_v3" or "gpt_oss": the transformers layout
+    that holds
     `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
     if config.mtp_depth and layout not in DEEPSEEK_EXPERTS:
@@ -70,8 +75,8 @@ def layout_of(config: GPTConfig) -> str:
     if config.nope_every and layout != "smollm3" or config.rope_longrope is not None and layout != "phi3" \
             or config.rotary_fraction != 1 and layout not in PARTIAL_ROTATION:
         raise ConfigError(f"transformers' {layout} layout turns every block's whole heads: blocks without rotary "
-                          f"positions are written in SmolLM3's layout, part of each head turned in Phi-3's or "
-                          f"GLM-4.5's, LongRoPE in Phi-3's: none of them holds this shape")
+                          f"positions are written in SmolLM3's layout, part of each head turned in Phi-3's, "
+                          f"GLM-4.5's or MiniMax-M2's, LongRoPE in Phi-3's: none of them holds this shape")
     if config.window_in_use and layout not in WINDOWED_LAYOUTS:
         raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2, Qwen3 or GPT-OSS "
                           f"layout, which cannot hold this {layout} shape")
@@ -89,6 +94,9 @@ def _block_layout(config: GPTConfig) -> str:
     if config.is_mla:
         check_deepseek(config)
         return "deepseek_v3"
+    if is_minimax(config):  # before OLMo 2's: their q/k norms are the same
+        check_minimax(config)
+        return "minimax_m2"
     if is_olmo(config):  # before Gemma's: its post norms are Gemma's too
         check_olmo(config)
         return "olmo2"
@@ -165,6 +173,8 @@ def hf_config(config: GPTConfig) -> dict:
         return glm_hf_config(config, {**common, **llama})
     if layout == "olmo2":
         return olmo_hf_config(config, {**common, **llama})
+    if layout == "minimax_m2":
+        return minimax_hf_config(config, {**common, **llama})
     if layout == "phi3":  # Llama's block with fused projections, part of each head rotated, LongRoPE
         longrope = {"original_max_position_embeddings": config.rope_longrope[2]} if config.rope_longrope else {}
         return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **common, **llama,
@@ -214,13 +224,13 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return gpt_oss_config(hf, tied, seq_len, read_rope, windows(hf, kind, seq_len))
     if kind == "gemma3_text":
         return gemma_config(hf, tied, seq_len)
-    if kind in ("glm4_moe", "olmo2"):  # Llama's attention with DeepSeek's experts, or OLMo 2's norms
-        dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len)
-        return (glm_config if kind == "glm4_moe" else olmo_config)(hf, dense)
+    if kind in READERS:  # Llama's attention with DeepSeek's experts, OLMo 2's norms, or MiniMax-M2's
+        return READERS[kind](hf, _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
-                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2' and 'gpt_oss' models")
+                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2', 'minimax_m2' and 'gpt_oss' "
+                          f"models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)
@@ -240,6 +250,9 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return dense.with_(qk_norm=kind == "qwen3_moe", **window_fields, **moe_fields(hf, kind))
     # Qwen2: biases on q, k and v alone
     return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **window_fields)
+
+
+READERS = {"glm4_moe": glm_config, "olmo2": olmo_config, "minimax_m2": minimax_config}  # model_type: its reader
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None, rotated: float = 1.0) -> GPTConfig:
@@ -371,8 +384,8 @@ def to_hf(state: dict, config: GPTConfig, gradients: bool = False) -> dict:
             out |= oss_experts_to_hf(state, config, layer, f"model.layers.{layer}.")
             continue
         out |= experts_to_hf(state, config, layer, f"model.layers.{layer}.", layout)
-        if layout in DEEPSEEK_EXPERTS:
-            out |= router_extras(state, config, layer, f"model.layers.{layer}.")
+        if layout in CHOICE_BIAS:
+            out |= router_extras(state, config, layer, f"model.layers.{layer}.", CHOICE_BIAS[layout])
     return out | mtp_copies(state, config)
 
 
@@ -439,6 +452,6 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
             state |= oss_experts_from_hf(found, config, layer, f"model.layers.{layer}.")
             continue
         state |= experts_from_hf(found, config, layer, f"model.layers.{layer}.", layout)
-        if layout in DEEPSEEK_EXPERTS:
-            state |= router_extras_from_hf(found, config, layer, f"model.layers.{layer}.")
+        if layout in CHOICE_BIAS:
+            state |= router_extras_from_hf(found, config, layer, f"model.layers.{layer}.", CHOICE_BIAS[layout])
     return state
