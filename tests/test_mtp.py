@@ -372,10 +372,10 @@ def test_deepseeks_layout_holds_the_modules_both_ways(tmp_path):
     assert check_hf_dir(tmp_path / "without").mtp_depth == 0
 
 
-def test_only_deepseeks_layout_holds_them(tmp_path):
+def test_only_deepseeks_and_glms_layouts_hold_them(tmp_path):
     result = CliRunner().invoke(main, ["train", "--model", "tiny-llama", "--mtp-depth", "1", "--steps", "1",
                                        "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
     exported = CliRunner().invoke(main, ["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")])
-    assert exported.exit_code == 2 and "DeepSeek-V3's layout" in exported.stderr, exported.output
+    assert exported.exit_code == 2 and "DeepSeek-V3's or GLM-4.5's layout" in exported.stderr, exported.output
     assert not (tmp_path / "hf").exists()
