@@ -15,7 +15,7 @@ def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks), Gemma 3, Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
     from zero; also with YaRN, and as Kimi K2 ships it), GLM-4.5 (DeepSeek's experts after grouped-query attention,
-    half of each head turned), OLMo 2 (norms after the branches, q/k norms over all heads), MiniMax-M2 (those q/k norms, half of each head turned,
+    half of each head turned), OLMo 2 (norms after the branches, q/k norms over all heads; OLMo 3's windows), MiniMax-M2 (those q/k norms, half of each head turned,
     sigmoid-routed experts), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
     width / heads, q/k norms; also with YaRN, or a window in its first block) shape, the Qwens' norms with epsilon
     1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
@@ -102,6 +102,13 @@ def transformers_model(shape: str, tmp_path):
                                           num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
                                           tie_word_embeddings=False, rope_theta=500000.0, initializer_range=0.2,
                                           pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    elif shape == "olmo3":  # OLMo 3's: OLMo 2's block through a window of 12 in every other layer (its 3 in 4)
+        config = transformers.Olmo3Config(vocab_size=256, max_position_embeddings=32, hidden_size=64,
+                                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                          rope_theta=500000.0, initializer_range=0.2, sliding_window=12,
+                                          layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
+                                          bos_token_id=None, eos_token_id=None)
     elif shape == "minimax_m2":  # MiniMax-M2's: q/k norms over all heads, the first half of each 24-wide head
         # turned (rotary_dim), every block 2 of 4 Mixtral-named experts chosen by sigmoid scores with a bias
         config = transformers.MiniMaxM2Config(**{**moe, "intermediate_size": 48}, head_dim=24, num_local_experts=4,

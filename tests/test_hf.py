@@ -145,7 +145,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 # Kimi K2's config.json (DeepSeek-V3's under model_type "kimi_k2", YaRN's betas equal)
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
                                    "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
-                                   "glm4_moe", "olmo2", "minimax_m2"])
+                                   "glm4_moe", "olmo2", "olmo3", "minimax_m2"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -205,6 +205,8 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert hf_config(glm)["rope_parameters"]["partial_rotary_factor"] == 0.5
     olmo = qwen3.with_(qk_norm_whole=True, pre_norms=False, post_norms=True)  # OLMo 2's block
     assert layout_of(olmo) == "olmo2" and config_from_hf(hf_config(olmo)) == olmo
+    olmo3 = olmo.with_(window=12, full_attention_every=4, n_layers=8)  # OLMo 3's: three layers in four slide
+    assert layout_of(olmo3) == "olmo3" and config_from_hf(hf_config(olmo3)) == olmo3
     for bad in (olmo.with_(pre_norms=True), olmo.with_(qk_norm_whole=False), olmo.with_(qkv_bias=True)):
         with pytest.raises(ConfigError, match="OLMo 2"):
             layout_of(bad)

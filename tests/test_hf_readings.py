@@ -211,7 +211,7 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
 @pytest.mark.parametrize("shape, written_as", [("phi3_longrope", "Phi3ForCausalLM"),
                                                ("smollm3", "SmolLM3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
                                                ("glm4_moe", "Glm4MoeForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
-                                               ("minimax_m2", "MiniMaxM2ForCausalLM")])
+                                               ("minimax_m2", "MiniMaxM2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
@@ -229,6 +229,8 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
         assert [config.layer_rotates(layer) for layer in range(4)] == [True, False, True, False]
     elif shape == "minimax_m2":
         assert (config.rotary_dim, config.qk_norm_whole, config.router, config.expert_bias) == (12, True, "sigmoid", True)
+    elif shape == "olmo3":
+        assert (config.window, config.full_attention_every, config.pre_norms) == (12, 2, False)
     elif shape == "olmo2":
         assert (config.pre_norms, config.post_norms, config.qk_norm_whole) == (False, True, True)
     elif shape == "glm4_moe":
@@ -254,7 +256,7 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
 
 
 def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
-    """A Phi-3's, SmolLM3's, Gemma 3's, GLM-4.5's, OLMo 2's or MiniMax-M2's config.json whose fields hold the wrong types (as random mutations of them
+    """A Phi-3's, SmolLM3's, Gemma 3's, GLM-4.5's, OLMo 2's, OLMo 3's or MiniMax-M2's config.json whose fields hold the wrong types (as random mutations of them
     found, each a TypeError, AttributeError or ZeroDivisionError before) gets ConfigError, as every other one."""
     from minigpt.presets import preset
 
@@ -264,6 +266,8 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
     glm = hf_config(small.with_(n_experts=4, top_k=2, router="sigmoid", rotary_fraction=0.5))
     olmo = hf_config(small.with_(qk_norm=True, qk_norm_whole=True, pre_norms=False, post_norms=True))
     minimax = hf_config(small.with_(qk_norm=True, qk_norm_whole=True, n_experts=4, top_k=2, router="sigmoid"))
+    olmo3 = hf_config(small.with_(qk_norm=True, qk_norm_whole=True, pre_norms=False, post_norms=True, window=11,
+                                  full_attention_every=2))
     gemma = hf_config(small.with_(mlp="geglu", qk_norm=True, post_norms=True, embed_scale=True, window=11,
                                   full_attention_every=2, rope_local_theta=100.0, tied_head=True))
     for broken in ({**phi, "rope_parameters": 3}, {**phi, "head_dim": {}}, {**smol, "no_rope_layer_interval": 0},
@@ -273,7 +277,12 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
                    {**glm, "use_qk_norm": None}, {**glm, "norm_topk_prob": False}, {**glm, "n_group": "2"},
                    {**olmo, "attention_bias": True}, {**olmo, "attention_bias": "no"}, {**olmo, "head_dim": "x"},
                    {**minimax, "rotary_dim": 7.5}, {**minimax, "rotary_dim": 500}, {**minimax, "scoring_func": "softmax"},
-                   {**minimax, "num_local_experts": None}, {**minimax, "qk_norm_type": "per_head"}):
+                   {**minimax, "num_local_experts": None}, {**minimax, "qk_norm_type": "per_head"},
+                   {**olmo3, "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0},
+                                                 "sliding_attention": {"rope_type": "default"}}},
+                   {**olmo3, "rope_parameters": {"full_attention": 3, "sliding_attention": None}},
+                   {**olmo3, "rope_parameters": {"full_attention": {"rope_theta": 1.0}, "sliding_attention": {}}},
+                   {**olmo3, "layer_types": ["full_attention", "sliding_attention"]}):
         with pytest.raises(ConfigError):
             config_from_hf(broken)
 

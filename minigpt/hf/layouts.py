@@ -52,7 +52,7 @@ from minigpt.hf.moe import (ARCHITECTURES, experts_from_hf, experts_to_hf, moe_f
                             moe_layout, refuse_unless, router_names)
 from minigpt.hf.moe import config_number as _number  # config.json's number at a key (ConfigError if not one)
 from minigpt.hf.minimax import BIAS_AT, check_minimax, is_minimax, minimax_config, minimax_hf_config
-from minigpt.hf.olmo import check_olmo, is_olmo, olmo_config, olmo_hf_config, olmo_names
+from minigpt.hf.olmo import check_olmo, is_olmo, olmo3_rotation, olmo_config, olmo_hf_config, olmo_names
 from minigpt.hf.patterns import LAYER_TYPES, WINDOWED_LAYOUTS, layer_types, nope_every, windows
 from minigpt.hf.rope import partial_rotary_factor, read_rope, rope_fields, rotation_moved
 
@@ -99,7 +99,7 @@ def _block_layout(config: GPTConfig) -> str:
         return "minimax_m2"
     if is_olmo(config):  # before Gemma's: its post norms are Gemma's too
         check_olmo(config)
-        return "olmo2"
+        return "olmo3" if config.window_in_use else "olmo2"
     if is_gemma(config):
         check_gemma(config)
         return "gemma3_text"
@@ -171,8 +171,8 @@ def hf_config(config: GPTConfig) -> dict:
     layout = layout_of(config)
     if layout == "glm4_moe":
         return glm_hf_config(config, {**common, **llama})
-    if layout == "olmo2":
-        return olmo_hf_config(config, {**common, **llama})
+    if layout in ("olmo2", "olmo3"):
+        return olmo_hf_config(config, {**common, **llama}, layer_types(config))
     if layout == "minimax_m2":
         return minimax_hf_config(config, {**common, **llama})
     if layout == "phi3":  # Llama's block with fused projections, part of each head rotated, LongRoPE
@@ -224,12 +224,15 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return gpt_oss_config(hf, tied, seq_len, read_rope, windows(hf, kind, seq_len))
     if kind == "gemma3_text":
         return gemma_config(hf, tied, seq_len)
+    if kind == "olmo3":  # OLMo 2's block, a sliding window in the layers layer_types names
+        dense = _llama_config({**olmo3_rotation(hf), "attention_bias": False, "mlp_bias": False}, tied, seq_len)
+        return olmo_config(hf, dense).with_(**windows(hf, kind, seq_len))
     if kind in READERS:  # Llama's attention with DeepSeek's experts, OLMo 2's norms, or MiniMax-M2's
         return READERS[kind](hf, _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
-                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2', 'minimax_m2' and 'gpt_oss' "
+                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' and 'gpt_oss' "
                           f"models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
@@ -302,7 +305,7 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
             table |= gpt_oss_names(ours, theirs)
         elif layout == "gemma3_text":
             table |= gemma_names(ours, theirs)
-        elif layout == "olmo2":  # no norm before the branches; one after each
+        elif layout in ("olmo2", "olmo3"):  # no norm before the branches; one after each
             table = {name: hf for name, hf in table.items() if name not in (ours + "ln1.weight", ours + "ln2.weight")}
             table |= olmo_names(ours, theirs)
         elif moe:

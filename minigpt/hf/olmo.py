@@ -3,13 +3,17 @@ norm before either branch and an RMSNorm after each branch's output (post_attent
 post_feedforward_layernorm: ours post_attn_norm, post_mlp_norm, pre_norms off), and q and k each RMS-normalised over
 all their heads at once before the rotation (q_norm, k_norm, a gain per column: ours qk_norm_whole), no biases
 (transformers' attention_bias puts one on the output projection too, which minigpt's q/k/v biases do not: refused).
+OLMo 3 (Olmo3ForCausalLM, "olmo3") is OLMo 2's block with a sliding window in the layers its layer_types name (three
+in four, every fourth whole: full_attention_every) and a rotation per layer type, read where both rotate alike
+(unscaled, one base; a scaled one is refused) and written for a model whose window is shorter than its context.
 Torch-free."""
 
 from __future__ import annotations
 
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
-from minigpt.hf.moe import refuse_unless
+from minigpt.hf.moe import config_number, refuse_unless
+from minigpt.hf.patterns import FULL, SLIDING
 
 ARCHITECTURE = "Olmo2ForCausalLM"
 OLMO2 = {"qk_norm": True, "qk_norm_whole": True, "pre_norms": False, "post_norms": True}  # its block's fields
@@ -32,16 +36,36 @@ def check_olmo(config: GPTConfig) -> None:
                           "swiglu + rope model: this shape is not one")
 
 
-def olmo_hf_config(config: GPTConfig, llama: dict) -> dict:
-    """config.json of the OLMo 2 model holding `config` (`llama`: the fields the Llama-style layouts write)."""
-    return {"architectures": [ARCHITECTURE], "model_type": "olmo2", **llama, "attention_bias": False,
-            "pad_token_id": None}
+def olmo_hf_config(config: GPTConfig, llama: dict, layer_types: dict) -> dict:
+    """config.json of the OLMo 2 model holding `config` (`llama`: the fields the Llama-style layouts write), or OLMo
+    3's where it has a sliding window (`layer_types`: its window fields)."""
+    if not config.window_in_use:
+        return {"architectures": [ARCHITECTURE], "model_type": "olmo2", **llama, "attention_bias": False,
+                "pad_token_id": None}
+    rope = {kind: dict(llama["rope_parameters"]) for kind in (FULL, SLIDING)}
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", **llama, **layer_types,
+            "rope_parameters": rope, "attention_bias": False, "pad_token_id": None}
 
 
 def olmo_config(hf: dict, dense: GPTConfig) -> GPTConfig:
     """The GPTConfig of an OLMo 2 config.json (`dense`: its Llama-style fields, read bias-free)."""
     refuse_unless(hf.get("attention_bias", False) is False, "its attention has biases, the output projection's too")
     return dense.with_(**OLMO2)
+
+
+def olmo3_rotation(hf: dict) -> dict:
+    """An OLMo 3 config.json with its per-layer-type rotation as one (both unscaled, one base), as the Llama-style
+    reader takes it; ConfigError for another."""
+    parameters = hf.get("rope_parameters")
+    if not (isinstance(parameters, dict) and (FULL in parameters or SLIDING in parameters)):
+        return hf  # transformers 4's rope_theta (and any rope_scaling, which the reader checks)
+    kinds = [parameters.get(FULL), parameters.get(SLIDING)]
+    refuse_unless(all(isinstance(kind, dict) and kind.get("rope_type", "default") == "default" for kind in kinds),
+                  f"its rotation per layer type ({parameters}) is scaled, which minigpt reads of OLMo 3 only "
+                  f"where neither is")
+    bases = {float(config_number(kind, "rope_theta", 10000.0)) for kind in kinds}
+    refuse_unless(len(bases) == 1, f"its layer types rotate by different bases {sorted(bases)}")
+    return {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": bases.pop()}}
 
 
 def olmo_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
