@@ -103,7 +103,7 @@ def check_text_file(path: str | Path, seq_len: int, tokenizer=None) -> None:
     if is_token_dir(path):
         tokens = token_stream(path, tokenizer)
         check_length(len(tokens), seq_len, str(path), "tokens")
-        vocab = (tokenizer.vocab_size if tokenizer is not None else VOCAB_SIZE)
+        vocab = tokenizer.vocab_size if tokenizer is not None else VOCAB_SIZE
         largest = max((int(tokens[i:i + SCAN_CHUNK].max()) for i in range(0, len(tokens), SCAN_CHUNK)), default=0)
         if largest >= vocab:
             raise ConfigError(f"data {str(path)!r} holds token id {largest}, past its tokenizer's vocabulary of "
@@ -129,13 +129,11 @@ class Corpus:
         """The text of `path` (None: the embedded corpus) in `tokenizer`'s ids (minigpt/tokenizer.py; None: bytes)."""
         source = "embedded:" + CORPUS_NAME if path is None else str(path)
         if path is not None and is_token_dir(path):  # already encoded: memory-mapped, read as batches need it
-            tokens = token_stream(path, tokenizer)
-            check_length(len(tokens), seq_len, source, "tokens")
-            split = len(tokens) - int(len(tokens) * VAL_FRACTION)
-            return cls(train=tokens[:split], val=tokens[split:], source=source)
-        data = embedded_corpus() if path is None else read_text_file(path)
-        unit = "bytes" if tokenizer is None or tokenizer.spec == "bytes" else "tokens"
-        tokens = tokens_of(data) if unit == "bytes" else tokenizer.encode(data.decode("utf-8"))
+            tokens, unit = token_stream(path, tokenizer), "tokens"
+        else:
+            data = embedded_corpus() if path is None else read_text_file(path)
+            unit = "bytes" if tokenizer is None or tokenizer.spec == "bytes" else "tokens"
+            tokens = tokens_of(data) if unit == "bytes" else tokenizer.encode(data.decode("utf-8"))
         check_length(len(tokens), seq_len, source, unit)
         split = len(tokens) - int(len(tokens) * VAL_FRACTION)
         return cls(train=tokens[:split], val=tokens[split:], source=source)
@@ -175,9 +173,11 @@ def token_header(path) -> dict:
     if not isinstance(header, dict) or header.get("format") != TOKENS_FORMAT or header.get("version") != 1:
         refuse(f"{TOKENS_HEADER} is not a {TOKENS_FORMAT} version 1 header")
     count, kind, tokenizer = header.get("tokens"), header.get("dtype"), header.get("tokenizer")
-    if not isinstance(kind, str) or kind not in TOKEN_TYPES or not isinstance(count, int) or isinstance(count, bool) or count < 0 \
-            or not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("fingerprint"), str):
-        refuse(f"{TOKENS_HEADER} lacks a dtype ({', '.join(TOKEN_TYPES)}), a token count or the tokenizer's fingerprint")
+    whole = isinstance(count, int) and not isinstance(count, bool) and count >= 0
+    if not (isinstance(kind, str) and kind in TOKEN_TYPES and whole and isinstance(tokenizer, dict)
+            and isinstance(tokenizer.get("fingerprint"), str)):
+        refuse(f"{TOKENS_HEADER} lacks a dtype ({', '.join(TOKEN_TYPES)}), a token count or the tokenizer's "
+               f"fingerprint")
     if size != count * TOKEN_TYPES[kind]:
         refuse(f"{TOKENS_FILE} has {size:,} bytes, the header's {count:,} {kind} ids {count * TOKEN_TYPES[kind]:,}")
     return header

@@ -2,8 +2,8 @@
 20 steps): no norm before the branches, one after each branch's output (pre_norms off, post_norms), q and k each
 RMS-normalised over all their heads at once (qk_norm_whole: under tensor parallelism each rank's sums of squares
 summed over the group). Each rank's model states are the simulator's, byte for byte; its tensor-parallel calls
-are simulator/costs/tp_collectives.py's tp_collectives, call for call (a per-head norm's gains summed there too); a block's
-saved tensors are the activation arithmetic. Against transformers' Olmo2ForCausalLM: test_hf.py."""
+are simulator/costs/tp_collectives.py's, call for call (a per-head norm's gains summed there too); a block's saved
+tensors are the activation arithmetic. Against transformers' Olmo2ForCausalLM: test_hf.py."""
 
 from __future__ import annotations
 

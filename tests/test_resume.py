@@ -60,8 +60,11 @@ def test_a_resumed_run_keeps_its_save_every_and_says_what_a_new_step_count_does(
     wsd = TrainConfig(steps=20, lr_schedule="constant", out_dir=str(tmp_path)).as_dict()
     decaying = TrainConfig(steps=30, lr_schedule="wsd", out_dir=str(tmp_path), resume=True)
     _, said = continue_settings(decaying, ResumePoint(point.path, 20, settings=wsd), save_every_given=True)
-    assert "--lr-schedule wsd (decay fraction 0.2) where the run was started with constant" in said[1]
+    assert "--lr-schedule wsd 0.2 where the run was started with constant:" in said[1]
     assert "2.00e-03 at step 20" in said[1] and decaying.decay_start == 24
+    _, quiet = continue_settings(TrainConfig(steps=20, decay_fraction=0.5, out_dir=str(tmp_path), resume=True),
+                                 point, save_every_given=True)
+    assert quiet == []  # cosine either way: a decay fraction it does not use changes nothing
     for odd in ({"steps": 0, "save_every": True}, {"steps": 10, "warmup_steps": "x", "save_every": -1}):
         odd_point = ResumePoint(point.path, 20, settings=odd)  # a hand-edited state.json's settings
         same, said = continue_settings(cfg, odd_point, save_every_given=False)

@@ -275,8 +275,8 @@ def shape_flags_given(options: dict) -> list[str]:
 
 
 def hf_tokenizer(path: str) -> str | None:
-    """--init-from's tokenizer: the directory's tokenizer.json ("bytes" when it is the byte tokenizer's, as a byte
-    run's export writes), or None when it has none."""
+    """--init-from's tokenizer (and a token directory's, --data): the directory's tokenizer.json ("bytes" when it is
+    the byte tokenizer's, as a byte run's export writes), or None when it has none."""
     from minigpt.tokenizer import BYTES, FILE_NAME, is_bytes, load_tokenizer
 
     file = Path(path) / FILE_NAME

@@ -232,8 +232,8 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
-                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' and 'gpt_oss' "
-                          f"models")
+                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' "
+                          f"and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)

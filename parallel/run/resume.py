@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from job.train_config import LR_SCHEDULES
+from job.train_config import LR_SCHEDULES, TrainConfig
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, FILE_NAME, load_tokenizer
 from parallel.checkpoint.files import CorruptCheckpoint, check_checkpoint, newest_valid_checkpoint
@@ -77,12 +77,18 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
         lines.append(f"resume: --steps {cfg.steps} where the run was started with {saved_steps}: the learning rate "
                      f"follows a {cfg.steps}-step schedule from here ({cfg.learning_rate(point.step):.2e} at step "
                      f"{point.step}; the run's last step used {last:.2e})")
-    saved_schedule = (point.settings.get("lr_schedule", "cosine"), point.settings.get("decay_fraction", 0.2))
-    if saved_schedule != (cfg.lr_schedule, cfg.decay_fraction) and saved_schedule[0] in LR_SCHEDULES:
-        lines.append(f"resume: --lr-schedule {cfg.lr_schedule} (decay fraction {cfg.decay_fraction:g}) where the run "
-                     f"was started with {saved_schedule[0]} ({saved_schedule[1]}): the learning rate follows it "
-                     f"from here ({cfg.learning_rate(point.step):.2e} at step {point.step})")
+    saved = _schedule(point.settings.get("lr_schedule", TrainConfig.lr_schedule),
+                      point.settings.get("decay_fraction", TrainConfig.decay_fraction))
+    if saved != _schedule(cfg.lr_schedule, cfg.decay_fraction) and saved[0] in LR_SCHEDULES:
+        lines.append(f"resume: --lr-schedule {' '.join(map(str, _schedule(cfg.lr_schedule, cfg.decay_fraction)))} "
+                     f"where the run was started with {' '.join(map(str, saved))}: the learning rate follows it from "
+                     f"here ({cfg.learning_rate(point.step):.2e} at step {point.step})")
     return cfg, lines
+
+
+def _schedule(kind, fraction) -> tuple:
+    """A learning-rate schedule as it shapes the rates: wsd with its decay fraction, the others alone."""
+    return (kind, fraction) if kind == "wsd" else (kind,)
 
 
 def resumed_tokenizer(given: str | None, out: str | os.PathLike, chosen: str | os.PathLike | None = None) -> str | None:
