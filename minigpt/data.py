@@ -66,17 +66,24 @@ def embedded_corpus() -> bytes:
     return text
 
 
+def check_data_file(path: str | Path) -> None:
+    """ConfigError unless `path` names a file (a name the file system refuses: said so)."""
+    try:
+        there = Path(path).is_file()
+    except (OSError, ValueError) as error:  # too long, a NUL
+        raise ConfigError(f"cannot read data file {str(path)!r}: {getattr(error, 'strerror', None) or error}") from None
+    if not there:
+        raise ConfigError(f"data file {str(path)!r} does not exist or is not a file")
+
+
 def read_text_file(path: str | Path) -> bytes:
     """A UTF-8 text file's bytes, or ConfigError saying why it cannot be used (any bytes: the tokenizer
     takes every UTF-8 text, so a file is refused only for not being one, or for being unreadable)."""
+    check_data_file(path)
     path = Path(path)
     try:
-        if not path.is_file():
-            raise ConfigError(f"data file {str(path)!r} does not exist or is not a file")
         data = path.read_bytes()
-    except (OSError, ValueError) as error:  # unreadable, or a name the file system refuses (too long, a NUL)
-        if isinstance(error, ConfigError):
-            raise
+    except (OSError, ValueError) as error:  # unreadable
         raise ConfigError(f"cannot read data file {str(path)!r}: {getattr(error, 'strerror', None) or error}") from None
     try:
         data.decode("utf-8")
@@ -197,43 +204,6 @@ def token_stream(path, tokenizer=None):
     if header["tokens"] == 0:
         return np.zeros(0, dtype=header["dtype"])
     return np.memmap(Path(path) / TOKENS_FILE, dtype=np.dtype(header["dtype"]).newbyteorder("<"), mode="r")
-
-
-def write_token_dir(directory: str | Path, paths: list[str], tokenizer) -> dict:
-    """Encode the UTF-8 text files `paths` (each whole, one after another) with `tokenizer` into the token directory
-    `directory` (new or empty), built beside it and renamed into place when complete; its header."""
-    import os
-    import shutil
-    import tempfile
-
-    import numpy as np
-
-    directory = Path(directory)
-    kind = token_type(tokenizer.vocab_size)
-    work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        sources, count = [], 0
-        with open(work / TOKENS_FILE, "wb") as stream:
-            for path in paths:
-                text = read_text_file(path)
-                ids = np.asarray(tokenizer.encode(text.decode("utf-8")).numpy(), dtype=np.dtype(kind).newbyteorder("<"))
-                stream.write(ids.tobytes())
-                count += len(ids)
-                sources.append({"path": str(path), "bytes": len(text), "tokens": len(ids),
-                                "sha256": hashlib.sha256(text).hexdigest()})
-        tokenizer.save(work)
-        header = {"format": TOKENS_FORMAT, "version": 1, "dtype": kind, "tokens": count,
-                  "tokenizer": tokenizer.describe(), "sources": sources}
-        (work / TOKENS_HEADER).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(work, 0o777 & ~mask)  # as a directory made plainly (mkdtemp's is the owner's alone)
-        if directory.is_dir():
-            directory.rmdir()  # new or empty, as the caller checked
-        os.rename(work, directory)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return header
 
 
 TRAIN_STREAM, VAL_STREAM = 0, 1

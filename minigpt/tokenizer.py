@@ -17,6 +17,7 @@ are the initial alphabet), so every text round-trips exactly. A file that does n
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -213,3 +214,95 @@ def byte_identity_json() -> str:
 
     chars = byte_to_char()
     return byte_level(models.BPE(vocab={chars[byte]: byte for byte in range(256)}, merges=[])).to_str()
+
+
+# encoding text into a token directory (minigpt/data.py reads it): texts are read and encoded in pieces of about
+# PIECE_CHARS characters, cut only at a line start where the tokenizer encodes the text around the cut (CUT_CONTEXT
+# characters each side) as it encodes the two sides apart: the pieces' ids one after another are the whole text's
+PIECE_CHARS, CUT_CONTEXT, READ_BYTES = 1 << 24, 1 << 10, 1 << 22
+
+
+def write_token_dir(directory: str | os.PathLike, paths: list[str], tokenizer, piece_chars: int = PIECE_CHARS) -> dict:
+    """Encode the UTF-8 text files `paths` (each whole, one after another) with `tokenizer` into the token directory
+    `directory` (new or empty), built beside it and renamed into place when complete; its header. ConfigError, with
+    nothing left, for a file that cannot be read or is not UTF-8."""
+    import shutil
+    import tempfile
+
+    from minigpt.data import TOKENS_FILE, TOKENS_FORMAT, TOKENS_HEADER, token_type
+
+    directory = Path(directory)
+    work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        kind, sources = token_type(tokenizer.vocab_size), []
+        with open(work / TOKENS_FILE, "wb") as stream:
+            for path in paths:
+                sources.append(_encode_file(path, tokenizer, kind, stream, piece_chars))
+        tokenizer.save(work)
+        header = {"format": TOKENS_FORMAT, "version": 1, "dtype": kind, "tokens": sum(s["tokens"] for s in sources),
+                  "tokenizer": tokenizer.describe(), "sources": sources}
+        (work / TOKENS_HEADER).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(work, 0o777 & ~mask)  # as a directory made plainly (mkdtemp's is the owner's alone)
+        if directory.is_dir():
+            directory.rmdir()  # new or empty, as the caller checked
+        os.rename(work, directory)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return header
+
+
+def _encode_file(path: str, tokenizer, kind: str, stream, piece_chars: int) -> dict:
+    """Append the ids of the text file `path` to `stream` (little-endian `kind`), piece by piece; its source entry."""
+    import numpy as np
+
+    digest, size, count = hashlib.sha256(), 0, 0
+    for piece, raw in _pieces(path, tokenizer, piece_chars):
+        digest.update(raw)
+        size += len(raw)
+        ids = np.asarray(tokenizer.encode(piece).numpy(), dtype=np.dtype(kind).newbyteorder("<"))
+        stream.write(ids.tobytes())
+        count += len(ids)
+    return {"path": str(path), "bytes": size, "tokens": count, "sha256": digest.hexdigest()}
+
+
+def _pieces(path: str, tokenizer, piece_chars: int):
+    """(text, its bytes) of `path` in pieces of about `piece_chars` characters, cut where encoding them apart gives
+    the whole text's ids (any character boundary for bytes); ConfigError for a file unreadable or not UTF-8."""
+    import codecs
+
+    decoder, text, read = codecs.getincrementaldecoder("utf-8")(), "", 0
+    try:
+        with open(path, "rb") as handle:
+            while True:
+                block = handle.read(READ_BYTES)
+                start = read - len(decoder.getstate()[0])  # where the decoder's input starts: a character's bytes
+                text += decoder.decode(block, final=not block)  # held back from the last block, then this one
+                read += len(block)
+                while len(text) >= piece_chars + CUT_CONTEXT or (not block and text):
+                    cut = len(text) if not block else _cut(text, tokenizer, piece_chars)
+                    if cut is None:
+                        break  # no line start to cut at yet: read on
+                    yield text[:cut], text[:cut].encode("utf-8")
+                    text = text[cut:]
+                if not block:
+                    return
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"data file {str(path)!r} is not UTF-8 text (byte {start + error.start})") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read data file {str(path)!r}: {error.strerror or error}") from None
+
+
+def _cut(text: str, tokenizer, piece_chars: int) -> int | None:
+    """Where to end a piece of `text`: the byte tokenizer anywhere past piece_chars; another at the first line start
+    past it whose context encodes as its two sides do; None where there is none yet."""
+    if is_bytes(tokenizer):
+        return piece_chars
+    cut = text.find("\n", piece_chars) + 1
+    while 0 < cut <= len(text) - CUT_CONTEXT:
+        left, right = text[cut - CUT_CONTEXT:cut], text[cut:cut + CUT_CONTEXT]
+        if tokenizer.encode(left + right).tolist() == tokenizer.encode(left).tolist() + tokenizer.encode(right).tolist():
+            return cut
+        cut = text.find("\n", cut) + 1
+    return None

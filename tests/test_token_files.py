@@ -7,9 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from minigpt.data import (TOKENS_FILE, TOKENS_HEADER, BatchLayout, Corpus, embedded_corpus, get_batch,
-                          validation_batches, write_token_dir)
-from minigpt.tokenizer import load_tokenizer, train_bpe
+from minigpt.data import TOKENS_FILE, TOKENS_HEADER, BatchLayout, Corpus, embedded_corpus, get_batch, validation_batches
+from minigpt.tokenizer import load_tokenizer, train_bpe, write_token_dir
 from test_tokenizer import one_line_error, run_cli
 
 SLICE = 200_000  # bytes of the embedded corpus: enough for seq 128, a fraction of a second to encode
@@ -115,3 +114,19 @@ def test_encode_refuses_bad_input_and_leaves_nothing(sources, tmp_path):
     header = write_token_dir(tmp_path / "empty_ok", [str(sources / "a.txt")], load_tokenizer("bytes"))
     assert header["tokens"] == SLICE // 3 and sorted(p.name for p in (tmp_path / "empty_ok").iterdir()) == [
         "tokenizer.json", TOKENS_FILE, TOKENS_HEADER]
+
+
+def test_texts_are_encoded_in_pieces_as_whole(sources, tmp_path):
+    """Read and encoded piece by piece (here of about 1,000 characters, cut at line starts whose context encodes as
+    its two sides do; the byte tokenizer anywhere), a text's ids are those of the whole text encoded at once."""
+    from minigpt.tokenizer import _pieces
+
+    bpe, text = load_tokenizer(sources / "bpe"), (sources / "whole.txt").read_text()
+    pieces = list(_pieces(str(sources / "whole.txt"), bpe, 1000))
+    assert len(pieces) > 100 and "".join(piece for piece, _ in pieces) == text
+    assert all(piece.endswith("\n") for piece, _ in pieces[:-1])  # cut at line starts
+    for tokenizer, name in ((bpe, "bpe"), (load_tokenizer("bytes"), "bytes")):
+        header = write_token_dir(tmp_path / name, [str(sources / "whole.txt")], tokenizer, piece_chars=997)
+        ids = np.fromfile(tmp_path / name / TOKENS_FILE, dtype=header["dtype"])
+        assert np.array_equal(ids, tokenizer.encode(text).numpy().astype(header["dtype"])), name
+        assert header["sources"][0]["bytes"] == len(text.encode("utf-8"))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import click
 
-from minigpt.data import CORPUS_NAME, embedded_corpus, read_text_file, write_token_dir
+from minigpt.data import CORPUS_NAME, check_data_file, embedded_corpus, read_text_file
 from minigpt.errors import ConfigError, check_output_path
-from minigpt.tokenizer import FILE_NAME, check_bpe_vocab, load_tokenizer, train_bpe
+from minigpt.tokenizer import FILE_NAME, check_bpe_vocab, load_tokenizer, train_bpe, write_token_dir
 
 
 @click.group()
@@ -75,10 +75,11 @@ def train(vocab_size: int, data: str | None, out: str, as_json: bool) -> None:
               help="A new or empty directory: tokens.bin, tokens.json and the tokenizer.json go there.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def encode(files: tuple[str, ...], spec: str, out: str, as_json: bool) -> None:
-    """Encode UTF-8 text FILES (each whole, in order) into a token directory for `minigpt train --data DIR`."""
+    """Encode UTF-8 text FILES, in order, into a token directory for `minigpt train --data DIR` (each read and encoded
+    in pieces whose ids are the whole text's)."""
     chosen = load_tokenizer(spec)
-    for path in files:
-        read_text_file(path)  # every file readable and UTF-8 before anything is written
+    for path in files:  # each there before anything is written (read piece by piece: not UTF-8 is said then)
+        check_data_file(path)
     header = write_token_dir(check_out_dir(out), list(files), chosen)
     if as_json:
         click.echo(json.dumps({"out": out, **header}))
