@@ -204,6 +204,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     ConfigError naming what minigpt cannot compute the same. `seq_len`: the training context of a rotary model (at
     most its max_position_embeddings; default: that); a GPT-2's is its n_positions, the rows of its position table."""
     kind = hf.get("model_type")
+    refuse_unless(isinstance(kind, str), f"its model_type is {kind!r}, not a name")
     tied = hf.get("tie_word_embeddings", True)
     refuse_unless(isinstance(tied, bool), f"tie_word_embeddings is {tied!r}")
     if kind == "gpt2":
