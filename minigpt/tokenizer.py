@@ -222,7 +222,8 @@ def byte_identity_json() -> str:
 PIECE_CHARS, CUT_CONTEXT, READ_BYTES = 1 << 24, 1 << 10, 1 << 22
 
 
-def write_token_dir(directory: str | os.PathLike, paths: list[str], tokenizer, piece_chars: int = PIECE_CHARS) -> dict:
+def write_token_dir(directory: str | os.PathLike, paths: list[str], tokenizer,
+                    piece_chars: int = PIECE_CHARS) -> dict:
     """Encode the UTF-8 text files `paths` (each whole, one after another) with `tokenizer` into the token directory
     `directory` (new or empty), built beside it and renamed into place when complete; its header. ConfigError, with
     nothing left, for a file that cannot be read or is not UTF-8."""
@@ -273,6 +274,7 @@ def _pieces(path: str, tokenizer, piece_chars: int):
     import codecs
 
     decoder, text, read = codecs.getincrementaldecoder("utf-8")(), "", 0
+    anywhere = is_bytes(tokenizer)  # the byte tokenizer's ids are each character's bytes: any cut holds
     try:
         with open(path, "rb") as handle:
             while True:
@@ -281,7 +283,7 @@ def _pieces(path: str, tokenizer, piece_chars: int):
                 text += decoder.decode(block, final=not block)  # held back from the last block, then this one
                 read += len(block)
                 while len(text) >= piece_chars + CUT_CONTEXT or (not block and text):
-                    cut = len(text) if not block else _cut(text, tokenizer, piece_chars)
+                    cut = len(text) if not block else _cut(text, tokenizer, piece_chars, anywhere)
                     if cut is None:
                         break  # no line start to cut at yet: read on
                     yield text[:cut], text[:cut].encode("utf-8")
@@ -294,15 +296,16 @@ def _pieces(path: str, tokenizer, piece_chars: int):
         raise ConfigError(f"cannot read data file {str(path)!r}: {error.strerror or error}") from None
 
 
-def _cut(text: str, tokenizer, piece_chars: int) -> int | None:
-    """Where to end a piece of `text`: the byte tokenizer anywhere past piece_chars; another at the first line start
-    past it whose context encodes as its two sides do; None where there is none yet."""
-    if is_bytes(tokenizer):
+def _cut(text: str, tokenizer, piece_chars: int, anywhere: bool) -> int | None:
+    """Where to end a piece of `text`: at piece_chars where any cut holds (`anywhere`), else at the first line start
+    past it whose context `tokenizer` encodes as its two sides; None where there is none yet."""
+    if anywhere:
         return piece_chars
     cut = text.find("\n", piece_chars) + 1
     while 0 < cut <= len(text) - CUT_CONTEXT:
         left, right = text[cut - CUT_CONTEXT:cut], text[cut:cut + CUT_CONTEXT]
-        if tokenizer.encode(left + right).tolist() == tokenizer.encode(left).tolist() + tokenizer.encode(right).tolist():
+        apart = tokenizer.encode(left).tolist() + tokenizer.encode(right).tolist()
+        if tokenizer.encode(left + right).tolist() == apart:
             return cut
         cut = text.find("\n", cut) + 1
     return None

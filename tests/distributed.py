@@ -63,6 +63,19 @@ def named_world(trained: Callable, config: Callable, layouts: dict[int, dict], w
     return {name: trained(config(model, **layout)) for name, (model, layout) in layouts[world].items()}
 
 
+def layout_world(trained: Callable, config: Callable, layouts: dict[int, dict], world: int) -> dict:
+    """This rank's run of every layout of `world` ranks in {world: {name: layout}} of one model:
+    trained(config(**layout)) by name (run_worlds(partial(layout_world, trained, config, layouts), ...))."""
+    torch.set_num_threads(1)
+    return {name: trained(config(**layout)) for name, layout in layouts[world].items()}
+
+
+def one_process(trained: Callable, config: Callable) -> dict:
+    """trained(config()): the one-process reference, on one thread."""
+    with one_thread():
+        return trained(config())
+
+
 def named_references(trained: Callable, config: Callable, models: Iterable[str]) -> dict:
     """{model name: trained(config(model name))}: the one-process references, on one thread."""
     with one_thread():

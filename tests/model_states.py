@@ -1,11 +1,24 @@
 """The model states a training rank holds against the simulator's prediction of them, byte for byte: the helpers the
-layout tests share (test_moe_training.py, test_gpt_oss.py, test_gemma.py)."""
+layout tests share (test_moe_training.py, test_gpt_oss.py, test_gemma.py, test_olmo2.py)."""
 
 from __future__ import annotations
 
 from job.layout import Layout
+from minigpt.data import Corpus
 from precision.optimizer import state_bytes
 from simulator.memory import predict_memory
+
+
+def trained_with_states(cfg, logs: tuple[str, ...] = ()) -> dict:
+    """cfg.steps on this rank (test_llama_parallel's train_history: its losses and gradient norms), the model states it
+    holds and its pipeline stage, and the last step's calls of each group in `logs` ("tp": under "tp_log")."""
+    from test_checkpoint import new_rank
+    from test_llama_parallel import train_history
+
+    rank = new_rank(cfg)
+    found = train_history(rank, cfg, Corpus.load(None, cfg.model.seq_len))
+    found["states"], found["stage"] = held_states(rank), rank.mesh.pp_rank
+    return found | {f"{group}_log": list(rank.comms[group].log) for group in logs}
 
 
 def held_states(rank) -> dict:

@@ -7,19 +7,18 @@ back): test_hf.py and test_hf_readings.py."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from distributed import every_layout, one_thread, run_worlds
+from distributed import every_layout, layout_world, one_process, run_worlds
 from job.train_config import TrainConfig
-from minigpt.data import Corpus
 from minigpt.model import GPT
 from minigpt.presets import preset
-from model_states import held_states, predicted_states
+from model_states import predicted_states, trained_with_states
 from parity import assert_runs_match
-from test_checkpoint import new_rank
 from test_config import saved_bytes
-from test_llama_parallel import train_history
 
 # tiny-llama's sizes in Gemma 3's block over 32 tokens: a window of 11 in the first and third blocks (rotating by
 # base 100), the second and fourth whole (base 10,000, positions halved), the softmax scaled by 24 ** -0.5
@@ -39,27 +38,14 @@ def config(**layout) -> TrainConfig:
                        min_lr=1e-4, **layout)
 
 
-def trained(cfg: TrainConfig) -> dict:
-    rank = new_rank(cfg)
-    found = train_history(rank, cfg, Corpus.load(None, cfg.model.seq_len))
-    found["states"], found["stage"] = held_states(rank), rank.mesh.pp_rank
-    return found
-
-
-def spawned_world(world: int) -> dict:
-    torch.set_num_threads(1)
-    return {name: trained(config(**layout)) for name, layout in LAYOUTS[world].items()}
-
-
 @pytest.fixture(scope="module")
 def spawned():
-    return run_worlds(spawned_world, LAYOUTS)
+    return run_worlds(partial(layout_world, trained_with_states, config, LAYOUTS), LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    with one_thread():
-        return trained(config())
+    return one_process(trained_with_states, config)
 
 
 ALL = every_layout(LAYOUTS)

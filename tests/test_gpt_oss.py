@@ -10,17 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import every_layout, one_thread, run_worlds
+from distributed import every_layout, layout_world, one_process, run_worlds
 from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.data import Corpus
 from minigpt.errors import ConfigError
 from minigpt.presets import preset
 from parallel.checkpoint.sharded import gather_global_state, load_checkpoint, save_checkpoint
-from model_states import held_states, predicted_states
+from model_states import predicted_states, trained_with_states
 from parity import assert_runs_match
 from test_checkpoint import mismatches, new_rank, train
-from test_llama_parallel import train_history
 
 # tiny-moe's sizes in GPT-OSS's block: 4 heads (2 key/value) with sinks and biases, a window of 11 over 32 tokens in
 # the first block, the whole context in the second, YaRN x4 over 16 tokens unrounded, 8 clamped-SwiGLU experts of
@@ -47,16 +46,8 @@ def config(**layout) -> TrainConfig:
                        min_lr=1e-4, **layout)
 
 
-def trained(cfg: TrainConfig) -> dict:
-    rank = new_rank(cfg)
-    found = train_history(rank, cfg, Corpus.load(None, cfg.model.seq_len))
-    found["states"], found["stage"] = held_states(rank), rank.mesh.pp_rank
-    return found
-
-
 def spawned_world(world: int, out_dir: str) -> dict:
-    torch.set_num_threads(1)
-    runs = {name: trained(config(**layout)) for name, layout in LAYOUTS[world].items()}
+    runs = layout_world(trained_with_states, config, LAYOUTS, world)
     if world == 2:  # a tp 2 checkpoint (the sinks split with the heads) loaded at pp 2 (each block's whole)
         saving = config(tp=2)
         rank, corpus = new_rank(saving), Corpus.load(None, MODEL.seq_len)
@@ -78,8 +69,7 @@ def spawned(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    with one_thread():
-        return trained(config())
+    return one_process(trained_with_states, config)
 
 
 ALL = every_layout(LAYOUTS)

@@ -15,16 +15,13 @@ import torch
 from distributed import every_layout, named_references, named_world, run_worlds
 from job.layout import Layout
 from job.train_config import TrainConfig
-from minigpt.data import Corpus
 from minigpt.model import GPT
 from minigpt.presets import preset
-from model_states import held_states, predicted_states
+from model_states import predicted_states, trained_with_states
 from parity import assert_runs_match
 from precision.policy import policy as precision_policy
 from simulator.costs.tp_collectives import tp_collectives, whole_norm_sums
-from test_checkpoint import new_rank
 from test_config import saved_bytes
-from test_llama_parallel import train_history
 
 # tiny-llama's sizes in OLMo 2's block over 32 tokens; "heads": Qwen3's per-head norms, for their gains' sums
 MODELS = {"olmo2": preset("tiny-llama").with_(seq_len=32, qk_norm=True, qk_norm_whole=True, pre_norms=False,
@@ -47,11 +44,7 @@ def config(model: str, **layout) -> TrainConfig:
 
 
 def trained(cfg: TrainConfig) -> dict:
-    rank = new_rank(cfg)
-    found = train_history(rank, cfg, Corpus.load(None, cfg.model.seq_len))
-    found["states"], found["stage"] = held_states(rank), rank.mesh.pp_rank
-    found["tp_log"] = list(rank.comms["tp"].log)  # the last step's
-    return found
+    return trained_with_states(cfg, logs=("tp",))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from minigpt.hf.deepseek import experts_fields, experts_hf_fields
 from minigpt.hf.moe import refuse_unless
-from minigpt.hf.rope import partial_rotary_factor
+from minigpt.hf.rope import partial_rope_fields, partial_rotary_factor
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 DEFAULT_ROTATION = 0.5  # transformers' Glm4MoeConfig: the share of each head turned where config.json does not say
@@ -36,10 +36,9 @@ def check_glm(config: GPTConfig) -> None:
 
 def glm_hf_config(config: GPTConfig, llama: dict) -> dict:
     """config.json of the GLM-4.5 model holding `config` (`llama`: the fields the Llama-style layouts write)."""
-    rope = {**llama["rope_parameters"], "partial_rotary_factor": config.rotary_fraction}  # written where 1 too:
-    return {"architectures": [ARCHITECTURE], "model_type": "glm4_moe", **llama,  # its default is 0.5
-            "attention_bias": config.qkv_bias, "use_qk_norm": config.qk_norm, "rope_parameters": rope,
-            "partial_rotary_factor": config.rotary_fraction, **experts_hf_fields(config)}
+    return {"architectures": [ARCHITECTURE], "model_type": "glm4_moe", **llama, "attention_bias": config.qkv_bias,
+            "use_qk_norm": config.qk_norm, **partial_rope_fields(config, llama["rope_parameters"]),
+            **experts_hf_fields(config)}
 
 
 def glm_config(hf: dict, dense: GPTConfig) -> GPTConfig:

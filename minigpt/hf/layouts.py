@@ -226,10 +226,9 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind == "gemma3_text":
         return gemma_config(hf, tied, seq_len)
     if kind == "olmo3":  # OLMo 2's block, a sliding window in the layers layer_types names
-        dense = _llama_config({**olmo3_rotation(hf), "attention_bias": False, "mlp_bias": False}, tied, seq_len)
-        return olmo_config(hf, dense).with_(**windows(hf, kind, seq_len))
+        return olmo_config(hf, _bias_free(olmo3_rotation(hf), tied, seq_len)).with_(**windows(hf, kind, seq_len))
     if kind in READERS:  # Llama's attention with DeepSeek's experts, OLMo 2's norms, or MiniMax-M2's
-        return READERS[kind](hf, _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len))
+        return READERS[kind](hf, _bias_free(hf, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
@@ -245,8 +244,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         refuse_unless(not hf.get("attention_bias"), "its attention has biases and its MLP none")
     # Phi-3: Llama's block with fused projections, the first partial_rotary_factor of each head rotated
     rotated = partial_rotary_factor(hf, 1.0) if kind == "phi3" else 1.0
-    dense = _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len,  # bias-free, but Qwen2's
-                          rotated)
+    dense = _bias_free(hf, tied, seq_len, rotated)  # but Qwen2's q, k and v biases, set below
     if kind == "phi3":
         return dense.with_(**window_fields)
 
@@ -257,6 +255,12 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
 
 
 READERS = {"glm4_moe": glm_config, "olmo2": olmo_config, "minimax_m2": minimax_config}  # model_type: its reader
+
+
+def _bias_free(hf: dict, tied: bool, seq_len: int | None, rotated: float = 1.0) -> GPTConfig:
+    """The Llama-style fields of a config.json whose attention_bias the caller reads itself (the Qwens' and GLM-4.5's
+    are q, k and v's alone), no bias in any Linear."""
+    return _llama_config({**hf, "attention_bias": False, "mlp_bias": False}, tied, seq_len, rotated)
 
 
 def _llama_config(hf: dict, tied: bool, seq_len: int | None, rotated: float = 1.0) -> GPTConfig:
@@ -306,8 +310,7 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
             table |= gpt_oss_names(ours, theirs)
         elif layout == "gemma3_text":
             table |= gemma_names(ours, theirs)
-        elif layout in ("olmo2", "olmo3"):  # no norm before the branches; one after each
-            table = {name: hf for name, hf in table.items() if name not in (ours + "ln1.weight", ours + "ln2.weight")}
+        elif layout in ("olmo2", "olmo3"):  # its norms after each branch
             table |= olmo_names(ours, theirs)
         elif moe:
             table |= router_names(ours, theirs, layout)
@@ -330,8 +333,8 @@ def _gpt2_block(ours: str, theirs: str) -> dict:
 def _llama_block(ours: str, theirs: str, config: GPTConfig, mlp: bool = True, attention: bool = True,
                  fused: bool = False) -> dict:
     """Llama's block names; `fused`: Phi-3's, whose qkv_proj and gate_up_proj hold our fused Linears' rows as ours."""
-    table = {ours + "ln1.weight": (theirs + "input_layernorm.weight",),
-             ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",)}
+    table = {ours + "ln1.weight": (theirs + "input_layernorm.weight",),  # none in OLMo 2's block
+             ours + "ln2.weight": (theirs + "post_attention_layernorm.weight",)} if config.pre_norms else {}
     qkv = ("self_attn.qkv_proj",) if fused else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     linears = {"attn.qkv": qkv, "attn.proj": ("self_attn.o_proj",)} if attention else {}
     if mlp:

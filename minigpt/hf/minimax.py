@@ -13,7 +13,7 @@ from __future__ import annotations
 from minigpt.config import GPTConfig
 from minigpt.errors import ConfigError
 from minigpt.hf.moe import config_number, refuse_unless
-from minigpt.hf.rope import partial_rotary_factor
+from minigpt.hf.rope import partial_rope_fields, partial_rotary_factor
 
 ARCHITECTURE = "MiniMaxM2ForCausalLM"
 BIAS_AT = "block_sparse_moe."  # where its checkpoints keep the choice bias (minigpt/hf/deepseek.py's router_extras)
@@ -40,8 +40,8 @@ def check_minimax(config: GPTConfig) -> None:
 
 def minimax_hf_config(config: GPTConfig, llama: dict) -> dict:
     """config.json of the MiniMax-M2 model holding `config` (`llama`: the fields the Llama-style layouts write)."""
-    rope = {**llama["rope_parameters"], "partial_rotary_factor": config.rotary_fraction}
-    return {"architectures": [ARCHITECTURE], "model_type": "minimax_m2", **llama, "rope_parameters": rope,
+    return {"architectures": [ARCHITECTURE], "model_type": "minimax_m2", **llama,
+            **partial_rope_fields(config, llama["rope_parameters"]),
             "intermediate_size": config.expert_width, "num_local_experts": config.n_experts,
             "num_experts_per_tok": config.top_k, "rotary_dim": config.rotary_dim, "use_qk_norm": True,
             "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True,

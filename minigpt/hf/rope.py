@@ -89,6 +89,13 @@ def rope_fields(config: GPTConfig) -> dict:
             **({"rope_scaling": rope} if rope["rope_type"] != "default" else {})}  # 5 rope_parameters, 4 this
 
 
+def partial_rope_fields(config: GPTConfig, rope_parameters: dict) -> dict:
+    """A layout's partial_rotary_factor written where it is 1 too (GLM-4.5's and MiniMax-M2's defaults are not 1):
+    in rope_parameters (transformers 5) and at the top level (transformers 4), beside `rope_parameters`."""
+    return {"rope_parameters": {**rope_parameters, "partial_rotary_factor": config.rotary_fraction},
+            "partial_rotary_factor": config.rotary_fraction}
+
+
 def rotation_moved(tensor, config: GPTConfig, ours: str, to_hf: bool):
     """Our tensor `ours` with each query and key head's rotated columns first (transformers' partial_rotary_factor
     turns each head's first ones) from last (ours, as multi-head latent attention's), or back: the qkv weight's and

@@ -56,8 +56,8 @@ def tp_collectives(model: GPTConfig, layers: int, micro_batch_size: int, layout:
     # latent, and the block's input where its queries come straight from the width) and the row-parallel give out
     columns = _column_inputs(model, layers, moe_layers, tokens * FORMAT_BYTES[policy.compute])
     rows = [TPCollective("", width, 2 * layers - moe_layers)]
-    forward += whole_norm_sums(model, layers, micro_batch_size, layout)  # OLMo 2's q/k norms: a sum each way
-    backward += whole_norm_sums(model, layers, micro_batch_size, layout)
+    sums = whole_norm_sums(model, layers, micro_batch_size, layout)  # OLMo 2's q/k norms: a sum each way
+    forward, backward = forward + sums, backward + sums
     if sp:
         forward += _routing_collectives(model, moe_layers, layout, tokens, micro_batch_size)
         forward += _as("all_gather", columns) + _as("reduce_scatter", rows)
