@@ -141,7 +141,7 @@ class ActivationArithmetic:
         hidden = self.mlp_saved_widths * e
         routed = k * (b * (2 * self.d_model + hidden + 1) + 3 * 8)
         scores = 4 * experts
-        if k > 1 or self.router == "sigmoid":
+        if self.gates_renormalised:
             scores += 4 * (k + 1)
         if self.aux_loss_coef and self.router == "sigmoid":
             scores += 4

@@ -117,6 +117,9 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     dense_layers: int = 0  # the first blocks keep the dense MLP of width d_ff (DeepSeek-V3: 3)
     router: str = "softmax"  # softmax then top-k; "sigmoid": sigmoid scores, top-k, renormalised (DeepSeek-V3)
     router_bias: bool = False  # a bias on the router's logits, which choose and weigh (GPT-OSS's)
+    # the chosen gates renormalised to sum to 1 when top_k > 1 or the router is a sigmoid (Mixtral, Qwen3-MoE,
+    # DeepSeek-V3); False: the chosen scores as they are (OLMoE, Qwen1.5/2-MoE, DeepSeek-V2: norm_topk_prob false)
+    renormalize_gates: bool = True
     capacity_factor: float | None = None  # None: dropless; else each expert takes ceil(cf x tokens x k / E) per sequence
     aux_loss_coef: float = 0.0  # load balancing (Switch / GShard), per sequence: E x sum_e f_e P_e
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2
@@ -271,6 +274,12 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
         """Output features of an expert's first Linear: its width, or twice it for SwiGLU (gate and up)."""
         return 2 * self.expert_width if self.gated_mlp else self.expert_width
 
+    @property
+    def gates_renormalised(self) -> bool:
+        """Whether the chosen scores are divided by their sum: with renormalize_gates, when top_k > 1 or the router
+        is a sigmoid (a top-1 softmax keeps its probability, Switch's)."""
+        return self.renormalize_gates and (self.top_k > 1 or self.router == "sigmoid")
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` (0-based) has a mixture-of-experts MLP: a MoE model's after `dense_layers`."""
         return self.is_moe and layer >= self.dense_layers
@@ -349,6 +358,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
             if self.expert_bias:
                 scaled += f", choice bias (rate {self.expert_bias_rate:g})"
             scaled += ", router bias" if self.router_bias else ""
+            scaled += ", gates not renormalised" if not self.renormalize_gates else ""
             mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}"
             mlp += scaled + dense
         if self.window_in_use:

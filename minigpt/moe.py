@@ -10,7 +10,8 @@ Routing, per token (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021; Dee
            expert_bias the top_k of the scores plus a per-expert bias (DeepSeek-V3's auxiliary-loss-free
            balancing), which choose and weigh nothing else; `update_bias` moves it after a step;
   gates    the chosen scores, renormalised to sum to 1 when top_k > 1 or the router is a sigmoid (Mixtral,
-           Qwen3, DeepSeek-V3); a top-1 softmax keeps its probability (Switch);
+           Qwen3, DeepSeek-V3); a top-1 softmax keeps its probability (Switch), and so does every choice
+           without renormalize_gates (OLMoE, Qwen2-MoE, DeepSeek-V2);
   capacity with a capacity factor cf, each expert takes at most ceil(cf x s x top_k / E) tokens of each sequence
            (GShard's groups are the sequences, which every layout keeps whole): all first choices in token
            order, then the second choices, and so on; a choice past the capacity is dropped (that slot adds
@@ -250,7 +251,7 @@ class MoE(nn.Module):
         biased = scores + self.expert_bias if cfg.expert_bias else scores  # chooses; the gates are the scores'
         expert_ids = choose(in_chosen_groups(biased, cfg), cfg.top_k)
         gates = scores.gather(-1, expert_ids)
-        if cfg.top_k > 1 or cfg.router == "sigmoid":
+        if cfg.gates_renormalised:
             gates = gates / gates.sum(-1, keepdim=True)
         if cfg.routed_scale != 1.0:
             gates = gates * cfg.routed_scale

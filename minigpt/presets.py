@@ -124,9 +124,9 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "n_shared_experts", "dense_layers", "router", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                 "d_head", "qk_norm", "qkv_bias", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value",
                 "expert_groups", "groups_per_token", "routed_scale", "expert_bias", "expert_bias_rate",
-                "rope_scaling", "rope_yarn", "rope_yarn_truncate", "window", "full_attention_every", "attention_sinks", "mtp_depth",
-                "mtp_weight", "router_bias", "rotary_fraction", "rope_longrope", "nope_every", "qk_norm_whole", "pre_norms",
-                "post_norms")
+                "rope_scaling", "rope_yarn", "rope_yarn_truncate", "window", "full_attention_every", "attention_sinks",
+                "mtp_depth", "mtp_weight", "router_bias", "rotary_fraction", "rope_longrope", "nope_every",
+                "qk_norm_whole", "pre_norms", "post_norms", "renormalize_gates")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

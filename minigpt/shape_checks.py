@@ -113,6 +113,8 @@ def _check_groups(config) -> None:
     rate = config.expert_bias_rate
     if not isinstance(config.router_bias, bool):
         raise ConfigError(f"router_bias must be true or false, got {config.router_bias!r}")
+    if not isinstance(config.renormalize_gates, bool):
+        raise ConfigError(f"renormalize_gates must be true or false, got {config.renormalize_gates!r}")
     if not isinstance(config.expert_bias, bool):
         raise ConfigError(f"expert_bias must be true or false, got {config.expert_bias!r}")
     if not _number(rate) or not 0 <= rate < float("inf") or (rate and not config.expert_bias):

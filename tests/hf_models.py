@@ -13,9 +13,11 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
-    Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks), Gemma 3, Mixtral (also with a window), Qwen3-MoE, DeepSeek-V3 (latent attention, a choice bias far
-    from zero; also with YaRN, and as Kimi K2 ships it), GLM-4.5 (DeepSeek's experts after grouped-query attention,
-    half of each head turned), OLMo 2 (norms after the branches, q/k norms over all heads; OLMo 3's windows), MiniMax-M2 (those q/k norms, half of each head turned,
+    Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks),
+    Gemma 3, Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not), OLMoE, DeepSeek-V3 (latent
+    attention, a choice bias far from zero; its gates renormalised or not; also with YaRN, and as Kimi K2 ships it),
+    GLM-4.5 (DeepSeek's experts after grouped-query attention, half of each head turned), OLMo 2 (norms after the
+    branches, q/k norms over all heads; OLMo 3's windows), MiniMax-M2 (those q/k norms, half of each head turned,
     sigmoid-routed experts), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
     width / heads, q/k norms; also with YaRN, or a window in its first block) shape, the Qwens' norms with epsilon
     1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
@@ -65,12 +67,18 @@ def transformers_model(shape: str, tmp_path):
                                             sliding_window=12)
     elif shape == "mixtral":
         config = transformers.MixtralConfig(**moe, num_local_experts=4, rms_norm_eps=1e-5, rope_theta=1e6)
-    elif shape == "qwen3_moe":  # a dense first block, experts narrower than it, heads wider than width / heads
+    elif shape in ("qwen3_moe", "qwen3_moe_scores"):  # a dense first block, experts narrower than it, heads wider
+        # than width / heads; the chosen scores renormalised (Qwen3's checkpoints) or the gates as they are
         config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
-                                             norm_topk_prob=True, head_dim=24, rms_norm_eps=1e-6)
-    elif shape == "deepseek_v3":  # values narrower than the query heads (12 for 16 + 8), a query latent; each
-        # token's 2 experts from the better of 2 groups of 2, the gates scaled by 2.5 (DeepSeek-V3's routing)
-        config = transformers.DeepseekV3Config(
+                                             norm_topk_prob=shape == "qwen3_moe", head_dim=24, rms_norm_eps=1e-6)
+    elif shape == "olmoe":  # OLMoE's: Llama's block with q/k norms over all heads, every block 2 of 4 experts whose
+        # softmax scores are the gates as they are (norm_topk_prob false, its default)
+        config = transformers.OlmoeConfig(**moe, num_experts=4, rms_norm_eps=1e-5, pad_token_id=None,
+                                          eos_token_id=None)
+    elif shape in ("deepseek_v3", "deepseek_v3_scores"):  # values narrower than the query heads (12 for 16 + 8), a
+        # query latent; each token's 2 experts from the better of 2 groups of 2, the gates scaled by 2.5 (DeepSeek-V3's
+        # routing), renormalised first or not (norm_topk_prob)
+        config = transformers.DeepseekV3Config(norm_topk_prob=shape == "deepseek_v3",
             vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
             num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,

@@ -50,12 +50,14 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
                     "--norm-placement", "post"],
           # those q/k norms before pre norms, half of each head turned, experts chosen by sigmoid scores with a bias
           "minimax_m2": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole", "--head-dim", "24",
-                         "--rotary-fraction", "0.5", "--router", "sigmoid", "--expert-bias"]}
+                         "--rotary-fraction", "0.5", "--router", "sigmoid", "--expert-bias"],
+          # those q/k norms in Llama's block, every block softmax-routed experts whose chosen scores are the gates
+          "olmoe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole", "--no-renormalize-gates"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-           "olmo2": "Olmo2ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
-MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2")
+           "olmo2": "Olmo2ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "olmoe": "OlmoeForCausalLM"}
+MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "olmoe")
 
 
 def invoke(*args: str):
@@ -145,7 +147,8 @@ def hub_named(grads: dict, layout: str) -> dict:
 # Kimi K2's config.json (DeepSeek-V3's under model_type "kimi_k2", YaRN's betas equal)
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
                                    "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
-                                   "glm4_moe", "olmo2", "olmo3", "minimax_m2"])
+                                   "glm4_moe", "olmo2", "olmo3", "minimax_m2", "olmoe", "qwen3_moe_scores",
+                                   "deepseek_v3_scores"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -194,6 +197,15 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert config_from_hf(hf_config(mixtral.with_(capacity_factor=1.25))) == mixtral  # training's choice, as dropout
     qwen3_moe = qwen3.with_(n_experts=8, top_k=2, d_expert=32, dense_layers=1, aux_loss_coef=0.001)
     assert layout_of(qwen3_moe) == "qwen3_moe" and config_from_hf(hf_config(qwen3_moe)) == qwen3_moe
+    for scores in (qwen3_moe.with_(renormalize_gates=False), qwen3_moe.with_(top_k=1)):  # the gates as chosen
+        assert hf_config(scores)["norm_topk_prob"] is False and config_from_hf(hf_config(scores)) == scores
+    # q and k normalised over all heads, softmax-routed experts in every block: OLMoE's layout
+    olmoe = llama.with_(d_head=None, qk_norm=True, qk_norm_whole=True, n_experts=8, top_k=2, renormalize_gates=False)
+    assert layout_of(olmoe) == "olmoe" and config_from_hf(hf_config(olmoe)) == olmoe
+    assert config_from_hf(hf_config(olmoe.with_(renormalize_gates=True))) == olmoe.with_(renormalize_gates=True)
+    for bad in (olmoe.with_(dense_layers=1), olmoe.with_(d_head=16), olmoe.with_(pre_norms=False, post_norms=True)):
+        with pytest.raises(ConfigError, match="OLMoE's"):
+            layout_of(bad)
     # DeepSeek's experts (a sigmoid router) after grouped-query attention: GLM-4.5's layout, half of each head turned
     glm = qwen3_moe.with_(router="sigmoid", n_shared_experts=1, expert_bias=True, routed_scale=2.5, expert_groups=2,
                           groups_per_token=1, qkv_bias=True, rotary_fraction=0.5, mtp_depth=1, aux_loss_coef=0.0)
@@ -214,16 +226,22 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     minimax = qwen3.with_(qk_norm_whole=True, rotary_fraction=0.5, n_experts=8, top_k=2, router="sigmoid",
                           expert_bias=True, expert_bias_rate=0.0)
     assert layout_of(minimax) == "minimax_m2" and config_from_hf(hf_config(minimax)) == minimax
-    for bad in (olmo.with_(n_experts=4, top_k=2), glm.with_(qk_norm_whole=True), minimax.with_(router="softmax",
-                expert_bias=False), minimax.with_(n_shared_experts=1), minimax.with_(dense_layers=1)):
+    for bad in (glm.with_(qk_norm_whole=True), minimax.with_(n_shared_experts=1), minimax.with_(dense_layers=1),
+                minimax.with_(renormalize_gates=False)):
         with pytest.raises(ConfigError, match="MiniMax-M2"):
+            layout_of(bad)
+    for bad, word in ((olmo.with_(n_experts=4, top_k=2), "OLMoE's"),  # a softmax router: OLMoE's, pre norms and all
+                      (minimax.with_(router="softmax", expert_bias=False), "OLMoE's"),  # heads not d_model / n_heads
+                      (minimax.with_(router="softmax", expert_bias=False, d_head=None), "olmoe layout turns every")):
+        with pytest.raises(ConfigError, match=word):
             layout_of(bad)
     for bad, word in ((glm.with_(bias=True), "bias-free"), (glm.with_(window=12), "sliding window"),
                       (glm.with_(nope_every=2), "SmolLM3")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
     for bad, word in ((mixtral.with_(n_shared_experts=1), "shared"),
-                      (mixtral.with_(top_k=1), "top-1"), (mixtral.with_(router="softmax", expert_bias=True), "bias"),
+                      (mixtral.with_(top_k=1), "top-1"), (mixtral.with_(renormalize_gates=False), "chosen scores"),
+                      (mixtral.with_(router="softmax", expert_bias=True), "bias"),
                       (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
@@ -316,7 +334,9 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
     for change, word in (({**mixtral, "router_jitter_noise": 0.1}, "jitter"),
                          ({**mistral, "layer_types": ["sliding_attention", "full_attention"]}, "some of its layers"),
                          ({**mixtral, "num_experts_per_tok": 1}, "top-1"),
-                         ({**qwen3_moe, "norm_topk_prob": False}, "norm_topk_prob"),
+                         ({**qwen3_moe, "norm_topk_prob": "no"}, "norm_topk_prob"),
+                         ({**qwen3_moe, "num_experts_per_tok": 1, "norm_topk_prob": True}, "top-1"),
+                         ({**hf_config(moe.with_(qk_norm=True, qk_norm_whole=True)), "clip_qkv": 8.0}, "clip_qkv"),
                          ({**qwen3_moe, "decoder_sparse_step": 2}, "decoder_sparse_step"),
                          ({**qwen3_moe, "mlp_only_layers": [1]}, "not its first")):
         with pytest.raises(ConfigError, match=word):
@@ -327,7 +347,8 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
     assert config_from_hf({**deepseek, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}) == preset(
         "tiny-deepseek").with_(expert_groups=4, groups_per_token=2, routed_scale=2.5, aux_loss_coef=0.0,
                                expert_bias_rate=0.0)
-    for change, word in (({"norm_topk_prob": False}, "renormalised"),
+    assert config_from_hf({**deepseek, "norm_topk_prob": False}).renormalize_gates is False
+    for change, word in (({"norm_topk_prob": 0}, "norm_topk_prob"),
                          ({"rope_interleave": False}, "rope_interleave"), ({"num_key_value_heads": 2}, "fewer"),
                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}},
                           "original_max_position_embeddings"),

@@ -211,12 +211,14 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
 @pytest.mark.parametrize("shape, written_as", [("phi3_longrope", "Phi3ForCausalLM"),
                                                ("smollm3", "SmolLM3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
                                                ("glm4_moe", "Glm4MoeForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
-                                               ("minimax_m2", "MiniMaxM2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM")])
+                                               ("minimax_m2", "MiniMaxM2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
+                                               ("olmoe", "OlmoeForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
     experts), OLMo 2's and MiniMax-M2's read into minigpt and written again: transformers' Phi-3, SmolLM3, Gemma 3,
-    GLM-4.5, OLMo 2 or MiniMax-M2 layout, every
+    GLM-4.5, OLMo 2 or MiniMax-M2 layout (and OLMoE's: OLMo 2's q/k norms, experts whose gates are the chosen
+    scores), every
     tensor the one read (the rotated columns and their gains moved back, Gemma's gains less 1), and the model
     transformers opens from it gives minigpt's logits."""
     from minigpt.hf.files import write_hf_dir
@@ -229,6 +231,9 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
         assert [config.layer_rotates(layer) for layer in range(4)] == [True, False, True, False]
     elif shape == "minimax_m2":
         assert (config.rotary_dim, config.qk_norm_whole, config.router, config.expert_bias) == (12, True, "sigmoid", True)
+    elif shape == "olmoe":
+        assert (config.qk_norm_whole, config.pre_norms, config.renormalize_gates, config.n_experts) == (True, True,
+                                                                                                         False, 4)
     elif shape == "olmo3":
         assert (config.window, config.full_attention_every, config.pre_norms) == (12, 2, False)
     elif shape == "olmo2":
@@ -274,7 +279,7 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
                    {**gemma, "num_hidden_layers": 0.5}, {**gemma, "rope_parameters": None, "rope_scaling": "x"},
                    {**gemma, "layer_types": None, "sliding_window_pattern": None},
                    {**glm, "attention_bias": "yes"}, {**glm, "partial_rotary_factor": "half"},
-                   {**glm, "use_qk_norm": None}, {**glm, "norm_topk_prob": False}, {**glm, "n_group": "2"},
+                   {**glm, "use_qk_norm": None}, {**glm, "norm_topk_prob": "no"}, {**glm, "n_group": "2"},
                    {**olmo, "attention_bias": True}, {**olmo, "attention_bias": "no"}, {**olmo, "head_dim": "x"},
                    {**minimax, "rotary_dim": 7.5}, {**minimax, "rotary_dim": 500}, {**minimax, "scoring_func": "softmax"},
                    {**minimax, "num_local_experts": None}, {**minimax, "qk_norm_type": "per_head"},
@@ -287,13 +292,16 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
             config_from_hf(broken)
 
 
-def test_glm45_and_minimax_m2_shaped_configs_count_the_published_parameters(tmp_path):
+def test_glm45_minimax_m2_and_olmoe_shaped_configs_count_the_published_parameters(tmp_path):
     """GLM-4.5's and GLM-4.5-Air's shapes (arXiv 2508.06471, Table 1: 92 and 46 layers, 3 and 1 of them dense, 160
     and 128 experts of 8 routed per token plus one shared, 96 query heads of 128 and 8 key/value heads, widths 5,120 and
     4,096, one multi-token prediction layer; their dense and expert widths and vocabulary as transformers'
     Glm4MoeConfig describes the Air) read as GLM-4.5's config.json: the report's 355B and 106B parameters (within 1%),
     32B and 12B active (within the half billion the report rounds to; without the embedding and head, as it counts).
-    Our counts: 352.8B + 4.0B for the prediction layer, 32.1B active; 106.9B + 2.4B, 12.2B; MiniMax-M2 228.7B, 9.8B."""
+    Our counts: 352.8B + 4.0B for the prediction layer, 32.1B active; 106.9B + 2.4B, 12.2B; MiniMax-M2 228.7B, 9.8B.
+    OLMoE-1B-7B (arXiv 2409.02060, Table 1 and its config.json: 16 layers of width 2,048, 16 heads, 64 experts of
+    1,024, 8 per token, a 50,304-token vocabulary untied): 6.9B parameters, 1.3B active counting the embedding and
+    head as it does; ours 6.92B, 1.28B."""
     air = {"model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
            "moe_intermediate_size": 1408, "num_hidden_layers": 46, "first_k_dense_replace": 1,
            "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128,
@@ -304,6 +312,14 @@ def test_glm45_and_minimax_m2_shaped_configs_count_the_published_parameters(tmp_
             "routed_scaling_factor": 2.5}
     # MiniMax-M2's (its model card: 230B parameters, 10B active): transformers' MiniMaxM2Config describes it
     minimax = {**transformers.MiniMaxM2Config(rotary_dim=64).to_dict(), "model_type": "minimax_m2"}
+    olmoe = {"model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
+             "num_hidden_layers": 16, "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False, "norm_topk_prob": False}
+    (tmp_path / "olmoe.json").write_text(json.dumps(olmoe))
+    result = invoke("simulate", "--model", str(tmp_path / "olmoe.json"), "--gpus", "8", "--gpu", "h100-sxm", "--json")
+    assert result.exit_code == 0, result.output
+    counted = json.loads(result.stdout)["parameters"]
+    assert (round(counted["total"] / 1e9, 2), round(counted["active"] / 1e9, 2)) == (6.92, 1.28), counted
     for shape, (total, active) in ((air, (106e9, 12e9)), (full, (355e9, 32e9)), (minimax, (230e9, 10e9))):
         (tmp_path / "glm.json").write_text(json.dumps(shape))
         result = invoke("simulate", "--model", str(tmp_path / "glm.json"), "--seq-len", "4096", "--gpus", "64",

@@ -23,12 +23,15 @@ SHAPES = [
     BASE.with_(z_loss_coef=0.1, mlp="swiglu", bias=False, norm="rmsnorm", positions="rope", n_kv_heads=1),
     BASE.with_(n_shared_experts=2, aux_loss_coef=0.1, n_layers=3, dense_layers=1),
     BASE.with_(top_k=3, aux_loss_coef=0.01, tied_head=False),
+    BASE.with_(renormalize_gates=False, aux_loss_coef=0.01),  # OLMoE's, Qwen2-MoE's gates
+    BASE.with_(renormalize_gates=False, router="sigmoid", top_k=1),
     BASE.with_(d_head=16, qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),  # Qwen3's
 ]
 
 
 def shape_id(c: GPTConfig) -> str:
-    return f"E{c.n_experts}k{c.top_k}{c.router}{c.mlp}s{c.n_shared_experts}d{c.dense_layers}a{c.aux_loss_coef}z{c.z_loss_coef}"
+    return (f"E{c.n_experts}k{c.top_k}{c.router}{c.mlp}s{c.n_shared_experts}d{c.dense_layers}a{c.aux_loss_coef}"
+            f"z{c.z_loss_coef}{'' if c.renormalize_gates else 'raw'}")
 
 
 @pytest.mark.parametrize("cfg", SHAPES, ids=shape_id)
@@ -110,6 +113,21 @@ def test_choice_breaks_ties_to_the_lower_expert():
     assert choose(scores, 2).tolist() == [[1, 2], [0, 1]]
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_gates_are_the_chosen_scores_renormalised_or_as_they_are(router):
+    torch.manual_seed(0)
+    x = torch.randn(2, BASE.seq_len, BASE.d_model)
+    for renormalize in (True, False):
+        moe = MoE(BASE.with_(router=router, renormalize_gates=renormalize, top_k=3))
+        logits = moe.router(x).float()
+        scores = logits.softmax(-1) if router == "softmax" else logits.sigmoid()
+        expert_ids, gates, _, _ = moe.route(x)
+        chosen = scores.gather(-1, expert_ids)
+        torch.testing.assert_close(gates, chosen / chosen.sum(-1, keepdim=True) if renormalize else chosen,
+                                   rtol=0, atol=0)
+        assert ((gates.sum(-1) - 1).abs().max() < 1e-6) == renormalize  # as they are, they sum to no 1
+
+
 def test_capacity_keeps_first_choices_then_token_order():
     cfg = BASE.with_(capacity_factor=0.5, seq_len=8, n_experts=2, top_k=2)
     assert capacity(cfg, 8) == 4  # ceil(0.5 x 8 tokens x 2 choices / 2 experts)
@@ -185,6 +203,7 @@ def test_exchanges_of_a_moe_layer():
     (dict(n_experts=4, dense_layers=2), "dense_layers=2 leaves no MoE layer"),
     (dict(n_experts=4, aux_loss_coef=float("nan")), "aux_loss_coef must be a finite number"),
     (dict(n_experts=4, d_expert=0), "d_expert must be a positive integer"),
+    (dict(n_experts=4, renormalize_gates="no"), "renormalize_gates must be true or false"),
 ])
 def test_moe_options_are_checked(fields, message):
     with pytest.raises(ConfigError, match=message):

@@ -48,6 +48,11 @@ MODELS = {
     # whole batch's load (a rate large enough to change which experts are chosen within the 20 steps)
     "biased": preset("tiny-moe").with_(seq_len=32, n_layers=2, router="sigmoid", expert_bias=True,
                                         expert_bias_rate=0.01),
+    # OLMoE's block: q and k normalised over all heads (the sums of squares summed over tp), the chosen softmax
+    # scores the gates as they are
+    "olmoe": preset("tiny-moe").with_(seq_len=32, n_layers=2, n_kv_heads=2, qk_norm=True, qk_norm_whole=True,
+                                       mlp="swiglu", norm="rmsnorm", positions="rope", bias=False,
+                                       renormalize_gates=False, aux_loss_coef=0.01),
 }
 TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
 LAYOUTS = {
@@ -63,7 +68,8 @@ LAYOUTS = {
         "ep2-over-cp2": ("top2", dict(cp=2, ep=2)),
         "ep2-full-recompute": ("top2-drop", dict(dp=2, ep=2, micro_batches=2, recompute="full")),
         "biased-tp2-sp": ("biased", dict(tp=2, sequence_parallel=True, micro_batches=2)),
-        "biased-ep2-over-cp2": ("biased", dict(cp=2, ep=2))},
+        "biased-ep2-over-cp2": ("biased", dict(cp=2, ep=2)),
+        "olmoe-tp2-sp": ("olmoe", dict(tp=2, sequence_parallel=True, micro_batches=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),
@@ -78,7 +84,8 @@ LAYOUTS = {
         "ep4-over-tp2-dp2-sp": ("top2", dict(dp=2, ep=4, tp=2, sequence_parallel=True)),
         "biased-ep2-tp2": ("biased", dict(dp=2, ep=2, tp=2)),
         "biased-ep2-pp2": ("biased", dict(dp=2, ep=2, pp=2, micro_batches=2)),
-        "biased-ep2-dp4-zero3": ("biased", dict(dp=4, ep=2, zero=3))},
+        "biased-ep2-dp4-zero3": ("biased", dict(dp=4, ep=2, zero=3)),
+        "olmoe-ep2-tp2-sp": ("olmoe", dict(dp=2, ep=2, tp=2, sequence_parallel=True, micro_batches=2))},
 }
 
 

@@ -41,6 +41,8 @@ SHAPES = {  # every router, loss and MLP option, with and without biases and sha
     "top-1 softmax": TINY_MOE.with_(top_k=1, z_loss_coef=0.0, dropout=0.1),
     "dense first": TINY_MOE.with_(dense_layers=2, n_shared_experts=1, aux_loss_coef=0.0),
     "mixtral": MIXTRAL, "deepseek": DEEPSEEK,
+    "not renormalised": TINY_MOE.with_(renormalize_gates=False), "sigmoid as it is": DEEPSEEK.with_(
+        renormalize_gates=False),
 }
 
 
@@ -305,6 +307,7 @@ def test_gpus_sets_dp_before_the_expert_group_is_checked():
     (["--model", "tiny-moe", "--expert-bias-rate", "-1"], "expert_bias_rate must be a finite number >= 0"),
     (["--model", "tiny-moe", "--no-expert-bias", "--expert-bias-rate", "0.01"], "only with expert_bias"),
     (["--model", "tiny", "--expert-bias-rate", "0.01"], "this model is dense"),
+    (["--model", "tiny", "--no-renormalize-gates"], "--renormalize-gates sets a mixture of experts' field"),
 ])
 def test_bad_expert_inputs_exit_2_in_one_line(args, says):
     result = CliRunner().invoke(main, ["simulate", *args])

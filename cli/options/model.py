@@ -1,9 +1,10 @@
 """The model flags, one vocabulary for `train`, `simulate` and `compare`: a preset and any field over it.
 
 A mixture of experts (minigpt/moe.py) is a preset (tiny-moe, mixtral-8x7b, deepseek-v3) or --experts N over any
-preset; --top-k, --expert-width, --shared-experts, --dense-layers, --router, --capacity-factor, --aux-loss-coef and
---z-loss-coef change its fields (GPTConfig's n_experts, top_k, d_expert, n_shared_experts, dense_layers, router,
-capacity_factor, aux_loss_coef, z_loss_coef) and are refused, in one line, on a dense model.
+preset; --top-k, --expert-width, --shared-experts, --dense-layers, --router, --renormalize-gates, --capacity-factor,
+--aux-loss-coef, --z-loss-coef and the others of EXPERT_FIELDS change its fields (GPTConfig's n_experts, top_k,
+d_expert, n_shared_experts, dense_layers, router, renormalize_gates, capacity_factor, ...) and are refused, in one
+line, on a dense model.
 
 --tokenizer (minigpt/tokenizer.py) sets the vocabulary: a tokenizer.json's own, or --vocab-size when that is at
 least it (smaller: refused); `bytes` given sets 256; left out, the preset's vocabulary stands."""
@@ -132,7 +133,8 @@ EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts":
                  "dense_layers": "dense_layers", "router": "router", "capacity_factor": "capacity_factor",
                  "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef", "expert_groups": "expert_groups",
                  "groups_per_token": "groups_per_token", "routed_scale": "routed_scale", "expert_bias": "expert_bias",
-                 "expert_bias_rate": "expert_bias_rate", "router_bias": "router_bias"}
+                 "expert_bias_rate": "expert_bias_rate", "router_bias": "router_bias",
+                 "renormalize_gates": "renormalize_gates"}
 
 
 def expert_options() -> list:
@@ -147,6 +149,10 @@ def expert_options() -> list:
                                                                        "renormalised over the top k (DeepSeek-V3)."),
         click.option("--router-bias/--no-router-bias", "router_bias", default=None,
                      help="A bias on the router's logits (GPT-OSS's) [default: the preset's]."),
+        click.option("--renormalize-gates/--no-renormalize-gates", "renormalize_gates", default=None,
+                     help="Divide the chosen gates by their sum (top k above 1 or a sigmoid router; Mixtral, "
+                          "Qwen3-MoE, DeepSeek-V3); --no-renormalize-gates keeps the chosen scores as they are "
+                          "(OLMoE, Qwen1.5-MoE, DeepSeek-V2) [default: the preset's]."),
         click.option("--capacity-factor", "capacity_factor", type=float,
                      help="Each expert takes at most ceil(cf x tokens x k / E) of a sequence [default: dropless]."),
         click.option("--aux-loss-coef", "aux_loss_coef", type=float, help="Load-balancing loss coefficient."),

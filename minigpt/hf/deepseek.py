@@ -8,11 +8,11 @@ value rows, as ours), proj is o_proj. DeepSeek's checkpoints pair each rotated c
 (rope_interleave, the layout's default), ours column i with column i + r/2 (rotate-half): the rotated rows of
 q_b_proj (each head's last r) and of kv_a_proj_with_mqa (its last r) are permuted between the two (a config.json
 with rope_interleave false is refused).
-Experts: a sigmoid router (mlp.gate), the chosen scores renormalised (norm_topk_prob), shared experts of width
-n_shared_experts x moe_intermediate_size (mlp.shared_experts), the first first_k_dense_replace blocks dense (width
-intermediate_size), the routed experts one tensor per expert and projection as the checkpoints store them
-(minigpt/hf/moe.py's). minigpt's router computes the layout's, its routed_scaling_factor (routed_scale) and
-group-limited choice (n_group, topk_group: expert_groups, groups_per_token) and its choice bias
+Experts: a sigmoid router (mlp.gate), the chosen scores renormalised where norm_topk_prob (ours renormalize_gates),
+shared experts of width n_shared_experts x moe_intermediate_size (mlp.shared_experts), the first
+first_k_dense_replace blocks dense (width intermediate_size), the routed experts one tensor per expert and projection
+as the checkpoints store them (minigpt/hf/moe.py's). minigpt's router computes the layout's, its routed_scaling_factor
+(routed_scale) and group-limited choice (n_group, topk_group: expert_groups, groups_per_token) and its choice bias
 (e_score_correction_bias, DeepSeek's auxiliary-loss-free balancing: minigpt's expert_bias) included. A model read
 from the layout chooses with its bias, frozen (expert_bias_rate 0, as DeepSeek-V3's last 500B tokens) unless the run
 gives --expert-bias-rate; a model without a bias is written with zeros, which choose as none.
@@ -70,7 +70,7 @@ def experts_hf_fields(config: GPTConfig) -> dict:
         "n_shared_experts": config.n_shared_experts if moe else 0,
         "first_k_dense_replace": config.dense_layers if moe else config.n_layers,
         "routed_scaling_factor": float(config.routed_scale), "n_group": config.expert_groups,
-        "topk_group": config.groups_per_token or config.expert_groups, "norm_topk_prob": True,
+        "topk_group": config.groups_per_token or config.expert_groups, "norm_topk_prob": config.renormalize_gates,
         "num_mtp_layers": 0, "num_nextn_predict_layers": config.mtp_depth,
     }
 
@@ -104,7 +104,8 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
 def experts_fields(hf: dict, layers: int) -> dict:
     """GPTConfig's fields of DeepSeek's experts (DeepSeek-V3's and GLM-4.5's config.json) and multi-token prediction;
     ConfigError where minigpt's router would choose or weigh differently."""
-    refuse_unless(bool(hf.get("norm_topk_prob", True)), "its chosen gates are not renormalised, minigpt's are")
+    renormalised = hf.get("norm_topk_prob", True)
+    refuse_unless(isinstance(renormalised, bool), f"its norm_topk_prob is {renormalised!r}, not true or false")
     dense = config_number(hf, "first_k_dense_replace", 0)
     mtp = {"mtp_depth": config_number(hf, "num_nextn_predict_layers", 0)}
     return mtp if dense >= layers else {**mtp,
@@ -113,7 +114,7 @@ def experts_fields(hf: dict, layers: int) -> dict:
         "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid",
         "routed_scale": float(config_number(hf, "routed_scaling_factor", 1.0)),
         "expert_groups": config_number(hf, "n_group", 1) or 1, "groups_per_token": _groups_per_token(hf),
-        "expert_bias": True}
+        "expert_bias": True, "renormalize_gates": renormalised}
 
 
 def _groups_per_token(hf: dict) -> int | None:

@@ -6,7 +6,7 @@ and v alone when attention_bias (ours: --qkv-bias), an RMSNorm over each query a
 k_norm; ours: --qk-norm), the first partial_rotary_factor of each head turned (0.5 where the config does not say;
 ours the last: minigpt/hf/rope.py moves the rows, and the head norms' gains with them), no sliding window.
 Experts: DeepSeek-V3's (minigpt/hf/deepseek.py, the same names): a sigmoid router choosing with its bias
-(e_score_correction_bias), the chosen gates renormalised (norm_topk_prob) and scaled (routed_scaling_factor),
+(e_score_correction_bias), the chosen gates renormalised where norm_topk_prob and scaled (routed_scaling_factor),
 group-limited choice (n_group, topk_group), shared experts of width n_shared_experts x moe_intermediate_size, the
 first first_k_dense_replace blocks dense (width intermediate_size), one tensor per expert and projection in the
 checkpoints; its multi-token prediction layers (num_nextn_predict_layers) as DeepSeek-V3's, layer n_layers + k (which

@@ -27,12 +27,12 @@ def check_gpt_oss(config: GPTConfig) -> None:
     block = ((config.norm, config.positions, config.mlp) == ("rmsnorm", "rope", "clamped-swiglu") and config.bias
              and config.attention_sinks and not config.qk_norm and not config.is_mla)
     routing = (config.is_moe and not config.dense_layers and config.router == "softmax" and config.router_bias
-               and config.top_k > 1 and not config.n_shared_experts and not config.expert_bias
-               and config.routed_scale == 1.0 and config.groups_per_token in (None, config.expert_groups))
+               and config.top_k > 1 and config.renormalize_gates and not config.n_shared_experts
+               and not config.expert_bias and config.routed_scale == 1.0 and config.groups_per_token in (None, config.expert_groups))
     if not (block and routing and not config.mtp_depth):
         raise ConfigError("attention sinks, the clamped SwiGLU and a router bias are written in transformers' GPT-OSS "
                           "layout, which holds an rmsnorm + rope model with biases, sinks and every block a mixture "
-                          "of clamped-SwiGLU experts routed by a biased softmax router over the top k > 1 (no "
+                          "of clamped-SwiGLU experts routed by a biased softmax over the top k > 1 logits (no "
                           "shared experts, group limits, scaled gates or multi-token prediction): this shape is not")
 
 

@@ -29,8 +29,8 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
   norm with the one epsilon (rms_norm_eps), a sliding window as Qwen2's.
 
 All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
-layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's or Qwen3-MoE's layout
-(minigpt/hf/moe.py), with a sigmoid router in GLM-4.5's (minigpt/hf/glm.py) or, its q/k norms over all heads,
+layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's, Qwen3-MoE's or, its q/k
+norms over all heads and a softmax router, OLMoE's layout (minigpt/hf/moe.py), with a sigmoid router in GLM-4.5's (minigpt/hf/glm.py) or, its q/k norms over all heads,
 MiniMax-M2's (minigpt/hf/minimax.py), with latent attention in DeepSeek-V3's
 (minigpt/hf/deepseek.py); OLMo 2's norms in its layout (minigpt/hf/olmo.py), Gemma 3's pieces in its (gemma.py).
 A transformers model computed differently is refused rather than trained as something else.
@@ -65,7 +65,7 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of t
 
 def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "phi3", "smollm3", "qwen2", "qwen3", "gemma3_text",
-    "olmo2", "mixtral", "qwen3_moe", "glm4_moe", "minimax_m2", "deepseek_v3" or "gpt_oss": the transformers layout
+    "olmo2", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3" or "gpt_oss": the transformers layout
     that holds
     `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
@@ -94,6 +94,8 @@ def _block_layout(config: GPTConfig) -> str:
     if config.is_mla:
         check_deepseek(config)
         return "deepseek_v3"
+    if config.is_moe and config.qk_norm_whole and config.router == "softmax":  # OLMoE's, before MiniMax-M2's
+        return moe_layout(config)
     if is_minimax(config):  # before OLMo 2's: their q/k norms are the same
         check_minimax(config)
         return "minimax_m2"
@@ -200,7 +202,7 @@ def hf_config(config: GPTConfig) -> dict:
 
 
 def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
-    """The GPTConfig of a transformers config.json (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, Mixtral, Qwen3-MoE), or
+    """The GPTConfig of a transformers config.json (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE, ...), or
     ConfigError naming what minigpt cannot compute the same. `seq_len`: the training context of a rotary model (at
     most its max_position_embeddings; default: that); a GPT-2's is its n_positions, the rows of its position table."""
     kind = hf.get("model_type")
@@ -231,7 +233,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return READERS[kind](hf, _bias_free(hf, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', 'olmoe', "
                           f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' "
                           f"and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
@@ -248,8 +250,9 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind == "phi3":
         return dense.with_(**window_fields)
 
-    if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention) or Qwen3-MoE's (Qwen3's)
-        return dense.with_(qk_norm=kind == "qwen3_moe", **window_fields, **moe_fields(hf, kind))
+    if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention), Qwen3-MoE's (Qwen3's), OLMoE's
+        return dense.with_(qk_norm=kind != "mixtral", qk_norm_whole=kind == "olmoe", **window_fields,
+                           **moe_fields(hf, kind))
     # Qwen2: biases on q, k and v alone
     return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **window_fields)
 

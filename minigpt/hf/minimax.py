@@ -29,13 +29,13 @@ def check_minimax(config: GPTConfig) -> None:
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
     routing = (config.router == "sigmoid" and not config.n_shared_experts and not config.dense_layers
                and config.routed_scale == 1.0 and config.groups_per_token in (None, config.expert_groups)
-               and not config.router_bias)
+               and not config.router_bias and config.renormalize_gates)
     if not (llama and routing and config.pre_norms) or config.bias or config.qkv_bias or config.post_norms \
             or config.attention_sinks or config.mtp_depth:
         raise ConfigError("a mixture of experts with q/k norms over all heads is written in transformers' MiniMax-M2 "
                           "layout, which holds a bias-free pre-norm rmsnorm + swiglu + rope block, every block's "
-                          "experts chosen by sigmoid scores (no shared experts, groups, scaled gates or multi-token "
-                          "prediction): this shape is not one")
+                          "experts chosen by sigmoid scores, renormalised (no shared experts, groups, scaled gates or "
+                          "multi-token prediction): this shape is not one")
 
 
 def minimax_hf_config(config: GPTConfig, llama: dict) -> dict:

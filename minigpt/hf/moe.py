@@ -1,18 +1,20 @@
-"""A mixture of experts in Hugging Face transformers' layouts: Mixtral (MixtralForCausalLM) and Qwen3-MoE
-(Qwen3MoeForCausalLM), as their checkpoints store them (one tensor per expert and projection; transformers 5 fuses
-them when it loads and splits them again when it saves).
+"""A mixture of experts in Hugging Face transformers' layouts: Mixtral (MixtralForCausalLM), Qwen3-MoE
+(Qwen3MoeForCausalLM) and OLMoE (OlmoeForCausalLM), as their checkpoints store them (one tensor per expert and
+projection; transformers 5 fuses them when it loads and splits them again when it saves).
 
-Both route as minigpt/moe.py does: a softmax over every expert's logit (fp32), the top_k, the chosen scores
-renormalised to sum to 1 (Mixtral always; Qwen3-MoE when norm_topk_prob, which minigpt's top_k > 1 is), SwiGLU
-experts without biases, no shared expert. They keep every token (dropless): a capacity factor is a choice of
-training, like dropout, not written (a run may set one from an imported model, and its export routes dropless).
-Mixtral is Llama's attention with every block a mixture of experts of width intermediate_size; Qwen3-MoE is
-Qwen3's attention (per-head q/k norms) with the blocks listed in mlp_only_layers dense MLPs of width
-intermediate_size (minigpt: the first `dense_layers`), the others mixtures of experts of width
-moe_intermediate_size. The router's balance coefficient is router_aux_loss_coef both ways (minigpt adds the loss
-to the gradient, never to the reported loss, as transformers without output_router_logits). Anything else (a
-sigmoid router, shared experts, a top-1 router, dense blocks other than the first ones, router jitter) is
-refused: transformers would compute another model.
+All three route as minigpt/moe.py does: a softmax over every expert's logit (fp32), the top_k, SwiGLU experts without
+biases, no shared expert. Mixtral renormalises the chosen scores to sum to 1 always; Qwen3-MoE and OLMoE when
+norm_topk_prob (minigpt's renormalize_gates; a top-1 router keeps its probability, and so does theirs without it).
+They keep every token (dropless): a capacity factor is a choice of training, like dropout, not written (a run may set
+one from an imported model, and its export routes dropless). Mixtral is Llama's attention with every block a mixture
+of experts of width intermediate_size; Qwen3-MoE is Qwen3's attention (per-head q/k norms) with the blocks listed in
+mlp_only_layers dense MLPs of width intermediate_size (minigpt: the first `dense_layers`), the others mixtures of
+experts of width moe_intermediate_size; OLMoE is Llama's block with q and k each RMS-normalised over all their heads
+(OLMo 2's q/k norms: qk_norm_whole) and every block a mixture of experts of width intermediate_size. The router's
+balance coefficient is router_aux_loss_coef both ways (minigpt adds the loss to the gradient, never to the reported
+loss, as transformers without output_router_logits). Anything else (a sigmoid router, shared experts, dense blocks
+other than the first ones, router jitter, OLMoE's clipped q/k/v) is refused: transformers would compute another
+model.
 Torch-free except `experts_to_hf` and `experts_from_hf`, which move tensors.
 """
 
@@ -25,29 +27,38 @@ from minigpt.errors import ConfigError
 PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
                "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),  # DeepSeek-V3's: minigpt/hf/deepseek.py
                "glm4_moe": ("gate_proj", "up_proj", "down_proj"),  # GLM-4.5's: minigpt/hf/glm.py
-               "minimax_m2": ("w1", "w3", "w2")}  # MiniMax-M2's (Mixtral's names): minigpt/hf/minimax.py
+               "minimax_m2": ("w1", "w3", "w2"),  # MiniMax-M2's (Mixtral's names): minigpt/hf/minimax.py
+               "olmoe": ("gate_proj", "up_proj", "down_proj")}
 MLP_NAME = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "deepseek_v3": "mlp", "glm4_moe": "mlp",
-            "minimax_m2": "block_sparse_moe"}
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "minimax_m2": "block_sparse_moe", "olmoe": "mlp"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def moe_layout(config: GPTConfig) -> str:
-    """"mixtral" or "qwen3_moe": the layout holding the mixture of experts `config`; ConfigError saying why none."""
+    """"mixtral", "qwen3_moe" or "olmoe": the layout holding the mixture of experts `config`; ConfigError saying why
+    none."""
     def refuse(why: str) -> None:
-        raise ConfigError(f"a mixture of experts is written in transformers' Mixtral or Qwen3-MoE layout, which "
-                          f"cannot hold {why}")
+        raise ConfigError(f"a mixture of experts is written in transformers' Mixtral, Qwen3-MoE or OLMoE layout, "
+                          f"which cannot hold {why}")
     if (config.norm, config.mlp, config.positions) != ("rmsnorm", "swiglu", "rope") or config.bias or config.qkv_bias:
         refuse("this block (they are bias-free rmsnorm + swiglu + rope blocks)")
     if config.router != "softmax" or config.n_shared_experts:
         refuse("a sigmoid router or shared experts (theirs: a softmax one, none)")
     if config.routed_scale != 1.0 or config.groups_per_token not in (None, config.expert_groups) or config.expert_bias:
         refuse("scaled gates, group-limited routing or a choice bias (theirs: none of them)")
-    if config.top_k == 1:
-        refuse("a top-1 router, whose gate minigpt keeps as its probability and they renormalise to 1")
+    if config.qk_norm_whole:
+        if config.dense_layers or not config.pre_norms or config.post_norms or config.head_dim * config.n_heads \
+                != config.d_model:
+            refuse("q/k norms over all heads beside dense blocks, norms after the branches or heads of another "
+                   "width than d_model / n_heads (OLMoE's: every block a pre-norm mixture of experts)")
+        return "olmoe"
     if config.qk_norm:
         return "qwen3_moe"
     if config.dense_layers:
-        refuse("dense first blocks without per-head q/k norms (Mixtral has none; Qwen3-MoE has the norms)")
+        refuse("dense first blocks without q/k norms (Mixtral has none; Qwen3-MoE has per-head norms)")
+    if not config.gates_renormalised:
+        refuse("gates kept as the chosen scores, or a top-1 router's probability (Mixtral renormalises them to sum "
+               "to 1; Qwen3-MoE and OLMoE keep them with q/k norms)")
     return "mixtral"
 
 
@@ -59,9 +70,12 @@ def moe_hf_config(config: GPTConfig, layout: str) -> dict:
         return {**common, "num_local_experts": config.n_experts, "intermediate_size": config.expert_width,
                 "router_jitter_noise": 0.0,
                 "sliding_window": config.window_in_use or None}
-    return {**common, "num_experts": config.n_experts, "moe_intermediate_size": config.expert_width,
-            "intermediate_size": config.d_ff, "decoder_sparse_step": 1, "norm_topk_prob": True,
-            "mlp_only_layers": list(range(config.dense_layers)), "use_sliding_window": False, "sliding_window": None}
+    common |= {"num_experts": config.n_experts, "norm_topk_prob": config.gates_renormalised}
+    if layout == "olmoe":
+        return {**common, "intermediate_size": config.expert_width, "clip_qkv": None, "pad_token_id": None}
+    return {**common, "moe_intermediate_size": config.expert_width, "intermediate_size": config.d_ff,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(range(config.dense_layers)),
+            "use_sliding_window": False, "sliding_window": None}
 
 
 def config_number(hf: dict, key: str, default=None):
@@ -79,20 +93,26 @@ def refuse_unless(condition: bool, why: str) -> None:
 
 
 def moe_fields(hf: dict, layout: str) -> dict:
-    """GPTConfig's mixture-of-experts fields of a transformers Mixtral or Qwen3-MoE config.json (the block's other
-    fields are Llama's or Qwen3's); ConfigError naming what minigpt would compute differently."""
+    """GPTConfig's mixture-of-experts fields of a transformers Mixtral, Qwen3-MoE or OLMoE config.json (the block's
+    other fields are Llama's, Qwen3's or OLMoE's); ConfigError naming what minigpt would compute differently."""
     top_k = config_number(hf, "num_experts_per_tok", 2)
     fields = {"top_k": top_k, "aux_loss_coef": config_number(hf, "router_aux_loss_coef", 0.0)}
     if layout == "mixtral":
         refuse_unless(not hf.get("router_jitter_noise"), "its router adds jitter noise")
         refuse_unless(top_k > 1, "a top-1 Mixtral renormalises its gate to 1, minigpt keeps the probability")
         return {**fields, "n_experts": config_number(hf, "num_local_experts", 8), "d_expert": None}
-    refuse_unless(bool(hf.get("norm_topk_prob", False)) == (top_k > 1),
-                   "its norm_topk_prob does not renormalise the gates as minigpt does (when top_k > 1)")
+    renormalised = hf.get("norm_topk_prob", False)
+    refuse_unless(isinstance(renormalised, bool), f"its norm_topk_prob is {renormalised!r}, not true or false")
+    refuse_unless(top_k > 1 or not renormalised, "a top-1 router renormalising its gate to 1, where minigpt's keeps "
+                                                 "the probability")
+    fields |= {"renormalize_gates": renormalised} if top_k > 1 else {}
+    experts = "num_experts" if "num_experts" in hf else "num_local_experts"  # the Hub's name, transformers 5's
+    if layout == "olmoe":
+        refuse_unless(hf.get("clip_qkv") is None, "its queries, keys and values are clipped (clip_qkv)")
+        return {**fields, "n_experts": config_number(hf, experts), "d_expert": None}
     refuse_unless(hf.get("decoder_sparse_step", 1) == 1, "its sparse blocks are every decoder_sparse_step'th")
     dense = sorted(hf.get("mlp_only_layers") or [])
     refuse_unless(dense == list(range(len(dense))), f"its dense blocks {dense} are not its first ones")
-    experts = "num_experts" if "num_experts" in hf else "num_local_experts"  # the Hub's name, transformers 5's
     return {**fields, "n_experts": config_number(hf, experts), "d_expert": config_number(hf, "moe_intermediate_size"),
             "dense_layers": len(dense)}
 

@@ -13,7 +13,8 @@ top_k = k:
   router      one GEMM T x E x d in the compute format (an nn.Linear without bias; never fp8: precision/compute.py
               swaps only qkv, proj, fc1 and fc2), the cast of its logits to fp32, softmax or sigmoid;
   choice      a stable sort of the T x E scores (values and int64 indices), its first k columns copied, the
-              chosen scores gathered, renormalised when k > 1 or the router is a sigmoid (a sum and a division);
+              chosen scores gathered, renormalised when k > 1 or the router is a sigmoid (a sum and a division)
+              unless the model keeps them as they are (GPTConfig.gates_renormalised);
               with a capacity factor, kept_choices' ranking copy, one-hot (T k E int64), cumulative sum, masked
               sum and comparison; dropless: one tensor of ones;
   losses      the balance loss: a one-hot of the choices (T k E int64) summed per sequence, the fp32 shares, the
@@ -101,7 +102,7 @@ def _router_forward(rec: Recorder, model: GPTConfig, inp: str) -> tuple[str, str
     rec.op(MemoryOp("router.top_k", tokens * k * INDEX, tokens * k * INDEX))
     chosen = rec.tensor("router.chosen", tokens * k * FP32)
     rec.op(MemoryOp("router.gather", tokens * k * (INDEX + FP32), tokens * k * FP32), saves=(ids,))
-    if k > 1 or model.router == "sigmoid":
+    if model.gates_renormalised:
         total = rec.tensor("router.chosen_sum", tokens * FP32)
         rec.mem("router.chosen_sum", (chosen,), (total,))
         rec.tensor("router.gates", tokens * k * FP32)
@@ -298,7 +299,7 @@ def _router_backward(rec: Recorder, model: GPTConfig) -> None:
     sh = rec.shape
     tokens, experts, k = sh.rows, model.n_experts, model.top_k
     scores, per_token, chosen = tokens * experts * FP32, tokens * FP32, tokens * k * FP32
-    if k > 1 or model.router == "sigmoid":  # gates = chosen / their sum
+    if model.gates_renormalised:  # gates = chosen / their sum
         rec.back_mem("router.normalise_backward", 2 * chosen + per_token, chosen + per_token)
         rec.back_mem("router.chosen_sum_backward", chosen + per_token, chosen)
     rec.back_mem("router.gather_zeros", 0, scores)
