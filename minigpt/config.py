@@ -124,9 +124,10 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     aux_loss_coef: float = 0.0  # load balancing (Switch / GShard), per sequence: E x sum_e f_e P_e
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2
     # DeepSeek-V3's routing (arXiv 2412.19437, 2.1.2): a token's top_k from its groups_per_token best of expert_groups
-    # groups (each scored by its two best experts; None: all), the chosen gates multiplied by routed_scale
+    # groups (each scored by its group_score_top best experts; None: all), the chosen gates multiplied by routed_scale
     expert_groups: int = 1
     groups_per_token: int | None = None
+    group_score_top: int = 2  # each group scored by the sum of its this-many best scores (DeepSeek-V2's: 1, the best)
     routed_scale: float = 1.0
     # DeepSeek-V3's auxiliary-loss-free balancing (2.1.2; Wang et al. arXiv 2408.15664): a per-expert bias added to the
     # scores to choose experts only, moved by expert_bias_rate x sign(mean load - load) after every step (0: frozen)
@@ -354,6 +355,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
             dense = f", the first {self.dense_layers} dense ({kind} {self.d_ff})" if self.dense_layers else ""
             grouped = (f" of {self.groups_per_token} of {self.expert_groups} groups"
                        if self.groups_per_token not in (None, self.expert_groups) else "")
+            grouped += f" (scored by their best {self.group_score_top})" if grouped and self.group_score_top != 2 else ""
             scaled = f", gates x{self.routed_scale:g}" if self.routed_scale != 1.0 else ""
             if self.expert_bias:
                 scaled += f", choice bias (rate {self.expert_bias_rate:g})"

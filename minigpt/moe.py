@@ -180,13 +180,14 @@ def choose(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def in_chosen_groups(scores: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     """The scores a token chooses its experts by: under group-limited routing (DeepSeek-V3's node-limited routing:
-    expert_groups, groups_per_token) those outside its groups_per_token best groups, each group scored by the sum
-    of its two best, set to -inf (ties to the lower group); else the scores themselves."""
+    expert_groups, groups_per_token; DeepSeek-V2's device-limited routing) those outside its groups_per_token best
+    groups, each group scored by the sum of its group_score_top best (V3: two, V2: one), set to -inf (ties to the
+    lower group); else the scores themselves."""
     groups, chosen = config.expert_groups, config.groups_per_token
     if groups == 1 or chosen is None or chosen == groups:
         return scores
     grouped = scores.detach().unflatten(-1, (groups, -1))
-    best = choose(grouped.topk(2, dim=-1).values.sum(-1), chosen)  # (..., chosen) group ids
+    best = choose(grouped.topk(config.group_score_top, dim=-1).values.sum(-1), chosen)  # (..., chosen) group ids
     keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=scores.device).scatter_(-1, best, True)
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 

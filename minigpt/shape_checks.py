@@ -122,9 +122,13 @@ def _check_groups(config) -> None:
                           f"bias it moves), got {rate!r}")
     if not _number(scale) or not 0 < scale < float("inf"):
         raise ConfigError(f"routed_scale must be a number above 0, got {scale!r}")
-    if not _positive_int(groups) or config.n_experts % groups or (groups > 1 and config.n_experts // groups < 2):
+    top = config.group_score_top
+    if not _positive_int(top):
+        raise ConfigError(f"group_score_top must be a positive integer (DeepSeek-V3's groups are scored by their 2 "
+                          f"best experts, DeepSeek-V2's by their best), got {top!r}")
+    if not _positive_int(groups) or config.n_experts % groups or (groups > 1 and config.n_experts // groups < top):
         raise ConfigError(f"expert_groups must be a positive integer dividing the {config.n_experts} experts into "
-                          f"groups of 2 or more (each group is scored by its two best), got {groups!r}")
+                          f"groups of {top} or more (each group is scored by its {top} best), got {groups!r}")
     if chosen is not None and (not _positive_int(chosen) or chosen > groups):
         raise ConfigError(f"groups_per_token must be a positive integer of at most expert_groups={groups} (or unset "
                           f"for all), got {chosen!r}")

@@ -16,6 +16,7 @@ def transformers_model(shape: str, tmp_path):
     Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks),
     Gemma 3, Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not), OLMoE, DeepSeek-V3 (latent
     attention, a choice bias far from zero; its gates renormalised or not; also with YaRN, and as Kimi K2 ships it),
+    DeepSeek-V2 (the same attention, softmax-routed experts; V2-Lite's, and with V2's device-limited groups and YaRN),
     GLM-4.5 (DeepSeek's experts after grouped-query attention, half of each head turned), OLMo 2 (norms after the
     branches, q/k norms over all heads; OLMo 3's windows), MiniMax-M2 (those q/k norms, half of each head turned,
     sigmoid-routed experts), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
@@ -84,6 +85,25 @@ def transformers_model(shape: str, tmp_path):
             num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
             rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, num_mtp_layers=0)
+    elif shape == "deepseek_v2":  # DeepSeek-V2-Lite's: no query latent, 2 shared experts, a dense first block, then
+        # each token's 2 of 4 experts by their softmax scores as they are (greedy)
+        config = transformers.DeepseekV2Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2)
+    elif shape == "deepseek_v2_groups":  # DeepSeek-V2's device-limited routing: each token's 2 of 8 experts from its
+        # best 2 of 4 groups, each scored by its best, the gates x 16; a query latent, YaRN as V2's (factor 4 over 8
+        # here, mscale 0.707 both ways)
+        config = transformers.DeepseekV2Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+            topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 0.707, "mscale_all_dim": 0.707})
     elif shape == "deepseek_v3_yarn":  # DeepSeek-V3's YaRN (its factor 40 over 4K here 4 over 8), mscale 1 over 0.8
         config = transformers.DeepseekV3Config(
             vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,

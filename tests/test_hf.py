@@ -38,6 +38,11 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "mistral": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--window", "12"],
           # multi-head latent attention, a dense first block, then shared and routed experts (sigmoid router)
           "deepseek_v3": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32"],
+          # the same with DeepSeek-V2's router: softmax scores as they are, each token's 2 of 8 experts from its best
+          # 2 of 4 groups, each group scored by its best expert, the gates scaled by 2; no query latent
+          "deepseek_v2": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32", "--router", "softmax",
+                          "--no-expert-bias", "--no-renormalize-gates", "--expert-groups", "4", "--groups-per-token",
+                          "2", "--group-score-top", "1", "--routed-scale", "2", "--q-lora-rank", "0"],
           # grouped-query attention with q, k and v biases, q/k norms and half of each head turned, then DeepSeek's
           # experts after a dense block (sigmoid router with its choice bias, groups, a shared expert), and a
           # multi-token prediction module: GLM-4.5's layout
@@ -56,8 +61,9 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-           "olmo2": "Olmo2ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "olmoe": "OlmoeForCausalLM"}
-MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "olmoe")
+           "olmo2": "Olmo2ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "olmoe": "OlmoeForCausalLM",
+           "deepseek_v2": "DeepseekV2ForCausalLM"}
+MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "olmoe", "deepseek_v2")
 
 
 def invoke(*args: str):
@@ -95,7 +101,7 @@ def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, 
     assert state["layout"]["tp"] == 2 and state["layout"]["pp"] == 2
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(theirs).__name__ == CLASSES[shape]
-    if shape not in ("gpt2", "deepseek_v3"):  # grouped-query attention and rotary positions, as the run trained them
+    if shape not in ("gpt2", "deepseek_v3", "deepseek_v2"):  # grouped-query attention and rotary positions, as the run trained them
         assert theirs.config.num_key_value_heads == 2 < theirs.config.num_attention_heads == 4
     tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -148,7 +154,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
                                    "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
                                    "glm4_moe", "olmo2", "olmo3", "minimax_m2", "olmoe", "qwen3_moe_scores",
-                                   "deepseek_v3_scores"])
+                                   "deepseek_v3_scores", "deepseek_v2_groups"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -274,6 +280,17 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     dense_latent = deepseek.with_(n_experts=0, d_expert=None, n_shared_experts=0, dense_layers=0, router="softmax",
                                   expert_bias=False, expert_bias_rate=0.0)
     assert config_from_hf(hf_config(dense_latent)) == dense_latent.with_(aux_loss_coef=0.0)
+    # DeepSeek-V2's router (softmax scores as they are, scaled; groups scored by their best) over the same attention
+    v2 = deepseek.with_(router="softmax", expert_bias=False, expert_bias_rate=0.0, renormalize_gates=False,
+                        expert_groups=4, groups_per_token=2, group_score_top=1, routed_scale=16.0)
+    for shape in (v2, v2.with_(expert_groups=1, groups_per_token=None, q_lora_rank=0)):
+        assert layout_of(shape) == "deepseek_v2" and config_from_hf(hf_config(shape)) == shape.with_(aux_loss_coef=0.0)
+    assert hf_config(v2)["topk_method"] == "group_limited_greedy" and "rope_interleave" not in hf_config(v2)
+    for bad, word in ((v2.with_(renormalize_gates=True), "renormalised gates"), (v2.with_(group_score_top=2), "best"),
+                      (deepseek.with_(group_score_top=1, expert_groups=4, groups_per_token=2), "two best"),
+                      (v2.with_(mtp_depth=1), "multi-token")):
+        with pytest.raises(ConfigError, match=word):
+            layout_of(bad)
     for bad, word in ((deepseek.with_(router="softmax"), "softmax"), (deepseek.with_(norm="layernorm"), "bias-free"),
                       (deepseek.with_(rope_scaling=(8.0, 1.0, 4.0, 64)), "scaling")):
         with pytest.raises(ConfigError, match=word):
@@ -348,6 +365,13 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
         "tiny-deepseek").with_(expert_groups=4, groups_per_token=2, routed_scale=2.5, aux_loss_coef=0.0,
                                expert_bias_rate=0.0)
     assert config_from_hf({**deepseek, "norm_topk_prob": False}).renormalize_gates is False
+    v2 = {**deepseek, "model_type": "deepseek_v2", "topk_method": "group_limited_greedy", "n_group": 4,
+          "topk_group": 2, "norm_topk_prob": False}
+    assert config_from_hf(v2).group_score_top == 1 and config_from_hf(v2).router == "softmax"
+    for change, word in (({"topk_method": "noaux_tc"}, "topk_method"), ({"norm_topk_prob": True}, "norm_topk_prob"),
+                         ({"mlp_bias": True}, "biases")):
+        with pytest.raises(ConfigError, match=word):
+            config_from_hf({**v2, **change})
     for change, word in (({"norm_topk_prob": 0}, "norm_topk_prob"),
                          ({"rope_interleave": False}, "rope_interleave"), ({"num_key_value_heads": 2}, "fewer"),
                          ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0}},

@@ -212,7 +212,8 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
                                                ("smollm3", "SmolLM3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
                                                ("glm4_moe", "Glm4MoeForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
                                                ("minimax_m2", "MiniMaxM2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
-                                               ("olmoe", "OlmoeForCausalLM")])
+                                               ("olmoe", "OlmoeForCausalLM"),
+                                               ("deepseek_v2_groups", "DeepseekV2ForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
@@ -231,6 +232,9 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
         assert [config.layer_rotates(layer) for layer in range(4)] == [True, False, True, False]
     elif shape == "minimax_m2":
         assert (config.rotary_dim, config.qk_norm_whole, config.router, config.expert_bias) == (12, True, "sigmoid", True)
+    elif shape == "deepseek_v2_groups":
+        assert (config.router, config.renormalize_gates, config.group_score_top, config.groups_per_token,
+                config.routed_scale) == ("softmax", False, 1, 2, 16.0)
     elif shape == "olmoe":
         assert (config.qk_norm_whole, config.pre_norms, config.renormalize_gates, config.n_experts) == (True, True,
                                                                                                          False, 4)
@@ -292,7 +296,7 @@ def test_new_layouts_config_fields_of_any_type_are_refused_in_one_line():
             config_from_hf(broken)
 
 
-def test_glm45_minimax_m2_and_olmoe_shaped_configs_count_the_published_parameters(tmp_path):
+def test_published_moe_configs_count_the_published_parameters(tmp_path):
     """GLM-4.5's and GLM-4.5-Air's shapes (arXiv 2508.06471, Table 1: 92 and 46 layers, 3 and 1 of them dense, 160
     and 128 experts of 8 routed per token plus one shared, 96 query heads of 128 and 8 key/value heads, widths 5,120 and
     4,096, one multi-token prediction layer; their dense and expert widths and vocabulary as transformers'
@@ -320,6 +324,25 @@ def test_glm45_minimax_m2_and_olmoe_shaped_configs_count_the_published_parameter
     assert result.exit_code == 0, result.output
     counted = json.loads(result.stdout)["parameters"]
     assert (round(counted["total"] / 1e9, 2), round(counted["active"] / 1e9, 2)) == (6.92, 1.28), counted
+    # DeepSeek-V2-Lite's and DeepSeek-V2's (arXiv 2405.04434, sections 3.1.2 and appendix B): 15.7B and 236B
+    # parameters, 2.4B and 21B active, which count the head and not the embedding (ours 15.71B, 235.74B; 2.45B and
+    # 20.85B)
+    lite = {"model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+            "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "kv_lora_rank": 512,
+            "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+            "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+            "max_position_embeddings": 32768, "tie_word_embeddings": False, "topk_method": "greedy"}
+    v2 = {**lite, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+          "num_hidden_layers": 60, "num_attention_heads": 128, "q_lora_rank": 1536, "n_routed_experts": 160,
+          "n_group": 8, "topk_group": 3, "routed_scaling_factor": 16.0, "topk_method": "group_limited_greedy"}
+    for shape, (total, active) in ((lite, (15.7e9, 2.4e9)), (v2, (236e9, 21e9))):
+        (tmp_path / "v2.json").write_text(json.dumps(shape))
+        result = invoke("simulate", "--model", str(tmp_path / "v2.json"), "--seq-len", "4096", "--gpus", "64",
+                        "--gpu", "h100-sxm", "--ep", "8", "--json")
+        assert result.exit_code == 0, result.output
+        counted = json.loads(result.stdout)["parameters"]
+        assert abs(counted["total"] - total) <= 0.01 * total and abs(
+            counted["active"] - counted["embedding"] - active) <= 0.03 * active, counted
     for shape, (total, active) in ((air, (106e9, 12e9)), (full, (355e9, 32e9)), (minimax, (230e9, 10e9))):
         (tmp_path / "glm.json").write_text(json.dumps(shape))
         result = invoke("simulate", "--model", str(tmp_path / "glm.json"), "--seq-len", "4096", "--gpus", "64",

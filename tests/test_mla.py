@@ -123,6 +123,26 @@ def test_a_token_chooses_its_experts_from_its_best_groups():
     assert not torch.equal(ungrouped.route(x)[0], expert_ids)  # the limit changes some tokens' choices
 
 
+def test_deepseek_v2s_groups_are_scored_by_their_best_expert():
+    """DeepSeek-V2's device-limited routing (group_score_top 1): the groups whose best softmax score is highest, the
+    chosen scores as they are, scaled; other tokens' choices than the sum of two best gives."""
+    torch.manual_seed(2)
+    v2 = GROUPED.with_(n_layers=2, router="softmax", expert_bias=False, expert_bias_rate=0.0, renormalize_gates=False,
+                       group_score_top=1, n_experts=16, expert_groups=8, groups_per_token=2)
+    moe = GPT(v2).blocks[1].mlp
+    x = torch.randn(3, v2.seq_len, v2.d_model)
+    expert_ids, gates, _, _ = moe.route(x)
+    scores = moe.router(x).float().softmax(-1)
+    best = scores.unflatten(-1, (8, 2)).amax(-1).topk(2, dim=-1).indices
+    assert ((expert_ids // 2).unsqueeze(-1) == best.unsqueeze(-2)).any(-1).all()
+    torch.testing.assert_close(gates, 2.5 * scores.gather(-1, expert_ids), rtol=0, atol=0)
+    summed = GPT(v2.with_(group_score_top=2)).blocks[1].mlp
+    summed.load_state_dict(moe.state_dict())
+    assert not torch.equal(summed.route(x)[0], expert_ids)
+    with pytest.raises(ConfigError, match="groups of 3 or more"):
+        v2.with_(group_score_top=3)
+
+
 def test_latent_attention_shapes_are_checked():
     with pytest.raises(ConfigError, match="rope_head_dim"):
         MODEL.with_(rope_head_dim=0)

@@ -53,6 +53,10 @@ MODELS = {
     "olmoe": preset("tiny-moe").with_(seq_len=32, n_layers=2, n_kv_heads=2, qk_norm=True, qk_norm_whole=True,
                                        mlp="swiglu", norm="rmsnorm", positions="rope", bias=False,
                                        renormalize_gates=False, aux_loss_coef=0.01),
+    # DeepSeek-V2's routing: each token's 2 experts from its best 2 of 4 groups, each group scored by its best
+    # expert, the softmax scores as they are, x 2
+    "v2-routing": preset("tiny-moe").with_(seq_len=32, n_layers=2, renormalize_gates=False, expert_groups=4,
+                                            groups_per_token=2, group_score_top=1, routed_scale=2.0),
 }
 TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
 LAYOUTS = {
@@ -69,7 +73,8 @@ LAYOUTS = {
         "ep2-full-recompute": ("top2-drop", dict(dp=2, ep=2, micro_batches=2, recompute="full")),
         "biased-tp2-sp": ("biased", dict(tp=2, sequence_parallel=True, micro_batches=2)),
         "biased-ep2-over-cp2": ("biased", dict(cp=2, ep=2)),
-        "olmoe-tp2-sp": ("olmoe", dict(tp=2, sequence_parallel=True, micro_batches=2))},
+        "olmoe-tp2-sp": ("olmoe", dict(tp=2, sequence_parallel=True, micro_batches=2)),
+        "v2-routing-ep2": ("v2-routing", dict(dp=2, ep=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
         "ep2-dp4-zero3": ("top1-drop", dict(dp=4, ep=2, zero=3, micro_batches=2)),

@@ -134,7 +134,7 @@ EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts":
                  "aux_loss_coef": "aux_loss_coef", "z_loss_coef": "z_loss_coef", "expert_groups": "expert_groups",
                  "groups_per_token": "groups_per_token", "routed_scale": "routed_scale", "expert_bias": "expert_bias",
                  "expert_bias_rate": "expert_bias_rate", "router_bias": "router_bias",
-                 "renormalize_gates": "renormalize_gates"}
+                 "renormalize_gates": "renormalize_gates", "group_score_top": "group_score_top"}
 
 
 def expert_options() -> list:
@@ -162,6 +162,9 @@ def expert_options() -> list:
         click.option("--groups-per-token", "groups_per_token", type=int,
                      help="Each token's experts from its best this many groups (DeepSeek-V3's node-limited routing: "
                           "4) [default: all]."),
+        click.option("--group-score-top", "group_score_top", type=int,
+                     help="Each group scored by the sum of its this many best experts' scores (DeepSeek-V3: 2; "
+                          "DeepSeek-V2: 1, its best) [default: 2]."),
         click.option("--routed-scale", "routed_scale", type=float,
                      help="The chosen gates multiplied by this (DeepSeek-V3: 2.5) [default: 1]."),
         click.option("--expert-bias/--no-expert-bias", "expert_bias", default=None,

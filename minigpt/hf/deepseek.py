@@ -1,5 +1,6 @@
 """DeepSeek-V3's transformers layout (DeepseekV3ForCausalLM, model_type "deepseek_v3"), both ways: multi-head latent
-attention and DeepSeek's experts.
+attention and DeepSeek's experts; and DeepSeek-V2's (DeepseekV2ForCausalLM, "deepseek_v2": DeepSeek-V2, -V2-Lite,
+-V2.5, -Coder-V2), the same attention and names with a softmax router (below).
 
 Attention (minigpt/model.py's LatentAttention): our down projection's rows are q_a_proj's (the query latent) then
 kv_a_proj_with_mqa's (the key/value latent, then the rotated key); q_norm and kv_norm are q_a_layernorm and
@@ -16,6 +17,11 @@ as the checkpoints store them (minigpt/hf/moe.py's). minigpt's router computes t
 (e_score_correction_bias, DeepSeek's auxiliary-loss-free balancing: minigpt's expert_bias) included. A model read
 from the layout chooses with its bias, frozen (expert_bias_rate 0, as DeepSeek-V3's last 500B tokens) unless the run
 gives --expert-bias-rate; a model without a bias is written with zeros, which choose as none.
+DeepSeek-V2's router (transformers' DeepseekV2TopkRouter) takes the top_k of the softmax scores, as they are (its
+norm_topk_prob is not read by transformers: a config.json that sets it is refused), times routed_scaling_factor;
+topk_method "greedy" is ungrouped, "group_limited_greedy" limits each token to its topk_group best of n_group groups,
+each scored by its best expert (minigpt's group_score_top 1; V3's, 2). It has no choice bias and no multi-token
+prediction; its rotated columns are always DeepSeek's neighbouring pairs.
 Torch-free except the tensor functions.
 """
 
@@ -25,39 +31,64 @@ from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
 from minigpt.hf.moe import config_number, refuse_unless
 
-ARCHITECTURE = "DeepseekV3ForCausalLM"
-# the model_types read as this layout: DeepSeek-V3's, and Kimi K2's, whose checkpoints are DeepseekV3ForCausalLM's
-# under a model_type of their own (Moonshot AI's deployment guide: set it to "deepseek_v3" where "kimi_k2" is unknown)
-DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
-DEEPSEEK_EXPERTS = ("deepseek_v3", "glm4_moe")  # the layouts with DeepSeek's experts and multi-token prediction
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+MLA_LAYOUTS = tuple(ARCHITECTURES)  # the layouts of multi-head latent attention
+# the model_types read as these layouts: DeepSeek-V3's, DeepSeek-V2's, and Kimi K2's, whose checkpoints are
+# DeepseekV3ForCausalLM's under a model_type of their own (Moonshot AI's deployment guide: set it to "deepseek_v3"
+# where "kimi_k2" is unknown)
+DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
+DEEPSEEK_EXPERTS = ("deepseek_v3", "deepseek_v2", "glm4_moe")  # the layouts with DeepSeek's (shared) experts
+MTP_LAYOUTS = ("deepseek_v3", "glm4_moe")  # and with its multi-token prediction
 ATTENTION = "self_attn."
 
 
-def check_deepseek(config: GPTConfig) -> None:
-    """ConfigError unless DeepSeek-V3's layout holds `config` (a shape with multi-head latent attention)."""
+def deepseek_layout(config: GPTConfig) -> str:
+    """"deepseek_v3" or "deepseek_v2", the layout holding `config` (a shape with multi-head latent attention): V2's
+    for experts chosen by softmax scores; ConfigError unless one holds it."""
     def refuse(why: str) -> None:
-        raise ConfigError(f"multi-head latent attention is written in transformers' DeepSeek-V3 layout, which cannot "
-                          f"hold {why}")
+        raise ConfigError(f"multi-head latent attention is written in transformers' DeepSeek-V3 or DeepSeek-V2 "
+                          f"layout, which cannot hold {why}")
     if (config.norm, config.mlp, config.positions) != ("rmsnorm", "swiglu", "rope") or config.bias:
         refuse("this block (it is a bias-free rmsnorm + swiglu + rope block)")
     if config.rope_scaling is not None:
         refuse("Llama 3.1's rotary scaling")
-    if config.is_moe and config.router != "sigmoid":
-        refuse("a softmax router (its router's scores are sigmoids)")
+    limited = config.groups_per_token not in (None, config.expert_groups)
+    if not config.is_moe or config.router == "sigmoid":
+        if limited and config.group_score_top != 2:
+            refuse("groups scored other than by their two best sigmoid scores (DeepSeek-V3's)")
+        return "deepseek_v3"
+    if config.expert_bias or config.gates_renormalised or config.mtp_depth or config.router_bias:
+        refuse("a softmax router with a choice bias, renormalised gates, a router bias or multi-token prediction "
+               "(DeepSeek-V2's router keeps the chosen scores, scaled, and has none of them)")
+    if limited and config.group_score_top != 1:
+        refuse("groups scored other than by their best softmax score (DeepSeek-V2's group_limited_greedy)")
+    return "deepseek_v2"
 
 
 def deepseek_hf_config(config: GPTConfig, common: dict, rope_fields) -> dict:
-    """config.json of the DeepSeek-V3 model holding `config` (`common`: the fields every layout writes; `rope_fields`:
-    the layouts' writer of its rotation)."""
+    """config.json of the DeepSeek-V3 or -V2 model holding `config` (`common`: the fields every layout writes;
+    `rope_fields`: the layouts' writer of its rotation)."""
+    layout = deepseek_layout(config)
+    fields = _mla_fields(config, rope_fields) | experts_hf_fields(config)
+    if layout == "deepseek_v3":
+        return {"architectures": [ARCHITECTURES[layout]], "model_type": layout, **common, **fields,
+                "rope_interleave": True}
+    limited = config.groups_per_token not in (None, config.expert_groups)
+    v2 = {key: value for key, value in fields.items() if key not in ("num_mtp_layers", "num_nextn_predict_layers")}
+    return {"architectures": [ARCHITECTURES[layout]], "model_type": layout, **common, **v2,
+            "topk_method": "group_limited_greedy" if limited else "greedy", "norm_topk_prob": False}
+
+
+def _mla_fields(config: GPTConfig, rope_fields) -> dict:
+    """The config.json fields of the latent attention's block (both layouts')."""
     return {
-        "architectures": [ARCHITECTURE], "model_type": "deepseek_v3", **common,
         "max_position_embeddings": config.seq_len, "hidden_size": config.d_model, "intermediate_size": config.d_ff,
         "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_heads, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-        "attention_bias": False, "attention_dropout": config.dropout, **rope_fields(config), "rope_interleave": True,
+        "attention_bias": False, "attention_dropout": config.dropout, **rope_fields(config),
         "kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank or None,
         "qk_rope_head_dim": config.rope_head_dim, "qk_nope_head_dim": config.head_dim,
-        "v_head_dim": config.v_head_dim, **experts_hf_fields(config),
+        "v_head_dim": config.v_head_dim,
     }
 
 
@@ -76,8 +107,8 @@ def experts_hf_fields(config: GPTConfig) -> dict:
 
 
 def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfig:
-    """The GPTConfig of a DeepSeek-V3 config.json (`rope`: the caller's reader of its rotary base and scaling);
-    ConfigError naming what minigpt would compute differently."""
+    """The GPTConfig of a DeepSeek-V3 or -V2 config.json (`rope`: the caller's reader of its rotary base and
+    scaling); ConfigError naming what minigpt would compute differently."""
     theta, scaling = rope(hf)
     refuse_unless("rope_scaling" not in scaling, "its rotary embedding is scaled as Llama 3.1's, not by YaRN")
     refuse_unless(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias"),
@@ -98,7 +129,21 @@ def deepseek_config(hf: dict, tied: bool, seq_len: int | None, rope) -> GPTConfi
                      d_head=config_number(hf, "qk_nope_head_dim"), kv_lora_rank=config_number(hf, "kv_lora_rank"),
                      q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=config_number(hf, "qk_rope_head_dim"),
                      d_value=None if values == hf.get("qk_nope_head_dim") else values,
-                     **experts_fields(hf, layers))
+                     **(experts_fields(hf, layers) | _v2_routing(hf, layers)))
+
+
+def _v2_routing(hf: dict, layers: int) -> dict:
+    """DeepSeek-V2's routing fields over DeepSeek-V3's (none for a V3 config.json or a dense V2)."""
+    if hf.get("model_type") != "deepseek_v2" or config_number(hf, "first_k_dense_replace", 0) >= layers:
+        return {}
+    method = hf.get("topk_method") or "greedy"
+    refuse_unless(method in ("greedy", "group_limited_greedy"), f"its topk_method is {method!r}: minigpt reads "
+                                                                 f"DeepSeek-V2's greedy and group_limited_greedy")
+    refuse_unless(hf.get("norm_topk_prob") in (None, False), "its norm_topk_prob asks the chosen gates renormalised, "
+                                                              "which transformers' DeepSeek-V2 does not do")
+    refuse_unless(not hf.get("mlp_bias"), "its MLPs have biases")
+    groups = {} if method == "group_limited_greedy" else {"expert_groups": 1, "groups_per_token": None}
+    return {"router": "softmax", "expert_bias": False, "renormalize_gates": False, "group_score_top": 1, **groups}
 
 
 def experts_fields(hf: dict, layers: int) -> dict:
@@ -113,7 +158,7 @@ def experts_fields(hf: dict, layers: int) -> dict:
         "d_expert": config_number(hf, "moe_intermediate_size"),
         "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid",
         "routed_scale": float(config_number(hf, "routed_scaling_factor", 1.0)),
-        "expert_groups": config_number(hf, "n_group", 1) or 1, "groups_per_token": _groups_per_token(hf),
+        "expert_groups": config_number(hf, "n_group", 1) if hf.get("n_group") is not None else 1, "groups_per_token": _groups_per_token(hf),
         "expert_bias": True, "renormalize_gates": renormalised}
 
 

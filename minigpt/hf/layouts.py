@@ -41,7 +41,8 @@ from __future__ import annotations
 
 from minigpt.config import GPTConfig, block_name
 from minigpt.errors import ConfigError
-from minigpt.hf.deepseek import (DEEPSEEK_EXPERTS, DEEPSEEK_TYPES, attention_names, check_deepseek, deepseek_config,
+from minigpt.hf.deepseek import (DEEPSEEK_EXPERTS, DEEPSEEK_TYPES, MLA_LAYOUTS, MTP_LAYOUTS, attention_names,
+                                 deepseek_config, deepseek_layout,
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
 from minigpt.hf.gemma import check_gemma, gemma_config, gemma_hf_config, gemma_names, is_gemma, norm_gain
@@ -65,11 +66,12 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of t
 
 def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "phi3", "smollm3", "qwen2", "qwen3", "gemma3_text",
-    "olmo2", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3" or "gpt_oss": the transformers layout
+    "olmo2", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2" or "gpt_oss": the
+    transformers layout
     that holds
     `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
-    if config.mtp_depth and layout not in DEEPSEEK_EXPERTS:
+    if config.mtp_depth and layout not in MTP_LAYOUTS:
         raise ConfigError(f"multi-token prediction modules are written in DeepSeek-V3's or GLM-4.5's layout (as "
                           f"their checkpoints hold them), which cannot hold this {layout} shape")
     if config.nope_every and layout != "smollm3" or config.rope_longrope is not None and layout != "phi3" \
@@ -92,8 +94,7 @@ def layout_of(config: GPTConfig) -> str:
 def _block_layout(config: GPTConfig) -> str:
     """The layout of `config`'s block (layout_of's before the window)."""
     if config.is_mla:
-        check_deepseek(config)
-        return "deepseek_v3"
+        return deepseek_layout(config)
     if config.is_moe and config.qk_norm_whole and config.router == "softmax":  # OLMoE's, before MiniMax-M2's
         return moe_layout(config)
     if is_minimax(config):  # before OLMo 2's: their q/k norms are the same
@@ -149,7 +150,7 @@ def hf_config(config: GPTConfig) -> dict:
     """config.json of the transformers model holding `config` (layout_of's), dropout as the run's."""
     common = {"vocab_size": config.vocab_size, "tie_word_embeddings": config.tied_head, "dtype": "float32",
               "bos_token_id": None, "eos_token_id": None}
-    if layout_of(config) == "deepseek_v3":
+    if layout_of(config) in MLA_LAYOUTS:
         return deepseek_hf_config(config, common, rope_fields)
     if layout_of(config) == "gpt_oss":
         return gpt_oss_hf_config(config, common, rope_fields, layer_types(config))
@@ -234,7 +235,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
                           f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', 'olmoe', "
-                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' "
+                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'deepseek_v2', 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' "
                           f"and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
@@ -303,7 +304,7 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
     for i in range(config.n_layers + config.mtp_depth):  # a multi-token prediction module's block past them
         ours, theirs = block_name(i, config.n_layers), f"{base}{'h' if gpt2 else 'layers'}.{i}."
         moe = config.is_moe_layer(i)  # a router and experts in place of the dense MLP
-        if layout == "deepseek_v3":  # Llama's norms and MLP names, the latent attention's own
+        if layout in MLA_LAYOUTS:  # Llama's norms and MLP names, the latent attention's own
             table |= {**_llama_block(ours, theirs, config, mlp=not moe, attention=False),
                       **attention_names(config, ours, theirs)}
         else:
@@ -382,7 +383,7 @@ def to_hf(state: dict, config: GPTConfig, gradients: bool = False) -> dict:
             tensor = torch.zeros(rows, dtype=state["tok_emb.weight"].dtype)
         if gpt2 and _conv1d(ours):
             tensor = tensor.t()
-        if layout == "deepseek_v3":  # its rotated rows in DeepSeek's neighbouring pairs
+        if layout in MLA_LAYOUTS:  # its rotated rows in DeepSeek's neighbouring pairs
             tensor = interleaved(tensor, config, ours, to_hf=True)
         tensor = rotation_moved(tensor, config, ours, to_hf=True)  # a partial rotation's columns first, as theirs
         if layout == "gemma3_text" and not gradients:  # its norms' weights are the gains less 1
@@ -451,7 +452,7 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
     for ours, theirs in names(config).items():
         pieces = [found(name) for name in theirs]
         tensor = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        if layout == "deepseek_v3":  # its rotated rows back in our rotate-half pairs
+        if layout in MLA_LAYOUTS:  # its rotated rows back in our rotate-half pairs
             tensor = interleaved(tensor, config, ours, to_hf=False)
         tensor = rotation_moved(tensor, config, ours, to_hf=False)  # a partial rotation's columns last, as ours
         if layout == "gemma3_text":

@@ -26,11 +26,12 @@ from minigpt.errors import ConfigError
 # transformers' names of one expert's three projections: (gate, up, down), and where a block's experts and router are
 PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
                "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),  # DeepSeek-V3's: minigpt/hf/deepseek.py
+               "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
                "glm4_moe": ("gate_proj", "up_proj", "down_proj"),  # GLM-4.5's: minigpt/hf/glm.py
                "minimax_m2": ("w1", "w3", "w2"),  # MiniMax-M2's (Mixtral's names): minigpt/hf/minimax.py
                "olmoe": ("gate_proj", "up_proj", "down_proj")}
-MLP_NAME = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "deepseek_v3": "mlp", "glm4_moe": "mlp",
-            "minimax_m2": "block_sparse_moe", "olmoe": "mlp"}
+MLP_NAME = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "deepseek_v3": "mlp", "deepseek_v2": "mlp",
+            "glm4_moe": "mlp", "minimax_m2": "block_sparse_moe", "olmoe": "mlp"}
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
