@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minigpt.config import OP_RECOMPUTE, RECOMPUTE_MODES, GPTConfig
-from minigpt.data import VOCAB_SIZE, BatchLayout
+from minigpt.data import VOCAB_SIZE, BatchLayout, mixture_shares
 from minigpt.tokenizer import BYTES, load_tokenizer
 from minigpt.errors import (
     ConfigError, check_output_path, check_path_given, check_positive_int, check_seed, check_threads_per_rank,
@@ -207,7 +207,8 @@ class TrainConfig:
     eval_every: int | None = None  # None: five evaluations over the run; 0: only at the end
     eval_batches: int = 4
     seed: int = 0
-    data: str | None = None  # None: the embedded corpus
+    data: tuple[str, ...] = ()  # text files or token directories (none: the embedded corpus; several: a mixture)
+    data_weights: tuple[float, ...] = ()  # the mixture's shares, one per source (none: their training tokens')
     init_from: str | None = None  # a Hugging Face model directory whose weights the run starts from (minigpt/hf/layouts.py)
     # "bytes" or a Hugging Face tokenizer.json (minigpt/tokenizer.py): the corpus is read in its ids, which the model's
     # vocabulary must hold; a run's copy of it is out_dir/tokenizer.json
@@ -340,7 +341,15 @@ class TrainConfig:
 
     def check_paths(self) -> None:
         check_output_path("--out", self.out_dir, "a directory path")
-        check_path_given("--data", self.data, "a text file's path")
+        if not isinstance(self.data, tuple):
+            raise ConfigError(f"data must be a tuple of paths, got {self.data!r}")
+        for path in self.data:
+            check_path_given("--data", path, "a text file's path")
+        if self.data_weights and (len(self.data) < 2 or len(self.data_weights) != len(self.data)):
+            raise ConfigError(f"--data-weights gives {len(self.data_weights)} weights for {len(self.data)} --data "
+                              f"source(s): give one weight per source, two sources or more")
+        if self.data_weights:
+            mixture_shares(self.data_weights)
         if self.out_dir is not None and Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError(f"--out {self.out_dir!r} exists and is not a directory")
 

@@ -125,15 +125,26 @@ def check_text_file(path: str | Path, seq_len: int, tokenizer=None) -> None:
 
 @dataclass(frozen=True)
 class Corpus:
-    """A token stream split into train (first 90%) and validation (last 10%)."""
+    """A token stream split into train (first 90%) and validation (last 10%); of several sources, a Mixture of
+    theirs."""
 
-    train: torch.Tensor  # uint8 bytes; int16 or int32 ids of another tokenizer
+    train: torch.Tensor  # uint8 bytes; int16 or int32 ids of another tokenizer; or a Mixture
     val: torch.Tensor
     source: str
 
     @classmethod
-    def load(cls, path: str | Path | None, seq_len: int, tokenizer=None) -> "Corpus":
-        """The text of `path` (None: the embedded corpus) in `tokenizer`'s ids (minigpt/tokenizer.py; None: bytes)."""
+    def load(cls, path, seq_len: int, tokenizer=None, weights: tuple[float, ...] = ()) -> "Corpus":
+        """The text of `path` (None or (): the embedded corpus; a tuple of several: their Mixture, in `weights`'
+        shares, or their training tokens' where none are given) in `tokenizer`'s ids (minigpt/tokenizer.py; None:
+        bytes)."""
+        if isinstance(path, (tuple, list)) and len(path) > 1:
+            parts = [cls.load(one, seq_len, tokenizer) for one in path]
+            shares = mixture_shares(weights or [len(part.train) for part in parts])
+            source = " + ".join(f"{part.source} ({share:.3g})" for part, share in zip(parts, shares))
+            return cls(train=Mixture(tuple(part.train for part in parts), shares),
+                       val=Mixture(tuple(part.val for part in parts), shares, VAL_STREAM), source=source)
+        if isinstance(path, (tuple, list)):
+            path = path[0] if path else None
         source = "embedded:" + CORPUS_NAME if path is None else str(path)
         if path is not None and is_token_dir(path):  # already encoded: memory-mapped, read as batches need it
             tokens, unit = token_stream(path, tokenizer), "tokens"
@@ -268,6 +279,58 @@ class BatchLayout:
         return range(start, start + self.micro_batch_size)
 
 
+GOLDEN = (math.sqrt(5) - 1) / 2  # the golden ratio's conjugate: the Weyl sequence that spreads a mixture's sources
+
+
+def mixture_shares(weights) -> tuple[float, ...]:
+    """Weights (positive, finite) as shares summing to 1; ConfigError for others."""
+    if not weights or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0
+                          for w in weights):
+        raise ConfigError(f"--data-weights must be numbers above 0, one per --data, got {list(weights)!r}")
+    total = math.fsum(weights)
+    return tuple(w / total for w in weights)
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Several token streams drawn from in fixed shares (Megatron's blended datasets, stateless). Sample n of the
+    stream's sequence (its step times the batch, plus its place) comes from source i where frac((n + 1/2) x phi)
+    falls in [W_{i-1}, W_i), W the shares' running sums and phi the golden ratio's conjugate: a Weyl sequence, so the
+    first N samples (and any N in a row) hold each source within a few samples of its share, and a sample's source
+    is a function of n alone. Its offset in that source is drawn from (seed, step, source): every layout and every
+    resumed run reads the same samples."""
+
+    streams: tuple
+    shares: tuple[float, ...]
+    stream: int = TRAIN_STREAM  # TRAIN_STREAM or VAL_STREAM: which split's random offsets
+
+    def sources(self, first: int, count: int):
+        """The source of samples first .. first + count - 1 (an int64 tensor)."""
+        import torch
+
+        bounds = torch.tensor([math.fsum(self.shares[:i + 1]) for i in range(len(self.shares) - 1)],
+                              dtype=torch.float64)
+        place = torch.frac((torch.arange(first, first + count, dtype=torch.float64) + 0.5) * GOLDEN)
+        return torch.bucketize(place, bounds, right=True)
+
+    def samples(self, seq_len: int, seed: int, step: int, count: int, chosen: range):
+        """(inputs, targets) of the samples `chosen` of a batch of `count` drawn at `step`."""
+        import torch
+
+        sources = self.sources(step * count, count)
+        inputs = torch.empty(len(chosen), seq_len, dtype=torch.int64)
+        targets = torch.empty_like(inputs)
+        for i, tokens in enumerate(self.streams):
+            picked = (sources == i).nonzero().squeeze(1)  # this source's samples of the batch, in order
+            offsets = sample_offsets(len(tokens), seq_len, seed, step, len(picked), 2 + 2 * i + self.stream)
+            keep = [(row, offset) for row, offset in zip(picked.tolist(), offsets) if row in chosen]
+            if keep:
+                rows = torch.tensor([row - chosen.start for row, _ in keep])
+                x, y = slice_samples(tokens, torch.stack([offset for _, offset in keep]), seq_len)
+                inputs[rows], targets[rows] = x, y
+        return inputs, targets
+
+
 def get_batch(
     tokens,
     seq_len: int,
@@ -278,13 +341,18 @@ def get_batch(
     dp_rank: int = 0,
 ) -> tuple:
     """One rank's micro-batch of one step: a pure function of (seed, step, micro_batch, dp_rank)."""
-    offsets = sample_offsets(len(tokens), seq_len, seed, step, layout.global_batch)
     chosen = layout.sample_range(micro_batch, dp_rank)
+    if isinstance(tokens, Mixture):
+        return tokens.samples(seq_len, seed, step, layout.global_batch, chosen)
+    offsets = sample_offsets(len(tokens), seq_len, seed, step, layout.global_batch)
     return slice_samples(tokens, offsets[chosen.start : chosen.stop], seq_len)
 
 
 def validation_batches(tokens, seq_len: int, batch_size: int, n_batches: int, seed: int):
     """A fixed set of validation batches (the same at every evaluation)."""
     for index in range(n_batches):
+        if isinstance(tokens, Mixture):
+            yield tokens.samples(seq_len, seed, index, batch_size, range(batch_size))
+            continue
         offsets = sample_offsets(len(tokens), seq_len, seed, index, batch_size, stream=VAL_STREAM)
         yield slice_samples(tokens, offsets, seq_len)

@@ -19,7 +19,7 @@ from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
-from minigpt.data import check_text_file, is_token_dir
+from minigpt.data import check_text_file, is_token_dir, token_header
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, load_tokenizer
 from parallel.gpu_files import cuda_devices
@@ -50,8 +50,9 @@ def build_train_config(options: dict) -> TrainConfig:
         options = {**options, "tokenizer": resumed_tokenizer(options["tokenizer"], options["out"], chosen)}
     if options["init_from"] is not None and options["tokenizer"] is None:  # the model's own, where it has one
         options = {**options, "tokenizer": hf_tokenizer(options["init_from"])}
-    if is_token_dir(options["data"]) and options["tokenizer"] is None:  # encoded data: the tokenizer that encoded it
-        options = {**options, "tokenizer": hf_tokenizer(options["data"])}
+    encoded = one_tokenizer(options["data"])
+    if encoded is not None and options["tokenizer"] is None:  # encoded data: the tokenizer that encoded it
+        options = {**options, "tokenizer": hf_tokenizer(encoded)}
     model = model_from_hf(options) if options["init_from"] is not None else model_from_options(options)
     dp = data_parallel_size(options)
     cfg = TrainConfig(
@@ -69,7 +70,8 @@ def build_train_config(options: dict) -> TrainConfig:
         eval_every=options["eval_every"],
         eval_batches=options["eval_batches"],
         seed=options["seed"],
-        data=options["data"],
+        data=tuple(options["data"]),
+        data_weights=parse_weights(options["data_weights"]),
         init_from=options["init_from"],
         tokenizer=options["tokenizer"] or BYTES,
         out_dir=options["out"],
@@ -106,8 +108,8 @@ def build_train_config(options: dict) -> TrainConfig:
     if options["precision"] == AUTO:  # the device's format, looked up (torch) once everything else is valid
         cfg = dataclasses.replace(cfg, precision=training_precision(AUTO, cfg.device, cfg.world_size))
     check_loss_scale_flags(cfg.precision)
-    if cfg.data is not None:
-        check_text_file(cfg.data, model.seq_len, load_tokenizer(cfg.tokenizer))
+    for path in cfg.data:
+        check_text_file(path, model.seq_len, load_tokenizer(cfg.tokenizer))
     if cfg.out_dir is None:
         cfg = dataclasses.replace(cfg, out_dir=str(default_run_dir(cfg)))
     return cfg
@@ -221,6 +223,30 @@ def parse_loss_scale(text: str) -> float | None:
         raise ConfigError(f"--loss-scale must be 'dynamic' or a number, got {text!r}") from None
 
 
+def one_tokenizer(sources) -> str | None:
+    """The first token directory among the --data sources (None: none); ConfigError where two were encoded by
+    different tokenizers (a mixture is read in one tokenizer's ids)."""
+    encoded = [path for path in sources if is_token_dir(path)]
+    tokenizers = {path: token_header(path)["tokenizer"] for path in encoded}
+    for path, tokenizer in tokenizers.items():
+        if tokenizer["fingerprint"] != tokenizers[encoded[0]]["fingerprint"]:
+            raise ConfigError(f"--data {encoded[0]!r} and {path!r} were encoded by different tokenizers "
+                              f"({tokenizers[encoded[0]].get('name')!r}, {tokenizer.get('name')!r}): a mixture is read "
+                              f"in one tokenizer's ids; encode every source with one")
+    return encoded[0] if encoded else None
+
+
+def parse_weights(text: str | None) -> tuple[float, ...]:
+    """--data-weights' comma-separated numbers (none: ())."""
+    if text is None:
+        return ()
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--data-weights must be numbers separated by commas (one per --data), got {text!r}") \
+            from None
+
+
 def format_step(record: dict) -> str:
     line = (
         f"step {record['step']:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
@@ -296,8 +322,11 @@ def mib(n: int) -> str:
 @click.option("--eval-every", type=int, help="Steps between validations [default: 5 per run; 0: at the end].")
 @click.option("--eval-batches", default=4, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--data", type=str, help="A UTF-8 text file, or a token directory (`minigpt tokenizer encode`: "
-              "memory-mapped, its tokenizer the run's unless --tokenizer) [default: the embedded Shakespeare corpus].")
+@click.option("--data", type=str, multiple=True, help="A UTF-8 text file, or a token directory (`minigpt tokenizer "
+              "encode`: memory-mapped, its tokenizer the run's unless --tokenizer); given again, a mixture of the "
+              "sources [default: the embedded Shakespeare corpus].")
+@click.option("--data-weights", "data_weights", type=str, metavar="W1,W2,...", help="The mixture's weights, one per "
+              "--data (normalised to shares) [default: each source's training tokens].")
 @click.option("--init-from", "init_from", type=str, metavar="DIR", help="Start from the weights and shape of a Hugging "
               "Face model directory (transformers' GPT-2 or Llama: config.json, model.safetensors; `minigpt export` "
               "writes one); the optimizer starts fresh.")

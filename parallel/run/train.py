@@ -191,7 +191,7 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
     """One rank's run. With cfg.resume, `checkpoint` is the one the launching process verified
     (None: the newest that verifies, verified again here)."""
     mesh = build_mesh(cfg.pp, cfg.dp, cfg.tp, device, cfg.cp, cfg.shard_group)
-    corpus = Corpus.load(cfg.data, cfg.model.seq_len, load_tokenizer(cfg.tokenizer))
+    corpus = Corpus.load(cfg.data, cfg.model.seq_len, load_tokenizer(cfg.tokenizer), cfg.data_weights)
     policy = precision_policy(cfg.precision)
     rank = build_rank(cfg, mesh, device, policy)
     # Emulated 16-bit matmuls run as fp32 matmuls, so the CPU's fp32 rate is their peak.
