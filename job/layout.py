@@ -227,6 +227,7 @@ def _moe_tensors(model: GPTConfig) -> list[Tensor]:
         tensors += [Tensor("mlp.shared.fc1.bias", shared * model.expert_in_width, True)] if bias else []
         tensors.append(Tensor("mlp.shared.fc2.weight", d * shared * model.expert_width, True))
         tensors += [Tensor("mlp.shared.fc2.bias", d, True)] if bias else []
+        tensors += [Tensor("mlp.shared.gate.weight", d, True)] if model.shared_expert_gate else []
     return tensors
 
 

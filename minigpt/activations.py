@@ -136,7 +136,8 @@ class ActivationArithmetic:
         (its expert, its token, its place in the sorted order). Per token, in fp32: the router scores (E), and
         when the gates are renormalised the chosen scores (top_k) and their sum; a sigmoid router's balance
         loss its sum of scores; the z-loss the logits (E) and their log-sum-exp. The shared experts keep what
-        a dense MLP of their width keeps. The norm output feeding the router is the block's (its 4d)."""
+        a dense MLP of their width keeps, and with a gate their output and the gate (Qwen2-MoE's). The norm output
+        feeding the router is the block's (its 4d)."""
         b, e, k, experts = dtype_bytes, self.expert_width, self.top_k, self.n_experts
         hidden = self.mlp_saved_widths * e
         routed = k * (b * (2 * self.d_model + hidden + 1) + 3 * 8)
@@ -148,6 +149,8 @@ class ActivationArithmetic:
         if self.z_loss_coef:
             scores += 4 * (experts + 1)
         shared = self.n_shared_experts * b * hidden
+        if self.shared_expert_gate:  # their output and its gate, sigmoid(x . w), for the product's backward
+            shared += b * (self.d_model + 1)
         return routed + scores + shared
 
     def moe_activation_bytes_per_sequence(self) -> int:

@@ -53,7 +53,8 @@ class FlopArithmetic:
         if not (self.is_moe if moe is None else moe):
             return 2 * (d * self.mlp_in_width + self.d_ff * d)
         expert = 2 * (d * self.expert_in_width + self.expert_width * d)
-        return 2 * d * self.n_experts + (self.top_k + self.n_shared_experts) * expert
+        gate = 2 * d if self.shared_expert_gate else 0  # Qwen2-MoE's shared experts' gate, d -> 1
+        return 2 * d * self.n_experts + (self.top_k + self.n_shared_experts) * expert + gate
 
     def block_forward_flops_per_token(self, moe: bool | None = None) -> int:
         """Matmul FLOPs of one block's forward pass, per token (`moe` as in block_params)."""
@@ -146,11 +147,13 @@ class ParameterArithmetic:
         return (self.d_model + int(self.router_bias)) * self.n_experts
 
     def shared_expert_params(self) -> int:
-        """The shared experts, one MLP of width n_shared_experts x expert_width (DeepSeek's), so one output bias."""
+        """The shared experts, one MLP of width n_shared_experts x expert_width (DeepSeek's), so one output bias, and
+        its gate's d weights (Qwen2-MoE's shared_expert_gate)."""
         d, shared, bias = self.d_model, self.n_shared_experts, int(self.bias)
         if shared == 0:
             return 0
-        return shared * (d * self.expert_in_width + bias * self.expert_in_width + self.expert_width * d) + bias * d
+        mlp = shared * (d * self.expert_in_width + bias * self.expert_in_width + self.expert_width * d) + bias * d
+        return mlp + (d if self.shared_expert_gate else 0)
 
     def moe_mlp_params(self, active: bool = False) -> int:
         """A MoE MLP: router, routed experts (only the top_k a token uses when `active`) and shared experts."""

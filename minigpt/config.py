@@ -115,6 +115,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     d_expert: int | None = None  # each expert's MLP width (None: d_ff); SwiGLU experts have two of these inputs
     n_shared_experts: int = 0  # experts every token goes through, of width d_expert each (DeepSeek)
     dense_layers: int = 0  # the first blocks keep the dense MLP of width d_ff (DeepSeek-V3: 3)
+    shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x . w), w learned (Qwen2-MoE's)
     router: str = "softmax"  # softmax then top-k; "sigmoid": sigmoid scores, top-k, renormalised (DeepSeek-V3)
     router_bias: bool = False  # a bias on the router's logits, which choose and weigh (GPT-OSS's)
     # the chosen gates renormalised to sum to 1 when top_k > 1 or the router is a sigmoid (Mixtral, Qwen3-MoE,
@@ -361,6 +362,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
                 scaled += f", choice bias (rate {self.expert_bias_rate:g})"
             scaled += ", router bias" if self.router_bias else ""
             scaled += ", gates not renormalised" if not self.renormalize_gates else ""
+            scaled += ", shared gated" if self.shared_expert_gate else ""
             mlp = f"{self.n_experts} {kind} experts of {self.expert_width}{shared}, top {self.top_k}{grouped}"
             mlp += scaled + dense
         if self.window_in_use:

@@ -152,7 +152,8 @@ class Experts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """The experts every token goes through, as one MLP of width n_shared x expert_width (DeepSeek's)."""
+    """The experts every token goes through, as one MLP of width n_shared x expert_width (DeepSeek's); with
+    shared_expert_gate its output times sigmoid(x . w) per token (Qwen2-MoE's shared_expert_gate)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -161,9 +162,11 @@ class SharedExperts(nn.Module):
         self.kind = config.mlp
         self.fc1 = nn.Linear(config.d_model, width_in, bias=config.bias)
         self.fc2 = nn.Linear(width, config.d_model, bias=config.bias)
+        self.gate = nn.Linear(config.d_model, 1, bias=False) if config.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.fc1(x), self.kind))
+        out = self.fc2(activation(self.fc1(x), self.kind))
+        return out if self.gate is None else out * torch.sigmoid(self.gate(x))
 
 
 def capacity(config: GPTConfig, seq: int) -> int | None:

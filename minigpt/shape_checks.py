@@ -113,6 +113,9 @@ def _check_groups(config) -> None:
     rate = config.expert_bias_rate
     if not isinstance(config.router_bias, bool):
         raise ConfigError(f"router_bias must be true or false, got {config.router_bias!r}")
+    if not isinstance(config.shared_expert_gate, bool) or (config.shared_expert_gate and not config.n_shared_experts):
+        raise ConfigError(f"shared_expert_gate must be true or false, and true only with shared experts (the output it "
+                          f"gates), got {config.shared_expert_gate!r} with {config.n_shared_experts!r} shared")
     if not isinstance(config.renormalize_gates, bool):
         raise ConfigError(f"renormalize_gates must be true or false, got {config.renormalize_gates!r}")
     if not isinstance(config.expert_bias, bool):

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks),
-    Gemma 3, Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not), OLMoE, DeepSeek-V3 (latent
+    Gemma 3, Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not), Qwen2-MoE, OLMoE, DeepSeek-V3 (latent
     attention, a choice bias far from zero; its gates renormalised or not; also with YaRN, and as Kimi K2 ships it),
     DeepSeek-V2 (the same attention, softmax-routed experts; V2-Lite's, and with V2's device-limited groups and YaRN),
     GLM-4.5 (DeepSeek's experts after grouped-query attention, half of each head turned), OLMo 2 (norms after the
@@ -72,6 +72,10 @@ def transformers_model(shape: str, tmp_path):
         # than width / heads; the chosen scores renormalised (Qwen3's checkpoints) or the gates as they are
         config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
                                              norm_topk_prob=shape == "qwen3_moe", head_dim=24, rms_norm_eps=1e-6)
+    elif shape == "qwen2_moe":  # Qwen2-MoE's (Qwen1.5-MoE's): q, k and v biases, a dense first block, then 2 of 4
+        # experts by their softmax scores as they are, beside a shared expert of two experts' width, gated
+        config = transformers.Qwen2MoeConfig(**moe, num_experts=4, moe_intermediate_size=24,
+                                             shared_expert_intermediate_size=48, mlp_only_layers=[0], rms_norm_eps=1e-6)
     elif shape == "olmoe":  # OLMoE's: Llama's block with q/k norms over all heads, every block 2 of 4 experts whose
         # softmax scores are the gates as they are (norm_topk_prob false, its default)
         config = transformers.OlmoeConfig(**moe, num_experts=4, rms_norm_eps=1e-5, pad_token_id=None,
@@ -200,7 +204,7 @@ def transformers_model(shape: str, tmp_path):
     with torch.no_grad():  # norms' gains (and Qwen2's zero-initialised q/k/v biases, a little) away from their
         for name, param in model.named_parameters():  # initial ones, so that a misplaced one shows
             scale = 0.3 if "norm" in name or "ln" in name or "sinks" in name else \
-                0.05 if shape in ("qwen2", "gpt_oss", "glm4_moe") and "bias" in name else 0
+                0.05 if shape in ("qwen2", "gpt_oss", "glm4_moe", "qwen2_moe") and "bias" in name else 0
             param.add_(scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(4)))
             if shape == "gpt_oss" and name.endswith("gate_up_proj"):  # its gates and ups past the clamp at 7
                 param.mul_(4.0)

@@ -57,13 +57,16 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "minimax_m2": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole", "--head-dim", "24",
                          "--rotary-fraction", "0.5", "--router", "sigmoid", "--expert-bias"],
           # those q/k norms in Llama's block, every block softmax-routed experts whose chosen scores are the gates
-          "olmoe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole", "--no-renormalize-gates"]}
+          "olmoe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole", "--no-renormalize-gates"],
+          # q, k and v biases, a dense first block, the gates as chosen and a gated shared expert: Qwen2-MoE's
+          "qwen2_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qkv-bias", "--dense-layers", "1",
+                        "--shared-experts", "1", "--shared-expert-gate", "--no-renormalize-gates"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
            "olmo2": "Olmo2ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "olmoe": "OlmoeForCausalLM",
-           "deepseek_v2": "DeepseekV2ForCausalLM"}
-MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "olmoe", "deepseek_v2")
+           "deepseek_v2": "DeepseekV2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "olmoe", "deepseek_v2", "qwen2_moe")
 
 
 def invoke(*args: str):
@@ -205,6 +208,17 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert layout_of(qwen3_moe) == "qwen3_moe" and config_from_hf(hf_config(qwen3_moe)) == qwen3_moe
     for scores in (qwen3_moe.with_(renormalize_gates=False), qwen3_moe.with_(top_k=1)):  # the gates as chosen
         assert hf_config(scores)["norm_topk_prob"] is False and config_from_hf(hf_config(scores)) == scores
+    # q, k and v biases and a gated shared expert beside softmax-routed ones: Qwen2-MoE's layout
+    qwen2_moe = qwen2.with_(n_experts=8, top_k=2, d_expert=32, n_shared_experts=2, shared_expert_gate=True,
+                            dense_layers=1, renormalize_gates=False)
+    for shape in (qwen2_moe, qwen2_moe.with_(qkv_bias=False, renormalize_gates=True, dense_layers=0)):
+        assert layout_of(shape) == "qwen2_moe" and config_from_hf(hf_config(shape)) == shape
+    assert hf_config(qwen2_moe)["shared_expert_intermediate_size"] == 64
+    for bad, word in ((qwen2_moe.with_(shared_expert_gate=False), "without Qwen2-MoE's gate"),
+                      (qwen2_moe.with_(n_shared_experts=0, shared_expert_gate=False), "without Qwen2-MoE's gate"),
+                      (qwen2_moe.with_(qkv_bias=False, qk_norm=True), "per-head q/k norms")):
+        with pytest.raises(ConfigError, match=word):
+            layout_of(bad)
     # q and k normalised over all heads, softmax-routed experts in every block: OLMoE's layout
     olmoe = llama.with_(d_head=None, qk_norm=True, qk_norm_whole=True, n_experts=8, top_k=2, renormalize_gates=False)
     assert layout_of(olmoe) == "olmoe" and config_from_hf(hf_config(olmoe)) == olmoe
@@ -245,7 +259,7 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
                       (glm.with_(nope_every=2), "SmolLM3")):
         with pytest.raises(ConfigError, match=word):
             layout_of(bad)
-    for bad, word in ((mixtral.with_(n_shared_experts=1), "shared"),
+    for bad, word in ((mixtral.with_(n_shared_experts=1), "shared experts without Qwen2-MoE's gate"),
                       (mixtral.with_(top_k=1), "top-1"), (mixtral.with_(renormalize_gates=False), "chosen scores"),
                       (mixtral.with_(router="softmax", expert_bias=True), "bias"),
                       (mixtral.with_(dense_layers=1), "dense first blocks"), (mixtral.with_(bias=True), "bias-free")):
@@ -336,6 +350,7 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
         config_from_hf({**hf_config(GPTConfig()), "activation_function": "relu"})
     moe = GPTConfig(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, n_experts=4)
     mixtral, qwen3_moe = hf_config(moe), hf_config(moe.with_(qk_norm=True, dense_layers=1))
+    qwen2_moe = hf_config(moe.with_(d_expert=16, n_shared_experts=2, shared_expert_gate=True, qkv_bias=True))
     mistral = {**llama, "model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
     phi = {**llama, "model_type": "phi3", "sliding_window": None}
     assert config_from_hf(phi) == config_from_hf({**llama, "attention_bias": False, "mlp_bias": False})
@@ -352,6 +367,9 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
                          ({**mistral, "layer_types": ["sliding_attention", "full_attention"]}, "some of its layers"),
                          ({**mixtral, "num_experts_per_tok": 1}, "top-1"),
                          ({**qwen3_moe, "norm_topk_prob": "no"}, "norm_topk_prob"),
+                         ({**qwen2_moe, "shared_expert_intermediate_size": 40}, "whole number of experts"),
+                         ({**qwen2_moe, "shared_expert_intermediate_size": 0}, "whole number of experts"),
+                         ({**qwen2_moe, "qkv_bias": "yes"}, "qkv_bias"),
                          ({**qwen3_moe, "num_experts_per_tok": 1, "norm_topk_prob": True}, "top-1"),
                          ({**hf_config(moe.with_(qk_norm=True, qk_norm_whole=True)), "clip_qkv": 8.0}, "clip_qkv"),
                          ({**qwen3_moe, "decoder_sparse_step": 2}, "decoder_sparse_step"),

@@ -213,7 +213,8 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
                                                ("glm4_moe", "Glm4MoeForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
                                                ("minimax_m2", "MiniMaxM2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
                                                ("olmoe", "OlmoeForCausalLM"),
-                                               ("deepseek_v2_groups", "DeepseekV2ForCausalLM")])
+                                               ("deepseek_v2_groups", "DeepseekV2ForCausalLM"),
+                                               ("qwen2_moe", "Qwen2MoeForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
@@ -235,6 +236,9 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     elif shape == "deepseek_v2_groups":
         assert (config.router, config.renormalize_gates, config.group_score_top, config.groups_per_token,
                 config.routed_scale) == ("softmax", False, 1, 2, 16.0)
+    elif shape == "qwen2_moe":
+        assert (config.qkv_bias, config.n_shared_experts, config.shared_expert_gate, config.renormalize_gates) == (
+            True, 2, True, False)
     elif shape == "olmoe":
         assert (config.qk_norm_whole, config.pre_norms, config.renormalize_gates, config.n_experts) == (True, True,
                                                                                                          False, 4)
@@ -335,6 +339,14 @@ def test_published_moe_configs_count_the_published_parameters(tmp_path):
     v2 = {**lite, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
           "num_hidden_layers": 60, "num_attention_heads": 128, "q_lora_rank": 1536, "n_routed_experts": 160,
           "n_group": 8, "topk_group": 3, "routed_scaling_factor": 16.0, "topk_method": "group_limited_greedy"}
+    # Qwen1.5-MoE-A2.7B (its card: 14.3B parameters, 2.7B active; transformers' Qwen2MoeConfig defaults are its
+    # shape): ours 14.32B, 2.69B counting the embedding and the head
+    qwen = {**transformers.Qwen2MoeConfig().to_dict(), "model_type": "qwen2_moe"}
+    (tmp_path / "qwen.json").write_text(json.dumps(qwen))
+    result = invoke("simulate", "--model", str(tmp_path / "qwen.json"), "--seq-len", "4096", "--gpus", "8", "--json")
+    assert result.exit_code == 0, result.output
+    counted = json.loads(result.stdout)["parameters"]
+    assert (round(counted["total"] / 1e9, 2), round(counted["active"] / 1e9, 2)) == (14.32, 2.69), counted
     for shape, (total, active) in ((lite, (15.7e9, 2.4e9)), (v2, (236e9, 21e9))):
         (tmp_path / "v2.json").write_text(json.dumps(shape))
         result = invoke("simulate", "--model", str(tmp_path / "v2.json"), "--seq-len", "4096", "--gpus", "64",

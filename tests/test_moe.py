@@ -25,13 +25,15 @@ SHAPES = [
     BASE.with_(top_k=3, aux_loss_coef=0.01, tied_head=False),
     BASE.with_(renormalize_gates=False, aux_loss_coef=0.01),  # OLMoE's, Qwen2-MoE's gates
     BASE.with_(renormalize_gates=False, router="sigmoid", top_k=1),
+    BASE.with_(n_shared_experts=1, shared_expert_gate=True, renormalize_gates=False, qkv_bias=True, bias=False,
+               mlp="swiglu", norm="rmsnorm", positions="rope"),  # Qwen2-MoE's
     BASE.with_(d_head=16, qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),  # Qwen3's
 ]
 
 
 def shape_id(c: GPTConfig) -> str:
     return (f"E{c.n_experts}k{c.top_k}{c.router}{c.mlp}s{c.n_shared_experts}d{c.dense_layers}a{c.aux_loss_coef}"
-            f"z{c.z_loss_coef}{'' if c.renormalize_gates else 'raw'}")
+            f"z{c.z_loss_coef}{'' if c.renormalize_gates else 'raw'}{'gated' if c.shared_expert_gate else ''}")
 
 
 @pytest.mark.parametrize("cfg", SHAPES, ids=shape_id)
@@ -204,6 +206,7 @@ def test_exchanges_of_a_moe_layer():
     (dict(n_experts=4, aux_loss_coef=float("nan")), "aux_loss_coef must be a finite number"),
     (dict(n_experts=4, d_expert=0), "d_expert must be a positive integer"),
     (dict(n_experts=4, renormalize_gates="no"), "renormalize_gates must be true or false"),
+    (dict(n_experts=4, shared_expert_gate=True), "true only with shared experts"),
 ])
 def test_moe_options_are_checked(fields, message):
     with pytest.raises(ConfigError, match=message):

@@ -41,7 +41,9 @@ SHAPES = {  # every router, loss and MLP option, with and without biases and sha
     "top-1 softmax": TINY_MOE.with_(top_k=1, z_loss_coef=0.0, dropout=0.1),
     "dense first": TINY_MOE.with_(dense_layers=2, n_shared_experts=1, aux_loss_coef=0.0),
     "mixtral": MIXTRAL, "deepseek": DEEPSEEK,
-    "not renormalised": TINY_MOE.with_(renormalize_gates=False), "sigmoid as it is": DEEPSEEK.with_(
+    "not renormalised": TINY_MOE.with_(renormalize_gates=False),
+    "qwen2-moe": preset("tiny-llama").with_(n_experts=4, top_k=2, n_shared_experts=2, shared_expert_gate=True,
+                                            renormalize_gates=False, qkv_bias=True, dense_layers=1), "sigmoid as it is": DEEPSEEK.with_(
         renormalize_gates=False),
 }
 
@@ -72,7 +74,7 @@ def test_the_memory_check_sees_a_wrong_moe_count(monkeypatch):
         check_activations_against_config(TINY_MOE, policy("bf16"))
 
 
-@pytest.mark.parametrize("name", ["tiny-moe", "mixtral", "deepseek", "llama-style"])
+@pytest.mark.parametrize("name", ["tiny-moe", "mixtral", "deepseek", "llama-style", "qwen2-moe"])
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_expert_gemms_are_grouped_and_their_flops_are_the_active_ones(name, ep):
     model = SHAPES[name]

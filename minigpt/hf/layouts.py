@@ -29,8 +29,9 @@ A shape is written in the layout that holds it exactly, and refused (ConfigError
   norm with the one epsilon (rms_norm_eps), a sliding window as Qwen2's.
 
 All hold a tied or an untied head (tie_word_embeddings) and the model's norm epsilon (norm_eps; GPT-2's
-layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's, Qwen3-MoE's or, its q/k
-norms over all heads and a softmax router, OLMoE's layout (minigpt/hf/moe.py), with a sigmoid router in GLM-4.5's (minigpt/hf/glm.py) or, its q/k norms over all heads,
+layer_norm_epsilon, the others' rms_norm_eps). A mixture of experts is written in Mixtral's, Qwen3-MoE's, with a
+gated shared expert Qwen2-MoE's or, its q/k norms over all heads and a softmax router, OLMoE's layout
+(minigpt/hf/moe.py), with a sigmoid router in GLM-4.5's (minigpt/hf/glm.py) or, its q/k norms over all heads,
 MiniMax-M2's (minigpt/hf/minimax.py), with latent attention in DeepSeek-V3's
 (minigpt/hf/deepseek.py); OLMo 2's norms in its layout (minigpt/hf/olmo.py), Gemma 3's pieces in its (gemma.py).
 A transformers model computed differently is refused rather than trained as something else.
@@ -66,7 +67,7 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of t
 
 def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "phi3", "smollm3", "qwen2", "qwen3", "gemma3_text",
-    "olmo2", "mixtral", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2" or "gpt_oss": the
+    "olmo2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2" or "gpt_oss": the
     transformers layout
     that holds
     `config` exactly; ConfigError saying why not."""
@@ -234,7 +235,8 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return READERS[kind](hf, _bias_free(hf, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', 'olmoe', "
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', 'qwen2_moe', "
+                          f"'olmoe', "
                           f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'deepseek_v2', 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' "
                           f"and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
@@ -252,7 +254,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return dense.with_(**window_fields)
 
     if kind in ARCHITECTURES:  # a mixture of experts: Mixtral's (Llama's attention), Qwen3-MoE's (Qwen3's), OLMoE's
-        return dense.with_(qk_norm=kind != "mixtral", qk_norm_whole=kind == "olmoe", **window_fields,
+        return dense.with_(qk_norm=kind in ("qwen3_moe", "olmoe"), qk_norm_whole=kind == "olmoe", **window_fields,
                            **moe_fields(hf, kind))
     # Qwen2: biases on q, k and v alone
     return dense.with_(qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **window_fields)

@@ -29,10 +29,11 @@ PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_pro
                "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
                "glm4_moe": ("gate_proj", "up_proj", "down_proj"),  # GLM-4.5's: minigpt/hf/glm.py
                "minimax_m2": ("w1", "w3", "w2"),  # MiniMax-M2's (Mixtral's names): minigpt/hf/minimax.py
-               "olmoe": ("gate_proj", "up_proj", "down_proj")}
+               "olmoe": ("gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
 MLP_NAME = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "deepseek_v3": "mlp", "deepseek_v2": "mlp",
-            "glm4_moe": "mlp", "minimax_m2": "block_sparse_moe", "olmoe": "mlp"}
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+            "glm4_moe": "mlp", "minimax_m2": "block_sparse_moe", "olmoe": "mlp", "qwen2_moe": "mlp"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def moe_layout(config: GPTConfig) -> str:
@@ -41,12 +42,17 @@ def moe_layout(config: GPTConfig) -> str:
     def refuse(why: str) -> None:
         raise ConfigError(f"a mixture of experts is written in transformers' Mixtral, Qwen3-MoE or OLMoE layout, "
                           f"which cannot hold {why}")
-    if (config.norm, config.mlp, config.positions) != ("rmsnorm", "swiglu", "rope") or config.bias or config.qkv_bias:
-        refuse("this block (they are bias-free rmsnorm + swiglu + rope blocks)")
-    if config.router != "softmax" or config.n_shared_experts:
-        refuse("a sigmoid router or shared experts (theirs: a softmax one, none)")
+    if (config.norm, config.mlp, config.positions) != ("rmsnorm", "swiglu", "rope") or config.bias:
+        refuse("this block (they are bias-free rmsnorm + swiglu + rope blocks, Qwen2-MoE's q, k and v biases aside)")
+    if config.router != "softmax":
+        refuse("a sigmoid router (theirs: a softmax one)")
     if config.routed_scale != 1.0 or config.groups_per_token not in (None, config.expert_groups) or config.expert_bias:
         refuse("scaled gates, group-limited routing or a choice bias (theirs: none of them)")
+    if config.shared_expert_gate or config.qkv_bias or config.n_shared_experts:
+        if not config.shared_expert_gate or config.qk_norm:
+            refuse("shared experts without Qwen2-MoE's gate, or with per-head q/k norms (Qwen2-MoE's shared expert "
+                   "is gated, its attention Qwen2's)")
+        return "qwen2_moe"
     if config.qk_norm_whole:
         if config.dense_layers or not config.pre_norms or config.post_norms or config.head_dim * config.n_heads \
                 != config.d_model:
@@ -72,6 +78,9 @@ def moe_hf_config(config: GPTConfig, layout: str) -> dict:
                 "router_jitter_noise": 0.0,
                 "sliding_window": config.window_in_use or None}
     common |= {"num_experts": config.n_experts, "norm_topk_prob": config.gates_renormalised}
+    if layout == "qwen2_moe":
+        common |= {"shared_expert_intermediate_size": config.n_shared_experts * config.expert_width,
+                   "qkv_bias": config.qkv_bias, "max_window_layers": config.n_layers}
     if layout == "olmoe":
         return {**common, "intermediate_size": config.expert_width, "clip_qkv": None, "pad_token_id": None}
     return {**common, "moe_intermediate_size": config.expert_width, "intermediate_size": config.d_ff,
@@ -114,13 +123,28 @@ def moe_fields(hf: dict, layout: str) -> dict:
     refuse_unless(hf.get("decoder_sparse_step", 1) == 1, "its sparse blocks are every decoder_sparse_step'th")
     dense = sorted(hf.get("mlp_only_layers") or [])
     refuse_unless(dense == list(range(len(dense))), f"its dense blocks {dense} are not its first ones")
-    return {**fields, "n_experts": config_number(hf, experts), "d_expert": config_number(hf, "moe_intermediate_size"),
-            "dense_layers": len(dense)}
+    width = config_number(hf, "moe_intermediate_size")
+    fields |= {"n_experts": config_number(hf, experts), "d_expert": width, "dense_layers": len(dense)}
+    if layout != "qwen2_moe":
+        return fields
+    shared = config_number(hf, "shared_expert_intermediate_size")
+    refuse_unless(shared > 0 and shared % width == 0, f"its shared expert's width {shared} is not a whole number of "
+                                                      f"experts' {width} (minigpt's shared experts are)")
+    bias = hf.get("qkv_bias", True)
+    refuse_unless(isinstance(bias, bool), f"its qkv_bias is {bias!r}, not true or false")
+    return {**fields, "n_shared_experts": shared // width, "shared_expert_gate": True, "qkv_bias": bias}
 
 
 def router_names(ours: str, theirs: str, layout: str) -> dict:
-    """A block's router: ours -> transformers' name (`ours`, `theirs`: the block's prefixes)."""
-    return {f"{ours}mlp.router.weight": (f"{theirs}{MLP_NAME[layout]}.gate.weight",)}
+    """A block's router (and Qwen2-MoE's gated shared expert): ours -> transformers' names (`ours`, `theirs`: the
+    block's prefixes)."""
+    table = {f"{ours}mlp.router.weight": (f"{theirs}{MLP_NAME[layout]}.gate.weight",)}
+    if layout == "qwen2_moe":
+        at = f"{theirs}mlp.shared_expert."
+        table |= {f"{ours}mlp.shared.fc1.weight": (f"{at}gate_proj.weight", f"{at}up_proj.weight"),
+                  f"{ours}mlp.shared.fc2.weight": (f"{at}down_proj.weight",),
+                  f"{ours}mlp.shared.gate.weight": (f"{theirs}mlp.shared_expert_gate.weight",)}
+    return table
 
 
 def expert_names(config: GPTConfig, layer: int, theirs: str, layout: str) -> dict[str, list[str]]:

@@ -139,7 +139,7 @@ from simulator.costs.layers.fp8 import TORCH_QUANTIZE  # noqa: F401 (re-exported
 from simulator.costs.layers.latent import latent_backward, latent_forward
 from simulator.costs.layers.linear import (column_backward, column_linear, dropout_backward, norm, norm_backward,
                                            residual_backward, residual_join, row_backward, row_linear, weight_gradient)
-from simulator.costs.layers.moe import routed_backward, routed_forward
+from simulator.costs.layers.moe import routed_backward, routed_forward, shared_gate_backward, shared_gate_forward
 from simulator.costs.torchtitan import eager
 from simulator.costs.torchtitan.selective_op import check_op_layout, op_recompute
 
@@ -247,6 +247,7 @@ def _mlp_forward(rec: Recorder, model: GPTConfig, moe: bool, ep: int) -> None:
             if model.n_shared_experts:
                 shared = _mlp(rec, "shared.", moe_input, None, model.n_shared_experts * model.expert_width,
                               "shared.output", normed=False)
+                shared = shared_gate_forward(rec, moe_input, shared) if model.shared_expert_gate else shared
                 rec.tensor("moe.output", sh.residual_rows * sh.d * sh.e)
                 rec.mem("moe.shared_add", (branch, shared), ("moe.output",))
                 branch = "moe.output"
@@ -267,9 +268,12 @@ def _block_backward(rec: Recorder, attention: str, model: GPTConfig, moe: bool, 
         norm_backward(rec, "post_mlp_norm")
     if moe:
         with rec.shaped(sh.moe):
+            if model.shared_expert_gate:
+                shared_gate_backward(rec)
             if model.n_shared_experts:
                 _mlp_backward(rec, "shared.", model.n_shared_experts * model.expert_width, normed=False)
-            routed_backward(rec, model, ep, 3 if model.n_shared_experts else 2)
+            # the MoE input's readers: the router, the gathered rows, the shared experts and their gate
+            routed_backward(rec, model, ep, 2 + bool(model.n_shared_experts) + model.shared_expert_gate)
     else:
         _mlp_backward(rec, "", sh.f // sh.t, sh.pre_norms)
     if sh.pre_norms:

@@ -119,10 +119,11 @@ def host_compute(host: MeasuredHost, model, layout: Layout, threads_per_rank: in
         missing = ("a unit measured per model, not per block: the roofline prices a pattern of windowed and full "
                    "blocks, or of rotating and unrotated ones")
     elif model.attention_sinks or model.router_bias or model.post_norms or model.embed_scale \
-            or model.qk_norm_whole or not model.pre_norms:  # a measured unit's key does not tell these apart
+            or model.qk_norm_whole or not model.pre_norms or model.shared_expert_gate or not model.renormalize_gates \
+            or model.group_score_top != 2:  # a measured unit's key does not tell these apart
         units, dense = None, None
-        missing = ("measured units are not told apart by attention sinks, a router bias, Gemma's post norms or OLMo "
-                   "2's norms: the roofline prices them")
+        missing = ("measured units are not told apart by attention sinks, a router bias, Gemma's post norms, OLMo "
+                   "2's norms or a router's gates and groups other than the usual: the roofline prices them")
     elif units is None:
         missing = f"no measured unit of this model's {shape} ({where}): the roofline prices its compute"
     elif model.is_moe and model.dense_layers and dense is None:

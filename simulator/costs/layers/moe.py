@@ -320,6 +320,31 @@ def _router_backward(rec: Recorder, model: GPTConfig) -> None:
     weight_gradient(rec, "router", experts, sh.d, tokens)
 
 
+def shared_gate_forward(rec: Recorder, inp: str, shared: str) -> str:
+    """Qwen2-MoE's gate on the shared experts' output: the GEMM T x 1 x d of the MoE's input, its sigmoid (saved)
+    and the product (the shared output saved for the gate's gradient); returns the gated output."""
+    sh = rec.shape
+    logit = rec.tensor("shared.gate.logit", sh.rows * sh.e)
+    rec.gemm("shared.gate", sh.rows, 1, sh.d, sh.compute, (inp,))
+    value = rec.tensor("shared.gate.value", sh.rows * sh.e)
+    rec.mem("shared.gate.sigmoid", (logit,), (value,), saves=(value,))
+    gated = rec.tensor("shared.gated", sh.rows * sh.d * sh.e)
+    rec.mem("shared.gate.multiply", (shared, value), (gated,), saves=(shared,))
+    return gated
+
+
+def shared_gate_backward(rec: Recorder) -> None:
+    """The product's gradients (the shared output's: grad x gate; the gate's: grad x output, summed over the
+    width), the sigmoid's backward, the gate GEMM's input and weight gradients."""
+    sh = rec.shape
+    rows, wide = sh.rows * sh.e, sh.rows * sh.d * sh.e
+    rec.back_mem("shared.gate.multiply_backward", 2 * wide + rows, 2 * wide)
+    rec.back_mem("shared.gate.value_grad_sum", wide, rows)
+    rec.back_mem("shared.gate.sigmoid_backward", 2 * rows, rows)
+    rec.back_gemm("shared.gate.input_grad", sh.rows, sh.d, 1, sh.compute)
+    weight_gradient(rec, "shared.gate", 1, sh.d, sh.rows)
+
+
 def routed_backward(rec: Recorder, model: GPTConfig, ep: int, consumers: int) -> None:
     """The backward of routed_forward; `consumers`: the tensors that read the MoE's input (router, gathered rows, and
     the shared experts when there are some), whose gradients are summed."""
