@@ -159,7 +159,8 @@ class Corpus:
 
 # A token directory (`minigpt tokenizer encode`): DIR/tokens.bin, the ids one after another (little-endian, the
 # narrowest unsigned type the vocabulary fits), and DIR/tokens.json, written last, naming the tokenizer that encoded
-# them (its fingerprint), their type and count and the texts they came from; DIR/tokenizer.json, the tokenizer itself.
+# them (its fingerprint), their type and count and the texts they came from (and the end-of-document token, where
+# one ends each document); DIR/tokenizer.json, the tokenizer itself.
 TOKENS_HEADER, TOKENS_FILE, TOKENS_FORMAT = "tokens.json", "tokens.bin", "minigpt-tokens"
 TOKEN_TYPES = {"uint8": 1, "uint16": 2, "uint32": 4}
 SCAN_CHUNK = 1 << 26  # ids read at a time where a whole stream is checked

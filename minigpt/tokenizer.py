@@ -8,8 +8,10 @@ the tokenizer's canonical JSON: two files describing one tokenizer share it), to
 which writes DIRECTORY/tokenizer.json. The byte tokenizer saves as its exact equivalent: a byte-level BPE
 without merges whose ids are the bytes, so an exported model of any run can carry a tokenizer.json.
 
-`train_bpe(text, vocab_size)` trains a byte-level BPE (GPT-2's byte-to-character mapping, whose 256 characters
-are the initial alphabet), so every text round-trips exactly. A file that does not parse is a ConfigError
+`train_bpe(text, vocab_size, special)` trains a byte-level BPE (GPT-2's byte-to-character mapping, whose 256
+characters are the initial alphabet), so every text round-trips exactly; `special` tokens (an end-of-document one)
+take its first ids. `write_token_dir` encodes text files, or JSON Lines documents, into a token directory, an
+end-of-document id after each document where asked. A file that does not parse is a ConfigError
 (one line). tokenizers and torch are imported inside the functions that use them: the job description
 (job/train_config.py) checks a run's tokenizer without torch.
 """
@@ -188,14 +190,15 @@ def byte_level(model):
     return tokenizer
 
 
-def train_bpe(text: str, vocab_size: int) -> FileTokenizer:
-    """A byte-level BPE of at most `vocab_size` tokens trained on `text` (fewer when the text has no more pairs)."""
+def train_bpe(text: str, vocab_size: int, special: tuple[str, ...] = ()) -> FileTokenizer:
+    """A byte-level BPE of at most `vocab_size` tokens trained on `text` (fewer when the text has no more pairs),
+    the `special` tokens (an end-of-document token such as "<|endoftext|>") its first ids, never merged."""
     from tokenizers import models, pre_tokenizers, trainers
 
-    check_bpe_vocab(vocab_size)
+    check_bpe_vocab(vocab_size - len(special))
     tokenizer = byte_level(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=[])
+                                  show_progress=False, special_tokens=list(special))
     tokenizer.train_from_iterator([text], trainer=trainer)
     return FileTokenizer(tokenizer, "bpe")
 
@@ -222,11 +225,28 @@ def byte_identity_json() -> str:
 PIECE_CHARS, CUT_CONTEXT, READ_BYTES = 1 << 24, 1 << 10, 1 << 22
 
 
+def eod_id(tokenizer, token: str | None) -> int | None:
+    """The id of the end-of-document token `token` in `tokenizer` (None: none asked); ConfigError where it has none."""
+    if token is None:
+        return None
+    if is_bytes(tokenizer):
+        raise ConfigError(f"--eod {token!r}: the byte tokenizer's 256 ids are the bytes, none ends a document: use a "
+                          f"tokenizer.json that has one (`minigpt tokenizer train --special {token!r}` makes one)")
+    found = tokenizer.hf.token_to_id(token)
+    if found is None:
+        added = [t.content for t in tokenizer.hf.get_added_tokens_decoder().values()][:8]
+        raise ConfigError(f"--eod {token!r} is not a token of {tokenizer.spec} (its special tokens: "
+                          f"{', '.join(map(repr, added)) or 'none'})")
+    return found
+
+
 def write_token_dir(directory: str | os.PathLike, paths: list[str], tokenizer,
-                    piece_chars: int = PIECE_CHARS) -> dict:
+                    piece_chars: int = PIECE_CHARS, eod: str | None = None, jsonl: str | None = None) -> dict:
     """Encode the UTF-8 text files `paths` (each whole, one after another) with `tokenizer` into the token directory
-    `directory` (new or empty), built beside it and renamed into place when complete; its header. ConfigError, with
-    nothing left, for a file that cannot be read or is not UTF-8."""
+    `directory` (new or empty), built beside it and renamed into place when complete; its header. Each file is a
+    document, or with `jsonl` each line of it is one, a JSON object whose `jsonl` field holds the text (Megatron's
+    --json-keys); `eod`: a token whose id follows every document (Megatron's --append-eod). ConfigError, with
+    nothing left, for a file that cannot be read, is not UTF-8 or holds a line that is not such an object."""
     import shutil
     import tempfile
 
@@ -235,13 +255,16 @@ def write_token_dir(directory: str | os.PathLike, paths: list[str], tokenizer,
     directory = Path(directory)
     work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        kind, sources = token_type(tokenizer.vocab_size), []
+        kind, sources, ender = token_type(tokenizer.vocab_size), [], eod_id(tokenizer, eod)
         with open(work / TOKENS_FILE, "wb") as stream:
+            write = _Writer(stream, kind, ender)
             for path in paths:
-                sources.append(_encode_file(path, tokenizer, kind, stream, piece_chars))
+                sources.append(_encode_jsonl(path, tokenizer, write, jsonl) if jsonl is not None
+                               else _encode_file(path, tokenizer, write, piece_chars))
         tokenizer.save(work)
         header = {"format": TOKENS_FORMAT, "version": 1, "dtype": kind, "tokens": sum(s["tokens"] for s in sources),
-                  "tokenizer": tokenizer.describe(), "sources": sources}
+                  "tokenizer": tokenizer.describe(), "sources": sources,
+                  **({"eod": {"token": eod, "id": ender}} if eod is not None else {})}
         (work / TOKENS_HEADER).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
         mask = os.umask(0)
         os.umask(mask)
@@ -254,18 +277,64 @@ def write_token_dir(directory: str | os.PathLike, paths: list[str], tokenizer,
     return header
 
 
-def _encode_file(path: str, tokenizer, kind: str, stream, piece_chars: int) -> dict:
-    """Append the ids of the text file `path` to `stream` (little-endian `kind`), piece by piece; its source entry."""
-    import numpy as np
+class _Writer:
+    """Ids appended to a token stream (little-endian `kind`), and `eod` (None: nothing) where a document ends; counts
+    what it wrote."""
 
-    digest, size, count = hashlib.sha256(), 0, 0
+    def __init__(self, stream, kind: str, eod: int | None):
+        import numpy as np
+
+        self.stream, self.dtype, self.eod, self.count = stream, np.dtype(kind).newbyteorder("<"), eod, 0
+
+    def ids(self, values) -> None:
+        import numpy as np
+
+        values = np.asarray(values, dtype=self.dtype)
+        self.stream.write(values.tobytes())
+        self.count += len(values)
+
+    def end_document(self) -> None:
+        if self.eod is not None:
+            self.ids([self.eod])
+
+
+def _encode_file(path: str, tokenizer, write: _Writer, piece_chars: int) -> dict:
+    """Append the ids of the text file `path` (one document) to the stream, piece by piece; its source entry."""
+    digest, size, first = hashlib.sha256(), 0, write.count
     for piece, raw in _pieces(path, tokenizer, piece_chars):
         digest.update(raw)
         size += len(raw)
-        ids = np.asarray(tokenizer.encode(piece).numpy(), dtype=np.dtype(kind).newbyteorder("<"))
-        stream.write(ids.tobytes())
-        count += len(ids)
-    return {"path": str(path), "bytes": size, "tokens": count, "sha256": digest.hexdigest()}
+        write.ids(tokenizer.encode(piece).numpy())
+    write.end_document()
+    return {"path": str(path), "bytes": size, "tokens": write.count - first, "documents": 1,
+            "sha256": digest.hexdigest()}
+
+
+def _encode_jsonl(path: str, tokenizer, write: _Writer, key: str) -> dict:
+    """Append the ids of every document of the JSON Lines file `path` (each line an object whose `key` holds a text;
+    blank lines skipped) to the stream; its source entry. ConfigError naming the first line that is not one."""
+    digest, size, first, documents = hashlib.sha256(), 0, write.count, 0
+    try:
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                digest.update(raw)
+                size += len(raw)
+                if not raw.strip():
+                    continue
+                try:
+                    text = json.loads(raw).get(key)
+                except (ValueError, AttributeError, RecursionError):
+                    text = None
+                if not isinstance(text, str):
+                    raise ConfigError(f"{path}:{number} is not a JSON object with a text under {key!r} (--jsonl "
+                                      f"{key}: one document per line)")
+                write.ids(tokenizer.encode(text).numpy())
+                write.end_document()
+                documents += 1
+    except OSError as error:
+        raise ConfigError(f"cannot read data file {str(path)!r}: {error.strerror or error}") from None
+    return {"path": str(path), "bytes": size, "tokens": write.count - first, "documents": documents,
+            "sha256": digest.hexdigest()}
 
 
 def _pieces(path: str, tokenizer, piece_chars: int):

@@ -130,3 +130,65 @@ def test_texts_are_encoded_in_pieces_as_whole(sources, tmp_path):
         ids = np.fromfile(tmp_path / name / TOKENS_FILE, dtype=header["dtype"])
         assert np.array_equal(ids, tokenizer.encode(text).numpy().astype(header["dtype"])), name
         assert header["sources"][0]["bytes"] == len(text.encode("utf-8"))
+
+
+EOD = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def with_eod(tmp_path_factory):
+    """A BPE of 400 tokens with an end-of-document token (`minigpt tokenizer train --special`), and three documents
+    as JSON Lines (a blank line among them, one beside other fields) and as a text file."""
+    root = tmp_path_factory.mktemp("documents")
+    result = run_cli("tokenizer", "train", "--vocab-size", "400", "--special", EOD, "--out", str(root / "bpe"))
+    assert result.exit_code == 0, result.output
+    documents = ["To be, or not to be: that is the question.", "Ô, café\nnaïve résumé", "third " * 50]
+    lines = [json.dumps({"text": documents[0]}), "", json.dumps({"id": 7, "text": documents[1]}),
+             json.dumps({"text": documents[2], "meta": {"source": "x"}})]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (root / "one.txt").write_text(documents[2], encoding="utf-8")
+    return root, documents
+
+
+def test_documents_from_json_lines_each_end_with_the_eod_token(with_eod, tmp_path):
+    root, documents = with_eod
+    bpe = load_tokenizer(root / "bpe")
+    eod = bpe.hf.token_to_id(EOD)
+    assert eod == 0 and bpe.vocab_size == 400 and bpe.encode(f"a{EOD}b").tolist()[1] == eod  # its own id, unmerged
+    result = run_cli("tokenizer", "encode", str(root / "docs.jsonl"), str(root / "one.txt"), "--jsonl", "text",
+                     "--eod", EOD, "--tokenizer", str(root / "bpe"), "--out", str(tmp_path / "jsonl"), "--json")
+    assert result.exit_code == 2  # one.txt is no JSON Lines file: refused, nothing left
+    assert not (tmp_path / "jsonl").exists() and "one.txt:1 is not a JSON object" in result.stderr
+    for name, files, args, texts in (("jsonl", ["docs.jsonl"], ["--jsonl", "text"], documents),
+                                     ("text", ["one.txt", "one.txt"], [], [documents[2]] * 2)):
+        result = run_cli("tokenizer", "encode", *[str(root / f) for f in files], *args, "--eod", EOD, "--tokenizer",
+                         str(root / "bpe"), "--out", str(tmp_path / name), "--json")
+        assert result.exit_code == 0, result.output
+        header = json.loads(result.stdout)
+        expected = [i for text in texts for i in [*bpe.encode(text).tolist(), eod]]
+        assert np.fromfile(tmp_path / name / TOKENS_FILE, dtype=header["dtype"]).tolist() == expected
+        assert header["eod"] == {"token": EOD, "id": eod} and sum(s["documents"] for s in header["sources"]) == 3 - (
+            name == "text")
+    result = run_cli("train", "--data", str(tmp_path / "jsonl"), "--data", str(tmp_path / "text"), "--seq-len", "16",
+                     "--steps", "2", "--global-batch", "2", "--eval-every", "0", "--no-save", "--out",
+                     str(tmp_path / "run"), "--json")
+    assert result.exit_code == 0, result.output  # a mixture of the two, in the BPE both were encoded by
+
+
+def test_documents_that_cannot_be_read_or_ended_are_one_line_and_leave_nothing(with_eod, tmp_path):
+    root, _ = with_eod
+    for name, line in (("not_json", "{text: 1}"), ("no_key", '{"body": "x"}'), ("not_text", '{"text": 3}'),
+                       ("list", '["text"]'), ("deep", "[" * 100_000)):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+        one_line_error(run_cli("tokenizer", "encode", str(tmp_path / f"{name}.jsonl"), "--jsonl", "text",
+                               "--tokenizer", str(root / "bpe"), "--out", str(tmp_path / "never")),
+                       f"{name}.jsonl:2 is not a JSON object with a text under 'text'")
+    for args, expected in ((["--eod", EOD], "the byte tokenizer's 256 ids are the bytes"),
+                           (["--eod", "<eos>", "--tokenizer", str(root / "bpe")], f"its special tokens: '{EOD}'")):
+        one_line_error(run_cli("tokenizer", "encode", str(root / "one.txt"), *args, "--out", str(tmp_path / "never")),
+                       expected)
+    for special in (["", "x"], ["a", "a"], [" <s>"]):
+        one_line_error(run_cli("tokenizer", "train", "--vocab-size", "300", *[p for s in special for p in
+                                                                             ("--special", s)],
+                               "--out", str(tmp_path / "never")), "--special tokens must be distinct")
+    assert not (tmp_path / "never").exists()

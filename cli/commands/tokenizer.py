@@ -16,7 +16,7 @@ import click
 
 from minigpt.data import CORPUS_NAME, check_data_file, embedded_corpus, read_text_file
 from minigpt.errors import ConfigError, check_output_path
-from minigpt.tokenizer import FILE_NAME, check_bpe_vocab, load_tokenizer, train_bpe, write_token_dir
+from minigpt.tokenizer import FILE_NAME, check_bpe_vocab, eod_id, load_tokenizer, train_bpe, write_token_dir
 
 
 @click.group()
@@ -45,16 +45,21 @@ def check_out_dir(out: str) -> Path:
                    "no more pairs).")
 @click.option("--data", type=str, help="A UTF-8 text file to train on [default: the embedded Shakespeare corpus].")
 @click.option("--out", type=str, required=True, help=f"A new or empty directory: the tokenizer goes to DIR/{FILE_NAME}.")
+@click.option("--special", type=str, multiple=True, metavar="TOKEN", help="A special token, its own id, never merged "
+              "(an end-of-document token for `encode --eod`, e.g. '<|endoftext|>'); may be given again.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def train(vocab_size: int, data: str | None, out: str, as_json: bool) -> None:
+def train(vocab_size: int, data: str | None, out: str, special: tuple[str, ...], as_json: bool) -> None:
     """Train a byte-level BPE on local text (every text round-trips exactly) and write DIR/tokenizer.json."""
-    check_bpe_vocab(vocab_size)
+    if any(not token or token != token.strip() for token in special) or len(set(special)) < len(special):
+        raise ConfigError(f"--special tokens must be distinct, non-empty and without surrounding spaces, got "
+                          f"{list(special)!r}")
+    check_bpe_vocab(vocab_size - len(special))
     text = embedded_corpus() if data is None else read_text_file(data)
     source = f"embedded:{CORPUS_NAME}" if data is None else data
     if not text:
         raise ConfigError(f"data file {data!r} is empty: a BPE learns its merges from text")
     directory = check_out_dir(out)
-    bpe = train_bpe(text.decode("utf-8"), vocab_size)
+    bpe = train_bpe(text.decode("utf-8"), vocab_size, special)
     n_tokens = len(bpe.hf.encode(text.decode("utf-8"), add_special_tokens=False).ids)
     path = bpe.save(directory)
     result = {"tokenizer": str(path), "vocab_size": bpe.vocab_size, "asked": vocab_size, "data": source,
@@ -73,18 +78,25 @@ def train(vocab_size: int, data: str | None, out: str, as_json: bool) -> None:
               help="The tokenizer: bytes, or a tokenizer.json (or a directory holding one).")
 @click.option("--out", type=str, required=True,
               help="A new or empty directory: tokens.bin, tokens.json and the tokenizer.json go there.")
+@click.option("--jsonl", type=str, metavar="KEY", help="Each FILE is JSON Lines: one document per line, its text under "
+              "KEY (as datasets' to_json writes them; Megatron's --json-keys).")
+@click.option("--eod", type=str, metavar="TOKEN", help="Append TOKEN's id after every document (each text file, each "
+              "JSON line): the tokenizer's end-of-document token, e.g. '<|endoftext|>' (Megatron's --append-eod).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def encode(files: tuple[str, ...], spec: str, out: str, as_json: bool) -> None:
-    """Encode UTF-8 text FILES, in order, into a token directory for `minigpt train --data DIR` (each read and encoded
-    in pieces whose ids are the whole text's)."""
+def encode(files: tuple[str, ...], spec: str, out: str, jsonl: str | None, eod: str | None, as_json: bool) -> None:
+    """Encode UTF-8 text FILES (or JSON Lines documents), in order, into a token directory for `minigpt train --data
+    DIR` (each text read and encoded in pieces whose ids are the whole text's)."""
     chosen = load_tokenizer(spec)
+    eod_id(chosen, eod)  # the tokenizer has it, before anything is written
     for path in files:  # each there before anything is written (read piece by piece: not UTF-8 is said then)
         check_data_file(path)
-    header = write_token_dir(check_out_dir(out), list(files), chosen)
+    header = write_token_dir(check_out_dir(out), list(files), chosen, eod=eod, jsonl=jsonl)
     if as_json:
         click.echo(json.dumps({"out": out, **header}))
         return
     size = sum(source["bytes"] for source in header["sources"])
+    documents = sum(source["documents"] for source in header["sources"])
+    ends = f", each of {documents:,} documents ended by {eod!r}" if eod is not None else ""
     click.echo(f"wrote {out}: {header['tokens']:,} tokens ({header['dtype']}) of {len(files)} file"
-               f"{'s' if len(files) > 1 else ''} ({size:,} bytes) by {chosen.spec}; `minigpt train --data {out}` "
-               f"trains on them")
+               f"{'s' if len(files) > 1 else ''} ({size:,} bytes) by {chosen.spec}{ends}; `minigpt train --data "
+               f"{out}` trains on them")
