@@ -115,6 +115,9 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     d_expert: int | None = None  # each expert's MLP width (None: d_ff); SwiGLU experts have two of these inputs
     n_shared_experts: int = 0  # experts every token goes through, of width d_expert each (DeepSeek)
     dense_layers: int = 0  # the first blocks keep the dense MLP of width d_ff (DeepSeek-V3: 3)
+    # after them, every moe_every-th block a mixture (blocks N - 1, 2N - 1, ...), the others dense MLPs of width d_ff
+    # (Megatron's --moe-layer-freq, transformers' decoder_sparse_step; GShard's and Switch's 2)
+    moe_every: int = 1
     shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x . w), w learned (Qwen2-MoE's)
     router: str = "softmax"  # softmax then top-k; "sigmoid": sigmoid scores, top-k, renormalised (DeepSeek-V3)
     router_bias: bool = False  # a bias on the router's logits, which choose and weigh (GPT-OSS's)
@@ -283,8 +286,9 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
         return self.renormalize_gates and (self.top_k > 1 or self.router == "sigmoid")
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether block `layer` (0-based) has a mixture-of-experts MLP: a MoE model's after `dense_layers`."""
-        return self.is_moe and layer >= self.dense_layers
+        """Whether block `layer` (0-based) has a mixture-of-experts MLP: a MoE model's after `dense_layers`, every
+        `moe_every`-th of them (counted from block 0, as transformers' decoder_sparse_step)."""
+        return self.is_moe and layer >= self.dense_layers and (layer + 1) % self.moe_every == 0
 
     @property
     def mtp_is_moe(self) -> bool:
@@ -331,7 +335,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.dense_layers if self.is_moe else 0
+        return sum(self.is_moe_layer(layer) for layer in range(self.n_layers))
 
     def _layer_kinds(self) -> tuple[tuple[bool, int], ...]:
         """(is MoE, how many blocks) for the model's dense and MoE blocks."""
@@ -354,6 +358,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
         if self.is_moe:
             shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""
             dense = f", the first {self.dense_layers} dense ({kind} {self.d_ff})" if self.dense_layers else ""
+            dense += f", in 1 block of {self.moe_every}" if self.moe_every > 1 else ""
             grouped = (f" of {self.groups_per_token} of {self.expert_groups} groups"
                        if self.groups_per_token not in (None, self.expert_groups) else "")
             grouped += f" (scored by their best {self.group_score_top})" if grouped and self.group_score_top != 2 else ""

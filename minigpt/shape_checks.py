@@ -95,6 +95,13 @@ def _check_moe_options(config) -> None:
     if config.dense_layers >= config.n_layers:
         raise ConfigError(f"dense_layers={config.dense_layers} leaves no MoE layer of {config.n_layers}: "
                           f"choose dense_layers < n_layers (or n_experts 0 for a dense model)")
+    every = config.moe_every
+    if not _positive_int(every) or not config.n_moe_layers:
+        raise ConfigError(f"moe_every must be a positive integer leaving a MoE block among the {config.n_layers} "
+                          f"(blocks N - 1, 2N - 1, ... past the {config.dense_layers} dense ones), got {every!r}")
+    if every > 1 and config.mtp_depth:
+        raise ConfigError("multi-token prediction modules take the model's last block kind, which a MoE every "
+                          "moe_every blocks leaves unsaid: give one or the other")
     if config.router not in ROUTER_KINDS:
         raise ConfigError(f"router must be one of {', '.join(ROUTER_KINDS)}, got {config.router!r}")
     cf = config.capacity_factor

@@ -14,14 +14,14 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks),
-    Gemma 3, Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not), Qwen2-MoE, OLMoE, DeepSeek-V3 (latent
-    attention, a choice bias far from zero; its gates renormalised or not; also with YaRN, and as Kimi K2 ships it),
-    DeepSeek-V2 (the same attention, softmax-routed experts; V2-Lite's, and with V2's device-limited groups and YaRN),
-    GLM-4.5 (DeepSeek's experts after grouped-query attention, half of each head turned), OLMo 2 (norms after the
-    branches, q/k norms over all heads; OLMo 3's windows), MiniMax-M2 (those q/k norms, half of each head turned,
-    sigmoid-routed experts), Qwen2 (GQA, RoPE, biases on q, k and v only) or Qwen3 (GQA, RoPE, heads wider than the
-    width / heads, q/k norms; also with YaRN, or a window in its first block) shape, the Qwens' norms with epsilon
-    1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
+    Gemma 3, Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not; a mixture in every second
+    block), Qwen2-MoE, OLMoE, DeepSeek-V3 (latent attention, a choice bias far from zero; its gates renormalised or
+    not; also with YaRN, and as Kimi K2 ships it), DeepSeek-V2 (the same attention, softmax-routed experts; V2-Lite's,
+    and with V2's device-limited groups and YaRN), GLM-4.5 (DeepSeek's experts after grouped-query attention, half of
+    each head turned), OLMo 2 (norms after the branches, q/k norms over all heads; OLMo 3's windows), MiniMax-M2
+    (those q/k norms, half of each head turned, sigmoid-routed experts), Qwen2 (GQA, RoPE, biases on q, k and v
+    only) or Qwen3 (GQA, RoPE, heads wider than the width / heads, q/k norms; also with YaRN, or a window in its first
+    block) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
     moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
                initializer_range=0.2, router_aux_loss_coef=0.01)
@@ -72,6 +72,10 @@ def transformers_model(shape: str, tmp_path):
         # than width / heads; the chosen scores renormalised (Qwen3's checkpoints) or the gates as they are
         config = transformers.Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0],
                                              norm_topk_prob=shape == "qwen3_moe", head_dim=24, rms_norm_eps=1e-6)
+    elif shape == "qwen3_moe_sparse":  # a dense first block, then a mixture in every second block (3 and 5; 1 too)
+        config = transformers.Qwen3MoeConfig(**{**moe, "num_hidden_layers": 6}, num_experts=4, moe_intermediate_size=48,
+                                             mlp_only_layers=[0], decoder_sparse_step=2, norm_topk_prob=True,
+                                             head_dim=24, rms_norm_eps=1e-6)
     elif shape == "qwen2_moe":  # Qwen2-MoE's (Qwen1.5-MoE's): q, k and v biases, a dense first block, then 2 of 4
         # experts by their softmax scores as they are, beside a shared expert of two experts' width, gated
         config = transformers.Qwen2MoeConfig(**moe, num_experts=4, moe_intermediate_size=24,

@@ -157,7 +157,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
                                    "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
                                    "glm4_moe", "olmo2", "olmo3", "minimax_m2", "olmoe", "qwen3_moe_scores",
-                                   "deepseek_v3_scores", "deepseek_v2_groups"])
+                                   "deepseek_v3_scores", "deepseek_v2_groups", "qwen3_moe_sparse"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The
@@ -206,6 +206,10 @@ def test_every_shape_is_written_in_the_layout_that_holds_it_or_refused():
     assert config_from_hf(hf_config(mixtral.with_(capacity_factor=1.25))) == mixtral  # training's choice, as dropout
     qwen3_moe = qwen3.with_(n_experts=8, top_k=2, d_expert=32, dense_layers=1, aux_loss_coef=0.001)
     assert layout_of(qwen3_moe) == "qwen3_moe" and config_from_hf(hf_config(qwen3_moe)) == qwen3_moe
+    sparse = qwen3_moe.with_(n_layers=6, moe_every=2)  # a mixture in blocks 1, 3 and 5 (decoder_sparse_step 2)
+    assert hf_config(sparse)["decoder_sparse_step"] == 2 and config_from_hf(hf_config(sparse)) == sparse
+    with pytest.raises(ConfigError, match="decoder_sparse_step"):
+        layout_of(mixtral.with_(moe_every=2))
     for scores in (qwen3_moe.with_(renormalize_gates=False), qwen3_moe.with_(top_k=1)):  # the gates as chosen
         assert hf_config(scores)["norm_topk_prob"] is False and config_from_hf(hf_config(scores)) == scores
     # q, k and v biases and a gated shared expert beside softmax-routed ones: Qwen2-MoE's layout
@@ -372,7 +376,8 @@ def test_transformers_models_minigpt_computes_differently_are_refused():
                          ({**qwen2_moe, "qkv_bias": "yes"}, "qkv_bias"),
                          ({**qwen3_moe, "num_experts_per_tok": 1, "norm_topk_prob": True}, "top-1"),
                          ({**hf_config(moe.with_(qk_norm=True, qk_norm_whole=True)), "clip_qkv": 8.0}, "clip_qkv"),
-                         ({**qwen3_moe, "decoder_sparse_step": 2}, "decoder_sparse_step"),
+                         ({**qwen3_moe, "decoder_sparse_step": "2"}, "decoder_sparse_step"),
+                         ({**qwen3_moe, "decoder_sparse_step": 3, "num_hidden_layers": 2}, "moe_every"),
                          ({**qwen3_moe, "mlp_only_layers": [1]}, "not its first")):
         with pytest.raises(ConfigError, match=word):
             config_from_hf(change)

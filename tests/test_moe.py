@@ -25,6 +25,7 @@ SHAPES = [
     BASE.with_(top_k=3, aux_loss_coef=0.01, tied_head=False),
     BASE.with_(renormalize_gates=False, aux_loss_coef=0.01),  # OLMoE's, Qwen2-MoE's gates
     BASE.with_(renormalize_gates=False, router="sigmoid", top_k=1),
+    BASE.with_(n_layers=4, moe_every=2, dense_layers=1),  # GShard's: a mixture in every second block
     BASE.with_(n_shared_experts=1, shared_expert_gate=True, renormalize_gates=False, qkv_bias=True, bias=False,
                mlp="swiglu", norm="rmsnorm", positions="rope"),  # Qwen2-MoE's
     BASE.with_(d_head=16, qk_norm=True, mlp="swiglu", norm="rmsnorm", positions="rope", bias=False),  # Qwen3's
@@ -207,6 +208,9 @@ def test_exchanges_of_a_moe_layer():
     (dict(n_experts=4, d_expert=0), "d_expert must be a positive integer"),
     (dict(n_experts=4, renormalize_gates="no"), "renormalize_gates must be true or false"),
     (dict(n_experts=4, shared_expert_gate=True), "true only with shared experts"),
+    (dict(n_experts=4, moe_every=3), "leaving a MoE block among the 2"),
+    (dict(n_experts=4, moe_every=0), "moe_every must be a positive integer"),
+    (dict(n_experts=4, moe_every=2, mtp_depth=1), "multi-token prediction"),
 ])
 def test_moe_options_are_checked(fields, message):
     with pytest.raises(ConfigError, match=message):

@@ -53,6 +53,8 @@ MODELS = {
     "olmoe": preset("tiny-moe").with_(seq_len=32, n_layers=2, n_kv_heads=2, qk_norm=True, qk_norm_whole=True,
                                        mlp="swiglu", norm="rmsnorm", positions="rope", bias=False,
                                        renormalize_gates=False, aux_loss_coef=0.01),
+    # GShard's: a mixture in every second block (1 and 3), the others dense
+    "every-other": preset("tiny-moe").with_(seq_len=32, n_layers=4, moe_every=2, capacity_factor=1.25),
     # Qwen2-MoE's: q, k and v biases, a gated shared expert, the gates as chosen
     "qwen2-moe": preset("tiny-moe").with_(seq_len=32, n_layers=2, n_kv_heads=2, qkv_bias=True, bias=False,
                                            mlp="swiglu", norm="rmsnorm", positions="rope", n_shared_experts=1,
@@ -96,7 +98,8 @@ LAYOUTS = {
         "biased-ep2-pp2": ("biased", dict(dp=2, ep=2, pp=2, micro_batches=2)),
         "biased-ep2-dp4-zero3": ("biased", dict(dp=4, ep=2, zero=3)),
         "olmoe-ep2-tp2-sp": ("olmoe", dict(dp=2, ep=2, tp=2, sequence_parallel=True, micro_batches=2)),
-        "qwen2-moe-ep2-pp2": ("qwen2-moe", dict(dp=2, ep=2, pp=2, micro_batches=2))},
+        "qwen2-moe-ep2-pp2": ("qwen2-moe", dict(dp=2, ep=2, pp=2, micro_batches=2)),
+        "every-other-ep2-pp2": ("every-other", dict(dp=2, ep=2, pp=2, micro_batches=2))},
 }
 
 

@@ -42,6 +42,7 @@ SHAPES = {  # every router, loss and MLP option, with and without biases and sha
     "dense first": TINY_MOE.with_(dense_layers=2, n_shared_experts=1, aux_loss_coef=0.0),
     "mixtral": MIXTRAL, "deepseek": DEEPSEEK,
     "not renormalised": TINY_MOE.with_(renormalize_gates=False),
+    "every other": TINY_MOE.with_(moe_every=2),
     "qwen2-moe": preset("tiny-llama").with_(n_experts=4, top_k=2, n_shared_experts=2, shared_expert_gate=True,
                                             renormalize_gates=False, qkv_bias=True, dense_layers=1), "sigmoid as it is": DEEPSEEK.with_(
         renormalize_gates=False),
@@ -455,3 +456,14 @@ def test_the_choice_bias_costs_one_small_all_reduce_a_step():
         assert result.exit_code == 0, result.output
         steps.append(json.loads(result.stdout)["step_time_s"])
     assert 0 < steps[0] - steps[1] < 1e-3, steps
+
+
+def test_a_mixture_in_every_other_block_is_priced_block_by_block():
+    """--moe-every 2 (GShard's): blocks 1 and 3 of tiny-moe's four are mixtures, 0 and 2 dense: the parameters are
+    the model's, and the all-to-alls of each step half those of a mixture in every block (one per MoE block)."""
+    args = ["--model", "tiny-moe", "--pp", "2", "--dp", "2", "--ep", "2", "--json"]
+    every, other = (json.loads(invoke("simulate", *args, *extra).stdout) for extra in ([], ["--moe-every", "2"]))
+    model = TINY_MOE.with_(moe_every=2)
+    assert (other["parameters"]["total"], other["parameters"]["active"]) == (model.n_params(), model.active_params())
+    assert other["breakdown"]["ep_comm"] == pytest.approx(every["breakdown"]["ep_comm"] / 2, rel=1e-9)
+    assert other["breakdown"]["compute"] < every["breakdown"]["compute"]

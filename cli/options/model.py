@@ -135,7 +135,7 @@ EXPERT_FIELDS = {"top_k": "top_k", "expert_width": "d_expert", "shared_experts":
                  "groups_per_token": "groups_per_token", "routed_scale": "routed_scale", "expert_bias": "expert_bias",
                  "expert_bias_rate": "expert_bias_rate", "router_bias": "router_bias",
                  "renormalize_gates": "renormalize_gates", "group_score_top": "group_score_top",
-                 "shared_expert_gate": "shared_expert_gate"}
+                 "shared_expert_gate": "shared_expert_gate", "moe_every": "moe_every"}
 
 
 def expert_options() -> list:
@@ -146,6 +146,9 @@ def expert_options() -> list:
         click.option("--expert-width", "expert_width", type=int, help="Each expert's MLP width [default: --d-ff]."),
         click.option("--shared-experts", "shared_experts", type=int, help="Experts every token goes through."),
         click.option("--dense-layers", "dense_layers", type=int, help="First blocks that keep the dense MLP."),
+        click.option("--moe-every", "moe_every", type=int, help="After those, every N-th block a mixture of experts "
+                     "(blocks N - 1, 2N - 1, ...), the others dense (Megatron's --moe-layer-freq; GShard's 2) "
+                     "[default: 1, every block]."),
         click.option("--shared-expert-gate/--no-shared-expert-gate", "shared_expert_gate", default=None,
                      help="The shared experts' output times a learned sigmoid gate per token (Qwen2-MoE's) [default: "
                           "the preset's]."),

@@ -80,6 +80,10 @@ def layout_of(config: GPTConfig) -> str:
         raise ConfigError(f"transformers' {layout} layout turns every block's whole heads: blocks without rotary "
                           f"positions are written in SmolLM3's layout, part of each head turned in Phi-3's, "
                           f"GLM-4.5's or MiniMax-M2's, LongRoPE in Phi-3's: none of them holds this shape")
+    if config.moe_every > 1 and layout not in ("qwen3_moe", "qwen2_moe"):
+        raise ConfigError(f"a mixture of experts in every {config.moe_every}-th block is written in transformers' "
+                          f"Qwen3-MoE or Qwen2-MoE layout (decoder_sparse_step), which cannot hold this {layout} "
+                          f"shape")
     if config.window_in_use and layout not in WINDOWED_LAYOUTS:
         raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2, Qwen3 or GPT-OSS "
                           f"layout, which cannot hold this {layout} shape")

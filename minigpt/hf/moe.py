@@ -84,7 +84,7 @@ def moe_hf_config(config: GPTConfig, layout: str) -> dict:
     if layout == "olmoe":
         return {**common, "intermediate_size": config.expert_width, "clip_qkv": None, "pad_token_id": None}
     return {**common, "moe_intermediate_size": config.expert_width, "intermediate_size": config.d_ff,
-            "decoder_sparse_step": 1, "mlp_only_layers": list(range(config.dense_layers)),
+            "decoder_sparse_step": config.moe_every, "mlp_only_layers": list(range(config.dense_layers)),
             "use_sliding_window": False, "sliding_window": None}
 
 
@@ -120,11 +120,11 @@ def moe_fields(hf: dict, layout: str) -> dict:
     if layout == "olmoe":
         refuse_unless(hf.get("clip_qkv") is None, "its queries, keys and values are clipped (clip_qkv)")
         return {**fields, "n_experts": config_number(hf, experts), "d_expert": None}
-    refuse_unless(hf.get("decoder_sparse_step", 1) == 1, "its sparse blocks are every decoder_sparse_step'th")
     dense = sorted(hf.get("mlp_only_layers") or [])
     refuse_unless(dense == list(range(len(dense))), f"its dense blocks {dense} are not its first ones")
     width = config_number(hf, "moe_intermediate_size")
-    fields |= {"n_experts": config_number(hf, experts), "d_expert": width, "dense_layers": len(dense)}
+    fields |= {"n_experts": config_number(hf, experts), "d_expert": width, "dense_layers": len(dense),
+               "moe_every": config_number(hf, "decoder_sparse_step", 1)}
     if layout != "qwen2_moe":
         return fields
     shared = config_number(hf, "shared_expert_intermediate_size")
