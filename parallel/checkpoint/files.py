@@ -42,9 +42,10 @@ SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff
                 "n_kv_heads", "mlp", "norm", "positions", "bias", "qkv_bias", "d_head", "qk_norm", "rope_theta",
                 "rope_scaling", "rope_yarn", "norm_eps", "n_experts", "top_k", "d_expert", "n_shared_experts",
                 "dense_layers", "router", "kv_lora_rank", "q_lora_rank", "rope_head_dim", "d_value", "expert_groups",
-                "groups_per_token", "routed_scale", "expert_bias", "window", "full_attention_every", "rope_yarn_truncate", "rope_longrope",
-                "rotary_fraction", "nope_every", "post_norms", "embed_scale", "query_scale", "rope_local_theta",
-                "rope_linear", "qk_norm_whole", "pre_norms")
+                "groups_per_token", "routed_scale", "expert_bias", "window", "full_attention_every",
+                "rope_yarn_truncate", "rope_longrope", "rotary_fraction", "nope_every", "post_norms", "embed_scale",
+                "query_scale", "rope_local_theta", "rope_linear", "qk_norm_whole", "pre_norms", "attention_sinks",
+                "router_bias", "mtp_depth", "renormalize_gates", "group_score_top", "shared_expert_gate", "moe_every")
 STEP_DIR = re.compile(r"step-(\d+)")
 HINT = "resume an older one (--resume PATH), or start without --resume"
 HASH_BLOCK = 1 << 20  # bytes read at a time while hashing a shard
