@@ -141,8 +141,10 @@ class Corpus:
             parts = [cls.load(one, seq_len, tokenizer) for one in path]
             shares = mixture_shares(weights or [len(part.train) for part in parts])
             source = " + ".join(f"{part.source} ({share:.3g})" for part, share in zip(parts, shares))
-            return cls(train=Mixture(tuple(part.train for part in parts), shares),
-                       val=Mixture(tuple(part.val for part in parts), shares, VAL_STREAM), source=source)
+            short = tuple(Path(one).name for one in path)  # each source's name: its file's, or where two share one,
+            names = short if len(set(short)) == len(short) else tuple(str(one) for one in path)  # its whole path
+            return cls(train=Mixture(tuple(part.train for part in parts), shares, names),
+                       val=Mixture(tuple(part.val for part in parts), shares, names), source=source)
         if isinstance(path, (tuple, list)):
             path = path[0] if path else None
         source = "embedded:" + CORPUS_NAME if path is None else str(path)
@@ -299,11 +301,12 @@ class Mixture:
     falls in [W_{i-1}, W_i), W the shares' running sums and phi the golden ratio's conjugate: a Weyl sequence, so the
     first N samples (and any N in a row) hold each source within a few samples of its share, and a sample's source
     is a function of n alone. Its offset in that source is drawn from (seed, step, source): every layout and every
-    resumed run reads the same samples."""
+    resumed run reads the same samples. A corpus's validation Mixture is its sources' validation splits, each
+    evaluated on its own batches (parallel/run/train.py's evaluate)."""
 
     streams: tuple
     shares: tuple[float, ...]
-    stream: int = TRAIN_STREAM  # TRAIN_STREAM or VAL_STREAM: which split's random offsets
+    names: tuple[str, ...] = ()  # each source's: its file's name, or its path where two share a name
 
     def sources(self, first: int, count: int):
         """The source of samples first .. first + count - 1 (an int64 tensor)."""
@@ -323,7 +326,7 @@ class Mixture:
         targets = torch.empty_like(inputs)
         for i, tokens in enumerate(self.streams):
             picked = (sources == i).nonzero().squeeze(1)  # this source's samples of the batch, in order
-            offsets = sample_offsets(len(tokens), seq_len, seed, step, len(picked), 2 + 2 * i + self.stream)
+            offsets = sample_offsets(len(tokens), seq_len, seed, step, len(picked), 2 + i)  # past TRAIN and VAL
             keep = [(row, offset) for row, offset in zip(picked.tolist(), offsets) if row in chosen]
             if keep:
                 rows = torch.tensor([row - chosen.start for row, _ in keep])
@@ -352,8 +355,5 @@ def get_batch(
 def validation_batches(tokens, seq_len: int, batch_size: int, n_batches: int, seed: int):
     """A fixed set of validation batches (the same at every evaluation)."""
     for index in range(n_batches):
-        if isinstance(tokens, Mixture):
-            yield tokens.samples(seq_len, seed, index, batch_size, range(batch_size))
-            continue
         offsets = sample_offsets(len(tokens), seq_len, seed, index, batch_size, stream=VAL_STREAM)
         yield slice_samples(tokens, offsets, seq_len)

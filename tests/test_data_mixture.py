@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from minigpt.data import VAL_STREAM, BatchLayout, Corpus, Mixture, embedded_corpus, get_batch, validation_batches
+from minigpt.data import BatchLayout, Corpus, Mixture, embedded_corpus, get_batch
 from test_tokenizer import one_line_error, run_cli
 
 SEQ = 16
@@ -37,7 +37,7 @@ def test_every_run_of_samples_holds_each_source_in_its_share(shares):
                 assert abs(counts[source].item() - share * length) <= 3, (shares, start, length, counts)
 
 
-def test_every_layout_and_the_validation_read_the_same_batches():
+def test_every_layout_reads_the_same_global_batch():
     mixture = labelled((0.6, 0.4))
     whole = get_batch(mixture, SEQ, BatchLayout(8), 3, 5)
     for micro_batches, dp in ((2, 2), (4, 1), (1, 4)):
@@ -47,14 +47,6 @@ def test_every_layout_and_the_validation_read_the_same_batches():
         for index in range(2):
             assert torch.equal(torch.cat([part[index] for part in parts]), whole[index])
     assert not torch.equal(get_batch(mixture, SEQ, BatchLayout(8), 3, 6)[0], whole[0])  # another step, other samples
-    val = Mixture(mixture.streams, mixture.shares, VAL_STREAM)  # fixed batches, at offsets of their own
-    first, again = (list(validation_batches(val, SEQ, 8, 2, 3)) for _ in range(2))
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
-    assert torch.equal(sources_of(first[0][0]), sources_of(get_batch(mixture, SEQ, BatchLayout(8), 3, 0)[0]))
-    counting = (torch.arange(500, dtype=torch.int32), torch.arange(1000, 1600, dtype=torch.int32))
-    drawn = [get_batch(Mixture(counting, mixture.shares, stream), SEQ, BatchLayout(8), 3, 0)[0]
-             for stream in (mixture.stream, VAL_STREAM)]
-    assert not torch.equal(*drawn)  # the same sources, other offsets
 
 
 def test_sources_are_read_at_their_own_offsets_and_one_source_is_the_plain_stream(tmp_path):
@@ -89,7 +81,12 @@ def test_a_mixture_trains_in_tp2_dp2_as_in_one_process(tmp_path):
         summary = json.loads(result.stdout)
         losses[name] = summary["losses"]
         assert summary["data"].endswith("b.txt (0.7)")
+        by_source = summary["val_by_source"]  # each source's fixed batches; the loss their mean in the shares
+        assert list(by_source) == ["a.txt", "b.txt"]  # each source by its file's name
+        assert summary["val_loss"] == pytest.approx(0.3 * by_source["a.txt"] + 0.7 * by_source["b.txt"], rel=1e-12)
+        losses[name + " val"] = list(by_source.values())
     assert losses["tp2dp2"] == pytest.approx(losses["one"], rel=1e-5) and losses["one"][-1] < losses["one"][0]
+    assert losses["tp2dp2 val"] == pytest.approx(losses["one val"], rel=1e-5)
 
 
 @pytest.mark.parametrize("args, says", [

@@ -115,3 +115,16 @@ def test_overwrite_clears_a_tensorboard_folder_of_event_files_only(tmp_path):
     assert is_run_dir(run)
     (run / "tensorboard" / "notes.txt").write_text("mine")
     assert not is_run_dir(run)  # not a folder only runs write: --overwrite refuses it
+
+
+def test_a_mixtures_sources_each_have_a_validation_tag(tmp_path):
+    from minigpt.data import embedded_corpus
+
+    for name, part in (("a.txt", slice(0, 40_000)), ("b.txt", slice(40_000, 80_000))):
+        (tmp_path / name).write_bytes(embedded_corpus()[part])
+    out = tmp_path / "run"
+    train("--data", str(tmp_path / "a.txt"), "--data", str(tmp_path / "b.txt"), "--steps", "2", "--out", str(out))
+    got, records = scalars(out), metrics(out)
+    for source in ("a.txt", "b.txt"):
+        tag = f"loss/validation/{source}"
+        assert got[tag] == [(step, np.float32(records[step]["val_by_source"][source])) for step in (0, 1)], tag

@@ -461,6 +461,7 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
             ["parameters", f"{summary['n_params']:,}"],
             [f"final loss (mean of the last {summary['final_loss_steps']} steps)", f"{summary['final_loss']:.4f}"],
             ["validation loss", f"{summary['val_loss']:.4f}"],
+            *[[f"  of {source}", f"{loss:.4f}"] for source, loss in (summary.get("val_by_source") or {}).items()],
             ["median step time", f"{summary['step_time_s'] * 1000:.1f} ms"],
             ["tokens/s", f"{summary['tokens_per_s']:,.0f}"],
             [f"MFU (vs measured {summary['peak_flops_dtype']} matmul peak)", f"{summary['mfu']:.1%}"],

@@ -68,6 +68,8 @@ class Board:
         for key, tag in TAGS.items():
             if record.get(key) is not None:
                 self.writer.add_scalar(tag, record[key], step)
+        for source, loss in (record.get("val_by_source") or {}).items():  # a mixture's sources, each its tag
+            self.writer.add_scalar(f"{TAGS['val_loss']}/{source}", loss, step)
         for rank, held in enumerate(self.memory):
             self.writer.add_scalar(MEMORY_TAG.format(rank), held, step)
 

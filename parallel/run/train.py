@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from minigpt.data import BatchLayout, Corpus, get_batch, validation_batches
+from minigpt.data import BatchLayout, Corpus, Mixture, get_batch, validation_batches
 from minigpt.errors import ConfigError, TrainingError
 from minigpt.model import ahead
 from minigpt.tokenizer import load_tokenizer
@@ -125,24 +125,35 @@ def restarted(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, str | None]:
     return dataclasses.replace(cfg, resume=True), str(point.path)
 
 
-def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> float:
-    """Validation loss on fixed batches, the same whatever the layout. Each data-parallel replica takes its
+def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> tuple[float, dict | None]:
+    """Validation loss on fixed batches, the same whatever the layout, and for a mixture each source's (its own
+    fixed batches; the loss then the mean of theirs in the mixture's shares). Each data-parallel replica takes its
     share of every batch (the batch is the replicas' micro-batches, so it divides evenly) and the replicas
     average their means; the ranks of a replica (tensor, pipeline) run it together, as ZeRO-3 needs."""
     rank.stage.eval()
+    sources = corpus.val if isinstance(corpus.val, Mixture) else None
+    streams = sources.streams if sources is not None else (corpus.val,)
+    losses = [_validation_loss(rank, stream, cfg, device) for stream in streams]
+    rank.stage.train()
+    rank.data_parallel.end_step()
+    if sources is None:
+        return losses[0], None
+    return math.fsum(share * loss for share, loss in zip(sources.shares, losses)), dict(zip(sources.names, losses))
+
+
+def _validation_loss(rank: Rank, tokens, cfg: TrainConfig, device: torch.device) -> float:
+    """The mean loss of `tokens`' fixed validation batches, over every data-parallel replica."""
     batch = max(1, cfg.global_batch // cfg.micro_batches)
     share, first = batch // cfg.dp, rank.mesh.dp_rank * (batch // cfg.dp)
     mesh = rank.mesh
     losses = [
         rank.executor.evaluate(*(context_part(t[first:first + share], mesh).to(device) for t in (x, y)))
-        for x, y in validation_batches(corpus.val, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)
+        for x, y in validation_batches(tokens, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)
     ]
     loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
     if mesh.data_group() is not None:  # each context-parallel rank's mean is over as many tokens
         dist.all_reduce(loss, group=mesh.data_group())
         loss /= mesh.data_ranks
-    rank.stage.train()
-    rank.data_parallel.end_step()
     return float(loss)
 
 
@@ -226,8 +237,10 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             held = ranks_memory(mesh, rank, activations) if step == start_step else None  # all ranks' bytes, once
             record_out = step_log(cfg, step, outcome, peak, held)
             if (step + 1) % cfg.eval_interval == 0 or step == cfg.steps - 1:
-                record_out["val_loss"] = evaluate(rank, corpus, cfg, device)
-                history.val_history.append({"step": step, "val_loss": record_out["val_loss"]})
+                record_out["val_loss"], by_source = evaluate(rank, corpus, cfg, device)
+                record_out |= {"val_by_source": by_source} if by_source else {}
+                history.val_history.append({"step": step, "val_loss": record_out["val_loss"],
+                                            **({"val_by_source": by_source} if by_source else {})})
             if cfg.saves_at(step):
                 record_out["checkpoint"] = str(save_checkpoint(cfg.checkpoint_dir, rank, cfg, step + 1))
             if run:
@@ -361,6 +374,8 @@ def summarize(cfg: TrainConfig, rank: Rank, corpus: Corpus, history: History, pe
         "final_loss_steps": len(tail),
         "val_loss": history.val_history[-1]["val_loss"],
         "val_history": history.val_history,
+        **({"val_by_source": history.val_history[-1]["val_by_source"]}
+           if "val_by_source" in history.val_history[-1] else {}),
         "skipped_steps": scaler.skipped_steps if scaler else 0,
         "loss_scale": scaler.scale if scaler else None,
         "comm_bytes_per_step": history.comm_per_step,
