@@ -141,6 +141,12 @@ def evaluate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device)
     return math.fsum(share * loss for share, loss in zip(sources.shares, losses)), dict(zip(sources.names, losses))
 
 
+def validate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device) -> dict:
+    """evaluate's numbers as a step's record holds them: val_loss, and a mixture's val_by_source."""
+    loss, by_source = evaluate(rank, corpus, cfg, device)
+    return {"val_loss": loss, **({"val_by_source": by_source} if by_source else {})}
+
+
 def _validation_loss(rank: Rank, tokens, cfg: TrainConfig, device: torch.device) -> float:
     """The mean loss of `tokens`' fixed validation batches, over every data-parallel replica."""
     batch = max(1, cfg.global_batch // cfg.micro_batches)
@@ -237,10 +243,8 @@ def train_on_rank(cfg: TrainConfig, device: torch.device, on_step: StepLog | Non
             held = ranks_memory(mesh, rank, activations) if step == start_step else None  # all ranks' bytes, once
             record_out = step_log(cfg, step, outcome, peak, held)
             if (step + 1) % cfg.eval_interval == 0 or step == cfg.steps - 1:
-                record_out["val_loss"], by_source = evaluate(rank, corpus, cfg, device)
-                record_out |= {"val_by_source": by_source} if by_source else {}
-                history.val_history.append({"step": step, "val_loss": record_out["val_loss"],
-                                            **({"val_by_source": by_source} if by_source else {})})
+                history.val_history.append({"step": step, **(validation := validate(rank, corpus, cfg, device))})
+                record_out |= validation
             if cfg.saves_at(step):
                 record_out["checkpoint"] = str(save_checkpoint(cfg.checkpoint_dir, rank, cfg, step + 1))
             if run:
