@@ -361,7 +361,8 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
             dense += f", in 1 block of {self.moe_every}" if self.moe_every > 1 else ""
             grouped = (f" of {self.groups_per_token} of {self.expert_groups} groups"
                        if self.groups_per_token not in (None, self.expert_groups) else "")
-            grouped += f" (scored by their best {self.group_score_top})" if grouped and self.group_score_top != 2 else ""
+            if grouped and self.group_score_top != 2:
+                grouped += f" (scored by their best{'' if self.group_score_top == 1 else f' {self.group_score_top}'})"
             scaled = f", gates x{self.routed_scale:g}" if self.routed_scale != 1.0 else ""
             if self.expert_bias:
                 scaled += f", choice bias (rate {self.expert_bias_rate:g})"

@@ -109,6 +109,39 @@ PRESETS: dict[str, GPTConfig] = {
         n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, dense_layers=3, router="sigmoid",
         aux_loss_coef=0.0001, expert_groups=8, groups_per_token=4, routed_scale=2.5, expert_bias=True,
         expert_bias_rate=0.001, mtp_depth=1, mtp_weight=0.3),
+    # DeepSeek-V2 (DeepSeek-AI 2024, arXiv 2405.04434, section 3.1.2): DeepSeek-V3's attention (60 layers of width
+    # 5,120, 128 heads, query latent 1,536, key/value latent 512, heads 128 + 64 rotated, values 128), the first
+    # block dense (SwiGLU 12,288), then 160 routed experts of 1,536 and 2 shared, 6 routed per token by their
+    # softmax scores as they are (not renormalised), times 16; device-limited routing, each token's experts on at
+    # most 3 of 8 devices (its groups, each scored by its best expert); the expert-level balance loss's alpha 0.003;
+    # vocabulary 102,400, 4K pre-training sequences: 235.74B parameters (published 236B), 20.85B active counting the
+    # head but not the embedding, as the paper's 21B.
+    "deepseek-v2": llama(102400, 4096, 60, 128, 128, 5120, 12288, 10000.0).with_(
+        n_kv_heads=None, d_head=128, kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64, norm_eps=1e-6,
+        n_experts=160, top_k=6, d_expert=1536, n_shared_experts=2, dense_layers=1, renormalize_gates=False,
+        expert_groups=8, groups_per_token=3, group_score_top=1, routed_scale=16.0, aux_loss_coef=0.003),
+    # DeepSeek-V2-Lite (the same paper, appendix B): 27 layers of width 2,048, 16 heads without a query latent
+    # (key/value latent 512), the first block dense (SwiGLU 10,944), then 64 routed experts of 1,408 and 2 shared, 6
+    # per token, ungrouped, alpha 0.001: 15.71B parameters (published 15.7B), 2.45B active as the paper counts (2.4B).
+    "deepseek-v2-lite": llama(102400, 4096, 27, 16, 16, 2048, 10944, 10000.0).with_(
+        n_kv_heads=None, d_head=128, kv_lora_rank=512, q_lora_rank=0, rope_head_dim=64, norm_eps=1e-6,
+        n_experts=64, top_k=6, d_expert=1408, n_shared_experts=2, dense_layers=1, renormalize_gates=False,
+        aux_loss_coef=0.001),
+    # OLMoE-1B-7B (Muennighoff et al. 2024, arXiv 2409.02060, Table 1 and section 2): 16 layers of width 2,048, 16
+    # heads, q and k each RMS-normalised over all their heads, every block 64 SwiGLU experts of 1,024 of which 8 per
+    # token by their softmax scores as they are, load-balancing weight 0.01 and router z-loss 0.001, vocabulary
+    # 50,304, untied, 4K sequences: 6.92B parameters (published 6.9B), 1.28B active (1.3B).
+    "olmoe-1b-7b": llama(50304, 4096, 16, 16, 16, 2048, 1024, 10000.0).with_(
+        qk_norm=True, qk_norm_whole=True, n_experts=64, top_k=8, renormalize_gates=False, aux_loss_coef=0.01,
+        z_loss_coef=0.001),
+    # Qwen1.5-MoE-A2.7B (Qwen team 2024, its model card; transformers' Qwen2MoeConfig defaults are its shape): 24
+    # layers of width 2,048, 16 heads with q/k/v biases, every block 60 SwiGLU experts of 1,408 of which 4 per token
+    # (softmax scores as they are) beside a shared expert of 5,632 (four experts' width) whose output a learned
+    # sigmoid gates; vocabulary 151,936, RoPE base 1e6, norms' epsilon 1e-6, balance coefficient 0.001, 8K context:
+    # 14.32B parameters (published 14.3B), 2.69B active (2.7B).
+    "qwen1.5-moe-a2.7b": llama(151936, 8192, 24, 16, 16, 2048, 5632, 1e6).with_(
+        qkv_bias=True, norm_eps=1e-6, n_experts=60, top_k=4, d_expert=1408, n_shared_experts=4,
+        shared_expert_gate=True, renormalize_gates=False, aux_loss_coef=0.001),
 }
 
 

@@ -70,6 +70,21 @@ def test_published_sizes():
                                            + 512 * 128 * (128 + 128) + 128 * 128 * 7168)
     moe_layers = deepseek.n_layers - deepseek.dense_layers
     assert moe_layers * deepseek.n_experts * deepseek.expert_params() == 58 * 256 * 3 * 7168 * 2048  # routed experts
+    # DeepSeek-V2 and V2-Lite (arXiv 2405.04434: 236B / 21B and 15.7B / 2.4B active, counting the head and not the
+    # embedding), OLMoE-1B-7B (arXiv 2409.02060: 6.9B / 1.3B), Qwen1.5-MoE-A2.7B (its card: 14.3B / 2.7B)
+    for name, total, active, published in (("deepseek-v2", 235_741_434_880, 21_375_800_320, (236e9, 21e9)),
+                                           ("deepseek-v2-lite", 15_706_484_224, 2_661_150_208, (15.7e9, 2.4e9)),
+                                           ("olmoe-1b-7b", 6_919_161_856, 1_282_017_280, (6.9e9, 1.3e9)),
+                                           ("qwen1.5-moe-a2.7b", 14_315_784_192, 2_689_173_504, (14.3e9, 2.7e9))):
+        model = PRESETS[name]
+        assert (model.n_params(), model.active_params()) == (total, active), name
+        head_only = active - (model.vocab_size * model.d_model if model.is_mla else 0)  # DeepSeek counts no embedding
+        assert abs(total / published[0] - 1) < 0.01 and abs(head_only / published[1] - 1) < 0.025, name
+    from minigpt.hf.layouts import config_from_hf, hf_config, layout_of  # each written in its own layout, and read back
+    for name, layout in (("deepseek-v2", "deepseek_v2"), ("olmoe-1b-7b", "olmoe"), ("qwen1.5-moe-a2.7b", "qwen2_moe")):
+        model = PRESETS[name]
+        assert layout_of(model) == layout and config_from_hf(hf_config(model)) == model.with_(aux_loss_coef=(
+            model.aux_loss_coef if layout != "deepseek_v2" else 0.0), z_loss_coef=0.0), name
     tiny, tiny_moe = PRESETS["tiny"], PRESETS["tiny-moe"]  # equal active parameters but for the router and the
     extra = tiny.n_layers * tiny.d_model * (tiny_moe.n_experts + 1)  # second expert's output bias
     assert tiny_moe.active_params() - tiny.n_params() == extra
