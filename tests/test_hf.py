@@ -38,11 +38,6 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           "mistral": ["--model", "tiny-llama", "--layers", "2", "--seq-len", "32", "--window", "12"],
           # multi-head latent attention, a dense first block, then shared and routed experts (sigmoid router)
           "deepseek_v3": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32"],
-          # the same with DeepSeek-V2's router: softmax scores as they are, each token's 2 of 8 experts from its best
-          # 2 of 4 groups, each group scored by its best expert, the gates scaled by 2; no query latent
-          "deepseek_v2": ["--model", "tiny-deepseek", "--layers", "2", "--seq-len", "32", "--router", "softmax",
-                          "--no-expert-bias", "--no-renormalize-gates", "--expert-groups", "4", "--groups-per-token",
-                          "2", "--group-score-top", "1", "--routed-scale", "2", "--q-lora-rank", "0"],
           # grouped-query attention with q, k and v biases, q/k norms and half of each head turned, then DeepSeek's
           # experts after a dense block (sigmoid router with its choice bias, groups, a shared expert), and a
           # multi-token prediction module: GLM-4.5's layout
@@ -56,17 +51,14 @@ SHAPES = {"gpt2": ["--layers", "2", "--seq-len", "32"],
           # those q/k norms before pre norms, half of each head turned, experts chosen by sigmoid scores with a bias
           "minimax_m2": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole", "--head-dim", "24",
                          "--rotary-fraction", "0.5", "--router", "sigmoid", "--expert-bias"],
-          # those q/k norms in Llama's block, every block softmax-routed experts whose chosen scores are the gates
-          "olmoe": [*MOE, "--layers", "2", "--seq-len", "32", "--qk-norm", "--qk-norm-whole", "--no-renormalize-gates"],
           # q, k and v biases, a dense first block, the gates as chosen and a gated shared expert: Qwen2-MoE's
           "qwen2_moe": [*MOE, "--layers", "2", "--seq-len", "32", "--qkv-bias", "--dense-layers", "1",
                         "--shared-experts", "1", "--shared-expert-gate", "--no-renormalize-gates"]}
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            "deepseek_v3": "DeepseekV3ForCausalLM", "mistral": "MistralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-           "olmo2": "Olmo2ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "olmoe": "OlmoeForCausalLM",
-           "deepseek_v2": "DeepseekV2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "olmoe", "deepseek_v2", "qwen2_moe")
+           "olmo2": "Olmo2ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_SHAPES = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen2_moe")
 
 
 def invoke(*args: str):
@@ -104,7 +96,7 @@ def test_a_tp2_pp2_run_exported_gives_minigpts_logits_in_transformers(exported, 
     assert state["layout"]["tp"] == 2 and state["layout"]["pp"] == 2
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(theirs).__name__ == CLASSES[shape]
-    if shape not in ("gpt2", "deepseek_v3", "deepseek_v2"):  # grouped-query attention and rotary positions, as the run trained them
+    if shape not in ("gpt2", "deepseek_v3"):  # grouped-query attention and rotary positions, as the run trained them
         assert theirs.config.num_key_value_heads == 2 < theirs.config.num_attention_heads == 4
     tokens = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -157,7 +149,7 @@ def hub_named(grads: dict, layout: str) -> dict:
 @pytest.mark.parametrize("shape", [*SHAPES, "phi3", "mixtral_window", "qwen3_window", "qwen3_yarn",
                                    "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
                                    "glm4_moe", "olmo2", "olmo3", "minimax_m2", "olmoe", "qwen3_moe_scores",
-                                   "deepseek_v3_scores", "deepseek_v2_groups", "qwen3_moe_sparse"])
+                                   "deepseek_v3_scores", "deepseek_v2", "deepseek_v2_groups", "qwen3_moe_sparse"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The

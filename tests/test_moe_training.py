@@ -48,21 +48,19 @@ MODELS = {
     # whole batch's load (a rate large enough to change which experts are chosen within the 20 steps)
     "biased": preset("tiny-moe").with_(seq_len=32, n_layers=2, router="sigmoid", expert_bias=True,
                                         expert_bias_rate=0.01),
-    # OLMoE's block: q and k normalised over all heads (the sums of squares summed over tp), the chosen softmax
-    # scores the gates as they are
-    "olmoe": preset("tiny-moe").with_(seq_len=32, n_layers=2, n_kv_heads=2, qk_norm=True, qk_norm_whole=True,
-                                       mlp="swiglu", norm="rmsnorm", positions="rope", bias=False,
-                                       renormalize_gates=False, aux_loss_coef=0.01),
-    # GShard's: a mixture in every second block (1 and 3), the others dense
-    "every-other": preset("tiny-moe").with_(seq_len=32, n_layers=4, moe_every=2, capacity_factor=1.25),
-    # Qwen2-MoE's: q, k and v biases, a gated shared expert, the gates as chosen
-    "qwen2-moe": preset("tiny-moe").with_(seq_len=32, n_layers=2, n_kv_heads=2, qkv_bias=True, bias=False,
+    # OLMoE's block (q and k normalised over all heads, their sums of squares summed over tp) routed as DeepSeek-V2
+    # routes: each token's 2 experts from its best 2 of 4 groups, each group scored by its best expert, the softmax
+    # scores as they are, x 2
+    "olmoe-v2": preset("tiny-moe").with_(seq_len=32, n_layers=2, n_kv_heads=2, qk_norm=True, qk_norm_whole=True,
+                                          mlp="swiglu", norm="rmsnorm", positions="rope", bias=False,
+                                          renormalize_gates=False, expert_groups=4, groups_per_token=2,
+                                          group_score_top=1, routed_scale=2.0, aux_loss_coef=0.01),
+    # Qwen2-MoE's (q, k and v biases, a gated shared expert, the gates as chosen), a mixture in every second block
+    # (1 and 3: GShard's), the others dense
+    "qwen2-moe": preset("tiny-moe").with_(seq_len=32, n_layers=4, n_kv_heads=2, qkv_bias=True, bias=False,
                                            mlp="swiglu", norm="rmsnorm", positions="rope", n_shared_experts=1,
-                                           shared_expert_gate=True, renormalize_gates=False, aux_loss_coef=0.01),
-    # DeepSeek-V2's routing: each token's 2 experts from its best 2 of 4 groups, each group scored by its best
-    # expert, the softmax scores as they are, x 2
-    "v2-routing": preset("tiny-moe").with_(seq_len=32, n_layers=2, renormalize_gates=False, expert_groups=4,
-                                            groups_per_token=2, group_score_top=1, routed_scale=2.0),
+                                           shared_expert_gate=True, renormalize_gates=False, aux_loss_coef=0.01,
+                                           moe_every=2),
 }
 TOLERANCE = 1e-5  # relative, every step, losses and gradient norms (fp32)
 LAYOUTS = {
@@ -79,8 +77,7 @@ LAYOUTS = {
         "ep2-full-recompute": ("top2-drop", dict(dp=2, ep=2, micro_batches=2, recompute="full")),
         "biased-tp2-sp": ("biased", dict(tp=2, sequence_parallel=True, micro_batches=2)),
         "biased-ep2-over-cp2": ("biased", dict(cp=2, ep=2)),
-        "olmoe-tp2-sp": ("olmoe", dict(tp=2, sequence_parallel=True, micro_batches=2)),
-        "v2-routing-ep2": ("v2-routing", dict(dp=2, ep=2)),
+        "olmoe-v2-tp2-sp": ("olmoe-v2", dict(tp=2, sequence_parallel=True, micro_batches=2)),
         "qwen2-moe-tp2-sp": ("qwen2-moe", dict(tp=2, sequence_parallel=True, micro_batches=2))},
     4: {"ep4": ("top2", dict(dp=4, ep=4)),
         "ep2-dp4-zero1": ("top2-drop", dict(dp=4, ep=2, zero=1)),
@@ -97,9 +94,7 @@ LAYOUTS = {
         "biased-ep2-tp2": ("biased", dict(dp=2, ep=2, tp=2)),
         "biased-ep2-pp2": ("biased", dict(dp=2, ep=2, pp=2, micro_batches=2)),
         "biased-ep2-dp4-zero3": ("biased", dict(dp=4, ep=2, zero=3)),
-        "olmoe-ep2-tp2-sp": ("olmoe", dict(dp=2, ep=2, tp=2, sequence_parallel=True, micro_batches=2)),
-        "qwen2-moe-ep2-pp2": ("qwen2-moe", dict(dp=2, ep=2, pp=2, micro_batches=2)),
-        "every-other-ep2-pp2": ("every-other", dict(dp=2, ep=2, pp=2, micro_batches=2))},
+        "qwen2-moe-ep2-pp2": ("qwen2-moe", dict(dp=2, ep=2, pp=2, micro_batches=2))},
 }
 
 
