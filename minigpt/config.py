@@ -280,6 +280,11 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
         return 2 * self.expert_width if self.gated_mlp else self.expert_width
 
     @property
+    def group_limited(self) -> bool:
+        """Whether a token's experts come from some of the expert groups only (groups_per_token of expert_groups)."""
+        return self.groups_per_token not in (None, self.expert_groups)
+
+    @property
     def gates_renormalised(self) -> bool:
         """Whether the chosen scores are divided by their sum: with renormalize_gates, when top_k > 1 or the router
         is a sigmoid (a top-1 softmax keeps its probability, Switch's)."""
@@ -359,8 +364,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
             shared = f" + {self.n_shared_experts} shared" if self.n_shared_experts else ""
             dense = f", the first {self.dense_layers} dense ({kind} {self.d_ff})" if self.dense_layers else ""
             dense += f", in 1 block of {self.moe_every}" if self.moe_every > 1 else ""
-            grouped = (f" of {self.groups_per_token} of {self.expert_groups} groups"
-                       if self.groups_per_token not in (None, self.expert_groups) else "")
+            grouped = f" of {self.groups_per_token} of {self.expert_groups} groups" if self.group_limited else ""
             if grouped and self.group_score_top != 2:
                 grouped += f" (scored by their best{'' if self.group_score_top == 1 else f' {self.group_score_top}'})"
             scaled = f", gates x{self.routed_scale:g}" if self.routed_scale != 1.0 else ""

@@ -186,9 +186,9 @@ def in_chosen_groups(scores: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     expert_groups, groups_per_token; DeepSeek-V2's device-limited routing) those outside its groups_per_token best
     groups, each group scored by the sum of its group_score_top best (V3: two, V2: one), set to -inf (ties to the
     lower group); else the scores themselves."""
-    groups, chosen = config.expert_groups, config.groups_per_token
-    if groups == 1 or chosen is None or chosen == groups:
+    if not config.group_limited:
         return scores
+    groups, chosen = config.expert_groups, config.groups_per_token
     grouped = scores.detach().unflatten(-1, (groups, -1))
     best = choose(grouped.topk(config.group_score_top, dim=-1).values.sum(-1), chosen)  # (..., chosen) group ids
     keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool, device=scores.device).scatter_(-1, best, True)

@@ -52,15 +52,14 @@ def deepseek_layout(config: GPTConfig) -> str:
         refuse("this block (it is a bias-free rmsnorm + swiglu + rope block)")
     if config.rope_scaling is not None:
         refuse("Llama 3.1's rotary scaling")
-    limited = config.groups_per_token not in (None, config.expert_groups)
     if not config.is_moe or config.router == "sigmoid":
-        if limited and config.group_score_top != 2:
+        if config.group_limited and config.group_score_top != 2:
             refuse("groups scored other than by their two best sigmoid scores (DeepSeek-V3's)")
         return "deepseek_v3"
     if config.expert_bias or config.gates_renormalised or config.mtp_depth or config.router_bias:
         refuse("a softmax router with a choice bias, renormalised gates, a router bias or multi-token prediction "
                "(DeepSeek-V2's router keeps the chosen scores, scaled, and has none of them)")
-    if limited and config.group_score_top != 1:
+    if config.group_limited and config.group_score_top != 1:
         refuse("groups scored other than by their best softmax score (DeepSeek-V2's group_limited_greedy)")
     return "deepseek_v2"
 
@@ -73,10 +72,9 @@ def deepseek_hf_config(config: GPTConfig, common: dict, rope_fields) -> dict:
     if layout == "deepseek_v3":
         return {"architectures": [ARCHITECTURES[layout]], "model_type": layout, **common, **fields,
                 "rope_interleave": True}
-    limited = config.groups_per_token not in (None, config.expert_groups)
     v2 = {key: value for key, value in fields.items() if key not in ("num_mtp_layers", "num_nextn_predict_layers")}
     return {"architectures": [ARCHITECTURES[layout]], "model_type": layout, **common, **v2,
-            "topk_method": "group_limited_greedy" if limited else "greedy", "norm_topk_prob": False}
+            "topk_method": "group_limited_greedy" if config.group_limited else "greedy", "norm_topk_prob": False}
 
 
 def _mla_fields(config: GPTConfig, rope_fields) -> dict:

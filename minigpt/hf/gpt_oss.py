@@ -28,7 +28,7 @@ def check_gpt_oss(config: GPTConfig) -> None:
              and config.attention_sinks and not config.qk_norm and not config.is_mla)
     routing = (config.is_moe and not config.dense_layers and config.router == "softmax" and config.router_bias
                and config.top_k > 1 and config.renormalize_gates and not config.n_shared_experts
-               and not config.expert_bias and config.routed_scale == 1.0 and config.groups_per_token in (None, config.expert_groups))
+               and not config.expert_bias and config.routed_scale == 1.0 and not config.group_limited)
     if not (block and routing and not config.mtp_depth):
         raise ConfigError("attention sinks, the clamped SwiGLU and a router bias are written in transformers' GPT-OSS "
                           "layout, which holds an rmsnorm + rope model with biases, sinks and every block a mixture "

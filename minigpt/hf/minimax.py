@@ -28,7 +28,7 @@ def check_minimax(config: GPTConfig) -> None:
     """ConfigError unless MiniMax-M2's layout holds `config` exactly."""
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
     routing = (config.router == "sigmoid" and not config.n_shared_experts and not config.dense_layers
-               and config.routed_scale == 1.0 and config.groups_per_token in (None, config.expert_groups)
+               and config.routed_scale == 1.0 and not config.group_limited
                and not config.router_bias and config.renormalize_gates)
     if not (llama and routing and config.pre_norms) or config.bias or config.qkv_bias or config.post_norms \
             or config.attention_sinks or config.mtp_depth:

@@ -46,7 +46,7 @@ def moe_layout(config: GPTConfig) -> str:
         refuse("this block (they are bias-free rmsnorm + swiglu + rope blocks, Qwen2-MoE's q, k and v biases aside)")
     if config.router != "softmax":
         refuse("a sigmoid router (theirs: a softmax one)")
-    if config.routed_scale != 1.0 or config.groups_per_token not in (None, config.expert_groups) or config.expert_bias:
+    if config.routed_scale != 1.0 or config.group_limited or config.expert_bias:
         refuse("scaled gates, group-limited routing or a choice bias (theirs: none of them)")
     if config.shared_expert_gate or config.qkv_bias or config.n_shared_experts:
         if not config.shared_expert_gate or config.qk_norm:
