@@ -21,7 +21,8 @@ def transformers_model(shape: str, tmp_path):
     each head turned), OLMo 2 (norms after the branches, q/k norms over all heads; OLMo 3's windows), MiniMax-M2
     (those q/k norms, half of each head turned, sigmoid-routed experts), Qwen2 (GQA, RoPE, biases on q, k and v
     only) or Qwen3 (GQA, RoPE, heads wider than the width / heads, q/k norms; also with YaRN, or a window in its first
-    block) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in `tmp_path`: (the model, its directory)."""
+    block) shape, the Qwens' norms with epsilon 1e-6 as their checkpoints, saved in `tmp_path`: (the model, its
+    directory)."""
     moe = dict(vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
                initializer_range=0.2, router_aux_loss_coef=0.01)

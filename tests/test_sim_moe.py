@@ -44,8 +44,8 @@ SHAPES = {  # every router, loss and MLP option, with and without biases and sha
     "not renormalised": TINY_MOE.with_(renormalize_gates=False),
     "every other": TINY_MOE.with_(moe_every=2),
     "qwen2-moe": preset("tiny-llama").with_(n_experts=4, top_k=2, n_shared_experts=2, shared_expert_gate=True,
-                                            renormalize_gates=False, qkv_bias=True, dense_layers=1), "sigmoid as it is": DEEPSEEK.with_(
-        renormalize_gates=False),
+                                            renormalize_gates=False, qkv_bias=True, dense_layers=1),
+    "sigmoid as it is": DEEPSEEK.with_(renormalize_gates=False),
 }
 
 

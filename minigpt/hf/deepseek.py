@@ -156,7 +156,8 @@ def experts_fields(hf: dict, layers: int) -> dict:
         "d_expert": config_number(hf, "moe_intermediate_size"),
         "n_shared_experts": config_number(hf, "n_shared_experts", 0), "dense_layers": dense, "router": "sigmoid",
         "routed_scale": float(config_number(hf, "routed_scaling_factor", 1.0)),
-        "expert_groups": config_number(hf, "n_group", 1) if hf.get("n_group") is not None else 1, "groups_per_token": _groups_per_token(hf),
+        "expert_groups": config_number(hf, "n_group", 1) if hf.get("n_group") is not None else 1,
+        "groups_per_token": _groups_per_token(hf),
         "expert_bias": True, "renormalize_gates": renormalised}
 
 

@@ -67,8 +67,8 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of t
 
 def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "phi3", "smollm3", "qwen2", "qwen3", "gemma3_text",
-    "olmo2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2" or "gpt_oss": the
-    transformers layout
+    "olmo2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2" or
+    "gpt_oss": the transformers layout
     that holds
     `config` exactly; ConfigError saying why not."""
     layout = _block_layout(config)
@@ -208,7 +208,7 @@ def hf_config(config: GPTConfig) -> dict:
 
 
 def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
-    """The GPTConfig of a transformers config.json (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, Mixtral, Qwen3-MoE, OLMoE, ...), or
+    """The GPTConfig of a transformers config.json (GPT-2, Llama, Mistral, Phi-3, Qwen2, Qwen3, the mixtures, ...), or
     ConfigError naming what minigpt cannot compute the same. `seq_len`: the training context of a rotary model (at
     most its max_position_embeddings; default: that); a GPT-2's is its n_positions, the rows of its position table."""
     kind = hf.get("model_type")
@@ -239,9 +239,9 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return READERS[kind](hf, _bias_free(hf, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', 'qwen2_moe', "
-                          f"'olmoe', "
-                          f"'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'deepseek_v2', 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' "
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
+                          f"'qwen2_moe', 'olmoe', 'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'deepseek_v2', 'glm4_moe', "
+                          f"'olmo2', 'olmo3', 'minimax_m2' "
                           f"and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":

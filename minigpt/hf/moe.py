@@ -1,10 +1,13 @@
 """A mixture of experts in Hugging Face transformers' layouts: Mixtral (MixtralForCausalLM), Qwen3-MoE
-(Qwen3MoeForCausalLM) and OLMoE (OlmoeForCausalLM), as their checkpoints store them (one tensor per expert and
-projection; transformers 5 fuses them when it loads and splits them again when it saves).
+(Qwen3MoeForCausalLM), Qwen2-MoE (Qwen2MoeForCausalLM) and OLMoE (OlmoeForCausalLM), as their checkpoints store them
+(one tensor per expert and projection; transformers 5 fuses them when it loads and splits them again when it saves).
 
-All three route as minigpt/moe.py does: a softmax over every expert's logit (fp32), the top_k, SwiGLU experts without
-biases, no shared expert. Mixtral renormalises the chosen scores to sum to 1 always; Qwen3-MoE and OLMoE when
-norm_topk_prob (minigpt's renormalize_gates; a top-1 router keeps its probability, and so does theirs without it).
+All route as minigpt/moe.py does: a softmax over every expert's logit (fp32), the top_k, SwiGLU experts without
+biases. Mixtral renormalises the chosen scores to sum to 1 always; the others when norm_topk_prob (minigpt's
+renormalize_gates; a top-1 router keeps its probability, and so do theirs without it). Qwen2-MoE is Qwen2's attention
+(q/k/v biases where qkv_bias) beside a shared expert of width shared_expert_intermediate_size (minigpt's
+n_shared_experts x the experts' width) whose output a learned sigmoid gates (shared_expert_gate); the Qwens' mixture
+in every decoder_sparse_step-th block is minigpt's moe_every.
 They keep every token (dropless): a capacity factor is a choice of training, like dropout, not written (a run may set
 one from an imported model, and its export routes dropless). Mixtral is Llama's attention with every block a mixture
 of experts of width intermediate_size; Qwen3-MoE is Qwen3's attention (per-head q/k norms) with the blocks listed in
@@ -37,8 +40,8 @@ ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausa
 
 
 def moe_layout(config: GPTConfig) -> str:
-    """"mixtral", "qwen3_moe" or "olmoe": the layout holding the mixture of experts `config`; ConfigError saying why
-    none."""
+    """"mixtral", "qwen3_moe", "qwen2_moe" or "olmoe": the layout holding the mixture of experts `config`; ConfigError
+    saying why none."""
     def refuse(why: str) -> None:
         raise ConfigError(f"a mixture of experts is written in transformers' Mixtral, Qwen3-MoE or OLMoE layout, "
                           f"which cannot hold {why}")
