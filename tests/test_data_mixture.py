@@ -103,3 +103,20 @@ def test_bad_mixtures_are_one_line_before_any_rank(tmp_path, args, says):
     one_line_error(run_cli("train", "--data", str(tmp_path / "a.txt"), *args, "--steps", "2", "--out",
                            str(tmp_path / "never")), says)
     assert not (tmp_path / "never").exists()
+
+
+def test_a_resumed_mixture_continues_with_the_same_batches(tmp_path):
+    """Four steps with a checkpoint at two, then a resume from that checkpoint: the last two losses of the
+    uninterrupted run, bit for bit (a sample's source and offset are functions of its step and place, not of what ran
+    before)."""
+    text = embedded_corpus()[:100_000]
+    (tmp_path / "a.txt").write_bytes(text[:50_000])
+    (tmp_path / "b.txt").write_bytes(text[50_000:])
+    common = ["--data", str(tmp_path / "a.txt"), "--data", str(tmp_path / "b.txt"), "--data-weights", "1,3",
+              "--global-batch", "4", "--eval-every", "0", "--steps", "4", "--out", str(tmp_path / "run"), "--json"]
+    straight = run_cli("train", *common, "--save-every", "2")
+    assert straight.exit_code == 0, straight.output
+    again = run_cli("train", *common, "--resume", str(tmp_path / "run" / "checkpoints" / "step-000002"))
+    assert again.exit_code == 0, again.output
+    losses, resumed = json.loads(straight.stdout)["losses"], json.loads(again.stdout)
+    assert resumed["first_step"] == 2 and resumed["losses"] == losses[2:]
