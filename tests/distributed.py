@@ -14,6 +14,7 @@ module import in the ranks as they did in pytest.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -80,6 +81,23 @@ def named_references(trained: Callable, config: Callable, models: Iterable[str])
     """{model name: trained(config(model name))}: the one-process references, on one thread."""
     with one_thread():
         return {model: trained(config(model)) for model in models}
+
+
+def named_parity(trained: Callable, config: Callable, models: Iterable[str], layouts: dict[int, dict]) -> tuple:
+    """A parity test module's two module-scoped fixtures, `spawned` (every layout of {world: {name: (model name,
+    layout)}} run once per world size: named_world) and `references` (each model in one process: named_references);
+    the module binds them to those names (`spawned, references = named_parity(...)`)."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="spawned")
+    def spawned():
+        return run_worlds(partial(named_world, trained, config, layouts), layouts)
+
+    @pytest.fixture(scope="module", name="references")
+    def references():
+        return named_references(trained, config, models)
+
+    return spawned, references
 
 
 def every_layout(layouts: dict[int, dict]) -> list[tuple[int, str]]:

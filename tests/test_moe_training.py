@@ -14,12 +14,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from functools import partial
 
 import pytest
 import torch
 
-from distributed import every_layout, named_references, named_world, run_worlds
+from distributed import every_layout, named_parity
 from job.exchange.context import backward_exchanges as context_backward, forward_exchanges as context_forward
 from job.exchange.experts import backward_exchanges, expert_gradient_reduction, forward_exchanges, routing_exchanges
 from job.layout import Layout
@@ -142,14 +141,7 @@ def routed_per_step(cfg: TrainConfig) -> int:
     return cfg.model.n_moe_layers // cfg.pp * cfg.micro_batches
 
 
-@pytest.fixture(scope="module")
-def spawned():
-    return run_worlds(partial(named_world, trained, config, LAYOUTS), LAYOUTS)
-
-
-@pytest.fixture(scope="module")
-def references():
-    return named_references(trained, config, MODELS)
+spawned, references = named_parity(trained, config, MODELS, LAYOUTS)
 
 
 ALL = every_layout(LAYOUTS)

@@ -7,12 +7,11 @@ tensors are the activation arithmetic. Against transformers' Olmo2ForCausalLM: t
 
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
 
-from distributed import every_layout, named_references, named_world, run_worlds
+from distributed import every_layout, named_parity
 from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.model import GPT
@@ -47,14 +46,7 @@ def trained(cfg: TrainConfig) -> dict:
     return trained_with_states(cfg, logs=("tp",))
 
 
-@pytest.fixture(scope="module")
-def spawned():
-    return run_worlds(partial(named_world, trained, config, LAYOUTS), LAYOUTS)
-
-
-@pytest.fixture(scope="module")
-def references():
-    return named_references(trained, config, MODELS)
+spawned, references = named_parity(trained, config, MODELS, LAYOUTS)
 
 
 ALL = every_layout(LAYOUTS)

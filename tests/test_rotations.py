@@ -5,11 +5,10 @@ transformers' Phi-3 and SmolLM3 (every gradient, and written back): test_hf.py a
 
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 
-from distributed import every_layout, named_references, named_world, run_worlds
+from distributed import every_layout, named_parity
 from job.train_config import TrainConfig
 from minigpt.data import Corpus
 from minigpt.presets import preset
@@ -44,14 +43,7 @@ def trained(cfg: TrainConfig) -> dict:
     return train_history(new_rank(cfg), cfg, Corpus.load(None, cfg.model.seq_len))
 
 
-@pytest.fixture(scope="module")
-def spawned():
-    return run_worlds(partial(named_world, trained, config, LAYOUTS), LAYOUTS)
-
-
-@pytest.fixture(scope="module")
-def references():
-    return named_references(trained, config, MODELS)
+spawned, references = named_parity(trained, config, MODELS, LAYOUTS)
 
 
 ALL = every_layout(LAYOUTS)
