@@ -209,6 +209,9 @@ class TrainConfig:
     seed: int = 0
     data: tuple[str, ...] = ()  # text files or token directories (none: the embedded corpus; several: a mixture)
     data_weights: tuple[float, ...] = ()  # the mixture's shares, one per source (none: their training tokens')
+    # the id ending each document where attention stays within documents (Llama 3's document mask; None: a sequence
+    # attends across the documents packed in it)
+    document_eod: int | None = None
     init_from: str | None = None  # a Hugging Face model directory whose weights the run starts from (minigpt/hf/layouts.py)
     # "bytes" or a Hugging Face tokenizer.json (minigpt/tokenizer.py): the corpus is read in its ids, which the model's
     # vocabulary must hold; a run's copy of it is out_dir/tokenizer.json
@@ -295,6 +298,10 @@ class TrainConfig:
                 f"with --stage-layers"
             )
         check_vocabulary(self.model, self.tokenizer)
+        if self.document_eod is not None and not (isinstance(self.document_eod, int)
+                                                  and 0 <= self.document_eod < self.model.vocab_size):
+            raise ConfigError(f"the end-of-document id {self.document_eod!r} is not one of the model's "
+                              f"{self.model.vocab_size} ids")
         check_trained_prediction(self.model, self.model.tied_head and self.schedule == "zb-h1" and self.pp > 1)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)

@@ -1,10 +1,12 @@
 """The attention's softmax over keys as the model computes it: causal, through a sliding window where one is shorter
-than the sequence, and with GPT-OSS's sinks. One SDPA call each (torch's fused kernels where they take the mask).
+than the sequence, with GPT-OSS's sinks, and within each document where the sequences are packed documents (Llama
+3's document mask: `within_documents`). One SDPA call each (torch's fused kernels where they take the mask).
 And the rotation of its queries and keys by position (RotaryQK), with its scalings (Llama 3.1's, YaRN's,
 LongRoPE's, linear)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -15,28 +17,82 @@ from minigpt.config import GPTConfig
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
-                     group: int = 1, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     group: int = 1, sinks: torch.Tensor | None = None,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
     """(batch, heads, seq, width) q attending to k, v (fewer key/value heads when `group` > 1: grouped-query), each
     query to itself and the keys before it, only the window - 1 nearest where `window` is shorter than the sequence;
-    `sinks`: one logit per query head in each softmax's denominator (None: none)."""
+    `sinks`: one logit per query head in each softmax's denominator (None: none); `documents`: (batch, seq) each
+    token's document (document_ids), a query seeing only the keys of its own (None: one document)."""
     seq = q.shape[2]
     windowed = bool(window) and window < seq
+    if documents is not None:
+        mask = document_mask(documents, window if windowed else 0, sinks is not None)
+        if sinks is not None:
+            return _with_sinks(q, k, v, scale, group, sinks, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
     if sinks is not None:
-        return _with_sinks(q, k, v, scale, window if windowed else 0, group, sinks)
+        return _with_sinks(q, k, v, scale, group, sinks, sink_mask(seq, window if windowed else 0, q.device))
     if windowed:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, window, q.device), scale=scale,
                                               enable_gqa=group > 1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
 
 
-def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, group: int,
-                sinks: torch.Tensor) -> torch.Tensor:
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """(batch, seq) int: each token's document in its sequence, counted from 0; the end-of-document token `eod`
+    belongs to the document it ends (Megatron's --reset-attention-mask, torchtitan's block-causal mask)."""
+    ends = (tokens == eod).to(torch.int32)
+    return ends.cumsum(dim=-1, dtype=torch.int32) - ends
+
+
+def same_document(query_documents: torch.Tensor, key_documents: torch.Tensor) -> torch.Tensor:
+    """(batch, queries, keys) bools: whether each query and key lie in one document."""
+    return query_documents.unsqueeze(-1) == key_documents.unsqueeze(-2)
+
+
+# what within_documents set: ((batch, seq) ids, the masks made of them so far by (window, sinks)), or None
+_DOCUMENTS: list[tuple[torch.Tensor, dict] | None] = [None]
+
+
+@contextlib.contextmanager
+def within_documents(documents: torch.Tensor | None):
+    """Every attention run inside attends within the documents of `documents` ((batch, seq) document_ids of the
+    whole sequences; None: across them), as autocast sets a format: the model's forward and a pipeline stage's set
+    it for the micro-batch they run, and a recomputation restores the one its forward saw (parallel/recompute.py)."""
+    previous, _DOCUMENTS[0] = _DOCUMENTS[0], None if documents is None else (documents, {})
+    try:
+        yield
+    finally:
+        _DOCUMENTS[0] = previous
+
+
+def current_documents() -> torch.Tensor | None:
+    """The document ids within_documents set (None: none)."""
+    return None if _DOCUMENTS[0] is None else _DOCUMENTS[0][0]
+
+
+def document_mask(documents: torch.Tensor, window: int, sinks: bool) -> torch.Tensor:
+    """(batch, 1, seq, seq) bools: query i sees key j in its document, causally, through `window` (0: none); with
+    `sinks` a first column, the sink's, every query sees. Made once for the documents within_documents set and
+    shared by every layer (one mask a micro-batch kept for the backward, not one a layer)."""
+    entry = _DOCUMENTS[0]
+    made = entry[1] if entry is not None and entry[0] is documents else {}
+    if (window, sinks) not in made:
+        seq, device = documents.shape[-1], documents.device
+        keys = window_mask(seq, window, device) if window else causal_mask(seq, device)
+        mask = (keys & same_document(documents, documents)).unsqueeze(1)
+        made[window, sinks] = F.pad(mask, (1, 0), value=True) if sinks else mask
+    return made[window, sinks]
+
+
+def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int, sinks: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
     """Attention with a sink per query head (GPT-OSS; transformers' eager_attention_forward appends the sinks' logits
     to the scores, softmaxes and drops them) as one SDPA call: a key at position 0 that every query sees (the
-    causal mask aligned lower-right over seq + 1 keys), its value zero; q carries each head's logit / scale in a
-    column of its own, where the sink's key is 1 and the others' 0, so its score is the logit and theirs unchanged;
-    v is zero-padded to the same width (fused kernels take one) and the output cut back. The gradient reaches the
-    logits through that column."""
+    causal mask aligned lower-right over seq + 1 keys: `mask`, sink_mask's or document_mask's), its value zero; q
+    carries each head's logit / scale in a column of its own, where the sink's key is 1 and the others' 0, so its
+    score is the logit and theirs unchanged; v is zero-padded to the same width (fused kernels take one) and the
+    output cut back. The gradient reaches the logits through that column."""
     batch, heads, seq, width = q.shape
     kv_heads = k.shape[1]
     logit = (sinks / scale).to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, seq, 1)
@@ -46,7 +102,6 @@ def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     k = torch.cat([sink_key, F.pad(k, (0, SINK_COLUMNS))], dim=2)
     v_width = v.shape[-1]
     v = F.pad(v, (0, width + SINK_COLUMNS - v_width, 1, 0))  # the sink's zero row first, zero columns after
-    mask = sink_mask(seq, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)[..., :v_width]
 
 
@@ -54,8 +109,14 @@ def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def sink_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
     """(seq, seq + 1) bools: every query sees the sink (key 0) and keys 1 + j as window_mask (causal where `window` is
     0). Built here, not with torch.nn.attention.bias's causal_lower_right, whose import loads torch._dynamo."""
-    keys = window_mask(seq, window, device) if window else torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    keys = window_mask(seq, window, device) if window else causal_mask(seq, device)
     return F.pad(keys, (1, 0), value=True)
+
+
+@functools.lru_cache(maxsize=8)
+def causal_mask(seq: int, device: torch.device) -> torch.Tensor:
+    """(seq, seq) bools: query i sees key j when j <= i."""
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
 
 
 @functools.lru_cache(maxsize=8)

@@ -181,6 +181,28 @@ def is_token_dir(path) -> bool:
         return False
 
 
+def document_end(sources) -> int:
+    """The end-of-document id every source of `sources` (token directories) was encoded with (`minigpt tokenizer
+    encode --eod`); ConfigError (one line) where one is no token directory, has none or another."""
+    ends = {}
+    for path in sources:
+        if not is_token_dir(path):
+            raise ConfigError(f"--document-mask needs token directories whose documents end in a token: {str(path)!r} "
+                              f"is not one (`minigpt tokenizer encode --eod TOKEN` writes one)")
+        eod = token_header(path).get("eod")
+        if not (isinstance(eod, dict) and isinstance(eod.get("id"), int) and eod["id"] >= 0):
+            raise ConfigError(f"--document-mask: the documents of {str(path)!r} end in no token (encode them with "
+                              f"`minigpt tokenizer encode --eod TOKEN`)")
+        ends[str(path)] = eod["id"]
+    if not ends:
+        raise ConfigError("--document-mask needs --data: token directories whose documents end in a token (the "
+                          "embedded corpus is one text)")
+    if len(set(ends.values())) > 1:
+        raise ConfigError(f"--document-mask: the sources end their documents in different ids ({ends}): encode them "
+                          f"with one --eod")
+    return next(iter(ends.values()))
+
+
 def token_header(path) -> dict:
     """DIR/tokens.json, checked against DIR/tokens.bin's size; ConfigError (one line) saying what is wrong."""
     def refuse(why: str) -> None:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minigpt.attention import RotaryQK, causal_attention, rotation_scaling, wide_format
+from minigpt.attention import (RotaryQK, causal_attention, current_documents, rotation_scaling, wide_format,
+                               within_documents)
 from minigpt.config import GPTConfig
 from minigpt.moe import MoE, activation
 
@@ -169,8 +170,9 @@ class AttentionCore(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over (batch, heads, seq, head_dim) q, k, v (fewer key/value heads: grouped-query), through
-        the block's sliding window and with its sinks where it has them (minigpt/attention.py)."""
-        return causal_attention(q, k, v, self.scale, self.window, self.group, self.sinks)
+        the block's sliding window, with its sinks where it has them, within the documents within_documents set
+        (minigpt/attention.py)."""
+        return causal_attention(q, k, v, self.scale, self.window, self.group, self.sinks, current_documents())
 
 
 class CausalSelfAttention(nn.Module):
@@ -427,14 +429,19 @@ class GPT(nn.Module):
             x = block(x)
         return x
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for `idx`, or the mean next-token loss when `targets` are given."""
-        logits = self.logits(self.trunk(idx))
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for `idx`, or the mean next-token loss when `targets` are given; `documents`: (batch, seq) each
+        token's document (minigpt/attention.py's document_ids), attention kept within each (None: one document)."""
+        with within_documents(documents):
+            logits = self.logits(self.trunk(idx))
         return logits if targets is None else self.loss(logits, targets)
 
-    def objective(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def objective(self, idx: torch.Tensor, targets: torch.Tensor,
+                  documents: torch.Tensor | None = None) -> torch.Tensor:
         """What training minimises: the next-token loss, plus the multi-token prediction's (prediction_loss)."""
-        normed = self.norm_f(self.trunk(idx))
-        hidden = predict_ahead(self.mtp, self.tok_emb, normed, targets)
+        with within_documents(documents):  # the prediction modules' blocks attend within them too
+            normed = self.norm_f(self.trunk(idx))
+            hidden = predict_ahead(self.mtp, self.tok_emb, normed, targets)
         logits = [self.head(h) for h in hidden]
         return prediction_loss(self.loss, self.head(normed), logits, targets, self.config.mtp_weight)[1]

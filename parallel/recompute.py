@@ -9,7 +9,8 @@ group: a rerun differentiated for the weights by name ran it twice, and one for 
 weights without gradients). What the core would have kept (the normed and rotated q and k, the log-sum-exp) is
 alive only while its block's backward runs. The input is saved with save_for_backward, so the activation meter
 (parallel/memory.py) sees it like any other saved tensor. The core has no randomness (attention dropout is not
-part of the model), so the recomputed values equal the first ones bit for bit.
+part of the model), so the recomputed values equal the first ones bit for bit; it attends within the documents its
+forward did (minigpt/attention.py's within_documents, kept with the input).
 
 Full. A block keeps its input alone (the sequence-parallel shard under sequence parallelism): its forward runs
 without a graph, and the backward runs it again from that input, with the random state its forward began with
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from job.train_config import check_train_recompute
+from minigpt.attention import current_documents, within_documents
 from parallel.backward import backward_from
 from precision.fp8 import recompute_phase
 
@@ -50,6 +52,7 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         ctx.run, ctx.states, ctx.scales = run, random_states(x.device), collections.deque()  # fp8's, for the rerun
+        ctx.documents = current_documents()  # the micro-batch's (a pipeline's backward runs among others' forwards)
         ctx.save_for_backward(x)
         with torch.no_grad(), recompute_phase("first", ctx.scales):
             return run(x)
@@ -61,7 +64,8 @@ class Recompute(torch.autograd.Function):
 
         def rerun() -> torch.Tensor:
             devices = [x.device] if x.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again", ctx.scales):
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), recompute_phase("again", ctx.scales), \
+                    within_documents(ctx.documents):
                 restore_random_states(ctx.states, x.device)
                 return ctx.run(again)
 

@@ -19,7 +19,7 @@ from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
-from minigpt.data import check_text_file, is_token_dir, token_header
+from minigpt.data import check_text_file, document_end, is_token_dir, token_header
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, load_tokenizer
 from parallel.gpu_files import cuda_devices
@@ -72,6 +72,7 @@ def build_train_config(options: dict) -> TrainConfig:
         seed=options["seed"],
         data=tuple(options["data"]),
         data_weights=parse_weights(options["data_weights"]),
+        document_eod=document_end(options["data"]) if options["document_mask"] else None,
         init_from=options["init_from"],
         tokenizer=options["tokenizer"] or BYTES,
         out_dir=options["out"],
@@ -327,6 +328,8 @@ def mib(n: int) -> str:
               "sources [default: the embedded Shakespeare corpus].")
 @click.option("--data-weights", "data_weights", type=str, metavar="W1,W2,...", help="The mixture's weights, one per "
               "--data (normalised to shares) [default: each source's training tokens].")
+@click.option("--document-mask", "document_mask", is_flag=True, help="Attention within each document of a sequence "
+              "(Llama 3's document mask): --data token directories encoded with --eod.")
 @click.option("--init-from", "init_from", type=str, metavar="DIR", help="Start from the weights and shape of a Hugging "
               "Face model directory (transformers' GPT-2 or Llama: config.json, model.safetensors; `minigpt export` "
               "writes one); the optimizer starts fresh.")
@@ -429,6 +432,7 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
         f"training {m.n_params():,} parameters" + (f", {m.active_params():,} active" if m.is_moe else "") +
         f" ({m.describe()}) for {cfg.steps} steps of {cfg.tokens_per_step:,} "
         f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation") +
+        ("" if cfg.document_eod is None else f", attention within documents (ended by id {cfg.document_eod})") +
         ("" if cfg.tokenizer == BYTES else f", tokenizer {cfg.tokenizer} (vocabulary {m.vocab_size:,})"),
         file=out,
     )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from minigpt.config import GPTConfig
+from minigpt.attention import current_documents
 from minigpt.model import GPT, AttentionCore, every_block
 from parallel.context.allgather import allgather_attention
 from parallel.comm import Collectives
@@ -46,7 +47,7 @@ class ContextAttentionCore(AttentionCore):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.exchange(q, k, v, self.cp_group, scale=self.scale, counter=self.counter, window=self.window,
-                             sinks=self.sinks)
+                             sinks=self.sinks, documents=current_documents())
 
 
 def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | None, kind: str,

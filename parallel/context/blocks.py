@@ -34,9 +34,9 @@ def meeting(query_chunk: int, key_chunk: int, c: int = 0, window: int = 0) -> st
     return BAND, distance, window
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, how, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, how, scale: float, same: torch.Tensor | None = None) -> torch.Tensor:
     """q (b, h, c, d) against k (b, h_kv, c, d): fp32 scores, the upper triangle masked on the diagonal, the keys
-    out of the window masked in a band."""
+    out of the window masked in a band, and where `same` ((b, c, c) bools) is given the keys of other documents."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if how == DIAGONAL:
@@ -47,15 +47,18 @@ def _scores(q: torch.Tensor, k: torch.Tensor, how, scale: float) -> torch.Tensor
         rows, cols = s.shape[-2:]
         distance = first + torch.arange(rows, device=s.device)[:, None] - torch.arange(cols, device=s.device)[None, :]
         s = s.masked_fill((distance < 0) | (distance >= window), float("-inf"))
+    if same is not None:
+        s = s.masked_fill(~same.unsqueeze(1), float("-inf"))
     return s
 
 
-def forward_block(q, k, v, how: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out fp32 (b, h, c, d), lse fp32 (b, h, c)) of q attending to one key/value block."""
-    s = _scores(q, k, how, scale)
+def forward_block(q, k, v, how: str, scale: float,
+                  same: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 (b, h, c, d), lse fp32 (b, h, c)) of q attending to one key/value block (`same`: _scores')."""
+    s = _scores(q, k, how, scale, same)
     lse = torch.logsumexp(s, dim=-1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row a band leaves no key: its weights 0, not nan
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row a band (or its document) leaves no key: weights 0
     return torch.matmul(torch.exp(s - finite.unsqueeze(-1)), v.float()), lse
 
 
@@ -81,11 +84,12 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     lse.copy_(new)
 
 
-def backward_block(q, k, v, dout, lse, delta, how: str, scale: float, dq, dk, dv) -> None:
+def backward_block(q, k, v, dout, lse, delta, how: str, scale: float, dq, dk, dv,
+                   same: torch.Tensor | None = None) -> None:
     """Add one block's gradients to dq (of q's chunk) and dk, dv (of the key block), all fp32, in place.
-    lse: the merged log-sum-exp of q's rows; delta: rowsum(dout * out)."""
+    lse: the merged log-sum-exp of q's rows; delta: rowsum(dout * out); `same`: _scores'."""
     groups = q.shape[1] // k.shape[1]
-    p = torch.exp(_scores(q, k, how, scale) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, how, scale, same) - lse.unsqueeze(-1))
     dout = dout.float()
     v_rep = v.repeat_interleave(groups, dim=1).float()
     ds = p * (torch.matmul(dout, v_rep.transpose(-1, -2)) - delta.unsqueeze(-1))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from parallel.context.blocks import (NONE, backward_block, backward_start, empty_result, forward_block, meeting, merge,
                                      merge_sinks, sinks_grad)
 from parallel.context.chunks import chunk_ids
+from parallel.context.documents import chunk_documents
 
 
 class Ring:
@@ -69,26 +70,29 @@ class RehearsedRing(Ring):
         return [t.clone(memory_format=torch.contiguous_format) for t in tensors], []
 
 
-def _pairs(rank: int, source: int, cp: int, c: int, window: int):
-    """(query slice, key slice, how) of every pair of this rank's chunks and `source`'s that meet."""
+def _pairs(rank: int, source: int, cp: int, c: int, window: int, documents: torch.Tensor | None):
+    """(query slice, key slice, how, same document or None) of every pair of this rank's chunks and `source`'s
+    that meet."""
     for qi, q_chunk in enumerate(chunk_ids(rank, cp)):
         for ki, k_chunk in enumerate(chunk_ids(source, cp)):
             how = meeting(q_chunk, k_chunk, c, window)
             if how != NONE:
-                yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), how
+                same = chunk_documents(documents, q_chunk, k_chunk, c)
+                yield slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), how, same
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, scale: float, window: int, sinks: torch.Tensor | None = None):
+    def forward(ctx, q, k, v, ring: Ring, scale: float, window: int, sinks: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None):
         cp, c = ring.size, q.shape[2] // 2
         out, lse = empty_result(q)
         kv = [k, v]
         for step in range(cp):
             incoming = ring.start_pass(kv) if step < cp - 1 else None
             source = (ring.rank - step) % cp
-            for qs, ks, how in _pairs(ring.rank, source, cp, c, window):
-                block_out, block_lse = forward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how, scale)
+            for qs, ks, how, same in _pairs(ring.rank, source, cp, c, window, documents):
+                block_out, block_lse = forward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how, scale, same)
                 merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if incoming is not None:
                 for request in incoming[1]:
@@ -98,7 +102,7 @@ class RingAttention(torch.autograd.Function):
             merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.ring, ctx.scale, ctx.window = ring, scale, window
+        ctx.ring, ctx.scale, ctx.window, ctx.documents = ring, scale, window, documents
         return out
 
     @staticmethod
@@ -112,9 +116,9 @@ class RingAttention(torch.autograd.Function):
             incoming = ring.start_pass(kv) if step < cp - 1 else None  # the next keys and values, ahead
             source = (ring.rank - step) % cp
             grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]  # this block's
-            for qs, ks, how in _pairs(ring.rank, source, cp, c, ctx.window):
+            for qs, ks, how, same in _pairs(ring.rank, source, cp, c, ctx.window, ctx.documents):
                 backward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs], lse[:, :, qs],
-                               delta[:, :, qs], how, scale, dq[:, :, qs], grads[0][:, :, ks], grads[1][:, :, ks])
+                               delta[:, :, qs], how, scale, dq[:, :, qs], grads[0][:, :, ks], grads[1][:, :, ks], same)
             if travelling is not None:  # the source's dk/dv from the ranks before, sent during this block
                 for request in travelling[1]:
                     request.wait()
@@ -131,17 +135,18 @@ class RingAttention(torch.autograd.Function):
                 request.wait()
             grads = travelling[0]
         dsinks = None if sinks is None else sinks_grad(lse, delta, sinks)
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, dsinks
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, dsinks, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
                    scale: float | None = None, counter=None, window: int = 0,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence's keys and values, which
     the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d).
     `counter` (a parallel.comm.Collectives) counts every tensor sent as a "send". `window`: a sliding window
     (0: none); the keys and values still travel the whole ring, the blocks out of reach are not computed.
-    `sinks`: GPT-OSS's, one logit per query head, merged once per row on the rank holding it."""
+    `sinks`: GPT-OSS's, one logit per query head, merged once per row on the rank holding it. `documents`:
+    (batch, whole sequence) document ids, each query seeing its own document's keys (None: one document)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ring = RehearsedRing(group) if isinstance(group, Rehearsal) else Ring(group, counter)
-    return RingAttention.apply(q, k, v, ring, scale, window, sinks)
+    return RingAttention.apply(q, k, v, ring, scale, window, sinks, documents)

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minigpt.attention import within_documents
 from minigpt.model import embedded, predict_ahead, prediction_loss
 from minigpt.moe import aux_loss_weight
 from parallel.expert import is_expert_shard
@@ -215,6 +216,7 @@ class StepData:
     activation_meter: object = None  # measures the first forward, then None
     optimize: Callable[[], object] | None = None  # the optimizer step, run at OptimizerStep
     index: int = 0  # the group of actions running
+    documents: list | None = None  # each micro-batch's document ids (None: its sequences attend across documents)
 
 
 class PipelineExecutor:
@@ -232,6 +234,9 @@ class PipelineExecutor:
         self.data_parallel, self.device, self.tied = data_parallel, device, tied
         split = any(type(a) is BackwardWeight for a in self.actions)
         self.split = WeightGradients([c for c in stage.chunks if not c.first]) if split else None
+        # a micro-batch's inputs -> its whole sequences' document ids, attention kept within each (parallel/run/
+        # build.py sets it for a run with document masks; every rank of a stage calls it, in micro-batch order)
+        self.document_ids: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def dispatch_table(self) -> dict[type, Callable[[tuple, StepData], str]]:
         """Action type -> the method that runs a batch starting with one; it returns the trace kind."""
@@ -268,6 +273,8 @@ class PipelineExecutor:
         finishing it; without one the actions get host perf_counter times (CPU-accurate only)."""
         clock = clock or StepClock(torch.device("cpu"))
         step = StepData(inputs, targets, scale, StepRecord(), activation_meter, optimize)
+        if self.document_ids is not None:
+            step.documents = [self.document_ids(x) for x in inputs]
         # a MoE's router losses enter the gradient as each micro-batch's loss does (minigpt/moe.py)
         aux_loss_weight(float(scale(1.0)) / self.micro_batches)  # the loss scale, times 1 / micro-batches
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -357,7 +364,8 @@ class PipelineExecutor:
             self.inputs[key] = x
         targets = step.targets[action.micro_batch] if chunk.last else None
         split = self.split is not None and not chunk.first
-        out = self.split.forward(chunk, x, key, targets) if split else chunk(x, targets)
+        with within_documents(step.documents[action.micro_batch] if step.documents else None):
+            out = self.split.forward(chunk, x, key, targets) if split else chunk(x, targets)
         if chunk.last:
             loss, objective = chunk.losses(out, targets)
             step.record.loss_sum += loss.item()
@@ -410,6 +418,7 @@ class PipelineExecutor:
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """The loss of one batch through every chunk in order (forward only); every rank returns it."""
         x, loss = inputs, torch.zeros((), dtype=torch.float64, device=self.device)
+        documents = None if self.document_ids is None else self.document_ids(inputs)
         for index in range(self.num_chunks):
             holder = index % len(self.pp_ranks)
             if holder != self.pp_rank:
@@ -420,7 +429,8 @@ class PipelineExecutor:
                 if previous != self.pp_rank:
                     x = torch.empty(self.eval_shape(inputs), dtype=self.activation_dtype, device=self.device)
                     dist.recv(x, self.pp_ranks[previous])
-            x = chunk(x)
+            with within_documents(documents):
+                x = chunk(x)
             if chunk.last:
                 loss = chunk.loss(x, targets).double()
             else:

@@ -20,6 +20,7 @@ from parallel.data.protocol import DataParallel
 from parallel.run.step import StepOutcome, train_step
 from parallel.mesh import Mesh
 from parallel.recompute import apply_recompute
+from parallel.context.documents import sequence_documents
 from parallel.pipeline.executor import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
 from job.data_parallel import check_against_plan, schedule_config
 from job.layout import Layout, embedding_copy
@@ -174,4 +175,6 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
     rows = layout.activation_rows(cfg.model)  # what a stage sends on: this rank's tokens of each sequence
     executor.set_activation((micro_batch, rows, cfg.model.d_model), dtype_of(policy.compute))
+    if cfg.document_eod is not None:
+        executor.document_ids = sequence_documents(cfg.document_eod, mesh.group("cp"))
     return Rank(mesh, policy, stage, data_parallel, optimizer, make_scaler(cfg, policy.loss_scaling), executor, comms)

@@ -83,6 +83,11 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
         lines.append(f"resume: --lr-schedule {' '.join(map(str, _schedule(cfg.lr_schedule, cfg.decay_fraction)))} "
                      f"where the run was started with {' '.join(map(str, saved))}: the learning rate follows it from "
                      f"here ({cfg.learning_rate(point.step):.2e} at step {point.step})")
+    saved_eod = point.settings.get("document_eod")
+    if saved_eod != cfg.document_eod:
+        said = {None: "across documents"}
+        lines.append(f"resume: attention {said.get(cfg.document_eod, 'within documents')} where the run attended "
+                     f"{said.get(saved_eod, 'within documents')} (--document-mask changes it)")
     return cfg, lines
 
 
