@@ -183,8 +183,11 @@ def summary_rows(data: dict) -> list[list[str]]:
     impl = data["implementation"]
     kernel = f" ({impl['attention_kernel']})" if impl.get("attention_kernel", "flash-attn-2") != "flash-attn-2" else ""
     modules = f" + modules {', '.join(impl['recompute_modules'])}" if impl.get("recompute_modules") else ""
-    rows.append(["implementation", f"{impl['attention']}{kernel} attention, recompute {impl['recompute']}{modules}, "
-                 f"sequence-parallel inputs saved {impl['sp_saved_input']}"
+    # a document mask: the kernel skips the tiles between documents (simulator/costs/layers/attention.py)
+    documents = f" within documents of {impl['document_length']:,} tokens on average" \
+        if impl.get("document_length") else ""
+    rows.append(["implementation", f"{impl['attention']}{kernel} attention{documents}, "
+                 f"recompute {impl['recompute']}{modules}, sequence-parallel inputs saved {impl['sp_saved_input']}"
                  + _fp8_text(impl, "fp8" in data["matmul_efficiency"], "experts" in data)])
     o = data["overlap"]
     rows.append(["overlap", f"{o['name']}: tp {'hidden behind the Linears' if o['tp'] else 'exposed'}, dp {o['dp']}, "

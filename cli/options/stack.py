@@ -1,7 +1,8 @@
 """`minigpt simulate`'s flags on how the stack runs its kernels: how it scales its fp8 Linears (--fp8-recipe), whether
 it keeps and all-gathers their weights in fp8 (--fp8-param-gather), whether its element-wise ops run fused or as
-torchtitan's eager code (--elementwise), the format its gradients are reduced in (--grad-reduce) and which fused
-attention kernel it runs (--attention-kernel). Each changes
+torchtitan's eager code (--elementwise), the format its gradients are reduced in (--grad-reduce), which fused
+attention kernel it runs (--attention-kernel) and the documents its attention keeps apart (--document-length). Each
+changes
 the stack's Implementation (simulator/costs/implementation.py); a job that cannot run them gets one line before any
 work."""
 
@@ -50,8 +51,17 @@ MODULES_HELP = ("Megatron-core's --recompute-modules beside --recompute none or 
                 "module's output freed once read and computed again in the backward [default: none].")
 
 
+DOCUMENTS_HELP = ("Price a document mask (Llama 3's, `minigpt train --document-mask`): the mean length in tokens of "
+                  "the documents packed in each sequence, their ends independent; the attention kernel skips the tiles "
+                  "between documents (FlashAttention-2's variable-length kernels, FlexAttention's block masks) "
+                  "[default: 0, the causal mask].")
+
+
 def stack_options(function):
-    """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce, --attention-kernel and --recompute-modules."""
+    """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce, --attention-kernel, --recompute-modules and
+    --document-length."""
+    function = click.option("--document-length", "document_length", type=int, default=None, metavar="TOKENS",
+                            help=DOCUMENTS_HELP)(function)
     function = click.option("--recompute-modules", "recompute_modules", metavar="MODULE[,MODULE...]", default=None,
                             help=MODULES_HELP)(function)
     function = click.option("--attention-kernel", "attention_kernel", type=click.Choice(ATTENTION_KERNELS),
@@ -74,11 +84,11 @@ def _fp8_flag(options: dict) -> str | None:
 
 def asked_flags(options: dict) -> list[str]:
     """The stack flags given, as typed (none: the stack's own choices)."""
-    return [flag for flag in (_fp8_flag(options), options["elementwise"] and f"--elementwise {options['elementwise']}",
-                              options["grad_reduce"] and f"--grad-reduce {options['grad_reduce']}",
-                              options["attention_kernel"] and f"--attention-kernel {options['attention_kernel']}",
-                              options.get("recompute_modules") and f"--recompute-modules {options['recompute_modules']}")
-            if flag]
+    named = {"--elementwise": options["elementwise"], "--grad-reduce": options["grad_reduce"],
+             "--attention-kernel": options["attention_kernel"], "--recompute-modules": options.get("recompute_modules"),
+             "--document-length": options.get("document_length")}
+    return [flag for flag in (_fp8_flag(options), *(f"{name} {value}" for name, value in named.items()
+                                                    if value is not None and value != "")) if flag]
 
 
 def stack_changes(options: dict, overlap, base=None) -> dict:
@@ -112,6 +122,8 @@ def stack_changes(options: dict, overlap, base=None) -> dict:
         changes["attention_kernel"] = kernel
     if options.get("recompute_modules"):
         changes["recompute_modules"] = tuple(m.strip() for m in str(options["recompute_modules"]).split(","))
+    if options.get("document_length") is not None:
+        changes["document_length"] = options["document_length"]
     replace(base, **changes)  # the Implementation's own checks, one line each
     return changes
 

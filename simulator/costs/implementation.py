@@ -71,6 +71,10 @@ class Implementation:
     expert_load       a mixture of experts' routing imbalance: the busiest expert's routed rows over the mean (1.0:
                       balanced), applied to the busiest rank of the expert group (simulator/costs/layers/moe.py's
                       received_rows: its experts' rows; simulator/engine/experts.py: its all-to-alls).
+    document_length   the mean length, in tokens, of the documents a document mask keeps each token's attention within
+                      (Llama 3's; `minigpt train --document-mask`): the kernel skips the tiles between documents, as
+                      FlashAttention-2's variable-length kernels (Transformer Engine's THD format) and FlexAttention's
+                      block masks do (simulator/costs/layers/attention.py's document_share); 0: none, the causal mask.
     grad_reduce_fp32  gradients travel between data-parallel ranks in fp32 (FSDP2's MixedPrecisionPolicy with
                       reduce_dtype float32: torchtitan's only choice, training.mixed_precision_reduce, and NeMo
                       Automodel's); False: in the precision policy's reduce format (bf16 training: bf16, as our
@@ -138,6 +142,7 @@ class Implementation:
     fp8_scaling: str = "tensor"
     wgrad_fusion: bool = False
     expert_load: float = 1.0
+    document_length: int = 0
     ub_chunks: bool = False
     dispatcher: str = "alltoall"
     fused_optimizer: bool = False
@@ -198,6 +203,10 @@ class Implementation:
         if isinstance(load, bool) or not isinstance(load, (int, float)) or not 1 <= load < math.inf:
             raise ConfigError(f"the expert load (the busiest expert's routed rows over the mean) must be a finite "
                               f"number >= 1 (1: balanced), got {load!r}")
+        if isinstance(self.document_length, bool) or not isinstance(self.document_length, int) \
+                or self.document_length < 0:
+            raise ConfigError(f"--document-length must be a whole number of tokens >= 0 (0: no document mask), got "
+                              f"{self.document_length!r}")
 
     def bucket_params(self, data_ranks: int) -> int | None:
         """Parameters a data-parallel reduction takes at once over `data_ranks` (dp x cp) under Megatron-core's rule
@@ -222,4 +231,5 @@ class Implementation:
                 "zero3_copies": self.zero3_copies, "loss": self.loss, "cp_attention": self.cp_attention,
                 "expert_gemms": self.expert_gemms, "bias_fusion": self.bias_fusion, "ddp_buckets": self.ddp_buckets,
                 **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules else {}),
+                **({"document_length": self.document_length} if self.document_length else {}),
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -92,7 +92,8 @@ class FusedAttention:
     kernel: str = "flash-attn-2"  # which fused kernel runs it (Implementation.attention_kernel): whose table prices it
     padded_flops: int = 0  # of the square's, the products of zero-padded value columns: not the model's
     window: int = 0  # a sliding window shorter than causal_seq (0: none)
-    kept: float = 0.0  # under it, the share of the square its band keeps (the busiest context-parallel rank's)
+    documents: int = 0  # the documents' mean length under a document mask (0: none)
+    kept: float = 0.0  # under either, the share of the square the mask keeps (the busiest context-parallel rank's)
 
     @property
     def bytes(self) -> int:
@@ -102,8 +103,11 @@ class FusedAttention:
     def efficiency_seq(self) -> int:
         """The length a published causal-kernel table is read at (simulator/costs/rates/attention_rates.py); under a
         sliding window w at most 2 w, the causal length whose rows meet w keys on average as the band's rows do (no
-        sliding-window kernel table is published)."""
+        sliding-window kernel table is published); under a document mask, the same: twice the keys its rows meet on
+        average (each document is a causal attention of its own)."""
         seq = self.kernel_seq or self.causal_seq
+        if self.documents:
+            return max(1, min(seq, round(2 * self.kept * self.causal_seq)))
         return min(seq, 2 * self.window) if self.window else seq
 
     @property
@@ -114,17 +118,18 @@ class FusedAttention:
     def flops(self) -> int:
         """The products the mask keeps, exactly: s (s + 1) / 2 of the square's s^2 under a causal mask (a
         context-parallel rank's GEMMs span s/cp queries x s keys, and it keeps exactly 1/cp of them:
-        the load-balanced split, parallel/context/chunks.py); under a sliding window its band (`kept`)."""
+        the load-balanced split, parallel/context/chunks.py); under a sliding window its band, under a document mask
+        the expected products within documents (`kept`)."""
         s = self.causal_seq
-        if self.window:
+        if self.window or self.documents:
             return int(self.square_flops * self.kept)
         return self.square_flops * (s + 1) // (2 * s) if s else self.square_flops
 
     @property
     def benchmark_flops(self) -> int:
         """FLOPs as attention kernels' benchmarks count them: half the square under a causal mask
-        (simulator/costs/rates/attention_rates.py); a band's own products."""
-        if self.window:
+        (simulator/costs/rates/attention_rates.py); a band's or the documents' own products."""
+        if self.window or self.documents:
             return self.flops
         return self.square_flops // 2 if self.causal_seq else self.square_flops
 
@@ -240,6 +245,7 @@ class UnitShape:
     rotary: int = 0  # the columns of each query and key head rotary positions turn (GPTConfig.rotary_dim)
     latent: tuple[int, ...] = ()  # multi-head latent attention's (query latent, key/value latent, rotated key) widths
     window: int = 0  # a sliding window shorter than the whole sequence (GPTConfig.window; 0: none)
+    documents: int = 0  # Implementation.document_length: the mean length of the documents a mask keeps apart (0: none)
     sinks: bool = False  # GPT-OSS's attention sinks (GPTConfig.attention_sinks)
 
     @property
@@ -340,6 +346,9 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
     if model.window_in_use and impl.attention != "flash":
         raise ConfigError("a sliding window is priced in a fused attention kernel that skips the band's outside "
                           "(--attention flash), not in unfused attention's whole square")
+    if impl.document_length and impl.attention != "flash":
+        raise ConfigError("a document mask is priced in a fused attention kernel that skips the tiles between "
+                          "documents (--attention flash), not in unfused attention's whole square")
     ours_only = [what for what, has in (("a sliding window", model.window_in_use), ("attention sinks",
                                                                                    model.attention_sinks)) if has]
     if ours_only and cp_merge(layout, impl.cp_attention) != "fused":
@@ -372,6 +381,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      userbuffers=impl.userbuffers, eager=impl.eager, attention_kernel=impl.attention_kernel,
                      cp_merge=cp_merge(layout, impl.cp_attention), v_dim=model.v_head_dim,
                      rotary=model.rotary_dim, window=model.window_in_use, sinks=model.attention_sinks,
+                     documents=impl.document_length,
                      latent=(model.q_lora_rank, model.kv_lora_rank, model.rope_head_dim) if model.is_mla else ())
 
 

@@ -42,11 +42,18 @@ tensor parallelism keeps whole heads of both kinds on a rank). The fused qkv ten
   table's rate read at 2 w at most (FusedAttention.efficiency_seq; no sliding-window table is published). Our
   executor's masked SDPA on a GPU computes the whole square (its fused kernels take the mask, not the band): not
   priced here.
+- A document mask (Llama 3's; Implementation.document_length L, the documents' mean length): the kernel skips the
+  tiles between documents, as FlashAttention-2's variable-length kernels and FlexAttention's block masks do, keeping
+  the expected products within documents of geometric lengths (document_share: about L/s of the causal square's
+  where L is short beside s), at the causal table's rate read at twice the keys a row meets on average. Our
+  executor's masked SDPA computes the whole square here too.
 - Unfused: scores = q @ k^T, softmax, dropout, probabilities @ v, heads merged back into rows,
   batch b x a/t matmuls each reading its group's key or value head.
 """
 
 from __future__ import annotations
+
+import math
 
 from simulator.costs import te_context
 from simulator.costs.torchtitan import context, eager
@@ -111,9 +118,29 @@ def window_share(s: int, window: int, cp: int) -> float:
     return max(kept(r * c, c) + kept((2 * cp - 1 - r) * c, c) for r in range(cp)) / (2 * c * s)
 
 
+def document_share(s: int, length: int, cp: int) -> float:
+    """The expected share of a rank's (s/cp) x s square of scores a document mask keeps (query i meets the keys
+    j <= i of its document), the busiest rank's, where each token ends a document with probability 1/length, on its
+    own: documents of independent geometric lengths, mean `length`, packed one after another, a sequence starting
+    anywhere in one (the sampler's windows). Query i then meets sum_{d <= i} q^d = (1 - q^(i + 1)) / (1 - q) keys
+    on average, q = 1 - 1/length: i + 1 while i is short beside the length (a causal mask), `length` past it."""
+    log_q = math.log1p(-1 / length) if length > 1 else -math.inf  # documents of one token: each query meets itself
+
+    def kept(first: int, rows: int) -> float:  # the sum over queries first .. first + rows - 1, in closed form
+        return length * rows + length * length * math.exp((first + 1) * log_q) * math.expm1(rows * log_q)
+    if cp == 1:
+        return kept(0, s) / (s * s)
+    c = s // (2 * cp)
+    return max(kept(r * c, c) + kept((2 * cp - 1 - r) * c, c) for r in range(cp)) / (2 * c * s)
+
+
 def _band(sh) -> dict:
-    """FusedAttention's window fields of this unit: none, or the window and its band's share of the square."""
-    return dict(window=sh.window, kept=window_share(sh.keys, sh.window, sh.cp)) if sh.window else {}
+    """FusedAttention's mask fields of this unit: none; the window and its band's share of the square; or the
+    documents' mean length and the share they keep (a windowed block prices its band alone: the documents' further
+    skipping inside it is not)."""
+    if sh.window:
+        return dict(window=sh.window, kept=window_share(sh.keys, sh.window, sh.cp))
+    return dict(documents=sh.documents, kept=document_share(sh.keys, sh.documents, sh.cp)) if sh.documents else {}
 
 
 def _padded_flops(sh) -> int:
