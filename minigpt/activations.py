@@ -159,9 +159,10 @@ class ActivationArithmetic:
 
     def head_activation_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """Final norm input and output (2d) and its fp32 statistics (mean and 1/std, or 1/rms), and the
-        fp32 log-probabilities (V) kept by the loss."""
+        fp32 log-probabilities (V) kept by the loss; with Gemma 2's cap on the logits, its tanh's output (V)."""
         statistics = 2 if self.norm == "layernorm" else 1
-        return dtype_bytes * 2 * self.d_model + 4 * (statistics + self.vocab_size)
+        capped = dtype_bytes * self.vocab_size if self.logit_softcap else 0
+        return dtype_bytes * 2 * self.d_model + 4 * (statistics + self.vocab_size) + capped
 
 
 def check_recompute(recompute: str) -> None:

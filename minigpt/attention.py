@@ -18,13 +18,20 @@ from minigpt.config import GPTConfig
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
                      group: int = 1, sinks: torch.Tensor | None = None,
-                     documents: torch.Tensor | None = None) -> torch.Tensor:
+                     documents: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """(batch, heads, seq, width) q attending to k, v (fewer key/value heads when `group` > 1: grouped-query), each
     query to itself and the keys before it, only the window - 1 nearest where `window` is shorter than the sequence;
     `sinks`: one logit per query head in each softmax's denominator (None: none); `documents`: (batch, seq) each
-    token's document (document_ids), a query seeing only the keys of its own (None: one document)."""
+    token's document (document_ids), a query seeing only the keys of its own (None: one document); `softcap`: each
+    score capped at it (Gemma 2's; 0: none, and no sinks with it)."""
     seq = q.shape[2]
     windowed = bool(window) and window < seq
+    if softcap:
+        if documents is not None:
+            mask = document_mask(documents, window if windowed else 0, False)
+        else:
+            mask = window_mask(seq, window, q.device) if windowed else causal_mask(seq, q.device)
+        return _capped(q, k, v, scale, group, softcap, mask)
     if documents is not None:
         mask = document_mask(documents, window if windowed else 0, sinks is not None)
         if sinks is not None:
@@ -83,6 +90,18 @@ def document_mask(documents: torch.Tensor, window: int, sinks: bool) -> torch.Te
         mask = (keys & same_document(documents, documents)).unsqueeze(1)
         made[window, sinks] = F.pad(mask, (1, 0), value=True) if sinks else mask
     return made[window, sinks]
+
+
+def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int, cap: float,
+            mask: torch.Tensor) -> torch.Tensor:
+    """Attention with each score capped at `cap` (Gemma 2's attn_logit_softcapping: cap * tanh(s / cap), before the
+    mask), as transformers' eager attention computes it: no fused kernel of torch's takes the cap, so the scores are
+    made whole (FlashAttention-2's softcap argument caps them inside its tiles); the softmax in fp32, cast back."""
+    if group > 1:
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    scores = cap * torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (scale / cap))
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 def _with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: int, sinks: torch.Tensor,

@@ -101,6 +101,10 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     # GPT-OSS's attention sinks: a learned logit per query head beside each query's scores in the softmax, a key whose
     # value is zero (its weight taken from the others: a head may attend to nothing)
     attention_sinks: bool = False
+    # Gemma 2's soft caps (attn_logit_softcapping, final_logit_softcapping): each attention score s, and each output
+    # logit, becomes cap * tanh(s / cap); 0: none
+    attention_softcap: float = 0.0
+    logit_softcap: float = 0.0
     # Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, 2.1) when kv_lora_rank > 0: keys and values from a
     # kv_lora_rank latent, queries from a q_lora_rank one (0: from the width), each query and key head d_head wide
     # plus rope_head_dim rotated columns (the key's shared by the heads), each value head d_value (None: d_head).
@@ -352,6 +356,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
         heads += f" of {self.head_dim}" if self.d_head is not None else ""
         heads += "" if not self.qk_norm else ", QK-norm over all heads" if self.qk_norm_whole else ", QK-norm"
         heads += ", sinks" if self.attention_sinks else ""
+        heads += f", scores capped at {self.attention_softcap:g}" if self.attention_softcap else ""
         heads += f", scale {self.query_scale:g}^-0.5" if self.query_scale is not None else ""
         if self.is_mla:
             query = f"q latent {self.q_lora_rank}, " if self.q_lora_rank else ""
@@ -386,7 +391,8 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
                      "" if not self.post_norms else " (and after each branch)" if self.pre_norms else
                      " after each branch (none before)"),
                  "learned positions" if self.positions != "rope" else self._rope_words(),
-                 "tied head" if self.tied_head else "untied head"]
+                 ("tied head" if self.tied_head else "untied head")
+                 + (f", logits capped at {self.logit_softcap:g}" if self.logit_softcap else "")]
         parts[1] += ", embeddings x sqrt(width)" if self.embed_scale else ""
         biases = [] if self.bias else ["q, k, v biases only" if self.qkv_bias else "no bias"]
         ahead = [f"{self.mtp_depth} multi-token prediction module{'s' if self.mtp_depth > 1 else ''} "

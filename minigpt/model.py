@@ -126,6 +126,7 @@ class AttentionCore(nn.Module):
         self.k_norm = RMSNorm(k_width, eps=config.norm_eps) if config.qk_norm else None
         self.qk_total = None  # the whole norms' sum over the columns elsewhere (tensor parallelism sets it)
         self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None  # GPT-OSS's
+        self.softcap = config.attention_softcap  # Gemma 2's cap on the scores (0: none)
 
     def split_sizes(self, width: int) -> tuple[int, int, list[int]]:
         """(query heads, key/value heads, the widths of q, k and v) of a fused tensor `width` wide."""
@@ -172,7 +173,8 @@ class AttentionCore(nn.Module):
         """Causal attention over (batch, heads, seq, head_dim) q, k, v (fewer key/value heads: grouped-query), through
         the block's sliding window, with its sinks where it has them, within the documents within_documents set
         (minigpt/attention.py)."""
-        return causal_attention(q, k, v, self.scale, self.window, self.group, self.sinks, current_documents())
+        return causal_attention(q, k, v, self.scale, self.window, self.group, self.sinks, current_documents(),
+                                self.softcap)
 
 
 class CausalSelfAttention(nn.Module):
@@ -304,6 +306,12 @@ class MultiTokenPrediction(nn.Module):
         return self.norm(self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))))
 
 
+def soft_capped(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's final_logit_softcapping: cap * tanh(logits / cap) (0: the logits as they are). Element by element,
+    so a vocabulary-parallel head's shard is capped as it is."""
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
 def embedded(x: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     """The token embeddings as the blocks take them: times sqrt(d_model) in their own format with embed_scale
     (Gemma's normalizer, as transformers rounds it), else as they are."""
@@ -420,7 +428,7 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm_f(x))
+        return soft_capped(self.head(self.norm_f(x)), self.config.logit_softcap)
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
         """The last block's output for `idx` (before the final norm)."""
@@ -443,5 +451,7 @@ class GPT(nn.Module):
         with within_documents(documents):  # the prediction modules' blocks attend within them too
             normed = self.norm_f(self.trunk(idx))
             hidden = predict_ahead(self.mtp, self.tok_emb, normed, targets)
-        logits = [self.head(h) for h in hidden]
-        return prediction_loss(self.loss, self.head(normed), logits, targets, self.config.mtp_weight)[1]
+        cap = self.config.logit_softcap
+        logits = [soft_capped(self.head(h), cap) for h in hidden]
+        return prediction_loss(self.loss, soft_capped(self.head(normed), cap), logits, targets,
+                               self.config.mtp_weight)[1]

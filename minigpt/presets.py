@@ -22,6 +22,18 @@ def llama(vocab_size: int, seq_len: int, n_layers: int, n_heads: int, n_kv_heads
 
 LLAMA3_VOCAB = 128_256  # Llama 3's tokenizer (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.2)
 
+def gemma2(n_layers: int, n_heads: int, n_kv_heads: int, d_model: int, d_ff: int, d_head: int,
+           query_scale: float) -> GPTConfig:
+    """Gemma 2 (Gemma Team 2024, arXiv 2408.00118, Table 1 and section 2): vocabulary 256,000, 8K context, GeGLU,
+    RMSNorm before and after each branch, the embeddings x sqrt(width) and tied, every second block through a
+    window of 4,096 (the first sliding), scores capped at 50 and logits at 30, RoPE base 10,000."""
+    return GPTConfig(vocab_size=256000, seq_len=8192, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                     d_model=d_model, d_ff=d_ff, d_head=d_head, tied_head=True, mlp="geglu", norm="rmsnorm",
+                     positions="rope", rope_theta=10000.0, bias=False, post_norms=True, embed_scale=True,
+                     query_scale=query_scale, window=4096, full_attention_every=2, attention_softcap=50.0,
+                     logit_softcap=30.0, norm_eps=1e-6)
+
+
 GPT_OSS = GPTConfig(vocab_size=201088, seq_len=4096, n_layers=36, n_heads=64, n_kv_heads=8, d_model=2880, d_ff=2880,
                     d_head=64, tied_head=False, mlp="clamped-swiglu", norm="rmsnorm", positions="rope",
                     rope_theta=150000.0, rope_yarn=(32.0, 4096, 32.0, 1.0, 0.0, 0.0), rope_yarn_truncate=False,
@@ -54,6 +66,12 @@ PRESETS: dict[str, GPTConfig] = {
     # report's first stage; the context is 128K). 7.61B parameters, 6.53B without the embedding and head, as the
     # card says (7,615,616,512 here).
     "qwen2.5-7b": llama(152064, 4096, 28, 28, 4, 3584, 18944, 1e6).with_(qkv_bias=True, norm_eps=1e-6),
+    # Gemma 2 (Table 1: width, layers, GeGLU width, heads, key/value heads, head size; the 27B's queries scaled by
+    # (width / heads) ** -0.5, the others' by the head size's): 2,614,341,888 / 9,241,705,984 / 27,227,128,320
+    # parameters (the released checkpoints': 2.61B, 9.24B, 27.2B)
+    "gemma2-2b": gemma2(26, 8, 4, 2304, 9216, 256, 256.0),
+    "gemma2-9b": gemma2(42, 16, 8, 3584, 14336, 256, 256.0),
+    "gemma2-27b": gemma2(46, 32, 16, 4608, 36864, 128, 144.0),
     # The tiny shape with a mixture of experts: 8 GELU experts of width 256, each token routed to 2, so a token
     # goes through as many MLP parameters as tiny's (width 512); dropless, Switch's load-balancing loss (0.01)
     # and ST-MoE's router z-loss (0.001).
@@ -160,7 +178,7 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "rope_scaling", "rope_yarn", "rope_yarn_truncate", "window", "full_attention_every", "attention_sinks",
                 "mtp_depth", "mtp_weight", "router_bias", "rotary_fraction", "rope_longrope", "nope_every",
                 "qk_norm_whole", "pre_norms", "post_norms", "renormalize_gates", "group_score_top",
-                "shared_expert_gate", "moe_every")
+                "shared_expert_gate", "moe_every", "attention_softcap", "logit_softcap")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

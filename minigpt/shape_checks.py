@@ -51,6 +51,13 @@ def check_shape(config) -> None:
     if every and config.mtp_depth:
         raise ConfigError("full_attention_every with multi-token prediction modules: no model has both, and which "
                           "attention a module's block takes is not defined")
+    for name in ("attention_softcap", "logit_softcap"):
+        cap = getattr(config, name)
+        if not _number(cap) or not 0 <= cap < math.inf:
+            raise ConfigError(f"{name} must be a finite number >= 0 (0: none), got {cap!r}")
+    if config.attention_softcap and (config.attention_sinks or config.kv_lora_rank):
+        raise ConfigError("attention_softcap caps the scores of Gemma 2's attention: not with sinks or multi-head "
+                          "latent attention (no model has both)")
     nope = config.nope_every
     if not isinstance(nope, int) or isinstance(nope, bool) or nope < 0:
         raise ConfigError(f"nope_every must be a whole number >= 0 (0: every block rotates), got {nope!r}")

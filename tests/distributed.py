@@ -100,6 +100,23 @@ def named_parity(trained: Callable, config: Callable, models: Iterable[str], lay
     return spawned, references
 
 
+def layout_parity(trained: Callable, config: Callable, layouts: dict[int, dict]) -> tuple:
+    """A one-model parity test module's two module-scoped fixtures, `spawned` (every layout of {world: {name:
+    layout}} run once per world size: layout_world) and `reference` (one process: one_process); the module binds
+    them to those names (`spawned, reference = layout_parity(...)`)."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="spawned")
+    def spawned():
+        return run_worlds(partial(layout_world, trained, config, layouts), layouts)
+
+    @pytest.fixture(scope="module", name="reference")
+    def reference():
+        return one_process(trained, config)
+
+    return spawned, reference
+
+
 def every_layout(layouts: dict[int, dict]) -> list[tuple[int, str]]:
     """(world size, layout name) of every layout of {world size: {name: layout}}: a parity test's parameters."""
     return [(world, name) for world, named in layouts.items() for name in named]

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks),
-    Gemma 3, Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not; a mixture in every second
+    Gemma 3, Gemma 2 (soft caps), Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not; a mixture in every second
     block), Qwen2-MoE, OLMoE, DeepSeek-V3 (latent attention, a choice bias far from zero; its gates renormalised or
     not; also with YaRN, and as Kimi K2 ships it), DeepSeek-V2 (the same attention, softmax-routed experts; V2-Lite's,
     and with V2's device-limited groups and YaRN), GLM-4.5 (DeepSeek's experts after grouped-query attention, half of
@@ -59,6 +59,15 @@ def transformers_model(shape: str, tmp_path):
             bos_token_id=None, eos_token_id=None,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+    elif shape == "gemma2":  # Gemma 2's: Gemma 3's block without q/k norms, one rotary base, every second layer full,
+        # the others through a window of 12; each score capped at 2 and each logit at 3 (its 50 and 30 here small
+        # enough that the caps bend the random model's scores and logits)
+        config = transformers.Gemma2Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+            layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.2, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 100.0})
     elif shape == "mistral":  # a sliding window of 12 over a context of 32: each token sees the 11 before it
         config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -74,6 +74,9 @@ def test_published_sizes():
     # Qwen2.5-7B's card: 7.61B parameters, 6.53B without the embedding and the head (q/k/v biases counted)
     qwen = PRESETS["qwen2.5-7b"]
     assert qwen.n_params() == 7_615_616_512 and f"{(qwen.n_params() - 2 * 152064 * 3584) / 1e9:.2f}" == "6.53"
+    # Gemma 2's released checkpoints: 2.61B, 9.24B and 27.2B (the tied head counted once)
+    assert [f"{PRESETS[name].n_params() / 1e9:.3g}" for name in ("gemma2-2b", "gemma2-9b", "gemma2-27b")] == [
+        "2.61", "9.24", "27.2"]
     # GPT-OSS's model card (arXiv 2508.10925, table 1): 116.83B and 20.91B in all, 5.13B and 3.61B active per token
     # without the embedding (its unembedding counted), sinks and biases included
     for name, total, active in (("gpt-oss-120b", "116.83", "5.13"), ("gpt-oss-20b", "20.91", "3.61")):

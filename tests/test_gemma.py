@@ -7,12 +7,11 @@ back): test_hf.py and test_hf_readings.py."""
 
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
 
-from distributed import every_layout, layout_world, one_process, run_worlds
+from distributed import every_layout, layout_parity
 from job.train_config import TrainConfig
 from minigpt.model import GPT
 from minigpt.presets import preset
@@ -38,16 +37,7 @@ def config(**layout) -> TrainConfig:
                        min_lr=1e-4, **layout)
 
 
-@pytest.fixture(scope="module")
-def spawned():
-    return run_worlds(partial(layout_world, trained_with_states, config, LAYOUTS), LAYOUTS)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return one_process(trained_with_states, config)
-
-
+spawned, reference = layout_parity(trained_with_states, config, LAYOUTS)
 ALL = every_layout(LAYOUTS)
 
 

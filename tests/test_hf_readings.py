@@ -214,7 +214,7 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
                                                ("minimax_m2", "MiniMaxM2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
                                                ("olmoe", "OlmoeForCausalLM"),
                                                ("deepseek_v2_groups", "DeepseekV2ForCausalLM"),
-                                               ("qwen2_moe", "Qwen2MoeForCausalLM")])
+                                               ("qwen2_moe", "Qwen2MoeForCausalLM"), ("gemma2", "Gemma2ForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
@@ -244,6 +244,9 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
                                                                                                          False, 4)
     elif shape == "olmo3":
         assert (config.window, config.full_attention_every, config.pre_norms) == (12, 2, False)
+    elif shape == "gemma2":
+        assert (config.attention_softcap, config.logit_softcap, config.qk_norm, config.window,
+                config.rope_local_theta, config.query_scale) == (2.0, 3.0, False, 12, None, 24.0)
     elif shape == "olmo2":
         assert (config.pre_norms, config.post_norms, config.qk_norm_whole) == (False, True, True)
     elif shape == "glm4_moe":
@@ -260,7 +263,7 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     original = dict(theirs.named_parameters())
     for name, param in again.named_parameters():  # Gemma's gains through 1 + weight and back: within fp32's step at 1
         gap = (param - original[name]).abs().max().item()
-        assert gap <= (2 ** -23 if shape == "gemma3" and name.endswith("norm.weight") else 0.0), (name, gap)
+        assert gap <= (2 ** -23 if shape.startswith("gemma") and name.endswith("norm.weight") else 0.0), (name, gap)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         logits = again(tokens).logits

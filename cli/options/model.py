@@ -83,6 +83,12 @@ def model_options(default: str) -> Callable:
         click.option("--attention-sinks/--no-attention-sinks", "attention_sinks", default=None,
                      help="A learned logit per query head in each softmax's denominator (GPT-OSS's sinks) "
                           "[default: the preset's]."),
+        click.option("--attention-softcap", "attention_softcap", type=float,
+                     help="Cap each attention score at C: C x tanh(score / C) (Gemma 2: 50); 0: none [default: the "
+                          "preset's]."),
+        click.option("--logit-softcap", "logit_softcap", type=float,
+                     help="Cap each output logit at C: C x tanh(logit / C) (Gemma 2: 30); 0: none [default: the "
+                          "preset's]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
         click.option("--qk-norm-whole/--no-qk-norm-whole", "qk_norm_whole", default=None,
@@ -238,6 +244,7 @@ def model_from_options(options: dict) -> GPTConfig:
         window=options.get("window"), full_attention_every=options.get("full_attention_every"),
         attention_sinks=options.get("attention_sinks"), rotary_fraction=options.get("rotary_fraction"),
         nope_every=options.get("nope_every"), qk_norm_whole=options.get("qk_norm_whole"),
+        attention_softcap=options.get("attention_softcap"), logit_softcap=options.get("logit_softcap"),
         **NORM_PLACES.get(options.get("norm_placement"), {}),
         mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
         **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
@@ -281,6 +288,7 @@ def shape_flags_given(options: dict) -> list[str]:
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim",
                                "qk_norm", "window", "full_attention_every", "attention_sinks", "rope_yarn",
                                "rotary_fraction", "nope_every", "qk_norm_whole", "norm_placement",
+                               "attention_softcap", "logit_softcap",
                                "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)

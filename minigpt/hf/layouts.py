@@ -46,7 +46,7 @@ from minigpt.hf.deepseek import (DEEPSEEK_EXPERTS, DEEPSEEK_TYPES, MLA_LAYOUTS, 
                                  deepseek_config, deepseek_layout,
                                  deepseek_hf_config, interleaved, mtp_copies, mtp_names, router_extras,
                                  router_extras_from_hf, shared_names, split_sizes)
-from minigpt.hf.gemma import check_gemma, gemma_config, gemma_hf_config, gemma_names, is_gemma, norm_gain
+from minigpt.hf.gemma import GEMMA_LAYOUTS, gemma_config, gemma_hf_config, gemma_layout, gemma_names, is_gemma, norm_gain
 from minigpt.hf.glm import check_glm, glm_config, glm_hf_config
 from minigpt.hf.gpt_oss import (check_gpt_oss, gpt_oss_config, gpt_oss_hf_config, gpt_oss_names,
                                  oss_experts_from_hf, oss_experts_to_hf)
@@ -67,6 +67,7 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # transformers' names of t
 
 def layout_of(config: GPTConfig) -> str:
     """"gpt2", "llama", "mistral" (Llama's with a sliding window), "phi3", "smollm3", "qwen2", "qwen3", "gemma3_text",
+    "gemma2",
     "olmo2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3", "deepseek_v2" or
     "gpt_oss": the transformers layout
     that holds
@@ -109,8 +110,7 @@ def _block_layout(config: GPTConfig) -> str:
         check_olmo(config)
         return "olmo3" if config.window_in_use else "olmo2"
     if is_gemma(config):
-        check_gemma(config)
-        return "gemma3_text"
+        return gemma_layout(config)
     if config.attention_sinks or config.mlp == "clamped-swiglu" or config.router_bias:
         check_gpt_oss(config)
         return "gpt_oss"
@@ -159,7 +159,7 @@ def hf_config(config: GPTConfig) -> dict:
         return deepseek_hf_config(config, common, rope_fields)
     if layout_of(config) == "gpt_oss":
         return gpt_oss_hf_config(config, common, rope_fields, layer_types(config))
-    if layout_of(config) == "gemma3_text":
+    if layout_of(config) in GEMMA_LAYOUTS:
         return gemma_hf_config(config, common)
     if layout_of(config) == "gpt2":
         return {
@@ -231,7 +231,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return deepseek_config(hf, tied, seq_len, read_rope)
     if kind == "gpt_oss":
         return gpt_oss_config(hf, tied, seq_len, read_rope, windows(hf, kind, seq_len))
-    if kind == "gemma3_text":
+    if kind in GEMMA_LAYOUTS:
         return gemma_config(hf, tied, seq_len)
     if kind == "olmo3":  # OLMo 2's block, a sliding window in the layers layer_types names
         return olmo_config(hf, _bias_free(olmo3_rotation(hf), tied, seq_len)).with_(**windows(hf, kind, seq_len))
@@ -239,7 +239,7 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return READERS[kind](hf, _bias_free(hf, tied, seq_len))
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'mixtral', 'qwen3_moe', "
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'gemma2', 'mixtral', 'qwen3_moe', "
                           f"'qwen2_moe', 'olmoe', 'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'deepseek_v2', 'glm4_moe', "
                           f"'olmo2', 'olmo3', 'minimax_m2' "
                           f"and 'gpt_oss' models")
@@ -318,7 +318,7 @@ def names(config: GPTConfig) -> dict[str, tuple[str, ...]]:
                                                                           fused=layout == "phi3")
         if layout == "gpt_oss":
             table |= gpt_oss_names(ours, theirs)
-        elif layout == "gemma3_text":
+        elif layout in GEMMA_LAYOUTS:
             table |= gemma_names(ours, theirs)
         elif layout in ("olmo2", "olmo3"):  # its norms after each branch
             table |= olmo_names(ours, theirs)
@@ -392,7 +392,7 @@ def to_hf(state: dict, config: GPTConfig, gradients: bool = False) -> dict:
         if layout in MLA_LAYOUTS:  # its rotated rows in DeepSeek's neighbouring pairs
             tensor = interleaved(tensor, config, ours, to_hf=True)
         tensor = rotation_moved(tensor, config, ours, to_hf=True)  # a partial rotation's columns first, as theirs
-        if layout == "gemma3_text" and not gradients:  # its norms' weights are the gains less 1
+        if layout in GEMMA_LAYOUTS and not gradients:  # its norms' weights are the gains less 1
             tensor = norm_gain(tensor, ours, to_hf=True)
         pieces = tensor.split(_split_sizes(config, ours)) if len(theirs) > 1 else (tensor,)
         out |= {name: piece.contiguous() for name, piece in zip(theirs, pieces)}
@@ -461,7 +461,7 @@ def from_hf(tensors: dict, config: GPTConfig) -> dict:
         if layout in MLA_LAYOUTS:  # its rotated rows back in our rotate-half pairs
             tensor = interleaved(tensor, config, ours, to_hf=False)
         tensor = rotation_moved(tensor, config, ours, to_hf=False)  # a partial rotation's columns last, as ours
-        if layout == "gemma3_text":
+        if layout in GEMMA_LAYOUTS:
             tensor = norm_gain(tensor, ours, to_hf=False)
         state[ours] = tensor.t() if gpt2 and _conv1d(ours) else tensor
     for layer in _moe_layers(config):

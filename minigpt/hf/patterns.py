@@ -9,7 +9,7 @@ from minigpt.hf.moe import config_number, refuse_unless
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 UNIFORM_WINDOWS = ("mistral", "phi3", "mixtral")  # whose sliding_window, when set, is every layer's
-LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss", "gemma3_text", "olmo3")  # whose layer_types say which layers slide
+LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss", "gemma3_text", "gemma2", "olmo3")  # whose layer_types say which layers slide
 WINDOWED_LAYOUTS = ("mistral", "mixtral", "phi3", *LAYER_TYPES)  # the layouts minigpt writes a window in
 
 

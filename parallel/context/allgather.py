@@ -46,7 +46,8 @@ class GatherSequence(torch.autograd.Function):
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
                         scale: float | None = None, counter=None, window: int = 0,
-                        sinks: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                        softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence, gathered from `group`
     (parallel/context/chunks.py's split), within `documents` where given (ring_attention's). Shapes (b, h, 2 c, d);
     autograd carries the backward.
@@ -54,11 +55,11 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if isinstance(group, Rehearsal):  # rank 0 alone: every rank's keys and values a copy of its own
         keys, values = (t.unsqueeze(0).repeat(group.size, *[1] * t.dim()) for t in (k, v))
-        return GatheredAttention.apply(q, keys, values, 0, scale, window, sinks, documents)
+        return GatheredAttention.apply(q, keys, values, 0, scale, window, sinks, documents, softcap)
     rank = 0 if group is None else dist.get_rank(group)
     keys = k.unsqueeze(0) if group is None else GatherSequence.apply(k, group, counter)
     values = v.unsqueeze(0) if group is None else GatherSequence.apply(v, group, counter)
-    return GatheredAttention.apply(q, keys, values, rank, scale, window, sinks, documents)
+    return GatheredAttention.apply(q, keys, values, rank, scale, window, sinks, documents, softcap)
 
 
 class GatheredAttention(torch.autograd.Function):
@@ -66,18 +67,18 @@ class GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, keys, values, rank: int, scale: float, window: int, sinks: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None):
+                documents: torch.Tensor | None = None, cap: float = 0.0):
         cp, c = keys.shape[0], q.shape[2] // 2
         out, lse = empty_result(q)
         for qs, source, ks, how, same in _meetings(rank, cp, c, window, documents):
             block_out, block_lse = forward_block(q[:, :, qs], keys[source][:, :, ks], values[source][:, :, ks],
-                                                 how, scale, same)
+                                                 how, scale, same, cap)
             merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         if sinks is not None:
             merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
         ctx.save_for_backward(q, keys, values, out, lse, sinks)
-        ctx.rank, ctx.scale, ctx.window, ctx.documents = rank, scale, window, documents
+        ctx.rank, ctx.scale, ctx.window, ctx.documents, ctx.cap = rank, scale, window, documents, cap
         return out
 
     @staticmethod
@@ -90,9 +91,9 @@ class GatheredAttention(torch.autograd.Function):
         for qs, source, ks, how, same in _meetings(ctx.rank, cp, c, ctx.window, ctx.documents):
             backward_block(q[:, :, qs], keys[source][:, :, ks], values[source][:, :, ks], dout[:, :, qs],
                            lse[:, :, qs], delta[:, :, qs], how, ctx.scale, dq[:, :, qs], dkeys[source][:, :, ks],
-                           dvalues[source][:, :, ks], same)
+                           dvalues[source][:, :, ks], same, ctx.cap)
         dsinks = None if sinks is None else sinks_grad(lse, delta, sinks)
-        return dq.to(q.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype), None, None, None, dsinks, None
+        return dq.to(q.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype), None, None, None, dsinks, None, None
 
 
 def _meetings(rank: int, cp: int, c: int, window: int, documents: torch.Tensor | None):

@@ -38,7 +38,8 @@ class ContextAttentionCore(AttentionCore):
                  token_positions: torch.Tensor, counter=None):
         super().__init__(config, core.window, core.rope_theta is not None, core.local)  # the core's sizes, rotation
         self.q_norm, self.k_norm = core.q_norm, core.k_norm  # the model's own norm modules (their weights and names)
-        self.sinks = core.sinks  # GPT-OSS's (None: none), merged by the ring and the all-gather once per row
+        # GPT-OSS's sinks (None: none), merged by the ring and the all-gather once per row; Gemma 2's cap on the scores
+        self.sinks, self.softcap = core.sinks, core.softcap
         self.cp_group, self.exchange, self.counter = group, KINDS[kind], counter
         self.register_buffer("token_positions", token_positions, persistent=False)
 
@@ -47,7 +48,7 @@ class ContextAttentionCore(AttentionCore):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.exchange(q, k, v, self.cp_group, scale=self.scale, counter=self.counter, window=self.window,
-                             sinks=self.sinks, documents=current_documents())
+                             sinks=self.sinks, documents=current_documents(), softcap=self.softcap)
 
 
 def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | None, kind: str,

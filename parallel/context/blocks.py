@@ -34,11 +34,20 @@ def meeting(query_chunk: int, key_chunk: int, c: int = 0, window: int = 0) -> st
     return BAND, distance, window
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, how, scale: float, same: torch.Tensor | None = None) -> torch.Tensor:
-    """q (b, h, c, d) against k (b, h_kv, c, d): fp32 scores, the upper triangle masked on the diagonal, the keys
-    out of the window masked in a band, and where `same` ((b, c, c) bools) is given the keys of other documents."""
+def _raw_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (b, h, c, d) against k (b, h_kv, c, d): fp32 scores, before any cap or mask."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, how, scale: float, same: torch.Tensor | None = None,
+            cap: float = 0.0) -> torch.Tensor:
+    """q (b, h, c, d) against k (b, h_kv, c, d): fp32 scores, capped at `cap` (Gemma 2's cap * tanh(s / cap); 0:
+    none), the upper triangle masked on the diagonal, the keys out of the window masked in a band, and where `same`
+    ((b, c, c) bools) is given the keys of other documents."""
+    s = _raw_scores(q, k, scale)
+    if cap:
+        s = cap * torch.tanh(s / cap)
     if how == DIAGONAL:
         upper = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(upper, float("-inf"))
@@ -52,10 +61,10 @@ def _scores(q: torch.Tensor, k: torch.Tensor, how, scale: float, same: torch.Ten
     return s
 
 
-def forward_block(q, k, v, how: str, scale: float,
-                  same: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out fp32 (b, h, c, d), lse fp32 (b, h, c)) of q attending to one key/value block (`same`: _scores')."""
-    s = _scores(q, k, how, scale, same)
+def forward_block(q, k, v, how: str, scale: float, same: torch.Tensor | None = None,
+                  cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32 (b, h, c, d), lse fp32 (b, h, c)) of q attending to one key/value block (`same`, `cap`: _scores')."""
+    s = _scores(q, k, how, scale, same, cap)
     lse = torch.logsumexp(s, dim=-1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row a band (or its document) leaves no key: weights 0
@@ -85,14 +94,17 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
 
 
 def backward_block(q, k, v, dout, lse, delta, how: str, scale: float, dq, dk, dv,
-                   same: torch.Tensor | None = None) -> None:
+                   same: torch.Tensor | None = None, cap: float = 0.0) -> None:
     """Add one block's gradients to dq (of q's chunk) and dk, dv (of the key block), all fp32, in place.
-    lse: the merged log-sum-exp of q's rows; delta: rowsum(dout * out); `same`: _scores'."""
+    lse: the merged log-sum-exp of q's rows; delta: rowsum(dout * out); `same`, `cap`: _scores'. Under a cap the
+    scores' gradient passes through tanh's derivative, 1 - tanh^2."""
     groups = q.shape[1] // k.shape[1]
-    p = torch.exp(_scores(q, k, how, scale, same) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, how, scale, same, cap) - lse.unsqueeze(-1))
     dout = dout.float()
     v_rep = v.repeat_interleave(groups, dim=1).float()
     ds = p * (torch.matmul(dout, v_rep.transpose(-1, -2)) - delta.unsqueeze(-1))
+    if cap:
+        ds = ds * (1 - torch.tanh(_raw_scores(q, k, scale) / cap).square())
     dq.add_(torch.matmul(ds, k.repeat_interleave(groups, dim=1).float()) * scale)
     b, h_kv, c, d = k.shape
     dk.add_((torch.matmul(ds.transpose(-1, -2), q.float()) * scale).view(b, h_kv, groups, c, d).sum(2))

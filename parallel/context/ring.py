@@ -84,7 +84,7 @@ def _pairs(rank: int, source: int, cp: int, c: int, window: int, documents: torc
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float, window: int, sinks: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None):
+                documents: torch.Tensor | None = None, cap: float = 0.0):
         cp, c = ring.size, q.shape[2] // 2
         out, lse = empty_result(q)
         kv = [k, v]
@@ -92,7 +92,8 @@ class RingAttention(torch.autograd.Function):
             incoming = ring.start_pass(kv) if step < cp - 1 else None
             source = (ring.rank - step) % cp
             for qs, ks, how, same in _pairs(ring.rank, source, cp, c, window, documents):
-                block_out, block_lse = forward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how, scale, same)
+                block_out, block_lse = forward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], how, scale, same,
+                                                     cap)
                 merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if incoming is not None:
                 for request in incoming[1]:
@@ -102,7 +103,7 @@ class RingAttention(torch.autograd.Function):
             merge_sinks(out, lse, sinks)
         out = out.to(q.dtype)  # what the caller gets, saved for the backward's delta too (as FlashAttention)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.ring, ctx.scale, ctx.window, ctx.documents = ring, scale, window, documents
+        ctx.ring, ctx.scale, ctx.window, ctx.documents, ctx.cap = ring, scale, window, documents, cap
         return out
 
     @staticmethod
@@ -118,7 +119,8 @@ class RingAttention(torch.autograd.Function):
             grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]  # this block's
             for qs, ks, how, same in _pairs(ring.rank, source, cp, c, ctx.window, ctx.documents):
                 backward_block(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], dout[:, :, qs], lse[:, :, qs],
-                               delta[:, :, qs], how, scale, dq[:, :, qs], grads[0][:, :, ks], grads[1][:, :, ks], same)
+                               delta[:, :, qs], how, scale, dq[:, :, qs], grads[0][:, :, ks], grads[1][:, :, ks], same,
+                               ctx.cap)
             if travelling is not None:  # the source's dk/dv from the ranks before, sent during this block
                 for request in travelling[1]:
                     request.wait()
@@ -135,12 +137,13 @@ class RingAttention(torch.autograd.Function):
                 request.wait()
             grads = travelling[0]
         dsinks = None if sinks is None else sinks_grad(lse, delta, sinks)
-        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, dsinks, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, dsinks, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
                    scale: float | None = None, counter=None, window: int = 0,
-                   sinks: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                   softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's two chunks of q against the whole sequence's keys and values, which
     the ranks of `group` hold two chunks each (parallel/context/chunks.py). Shapes (b, h, 2 c, d).
     `counter` (a parallel.comm.Collectives) counts every tensor sent as a "send". `window`: a sliding window
@@ -149,4 +152,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     (batch, whole sequence) document ids, each query seeing its own document's keys (None: one document)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     ring = RehearsedRing(group) if isinstance(group, Rehearsal) else Ring(group, counter)
-    return RingAttention.apply(q, k, v, ring, scale, window, sinks, documents)
+    return RingAttention.apply(q, k, v, ring, scale, window, sinks, documents, softcap)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minigpt.attention import within_documents
-from minigpt.model import embedded, predict_ahead, prediction_loss
+from minigpt.model import embedded, predict_ahead, prediction_loss, soft_capped
 from minigpt.moe import aux_loss_weight
 from parallel.expert import is_expert_shard
 from minigpt.errors import ConfigError
@@ -88,6 +88,7 @@ class Chunk(nn.Module):
         if last:  # registered in job/layout.py's last_unit order (ZeRO's buckets follow the parameters')
             self.norm_f, self.mtp, self.head, self.loss = model.norm_f, model.mtp, model.head, model.loss
             self.mtp_weight, self.seq_len = model.config.mtp_weight, model.config.seq_len
+            self.logit_cap = model.config.logit_softcap  # Gemma 2's (0: none)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """The chunk's output; on the last chunk the logits, with a multi-token prediction and `targets` the
@@ -104,8 +105,9 @@ class Chunk(nn.Module):
             if len(self.mtp) and targets is not None:  # the head once, over every depth (zero-bubble's split
                 # backward counts a module's weight gradient once a forward)
                 hidden = predict_ahead(self.mtp, self.lookup(), normed, targets)
-                return tuple(self.head(torch.cat([normed, *hidden])).chunk(1 + len(hidden)))
-            x = self.head(normed)
+                logits = soft_capped(self.head(torch.cat([normed, *hidden])), self.logit_cap)
+                return tuple(logits.chunk(1 + len(hidden)))
+            x = soft_capped(self.head(normed), self.logit_cap)
         return x
 
     def lookup(self) -> Callable[[torch.Tensor], torch.Tensor]:

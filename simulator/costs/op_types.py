@@ -346,6 +346,9 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
     if model.window_in_use and impl.attention != "flash":
         raise ConfigError("a sliding window is priced in a fused attention kernel that skips the band's outside "
                           "(--attention flash), not in unfused attention's whole square")
+    if model.attention_softcap and impl.attention != "flash":
+        raise ConfigError("capped attention scores (Gemma 2's) are priced in a fused kernel that caps them in its "
+                          "tiles (FlashAttention-2's softcap: --attention flash), not in unfused attention")
     if impl.document_length and impl.attention != "flash":
         raise ConfigError("a document mask is priced in a fused attention kernel that skips the tiles between "
                           "documents (--attention flash), not in unfused attention's whole square")

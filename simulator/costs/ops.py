@@ -355,10 +355,12 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     norm(rec, "final_norm", final, "final_norm.output" if sh.sp else "head.input")
     if sh.sp:
         rec.tensor("head.input", sh.rows * sh.d * sh.e)
-    rec.tensor("head.logits", sh.rows * vocab * sh.e)
+    logits = rec.tensor("head.logits", sh.rows * vocab * sh.e)
     rec.gemm("head", sh.rows, vocab, sh.d, sh.compute, ("final_norm.output" if sh.sharded else "head.input",))
+    if model.logit_softcap:
+        logits = _soft_cap(rec, logits)
     logits32 = rec.tensor("loss.logits_fp32", sh.rows * vocab * FP32)
-    rec.mem("loss.to_fp32", ("head.logits",), (logits32,))
+    rec.mem("loss.to_fp32", (logits,), (logits32,))
     log_probs = rec.tensor("loss.log_probabilities", sh.rows * vocab * FP32)
     rec.mem("loss.softmax", (logits32,), (log_probs,), saves=(log_probs,))  # max, exponentials, their sum: one pass
     if sh.eager:  # nll_loss's backward, log_softmax's, the cast back
@@ -369,6 +371,21 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
     weight_gradient(rec, "head", vocab, sh.d, sh.compute)
     norm_backward(rec, "final_norm")
     return rec.finish("none")
+
+
+def _soft_cap(rec: Recorder, logits: str) -> str:
+    """Gemma 2's cap on the logits as minigpt/model.py's soft_capped runs it in eager torch: divided, tanh (which
+    saves its output for its backward), multiplied, a kernel each; the backward's three the same way (the tanh's
+    reads the gradient and the saved output)."""
+    size = rec.size[logits]
+    scaled, turned = rec.tensor("head.cap_scaled", size), rec.tensor("head.cap_tanh", size)
+    rec.mem("head.cap_divide", (logits,), (scaled,))
+    rec.mem("head.cap_tanh", (scaled,), (turned,), saves=(turned,))
+    capped = rec.tensor("head.capped", size)
+    rec.mem("head.cap_multiply", (turned,), (capped,))
+    for kernel, read in (("multiply", size), ("tanh", 2 * size), ("divide", size)):
+        rec.back_mem(f"head.cap_{kernel}_backward", read, size)
+    return capped
 
 
 def mtp_input_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: PrecisionPolicy,
