@@ -203,6 +203,20 @@ def document_end(sources) -> int:
     return next(iter(ends.values()))
 
 
+def documents_words(sources) -> str:
+    """'ended by id 0, 62 tokens on average': the end-of-document id of token directories `sources` (document_end)
+    and their documents' mean length from their headers' counts (what `minigpt simulate --document-length` takes;
+    left out where a source does not count its documents)."""
+    tokens = documents = 0
+    for path in sources:
+        for source in token_header(path).get("sources") or [{}]:
+            if not isinstance(source.get("documents"), int) or not isinstance(source.get("tokens"), int):
+                return f"ended by id {document_end(sources)}"
+            tokens, documents = tokens + source["tokens"], documents + source["documents"]
+    mean = f", {tokens / documents:,.0f} tokens on average" if documents else ""
+    return f"ended by id {document_end(sources)}{mean}"
+
+
 def token_header(path) -> dict:
     """DIR/tokens.json, checked against DIR/tokens.bin's size; ConfigError (one line) saying what is wrong."""
     def refuse(why: str) -> None:

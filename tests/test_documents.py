@@ -22,7 +22,7 @@ import torch
 from distributed import run_ranks
 from job.train_config import TrainConfig
 from minigpt.attention import causal_attention, document_ids, document_mask, within_documents
-from minigpt.data import Corpus, embedded_corpus
+from minigpt.data import Corpus, documents_words, embedded_corpus
 from minigpt.errors import ConfigError
 from minigpt.model import GPT
 from minigpt.presets import preset
@@ -193,3 +193,11 @@ def test_data_without_documents_is_one_line_before_any_rank(documents_dir, data,
     one_line_error(run_cli("train", *sources, "--document-mask", "--steps", "2", "--out",
                            str(documents_dir / "never")), says)
     assert not (documents_dir / "never").exists()
+
+
+def test_a_run_says_its_documents_mean_length_for_simulate(documents_dir):
+    """The header line's words: the end-of-document id and the mean length its tokens.json counts
+    (`minigpt simulate --document-length` takes it)."""
+    header = json.loads((documents_dir / "eod" / "tokens.json").read_text())
+    mean = header["tokens"] / sum(source["documents"] for source in header["sources"])
+    assert documents_words([documents_dir / "eod"]) == f"ended by id 0, {mean:,.0f} tokens on average"

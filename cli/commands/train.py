@@ -19,7 +19,7 @@ from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
 from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
-from minigpt.data import check_text_file, document_end, is_token_dir, token_header
+from minigpt.data import check_text_file, document_end, documents_words, is_token_dir, token_header
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, load_tokenizer
 from parallel.gpu_files import cuda_devices
@@ -432,7 +432,7 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
         f"training {m.n_params():,} parameters" + (f", {m.active_params():,} active" if m.is_moe else "") +
         f" ({m.describe()}) for {cfg.steps} steps of {cfg.tokens_per_step:,} "
         f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation") +
-        ("" if cfg.document_eod is None else f", attention within documents (ended by id {cfg.document_eod})") +
+        ("" if cfg.document_eod is None else f", attention within documents ({documents_words(cfg.data)})") +
         ("" if cfg.tokenizer == BYTES else f", tokenizer {cfg.tokenizer} (vocabulary {m.vocab_size:,})"),
         file=out,
     )
