@@ -105,6 +105,13 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     # logit, becomes cap * tanh(s / cap); 0: none
     attention_softcap: float = 0.0
     logit_softcap: float = 0.0
+    # Granite's scalings (its muP multipliers): the token embeddings times embed_multiplier, each branch times
+    # residual_multiplier before its residual add, the softmax scale attention_multiplier itself (None: the head
+    # width's, or query_scale's), the output logits divided by logit_divisor (logits_scaling)
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logit_divisor: float = 1.0
     # Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, 2.1) when kv_lora_rank > 0: keys and values from a
     # kv_lora_rank latent, queries from a q_lora_rank one (0: from the width), each query and key head d_head wide
     # plus rope_head_dim rotated columns (the key's shared by the heads), each value head d_value (None: d_head).
@@ -203,6 +210,8 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
     def softmax_scale(self) -> float:
         """The attention's scale of q @ k^T: 1 / sqrt(query head width), under MLA with YaRN times mscale_all_dim's
         mscale squared (DeepSeek's reference code and transformers' yarn_apply_mscale)."""
+        if self.attention_multiplier is not None:  # Granite's, the scale itself
+            return self.attention_multiplier
         if self.query_scale is not None:  # Gemma's query_pre_attn_scalar
             return self.query_scale ** -0.5
         scale = self.qk_head_dim ** -0.5
@@ -357,6 +366,7 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
         heads += "" if not self.qk_norm else ", QK-norm over all heads" if self.qk_norm_whole else ", QK-norm"
         heads += ", sinks" if self.attention_sinks else ""
         heads += f", scores capped at {self.attention_softcap:g}" if self.attention_softcap else ""
+        heads += f", scale {self.attention_multiplier:g}" if self.attention_multiplier is not None else ""
         heads += f", scale {self.query_scale:g}^-0.5" if self.query_scale is not None else ""
         if self.is_mla:
             query = f"q latent {self.q_lora_rank}, " if self.q_lora_rank else ""
@@ -392,8 +402,11 @@ class GPTConfig(ActivationArithmetic, FlopArithmetic, ParameterArithmetic):
                      " after each branch (none before)"),
                  "learned positions" if self.positions != "rope" else self._rope_words(),
                  ("tied head" if self.tied_head else "untied head")
-                 + (f", logits capped at {self.logit_softcap:g}" if self.logit_softcap else "")]
+                 + (f", logits capped at {self.logit_softcap:g}" if self.logit_softcap else "")
+                 + (f", logits / {self.logit_divisor:g}" if self.logit_divisor != 1 else "")]
         parts[1] += ", embeddings x sqrt(width)" if self.embed_scale else ""
+        parts[1] += f", embeddings x {self.embed_multiplier:g}" if self.embed_multiplier != 1 else ""
+        parts[1] += f", branches x {self.residual_multiplier:g}" if self.residual_multiplier != 1 else ""
         biases = [] if self.bias else ["q, k, v biases only" if self.qkv_bias else "no bias"]
         ahead = [f"{self.mtp_depth} multi-token prediction module{'s' if self.mtp_depth > 1 else ''} "
                  f"(weight {self.mtp_weight:g})"] if self.mtp_depth else []

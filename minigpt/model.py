@@ -272,10 +272,15 @@ class Block(nn.Module):
         # Gemma's norm of each branch before its residual add; otherwise the branch as it is
         self.post_attn_norm = make_norm(config) if config.post_norms else nn.Identity()
         self.post_mlp_norm = make_norm(config) if config.post_norms else nn.Identity()
+        self.residual = config.residual_multiplier  # Granite's (1: none)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.ln1(x)))
-        return x + self.post_mlp_norm(self.mlp(self.ln2(x)))
+        x = x + self.scaled(self.post_attn_norm(self.attn(self.ln1(x))))
+        return x + self.scaled(self.post_mlp_norm(self.mlp(self.ln2(x))))
+
+    def scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch times Granite's residual_multiplier before its residual add (as it is at 1)."""
+        return branch if self.residual == 1 else branch * self.residual
 
 
 class NextTokenLoss(nn.Module):
@@ -306,15 +311,21 @@ class MultiTokenPrediction(nn.Module):
         return self.norm(self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))))
 
 
-def soft_capped(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """Gemma 2's final_logit_softcapping: cap * tanh(logits / cap) (0: the logits as they are). Element by element,
-    so a vocabulary-parallel head's shard is capped as it is."""
+def output_logits(logits: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """The head's output as the model gives it: divided by Granite's logits_scaling, capped by Gemma 2's
+    final_logit_softcapping (cap * tanh(logits / cap)); as it is without either. Element by element, so a
+    vocabulary-parallel head's shard is treated as it is."""
+    if config.logit_divisor != 1:
+        logits = logits / config.logit_divisor
+    cap = config.logit_softcap
     return cap * torch.tanh(logits / cap) if cap else logits
 
 
 def embedded(x: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     """The token embeddings as the blocks take them: times sqrt(d_model) in their own format with embed_scale
-    (Gemma's normalizer, as transformers rounds it), else as they are."""
+    (Gemma's normalizer, as transformers rounds it), times embed_multiplier (Granite's), else as they are."""
+    if config.embed_multiplier != 1:  # Granite's embedding_multiplier, a Python number as transformers multiplies
+        return x * config.embed_multiplier
     return x * torch.tensor(config.d_model ** 0.5, dtype=x.dtype) if config.embed_scale else x
 
 
@@ -428,7 +439,7 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return soft_capped(self.head(self.norm_f(x)), self.config.logit_softcap)
+        return output_logits(self.head(self.norm_f(x)), self.config)
 
     def trunk(self, idx: torch.Tensor) -> torch.Tensor:
         """The last block's output for `idx` (before the final norm)."""
@@ -451,7 +462,6 @@ class GPT(nn.Module):
         with within_documents(documents):  # the prediction modules' blocks attend within them too
             normed = self.norm_f(self.trunk(idx))
             hidden = predict_ahead(self.mtp, self.tok_emb, normed, targets)
-        cap = self.config.logit_softcap
-        logits = [soft_capped(self.head(h), cap) for h in hidden]
-        return prediction_loss(self.loss, soft_capped(self.head(normed), cap), logits, targets,
+        logits = [output_logits(self.head(h), self.config) for h in hidden]
+        return prediction_loss(self.loss, output_logits(self.head(normed), self.config), logits, targets,
                                self.config.mtp_weight)[1]

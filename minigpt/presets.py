@@ -178,7 +178,8 @@ MODEL_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "n_kv_heads", "d
                 "rope_scaling", "rope_yarn", "rope_yarn_truncate", "window", "full_attention_every", "attention_sinks",
                 "mtp_depth", "mtp_weight", "router_bias", "rotary_fraction", "rope_longrope", "nope_every",
                 "qk_norm_whole", "pre_norms", "post_norms", "renormalize_gates", "group_score_top",
-                "shared_expert_gate", "moe_every", "attention_softcap", "logit_softcap")
+                "shared_expert_gate", "moe_every", "attention_softcap", "logit_softcap",
+                "embed_multiplier", "residual_multiplier", "attention_multiplier", "logit_divisor")
 
 
 def build_config(name: str | GPTConfig = "tiny", **overrides) -> GPTConfig:

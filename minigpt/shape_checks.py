@@ -55,6 +55,16 @@ def check_shape(config) -> None:
         cap = getattr(config, name)
         if not _number(cap) or not 0 <= cap < math.inf:
             raise ConfigError(f"{name} must be a finite number >= 0 (0: none), got {cap!r}")
+    for name in ("embed_multiplier", "residual_multiplier", "logit_divisor", "attention_multiplier"):
+        value = getattr(config, name)
+        if not (value is None and name == "attention_multiplier") and (not _number(value) or not 0 < value < math.inf):
+            raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+    if config.embed_multiplier != 1 and config.embed_scale:
+        raise ConfigError("embed_multiplier (Granite's) and embed_scale (Gemma's sqrt(width)) both scale the "
+                          "embeddings: set one")
+    if config.attention_multiplier is not None and (config.query_scale is not None or config.kv_lora_rank):
+        raise ConfigError("attention_multiplier (Granite's softmax scale) with query_scale (Gemma's) or multi-head "
+                          "latent attention's own: set one")
     if config.attention_softcap and (config.attention_sinks or config.kv_lora_rank):
         raise ConfigError("attention_softcap caps the scores of Gemma 2's attention: not with sinks or multi-head "
                           "latent attention (no model has both)")

@@ -117,6 +117,22 @@ def layout_parity(trained: Callable, config: Callable, layouts: dict[int, dict])
     return spawned, reference
 
 
+def layout_parity_test(label: str, layouts: dict[int, dict], tolerance: float) -> Callable:
+    """The test that every layout of {world: {name: layout}} trains the one-process reference's losses and gradient
+    norms within `tolerance` (layout_parity's fixtures), one case a layout; bound to a test_ name by the module."""
+    import pytest
+
+    from parity import assert_runs_match
+
+    cases = every_layout(layouts)
+
+    @pytest.mark.parametrize("world, name", cases, ids=[name for _, name in cases])
+    def test(spawned, reference, world, name):
+        assert_runs_match(spawned[name], reference, f"{label} {name}", tolerance)
+
+    return test
+
+
 def every_layout(layouts: dict[int, dict]) -> list[tuple[int, str]]:
     """(world size, layout name) of every layout of {world size: {name: layout}}: a parity test's parameters."""
     return [(world, name) for world, named in layouts.items() for name in named]

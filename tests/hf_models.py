@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")  # a test extra: pip install 
 def transformers_model(shape: str, tmp_path):
     """A freshly initialised transformers model of a small GPT-2, Llama (GQA, RoPE), Mistral (a sliding window),
     Phi-3 (fused projections; also Phi-4-mini's partial rotation by LongRoPE), SmolLM3 (no rotation in some blocks),
-    Gemma 3, Gemma 2 (soft caps), Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not; a mixture in every second
+    Gemma 3, Gemma 2 (soft caps), Granite (its scalings), Mixtral (also with a window), Qwen3-MoE (its gates renormalised or not; a mixture in every second
     block), Qwen2-MoE, OLMoE, DeepSeek-V3 (latent attention, a choice bias far from zero; its gates renormalised or
     not; also with YaRN, and as Kimi K2 ships it), DeepSeek-V2 (the same attention, softmax-routed experts; V2-Lite's,
     and with V2's device-limited groups and YaRN), GLM-4.5 (DeepSeek's experts after grouped-query attention, half of
@@ -68,6 +68,13 @@ def transformers_model(shape: str, tmp_path):
             layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.2, pad_token_id=None,
             bos_token_id=None, eos_token_id=None, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
             rope_parameters={"rope_type": "default", "rope_theta": 100.0})
+    elif shape == "granite":  # Granite's scalings (its 3.x checkpoints' 12, 0.22, 1/128 and 16 here bent to the tiny
+        # shape): the embeddings x 4, each branch x 0.5, the softmax scale 0.3, the logits / 2
+        config = transformers.GraniteConfig(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.2,
+            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0,
+            pad_token_id=None, bos_token_id=None, eos_token_id=None)
     elif shape == "mistral":  # a sliding window of 12 over a context of 32: each token sees the 11 before it
         config = transformers.MistralConfig(vocab_size=256, max_position_embeddings=32, hidden_size=64,
                                             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -11,12 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import every_layout, layout_parity
+from distributed import every_layout, layout_parity, layout_parity_test
 from job.train_config import TrainConfig
 from minigpt.model import GPT
 from minigpt.presets import preset
 from model_states import predicted_states, trained_with_states
-from parity import assert_runs_match
 from test_config import saved_bytes
 
 # tiny-llama's sizes in Gemma 3's block over 32 tokens: a window of 11 in the first and third blocks (rotating by
@@ -38,12 +37,8 @@ def config(**layout) -> TrainConfig:
 
 
 spawned, reference = layout_parity(trained_with_states, config, LAYOUTS)
+test_every_layout_matches_one_process = layout_parity_test("gemma", LAYOUTS, TOLERANCE)
 ALL = every_layout(LAYOUTS)
-
-
-@pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
-def test_every_layout_matches_one_process(spawned, reference, world, name):
-    assert_runs_match(spawned[name], reference, f"gemma {name}", TOLERANCE)
 
 
 @pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])

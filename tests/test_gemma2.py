@@ -14,17 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import every_layout, layout_parity, one_process
+from distributed import layout_parity, layout_parity_test, one_process
 from job.layout import Layout
 from job.train_config import TrainConfig
 from minigpt.attention import causal_attention, document_ids
 from minigpt.errors import ConfigError
-from minigpt.model import GPT, soft_capped
+from minigpt.model import GPT, output_logits
 from minigpt.presets import preset
 from model_states import trained_with_states
 from parallel.context.allgather import allgather_attention
 from parallel.context.ring import ring_attention
-from parity import assert_runs_match
 from precision.policy import policy
 from simulator.costs.ops import Implementation, head_ops
 from test_config import saved_bytes
@@ -50,12 +49,7 @@ def config(model=MODEL, **layout) -> TrainConfig:
 
 
 spawned, reference = layout_parity(trained_with_states, config, LAYOUTS)
-ALL = every_layout(LAYOUTS)
-
-
-@pytest.mark.parametrize("world, name", ALL, ids=[name for _, name in ALL])
-def test_every_layout_matches_one_process(spawned, reference, world, name):
-    assert_runs_match(spawned[name], reference, f"gemma2 {name}", TOLERANCE)
+test_every_layout_matches_one_process = layout_parity_test("gemma2", LAYOUTS, TOLERANCE)
 
 
 def test_the_caps_change_what_is_trained(reference):
@@ -90,7 +84,7 @@ def test_the_capped_heads_saved_tensors_are_the_simulators():
     x = torch.randn(rows, width, requires_grad=True)
     head = torch.nn.Linear(width, vocab, bias=False)
     targets = torch.randint(0, vocab, (rows,))
-    kept = {cap: saved_bytes(lambda: F.cross_entropy(soft_capped(head(x), cap).float(), targets), {head.weight.data_ptr()})
+    kept = {cap: saved_bytes(lambda: F.cross_entropy(output_logits(head(x), MODEL.with_(logit_softcap=cap)).float(), targets), {head.weight.data_ptr()})
             for cap in (0.0, 2.0)}
     fp32 = policy("fp32")
     predicted = {cap: head_ops(MODEL.with_(seq_len=rows, logit_softcap=cap), 1, Layout(), fp32).saved_bytes

@@ -214,7 +214,8 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
                                                ("minimax_m2", "MiniMaxM2ForCausalLM"), ("olmo3", "Olmo3ForCausalLM"),
                                                ("olmoe", "OlmoeForCausalLM"),
                                                ("deepseek_v2_groups", "DeepseekV2ForCausalLM"),
-                                               ("qwen2_moe", "Qwen2MoeForCausalLM"), ("gemma2", "Gemma2ForCausalLM")])
+                                               ("qwen2_moe", "Qwen2MoeForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+                                               ("granite", "GraniteForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
@@ -244,6 +245,9 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
                                                                                                          False, 4)
     elif shape == "olmo3":
         assert (config.window, config.full_attention_every, config.pre_norms) == (12, 2, False)
+    elif shape == "granite":
+        assert (config.embed_multiplier, config.residual_multiplier, config.attention_multiplier,
+                config.logit_divisor) == (4.0, 0.5, 0.3, 2.0)
     elif shape == "gemma2":
         assert (config.attention_softcap, config.logit_softcap, config.qk_norm, config.window,
                 config.rope_local_theta, config.query_scale) == (2.0, 3.0, False, 12, None, 24.0)

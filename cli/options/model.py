@@ -89,6 +89,14 @@ def model_options(default: str) -> Callable:
         click.option("--logit-softcap", "logit_softcap", type=float,
                      help="Cap each output logit at C: C x tanh(logit / C) (Gemma 2: 30); 0: none [default: the "
                           "preset's]."),
+        click.option("--embed-multiplier", "embed_multiplier", type=float,
+                     help="Granite's: the token embeddings times M (Granite 3: 12) [default: the preset's, 1]."),
+        click.option("--residual-multiplier", "residual_multiplier", type=float,
+                     help="Granite's: each branch times M before its residual add (Granite 3: 0.22) [default: 1]."),
+        click.option("--attention-multiplier", "attention_multiplier", type=float,
+                     help="Granite's: the softmax scale itself (Granite 3: 0.0078125) [default: 1 / sqrt(head width)]."),
+        click.option("--logit-divisor", "logit_divisor", type=float,
+                     help="Granite's logits_scaling: the output logits divided by D (Granite 3 8B: 16) [default: 1]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
         click.option("--qk-norm-whole/--no-qk-norm-whole", "qk_norm_whole", default=None,
@@ -245,6 +253,7 @@ def model_from_options(options: dict) -> GPTConfig:
         attention_sinks=options.get("attention_sinks"), rotary_fraction=options.get("rotary_fraction"),
         nope_every=options.get("nope_every"), qk_norm_whole=options.get("qk_norm_whole"),
         attention_softcap=options.get("attention_softcap"), logit_softcap=options.get("logit_softcap"),
+        **{name: options.get(name) for name in GRANITE_FIELDS},
         **NORM_PLACES.get(options.get("norm_placement"), {}),
         mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
         **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
@@ -276,6 +285,8 @@ def with_yarn(config: GPTConfig, text: str, seq_len: int | None) -> GPTConfig:
     return extended.with_(seq_len=seq)
 
 
+GRANITE_FIELDS = ("embed_multiplier", "residual_multiplier", "attention_multiplier", "logit_divisor")  # its scalings
+
 # the model flags an imported model's shape leaves open: its training context (rotary models) and dropout, and a
 # mixture of experts' routing in training (its balance and z-loss coefficients, a capacity factor)
 ROUTING_IN_TRAINING = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "expert_bias_rate")
@@ -288,7 +299,7 @@ def shape_flags_given(options: dict) -> list[str]:
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim",
                                "qk_norm", "window", "full_attention_every", "attention_sinks", "rope_yarn",
                                "rotary_fraction", "nope_every", "qk_norm_whole", "norm_placement",
-                               "attention_softcap", "logit_softcap",
+                               "attention_softcap", "logit_softcap", *GRANITE_FIELDS,
                                "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)

@@ -121,6 +121,12 @@ def _block_layout(config: GPTConfig) -> str:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
+    if config.embed_multiplier != 1 or config.residual_multiplier != 1 or config.attention_multiplier is not None \
+            or config.logit_divisor != 1:
+        if not llama or config.qkv_bias or config.qk_norm or config.window_in_use or config.nope_every:
+            raise ConfigError("Granite's scalings are written in transformers' Granite layout, which holds them with "
+                              "Llama's block (no head norms, window or unrotated blocks)")
+        return "granite"
     if config.nope_every:
         if not llama or config.qkv_bias or config.qk_norm or config.rotary_fraction != 1 or config.rope_longrope \
                 or config.window_in_use:
@@ -194,6 +200,11 @@ def hf_config(config: GPTConfig) -> dict:
         return {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", **common, **llama,
                 "mlp_bias": config.bias, "no_rope_layers": rotates, "no_rope_layer_interval": config.nope_every,
                 "use_sliding_window": False, "pad_token_id": None}
+    if layout == "granite":  # Llama's block with its scalings (the softmax's always: transformers' default is 1)
+        return {"architectures": ["GraniteForCausalLM"], "model_type": "granite", **common, **llama,
+                "mlp_bias": config.bias, "embedding_multiplier": config.embed_multiplier,
+                "residual_multiplier": config.residual_multiplier, "attention_multiplier": config.softmax_scale,
+                "logits_scaling": config.logit_divisor}
     if layout == "mistral":  # Llama's block through a sliding window
         return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **common, **llama,
                 "sliding_window": config.window}
@@ -237,12 +248,15 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
         return olmo_config(hf, _bias_free(olmo3_rotation(hf), tied, seq_len)).with_(**windows(hf, kind, seq_len))
     if kind in READERS:  # Llama's attention with DeepSeek's experts, OLMo 2's norms, or MiniMax-M2's
         return READERS[kind](hf, _bias_free(hf, tied, seq_len))
+    if kind == "granite":  # Llama's block with its scalings
+        return _llama_config(hf, tied, seq_len).with_(**{ours: float(_number(hf, theirs, 1.0)) for ours, theirs in (
+            ("embed_multiplier", "embedding_multiplier"), ("residual_multiplier", "residual_multiplier"),
+            ("attention_multiplier", "attention_multiplier"), ("logit_divisor", "logits_scaling"))})
     if kind not in LLAMA_FAMILY:
         raise ConfigError(f"config.json's model_type is {kind!r}: minigpt reads transformers' 'gpt2', 'llama', "
-                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'gemma2', 'mixtral', 'qwen3_moe', "
-                          f"'qwen2_moe', 'olmoe', 'deepseek_v3' (and Kimi K2's 'kimi_k2'), 'deepseek_v2', 'glm4_moe', "
-                          f"'olmo2', 'olmo3', 'minimax_m2' "
-                          f"and 'gpt_oss' models")
+                          f"'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm3', 'gemma3_text', 'gemma2', 'granite', "
+                          f"'mixtral', 'qwen3_moe', 'qwen2_moe', 'olmoe', 'deepseek_v3' (and Kimi K2's 'kimi_k2'), "
+                          f"'deepseek_v2', 'glm4_moe', 'olmo2', 'olmo3', 'minimax_m2' and 'gpt_oss' models")
     window_fields = windows(hf, kind, seq_len)
     if kind == "llama":
         return _llama_config(hf, tied, seq_len)

@@ -46,7 +46,8 @@ SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layers", "n_heads", "d_model", "d_ff
                 "rope_yarn_truncate", "rope_longrope", "rotary_fraction", "nope_every", "post_norms", "embed_scale",
                 "query_scale", "rope_local_theta", "rope_linear", "qk_norm_whole", "pre_norms", "attention_sinks",
                 "router_bias", "mtp_depth", "renormalize_gates", "group_score_top", "shared_expert_gate", "moe_every",
-                "attention_softcap", "logit_softcap")
+                "attention_softcap", "logit_softcap", "embed_multiplier", "residual_multiplier",
+                "attention_multiplier", "logit_divisor")
 STEP_DIR = re.compile(r"step-(\d+)")
 HINT = "resume an older one (--resume PATH), or start without --resume"
 HASH_BLOCK = 1 << 20  # bytes read at a time while hashing a shard

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minigpt.attention import within_documents
-from minigpt.model import embedded, predict_ahead, prediction_loss, soft_capped
+from minigpt.model import embedded, output_logits, predict_ahead, prediction_loss
 from minigpt.moe import aux_loss_weight
 from parallel.expert import is_expert_shard
 from minigpt.errors import ConfigError
@@ -81,14 +81,13 @@ class Chunk(nn.Module):
     def __init__(self, model: nn.Module, index: int, layers: range, first: bool, last: bool):
         super().__init__()
         self.index, self.first, self.last = index, first, last
+        self.config = model.config  # the embeddings' scale and the head output's (model.py's embedded, output_logits)
         if first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
-            self.config = model.config  # Gemma's embedding scale (minigpt/model.py's embedded)
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
         if last:  # registered in job/layout.py's last_unit order (ZeRO's buckets follow the parameters')
             self.norm_f, self.mtp, self.head, self.loss = model.norm_f, model.mtp, model.head, model.loss
             self.mtp_weight, self.seq_len = model.config.mtp_weight, model.config.seq_len
-            self.logit_cap = model.config.logit_softcap  # Gemma 2's (0: none)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """The chunk's output; on the last chunk the logits, with a multi-token prediction and `targets` the
@@ -105,9 +104,9 @@ class Chunk(nn.Module):
             if len(self.mtp) and targets is not None:  # the head once, over every depth (zero-bubble's split
                 # backward counts a module's weight gradient once a forward)
                 hidden = predict_ahead(self.mtp, self.lookup(), normed, targets)
-                logits = soft_capped(self.head(torch.cat([normed, *hidden])), self.logit_cap)
+                logits = output_logits(self.head(torch.cat([normed, *hidden])), self.config)
                 return tuple(logits.chunk(1 + len(hidden)))
-            x = soft_capped(self.head(normed), self.logit_cap)
+            x = output_logits(self.head(normed), self.config)
         return x
 
     def lookup(self) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -235,6 +235,7 @@ class UnitShape:
     qk_norm: bool = False  # an RMSNorm over each query and key head inside the core (Qwen3)
     qk_norm_whole: bool = False  # over all of q's or k's heads at once instead (OLMo 2's)
     post_norms: bool = False  # a norm of each branch before its residual add (Gemma's)
+    residual_scale: bool = False  # each branch times Granite's residual_multiplier before its residual add
     pre_norms: bool = True  # a norm before each branch (ln1, ln2); none in OLMo 2's block
     ub_chunks: bool = False  # Implementation.ub_chunks, under sequence parallelism only
     userbuffers: Userbuffers | None = None  # Implementation.userbuffers
@@ -377,6 +378,7 @@ def unit_shape(model: GPTConfig, micro_batch: int, layout: Layout, policy: Preci
                      fp8_params=policy.fp8_linears and impl.fp8_param_gather,
                      fp8_recast=policy.fp8_linears and impl.fp8_recast and impl.fp8_scaling == "current",
                      wgrad_fusion=impl.wgrad_fusion, qk_norm=model.qk_norm, post_norms=model.post_norms,
+                     residual_scale=model.residual_multiplier != 1,
                      qk_norm_whole=model.qk_norm_whole, pre_norms=model.pre_norms,
                      expert_load=impl.expert_load, expert_streams=EXPERT_STREAMS[impl.expert_gemms],
                      bias_fusion=impl.bias_fusion,

@@ -179,11 +179,17 @@ def _pre_norm(rec: Recorder, name: str, inp: str, out: str, linear: bool = True)
 
 
 def _post_norm(rec: Recorder, name: str, branch: str) -> str:
-    """Gemma's norm of a branch before its residual add (UnitShape.post_norms): returns what is added."""
-    if not rec.shape.post_norms:
+    """Gemma's norm of a branch before its residual add (UnitShape.post_norms), then Granite's residual multiplier
+    (a kernel each way: minigpt/model.py's Block.scaled, by a Python number, saving nothing): returns what is added."""
+    if rec.shape.post_norms:
+        norm(rec, name, branch, f"{name}.output")
+        branch = f"{name}.output"
+    if not rec.shape.residual_scale:
         return branch
-    norm(rec, name, branch, f"{name}.output")
-    return f"{name}.output"
+    scaled = rec.tensor(f"{name}.scaled", rec.size[branch])
+    rec.mem(f"{name}.residual_scale", (branch,), (scaled,))
+    rec.back_mem(f"{name}.residual_scale_backward", rec.size[branch], rec.size[branch])
+    return scaled
 
 
 def _activation(rec: Recorder, hidden: str, prefix: str, width: int) -> str:
@@ -331,7 +337,8 @@ def embedding_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Pr
     learned = model.positions == "learned"  # (rotary positions: none here, whichever blocks rotate)
     if learned:
         rec.op(MemoryOp("embedding.position_add", rows + sh.s * sh.d * sh.e, rows))
-    if model.embed_scale:  # Gemma's sqrt(d_model), a kernel of its own each way (minigpt/model.py's embedded)
+    scaled = model.embed_scale or model.embed_multiplier != 1  # Gemma's sqrt(d_model) or Granite's multiplier
+    if scaled:  # a kernel of its own each way (minigpt/model.py's embedded)
         rec.op(MemoryOp("embedding.scale", rows, rows))
     if sh.dropout:
         mask = rec.tensor("embedding.mask", sh.rows * sh.d * MASK)
@@ -339,7 +346,7 @@ def embedding_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Pr
         dropout_backward(rec, "embedding.dropout", sh.rows, sh.d)
     if learned:
         rec.back_mem("embedding.position_grad", rows, sh.s * sh.d * sh.grad)
-    if model.embed_scale:
+    if scaled:
         rec.back_mem("embedding.scale_backward", rows, rows)
     rec.back_mem("embedding.lookup_grad", rows, sh.rows * sh.d * sh.grad)  # into the rows the tokens touched
     return rec.finish("none")
@@ -357,6 +364,11 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
         rec.tensor("head.input", sh.rows * sh.d * sh.e)
     logits = rec.tensor("head.logits", sh.rows * vocab * sh.e)
     rec.gemm("head", sh.rows, vocab, sh.d, sh.compute, ("final_norm.output" if sh.sharded else "head.input",))
+    if model.logit_divisor != 1:  # Granite's logits_scaling, a kernel each way (minigpt/model.py's output_logits)
+        divided = rec.tensor("head.divided", rec.size[logits])
+        rec.mem("head.divide", (logits,), (divided,))
+        rec.back_mem("head.divide_backward", rec.size[logits], rec.size[logits])
+        logits = divided
     if model.logit_softcap:
         logits = _soft_cap(rec, logits)
     logits32 = rec.tensor("loss.logits_fp32", sh.rows * vocab * FP32)
@@ -374,7 +386,7 @@ def head_ops(model: GPTConfig, micro_batch: int, layout: Layout, policy: Precisi
 
 
 def _soft_cap(rec: Recorder, logits: str) -> str:
-    """Gemma 2's cap on the logits as minigpt/model.py's soft_capped runs it in eager torch: divided, tanh (which
+    """Gemma 2's cap on the logits as minigpt/model.py's output_logits runs it in eager torch: divided, tanh (which
     saves its output for its backward), multiplied, a kernel each; the backward's three the same way (the tanh's
     reads the gradient and the saved output)."""
     size = rec.size[logits]
