@@ -180,7 +180,8 @@ def check_trained_prediction(model: GPTConfig, split_tied: bool) -> None:
                           f"(--untied) or choose another schedule")
 
 
-LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")
+LR_SCHEDULES = ("cosine", "linear", "wsd", "wsd-sqrt", "constant")
+WSD_SCHEDULES = ("wsd", "wsd-sqrt")  # a stable rate, then a cooldown over the last decay_fraction of the steps
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,9 @@ class TrainConfig:
     min_lr: float = 2e-4
     # after the warmup: "cosine" (to min_lr at the last step), "linear" (the same, in a straight line), "wsd"
     # (warmup-stable-decay: lr until the last decay_fraction of the steps, then linearly to min_lr; Hu et al. 2024,
-    # MiniCPM, arXiv 2404.06395; Hägele et al. 2024, arXiv 2405.18392, whose 20% cooldown matches cosine) or
-    # "constant" (lr to the end)
+    # MiniCPM, arXiv 2404.06395; Hägele et al. 2024, arXiv 2405.18392, whose 20% cooldown matches cosine), "wsd-sqrt"
+    # (the same with their (1 - sqrt) cooldown, lr - (lr - min_lr) sqrt(progress), which they find better than the
+    # linear one) or "constant" (lr to the end)
     lr_schedule: str = "cosine"
     decay_fraction: float = 0.2
     warmup_steps: int | None = None  # None: 10% of the steps, at least 10 (at most the run), at most 100
@@ -404,13 +406,15 @@ class TrainConfig:
         progress = min(1.0, max(0, step - start) / max(1, self.steps - 1 - start))
         if self.lr_schedule == "cosine":
             return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+        if self.lr_schedule == "wsd-sqrt":  # Hägele et al.'s (1 - sqrt) cooldown
+            return self.lr - (self.lr - self.min_lr) * math.sqrt(progress)
         return self.lr - (self.lr - self.min_lr) * progress
 
     @property
     def decay_start(self) -> int:
         """The step the decay starts from: the warmup's end, or under wsd the last decay_fraction of the steps
         (at least one step, never before the warmup's end)."""
-        if self.lr_schedule != "wsd":
+        if self.lr_schedule not in WSD_SCHEDULES:
             return self.warmup
         return max(self.warmup, self.steps - max(1, round(self.decay_fraction * self.steps)))
 

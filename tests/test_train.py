@@ -192,9 +192,10 @@ def test_the_default_hyperparameters_do_not_spike_a_short_run(tmp_path):
 def test_each_learning_rate_schedule_after_the_warmup():
     """The warmup (10 steps of 100) climbs to lr alike; then cosine and linear fall from lr to min_lr at the last
     step (linear in a straight line), wsd holds lr until the last 20% (from step 80) and then falls in a straight
-    line, constant holds lr to the end."""
+    line (wsd-sqrt as 1 - sqrt of its progress: half the fall a quarter of the way in), constant holds lr to the
+    end."""
     rates = {kind: [TrainConfig(steps=100, lr_schedule=kind).learning_rate(step) for step in range(100)]
-             for kind in ("cosine", "linear", "wsd", "constant")}
+             for kind in ("cosine", "linear", "wsd", "wsd-sqrt", "constant")}
     lr, low = 2e-3, 2e-4
     for kind, rate in rates.items():
         assert rate[:10] == pytest.approx([lr * (step + 1) / 10 for step in range(10)])
@@ -202,5 +203,9 @@ def test_each_learning_rate_schedule_after_the_warmup():
     assert all(a > b for a, b in zip(rates["cosine"][10:], rates["cosine"][11:]))
     assert rates["linear"][54] == pytest.approx(lr - (lr - low) * 44 / 89)  # 44 of the decay's 89 steps
     assert rates["wsd"][10:81] == [lr] * 71 and rates["wsd"][90] == pytest.approx(lr - (lr - low) * 10 / 19)
+    assert rates["wsd-sqrt"][10:81] == [lr] * 71 and rates["wsd-sqrt"][90] == pytest.approx(
+        lr - (lr - low) * (10 / 19) ** 0.5)
+    assert rates["wsd-sqrt"][85] == pytest.approx(lr - (lr - low) * (5 / 19) ** 0.5)
+    assert rates["wsd-sqrt"][85] < rates["wsd"][85]  # it falls faster first, slower at the end
     assert rates["constant"][10:] == [lr] * 90
     assert TrainConfig(steps=100, lr_schedule="wsd", decay_fraction=1.0).decay_start == 10  # never inside the warmup

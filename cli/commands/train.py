@@ -314,7 +314,8 @@ def mib(n: int) -> str:
 @click.option("--min-lr", type=float, help="Final learning rate of the decay [default: lr/10].")
 @click.option("--lr-schedule", "lr_schedule", type=click.Choice(LR_SCHEDULES), default="cosine", show_default=True,
               help="After the warmup: cosine or linear decay to --min-lr at the last step, wsd (warmup-stable-decay: "
-                   "--lr until the last --decay-fraction of the steps, then linearly to --min-lr) or constant.")
+                   "--lr until the last --decay-fraction of the steps, then linearly to --min-lr), wsd-sqrt (the same, "
+                   "the cooldown 1 - sqrt: Hägele et al. 2024) or constant.")
 @click.option("--decay-fraction", "decay_fraction", type=float, default=0.2, show_default=True,
               help="wsd: the share of the steps, at the end, that decays.")
 @click.option("--warmup", type=int, help="Warmup steps [default: 10% of steps, at least 10 (at most the run), at most 100].")

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from job.train_config import LR_SCHEDULES, TrainConfig
+from job.train_config import LR_SCHEDULES, WSD_SCHEDULES, TrainConfig
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, FILE_NAME, load_tokenizer
 from parallel.checkpoint.files import CorruptCheckpoint, check_checkpoint, newest_valid_checkpoint
@@ -93,7 +93,7 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
 
 def _schedule(kind, fraction) -> tuple:
     """A learning-rate schedule as it shapes the rates: wsd with its decay fraction, the others alone."""
-    return (kind, fraction) if kind == "wsd" else (kind,)
+    return (kind, fraction) if kind in WSD_SCHEDULES else (kind,)
 
 
 def resumed_tokenizer(given: str | None, out: str | os.PathLike, chosen: str | os.PathLike | None = None) -> str | None:
