@@ -162,6 +162,17 @@ def transformers_model(shape: str, tmp_path):
                                           rope_theta=500000.0, initializer_range=0.2, sliding_window=12,
                                           layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
                                           bos_token_id=None, eos_token_id=None)
+    elif shape == "olmo3_yarn":  # OLMo 3's long-context rotation: YaRN (factor 4 over 8 here, its 8 over 8,192) on
+        # the full layers alone, the windowed ones unscaled, one base
+        config = transformers.Olmo3Config(
+            vocab_size=256, max_position_embeddings=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            initializer_range=0.2, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+            pad_token_id=None, bos_token_id=None, eos_token_id=None,
+            rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                                "beta_slow": 1.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})
     elif shape == "minimax_m2":  # MiniMax-M2's: q/k norms over all heads, the first half of each 24-wide head
         # turned (rotary_dim), every block 2 of 4 Mixtral-named experts chosen by sigmoid scores with a bias
         config = transformers.MiniMaxM2Config(**{**moe, "intermediate_size": 48}, head_dim=24, num_local_experts=4,

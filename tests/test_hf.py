@@ -150,7 +150,7 @@ def hub_named(grads: dict, layout: str) -> dict:
                                    "deepseek_v3_yarn", "kimi_k2", "phi3_longrope", "smollm3", "gemma3", "gpt_oss",
                                    "glm4_moe", "olmo2", "olmo3", "minimax_m2", "olmoe", "qwen3_moe_scores",
                                    "deepseek_v3_scores", "deepseek_v2", "deepseek_v2_groups", "qwen3_moe_sparse",
-                                   "gemma2", "granite"])
+                                   "gemma2", "granite", "olmo3_yarn"])
 def test_every_gradient_is_transformers_own(shape, tmp_path):
     """One process, one batch, dropout off: minigpt's model read from a transformers one has its loss and every
     parameter's gradient (ours written as transformers' tensors: a fused one split, an expert stack unstacked). The

@@ -215,7 +215,7 @@ def test_simulate_and_plan_take_a_transformers_config_as_the_model(tmp_path):
                                                ("olmoe", "OlmoeForCausalLM"),
                                                ("deepseek_v2_groups", "DeepseekV2ForCausalLM"),
                                                ("qwen2_moe", "Qwen2MoeForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
-                                               ("granite", "GraniteForCausalLM")])
+                                               ("granite", "GraniteForCausalLM"), ("olmo3_yarn", "Olmo3ForCausalLM")])
 def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
     """Phi-4-mini's rotation (the first 3/4 of each head, by LongRoPE's long factors), SmolLM3's (none in every
     second block here), Gemma 3's block, GLM-4.5's (half of each head turned, q/k norms and biases, DeepSeek's
@@ -245,6 +245,9 @@ def test_models_read_are_written_back_as_they_were(tmp_path, shape, written_as):
                                                                                                          False, 4)
     elif shape == "olmo3":
         assert (config.window, config.full_attention_every, config.pre_norms) == (12, 2, False)
+    elif shape == "olmo3_yarn":
+        assert (config.rope_yarn[:2], config.rope_local_theta, [config.layer_local(i) for i in range(2)]) == (
+            (4.0, 8), 500000.0, [True, False])
     elif shape == "granite":
         assert (config.embed_multiplier, config.residual_multiplier, config.attention_multiplier,
                 config.logit_divisor) == (4.0, 0.5, 0.3, 2.0)

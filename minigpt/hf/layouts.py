@@ -245,7 +245,8 @@ def config_from_hf(hf: dict, seq_len: int | None = None) -> GPTConfig:
     if kind in GEMMA_LAYOUTS:
         return gemma_config(hf, tied, seq_len)
     if kind == "olmo3":  # OLMo 2's block, a sliding window in the layers layer_types names
-        return olmo_config(hf, _bias_free(olmo3_rotation(hf), tied, seq_len)).with_(**windows(hf, kind, seq_len))
+        rotation, local = olmo3_rotation(hf)  # YaRN on the full layers alone: the windowed ones unscaled (local)
+        return olmo_config(hf, _bias_free(rotation, tied, seq_len)).with_(**windows(hf, kind, seq_len), **local)
     if kind in READERS:  # Llama's attention with DeepSeek's experts, OLMo 2's norms, or MiniMax-M2's
         return READERS[kind](hf, _bias_free(hf, tied, seq_len))
     if kind == "granite":  # Llama's block with its scalings

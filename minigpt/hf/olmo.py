@@ -5,7 +5,9 @@ all their heads at once before the rotation (q_norm, k_norm, a gain per column: 
 (transformers' attention_bias puts one on the output projection too, which minigpt's q/k/v biases do not: refused).
 OLMo 3 (Olmo3ForCausalLM, "olmo3") is OLMo 2's block with a sliding window in the layers its layer_types name (three
 in four, every fourth whole: full_attention_every) and a rotation per layer type, read where both rotate alike
-(unscaled, one base; a scaled one is refused) and written for a model whose window is shorter than its context.
+(one base, unscaled) or where the full layers alone are YaRN-scaled (its long-context models: ours rope_yarn with
+the windowed blocks rotating unscaled by rope_local_theta, the same base), and written for a model whose window is
+shorter than its context.
 Torch-free."""
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def check_olmo(config: GPTConfig) -> None:
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
     if not llama or any(getattr(config, name) != value for name, value in OLMO2.items()) or config.bias \
             or config.qkv_bias or config.is_moe or config.is_mla or config.attention_sinks or config.embed_scale \
-            or config.query_scale is not None or config.rope_local_theta is not None or config.rope_linear != 1 \
-            or config.mtp_depth:
+            or config.query_scale is not None or config.rope_linear != 1 or config.mtp_depth \
+            or config.rope_local_theta not in (None, config.rope_theta) \
+            or (config.rope_local_theta is not None and config.rope_yarn is None):
         raise ConfigError("q/k norms over all heads or blocks without pre norms are written in transformers' OLMo 2 "
                           "layout, which holds both, with a norm after each branch, in a bias-free dense rmsnorm + "
                           "swiglu + rope model: this shape is not one")
@@ -43,6 +46,8 @@ def olmo_hf_config(config: GPTConfig, llama: dict, layer_types: dict) -> dict:
         return {"architectures": [ARCHITECTURE], "model_type": "olmo2", **llama, "attention_bias": False,
                 "pad_token_id": None}
     rope = {kind: dict(llama["rope_parameters"]) for kind in (FULL, SLIDING)}
+    if config.rope_local_theta is not None:  # YaRN on the full layers alone
+        rope[SLIDING] = {"rope_type": "default", "rope_theta": float(config.rope_local_theta)}
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", **llama, **layer_types,
             "rope_parameters": rope, "attention_bias": False, "pad_token_id": None}
 
@@ -53,19 +58,27 @@ def olmo_config(hf: dict, dense: GPTConfig) -> GPTConfig:
     return dense.with_(**OLMO2)
 
 
-def olmo3_rotation(hf: dict) -> dict:
-    """An OLMo 3 config.json with its per-layer-type rotation as one (both unscaled, one base), as the Llama-style
-    reader takes it; ConfigError for another."""
+def olmo3_rotation(hf: dict) -> tuple[dict, dict]:
+    """An OLMo 3 config.json with its per-layer-type rotation as one, as the Llama-style reader takes it, and the
+    GPTConfig fields beside it: none where both layer types rotate alike (one base, unscaled), rope_local_theta where
+    the full layers alone are YaRN-scaled (the windowed ones rotating unscaled by the same base); ConfigError for
+    another."""
     parameters = hf.get("rope_parameters")
     if not (isinstance(parameters, dict) and (FULL in parameters or SLIDING in parameters)):
-        return hf  # transformers 4's rope_theta (and any rope_scaling, which the reader checks)
-    kinds = [parameters.get(FULL), parameters.get(SLIDING)]
-    refuse_unless(all(isinstance(kind, dict) and kind.get("rope_type", "default") == "default" for kind in kinds),
-                  f"its rotation per layer type ({parameters}) is scaled, which minigpt reads of OLMo 3 only "
-                  f"where neither is")
-    bases = {float(config_number(kind, "rope_theta", 10000.0)) for kind in kinds}
+        return hf, {}  # transformers 4's rope_theta (and any rope_scaling, which the reader checks)
+    full, sliding = parameters.get(FULL), parameters.get(SLIDING)
+    refuse_unless(all(isinstance(kind, dict) for kind in (full, sliding)), f"its rotation per layer type is "
+                                                                          f"{parameters}")
+    kinds = [kind.get("rope_type", "default") for kind in (full, sliding)]
+    refuse_unless(kinds in (["default", "default"], ["yarn", "default"]),
+                  f"its rotation per layer type ({parameters}) is scaled other than by YaRN on the full layers alone, "
+                  f"which minigpt does not compute")
+    bases = {float(config_number(kind, "rope_theta", 10000.0)) for kind in (full, sliding)}
     refuse_unless(len(bases) == 1, f"its layer types rotate by different bases {sorted(bases)}")
-    return {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": bases.pop()}}
+    base = bases.pop()
+    if kinds[0] == "yarn":
+        return {**hf, "rope_parameters": full}, {"rope_local_theta": base}
+    return {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": base}}, {}
 
 
 def olmo_names(ours: str, theirs: str) -> dict[str, tuple[str, ...]]:
