@@ -79,3 +79,13 @@ def test_a_step_is_priced_with_the_scalings():
 def test_bad_scalings_are_refused(change, says):
     with pytest.raises(ConfigError, match=says):
         MODEL.with_(**change)
+
+
+def test_a_shape_no_granite_layout_holds_is_refused_at_export():
+    """A mixture of experts with Granite's scalings would lose them in Mixtral's layout: one line instead."""
+    from minigpt.hf.layouts import layout_of
+
+    assert layout_of(MODEL) == "granite"
+    moe = preset("tiny-moe").with_(mlp="swiglu", norm="rmsnorm", positions="rope", bias=False, residual_multiplier=0.5)
+    with pytest.raises(ConfigError, match="Granite layout, which cannot hold this mixtral shape"):
+        layout_of(moe)

@@ -85,6 +85,9 @@ def layout_of(config: GPTConfig) -> str:
         raise ConfigError(f"a mixture of experts in every {config.moe_every}-th block is written in transformers' "
                           f"Qwen3-MoE or Qwen2-MoE layout (decoder_sparse_step), which cannot hold this {layout} "
                           f"shape")
+    if _granite(config) and layout != "granite":
+        raise ConfigError(f"Granite's scalings are written in transformers' Granite layout, which cannot hold this "
+                          f"{layout} shape")
     if config.window_in_use and layout not in WINDOWED_LAYOUTS:
         raise ConfigError(f"a sliding window is written in transformers' Mistral, Mixtral, Qwen2, Qwen3 or GPT-OSS "
                           f"layout, which cannot hold this {layout} shape")
@@ -95,6 +98,12 @@ def layout_of(config: GPTConfig) -> str:
     if layout == "mistral" and config.bias:
         raise ConfigError("transformers' Mistral layout, which holds a sliding window, has no biases")
     return layout
+
+
+def _granite(config: GPTConfig) -> bool:
+    """Whether `config` has one of Granite's scalings."""
+    return config.embed_multiplier != 1 or config.residual_multiplier != 1 or config.logit_divisor != 1 \
+        or config.attention_multiplier is not None
 
 
 def _block_layout(config: GPTConfig) -> str:
@@ -121,8 +130,7 @@ def _block_layout(config: GPTConfig) -> str:
         return moe_layout(config)
     gpt2 = (config.norm, config.mlp, config.positions) == ("layernorm", "gelu", "learned")
     llama = (config.norm, config.mlp, config.positions) == ("rmsnorm", "swiglu", "rope")
-    if config.embed_multiplier != 1 or config.residual_multiplier != 1 or config.attention_multiplier is not None \
-            or config.logit_divisor != 1:
+    if _granite(config):
         if not llama or config.qkv_bias or config.qk_norm or config.window_in_use or config.nope_every:
             raise ConfigError("Granite's scalings are written in transformers' Granite layout, which holds them with "
                               "Llama's block (no head norms, window or unrotated blocks)")
