@@ -77,6 +77,9 @@ def check_context_parallel(model: GPTConfig, cp: int, kind: str = "ring", tp: in
     if kind not in CP_KINDS:
         raise ConfigError(f"--cp-kind must be one of {', '.join(CP_KINDS)}, got {kind!r}")
     if cp == 1:
+        if model.attention_softcap and model.seq_len % 2:
+            raise ConfigError(f"capped attention trains blockwise over the sequence's two halves (parallel/run/"
+                              f"build.py), which {model.seq_len} tokens are not: choose an even --seq-len")
         return
     if 2 * cp > model.seq_len:
         raise ConfigError(f"--cp {cp} needs 2 x cp = {2 * cp} chunks of at least one token, but the sequence has "

@@ -2,7 +2,8 @@
 norms, 20 steps): each attention score capped (cap x tanh(score / cap): the tensor-parallel ranks' heads, the
 context-parallel ring's and all-gather's blocks, whose backward passes through tanh's derivative) and each output
 logit (a vocabulary-parallel head's shard, the last pipeline stage's), in Gemma's block with every second block
-through a window. Context parallelism's blocks against the whole square, capped. The head's saved tensors with the cap are the simulator's; a step priced with the caps; the
+through a window. Context parallelism's blocks against the whole square, capped; training runs them at cp 1 too,
+keeping what flash attention keeps. The head's saved tensors with the cap are the simulator's; a step priced with the caps; the
 Gemma 2 presets' sizes (test_config.py). Against transformers' Gemma2ForCausalLM (every gradient, and written back):
 test_hf.py and test_hf_readings.py."""
 
@@ -23,9 +24,11 @@ from minigpt.model import GPT, output_logits
 from minigpt.presets import preset
 from model_states import trained_with_states
 from parallel.context.allgather import allgather_attention
+from parallel.context.apply import ContextAttentionCore, apply_context_parallel
 from parallel.context.ring import ring_attention
 from precision.policy import policy
 from simulator.costs.ops import Implementation, head_ops
+from test_checkpoint import new_rank
 from test_config import saved_bytes
 
 # tiny-llama's sizes in Gemma 2's block over 32 tokens: a window of 11 in the first and third blocks, the softmax
@@ -115,3 +118,18 @@ def test_the_model_holds_a_sequence_of_any_length():
     with torch.no_grad():
         whole = model(torch.arange(7).unsqueeze(0))
         assert torch.allclose(model(torch.arange(5).unsqueeze(0)), whole[:, :5], atol=1e-5)
+
+
+def test_training_keeps_what_flash_attention_keeps():
+    """The executor runs the capped attention blockwise at cp 1 too (a ring of one rank): a block saves q, k, v, the
+    output and the log-sum-exp, the activation arithmetic (the model's own path keeps the whole square)."""
+    rank = new_rank(config())
+    cores = [block.attn.core for chunk in rank.stage.chunks for block in chunk.blocks]
+    assert cores and all(isinstance(core, ContextAttentionCore) for core in cores)
+    model, x = GPT(MODEL.with_(window=0, full_attention_every=0)), torch.randn(3, 32, MODEL.d_model, requires_grad=True)
+    eager = saved_bytes(lambda: model.blocks[0](x), {p.data_ptr() for p in model.parameters()})
+    apply_context_parallel(model, None, "ring")
+    blockwise = saved_bytes(lambda: model.blocks[0](x), {p.data_ptr() for p in model.parameters()})
+    assert blockwise == model.config.activation_bytes_per_token_per_layer() * 3 * 32 < eager
+    with pytest.raises(ConfigError, match="even --seq-len"):
+        config(MODEL.with_(seq_len=31))

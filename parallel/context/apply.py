@@ -68,7 +68,7 @@ def apply_context_parallel(model: GPT, group: dist.ProcessGroup | Rehearsal | No
     token_positions = positions(rank, cp, model.config.seq_len, device)
     for block in every_block(model):  # the multi-token prediction modules' too
         block.attn.core = ContextAttentionCore(model.config, block.attn.core, group, kind, token_positions, counter)
-    if model.config.is_moe and not isinstance(group, Rehearsal):  # a rehearsal routes its own part (timing only)
+    if model.config.is_moe and cp > 1 and not isinstance(group, Rehearsal):  # a rehearsal routes its own part
         apply_context_moe(model, counter or Collectives(group, "cp"), rank, cp)
     if model.pos_emb is not None:  # the model asks for 0 .. 2c - 1; these tokens sit at token_positions
         model.pos_emb.register_buffer("token_positions", token_positions, persistent=False)  # moves with the model

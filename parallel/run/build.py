@@ -129,7 +129,9 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     model = GPT(cfg.model)
     if cfg.init_from is not None and not cfg.resume:  # a resumed run's weights come from its checkpoint
         load_hf_weights(model, cfg.init_from)
-    if cfg.cp > 1:  # before recomputation wraps the attention core it replaces
+    # before recomputation wraps the attention core it replaces; Gemma 2's capped scores blockwise at cp 1 too (a ring
+    # of one rank: q, k, v, the output and the log-sum-exp kept, not the whole square the model's own path keeps)
+    if cfg.cp > 1 or cfg.model.attention_softcap:
         apply_context_parallel(model, mesh.group("cp"), cfg.cp_kind, comms["cp"])
     model = apply_precision(apply_recompute(model, cfg.recompute), policy, device)  # built in fp32, then cast
     replicated = parallelize(model, comms["tp"], cfg.sequence_parallel)
