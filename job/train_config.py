@@ -18,8 +18,11 @@ from precision.policy import POLICIES
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def check_vocabulary(model: GPTConfig, tokenizer: str) -> None:
-    """The model's vocabulary holds every id of the tokenizer (a tokenizer.json that does not parse: ConfigError)."""
+def check_vocabulary(model: GPTConfig, tokenizer: str, eod: int | None = None) -> None:
+    """The model's vocabulary holds every id of the tokenizer (a tokenizer.json that does not parse: ConfigError),
+    and the end-of-document id `eod` where one is given."""
+    if eod is not None and not (isinstance(eod, int) and 0 <= eod < model.vocab_size):
+        raise ConfigError(f"the end-of-document id {eod!r} is not one of the model's {model.vocab_size} ids")
     if not isinstance(tokenizer, str):
         raise ConfigError(f"tokenizer must be {BYTES!r} or a tokenizer.json's path, got {tokenizer!r}")
     size, name = (VOCAB_SIZE, "the byte vocabulary") if tokenizer == BYTES else \
@@ -302,11 +305,7 @@ class TrainConfig:
                 f"{self.pp * self.virtual_chunks} chunks: change --layers, --pp or --virtual-chunks, or place them "
                 f"with --stage-layers"
             )
-        check_vocabulary(self.model, self.tokenizer)
-        if self.document_eod is not None and not (isinstance(self.document_eod, int)
-                                                  and 0 <= self.document_eod < self.model.vocab_size):
-            raise ConfigError(f"the end-of-document id {self.document_eod!r} is not one of the model's "
-                              f"{self.model.vocab_size} ids")
+        check_vocabulary(self.model, self.tokenizer, self.document_eod)
         check_trained_prediction(self.model, self.model.tied_head and self.schedule == "zb-h1" and self.pp > 1)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)

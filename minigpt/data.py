@@ -207,14 +207,13 @@ def documents_words(sources) -> str:
     """'ended by id 0, 62 tokens on average': the end-of-document id of token directories `sources` (document_end)
     and their documents' mean length from their headers' counts (what `minigpt simulate --document-length` takes;
     left out where a source does not count its documents)."""
-    tokens = documents = 0
-    for path in sources:
-        for source in token_header(path).get("sources") or [{}]:
-            if not isinstance(source.get("documents"), int) or not isinstance(source.get("tokens"), int):
-                return f"ended by id {document_end(sources)}"
-            tokens, documents = tokens + source["tokens"], documents + source["documents"]
-    mean = f", {tokens / documents:,.0f} tokens on average" if documents else ""
-    return f"ended by id {document_end(sources)}{mean}"
+    ended = f"ended by id {document_end(sources)}"
+    counted = [source for path in sources for source in token_header(path).get("sources") or [{}]]
+    if not all(isinstance(source.get(key), int) for source in counted for key in ("documents", "tokens")):
+        return ended
+    documents = sum(source["documents"] for source in counted)
+    mean = sum(source["tokens"] for source in counted) / documents if documents else None
+    return ended if mean is None else f"{ended}, {mean:,.0f} tokens on average"
 
 
 def token_header(path) -> dict:

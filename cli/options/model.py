@@ -63,17 +63,7 @@ def model_options(default: str) -> Callable:
         click.option("--dropout", type=float, help="Dropout probability [default: the preset's, 0]."),
         click.option("--head-dim", "head_dim", type=int,
                      help="Each attention head's width [default: the preset's; else --d-model / --heads]."),
-        click.option("--rope-yarn", "rope_yarn", metavar="FACTOR[,ORIGINAL[,FAST,SLOW[,MSCALE,MSCALE_ALL]]]",
-                     help="Extend a rotary model's context by YaRN (DeepSeek-V3's and Qwen3's long-context recipe): "
-                          "its frequencies scaled by FACTOR beyond the ORIGINAL context [default: the model's own], "
-                          "beta_fast and beta_slow [32, 1], DeepSeek's mscales [unset]; --seq-len up to FACTOR x "
-                          "ORIGINAL; with --init-from too."),
-        click.option("--rotary-fraction", "rotary_fraction", type=float,
-                     help="The share of each query and key head rotary positions turn, its last columns (Phi-4-mini: "
-                          "0.75, Nemotron-4: 0.5; an even number of columns) [default: the preset's, 1]."),
-        click.option("--nope-every", "nope_every", type=int,
-                     help="Every N-th block attends without rotary positions (SmolLM3: 4); 0: every block rotates "
-                          "[default: the preset's, 0]."),
+        *rotation_options(),
         click.option("--window", type=int,
                      help="A sliding window: each query attends to itself and the window - 1 tokens before it "
                           "(Mistral 7B: 4096; 0: the whole context) [default: the preset's]."),
@@ -83,20 +73,6 @@ def model_options(default: str) -> Callable:
         click.option("--attention-sinks/--no-attention-sinks", "attention_sinks", default=None,
                      help="A learned logit per query head in each softmax's denominator (GPT-OSS's sinks) "
                           "[default: the preset's]."),
-        click.option("--attention-softcap", "attention_softcap", type=float,
-                     help="Cap each attention score at C: C x tanh(score / C) (Gemma 2: 50); 0: none [default: the "
-                          "preset's]."),
-        click.option("--logit-softcap", "logit_softcap", type=float,
-                     help="Cap each output logit at C: C x tanh(logit / C) (Gemma 2: 30); 0: none [default: the "
-                          "preset's]."),
-        click.option("--embed-multiplier", "embed_multiplier", type=float,
-                     help="Granite's: the token embeddings times M (Granite 3: 12) [default: the preset's, 1]."),
-        click.option("--residual-multiplier", "residual_multiplier", type=float,
-                     help="Granite's: each branch times M before its residual add (Granite 3: 0.22) [default: 1]."),
-        click.option("--attention-multiplier", "attention_multiplier", type=float,
-                     help="Granite's: the softmax scale itself (Granite 3: 0.0078125) [default: 1 / sqrt(head width)]."),
-        click.option("--logit-divisor", "logit_divisor", type=float,
-                     help="Granite's logits_scaling: the output logits divided by D (Granite 3 8B: 16) [default: 1]."),
         click.option("--qk-norm/--no-qk-norm", "qk_norm", default=None,
                      help="RMS-normalise each query and key head before the rotation (Qwen3) [default: the preset's]."),
         click.option("--qk-norm-whole/--no-qk-norm-whole", "qk_norm_whole", default=None,
@@ -111,6 +87,7 @@ def model_options(default: str) -> Callable:
         click.option("--mtp-weight", "mtp_weight", type=float,
                      help="Their mean loss's weight beside the next token's (DeepSeek-V3's lambda: 0.3, then 0.1) "
                           "[default: the preset's, 0.1]."),
+        *scaling_options(),
         *latent_options(),
         *expert_options(),
     ]
@@ -121,6 +98,43 @@ def model_options(default: str) -> Callable:
         return command
 
     return decorate
+
+
+def rotation_options() -> list:
+    """How rotary positions turn beyond the base: YaRN's extension, part of each head, blocks without them."""
+    return [
+        click.option("--rope-yarn", "rope_yarn", metavar="FACTOR[,ORIGINAL[,FAST,SLOW[,MSCALE,MSCALE_ALL]]]",
+                     help="Extend a rotary model's context by YaRN (DeepSeek-V3's and Qwen3's long-context recipe): "
+                          "its frequencies scaled by FACTOR beyond the ORIGINAL context [default: the model's own], "
+                          "beta_fast and beta_slow [32, 1], DeepSeek's mscales [unset]; --seq-len up to FACTOR x "
+                          "ORIGINAL; with --init-from too."),
+        click.option("--rotary-fraction", "rotary_fraction", type=float,
+                     help="The share of each query and key head rotary positions turn, its last columns (Phi-4-mini: "
+                          "0.75, Nemotron-4: 0.5; an even number of columns) [default: the preset's, 1]."),
+        click.option("--nope-every", "nope_every", type=int,
+                     help="Every N-th block attends without rotary positions (SmolLM3: 4); 0: every block rotates "
+                          "[default: the preset's, 0]."),
+    ]
+
+
+def scaling_options() -> list:
+    """Gemma 2's soft caps and Granite's scalings of the scores, logits, embeddings and branches (SCALING_FIELDS)."""
+    return [
+        click.option("--attention-softcap", "attention_softcap", type=float,
+                     help="Cap each attention score at C: C x tanh(score / C) (Gemma 2: 50); 0: none [default: the "
+                          "preset's]."),
+        click.option("--logit-softcap", "logit_softcap", type=float,
+                     help="Cap each output logit at C: C x tanh(logit / C) (Gemma 2: 30); 0: none [default: the "
+                          "preset's]."),
+        click.option("--embed-multiplier", "embed_multiplier", type=float,
+                     help="Granite's: the token embeddings times M (Granite 3: 12) [default: the preset's, 1]."),
+        click.option("--residual-multiplier", "residual_multiplier", type=float,
+                     help="Granite's: each branch times M before its residual add (Granite 3: 0.22) [default: 1]."),
+        click.option("--attention-multiplier", "attention_multiplier", type=float,
+                     help="Granite's: the softmax scale itself (Granite 3: 0.0078125) [default: 1 / sqrt(head width)]."),
+        click.option("--logit-divisor", "logit_divisor", type=float,
+                     help="Granite's logits_scaling: the output logits divided by D (Granite 3 8B: 16) [default: 1]."),
+    ]
 
 
 # flag -> GPTConfig field of the mixture-of-experts options (--experts itself is n_experts)
@@ -252,8 +266,7 @@ def model_from_options(options: dict) -> GPTConfig:
         window=options.get("window"), full_attention_every=options.get("full_attention_every"),
         attention_sinks=options.get("attention_sinks"), rotary_fraction=options.get("rotary_fraction"),
         nope_every=options.get("nope_every"), qk_norm_whole=options.get("qk_norm_whole"),
-        attention_softcap=options.get("attention_softcap"), logit_softcap=options.get("logit_softcap"),
-        **{name: options.get(name) for name in GRANITE_FIELDS},
+        **{name: options.get(name) for name in SCALING_FIELDS},
         **NORM_PLACES.get(options.get("norm_placement"), {}),
         mtp_depth=options.get("mtp_depth"), mtp_weight=options.get("mtp_weight"),
         **{field: options.get(flag) for flag, field in LATENT_FIELDS.items()},
@@ -285,7 +298,9 @@ def with_yarn(config: GPTConfig, text: str, seq_len: int | None) -> GPTConfig:
     return extended.with_(seq_len=seq)
 
 
-GRANITE_FIELDS = ("embed_multiplier", "residual_multiplier", "attention_multiplier", "logit_divisor")  # its scalings
+# scaling_options' flags, each its GPTConfig field's name: Gemma 2's caps, Granite's scalings
+SCALING_FIELDS = ("attention_softcap", "logit_softcap", "embed_multiplier", "residual_multiplier",
+                  "attention_multiplier", "logit_divisor")
 
 # the model flags an imported model's shape leaves open: its training context (rotary models) and dropout, and a
 # mixture of experts' routing in training (its balance and z-loss coefficients, a capacity factor)
@@ -299,7 +314,7 @@ def shape_flags_given(options: dict) -> list[str]:
                                "mlp", "norm", "positions", "rope_theta", "bias", "qkv_bias", "dropout", "head_dim",
                                "qk_norm", "window", "full_attention_every", "attention_sinks", "rope_yarn",
                                "rotary_fraction", "nope_every", "qk_norm_whole", "norm_placement",
-                               "attention_softcap", "logit_softcap", *GRANITE_FIELDS,
+                               *SCALING_FIELDS,
                                "mtp_depth", "mtp_weight",
                                "experts", *LATENT_FIELDS, *EXPERT_FIELDS) if options.get(name) is not None]
     context = click.get_current_context(silent=True)
