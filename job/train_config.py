@@ -12,6 +12,7 @@ from minigpt.tokenizer import BYTES, load_tokenizer
 from minigpt.errors import (
     ConfigError, check_output_path, check_path_given, check_positive_int, check_seed, check_threads_per_rank,
 )
+from job.muon import OPTIMIZERS
 from job.schedule import ScheduleConfig, chunk_layers
 from precision.policy import POLICIES
 
@@ -211,6 +212,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    muon_momentum: float = 0.95  # Muon's (Nesterov) momentum on the matrices (Liu et al. 2025's 0.95)
     grad_clip: float = 1.0
     eval_every: int | None = None  # None: five evaluations over the run; 0: only at the end
     eval_batches: int = 4
@@ -319,7 +322,9 @@ class TrainConfig:
             raise ConfigError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if not (isinstance(self.decay_fraction, (int, float)) and 0 < self.decay_fraction <= 1):
             raise ConfigError(f"decay_fraction must be a number in (0, 1], got {self.decay_fraction!r}")
-        for name in ("beta1", "beta2"):
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "log_every"):

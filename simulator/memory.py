@@ -58,7 +58,8 @@ from simulator.costs.implementation import Implementation
 from simulator.costs.ops import block_ops, embedding_ops, head_ops, mtp_units
 from simulator.costs.layers.moe import expert_rows, received_rows
 from simulator.memory_notes import fp8_note, layout_notes
-from simulator.states import experts_states, fp8_weights_held, zero3_gather_bytes, zero3_hold, zero_states
+from simulator.states import (experts_muon_owned, experts_states, fp8_weights_held, muon_owned, zero3_gather_bytes,
+                              zero3_hold, zero_states)
 
 
 
@@ -273,12 +274,12 @@ def _model_states(model: GPTConfig, tp: int, pp: int, virtual_chunks: int, shard
                   pol: PrecisionPolicy, bucket_elements: int, prefetch: int, hold: str,
                   ep: int = 1, expert_shards: int = 1, fp8_params: str = "none",
                   fp8_experts: bool = False, reduce_bytes: int | None = None,
-                  stage_layers: tuple[int, ...] = ()) -> tuple[StageMemory, ...]:
+                  stage_layers: tuple[int, ...] = (), optimizer: str = "adamw") -> tuple[StageMemory, ...]:
     """Every stage's model states and buffers (no activations): they depend on dp and cp only through the ranks
     ZeRO shards over (dp x cp, or a shard group of them), and on ep and the experts' state shards (experts_states)."""
     layout = Layout(tp, pp, shard_ranks, zero, virtual_chunks=virtual_chunks, stage_layers=stage_layers)
     return tuple(_stage(model, layout, pol, index, chunks, placed, bucket_elements, 0, prefetch, hold, ep,
-                        expert_shards, fp8_params, fp8_experts, reduce_bytes)
+                        expert_shards, fp8_params, fp8_experts, reduce_bytes, optimizer)
                  for index, (chunks, placed) in enumerate(zip(stage_units(model, layout), layout.rank_chunks(model))))
 
 
@@ -313,12 +314,14 @@ def _check_ends(ends_in_flight, in_flight: list[int]) -> list[tuple[int, int]]:
 
 def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, chunks, placed, bucket_numel: int,
            activations: int, prefetch: int, hold: str = "forward", ep: int = 1, expert_shards: int = 1,
-           fp8_params: str = "none", fp8_experts: bool = False, reduce_bytes: int | None = None) -> StageMemory:
+           fp8_params: str = "none", fp8_experts: bool = False, reduce_bytes: int | None = None,
+           optimizer: str = "adamw") -> StageMemory:
     """Model states and buffers of one pipeline stage (its activations given); under expert parallelism the
     experts' part apart (experts_states). `fp8_params` (fp8_params_mode): the fp8 Linears' weights gathered in fp8
     ("gathered": ZeRO-3's gathered units hold them at a byte each) and kept in fp8 ("kept": the weights held too);
     `fp8_experts`: the routed experts' weights among them (fp8 grouped experts); `reduce_bytes`: a gradient
-    element's bytes in the reductions' buffers (Implementation.grad_reduce_fp32; None: the compute format's)."""
+    element's bytes in the reductions' buffers (Implementation.grad_reduce_fp32; None: the compute format's);
+    `optimizer` "muon": no second moment for the matrices the rank owns (their momentum is adam_m's)."""
     per_param = pol.bytes_per_param()
     e = per_param["compute"]
     zero, dp = layout.effective_zero, layout.data_ranks
@@ -328,9 +331,14 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
         experts = [[[t._replace(numel=t.numel // ep) for t in unit] for unit in chunk] for chunk in chunks]
         parts = [zero_states(dense, zero, dp, bucket_numel, prefetch, hold), experts_states(experts, expert_shards)]
         held, owned, grads, buffers, numel = (sum(values) for values in zip(*parts))
+        if optimizer == "muon":  # the fewest of each buffer's: a bound where the two fewest are not one rank's
+            owned_matrices = muon_owned(dense, zero, dp, bucket_numel) + experts_muon_owned(experts, expert_shards)
     else:
         parts = [zero_states(chunks, zero, dp, bucket_numel, prefetch, hold)]
         held, owned, grads, buffers, numel = parts[0]
+        if optimizer == "muon":
+            owned_matrices = muon_owned(chunks, zero, dp, bucket_numel)
+    second_moments = owned - owned_matrices if optimizer == "muon" else owned
     reduce_e = reduce_bytes or e  # ZeRO 1-2's buckets and the experts' piece are gradients; ZeRO-3's mixed below
     parameters, comm = held * e, buffers * reduce_e
     if fp8_params == "kept":  # and under expert parallelism the rank's own experts, whole (experts_states)
@@ -343,7 +351,7 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
                  - parts[0][3] * reduce_e)
     return StageMemory(
         parameters=parameters, gradients=grads * per_param["grad"],
-        master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=owned * per_param["adam_v"],
+        master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=second_moments * per_param["adam_v"],
         activations=activations, comm_buffers=comm,
         stage=index, layers=sum(len(r) for _, r in placed), numel=numel,
     )
@@ -414,7 +422,8 @@ def predict_memory(
     states = _model_states(model, layout.tp, layout.pp, layout.virtual_chunks, layout.shard_ranks,
                            layout.effective_zero, pol, bucket_elements, prefetch, zero3_hold(layout, micro_batches),
                            layout.ep, layout.expert_state_shards, fp8_params_mode(pol, implementation),
-                           fp8_experts_kept(pol, implementation), implementation.reduce_bytes, layout.stage_layers)
+                           fp8_experts_kept(pol, implementation), implementation.reduce_bytes, layout.stage_layers,
+                           implementation.optimizer)
     loss = loss_gradient_bytes(model, layout, pol, micro_batch_size, implementation)  # one micro-batch's at a time
     stages = []
     placing = (layout.pp, layout.virtual_chunks, layout.stage_layers)

@@ -5,7 +5,8 @@ simulator/memory.py to turn into bytes. Torch-free."""
 
 from __future__ import annotations
 
-from job.layout import Bucket, Layout, buckets, is_expert_tensor, is_fp8_weight
+from job.layout import Bucket, Layout, bucket_members, buckets, is_expert_tensor, is_fp8_weight
+from job.muon import takes_muon
 from job.schedule_actions import holds_all_step
 
 MAX_IN_FLIGHT = 2  # parallel/data/zero.py's bound on ZeRO-2/3's overlapped reduce-scatters (it imports torch; a test checks)
@@ -134,3 +135,40 @@ def experts_states(chunks, shards: int = 1) -> tuple[int, ...]:
     experts = [t for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t)]
     held = buckets(experts, None, shards)[0].size if experts else 0  # one bucket, as gradients.py's buffer
     return held, held // shards, held, held // shards if shards > 1 else 0, sum(t.numel for t in experts)
+
+
+def muon_owned(chunks, zero: int, dp: int, bucket_numel: int) -> int:
+    """Of zero_states' states owned, the fewest elements of Muon's matrices (job/muon.py's takes_muon) any of the
+    `dp` ranks owns: the rest take AdamW's second moment as well (precision/muon.py). ZeRO 0 owns every one; ZeRO
+    1-2 piece r of every bucket, ZeRO 3 piece r of every unit, each cut at any element (precision/flat.py)."""
+    units = [unit for chunk in chunks for unit in chunk]
+    if zero == 0 or dp == 1:
+        return sum(t.numel for unit in units for t in unit if takes_muon(t.name))
+    if zero == 3:
+        spaces = units
+    else:
+        spaces = []
+        for chunk in chunks:
+            tensors = [t for unit in chunk for t in unit]
+            spaces += [[tensors[i] for i in members] for members, _ in bucket_members(tensors, bucket_numel, dp)]
+    return min(sum(_piece_matrices(space, dp, rank) for space in spaces) for rank in range(dp))
+
+
+def experts_muon_owned(chunks, shards: int = 1) -> int:
+    """muon_owned of the routed experts' own buffer (experts_states): whole, or piece r of `shards`."""
+    experts = [t for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t)]
+    if shards == 1:
+        return sum(t.numel for t in experts if takes_muon(t.name))
+    return min(_piece_matrices(experts, shards, rank) for rank in range(shards))
+
+
+def _piece_matrices(tensors, parts: int, rank: int) -> int:
+    """Elements of Muon's matrices in piece `rank` of `parts` of `tensors` laid end to end, padded to a multiple."""
+    total = sum(t.numel for t in tensors)
+    piece = -(-total // parts)
+    lo, hi, at, found = rank * piece, (rank + 1) * piece, 0, 0
+    for tensor in tensors:
+        if takes_muon(tensor.name):
+            found += max(0, min(hi, at + tensor.numel) - max(lo, at))
+        at += tensor.numel
+    return found

@@ -6,6 +6,7 @@ from __future__ import annotations
 from job.layout import Layout
 from minigpt.data import Corpus
 from precision.optimizer import state_bytes
+from simulator.costs.implementation import Implementation
 from simulator.memory import predict_memory
 
 
@@ -31,6 +32,7 @@ def held_states(rank) -> dict:
 def predicted_states(cfg, stage: int) -> dict:
     """The same bytes as simulator/memory.py predicts them for pipeline stage `stage` of the run `cfg`."""
     estimate = predict_memory(cfg.model, Layout.of(cfg), cfg.precision, cfg.global_batch // (cfg.micro_batches * cfg.dp),
-                              bucket_mb=cfg.bucket_mb, micro_batches=cfg.micro_batches)
+                              bucket_mb=cfg.bucket_mb, micro_batches=cfg.micro_batches,
+                              implementation=Implementation(optimizer=cfg.optimizer))
     predicted = estimate.per_stage[stage]
     return {key: getattr(predicted, key) for key in ("parameters", "gradients", "master_weights", "adam_m", "adam_v")}

@@ -18,7 +18,7 @@ from cli.options.fsdp import fsdp_options, reshards
 from cli.output import print_table
 from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import hf_tokenizer, model_from_hf, model_from_options, model_options
-from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
+from cli.options.precision import AUTO, CPU_PRECISION, optimizer_options, precision_option, training_precision
 from minigpt.data import check_text_file, document_end, documents_words, is_token_dir, token_header
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, load_tokenizer
@@ -31,7 +31,7 @@ from parallel.run.files import default_run_dir
 from parallel.run.tensorboard import announce as tensorboard_line, available as tensorboard_installed
 from parallel.launch.torchrun_env import check_torchrun_variables, tensor_parallel_across_nodes
 from parallel.launch.watchdog import DEFAULT_TIMEOUT_S, check_timeout
-from job.train_config import DEVICES, LR_SCHEDULES, TrainConfig, routing_ranks
+from job.train_config import DEVICES, TrainConfig, routing_ranks
 
 NEWEST = "<newest>"  # bare --resume: the newest checkpoint of --out that verifies
 
@@ -66,6 +66,8 @@ def build_train_config(options: dict) -> TrainConfig:
         lr_schedule=options["lr_schedule"], decay_fraction=options["decay_fraction"],
         warmup_steps=options["warmup"],
         weight_decay=options["weight_decay"],
+        optimizer=options["optimizer"],
+        muon_momentum=options["muon_momentum"],
         grad_clip=options["grad_clip"],
         eval_every=options["eval_every"],
         eval_batches=options["eval_batches"],
@@ -310,17 +312,7 @@ def mib(n: int) -> str:
               "block keeps its input alone and runs again in the backward).")
 @click.option("--steps", default=100, show_default=True, type=int, help="Optimizer steps.")
 @batch_options(16, "Global batch: sequences per step over every data-parallel replica.")
-@click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate.")
-@click.option("--min-lr", type=float, help="Final learning rate of the decay [default: lr/10].")
-@click.option("--lr-schedule", "lr_schedule", type=click.Choice(LR_SCHEDULES), default="cosine", show_default=True,
-              help="After the warmup: cosine or linear decay to --min-lr at the last step, wsd (warmup-stable-decay: "
-                   "--lr until the last --decay-fraction of the steps, then linearly to --min-lr), wsd-sqrt (the same, "
-                   "the cooldown 1 - sqrt: Hägele et al. 2024) or constant.")
-@click.option("--decay-fraction", "decay_fraction", type=float, default=0.2, show_default=True,
-              help="wsd: the share of the steps, at the end, that decays.")
-@click.option("--warmup", type=int, help="Warmup steps [default: 10% of steps, at least 10 (at most the run), at most 100].")
-@click.option("--weight-decay", default=0.1, show_default=True, type=float)
-@click.option("--grad-clip", default=1.0, show_default=True, type=float, help="Max gradient norm (0: off).")
+@optimizer_options
 @click.option("--eval-every", type=int, help="Steps between validations [default: 5 per run; 0: at the end].")
 @click.option("--eval-batches", default=4, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -434,6 +426,7 @@ def run_and_report(cfg: TrainConfig, options: dict, point: ResumePoint | None, a
         f" ({m.describe()}) for {cfg.steps} steps of {cfg.tokens_per_step:,} "
         f"tokens" + ("" if cfg.recompute == "none" else f", {cfg.recompute} recomputation") +
         ("" if cfg.document_eod is None else f", attention within documents ({documents_words(cfg.data)})") +
+        ("" if cfg.optimizer == "adamw" else ", Muon on the hidden matrices (AdamW for the rest)") +
         ("" if cfg.tokenizer == BYTES else f", tokenizer {cfg.tokenizer} (vocabulary {m.vocab_size:,})"),
         file=out,
     )

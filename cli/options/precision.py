@@ -1,4 +1,5 @@
-"""--precision, one flag for every command that trains or simulates (train, compare, simulate, plan).
+"""--precision, one flag for every command that trains or simulates (train, compare, simulate, plan), and the
+optimizer's flags (the precision package's optimizers: fp32 masters and moments).
 
 Its default, auto, is the format a run on that device trains in: bf16 on a GPU (mixed precision is what
 tensor cores are for, and bf16 needs no loss scaling) and fp32 on a CPU, which has no 16-bit matmul worth
@@ -10,12 +11,15 @@ from __future__ import annotations
 
 import click
 
-from job.train_config import PRECISIONS
+from job.muon import OPTIMIZERS
+from job.train_config import LR_SCHEDULES, PRECISIONS
 from parallel.gpu_files import cuda_devices
 
 AUTO = "auto"
 GPU_PRECISION = "bf16"
 CPU_PRECISION = "fp32"
+OPTIMIZER_HELP = ("adamw, or muon (Jordan et al. 2024, with Liu et al. 2025's scale: the update of each hidden "
+                  "matrix orthogonalised; embeddings, head, norms and biases take AdamW).")
 HELP = "Number format of the compute: fp32, bf16, fp16 or fp8; auto: bf16 on a GPU, fp32 on a CPU."
 
 
@@ -48,3 +52,35 @@ def simulated_precision(requested: str, hardware=None) -> str:
     measured = None if hardware is None else hardware.gpu.measured
     on_cpu = measured is not None and measured.device == "cpu"
     return CPU_PRECISION if on_cpu else GPU_PRECISION
+
+
+def optimizer_option(function):
+    """--optimizer, as train, simulate and plan spell it."""
+    return click.option("--optimizer", default="adamw", show_default=True, type=click.Choice(OPTIMIZERS),
+                        help=OPTIMIZER_HELP)(function)
+
+
+def optimizer_options(function):
+    """train's optimizer and learning-rate flags."""
+    for option in reversed(OPTIMIZER_FLAGS):
+        function = option(function)
+    return optimizer_option(function)
+
+
+OPTIMIZER_FLAGS = [
+    click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate."),
+    click.option("--min-lr", type=float, help="Final learning rate of the decay [default: lr/10]."),
+    click.option("--lr-schedule", "lr_schedule", type=click.Choice(LR_SCHEDULES), default="cosine",
+                 show_default=True,
+                 help="After the warmup: cosine or linear decay to --min-lr at the last step, wsd (warmup-stable-"
+                      "decay: --lr until the last --decay-fraction of the steps, then linearly to --min-lr), wsd-sqrt "
+                      "(the same, the cooldown 1 - sqrt: Hägele et al. 2024) or constant."),
+    click.option("--decay-fraction", "decay_fraction", type=float, default=0.2, show_default=True,
+                 help="wsd: the share of the steps, at the end, that decays."),
+    click.option("--warmup", type=int,
+                 help="Warmup steps [default: 10% of steps, at least 10 (at most the run), at most 100]."),
+    click.option("--weight-decay", default=0.1, show_default=True, type=float),
+    click.option("--grad-clip", default=1.0, show_default=True, type=float, help="Max gradient norm (0: off)."),
+    click.option("--muon-momentum", "muon_momentum", default=0.95, show_default=True, type=float,
+                 help="--optimizer muon: the matrices' Nesterov momentum."),
+]

@@ -5,8 +5,8 @@ What is saved is the plain GPT's global tensors, whatever the layout that saved 
 
   model.<name>                   the weights in the compute format (fp32, bf16, fp16)
   optimizer.master.<name>        fp32 masters (only when the policy keeps them apart from the weights)
-  optimizer.exp_avg.<name>       AdamW's moments, fp32
-  optimizer.exp_avg_sq.<name>
+  optimizer.exp_avg.<name>       AdamW's moments, fp32 (under --optimizer muon, a matrix's exp_avg is Muon's
+  optimizer.exp_avg_sq.<name>    momentum and it has no exp_avg_sq: precision/muon.py)
   buffer.<name>                  a MoE layer's choice bias (fp32; every rank of its stage holds it whole, one writes it)
 
 with <name> as in GPT.state_dict() ("blocks.3.attn.qkv.weight") and the full unpadded
@@ -51,6 +51,7 @@ from parallel.checkpoint.files import (
 from parallel.checkpoint.layout import (BUFFER, Placement, global_shapes, rank_placements, saved_buffers,
                                        stage_buffers)
 from precision.fp8 import Fp8Linear
+from job.muon import takes_muon
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint", "gather_global_state"]
 
@@ -69,6 +70,8 @@ def _barrier() -> None:
 
 def _role_slice(optimizer, role: str, start: int, end: int) -> torch.Tensor:
     """Elements [start, end) of `weights` laid end to end, of one role of the optimizer's state."""
+    if role == "exp_avg_sq" and hasattr(optimizer, "second_moment"):  # Muon's: the AdamW weights' alone
+        return optimizer.second_moment(start, end)
     if role in ("exp_avg", "exp_avg_sq"):
         return getattr(optimizer, role)[start:end]
     pieces = optimizer.pieces if role == "model" else optimizer.master_pieces
@@ -76,6 +79,12 @@ def _role_slice(optimizer, role: str, start: int, end: int) -> torch.Tensor:
         if lo <= start and end <= hi:
             return piece[start - lo : end - lo]
     raise AssertionError(f"[{start}, {end}) crosses a piece of the optimizer's weights")
+
+
+def keeps_role(cfg, name: str, role: str) -> bool:
+    """Whether a checkpoint holds `role` of the plain GPT's `name`: all of them, but AdamW's second moment, which
+    Muon's matrices do not have (their momentum is the exp_avg role: precision/muon.py)."""
+    return not (role == "exp_avg_sq" and cfg.optimizer == "muon" and takes_muon(name))
 
 
 def _boxes(optimizer, placement: Placement, role: str) -> Boxes:
@@ -171,6 +180,7 @@ def save_checkpoint(directory: str | os.PathLike, rank, cfg, step: int, extra: d
         for placement in rank_placements(rank, cfg)
         if placement.writes
         for role in roles
+        if keeps_role(cfg, placement.name, role)
     } | {BUFFER + name: tensor for name, tensor in stage_buffers(rank.stage).items()}
     try:
         with warnings.catch_warnings():
@@ -232,7 +242,8 @@ def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> 
     separate = all(KEYS["master"] + name in metadata.state_dict_metadata for name in shapes)
     sources = {"master": KEYS["master"] if separate else KEYS["model"], "exp_avg": KEYS["exp_avg"],
                "exp_avg_sq": KEYS["exp_avg_sq"]}
-    wanted = {prefix + name: shape for prefix in sources.values() for name, shape in shapes.items()}
+    wanted = {prefix + name: shape for role, prefix in sources.items() for name, shape in shapes.items()
+              if keeps_role(cfg, name, role)}
     check_tensors(path, metadata, wanted | {BUFFER + name: shape for name, shape in saved_buffers(cfg.model).items()})
 
     optimizer = rank.optimizer
@@ -243,6 +254,7 @@ def load_checkpoint(path: str | os.PathLike, rank, cfg, verify: bool = True) -> 
             prefix + placement.name: _boxes(optimizer, placement, role)
             for placement in rank_placements(rank, cfg)
             for role, prefix in sources.items()
+            if keeps_role(cfg, placement.name, role)
         } | {BUFFER + name: tensor for name, tensor in stage_buffers(rank.stage).items()}
         try:
             with warnings.catch_warnings():
@@ -292,7 +304,7 @@ def gather_global_state(rank, cfg) -> dict[str, torch.Tensor]:
         for role in ROLES:
             full = buffer[offset : offset + torch.Size(shape).numel()].view(shape)
             offset += full.numel()
-            if name in placements:
+            if name in placements and keeps_role(cfg, name, role):
                 for offsets, tensor in _boxes(optimizer, placements[name], role).pieces:
                     full[tuple(slice(o, o + s) for o, s in zip(offsets, tensor.shape))] = tensor.float()
             found[f"{role}.{name}"] = full

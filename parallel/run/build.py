@@ -33,6 +33,8 @@ from parallel.expert.gradients import WithExperts, expert_shards
 from parallel.data.zero3 import ShardedParameters
 from precision.compute import apply_precision, dtype_of
 from precision.optimizer import MasterAdamW
+from precision.muon import MasterMuon
+from parallel.run.muon import StageMatrices, stage_group
 from precision.policy import PrecisionPolicy
 from precision.scaler import LossScaler
 
@@ -45,7 +47,7 @@ class Rank:
     policy: PrecisionPolicy
     stage: StageModel
     data_parallel: DataParallel
-    optimizer: MasterAdamW
+    optimizer: MasterAdamW | None  # set once the rank is built (make_optimizer)
     scaler: LossScaler | None
     executor: PipelineExecutor
     comms: dict[str, Collectives]
@@ -157,16 +159,9 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
         if copy is not None and mesh.rank in groups:
             tied = TiedEmbedding(copy, groups[mesh.rank], data_parallel)
             shared += [(lo, hi, 2) for lo, hi in data_parallel.ranges_of({id(copy)})]
-    optimizer = MasterAdamW(
-        data_parallel.weights,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        weight_decay=cfg.weight_decay,
-        decay_ranges=data_parallel.decay_ranges,
-        masters_are_weights=policy.master is None,
-        shared_ranges=shared,
-        norm_split=data_parallel.dense_numel if cfg.ep > 1 else None,
-    )
+    options = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay,
+                   decay_ranges=data_parallel.decay_ranges, masters_are_weights=policy.master is None,
+                   shared_ranges=shared, norm_split=data_parallel.dense_numel if cfg.ep > 1 else None)
     kept = data_parallel.kept() if hasattr(data_parallel, "kept") else None
     element_bytes = data_parallel.weights[0].element_size() if isinstance(data_parallel.weights, list) \
         else data_parallel.weights.element_size()
@@ -179,4 +174,15 @@ def build_rank(cfg: TrainConfig, mesh: Mesh, device: torch.device, policy: Preci
     executor.set_activation((micro_batch, rows, cfg.model.d_model), dtype_of(policy.compute))
     if cfg.document_eod is not None:
         executor.document_ids = sequence_documents(cfg.document_eod, mesh.group("cp"))
-    return Rank(mesh, policy, stage, data_parallel, optimizer, make_scaler(cfg, policy.loss_scaling), executor, comms)
+    rank = Rank(mesh, policy, stage, data_parallel, None, make_scaler(cfg, policy.loss_scaling), executor, comms)
+    rank.optimizer = make_optimizer(rank, cfg, options)  # Muon's reads where the rank holds each matrix
+    return rank
+
+
+def make_optimizer(rank: Rank, cfg: TrainConfig, options: dict) -> MasterAdamW:
+    """The rank's optimizer over its data-parallel weights: AdamW, or Muon with AdamW for what is not a matrix."""
+    if cfg.optimizer == "adamw":
+        return MasterAdamW(rank.data_parallel.weights, **options)
+    matrices = StageMatrices(rank, cfg, stage_group(rank.mesh))
+    return MasterMuon(rank.data_parallel.weights, matrices.ranges(), matrices.orthogonalize,
+                      momentum=cfg.muon_momentum, **options)

@@ -64,6 +64,11 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
     from dataclasses import replace
 
     lines = []
+    saved_optimizer = point.settings.get("optimizer", "adamw")  # written before Muon: AdamW's
+    if saved_optimizer != cfg.optimizer:
+        raise ConfigError(f"--resume: {point.path} was trained with --optimizer {saved_optimizer}, whose state "
+                          f"--optimizer {cfg.optimizer} cannot take up: resume with --optimizer {saved_optimizer}, "
+                          f"or start a new run from its weights (`minigpt export`, then --init-from)")
     saved_every = point.settings.get("save_every")
     if not save_every_given and _whole(saved_every) and saved_every != cfg.save_every:
         cfg = replace(cfg, save_every=saved_every)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from minigpt.config import check_attention, check_recompute
 from minigpt.errors import ConfigError, check_choice
+from job.muon import OPTIMIZERS
 from precision.policy import FORMAT_BYTES
 from simulator.costs.userbuffers import Userbuffers
 
@@ -75,6 +76,9 @@ class Implementation:
                       (Llama 3's; `minigpt train --document-mask`): the kernel skips the tiles between documents, as
                       FlashAttention-2's variable-length kernels (Transformer Engine's THD format) and FlexAttention's
                       block masks do (simulator/costs/layers/attention.py's document_share); 0: none, the causal mask.
+    optimizer         adamw, or muon (`minigpt train --optimizer muon`, precision/muon.py): the hidden matrices'
+                      updates orthogonalised by Newton-Schulz on the rank of the pipeline stage each is dealt to, the
+                      pieces sent there and back by all-to-alls; no second moment for them (simulator/engine/muon.py).
     grad_reduce_fp32  gradients travel between data-parallel ranks in fp32 (FSDP2's MixedPrecisionPolicy with
                       reduce_dtype float32: torchtitan's only choice, training.mixed_precision_reduce, and NeMo
                       Automodel's); False: in the precision policy's reduce format (bf16 training: bf16, as our
@@ -161,6 +165,7 @@ class Implementation:
     bias_fusion: str = "none"
     ddp_buckets: str = "ddp"
     recompute_modules: tuple[str, ...] = ()  # Megatron-core's --recompute-modules beside recompute (none, selective)
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         check_attention(self.attention)
@@ -181,6 +186,7 @@ class Implementation:
         check_choice("expert_gemms", self.expert_gemms, tuple(EXPERT_STREAMS))
         check_choice("bias_fusion", self.bias_fusion, BIAS_FUSIONS)
         check_choice("ddp_buckets", self.ddp_buckets, DDP_BUCKETS)
+        check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         for module in self.recompute_modules:
             check_choice("--recompute-modules", module, RECOMPUTE_MODULES)
         if self.recompute_modules and self.recompute not in ("none", "selective"):
@@ -232,4 +238,5 @@ class Implementation:
                 "expert_gemms": self.expert_gemms, "bias_fusion": self.bias_fusion, "ddp_buckets": self.ddp_buckets,
                 **({"recompute_modules": list(self.recompute_modules)} if self.recompute_modules else {}),
                 **({"document_length": self.document_length} if self.document_length else {}),
+                **({"optimizer": self.optimizer} if self.optimizer != "adamw" else {}),
                 **({"userbuffers": self.userbuffers.describe()} if self.userbuffers is not None else {})}

@@ -1,0 +1,161 @@
+"""Muon's whole matrices from the pieces a pipeline stage's ranks hold (precision/muon.py's orthogonalize).
+
+A rank's optimizer holds pieces of its stage's matrices: tensor-parallel shards (a fused qkv's sections among
+them), ZeRO's pieces cut at any element, the experts of its expert-parallel rank. Where each piece sits in the
+plain GPT's tensor is what a checkpoint reads and writes by (parallel/checkpoint/layout.py's placements, each
+element with one writer among the ranks holding it). The stage's matrices are dealt out to its ranks (pp rank
+alike: dp x cp x tp, the experts' ranks among them) by job/muon.py's assign_matrices, and each step
+
+  1. every rank sends the pieces it writes to the ranks that orthogonalise their matrices (one all-to-all);
+  2. each rank puts its matrices together whole and orthogonalises them;
+  3. every rank gets back each piece it holds of them (a second all-to-all, the reverse of the first, with the
+     pieces several ranks hold sent to each).
+
+Each rank sends and receives what it holds and keeps its own matrices whole, no more: the Newton-Schulz work is
+split over the stage's ranks (Liu et al. 2025's distributed Muon gathers over data parallelism and repeats it on
+every rank). Where each rank's boxes are is exchanged once, when the optimizer is built. One process has one
+stage and no group: the same code, its all-to-alls copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from job.muon import MOONLIGHT_SCALE, NEWTON_SCHULZ, NEWTON_SCHULZ_STEPS, Matrix, assign_matrices, matrices, takes_muon
+from parallel.checkpoint.layout import global_shapes, parameter_names, rank_placements
+from parallel.comm import Collectives
+from parallel.mesh import Mesh
+
+
+@torch.no_grad()
+def orthogonalized(update: torch.Tensor) -> torch.Tensor:
+    """Newton-Schulz's semi-orthogonal approximation of `update` (a matrix, or a stack of them: the last two
+    dimensions), in fp32, times Moonlight's scale."""
+    rows, cols = update.shape[-2:]
+    x = update.float()
+    wide = rows <= cols
+    x = x if wide else x.transpose(-2, -1)  # iterate on the side whose Gram matrix is the smaller
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    a, b, c = NEWTON_SCHULZ
+    for _ in range(NEWTON_SCHULZ_STEPS):
+        gram = x @ x.transpose(-2, -1)
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    x = x if wide else x.transpose(-2, -1)
+    return x * (MOONLIGHT_SCALE * math.sqrt(max(rows, cols)))
+
+
+def stage_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    """The ranks of this rank's pipeline stage (None for one rank; the world without pipelining). Collective:
+    every rank builds every stage's group, in one order."""
+    if mesh.world_size == 1:
+        return None
+    if mesh.pp == 1:
+        return dist.group.WORLD
+    mine = None
+    for pp_rank in range(mesh.pp):
+        ranks = [mesh.global_rank(pp_rank, dp, cp, tp)
+                 for dp in range(mesh.dp) for cp in range(mesh.cp) for tp in range(mesh.tp)]
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mine = group
+    return mine
+
+
+Box = tuple[Matrix, tuple[int, ...], tuple[int, ...]]  # a matrix, the box's offsets and sizes in it
+
+
+class StageMatrices:
+    """The matrices of one rank's stage: where its optimizer holds pieces of them, and their orthogonalisation."""
+
+    def __init__(self, rank, cfg, group: dist.ProcessGroup | None):
+        shapes = global_shapes(cfg.model)
+        names = set(parameter_names(rank, cfg).values())
+        self.shapes = matrices({name: shape for name, shape in shapes.items() if name in names})
+        self.comm, self.device = Collectives(group, "muon", rank.mesh.device), rank.mesh.device
+        self.owner = {key: owner for owner, keys in enumerate(assign_matrices(self.shapes, self.comm.size))
+                      for key in keys}
+        self.offsets, total = {}, 0  # where each matrix this rank orthogonalises sits in its buffer
+        for key in sorted(key for key, owner in self.owner.items() if owner == self.comm.rank):
+            self.offsets[key] = total
+            total += math.prod(self.shapes[key])
+        self.numel = total
+        # (box, position in the optimizer's weights end to end, written by this rank) of every piece held
+        self.held = [held for p in rank_placements(rank, cfg) if takes_muon(p.name) for held in _boxes(p)]
+        boxes = [[(box, writes) for box, _, writes in self.held]]
+        if group is not None:
+            boxes = [None] * self.comm.size
+            dist.all_gather_object(boxes, [(box, writes) for box, _, writes in self.held], group=group)
+        self.sent = [[box for box, writes in theirs if writes and self.owner[box[0]] == self.comm.rank]
+                     for theirs in boxes]  # what each rank sends this one, in its order
+        self.returned = [[box for box, _ in theirs if self.owner[box[0]] == self.comm.rank] for theirs in boxes]
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The ranges of the optimizer's weights (end to end) that are pieces of these matrices."""
+        runs = sorted((position, position + math.prod(box[2])) for box, position, _ in self.held)
+        merged: list[tuple[int, int]] = []
+        for start, end in runs:
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], end)
+            else:
+                merged.append((start, end))
+        return merged
+
+    def _box(self, buffer: torch.Tensor, box: Box) -> torch.Tensor:
+        key, offsets, sizes = box
+        start = self.offsets[key]
+        whole = buffer[start : start + math.prod(self.shapes[key])].view(self.shapes[key])
+        return whole[tuple(slice(o, o + z) for o, z in zip(offsets, sizes))]
+
+    def _exchange(self, pieces: list[list[torch.Tensor]], received: list[int]) -> torch.Tensor:
+        """An all-to-all of `pieces` (for each rank, in order) into a flat tensor of `received` elements per rank."""
+        sent = [sum(piece.numel() for piece in for_rank) for for_rank in pieces]
+        flat = [piece.reshape(-1) for for_rank in pieces for piece in for_rank]
+        data = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float32, device=self.device)
+        output = torch.empty(sum(received), dtype=torch.float32, device=self.device)
+        self.comm.all_to_all(output, data, received, sent)
+        return output
+
+    @torch.no_grad()
+    def orthogonalize(self, update: torch.Tensor) -> None:
+        """Replace this rank's pieces of the matrices in `update` by their whole matrices' orthogonalised update."""
+        if not self.shapes:  # a stage of embeddings alone (every rank of it alike)
+            return
+        ranks = range(self.comm.size)
+        outgoing = [[update[position : position + math.prod(box[2])] for box, position, writes in self.held
+                     if writes and self.owner[box[0]] == rank] for rank in ranks]
+        incoming = self._exchange(outgoing, [sum(math.prod(box[2]) for box in boxes) for boxes in self.sent])
+        buffer, at = torch.empty(self.numel, dtype=torch.float32, device=self.device), 0
+        for box in (box for boxes in self.sent for box in boxes):
+            n = math.prod(box[2])
+            self._box(buffer, box).copy_(incoming[at : at + n].view(box[2]))
+            at += n
+        for key, start in self.offsets.items():
+            whole = buffer[start : start + math.prod(self.shapes[key])].view(self.shapes[key])
+            whole.copy_(orthogonalized(whole))
+        back = self._exchange([[self._box(buffer, box) for box in boxes] for boxes in self.returned],
+                              [sum(math.prod(box[2]) for box, _, _ in self.held if self.owner[box[0]] == rank)
+                               for rank in ranks])
+        at = 0
+        for rank in ranks:
+            for box, position, _ in self.held:
+                if self.owner[box[0]] == rank:
+                    n = math.prod(box[2])
+                    update[position : position + n].copy_(back[at : at + n])
+                    at += n
+
+
+def _boxes(placement) -> list[tuple[Box, int, bool]]:
+    """(box, position, written here) of a placement's boxes, a stacked expert tensor's cut into each expert's (a box
+    of several experts holds their whole matrices, one after another)."""
+    found = []
+    for offsets, sizes, position in placement.boxes:
+        if len(placement.shape) == 2:
+            found.append((((placement.name, -1), offsets, sizes), position, placement.writes))
+            continue
+        step = math.prod(sizes[1:])
+        found += [(((placement.name, offsets[0] + j), offsets[1:], sizes[1:]), position + j * step, placement.writes)
+                  for j in range(sizes[0])]
+    return found
