@@ -188,7 +188,9 @@ def summary_rows(data: dict) -> list[list[str]]:
         if impl.get("document_length") else ""
     rows.append(["implementation", f"{impl['attention']}{kernel} attention{documents}, "
                  f"recompute {impl['recompute']}{modules}, sequence-parallel inputs saved {impl['sp_saved_input']}"
-                 + _fp8_text(impl, "fp8" in data["matmul_efficiency"], "experts" in data)])
+                 + _fp8_text(impl, "fp8" in data["matmul_efficiency"], "experts" in data)
+                 + ("; Muon on the hidden matrices (simulator/engine/muon.py)" if impl.get("optimizer") == "muon"
+                    else "")])
     o = data["overlap"]
     rows.append(["overlap", f"{o['name']}: tp {'hidden behind the Linears' if o['tp'] else 'exposed'}, dp {o['dp']}, "
                  f"ZeRO-3 prefetch {o['zero3_prefetch']}, p2p {'overlapped' if o['p2p'] else 'exposed'}, "

@@ -88,9 +88,16 @@ def collective_note(result: SimResult) -> str:
             "simulator/network/nccl.py" + (f"; * {forced}" if forced else "") + ")")
 
 
+def _labels(result: SimResult) -> dict[str, str]:
+    """MEMORY_LABELS, the optimizer states named as the job's optimizer keeps them."""
+    if result.provenance.get("implementation", {}).get("optimizer") != "muon":
+        return MEMORY_LABELS
+    return dict(MEMORY_LABELS, optimizer_states="optimizer states (Muon's momentum, Adam m, v)")
+
+
 def memory_rows(result: SimResult) -> list[list[str]]:
     per_gpu = result.memory_per_gpu()
-    rows = [[MEMORY_LABELS[k], f"{v / GIB:.2f} GiB", ""] for k, v in per_gpu.items()]
+    rows = [[_labels(result)[k], f"{v / GIB:.2f} GiB", ""] for k, v in per_gpu.items()]
     capacity = result.memory.capacity or 0
     margin = result.memory_margin_bytes
     verdict = (f"fits, {margin / GIB:.2f} GiB to spare" if result.fits
@@ -118,14 +125,15 @@ def provenance_rows(result: SimResult) -> list[list[str]]:
 
 
 def job_rows(result: SimResult) -> list[list[str]]:
-    labels = dict(MEMORY_LABELS, total="training state in all")
+    labels = dict(_labels(result), total="training state in all")
     return [[labels[k], f"{v / DECIMAL_GB:,.1f} GB"] for k, v in result.job_state_bytes.items()]
 
 
 def job_verdict(result: SimResult, n_params: int) -> str:
     capacity = result.memory.capacity or 1
     per_param = result.job_state_bytes["total"] / n_params
-    return (f"{per_param:.0f} bytes per parameter ({result.precision}, Adam): the training state alone needs at least "
+    optimizer = "Muon" if result.provenance.get("implementation", {}).get("optimizer") == "muon" else "Adam"
+    return (f"{per_param:.0f} bytes per parameter ({result.precision}, {optimizer}): the training state alone needs at least "
             f"{result.gpus_for_state} {result.gpu} GPUs ({capacity / GIB:.0f} GiB each), before any activation or buffer")
 
 

@@ -1,8 +1,8 @@
 """`minigpt simulate`'s flags on how the stack runs its kernels: how it scales its fp8 Linears (--fp8-recipe), whether
 it keeps and all-gathers their weights in fp8 (--fp8-param-gather), whether its element-wise ops run fused or as
 torchtitan's eager code (--elementwise), the format its gradients are reduced in (--grad-reduce), which fused
-attention kernel it runs (--attention-kernel) and the documents its attention keeps apart (--document-length). Each
-changes
+attention kernel it runs (--attention-kernel), the documents its attention keeps apart (--document-length) and its
+optimizer (--optimizer). Each changes
 the stack's Implementation (simulator/costs/implementation.py); a job that cannot run them gets one line before any
 work."""
 
@@ -12,6 +12,7 @@ from typing import Callable
 
 import click
 
+from job.muon import OPTIMIZERS
 from minigpt.errors import ConfigError
 from simulator.costs.implementation import ATTENTION_KERNELS, FP8_RECIPES
 
@@ -57,9 +58,15 @@ DOCUMENTS_HELP = ("Price a document mask (Llama 3's, `minigpt train --document-m
                   "[default: 0, the causal mask].")
 
 
+OPTIMIZER_HELP = ("The optimizer: adamw, or muon (`minigpt train --optimizer muon`: no second moment for the hidden "
+                  "matrices; their pieces sent by all-to-alls to the ranks of the stage they are dealt to and back, "
+                  "five Newton-Schulz steps of GEMMs there, bf16 in a 16-bit or fp8 job) [default: adamw].")
+
+
 def stack_options(function):
-    """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce, --attention-kernel, --recompute-modules and
-    --document-length."""
+    """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce, --attention-kernel, --recompute-modules,
+    --document-length and --optimizer."""
+    function = click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=None, help=OPTIMIZER_HELP)(function)
     function = click.option("--document-length", "document_length", type=int, default=None, metavar="TOKENS",
                             help=DOCUMENTS_HELP)(function)
     function = click.option("--recompute-modules", "recompute_modules", metavar="MODULE[,MODULE...]", default=None,
@@ -86,7 +93,7 @@ def asked_flags(options: dict) -> list[str]:
     """The stack flags given, as typed (none: the stack's own choices)."""
     named = {"--elementwise": options["elementwise"], "--grad-reduce": options["grad_reduce"],
              "--attention-kernel": options["attention_kernel"], "--recompute-modules": options.get("recompute_modules"),
-             "--document-length": options.get("document_length")}
+             "--document-length": options.get("document_length"), "--optimizer": options.get("optimizer")}
     return [flag for flag in (_fp8_flag(options), *(f"{name} {value}" for name, value in named.items()
                                                     if value is not None and value != "")) if flag]
 
@@ -124,6 +131,8 @@ def stack_changes(options: dict, overlap, base=None) -> dict:
         changes["recompute_modules"] = tuple(m.strip() for m in str(options["recompute_modules"]).split(","))
     if options.get("document_length") is not None:
         changes["document_length"] = options["document_length"]
+    if options.get("optimizer") is not None:
+        changes["optimizer"] = options["optimizer"]
     replace(base, **changes)  # the Implementation's own checks, one line each
     return changes
 

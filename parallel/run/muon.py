@@ -31,11 +31,12 @@ from parallel.mesh import Mesh
 
 
 @torch.no_grad()
-def orthogonalized(update: torch.Tensor) -> torch.Tensor:
+def orthogonalized(update: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Newton-Schulz's semi-orthogonal approximation of `update` (a matrix, or a stack of them: the last two
-    dimensions), in fp32, times Moonlight's scale."""
+    dimensions), iterated in `dtype` (bf16 as Jordan et al.'s and Moonlight's code on a GPU), times Moonlight's
+    scale, in fp32."""
     rows, cols = update.shape[-2:]
-    x = update.float()
+    x = update.to(dtype)
     wide = rows <= cols
     x = x if wide else x.transpose(-2, -1)  # iterate on the side whose Gram matrix is the smaller
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
@@ -44,7 +45,14 @@ def orthogonalized(update: torch.Tensor) -> torch.Tensor:
         gram = x @ x.transpose(-2, -1)
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     x = x if wide else x.transpose(-2, -1)
-    return x * (MOONLIGHT_SCALE * math.sqrt(max(rows, cols)))
+    return x.float() * (MOONLIGHT_SCALE * math.sqrt(max(rows, cols)))
+
+
+def iteration_format(policy, device: torch.device) -> torch.dtype:
+    """What Newton-Schulz iterates in: bf16 on a GPU training in a 16-bit or fp8 format (the reference code's: the
+    iteration tolerates it, and tensor cores run it), fp32 otherwise (a CPU has no bf16 matmul worth using:
+    precision/compute.py emulates 16-bit formats there)."""
+    return torch.bfloat16 if device.type == "cuda" and policy.compute != "fp32" else torch.float32
 
 
 def stage_group(mesh: Mesh) -> dist.ProcessGroup | None:
@@ -71,6 +79,7 @@ class StageMatrices:
     """The matrices of one rank's stage: where its optimizer holds pieces of them, and their orthogonalisation."""
 
     def __init__(self, rank, cfg, group: dist.ProcessGroup | None):
+        self.dtype = iteration_format(rank.policy, rank.mesh.device)
         shapes = global_shapes(cfg.model)
         names = set(parameter_names(rank, cfg).values())
         self.shapes = matrices({name: shape for name, shape in shapes.items() if name in names})
@@ -134,7 +143,7 @@ class StageMatrices:
             at += n
         for key, start in self.offsets.items():
             whole = buffer[start : start + math.prod(self.shapes[key])].view(self.shapes[key])
-            whole.copy_(orthogonalized(whole))
+            whole.copy_(orthogonalized(whole, self.dtype))
         back = self._exchange([[self._box(buffer, box) for box in boxes] for boxes in self.returned],
                               [sum(math.prod(box[2]) for box, _, _ in self.held if self.owner[box[0]] == rank)
                                for rank in ranks])

@@ -44,6 +44,7 @@ from simulator.engine.experts import SharedExperts, layer_exchange as expert_exc
 from job.exchange.experts import expert_gradient_reduction
 from simulator.engine.host import HostCompute
 from simulator.engine.links import LinkCosts
+from simulator.engine.muon import hbm_seconds, muon_seconds
 from simulator.engine.data_parallel import ActionCost, DataParallelPricer, UnitCopies
 from simulator.costs.hardware import GPUSpec
 from job.layout import Layout, buckets, stage_units
@@ -306,12 +307,21 @@ def rank_costs(model: GPTConfig, layout: Layout, schedule: ScheduleConfig, links
                                         _copies(job, gpu, profile, implementation, schedule.sums_grads))
         ranks.append(RankCosts(
             actions=actions,
-            optimizer=optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)
+            optimizer=(optimizer_seconds(memory.per_stage[rank], pol, gpu, implementation.fused_optimizer)
+                       + _muon(model, layout, rank, memory.per_stage[rank], pol, links, gpu, profile, implementation))
             * (host.slowdown if host is not None else 1.0)
             + norm_reduce + per_step + (0.0 if pricer else experts),  # no pricer (one data rank): at the step itself
             pricer=pricer,
         ))
     return ranks
+
+
+def _muon(model, layout, stage: int, memory, pol, links, gpu, profile, implementation) -> float:
+    """Muon's all-to-alls and Newton-Schulz GEMMs on a rank of `stage` (simulator/engine/muon.py); 0 under AdamW."""
+    if implementation.optimizer != "muon":
+        return 0.0
+    owned_matrices = (memory.adam_m - memory.adam_v) // FORMAT_BYTES[pol.optimizer_state]
+    return muon_seconds(model, layout, stage, owned_matrices, links, gpu, profile, pol)
 
 
 def action_prices(model: GPTConfig, layout: Layout, links: LinkCosts, gpu: GPUSpec, precision: str, micro_batch: int,
@@ -442,6 +452,8 @@ def optimizer_bytes(pol, fused: bool) -> int:
 
 
 def optimizer_seconds(stage: MemoryEstimate, pol, gpu: GPUSpec, fused: bool = False) -> float:
-    """AdamW on this rank's share: optimizer_bytes per owned parameter at the achieved HBM speed."""
+    """AdamW on this rank's share: optimizer_bytes per owned parameter at the achieved HBM speed; under Muon the
+    owned parameters without a second moment are its matrices, muon_bytes each (simulator/engine/muon.py)."""
     owned = stage.adam_m // FORMAT_BYTES[pol.optimizer_state]
-    return owned * optimizer_bytes(pol, fused) / hbm_speed(gpu)
+    adamw = stage.adam_v // FORMAT_BYTES[pol.optimizer_state]
+    return adamw * optimizer_bytes(pol, fused) / hbm_speed(gpu) + hbm_seconds(owned - adamw, pol, gpu, fused)

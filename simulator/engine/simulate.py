@@ -373,7 +373,8 @@ def _result(model, layout, spec, precision, schedule_kind, micro_batch, m, globa
     critical = max(range(len(tallies)), key=lambda r: tallies[r].end)
     per_rank = [{BREAKDOWN_NAMES[k]: t.seconds[k] for k in CATEGORIES} for t in tallies]
     n, pol = layout.world_size, precision_policy(precision)
-    job = predict_memory(model, Layout(), precision, micro_batch, implementation.recompute)
+    job = predict_memory(model, Layout(), precision, micro_batch, implementation=Implementation(
+        recompute=implementation.recompute, optimizer=implementation.optimizer))
     state = {"parameters": job.parameters, "gradients": job.gradients, "master_weights": job.master_weights,
              "optimizer_states": job.adam_m + job.adam_v, "total": job.model_states}
     return SimResult(
