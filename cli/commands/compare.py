@@ -24,7 +24,7 @@ from cli.options.context import context_options
 from cli.options.fsdp import fsdp_options, reshards
 from cli.options.batch import batch_options, micro_batch_count, stage_layers_option
 from cli.options.model import model_from_options, model_options
-from cli.options.precision import AUTO, CPU_PRECISION, precision_option, training_precision
+from cli.options.precision import AUTO, CPU_PRECISION, optimizer_option, precision_option, training_precision
 from minigpt.errors import ConfigError
 from job.layout import Layout
 from job.train_config import TrainConfig
@@ -51,6 +51,7 @@ def build_compare_config(options: dict) -> TrainConfig:
         threads_per_rank=options["threads_per_rank"],
         tokenizer=options.get("tokenizer") or "bytes",  # the corpus in its ids (--tokenizer sets the vocabulary)
         log_every=max(1, options["steps"]), recompute=options.get("recompute", "none"),
+        optimizer=options.get("optimizer") or "adamw",
     )
     if options["precision"] == AUTO:  # the format the training side will compute in, for both sides
         cfg = dataclasses.replace(cfg, precision=training_precision(AUTO, cfg.device, cfg.world_size))
@@ -83,6 +84,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @precision_option
 @click.option("--threads-per-rank", "threads_per_rank", type=int, help="[default: 1 with several ranks]")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
+@optimizer_option
 @click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")
 @click.option("--out", type=str, help="Directory for the run, trace.json, simulated.json and compare.png "
               "[default: runs/...].")

@@ -105,12 +105,17 @@ def calibrate_hint(models, hardware) -> str:
 
 
 def simulate(plan: ComparePlan):
+    from dataclasses import replace
+
+    from simulator.engine.overlap import stack_default
     from simulator.engine.simulate import simulate_step
 
     cfg = plan.cfg
+    implementation = replace(stack_default("executor", "flash", cfg.recompute), optimizer=cfg.optimizer)
     return simulate_step(cfg.model, plan.layout, plan.cluster, cfg.precision, cfg.global_batch, plan.micro_batch,
                          cfg.schedule, cfg.virtual_chunks, cfg.recompute, profile=plan.hardware.gpu.matmul_efficiency,
-                         gpu=plan.hardware, bucket_mb=cfg.bucket_mb, threads_per_rank=cfg.threads_per_rank)
+                         gpu=plan.hardware, bucket_mb=cfg.bucket_mb, threads_per_rank=cfg.threads_per_rank,
+                         implementation=implementation)
 
 
 def _memory_predicted(result, plan: "ComparePlan") -> dict[str, int]:

@@ -27,6 +27,7 @@ def predicted_rank_bytes(cfg: TrainConfig) -> list[int]:
     """Bytes of every pipeline stage's rank at its peak (model states, buffers, activations)."""
     from job.data_parallel import schedule_config
     from job.schedule import build_schedule
+    from simulator.costs.implementation import Implementation
     from simulator.memory import predict_memory
 
     layout = Layout.of(cfg)
@@ -34,9 +35,10 @@ def predicted_rank_bytes(cfg: TrainConfig) -> list[int]:
     schedule = build_schedule(schedule_config(cfg.model, layout, cfg.micro_batches, cfg.schedule, cfg.bucket_mb,
                                               cfg.precision))
     micro_batch = cfg.global_batch // (cfg.micro_batches * cfg.dp)
-    estimate = predict_memory(cfg.model, layout, cfg.precision, micro_batch, cfg.recompute, bucket_mb=cfg.bucket_mb,
+    estimate = predict_memory(cfg.model, layout, cfg.precision, micro_batch, bucket_mb=cfg.bucket_mb,
                               micro_batches_in_flight=peak_in_flight(schedule), micro_batches=cfg.micro_batches,
-                              ends_in_flight=peak_ends_in_flight(schedule))
+                              ends_in_flight=peak_ends_in_flight(schedule),
+                              implementation=Implementation(recompute=cfg.recompute, optimizer=cfg.optimizer))
     return [stage.total for stage in estimate.per_stage] if estimate.per_stage else [estimate.total]
 
 

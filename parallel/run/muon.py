@@ -11,10 +11,10 @@ alike: dp x cp x tp, the experts' ranks among them) by job/muon.py's assign_matr
   3. every rank gets back each piece it holds of them (a second all-to-all, the reverse of the first, with the
      pieces several ranks hold sent to each).
 
-Each rank sends and receives what it holds and keeps its own matrices whole, no more: the Newton-Schulz work is
-split over the stage's ranks (Liu et al. 2025's distributed Muon gathers over data parallelism and repeats it on
-every rank). Where each rank's boxes are is exchanged once, when the optimizer is built. One process has one
-stage and no group: the same code, its all-to-alls copies.
+Each rank sends and receives what it holds and keeps its own matrices whole, no more, and each matrix is
+orthogonalised once (Liu et al. 2025's distributed Muon gathers a matrix on every data-parallel rank holding a piece
+of it and computes it on each). Where each rank's boxes are is exchanged once, when the optimizer is built. One
+process has one stage and no group: the same code, its all-to-alls copies.
 """
 
 from __future__ import annotations
