@@ -86,10 +86,17 @@ class StageMatrices:
         self.comm, self.device = Collectives(group, "muon", rank.mesh.device), rank.mesh.device
         self.owner = {key: owner for owner, keys in enumerate(assign_matrices(self.shapes, self.comm.size))
                       for key in keys}
-        self.offsets, total = {}, 0  # where each matrix this rank orthogonalises sits in its buffer
-        for key in sorted(key for key, owner in self.owner.items() if owner == self.comm.rank):
+        # where each matrix this rank orthogonalises sits in its buffer: those of one shape side by side, one batch
+        self.offsets, self.batches, total = {}, [], 0  # batches: (start, how many, shape)
+        for key in sorted((k for k, owner in self.owner.items() if owner == self.comm.rank),
+                          key=lambda k: (self.shapes[k], k)):
+            shape = self.shapes[key]
+            if self.batches and self.batches[-1][2] == shape:
+                self.batches[-1] = (self.batches[-1][0], self.batches[-1][1] + 1, shape)
+            else:
+                self.batches.append((total, 1, shape))
             self.offsets[key] = total
-            total += math.prod(self.shapes[key])
+            total += math.prod(shape)
         self.numel = total
         # (box, position in the optimizer's weights end to end, written by this rank) of every piece held
         self.held = [held for p in rank_placements(rank, cfg) if takes_muon(p.name) for held in _boxes(p)]
@@ -141,9 +148,9 @@ class StageMatrices:
             n = math.prod(box[2])
             self._box(buffer, box).copy_(incoming[at : at + n].view(box[2]))
             at += n
-        for key, start in self.offsets.items():
-            whole = buffer[start : start + math.prod(self.shapes[key])].view(self.shapes[key])
-            whole.copy_(orthogonalized(whole, self.dtype))
+        for start, count, shape in self.batches:  # the matrices of one shape as one batch of GEMMs
+            stack = buffer[start : start + count * math.prod(shape)].view(count, *shape)
+            stack.copy_(orthogonalized(stack, self.dtype))
         back = self._exchange([[self._box(buffer, box) for box in boxes] for boxes in self.returned],
                               [sum(math.prod(box[2]) for box, _, _ in self.held if self.owner[box[0]] == rank)
                                for rank in ranks])

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from job.muon import OPTIMIZERS
 from job.train_config import LR_SCHEDULES, WSD_SCHEDULES, TrainConfig
 from minigpt.errors import ConfigError
 from minigpt.tokenizer import BYTES, FILE_NAME, load_tokenizer
@@ -65,7 +66,7 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
 
     lines = []
     saved_optimizer = point.settings.get("optimizer", "adamw")  # written before Muon: AdamW's
-    if saved_optimizer != cfg.optimizer:
+    if saved_optimizer != cfg.optimizer and saved_optimizer in OPTIMIZERS:
         raise ConfigError(f"--resume: {point.path} was trained with --optimizer {saved_optimizer}, whose state "
                           f"--optimizer {cfg.optimizer} cannot take up: resume with --optimizer {saved_optimizer}, "
                           f"or start a new run from its weights (`minigpt export`, then --init-from)")
@@ -88,11 +89,11 @@ def continue_settings(cfg, point: ResumePoint, save_every_given: bool):
         lines.append(f"resume: --lr-schedule {' '.join(map(str, _schedule(cfg.lr_schedule, cfg.decay_fraction)))} "
                      f"where the run was started with {' '.join(map(str, saved))}: the learning rate follows it from "
                      f"here ({cfg.learning_rate(point.step):.2e} at step {point.step})")
-    saved_eod = point.settings.get("document_eod")
-    if saved_eod != cfg.document_eod:
-        said = {None: "across documents"}
-        lines.append(f"resume: attention {said.get(cfg.document_eod, 'within documents')} where the run attended "
-                     f"{said.get(saved_eod, 'within documents')} (--document-mask changes it)")
+    saved_masked = point.settings.get("document_eod") is not None  # a hand-edited state.json may hold anything
+    if saved_masked != (cfg.document_eod is not None):
+        said = {True: "within documents", False: "across documents"}
+        lines.append(f"resume: attention {said[cfg.document_eod is not None]} where the run attended "
+                     f"{said[saved_masked]} (--document-mask changes it)")
     return cfg, lines
 
 

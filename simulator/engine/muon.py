@@ -13,13 +13,15 @@ the weights that are not matrices (engine/costs.py's optimizer_seconds):
                  it, and their latency), the slower setting the time. The fabric past a GPU's own links is taken as
                  non-blocking (a rail-optimised fat tree's), as for the expert all-to-all's.
   Newton-Schulz  the busiest rank's matrices, dealt out as training deals them (job/muon.py's assign_matrices, each
-                 expert of a stack apart): five steps of three GEMMs each (X X^T, its square, the product with X),
+                 expert of a stack apart): five steps of three GEMMs each (X X^T, its square, the product with X;
+                 the matrices of one shape batched, as training stacks them),
                  priced by the GEMM model (compute.py's Matmul) in bf16 when the job computes in a 16-bit or fp8
                  format (parallel/run/muon.py's iteration_format on a GPU), in fp32 (TF32 off) otherwise.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import lru_cache
 
 from job.layout import Layout
@@ -64,13 +66,14 @@ def _stage_work(model: GPTConfig, layout: Layout, stage: int, ranks: int) -> tup
 
 
 def newton_schulz_seconds(shapes, gpu: GPUSpec, profile: EfficiencyProfile | None, dtype: str) -> float:
-    """The GEMMs of orthogonalising matrices of `shapes` one after another in `dtype` (m the shorter side, n the
-    longer)."""
+    """The GEMMs of orthogonalising matrices of `shapes` in `dtype`, those of one shape as one batch (m the shorter
+    side, n the longer), one batch after another."""
     seconds = 0.0
-    for rows, cols in shapes:
+    for (rows, cols), count in Counter(tuple(shape) for shape in shapes).items():
         m, n = sorted((rows, cols))
-        step = (Matmul("gram", m, m, n, dtype).time(gpu, profile) + Matmul("square", m, m, m, dtype).time(gpu, profile)
-                + Matmul("apply", m, n, m, dtype).time(gpu, profile))
+        step = (Matmul("gram", m, m, n, dtype, count).time(gpu, profile)
+                + Matmul("square", m, m, m, dtype, count).time(gpu, profile)
+                + Matmul("apply", m, n, m, dtype, count).time(gpu, profile))
         seconds += NEWTON_SCHULZ_STEPS * step
     return seconds
 
