@@ -55,6 +55,8 @@ LAYOUTS = {
     # experts split over ep 2 inside dp 4: the routed rows' all-to-alls, their counts, the experts' gradient reduction
     "dp4-ep2-zero1-moe-bf16": dataclasses.replace(BASE, dp=4, ep=2, zero=1, precision="bf16", model=MODEL.with_(
         n_experts=4, top_k=2, d_expert=16, aux_loss_coef=0.01)),
+    # Muon's pieces sent to the ranks their matrices are dealt to and back (parallel/run/muon.py)
+    "dp2-tp2-zero1-muon-bf16": dataclasses.replace(BASE, dp=2, tp=2, zero=1, precision="bf16", optimizer="muon"),
 }
 
 
