@@ -43,6 +43,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     one = train(TrainConfig(**base, out_dir=str(tmp_path / "one")))
     four = train(TrainConfig(**base, micro_batches=4, out_dir=str(tmp_path / "four")))
     assert four["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    # the validation's sequences are the global batch's, whatever the micro-batches (they ran 2 then 8 of them)
+    assert four["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
 
 
 def test_cli_json(tmp_path):

@@ -148,13 +148,16 @@ def validate(rank: Rank, corpus: Corpus, cfg: TrainConfig, device: torch.device)
 
 
 def _validation_loss(rank: Rank, tokens, cfg: TrainConfig, device: torch.device) -> float:
-    """The mean loss of `tokens`' fixed validation batches, over every data-parallel replica."""
-    batch = max(1, cfg.global_batch // cfg.micro_batches)
-    share, first = batch // cfg.dp, rank.mesh.dp_rank * (batch // cfg.dp)
+    """The mean loss of `tokens`' fixed validation batches, over every data-parallel replica: batches of the global
+    batch's size, the same sequences whatever the layout and the micro-batches, each run a micro-batch at a time
+    (the pipeline's buffers are a micro-batch's)."""
+    micro = cfg.global_batch // cfg.micro_batches  # every replica's micro-batch together
+    share, first = micro // cfg.dp, rank.mesh.dp_rank * (micro // cfg.dp)
     mesh = rank.mesh
     losses = [
-        rank.executor.evaluate(*(context_part(t[first:first + share], mesh).to(device) for t in (x, y)))
-        for x, y in validation_batches(tokens, cfg.model.seq_len, batch, cfg.eval_batches, cfg.seed)
+        rank.executor.evaluate(*(context_part(t[start + first:start + first + share], mesh).to(device) for t in (x, y)))
+        for x, y in validation_batches(tokens, cfg.model.seq_len, cfg.global_batch, cfg.eval_batches, cfg.seed)
+        for start in range(0, cfg.global_batch, micro)
     ]
     loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64, device=device)
     if mesh.data_group() is not None:  # each context-parallel rank's mean is over as many tokens
