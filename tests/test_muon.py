@@ -223,3 +223,14 @@ def test_matrices_are_dealt_out_by_work():
     loads = [sum(newton_schulz_flops(shapes[k]) for k in keys) for keys in assigned]
     assert assigned[0] == [("a", -1)] and max(loads) == newton_schulz_flops((64, 64))
     assert assign_matrices(shapes, 1) == [sorted(shapes, key=lambda k: (-newton_schulz_flops(shapes[k]), k))]
+
+
+def test_the_iteration_in_bf16_is_the_fp32_ones_within_its_rounding():
+    """On a GPU training in 16 bits the iteration runs in bf16 (parallel/run/muon.py's iteration_format), as the
+    reference code does: its update stays within bf16's rounding of the fp32 one (a few percent of its largest
+    entry), and comes back in fp32."""
+    torch.manual_seed(0)
+    g = torch.randn(3, 16, 32)
+    exact, rounded = orthogonalized(g), orthogonalized(g, torch.bfloat16)
+    assert rounded.dtype == torch.float32
+    assert float((exact - rounded).abs().max()) < 0.06 * float(exact.abs().max())
