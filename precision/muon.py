@@ -1,11 +1,12 @@
 """Muon on fp32 master weights: the hidden matrices' updates orthogonalised, AdamW for the rest.
 
 Muon (Jordan et al. 2024, "Muon: an optimizer for hidden layers"; Liu et al. 2025, "Muon is scalable for LLM
-training", arXiv 2502.16982, the Moonlight recipe Kimi K2 and GLM-4.5 train with) keeps one momentum buffer per
-matrix and steps along the nearest semi-orthogonal matrix to its Nesterov update, found by five Newton-Schulz
-iterations of the quintic (3.4445, -4.7750, 2.0315). Moonlight's two changes make it a drop-in for AdamW: the
-orthogonal update is scaled by 0.2 sqrt(max(rows, cols)), which gives it AdamW's update RMS, so the learning rate
-and the schedule carry over, and decoupled weight decay applies to the matrices as to every other weight.
+training", arXiv 2502.16982, Moonlight's recipe; Kimi K2, with its QK-clip, and GLM-4.5 report training with it)
+keeps one momentum buffer per matrix and steps along the nearest semi-orthogonal matrix to its Nesterov update,
+found by five Newton-Schulz iterations of the quintic (3.4445, -4.7750, 2.0315): parallel/run/muon.py's
+orthogonalized. Moonlight's two changes make it a drop-in for AdamW: the orthogonal update is scaled by
+0.2 sqrt(max(rows, cols)), which gives it AdamW's update RMS, so the learning rate and the schedule carry over, and
+decoupled weight decay applies to the matrices as to every other weight.
 
 Which parameters: job/muon.py's takes_muon (every matrix of a block; the embeddings, head, norms, biases: AdamW).
 

@@ -351,7 +351,8 @@ def _stage(model: GPTConfig, layout: Layout, pol: PrecisionPolicy, index: int, c
                  - parts[0][3] * reduce_e)
     return StageMemory(
         parameters=parameters, gradients=grads * per_param["grad"],
-        master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"], adam_v=second_moments * per_param["adam_v"],
+        master_weights=owned * per_param["master"], adam_m=owned * per_param["adam_m"],
+        adam_v=second_moments * per_param["adam_v"],
         activations=activations, comm_buffers=comm,
         stage=index, layers=sum(len(r) for _, r in placed), numel=numel,
     )

@@ -104,9 +104,14 @@ class StageMatrices:
         if group is not None:
             boxes = [None] * self.comm.size
             dist.all_gather_object(boxes, [(box, writes) for box, _, writes in self.held], group=group)
-        self.sent = [[box for box, writes in theirs if writes and self.owner[box[0]] == self.comm.rank]
+        me, ranks = self.comm.rank, range(self.comm.size)
+        self.sent = [[box for box, writes in theirs if writes and self.owner[box[0]] == me]
                      for theirs in boxes]  # what each rank sends this one, in its order
-        self.returned = [[box for box, _ in theirs if self.owner[box[0]] == self.comm.rank] for theirs in boxes]
+        self.returned = [[box for box, _ in theirs if self.owner[box[0]] == me] for theirs in boxes]
+        # (position, elements) of the pieces this rank sends each rank, and of those each sends back, in order
+        self.outgoing = [[(p, math.prod(box[2])) for box, p, writes in self.held if writes and self.owner[box[0]] == r]
+                         for r in ranks]
+        self.incoming = [[(p, math.prod(box[2])) for box, p, _ in self.held if self.owner[box[0]] == r] for r in ranks]
 
     def ranges(self) -> list[tuple[int, int]]:
         """The ranges of the optimizer's weights (end to end) that are pieces of these matrices."""
@@ -139,9 +144,7 @@ class StageMatrices:
         """Replace this rank's pieces of the matrices in `update` by their whole matrices' orthogonalised update."""
         if not self.shapes:  # a stage of embeddings alone (every rank of it alike)
             return
-        ranks = range(self.comm.size)
-        outgoing = [[update[position : position + math.prod(box[2])] for box, position, writes in self.held
-                     if writes and self.owner[box[0]] == rank] for rank in ranks]
+        outgoing = [[update[position : position + n] for position, n in pieces] for pieces in self.outgoing]
         incoming = self._exchange(outgoing, [sum(math.prod(box[2]) for box in boxes) for boxes in self.sent])
         buffer, at = torch.empty(self.numel, dtype=torch.float32, device=self.device), 0
         for box in (box for boxes in self.sent for box in boxes):
@@ -152,15 +155,11 @@ class StageMatrices:
             stack = buffer[start : start + count * math.prod(shape)].view(count, *shape)
             stack.copy_(orthogonalized(stack, self.dtype))
         back = self._exchange([[self._box(buffer, box) for box in boxes] for boxes in self.returned],
-                              [sum(math.prod(box[2]) for box, _, _ in self.held if self.owner[box[0]] == rank)
-                               for rank in ranks])
+                              [sum(n for _, n in pieces) for pieces in self.incoming])
         at = 0
-        for rank in ranks:
-            for box, position, _ in self.held:
-                if self.owner[box[0]] == rank:
-                    n = math.prod(box[2])
-                    update[position : position + n].copy_(back[at : at + n])
-                    at += n
+        for position, n in (piece for pieces in self.incoming for piece in pieces):
+            update[position : position + n].copy_(back[at : at + n])
+            at += n
 
 
 def _boxes(placement) -> list[tuple[Box, int, bool]]:

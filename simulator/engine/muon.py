@@ -81,7 +81,7 @@ def newton_schulz_seconds(shapes, gpu: GPUSpec, profile: EfficiencyProfile | Non
 def stage_all_to_all(links, stage: int, nbytes: float) -> float:
     """One all-to-all over the stage's ranks in which every rank sends and receives `nbytes`, spread evenly over its
     peers: the share for its own server over NVLink, the rest over its NIC, at once (one flow each, LinkCosts.flows)."""
-    group = links.rank_groups("amax_data", stage)[0]
+    group = links.groups("amax_data", stage)[0][0]  # the stage's dp x cp x tp members (GPU ids on the graph path)
     n = len(group)
     if n == 1 or nbytes <= 0:
         return 0.0
