@@ -34,7 +34,8 @@ LAYOUTS = {
         "moe-dp2-ep2-zero1": ("moe", dict(dp=2, ep=2, zero=1))},
     4: {"tp2-dp2-zero2": ("llama", dict(tp=2, dp=2, zero=2)),
         "pp2-tp2": ("llama", dict(pp=2, tp=2, micro_batches=2)),
-        "dp4-shard2-zero3": ("llama", dict(dp=4, zero=3, shard_group=2))},
+        "dp4-shard2-zero3": ("llama", dict(dp=4, zero=3, shard_group=2)),
+        "moe-tp2-sp-dp2-ep2": ("moe", dict(tp=2, sequence_parallel=True, dp=2, ep=2, zero=1))},
 }
 SAVED_BY, SAVED_AT = "dp2-zero1", 10
 
