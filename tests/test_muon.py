@@ -235,3 +235,40 @@ def test_the_iteration_in_bf16_is_the_fp32_ones_within_its_rounding():
     exact, rounded = orthogonalized(g), orthogonalized(g, torch.bfloat16)
     assert rounded.dtype == torch.float32
     assert float((exact - rounded).abs().max()) < 0.06 * float(exact.abs().max())
+
+
+def test_a_matrix_moves_as_under_torchs_own_muon(monkeypatch):
+    """torch.optim.Muon (torch's own since 2.9: its momentum an average, (1 - m) times ours, which the iteration's
+    normalisation takes out; Moonlight's scale as adjust_lr_fn "match_rms_adamw") and MasterMuon move a 24 x 40
+    matrix alike over three steps: to fp32's rounding with both iterating in fp32 (torch's iteration, always bf16,
+    replaced by the textbook's: the momentum, the scale and the decay are then the only rule compared), and within
+    bf16's rounding with both in bf16, each its own iteration."""
+    import torch.optim._muon as torch_muon
+    from precision.muon import MasterMuon
+
+    def run(dtype) -> tuple[float, float]:
+        torch.manual_seed(0)
+        matrix = torch.randn(24, 40)
+        theirs = torch.nn.Parameter(matrix.clone())
+        reference = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.95,
+                                     adjust_lr_fn="match_rms_adamw")
+
+        def orthogonalize(update):
+            update[:] = orthogonalized(update.view(24, 40), dtype).reshape(-1)
+
+        ours = MasterMuon(matrix.reshape(-1).clone(), [(0, matrix.numel())], orthogonalize, momentum=0.95, lr=0.02,
+                          weight_decay=0.1)
+        for _ in range(3):
+            grad = torch.randn(24, 40)
+            theirs.grad = grad.clone()
+            reference.step()
+            ours.step(grad.reshape(-1), grad_clip=0.0)
+        gap = float((ours.masters.view(24, 40) - theirs.detach()).abs().max())
+        return gap, float((theirs.detach() - matrix).abs().max())
+
+    gap, moved = run(torch.bfloat16)
+    assert gap < 0.05 * moved
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda grad, coefficients, steps, eps: textbook_newton_schulz(grad.float(), steps))
+    gap, moved = run(torch.float32)
+    assert gap < 1e-5 * moved
