@@ -151,7 +151,9 @@ def muon_owned(chunks, zero: int, dp: int, bucket_numel: int) -> int:
         for chunk in chunks:
             tensors = [t for unit in chunk for t in unit]
             spaces += [[tensors[i] for i in members] for members, _ in bucket_members(tensors, bucket_numel, dp)]
-    return min(sum(_piece_matrices(space, dp, rank) for space in spaces) for rank in range(dp))
+    by_id: dict[int, list[int]] = {}  # every block's unit is one list (job/layout.py's stage_units): once each
+    per_space = [by_id.setdefault(id(space), _piece_matrices(space, dp)) for space in spaces]
+    return min(map(sum, zip(*per_space))) if per_space else 0
 
 
 def experts_muon_owned(chunks, shards: int = 1) -> int:
@@ -159,16 +161,29 @@ def experts_muon_owned(chunks, shards: int = 1) -> int:
     experts = [t for chunk in chunks for unit in chunk for t in unit if is_expert_tensor(t)]
     if shards == 1:
         return sum(t.numel for t in experts if takes_muon(t.name))
-    return min(_piece_matrices(experts, shards, rank) for rank in range(shards))
+    return min(_piece_matrices(experts, shards))
 
 
-def _piece_matrices(tensors, parts: int, rank: int) -> int:
-    """Elements of Muon's matrices in piece `rank` of `parts` of `tensors` laid end to end, padded to a multiple."""
-    total = sum(t.numel for t in tensors)
-    piece = -(-total // parts)
-    lo, hi, at, found = rank * piece, (rank + 1) * piece, 0, 0
+def _piece_matrices(tensors, parts: int) -> list[int]:
+    """Elements of Muon's matrices in each of the `parts` pieces of `tensors` laid end to end, padded to a multiple
+    of `parts`: one pass over the tensors, the pieces a matrix covers whole added through a difference array."""
+    piece = -(-sum(t.numel for t in tensors) // parts) or 1
+    found, whole, at = [0] * parts, [0] * (parts + 1), 0
     for tensor in tensors:
-        if takes_muon(tensor.name):
-            found += max(0, min(hi, at + tensor.numel) - max(lo, at))
-        at += tensor.numel
+        lo, hi = at, at + tensor.numel
+        at = hi
+        if not takes_muon(tensor.name) or lo == hi:
+            continue
+        first, last = lo // piece, (hi - 1) // piece
+        if first == last:
+            found[first] += hi - lo
+            continue
+        found[first] += (first + 1) * piece - lo
+        found[last] += hi - last * piece
+        whole[first + 1] += piece
+        whole[last] -= piece
+    running = 0
+    for rank in range(parts):
+        running += whole[rank]
+        found[rank] += running
     return found

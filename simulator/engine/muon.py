@@ -51,11 +51,19 @@ def muon_bytes(pol, fused: bool) -> int:
     return cast + passes * STATE + (STATE + compute if pol.master else 0)
 
 
-@lru_cache(maxsize=256)
-def _stage_work(model: GPTConfig, layout: Layout, stage: int, ranks: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+def _stage_work(model: GPTConfig, layout: Layout, stage: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """(the stage's matrix elements, the shapes of the matrices dealt to its busiest rank)."""
-    last = layout.pp * layout.virtual_chunks - 1
-    placed = layout.rank_chunks(model)[stage]
+    return _placed_work(model, layout.pp, layout.virtual_chunks, layout.stage_layers, stage,
+                        layout.dp * layout.cp * layout.tp)
+
+
+@lru_cache(maxsize=1024)
+def _placed_work(model: GPTConfig, pp: int, virtual_chunks: int, stage_layers: tuple[int, ...], stage: int,
+                 ranks: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """_stage_work by what it depends on alone (the blocks' placement and the stage's ranks), so that a layout
+    search deals each stage's matrices out once for every layout placing them alike."""
+    last = pp * virtual_chunks - 1
+    placed = Layout(pp=pp, virtual_chunks=virtual_chunks, stage_layers=stage_layers).rank_chunks(model)[stage]
     shapes = stage_matrices(model, [layer for _, layers in placed for layer in layers],
                             any(chunk == last for chunk, _ in placed))
     if not shapes:
@@ -101,16 +109,22 @@ def muon_seconds(model: GPTConfig, layout: Layout, stage: int, owned_matrices: i
                  profile: EfficiencyProfile | None, pol) -> float:
     """The all-to-alls and the Newton-Schulz GEMMs of a rank of `stage` owning `owned_matrices` elements of its
     matrices (the element-wise passes are optimizer_seconds')."""
-    ranks = layout.dp * layout.cp * layout.tp
-    total, busiest = _stage_work(model, layout, stage, ranks)
+    total, busiest = _stage_work(model, layout, stage)
     if not total:
         return 0.0
     dealt = sum(rows * cols for rows, cols in busiest)
-    copies = ranks * owned_matrices / total  # how many ranks hold each element, on average
+    copies = layout.dp * layout.cp * layout.tp * owned_matrices / total  # how many ranks hold each element
     there = stage_all_to_all(links, stage, STATE * max(owned_matrices, dealt))
     back = stage_all_to_all(links, stage, STATE * max(owned_matrices, dealt * copies))
-    dtype = "fp32" if pol.compute == "fp32" else "bf16"
-    return there + back + newton_schulz_seconds(busiest, gpu, profile, dtype)
+    return there + back + iteration_seconds(model, layout, stage, gpu, profile, pol)
+
+
+def iteration_seconds(model: GPTConfig, layout: Layout, stage: int, gpu: GPUSpec, profile: EfficiencyProfile | None,
+                      pol) -> float:
+    """The Newton-Schulz GEMMs of the busiest rank of `stage`: part of muon_seconds, and on its own a lower bound
+    of it (simulator/search/bound.py's)."""
+    busiest = _stage_work(model, layout, stage)[1]
+    return newton_schulz_seconds(busiest, gpu, profile, "fp32" if pol.compute == "fp32" else "bf16")
 
 
 def hbm_seconds(elements: int, pol, gpu: GPUSpec, fused: bool) -> float:

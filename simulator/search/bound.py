@@ -15,7 +15,8 @@ the optimizer step runs last. So, for every rank r, the step lasts at least
            0 .. c-1 first, one after another (their forward prices);
   tail_r   its last action is a backward of chunk c: chunks c-1 .. 0 still run that micro-batch's
            backward after it, then rank 0 steps its optimizer (0 when c = 0);
-  optimizer_r  AdamW over rank r's share at HBM speed (engine/costs.py's optimizer_seconds; the
+  optimizer_r  AdamW over rank r's share at HBM speed (engine/costs.py's optimizer_seconds; under Muon with its
+               busiest rank's Newton-Schulz GEMMs, engine/muon.py's iteration_seconds; the
            norm's tiny all-reduces left out, so the bound only gets lower).
 
 and, since a rank's data-parallel collectives run one at a time on its one stream (in the replay
@@ -61,6 +62,7 @@ from job.train_config import TrainConfig
 from precision.policy import policy as precision_policy
 from simulator.engine.simulate import ddp_bucket_mb, step_schedule
 from simulator.engine.costs import RankCosts, action_prices, optimizer_seconds, rank_costs
+from simulator.engine.muon import iteration_seconds
 from simulator.engine.links import LinkCosts
 from simulator.costs.hardware import Hardware
 from simulator.memory import MemoryEstimate
@@ -285,6 +287,10 @@ class StepBound:
         shape = schedule_shape(layout.pp, micro_batches, kind, layout.virtual_chunks)
         optimizer = [optimizer_seconds(stage, self.policy, self.hardware.gpu, self.fused_optimizer)
                      for stage in memory.per_stage]
+        if dict(self.changes).get("optimizer") == "muon":  # and its busiest rank's iteration, all-to-alls aside
+            gpu = self.hardware.gpu
+            optimizer = [seconds + iteration_seconds(self.model, layout, rank, gpu, gpu.matmul_efficiency, self.policy)
+                         for rank, seconds in enumerate(optimizer)]
         best = 0.0
         for rank in range(layout.pp):
             first_kind, first_chunk = shape.first[rank]
