@@ -178,31 +178,43 @@ def build_mesh(pp: int, dp: int, tp: int, device: torch.device, cp: int = 1, sha
     return mesh
 
 
+def stage_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    """The ranks of this rank's pipeline stage, dp x cp x tp of them (None for one rank; the world without
+    pipelining): Muon's matrices are dealt out over it (parallel/run/muon.py). Built on demand, not by build_mesh;
+    collective: every rank builds every stage's group, in one order."""
+    if mesh.world_size == 1:
+        return None
+    if mesh.pp == 1:
+        return dist.group.WORLD
+    return _own_group(mesh, [[mesh.global_rank(pp_rank, dp, cp, tp) for dp in range(mesh.dp)
+                              for cp in range(mesh.cp) for tp in range(mesh.tp)] for pp_rank in range(mesh.pp)])
+
+
+def _own_group(mesh: Mesh, groups: list[list[int]]) -> dist.ProcessGroup | None:
+    """Every group of `groups` built (new_group is collective: every rank builds each, in one order); this rank's."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mine = group
+    return mine
+
+
 def _data_group(mesh: Mesh) -> dist.ProcessGroup:
     """This rank's dp x cp group; every rank builds every one (new_group is collective), in one order."""
-    mine = None
-    for pp_rank in range(mesh.pp):
-        for tp_rank in range(mesh.tp):
-            ranks = [mesh.global_rank(pp_rank, dp_rank, cp_rank, tp_rank)
-                     for dp_rank in range(mesh.dp) for cp_rank in range(mesh.cp)]
-            group = dist.new_group(ranks)
-            if mesh.rank in ranks:
-                mine = group
-    return mine
+    return _own_group(mesh, [[mesh.global_rank(pp_rank, dp_rank, cp_rank, tp_rank)
+                              for dp_rank in range(mesh.dp) for cp_rank in range(mesh.cp)]
+                             for pp_rank in range(mesh.pp) for tp_rank in range(mesh.tp)])
 
 
 def _sub_group(mesh: Mesh, shard: int, shards: bool) -> dist.ProcessGroup:
     """This rank's shard group (`shards`: `shard` consecutive data ranks) or replica group (the data ranks
     `shard` apart); every rank builds every one of them, in one order (new_group is collective)."""
-    mine = None
+    groups = []
     for pp_rank in range(mesh.pp):
         for tp_rank in range(mesh.tp):
             data = [mesh.global_rank(pp_rank, dp_rank, cp_rank, tp_rank)
                     for dp_rank in range(mesh.dp) for cp_rank in range(mesh.cp)]
-            groups = [data[g : g + shard] for g in range(0, len(data), shard)] if shards else \
+            groups += [data[g : g + shard] for g in range(0, len(data), shard)] if shards else \
                 [data[j::shard] for j in range(shard)]
-            for ranks in groups:
-                group = dist.new_group(ranks)
-                if mesh.rank in ranks:
-                    mine = group
-    return mine
+    return _own_group(mesh, groups)

@@ -19,7 +19,6 @@ moments of the other weights (`exp_avg_sq` holds those alone, end to end): 4 byt
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -60,6 +59,9 @@ class MasterMuon(MasterAdamW):
             self.adam_offsets.append(offset)
             offset += end - start
         self.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=self.exp_avg.device)
+        # each range's masters, a view of the one piece it lies in
+        self.matrix_masters = [self._master(start, end) for start, end in self.matrix_ranges]
+        self.adam_masters = [self._master(start, end) for start, end in self.adam_ranges]
 
     def second_moment(self, start: int, end: int) -> torch.Tensor:
         """exp_avg_sq of the weights [start, end) laid end to end: an AdamW range's part (a checkpoint's box)."""
@@ -78,24 +80,16 @@ class MasterMuon(MasterAdamW):
     def _adamw(self, grad: torch.Tensor, lr: float, factor: float = 1.0) -> None:
         """One step: decay every weight that takes it, Muon's update on the matrices, AdamW's on the rest."""
         self.steps += 1
-        if self.weight_decay:
-            for master, decay in zip(self.master_pieces, self.piece_decay):
-                for start, end in decay:
-                    master[start:end].mul_(1 - lr * self.weight_decay)
+        self._decay(lr)
         update = torch.zeros(self.numel, dtype=torch.float32, device=self.exp_avg.device)
         for start, end in self.matrix_ranges:  # Nesterov: the gradient plus the momentum it joined
             momentum, step = self.exp_avg[start:end], grad[start:end] * factor
             momentum.mul_(self.momentum).add_(step)
             update[start:end] = step.add_(momentum, alpha=self.momentum)
         self.orthogonalize(update)
-        for start, end in self.matrix_ranges:
-            self._master(start, end).add_(update[start:end], alpha=-lr)
-        beta1, beta2 = self.betas
-        correction1, correction2 = 1 - beta1**self.steps, 1 - beta2**self.steps
-        for (start, end), offset in zip(self.adam_ranges, self.adam_offsets):
-            step, first = grad[start:end], self.exp_avg[start:end]
-            second = self.exp_avg_sq[offset : offset + end - start]
-            first.mul_(beta1).add_(step, alpha=(1 - beta1) * factor)
-            second.mul_(beta2).addcmul_(step, step, value=(1 - beta2) * factor * factor)
-            denominator = second.sqrt().div_(math.sqrt(correction2)).add_(self.eps)
-            self._master(start, end).addcdiv_(first, denominator, value=-lr / correction1)
+        for (start, end), master in zip(self.matrix_ranges, self.matrix_masters):
+            master.add_(update[start:end], alpha=-lr)
+        for (start, end), offset, master in zip(self.adam_ranges, self.adam_offsets, self.adam_masters):
+            first, second = self.exp_avg[start:end], self.exp_avg_sq[offset : offset + end - start]
+            denominator = self._moments(grad[start:end], first, second, factor)
+            master.addcdiv_(first, denominator, value=-lr / (1 - self.betas[0]**self.steps))

@@ -145,17 +145,25 @@ class MasterAdamW:
     def _adamw(self, grad: torch.Tensor, lr: float, factor: float = 1.0) -> None:
         """AdamW with the gradient `factor` * grad (unscaled and clipped), one temporary buffer."""
         self.steps += 1
+        denominator = self._moments(grad, self.exp_avg, self.exp_avg_sq, factor)
+        self._decay(lr)
+        for master, (lo, hi) in zip(self.master_pieces, self.bounds):
+            master.addcdiv_(self.exp_avg[lo:hi], denominator[lo:hi], value=-lr / (1 - self.betas[0]**self.steps))
+
+    def _moments(self, grad: torch.Tensor, first: torch.Tensor, second: torch.Tensor, factor: float) -> torch.Tensor:
+        """AdamW's moments `first` and `second` of `factor` * grad, updated in place; the step's denominator (the
+        second moment's root, bias-corrected, plus eps)."""
         beta1, beta2 = self.betas
-        self.exp_avg.mul_(beta1).add_(grad, alpha=(1 - beta1) * factor)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=(1 - beta2) * factor * factor)
-        bias_correction1 = 1 - beta1**self.steps
-        bias_correction2 = 1 - beta2**self.steps
-        denominator = self.exp_avg_sq.sqrt().div_(math.sqrt(bias_correction2)).add_(self.eps)
-        for master, (lo, hi), decay in zip(self.master_pieces, self.bounds, self.piece_decay):
-            if self.weight_decay:
+        first.mul_(beta1).add_(grad, alpha=(1 - beta1) * factor)
+        second.mul_(beta2).addcmul_(grad, grad, value=(1 - beta2) * factor * factor)
+        return second.sqrt().div_(math.sqrt(1 - beta2**self.steps)).add_(self.eps)
+
+    def _decay(self, lr: float) -> None:
+        """Decoupled weight decay on the masters of the weights that take it."""
+        if self.weight_decay:
+            for master, decay in zip(self.master_pieces, self.piece_decay):
                 for start, end in decay:
                     master[start:end].mul_(1 - lr * self.weight_decay)
-            master.addcdiv_(self.exp_avg[lo:hi], denominator[lo:hi], value=-lr / bias_correction1)
 
     @staticmethod
     def _scale(scaler: LossScaler | None) -> float:

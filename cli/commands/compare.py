@@ -84,7 +84,7 @@ def build_compare_config(options: dict) -> TrainConfig:
 @precision_option
 @click.option("--threads-per-rank", "threads_per_rank", type=int, help="[default: 1 with several ranks]")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu"]))
-@optimizer_option
+@optimizer_option()
 @click.option("--steps", default=6, show_default=True, type=int, help="Training steps measured (the first is warm-up).")
 @click.option("--out", type=str, help="Directory for the run, trace.json, simulated.json and compare.png "
               "[default: runs/...].")

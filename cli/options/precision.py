@@ -9,6 +9,8 @@ to the numbers, not for speed). The first lines of every command say which forma
 
 from __future__ import annotations
 
+from typing import Callable
+
 import click
 
 from job.muon import OPTIMIZERS
@@ -18,8 +20,9 @@ from parallel.gpu_files import cuda_devices
 AUTO = "auto"
 GPU_PRECISION = "bf16"
 CPU_PRECISION = "fp32"
-OPTIMIZER_HELP = ("adamw, or muon (Jordan et al. 2024, with Liu et al. 2025's scale: the update of each hidden "
-                  "matrix orthogonalised; embeddings, head, norms and biases take AdamW).")
+OPTIMIZER_HELP = ("adamw, or muon (Jordan et al. 2024, with Liu et al. 2025's scale): each hidden matrix steps along "
+                  "its orthogonalised Nesterov momentum and keeps no second moment; embeddings, head, norms and "
+                  "biases take AdamW. simulate and plan price its all-to-alls and Newton-Schulz GEMMs.")
 HELP = "Number format of the compute: fp32, bf16, fp16 or fp8; auto: bf16 on a GPU, fp32 on a CPU."
 
 
@@ -54,17 +57,18 @@ def simulated_precision(requested: str, hardware=None) -> str:
     return CPU_PRECISION if on_cpu else GPU_PRECISION
 
 
-def optimizer_option(function):
-    """--optimizer, as train, simulate and plan spell it."""
-    return click.option("--optimizer", default="adamw", show_default=True, type=click.Choice(OPTIMIZERS),
-                        help=OPTIMIZER_HELP)(function)
+def optimizer_option(default: str | None = "adamw") -> Callable:
+    """--optimizer, as train, compare, simulate and plan spell it (`default` None: the stack flags' way, unset
+    unless given)."""
+    return click.option("--optimizer", default=default, show_default=default is not None,
+                        type=click.Choice(OPTIMIZERS), help=OPTIMIZER_HELP + ("" if default else " [default: adamw]"))
 
 
 def optimizer_options(function):
     """train's optimizer and learning-rate flags."""
     for option in reversed(OPTIMIZER_FLAGS):
         function = option(function)
-    return optimizer_option(function)
+    return optimizer_option()(function)
 
 
 OPTIMIZER_FLAGS = [

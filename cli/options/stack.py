@@ -12,7 +12,7 @@ from typing import Callable
 
 import click
 
-from job.muon import OPTIMIZERS
+from cli.options.precision import optimizer_option
 from minigpt.errors import ConfigError
 from simulator.costs.implementation import ATTENTION_KERNELS, FP8_RECIPES
 
@@ -58,15 +58,10 @@ DOCUMENTS_HELP = ("Price a document mask (Llama 3's, `minigpt train --document-m
                   "[default: 0, the causal mask].")
 
 
-OPTIMIZER_HELP = ("The optimizer: adamw, or muon (`minigpt train --optimizer muon`: no second moment for the hidden "
-                  "matrices; their pieces sent by all-to-alls to the ranks of the stage they are dealt to and back, "
-                  "five Newton-Schulz steps of GEMMs there, bf16 in a 16-bit or fp8 job) [default: adamw].")
-
-
 def stack_options(function):
     """--fp8-recipe, --fp8-param-gather, --elementwise, --grad-reduce, --attention-kernel, --recompute-modules,
     --document-length and --optimizer."""
-    function = click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=None, help=OPTIMIZER_HELP)(function)
+    function = optimizer_option(None)(function)
     function = click.option("--document-length", "document_length", type=int, default=None, metavar="TOKENS",
                             help=DOCUMENTS_HELP)(function)
     function = click.option("--recompute-modules", "recompute_modules", metavar="MODULE[,MODULE...]", default=None,

@@ -18,7 +18,7 @@ from parallel.comm import Collectives
 from parallel.context.apply import apply_context_parallel
 from parallel.data.protocol import DataParallel
 from parallel.run.step import StepOutcome, train_step
-from parallel.mesh import Mesh
+from parallel.mesh import Mesh, stage_group
 from parallel.recompute import apply_recompute
 from parallel.context.documents import sequence_documents
 from parallel.pipeline.executor import PipelineExecutor, StageModel, TiedEmbedding, embedding_groups, split_model
@@ -34,7 +34,7 @@ from parallel.data.zero3 import ShardedParameters
 from precision.compute import apply_precision, dtype_of
 from precision.optimizer import MasterAdamW
 from precision.muon import MasterMuon
-from parallel.run.muon import StageMatrices, stage_group
+from parallel.run.muon import StageMatrices
 from precision.policy import PrecisionPolicy
 from precision.scaler import LossScaler
 

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from job.muon import MOONLIGHT_SCALE, NEWTON_SCHULZ, NEWTON_SCHULZ_STEPS, Matrix, assign_matrices, matrices, takes_muon
 from parallel.checkpoint.layout import global_shapes, parameter_names, rank_placements
 from parallel.comm import Collectives
-from parallel.mesh import Mesh
 
 
 @torch.no_grad()
@@ -53,23 +52,6 @@ def iteration_format(policy, device: torch.device) -> torch.dtype:
     iteration tolerates it, and tensor cores run it), fp32 otherwise (a CPU has no bf16 matmul worth using:
     precision/compute.py emulates 16-bit formats there)."""
     return torch.bfloat16 if device.type == "cuda" and policy.compute != "fp32" else torch.float32
-
-
-def stage_group(mesh: Mesh) -> dist.ProcessGroup | None:
-    """The ranks of this rank's pipeline stage (None for one rank; the world without pipelining). Collective:
-    every rank builds every stage's group, in one order."""
-    if mesh.world_size == 1:
-        return None
-    if mesh.pp == 1:
-        return dist.group.WORLD
-    mine = None
-    for pp_rank in range(mesh.pp):
-        ranks = [mesh.global_rank(pp_rank, dp, cp, tp)
-                 for dp in range(mesh.dp) for cp in range(mesh.cp) for tp in range(mesh.tp)]
-        group = dist.new_group(ranks)
-        if mesh.rank in ranks:
-            mine = group
-    return mine
 
 
 Box = tuple[Matrix, tuple[int, ...], tuple[int, ...]]  # a matrix, the box's offsets and sizes in it
@@ -112,6 +94,9 @@ class StageMatrices:
         self.outgoing = [[(p, math.prod(box[2])) for box, p, writes in self.held if writes and self.owner[box[0]] == r]
                          for r in ranks]
         self.incoming = [[(p, math.prod(box[2])) for box, p, _ in self.held if self.owner[box[0]] == r] for r in ranks]
+        # elements this rank gets from each rank on the way there, and back
+        self.there = [sum(math.prod(box[2]) for box in boxes) for boxes in self.sent]
+        self.back = [sum(n for _, n in pieces) for pieces in self.incoming]
 
     def ranges(self) -> list[tuple[int, int]]:
         """The ranges of the optimizer's weights (end to end) that are pieces of these matrices."""
@@ -145,7 +130,7 @@ class StageMatrices:
         if not self.shapes:  # a stage of embeddings alone (every rank of it alike)
             return
         outgoing = [[update[position : position + n] for position, n in pieces] for pieces in self.outgoing]
-        incoming = self._exchange(outgoing, [sum(math.prod(box[2]) for box in boxes) for boxes in self.sent])
+        incoming = self._exchange(outgoing, self.there)
         buffer, at = torch.empty(self.numel, dtype=torch.float32, device=self.device), 0
         for box in (box for boxes in self.sent for box in boxes):
             n = math.prod(box[2])
@@ -154,8 +139,7 @@ class StageMatrices:
         for start, count, shape in self.batches:  # the matrices of one shape as one batch of GEMMs
             stack = buffer[start : start + count * math.prod(shape)].view(count, *shape)
             stack.copy_(orthogonalized(stack, self.dtype))
-        back = self._exchange([[self._box(buffer, box) for box in boxes] for boxes in self.returned],
-                              [sum(n for _, n in pieces) for pieces in self.incoming])
+        back = self._exchange([[self._box(buffer, box) for box in boxes] for boxes in self.returned], self.back)
         at = 0
         for position, n in (piece for pieces in self.incoming for piece in pieces):
             update[position : position + n].copy_(back[at : at + n])

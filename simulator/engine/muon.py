@@ -28,9 +28,10 @@ from job.layout import Layout
 from job.muon import NEWTON_SCHULZ_STEPS, assign_matrices, newton_schulz_flops, stage_matrices
 from minigpt.config import GPTConfig
 from simulator.costs.compute import EfficiencyProfile, Matmul, hbm_speed
+from precision.policy import FORMAT_BYTES
 from simulator.costs.hardware import GPUSpec
 
-STATE = 4  # every tensor of the update in fp32 (precision/muon.py)
+EXCHANGED = FORMAT_BYTES["fp32"]  # the update's pieces travel in fp32 (parallel/run/muon.py)
 
 
 def muon_bytes(pol, fused: bool) -> int:
@@ -43,12 +44,12 @@ def muon_bytes(pol, fused: bool) -> int:
     compute weights copied from the masters (s read, their bytes written) when they are not the masters. fused: the
     gradient read, the momentum and the masters read and written, the compute weights written, the packing beside."""
     per_param = pol.bytes_per_param()
-    grad, compute = per_param["grad"], per_param["compute"]
+    grad, compute, state = per_param["grad"], per_param["compute"], per_param["adam_m"]  # the momentum's format
     if fused:
-        return grad + 2 * STATE + (2 * STATE + compute if pol.master else 2 * compute) + 4 * STATE
-    cast = grad + STATE if grad != STATE else 0
+        return grad + 2 * state + (2 * state + compute if pol.master else 2 * compute) + 4 * state
+    cast = grad + state if grad != state else 0
     passes = 1 + 2 + 1 + 2 + (2 + 3) + (3 + 2) + (2 + 2) + 3
-    return cast + passes * STATE + (STATE + compute if pol.master else 0)
+    return cast + passes * state + (state + compute if pol.master else 0)
 
 
 def _stage_work(model: GPTConfig, layout: Layout, stage: int) -> tuple[int, tuple[tuple[int, int], ...]]:
@@ -114,8 +115,8 @@ def muon_seconds(model: GPTConfig, layout: Layout, stage: int, owned_matrices: i
         return 0.0
     dealt = sum(rows * cols for rows, cols in busiest)
     copies = layout.dp * layout.cp * layout.tp * owned_matrices / total  # how many ranks hold each element
-    there = stage_all_to_all(links, stage, STATE * max(owned_matrices, dealt))
-    back = stage_all_to_all(links, stage, STATE * max(owned_matrices, dealt * copies))
+    there = stage_all_to_all(links, stage, EXCHANGED * max(owned_matrices, dealt))
+    back = stage_all_to_all(links, stage, EXCHANGED * max(owned_matrices, dealt * copies))
     return there + back + iteration_seconds(model, layout, stage, gpu, profile, pol)
 
 
